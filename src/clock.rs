@@ -1,0 +1,145 @@
+//! Time sources. The engine never reads the system clock directly: it asks a [`Clock`], so tests
+//! and `tollgate simulate` drive time by hand and never sleep.
+//!
+//! Two readings are offered: a monotonic one in integer microseconds (all bucket maths) and a
+//! wall-clock one in Unix seconds (only for kill-switch `expires_at`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// A source of time for the engine.
+pub trait Clock: Send + Sync {
+    /// Monotonic microseconds since an arbitrary origin fixed for the clock's lifetime.
+    fn now_us(&self) -> u64;
+    /// Wall-clock Unix time in seconds (used for kill-switch expiry only).
+    fn unix_secs(&self) -> i64;
+}
+
+/// The real clock: `Instant` for the monotonic reading, `SystemTime` for the wall clock.
+#[derive(Debug, Clone, Copy)]
+pub struct SystemClock {
+    origin: Instant,
+}
+
+impl SystemClock {
+    pub fn new() -> Self {
+        SystemClock {
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for SystemClock {
+    fn now_us(&self) -> u64 {
+        // An Instant difference below u64::MAX µs (584 000 years) cannot overflow.
+        self.origin.elapsed().as_micros() as u64
+    }
+
+    fn unix_secs(&self) -> i64 {
+        wall_unix_secs()
+    }
+}
+
+/// The current wall-clock time in Unix seconds (0 if the system clock is before 1970).
+pub fn wall_unix_secs() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// A clock moved by hand. Cloning shares the same time.
+#[derive(Debug, Clone)]
+pub struct ManualClock {
+    now_us: Arc<AtomicU64>,
+    wall_origin: i64,
+}
+
+impl ManualClock {
+    /// A manual clock at monotonic time 0 whose wall clock starts at `wall_origin` Unix seconds.
+    pub fn new(wall_origin: i64) -> Self {
+        ManualClock {
+            now_us: Arc::new(AtomicU64::new(0)),
+            wall_origin,
+        }
+    }
+
+    /// Sets the monotonic time (microseconds since the clock's origin). Moving backwards is
+    /// allowed on purpose: the limiter must survive it.
+    pub fn set_us(&self, us: u64) {
+        self.now_us.store(us, Ordering::SeqCst);
+    }
+
+    /// Moves the clock forward by `us` microseconds.
+    pub fn advance_us(&self, us: u64) {
+        self.now_us.fetch_add(us, Ordering::SeqCst);
+    }
+
+    /// Sets the time from seconds (as written in the seed tables), rounded to the microsecond.
+    pub fn set_secs(&self, secs: f64) {
+        self.set_us(secs_to_us(secs));
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_us(&self) -> u64 {
+        self.now_us.load(Ordering::SeqCst)
+    }
+
+    fn unix_secs(&self) -> i64 {
+        self.wall_origin + (self.now_us() / 1_000_000) as i64
+    }
+}
+
+/// Converts seconds to microseconds, rounding to the nearest microsecond; negative and
+/// non-finite inputs become 0, huge ones saturate.
+pub fn secs_to_us(secs: f64) -> u64 {
+    if !secs.is_finite() || secs <= 0.0 {
+        return 0;
+    }
+    // `as` saturates on overflow.
+    (secs * 1e6).round() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manual_clock_moves_only_when_told() {
+        let clock = ManualClock::new(1_700_000_000);
+        assert_eq!(clock.now_us(), 0);
+        clock.set_secs(0.8);
+        assert_eq!(clock.now_us(), 800_000);
+        clock.advance_us(200_000);
+        assert_eq!(clock.now_us(), 1_000_000);
+        assert_eq!(clock.unix_secs(), 1_700_000_001);
+        let shared = clock.clone();
+        shared.set_us(5);
+        assert_eq!(clock.now_us(), 5);
+    }
+
+    #[test]
+    fn secs_to_us_rounds_and_saturates() {
+        assert_eq!(secs_to_us(0.5), 500_000);
+        assert_eq!(secs_to_us(-1.0), 0);
+        assert_eq!(secs_to_us(f64::NAN), 0);
+        assert_eq!(secs_to_us(1e300), u64::MAX);
+    }
+
+    #[test]
+    fn system_clock_is_monotonic() {
+        let clock = SystemClock::new();
+        let a = clock.now_us();
+        let b = clock.now_us();
+        assert!(b >= a);
+        assert!(clock.unix_secs() > 1_600_000_000);
+    }
+}

@@ -1,0 +1,547 @@
+//! Request descriptors: what a rule can key on or match against (SPEC §3), and how the values
+//! of a request become one composite bucket key.
+//!
+//! [`RequestFacts`] borrows everything from the caller (the proxy's request header, the decision
+//! service's `X-Original-*` headers, or a `simulate` line), so building facts allocates nothing.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+/// Read access to request headers by lower-case name.
+pub trait HeaderLookup {
+    /// The first value of header `lower_name` (already lower-case), if present and valid UTF-8.
+    fn header(&self, lower_name: &str) -> Option<&str>;
+}
+
+/// Headers as a list of `(name, value)` pairs (any case), for `simulate` and tests.
+impl HeaderLookup for [(String, String)] {
+    fn header(&self, lower_name: &str) -> Option<&str> {
+        self.iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case(lower_name))
+            .map(|(_, value)| value.as_str())
+    }
+}
+
+impl HeaderLookup for Vec<(String, String)> {
+    fn header(&self, lower_name: &str) -> Option<&str> {
+        self.as_slice().header(lower_name)
+    }
+}
+
+/// Claims of a verified token: a JSON object.
+pub type Claims = serde_json::Map<String, serde_json::Value>;
+
+/// Everything the engine may look at in one request.
+pub struct RequestFacts<'a> {
+    pub method: &'a str,
+    /// Path without the query string.
+    pub path: &'a str,
+    /// Raw query string (after `?`), if any.
+    pub query: Option<&'a str>,
+    /// Host as sent (may carry a port).
+    pub host: Option<&'a str>,
+    pub client_ip: Option<IpAddr>,
+    pub headers: &'a dyn HeaderLookup,
+    /// Claims of a verified JWT, if one was presented and verified.
+    pub claims: Option<&'a Claims>,
+}
+
+impl<'a> RequestFacts<'a> {
+    /// Facts from a request target (`/path?query`), splitting off the query.
+    pub fn from_uri(
+        method: &'a str,
+        uri: &'a str,
+        host: Option<&'a str>,
+        client_ip: Option<IpAddr>,
+        headers: &'a dyn HeaderLookup,
+    ) -> Self {
+        let (path, query) = split_uri(uri);
+        RequestFacts {
+            method,
+            path,
+            query,
+            host,
+            client_ip,
+            headers,
+            claims: None,
+        }
+    }
+
+    /// The host without port, as sent (callers compare case-insensitively).
+    pub fn host_name(&self) -> Option<&'a str> {
+        self.host.map(strip_port)
+    }
+
+    /// The first value of query parameter `name`, percent-decoded.
+    pub fn query_param(&self, name: &str) -> Option<Cow<'a, str>> {
+        let query = self.query?;
+        for pair in query.split('&') {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if percent_decode(key) == name {
+                return Some(percent_decode(value));
+            }
+        }
+        None
+    }
+
+    /// The string value of a JWT claim; dotted names walk nested objects (`org.id`). Numbers and
+    /// booleans give their JSON text, so `42` and `"42"` compare equal.
+    pub fn claim(&self, name: &str) -> Option<Cow<'a, str>> {
+        let claims = self.claims?;
+        let value = claims.get(name).or_else(|| {
+            let mut parts = name.split('.');
+            let mut current = claims.get(parts.next()?)?;
+            for part in parts {
+                current = current.as_object()?.get(part)?;
+            }
+            Some(current)
+        })?;
+        match value {
+            serde_json::Value::String(s) => Some(Cow::Borrowed(s.as_str())),
+            serde_json::Value::Number(n) => Some(Cow::Owned(n.to_string())),
+            serde_json::Value::Bool(b) => Some(Cow::Borrowed(if *b { "true" } else { "false" })),
+            _ => None,
+        }
+    }
+}
+
+/// Splits `/path?query` into path and query (the query without `?`). A fragment is dropped.
+pub fn split_uri(uri: &str) -> (&str, Option<&str>) {
+    let uri = uri.split_once('#').map_or(uri, |(before, _)| before);
+    match uri.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (uri, None),
+    }
+}
+
+/// `example.com:8080` → `example.com`; `[::1]:8080` → `[::1]`.
+pub fn strip_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        return match host.find(']') {
+            Some(end) => &host[..=end],
+            None => host,
+        };
+    }
+    match host.rsplit_once(':') {
+        // Only one colon: host:port. More than one without brackets: a bare IPv6 literal.
+        Some((name, port)) if !name.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => {
+            name
+        }
+        _ => host,
+    }
+}
+
+/// Decodes `%XX` escapes and `+` (as space); invalid escapes are kept as written.
+pub fn percent_decode(input: &str) -> Cow<'_, str> {
+    if !input.bytes().any(|b| b == b'%' || b == b'+') {
+        return Cow::Borrowed(input);
+    }
+    let bytes = input.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                let hex = |b: u8| (b as char).to_digit(16);
+                match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                    (Some(h), Some(l)) => {
+                        out.push((h * 16 + l) as u8);
+                        i += 2;
+                    }
+                    _ => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// A descriptor kind, parsed from its policy spelling.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Descriptor {
+    /// `ip:address` (prefix = None: the engine's IPv6 default) or `ip:address/N` (IPv6 prefix).
+    Ip {
+        v6_prefix: Option<u8>,
+    },
+    /// `header:<name>`, stored lower-case.
+    Header(String),
+    /// `query:<name>`.
+    Query(String),
+    /// `jwt:<claim>` (dotted for nested claims).
+    Jwt(String),
+    Method,
+    Path,
+    Host,
+}
+
+/// Why a descriptor string is not valid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DescriptorError {
+    #[error("unknown descriptor '{0}' (expected ip:address, header:<name>, query:<name>, jwt:<claim>, method, path or host)")]
+    Unknown(String),
+    #[error("descriptor '{0}' needs a name after the colon")]
+    EmptyName(String),
+    #[error("descriptor '{0}': IPv6 prefix must be a number from 1 to 128")]
+    BadPrefix(String),
+}
+
+impl Descriptor {
+    /// Parses `ip:address`, `ip:address/48`, `header:x-api-key`, `query:k`, `jwt:plan`,
+    /// `method`, `path` or `host`.
+    ///
+    /// # Errors
+    /// An unknown kind, an empty name or a bad prefix length.
+    pub fn parse(text: &str) -> Result<Self, DescriptorError> {
+        let named = |prefix: &str| -> Result<Option<String>, DescriptorError> {
+            match text.strip_prefix(prefix) {
+                None => Ok(None),
+                Some("") => Err(DescriptorError::EmptyName(text.to_string())),
+                Some(name) => Ok(Some(name.to_string())),
+            }
+        };
+        match text {
+            "ip:address" => return Ok(Descriptor::Ip { v6_prefix: None }),
+            "method" => return Ok(Descriptor::Method),
+            "path" => return Ok(Descriptor::Path),
+            "host" => return Ok(Descriptor::Host),
+            _ => {}
+        }
+        if let Some(bits) = text.strip_prefix("ip:address/") {
+            return match bits.parse::<u8>() {
+                Ok(n) if (1..=128).contains(&n) => Ok(Descriptor::Ip { v6_prefix: Some(n) }),
+                _ => Err(DescriptorError::BadPrefix(text.to_string())),
+            };
+        }
+        if let Some(name) = named("header:")? {
+            return Ok(Descriptor::Header(name.to_ascii_lowercase()));
+        }
+        if let Some(name) = named("query:")? {
+            return Ok(Descriptor::Query(name));
+        }
+        if let Some(name) = named("jwt:")? {
+            return Ok(Descriptor::Jwt(name));
+        }
+        Err(DescriptorError::Unknown(text.to_string()))
+    }
+
+    /// This descriptor's value for a request, or `None` when the request does not carry it.
+    /// `default_v6_prefix` applies to `ip:address` without an explicit `/N`.
+    pub fn value<'a>(
+        &self,
+        facts: &RequestFacts<'a>,
+        default_v6_prefix: u8,
+    ) -> Option<Cow<'a, str>> {
+        match self {
+            Descriptor::Ip { v6_prefix } => facts
+                .client_ip
+                .map(|ip| Cow::Owned(ip_key(ip, v6_prefix.unwrap_or(default_v6_prefix)))),
+            Descriptor::Header(name) => facts.headers.header(name).map(Cow::Borrowed),
+            Descriptor::Query(name) => facts.query_param(name),
+            Descriptor::Jwt(claim) => facts.claim(claim),
+            Descriptor::Method => Some(Cow::Borrowed(facts.method)),
+            Descriptor::Path => Some(Cow::Borrowed(facts.path)),
+            Descriptor::Host => facts
+                .host_name()
+                .map(|h| Cow::Owned(h.to_ascii_lowercase())),
+        }
+    }
+}
+
+impl std::fmt::Display for Descriptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Descriptor::Ip { v6_prefix: None } => f.write_str("ip:address"),
+            Descriptor::Ip { v6_prefix: Some(n) } => write!(f, "ip:address/{n}"),
+            Descriptor::Header(name) => write!(f, "header:{name}"),
+            Descriptor::Query(name) => write!(f, "query:{name}"),
+            Descriptor::Jwt(name) => write!(f, "jwt:{name}"),
+            Descriptor::Method => f.write_str("method"),
+            Descriptor::Path => f.write_str("path"),
+            Descriptor::Host => f.write_str("host"),
+        }
+    }
+}
+
+/// IPv4-mapped IPv6 (`::ffff:a.b.c.d`) becomes the IPv4 address; other addresses are unchanged.
+pub fn canonical_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+/// The bucket identity of a client address: IPv4 as is; IPv6 reduced to its `/prefix` network,
+/// written `2001:db8:1:2::/64` (so it reads like Boulder's `/48` IDs).
+pub fn ip_key(ip: IpAddr, v6_prefix: u8) -> String {
+    match canonical_ip(ip) {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => {
+            let prefix = v6_prefix.min(128);
+            let mut out = String::with_capacity(44);
+            let _ = write!(out, "{}/{}", mask_v6(v6, prefix), prefix);
+            out
+        }
+    }
+}
+
+/// The network address of `v6` under a `/prefix` mask.
+pub fn mask_v6(v6: Ipv6Addr, prefix: u8) -> Ipv6Addr {
+    let bits = u128::from(v6);
+    let mask = if prefix == 0 {
+        0
+    } else {
+        u128::MAX << (128 - u32::from(prefix.min(128)))
+    };
+    Ipv6Addr::from(bits & mask)
+}
+
+/// An IP network (`10.0.0.0/8`, `2001:db8::/32`) or a single address, for `match` values and
+/// `--trusted-proxy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpNet {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl IpNet {
+    /// Parses `addr` or `addr/prefix`; IPv4-mapped IPv6 is treated as IPv4.
+    pub fn parse(text: &str) -> Option<IpNet> {
+        let (addr_text, prefix_text) = match text.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (text, None),
+        };
+        let addr = canonical_ip(addr_text.trim().parse::<IpAddr>().ok()?);
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix_text {
+            Some(p) => p.trim().parse::<u8>().ok().filter(|p| *p <= max)?,
+            None => max,
+        };
+        Some(IpNet { addr, prefix })
+    }
+
+    /// Whether `ip` (IPv4-mapped IPv6 treated as IPv4) is inside this network.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, canonical_ip(ip)) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                let mask = if self.prefix == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - u32::from(self.prefix))
+                };
+                u32::from(net) & mask == u32::from(ip) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(ip)) => {
+                mask_v6(net, self.prefix) == mask_v6(ip, self.prefix)
+            }
+            _ => false,
+        }
+    }
+
+    /// Canonical text: the masked network and its prefix (`/32` and `/128` print bare).
+    pub fn canonical(&self) -> String {
+        match self.addr {
+            IpAddr::V4(v4) if self.prefix == 32 => v4.to_string(),
+            IpAddr::V6(v6) if self.prefix == 128 => v6.to_string(),
+            IpAddr::V4(v4) => {
+                let masked = if self.prefix == 0 {
+                    0
+                } else {
+                    u32::from(v4) & (u32::MAX << (32 - u32::from(self.prefix)))
+                };
+                format!("{}/{}", Ipv4Addr::from(masked), self.prefix)
+            }
+            IpAddr::V6(v6) => format!("{}/{}", mask_v6(v6, self.prefix), self.prefix),
+        }
+    }
+}
+
+/// Builds composite keys. Parts are joined with `|`, and `\` and `|` inside a part are escaped
+/// with `\`, so two different part lists can never produce the same key, while a single plain
+/// part (an IP, an API key) stays readable and equal to itself (Boulder-style override IDs).
+pub fn push_key_part(key: &mut String, first: bool, part: &str) {
+    if !first {
+        key.push('|');
+    }
+    if part.bytes().any(|b| b == b'|' || b == b'\\') {
+        for c in part.chars() {
+            if c == '|' || c == '\\' {
+                key.push('\\');
+            }
+            key.push(c);
+        }
+    } else {
+        key.push_str(part);
+    }
+}
+
+/// Joins parts into one composite key (see [`push_key_part`]).
+pub fn composite_key<'p>(parts: impl IntoIterator<Item = &'p str>) -> String {
+    let mut key = String::new();
+    for (i, part) in parts.into_iter().enumerate() {
+        push_key_part(&mut key, i == 0, part);
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts<'a>(headers: &'a Vec<(String, String)>, uri: &'a str, ip: &str) -> RequestFacts<'a> {
+        RequestFacts::from_uri(
+            "GET",
+            uri,
+            Some("API.Example.com:8443"),
+            Some(ip.parse().unwrap()),
+            headers,
+        )
+    }
+
+    #[test]
+    fn ipv6_is_reduced_to_its_prefix() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff:1:2:3".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(ip_key(a, 64), "2001:db8:1:2::/64");
+        assert_eq!(ip_key(a, 64), ip_key(b, 64));
+        assert_ne!(ip_key(a, 64), ip_key(c, 64));
+        assert_eq!(ip_key(c, 48), "2001:db8:1::/48");
+        assert_eq!(ip_key(a, 48), ip_key(c, 48));
+    }
+
+    #[test]
+    fn ipv4_is_kept_and_mapped_ipv6_is_ipv4() {
+        let v4: IpAddr = "203.0.113.7".parse().unwrap();
+        let mapped: IpAddr = "::ffff:203.0.113.7".parse().unwrap();
+        assert_eq!(ip_key(v4, 64), "203.0.113.7");
+        assert_eq!(ip_key(mapped, 64), "203.0.113.7");
+    }
+
+    #[test]
+    fn descriptors_read_the_request() {
+        let headers = vec![
+            ("X-Api-Key".to_string(), "k-123".to_string()),
+            ("X-Weight".to_string(), "5".to_string()),
+        ];
+        let f = facts(&headers, "/v1/items?user=al%20ice&x=1+2&empty=", "10.1.2.3");
+        let v = |d: &str| {
+            Descriptor::parse(d)
+                .unwrap()
+                .value(&f, 64)
+                .map(|c| c.into_owned())
+        };
+        assert_eq!(v("header:x-api-key").as_deref(), Some("k-123"));
+        assert_eq!(v("header:X-API-KEY").as_deref(), Some("k-123"));
+        assert_eq!(v("header:absent"), None);
+        assert_eq!(v("query:user").as_deref(), Some("al ice"));
+        assert_eq!(v("query:x").as_deref(), Some("1 2"));
+        assert_eq!(v("query:empty").as_deref(), Some(""));
+        assert_eq!(v("query:nope"), None);
+        assert_eq!(v("ip:address").as_deref(), Some("10.1.2.3"));
+        assert_eq!(v("method").as_deref(), Some("GET"));
+        assert_eq!(v("path").as_deref(), Some("/v1/items"));
+        assert_eq!(v("host").as_deref(), Some("api.example.com"));
+        assert_eq!(v("jwt:plan"), None);
+    }
+
+    #[test]
+    fn claims_compare_as_json_text_and_nest() {
+        let claims: Claims = serde_json::from_str(
+            r#"{"plan":"pro","tier":42,"beta":true,"org":{"id":"o-1","n":7},"list":[1]}"#,
+        )
+        .unwrap();
+        let headers: Vec<(String, String)> = Vec::new();
+        let mut f = facts(&headers, "/", "10.0.0.1");
+        f.claims = Some(&claims);
+        let v = |d: &str| {
+            Descriptor::parse(d)
+                .unwrap()
+                .value(&f, 64)
+                .map(|c| c.into_owned())
+        };
+        assert_eq!(v("jwt:plan").as_deref(), Some("pro"));
+        assert_eq!(v("jwt:tier").as_deref(), Some("42"));
+        assert_eq!(v("jwt:beta").as_deref(), Some("true"));
+        assert_eq!(v("jwt:org.id").as_deref(), Some("o-1"));
+        assert_eq!(v("jwt:org.n").as_deref(), Some("7"));
+        assert_eq!(v("jwt:list"), None);
+        assert_eq!(v("jwt:org.missing"), None);
+    }
+
+    #[test]
+    fn descriptor_parse_errors() {
+        assert!(matches!(
+            Descriptor::parse("ip:adress"),
+            Err(DescriptorError::Unknown(_))
+        ));
+        assert!(matches!(
+            Descriptor::parse("header:"),
+            Err(DescriptorError::EmptyName(_))
+        ));
+        assert!(matches!(
+            Descriptor::parse("ip:address/0"),
+            Err(DescriptorError::BadPrefix(_))
+        ));
+        assert!(matches!(
+            Descriptor::parse("ip:address/129"),
+            Err(DescriptorError::BadPrefix(_))
+        ));
+        assert_eq!(
+            Descriptor::parse("ip:address/48").unwrap().to_string(),
+            "ip:address/48"
+        );
+    }
+
+    #[test]
+    fn composite_keys_never_collide() {
+        assert_eq!(composite_key(["10.0.0.2"]), "10.0.0.2");
+        let pairs: [&[&str]; 6] = [
+            &["a|b", "c"],
+            &["a", "b|c"],
+            &["a", "b", "c"],
+            &["a\\", "b"],
+            &["a\\|b"],
+            &["a|", "b"],
+        ];
+        let keys: Vec<String> = pairs
+            .iter()
+            .map(|p| composite_key(p.iter().copied()))
+            .collect();
+        for i in 0..keys.len() {
+            for j in i + 1..keys.len() {
+                assert_ne!(keys[i], keys[j], "{:?} vs {:?}", pairs[i], pairs[j]);
+            }
+        }
+    }
+
+    #[test]
+    fn ip_nets_parse_and_contain() {
+        let net = IpNet::parse("10.0.0.0/8").unwrap();
+        assert!(net.contains("10.200.1.1".parse().unwrap()));
+        assert!(net.contains("::ffff:10.1.1.1".parse().unwrap()));
+        assert!(!net.contains("11.0.0.1".parse().unwrap()));
+        let v6 = IpNet::parse("2001:0db8:0000::/48").unwrap();
+        assert_eq!(v6.canonical(), "2001:db8::/48");
+        assert!(v6.contains("2001:db8:0:1::5".parse().unwrap()));
+        assert!(IpNet::parse("10.0.0.0/33").is_none());
+        assert!(IpNet::parse("nonsense").is_none());
+        assert_eq!(IpNet::parse("10.0.0.2").unwrap().canonical(), "10.0.0.2");
+    }
+
+    #[test]
+    fn hosts_and_uris_split() {
+        assert_eq!(strip_port("example.com:8080"), "example.com");
+        assert_eq!(strip_port("[::1]:8080"), "[::1]");
+        assert_eq!(strip_port("::1"), "::1");
+        assert_eq!(split_uri("/a?b=1#frag"), ("/a", Some("b=1")));
+        assert_eq!(split_uri("/a"), ("/a", None));
+        assert_eq!(percent_decode("%zz%4"), "%zz%4");
+    }
+}

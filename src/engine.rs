@@ -1,0 +1,680 @@
+//! The decision engine: kill switches first, then every matching policy and rule, one store
+//! call with all-or-nothing commit, and a [`Decision`] that carries everything the response
+//! headers, logs and metrics need.
+
+use crate::clock::Clock;
+use crate::descriptor::{push_key_part, RequestFacts};
+use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota};
+use crate::policy::{Bundle, CostSource, Mode, OnMissing, Rule};
+use crate::store::{BucketKey, BucketOp, Group, Store};
+use arc_swap::ArcSwapOption;
+use smallvec::SmallVec;
+use std::sync::Arc;
+
+/// Engine settings that are not part of the policy bundle.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// Prefix length IPv6 clients are reduced to for `ip:address` (default 64).
+    pub ipv6_prefix: u8,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { ipv6_prefix: 64 }
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    TokenBucketExceeded,
+    KillSwitch,
+    /// A rule with `on_missing: reject` found its descriptor missing.
+    MissingDescriptor,
+}
+
+impl Reason {
+    /// The value of the reason header and of the `reason` metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::TokenBucketExceeded => "token_bucket_exceeded",
+            Reason::KillSwitch => "kill_switch",
+            Reason::MissingDescriptor => "missing_descriptor",
+        }
+    }
+
+    /// The HTTP status a refusal for this reason gets.
+    pub fn status(self) -> u16 {
+        match self {
+            Reason::TokenBucketExceeded | Reason::KillSwitch => 429,
+            Reason::MissingDescriptor => 401,
+        }
+    }
+}
+
+/// The overall answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Allow,
+    Reject(Reason),
+    /// No valid bundle is loaded: the decision service answers 503, the proxy fails open.
+    NoPolicy,
+}
+
+/// What happened to one applicable rule.
+#[derive(Debug, Clone)]
+pub struct RuleOutcome {
+    /// Index into [`Bundle::rules`].
+    pub rule: usize,
+    pub mode: Mode,
+    /// The full bucket key (`tb:<rule>:<key>`); the composite key starts at `key_start`.
+    pub bucket: String,
+    pub key_start: usize,
+    pub quota: Quota,
+    pub allowed: bool,
+    /// Tokens were spent from this bucket.
+    pub committed: bool,
+    /// The store could not hold the bucket: allowed untracked.
+    pub fail_open: bool,
+    /// Micro-tokens left (after spending when committed, before otherwise).
+    pub tokens: u64,
+    /// Seconds until the cost is affordable (0 when allowed).
+    pub retry_after: u64,
+    /// Seconds until the bucket is full.
+    pub reset: u64,
+}
+
+impl RuleOutcome {
+    /// The composite key (the limit-key values joined).
+    pub fn key(&self) -> &str {
+        &self.bucket[self.key_start..]
+    }
+
+    /// Tokens left as a number.
+    pub fn tokens_f64(&self) -> f64 {
+        micro_to_tokens(self.tokens)
+    }
+}
+
+/// The engine's answer for one request.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub outcome: Outcome,
+    /// The bundle the decision was made with (names for headers, logs and metrics).
+    pub bundle: Option<Arc<Bundle>>,
+    /// Every applicable rule, enforced and shadow, in policy order.
+    pub rules: SmallVec<[RuleOutcome; 4]>,
+    /// For a rejection: `B`, the seconds the client must wait (before jitter); 0 if unknown.
+    pub retry_after: u64,
+    /// The kill switch that fired, as an index into [`Bundle::kill_switches`].
+    pub kill_switch: Option<usize>,
+    /// The rule whose missing descriptor caused a 401.
+    pub missing_rule: Option<usize>,
+    /// The store failed and the request was allowed without limiting.
+    pub store_error: bool,
+}
+
+impl Decision {
+    fn new(outcome: Outcome, bundle: Option<Arc<Bundle>>) -> Self {
+        Decision {
+            outcome,
+            bundle,
+            rules: SmallVec::new(),
+            retry_after: 0,
+            kill_switch: None,
+            missing_rule: None,
+            store_error: false,
+        }
+    }
+
+    pub fn is_allowed(&self) -> bool {
+        !matches!(self.outcome, Outcome::Reject(_))
+    }
+
+    /// The HTTP status: 200 allow (and no policy, for the proxy), 429/401 reject.
+    pub fn status(&self) -> u16 {
+        match self.outcome {
+            Outcome::Allow | Outcome::NoPolicy => 200,
+            Outcome::Reject(reason) => reason.status(),
+        }
+    }
+
+    /// The rule definition of an outcome.
+    pub fn rule_def(&self, outcome: &RuleOutcome) -> Option<&Rule> {
+        self.bundle.as_ref()?.rules.get(outcome.rule)
+    }
+
+    /// `(policy id, rule name)` of an outcome.
+    pub fn names(&self, outcome: &RuleOutcome) -> (&str, &str) {
+        match &self.bundle {
+            Some(b) => match b.rules.get(outcome.rule) {
+                Some(rule) => (
+                    b.policies.get(rule.policy).map_or("", |p| p.id.as_str()),
+                    rule.name.as_str(),
+                ),
+                None => ("", ""),
+            },
+            None => ("", ""),
+        }
+    }
+
+    /// The enforced rule that rejected the request with the longest wait.
+    pub fn rejecting_rule(&self) -> Option<&RuleOutcome> {
+        self.rules
+            .iter()
+            .filter(|r| r.mode == Mode::Enforce && !r.allowed)
+            .max_by_key(|r| r.retry_after)
+    }
+
+    /// Shadow rules that would have rejected.
+    pub fn shadow_rejections(&self) -> impl Iterator<Item = &RuleOutcome> {
+        self.rules
+            .iter()
+            .filter(|r| r.mode == Mode::Shadow && !r.allowed)
+    }
+}
+
+/// The decision engine: a hot-swappable bundle, a store and a clock.
+pub struct Engine<S: Store> {
+    bundle: ArcSwapOption<Bundle>,
+    store: S,
+    clock: Arc<dyn Clock>,
+    config: EngineConfig,
+}
+
+/// A rule found applicable, before the store has answered.
+struct Pending {
+    rule: usize,
+    mode: Mode,
+    bucket: String,
+    key_start: usize,
+    quota: Quota,
+}
+
+impl<S: Store> Engine<S> {
+    pub fn new(store: S, clock: Arc<dyn Clock>, config: EngineConfig) -> Self {
+        Engine {
+            bundle: ArcSwapOption::empty(),
+            store,
+            clock,
+            config,
+        }
+    }
+
+    /// Installs a bundle (initial load or reload). Buckets are untouched: they survive reloads,
+    /// and a lowered burst caps their tokens on the next request.
+    pub fn install(&self, bundle: Bundle) {
+        self.bundle.store(Some(Arc::new(bundle)));
+    }
+
+    /// The bundle in force, if any.
+    pub fn bundle(&self) -> Option<Arc<Bundle>> {
+        self.bundle.load_full()
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    pub fn config(&self) -> EngineConfig {
+        self.config
+    }
+
+    /// Decides one request.
+    pub fn decide(&self, facts: &RequestFacts<'_>) -> Decision {
+        let Some(bundle) = self.bundle.load_full() else {
+            return Decision::new(Outcome::NoPolicy, None);
+        };
+        let prefix = self.config.ipv6_prefix;
+
+        if !bundle.kill_switches.is_empty() {
+            let unix = self.clock.unix_secs();
+            if let Some((i, ks)) = bundle
+                .kill_switches
+                .iter()
+                .enumerate()
+                .find(|(_, ks)| ks.hits(facts, unix, prefix))
+            {
+                let mut d = Decision::new(
+                    Outcome::Reject(Reason::KillSwitch),
+                    Some(Arc::clone(&bundle)),
+                );
+                d.kill_switch = Some(i);
+                d.retry_after = ks.expires_at.map_or(0, |at| (at - unix).max(1) as u64);
+                return d;
+            }
+        }
+
+        let mut pending: SmallVec<[Pending; 4]> = SmallVec::new();
+        let mut ops: SmallVec<[BucketOp; 4]> = SmallVec::new();
+        let mut missing_reject: Option<(usize, Mode)> = None;
+        for policy in bundle.policies.iter() {
+            if !policy.selector.matches(facts) {
+                continue;
+            }
+            let mut matched_conditional = false;
+            let mut consider = |index: usize,
+                                pending: &mut SmallVec<[Pending; 4]>,
+                                ops: &mut SmallVec<[BucketOp; 4]>| {
+                let rule = &bundle.rules[index];
+                match self.bucket_for(rule, facts) {
+                    Some((bucket, key_start)) => {
+                        let quota = *rule.quota_for(&bucket[key_start..]);
+                        ops.push(BucketOp {
+                            key: BucketKey::of(&bucket),
+                            quota,
+                            cost: cost_of(&rule.cost, facts),
+                            group: match rule.mode {
+                                Mode::Enforce => Group::Enforce,
+                                Mode::Shadow => Group::Shadow,
+                            },
+                        });
+                        pending.push(Pending {
+                            rule: index,
+                            mode: rule.mode,
+                            bucket,
+                            key_start,
+                            quota,
+                        });
+                    }
+                    None if rule.on_missing == OnMissing::Reject => {
+                        if missing_reject.is_none() || rule.mode == Mode::Enforce {
+                            missing_reject = Some((index, rule.mode));
+                        }
+                    }
+                    None => {}
+                }
+            };
+            for index in policy.rules.clone() {
+                let rule = &bundle.rules[index];
+                if !rule.conditions.is_empty() {
+                    if !rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
+                        continue;
+                    }
+                    matched_conditional = true;
+                }
+                consider(index, &mut pending, &mut ops);
+            }
+            if let Some(fallback) = policy.fallback {
+                let rule = &bundle.rules[fallback];
+                if !matched_conditional && rule.conditions.iter().all(|c| c.matches(facts, prefix))
+                {
+                    consider(fallback, &mut pending, &mut ops);
+                }
+            }
+        }
+
+        if let Some((rule, Mode::Enforce)) = missing_reject {
+            let mut d = Decision::new(Outcome::Reject(Reason::MissingDescriptor), Some(bundle));
+            d.missing_rule = Some(rule);
+            return d;
+        }
+
+        let mut decision = Decision::new(Outcome::Allow, Some(Arc::clone(&bundle)));
+        if ops.is_empty() {
+            return decision;
+        }
+        let now = self.clock.now_us();
+        let results = match self.store.apply(now, &ops) {
+            Ok(results) => results,
+            Err(_) => {
+                // Fail open: nothing was spent anywhere.
+                decision.store_error = true;
+                return decision;
+            }
+        };
+        let mut rejected = false;
+        for (p, r) in pending.into_iter().zip(results) {
+            let v = r.verdict;
+            if p.mode == Mode::Enforce && !v.allowed {
+                rejected = true;
+                decision.retry_after = decision.retry_after.max(v.retry_after_secs);
+            }
+            decision.rules.push(RuleOutcome {
+                rule: p.rule,
+                mode: p.mode,
+                bucket: p.bucket,
+                key_start: p.key_start,
+                quota: p.quota,
+                allowed: v.allowed,
+                committed: r.committed,
+                fail_open: r.fail_open,
+                tokens: if r.committed {
+                    v.remaining
+                } else {
+                    v.available
+                },
+                retry_after: v.retry_after_secs,
+                reset: if r.committed {
+                    v.reset_secs()
+                } else {
+                    crate::limiter::ceil_secs(
+                        p.quota.time_to_gain_us(p.quota.burst() - v.available),
+                    )
+                },
+            });
+        }
+        if rejected {
+            decision.outcome = Outcome::Reject(Reason::TokenBucketExceeded);
+        }
+        decision
+    }
+
+    /// The bucket name of `rule` for this request, or `None` when a descriptor is missing and
+    /// the rule does not share a bucket for that case.
+    fn bucket_for(&self, rule: &Rule, facts: &RequestFacts<'_>) -> Option<(String, usize)> {
+        let mut bucket = String::with_capacity(rule.key_prefix.len() + 24);
+        bucket.push_str(&rule.key_prefix);
+        let key_start = bucket.len();
+        for (i, descriptor) in rule.limit_keys.iter().enumerate() {
+            match descriptor.value(facts, self.config.ipv6_prefix) {
+                Some(value) => push_key_part(&mut bucket, i == 0, &value),
+                None => match rule.on_missing {
+                    // `\0` cannot come out of `push_key_part` (it only escapes `|` and `\`), so
+                    // the shared "missing" bucket never collides with a real value.
+                    OnMissing::Shared => {
+                        if i > 0 {
+                            bucket.push('|');
+                        }
+                        bucket.push_str("\\0");
+                    }
+                    OnMissing::Skip | OnMissing::Reject => return None,
+                },
+            }
+        }
+        Some((bucket, key_start))
+    }
+
+    /// Drops buckets that no longer matter; the gateway calls this periodically.
+    pub fn sweep(&self) -> u64 {
+        self.store.sweep(self.clock.now_us())
+    }
+}
+
+/// The cost of this request under `source`, in micro-tokens. A cost header or parameter that
+/// is absent, empty, not a number, not finite or not positive gives the default.
+pub fn cost_of(source: &CostSource, facts: &RequestFacts<'_>) -> u64 {
+    let (raw, default) = match source {
+        CostSource::Fixed(cost) => return *cost,
+        CostSource::Header { name, default } => (
+            facts.headers.header(name).map(std::borrow::Cow::Borrowed),
+            *default,
+        ),
+        CostSource::Query { name, default } => (facts.query_param(name), *default),
+    };
+    raw.and_then(|text| text.trim().parse::<f64>().ok())
+        .map(tokens_to_micro)
+        .filter(|&micro| micro > 0)
+        .unwrap_or(default)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::limiter::MICRO;
+    use crate::policy::compile_bundle;
+    use crate::store::{MemoryStore, MemoryStoreConfig};
+    use serde_json::json;
+
+    fn engine(bundle: serde_json::Value) -> (Engine<MemoryStore>, ManualClock) {
+        let clock = ManualClock::new(1_800_000_000);
+        let e = Engine::new(
+            MemoryStore::new(MemoryStoreConfig::default()),
+            Arc::new(clock.clone()),
+            EngineConfig::default(),
+        );
+        e.install(compile_bundle(&bundle, "test").unwrap());
+        (e, clock)
+    }
+
+    fn ask(
+        e: &Engine<MemoryStore>,
+        method: &str,
+        uri: &str,
+        ip: &str,
+        headers: &[(&str, &str)],
+    ) -> Decision {
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let facts = RequestFacts::from_uri(
+            method,
+            uri,
+            Some("api.example.com"),
+            Some(ip.parse().unwrap()),
+            &headers,
+        );
+        e.decide(&facts)
+    }
+
+    fn tb(name: &str, keys: serde_json::Value, rps: f64, burst: f64) -> serde_json::Value {
+        json!({"name": name, "limit_keys": keys, "algorithm": "token_bucket",
+               "algorithm_config": {"rps": rps, "burst": burst}})
+    }
+
+    #[test]
+    fn no_bundle_means_no_policy() {
+        let e = Engine::new(
+            MemoryStore::new(MemoryStoreConfig::default()),
+            Arc::new(ManualClock::new(0)),
+            EngineConfig::default(),
+        );
+        let headers: Vec<(String, String)> = Vec::new();
+        let d = e.decide(&RequestFacts::from_uri("GET", "/", None, None, &headers));
+        assert_eq!(d.outcome, Outcome::NoPolicy);
+    }
+
+    #[test]
+    fn all_or_nothing_across_policies() {
+        let (e, _) = engine(json!({"bundle_version": 1, "policies": [
+            {"id": "a", "spec": {"rules": [tb("wide", json!(["ip:address"]), 1.0, 10.0)]}},
+            {"id": "b", "spec": {"selector": {"pathPrefix": "/fills"}, "rules": [tb("fills", json!(["ip:address"]), 1.0, 2.0)]}}
+        ]}));
+        for _ in 0..2 {
+            assert!(ask(&e, "GET", "/fills", "10.0.0.1", &[]).is_allowed());
+        }
+        let d = ask(&e, "GET", "/fills", "10.0.0.1", &[]);
+        assert_eq!(d.outcome, Outcome::Reject(Reason::TokenBucketExceeded));
+        assert_eq!(d.rules.len(), 2);
+        // The wide rule was refunded: 8 left, not 7.
+        assert_eq!(d.rules[0].tokens, 8 * MICRO);
+        assert!(!d.rules[0].committed);
+        assert_eq!(d.retry_after, 1);
+        // A path outside /fills only meets the wide rule.
+        let d = ask(&e, "GET", "/fillsx", "10.0.0.1", &[]);
+        assert!(d.is_allowed());
+        assert_eq!(d.rules.len(), 1);
+        assert_eq!(d.rules[0].tokens, 7 * MICRO);
+    }
+
+    #[test]
+    fn shadow_never_rejects_and_uses_its_own_buckets() {
+        let (e, _) = engine(json!({"bundle_version": 1, "policies": [
+            {"id": "s", "spec": {"mode": "shadow", "rules": [tb("per-ip", json!(["ip:address"]), 1.0, 1.0)]}}
+        ]}));
+        assert!(ask(&e, "GET", "/", "10.0.0.1", &[]).is_allowed());
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert!(d.is_allowed());
+        assert_eq!(d.shadow_rejections().count(), 1);
+        assert_eq!(d.rules[0].bucket, "shadow:tb:per-ip:10.0.0.1");
+    }
+
+    #[test]
+    fn tiers_match_and_fallback() {
+        let (e, _) = engine(
+            json!({"bundle_version": 1, "policies": [{"id": "tiers", "spec": {
+                "rules": [
+                    {"name": "enterprise", "limit_keys": ["header:x-api-key"], "match": {"header:x-plan": "enterprise"},
+                     "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 200}},
+                    {"name": "office", "limit_keys": ["ip:address"], "match": {"ip:address": "10.0.0.0/8"},
+                     "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 50}}
+                ],
+                "fallback_limit": tb("free", json!(["header:x-api-key"]), 1.0, 2.0)
+            }}]}),
+        );
+        let d = ask(
+            &e,
+            "GET",
+            "/",
+            "192.0.2.1",
+            &[("x-api-key", "k1"), ("x-plan", "enterprise")],
+        );
+        assert_eq!(d.rules.len(), 1);
+        assert_eq!(d.names(&d.rules[0]), ("tiers", "enterprise"));
+        let d = ask(&e, "GET", "/", "10.9.9.9", &[("x-api-key", "k1")]);
+        assert_eq!(d.names(&d.rules[0]).1, "office");
+        let d = ask(
+            &e,
+            "GET",
+            "/",
+            "192.0.2.1",
+            &[("x-api-key", "k2"), ("x-plan", "free")],
+        );
+        assert_eq!(d.names(&d.rules[0]).1, "free");
+        assert_eq!(d.rules[0].key(), "k2");
+    }
+
+    #[test]
+    fn missing_descriptors_skip_share_or_reject() {
+        let mut shared = tb("shared", json!(["header:x-api-key"]), 1.0, 1.0);
+        shared["on_missing"] = json!("shared");
+        let (e, _) =
+            engine(json!({"rules": [tb("skip", json!(["header:x-user"]), 1.0, 1.0), shared]}));
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(d.rules.len(), 1);
+        assert_eq!(d.rules[0].bucket, "tb:shared:\\0");
+        // Every key-less request shares that one bucket.
+        assert!(!ask(&e, "GET", "/", "10.0.0.2", &[]).is_allowed());
+        let mut reject = tb("need-key", json!(["header:x-api-key"]), 1.0, 1.0);
+        reject["on_missing"] = json!("reject");
+        let (e, _) = engine(json!({"rules": [reject]}));
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(d.outcome, Outcome::Reject(Reason::MissingDescriptor));
+        assert_eq!(d.status(), 401);
+        assert!(ask(&e, "GET", "/", "10.0.0.1", &[("X-Api-Key", "k")]).is_allowed());
+    }
+
+    #[test]
+    fn kill_switch_wins_and_expires() {
+        let (e, clock) = engine(json!({"bundle_version": 1, "policies": [],
+            "kill_switches": [{"scope_key": "header:x-tenant-id", "scope_value": "tenant-42", "route": "/v1/inference",
+                               "reason": "incident 123", "expires_at": "2027-01-15T08:00:10Z"}]}));
+        // ManualClock wall origin 1_800_000_000 = 2027-01-15T08:00:00Z.
+        let d = ask(
+            &e,
+            "POST",
+            "/v1/inference/run",
+            "10.0.0.1",
+            &[("X-Tenant-Id", "tenant-42")],
+        );
+        assert_eq!(d.outcome, Outcome::Reject(Reason::KillSwitch));
+        assert_eq!(d.retry_after, 10);
+        assert!(ask(
+            &e,
+            "POST",
+            "/v1/other",
+            "10.0.0.1",
+            &[("X-Tenant-Id", "tenant-42")]
+        )
+        .is_allowed());
+        assert!(ask(
+            &e,
+            "POST",
+            "/v1/inference",
+            "10.0.0.1",
+            &[("X-Tenant-Id", "tenant-7")]
+        )
+        .is_allowed());
+        clock.set_secs(10.0);
+        assert!(ask(
+            &e,
+            "POST",
+            "/v1/inference",
+            "10.0.0.1",
+            &[("X-Tenant-Id", "tenant-42")]
+        )
+        .is_allowed());
+    }
+
+    #[test]
+    fn variable_cost_from_header_and_query_with_fallback() {
+        let (e, _) = engine(json!({"rules": [
+            {"name": "weighted", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 1, "burst": 10, "cost_source": "header:x-weight", "default_cost": 2}}
+        ]}));
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[("X-Weight", "5")]);
+        assert_eq!(d.rules[0].tokens, 5 * MICRO);
+        for (i, bad) in ["", "abc", "-3", "0", "NaN", "inf"].into_iter().enumerate() {
+            let ip = format!("10.0.1.{i}");
+            let before = ask(&e, "GET", "/", &ip, &[]).rules[0].tokens;
+            let after = ask(&e, "GET", "/", &ip, &[("X-Weight", bad)]).rules[0].tokens;
+            assert_eq!(
+                before - after,
+                2 * MICRO,
+                "cost header {bad:?} must fall back to default_cost"
+            );
+        }
+        let (e, _) = engine(json!({"rules": [
+            {"name": "q", "limit_keys": [], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 1, "burst": 10, "cost_source": "query:cost"}}
+        ]}));
+        assert_eq!(
+            ask(&e, "GET", "/x?cost=2.5", "10.0.0.1", &[]).rules[0].tokens,
+            7_500_000
+        );
+        assert_eq!(
+            ask(&e, "GET", "/x", "10.0.0.1", &[]).rules[0].tokens,
+            6_500_000
+        );
+    }
+
+    #[test]
+    fn buckets_survive_reload_and_lowered_burst_caps() {
+        let (e, _) = engine(json!({"rules": [tb("per-ip", json!(["ip:address"]), 1.0, 10.0)]}));
+        ask(&e, "GET", "/", "10.0.0.1", &[]);
+        ask(&e, "GET", "/", "10.0.0.1", &[]);
+        // Unchanged rule: state kept exactly.
+        e.install(
+            compile_bundle(
+                &json!({"rules": [tb("per-ip", json!(["ip:address"]), 1.0, 10.0)]}),
+                "t",
+            )
+            .unwrap(),
+        );
+        assert_eq!(
+            ask(&e, "GET", "/", "10.0.0.1", &[]).rules[0].tokens,
+            7 * MICRO
+        );
+        // Lowered burst: 7 tokens capped to 3, then one spent.
+        e.install(
+            compile_bundle(
+                &json!({"rules": [tb("per-ip", json!(["ip:address"]), 1.0, 3.0)]}),
+                "t",
+            )
+            .unwrap(),
+        );
+        assert_eq!(
+            ask(&e, "GET", "/", "10.0.0.1", &[]).rules[0].tokens,
+            2 * MICRO
+        );
+    }
+
+    #[test]
+    fn boulder_overrides_apply_per_id() {
+        let (e, _) = engine(
+            json!({"rules": [{"name": "NewRegistrationsPerIPAddress", "limit_keys": ["ip:address"],
+            "algorithm": "token_bucket", "algorithm_config": {"burst": 20, "count": 20, "period": "1s",
+            "overrides": [{"ids": ["10.0.0.2", "10.0.0.5"], "burst": 20, "count": 40, "period": "1s"}]}}]}),
+        );
+        let d = ask(&e, "POST", "/new-reg", "10.0.0.5", &[]);
+        assert_eq!(d.rules[0].quota.refill(), 40 * MICRO);
+        let d = ask(&e, "POST", "/new-reg", "10.0.0.9", &[]);
+        assert_eq!(d.rules[0].quota.refill(), 20 * MICRO);
+    }
+}

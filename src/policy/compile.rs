@@ -1,0 +1,1153 @@
+//! JSON → [`Bundle`]. Walks a `serde_json::Value` by hand instead of deriving `Deserialize`, so
+//! that *every* problem is reported with its JSON path in one pass (serde stops at the first),
+//! and so that no input — wrong types, huge numbers, unknown fields — can panic.
+
+use super::{
+    canonical_id, Bundle, CostSource, FieldError, KillSwitch, MatchCondition, MatchValue, Mode,
+    OnMissing, Policy, PolicyError, Rule, Selector,
+};
+use crate::descriptor::{Descriptor, IpNet};
+use crate::limiter::{tokens_to_micro, Quota, MICRO, US_PER_SEC};
+use ahash::{AHashMap, AHashSet};
+use serde_json::{Map, Value};
+use std::path::Path;
+
+/// Largest accepted burst, rate or cost, in tokens: keeps every micro-token amount and product
+/// far inside 64-bit integers (and inside the 2^53 exact range of Lua and PostgreSQL doubles).
+const MAX_AMOUNT: f64 = 1e9;
+/// Smallest accepted amount: one micro-token.
+const MIN_AMOUNT: f64 = 1e-6;
+
+/// Reads, parses and compiles a bundle file. The bare `{"rules": [...]}` form takes the file
+/// stem as its policy id.
+///
+/// # Errors
+/// The file cannot be read, is not JSON, or fails validation (all errors listed).
+pub fn load_file(path: &Path) -> Result<Bundle, PolicyError> {
+    let bytes = std::fs::read(path).map_err(|source| PolicyError::Io {
+        file: path.to_path_buf(),
+        source,
+    })?;
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "policy".to_string());
+    parse_bundle(&bytes, &stem).map_err(|e| match e {
+        PolicyError::Json {
+            line,
+            column,
+            message,
+            ..
+        } => PolicyError::Json {
+            file: path.to_path_buf(),
+            line,
+            column,
+            message,
+        },
+        PolicyError::Invalid { errors, .. } => PolicyError::Invalid {
+            file: path.to_path_buf(),
+            errors,
+        },
+        other => other,
+    })
+}
+
+/// Parses and compiles bundle bytes; `default_id` names a bare rule list's policy.
+///
+/// # Errors
+/// Not JSON, or invalid (every error with its JSON path).
+pub fn parse_bundle(bytes: &[u8], default_id: &str) -> Result<Bundle, PolicyError> {
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| PolicyError::Json {
+        file: "<input>".into(),
+        line: e.line(),
+        column: e.column(),
+        message: e.to_string(),
+    })?;
+    let mut bundle = compile_bundle(&value, default_id).map_err(|errors| PolicyError::Invalid {
+        file: "<input>".into(),
+        errors,
+    })?;
+    bundle.hash = format!("{:016x}", twox_hash::XxHash3_64::oneshot(bytes));
+    Ok(bundle)
+}
+
+/// Compiles a parsed bundle.
+///
+/// # Errors
+/// Every validation error, each with its JSON path.
+pub fn compile_bundle(root: &Value, default_id: &str) -> Result<Bundle, Vec<FieldError>> {
+    let mut c = Compiler::default();
+    c.bundle(root, default_id);
+    if c.errors.is_empty() {
+        Ok(Bundle {
+            version: c.version,
+            hash: String::new(),
+            policies: c.policies,
+            rules: c.rules,
+            kill_switches: c.kill_switches,
+            warnings: c.warnings,
+        })
+    } else {
+        Err(c.errors)
+    }
+}
+
+#[derive(Default)]
+struct Compiler {
+    errors: Vec<FieldError>,
+    warnings: Vec<FieldError>,
+    version: u64,
+    policies: Vec<Policy>,
+    rules: Vec<Rule>,
+    kill_switches: Vec<KillSwitch>,
+    /// Rule name → path of its first definition.
+    rule_names: AHashMap<String, String>,
+    policy_ids: AHashSet<String>,
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path.is_empty() {
+        field.to_string()
+    } else {
+        format!("{path}.{field}")
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The fields allowed in an `algorithm_config` (and, minus `overrides`, in an override).
+const CONFIG_FIELDS: &[&str] = &[
+    "tokens_per_second",
+    "rps",
+    "burst",
+    "count",
+    "period",
+    "cost_source",
+    "fixed_cost",
+    "default_cost",
+    "overrides",
+];
+
+impl Compiler {
+    fn error(&mut self, path: &str, message: impl Into<String>) {
+        self.errors.push(FieldError {
+            path: if path.is_empty() {
+                "(root)".into()
+            } else {
+                path.to_string()
+            },
+            message: message.into(),
+        });
+    }
+
+    fn warn(&mut self, path: &str, message: impl Into<String>) {
+        self.warnings.push(FieldError {
+            path: path.to_string(),
+            message: message.into(),
+        });
+    }
+
+    /// `v` as an object whose keys are all in `allowed`; unknown keys are errors.
+    fn object<'v>(
+        &mut self,
+        v: &'v Value,
+        path: &str,
+        allowed: &[&str],
+    ) -> Option<&'v Map<String, Value>> {
+        let Some(map) = v.as_object() else {
+            self.error(path, format!("must be an object, found {}", type_name(v)));
+            return None;
+        };
+        for key in map.keys() {
+            if !allowed.contains(&key.as_str()) {
+                self.error(
+                    &join(path, key),
+                    format!("unknown field (expected one of: {})", allowed.join(", ")),
+                );
+            }
+        }
+        Some(map)
+    }
+
+    fn string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
+        match v.as_str() {
+            Some(s) => Some(s),
+            None => {
+                self.error(path, format!("must be a string, found {}", type_name(v)));
+                None
+            }
+        }
+    }
+
+    fn non_empty_string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
+        let s = self.string(v, path)?;
+        if s.trim().is_empty() {
+            self.error(path, "must not be empty");
+            return None;
+        }
+        Some(s)
+    }
+
+    fn array<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v Vec<Value>> {
+        match v.as_array() {
+            Some(a) => Some(a),
+            None => {
+                self.error(path, format!("must be an array, found {}", type_name(v)));
+                None
+            }
+        }
+    }
+
+    fn string_list(&mut self, v: &Value, path: &str) -> Option<Vec<String>> {
+        let items = self.array(v, path)?;
+        let mut out = Vec::with_capacity(items.len());
+        let mut ok = true;
+        for (i, item) in items.iter().enumerate() {
+            match self.non_empty_string(item, &format!("{path}[{i}]")) {
+                Some(s) => out.push(s.to_string()),
+                None => ok = false,
+            }
+        }
+        ok.then_some(out)
+    }
+
+    /// A token amount in `[1e-6, 1e9]`.
+    fn amount(&mut self, v: &Value, path: &str) -> Option<f64> {
+        let Some(n) = v.as_f64() else {
+            self.error(path, format!("must be a number, found {}", type_name(v)));
+            return None;
+        };
+        if !n.is_finite() || n <= 0.0 {
+            self.error(path, "must be > 0");
+            return None;
+        }
+        if n < MIN_AMOUNT {
+            self.error(path, "must be at least 0.000001");
+            return None;
+        }
+        if n > MAX_AMOUNT {
+            self.error(path, "must be at most 1000000000");
+            return None;
+        }
+        Some(n)
+    }
+
+    fn bundle(&mut self, root: &Value, default_id: &str) {
+        let Some(map) = root.as_object() else {
+            self.error(
+                "",
+                format!("a bundle must be a JSON object, found {}", type_name(root)),
+            );
+            return;
+        };
+        if map.contains_key("policies") || map.contains_key("bundle_version") {
+            let Some(map) = self.object(
+                root,
+                "",
+                &[
+                    "bundle_version",
+                    "policies",
+                    "kill_switches",
+                    "issued_at",
+                    "expires_at",
+                    "description",
+                ],
+            ) else {
+                return;
+            };
+            match map.get("bundle_version") {
+                Some(v) => match v.as_u64() {
+                    Some(n) => self.version = n,
+                    None => self.error("bundle_version", "must be a non-negative integer"),
+                },
+                None => self.error("bundle_version", "is required"),
+            }
+            for field in ["issued_at", "expires_at"] {
+                if let Some(v) = map.get(field) {
+                    if let Some(s) = self.string(v, field) {
+                        if humantime::parse_rfc3339_weak(s).is_err() {
+                            self.error(
+                                field,
+                                "must be an RFC 3339 time such as 2030-01-01T00:00:00Z",
+                            );
+                        }
+                    }
+                }
+            }
+            match map.get("policies") {
+                Some(v) => {
+                    if let Some(items) = self.array(v, "policies") {
+                        for (i, item) in items.iter().enumerate() {
+                            self.policy(item, &format!("policies[{i}]"));
+                        }
+                    }
+                }
+                None => self.error("policies", "is required"),
+            }
+            if let Some(v) = map.get("kill_switches") {
+                if let Some(items) = self.array(v, "kill_switches") {
+                    for (i, item) in items.iter().enumerate() {
+                        self.kill_switch(item, &format!("kill_switches[{i}]"));
+                    }
+                }
+            }
+        } else if map.contains_key("rules") {
+            let Some(map) = self.object(root, "", &["rules", "fallback_limit", "kill_switches"])
+            else {
+                return;
+            };
+            self.policy_body(
+                map,
+                "",
+                default_id.to_string(),
+                Selector::default(),
+                Mode::Enforce,
+            );
+            if let Some(v) = map.get("kill_switches") {
+                if let Some(items) = self.array(v, "kill_switches") {
+                    for (i, item) in items.iter().enumerate() {
+                        self.kill_switch(item, &format!("kill_switches[{i}]"));
+                    }
+                }
+            }
+        } else {
+            self.error(
+                "",
+                "expected a bundle with \"bundle_version\" and \"policies\", or a bare {\"rules\": [...]} list",
+            );
+        }
+    }
+
+    fn policy(&mut self, v: &Value, path: &str) {
+        let Some(map) = self.object(v, path, &["id", "spec", "version", "description"]) else {
+            return;
+        };
+        let id = match map.get("id") {
+            Some(v) => self
+                .non_empty_string(v, &join(path, "id"))
+                .map(str::to_string),
+            None => {
+                self.error(&join(path, "id"), "is required");
+                None
+            }
+        };
+        if let Some(id) = &id {
+            if !self.policy_ids.insert(id.clone()) {
+                self.error(&join(path, "id"), format!("duplicate policy id '{id}'"));
+            }
+        }
+        let spec_path = join(path, "spec");
+        let Some(spec_value) = map.get("spec") else {
+            self.error(&spec_path, "is required");
+            return;
+        };
+        let Some(spec) = self.object(
+            spec_value,
+            &spec_path,
+            &["selector", "mode", "rules", "fallback_limit", "description"],
+        ) else {
+            return;
+        };
+        let selector = match spec.get("selector") {
+            Some(v) => self.selector(v, &join(&spec_path, "selector")),
+            None => Selector::default(),
+        };
+        let mode = match spec.get("mode") {
+            None => Mode::Enforce,
+            Some(v) => match v.as_str() {
+                Some("enforce") => Mode::Enforce,
+                Some("shadow") => Mode::Shadow,
+                _ => {
+                    self.error(
+                        &join(&spec_path, "mode"),
+                        "must be \"enforce\" or \"shadow\"",
+                    );
+                    Mode::Enforce
+                }
+            },
+        };
+        self.policy_body(spec, &spec_path, id.unwrap_or_default(), selector, mode);
+    }
+
+    /// The `rules` and `fallback_limit` of a policy (or of a bare bundle).
+    fn policy_body(
+        &mut self,
+        spec: &Map<String, Value>,
+        path: &str,
+        id: String,
+        selector: Selector,
+        mode: Mode,
+    ) {
+        let policy_index = self.policies.len();
+        let start = self.rules.len();
+        let rules_path = join(path, "rules");
+        match spec.get("rules") {
+            Some(v) => {
+                if let Some(items) = self.array(v, &rules_path) {
+                    if items.is_empty() && !spec.contains_key("fallback_limit") {
+                        self.error(&rules_path, "must contain at least one rule");
+                    }
+                    for (i, item) in items.iter().enumerate() {
+                        self.rule(item, &format!("{rules_path}[{i}]"), policy_index, mode);
+                    }
+                }
+            }
+            None => self.error(&rules_path, "is required"),
+        }
+        let end = self.rules.len();
+        let fallback = spec.get("fallback_limit").and_then(|v| {
+            let before = self.rules.len();
+            self.rule(v, &join(path, "fallback_limit"), policy_index, mode);
+            (self.rules.len() > before).then_some(before)
+        });
+        self.policies.push(Policy {
+            id,
+            selector,
+            mode,
+            rules: start..end,
+            fallback,
+        });
+    }
+
+    fn selector(&mut self, v: &Value, path: &str) -> Selector {
+        let mut selector = Selector::default();
+        let Some(map) = self.object(v, path, &["pathPrefix", "pathExact", "methods", "hosts"])
+        else {
+            return selector;
+        };
+        if let Some(v) = map.get("pathPrefix") {
+            let p = join(path, "pathPrefix");
+            if let Some(s) = self.string(v, &p) {
+                if !s.starts_with('/') {
+                    self.error(&p, "must start with '/'");
+                } else {
+                    let trimmed = s.trim_end_matches('/');
+                    selector.path_prefix = Some(if trimmed.is_empty() {
+                        "/".into()
+                    } else {
+                        trimmed.into()
+                    });
+                }
+            }
+        }
+        if let Some(v) = map.get("pathExact") {
+            let p = join(path, "pathExact");
+            if let Some(s) = self.string(v, &p) {
+                if !s.starts_with('/') {
+                    self.error(&p, "must start with '/'");
+                } else {
+                    selector.path_exact = Some(s.to_string());
+                }
+            }
+        }
+        if let Some(v) = map.get("methods") {
+            let p = join(path, "methods");
+            if let Some(list) = self.string_list(v, &p) {
+                if list.is_empty() {
+                    self.error(&p, "must not be empty (omit it to match every method)");
+                }
+                selector.methods = Some(list.into_iter().map(|m| m.to_ascii_uppercase()).collect());
+            }
+        }
+        if let Some(v) = map.get("hosts") {
+            let p = join(path, "hosts");
+            if let Some(list) = self.string_list(v, &p) {
+                if list.is_empty() {
+                    self.error(&p, "must not be empty (omit it to match every host)");
+                }
+                selector.hosts = Some(
+                    list.into_iter()
+                        .map(|h| crate::descriptor::strip_port(&h).to_ascii_lowercase())
+                        .collect(),
+                );
+            }
+        }
+        selector
+    }
+
+    fn descriptor(&mut self, v: &Value, path: &str) -> Option<Descriptor> {
+        let text = self.non_empty_string(v, path)?;
+        match Descriptor::parse(text) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                self.error(path, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn rule(&mut self, v: &Value, path: &str, policy: usize, mode: Mode) {
+        let Some(map) = self.object(
+            v,
+            path,
+            &[
+                "name",
+                "limit_keys",
+                "algorithm",
+                "algorithm_config",
+                "match",
+                "on_missing",
+                "overrides",
+                "description",
+            ],
+        ) else {
+            return;
+        };
+        let errors_before = self.errors.len();
+        let name = match map.get("name") {
+            Some(v) => self
+                .non_empty_string(v, &join(path, "name"))
+                .map(str::to_string),
+            None => {
+                self.error(&join(path, "name"), "is required");
+                None
+            }
+        };
+        if let Some(name) = &name {
+            if let Some(first) = self.rule_names.get(name).cloned() {
+                self.error(
+                    &join(path, "name"),
+                    format!("duplicate rule name '{name}' (first defined at {first}); rule names are bucket namespaces and must be unique across the bundle"),
+                );
+            } else {
+                self.rule_names.insert(name.clone(), join(path, "name"));
+            }
+        }
+        let mut limit_keys = Vec::new();
+        match map.get("limit_keys") {
+            Some(v) => {
+                let p = join(path, "limit_keys");
+                if let Some(items) = self.array(v, &p) {
+                    for (i, item) in items.iter().enumerate() {
+                        if let Some(d) = self.descriptor(item, &format!("{p}[{i}]")) {
+                            limit_keys.push(d);
+                        }
+                    }
+                }
+            }
+            None => self.error(
+                &join(path, "limit_keys"),
+                "is required (use [] for one global bucket)",
+            ),
+        }
+        let mut conditions = Vec::new();
+        if let Some(v) = map.get("match") {
+            let p = join(path, "match");
+            if !v.is_object() {
+                self.error(&p, format!("must be an object, found {}", type_name(v)));
+            }
+            if let Some(entries) = v.as_object() {
+                for (key, expected) in entries {
+                    let ep = format!("{p}.{key}");
+                    let descriptor = match Descriptor::parse(key) {
+                        Ok(d) => d,
+                        Err(e) => {
+                            self.error(&ep, e.to_string());
+                            continue;
+                        }
+                    };
+                    // Numbers and booleans compare as their JSON text (`42` matches "42").
+                    let text = match expected {
+                        Value::String(s) => s.clone(),
+                        Value::Number(n) => n.to_string(),
+                        Value::Bool(b) => b.to_string(),
+                        other => {
+                            self.error(
+                                &ep,
+                                format!(
+                                    "must be a string, number or boolean, found {}",
+                                    type_name(other)
+                                ),
+                            );
+                            continue;
+                        }
+                    };
+                    let expected = match &descriptor {
+                        Descriptor::Ip { .. } => match IpNet::parse(&text) {
+                            Some(net) => MatchValue::Network(net),
+                            None => {
+                                self.error(&ep, "must be an IP address or CIDR network");
+                                continue;
+                            }
+                        },
+                        _ => MatchValue::Text(text),
+                    };
+                    conditions.push(MatchCondition {
+                        descriptor,
+                        expected,
+                    });
+                }
+            }
+        }
+        let on_missing = match map.get("on_missing") {
+            None => OnMissing::Skip,
+            Some(v) => match v.as_str() {
+                Some("skip") => OnMissing::Skip,
+                Some("shared") => OnMissing::Shared,
+                Some("reject") => OnMissing::Reject,
+                _ => {
+                    self.error(
+                        &join(path, "on_missing"),
+                        "must be \"skip\", \"shared\" or \"reject\"",
+                    );
+                    OnMissing::Skip
+                }
+            },
+        };
+        match map.get("algorithm") {
+            Some(v) => {
+                if let Some(a) = self.string(v, &join(path, "algorithm")) {
+                    if a != "token_bucket" {
+                        self.error(
+                            &join(path, "algorithm"),
+                            format!("unknown algorithm '{a}' (supported: token_bucket)"),
+                        );
+                    }
+                }
+            }
+            None => self.error(&join(path, "algorithm"), "is required (\"token_bucket\")"),
+        }
+        let config_path = join(path, "algorithm_config");
+        let config = match map.get("algorithm_config") {
+            Some(v) => self.object(v, &config_path, CONFIG_FIELDS),
+            None => {
+                self.error(&config_path, "is required");
+                None
+            }
+        };
+        let Some(config) = config else {
+            return;
+        };
+        let shape = self.bucket_shape(config, &config_path, None);
+        let cost = self.cost_source(config, &config_path);
+        let mut overrides = AHashMap::new();
+        let override_value = match (map.get("overrides"), config.get("overrides")) {
+            (Some(_), Some(_)) => {
+                self.error(
+                    &join(path, "overrides"),
+                    "set overrides either on the rule or in algorithm_config, not both",
+                );
+                None
+            }
+            (Some(v), None) => Some((v, join(path, "overrides"))),
+            (None, Some(v)) => Some((v, join(&config_path, "overrides"))),
+            (None, None) => None,
+        };
+        if let (Some((v, op)), Some(base)) = (override_value, shape) {
+            if let Some(items) = self.array(v, &op) {
+                for (i, item) in items.iter().enumerate() {
+                    let ip = format!("{op}[{i}]");
+                    let mut allowed: Vec<&str> = CONFIG_FIELDS[..5].to_vec();
+                    allowed.push("ids");
+                    let Some(omap) = self.object(item, &ip, &allowed) else {
+                        continue;
+                    };
+                    let ids = match omap.get("ids") {
+                        Some(v) => self.string_list(v, &join(&ip, "ids")),
+                        None => {
+                            self.error(&join(&ip, "ids"), "is required");
+                            None
+                        }
+                    };
+                    if ids.as_ref().is_some_and(|ids| ids.is_empty()) {
+                        self.error(&join(&ip, "ids"), "must list at least one ID");
+                    }
+                    if let (Some(ids), Some(shape)) =
+                        (ids, self.bucket_shape(omap, &ip, Some(&base)))
+                    {
+                        for id in ids {
+                            let id = canonical_id(&id);
+                            if overrides.insert(id.clone(), shape.quota).is_some() {
+                                self.error(
+                                    &join(&ip, "ids"),
+                                    format!("ID '{id}' is overridden more than once"),
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if self.errors.len() > errors_before {
+            return;
+        }
+        let (Some(name), Some(shape), Some(cost)) = (name, shape, cost) else {
+            return;
+        };
+        let key_prefix = match mode {
+            Mode::Enforce => format!("tb:{name}:"),
+            Mode::Shadow => format!("shadow:tb:{name}:"),
+        };
+        self.rules.push(Rule {
+            name,
+            policy,
+            mode,
+            limit_keys,
+            conditions,
+            quota: shape.quota,
+            burst_tokens: shape.burst,
+            cost,
+            overrides,
+            on_missing,
+            key_prefix,
+        });
+    }
+
+    /// Burst and rate from a config (or an override, whose missing fields come from `base`).
+    fn bucket_shape(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+        base: Option<&Shape>,
+    ) -> Option<Shape> {
+        let burst = match config.get("burst") {
+            Some(v) => self.amount(v, &join(path, "burst")),
+            None => match base {
+                Some(b) => Some(b.burst),
+                None => {
+                    self.error(&join(path, "burst"), "is required");
+                    None
+                }
+            },
+        };
+        if burst.is_some_and(|b| b < 1.0) {
+            self.error(&join(path, "burst"), "must be >= 1");
+        }
+        let tps = config.get("tokens_per_second");
+        let rps = config.get("rps");
+        let count = config.get("count");
+        let period = config.get("period");
+        let rate: Option<(u64, u64, f64)> = if tps.is_some() && rps.is_some() {
+            self.error(
+                &join(path, "rps"),
+                "set tokens_per_second or its alias rps, not both",
+            );
+            None
+        } else if (tps.is_some() || rps.is_some()) && (count.is_some() || period.is_some()) {
+            self.error(
+                &join(path, "count"),
+                "set either tokens_per_second/rps or count + period, not both",
+            );
+            None
+        } else if let Some(v) = tps.or(rps) {
+            let field = if tps.is_some() {
+                "tokens_per_second"
+            } else {
+                "rps"
+            };
+            self.amount(v, &join(path, field))
+                .map(|r| (tokens_to_micro(r), US_PER_SEC, r))
+        } else if count.is_some() || period.is_some() {
+            let count = match count {
+                Some(c) => self.amount(c, &join(path, "count")),
+                None => {
+                    self.error(&join(path, "count"), "is required with period");
+                    None
+                }
+            };
+            let period = match period {
+                Some(p) => self.period(p, &join(path, "period")),
+                None => {
+                    self.error(&join(path, "period"), "is required with count");
+                    None
+                }
+            };
+            let (count, period_us) = (count?, period?);
+            Some((
+                tokens_to_micro(count),
+                period_us,
+                count / (period_us as f64 / US_PER_SEC as f64),
+            ))
+        } else if let Some(b) = base {
+            Some((b.quota.refill(), b.quota.period_us(), b.rate))
+        } else {
+            self.error(
+                &join(path, "tokens_per_second"),
+                "is required (or rps, or count + period)",
+            );
+            None
+        };
+        let (burst, (refill, period_us, rate)) = (burst?, rate?);
+        if burst < 1.0 {
+            return None;
+        }
+        if base.is_none() && burst < rate {
+            self.warn(
+                &join(path, "burst"),
+                format!("burst {burst} is below the rate {rate}/s: the bucket can never hold one second of traffic"),
+            );
+        }
+        match Quota::new(tokens_to_micro(burst), refill, period_us) {
+            Ok(quota) => Some(Shape { quota, burst, rate }),
+            Err(e) => {
+                self.error(path, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn period(&mut self, v: &Value, path: &str) -> Option<u64> {
+        let s = self.non_empty_string(v, path)?;
+        match humantime::parse_duration(s) {
+            Ok(d) if d.as_micros() >= 1 && d.as_secs() <= 366 * 86_400 => {
+                Some(d.as_micros() as u64)
+            }
+            Ok(_) => {
+                self.error(path, "must be between 1µs and 366 days");
+                None
+            }
+            Err(e) => {
+                self.error(
+                    path,
+                    format!("not a duration like \"1s\", \"180m\" or \"1h\": {e}"),
+                );
+                None
+            }
+        }
+    }
+
+    fn cost_source(&mut self, config: &Map<String, Value>, path: &str) -> Option<CostSource> {
+        let fixed = match config.get("fixed_cost") {
+            Some(v) => tokens_to_micro(self.amount(v, &join(path, "fixed_cost"))?),
+            None => MICRO,
+        };
+        let default = match config.get("default_cost") {
+            Some(v) => tokens_to_micro(self.amount(v, &join(path, "default_cost"))?),
+            None => MICRO,
+        };
+        let source = match config.get("cost_source") {
+            None => "fixed",
+            Some(v) => self.string(v, &join(path, "cost_source"))?,
+        };
+        if source == "fixed" {
+            return Some(CostSource::Fixed(fixed));
+        }
+        if config.contains_key("fixed_cost") {
+            self.warn(
+                &join(path, "fixed_cost"),
+                "ignored: cost_source is not \"fixed\"",
+            );
+        }
+        let named = |prefix: &str| source.strip_prefix(prefix).filter(|n| !n.is_empty());
+        if let Some(name) = named("header:") {
+            Some(CostSource::Header {
+                name: name.to_ascii_lowercase(),
+                default,
+            })
+        } else if let Some(name) = named("query:") {
+            Some(CostSource::Query {
+                name: name.to_string(),
+                default,
+            })
+        } else {
+            self.error(
+                &join(path, "cost_source"),
+                format!("'{source}' is not \"fixed\", \"header:<name>\" or \"query:<name>\""),
+            );
+            None
+        }
+    }
+
+    fn kill_switch(&mut self, v: &Value, path: &str) {
+        let Some(map) = self.object(
+            v,
+            path,
+            &["scope_key", "scope_value", "route", "reason", "expires_at"],
+        ) else {
+            return;
+        };
+        let errors_before = self.errors.len();
+        let scope = match map.get("scope_key") {
+            Some(v) => self.descriptor(v, &join(path, "scope_key")),
+            None => {
+                self.error(&join(path, "scope_key"), "is required");
+                None
+            }
+        };
+        let value = match map.get("scope_value") {
+            Some(Value::Number(n)) => Some(n.to_string()),
+            Some(v) => self
+                .non_empty_string(v, &join(path, "scope_value"))
+                .map(str::to_string),
+            None => {
+                self.error(&join(path, "scope_value"), "is required");
+                None
+            }
+        };
+        let route = map.get("route").and_then(|v| {
+            let p = join(path, "route");
+            let s = self.string(v, &p)?;
+            if !s.starts_with('/') {
+                self.error(&p, "must start with '/'");
+                return None;
+            }
+            let trimmed = s.trim_end_matches('/');
+            Some(if trimmed.is_empty() {
+                "/".to_string()
+            } else {
+                trimmed.to_string()
+            })
+        });
+        let reason = match map.get("reason") {
+            Some(v) => self
+                .string(v, &join(path, "reason"))
+                .unwrap_or_default()
+                .to_string(),
+            None => String::new(),
+        };
+        let expires_at = map.get("expires_at").and_then(|v| {
+            let p = join(path, "expires_at");
+            let s = self.string(v, &p)?;
+            match humantime::parse_rfc3339_weak(s) {
+                Ok(t) => Some(
+                    t.duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_secs() as i64)
+                        .unwrap_or(0),
+                ),
+                Err(_) => {
+                    self.error(
+                        &p,
+                        "must be an RFC 3339 UTC time such as 2030-01-01T00:00:00Z",
+                    );
+                    None
+                }
+            }
+        });
+        if self.errors.len() > errors_before {
+            return;
+        }
+        if let (Some(scope), Some(value)) = (scope, value) {
+            self.kill_switches.push(KillSwitch {
+                scope,
+                value,
+                route,
+                reason,
+                expires_at,
+            });
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    quota: Quota,
+    burst: f64,
+    rate: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn errors_of(v: Value) -> Vec<String> {
+        match compile_bundle(&v, "test") {
+            Ok(_) => Vec::new(),
+            Err(errors) => errors.into_iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    fn rule(config: Value) -> Value {
+        json!({"rules": [{"name": "r", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": config}]})
+    }
+
+    #[test]
+    fn full_bundle_compiles() {
+        let v = json!({
+            "bundle_version": 3,
+            "policies": [{
+                "id": "public-api",
+                "spec": {
+                    "selector": {"pathPrefix": "/api/", "methods": ["get", "POST"], "hosts": ["API.example.com:443"]},
+                    "mode": "shadow",
+                    "rules": [
+                        {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                         "algorithm_config": {"tokens_per_second": 10, "burst": 15}},
+                        {"name": "enterprise", "limit_keys": ["header:x-api-key"], "match": {"jwt:plan": "enterprise", "jwt:tier": 3},
+                         "algorithm": "token_bucket", "algorithm_config": {"rps": 1000, "burst": 2000, "cost_source": "header:X-Weight", "default_cost": 2}}
+                    ],
+                    "fallback_limit": {"name": "anonymous", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                                       "algorithm_config": {"rps": 1, "burst": 5}}
+                }
+            }],
+            "kill_switches": [{"scope_key": "header:x-tenant-id", "scope_value": "tenant-42", "route": "/v1/inference/",
+                               "reason": "incident 123", "expires_at": "2030-01-01T00:00:00Z"}]
+        });
+        let b = compile_bundle(&v, "x").unwrap();
+        assert_eq!(b.version, 3);
+        assert_eq!(b.policies.len(), 1);
+        let p = &b.policies[0];
+        assert_eq!(p.mode, Mode::Shadow);
+        assert_eq!(p.rules, 0..2);
+        assert_eq!(p.fallback, Some(2));
+        assert_eq!(p.selector.path_prefix.as_deref(), Some("/api"));
+        assert_eq!(
+            p.selector.methods.as_deref(),
+            Some(&["GET".to_string(), "POST".to_string()][..])
+        );
+        assert_eq!(
+            p.selector.hosts.as_deref(),
+            Some(&["api.example.com".to_string()][..])
+        );
+        assert_eq!(b.rules[0].key_prefix, "shadow:tb:per-ip:");
+        assert_eq!(
+            b.rules[0].quota,
+            Quota::new(15 * MICRO, 10 * MICRO, US_PER_SEC).unwrap()
+        );
+        assert_eq!(
+            b.rules[1].cost,
+            CostSource::Header {
+                name: "x-weight".into(),
+                default: 2 * MICRO
+            }
+        );
+        assert_eq!(
+            b.rules[1].conditions[1].expected,
+            MatchValue::Text("3".into())
+        );
+        let ks = &b.kill_switches[0];
+        assert_eq!(ks.route.as_deref(), Some("/v1/inference"));
+        assert_eq!(ks.expires_at, Some(1_893_456_000));
+    }
+
+    #[test]
+    fn bare_rules_form_uses_the_file_name() {
+        let b = compile_bundle(&rule(json!({"rps": 5, "burst": 10})), "global").unwrap();
+        assert_eq!(b.policies[0].id, "global");
+        assert_eq!(b.policies[0].mode, Mode::Enforce);
+        assert_eq!(b.rules[0].key_prefix, "tb:r:");
+    }
+
+    #[test]
+    fn boulder_form_and_overrides() {
+        let b = compile_bundle(
+            &rule(json!({"burst": 20, "count": 20, "period": "1s",
+                         "overrides": [{"ids": ["10.0.0.2", "10.0.0.5"], "burst": 20, "count": 40, "period": "1s"},
+                                       {"ids": ["2001:0db8:0000::/48"], "count": 10, "period": "1m"}]})),
+            "x",
+        )
+        .unwrap();
+        let r = &b.rules[0];
+        assert_eq!(
+            r.quota,
+            Quota::new(20 * MICRO, 20 * MICRO, US_PER_SEC).unwrap()
+        );
+        assert_eq!(
+            *r.quota_for("10.0.0.5"),
+            Quota::new(20 * MICRO, 40 * MICRO, US_PER_SEC).unwrap()
+        );
+        assert_eq!(*r.quota_for("10.0.0.9"), r.quota);
+        // Burst inherited from the rule; the ID canonicalised.
+        assert_eq!(
+            *r.quota_for("2001:db8::/48"),
+            Quota::new(20 * MICRO, 10 * MICRO, 60 * US_PER_SEC).unwrap()
+        );
+        let slow = compile_bundle(
+            &rule(json!({"burst": 300, "count": 300, "period": "180m"})),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(slow.rules[0].quota.period_us(), 10_800 * US_PER_SEC);
+    }
+
+    #[test]
+    fn every_error_is_collected_with_its_path() {
+        let v = json!({
+            "bundle_version": 1,
+            "policies": [{
+                "id": "p",
+                "spec": {
+                    "mode": "loud",
+                    "selector": {"pathPrefix": "api"},
+                    "rules": [
+                        {"name": "a", "limit_keys": ["ip:adress"], "algorithm": "token_bucket",
+                         "algorithm_config": {"tokens_per_second": 0, "burst": -1}},
+                        {"name": "a", "limit_keys": [], "algorithm": "leaky", "colour": "red",
+                         "algorithm_config": {"rps": "fast", "burst": 1e300, "cost_source": "cookie:x"}}
+                    ]
+                }
+            }]
+        });
+        let errors = errors_of(v);
+        let expect = [
+            "policies[0].spec.selector.pathPrefix: must start with '/'",
+            "policies[0].spec.mode: must be \"enforce\" or \"shadow\"",
+            "policies[0].spec.rules[0].limit_keys[0]: unknown descriptor 'ip:adress'",
+            "policies[0].spec.rules[0].algorithm_config.burst: must be > 0",
+            "policies[0].spec.rules[0].algorithm_config.tokens_per_second: must be > 0",
+            "policies[0].spec.rules[1].colour: unknown field",
+            "policies[0].spec.rules[1].name: duplicate rule name 'a'",
+            "policies[0].spec.rules[1].algorithm: unknown algorithm 'leaky'",
+            "policies[0].spec.rules[1].algorithm_config.burst: must be at most 1000000000",
+            "policies[0].spec.rules[1].algorithm_config.rps: must be a number, found a string",
+            "policies[0].spec.rules[1].algorithm_config.cost_source: 'cookie:x' is not",
+        ];
+        for e in expect {
+            assert!(
+                errors.iter().any(|got| got.starts_with(e)),
+                "missing {e:?} in {errors:#?}"
+            );
+        }
+        assert_eq!(errors.len(), expect.len(), "{errors:#?}");
+    }
+
+    #[test]
+    fn hostile_inputs_never_panic() {
+        for text in [
+            "[]", "null", "42", "\"rules\"", "{}", "{\"rules\": 5}", "{\"rules\": [null, 1, []]}",
+            "{\"policies\": {}}", "{\"bundle_version\": -1, \"policies\": []}",
+            "{\"rules\": [{\"name\": \"x\", \"limit_keys\": [\"ip:address\"], \"algorithm\": \"token_bucket\", \"algorithm_config\": {\"rps\": 1e-9, \"burst\": 1e999}}]}",
+            "{\"rules\": [{\"name\": \"x\", \"limit_keys\": [\"ip:address\"], \"algorithm\": \"token_bucket\", \"algorithm_config\": {\"rps\": \"NaN\", \"burst\": \"Infinity\"}}]}",
+        ] {
+            let _ = parse_bundle(text.as_bytes(), "x");
+        }
+        let deep = "[".repeat(100_000) + &"]".repeat(100_000);
+        assert!(matches!(
+            parse_bundle(deep.as_bytes(), "x"),
+            Err(PolicyError::Json { .. })
+        ));
+        let not_object = errors_of(json!([1, 2]));
+        assert_eq!(
+            not_object,
+            vec!["(root): a bundle must be a JSON object, found an array"]
+        );
+        let huge = errors_of(rule(json!({"rps": 1e-9, "burst": 5})));
+        assert_eq!(
+            huge,
+            vec!["rules[0].algorithm_config.rps: must be at least 0.000001"]
+        );
+    }
+
+    #[test]
+    fn burst_below_rate_is_a_warning_not_an_error() {
+        let b = compile_bundle(&rule(json!({"rps": 10, "burst": 5})), "x").unwrap();
+        assert_eq!(b.warnings.len(), 1);
+        assert_eq!(b.warnings[0].path, "rules[0].algorithm_config.burst");
+    }
+
+    #[test]
+    fn match_on_ip_takes_networks() {
+        let v = json!({"rules": [{"name": "r", "limit_keys": [], "match": {"ip:address": "10.0.0.0/8"},
+                        "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]});
+        let b = compile_bundle(&v, "x").unwrap();
+        assert!(matches!(
+            b.rules[0].conditions[0].expected,
+            MatchValue::Network(_)
+        ));
+        let bad = json!({"rules": [{"name": "r", "limit_keys": [], "match": {"ip:address": "ten"},
+                        "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]});
+        assert_eq!(
+            errors_of(bad),
+            vec!["rules[0].match.ip:address: must be an IP address or CIDR network"]
+        );
+    }
+}

@@ -1,0 +1,285 @@
+//! Policy bundles: the validated, compiled form the engine runs on (SPEC §3).
+//!
+//! `compile` turns JSON into these structs once; nothing downstream re-checks a value. The
+//! runtime never sees JSON: rates are [`Quota`]s, descriptors are parsed, names are unique.
+
+mod compile;
+mod error;
+
+pub use compile::{compile_bundle, load_file, parse_bundle};
+pub use error::{FieldError, PolicyError};
+
+use crate::descriptor::{Descriptor, IpNet, RequestFacts};
+use crate::limiter::Quota;
+use ahash::AHashMap;
+use std::net::IpAddr;
+use std::ops::Range;
+
+/// A compiled policy bundle.
+#[derive(Debug)]
+pub struct Bundle {
+    /// `bundle_version` (0 for the bare `{"rules": [...]}` form).
+    pub version: u64,
+    /// Hex xxHash3-64 of the source bytes: tells two loads of the same file apart from a change.
+    pub hash: String,
+    pub policies: Vec<Policy>,
+    /// Every rule of every policy (fallbacks included), indexed by [`Policy::rules`].
+    pub rules: Vec<Rule>,
+    pub kill_switches: Vec<KillSwitch>,
+    /// Non-fatal findings (e.g. `burst` below `tokens_per_second`).
+    pub warnings: Vec<FieldError>,
+}
+
+impl Bundle {
+    /// An empty bundle: allows everything.
+    pub fn empty() -> Self {
+        Bundle {
+            version: 0,
+            hash: String::new(),
+            policies: Vec::new(),
+            rules: Vec::new(),
+            kill_switches: Vec::new(),
+            warnings: Vec::new(),
+        }
+    }
+
+    /// Looks up a rule by name.
+    pub fn rule(&self, name: &str) -> Option<&Rule> {
+        self.rules.iter().find(|r| &*r.name == name)
+    }
+}
+
+/// Enforce or shadow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Enforce,
+    Shadow,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        }
+    }
+}
+
+/// One policy: a selector, a mode and its rules.
+#[derive(Debug)]
+pub struct Policy {
+    pub id: String,
+    pub selector: Selector,
+    pub mode: Mode,
+    /// Indices into [`Bundle::rules`] of the regular rules.
+    pub rules: Range<usize>,
+    /// Index into [`Bundle::rules`] of `fallback_limit`, if any.
+    pub fallback: Option<usize>,
+}
+
+/// Which requests a policy applies to.
+#[derive(Debug, Default)]
+pub struct Selector {
+    /// Segment-wise prefix, stored without a trailing `/` (`/` itself matches everything).
+    pub path_prefix: Option<String>,
+    pub path_exact: Option<String>,
+    /// Upper-case methods; `None` = all.
+    pub methods: Option<Vec<String>>,
+    /// Lower-case host names without port; `None` = all.
+    pub hosts: Option<Vec<String>>,
+}
+
+impl Selector {
+    pub fn matches(&self, facts: &RequestFacts<'_>) -> bool {
+        if let Some(exact) = &self.path_exact {
+            if facts.path != exact {
+                return false;
+            }
+        }
+        if let Some(prefix) = &self.path_prefix {
+            if !path_has_prefix(facts.path, prefix) {
+                return false;
+            }
+        }
+        if let Some(methods) = &self.methods {
+            if !methods.iter().any(|m| m.eq_ignore_ascii_case(facts.method)) {
+                return false;
+            }
+        }
+        if let Some(hosts) = &self.hosts {
+            match facts.host_name() {
+                Some(host) if hosts.iter().any(|h| h.eq_ignore_ascii_case(host)) => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+/// Segment-wise prefix test: `/api` matches `/api` and `/api/x`, never `/apix`. `prefix` has no
+/// trailing slash, except the root `/`, which matches every path.
+pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
+    if prefix == "/" || prefix.is_empty() {
+        return true;
+    }
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// What to do when a rule's descriptor is missing from the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnMissing {
+    /// Skip the rule (fail-open; the default).
+    Skip,
+    /// All such requests share one bucket (the missing part is keyed as `\0missing`).
+    Shared,
+    /// Reject the request with 401.
+    Reject,
+}
+
+/// Where a request's cost comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CostSource {
+    /// A fixed cost in micro-tokens.
+    Fixed(u64),
+    /// A header (lower-case name); `default` micro-tokens when absent or not a positive number.
+    Header { name: String, default: u64 },
+    /// A query parameter; same fallback.
+    Query { name: String, default: u64 },
+}
+
+/// One `match` condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatchCondition {
+    pub descriptor: Descriptor,
+    pub expected: MatchValue,
+}
+
+/// What a `match` value compares against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MatchValue {
+    /// Equal as strings (header values, claims, query params...).
+    Text(String),
+    /// For `ip:address`: the client address inside this network (or equal to this address).
+    Network(IpNet),
+}
+
+impl MatchCondition {
+    /// Whether the request satisfies this condition (a missing descriptor never does).
+    pub fn matches(&self, facts: &RequestFacts<'_>, default_v6_prefix: u8) -> bool {
+        match (&self.expected, &self.descriptor) {
+            (MatchValue::Network(net), _) => facts.client_ip.is_some_and(|ip| net.contains(ip)),
+            (MatchValue::Text(expected), Descriptor::Host) => facts
+                .host_name()
+                .is_some_and(|h| h.eq_ignore_ascii_case(expected)),
+            (MatchValue::Text(expected), descriptor) => descriptor
+                .value(facts, default_v6_prefix)
+                .is_some_and(|v| v == expected.as_str()),
+        }
+    }
+}
+
+/// A compiled rule.
+#[derive(Debug)]
+pub struct Rule {
+    pub name: String,
+    /// Index of the owning policy in [`Bundle::policies`].
+    pub policy: usize,
+    pub mode: Mode,
+    pub limit_keys: Vec<Descriptor>,
+    pub conditions: Vec<MatchCondition>,
+    pub quota: Quota,
+    /// `burst` as written (for `q=` in `RateLimit-Policy`).
+    pub burst_tokens: f64,
+    pub cost: CostSource,
+    /// Per-ID quotas, keyed by composite key value.
+    pub overrides: AHashMap<String, Quota>,
+    pub on_missing: OnMissing,
+    /// `tb:<name>:` or `shadow:tb:<name>:`.
+    pub key_prefix: String,
+}
+
+impl Rule {
+    /// The quota for a composite key: its override, or the rule's default.
+    pub fn quota_for(&self, key: &str) -> &Quota {
+        if self.overrides.is_empty() {
+            return &self.quota;
+        }
+        self.overrides.get(key).unwrap_or(&self.quota)
+    }
+}
+
+/// A kill switch: requests whose `scope` descriptor equals `value` (on `route`, if set) are
+/// refused with 429 `kill_switch` until `expires_at`.
+#[derive(Debug)]
+pub struct KillSwitch {
+    pub scope: Descriptor,
+    pub value: String,
+    /// Segment-wise path prefix, no trailing slash.
+    pub route: Option<String>,
+    pub reason: String,
+    /// Unix seconds; `None` = until removed.
+    pub expires_at: Option<i64>,
+}
+
+impl KillSwitch {
+    /// Whether this switch stops the request at wall-clock time `unix_secs`.
+    pub fn hits(&self, facts: &RequestFacts<'_>, unix_secs: i64, default_v6_prefix: u8) -> bool {
+        if self.expires_at.is_some_and(|at| unix_secs >= at) {
+            return false;
+        }
+        if let Some(route) = &self.route {
+            if !path_has_prefix(facts.path, route) {
+                return false;
+            }
+        }
+        match (&self.scope, facts.client_ip) {
+            // An IP scope may be a network: `10.0.0.0/8` stops the whole range.
+            (Descriptor::Ip { .. }, Some(ip)) => match IpNet::parse(&self.value) {
+                Some(net) => net.contains(ip),
+                None => self
+                    .scope
+                    .value(facts, default_v6_prefix)
+                    .is_some_and(|v| v == self.value),
+            },
+            _ => self
+                .scope
+                .value(facts, default_v6_prefix)
+                .is_some_and(|v| v == self.value.as_str()),
+        }
+    }
+}
+
+/// Whether an address text is an IP (used to canonicalise override IDs).
+pub(crate) fn canonical_id(id: &str) -> String {
+    if id.parse::<IpAddr>().is_ok() || id.contains('/') {
+        if let Some(net) = IpNet::parse(id) {
+            return net.canonical();
+        }
+    }
+    id.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_prefix_is_segment_wise() {
+        assert!(path_has_prefix("/api", "/api"));
+        assert!(path_has_prefix("/api/x", "/api"));
+        assert!(!path_has_prefix("/apix", "/api"));
+        assert!(path_has_prefix("/anything", "/"));
+        assert!(!path_has_prefix("/ap", "/api"));
+    }
+
+    #[test]
+    fn override_ids_are_canonical() {
+        assert_eq!(canonical_id("2001:0db8:0000::/48"), "2001:db8::/48");
+        assert_eq!(canonical_id("10.0.0.2"), "10.0.0.2");
+        assert_eq!(canonical_id("12345678"), "12345678");
+        assert_eq!(canonical_id("2001:0db8::0001"), "2001:db8::1");
+    }
+}

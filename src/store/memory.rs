@@ -1,0 +1,415 @@
+//! The embedded store: a bounded, sharded concurrent map (ahash-free by design: keys are
+//! already 128-bit hashes, so the map's hasher just passes one half through).
+//!
+//! Each entry is 40 bytes (16-byte key, 24-byte slot) plus the map's control byte.
+//!
+//! What it loses, on purpose and nothing else:
+//! - entries whose bucket is full again: they are indistinguishable from absent ones (a new
+//!   bucket starts full), so dropping them loses nothing. They are evicted first.
+//! - entries idle longer than `idle_timeout` (default 300 s), by the periodic sweep and when a
+//!   shard is full. For quotas whose refill window is longer than that (e.g. 300 per 180 min),
+//!   raise the idle timeout or a client idle that long gets a fresh bucket.
+//! - when a shard is full and nothing in it is full-again or idle, a *new* key is not stored:
+//!   its request is allowed (fail-open) and counted. Live buckets are never evicted, so a flood
+//!   of fresh keys cannot reset anyone's limit.
+
+use super::{BucketKey, BucketOp, Group, OpResult, OpResults, Store, StoreError, StoreStats};
+use crate::limiter::{self, BucketState};
+use parking_lot::{Mutex, MutexGuard};
+use smallvec::SmallVec;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Limits of the embedded store.
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryStoreConfig {
+    /// Most entries ever held (memory bound).
+    pub max_buckets: usize,
+    /// Entries untouched for longer than this are dropped (microseconds).
+    pub idle_timeout_us: u64,
+    /// Minimum spacing of on-demand purges of a full shard (microseconds), so a flood of new
+    /// keys against a full store cannot turn every request into a shard scan.
+    pub purge_interval_us: u64,
+}
+
+impl Default for MemoryStoreConfig {
+    fn default() -> Self {
+        MemoryStoreConfig {
+            max_buckets: 1_000_000,
+            idle_timeout_us: 300 * 1_000_000,
+            purge_interval_us: 1_000_000,
+        }
+    }
+}
+
+/// What is kept per bucket.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    tokens: u64,
+    last_us: u64,
+    /// When the bucket is full again (as of the last write): after that it can be dropped.
+    full_at_us: u64,
+}
+
+/// Passes a [`BucketKey`]'s pre-hashed half straight through.
+#[derive(Default)]
+struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Not used by BucketKey; fold anything else in rather than ignore it.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type Map = HashMap<BucketKey, Slot, BuildHasherDefault<PassThrough>>;
+
+struct ShardState {
+    map: Map,
+    last_purge_us: Option<u64>,
+}
+
+/// One shard on its own cache line, so two cores locking neighbours do not false-share.
+#[repr(align(64))]
+struct Shard(Mutex<ShardState>);
+
+/// The embedded bounded store.
+pub struct MemoryStore {
+    shards: Box<[Shard]>,
+    shard_mask: u64,
+    shard_cap: usize,
+    config: MemoryStoreConfig,
+    evictions: AtomicU64,
+    fail_open: AtomicU64,
+}
+
+impl MemoryStore {
+    pub fn new(config: MemoryStoreConfig) -> Self {
+        let max = config.max_buckets.max(1);
+        // About 1 024 entries per shard, at most 64 shards: small stores stay exact (one
+        // shard), large ones spread lock contention.
+        let shards = (max / 1024).next_power_of_two().clamp(1, 64);
+        let shard_cap = (max / shards).max(1);
+        MemoryStore {
+            shards: (0..shards)
+                .map(|_| {
+                    Shard(Mutex::new(ShardState {
+                        map: Map::default(),
+                        last_purge_us: None,
+                    }))
+                })
+                .collect(),
+            shard_mask: shards as u64 - 1,
+            shard_cap,
+            config,
+            evictions: AtomicU64::new(0),
+            fail_open: AtomicU64::new(0),
+        }
+    }
+
+    fn shard_of(&self, key: &BucketKey) -> usize {
+        (key.hi & self.shard_mask) as usize
+    }
+
+    /// Total bytes the maps hold for their slots (for the memory-per-key benchmark).
+    pub fn allocated_bytes(&self) -> usize {
+        let per_slot = std::mem::size_of::<(BucketKey, Slot)>() + 1;
+        self.shards
+            .iter()
+            .map(|s| s.0.lock().map.capacity() * per_slot)
+            .sum()
+    }
+
+    /// Reads a bucket's stored state (tests and diagnostics).
+    pub fn peek(&self, key: &BucketKey) -> Option<BucketState> {
+        let shard = self.shards[self.shard_of(key)].0.lock();
+        shard.map.get(key).map(|s| BucketState {
+            tokens: s.tokens,
+            last_us: s.last_us,
+        })
+    }
+
+    /// Removes full-again entries, then idle ones if none were full. Returns how many went.
+    fn purge(&self, shard: &mut ShardState, now_us: u64) -> usize {
+        let before = shard.map.len();
+        shard.map.retain(|_, slot| slot.full_at_us > now_us);
+        if shard.map.len() == before {
+            let idle = self.config.idle_timeout_us;
+            shard
+                .map
+                .retain(|_, slot| now_us.saturating_sub(slot.last_us) <= idle);
+        }
+        shard.last_purge_us = Some(now_us);
+        let removed = before - shard.map.len();
+        self.evictions.fetch_add(removed as u64, Ordering::Relaxed);
+        removed
+    }
+
+    /// Writes one committed bucket; returns false when it could not be stored.
+    fn store(&self, shard: &mut ShardState, op: &BucketOp, result: &OpResult, now_us: u64) -> bool {
+        let slot = Slot {
+            tokens: result.verdict.next.tokens,
+            last_us: result.verdict.next.last_us,
+            full_at_us: now_us.saturating_add(result.verdict.full_in_us),
+        };
+        if let Some(existing) = shard.map.get_mut(&op.key) {
+            *existing = slot;
+            return true;
+        }
+        if shard.map.len() >= self.shard_cap {
+            let may_purge = shard
+                .last_purge_us
+                .is_none_or(|at| now_us.saturating_sub(at) >= self.config.purge_interval_us);
+            if !may_purge || self.purge(shard, now_us) == 0 {
+                return false;
+            }
+        }
+        shard.map.insert(op.key, slot);
+        true
+    }
+}
+
+impl Store for MemoryStore {
+    fn apply(&self, now_us: u64, ops: &[BucketOp]) -> Result<OpResults, StoreError> {
+        // Lock every shard the request touches, in index order (no deadlock between requests).
+        let mut wanted: SmallVec<[usize; 4]> =
+            ops.iter().map(|op| self.shard_of(&op.key)).collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let mut guards: SmallVec<[(usize, MutexGuard<'_, ShardState>); 4]> = wanted
+            .iter()
+            .map(|&i| (i, self.shards[i].0.lock()))
+            .collect();
+        let slot_of = |guards: &SmallVec<[(usize, MutexGuard<'_, ShardState>); 4]>, idx: usize| {
+            guards.iter().position(|(i, _)| *i == idx).unwrap_or(0)
+        };
+
+        let mut results: OpResults = ops
+            .iter()
+            .map(|op| {
+                let g = &guards[slot_of(&guards, self.shard_of(&op.key))].1;
+                let state = g.map.get(&op.key).map(|s| BucketState {
+                    tokens: s.tokens,
+                    last_us: s.last_us,
+                });
+                OpResult {
+                    verdict: limiter::check(state, &op.quota, now_us, op.cost),
+                    committed: false,
+                    fail_open: false,
+                }
+            })
+            .collect();
+
+        for group in [Group::Enforce, Group::Shadow] {
+            let all_allowed = ops
+                .iter()
+                .zip(results.iter())
+                .filter(|(op, _)| op.group == group)
+                .all(|(_, r)| r.verdict.allowed);
+            if !all_allowed {
+                continue;
+            }
+            for (op, result) in ops.iter().zip(results.iter_mut()) {
+                if op.group != group {
+                    continue;
+                }
+                let at = slot_of(&guards, self.shard_of(&op.key));
+                if self.store(&mut guards[at].1, op, result, now_us) {
+                    result.committed = true;
+                } else {
+                    result.fail_open = true;
+                    self.fail_open.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(results)
+    }
+
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            entries: self
+                .shards
+                .iter()
+                .map(|s| s.0.lock().map.len() as u64)
+                .sum(),
+            evictions: self.evictions.load(Ordering::Relaxed),
+            fail_open: self.fail_open.load(Ordering::Relaxed),
+        }
+    }
+
+    fn sweep(&self, now_us: u64) -> u64 {
+        let idle = self.config.idle_timeout_us;
+        let mut removed = 0u64;
+        for shard in self.shards.iter() {
+            let mut s = shard.0.lock();
+            let before = s.map.len();
+            s.map.retain(|_, slot| {
+                slot.full_at_us > now_us && now_us.saturating_sub(slot.last_us) <= idle
+            });
+            removed += (before - s.map.len()) as u64;
+        }
+        self.evictions.fetch_add(removed, Ordering::Relaxed);
+        removed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{Quota, MICRO, US_PER_SEC};
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
+    fn quota(rate: u64, burst: u64) -> Quota {
+        Quota::new(burst * MICRO, rate * MICRO, US_PER_SEC).unwrap()
+    }
+
+    fn op(key: &str, q: Quota, group: Group) -> BucketOp {
+        BucketOp {
+            key: BucketKey::of(key),
+            quota: q,
+            cost: MICRO,
+            group,
+        }
+    }
+
+    fn small(max: usize) -> MemoryStore {
+        MemoryStore::new(MemoryStoreConfig {
+            max_buckets: max,
+            idle_timeout_us: 300 * US_PER_SEC,
+            purge_interval_us: 0,
+        })
+    }
+
+    #[test]
+    fn a_rejecting_rule_spends_nothing_anywhere() {
+        let store = small(100);
+        let loose = op("tb:loose:a", quota(1, 10), Group::Enforce);
+        let tight = op("tb:tight:a", quota(1, 1), Group::Enforce);
+        let r = store.apply(0, &[loose, tight]).unwrap();
+        assert!(r.iter().all(|r| r.verdict.allowed && r.committed));
+        // The tight bucket is empty now: the next request is rejected by it...
+        let r = store.apply(0, &[loose, tight]).unwrap();
+        assert!(r[0].verdict.allowed && !r[1].verdict.allowed);
+        assert!(!r[0].committed);
+        // ...and the loose bucket still holds 9 tokens, not 8.
+        assert_eq!(store.peek(&loose.key).unwrap().tokens, 9 * MICRO);
+    }
+
+    #[test]
+    fn shadow_and_enforce_groups_commit_independently() {
+        let store = small(100);
+        let enforce = op("tb:e:a", quota(1, 5), Group::Enforce);
+        let shadow = op("shadow:tb:s:a", quota(1, 1), Group::Shadow);
+        store.apply(0, &[enforce, shadow]).unwrap();
+        let r = store.apply(0, &[enforce, shadow]).unwrap();
+        assert!(
+            r[0].committed,
+            "a shadow would-reject must not block enforcement"
+        );
+        assert!(!r[1].verdict.allowed);
+        assert_eq!(store.peek(&enforce.key).unwrap().tokens, 3 * MICRO);
+    }
+
+    #[test]
+    fn full_store_evicts_full_buckets_first_then_fails_open() {
+        let store = small(2);
+        let q = quota(1, 2);
+        // Two keys, both drained by one token; at t=0 neither is full.
+        store.apply(0, &[op("tb:r:a", q, Group::Enforce)]).unwrap();
+        store.apply(0, &[op("tb:r:b", q, Group::Enforce)]).unwrap();
+        // A third key cannot be stored: allowed, not committed, counted.
+        let r = store.apply(0, &[op("tb:r:c", q, Group::Enforce)]).unwrap();
+        assert!(r[0].verdict.allowed && r[0].fail_open && !r[0].committed);
+        assert_eq!(store.stats().fail_open, 1);
+        assert_eq!(store.stats().entries, 2);
+        // After 1 s both are full again: they are evicted and the new key is stored.
+        let r = store
+            .apply(US_PER_SEC, &[op("tb:r:c", q, Group::Enforce)])
+            .unwrap();
+        assert!(r[0].committed);
+        assert_eq!(store.stats().evictions, 2);
+        assert_eq!(store.stats().entries, 1);
+    }
+
+    #[test]
+    fn sweep_drops_full_and_idle_entries_only() {
+        let store = small(100);
+        let fast = quota(1, 2);
+        let slow = Quota::new(300 * MICRO, 300 * MICRO, 10_800 * US_PER_SEC).unwrap();
+        store
+            .apply(0, &[op("tb:fast:a", fast, Group::Enforce)])
+            .unwrap();
+        store
+            .apply(0, &[op("tb:slow:a", slow, Group::Enforce)])
+            .unwrap();
+        assert_eq!(store.sweep(500_000), 0);
+        // At 2 s the fast bucket is full again; the slow one is not and not idle.
+        assert_eq!(store.sweep(2 * US_PER_SEC), 1);
+        assert!(store.peek(&BucketKey::of("tb:slow:a")).is_some());
+        // Past the idle timeout it goes too.
+        assert_eq!(store.sweep(301 * US_PER_SEC), 1);
+        assert_eq!(store.stats().entries, 0);
+    }
+
+    #[test]
+    fn memory_is_bounded() {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            max_buckets: 5_000,
+            ..MemoryStoreConfig::default()
+        });
+        let q = quota(1, 100);
+        for i in 0..20_000 {
+            store
+                .apply(0, &[op(&format!("tb:r:{i}"), q, Group::Enforce)])
+                .unwrap();
+        }
+        let stats = store.stats();
+        assert!(stats.entries <= 5_000, "{stats:?}");
+        assert!(stats.entries >= 4_000, "{stats:?}");
+        assert_eq!(stats.fail_open, 20_000 - stats.entries);
+    }
+
+    /// Two threads hammering one key together admit exactly what the maths allows: with a
+    /// frozen clock, exactly `burst`.
+    #[test]
+    fn concurrent_hammering_admits_exactly_the_burst() {
+        let store = Arc::new(small(1000));
+        let admitted = Arc::new(AtomicUsize::new(0));
+        let q = quota(1, 1000);
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let store = Arc::clone(&store);
+                let admitted = Arc::clone(&admitted);
+                std::thread::spawn(move || {
+                    for _ in 0..2_000 {
+                        let tight = op("tb:hot:k", q, Group::Enforce);
+                        let r = store.apply(5, &[tight]).unwrap();
+                        if r[0].committed {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(admitted.load(Ordering::Relaxed), 1000);
+        assert_eq!(store.peek(&BucketKey::of("tb:hot:k")).unwrap().tokens, 0);
+    }
+
+    #[test]
+    fn entries_stay_small() {
+        assert_eq!(std::mem::size_of::<(BucketKey, Slot)>(), 40);
+    }
+}
