@@ -11,10 +11,16 @@
 //!     limiter
 //! ```
 
+pub mod cli;
 pub mod clock;
+pub mod config;
 pub mod descriptor;
 pub mod engine;
 pub mod headers;
 pub mod limiter;
+pub mod metrics;
 pub mod policy;
+pub mod proxy;
+pub mod service;
+pub mod simulate;
 pub mod store;

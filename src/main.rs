@@ -1,1 +1,20 @@
-fn main() {}
+//! The `tollgate` binary: parse the command line, dispatch, map results to exit codes.
+
+use clap::Parser;
+use std::process::ExitCode;
+use tollgate::cli::{self, Cli, Command};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let stdout = std::io::stdout();
+    let stderr = std::io::stderr();
+    let code = match cli.command {
+        Command::Validate(args) => cli::validate(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Simulate(args) => cli::simulate(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Run(args) => tollgate::proxy::run(*args),
+    };
+    ExitCode::from(code)
+}

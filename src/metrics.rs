@@ -1,0 +1,297 @@
+//! Prometheus metrics with bounded labels only (policy, rule, action, reason, mode, result):
+//! never raw paths, keys or addresses.
+//!
+//! Per-rule counters are resolved once per installed bundle ([`Metrics::on_install`]) so the
+//! hot path increments a pre-built counter instead of hashing five label values per request.
+
+use crate::engine::{Decision, Outcome};
+use crate::policy::{Bundle, Mode};
+use crate::store::StoreStats;
+use arc_swap::ArcSwapOption;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+use std::sync::Arc;
+
+/// Counters of one rule in the installed bundle.
+struct RuleCounters {
+    allow: IntCounter,
+    reject: IntCounter,
+    shadow_allow: IntCounter,
+    /// Allowed by this rule, but another rule refused the request: nothing was spent.
+    refunded: IntCounter,
+    shadow_would_reject: IntCounter,
+    shadow_would_reject_total: IntCounter,
+}
+
+struct BundleCounters {
+    /// Identity of the bundle these were built for (its `Arc` address).
+    bundle: usize,
+    rules: Vec<RuleCounters>,
+}
+
+/// All gateway metrics.
+pub struct Metrics {
+    registry: Registry,
+    decisions: IntCounterVec,
+    requests: IntCounterVec,
+    shadow_would_reject: IntCounterVec,
+    latency: Histogram,
+    store_entries: IntGauge,
+    store_evictions: IntGauge,
+    store_fail_open: IntGauge,
+    store_errors: IntCounter,
+    reloads: IntCounterVec,
+    policy_info: IntGaugeVec,
+    per_rule: ArcSwapOption<BundleCounters>,
+}
+
+fn must<T>(r: prometheus::Result<T>) -> T {
+    // Metric definitions are fixed at compile time; a failure here is a programming error
+    // caught by the unit test below, never user input.
+    r.expect("static metric definition")
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let decisions = must(IntCounterVec::new(
+            Opts::new("tollgate_decisions_total", "Rule evaluations by outcome"),
+            &["policy", "rule", "action", "reason", "mode"],
+        ));
+        let requests = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_requests_total",
+                "Requests decided, by overall action and reason",
+            ),
+            &["action", "reason"],
+        ));
+        let shadow_would_reject = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_shadow_would_reject_total",
+                "Shadow-mode rules that would have rejected",
+            ),
+            &["policy", "rule"],
+        ));
+        let latency = must(Histogram::with_opts(
+            HistogramOpts::new(
+                "tollgate_decision_duration_seconds",
+                "Time to decide one request",
+            )
+            .buckets(vec![
+                1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2,
+            ]),
+        ));
+        let store_entries = must(IntGauge::new(
+            "tollgate_store_entries",
+            "Buckets held by the store",
+        ));
+        let store_evictions = must(IntGauge::new(
+            "tollgate_store_evictions_total",
+            "Buckets dropped by the store (full again or idle)",
+        ));
+        let store_fail_open = must(IntGauge::new(
+            "tollgate_store_fail_open_total",
+            "Requests allowed untracked because the store had no room",
+        ));
+        let store_errors = must(IntCounter::new(
+            "tollgate_store_errors_total",
+            "Requests allowed because the store failed (fail-open)",
+        ));
+        let reloads = must(IntCounterVec::new(
+            Opts::new("tollgate_policy_reloads_total", "Policy loads by result"),
+            &["result"],
+        ));
+        let policy_info = must(IntGaugeVec::new(
+            Opts::new(
+                "tollgate_policy_info",
+                "The policy bundle in force (value 1)",
+            ),
+            &["version", "hash"],
+        ));
+        for c in [
+            Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(requests.clone()),
+            Box::new(shadow_would_reject.clone()),
+            Box::new(latency.clone()),
+            Box::new(store_entries.clone()),
+            Box::new(store_evictions.clone()),
+            Box::new(store_fail_open.clone()),
+            Box::new(store_errors.clone()),
+            Box::new(reloads.clone()),
+            Box::new(policy_info.clone()),
+        ] {
+            must(registry.register(c));
+        }
+        Metrics {
+            registry,
+            decisions,
+            requests,
+            shadow_would_reject,
+            latency,
+            store_entries,
+            store_evictions,
+            store_fail_open,
+            store_errors,
+            reloads,
+            policy_info,
+            per_rule: ArcSwapOption::empty(),
+        }
+    }
+
+    /// Resolves per-rule counters for a newly installed bundle and updates the info gauge.
+    pub fn on_install(&self, bundle: &Arc<Bundle>) {
+        let rules = bundle
+            .rules
+            .iter()
+            .map(|rule| {
+                let policy = bundle
+                    .policies
+                    .get(rule.policy)
+                    .map_or("", |p| p.id.as_str());
+                let name = rule.name.as_str();
+                let c = |action: &str, reason: &str, mode: &str| {
+                    self.decisions
+                        .with_label_values(&[policy, name, action, reason, mode])
+                };
+                RuleCounters {
+                    allow: c("allow", "", "enforce"),
+                    reject: c("reject", "token_bucket_exceeded", "enforce"),
+                    shadow_allow: c("allow", "", "shadow"),
+                    refunded: c("refunded", "", "enforce"),
+                    shadow_would_reject: c("would_reject", "token_bucket_exceeded", "shadow"),
+                    shadow_would_reject_total: self
+                        .shadow_would_reject
+                        .with_label_values(&[policy, name]),
+                }
+            })
+            .collect();
+        self.per_rule.store(Some(Arc::new(BundleCounters {
+            bundle: Arc::as_ptr(bundle) as usize,
+            rules,
+        })));
+        self.policy_info.reset();
+        self.policy_info
+            .with_label_values(&[&bundle.version.to_string(), &bundle.hash])
+            .set(1);
+    }
+
+    pub fn reload(&self, ok: bool) {
+        self.reloads
+            .with_label_values(&[if ok { "success" } else { "failure" }])
+            .inc();
+    }
+
+    /// Records one decision and how long it took.
+    pub fn record(&self, decision: &Decision, seconds: f64) {
+        self.latency.observe(seconds);
+        let (action, reason) = match decision.outcome {
+            Outcome::Allow => ("allow", ""),
+            Outcome::NoPolicy => ("allow", "no_policy"),
+            Outcome::Reject(r) => ("reject", r.as_str()),
+        };
+        self.requests.with_label_values(&[action, reason]).inc();
+        if decision.store_error {
+            self.store_errors.inc();
+        }
+        let Some(bundle) = &decision.bundle else {
+            return;
+        };
+        let table = self.per_rule.load();
+        let table = table
+            .as_ref()
+            .filter(|t| t.bundle == Arc::as_ptr(bundle) as usize);
+        for outcome in &decision.rules {
+            let Some(counters) = table.and_then(|t| t.rules.get(outcome.rule)) else {
+                // A reload raced this request: count it under labels.
+                let (policy, rule) = decision.names(outcome);
+                let (action, reason) = match (outcome.mode, outcome.allowed) {
+                    (_, true) => ("allow", ""),
+                    (Mode::Enforce, false) => ("reject", "token_bucket_exceeded"),
+                    (Mode::Shadow, false) => ("would_reject", "token_bucket_exceeded"),
+                };
+                self.decisions
+                    .with_label_values(&[policy, rule, action, reason, outcome.mode.as_str()])
+                    .inc();
+                continue;
+            };
+            match (outcome.mode, outcome.allowed) {
+                (Mode::Enforce, true) if decision.is_allowed() => counters.allow.inc(),
+                // Allowed by this rule, but another rule refused the request.
+                (Mode::Enforce, true) => counters.refunded.inc(),
+                (Mode::Enforce, false) => counters.reject.inc(),
+                (Mode::Shadow, true) => counters.shadow_allow.inc(),
+                (Mode::Shadow, false) => {
+                    counters.shadow_would_reject.inc();
+                    counters.shadow_would_reject_total.inc();
+                }
+            }
+        }
+    }
+
+    /// Prometheus text, with store gauges refreshed from `stats`.
+    pub fn render(&self, stats: StoreStats) -> String {
+        self.store_entries.set(stats.entries as i64);
+        self.store_evictions.set(stats.evictions as i64);
+        self.store_fail_open.set(stats.fail_open as i64);
+        let mut buf = Vec::new();
+        if TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .is_err()
+        {
+            return String::new();
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::descriptor::RequestFacts;
+    use crate::engine::{Engine, EngineConfig};
+    use crate::policy::compile_bundle;
+    use crate::store::{MemoryStore, MemoryStoreConfig, Store};
+    use serde_json::json;
+
+    #[test]
+    fn counters_move_with_decisions() {
+        let metrics = Metrics::new();
+        let engine = Engine::new(
+            MemoryStore::new(MemoryStoreConfig::default()),
+            Arc::new(ManualClock::new(0)),
+            EngineConfig::default(),
+        );
+        engine.install(compile_bundle(&json!({"bundle_version": 7, "policies": [
+            {"id": "p", "spec": {"rules": [{"name": "r", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]}},
+            {"id": "s", "spec": {"mode": "shadow", "rules": [{"name": "sh", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]}}
+        ]}), "x").unwrap());
+        metrics.on_install(&engine.bundle().unwrap());
+        let headers: Vec<(String, String)> = Vec::new();
+        let facts = RequestFacts::from_uri("GET", "/", None, None, &headers);
+        for _ in 0..3 {
+            metrics.record(&engine.decide(&facts), 1e-6);
+        }
+        let text = metrics.render(engine.store().stats());
+        for line in [
+            "tollgate_decisions_total{action=\"allow\",mode=\"enforce\",policy=\"p\",reason=\"\",rule=\"r\"} 1",
+            "tollgate_decisions_total{action=\"reject\",mode=\"enforce\",policy=\"p\",reason=\"token_bucket_exceeded\",rule=\"r\"} 2",
+            "tollgate_shadow_would_reject_total{policy=\"s\",rule=\"sh\"} 2",
+            "tollgate_decisions_total{action=\"would_reject\",mode=\"shadow\",policy=\"s\",reason=\"token_bucket_exceeded\",rule=\"sh\"} 2",
+            "tollgate_requests_total{action=\"reject\",reason=\"token_bucket_exceeded\"} 2",
+            "tollgate_decision_duration_seconds_count 3",
+            "tollgate_store_entries 2",
+            "tollgate_policy_info{hash=\"\",version=\"7\"} 1",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
+    }
+}

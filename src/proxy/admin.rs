@@ -1,0 +1,145 @@
+//! The admin listener: `POST /v1/decision` (nginx `auth_request`, or any gateway describing the
+//! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
+//! `ext_authz` (method and path are the original ones), `/livez`, `/readyz`, `/metrics`.
+
+use crate::descriptor::{split_uri, RequestFacts};
+use crate::engine::Outcome;
+use crate::service::{Gateway, HttpHeaders};
+use async_trait::async_trait;
+use http::{Response, StatusCode};
+use pingora::apps::http_app::ServeHttp;
+use pingora::protocols::http::ServerSession;
+use std::sync::Arc;
+
+pub struct Admin {
+    gateway: Arc<Gateway>,
+}
+
+impl Admin {
+    pub fn new(gateway: Arc<Gateway>) -> Self {
+        Admin { gateway }
+    }
+}
+
+fn reply(
+    status: u16,
+    content_type: &str,
+    headers: &[(&str, String)],
+    body: impl Into<Vec<u8>>,
+) -> Response<Vec<u8>> {
+    let body = body.into();
+    let mut builder = Response::builder()
+        .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+        .header("Content-Type", content_type)
+        .header("Content-Length", body.len().to_string());
+    for (name, value) in headers {
+        builder = builder.header(*name, value.as_str());
+    }
+    builder.body(body).unwrap_or_else(|_| {
+        let mut r = Response::new(b"internal error".to_vec());
+        *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+        r
+    })
+}
+
+const TEXT: &str = "text/plain; charset=utf-8";
+
+#[async_trait]
+impl ServeHttp for Admin {
+    async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        // Read and discard any body so the connection can be reused.
+        let _ = session.drain_request_body().await;
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|sa| sa.ip());
+        let req = session.req_header();
+        let method = req.method.as_str();
+        let path = req.uri.path();
+        match path {
+            "/livez" | "/readyz" | "/metrics" if method != "GET" && method != "HEAD" => reply(
+                405,
+                TEXT,
+                &[("Allow", "GET, HEAD".to_string())],
+                "Method Not Allowed\n",
+            ),
+            "/livez" => reply(200, TEXT, &[], "ok"),
+            "/readyz" => {
+                let (status, body) = self.gateway.readiness();
+                reply(status, "application/json", &[], body)
+            }
+            "/metrics" => reply(
+                200,
+                "text/plain; version=0.0.4",
+                &[],
+                self.gateway.metrics_text(),
+            ),
+            "/v1/decision" if method != "POST" => reply(
+                405,
+                TEXT,
+                &[("Allow", "POST".to_string())],
+                "Method Not Allowed: use POST\n",
+            ),
+            _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
+                self.decide(req, peer)
+            }
+            _ => reply(404, TEXT, &[], "Not Found\n"),
+        }
+    }
+}
+
+impl Admin {
+    fn decide(
+        &self,
+        req: &pingora::http::RequestHeader,
+        peer: Option<std::net::IpAddr>,
+    ) -> Response<Vec<u8>> {
+        let h = &req.headers;
+        let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
+        // Envoy ext_authz (HTTP) sends the original method and `path_prefix + original path`.
+        let envoy_uri = req
+            .uri
+            .path_and_query()
+            .and_then(|pq| pq.as_str().strip_prefix("/v1/decision"))
+            .filter(|rest| rest.starts_with('/'));
+        let method = get("x-original-method").unwrap_or(match envoy_uri {
+            Some(_) => req.method.as_str(),
+            None => "GET",
+        });
+        let uri = get("x-original-uri").or(envoy_uri).unwrap_or("/");
+        let host = get("x-original-host").or_else(|| get("host"));
+        // The caller is a gateway by role: the client is described by X-Forwarded-For (or
+        // X-Real-IP), taken from the rightmost hop that is not a trusted proxy.
+        let forwarded = get("x-forwarded-for").or_else(|| get("x-real-ip"));
+        let client_ip = match forwarded {
+            Some(chain) => crate::config::client_ip(peer, Some(chain), &self.trusting_peer(peer)),
+            None => self.gateway.client_ip(peer, None),
+        };
+        let headers = HttpHeaders(h);
+        let (path, query) = split_uri(uri);
+        let facts = RequestFacts {
+            method,
+            path,
+            query,
+            host,
+            client_ip,
+            headers: &headers,
+            claims: None,
+        };
+        let (decision, response) = self.gateway.decide(&facts);
+        if decision.outcome == Outcome::NoPolicy {
+            return reply(503, TEXT, &[], "Service Unavailable: no policy loaded\n");
+        }
+        let body = response.body.unwrap_or("OK");
+        reply(response.status, TEXT, &response.headers, body)
+    }
+
+    /// The trusted proxies plus the calling peer itself.
+    fn trusting_peer(&self, peer: Option<std::net::IpAddr>) -> Vec<crate::descriptor::IpNet> {
+        let mut trusted = self.gateway.config.trusted_proxies.clone();
+        if let Some(net) = peer.and_then(|p| crate::descriptor::IpNet::parse(&p.to_string())) {
+            trusted.push(net);
+        }
+        trusted
+    }
+}

@@ -1,0 +1,148 @@
+//! Pingora glue: the only module that names Pingora types. It builds the server — the reverse
+//! proxy ([`gateway`]), the admin listener ([`admin`]) and background tasks (reload, sweep) — and
+//! runs it until SIGTERM/SIGINT, then drains.
+
+pub mod admin;
+pub mod gateway;
+
+use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
+use crate::config::Config;
+use crate::service::{init_logging, Gateway};
+use async_trait::async_trait;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{
+    RunArgs as PingoraRunArgs, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch,
+};
+use pingora::services::background::{background_service, BackgroundService};
+use pingora::services::listening::Service;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `tollgate run`: returns the process exit code.
+pub fn run(args: RunArgs) -> u8 {
+    init_logging(args.log_format);
+    let config = match Config::from_args(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("tollgate: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    let gateway = Arc::new(Gateway::new(config.clone()));
+    // A missing or invalid policy is not fatal: decisions answer 503 until a valid bundle
+    // appears (the file watcher picks it up).
+    let _ = gateway.load_policy("startup");
+
+    let conf = ServerConf {
+        threads: config.threads,
+        work_stealing: false,
+        upstream_keepalive_pool_size: 256,
+        grace_period_seconds: Some(1),
+        graceful_shutdown_timeout_seconds: Some(10),
+        ..ServerConf::default()
+    };
+    // `None` options: Pingora must not parse our argv (its own flags clash with ours).
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+
+    if !config.upstreams.is_empty() {
+        let proxy = gateway::Proxy::new(Arc::clone(&gateway));
+        let mut svc = pingora::proxy::http_proxy_service_with_name(
+            &server.configuration,
+            proxy,
+            "tollgate proxy",
+        );
+        svc.add_tcp(&config.listen);
+        svc.threads = Some(config.threads);
+        server.add_service(svc);
+        tracing::info!(listen = %config.listen, upstreams = ?config.upstreams, "reverse proxy listening");
+    }
+
+    let mut admin = Service::new(
+        "tollgate admin".to_string(),
+        admin::Admin::new(Arc::clone(&gateway)),
+    );
+    admin.add_tcp(&config.admin_listen);
+    admin.threads = Some(1);
+    server.add_service(admin);
+    tracing::info!(admin_listen = %config.admin_listen, "admin listener (decision service, health, metrics)");
+
+    server.add_service(background_service(
+        "tollgate housekeeping",
+        Housekeeping {
+            gateway: Arc::clone(&gateway),
+        },
+    ));
+
+    server.run(PingoraRunArgs {
+        shutdown_signal: Box::new(DrainOnSignal),
+    });
+    tracing::info!("tollgate stopped");
+    EXIT_OK
+}
+
+/// SIGTERM and SIGINT both drain gracefully: listeners close, in-flight requests finish.
+struct DrainOnSignal;
+
+#[async_trait]
+impl ShutdownSignalWatch for DrainOnSignal {
+    async fn recv(&self) -> ShutdownSignal {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::error!("cannot install signal handlers; shutting down");
+            return ShutdownSignal::FastShutdown;
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: draining"),
+            _ = int.recv() => tracing::info!("SIGINT: draining"),
+        }
+        ShutdownSignal::GracefulTerminate
+    }
+}
+
+/// Reload on SIGHUP and on policy-file change; periodic bucket sweep.
+struct Housekeeping {
+    gateway: Arc<Gateway>,
+}
+
+#[async_trait]
+impl BackgroundService for Housekeeping {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::error!("cannot listen for SIGHUP (reload by file change only): {e}");
+                None
+            }
+        };
+        let poll = self
+            .gateway
+            .config
+            .policy_poll
+            .unwrap_or(Duration::from_secs(3600));
+        let mut poll_tick = tokio::time::interval(poll);
+        let mut sweep_tick = tokio::time::interval(self.gateway.config.sweep_interval);
+        poll_tick.tick().await;
+        sweep_tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
+                    let _ = self.gateway.load_policy("sighup");
+                }
+                _ = poll_tick.tick(), if self.gateway.config.policy_poll.is_some() => {
+                    self.gateway.reload_if_changed();
+                }
+                _ = sweep_tick.tick() => {
+                    let removed = self.gateway.sweep();
+                    tracing::debug!(removed, "bucket sweep");
+                }
+            }
+        }
+    }
+}

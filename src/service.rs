@@ -1,0 +1,305 @@
+//! The running gateway's state, independent of Pingora: the engine and its store, metrics, the
+//! policy file and its reloads, and the request-level steps shared by the reverse proxy and the
+//! decision service (client address, decide, log, count, build the response).
+
+use crate::cli::LogFormat;
+use crate::clock::{wall_unix_secs, Clock, SystemClock};
+use crate::config::{client_ip, Config};
+use crate::descriptor::{HeaderLookup, RequestFacts};
+use crate::engine::{Decision, Engine, EngineConfig, Outcome};
+use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
+use crate::metrics::Metrics;
+use crate::policy::{load_file, Bundle, Mode, PolicyError};
+use crate::store::{MemoryStore, MemoryStoreConfig, Store};
+use arc_swap::ArcSwapOption;
+use parking_lot::Mutex;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+/// What `/readyz` reports about the bundle in force.
+#[derive(Debug, Clone)]
+pub struct LoadedPolicy {
+    pub version: u64,
+    pub hash: String,
+    /// Unix seconds.
+    pub loaded_at: i64,
+}
+
+/// Cheap change detection for the policy file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileSignature {
+    modified: Option<SystemTime>,
+    len: u64,
+}
+
+fn signature(path: &Path) -> Option<FileSignature> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some(FileSignature {
+        modified: meta.modified().ok(),
+        len: meta.len(),
+    })
+}
+
+/// Headers of an `http` request, for the engine.
+pub struct HttpHeaders<'a>(pub &'a http::HeaderMap);
+
+impl HeaderLookup for HttpHeaders<'_> {
+    fn header(&self, lower_name: &str) -> Option<&str> {
+        self.0.get(lower_name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// The gateway.
+pub struct Gateway {
+    pub engine: Engine<MemoryStore>,
+    pub metrics: Metrics,
+    pub config: Config,
+    pub header_config: HeaderConfig,
+    loaded: ArcSwapOption<LoadedPolicy>,
+    /// Signature of the file last looked at, and the hash of the last rejected content (so a
+    /// broken file is reported once, not at every poll).
+    watch: Mutex<(Option<FileSignature>, Option<String>)>,
+}
+
+impl Gateway {
+    pub fn new(config: Config) -> Self {
+        Self::with_clock(config, Arc::new(SystemClock::new()))
+    }
+
+    pub fn with_clock(config: Config, clock: Arc<dyn Clock>) -> Self {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            max_buckets: config.max_buckets,
+            idle_timeout_us: config.bucket_idle.as_micros().min(u64::MAX as u128) as u64,
+            ..MemoryStoreConfig::default()
+        });
+        let engine = Engine::new(
+            store,
+            clock,
+            EngineConfig {
+                ipv6_prefix: config.ipv6_prefix,
+            },
+        );
+        // Leaked once at start-up: response headers carry `&'static str` names.
+        let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
+        Gateway {
+            engine,
+            metrics: Metrics::new(),
+            header_config: HeaderConfig { reason_header },
+            config,
+            loaded: ArcSwapOption::empty(),
+            watch: Mutex::new((None, None)),
+        }
+    }
+
+    fn install(&self, bundle: Bundle) {
+        let info = LoadedPolicy {
+            version: bundle.version,
+            hash: bundle.hash.clone(),
+            loaded_at: wall_unix_secs(),
+        };
+        for warning in &bundle.warnings {
+            tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}");
+        }
+        self.engine.install(bundle);
+        if let Some(installed) = self.engine.bundle() {
+            self.metrics.on_install(&installed);
+        }
+        self.loaded.store(Some(Arc::new(info)));
+    }
+
+    /// Loads the policy file now (start-up and SIGHUP). An invalid file leaves the bundle in
+    /// force untouched; the error names the file and every problem.
+    ///
+    /// # Errors
+    /// The file could not be read, parsed or validated.
+    pub fn load_policy(&self, trigger: &str) -> Result<(), PolicyError> {
+        let path = &self.config.policy;
+        let sig = signature(path);
+        match load_file(path) {
+            Ok(bundle) => {
+                let (version, hash) = (bundle.version, bundle.hash.clone());
+                self.install(bundle);
+                *self.watch.lock() = (sig, None);
+                self.metrics.reload(true);
+                tracing::info!(policy_file = %path.display(), version, hash = %hash, trigger, "policy loaded");
+                Ok(())
+            }
+            Err(e) => {
+                self.metrics.reload(false);
+                let kept = self.loaded.load().as_ref().map(|p| p.version);
+                match kept {
+                    Some(v) => tracing::error!(
+                        trigger,
+                        "policy reload rejected, keeping bundle_version {v}: {e}"
+                    ),
+                    None => tracing::error!(
+                        trigger,
+                        "no valid policy loaded (decisions answer 503): {e}"
+                    ),
+                }
+                let mut watch = self.watch.lock();
+                watch.0 = sig;
+                watch.1 = std::fs::read(path)
+                    .ok()
+                    .map(|b| format!("{:016x}", twox_hash::XxHash3_64::oneshot(&b)));
+                Err(e)
+            }
+        }
+    }
+
+    /// Reloads when the policy file changed since it was last looked at (polling).
+    pub fn reload_if_changed(&self) {
+        let sig = signature(&self.config.policy);
+        {
+            let watch = self.watch.lock();
+            if watch.0 == sig {
+                return;
+            }
+        }
+        // Same content as the bundle in force or the last rejected file: remember and move on.
+        if let Ok(bytes) = std::fs::read(&self.config.policy) {
+            let hash = format!("{:016x}", twox_hash::XxHash3_64::oneshot(&bytes));
+            let current = self.loaded.load().as_ref().map(|p| p.hash.clone());
+            let mut watch = self.watch.lock();
+            if current.as_deref() == Some(hash.as_str())
+                || watch.1.as_deref() == Some(hash.as_str())
+            {
+                watch.0 = sig;
+                return;
+            }
+        }
+        let _ = self.load_policy("file_change");
+    }
+
+    /// `/readyz`: status code and JSON body.
+    pub fn readiness(&self) -> (u16, String) {
+        match self.loaded.load().as_ref() {
+            Some(p) => (
+                200,
+                serde_json::json!({
+                    "status": "ready",
+                    "policy_version": p.version,
+                    "policy_hash": p.hash,
+                    "loaded_at": p.loaded_at,
+                    "store": "memory",
+                })
+                .to_string(),
+            ),
+            None => (
+                503,
+                serde_json::json!({"status": "not_ready", "reason": "no_policy_loaded"})
+                    .to_string(),
+            ),
+        }
+    }
+
+    /// The client address of a request from `peer` (see [`client_ip`]).
+    pub fn client_ip(&self, peer: Option<IpAddr>, forwarded_for: Option<&str>) -> Option<IpAddr> {
+        client_ip(peer, forwarded_for, &self.config.trusted_proxies)
+    }
+
+    /// Decides a request, records metrics, logs refusals, and builds the response.
+    pub fn decide(&self, facts: &RequestFacts<'_>) -> (Decision, Response) {
+        let started = Instant::now();
+        let decision = self.engine.decide(facts);
+        self.metrics
+            .record(&decision, started.elapsed().as_secs_f64());
+        let identity = JitterIdentity {
+            sub: facts
+                .claims
+                .and_then(|c| c.get("sub"))
+                .and_then(|s| s.as_str()),
+            ip: facts.client_ip,
+            path: facts.path,
+        };
+        let response = headers::build(&decision, &identity, &self.header_config);
+        log_decision(&decision, facts, response.status);
+        (decision, response)
+    }
+
+    /// Drops buckets that are full again or idle.
+    pub fn sweep(&self) -> u64 {
+        self.engine.sweep()
+    }
+
+    pub fn metrics_text(&self) -> String {
+        self.metrics.render(self.engine.store().stats())
+    }
+}
+
+/// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
+/// Nothing for allowed requests.
+fn log_decision(decision: &Decision, facts: &RequestFacts<'_>, status: u16) {
+    let client_ip = facts
+        .client_ip
+        .map_or_else(|| "-".to_string(), |ip| ip.to_string());
+    let host = facts.host_name().unwrap_or("-");
+    if let Outcome::Reject(reason) = decision.outcome {
+        let (policy, rule) = match (
+            decision.rejecting_rule(),
+            decision.missing_rule,
+            decision.kill_switch,
+        ) {
+            (Some(r), _, _) => decision.names(r),
+            (None, Some(index), _) => decision
+                .bundle
+                .as_ref()
+                .and_then(|b| {
+                    b.rules.get(index).map(|r| {
+                        (
+                            b.policies.get(r.policy).map_or("", |p| p.id.as_str()),
+                            r.name.as_str(),
+                        )
+                    })
+                })
+                .unwrap_or(("", "")),
+            (None, None, Some(_)) => ("kill_switch", ""),
+            _ => ("", ""),
+        };
+        let detail = decision
+            .kill_switch
+            .and_then(|i| decision.bundle.as_ref()?.kill_switches.get(i))
+            .map_or("", |ks| ks.reason.as_str());
+        let reason = reason.as_str();
+        if detail.is_empty() {
+            tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status,
+                policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", "RATE_LIMIT");
+        } else {
+            tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status,
+                policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", detail = %detail, "RATE_LIMIT");
+        }
+    }
+    for shadow in decision.shadow_rejections() {
+        let (policy, rule) = decision.names(shadow);
+        tracing::info!(
+            client_ip = %client_ip,
+            host = %host,
+            path = %facts.path,
+            status = 429u16,
+            policy = %policy,
+            rule = %rule,
+            reason = %"token_bucket_exceeded",
+            mode = %Mode::Shadow.as_str(),
+            "RATE_LIMIT"
+        );
+    }
+}
+
+/// Installs the tracing subscriber (text or JSON) and bridges Pingora's `log` records into it.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    let result = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+    if let Err(e) = result {
+        eprintln!("tollgate: logging already initialised: {e}");
+    }
+}
