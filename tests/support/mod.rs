@@ -1,0 +1,374 @@
+//! Shared helpers for integration tests: a counting upstream HTTP server, a tiny HTTP/1.1
+//! client, and a handle on a real `tollgate run` process on loopback ports.
+//!
+//! Everything here binds to 127.0.0.1 or ::1 only, with bounded waits.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A free TCP port on 127.0.0.1 (bound then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A response as seen by the client.
+#[derive(Debug)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Sends one request (`Connection: close`) and reads the whole response.
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+) -> HttpResponse {
+    try_request(addr, method, target, headers)
+        .unwrap_or_else(|e| panic!("{method} {target} to {addr}: {e}"))
+}
+
+pub fn try_request(
+    addr: SocketAddr,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+) -> std::io::Result<HttpResponse> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+    let mut req = format!("{method} {target} HTTP/1.1\r\n");
+    if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("host")) {
+        req.push_str("Host: api.example.com\r\n");
+    }
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    req.push_str("Connection: close\r\nContent-Length: 0\r\n\r\n");
+    stream.write_all(req.as_bytes())?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> std::io::Result<HttpResponse> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| bad("no header terminator"))?;
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().ok_or_else(|| bad("empty response"))?;
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(n, v)| n.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    if chunked {
+        body = dechunk(&body);
+    }
+    Ok(HttpResponse {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    })
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size =
+            usize::from_str_radix(String::from_utf8_lossy(&data[..eol]).trim(), 16).unwrap_or(0);
+        if size == 0 || data.len() < eol + 2 + size {
+            return out;
+        }
+        out.extend_from_slice(&data[eol + 2..eol + 2 + size]);
+        data = &data[(eol + 4 + size).min(data.len())..];
+    }
+}
+
+/// An upstream HTTP/1.1 server that counts requests and answers `200 upstream ok` (keep-alive
+/// aware). Requests to `/slow` wait 1 s before answering.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+}
+
+impl Upstream {
+    pub fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+        let addr = listener.local_addr().expect("upstream addr");
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&hits);
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let counter = Arc::clone(&counter);
+                std::thread::spawn(move || serve_connection(conn, &counter));
+            }
+        });
+        Upstream { addr, hits }
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+fn serve_connection(conn: TcpStream, hits: &AtomicUsize) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+    let mut reader = BufReader::new(match conn.try_clone() {
+        Ok(c) => c,
+        Err(_) => return,
+    });
+    let mut writer = conn;
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut content_length = 0usize;
+        let mut seen_headers = Vec::new();
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let line = line.trim_end().to_string();
+            if line.is_empty() {
+                break;
+            }
+            if let Some((n, v)) = line.split_once(':') {
+                if n.eq_ignore_ascii_case("content-length") {
+                    content_length = v.trim().parse().unwrap_or(0);
+                }
+                seen_headers.push(format!("{}={}", n.trim().to_ascii_lowercase(), v.trim()));
+            }
+        }
+        let mut body = vec![0u8; content_length];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        hits.fetch_add(1, Ordering::SeqCst);
+        if request_line.contains(" /slow") {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let forwarded = seen_headers
+            .iter()
+            .find(|h| h.starts_with("x-forwarded-for="))
+            .cloned()
+            .unwrap_or_default();
+        let payload = format!("upstream ok {forwarded}");
+        let response = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Upstream: yes\r\n\r\n{}",
+            payload.len(),
+            payload
+        );
+        if writer.write_all(response.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// A running `tollgate run` process.
+pub struct Gateway {
+    child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub policy: PathBuf,
+    pub proxy: SocketAddr,
+    pub admin: SocketAddr,
+    pub log: PathBuf,
+}
+
+impl Gateway {
+    /// Starts the gateway with `policy` (JSON text, or `None` for a missing file) in front of
+    /// `upstream` (if any), with extra flags; waits until `/livez` answers.
+    pub fn start(policy: Option<&str>, upstream: Option<SocketAddr>, extra: &[&str]) -> Gateway {
+        Self::start_on("127.0.0.1", policy, upstream, extra)
+    }
+
+    pub fn start_on(
+        host: &str,
+        policy: Option<&str>,
+        upstream: Option<SocketAddr>,
+        extra: &[&str],
+    ) -> Gateway {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let policy_path = dir.path().join("policy.json");
+        if let Some(text) = policy {
+            std::fs::write(&policy_path, text).expect("write policy");
+        }
+        let proxy: SocketAddr = match host {
+            "::1" => format!("[::1]:{}", free_port()),
+            h => format!("{h}:{}", free_port()),
+        }
+        .parse()
+        .expect("proxy addr");
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port())
+            .parse()
+            .expect("admin addr");
+        let log = dir.path().join("gateway.log");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        cmd.arg("run")
+            .arg("--policy")
+            .arg(&policy_path)
+            .arg("--listen")
+            .arg(proxy.to_string())
+            .arg("--admin-listen")
+            .arg(admin.to_string())
+            .arg("--threads")
+            .arg("1")
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(&log).expect("log file")));
+        if let Some(up) = upstream {
+            cmd.arg("--upstream").arg(up.to_string());
+        }
+        let child = cmd.spawn().expect("spawn tollgate");
+        let gw = Gateway {
+            child: Some(child),
+            dir,
+            policy: policy_path,
+            proxy,
+            admin,
+            log,
+        };
+        gw.wait_until(Duration::from_secs(20), || {
+            try_request(gw.admin, "GET", "/livez", &[]).is_ok_and(|r| r.status == 200)
+        });
+        if upstream.is_some() {
+            gw.wait_until(Duration::from_secs(20), || {
+                TcpStream::connect(gw.proxy).is_ok()
+            });
+        }
+        gw
+    }
+
+    /// Polls `ready` every 50 ms until it holds; panics after `limit` with the gateway log.
+    pub fn wait_until(&self, limit: Duration, mut ready: impl FnMut() -> bool) {
+        let start = Instant::now();
+        while !ready() {
+            if start.elapsed() > limit {
+                panic!(
+                    "condition not met within {limit:?}; gateway log:\n{}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn get(&self, target: &str, headers: &[(&str, &str)]) -> HttpResponse {
+        request(self.proxy, "GET", target, headers)
+    }
+
+    pub fn admin(&self, method: &str, target: &str, headers: &[(&str, &str)]) -> HttpResponse {
+        request(self.admin, method, target, headers)
+    }
+
+    pub fn metrics(&self) -> String {
+        self.admin("GET", "/metrics", &[]).body
+    }
+
+    /// The value of one metric line (exact name with labels), or 0 when absent.
+    pub fn metric(&self, series: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(series)
+                    .and_then(|rest| rest.trim().parse().ok())
+            })
+            .unwrap_or(0.0)
+    }
+
+    pub fn signal(&self, sig: i32) {
+        if let Some(child) = &self.child {
+            // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+            unsafe {
+                libc::kill(child.id() as i32, sig);
+            }
+        }
+    }
+
+    pub fn write_policy(&self, text: &str) {
+        write_atomically(&self.policy, text);
+    }
+
+    /// Waits for the process to exit (after a signal); returns whether it exited successfully.
+    pub fn wait_exit(&mut self, limit: Duration) -> bool {
+        let start = Instant::now();
+        let Some(child) = self.child.as_mut() else {
+            return false;
+        };
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return status.success();
+            }
+            if start.elapsed() > limit {
+                panic!("gateway did not exit within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Replaces a file's content in one rename, so a watcher never reads half a file.
+pub fn write_atomically(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).expect("write temp policy");
+    std::fs::rename(&tmp, path).expect("rename policy");
+}
+
+/// A bare bundle with one rule.
+pub fn one_rule(name: &str, keys: &str, rps: f64, burst: f64) -> String {
+    format!(
+        r#"{{"rules": [{{"name": "{name}", "limit_keys": {keys}, "algorithm": "token_bucket",
+            "algorithm_config": {{"rps": {rps}, "burst": {burst}}}}}]}}"#
+    )
+}
