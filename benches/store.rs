@@ -1,1 +1,123 @@
-fn main() {}
+//! The embedded store against a `Mutex<HashMap>` baseline, at 1 and 2 threads, on a mix of 64k
+//! keys; and 1 M distinct keys (insert cost and memory per live key, printed).
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use std::collections::HashMap;
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+use tollgate::limiter::{self, BucketState, Quota, MICRO, US_PER_SEC};
+use tollgate::store::{BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, Store};
+
+const KEYS: usize = 65_536;
+
+fn keys() -> Vec<BucketKey> {
+    (0..KEYS).map(|i| BucketKey::of(&format!("tb:bench:{i}"))).collect()
+}
+
+fn quota() -> Quota {
+    Quota::new(1_000_000 * MICRO, 1_000_000 * MICRO, US_PER_SEC).expect("quota")
+}
+
+/// The naive design: one lock around a std HashMap keyed by the full key.
+struct MutexMap(Mutex<HashMap<BucketKey, BucketState, ahash::RandomState>>);
+
+impl MutexMap {
+    fn apply(&self, now: u64, key: BucketKey, q: &Quota) -> bool {
+        let mut map = self.0.lock().expect("lock");
+        let state = map.get(&key).copied();
+        let v = limiter::check(state, q, now, MICRO);
+        if v.allowed {
+            map.insert(key, v.next);
+        }
+        v.allowed
+    }
+}
+
+/// Runs `op` `iters` times split across `threads`, returning the wall time.
+fn run_threads(threads: usize, iters: u64, op: Arc<dyn Fn(usize, u64) + Send + Sync>) -> Duration {
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let per = iters / threads as u64;
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let barrier = Arc::clone(&barrier);
+            let op = Arc::clone(&op);
+            std::thread::spawn(move || {
+                barrier.wait();
+                for i in 0..per {
+                    op(t, i);
+                }
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    for h in handles {
+        h.join().expect("bench thread");
+    }
+    start.elapsed()
+}
+
+fn bench(c: &mut Criterion) {
+    let keys = Arc::new(keys());
+    let q = quota();
+    let mut group = c.benchmark_group("store");
+    for threads in [1usize, 2] {
+        let store = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
+        let ks = Arc::clone(&keys);
+        let s = Arc::clone(&store);
+        let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
+            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % KEYS];
+            let r = s.apply(i, &[BucketOp { key, quota: q, cost: MICRO, group: Group::Enforce }]);
+            black_box(r.is_ok());
+        });
+        group.bench_function(format!("memory_store_{threads}_threads"), |b| {
+            b.iter_custom(|iters| run_threads(threads, iters.max(threads as u64), Arc::clone(&op)))
+        });
+        let baseline = Arc::new(MutexMap(Mutex::new(HashMap::default())));
+        let ks = Arc::clone(&keys);
+        let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
+            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % KEYS];
+            black_box(baseline.apply(i, key, &q));
+        });
+        group.bench_function(format!("mutex_hashmap_{threads}_threads"), |b| {
+            b.iter_custom(|iters| run_threads(threads, iters.max(threads as u64), Arc::clone(&op)))
+        });
+    }
+    group.finish();
+
+    // 1 M distinct keys: insert throughput, then memory per live key.
+    let mut group = c.benchmark_group("store_1m_keys");
+    group.sample_size(10);
+    let million: Vec<BucketKey> = (0..1_000_000).map(|i| BucketKey::of(&format!("tb:bench:{i}"))).collect();
+    group.bench_function("insert_1m_distinct", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let store = MemoryStore::new(MemoryStoreConfig { max_buckets: 1_000_000, ..MemoryStoreConfig::default() });
+                let start = Instant::now();
+                for key in &million {
+                    let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }]);
+                }
+                total += start.elapsed();
+            }
+            // Per key, not per million.
+            total / 1_000_000
+        })
+    });
+    group.finish();
+    let store = MemoryStore::new(MemoryStoreConfig { max_buckets: 1_000_000, ..MemoryStoreConfig::default() });
+    for key in &million {
+        let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }]);
+    }
+    let stats = store.stats();
+    println!(
+        "memory: {} live keys, {} bytes of map storage, {:.1} bytes per live key (fail-open: {})",
+        stats.entries,
+        store.allocated_bytes(),
+        store.allocated_bytes() as f64 / stats.entries.max(1) as f64,
+        stats.fail_open
+    );
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -394,6 +394,8 @@ pub fn composite_key<'p>(parts: impl IntoIterator<Item = &'p str>) -> String {
 mod tests {
     use super::*;
 
+    // `&dyn HeaderLookup` needs a sized type, so a `Vec`, not a slice.
+    #[allow(clippy::ptr_arg)]
     fn facts<'a>(headers: &'a Vec<(String, String)>, uri: &'a str, ip: &str) -> RequestFacts<'a> {
         RequestFacts::from_uri(
             "GET",

@@ -281,10 +281,11 @@ impl<S: Store> Engine<S> {
                             quota,
                         });
                     }
-                    None if rule.on_missing == OnMissing::Reject => {
-                        if missing_reject.is_none() || rule.mode == Mode::Enforce {
-                            missing_reject = Some((index, rule.mode));
-                        }
+                    // An enforced refusal outranks a shadow one.
+                    None if rule.on_missing == OnMissing::Reject
+                        && (missing_reject.is_none() || rule.mode == Mode::Enforce) =>
+                    {
+                        missing_reject = Some((index, rule.mode));
                     }
                     None => {}
                 }

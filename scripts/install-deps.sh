@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the system packages the build and the tests need, when missing (Debian/Ubuntu):
+#   cmake  - pingora's zlib-ng build
+#   nginx  - the auth_request integration test and the load harness (nginx-light has auth_request)
+#   wrk    - the load harness only (benches/load.sh), not needed by the tests
+set -euo pipefail
+
+need=()
+command -v cmake >/dev/null 2>&1 || need+=(cmake)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+if [ "${1:-}" = "--load" ]; then
+  command -v wrk >/dev/null 2>&1 || need+=(wrk)
+fi
+[ ${#need[@]} -eq 0 ] && exit 0
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then sudo="sudo"; else
+    echo "install-deps: need root (or sudo) to install: ${need[*]}" >&2; exit 1
+  fi
+fi
+echo "install-deps: installing ${need[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+if ! $sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; then
+  $sudo apt-get update -qq
+  $sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null
+fi
+# Debian starts nginx as a service on install; the tests start their own instances.
+$sudo service nginx stop >/dev/null 2>&1 || true

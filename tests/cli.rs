@@ -1,0 +1,138 @@
+//! `tollgate validate` and `tollgate simulate` as a user runs them.
+
+use serde_json::Value;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+fn tollgate(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tollgate");
+    let mut input = child.stdin.take().expect("stdin");
+    if let Some(text) = stdin {
+        input.write_all(text.as_bytes()).expect("write stdin");
+    }
+    drop(input);
+    let out = child.wait_with_output().expect("tollgate output");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Seed 004 (Coinbase) worked table, replayed through the real binary: statuses and exact
+/// token counts.
+#[test]
+fn simulate_replays_the_seed_004_table_exactly() {
+    let (code, out, err) = tollgate(
+        &["simulate", "--policy", "policies/coinbase-worked-example.json", "--requests", "examples/seed-004-requests.jsonl"],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let expected = [(200, 2.0), (200, 1.3), (200, 0.4), (429, 0.5), (429, 0.9), (200, 0.3), (200, 2.0)];
+    assert_eq!(lines.len(), expected.len());
+    for (line, (status, tokens)) in lines.iter().zip(expected) {
+        assert_eq!(line["status"], status, "{line}");
+        let rule = &line["rules"][0];
+        assert_eq!(rule["tokens"].as_f64(), Some(tokens), "{line}");
+        assert_eq!(rule["rule"], "worked-example");
+        assert_eq!(rule["policy"], "coinbase-worked-example");
+        assert_eq!(rule["key"], "203.0.113.7");
+        assert_eq!(rule["bucket"], "tb:worked-example:203.0.113.7");
+        assert_eq!(rule["allowed"], status == 200);
+    }
+    // retry_after = ceil((1 - 0.5) / 1) = 1 and ceil((1 - 0.9) / 1) = 1.
+    assert_eq!(lines[3]["rules"][0]["retry_after"], 1);
+    assert_eq!(lines[3]["headers"]["X-Tollgate-Reason"], "token_bucket_exceeded");
+    assert_eq!(lines[3]["headers"]["RateLimit-Reset"], "1");
+    assert_eq!(lines[0]["headers"]["RateLimit-Policy"], "\"worked-example\";q=3;w=3");
+    assert_eq!(lines[1]["headers"]["RateLimit"], "\"worked-example\";r=1;t=2");
+}
+
+/// Seed 000 (Boulder) through stdin: 20 per second, burst 20; the 21st request inside 50 ms is
+/// refused; an override doubles the rate for listed IPs.
+#[test]
+fn simulate_boulder_defaults_and_overrides_from_stdin() {
+    let mut input = String::new();
+    for i in 0..21 {
+        input.push_str(&format!("{{\"t\": {}, \"method\": \"POST\", \"path\": \"/acme/new-reg\", \"ip\": \"172.23.45.22\"}}\n", i as f64 * 0.002));
+    }
+    input.push_str("{\"t\": 0.1, \"method\": \"POST\", \"path\": \"/acme/new-reg\", \"ip\": \"10.0.0.5\"}\n");
+    let (code, out, err) = tollgate(&["simulate", "--policy", "policies/boulder.json"], Some(&input));
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0]["rules"][0]["tokens"].as_f64(), Some(19.0));
+    assert!(lines[..20].iter().all(|l| l["status"] == 200));
+    assert_eq!(lines[20]["status"], 429);
+    assert_eq!(lines[21]["status"], 200);
+}
+
+#[test]
+fn simulate_reports_bad_lines_and_exits_non_zero() {
+    let (code, out, err) = tollgate(
+        &["simulate", "--policy", "policies/axum-per-ip.json", "--requests", "-"],
+        Some("{\"t\": 0.1}\n{\"t\": -1}\n{\"bogus\": 1, \"t\": 0}\n"),
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("2 request line(s)"), "{err}");
+    let lines: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0]["status"], 200);
+    assert_eq!(lines[1]["line"], 2);
+    assert!(lines[2]["error"].as_str().unwrap().contains("unknown field `bogus`"));
+}
+
+#[test]
+fn validate_accepts_every_shipped_policy() {
+    let mut files: Vec<String> = std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("policies"))
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 5);
+    let mut args = vec!["validate"];
+    args.extend(files.iter().map(String::as_str));
+    let (code, out, err) = tollgate(&args, None);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(out.lines().filter(|l| l.contains(": ok (")).count(), files.len());
+}
+
+#[test]
+fn validate_lists_every_error_with_its_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"bundle_version": 1, "policies": [{"id": "p", "spec": {"rules": [
+            {"name": "r", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 10, "burst": 0}},
+            {"name": "r", "limit_keys": ["cookie:x"], "algorithm": "sliding_window", "algorithm_config": {"rps": 1, "burst": 1}}
+        ]}}]}"#,
+    )
+    .unwrap();
+    let broken = dir.path().join("broken.json");
+    std::fs::write(&broken, "{\"rules\": [").unwrap();
+    let good = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/axum-per-ip.json");
+    let (code, out, err) = tollgate(&["validate", good.to_str().unwrap(), bad.to_str().unwrap(), broken.to_str().unwrap()], None);
+    assert_eq!(code, 1);
+    assert!(out.contains("axum-per-ip.json: ok"));
+    for expected in [
+        "4 error(s)",
+        "policies[0].spec.rules[0].algorithm_config.burst: must be > 0",
+        "policies[0].spec.rules[1].name: duplicate rule name 'r'",
+        "policies[0].spec.rules[1].limit_keys[0]: unknown descriptor 'cookie:x'",
+        "policies[0].spec.rules[1].algorithm: unknown algorithm 'sliding_window' (supported: token_bucket)",
+        "broken.json: not valid JSON at line 1, column 11",
+    ] {
+        assert!(err.contains(expected), "{expected:?} missing from:\n{err}");
+    }
+    let (code, _, err) = tollgate(&["validate", "/does/not/exist.json"], None);
+    assert_eq!(code, 1);
+    assert!(err.contains("/does/not/exist.json: cannot read"), "{err}");
+}
