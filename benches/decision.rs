@@ -2,6 +2,10 @@
 //! rules (IP, API key, path, global, shadow). Distinct client IPs rotate so buckets stay warm
 //! but not all on one key.
 
+// Same allocator as the shipped binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;

@@ -1,12 +1,16 @@
 //! The embedded store against a `Mutex<HashMap>` baseline, at 1 and 2 threads, on a mix of 64k
 //! keys; and 1 M distinct keys (insert cost and memory per live key, printed).
 
+// Same allocator as the shipped binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use std::collections::HashMap;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 use tollgate::limiter::{self, BucketState, Quota, MICRO, US_PER_SEC};
-use tollgate::store::{BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, Store};
+use tollgate::store::{BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, Store};
 
 const KEYS: usize = 65_536;
 
@@ -67,7 +71,8 @@ fn bench(c: &mut Criterion) {
         let s = Arc::clone(&store);
         let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
             let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % KEYS];
-            let r = s.apply(i, &[BucketOp { key, quota: q, cost: MICRO, group: Group::Enforce }]);
+            let mut results = OpResults::new();
+            let r = s.apply(i, &[BucketOp { key, quota: q, cost: MICRO, group: Group::Enforce }], &mut results);
             black_box(r.is_ok());
         });
         group.bench_function(format!("memory_store_{threads}_threads"), |b| {
@@ -96,7 +101,7 @@ fn bench(c: &mut Criterion) {
                 let store = MemoryStore::new(MemoryStoreConfig { max_buckets: 1_000_000, ..MemoryStoreConfig::default() });
                 let start = Instant::now();
                 for key in &million {
-                    let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }]);
+                    let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }], &mut OpResults::new());
                 }
                 total += start.elapsed();
             }
@@ -107,7 +112,7 @@ fn bench(c: &mut Criterion) {
     group.finish();
     let store = MemoryStore::new(MemoryStoreConfig { max_buckets: 1_000_000, ..MemoryStoreConfig::default() });
     for key in &million {
-        let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }]);
+        let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }], &mut OpResults::new());
     }
     let stats = store.stats();
     println!(

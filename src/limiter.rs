@@ -80,12 +80,19 @@ impl Quota {
 
     /// Micro-tokens gained over `elapsed_us` (floored; saturates instead of overflowing).
     pub fn gained(&self, elapsed_us: u64) -> u64 {
+        // 64-bit fast path: a 128-bit division is a slow library call.
+        if let Some(product) = elapsed_us.checked_mul(self.refill) {
+            return product / self.period_us;
+        }
         let micro = elapsed_us as u128 * self.refill as u128 / self.period_us as u128;
         micro.min(u64::MAX as u128) as u64
     }
 
     /// Microseconds needed to gain `micro` micro-tokens (rounded up).
     pub fn time_to_gain_us(&self, micro: u64) -> u64 {
+        if let Some(product) = micro.checked_mul(self.period_us) {
+            return product.div_ceil(self.refill);
+        }
         let num = micro as u128 * self.period_us as u128;
         let us = num.div_ceil(self.refill as u128);
         us.min(u64::MAX as u128) as u64

@@ -195,13 +195,13 @@ impl Metrics {
         if decision.store_error {
             self.store_errors.inc();
         }
-        let Some(bundle) = &decision.bundle else {
+        let Some(bundle) = decision.bundle() else {
             return;
         };
         let table = self.per_rule.load();
         let table = table
             .as_ref()
-            .filter(|t| t.bundle == Arc::as_ptr(bundle) as usize);
+            .filter(|t| t.bundle == bundle as *const Bundle as usize);
         for outcome in &decision.rules {
             let Some(counters) = table.and_then(|t| t.rules.get(outcome.rule)) else {
                 // A reload raced this request: count it under labels.

@@ -244,8 +244,7 @@ fn log_decision(decision: &Decision, facts: &RequestFacts<'_>, status: u16) {
         ) {
             (Some(r), _, _) => decision.names(r),
             (None, Some(index), _) => decision
-                .bundle
-                .as_ref()
+                .bundle()
                 .and_then(|b| {
                     b.rules.get(index).map(|r| {
                         (
@@ -260,7 +259,7 @@ fn log_decision(decision: &Decision, facts: &RequestFacts<'_>, status: u16) {
         };
         let detail = decision
             .kill_switch
-            .and_then(|i| decision.bundle.as_ref()?.kill_switches.get(i))
+            .and_then(|i| decision.bundle()?.kill_switches.get(i))
             .map_or("", |ks| ks.reason.as_str());
         let reason = reason.as_str();
         if detail.is_empty() {

@@ -178,8 +178,38 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// One bucket: one shard lock, no bookkeeping (the common single-rule request).
+    fn apply_one(&self, now_us: u64, op: &BucketOp) -> OpResult {
+        let mut shard = self.shards[self.shard_of(&op.key)].0.lock();
+        let state = shard.map.get(&op.key).map(|s| BucketState {
+            tokens: s.tokens,
+            last_us: s.last_us,
+        });
+        let mut result = OpResult {
+            verdict: limiter::check(state, &op.quota, now_us, op.cost),
+            committed: false,
+            fail_open: false,
+        };
+        if result.verdict.allowed {
+            if self.store(&mut shard, op, &result, now_us) {
+                result.committed = true;
+            } else {
+                result.fail_open = true;
+                self.fail_open.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        result
+    }
+}
+
 impl Store for MemoryStore {
-    fn apply(&self, now_us: u64, ops: &[BucketOp]) -> Result<OpResults, StoreError> {
+    fn apply(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> Result<(), StoreError> {
+        results.clear();
+        if let [op] = ops {
+            results.push(self.apply_one(now_us, op));
+            return Ok(());
+        }
         // Lock every shard the request touches, in index order (no deadlock between requests).
         let mut wanted: SmallVec<[usize; 4]> =
             ops.iter().map(|op| self.shard_of(&op.key)).collect();
@@ -193,9 +223,7 @@ impl Store for MemoryStore {
             guards.iter().position(|(i, _)| *i == idx).unwrap_or(0)
         };
 
-        let mut results: OpResults = ops
-            .iter()
-            .map(|op| {
+        results.extend(ops.iter().map(|op| {
                 let g = &guards[slot_of(&guards, self.shard_of(&op.key))].1;
                 let state = g.map.get(&op.key).map(|s| BucketState {
                     tokens: s.tokens,
@@ -206,8 +234,7 @@ impl Store for MemoryStore {
                     committed: false,
                     fail_open: false,
                 }
-            })
-            .collect();
+        }));
 
         for group in [Group::Enforce, Group::Shadow] {
             let all_allowed = ops
@@ -231,7 +258,7 @@ impl Store for MemoryStore {
                 }
             }
         }
-        Ok(results)
+        Ok(())
     }
 
     fn stats(&self) -> StoreStats {
@@ -266,6 +293,13 @@ impl Store for MemoryStore {
 mod tests {
     use super::*;
     use crate::limiter::{Quota, MICRO, US_PER_SEC};
+
+    /// `apply` returning its results, for tests.
+    fn run(store: &MemoryStore, now: u64, ops: &[BucketOp]) -> OpResults {
+        let mut results = OpResults::new();
+        store.apply(now, ops, &mut results).unwrap();
+        results
+    }
     use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
 
@@ -295,10 +329,10 @@ mod tests {
         let store = small(100);
         let loose = op("tb:loose:a", quota(1, 10), Group::Enforce);
         let tight = op("tb:tight:a", quota(1, 1), Group::Enforce);
-        let r = store.apply(0, &[loose, tight]).unwrap();
+        let r = run(&store, 0, &[loose, tight]);
         assert!(r.iter().all(|r| r.verdict.allowed && r.committed));
         // The tight bucket is empty now: the next request is rejected by it...
-        let r = store.apply(0, &[loose, tight]).unwrap();
+        let r = run(&store, 0, &[loose, tight]);
         assert!(r[0].verdict.allowed && !r[1].verdict.allowed);
         assert!(!r[0].committed);
         // ...and the loose bucket still holds 9 tokens, not 8.
@@ -310,8 +344,8 @@ mod tests {
         let store = small(100);
         let enforce = op("tb:e:a", quota(1, 5), Group::Enforce);
         let shadow = op("shadow:tb:s:a", quota(1, 1), Group::Shadow);
-        store.apply(0, &[enforce, shadow]).unwrap();
-        let r = store.apply(0, &[enforce, shadow]).unwrap();
+        run(&store, 0, &[enforce, shadow]);
+        let r = run(&store, 0, &[enforce, shadow]);
         assert!(
             r[0].committed,
             "a shadow would-reject must not block enforcement"
@@ -325,17 +359,15 @@ mod tests {
         let store = small(2);
         let q = quota(1, 2);
         // Two keys, both drained by one token; at t=0 neither is full.
-        store.apply(0, &[op("tb:r:a", q, Group::Enforce)]).unwrap();
-        store.apply(0, &[op("tb:r:b", q, Group::Enforce)]).unwrap();
+        run(&store, 0, &[op("tb:r:a", q, Group::Enforce)]);
+        run(&store, 0, &[op("tb:r:b", q, Group::Enforce)]);
         // A third key cannot be stored: allowed, not committed, counted.
-        let r = store.apply(0, &[op("tb:r:c", q, Group::Enforce)]).unwrap();
+        let r = run(&store, 0, &[op("tb:r:c", q, Group::Enforce)]);
         assert!(r[0].verdict.allowed && r[0].fail_open && !r[0].committed);
         assert_eq!(store.stats().fail_open, 1);
         assert_eq!(store.stats().entries, 2);
         // After 1 s both are full again: they are evicted and the new key is stored.
-        let r = store
-            .apply(US_PER_SEC, &[op("tb:r:c", q, Group::Enforce)])
-            .unwrap();
+        let r = run(&store, US_PER_SEC, &[op("tb:r:c", q, Group::Enforce)]);
         assert!(r[0].committed);
         assert_eq!(store.stats().evictions, 2);
         assert_eq!(store.stats().entries, 1);
@@ -346,12 +378,8 @@ mod tests {
         let store = small(100);
         let fast = quota(1, 2);
         let slow = Quota::new(300 * MICRO, 300 * MICRO, 10_800 * US_PER_SEC).unwrap();
-        store
-            .apply(0, &[op("tb:fast:a", fast, Group::Enforce)])
-            .unwrap();
-        store
-            .apply(0, &[op("tb:slow:a", slow, Group::Enforce)])
-            .unwrap();
+        run(&store, 0, &[op("tb:fast:a", fast, Group::Enforce)]);
+        run(&store, 0, &[op("tb:slow:a", slow, Group::Enforce)]);
         assert_eq!(store.sweep(500_000), 0);
         // At 2 s the fast bucket is full again; the slow one is not and not idle.
         assert_eq!(store.sweep(2 * US_PER_SEC), 1);
@@ -369,9 +397,7 @@ mod tests {
         });
         let q = quota(1, 100);
         for i in 0..20_000 {
-            store
-                .apply(0, &[op(&format!("tb:r:{i}"), q, Group::Enforce)])
-                .unwrap();
+            run(&store, 0, &[op(&format!("tb:r:{i}"), q, Group::Enforce)]);
         }
         let stats = store.stats();
         assert!(stats.entries <= 5_000, "{stats:?}");
@@ -393,7 +419,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for _ in 0..2_000 {
                         let tight = op("tb:hot:k", q, Group::Enforce);
-                        let r = store.apply(5, &[tight]).unwrap();
+                        let r = run(&store, 5, &[tight]);
                         if r[0].committed {
                             admitted.fetch_add(1, Ordering::Relaxed);
                         }

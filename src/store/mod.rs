@@ -85,11 +85,13 @@ pub struct StoreStats {
 
 /// A synchronous bucket store.
 pub trait Store: Send + Sync {
-    /// Checks every op at `now_us` and commits each group whose ops all allow.
+    /// Checks every op at `now_us` and commits each group whose ops all allow. `results` is
+    /// cleared and receives one entry per op, in op order (a caller-owned buffer: results are
+    /// not moved around on the hot path).
     ///
     /// # Errors
     /// The store could not answer; nothing was spent.
-    fn apply(&self, now_us: u64, ops: &[BucketOp]) -> Result<OpResults, StoreError>;
+    fn apply(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> Result<(), StoreError>;
 
     /// Current gauges and counters.
     fn stats(&self) -> StoreStats;
