@@ -17,7 +17,11 @@ use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
 fn engine(bundle: &str) -> (Engine<MemoryStore>, ManualClock) {
     let clock = ManualClock::new(0);
-    let e = Engine::new(MemoryStore::new(MemoryStoreConfig::default()), Arc::new(clock.clone()), EngineConfig::default());
+    let e = Engine::new(
+        MemoryStore::new(MemoryStoreConfig::default()),
+        Arc::new(clock.clone()),
+        EngineConfig::default(),
+    );
     e.install(parse_bundle(bundle.as_bytes(), "bench").expect("bench bundle"));
     (e, clock)
 }
@@ -40,7 +44,9 @@ fn bench(c: &mut Criterion) {
         ("x-api-key".into(), "key-123456".into()),
         ("user-agent".into(), "bench".into()),
     ];
-    let ips: Vec<IpAddr> = (0..1024u32).map(|i| IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))).collect();
+    let ips: Vec<IpAddr> = (0..1024u32)
+        .map(|i| IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)))
+        .collect();
     let mut group = c.benchmark_group("decision");
     for (name, bundle) in [("1_rule_ip", ONE_RULE), ("5_rules", FIVE_RULES)] {
         let (e, clock) = engine(bundle);

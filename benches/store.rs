@@ -10,12 +10,22 @@ use std::collections::HashMap;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 use tollgate::limiter::{self, BucketState, Quota, MICRO, US_PER_SEC};
-use tollgate::store::{BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, Store};
+use tollgate::store::{
+    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, Store,
+};
 
-const KEYS: usize = 65_536;
+/// Size of the key mix (default 65 536; `TOLLGATE_BENCH_KEYS` overrides).
+fn key_count() -> usize {
+    std::env::var("TOLLGATE_BENCH_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(65_536)
+}
 
 fn keys() -> Vec<BucketKey> {
-    (0..KEYS).map(|i| BucketKey::of(&format!("tb:bench:{i}"))).collect()
+    (0..key_count())
+        .map(|i| BucketKey::of(&format!("tb:bench:{i}")))
+        .collect()
 }
 
 fn quota() -> Quota {
@@ -70,9 +80,18 @@ fn bench(c: &mut Criterion) {
         let ks = Arc::clone(&keys);
         let s = Arc::clone(&store);
         let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
-            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % KEYS];
+            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % ks.len()];
             let mut results = OpResults::new();
-            let r = s.apply(i, &[BucketOp { key, quota: q, cost: MICRO, group: Group::Enforce }], &mut results);
+            let r = s.apply(
+                i,
+                &[BucketOp {
+                    key,
+                    quota: q,
+                    cost: MICRO,
+                    group: Group::Enforce,
+                }],
+                &mut results,
+            );
             black_box(r.is_ok());
         });
         group.bench_function(format!("memory_store_{threads}_threads"), |b| {
@@ -81,7 +100,7 @@ fn bench(c: &mut Criterion) {
         let baseline = Arc::new(MutexMap(Mutex::new(HashMap::default())));
         let ks = Arc::clone(&keys);
         let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
-            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % KEYS];
+            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % ks.len()];
             black_box(baseline.apply(i, key, &q));
         });
         group.bench_function(format!("mutex_hashmap_{threads}_threads"), |b| {
@@ -93,15 +112,29 @@ fn bench(c: &mut Criterion) {
     // 1 M distinct keys: insert throughput, then memory per live key.
     let mut group = c.benchmark_group("store_1m_keys");
     group.sample_size(10);
-    let million: Vec<BucketKey> = (0..1_000_000).map(|i| BucketKey::of(&format!("tb:bench:{i}"))).collect();
+    let million: Vec<BucketKey> = (0..1_000_000)
+        .map(|i| BucketKey::of(&format!("tb:bench:{i}")))
+        .collect();
     group.bench_function("insert_1m_distinct", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                let store = MemoryStore::new(MemoryStoreConfig { max_buckets: 1_000_000, ..MemoryStoreConfig::default() });
+                let store = MemoryStore::new(MemoryStoreConfig {
+                    max_buckets: 1_000_000,
+                    ..MemoryStoreConfig::default()
+                });
                 let start = Instant::now();
                 for key in &million {
-                    let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }], &mut OpResults::new());
+                    let _ = store.apply(
+                        0,
+                        &[BucketOp {
+                            key: *key,
+                            quota: q,
+                            cost: MICRO,
+                            group: Group::Enforce,
+                        }],
+                        &mut OpResults::new(),
+                    );
                 }
                 total += start.elapsed();
             }
@@ -110,9 +143,21 @@ fn bench(c: &mut Criterion) {
         })
     });
     group.finish();
-    let store = MemoryStore::new(MemoryStoreConfig { max_buckets: 1_000_000, ..MemoryStoreConfig::default() });
+    let store = MemoryStore::new(MemoryStoreConfig {
+        max_buckets: 1_000_000,
+        ..MemoryStoreConfig::default()
+    });
     for key in &million {
-        let _ = store.apply(0, &[BucketOp { key: *key, quota: q, cost: MICRO, group: Group::Enforce }], &mut OpResults::new());
+        let _ = store.apply(
+            0,
+            &[BucketOp {
+                key: *key,
+                quota: q,
+                cost: MICRO,
+                group: Group::Enforce,
+            }],
+            &mut OpResults::new(),
+        );
     }
     let stats = store.stats();
     println!(

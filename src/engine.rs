@@ -258,7 +258,9 @@ impl<S: Store> Engine<S> {
                 continue;
             }
             let mut matched_conditional = false;
-            let mut consider = |index: usize, outcomes: &mut SmallVec<[RuleOutcome; 4]>, ops: &mut SmallVec<[BucketOp; 4]>| {
+            let mut consider = |index: usize,
+                                outcomes: &mut SmallVec<[RuleOutcome; 4]>,
+                                ops: &mut SmallVec<[BucketOp; 4]>| {
                 let rule = &bundle.rules[index];
                 match self.bucket_for(rule, facts) {
                     Some((bucket, key_start)) => {
@@ -307,7 +309,8 @@ impl<S: Store> Engine<S> {
             }
             if let Some(fallback) = policy.fallback {
                 let rule = &bundle.rules[fallback];
-                if !matched_conditional && rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
+                if !matched_conditional && rule.conditions.iter().all(|c| c.matches(facts, prefix))
+                {
                     consider(fallback, &mut decision.rules, &mut ops);
                 }
             }
@@ -351,7 +354,9 @@ impl<S: Store> Engine<S> {
                 // Nothing spent: report the bucket as it stands.
                 outcome.tokens = v.available;
                 outcome.reset = crate::limiter::ceil_secs(
-                    outcome.quota.time_to_gain_us(outcome.quota.burst() - v.available),
+                    outcome
+                        .quota
+                        .time_to_gain_us(outcome.quota.burst() - v.available),
                 );
             }
         }
@@ -380,7 +385,11 @@ impl<S: Store> Engine<S> {
                 if i > 0 {
                     bucket.push('|');
                 }
-                push_ip_key(&mut bucket, ip, v6_prefix.unwrap_or(self.config.ipv6_prefix));
+                push_ip_key(
+                    &mut bucket,
+                    ip,
+                    v6_prefix.unwrap_or(self.config.ipv6_prefix),
+                );
                 continue;
             }
             match descriptor.value(facts, self.config.ipv6_prefix) {

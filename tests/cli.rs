@@ -32,12 +32,29 @@ fn tollgate(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
 #[test]
 fn simulate_replays_the_seed_004_table_exactly() {
     let (code, out, err) = tollgate(
-        &["simulate", "--policy", "policies/coinbase-worked-example.json", "--requests", "examples/seed-004-requests.jsonl"],
+        &[
+            "simulate",
+            "--policy",
+            "policies/coinbase-worked-example.json",
+            "--requests",
+            "examples/seed-004-requests.jsonl",
+        ],
         None,
     );
     assert_eq!(code, 0, "{err}");
-    let lines: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let expected = [(200, 2.0), (200, 1.3), (200, 0.4), (429, 0.5), (429, 0.9), (200, 0.3), (200, 2.0)];
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let expected = [
+        (200, 2.0),
+        (200, 1.3),
+        (200, 0.4),
+        (429, 0.5),
+        (429, 0.9),
+        (200, 0.3),
+        (200, 2.0),
+    ];
     assert_eq!(lines.len(), expected.len());
     for (line, (status, tokens)) in lines.iter().zip(expected) {
         assert_eq!(line["status"], status, "{line}");
@@ -51,10 +68,19 @@ fn simulate_replays_the_seed_004_table_exactly() {
     }
     // retry_after = ceil((1 - 0.5) / 1) = 1 and ceil((1 - 0.9) / 1) = 1.
     assert_eq!(lines[3]["rules"][0]["retry_after"], 1);
-    assert_eq!(lines[3]["headers"]["X-Tollgate-Reason"], "token_bucket_exceeded");
+    assert_eq!(
+        lines[3]["headers"]["X-Tollgate-Reason"],
+        "token_bucket_exceeded"
+    );
     assert_eq!(lines[3]["headers"]["RateLimit-Reset"], "1");
-    assert_eq!(lines[0]["headers"]["RateLimit-Policy"], "\"worked-example\";q=3;w=3");
-    assert_eq!(lines[1]["headers"]["RateLimit"], "\"worked-example\";r=1;t=2");
+    assert_eq!(
+        lines[0]["headers"]["RateLimit-Policy"],
+        "\"worked-example\";q=3;w=3"
+    );
+    assert_eq!(
+        lines[1]["headers"]["RateLimit"],
+        "\"worked-example\";r=1;t=2"
+    );
 }
 
 /// Seed 000 (Boulder) through stdin: 20 per second, burst 20; the 21st request inside 50 ms is
@@ -65,10 +91,18 @@ fn simulate_boulder_defaults_and_overrides_from_stdin() {
     for i in 0..21 {
         input.push_str(&format!("{{\"t\": {}, \"method\": \"POST\", \"path\": \"/acme/new-reg\", \"ip\": \"172.23.45.22\"}}\n", i as f64 * 0.002));
     }
-    input.push_str("{\"t\": 0.1, \"method\": \"POST\", \"path\": \"/acme/new-reg\", \"ip\": \"10.0.0.5\"}\n");
-    let (code, out, err) = tollgate(&["simulate", "--policy", "policies/boulder.json"], Some(&input));
+    input.push_str(
+        "{\"t\": 0.1, \"method\": \"POST\", \"path\": \"/acme/new-reg\", \"ip\": \"10.0.0.5\"}\n",
+    );
+    let (code, out, err) = tollgate(
+        &["simulate", "--policy", "policies/boulder.json"],
+        Some(&input),
+    );
     assert_eq!(code, 0, "{err}");
-    let lines: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines[0]["rules"][0]["tokens"].as_f64(), Some(19.0));
     assert!(lines[..20].iter().all(|l| l["status"] == 200));
     assert_eq!(lines[20]["status"], 429);
@@ -78,30 +112,46 @@ fn simulate_boulder_defaults_and_overrides_from_stdin() {
 #[test]
 fn simulate_reports_bad_lines_and_exits_non_zero() {
     let (code, out, err) = tollgate(
-        &["simulate", "--policy", "policies/axum-per-ip.json", "--requests", "-"],
+        &[
+            "simulate",
+            "--policy",
+            "policies/axum-per-ip.json",
+            "--requests",
+            "-",
+        ],
         Some("{\"t\": 0.1}\n{\"t\": -1}\n{\"bogus\": 1, \"t\": 0}\n"),
     );
     assert_eq!(code, 1);
     assert!(err.contains("2 request line(s)"), "{err}");
-    let lines: Vec<Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines[0]["status"], 200);
     assert_eq!(lines[1]["line"], 2);
-    assert!(lines[2]["error"].as_str().unwrap().contains("unknown field `bogus`"));
+    assert!(lines[2]["error"]
+        .as_str()
+        .unwrap()
+        .contains("unknown field `bogus`"));
 }
 
 #[test]
 fn validate_accepts_every_shipped_policy() {
-    let mut files: Vec<String> = std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("policies"))
-        .unwrap()
-        .map(|e| e.unwrap().path().display().to_string())
-        .collect();
+    let mut files: Vec<String> =
+        std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("policies"))
+            .unwrap()
+            .map(|e| e.unwrap().path().display().to_string())
+            .collect();
     files.sort();
     assert!(files.len() >= 5);
     let mut args = vec!["validate"];
     args.extend(files.iter().map(String::as_str));
     let (code, out, err) = tollgate(&args, None);
     assert_eq!(code, 0, "{out}{err}");
-    assert_eq!(out.lines().filter(|l| l.contains(": ok (")).count(), files.len());
+    assert_eq!(
+        out.lines().filter(|l| l.contains(": ok (")).count(),
+        files.len()
+    );
 }
 
 #[test]
@@ -119,7 +169,15 @@ fn validate_lists_every_error_with_its_path() {
     let broken = dir.path().join("broken.json");
     std::fs::write(&broken, "{\"rules\": [").unwrap();
     let good = Path::new(env!("CARGO_MANIFEST_DIR")).join("policies/axum-per-ip.json");
-    let (code, out, err) = tollgate(&["validate", good.to_str().unwrap(), bad.to_str().unwrap(), broken.to_str().unwrap()], None);
+    let (code, out, err) = tollgate(
+        &[
+            "validate",
+            good.to_str().unwrap(),
+            bad.to_str().unwrap(),
+            broken.to_str().unwrap(),
+        ],
+        None,
+    );
     assert_eq!(code, 1);
     assert!(out.contains("axum-per-ip.json: ok"));
     for expected in [

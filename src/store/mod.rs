@@ -91,7 +91,12 @@ pub trait Store: Send + Sync {
     ///
     /// # Errors
     /// The store could not answer; nothing was spent.
-    fn apply(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> Result<(), StoreError>;
+    fn apply(
+        &self,
+        now_us: u64,
+        ops: &[BucketOp],
+        results: &mut OpResults,
+    ) -> Result<(), StoreError>;
 
     /// Current gauges and counters.
     fn stats(&self) -> StoreStats;
