@@ -1,0 +1,85 @@
+//! The decision service behind a real nginx (`auth_request`), using the shipped example
+//! configuration `examples/nginx/auth-request.conf`. nginx comes from the Debian package that
+//! `scripts/install-deps.sh` installs.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::Duration;
+use support::{free_port, one_rule, request, Gateway, Upstream};
+
+struct Nginx(Child);
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // SIGTERM lets the master stop its workers; SIGKILL would orphan them.
+        // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(self.0.id() as i32, libc::SIGTERM);
+        }
+        let _ = self.0.wait();
+    }
+}
+
+fn nginx_binary() -> &'static str {
+    for candidate in ["/usr/sbin/nginx", "/usr/bin/nginx"] {
+        if Path::new(candidate).exists() {
+            return candidate;
+        }
+    }
+    panic!("nginx is not installed: run `bash scripts/test.sh` (it installs nginx-light)");
+}
+
+#[test]
+fn nginx_auth_request_enforces_tollgate_decisions() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(Some(&one_rule("per-ip", r#"["ip:address"]"#, 0.001, 2.0)), None, &[]);
+    let prefix = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let template = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/nginx/auth-request.conf")).unwrap();
+    // As root, nginx workers would run as `nobody` and could not use the temp directory.
+    let user = if unsafe { libc::geteuid() } == 0 { "user root;" } else { "" };
+    let conf = template
+        .replace("__USER_DIRECTIVE__", user)
+        .replace("__LISTEN__", &listen)
+        .replace("__TOLLGATE_ADMIN__", &gw.admin.to_string())
+        .replace("__UPSTREAM__", &upstream.addr.to_string())
+        .replace("__PREFIX__", &prefix.path().display().to_string());
+    let conf_path = prefix.path().join("nginx.conf");
+    std::fs::write(&conf_path, conf).unwrap();
+    let child = Command::new(nginx_binary())
+        .args(["-p", &prefix.path().display().to_string(), "-c", &conf_path.display().to_string(), "-g", "daemon off;"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start nginx");
+    let _nginx = Nginx(child);
+    let addr = listen.parse().unwrap();
+    gw.wait_until(Duration::from_secs(15), || support::try_request(addr, "GET", "/", &[("X-Probe", "1")]).is_ok());
+    // The probe above spent one token (nginx passes the client's address, 127.0.0.1).
+    let r = request(addr, "GET", "/orders?page=2", &[]);
+    assert_eq!(r.status, 200, "{r:?}\n{}", gw.log_text());
+    assert!(r.body.starts_with("upstream ok"));
+    assert_eq!(r.header("RateLimit-Remaining"), Some("0"));
+    assert_eq!(r.header("RateLimit"), Some("\"per-ip\";r=0;t=2000"));
+    assert_eq!(upstream.hits(), 2);
+    for _ in 0..3 {
+        let r = request(addr, "GET", "/orders", &[]);
+        assert_eq!(r.status, 429, "{r:?}");
+        assert_eq!(r.body, "Too Many Requests");
+        assert_eq!(r.header("X-Tollgate-Reason"), Some("token_bucket_exceeded"));
+        assert_eq!(r.header("RateLimit-Remaining"), Some("0"));
+        let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
+        assert!((1000..=1500).contains(&retry));
+    }
+    assert_eq!(upstream.hits(), 2, "refused requests never reach the upstream");
+    // tollgate saw the original request line.
+    assert!(gw.log_text().contains("path=/orders"), "{}", gw.log_text());
+    // tollgate gone: nginx fails open.
+    drop(gw);
+    let r = request(addr, "GET", "/orders", &[]);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(upstream.hits(), 3);
+}
