@@ -98,31 +98,22 @@ pub fn build(
         let mut state = String::new();
         for (i, rule) in shown.iter().enumerate() {
             let (_, name) = decision.names(rule);
-            let q = decision
-                .rule_def(rule)
-                .map_or(rule.quota.burst() / MICRO, |d| {
-                    d.burst_tokens.floor() as u64
-                });
-            let sep = if i == 0 { "" } else { ", " };
-            let _ = write!(
-                policy,
-                "{sep}\"{}\";q={};w={}",
-                sf_string(name),
-                q,
-                rule.quota.window_secs()
-            );
+            // q is the burst of the quota actually applied (a per-ID override may differ
+            // from the rule's default).
+            let q = rule.quota.burst() / MICRO;
             let t = if rule.allowed {
                 rule.reset
             } else {
                 rule.retry_after
             };
-            let _ = write!(
-                state,
-                "{sep}\"{}\";r={};t={}",
-                sf_string(name),
-                remaining(rule),
-                t
-            );
+            if i > 0 {
+                policy.push_str(", ");
+                state.push_str(", ");
+            }
+            push_sf_string(&mut policy, name);
+            let _ = write!(policy, ";q={q};w={}", rule.quota.window_secs());
+            push_sf_string(&mut state, name);
+            let _ = write!(state, ";r={};t={t}", remaining(rule));
         }
         headers.push(("RateLimit-Policy", policy));
         headers.push(("RateLimit", state));
@@ -137,12 +128,7 @@ pub fn build(
                 .min_by(|a, b| remaining(a).cmp(&remaining(b)).then(b.reset.cmp(&a.reset)))
         };
         if let Some(rule) = legacy {
-            let limit = decision
-                .rule_def(rule)
-                .map_or(rule.quota.burst() / MICRO, |d| {
-                    d.burst_tokens.floor() as u64
-                });
-            headers.push(("RateLimit-Limit", limit.to_string()));
+            headers.push(("RateLimit-Limit", (rule.quota.burst() / MICRO).to_string()));
             if rejected {
                 headers.push(("RateLimit-Remaining", "0".to_string()));
                 headers.push(("RateLimit-Reset", decision.retry_after.max(1).to_string()));
@@ -179,10 +165,11 @@ pub fn build(
     }
 }
 
-/// A rule name as the inside of a structured-field string: `"` and `\` escaped, non-printable
-/// characters dropped (names come from operators, but a header must stay valid whatever they are).
-fn sf_string(name: &str) -> String {
-    let mut out = String::with_capacity(name.len());
+/// Appends a rule name as a structured-field string (`"name"`): `"` and `\` escaped,
+/// non-printable characters dropped (names come from operators, but a header must stay valid
+/// whatever they are).
+fn push_sf_string(out: &mut String, name: &str) {
+    out.push('"');
     for c in name.chars() {
         match c {
             '"' | '\\' => {
@@ -193,7 +180,7 @@ fn sf_string(name: &str) -> String {
             _ => {}
         }
     }
-    out
+    out.push('"');
 }
 
 #[cfg(test)]
@@ -308,6 +295,32 @@ mod tests {
 
     #[test]
     fn names_are_escaped() {
-        assert_eq!(sf_string("a\"b\\c\nd"), "a\\\"b\\\\cd");
+        let mut out = String::new();
+        push_sf_string(&mut out, "a\"b\\c\nd");
+        assert_eq!(out, "\"a\\\"b\\\\cd\"");
+    }
+
+    #[test]
+    fn an_override_reports_its_own_burst() {
+        let e = Engine::new(
+            MemoryStore::new(MemoryStoreConfig::default()),
+            Arc::new(ManualClock::new(0)),
+            EngineConfig::default(),
+        );
+        e.install(compile_bundle(&json!({"rules": [
+            {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 1, "burst": 10, "overrides": [{"ids": ["10.0.0.5"], "burst": 50, "rps": 5}]}}
+        ]}), "t").unwrap());
+        let headers: Vec<(String, String)> = Vec::new();
+        let ip: IpAddr = "10.0.0.5".parse().unwrap();
+        let facts = RequestFacts::from_uri("GET", "/", None, Some(ip), &headers);
+        let r = build(
+            &e.decide(&facts),
+            &JitterIdentity::default(),
+            &HeaderConfig::default(),
+        );
+        assert_eq!(get(&r, "RateLimit-Policy"), Some("\"per-ip\";q=50;w=10"));
+        assert_eq!(get(&r, "RateLimit-Limit"), Some("50"));
+        assert_eq!(get(&r, "RateLimit-Remaining"), Some("49"));
     }
 }

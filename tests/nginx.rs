@@ -34,12 +34,23 @@ fn nginx_binary() -> &'static str {
 #[test]
 fn nginx_auth_request_enforces_tollgate_decisions() {
     let upstream = Upstream::start();
-    let gw = Gateway::start(Some(&one_rule("per-ip", r#"["ip:address"]"#, 0.001, 2.0)), None, &[]);
+    let gw = Gateway::start(
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 0.001, 2.0)),
+        None,
+        &[],
+    );
     let prefix = tempfile::tempdir().unwrap();
     let listen = format!("127.0.0.1:{}", free_port());
-    let template = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/nginx/auth-request.conf")).unwrap();
+    let template = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/nginx/auth-request.conf"),
+    )
+    .unwrap();
     // As root, nginx workers would run as `nobody` and could not use the temp directory.
-    let user = if unsafe { libc::geteuid() } == 0 { "user root;" } else { "" };
+    let user = if unsafe { libc::geteuid() } == 0 {
+        "user root;"
+    } else {
+        ""
+    };
     let conf = template
         .replace("__USER_DIRECTIVE__", user)
         .replace("__LISTEN__", &listen)
@@ -49,7 +60,14 @@ fn nginx_auth_request_enforces_tollgate_decisions() {
     let conf_path = prefix.path().join("nginx.conf");
     std::fs::write(&conf_path, conf).unwrap();
     let child = Command::new(nginx_binary())
-        .args(["-p", &prefix.path().display().to_string(), "-c", &conf_path.display().to_string(), "-g", "daemon off;"])
+        .args([
+            "-p",
+            &prefix.path().display().to_string(),
+            "-c",
+            &conf_path.display().to_string(),
+            "-g",
+            "daemon off;",
+        ])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -57,7 +75,9 @@ fn nginx_auth_request_enforces_tollgate_decisions() {
         .expect("start nginx");
     let _nginx = Nginx(child);
     let addr = listen.parse().unwrap();
-    gw.wait_until(Duration::from_secs(15), || support::try_request(addr, "GET", "/", &[("X-Probe", "1")]).is_ok());
+    gw.wait_until(Duration::from_secs(15), || {
+        support::try_request(addr, "GET", "/", &[("X-Probe", "1")]).is_ok()
+    });
     // The probe above spent one token (nginx passes the client's address, 127.0.0.1).
     let r = request(addr, "GET", "/orders?page=2", &[]);
     assert_eq!(r.status, 200, "{r:?}\n{}", gw.log_text());
@@ -74,7 +94,11 @@ fn nginx_auth_request_enforces_tollgate_decisions() {
         let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
         assert!((1000..=1500).contains(&retry));
     }
-    assert_eq!(upstream.hits(), 2, "refused requests never reach the upstream");
+    assert_eq!(
+        upstream.hits(),
+        2,
+        "refused requests never reach the upstream"
+    );
     // tollgate saw the original request line.
     assert!(gw.log_text().contains("path=/orders"), "{}", gw.log_text());
     // tollgate gone: nginx fails open.

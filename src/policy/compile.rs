@@ -694,7 +694,6 @@ impl Compiler {
             limit_keys,
             conditions,
             quota: shape.quota,
-            burst_tokens: shape.burst,
             cost,
             overrides,
             on_missing,

@@ -191,8 +191,6 @@ pub struct Rule {
     pub limit_keys: Vec<Descriptor>,
     pub conditions: Vec<MatchCondition>,
     pub quota: Quota,
-    /// `burst` as written (for `q=` in `RateLimit-Policy`).
-    pub burst_tokens: f64,
     pub cost: CostSource,
     /// Per-ID quotas, keyed by composite key value.
     pub overrides: AHashMap<String, Quota>,
