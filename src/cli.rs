@@ -80,6 +80,40 @@ pub struct RunArgs {
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// HMAC secret for HS256/384/512 tokens.
+    #[arg(long, env = "TOLLGATE_JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: Option<String>,
+    /// PEM public key (RSA, EC or Ed25519) for RS*/PS*/ES*/EdDSA tokens (repeatable).
+    #[arg(
+        long = "jwt-public-key",
+        env = "TOLLGATE_JWT_PUBLIC_KEY",
+        value_delimiter = ','
+    )]
+    pub jwt_public_key: Vec<PathBuf>,
+    /// JWKS file; keys chosen by `kid`, re-read with every policy reload.
+    #[arg(long, env = "TOLLGATE_JWT_JWKS")]
+    pub jwt_jwks: Option<PathBuf>,
+    /// Use JWT claims WITHOUT checking signatures (only behind a layer that verifies them).
+    #[arg(long, env = "TOLLGATE_JWT_UNVERIFIED")]
+    pub jwt_unverified: bool,
+    /// Allowed algorithms (default: every algorithm of the configured keys' families).
+    #[arg(long, env = "TOLLGATE_JWT_ALGORITHMS", value_delimiter = ',')]
+    pub jwt_algorithms: Vec<String>,
+    /// Clock-skew allowance for exp/nbf, in seconds.
+    #[arg(long, env = "TOLLGATE_JWT_LEEWAY_SECS", default_value_t = 30)]
+    pub jwt_leeway_secs: u64,
+    /// Required `iss`.
+    #[arg(long, env = "TOLLGATE_JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// Required `aud`.
+    #[arg(long, env = "TOLLGATE_JWT_AUDIENCE")]
+    pub jwt_audience: Option<String>,
+    /// Read the token from this header instead of `Authorization: Bearer`.
+    #[arg(long, env = "TOLLGATE_JWT_HEADER", conflicts_with = "jwt_cookie")]
+    pub jwt_header: Option<String>,
+    /// Read the token from this cookie instead of `Authorization: Bearer`.
+    #[arg(long, env = "TOLLGATE_JWT_COOKIE")]
+    pub jwt_cookie: Option<String>,
     /// Seconds between checks of the policy file for changes (0 = only SIGHUP).
     #[arg(long, env = "TOLLGATE_POLICY_POLL_SECS", default_value_t = 2)]
     pub policy_poll_secs: u64,

@@ -2,6 +2,7 @@
 //! validated [`Config`]: addresses parsed, CIDRs parsed, names checked. Every problem is
 //! reported at once, before anything listens.
 
+use crate::auth::{parse_algorithm, JwtConfig, TokenSource};
 use crate::cli::{LogFormat, RunArgs};
 use crate::descriptor::IpNet;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -24,6 +25,7 @@ pub struct Config {
     pub reason_header: String,
     pub log_format: LogFormat,
     pub policy_poll: Option<Duration>,
+    pub jwt: JwtConfig,
 }
 
 /// Configuration problems, all of them.
@@ -86,6 +88,18 @@ impl Config {
                 args.reason_header
             ));
         }
+        let mut algorithms = Vec::new();
+        for name in &args.jwt_algorithms {
+            match parse_algorithm(name) {
+                Ok(alg) => algorithms.push(alg),
+                Err(e) => errors.push(format!("--jwt-algorithms: {e}")),
+            }
+        }
+        let source = match (&args.jwt_header, &args.jwt_cookie) {
+            (Some(h), _) => TokenSource::Header(h.to_ascii_lowercase()),
+            (None, Some(c)) => TokenSource::Cookie(c.clone()),
+            (None, None) => TokenSource::Bearer,
+        };
         if !errors.is_empty() {
             return Err(ConfigError(errors));
         }
@@ -104,6 +118,17 @@ impl Config {
             log_format: args.log_format,
             policy_poll: (args.policy_poll_secs > 0)
                 .then(|| Duration::from_secs(args.policy_poll_secs)),
+            jwt: JwtConfig {
+                secret: args.jwt_secret.clone(),
+                public_keys: args.jwt_public_key.clone(),
+                jwks: args.jwt_jwks.clone(),
+                algorithms,
+                leeway_secs: args.jwt_leeway_secs,
+                issuer: args.jwt_issuer.clone(),
+                audience: args.jwt_audience.clone(),
+                source,
+                unverified: args.jwt_unverified,
+            },
         })
     }
 }

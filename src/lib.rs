@@ -11,6 +11,7 @@
 //!     limiter
 //! ```
 
+pub mod auth;
 pub mod cli;
 pub mod clock;
 pub mod config;

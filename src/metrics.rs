@@ -44,6 +44,8 @@ pub struct Metrics {
     store_errors: IntCounter,
     reloads: IntCounterVec,
     policy_info: IntGaugeVec,
+    jwt_valid: IntCounter,
+    jwt_invalid: IntCounterVec,
     per_rule: ArcSwapOption<BundleCounters>,
 }
 
@@ -110,8 +112,24 @@ impl Metrics {
             ),
             &["version", "hash"],
         ));
+        let jwt_valid = must(IntCounter::new(
+            "tollgate_jwt_valid_total",
+            "Requests with a verified JWT",
+        ));
+        let jwt_invalid = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_jwt_invalid_total",
+                "Requests whose JWT was refused, by reason",
+            ),
+            &["reason"],
+        ));
+        for reason in crate::auth::InvalidToken::ALL {
+            jwt_invalid.with_label_values(&[reason.as_str()]);
+        }
         for c in [
-            Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(jwt_valid.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(jwt_invalid.clone()),
+            Box::new(decisions.clone()),
             Box::new(requests.clone()),
             Box::new(shadow_would_reject.clone()),
             Box::new(latency.clone()),
@@ -136,6 +154,8 @@ impl Metrics {
             store_errors,
             reloads,
             policy_info,
+            jwt_valid,
+            jwt_invalid,
             per_rule: ArcSwapOption::empty(),
         }
     }
@@ -175,6 +195,14 @@ impl Metrics {
         self.policy_info
             .with_label_values(&[&bundle.version.to_string(), &bundle.hash])
             .set(1);
+    }
+
+    /// Counts a token check (nothing for requests without a token).
+    pub fn token(&self, outcome: Result<(), crate::auth::InvalidToken>) {
+        match outcome {
+            Ok(()) => self.jwt_valid.inc(),
+            Err(reason) => self.jwt_invalid.with_label_values(&[reason.as_str()]).inc(),
+        }
     }
 
     pub fn reload(&self, ok: bool) {

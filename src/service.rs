@@ -2,10 +2,11 @@
 //! policy file and its reloads, and the request-level steps shared by the reverse proxy and the
 //! decision service (client address, decide, log, count, build the response).
 
+use crate::auth::{AuthError, TokenOutcome, Verifier};
 use crate::cli::LogFormat;
 use crate::clock::{wall_unix_secs, Clock, SystemClock};
 use crate::config::{client_ip, Config};
-use crate::descriptor::{HeaderLookup, RequestFacts};
+use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
 use crate::engine::{Decision, Engine, EngineConfig, Outcome};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
@@ -57,6 +58,7 @@ pub struct Gateway {
     pub metrics: Metrics,
     pub config: Config,
     pub header_config: HeaderConfig,
+    pub verifier: Verifier,
     loaded: ArcSwapOption<LoadedPolicy>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
@@ -64,11 +66,16 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(config: Config) -> Self {
+    /// # Errors
+    /// A configured JWT key file cannot be loaded.
+    pub fn new(config: Config) -> Result<Self, AuthError> {
         Self::with_clock(config, Arc::new(SystemClock::new()))
     }
 
-    pub fn with_clock(config: Config, clock: Arc<dyn Clock>) -> Self {
+    /// # Errors
+    /// A configured JWT key file cannot be loaded.
+    pub fn with_clock(config: Config, clock: Arc<dyn Clock>) -> Result<Self, AuthError> {
+        let verifier = Verifier::new(config.jwt.clone())?;
         let store = MemoryStore::new(MemoryStoreConfig {
             max_buckets: config.max_buckets,
             idle_timeout_us: config.bucket_idle.as_micros().min(u64::MAX as u128) as u64,
@@ -83,13 +90,37 @@ impl Gateway {
         );
         // Leaked once at start-up: response headers carry `&'static str` names.
         let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
-        Gateway {
+        Ok(Gateway {
             engine,
             metrics: Metrics::new(),
             header_config: HeaderConfig { reason_header },
+            verifier,
             config,
             loaded: ArcSwapOption::empty(),
             watch: Mutex::new((None, None)),
+        })
+    }
+
+    /// The verified claims of the request's JWT, if it carries a valid one. Invalid tokens are
+    /// counted by reason and logged at debug level without their contents.
+    pub fn claims(&self, headers: &dyn HeaderLookup) -> Option<Claims> {
+        if !self.verifier.enabled() {
+            return None;
+        }
+        match self.verifier.check(headers) {
+            TokenOutcome::Absent => None,
+            TokenOutcome::Valid(claims) => {
+                self.metrics.token(Ok(()));
+                Some(claims)
+            }
+            TokenOutcome::Invalid(reason) => {
+                self.metrics.token(Err(reason));
+                tracing::debug!(
+                    reason = reason.as_str(),
+                    "JWT refused; jwt: descriptors are missing"
+                );
+                None
+            }
         }
     }
 
@@ -115,6 +146,12 @@ impl Gateway {
     /// # Errors
     /// The file could not be read, parsed or validated.
     pub fn load_policy(&self, trigger: &str) -> Result<(), PolicyError> {
+        if let Err(e) = self.verifier.reload_jwks() {
+            tracing::error!(
+                trigger,
+                "JWKS reload failed, keeping the previous keys: {e}"
+            );
+        }
         let path = &self.config.policy;
         let sig = signature(path);
         match load_file(path) {

@@ -116,6 +116,7 @@ impl Admin {
             None => self.gateway.client_ip(peer, None),
         };
         let headers = HttpHeaders(h);
+        let claims = self.gateway.claims(&headers);
         let (path, query) = split_uri(uri);
         let facts = RequestFacts {
             method,
@@ -124,7 +125,7 @@ impl Admin {
             host,
             client_ip,
             headers: &headers,
-            claims: None,
+            claims: claims.as_ref(),
         };
         let (decision, response) = self.gateway.decide(&facts);
         if decision.outcome == Outcome::NoPolicy {

@@ -94,6 +94,7 @@ impl ProxyHttp for Proxy {
                 .get(http::header::HOST)
                 .and_then(|v| v.to_str().ok())
                 .or_else(|| req.uri.authority().map(|a| a.as_str()));
+            let claims = self.gateway.claims(&headers);
             let facts = RequestFacts {
                 method: req.method.as_str(),
                 path: req.uri.path(),
@@ -101,7 +102,7 @@ impl ProxyHttp for Proxy {
                 host,
                 client_ip,
                 headers: &headers,
-                claims: None,
+                claims: claims.as_ref(),
             };
             let (decision, response) = self.gateway.decide(&facts);
             (decision.is_allowed(), response)

@@ -29,7 +29,20 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_INVALID;
         }
     };
-    let gateway = Arc::new(Gateway::new(config.clone()));
+    let gateway = match Gateway::new(config.clone()) {
+        Ok(g) => Arc::new(g),
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("tollgate: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    if gateway.verifier.unverified() {
+        tracing::warn!(
+            "--jwt-unverified: JWT claims are used WITHOUT checking signatures. Anyone can forge \
+             jwt: descriptors unless a layer in front of tollgate verifies every token."
+        );
+    }
     // A missing or invalid policy is not fatal: decisions answer 503 until a valid bundle
     // appears (the file watcher picks it up).
     let _ = gateway.load_policy("startup");
