@@ -71,5 +71,58 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// Token verification, which runs before the decision when JWT keys are configured.
+fn jwt(c: &mut Criterion) {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    use tollgate::auth::{JwtConfig, TokenOutcome, Verifier};
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt");
+    let read = |name: &str| std::fs::read(fixtures.join(name)).expect("fixture");
+    let claims = serde_json::json!({"sub": "bench", "plan": "pro", "exp": jsonwebtoken::get_current_timestamp() + 3600});
+    let verifier = Verifier::new(JwtConfig {
+        secret: Some("bench-secret".into()),
+        public_keys: vec![
+            fixtures.join("rsa-public.pem"),
+            fixtures.join("ec-public.pem"),
+        ],
+        ..JwtConfig::default()
+    })
+    .expect("verifier");
+    let tokens = [
+        (
+            "jwt_hs256",
+            encode(
+                &Header::new(Algorithm::HS256),
+                &claims,
+                &EncodingKey::from_secret(b"bench-secret"),
+            ),
+        ),
+        (
+            "jwt_rs256",
+            encode(
+                &Header::new(Algorithm::RS256),
+                &claims,
+                &EncodingKey::from_rsa_pem(&read("rsa-private.pem")).expect("rsa"),
+            ),
+        ),
+        (
+            "jwt_es256",
+            encode(
+                &Header::new(Algorithm::ES256),
+                &claims,
+                &EncodingKey::from_ec_pem(&read("ec-private.pem")).expect("ec"),
+            ),
+        ),
+    ];
+    let mut group = c.benchmark_group("verify");
+    for (name, token) in tokens {
+        let token = token.expect("token");
+        assert!(matches!(verifier.verify(&token), TokenOutcome::Valid(_)));
+        group.bench_function(name, |b| {
+            b.iter(|| black_box(verifier.verify(black_box(&token))))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, jwt);
 criterion_main!(benches);

@@ -103,7 +103,7 @@ impl Gateway {
 
     /// The verified claims of the request's JWT, if it carries a valid one. Invalid tokens are
     /// counted by reason and logged at debug level without their contents.
-    pub fn claims(&self, headers: &dyn HeaderLookup) -> Option<Claims> {
+    pub fn claims(&self, headers: &dyn HeaderLookup) -> Option<Arc<Claims>> {
         if !self.verifier.enabled() {
             return None;
         }

@@ -125,7 +125,7 @@ impl Admin {
             host,
             client_ip,
             headers: &headers,
-            claims: claims.as_ref(),
+            claims: claims.as_deref(),
         };
         let (decision, response) = self.gateway.decide(&facts);
         if decision.outcome == Outcome::NoPolicy {

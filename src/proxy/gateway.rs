@@ -102,7 +102,7 @@ impl ProxyHttp for Proxy {
                 host,
                 client_ip,
                 headers: &headers,
-                claims: claims.as_ref(),
+                claims: claims.as_deref(),
             };
             let (decision, response) = self.gateway.decide(&facts);
             (decision.is_allowed(), response)
