@@ -75,37 +75,58 @@ fn bench(c: &mut Criterion) {
     let keys = Arc::new(keys());
     let q = quota();
     let mut group = c.benchmark_group("store");
-    for threads in [1usize, 2] {
-        let store = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
-        let ks = Arc::clone(&keys);
-        let s = Arc::clone(&store);
-        let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
-            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % ks.len()];
-            let mut results = OpResults::new();
-            let r = s.apply(
-                i,
-                &[BucketOp {
-                    key,
-                    quota: q,
-                    cost: MICRO,
-                    group: Group::Enforce,
-                }],
-                &mut results,
-            );
-            black_box(r.is_ok());
-        });
-        group.bench_function(format!("memory_store_{threads}_threads"), |b| {
-            b.iter_custom(|iters| run_threads(threads, iters.max(threads as u64), Arc::clone(&op)))
-        });
-        let baseline = Arc::new(MutexMap(Mutex::new(HashMap::default())));
-        let ks = Arc::clone(&keys);
-        let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
-            let key = ks[((i as usize).wrapping_mul(7919) + t * 31) % ks.len()];
-            black_box(baseline.apply(i, key, &q));
-        });
-        group.bench_function(format!("mutex_hashmap_{threads}_threads"), |b| {
-            b.iter_custom(|iters| run_threads(threads, iters.max(threads as u64), Arc::clone(&op)))
-        });
+    // `shared`: every thread draws from the whole key mix (worst case: most updates pull the
+    // bucket's cache line from the other core). `disjoint`: each thread owns half the keys, as
+    // when each client's keep-alive connection stays on one worker thread.
+    for (mix, disjoint) in [("shared", false), ("disjoint", true)] {
+        for threads in [1usize, 2] {
+            let store = Arc::new(MemoryStore::new(MemoryStoreConfig::default()));
+            let ks = Arc::clone(&keys);
+            let s = Arc::clone(&store);
+            let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
+                let n = ks.len();
+                let index = if disjoint {
+                    let half = n / 2;
+                    t * half + ((i as usize).wrapping_mul(7919) % half)
+                } else {
+                    ((i as usize).wrapping_mul(7919) + t * 31) % n
+                };
+                let mut results = OpResults::new();
+                let r = s.apply(
+                    i,
+                    &[BucketOp {
+                        key: ks[index],
+                        quota: q,
+                        cost: MICRO,
+                        group: Group::Enforce,
+                    }],
+                    &mut results,
+                );
+                black_box(r.is_ok());
+            });
+            group.bench_function(format!("memory_store_{mix}_{threads}_threads"), |b| {
+                b.iter_custom(|iters| {
+                    run_threads(threads, iters.max(threads as u64), Arc::clone(&op))
+                })
+            });
+            let baseline = Arc::new(MutexMap(Mutex::new(HashMap::default())));
+            let ks = Arc::clone(&keys);
+            let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
+                let n = ks.len();
+                let index = if disjoint {
+                    let half = n / 2;
+                    t * half + ((i as usize).wrapping_mul(7919) % half)
+                } else {
+                    ((i as usize).wrapping_mul(7919) + t * 31) % n
+                };
+                black_box(baseline.apply(i, ks[index], &q));
+            });
+            group.bench_function(format!("mutex_hashmap_{mix}_{threads}_threads"), |b| {
+                b.iter_custom(|iters| {
+                    run_threads(threads, iters.max(threads as u64), Arc::clone(&op))
+                })
+            });
+        }
     }
     group.finish();
 
