@@ -47,6 +47,18 @@ impl MutexMap {
     }
 }
 
+/// The key thread `t` uses for its `i`-th operation: spread over every key, or over the
+/// thread's own half when `disjoint`.
+fn key_index(n: usize, t: usize, i: u64, disjoint: bool) -> usize {
+    let step = (i as usize).wrapping_mul(7919);
+    if disjoint {
+        let half = n / 2;
+        t * half + step % half
+    } else {
+        (step + t * 31) % n
+    }
+}
+
 /// Runs `op` `iters` times split across `threads`, returning the wall time.
 fn run_threads(threads: usize, iters: u64, op: Arc<dyn Fn(usize, u64) + Send + Sync>) -> Duration {
     let barrier = Arc::new(Barrier::new(threads + 1));
@@ -84,13 +96,7 @@ fn bench(c: &mut Criterion) {
             let ks = Arc::clone(&keys);
             let s = Arc::clone(&store);
             let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
-                let n = ks.len();
-                let index = if disjoint {
-                    let half = n / 2;
-                    t * half + ((i as usize).wrapping_mul(7919) % half)
-                } else {
-                    ((i as usize).wrapping_mul(7919) + t * 31) % n
-                };
+                let index = key_index(ks.len(), t, i, disjoint);
                 let mut results = OpResults::new();
                 let r = s.apply(
                     i,
@@ -112,13 +118,7 @@ fn bench(c: &mut Criterion) {
             let baseline = Arc::new(MutexMap(Mutex::new(HashMap::default())));
             let ks = Arc::clone(&keys);
             let op: Arc<dyn Fn(usize, u64) + Send + Sync> = Arc::new(move |t, i| {
-                let n = ks.len();
-                let index = if disjoint {
-                    let half = n / 2;
-                    t * half + ((i as usize).wrapping_mul(7919) % half)
-                } else {
-                    ((i as usize).wrapping_mul(7919) + t * 31) % n
-                };
+                let index = key_index(ks.len(), t, i, disjoint);
                 black_box(baseline.apply(i, ks[index], &q));
             });
             group.bench_function(format!("mutex_hashmap_{mix}_{threads}_threads"), |b| {
@@ -136,27 +136,30 @@ fn bench(c: &mut Criterion) {
     let million: Vec<BucketKey> = (0..1_000_000)
         .map(|i| BucketKey::of(&format!("tb:bench:{i}")))
         .collect();
+    // A fresh store holding every key once (what the 1 M insert costs, and what it weighs).
+    let fill = |keys: &[BucketKey]| {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            max_buckets: 1_000_000,
+            ..MemoryStoreConfig::default()
+        });
+        let mut results = OpResults::new();
+        for key in keys {
+            let op = BucketOp {
+                key: *key,
+                quota: q,
+                cost: MICRO,
+                group: Group::Enforce,
+            };
+            let _ = store.apply(0, &[op], &mut results);
+        }
+        store
+    };
     group.bench_function("insert_1m_distinct", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                let store = MemoryStore::new(MemoryStoreConfig {
-                    max_buckets: 1_000_000,
-                    ..MemoryStoreConfig::default()
-                });
                 let start = Instant::now();
-                for key in &million {
-                    let _ = store.apply(
-                        0,
-                        &[BucketOp {
-                            key: *key,
-                            quota: q,
-                            cost: MICRO,
-                            group: Group::Enforce,
-                        }],
-                        &mut OpResults::new(),
-                    );
-                }
+                black_box(fill(&million));
                 total += start.elapsed();
             }
             // Per key, not per million.
@@ -164,22 +167,7 @@ fn bench(c: &mut Criterion) {
         })
     });
     group.finish();
-    let store = MemoryStore::new(MemoryStoreConfig {
-        max_buckets: 1_000_000,
-        ..MemoryStoreConfig::default()
-    });
-    for key in &million {
-        let _ = store.apply(
-            0,
-            &[BucketOp {
-                key: *key,
-                quota: q,
-                cost: MICRO,
-                group: Group::Enforce,
-            }],
-            &mut OpResults::new(),
-        );
-    }
+    let store = fill(&million);
     let stats = store.stats();
     println!(
         "memory: {} live keys, {} bytes of map storage, {:.1} bytes per live key (fail-open: {})",
