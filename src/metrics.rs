@@ -39,14 +39,16 @@ pub struct Metrics {
     shadow_would_reject: IntCounterVec,
     latency: Histogram,
     store_entries: IntGauge,
-    store_evictions: IntGauge,
-    store_fail_open: IntGauge,
+    store_evictions: IntCounter,
+    store_fail_open: IntCounter,
     store_errors: IntCounter,
     reloads: IntCounterVec,
     policy_info: IntGaugeVec,
     jwt_valid: IntCounter,
     jwt_invalid: IntCounterVec,
     per_rule: ArcSwapOption<BundleCounters>,
+    /// Serialises `render` so two scrapes cannot both advance the store counters.
+    render_lock: parking_lot::Mutex<()>,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -89,11 +91,11 @@ impl Metrics {
             "tollgate_store_entries",
             "Buckets held by the store",
         ));
-        let store_evictions = must(IntGauge::new(
+        let store_evictions = must(IntCounter::new(
             "tollgate_store_evictions_total",
             "Buckets dropped by the store (full again or idle)",
         ));
-        let store_fail_open = must(IntGauge::new(
+        let store_fail_open = must(IntCounter::new(
             "tollgate_store_fail_open_total",
             "Requests allowed untracked because the store had no room",
         ));
@@ -157,6 +159,7 @@ impl Metrics {
             jwt_valid,
             jwt_invalid,
             per_rule: ArcSwapOption::empty(),
+            render_lock: parking_lot::Mutex::new(()),
         }
     }
 
@@ -260,9 +263,11 @@ impl Metrics {
 
     /// Prometheus text, with store gauges refreshed from `stats`.
     pub fn render(&self, stats: StoreStats) -> String {
+        let _serialised = self.render_lock.lock();
         self.store_entries.set(stats.entries as i64);
-        self.store_evictions.set(stats.evictions as i64);
-        self.store_fail_open.set(stats.fail_open as i64);
+        // The store keeps the running totals; counters only move forward to meet them.
+        advance_to(&self.store_evictions, stats.evictions);
+        advance_to(&self.store_fail_open, stats.fail_open);
         let mut buf = Vec::new();
         if TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
@@ -271,6 +276,13 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+fn advance_to(counter: &IntCounter, total: u64) {
+    let seen = counter.get();
+    if total > seen {
+        counter.inc_by(total - seen);
     }
 }
 

@@ -29,6 +29,8 @@ struct SimRequest {
     ip: Option<String>,
     #[serde(default)]
     headers: BTreeMap<String, String>,
+    /// Claims of a token the gateway would have verified (`jwt:` descriptors, jitter `sub`).
+    claims: Option<crate::descriptor::Claims>,
 }
 
 fn default_method() -> String {
@@ -113,17 +115,22 @@ fn evaluate(
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let facts = RequestFacts::from_uri(
+    let mut facts = RequestFacts::from_uri(
         &request.method,
         &request.path,
         request.host.as_deref(),
         ip,
         &headers,
     );
+    facts.claims = request.claims.as_ref();
     let decision = engine.decide(&facts);
     let (path, _) = split_uri(&request.path);
     let identity = JitterIdentity {
-        sub: None,
+        sub: request
+            .claims
+            .as_ref()
+            .and_then(|c| c.get("sub"))
+            .and_then(|s| s.as_str()),
         ip,
         path,
     };

@@ -194,3 +194,42 @@ fn validate_lists_every_error_with_its_path() {
     assert_eq!(code, 1);
     assert!(err.contains("/does/not/exist.json: cannot read"), "{err}");
 }
+
+/// Tier policies replay with the claims a verified token would carry.
+#[test]
+fn simulate_replays_jwt_tiers_from_claims() {
+    let mut input = String::new();
+    for _ in 0..3 {
+        input.push_str(r#"{"t": 0.0, "path": "/v1/chat", "ip": "198.51.100.1", "claims": {"sub": "u1", "plan": "pro", "org": {"id": "o1"}}}"#);
+        input.push('\n');
+    }
+    input.push_str(r#"{"t": 0.0, "path": "/v1/chat", "ip": "198.51.100.1"}"#);
+    input.push('\n');
+    let (code, out, err) = tollgate(
+        &["simulate", "--policy", "policies/jwt-tiers.json"],
+        Some(&input),
+    );
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let rules = |i: usize| -> Vec<String> {
+        lines[i]["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}={}",
+                    r["rule"].as_str().unwrap(),
+                    r["key"].as_str().unwrap()
+                )
+            })
+            .collect()
+    };
+    assert_eq!(rules(0), vec!["plan-pro=u1", "org-ceiling=o1"]);
+    assert_eq!(lines[2]["rules"][0]["tokens"].as_f64(), Some(197.0));
+    // Without a token: the per-IP fallback; the org ceiling is skipped (no jwt:org.id).
+    assert_eq!(rules(3), vec!["no-valid-token=198.51.100.1"]);
+}

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 /// `tollgate run`: returns the process exit code.
 pub fn run(args: RunArgs) -> u8 {
+    ignore_sighup_until_ready();
     init_logging(args.log_format);
     let config = match Config::from_args(&args) {
         Ok(c) => c,
@@ -93,6 +94,17 @@ pub fn run(args: RunArgs) -> u8 {
     });
     tracing::info!("tollgate stopped");
     EXIT_OK
+}
+
+/// SIGHUP's default action kills the process. The reload handler is installed only once the
+/// server runs, so ignore SIGHUP until then: a config-management tool that signals right after
+/// start must not take the gateway down. (The tokio handler installed later replaces this.)
+fn ignore_sighup_until_ready() {
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code and is
+    // async-signal-safe; it runs before any other thread of ours exists.
+    unsafe {
+        libc::signal(libc::SIGHUP, libc::SIG_IGN);
+    }
 }
 
 /// SIGTERM and SIGINT both drain gracefully: listeners close, in-flight requests finish.
