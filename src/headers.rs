@@ -86,17 +86,18 @@ pub fn build(
 ) -> Response {
     let mut headers = HeaderList::new();
     // Enforced rules that tracked a bucket; shadow rules add nothing to the client response.
-    let shown: Vec<&RuleOutcome> = decision
-        .rules
-        .iter()
-        .filter(|r| r.mode == Mode::Enforce && !r.fail_open)
-        .collect();
+    let shown = || {
+        decision
+            .rules
+            .iter()
+            .filter(|r| r.mode == Mode::Enforce && !r.fail_open)
+    };
     let rejected = matches!(decision.outcome, Outcome::Reject(_));
 
-    if !shown.is_empty() {
+    if shown().next().is_some() {
         let mut policy = String::new();
         let mut state = String::new();
-        for (i, rule) in shown.iter().enumerate() {
+        for (i, rule) in shown().enumerate() {
             let (_, name) = decision.names(rule);
             // q is the burst of the quota actually applied (a per-ID override may differ
             // from the rule's default).
@@ -120,12 +121,9 @@ pub fn build(
 
         // Legacy trio: the rejecting rule, or the one with the fewest tokens left.
         let legacy = if rejected {
-            decision.rejecting_rule().or_else(|| shown.first().copied())
+            decision.rejecting_rule().or_else(|| shown().next())
         } else {
-            shown
-                .iter()
-                .copied()
-                .min_by(|a, b| remaining(a).cmp(&remaining(b)).then(b.reset.cmp(&a.reset)))
+            shown().min_by(|a, b| remaining(a).cmp(&remaining(b)).then(b.reset.cmp(&a.reset)))
         };
         if let Some(rule) = legacy {
             headers.push(("RateLimit-Limit", (rule.quota.burst() / MICRO).to_string()));

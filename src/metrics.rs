@@ -4,7 +4,7 @@
 //! Per-rule counters are resolved once per installed bundle ([`Metrics::on_install`]) so the
 //! hot path increments a pre-built counter instead of hashing five label values per request.
 
-use crate::engine::{Decision, Outcome};
+use crate::engine::{Decision, Outcome, Reason};
 use crate::policy::{Bundle, Mode};
 use crate::store::StoreStats;
 use arc_swap::ArcSwapOption;
@@ -35,7 +35,9 @@ struct BundleCounters {
 pub struct Metrics {
     registry: Registry,
     decisions: IntCounterVec,
-    requests: IntCounterVec,
+    /// `tollgate_requests_total` resolved once per (action, reason): a labelled lookup hashes the labels and
+    /// takes the vector's read lock, shared by every core, on each request.
+    request_counters: [IntCounter; 5],
     shadow_would_reject: IntCounterVec,
     latency: Histogram,
     store_entries: IntGauge,
@@ -71,6 +73,14 @@ impl Metrics {
             ),
             &["action", "reason"],
         ));
+        let request_counters = [
+            ("allow", ""),
+            ("allow", "no_policy"),
+            ("reject", "token_bucket_exceeded"),
+            ("reject", "kill_switch"),
+            ("reject", "missing_descriptor"),
+        ]
+        .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(
             Opts::new(
                 "tollgate_shadow_would_reject_total",
@@ -147,7 +157,7 @@ impl Metrics {
         Metrics {
             registry,
             decisions,
-            requests,
+            request_counters,
             shadow_would_reject,
             latency,
             store_entries,
@@ -217,12 +227,14 @@ impl Metrics {
     /// Records one decision and how long it took.
     pub fn record(&self, decision: &Decision, seconds: f64) {
         self.latency.observe(seconds);
-        let (action, reason) = match decision.outcome {
-            Outcome::Allow => ("allow", ""),
-            Outcome::NoPolicy => ("allow", "no_policy"),
-            Outcome::Reject(r) => ("reject", r.as_str()),
+        let index = match decision.outcome {
+            Outcome::Allow => 0,
+            Outcome::NoPolicy => 1,
+            Outcome::Reject(Reason::TokenBucketExceeded) => 2,
+            Outcome::Reject(Reason::KillSwitch) => 3,
+            Outcome::Reject(Reason::MissingDescriptor) => 4,
         };
-        self.requests.with_label_values(&[action, reason]).inc();
+        self.request_counters[index].inc();
         if decision.store_error {
             self.store_errors.inc();
         }
