@@ -11,6 +11,11 @@ use arc_swap::{ArcSwapOption, Guard};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
+thread_local! {
+    /// Reused by every decision on this thread to build bucket names without allocating.
+    static KEY_BUFFER: std::cell::RefCell<String> = std::cell::RefCell::new(String::with_capacity(128));
+}
+
 /// Engine settings that are not part of the policy bundle.
 #[derive(Debug, Clone, Copy)]
 pub struct EngineConfig {
@@ -67,9 +72,9 @@ pub struct RuleOutcome {
     /// Index into [`Bundle::rules`].
     pub rule: usize,
     pub mode: Mode,
-    /// The full bucket key (`tb:<rule>:<key>`); the composite key starts at `key_start`.
-    pub bucket: String,
-    pub key_start: usize,
+    /// The bucket's identity in the store (hash of `tb:<rule>:<key>`; the readable name is
+    /// rebuilt on demand by [`Engine::bucket_name`], so the hot path allocates no string).
+    pub key: BucketKey,
     pub quota: Quota,
     pub allowed: bool,
     /// Tokens were spent from this bucket.
@@ -85,11 +90,6 @@ pub struct RuleOutcome {
 }
 
 impl RuleOutcome {
-    /// The composite key (the limit-key values joined).
-    pub fn key(&self) -> &str {
-        &self.bucket[self.key_start..]
-    }
-
     /// Tokens left as a number.
     pub fn tokens_f64(&self) -> f64 {
         micro_to_tokens(self.tokens)
@@ -262,11 +262,19 @@ impl<S: Store> Engine<S> {
                                 outcomes: &mut SmallVec<[RuleOutcome; 4]>,
                                 ops: &mut SmallVec<[BucketOp; 4]>| {
                 let rule = &bundle.rules[index];
-                match self.bucket_for(rule, facts) {
-                    Some((bucket, key_start)) => {
-                        let quota = *rule.quota_for(&bucket[key_start..]);
+                // The key is built in a per-thread buffer: hashed, matched against overrides,
+                // and never stored.
+                let found = KEY_BUFFER.with(|buffer| {
+                    let mut bucket = buffer.borrow_mut();
+                    self.write_bucket(rule, facts, &mut bucket).then(|| {
+                        let quota = *rule.quota_for(&bucket[rule.key_prefix.len()..]);
+                        (BucketKey::of(&bucket), quota)
+                    })
+                });
+                match found {
+                    Some((key, quota)) => {
                         ops.push(BucketOp {
-                            key: BucketKey::of(&bucket),
+                            key,
                             quota,
                             cost: cost_of(&rule.cost, facts),
                             group: match rule.mode {
@@ -277,8 +285,7 @@ impl<S: Store> Engine<S> {
                         outcomes.push(RuleOutcome {
                             rule: index,
                             mode: rule.mode,
-                            bucket,
-                            key_start,
+                            key,
                             quota,
                             allowed: true,
                             committed: false,
@@ -373,27 +380,34 @@ impl<S: Store> Engine<S> {
         decision
     }
 
-    /// The bucket name of `rule` for this request, or `None` when a descriptor is missing and
-    /// the rule does not share a bucket for that case.
-    fn bucket_for(&self, rule: &Rule, facts: &RequestFacts<'_>) -> Option<(String, usize)> {
-        let mut bucket = String::with_capacity(rule.key_prefix.len() + 48);
+    /// The readable bucket name (`tb:<rule>:<key>`) of rule `rule` (an index into the bundle's
+    /// rules) for this request, and where the composite key starts in it; `None` when the rule
+    /// has no bucket for this request (a descriptor is missing and the rule does not share one).
+    pub fn bucket_name(&self, rule: usize, facts: &RequestFacts<'_>) -> Option<(String, usize)> {
+        let bundle = self.bundle.load();
+        let rule = bundle.as_deref()?.rules.get(rule)?;
+        let mut bucket = String::new();
+        let key_start = rule.key_prefix.len();
+        self.write_bucket(rule, facts, &mut bucket)
+            .then_some((bucket, key_start))
+    }
+
+    /// Writes `rule`'s bucket name for this request into `bucket` (cleared first); false when a
+    /// descriptor is missing and the rule does not share a bucket for that case.
+    fn write_bucket(&self, rule: &Rule, facts: &RequestFacts<'_>, bucket: &mut String) -> bool {
+        bucket.clear();
         bucket.push_str(&rule.key_prefix);
-        let key_start = bucket.len();
         for (i, descriptor) in rule.limit_keys.iter().enumerate() {
             // The client address needs no escaping: write it straight into the key.
             if let (Descriptor::Ip { v6_prefix }, Some(ip)) = (descriptor, facts.client_ip) {
                 if i > 0 {
                     bucket.push('|');
                 }
-                push_ip_key(
-                    &mut bucket,
-                    ip,
-                    v6_prefix.unwrap_or(self.config.ipv6_prefix),
-                );
+                push_ip_key(bucket, ip, v6_prefix.unwrap_or(self.config.ipv6_prefix));
                 continue;
             }
             match descriptor.value(facts, self.config.ipv6_prefix) {
-                Some(value) => push_key_part(&mut bucket, i == 0, &value),
+                Some(value) => push_key_part(bucket, i == 0, &value),
                 None => match rule.on_missing {
                     // `\0` cannot come out of `push_key_part` (it only escapes `|` and `\`), so
                     // the shared "missing" bucket never collides with a real value.
@@ -403,11 +417,11 @@ impl<S: Store> Engine<S> {
                         }
                         bucket.push_str("\\0");
                     }
-                    OnMissing::Skip | OnMissing::Reject => return None,
+                    OnMissing::Skip | OnMissing::Reject => return false,
                 },
             }
         }
-        Some((bucket, key_start))
+        true
     }
 
     /// Drops buckets that no longer matter; the gateway calls this periodically.
@@ -474,6 +488,28 @@ mod tests {
         e.decide(&facts)
     }
 
+    /// The readable bucket name the request's `index`-th applicable rule used.
+    fn bucket(
+        e: &Engine<MemoryStore>,
+        d: &Decision,
+        index: usize,
+        ip: &str,
+        headers: &[(&str, &str)],
+    ) -> String {
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let facts = RequestFacts::from_uri(
+            "GET",
+            "/",
+            Some("api.example.com"),
+            Some(ip.parse().unwrap()),
+            &headers,
+        );
+        e.bucket_name(d.rules[index].rule, &facts).unwrap().0
+    }
+
     fn tb(name: &str, keys: serde_json::Value, rps: f64, burst: f64) -> serde_json::Value {
         json!({"name": name, "limit_keys": keys, "algorithm": "token_bucket",
                "algorithm_config": {"rps": rps, "burst": burst}})
@@ -523,7 +559,11 @@ mod tests {
         let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
         assert!(d.is_allowed());
         assert_eq!(d.shadow_rejections().count(), 1);
-        assert_eq!(d.rules[0].bucket, "shadow:tb:per-ip:10.0.0.1");
+        assert_eq!(
+            bucket(&e, &d, 0, "10.0.0.1", &[]),
+            "shadow:tb:per-ip:10.0.0.1"
+        );
+        assert_eq!(d.rules[0].key, BucketKey::of("shadow:tb:per-ip:10.0.0.1"));
     }
 
     #[test]
@@ -558,7 +598,10 @@ mod tests {
             &[("x-api-key", "k2"), ("x-plan", "free")],
         );
         assert_eq!(d.names(&d.rules[0]).1, "free");
-        assert_eq!(d.rules[0].key(), "k2");
+        assert_eq!(
+            bucket(&e, &d, 0, "192.0.2.1", &[("x-api-key", "k2")]),
+            "tb:free:k2"
+        );
     }
 
     #[test]
@@ -569,7 +612,8 @@ mod tests {
             engine(json!({"rules": [tb("skip", json!(["header:x-user"]), 1.0, 1.0), shared]}));
         let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
         assert_eq!(d.rules.len(), 1);
-        assert_eq!(d.rules[0].bucket, "tb:shared:\\0");
+        assert_eq!(bucket(&e, &d, 0, "10.0.0.1", &[]), "tb:shared:\\0");
+        assert_eq!(d.rules[0].key, BucketKey::of("tb:shared:\\0"));
         // Every key-less request shares that one bucket.
         assert!(!ask(&e, "GET", "/", "10.0.0.2", &[]).is_allowed());
         let mut reject = tb("need-key", json!(["header:x-api-key"]), 1.0, 1.0);

@@ -148,12 +148,14 @@ fn evaluate(
         .iter()
         .map(|r| {
             let (policy, rule) = decision.names(r);
+            let (bucket, key_start) = engine.bucket_name(r.rule, &facts).unwrap_or_default();
+            let key = &bucket[key_start.min(bucket.len())..];
             json!({
                 "policy": policy,
                 "rule": rule,
                 "mode": r.mode.as_str(),
-                "key": r.key(),
-                "bucket": r.bucket,
+                "key": key,
+                "bucket": bucket,
                 "allowed": r.allowed,
                 "committed": r.committed,
                 "tokens": r.tokens_f64(),
