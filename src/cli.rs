@@ -137,6 +137,18 @@ pub struct SimulateArgs {
     /// Prefix IPv6 clients are reduced to.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u8).range(1..=128))]
     pub ipv6_prefix: u8,
+    /// Wall-clock time of `t = 0` (RFC 3339), for kill-switch expiry. Fixed by default so a
+    /// replay gives the same answer on any day.
+    #[arg(long, default_value = "2026-01-01T00:00:00Z", value_parser = parse_start)]
+    pub start: i64,
+}
+
+fn parse_start(text: &str) -> Result<i64, String> {
+    humantime::parse_rfc3339_weak(text)
+        .map_err(|e| format!("{text:?}: {e} (expected e.g. 2026-01-01T00:00:00Z)"))?
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .map_err(|_| format!("{text:?} is before 1970"))
 }
 
 /// Exit codes.
@@ -191,10 +203,10 @@ pub fn simulate(args: &SimulateArgs, out: &mut dyn Write, err: &mut dyn Write) -
         ipv6_prefix: args.ipv6_prefix,
     };
     let result = if args.requests.as_os_str() == "-" {
-        crate::simulate::replay(bundle, config, std::io::stdin().lock(), out)
+        crate::simulate::replay(bundle, config, args.start, std::io::stdin().lock(), out)
     } else {
         match std::fs::File::open(&args.requests) {
-            Ok(f) => crate::simulate::replay(bundle, config, BufReader::new(f), out),
+            Ok(f) => crate::simulate::replay(bundle, config, args.start, BufReader::new(f), out),
             Err(e) => {
                 let _ = writeln!(err, "{}: cannot read: {e}", args.requests.display());
                 return EXIT_FAILURE;

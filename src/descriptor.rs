@@ -69,8 +69,12 @@ impl<'a> RequestFacts<'a> {
     }
 
     /// The host without port, as sent (callers compare case-insensitively).
+    /// The host without port or trailing dot (`api.example.com.:443` → `api.example.com`).
     pub fn host_name(&self) -> Option<&'a str> {
-        self.host.map(strip_port)
+        self.host.map(|h| {
+            let name = strip_port(h);
+            name.strip_suffix('.').unwrap_or(name)
+        })
     }
 
     /// The first value of query parameter `name`, percent-decoded.
@@ -113,6 +117,65 @@ pub fn split_uri(uri: &str) -> (&str, Option<&str>) {
         Some((path, query)) => (path, Some(query)),
         None => (uri, None),
     }
+}
+
+/// The path as the upstream will most likely route it, for matching selectors, routes and the
+/// `path` descriptor: percent-escapes of unreserved characters decoded (`/%61pi` → `/api`),
+/// repeated slashes merged, `.` and `..` segments resolved (never above the root). Without this,
+/// `//api/x` or `/v1/./inference` would walk past a `pathPrefix` or a kill switch's `route`.
+/// Paths that need nothing are returned as they are, without allocating.
+pub fn normalize_path(path: &str) -> Cow<'_, str> {
+    let needs_work = path.contains("//")
+        || path.contains("/./")
+        || path.contains("/../")
+        || path.ends_with("/.")
+        || path.ends_with("/..")
+        || path.contains('%');
+    if !needs_work {
+        return Cow::Borrowed(path);
+    }
+    // Decode only unreserved characters: decoding `%2F` would change the path's structure.
+    let bytes = path.as_bytes();
+    let mut decoded = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hex = |b: u8| (b as char).to_digit(16);
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                let c = (h * 16 + l) as u8;
+                if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
+                    decoded.push(c as char);
+                    i += 3;
+                    continue;
+                }
+            }
+        }
+        // Push the whole UTF-8 character starting here.
+        let ch_len = path[i..].chars().next().map_or(1, char::len_utf8);
+        decoded.push_str(&path[i..i + ch_len]);
+        i += ch_len;
+    }
+    let trailing_slash =
+        decoded.ends_with('/') || decoded.ends_with("/.") || decoded.ends_with("/..");
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len());
+    for segment in &segments {
+        out.push('/');
+        out.push_str(segment);
+    }
+    if out.is_empty() || trailing_slash {
+        out.push('/');
+    }
+    Cow::Owned(out)
 }
 
 /// `example.com:8080` → `example.com`; `[::1]:8080` → `[::1]`.
@@ -560,10 +623,34 @@ mod tests {
     }
 
     #[test]
+    fn paths_are_normalized_before_matching() {
+        for (raw, normal) in [
+            ("/api/x", "/api/x"),
+            ("//api/x", "/api/x"),
+            ("/api//x/", "/api/x/"),
+            ("/v1/./inference", "/v1/inference"),
+            ("/v1/x/../inference", "/v1/inference"),
+            ("/../../etc", "/etc"),
+            ("/%61pi/x", "/api/x"),
+            ("/a%2Fb", "/a%2Fb"),
+            ("/a/.", "/a/"),
+            ("/caf\u{e9}//x", "/caf\u{e9}/x"),
+            ("/%zz", "/%zz"),
+            ("/%", "/%"),
+        ] {
+            assert_eq!(normalize_path(raw), normal, "{raw}");
+        }
+        assert!(matches!(normalize_path("/plain/path"), Cow::Borrowed(_)));
+    }
+
+    #[test]
     fn hosts_and_uris_split() {
         assert_eq!(strip_port("example.com:8080"), "example.com");
         assert_eq!(strip_port("[::1]:8080"), "[::1]");
         assert_eq!(strip_port("::1"), "::1");
+        let headers: Vec<(String, String)> = Vec::new();
+        let f = RequestFacts::from_uri("GET", "/", Some("Api.Example.com.:443"), None, &headers);
+        assert_eq!(f.host_name(), Some("Api.Example.com"));
         assert_eq!(split_uri("/a?b=1#frag"), ("/a", Some("b=1")));
         assert_eq!(split_uri("/a"), ("/a", None));
         assert_eq!(percent_decode("%zz%4"), "%zz%4");

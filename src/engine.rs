@@ -11,6 +11,10 @@ use arc_swap::{ArcSwapOption, Guard};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
+/// `Retry-After` base for a kill switch without `expires_at`: it lasts until an operator lifts
+/// it, so clients are told to come back in a minute rather than hammer.
+pub const KILL_SWITCH_RETRY_SECS: u64 = 60;
+
 thread_local! {
     /// Reused by every decision on this thread to build bucket names without allocating.
     static KEY_BUFFER: std::cell::RefCell<String> = std::cell::RefCell::new(String::with_capacity(128));
@@ -115,6 +119,8 @@ pub struct Decision {
     pub kill_switch: Option<usize>,
     /// The rule whose missing descriptor caused a 401.
     pub missing_rule: Option<usize>,
+    /// A shadow rule that would have refused the request for a missing descriptor.
+    pub shadow_missing_rule: Option<usize>,
     /// The store failed and the request was allowed without limiting.
     pub store_error: bool,
 }
@@ -128,6 +134,7 @@ impl Decision {
             retry_after: 0,
             kill_switch: None,
             missing_rule: None,
+            shadow_missing_rule: None,
             store_error: false,
         }
     }
@@ -240,7 +247,12 @@ impl<S: Store> Engine<S> {
                 .iter()
                 .enumerate()
                 .find(|(_, ks)| ks.hits(facts, unix, prefix))
-                .map(|(i, ks)| (i, ks.expires_at.map_or(0, |at| (at - unix).max(1) as u64)));
+                .map(|(i, ks)| {
+                    let wait = ks
+                        .expires_at
+                        .map_or(KILL_SWITCH_RETRY_SECS, |at| (at - unix).max(1) as u64);
+                    (i, wait)
+                });
             if let Some((i, retry_after)) = hit {
                 let mut d = Decision::new(Outcome::Reject(Reason::KillSwitch), Some(guard));
                 d.kill_switch = Some(i);
@@ -252,7 +264,9 @@ impl<S: Store> Engine<S> {
         // Applicable rules become outcomes right away; the store fills in the verdicts.
         let mut decision = Decision::new(Outcome::Allow, None);
         let mut ops: SmallVec<[BucketOp; 4]> = SmallVec::new();
-        let mut missing_reject: Option<(usize, Mode)> = None;
+        // Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
+        let mut missing_enforce: Option<usize> = None;
+        let mut missing_shadow: Option<usize> = None;
         for policy in bundle.policies.iter() {
             if !policy.selector.matches(facts) {
                 continue;
@@ -295,11 +309,12 @@ impl<S: Store> Engine<S> {
                             reset: 0,
                         });
                     }
-                    // An enforced refusal outranks a shadow one.
-                    None if rule.on_missing == OnMissing::Reject
-                        && (missing_reject.is_none() || rule.mode == Mode::Enforce) =>
-                    {
-                        missing_reject = Some((index, rule.mode));
+                    None if rule.on_missing == OnMissing::Reject => {
+                        let slot = match rule.mode {
+                            Mode::Enforce => &mut missing_enforce,
+                            Mode::Shadow => &mut missing_shadow,
+                        };
+                        slot.get_or_insert(index);
                     }
                     None => {}
                 }
@@ -323,8 +338,9 @@ impl<S: Store> Engine<S> {
             }
         }
         decision.bundle = Some(guard);
+        decision.shadow_missing_rule = missing_shadow;
 
-        if let Some((rule, Mode::Enforce)) = missing_reject {
+        if let Some(rule) = missing_enforce {
             decision.rules.clear();
             decision.outcome = Outcome::Reject(Reason::MissingDescriptor);
             decision.missing_rule = Some(rule);

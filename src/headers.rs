@@ -137,6 +137,12 @@ pub fn build(
         }
     }
 
+    // A kill switch has no bucket, but its refusal still says when to come back.
+    if decision.outcome == Outcome::Reject(Reason::KillSwitch) {
+        headers.push(("RateLimit-Remaining", "0".to_string()));
+        headers.push(("RateLimit-Reset", decision.retry_after.max(1).to_string()));
+    }
+
     match decision.outcome {
         Outcome::Allow | Outcome::NoPolicy => Response {
             status: 200,

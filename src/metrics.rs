@@ -241,6 +241,26 @@ impl Metrics {
         let Some(bundle) = decision.bundle() else {
             return;
         };
+        if let Some(index) = decision.shadow_missing_rule {
+            if let Some(rule) = bundle.rules.get(index) {
+                let policy = bundle
+                    .policies
+                    .get(rule.policy)
+                    .map_or("", |p| p.id.as_str());
+                self.decisions
+                    .with_label_values(&[
+                        policy,
+                        &rule.name,
+                        "would_reject",
+                        "missing_descriptor",
+                        "shadow",
+                    ])
+                    .inc();
+                self.shadow_would_reject
+                    .with_label_values(&[policy, &rule.name])
+                    .inc();
+            }
+        }
         let table = self.per_rule.load();
         let table = table
             .as_ref()

@@ -307,6 +307,16 @@ fn log_decision(decision: &Decision, facts: &RequestFacts<'_>, status: u16) {
                 policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", detail = %detail, "RATE_LIMIT");
         }
     }
+    if let Some(index) = decision.shadow_missing_rule {
+        if let Some(rule) = decision.bundle().and_then(|b| b.rules.get(index)) {
+            let policy = decision
+                .bundle()
+                .and_then(|b| b.policies.get(rule.policy))
+                .map_or("", |p| p.id.as_str());
+            tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status = 401u16,
+                policy = %policy, rule = %rule.name, reason = %"missing_descriptor", mode = %"shadow", "RATE_LIMIT");
+        }
+    }
     for shadow in decision.shadow_rejections() {
         let (policy, rule) = decision.names(shadow);
         tracing::info!(

@@ -2,8 +2,8 @@
 //! and prints one JSON line per request — the status, the headers the gateway would add, and
 //! every evaluated rule with its exact token count. Deterministic: same input, same output.
 
-use crate::clock::{wall_unix_secs, ManualClock};
-use crate::descriptor::{split_uri, RequestFacts};
+use crate::clock::ManualClock;
+use crate::descriptor::{normalize_path, split_uri, RequestFacts};
 use crate::engine::{Engine, EngineConfig, Outcome};
 use crate::headers::{self, HeaderConfig, JitterIdentity};
 use crate::policy::Bundle;
@@ -56,13 +56,18 @@ pub enum SimulateError {
 ///
 /// # Errors
 /// Reading the input or writing the output failed.
+/// Default wall-clock time of `t = 0` (2026-01-01T00:00:00Z): fixed, so a replay gives the same
+/// answer on any day (kill-switch expiry is the only thing that reads the wall clock).
+pub const DEFAULT_START_UNIX: i64 = 1_767_225_600;
+
 pub fn replay(
     bundle: Bundle,
     config: EngineConfig,
+    start_unix: i64,
     input: impl BufRead,
     mut output: impl Write,
 ) -> Result<usize, SimulateError> {
-    let clock = ManualClock::new(wall_unix_secs());
+    let clock = ManualClock::new(start_unix);
     let engine = Engine::new(
         MemoryStore::new(MemoryStoreConfig::default()),
         Arc::new(clock.clone()),
@@ -115,16 +120,18 @@ fn evaluate(
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let mut facts = RequestFacts::from_uri(
-        &request.method,
-        &request.path,
-        request.host.as_deref(),
-        ip,
-        &headers,
-    );
-    facts.claims = request.claims.as_ref();
+    let (raw_path, query) = split_uri(&request.path);
+    let path = normalize_path(raw_path);
+    let facts = RequestFacts {
+        method: &request.method,
+        path: &path,
+        query,
+        host: request.host.as_deref(),
+        client_ip: ip,
+        headers: &headers,
+        claims: request.claims.as_ref(),
+    };
     let decision = engine.decide(&facts);
-    let (path, _) = split_uri(&request.path);
     let identity = JitterIdentity {
         sub: request
             .claims
@@ -132,7 +139,7 @@ fn evaluate(
             .and_then(|c| c.get("sub"))
             .and_then(|s| s.as_str()),
         ip,
-        path,
+        path: &path,
     };
     let response = headers::build(&decision, &identity, header_config);
     let status = match decision.outcome {
@@ -193,7 +200,14 @@ mod tests {
         .unwrap();
         let input = "{\"t\":0.5,\"ip\":\"1.2.3.4\"}\n{\"t\":0.8,\"ip\":\"1.2.3.4\"}\nnot json\n\n{\"t\":0.9,\"ip\":\"1.2.3.4\"}\n{\"t\":1.0,\"ip\":\"1.2.3.4\"}\n";
         let mut out = Vec::new();
-        let bad = replay(bundle, EngineConfig::default(), input.as_bytes(), &mut out).unwrap();
+        let bad = replay(
+            bundle,
+            EngineConfig::default(),
+            DEFAULT_START_UNIX,
+            input.as_bytes(),
+            &mut out,
+        )
+        .unwrap();
         assert_eq!(bad, 1);
         let lines: Vec<Value> = String::from_utf8(out)
             .unwrap()

@@ -217,9 +217,10 @@ fn forwarded_for_is_trusted_only_from_trusted_proxies() {
     );
     let r = gw.get("/", &[("X-Forwarded-For", "6.6.6.6, 198.51.100.1")]);
     assert_eq!(r.status, 200);
+    // The upstream sees the chain with the hop we saw (the TCP peer) appended.
     assert!(
         r.body
-            .contains("x-forwarded-for=6.6.6.6, 198.51.100.1, 198.51.100.1"),
+            .contains("x-forwarded-for=6.6.6.6, 198.51.100.1, 127.0.0.1"),
         "{}",
         r.body
     );
@@ -228,6 +229,19 @@ fn forwarded_for_is_trusted_only_from_trusted_proxies() {
         gw.get("/", &[("X-Forwarded-For", "7.7.7.7, 198.51.100.1")])
             .status,
         429
+    );
+    // A proxy that adds its own line rather than appending: all lines form one chain, the
+    // client's own line first, so the client still cannot choose its address.
+    let r = gw.get(
+        "/",
+        &[
+            ("X-Forwarded-For", "8.8.8.8"),
+            ("X-Forwarded-For", "198.51.100.1"),
+        ],
+    );
+    assert_eq!(
+        r.status, 429,
+        "two lines are one chain: the client is 198.51.100.1"
     );
     assert_eq!(
         gw.get("/", &[("X-Forwarded-For", "198.51.100.2")]).status,
@@ -423,4 +437,39 @@ fn environment_variables_configure_the_gateway() {
     ] {
         assert!(err.contains(part), "{part} missing from {err}");
     }
+}
+
+#[test]
+fn other_spellings_of_a_path_do_not_escape_selectors_or_kill_switches() {
+    let upstream = Upstream::start();
+    let policy = format!(
+        r#"{{"bundle_version": 1, "policies": [{{"id": "api", "spec": {{"selector": {{"pathPrefix": "/api"}}, "rules": [
+            {{"name": "api-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {{"rps": {SLOW}, "burst": 1}}}}]}}}}],
+           "kill_switches": [{{"scope_key": "host", "scope_value": "API.example.com", "route": "/v1/inference", "reason": "incident"}}]}}"#
+    );
+    let gw = Gateway::start(Some(&policy), Some(upstream.addr), &[]);
+    assert_eq!(gw.get("/api/x", &[]).status, 200);
+    for spelling in ["//api/x", "/%61pi/x", "/static/../api/x", "/./api/x"] {
+        assert_eq!(
+            gw.get(spelling, &[]).status,
+            429,
+            "{spelling} must meet the /api limit"
+        );
+    }
+    assert_eq!(gw.get("/apix", &[]).status, 200);
+    // Kill switch: host compared without case or trailing dot, route after normalisation.
+    for spelling in ["/v1/inference", "/v1//inference/run", "/v1/./inference"] {
+        let r = gw.get(spelling, &[("Host", "api.example.com.")]);
+        assert_eq!(r.status, 429, "{spelling}");
+        assert_eq!(r.header("X-Tollgate-Reason"), Some("kill_switch"));
+        assert_eq!(r.header("RateLimit-Remaining"), Some("0"));
+        assert_eq!(r.header("RateLimit-Reset"), Some("60"));
+        let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
+        assert!((60..=90).contains(&retry));
+    }
+    assert_eq!(
+        gw.get("/v1/inference", &[("Host", "other.example.com")])
+            .status,
+        200
+    );
 }

@@ -664,8 +664,24 @@ impl Compiler {
                     if let (Some(ids), Some(shape)) =
                         (ids, self.bucket_shape(omap, &ip, Some(&base)))
                     {
+                        let ip_keyed = matches!(limit_keys.as_slice(), [Descriptor::Ip { .. }]);
                         for id in ids {
                             let id = canonical_id(&id);
+                            // Per-IP bucket keys are bare IPv4 addresses or IPv6 networks.
+                            let never = match IpNet::parse(&id) {
+                                Some(_) if !ip_keyed => false,
+                                Some(_) => {
+                                    (id.contains('.') && id.contains('/'))
+                                        || (id.contains(':') && !id.contains('/'))
+                                }
+                                None => ip_keyed,
+                            };
+                            if never {
+                                self.warn(
+                                    &join(&ip, "ids"),
+                                    format!("ID '{id}' can never equal this rule's keys (IPv4 addresses, or IPv6 networks such as 2001:db8:1:2::/64)"),
+                                );
+                            }
                             if overrides.insert(id.clone(), shape.quota).is_some() {
                                 self.error(
                                     &join(&ip, "ids"),
@@ -683,9 +699,18 @@ impl Compiler {
         let (Some(name), Some(shape), Some(cost)) = (name, shape, cost) else {
             return;
         };
+        // `:` and `\` in a name are escaped, so the name ends at the first unescaped `:` and
+        // rule `a` with key `b:c` can never share a bucket with rule `a:b` and key `c`.
+        let escaped: String = name
+            .chars()
+            .flat_map(|c| match c {
+                ':' | '\\' => vec!['\\', c],
+                c => vec![c],
+            })
+            .collect();
         let key_prefix = match mode {
-            Mode::Enforce => format!("tb:{name}:"),
-            Mode::Shadow => format!("shadow:tb:{name}:"),
+            Mode::Enforce => format!("tb:{escaped}:"),
+            Mode::Shadow => format!("shadow:tb:{escaped}:"),
         };
         self.rules.push(Rule {
             name,
@@ -925,6 +950,12 @@ impl Compiler {
             return;
         }
         if let (Some(scope), Some(value)) = (scope, value) {
+            // Hosts compare case-insensitively (the request side is lower-cased).
+            let value = if scope == Descriptor::Host {
+                value.to_ascii_lowercase()
+            } else {
+                value
+            };
             self.kill_switches.push(KillSwitch {
                 scope,
                 value,
@@ -1124,6 +1155,49 @@ mod tests {
             huge,
             vec!["rules[0].algorithm_config.rps: must be at least 0.000001"]
         );
+    }
+
+    #[test]
+    fn rule_names_cannot_make_buckets_collide() {
+        let b = compile_bundle(
+            &json!({"rules": [
+                {"name": "a", "limit_keys": ["header:x"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}},
+                {"name": "a:b", "limit_keys": ["header:x"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}
+            ]}),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(b.rules[0].key_prefix, "tb:a:");
+        assert_eq!(b.rules[1].key_prefix, "tb:a\\:b:");
+        assert_ne!(
+            format!("{}b:c", b.rules[0].key_prefix),
+            format!("{}c", b.rules[1].key_prefix)
+        );
+    }
+
+    #[test]
+    fn unmatchable_override_ids_warn() {
+        let b = compile_bundle(
+            &rule(json!({"rps": 1, "burst": 1, "overrides": [{"ids": ["10.0.0.0/24", "2001:db8::1", "10.0.0.2", "2001:db8:1:2::/64", "acct-1"]}]})),
+            "x",
+        )
+        .unwrap();
+        let warned: Vec<&str> = b.warnings.iter().map(|w| w.message.as_str()).collect();
+        assert_eq!(warned.len(), 3, "{warned:?}");
+        assert!(warned[0].starts_with("ID '10.0.0.0/24' can never equal"));
+        assert!(warned[1].starts_with("ID '2001:db8::1' can never equal"));
+        assert!(warned[2].starts_with("ID 'acct-1' can never equal"));
+    }
+
+    #[test]
+    fn host_kill_switches_ignore_case() {
+        let b = compile_bundle(
+            &json!({"bundle_version": 1, "policies": [],
+            "kill_switches": [{"scope_key": "host", "scope_value": "API.Example.com"}]}),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(b.kill_switches[0].value, "api.example.com");
     }
 
     #[test]

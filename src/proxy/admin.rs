@@ -2,7 +2,7 @@
 //! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
 //! `ext_authz` (method and path are the original ones), `/livez`, `/readyz`, `/metrics`.
 
-use crate::descriptor::{split_uri, RequestFacts};
+use crate::descriptor::{normalize_path, split_uri, RequestFacts};
 use crate::engine::Outcome;
 use crate::service::{Gateway, HttpHeaders};
 use async_trait::async_trait;
@@ -110,17 +110,19 @@ impl Admin {
         let host = get("x-original-host").or_else(|| get("host"));
         // The caller is a gateway by role: the client is described by X-Forwarded-For (or
         // X-Real-IP), taken from the rightmost hop that is not a trusted proxy.
-        let forwarded = get("x-forwarded-for").or_else(|| get("x-real-ip"));
+        let forwarded = super::gateway::forwarded_for(h)
+            .or_else(|| get("x-real-ip").map(std::borrow::Cow::Borrowed));
         let client_ip = match forwarded {
-            Some(chain) => crate::config::client_ip(peer, Some(chain), &self.trusting_peer(peer)),
+            Some(chain) => crate::config::client_ip(peer, Some(&chain), &self.trusting_peer(peer)),
             None => self.gateway.client_ip(peer, None),
         };
         let headers = HttpHeaders(h);
         let claims = self.gateway.claims(&headers);
         let (path, query) = split_uri(uri);
+        let path = normalize_path(path);
         let facts = RequestFacts {
             method,
-            path,
+            path: &path,
             query,
             host,
             client_ip,

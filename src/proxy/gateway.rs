@@ -2,7 +2,7 @@
 //! answered here and never reaches the upstream; an allowed request is proxied round-robin and
 //! the rate-limit headers are added to the upstream's response.
 
-use crate::descriptor::RequestFacts;
+use crate::descriptor::{normalize_path, RequestFacts};
 use crate::headers::HeaderList;
 use crate::service::{Gateway, HttpHeaders};
 use async_trait::async_trait;
@@ -20,7 +20,8 @@ use std::sync::Arc;
 pub struct RequestCtx {
     /// Headers to add to the upstream's response.
     add_headers: HeaderList,
-    client_ip: Option<IpAddr>,
+    /// The TCP peer, appended to `X-Forwarded-For` towards the upstream.
+    peer: Option<IpAddr>,
 }
 
 /// The proxy service.
@@ -43,6 +44,27 @@ impl Proxy {
             gateway,
             peers,
             next: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// Every `X-Forwarded-For` line, joined: a proxy may add its own line rather than append to
+/// the client's, and reading only the first line would let the client pick its address.
+pub(crate) fn forwarded_for(headers: &http::HeaderMap) -> Option<std::borrow::Cow<'_, str>> {
+    let mut lines = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok());
+    let first = lines.next()?;
+    match lines.next() {
+        None => Some(std::borrow::Cow::Borrowed(first)),
+        Some(second) => {
+            let mut joined = format!("{first}, {second}");
+            for line in lines {
+                joined.push_str(", ");
+                joined.push_str(line);
+            }
+            Some(std::borrow::Cow::Owned(joined))
         }
     }
 }
@@ -83,21 +105,19 @@ impl ProxyHttp for Proxy {
         let (allowed, response) = {
             let req = session.req_header();
             let headers = HttpHeaders(&req.headers);
-            let forwarded = req
-                .headers
-                .get("x-forwarded-for")
-                .and_then(|v| v.to_str().ok());
-            let client_ip = self.gateway.client_ip(peer, forwarded);
-            ctx.client_ip = client_ip;
+            let forwarded = forwarded_for(&req.headers);
+            let client_ip = self.gateway.client_ip(peer, forwarded.as_deref());
+            ctx.peer = peer;
             let host = req
                 .headers
                 .get(http::header::HOST)
                 .and_then(|v| v.to_str().ok())
                 .or_else(|| req.uri.authority().map(|a| a.as_str()));
             let claims = self.gateway.claims(&headers);
+            let path = normalize_path(req.uri.path());
             let facts = RequestFacts {
                 method: req.method.as_str(),
-                path: req.uri.path(),
+                path: &path,
                 query: req.uri.query(),
                 host,
                 client_ip,
@@ -143,15 +163,12 @@ impl ProxyHttp for Proxy {
         upstream_request: &mut RequestHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        // Tell the upstream who the client is (appending to a trusted chain).
-        if let Some(ip) = ctx.client_ip {
-            let value = match upstream_request
-                .headers
-                .get("x-forwarded-for")
-                .and_then(|v| v.to_str().ok())
-            {
-                Some(chain) => format!("{chain}, {ip}"),
-                None => ip.to_string(),
+        // Append the hop we saw (the TCP peer) to the chain, as nginx's
+        // $proxy_add_x_forwarded_for does; every earlier line is folded into one.
+        if let Some(peer) = ctx.peer.map(crate::descriptor::canonical_ip) {
+            let value = match forwarded_for(&upstream_request.headers) {
+                Some(chain) => format!("{chain}, {peer}"),
+                None => peer.to_string(),
             };
             upstream_request.insert_header("X-Forwarded-For", value)?;
         }

@@ -6,9 +6,10 @@
 //! What it loses, on purpose and nothing else:
 //! - entries whose bucket is full again: they are indistinguishable from absent ones (a new
 //!   bucket starts full), so dropping them loses nothing. They are evicted first.
-//! - entries idle longer than `idle_timeout` (default 300 s), by the periodic sweep and when a
-//!   shard is full. For quotas whose refill window is longer than that (e.g. 300 per 180 min),
-//!   raise the idle timeout or a client idle that long gets a fresh bucket.
+//! - entries idle longer than `idle_timeout` (default 300 s) that are not full yet, only under
+//!   memory pressure: by the sweep when the store is above 3/4 of its bound, and when a full
+//!   store has nothing full-again to drop. A drained bucket of a long quota (300 per 180 min)
+//!   is otherwise kept until it is full again.
 //! - when a shard is full and nothing in it is full-again or idle, a *new* key is not stored:
 //!   its request is allowed (fail-open) and counted. Live buckets are never evicted, so a flood
 //!   of fresh keys cannot reset anyone's limit.
@@ -278,13 +279,17 @@ impl Store for MemoryStore {
             }
         }));
 
-        for group in [Group::Enforce, Group::Shadow] {
-            let all_allowed = ops
-                .iter()
+        let group_allows = |group: Group, results: &OpResults| {
+            ops.iter()
                 .zip(results.iter())
                 .filter(|(op, _)| op.group == group)
-                .all(|(_, r)| r.verdict.allowed);
-            if !all_allowed {
+                .all(|(_, r)| r.verdict.allowed)
+        };
+        let enforce_allows = group_allows(Group::Enforce, results);
+        for group in [Group::Enforce, Group::Shadow] {
+            // A refused request spends nothing anywhere, shadow buckets included: shadow
+            // counts then describe the traffic that would really have reached the upstream.
+            if !enforce_allows || !group_allows(group, results) {
                 continue;
             }
             for (op, result) in ops.iter().zip(results.iter_mut()) {
@@ -317,12 +322,18 @@ impl Store for MemoryStore {
 
     fn sweep(&self, now_us: u64) -> u64 {
         let idle = self.config.idle_timeout_us;
+        // Idle buckets that are not full yet still hold state (a drained client of a 300 per
+        // 180 min quota must not come back to a full bucket after 5 idle minutes); they go only
+        // when memory is short: above 3/4 of the bound.
+        let pressed = self.len.load(Ordering::Relaxed) >= self.config.max_buckets / 4 * 3;
         let mut removed = 0u64;
         for shard in self.shards.iter() {
             let mut s = shard.0.lock();
             let before = s.map.len();
             s.map.retain(|_, slot| {
-                slot.full_at_us > now_us && now_us.saturating_sub(slot.last_us) <= idle
+                let full = slot.full_at_us <= now_us;
+                let idle = now_us.saturating_sub(slot.last_us) > idle;
+                !(full || (pressed && idle))
             });
             removed += (before - s.map.len()) as u64;
         }
@@ -417,19 +428,42 @@ mod tests {
     }
 
     #[test]
-    fn sweep_drops_full_and_idle_entries_only() {
+    fn sweep_drops_full_buckets_and_keeps_idle_unfull_ones() {
         let store = small(100);
         let fast = quota(1, 2);
-        let slow = Quota::new(300 * MICRO, 300 * MICRO, 10_800 * US_PER_SEC).unwrap();
+        let slow = Quota::new(300 * MICRO, MICRO, 3_600 * US_PER_SEC).unwrap();
         run(&store, 0, &[op("tb:fast:a", fast, Group::Enforce)]);
         run(&store, 0, &[op("tb:slow:a", slow, Group::Enforce)]);
         assert_eq!(store.sweep(500_000), 0);
         // At 2 s the fast bucket is full again; the slow one is not and not idle.
         assert_eq!(store.sweep(2 * US_PER_SEC), 1);
         assert!(store.peek(&BucketKey::of("tb:slow:a")).is_some());
-        // Past the idle timeout it goes too.
-        assert_eq!(store.sweep(301 * US_PER_SEC), 1);
+        // Past the idle timeout it stays (not full, no memory pressure)...
+        assert_eq!(store.sweep(301 * US_PER_SEC), 0);
+        // ...until it is full again (one token per hour).
+        assert_eq!(store.sweep(3_600 * US_PER_SEC), 1);
         assert_eq!(store.stats().entries, 0);
+    }
+
+    #[test]
+    fn under_memory_pressure_the_sweep_drops_idle_buckets() {
+        let store = small(4);
+        let slow = Quota::new(300 * MICRO, MICRO, 3_600 * US_PER_SEC).unwrap();
+        for k in ["a", "b", "c"] {
+            run(
+                &store,
+                0,
+                &[op(&format!("tb:slow:{k}"), slow, Group::Enforce)],
+            );
+        }
+        run(
+            &store,
+            290 * US_PER_SEC,
+            &[op("tb:slow:d", slow, Group::Enforce)],
+        );
+        // 4 of 4 held: above 3/4. a, b, c idle for 301 s go; d (idle 11 s) stays.
+        assert_eq!(store.sweep(301 * US_PER_SEC), 3);
+        assert!(store.peek(&BucketKey::of("tb:slow:d")).is_some());
     }
 
     #[test]
