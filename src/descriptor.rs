@@ -622,6 +622,28 @@ mod tests {
         assert_eq!(IpNet::parse("10.0.0.2").unwrap().canonical(), "10.0.0.2");
     }
 
+    proptest::proptest! {
+        /// Normalising never panics, always yields an absolute path without `//`, `/./` or
+        /// `/../`, and is idempotent.
+        #[test]
+        fn normalize_path_is_total_and_idempotent(raw in "/[a-zA-Z0-9%./_~-]{0,40}") {
+            let once = normalize_path(&raw).into_owned();
+            proptest::prop_assert!(once.starts_with('/'));
+            proptest::prop_assert!(!once.contains("//") && !once.contains("/./") && !once.contains("/../"));
+            let twice = normalize_path(&once).into_owned();
+            // Decoding may reveal new `%` sequences only from `%25`, which is not unreserved.
+            proptest::prop_assert_eq!(&twice, &once);
+        }
+
+        #[test]
+        fn descriptor_parse_never_panics(text in ".{0,40}") {
+            let _ = Descriptor::parse(&text);
+            let _ = IpNet::parse(&text);
+            let _ = strip_port(&text);
+            let _ = percent_decode(&text);
+        }
+    }
+
     #[test]
     fn paths_are_normalized_before_matching() {
         for (raw, normal) in [

@@ -1224,3 +1224,75 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Arbitrary JSON, biased towards the shapes a bundle has, so the walker goes deep.
+    fn arb_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<f64>()
+                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            any::<i64>().prop_map(|i| Value::Number(i.into())),
+            prop_oneof![
+                Just("token_bucket".to_string()),
+                Just("ip:address".to_string()),
+                Just("header:x".to_string()),
+                Just("1s".to_string()),
+                Just("shadow".to_string()),
+                ".{0,12}",
+            ]
+            .prop_map(Value::String),
+        ];
+        let keys = prop_oneof![
+            Just("rules".to_string()),
+            Just("policies".to_string()),
+            Just("bundle_version".to_string()),
+            Just("spec".to_string()),
+            Just("id".to_string()),
+            Just("name".to_string()),
+            Just("limit_keys".to_string()),
+            Just("algorithm".to_string()),
+            Just("algorithm_config".to_string()),
+            Just("burst".to_string()),
+            Just("rps".to_string()),
+            Just("count".to_string()),
+            Just("period".to_string()),
+            Just("overrides".to_string()),
+            Just("ids".to_string()),
+            Just("match".to_string()),
+            Just("kill_switches".to_string()),
+            Just("selector".to_string()),
+            Just("fallback_limit".to_string()),
+            "[a-z_]{1,8}",
+        ];
+        leaf.prop_recursive(5, 64, 6, move |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::vec((keys.clone(), inner), 0..6)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Whatever the JSON, compiling returns a bundle or a list of errors; it never panics,
+        /// and every error names a path.
+        #[test]
+        fn compile_never_panics(value in arb_json()) {
+            if let Err(errors) = compile_bundle(&value, "prop") {
+                prop_assert!(!errors.is_empty());
+                prop_assert!(errors.iter().all(|e| !e.path.is_empty()));
+            }
+        }
+
+        #[test]
+        fn parse_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = parse_bundle(&bytes, "prop");
+        }
+    }
+}
