@@ -52,9 +52,12 @@ pub struct RunArgs {
     /// Worker threads of the proxy service.
     #[arg(long, env = "TOLLGATE_THREADS", default_value_t = 2)]
     pub threads: usize,
-    /// Bucket store: `memory` (embedded, default).
+    /// Bucket store: `memory` (embedded, default) or `redis://HOST:PORT[/DB]` (shared by a fleet).
     #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
     pub store: String,
+    /// Deadline of one call to a networked store, in milliseconds; past it the request fails open.
+    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT_MS", default_value_t = 5)]
+    pub store_timeout_ms: u64,
     /// Most buckets the embedded store holds.
     #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 1_000_000)]
     pub max_buckets: usize,

@@ -14,6 +14,9 @@ pub trait Clock: Send + Sync {
     fn now_us(&self) -> u64;
     /// Wall-clock Unix time in seconds (used for kill-switch expiry only).
     fn unix_secs(&self) -> i64;
+    /// Wall-clock Unix time in microseconds: the time base of a store shared by several
+    /// gateways (their monotonic clocks have different origins).
+    fn unix_us(&self) -> u64;
 }
 
 /// The real clock: `Instant` for the monotonic reading, `SystemTime` for the wall clock.
@@ -44,6 +47,13 @@ impl Clock for SystemClock {
 
     fn unix_secs(&self) -> i64 {
         wall_unix_secs()
+    }
+
+    fn unix_us(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0)
     }
 }
 
@@ -95,6 +105,12 @@ impl Clock for ManualClock {
 
     fn unix_secs(&self) -> i64 {
         self.wall_origin + (self.now_us() / 1_000_000) as i64
+    }
+
+    fn unix_us(&self) -> u64 {
+        (self.wall_origin.max(0) as u64)
+            .saturating_mul(1_000_000)
+            .saturating_add(self.now_us())
     }
 }
 

@@ -26,6 +26,18 @@ pub struct Config {
     pub log_format: LogFormat,
     pub policy_poll: Option<Duration>,
     pub jwt: JwtConfig,
+    pub store: StoreKind,
+    /// Deadline of one networked-store call.
+    pub store_timeout: Duration,
+}
+
+/// Where buckets live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreKind {
+    /// The embedded bounded map (default).
+    Memory,
+    /// A Redis server shared by every gateway of a fleet.
+    Redis(String),
 }
 
 /// Configuration problems, all of them.
@@ -76,11 +88,20 @@ impl Config {
         if args.sweep_interval_secs == 0 {
             errors.push("--sweep-interval-secs 0: must be at least 1".to_string());
         }
-        if args.store != "memory" {
-            errors.push(format!(
-                "--store {:?}: this build supports only the embedded store (\"memory\")",
-                args.store
-            ));
+        let store = match args.store.as_str() {
+            "memory" => StoreKind::Memory,
+            url if url.starts_with("redis://") || url.starts_with("rediss://") => {
+                StoreKind::Redis(url.to_string())
+            }
+            other => {
+                errors.push(format!(
+                    "--store {other:?}: expected \"memory\" or redis://HOST:PORT[/DB]"
+                ));
+                StoreKind::Memory
+            }
+        };
+        if args.store_timeout_ms == 0 {
+            errors.push("--store-timeout-ms 0: must be at least 1".to_string());
         }
         if http::HeaderName::from_bytes(args.reason_header.as_bytes()).is_err() {
             errors.push(format!(
@@ -118,6 +139,8 @@ impl Config {
             log_format: args.log_format,
             policy_poll: (args.policy_poll_secs > 0)
                 .then(|| Duration::from_secs(args.policy_poll_secs)),
+            store,
+            store_timeout: Duration::from_millis(args.store_timeout_ms),
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),

@@ -6,7 +6,7 @@ use crate::clock::Clock;
 use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota};
 use crate::policy::{Bundle, CostSource, Mode, OnMissing, Rule};
-use crate::store::{BucketKey, BucketOp, Group, Store};
+use crate::store::{BucketKey, BucketOp, Group, OpResults, Store, StoreError};
 use arc_swap::{ArcSwapOption, Guard};
 use smallvec::SmallVec;
 use std::sync::Arc;
@@ -191,6 +191,17 @@ impl Decision {
     }
 }
 
+/// A decision before the store has answered.
+// Lives for a few microseconds on the stack; boxing the larger variant would put an allocation
+// on the embedded store's hot path.
+#[allow(clippy::large_enum_variant)]
+pub enum Plan {
+    /// Decided without the store (no policy, kill switch, missing descriptor, no rule).
+    Done(Decision),
+    /// Needs these bucket operations; give the answer to [`Engine::finish`].
+    Store(Decision, SmallVec<[BucketOp; 4]>),
+}
+
 /// The decision engine: a hot-swappable bundle, a store and a clock.
 pub struct Engine<S: Store> {
     bundle: ArcSwapOption<Bundle>,
@@ -232,11 +243,25 @@ impl<S: Store> Engine<S> {
         self.config
     }
 
-    /// Decides one request.
+    /// Decides one request against the engine's own (synchronous) store.
     pub fn decide(&self, facts: &RequestFacts<'_>) -> Decision {
+        match self.plan(facts) {
+            Plan::Done(decision) => decision,
+            Plan::Store(decision, ops) => {
+                let mut results = OpResults::new();
+                let answer = self.store.apply(self.clock.now_us(), &ops, &mut results);
+                self.finish(decision, answer.map(|()| &results))
+            }
+        }
+    }
+
+    /// Everything up to the store call: kill switches, matching policies and rules, bucket keys
+    /// and costs. The plan owns what it needs, so a networked store can be awaited before
+    /// [`Engine::finish`].
+    pub fn plan(&self, facts: &RequestFacts<'_>) -> Plan {
         let guard = self.bundle.load();
         let Some(bundle) = guard.as_deref() else {
-            return Decision::new(Outcome::NoPolicy, None);
+            return Plan::Done(Decision::new(Outcome::NoPolicy, None));
         };
         let prefix = self.config.ipv6_prefix;
 
@@ -257,7 +282,7 @@ impl<S: Store> Engine<S> {
                 let mut d = Decision::new(Outcome::Reject(Reason::KillSwitch), Some(guard));
                 d.kill_switch = Some(i);
                 d.retry_after = retry_after;
-                return d;
+                return Plan::Done(d);
             }
         }
 
@@ -344,24 +369,27 @@ impl<S: Store> Engine<S> {
             decision.rules.clear();
             decision.outcome = Outcome::Reject(Reason::MissingDescriptor);
             decision.missing_rule = Some(rule);
-            return decision;
+            return Plan::Done(decision);
         }
         if ops.is_empty() {
-            return decision;
+            return Plan::Done(decision);
         }
-        let now = self.clock.now_us();
-        let mut results = crate::store::OpResults::new();
-        match self.store.apply(now, &ops, &mut results) {
-            Ok(()) => {}
+        Plan::Store(decision, ops)
+    }
+
+    /// Completes a planned decision with the store's answer (one result per op, in order).
+    /// A store error fails open: the request is allowed, nothing was spent anywhere.
+    pub fn finish(&self, mut decision: Decision, answer: Result<&OpResults, StoreError>) -> Decision {
+        let results = match answer {
+            Ok(results) => results,
             Err(_) => {
-                // Fail open: nothing was spent anywhere.
                 decision.rules.clear();
                 decision.store_error = true;
                 return decision;
             }
-        }
+        };
         let mut rejected = false;
-        for (outcome, r) in decision.rules.iter_mut().zip(results) {
+        for (outcome, r) in decision.rules.iter_mut().zip(results.iter()) {
             let v = r.verdict;
             if outcome.mode == Mode::Enforce && !v.allowed {
                 rejected = true;

@@ -5,13 +5,17 @@
 use crate::auth::{AuthError, TokenOutcome, Verifier};
 use crate::cli::LogFormat;
 use crate::clock::{wall_unix_secs, Clock, SystemClock};
-use crate::config::{client_ip, Config};
+use crate::config::{client_ip, Config, StoreKind};
 use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
-use crate::engine::{Decision, Engine, EngineConfig, Outcome};
+use crate::engine::{Decision, Engine, EngineConfig, Outcome, Plan};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{load_file, Bundle, Mode, PolicyError};
-use crate::store::{MemoryStore, MemoryStoreConfig, Store};
+use crate::store::{
+    BucketOp, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore, Store,
+    StoreError,
+};
+use smallvec::SmallVec;
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use std::net::IpAddr;
@@ -43,6 +47,15 @@ fn signature(path: &Path) -> Option<FileSignature> {
     })
 }
 
+/// Why a gateway cannot be built from a valid configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Jwt(#[from] AuthError),
+    #[error("--store: {0}")]
+    Store(StoreError),
+}
+
 /// Headers of an `http` request, for the engine.
 pub struct HttpHeaders<'a>(pub &'a http::HeaderMap);
 
@@ -59,6 +72,8 @@ pub struct Gateway {
     pub config: Config,
     pub header_config: HeaderConfig,
     pub verifier: Verifier,
+    /// A store shared with other gateways; `None` = the engine's embedded store.
+    pub remote: Option<Arc<RedisStore>>,
     loaded: ArcSwapOption<LoadedPolicy>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
@@ -67,15 +82,25 @@ pub struct Gateway {
 
 impl Gateway {
     /// # Errors
-    /// A configured JWT key file cannot be loaded.
-    pub fn new(config: Config) -> Result<Self, AuthError> {
+    /// A configured JWT key file cannot be loaded, or the store URL is unusable.
+    pub fn new(config: Config) -> Result<Self, StartError> {
         Self::with_clock(config, Arc::new(SystemClock::new()))
     }
 
     /// # Errors
-    /// A configured JWT key file cannot be loaded.
-    pub fn with_clock(config: Config, clock: Arc<dyn Clock>) -> Result<Self, AuthError> {
+    /// A configured JWT key file cannot be loaded, or the store URL is unusable.
+    pub fn with_clock(config: Config, clock: Arc<dyn Clock>) -> Result<Self, StartError> {
         let verifier = Verifier::new(config.jwt.clone())?;
+        let remote = match &config.store {
+            StoreKind::Memory => None,
+            StoreKind::Redis(url) => Some(
+                RedisStore::new(RedisConfig {
+                    url: url.clone(),
+                    timeout: config.store_timeout,
+                })
+                .map_err(StartError::Store)?,
+            ),
+        };
         let store = MemoryStore::new(MemoryStoreConfig {
             max_buckets: config.max_buckets,
             idle_timeout_us: config.bucket_idle.as_micros().min(u64::MAX as u128) as u64,
@@ -95,6 +120,7 @@ impl Gateway {
             metrics: Metrics::new(),
             header_config: HeaderConfig { reason_header },
             verifier,
+            remote,
             config,
             loaded: ArcSwapOption::empty(),
             watch: Mutex::new((None, None)),
@@ -220,7 +246,9 @@ impl Gateway {
                     "policy_version": p.version,
                     "policy_hash": p.hash,
                     "loaded_at": p.loaded_at,
-                    "store": "memory",
+                    "store": if self.remote.is_some() { "redis" } else { "memory" },
+                    // A degraded store fails open; it does not make the gateway unready.
+                    "store_status": if self.remote.as_ref().is_some_and(|r| r.degraded()) { "degraded" } else { "ok" },
                 })
                 .to_string(),
             ),
@@ -237,22 +265,57 @@ impl Gateway {
         client_ip(peer, forwarded_for, &self.config.trusted_proxies)
     }
 
-    /// Decides a request, records metrics, logs refusals, and builds the response.
+    /// Decides a request, records metrics, logs refusals, and builds the response. With a
+    /// networked store the answer may need a store call: [`Step::Remote`], finished by
+    /// [`Gateway::complete`] (the request's borrowed facts are not needed any more).
+    pub fn begin(&self, facts: &RequestFacts<'_>) -> Step {
+        let started = Instant::now();
+        let view = RequestView::of(facts);
+        let Some(remote) = &self.remote else {
+            let decision = self.engine.decide(facts);
+            return Step::Ready(self.respond(decision, &view, started));
+        };
+        match self.engine.plan(facts) {
+            Plan::Done(decision) => Step::Ready(self.respond(decision, &view, started)),
+            Plan::Store(decision, ops) => Step::Remote(Box::new(Pending {
+                remote: Arc::clone(remote),
+                decision,
+                ops,
+                summary: view.to_owned(),
+                started,
+            })),
+        }
+    }
+
+    /// Finishes a decision that needs the networked store.
+    pub async fn complete(&self, pending: Box<Pending>) -> (Decision, Response) {
+        let Pending { remote, decision, ops, summary, started } = *pending;
+        let mut results = OpResults::new();
+        let now = self.engine.clock().unix_us();
+        let answer: Result<(), StoreError> = remote.apply(now, &ops, &mut results).await;
+        if answer.is_err() && !remote.connected() {
+            remote.connect_in_background();
+        }
+        let decision = self.engine.finish(decision, answer.map(|()| &results));
+        self.respond(decision, &summary.view(), started)
+    }
+
+    /// Synchronous decisions only (embedded store): tests and tools.
     pub fn decide(&self, facts: &RequestFacts<'_>) -> (Decision, Response) {
         let started = Instant::now();
         let decision = self.engine.decide(facts);
-        self.metrics
-            .record(&decision, started.elapsed().as_secs_f64());
+        self.respond(decision, &RequestView::of(facts), started)
+    }
+
+    fn respond(&self, decision: Decision, view: &RequestView<'_>, started: Instant) -> (Decision, Response) {
+        self.metrics.record(&decision, started.elapsed().as_secs_f64());
         let identity = JitterIdentity {
-            sub: facts
-                .claims
-                .and_then(|c| c.get("sub"))
-                .and_then(|s| s.as_str()),
-            ip: facts.client_ip,
-            path: facts.path,
+            sub: view.sub,
+            ip: view.client_ip,
+            path: view.path,
         };
         let response = headers::build(&decision, &identity, &self.header_config);
-        log_decision(&decision, facts, response.status);
+        log_decision(&decision, view, response.status);
         (decision, response)
     }
 
@@ -268,11 +331,11 @@ impl Gateway {
 
 /// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
 /// Nothing for allowed requests.
-fn log_decision(decision: &Decision, facts: &RequestFacts<'_>, status: u16) {
+fn log_decision(decision: &Decision, facts: &RequestView<'_>, status: u16) {
     let client_ip = facts
         .client_ip
         .map_or_else(|| "-".to_string(), |ip| ip.to_string());
-    let host = facts.host_name().unwrap_or("-");
+    let host = facts.host.unwrap_or("-");
     if let Outcome::Reject(reason) = decision.outcome {
         let (policy, rule) = match (
             decision.rejecting_rule(),
@@ -331,6 +394,72 @@ fn log_decision(decision: &Decision, facts: &RequestFacts<'_>, status: u16) {
             "RATE_LIMIT"
         );
     }
+}
+
+/// What the answer needs to know about a request (jitter identity, log fields).
+pub struct RequestView<'a> {
+    pub client_ip: Option<IpAddr>,
+    pub host: Option<&'a str>,
+    pub path: &'a str,
+    pub sub: Option<&'a str>,
+}
+
+impl<'a> RequestView<'a> {
+    fn of(facts: &RequestFacts<'a>) -> Self {
+        RequestView {
+            client_ip: facts.client_ip,
+            host: facts.host_name(),
+            path: facts.path,
+            sub: facts
+                .claims
+                .and_then(|c| c.get("sub"))
+                .and_then(|s| s.as_str()),
+        }
+    }
+
+    fn to_owned(&self) -> RequestSummary {
+        RequestSummary {
+            client_ip: self.client_ip,
+            host: self.host.map(str::to_string),
+            path: self.path.to_string(),
+            sub: self.sub.map(str::to_string),
+        }
+    }
+}
+
+/// [`RequestView`] owned, to outlive the request's borrowed headers across a store call.
+pub struct RequestSummary {
+    client_ip: Option<IpAddr>,
+    host: Option<String>,
+    path: String,
+    sub: Option<String>,
+}
+
+impl RequestSummary {
+    fn view(&self) -> RequestView<'_> {
+        RequestView {
+            client_ip: self.client_ip,
+            host: self.host.as_deref(),
+            path: &self.path,
+            sub: self.sub.as_deref(),
+        }
+    }
+}
+
+/// The first step of answering a request.
+pub enum Step {
+    Ready((Decision, Response)),
+    /// Boxed: this path pays a network round trip anyway.
+    Remote(Box<Pending>),
+}
+
+/// A decision waiting for the networked store.
+pub struct Pending {
+    remote: Arc<RedisStore>,
+    decision: Decision,
+    ops: SmallVec<[BucketOp; 4]>,
+    summary: RequestSummary,
+    started: Instant,
 }
 
 /// Installs the tracing subscriber (text or JSON) and bridges Pingora's `log` records into it.

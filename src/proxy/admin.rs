@@ -4,7 +4,7 @@
 
 use crate::descriptor::{normalize_path, split_uri, RequestFacts};
 use crate::engine::Outcome;
-use crate::service::{Gateway, HttpHeaders};
+use crate::service::{Gateway, HttpHeaders, Step};
 use async_trait::async_trait;
 use http::{Response, StatusCode};
 use pingora::apps::http_app::ServeHttp;
@@ -81,7 +81,17 @@ impl ServeHttp for Admin {
                 "Method Not Allowed: use POST\n",
             ),
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
-                self.decide(req, peer)
+                let step = self.begin(req, peer);
+                // With a shared store, the store call happens here.
+                let (decision, response) = match step {
+                    Step::Ready(answer) => answer,
+                    Step::Remote(pending) => self.gateway.complete(pending).await,
+                };
+                if decision.outcome == Outcome::NoPolicy {
+                    return reply(503, TEXT, &[], "Service Unavailable: no policy loaded\n");
+                }
+                let body = response.body.unwrap_or("OK");
+                reply(response.status, TEXT, &response.headers, body)
             }
             _ => reply(404, TEXT, &[], "Not Found\n"),
         }
@@ -89,11 +99,7 @@ impl ServeHttp for Admin {
 }
 
 impl Admin {
-    fn decide(
-        &self,
-        req: &pingora::http::RequestHeader,
-        peer: Option<std::net::IpAddr>,
-    ) -> Response<Vec<u8>> {
+    fn begin(&self, req: &pingora::http::RequestHeader, peer: Option<std::net::IpAddr>) -> Step {
         let h = &req.headers;
         let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
         // Envoy ext_authz (HTTP) sends the original method and `path_prefix + original path`.
@@ -129,12 +135,7 @@ impl Admin {
             headers: &headers,
             claims: claims.as_deref(),
         };
-        let (decision, response) = self.gateway.decide(&facts);
-        if decision.outcome == Outcome::NoPolicy {
-            return reply(503, TEXT, &[], "Service Unavailable: no policy loaded\n");
-        }
-        let body = response.body.unwrap_or("OK");
-        reply(response.status, TEXT, &response.headers, body)
+        self.gateway.begin(&facts)
     }
 
     /// The trusted proxies plus the calling peer itself.

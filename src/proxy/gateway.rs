@@ -4,7 +4,7 @@
 
 use crate::descriptor::{normalize_path, RequestFacts};
 use crate::headers::HeaderList;
-use crate::service::{Gateway, HttpHeaders};
+use crate::service::{Gateway, HttpHeaders, Step};
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -102,7 +102,7 @@ impl ProxyHttp for Proxy {
             .and_then(|a| a.as_inet())
             .map(|sa| sa.ip());
         // Decide synchronously; nothing borrowed from the request lives across an await.
-        let (allowed, response) = {
+        let step = {
             let req = session.req_header();
             let headers = HttpHeaders(&req.headers);
             let forwarded = forwarded_for(&req.headers);
@@ -124,9 +124,15 @@ impl ProxyHttp for Proxy {
                 headers: &headers,
                 claims: claims.as_deref(),
             };
-            let (decision, response) = self.gateway.decide(&facts);
-            (decision.is_allowed(), response)
+            self.gateway.begin(&facts)
         };
+        // With a shared store, the store call happens here, after the borrowed facts are gone.
+        let (decision, response) = match step {
+            Step::Ready(answer) => answer,
+            Step::Remote(pending) => self.gateway.complete(pending).await,
+        };
+        let allowed = decision.is_allowed();
+        drop(decision);
         if allowed {
             // No policy loaded: the proxy fails open (the decision service answers 503).
             ctx.add_headers = response.headers;

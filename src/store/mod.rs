@@ -5,8 +5,10 @@
 //! The embedded [`MemoryStore`] is the default; networked stores share the same contract.
 
 pub mod memory;
+pub mod redis;
 
 pub use memory::{MemoryStore, MemoryStoreConfig};
+pub use self::redis::{RedisConfig, RedisStore};
 
 use crate::limiter::{Quota, Verdict};
 use smallvec::SmallVec;

@@ -1,0 +1,344 @@
+//! The Redis store: buckets shared by every gateway of a fleet. One Lua script, loaded once and
+//! called with EVALSHA (the client falls back to loading it on NOSCRIPT), checks and spends every
+//! bucket of a request atomically, with the same integer maths as the embedded store and the
+//! same all-or-nothing groups. Time is the gateway's wall clock in microseconds.
+//!
+//! Failure: every call has a deadline; a timeout, refused connection or server error fails open
+//! (allowed, nothing spent), is counted, and is logged once per burst of errors. The connection
+//! manager reconnects by itself. A local cache of denied buckets answers repeat offenders until
+//! their retry time without a Redis call.
+
+use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
+use crate::limiter::{self, BucketState, Quota};
+use arc_swap::ArcSwapOption;
+use parking_lot::Mutex;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// KEYS: bucket keys. ARGV[1] = now (µs); then per key: burst (µtokens), rate numerator and
+/// denominator (µtokens per µs, reduced), cost (µtokens), group (0 enforce, 1 shadow).
+/// Returns {enforce_ok, shadow_ok, available_1, ..., available_n}. Keys are hashes
+/// `t` (µtokens at `l`) and `l` (µs), expiring when the bucket is full again.
+/// All products stay below 2^53 for the quotas `compile` accepts with a reduced rate (see
+/// `RedisQuota`), so Lua's doubles compute exactly what the embedded store does.
+const SCRIPT: &str = r#"
+local now = tonumber(ARGV[1])
+local n = #KEYS
+local avail, last = {}, {}
+local ok = {1, 1}
+for i = 1, n do
+  local b = 2 + (i - 1) * 5
+  local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local cost, group = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  local s = redis.call('HMGET', KEYS[i], 't', 'l')
+  local a, l = burst, now
+  if s[1] then
+    local t = math.min(tonumber(s[1]), burst)
+    l = tonumber(s[2])
+    local elapsed = now - l
+    if elapsed < 0 then elapsed = 0 end
+    local to_full = math.ceil((burst - t) * den / num)
+    if elapsed >= to_full then a = burst else a = math.min(burst, t + math.floor(elapsed * num / den)) end
+    if l < now then l = now end
+  end
+  avail[i], last[i] = a, l
+  if a < cost then ok[group + 1] = 0 end
+end
+local commit = {ok[1] == 1, ok[1] == 1 and ok[2] == 1}
+for i = 1, n do
+  local b = 2 + (i - 1) * 5
+  local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local cost, group = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  if commit[group + 1] then
+    local left = avail[i] - cost
+    redis.call('HSET', KEYS[i], 't', left, 'l', last[i])
+    local full_us = math.ceil((burst - left) * den / num)
+    redis.call('PEXPIRE', KEYS[i], math.floor(full_us / 1000) + 1)
+  end
+end
+local out = {ok[1], ok[2]}
+for i = 1, n do out[i + 2] = avail[i] end
+return out
+"#;
+
+/// A quota with its rate reduced to lowest terms (µtokens per µs), as the script wants it.
+fn reduced(q: &Quota) -> (u64, u64) {
+    fn gcd(mut a: u64, mut b: u64) -> u64 {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a.max(1)
+    }
+    let g = gcd(q.refill(), q.period_us());
+    (q.refill() / g, q.period_us() / g)
+}
+
+/// The Redis key of a bucket, with its own hash tag.
+fn redis_key(key: &BucketKey) -> String {
+    format!("tollgate:{{{:016x}{:016x}}}", key.hi, key.lo)
+}
+
+/// A bucket another request was refused on, answered locally until it could afford `cost`.
+#[derive(Clone, Copy)]
+struct Denied {
+    until_us: u64,
+    cost: u64,
+    available: u64,
+    at_us: u64,
+}
+
+/// Redis store settings.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    pub url: String,
+    /// Deadline of one store call.
+    pub timeout: Duration,
+}
+
+/// The Redis store.
+pub struct RedisStore {
+    config: RedisConfig,
+    client: redis::Client,
+    conn: ArcSwapOption<ConnectionManager>,
+    script: redis::Script,
+    denied: Mutex<HashMap<u128, Denied>>,
+    connecting: AtomicBool,
+    degraded: AtomicBool,
+    errors: AtomicU64,
+    denied_hits: AtomicU64,
+    last_error_log: Mutex<Option<Instant>>,
+}
+
+const DENIED_CACHE_MAX: usize = 100_000;
+
+impl RedisStore {
+    /// Prepares the store; the first connection is made in the background, so a gateway starts
+    /// (failing open) even while Redis is down.
+    ///
+    /// # Errors
+    /// The URL is not a Redis URL.
+    pub fn new(config: RedisConfig) -> Result<Arc<Self>, StoreError> {
+        let client = redis::Client::open(config.url.as_str())
+            .map_err(|e| StoreError::Unavailable(format!("{}: {e}", config.url)))?;
+        Ok(Arc::new(RedisStore {
+            config,
+            client,
+            conn: ArcSwapOption::empty(),
+            script: redis::Script::new(SCRIPT),
+            denied: Mutex::new(HashMap::new()),
+            connecting: AtomicBool::new(false),
+            degraded: AtomicBool::new(true),
+            errors: AtomicU64::new(0),
+            denied_hits: AtomicU64::new(0),
+            last_error_log: Mutex::new(None),
+        }))
+    }
+
+    /// Connects (or reconnects) in the background; at most one attempt at a time.
+    pub fn connect_in_background(self: &Arc<Self>) {
+        if self.connecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let store = Arc::clone(self);
+        tokio::spawn(async move {
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Duration::from_millis(500))
+                .set_response_timeout(store.config.timeout.max(Duration::from_millis(1)))
+                .set_number_of_retries(2)
+                .set_max_delay(200);
+            match ConnectionManager::new_with_config(store.client.clone(), config).await {
+                Ok(conn) => {
+                    tracing::info!(store = %store.config.url, "connected to Redis");
+                    store.conn.store(Some(Arc::new(conn)));
+                }
+                Err(e) => store.failed(&format!("connecting: {e}")),
+            }
+            store.connecting.store(false, Ordering::Release);
+        });
+    }
+
+    /// Whether a connection exists (it reconnects by itself once made).
+    pub fn connected(&self) -> bool {
+        self.conn.load().is_some()
+    }
+
+    /// Whether the last call failed (reported by `/readyz`; readiness is not failed for it).
+    pub fn degraded(&self) -> bool {
+        self.degraded.load(Ordering::Relaxed)
+    }
+
+    /// Store calls that failed open so far.
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Ordering::Relaxed)
+    }
+
+    /// Requests answered from the denied-bucket cache.
+    pub fn denied_hits(&self) -> u64 {
+        self.denied_hits.load(Ordering::Relaxed)
+    }
+
+    fn failed(&self, what: &str) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        let was_degraded = self.degraded.swap(true, Ordering::Relaxed);
+        let mut last = self.last_error_log.lock();
+        // One line per burst of errors: the first, then at most one every 10 s.
+        if !was_degraded || last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+            tracing::error!(store = %self.config.url, errors = self.errors(), "Redis store failing open: {what}");
+            *last = Some(Instant::now());
+        }
+    }
+
+    /// A refusal answered from the denied cache, if an enforced bucket of this request is known
+    /// to be unable to afford its cost yet.
+    fn from_denied_cache(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> bool {
+        let cache = self.denied.lock();
+        let hit = ops.iter().position(|op| {
+            op.group == Group::Enforce
+                && cache
+                    .get(&key128(&op.key))
+                    .is_some_and(|d| d.until_us > now_us && op.cost >= d.cost)
+        });
+        let Some(index) = hit else {
+            return false;
+        };
+        let denied = cache[&key128(&ops[index].key)];
+        drop(cache);
+        results.clear();
+        for (i, op) in ops.iter().enumerate() {
+            // A lower bound of what the bucket holds now (other gateways may have spent more).
+            let state = (i == index).then_some(BucketState {
+                tokens: denied.available,
+                last_us: denied.at_us,
+            });
+            let verdict = limiter::check(state, &op.quota, now_us, op.cost);
+            results.push(OpResult {
+                verdict,
+                committed: false,
+                // Buckets not asked about: no numbers to show for them.
+                fail_open: i != index,
+            });
+        }
+        self.denied_hits.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Checks and spends every bucket of a request in one script call.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing: nothing was spent (the caller fails open).
+    pub async fn apply(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> Result<(), StoreError> {
+        if self.from_denied_cache(now_us, ops, results) {
+            return Ok(());
+        }
+        let Some(conn) = self.conn.load_full() else {
+            self.failed("not connected");
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let mut conn = (*conn).clone();
+        let mut invocation = self.script.prepare_invoke();
+        for op in ops {
+            invocation.key(redis_key(&op.key));
+        }
+        invocation.arg(now_us);
+        for op in ops {
+            let (num, den) = reduced(&op.quota);
+            invocation
+                .arg(op.quota.burst())
+                .arg(num)
+                .arg(den)
+                .arg(op.cost)
+                .arg(u8::from(op.group == Group::Shadow));
+        }
+        let reply: Result<Result<Vec<i64>, redis::RedisError>, _> =
+            tokio::time::timeout(self.config.timeout, invocation.invoke_async(&mut conn)).await;
+        let values = match reply {
+            Ok(Ok(values)) if values.len() == ops.len() + 2 => values,
+            Ok(Ok(values)) => {
+                self.failed(&format!("unexpected reply of {} values", values.len()));
+                return Err(StoreError::Unavailable("bad reply".into()));
+            }
+            Ok(Err(e)) => {
+                self.failed(&e.to_string());
+                return Err(StoreError::Unavailable(e.to_string()));
+            }
+            Err(_) => {
+                self.failed(&format!("no answer within {:?}", self.config.timeout));
+                return Err(StoreError::Unavailable("timeout".into()));
+            }
+        };
+        if self.degraded.swap(false, Ordering::Relaxed) {
+            tracing::info!(store = %self.config.url, "Redis store answering again");
+        }
+        let enforce_ok = values[0] == 1;
+        let shadow_ok = values[1] == 1;
+        results.clear();
+        for (op, available) in ops.iter().zip(&values[2..]) {
+            let available = (*available).max(0) as u64;
+            let state = Some(BucketState {
+                tokens: available,
+                last_us: now_us,
+            });
+            let verdict = limiter::check(state, &op.quota, now_us, op.cost);
+            let committed = match op.group {
+                Group::Enforce => enforce_ok,
+                Group::Shadow => enforce_ok && shadow_ok,
+            };
+            if op.group == Group::Enforce && !verdict.allowed {
+                self.remember_denied(op, &verdict, now_us);
+            }
+            results.push(OpResult {
+                verdict,
+                committed,
+                fail_open: false,
+            });
+        }
+        Ok(())
+    }
+
+    fn remember_denied(&self, op: &BucketOp, verdict: &limiter::Verdict, now_us: u64) {
+        let mut cache = self.denied.lock();
+        if cache.len() >= DENIED_CACHE_MAX {
+            cache.retain(|_, d| d.until_us > now_us);
+            if cache.len() >= DENIED_CACHE_MAX {
+                return;
+            }
+        }
+        let wait = op.quota.time_to_gain_us(op.cost.saturating_sub(verdict.available));
+        cache.insert(
+            key128(&op.key),
+            Denied {
+                until_us: now_us.saturating_add(wait),
+                cost: op.cost,
+                available: verdict.available,
+                at_us: now_us,
+            },
+        );
+    }
+}
+
+fn key128(key: &BucketKey) -> u128 {
+    (u128::from(key.hi) << 64) | u128::from(key.lo)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{MICRO, US_PER_SEC};
+
+    #[test]
+    fn rates_are_reduced_to_small_fractions() {
+        let q = |burst: u64, refill: u64, period: u64| Quota::new(burst, refill, period).unwrap();
+        assert_eq!(reduced(&q(MICRO, 10 * MICRO, US_PER_SEC)), (10, 1));
+        assert_eq!(reduced(&q(MICRO, MICRO / 2, US_PER_SEC)), (1, 2));
+        assert_eq!(reduced(&q(MICRO, 300 * MICRO, 10_800 * US_PER_SEC)), (1, 36));
+    }
+
+    #[test]
+    fn keys_carry_their_own_hash_tag() {
+        let k = BucketKey { hi: 1, lo: 2 };
+        assert_eq!(redis_key(&k), "tollgate:{00000000000000010000000000000002}");
+    }
+}
