@@ -447,6 +447,8 @@ impl RequestSummary {
 }
 
 /// The first step of answering a request.
+// `Ready` is the embedded store's hot path: boxing it would allocate per request.
+#[allow(clippy::large_enum_variant)]
 pub enum Step {
     Ready((Decision, Response)),
     /// Boxed: this path pays a network round trip anyway.

@@ -193,7 +193,7 @@ impl RedisStore {
 
     /// A refusal answered from the denied cache, if an enforced bucket of this request is known
     /// to be unable to afford its cost yet.
-    fn from_denied_cache(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> bool {
+    fn answer_from_denied_cache(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> bool {
         let cache = self.denied.lock();
         let hit = ops.iter().position(|op| {
             op.group == Group::Enforce
@@ -230,7 +230,7 @@ impl RedisStore {
     /// # Errors
     /// Redis unreachable, too slow or failing: nothing was spent (the caller fails open).
     pub async fn apply(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> Result<(), StoreError> {
-        if self.from_denied_cache(now_us, ops, results) {
+        if self.answer_from_denied_cache(now_us, ops, results) {
             return Ok(());
         }
         let Some(conn) = self.conn.load_full() else {
