@@ -2,12 +2,14 @@
 # Installs the system packages the build and the tests need, when missing (Debian/Ubuntu):
 #   cmake  - pingora's zlib-ng build
 #   nginx  - the auth_request integration test and the load harness (nginx-light has auth_request)
+#   redis-server - the shared-store tests (tests/redis.rs start their own servers)
 #   wrk    - the load harness only (benches/load.sh), not needed by the tests
 set -euo pipefail
 
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
 fi
@@ -25,5 +27,6 @@ if ! $sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; t
   $sudo apt-get update -qq
   $sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null
 fi
-# Debian starts nginx as a service on install; the tests start their own instances.
+# Debian starts nginx and redis as services on install; the tests start their own instances.
 $sudo service nginx stop >/dev/null 2>&1 || true
+$sudo service redis-server stop >/dev/null 2>&1 || true

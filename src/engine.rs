@@ -379,7 +379,11 @@ impl<S: Store> Engine<S> {
 
     /// Completes a planned decision with the store's answer (one result per op, in order).
     /// A store error fails open: the request is allowed, nothing was spent anywhere.
-    pub fn finish(&self, mut decision: Decision, answer: Result<&OpResults, StoreError>) -> Decision {
+    pub fn finish(
+        &self,
+        mut decision: Decision,
+        answer: Result<&OpResults, StoreError>,
+    ) -> Decision {
         let results = match answer {
             Ok(results) => results,
             Err(_) => {

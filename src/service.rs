@@ -12,12 +12,11 @@ use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{load_file, Bundle, Mode, PolicyError};
 use crate::store::{
-    BucketOp, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore, Store,
-    StoreError,
+    BucketOp, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore, Store, StoreError,
 };
-use smallvec::SmallVec;
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -289,7 +288,13 @@ impl Gateway {
 
     /// Finishes a decision that needs the networked store.
     pub async fn complete(&self, pending: Box<Pending>) -> (Decision, Response) {
-        let Pending { remote, decision, ops, summary, started } = *pending;
+        let Pending {
+            remote,
+            decision,
+            ops,
+            summary,
+            started,
+        } = *pending;
         let mut results = OpResults::new();
         let now = self.engine.clock().unix_us();
         let answer: Result<(), StoreError> = remote.apply(now, &ops, &mut results).await;
@@ -307,8 +312,14 @@ impl Gateway {
         self.respond(decision, &RequestView::of(facts), started)
     }
 
-    fn respond(&self, decision: Decision, view: &RequestView<'_>, started: Instant) -> (Decision, Response) {
-        self.metrics.record(&decision, started.elapsed().as_secs_f64());
+    fn respond(
+        &self,
+        decision: Decision,
+        view: &RequestView<'_>,
+        started: Instant,
+    ) -> (Decision, Response) {
+        self.metrics
+            .record(&decision, started.elapsed().as_secs_f64());
         let identity = JitterIdentity {
             sub: view.sub,
             ip: view.client_ip,

@@ -145,6 +145,10 @@ impl BackgroundService for Housekeeping {
                 None
             }
         };
+        // A shared store connects in the background: the gateway serves (failing open) meanwhile.
+        if let Some(remote) = &self.gateway.remote {
+            remote.connect_in_background();
+        }
         let poll = self
             .gateway
             .config

@@ -7,8 +7,8 @@
 pub mod memory;
 pub mod redis;
 
-pub use memory::{MemoryStore, MemoryStoreConfig};
 pub use self::redis::{RedisConfig, RedisStore};
+pub use memory::{MemoryStore, MemoryStoreConfig};
 
 use crate::limiter::{Quota, Verdict};
 use smallvec::SmallVec;

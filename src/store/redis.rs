@@ -153,6 +153,7 @@ impl RedisStore {
                 Ok(conn) => {
                     tracing::info!(store = %store.config.url, "connected to Redis");
                     store.conn.store(Some(Arc::new(conn)));
+                    store.degraded.store(false, Ordering::Relaxed);
                 }
                 Err(e) => store.failed(&format!("connecting: {e}")),
             }
@@ -165,9 +166,10 @@ impl RedisStore {
         self.conn.load().is_some()
     }
 
-    /// Whether the last call failed (reported by `/readyz`; readiness is not failed for it).
+    /// Whether the store is not connected yet or its last call failed (reported by `/readyz`;
+    /// readiness is not failed for it: requests fail open).
     pub fn degraded(&self) -> bool {
-        self.degraded.load(Ordering::Relaxed)
+        self.degraded.load(Ordering::Relaxed) || !self.connected()
     }
 
     /// Store calls that failed open so far.
@@ -193,7 +195,12 @@ impl RedisStore {
 
     /// A refusal answered from the denied cache, if an enforced bucket of this request is known
     /// to be unable to afford its cost yet.
-    fn answer_from_denied_cache(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> bool {
+    fn answer_from_denied_cache(
+        &self,
+        now_us: u64,
+        ops: &[BucketOp],
+        results: &mut OpResults,
+    ) -> bool {
         let cache = self.denied.lock();
         let hit = ops.iter().position(|op| {
             op.group == Group::Enforce
@@ -229,7 +236,12 @@ impl RedisStore {
     ///
     /// # Errors
     /// Redis unreachable, too slow or failing: nothing was spent (the caller fails open).
-    pub async fn apply(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) -> Result<(), StoreError> {
+    pub async fn apply(
+        &self,
+        now_us: u64,
+        ops: &[BucketOp],
+        results: &mut OpResults,
+    ) -> Result<(), StoreError> {
         if self.answer_from_denied_cache(now_us, ops, results) {
             return Ok(());
         }
@@ -306,7 +318,9 @@ impl RedisStore {
                 return;
             }
         }
-        let wait = op.quota.time_to_gain_us(op.cost.saturating_sub(verdict.available));
+        let wait = op
+            .quota
+            .time_to_gain_us(op.cost.saturating_sub(verdict.available));
         cache.insert(
             key128(&op.key),
             Denied {
@@ -333,7 +347,10 @@ mod tests {
         let q = |burst: u64, refill: u64, period: u64| Quota::new(burst, refill, period).unwrap();
         assert_eq!(reduced(&q(MICRO, 10 * MICRO, US_PER_SEC)), (10, 1));
         assert_eq!(reduced(&q(MICRO, MICRO / 2, US_PER_SEC)), (1, 2));
-        assert_eq!(reduced(&q(MICRO, 300 * MICRO, 10_800 * US_PER_SEC)), (1, 36));
+        assert_eq!(
+            reduced(&q(MICRO, 300 * MICRO, 10_800 * US_PER_SEC)),
+            (1, 36)
+        );
     }
 
     #[test]

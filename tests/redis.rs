@@ -1,0 +1,314 @@
+//! The shared Redis store against a real `redis-server` (Debian's, installed by
+//! `scripts/install-deps.sh`), started here on free loopback ports.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{free_port, request, Gateway, Upstream};
+use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
+use tollgate::store::{BucketKey, BucketOp, Group, OpResults, RedisConfig, RedisStore};
+
+struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    fn start() -> RedisServer {
+        Self::start_on(free_port())
+    }
+
+    fn start_on(port: u16) -> RedisServer {
+        let dir = tempfile::tempdir().unwrap();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is not installed: run `bash scripts/test.sh` (it installs it)");
+        let server = RedisServer {
+            child: Some(child),
+            port,
+            _dir: dir,
+        };
+        let start = Instant::now();
+        while !server.pong() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn pong(&self) -> bool {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut buf = [0u8; 7];
+        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn connected_store(url: String) -> Arc<RedisStore> {
+    let store = RedisStore::new(RedisConfig {
+        url,
+        timeout: Duration::from_secs(2),
+    })
+    .unwrap();
+    store.connect_in_background();
+    let start = Instant::now();
+    while !store.connected() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no connection to Redis"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    store
+}
+
+fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
+    BucketOp {
+        key: BucketKey::of(key),
+        quota,
+        cost: MICRO,
+        group,
+    }
+}
+
+/// Seed 004 (Coinbase) on Redis: the same statuses and exact token counts as the embedded store.
+#[tokio::test]
+async fn seed_004_table_on_redis_is_exact() {
+    let redis = RedisServer::start();
+    let store = connected_store(redis.url()).await;
+    let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).unwrap();
+    let base = 1_800_000_000 * US_PER_SEC;
+    let table = [
+        (0.5, true, 2.0),
+        (0.8, true, 1.3),
+        (0.9, true, 0.4),
+        (1.0, false, 0.5),
+        (1.4, false, 0.9),
+        (1.8, true, 0.3),
+        (5.0, true, 2.0),
+    ];
+    let mut results = OpResults::new();
+    for (t, allowed, tokens) in table {
+        let now = base + (t * 1e6_f64).round() as u64;
+        // A fresh key per rejection check would hide the state: one key throughout. The denied
+        // cache answers the second refusal, so it must agree too.
+        store
+            .apply(
+                now,
+                &[op("tb:seed004:1.2.3.4", quota, Group::Enforce)],
+                &mut results,
+            )
+            .await
+            .unwrap();
+        let v = results[0].verdict;
+        assert_eq!(v.allowed, allowed, "t={t}");
+        assert_eq!(micro_to_tokens(v.remaining), tokens, "t={t}");
+    }
+    assert_eq!(
+        store.denied_hits(),
+        1,
+        "the refusal at 1.4 s came from the denied cache"
+    );
+}
+
+/// All-or-nothing on Redis, and shadow buckets untouched by a refused request.
+#[tokio::test]
+async fn a_refusal_spends_nothing_on_redis() {
+    let redis = RedisServer::start();
+    let store = connected_store(redis.url()).await;
+    let loose = op(
+        "tb:loose:k",
+        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
+        Group::Enforce,
+    );
+    let tight = op(
+        "tb:tight:k",
+        Quota::new(MICRO, MICRO, 1_000 * US_PER_SEC).unwrap(),
+        Group::Enforce,
+    );
+    let shadow = op(
+        "shadow:tb:s:k",
+        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
+        Group::Shadow,
+    );
+    let now = 1_800_000_000 * US_PER_SEC;
+    let mut r = OpResults::new();
+    store
+        .apply(now, &[loose, tight, shadow], &mut r)
+        .await
+        .unwrap();
+    assert!(r.iter().all(|x| x.committed));
+    store
+        .apply(now, &[loose, tight, shadow], &mut r)
+        .await
+        .unwrap();
+    assert!(!r[1].verdict.allowed && !r[0].committed && !r[2].committed);
+    // Ask the loose and shadow buckets alone: they still hold 9 tokens each.
+    store.apply(now, &[loose, shadow], &mut r).await.unwrap();
+    assert_eq!(r[0].verdict.available, 9 * MICRO);
+    assert_eq!(r[1].verdict.available, 9 * MICRO);
+}
+
+/// Two gateway processes on one Redis enforce one limit together under concurrent load.
+#[test]
+fn two_gateways_share_one_limit() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start();
+    let policy = r#"{"rules": [{"name": "fleet", "limit_keys": [], "algorithm": "token_bucket",
+        "algorithm_config": {"rps": 0.001, "burst": 300}}]}"#;
+    let store = format!("--store={}", redis.url());
+    let flags = [store.as_str(), "--store-timeout-ms", "500"];
+    let gateways = [
+        Gateway::start(Some(policy), Some(upstream.addr), &flags),
+        Gateway::start(Some(policy), Some(upstream.addr), &flags),
+    ];
+    for gw in &gateways {
+        gw.wait_until(Duration::from_secs(15), || {
+            gw.admin("GET", "/readyz", &[])
+                .body
+                .contains("\"store_status\":\"ok\"")
+        });
+    }
+    let allowed = Arc::new(AtomicUsize::new(0));
+    let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let allowed = Arc::clone(&allowed);
+            let addr = addrs[t % 2];
+            std::thread::spawn(move || {
+                for _ in 0..120 {
+                    if request(addr, "GET", "/", &[]).status == 200 {
+                        allowed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let total = allowed.load(Ordering::Relaxed);
+    assert!(
+        (297..=303).contains(&total),
+        "480 requests over two gateways admitted {total}, limit 300"
+    );
+    assert_eq!(upstream.hits(), total);
+    for gw in &gateways {
+        assert_eq!(
+            gw.metric("tollgate_store_errors_total"),
+            0.0,
+            "{}",
+            gw.log_text()
+        );
+    }
+}
+
+/// Redis dying mid-traffic: the gateway keeps answering within its deadline (fail-open),
+/// reports a degraded store without failing readiness, and limits again once Redis is back.
+#[test]
+fn a_dead_redis_fails_open_and_limiting_resumes() {
+    let mut redis = RedisServer::start();
+    let port = redis.port;
+    let upstream = Upstream::start();
+    let policy = r#"{"rules": [{"name": "per-client", "limit_keys": ["header:x-client"], "algorithm": "token_bucket",
+        "algorithm_config": {"rps": 0.001, "burst": 2}}]}"#;
+    let store = format!("--store={}", redis.url());
+    let gw = Gateway::start(
+        Some(policy),
+        Some(upstream.addr),
+        &[store.as_str(), "--store-timeout-ms", "50"],
+    );
+    gw.wait_until(Duration::from_secs(15), || {
+        gw.admin("GET", "/readyz", &[])
+            .body
+            .contains("\"store_status\":\"ok\"")
+    });
+    let as_client = |c: &str| gw.get("/", &[("X-Client", c)]).status;
+    assert_eq!(
+        [as_client("a"), as_client("a"), as_client("a")],
+        [200, 200, 429]
+    );
+
+    redis.kill();
+    for i in 0..20 {
+        let started = Instant::now();
+        let status = as_client(&format!("b{i}"));
+        assert_eq!(status, 200, "fail-open while Redis is down");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "bounded latency: {:?}",
+            started.elapsed()
+        );
+    }
+    // The known offender is still refused from the local denied cache, without Redis.
+    assert_eq!(as_client("a"), 429);
+    assert!(gw.metric("tollgate_store_errors_total") >= 20.0);
+    let ready = gw.admin("GET", "/readyz", &[]);
+    assert_eq!(ready.status, 200);
+    assert!(
+        ready.body.contains("\"store_status\":\"degraded\""),
+        "{}",
+        ready.body
+    );
+    let log = gw.log_text();
+    let error_lines = log
+        .lines()
+        .filter(|l| l.contains("Redis store failing open"))
+        .count();
+    assert!(
+        (1..=3).contains(&error_lines),
+        "logged once per burst, not per request: {error_lines}"
+    );
+
+    let _back = RedisServer::start_on(port);
+    gw.wait_until(Duration::from_secs(20), || {
+        let c = "c";
+        as_client(c) == 429
+    });
+    assert!(gw
+        .admin("GET", "/readyz", &[])
+        .body
+        .contains("\"store_status\":\"ok\""));
+}
