@@ -1,0 +1,77 @@
+//! Decisions per second and p50/p99 latency of one store call, per store, at 1 and 8 rules per
+//! request (by hand: `cargo run --release --example store_bench -- redis://127.0.0.1:6379/0`).
+//! Without a URL only the embedded store is measured. Sequential calls from one task, on
+//! loopback: latency is a round trip plus the script; throughput scales with concurrency.
+
+use std::time::{Duration, Instant};
+use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+use tollgate::store::{
+    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore, Store,
+};
+
+fn ops(rules: usize, client: u64) -> Vec<BucketOp> {
+    let quota = Quota::new(1_000_000_000 * MICRO, 1_000_000 * MICRO, US_PER_SEC).expect("quota");
+    (0..rules)
+        .map(|r| BucketOp {
+            key: BucketKey::of(&format!("tb:bench-rule-{r}:client-{client}")),
+            quota,
+            cost: MICRO,
+            group: Group::Enforce,
+        })
+        .collect()
+}
+
+fn report(store: &str, rules: usize, mut latencies: Vec<Duration>, wall: Duration) {
+    latencies.sort_unstable();
+    let n = latencies.len();
+    let pct = |p: f64| latencies[((n as f64 * p) as usize).min(n - 1)];
+    println!(
+        "| {store} | {rules} | {:.0} | {:.1} | {:.1} |",
+        n as f64 / wall.as_secs_f64(),
+        pct(0.50).as_secs_f64() * 1e6,
+        pct(0.99).as_secs_f64() * 1e6
+    );
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    const N: u64 = 20_000;
+    println!("| store | rules/request | decisions/s (1 task) | p50 µs | p99 µs |");
+    println!("|---|---|---|---|---|");
+    for rules in [1usize, 8] {
+        let memory = MemoryStore::new(MemoryStoreConfig::default());
+        let mut results = OpResults::new();
+        let mut latencies = Vec::with_capacity(N as usize);
+        let wall = Instant::now();
+        for i in 0..N {
+            let batch = ops(rules, i % 1024);
+            let t = Instant::now();
+            memory.apply(i, &batch, &mut results).expect("memory store");
+            latencies.push(t.elapsed());
+        }
+        report("embedded", rules, latencies, wall.elapsed());
+    }
+    let Some(url) = std::env::args().nth(1) else {
+        return;
+    };
+    let store = RedisStore::new(RedisConfig { url, timeout: Duration::from_secs(1) }).expect("redis url");
+    store.connect_in_background();
+    let start = Instant::now();
+    while !store.connected() {
+        assert!(start.elapsed() < Duration::from_secs(10), "cannot connect to Redis");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for rules in [1usize, 8] {
+        let mut results = OpResults::new();
+        let mut latencies = Vec::with_capacity(N as usize);
+        let wall = Instant::now();
+        let base = 1_800_000_000 * US_PER_SEC;
+        for i in 0..N {
+            let batch = ops(rules, i % 1024);
+            let t = Instant::now();
+            store.apply(base + i, &batch, &mut results).await.expect("redis store");
+            latencies.push(t.elapsed());
+        }
+        report("redis", rules, latencies, wall.elapsed());
+    }
+}
