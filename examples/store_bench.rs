@@ -6,7 +6,8 @@
 use std::time::{Duration, Instant};
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{
-    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore, Store,
+    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore,
+    Store,
 };
 
 fn ops(rules: usize, client: u64) -> Vec<BucketOp> {
@@ -54,11 +55,18 @@ async fn main() {
     let Some(url) = std::env::args().nth(1) else {
         return;
     };
-    let store = RedisStore::new(RedisConfig { url, timeout: Duration::from_secs(1) }).expect("redis url");
+    let store = RedisStore::new(RedisConfig {
+        url,
+        timeout: Duration::from_secs(1),
+    })
+    .expect("redis url");
     store.connect_in_background();
     let start = Instant::now();
     while !store.connected() {
-        assert!(start.elapsed() < Duration::from_secs(10), "cannot connect to Redis");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "cannot connect to Redis"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     for rules in [1usize, 8] {
@@ -69,7 +77,10 @@ async fn main() {
         for i in 0..N {
             let batch = ops(rules, i % 1024);
             let t = Instant::now();
-            store.apply(base + i, &batch, &mut results).await.expect("redis store");
+            store
+                .apply(base + i, &batch, &mut results)
+                .await
+                .expect("redis store");
             latencies.push(t.elapsed());
         }
         report("redis", rules, latencies, wall.elapsed());
