@@ -90,12 +90,15 @@ impl Config {
         }
         let store = match args.store.as_str() {
             "memory" => StoreKind::Memory,
-            url if url.starts_with("redis://") || url.starts_with("rediss://") => {
+            url if url.starts_with("redis://")
+                || url.starts_with("rediss://")
+                || url.starts_with("redis+cluster://") =>
+            {
                 StoreKind::Redis(url.to_string())
             }
             other => {
                 errors.push(format!(
-                    "--store {other:?}: expected \"memory\" or redis://HOST:PORT[/DB]"
+                    "--store {other:?}: expected \"memory\", redis://HOST:PORT[/DB] or redis+cluster://HOST:PORT[,HOST:PORT...]"
                 ));
                 StoreKind::Memory
             }

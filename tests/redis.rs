@@ -80,6 +80,97 @@ impl RedisServer {
     }
 }
 
+/// A three-node Redis Cluster (no replicas) on free loopback ports.
+struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                let port = free_port();
+                let dir = tempfile::tempdir().unwrap();
+                let child = Command::new("redis-server")
+                    .args([
+                        "--port",
+                        &port.to_string(),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                    ])
+                    .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+                    .arg("--dir")
+                    .arg(dir.path())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("redis-server");
+                let node = RedisServer {
+                    child: Some(child),
+                    port,
+                    _dir: dir,
+                };
+                let start = Instant::now();
+                while !node.pong() {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(10),
+                        "cluster node did not start"
+                    );
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                node
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let created = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli");
+        assert!(
+            created.status.success(),
+            "{}",
+            String::from_utf8_lossy(&created.stdout)
+        );
+        let start = Instant::now();
+        loop {
+            let ready = nodes.iter().all(|n| {
+                Command::new("redis-cli")
+                    .args(["-p", &n.port.to_string(), "cluster", "info"])
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
+            });
+            if ready {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "cluster did not converge"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        RedisCluster { nodes }
+    }
+
+    fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
@@ -311,4 +402,137 @@ fn a_dead_redis_fails_open_and_limiting_resumes() {
         .admin("GET", "/readyz", &[])
         .body
         .contains("\"store_status\":\"ok\""));
+}
+
+/// Seed 004 and cross-slot all-or-nothing on a three-node Redis Cluster.
+#[tokio::test]
+async fn redis_cluster_keeps_the_maths_and_refunds_across_slots() {
+    let cluster = RedisCluster::start();
+    let store = connected_store(cluster.url()).await;
+    let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).unwrap();
+    let base = 1_800_000_000 * US_PER_SEC;
+    let mut results = OpResults::new();
+    for (t, allowed, tokens) in [
+        (0.5, true, 2.0),
+        (0.8, true, 1.3),
+        (0.9, true, 0.4),
+        (1.0, false, 0.5),
+        (1.8, true, 0.3),
+        (5.0, true, 2.0),
+    ] {
+        let now = base + (t * 1e6_f64).round() as u64;
+        store
+            .apply(
+                now,
+                &[op("tb:seed004:cluster", quota, Group::Enforce)],
+                &mut results,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (
+                results[0].verdict.allowed,
+                micro_to_tokens(results[0].verdict.remaining)
+            ),
+            (allowed, tokens),
+            "t={t}"
+        );
+    }
+    // Two buckets in different slots: the tight one refuses, the loose one is refunded.
+    let loose = op(
+        "tb:loose:cluster-a",
+        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
+        Group::Enforce,
+    );
+    let mut n = 0;
+    let tight = loop {
+        let candidate = op(
+            &format!("tb:tight:cluster-{n}"),
+            Quota::new(MICRO, MICRO, 1_000 * US_PER_SEC).unwrap(),
+            Group::Enforce,
+        );
+        let slot = |o: &BucketOp| {
+            redis::cluster_routing::get_slot(
+                format!("tollgate:{{{:016x}{:016x}}}", o.key.hi, o.key.lo).as_bytes(),
+            )
+        };
+        if slot(&candidate) / 5462 != slot(&loose) / 5462 {
+            break candidate;
+        }
+        n += 1;
+    };
+    store
+        .apply(base, &[loose, tight], &mut results)
+        .await
+        .unwrap();
+    assert!(results.iter().all(|r| r.committed));
+    store
+        .apply(base, &[loose, tight], &mut results)
+        .await
+        .unwrap();
+    assert!(!results[1].verdict.allowed && !results[0].committed);
+    store.apply(base, &[loose], &mut results).await.unwrap();
+    assert_eq!(
+        results[0].verdict.available,
+        9 * MICRO,
+        "the loose bucket was refunded"
+    );
+}
+
+/// Two gateways on a Redis Cluster enforce one limit together, with every request touching
+/// buckets in two slots.
+#[test]
+fn two_gateways_share_one_limit_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let upstream = Upstream::start();
+    let policy = r#"{"rules": [
+        {"name": "fleet", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 300}},
+        {"name": "per-client", "limit_keys": ["header:x-client"], "on_missing": "shared", "algorithm": "token_bucket",
+         "algorithm_config": {"rps": 0.001, "burst": 100000}}]}"#;
+    let store = format!("--store={}", cluster.url());
+    let flags = [store.as_str(), "--store-timeout-ms", "500"];
+    let gateways = [
+        Gateway::start(Some(policy), Some(upstream.addr), &flags),
+        Gateway::start(Some(policy), Some(upstream.addr), &flags),
+    ];
+    for gw in &gateways {
+        gw.wait_until(Duration::from_secs(15), || {
+            gw.admin("GET", "/readyz", &[])
+                .body
+                .contains("\"store_status\":\"ok\"")
+        });
+    }
+    let allowed = Arc::new(AtomicUsize::new(0));
+    let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let allowed = Arc::clone(&allowed);
+            let addr = addrs[t % 2];
+            std::thread::spawn(move || {
+                for i in 0..120 {
+                    let client = format!("c{}", i % 7);
+                    if request(addr, "GET", "/", &[("X-Client", &client)]).status == 200 {
+                        allowed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let total = allowed.load(Ordering::Relaxed);
+    assert!(
+        (297..=303).contains(&total),
+        "480 requests admitted {total}, limit 300"
+    );
+    assert_eq!(upstream.hits(), total);
+    for gw in &gateways {
+        assert_eq!(
+            gw.metric("tollgate_store_errors_total"),
+            0.0,
+            "{}",
+            gw.log_text()
+        );
+    }
 }

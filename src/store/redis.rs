@@ -1,7 +1,13 @@
-//! The Redis store: buckets shared by every gateway of a fleet. One Lua script, loaded once and
-//! called with EVALSHA (the client falls back to loading it on NOSCRIPT), checks and spends every
-//! bucket of a request atomically, with the same integer maths as the embedded store and the
-//! same all-or-nothing groups. Time is the gateway's wall clock in microseconds.
+//! The Redis store: buckets shared by every gateway of a fleet, on one Redis server or a Redis
+//! Cluster. One Lua script, loaded once and called with EVALSHA (the client falls back to loading
+//! it on NOSCRIPT), checks and spends buckets atomically, with the same integer maths as the
+//! embedded store and the same all-or-nothing groups. Time is the gateway's wall clock in µs.
+//!
+//! On one server a request's buckets go to one script call. On a cluster each bucket key carries
+//! its own hash tag (so buckets spread over the nodes), the buckets are grouped by slot and each
+//! group is one atomic script call, all sent at once. When one group refuses, what the other
+//! groups spent is given back by a refund script: the fleet never admits more than a limit
+//! allows; a concurrent request may briefly see the spent-then-refunded tokens missing.
 //!
 //! Failure: every call has a deadline; a timeout, refused connection or server error fails open
 //! (allowed, nothing spent), is counted, and is logged once per burst of errors. The connection
@@ -13,6 +19,7 @@ use crate::limiter::{self, BucketState, Quota};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -64,6 +71,16 @@ for i = 1, n do out[i + 2] = avail[i] end
 return out
 "#;
 
+/// Gives back what a committed group spent (KEYS: buckets; ARGV per key: burst, cost).
+const REFUND: &str = r#"
+for i = 1, #KEYS do
+  local burst, cost = tonumber(ARGV[(i - 1) * 2 + 1]), tonumber(ARGV[(i - 1) * 2 + 2])
+  local t = redis.call('HGET', KEYS[i], 't')
+  if t then redis.call('HSET', KEYS[i], 't', math.min(burst, tonumber(t) + cost)) end
+end
+return 1
+"#;
+
 /// A quota with its rate reduced to lowest terms (µtokens per µs), as the script wants it.
 fn reduced(q: &Quota) -> (u64, u64) {
     fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -93,17 +110,34 @@ struct Denied {
 /// Redis store settings.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
+    /// `redis://HOST:PORT[/DB]`, or `redis+cluster://HOST:PORT[,HOST:PORT...]` for a cluster.
     pub url: String,
     /// Deadline of one store call.
     pub timeout: Duration,
 }
 
+/// How to reach Redis.
+enum Client {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+/// A live connection; both kinds reconnect by themselves once made, and clone cheaply.
+// Held in an `Arc` and cloned per call: boxing the larger variant would allocate per call.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
 /// The Redis store.
 pub struct RedisStore {
     config: RedisConfig,
-    client: redis::Client,
-    conn: ArcSwapOption<ConnectionManager>,
+    client: Client,
+    conn: ArcSwapOption<Conn>,
     script: redis::Script,
+    refund: redis::Script,
     denied: Mutex<HashMap<u128, Denied>>,
     connecting: AtomicBool,
     degraded: AtomicBool,
@@ -121,13 +155,31 @@ impl RedisStore {
     /// # Errors
     /// The URL is not a Redis URL.
     pub fn new(config: RedisConfig) -> Result<Arc<Self>, StoreError> {
-        let client = redis::Client::open(config.url.as_str())
-            .map_err(|e| StoreError::Unavailable(format!("{}: {e}", config.url)))?;
+        let bad = |e: redis::RedisError| StoreError::Unavailable(format!("{}: {e}", config.url));
+        let client = match config.url.strip_prefix("redis+cluster://") {
+            Some(nodes) => {
+                let nodes: Vec<String> = nodes
+                    .split(',')
+                    .filter(|n| !n.trim().is_empty())
+                    .map(|n| format!("redis://{}", n.trim()))
+                    .collect();
+                Client::Cluster(
+                    redis::cluster::ClusterClient::builder(nodes)
+                        .connection_timeout(Duration::from_millis(500))
+                        .response_timeout(config.timeout.max(Duration::from_millis(1)))
+                        .retries(1)
+                        .build()
+                        .map_err(bad)?,
+                )
+            }
+            None => Client::Single(redis::Client::open(config.url.as_str()).map_err(bad)?),
+        };
         Ok(Arc::new(RedisStore {
             config,
             client,
             conn: ArcSwapOption::empty(),
             script: redis::Script::new(SCRIPT),
+            refund: redis::Script::new(REFUND),
             denied: Mutex::new(HashMap::new()),
             connecting: AtomicBool::new(false),
             degraded: AtomicBool::new(true),
@@ -144,12 +196,20 @@ impl RedisStore {
         }
         let store = Arc::clone(self);
         tokio::spawn(async move {
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Duration::from_millis(500))
-                .set_response_timeout(store.config.timeout.max(Duration::from_millis(1)))
-                .set_number_of_retries(2)
-                .set_max_delay(200);
-            match ConnectionManager::new_with_config(store.client.clone(), config).await {
+            let connected = match &store.client {
+                Client::Single(client) => {
+                    let config = ConnectionManagerConfig::new()
+                        .set_connection_timeout(Duration::from_millis(500))
+                        .set_response_timeout(store.config.timeout.max(Duration::from_millis(1)))
+                        .set_number_of_retries(2)
+                        .set_max_delay(200);
+                    ConnectionManager::new_with_config(client.clone(), config)
+                        .await
+                        .map(Conn::Single)
+                }
+                Client::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+            };
+            match connected {
                 Ok(conn) => {
                     tracing::info!(store = %store.config.url, "connected to Redis");
                     store.conn.store(Some(Arc::new(conn)));
@@ -249,46 +309,103 @@ impl RedisStore {
             self.failed("not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        let mut conn = (*conn).clone();
-        let mut invocation = self.script.prepare_invoke();
-        for op in ops {
-            invocation.key(redis_key(&op.key));
+        // One group on a single server; one group per hash slot on a cluster.
+        let mut groups: SmallVec<[(u16, SmallVec<[usize; 4]>); 4]> = SmallVec::new();
+        for (i, op) in ops.iter().enumerate() {
+            let slot = match *conn {
+                Conn::Single(_) => 0,
+                Conn::Cluster(_) => redis::cluster_routing::get_slot(redis_key(&op.key).as_bytes()),
+            };
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, smallvec::smallvec![i])),
+            }
         }
-        invocation.arg(now_us);
-        for op in ops {
-            let (num, den) = reduced(&op.quota);
-            invocation
-                .arg(op.quota.burst())
-                .arg(num)
-                .arg(den)
-                .arg(op.cost)
-                .arg(u8::from(op.group == Group::Shadow));
-        }
-        let reply: Result<Result<Vec<i64>, redis::RedisError>, _> =
-            tokio::time::timeout(self.config.timeout, invocation.invoke_async(&mut conn)).await;
-        let values = match reply {
-            Ok(Ok(values)) if values.len() == ops.len() + 2 => values,
-            Ok(Ok(values)) => {
-                self.failed(&format!("unexpected reply of {} values", values.len()));
-                return Err(StoreError::Unavailable("bad reply".into()));
+        let calls = groups.iter().map(|(_, members)| {
+            let mut conn = (*conn).clone();
+            async move {
+                let mut invocation = self.script.prepare_invoke();
+                for &i in members {
+                    invocation.key(redis_key(&ops[i].key));
+                }
+                invocation.arg(now_us);
+                for &i in members {
+                    let op = &ops[i];
+                    let (num, den) = reduced(&op.quota);
+                    invocation
+                        .arg(op.quota.burst())
+                        .arg(num)
+                        .arg(den)
+                        .arg(op.cost)
+                        .arg(u8::from(op.group == Group::Shadow));
+                }
+                let reply: redis::RedisResult<Vec<i64>> = match &mut conn {
+                    Conn::Single(c) => invocation.invoke_async(c).await,
+                    Conn::Cluster(c) => invocation.invoke_async(c).await,
+                };
+                reply
             }
-            Ok(Err(e)) => {
-                self.failed(&e.to_string());
-                return Err(StoreError::Unavailable(e.to_string()));
-            }
-            Err(_) => {
-                self.failed(&format!("no answer within {:?}", self.config.timeout));
-                return Err(StoreError::Unavailable("timeout".into()));
-            }
+        });
+        let replies =
+            tokio::time::timeout(self.config.timeout, futures::future::join_all(calls)).await;
+        let Ok(replies) = replies else {
+            self.failed(&format!("no answer within {:?}", self.config.timeout));
+            return Err(StoreError::Unavailable("timeout".into()));
         };
+        // Per op: the bucket's tokens; per group: whether its enforced and shadow parts allowed.
+        let mut available = vec![0u64; ops.len()];
+        let mut group_ok: SmallVec<[(bool, bool); 4]> = SmallVec::new();
+        let mut failure = None;
+        for ((_, members), reply) in groups.iter().zip(replies) {
+            match reply {
+                Ok(values) if values.len() == members.len() + 2 => {
+                    group_ok.push((values[0] == 1, values[1] == 1));
+                    for (&i, value) in members.iter().zip(&values[2..]) {
+                        available[i] = (*value).max(0) as u64;
+                    }
+                }
+                Ok(values) => {
+                    failure.get_or_insert(format!("unexpected reply of {} values", values.len()));
+                    group_ok.push((false, false));
+                }
+                Err(e) => {
+                    failure.get_or_insert(e.to_string());
+                    group_ok.push((false, false));
+                }
+            }
+        }
+        let enforce_ok = group_ok.iter().all(|(e, _)| *e);
+        let shadow_ok = enforce_ok && group_ok.iter().all(|(_, s)| *s);
+        // Give back what groups committed on their own when the request as a whole did not pass
+        // (several slots, or a group that failed).
+        let mut refunds: SmallVec<[usize; 4]> = SmallVec::new();
+        for ((_, members), (e, s)) in groups.iter().zip(&group_ok) {
+            for &i in members {
+                let committed_here = match ops[i].group {
+                    Group::Enforce => *e,
+                    Group::Shadow => *e && *s,
+                };
+                let committed_overall = match ops[i].group {
+                    Group::Enforce => enforce_ok,
+                    Group::Shadow => shadow_ok,
+                };
+                if committed_here && !committed_overall {
+                    refunds.push(i);
+                }
+            }
+        }
+        if !refunds.is_empty() {
+            self.give_back(&conn, ops, &refunds).await;
+        }
+        if let Some(what) = failure {
+            self.failed(&what);
+            return Err(StoreError::Unavailable(what));
+        }
         if self.degraded.swap(false, Ordering::Relaxed) {
             tracing::info!(store = %self.config.url, "Redis store answering again");
         }
-        let enforce_ok = values[0] == 1;
-        let shadow_ok = values[1] == 1;
         results.clear();
-        for (op, available) in ops.iter().zip(&values[2..]) {
-            let available = (*available).max(0) as u64;
+        for (op, available) in ops.iter().zip(available) {
             let state = Some(BucketState {
                 tokens: available,
                 last_us: now_us,
@@ -296,7 +413,7 @@ impl RedisStore {
             let verdict = limiter::check(state, &op.quota, now_us, op.cost);
             let committed = match op.group {
                 Group::Enforce => enforce_ok,
-                Group::Shadow => enforce_ok && shadow_ok,
+                Group::Shadow => shadow_ok,
             };
             if op.group == Group::Enforce && !verdict.allowed {
                 self.remember_denied(op, &verdict, now_us);
@@ -308,6 +425,46 @@ impl RedisStore {
             });
         }
         Ok(())
+    }
+
+    /// Returns the cost of the given ops to their buckets (one call per slot, best effort: a
+    /// failed refund leaves the bucket short, never over).
+    async fn give_back(&self, conn: &Conn, ops: &[BucketOp], refunds: &[usize]) {
+        let mut by_slot: SmallVec<[(u16, SmallVec<[usize; 4]>); 4]> = SmallVec::new();
+        for &i in refunds {
+            let slot = match conn {
+                Conn::Single(_) => 0,
+                Conn::Cluster(_) => {
+                    redis::cluster_routing::get_slot(redis_key(&ops[i].key).as_bytes())
+                }
+            };
+            match by_slot.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => by_slot.push((slot, smallvec::smallvec![i])),
+            }
+        }
+        for (_, members) in by_slot {
+            let mut invocation = self.refund.prepare_invoke();
+            for &i in &members {
+                invocation.key(redis_key(&ops[i].key));
+            }
+            for &i in &members {
+                invocation.arg(ops[i].quota.burst()).arg(ops[i].cost);
+            }
+            let mut conn = conn.clone();
+            let call = async {
+                match &mut conn {
+                    Conn::Single(c) => invocation.invoke_async::<i64>(c).await,
+                    Conn::Cluster(c) => invocation.invoke_async::<i64>(c).await,
+                }
+            };
+            if !matches!(
+                tokio::time::timeout(self.config.timeout, call).await,
+                Ok(Ok(_))
+            ) {
+                tracing::warn!(store = %self.config.url, "refund of a refused multi-slot request failed; those buckets stay short until they refill");
+            }
+        }
     }
 
     fn remember_denied(&self, op: &BucketOp, verdict: &limiter::Verdict, now_us: u64) {
