@@ -2,7 +2,8 @@
 # Installs the system packages the build and the tests need, when missing (Debian/Ubuntu):
 #   cmake  - pingora's zlib-ng build
 #   nginx  - the auth_request integration test and the load harness (nginx-light has auth_request)
-#   redis-server - the shared-store tests (tests/redis.rs start their own servers)
+#   redis-server, postgresql - the shared-store tests (tests/redis.rs and tests/postgres.rs
+#          start their own servers on free ports; PostgreSQL runs as the `postgres` user)
 #   wrk    - the load harness only (benches/load.sh), not needed by the tests
 set -euo pipefail
 
@@ -10,6 +11,7 @@ need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
 fi
@@ -30,3 +32,4 @@ fi
 # Debian starts nginx and redis as services on install; the tests start their own instances.
 $sudo service nginx stop >/dev/null 2>&1 || true
 $sudo service redis-server stop >/dev/null 2>&1 || true
+$sudo service postgresql stop >/dev/null 2>&1 || true

@@ -36,8 +36,8 @@ pub struct Config {
 pub enum StoreKind {
     /// The embedded bounded map (default).
     Memory,
-    /// A Redis server shared by every gateway of a fleet.
-    Redis(String),
+    /// A store shared by every gateway of a fleet (Redis, Redis Cluster, PostgreSQL URL).
+    Shared(String),
 }
 
 /// Configuration problems, all of them.
@@ -92,13 +92,15 @@ impl Config {
             "memory" => StoreKind::Memory,
             url if url.starts_with("redis://")
                 || url.starts_with("rediss://")
-                || url.starts_with("redis+cluster://") =>
+                || url.starts_with("redis+cluster://")
+                || url.starts_with("postgres://")
+                || url.starts_with("postgresql://") =>
             {
-                StoreKind::Redis(url.to_string())
+                StoreKind::Shared(url.to_string())
             }
             other => {
                 errors.push(format!(
-                    "--store {other:?}: expected \"memory\", redis://HOST:PORT[/DB] or redis+cluster://HOST:PORT[,HOST:PORT...]"
+                    "--store {other:?}: expected \"memory\", redis://HOST:PORT[/DB], redis+cluster://HOST:PORT[,HOST:PORT...] or postgres://USER@HOST:PORT/DB"
                 ));
                 StoreKind::Memory
             }

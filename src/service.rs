@@ -12,7 +12,7 @@ use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{load_file, Bundle, Mode, PolicyError};
 use crate::store::{
-    BucketOp, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore, Store, StoreError,
+    BucketOp, MemoryStore, MemoryStoreConfig, OpResults, SharedStore, Store, StoreError,
 };
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -72,7 +72,7 @@ pub struct Gateway {
     pub header_config: HeaderConfig,
     pub verifier: Verifier,
     /// A store shared with other gateways; `None` = the engine's embedded store.
-    pub remote: Option<Arc<RedisStore>>,
+    pub remote: Option<Arc<SharedStore>>,
     loaded: ArcSwapOption<LoadedPolicy>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
@@ -92,13 +92,9 @@ impl Gateway {
         let verifier = Verifier::new(config.jwt.clone())?;
         let remote = match &config.store {
             StoreKind::Memory => None,
-            StoreKind::Redis(url) => Some(
-                RedisStore::new(RedisConfig {
-                    url: url.clone(),
-                    timeout: config.store_timeout,
-                })
-                .map_err(StartError::Store)?,
-            ),
+            StoreKind::Shared(url) => Some(Arc::new(
+                SharedStore::open(url, config.store_timeout).map_err(StartError::Store)?,
+            )),
         };
         let store = MemoryStore::new(MemoryStoreConfig {
             max_buckets: config.max_buckets,
@@ -245,7 +241,7 @@ impl Gateway {
                     "policy_version": p.version,
                     "policy_hash": p.hash,
                     "loaded_at": p.loaded_at,
-                    "store": if self.remote.is_some() { "redis" } else { "memory" },
+                    "store": self.remote.as_ref().map_or("memory", |r| r.kind()),
                     // A degraded store fails open; it does not make the gateway unready.
                     "store_status": if self.remote.as_ref().is_some_and(|r| r.degraded()) { "degraded" } else { "ok" },
                 })
@@ -468,7 +464,7 @@ pub enum Step {
 
 /// A decision waiting for the networked store.
 pub struct Pending {
-    remote: Arc<RedisStore>,
+    remote: Arc<SharedStore>,
     decision: Decision,
     ops: SmallVec<[BucketOp; 4]>,
     summary: RequestSummary,

@@ -386,7 +386,7 @@ fn a_dead_redis_fails_open_and_limiting_resumes() {
     let log = gw.log_text();
     let error_lines = log
         .lines()
-        .filter(|l| l.contains("Redis store failing open"))
+        .filter(|l| l.contains("shared store failing open"))
         .count();
     assert!(
         (1..=3).contains(&error_lines),

@@ -168,6 +168,9 @@ impl BackgroundService for Housekeeping {
                     self.gateway.reload_if_changed();
                 }
                 _ = sweep_tick.tick() => {
+                    if let Some(remote) = &self.gateway.remote {
+                        remote.sweep(self.gateway.engine.clock().unix_us()).await;
+                    }
                     let removed = self.gateway.sweep();
                     tracing::debug!(removed, "bucket sweep");
                 }

@@ -5,8 +5,10 @@
 //! The embedded [`MemoryStore`] is the default; networked stores share the same contract.
 
 pub mod memory;
+pub mod postgres;
 pub mod redis;
 
+pub use self::postgres::PostgresStore;
 pub use self::redis::{RedisConfig, RedisStore};
 pub use memory::{MemoryStore, MemoryStoreConfig};
 
@@ -105,4 +107,167 @@ pub trait Store: Send + Sync {
 
     /// Drops entries that no longer matter (full again, or idle); returns how many.
     fn sweep(&self, now_us: u64) -> u64;
+}
+
+/// The name of a bucket in a shared store: its 128-bit hash, with its own Redis hash tag.
+pub(crate) fn shared_key(key: &BucketKey) -> String {
+    format!("tollgate:{{{:016x}{:016x}}}", key.hi, key.lo)
+}
+
+/// A quota's rate reduced to lowest terms (µtokens per µs): small numbers keep a shared store's
+/// arithmetic exact (Lua doubles) and cheap (SQL numeric).
+pub(crate) fn reduced_rate(q: &Quota) -> (u64, u64) {
+    fn gcd(mut a: u64, mut b: u64) -> u64 {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a.max(1)
+    }
+    let g = gcd(q.refill(), q.period_us());
+    (q.refill() / g, q.period_us() / g)
+}
+
+/// Turns a shared store's answer (each bucket's tokens at `now_us`, and whether the enforced and
+/// shadow groups passed) into results, with the embedded store's maths for the details.
+pub(crate) fn outcomes_from(
+    now_us: u64,
+    ops: &[BucketOp],
+    enforce_ok: bool,
+    shadow_ok: bool,
+    available: &[u64],
+    results: &mut OpResults,
+) {
+    results.clear();
+    for (op, &tokens) in ops.iter().zip(available) {
+        let state = Some(crate::limiter::BucketState {
+            tokens,
+            last_us: now_us,
+        });
+        let verdict = crate::limiter::check(state, &op.quota, now_us, op.cost);
+        let committed = match op.group {
+            Group::Enforce => enforce_ok,
+            Group::Shadow => enforce_ok && shadow_ok,
+        };
+        results.push(OpResult {
+            verdict,
+            committed,
+            fail_open: false,
+        });
+    }
+}
+
+/// Health of a networked store: failures counted, logged once per burst, recovery logged.
+#[derive(Default)]
+pub(crate) struct Health {
+    degraded: std::sync::atomic::AtomicBool,
+    errors: std::sync::atomic::AtomicU64,
+    last_log: parking_lot::Mutex<Option<std::time::Instant>>,
+}
+
+impl Health {
+    pub(crate) fn degraded(&self) -> bool {
+        self.degraded.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn errors(&self) -> u64 {
+        self.errors.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Counts a failure; logs the first of a burst, then at most one line every 10 s.
+    pub(crate) fn failed(&self, store: &str, what: &str) {
+        use std::sync::atomic::Ordering;
+        let errors = self.errors.fetch_add(1, Ordering::Relaxed) + 1;
+        let was_degraded = self.degraded.swap(true, Ordering::Relaxed);
+        let mut last = self.last_log.lock();
+        if !was_degraded || last.is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(10))
+        {
+            tracing::error!(store, errors, "shared store failing open: {what}");
+            *last = Some(std::time::Instant::now());
+        }
+    }
+
+    pub(crate) fn ok(&self, store: &str) {
+        if self
+            .degraded
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::info!(store, "shared store answering again");
+        }
+    }
+}
+
+/// A store shared by several gateways.
+pub enum SharedStore {
+    Redis(std::sync::Arc<RedisStore>),
+    Postgres(std::sync::Arc<PostgresStore>),
+}
+
+impl SharedStore {
+    /// `redis://`, `redis+cluster://`, `postgres://` or `postgresql://` URLs.
+    ///
+    /// # Errors
+    /// The URL is not usable.
+    pub fn open(url: &str, timeout: std::time::Duration) -> Result<Self, StoreError> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(SharedStore::Postgres(PostgresStore::new(
+                url.to_string(),
+                timeout,
+            )?))
+        } else {
+            Ok(SharedStore::Redis(RedisStore::new(RedisConfig {
+                url: url.to_string(),
+                timeout,
+            })?))
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SharedStore::Redis(_) => "redis",
+            SharedStore::Postgres(_) => "postgres",
+        }
+    }
+
+    pub fn connect_in_background(&self) {
+        match self {
+            SharedStore::Redis(s) => s.connect_in_background(),
+            SharedStore::Postgres(s) => s.connect_in_background(),
+        }
+    }
+
+    pub fn connected(&self) -> bool {
+        match self {
+            SharedStore::Redis(s) => s.connected(),
+            SharedStore::Postgres(s) => s.connected(),
+        }
+    }
+
+    pub fn degraded(&self) -> bool {
+        match self {
+            SharedStore::Redis(s) => s.degraded(),
+            SharedStore::Postgres(s) => s.degraded(),
+        }
+    }
+
+    /// # Errors
+    /// The store could not answer in time; nothing was spent.
+    pub async fn apply(
+        &self,
+        now_us: u64,
+        ops: &[BucketOp],
+        results: &mut OpResults,
+    ) -> Result<(), StoreError> {
+        match self {
+            SharedStore::Redis(s) => s.apply(now_us, ops, results).await,
+            SharedStore::Postgres(s) => s.apply(now_us, ops, results).await,
+        }
+    }
+
+    /// Periodic clean-up (PostgreSQL deletes full-again rows; Redis keys expire by themselves).
+    pub async fn sweep(&self, now_us: u64) -> u64 {
+        match self {
+            SharedStore::Redis(_) => 0,
+            SharedStore::Postgres(s) => s.sweep(now_us).await,
+        }
+    }
 }

@@ -15,7 +15,7 @@
 //! their retry time without a Redis call.
 
 use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
-use crate::limiter::{self, BucketState, Quota};
+use crate::limiter::{self, BucketState};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// KEYS: bucket keys. ARGV[1] = now (µs); then per key: burst (µtokens), rate numerator and
 /// denominator (µtokens per µs, reduced), cost (µtokens), group (0 enforce, 1 shadow).
@@ -81,22 +81,7 @@ end
 return 1
 "#;
 
-/// A quota with its rate reduced to lowest terms (µtokens per µs), as the script wants it.
-fn reduced(q: &Quota) -> (u64, u64) {
-    fn gcd(mut a: u64, mut b: u64) -> u64 {
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        a.max(1)
-    }
-    let g = gcd(q.refill(), q.period_us());
-    (q.refill() / g, q.period_us() / g)
-}
-
-/// The Redis key of a bucket, with its own hash tag.
-fn redis_key(key: &BucketKey) -> String {
-    format!("tollgate:{{{:016x}{:016x}}}", key.hi, key.lo)
-}
+use super::{reduced_rate as reduced, shared_key as redis_key, Health};
 
 /// A bucket another request was refused on, answered locally until it could afford `cost`.
 #[derive(Clone, Copy)]
@@ -140,10 +125,8 @@ pub struct RedisStore {
     refund: redis::Script,
     denied: Mutex<HashMap<u128, Denied>>,
     connecting: AtomicBool,
-    degraded: AtomicBool,
-    errors: AtomicU64,
+    health: Health,
     denied_hits: AtomicU64,
-    last_error_log: Mutex<Option<Instant>>,
 }
 
 const DENIED_CACHE_MAX: usize = 100_000;
@@ -182,10 +165,8 @@ impl RedisStore {
             refund: redis::Script::new(REFUND),
             denied: Mutex::new(HashMap::new()),
             connecting: AtomicBool::new(false),
-            degraded: AtomicBool::new(true),
-            errors: AtomicU64::new(0),
+            health: Health::default(),
             denied_hits: AtomicU64::new(0),
-            last_error_log: Mutex::new(None),
         }))
     }
 
@@ -213,7 +194,7 @@ impl RedisStore {
                 Ok(conn) => {
                     tracing::info!(store = %store.config.url, "connected to Redis");
                     store.conn.store(Some(Arc::new(conn)));
-                    store.degraded.store(false, Ordering::Relaxed);
+                    store.health.ok(&store.config.url);
                 }
                 Err(e) => store.failed(&format!("connecting: {e}")),
             }
@@ -229,12 +210,12 @@ impl RedisStore {
     /// Whether the store is not connected yet or its last call failed (reported by `/readyz`;
     /// readiness is not failed for it: requests fail open).
     pub fn degraded(&self) -> bool {
-        self.degraded.load(Ordering::Relaxed) || !self.connected()
+        self.health.degraded() || !self.connected()
     }
 
     /// Store calls that failed open so far.
     pub fn errors(&self) -> u64 {
-        self.errors.load(Ordering::Relaxed)
+        self.health.errors()
     }
 
     /// Requests answered from the denied-bucket cache.
@@ -243,14 +224,7 @@ impl RedisStore {
     }
 
     fn failed(&self, what: &str) {
-        self.errors.fetch_add(1, Ordering::Relaxed);
-        let was_degraded = self.degraded.swap(true, Ordering::Relaxed);
-        let mut last = self.last_error_log.lock();
-        // One line per burst of errors: the first, then at most one every 10 s.
-        if !was_degraded || last.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
-            tracing::error!(store = %self.config.url, errors = self.errors(), "Redis store failing open: {what}");
-            *last = Some(Instant::now());
-        }
+        self.health.failed(&self.config.url, what);
     }
 
     /// A refusal answered from the denied cache, if an enforced bucket of this request is known
@@ -401,28 +375,12 @@ impl RedisStore {
             self.failed(&what);
             return Err(StoreError::Unavailable(what));
         }
-        if self.degraded.swap(false, Ordering::Relaxed) {
-            tracing::info!(store = %self.config.url, "Redis store answering again");
-        }
-        results.clear();
-        for (op, available) in ops.iter().zip(available) {
-            let state = Some(BucketState {
-                tokens: available,
-                last_us: now_us,
-            });
-            let verdict = limiter::check(state, &op.quota, now_us, op.cost);
-            let committed = match op.group {
-                Group::Enforce => enforce_ok,
-                Group::Shadow => shadow_ok,
-            };
-            if op.group == Group::Enforce && !verdict.allowed {
-                self.remember_denied(op, &verdict, now_us);
+        self.health.ok(&self.config.url);
+        super::outcomes_from(now_us, ops, enforce_ok, shadow_ok, &available, results);
+        for (op, result) in ops.iter().zip(results.iter()) {
+            if op.group == Group::Enforce && !result.verdict.allowed {
+                self.remember_denied(op, &result.verdict, now_us);
             }
-            results.push(OpResult {
-                verdict,
-                committed,
-                fail_open: false,
-            });
         }
         Ok(())
     }
@@ -497,7 +455,7 @@ fn key128(key: &BucketKey) -> u128 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{MICRO, US_PER_SEC};
+    use crate::limiter::{Quota, MICRO, US_PER_SEC};
 
     #[test]
     fn rates_are_reduced_to_small_fractions() {

@@ -1,0 +1,271 @@
+//! The PostgreSQL (and YugabyteDB) store: buckets shared by a fleet in a table, after seed 002.
+//! The schema and one PL/pgSQL function are created at start if missing; each decision is one
+//! statement (`SELECT tollgate_take(...)`) that creates missing rows (new buckets start full),
+//! locks the request's rows in key order (so concurrent requests never deadlock), applies the
+//! embedded store's integer maths in `numeric`, and spends all the request's buckets or none.
+//! Under READ COMMITTED the row locks serialise concurrent updates of a bucket, so PostgreSQL
+//! needs no retry; YugabyteDB may report a serialization failure (SQLSTATE 40001), retried up
+//! to three times. Rows whose bucket is full again are deleted periodically.
+
+use super::{outcomes_from, BucketOp, Group, Health, OpResults, StoreError};
+use arc_swap::ArcSwapOption;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_postgres::NoTls;
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS tollgate_buckets (
+    key        text PRIMARY KEY,
+    tokens     bigint NOT NULL,
+    last_us    bigint NOT NULL,
+    full_at_us bigint NOT NULL
+);
+CREATE OR REPLACE FUNCTION tollgate_take(
+    keys text[], bursts bigint[], nums bigint[], dens bigint[], costs bigint[], grps int[], now_us bigint
+) RETURNS bigint[] LANGUAGE plpgsql AS $$
+DECLARE
+    n int := coalesce(array_length(keys, 1), 0);
+    avail bigint[] := '{}';
+    lasts bigint[] := '{}';
+    ok_e boolean := true;
+    ok_s boolean := true;
+    t bigint; l bigint; a bigint; spent bigint;
+BEGIN
+    INSERT INTO tollgate_buckets (key, tokens, last_us, full_at_us)
+        SELECT k, b, now_us, now_us FROM unnest(keys, bursts) AS u(k, b) ORDER BY k
+        ON CONFLICT (key) DO NOTHING;
+    PERFORM 1 FROM tollgate_buckets WHERE key = ANY (keys) ORDER BY key FOR UPDATE;
+    FOR i IN 1..n LOOP
+        SELECT least(tokens, bursts[i]), last_us INTO t, l FROM tollgate_buckets WHERE key = keys[i];
+        IF greatest(now_us - l, 0) >= ceil((bursts[i] - t)::numeric * dens[i] / nums[i]) THEN
+            a := bursts[i];
+        ELSE
+            a := least(bursts[i], t + floor(greatest(now_us - l, 0)::numeric * nums[i] / dens[i])::bigint);
+        END IF;
+        avail := avail || a;
+        lasts := lasts || greatest(l, now_us);
+        IF a < costs[i] THEN
+            IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
+        END IF;
+    END LOOP;
+    FOR i IN 1..n LOOP
+        IF (grps[i] = 0 AND ok_e) OR (grps[i] = 1 AND ok_e AND ok_s) THEN
+            spent := avail[i] - costs[i];
+            UPDATE tollgate_buckets
+               SET tokens = spent, last_us = lasts[i],
+                   full_at_us = now_us + ceil((bursts[i] - spent)::numeric * dens[i] / nums[i])::bigint
+             WHERE key = keys[i];
+        END IF;
+    END LOOP;
+    RETURN ARRAY[ok_e::int, ok_s::int]::bigint[] || avail;
+END $$;
+"#;
+
+const TAKE: &str = "SELECT tollgate_take($1, $2, $3, $4, $5, $6, $7)";
+
+/// The PostgreSQL store.
+pub struct PostgresStore {
+    url: String,
+    timeout: Duration,
+    client: ArcSwapOption<tokio_postgres::Client>,
+    connecting: AtomicBool,
+    health: Health,
+}
+
+impl PostgresStore {
+    /// Prepares the store; connections are made in the background.
+    ///
+    /// # Errors
+    /// The URL is not a PostgreSQL connection string.
+    pub fn new(url: String, timeout: Duration) -> Result<Arc<Self>, StoreError> {
+        url.parse::<tokio_postgres::Config>()
+            .map_err(|e| StoreError::Unavailable(format!("{url}: {e}")))?;
+        Ok(Arc::new(PostgresStore {
+            url,
+            timeout,
+            client: ArcSwapOption::empty(),
+            connecting: AtomicBool::new(false),
+            health: Health::default(),
+        }))
+    }
+
+    pub fn connected(&self) -> bool {
+        self.client.load().is_some()
+    }
+
+    pub fn degraded(&self) -> bool {
+        self.health.degraded() || !self.connected()
+    }
+
+    /// Connects (or reconnects) in the background and creates the schema if missing; at most
+    /// one attempt at a time.
+    pub fn connect_in_background(self: &Arc<Self>) {
+        if self.connecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let store = Arc::clone(self);
+        tokio::spawn(async move {
+            let attempt = async {
+                let (client, connection) = tokio_postgres::connect(&store.url, NoTls).await?;
+                let watcher = Arc::clone(&store);
+                tokio::spawn(async move {
+                    if let Err(e) = connection.await {
+                        watcher
+                            .health
+                            .failed(&watcher.url, &format!("connection lost: {e}"));
+                    }
+                    watcher.client.store(None);
+                });
+                client.batch_execute(SCHEMA).await?;
+                Ok::<_, tokio_postgres::Error>(client)
+            };
+            match tokio::time::timeout(Duration::from_secs(2), attempt).await {
+                Ok(Ok(client)) => {
+                    tracing::info!(store = %redact(&store.url), "connected to PostgreSQL");
+                    store.client.store(Some(Arc::new(client)));
+                    store.health.ok(&store.url);
+                }
+                Ok(Err(e)) => store
+                    .health
+                    .failed(&redact(&store.url), &format!("connecting: {e}")),
+                Err(_) => store
+                    .health
+                    .failed(&redact(&store.url), "connecting: timed out"),
+            }
+            store.connecting.store(false, Ordering::Release);
+        });
+    }
+
+    /// Checks and spends every bucket of a request in one statement.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing: nothing was spent (the caller fails open).
+    pub async fn apply(
+        &self,
+        now_us: u64,
+        ops: &[BucketOp],
+        results: &mut OpResults,
+    ) -> Result<(), StoreError> {
+        let Some(client) = self.client.load_full() else {
+            self.health.failed(&redact(&self.url), "not connected");
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let keys: Vec<String> = ops.iter().map(|op| super::shared_key(&op.key)).collect();
+        let mut bursts = Vec::with_capacity(ops.len());
+        let mut nums = Vec::with_capacity(ops.len());
+        let mut dens = Vec::with_capacity(ops.len());
+        let mut costs = Vec::with_capacity(ops.len());
+        let mut groups = Vec::with_capacity(ops.len());
+        for op in ops {
+            let (num, den) = super::reduced_rate(&op.quota);
+            bursts.push(op.quota.burst() as i64);
+            nums.push(num as i64);
+            dens.push(den as i64);
+            costs.push(op.cost.min(i64::MAX as u64) as i64);
+            groups.push(i32::from(op.group == Group::Shadow));
+        }
+        let now = now_us.min(i64::MAX as u64) as i64;
+        let call = async {
+            let mut attempt = 0;
+            loop {
+                let answer = client
+                    .query_one(TAKE, &[&keys, &bursts, &nums, &dens, &costs, &groups, &now])
+                    .await;
+                match answer {
+                    // YugabyteDB: serialization failure under contention; bounded retry.
+                    Err(e)
+                        if attempt < 3
+                            && e.code()
+                                == Some(
+                                    &tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE,
+                                ) =>
+                    {
+                        attempt += 1;
+                    }
+                    other => return other.map(|row| row.get::<_, Vec<i64>>(0)),
+                }
+            }
+        };
+        let values = match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(values)) if values.len() == ops.len() + 2 => values,
+            Ok(Ok(values)) => {
+                self.health.failed(
+                    &redact(&self.url),
+                    &format!("unexpected reply of {} values", values.len()),
+                );
+                return Err(StoreError::Unavailable("bad reply".into()));
+            }
+            Ok(Err(e)) => {
+                self.health.failed(&redact(&self.url), &e.to_string());
+                return Err(StoreError::Unavailable(e.to_string()));
+            }
+            Err(_) => {
+                self.health.failed(
+                    &redact(&self.url),
+                    &format!("no answer within {:?}", self.timeout),
+                );
+                return Err(StoreError::Unavailable("timeout".into()));
+            }
+        };
+        self.health.ok(&redact(&self.url));
+        let available: Vec<u64> = values[2..].iter().map(|v| (*v).max(0) as u64).collect();
+        outcomes_from(
+            now_us,
+            ops,
+            values[0] == 1,
+            values[1] == 1,
+            &available,
+            results,
+        );
+        Ok(())
+    }
+
+    /// Deletes rows whose bucket is full again (they are indistinguishable from absent ones).
+    pub async fn sweep(&self, now_us: u64) -> u64 {
+        let Some(client) = self.client.load_full() else {
+            return 0;
+        };
+        let now = now_us.min(i64::MAX as u64) as i64;
+        match client
+            .execute(
+                "DELETE FROM tollgate_buckets WHERE full_at_us <= $1",
+                &[&now],
+            )
+            .await
+        {
+            Ok(n) => n,
+            Err(e) => {
+                self.health
+                    .failed(&redact(&self.url), &format!("sweep: {e}"));
+                0
+            }
+        }
+    }
+}
+
+/// The URL without its password, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{}@{}", &url[..scheme + 3], user, &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_not_logged() {
+        assert_eq!(
+            redact("postgres://u:secret@db:5432/x"),
+            "postgres://u@db:5432/x"
+        );
+        assert_eq!(redact("postgres://db/x"), "postgres://db/x");
+    }
+}

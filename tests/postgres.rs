@@ -1,0 +1,322 @@
+//! The shared PostgreSQL store against a real server (Debian's `postgresql`, installed by
+//! `scripts/install-deps.sh`), started here as the non-root `postgres` user on a free port.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{free_port, request, Gateway, Upstream};
+use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
+use tollgate::store::{BucketKey, BucketOp, Group, OpResults, PostgresStore};
+
+fn pg_bin(name: &str) -> PathBuf {
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL is not installed: run `bash scripts/test.sh` (it installs it)")
+        .filter_map(|e| e.ok())
+        .map(|e| e.path().join("bin").join(name))
+        .filter(|p| p.exists())
+        .collect();
+    found.sort();
+    found.pop().expect("PostgreSQL server binaries")
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// A command run as the `postgres` user when we are root (PostgreSQL refuses to run as root).
+fn as_postgres(program: PathBuf) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+struct PgServer {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl PgServer {
+    fn start() -> PgServer {
+        let dir = tempfile::tempdir().unwrap();
+        if is_root() {
+            let ok = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir.path())
+                .status()
+                .unwrap();
+            assert!(ok.success());
+        }
+        let data = dir.path().join("data");
+        let init = as_postgres(pg_bin("initdb"))
+            .args(["-U", "tollgate", "--auth=trust", "-E", "UTF8", "-D"])
+            .arg(&data)
+            .output()
+            .expect("initdb");
+        assert!(
+            init.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&init.stderr)
+        );
+        let mut server = PgServer {
+            child: None,
+            port: free_port(),
+            dir,
+        };
+        server.run();
+        server
+    }
+
+    fn run(&mut self) {
+        let data = self.dir.path().join("data");
+        let child = as_postgres(pg_bin("postgres"))
+            .arg("-D")
+            .arg(&data)
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+            ])
+            .arg("-k")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("postgres");
+        self.child = Some(child);
+        let start = Instant::now();
+        loop {
+            let ready = Command::new(pg_bin("pg_isready"))
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+                .output()
+                .is_ok_and(|o| o.status.success());
+            if ready {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "postgres did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://tollgate@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops the server at once: SIGINT (fast shutdown) to the postmaster itself, whose pid is
+    /// the first line of `postmaster.pid` (`runuser` does not forward signals).
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid_file = self.dir.path().join("data").join("postmaster.pid");
+            let pid = std::fs::read_to_string(pid_file)
+                .ok()
+                .and_then(|t| t.lines().next().and_then(|l| l.trim().parse::<i32>().ok()));
+            // SAFETY: kill(2) on the server we started.
+            unsafe {
+                match pid {
+                    Some(pid) => libc::kill(pid, libc::SIGINT),
+                    None => libc::kill(child.id() as i32, libc::SIGKILL),
+                };
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn connected_store(url: String) -> Arc<PostgresStore> {
+    let store = PostgresStore::new(url, Duration::from_secs(2)).unwrap();
+    store.connect_in_background();
+    let start = Instant::now();
+    while !store.connected() {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no connection to PostgreSQL"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    store
+}
+
+fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
+    BucketOp {
+        key: BucketKey::of(key),
+        quota,
+        cost: MICRO,
+        group,
+    }
+}
+
+/// Seed 004 and all-or-nothing on PostgreSQL: the same answers as the embedded store.
+#[tokio::test]
+async fn seed_004_and_all_or_nothing_on_postgres() {
+    let pg = PgServer::start();
+    let store = connected_store(pg.url()).await;
+    let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).unwrap();
+    let base = 1_800_000_000 * US_PER_SEC;
+    let mut results = OpResults::new();
+    for (t, allowed, tokens) in [
+        (0.5, true, 2.0),
+        (0.8, true, 1.3),
+        (0.9, true, 0.4),
+        (1.0, false, 0.5),
+        (1.4, false, 0.9),
+        (1.8, true, 0.3),
+        (5.0, true, 2.0),
+    ] {
+        let now = base + (t * 1e6_f64).round() as u64;
+        store
+            .apply(
+                now,
+                &[op("tb:seed004:pg", quota, Group::Enforce)],
+                &mut results,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (
+                results[0].verdict.allowed,
+                micro_to_tokens(results[0].verdict.remaining)
+            ),
+            (allowed, tokens),
+            "t={t}"
+        );
+    }
+    let loose = op(
+        "tb:loose:pg",
+        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
+        Group::Enforce,
+    );
+    let tight = op(
+        "tb:tight:pg",
+        Quota::new(MICRO, MICRO, 1_000 * US_PER_SEC).unwrap(),
+        Group::Enforce,
+    );
+    let shadow = op(
+        "shadow:tb:s:pg",
+        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
+        Group::Shadow,
+    );
+    store
+        .apply(base, &[loose, tight, shadow], &mut results)
+        .await
+        .unwrap();
+    assert!(results.iter().all(|r| r.committed));
+    store
+        .apply(base, &[loose, tight, shadow], &mut results)
+        .await
+        .unwrap();
+    assert!(!results[1].verdict.allowed && !results[0].committed && !results[2].committed);
+    store
+        .apply(base, &[loose, shadow], &mut results)
+        .await
+        .unwrap();
+    assert_eq!(
+        (results[0].verdict.available, results[1].verdict.available),
+        (9 * MICRO, 9 * MICRO)
+    );
+    // Full-again rows are deleted by the sweep; the others stay.
+    let deleted = store.sweep(base + 3_600 * US_PER_SEC).await;
+    assert!(deleted >= 2, "{deleted}");
+}
+
+/// Two gateways on one PostgreSQL enforce one limit together; with PostgreSQL stopped they keep
+/// answering (fail-open) within their deadline, and limit again once it is back.
+#[test]
+fn two_gateways_share_one_limit_on_postgres_and_survive_its_death() {
+    let mut pg = PgServer::start();
+    let upstream = Upstream::start();
+    let policy = r#"{"rules": [
+        {"name": "fleet", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 200}},
+        {"name": "per-client", "limit_keys": ["header:x-client"], "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 2}}]}"#;
+    let store = format!("--store={}", pg.url());
+    let flags = [store.as_str(), "--store-timeout-ms", "1000"];
+    let gateways = [
+        Gateway::start(Some(policy), Some(upstream.addr), &flags),
+        Gateway::start(Some(policy), Some(upstream.addr), &flags),
+    ];
+    for gw in &gateways {
+        gw.wait_until(Duration::from_secs(20), || {
+            gw.admin("GET", "/readyz", &[])
+                .body
+                .contains("\"store_status\":\"ok\"")
+        });
+    }
+    let allowed = Arc::new(AtomicUsize::new(0));
+    let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let allowed = Arc::clone(&allowed);
+            let addr = addrs[t % 2];
+            std::thread::spawn(move || {
+                for i in 0..80 {
+                    let client = format!("t{t}-{i}");
+                    if request(addr, "GET", "/", &[("X-Client", &client)]).status == 200 {
+                        allowed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let total = allowed.load(Ordering::Relaxed);
+    assert!(
+        (198..=202).contains(&total),
+        "320 requests admitted {total}, limit 200"
+    );
+    for gw in &gateways {
+        assert_eq!(
+            gw.metric("tollgate_store_errors_total"),
+            0.0,
+            "{}",
+            gw.log_text()
+        );
+    }
+
+    pg.stop();
+    let gw = &gateways[0];
+    for i in 0..10 {
+        let started = Instant::now();
+        let r = gw.get("/", &[("X-Client", &format!("down-{i}"))]);
+        assert_eq!(r.status, 200, "fail-open while PostgreSQL is down");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "bounded latency: {:?}",
+            started.elapsed()
+        );
+    }
+    assert!(gw
+        .admin("GET", "/readyz", &[])
+        .body
+        .contains("\"store_status\":\"degraded\""));
+    pg.run();
+    // Back: the fleet bucket is still spent (state lives in the table), so requests are refused.
+    gw.wait_until(Duration::from_secs(30), || {
+        gw.get("/", &[("X-Client", "after")]).status == 429
+    });
+    assert!(gw
+        .admin("GET", "/readyz", &[])
+        .body
+        .contains("\"store_status\":\"ok\""));
+}
