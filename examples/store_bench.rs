@@ -1,13 +1,13 @@
 //! Decisions per second and p50/p99 latency of one store call, per store, at 1 and 8 rules per
-//! request (by hand: `cargo run --release --example store_bench -- redis://127.0.0.1:6379/0`).
-//! Without a URL only the embedded store is measured. Sequential calls from one task, on
+//! request (by hand: `cargo run --release --example store_bench -- URL...` with any
+//! `redis://`, `redis+cluster://` or `postgres://` URLs). Without a URL only the embedded store
+//! is measured. Sequential calls from one task, on
 //! loopback: latency is a round trip plus the script; throughput scales with concurrency.
 
 use std::time::{Duration, Instant};
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{
-    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, RedisConfig, RedisStore,
-    Store,
+    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, SharedStore, Store,
 };
 
 fn ops(rules: usize, client: u64) -> Vec<BucketOp> {
@@ -36,7 +36,7 @@ fn report(store: &str, rules: usize, mut latencies: Vec<Duration>, wall: Duratio
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    const N: u64 = 20_000;
+    const N: u64 = 10_000;
     println!("| store | rules/request | decisions/s (1 task) | p50 µs | p99 µs |");
     println!("|---|---|---|---|---|");
     for rules in [1usize, 8] {
@@ -52,37 +52,37 @@ async fn main() {
         }
         report("embedded", rules, latencies, wall.elapsed());
     }
-    let Some(url) = std::env::args().nth(1) else {
-        return;
-    };
-    let store = RedisStore::new(RedisConfig {
-        url,
-        timeout: Duration::from_secs(1),
-    })
-    .expect("redis url");
-    store.connect_in_background();
-    let start = Instant::now();
-    while !store.connected() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "cannot connect to Redis"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    for rules in [1usize, 8] {
-        let mut results = OpResults::new();
-        let mut latencies = Vec::with_capacity(N as usize);
-        let wall = Instant::now();
-        let base = 1_800_000_000 * US_PER_SEC;
-        for i in 0..N {
-            let batch = ops(rules, i % 1024);
-            let t = Instant::now();
-            store
-                .apply(base + i, &batch, &mut results)
-                .await
-                .expect("redis store");
-            latencies.push(t.elapsed());
+    for url in std::env::args().skip(1) {
+        let store = SharedStore::open(&url, Duration::from_secs(1)).expect("store url");
+        store.connect_in_background();
+        let start = Instant::now();
+        while !store.connected() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "cannot connect to {url}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        report("redis", rules, latencies, wall.elapsed());
+        let name = if url.starts_with("redis+cluster") {
+            "redis cluster"
+        } else {
+            store.kind()
+        };
+        for rules in [1usize, 8] {
+            let mut results = OpResults::new();
+            let mut latencies = Vec::with_capacity(N as usize);
+            let wall = Instant::now();
+            let base = 1_800_000_000 * US_PER_SEC;
+            for i in 0..N {
+                let batch = ops(rules, i % 1024);
+                let t = Instant::now();
+                store
+                    .apply(base + i, &batch, &mut results)
+                    .await
+                    .expect("store call");
+                latencies.push(t.elapsed());
+            }
+            report(name, rules, latencies, wall.elapsed());
+        }
     }
 }
