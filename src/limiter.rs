@@ -13,6 +13,19 @@ pub const MICRO: u64 = 1_000_000;
 /// Microseconds per second.
 pub const US_PER_SEC: u64 = 1_000_000;
 
+/// Seed 004 (Coinbase) worked example, burst 3 and 1 token per second, a new bucket at t = 0:
+/// `(request time in seconds, allowed, tokens left after the request)`. The exact test vector
+/// every store must reproduce.
+pub const SEED_004_TABLE: [(f64, bool, f64); 7] = [
+    (0.5, true, 2.0),
+    (0.8, true, 1.3),
+    (0.9, true, 0.4),
+    (1.0, false, 0.5),
+    (1.4, false, 0.9),
+    (1.8, true, 0.3),
+    (5.0, true, 2.0),
+];
+
 /// A validated bucket shape: capacity and refill rate. Built only through [`Quota::new`], so a
 /// zero burst or zero rate cannot exist.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -221,17 +234,8 @@ mod tests {
     #[test]
     fn seed_004_worked_table_is_exact() {
         let quota = tokens_per_sec(1.0, 3.0);
-        let table = [
-            (0.5, true, 2.0),
-            (0.8, true, 1.3),
-            (0.9, true, 0.4),
-            (1.0, false, 0.5),
-            (1.4, false, 0.9),
-            (1.8, true, 0.3),
-            (5.0, true, 2.0),
-        ];
         let mut state = None;
-        for (t, allowed, tokens) in table {
+        for (t, allowed, tokens) in SEED_004_TABLE {
             let v = check(state, &quota, secs(t), MICRO);
             assert_eq!(v.allowed, allowed, "status at t={t}");
             assert_eq!(micro_to_tokens(v.remaining), tokens, "tokens at t={t}");

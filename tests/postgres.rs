@@ -5,12 +5,10 @@ mod support;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{free_port, request, Gateway, Upstream};
-use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
-use tollgate::store::{BucketKey, BucketOp, Group, OpResults, PostgresStore};
+use support::{assert_seed_vectors, count_admitted, free_port, shared_store, Gateway, Upstream};
+use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+use tollgate::store::{BucketKey, BucketOp, Group, OpResults};
 
 fn pg_bin(name: &str) -> PathBuf {
     let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
@@ -143,20 +141,6 @@ impl Drop for PgServer {
     }
 }
 
-async fn connected_store(url: String) -> Arc<PostgresStore> {
-    let store = PostgresStore::new(url, Duration::from_secs(2)).unwrap();
-    store.connect_in_background();
-    let start = Instant::now();
-    while !store.connected() {
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "no connection to PostgreSQL"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    store
-}
-
 fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
     BucketOp {
         key: BucketKey::of(key),
@@ -170,37 +154,10 @@ fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
 #[tokio::test]
 async fn seed_004_and_all_or_nothing_on_postgres() {
     let pg = PgServer::start();
-    let store = connected_store(pg.url()).await;
-    let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).unwrap();
+    let store = shared_store(&pg.url()).await;
+    assert_seed_vectors(&store, "tb:seed004:pg").await;
     let base = 1_800_000_000 * US_PER_SEC;
     let mut results = OpResults::new();
-    for (t, allowed, tokens) in [
-        (0.5, true, 2.0),
-        (0.8, true, 1.3),
-        (0.9, true, 0.4),
-        (1.0, false, 0.5),
-        (1.4, false, 0.9),
-        (1.8, true, 0.3),
-        (5.0, true, 2.0),
-    ] {
-        let now = base + (t * 1e6_f64).round() as u64;
-        store
-            .apply(
-                now,
-                &[op("tb:seed004:pg", quota, Group::Enforce)],
-                &mut results,
-            )
-            .await
-            .unwrap();
-        assert_eq!(
-            (
-                results[0].verdict.allowed,
-                micro_to_tokens(results[0].verdict.remaining)
-            ),
-            (allowed, tokens),
-            "t={t}"
-        );
-    }
     let loose = op(
         "tb:loose:pg",
         Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
@@ -261,26 +218,8 @@ fn two_gateways_share_one_limit_on_postgres_and_survive_its_death() {
                 .contains("\"store_status\":\"ok\"")
         });
     }
-    let allowed = Arc::new(AtomicUsize::new(0));
     let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let allowed = Arc::clone(&allowed);
-            let addr = addrs[t % 2];
-            std::thread::spawn(move || {
-                for i in 0..80 {
-                    let client = format!("t{t}-{i}");
-                    if request(addr, "GET", "/", &[("X-Client", &client)]).status == 200 {
-                        allowed.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let total = allowed.load(Ordering::Relaxed);
+    let total = count_admitted(&addrs, 4, 80, |t, i| format!("t{t}-{i}"));
     assert!(
         (198..=202).contains(&total),
         "320 requests admitted {total}, limit 200"

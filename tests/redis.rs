@@ -6,12 +6,10 @@ mod support;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{free_port, request, Gateway, Upstream};
-use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
-use tollgate::store::{BucketKey, BucketOp, Group, OpResults, RedisConfig, RedisStore};
+use support::{assert_seed_vectors, count_admitted, free_port, shared_store, Gateway, Upstream};
+use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+use tollgate::store::{BucketKey, BucketOp, Group, OpResults, SharedStore};
 
 struct RedisServer {
     child: Option<Child>,
@@ -177,24 +175,6 @@ impl Drop for RedisServer {
     }
 }
 
-async fn connected_store(url: String) -> Arc<RedisStore> {
-    let store = RedisStore::new(RedisConfig {
-        url,
-        timeout: Duration::from_secs(2),
-    })
-    .unwrap();
-    store.connect_in_background();
-    let start = Instant::now();
-    while !store.connected() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "no connection to Redis"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    store
-}
-
 fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
     BucketOp {
         key: BucketKey::of(key),
@@ -204,41 +184,18 @@ fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
     }
 }
 
-/// Seed 004 (Coinbase) on Redis: the same statuses and exact token counts as the embedded store.
+/// Seed 004 (Coinbase) on Redis: the same statuses and exact token counts as the embedded store;
+/// the second refusal comes from the local denied cache and agrees too.
 #[tokio::test]
 async fn seed_004_table_on_redis_is_exact() {
     let redis = RedisServer::start();
-    let store = connected_store(redis.url()).await;
-    let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).unwrap();
-    let base = 1_800_000_000 * US_PER_SEC;
-    let table = [
-        (0.5, true, 2.0),
-        (0.8, true, 1.3),
-        (0.9, true, 0.4),
-        (1.0, false, 0.5),
-        (1.4, false, 0.9),
-        (1.8, true, 0.3),
-        (5.0, true, 2.0),
-    ];
-    let mut results = OpResults::new();
-    for (t, allowed, tokens) in table {
-        let now = base + (t * 1e6_f64).round() as u64;
-        // A fresh key per rejection check would hide the state: one key throughout. The denied
-        // cache answers the second refusal, so it must agree too.
-        store
-            .apply(
-                now,
-                &[op("tb:seed004:1.2.3.4", quota, Group::Enforce)],
-                &mut results,
-            )
-            .await
-            .unwrap();
-        let v = results[0].verdict;
-        assert_eq!(v.allowed, allowed, "t={t}");
-        assert_eq!(micro_to_tokens(v.remaining), tokens, "t={t}");
-    }
+    let store = shared_store(&redis.url()).await;
+    assert_seed_vectors(&store, "tb:seed004:1.2.3.4").await;
+    let SharedStore::Redis(redis_store) = &store else {
+        unreachable!("a redis:// URL opens the Redis store")
+    };
     assert_eq!(
-        store.denied_hits(),
+        redis_store.denied_hits(),
         1,
         "the refusal at 1.4 s came from the denied cache"
     );
@@ -248,7 +205,7 @@ async fn seed_004_table_on_redis_is_exact() {
 #[tokio::test]
 async fn a_refusal_spends_nothing_on_redis() {
     let redis = RedisServer::start();
-    let store = connected_store(redis.url()).await;
+    let store = shared_store(&redis.url()).await;
     let loose = op(
         "tb:loose:k",
         Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
@@ -302,25 +259,8 @@ fn two_gateways_share_one_limit() {
                 .contains("\"store_status\":\"ok\"")
         });
     }
-    let allowed = Arc::new(AtomicUsize::new(0));
     let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let allowed = Arc::clone(&allowed);
-            let addr = addrs[t % 2];
-            std::thread::spawn(move || {
-                for _ in 0..120 {
-                    if request(addr, "GET", "/", &[]).status == 200 {
-                        allowed.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let total = allowed.load(Ordering::Relaxed);
+    let total = count_admitted(&addrs, 4, 120, |_, _| "any".to_string());
     assert!(
         (297..=303).contains(&total),
         "480 requests over two gateways admitted {total}, limit 300"
@@ -408,36 +348,10 @@ fn a_dead_redis_fails_open_and_limiting_resumes() {
 #[tokio::test]
 async fn redis_cluster_keeps_the_maths_and_refunds_across_slots() {
     let cluster = RedisCluster::start();
-    let store = connected_store(cluster.url()).await;
-    let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).unwrap();
+    let store = shared_store(&cluster.url()).await;
+    assert_seed_vectors(&store, "tb:seed004:cluster").await;
     let base = 1_800_000_000 * US_PER_SEC;
     let mut results = OpResults::new();
-    for (t, allowed, tokens) in [
-        (0.5, true, 2.0),
-        (0.8, true, 1.3),
-        (0.9, true, 0.4),
-        (1.0, false, 0.5),
-        (1.8, true, 0.3),
-        (5.0, true, 2.0),
-    ] {
-        let now = base + (t * 1e6_f64).round() as u64;
-        store
-            .apply(
-                now,
-                &[op("tb:seed004:cluster", quota, Group::Enforce)],
-                &mut results,
-            )
-            .await
-            .unwrap();
-        assert_eq!(
-            (
-                results[0].verdict.allowed,
-                micro_to_tokens(results[0].verdict.remaining)
-            ),
-            (allowed, tokens),
-            "t={t}"
-        );
-    }
     // Two buckets in different slots: the tight one refuses, the loose one is refunded.
     let loose = op(
         "tb:loose:cluster-a",
@@ -502,26 +416,8 @@ fn two_gateways_share_one_limit_on_a_cluster() {
                 .contains("\"store_status\":\"ok\"")
         });
     }
-    let allowed = Arc::new(AtomicUsize::new(0));
     let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let allowed = Arc::clone(&allowed);
-            let addr = addrs[t % 2];
-            std::thread::spawn(move || {
-                for i in 0..120 {
-                    let client = format!("c{}", i % 7);
-                    if request(addr, "GET", "/", &[("X-Client", &client)]).status == 200 {
-                        allowed.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    let total = allowed.load(Ordering::Relaxed);
+    let total = count_admitted(&addrs, 4, 120, |_, i| format!("c{}", i % 7));
     assert!(
         (297..=303).contains(&total),
         "480 requests admitted {total}, limit 300"

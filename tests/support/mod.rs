@@ -372,3 +372,120 @@ pub fn one_rule(name: &str, keys: &str, rps: f64, burst: f64) -> String {
             "algorithm_config": {{"rps": {rps}, "burst": {burst}}}}}]}}"#
     )
 }
+
+/// Sends `per_thread` requests from each of `threads` threads at once, thread `t` to
+/// `addrs[t % addrs.len()]` with `X-Client: client(t, i)`; returns how many were allowed (200).
+pub fn count_admitted(
+    addrs: &[SocketAddr],
+    threads: usize,
+    per_thread: usize,
+    client: fn(usize, usize) -> String,
+) -> usize {
+    let allowed = Arc::new(AtomicUsize::new(0));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let allowed = Arc::clone(&allowed);
+            let addr = addrs[t % addrs.len()];
+            std::thread::spawn(move || {
+                for i in 0..per_thread {
+                    if request(addr, "GET", "/", &[("X-Client", &client(t, i))]).status == 200 {
+                        allowed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("load thread");
+    }
+    allowed.load(Ordering::Relaxed)
+}
+
+/// A shared store, connected.
+pub async fn shared_store(url: &str) -> tollgate::store::SharedStore {
+    let store = tollgate::store::SharedStore::open(url, Duration::from_secs(2)).expect("store url");
+    store.connect_in_background();
+    let start = Instant::now();
+    while !store.connected() {
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no connection to {url}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    store
+}
+
+/// Replays the seed worked examples on `store` under buckets derived from `key`: seed 004
+/// (statuses and exact tokens) and seed 000 (Boulder: burst 20, 20 per second; the first
+/// request leaves 19, the 21st inside 50 ms is refused, one every 50 ms is sustained).
+pub async fn assert_seed_vectors(store: &tollgate::store::SharedStore, key: &str) {
+    assert_seed_000(store, &format!("{key}:seed000")).await;
+    use tollgate::limiter::{micro_to_tokens, Quota, MICRO, SEED_004_TABLE, US_PER_SEC};
+    use tollgate::store::{BucketKey, BucketOp, Group, OpResults};
+    let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).expect("quota");
+    let op = BucketOp {
+        key: BucketKey::of(key),
+        quota,
+        cost: MICRO,
+        group: Group::Enforce,
+    };
+    let base = 1_800_000_000 * US_PER_SEC;
+    let mut results = OpResults::new();
+    for (t, allowed, tokens) in SEED_004_TABLE {
+        let now = base + (t * 1e6_f64).round() as u64;
+        store
+            .apply(now, &[op], &mut results)
+            .await
+            .expect("store call");
+        let v = results[0].verdict;
+        assert_eq!(
+            (v.allowed, micro_to_tokens(v.remaining)),
+            (allowed, tokens),
+            "t={t}"
+        );
+    }
+}
+
+async fn assert_seed_000(store: &tollgate::store::SharedStore, key: &str) {
+    use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
+    use tollgate::store::{BucketKey, BucketOp, Group, OpResults};
+    let quota = Quota::new(20 * MICRO, 20 * MICRO, US_PER_SEC).expect("quota");
+    let op = BucketOp {
+        key: BucketKey::of(key),
+        quota,
+        cost: MICRO,
+        group: Group::Enforce,
+    };
+    let base = 1_800_000_000 * US_PER_SEC;
+    let mut results = OpResults::new();
+    store
+        .apply(base, &[op], &mut results)
+        .await
+        .expect("store call");
+    assert_eq!(micro_to_tokens(results[0].verdict.remaining), 19.0);
+    for i in 1..20u64 {
+        store
+            .apply(base + i * 2_000, &[op], &mut results)
+            .await
+            .expect("store call");
+        assert!(results[0].verdict.allowed, "request {}", i + 1);
+    }
+    store
+        .apply(base + 45_000, &[op], &mut results)
+        .await
+        .expect("store call");
+    assert!(!results[0].verdict.allowed, "the 21st request inside 50 ms");
+    let mut now = base + 45_000;
+    for _ in 0..20 {
+        now += 50_000;
+        store
+            .apply(now, &[op], &mut results)
+            .await
+            .expect("store call");
+        assert!(
+            results[0].verdict.allowed,
+            "one request per 50 ms is sustained"
+        );
+    }
+}
