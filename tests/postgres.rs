@@ -6,9 +6,11 @@ mod support;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{assert_seed_vectors, count_admitted, free_port, shared_store, Gateway, Upstream};
-use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
-use tollgate::store::{BucketKey, BucketOp, Group, OpResults};
+use support::{
+    assert_all_or_nothing, assert_seed_vectors, count_admitted, free_port, shared_store, Gateway,
+    Upstream,
+};
+use tollgate::limiter::US_PER_SEC;
 
 fn pg_bin(name: &str) -> PathBuf {
     let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
@@ -141,56 +143,14 @@ impl Drop for PgServer {
     }
 }
 
-fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
-    BucketOp {
-        key: BucketKey::of(key),
-        quota,
-        cost: MICRO,
-        group,
-    }
-}
-
 /// Seed 004 and all-or-nothing on PostgreSQL: the same answers as the embedded store.
 #[tokio::test]
 async fn seed_004_and_all_or_nothing_on_postgres() {
     let pg = PgServer::start();
     let store = shared_store(&pg.url()).await;
     assert_seed_vectors(&store, "tb:seed004:pg").await;
+    assert_all_or_nothing(&store, "pg").await;
     let base = 1_800_000_000 * US_PER_SEC;
-    let mut results = OpResults::new();
-    let loose = op(
-        "tb:loose:pg",
-        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
-        Group::Enforce,
-    );
-    let tight = op(
-        "tb:tight:pg",
-        Quota::new(MICRO, MICRO, 1_000 * US_PER_SEC).unwrap(),
-        Group::Enforce,
-    );
-    let shadow = op(
-        "shadow:tb:s:pg",
-        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
-        Group::Shadow,
-    );
-    store
-        .apply(base, &[loose, tight, shadow], &mut results)
-        .await
-        .unwrap();
-    assert!(results.iter().all(|r| r.committed));
-    store
-        .apply(base, &[loose, tight, shadow], &mut results)
-        .await
-        .unwrap();
-    assert!(!results[1].verdict.allowed && !results[0].committed && !results[2].committed);
-    store
-        .apply(base, &[loose, shadow], &mut results)
-        .await
-        .unwrap();
-    assert_eq!(
-        (results[0].verdict.available, results[1].verdict.available),
-        (9 * MICRO, 9 * MICRO)
-    );
     // Full-again rows are deleted by the sweep; the others stay.
     let deleted = store.sweep(base + 3_600 * US_PER_SEC).await;
     assert!(deleted >= 2, "{deleted}");

@@ -7,9 +7,12 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{assert_seed_vectors, count_admitted, free_port, shared_store, Gateway, Upstream};
+use support::{
+    assert_all_or_nothing, assert_seed_vectors, bucket_op, count_admitted, free_port, shared_store,
+    Gateway, Upstream,
+};
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
-use tollgate::store::{BucketKey, BucketOp, Group, OpResults, SharedStore};
+use tollgate::store::{BucketOp, Group, OpResults, SharedStore};
 
 struct RedisServer {
     child: Option<Child>,
@@ -23,6 +26,11 @@ impl RedisServer {
     }
 
     fn start_on(port: u16) -> RedisServer {
+        Self::spawn(port, &[])
+    }
+
+    /// `redis-server` on `port` with `extra` arguments, answering PING.
+    fn spawn(port: u16, extra: &[&str]) -> RedisServer {
         let dir = tempfile::tempdir().unwrap();
         let child = Command::new("redis-server")
             .args([
@@ -35,6 +43,7 @@ impl RedisServer {
                 "--appendonly",
                 "no",
             ])
+            .args(extra)
             .arg("--dir")
             .arg(dir.path())
             .stdout(Stdio::null())
@@ -87,40 +96,10 @@ impl RedisCluster {
     fn start() -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..3)
             .map(|_| {
-                let port = free_port();
-                let dir = tempfile::tempdir().unwrap();
-                let child = Command::new("redis-server")
-                    .args([
-                        "--port",
-                        &port.to_string(),
-                        "--bind",
-                        "127.0.0.1",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                    ])
-                    .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
-                    .arg("--dir")
-                    .arg(dir.path())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("redis-server");
-                let node = RedisServer {
-                    child: Some(child),
-                    port,
-                    _dir: dir,
-                };
-                let start = Instant::now();
-                while !node.pong() {
-                    assert!(
-                        start.elapsed() < Duration::from_secs(10),
-                        "cluster node did not start"
-                    );
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                node
+                RedisServer::spawn(
+                    free_port(),
+                    &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+                )
             })
             .collect();
         let addrs: Vec<String> = nodes
@@ -175,15 +154,6 @@ impl Drop for RedisServer {
     }
 }
 
-fn op(key: &str, quota: Quota, group: Group) -> BucketOp {
-    BucketOp {
-        key: BucketKey::of(key),
-        quota,
-        cost: MICRO,
-        group,
-    }
-}
-
 /// Seed 004 (Coinbase) on Redis: the same statuses and exact token counts as the embedded store;
 /// the second refusal comes from the local denied cache and agrees too.
 #[tokio::test]
@@ -206,37 +176,7 @@ async fn seed_004_table_on_redis_is_exact() {
 async fn a_refusal_spends_nothing_on_redis() {
     let redis = RedisServer::start();
     let store = shared_store(&redis.url()).await;
-    let loose = op(
-        "tb:loose:k",
-        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
-        Group::Enforce,
-    );
-    let tight = op(
-        "tb:tight:k",
-        Quota::new(MICRO, MICRO, 1_000 * US_PER_SEC).unwrap(),
-        Group::Enforce,
-    );
-    let shadow = op(
-        "shadow:tb:s:k",
-        Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
-        Group::Shadow,
-    );
-    let now = 1_800_000_000 * US_PER_SEC;
-    let mut r = OpResults::new();
-    store
-        .apply(now, &[loose, tight, shadow], &mut r)
-        .await
-        .unwrap();
-    assert!(r.iter().all(|x| x.committed));
-    store
-        .apply(now, &[loose, tight, shadow], &mut r)
-        .await
-        .unwrap();
-    assert!(!r[1].verdict.allowed && !r[0].committed && !r[2].committed);
-    // Ask the loose and shadow buckets alone: they still hold 9 tokens each.
-    store.apply(now, &[loose, shadow], &mut r).await.unwrap();
-    assert_eq!(r[0].verdict.available, 9 * MICRO);
-    assert_eq!(r[1].verdict.available, 9 * MICRO);
+    assert_all_or_nothing(&store, "redis").await;
 }
 
 /// Two gateway processes on one Redis enforce one limit together under concurrent load.
@@ -353,14 +293,14 @@ async fn redis_cluster_keeps_the_maths_and_refunds_across_slots() {
     let base = 1_800_000_000 * US_PER_SEC;
     let mut results = OpResults::new();
     // Two buckets in different slots: the tight one refuses, the loose one is refunded.
-    let loose = op(
+    let loose = bucket_op(
         "tb:loose:cluster-a",
         Quota::new(10 * MICRO, MICRO, US_PER_SEC).unwrap(),
         Group::Enforce,
     );
     let mut n = 0;
     let tight = loop {
-        let candidate = op(
+        let candidate = bucket_op(
             &format!("tb:tight:cluster-{n}"),
             Quota::new(MICRO, MICRO, 1_000 * US_PER_SEC).unwrap(),
             Group::Enforce,

@@ -489,3 +489,53 @@ async fn assert_seed_000(store: &tollgate::store::SharedStore, key: &str) {
         );
     }
 }
+
+/// One bucket operation of cost 1.
+pub fn bucket_op(
+    key: &str,
+    quota: tollgate::limiter::Quota,
+    group: tollgate::store::Group,
+) -> tollgate::store::BucketOp {
+    tollgate::store::BucketOp {
+        key: tollgate::store::BucketKey::of(key),
+        quota,
+        cost: tollgate::limiter::MICRO,
+        group,
+    }
+}
+
+/// On `store`: a request refused by one bucket spends nothing, neither its other enforced
+/// buckets nor its shadow ones.
+pub async fn assert_all_or_nothing(store: &tollgate::store::SharedStore, prefix: &str) {
+    use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+    use tollgate::store::{Group, OpResults};
+    let roomy = || Quota::new(10 * MICRO, MICRO, US_PER_SEC).expect("quota");
+    let loose = bucket_op(&format!("tb:loose:{prefix}"), roomy(), Group::Enforce);
+    let tight = bucket_op(
+        &format!("tb:tight:{prefix}"),
+        Quota::new(MICRO, MICRO, 1_000 * US_PER_SEC).expect("quota"),
+        Group::Enforce,
+    );
+    let shadow = bucket_op(&format!("shadow:tb:s:{prefix}"), roomy(), Group::Shadow);
+    let now = 1_800_000_000 * US_PER_SEC;
+    let mut r = OpResults::new();
+    store
+        .apply(now, &[loose, tight, shadow], &mut r)
+        .await
+        .expect("store call");
+    assert!(r.iter().all(|x| x.committed));
+    store
+        .apply(now, &[loose, tight, shadow], &mut r)
+        .await
+        .expect("store call");
+    assert!(!r[1].verdict.allowed && !r[0].committed && !r[2].committed);
+    // Asked alone, the loose and shadow buckets still hold 9 tokens each.
+    store
+        .apply(now, &[loose, shadow], &mut r)
+        .await
+        .expect("store call");
+    assert_eq!(
+        (r[0].verdict.available, r[1].verdict.available),
+        (9 * MICRO, 9 * MICRO)
+    );
+}
