@@ -163,8 +163,7 @@ impl Config {
 
 /// The client address for a request arriving from `peer`: the peer itself, unless it is a
 /// trusted proxy, in which case the rightmost `X-Forwarded-For` hop that is not a trusted proxy
-/// (or the leftmost hop when all are trusted). An unparseable hop stops the walk: everything to
-/// its left was written by someone we cannot vouch for.
+/// (see [`forwarded_client`]).
 pub fn client_ip(
     peer: Option<std::net::IpAddr>,
     forwarded_for: Option<&str>,
@@ -174,20 +173,36 @@ pub fn client_ip(
     if !trusted.iter().any(|net| net.contains(peer)) {
         return Some(peer);
     }
-    let Some(header) = forwarded_for else {
-        return Some(peer);
-    };
-    let mut candidate = peer;
+    Some(match forwarded_for {
+        Some(header) => forwarded_client(
+            header,
+            |ip| trusted.iter().any(|net| net.contains(ip)),
+            peer,
+        ),
+        None => peer,
+    })
+}
+
+/// Walks an `X-Forwarded-For` chain sent by a trusted hop: the rightmost address that is not
+/// a trusted proxy, the leftmost when all are, `fallback` when the last hop is unparseable.
+/// An unparseable hop stops the walk: everything to its left was written by someone we cannot
+/// vouch for.
+pub fn forwarded_client(
+    header: &str,
+    trusted: impl Fn(std::net::IpAddr) -> bool,
+    fallback: std::net::IpAddr,
+) -> std::net::IpAddr {
+    let mut candidate = fallback;
     for hop in header.rsplit(',') {
         let Some(ip) = parse_hop(hop.trim()) else {
             break;
         };
         candidate = ip;
-        if !trusted.iter().any(|net| net.contains(ip)) {
+        if !trusted(ip) {
             break;
         }
     }
-    Some(candidate)
+    candidate
 }
 
 /// One `X-Forwarded-For` entry: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`, `[2001:db8::1]:80`.

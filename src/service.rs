@@ -301,13 +301,6 @@ impl Gateway {
         self.respond(decision, &summary.view(), started)
     }
 
-    /// Synchronous decisions only (embedded store): tests and tools.
-    pub fn decide(&self, facts: &RequestFacts<'_>) -> (Decision, Response) {
-        let started = Instant::now();
-        let decision = self.engine.decide(facts);
-        self.respond(decision, &RequestView::of(facts), started)
-    }
-
     fn respond(
         &self,
         decision: Decision,

@@ -118,9 +118,15 @@ impl Admin {
         // X-Real-IP), taken from the rightmost hop that is not a trusted proxy.
         let forwarded = super::gateway::forwarded_for(h)
             .or_else(|| get("x-real-ip").map(std::borrow::Cow::Borrowed));
-        let client_ip = match forwarded {
-            Some(chain) => crate::config::client_ip(peer, Some(&chain), &self.trusting_peer(peer)),
-            None => self.gateway.client_ip(peer, None),
+        // The calling peer counts as a trusted proxy, beside the configured ones.
+        let trusted = &self.gateway.config.trusted_proxies;
+        let client_ip = match (forwarded, peer.map(crate::descriptor::canonical_ip)) {
+            (Some(chain), Some(peer)) => Some(crate::config::forwarded_client(
+                &chain,
+                |ip| ip == peer || trusted.iter().any(|net| net.contains(ip)),
+                peer,
+            )),
+            _ => self.gateway.client_ip(peer, None),
         };
         let headers = HttpHeaders(h);
         let claims = self.gateway.claims(&headers);
@@ -136,14 +142,5 @@ impl Admin {
             claims: claims.as_deref(),
         };
         self.gateway.begin(&facts)
-    }
-
-    /// The trusted proxies plus the calling peer itself.
-    fn trusting_peer(&self, peer: Option<std::net::IpAddr>) -> Vec<crate::descriptor::IpNet> {
-        let mut trusted = self.gateway.config.trusted_proxies.clone();
-        if let Some(net) = peer.and_then(|p| crate::descriptor::IpNet::parse(&p.to_string())) {
-            trusted.push(net);
-        }
-        trusted
     }
 }

@@ -169,10 +169,6 @@ impl Health {
         self.degraded.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    pub(crate) fn errors(&self) -> u64 {
-        self.errors.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Counts a failure; logs the first of a burst, then at most one line every 10 s.
     pub(crate) fn failed(&self, store: &str, what: &str) {
         use std::sync::atomic::Ordering;

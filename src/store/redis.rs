@@ -213,11 +213,6 @@ impl RedisStore {
         self.health.degraded() || !self.connected()
     }
 
-    /// Store calls that failed open so far.
-    pub fn errors(&self) -> u64 {
-        self.health.errors()
-    }
-
     /// Requests answered from the denied-bucket cache.
     pub fn denied_hits(&self) -> u64 {
         self.denied_hits.load(Ordering::Relaxed)
@@ -283,24 +278,27 @@ impl RedisStore {
             self.failed("not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        // One group on a single server; one group per hash slot on a cluster.
+        // Each bucket's Redis key, built once; one group on a single server, one group per
+        // hash slot on a cluster.
+        let keys: SmallVec<[String; 4]> = ops.iter().map(|op| redis_key(&op.key)).collect();
         let mut groups: SmallVec<[(u16, SmallVec<[usize; 4]>); 4]> = SmallVec::new();
-        for (i, op) in ops.iter().enumerate() {
+        for (i, key) in keys.iter().enumerate() {
             let slot = match *conn {
                 Conn::Single(_) => 0,
-                Conn::Cluster(_) => redis::cluster_routing::get_slot(redis_key(&op.key).as_bytes()),
+                Conn::Cluster(_) => redis::cluster_routing::get_slot(key.as_bytes()),
             };
             match groups.iter_mut().find(|(s, _)| *s == slot) {
                 Some((_, members)) => members.push(i),
                 None => groups.push((slot, smallvec::smallvec![i])),
             }
         }
+        let keys = &keys;
         let calls = groups.iter().map(|(_, members)| {
             let mut conn = (*conn).clone();
             async move {
                 let mut invocation = self.script.prepare_invoke();
                 for &i in members {
-                    invocation.key(redis_key(&ops[i].key));
+                    invocation.key(&keys[i]);
                 }
                 invocation.arg(now_us);
                 for &i in members {
@@ -369,7 +367,7 @@ impl RedisStore {
             }
         }
         if !refunds.is_empty() {
-            self.give_back(&conn, ops, &refunds).await;
+            self.give_back(&conn, ops, keys, &groups, &refunds).await;
         }
         if let Some(what) = failure {
             self.failed(&what);
@@ -385,26 +383,28 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Returns the cost of the given ops to their buckets (one call per slot, best effort: a
-    /// failed refund leaves the bucket short, never over).
-    async fn give_back(&self, conn: &Conn, ops: &[BucketOp], refunds: &[usize]) {
-        let mut by_slot: SmallVec<[(u16, SmallVec<[usize; 4]>); 4]> = SmallVec::new();
-        for &i in refunds {
-            let slot = match conn {
-                Conn::Single(_) => 0,
-                Conn::Cluster(_) => {
-                    redis::cluster_routing::get_slot(redis_key(&ops[i].key).as_bytes())
-                }
-            };
-            match by_slot.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, members)) => members.push(i),
-                None => by_slot.push((slot, smallvec::smallvec![i])),
+    /// Returns the cost of the `refunds` ops to their buckets, one call per slot group (best
+    /// effort: a failed refund leaves the bucket short, never over).
+    async fn give_back(
+        &self,
+        conn: &Conn,
+        ops: &[BucketOp],
+        keys: &[String],
+        groups: &[(u16, SmallVec<[usize; 4]>)],
+        refunds: &[usize],
+    ) {
+        for (_, members) in groups {
+            let members: SmallVec<[usize; 4]> = members
+                .iter()
+                .copied()
+                .filter(|i| refunds.contains(i))
+                .collect();
+            if members.is_empty() {
+                continue;
             }
-        }
-        for (_, members) in by_slot {
             let mut invocation = self.refund.prepare_invoke();
             for &i in &members {
-                invocation.key(redis_key(&ops[i].key));
+                invocation.key(&keys[i]);
             }
             for &i in &members {
                 invocation.arg(ops[i].quota.burst()).arg(ops[i].cost);
