@@ -27,6 +27,13 @@ fn tollgate(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
     )
 }
 
+/// One JSON value per output line.
+fn json_lines(out: &str) -> Vec<Value> {
+    out.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
 /// Seed 004 (Coinbase) worked table, replayed through the real binary: statuses and exact
 /// token counts.
 #[test]
@@ -42,10 +49,7 @@ fn simulate_replays_the_seed_004_table_exactly() {
         None,
     );
     assert_eq!(code, 0, "{err}");
-    let lines: Vec<Value> = out
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out);
     let expected = [
         (200, 2.0),
         (200, 1.3),
@@ -99,10 +103,7 @@ fn simulate_boulder_defaults_and_overrides_from_stdin() {
         Some(&input),
     );
     assert_eq!(code, 0, "{err}");
-    let lines: Vec<Value> = out
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out);
     assert_eq!(lines[0]["rules"][0]["tokens"].as_f64(), Some(19.0));
     assert!(lines[..20].iter().all(|l| l["status"] == 200));
     assert_eq!(lines[20]["status"], 429);
@@ -123,10 +124,7 @@ fn simulate_reports_bad_lines_and_exits_non_zero() {
     );
     assert_eq!(code, 1);
     assert!(err.contains("2 request line(s)"), "{err}");
-    let lines: Vec<Value> = out
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out);
     assert_eq!(lines[0]["status"], 200);
     assert_eq!(lines[1]["line"], 2);
     assert!(lines[2]["error"]
@@ -210,10 +208,7 @@ fn simulate_replays_jwt_tiers_from_claims() {
         Some(&input),
     );
     assert_eq!(code, 0, "{err}");
-    let lines: Vec<Value> = out
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out);
     let rules = |i: usize| -> Vec<String> {
         lines[i]["rules"]
             .as_array()

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::{
-    assert_all_or_nothing, assert_seed_vectors, count_admitted, free_port, shared_store, Gateway,
-    Upstream,
+    assert_all_or_nothing, assert_seed_vectors, count_admitted, free_port, shared_store,
+    start_fleet, Upstream,
 };
 use tollgate::limiter::US_PER_SEC;
 
@@ -165,19 +165,13 @@ fn two_gateways_share_one_limit_on_postgres_and_survive_its_death() {
     let policy = r#"{"rules": [
         {"name": "fleet", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 200}},
         {"name": "per-client", "limit_keys": ["header:x-client"], "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 2}}]}"#;
-    let store = format!("--store={}", pg.url());
-    let flags = [store.as_str(), "--store-timeout-ms", "1000"];
-    let gateways = [
-        Gateway::start(Some(policy), Some(upstream.addr), &flags),
-        Gateway::start(Some(policy), Some(upstream.addr), &flags),
-    ];
-    for gw in &gateways {
-        gw.wait_until(Duration::from_secs(20), || {
-            gw.admin("GET", "/readyz", &[])
-                .body
-                .contains("\"store_status\":\"ok\"")
-        });
-    }
+    let gateways = start_fleet(
+        policy,
+        upstream.addr,
+        &pg.url(),
+        "1000",
+        Duration::from_secs(20),
+    );
     let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
     let total = count_admitted(&addrs, 4, 80, |t, i| format!("t{t}-{i}"));
     assert!(

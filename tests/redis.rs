@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::{
     assert_all_or_nothing, assert_seed_vectors, bucket_op, count_admitted, free_port, shared_store,
-    Gateway, Upstream,
+    start_fleet, Gateway, Upstream,
 };
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{BucketOp, Group, OpResults, SharedStore};
@@ -186,19 +186,13 @@ fn two_gateways_share_one_limit() {
     let upstream = Upstream::start();
     let policy = r#"{"rules": [{"name": "fleet", "limit_keys": [], "algorithm": "token_bucket",
         "algorithm_config": {"rps": 0.001, "burst": 300}}]}"#;
-    let store = format!("--store={}", redis.url());
-    let flags = [store.as_str(), "--store-timeout-ms", "500"];
-    let gateways = [
-        Gateway::start(Some(policy), Some(upstream.addr), &flags),
-        Gateway::start(Some(policy), Some(upstream.addr), &flags),
-    ];
-    for gw in &gateways {
-        gw.wait_until(Duration::from_secs(15), || {
-            gw.admin("GET", "/readyz", &[])
-                .body
-                .contains("\"store_status\":\"ok\"")
-        });
-    }
+    let gateways = start_fleet(
+        policy,
+        upstream.addr,
+        &redis.url(),
+        "500",
+        Duration::from_secs(15),
+    );
     let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
     let total = count_admitted(&addrs, 4, 120, |_, _| "any".to_string());
     assert!(
@@ -343,19 +337,13 @@ fn two_gateways_share_one_limit_on_a_cluster() {
         {"name": "fleet", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 300}},
         {"name": "per-client", "limit_keys": ["header:x-client"], "on_missing": "shared", "algorithm": "token_bucket",
          "algorithm_config": {"rps": 0.001, "burst": 100000}}]}"#;
-    let store = format!("--store={}", cluster.url());
-    let flags = [store.as_str(), "--store-timeout-ms", "500"];
-    let gateways = [
-        Gateway::start(Some(policy), Some(upstream.addr), &flags),
-        Gateway::start(Some(policy), Some(upstream.addr), &flags),
-    ];
-    for gw in &gateways {
-        gw.wait_until(Duration::from_secs(15), || {
-            gw.admin("GET", "/readyz", &[])
-                .body
-                .contains("\"store_status\":\"ok\"")
-        });
-    }
+    let gateways = start_fleet(
+        policy,
+        upstream.addr,
+        &cluster.url(),
+        "500",
+        Duration::from_secs(15),
+    );
     let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
     let total = count_admitted(&addrs, 4, 120, |_, i| format!("c{}", i % 7));
     assert!(

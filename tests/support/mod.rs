@@ -422,14 +422,9 @@ pub async fn shared_store(url: &str) -> tollgate::store::SharedStore {
 pub async fn assert_seed_vectors(store: &tollgate::store::SharedStore, key: &str) {
     assert_seed_000(store, &format!("{key}:seed000")).await;
     use tollgate::limiter::{micro_to_tokens, Quota, MICRO, SEED_004_TABLE, US_PER_SEC};
-    use tollgate::store::{BucketKey, BucketOp, Group, OpResults};
+    use tollgate::store::{Group, OpResults};
     let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).expect("quota");
-    let op = BucketOp {
-        key: BucketKey::of(key),
-        quota,
-        cost: MICRO,
-        group: Group::Enforce,
-    };
+    let op = bucket_op(key, quota, Group::Enforce);
     let base = 1_800_000_000 * US_PER_SEC;
     let mut results = OpResults::new();
     for (t, allowed, tokens) in SEED_004_TABLE {
@@ -449,14 +444,9 @@ pub async fn assert_seed_vectors(store: &tollgate::store::SharedStore, key: &str
 
 async fn assert_seed_000(store: &tollgate::store::SharedStore, key: &str) {
     use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
-    use tollgate::store::{BucketKey, BucketOp, Group, OpResults};
+    use tollgate::store::{Group, OpResults};
     let quota = Quota::new(20 * MICRO, 20 * MICRO, US_PER_SEC).expect("quota");
-    let op = BucketOp {
-        key: BucketKey::of(key),
-        quota,
-        cost: MICRO,
-        group: Group::Enforce,
-    };
+    let op = bucket_op(key, quota, Group::Enforce);
     let base = 1_800_000_000 * US_PER_SEC;
     let mut results = OpResults::new();
     store
@@ -538,4 +528,29 @@ pub async fn assert_all_or_nothing(store: &tollgate::store::SharedStore, prefix:
         (r[0].verdict.available, r[1].verdict.available),
         (9 * MICRO, 9 * MICRO)
     );
+}
+
+/// Two gateways in front of `upstream` sharing the store at `store_url` (per-call deadline
+/// `timeout_ms`), returned once both report the store connected (waiting at most `wait`).
+pub fn start_fleet(
+    policy: &str,
+    upstream: SocketAddr,
+    store_url: &str,
+    timeout_ms: &str,
+    wait: Duration,
+) -> [Gateway; 2] {
+    let store = format!("--store={store_url}");
+    let flags = [store.as_str(), "--store-timeout-ms", timeout_ms];
+    let fleet = [
+        Gateway::start(Some(policy), Some(upstream), &flags),
+        Gateway::start(Some(policy), Some(upstream), &flags),
+    ];
+    for gw in &fleet {
+        gw.wait_until(wait, || {
+            gw.admin("GET", "/readyz", &[])
+                .body
+                .contains("\"store_status\":\"ok\"")
+        });
+    }
+    fleet
 }
