@@ -57,7 +57,7 @@ fn bench(c: &mut Criterion) {
                 clock.advance_us(1);
                 let facts = RequestFacts {
                     method: "GET",
-                    path: "/v1/orders",
+                    path: std::borrow::Cow::Borrowed("/v1/orders"),
                     query: Some("limit=10"),
                     host: Some("api.example.com"),
                     client_ip: Some(ips[i & 1023]),

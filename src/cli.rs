@@ -120,6 +120,33 @@ pub struct RunArgs {
     /// Seconds between checks of the policy file for changes (0 = only SIGHUP).
     #[arg(long, env = "TOLLGATE_POLICY_POLL_SECS", default_value_t = 2)]
     pub policy_poll_secs: u64,
+    /// Encoded slashes (`%2F`, `%5C`) in a request path: `decode` them for matching (the
+    /// request is forwarded unchanged), or `reject` the request with 400.
+    #[arg(
+        long,
+        env = "TOLLGATE_ENCODED_SLASHES",
+        value_enum,
+        default_value = "decode"
+    )]
+    pub encoded_slashes: EncodedSlashesArg,
+    /// Total seconds a client has to send a request's headers, from the moment the connection
+    /// opens or the previous response ends; slow or silent clients are cut off after it.
+    #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_timeout_secs: u64,
+    /// Seconds an idle keep-alive connection may wait for its next request.
+    #[arg(long, env = "TOLLGATE_KEEPALIVE_TIMEOUT_SECS", default_value_t = 60)]
+    pub keepalive_timeout_secs: u64,
+    /// Most client connections the proxy holds at once; further ones get 503 and are closed.
+    /// Default: what the open-file limit leaves after upstream connections (see README).
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+}
+
+/// `--encoded-slashes` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EncodedSlashesArg {
+    Decode,
+    Reject,
 }
 
 #[derive(Debug, Args)]

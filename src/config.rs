@@ -3,8 +3,8 @@
 //! reported at once, before anything listens.
 
 use crate::auth::{parse_algorithm, JwtConfig, TokenSource};
-use crate::cli::{LogFormat, RunArgs};
-use crate::descriptor::IpNet;
+use crate::cli::{EncodedSlashesArg, LogFormat, RunArgs};
+use crate::descriptor::{EncodedSlashes, IpNet};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -29,6 +29,13 @@ pub struct Config {
     pub store: StoreKind,
     /// Deadline of one networked-store call.
     pub store_timeout: Duration,
+    pub encoded_slashes: EncodedSlashes,
+    /// Total time to send a request's headers (from accept, or the end of the last response).
+    pub header_timeout: Duration,
+    /// Idle time allowed between requests on a kept-alive connection.
+    pub keepalive_timeout: Duration,
+    /// Explicit `--max-connections`; `None` = derived from the open-file limit at start.
+    pub max_connections: Option<usize>,
 }
 
 /// Where buckets live.
@@ -105,6 +112,15 @@ impl Config {
                 StoreKind::Memory
             }
         };
+        if args.header_timeout_secs == 0 {
+            errors.push("--header-timeout-secs 0: must be at least 1".to_string());
+        }
+        if args.keepalive_timeout_secs == 0 {
+            errors.push("--keepalive-timeout-secs 0: must be at least 1".to_string());
+        }
+        if args.max_connections == Some(0) {
+            errors.push("--max-connections 0: must be at least 1".to_string());
+        }
         if args.store_timeout_ms == 0 {
             errors.push("--store-timeout-ms 0: must be at least 1".to_string());
         }
@@ -146,6 +162,13 @@ impl Config {
                 .then(|| Duration::from_secs(args.policy_poll_secs)),
             store,
             store_timeout: Duration::from_millis(args.store_timeout_ms),
+            encoded_slashes: match args.encoded_slashes {
+                EncodedSlashesArg::Decode => EncodedSlashes::Decode,
+                EncodedSlashesArg::Reject => EncodedSlashes::Reject,
+            },
+            header_timeout: Duration::from_secs(args.header_timeout_secs),
+            keepalive_timeout: Duration::from_secs(args.keepalive_timeout_secs),
+            max_connections: args.max_connections,
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),
@@ -158,101 +181,5 @@ impl Config {
                 unverified: args.jwt_unverified,
             },
         })
-    }
-}
-
-/// The client address for a request arriving from `peer`: the peer itself, unless it is a
-/// trusted proxy, in which case the rightmost `X-Forwarded-For` hop that is not a trusted proxy
-/// (see [`forwarded_client`]).
-pub fn client_ip(
-    peer: Option<std::net::IpAddr>,
-    forwarded_for: Option<&str>,
-    trusted: &[IpNet],
-) -> Option<std::net::IpAddr> {
-    let peer = peer.map(crate::descriptor::canonical_ip)?;
-    if !trusted.iter().any(|net| net.contains(peer)) {
-        return Some(peer);
-    }
-    Some(match forwarded_for {
-        Some(header) => forwarded_client(
-            header,
-            |ip| trusted.iter().any(|net| net.contains(ip)),
-            peer,
-        ),
-        None => peer,
-    })
-}
-
-/// Walks an `X-Forwarded-For` chain sent by a trusted hop: the rightmost address that is not
-/// a trusted proxy, the leftmost when all are, `fallback` when the last hop is unparseable.
-/// An unparseable hop stops the walk: everything to its left was written by someone we cannot
-/// vouch for.
-pub fn forwarded_client(
-    header: &str,
-    trusted: impl Fn(std::net::IpAddr) -> bool,
-    fallback: std::net::IpAddr,
-) -> std::net::IpAddr {
-    let mut candidate = fallback;
-    for hop in header.rsplit(',') {
-        let Some(ip) = parse_hop(hop.trim()) else {
-            break;
-        };
-        candidate = ip;
-        if !trusted(ip) {
-            break;
-        }
-    }
-    candidate
-}
-
-/// One `X-Forwarded-For` entry: `1.2.3.4`, `1.2.3.4:5678`, `2001:db8::1`, `[2001:db8::1]:80`.
-fn parse_hop(hop: &str) -> Option<std::net::IpAddr> {
-    if let Ok(ip) = hop.parse::<std::net::IpAddr>() {
-        return Some(crate::descriptor::canonical_ip(ip));
-    }
-    hop.parse::<SocketAddr>()
-        .ok()
-        .map(|sa| crate::descriptor::canonical_ip(sa.ip()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn forwarded_for_is_used_only_from_trusted_peers() {
-        let trusted = vec![IpNet::parse("10.0.0.0/8").unwrap()];
-        let ip = |s: &str| Some(s.parse().unwrap());
-        // Untrusted peer: its XFF is ignored.
-        assert_eq!(
-            client_ip(ip("203.0.113.9"), Some("1.1.1.1"), &trusted),
-            ip("203.0.113.9")
-        );
-        // Trusted peer: the rightmost untrusted hop, not the spoofable leftmost one.
-        assert_eq!(
-            client_ip(
-                ip("10.0.0.1"),
-                Some("6.6.6.6, 198.51.100.4, 10.0.0.7"),
-                &trusted
-            ),
-            ip("198.51.100.4")
-        );
-        assert_eq!(client_ip(ip("10.0.0.1"), None, &trusted), ip("10.0.0.1"));
-        assert_eq!(
-            client_ip(ip("10.0.0.1"), Some("10.0.0.3, 10.0.0.2"), &trusted),
-            ip("10.0.0.3")
-        );
-        assert_eq!(
-            client_ip(ip("10.0.0.1"), Some("garbage, 10.0.0.2"), &trusted),
-            ip("10.0.0.2")
-        );
-        assert_eq!(
-            client_ip(ip("10.0.0.1"), Some("[2001:db8::5]:443"), &trusted),
-            ip("2001:db8::5")
-        );
-        assert_eq!(
-            client_ip(ip("::ffff:10.0.0.1"), Some("192.0.2.1"), &trusted),
-            ip("192.0.2.1")
-        );
     }
 }

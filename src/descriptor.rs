@@ -10,22 +10,50 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// Read access to request headers by lower-case name.
 pub trait HeaderLookup {
-    /// The first value of header `lower_name` (already lower-case), if present and valid UTF-8.
-    fn header(&self, lower_name: &str) -> Option<&str>;
+    /// The raw bytes of the first line of header `lower_name` (already lower-case), if present.
+    fn header_bytes(&self, lower_name: &str) -> Option<&[u8]>;
+
+    /// Whether header `lower_name` arrived on more than one line. Frameworks disagree on which
+    /// line counts (many take the last), so a limit keyed on a repeated header could count one
+    /// identity while the upstream serves another.
+    fn is_repeated(&self, lower_name: &str) -> bool;
+
+    /// The first value, if present and valid UTF-8 (credentials: anything else is no token).
+    fn header(&self, lower_name: &str) -> Option<&str> {
+        self.header_bytes(lower_name)
+            .and_then(|b| std::str::from_utf8(b).ok())
+    }
+
+    /// The first value as text for keys and matching: bytes that are not UTF-8 become U+FFFD,
+    /// so a stray byte never makes a header (and the limit keyed on it) disappear.
+    fn header_text(&self, lower_name: &str) -> Option<Cow<'_, str>> {
+        self.header_bytes(lower_name).map(String::from_utf8_lossy)
+    }
 }
 
 /// Headers as a list of `(name, value)` pairs (any case), for `simulate` and tests.
 impl HeaderLookup for [(String, String)] {
-    fn header(&self, lower_name: &str) -> Option<&str> {
+    fn header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
         self.iter()
             .find(|(name, _)| name.eq_ignore_ascii_case(lower_name))
-            .map(|(_, value)| value.as_str())
+            .map(|(_, value)| value.as_bytes())
+    }
+
+    fn is_repeated(&self, lower_name: &str) -> bool {
+        self.iter()
+            .filter(|(name, _)| name.eq_ignore_ascii_case(lower_name))
+            .nth(1)
+            .is_some()
     }
 }
 
 impl HeaderLookup for Vec<(String, String)> {
-    fn header(&self, lower_name: &str) -> Option<&str> {
-        self.as_slice().header(lower_name)
+    fn header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
+        self.as_slice().header_bytes(lower_name)
+    }
+
+    fn is_repeated(&self, lower_name: &str) -> bool {
+        self.as_slice().is_repeated(lower_name)
     }
 }
 
@@ -35,8 +63,9 @@ pub type Claims = serde_json::Map<String, serde_json::Value>;
 /// Everything the engine may look at in one request.
 pub struct RequestFacts<'a> {
     pub method: &'a str,
-    /// Path without the query string.
-    pub path: &'a str,
+    /// Path without the query string, normalised ([`normalize_path`]): selectors, routes and
+    /// the `path` descriptor only ever see this form.
+    pub path: Cow<'a, str>,
     /// Raw query string (after `?`), if any.
     pub query: Option<&'a str>,
     /// Host as sent (may carry a port).
@@ -48,7 +77,32 @@ pub struct RequestFacts<'a> {
 }
 
 impl<'a> RequestFacts<'a> {
-    /// Facts from a request target (`/path?query`), splitting off the query.
+    /// The one way to build facts: splits the request target (`/path?query`) and normalises
+    /// the path, so no front end can forget to.
+    ///
+    /// # Errors
+    /// [`EncodedSlashError`] when the path has an encoded slash and `slashes` refuses them.
+    pub fn new(
+        method: &'a str,
+        target: &'a str,
+        host: Option<&'a str>,
+        client_ip: Option<IpAddr>,
+        headers: &'a dyn HeaderLookup,
+        slashes: EncodedSlashes,
+    ) -> Result<Self, EncodedSlashError> {
+        let (path, query) = split_uri(target);
+        Ok(RequestFacts {
+            method,
+            path: normalize_request_path(path, slashes)?,
+            query,
+            host,
+            client_ip,
+            headers,
+            claims: None,
+        })
+    }
+
+    /// Facts with encoded slashes decoded (tests, benchmarks).
     pub fn from_uri(
         method: &'a str,
         uri: &'a str,
@@ -59,13 +113,19 @@ impl<'a> RequestFacts<'a> {
         let (path, query) = split_uri(uri);
         RequestFacts {
             method,
-            path,
+            path: normalize_path(path),
             query,
             host,
             client_ip,
             headers,
             claims: None,
         }
+    }
+
+    /// The same facts with verified JWT claims.
+    pub fn with_claims(mut self, claims: Option<&'a Claims>) -> Self {
+        self.claims = claims;
+        self
     }
 
     /// The host without port, as sent (callers compare case-insensitively).
@@ -119,32 +179,84 @@ pub fn split_uri(uri: &str) -> (&str, Option<&str>) {
     }
 }
 
+/// What a request path's encoded slashes (`%2F`, and `%5C` for `\\`) mean for matching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EncodedSlashes {
+    /// Decoded before matching, so `/api%2Fllm` matches like `/api/llm` (many upstreams,
+    /// nginx among them, route it there). The request is forwarded unchanged.
+    #[default]
+    Decode,
+    /// Refused with 400: for APIs where an encoded slash is never legitimate.
+    Reject,
+}
+
+/// A path carries `%2F` or `%5C` and the gateway runs with [`EncodedSlashes::Reject`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the request path contains an encoded slash (%2F or %5C)")]
+pub struct EncodedSlashError;
+
+/// Whether `path` contains `%2F` or `%5C` (either case).
+pub fn has_encoded_slash(path: &str) -> bool {
+    path.as_bytes().windows(3).any(|w| {
+        w[0] == b'%'
+            && ((w[1] == b'2' && (w[2] | 0x20) == b'f') || (w[1] == b'5' && (w[2] | 0x20) == b'c'))
+    })
+}
+
+/// [`normalize_path`] under an [`EncodedSlashes`] choice.
+///
+/// # Errors
+/// [`EncodedSlashError`] when `mode` is `Reject` and the path has `%2F` or `%5C`.
+pub fn normalize_request_path(
+    path: &str,
+    mode: EncodedSlashes,
+) -> Result<Cow<'_, str>, EncodedSlashError> {
+    if mode == EncodedSlashes::Reject && has_encoded_slash(path) {
+        return Err(EncodedSlashError);
+    }
+    Ok(normalize_path(path))
+}
+
 /// The path as the upstream will most likely route it, for matching selectors, routes and the
-/// `path` descriptor: percent-escapes of unreserved characters decoded (`/%61pi` → `/api`),
-/// repeated slashes merged, `.` and `..` segments resolved (never above the root). Without this,
-/// `//api/x` or `/v1/./inference` would walk past a `pathPrefix` or a kill switch's `route`.
-/// Paths that need nothing are returned as they are, without allocating.
+/// `path` descriptor: percent-escapes of unreserved characters and of `/` and `\` decoded
+/// (`/%61pi` → `/api`, `/api%2Fllm` → `/api/llm`), `\` read as `/` (as Windows servers and
+/// many frameworks do), repeated slashes merged, `.` and `..` segments resolved (never above
+/// the root). Without this, `//api/x`, `/api%2Fx` or `/v1/./inference` would walk past a
+/// `pathPrefix` or a kill switch's `route`. Paths that need nothing are returned as they are,
+/// without allocating.
 pub fn normalize_path(path: &str) -> Cow<'_, str> {
     let needs_work = path.contains("//")
         || path.contains("/./")
         || path.contains("/../")
         || path.ends_with("/.")
         || path.ends_with("/..")
-        || path.contains('%');
+        || path.contains('%')
+        || path.contains('\\');
     if !needs_work {
         return Cow::Borrowed(path);
     }
-    // Decode only unreserved characters: decoding `%2F` would change the path's structure.
+    // Decode unreserved characters and both slashes; anything else (`%25`, `%3F`...) keeps its
+    // escape, so normalising twice changes nothing.
     let bytes = path.as_bytes();
     let mut decoded = String::with_capacity(path.len());
     let mut i = 0;
     while i < bytes.len() {
+        if bytes[i] == b'\\' {
+            decoded.push('/');
+            i += 1;
+            continue;
+        }
         if bytes[i] == b'%' && i + 2 < bytes.len() {
             let hex = |b: u8| (b as char).to_digit(16);
             if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
                 let c = (h * 16 + l) as u8;
                 if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
                     decoded.push(c as char);
+                    i += 3;
+                    continue;
+                }
+                if c == b'/' || c == b'\\' {
+                    decoded.push('/');
                     i += 3;
                     continue;
                 }
@@ -178,7 +290,10 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// `example.com:8080` → `example.com`; `[::1]:8080` → `[::1]`.
+/// The host name of a `Host` value: `example.com:8080` → `example.com`; `[::1]:8080` →
+/// `[::1]`; a bare IPv6 literal as is. Whatever follows the first `:` of a name is dropped,
+/// valid port or not: `api.example.com:abc` is still `api.example.com` to matching, as it is to
+/// the upstreams that serve it.
 pub fn strip_port(host: &str) -> &str {
     if host.starts_with('[') {
         return match host.find(']') {
@@ -186,13 +301,10 @@ pub fn strip_port(host: &str) -> &str {
             None => host,
         };
     }
-    match host.rsplit_once(':') {
-        // Only one colon: host:port. More than one without brackets: a bare IPv6 literal.
-        Some((name, port)) if !name.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => {
-            name
-        }
-        _ => host,
+    if host.parse::<Ipv6Addr>().is_ok() {
+        return host;
     }
+    host.split_once(':').map_or(host, |(name, _)| name)
 }
 
 /// Decodes `%XX` escapes and `+` (as space); invalid escapes are kept as written.
@@ -302,11 +414,11 @@ impl Descriptor {
             Descriptor::Ip { v6_prefix } => facts
                 .client_ip
                 .map(|ip| Cow::Owned(ip_key(ip, v6_prefix.unwrap_or(default_v6_prefix)))),
-            Descriptor::Header(name) => facts.headers.header(name).map(Cow::Borrowed),
+            Descriptor::Header(name) => facts.headers.header_text(name),
             Descriptor::Query(name) => facts.query_param(name),
             Descriptor::Jwt(claim) => facts.claim(claim),
             Descriptor::Method => Some(Cow::Borrowed(facts.method)),
-            Descriptor::Path => Some(Cow::Borrowed(facts.path)),
+            Descriptor::Path => Some(facts.path.clone()),
             Descriptor::Host => facts
                 .host_name()
                 .map(|h| Cow::Owned(h.to_ascii_lowercase())),
@@ -406,6 +518,25 @@ impl IpNet {
             None => max,
         };
         Some(IpNet { addr, prefix })
+    }
+
+    /// The network's address as written (not masked).
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    /// The prefix length (32 or 128 for a single address).
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    /// The same address under another prefix length (clamped to the family's maximum).
+    pub fn with_prefix(&self, prefix: u8) -> IpNet {
+        let max = if self.addr.is_ipv4() { 32 } else { 128 };
+        IpNet {
+            addr: self.addr,
+            prefix: prefix.min(max),
+        }
     }
 
     /// Whether `ip` (IPv4-mapped IPv6 treated as IPv4) is inside this network.
@@ -626,7 +757,7 @@ mod tests {
         /// Normalising never panics, always yields an absolute path without `//`, `/./` or
         /// `/../`, and is idempotent.
         #[test]
-        fn normalize_path_is_total_and_idempotent(raw in "/[a-zA-Z0-9%./_~-]{0,40}") {
+        fn normalize_path_is_total_and_idempotent(raw in "/[a-zA-Z0-9%./_~\\\\-]{0,40}") {
             let once = normalize_path(&raw).into_owned();
             proptest::prop_assert!(once.starts_with('/'));
             proptest::prop_assert!(!once.contains("//") && !once.contains("/./") && !once.contains("/../"));
@@ -654,7 +785,10 @@ mod tests {
             ("/v1/x/../inference", "/v1/inference"),
             ("/../../etc", "/etc"),
             ("/%61pi/x", "/api/x"),
-            ("/a%2Fb", "/a%2Fb"),
+            ("/a%2Fb", "/a/b"),
+            ("/a%5cb", "/a/b"),
+            ("/a\\b", "/a/b"),
+            ("/a%252Fb", "/a%252Fb"),
             ("/a/.", "/a/"),
             ("/caf\u{e9}//x", "/caf\u{e9}/x"),
             ("/%zz", "/%zz"),
@@ -670,6 +804,11 @@ mod tests {
         assert_eq!(strip_port("example.com:8080"), "example.com");
         assert_eq!(strip_port("[::1]:8080"), "[::1]");
         assert_eq!(strip_port("::1"), "::1");
+        // Issue 13, attack 6: a port that is not a number does not hide the host.
+        assert_eq!(strip_port("api.example.com:abc"), "api.example.com");
+        assert_eq!(strip_port("api.example.com:"), "api.example.com");
+        assert_eq!(strip_port("api.example.com:80:81"), "api.example.com");
+        assert_eq!(strip_port("[::1]junk"), "[::1]");
         let headers: Vec<(String, String)> = Vec::new();
         let f = RequestFacts::from_uri("GET", "/", Some("Api.Example.com.:443"), None, &headers);
         assert_eq!(f.host_name(), Some("Api.Example.com"));

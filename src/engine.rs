@@ -40,23 +40,63 @@ pub enum Reason {
     KillSwitch,
     /// A rule with `on_missing: reject` found its descriptor missing.
     MissingDescriptor,
+    /// The request's stated cost is above the rule's `max_cost` or its bucket's burst: it
+    /// could never be admitted, so no `Retry-After` is promised.
+    CostExceedsLimit,
+    /// A header a rule limits on (or reads its cost from) arrived on more than one line.
+    DuplicateHeader,
+    /// The path has `%2F` / `%5C` and the gateway refuses encoded slashes.
+    EncodedSlash,
 }
 
 impl Reason {
+    /// Every reason, for pre-resolved metric counters.
+    pub const ALL: [Reason; 6] = [
+        Reason::TokenBucketExceeded,
+        Reason::KillSwitch,
+        Reason::MissingDescriptor,
+        Reason::CostExceedsLimit,
+        Reason::DuplicateHeader,
+        Reason::EncodedSlash,
+    ];
+
     /// The value of the reason header and of the `reason` metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::TokenBucketExceeded => "token_bucket_exceeded",
             Reason::KillSwitch => "kill_switch",
             Reason::MissingDescriptor => "missing_descriptor",
+            Reason::CostExceedsLimit => "cost_exceeds_limit",
+            Reason::DuplicateHeader => "duplicate_header",
+            Reason::EncodedSlash => "encoded_slash",
         }
     }
 
     /// The HTTP status a refusal for this reason gets.
     pub fn status(self) -> u16 {
         match self {
-            Reason::TokenBucketExceeded | Reason::KillSwitch => 429,
+            Reason::TokenBucketExceeded | Reason::KillSwitch | Reason::CostExceedsLimit => 429,
             Reason::MissingDescriptor => 401,
+            Reason::DuplicateHeader | Reason::EncodedSlash => 400,
+        }
+    }
+
+    /// The body of a refusal for this reason.
+    pub fn body(self) -> &'static str {
+        match self {
+            Reason::TokenBucketExceeded | Reason::KillSwitch => "Too Many Requests",
+            Reason::CostExceedsLimit => {
+                "Too Many Requests: this request's cost exceeds what the rate limit can ever admit"
+            }
+            Reason::MissingDescriptor => {
+                "Unauthorized: this request lacks the credential or key a rate-limit rule requires"
+            }
+            Reason::DuplicateHeader => {
+                "Bad Request: a header this gateway limits on was sent more than once"
+            }
+            Reason::EncodedSlash => {
+                "Bad Request: encoded slashes (%2F, %5C) are not accepted in the path"
+            }
         }
     }
 }
@@ -85,6 +125,8 @@ pub struct RuleOutcome {
     pub committed: bool,
     /// The store could not hold the bucket: allowed untracked.
     pub fail_open: bool,
+    /// The stated cost is above `max_cost` or the burst: refused, and never admissible.
+    pub cost_exceeds: bool,
     /// Micro-tokens left (after spending when committed, before otherwise).
     pub tokens: u64,
     /// Seconds until the cost is affordable (0 when allowed).
@@ -117,7 +159,7 @@ pub struct Decision {
     pub retry_after: u64,
     /// The kill switch that fired, as an index into [`Bundle::kill_switches`].
     pub kill_switch: Option<usize>,
-    /// The rule whose missing descriptor caused a 401.
+    /// The rule whose missing descriptor caused a 401, or whose header was repeated (400).
     pub missing_rule: Option<usize>,
     /// A shadow rule that would have refused the request for a missing descriptor.
     pub shadow_missing_rule: Option<usize>,
@@ -137,6 +179,11 @@ impl Decision {
             shadow_missing_rule: None,
             store_error: false,
         }
+    }
+
+    /// A refusal decided before any policy was looked at (a malformed request).
+    pub fn refused(reason: Reason) -> Self {
+        Decision::new(Outcome::Reject(reason), None)
     }
 
     pub fn is_allowed(&self) -> bool {
@@ -180,7 +227,7 @@ impl Decision {
         self.rules
             .iter()
             .filter(|r| r.mode == Mode::Enforce && !r.allowed)
-            .max_by_key(|r| r.retry_after)
+            .max_by_key(|r| (r.cost_exceeds, r.retry_after))
     }
 
     /// Shadow rules that would have rejected.
@@ -266,6 +313,16 @@ impl<S: Store> Engine<S> {
         let prefix = self.config.ipv6_prefix;
 
         if !bundle.kill_switches.is_empty() {
+            // A kill switch on a header must see the same value the upstream will.
+            let repeated = bundle.kill_switches.iter().any(
+                |ks| matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h)),
+            );
+            if repeated {
+                return Plan::Done(Decision::new(
+                    Outcome::Reject(Reason::DuplicateHeader),
+                    Some(guard),
+                ));
+            }
             let unix = self.clock.unix_secs();
             let hit = bundle
                 .kill_switches
@@ -292,7 +349,9 @@ impl<S: Store> Engine<S> {
         // Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
         let mut missing_enforce: Option<usize> = None;
         let mut missing_shadow: Option<usize> = None;
-        for policy in bundle.policies.iter() {
+        // A rule reading a header the request repeats.
+        let mut repeated: Option<usize> = None;
+        'policies: for policy in bundle.policies.iter() {
             if !policy.selector.matches(facts) {
                 continue;
             }
@@ -312,10 +371,16 @@ impl<S: Store> Engine<S> {
                 });
                 match found {
                     Some((key, quota)) => {
+                        let (cost, cost_exceeds) = match cost_of(&rule.cost, facts, &quota) {
+                            Cost::Fits(cost) => (cost, false),
+                            // One micro-token more than the bucket can ever hold: the store
+                            // refuses it whatever its state, and spends nothing anywhere.
+                            Cost::Exceeds => (quota.burst().saturating_add(1), true),
+                        };
                         ops.push(BucketOp {
                             key,
                             quota,
-                            cost: cost_of(&rule.cost, facts),
+                            cost,
                             group: match rule.mode {
                                 Mode::Enforce => Group::Enforce,
                                 Mode::Shadow => Group::Shadow,
@@ -329,6 +394,7 @@ impl<S: Store> Engine<S> {
                             allowed: true,
                             committed: false,
                             fail_open: false,
+                            cost_exceeds,
                             tokens: 0,
                             retry_after: 0,
                             reset: 0,
@@ -346,6 +412,10 @@ impl<S: Store> Engine<S> {
             };
             for index in policy.rules.clone() {
                 let rule = &bundle.rules[index];
+                if repeats_header(rule, facts) {
+                    repeated = Some(index);
+                    break 'policies;
+                }
                 if !rule.conditions.is_empty() {
                     if !rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
                         continue;
@@ -356,6 +426,10 @@ impl<S: Store> Engine<S> {
             }
             if let Some(fallback) = policy.fallback {
                 let rule = &bundle.rules[fallback];
+                if repeats_header(rule, facts) {
+                    repeated = Some(fallback);
+                    break 'policies;
+                }
                 if !matched_conditional && rule.conditions.iter().all(|c| c.matches(facts, prefix))
                 {
                     consider(fallback, &mut decision.rules, &mut ops);
@@ -364,6 +438,13 @@ impl<S: Store> Engine<S> {
         }
         decision.bundle = Some(guard);
         decision.shadow_missing_rule = missing_shadow;
+
+        if let Some(rule) = repeated {
+            decision.rules.clear();
+            decision.outcome = Outcome::Reject(Reason::DuplicateHeader);
+            decision.missing_rule = Some(rule);
+            return Plan::Done(decision);
+        }
 
         if let Some(rule) = missing_enforce {
             decision.rules.clear();
@@ -393,15 +474,22 @@ impl<S: Store> Engine<S> {
             }
         };
         let mut rejected = false;
+        let mut never_admissible = false;
         for (outcome, r) in decision.rules.iter_mut().zip(results.iter()) {
             let v = r.verdict;
             if outcome.mode == Mode::Enforce && !v.allowed {
                 rejected = true;
+                never_admissible |= outcome.cost_exceeds;
             }
             outcome.allowed = v.allowed;
             outcome.committed = r.committed;
             outcome.fail_open = r.fail_open;
-            outcome.retry_after = v.retry_after_secs;
+            // A cost that can never fit has no time to wait for.
+            outcome.retry_after = if outcome.cost_exceeds {
+                0
+            } else {
+                v.retry_after_secs
+            };
             if r.committed {
                 outcome.tokens = v.remaining;
                 outcome.reset = v.reset_secs();
@@ -415,7 +503,10 @@ impl<S: Store> Engine<S> {
                 );
             }
         }
-        if rejected {
+        if never_admissible {
+            decision.outcome = Outcome::Reject(Reason::CostExceedsLimit);
+            decision.retry_after = 0;
+        } else if rejected {
             decision.outcome = Outcome::Reject(Reason::TokenBucketExceeded);
             decision.retry_after = decision
                 .rules
@@ -478,21 +569,51 @@ impl<S: Store> Engine<S> {
     }
 }
 
-/// The cost of this request under `source`, in micro-tokens. A cost header or parameter that
-/// is absent, empty, not a number, not finite or not positive gives the default.
-pub fn cost_of(source: &CostSource, facts: &RequestFacts<'_>) -> u64 {
-    let (raw, default) = match source {
-        CostSource::Fixed(cost) => return *cost,
-        CostSource::Header { name, default } => (
-            facts.headers.header(name).map(std::borrow::Cow::Borrowed),
-            *default,
-        ),
-        CostSource::Query { name, default } => (facts.query_param(name), *default),
+/// Whether a rule reads a header that the request sent on more than one line.
+fn repeats_header(rule: &Rule, facts: &RequestFacts<'_>) -> bool {
+    rule.header_names
+        .iter()
+        .any(|name| facts.headers.is_repeated(name))
+}
+
+/// A request's cost under one rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cost {
+    /// Micro-tokens to spend.
+    Fits(u64),
+    /// Above the rule's `max_cost` or the bucket's burst: refused, never admissible.
+    Exceeds,
+}
+
+/// The cost of this request under `source` and the applied `quota`. A stated cost that is
+/// absent, empty, not a number, not finite or not positive gives the default; one below
+/// `min_cost` is raised to it (the client may raise its price, never lower it).
+pub fn cost_of(source: &CostSource, facts: &RequestFacts<'_>, quota: &Quota) -> Cost {
+    let (raw, limits) = match source {
+        CostSource::Fixed(cost) => {
+            return if *cost > quota.burst() {
+                Cost::Exceeds
+            } else {
+                Cost::Fits(*cost)
+            };
+        }
+        CostSource::Header { name, limits } => (facts.headers.header_text(name), limits),
+        CostSource::Query { name, limits } => (facts.query_param(name), limits),
     };
-    raw.and_then(|text| text.trim().parse::<f64>().ok())
-        .map(tokens_to_micro)
-        .filter(|&micro| micro > 0)
-        .unwrap_or(default)
+    let cost = raw
+        .and_then(|text| text.trim().parse::<f64>().ok())
+        .filter(|tokens| tokens.is_finite() && *tokens > 0.0)
+        .map_or(limits.default, |tokens| {
+            tokens_to_micro(tokens).max(limits.min)
+        });
+    let ceiling = limits
+        .max
+        .map_or(quota.burst(), |max| max.min(quota.burst()));
+    if cost > ceiling {
+        Cost::Exceeds
+    } else {
+        Cost::Fits(cost)
+    }
 }
 
 #[cfg(test)]
@@ -789,5 +910,233 @@ mod tests {
         assert_eq!(d.rules[0].quota.refill(), 40 * MICRO);
         let d = ask(&e, "POST", "/new-reg", "10.0.0.9", &[]);
         assert_eq!(d.rules[0].quota.refill(), 20 * MICRO);
+    }
+
+    /// Issue 13, attack 2: a client stating a tiny cost used to pass 2 000 of 2 000 requests
+    /// through a burst of 20; a cost above the burst got `Retry-After: 204065720593`.
+    #[test]
+    fn the_client_cannot_pick_its_own_price() {
+        use crate::headers::{build, HeaderConfig, JitterIdentity};
+        let (e, _) = engine(json!({"rules": [
+            {"name": "weighted", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 1, "burst": 20, "cost_source": "header:x-request-weight"}}
+        ]}));
+        let admitted = (0..2_000)
+            .filter(|_| {
+                ask(
+                    &e,
+                    "GET",
+                    "/",
+                    "10.0.0.1",
+                    &[("X-Request-Weight", "0.000001")],
+                )
+                .is_allowed()
+            })
+            .count();
+        assert_eq!(admitted, 20);
+
+        // Above the burst: refused without a Retry-After, nothing spent.
+        let d = ask(&e, "GET", "/", "10.0.0.2", &[("X-Request-Weight", "21")]);
+        assert_eq!(d.outcome, Outcome::Reject(Reason::CostExceedsLimit));
+        assert_eq!(d.status(), 429);
+        assert_eq!(d.retry_after, 0);
+        assert_eq!(d.rules[0].tokens, 20 * MICRO);
+        let r = build(&d, &JitterIdentity::default(), &HeaderConfig::default());
+        assert!(
+            r.headers.iter().all(|(n, _)| *n != "Retry-After"),
+            "{:?}",
+            r.headers
+        );
+        let get = |name: &str| {
+            r.headers
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("X-Tollgate-Reason"), Some("cost_exceeds_limit"));
+        assert_eq!(get("RateLimit"), Some("\"weighted\";r=20;t=0"));
+        assert_eq!(get("RateLimit-Remaining"), Some("20"));
+        // Exactly the burst still fits.
+        assert!(ask(&e, "GET", "/", "10.0.0.2", &[("X-Request-Weight", "20")]).is_allowed());
+
+        // An explicit max_cost below the burst, and min_cost below the default.
+        let (e, _) = engine(json!({"rules": [
+            {"name": "w", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 1, "burst": 100, "cost_source": "query:w",
+                                  "default_cost": 5, "min_cost": 0.5, "max_cost": 10}}
+        ]}));
+        assert_eq!(
+            ask(&e, "GET", "/?w=0.1", "10.0.0.3", &[]).rules[0].tokens,
+            99_500_000
+        );
+        assert_eq!(
+            ask(&e, "GET", "/", "10.0.0.3", &[]).rules[0].tokens,
+            94_500_000
+        );
+        let d = ask(&e, "GET", "/?w=10.5", "10.0.0.3", &[]);
+        assert_eq!(d.outcome, Outcome::Reject(Reason::CostExceedsLimit));
+        assert_eq!(d.rules[0].tokens, 94_500_000);
+    }
+
+    /// All-or-nothing: a cost that can never fit under one rule spends nothing under another.
+    #[test]
+    fn a_never_admissible_cost_spends_nothing_anywhere() {
+        let (e, _) = engine(json!({"rules": [
+            tb("plain", json!(["ip:address"]), 1.0, 50.0),
+            {"name": "weighted", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 1, "burst": 5, "cost_source": "header:x-w"}}
+        ]}));
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[("X-W", "6")]);
+        assert_eq!(d.outcome, Outcome::Reject(Reason::CostExceedsLimit));
+        assert!(d.rules.iter().all(|r| !r.committed));
+        assert_eq!(
+            ask(&e, "GET", "/", "10.0.0.1", &[]).rules[0].tokens,
+            49 * MICRO
+        );
+    }
+
+    /// Issue 13, attack 11: with two `X-Api-Key` lines tollgate limited the first while many
+    /// frameworks authenticate the last.
+    #[test]
+    fn repeated_limit_key_headers_are_refused() {
+        let (e, _) = engine(json!({"rules": [
+            tb("per-key", json!(["header:x-api-key"]), 1.0, 5.0),
+            {"name": "weighted", "limit_keys": [], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 1, "burst": 100, "cost_source": "header:x-weight"}}
+        ]}));
+        let d = ask(
+            &e,
+            "GET",
+            "/",
+            "10.0.0.1",
+            &[("X-Api-Key", "a"), ("x-api-key", "b")],
+        );
+        assert_eq!(d.outcome, Outcome::Reject(Reason::DuplicateHeader));
+        assert_eq!(d.status(), 400);
+        assert_eq!(d.rules.len(), 0, "nothing checked, nothing spent");
+        let d = ask(
+            &e,
+            "GET",
+            "/",
+            "10.0.0.1",
+            &[("X-Weight", "1"), ("X-Weight", "90")],
+        );
+        assert_eq!(d.outcome, Outcome::Reject(Reason::DuplicateHeader));
+        // Repeating a header no rule reads is fine.
+        assert!(ask(
+            &e,
+            "GET",
+            "/",
+            "10.0.0.1",
+            &[("Accept", "a"), ("Accept", "b")]
+        )
+        .is_allowed());
+
+        // A kill switch on a header sees the same value the upstream does.
+        let (e, _) = engine(json!({"bundle_version": 1, "policies": [],
+            "kill_switches": [{"scope_key": "header:x-tenant-id", "scope_value": "t-1"}]}));
+        let d = ask(
+            &e,
+            "GET",
+            "/",
+            "10.0.0.1",
+            &[("X-Tenant-Id", "t-2"), ("X-Tenant-Id", "t-1")],
+        );
+        assert_eq!(d.outcome, Outcome::Reject(Reason::DuplicateHeader));
+    }
+
+    /// Issue 13, attack 1: encoded slashes walked past kill switches (8 of 38 spellings).
+    #[test]
+    fn no_spelling_of_a_killed_route_gets_through() {
+        let (e, _) = engine(json!({"bundle_version": 1, "policies": [],
+            "kill_switches": [{"scope_key": "method", "scope_value": "GET", "route": "/api/llm"}]}));
+        let spellings = [
+            "/api/llm",
+            "/api/llm/",
+            "/api/llm/x",
+            "/api/llm?q=1",
+            "//api/llm",
+            "/api//llm",
+            "/./api/llm",
+            "/api/./llm",
+            "/x/../api/llm",
+            "/api/x/../llm",
+            "/%61pi/llm",
+            "/api/%6c%6c%6d",
+            "/api/%2e/llm",
+            "/api/x/%2e%2e/llm",
+            "/api/x/%2E%2E/llm",
+            "/api%2Fllm",
+            "/api%2fllm",
+            "/%2Fapi/llm",
+            "/%2fapi%2fllm",
+            "/api/llm%2F",
+            "/api/llm%2Fx",
+            "/api/x%2F..%2Fllm",
+            "/api/x%2F%2E%2E%2Fllm",
+            "/api%2F%2Fllm",
+            "/api%5Cllm",
+            "/api%5cllm",
+            "/api\\llm",
+            "/%5Capi%5Cllm",
+            "/api/x%5C..%5Cllm",
+            "/api/llm%5C",
+            "/api\\x\\..\\llm",
+            "/%2F%2Fapi/llm",
+            "/api/llm/.",
+            "/api/llm/x/..",
+            "/api/llm#frag",
+            "/api/./x/../llm",
+            "/a/../api/llm",
+            "/api%2F./llm",
+        ];
+        assert_eq!(spellings.len(), 38);
+        for path in spellings {
+            let d = ask(&e, "GET", path, "10.0.0.1", &[]);
+            assert_eq!(d.outcome, Outcome::Reject(Reason::KillSwitch), "{path}");
+        }
+        for path in ["/api/llmx", "/api", "/api%252Fllm", "/apillm", "/api/ll"] {
+            assert!(ask(&e, "GET", path, "10.0.0.1", &[]).is_allowed(), "{path}");
+        }
+    }
+
+    /// Issue 13, attack 6: `Host: api.example.com:abc` skipped host selectors.
+    #[test]
+    fn a_host_with_a_bad_port_still_matches_its_selector() {
+        let (e, _) = engine(
+            json!({"bundle_version": 1, "policies": [{"id": "api", "spec": {
+            "selector": {"hosts": ["api.example.com"]},
+            "rules": [tb("per-ip", json!(["ip:address"]), 1.0, 1.0)]}}]}),
+        );
+        let headers: Vec<(String, String)> = Vec::new();
+        for host in [
+            "api.example.com:abc",
+            "API.example.com:",
+            "api.example.com:443",
+            "api.example.com.:x",
+        ] {
+            let facts = RequestFacts::from_uri(
+                "GET",
+                "/",
+                Some(host),
+                Some("10.9.0.1".parse().unwrap()),
+                &headers,
+            );
+            assert_eq!(e.decide(&facts).rules.len(), 1, "{host}");
+        }
+    }
+
+    /// Issue 13, attack 12, end to end: the /48 override reaches a client of that network.
+    #[test]
+    fn ipv6_network_overrides_reach_their_clients() {
+        let (e, _) = engine(
+            json!({"rules": [{"name": "per-ip", "limit_keys": ["ip:address"],
+            "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 2,
+            "overrides": [{"ids": ["2001:db8:1::/48"], "burst": 40}]}}]}),
+        );
+        let d = ask(&e, "GET", "/", "2001:db8:1:7::99", &[]);
+        assert_eq!(d.rules[0].quota.burst(), 40 * MICRO);
+        let d = ask(&e, "GET", "/", "2001:db8:2::1", &[]);
+        assert_eq!(d.rules[0].quota.burst(), 2 * MICRO);
     }
 }

@@ -102,7 +102,8 @@ pub fn build(
             // q is the burst of the quota actually applied (a per-ID override may differ
             // from the rule's default).
             let q = rule.quota.burst() / MICRO;
-            let t = if rule.allowed {
+            // A cost that can never fit has no wait: `t` says when the bucket is full.
+            let t = if rule.allowed || rule.cost_exceeds {
                 rule.reset
             } else {
                 rule.retry_after
@@ -127,7 +128,10 @@ pub fn build(
         };
         if let Some(rule) = legacy {
             headers.push(("RateLimit-Limit", (rule.quota.burst() / MICRO).to_string()));
-            if rejected {
+            if rule.cost_exceeds {
+                headers.push(("RateLimit-Remaining", remaining(rule).to_string()));
+                headers.push(("RateLimit-Reset", rule.reset.to_string()));
+            } else if rejected {
                 headers.push(("RateLimit-Remaining", "0".to_string()));
                 headers.push(("RateLimit-Reset", decision.retry_after.max(1).to_string()));
             } else {
@@ -160,10 +164,7 @@ pub fn build(
             Response {
                 status: reason.status(),
                 headers,
-                body: Some(match reason {
-                    Reason::TokenBucketExceeded | Reason::KillSwitch => "Too Many Requests",
-                    Reason::MissingDescriptor => "Unauthorized: this request lacks the credential or key a rate-limit rule requires",
-                }),
+                body: Some(reason.body()),
             }
         }
     }

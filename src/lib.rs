@@ -8,11 +8,12 @@
 //! L2  engine, headers              policies + store + clock → Decision → HTTP headers
 //! L1  store                        bucket state (embedded bounded map; the first I/O layer)
 //! L0  clock, policy, descriptor,   pure core: no I/O, no async
-//!     limiter
+//!     limiter, client_addr
 //! ```
 
 pub mod auth;
 pub mod cli;
+pub mod client_addr;
 pub mod clock;
 pub mod config;
 pub mod descriptor;

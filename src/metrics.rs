@@ -18,6 +18,8 @@ use std::sync::Arc;
 struct RuleCounters {
     allow: IntCounter,
     reject: IntCounter,
+    /// Refused because the stated cost could never fit.
+    reject_cost: IntCounter,
     shadow_allow: IntCounter,
     /// Allowed by this rule, but another rule refused the request: nothing was spent.
     refunded: IntCounter,
@@ -37,7 +39,7 @@ pub struct Metrics {
     decisions: IntCounterVec,
     /// `tollgate_requests_total` resolved once per (action, reason): a labelled lookup hashes the labels and
     /// takes the vector's read lock, shared by every core, on each request.
-    request_counters: [IntCounter; 5],
+    request_counters: [IntCounter; 2 + Reason::ALL.len()],
     shadow_would_reject: IntCounterVec,
     latency: Histogram,
     store_entries: IntGauge,
@@ -76,9 +78,12 @@ impl Metrics {
         let request_counters = [
             ("allow", ""),
             ("allow", "no_policy"),
-            ("reject", "token_bucket_exceeded"),
-            ("reject", "kill_switch"),
-            ("reject", "missing_descriptor"),
+            ("reject", Reason::ALL[0].as_str()),
+            ("reject", Reason::ALL[1].as_str()),
+            ("reject", Reason::ALL[2].as_str()),
+            ("reject", Reason::ALL[3].as_str()),
+            ("reject", Reason::ALL[4].as_str()),
+            ("reject", Reason::ALL[5].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(
@@ -191,6 +196,7 @@ impl Metrics {
                 RuleCounters {
                     allow: c("allow", "", "enforce"),
                     reject: c("reject", "token_bucket_exceeded", "enforce"),
+                    reject_cost: c("reject", "cost_exceeds_limit", "enforce"),
                     shadow_allow: c("allow", "", "shadow"),
                     refunded: c("refunded", "", "enforce"),
                     shadow_would_reject: c("would_reject", "token_bucket_exceeded", "shadow"),
@@ -230,9 +236,9 @@ impl Metrics {
         let index = match decision.outcome {
             Outcome::Allow => 0,
             Outcome::NoPolicy => 1,
-            Outcome::Reject(Reason::TokenBucketExceeded) => 2,
-            Outcome::Reject(Reason::KillSwitch) => 3,
-            Outcome::Reject(Reason::MissingDescriptor) => 4,
+            Outcome::Reject(reason) => {
+                2 + Reason::ALL.iter().position(|r| *r == reason).unwrap_or(0)
+            }
         };
         self.request_counters[index].inc();
         if decision.store_error {
@@ -271,6 +277,9 @@ impl Metrics {
                 let (policy, rule) = decision.names(outcome);
                 let (action, reason) = match (outcome.mode, outcome.allowed) {
                     (_, true) => ("allow", ""),
+                    (Mode::Enforce, false) if outcome.cost_exceeds => {
+                        ("reject", "cost_exceeds_limit")
+                    }
                     (Mode::Enforce, false) => ("reject", "token_bucket_exceeded"),
                     (Mode::Shadow, false) => ("would_reject", "token_bucket_exceeded"),
                 };
@@ -283,6 +292,7 @@ impl Metrics {
                 (Mode::Enforce, true) if decision.is_allowed() => counters.allow.inc(),
                 // Allowed by this rule, but another rule refused the request.
                 (Mode::Enforce, true) => counters.refunded.inc(),
+                (Mode::Enforce, false) if outcome.cost_exceeds => counters.reject_cost.inc(),
                 (Mode::Enforce, false) => counters.reject.inc(),
                 (Mode::Shadow, true) => counters.shadow_allow.inc(),
                 (Mode::Shadow, false) => {

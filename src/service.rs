@@ -4,8 +4,9 @@
 
 use crate::auth::{AuthError, TokenOutcome, Verifier};
 use crate::cli::LogFormat;
+use crate::client_addr::{self, ForwardingHeaders};
 use crate::clock::{wall_unix_secs, Clock, SystemClock};
-use crate::config::{client_ip, Config, StoreKind};
+use crate::config::{Config, StoreKind};
 use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
 use crate::engine::{Decision, Engine, EngineConfig, Outcome, Plan};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
@@ -59,8 +60,12 @@ pub enum StartError {
 pub struct HttpHeaders<'a>(pub &'a http::HeaderMap);
 
 impl HeaderLookup for HttpHeaders<'_> {
-    fn header(&self, lower_name: &str) -> Option<&str> {
-        self.0.get(lower_name).and_then(|v| v.to_str().ok())
+    fn header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
+        self.0.get(lower_name).map(http::HeaderValue::as_bytes)
+    }
+
+    fn is_repeated(&self, lower_name: &str) -> bool {
+        self.0.get_all(lower_name).iter().nth(1).is_some()
     }
 }
 
@@ -255,9 +260,47 @@ impl Gateway {
         }
     }
 
-    /// The client address of a request from `peer` (see [`client_ip`]).
-    pub fn client_ip(&self, peer: Option<IpAddr>, forwarded_for: Option<&str>) -> Option<IpAddr> {
-        client_ip(peer, forwarded_for, &self.config.trusted_proxies)
+    /// The client address of a request from `peer` ([`client_addr::resolve`]): the peer, or
+    /// what `X-Forwarded-For` / `X-Real-IP` say when the peer is a `--trusted-proxy`. The
+    /// decision service passes `caller_is_gateway`: its caller describes the client by role.
+    pub fn client_ip(
+        &self,
+        peer: Option<IpAddr>,
+        headers: &http::HeaderMap,
+        caller_is_gateway: bool,
+    ) -> Option<IpAddr> {
+        let trusted = &self.config.trusted_proxies;
+        let caller = peer.map(crate::descriptor::canonical_ip);
+        client_addr::resolve(
+            peer,
+            ForwardingHeaders {
+                forwarded_for: headers
+                    .get_all("x-forwarded-for")
+                    .iter()
+                    .map(http::HeaderValue::as_bytes),
+                real_ip: headers.get("x-real-ip").map(http::HeaderValue::as_bytes),
+            },
+            |ip| (caller_is_gateway && Some(ip) == caller) || client_addr::in_any(trusted, ip),
+        )
+    }
+
+    /// Answers a request refused before the engine could look at it (its path has an encoded
+    /// slash under `--encoded-slashes reject`): counted and logged like any refusal.
+    pub fn refuse_early(
+        &self,
+        reason: crate::engine::Reason,
+        client_ip: Option<IpAddr>,
+        host: Option<&str>,
+        raw_path: &str,
+    ) -> Response {
+        let view = RequestView {
+            client_ip,
+            host: host.map(crate::descriptor::strip_port),
+            path: raw_path,
+            sub: None,
+        };
+        self.respond(Decision::refused(reason), &view, Instant::now())
+            .1
     }
 
     /// Decides a request, records metrics, logs refusals, and builds the response. With a
@@ -405,11 +448,11 @@ pub struct RequestView<'a> {
 }
 
 impl<'a> RequestView<'a> {
-    fn of(facts: &RequestFacts<'a>) -> Self {
+    fn of(facts: &'a RequestFacts<'a>) -> Self {
         RequestView {
             client_ip: facts.client_ip,
             host: facts.host_name(),
-            path: facts.path,
+            path: &facts.path,
             sub: facts
                 .claims
                 .and_then(|c| c.get("sub"))
@@ -453,6 +496,8 @@ pub enum Step {
     Ready((Decision, Response)),
     /// Boxed: this path pays a network round trip anyway.
     Remote(Box<Pending>),
+    /// Refused before the engine (a malformed request).
+    Refused(Response),
 }
 
 /// A decision waiting for the networked store.

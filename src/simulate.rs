@@ -3,7 +3,7 @@
 //! every evaluated rule with its exact token count. Deterministic: same input, same output.
 
 use crate::clock::ManualClock;
-use crate::descriptor::{normalize_path, split_uri, RequestFacts};
+use crate::descriptor::RequestFacts;
 use crate::engine::{Engine, EngineConfig, Outcome};
 use crate::headers::{self, HeaderConfig, JitterIdentity};
 use crate::policy::Bundle;
@@ -120,17 +120,14 @@ fn evaluate(
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let (raw_path, query) = split_uri(&request.path);
-    let path = normalize_path(raw_path);
-    let facts = RequestFacts {
-        method: &request.method,
-        path: &path,
-        query,
-        host: request.host.as_deref(),
-        client_ip: ip,
-        headers: &headers,
-        claims: request.claims.as_ref(),
-    };
+    let facts = RequestFacts::from_uri(
+        &request.method,
+        &request.path,
+        request.host.as_deref(),
+        ip,
+        &headers,
+    )
+    .with_claims(request.claims.as_ref());
     let decision = engine.decide(&facts);
     let identity = JitterIdentity {
         sub: request
@@ -139,7 +136,7 @@ fn evaluate(
             .and_then(|c| c.get("sub"))
             .and_then(|s| s.as_str()),
         ip,
-        path: &path,
+        path: &facts.path,
     };
     let response = headers::build(&decision, &identity, header_config);
     let status = match decision.outcome {

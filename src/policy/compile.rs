@@ -3,13 +3,14 @@
 //! and so that no input — wrong types, huge numbers, unknown fields — can panic.
 
 use super::{
-    canonical_id, Bundle, CostSource, FieldError, KillSwitch, MatchCondition, MatchValue, Mode,
-    OnMissing, Policy, PolicyError, Rule, Selector,
+    canonical_id, Bundle, CostLimits, CostSource, FieldError, KillSwitch, MatchCondition,
+    MatchValue, Mode, OnMissing, Policy, PolicyError, Rule, Selector,
 };
 use crate::descriptor::{Descriptor, IpNet};
-use crate::limiter::{tokens_to_micro, Quota, MICRO, US_PER_SEC};
+use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, MICRO, US_PER_SEC};
 use ahash::{AHashMap, AHashSet};
 use serde_json::{Map, Value};
+use std::net::IpAddr;
 use std::path::Path;
 
 /// Largest accepted burst, rate or cost, in tokens: keeps every micro-token amount and product
@@ -134,6 +135,8 @@ const CONFIG_FIELDS: &[&str] = &[
     "cost_source",
     "fixed_cost",
     "default_cost",
+    "min_cost",
+    "max_cost",
     "overrides",
 ];
 
@@ -630,6 +633,12 @@ impl Compiler {
         let shape = self.bucket_shape(config, &config_path, None);
         let cost = self.cost_source(config, &config_path);
         let mut overrides = AHashMap::new();
+        let mut ip_overrides: Vec<(IpNet, Quota)> = Vec::new();
+        // `Some(explicit IPv6 prefix)` when the rule is keyed on the client address alone.
+        let ip_keyed = match limit_keys.as_slice() {
+            [Descriptor::Ip { v6_prefix }] => Some(*v6_prefix),
+            _ => None,
+        };
         let override_value = match (map.get("overrides"), config.get("overrides")) {
             (Some(_), Some(_)) => {
                 self.error(
@@ -664,35 +673,51 @@ impl Compiler {
                     if let (Some(ids), Some(shape)) =
                         (ids, self.bucket_shape(omap, &ip, Some(&base)))
                     {
-                        let ip_keyed = matches!(limit_keys.as_slice(), [Descriptor::Ip { .. }]);
                         for id in ids {
                             let id = canonical_id(&id);
-                            // Per-IP bucket keys are bare IPv4 addresses or IPv6 networks.
-                            let never = match IpNet::parse(&id) {
-                                Some(_) if !ip_keyed => false,
-                                Some(_) => {
-                                    (id.contains('.') && id.contains('/'))
-                                        || (id.contains(':') && !id.contains('/'))
+                            match (ip_keyed, IpNet::parse(&id)) {
+                                // A network (or address) on a per-client-address rule: applies
+                                // to every client inside it (see `Rule::quota_for`).
+                                (Some(key_prefix), Some(net)) => {
+                                    if let (Some(p), IpAddr::V6(_)) = (key_prefix, net.addr()) {
+                                        if net.prefix() > p {
+                                            self.error(
+                                                &join(&ip, "ids"),
+                                                format!("ID '{id}' is narrower than this rule's /{p} IPv6 keys: it would apply to the whole /{p} network; list that network instead"),
+                                            );
+                                            continue;
+                                        }
+                                    }
+                                    if ip_overrides.iter().any(|(n, _)| *n == net) {
+                                        self.error(
+                                            &join(&ip, "ids"),
+                                            format!("ID '{id}' is overridden more than once"),
+                                        );
+                                    }
+                                    ip_overrides.push((net, shape.quota));
                                 }
-                                None => ip_keyed,
-                            };
-                            if never {
-                                self.warn(
-                                    &join(&ip, "ids"),
-                                    format!("ID '{id}' can never equal this rule's keys (IPv4 addresses, or IPv6 networks such as 2001:db8:1:2::/64)"),
-                                );
-                            }
-                            if overrides.insert(id.clone(), shape.quota).is_some() {
-                                self.error(
-                                    &join(&ip, "ids"),
-                                    format!("ID '{id}' is overridden more than once"),
-                                );
+                                (Some(_), None) => {
+                                    self.warn(
+                                        &join(&ip, "ids"),
+                                        format!("ID '{id}' can never equal this rule's keys (client addresses and networks)"),
+                                    );
+                                }
+                                (None, _) => {
+                                    if overrides.insert(id.clone(), shape.quota).is_some() {
+                                        self.error(
+                                            &join(&ip, "ids"),
+                                            format!("ID '{id}' is overridden more than once"),
+                                        );
+                                    }
+                                }
                             }
                         }
                     }
                 }
             }
         }
+        // Most specific first: a /64 override wins over the /48 around it.
+        ip_overrides.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix()));
         if self.errors.len() > errors_before {
             return;
         }
@@ -712,6 +737,34 @@ impl Compiler {
             Mode::Enforce => format!("tb:{escaped}:"),
             Mode::Shadow => format!("shadow:tb:{escaped}:"),
         };
+        if on_missing == OnMissing::Skip {
+            if let Some(header) = limit_keys.iter().find_map(|d| match d {
+                Descriptor::Header(h) => Some(h),
+                _ => None,
+            }) {
+                self.warn(
+                    &join(path, "on_missing"),
+                    format!("rule '{name}' is keyed on the client-supplied header '{header}' with on_missing \"skip\": a client that leaves the header out is not limited by this rule at all; use \"shared\" (one bucket for every request without it) or \"reject\" (401)"),
+                );
+            }
+        }
+        let mut header_names: Vec<String> = Vec::new();
+        let headers_read = limit_keys
+            .iter()
+            .chain(conditions.iter().map(|c| &c.descriptor))
+            .filter_map(|d| match d {
+                Descriptor::Header(h) => Some(h.clone()),
+                _ => None,
+            })
+            .chain(match &cost {
+                CostSource::Header { name, .. } => Some(name.clone()),
+                _ => None,
+            });
+        for h in headers_read {
+            if !header_names.contains(&h) {
+                header_names.push(h);
+            }
+        }
         self.rules.push(Rule {
             name,
             policy,
@@ -721,8 +774,10 @@ impl Compiler {
             quota: shape.quota,
             cost,
             overrides,
+            ip_overrides,
             on_missing,
             key_prefix,
+            header_names,
         });
     }
 
@@ -840,19 +895,29 @@ impl Compiler {
     }
 
     fn cost_source(&mut self, config: &Map<String, Value>, path: &str) -> Option<CostSource> {
-        let fixed = match config.get("fixed_cost") {
-            Some(v) => tokens_to_micro(self.amount(v, &join(path, "fixed_cost"))?),
-            None => MICRO,
+        let amount = |c: &mut Self, field: &str| -> Result<Option<u64>, ()> {
+            match config.get(field) {
+                Some(v) => c
+                    .amount(v, &join(path, field))
+                    .map(|a| Some(tokens_to_micro(a)))
+                    .ok_or(()),
+                None => Ok(None),
+            }
         };
-        let default = match config.get("default_cost") {
-            Some(v) => tokens_to_micro(self.amount(v, &join(path, "default_cost"))?),
-            None => MICRO,
-        };
+        let fixed = amount(self, "fixed_cost").ok()?.unwrap_or(MICRO);
+        let default = amount(self, "default_cost").ok()?.unwrap_or(MICRO);
+        let min = amount(self, "min_cost").ok()?;
+        let max = amount(self, "max_cost").ok()?;
         let source = match config.get("cost_source") {
             None => "fixed",
             Some(v) => self.string(v, &join(path, "cost_source"))?,
         };
         if source == "fixed" {
+            for field in ["min_cost", "max_cost", "default_cost"] {
+                if config.contains_key(field) {
+                    self.warn(&join(path, field), "ignored: cost_source is \"fixed\"");
+                }
+            }
             return Some(CostSource::Fixed(fixed));
         }
         if config.contains_key("fixed_cost") {
@@ -861,16 +926,45 @@ impl Compiler {
                 "ignored: cost_source is not \"fixed\"",
             );
         }
+        let limits = CostLimits {
+            default,
+            min: min.unwrap_or(default),
+            max,
+        };
+        if let Some(max) = max {
+            if limits.min > max {
+                self.error(
+                    &join(path, "min_cost"),
+                    format!(
+                        "min_cost {} is above max_cost {}",
+                        micro_to_tokens(limits.min),
+                        micro_to_tokens(max)
+                    ),
+                );
+                return None;
+            }
+            if default > max {
+                self.error(
+                    &join(path, "default_cost"),
+                    format!(
+                        "default_cost {} is above max_cost {}: requests without a cost would all be refused",
+                        micro_to_tokens(default),
+                        micro_to_tokens(max)
+                    ),
+                );
+                return None;
+            }
+        }
         let named = |prefix: &str| source.strip_prefix(prefix).filter(|n| !n.is_empty());
         if let Some(name) = named("header:") {
             Some(CostSource::Header {
                 name: name.to_ascii_lowercase(),
-                default,
+                limits,
             })
         } else if let Some(name) = named("query:") {
             Some(CostSource::Query {
                 name: name.to_string(),
-                default,
+                limits,
             })
         } else {
             self.error(
@@ -1037,7 +1131,11 @@ mod tests {
             b.rules[1].cost,
             CostSource::Header {
                 name: "x-weight".into(),
-                default: 2 * MICRO
+                limits: CostLimits {
+                    default: 2 * MICRO,
+                    min: 2 * MICRO,
+                    max: None
+                }
             }
         );
         assert_eq!(
@@ -1175,18 +1273,92 @@ mod tests {
         );
     }
 
+    /// Issue 13, attack 12: an IPv6 `/48` override on a per-address rule (IPv6 keys are
+    /// `/64` networks) used to be stored as a text ID that no key could equal.
     #[test]
-    fn unmatchable_override_ids_warn() {
+    fn address_overrides_apply_to_every_client_inside_them() {
         let b = compile_bundle(
-            &rule(json!({"rps": 1, "burst": 1, "overrides": [{"ids": ["10.0.0.0/24", "2001:db8::1", "10.0.0.2", "2001:db8:1:2::/64", "acct-1"]}]})),
+            &rule(json!({"rps": 1, "burst": 1, "overrides": [
+                {"ids": ["2001:db8:1::/48"], "burst": 48},
+                {"ids": ["2001:db8:1:5::/64"], "burst": 64},
+                {"ids": ["2001:db8:9::7"], "burst": 7},
+                {"ids": ["10.0.0.0/24"], "burst": 24},
+                {"ids": ["10.0.0.9"], "burst": 9},
+                {"ids": ["acct-1"], "burst": 2}]})),
             "x",
         )
         .unwrap();
+        let r = &b.rules[0];
+        let burst = |key: &str| r.quota_for(key).burst() / MICRO;
+        // Keys as the engine writes them: IPv4 bare, IPv6 as the client's /64 network.
+        assert_eq!(burst("2001:db8:1:2::/64"), 48);
+        assert_eq!(burst("2001:db8:1:5::/64"), 64, "most specific first");
+        assert_eq!(burst("2001:db8:2::/64"), 1);
+        // A single IPv6 address applies to the /64 bucket that holds it (and with
+        // --ipv6-prefix 48 to the /48), so clients sharing a bucket share its quota.
+        assert_eq!(burst("2001:db8:9::/64"), 7);
+        assert_eq!(burst("2001:db8:9::/48"), 7);
+        assert_eq!(burst("10.0.0.77"), 24);
+        assert_eq!(burst("10.0.0.9"), 9);
+        assert_eq!(burst("10.0.1.1"), 1);
         let warned: Vec<&str> = b.warnings.iter().map(|w| w.message.as_str()).collect();
-        assert_eq!(warned.len(), 3, "{warned:?}");
-        assert!(warned[0].starts_with("ID '10.0.0.0/24' can never equal"));
-        assert!(warned[1].starts_with("ID '2001:db8::1' can never equal"));
-        assert!(warned[2].starts_with("ID 'acct-1' can never equal"));
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(warned[0].starts_with("ID 'acct-1' can never equal"));
+    }
+
+    #[test]
+    fn overrides_narrower_than_an_explicit_ipv6_key_are_rejected() {
+        let v = json!({"rules": [{"name": "r", "limit_keys": ["ip:address/48"], "algorithm": "token_bucket",
+            "algorithm_config": {"rps": 1, "burst": 1, "overrides": [{"ids": ["2001:db8:1:2::/64"], "burst": 5}]}}]});
+        assert_eq!(
+            errors_of(v),
+            ["rules[0].algorithm_config.overrides[0].ids: ID '2001:db8:1:2::/64' is narrower than this rule's /48 IPv6 keys: it would apply to the whole /48 network; list that network instead"]
+        );
+    }
+
+    #[test]
+    fn client_header_keys_with_skip_warn() {
+        let v = json!({"rules": [
+            {"name": "k", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}},
+            {"name": "s", "limit_keys": ["header:x-api-key"], "on_missing": "shared", "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]});
+        let b = compile_bundle(&v, "x").unwrap();
+        assert_eq!(b.warnings.len(), 1);
+        assert_eq!(b.warnings[0].path, "rules[0].on_missing");
+        assert!(b.warnings[0].message.starts_with(
+            "rule 'k' is keyed on the client-supplied header 'x-api-key' with on_missing \"skip\""
+        ));
+        assert_eq!(b.rules[0].header_names, ["x-api-key"]);
+    }
+
+    #[test]
+    fn cost_limits_compile_and_are_checked() {
+        let b = compile_bundle(
+            &rule(json!({"rps": 1, "burst": 20, "cost_source": "header:X-Weight", "default_cost": 2, "max_cost": 10})),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(
+            b.rules[0].cost,
+            CostSource::Header {
+                name: "x-weight".into(),
+                limits: CostLimits {
+                    default: 2 * MICRO,
+                    min: 2 * MICRO,
+                    max: Some(10 * MICRO)
+                }
+            }
+        );
+        assert_eq!(b.rules[0].header_names, ["x-weight"]);
+        assert_eq!(
+            errors_of(rule(
+                json!({"rps": 1, "burst": 20, "cost_source": "query:w", "min_cost": 5, "max_cost": 3})
+            )),
+            ["rules[0].algorithm_config.min_cost: min_cost 5 is above max_cost 3"]
+        );
+        assert_eq!(
+            errors_of(rule(json!({"rps": 1, "burst": 20, "cost_source": "query:w", "default_cost": 4, "min_cost": 1, "max_cost": 3}))),
+            ["rules[0].algorithm_config.default_cost: default_cost 4 is above max_cost 3: requests without a cost would all be refused"]
+        );
     }
 
     #[test]

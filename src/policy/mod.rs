@@ -92,12 +92,12 @@ pub struct Selector {
 impl Selector {
     pub fn matches(&self, facts: &RequestFacts<'_>) -> bool {
         if let Some(exact) = &self.path_exact {
-            if facts.path != exact {
+            if *facts.path != **exact {
                 return false;
             }
         }
         if let Some(prefix) = &self.path_prefix {
-            if !path_has_prefix(facts.path, prefix) {
+            if !path_has_prefix(&facts.path, prefix) {
                 return false;
             }
         }
@@ -144,10 +144,23 @@ pub enum OnMissing {
 pub enum CostSource {
     /// A fixed cost in micro-tokens.
     Fixed(u64),
-    /// A header (lower-case name); `default` micro-tokens when absent or not a positive number.
-    Header { name: String, default: u64 },
-    /// A query parameter; same fallback.
-    Query { name: String, default: u64 },
+    /// A header (lower-case name), read as a number of tokens.
+    Header { name: String, limits: CostLimits },
+    /// A query parameter, read as a number of tokens.
+    Query { name: String, limits: CostLimits },
+}
+
+/// How a cost the client states is bounded (micro-tokens). The client may raise its price,
+/// never lower it below `min`; a cost above `max` (or above the bucket's burst, which it
+/// could never fit) is refused with `cost_exceeds_limit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CostLimits {
+    /// When the value is absent, empty, not a number, not finite or not positive.
+    pub default: u64,
+    /// Smaller stated costs are raised to this (default: `default`).
+    pub min: u64,
+    /// Larger stated costs are refused; `None` = the applied quota's burst.
+    pub max: Option<u64>,
 }
 
 /// One `match` condition.
@@ -194,14 +207,39 @@ pub struct Rule {
     pub cost: CostSource,
     /// Per-ID quotas, keyed by composite key value.
     pub overrides: AHashMap<String, Quota>,
+    /// For a rule keyed on the client address alone: per-network quotas, most specific first.
+    /// A client inside a network gets its quota (see [`Rule::quota_for`]).
+    pub ip_overrides: Vec<(IpNet, Quota)>,
     pub on_missing: OnMissing,
     /// `tb:<name>:` or `shadow:tb:<name>:`.
     pub key_prefix: String,
+    /// Lower-case names of the request headers this rule reads (limit keys, `match`, cost):
+    /// a request repeating one of them is refused rather than limited on a guess.
+    pub header_names: Vec<String>,
 }
 
 impl Rule {
     /// The quota for a composite key: its override, or the rule's default.
+    ///
+    /// For a rule keyed on the client address, the key is an IPv4 address or an IPv6 network
+    /// (`2001:db8:1:2::/64`), and an override network applies to every key inside it. An
+    /// override narrower than the key (a single IPv6 address under `/64` keys) applies to the
+    /// key that contains it, so every client sharing a bucket always gets the same quota.
     pub fn quota_for(&self, key: &str) -> &Quota {
+        if !self.ip_overrides.is_empty() {
+            if let Some(key_net) = IpNet::parse(key) {
+                let found = self.ip_overrides.iter().find(|(net, _)| {
+                    if net.prefix() <= key_net.prefix() {
+                        net.contains(key_net.addr())
+                    } else {
+                        net.with_prefix(key_net.prefix()).contains(key_net.addr())
+                    }
+                });
+                if let Some((_, quota)) = found {
+                    return quota;
+                }
+            }
+        }
         if self.overrides.is_empty() {
             return &self.quota;
         }
@@ -229,7 +267,7 @@ impl KillSwitch {
             return false;
         }
         if let Some(route) = &self.route {
-            if !path_has_prefix(facts.path, route) {
+            if !path_has_prefix(&facts.path, route) {
                 return false;
             }
         }

@@ -2,8 +2,8 @@
 //! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
 //! `ext_authz` (method and path are the original ones), `/livez`, `/readyz`, `/metrics`.
 
-use crate::descriptor::{normalize_path, split_uri, RequestFacts};
-use crate::engine::Outcome;
+use crate::descriptor::RequestFacts;
+use crate::engine::{Outcome, Reason};
 use crate::service::{Gateway, HttpHeaders, Step};
 use async_trait::async_trait;
 use http::{Response, StatusCode};
@@ -44,9 +44,15 @@ fn reply(
 
 const TEXT: &str = "text/plain; charset=utf-8";
 
+fn no_policy() -> Response<Vec<u8>> {
+    reply(503, TEXT, &[], "Service Unavailable: no policy loaded\n")
+}
+
 #[async_trait]
 impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        // Requests pipelined behind this one are answered in order.
+        session.set_pipelining_enabled(true);
         // Read and discard any body so the connection can be reused.
         let _ = session.drain_request_body().await;
         let peer = session
@@ -83,13 +89,22 @@ impl ServeHttp for Admin {
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
                 let step = self.begin(req, peer);
                 // With a shared store, the store call happens here.
-                let (decision, response) = match step {
-                    Step::Ready(answer) => answer,
-                    Step::Remote(pending) => self.gateway.complete(pending).await,
+                let response = match step {
+                    Step::Ready((decision, response)) => {
+                        if decision.outcome == Outcome::NoPolicy {
+                            return no_policy();
+                        }
+                        response
+                    }
+                    Step::Remote(pending) => {
+                        let (decision, response) = self.gateway.complete(pending).await;
+                        if decision.outcome == Outcome::NoPolicy {
+                            return no_policy();
+                        }
+                        response
+                    }
+                    Step::Refused(response) => response,
                 };
-                if decision.outcome == Outcome::NoPolicy {
-                    return reply(503, TEXT, &[], "Service Unavailable: no policy loaded\n");
-                }
                 let body = response.body.unwrap_or("OK");
                 reply(response.status, TEXT, &response.headers, body)
             }
@@ -114,33 +129,30 @@ impl Admin {
         });
         let uri = get("x-original-uri").or(envoy_uri).unwrap_or("/");
         let host = get("x-original-host").or_else(|| get("host"));
-        // The caller is a gateway by role: the client is described by X-Forwarded-For (or
-        // X-Real-IP), taken from the rightmost hop that is not a trusted proxy.
-        let forwarded = super::gateway::forwarded_for(h)
-            .or_else(|| get("x-real-ip").map(std::borrow::Cow::Borrowed));
-        // The calling peer counts as a trusted proxy, beside the configured ones.
-        let trusted = &self.gateway.config.trusted_proxies;
-        let client_ip = match (forwarded, peer.map(crate::descriptor::canonical_ip)) {
-            (Some(chain), Some(peer)) => Some(crate::config::forwarded_client(
-                &chain,
-                |ip| ip == peer || trusted.iter().any(|net| net.contains(ip)),
-                peer,
-            )),
-            _ => self.gateway.client_ip(peer, None),
-        };
+        // The caller is a gateway by role: the client is described by X-Forwarded-For (or,
+        // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
+        let client_ip = self.gateway.client_ip(peer, h, true);
         let headers = HttpHeaders(h);
-        let claims = self.gateway.claims(&headers);
-        let (path, query) = split_uri(uri);
-        let path = normalize_path(path);
-        let facts = RequestFacts {
+        let facts = match RequestFacts::new(
             method,
-            path: &path,
-            query,
+            uri,
             host,
             client_ip,
-            headers: &headers,
-            claims: claims.as_deref(),
+            &headers,
+            self.gateway.config.encoded_slashes,
+        ) {
+            Ok(facts) => facts,
+            Err(_) => {
+                let (path, _) = crate::descriptor::split_uri(uri);
+                return Step::Refused(self.gateway.refuse_early(
+                    Reason::EncodedSlash,
+                    client_ip,
+                    host,
+                    path,
+                ));
+            }
         };
-        self.gateway.begin(&facts)
+        let claims = self.gateway.claims(&headers);
+        self.gateway.begin(&facts.with_claims(claims.as_deref()))
     }
 }

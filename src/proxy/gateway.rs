@@ -2,7 +2,8 @@
 //! answered here and never reaches the upstream; an allowed request is proxied round-robin and
 //! the rate-limit headers are added to the upstream's response.
 
-use crate::descriptor::{normalize_path, RequestFacts};
+use crate::descriptor::RequestFacts;
+use crate::engine::Reason;
 use crate::headers::HeaderList;
 use crate::service::{Gateway, HttpHeaders, Step};
 use async_trait::async_trait;
@@ -48,25 +49,17 @@ impl Proxy {
     }
 }
 
-/// Every `X-Forwarded-For` line, joined: a proxy may add its own line rather than append to
-/// the client's, and reading only the first line would let the client pick its address.
-pub(crate) fn forwarded_for(headers: &http::HeaderMap) -> Option<std::borrow::Cow<'_, str>> {
-    let mut lines = headers
-        .get_all("x-forwarded-for")
-        .iter()
-        .filter_map(|v| v.to_str().ok());
-    let first = lines.next()?;
-    match lines.next() {
-        None => Some(std::borrow::Cow::Borrowed(first)),
-        Some(second) => {
-            let mut joined = format!("{first}, {second}");
-            for line in lines {
-                joined.push_str(", ");
-                joined.push_str(line);
-            }
-            Some(std::borrow::Cow::Owned(joined))
-        }
+/// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
+/// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
+/// as nginx's `$proxy_add_x_forwarded_for` does.
+fn forwarded_for_upstream(headers: &http::HeaderMap, peer: std::net::IpAddr) -> Vec<u8> {
+    let mut value = Vec::with_capacity(64);
+    for line in headers.get_all("x-forwarded-for") {
+        value.extend_from_slice(line.as_bytes());
+        value.extend_from_slice(b", ");
     }
+    value.extend_from_slice(peer.to_string().as_bytes());
+    value
 }
 
 /// Writes a complete response from the gateway itself.
@@ -96,48 +89,81 @@ impl ProxyHttp for Proxy {
         RequestCtx::default()
     }
 
+    async fn early_request_filter(
+        &self,
+        session: &mut Session,
+        _ctx: &mut Self::CTX,
+    ) -> Result<()> {
+        // Requests pipelined behind this one are answered in order (Pingora drops them
+        // otherwise); the flag carries over to the connection's next requests.
+        session.set_pipelining_enabled(true);
+        super::conn::header_parsed();
+        Ok(())
+    }
+
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
         let peer = session
             .client_addr()
             .and_then(|a| a.as_inet())
             .map(|sa| sa.ip());
+        ctx.peer = peer;
         // Decide synchronously; nothing borrowed from the request lives across an await.
         let step = {
             let req = session.req_header();
             let headers = HttpHeaders(&req.headers);
-            let forwarded = forwarded_for(&req.headers);
-            let client_ip = self.gateway.client_ip(peer, forwarded.as_deref());
-            ctx.peer = peer;
+            let client_ip = self.gateway.client_ip(peer, &req.headers, false);
             let host = req
                 .headers
                 .get(http::header::HOST)
                 .and_then(|v| v.to_str().ok())
                 .or_else(|| req.uri.authority().map(|a| a.as_str()));
-            let claims = self.gateway.claims(&headers);
-            let path = normalize_path(req.uri.path());
-            let facts = RequestFacts {
-                method: req.method.as_str(),
-                path: &path,
-                query: req.uri.query(),
+            let target = req
+                .uri
+                .path_and_query()
+                .map_or_else(|| req.uri.path(), |pq| pq.as_str());
+            match RequestFacts::new(
+                req.method.as_str(),
+                target,
                 host,
                 client_ip,
-                headers: &headers,
-                claims: claims.as_deref(),
-            };
-            self.gateway.begin(&facts)
+                &headers,
+                self.gateway.config.encoded_slashes,
+            ) {
+                Ok(facts) => {
+                    let claims = self.gateway.claims(&headers);
+                    self.gateway.begin(&facts.with_claims(claims.as_deref()))
+                }
+                Err(_) => {
+                    let response = self.gateway.refuse_early(
+                        Reason::EncodedSlash,
+                        client_ip,
+                        host,
+                        req.uri.path(),
+                    );
+                    Step::Refused(response)
+                }
+            }
         };
         // With a shared store, the store call happens here, after the borrowed facts are gone.
-        let (decision, response) = match step {
-            Step::Ready(answer) => answer,
-            Step::Remote(pending) => self.gateway.complete(pending).await,
+        let response = match step {
+            Step::Ready((decision, response)) => {
+                if decision.is_allowed() {
+                    // No policy loaded: the proxy fails open (the decision service answers 503).
+                    ctx.add_headers = response.headers;
+                    return Ok(false);
+                }
+                response
+            }
+            Step::Remote(pending) => {
+                let (decision, response) = self.gateway.complete(pending).await;
+                if decision.is_allowed() {
+                    ctx.add_headers = response.headers;
+                    return Ok(false);
+                }
+                response
+            }
+            Step::Refused(response) => response,
         };
-        let allowed = decision.is_allowed();
-        drop(decision);
-        if allowed {
-            // No policy loaded: the proxy fails open (the decision service answers 503).
-            ctx.add_headers = response.headers;
-            return Ok(false);
-        }
         respond(
             session,
             response.status,
@@ -172,10 +198,7 @@ impl ProxyHttp for Proxy {
         // Append the hop we saw (the TCP peer) to the chain, as nginx's
         // $proxy_add_x_forwarded_for does; every earlier line is folded into one.
         if let Some(peer) = ctx.peer.map(crate::descriptor::canonical_ip) {
-            let value = match forwarded_for(&upstream_request.headers) {
-                Some(chain) => format!("{chain}, {peer}"),
-                None => peer.to_string(),
-            };
+            let value = forwarded_for_upstream(&upstream_request.headers, peer);
             upstream_request.insert_header("X-Forwarded-For", value)?;
         }
         Ok(())
@@ -191,6 +214,11 @@ impl ProxyHttp for Proxy {
             upstream_response.insert_header(name, value)?;
         }
         Ok(())
+    }
+
+    async fn logging(&self, _session: &mut Session, _e: Option<&Error>, _ctx: &mut Self::CTX) {
+        // The response is done: the connection may now idle until its next request.
+        super::conn::response_done(self.gateway.config.keepalive_timeout);
     }
 
     async fn fail_to_proxy(

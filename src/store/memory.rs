@@ -15,7 +15,7 @@
 //!   of fresh keys cannot reset anyone's limit.
 
 use super::{BucketKey, BucketOp, Group, OpResult, OpResults, Store, StoreError, StoreStats};
-use crate::limiter::{self, BucketState};
+use crate::limiter::{self, BucketState, US_PER_SEC};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 use std::collections::HashMap;
@@ -44,13 +44,38 @@ impl Default for MemoryStoreConfig {
     }
 }
 
-/// What is kept per bucket.
+/// What is kept per bucket. The two housekeeping times are whole seconds (`u32`, 136 years
+/// of uptime), so the slot stays 24 bytes.
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     tokens: u64,
     last_us: u64,
-    /// When the bucket is full again (as of the last write): after that it can be dropped.
-    full_at_us: u64,
+    /// When the bucket is full again (as of the last write), rounded up to a second: after
+    /// that it can be dropped.
+    full_at_s: u32,
+    /// The last request that touched the bucket, refused ones included: "idle" is measured
+    /// from here, so a drained client that keeps hammering is never idle (it would otherwise
+    /// be evicted under memory pressure and handed a fresh, full bucket).
+    seen_s: u32,
+}
+
+impl Slot {
+    fn is_full_at(&self, now_us: u64) -> bool {
+        u64::from(self.full_at_s) * US_PER_SEC <= now_us
+    }
+
+    fn idle_for_us(&self, now_us: u64) -> u64 {
+        now_us.saturating_sub(u64::from(self.seen_s) * US_PER_SEC)
+    }
+
+    fn touch(&mut self, now_us: u64) {
+        self.seen_s = self.seen_s.max(secs_u32(now_us));
+    }
+}
+
+/// Whole seconds of `us`, rounded down, saturating.
+fn secs_u32(us: u64) -> u32 {
+    u32::try_from(us / US_PER_SEC).unwrap_or(u32::MAX)
 }
 
 /// Passes a [`BucketKey`]'s pre-hashed half straight through.
@@ -146,12 +171,10 @@ impl MemoryStore {
     /// Removes full-again entries, then idle ones if none were full. Returns how many went.
     fn purge(&self, shard: &mut ShardState, now_us: u64) -> usize {
         let before = shard.map.len();
-        shard.map.retain(|_, slot| slot.full_at_us > now_us);
+        shard.map.retain(|_, slot| !slot.is_full_at(now_us));
         if shard.map.len() == before {
             let idle = self.config.idle_timeout_us;
-            shard
-                .map
-                .retain(|_, slot| now_us.saturating_sub(slot.last_us) <= idle);
+            shard.map.retain(|_, slot| slot.idle_for_us(now_us) <= idle);
         }
         shard.last_purge_us = Some(now_us);
         let removed = before - shard.map.len();
@@ -200,7 +223,13 @@ fn slot_of(result: &OpResult, now_us: u64) -> Slot {
     Slot {
         tokens: result.verdict.next.tokens,
         last_us: result.verdict.next.last_us,
-        full_at_us: now_us.saturating_add(result.verdict.full_in_us),
+        full_at_s: u32::try_from(
+            now_us
+                .saturating_add(result.verdict.full_in_us)
+                .div_ceil(US_PER_SEC),
+        )
+        .unwrap_or(u32::MAX),
+        seen_s: secs_u32(now_us),
     }
 }
 
@@ -221,6 +250,8 @@ impl MemoryStore {
             };
             if verdict.allowed {
                 *slot = slot_of(&result, now_us);
+            } else {
+                slot.touch(now_us);
             }
             return result;
         }
@@ -305,6 +336,16 @@ impl Store for MemoryStore {
                 }
             }
         }
+        // Buckets of a refused request were still asked about: they are not idle.
+        for (op, result) in ops.iter().zip(results.iter()) {
+            if result.committed {
+                continue;
+            }
+            let at = slot_of(&guards, self.shard_of(&op.key));
+            if let Some(slot) = guards[at].1.map.get_mut(&op.key) {
+                slot.touch(now_us);
+            }
+        }
         Ok(())
     }
 
@@ -331,8 +372,8 @@ impl Store for MemoryStore {
             let mut s = shard.0.lock();
             let before = s.map.len();
             s.map.retain(|_, slot| {
-                let full = slot.full_at_us <= now_us;
-                let idle = now_us.saturating_sub(slot.last_us) > idle;
+                let full = slot.is_full_at(now_us);
+                let idle = slot.idle_for_us(now_us) > idle;
                 !(full || (pressed && idle))
             });
             removed += (before - s.map.len()) as u64;
@@ -464,6 +505,58 @@ mod tests {
         // 4 of 4 held: above 3/4. a, b, c idle for 301 s go; d (idle 11 s) stays.
         assert_eq!(store.sweep(301 * US_PER_SEC), 3);
         assert!(store.peek(&BucketKey::of("tb:slow:d")).is_some());
+    }
+
+    /// Issue 13, attack 7: a drained client that keeps hammering is not idle. Refusals
+    /// refresh the bucket's activity, so memory pressure never hands it a fresh bucket.
+    #[test]
+    fn refusals_keep_a_drained_bucket_from_being_idle() {
+        let store = MemoryStore::new(MemoryStoreConfig {
+            max_buckets: 4,
+            idle_timeout_us: 5 * US_PER_SEC,
+            purge_interval_us: 0,
+        });
+        let slow = Quota::new(20 * MICRO, MICRO, 3_600 * US_PER_SEC).unwrap();
+        let hammer = op("tb:slow:hammer", slow, Group::Enforce);
+        for _ in 0..20 {
+            assert!(run(&store, 0, &[hammer])[0].committed);
+        }
+        // Drained: refused once a second for 6 s (past the 5 s idle timeout).
+        for second in 1..=6 {
+            assert!(
+                !run(&store, second * US_PER_SEC, &[hammer])[0]
+                    .verdict
+                    .allowed
+            );
+        }
+        // Fill the store to the bound (3 more keys) and press it: the sweep and a new key
+        // that needs room both look for idle buckets.
+        for k in ["a", "b", "c"] {
+            run(
+                &store,
+                0,
+                &[op(&format!("tb:slow:{k}"), slow, Group::Enforce)],
+            );
+        }
+        assert_eq!(store.sweep(6 * US_PER_SEC + 1), 3);
+        let state = store
+            .peek(&hammer.key)
+            .expect("the hammering client's bucket is kept");
+        assert_eq!(state.tokens, 0);
+        // Still refused: no fresh bucket.
+        assert!(
+            !run(&store, 6 * US_PER_SEC + 2, &[hammer])[0]
+                .verdict
+                .allowed
+        );
+        // Through a multi-bucket request too.
+        let other = op("tb:other:hammer", quota(1, 100), Group::Enforce);
+        for second in 7..=12 {
+            let r = run(&store, second * US_PER_SEC, &[other, hammer]);
+            assert!(!r[1].verdict.allowed && !r[0].committed);
+        }
+        assert_eq!(store.sweep(12 * US_PER_SEC + 1), 0);
+        assert!(store.peek(&hammer.key).is_some());
     }
 
     #[test]

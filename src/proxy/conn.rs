@@ -1,0 +1,213 @@
+//! Connection guard for the proxy listener: a cap on concurrent client connections, a total
+//! deadline for request headers, and an idle timeout between kept-alive requests.
+//!
+//! Pingora 0.9 times each socket read separately (60 s), so a client trickling one byte a
+//! second keeps its connection forever, and a kept-alive HTTP/1.1 connection waits for its next
+//! request forever. [`Guarded`] wraps the proxy app: every connection runs inside a
+//! [`DeadlineClock`] armed at accept (header timeout), disarmed once a request's header is
+//! parsed (`early_request_filter` → [`header_parsed`]), and re-armed when a response is done
+//! (`logging` → [`response_done`], keep-alive timeout). When it fires, the connection's task is
+//! dropped, which closes the socket. A request being proxied is never cut off by it.
+//!
+//! Connections beyond the cap get a `503` and are closed at once, so the gateway never runs
+//! out of file descriptors: the admin listener (`/livez`) keeps answering.
+
+use async_trait::async_trait;
+use pingora::apps::ServerApp;
+use pingora::protocols::Stream;
+use pingora::server::ShutdownWatch;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+
+tokio::task_local! {
+    static CONNECTION: Arc<DeadlineClock>;
+}
+
+/// One connection's deadline, in milliseconds since accept (0 = disarmed).
+pub struct DeadlineClock {
+    start: Instant,
+    deadline_ms: AtomicU64,
+    armed: Notify,
+}
+
+impl DeadlineClock {
+    fn new() -> Self {
+        DeadlineClock {
+            start: Instant::now(),
+            deadline_ms: AtomicU64::new(0),
+            armed: Notify::new(),
+        }
+    }
+
+    /// The connection must produce a complete request header within `after`.
+    fn arm(&self, after: Duration) {
+        let at = (self.start.elapsed() + after).as_millis() as u64 + 1;
+        if self.deadline_ms.swap(at, Ordering::Relaxed) == 0 {
+            self.armed.notify_one();
+        }
+    }
+
+    /// A request is being served: no deadline until its response is done. No wake-up needed:
+    /// the waiter notices at its next timer tick.
+    fn disarm(&self) {
+        self.deadline_ms.store(0, Ordering::Relaxed);
+    }
+
+    /// Resolves when the deadline in force passes.
+    async fn expired(&self) {
+        loop {
+            let at = self.deadline_ms.load(Ordering::Relaxed);
+            if at == 0 {
+                self.armed.notified().await;
+                continue;
+            }
+            tokio::time::sleep_until(self.start + Duration::from_millis(at)).await;
+            if self.deadline_ms.load(Ordering::Relaxed) == at {
+                return;
+            }
+        }
+    }
+}
+
+/// Called once a request's header has been read: the header deadline no longer applies.
+pub fn header_parsed() {
+    let _ = CONNECTION.try_with(|c| c.disarm());
+}
+
+/// Called when a response is done: the next request must arrive within `idle`.
+pub fn response_done(idle: Duration) {
+    let _ = CONNECTION.try_with(|c| c.arm(idle));
+}
+
+/// Connection limits of the proxy listener.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub header_timeout: Duration,
+}
+
+/// A [`ServerApp`] wrapping another with [`Limits`].
+pub struct Guarded<A> {
+    inner: Arc<A>,
+    slots: Arc<Semaphore>,
+    limits: Limits,
+}
+
+impl<A> Guarded<A> {
+    pub fn new(inner: A, limits: Limits) -> Self {
+        Guarded {
+            inner: Arc::new(inner),
+            slots: Arc::new(Semaphore::new(limits.max_connections)),
+            limits,
+        }
+    }
+}
+
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 52\r\nConnection: close\r\n\r\nService Unavailable: too many connections, retry.\r\n";
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
+    async fn process_new(
+        self: &Arc<Self>,
+        mut stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let Ok(_slot) = Arc::clone(&self.slots).try_acquire_owned() else {
+            // Best effort and bounded: the socket is closed right after.
+            let _ = tokio::time::timeout(Duration::from_millis(200), async {
+                let _ = stream.write_all(BUSY).await;
+                let _ = stream.flush().await;
+            })
+            .await;
+            return None;
+        };
+        let clock = Arc::new(DeadlineClock::new());
+        clock.arm(self.limits.header_timeout);
+        let serve = CONNECTION.scope(
+            Arc::clone(&clock),
+            ServerApp::process_new(&self.inner, stream, shutdown),
+        );
+        tokio::select! {
+            reusable = serve => reusable,
+            // Dropping the connection's future closes its socket.
+            () = clock.expired() => None,
+        }
+    }
+
+    async fn cleanup(&self) {
+        // The proxy app wakes its keep-alive waiters here on shutdown.
+        self.inner.cleanup().await;
+    }
+}
+
+/// Raises the soft open-file limit to the hard limit, and returns the soft limit in force.
+pub fn raise_nofile_limit() -> u64 {
+    // SAFETY: getrlimit/setrlimit only read and write the struct we pass.
+    unsafe {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return 1024;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit.rlim_cur = limit.rlim_max;
+            }
+        }
+        limit.rlim_cur
+    }
+}
+
+/// The default connection cap for an open-file limit: every proxied request may also hold an
+/// upstream socket, and the upstream pool, the listeners, the admin side and the store need
+/// their own, so half of what is left after a reserve.
+pub fn default_max_connections(nofile: u64, upstream_pool: usize) -> usize {
+    let reserve = upstream_pool as u64 + 256;
+    (nofile.saturating_sub(reserve) / 2).clamp(64, 1_000_000) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_connection_cap_leaves_room_below_the_fd_limit() {
+        assert_eq!(default_max_connections(1024, 256), 256);
+        assert_eq!(default_max_connections(65_536, 256), 32_512);
+        // Never below a usable floor, never above the fd limit's half.
+        assert_eq!(default_max_connections(256, 256), 64);
+        assert!(default_max_connections(1_048_576, 256) * 2 < 1_048_576);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_fires_only_while_armed() {
+        let clock = Arc::new(DeadlineClock::new());
+        clock.arm(Duration::from_secs(10));
+        let waiter = {
+            let clock = Arc::clone(&clock);
+            tokio::spawn(async move { clock.expired().await })
+        };
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        // A request is being served: no deadline, however long it takes.
+        clock.disarm();
+        tokio::time::sleep(Duration::from_secs(100)).await;
+        assert!(!waiter.is_finished());
+        // Response done: 3 s of idle allowed from now (105 s).
+        clock.arm(Duration::from_secs(3));
+        tokio::time::sleep(Duration::from_millis(2_900)).await;
+        assert!(!waiter.is_finished());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::task::yield_now().await;
+        assert!(waiter.is_finished());
+    }
+}
