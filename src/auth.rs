@@ -278,13 +278,48 @@ fn load_jwks(file: &PathBuf) -> Result<JwksKeys, AuthError> {
     Ok(JwksKeys(keys))
 }
 
+/// The JWKS keys and the algorithms allowed with them: one value, swapped together, so a key
+/// rotation that brings a new family (an EC key into an RSA-only set) allows its algorithms at
+/// the same moment.
+struct KeySet {
+    jwks: JwksKeys,
+    allowed: Vec<Algorithm>,
+}
+
 /// Verifies tokens.
 pub struct Verifier {
     config: JwtConfig,
     static_keys: Vec<(Family, DecodingKey)>,
-    jwks: ArcSwap<JwksKeys>,
-    allowed: Vec<Algorithm>,
+    keys: ArcSwap<KeySet>,
     cache: TokenCache,
+    /// Modification time and length of the JWKS file last loaded.
+    jwks_signature: parking_lot::Mutex<Option<(Option<std::time::SystemTime>, u64)>>,
+}
+
+fn file_signature(file: &PathBuf) -> Option<(Option<std::time::SystemTime>, u64)> {
+    let meta = std::fs::metadata(file).ok()?;
+    Some((meta.modified().ok(), meta.len()))
+}
+
+/// The algorithms tokens may use: the configured allow-list, or every algorithm of the key
+/// families at hand.
+fn allowed_algorithms(
+    config: &JwtConfig,
+    static_keys: &[(Family, DecodingKey)],
+    jwks: &JwksKeys,
+) -> Vec<Algorithm> {
+    if !config.algorithms.is_empty() {
+        return config.algorithms.clone();
+    }
+    let mut families: Vec<Family> = static_keys.iter().map(|(f, _)| *f).collect();
+    families.extend(jwks.0.iter().map(|(_, f, _)| *f));
+    let mut all: Vec<Algorithm> = Vec::new();
+    for f in [Family::Hmac, Family::Rsa, Family::Ec, Family::Ed] {
+        if families.contains(&f) {
+            all.extend_from_slice(algorithms_of(f));
+        }
+    }
+    all
 }
 
 impl Verifier {
@@ -313,38 +348,31 @@ impl Verifier {
             Some(file) => load_jwks(file)?,
             None => JwksKeys(Vec::new()),
         };
-        let mut families: Vec<Family> = static_keys.iter().map(|(f, _)| *f).collect();
-        families.extend(jwks.0.iter().map(|(_, f, _)| *f));
-        let allowed = if config.algorithms.is_empty() {
-            let mut all: Vec<Algorithm> = Vec::new();
-            for f in [Family::Hmac, Family::Rsa, Family::Ec, Family::Ed] {
-                if families.contains(&f) {
-                    all.extend_from_slice(algorithms_of(f));
+        if !config.unverified && config.jwks.is_none() {
+            for alg in &config.algorithms {
+                if !static_keys.iter().any(|(f, _)| *f == family(*alg)) {
+                    return Err(AuthError::NoKeyForAlgorithm { alg: *alg });
                 }
             }
-            all
-        } else {
-            if !config.unverified {
-                for alg in &config.algorithms {
-                    if !families.contains(&family(*alg)) && config.jwks.is_none() {
-                        return Err(AuthError::NoKeyForAlgorithm { alg: *alg });
-                    }
-                }
-            }
-            config.algorithms.clone()
-        };
+        }
+        let allowed = allowed_algorithms(&config, &static_keys, &jwks);
+        let jwks_signature = config.jwks.as_ref().and_then(file_signature);
         Ok(Verifier {
             config,
             static_keys,
-            jwks: ArcSwap::from_pointee(jwks),
-            allowed,
+            keys: ArcSwap::from_pointee(KeySet { jwks, allowed }),
             cache: TokenCache::new(),
+            jwks_signature: parking_lot::Mutex::new(jwks_signature),
         })
     }
 
-    /// Whether any token handling is configured (keys, or unverified mode).
+    /// Whether any token handling is configured (a secret, key files, a JWKS file — even one
+    /// empty today — or unverified mode).
     pub fn enabled(&self) -> bool {
-        self.config.unverified || !self.allowed.is_empty()
+        self.config.unverified
+            || self.config.secret.is_some()
+            || !self.config.public_keys.is_empty()
+            || self.config.jwks.is_some()
     }
 
     pub fn unverified(&self) -> bool {
@@ -357,11 +385,31 @@ impl Verifier {
     /// The file cannot be read or parsed.
     pub fn reload_jwks(&self) -> Result<(), AuthError> {
         if let Some(file) = &self.config.jwks {
-            self.jwks.store(Arc::new(load_jwks(file)?));
+            let signature = file_signature(file);
+            let jwks = load_jwks(file)?;
+            let allowed = allowed_algorithms(&self.config, &self.static_keys, &jwks);
+            self.keys.store(Arc::new(KeySet { jwks, allowed }));
+            *self.jwks_signature.lock() = signature;
             // A key may have been withdrawn: tokens must verify again.
             self.cache.clear();
         }
         Ok(())
+    }
+
+    /// Re-reads the JWKS file when it changed since it was last loaded (polled with the policy
+    /// file, so a key rotation needs no policy change). `None` when nothing changed.
+    pub fn reload_jwks_if_changed(&self) -> Option<Result<(), AuthError>> {
+        let file = self.config.jwks.as_ref()?;
+        let signature = file_signature(file);
+        if *self.jwks_signature.lock() == signature {
+            return None;
+        }
+        let result = self.reload_jwks();
+        if result.is_err() {
+            // Report a broken file once, not at every poll.
+            *self.jwks_signature.lock() = signature;
+        }
+        Some(result)
     }
 
     /// The token a request carries, if any.
@@ -437,13 +485,14 @@ impl Verifier {
                 Err(e) => TokenOutcome::Invalid(classify(e.kind())),
             };
         }
-        if !self.allowed.contains(&header.alg) {
+        let keys = self.keys.load();
+        if !keys.allowed.contains(&header.alg) {
             return TokenOutcome::Invalid(InvalidToken::AlgorithmNotAllowed);
         }
         let fam = family(header.alg);
-        let jwks = self.jwks.load();
         let from_jwks: Vec<&DecodingKey> = match &header.kid {
-            Some(kid) => jwks
+            Some(kid) => keys
+                .jwks
                 .0
                 .iter()
                 .filter(|(k, f, _)| k == kid && *f == fam)

@@ -212,8 +212,20 @@ impl Gateway {
         }
     }
 
-    /// Reloads when the policy file changed since it was last looked at (polling).
+    /// Reloads when the policy file changed since it was last looked at (polling), and the
+    /// JWKS file when it changed on its own (key rotation).
     pub fn reload_if_changed(&self) {
+        match self.verifier.reload_jwks_if_changed() {
+            Some(Ok(())) => tracing::info!("JWKS file changed: keys reloaded"),
+            Some(Err(e)) => {
+                tracing::error!("JWKS reload failed, keeping the previous keys: {e}")
+            }
+            None => {}
+        }
+        self.reload_policy_if_changed();
+    }
+
+    fn reload_policy_if_changed(&self) {
         let sig = signature(&self.config.policy);
         {
             let watch = self.watch.lock();

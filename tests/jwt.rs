@@ -395,3 +395,58 @@ fn jwks_is_reloaded_with_the_policy() {
         "enterprise"
     );
 }
+
+/// Issue 13, attack 10: a JWKS that gains an EC key kept refusing ES256 tokens
+/// (`algorithm_not_allowed`: the allow-list was fixed at start), and a JWKS empty at start kept
+/// JWT off until restart. Keys and allowed algorithms now change together, and a changed JWKS
+/// file is picked up by the file watcher without any policy change.
+#[test]
+fn rotated_jwks_keys_take_effect_with_their_algorithms() {
+    let upstream = Upstream::start();
+    let dir = tempfile::tempdir().unwrap();
+    let jwks = dir.path().join("jwks.json");
+    std::fs::write(&jwks, r#"{"keys": []}"#).unwrap();
+    let gw = Gateway::start(
+        Some(TIERS),
+        Some(upstream.addr),
+        &["--jwt-jwks", jwks.to_str().unwrap(), "--policy-poll-secs", "1"],
+    );
+    let ec_key =
+        EncodingKey::from_ec_pem(&std::fs::read(fixture("ec-private.pem")).unwrap()).unwrap();
+    let es = bearer(&sign(
+        Algorithm::ES256,
+        &ec_key,
+        Some("ec-1"),
+        &claims("es", "enterprise"),
+    ));
+    let rs = bearer(&sign(
+        Algorithm::RS256,
+        &rsa_key("rsa-private.pem"),
+        Some("rsa-1"),
+        &claims("rs", "enterprise"),
+    ));
+    // Empty at start: tokens are looked at (and refused), not ignored.
+    assert_eq!(rule_of(&gw.get("/", &[("Authorization", &es)])), "anonymous");
+    assert_eq!(
+        gw.metric("tollgate_jwt_invalid_total{reason=\"algorithm_not_allowed\"}"),
+        1.0
+    );
+    // An RSA key appears (file change only).
+    std::fs::copy(fixture("jwks.json"), &jwks).unwrap();
+    gw.wait_until(std::time::Duration::from_secs(10), || {
+        rule_of(&gw.get("/", &[("Authorization", &rs)])) == "enterprise"
+    });
+    assert_eq!(rule_of(&gw.get("/", &[("Authorization", &es)])), "anonymous");
+    // Rotation adds an EC key: ES256 is allowed with it.
+    std::fs::copy(fixture("jwks-rsa-ec.json"), &jwks).unwrap();
+    gw.wait_until(std::time::Duration::from_secs(10), || {
+        rule_of(&gw.get("/", &[("Authorization", &es)])) == "enterprise"
+    });
+    assert_eq!(rule_of(&gw.get("/", &[("Authorization", &rs)])), "enterprise");
+    assert!(gw.log_text().contains("JWKS file changed: keys reloaded"));
+    // The policy was never reloaded.
+    assert_eq!(
+        gw.metric("tollgate_policy_reloads_total{result=\"success\"}"),
+        1.0
+    );
+}
