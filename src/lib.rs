@@ -8,7 +8,7 @@
 //! L2  engine, headers              policies + store + clock → Decision → HTTP headers
 //! L1  store                        bucket state (embedded bounded map; the first I/O layer)
 //! L0  clock, policy, descriptor,   pure core: no I/O, no async
-//!     limiter, client_addr
+//!     limiter, client_addr, redact
 //! ```
 
 pub mod auth;
@@ -23,6 +23,7 @@ pub mod limiter;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;
+pub mod redact;
 pub mod service;
 pub mod simulate;
 pub mod store;

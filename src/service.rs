@@ -521,10 +521,12 @@ pub struct Pending {
     started: Instant,
 }
 
-/// Installs the tracing subscriber (text or JSON) and bridges Pingora's `log` records into it.
+/// Installs the tracing subscriber (text or JSON) and bridges Pingora's `log` records into it
+/// through the redactor (Pingora's debug records print whole request headers).
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let max_level = filter.max_level_hint();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -535,5 +537,45 @@ pub fn init_logging(format: LogFormat) {
     };
     if let Err(e) = result {
         eprintln!("tollgate: logging already initialised: {e}");
+        return;
     }
+    if log::set_logger(&REDACTING_LOG).is_ok() {
+        use tracing_subscriber::filter::LevelFilter;
+        log::set_max_level(match max_level {
+            Some(LevelFilter::OFF) => log::LevelFilter::Off,
+            Some(LevelFilter::ERROR) => log::LevelFilter::Error,
+            Some(LevelFilter::WARN) => log::LevelFilter::Warn,
+            Some(LevelFilter::INFO) => log::LevelFilter::Info,
+            Some(LevelFilter::DEBUG) => log::LevelFilter::Debug,
+            _ => log::LevelFilter::Trace,
+        });
+    }
+}
+
+/// Re-emits `log` records (Pingora's) as tracing events under the target `pingora`, with their
+/// text through [`crate::redact::text`].
+struct RedactingLog;
+
+static REDACTING_LOG: RedactingLog = RedactingLog;
+
+impl log::Log for RedactingLog {
+    fn enabled(&self, _metadata: &log::Metadata<'_>) -> bool {
+        // `log::max_level` already filters; the tracing filter decides the rest.
+        true
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        let text = record.args().to_string();
+        let message = crate::redact::text(&text);
+        let origin = record.target();
+        match record.level() {
+            log::Level::Error => tracing::error!(target: "pingora", origin, "{message}"),
+            log::Level::Warn => tracing::warn!(target: "pingora", origin, "{message}"),
+            log::Level::Info => tracing::info!(target: "pingora", origin, "{message}"),
+            log::Level::Debug => tracing::debug!(target: "pingora", origin, "{message}"),
+            log::Level::Trace => tracing::trace!(target: "pingora", origin, "{message}"),
+        }
+    }
+
+    fn flush(&self) {}
 }

@@ -409,7 +409,12 @@ fn rotated_jwks_keys_take_effect_with_their_algorithms() {
     let gw = Gateway::start(
         Some(TIERS),
         Some(upstream.addr),
-        &["--jwt-jwks", jwks.to_str().unwrap(), "--policy-poll-secs", "1"],
+        &[
+            "--jwt-jwks",
+            jwks.to_str().unwrap(),
+            "--policy-poll-secs",
+            "1",
+        ],
     );
     let ec_key =
         EncodingKey::from_ec_pem(&std::fs::read(fixture("ec-private.pem")).unwrap()).unwrap();
@@ -426,7 +431,10 @@ fn rotated_jwks_keys_take_effect_with_their_algorithms() {
         &claims("rs", "enterprise"),
     ));
     // Empty at start: tokens are looked at (and refused), not ignored.
-    assert_eq!(rule_of(&gw.get("/", &[("Authorization", &es)])), "anonymous");
+    assert_eq!(
+        rule_of(&gw.get("/", &[("Authorization", &es)])),
+        "anonymous"
+    );
     assert_eq!(
         gw.metric("tollgate_jwt_invalid_total{reason=\"algorithm_not_allowed\"}"),
         1.0
@@ -436,13 +444,19 @@ fn rotated_jwks_keys_take_effect_with_their_algorithms() {
     gw.wait_until(std::time::Duration::from_secs(10), || {
         rule_of(&gw.get("/", &[("Authorization", &rs)])) == "enterprise"
     });
-    assert_eq!(rule_of(&gw.get("/", &[("Authorization", &es)])), "anonymous");
+    assert_eq!(
+        rule_of(&gw.get("/", &[("Authorization", &es)])),
+        "anonymous"
+    );
     // Rotation adds an EC key: ES256 is allowed with it.
     std::fs::copy(fixture("jwks-rsa-ec.json"), &jwks).unwrap();
     gw.wait_until(std::time::Duration::from_secs(10), || {
         rule_of(&gw.get("/", &[("Authorization", &es)])) == "enterprise"
     });
-    assert_eq!(rule_of(&gw.get("/", &[("Authorization", &rs)])), "enterprise");
+    assert_eq!(
+        rule_of(&gw.get("/", &[("Authorization", &rs)])),
+        "enterprise"
+    );
     assert!(gw.log_text().contains("JWKS file changed: keys reloaded"));
     // The policy was never reloaded.
     assert_eq!(

@@ -177,7 +177,9 @@ impl Health {
         let mut last = self.last_log.lock();
         if !was_degraded || last.is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(10))
         {
-            tracing::error!(store, errors, "shared store failing open: {what}");
+            let store = crate::redact::url(store);
+            let what = crate::redact::text(what);
+            tracing::error!(store = %store, errors, "shared store failing open: {what}");
             *last = Some(std::time::Instant::now());
         }
     }
@@ -187,7 +189,7 @@ impl Health {
             .degraded
             .swap(false, std::sync::atomic::Ordering::Relaxed)
         {
-            tracing::info!(store, "shared store answering again");
+            tracing::info!(store = %crate::redact::url(store), "shared store answering again");
         }
     }
 }

@@ -79,8 +79,13 @@ impl PostgresStore {
     /// # Errors
     /// The URL is not a PostgreSQL connection string.
     pub fn new(url: String, timeout: Duration) -> Result<Arc<Self>, StoreError> {
-        url.parse::<tokio_postgres::Config>()
-            .map_err(|e| StoreError::Unavailable(format!("{url}: {e}")))?;
+        url.parse::<tokio_postgres::Config>().map_err(|e| {
+            StoreError::Unavailable(format!(
+                "{}: {}",
+                redact(&url),
+                crate::redact::text(&e.to_string())
+            ))
+        })?;
         Ok(Arc::new(PostgresStore {
             url,
             timeout,
@@ -113,7 +118,7 @@ impl PostgresStore {
                     if let Err(e) = connection.await {
                         watcher
                             .health
-                            .failed(&watcher.url, &format!("connection lost: {e}"));
+                            .failed(&redact(&watcher.url), &format!("connection lost: {e}"));
                     }
                     watcher.client.store(None);
                 });
@@ -124,7 +129,7 @@ impl PostgresStore {
                 Ok(Ok(client)) => {
                     tracing::info!(store = %redact(&store.url), "connected to PostgreSQL");
                     store.client.store(Some(Arc::new(client)));
-                    store.health.ok(&store.url);
+                    store.health.ok(&redact(&store.url));
                 }
                 Ok(Err(e)) => store
                     .health
@@ -244,16 +249,9 @@ impl PostgresStore {
     }
 }
 
-/// The URL without its password, for logs.
+/// The URL without its password, for logs (see [`crate::redact::url`]).
 fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{}{}@{}", &url[..scheme + 3], user, &url[at + 1..])
-        }
-        _ => url.to_string(),
-    }
+    crate::redact::url(url).into_owned()
 }
 
 #[cfg(test)]
@@ -264,7 +262,7 @@ mod tests {
     fn passwords_are_not_logged() {
         assert_eq!(
             redact("postgres://u:secret@db:5432/x"),
-            "postgres://u@db:5432/x"
+            "postgres://u:***@db:5432/x"
         );
         assert_eq!(redact("postgres://db/x"), "postgres://db/x");
     }

@@ -138,7 +138,13 @@ impl RedisStore {
     /// # Errors
     /// The URL is not a Redis URL.
     pub fn new(config: RedisConfig) -> Result<Arc<Self>, StoreError> {
-        let bad = |e: redis::RedisError| StoreError::Unavailable(format!("{}: {e}", config.url));
+        let bad = |e: redis::RedisError| {
+            StoreError::Unavailable(format!(
+                "{}: {}",
+                crate::redact::url(&config.url),
+                crate::redact::text(&e.to_string())
+            ))
+        };
         let client = match config.url.strip_prefix("redis+cluster://") {
             Some(nodes) => {
                 let nodes: Vec<String> = nodes
@@ -192,7 +198,7 @@ impl RedisStore {
             };
             match connected {
                 Ok(conn) => {
-                    tracing::info!(store = %store.config.url, "connected to Redis");
+                    tracing::info!(store = %crate::redact::url(&store.config.url), "connected to Redis");
                     store.conn.store(Some(Arc::new(conn)));
                     store.health.ok(&store.config.url);
                 }
@@ -420,7 +426,7 @@ impl RedisStore {
                 tokio::time::timeout(self.config.timeout, call).await,
                 Ok(Ok(_))
             ) {
-                tracing::warn!(store = %self.config.url, "refund of a refused multi-slot request failed; those buckets stay short until they refill");
+                tracing::warn!(store = %crate::redact::url(&self.config.url), "refund of a refused multi-slot request failed; those buckets stay short until they refill");
             }
         }
     }

@@ -71,6 +71,44 @@ pub fn try_request(
     parse_response(&raw)
 }
 
+/// Writes raw bytes (one or several requests, any bytes) on one connection and reads until
+/// the server closes it or `limit` passes; returns the responses parsed in order.
+pub fn raw_exchange(addr: SocketAddr, bytes: &[u8], limit: Duration) -> Vec<HttpResponse> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect");
+    stream.set_read_timeout(Some(limit)).expect("timeout");
+    stream.write_all(bytes).expect("write");
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    split_responses(&raw)
+}
+
+/// Responses one after another on a connection (`Content-Length` framed or chunked).
+pub fn split_responses(mut raw: &[u8]) -> Vec<HttpResponse> {
+    let mut out = Vec::new();
+    while let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+        let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        let end = if head.contains("transfer-encoding: chunked") {
+            let body = &raw[split + 4..];
+            body.windows(5)
+                .position(|w| w == b"0\r\n\r\n")
+                .map_or(raw.len(), |p| split + 4 + p + 5)
+        } else {
+            (split + 4 + length).min(raw.len())
+        };
+        match parse_response(&raw[..end]) {
+            Ok(r) => out.push(r),
+            Err(_) => break,
+        }
+        raw = &raw[end..];
+    }
+    out
+}
+
 fn parse_response(raw: &[u8]) -> std::io::Result<HttpResponse> {
     let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     let split = raw
@@ -161,11 +199,12 @@ fn serve_connection(conn: TcpStream, hits: &AtomicUsize) {
         let mut content_length = 0usize;
         let mut seen_headers = Vec::new();
         loop {
-            let mut line = String::new();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            // Header bytes need not be UTF-8 (obs-text is legal HTTP): read raw lines.
+            let mut raw_line = Vec::new();
+            if reader.read_until(b'\n', &mut raw_line).unwrap_or(0) == 0 {
                 return;
             }
-            let line = line.trim_end().to_string();
+            let line = String::from_utf8_lossy(&raw_line).trim_end().to_string();
             if line.is_empty() {
                 break;
             }
@@ -224,6 +263,17 @@ impl Gateway {
         upstream: Option<SocketAddr>,
         extra: &[&str],
     ) -> Gateway {
+        Self::start_with_env(host, policy, upstream, extra, &[])
+    }
+
+    /// [`Gateway::start_on`] with extra environment variables (`RUST_LOG`...).
+    pub fn start_with_env(
+        host: &str,
+        policy: Option<&str>,
+        upstream: Option<SocketAddr>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Gateway {
         let dir = tempfile::tempdir().expect("temp dir");
         let policy_path = dir.path().join("policy.json");
         if let Some(text) = policy {
@@ -251,6 +301,7 @@ impl Gateway {
             .arg("1")
             .args(extra)
             .env_remove("RUST_LOG")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::from(std::fs::File::create(&log).expect("log file")));
         if let Some(up) = upstream {

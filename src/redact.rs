@@ -1,0 +1,289 @@
+//! The one redaction point: everything that can carry a secret passes through here before it
+//! reaches a log line, an error message or a metric label.
+//!
+//! - [`url`]: store URLs lose their password (`redis://:pw@host` → `redis://:***@host`), and
+//!   `password=` query parameters their value.
+//! - [`text`]: free text (our own messages, and every record Pingora logs, at every level —
+//!   its debug lines print whole request headers) loses the values of credential-like headers
+//!   (`Authorization`, `Cookie`, `X-Api-Key`, any name with `key`, `token`, `auth`, `secret`,
+//!   `password`, `session` or `cookie` in it), anything shaped like a JWT, and URL passwords.
+//!
+//! Pure string work, no I/O.
+
+use std::borrow::Cow;
+
+/// What replaces a secret.
+pub const MASK: &str = "***";
+
+/// A URL (or a comma-separated list of them, as `redis+cluster://` takes) without passwords.
+pub fn url(url: &str) -> Cow<'_, str> {
+    if !url.contains('@') && !url.to_ascii_lowercase().contains("password=") {
+        return Cow::Borrowed(url);
+    }
+    let mut out = String::with_capacity(url.len());
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => (&url[..i + 3], &url[i + 3..]),
+        None => ("", url),
+    };
+    out.push_str(scheme);
+    for (i, part) in rest.split(',').enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        // Userinfo ends at the last `@` before the path.
+        let authority_end = part.find(['/', '?']).unwrap_or(part.len());
+        match part[..authority_end].rfind('@') {
+            Some(at) => {
+                let userinfo = &part[..at];
+                match userinfo.split_once(':') {
+                    Some((user, _)) => {
+                        out.push_str(user);
+                        out.push(':');
+                        out.push_str(MASK);
+                    }
+                    // `user@host`: Redis reads a lone userinfo as the password.
+                    None if scheme.starts_with("redis") => out.push_str(MASK),
+                    None => out.push_str(userinfo),
+                }
+                out.push_str(&mask_password_params(&part[at..]));
+            }
+            None => out.push_str(&mask_password_params(part)),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// `?password=x&a=b` → `?password=***&a=b` (case-insensitive name).
+fn mask_password_params(s: &str) -> Cow<'_, str> {
+    let lower = s.to_ascii_lowercase();
+    let Some(start) = lower.find("password=") else {
+        return Cow::Borrowed(s);
+    };
+    let value_start = start + "password=".len();
+    let value_end = s[value_start..]
+        .find(['&', '#', ' '])
+        .map_or(s.len(), |i| value_start + i);
+    Cow::Owned(format!(
+        "{}{MASK}{}",
+        &s[..value_start],
+        mask_password_params(&s[value_end..])
+    ))
+}
+
+/// Whether a header name carries credentials.
+pub fn is_secret_header(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    [
+        "authorization",
+        "cookie",
+        "key",
+        "token",
+        "auth",
+        "secret",
+        "password",
+        "session",
+    ]
+    .iter()
+    .any(|word| lower.contains(word))
+}
+
+/// Free text with secrets masked: `"x-api-key": "v"` / `x-api-key: v` header values of
+/// credential-like names, JWT-shaped tokens, and URL passwords.
+pub fn text(input: &str) -> Cow<'_, str> {
+    let has_url_secret = input.contains("://") && input.contains('@');
+    let lower = input.to_ascii_lowercase();
+    let has_header = [
+        "authorization",
+        "cookie",
+        "key",
+        "token",
+        "auth",
+        "secret",
+        "password",
+        "session",
+    ]
+    .iter()
+    .any(|w| lower.contains(w));
+    if !has_url_secret && !has_header && !input.contains("eyJ") {
+        return Cow::Borrowed(input);
+    }
+    let mut out = mask_header_values(input);
+    if out.contains("eyJ") {
+        out = mask_jwts(&out);
+    }
+    if has_url_secret {
+        out = mask_urls(&out);
+    }
+    Cow::Owned(out)
+}
+
+/// Masks the value after `name": "` or `name: ` for credential-like names. Names are read as
+/// the run of token characters before the separator.
+fn mask_header_values(input: &str) -> String {
+    let bytes = input.as_bytes();
+    let mut out = String::with_capacity(input.len());
+    let mut copied = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b':' {
+            i += 1;
+            continue;
+        }
+        // The name before the colon, maybe quoted.
+        let mut name_end = i;
+        let quoted = name_end > 0 && bytes[name_end - 1] == b'"';
+        if quoted {
+            name_end -= 1;
+        }
+        let mut name_start = name_end;
+        while name_start > 0 && is_token_byte(bytes[name_start - 1]) {
+            name_start -= 1;
+        }
+        let name = &input[name_start..name_end];
+        if name.is_empty() || !is_secret_header(name) {
+            i += 1;
+            continue;
+        }
+        // The value after the colon: `"..."` (Debug output) or up to the end of the line,
+        // a `;`-free comma list stops at `, "` (the next Debug field).
+        let mut v = i + 1;
+        while v < bytes.len() && bytes[v] == b' ' {
+            v += 1;
+        }
+        let (value_start, value_end) = if v < bytes.len() && bytes[v] == b'"' {
+            let mut e = v + 1;
+            while e < bytes.len() && bytes[e] != b'"' {
+                if bytes[e] == b'\\' {
+                    e += 1;
+                }
+                e += 1;
+            }
+            (v + 1, e.min(bytes.len()))
+        } else {
+            let e = input[v..]
+                .find(['\r', '\n', ',', '}'])
+                .map_or(bytes.len(), |x| v + x);
+            (v, e)
+        };
+        if value_end > value_start {
+            out.push_str(&input[copied..value_start]);
+            out.push_str(MASK);
+            copied = value_end;
+        }
+        i = value_end.max(i + 1);
+    }
+    out.push_str(&input[copied..]);
+    out
+}
+
+fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')
+}
+
+/// `eyJ…` followed by base64url and at least one `.`: a JWT (or a JWS/JWE piece of one).
+fn mask_jwts(input: &str) -> String {
+    let mut out = String::with_capacity(input.len());
+    let mut rest = input;
+    while let Some(at) = rest.find("eyJ") {
+        out.push_str(&rest[..at]);
+        let candidate = &rest[at..];
+        let len = candidate
+            .bytes()
+            .take_while(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'='))
+            .count();
+        if candidate[..len].contains('.') {
+            out.push_str(MASK);
+        } else {
+            out.push_str(&candidate[..len]);
+        }
+        rest = &candidate[len..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Every `scheme://…` inside free text through [`url`].
+fn mask_urls(input: &str) -> String {
+    let mut out = String::with_capacity(input.len());
+    let mut rest = input;
+    while let Some(at) = rest.find("://") {
+        // Back up over the scheme.
+        let scheme_start = rest[..at]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+            .map_or(0, |i| i + 1);
+        out.push_str(&rest[..scheme_start]);
+        let candidate = &rest[scheme_start..];
+        let len = candidate
+            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '>' | ')'))
+            .unwrap_or(candidate.len());
+        out.push_str(&url(&candidate[..len]));
+        rest = &candidate[len..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 13, attack 9: the Redis password reached the logs at connect, in start-up errors
+    /// and in every failure burst.
+    #[test]
+    fn store_urls_lose_their_passwords() {
+        assert_eq!(url("redis://:pw@host:6379/0"), "redis://:***@host:6379/0");
+        assert_eq!(url("redis://user:pw@host"), "redis://user:***@host");
+        assert_eq!(url("redis://pw@host"), "redis://***@host");
+        assert_eq!(url("rediss://:p%40ss@h:1"), "rediss://:***@h:1");
+        assert_eq!(
+            url("redis+cluster://:pw@a:1,:pw2@b:2"),
+            "redis+cluster://:***@a:1,:***@b:2"
+        );
+        assert_eq!(
+            url("postgres://u:secret@db:5432/x"),
+            "postgres://u:***@db:5432/x"
+        );
+        assert_eq!(url("postgres://u@db/x"), "postgres://u@db/x");
+        assert_eq!(
+            url("postgres://db/x?user=u&password=hunter2&sslmode=disable"),
+            "postgres://db/x?user=u&password=***&sslmode=disable"
+        );
+        assert!(matches!(url("redis://host:6379"), Cow::Borrowed(_)));
+    }
+
+    /// Issue 13, attack 9: full JWTs and API keys at `RUST_LOG=debug` (Pingora prints whole
+    /// request headers).
+    #[test]
+    fn free_text_loses_credentials() {
+        let pingora = r#"Sending header to upstream RequestHeader { base: Parts { method: GET, headers: {"host": "h", "x-api-key": "SECRETKEY123", "authorization": "Bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ4In0.sig", "cookie": "session=COOKIE", "accept": "*/*"} } }"#;
+        let out = text(pingora);
+        for secret in ["SECRETKEY123", "eyJhbGci", "COOKIE"] {
+            assert!(!out.contains(secret), "{out}");
+        }
+        assert!(
+            out.contains(r#""host": "h""#) && out.contains(r#""accept": "*/*""#),
+            "{out}"
+        );
+        assert!(out.contains(r#""x-api-key": "***""#), "{out}");
+
+        let raw = "GET / HTTP/1.1\r\nX-Customer-Token: abc\r\nHost: h\r\n";
+        assert_eq!(
+            text(raw),
+            "GET / HTTP/1.1\r\nX-Customer-Token: ***\r\nHost: h\r\n"
+        );
+        assert_eq!(
+            text("connect to redis://:pw@10.0.0.1:6379 failed"),
+            "connect to redis://:***@10.0.0.1:6379 failed"
+        );
+        assert_eq!(text("token eyJa.eyJb.c here"), "token *** here");
+        assert!(matches!(text("nothing to see"), Cow::Borrowed(_)));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn redaction_never_panics(s in ".{0,80}") {
+            let _ = url(&s);
+            let _ = text(&s);
+        }
+    }
+}
