@@ -264,7 +264,11 @@ impl SharedStore {
     /// Periodic clean-up (PostgreSQL deletes full-again rows; Redis keys expire by themselves).
     pub async fn sweep(&self, now_us: u64) -> u64 {
         match self {
-            SharedStore::Redis(_) => 0,
+            SharedStore::Redis(s) => {
+                // Redis expires its own keys; the tick keeps the clock offset fresh.
+                s.refresh_time_offset().await;
+                0
+            }
             SharedStore::Postgres(s) => s.sweep(now_us).await,
         }
     }

@@ -21,23 +21,31 @@ use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use smallvec::SmallVec;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// KEYS: bucket keys. ARGV[1] = now (µs); then per key: burst (µtokens), rate numerator and
-/// denominator (µtokens per µs, reduced), cost (µtokens), group (0 enforce, 1 shadow).
-/// Returns {enforce_ok, shadow_ok, available_1, ..., available_n}. Keys are hashes
-/// `t` (µtokens at `l`) and `l` (µs), expiring when the bucket is full again.
+/// KEYS: bucket keys. ARGV[1] = now (µs); ARGV[2] = deadline in the server's own `TIME` (µs),
+/// 0 = none; then per key: burst (µtokens), rate numerator and denominator (µtokens per µs,
+/// reduced), cost (µtokens), group (0 enforce, 1 shadow).
+/// Returns {enforce_ok, shadow_ok, available_1, ..., available_n}, or {-1} when the script ran
+/// after its deadline (the gateway had already failed the request open): then nothing is
+/// applied, so a hung Redis that resumes never charges requests that were let through free.
+/// Keys are hashes `t` (µtokens at `l`) and `l` (µs), expiring when the bucket is full again.
 /// All products stay below 2^53 for the quotas `compile` accepts with a reduced rate (see
 /// `RedisQuota`), so Lua's doubles compute exactly what the embedded store does.
 const SCRIPT: &str = r#"
 local now = tonumber(ARGV[1])
+local deadline = tonumber(ARGV[2])
+if deadline > 0 then
+  local got, t = pcall(redis.call, 'TIME')
+  if got and (tonumber(t[1]) * 1000000 + tonumber(t[2])) > deadline then return {-1} end
+end
 local n = #KEYS
 local avail, last = {}, {}
 local ok = {1, 1}
 for i = 1, n do
-  local b = 2 + (i - 1) * 5
+  local b = 3 + (i - 1) * 5
   local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local cost, group = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   local s = redis.call('HMGET', KEYS[i], 't', 'l')
@@ -56,7 +64,7 @@ for i = 1, n do
 end
 local commit = {ok[1] == 1, ok[1] == 1 and ok[2] == 1}
 for i = 1, n do
-  local b = 2 + (i - 1) * 5
+  local b = 3 + (i - 1) * 5
   local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local cost, group = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   if commit[group + 1] then
@@ -127,6 +135,19 @@ pub struct RedisStore {
     connecting: AtomicBool,
     health: Health,
     denied_hits: AtomicU64,
+    /// The server's `TIME` minus the gateway's wall clock, in µs, when measured (`TIME_UNKNOWN`
+    /// before, or where the server refuses `TIME`: then scripts carry no deadline).
+    time_offset_us: AtomicI64,
+}
+
+/// `time_offset_us` before the first measurement.
+const TIME_UNKNOWN: i64 = i64::MIN;
+
+/// The gateway's wall clock in µs since the epoch.
+fn wall_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros().min(i64::MAX as u128) as i64)
 }
 
 const DENIED_CACHE_MAX: usize = 100_000;
@@ -173,6 +194,7 @@ impl RedisStore {
             connecting: AtomicBool::new(false),
             health: Health::default(),
             denied_hits: AtomicU64::new(0),
+            time_offset_us: AtomicI64::new(TIME_UNKNOWN),
         }))
     }
 
@@ -199,6 +221,7 @@ impl RedisStore {
             match connected {
                 Ok(conn) => {
                     tracing::info!(store = %crate::redact::url(&store.config.url), "connected to Redis");
+                    store.measure_time_offset(&conn).await;
                     store.conn.store(Some(Arc::new(conn)));
                     store.health.ok(&store.config.url);
                 }
@@ -206,6 +229,56 @@ impl RedisStore {
             }
             store.connecting.store(false, Ordering::Release);
         });
+    }
+
+    /// Measures the offset between the server's `TIME` and the gateway's wall clock (at the
+    /// middle of the round trip). Called at connect and at every sweep interval. A server that
+    /// refuses `TIME` leaves scripts without a deadline (logged once).
+    async fn measure_time_offset(&self, conn: &Conn) {
+        let mut conn = conn.clone();
+        let sent = wall_us();
+        let call = async {
+            let cmd = redis::cmd("TIME");
+            match &mut conn {
+                Conn::Single(c) => cmd.query_async::<(i64, i64)>(c).await,
+                Conn::Cluster(c) => cmd.query_async::<(i64, i64)>(c).await,
+            }
+        };
+        match tokio::time::timeout(Duration::from_millis(500), call).await {
+            Ok(Ok((secs, micros))) => {
+                let received = wall_us();
+                let server = secs.saturating_mul(1_000_000).saturating_add(micros);
+                let offset = server - (sent / 2 + received / 2);
+                self.time_offset_us.store(offset, Ordering::Relaxed);
+            }
+            Ok(Err(e)) => {
+                if self.time_offset_us.load(Ordering::Relaxed) == TIME_UNKNOWN {
+                    tracing::warn!(
+                        "Redis refused TIME ({}): store calls carry no server-side deadline, so a call that outlives its timeout may still be applied",
+                        crate::redact::text(&e.to_string())
+                    );
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Refreshes the clock offset (the gateway's sweep tick).
+    pub async fn refresh_time_offset(&self) {
+        if let Some(conn) = self.conn.load_full() {
+            self.measure_time_offset(&conn).await;
+        }
+    }
+
+    /// The deadline to give a script sent now, in the server's `TIME` µs (0 = none).
+    fn script_deadline(&self) -> i64 {
+        match self.time_offset_us.load(Ordering::Relaxed) {
+            TIME_UNKNOWN => 0,
+            offset => {
+                let timeout = self.config.timeout.as_micros().min(i64::MAX as u128) as i64;
+                (wall_us() + offset).saturating_add(timeout).max(1)
+            }
+        }
     }
 
     /// Whether a connection exists (it reconnects by itself once made).
@@ -299,6 +372,7 @@ impl RedisStore {
             }
         }
         let keys = &keys;
+        let deadline = self.script_deadline();
         let calls = groups.iter().map(|(_, members)| {
             let mut conn = (*conn).clone();
             async move {
@@ -306,7 +380,7 @@ impl RedisStore {
                 for &i in members {
                     invocation.key(&keys[i]);
                 }
-                invocation.arg(now_us);
+                invocation.arg(now_us).arg(deadline);
                 for &i in members {
                     let op = &ops[i];
                     let (num, den) = reduced(&op.quota);
@@ -336,6 +410,12 @@ impl RedisStore {
         let mut failure = None;
         for ((_, members), reply) in groups.iter().zip(replies) {
             match reply {
+                Ok(values) if values.first() == Some(&-1) => {
+                    failure.get_or_insert(
+                        "the script ran past its deadline; nothing applied".to_string(),
+                    );
+                    group_ok.push((false, false));
+                }
                 Ok(values) if values.len() == members.len() + 2 => {
                     group_ok.push((values[0] == 1, values[1] == 1));
                     for (&i, value) in members.iter().zip(&values[2..]) {
