@@ -31,14 +31,11 @@ fn nginx_binary() -> &'static str {
     panic!("nginx is not installed: run `bash scripts/test.sh` (it installs nginx-light)");
 }
 
-#[test]
-fn nginx_auth_request_enforces_tollgate_decisions() {
-    let upstream = Upstream::start();
-    let gw = Gateway::start(
-        Some(&one_rule("per-ip", r#"["ip:address"]"#, 0.001, 2.0)),
-        None,
-        &[],
-    );
+/// nginx with the shipped `auth_request` example in front of `upstream`, asking `gw`.
+fn start_nginx(
+    gw: &Gateway,
+    upstream: &Upstream,
+) -> (Nginx, std::net::SocketAddr, tempfile::TempDir) {
     let prefix = tempfile::tempdir().unwrap();
     let listen = format!("127.0.0.1:{}", free_port());
     let template = std::fs::read_to_string(
@@ -73,11 +70,23 @@ fn nginx_auth_request_enforces_tollgate_decisions() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start nginx");
-    let _nginx = Nginx(child);
+    let nginx = Nginx(child);
     let addr = listen.parse().unwrap();
     gw.wait_until(Duration::from_secs(15), || {
         support::try_request(addr, "GET", "/", &[("X-Probe", "1")]).is_ok()
     });
+    (nginx, addr, prefix)
+}
+
+#[test]
+fn nginx_auth_request_enforces_tollgate_decisions() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 0.001, 2.0)),
+        None,
+        &[],
+    );
+    let (_nginx, addr, _prefix) = start_nginx(&gw, &upstream);
     // The probe above spent one token (nginx passes the client's address, 127.0.0.1).
     let r = request(addr, "GET", "/orders?page=2", &[]);
     assert_eq!(r.status, 200, "{r:?}\n{}", gw.log_text());
@@ -106,4 +115,34 @@ fn nginx_auth_request_enforces_tollgate_decisions() {
     let r = request(addr, "GET", "/orders", &[]);
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(upstream.hits(), 3);
+}
+
+/// Issue 13, attack 1, through nginx `auth_request`: nginx routes `/api%2Fllm` and friends to
+/// `/api/llm`, and tollgate (told the raw `$request_uri`) now refuses them all.
+#[test]
+fn encoded_slashes_through_nginx_never_reach_a_killed_route() {
+    let upstream = Upstream::start();
+    let policy = r#"{"bundle_version": 1, "policies": [],
+        "kill_switches": [{"scope_key": "method", "scope_value": "GET", "route": "/api/llm"}]}"#;
+    let gw = Gateway::start(Some(policy), None, &[]);
+    let (_nginx, addr, _prefix) = start_nginx(&gw, &upstream);
+    gw.wait_until(Duration::from_secs(15), || {
+        support::try_request(addr, "GET", "/ok", &[]).is_ok()
+    });
+    let hits = upstream.hits();
+    for path in [
+        "/api/llm",
+        "/api%2Fllm",
+        "/%2Fapi/llm",
+        "/api/llm%2F",
+        "/api/x%2F..%2Fllm",
+        "/api%5Cllm",
+        "//api/llm",
+        "/api/x/%2e%2e/llm",
+    ] {
+        let r = request(addr, "GET", path, &[]);
+        assert_eq!(r.status, 429, "{path}: {r:?}");
+        assert_eq!(r.header("X-Tollgate-Reason"), Some("kill_switch"), "{path}");
+    }
+    assert_eq!(upstream.hits(), hits, "no spelling reached the upstream");
 }
