@@ -36,7 +36,7 @@ fn main() {
     .expect("bundle");
     let engine = Engine::new(
         MemoryStore::new(MemoryStoreConfig {
-            max_buckets: keys as usize,
+            max_buckets: keys as usize + 1, // + the warm-up key
             ..MemoryStoreConfig::default()
         }),
         Arc::new(ManualClock::new(1_800_000_000)),
@@ -55,7 +55,13 @@ fn main() {
     let before = rss_bytes();
     for i in 0..keys {
         let ip = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i));
-        let d = engine.decide(&RequestFacts::from_uri("GET", "/", None, Some(ip), &headers));
+        let d = engine.decide(&RequestFacts::from_uri(
+            "GET",
+            "/",
+            None,
+            Some(ip),
+            &headers,
+        ));
         assert!(d.is_allowed());
     }
     let after = rss_bytes();

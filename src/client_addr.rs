@@ -174,7 +174,7 @@ mod tests {
 
     fn arb_ip() -> impl Strategy<Value = IpAddr> {
         prop_oneof![
-            any::<[u8; 4]>().prop_map(|o| IpAddr::from(o)),
+            any::<[u8; 4]>().prop_map(IpAddr::from),
             (0u8..4, any::<u8>()).prop_map(|(a, b)| IpAddr::from([10, a, b, 1])),
             any::<[u8; 16]>().prop_map(|o| canonical_ip(IpAddr::from(o))),
         ]
