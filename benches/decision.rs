@@ -8,22 +8,21 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Arc;
-use tollgate::clock::ManualClock;
+use tollgate::clock::{Clock, ManualClock};
 use tollgate::descriptor::RequestFacts;
-use tollgate::engine::{Engine, EngineConfig};
-use tollgate::policy::parse_bundle;
+use tollgate::engine::{decide_local, EngineConfig};
+use tollgate::policy::{parse_bundle, Bundle};
 use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
-fn engine(bundle: &str) -> (Engine<MemoryStore>, ManualClock) {
-    let clock = ManualClock::new(0);
-    let e = Engine::new(
+/// A bundle held the way the gateway holds it (behind an `arc_swap`), an embedded store and a
+/// manual clock.
+fn engine(bundle: &str) -> (arc_swap::ArcSwap<Bundle>, MemoryStore, ManualClock) {
+    let bundle = parse_bundle(bundle.as_bytes(), "bench").expect("bench bundle");
+    (
+        arc_swap::ArcSwap::from_pointee(bundle),
         MemoryStore::new(MemoryStoreConfig::default()),
-        Arc::new(clock.clone()),
-        EngineConfig::default(),
-    );
-    e.install(parse_bundle(bundle.as_bytes(), "bench").expect("bench bundle"));
-    (e, clock)
+        ManualClock::new(0),
+    )
 }
 
 const ONE_RULE: &str = r#"{"rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
@@ -49,22 +48,29 @@ fn bench(c: &mut Criterion) {
         .collect();
     let mut group = c.benchmark_group("decision");
     for (name, bundle) in [("1_rule_ip", ONE_RULE), ("5_rules", FIVE_RULES)] {
-        let (e, clock) = engine(bundle);
+        let (policy, store, clock) = engine(bundle);
         let mut i = 0usize;
         group.bench_function(name, |b| {
             b.iter(|| {
                 i = i.wrapping_add(1);
                 clock.advance_us(1);
-                let facts = RequestFacts {
-                    method: "GET",
-                    path: std::borrow::Cow::Borrowed("/v1/orders"),
-                    query: Some("limit=10"),
-                    host: Some("api.example.com"),
-                    client_ip: Some(ips[i & 1023]),
-                    headers: &headers,
-                    claims: None,
-                };
-                black_box(e.decide(black_box(&facts)))
+                let facts = RequestFacts::from_uri(
+                    "GET",
+                    "/v1/orders?limit=10",
+                    Some("api.example.com"),
+                    Some(ips[i & 1023]),
+                    &headers,
+                );
+                let bundle = policy.load();
+                let decision = decide_local(
+                    &bundle,
+                    black_box(&facts),
+                    &store,
+                    clock.now_us(),
+                    clock.unix_secs(),
+                    EngineConfig::default(),
+                );
+                black_box(decision.is_allowed())
             })
         });
     }

@@ -10,9 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 use tollgate::limiter::{self, BucketState, Quota, MICRO, US_PER_SEC};
-use tollgate::store::{
-    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, Store,
-};
+use tollgate::store::{BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults};
 
 /// Size of the key mix (default 65 536; `TOLLGATE_BENCH_KEYS` overrides).
 fn key_count() -> usize {
@@ -171,9 +169,9 @@ fn bench(c: &mut Criterion) {
     let stats = store.stats();
     println!(
         "memory: {} live keys, {} bytes of map storage, {:.1} bytes per live key (fail-open: {})",
-        stats.entries,
+        stats.entries.unwrap_or(0),
         store.allocated_bytes(),
-        store.allocated_bytes() as f64 / stats.entries.max(1) as f64,
+        store.allocated_bytes() as f64 / stats.entries.unwrap_or(0).max(1) as f64,
         stats.fail_open
     );
 }

@@ -7,12 +7,10 @@
 //! ```
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::Arc;
-use tollgate::clock::ManualClock;
 use tollgate::descriptor::RequestFacts;
-use tollgate::engine::{Engine, EngineConfig};
+use tollgate::engine::{decide_local, EngineConfig};
 use tollgate::policy::compile_bundle;
-use tollgate::store::{MemoryStore, MemoryStoreConfig, Store};
+use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
 fn rss_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
@@ -34,18 +32,16 @@ fn main() {
         "flood",
     )
     .expect("bundle");
-    let engine = Engine::new(
-        MemoryStore::new(MemoryStoreConfig {
-            max_buckets: keys as usize + 1, // + the warm-up key
-            ..MemoryStoreConfig::default()
-        }),
-        Arc::new(ManualClock::new(1_800_000_000)),
-        EngineConfig::default(),
-    );
-    engine.install(bundle);
+    let store = MemoryStore::new(MemoryStoreConfig {
+        max_buckets: keys as usize + 1, // + the warm-up key
+        ..MemoryStoreConfig::default()
+    });
+    let decide = |facts: &RequestFacts<'_>| {
+        decide_local(&bundle, facts, &store, 0, 0, EngineConfig::default()).is_allowed()
+    };
     let headers: Vec<(String, String)> = Vec::new();
     // Warm up allocator and thread-local buffers before the baseline.
-    let _ = engine.decide(&RequestFacts::from_uri(
+    let _ = decide(&RequestFacts::from_uri(
         "GET",
         "/",
         None,
@@ -55,23 +51,23 @@ fn main() {
     let before = rss_bytes();
     for i in 0..keys {
         let ip = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i));
-        let d = engine.decide(&RequestFacts::from_uri(
+        assert!(decide(&RequestFacts::from_uri(
             "GET",
             "/",
             None,
             Some(ip),
             &headers,
-        ));
-        assert!(d.is_allowed());
+        )));
     }
     let after = rss_bytes();
-    let stats = engine.store().stats();
+    let stats = store.stats();
+    let entries = stats.entries.unwrap_or(0);
     println!(
         "{} buckets held ({} fail-open): RSS {:.1} MiB -> {:.1} MiB, {:.1} bytes per bucket",
-        stats.entries,
+        entries,
         stats.fail_open,
         before as f64 / 1048576.0,
         after as f64 / 1048576.0,
-        (after - before) as f64 / stats.entries.max(1) as f64
+        (after - before) as f64 / entries.max(1) as f64
     );
 }

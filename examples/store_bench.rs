@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{
-    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, SharedStore, Store,
+    BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, Store,
 };
 
 fn ops(rules: usize, client: u64) -> Vec<BucketOp> {
@@ -53,7 +53,12 @@ async fn main() {
         report("embedded", rules, latencies, wall.elapsed());
     }
     for url in std::env::args().skip(1) {
-        let store = SharedStore::open(&url, Duration::from_secs(1)).expect("store url");
+        let store = Store::open(
+            &url,
+            Duration::from_secs(1),
+            std::sync::Arc::new(tollgate::clock::SystemClock::new()),
+        )
+        .expect("store url");
         store.connect_in_background();
         let start = Instant::now();
         while !store.connected() {

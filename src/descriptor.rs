@@ -71,7 +71,7 @@ pub struct RequestFacts<'a> {
     /// Host as sent (may carry a port).
     pub host: Option<&'a str>,
     pub client_ip: Option<IpAddr>,
-    pub headers: &'a dyn HeaderLookup,
+    pub headers: &'a (dyn HeaderLookup + Sync),
     /// Claims of a verified JWT, if one was presented and verified.
     pub claims: Option<&'a Claims>,
 }
@@ -87,7 +87,7 @@ impl<'a> RequestFacts<'a> {
         target: &'a str,
         host: Option<&'a str>,
         client_ip: Option<IpAddr>,
-        headers: &'a dyn HeaderLookup,
+        headers: &'a (dyn HeaderLookup + Sync),
         slashes: EncodedSlashes,
     ) -> Result<Self, EncodedSlashError> {
         let (path, query) = split_uri(target);
@@ -108,7 +108,7 @@ impl<'a> RequestFacts<'a> {
         uri: &'a str,
         host: Option<&'a str>,
         client_ip: Option<IpAddr>,
-        headers: &'a dyn HeaderLookup,
+        headers: &'a (dyn HeaderLookup + Sync),
     ) -> Self {
         let (path, query) = split_uri(uri);
         RequestFacts {

@@ -1,15 +1,17 @@
-//! The decision engine: kill switches first, then every matching policy and rule, one store
-//! call with all-or-nothing commit, and a [`Decision`] that carries everything the response
-//! headers, logs and metrics need.
+//! The decision engine, pure: a bundle, the request's facts and the wall-clock time give a
+//! [`Plan`] (kill switches, matching policies and rules, bucket keys and costs); the plan and
+//! the store's answer give a [`Decision`]. No store, no clock, no I/O inside: the caller owns
+//! the store call (synchronous for the embedded store, awaited for a shared one).
+//!
+//! A [`Decision`] borrows the bundle it was made with and carries everything headers, metrics
+//! and logs need (rule and policy names, quotas, the kill switch that fired), so none of them
+//! calls back into the engine.
 
-use crate::clock::Clock;
 use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota};
-use crate::policy::{Bundle, CostSource, Mode, OnMissing, Rule};
-use crate::store::{BucketKey, BucketOp, Group, OpResults, Store, StoreError};
-use arc_swap::{ArcSwapOption, Guard};
+use crate::policy::{Bundle, CostSource, KillSwitch, Mode, OnMissing, Rule};
+use crate::store::{BucketKey, BucketOp, Group, MemoryStore, OpResults, StoreError};
 use smallvec::SmallVec;
-use std::sync::Arc;
 
 /// `Retry-After` base for a kill switch without `expires_at`: it lasts until an operator lifts
 /// it, so clients are told to come back in a minute rather than hammer.
@@ -101,7 +103,7 @@ impl Reason {
     }
 }
 
-/// The overall answer.
+/// The overall answer, without details (tests, simulate, metrics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Allow,
@@ -112,13 +114,13 @@ pub enum Outcome {
 
 /// What happened to one applicable rule.
 #[derive(Debug, Clone)]
-pub struct RuleOutcome {
-    /// Index into [`Bundle::rules`].
-    pub rule: usize,
-    pub mode: Mode,
+pub struct RuleOutcome<'b> {
+    /// The rule (its name, policy, mode, cost source...).
+    pub rule: &'b Rule,
     /// The bucket's identity in the store (hash of `tb:<rule>:<key>`; the readable name is
-    /// rebuilt on demand by [`Engine::bucket_name`], so the hot path allocates no string).
+    /// rebuilt on demand by [`bucket_name`], so the hot path allocates no string).
     pub key: BucketKey,
+    /// The quota applied (the rule's, or a per-ID override).
     pub quota: Quota,
     pub allowed: bool,
     /// Tokens were spent from this bucket.
@@ -129,112 +131,156 @@ pub struct RuleOutcome {
     pub cost_exceeds: bool,
     /// Micro-tokens left (after spending when committed, before otherwise).
     pub tokens: u64,
-    /// Seconds until the cost is affordable (0 when allowed).
+    /// Seconds until the cost is affordable (0 when allowed or never affordable).
     pub retry_after: u64,
     /// Seconds until the bucket is full.
     pub reset: u64,
 }
 
-impl RuleOutcome {
+impl RuleOutcome<'_> {
+    pub fn mode(&self) -> Mode {
+        self.rule.mode
+    }
+
+    /// `(policy id, rule name)`.
+    pub fn names(&self) -> (&str, &str) {
+        (&self.rule.policy_id, &self.rule.name)
+    }
+
     /// Tokens left as a number.
     pub fn tokens_f64(&self) -> f64 {
         micro_to_tokens(self.tokens)
     }
 }
 
-/// The bundle a decision was made with. An `arc_swap` guard, not an `Arc` clone: taking and
-/// dropping a shared refcount on every request costs ~25 ns and bounces a cache line between
-/// cores. Keep decisions short-lived (the guard pins the bundle until dropped).
-pub type BundleGuard = Guard<Option<Arc<Bundle>>>;
-
-/// The engine's answer for one request.
-#[derive(Debug)]
-pub struct Decision {
-    pub outcome: Outcome,
-    /// The bundle the decision was made with (names for headers, logs and metrics).
-    pub bundle: Option<BundleGuard>,
+/// The rules a request was checked against.
+#[derive(Debug, Clone)]
+pub struct Checked<'b> {
+    /// The bundle the decision was made with (for metrics tables built per bundle).
+    pub bundle: &'b Bundle,
     /// Every applicable rule, enforced and shadow, in policy order.
-    pub rules: SmallVec<[RuleOutcome; 4]>,
-    /// For a rejection: `B`, the seconds the client must wait (before jitter); 0 if unknown.
-    pub retry_after: u64,
-    /// The kill switch that fired, as an index into [`Bundle::kill_switches`].
-    pub kill_switch: Option<usize>,
-    /// The rule whose missing descriptor caused a 401, or whose header was repeated (400).
-    pub missing_rule: Option<usize>,
+    pub rules: SmallVec<[RuleOutcome<'b>; 4]>,
     /// A shadow rule that would have refused the request for a missing descriptor.
-    pub shadow_missing_rule: Option<usize>,
+    pub shadow_missing: Option<&'b Rule>,
     /// The store failed and the request was allowed without limiting.
     pub store_error: bool,
 }
 
-impl Decision {
-    fn new(outcome: Outcome, bundle: Option<BundleGuard>) -> Self {
-        Decision {
-            outcome,
+impl<'b> Checked<'b> {
+    fn new(bundle: &'b Bundle) -> Self {
+        Checked {
             bundle,
             rules: SmallVec::new(),
-            retry_after: 0,
-            kill_switch: None,
-            missing_rule: None,
-            shadow_missing_rule: None,
+            shadow_missing: None,
             store_error: false,
         }
     }
+}
 
+/// What refused a request, beyond the buckets.
+#[derive(Debug, Clone, Copy)]
+pub enum Cause<'b> {
+    /// One or more enforced buckets (see the rule outcomes).
+    Buckets,
+    KillSwitch(&'b KillSwitch),
+    /// The rule whose descriptor was missing, or whose header was repeated.
+    Rule(&'b Rule),
+    /// The request itself, before any policy (an encoded slash).
+    Request,
+}
+
+/// A refusal.
+#[derive(Debug, Clone)]
+pub struct Refusal<'b> {
+    pub reason: Reason,
+    /// `B`, the seconds the client must wait (before jitter); 0 = nothing to wait for.
+    pub retry_after: u64,
+    pub cause: Cause<'b>,
+    /// The rules checked (empty unless the buckets refused).
+    pub checked: Option<Checked<'b>>,
+}
+
+/// The engine's answer for one request.
+#[derive(Debug, Clone)]
+pub enum Decision<'b> {
+    /// No valid bundle is loaded.
+    NoPolicy,
+    Allow(Checked<'b>),
+    Refuse(Refusal<'b>),
+}
+
+impl<'b> Decision<'b> {
     /// A refusal decided before any policy was looked at (a malformed request).
     pub fn refused(reason: Reason) -> Self {
-        Decision::new(Outcome::Reject(reason), None)
+        Decision::Refuse(Refusal {
+            reason,
+            retry_after: 0,
+            cause: Cause::Request,
+            checked: None,
+        })
+    }
+
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            Decision::NoPolicy => Outcome::NoPolicy,
+            Decision::Allow(_) => Outcome::Allow,
+            Decision::Refuse(r) => Outcome::Reject(r.reason),
+        }
     }
 
     pub fn is_allowed(&self) -> bool {
-        !matches!(self.outcome, Outcome::Reject(_))
+        !matches!(self, Decision::Refuse(_))
     }
 
-    /// The HTTP status: 200 allow (and no policy, for the proxy), 429/401 reject.
+    /// The HTTP status: 200 allow (and no policy, for the proxy), 429/401/400 refuse.
     pub fn status(&self) -> u16 {
-        match self.outcome {
-            Outcome::Allow | Outcome::NoPolicy => 200,
-            Outcome::Reject(reason) => reason.status(),
+        match self {
+            Decision::NoPolicy | Decision::Allow(_) => 200,
+            Decision::Refuse(r) => r.reason.status(),
         }
     }
 
-    /// The rule definition of an outcome.
-    /// The bundle in force for this decision.
-    pub fn bundle(&self) -> Option<&Bundle> {
-        self.bundle.as_ref().and_then(|g| g.as_deref())
-    }
-
-    pub fn rule_def(&self, outcome: &RuleOutcome) -> Option<&Rule> {
-        self.bundle()?.rules.get(outcome.rule)
-    }
-
-    /// `(policy id, rule name)` of an outcome.
-    pub fn names(&self, outcome: &RuleOutcome) -> (&str, &str) {
-        match self.bundle() {
-            Some(b) => match b.rules.get(outcome.rule) {
-                Some(rule) => (
-                    b.policies.get(rule.policy).map_or("", |p| p.id.as_str()),
-                    rule.name.as_str(),
-                ),
-                None => ("", ""),
-            },
-            None => ("", ""),
+    /// The rules checked, if any.
+    pub fn checked(&self) -> Option<&Checked<'b>> {
+        match self {
+            Decision::NoPolicy => None,
+            Decision::Allow(c) => Some(c),
+            Decision::Refuse(r) => r.checked.as_ref(),
         }
     }
 
-    /// The enforced rule that rejected the request with the longest wait.
-    pub fn rejecting_rule(&self) -> Option<&RuleOutcome> {
-        self.rules
+    /// Every applicable rule's outcome (empty when none was checked).
+    pub fn rules(&self) -> &[RuleOutcome<'b>] {
+        self.checked().map_or(&[], |c| c.rules.as_slice())
+    }
+
+    /// For a refusal, the seconds to wait before jitter (0: none).
+    pub fn retry_after(&self) -> u64 {
+        match self {
+            Decision::Refuse(r) => r.retry_after,
+            _ => 0,
+        }
+    }
+
+    /// The store failed and the request was allowed without limiting.
+    pub fn store_error(&self) -> bool {
+        self.checked().is_some_and(|c| c.store_error)
+    }
+
+    /// The enforced rule that refused the request with the longest wait (a never-admissible
+    /// cost first).
+    pub fn rejecting_rule(&self) -> Option<&RuleOutcome<'b>> {
+        self.rules()
             .iter()
-            .filter(|r| r.mode == Mode::Enforce && !r.allowed)
+            .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed)
             .max_by_key(|r| (r.cost_exceeds, r.retry_after))
     }
 
-    /// Shadow rules that would have rejected.
-    pub fn shadow_rejections(&self) -> impl Iterator<Item = &RuleOutcome> {
-        self.rules
+    /// Shadow rules that would have refused.
+    pub fn shadow_rejections(&self) -> impl Iterator<Item = &RuleOutcome<'b>> {
+        self.rules()
             .iter()
-            .filter(|r| r.mode == Mode::Shadow && !r.allowed)
+            .filter(|r| r.rule.mode == Mode::Shadow && !r.allowed)
     }
 }
 
@@ -242,331 +288,305 @@ impl Decision {
 // Lives for a few microseconds on the stack; boxing the larger variant would put an allocation
 // on the embedded store's hot path.
 #[allow(clippy::large_enum_variant)]
-pub enum Plan {
+pub enum Plan<'b> {
     /// Decided without the store (no policy, kill switch, missing descriptor, no rule).
-    Done(Decision),
-    /// Needs these bucket operations; give the answer to [`Engine::finish`].
-    Store(Decision, SmallVec<[BucketOp; 4]>),
+    Done(Decision<'b>),
+    /// Needs these bucket operations; give the store's answer to [`finish`].
+    Store(Pending<'b>),
 }
 
-/// The decision engine: a hot-swappable bundle, a store and a clock.
-pub struct Engine<S: Store> {
-    bundle: ArcSwapOption<Bundle>,
-    store: S,
-    clock: Arc<dyn Clock>,
+/// The bucket operations of a request, and the rule outcomes they will fill in.
+pub struct Pending<'b> {
+    pub ops: SmallVec<[BucketOp; 4]>,
+    checked: Checked<'b>,
+}
+
+/// Everything up to the store call: kill switches (at wall-clock `unix_secs`), matching policies
+/// and rules, bucket keys and costs.
+pub fn plan<'b>(
+    bundle: &'b Bundle,
+    facts: &RequestFacts<'_>,
+    unix_secs: i64,
     config: EngineConfig,
+) -> Plan<'b> {
+    let prefix = config.ipv6_prefix;
+    if !bundle.kill_switches.is_empty() {
+        // A kill switch on a header must see the same value the upstream will.
+        let repeated = bundle
+            .kill_switches
+            .iter()
+            .find(|ks| matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h)));
+        if let Some(ks) = repeated {
+            return Plan::Done(Decision::Refuse(Refusal {
+                reason: Reason::DuplicateHeader,
+                retry_after: 0,
+                cause: Cause::KillSwitch(ks),
+                checked: None,
+            }));
+        }
+        let hit = bundle
+            .kill_switches
+            .iter()
+            .find(|ks| ks.hits(facts, unix_secs, prefix));
+        if let Some(ks) = hit {
+            let wait = ks
+                .expires_at
+                .map_or(KILL_SWITCH_RETRY_SECS, |at| (at - unix_secs).max(1) as u64);
+            return Plan::Done(Decision::Refuse(Refusal {
+                reason: Reason::KillSwitch,
+                retry_after: wait,
+                cause: Cause::KillSwitch(ks),
+                checked: None,
+            }));
+        }
+    }
+
+    // Applicable rules become outcomes right away; the store fills in the verdicts.
+    let mut checked = Checked::new(bundle);
+    let mut ops: SmallVec<[BucketOp; 4]> = SmallVec::new();
+    // Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
+    let mut missing_enforce: Option<&'b Rule> = None;
+    let mut missing_shadow: Option<&'b Rule> = None;
+    // A rule reading a header the request repeats.
+    let mut repeated: Option<&'b Rule> = None;
+    'policies: for policy in bundle.policies.iter() {
+        if !policy.selector.matches(facts) {
+            continue;
+        }
+        let mut matched_conditional = false;
+        let mut consider = |rule: &'b Rule,
+                            outcomes: &mut SmallVec<[RuleOutcome<'b>; 4]>,
+                            ops: &mut SmallVec<[BucketOp; 4]>| {
+            // The key is built in a per-thread buffer: hashed, matched against overrides, and
+            // never stored.
+            let found = KEY_BUFFER.with(|buffer| {
+                let mut bucket = buffer.borrow_mut();
+                write_bucket(rule, facts, prefix, &mut bucket).then(|| {
+                    let quota = *rule.quota_for(&bucket[rule.key_prefix.len()..]);
+                    (BucketKey::of(&bucket), quota)
+                })
+            });
+            match found {
+                Some((key, quota)) => {
+                    let (cost, cost_exceeds) = match cost_of(&rule.cost, facts, &quota) {
+                        Cost::Fits(cost) => (cost, false),
+                        // One micro-token more than the bucket can ever hold: the store
+                        // refuses it whatever its state, and spends nothing anywhere.
+                        Cost::Exceeds => (quota.burst().saturating_add(1), true),
+                    };
+                    ops.push(BucketOp {
+                        key,
+                        quota,
+                        cost,
+                        group: match rule.mode {
+                            Mode::Enforce => Group::Enforce,
+                            Mode::Shadow => Group::Shadow,
+                        },
+                    });
+                    outcomes.push(RuleOutcome {
+                        rule,
+                        key,
+                        quota,
+                        allowed: true,
+                        committed: false,
+                        fail_open: false,
+                        cost_exceeds,
+                        tokens: 0,
+                        retry_after: 0,
+                        reset: 0,
+                    });
+                }
+                None if rule.on_missing == OnMissing::Reject => {
+                    let slot = match rule.mode {
+                        Mode::Enforce => &mut missing_enforce,
+                        Mode::Shadow => &mut missing_shadow,
+                    };
+                    slot.get_or_insert(rule);
+                }
+                None => {}
+            }
+        };
+        for rule in &bundle.rules[policy.rules.clone()] {
+            if repeats_header(rule, facts) {
+                repeated = Some(rule);
+                break 'policies;
+            }
+            if !rule.conditions.is_empty() {
+                if !rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
+                    continue;
+                }
+                matched_conditional = true;
+            }
+            consider(rule, &mut checked.rules, &mut ops);
+        }
+        if let Some(fallback) = policy.fallback {
+            let rule = &bundle.rules[fallback];
+            if repeats_header(rule, facts) {
+                repeated = Some(rule);
+                break 'policies;
+            }
+            if !matched_conditional && rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
+                consider(rule, &mut checked.rules, &mut ops);
+            }
+        }
+    }
+    checked.shadow_missing = missing_shadow;
+
+    let refuse_for = |reason: Reason, rule: &'b Rule| {
+        Plan::Done(Decision::Refuse(Refusal {
+            reason,
+            retry_after: 0,
+            cause: Cause::Rule(rule),
+            checked: None,
+        }))
+    };
+    if let Some(rule) = repeated {
+        return refuse_for(Reason::DuplicateHeader, rule);
+    }
+    if let Some(rule) = missing_enforce {
+        return refuse_for(Reason::MissingDescriptor, rule);
+    }
+    if ops.is_empty() {
+        return Plan::Done(Decision::Allow(checked));
+    }
+    Plan::Store(Pending { ops, checked })
 }
 
-impl<S: Store> Engine<S> {
-    pub fn new(store: S, clock: Arc<dyn Clock>, config: EngineConfig) -> Self {
-        Engine {
-            bundle: ArcSwapOption::empty(),
-            store,
-            clock,
-            config,
+/// Completes a planned decision with the store's answer (one result per op, in order). A
+/// store error fails open: the request is allowed, nothing was spent anywhere.
+pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) -> Decision<'b> {
+    let mut checked = pending.checked;
+    let results = match answer {
+        Ok(results) => results,
+        Err(_) => {
+            checked.rules.clear();
+            checked.store_error = true;
+            return Decision::Allow(checked);
         }
-    }
-
-    /// Installs a bundle (initial load or reload). Buckets are untouched: they survive reloads,
-    /// and a lowered burst caps their tokens on the next request.
-    pub fn install(&self, bundle: Bundle) {
-        self.bundle.store(Some(Arc::new(bundle)));
-    }
-
-    /// The bundle in force, if any.
-    pub fn bundle(&self) -> Option<Arc<Bundle>> {
-        self.bundle.load_full()
-    }
-
-    pub fn store(&self) -> &S {
-        &self.store
-    }
-
-    pub fn clock(&self) -> &Arc<dyn Clock> {
-        &self.clock
-    }
-
-    pub fn config(&self) -> EngineConfig {
-        self.config
-    }
-
-    /// Decides one request against the engine's own (synchronous) store.
-    pub fn decide(&self, facts: &RequestFacts<'_>) -> Decision {
-        match self.plan(facts) {
-            Plan::Done(decision) => decision,
-            Plan::Store(decision, ops) => {
-                let mut results = OpResults::new();
-                let answer = self.store.apply(self.clock.now_us(), &ops, &mut results);
-                self.finish(decision, answer.map(|()| &results))
-            }
+    };
+    let mut rejected = false;
+    let mut never_admissible = false;
+    for (outcome, r) in checked.rules.iter_mut().zip(results.iter()) {
+        let v = r.verdict;
+        if outcome.rule.mode == Mode::Enforce && !v.allowed {
+            rejected = true;
+            never_admissible |= outcome.cost_exceeds;
         }
-    }
-
-    /// Everything up to the store call: kill switches, matching policies and rules, bucket keys
-    /// and costs. The plan owns what it needs, so a networked store can be awaited before
-    /// [`Engine::finish`].
-    pub fn plan(&self, facts: &RequestFacts<'_>) -> Plan {
-        let guard = self.bundle.load();
-        let Some(bundle) = guard.as_deref() else {
-            return Plan::Done(Decision::new(Outcome::NoPolicy, None));
+        outcome.allowed = v.allowed;
+        outcome.committed = r.committed;
+        outcome.fail_open = r.fail_open;
+        // A cost that can never fit has no time to wait for.
+        outcome.retry_after = if outcome.cost_exceeds {
+            0
+        } else {
+            v.retry_after_secs
         };
-        let prefix = self.config.ipv6_prefix;
-
-        if !bundle.kill_switches.is_empty() {
-            // A kill switch on a header must see the same value the upstream will.
-            let repeated = bundle.kill_switches.iter().any(
-                |ks| matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h)),
+        if r.committed {
+            outcome.tokens = v.remaining;
+            outcome.reset = v.reset_secs();
+        } else {
+            // Nothing spent: report the bucket as it stands.
+            outcome.tokens = v.available;
+            outcome.reset = crate::limiter::ceil_secs(
+                outcome
+                    .quota
+                    .time_to_gain_us(outcome.quota.burst() - v.available),
             );
-            if repeated {
-                return Plan::Done(Decision::new(
-                    Outcome::Reject(Reason::DuplicateHeader),
-                    Some(guard),
-                ));
-            }
-            let unix = self.clock.unix_secs();
-            let hit = bundle
-                .kill_switches
-                .iter()
-                .enumerate()
-                .find(|(_, ks)| ks.hits(facts, unix, prefix))
-                .map(|(i, ks)| {
-                    let wait = ks
-                        .expires_at
-                        .map_or(KILL_SWITCH_RETRY_SECS, |at| (at - unix).max(1) as u64);
-                    (i, wait)
-                });
-            if let Some((i, retry_after)) = hit {
-                let mut d = Decision::new(Outcome::Reject(Reason::KillSwitch), Some(guard));
-                d.kill_switch = Some(i);
-                d.retry_after = retry_after;
-                return Plan::Done(d);
-            }
         }
+    }
+    if never_admissible {
+        return Decision::Refuse(Refusal {
+            reason: Reason::CostExceedsLimit,
+            retry_after: 0,
+            cause: Cause::Buckets,
+            checked: Some(checked),
+        });
+    }
+    if rejected {
+        let retry_after = checked
+            .rules
+            .iter()
+            .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed)
+            .map(|r| r.retry_after)
+            .max()
+            .unwrap_or(1);
+        return Decision::Refuse(Refusal {
+            reason: Reason::TokenBucketExceeded,
+            retry_after,
+            cause: Cause::Buckets,
+            checked: Some(checked),
+        });
+    }
+    Decision::Allow(checked)
+}
 
-        // Applicable rules become outcomes right away; the store fills in the verdicts.
-        let mut decision = Decision::new(Outcome::Allow, None);
-        let mut ops: SmallVec<[BucketOp; 4]> = SmallVec::new();
-        // Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
-        let mut missing_enforce: Option<usize> = None;
-        let mut missing_shadow: Option<usize> = None;
-        // A rule reading a header the request repeats.
-        let mut repeated: Option<usize> = None;
-        'policies: for policy in bundle.policies.iter() {
-            if !policy.selector.matches(facts) {
-                continue;
+/// Decides against an embedded store now: plan, one synchronous store call, finish.
+pub fn decide_local<'b>(
+    bundle: &'b Bundle,
+    facts: &RequestFacts<'_>,
+    store: &MemoryStore,
+    now_us: u64,
+    unix_secs: i64,
+    config: EngineConfig,
+) -> Decision<'b> {
+    match plan(bundle, facts, unix_secs, config) {
+        Plan::Done(decision) => decision,
+        Plan::Store(pending) => {
+            let mut results = OpResults::new();
+            let answer = store.apply(now_us, &pending.ops, &mut results);
+            finish(pending, answer.map(|()| &results))
+        }
+    }
+}
+
+/// The readable bucket name (`tb:<rule>:<key>`) of `rule` for this request, and where the
+/// composite key starts in it; `None` when the rule has no bucket for this request (a
+/// descriptor is missing and the rule does not share one).
+pub fn bucket_name(
+    rule: &Rule,
+    facts: &RequestFacts<'_>,
+    config: EngineConfig,
+) -> Option<(String, usize)> {
+    let mut bucket = String::new();
+    write_bucket(rule, facts, config.ipv6_prefix, &mut bucket)
+        .then_some((bucket, rule.key_prefix.len()))
+}
+
+/// Writes `rule`'s bucket name for this request into `bucket` (cleared first); false when a
+/// descriptor is missing and the rule does not share a bucket for that case.
+fn write_bucket(
+    rule: &Rule,
+    facts: &RequestFacts<'_>,
+    default_v6_prefix: u8,
+    bucket: &mut String,
+) -> bool {
+    bucket.clear();
+    bucket.push_str(&rule.key_prefix);
+    for (i, descriptor) in rule.limit_keys.iter().enumerate() {
+        // The client address needs no escaping: write it straight into the key.
+        if let (Descriptor::Ip { v6_prefix }, Some(ip)) = (descriptor, facts.client_ip) {
+            if i > 0 {
+                bucket.push('|');
             }
-            let mut matched_conditional = false;
-            let mut consider = |index: usize,
-                                outcomes: &mut SmallVec<[RuleOutcome; 4]>,
-                                ops: &mut SmallVec<[BucketOp; 4]>| {
-                let rule = &bundle.rules[index];
-                // The key is built in a per-thread buffer: hashed, matched against overrides,
-                // and never stored.
-                let found = KEY_BUFFER.with(|buffer| {
-                    let mut bucket = buffer.borrow_mut();
-                    self.write_bucket(rule, facts, &mut bucket).then(|| {
-                        let quota = *rule.quota_for(&bucket[rule.key_prefix.len()..]);
-                        (BucketKey::of(&bucket), quota)
-                    })
-                });
-                match found {
-                    Some((key, quota)) => {
-                        let (cost, cost_exceeds) = match cost_of(&rule.cost, facts, &quota) {
-                            Cost::Fits(cost) => (cost, false),
-                            // One micro-token more than the bucket can ever hold: the store
-                            // refuses it whatever its state, and spends nothing anywhere.
-                            Cost::Exceeds => (quota.burst().saturating_add(1), true),
-                        };
-                        ops.push(BucketOp {
-                            key,
-                            quota,
-                            cost,
-                            group: match rule.mode {
-                                Mode::Enforce => Group::Enforce,
-                                Mode::Shadow => Group::Shadow,
-                            },
-                        });
-                        outcomes.push(RuleOutcome {
-                            rule: index,
-                            mode: rule.mode,
-                            key,
-                            quota,
-                            allowed: true,
-                            committed: false,
-                            fail_open: false,
-                            cost_exceeds,
-                            tokens: 0,
-                            retry_after: 0,
-                            reset: 0,
-                        });
+            push_ip_key(bucket, ip, v6_prefix.unwrap_or(default_v6_prefix));
+            continue;
+        }
+        match descriptor.value(facts, default_v6_prefix) {
+            Some(value) => push_key_part(bucket, i == 0, &value),
+            None => match rule.on_missing {
+                // `\0` cannot come out of `push_key_part` (it only escapes `|` and `\`), so the
+                // shared "missing" bucket never collides with a real value.
+                OnMissing::Shared => {
+                    if i > 0 {
+                        bucket.push('|');
                     }
-                    None if rule.on_missing == OnMissing::Reject => {
-                        let slot = match rule.mode {
-                            Mode::Enforce => &mut missing_enforce,
-                            Mode::Shadow => &mut missing_shadow,
-                        };
-                        slot.get_or_insert(index);
-                    }
-                    None => {}
+                    bucket.push_str("\\0");
                 }
-            };
-            for index in policy.rules.clone() {
-                let rule = &bundle.rules[index];
-                if repeats_header(rule, facts) {
-                    repeated = Some(index);
-                    break 'policies;
-                }
-                if !rule.conditions.is_empty() {
-                    if !rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
-                        continue;
-                    }
-                    matched_conditional = true;
-                }
-                consider(index, &mut decision.rules, &mut ops);
-            }
-            if let Some(fallback) = policy.fallback {
-                let rule = &bundle.rules[fallback];
-                if repeats_header(rule, facts) {
-                    repeated = Some(fallback);
-                    break 'policies;
-                }
-                if !matched_conditional && rule.conditions.iter().all(|c| c.matches(facts, prefix))
-                {
-                    consider(fallback, &mut decision.rules, &mut ops);
-                }
-            }
+                OnMissing::Skip | OnMissing::Reject => return false,
+            },
         }
-        decision.bundle = Some(guard);
-        decision.shadow_missing_rule = missing_shadow;
-
-        if let Some(rule) = repeated {
-            decision.rules.clear();
-            decision.outcome = Outcome::Reject(Reason::DuplicateHeader);
-            decision.missing_rule = Some(rule);
-            return Plan::Done(decision);
-        }
-
-        if let Some(rule) = missing_enforce {
-            decision.rules.clear();
-            decision.outcome = Outcome::Reject(Reason::MissingDescriptor);
-            decision.missing_rule = Some(rule);
-            return Plan::Done(decision);
-        }
-        if ops.is_empty() {
-            return Plan::Done(decision);
-        }
-        Plan::Store(decision, ops)
     }
-
-    /// Completes a planned decision with the store's answer (one result per op, in order).
-    /// A store error fails open: the request is allowed, nothing was spent anywhere.
-    pub fn finish(
-        &self,
-        mut decision: Decision,
-        answer: Result<&OpResults, StoreError>,
-    ) -> Decision {
-        let results = match answer {
-            Ok(results) => results,
-            Err(_) => {
-                decision.rules.clear();
-                decision.store_error = true;
-                return decision;
-            }
-        };
-        let mut rejected = false;
-        let mut never_admissible = false;
-        for (outcome, r) in decision.rules.iter_mut().zip(results.iter()) {
-            let v = r.verdict;
-            if outcome.mode == Mode::Enforce && !v.allowed {
-                rejected = true;
-                never_admissible |= outcome.cost_exceeds;
-            }
-            outcome.allowed = v.allowed;
-            outcome.committed = r.committed;
-            outcome.fail_open = r.fail_open;
-            // A cost that can never fit has no time to wait for.
-            outcome.retry_after = if outcome.cost_exceeds {
-                0
-            } else {
-                v.retry_after_secs
-            };
-            if r.committed {
-                outcome.tokens = v.remaining;
-                outcome.reset = v.reset_secs();
-            } else {
-                // Nothing spent: report the bucket as it stands.
-                outcome.tokens = v.available;
-                outcome.reset = crate::limiter::ceil_secs(
-                    outcome
-                        .quota
-                        .time_to_gain_us(outcome.quota.burst() - v.available),
-                );
-            }
-        }
-        if never_admissible {
-            decision.outcome = Outcome::Reject(Reason::CostExceedsLimit);
-            decision.retry_after = 0;
-        } else if rejected {
-            decision.outcome = Outcome::Reject(Reason::TokenBucketExceeded);
-            decision.retry_after = decision
-                .rules
-                .iter()
-                .filter(|r| r.mode == Mode::Enforce && !r.allowed)
-                .map(|r| r.retry_after)
-                .max()
-                .unwrap_or(1);
-        }
-        decision
-    }
-
-    /// The readable bucket name (`tb:<rule>:<key>`) of rule `rule` (an index into the bundle's
-    /// rules) for this request, and where the composite key starts in it; `None` when the rule
-    /// has no bucket for this request (a descriptor is missing and the rule does not share one).
-    pub fn bucket_name(&self, rule: usize, facts: &RequestFacts<'_>) -> Option<(String, usize)> {
-        let bundle = self.bundle.load();
-        let rule = bundle.as_deref()?.rules.get(rule)?;
-        let mut bucket = String::new();
-        let key_start = rule.key_prefix.len();
-        self.write_bucket(rule, facts, &mut bucket)
-            .then_some((bucket, key_start))
-    }
-
-    /// Writes `rule`'s bucket name for this request into `bucket` (cleared first); false when a
-    /// descriptor is missing and the rule does not share a bucket for that case.
-    fn write_bucket(&self, rule: &Rule, facts: &RequestFacts<'_>, bucket: &mut String) -> bool {
-        bucket.clear();
-        bucket.push_str(&rule.key_prefix);
-        for (i, descriptor) in rule.limit_keys.iter().enumerate() {
-            // The client address needs no escaping: write it straight into the key.
-            if let (Descriptor::Ip { v6_prefix }, Some(ip)) = (descriptor, facts.client_ip) {
-                if i > 0 {
-                    bucket.push('|');
-                }
-                push_ip_key(bucket, ip, v6_prefix.unwrap_or(self.config.ipv6_prefix));
-                continue;
-            }
-            match descriptor.value(facts, self.config.ipv6_prefix) {
-                Some(value) => push_key_part(bucket, i == 0, &value),
-                None => match rule.on_missing {
-                    // `\0` cannot come out of `push_key_part` (it only escapes `|` and `\`), so
-                    // the shared "missing" bucket never collides with a real value.
-                    OnMissing::Shared => {
-                        if i > 0 {
-                            bucket.push('|');
-                        }
-                        bucket.push_str("\\0");
-                    }
-                    OnMissing::Skip | OnMissing::Reject => return false,
-                },
-            }
-        }
-        true
-    }
-
-    /// Drops buckets that no longer matter; the gateway calls this periodically.
-    pub fn sweep(&self) -> u64 {
-        self.store.sweep(self.clock.now_us())
-    }
+    true
 }
 
 /// Whether a rule reads a header that the request sent on more than one line.
@@ -619,30 +639,63 @@ pub fn cost_of(source: &CostSource, facts: &RequestFacts<'_>, quota: &Quota) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
+    use crate::clock::{Clock, ManualClock};
     use crate::limiter::MICRO;
     use crate::policy::compile_bundle;
     use crate::store::{MemoryStore, MemoryStoreConfig};
     use serde_json::json;
+    use std::cell::Cell;
 
-    fn engine(bundle: serde_json::Value) -> (Engine<MemoryStore>, ManualClock) {
-        let clock = ManualClock::new(1_800_000_000);
-        let e = Engine::new(
-            MemoryStore::new(MemoryStoreConfig::default()),
-            Arc::new(clock.clone()),
-            EngineConfig::default(),
-        );
+    /// A bundle (leaked: tests only), an embedded store and a manual clock, decided the way the
+    /// gateway does.
+    struct TestEngine {
+        bundle: Cell<Option<&'static Bundle>>,
+        store: MemoryStore,
+        clock: ManualClock,
+    }
+
+    impl TestEngine {
+        fn install(&self, bundle: Bundle) {
+            self.bundle.set(Some(Box::leak(Box::new(bundle))));
+        }
+
+        fn decide(&self, facts: &RequestFacts<'_>) -> Decision<'static> {
+            match self.bundle.get() {
+                None => Decision::NoPolicy,
+                Some(bundle) => decide_local(
+                    bundle,
+                    facts,
+                    &self.store,
+                    self.clock.now_us(),
+                    self.clock.unix_secs(),
+                    EngineConfig::default(),
+                ),
+            }
+        }
+    }
+
+    fn empty_engine(wall_origin: i64) -> TestEngine {
+        TestEngine {
+            bundle: Cell::new(None),
+            store: MemoryStore::new(MemoryStoreConfig::default()),
+            clock: ManualClock::new(wall_origin),
+        }
+    }
+
+    fn engine(bundle: serde_json::Value) -> (TestEngine, ManualClock) {
+        let e = empty_engine(1_800_000_000);
         e.install(compile_bundle(&bundle, "test").unwrap());
+        let clock = e.clock.clone();
         (e, clock)
     }
 
     fn ask(
-        e: &Engine<MemoryStore>,
+        e: &TestEngine,
         method: &str,
         uri: &str,
         ip: &str,
         headers: &[(&str, &str)],
-    ) -> Decision {
+    ) -> Decision<'static> {
         let headers: Vec<(String, String)> = headers
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -658,13 +711,7 @@ mod tests {
     }
 
     /// The readable bucket name the request's `index`-th applicable rule used.
-    fn bucket(
-        e: &Engine<MemoryStore>,
-        d: &Decision,
-        index: usize,
-        ip: &str,
-        headers: &[(&str, &str)],
-    ) -> String {
+    fn bucket(d: &Decision<'_>, index: usize, ip: &str, headers: &[(&str, &str)]) -> String {
         let headers: Vec<(String, String)> = headers
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -676,7 +723,9 @@ mod tests {
             Some(ip.parse().unwrap()),
             &headers,
         );
-        e.bucket_name(d.rules[index].rule, &facts).unwrap().0
+        bucket_name(d.rules()[index].rule, &facts, EngineConfig::default())
+            .unwrap()
+            .0
     }
 
     fn tb(name: &str, keys: serde_json::Value, rps: f64, burst: f64) -> serde_json::Value {
@@ -686,14 +735,10 @@ mod tests {
 
     #[test]
     fn no_bundle_means_no_policy() {
-        let e = Engine::new(
-            MemoryStore::new(MemoryStoreConfig::default()),
-            Arc::new(ManualClock::new(0)),
-            EngineConfig::default(),
-        );
+        let e = empty_engine(0);
         let headers: Vec<(String, String)> = Vec::new();
         let d = e.decide(&RequestFacts::from_uri("GET", "/", None, None, &headers));
-        assert_eq!(d.outcome, Outcome::NoPolicy);
+        assert_eq!(d.outcome(), Outcome::NoPolicy);
     }
 
     #[test]
@@ -706,17 +751,17 @@ mod tests {
             assert!(ask(&e, "GET", "/fills", "10.0.0.1", &[]).is_allowed());
         }
         let d = ask(&e, "GET", "/fills", "10.0.0.1", &[]);
-        assert_eq!(d.outcome, Outcome::Reject(Reason::TokenBucketExceeded));
-        assert_eq!(d.rules.len(), 2);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::TokenBucketExceeded));
+        assert_eq!(d.rules().len(), 2);
         // The wide rule was refunded: 8 left, not 7.
-        assert_eq!(d.rules[0].tokens, 8 * MICRO);
-        assert!(!d.rules[0].committed);
-        assert_eq!(d.retry_after, 1);
+        assert_eq!(d.rules()[0].tokens, 8 * MICRO);
+        assert!(!d.rules()[0].committed);
+        assert_eq!(d.retry_after(), 1);
         // A path outside /fills only meets the wide rule.
         let d = ask(&e, "GET", "/fillsx", "10.0.0.1", &[]);
         assert!(d.is_allowed());
-        assert_eq!(d.rules.len(), 1);
-        assert_eq!(d.rules[0].tokens, 7 * MICRO);
+        assert_eq!(d.rules().len(), 1);
+        assert_eq!(d.rules()[0].tokens, 7 * MICRO);
     }
 
     #[test]
@@ -728,11 +773,8 @@ mod tests {
         let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
         assert!(d.is_allowed());
         assert_eq!(d.shadow_rejections().count(), 1);
-        assert_eq!(
-            bucket(&e, &d, 0, "10.0.0.1", &[]),
-            "shadow:tb:per-ip:10.0.0.1"
-        );
-        assert_eq!(d.rules[0].key, BucketKey::of("shadow:tb:per-ip:10.0.0.1"));
+        assert_eq!(bucket(&d, 0, "10.0.0.1", &[]), "shadow:tb:per-ip:10.0.0.1");
+        assert_eq!(d.rules()[0].key, BucketKey::of("shadow:tb:per-ip:10.0.0.1"));
     }
 
     #[test]
@@ -755,10 +797,10 @@ mod tests {
             "192.0.2.1",
             &[("x-api-key", "k1"), ("x-plan", "enterprise")],
         );
-        assert_eq!(d.rules.len(), 1);
-        assert_eq!(d.names(&d.rules[0]), ("tiers", "enterprise"));
+        assert_eq!(d.rules().len(), 1);
+        assert_eq!(d.rules()[0].names(), ("tiers", "enterprise"));
         let d = ask(&e, "GET", "/", "10.9.9.9", &[("x-api-key", "k1")]);
-        assert_eq!(d.names(&d.rules[0]).1, "office");
+        assert_eq!(d.rules()[0].names().1, "office");
         let d = ask(
             &e,
             "GET",
@@ -766,9 +808,9 @@ mod tests {
             "192.0.2.1",
             &[("x-api-key", "k2"), ("x-plan", "free")],
         );
-        assert_eq!(d.names(&d.rules[0]).1, "free");
+        assert_eq!(d.rules()[0].names().1, "free");
         assert_eq!(
-            bucket(&e, &d, 0, "192.0.2.1", &[("x-api-key", "k2")]),
+            bucket(&d, 0, "192.0.2.1", &[("x-api-key", "k2")]),
             "tb:free:k2"
         );
     }
@@ -780,16 +822,16 @@ mod tests {
         let (e, _) =
             engine(json!({"rules": [tb("skip", json!(["header:x-user"]), 1.0, 1.0), shared]}));
         let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
-        assert_eq!(d.rules.len(), 1);
-        assert_eq!(bucket(&e, &d, 0, "10.0.0.1", &[]), "tb:shared:\\0");
-        assert_eq!(d.rules[0].key, BucketKey::of("tb:shared:\\0"));
+        assert_eq!(d.rules().len(), 1);
+        assert_eq!(bucket(&d, 0, "10.0.0.1", &[]), "tb:shared:\\0");
+        assert_eq!(d.rules()[0].key, BucketKey::of("tb:shared:\\0"));
         // Every key-less request shares that one bucket.
         assert!(!ask(&e, "GET", "/", "10.0.0.2", &[]).is_allowed());
         let mut reject = tb("need-key", json!(["header:x-api-key"]), 1.0, 1.0);
         reject["on_missing"] = json!("reject");
         let (e, _) = engine(json!({"rules": [reject]}));
         let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
-        assert_eq!(d.outcome, Outcome::Reject(Reason::MissingDescriptor));
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::MissingDescriptor));
         assert_eq!(d.status(), 401);
         assert!(ask(&e, "GET", "/", "10.0.0.1", &[("X-Api-Key", "k")]).is_allowed());
     }
@@ -807,8 +849,8 @@ mod tests {
             "10.0.0.1",
             &[("X-Tenant-Id", "tenant-42")],
         );
-        assert_eq!(d.outcome, Outcome::Reject(Reason::KillSwitch));
-        assert_eq!(d.retry_after, 10);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::KillSwitch));
+        assert_eq!(d.retry_after(), 10);
         assert!(ask(
             &e,
             "POST",
@@ -843,11 +885,11 @@ mod tests {
              "algorithm_config": {"rps": 1, "burst": 10, "cost_source": "header:x-weight", "default_cost": 2}}
         ]}));
         let d = ask(&e, "GET", "/", "10.0.0.1", &[("X-Weight", "5")]);
-        assert_eq!(d.rules[0].tokens, 5 * MICRO);
+        assert_eq!(d.rules()[0].tokens, 5 * MICRO);
         for (i, bad) in ["", "abc", "-3", "0", "NaN", "inf"].into_iter().enumerate() {
             let ip = format!("10.0.1.{i}");
-            let before = ask(&e, "GET", "/", &ip, &[]).rules[0].tokens;
-            let after = ask(&e, "GET", "/", &ip, &[("X-Weight", bad)]).rules[0].tokens;
+            let before = ask(&e, "GET", "/", &ip, &[]).rules()[0].tokens;
+            let after = ask(&e, "GET", "/", &ip, &[("X-Weight", bad)]).rules()[0].tokens;
             assert_eq!(
                 before - after,
                 2 * MICRO,
@@ -859,11 +901,11 @@ mod tests {
              "algorithm_config": {"rps": 1, "burst": 10, "cost_source": "query:cost"}}
         ]}));
         assert_eq!(
-            ask(&e, "GET", "/x?cost=2.5", "10.0.0.1", &[]).rules[0].tokens,
+            ask(&e, "GET", "/x?cost=2.5", "10.0.0.1", &[]).rules()[0].tokens,
             7_500_000
         );
         assert_eq!(
-            ask(&e, "GET", "/x", "10.0.0.1", &[]).rules[0].tokens,
+            ask(&e, "GET", "/x", "10.0.0.1", &[]).rules()[0].tokens,
             6_500_000
         );
     }
@@ -882,7 +924,7 @@ mod tests {
             .unwrap(),
         );
         assert_eq!(
-            ask(&e, "GET", "/", "10.0.0.1", &[]).rules[0].tokens,
+            ask(&e, "GET", "/", "10.0.0.1", &[]).rules()[0].tokens,
             7 * MICRO
         );
         // Lowered burst: 7 tokens capped to 3, then one spent.
@@ -894,7 +936,7 @@ mod tests {
             .unwrap(),
         );
         assert_eq!(
-            ask(&e, "GET", "/", "10.0.0.1", &[]).rules[0].tokens,
+            ask(&e, "GET", "/", "10.0.0.1", &[]).rules()[0].tokens,
             2 * MICRO
         );
     }
@@ -907,9 +949,9 @@ mod tests {
             "overrides": [{"ids": ["10.0.0.2", "10.0.0.5"], "burst": 20, "count": 40, "period": "1s"}]}}]}),
         );
         let d = ask(&e, "POST", "/new-reg", "10.0.0.5", &[]);
-        assert_eq!(d.rules[0].quota.refill(), 40 * MICRO);
+        assert_eq!(d.rules()[0].quota.refill(), 40 * MICRO);
         let d = ask(&e, "POST", "/new-reg", "10.0.0.9", &[]);
-        assert_eq!(d.rules[0].quota.refill(), 20 * MICRO);
+        assert_eq!(d.rules()[0].quota.refill(), 20 * MICRO);
     }
 
     /// Issue 13, attack 2: a client stating a tiny cost used to pass 2 000 of 2 000 requests
@@ -937,10 +979,10 @@ mod tests {
 
         // Above the burst: refused without a Retry-After, nothing spent.
         let d = ask(&e, "GET", "/", "10.0.0.2", &[("X-Request-Weight", "21")]);
-        assert_eq!(d.outcome, Outcome::Reject(Reason::CostExceedsLimit));
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::CostExceedsLimit));
         assert_eq!(d.status(), 429);
-        assert_eq!(d.retry_after, 0);
-        assert_eq!(d.rules[0].tokens, 20 * MICRO);
+        assert_eq!(d.retry_after(), 0);
+        assert_eq!(d.rules()[0].tokens, 20 * MICRO);
         let r = build(&d, &JitterIdentity::default(), &HeaderConfig::default());
         assert!(
             r.headers.iter().all(|(n, _)| *n != "Retry-After"),
@@ -966,16 +1008,16 @@ mod tests {
                                   "default_cost": 5, "min_cost": 0.5, "max_cost": 10}}
         ]}));
         assert_eq!(
-            ask(&e, "GET", "/?w=0.1", "10.0.0.3", &[]).rules[0].tokens,
+            ask(&e, "GET", "/?w=0.1", "10.0.0.3", &[]).rules()[0].tokens,
             99_500_000
         );
         assert_eq!(
-            ask(&e, "GET", "/", "10.0.0.3", &[]).rules[0].tokens,
+            ask(&e, "GET", "/", "10.0.0.3", &[]).rules()[0].tokens,
             94_500_000
         );
         let d = ask(&e, "GET", "/?w=10.5", "10.0.0.3", &[]);
-        assert_eq!(d.outcome, Outcome::Reject(Reason::CostExceedsLimit));
-        assert_eq!(d.rules[0].tokens, 94_500_000);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::CostExceedsLimit));
+        assert_eq!(d.rules()[0].tokens, 94_500_000);
     }
 
     /// All-or-nothing: a cost that can never fit under one rule spends nothing under another.
@@ -987,10 +1029,10 @@ mod tests {
              "algorithm_config": {"rps": 1, "burst": 5, "cost_source": "header:x-w"}}
         ]}));
         let d = ask(&e, "GET", "/", "10.0.0.1", &[("X-W", "6")]);
-        assert_eq!(d.outcome, Outcome::Reject(Reason::CostExceedsLimit));
-        assert!(d.rules.iter().all(|r| !r.committed));
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::CostExceedsLimit));
+        assert!(d.rules().iter().all(|r| !r.committed));
         assert_eq!(
-            ask(&e, "GET", "/", "10.0.0.1", &[]).rules[0].tokens,
+            ask(&e, "GET", "/", "10.0.0.1", &[]).rules()[0].tokens,
             49 * MICRO
         );
     }
@@ -1011,9 +1053,9 @@ mod tests {
             "10.0.0.1",
             &[("X-Api-Key", "a"), ("x-api-key", "b")],
         );
-        assert_eq!(d.outcome, Outcome::Reject(Reason::DuplicateHeader));
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::DuplicateHeader));
         assert_eq!(d.status(), 400);
-        assert_eq!(d.rules.len(), 0, "nothing checked, nothing spent");
+        assert_eq!(d.rules().len(), 0, "nothing checked, nothing spent");
         let d = ask(
             &e,
             "GET",
@@ -1021,7 +1063,7 @@ mod tests {
             "10.0.0.1",
             &[("X-Weight", "1"), ("X-Weight", "90")],
         );
-        assert_eq!(d.outcome, Outcome::Reject(Reason::DuplicateHeader));
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::DuplicateHeader));
         // Repeating a header no rule reads is fine.
         assert!(ask(
             &e,
@@ -1042,7 +1084,7 @@ mod tests {
             "10.0.0.1",
             &[("X-Tenant-Id", "t-2"), ("X-Tenant-Id", "t-1")],
         );
-        assert_eq!(d.outcome, Outcome::Reject(Reason::DuplicateHeader));
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::DuplicateHeader));
     }
 
     /// Issue 13, attack 1: encoded slashes walked past kill switches (8 of 38 spellings).
@@ -1093,7 +1135,7 @@ mod tests {
         assert_eq!(spellings.len(), 38);
         for path in spellings {
             let d = ask(&e, "GET", path, "10.0.0.1", &[]);
-            assert_eq!(d.outcome, Outcome::Reject(Reason::KillSwitch), "{path}");
+            assert_eq!(d.outcome(), Outcome::Reject(Reason::KillSwitch), "{path}");
         }
         for path in ["/api/llmx", "/api", "/api%252Fllm", "/apillm", "/api/ll"] {
             assert!(ask(&e, "GET", path, "10.0.0.1", &[]).is_allowed(), "{path}");
@@ -1122,7 +1164,7 @@ mod tests {
                 Some("10.9.0.1".parse().unwrap()),
                 &headers,
             );
-            assert_eq!(e.decide(&facts).rules.len(), 1, "{host}");
+            assert_eq!(e.decide(&facts).rules().len(), 1, "{host}");
         }
     }
 
@@ -1135,8 +1177,8 @@ mod tests {
             "overrides": [{"ids": ["2001:db8:1::/48"], "burst": 40}]}}]}),
         );
         let d = ask(&e, "GET", "/", "2001:db8:1:7::99", &[]);
-        assert_eq!(d.rules[0].quota.burst(), 40 * MICRO);
+        assert_eq!(d.rules()[0].quota.burst(), 40 * MICRO);
         let d = ask(&e, "GET", "/", "2001:db8:2::1", &[]);
-        assert_eq!(d.rules[0].quota.burst(), 2 * MICRO);
+        assert_eq!(d.rules()[0].quota.burst(), 2 * MICRO);
     }
 }

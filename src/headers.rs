@@ -3,7 +3,7 @@
 //! for the most restrictive rule, and on refusal the status, body, reason header and
 //! `Retry-After` with deterministic per-identity jitter.
 
-use crate::engine::{Decision, Outcome, Reason, RuleOutcome};
+use crate::engine::{Decision, Reason, RuleOutcome};
 use crate::limiter::MICRO;
 use crate::policy::Mode;
 use std::fmt::Write as _;
@@ -74,13 +74,13 @@ impl Default for HeaderConfig {
     }
 }
 
-fn remaining(rule: &RuleOutcome) -> u64 {
+fn remaining(rule: &RuleOutcome<'_>) -> u64 {
     rule.tokens / MICRO
 }
 
 /// Builds the response for a decision.
 pub fn build(
-    decision: &Decision,
+    decision: &Decision<'_>,
     identity: &JitterIdentity<'_>,
     config: &HeaderConfig,
 ) -> Response {
@@ -88,20 +88,19 @@ pub fn build(
     // Enforced rules that tracked a bucket; shadow rules add nothing to the client response.
     let shown = || {
         decision
-            .rules
+            .rules()
             .iter()
-            .filter(|r| r.mode == Mode::Enforce && !r.fail_open)
+            .filter(|r| r.rule.mode == Mode::Enforce && !r.fail_open)
     };
-    let rejected = matches!(decision.outcome, Outcome::Reject(_));
+    let refusal = match decision {
+        Decision::Refuse(r) => Some(r),
+        _ => None,
+    };
 
     if shown().next().is_some() {
-        let mut policy = String::new();
-        let mut state = String::new();
+        let mut policy = String::with_capacity(64);
+        let mut state = String::with_capacity(64);
         for (i, rule) in shown().enumerate() {
-            let (_, name) = decision.names(rule);
-            // q is the burst of the quota actually applied (a per-ID override may differ
-            // from the rule's default).
-            let q = rule.quota.burst() / MICRO;
             // A cost that can never fit has no wait: `t` says when the bucket is full.
             let t = if rule.allowed || rule.cost_exceeds {
                 rule.reset
@@ -112,16 +111,27 @@ pub fn build(
                 policy.push_str(", ");
                 state.push_str(", ");
             }
-            push_sf_string(&mut policy, name);
-            let _ = write!(policy, ";q={q};w={}", rule.quota.window_secs());
-            push_sf_string(&mut state, name);
+            // q is the burst of the quota actually applied (a per-ID override may differ from
+            // the rule's default, whose item was serialised at policy load).
+            if rule.quota == rule.rule.quota {
+                policy.push_str(&rule.rule.policy_item);
+            } else {
+                policy.push_str(&rule.rule.sf_name);
+                let _ = write!(
+                    policy,
+                    ";q={};w={}",
+                    rule.quota.burst() / MICRO,
+                    rule.quota.window_secs()
+                );
+            }
+            state.push_str(&rule.rule.sf_name);
             let _ = write!(state, ";r={};t={t}", remaining(rule));
         }
         headers.push(("RateLimit-Policy", policy));
         headers.push(("RateLimit", state));
 
-        // Legacy trio: the rejecting rule, or the one with the fewest tokens left.
-        let legacy = if rejected {
+        // Legacy trio: the refusing rule, or the one with the fewest tokens left.
+        let legacy = if refusal.is_some() {
             decision.rejecting_rule().or_else(|| shown().next())
         } else {
             shown().min_by(|a, b| remaining(a).cmp(&remaining(b)).then(b.reset.cmp(&a.reset)))
@@ -131,9 +141,9 @@ pub fn build(
             if rule.cost_exceeds {
                 headers.push(("RateLimit-Remaining", remaining(rule).to_string()));
                 headers.push(("RateLimit-Reset", rule.reset.to_string()));
-            } else if rejected {
+            } else if let Some(r) = refusal {
                 headers.push(("RateLimit-Remaining", "0".to_string()));
-                headers.push(("RateLimit-Reset", decision.retry_after.max(1).to_string()));
+                headers.push(("RateLimit-Reset", r.retry_after.max(1).to_string()));
             } else {
                 headers.push(("RateLimit-Remaining", remaining(rule).to_string()));
                 headers.push(("RateLimit-Reset", rule.reset.to_string()));
@@ -141,63 +151,49 @@ pub fn build(
         }
     }
 
-    // A kill switch has no bucket, but its refusal still says when to come back.
-    if decision.outcome == Outcome::Reject(Reason::KillSwitch) {
-        headers.push(("RateLimit-Remaining", "0".to_string()));
-        headers.push(("RateLimit-Reset", decision.retry_after.max(1).to_string()));
-    }
-
-    match decision.outcome {
-        Outcome::Allow | Outcome::NoPolicy => Response {
+    let Some(refusal) = refusal else {
+        return Response {
             status: 200,
             headers,
             body: None,
-        },
-        Outcome::Reject(reason) => {
-            if decision.retry_after > 0 {
-                headers.push((
-                    "Retry-After",
-                    retry_after_with_jitter(decision.retry_after, identity).to_string(),
-                ));
-            }
-            headers.push((config.reason_header, reason.as_str().to_string()));
-            Response {
-                status: reason.status(),
-                headers,
-                body: Some(reason.body()),
-            }
-        }
+        };
+    };
+    // A kill switch has no bucket, but its refusal still says when to come back.
+    if refusal.reason == Reason::KillSwitch {
+        headers.push(("RateLimit-Remaining", "0".to_string()));
+        headers.push(("RateLimit-Reset", refusal.retry_after.max(1).to_string()));
     }
-}
-
-/// Appends a rule name as a structured-field string (`"name"`): `"` and `\` escaped,
-/// non-printable characters dropped (names come from operators, but a header must stay valid
-/// whatever they are).
-fn push_sf_string(out: &mut String, name: &str) {
-    out.push('"');
-    for c in name.chars() {
-        match c {
-            '"' | '\\' => {
-                out.push('\\');
-                out.push(c);
-            }
-            ' '..='~' => out.push(c),
-            _ => {}
-        }
+    if refusal.retry_after > 0 {
+        headers.push((
+            "Retry-After",
+            retry_after_with_jitter(refusal.retry_after, identity).to_string(),
+        ));
     }
-    out.push('"');
+    headers.push((config.reason_header, refusal.reason.as_str().to_string()));
+    Response {
+        status: refusal.reason.status(),
+        headers,
+        body: Some(refusal.reason.body()),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
     use crate::descriptor::RequestFacts;
-    use crate::engine::{Engine, EngineConfig};
-    use crate::policy::compile_bundle;
+    use crate::engine::{decide_local, EngineConfig};
+    use crate::policy::{compile_bundle, push_sf_string};
     use crate::store::{MemoryStore, MemoryStoreConfig};
     use serde_json::json;
-    use std::sync::Arc;
+
+    /// A bundle and an embedded store at time 0.
+    struct Local<'a>(&'a crate::policy::Bundle, &'a MemoryStore);
+
+    impl<'a> Local<'a> {
+        fn decide(&self, facts: &RequestFacts<'_>) -> Decision<'a> {
+            decide_local(self.0, facts, self.1, 0, 0, EngineConfig::default())
+        }
+    }
 
     fn get<'a>(r: &'a Response, name: &str) -> Option<&'a str> {
         r.headers
@@ -247,16 +243,12 @@ mod tests {
 
     #[test]
     fn headers_for_allow_and_reject() {
-        let clock = ManualClock::new(0);
-        let e = Engine::new(
-            MemoryStore::new(MemoryStoreConfig::default()),
-            Arc::new(clock.clone()),
-            EngineConfig::default(),
-        );
-        e.install(compile_bundle(&json!({"rules": [
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        let bundle = compile_bundle(&json!({"rules": [
             {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 10, "burst": 15}},
             {"name": "global", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 1000}}
-        ]}), "t").unwrap());
+        ]}), "t").unwrap();
+        let e = Local(&bundle, &store);
         let headers: Vec<(String, String)> = Vec::new();
         let ip: IpAddr = "203.0.113.7".parse().unwrap();
         let facts = RequestFacts::from_uri("GET", "/a", None, Some(ip), &headers);
@@ -307,15 +299,12 @@ mod tests {
 
     #[test]
     fn an_override_reports_its_own_burst() {
-        let e = Engine::new(
-            MemoryStore::new(MemoryStoreConfig::default()),
-            Arc::new(ManualClock::new(0)),
-            EngineConfig::default(),
-        );
-        e.install(compile_bundle(&json!({"rules": [
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        let bundle = compile_bundle(&json!({"rules": [
             {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
              "algorithm_config": {"rps": 1, "burst": 10, "overrides": [{"ids": ["10.0.0.5"], "burst": 50, "rps": 5}]}}
-        ]}), "t").unwrap());
+        ]}), "t").unwrap();
+        let e = Local(&bundle, &store);
         let headers: Vec<(String, String)> = Vec::new();
         let ip: IpAddr = "10.0.0.5".parse().unwrap();
         let facts = RequestFacts::from_uri("GET", "/", None, Some(ip), &headers);

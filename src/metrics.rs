@@ -42,9 +42,11 @@ pub struct Metrics {
     request_counters: [IntCounter; 2 + Reason::ALL.len()],
     shadow_would_reject: IntCounterVec,
     latency: Histogram,
-    store_entries: IntGauge,
-    store_evictions: IntCounter,
-    store_fail_open: IntCounter,
+    /// Registered only for a store that reports them (`None` otherwise: a fleet's shared store
+    /// has no local entries to count, and must not show a gauge stuck at 0).
+    store_entries: Option<IntGauge>,
+    store_evictions: Option<IntCounter>,
+    store_fail_open: Option<IntCounter>,
     store_errors: IntCounter,
     reloads: IntCounterVec,
     policy_info: IntGaugeVec,
@@ -62,7 +64,8 @@ fn must<T>(r: prometheus::Result<T>) -> T {
 }
 
 impl Metrics {
-    pub fn new() -> Self {
+    /// Metrics for a gateway whose store is of `store_kind` (`memory`, `redis`, `postgres`).
+    pub fn new(store_kind: &str) -> Self {
         let registry = Registry::new();
         let decisions = must(IntCounterVec::new(
             Opts::new("tollgate_decisions_total", "Rule evaluations by outcome"),
@@ -102,18 +105,30 @@ impl Metrics {
                 1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2,
             ]),
         ));
-        let store_entries = must(IntGauge::new(
-            "tollgate_store_entries",
-            "Buckets held by the store",
+        let embedded = store_kind == "memory";
+        let store_entries = embedded.then(|| {
+            must(IntGauge::new(
+                "tollgate_store_entries",
+                "Buckets held by the embedded store",
+            ))
+        });
+        let store_evictions = (embedded || store_kind == "postgres").then(|| {
+            must(IntCounter::new(
+                "tollgate_store_evictions_total",
+                "Buckets dropped by the store (full again or idle)",
+            ))
+        });
+        let store_fail_open = embedded.then(|| {
+            must(IntCounter::new(
+                "tollgate_store_fail_open_total",
+                "Requests allowed untracked because the store had no room",
+            ))
+        });
+        let store_info = must(IntGaugeVec::new(
+            Opts::new("tollgate_store_info", "The store in use (value 1)"),
+            &["kind"],
         ));
-        let store_evictions = must(IntCounter::new(
-            "tollgate_store_evictions_total",
-            "Buckets dropped by the store (full again or idle)",
-        ));
-        let store_fail_open = must(IntCounter::new(
-            "tollgate_store_fail_open_total",
-            "Requests allowed untracked because the store had no room",
-        ));
+        store_info.with_label_values(&[store_kind]).set(1);
         let store_errors = must(IntCounter::new(
             "tollgate_store_errors_total",
             "Requests allowed because the store failed (fail-open)",
@@ -150,13 +165,27 @@ impl Metrics {
             Box::new(requests.clone()),
             Box::new(shadow_would_reject.clone()),
             Box::new(latency.clone()),
-            Box::new(store_entries.clone()),
-            Box::new(store_evictions.clone()),
-            Box::new(store_fail_open.clone()),
+            Box::new(store_info),
             Box::new(store_errors.clone()),
             Box::new(reloads.clone()),
             Box::new(policy_info.clone()),
         ] {
+            must(registry.register(c));
+        }
+        for c in [
+            store_entries
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            store_evictions
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            store_fail_open
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+        ]
+        .into_iter()
+        .flatten()
+        {
             must(registry.register(c));
         }
         Metrics {
@@ -184,10 +213,7 @@ impl Metrics {
             .rules
             .iter()
             .map(|rule| {
-                let policy = bundle
-                    .policies
-                    .get(rule.policy)
-                    .map_or("", |p| p.id.as_str());
+                let policy = rule.policy_id.as_str();
                 let name = rule.name.as_str();
                 let c = |action: &str, reason: &str, mode: &str| {
                     self.decisions
@@ -231,9 +257,9 @@ impl Metrics {
     }
 
     /// Records one decision and how long it took.
-    pub fn record(&self, decision: &Decision, seconds: f64) {
+    pub fn record(&self, decision: &Decision<'_>, seconds: f64) {
         self.latency.observe(seconds);
-        let index = match decision.outcome {
+        let index = match decision.outcome() {
             Outcome::Allow => 0,
             Outcome::NoPolicy => 1,
             Outcome::Reject(reason) => {
@@ -241,41 +267,36 @@ impl Metrics {
             }
         };
         self.request_counters[index].inc();
-        if decision.store_error {
-            self.store_errors.inc();
-        }
-        let Some(bundle) = decision.bundle() else {
+        let Some(checked) = decision.checked() else {
             return;
         };
-        if let Some(index) = decision.shadow_missing_rule {
-            if let Some(rule) = bundle.rules.get(index) {
-                let policy = bundle
-                    .policies
-                    .get(rule.policy)
-                    .map_or("", |p| p.id.as_str());
-                self.decisions
-                    .with_label_values(&[
-                        policy,
-                        &rule.name,
-                        "would_reject",
-                        "missing_descriptor",
-                        "shadow",
-                    ])
-                    .inc();
-                self.shadow_would_reject
-                    .with_label_values(&[policy, &rule.name])
-                    .inc();
-            }
+        if checked.store_error {
+            self.store_errors.inc();
+        }
+        if let Some(rule) = checked.shadow_missing {
+            self.decisions
+                .with_label_values(&[
+                    &rule.policy_id,
+                    &rule.name,
+                    "would_reject",
+                    "missing_descriptor",
+                    "shadow",
+                ])
+                .inc();
+            self.shadow_would_reject
+                .with_label_values(&[&rule.policy_id, &rule.name])
+                .inc();
         }
         let table = self.per_rule.load();
         let table = table
             .as_ref()
-            .filter(|t| t.bundle == bundle as *const Bundle as usize);
-        for outcome in &decision.rules {
-            let Some(counters) = table.and_then(|t| t.rules.get(outcome.rule)) else {
+            .filter(|t| t.bundle == checked.bundle as *const Bundle as usize);
+        let allowed = decision.is_allowed();
+        for outcome in &checked.rules {
+            let rule = outcome.rule;
+            let Some(counters) = table.and_then(|t| t.rules.get(rule.index)) else {
                 // A reload raced this request: count it under labels.
-                let (policy, rule) = decision.names(outcome);
-                let (action, reason) = match (outcome.mode, outcome.allowed) {
+                let (action, reason) = match (rule.mode, outcome.allowed) {
                     (_, true) => ("allow", ""),
                     (Mode::Enforce, false) if outcome.cost_exceeds => {
                         ("reject", "cost_exceeds_limit")
@@ -284,12 +305,18 @@ impl Metrics {
                     (Mode::Shadow, false) => ("would_reject", "token_bucket_exceeded"),
                 };
                 self.decisions
-                    .with_label_values(&[policy, rule, action, reason, outcome.mode.as_str()])
+                    .with_label_values(&[
+                        &rule.policy_id,
+                        &rule.name,
+                        action,
+                        reason,
+                        rule.mode.as_str(),
+                    ])
                     .inc();
                 continue;
             };
-            match (outcome.mode, outcome.allowed) {
-                (Mode::Enforce, true) if decision.is_allowed() => counters.allow.inc(),
+            match (rule.mode, outcome.allowed) {
+                (Mode::Enforce, true) if allowed => counters.allow.inc(),
                 // Allowed by this rule, but another rule refused the request.
                 (Mode::Enforce, true) => counters.refunded.inc(),
                 (Mode::Enforce, false) if outcome.cost_exceeds => counters.reject_cost.inc(),
@@ -306,10 +333,16 @@ impl Metrics {
     /// Prometheus text, with store gauges refreshed from `stats`.
     pub fn render(&self, stats: StoreStats) -> String {
         let _serialised = self.render_lock.lock();
-        self.store_entries.set(stats.entries as i64);
+        if let (Some(gauge), Some(entries)) = (&self.store_entries, stats.entries) {
+            gauge.set(entries as i64);
+        }
         // The store keeps the running totals; counters only move forward to meet them.
-        advance_to(&self.store_evictions, stats.evictions);
-        advance_to(&self.store_fail_open, stats.fail_open);
+        if let Some(counter) = &self.store_evictions {
+            advance_to(counter, stats.evictions);
+        }
+        if let Some(counter) = &self.store_fail_open {
+            advance_to(counter, stats.fail_open);
+        }
         let mut buf = Vec::new();
         if TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
@@ -329,40 +362,37 @@ fn advance_to(counter: &IntCounter, total: u64) {
 }
 
 impl Default for Metrics {
+    /// Metrics for the embedded store.
     fn default() -> Self {
-        Self::new()
+        Self::new("memory")
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
     use crate::descriptor::RequestFacts;
-    use crate::engine::{Engine, EngineConfig};
+    use crate::engine::{decide_local, EngineConfig};
     use crate::policy::compile_bundle;
-    use crate::store::{MemoryStore, MemoryStoreConfig, Store};
+    use crate::store::{MemoryStore, MemoryStoreConfig};
     use serde_json::json;
 
     #[test]
     fn counters_move_with_decisions() {
-        let metrics = Metrics::new();
-        let engine = Engine::new(
-            MemoryStore::new(MemoryStoreConfig::default()),
-            Arc::new(ManualClock::new(0)),
-            EngineConfig::default(),
-        );
-        engine.install(compile_bundle(&json!({"bundle_version": 7, "policies": [
+        let metrics = Metrics::new("memory");
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        let bundle = Arc::new(compile_bundle(&json!({"bundle_version": 7, "policies": [
             {"id": "p", "spec": {"rules": [{"name": "r", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]}},
             {"id": "s", "spec": {"mode": "shadow", "rules": [{"name": "sh", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]}}
         ]}), "x").unwrap());
-        metrics.on_install(&engine.bundle().unwrap());
+        metrics.on_install(&bundle);
         let headers: Vec<(String, String)> = Vec::new();
         let facts = RequestFacts::from_uri("GET", "/", None, None, &headers);
         for _ in 0..3 {
-            metrics.record(&engine.decide(&facts), 1e-6);
+            let decision = decide_local(&bundle, &facts, &store, 0, 0, EngineConfig::default());
+            metrics.record(&decision, 1e-6);
         }
-        let text = metrics.render(engine.store().stats());
+        let text = metrics.render(store.stats());
         for line in [
             "tollgate_decisions_total{action=\"allow\",mode=\"enforce\",policy=\"p\",reason=\"\",rule=\"r\"} 1",
             "tollgate_decisions_total{action=\"reject\",mode=\"enforce\",policy=\"p\",reason=\"token_bucket_exceeded\",rule=\"r\"} 2",

@@ -1,6 +1,8 @@
-//! The running gateway's state, independent of Pingora: the engine and its store, metrics, the
-//! policy file and its reloads, and the request-level steps shared by the reverse proxy and the
-//! decision service (client address, decide, log, count, build the response).
+//! The running gateway's state, independent of Pingora: the bundle in force, the store, metrics,
+//! the policy file and its reloads, and the one request path shared by the reverse proxy and
+//! the decision service: [`Gateway::decide`] plans with the pure engine, asks the store
+//! (synchronously for the embedded store, awaited in place for a shared one), finishes, counts,
+//! logs and builds the response.
 
 use crate::auth::{AuthError, TokenOutcome, Verifier};
 use crate::cli::LogFormat;
@@ -8,16 +10,13 @@ use crate::client_addr::{self, ForwardingHeaders};
 use crate::clock::{wall_unix_secs, Clock, SystemClock};
 use crate::config::{Config, StoreKind};
 use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
-use crate::engine::{Decision, Engine, EngineConfig, Outcome, Plan};
+use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{load_file, Bundle, Mode, PolicyError};
-use crate::store::{
-    BucketOp, MemoryStore, MemoryStoreConfig, OpResults, SharedStore, Store, StoreError,
-};
+use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
-use smallvec::SmallVec;
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -71,13 +70,17 @@ impl HeaderLookup for HttpHeaders<'_> {
 
 /// The gateway.
 pub struct Gateway {
-    pub engine: Engine<MemoryStore>,
     pub metrics: Metrics,
     pub config: Config,
     pub header_config: HeaderConfig,
     pub verifier: Verifier,
-    /// A store shared with other gateways; `None` = the engine's embedded store.
-    pub remote: Option<Arc<SharedStore>>,
+    /// Where buckets live: the embedded store, or one shared with other gateways.
+    pub store: Store,
+    engine_config: EngineConfig,
+    /// Wall-clock time for kill-switch expiry (the store keeps its own time base).
+    clock: Arc<dyn Clock>,
+    /// The bundle in force.
+    policy: ArcSwapOption<Bundle>,
     loaded: ArcSwapOption<LoadedPolicy>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
@@ -95,32 +98,31 @@ impl Gateway {
     /// A configured JWT key file cannot be loaded, or the store URL is unusable.
     pub fn with_clock(config: Config, clock: Arc<dyn Clock>) -> Result<Self, StartError> {
         let verifier = Verifier::new(config.jwt.clone())?;
-        let remote = match &config.store {
-            StoreKind::Memory => None,
-            StoreKind::Shared(url) => Some(Arc::new(
-                SharedStore::open(url, config.store_timeout).map_err(StartError::Store)?,
-            )),
+        // One store: under `--store redis://` no embedded store is built, swept or reported.
+        let store = match &config.store {
+            StoreKind::Memory => Store::memory(
+                MemoryStoreConfig {
+                    max_buckets: config.max_buckets,
+                    idle_timeout_us: config.bucket_idle.as_micros().min(u64::MAX as u128) as u64,
+                    ..MemoryStoreConfig::default()
+                },
+                Arc::clone(&clock),
+            ),
+            StoreKind::Shared(url) => Store::open(url, config.store_timeout, Arc::clone(&clock))
+                .map_err(StartError::Store)?,
         };
-        let store = MemoryStore::new(MemoryStoreConfig {
-            max_buckets: config.max_buckets,
-            idle_timeout_us: config.bucket_idle.as_micros().min(u64::MAX as u128) as u64,
-            ..MemoryStoreConfig::default()
-        });
-        let engine = Engine::new(
-            store,
-            clock,
-            EngineConfig {
-                ipv6_prefix: config.ipv6_prefix,
-            },
-        );
         // Leaked once at start-up: response headers carry `&'static str` names.
         let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
         Ok(Gateway {
-            engine,
-            metrics: Metrics::new(),
+            metrics: Metrics::new(store.kind()),
             header_config: HeaderConfig { reason_header },
             verifier,
-            remote,
+            store,
+            engine_config: EngineConfig {
+                ipv6_prefix: config.ipv6_prefix,
+            },
+            clock,
+            policy: ArcSwapOption::empty(),
             config,
             loaded: ArcSwapOption::empty(),
             watch: Mutex::new((None, None)),
@@ -159,10 +161,11 @@ impl Gateway {
         for warning in &bundle.warnings {
             tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}");
         }
-        self.engine.install(bundle);
-        if let Some(installed) = self.engine.bundle() {
-            self.metrics.on_install(&installed);
-        }
+        // Buckets live in the store, not in the bundle: they survive the swap, and a lowered
+        // burst caps their tokens on the next request.
+        let bundle = Arc::new(bundle);
+        self.metrics.on_install(&bundle);
+        self.policy.store(Some(bundle));
         self.loaded.store(Some(Arc::new(info)));
     }
 
@@ -258,9 +261,9 @@ impl Gateway {
                     "policy_version": p.version,
                     "policy_hash": p.hash,
                     "loaded_at": p.loaded_at,
-                    "store": self.remote.as_ref().map_or("memory", |r| r.kind()),
+                    "store": self.store.kind(),
                     // A degraded store fails open; it does not make the gateway unready.
-                    "store_status": if self.remote.as_ref().is_some_and(|r| r.degraded()) { "degraded" } else { "ok" },
+                    "store_status": if self.store.degraded() { "degraded" } else { "ok" },
                 })
                 .to_string(),
             ),
@@ -300,7 +303,7 @@ impl Gateway {
     /// slash under `--encoded-slashes reject`): counted and logged like any refusal.
     pub fn refuse_early(
         &self,
-        reason: crate::engine::Reason,
+        reason: Reason,
         client_ip: Option<IpAddr>,
         host: Option<&str>,
         raw_path: &str,
@@ -311,112 +314,102 @@ impl Gateway {
             path: raw_path,
             sub: None,
         };
-        self.respond(Decision::refused(reason), &view, Instant::now())
-            .1
+        self.answer(&Decision::refused(reason), &view, Instant::now())
+            .response
     }
 
-    /// Decides a request, records metrics, logs refusals, and builds the response. With a
-    /// networked store the answer may need a store call: [`Step::Remote`], finished by
-    /// [`Gateway::complete`] (the request's borrowed facts are not needed any more).
-    pub fn begin(&self, facts: &RequestFacts<'_>) -> Step {
+    /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
+    /// on this thread without suspending; a shared store is awaited here, with the bundle held
+    /// as an `Arc` (an `arc_swap` guard must not live across a network call).
+    pub async fn decide(&self, facts: &RequestFacts<'_>) -> Answer {
         let started = Instant::now();
         let view = RequestView::of(facts);
-        let Some(remote) = &self.remote else {
-            let decision = self.engine.decide(facts);
-            return Step::Ready(self.respond(decision, &view, started));
+        let unix_secs = self.clock.unix_secs();
+        if let Backend::Memory(memory) = self.store.backend() {
+            let guard = self.policy.load();
+            let decision = match guard.as_deref() {
+                None => Decision::NoPolicy,
+                Some(bundle) => engine::decide_local(
+                    bundle,
+                    facts,
+                    memory,
+                    self.store.now_us(),
+                    unix_secs,
+                    self.engine_config,
+                ),
+            };
+            return self.answer(&decision, &view, started);
+        }
+        let Some(bundle) = self.policy.load_full() else {
+            return self.answer(&Decision::NoPolicy, &view, started);
         };
-        match self.engine.plan(facts) {
-            Plan::Done(decision) => Step::Ready(self.respond(decision, &view, started)),
-            Plan::Store(decision, ops) => Step::Remote(Box::new(Pending {
-                remote: Arc::clone(remote),
-                decision,
-                ops,
-                summary: view.to_owned(),
-                started,
-            })),
-        }
+        let decision = match engine::plan(&bundle, facts, unix_secs, self.engine_config) {
+            Plan::Done(decision) => decision,
+            Plan::Store(pending) => {
+                let mut results = OpResults::new();
+                let now_us = self.store.now_us();
+                let answer = self.store.apply(now_us, &pending.ops, &mut results).await;
+                engine::finish(pending, answer.map(|()| &results))
+            }
+        };
+        self.answer(&decision, &view, started)
     }
 
-    /// Finishes a decision that needs the networked store.
-    pub async fn complete(&self, pending: Box<Pending>) -> (Decision, Response) {
-        let Pending {
-            remote,
-            decision,
-            ops,
-            summary,
-            started,
-        } = *pending;
-        let mut results = OpResults::new();
-        let now = self.engine.clock().unix_us();
-        let answer: Result<(), StoreError> = remote.apply(now, &ops, &mut results).await;
-        if answer.is_err() && !remote.connected() {
-            remote.connect_in_background();
-        }
-        let decision = self.engine.finish(decision, answer.map(|()| &results));
-        self.respond(decision, &summary.view(), started)
-    }
-
-    fn respond(
-        &self,
-        decision: Decision,
-        view: &RequestView<'_>,
-        started: Instant,
-    ) -> (Decision, Response) {
+    fn answer(&self, decision: &Decision<'_>, view: &RequestView<'_>, started: Instant) -> Answer {
         self.metrics
-            .record(&decision, started.elapsed().as_secs_f64());
+            .record(decision, started.elapsed().as_secs_f64());
         let identity = JitterIdentity {
             sub: view.sub,
             ip: view.client_ip,
             path: view.path,
         };
-        let response = headers::build(&decision, &identity, &self.header_config);
-        log_decision(&decision, view, response.status);
-        (decision, response)
+        let response = headers::build(decision, &identity, &self.header_config);
+        log_decision(decision, view, response.status);
+        Answer {
+            allowed: decision.is_allowed(),
+            no_policy: matches!(decision, Decision::NoPolicy),
+            response,
+        }
     }
 
-    /// Drops buckets that are full again or idle.
-    pub fn sweep(&self) -> u64 {
-        self.engine.sweep()
+    /// Drops buckets that no longer matter (see [`Store::sweep`]).
+    pub async fn sweep(&self) -> u64 {
+        self.store.sweep().await
     }
 
     pub fn metrics_text(&self) -> String {
-        self.metrics.render(self.engine.store().stats())
+        self.metrics.render(self.store.stats())
     }
+}
+
+/// What a front end needs to answer a request.
+#[derive(Debug)]
+pub struct Answer {
+    /// Forward it (allowed, or no policy loaded: the proxy fails open).
+    pub allowed: bool,
+    /// No valid bundle is loaded (the decision service answers 503).
+    pub no_policy: bool,
+    /// Status, headers and body of a refusal; headers to add upstream on allow.
+    pub response: Response,
 }
 
 /// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
 /// Nothing for allowed requests.
-fn log_decision(decision: &Decision, facts: &RequestView<'_>, status: u16) {
+fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
     let client_ip = facts
         .client_ip
         .map_or_else(|| "-".to_string(), |ip| ip.to_string());
     let host = facts.host.unwrap_or("-");
-    if let Outcome::Reject(reason) = decision.outcome {
-        let (policy, rule) = match (
-            decision.rejecting_rule(),
-            decision.missing_rule,
-            decision.kill_switch,
-        ) {
-            (Some(r), _, _) => decision.names(r),
-            (None, Some(index), _) => decision
-                .bundle()
-                .and_then(|b| {
-                    b.rules.get(index).map(|r| {
-                        (
-                            b.policies.get(r.policy).map_or("", |p| p.id.as_str()),
-                            r.name.as_str(),
-                        )
-                    })
-                })
-                .unwrap_or(("", "")),
-            (None, None, Some(_)) => ("kill_switch", ""),
-            _ => ("", ""),
+    if let Decision::Refuse(refusal) = decision {
+        let (policy, rule, detail) = match refusal.cause {
+            Cause::Buckets => decision.rejecting_rule().map_or(("", "", ""), |r| {
+                (r.rule.policy_id.as_str(), r.rule.name.as_str(), "")
+            }),
+            Cause::Rule(rule) => (rule.policy_id.as_str(), rule.name.as_str(), ""),
+            Cause::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_str()),
+            Cause::Request => ("", "", ""),
         };
-        let detail = decision
-            .kill_switch
-            .and_then(|i| decision.bundle()?.kill_switches.get(i))
-            .map_or("", |ks| ks.reason.as_str());
-        let reason = reason.as_str();
+        let reason = refusal.reason.as_str();
         if detail.is_empty() {
             tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status,
                 policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", "RATE_LIMIT");
@@ -425,26 +418,24 @@ fn log_decision(decision: &Decision, facts: &RequestView<'_>, status: u16) {
                 policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", detail = %detail, "RATE_LIMIT");
         }
     }
-    if let Some(index) = decision.shadow_missing_rule {
-        if let Some(rule) = decision.bundle().and_then(|b| b.rules.get(index)) {
-            let policy = decision
-                .bundle()
-                .and_then(|b| b.policies.get(rule.policy))
-                .map_or("", |p| p.id.as_str());
-            tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status = 401u16,
-                policy = %policy, rule = %rule.name, reason = %"missing_descriptor", mode = %"shadow", "RATE_LIMIT");
-        }
+    if let Some(rule) = decision.checked().and_then(|c| c.shadow_missing) {
+        tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status = 401u16,
+            policy = %rule.policy_id, rule = %rule.name, reason = %"missing_descriptor", mode = %"shadow", "RATE_LIMIT");
     }
     for shadow in decision.shadow_rejections() {
-        let (policy, rule) = decision.names(shadow);
+        let reason = if shadow.cost_exceeds {
+            Reason::CostExceedsLimit
+        } else {
+            Reason::TokenBucketExceeded
+        };
         tracing::info!(
             client_ip = %client_ip,
             host = %host,
             path = %facts.path,
             status = 429u16,
-            policy = %policy,
-            rule = %rule,
-            reason = %"token_bucket_exceeded",
+            policy = %shadow.rule.policy_id,
+            rule = %shadow.rule.name,
+            reason = %reason.as_str(),
             mode = %Mode::Shadow.as_str(),
             "RATE_LIMIT"
         );
@@ -471,54 +462,6 @@ impl<'a> RequestView<'a> {
                 .and_then(|s| s.as_str()),
         }
     }
-
-    fn to_owned(&self) -> RequestSummary {
-        RequestSummary {
-            client_ip: self.client_ip,
-            host: self.host.map(str::to_string),
-            path: self.path.to_string(),
-            sub: self.sub.map(str::to_string),
-        }
-    }
-}
-
-/// [`RequestView`] owned, to outlive the request's borrowed headers across a store call.
-pub struct RequestSummary {
-    client_ip: Option<IpAddr>,
-    host: Option<String>,
-    path: String,
-    sub: Option<String>,
-}
-
-impl RequestSummary {
-    fn view(&self) -> RequestView<'_> {
-        RequestView {
-            client_ip: self.client_ip,
-            host: self.host.as_deref(),
-            path: &self.path,
-            sub: self.sub.as_deref(),
-        }
-    }
-}
-
-/// The first step of answering a request.
-// `Ready` is the embedded store's hot path: boxing it would allocate per request.
-#[allow(clippy::large_enum_variant)]
-pub enum Step {
-    Ready((Decision, Response)),
-    /// Boxed: this path pays a network round trip anyway.
-    Remote(Box<Pending>),
-    /// Refused before the engine (a malformed request).
-    Refused(Response),
-}
-
-/// A decision waiting for the networked store.
-pub struct Pending {
-    remote: Arc<SharedStore>,
-    decision: Decision,
-    ops: SmallVec<[BucketOp; 4]>,
-    summary: RequestSummary,
-    started: Instant,
 }
 
 /// Installs the tracing subscriber (text or JSON) and bridges Pingora's `log` records into it

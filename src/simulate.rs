@@ -2,9 +2,9 @@
 //! and prints one JSON line per request — the status, the headers the gateway would add, and
 //! every evaluated rule with its exact token count. Deterministic: same input, same output.
 
-use crate::clock::ManualClock;
+use crate::clock::{Clock, ManualClock};
 use crate::descriptor::RequestFacts;
-use crate::engine::{Engine, EngineConfig, Outcome};
+use crate::engine::{self, Decision, EngineConfig};
 use crate::headers::{self, HeaderConfig, JitterIdentity};
 use crate::policy::Bundle;
 use crate::store::{MemoryStore, MemoryStoreConfig};
@@ -13,7 +13,6 @@ use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
 use std::net::IpAddr;
-use std::sync::Arc;
 
 /// One input line.
 #[derive(Debug, Deserialize)]
@@ -68,12 +67,12 @@ pub fn replay(
     mut output: impl Write,
 ) -> Result<usize, SimulateError> {
     let clock = ManualClock::new(start_unix);
-    let engine = Engine::new(
-        MemoryStore::new(MemoryStoreConfig::default()),
-        Arc::new(clock.clone()),
+    let replay = Replay {
+        bundle,
+        store: MemoryStore::new(MemoryStoreConfig::default()),
+        clock: clock.clone(),
         config,
-    );
-    engine.install(bundle);
+    };
     let header_config = HeaderConfig::default();
     let mut bad_lines = 0;
     for (index, line) in input.lines().enumerate() {
@@ -84,7 +83,7 @@ pub fn replay(
         let result = match parse_line(&line) {
             Ok(request) => {
                 clock.set_secs(request.t);
-                evaluate(&engine, &request, &header_config)
+                evaluate(&replay, &request, &header_config)
             }
             Err(message) => {
                 bad_lines += 1;
@@ -105,11 +104,15 @@ fn parse_line(line: &str) -> Result<SimRequest, String> {
     Ok(request)
 }
 
-fn evaluate(
-    engine: &Engine<MemoryStore>,
-    request: &SimRequest,
-    header_config: &HeaderConfig,
-) -> Value {
+/// The bundle, the embedded store and the virtual clock of a replay.
+struct Replay {
+    bundle: Bundle,
+    store: MemoryStore,
+    clock: ManualClock,
+    config: EngineConfig,
+}
+
+fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig) -> Value {
     let ip: Option<IpAddr> = match request.ip.as_deref().map(str::parse) {
         Some(Ok(ip)) => Some(ip),
         Some(Err(_)) => return json!({"t": request.t, "error": "ip is not an IP address"}),
@@ -128,7 +131,14 @@ fn evaluate(
         &headers,
     )
     .with_claims(request.claims.as_ref());
-    let decision = engine.decide(&facts);
+    let decision = engine::decide_local(
+        &replay.bundle,
+        &facts,
+        &replay.store,
+        replay.clock.now_us(),
+        replay.clock.unix_secs(),
+        replay.config,
+    );
     let identity = JitterIdentity {
         sub: request
             .claims
@@ -139,8 +149,8 @@ fn evaluate(
         path: &facts.path,
     };
     let response = headers::build(&decision, &identity, header_config);
-    let status = match decision.outcome {
-        Outcome::NoPolicy => 503,
+    let status = match decision {
+        Decision::NoPolicy => 503,
         _ => response.status,
     };
     let mut header_map = Map::new();
@@ -148,16 +158,17 @@ fn evaluate(
         header_map.insert((*name).to_string(), Value::String(value.clone()));
     }
     let rules: Vec<Value> = decision
-        .rules
+        .rules()
         .iter()
         .map(|r| {
-            let (policy, rule) = decision.names(r);
-            let (bucket, key_start) = engine.bucket_name(r.rule, &facts).unwrap_or_default();
+            let (policy, rule) = r.names();
+            let (bucket, key_start) =
+                engine::bucket_name(r.rule, &facts, replay.config).unwrap_or_default();
             let key = &bucket[key_start.min(bucket.len())..];
             json!({
                 "policy": policy,
                 "rule": rule,
-                "mode": r.mode.as_str(),
+                "mode": r.rule.mode.as_str(),
                 "key": key,
                 "bucket": bucket,
                 "allowed": r.allowed,
@@ -167,8 +178,8 @@ fn evaluate(
             })
         })
         .collect();
-    let reason = match decision.outcome {
-        Outcome::Reject(reason) => Value::String(reason.as_str().to_string()),
+    let reason = match &decision {
+        Decision::Refuse(refusal) => Value::String(refusal.reason.as_str().to_string()),
         _ => Value::Null,
     };
     json!({

@@ -152,7 +152,7 @@ async fn seed_004_and_all_or_nothing_on_postgres() {
     assert_all_or_nothing(&store, "pg").await;
     let base = 1_800_000_000 * US_PER_SEC;
     // Full-again rows are deleted by the sweep; the others stay.
-    let deleted = store.sweep(base + 3_600 * US_PER_SEC).await;
+    let deleted = store.sweep_at(base + 3_600 * US_PER_SEC).await;
     assert!(deleted >= 2, "{deleted}");
 }
 

@@ -12,7 +12,7 @@ use support::{
     start_fleet, Gateway, Upstream,
 };
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
-use tollgate::store::{BucketOp, Group, OpResults, SharedStore};
+use tollgate::store::{Backend, BucketOp, Group, OpResults};
 
 struct RedisServer {
     child: Option<Child>,
@@ -161,7 +161,7 @@ async fn seed_004_table_on_redis_is_exact() {
     let redis = RedisServer::start();
     let store = shared_store(&redis.url()).await;
     assert_seed_vectors(&store, "tb:seed004:1.2.3.4").await;
-    let SharedStore::Redis(redis_store) = &store else {
+    let Backend::Redis(redis_store) = store.backend() else {
         unreachable!("a redis:// URL opens the Redis store")
     };
     assert_eq!(

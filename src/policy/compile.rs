@@ -412,6 +412,10 @@ impl Compiler {
             self.rule(v, &join(path, "fallback_limit"), policy_index, mode);
             (self.rules.len() > before).then_some(before)
         });
+        // Rules carry their policy's id, so headers, logs and metrics need nothing else.
+        for rule in &mut self.rules[start..] {
+            rule.policy_id.clone_from(&id);
+        }
         self.policies.push(Policy {
             id,
             selector,
@@ -765,9 +769,20 @@ impl Compiler {
                 header_names.push(h);
             }
         }
+        let mut sf_name = String::with_capacity(name.len() + 2);
+        super::push_sf_string(&mut sf_name, &name);
+        let policy_item = format!(
+            "{sf_name};q={};w={}",
+            shape.quota.burst() / MICRO,
+            shape.quota.window_secs()
+        );
         self.rules.push(Rule {
+            index: self.rules.len(),
+            sf_name,
+            policy_item,
             name,
             policy,
+            policy_id: String::new(),
             mode,
             limit_keys,
             conditions,

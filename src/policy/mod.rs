@@ -197,9 +197,13 @@ impl MatchCondition {
 /// A compiled rule.
 #[derive(Debug)]
 pub struct Rule {
+    /// Position in [`Bundle::rules`].
+    pub index: usize,
     pub name: String,
     /// Index of the owning policy in [`Bundle::policies`].
     pub policy: usize,
+    /// The owning policy's id.
+    pub policy_id: String,
     pub mode: Mode,
     pub limit_keys: Vec<Descriptor>,
     pub conditions: Vec<MatchCondition>,
@@ -213,6 +217,11 @@ pub struct Rule {
     pub on_missing: OnMissing,
     /// `tb:<name>:` or `shadow:tb:<name>:`.
     pub key_prefix: String,
+    /// The name as a structured-field string (`"per-ip"`), serialised at load for the
+    /// `RateLimit` headers.
+    pub sf_name: String,
+    /// This rule's `RateLimit-Policy` item for its own quota (`"per-ip";q=15;w=2`).
+    pub policy_item: String,
     /// Lower-case names of the request headers this rule reads (limit keys, `match`, cost):
     /// a request repeating one of them is refused rather than limited on a guess.
     pub header_names: Vec<String>,
@@ -286,6 +295,24 @@ impl KillSwitch {
                 .is_some_and(|v| v == self.value.as_str()),
         }
     }
+}
+
+/// Appends a rule name as a structured-field string (`"name"`): `"` and `\` escaped,
+/// non-printable characters dropped (names come from operators, but a header must stay valid
+/// whatever they are).
+pub fn push_sf_string(out: &mut String, name: &str) {
+    out.push('"');
+    for c in name.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => {}
+        }
+    }
+    out.push('"');
 }
 
 /// Whether an address text is an IP (used to canonicalise override IDs).

@@ -3,8 +3,8 @@
 //! `ext_authz` (method and path are the original ones), `/livez`, `/readyz`, `/metrics`.
 
 use crate::descriptor::RequestFacts;
-use crate::engine::{Outcome, Reason};
-use crate::service::{Gateway, HttpHeaders, Step};
+use crate::engine::Reason;
+use crate::service::{Answer, Gateway, HttpHeaders};
 use async_trait::async_trait;
 use http::{Response, StatusCode};
 use pingora::apps::http_app::ServeHttp;
@@ -87,24 +87,11 @@ impl ServeHttp for Admin {
                 "Method Not Allowed: use POST\n",
             ),
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
-                let step = self.begin(req, peer);
-                // With a shared store, the store call happens here.
-                let response = match step {
-                    Step::Ready((decision, response)) => {
-                        if decision.outcome == Outcome::NoPolicy {
-                            return no_policy();
-                        }
-                        response
-                    }
-                    Step::Remote(pending) => {
-                        let (decision, response) = self.gateway.complete(pending).await;
-                        if decision.outcome == Outcome::NoPolicy {
-                            return no_policy();
-                        }
-                        response
-                    }
-                    Step::Refused(response) => response,
-                };
+                let answer = self.decide(req, peer).await;
+                if answer.no_policy {
+                    return no_policy();
+                }
+                let response = answer.response;
                 let body = response.body.unwrap_or("OK");
                 reply(response.status, TEXT, &response.headers, body)
             }
@@ -114,7 +101,11 @@ impl ServeHttp for Admin {
 }
 
 impl Admin {
-    fn begin(&self, req: &pingora::http::RequestHeader, peer: Option<std::net::IpAddr>) -> Step {
+    async fn decide(
+        &self,
+        req: &pingora::http::RequestHeader,
+        peer: Option<std::net::IpAddr>,
+    ) -> Answer {
         let h = &req.headers;
         let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
         // Envoy ext_authz (HTTP) sends the original method and `path_prefix + original path`.
@@ -133,7 +124,7 @@ impl Admin {
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, h, true);
         let headers = HttpHeaders(h);
-        let facts = match RequestFacts::new(
+        match RequestFacts::new(
             method,
             uri,
             host,
@@ -141,18 +132,25 @@ impl Admin {
             &headers,
             self.gateway.config.encoded_slashes,
         ) {
-            Ok(facts) => facts,
+            Ok(facts) => {
+                let claims = self.gateway.claims(&headers);
+                self.gateway
+                    .decide(&facts.with_claims(claims.as_deref()))
+                    .await
+            }
             Err(_) => {
                 let (path, _) = crate::descriptor::split_uri(uri);
-                return Step::Refused(self.gateway.refuse_early(
-                    Reason::EncodedSlash,
-                    client_ip,
-                    host,
-                    path,
-                ));
+                Answer {
+                    allowed: false,
+                    no_policy: false,
+                    response: self.gateway.refuse_early(
+                        Reason::EncodedSlash,
+                        client_ip,
+                        host,
+                        path,
+                    ),
+                }
             }
-        };
-        let claims = self.gateway.claims(&headers);
-        self.gateway.begin(&facts.with_claims(claims.as_deref()))
+        }
     }
 }

@@ -5,7 +5,7 @@
 use crate::descriptor::RequestFacts;
 use crate::engine::Reason;
 use crate::headers::HeaderList;
-use crate::service::{Gateway, HttpHeaders, Step};
+use crate::service::{Gateway, HttpHeaders};
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -107,8 +107,7 @@ impl ProxyHttp for Proxy {
             .and_then(|a| a.as_inet())
             .map(|sa| sa.ip());
         ctx.peer = peer;
-        // Decide synchronously; nothing borrowed from the request lives across an await.
-        let step = {
+        let response = {
             let req = session.req_header();
             let headers = HttpHeaders(&req.headers);
             let client_ip = self.gateway.client_ip(peer, &req.headers, false);
@@ -131,38 +130,23 @@ impl ProxyHttp for Proxy {
             ) {
                 Ok(facts) => {
                     let claims = self.gateway.claims(&headers);
-                    self.gateway.begin(&facts.with_claims(claims.as_deref()))
+                    let answer = self
+                        .gateway
+                        .decide(&facts.with_claims(claims.as_deref()))
+                        .await;
+                    if answer.allowed {
+                        // No policy loaded: the proxy fails open (the decision service
+                        // answers 503).
+                        ctx.add_headers = answer.response.headers;
+                        return Ok(false);
+                    }
+                    answer.response
                 }
                 Err(_) => {
-                    let response = self.gateway.refuse_early(
-                        Reason::EncodedSlash,
-                        client_ip,
-                        host,
-                        req.uri.path(),
-                    );
-                    Step::Refused(response)
+                    self.gateway
+                        .refuse_early(Reason::EncodedSlash, client_ip, host, req.uri.path())
                 }
             }
-        };
-        // With a shared store, the store call happens here, after the borrowed facts are gone.
-        let response = match step {
-            Step::Ready((decision, response)) => {
-                if decision.is_allowed() {
-                    // No policy loaded: the proxy fails open (the decision service answers 503).
-                    ctx.add_headers = response.headers;
-                    return Ok(false);
-                }
-                response
-            }
-            Step::Remote(pending) => {
-                let (decision, response) = self.gateway.complete(pending).await;
-                if decision.is_allowed() {
-                    ctx.add_headers = response.headers;
-                    return Ok(false);
-                }
-                response
-            }
-            Step::Refused(response) => response,
         };
         respond(
             session,

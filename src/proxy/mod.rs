@@ -101,7 +101,8 @@ pub fn run(args: RunArgs) -> u8 {
         admin::Admin::new(Arc::clone(&gateway)),
     );
     admin.add_tcp(&config.admin_listen);
-    admin.threads = Some(1);
+    // Decisions (nginx auth_request, Envoy ext_authz) use every worker, like the proxy.
+    admin.threads = Some(config.threads);
     server.add_service(admin);
     tracing::info!(admin_listen = %config.admin_listen, "admin listener (decision service, health, metrics)");
 
@@ -169,9 +170,7 @@ impl BackgroundService for Housekeeping {
             }
         };
         // A shared store connects in the background: the gateway serves (failing open) meanwhile.
-        if let Some(remote) = &self.gateway.remote {
-            remote.connect_in_background();
-        }
+        self.gateway.store.connect_in_background();
         let poll = self
             .gateway
             .config
@@ -191,10 +190,7 @@ impl BackgroundService for Housekeeping {
                     self.gateway.reload_if_changed();
                 }
                 _ = sweep_tick.tick() => {
-                    if let Some(remote) = &self.gateway.remote {
-                        remote.sweep(self.gateway.engine.clock().unix_us()).await;
-                    }
-                    let removed = self.gateway.sweep();
+                    let removed = self.gateway.sweep().await;
                     tracing::debug!(removed, "bucket sweep");
                 }
             }

@@ -14,7 +14,7 @@
 //!   its request is allowed (fail-open) and counted. Live buckets are never evicted, so a flood
 //!   of fresh keys cannot reset anyone's limit.
 
-use super::{BucketKey, BucketOp, Group, OpResult, OpResults, Store, StoreError, StoreStats};
+use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError, StoreStats};
 use crate::limiter::{self, BucketState, US_PER_SEC};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
@@ -272,8 +272,15 @@ impl MemoryStore {
     }
 }
 
-impl Store for MemoryStore {
-    fn apply(
+impl MemoryStore {
+    /// Checks every op at `now_us` and commits each group whose ops all allow. `results` is
+    /// cleared and receives one entry per op, in op order (a caller-owned buffer: results are
+    /// not moved around on the hot path).
+    ///
+    /// # Errors
+    /// Never today (the embedded store always answers); the signature matches the shared
+    /// stores'.
+    pub fn apply(
         &self,
         now_us: u64,
         ops: &[BucketOp],
@@ -349,19 +356,17 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    fn stats(&self) -> StoreStats {
+    /// Counters only: a scrape never takes a shard lock.
+    pub fn stats(&self) -> StoreStats {
         StoreStats {
-            entries: self
-                .shards
-                .iter()
-                .map(|s| s.0.lock().map.len() as u64)
-                .sum(),
+            entries: Some(self.len.load(Ordering::Relaxed) as u64),
             evictions: self.evictions.load(Ordering::Relaxed),
             fail_open: self.fail_open.load(Ordering::Relaxed),
         }
     }
 
-    fn sweep(&self, now_us: u64) -> u64 {
+    /// Drops buckets that are full again, and idle ones when memory is short; returns how many.
+    pub fn sweep(&self, now_us: u64) -> u64 {
         let idle = self.config.idle_timeout_us;
         // Idle buckets that are not full yet still hold state (a drained client of a 300 per
         // 180 min quota must not come back to a full bucket after 5 idle minutes); they go only
@@ -460,12 +465,12 @@ mod tests {
         let r = run(&store, 0, &[op("tb:r:c", q, Group::Enforce)]);
         assert!(r[0].verdict.allowed && r[0].fail_open && !r[0].committed);
         assert_eq!(store.stats().fail_open, 1);
-        assert_eq!(store.stats().entries, 2);
+        assert_eq!(store.stats().entries, Some(2));
         // After 1 s both are full again: they are evicted and the new key is stored.
         let r = run(&store, US_PER_SEC, &[op("tb:r:c", q, Group::Enforce)]);
         assert!(r[0].committed);
         assert_eq!(store.stats().evictions, 2);
-        assert_eq!(store.stats().entries, 1);
+        assert_eq!(store.stats().entries, Some(1));
     }
 
     #[test]
@@ -483,7 +488,7 @@ mod tests {
         assert_eq!(store.sweep(301 * US_PER_SEC), 0);
         // ...until it is full again (one token per hour).
         assert_eq!(store.sweep(3_600 * US_PER_SEC), 1);
-        assert_eq!(store.stats().entries, 0);
+        assert_eq!(store.stats().entries, Some(0));
     }
 
     #[test]
@@ -571,7 +576,7 @@ mod tests {
         }
         let stats = store.stats();
         // The bound is exact, however keys fall into shards.
-        assert_eq!(stats.entries, 5_000, "{stats:?}");
+        assert_eq!(stats.entries, Some(5_000), "{stats:?}");
         assert_eq!(stats.fail_open, 15_000);
         let held: usize = store.shards.iter().map(|s| s.0.lock().map.len()).sum();
         assert_eq!(held, 5_000);

@@ -2,7 +2,10 @@
 //! ([`crate::limiter::check`]) to every bucket of one request atomically, with all-or-nothing
 //! commit per [`Group`]: either every bucket of the group is spent, or none is.
 //!
-//! The embedded [`MemoryStore`] is the default; networked stores share the same contract.
+//! [`Store`] is the one store value the gateway holds: the embedded [`MemoryStore`] (default,
+//! answered synchronously on the request's thread) or a shared Redis / PostgreSQL store
+//! (awaited), with its own time base, statistics and sweep. Every backend keeps the same
+//! contract and the same integer maths.
 
 pub mod memory;
 pub mod postgres;
@@ -12,8 +15,12 @@ pub use self::postgres::PostgresStore;
 pub use self::redis::{RedisConfig, RedisStore};
 pub use memory::{MemoryStore, MemoryStoreConfig};
 
+use crate::clock::Clock;
 use crate::limiter::{Quota, Verdict};
 use smallvec::SmallVec;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 /// A bucket's identity: the 128-bit xxHash3 of its full key (`tb:<rule>:<key>`). 128 bits make
 /// an accidental collision between two live keys negligible (≈ n²/2¹²⁹), and keep entries small.
@@ -79,34 +86,16 @@ pub enum StoreError {
     Unavailable(String),
 }
 
-/// Gauges and counters a store exposes for `/metrics`.
+/// Gauges and counters a store exposes for `/metrics`: read from counters, never by walking
+/// the map (a scrape must not take every shard lock).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StoreStats {
-    pub entries: u64,
+    /// Buckets held (the embedded store only; a shared store's size is the server's business).
+    pub entries: Option<u64>,
+    /// Buckets dropped: evicted by the embedded store, deleted by the PostgreSQL sweep.
     pub evictions: u64,
+    /// Requests allowed untracked because the embedded store had no room.
     pub fail_open: u64,
-}
-
-/// A synchronous bucket store.
-pub trait Store: Send + Sync {
-    /// Checks every op at `now_us` and commits each group whose ops all allow. `results` is
-    /// cleared and receives one entry per op, in op order (a caller-owned buffer: results are
-    /// not moved around on the hot path).
-    ///
-    /// # Errors
-    /// The store could not answer; nothing was spent.
-    fn apply(
-        &self,
-        now_us: u64,
-        ops: &[BucketOp],
-        results: &mut OpResults,
-    ) -> Result<(), StoreError>;
-
-    /// Current gauges and counters.
-    fn stats(&self) -> StoreStats;
-
-    /// Drops entries that no longer matter (full again, or idle); returns how many.
-    fn sweep(&self, now_us: u64) -> u64;
 }
 
 /// The name of a bucket in a shared store: its 128-bit hash, with its own Redis hash tag.
@@ -194,59 +183,94 @@ impl Health {
     }
 }
 
-/// A store shared by several gateways.
-pub enum SharedStore {
-    Redis(std::sync::Arc<RedisStore>),
-    Postgres(std::sync::Arc<PostgresStore>),
+/// Where the buckets live.
+pub enum Backend {
+    /// The embedded bounded map (default).
+    Memory(MemoryStore),
+    Redis(Arc<RedisStore>),
+    Postgres(Arc<PostgresStore>),
 }
 
-impl SharedStore {
-    /// `redis://`, `redis+cluster://`, `postgres://` or `postgresql://` URLs.
+/// The store in use, with its time base: the embedded store counts monotonic microseconds
+/// (immune to wall-clock steps); a shared store counts wall-clock microseconds, the only time
+/// a fleet of gateways has in common.
+pub struct Store {
+    backend: Backend,
+    clock: Arc<dyn Clock>,
+    /// Rows deleted by the PostgreSQL sweep.
+    swept: AtomicU64,
+}
+
+impl Store {
+    /// The embedded store.
+    pub fn memory(config: MemoryStoreConfig, clock: Arc<dyn Clock>) -> Store {
+        Store::with_backend(Backend::Memory(MemoryStore::new(config)), clock)
+    }
+
+    /// A shared store from its URL: `redis://`, `redis+cluster://`, `postgres://` or
+    /// `postgresql://`. It connects in the background ([`Store::connect_in_background`]).
     ///
     /// # Errors
     /// The URL is not usable.
-    pub fn open(url: &str, timeout: std::time::Duration) -> Result<Self, StoreError> {
-        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Ok(SharedStore::Postgres(PostgresStore::new(
-                url.to_string(),
-                timeout,
-            )?))
+    pub fn open(url: &str, timeout: Duration, clock: Arc<dyn Clock>) -> Result<Store, StoreError> {
+        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Backend::Postgres(PostgresStore::new(url.to_string(), timeout)?)
         } else {
-            Ok(SharedStore::Redis(RedisStore::new(RedisConfig {
+            Backend::Redis(RedisStore::new(RedisConfig {
                 url: url.to_string(),
                 timeout,
-            })?))
+            })?)
+        };
+        Ok(Store::with_backend(backend, clock))
+    }
+
+    fn with_backend(backend: Backend, clock: Arc<dyn Clock>) -> Store {
+        Store {
+            backend,
+            clock,
+            swept: AtomicU64::new(0),
         }
     }
 
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    /// `memory`, `redis` or `postgres`.
     pub fn kind(&self) -> &'static str {
-        match self {
-            SharedStore::Redis(_) => "redis",
-            SharedStore::Postgres(_) => "postgres",
+        match &self.backend {
+            Backend::Memory(_) => "memory",
+            Backend::Redis(_) => "redis",
+            Backend::Postgres(_) => "postgres",
         }
     }
 
-    pub fn connect_in_background(&self) {
-        match self {
-            SharedStore::Redis(s) => s.connect_in_background(),
-            SharedStore::Postgres(s) => s.connect_in_background(),
+    /// Now, in this store's time base (µs).
+    pub fn now_us(&self) -> u64 {
+        match &self.backend {
+            Backend::Memory(_) => self.clock.now_us(),
+            Backend::Redis(_) | Backend::Postgres(_) => self.clock.unix_us(),
         }
     }
 
-    pub fn connected(&self) -> bool {
-        match self {
-            SharedStore::Redis(s) => s.connected(),
-            SharedStore::Postgres(s) => s.connected(),
+    /// The embedded store's answer, synchronously; `None` for a shared store (use
+    /// [`Store::apply`]).
+    pub fn apply_now(
+        &self,
+        now_us: u64,
+        ops: &[BucketOp],
+        results: &mut OpResults,
+    ) -> Option<Result<(), StoreError>> {
+        match &self.backend {
+            Backend::Memory(m) => Some(m.apply(now_us, ops, results)),
+            Backend::Redis(_) | Backend::Postgres(_) => None,
         }
     }
 
-    pub fn degraded(&self) -> bool {
-        match self {
-            SharedStore::Redis(s) => s.degraded(),
-            SharedStore::Postgres(s) => s.degraded(),
-        }
-    }
-
+    /// Checks every op at `now_us` (this store's time base) and commits each group whose ops
+    /// all allow; `results` receives one entry per op, in op order. A shared store that failed
+    /// while disconnected starts reconnecting.
+    ///
     /// # Errors
     /// The store could not answer in time; nothing was spent.
     pub async fn apply(
@@ -255,21 +279,76 @@ impl SharedStore {
         ops: &[BucketOp],
         results: &mut OpResults,
     ) -> Result<(), StoreError> {
-        match self {
-            SharedStore::Redis(s) => s.apply(now_us, ops, results).await,
-            SharedStore::Postgres(s) => s.apply(now_us, ops, results).await,
+        let answer = match &self.backend {
+            Backend::Memory(m) => return m.apply(now_us, ops, results),
+            Backend::Redis(s) => s.apply(now_us, ops, results).await,
+            Backend::Postgres(s) => s.apply(now_us, ops, results).await,
+        };
+        if answer.is_err() && !self.connected() {
+            self.connect_in_background();
+        }
+        answer
+    }
+
+    /// Counters for `/metrics`.
+    pub fn stats(&self) -> StoreStats {
+        match &self.backend {
+            Backend::Memory(m) => m.stats(),
+            Backend::Redis(_) => StoreStats::default(),
+            Backend::Postgres(_) => StoreStats {
+                entries: None,
+                evictions: self.swept.load(Ordering::Relaxed),
+                fail_open: 0,
+            },
         }
     }
 
-    /// Periodic clean-up (PostgreSQL deletes full-again rows; Redis keys expire by themselves).
-    pub async fn sweep(&self, now_us: u64) -> u64 {
-        match self {
-            SharedStore::Redis(s) => {
-                // Redis expires its own keys; the tick keeps the clock offset fresh.
+    /// Periodic clean-up: the embedded store drops full-again (and, under memory pressure,
+    /// idle) buckets; PostgreSQL deletes full-again rows; Redis expires its own keys, and the
+    /// tick refreshes its clock offset. Returns how many buckets went.
+    pub async fn sweep(&self) -> u64 {
+        self.sweep_at(self.now_us()).await
+    }
+
+    /// [`Store::sweep`] at `now_us` in this store's time base (tests replay virtual time).
+    pub async fn sweep_at(&self, now_us: u64) -> u64 {
+        match &self.backend {
+            Backend::Memory(m) => m.sweep(now_us),
+            Backend::Redis(s) => {
                 s.refresh_time_offset().await;
                 0
             }
-            SharedStore::Postgres(s) => s.sweep(now_us).await,
+            Backend::Postgres(s) => {
+                let removed = s.sweep(now_us).await;
+                self.swept.fetch_add(removed, Ordering::Relaxed);
+                removed
+            }
+        }
+    }
+
+    /// Starts connecting a shared store (no-op for the embedded one).
+    pub fn connect_in_background(&self) {
+        match &self.backend {
+            Backend::Memory(_) => {}
+            Backend::Redis(s) => s.connect_in_background(),
+            Backend::Postgres(s) => s.connect_in_background(),
+        }
+    }
+
+    pub fn connected(&self) -> bool {
+        match &self.backend {
+            Backend::Memory(_) => true,
+            Backend::Redis(s) => s.connected(),
+            Backend::Postgres(s) => s.connected(),
+        }
+    }
+
+    /// A shared store that is not connected or whose last call failed.
+    pub fn degraded(&self) -> bool {
+        match &self.backend {
+            Backend::Memory(_) => false,
+            Backend::Redis(s) => s.degraded(),
+            Backend::Postgres(s) => s.degraded(),
         }
     }
 }

@@ -453,8 +453,13 @@ pub fn count_admitted(
 }
 
 /// A shared store, connected.
-pub async fn shared_store(url: &str) -> tollgate::store::SharedStore {
-    let store = tollgate::store::SharedStore::open(url, Duration::from_secs(2)).expect("store url");
+pub async fn shared_store(url: &str) -> tollgate::store::Store {
+    let store = tollgate::store::Store::open(
+        url,
+        Duration::from_secs(2),
+        std::sync::Arc::new(tollgate::clock::SystemClock::new()),
+    )
+    .expect("store url");
     store.connect_in_background();
     let start = Instant::now();
     while !store.connected() {
@@ -470,7 +475,7 @@ pub async fn shared_store(url: &str) -> tollgate::store::SharedStore {
 /// Replays the seed worked examples on `store` under buckets derived from `key`: seed 004
 /// (statuses and exact tokens) and seed 000 (Boulder: burst 20, 20 per second; the first
 /// request leaves 19, the 21st inside 50 ms is refused, one every 50 ms is sustained).
-pub async fn assert_seed_vectors(store: &tollgate::store::SharedStore, key: &str) {
+pub async fn assert_seed_vectors(store: &tollgate::store::Store, key: &str) {
     assert_seed_000(store, &format!("{key}:seed000")).await;
     use tollgate::limiter::{micro_to_tokens, Quota, MICRO, SEED_004_TABLE, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
@@ -493,7 +498,7 @@ pub async fn assert_seed_vectors(store: &tollgate::store::SharedStore, key: &str
     }
 }
 
-async fn assert_seed_000(store: &tollgate::store::SharedStore, key: &str) {
+async fn assert_seed_000(store: &tollgate::store::Store, key: &str) {
     use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
     let quota = Quota::new(20 * MICRO, 20 * MICRO, US_PER_SEC).expect("quota");
@@ -547,7 +552,7 @@ pub fn bucket_op(
 
 /// On `store`: a request refused by one bucket spends nothing, neither its other enforced
 /// buckets nor its shadow ones.
-pub async fn assert_all_or_nothing(store: &tollgate::store::SharedStore, prefix: &str) {
+pub async fn assert_all_or_nothing(store: &tollgate::store::Store, prefix: &str) {
     use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
     let roomy = || Quota::new(10 * MICRO, MICRO, US_PER_SEC).expect("quota");
