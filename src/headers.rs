@@ -6,6 +6,9 @@
 use crate::engine::{Decision, Reason, RuleOutcome};
 use crate::limiter::MICRO;
 use crate::policy::Mode;
+use bytes::{BufMut, BytesMut};
+use http::{HeaderName, HeaderValue};
+use smallvec::SmallVec;
 use std::fmt::Write as _;
 use std::net::IpAddr;
 
@@ -46,8 +49,73 @@ pub fn retry_after_with_jitter(b: u64, identity: &JitterIdentity<'_>) -> u64 {
     b + identity.hash() % span
 }
 
-/// Headers for a response, in order.
-pub type HeaderList = Vec<(&'static str, String)>;
+/// Headers for a response, in order: names parsed once at start-up, values slices of one
+/// shared buffer (one allocation for all of them).
+pub type HeaderList = SmallVec<[(HeaderName, HeaderValue); 7]>;
+
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+pub static RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
+pub static RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
+pub static RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+
+/// How a header name is written for people (`simulate` output): the IETF spelling of ours.
+pub fn display_name<'a>(name: &'a HeaderName, config: &'a HeaderConfig) -> &'a str {
+    match name.as_str() {
+        "ratelimit-policy" => "RateLimit-Policy",
+        "ratelimit" => "RateLimit",
+        "ratelimit-limit" => "RateLimit-Limit",
+        "ratelimit-remaining" => "RateLimit-Remaining",
+        "ratelimit-reset" => "RateLimit-Reset",
+        "retry-after" => "Retry-After",
+        _ if *name == config.reason_header => config.reason_header_display,
+        other => other,
+    }
+}
+
+/// Collects header values in one buffer, then hands out slices of it.
+struct Values {
+    buf: BytesMut,
+    spans: SmallVec<[(HeaderName, usize, usize); 7]>,
+}
+
+impl Values {
+    fn new() -> Self {
+        Values {
+            buf: BytesMut::with_capacity(192),
+            spans: SmallVec::new(),
+        }
+    }
+
+    fn push(&mut self, name: &HeaderName, write: impl FnOnce(&mut BytesMut)) {
+        let start = self.buf.len();
+        write(&mut self.buf);
+        self.spans.push((name.clone(), start, self.buf.len()));
+    }
+
+    fn number(&mut self, name: &HeaderName, n: u64) {
+        self.push(name, |buf| {
+            buf.put_slice(itoa::Buffer::new().format(n).as_bytes())
+        });
+    }
+
+    fn text(&mut self, name: &HeaderName, text: &str) {
+        self.push(name, |buf| buf.put_slice(text.as_bytes()));
+    }
+
+    fn finish(self) -> HeaderList {
+        let bytes = self.buf.freeze();
+        self.spans
+            .into_iter()
+            .filter_map(|(name, start, end)| {
+                // Every value is built from header-safe text; a bad one is dropped, never sent.
+                HeaderValue::from_maybe_shared(bytes.slice(start..end))
+                    .ok()
+                    .map(|value| (name, value))
+            })
+            .collect()
+    }
+}
 
 /// Everything a front end needs to answer.
 #[derive(Debug, Clone)]
@@ -63,13 +131,29 @@ pub struct Response {
 #[derive(Debug, Clone)]
 pub struct HeaderConfig {
     /// Name of the reason header (default `X-Tollgate-Reason`).
-    pub reason_header: &'static str,
+    pub reason_header: HeaderName,
+    /// The same name as the operator wrote it.
+    pub reason_header_display: &'static str,
+}
+
+impl HeaderConfig {
+    /// Settings with a reason header named `name`.
+    ///
+    /// # Errors
+    /// `name` is not a valid header name.
+    pub fn new(name: &'static str) -> Result<Self, http::header::InvalidHeaderName> {
+        Ok(HeaderConfig {
+            reason_header: HeaderName::from_bytes(name.as_bytes())?,
+            reason_header_display: name,
+        })
+    }
 }
 
 impl Default for HeaderConfig {
     fn default() -> Self {
         HeaderConfig {
-            reason_header: DEFAULT_REASON_HEADER,
+            reason_header: HeaderName::from_static("x-tollgate-reason"),
+            reason_header_display: DEFAULT_REASON_HEADER,
         }
     }
 }
@@ -84,7 +168,7 @@ pub fn build(
     identity: &JitterIdentity<'_>,
     config: &HeaderConfig,
 ) -> Response {
-    let mut headers = HeaderList::new();
+    let mut values = Values::new();
     // Enforced rules that tracked a bucket; shadow rules add nothing to the client response.
     let shown = || {
         decision
@@ -98,37 +182,45 @@ pub fn build(
     };
 
     if shown().next().is_some() {
-        let mut policy = String::with_capacity(64);
-        let mut state = String::with_capacity(64);
-        for (i, rule) in shown().enumerate() {
-            // A cost that can never fit has no wait: `t` says when the bucket is full.
-            let t = if rule.allowed || rule.cost_exceeds {
-                rule.reset
-            } else {
-                rule.retry_after
-            };
-            if i > 0 {
-                policy.push_str(", ");
-                state.push_str(", ");
+        values.push(&RATELIMIT_POLICY, |buf| {
+            for (i, rule) in shown().enumerate() {
+                if i > 0 {
+                    buf.put_slice(b", ");
+                }
+                // q is the burst of the quota actually applied (a per-ID override may differ
+                // from the rule's default, whose item was serialised at policy load).
+                if rule.quota == rule.rule.quota {
+                    buf.put_slice(rule.rule.policy_item.as_bytes());
+                } else {
+                    buf.put_slice(rule.rule.sf_name.as_bytes());
+                    let _ = write!(
+                        buf,
+                        ";q={};w={}",
+                        rule.quota.burst() / MICRO,
+                        rule.quota.window_secs()
+                    );
+                }
             }
-            // q is the burst of the quota actually applied (a per-ID override may differ from
-            // the rule's default, whose item was serialised at policy load).
-            if rule.quota == rule.rule.quota {
-                policy.push_str(&rule.rule.policy_item);
-            } else {
-                policy.push_str(&rule.rule.sf_name);
-                let _ = write!(
-                    policy,
-                    ";q={};w={}",
-                    rule.quota.burst() / MICRO,
-                    rule.quota.window_secs()
-                );
+        });
+        values.push(&RATELIMIT, |buf| {
+            let mut itoa = itoa::Buffer::new();
+            for (i, rule) in shown().enumerate() {
+                // A cost that can never fit has no wait: `t` says when the bucket is full.
+                let t = if rule.allowed || rule.cost_exceeds {
+                    rule.reset
+                } else {
+                    rule.retry_after
+                };
+                if i > 0 {
+                    buf.put_slice(b", ");
+                }
+                buf.put_slice(rule.rule.sf_name.as_bytes());
+                buf.put_slice(b";r=");
+                buf.put_slice(itoa.format(remaining(rule)).as_bytes());
+                buf.put_slice(b";t=");
+                buf.put_slice(itoa.format(t).as_bytes());
             }
-            state.push_str(&rule.rule.sf_name);
-            let _ = write!(state, ";r={};t={t}", remaining(rule));
-        }
-        headers.push(("RateLimit-Policy", policy));
-        headers.push(("RateLimit", state));
+        });
 
         // Legacy trio: the refusing rule, or the one with the fewest tokens left.
         let legacy = if refusal.is_some() {
@@ -137,16 +229,16 @@ pub fn build(
             shown().min_by(|a, b| remaining(a).cmp(&remaining(b)).then(b.reset.cmp(&a.reset)))
         };
         if let Some(rule) = legacy {
-            headers.push(("RateLimit-Limit", (rule.quota.burst() / MICRO).to_string()));
+            values.number(&RATELIMIT_LIMIT, rule.quota.burst() / MICRO);
             if rule.cost_exceeds {
-                headers.push(("RateLimit-Remaining", remaining(rule).to_string()));
-                headers.push(("RateLimit-Reset", rule.reset.to_string()));
+                values.number(&RATELIMIT_REMAINING, remaining(rule));
+                values.number(&RATELIMIT_RESET, rule.reset);
             } else if let Some(r) = refusal {
-                headers.push(("RateLimit-Remaining", "0".to_string()));
-                headers.push(("RateLimit-Reset", r.retry_after.max(1).to_string()));
+                values.number(&RATELIMIT_REMAINING, 0);
+                values.number(&RATELIMIT_RESET, r.retry_after.max(1));
             } else {
-                headers.push(("RateLimit-Remaining", remaining(rule).to_string()));
-                headers.push(("RateLimit-Reset", rule.reset.to_string()));
+                values.number(&RATELIMIT_REMAINING, remaining(rule));
+                values.number(&RATELIMIT_RESET, rule.reset);
             }
         }
     }
@@ -154,25 +246,25 @@ pub fn build(
     let Some(refusal) = refusal else {
         return Response {
             status: 200,
-            headers,
+            headers: values.finish(),
             body: None,
         };
     };
     // A kill switch has no bucket, but its refusal still says when to come back.
     if refusal.reason == Reason::KillSwitch {
-        headers.push(("RateLimit-Remaining", "0".to_string()));
-        headers.push(("RateLimit-Reset", refusal.retry_after.max(1).to_string()));
+        values.number(&RATELIMIT_REMAINING, 0);
+        values.number(&RATELIMIT_RESET, refusal.retry_after.max(1));
     }
     if refusal.retry_after > 0 {
-        headers.push((
-            "Retry-After",
-            retry_after_with_jitter(refusal.retry_after, identity).to_string(),
-        ));
+        values.number(
+            &http::header::RETRY_AFTER,
+            retry_after_with_jitter(refusal.retry_after, identity),
+        );
     }
-    headers.push((config.reason_header, refusal.reason.as_str().to_string()));
+    values.text(&config.reason_header, refusal.reason.as_str());
     Response {
         status: refusal.reason.status(),
-        headers,
+        headers: values.finish(),
         body: Some(refusal.reason.body()),
     }
 }
@@ -198,8 +290,8 @@ mod tests {
     fn get<'a>(r: &'a Response, name: &str) -> Option<&'a str> {
         r.headers
             .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+            .find(|(n, _)| n.as_str().eq_ignore_ascii_case(name))
+            .and_then(|(_, v)| v.to_str().ok())
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub enum StartError {
     Jwt(#[from] AuthError),
     #[error("--store: {0}")]
     Store(StoreError),
+    #[error("--reason-header: not a valid HTTP header name")]
+    ReasonHeader,
 }
 
 /// Headers of an `http` request, for the engine.
@@ -111,11 +113,13 @@ impl Gateway {
             StoreKind::Shared(url) => Store::open(url, config.store_timeout, Arc::clone(&clock))
                 .map_err(StartError::Store)?,
         };
-        // Leaked once at start-up: response headers carry `&'static str` names.
+        // Leaked once at start-up: the display name lives as long as the process.
         let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
+        let header_config =
+            HeaderConfig::new(reason_header).map_err(|_| StartError::ReasonHeader)?;
         Ok(Gateway {
             metrics: Metrics::new(store.kind()),
-            header_config: HeaderConfig { reason_header },
+            header_config,
             verifier,
             store,
             engine_config: EngineConfig {
@@ -396,6 +400,14 @@ pub struct Answer {
 /// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
 /// Nothing for allowed requests.
 fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
+    let shadow_missing = decision.checked().and_then(|c| c.shadow_missing);
+    if decision.is_allowed()
+        && shadow_missing.is_none()
+        && decision.shadow_rejections().next().is_none()
+    {
+        // The common case: nothing to say, and nothing formatted.
+        return;
+    }
     let client_ip = facts
         .client_ip
         .map_or_else(|| "-".to_string(), |ip| ip.to_string());
@@ -418,7 +430,7 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
                 policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", detail = %detail, "RATE_LIMIT");
         }
     }
-    if let Some(rule) = decision.checked().and_then(|c| c.shadow_missing) {
+    if let Some(rule) = shadow_missing {
         tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status = 401u16,
             policy = %rule.policy_id, rule = %rule.name, reason = %"missing_descriptor", mode = %"shadow", "RATE_LIMIT");
     }

@@ -155,7 +155,10 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
     };
     let mut header_map = Map::new();
     for (name, value) in &response.headers {
-        header_map.insert((*name).to_string(), Value::String(value.clone()));
+        header_map.insert(
+            headers::display_name(name, header_config).to_string(),
+            Value::String(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+        );
     }
     let rules: Vec<Value> = decision
         .rules()

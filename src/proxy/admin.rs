@@ -4,6 +4,7 @@
 
 use crate::descriptor::RequestFacts;
 use crate::engine::Reason;
+use crate::headers::HeaderList;
 use crate::service::{Answer, Gateway, HttpHeaders};
 use async_trait::async_trait;
 use http::{Response, StatusCode};
@@ -23,29 +24,44 @@ impl Admin {
 
 fn reply(
     status: u16,
-    content_type: &str,
-    headers: &[(&str, String)],
+    content_type: &'static str,
+    headers: HeaderList,
     body: impl Into<Vec<u8>>,
 ) -> Response<Vec<u8>> {
     let body = body.into();
-    let mut builder = Response::builder()
-        .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
-        .header("Content-Type", content_type)
-        .header("Content-Length", body.len().to_string());
+    let mut response = Response::new(Vec::new());
+    *response.status_mut() =
+        StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let map = response.headers_mut();
+    map.reserve(headers.len() + 2);
+    map.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(content_type),
+    );
+    map.insert(
+        http::header::CONTENT_LENGTH,
+        http::HeaderValue::from(body.len()),
+    );
     for (name, value) in headers {
-        builder = builder.header(*name, value.as_str());
+        map.append(name, value);
     }
-    builder.body(body).unwrap_or_else(|_| {
-        let mut r = Response::new(b"internal error".to_vec());
-        *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-        r
-    })
+    *response.body_mut() = body;
+    response
+}
+
+fn allow(methods: &'static str) -> HeaderList {
+    smallvec::smallvec![(http::header::ALLOW, http::HeaderValue::from_static(methods))]
 }
 
 const TEXT: &str = "text/plain; charset=utf-8";
 
 fn no_policy() -> Response<Vec<u8>> {
-    reply(503, TEXT, &[], "Service Unavailable: no policy loaded\n")
+    reply(
+        503,
+        TEXT,
+        HeaderList::new(),
+        "Service Unavailable: no policy loaded\n",
+    )
 }
 
 #[async_trait]
@@ -63,39 +79,36 @@ impl ServeHttp for Admin {
         let method = req.method.as_str();
         let path = req.uri.path();
         match path {
-            "/livez" | "/readyz" | "/metrics" if method != "GET" && method != "HEAD" => reply(
-                405,
-                TEXT,
-                &[("Allow", "GET, HEAD".to_string())],
-                "Method Not Allowed\n",
-            ),
-            "/livez" => reply(200, TEXT, &[], "ok"),
+            "/livez" | "/readyz" | "/metrics" if method != "GET" && method != "HEAD" => {
+                reply(405, TEXT, allow("GET, HEAD"), "Method Not Allowed\n")
+            }
+            "/livez" => reply(200, TEXT, HeaderList::new(), "ok"),
             "/readyz" => {
                 let (status, body) = self.gateway.readiness();
-                reply(status, "application/json", &[], body)
+                reply(status, "application/json", HeaderList::new(), body)
             }
             "/metrics" => reply(
                 200,
                 "text/plain; version=0.0.4",
-                &[],
+                HeaderList::new(),
                 self.gateway.metrics_text(),
             ),
-            "/v1/decision" if method != "POST" => reply(
-                405,
-                TEXT,
-                &[("Allow", "POST".to_string())],
-                "Method Not Allowed: use POST\n",
-            ),
+            "/v1/decision" if method != "POST" => {
+                reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n")
+            }
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
                 let answer = self.decide(req, peer).await;
                 if answer.no_policy {
                     return no_policy();
                 }
                 let response = answer.response;
-                let body = response.body.unwrap_or("OK");
-                reply(response.status, TEXT, &response.headers, body)
+                // An allowed decision has an empty body: nginx's auth_request never reads the
+                // subrequest's body, and reuses the connection to tollgate only when there is
+                // none (with "OK" every decision cost a new TCP connection).
+                let body = response.body.unwrap_or("");
+                reply(response.status, TEXT, response.headers, body)
             }
-            _ => reply(404, TEXT, &[], "Not Found\n"),
+            _ => reply(404, TEXT, HeaderList::new(), "Not Found\n"),
         }
     }
 }

@@ -9,6 +9,7 @@ use crate::service::{Gateway, HttpHeaders};
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::modules::http::HttpModules;
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{Error, Result};
@@ -62,20 +63,33 @@ fn forwarded_for_upstream(headers: &http::HeaderMap, peer: std::net::IpAddr) -> 
     value
 }
 
-/// Writes a complete response from the gateway itself.
+/// Writes a complete response from the gateway itself: built from `http` parts with names
+/// parsed once (Pingora's `insert_header` would parse and allocate each custom name again), with
+/// `Content-Length`, so header and body leave in one write and the connection stays open.
 async fn respond(
     session: &mut Session,
     status: u16,
-    headers: &HeaderList,
+    headers: HeaderList,
     body: &'static str,
 ) -> Result<()> {
-    let mut resp = ResponseHeader::build(status, Some(headers.len() + 2))?;
+    let (mut parts, ()) = http::Response::new(()).into_parts();
+    parts.status =
+        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    parts.headers.reserve(headers.len() + 2);
     for (name, value) in headers {
-        resp.insert_header(*name, value.as_str())?;
+        parts.headers.append(name, value);
     }
-    resp.insert_header("Content-Type", "text/plain; charset=utf-8")?;
-    resp.insert_header("Content-Length", body.len().to_string())?;
-    session.write_response_header(Box::new(resp), false).await?;
+    parts.headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    parts.headers.insert(
+        http::header::CONTENT_LENGTH,
+        http::HeaderValue::from(body.len()),
+    );
+    session
+        .write_response_header(Box::new(ResponseHeader::from(parts)), false)
+        .await?;
     session
         .write_response_body(Some(Bytes::from_static(body.as_bytes())), true)
         .await
@@ -88,6 +102,10 @@ impl ProxyHttp for Proxy {
     fn new_ctx(&self) -> Self::CTX {
         RequestCtx::default()
     }
+
+    /// No downstream modules: Pingora's default adds a disabled compression module whose
+    /// context is built, and whose filters run, on every request.
+    fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
 
     async fn early_request_filter(
         &self,
@@ -151,7 +169,7 @@ impl ProxyHttp for Proxy {
         respond(
             session,
             response.status,
-            &response.headers,
+            response.headers,
             response.body.unwrap_or("Too Many Requests"),
         )
         .await?;
@@ -194,8 +212,27 @@ impl ProxyHttp for Proxy {
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        if ctx.add_headers.is_empty() {
+            return Ok(());
+        }
+        // Rebuilt from its parts: inserting into Pingora's header would parse and allocate
+        // every custom name again and keep a second, case-preserving map in step. The
+        // upstream's header names go out in canonical form (well-known names Title-Case,
+        // others lower-case), as Envoy sends them.
+        let custom_reason = upstream_response
+            .get_reason_phrase()
+            .filter(|r| Some(*r) != upstream_response.status.canonical_reason())
+            .map(str::to_string);
+        let placeholder = ResponseHeader::build_no_case(200, Some(0))?;
+        let mut parts: http::response::Parts =
+            std::mem::replace(upstream_response, placeholder).into();
+        parts.headers.reserve(ctx.add_headers.len());
         for (name, value) in std::mem::take(&mut ctx.add_headers) {
-            upstream_response.insert_header(name, value)?;
+            parts.headers.insert(name, value);
+        }
+        *upstream_response = ResponseHeader::from(parts);
+        if custom_reason.is_some() {
+            upstream_response.set_reason_phrase(custom_reason.as_deref())?;
         }
         Ok(())
     }
@@ -224,7 +261,7 @@ impl ProxyHttp for Proxy {
             let _ = respond(
                 session,
                 502,
-                &HeaderList::new(),
+                HeaderList::new(),
                 "Bad Gateway: the upstream is unavailable\n",
             )
             .await;
