@@ -288,7 +288,24 @@ impl Gateway {
         headers: &http::HeaderMap,
         caller_is_gateway: bool,
     ) -> Option<IpAddr> {
-        let trusted = &self.config.trusted_proxies;
+        let caller = peer.map(crate::descriptor::canonical_ip);
+        let peer_trusted = caller.is_some_and(|ip| self.is_trusted_proxy(ip));
+        self.client_ip_with(peer, peer_trusted || caller_is_gateway, headers)
+    }
+
+    /// Whether `ip` is inside a `--trusted-proxy` network.
+    pub fn is_trusted_proxy(&self, ip: IpAddr) -> bool {
+        client_addr::in_any(&self.config.trusted_proxies, ip)
+    }
+
+    /// [`Gateway::client_ip`] with the peer's verdict already known (the proxy keeps it per
+    /// connection).
+    pub fn client_ip_with(
+        &self,
+        peer: Option<IpAddr>,
+        peer_trusted: bool,
+        headers: &http::HeaderMap,
+    ) -> Option<IpAddr> {
         let caller = peer.map(crate::descriptor::canonical_ip);
         client_addr::resolve(
             peer,
@@ -299,7 +316,13 @@ impl Gateway {
                     .map(http::HeaderValue::as_bytes),
                 real_ip: headers.get("x-real-ip").map(http::HeaderValue::as_bytes),
             },
-            |ip| (caller_is_gateway && Some(ip) == caller) || client_addr::in_any(trusted, ip),
+            |ip| {
+                if Some(ip) == caller {
+                    peer_trusted
+                } else {
+                    self.is_trusted_proxy(ip)
+                }
+            },
         )
     }
 

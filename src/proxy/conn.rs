@@ -24,7 +24,28 @@ use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 
 tokio::task_local! {
-    static CONNECTION: Arc<DeadlineClock>;
+    static CONNECTION: Arc<Connection>;
+}
+
+/// What a connection keeps across its keep-alive requests.
+pub struct Connection {
+    clock: DeadlineClock,
+    /// The peer address and whether it is a trusted proxy, worked out once per connection.
+    peer: std::sync::OnceLock<(Option<std::net::IpAddr>, bool)>,
+}
+
+/// The connection's peer and trusted-proxy verdict, computed by `work_out` on its first
+/// request and kept for the next ones (outside a guarded connection, computed every time).
+pub fn peer(
+    work_out: impl FnOnce() -> (Option<std::net::IpAddr>, bool),
+) -> (Option<std::net::IpAddr>, bool) {
+    let mut work_out = Some(work_out);
+    CONNECTION
+        .try_with(|c| {
+            *c.peer
+                .get_or_init(|| work_out.take().map_or((None, false), |f| f()))
+        })
+        .unwrap_or_else(|_| work_out.take().map_or((None, false), |f| f()))
 }
 
 /// One connection's deadline, in milliseconds since accept (0 = disarmed).
@@ -75,12 +96,12 @@ impl DeadlineClock {
 
 /// Called once a request's header has been read: the header deadline no longer applies.
 pub fn header_parsed() {
-    let _ = CONNECTION.try_with(|c| c.disarm());
+    let _ = CONNECTION.try_with(|c| c.clock.disarm());
 }
 
 /// Called when a response is done: the next request must arrive within `idle`.
 pub fn response_done(idle: Duration) {
-    let _ = CONNECTION.try_with(|c| c.arm(idle));
+    let _ = CONNECTION.try_with(|c| c.clock.arm(idle));
 }
 
 /// Connection limits of the proxy listener.
@@ -125,16 +146,19 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
             .await;
             return None;
         };
-        let clock = Arc::new(DeadlineClock::new());
-        clock.arm(self.limits.header_timeout);
+        let connection = Arc::new(Connection {
+            clock: DeadlineClock::new(),
+            peer: std::sync::OnceLock::new(),
+        });
+        connection.clock.arm(self.limits.header_timeout);
         let serve = CONNECTION.scope(
-            Arc::clone(&clock),
+            Arc::clone(&connection),
             ServerApp::process_new(&self.inner, stream, shutdown),
         );
         tokio::select! {
             reusable = serve => reusable,
             // Dropping the connection's future closes its socket.
-            () = clock.expired() => None,
+            () = connection.clock.expired() => None,
         }
     }
 

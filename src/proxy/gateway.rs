@@ -120,15 +120,24 @@ impl ProxyHttp for Proxy {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
-        let peer = session
-            .client_addr()
-            .and_then(|a| a.as_inet())
-            .map(|sa| sa.ip());
+        // The peer and its trusted-proxy verdict are worked out once per connection.
+        let (peer, peer_trusted) = super::conn::peer(|| {
+            let peer = session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|sa| sa.ip());
+            let trusted = peer
+                .map(crate::descriptor::canonical_ip)
+                .is_some_and(|ip| self.gateway.is_trusted_proxy(ip));
+            (peer, trusted)
+        });
         ctx.peer = peer;
         let response = {
             let req = session.req_header();
             let headers = HttpHeaders(&req.headers);
-            let client_ip = self.gateway.client_ip(peer, &req.headers, false);
+            let client_ip = self
+                .gateway
+                .client_ip_with(peer, peer_trusted, &req.headers);
             let host = req
                 .headers
                 .get(http::header::HOST)
