@@ -4,12 +4,23 @@
 //! Layers, bottom up (a module uses only its own layer or lower ones):
 //!
 //! ```text
-//! L3  cli, simulate                config and commands
-//! L2  engine, headers              policies + store + clock → Decision → HTTP headers
-//! L1  store                        bucket state (embedded bounded map; the first I/O layer)
-//! L0  clock, policy, descriptor,   pure core: no I/O, no async
-//!     limiter, client_addr, redact
+//! L4  proxy/                       Pingora glue: reverse proxy, connection guard, admin/decision
+//!                                  listener, server and background tasks (the only Pingora code)
+//! L3  cli, config, simulate,       flags → Config; commands; the running gateway: one
+//!     service                      `Gateway::decide` for the proxy and the decision service
+//! L2  engine, headers, metrics,    pure engine: bundle + facts + time → plan; plan + store
+//!     auth                         answer → Decision (an enum carrying names and quotas);
+//!                                  Decision → HTTP headers; counters; JWT
+//! L1  store                        one `Store`: embedded (synchronous) or Redis / PostgreSQL
+//!                                  (awaited), with its own time base, stats and sweep
+//! L0  clock, policy, descriptor,   pure core: no I/O, no async — time, compiled bundles,
+//!     limiter, client_addr, redact request facts and keys, token-bucket maths, the client
+//!                                  address, redaction of secrets
 //! ```
+//!
+//! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →
+//! `Store` → `engine::finish` → `headers::build` / `Metrics::record` / the log line → back to
+//! `proxy`, each step reading only what the previous one handed it.
 
 pub mod auth;
 pub mod cli;
