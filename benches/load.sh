@@ -11,6 +11,7 @@
 #   nginx-lr       nginx proxy_pass + limit_req (per-IP, never refusing)
 #   envoy-lr       Envoy (--concurrency 1) + local_ratelimit (never refusing)
 #   bare           a bare Pingora proxy built like tollgate (examples/bare_proxy.rs)
+#   bare-429       the same, answering every request itself with tollgate's 429 headers
 #   tg-none        tollgate, no policy loaded
 #   tg-1           tollgate, 1 per-IP rule (5 RateLimit headers)
 #   tg-5           tollgate, 5 rules (IP, key, key+path, global, 1 shadow)
@@ -45,6 +46,7 @@ USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
 
 # Ports.
 UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
+BARE_429=18907
 TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914
 
 nginx_conf() { # name, body
@@ -149,6 +151,8 @@ taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen "127.0.0.1:$TG_DEC
 PID_TG_DEC=$!; PIDS+=("$PID_TG_DEC")
 taskset -c 1 $BARE "127.0.0.1:$BARE_PORT" "127.0.0.1:$UP" 2>/dev/null &
 PID_BARE=$!; PIDS+=("$PID_BARE")
+taskset -c 1 $BARE "127.0.0.1:$BARE_429" "127.0.0.1:$UP" --refuse 2>/dev/null &
+PID_BARE_429=$!; PIDS+=("$PID_BARE_429")
 sleep 2
 NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 
@@ -156,7 +160,7 @@ cpu_ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/pr
 TICK_US=$((1000000 / $(getconf CLK_TCK)))
 
 declare -A RPS CPU
-TARGETS="nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 tg-429 authreq"
+TARGETS="nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 bare-429 tg-429 authreq"
 for round in $(seq 1 "$ROUNDS"); do
   for t in $TARGETS; do
     case $t in
@@ -168,6 +172,7 @@ for round in $(seq 1 "$ROUNDS"); do
       tg-1) port=$TG_1; pids=$PID_TG_1;;
       tg-5) port=$TG_5; pids=$PID_TG_5;;
       nginx-429) port=$NGX_429; pids=$NGX_WORKER;;
+      bare-429) port=$BARE_429; pids=$PID_BARE_429;;
       tg-429) port=$TG_429; pids=$PID_TG_429;;
       authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
     esac
@@ -198,6 +203,7 @@ for t in $TARGETS; do
     tg-1) name="tollgate, 1 per-IP rule (5 RateLimit headers)";;
     tg-5) name="tollgate, 5 rules";;
     nginx-429) name="nginx limit_req, every request refused (429)";;
+    bare-429) name="bare Pingora, every request refused (429, same headers)";;
     tg-429) name="tollgate, every request refused (429)";;
     authreq) name="nginx auth_request → tollgate (nginx + tollgate CPU)";;
   esac
@@ -211,6 +217,8 @@ echo "tollgate 429 / nginx limit_req 429, CPU per refusal:      $(ratio "${MC[tg
 echo "tollgate limiter on / off, req/s:                         $(ratio "${MR[tg-1]}" "${MR[tg-none]}")  (target ≥ 0.97)"
 echo "tollgate limiter on / off, CPU per request:               $(ratio "${MC[tg-1]}" "${MC[tg-none]}")"
 echo "tollgate no policy / bare Pingora, CPU per request:       $(ratio "${MC[tg-none]}" "${MC[bare]}")"
+echo "tollgate 429 / bare Pingora 429, CPU per refusal:         $(ratio "${MC[tg-429]}" "${MC[bare-429]}")"
+echo "bare Pingora / nginx proxy_pass, CPU per request:         $(ratio "${MC[bare]}" "${MC[nginx]}")"
 echo "auth_request → tollgate / nginx limit_req, CPU per request: $(ratio "${MC[authreq]}" "${MC[nginx-lr]}")"
 
 # The decision service on every core: --threads 2, unpinned, wrk POSTing decisions.
