@@ -259,6 +259,14 @@ fn idle_and_trickling_connections_are_cut_off_and_capped() {
     // Room again.
     assert_eq!(gw.get("/", &[]).status, 200);
 
+    // The admin listener is guarded the same way: a silent connection does not stay.
+    let mut silent_admin = TcpStream::connect(gw.admin).expect("connect admin");
+    assert!(
+        closed_within(&mut silent_admin, Duration::from_secs(5)).is_some(),
+        "an idle admin connection was never closed"
+    );
+    assert_eq!(gw.admin("GET", "/livez", &[]).status, 200);
+
     // A trickler sending one byte every 100 ms is cut at the deadline, however steady.
     let mut trickler = TcpStream::connect(gw.proxy).expect("connect");
     trickler

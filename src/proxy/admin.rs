@@ -67,6 +67,17 @@ fn no_policy() -> Response<Vec<u8>> {
 #[async_trait]
 impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        // The header is in: no deadline while this request is answered; the connection may
+        // then idle until its next one, as on the proxy listener.
+        super::conn::header_parsed();
+        let response = self.answer(session).await;
+        super::conn::response_done(self.gateway.config.keepalive_timeout);
+        response
+    }
+}
+
+impl Admin {
+    async fn answer(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         // Requests pipelined behind this one are answered in order.
         session.set_pipelining_enabled(true);
         // Read and discard any body so the connection can be reused.

@@ -23,6 +23,10 @@ use std::time::Duration;
 /// Idle upstream connections kept per proxy.
 const UPSTREAM_KEEPALIVE_POOL: usize = 256;
 
+/// Most connections the admin listener holds at once (gateways calling the decision service
+/// keep pools of a few hundred at most).
+const ADMIN_MAX_CONNECTIONS: usize = 4096;
+
 /// `tollgate run`: returns the process exit code.
 pub fn run(args: RunArgs) -> u8 {
     ignore_sighup_until_ready();
@@ -96,9 +100,19 @@ pub fn run(args: RunArgs) -> u8 {
         );
     }
 
+    // The admin listener gets the same guard: a slow or silent client must not hold its
+    // sockets (it is what `/livez` answers on). Its cap is separate from the proxy's, so a
+    // full proxy never starves it.
+    let admin_limits = conn::Limits {
+        max_connections: config
+            .max_connections
+            .unwrap_or(conn::DEFAULT_MAX_CONNECTIONS_CEILING)
+            .min(ADMIN_MAX_CONNECTIONS),
+        header_timeout: config.header_timeout,
+    };
     let mut admin = Service::new(
         "tollgate admin".to_string(),
-        admin::Admin::new(Arc::clone(&gateway)),
+        conn::Guarded::new(admin::Admin::new(Arc::clone(&gateway)), admin_limits),
     );
     admin.add_tcp(&config.admin_listen);
     // Decisions (nginx auth_request, Envoy ext_authz) use every worker, like the proxy.
