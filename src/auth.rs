@@ -118,6 +118,9 @@ pub enum TokenOutcome {
 /// keys are reloaded; it holds at most `SHARDS * PER_SHARD` tokens.
 struct TokenCache {
     shards: Box<[Mutex<HashMap<u128, Cached>>]>,
+    /// Bumped by every key reload: a verification that started under older keys must not
+    /// cache its result after the reload emptied the cache (a withdrawn key would live on).
+    generation: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Clone)]
@@ -141,6 +144,7 @@ impl TokenCache {
             shards: (0..CACHE_SHARDS)
                 .map(|_| Mutex::new(HashMap::new()))
                 .collect(),
+            generation: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -167,8 +171,18 @@ impl TokenCache {
         Some(TokenOutcome::Valid(entry.claims))
     }
 
-    fn insert(&self, key: u128, claims: &Arc<Claims>, now: i64) {
+    /// The current key generation (read before verifying).
+    fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Caches a token verified under key generation `generation`, unless keys were reloaded
+    /// since (checked under the shard lock, which `clear` also takes).
+    fn insert(&self, key: u128, claims: &Arc<Claims>, now: i64, generation: u64) {
         let mut shard = self.shard(key).lock();
+        if self.generation() != generation {
+            return;
+        }
         if shard.len() >= CACHE_PER_SHARD {
             shard.retain(|_, c| c.exp.is_none_or(|exp| exp > now));
             if shard.len() >= CACHE_PER_SHARD {
@@ -186,6 +200,8 @@ impl TokenCache {
     }
 
     fn clear(&self) {
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         for shard in self.shards.iter() {
             shard.lock().clear();
         }
@@ -465,9 +481,11 @@ impl Verifier {
         if let Some(outcome) = self.cache.get(key, now, leeway) {
             return outcome;
         }
+        // Read before the keys: a reload between here and the insert voids the insert.
+        let generation = self.cache.generation();
         let outcome = self.verify_uncached(token);
         if let TokenOutcome::Valid(claims) = &outcome {
-            self.cache.insert(key, claims, now);
+            self.cache.insert(key, claims, now, generation);
         }
         outcome
     }
@@ -812,5 +830,19 @@ mod tests {
         assert!(err.to_string().starts_with("/no/such/key.pem: cannot read"));
         assert!(parse_algorithm("none").is_err());
         assert_eq!(parse_algorithm("ES256"), Ok(Algorithm::ES256));
+    }
+
+    /// A key reload while a token is being verified: the verification's result must not be
+    /// cached after the reload emptied the cache (a withdrawn key would stay trusted).
+    #[test]
+    fn a_reload_during_verification_voids_the_cache_insert() {
+        let cache = TokenCache::new();
+        let claims = Arc::new(Claims::new());
+        let before = cache.generation();
+        cache.clear();
+        cache.insert(1, &claims, 0, before);
+        assert!(cache.get(1, 0, 0).is_none());
+        cache.insert(1, &claims, 0, cache.generation());
+        assert!(cache.get(1, 0, 0).is_some());
     }
 }

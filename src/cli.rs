@@ -129,15 +129,17 @@ pub struct RunArgs {
         default_value = "decode"
     )]
     pub encoded_slashes: EncodedSlashesArg,
-    /// Total seconds a client has to send a request's headers, from the moment the connection
-    /// opens or the previous response ends; slow or silent clients are cut off after it.
+    /// Total seconds a new connection has to send its first request's headers; slow or silent
+    /// clients are cut off after it (later requests on a kept-alive connection get the
+    /// keep-alive timeout instead).
     #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT_SECS", default_value_t = 10)]
     pub header_timeout_secs: u64,
-    /// Seconds an idle keep-alive connection may wait for its next request.
+    /// Seconds a kept-alive connection has, after a response, to send its next request's headers.
     #[arg(long, env = "TOLLGATE_KEEPALIVE_TIMEOUT_SECS", default_value_t = 60)]
     pub keepalive_timeout_secs: u64,
     /// Most client connections the proxy holds at once; further ones get 503 and are closed.
-    /// Default: what the open-file limit leaves after upstream connections (see README).
+    /// Default: what the open-file limit leaves after upstream connections, at most 50 000 (see
+    /// README). The admin listener has its own cap: this value, at most 4 096.
     #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
 }

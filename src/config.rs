@@ -30,9 +30,9 @@ pub struct Config {
     /// Deadline of one networked-store call.
     pub store_timeout: Duration,
     pub encoded_slashes: EncodedSlashes,
-    /// Total time to send a request's headers (from accept, or the end of the last response).
+    /// Total time a new connection has to send its first request's headers.
     pub header_timeout: Duration,
-    /// Idle time allowed between requests on a kept-alive connection.
+    /// Time a kept-alive connection has, after a response, to send its next request's headers.
     pub keepalive_timeout: Duration,
     /// Explicit `--max-connections`; `None` = derived from the open-file limit at start.
     pub max_connections: Option<usize>,

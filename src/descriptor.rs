@@ -211,10 +211,32 @@ pub fn normalize_request_path(
     path: &str,
     mode: EncodedSlashes,
 ) -> Result<Cow<'_, str>, EncodedSlashError> {
-    if mode == EncodedSlashes::Reject && has_encoded_slash(path) {
-        return Err(EncodedSlashError);
+    normalize_until_stable(path, mode == EncodedSlashes::Reject)
+}
+
+/// Applies [`normalize_once`] until nothing changes (a pass can reveal a new escape:
+/// `%2%46` decodes to `%2F`, which the next pass turns into `/`). Every change shortens the
+/// path, so this ends; eight passes cover any real input. With `reject_encoded_slashes`, an
+/// encoded slash at any pass is refused.
+fn normalize_until_stable(
+    path: &str,
+    reject_encoded_slashes: bool,
+) -> Result<Cow<'_, str>, EncodedSlashError> {
+    let mut current = Cow::Borrowed(path);
+    for _ in 0..8 {
+        if reject_encoded_slashes && has_encoded_slash(&current) {
+            return Err(EncodedSlashError);
+        }
+        let next = match normalize_once(&current) {
+            Cow::Borrowed(_) => return Ok(current),
+            Cow::Owned(next) => next,
+        };
+        if next == *current {
+            return Ok(current);
+        }
+        current = Cow::Owned(next);
     }
-    Ok(normalize_path(path))
+    Ok(current)
 }
 
 /// The path as the upstream will most likely route it, for matching selectors, routes and the
@@ -225,6 +247,15 @@ pub fn normalize_request_path(
 /// `pathPrefix` or a kill switch's `route`. Paths that need nothing are returned as they are,
 /// without allocating.
 pub fn normalize_path(path: &str) -> Cow<'_, str> {
+    match normalize_until_stable(path, false) {
+        Ok(normal) => normal,
+        // Unreachable: nothing is refused without `reject_encoded_slashes`.
+        Err(_) => Cow::Borrowed(path),
+    }
+}
+
+/// One normalisation pass (see [`normalize_path`]).
+fn normalize_once(path: &str) -> Cow<'_, str> {
     let needs_work = path.contains("//")
         || path.contains("/./")
         || path.contains("/../")
@@ -789,6 +820,9 @@ mod tests {
             ("/a%5cb", "/a/b"),
             ("/a\\b", "/a/b"),
             ("/a%252Fb", "/a%252Fb"),
+            // A pass that reveals a new escape is followed by another.
+            ("/a%2%46b", "/a/b"),
+            ("/api%2%46llm", "/api/llm"),
             ("/a/.", "/a/"),
             ("/caf\u{e9}//x", "/caf\u{e9}/x"),
             ("/%zz", "/%zz"),
@@ -797,6 +831,18 @@ mod tests {
             assert_eq!(normalize_path(raw), normal, "{raw}");
         }
         assert!(matches!(normalize_path("/plain/path"), Cow::Borrowed(_)));
+        // Refusal mode sees through a slash revealed by a first pass.
+        for raw in ["/a%2Fb", "/a%5cb", "/a%2%46b", "/a%2%66b"] {
+            assert_eq!(
+                normalize_request_path(raw, EncodedSlashes::Reject),
+                Err(EncodedSlashError),
+                "{raw}"
+            );
+        }
+        assert_eq!(
+            normalize_request_path("/a//b", EncodedSlashes::Reject).as_deref(),
+            Ok("/a/b")
+        );
     }
 
     #[test]

@@ -311,11 +311,12 @@ pub fn plan<'b>(
 ) -> Plan<'b> {
     let prefix = config.ipv6_prefix;
     if !bundle.kill_switches.is_empty() {
-        // A kill switch on a header must see the same value the upstream will.
-        let repeated = bundle
-            .kill_switches
-            .iter()
-            .find(|ks| matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h)));
+        // A kill switch on a header must see the same value the upstream will (only switches
+        // in force on this route: an expired one must not turn repeats into 400s).
+        let repeated = bundle.kill_switches.iter().find(|ks| {
+            matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h))
+                && ks.in_force(facts, unix_secs)
+        });
         if let Some(ks) = repeated {
             return Plan::Done(Decision::Refuse(Refusal {
                 reason: Reason::DuplicateHeader,
@@ -1084,6 +1085,19 @@ mod tests {
             "10.0.0.1",
             &[("X-Tenant-Id", "t-2"), ("X-Tenant-Id", "t-1")],
         );
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::DuplicateHeader));
+        // Not on a switch's route, or past its expiry: repeats are the upstream's business.
+        let (e, _) = engine(json!({"bundle_version": 1, "policies": [],
+            "kill_switches": [{"scope_key": "header:x-tenant-id", "scope_value": "t-1", "route": "/llm"},
+                              {"scope_key": "header:x-org", "scope_value": "o", "expires_at": "2020-01-01T00:00:00Z"}]}));
+        let twice = [
+            ("X-Tenant-Id", "a"),
+            ("X-Tenant-Id", "b"),
+            ("X-Org", "a"),
+            ("X-Org", "b"),
+        ];
+        assert!(ask(&e, "GET", "/other", "10.0.0.1", &twice).is_allowed());
+        let d = ask(&e, "GET", "/llm/x", "10.0.0.1", &twice);
         assert_eq!(d.outcome(), Outcome::Reject(Reason::DuplicateHeader));
     }
 

@@ -13,9 +13,9 @@
 //!                                  Decision → HTTP headers; counters; JWT
 //! L1  store                        one `Store`: embedded (synchronous) or Redis / PostgreSQL
 //!                                  (awaited), with its own time base, stats and sweep
-//! L0  clock, policy, descriptor,   pure core: no I/O, no async — time, compiled bundles,
-//!     limiter, client_addr, redact request facts and keys, token-bucket maths, the client
-//!                                  address, redaction of secrets
+//! L0  clock, policy, descriptor,   pure core: no network, no async (the policy loader reads
+//!     limiter, client_addr, redact its file) — time, compiled bundles, request facts and
+//!                                  keys, token-bucket maths, the client address, redaction
 //! ```
 //!
 //! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →

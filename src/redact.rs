@@ -108,6 +108,9 @@ pub fn text(input: &str) -> Cow<'_, str> {
         return Cow::Borrowed(input);
     }
     let mut out = mask_header_values(input);
+    if out.contains('=') {
+        out = mask_parameters(&out);
+    }
     if out.contains("eyJ") {
         out = mask_jwts(&out);
     }
@@ -176,6 +179,39 @@ fn mask_header_values(input: &str) -> String {
     out
 }
 
+/// Masks `name=value` pairs (query strings, cookies, form-like text) whose name carries
+/// credentials (`api_key=`, `access_token=`, `session=`...). The value ends at `&`, `;`, `,`,
+/// `#`, a quote or whitespace.
+fn mask_parameters(input: &str) -> String {
+    let bytes = input.as_bytes();
+    let mut out = String::with_capacity(input.len());
+    let mut copied = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'=' {
+            i += 1;
+            continue;
+        }
+        let mut name_start = i;
+        while name_start > 0 && is_token_byte(bytes[name_start - 1]) {
+            name_start -= 1;
+        }
+        let name = &input[name_start..i];
+        let value_start = i + 1;
+        let value_end = input[value_start..]
+            .find(|c: char| matches!(c, '&' | ';' | ',' | '#' | '"' | '\'') || c.is_whitespace())
+            .map_or(bytes.len(), |x| value_start + x);
+        if !name.is_empty() && is_secret_header(name) && value_end > value_start {
+            out.push_str(&input[copied..value_start]);
+            out.push_str(MASK);
+            copied = value_end;
+        }
+        i = value_end.max(i + 1);
+    }
+    out.push_str(&input[copied..]);
+    out
+}
+
 fn is_token_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')
 }
@@ -208,9 +244,13 @@ fn mask_urls(input: &str) -> String {
     let mut rest = input;
     while let Some(at) = rest.find("://") {
         // Back up over the scheme.
+        // Back up over the scheme's characters (all ASCII, so the boundary after the last other
+        // character is a char boundary whatever that character is).
         let scheme_start = rest[..at]
-            .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
-            .map_or(0, |i| i + 1);
+            .char_indices()
+            .rev()
+            .find(|(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+            .map_or(0, |(i, c)| i + c.len_utf8());
         out.push_str(&rest[..scheme_start]);
         let candidate = &rest[scheme_start..];
         let len = candidate
@@ -276,6 +316,14 @@ mod tests {
             "connect to redis://:***@10.0.0.1:6379 failed"
         );
         assert_eq!(text("token eyJa.eyJb.c here"), "token *** here");
+        assert_eq!(
+            text("GET /v1/x?api_key=K123&page=2&access_token=T9 HTTP/1.1"),
+            "GET /v1/x?api_key=***&page=2&access_token=*** HTTP/1.1"
+        );
+        // A multi-byte character right before `://` (a lossily decoded Host header, say)
+        // used to make the scanner slice inside it and panic.
+        assert_eq!(text("host \u{fffd}://a:pw@b"), "host \u{fffd}://a:***@b");
+        assert_eq!(text("é://x@y"), "é://x@y");
         assert!(matches!(text("nothing to see"), Cow::Borrowed(_)));
     }
 
@@ -284,6 +332,16 @@ mod tests {
         fn redaction_never_panics(s in ".{0,80}") {
             let _ = url(&s);
             let _ = text(&s);
+        }
+
+        /// Text built around `://`, `@` and `=` with any characters next to them.
+        #[test]
+        fn redaction_never_panics_near_separators(
+            a in ".{0,12}", b in ".{0,12}", c in ".{0,12}", sep in proptest::sample::select(vec!["://", "@", "=", ": ", "\": \"", "eyJ"]),
+        ) {
+            let s = format!("{a}{sep}{b}://{c}@{a}={b}");
+            let _ = text(&s);
+            let _ = url(&s);
         }
     }
 }

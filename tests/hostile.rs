@@ -99,7 +99,16 @@ fn a_host_with_a_bad_port_is_still_limited_and_repeated_key_headers_are_refused(
             .is_some_and(|p| p.contains("\"weighted\"")),
         "{r:?}"
     );
+    // An absolute-form target disagreeing with Host cannot pick the selector the upstream does
+    // not route by: Pingora refuses it (400) before any hook runs.
     let hits = upstream.hits();
+    let absolute = raw_exchange(
+        gw.proxy,
+        b"GET http://api.example.com/v1/x HTTP/1.1\r\nHost: other.example.com\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    assert_eq!(absolute[0].status, 400, "{absolute:?}");
+    assert_eq!(upstream.hits(), hits);
     let r = gw.get("/v1/x", &[("X-Api-Key", "cheap"), ("X-Api-Key", "victim")]);
     assert_eq!(r.status, 400);
     assert_eq!(r.header("X-Tollgate-Reason"), Some("duplicate_header"));

@@ -270,15 +270,20 @@ pub struct KillSwitch {
 }
 
 impl KillSwitch {
+    /// Whether this switch is in force for this request's route at `unix_secs` (whatever its
+    /// scope value).
+    pub fn in_force(&self, facts: &RequestFacts<'_>, unix_secs: i64) -> bool {
+        self.expires_at.is_none_or(|at| unix_secs < at)
+            && self
+                .route
+                .as_ref()
+                .is_none_or(|route| path_has_prefix(&facts.path, route))
+    }
+
     /// Whether this switch stops the request at wall-clock time `unix_secs`.
     pub fn hits(&self, facts: &RequestFacts<'_>, unix_secs: i64, default_v6_prefix: u8) -> bool {
-        if self.expires_at.is_some_and(|at| unix_secs >= at) {
+        if !self.in_force(facts, unix_secs) {
             return false;
-        }
-        if let Some(route) = &self.route {
-            if !path_has_prefix(&facts.path, route) {
-                return false;
-            }
         }
         match (&self.scope, facts.client_ip) {
             // An IP scope may be a network: `10.0.0.0/8` stops the whole range.

@@ -1,12 +1,14 @@
-//! Connection guard for the proxy listener: a cap on concurrent client connections, a total
-//! deadline for request headers, and an idle timeout between kept-alive requests.
+//! Connection guard for the proxy and admin listeners (each with its own cap): a cap on
+//! concurrent client connections, a total deadline for a new connection's first request
+//! headers, and a deadline for the next request's headers on a kept-alive connection.
 //!
 //! Pingora 0.9 times each socket read separately (60 s), so a client trickling one byte a
 //! second keeps its connection forever, and a kept-alive HTTP/1.1 connection waits for its next
-//! request forever. [`Guarded`] wraps the proxy app: every connection runs inside a
+//! request forever. [`Guarded`] wraps the app: every connection runs inside a
 //! [`DeadlineClock`] armed at accept (header timeout), disarmed once a request's header is
-//! parsed (`early_request_filter` → [`header_parsed`]), and re-armed when a response is done
-//! (`logging` → [`response_done`], keep-alive timeout). When it fires, the connection's task is
+//! parsed ([`header_parsed`]: the proxy's `early_request_filter`, the admin's handler), and
+//! re-armed when a response is done ([`response_done`]: the proxy's `logging`, the admin's
+//! handler; keep-alive timeout). When it fires, the connection's task is
 //! dropped, which closes the socket. A request being proxied is never cut off by it.
 //!
 //! Connections beyond the cap get a `503` and are closed at once, so the gateway never runs

@@ -138,11 +138,13 @@ impl ProxyHttp for Proxy {
             let client_ip = self
                 .gateway
                 .client_ip_with(peer, peer_trusted, &req.headers);
-            let host = req
-                .headers
-                .get(http::header::HOST)
-                .and_then(|v| v.to_str().ok())
-                .or_else(|| req.uri.authority().map(|a| a.as_str()));
+            // An absolute-form target (`GET http://api.example.com/x`) names the host the
+            // upstream routes by; it wins over the Host header (RFC 9112 §3.2.2).
+            let host = req.uri.authority().map(|a| a.as_str()).or_else(|| {
+                req.headers
+                    .get(http::header::HOST)
+                    .and_then(|v| v.to_str().ok())
+            });
             let target = req
                 .uri
                 .path_and_query()

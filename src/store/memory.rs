@@ -27,9 +27,10 @@
 //!   memory pressure: by the sweep when the store is above 3/4 of its bound, and when a full
 //!   store has nothing full-again to drop. A drained bucket of a long quota (300 per 180 min)
 //!   is otherwise kept until it is full again. Refusals count as activity.
-//! - when the store is full and nothing in the key's shard is full-again or idle, a *new* key
-//!   is not stored: its request is allowed (fail-open) and counted. Live buckets are never
-//!   evicted, so a flood of fresh keys cannot reset anyone's limit.
+//! - when the store is full and nothing in the key's shard is full-again or idle (or that shard
+//!   was purged less than `purge_interval` ago), a *new* key is not stored: its request is
+//!   allowed (fail-open) and counted. Live buckets are never evicted, so a flood of fresh keys
+//!   cannot reset anyone's limit.
 
 use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError, StoreStats};
 use crate::limiter::{self, BucketState, US_PER_SEC};
@@ -43,7 +44,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 pub struct MemoryStoreConfig {
     /// Most entries ever held (memory bound).
     pub max_buckets: usize,
-    /// Entries untouched for longer than this are dropped (microseconds).
+    /// Entries untouched for longer than this may be dropped when memory is short
+    /// (microseconds).
     pub idle_timeout_us: u64,
     /// Minimum spacing of on-demand purges of a full shard (microseconds), so a flood of new
     /// keys against a full store cannot turn every request into a shard scan.
@@ -702,8 +704,9 @@ impl MemoryStore {
             .iter()
             .map(|&i| (i, self.shards[i].structure.lock()))
             .collect();
-        // ...room for the request's new keys, before any bucket lock is taken...
-        for (index, state) in guards.iter() {
+        // ...room for the request's new keys, before any bucket lock is taken: a purge when the
+        // store is at its bound (as for one bucket), and a bigger table when needed...
+        for (index, state) in guards.iter_mut() {
             let shard = &self.shards[*index];
             let table = Self::table(shard, guard);
             let missing = ops
@@ -712,9 +715,17 @@ impl MemoryStore {
                     self.shard_index(&op.key) == *index && table.find(stored(&op.key)).is_none()
                 })
                 .count();
-            if missing > 0 {
-                self.make_room(shard, state, missing, guard);
+            if missing == 0 {
+                continue;
             }
+            let at_bound = self.len.load(Ordering::Relaxed) + missing > self.config.max_buckets;
+            let may_purge = state
+                .last_purge_us
+                .is_none_or(|at| now_us.saturating_sub(at) >= self.config.purge_interval_us);
+            if at_bound && may_purge {
+                self.purge(shard, state, now_us, guard);
+            }
+            self.make_room(shard, state, missing, guard);
         }
         // ...then each existing bucket's lock, in address order.
         let mut located: SmallVec<[Option<&Slot>; 4]> = ops
@@ -1212,5 +1223,29 @@ mod tests {
         }
         assert_eq!(store.stats().entries, Some(300));
         assert!(store.allocated_bytes() >= 512 * 40, "the table grew");
+    }
+
+    /// A request with several buckets makes room in a full store as a single-bucket one does:
+    /// full-again buckets are purged before its new keys are refused.
+    #[test]
+    fn a_full_store_purges_for_multi_bucket_requests_too() {
+        let store = small(2);
+        let q = quota(1, 2);
+        run(&store, 0, &[op("tb:r:a", q, Group::Enforce)]);
+        run(&store, 0, &[op("tb:r:b", q, Group::Enforce)]);
+        // Full, nothing evictable at 0: both new keys fail open.
+        let pair = [
+            op("tb:x:c", q, Group::Enforce),
+            op("tb:y:c", q, Group::Enforce),
+        ];
+        let r = run(&store, 0, &pair);
+        assert!(r
+            .iter()
+            .all(|r| r.verdict.allowed && r.fail_open && !r.committed));
+        // At 1 s a and b are full again: purged, and both new buckets are stored.
+        let r = run(&store, US_PER_SEC, &pair);
+        assert!(r.iter().all(|r| r.committed), "{r:?}");
+        assert_eq!(store.stats().entries, Some(2));
+        assert_eq!(store.stats().evictions, 2);
     }
 }

@@ -10,7 +10,9 @@
 //! allows; a concurrent request may briefly see the spent-then-refunded tokens missing.
 //!
 //! Failure: every call has a deadline; a timeout, refused connection or server error fails open
-//! (allowed, nothing spent), is counted, and is logged once per burst of errors. The connection
+//! (allowed, and on a single server nothing spent: the script carries the deadline in the
+//! server's own `TIME` and applies nothing past it), is counted, and is logged once per burst
+//! of errors. The connection
 //! manager reconnects by itself. A local cache of denied buckets answers repeat offenders until
 //! their retry time without a Redis call.
 
@@ -135,19 +137,22 @@ pub struct RedisStore {
     connecting: AtomicBool,
     health: Health,
     denied_hits: AtomicU64,
-    /// The server's `TIME` minus the gateway's wall clock, in µs, when measured (`TIME_UNKNOWN`
+    /// The server's `TIME` minus this store's monotonic clock (`origin`), in µs, when measured
+    /// (a monotonic base: a step of the gateway's wall clock cannot move deadlines) (`TIME_UNKNOWN`
     /// before, or where the server refuses `TIME`: then scripts carry no deadline).
     time_offset_us: AtomicI64,
+    /// The origin of the monotonic clock the offset is measured against.
+    origin: std::time::Instant,
 }
 
 /// `time_offset_us` before the first measurement.
 const TIME_UNKNOWN: i64 = i64::MIN;
 
-/// The gateway's wall clock in µs since the epoch.
-fn wall_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros().min(i64::MAX as u128) as i64)
+impl RedisStore {
+    /// Microseconds since this store was made (monotonic).
+    fn mono_us(&self) -> i64 {
+        self.origin.elapsed().as_micros().min(i64::MAX as u128) as i64
+    }
 }
 
 const DENIED_CACHE_MAX: usize = 100_000;
@@ -195,6 +200,7 @@ impl RedisStore {
             health: Health::default(),
             denied_hits: AtomicU64::new(0),
             time_offset_us: AtomicI64::new(TIME_UNKNOWN),
+            origin: std::time::Instant::now(),
         }))
     }
 
@@ -236,7 +242,7 @@ impl RedisStore {
     /// refuses `TIME` leaves scripts without a deadline (logged once).
     async fn measure_time_offset(&self, conn: &Conn) {
         let mut conn = conn.clone();
-        let sent = wall_us();
+        let sent = self.mono_us();
         let call = async {
             let cmd = redis::cmd("TIME");
             match &mut conn {
@@ -246,7 +252,7 @@ impl RedisStore {
         };
         match tokio::time::timeout(Duration::from_millis(500), call).await {
             Ok(Ok((secs, micros))) => {
-                let received = wall_us();
+                let received = self.mono_us();
                 let server = secs.saturating_mul(1_000_000).saturating_add(micros);
                 let offset = server - (sent / 2 + received / 2);
                 self.time_offset_us.store(offset, Ordering::Relaxed);
@@ -270,13 +276,19 @@ impl RedisStore {
         }
     }
 
-    /// The deadline to give a script sent now, in the server's `TIME` µs (0 = none).
+    /// The deadline to give a script sent now, in the server's `TIME` µs (0 = none). None on
+    /// a cluster: `TIME` answers from one node while scripts run on every slot's owner, and a
+    /// few milliseconds of skew between nodes would turn every call to a fast node into a
+    /// late one.
     fn script_deadline(&self) -> i64 {
+        if matches!(self.client, Client::Cluster(_)) {
+            return 0;
+        }
         match self.time_offset_us.load(Ordering::Relaxed) {
             TIME_UNKNOWN => 0,
             offset => {
                 let timeout = self.config.timeout.as_micros().min(i64::MAX as u128) as i64;
-                (wall_us() + offset).saturating_add(timeout).max(1)
+                (self.mono_us() + offset).saturating_add(timeout).max(1)
             }
         }
     }
