@@ -91,15 +91,10 @@ impl<'a> RequestFacts<'a> {
         slashes: EncodedSlashes,
     ) -> Result<Self, EncodedSlashError> {
         let (path, query) = split_uri(target);
-        Ok(RequestFacts {
-            method,
-            path: normalize_request_path(path, slashes)?,
-            query,
-            host,
-            client_ip,
-            headers,
-            claims: None,
-        })
+        let path = normalize_request_path(path, slashes)?;
+        Ok(Self::from_parts(
+            method, path, query, host, client_ip, headers,
+        ))
     }
 
     /// Facts with encoded slashes decoded (tests, benchmarks).
@@ -111,9 +106,27 @@ impl<'a> RequestFacts<'a> {
         headers: &'a (dyn HeaderLookup + Sync),
     ) -> Self {
         let (path, query) = split_uri(uri);
+        Self::from_parts(
+            method,
+            normalize_path(path),
+            query,
+            host,
+            client_ip,
+            headers,
+        )
+    }
+
+    fn from_parts(
+        method: &'a str,
+        path: Cow<'a, str>,
+        query: Option<&'a str>,
+        host: Option<&'a str>,
+        client_ip: Option<IpAddr>,
+        headers: &'a (dyn HeaderLookup + Sync),
+    ) -> Self {
         RequestFacts {
             method,
-            path: normalize_path(path),
+            path,
             query,
             host,
             client_ip,

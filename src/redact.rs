@@ -70,40 +70,34 @@ fn mask_password_params(s: &str) -> Cow<'_, str> {
     ))
 }
 
+/// Words that mark a name (header, parameter, field) as carrying credentials.
+const SECRET_WORDS: [&str; 8] = [
+    "authorization",
+    "cookie",
+    "key",
+    "token",
+    "auth",
+    "secret",
+    "password",
+    "session",
+];
+
+/// Whether `text` contains one of [`SECRET_WORDS`] (case-insensitive).
+fn mentions_secret(text: &str) -> bool {
+    let lower = text.to_ascii_lowercase();
+    SECRET_WORDS.iter().any(|word| lower.contains(word))
+}
+
 /// Whether a header name carries credentials.
 pub fn is_secret_header(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    [
-        "authorization",
-        "cookie",
-        "key",
-        "token",
-        "auth",
-        "secret",
-        "password",
-        "session",
-    ]
-    .iter()
-    .any(|word| lower.contains(word))
+    mentions_secret(name)
 }
 
 /// Free text with secrets masked: `"x-api-key": "v"` / `x-api-key: v` header values of
 /// credential-like names, JWT-shaped tokens, and URL passwords.
 pub fn text(input: &str) -> Cow<'_, str> {
     let has_url_secret = input.contains("://") && input.contains('@');
-    let lower = input.to_ascii_lowercase();
-    let has_header = [
-        "authorization",
-        "cookie",
-        "key",
-        "token",
-        "auth",
-        "secret",
-        "password",
-        "session",
-    ]
-    .iter()
-    .any(|w| lower.contains(w));
+    let has_header = mentions_secret(input);
     if !has_url_secret && !has_header && !input.contains("eyJ") {
         return Cow::Borrowed(input);
     }
@@ -120,22 +114,63 @@ pub fn text(input: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// Masks the value after `name": "` or `name: ` for credential-like names. Names are read as
-/// the run of token characters before the separator.
+/// Masks the value after `name": "` or `name: ` for credential-like names (Debug dumps of
+/// header maps, raw header lines). A quoted value runs to its closing quote; otherwise to the
+/// end of the line, a `,` or a `}` (the next Debug field).
 fn mask_header_values(input: &str) -> String {
+    mask_named_values(input, b':', true, |rest| {
+        let spaces = rest.len() - rest.trim_start_matches(' ').len();
+        let value = &rest[spaces..];
+        if let Some(quoted) = value.strip_prefix('"') {
+            let bytes = quoted.as_bytes();
+            let mut e = 0;
+            while e < bytes.len() && bytes[e] != b'"' {
+                if bytes[e] == b'\\' {
+                    e += 1;
+                }
+                e += 1;
+            }
+            (spaces + 1, spaces + 1 + e.min(bytes.len()))
+        } else {
+            let e = value.find(['\r', '\n', ',', '}']).unwrap_or(value.len());
+            (spaces, spaces + e)
+        }
+    })
+}
+
+/// Masks `name=value` pairs (query strings, cookies, form-like text) whose name carries
+/// credentials (`api_key=`, `access_token=`, `session=`...). The value ends at `&`, `;`, `,`,
+/// `#`, a quote or whitespace.
+fn mask_parameters(input: &str) -> String {
+    mask_named_values(input, b'=', false, |rest| {
+        let e = rest
+            .find(|c: char| matches!(c, '&' | ';' | ',' | '#' | '"' | '\'') || c.is_whitespace())
+            .unwrap_or(rest.len());
+        (0, e)
+    })
+}
+
+/// The scanner both maskers share: at each `separator`, the name is the run of token
+/// characters before it (after a closing quote when `quoted_names`); when that name carries
+/// credentials, `value_span(rest)` gives the value's start and end within the text after the
+/// separator, and the value is replaced by [`MASK`].
+fn mask_named_values(
+    input: &str,
+    separator: u8,
+    quoted_names: bool,
+    value_span: impl Fn(&str) -> (usize, usize),
+) -> String {
     let bytes = input.as_bytes();
     let mut out = String::with_capacity(input.len());
     let mut copied = 0;
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] != b':' {
+        if bytes[i] != separator {
             i += 1;
             continue;
         }
-        // The name before the colon, maybe quoted.
         let mut name_end = i;
-        let quoted = name_end > 0 && bytes[name_end - 1] == b'"';
-        if quoted {
+        if quoted_names && name_end > 0 && bytes[name_end - 1] == b'"' {
             name_end -= 1;
         }
         let mut name_start = name_end;
@@ -147,61 +182,9 @@ fn mask_header_values(input: &str) -> String {
             i += 1;
             continue;
         }
-        // The value after the colon: `"..."` (Debug output) or up to the end of the line,
-        // a `;`-free comma list stops at `, "` (the next Debug field).
-        let mut v = i + 1;
-        while v < bytes.len() && bytes[v] == b' ' {
-            v += 1;
-        }
-        let (value_start, value_end) = if v < bytes.len() && bytes[v] == b'"' {
-            let mut e = v + 1;
-            while e < bytes.len() && bytes[e] != b'"' {
-                if bytes[e] == b'\\' {
-                    e += 1;
-                }
-                e += 1;
-            }
-            (v + 1, e.min(bytes.len()))
-        } else {
-            let e = input[v..]
-                .find(['\r', '\n', ',', '}'])
-                .map_or(bytes.len(), |x| v + x);
-            (v, e)
-        };
+        let (start, end) = value_span(&input[i + 1..]);
+        let (value_start, value_end) = (i + 1 + start, i + 1 + end);
         if value_end > value_start {
-            out.push_str(&input[copied..value_start]);
-            out.push_str(MASK);
-            copied = value_end;
-        }
-        i = value_end.max(i + 1);
-    }
-    out.push_str(&input[copied..]);
-    out
-}
-
-/// Masks `name=value` pairs (query strings, cookies, form-like text) whose name carries
-/// credentials (`api_key=`, `access_token=`, `session=`...). The value ends at `&`, `;`, `,`,
-/// `#`, a quote or whitespace.
-fn mask_parameters(input: &str) -> String {
-    let bytes = input.as_bytes();
-    let mut out = String::with_capacity(input.len());
-    let mut copied = 0;
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] != b'=' {
-            i += 1;
-            continue;
-        }
-        let mut name_start = i;
-        while name_start > 0 && is_token_byte(bytes[name_start - 1]) {
-            name_start -= 1;
-        }
-        let name = &input[name_start..i];
-        let value_start = i + 1;
-        let value_end = input[value_start..]
-            .find(|c: char| matches!(c, '&' | ';' | ',' | '#' | '"' | '\'') || c.is_whitespace())
-            .map_or(bytes.len(), |x| value_start + x);
-        if !name.is_empty() && is_secret_header(name) && value_end > value_start {
             out.push_str(&input[copied..value_start]);
             out.push_str(MASK);
             copied = value_end;

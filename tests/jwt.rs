@@ -42,6 +42,10 @@ fn hs(secret: &str, claims: &serde_json::Value) -> String {
     )
 }
 
+fn ec_key() -> EncodingKey {
+    EncodingKey::from_ec_pem(&std::fs::read(fixture("ec-private.pem")).unwrap()).unwrap()
+}
+
 fn rsa_key(name: &str) -> EncodingKey {
     EncodingKey::from_rsa_pem(&std::fs::read(fixture(name)).unwrap()).unwrap()
 }
@@ -193,8 +197,7 @@ fn rs256_es256_and_jwks_keys_verify() {
         None,
         &claims("ps", "enterprise"),
     ));
-    let ec_key =
-        EncodingKey::from_ec_pem(&std::fs::read(fixture("ec-private.pem")).unwrap()).unwrap();
+    let ec_key = ec_key();
     let es = bearer(&sign(
         Algorithm::ES256,
         &ec_key,
@@ -416,8 +419,7 @@ fn rotated_jwks_keys_take_effect_with_their_algorithms() {
             "1",
         ],
     );
-    let ec_key =
-        EncodingKey::from_ec_pem(&std::fs::read(fixture("ec-private.pem")).unwrap()).unwrap();
+    let ec_key = ec_key();
     let es = bearer(&sign(
         Algorithm::ES256,
         &ec_key,

@@ -208,15 +208,8 @@ fn two_gateways_share_one_limit() {
     }
 }
 
-/// Redis dying mid-traffic: the gateway keeps answering within its deadline (fail-open),
-/// reports a degraded store without failing readiness, and limits again once Redis is back.
-#[test]
-fn a_dead_redis_fails_open_and_limiting_resumes() {
-    let mut redis = RedisServer::start();
-    let port = redis.port;
-    let upstream = Upstream::start();
-    let policy = r#"{"rules": [{"name": "per-client", "limit_keys": ["header:x-client"], "algorithm": "token_bucket",
-        "algorithm_config": {"rps": 0.001, "burst": 2}}]}"#;
+/// A gateway on `redis` with a 50 ms store deadline, once its store answers.
+fn gateway_on(redis: &RedisServer, policy: &str, upstream: &Upstream) -> Gateway {
     let store = format!("--store={}", redis.url());
     let gw = Gateway::start(
         Some(policy),
@@ -228,6 +221,19 @@ fn a_dead_redis_fails_open_and_limiting_resumes() {
             .body
             .contains("\"store_status\":\"ok\"")
     });
+    gw
+}
+
+/// Redis dying mid-traffic: the gateway keeps answering within its deadline (fail-open),
+/// reports a degraded store without failing readiness, and limits again once Redis is back.
+#[test]
+fn a_dead_redis_fails_open_and_limiting_resumes() {
+    let mut redis = RedisServer::start();
+    let port = redis.port;
+    let upstream = Upstream::start();
+    let policy = r#"{"rules": [{"name": "per-client", "limit_keys": ["header:x-client"], "algorithm": "token_bucket",
+        "algorithm_config": {"rps": 0.001, "burst": 2}}]}"#;
+    let gw = gateway_on(&redis, policy, &upstream);
     let as_client = |c: &str| gw.get("/", &[("X-Client", c)]).status;
     assert_eq!(
         [as_client("a"), as_client("a"), as_client("a")],
@@ -285,17 +291,7 @@ fn requests_that_failed_open_on_a_hung_redis_are_never_charged() {
     let upstream = Upstream::start();
     let policy = r#"{"rules": [{"name": "per-client", "limit_keys": ["header:x-client"], "algorithm": "token_bucket",
         "algorithm_config": {"rps": 0.001, "burst": 8}}]}"#;
-    let store = format!("--store={}", redis.url());
-    let gw = Gateway::start(
-        Some(policy),
-        Some(upstream.addr),
-        &[store.as_str(), "--store-timeout-ms", "50"],
-    );
-    gw.wait_until(Duration::from_secs(15), || {
-        gw.admin("GET", "/readyz", &[])
-            .body
-            .contains("\"store_status\":\"ok\"")
-    });
+    let gw = gateway_on(&redis, policy, &upstream);
     let remaining = |c: &str| {
         let r = gw.get("/", &[("X-Client", c)]);
         assert_eq!(r.status, 200);

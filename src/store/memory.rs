@@ -803,16 +803,14 @@ impl MemoryStore {
             }
         }
         // Buckets of a refused request were still asked about: they are not idle.
-        for (m, (slot, meta)) in metas.iter_mut().enumerate() {
-            let committed = ops
+        for (slot, meta) in metas.iter_mut() {
+            let committed = results
                 .iter()
-                .zip(results.iter())
                 .zip(located.iter())
-                .any(|((_, r), s)| r.committed && s.is_some_and(|s| std::ptr::eq(s, *slot)));
+                .any(|(r, s)| r.committed && s.is_some_and(|s| std::ptr::eq(s, *slot)));
             if !committed {
                 *meta = touched(*meta, now_us);
             }
-            let _ = m;
         }
         for (slot, meta) in metas {
             slot.unlock(meta);
