@@ -74,6 +74,39 @@ pub struct RequestFacts<'a> {
     pub headers: &'a (dyn HeaderLookup + Sync),
     /// Claims of a verified JWT, if one was presented and verified.
     pub claims: Option<&'a Claims>,
+    /// The Envoy rate-limit descriptor these facts stand for (gRPC `ShouldRateLimit`), if any.
+    pub envoy: Option<EnvoyDescriptor<'a>>,
+}
+
+/// One descriptor of an Envoy `ShouldRateLimit` call: its request's `domain` and its
+/// `{key, value}` entries in order. Each entry is the descriptor `descriptor:<key>`.
+#[derive(Debug, Clone, Copy)]
+pub struct EnvoyDescriptor<'a> {
+    pub domain: &'a str,
+    pub entries: &'a Vec<(String, String)>,
+}
+
+impl<'a> EnvoyDescriptor<'a> {
+    /// The value of the first entry named `key` (Envoy keys are case-sensitive).
+    pub fn entry(&self, key: &str) -> Option<&'a str> {
+        self.entries
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The entry keys in order, joined with `,` (the `descriptor_keys` descriptor): lets a rule
+    /// apply to one descriptor shape only, as envoyproxy/ratelimit's tree lookup does.
+    pub fn keys(&self) -> String {
+        let mut out = String::new();
+        for (i, (key, _)) in self.entries.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(key);
+        }
+        out
+    }
 }
 
 impl<'a> RequestFacts<'a> {
@@ -132,7 +165,39 @@ impl<'a> RequestFacts<'a> {
             client_ip,
             headers,
             claims: None,
+            envoy: None,
         }
+    }
+
+    /// Facts for one descriptor of an Envoy `ShouldRateLimit` call. The entries are also the
+    /// request's headers (so `header:<name>` reads an entry Envoy's `request_headers` action
+    /// named after its header), and the well-known keys fill in the rest: `remote_address` is
+    /// the client address, `masked_remote_address` (`10.1.2.0/24`) its network address,
+    /// `method`, `path` and `host` the request line; absent, the method is empty and the path
+    /// `/`.
+    pub fn for_envoy(descriptor: EnvoyDescriptor<'a>) -> Self {
+        let client_ip = descriptor
+            .entry("remote_address")
+            .and_then(|v| v.trim().parse::<IpAddr>().ok())
+            .or_else(|| {
+                descriptor
+                    .entry("masked_remote_address")
+                    .and_then(IpNet::parse)
+                    .map(|net| net.addr())
+            })
+            .map(canonical_ip);
+        let target = descriptor.entry("path").unwrap_or("/");
+        let (path, query) = split_uri(target);
+        let mut facts = Self::from_parts(
+            descriptor.entry("method").unwrap_or(""),
+            normalize_path(path),
+            query,
+            descriptor.entry("host"),
+            client_ip,
+            descriptor.entries,
+        );
+        facts.envoy = Some(descriptor);
+        facts
     }
 
     /// The same facts with verified JWT claims.
@@ -395,12 +460,18 @@ pub enum Descriptor {
     Method,
     Path,
     Host,
+    /// `descriptor:<key>`: an entry of an Envoy rate-limit descriptor (case-sensitive key).
+    Entry(String),
+    /// `domain`: the Envoy rate-limit request's domain (compared like a host: any case).
+    Domain,
+    /// `descriptor_keys`: an Envoy descriptor's entry keys in order, joined with `,`.
+    EntryKeys,
 }
 
 /// Why a descriptor string is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
-    #[error("unknown descriptor '{0}' (expected ip:address, header:<name>, query:<name>, jwt:<claim>, method, path or host)")]
+    #[error("unknown descriptor '{0}' (expected ip:address, header:<name>, query:<name>, jwt:<claim>, method, path, host, descriptor:<key>, domain or descriptor_keys)")]
     Unknown(String),
     #[error("descriptor '{0}' needs a name after the colon")]
     EmptyName(String),
@@ -427,6 +498,8 @@ impl Descriptor {
             "method" => return Ok(Descriptor::Method),
             "path" => return Ok(Descriptor::Path),
             "host" => return Ok(Descriptor::Host),
+            "domain" => return Ok(Descriptor::Domain),
+            "descriptor_keys" => return Ok(Descriptor::EntryKeys),
             _ => {}
         }
         if let Some(bits) = text.strip_prefix("ip:address/") {
@@ -443,6 +516,9 @@ impl Descriptor {
         }
         if let Some(name) = named("jwt:")? {
             return Ok(Descriptor::Jwt(name));
+        }
+        if let Some(name) = named("descriptor:")? {
+            return Ok(Descriptor::Entry(name));
         }
         Err(DescriptorError::Unknown(text.to_string()))
     }
@@ -466,6 +542,11 @@ impl Descriptor {
             Descriptor::Host => facts
                 .host_name()
                 .map(|h| Cow::Owned(h.to_ascii_lowercase())),
+            Descriptor::Entry(key) => facts.envoy?.entry(key).map(Cow::Borrowed),
+            Descriptor::Domain => facts
+                .envoy
+                .map(|e| Cow::Owned(e.domain.to_ascii_lowercase())),
+            Descriptor::EntryKeys => facts.envoy.map(|e| Cow::Owned(e.keys())),
         }
     }
 }
@@ -481,6 +562,9 @@ impl std::fmt::Display for Descriptor {
             Descriptor::Method => f.write_str("method"),
             Descriptor::Path => f.write_str("path"),
             Descriptor::Host => f.write_str("host"),
+            Descriptor::Entry(key) => write!(f, "descriptor:{key}"),
+            Descriptor::Domain => f.write_str("domain"),
+            Descriptor::EntryKeys => f.write_str("descriptor_keys"),
         }
     }
 }

@@ -301,6 +301,96 @@ pub struct Pending<'b> {
     checked: Checked<'b>,
 }
 
+impl<'b> Pending<'b> {
+    /// One enforced bucket for `rule` (Envoy's descriptor override when no rule applies).
+    pub fn single(bundle: &'b Bundle, rule: &'b Rule, key: BucketKey, quota: Quota) -> Self {
+        let mut checked = Checked::new(bundle);
+        let (cost, cost_exceeds) = match rule.cost {
+            CostSource::Fixed(cost) if cost <= quota.burst() => (cost, false),
+            _ => (quota.burst().saturating_add(1), true),
+        };
+        checked.rules.push(RuleOutcome {
+            rule,
+            key,
+            quota,
+            allowed: true,
+            committed: false,
+            fail_open: false,
+            cost_exceeds,
+            tokens: 0,
+            retry_after: 0,
+            reset: 0,
+        });
+        let mut ops = SmallVec::new();
+        ops.push(BucketOp {
+            key,
+            quota,
+            cost,
+            group: Group::Enforce,
+        });
+        Pending { ops, checked }
+    }
+
+    /// Envoy's `hits_addend` and `limit` override: every bucket of the request costs `hits`
+    /// times its rule's cost, under `quota` when given. A cost the quota can never hold is
+    /// refused as `cost_exceeds_limit`, as a stated cost would be.
+    pub fn adjust(&mut self, hits: u64, quota: Option<Quota>) {
+        for (op, outcome) in self.ops.iter_mut().zip(self.checked.rules.iter_mut()) {
+            if let Some(quota) = quota {
+                op.quota = quota;
+                outcome.quota = quota;
+            }
+            let cost = if outcome.cost_exceeds {
+                u64::MAX
+            } else {
+                op.cost.saturating_mul(hits)
+            };
+            outcome.cost_exceeds = cost > op.quota.burst();
+            op.cost = if outcome.cost_exceeds {
+                op.quota.burst().saturating_add(1)
+            } else {
+                cost
+            };
+        }
+    }
+}
+
+/// One decision for several planned requests that were checked together (the descriptors of
+/// an Envoy `ShouldRateLimit` call): every rule outcome once (a bucket two of them share
+/// appears once), refused when any of them was, for the longest wait.
+pub fn merge<'b>(bundle: &'b Bundle, decisions: &[Decision<'b>]) -> Decision<'b> {
+    let mut checked = Checked::new(bundle);
+    let mut refusal: Option<&Refusal<'b>> = None;
+    for decision in decisions {
+        if let Some(c) = decision.checked() {
+            for outcome in &c.rules {
+                if !checked.rules.iter().any(|o| o.key == outcome.key) {
+                    checked.rules.push(outcome.clone());
+                }
+            }
+            checked.store_error |= c.store_error;
+            if checked.shadow_missing.is_none() {
+                checked.shadow_missing = c.shadow_missing;
+            }
+        }
+        if let Decision::Refuse(r) = decision {
+            let longer = refusal.is_none_or(|best| r.retry_after > best.retry_after);
+            if longer {
+                refusal = Some(r);
+            }
+        }
+    }
+    match refusal {
+        None => Decision::Allow(checked),
+        Some(r) => Decision::Refuse(Refusal {
+            reason: r.reason,
+            retry_after: r.retry_after,
+            cause: r.cause,
+            checked: Some(checked),
+        }),
+    }
+}
+
 /// Everything up to the store call: kill switches (at wall-clock `unix_secs`), matching policies
 /// and rules, bucket keys and costs.
 pub fn plan<'b>(

@@ -8,8 +8,8 @@
 //!                                  listener, server and background tasks (the only Pingora code)
 //! L3  cli, config, simulate,       flags → Config; commands; the running gateway: one
 //!     service                      `Gateway::decide` for the proxy and the decision service
-//! L2  engine, headers, metrics,    pure engine: bundle + facts + time → plan; plan + store
-//!     auth                         answer → Decision (an enum carrying names and quotas);
+//! L2  engine, rls, headers,        pure engine: bundle + facts + time → plan; plan + store
+//!     metrics, auth                answer → Decision (an enum carrying names and quotas);
 //!                                  Decision → HTTP headers; counters; JWT
 //! L1  store                        one `Store`: embedded (synchronous) or Redis / PostgreSQL
 //!                                  (awaited), with its own time base, stats and sweep
@@ -35,6 +35,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod redact;
+pub mod rls;
 pub mod service;
 pub mod simulate;
 pub mod store;

@@ -14,6 +14,7 @@ use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{load_file, Bundle, Mode, PolicyError};
+use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -399,6 +400,74 @@ impl Gateway {
         }
     }
 
+    /// Answers an Envoy `ShouldRateLimit` call ([`crate::rls`]): every descriptor's buckets in
+    /// one store call (after a peek when a descriptor only checks), one status per
+    /// descriptor, the merged decision counted, logged and turned into headers. A store failure
+    /// fails open (every descriptor OK, counted) unless `store_errors_fail_open` is false.
+    ///
+    /// # Errors
+    /// A malformed call, no policy loaded, or (when not failing open) a store failure.
+    pub async fn should_rate_limit(
+        &self,
+        request: &RlsRequest,
+        store_errors_fail_open: bool,
+    ) -> Result<RlsReply, RlsFailure> {
+        let started = Instant::now();
+        let Some(bundle) = self.policy.load_full() else {
+            return Err(RlsFailure::NoPolicy);
+        };
+        let unix_secs = self.clock.unix_secs();
+        let plan = rls::plan(&bundle, request, unix_secs, self.engine_config)
+            .map_err(RlsFailure::Invalid)?;
+        let now_us = self.store.now_us();
+        let mut results = OpResults::new();
+        let mut peeked_only = false;
+        let mut answer = Ok(());
+        if !plan.ops().is_empty() {
+            if plan.needs_peek() {
+                answer = self
+                    .store
+                    .apply(now_us, &plan.peek_ops(), &mut results)
+                    .await;
+                peeked_only = answer.is_ok() && plan.refused_by_peek(&results);
+            }
+            if answer.is_ok() && !peeked_only {
+                answer = self.store.apply(now_us, plan.ops(), &mut results).await;
+            }
+        }
+        let store_failed = answer.is_err();
+        let outcome = plan.finish(answer.map(|()| &results), now_us, peeked_only);
+        self.metrics
+            .record(&outcome.decision, started.elapsed().as_secs_f64());
+        if store_failed && !store_errors_fail_open {
+            return Err(RlsFailure::StoreUnavailable);
+        }
+        let client_ip = request.descriptors.iter().find_map(|d| {
+            d.entries
+                .iter()
+                .find(|(k, _)| k == "remote_address")
+                .and_then(|(_, v)| v.parse::<IpAddr>().ok())
+        });
+        let view = RequestView {
+            client_ip,
+            host: Some(&request.domain),
+            path: "/",
+            sub: None,
+        };
+        let identity = JitterIdentity {
+            sub: None,
+            ip: client_ip,
+            path: "/",
+        };
+        let response = headers::build(&outcome.decision, &identity, &self.header_config);
+        log_decision(&outcome.decision, &view, response.status);
+        Ok(RlsReply {
+            over_limit: outcome.over_limit(),
+            statuses: outcome.statuses,
+            response,
+        })
+    }
+
     /// Drops buckets that no longer matter (see [`Store::sweep`]).
     pub async fn sweep(&self) -> u64 {
         self.store.sweep().await
@@ -407,6 +476,28 @@ impl Gateway {
     pub fn metrics_text(&self) -> String {
         self.metrics.render(self.store.stats())
     }
+}
+
+/// The answer to a `ShouldRateLimit` call.
+#[derive(Debug)]
+pub struct RlsReply {
+    pub over_limit: bool,
+    /// One per descriptor, in order.
+    pub statuses: Vec<DescriptorStatus>,
+    /// The headers (`RateLimit`..., `Retry-After` when over the limit), status and body the
+    /// client should get.
+    pub response: Response,
+}
+
+/// Why a `ShouldRateLimit` call gets no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum RlsFailure {
+    #[error("{0}")]
+    Invalid(RlsError),
+    #[error("no policy loaded")]
+    NoPolicy,
+    #[error("the rate-limit store is unavailable")]
+    StoreUnavailable,
 }
 
 /// What a front end needs to answer a request.

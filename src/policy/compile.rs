@@ -87,6 +87,7 @@ pub fn compile_bundle(root: &Value, default_id: &str) -> Result<Bundle, Vec<Fiel
             rules: c.rules,
             kill_switches: c.kill_switches,
             warnings: c.warnings,
+            envoy_override: super::Rule::envoy_override(),
         })
     } else {
         Err(c.errors)
@@ -427,8 +428,11 @@ impl Compiler {
 
     fn selector(&mut self, v: &Value, path: &str) -> Selector {
         let mut selector = Selector::default();
-        let Some(map) = self.object(v, path, &["pathPrefix", "pathExact", "methods", "hosts"])
-        else {
+        let Some(map) = self.object(
+            v,
+            path,
+            &["pathPrefix", "pathExact", "methods", "hosts", "domains"],
+        ) else {
             return selector;
         };
         if let Some(v) = map.get("pathPrefix") {
@@ -476,6 +480,15 @@ impl Compiler {
                         .map(|h| crate::descriptor::strip_port(&h).to_ascii_lowercase())
                         .collect(),
                 );
+            }
+        }
+        if let Some(v) = map.get("domains") {
+            let p = join(path, "domains");
+            if let Some(list) = self.string_list(v, &p) {
+                if list.is_empty() {
+                    self.error(&p, "must not be empty (omit it to match every domain)");
+                }
+                selector.domains = Some(list);
             }
         }
         selector

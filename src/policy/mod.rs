@@ -28,6 +28,9 @@ pub struct Bundle {
     pub kill_switches: Vec<KillSwitch>,
     /// Non-fatal findings (e.g. `burst` below `tokens_per_second`).
     pub warnings: Vec<FieldError>,
+    /// The rule an Envoy descriptor's own `limit` override is counted under when no rule of
+    /// the bundle applies to the descriptor (envoyproxy/ratelimit honours such overrides too).
+    pub envoy_override: Rule,
 }
 
 impl Bundle {
@@ -40,6 +43,7 @@ impl Bundle {
             rules: Vec::new(),
             kill_switches: Vec::new(),
             warnings: Vec::new(),
+            envoy_override: Rule::envoy_override(),
         }
     }
 
@@ -87,6 +91,9 @@ pub struct Selector {
     pub methods: Option<Vec<String>>,
     /// Lower-case host names without port; `None` = all.
     pub hosts: Option<Vec<String>>,
+    /// Envoy rate-limit domains (any case); `None` = all. A policy with `domains` applies to
+    /// `ShouldRateLimit` calls only.
+    pub domains: Option<Vec<String>>,
 }
 
 impl Selector {
@@ -109,6 +116,12 @@ impl Selector {
         if let Some(hosts) = &self.hosts {
             match facts.host_name() {
                 Some(host) if hosts.iter().any(|h| h.eq_ignore_ascii_case(host)) => {}
+                _ => return false,
+            }
+        }
+        if let Some(domains) = &self.domains {
+            match facts.envoy {
+                Some(e) if domains.iter().any(|d| d.eq_ignore_ascii_case(e.domain)) => {}
                 _ => return false,
             }
         }
@@ -187,6 +200,9 @@ impl MatchCondition {
             (MatchValue::Text(expected), Descriptor::Host) => facts
                 .host_name()
                 .is_some_and(|h| h.eq_ignore_ascii_case(expected)),
+            (MatchValue::Text(expected), Descriptor::Domain) => facts
+                .envoy
+                .is_some_and(|e| e.domain.eq_ignore_ascii_case(expected)),
             (MatchValue::Text(expected), descriptor) => descriptor
                 .value(facts, default_v6_prefix)
                 .is_some_and(|v| v == expected.as_str()),
@@ -227,7 +243,38 @@ pub struct Rule {
     pub header_names: Vec<String>,
 }
 
+/// Name of [`Bundle::envoy_override`]'s rule; bucket names start `tb:envoy-limit-override:`.
+pub const ENVOY_OVERRIDE_RULE: &str = "envoy-limit-override";
+
 impl Rule {
+    /// The rule behind [`Bundle::envoy_override`]: enforced, keyed by the whole descriptor (the
+    /// caller builds the key), its quota always the descriptor's override. It is outside
+    /// [`Bundle::rules`] (its `index` is `usize::MAX`), so per-rule metrics skip it.
+    pub fn envoy_override() -> Rule {
+        let quota = Quota::new(crate::limiter::MICRO, crate::limiter::MICRO, 1_000_000)
+            .unwrap_or_else(|_| unreachable!("a 1 r/s quota is valid"));
+        let mut sf_name = String::new();
+        push_sf_string(&mut sf_name, ENVOY_OVERRIDE_RULE);
+        Rule {
+            index: usize::MAX,
+            name: ENVOY_OVERRIDE_RULE.to_string(),
+            policy: usize::MAX,
+            policy_id: "envoy".to_string(),
+            mode: Mode::Enforce,
+            limit_keys: vec![Descriptor::Domain, Descriptor::EntryKeys],
+            conditions: Vec::new(),
+            quota,
+            cost: CostSource::Fixed(crate::limiter::MICRO),
+            overrides: AHashMap::new(),
+            ip_overrides: Vec::new(),
+            on_missing: OnMissing::Skip,
+            key_prefix: format!("tb:{ENVOY_OVERRIDE_RULE}:"),
+            policy_item: format!("{sf_name};q=1;w=1"),
+            sf_name,
+            header_names: Vec::new(),
+        }
+    }
+
     /// The quota for a composite key: its override, or the rule's default.
     ///
     /// For a rule keyed on the client address, the key is an IPv4 address or an IPv6 network

@@ -1,0 +1,467 @@
+//! Envoy's rate-limit service semantics (`envoy.service.ratelimit.v3.RateLimitService`) on the
+//! pure engine, without gRPC types: a [`RlsRequest`] (domain, descriptors, `hits_addend`)
+//! becomes one plan per descriptor, every bucket of every descriptor goes to the store in one
+//! call (all-or-nothing, a bucket two descriptors share counted once with both costs), and the
+//! answer becomes one [`DescriptorStatus`] per descriptor, in order, plus one merged
+//! [`Decision`] for the headers, metrics and log line.
+//!
+//! A descriptor whose `hits_addend` is 0 (or negative, which tollgate does not refund) is a
+//! check: it spends nothing and is over the limit when one hit would not fit. Such a request is
+//! peeked first (every bucket at cost 0) and spent only when every check passes.
+
+use crate::descriptor::{EnvoyDescriptor, RequestFacts};
+use crate::engine::{self, Decision, EngineConfig, Pending, Plan};
+use crate::limiter::{BucketState, Quota, MICRO, US_PER_SEC};
+use crate::policy::{Bundle, Mode};
+use crate::store::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
+use smallvec::SmallVec;
+
+/// Largest `requests_per_unit` an override may ask for (tollgate's amounts stay ≤ 1e9 tokens).
+pub const MAX_OVERRIDE_REQUESTS: u32 = 1_000_000_000;
+
+/// Envoy's `RateLimitResponse.RateLimit.Unit` (and `RateLimitUnit` of overrides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    Second,
+    Minute,
+    Hour,
+    Day,
+    Week,
+    /// 30 days, as envoyproxy/ratelimit counts it.
+    Month,
+    /// 365 days.
+    Year,
+}
+
+impl Unit {
+    /// Smallest first.
+    pub const ALL: [Unit; 7] = [
+        Unit::Second,
+        Unit::Minute,
+        Unit::Hour,
+        Unit::Day,
+        Unit::Week,
+        Unit::Month,
+        Unit::Year,
+    ];
+
+    pub fn secs(self) -> u64 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 7 * 86_400,
+            Unit::Month => 30 * 86_400,
+            Unit::Year => 365 * 86_400,
+        }
+    }
+
+    /// The spelling of envoyproxy/ratelimit's YAML (`second`, `minute`...).
+    pub fn parse(name: &str) -> Option<Unit> {
+        Unit::ALL
+            .into_iter()
+            .find(|u| u.as_str().eq_ignore_ascii_case(name))
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unit::Second => "second",
+            Unit::Minute => "minute",
+            Unit::Hour => "hour",
+            Unit::Day => "day",
+            Unit::Week => "week",
+            Unit::Month => "month",
+            Unit::Year => "year",
+        }
+    }
+}
+
+/// A descriptor's own limit (`RateLimitDescriptor.limit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitOverride {
+    pub requests_per_unit: u32,
+    /// `None`: a unit the request named that tollgate does not know (refused).
+    pub unit: Option<Unit>,
+}
+
+/// One `RateLimitDescriptor`.
+#[derive(Debug, Clone, Default)]
+pub struct RlsDescriptor {
+    pub entries: Vec<(String, String)>,
+    pub limit: Option<LimitOverride>,
+    /// The descriptor's own `hits_addend`, when set (0 = check without spending).
+    pub hits_addend: Option<u64>,
+    /// `is_negative_hits`: a refund tollgate does not make; the descriptor is only checked.
+    pub negative_hits: bool,
+}
+
+/// One `ShouldRateLimit` call.
+#[derive(Debug, Clone, Default)]
+pub struct RlsRequest {
+    pub domain: String,
+    pub descriptors: Vec<RlsDescriptor>,
+    /// The request's `hits_addend` (0 means 1).
+    pub hits_addend: u32,
+}
+
+/// A request Envoy should not have sent (gRPC `INVALID_ARGUMENT`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RlsError {
+    #[error("domain must not be empty")]
+    EmptyDomain,
+    #[error("descriptors must not be empty")]
+    NoDescriptors,
+    #[error("descriptors[{0}].limit: requests_per_unit must be between 1 and 1000000000")]
+    OverrideAmount(usize),
+    #[error("descriptors[{0}].limit: unknown unit")]
+    OverrideUnit(usize),
+}
+
+/// `current_limit` of a descriptor status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CurrentLimit {
+    /// The rule's name.
+    pub name: String,
+    pub requests_per_unit: u32,
+    pub unit: Unit,
+}
+
+/// One `DescriptorStatus`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DescriptorStatus {
+    pub over_limit: bool,
+    /// The most restrictive enforced rule applied to the descriptor; `None` when none did.
+    pub current_limit: Option<CurrentLimit>,
+    /// Whole requests (tokens) left in that rule's bucket.
+    pub limit_remaining: u32,
+    /// Seconds until the bucket is full (allowed) or until the hit fits (over the limit).
+    pub duration_until_reset: u64,
+}
+
+/// A token bucket's refill rate as `requests_per_unit` per [`Unit`]: the smallest unit in
+/// which the rate is a whole number of requests; when no unit makes it whole, the largest one
+/// that fits a `u32`, rounded to the nearest request.
+pub fn rate_in_units(quota: &Quota) -> (u32, Unit) {
+    // requests per unit = refill (µtokens) × unit (µs) / (period (µs) × 10⁶ µtokens)
+    let per_unit = |unit: Unit| -> (u128, u128) {
+        let num = u128::from(quota.refill()) * u128::from(unit.secs() * US_PER_SEC);
+        let den = u128::from(quota.period_us()) * u128::from(MICRO);
+        (num, den)
+    };
+    for unit in Unit::ALL {
+        let (num, den) = per_unit(unit);
+        if num % den == 0 && num / den >= 1 && num / den <= u128::from(u32::MAX) {
+            return (u32::try_from(num / den).unwrap_or(u32::MAX), unit);
+        }
+    }
+    let mut best = (1, Unit::Second);
+    for unit in Unit::ALL {
+        let (num, den) = per_unit(unit);
+        let rounded = (num + den / 2) / den;
+        if rounded > u128::from(u32::MAX) {
+            break;
+        }
+        if rounded >= 1 {
+            best = (u32::try_from(rounded).unwrap_or(u32::MAX), unit);
+        }
+    }
+    best
+}
+
+/// What one descriptor became before the store call.
+enum Planned<'b> {
+    /// Decided without the store (no rule applies, kill switch, missing descriptor...).
+    Done(Decision<'b>),
+    Store {
+        pending: Pending<'b>,
+        /// Index in [`RlsPlan::ops`] of each of the pending's ops.
+        slots: SmallVec<[usize; 4]>,
+        /// A check: spends nothing, over when one hit would not fit.
+        check_only: bool,
+    },
+}
+
+/// A `ShouldRateLimit` call planned against one bundle.
+pub struct RlsPlan<'b> {
+    bundle: &'b Bundle,
+    descriptors: Vec<Planned<'b>>,
+    /// Every bucket of the call once, with the sum of what its descriptors spend.
+    ops: SmallVec<[BucketOp; 4]>,
+}
+
+/// The call's answer.
+pub struct RlsOutcome<'b> {
+    pub statuses: Vec<DescriptorStatus>,
+    /// Every descriptor's rules in one decision (headers, metrics, the log line).
+    pub decision: Decision<'b>,
+}
+
+impl RlsOutcome<'_> {
+    pub fn over_limit(&self) -> bool {
+        !self.decision.is_allowed()
+    }
+}
+
+/// Plans every descriptor of `request`.
+///
+/// # Errors
+/// An empty domain or descriptor list, or an override tollgate cannot count.
+pub fn plan<'b>(
+    bundle: &'b Bundle,
+    request: &RlsRequest,
+    unix_secs: i64,
+    config: EngineConfig,
+) -> Result<RlsPlan<'b>, RlsError> {
+    if request.domain.is_empty() {
+        return Err(RlsError::EmptyDomain);
+    }
+    if request.descriptors.is_empty() {
+        return Err(RlsError::NoDescriptors);
+    }
+    let request_hits = u64::from(request.hits_addend.max(1));
+    let mut planned = Vec::with_capacity(request.descriptors.len());
+    let mut ops: SmallVec<[BucketOp; 4]> = SmallVec::new();
+    for (index, descriptor) in request.descriptors.iter().enumerate() {
+        let quota = match descriptor.limit {
+            None => None,
+            Some(o) => Some(override_quota(index, o)?),
+        };
+        let envoy = EnvoyDescriptor {
+            domain: &request.domain,
+            entries: &descriptor.entries,
+        };
+        let facts = RequestFacts::for_envoy(envoy);
+        let check_only = descriptor.negative_hits || descriptor.hits_addend == Some(0);
+        let hits = if check_only {
+            1
+        } else {
+            descriptor.hits_addend.unwrap_or(request_hits)
+        };
+        let mut pending = match engine::plan(bundle, &facts, unix_secs, config) {
+            Plan::Store(pending) => pending,
+            // A descriptor no rule applies to still gets its own override, as
+            // envoyproxy/ratelimit does: counted under the whole descriptor.
+            Plan::Done(Decision::Allow(checked)) if checked.rules.is_empty() && quota.is_some() => {
+                let rule = &bundle.envoy_override;
+                let key = override_key(&facts, &rule.key_prefix);
+                Pending::single(bundle, rule, key, quota.unwrap_or(rule.quota))
+            }
+            Plan::Done(decision) => {
+                planned.push(Planned::Done(decision));
+                continue;
+            }
+        };
+        pending.adjust(hits, quota);
+        let mut slots = SmallVec::new();
+        for op in &pending.ops {
+            let spend = if check_only { 0 } else { op.cost };
+            let slot = match ops.iter().position(|o| o.key == op.key) {
+                Some(i) => {
+                    ops[i].cost = ops[i].cost.saturating_add(spend);
+                    i
+                }
+                None => {
+                    ops.push(BucketOp { cost: spend, ..*op });
+                    ops.len() - 1
+                }
+            };
+            slots.push(slot);
+        }
+        planned.push(Planned::Store {
+            pending,
+            slots,
+            check_only,
+        });
+    }
+    Ok(RlsPlan {
+        bundle,
+        descriptors: planned,
+        ops,
+    })
+}
+
+fn override_quota(index: usize, o: LimitOverride) -> Result<Quota, RlsError> {
+    let unit = o.unit.ok_or(RlsError::OverrideUnit(index))?;
+    if o.requests_per_unit == 0 || o.requests_per_unit > MAX_OVERRIDE_REQUESTS {
+        return Err(RlsError::OverrideAmount(index));
+    }
+    let amount = u64::from(o.requests_per_unit) * MICRO;
+    Quota::new(amount, amount, unit.secs() * US_PER_SEC)
+        .map_err(|_| RlsError::OverrideAmount(index))
+}
+
+/// The bucket of an override no rule applies to: the domain and every entry, in order.
+fn override_key(facts: &RequestFacts<'_>, key_prefix: &str) -> BucketKey {
+    let mut name = key_prefix.to_string();
+    if let Some(envoy) = facts.envoy {
+        crate::descriptor::push_key_part(&mut name, true, &envoy.domain.to_ascii_lowercase());
+        for (key, value) in envoy.entries {
+            crate::descriptor::push_key_part(&mut name, false, key);
+            crate::descriptor::push_key_part(&mut name, false, value);
+        }
+    }
+    BucketKey::of(&name)
+}
+
+impl<'b> RlsPlan<'b> {
+    /// Every bucket of the call, each once, with what the call spends on it.
+    pub fn ops(&self) -> &[BucketOp] {
+        &self.ops
+    }
+
+    /// The call must be peeked before anything is spent: a descriptor is only a check, or was
+    /// refused before the store (then nothing is spent, and the peek reports the buckets).
+    pub fn needs_peek(&self) -> bool {
+        self.descriptors.iter().any(|d| match d {
+            Planned::Done(decision) => !decision.is_allowed(),
+            Planned::Store { check_only, .. } => *check_only,
+        })
+    }
+
+    /// The ops of the peek: the same buckets, nothing spent.
+    pub fn peek_ops(&self) -> SmallVec<[BucketOp; 4]> {
+        self.ops
+            .iter()
+            .map(|op| BucketOp { cost: 0, ..*op })
+            .collect()
+    }
+
+    /// After the peek: whether the call is over the limit already (a descriptor refused before
+    /// the store, or a check that fails). Then nothing is spent: finish with the peek.
+    pub fn refused_by_peek(&self, peek: &OpResults) -> bool {
+        let refused_before = self
+            .descriptors
+            .iter()
+            .any(|d| matches!(d, Planned::Done(decision) if !decision.is_allowed()));
+        let check_over = self.descriptors.iter().any(|d| match d {
+            Planned::Store {
+                pending,
+                slots,
+                check_only: true,
+            } => pending.ops.iter().zip(slots).any(|(op, &slot)| {
+                op.group == Group::Enforce
+                    && peek
+                        .get(slot)
+                        .is_some_and(|r| r.verdict.available < op.cost)
+            }),
+            _ => false,
+        });
+        refused_before || check_over
+    }
+
+    /// The answer from the store's results for [`RlsPlan::ops`] (or for the peek, when
+    /// `peeked_only`: then nothing was spent and every bucket is reported as it stands). A
+    /// store error fails open: every descriptor allowed, counted as a store error.
+    pub fn finish(
+        self,
+        answer: Result<&OpResults, StoreError>,
+        now_us: u64,
+        peeked_only: bool,
+    ) -> RlsOutcome<'b> {
+        let mut decisions = Vec::with_capacity(self.descriptors.len());
+        let mut statuses = Vec::with_capacity(self.descriptors.len());
+        for planned in self.descriptors {
+            let decision = match planned {
+                Planned::Done(decision) => decision,
+                Planned::Store {
+                    pending,
+                    slots,
+                    check_only,
+                } => match &answer {
+                    Err(_) => engine::finish(
+                        pending,
+                        Err(StoreError::Unavailable("rate-limit call".into())),
+                    ),
+                    Ok(results) => {
+                        let own: OpResults = pending
+                            .ops
+                            .iter()
+                            .zip(&slots)
+                            .map(|(op, &slot)| {
+                                let result = results.get(slot).copied().unwrap_or(OpResult {
+                                    verdict: crate::limiter::check(None, &op.quota, now_us, 0),
+                                    committed: false,
+                                    fail_open: true,
+                                });
+                                if peeked_only || check_only {
+                                    // Reported as it stands: would this descriptor's hit fit?
+                                    as_check(result, op, now_us)
+                                } else {
+                                    result
+                                }
+                            })
+                            .collect();
+                        engine::finish(pending, Ok(&own))
+                    }
+                },
+            };
+            statuses.push(status_of(&decision));
+            decisions.push(decision);
+        }
+        let decision = engine::merge(self.bundle, &decisions);
+        RlsOutcome { statuses, decision }
+    }
+}
+
+/// A result seen as a check of `op.cost` against the bucket as it stands, nothing spent.
+fn as_check(result: OpResult, op: &BucketOp, now_us: u64) -> OpResult {
+    let state = BucketState {
+        tokens: result.verdict.available,
+        last_us: now_us,
+    };
+    OpResult {
+        verdict: crate::limiter::check(Some(state), &op.quota, now_us, op.cost),
+        committed: false,
+        fail_open: result.fail_open,
+    }
+}
+
+/// A descriptor's status from its own decision: the refusing rule, or the enforced rule with
+/// the fewest whole tokens left.
+fn status_of(decision: &Decision<'_>) -> DescriptorStatus {
+    let shown = || {
+        decision
+            .rules()
+            .iter()
+            .filter(|r| r.rule.mode == Mode::Enforce && !r.fail_open)
+    };
+    let rule = if decision.is_allowed() {
+        shown().min_by(|a, b| a.tokens.cmp(&b.tokens).then(b.reset.cmp(&a.reset)))
+    } else {
+        decision.rejecting_rule()
+    };
+    let over_limit = !decision.is_allowed();
+    match rule {
+        None => DescriptorStatus {
+            over_limit,
+            current_limit: None,
+            limit_remaining: 0,
+            // A kill switch (or a missing descriptor) still says when to come back.
+            duration_until_reset: decision.retry_after(),
+        },
+        Some(r) => {
+            let (requests_per_unit, unit) = rate_in_units(&r.quota);
+            let whole = r.tokens / MICRO;
+            let wait = if r.allowed || r.cost_exceeds {
+                r.reset
+            } else {
+                r.retry_after
+            };
+            DescriptorStatus {
+                over_limit,
+                current_limit: Some(CurrentLimit {
+                    name: r.rule.name.clone(),
+                    requests_per_unit,
+                    unit,
+                }),
+                limit_remaining: if r.allowed {
+                    u32::try_from(whole).unwrap_or(u32::MAX)
+                } else {
+                    0
+                },
+                duration_until_reset: wait,
+            }
+        }
+    }
+}
