@@ -142,6 +142,33 @@ pub struct RunArgs {
     /// README). The admin listener has its own cap: this value, at most 4 096.
     #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// gRPC listener for Envoy: `envoy.service.ratelimit.v3.RateLimitService`,
+    /// `envoy.service.auth.v3.Authorization` and `grpc.health.v1.Health` (h2c, or TLS with
+    /// --grpc-tls-cert/--grpc-tls-key). Off unless set.
+    #[arg(long, env = "TOLLGATE_GRPC_LISTEN")]
+    pub grpc_listen: Option<String>,
+    /// PEM certificate chain for the gRPC listener (TLS); needs --grpc-tls-key.
+    #[arg(long, env = "TOLLGATE_GRPC_TLS_CERT", requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+    /// PEM private key for the gRPC listener.
+    #[arg(long, env = "TOLLGATE_GRPC_TLS_KEY", requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+    /// A store failure during a gRPC call: `allow` (fail open, counted, as everywhere else) or
+    /// `unavailable` (gRPC UNAVAILABLE, so Envoy's `failure_mode_deny` decides).
+    #[arg(
+        long,
+        env = "TOLLGATE_GRPC_STORE_ERRORS",
+        value_enum,
+        default_value = "allow"
+    )]
+    pub grpc_store_errors: GrpcStoreErrors,
+}
+
+/// `--grpc-store-errors` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GrpcStoreErrors {
+    Allow,
+    Unavailable,
 }
 
 /// `--encoded-slashes` values.

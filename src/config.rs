@@ -3,7 +3,7 @@
 //! reported at once, before anything listens.
 
 use crate::auth::{parse_algorithm, JwtConfig, TokenSource};
-use crate::cli::{EncodedSlashesArg, LogFormat, RunArgs};
+use crate::cli::{EncodedSlashesArg, GrpcStoreErrors, LogFormat, RunArgs};
 use crate::descriptor::{EncodedSlashes, IpNet};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -36,6 +36,18 @@ pub struct Config {
     pub keepalive_timeout: Duration,
     /// Explicit `--max-connections`; `None` = derived from the open-file limit at start.
     pub max_connections: Option<usize>,
+    /// The gRPC listener for Envoy, if any.
+    pub grpc: Option<GrpcConfig>,
+}
+
+/// The gRPC listener (`--grpc-listen`).
+#[derive(Debug, Clone)]
+pub struct GrpcConfig {
+    pub listen: SocketAddr,
+    /// PEM certificate chain and key files: TLS; `None`: h2c.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// A store failure answers OK (fail open) rather than UNAVAILABLE.
+    pub store_errors_fail_open: bool,
 }
 
 /// Where buckets live.
@@ -137,6 +149,27 @@ impl Config {
                 Err(e) => errors.push(format!("--jwt-algorithms: {e}")),
             }
         }
+        let grpc = match &args.grpc_listen {
+            None => {
+                if args.grpc_tls_cert.is_some() {
+                    errors.push("--grpc-tls-cert: needs --grpc-listen".to_string());
+                }
+                None
+            }
+            Some(listen) => match listen.parse::<SocketAddr>() {
+                Ok(listen) => Some(GrpcConfig {
+                    listen,
+                    tls: args.grpc_tls_cert.clone().zip(args.grpc_tls_key.clone()),
+                    store_errors_fail_open: args.grpc_store_errors == GrpcStoreErrors::Allow,
+                }),
+                Err(_) => {
+                    errors.push(format!(
+                        "--grpc-listen {listen:?}: expected IP:PORT such as 0.0.0.0:8081"
+                    ));
+                    None
+                }
+            },
+        };
         let source = match (&args.jwt_header, &args.jwt_cookie) {
             (Some(h), _) => TokenSource::Header(h.to_ascii_lowercase()),
             (None, Some(c)) => TokenSource::Cookie(c.clone()),
@@ -169,6 +202,7 @@ impl Config {
             header_timeout: Duration::from_secs(args.header_timeout_secs),
             keepalive_timeout: Duration::from_secs(args.keepalive_timeout_secs),
             max_connections: args.max_connections,
+            grpc,
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),

@@ -6,6 +6,8 @@
 //! ```text
 //! L4  proxy/                       Pingora glue: reverse proxy, connection guard, admin/decision
 //!                                  listener, server and background tasks (the only Pingora code)
+//!     grpc                         tonic glue: Envoy's RateLimitService and ext_authz (the only
+//!                                  gRPC code)
 //! L3  cli, config, simulate,       flags → Config; commands; the running gateway: one
 //!     service                      `Gateway::decide` for the proxy and the decision service
 //! L2  engine, rls, headers,        pure engine: bundle + facts + time → plan; plan + store
@@ -29,6 +31,7 @@ pub mod clock;
 pub mod config;
 pub mod descriptor;
 pub mod engine;
+pub mod grpc;
 pub mod headers;
 pub mod limiter;
 pub mod metrics;

@@ -120,6 +120,24 @@ pub fn run(args: RunArgs) -> u8 {
     server.add_service(admin);
     tracing::info!(admin_listen = %config.admin_listen, "admin listener (decision service, health, metrics)");
 
+    if let Some(grpc) = &config.grpc {
+        match crate::grpc::GrpcServer::start(Arc::clone(&gateway), grpc, config.threads) {
+            Ok(running) => {
+                server.add_service(background_service(
+                    "tollgate grpc",
+                    GrpcDrain {
+                        server: parking_lot::Mutex::new(Some(running)),
+                    },
+                ));
+            }
+            Err(e) => {
+                tracing::error!("{e}");
+                eprintln!("tollgate: {e}");
+                return EXIT_INVALID;
+            }
+        }
+    }
+
     server.add_service(background_service(
         "tollgate housekeeping",
         Housekeeping {
@@ -164,6 +182,23 @@ impl ShutdownSignalWatch for DrainOnSignal {
             _ = int.recv() => tracing::info!("SIGINT: draining"),
         }
         ShutdownSignal::GracefulTerminate
+    }
+}
+
+/// Drains the gRPC listener (its own runtime) when the server shuts down.
+struct GrpcDrain {
+    server: parking_lot::Mutex<Option<crate::grpc::GrpcServer>>,
+}
+
+#[async_trait]
+impl BackgroundService for GrpcDrain {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let _ = shutdown.changed().await;
+        let server = self.server.lock().take();
+        if let Some(server) = server {
+            // Joining the gRPC runtime's thread blocks: not on this runtime's worker.
+            let _ = tokio::task::spawn_blocking(move || server.shutdown()).await;
+        }
     }
 }
 

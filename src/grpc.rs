@@ -1,0 +1,449 @@
+//! gRPC glue for Envoy (the only module that names tonic and Envoy protobuf types): the
+//! `RateLimitService` v3 (`ShouldRateLimit`) and `Authorization` v3 (`Check`) on one listener,
+//! with `grpc.health.v1`, on their own multi-threaded runtime of `--threads` workers. Requests
+//! are translated into [`RlsRequest`] / [`RequestFacts`] and answered by the [`Gateway`]; this
+//! module only converts.
+
+use crate::config::GrpcConfig;
+use crate::descriptor::RequestFacts;
+use crate::engine::Reason;
+use crate::headers::HeaderList;
+use crate::rls::{self, LimitOverride, RlsDescriptor, RlsRequest};
+use crate::service::{Gateway, HttpHeaders, RlsFailure};
+use envoy_types::pb::envoy::config::core::v3::{
+    address, HeaderValue as PbHeaderValue, HeaderValueOption,
+};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::r#type::v3::{HttpStatus, RateLimitUnit};
+use envoy_types::pb::envoy::service::auth::v3::authorization_server::{
+    Authorization, AuthorizationServer,
+};
+use envoy_types::pb::envoy::service::auth::v3::{
+    check_response, CheckRequest, CheckResponse, DeniedHttpResponse, OkHttpResponse,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    rate_limit::Unit as PbUnit, Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+/// gRPC status codes used in `CheckResponse.status` (google.rpc.Code).
+const RPC_OK: i32 = 0;
+const RPC_INVALID_ARGUMENT: i32 = 3;
+const RPC_RESOURCE_EXHAUSTED: i32 = 8;
+const RPC_UNAUTHENTICATED: i32 = 16;
+
+/// Why the gRPC listener cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum GrpcStartError {
+    #[error("--grpc-listen {addr}: cannot listen: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{flag} {path}: cannot read: {source}")]
+    Read {
+        flag: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("--grpc-tls-cert/--grpc-tls-key: {0}")]
+    Tls(String),
+    #[error("gRPC runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// The running gRPC listener; [`GrpcServer::shutdown`] drains it.
+pub struct GrpcServer {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl GrpcServer {
+    /// Binds now (a bad address or certificate stops start-up), then serves on a runtime of
+    /// `threads` workers in its own thread.
+    ///
+    /// # Errors
+    /// The address cannot be bound, or the certificate or key cannot be read or used.
+    pub fn start(
+        gateway: Arc<Gateway>,
+        config: &GrpcConfig,
+        threads: usize,
+    ) -> Result<Self, GrpcStartError> {
+        let listener =
+            std::net::TcpListener::bind(config.listen).map_err(|source| GrpcStartError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(GrpcStartError::Runtime)?;
+        let tls = match &config.tls {
+            None => None,
+            Some((cert, key)) => Some(tls_config(cert, key)?),
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("tollgate-grpc")
+            .enable_all()
+            .build()
+            .map_err(GrpcStartError::Runtime)?;
+        // Checked before the thread starts, so a TLS configuration tonic refuses fails start-up.
+        let mut builder = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)));
+        if let Some(tls) = tls {
+            builder = builder
+                .tls_config(tls)
+                .map_err(|e| GrpcStartError::Tls(e.to_string()))?;
+        }
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let store_errors_fail_open = config.store_errors_fail_open;
+        let listen = config.listen;
+        let thread = std::thread::Builder::new()
+            .name("tollgate-grpc".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let listener = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::error!("gRPC listener {listen}: {e}");
+                            return;
+                        }
+                    };
+                    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                        .with_nodelay(Some(true));
+                    let (health, health_service) = tonic_health::server::health_reporter();
+                    health
+                        .set_serving::<RateLimitServiceServer<RateLimiter>>()
+                        .await;
+                    health
+                        .set_serving::<AuthorizationServer<Authorizer>>()
+                        .await;
+                    let router = builder
+                        .add_service(health_service)
+                        .add_service(RateLimitServiceServer::new(RateLimiter {
+                            gateway: Arc::clone(&gateway),
+                            store_errors_fail_open,
+                        }))
+                        .add_service(AuthorizationServer::new(Authorizer { gateway }));
+                    let result = router
+                        .serve_with_incoming_shutdown(incoming, async {
+                            let _ = stopped.await;
+                        })
+                        .await;
+                    if let Err(e) = result {
+                        tracing::error!("gRPC listener {listen} stopped: {e}");
+                    }
+                });
+            })
+            .map_err(GrpcStartError::Runtime)?;
+        tracing::info!(grpc_listen = %config.listen, tls = config.tls.is_some(), threads,
+            "gRPC listener (Envoy RateLimitService, ext_authz, health)");
+        Ok(GrpcServer {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops accepting, lets in-flight calls finish, and waits for the runtime to end.
+    pub fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn tls_config(
+    cert: &Path,
+    key: &Path,
+) -> Result<tonic::transport::ServerTlsConfig, GrpcStartError> {
+    let read = |flag: &'static str, path: &Path| {
+        std::fs::read(path).map_err(|source| GrpcStartError::Read {
+            flag,
+            path: path.display().to_string(),
+            source,
+        })
+    };
+    let cert_pem = read("--grpc-tls-cert", cert)?;
+    let key_pem = read("--grpc-tls-key", key)?;
+    if !String::from_utf8_lossy(&cert_pem).contains("-----BEGIN CERTIFICATE-----") {
+        return Err(GrpcStartError::Tls(format!(
+            "{}: no PEM certificate in the file",
+            cert.display()
+        )));
+    }
+    if !String::from_utf8_lossy(&key_pem).contains("PRIVATE KEY-----") {
+        return Err(GrpcStartError::Tls(format!(
+            "{}: no PEM private key in the file",
+            key.display()
+        )));
+    }
+    let identity = tonic::transport::Identity::from_pem(cert_pem, key_pem);
+    Ok(tonic::transport::ServerTlsConfig::new().identity(identity))
+}
+
+/// `envoy.service.ratelimit.v3.RateLimitService`.
+struct RateLimiter {
+    gateway: Arc<Gateway>,
+    store_errors_fail_open: bool,
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimiter {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let request = rls_request(request.into_inner());
+        let reply = self
+            .gateway
+            .should_rate_limit(&request, self.store_errors_fail_open)
+            .await
+            .map_err(|e| match e {
+                RlsFailure::Invalid(e) => Status::invalid_argument(e.to_string()),
+                RlsFailure::NoPolicy => Status::unavailable("no policy loaded"),
+                RlsFailure::StoreUnavailable => {
+                    Status::unavailable("the rate-limit store is unavailable")
+                }
+            })?;
+        let statuses = reply
+            .statuses
+            .iter()
+            .map(|s| DescriptorStatus {
+                code: if s.over_limit {
+                    Code::OverLimit
+                } else {
+                    Code::Ok
+                } as i32,
+                current_limit: s.current_limit.as_ref().map(|l| RateLimit {
+                    name: l.name.clone(),
+                    requests_per_unit: l.requests_per_unit,
+                    unit: pb_unit(l.unit) as i32,
+                }),
+                limit_remaining: s.limit_remaining,
+                duration_until_reset: Some(PbDuration {
+                    seconds: i64::try_from(s.duration_until_reset).unwrap_or(i64::MAX),
+                    nanos: 0,
+                }),
+                quota: None,
+            })
+            .collect();
+        Ok(Response::new(RateLimitResponse {
+            overall_code: if reply.over_limit {
+                Code::OverLimit
+            } else {
+                Code::Ok
+            } as i32,
+            statuses,
+            response_headers_to_add: header_values(&reply.response.headers),
+            ..RateLimitResponse::default()
+        }))
+    }
+}
+
+/// The protobuf request as [`RlsRequest`].
+fn rls_request(request: RateLimitRequest) -> RlsRequest {
+    RlsRequest {
+        domain: request.domain,
+        hits_addend: request.hits_addend,
+        descriptors: request
+            .descriptors
+            .into_iter()
+            .map(|d: RateLimitDescriptor| RlsDescriptor {
+                entries: d.entries.into_iter().map(|e| (e.key, e.value)).collect(),
+                limit: d.limit.map(|l| LimitOverride {
+                    requests_per_unit: l.requests_per_unit,
+                    unit: unit_of(l.unit),
+                }),
+                hits_addend: d.hits_addend.map(|h| h.value),
+                negative_hits: d.is_negative_hits,
+            })
+            .collect(),
+    }
+}
+
+fn unit_of(unit: i32) -> Option<rls::Unit> {
+    Some(match RateLimitUnit::try_from(unit).ok()? {
+        RateLimitUnit::Second => rls::Unit::Second,
+        RateLimitUnit::Minute => rls::Unit::Minute,
+        RateLimitUnit::Hour => rls::Unit::Hour,
+        RateLimitUnit::Day => rls::Unit::Day,
+        RateLimitUnit::Month => rls::Unit::Month,
+        RateLimitUnit::Year => rls::Unit::Year,
+        RateLimitUnit::Unknown => return None,
+    })
+}
+
+fn pb_unit(unit: rls::Unit) -> PbUnit {
+    match unit {
+        rls::Unit::Second => PbUnit::Second,
+        rls::Unit::Minute => PbUnit::Minute,
+        rls::Unit::Hour => PbUnit::Hour,
+        rls::Unit::Day => PbUnit::Day,
+        rls::Unit::Week => PbUnit::Week,
+        rls::Unit::Month => PbUnit::Month,
+        rls::Unit::Year => PbUnit::Year,
+    }
+}
+
+fn header_values(headers: &HeaderList) -> Vec<PbHeaderValue> {
+    headers
+        .iter()
+        .map(|(name, value)| PbHeaderValue {
+            key: name.as_str().to_string(),
+            value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            ..PbHeaderValue::default()
+        })
+        .collect()
+}
+
+fn header_options(headers: &HeaderList) -> Vec<HeaderValueOption> {
+    header_values(headers)
+        .into_iter()
+        .map(|header| HeaderValueOption {
+            header: Some(header),
+            ..HeaderValueOption::default()
+        })
+        .collect()
+}
+
+/// `envoy.service.auth.v3.Authorization`.
+struct Authorizer {
+    gateway: Arc<Gateway>,
+}
+
+#[tonic::async_trait]
+impl Authorization for Authorizer {
+    async fn check(
+        &self,
+        request: Request<CheckRequest>,
+    ) -> Result<Response<CheckResponse>, Status> {
+        let attributes = request.into_inner().attributes.unwrap_or_default();
+        let peer = attributes
+            .source
+            .and_then(|s| s.address)
+            .and_then(|a| a.address)
+            .and_then(|a| match a {
+                address::Address::SocketAddress(s) => s.address.parse::<IpAddr>().ok(),
+                _ => None,
+            });
+        let http = attributes
+            .request
+            .and_then(|r| r.http)
+            .ok_or_else(|| Status::invalid_argument("attributes.request.http is missing"))?;
+        let mut headers = http::HeaderMap::with_capacity(http.headers.len());
+        let mut add = |name: &str, value: &[u8]| {
+            // Pseudo-headers (`:path`...) are not headers; the request line comes from the
+            // message's own fields.
+            if let (Ok(name), Ok(value)) = (
+                http::HeaderName::from_bytes(name.as_bytes()),
+                http::HeaderValue::from_bytes(value),
+            ) {
+                headers.append(name, value);
+            }
+        };
+        for (name, value) in &http.headers {
+            add(name, value.as_bytes());
+        }
+        if let Some(map) = &http.header_map {
+            for h in &map.headers {
+                let value = if h.raw_value.is_empty() {
+                    h.value.as_bytes()
+                } else {
+                    &h.raw_value
+                };
+                add(&h.key, value);
+            }
+        }
+        let host = (!http.host.is_empty()).then_some(http.host.as_str());
+        let target = if http.path.is_empty() {
+            "/"
+        } else {
+            http.path.as_str()
+        };
+        // The peer is the client unless it is a trusted proxy, as on the proxy listener.
+        let client_ip = self.gateway.client_ip(peer, &headers, false);
+        let lookup = HttpHeaders(&headers);
+        let answer = match RequestFacts::new(
+            &http.method,
+            target,
+            host,
+            client_ip,
+            &lookup,
+            self.gateway.config.encoded_slashes,
+        ) {
+            Ok(facts) => {
+                let claims = self.gateway.claims(&lookup);
+                self.gateway
+                    .decide(&facts.with_claims(claims.as_deref()))
+                    .await
+            }
+            Err(_) => {
+                let (path, _) = crate::descriptor::split_uri(target);
+                crate::service::Answer {
+                    allowed: false,
+                    no_policy: false,
+                    response: self.gateway.refuse_early(
+                        Reason::EncodedSlash,
+                        client_ip,
+                        host,
+                        path,
+                    ),
+                }
+            }
+        };
+        if answer.no_policy {
+            return Err(Status::unavailable("no policy loaded"));
+        }
+        let response = answer.response;
+        let check = if answer.allowed {
+            CheckResponse {
+                status: Some(RpcStatus {
+                    code: RPC_OK,
+                    ..RpcStatus::default()
+                }),
+                http_response: Some(check_response::HttpResponse::OkResponse(OkHttpResponse {
+                    response_headers_to_add: header_options(&response.headers),
+                    ..OkHttpResponse::default()
+                })),
+                ..CheckResponse::default()
+            }
+        } else {
+            let code = match response.status {
+                429 => RPC_RESOURCE_EXHAUSTED,
+                401 => RPC_UNAUTHENTICATED,
+                _ => RPC_INVALID_ARGUMENT,
+            };
+            CheckResponse {
+                status: Some(RpcStatus {
+                    code,
+                    message: response.body.unwrap_or("").to_string(),
+                    ..RpcStatus::default()
+                }),
+                http_response: Some(check_response::HttpResponse::DeniedResponse(
+                    DeniedHttpResponse {
+                        status: Some(HttpStatus {
+                            code: i32::from(response.status),
+                        }),
+                        headers: header_options(&response.headers),
+                        body: response.body.unwrap_or("").to_string(),
+                    },
+                )),
+                ..CheckResponse::default()
+            }
+        };
+        Ok(Response::new(check))
+    }
+}
