@@ -170,6 +170,8 @@ pub fn rate_in_units(quota: &Quota) -> (u32, Unit) {
 }
 
 /// What one descriptor became before the store call.
+// One per descriptor in a Vec that lives for one call; boxing would add an allocation each.
+#[allow(clippy::large_enum_variant)]
 enum Planned<'b> {
     /// Decided without the store (no rule applies, kill switch, missing descriptor...).
     Done(Decision<'b>),
