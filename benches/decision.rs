@@ -64,6 +64,7 @@ fn bench(c: &mut Criterion) {
                     client_ip: Some(ips[i & 1023]),
                     headers: &headers,
                     claims: None,
+                    envoy: None,
                 };
                 let bundle = policy.load();
                 let decision = decide_local(
