@@ -27,6 +27,19 @@ pub enum Command {
     Validate(ValidateArgs),
     /// Replay JSON-lines requests through the engine on a virtual clock.
     Simulate(SimulateArgs),
+    /// Convert another limiter's configuration into a tollgate bundle (JSON on stdout; what
+    /// could not be carried over exactly on stderr).
+    #[command(subcommand)]
+    Import(ImportCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImportCommand {
+    /// An envoyproxy/ratelimit YAML configuration, for tollgate's gRPC rate-limit service.
+    EnvoyRatelimit {
+        /// The YAML file.
+        file: PathBuf,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -244,6 +257,30 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
         }
     }
     code
+}
+
+/// `tollgate import`: the bundle on `out`, notes and errors on `err`; returns the exit code.
+pub fn import(command: &ImportCommand, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    match command {
+        ImportCommand::EnvoyRatelimit { file } => match crate::import::envoy_ratelimit_file(file) {
+            Ok(imported) => {
+                let text = serde_json::to_string_pretty(&imported.bundle)
+                    .unwrap_or_else(|_| "{}".to_string());
+                let _ = writeln!(out, "{text}");
+                for note in &imported.notes {
+                    let _ = writeln!(err, "not mapped exactly: {note}");
+                }
+                EXIT_OK
+            }
+            Err(e) => {
+                let _ = writeln!(err, "{e}");
+                match e {
+                    crate::import::ImportError::Read { .. } => EXIT_FAILURE,
+                    _ => EXIT_INVALID,
+                }
+            }
+        },
+    }
 }
 
 /// `tollgate simulate`; returns the exit code.

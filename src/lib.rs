@@ -33,6 +33,7 @@ pub mod descriptor;
 pub mod engine;
 pub mod grpc;
 pub mod headers;
+pub mod import;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;

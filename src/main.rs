@@ -14,6 +14,7 @@ fn main() -> ExitCode {
     let code = match cli.command {
         Command::Validate(args) => cli::validate(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Simulate(args) => cli::simulate(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Import(command) => cli::import(&command, &mut stdout.lock(), &mut stderr.lock()),
         Command::Run(args) => tollgate::proxy::run(*args),
     };
     ExitCode::from(code)

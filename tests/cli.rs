@@ -1,4 +1,4 @@
-//! `tollgate validate` and `tollgate simulate` as a user runs them.
+//! `tollgate validate`, `tollgate simulate` and `tollgate import` as a user runs them.
 
 use serde_json::Value;
 use std::io::Write;
@@ -227,4 +227,53 @@ fn simulate_replays_jwt_tiers_from_claims() {
     assert_eq!(lines[2]["rules"][0]["tokens"].as_f64(), Some(197.0));
     // Without a token: the per-IP fallback; the org ceiling is skipped (no jwt:org.id).
     assert_eq!(rules(3), vec!["no-valid-token=198.51.100.1"]);
+}
+
+/// `tollgate import envoy-ratelimit`: a bundle that validates on stdout, what it could not map
+/// exactly on stderr; a broken or missing file is a clear error.
+#[test]
+fn import_envoy_ratelimit_prints_a_valid_bundle_and_its_notes() {
+    let (code, out, err) = tollgate(
+        &[
+            "import",
+            "envoy-ratelimit",
+            "examples/envoy/ratelimit-config.yaml",
+        ],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    let bundle: Value = serde_json::from_str(&out).expect("JSON bundle");
+    let ids: Vec<&str> = bundle["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["edge.api_key", "edge", "edge-shadow"]);
+    assert_eq!(
+        err.lines().collect::<Vec<_>>(),
+        ["not mapped exactly: descriptors[3]: shadow_mode differs from its wildcard sibling descriptors[1]: its limit runs in the shadow policy, and a rule of 1000000000 per second keeps the wildcard's limit off it"]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.json");
+    std::fs::write(&file, &out).unwrap();
+    let (code, out, err) = tollgate(&["validate", file.to_str().unwrap()], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("ok (bundle_version 1, 3 policies, 5 rules"),
+        "{out}"
+    );
+
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "domain: edge\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, burst: 3}\n").unwrap();
+    let (code, out, err) = tollgate(&["import", "envoy-ratelimit", bad.to_str().unwrap()], None);
+    assert_eq!((code, out.as_str()), (1, ""));
+    assert!(
+        err.contains("bad.yaml: not an envoyproxy/ratelimit configuration"),
+        "{err}"
+    );
+    assert!(err.contains("unknown field `burst`"), "{err}");
+    let (code, _, err) = tollgate(&["import", "envoy-ratelimit", "/nonexistent.yaml"], None);
+    assert_eq!(code, 2);
+    assert!(err.contains("/nonexistent.yaml: cannot read"), "{err}");
 }
