@@ -100,10 +100,16 @@ impl GrpcServer {
         let mut builder = tonic::transport::Server::builder()
             .tcp_nodelay(true)
             .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)));
-        if let Some(tls) = tls {
-            builder = builder
-                .tls_config(tls)
-                .map_err(|e| GrpcStartError::Tls(e.to_string()))?;
+        if let (Some(tls), Some((cert, key))) = (tls, &config.tls) {
+            builder = builder.tls_config(tls).map_err(|e| {
+                let mut text = format!("{} and {}: {e}", cert.display(), key.display());
+                let mut source = std::error::Error::source(&e);
+                while let Some(cause) = source {
+                    text.push_str(&format!(": {cause}"));
+                    source = cause.source();
+                }
+                GrpcStartError::Tls(text)
+            })?;
         }
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let store_errors_fail_open = config.store_errors_fail_open;

@@ -467,3 +467,137 @@ fn status_of(decision: &Decision<'_>) -> DescriptorStatus {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::compile_bundle;
+    use crate::store::{MemoryStore, MemoryStoreConfig};
+    use serde_json::json;
+
+    fn quota(burst: u64, refill: u64, period_us: u64) -> Quota {
+        Quota::new(burst * MICRO, refill, period_us).unwrap()
+    }
+
+    #[test]
+    fn rates_are_expressed_in_the_smallest_exact_unit() {
+        assert_eq!(
+            rate_in_units(&quota(20, 10 * MICRO, US_PER_SEC)),
+            (10, Unit::Second)
+        );
+        assert_eq!(
+            rate_in_units(&quota(1, MICRO / 2, US_PER_SEC)),
+            (30, Unit::Minute)
+        );
+        assert_eq!(
+            rate_in_units(&quota(1, MICRO, 3_600 * US_PER_SEC)),
+            (1, Unit::Hour)
+        );
+        assert_eq!(
+            rate_in_units(&quota(5, 5 * MICRO, 86_400 * US_PER_SEC)),
+            (5, Unit::Day)
+        );
+        // 1 per 7 s is whole only per week.
+        assert_eq!(
+            rate_in_units(&quota(1, MICRO, 7 * US_PER_SEC)),
+            (86_400, Unit::Week)
+        );
+        // 1 per 11 s is whole in no unit: the year, rounded (31 536 000 / 11 = 2 866 909.09).
+        assert_eq!(
+            rate_in_units(&quota(1, MICRO, 11 * US_PER_SEC)),
+            (2_866_909, Unit::Year)
+        );
+        // Fractions of a token per period.
+        assert_eq!(
+            rate_in_units(&quota(1, 1_500_000, US_PER_SEC)),
+            (90, Unit::Minute)
+        );
+    }
+
+    fn descriptor(entries: &[(&str, &str)]) -> RlsDescriptor {
+        RlsDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..RlsDescriptor::default()
+        }
+    }
+
+    /// Statuses of one call against `store` at time 0 (no peek needed).
+    fn statuses(bundle: &Bundle, store: &MemoryStore, d: RlsDescriptor) -> Vec<DescriptorStatus> {
+        let request = RlsRequest {
+            domain: "edge".into(),
+            descriptors: vec![d],
+            hits_addend: 0,
+        };
+        let plan = plan(bundle, &request, 0, EngineConfig::default()).unwrap();
+        let mut results = OpResults::new();
+        store.apply(0, plan.ops(), &mut results).unwrap();
+        plan.finish(Ok(&results), 0, false).statuses
+    }
+
+    #[test]
+    fn envoy_actions_map_onto_tollgates_descriptors() {
+        let bundle = compile_bundle(
+            &json!({"rules": [
+                {"name": "by-header", "limit_keys": ["header:x-api-key"], "on_missing": "shared",
+                 "match": {"descriptor_keys": "x-api-key"},
+                 "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}},
+                {"name": "by-network", "limit_keys": ["ip:address"],
+                 "match": {"ip:address": "10.1.0.0/16", "domain": "EDGE"},
+                 "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 2}}
+            ]}),
+            "t",
+        )
+        .unwrap();
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        // request_headers with descriptor_key = the header's name reads as header:<name>.
+        let key = || descriptor(&[("x-api-key", "k1")]);
+        assert!(!statuses(&bundle, &store, key())[0].over_limit);
+        let over = &statuses(&bundle, &store, key())[0];
+        assert!(over.over_limit);
+        assert_eq!(over.current_limit.as_ref().unwrap().name, "by-header");
+        // masked_remote_address: the network's address is the client address.
+        let masked = || descriptor(&[("masked_remote_address", "10.1.2.0/24")]);
+        assert_eq!(statuses(&bundle, &store, masked())[0].limit_remaining, 1);
+        assert_eq!(statuses(&bundle, &store, masked())[0].limit_remaining, 0);
+        assert!(statuses(&bundle, &store, masked())[0].over_limit);
+        let other = descriptor(&[("remote_address", "10.1.9.9")]);
+        assert_eq!(statuses(&bundle, &store, other)[0].limit_remaining, 1);
+        let outside = descriptor(&[("remote_address", "10.2.0.1")]);
+        assert_eq!(statuses(&bundle, &store, outside)[0].current_limit, None);
+    }
+
+    #[test]
+    fn a_bucket_two_descriptors_share_is_charged_once_with_both_costs() {
+        let bundle = compile_bundle(
+            &json!({"rules": [{"name": "global", "limit_keys": [], "algorithm": "token_bucket",
+                               "algorithm_config": {"rps": 1, "burst": 3}}]}),
+            "t",
+        )
+        .unwrap();
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        let call = || RlsRequest {
+            domain: "edge".into(),
+            descriptors: vec![descriptor(&[("a", "1")]), descriptor(&[("b", "2")])],
+            hits_addend: 0,
+        };
+        let run = || {
+            let plan = plan(&bundle, &call(), 0, EngineConfig::default()).unwrap();
+            assert_eq!(plan.ops().len(), 1);
+            assert_eq!(plan.ops()[0].cost, 2 * MICRO);
+            let mut results = OpResults::new();
+            store.apply(0, plan.ops(), &mut results).unwrap();
+            plan.finish(Ok(&results), 0, false)
+        };
+        let first = run();
+        assert!(!first.over_limit());
+        assert_eq!(first.statuses[0].limit_remaining, 1);
+        assert_eq!(first.statuses[1].limit_remaining, 1);
+        // Two more do not fit in the one token left: both over, nothing spent.
+        let second = run();
+        assert!(second.over_limit());
+        assert!(second.statuses.iter().all(|s| s.over_limit));
+    }
+}

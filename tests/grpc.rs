@@ -461,3 +461,180 @@ async fn grpc_health_reports_serving() {
         assert_eq!(r.status, 1, "{service:?} is SERVING");
     }
 }
+
+/// A CA and a server certificate for `localhost` / 127.0.0.1 it signed (openssl CLI).
+fn make_certs(dir: &std::path::Path) -> (Vec<u8>, std::path::PathBuf, std::path::PathBuf) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    run(&[
+        &["req", "-x509"][..],
+        &ec,
+        &[
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=tollgate test CA",
+        ],
+    ]
+    .concat());
+    run(&[
+        &["req"][..],
+        &ec,
+        &[
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ],
+    ]
+    .concat());
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    (
+        std::fs::read(dir.join("ca.pem")).unwrap(),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_listener_serves_grpc_and_refuses_cleartext() {
+    use tonic::transport::{Certificate, ClientTlsConfig};
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = make_certs(certs.path());
+    let (_gw, addr) = start(&[
+        "--grpc-tls-cert",
+        cert.to_str().unwrap(),
+        "--grpc-tls-key",
+        key.to_str().unwrap(),
+    ]);
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(ca))
+        .domain_name("localhost");
+    let channel = Channel::from_shared(format!("https://localhost:{}", addr.port()))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connection");
+    let mut c = RateLimitServiceClient::new(channel);
+    for left in [2u32, 1, 0] {
+        assert_eq!(
+            codes(&ask(&mut c, call("edge", vec![ip("203.0.113.7")])).await),
+            vec![(OK, left)]
+        );
+    }
+    assert_eq!(
+        ask(&mut c, call("edge", vec![ip("203.0.113.7")]))
+            .await
+            .overall_code,
+        OVER
+    );
+    // h2c to a TLS listener gets no answer.
+    let mut plain = RateLimitServiceClient::new(
+        Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_lazy(),
+    );
+    assert!(plain
+        .should_rate_limit(call("edge", vec![ip("203.0.113.7")]))
+        .await
+        .is_err());
+}
+
+#[test]
+fn unusable_tls_files_stop_start_up_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("p.json");
+    std::fs::write(&policy, POLICY).unwrap();
+    let not_pem = dir.path().join("cert.pem");
+    std::fs::write(&not_pem, "hello").unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let admin = format!("127.0.0.1:{}", free_port());
+    let (_, cert, _) = make_certs(dir.path());
+    let other = tempfile::tempdir().unwrap();
+    let (_, _, other_key) = make_certs(other.path());
+    for (cert, key, expected) in [
+        (
+            cert.to_str().unwrap(),
+            other_key.to_str().unwrap(),
+            "server.key: transport error: keys may not be consistent: KeyMismatch",
+        ),
+        (
+            not_pem.to_str().unwrap(),
+            not_pem.to_str().unwrap(),
+            "cert.pem: no PEM certificate in the file",
+        ),
+        (
+            "/nonexistent/cert.pem",
+            "/nonexistent/key.pem",
+            "--grpc-tls-cert /nonexistent/cert.pem: cannot read",
+        ),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args([
+                "run",
+                "--policy",
+                policy.to_str().unwrap(),
+                "--admin-listen",
+                &admin,
+            ])
+            .args([
+                "--grpc-listen",
+                &listen,
+                "--grpc-tls-cert",
+                cert,
+                "--grpc-tls-key",
+                key,
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(expected), "{err}");
+    }
+}
