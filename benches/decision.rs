@@ -82,6 +82,60 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
+/// One `ShouldRateLimit` call through the engine (no gRPC): Envoy's two common descriptors,
+/// `[remote_address]` and `[generic_key, api_key]`, planned, applied in one embedded-store
+/// call and turned into statuses.
+fn rls(c: &mut Criterion) {
+    use tollgate::rls::{plan, RlsDescriptor, RlsRequest};
+    use tollgate::store::OpResults;
+    const BUNDLE: &str = r#"{"policies": [{"id": "edge", "spec": {"selector": {"domains": ["edge"]}, "rules": [
+      {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1000000, "burst": 1000000}},
+      {"name": "per-key", "limit_keys": ["descriptor:api_key"], "match": {"descriptor:generic_key": "keys"}, "algorithm": "token_bucket", "algorithm_config": {"rps": 1000000, "burst": 1000000}}]}}]}"#;
+    let (policy, store, clock) = engine(BUNDLE);
+    let requests: Vec<RlsRequest> = (0..1024u32)
+        .map(|i| RlsRequest {
+            domain: "edge".into(),
+            descriptors: vec![
+                RlsDescriptor {
+                    entries: vec![(
+                        "remote_address".into(),
+                        Ipv4Addr::from(0x0a00_0000 + i).to_string(),
+                    )],
+                    ..RlsDescriptor::default()
+                },
+                RlsDescriptor {
+                    entries: vec![
+                        ("generic_key".into(), "keys".into()),
+                        ("api_key".into(), format!("key-{}", i % 64)),
+                    ],
+                    ..RlsDescriptor::default()
+                },
+            ],
+            hits_addend: 0,
+        })
+        .collect();
+    let mut i = 0usize;
+    c.bench_function("rls/2_descriptors", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(1);
+            clock.advance_us(1);
+            let bundle = policy.load();
+            let now = clock.now_us();
+            let plan = plan(
+                &bundle,
+                black_box(&requests[i & 1023]),
+                clock.unix_secs(),
+                EngineConfig::default(),
+            )
+            .expect("valid call");
+            let mut results = OpResults::new();
+            let answer = store.apply(now, plan.ops(), &mut results);
+            let outcome = plan.finish(answer.map(|()| &results), now, false);
+            black_box(outcome.statuses.len())
+        })
+    });
+}
+
 /// Token verification, which runs before the decision when JWT keys are configured.
 fn jwt(c: &mut Criterion) {
     use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
@@ -135,5 +189,5 @@ fn jwt(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, jwt);
+criterion_group!(benches, bench, rls, jwt);
 criterion_main!(benches);

@@ -18,6 +18,9 @@
 #   nginx-429      nginx limit_req refusing every request (limit_req_status 429)
 #   tg-429         tollgate refusing every request
 #   authreq        nginx auth_request → tollgate decision service (CPU: nginx + tollgate)
+#   envoy-rls      Envoy (--concurrency 1) + global ratelimit filter → tollgate's gRPC
+#                  RateLimitService (1 per-IP rule, never refusing; CPU: Envoy + tollgate, both
+#                  on core 1), against envoy-lr: what the gRPC round trip costs per request
 # Then, once: the decision service alone with --threads 2 and no pinning (cores used,
 # decisions/s, decisions per CPU-second).
 #
@@ -43,7 +46,7 @@ USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
 # Ports.
 UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
 BARE_429=18907
-TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914
+TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914; ENVOY_RLS=18915; TG_GRPC=18916
 
 nginx_conf() { # name, body
   cat > "$WORK/$1.conf" <<NGINX
@@ -119,6 +122,56 @@ YAML
 taskset -c 1 "$ENVOY" -c "$WORK/envoy.yaml" --concurrency 1 -l error > "$WORK/envoy.log" 2>&1 &
 PID_ENVOY=$!; PIDS+=("$PID_ENVOY")
 
+# Envoy with the global rate-limit filter asking tollgate's gRPC listener (TG_GRPC).
+cat > "$WORK/envoy-rls.yaml" <<YAML
+static_resources:
+  listeners:
+  - name: bench
+    address: { socket_address: { address: 127.0.0.1, port_value: $ENVOY_RLS } }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: bench
+          use_remote_address: true
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              rate_limits: [ { actions: [ { remote_address: {} } ] } ]
+              routes: [ { match: { prefix: "/" }, route: { cluster: upstream } } ]
+          http_filters:
+          - name: envoy.filters.http.ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+              domain: bench
+              rate_limit_service:
+                transport_api_version: V3
+                grpc_service: { envoy_grpc: { cluster_name: tollgate } }
+          - name: envoy.filters.http.router
+            typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router }
+  clusters:
+  - name: upstream
+    connect_timeout: 1s
+    type: STATIC
+    load_assignment:
+      cluster_name: upstream
+      endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: $UP } } } } ] } ]
+  - name: tollgate
+    connect_timeout: 1s
+    type: STATIC
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: { http2_protocol_options: {} }
+    load_assignment:
+      cluster_name: tollgate
+      endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: $TG_GRPC } } } } ] } ]
+YAML
+taskset -c 1 "$ENVOY" -c "$WORK/envoy-rls.yaml" --concurrency 1 -l error --base-id 7 > "$WORK/envoy-rls.log" 2>&1 &
+PID_ENVOY_RLS=$!; PIDS+=("$PID_ENVOY_RLS")
+
 rule() { # name, keys, rps, burst
   printf '{"name": "%s", "limit_keys": %s, "algorithm": "token_bucket", "on_missing": "shared", "algorithm_config": {"rps": %s, "burst": %s}}' "$1" "$2" "$3" "$4"
 }
@@ -145,6 +198,9 @@ start_tollgate $TG_429 "$WORK/deny.json" 18923; PID_TG_429=$LAST_PID
 # The decision service for nginx auth_request: its admin listener on TG_DEC.
 taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen "127.0.0.1:$TG_DEC" --threads 1 2>"$WORK/tg-dec.log" &
 PID_TG_DEC=$!; PIDS+=("$PID_TG_DEC")
+# The gRPC rate-limit service for envoy-rls.
+taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen 127.0.0.1:18917 --grpc-listen "127.0.0.1:$TG_GRPC" --threads 1 2>"$WORK/tg-grpc.log" &
+PID_TG_GRPC=$!; PIDS+=("$PID_TG_GRPC")
 taskset -c 1 $BARE "127.0.0.1:$BARE_PORT" "127.0.0.1:$UP" 2>/dev/null &
 PID_BARE=$!; PIDS+=("$PID_BARE")
 taskset -c 1 $BARE "127.0.0.1:$BARE_429" "127.0.0.1:$UP" --refuse 2>/dev/null &
@@ -156,7 +212,7 @@ cpu_ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/pr
 TICK_US=$((1000000 / $(getconf CLK_TCK)))
 
 declare -A RPS CPU
-TARGETS="nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 bare-429 tg-429 authreq"
+TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 bare-429 tg-429 authreq envoy-rls"}
 for round in $(seq 1 "$ROUNDS"); do
   for t in $TARGETS; do
     case $t in
@@ -171,6 +227,7 @@ for round in $(seq 1 "$ROUNDS"); do
       bare-429) port=$BARE_429; pids=$PID_BARE_429;;
       tg-429) port=$TG_429; pids=$PID_TG_429;;
       authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
+      envoy-rls) port=$ENVOY_RLS; pids="$PID_ENVOY_RLS $PID_TG_GRPC";;
     esac
     # shellcheck disable=SC2086
     before=$(cpu_ticks $pids)
@@ -202,6 +259,7 @@ for t in $TARGETS; do
     bare-429) name="bare Pingora, every request refused (429, same headers)";;
     tg-429) name="tollgate, every request refused (429)";;
     authreq) name="nginx auth_request → tollgate (nginx + tollgate CPU)";;
+    envoy-rls) name="Envoy ratelimit filter → tollgate gRPC (Envoy + tollgate CPU)";;
   esac
   echo "| $name | ${MR[$t]} | ${MC[$t]} | ${CPU[$t]% } |"
 done
@@ -216,6 +274,7 @@ echo "tollgate no policy / bare Pingora, CPU per request:       $(ratio "${MC[tg
 echo "tollgate 429 / bare Pingora 429, CPU per refusal:         $(ratio "${MC[tg-429]}" "${MC[bare-429]}")"
 echo "bare Pingora / nginx proxy_pass, CPU per request:         $(ratio "${MC[bare]}" "${MC[nginx]}")"
 echo "auth_request → tollgate / nginx limit_req, CPU per request: $(ratio "${MC[authreq]}" "${MC[nginx-lr]}")"
+echo "Envoy → tollgate gRPC / Envoy local_ratelimit, CPU per request: $(ratio "${MC[envoy-rls]}" "${MC[envoy-lr]}")"
 
 # The decision service on every core: --threads 2, unpinned, wrk POSTing decisions.
 cat > "$WORK/post.lua" <<'LUA'
