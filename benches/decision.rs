@@ -88,7 +88,7 @@ fn bench(c: &mut Criterion) {
 fn rls(c: &mut Criterion) {
     use tollgate::rls::{plan, RlsDescriptor, RlsRequest};
     use tollgate::store::OpResults;
-    const BUNDLE: &str = r#"{"policies": [{"id": "edge", "spec": {"selector": {"domains": ["edge"]}, "rules": [
+    const BUNDLE: &str = r#"{"bundle_version": 1, "policies": [{"id": "edge", "spec": {"selector": {"domains": ["edge"]}, "rules": [
       {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1000000, "burst": 1000000}},
       {"name": "per-key", "limit_keys": ["descriptor:api_key"], "match": {"descriptor:generic_key": "keys"}, "algorithm": "token_bucket", "algorithm_config": {"rps": 1000000, "burst": 1000000}}]}}]}"#;
     let (policy, store, clock) = engine(BUNDLE);
