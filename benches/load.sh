@@ -211,7 +211,7 @@ NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 cpu_ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo $t; }
 TICK_US=$((1000000 / $(getconf CLK_TCK)))
 
-declare -A RPS CPU
+declare -A RPS CPU SHARE
 TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 bare-429 tg-429 authreq envoy-rls"}
 for round in $(seq 1 "$ROUNDS"); do
   for t in $TARGETS; do
@@ -229,15 +229,19 @@ for round in $(seq 1 "$ROUNDS"); do
       authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
       envoy-rls) port=$ENVOY_RLS; pids="$PID_ENVOY_RLS $PID_TG_GRPC";;
     esac
+    last_pid=${pids##* }
+    last_before=$(cpu_ticks "$last_pid")
     # shellcheck disable=SC2086
     before=$(cpu_ticks $pids)
     out=$(taskset -c 0 wrk -t1 -c"$CONNS" -d"${SECS}s" -H 'X-Api-Key: bench-key' "http://127.0.0.1:$port/v1/orders")
     # shellcheck disable=SC2086
     after=$(cpu_ticks $pids)
+    last_after=$(cpu_ticks "$last_pid")
     rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
     total=$(echo "$out" | awk '/requests in/ {print $1}')
     us=$(awk -v d=$((after - before)) -v n="$total" -v k="$TICK_US" 'BEGIN { printf "%.1f", d * k / n }')
     RPS[$t]+="$rps "; CPU[$t]+="$us "
+    SHARE[$t]+="$(awk -v d=$((last_after - last_before)) -v n="$total" -v k="$TICK_US" 'BEGIN { printf "%.1f", d * k / n }') "
     printf 'round %s %-10s %10s req/s %6s µs CPU/req\n' "$round" "$t" "$rps" "$us"
   done
 done
@@ -275,6 +279,8 @@ echo "tollgate 429 / bare Pingora 429, CPU per refusal:         $(ratio "${MC[tg
 echo "bare Pingora / nginx proxy_pass, CPU per request:         $(ratio "${MC[bare]}" "${MC[nginx]}")"
 echo "auth_request → tollgate / nginx limit_req, CPU per request: $(ratio "${MC[authreq]}" "${MC[nginx-lr]}")"
 echo "Envoy → tollgate gRPC / Envoy local_ratelimit, CPU per request: $(ratio "${MC[envoy-rls]}" "${MC[envoy-lr]}")"
+echo "  of which tollgate's gRPC service, CPU µs per request (median): $(echo "${SHARE[envoy-rls]}" | median)"
+echo "  and tollgate's decision service under auth_request: $(echo "${SHARE[authreq]:-}" | median)"
 
 # The decision service on every core: --threads 2, unpinned, wrk POSTing decisions.
 cat > "$WORK/post.lua" <<'LUA'
