@@ -211,3 +211,10 @@ fn two_gateways_share_one_limit_on_postgres_and_survive_its_death() {
         .body
         .contains("\"store_status\":\"ok\""));
 }
+
+/// Envoy's rate-limit protocol on a fleet sharing PostgreSQL ([`support::assert_grpc_fleet_exact`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_rate_limit_calls_are_exact_and_all_or_nothing_on_postgres() {
+    let pg = PgServer::start();
+    support::assert_grpc_fleet_exact(&pg.url()).await;
+}

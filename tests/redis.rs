@@ -399,3 +399,10 @@ fn two_gateways_share_one_limit_on_a_cluster() {
         );
     }
 }
+
+/// Envoy's rate-limit protocol on a fleet sharing Redis ([`support::assert_grpc_fleet_exact`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_rate_limit_calls_are_exact_and_all_or_nothing_on_redis() {
+    let redis = RedisServer::start();
+    support::assert_grpc_fleet_exact(&redis.url()).await;
+}

@@ -610,3 +610,104 @@ pub fn start_fleet(
     }
     fleet
 }
+
+/// Envoy's rate-limit protocol on a fleet sharing `store_url`: two gateways' gRPC listeners,
+/// calls alternating between them, two descriptors per call checked and spent all-or-nothing
+/// in one store call: exact totals, and a refused call spends nothing on the other descriptor.
+pub async fn assert_grpc_fleet_exact(store_url: &str) {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    let policy = r#"{"rules": [
+        {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+         "algorithm_config": {"rps": 0.001, "burst": 5}},
+        {"name": "per-key", "limit_keys": ["descriptor:api_key"], "algorithm": "token_bucket",
+         "algorithm_config": {"rps": 0.001, "burst": 3}}]}"#;
+    let mut gateways = Vec::new();
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let grpc = format!("127.0.0.1:{}", free_port());
+        let store = format!("--store={store_url}");
+        let gw = Gateway::start(
+            Some(policy),
+            None,
+            &[
+                store.as_str(),
+                "--store-timeout-ms",
+                "500",
+                "--grpc-listen",
+                &grpc,
+            ],
+        );
+        gw.wait_until(Duration::from_secs(15), || {
+            gw.admin("GET", "/readyz", &[])
+                .body
+                .contains("\"store_status\":\"ok\"")
+        });
+        clients.push(
+            RateLimitServiceClient::connect(format!("http://{grpc}"))
+                .await
+                .expect("gRPC listener"),
+        );
+        gateways.push(gw);
+    }
+    let descriptor = |key: &str, value: &str| RateLimitDescriptor {
+        entries: vec![Entry {
+            key: key.into(),
+            value: value.into(),
+        }],
+        ..RateLimitDescriptor::default()
+    };
+    let call = |with_key: bool| {
+        let mut descriptors = vec![descriptor("remote_address", "198.51.100.77")];
+        if with_key {
+            descriptors.push(descriptor("api_key", "k1"));
+        }
+        RateLimitRequest {
+            domain: "edge".into(),
+            descriptors,
+            hits_addend: 0,
+        }
+    };
+    let mut codes = Vec::new();
+    for (i, with_key) in [true, true, true, true, false, false, false]
+        .into_iter()
+        .enumerate()
+    {
+        let r = clients[i % 2]
+            .should_rate_limit(call(with_key))
+            .await
+            .expect("ShouldRateLimit")
+            .into_inner();
+        codes.push((
+            r.overall_code == Code::Ok as i32,
+            r.statuses
+                .iter()
+                .map(|s| s.limit_remaining)
+                .collect::<Vec<_>>(),
+        ));
+    }
+    assert_eq!(
+        codes,
+        [
+            (true, vec![4, 2]),
+            (true, vec![3, 1]),
+            (true, vec![2, 0]),
+            // The key is spent: refused, and the address's bucket keeps its two tokens.
+            (false, vec![2, 0]),
+            (true, vec![1]),
+            (true, vec![0]),
+            (false, vec![0]),
+        ]
+    );
+    for gw in &gateways {
+        assert_eq!(
+            gw.metric("tollgate_store_errors_total"),
+            0.0,
+            "{}",
+            gw.log_text()
+        );
+    }
+}
