@@ -213,17 +213,29 @@ impl RateLimitService for RateLimiter {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let request = rls_request(request.into_inner());
+        let metrics = &self.gateway.metrics;
         let reply = self
             .gateway
             .should_rate_limit(&request, self.store_errors_fail_open)
             .await
             .map_err(|e| match e {
-                RlsFailure::Invalid(e) => Status::invalid_argument(e.to_string()),
-                RlsFailure::NoPolicy => Status::unavailable("no policy loaded"),
+                RlsFailure::Invalid(e) => {
+                    metrics.grpc_call("ratelimit", "invalid_argument");
+                    Status::invalid_argument(e.to_string())
+                }
+                RlsFailure::NoPolicy => {
+                    metrics.grpc_call("ratelimit", "unavailable");
+                    Status::unavailable("no policy loaded")
+                }
                 RlsFailure::StoreUnavailable => {
+                    metrics.grpc_call("ratelimit", "unavailable");
                     Status::unavailable("the rate-limit store is unavailable")
                 }
             })?;
+        metrics.grpc_call(
+            "ratelimit",
+            if reply.over_limit { "over_limit" } else { "ok" },
+        );
         let statuses = reply
             .statuses
             .iter()
@@ -345,10 +357,10 @@ impl Authorization for Authorizer {
                 address::Address::SocketAddress(s) => s.address.parse::<IpAddr>().ok(),
                 _ => None,
             });
-        let http = attributes
-            .request
-            .and_then(|r| r.http)
-            .ok_or_else(|| Status::invalid_argument("attributes.request.http is missing"))?;
+        let http = attributes.request.and_then(|r| r.http).ok_or_else(|| {
+            self.gateway.metrics.grpc_call("authz", "invalid_argument");
+            Status::invalid_argument("attributes.request.http is missing")
+        })?;
         let mut headers = http::HeaderMap::with_capacity(http.headers.len());
         let mut add = |name: &str, value: &[u8]| {
             // Pseudo-headers (`:path`...) are not headers; the request line comes from the
@@ -411,8 +423,12 @@ impl Authorization for Authorizer {
             }
         };
         if answer.no_policy {
+            self.gateway.metrics.grpc_call("authz", "unavailable");
             return Err(Status::unavailable("no policy loaded"));
         }
+        self.gateway
+            .metrics
+            .grpc_call("authz", if answer.allowed { "ok" } else { "denied" });
         let response = answer.response;
         let check = if answer.allowed {
             CheckResponse {

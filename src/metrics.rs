@@ -52,10 +52,23 @@ pub struct Metrics {
     policy_info: IntGaugeVec,
     jwt_valid: IntCounter,
     jwt_invalid: IntCounterVec,
+    grpc_calls: IntCounterVec,
     per_rule: ArcSwapOption<BundleCounters>,
     /// Serialises `render` so two scrapes cannot both advance the store counters.
     render_lock: parking_lot::Mutex<()>,
 }
+
+/// The label values of `tollgate_grpc_calls_total`, created at start so every series exists.
+pub const GRPC_CODES: &[(&str, &[&str])] = &[
+    (
+        "ratelimit",
+        &["ok", "over_limit", "invalid_argument", "unavailable"],
+    ),
+    (
+        "authz",
+        &["ok", "denied", "invalid_argument", "unavailable"],
+    ),
+];
 
 fn must<T>(r: prometheus::Result<T>) -> T {
     // Metric definitions are fixed at compile time; a failure here is a programming error
@@ -158,8 +171,21 @@ impl Metrics {
         for reason in crate::auth::InvalidToken::ALL {
             jwt_invalid.with_label_values(&[reason.as_str()]);
         }
+        let grpc_calls = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_grpc_calls_total",
+                "gRPC calls from Envoy, by service (ratelimit, authz) and answer",
+            ),
+            &["service", "code"],
+        ));
+        for (service, codes) in GRPC_CODES {
+            for code in *codes {
+                grpc_calls.with_label_values(&[service, code]);
+            }
+        }
         for c in [
-            Box::new(jwt_valid.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(grpc_calls.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(jwt_valid.clone()),
             Box::new(jwt_invalid.clone()),
             Box::new(decisions.clone()),
             Box::new(requests.clone()),
@@ -202,6 +228,7 @@ impl Metrics {
             policy_info,
             jwt_valid,
             jwt_invalid,
+            grpc_calls,
             per_rule: ArcSwapOption::empty(),
             render_lock: parking_lot::Mutex::new(()),
         }
@@ -248,6 +275,11 @@ impl Metrics {
             Ok(()) => self.jwt_valid.inc(),
             Err(reason) => self.jwt_invalid.with_label_values(&[reason.as_str()]).inc(),
         }
+    }
+
+    /// Counts one gRPC call: `service` and `code` from [`GRPC_CODES`].
+    pub fn grpc_call(&self, service: &str, code: &str) {
+        self.grpc_calls.with_label_values(&[service, code]).inc();
     }
 
     pub fn reload(&self, ok: bool) {

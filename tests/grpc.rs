@@ -110,7 +110,7 @@ const OVER: i32 = Code::OverLimit as i32;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn burst_passes_then_over_limit_with_statuses_and_headers() {
-    let (_gw, addr) = start(&[]);
+    let (gw, addr) = start(&[]);
     let mut c = client(addr).await;
     for left in [2u32, 1, 0] {
         let r = ask(&mut c, call("edge", vec![ip("203.0.113.7")])).await;
@@ -145,6 +145,14 @@ async fn burst_passes_then_over_limit_with_statuses_and_headers() {
     assert_eq!(
         header(&r, "x-tollgate-reason"),
         Some("token_bucket_exceeded")
+    );
+    assert_eq!(
+        gw.metric("tollgate_grpc_calls_total{code=\"ok\",service=\"ratelimit\"}"),
+        3.0
+    );
+    assert_eq!(
+        gw.metric("tollgate_grpc_calls_total{code=\"over_limit\",service=\"ratelimit\"}"),
+        1.0
     );
     // Another client, and another domain, are untouched.
     let r = ask(&mut c, call("edge", vec![ip("203.0.113.8")])).await;
