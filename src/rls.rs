@@ -16,6 +16,13 @@ use crate::policy::{Bundle, Mode};
 use crate::store::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
 use smallvec::SmallVec;
 
+/// Most descriptors one call may carry (Envoy sends a handful; each costs store work, and the
+/// shared-bucket merge is quadratic).
+pub const MAX_DESCRIPTORS: usize = 64;
+
+/// Most entries one descriptor may carry.
+pub const MAX_ENTRIES: usize = 32;
+
 /// Largest `requests_per_unit` an override may ask for (tollgate's amounts stay ≤ 1e9 tokens).
 pub const MAX_OVERRIDE_REQUESTS: u32 = 1_000_000_000;
 
@@ -112,6 +119,10 @@ pub enum RlsError {
     EmptyDomain,
     #[error("descriptors must not be empty")]
     NoDescriptors,
+    #[error("{0} descriptors: at most 64 per call")]
+    TooManyDescriptors(usize),
+    #[error("descriptors[{0}]: {1} entries: at most 32 per descriptor")]
+    TooManyEntries(usize, usize),
     #[error("descriptors[{0}].limit: requests_per_unit must be between 1 and 1000000000")]
     OverrideAmount(usize),
     #[error("descriptors[{0}].limit: unknown unit")]
@@ -220,6 +231,17 @@ pub fn plan<'b>(
     }
     if request.descriptors.is_empty() {
         return Err(RlsError::NoDescriptors);
+    }
+    if request.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(RlsError::TooManyDescriptors(request.descriptors.len()));
+    }
+    if let Some((i, d)) = request
+        .descriptors
+        .iter()
+        .enumerate()
+        .find(|(_, d)| d.entries.len() > MAX_ENTRIES)
+    {
+        return Err(RlsError::TooManyEntries(i, d.entries.len()));
     }
     let request_hits = u64::from(request.hits_addend.max(1));
     let mut planned = Vec::with_capacity(request.descriptors.len());

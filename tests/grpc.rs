@@ -313,6 +313,34 @@ async fn malformed_calls_are_invalid_arguments() {
         .await
         .expect_err("no descriptors");
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    // Bounded work per call: at most 64 descriptors of at most 32 entries.
+    let e = c
+        .should_rate_limit(call("edge", vec![ip("192.0.2.1"); 65]))
+        .await
+        .expect_err("too many descriptors");
+    assert_eq!(
+        (e.code(), e.message()),
+        (
+            tonic::Code::InvalidArgument,
+            "65 descriptors: at most 64 per call"
+        )
+    );
+    let wide: Vec<(String, String)> = (0..33)
+        .map(|i| (format!("k{i}"), "v".to_string()))
+        .collect();
+    let wide: Vec<(&str, &str)> = wide.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let e = c
+        .should_rate_limit(call("edge", vec![ip("192.0.2.1"), descriptor(&wide)]))
+        .await
+        .expect_err("too many entries");
+    assert_eq!(
+        e.message(),
+        "descriptors[1]: 33 entries: at most 32 per descriptor"
+    );
+    // 64 descriptors sharing one bucket: one op, charged 64 times over (burst 3: refused).
+    let r = ask(&mut c, call("edge", vec![ip("192.0.2.9"); 64])).await;
+    assert_eq!(r.overall_code, OVER);
+    assert_eq!(r.statuses.len(), 64);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
