@@ -129,8 +129,14 @@ fn rls(c: &mut Criterion) {
             )
             .expect("valid call");
             let mut results = OpResults::new();
-            let answer = store.apply(now, plan.ops(), &mut results);
-            let outcome = plan.finish(answer.map(|()| &results), now, false);
+            store
+                .apply(now, plan.ops(), &mut results)
+                .expect("embedded store");
+            let answer = tollgate::rls::StoreAnswer::Spent {
+                peek: None,
+                results: &results,
+            };
+            let outcome = plan.finish(answer, now);
             black_box(outcome.statuses.len())
         })
     });

@@ -331,15 +331,11 @@ impl<'b> Pending<'b> {
         Pending { ops, checked }
     }
 
-    /// Envoy's `hits_addend` and `limit` override: every bucket of the request costs `hits`
-    /// times its rule's cost, under `quota` when given. A cost the quota can never hold is
-    /// refused as `cost_exceeds_limit`, as a stated cost would be.
-    pub fn adjust(&mut self, hits: u64, quota: Option<Quota>) {
+    /// Envoy's `hits_addend`: every bucket of the request costs `hits` times its rule's cost.
+    /// A cost the quota can never hold is refused as `cost_exceeds_limit`, as a stated cost
+    /// would be.
+    pub fn scale_costs(&mut self, hits: u64) {
         for (op, outcome) in self.ops.iter_mut().zip(self.checked.rules.iter_mut()) {
-            if let Some(quota) = quota {
-                op.quota = quota;
-                outcome.quota = quota;
-            }
             let cost = if outcome.cost_exceeds {
                 u64::MAX
             } else {
@@ -351,6 +347,21 @@ impl<'b> Pending<'b> {
             } else {
                 cost
             };
+        }
+    }
+
+    /// Counts op `index` under `quota` (a bucket several Envoy descriptors reach with
+    /// different quotas is checked under the strictest of them).
+    pub fn set_quota(&mut self, index: usize, quota: Quota) {
+        if let (Some(op), Some(outcome)) =
+            (self.ops.get_mut(index), self.checked.rules.get_mut(index))
+        {
+            op.quota = quota;
+            outcome.quota = quota;
+            if op.cost > quota.burst() {
+                outcome.cost_exceeds = true;
+                op.cost = quota.burst().saturating_add(1);
+            }
         }
     }
 }
@@ -581,7 +592,7 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             outcome.reset = crate::limiter::ceil_secs(
                 outcome
                     .quota
-                    .time_to_gain_us(outcome.quota.burst() - v.available),
+                    .time_to_gain_us(outcome.quota.burst().saturating_sub(v.available)),
             );
         }
     }

@@ -35,6 +35,14 @@ use std::path::Path;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
+/// Most concurrent connections the gRPC listener holds (an Envoy worker keeps one or a few);
+/// further ones wait in the kernel's accept queue until one closes.
+pub const MAX_CONNECTIONS: usize = 4096;
+/// Most calls in flight on one HTTP/2 connection (hyper's default when unset; tonic lifts it).
+const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+/// A call taking longer than this is answered `CANCELLED`: a slow store never pins a stream.
+const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// gRPC status codes used in `CheckResponse.status` (google.rpc.Code).
 const RPC_OK: i32 = 0;
 const RPC_INVALID_ARGUMENT: i32 = 3;
@@ -99,7 +107,11 @@ impl GrpcServer {
         // Checked before the thread starts, so a TLS configuration tonic refuses fails start-up.
         let mut builder = tonic::transport::Server::builder()
             .tcp_nodelay(true)
-            .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)));
+            .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+            .concurrency_limit_per_connection(MAX_STREAMS_PER_CONNECTION as usize)
+            .timeout(CALL_TIMEOUT)
+            .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
         if let (Some(tls), Some((cert, key))) = (tls, &config.tls) {
             builder = builder.tls_config(tls).map_err(|e| {
                 let mut text = format!("{} and {}: {e}", cert.display(), key.display());
@@ -125,8 +137,7 @@ impl GrpcServer {
                             return;
                         }
                     };
-                    let incoming = tonic::transport::server::TcpIncoming::from(listener)
-                        .with_nodelay(Some(true));
+                    let incoming = capped_incoming(listener, MAX_CONNECTIONS);
                     let (health, health_service) = tonic_health::server::health_reporter();
                     health
                         .set_serving::<RateLimitServiceServer<RateLimiter>>()
@@ -168,6 +179,96 @@ impl GrpcServer {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+/// Accepted connections, at most `cap` open at once: the next accept waits for a permit, so
+/// connections beyond the cap queue in the kernel instead of costing memory here.
+fn capped_incoming(
+    listener: tokio::net::TcpListener,
+    cap: usize,
+) -> impl futures::Stream<Item = std::io::Result<CappedStream>> {
+    let permits = Arc::new(tokio::sync::Semaphore::new(cap));
+    futures::stream::unfold((listener, permits), |(listener, permits)| async move {
+        let permit = Arc::clone(&permits).acquire_owned().await.ok()?;
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let capped = CappedStream {
+                        stream,
+                        _permit: permit,
+                    };
+                    return Some((Ok(capped), (listener, permits)));
+                }
+                // Out of file descriptors, or a connection reset before accept: wait a moment
+                // and go on; the listener itself stays up.
+                Err(e) => {
+                    tracing::debug!("gRPC accept: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            }
+        }
+    })
+}
+
+/// A client connection holding one of the listener's connection permits until it closes.
+struct CappedStream {
+    stream: tokio::net::TcpStream,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tonic::transport::server::Connected for CappedStream {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for CappedStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for CappedStream {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
 
@@ -384,6 +485,13 @@ impl Authorization for Authorizer {
                 };
                 add(&h.key, value);
             }
+        }
+        // These are logged with a refusal: no control characters (no forged log lines).
+        if http.host.chars().any(char::is_control) || http.path.chars().any(char::is_control) {
+            self.gateway.metrics.grpc_call("authz", "invalid_argument");
+            return Err(Status::invalid_argument(
+                "attributes.request.http: control characters in host or path",
+            ));
         }
         let host = (!http.host.is_empty()).then_some(http.host.as_str());
         let target = if http.path.is_empty() {

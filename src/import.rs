@@ -94,6 +94,9 @@ struct Limit {
     quota: Option<(u64, &'static str)>,
     name: Option<String>,
     shadow: bool,
+    /// A valued node without a limit of its own: upstream gives such a descriptor no limit,
+    /// so next to a bare-key sibling it becomes an unlimited "keeper"; alone, nothing.
+    implicit: bool,
     /// Where it came from, for notes (`descriptors[0].descriptors[1]`); empty for a rule made
     /// up by the import.
     at: String,
@@ -176,7 +179,7 @@ pub fn envoy_ratelimit(config: &RatelimitConfig) -> Result<Imported, ()> {
         let (count, period) = match limit.quota {
             Some(q) => q,
             None => {
-                if !limit.at.is_empty() {
+                if !limit.at.is_empty() && !limit.implicit {
                     notes.push(format!(
                         "{}: unlimited, mapped to a rule of 1000000000 per second so that it takes precedence over its wildcard sibling",
                         limit.at
@@ -258,6 +261,7 @@ pub fn envoy_ratelimit(config: &RatelimitConfig) -> Result<Imported, ()> {
                         .unwrap_or_else(|| default_name(&config.domain, &limits[j].path))
                 )),
                 shadow: wildcard.shadow,
+                implicit: false,
                 at: String::new(),
             };
             rules.push(Value::Object(rule_of(&keeper, &mut notes)));
@@ -280,10 +284,12 @@ pub fn envoy_ratelimit(config: &RatelimitConfig) -> Result<Imported, ()> {
                 continue;
             }
             if limit.quota.is_none() {
-                notes.push(format!(
-                    "{}: unlimited with no wildcard sibling to take precedence over: no rule needed",
-                    limit.at
-                ));
+                if !limit.implicit {
+                    notes.push(format!(
+                        "{}: unlimited with no wildcard sibling to take precedence over: no rule needed",
+                        limit.at
+                    ));
+                }
                 continue;
             }
             rules.push(Value::Object(rule_of(limit, &mut notes)));
@@ -361,9 +367,25 @@ fn walk(
                 quota,
                 name: spec.name.clone(),
                 shadow: node.shadow_mode,
+                implicit: false,
                 at: at.clone(),
             });
         }
+    } else if node.value.is_some() {
+        limits.push(Limit {
+            path: path.clone(),
+            quota: None,
+            name: None,
+            shadow: node.shadow_mode,
+            implicit: true,
+            at: at.clone(),
+        });
+    }
+    if node.value.as_deref().is_some_and(|v| v.contains('*')) {
+        notes.push(format!(
+            "{at}: value {:?} is matched literally; envoyproxy/ratelimit reads a trailing * as a prefix wildcard",
+            node.value.as_deref().unwrap_or("")
+        ));
     }
     note_deep_precedence(&node.descriptors, &format!("{at}."), notes);
     for (i, child) in node.descriptors.iter().enumerate() {
@@ -372,12 +394,12 @@ fn walk(
     path.pop();
 }
 
-/// Siblings where a valued entry and a bare `key` both have nested descriptors: at that level
-/// envoyproxy/ratelimit commits to the valued branch (a deeper miss is a miss), while tollgate
-/// also applies the bare branch's deeper limits to the valued entry.
+/// Siblings where a valued entry sits next to a bare `key` with nested descriptors: at that
+/// level envoyproxy/ratelimit commits to the valued entry (a deeper miss is a miss), while
+/// tollgate also applies the bare branch's deeper limits to the value.
 fn note_deep_precedence(siblings: &[DescriptorNode], prefix: &str, notes: &mut Vec<String>) {
     for (i, valued) in siblings.iter().enumerate() {
-        if valued.value.is_none() || valued.descriptors.is_empty() {
+        if valued.value.is_none() {
             continue;
         }
         let wildcard = siblings
@@ -385,7 +407,7 @@ fn note_deep_precedence(siblings: &[DescriptorNode], prefix: &str, notes: &mut V
             .position(|w| w.key == valued.key && w.value.is_none() && !w.descriptors.is_empty());
         if let Some(w) = wildcard {
             notes.push(format!(
-                "{prefix}descriptors[{i}]: nested limits under key {:?} value {:?} and under bare key {:?} ({prefix}descriptors[{w}]): tollgate applies both branches' deeper limits to this value, envoyproxy/ratelimit only its own",
+                "{prefix}descriptors[{i}]: key {:?} value {:?} next to bare key {:?} with nested limits ({prefix}descriptors[{w}]): tollgate applies the bare branch's deeper limits to this value too, envoyproxy/ratelimit never falls back to them",
                 valued.key,
                 valued.value.as_deref().unwrap_or(""),
                 valued.key
@@ -453,6 +475,16 @@ descriptors:
         detailed_metric: true
   - key: bad
     rate_limit: { unit: fortnight, requests_per_unit: 1 }
+  - key: plan
+    rate_limit: { unit: second, requests_per_unit: 1 }
+  - key: plan
+    value: free
+    descriptors:
+      - key: path
+        rate_limit: { unit: second, requests_per_unit: 1 }
+  - key: route
+    value: "/v1/*"
+    rate_limit: { unit: second, requests_per_unit: 1 }
 "#;
 
     fn import() -> Imported {
@@ -501,6 +533,14 @@ descriptors:
         assert_eq!(admitted(&bundle, &store, &[("tenant", "internal")], 50), 50);
         assert_eq!(admitted(&bundle, &store, &[("tenant", "t1")], 3), 1);
         assert_eq!(admitted(&bundle, &store, &[("tenant", "t2")], 3), 1);
+        // A value with nested limits only has no limit of its own, as upstream: not the
+        // bare key's either.
+        assert_eq!(admitted(&bundle, &store, &[("plan", "free")], 5), 5);
+        assert_eq!(admitted(&bundle, &store, &[("plan", "pro")], 5), 1);
+        assert_eq!(
+            admitted(&bundle, &store, &[("plan", "free"), ("path", "/a")], 5),
+            1
+        );
         // A limit applies to its exact shape only: [tenant, remote_address] is another one.
         assert_eq!(
             admitted(
@@ -528,7 +568,11 @@ descriptors:
                 "edge.tenant_vip",
                 "edge.tenant_internal",
                 "per-tenant",
+                "edge.plan_free",
+                "edge.plan",
                 "edge.remote_address",
+                "edge.plan_free.path",
+                "edge.route_/v1/*",
                 "edge.generic_key_login.remote_address"
             ]
         );
@@ -541,9 +585,18 @@ descriptors:
     #[test]
     fn says_what_it_could_not_map() {
         let notes = import().notes;
-        assert_eq!(notes.len(), 3, "{notes:#?}");
+        assert_eq!(notes.len(), 4, "{notes:#?}");
         assert!(notes[0].starts_with("descriptors[4].descriptors[0]: detailed_metric"));
         assert!(notes[1].starts_with("descriptors[5]: rate_limit.unit \"fortnight\""));
-        assert!(notes[2].starts_with("descriptors[2]: unlimited, mapped to a rule of 1000000000"));
+        assert!(notes[2].starts_with("descriptors[8]: value \"/v1/*\" is matched literally"));
+        assert!(notes[3].starts_with("descriptors[2]: unlimited, mapped to a rule of 1000000000"));
+        // A value next to a bare key with nested limits.
+        let config: RatelimitConfig = serde_yaml_ng::from_str(
+            "domain: d\ndescriptors:\n  - key: k\n    value: v\n  - key: k\n    descriptors:\n      - key: x\n        rate_limit: {unit: second, requests_per_unit: 1}\n",
+        )
+        .unwrap();
+        let notes = envoy_ratelimit(&config).unwrap().notes;
+        assert_eq!(notes.len(), 1, "{notes:#?}");
+        assert!(notes[0].starts_with("descriptors[0]: key \"k\" value \"v\" next to bare key \"k\" with nested limits (descriptors[1])"));
     }
 }

@@ -23,6 +23,12 @@ pub const MAX_DESCRIPTORS: usize = 64;
 /// Most entries one descriptor may carry.
 pub const MAX_ENTRIES: usize = 32;
 
+/// Longest domain, entry key and entry value a call may carry (bytes): they become bucket keys,
+/// and the domain is logged.
+pub const MAX_DOMAIN: usize = 255;
+pub const MAX_KEY: usize = 256;
+pub const MAX_VALUE: usize = 4096;
+
 /// Largest `requests_per_unit` an override may ask for (tollgate's amounts stay ≤ 1e9 tokens).
 pub const MAX_OVERRIDE_REQUESTS: u32 = 1_000_000_000;
 
@@ -123,6 +129,10 @@ pub enum RlsError {
     TooManyDescriptors(usize),
     #[error("descriptors[{0}]: {1} entries: at most 32 per descriptor")]
     TooManyEntries(usize, usize),
+    #[error("domain: at most 255 bytes and no control characters")]
+    BadDomain,
+    #[error("descriptors[{0}].entries[{1}]: keys are at most 256 bytes and values at most 4096")]
+    EntryTooLong(usize, usize),
     #[error("descriptors[{0}].limit: requests_per_unit must be between 1 and 1000000000")]
     OverrideAmount(usize),
     #[error("descriptors[{0}].limit: unknown unit")]
@@ -150,9 +160,11 @@ pub struct DescriptorStatus {
     pub duration_until_reset: u64,
 }
 
-/// A token bucket's refill rate as `requests_per_unit` per [`Unit`]: the smallest unit in
-/// which the rate is a whole number of requests; when no unit makes it whole, the largest one
-/// that fits a `u32`, rounded to the nearest request.
+/// A token bucket's refill rate as `requests_per_unit` per [`Unit`]: the unit in which the
+/// rate equals the burst when there is one (an imported `60 per minute` is `60 per MINUTE`, not
+/// `1 per SECOND`), else the smallest unit in which the rate is a whole number of requests,
+/// else the largest unit that fits a `u32`, rounded (at least 1 per year; at most
+/// `u32::MAX` per second).
 pub fn rate_in_units(quota: &Quota) -> (u32, Unit) {
     // requests per unit = refill (µtokens) × unit (µs) / (period (µs) × 10⁶ µtokens)
     let per_unit = |unit: Unit| -> (u128, u128) {
@@ -160,24 +172,57 @@ pub fn rate_in_units(quota: &Quota) -> (u32, Unit) {
         let den = u128::from(quota.period_us()) * u128::from(MICRO);
         (num, den)
     };
-    for unit in Unit::ALL {
+    let whole = |unit: Unit| -> Option<u32> {
         let (num, den) = per_unit(unit);
-        if num % den == 0 && num / den >= 1 && num / den <= u128::from(u32::MAX) {
-            return (u32::try_from(num / den).unwrap_or(u32::MAX), unit);
+        (num % den == 0 && num / den >= 1)
+            .then(|| u32::try_from(num / den).ok())
+            .flatten()
+    };
+    let burst = u128::from(quota.burst());
+    if burst % u128::from(MICRO) == 0 {
+        let burst_requests = burst / u128::from(MICRO);
+        let matching = Unit::ALL
+            .into_iter()
+            .find(|&u| whole(u).is_some_and(|n| u128::from(n) == burst_requests));
+        if let Some(unit) = matching {
+            return (whole(unit).unwrap_or(1), unit);
         }
     }
-    let mut best = (1, Unit::Second);
+    if let Some(unit) = Unit::ALL.into_iter().find(|&u| whole(u).is_some()) {
+        return (whole(unit).unwrap_or(1), unit);
+    }
+    let mut best = None;
     for unit in Unit::ALL {
         let (num, den) = per_unit(unit);
         let rounded = (num + den / 2) / den;
-        if rounded > u128::from(u32::MAX) {
-            break;
-        }
-        if rounded >= 1 {
-            best = (u32::try_from(rounded).unwrap_or(u32::MAX), unit);
+        match u32::try_from(rounded) {
+            Ok(n) if n >= 1 => best = Some((n, unit)),
+            Ok(_) => {}
+            Err(_) => break,
         }
     }
-    best
+    best.unwrap_or_else(|| {
+        // Faster than u32::MAX a second, or slower than one a year.
+        if quota.refill() >= quota.period_us() {
+            (u32::MAX, Unit::Second)
+        } else {
+            (1, Unit::Year)
+        }
+    })
+}
+
+/// The stricter of two quotas for one bucket: the smaller burst, then the slower refill.
+fn stricter(a: Quota, b: Quota) -> Quota {
+    if a.burst() != b.burst() {
+        return if a.burst() < b.burst() { a } else { b };
+    }
+    let rate_a = u128::from(a.refill()) * u128::from(b.period_us());
+    let rate_b = u128::from(b.refill()) * u128::from(a.period_us());
+    if rate_a <= rate_b {
+        a
+    } else {
+        b
+    }
 }
 
 /// What one descriptor became before the store call.
@@ -229,6 +274,9 @@ pub fn plan<'b>(
     if request.domain.is_empty() {
         return Err(RlsError::EmptyDomain);
     }
+    if request.domain.len() > MAX_DOMAIN || request.domain.chars().any(char::is_control) {
+        return Err(RlsError::BadDomain);
+    }
     if request.descriptors.is_empty() {
         return Err(RlsError::NoDescriptors);
     }
@@ -242,6 +290,15 @@ pub fn plan<'b>(
         .find(|(_, d)| d.entries.len() > MAX_ENTRIES)
     {
         return Err(RlsError::TooManyEntries(i, d.entries.len()));
+    }
+    for (i, d) in request.descriptors.iter().enumerate() {
+        if let Some(j) = d
+            .entries
+            .iter()
+            .position(|(k, v)| k.len() > MAX_KEY || v.len() > MAX_VALUE)
+        {
+            return Err(RlsError::EntryTooLong(i, j));
+        }
     }
     let request_hits = u64::from(request.hits_addend.max(1));
     let mut planned = Vec::with_capacity(request.descriptors.len());
@@ -262,27 +319,35 @@ pub fn plan<'b>(
         } else {
             descriptor.hits_addend.unwrap_or(request_hits)
         };
-        let mut pending = match engine::plan(bundle, &facts, unix_secs, config) {
-            Plan::Store(pending) => pending,
-            // A descriptor no rule applies to still gets its own override, as
-            // envoyproxy/ratelimit does: counted under the whole descriptor.
-            Plan::Done(Decision::Allow(checked)) if checked.rules.is_empty() && quota.is_some() => {
-                let rule = &bundle.envoy_override;
-                let key = override_key(&facts, &rule.key_prefix);
-                Pending::single(bundle, rule, key, quota.unwrap_or(rule.quota))
+        let mut pending = match (engine::plan(bundle, &facts, unix_secs, config), quota) {
+            // A kill switch or a missing required descriptor refuses whatever the override.
+            (Plan::Done(decision @ Decision::Refuse(_)), _) => {
+                planned.push(Planned::Done(decision));
+                continue;
             }
-            Plan::Done(decision) => {
+            // A descriptor's own limit replaces the rules for it, as in envoyproxy/ratelimit
+            // (one limit per descriptor): counted under the whole descriptor, always enforced,
+            // never changing a bucket other descriptors share.
+            (_, Some(quota)) => Pending::single(
+                bundle,
+                &bundle.envoy_override,
+                override_key(&facts, &bundle.envoy_override.key_prefix),
+                quota,
+            ),
+            (Plan::Store(pending), None) => pending,
+            (Plan::Done(decision), None) => {
                 planned.push(Planned::Done(decision));
                 continue;
             }
         };
-        pending.adjust(hits, quota);
+        pending.scale_costs(hits);
         let mut slots = SmallVec::new();
         for op in &pending.ops {
             let spend = if check_only { 0 } else { op.cost };
             let slot = match ops.iter().position(|o| o.key == op.key) {
                 Some(i) => {
                     ops[i].cost = ops[i].cost.saturating_add(spend);
+                    ops[i].quota = stricter(ops[i].quota, op.quota);
                     i
                 }
                 None => {
@@ -297,6 +362,16 @@ pub fn plan<'b>(
             slots,
             check_only,
         });
+    }
+    // A bucket reached with different quotas is counted under the strictest by everyone.
+    for d in &mut planned {
+        if let Planned::Store { pending, slots, .. } = d {
+            for (k, &slot) in slots.iter().enumerate() {
+                if pending.ops[k].quota != ops[slot].quota {
+                    pending.set_quota(k, ops[slot].quota);
+                }
+            }
+        }
     }
     Ok(RlsPlan {
         bundle,
@@ -374,15 +449,15 @@ impl<'b> RlsPlan<'b> {
         refused_before || check_over
     }
 
-    /// The answer from the store's results for [`RlsPlan::ops`] (or for the peek, when
-    /// `peeked_only`: then nothing was spent and every bucket is reported as it stands). A
-    /// store error fails open: every descriptor allowed, counted as a store error.
-    pub fn finish(
-        self,
-        answer: Result<&OpResults, StoreError>,
-        now_us: u64,
-        peeked_only: bool,
-    ) -> RlsOutcome<'b> {
+    /// Whether the call spends nothing at all (only checks, or nothing but zero costs): after
+    /// a peek that passes, no second store call is needed.
+    pub fn spends_nothing(&self) -> bool {
+        self.ops.iter().all(|op| op.cost == 0)
+    }
+
+    /// The answer from what the store said (see [`StoreAnswer`]). A store error fails open:
+    /// every descriptor allowed, counted as a store error.
+    pub fn finish(self, answer: StoreAnswer<'_>, now_us: u64) -> RlsOutcome<'b> {
         let mut decisions = Vec::with_capacity(self.descriptors.len());
         let mut statuses = Vec::with_capacity(self.descriptors.len());
         for planned in self.descriptors {
@@ -392,33 +467,42 @@ impl<'b> RlsPlan<'b> {
                     pending,
                     slots,
                     check_only,
-                } => match &answer {
-                    Err(_) => engine::finish(
-                        pending,
-                        Err(StoreError::Unavailable("rate-limit call".into())),
-                    ),
-                    Ok(results) => {
-                        let own: OpResults = pending
-                            .ops
-                            .iter()
-                            .zip(&slots)
-                            .map(|(op, &slot)| {
-                                let result = results.get(slot).copied().unwrap_or(OpResult {
-                                    verdict: crate::limiter::check(None, &op.quota, now_us, 0),
-                                    committed: false,
-                                    fail_open: true,
-                                });
-                                if peeked_only || check_only {
-                                    // Reported as it stands: would this descriptor's hit fit?
-                                    as_check(result, op, now_us)
-                                } else {
-                                    result
-                                }
-                            })
-                            .collect();
-                        engine::finish(pending, Ok(&own))
-                    }
-                },
+                } => {
+                    // Checks are judged on the peek (what let the call go on); everything is
+                    // judged on the peek when nothing was spent.
+                    let (results, as_it_stands) = match answer {
+                        StoreAnswer::Failed => {
+                            let error = StoreError::Unavailable("rate-limit call".into());
+                            let decision = engine::finish(pending, Err(error));
+                            statuses.push(status_of(&decision));
+                            decisions.push(decision);
+                            continue;
+                        }
+                        StoreAnswer::PeekOnly(peek) => (peek, true),
+                        StoreAnswer::Spent { peek, results } if check_only => {
+                            (peek.unwrap_or(results), true)
+                        }
+                        StoreAnswer::Spent { results, .. } => (results, false),
+                    };
+                    let own: OpResults = pending
+                        .ops
+                        .iter()
+                        .zip(&slots)
+                        .map(|(op, &slot)| {
+                            let result = results.get(slot).copied().unwrap_or(OpResult {
+                                verdict: crate::limiter::check(None, &op.quota, now_us, 0),
+                                committed: false,
+                                fail_open: true,
+                            });
+                            if as_it_stands {
+                                as_check(result, op, now_us)
+                            } else {
+                                result
+                            }
+                        })
+                        .collect();
+                    engine::finish(pending, Ok(&own))
+                }
             };
             statuses.push(status_of(&decision));
             decisions.push(decision);
@@ -426,6 +510,20 @@ impl<'b> RlsPlan<'b> {
         let decision = engine::merge(self.bundle, &decisions);
         RlsOutcome { statuses, decision }
     }
+}
+
+/// What the store said about a planned call.
+#[derive(Clone, Copy)]
+pub enum StoreAnswer<'r> {
+    /// Only the peek ran (the call was refused by it, or spends nothing): nothing was spent.
+    PeekOnly(&'r OpResults),
+    /// The call's ops were applied; `peek` when a peek ran first (checks are judged on it).
+    Spent {
+        peek: Option<&'r OpResults>,
+        results: &'r OpResults,
+    },
+    /// The store failed: fail open.
+    Failed,
 }
 
 /// A result seen as a check of `op.cost` against the bucket as it stands, nothing spent.
@@ -529,6 +627,20 @@ mod tests {
             rate_in_units(&quota(1, MICRO, 11 * US_PER_SEC)),
             (2_866_909, Unit::Year)
         );
+        // The unit in which the rate equals the burst wins: an imported "60 per minute".
+        assert_eq!(
+            rate_in_units(&quota(60, MICRO, US_PER_SEC)),
+            (60, Unit::Minute)
+        );
+        assert_eq!(
+            rate_in_units(&quota(3600, MICRO, US_PER_SEC)),
+            (3600, Unit::Hour)
+        );
+        // Slower than one a year: shown as one a year.
+        assert_eq!(
+            rate_in_units(&quota(1, 1, 366 * 86_400 * US_PER_SEC)),
+            (1, Unit::Year)
+        );
         // Fractions of a token per period.
         assert_eq!(
             rate_in_units(&quota(1, 1_500_000, US_PER_SEC)),
@@ -546,17 +658,32 @@ mod tests {
         }
     }
 
-    /// Statuses of one call against `store` at time 0 (no peek needed).
+    /// Statuses of one single-descriptor call against `store` at time 0 (no peek needed).
     fn statuses(bundle: &Bundle, store: &MemoryStore, d: RlsDescriptor) -> Vec<DescriptorStatus> {
         let request = RlsRequest {
             domain: "edge".into(),
             descriptors: vec![d],
             hits_addend: 0,
         };
+        statuses_of(bundle, store, request)
+    }
+
+    fn statuses_of(
+        bundle: &Bundle,
+        store: &MemoryStore,
+        request: RlsRequest,
+    ) -> Vec<DescriptorStatus> {
         let plan = plan(bundle, &request, 0, EngineConfig::default()).unwrap();
         let mut results = OpResults::new();
         store.apply(0, plan.ops(), &mut results).unwrap();
-        plan.finish(Ok(&results), 0, false).statuses
+        plan.finish(
+            StoreAnswer::Spent {
+                peek: None,
+                results: &results,
+            },
+            0,
+        )
+        .statuses
     }
 
     #[test]
@@ -611,7 +738,13 @@ mod tests {
             assert_eq!(plan.ops()[0].cost, 2 * MICRO);
             let mut results = OpResults::new();
             store.apply(0, plan.ops(), &mut results).unwrap();
-            plan.finish(Ok(&results), 0, false)
+            plan.finish(
+                StoreAnswer::Spent {
+                    peek: None,
+                    results: &results,
+                },
+                0,
+            )
         };
         let first = run();
         assert!(!first.over_limit());
@@ -621,5 +754,11 @@ mod tests {
         let second = run();
         assert!(second.over_limit());
         assert!(second.statuses.iter().all(|s| s.over_limit));
+        let single = RlsRequest {
+            domain: "edge".into(),
+            descriptors: vec![descriptor(&[("a", "1")])],
+            hits_addend: 0,
+        };
+        assert_eq!(statuses_of(&bundle, &store, single)[0].limit_remaining, 0);
     }
 }

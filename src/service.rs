@@ -14,7 +14,7 @@ use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{load_file, Bundle, Mode, PolicyError};
-use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest};
+use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -420,23 +420,48 @@ impl Gateway {
         let plan = rls::plan(&bundle, request, unix_secs, self.engine_config)
             .map_err(RlsFailure::Invalid)?;
         let now_us = self.store.now_us();
+        let mut peek = OpResults::new();
         let mut results = OpResults::new();
-        let mut peeked_only = false;
-        let mut answer = Ok(());
-        if !plan.ops().is_empty() {
-            if plan.needs_peek() {
-                answer = self
-                    .store
-                    .apply(now_us, &plan.peek_ops(), &mut results)
-                    .await;
-                peeked_only = answer.is_ok() && plan.refused_by_peek(&results);
-            }
-            if answer.is_ok() && !peeked_only {
-                answer = self.store.apply(now_us, plan.ops(), &mut results).await;
-            }
+        // Which store calls ran: none (no ops), the peek only, the peek then the spend, the
+        // spend alone, or one that failed.
+        enum Ran {
+            Nothing,
+            PeekOnly,
+            PeekThenSpend,
+            Spend,
+            Failed,
         }
-        let store_failed = answer.is_err();
-        let outcome = plan.finish(answer.map(|()| &results), now_us, peeked_only);
+        let ran = if plan.ops().is_empty() {
+            Ran::Nothing
+        } else if plan.needs_peek() {
+            match self.store.apply(now_us, &plan.peek_ops(), &mut peek).await {
+                Err(_) => Ran::Failed,
+                Ok(()) if plan.refused_by_peek(&peek) || plan.spends_nothing() => Ran::PeekOnly,
+                Ok(()) => match self.store.apply(now_us, plan.ops(), &mut results).await {
+                    Ok(()) => Ran::PeekThenSpend,
+                    Err(_) => Ran::Failed,
+                },
+            }
+        } else {
+            match self.store.apply(now_us, plan.ops(), &mut results).await {
+                Ok(()) => Ran::Spend,
+                Err(_) => Ran::Failed,
+            }
+        };
+        let store_failed = matches!(ran, Ran::Failed);
+        let answer = match ran {
+            Ran::Failed => StoreAnswer::Failed,
+            Ran::PeekOnly => StoreAnswer::PeekOnly(&peek),
+            Ran::PeekThenSpend => StoreAnswer::Spent {
+                peek: Some(&peek),
+                results: &results,
+            },
+            Ran::Nothing | Ran::Spend => StoreAnswer::Spent {
+                peek: None,
+                results: &results,
+            },
+        };
+        let outcome = plan.finish(answer, now_us);
         self.metrics
             .record(&outcome.decision, started.elapsed().as_secs_f64());
         if store_failed && !store_errors_fail_open {

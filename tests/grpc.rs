@@ -227,6 +227,16 @@ async fn hits_addend_spends_and_zero_only_checks() {
     assert_eq!(codes(&r), vec![(OVER, 0), (OK, 2)]);
     let r = ask(&mut c, call("edge", vec![key])).await;
     assert_eq!(codes(&r), vec![(OK, 1)]);
+    // A check and a spend on one bucket: the check is judged on the bucket before the spend.
+    let mut check = ip("192.0.2.3");
+    check.hits_addend = Some(UInt64Value { value: 0 });
+    let r = ask(&mut c, call("edge", vec![check.clone(), ip("192.0.2.3")])).await;
+    assert_eq!(codes(&r), vec![(OK, 3), (OK, 2)]);
+    // Only checks: nothing spent, however often.
+    for _ in 0..3 {
+        let r = ask(&mut c, call("edge", vec![check.clone(), check.clone()])).await;
+        assert_eq!(codes(&r), vec![(OK, 2), (OK, 2)]);
+    }
     // More hits than the burst can ever hold: over the limit, nothing to wait for.
     let mut r = call("edge", vec![ip("192.0.2.2")]);
     r.hits_addend = 4;
@@ -250,7 +260,8 @@ async fn descriptor_limit_overrides_are_honoured() {
         });
         d
     };
-    // A rule applies: its bucket, under the override's quota (5 per hour).
+    // The override replaces the rules for its descriptor (one limit per descriptor, as in
+    // envoyproxy/ratelimit): 5 per hour under the descriptor itself...
     for left in [4u32, 3, 2, 1, 0] {
         let d = with_limit(&[("remote_address", "192.0.2.50")], 5, Unit::Hour);
         let r = ask(&mut c, call("edge", vec![d])).await;
@@ -258,7 +269,7 @@ async fn descriptor_limit_overrides_are_honoured() {
         let limit = r.statuses[0].current_limit.as_ref().unwrap();
         assert_eq!(
             (limit.name.as_str(), limit.requests_per_unit, limit.unit),
-            ("per-ip", 5, Unit::Hour as i32)
+            ("envoy-limit-override", 5, Unit::Hour as i32)
         );
     }
     let d = with_limit(&[("remote_address", "192.0.2.50")], 5, Unit::Hour);
@@ -268,6 +279,29 @@ async fn descriptor_limit_overrides_are_honoured() {
         r.statuses[0].duration_until_reset.as_ref().unwrap().seconds,
         720
     );
+    // ...and the rule's own bucket (3 per client) was never touched.
+    assert_eq!(
+        codes(&ask(&mut c, call("edge", vec![ip("192.0.2.50")])).await),
+        vec![(OK, 2)]
+    );
+    // Two descriptors reaching one bucket with different overrides: the stricter counts for
+    // both, and the bucket is charged once with both hits.
+    let pair = || {
+        vec![
+            with_limit(&[("remote_address", "192.0.2.60")], 10, Unit::Minute),
+            with_limit(&[("remote_address", "192.0.2.60")], 2, Unit::Minute),
+        ]
+    };
+    let r = ask(&mut c, call("edge", pair())).await;
+    assert_eq!(codes(&r), vec![(OK, 0), (OK, 0)]);
+    for status in &r.statuses {
+        let limit = status.current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (2, Unit::Minute as i32)
+        );
+    }
+    assert_eq!(ask(&mut c, call("edge", pair())).await.overall_code, OVER);
     // No rule applies: counted under the descriptor itself, as envoyproxy/ratelimit does.
     for left in [1u32, 0] {
         let d = with_limit(&[("tenant", "t1"), ("route", "/x")], 2, Unit::Minute);
@@ -337,10 +371,34 @@ async fn malformed_calls_are_invalid_arguments() {
         e.message(),
         "descriptors[1]: 33 entries: at most 32 per descriptor"
     );
-    // 64 descriptors sharing one bucket: one op, charged 64 times over (burst 3: refused).
+    // 64 descriptors sharing one bucket: one op, charged 64 times over (burst 3: refused),
+    // and nothing spent.
     let r = ask(&mut c, call("edge", vec![ip("192.0.2.9"); 64])).await;
     assert_eq!(r.overall_code, OVER);
     assert_eq!(r.statuses.len(), 64);
+    assert_eq!(
+        codes(&ask(&mut c, call("edge", vec![ip("192.0.2.9")])).await),
+        vec![(OK, 2)]
+    );
+    // Oversized domains, keys and values are refused: they would become bucket keys and log
+    // lines.
+    let e = c
+        .should_rate_limit(call("edge\nforged line", vec![ip("192.0.2.1")]))
+        .await
+        .expect_err("control character in the domain");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    let long = "x".repeat(4097);
+    let e = c
+        .should_rate_limit(call(
+            "edge",
+            vec![descriptor(&[("api_key", long.as_str())])],
+        ))
+        .await
+        .expect_err("oversized value");
+    assert_eq!(
+        e.message(),
+        "descriptors[0].entries[0]: keys are at most 256 bytes and values at most 4096"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
