@@ -43,3 +43,4 @@ pub mod rls;
 pub mod service;
 pub mod simulate;
 pub mod store;
+pub mod tls;
