@@ -155,6 +155,21 @@ pub struct RunArgs {
     /// README). The admin listener has its own cap: this value, at most 4 096.
     #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// A TLS listener next to --listen (which stays cleartext). Without it, --tls-cert/--tls-key
+    /// make --listen itself serve HTTPS.
+    #[arg(long, env = "TOLLGATE_LISTEN_TLS")]
+    pub listen_tls: Option<String>,
+    /// PEM certificate chain for HTTPS (repeatable, paired in order with --tls-key; chosen by
+    /// SNI, the first is the default). Reloaded on SIGHUP and when the files change.
+    #[arg(long = "tls-cert", env = "TOLLGATE_TLS_CERT", value_delimiter = ',')]
+    pub tls_cert: Vec<PathBuf>,
+    /// PEM private key of the --tls-cert at the same position.
+    #[arg(long = "tls-key", env = "TOLLGATE_TLS_KEY", value_delimiter = ',')]
+    pub tls_key: Vec<PathBuf>,
+    /// Accept HTTP/2 with prior knowledge (h2c) on the cleartext listener. On TLS, HTTP/2 is
+    /// always offered by ALPN (h2, then http/1.1).
+    #[arg(long, env = "TOLLGATE_H2C")]
+    pub h2c: bool,
     /// gRPC listener for Envoy: `envoy.service.ratelimit.v3.RateLimitService`,
     /// `envoy.service.auth.v3.Authorization` and `grpc.health.v1.Health` (h2c, or TLS with
     /// --grpc-tls-cert/--grpc-tls-key). Off unless set.

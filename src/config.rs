@@ -38,6 +38,19 @@ pub struct Config {
     pub max_connections: Option<usize>,
     /// The gRPC listener for Envoy, if any.
     pub grpc: Option<GrpcConfig>,
+    /// HTTPS on the proxy, if any.
+    pub tls: Option<TlsConfig>,
+    /// HTTP/2 with prior knowledge on the cleartext listener.
+    pub h2c: bool,
+}
+
+/// HTTPS on the proxy (`--tls-cert`/`--tls-key`, `--listen-tls`).
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    /// The TLS listener; `None`: `--listen` itself serves HTTPS (no cleartext listener).
+    pub listen: Option<String>,
+    /// Certificate/key pairs, the first the default.
+    pub pairs: Vec<crate::tls::CertPair>,
 }
 
 /// The gRPC listener (`--grpc-listen`).
@@ -57,6 +70,14 @@ pub enum StoreKind {
     Memory,
     /// A store shared by every gateway of a fleet (Redis, Redis Cluster, PostgreSQL URL).
     Shared(String),
+}
+
+fn check_tls_addr(errors: &mut Vec<String>, value: &str) {
+    if value.parse::<SocketAddr>().is_err() {
+        errors.push(format!(
+            "--listen-tls {value:?}: expected IP:PORT such as 0.0.0.0:8443 or [::]:443"
+        ));
+    }
 }
 
 /// Configuration problems, all of them.
@@ -170,6 +191,31 @@ impl Config {
                 }
             },
         };
+        if args.tls_cert.len() != args.tls_key.len() {
+            errors.push(format!(
+                "--tls-cert given {} time(s) and --tls-key {} time(s): they go in pairs",
+                args.tls_cert.len(),
+                args.tls_key.len()
+            ));
+        }
+        if let Some(addr) = &args.listen_tls {
+            check_tls_addr(&mut errors, addr);
+            if args.tls_cert.is_empty() {
+                errors.push("--listen-tls: needs --tls-cert and --tls-key".to_string());
+            }
+        }
+        let tls = (!args.tls_cert.is_empty()).then(|| TlsConfig {
+            listen: args.listen_tls.clone(),
+            pairs: args
+                .tls_cert
+                .iter()
+                .zip(&args.tls_key)
+                .map(|(cert, key)| crate::tls::CertPair {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                })
+                .collect(),
+        });
         let source = match (&args.jwt_header, &args.jwt_cookie) {
             (Some(h), _) => TokenSource::Header(h.to_ascii_lowercase()),
             (None, Some(c)) => TokenSource::Cookie(c.clone()),
@@ -203,6 +249,8 @@ impl Config {
             keepalive_timeout: Duration::from_secs(args.keepalive_timeout_secs),
             max_connections: args.max_connections,
             grpc,
+            tls,
+            h2c: args.h2c,
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),

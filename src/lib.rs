@@ -24,6 +24,7 @@
 //! `Store` → `engine::finish` → `headers::build` / `Metrics::record` / the log line → back to
 //! `proxy`, each step reading only what the previous one handed it.
 
+pub mod access_log;
 pub mod auth;
 pub mod cli;
 pub mod client_addr;

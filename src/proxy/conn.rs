@@ -111,6 +111,8 @@ pub fn response_done(idle: Duration) {
 pub struct Limits {
     pub max_connections: usize,
     pub header_timeout: Duration,
+    /// The app accepts HTTP/2 with prior knowledge on cleartext connections.
+    pub h2c: bool,
 }
 
 /// A [`ServerApp`] wrapping another with [`Limits`].
@@ -153,10 +155,18 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
             peer: std::sync::OnceLock::new(),
         });
         connection.clock.arm(self.limits.header_timeout);
-        let serve = CONNECTION.scope(
-            Arc::clone(&connection),
-            ServerApp::process_new(&self.inner, stream, shutdown),
-        );
+        let clock_owner = Arc::clone(&connection);
+        let h2c = self.limits.h2c;
+        let serve = CONNECTION.scope(Arc::clone(&connection), async move {
+            // HTTP/2 multiplexes requests in tasks of their own, which cannot reach this
+            // connection's clock: once the connection is known to be HTTP/2 (ALPN, or the h2c
+            // preface, peeked under the header deadline), the deadline is lifted and Pingora's
+            // HTTP/2 idle timeout (the keep-alive timeout) takes over.
+            if is_http2(&mut stream, h2c).await {
+                clock_owner.clock.disarm();
+            }
+            ServerApp::process_new(&self.inner, stream, shutdown).await
+        });
         tokio::select! {
             reusable = serve => reusable,
             // Dropping the connection's future closes its socket.
@@ -168,6 +178,23 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         // The proxy app wakes its keep-alive waiters here on shutdown.
         self.inner.cleanup().await;
     }
+}
+
+/// Whether a new connection speaks HTTP/2: negotiated by ALPN on TLS, or (with h2c) starting
+/// with the HTTP/2 preface on cleartext.
+async fn is_http2(stream: &mut Stream, h2c: bool) -> bool {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    if matches!(
+        stream.selected_alpn_proto(),
+        Some(pingora::protocols::ALPN::H2)
+    ) {
+        return true;
+    }
+    if !h2c || stream.get_ssl_digest().is_some() {
+        return false;
+    }
+    let mut buf = [0u8; PREFACE.len()];
+    matches!(stream.try_peek(&mut buf).await, Ok(true)) && buf == PREFACE
 }
 
 /// Raises the soft open-file limit to the hard limit, and returns the soft limit in force.

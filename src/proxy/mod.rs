@@ -10,6 +10,8 @@ use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
 use crate::config::Config;
 use crate::service::{init_logging, Gateway};
 use async_trait::async_trait;
+use pingora::apps::HttpServerOptions;
+use pingora::listeners::tls::TlsSettings;
 use pingora::listeners::{L4BufferSettings, ListenerConfig, DEFAULT_L4_WRITE_BUFFER_SIZE};
 use pingora::server::configuration::ServerConf;
 use pingora::server::{
@@ -65,6 +67,21 @@ pub fn run(args: RunArgs) -> u8 {
         graceful_shutdown_timeout_seconds: Some(10),
         ..ServerConf::default()
     };
+    // Certificates first: a bad one is a start-up error naming the file.
+    let certificates = match &config.tls {
+        None => None,
+        Some(tls) => match crate::tls::Certificates::load(tls.pairs.clone()) {
+            Ok(certs) => {
+                tracing::info!(names = ?certs.current().names, "TLS certificates loaded");
+                Some(certs)
+            }
+            Err(e) => {
+                tracing::error!("--tls-cert/--tls-key: {e}");
+                eprintln!("tollgate: --tls-cert/--tls-key: {e}");
+                return EXIT_INVALID;
+            }
+        },
+    };
     // `None` options: Pingora must not parse our argv (its own flags clash with ours).
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
@@ -76,19 +93,46 @@ pub fn run(args: RunArgs) -> u8 {
                 .max_connections
                 .unwrap_or_else(|| conn::default_max_connections(nofile, UPSTREAM_KEEPALIVE_POOL)),
             header_timeout: config.header_timeout,
+            h2c: config.h2c,
         };
         let proxy = gateway::Proxy::new(Arc::clone(&gateway));
-        let app = pingora::proxy::http_proxy(&server.configuration, proxy);
+        let mut app = pingora::proxy::http_proxy(&server.configuration, proxy);
+        // HTTP/2: h2c with prior knowledge when asked; an idle HTTP/2 connection is closed
+        // after the keep-alive timeout, as an idle HTTP/1.1 one is by the connection guard.
+        let mut options = HttpServerOptions::default();
+        options.h2c = config.h2c;
+        options.h2_idle_timeout = Some(config.keepalive_timeout);
+        app.server_options = Some(options);
         let mut svc = Service::new(
             "tollgate proxy".to_string(),
             conn::Guarded::new(app, limits),
         );
         // A 4 KiB read buffer per connection instead of Pingora's 64 KiB: an idle connection
         // costs a fraction of the memory, and reads larger than the buffer bypass it anyway.
-        svc.add_listener(
-            ListenerConfig::tcp(config.listen.clone())
-                .l4_buffer(L4BufferSettings::new(4096, DEFAULT_L4_WRITE_BUFFER_SIZE)),
-        );
+        let listener = |addr: &str| {
+            ListenerConfig::tcp(addr.to_string())
+                .l4_buffer(L4BufferSettings::new(4096, DEFAULT_L4_WRITE_BUFFER_SIZE))
+        };
+        let tls_on_listen = config.tls.as_ref().is_some_and(|t| t.listen.is_none());
+        if !tls_on_listen {
+            svc.add_listener(listener(&config.listen));
+        }
+        if let (Some(tls), Some(certs)) = (&config.tls, &certificates) {
+            let addr = tls.listen.as_deref().unwrap_or(&config.listen);
+            // Paths unused: the resolver picks a pair per handshake from the set in force.
+            let mut settings = match TlsSettings::intermediate("", "") {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!("TLS listener {addr}: {e}");
+                    return EXIT_INVALID;
+                }
+            };
+            settings.set_cert_resolver(certs.resolver());
+            // ALPN: h2 first, then http/1.1.
+            settings.enable_h2();
+            svc.add_listener(listener(addr).tls(settings));
+            tracing::info!(listen_tls = %addr, "HTTPS listener (HTTP/2 and HTTP/1.1 by ALPN)");
+        }
         svc.threads = Some(config.threads);
         server.add_service(svc);
         tracing::info!(
@@ -109,6 +153,7 @@ pub fn run(args: RunArgs) -> u8 {
             .unwrap_or(conn::DEFAULT_MAX_CONNECTIONS_CEILING)
             .min(ADMIN_MAX_CONNECTIONS),
         header_timeout: config.header_timeout,
+        h2c: false,
     };
     let mut admin = Service::new(
         "tollgate admin".to_string(),
@@ -142,6 +187,7 @@ pub fn run(args: RunArgs) -> u8 {
         "tollgate housekeeping",
         Housekeeping {
             gateway: Arc::clone(&gateway),
+            certificates,
         },
     ));
 
@@ -202,9 +248,10 @@ impl BackgroundService for GrpcDrain {
     }
 }
 
-/// Reload on SIGHUP and on policy-file change; periodic bucket sweep.
+/// Reload on SIGHUP and on policy-file (and certificate-file) change; periodic bucket sweep.
 struct Housekeeping {
     gateway: Arc<Gateway>,
+    certificates: Option<Arc<crate::tls::Certificates>>,
 }
 
 #[async_trait]
@@ -234,9 +281,15 @@ impl BackgroundService for Housekeeping {
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                     let _ = self.gateway.load_policy("sighup");
+                    if let Some(certs) = &self.certificates {
+                        let _ = certs.reload("sighup");
+                    }
                 }
                 _ = poll_tick.tick(), if self.gateway.config.policy_poll.is_some() => {
                     self.gateway.reload_if_changed();
+                    if let Some(certs) = &self.certificates {
+                        certs.reload_if_changed();
+                    }
                 }
                 _ = sweep_tick.tick() => {
                     let removed = self.gateway.sweep().await;

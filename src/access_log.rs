@@ -1,0 +1,297 @@
+//! Access logs: one line per proxied request (allowed or refused), nginx-combined-like text or
+//! JSON, written to standard output in one `write` per line; and request IDs (`X-Request-Id`
+//! kept when the client sent a sane one, generated otherwise). Off by default: nothing here
+//! runs on the hot path unless `--access-log` asks for it.
+//!
+//! Secrets never reach a line: the target goes through [`crate::redact::text`] (credential-like
+//! query parameters and JWT-shaped tokens masked), and client-controlled text is escaped.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// `--access-log`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AccessLogFormat {
+    #[default]
+    Off,
+    /// nginx "combined" plus `key=value` fields.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Everything one line says.
+#[derive(Debug, Clone)]
+pub struct AccessRecord<'a> {
+    /// Wall-clock time the request arrived, in milliseconds since the Unix epoch.
+    pub unix_ms: i64,
+    pub client_ip: Option<IpAddr>,
+    pub method: &'a str,
+    pub host: Option<&'a str>,
+    /// Path and query as sent (redacted when written).
+    pub target: &'a str,
+    /// `HTTP/1.1`, `HTTP/2`...
+    pub protocol: &'a str,
+    pub status: u16,
+    /// Response body bytes sent to the client.
+    pub bytes: usize,
+    pub referer: Option<&'a str>,
+    pub user_agent: Option<&'a str>,
+    /// The upstream server that answered, if the request was proxied.
+    pub upstream: Option<SocketAddr>,
+    /// Seconds from choosing the upstream to its response header.
+    pub upstream_secs: Option<f64>,
+    /// Seconds from the request header to the end of the response.
+    pub total_secs: f64,
+    /// `allow`, `no_policy`, or the refusal reason (`token_bucket_exceeded`...).
+    pub verdict: &'a str,
+    /// The rule that refused the request.
+    pub rule: Option<&'a str>,
+    pub request_id: &'a str,
+}
+
+/// Formats one line (with its newline).
+pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
+    let target = crate::redact::text(record.target);
+    match format {
+        AccessLogFormat::Off => String::new(),
+        AccessLogFormat::Json => {
+            let mut line = serde_json::json!({
+                "time": rfc3339_ms(record.unix_ms),
+                "client_ip": record.client_ip.map(|ip| ip.to_string()),
+                "method": record.method,
+                "host": record.host,
+                "path": target,
+                "protocol": record.protocol,
+                "status": record.status,
+                "bytes": record.bytes,
+                "referer": record.referer,
+                "user_agent": record.user_agent,
+                "upstream": record.upstream.map(|a| a.to_string()),
+                "upstream_time": record.upstream_secs.map(round_ms),
+                "request_time": round_ms(record.total_secs),
+                "verdict": record.verdict,
+                "rule": record.rule,
+                "request_id": record.request_id,
+            })
+            .to_string();
+            line.push('\n');
+            line
+        }
+        AccessLogFormat::Text => {
+            let mut line = String::with_capacity(256);
+            let dash = |v: Option<&str>| v.map_or_else(|| "-".to_string(), escape);
+            let _ = write!(
+                line,
+                "{} - - [{}] \"{} {} {}\" {} {} \"{}\" \"{}\"",
+                record
+                    .client_ip
+                    .map_or_else(|| "-".to_string(), |ip| ip.to_string()),
+                nginx_time(record.unix_ms),
+                escape(record.method),
+                escape(&target),
+                record.protocol,
+                record.status,
+                record.bytes,
+                dash(record.referer),
+                dash(record.user_agent),
+            );
+            let _ = write!(
+                line,
+                " host={} upstream={} upstream_time={} request_time={:.3} verdict={} rule={} request_id={}",
+                dash(record.host),
+                record
+                    .upstream
+                    .map_or_else(|| "-".to_string(), |a| a.to_string()),
+                record
+                    .upstream_secs
+                    .map_or_else(|| "-".to_string(), |s| format!("{s:.3}")),
+                record.total_secs,
+                record.verdict,
+                dash(record.rule),
+                escape(record.request_id),
+            );
+            line.push('\n');
+            line
+        }
+    }
+}
+
+/// Writes a formatted line to standard output in one call (lines from several threads never
+/// interleave). A failed write (a closed pipe) is dropped: logging never fails a request.
+pub fn write(line: &str) {
+    if line.is_empty() {
+        return;
+    }
+    let _ = std::io::stdout().lock().write_all(line.as_bytes());
+}
+
+fn round_ms(secs: f64) -> f64 {
+    (secs * 1000.0).round() / 1000.0
+}
+
+/// Client-controlled text in a text line: `"`, `\` and anything outside printable ASCII
+/// become `\xHH`, so a value can neither end its field nor forge a line.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        match b {
+            b'"' | b'\\' => {
+                let _ = write!(out, "\\x{b:02X}");
+            }
+            0x20..=0x7e => out.push(b as char),
+            _ => {
+                let _ = write!(out, "\\x{b:02X}");
+            }
+        }
+    }
+    out
+}
+
+/// Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+fn split_time(unix_ms: i64) -> (i64, u32, u32, i64, i64, i64, i64) {
+    let secs = unix_ms.div_euclid(1000);
+    let ms = unix_ms.rem_euclid(1000);
+    let (y, mo, d) = civil(secs.div_euclid(86_400));
+    let sod = secs.rem_euclid(86_400);
+    (y, mo, d, sod / 3600, sod % 3600 / 60, sod % 60, ms)
+}
+
+/// `2026-11-22T10:33:26.123Z`.
+pub fn rfc3339_ms(unix_ms: i64) -> String {
+    let (y, mo, d, h, mi, s, ms) = split_time(unix_ms);
+    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{ms:03}Z")
+}
+
+/// nginx's `$time_local` in UTC: `22/Nov/2026:10:33:26 +0000`.
+pub fn nginx_time(unix_ms: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let (y, mo, d, h, mi, s, _) = split_time(unix_ms);
+    let month = MONTHS[(mo as usize).saturating_sub(1).min(11)];
+    format!("{d:02}/{month}/{y:04}:{h:02}:{mi:02}:{s:02} +0000")
+}
+
+/// A request ID the client sent that is safe to keep and log: 1 to 128 characters of
+/// `A-Z a-z 0-9 - _ . :` (anything else is replaced by a generated one).
+pub fn acceptable_request_id(value: &[u8]) -> Option<&str> {
+    let ok = !value.is_empty()
+        && value.len() <= 128
+        && value
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'));
+    if ok {
+        std::str::from_utf8(value).ok()
+    } else {
+        None
+    }
+}
+
+/// A new request ID: 32 hex digits, a per-process random half and a counter, unique within
+/// the process and, with overwhelming likelihood, across a fleet.
+pub fn new_request_id() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static PROCESS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let process = *PROCESS.get_or_init(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let seed = format!("{now}:{}", std::process::id());
+        twox_hash::XxHash64::oneshot(0x7265_7175_6573_7469, seed.as_bytes())
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!("{process:016x}{n:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> AccessRecord<'static> {
+        AccessRecord {
+            unix_ms: 1_795_343_606_123,
+            client_ip: Some("203.0.113.7".parse().unwrap()),
+            method: "GET",
+            host: Some("api.example.com"),
+            target: "/v1/orders?limit=10&api_key=sekrit",
+            protocol: "HTTP/2",
+            status: 429,
+            bytes: 17,
+            referer: None,
+            user_agent: Some("curl/8 \"x\"\nforged"),
+            upstream: None,
+            upstream_secs: None,
+            total_secs: 0.000_42,
+            verdict: "token_bucket_exceeded",
+            rule: Some("per-ip"),
+            request_id: "abc-123",
+        }
+    }
+
+    #[test]
+    fn text_lines_are_combined_like_escaped_and_redacted() {
+        let line = format(&record(), AccessLogFormat::Text);
+        assert_eq!(
+            line,
+            "203.0.113.7 - - [22/Nov/2026:10:33:26 +0000] \"GET /v1/orders?limit=10&api_key=*** HTTP/2\" 429 17 \"-\" \"curl/8 \\x22x\\x22\\x0Aforged\" host=api.example.com upstream=- upstream_time=- request_time=0.000 verdict=token_bucket_exceeded rule=per-ip request_id=abc-123\n"
+        );
+    }
+
+    #[test]
+    fn json_lines_parse_and_carry_the_verdict() {
+        let mut r = record();
+        r.status = 200;
+        r.verdict = "allow";
+        r.rule = None;
+        r.upstream = Some("127.0.0.1:3000".parse().unwrap());
+        r.upstream_secs = Some(0.0123);
+        let line = format(&r, AccessLogFormat::Json);
+        assert!(line.ends_with('\n') && !line[..line.len() - 1].contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["time"], "2026-11-22T10:33:26.123Z");
+        assert_eq!(v["path"], "/v1/orders?limit=10&api_key=***");
+        assert_eq!(v["status"], 200);
+        assert_eq!(v["verdict"], "allow");
+        assert_eq!(v["rule"], serde_json::Value::Null);
+        assert_eq!(v["upstream"], "127.0.0.1:3000");
+        assert_eq!(v["upstream_time"], 0.012);
+        assert_eq!(v["user_agent"], "curl/8 \"x\"\nforged");
+    }
+
+    #[test]
+    fn dates_are_civil() {
+        assert_eq!(rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(nginx_time(1_709_164_800_999), "29/Feb/2024:00:00:00 +0000");
+    }
+
+    #[test]
+    fn request_ids_are_kept_only_when_sane_and_generated_unique() {
+        assert_eq!(acceptable_request_id(b"req-42:a.b_c"), Some("req-42:a.b_c"));
+        assert_eq!(acceptable_request_id(b""), None);
+        assert_eq!(acceptable_request_id(b"has space"), None);
+        assert_eq!(acceptable_request_id(b"line\nbreak"), None);
+        assert_eq!(acceptable_request_id(&[b'a'; 129]), None);
+        let a = new_request_id();
+        let b = new_request_id();
+        assert_eq!(a.len(), 32);
+        assert_ne!(a, b);
+        assert_eq!(a[..16], b[..16]);
+    }
+}
