@@ -170,6 +170,10 @@ pub struct RunArgs {
     /// always offered by ALPN (h2, then http/1.1).
     #[arg(long, env = "TOLLGATE_H2C")]
     pub h2c: bool,
+    /// One access-log line per proxied request on standard output: `off` (default), `text`
+    /// (nginx combined plus key=value fields) or `json`. Turns on X-Request-Id handling.
+    #[arg(long, env = "TOLLGATE_ACCESS_LOG", value_enum, default_value = "off")]
+    pub access_log: AccessLogArg,
     /// gRPC listener for Envoy: `envoy.service.ratelimit.v3.RateLimitService`,
     /// `envoy.service.auth.v3.Authorization` and `grpc.health.v1.Health` (h2c, or TLS with
     /// --grpc-tls-cert/--grpc-tls-key). Off unless set.
@@ -190,6 +194,14 @@ pub struct RunArgs {
         default_value = "allow"
     )]
     pub grpc_store_errors: GrpcStoreErrors,
+}
+
+/// `--access-log` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AccessLogArg {
+    Off,
+    Text,
+    Json,
 }
 
 /// `--grpc-store-errors` values.

@@ -65,6 +65,14 @@ pub fn wall_unix_secs() -> i64 {
         .unwrap_or(0)
 }
 
+/// Milliseconds since the Unix epoch, from the wall clock (access-log timestamps).
+pub fn wall_unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
 /// A clock moved by hand. Cloning shares the same time.
 #[derive(Debug, Clone)]
 pub struct ManualClock {

@@ -3,7 +3,7 @@
 //! reported at once, before anything listens.
 
 use crate::auth::{parse_algorithm, JwtConfig, TokenSource};
-use crate::cli::{EncodedSlashesArg, GrpcStoreErrors, LogFormat, RunArgs};
+use crate::cli::{AccessLogArg, EncodedSlashesArg, GrpcStoreErrors, LogFormat, RunArgs};
 use crate::descriptor::{EncodedSlashes, IpNet};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -42,6 +42,7 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// HTTP/2 with prior knowledge on the cleartext listener.
     pub h2c: bool,
+    pub access_log: crate::access_log::AccessLogFormat,
 }
 
 /// HTTPS on the proxy (`--tls-cert`/`--tls-key`, `--listen-tls`).
@@ -251,6 +252,11 @@ impl Config {
             grpc,
             tls,
             h2c: args.h2c,
+            access_log: match args.access_log {
+                AccessLogArg::Off => crate::access_log::AccessLogFormat::Off,
+                AccessLogArg::Text => crate::access_log::AccessLogFormat::Text,
+                AccessLogArg::Json => crate::access_log::AccessLogFormat::Json,
+            },
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),

@@ -521,6 +521,8 @@ impl Authorization for Authorizer {
                 crate::service::Answer {
                     allowed: false,
                     no_policy: false,
+                    reason: Some(Reason::EncodedSlash),
+                    rule: None,
                     response: self.gateway.refuse_early(
                         Reason::EncodedSlash,
                         client_ip,

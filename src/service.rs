@@ -393,9 +393,22 @@ impl Gateway {
         };
         let response = headers::build(decision, &identity, &self.header_config);
         log_decision(decision, view, response.status);
+        let (reason, rule) = match decision {
+            Decision::Refuse(refusal) => (
+                Some(refusal.reason),
+                match refusal.cause {
+                    Cause::Buckets => decision.rejecting_rule().map(|r| r.rule.name.clone()),
+                    Cause::Rule(rule) => Some(rule.name.clone()),
+                    Cause::KillSwitch(_) | Cause::Request => None,
+                },
+            ),
+            _ => (None, None),
+        };
         Answer {
             allowed: decision.is_allowed(),
             no_policy: matches!(decision, Decision::NoPolicy),
+            reason,
+            rule,
             response,
         }
     }
@@ -532,6 +545,10 @@ pub struct Answer {
     pub allowed: bool,
     /// No valid bundle is loaded (the decision service answers 503).
     pub no_policy: bool,
+    /// Why it was refused.
+    pub reason: Option<Reason>,
+    /// The rule that refused it (a refusal by buckets or by a rule's missing descriptor).
+    pub rule: Option<String>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
 }

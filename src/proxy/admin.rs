@@ -167,6 +167,8 @@ impl Admin {
                 Answer {
                     allowed: false,
                     no_policy: false,
+                    reason: Some(Reason::EncodedSlash),
+                    rule: None,
                     response: self.gateway.refuse_early(
                         Reason::EncodedSlash,
                         client_ip,

@@ -2,6 +2,7 @@
 //! answered here and never reaches the upstream; an allowed request is proxied round-robin and
 //! the rate-limit headers are added to the upstream's response.
 
+use crate::access_log::{self, AccessLogFormat, AccessRecord};
 use crate::descriptor::RequestFacts;
 use crate::engine::Reason;
 use crate::headers::HeaderList;
@@ -24,7 +25,26 @@ pub struct RequestCtx {
     add_headers: HeaderList,
     /// The TCP peer, appended to `X-Forwarded-For` towards the upstream.
     peer: Option<IpAddr>,
+    /// What the access-log line needs (only with `--access-log`: no cost otherwise).
+    access: Option<Box<AccessCtx>>,
 }
+
+/// One request's access-log facts, gathered along the way.
+struct AccessCtx {
+    started: std::time::Instant,
+    unix_ms: i64,
+    request_id: String,
+    /// Generated here: passed upstream (a client's own ID already travels with its request).
+    generated_id: bool,
+    client_ip: Option<IpAddr>,
+    verdict: &'static str,
+    rule: Option<String>,
+    upstream: Option<std::net::SocketAddr>,
+    upstream_started: Option<std::time::Instant>,
+    upstream_secs: Option<f64>,
+}
+
+static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 
 /// The proxy service.
 pub struct Proxy {
@@ -95,6 +115,50 @@ async fn respond(
         .await
 }
 
+impl Proxy {
+    /// The request's access-log line, from what the request gathered and what was sent.
+    fn write_access_log(&self, session: &Session, access: &AccessCtx) {
+        let req = session.req_header();
+        let header =
+            |name: http::header::HeaderName| req.headers.get(name).and_then(|v| v.to_str().ok());
+        let host = req
+            .uri
+            .authority()
+            .map(|a| a.as_str())
+            .or_else(|| header(http::header::HOST));
+        let target = req
+            .uri
+            .path_and_query()
+            .map_or_else(|| req.uri.path(), |pq| pq.as_str());
+        let protocol = if session.is_http2() {
+            "HTTP/2"
+        } else if req.version == http::Version::HTTP_10 {
+            "HTTP/1.0"
+        } else {
+            "HTTP/1.1"
+        };
+        let record = AccessRecord {
+            unix_ms: access.unix_ms,
+            client_ip: access.client_ip,
+            method: req.method.as_str(),
+            host,
+            target,
+            protocol,
+            status: session.response_written().map_or(0, |r| r.status.as_u16()),
+            bytes: session.body_bytes_sent(),
+            referer: header(http::header::REFERER),
+            user_agent: header(http::header::USER_AGENT),
+            upstream: access.upstream,
+            upstream_secs: access.upstream_secs,
+            total_secs: access.started.elapsed().as_secs_f64(),
+            verdict: access.verdict,
+            rule: access.rule.as_deref(),
+            request_id: &access.request_id,
+        };
+        access_log::write(&access_log::format(&record, self.gateway.config.access_log));
+    }
+}
+
 #[async_trait]
 impl ProxyHttp for Proxy {
     type CTX = RequestCtx;
@@ -107,15 +171,32 @@ impl ProxyHttp for Proxy {
     /// context is built, and whose filters run, on every request.
     fn init_downstream_modules(&self, _modules: &mut HttpModules) {}
 
-    async fn early_request_filter(
-        &self,
-        session: &mut Session,
-        _ctx: &mut Self::CTX,
-    ) -> Result<()> {
+    async fn early_request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<()> {
         // Requests pipelined behind this one are answered in order (Pingora drops them
         // otherwise); the flag carries over to the connection's next requests.
         session.set_pipelining_enabled(true);
         super::conn::header_parsed();
+        if self.gateway.config.access_log != AccessLogFormat::Off {
+            let sent = session
+                .req_header()
+                .headers
+                .get(&X_REQUEST_ID)
+                .and_then(|v| access_log::acceptable_request_id(v.as_bytes()))
+                .map(str::to_string);
+            let generated_id = sent.is_none();
+            ctx.access = Some(Box::new(AccessCtx {
+                started: std::time::Instant::now(),
+                unix_ms: crate::clock::wall_unix_ms(),
+                request_id: sent.unwrap_or_else(access_log::new_request_id),
+                generated_id,
+                client_ip: None,
+                verdict: "allow",
+                rule: None,
+                upstream: None,
+                upstream_started: None,
+                upstream_secs: None,
+            }));
+        }
         Ok(())
     }
 
@@ -163,6 +244,15 @@ impl ProxyHttp for Proxy {
                         .gateway
                         .decide(&facts.with_claims(claims.as_deref()))
                         .await;
+                    if let Some(access) = ctx.access.as_deref_mut() {
+                        access.client_ip = client_ip;
+                        access.verdict = match (answer.reason, answer.no_policy) {
+                            (Some(reason), _) => reason.as_str(),
+                            (None, true) => "no_policy",
+                            (None, false) => "allow",
+                        };
+                        access.rule = answer.rule.clone();
+                    }
                     if answer.allowed {
                         // No policy loaded: the proxy fails open (the decision service
                         // answers 503).
@@ -172,15 +262,25 @@ impl ProxyHttp for Proxy {
                     answer.response
                 }
                 Err(_) => {
+                    if let Some(access) = ctx.access.as_deref_mut() {
+                        access.client_ip = client_ip;
+                        access.verdict = Reason::EncodedSlash.as_str();
+                    }
                     self.gateway
                         .refuse_early(Reason::EncodedSlash, client_ip, host, req.uri.path())
                 }
             }
         };
+        let mut headers = response.headers;
+        if let Some(access) = ctx.access.as_deref() {
+            if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
+                headers.push((X_REQUEST_ID.clone(), id));
+            }
+        }
         respond(
             session,
             response.status,
-            response.headers,
+            headers,
             response.body.unwrap_or("Too Many Requests"),
         )
         .await?;
@@ -190,7 +290,7 @@ impl ProxyHttp for Proxy {
     async fn upstream_peer(
         &self,
         _session: &mut Session,
-        _ctx: &mut Self::CTX,
+        ctx: &mut Self::CTX,
     ) -> Result<Box<HttpPeer>> {
         if self.peers.is_empty() {
             return Err(Error::explain(
@@ -199,6 +299,10 @@ impl ProxyHttp for Proxy {
             ));
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.peers.len();
+        if let Some(access) = ctx.access.as_deref_mut() {
+            access.upstream = self.gateway.config.upstreams.get(i).copied();
+            access.upstream_started = Some(std::time::Instant::now());
+        }
         Ok(Box::new(self.peers[i].clone()))
     }
 
@@ -214,6 +318,11 @@ impl ProxyHttp for Proxy {
             let value = forwarded_for_upstream(&upstream_request.headers, peer);
             upstream_request.insert_header("X-Forwarded-For", value)?;
         }
+        if let Some(access) = ctx.access.as_deref() {
+            if access.generated_id {
+                upstream_request.insert_header("X-Request-Id", access.request_id.as_str())?;
+            }
+        }
         Ok(())
     }
 
@@ -223,6 +332,12 @@ impl ProxyHttp for Proxy {
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        if let Some(access) = ctx.access.as_deref_mut() {
+            access.upstream_secs = access.upstream_started.map(|at| at.elapsed().as_secs_f64());
+            if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
+                ctx.add_headers.push((X_REQUEST_ID.clone(), id));
+            }
+        }
         if ctx.add_headers.is_empty() {
             return Ok(());
         }
@@ -248,9 +363,12 @@ impl ProxyHttp for Proxy {
         Ok(())
     }
 
-    async fn logging(&self, _session: &mut Session, _e: Option<&Error>, _ctx: &mut Self::CTX) {
+    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request.
         super::conn::response_done(self.gateway.config.keepalive_timeout);
+        if let Some(access) = ctx.access.take() {
+            self.write_access_log(session, &access);
+        }
     }
 
     async fn fail_to_proxy(
