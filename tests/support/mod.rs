@@ -302,7 +302,9 @@ impl Gateway {
             .args(extra)
             .env_remove("RUST_LOG")
             .envs(env.iter().copied())
-            .stdout(Stdio::null())
+            .stdout(Stdio::from(
+                std::fs::File::create(dir.path().join("stdout.log")).expect("stdout file"),
+            ))
             .stderr(Stdio::from(std::fs::File::create(&log).expect("log file")));
         if let Some(up) = upstream {
             cmd.arg("--upstream").arg(up.to_string());
@@ -343,6 +345,11 @@ impl Gateway {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// What the gateway wrote to standard output (access-log lines).
+    pub fn stdout_text(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("stdout.log")).unwrap_or_default()
     }
 
     pub fn get(&self, target: &str, headers: &[(&str, &str)]) -> HttpResponse {
