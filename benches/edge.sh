@@ -57,7 +57,7 @@ nginx_conf front "
   limit_req_zone \$binary_remote_addr zone=perip:10m rate=100000000r/s;
   upstream backend { server 127.0.0.1:$UP; keepalive 256; }
   server { listen 127.0.0.1:$NGX_TLS ssl; $TLS location / { limit_req zone=perip burst=1000000 nodelay; $PROXY } }
-  server { listen 127.0.0.1:$NGX_H2 ssl; http2 on; $TLS location / { limit_req zone=perip burst=1000000 nodelay; $PROXY } }
+  server { listen 127.0.0.1:$NGX_H2 ssl http2; $TLS location / { limit_req zone=perip burst=1000000 nodelay; $PROXY } }
 "
 taskset -c 1 /usr/sbin/nginx -p "$WORK" -c "$WORK/front.conf"
 

@@ -58,26 +58,48 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
     match format {
         AccessLogFormat::Off => String::new(),
         AccessLogFormat::Json => {
-            let mut line = serde_json::json!({
-                "time": rfc3339_ms(record.unix_ms),
-                "client_ip": record.client_ip.map(|ip| ip.to_string()),
-                "method": record.method,
-                "host": record.host,
-                "path": target,
-                "protocol": record.protocol,
-                "status": record.status,
-                "bytes": record.bytes,
-                "referer": record.referer,
-                "user_agent": record.user_agent,
-                "upstream": record.upstream.map(|a| a.to_string()),
-                "upstream_time": record.upstream_secs.map(round_ms),
-                "request_time": round_ms(record.total_secs),
-                "verdict": record.verdict,
-                "rule": record.rule,
-                "request_id": record.request_id,
-            })
-            .to_string();
-            line.push('\n');
+            // Written by hand in a fixed field order: a `serde_json::Value` map costs an
+            // allocation per field and a sort per line.
+            let mut line = String::with_capacity(320);
+            line.push_str("{\"time\":\"");
+            push_rfc3339_ms(&mut line, record.unix_ms);
+            line.push_str("\",\"client_ip\":");
+            match record.client_ip {
+                Some(ip) => {
+                    let _ = write!(line, "\"{ip}\"");
+                }
+                None => line.push_str("null"),
+            }
+            json_field(&mut line, "method", Some(record.method));
+            json_field(&mut line, "host", record.host);
+            json_field(&mut line, "path", Some(&target));
+            json_field(&mut line, "protocol", Some(record.protocol));
+            let _ = write!(
+                line,
+                ",\"status\":{},\"bytes\":{}",
+                record.status, record.bytes
+            );
+            json_field(&mut line, "referer", record.referer);
+            json_field(&mut line, "user_agent", record.user_agent);
+            line.push_str(",\"upstream\":");
+            match record.upstream {
+                Some(addr) => {
+                    let _ = write!(line, "\"{addr}\"");
+                }
+                None => line.push_str("null"),
+            }
+            line.push_str(",\"upstream_time\":");
+            match record.upstream_secs {
+                Some(secs) => {
+                    let _ = write!(line, "{}", round_ms(secs));
+                }
+                None => line.push_str("null"),
+            }
+            let _ = write!(line, ",\"request_time\":{}", round_ms(record.total_secs));
+            json_field(&mut line, "verdict", Some(record.verdict));
+            json_field(&mut line, "rule", record.rule);
+            json_field(&mut line, "request_id", Some(record.request_id));
+            line.push_str("}\n");
             line
         }
         AccessLogFormat::Text => {
@@ -128,6 +150,30 @@ pub fn write(line: &str) {
     let _ = std::io::stdout().lock().write_all(line.as_bytes());
 }
 
+/// `,"name":"value"` (JSON-escaped) or `,"name":null`.
+fn json_field(line: &mut String, name: &str, value: Option<&str>) {
+    let _ = write!(line, ",\"{name}\":");
+    let Some(value) = value else {
+        line.push_str("null");
+        return;
+    };
+    line.push('"');
+    for c in value.chars() {
+        match c {
+            '"' => line.push_str("\\\""),
+            '\\' => line.push_str("\\\\"),
+            '\n' => line.push_str("\\n"),
+            '\r' => line.push_str("\\r"),
+            '\t' => line.push_str("\\t"),
+            c if (c as u32) < 0x20 || c == '\u{7f}' => {
+                let _ = write!(line, "\\u{:04x}", c as u32);
+            }
+            c => line.push(c),
+        }
+    }
+    line.push('"');
+}
+
 fn round_ms(secs: f64) -> f64 {
     (secs * 1000.0).round() / 1000.0
 }
@@ -174,8 +220,14 @@ fn split_time(unix_ms: i64) -> (i64, u32, u32, i64, i64, i64, i64) {
 
 /// `2026-11-22T10:33:26.123Z`.
 pub fn rfc3339_ms(unix_ms: i64) -> String {
+    let mut out = String::with_capacity(24);
+    push_rfc3339_ms(&mut out, unix_ms);
+    out
+}
+
+fn push_rfc3339_ms(out: &mut String, unix_ms: i64) {
     let (y, mo, d, h, mi, s, ms) = split_time(unix_ms);
-    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{ms:03}Z")
+    let _ = write!(out, "{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{ms:03}Z");
 }
 
 /// nginx's `$time_local` in UTC: `22/Nov/2026:10:33:26 +0000`.
@@ -272,6 +324,34 @@ mod tests {
         assert_eq!(v["upstream"], "127.0.0.1:3000");
         assert_eq!(v["upstream_time"], 0.012);
         assert_eq!(v["user_agent"], "curl/8 \"x\"\nforged");
+    }
+
+    proptest::proptest! {
+        /// Whatever a client sends, a JSON line parses and carries it back unchanged.
+        #[test]
+        fn json_lines_always_parse(agent in ".*", target in ".*", host in ".*") {
+            let mut r = record();
+            r.user_agent = Some(&agent);
+            r.target = &target;
+            r.host = Some(&host);
+            let line = format(&r, AccessLogFormat::Json);
+            proptest::prop_assert_eq!(line.matches('\n').count(), 1);
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            proptest::prop_assert_eq!(v["user_agent"].as_str(), Some(agent.as_str()));
+            proptest::prop_assert_eq!(v["host"].as_str(), Some(host.as_str()));
+            proptest::prop_assert_eq!(v["path"].as_str(), Some(&*crate::redact::text(&target)));
+        }
+
+        /// A text line is one line, whatever the client sends.
+        #[test]
+        fn text_lines_are_one_line(agent in ".*", target in ".*") {
+            let mut r = record();
+            r.user_agent = Some(&agent);
+            r.target = &target;
+            let line = format(&r, AccessLogFormat::Text);
+            proptest::prop_assert_eq!(line.matches('\n').count(), 1);
+            proptest::prop_assert!(line.ends_with('\n'));
+        }
     }
 
     #[test]
