@@ -41,6 +41,7 @@ pub mod policy;
 pub mod proxy;
 pub mod redact;
 pub mod rls;
+pub mod routes;
 pub mod service;
 pub mod simulate;
 pub mod store;

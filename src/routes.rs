@@ -1,0 +1,725 @@
+//! The gateway file (`--routes FILE`, JSON): named upstream groups and the routes that pick
+//! one by host and path. Compiled and validated here once (every error with its JSON path, as
+//! for policies); [`RouteTable::pick`] is the per-request lookup. Pure: no sockets, no Pingora
+//! (the glue in `proxy::upstreams` turns a [`GroupSpec`] into load balancers and peers).
+//!
+//! ```json
+//! {
+//!   "upstreams": {
+//!     "api": { "servers": ["10.0.0.1:8080", "10.0.0.2:8080"], "balance": "round_robin",
+//!              "connect_timeout_ms": 1000, "read_timeout_ms": 30000,
+//!              "tls": { "sni": "api.internal", "ca_file": "/etc/tollgate/ca.pem" },
+//!              "health_check": { "path": "/healthz", "interval_ms": 2000,
+//!                                "healthy_threshold": 2, "unhealthy_threshold": 2 } }
+//!   },
+//!   "routes": [ { "host": "api.example.com", "path_prefix": "/v1", "upstream": "api" },
+//!               { "host": "*.example.com", "upstream": "api" } ],
+//!   "default_upstream": "api"
+//! }
+//! ```
+
+use crate::policy::{path_has_prefix, FieldError};
+use serde_json::{Map, Value};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How a group spreads requests over its healthy servers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Balance {
+    RoundRobin,
+    /// Consistent hashing (Ketama) on the client address: a client keeps its server while it is
+    /// healthy, and only the clients of a server that leaves move.
+    ClientHash,
+}
+
+/// HTTPS to a group's servers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamTls {
+    /// Server name sent (SNI) and verified in the server's certificate.
+    pub sni: String,
+    /// PEM CA certificates to verify against; `None`: the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// The CA file's certificates (DER), read at load.
+    pub ca_der: Vec<Vec<u8>>,
+}
+
+/// Active HTTP health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthCheckSpec {
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive successes that bring a server back.
+    pub healthy_threshold: usize,
+    /// Consecutive failures that take a server out.
+    pub unhealthy_threshold: usize,
+}
+
+/// One upstream group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSpec {
+    pub name: String,
+    pub servers: Vec<SocketAddr>,
+    pub balance: Balance,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+    pub tls: Option<UpstreamTls>,
+    /// `GET <path>` must answer 200.
+    pub health_check: Option<(String, HealthCheckSpec)>,
+}
+
+impl GroupSpec {
+    /// The single group behind `--upstream` (round-robin, no active checks).
+    pub fn from_flag(servers: Vec<SocketAddr>) -> GroupSpec {
+        GroupSpec {
+            name: "default".into(),
+            servers,
+            balance: Balance::RoundRobin,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            tls: None,
+            health_check: None,
+        }
+    }
+
+    /// How long a server that refused a connection stays out before it is tried again: one
+    /// health-check interval (the check brings it back sooner when it is up), or 10 s.
+    pub fn ejection(&self) -> Duration {
+        self.health_check
+            .as_ref()
+            .map_or(Duration::from_secs(10), |(_, hc)| hc.interval)
+    }
+}
+
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A host pattern.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HostPattern {
+    Any,
+    /// Lower-case, without port.
+    Exact(String),
+    /// `*.example.com` stored as `.example.com`: any name ending with it (one label or more).
+    Suffix(String),
+}
+
+/// One route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    host: HostPattern,
+    /// Segment-wise, without a trailing `/` (`/` matches everything).
+    path_prefix: String,
+    /// Index into [`RouteTable::groups`].
+    pub group: usize,
+}
+
+/// The compiled gateway file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteTable {
+    pub groups: Vec<GroupSpec>,
+    /// Most specific first: exact host, then wildcard (longer suffix first), then any host;
+    /// within each, longer path prefix first; then file order.
+    routes: Vec<Route>,
+    /// Group for requests no route matches.
+    pub default: Option<usize>,
+}
+
+impl RouteTable {
+    /// One group, every request to it (`--upstream`).
+    pub fn single(group: GroupSpec) -> RouteTable {
+        RouteTable {
+            groups: vec![group],
+            routes: Vec::new(),
+            default: Some(0),
+        }
+    }
+
+    /// The group for a request: `host` without port (any case), `path` normalised.
+    pub fn pick(&self, host: Option<&str>, path: &str) -> Option<usize> {
+        let host = host.map(|h| h.trim_end_matches('.'));
+        self.routes
+            .iter()
+            .find(|r| {
+                let host_ok = match (&r.host, host) {
+                    (HostPattern::Any, _) => true,
+                    (HostPattern::Exact(name), Some(h)) => h.eq_ignore_ascii_case(name),
+                    (HostPattern::Suffix(suffix), Some(h)) => {
+                        h.len() > suffix.len()
+                            && h.is_char_boundary(h.len() - suffix.len())
+                            && h[h.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+                    }
+                    _ => false,
+                };
+                host_ok && path_has_prefix(path, &r.path_prefix)
+            })
+            .map(|r| r.group)
+            .or(self.default)
+    }
+}
+
+/// Why a gateway file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum RoutesError {
+    #[error("{file}: cannot read: {source}")]
+    Io {
+        file: String,
+        source: std::io::Error,
+    },
+    #[error("{file}: not valid JSON: {source}")]
+    Json {
+        file: String,
+        source: serde_json::Error,
+    },
+    #[error("{file}: {} error(s):\n{}", .errors.len(), .errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        file: String,
+        errors: Vec<FieldError>,
+    },
+}
+
+/// Whether a JSON document is a gateway file rather than a policy bundle (for `validate`).
+pub fn is_gateway_file(root: &Value) -> bool {
+    root.get("upstreams").is_some() && root.get("policies").is_none()
+}
+
+/// Reads and compiles a gateway file; relative `ca_file` paths are relative to it.
+///
+/// # Errors
+/// The file cannot be read, is not JSON, or has errors (all of them, with their paths).
+pub fn load_file(path: &Path) -> Result<RouteTable, RoutesError> {
+    let file = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|source| RoutesError::Io {
+        file: file.clone(),
+        source,
+    })?;
+    let root: Value = serde_json::from_slice(&bytes).map_err(|source| RoutesError::Json {
+        file: file.clone(),
+        source,
+    })?;
+    compile(&root, path.parent()).map_err(|errors| RoutesError::Invalid { file, errors })
+}
+
+/// Compiles a parsed gateway file.
+///
+/// # Errors
+/// Every problem, each with its JSON path.
+pub fn compile(root: &Value, base_dir: Option<&Path>) -> Result<RouteTable, Vec<FieldError>> {
+    let mut c = Compiler {
+        errors: Vec::new(),
+        base_dir,
+    };
+    let table = c.table(root);
+    if c.errors.is_empty() {
+        table.ok_or_else(Vec::new)
+    } else {
+        Err(c.errors)
+    }
+}
+
+struct Compiler<'a> {
+    errors: Vec<FieldError>,
+    base_dir: Option<&'a Path>,
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path.is_empty() {
+        field.to_string()
+    } else {
+        format!("{path}.{field}")
+    }
+}
+
+impl Compiler<'_> {
+    fn error(&mut self, path: &str, message: impl Into<String>) {
+        self.errors.push(FieldError {
+            path: path.to_string(),
+            message: message.into(),
+        });
+    }
+
+    fn object<'v>(
+        &mut self,
+        v: &'v Value,
+        path: &str,
+        allowed: &[&str],
+    ) -> Option<&'v Map<String, Value>> {
+        let Some(map) = v.as_object() else {
+            self.error(path, "must be an object");
+            return None;
+        };
+        for key in map.keys() {
+            if !allowed.contains(&key.as_str()) {
+                self.error(
+                    &join(path, key),
+                    format!("unknown field (expected one of: {})", allowed.join(", ")),
+                );
+            }
+        }
+        Some(map)
+    }
+
+    fn string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
+        match v.as_str() {
+            Some(s) if !s.is_empty() => Some(s),
+            Some(_) => {
+                self.error(path, "must not be empty");
+                None
+            }
+            None => {
+                self.error(path, "must be a string");
+                None
+            }
+        }
+    }
+
+    fn millis(
+        &mut self,
+        map: &Map<String, Value>,
+        path: &str,
+        field: &str,
+        default: Duration,
+    ) -> Duration {
+        match map.get(field) {
+            None => default,
+            Some(v) => match v.as_u64() {
+                Some(ms) if (1..=3_600_000).contains(&ms) => Duration::from_millis(ms),
+                _ => {
+                    self.error(
+                        &join(path, field),
+                        "must be a whole number of milliseconds from 1 to 3600000",
+                    );
+                    default
+                }
+            },
+        }
+    }
+
+    fn count(&mut self, map: &Map<String, Value>, path: &str, field: &str) -> usize {
+        match map.get(field) {
+            None => 1,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=100).contains(&n) => n as usize,
+                _ => {
+                    self.error(&join(path, field), "must be a whole number from 1 to 100");
+                    1
+                }
+            },
+        }
+    }
+
+    fn table(&mut self, root: &Value) -> Option<RouteTable> {
+        let map = self.object(root, "", &["upstreams", "routes", "default_upstream"])?;
+        let mut groups = Vec::new();
+        match map.get("upstreams").and_then(Value::as_object) {
+            Some(upstreams) if !upstreams.is_empty() => {
+                for (name, spec) in upstreams {
+                    if let Some(group) = self.group(name, spec, &join("upstreams", name)) {
+                        groups.push(group);
+                    }
+                }
+            }
+            _ => self.error(
+                "upstreams",
+                "must be an object naming at least one upstream group",
+            ),
+        }
+        let index_of = |name: &str| groups.iter().position(|g| g.name == name);
+        let mut routes = Vec::new();
+        if let Some(list) = map.get("routes") {
+            match list.as_array() {
+                Some(list) => {
+                    for (i, v) in list.iter().enumerate() {
+                        let path = format!("routes[{i}]");
+                        if let Some(route) = self.route(v, &path, &index_of) {
+                            routes.push(route);
+                        }
+                    }
+                }
+                None => self.error("routes", "must be an array"),
+            }
+        }
+        let default = match map.get("default_upstream") {
+            None => None,
+            Some(v) => self.string(v, "default_upstream").and_then(|name| {
+                let found = index_of(name);
+                if found.is_none() {
+                    self.error(
+                        "default_upstream",
+                        format!("no upstream group named {name:?}"),
+                    );
+                }
+                found
+            }),
+        };
+        let routes_given = map
+            .get("routes")
+            .and_then(Value::as_array)
+            .is_some_and(|l| !l.is_empty());
+        if !routes_given && map.get("default_upstream").is_none() && !groups.is_empty() {
+            self.error(
+                "routes",
+                "no route and no default_upstream: no request could be proxied",
+            );
+        }
+        // Most specific first; a stable sort keeps file order among equals.
+        let specificity = |r: &Route| -> (u8, usize, usize) {
+            let (rank, host_len) = match &r.host {
+                HostPattern::Exact(h) => (0, h.len()),
+                HostPattern::Suffix(s) => (1, s.len()),
+                HostPattern::Any => (2, 0),
+            };
+            (
+                rank,
+                usize::MAX - host_len,
+                usize::MAX - r.path_prefix.len(),
+            )
+        };
+        routes.sort_by_key(specificity);
+        Some(RouteTable {
+            groups,
+            routes,
+            default,
+        })
+    }
+
+    fn group(&mut self, name: &str, v: &Value, path: &str) -> Option<GroupSpec> {
+        let map = self.object(
+            v,
+            path,
+            &[
+                "servers",
+                "balance",
+                "connect_timeout_ms",
+                "read_timeout_ms",
+                "tls",
+                "health_check",
+            ],
+        )?;
+        let mut servers = Vec::new();
+        match map.get("servers").and_then(Value::as_array) {
+            Some(list) if !list.is_empty() => {
+                for (i, s) in list.iter().enumerate() {
+                    let p = format!("{}[{i}]", join(path, "servers"));
+                    if let Some(text) = self.string(s, &p) {
+                        match text.to_socket_addrs().map(|mut a| a.next()) {
+                            Ok(Some(addr)) => servers.push(addr),
+                            _ => self.error(&p, format!("{text:?} is not a resolvable HOST:PORT")),
+                        }
+                    }
+                }
+            }
+            _ => self.error(
+                &join(path, "servers"),
+                "must be a non-empty array of HOST:PORT",
+            ),
+        }
+        let balance = match map.get("balance").map(|v| v.as_str()) {
+            None | Some(Some("round_robin")) => Balance::RoundRobin,
+            Some(Some("client_hash")) => Balance::ClientHash,
+            _ => {
+                self.error(
+                    &join(path, "balance"),
+                    "must be \"round_robin\" or \"client_hash\"",
+                );
+                Balance::RoundRobin
+            }
+        };
+        let connect_timeout = self.millis(map, path, "connect_timeout_ms", DEFAULT_CONNECT_TIMEOUT);
+        let read_timeout = self.millis(map, path, "read_timeout_ms", DEFAULT_READ_TIMEOUT);
+        let tls = map.get("tls").and_then(|v| self.tls(v, &join(path, "tls")));
+        let health_check = map
+            .get("health_check")
+            .and_then(|v| self.health_check(v, &join(path, "health_check")));
+        Some(GroupSpec {
+            name: name.to_string(),
+            servers,
+            balance,
+            connect_timeout,
+            read_timeout,
+            tls,
+            health_check,
+        })
+    }
+
+    fn tls(&mut self, v: &Value, path: &str) -> Option<UpstreamTls> {
+        let map = self.object(v, path, &["sni", "ca_file"])?;
+        let sni = match map.get("sni") {
+            Some(v) => self.string(v, &join(path, "sni"))?.to_string(),
+            None => {
+                self.error(
+                    &join(path, "sni"),
+                    "is required: the name to verify in the server's certificate",
+                );
+                return None;
+            }
+        };
+        let mut ca_der = Vec::new();
+        let ca_file = match map.get("ca_file") {
+            None => None,
+            Some(v) => {
+                let p = join(path, "ca_file");
+                let text = self.string(v, &p)?;
+                let file = match self.base_dir {
+                    Some(dir) if Path::new(text).is_relative() => dir.join(text),
+                    _ => PathBuf::from(text),
+                };
+                match std::fs::read(&file) {
+                    Err(e) => {
+                        self.error(&p, format!("{}: cannot read: {e}", file.display()));
+                        return None;
+                    }
+                    Ok(pem) => {
+                        for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+                            match cert {
+                                Ok(der) => ca_der.push(der.to_vec()),
+                                Err(e) => {
+                                    self.error(&p, format!("{}: {e}", file.display()));
+                                    return None;
+                                }
+                            }
+                        }
+                        if ca_der.is_empty() {
+                            self.error(
+                                &p,
+                                format!("{}: no PEM certificate in the file", file.display()),
+                            );
+                            return None;
+                        }
+                    }
+                }
+                Some(file)
+            }
+        };
+        Some(UpstreamTls {
+            sni,
+            ca_file,
+            ca_der,
+        })
+    }
+
+    fn health_check(&mut self, v: &Value, path: &str) -> Option<(String, HealthCheckSpec)> {
+        let map = self.object(
+            v,
+            path,
+            &[
+                "path",
+                "interval_ms",
+                "timeout_ms",
+                "healthy_threshold",
+                "unhealthy_threshold",
+            ],
+        )?;
+        let check_path = match map.get("path") {
+            None => "/".to_string(),
+            Some(v) => {
+                let p = self.string(v, &join(path, "path"))?;
+                if !p.starts_with('/') {
+                    self.error(&join(path, "path"), "must start with '/'");
+                    return None;
+                }
+                p.to_string()
+            }
+        };
+        let interval = self.millis(map, path, "interval_ms", Duration::from_secs(5));
+        let timeout = self.millis(map, path, "timeout_ms", Duration::from_secs(1));
+        Some((
+            check_path,
+            HealthCheckSpec {
+                interval,
+                timeout,
+                healthy_threshold: self.count(map, path, "healthy_threshold"),
+                unhealthy_threshold: self.count(map, path, "unhealthy_threshold"),
+            },
+        ))
+    }
+
+    fn route(
+        &mut self,
+        v: &Value,
+        path: &str,
+        index_of: &dyn Fn(&str) -> Option<usize>,
+    ) -> Option<Route> {
+        let map = self.object(v, path, &["host", "path_prefix", "upstream"])?;
+        let host = match map.get("host") {
+            None => HostPattern::Any,
+            Some(v) => {
+                let text = self.string(v, &join(path, "host"))?;
+                let name = crate::descriptor::strip_port(text).to_ascii_lowercase();
+                match name.strip_prefix("*.") {
+                    Some(rest) if !rest.is_empty() && !rest.contains('*') => {
+                        HostPattern::Suffix(format!(".{rest}"))
+                    }
+                    _ if name.contains('*') => {
+                        self.error(
+                            &join(path, "host"),
+                            "a wildcard is only allowed as the first label (\"*.example.com\")",
+                        );
+                        return None;
+                    }
+                    _ => HostPattern::Exact(name),
+                }
+            }
+        };
+        let path_prefix = match map.get("path_prefix") {
+            None => "/".to_string(),
+            Some(v) => {
+                let p = self.string(v, &join(path, "path_prefix"))?;
+                if !p.starts_with('/') {
+                    self.error(&join(path, "path_prefix"), "must start with '/'");
+                    return None;
+                }
+                let trimmed = p.trim_end_matches('/');
+                if trimmed.is_empty() {
+                    "/".to_string()
+                } else {
+                    trimmed.to_string()
+                }
+            }
+        };
+        let group = match map.get("upstream") {
+            None => {
+                self.error(
+                    &join(path, "upstream"),
+                    "is required: the upstream group to send to",
+                );
+                return None;
+            }
+            Some(v) => {
+                let name = self.string(v, &join(path, "upstream"))?;
+                match index_of(name) {
+                    Some(i) => i,
+                    None => {
+                        self.error(
+                            &join(path, "upstream"),
+                            format!("no upstream group named {name:?}"),
+                        );
+                        return None;
+                    }
+                }
+            }
+        };
+        Some(Route {
+            host,
+            path_prefix,
+            group,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn table(v: Value) -> RouteTable {
+        compile(&v, None).unwrap_or_else(|e| panic!("{e:?}"))
+    }
+
+    fn errors(v: Value) -> Vec<String> {
+        compile(&v, None)
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn the_most_specific_route_wins() {
+        let t = table(json!({
+            "upstreams": {
+                "api": {"servers": ["127.0.0.1:1"]},
+                "v2": {"servers": ["127.0.0.1:2"]},
+                "wild": {"servers": ["127.0.0.1:3"]},
+                "static": {"servers": ["127.0.0.1:4"]},
+                "fallback": {"servers": ["127.0.0.1:5"]}
+            },
+            "routes": [
+                {"path_prefix": "/static", "upstream": "static"},
+                {"host": "*.example.com", "upstream": "wild"},
+                {"host": "api.example.com", "upstream": "api"},
+                {"host": "api.example.com", "path_prefix": "/v2/", "upstream": "v2"}
+            ],
+            "default_upstream": "fallback"
+        }));
+        let name =
+            |host: Option<&str>, path: &str| t.pick(host, path).map(|g| t.groups[g].name.as_str());
+        assert_eq!(name(Some("api.example.com"), "/v2/orders"), Some("v2"));
+        assert_eq!(name(Some("API.example.com."), "/v2"), Some("v2"));
+        // Segment-wise: /v2x is not under /v2.
+        assert_eq!(name(Some("api.example.com"), "/v2x"), Some("api"));
+        assert_eq!(name(Some("api.example.com"), "/static/x"), Some("api"));
+        assert_eq!(name(Some("shop.example.com"), "/x"), Some("wild"));
+        assert_eq!(name(Some("a.b.example.com"), "/x"), Some("wild"));
+        assert_eq!(name(Some("example.com"), "/static/app.js"), Some("static"));
+        assert_eq!(name(Some("other.test"), "/x"), Some("fallback"));
+        assert_eq!(name(None, "/x"), Some("fallback"));
+    }
+
+    #[test]
+    fn every_error_is_reported_with_its_path() {
+        let e = errors(json!({
+            "upstreams": {
+                "api": {"servers": [], "balance": "fastest", "connect_timeout_ms": 0,
+                        "health_check": {"path": "healthz", "interval_ms": "1s"}},
+                "tls": {"servers": ["127.0.0.1:1"], "tls": {"ca_file": "/nonexistent/ca.pem"}}
+            },
+            "routes": [
+                {"host": "a.*.com", "upstream": "api"},
+                {"upstream": "missing"},
+                {"path_prefix": "x", "upstream": "api", "weight": 2}
+            ],
+            "default_upstream": "nope",
+            "extra": 1
+        }));
+        assert_eq!(
+            e,
+            vec![
+                "extra: unknown field (expected one of: upstreams, routes, default_upstream)",
+                "upstreams.api.servers: must be a non-empty array of HOST:PORT",
+                "upstreams.api.balance: must be \"round_robin\" or \"client_hash\"",
+                "upstreams.api.connect_timeout_ms: must be a whole number of milliseconds from 1 to 3600000",
+                "upstreams.api.health_check.path: must start with '/'",
+                "upstreams.tls.tls.sni: is required: the name to verify in the server's certificate",
+                "routes[0].host: a wildcard is only allowed as the first label (\"*.example.com\")",
+                "routes[1].upstream: no upstream group named \"missing\"",
+                "routes[2].weight: unknown field (expected one of: host, path_prefix, upstream)",
+                "routes[2].path_prefix: must start with '/'",
+                "default_upstream: no upstream group named \"nope\"",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_file_without_any_way_to_proxy_is_refused() {
+        let e = errors(json!({"upstreams": {"api": {"servers": ["127.0.0.1:1"]}}}));
+        assert_eq!(
+            e,
+            vec!["routes: no route and no default_upstream: no request could be proxied"]
+        );
+    }
+
+    #[test]
+    fn tls_reads_its_ca_file() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tls");
+        let t = compile(
+            &json!({"upstreams": {"secure": {"servers": ["127.0.0.1:443"],
+                "tls": {"sni": "api.example.com", "ca_file": "ca.pem"},
+                "health_check": {"path": "/healthz", "interval_ms": 500, "unhealthy_threshold": 3}}},
+                "default_upstream": "secure"}),
+            Some(&dir),
+        )
+        .unwrap();
+        let g = &t.groups[0];
+        let tls = g.tls.as_ref().unwrap();
+        assert_eq!(tls.sni, "api.example.com");
+        assert_eq!(tls.ca_der.len(), 1);
+        let (path, hc) = g.health_check.as_ref().unwrap();
+        assert_eq!(path, "/healthz");
+        assert_eq!(
+            (hc.interval, hc.healthy_threshold, hc.unhealthy_threshold),
+            (Duration::from_millis(500), 1, 3)
+        );
+        assert_eq!(g.ejection(), Duration::from_millis(500));
+    }
+}
