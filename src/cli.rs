@@ -56,9 +56,18 @@ pub struct RunArgs {
     /// Proxy listener address.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: String,
-    /// Upstream(s) HOST:PORT, round-robin. Without it only the admin listener runs.
-    #[arg(long, env = "TOLLGATE_UPSTREAM", value_delimiter = ',')]
+    /// Upstream(s) HOST:PORT, round-robin. Without it (or --routes) only the admin listener runs.
+    #[arg(
+        long,
+        env = "TOLLGATE_UPSTREAM",
+        value_delimiter = ',',
+        conflicts_with = "routes"
+    )]
     pub upstream: Vec<String>,
+    /// Gateway file (JSON): named upstream groups (servers, balancing, HTTPS, timeouts, health
+    /// checks) and the host/path routes to them. Reloaded on SIGHUP and when it changes.
+    #[arg(long, env = "TOLLGATE_ROUTES")]
+    pub routes: Option<PathBuf>,
     /// Admin listener: /v1/decision, /livez, /readyz, /metrics.
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
     pub admin_listen: String,

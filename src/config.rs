@@ -15,6 +15,8 @@ pub struct Config {
     pub policy: PathBuf,
     pub listen: String,
     pub upstreams: Vec<SocketAddr>,
+    /// The gateway file (`--routes`), instead of `--upstream`.
+    pub routes: Option<PathBuf>,
     pub admin_listen: String,
     pub threads: usize,
     pub max_buckets: usize,
@@ -229,6 +231,7 @@ impl Config {
             policy: args.policy.clone(),
             listen: args.listen.clone(),
             upstreams,
+            routes: args.routes.clone(),
             admin_listen: args.admin_listen.clone(),
             threads: args.threads,
             max_buckets: args.max_buckets,

@@ -2,11 +2,13 @@
 //! answered here and never reaches the upstream; an allowed request is proxied round-robin and
 //! the rate-limit headers are added to the upstream's response.
 
+use super::upstreams::{Group, Upstreams};
 use crate::access_log::{self, AccessLogFormat, AccessRecord};
 use crate::descriptor::RequestFacts;
 use crate::engine::Reason;
 use crate::headers::HeaderList;
 use crate::service::{Gateway, HttpHeaders};
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -15,8 +17,11 @@ use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{Error, Result};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+
+/// Every server of the request's upstream group is down (or ejected): a 502 with a clear body,
+/// at once.
+const NO_HEALTHY_UPSTREAM: pingora::ErrorType = pingora::ErrorType::Custom("no healthy upstream");
 
 /// Per-request state.
 #[derive(Default)]
@@ -27,6 +32,11 @@ pub struct RequestCtx {
     peer: Option<IpAddr>,
     /// What the access-log line needs (only with `--access-log`: no cost otherwise).
     access: Option<Box<AccessCtx>>,
+    /// The upstream group the request was routed to, and the server chosen in it.
+    group: Option<Arc<Group>>,
+    server: Option<std::net::SocketAddr>,
+    /// Connection attempts so far (a refused connection is retried on another server).
+    connect_tries: usize,
 }
 
 /// One request's access-log facts, gathered along the way.
@@ -49,26 +59,18 @@ static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request
 /// The proxy service.
 pub struct Proxy {
     gateway: Arc<Gateway>,
-    /// Prepared once: building a peer per request would re-resolve and may panic.
-    peers: Vec<HttpPeer>,
-    next: AtomicUsize,
+    /// Upstream groups and routes, swapped whole on reload.
+    upstreams: Arc<ArcSwap<Upstreams>>,
 }
 
 impl Proxy {
-    pub fn new(gateway: Arc<Gateway>) -> Self {
-        let peers = gateway
-            .config
-            .upstreams
-            .iter()
-            .map(|addr| HttpPeer::new(*addr, false, String::new()))
-            .collect();
-        Proxy {
-            gateway,
-            peers,
-            next: AtomicUsize::new(0),
-        }
+    pub fn new(gateway: Arc<Gateway>, upstreams: Arc<ArcSwap<Upstreams>>) -> Self {
+        Proxy { gateway, upstreams }
     }
 }
+
+/// Most connection attempts per request: the first server and, when it refuses, two others.
+const MAX_CONNECT_TRIES: usize = 3;
 
 /// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
 /// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
@@ -240,10 +242,8 @@ impl ProxyHttp for Proxy {
             ) {
                 Ok(facts) => {
                     let claims = self.gateway.claims(&headers);
-                    let answer = self
-                        .gateway
-                        .decide(&facts.with_claims(claims.as_deref()))
-                        .await;
+                    let facts = facts.with_claims(claims.as_deref());
+                    let answer = self.gateway.decide(&facts).await;
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
                         access.verdict = match (answer.reason, answer.no_policy) {
@@ -257,9 +257,22 @@ impl ProxyHttp for Proxy {
                         // No policy loaded: the proxy fails open (the decision service
                         // answers 503).
                         ctx.add_headers = answer.response.headers;
-                        return Ok(false);
+                        ctx.group = self
+                            .upstreams
+                            .load()
+                            .route(facts.host_name(), &facts.path)
+                            .cloned();
+                        if ctx.group.is_some() {
+                            return Ok(false);
+                        }
+                        crate::headers::Response {
+                            status: 404,
+                            headers: std::mem::take(&mut ctx.add_headers),
+                            body: Some("Not Found: no route for this host and path\n"),
+                        }
+                    } else {
+                        answer.response
                     }
-                    answer.response
                 }
                 Err(_) => {
                     if let Some(access) = ctx.access.as_deref_mut() {
@@ -292,18 +305,45 @@ impl ProxyHttp for Proxy {
         _session: &mut Session,
         ctx: &mut Self::CTX,
     ) -> Result<Box<HttpPeer>> {
-        if self.peers.is_empty() {
+        let Some(group) = ctx.group.as_ref() else {
+            return Err(Error::explain(NO_HEALTHY_UPSTREAM, "no upstream group"));
+        };
+        // Consistent hashing keys on the client; round-robin ignores the key.
+        let key: &[u8] = match ctx.peer {
+            Some(IpAddr::V4(ref v4)) => &v4.octets()[..],
+            _ => b"",
+        };
+        let Some((addr, peer)) = group.select(key) else {
             return Err(Error::explain(
-                pingora::ErrorType::ConnectNoRoute,
-                "no upstream configured",
+                NO_HEALTHY_UPSTREAM,
+                "every server of the upstream group is down",
             ));
-        }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.peers.len();
+        };
+        ctx.server = Some(addr);
+        ctx.connect_tries += 1;
         if let Some(access) = ctx.access.as_deref_mut() {
-            access.upstream = self.gateway.config.upstreams.get(i).copied();
+            access.upstream = Some(addr);
             access.upstream_started = Some(std::time::Instant::now());
         }
-        Ok(Box::new(self.peers[i].clone()))
+        Ok(Box::new(peer))
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Self::CTX,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        // Passive ejection: the server is skipped until a health check finds it up, and the
+        // request tries another one (nothing was sent yet, so a retry is always safe).
+        if let (Some(group), Some(addr)) = (ctx.group.as_ref(), ctx.server) {
+            group.eject(addr);
+            if ctx.connect_tries < MAX_CONNECT_TRIES.min(group.spec.servers.len()) {
+                e.set_retry(true);
+            }
+        }
+        e
     }
 
     async fn upstream_request_filter(
@@ -375,7 +415,7 @@ impl ProxyHttp for Proxy {
         &self,
         session: &mut Session,
         e: &Error,
-        _ctx: &mut Self::CTX,
+        ctx: &mut Self::CTX,
     ) -> FailToProxy {
         let code = match e.etype() {
             pingora::ErrorType::HTTPStatus(code) => *code,
@@ -385,6 +425,21 @@ impl ProxyHttp for Proxy {
                 _ => 500,
             },
         };
+        if *e.etype() == NO_HEALTHY_UPSTREAM {
+            let group = ctx.group.as_ref().map_or("", |g| g.spec.name.as_str());
+            tracing::warn!(group, "no healthy server in the upstream group");
+            let _ = respond(
+                session,
+                502,
+                HeaderList::new(),
+                "Bad Gateway: no healthy server in this route's upstream group\n",
+            )
+            .await;
+            return FailToProxy {
+                error_code: 502,
+                can_reuse_downstream: false,
+            };
+        }
         if code == 502 {
             tracing::warn!(error = %e, "upstream unavailable");
             let _ = respond(

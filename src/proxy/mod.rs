@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod conn;
 pub mod gateway;
+pub mod upstreams;
 
 use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
 use crate::config::Config;
@@ -86,7 +87,32 @@ pub fn run(args: RunArgs) -> u8 {
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
 
-    if !config.upstreams.is_empty() {
+    // Upstream groups and routes: the gateway file, or `--upstream` as one default group.
+    let route_table = match &config.routes {
+        Some(file) => match crate::routes::load_file(file) {
+            Ok(table) => Some(table),
+            Err(e) => {
+                tracing::error!("--routes: {e}");
+                eprintln!("tollgate: --routes: {e}");
+                return EXIT_INVALID;
+            }
+        },
+        None if config.upstreams.is_empty() => None,
+        None => Some(crate::routes::RouteTable::single(
+            crate::routes::GroupSpec::from_flag(config.upstreams.clone()),
+        )),
+    };
+    let upstreams = match route_table.map(upstreams::Upstreams::build) {
+        None => None,
+        Some(Ok(built)) => Some(Arc::new(arc_swap::ArcSwap::from_pointee(built))),
+        Some(Err(e)) => {
+            tracing::error!("{e}");
+            eprintln!("tollgate: {e}");
+            return EXIT_INVALID;
+        }
+    };
+
+    if let Some(upstreams) = &upstreams {
         let nofile = conn::raise_nofile_limit();
         let limits = conn::Limits {
             max_connections: config
@@ -95,7 +121,7 @@ pub fn run(args: RunArgs) -> u8 {
             header_timeout: config.header_timeout,
             h2c: config.h2c,
         };
-        let proxy = gateway::Proxy::new(Arc::clone(&gateway));
+        let proxy = gateway::Proxy::new(Arc::clone(&gateway), Arc::clone(upstreams));
         let mut app = pingora::proxy::http_proxy(&server.configuration, proxy);
         // HTTP/2: h2c with prior knowledge when asked; an idle HTTP/2 connection is closed
         // after the keep-alive timeout, as an idle HTTP/1.1 one is by the connection guard.
@@ -137,7 +163,7 @@ pub fn run(args: RunArgs) -> u8 {
         server.add_service(svc);
         tracing::info!(
             listen = %config.listen,
-            upstreams = ?config.upstreams,
+            groups = ?upstreams.load().groups.iter().map(|g| g.spec.name.clone()).collect::<Vec<_>>(),
             max_connections = limits.max_connections,
             open_files = nofile,
             "reverse proxy listening"
@@ -188,8 +214,16 @@ pub fn run(args: RunArgs) -> u8 {
         Housekeeping {
             gateway: Arc::clone(&gateway),
             certificates,
+            upstreams: upstreams.clone(),
+            routes_seen: parking_lot::Mutex::new(config.routes.as_deref().and_then(file_signature)),
         },
     ));
+    if let Some(upstreams) = upstreams {
+        server.add_service(background_service(
+            "tollgate upstream health",
+            HealthChecks { upstreams },
+        ));
+    }
 
     server.run(PingoraRunArgs {
         shutdown_signal: Box::new(DrainOnSignal),
@@ -252,6 +286,71 @@ impl BackgroundService for GrpcDrain {
 struct Housekeeping {
     gateway: Arc<Gateway>,
     certificates: Option<Arc<crate::tls::Certificates>>,
+    upstreams: Option<Arc<arc_swap::ArcSwap<upstreams::Upstreams>>>,
+    /// The gateway file's signature at the last look.
+    routes_seen: parking_lot::Mutex<Option<(Option<std::time::SystemTime>, u64)>>,
+}
+
+fn file_signature(path: &std::path::Path) -> Option<(Option<std::time::SystemTime>, u64)> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok(), meta.len()))
+}
+
+impl Housekeeping {
+    /// Reloads the gateway file: a valid one replaces the groups and routes (requests in flight
+    /// keep the group they were routed to); an invalid one is logged and the set in force stays.
+    fn reload_routes(&self, trigger: &str) {
+        let (Some(file), Some(upstreams)) = (&self.gateway.config.routes, &self.upstreams) else {
+            return;
+        };
+        *self.routes_seen.lock() = file_signature(file);
+        match crate::routes::load_file(file)
+            .map_err(|e| e.to_string())
+            .and_then(upstreams::Upstreams::build)
+        {
+            Ok(built) => {
+                let names: Vec<String> = built.groups.iter().map(|g| g.spec.name.clone()).collect();
+                upstreams.store(Arc::new(built));
+                tracing::info!(trigger, groups = ?names, "routes loaded");
+            }
+            Err(e) => tracing::error!(
+                trigger,
+                "routes reload rejected, keeping the routes in force: {e}"
+            ),
+        }
+    }
+
+    fn reload_routes_if_changed(&self) {
+        let Some(file) = &self.gateway.config.routes else {
+            return;
+        };
+        if *self.routes_seen.lock() != file_signature(file) {
+            self.reload_routes("file_change");
+        }
+    }
+}
+
+/// Active health checks of every upstream group, each at its own interval.
+struct HealthChecks {
+    upstreams: Arc<arc_swap::ArcSwap<upstreams::Upstreams>>,
+}
+
+#[async_trait]
+impl BackgroundService for HealthChecks {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => return,
+                _ = tick.tick() => {
+                    let current = self.upstreams.load_full();
+                    for group in &current.groups {
+                        group.health_check_if_due().await;
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[async_trait]
@@ -284,12 +383,14 @@ impl BackgroundService for Housekeeping {
                     if let Some(certs) = &self.certificates {
                         let _ = certs.reload("sighup");
                     }
+                    self.reload_routes("sighup");
                 }
                 _ = poll_tick.tick(), if self.gateway.config.policy_poll.is_some() => {
                     self.gateway.reload_if_changed();
                     if let Some(certs) = &self.certificates {
                         certs.reload_if_changed();
                     }
+                    self.reload_routes_if_changed();
                 }
                 _ = sweep_tick.tick() => {
                     let removed = self.gateway.sweep().await;

@@ -1,0 +1,199 @@
+//! Upstream groups as Pingora load balancers (`pingora-load-balancing`): a [`GroupSpec`]
+//! becomes a round-robin or consistent-hash balancer over its servers, one prepared
+//! [`HttpPeer`] per server (HTTPS with SNI and verification against the group's CA file or the
+//! system roots, connect and read timeouts), active HTTP health checks with thresholds, and
+//! passive ejection: a server that refuses a connection is skipped for one health-check
+//! interval (the check brings it back as soon as it answers).
+//!
+//! The whole set is swapped on reload ([`Upstreams`] behind an `ArcSwap`): a request holds the
+//! group it was routed to, so nothing in flight is dropped.
+
+use crate::routes::{Balance, GroupSpec, RouteTable};
+use ahash::AHashMap;
+use parking_lot::Mutex;
+use pingora::lb::health_check::HttpHealthCheck;
+use pingora::lb::selection::{Consistent, RoundRobin};
+use pingora::lb::{Backend, LoadBalancer};
+use pingora::prelude::HttpPeer;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The groups and the routes of one gateway file (or of `--upstream`).
+pub struct Upstreams {
+    pub table: RouteTable,
+    pub groups: Vec<Arc<Group>>,
+}
+
+impl Upstreams {
+    /// Builds every group's balancer and peers.
+    ///
+    /// # Errors
+    /// A group whose balancer cannot be built (names the group).
+    pub fn build(table: RouteTable) -> Result<Upstreams, String> {
+        let groups = table
+            .groups
+            .iter()
+            .map(|spec| Group::build(spec.clone()).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Upstreams { table, groups })
+    }
+
+    /// The group for a request.
+    pub fn route(&self, host: Option<&str>, path: &str) -> Option<&Arc<Group>> {
+        self.table.pick(host, path).and_then(|i| self.groups.get(i))
+    }
+}
+
+enum Balancer {
+    RoundRobin(LoadBalancer<RoundRobin>),
+    ClientHash(LoadBalancer<Consistent>),
+}
+
+/// One upstream group, ready to serve.
+pub struct Group {
+    pub spec: GroupSpec,
+    balancer: Balancer,
+    /// One prepared peer per server (cloned per request: no resolving, no parsing).
+    peers: AHashMap<SocketAddr, HttpPeer>,
+    /// Servers that refused a connection, and until when they are skipped.
+    ejected: Mutex<AHashMap<SocketAddr, Instant>>,
+    /// When the next active health check is due.
+    next_check: Mutex<Instant>,
+}
+
+impl Group {
+    fn build(spec: GroupSpec) -> Result<Group, String> {
+        let addrs: Vec<String> = spec.servers.iter().map(ToString::to_string).collect();
+        let fail = |e: std::io::Error| format!("upstream group {:?}: {e}", spec.name);
+        let mut balancer = match spec.balance {
+            Balance::RoundRobin => {
+                Balancer::RoundRobin(LoadBalancer::try_from_iter(addrs.iter()).map_err(fail)?)
+            }
+            Balance::ClientHash => {
+                Balancer::ClientHash(LoadBalancer::try_from_iter(addrs.iter()).map_err(fail)?)
+            }
+        };
+        let ca = spec.tls.as_ref().and_then(|tls| {
+            (!tls.ca_der.is_empty()).then(|| {
+                let certs: Vec<pingora::utils::tls::WrappedX509> = tls
+                    .ca_der
+                    .iter()
+                    .map(|der| {
+                        pingora::utils::tls::WrappedX509::new(
+                            der.clone(),
+                            pingora::utils::tls::parse_x509,
+                        )
+                    })
+                    .collect();
+                Arc::<[pingora::utils::tls::WrappedX509]>::from(certs)
+            })
+        });
+        let peer_for = |addr: SocketAddr| {
+            let (tls, sni) = match &spec.tls {
+                Some(t) => (true, t.sni.clone()),
+                None => (false, String::new()),
+            };
+            let mut peer = HttpPeer::new(addr, tls, sni);
+            peer.options.connection_timeout = Some(spec.connect_timeout);
+            peer.options.read_timeout = Some(spec.read_timeout);
+            if let Some(ca) = &ca {
+                peer.options.ca = Some(Arc::clone(ca));
+            }
+            peer
+        };
+        if let Some((path, hc)) = &spec.health_check {
+            let host = spec
+                .tls
+                .as_ref()
+                .map_or_else(|| "localhost".to_string(), |t| t.sni.clone());
+            let mut check = HttpHealthCheck::new(&host, spec.tls.is_some());
+            check.consecutive_success = hc.healthy_threshold;
+            check.consecutive_failure = hc.unhealthy_threshold;
+            check.peer_template = peer_for(SocketAddr::from(([0, 0, 0, 0], 1)));
+            check.peer_template.options.connection_timeout = Some(hc.timeout);
+            check.peer_template.options.read_timeout = Some(hc.timeout);
+            let mut req = pingora::http::RequestHeader::build("GET", path.as_bytes(), None)
+                .map_err(|e| format!("upstream group {:?}: health check: {e}", spec.name))?;
+            req.append_header("Host", host.as_str())
+                .map_err(|e| format!("upstream group {:?}: health check: {e}", spec.name))?;
+            check.req = req;
+            let check = Box::new(check);
+            match &mut balancer {
+                Balancer::RoundRobin(lb) => lb.set_health_check(check),
+                Balancer::ClientHash(lb) => lb.set_health_check(check),
+            }
+        }
+        let peers = spec.servers.iter().map(|a| (*a, peer_for(*a))).collect();
+        Ok(Group {
+            balancer,
+            peers,
+            ejected: Mutex::new(AHashMap::new()),
+            next_check: Mutex::new(Instant::now()),
+            spec,
+        })
+    }
+
+    /// A healthy server that is not ejected, and its peer. When every healthy server has been
+    /// ejected, one of them anyway (a restarted server is found at once, not after the
+    /// ejection); `None` when the health checks find every server down.
+    pub fn select(&self, client_key: &[u8]) -> Option<(SocketAddr, HttpPeer)> {
+        let now = Instant::now();
+        let tries = self.spec.servers.len().max(1) * 2;
+        let pick = |accept: &dyn Fn(&Backend, bool) -> bool| match &self.balancer {
+            Balancer::RoundRobin(lb) => lb.select_with(client_key, tries, accept),
+            Balancer::ClientHash(lb) => lb.select_with(client_key, tries, accept),
+        };
+        let backend = {
+            let ejected = self.ejected.lock();
+            pick(&|backend: &Backend, healthy: bool| {
+                healthy
+                    && backend
+                        .addr
+                        .as_inet()
+                        .is_some_and(|addr| ejected.get(addr).is_none_or(|until| *until <= now))
+            })
+        }
+        .or_else(|| pick(&|_: &Backend, healthy: bool| healthy))?;
+        let addr = *backend.addr.as_inet()?;
+        self.peers.get(&addr).map(|peer| (addr, peer.clone()))
+    }
+
+    /// A connection to `addr` failed: skip it until the next health check says otherwise (or
+    /// for one interval).
+    pub fn eject(&self, addr: SocketAddr) {
+        let until = Instant::now() + self.spec.ejection();
+        self.ejected.lock().insert(addr, until);
+        tracing::warn!(group = %self.spec.name, server = %addr, "upstream server refused a connection: ejected");
+    }
+
+    /// Runs the active health check when one is due; a server found healthy is no longer
+    /// ejected.
+    pub async fn health_check_if_due(&self) {
+        let Some((_, hc)) = &self.spec.health_check else {
+            return;
+        };
+        {
+            let mut next = self.next_check.lock();
+            if Instant::now() < *next {
+                return;
+            }
+            *next = Instant::now() + hc.interval;
+        }
+        let backends = match &self.balancer {
+            Balancer::RoundRobin(lb) => lb.backends(),
+            Balancer::ClientHash(lb) => lb.backends(),
+        };
+        backends.run_health_check(true).await;
+        let healthy: Vec<SocketAddr> = backends
+            .get_backend()
+            .iter()
+            .filter(|b| backends.ready(b))
+            .filter_map(|b| b.addr.as_inet().copied())
+            .collect();
+        let mut ejected = self.ejected.lock();
+        for addr in healthy {
+            ejected.remove(&addr);
+        }
+    }
+}
