@@ -270,6 +270,32 @@ pub const EXIT_FAILURE: u8 = 2;
 pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     let mut code = EXIT_OK;
     for file in &args.files {
+        let gateway_file = std::fs::read(file)
+            .ok()
+            .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
+            .is_some_and(|root| crate::routes::is_gateway_file(&root));
+        if gateway_file {
+            match crate::routes::load_file(file) {
+                Ok(table) => {
+                    let _ = writeln!(
+                        out,
+                        "{}: ok (gateway file: {} upstream groups, {} routes, default {})",
+                        file.display(),
+                        table.groups.len(),
+                        table.route_count(),
+                        table
+                            .default
+                            .and_then(|i| table.groups.get(i))
+                            .map_or("none", |g| g.name.as_str())
+                    );
+                }
+                Err(e) => {
+                    let _ = writeln!(err, "{e}");
+                    code = EXIT_INVALID;
+                }
+            }
+            continue;
+        }
         match load_file(file) {
             Ok(bundle) => {
                 let _ = writeln!(

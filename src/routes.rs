@@ -135,6 +135,11 @@ impl RouteTable {
         }
     }
 
+    /// How many routes the file has.
+    pub fn route_count(&self) -> usize {
+        self.routes.len()
+    }
+
     /// The group for a request: `host` without port (any case), `path` normalised.
     pub fn pick(&self, host: Option<&str>, path: &str) -> Option<usize> {
         let host = host.map(|h| h.trim_end_matches('.'));

@@ -89,12 +89,28 @@ impl Group {
                 Arc::<[pingora::utils::tls::WrappedX509]>::from(certs)
             })
         });
+        // Pooled connections are shared only within a group: Pingora's reuse key covers the
+        // address and SNI but not the CA, so without this a connection verified by one group's
+        // CA could serve a group that trusts another (or only the system's roots).
+        let group_key = {
+            let mut h = twox_hash::XxHash64::with_seed(0x67726f7570);
+            use std::hash::Hasher;
+            h.write(spec.name.as_bytes());
+            if let Some(tls) = &spec.tls {
+                h.write(tls.sni.as_bytes());
+                for der in &tls.ca_der {
+                    h.write(der);
+                }
+            }
+            h.finish()
+        };
         let peer_for = |addr: SocketAddr| {
             let (tls, sni) = match &spec.tls {
                 Some(t) => (true, t.sni.clone()),
                 None => (false, String::new()),
             };
             let mut peer = HttpPeer::new(addr, tls, sni);
+            peer.group_key = group_key;
             peer.options.connection_timeout = Some(spec.connect_timeout);
             peer.options.read_timeout = Some(spec.read_timeout);
             if let Some(ca) = &ca {

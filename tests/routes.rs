@@ -1,0 +1,370 @@
+//! Routes and upstream groups against real servers on loopback: routing by host and path,
+//! health checks moving traffic off a killed server (no client errors) and back when it
+//! returns, a 502 with a clear body when a whole group is down, HTTPS upstreams verified against
+//! a CA file (and refused when untrusted), gateway-file errors and reloads.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use support::{free_port, Gateway, Upstream};
+
+/// An HTTP/1.1 server answering `200 <name>` (and `/healthz`), that can be stopped and
+/// started again on the same port.
+struct Server {
+    name: &'static str,
+    addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Server {
+    fn start(name: &'static str) -> Server {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let server = Server {
+            name,
+            addr,
+            hits: Arc::new(AtomicUsize::new(0)),
+            stop: Arc::new(AtomicBool::new(false)),
+        };
+        server.run();
+        server
+    }
+
+    fn run(&self) {
+        self.stop.store(false, Ordering::SeqCst);
+        let listener = TcpListener::bind(self.addr).expect("bind test server");
+        listener.set_nonblocking(true).unwrap();
+        let (name, hits, stop) = (self.name, Arc::clone(&self.hits), Arc::clone(&self.stop));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let (hits, stop) = (Arc::clone(&hits), Arc::clone(&stop));
+                        std::thread::spawn(move || serve(conn, name, &hits, &stop));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+            // The listener is dropped here: connections are refused from now on.
+        });
+    }
+
+    /// Stops accepting and closes every connection (within ~50 ms).
+    fn kill(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+fn serve(conn: TcpStream, name: &str, hits: &AtomicUsize, stop: &AtomicBool) {
+    let _ = conn.set_read_timeout(Some(Duration::from_millis(50)));
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut writer = conn;
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(_) => {
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                continue;
+            }
+        }
+        let health = line.starts_with("GET /healthz");
+        loop {
+            let mut header = String::new();
+            match reader.read_line(&mut header) {
+                Ok(0) => return,
+                Ok(_) if header.trim().is_empty() => break,
+                Ok(_) => {}
+                Err(_) if stop.load(Ordering::SeqCst) => return,
+                Err(_) => {}
+            }
+        }
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        if !health {
+            hits.fetch_add(1, Ordering::SeqCst);
+        }
+        let body = if health { "ok" } else { name };
+        let response = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if writer.write_all(response.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+const OPEN: &str = r#"{"rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+    "algorithm_config": {"rps": 1000, "burst": 1000}}]}"#;
+
+fn gateway_with_routes(routes: &str) -> Gateway {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("routes.json");
+    std::fs::write(&file, routes).unwrap();
+    let gw = Gateway::start(
+        Some(OPEN),
+        None,
+        &[
+            "--routes",
+            file.to_str().unwrap(),
+            "--policy-poll-secs",
+            "1",
+        ],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    // Keep the file's directory alive with the gateway.
+    std::mem::forget(dir);
+    gw
+}
+
+fn get(gw: &Gateway, host: &str, path: &str) -> (u16, String) {
+    let r = support::request(gw.proxy, "GET", path, &[("Host", host)]);
+    (r.status, r.body)
+}
+
+#[test]
+fn routes_pick_groups_by_host_and_path() {
+    let (api, v2, web, other) = (
+        Server::start("api"),
+        Server::start("v2"),
+        Server::start("web"),
+        Server::start("other"),
+    );
+    let gw = gateway_with_routes(&format!(
+        r#"{{"upstreams": {{
+              "api": {{"servers": ["{}"]}}, "v2": {{"servers": ["{}"]}},
+              "web": {{"servers": ["{}"]}}, "other": {{"servers": ["{}"]}} }},
+            "routes": [
+              {{"host": "api.example.com", "upstream": "api"}},
+              {{"host": "api.example.com", "path_prefix": "/v2", "upstream": "v2"}},
+              {{"host": "*.example.com", "upstream": "web"}} ],
+            "default_upstream": "other"}}"#,
+        api.addr, v2.addr, web.addr, other.addr
+    ));
+    assert_eq!(
+        get(&gw, "api.example.com", "/v1/orders"),
+        (200, "api".into())
+    );
+    assert_eq!(
+        get(&gw, "api.example.com:8443", "/v2/orders"),
+        (200, "v2".into())
+    );
+    // Segment-wise, and after normalisation (as the limiter sees paths).
+    assert_eq!(get(&gw, "api.example.com", "/v2x"), (200, "api".into()));
+    assert_eq!(
+        get(&gw, "api.example.com", "/x/../v2/y"),
+        (200, "v2".into())
+    );
+    assert_eq!(get(&gw, "shop.example.com", "/"), (200, "web".into()));
+    assert_eq!(get(&gw, "elsewhere.test", "/"), (200, "other".into()));
+    assert_eq!(
+        (api.hits(), v2.hits(), web.hits(), other.hits()),
+        (2, 2, 1, 1)
+    );
+}
+
+#[test]
+fn a_killed_server_loses_its_traffic_without_client_errors_and_gets_it_back() {
+    let (a, b) = (Server::start("a"), Server::start("b"));
+    let gw = gateway_with_routes(&format!(
+        r#"{{"upstreams": {{"pool": {{"servers": ["{}", "{}"],
+              "health_check": {{"path": "/healthz", "interval_ms": 200, "timeout_ms": 200,
+                                "healthy_threshold": 1, "unhealthy_threshold": 1}} }} }},
+            "default_upstream": "pool"}}"#,
+        a.addr, b.addr
+    ));
+    for _ in 0..10 {
+        assert_eq!(get(&gw, "x", "/").0, 200);
+    }
+    assert_eq!((a.hits(), b.hits()), (5, 5));
+    b.kill();
+    // From the very first request after the kill: no client error (a refused connection is
+    // retried on the other server, and the dead one is ejected).
+    for i in 0..20 {
+        let (status, body) = get(&gw, "x", "/");
+        assert_eq!(
+            (status, body.as_str()),
+            (200, "a"),
+            "request {i} after the kill"
+        );
+    }
+    assert_eq!(b.hits(), 5);
+    // Back: the health check finds it within an interval or two.
+    b.run();
+    gw.wait_until(Duration::from_secs(10), || get(&gw, "x", "/").1 == "b");
+    // Both servers kill: a clear 502, at once.
+    a.kill();
+    b.kill();
+    std::thread::sleep(Duration::from_millis(600));
+    let started = std::time::Instant::now();
+    let (status, body) = get(&gw, "x", "/");
+    assert_eq!(status, 502);
+    assert_eq!(
+        body,
+        "Bad Gateway: no healthy server in this route's upstream group\n"
+    );
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[test]
+fn https_upstreams_are_verified_against_the_ca_file() {
+    // The HTTPS upstream: a second tollgate terminating TLS with the test certificate in front
+    // of a plain upstream.
+    let origin = Upstream::start();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tls");
+    let cert = fixtures.join("api.pem");
+    let key = fixtures.join("api.key");
+    let tls_front = Gateway::start(
+        Some(OPEN),
+        Some(origin.addr),
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let routes = format!(
+        r#"{{"upstreams": {{
+              "trusted": {{"servers": ["{front}"], "tls": {{"sni": "api.example.com", "ca_file": "{ca}"}}}},
+              "wrong-name": {{"servers": ["{front}"], "tls": {{"sni": "www.example.net", "ca_file": "{ca}"}}}},
+              "system-roots": {{"servers": ["{front}"], "tls": {{"sni": "api.example.com"}}}} }},
+            "routes": [
+              {{"path_prefix": "/trusted", "upstream": "trusted"}},
+              {{"path_prefix": "/wrong-name", "upstream": "wrong-name"}},
+              {{"path_prefix": "/system-roots", "upstream": "system-roots"}} ]}}"#,
+        front = tls_front.proxy,
+        ca = fixtures.join("ca.pem").display()
+    );
+    let gw = gateway_with_routes(&routes);
+    let (status, body) = get(&gw, "x", "/trusted/a");
+    assert_eq!(status, 200);
+    assert!(body.starts_with("upstream ok"), "{body}");
+    // A certificate for another name, or a CA the system does not trust: refused.
+    assert_eq!(get(&gw, "x", "/wrong-name/a").0, 502);
+    assert_eq!(get(&gw, "x", "/system-roots/a").0, 502);
+    assert_eq!(origin.hits(), 1);
+}
+
+#[test]
+fn a_bad_gateway_file_never_replaces_a_good_one() {
+    let (a, b) = (Server::start("a"), Server::start("b"));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("routes.json");
+    let routes = |server: SocketAddr| {
+        format!(
+            r#"{{"upstreams": {{"only": {{"servers": ["{server}"]}}}}, "default_upstream": "only"}}"#
+        )
+    };
+    std::fs::write(&file, routes(a.addr)).unwrap();
+    let gw = Gateway::start(
+        Some(OPEN),
+        None,
+        &[
+            "--routes",
+            file.to_str().unwrap(),
+            "--policy-poll-secs",
+            "1",
+        ],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    assert_eq!(get(&gw, "x", "/").1, "a");
+    support::write_atomically(
+        &file,
+        r#"{"upstreams": {"only": {"servers": []}}, "default_upstream": "only"}"#,
+    );
+    gw.wait_until(Duration::from_secs(10), || {
+        gw.log_text().contains("routes reload rejected")
+    });
+    assert!(gw
+        .log_text()
+        .contains("upstreams.only.servers: must be a non-empty array of HOST:PORT"));
+    assert_eq!(get(&gw, "x", "/").1, "a");
+    // A good file: picked up without a restart (and on SIGHUP as well).
+    support::write_atomically(&file, &routes(b.addr));
+    gw.wait_until(Duration::from_secs(10), || get(&gw, "x", "/").1 == "b");
+}
+
+#[test]
+fn gateway_files_are_validated_with_every_error_and_refused_at_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("routes.json");
+    std::fs::write(
+        &file,
+        r#"{"upstreams": {"api": {"servers": ["127.0.0.1:1"], "balance": "fastest"}},
+            "routes": [{"upstream": "nope"}]}"#,
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["validate", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("upstreams.api.balance: must be \"round_robin\" or \"client_hash\""),
+        "{err}"
+    );
+    assert!(
+        err.contains("routes[0].upstream: no upstream group named \"nope\""),
+        "{err}"
+    );
+    let policy = dir.path().join("p.json");
+    std::fs::write(&policy, OPEN).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args([
+            "run",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--routes",
+            file.to_str().unwrap(),
+        ])
+        .args([
+            "--admin-listen",
+            &format!("127.0.0.1:{}", free_port()),
+            "--listen",
+            &format!("127.0.0.1:{}", free_port()),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("routes[0].upstream: no upstream group named \"nope\""));
+    // And a good one validates.
+    std::fs::write(
+        &file,
+        r#"{"upstreams": {"api": {"servers": ["127.0.0.1:1"]}}, "default_upstream": "api"}"#,
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["validate", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .contains("ok (gateway file: 1 upstream groups, 0 routes"));
+}
