@@ -55,6 +55,13 @@ pub struct AccessRecord<'a> {
 /// Formats one line (with its newline).
 pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
     let target = crate::redact::text(record.target);
+    // A referer carries other sites' query strings (reset tokens...); an absolute-form target
+    // may carry `user:password@` in its authority.
+    let referer = record.referer.map(crate::redact::text);
+    let referer = referer.as_deref();
+    let host = record
+        .host
+        .map(|h| h.rsplit_once('@').map_or(h, |(_, host)| host));
     match format {
         AccessLogFormat::Off => String::new(),
         AccessLogFormat::Json => {
@@ -71,7 +78,7 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                 None => line.push_str("null"),
             }
             json_field(&mut line, "method", Some(record.method));
-            json_field(&mut line, "host", record.host);
+            json_field(&mut line, "host", host);
             json_field(&mut line, "path", Some(&target));
             json_field(&mut line, "protocol", Some(record.protocol));
             let _ = write!(
@@ -79,7 +86,7 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                 ",\"status\":{},\"bytes\":{}",
                 record.status, record.bytes
             );
-            json_field(&mut line, "referer", record.referer);
+            json_field(&mut line, "referer", referer);
             json_field(&mut line, "user_agent", record.user_agent);
             line.push_str(",\"upstream\":");
             match record.upstream {
@@ -117,13 +124,13 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                 record.protocol,
                 record.status,
                 record.bytes,
-                dash(record.referer),
+                dash(referer),
                 dash(record.user_agent),
             );
             let _ = write!(
                 line,
                 " host={} upstream={} upstream_time={} request_time={:.3} verdict={} rule={} request_id={}",
-                dash(record.host),
+                dash(host),
                 record
                     .upstream
                     .map_or_else(|| "-".to_string(), |a| a.to_string()),
@@ -141,13 +148,46 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
     }
 }
 
-/// Writes a formatted line to standard output in one call (lines from several threads never
-/// interleave). A failed write (a closed pipe) is dropped: logging never fails a request.
-pub fn write(line: &str) {
+/// Lines waiting for the writer thread, at most.
+const QUEUE: usize = 16_384;
+
+/// Lines dropped because the writer fell behind (a stalled reader of standard output).
+pub static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Hands a formatted line to the writer thread, which writes each line to standard output in
+/// one call (lines never interleave). A request never waits on the log: when the queue is full
+/// (whatever reads standard output stopped reading), the line is dropped and counted.
+pub fn write(line: String) {
+    static SENDER: std::sync::OnceLock<std::sync::mpsc::SyncSender<String>> =
+        std::sync::OnceLock::new();
     if line.is_empty() {
         return;
     }
-    let _ = std::io::stdout().lock().write_all(line.as_bytes());
+    let sender = SENDER.get_or_init(|| {
+        let (sender, receiver) = std::sync::mpsc::sync_channel::<String>(QUEUE);
+        let spawned = std::thread::Builder::new()
+            .name("tollgate-access-log".into())
+            .spawn(move || {
+                let stdout = std::io::stdout();
+                for line in receiver {
+                    // A closed pipe drops lines; logging never fails a request.
+                    let _ = stdout.lock().write_all(line.as_bytes());
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::error!("access log writer thread: {e}");
+        }
+        sender
+    });
+    if sender.try_send(line).is_err() {
+        let dropped = DROPPED.fetch_add(1, Ordering::Relaxed);
+        if dropped.is_power_of_two() {
+            tracing::warn!(
+                dropped = dropped + 1,
+                "access log lines dropped: standard output is not being read fast enough"
+            );
+        }
+    }
 }
 
 /// `,"name":"value"` (JSON-escaped) or `,"name":null`.
@@ -285,7 +325,7 @@ mod tests {
             protocol: "HTTP/2",
             status: 429,
             bytes: 17,
-            referer: None,
+            referer: Some("https://shop.test/reset?token=abc"),
             user_agent: Some("curl/8 \"x\"\nforged"),
             upstream: None,
             upstream_secs: None,
@@ -301,7 +341,7 @@ mod tests {
         let line = format(&record(), AccessLogFormat::Text);
         assert_eq!(
             line,
-            "203.0.113.7 - - [22/Nov/2026:10:33:26 +0000] \"GET /v1/orders?limit=10&api_key=*** HTTP/2\" 429 17 \"-\" \"curl/8 \\x22x\\x22\\x0Aforged\" host=api.example.com upstream=- upstream_time=- request_time=0.000 verdict=token_bucket_exceeded rule=per-ip request_id=abc-123\n"
+            "203.0.113.7 - - [22/Nov/2026:10:33:26 +0000] \"GET /v1/orders?limit=10&api_key=*** HTTP/2\" 429 17 \"https://shop.test/reset?token=***\" \"curl/8 \\x22x\\x22\\x0Aforged\" host=api.example.com upstream=- upstream_time=- request_time=0.000 verdict=token_bucket_exceeded rule=per-ip request_id=abc-123\n"
         );
     }
 
@@ -338,7 +378,8 @@ mod tests {
             proptest::prop_assert_eq!(line.matches('\n').count(), 1);
             let v: serde_json::Value = serde_json::from_str(&line).unwrap();
             proptest::prop_assert_eq!(v["user_agent"].as_str(), Some(agent.as_str()));
-            proptest::prop_assert_eq!(v["host"].as_str(), Some(host.as_str()));
+            let shown = host.rsplit_once('@').map_or(host.as_str(), |(_, h)| h);
+            proptest::prop_assert_eq!(v["host"].as_str(), Some(shown));
             proptest::prop_assert_eq!(v["path"].as_str(), Some(&*crate::redact::text(&target)));
         }
 

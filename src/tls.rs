@@ -12,7 +12,6 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::SystemTime;
 
 /// One `--tls-cert` / `--tls-key` pair.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -188,12 +187,14 @@ fn dns_names(leaf: &CertificateDer<'_>) -> Result<Vec<String>, String> {
     Ok(names)
 }
 
-/// Cheap change detection for one file.
-type Signature = Option<(Option<SystemTime>, u64)>;
+/// Change detection for one file: a hash of its content. Rotated certificates often keep
+/// the length, and a copy within the same clock tick keeps the modification time; PEM files
+/// are small enough to read at every poll.
+type Signature = Option<u64>;
 
 fn signature(path: &Path) -> Signature {
-    let meta = std::fs::metadata(path).ok()?;
-    Some((meta.modified().ok(), meta.len()))
+    let bytes = std::fs::read(path).ok()?;
+    Some(twox_hash::XxHash3_64::oneshot(&bytes))
 }
 
 /// The certificates in force, and how to reload them.

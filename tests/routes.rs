@@ -368,3 +368,28 @@ fn gateway_files_are_validated_with_every_error_and_refused_at_start_up() {
     assert!(String::from_utf8_lossy(&out.stdout)
         .contains("ok (gateway file: 1 upstream groups, 0 routes"));
 }
+
+#[test]
+fn without_health_checks_a_refused_connection_ejects_the_server_and_retries_elsewhere() {
+    let (a, b) = (Server::start("a"), Server::start("b"));
+    let gw = gateway_with_routes(&format!(
+        r#"{{"upstreams": {{"pool": {{"servers": ["{}", "{}"]}}}}, "default_upstream": "pool"}}"#,
+        a.addr, b.addr
+    ));
+    for _ in 0..4 {
+        assert_eq!(get(&gw, "x", "/").0, 200);
+    }
+    assert_eq!((a.hits(), b.hits()), (2, 2));
+    b.kill();
+    for i in 0..10 {
+        assert_eq!(
+            get(&gw, "x", "/"),
+            (200, "a".to_string()),
+            "request {i} after the kill"
+        );
+    }
+    assert!(gw
+        .log_text()
+        .contains("upstream server refused a connection: ejected"));
+    assert_eq!(a.hits(), 12);
+}

@@ -9,6 +9,7 @@ mod support;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 use support::{free_port, Gateway, Upstream};
 
@@ -339,7 +340,12 @@ fn h2c_is_opt_in() {
         .arg(format!("http://{}/", gw.proxy))
         .output()
         .unwrap();
-    assert!(!out.status.success() || String::from_utf8_lossy(&out.stdout) != "2");
+    // Without --h2c the preface is not HTTP/1.1: curl gets no HTTP/2 answer.
+    assert!(
+        !out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let gw = Gateway::start(Some(PER_IP), Some(upstream.addr), &["--h2c"]);
     let out = Command::new("curl")
         .args([
@@ -367,11 +373,21 @@ fn access_log_lines_parse_and_carry_the_verdict() {
         &[(&fixture_str("api.pem"), &fixture_str("api.key"))],
         &["--access-log", "json"],
     );
-    assert_eq!(
-        curl("--http2", "api.example.com", tls, "/v1/a?token=sekrit").status,
-        200
+    let allowed = curl("--http2", "api.example.com", tls, "/v1/a?token=sekrit");
+    assert_eq!(allowed.status, 200);
+    let id = allowed
+        .header("x-request-id")
+        .expect("a generated request id")
+        .to_string();
+    let refused = support::request(
+        gw.proxy,
+        "GET",
+        "/v1/b",
+        &[
+            ("X-Request-Id", "req-77"),
+            ("Referer", "https://shop.test/reset?token=abc"),
+        ],
     );
-    let refused = support::request(gw.proxy, "GET", "/v1/b", &[("X-Request-Id", "req-77")]);
     assert_eq!(refused.status, 429);
     assert_eq!(refused.header("x-request-id"), Some("req-77"));
     gw.wait_until(Duration::from_secs(5), || {
@@ -390,7 +406,8 @@ fn access_log_lines_parse_and_carry_the_verdict() {
     assert_eq!(allowed["host"], format!("api.example.com:{}", tls.port()));
     assert_eq!(allowed["upstream"], upstream.addr.to_string());
     assert_eq!(allowed["client_ip"], "127.0.0.1");
-    assert_eq!(allowed["request_id"].as_str().map(str::len), Some(32));
+    assert_eq!(allowed["request_id"].as_str(), Some(id.as_str()));
+    assert_eq!(id.len(), 32);
     assert!(allowed["upstream_time"].as_f64().is_some());
     let refused = &lines[1];
     assert_eq!(refused["protocol"], "HTTP/1.1");
@@ -400,4 +417,77 @@ fn access_log_lines_parse_and_carry_the_verdict() {
     assert_eq!(refused["request_id"], "req-77");
     assert_eq!(refused["upstream"], serde_json::Value::Null);
     assert_eq!(refused["bytes"], 17);
+    assert_eq!(refused["referer"], "https://shop.test/reset?token=***");
+}
+
+/// A TLS client offering only `h2` that completes the handshake and then says nothing.
+async fn silent_h2_over_tls(
+    addr: SocketAddr,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut std::fs::read(fixture("ca.pem")).unwrap().as_slice()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("api.example.com").unwrap();
+    let tls = connector.connect(name, tcp).await.expect("TLS handshake");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    tls
+}
+
+/// Reads until the server closes the connection; panics if it is still open after `limit`.
+async fn closed_within<S: tokio::io::AsyncRead + Unpin>(mut stream: S, limit: Duration) {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 4096];
+    let closed = tokio::time::timeout(limit, async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the connection is still open after {limit:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_http2_connections_are_cut_at_the_header_deadline() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = Upstream::start();
+    let (gw, tls) = tls_gateway(
+        PER_IP,
+        &upstream,
+        &[(&fixture_str("api.pem"), &fixture_str("api.key"))],
+        &["--h2c", "--header-timeout-secs", "1"],
+    );
+    // HTTP/2 negotiated by ALPN, then silence.
+    let started = std::time::Instant::now();
+    closed_within(silent_h2_over_tls(tls).await, Duration::from_secs(5)).await;
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    // The h2c preface, then silence.
+    let mut h2c = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    h2c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    closed_within(h2c, Duration::from_secs(5)).await;
+    // Half an HTTP/1.1 header on the h2c listener: the header deadline still applies.
+    let mut h1 = tokio::net::TcpStream::connect(gw.proxy).await.unwrap();
+    h1.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    closed_within(h1, Duration::from_secs(5)).await;
+    // A connection that does send a request is served.
+    assert_eq!(curl("--http2", "api.example.com", tls, "/").status, 200);
 }

@@ -18,7 +18,7 @@ use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::protocols::Stream;
 use pingora::server::ShutdownWatch;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
@@ -34,6 +34,65 @@ pub struct Connection {
     clock: DeadlineClock,
     /// The peer address and whether it is a trusted proxy, worked out once per connection.
     peer: std::sync::OnceLock<(Option<std::net::IpAddr>, bool)>,
+    /// Requests being served (HTTP/2 streams run side by side): the idle deadline is armed
+    /// only when the last one is done.
+    active: AtomicUsize,
+}
+
+/// HTTP/2 connections by the address of their socket digest, which Pingora shares with every
+/// stream's session: the streams run in tasks of their own, outside the connection's
+/// task-local scope, and find their connection here.
+static HTTP2_CONNECTIONS: std::sync::LazyLock<
+    parking_lot::Mutex<ahash::AHashMap<usize, Arc<Connection>>>,
+> = std::sync::LazyLock::new(|| parking_lot::Mutex::new(ahash::AHashMap::new()));
+
+/// Removes an HTTP/2 connection from [`HTTP2_CONNECTIONS`] when its future ends, however.
+struct Http2Registration(usize);
+
+impl Drop for Http2Registration {
+    fn drop(&mut self) {
+        HTTP2_CONNECTIONS.lock().remove(&self.0);
+    }
+}
+
+/// The connection a request belongs to: the task-local one (HTTP/1.x), or for an HTTP/2
+/// stream the one registered under its socket digest.
+fn with_connection(http2_key: Option<usize>, f: impl FnOnce(&Connection)) {
+    match http2_key {
+        Some(key) => {
+            let found = HTTP2_CONNECTIONS.lock().get(&key).cloned();
+            if let Some(connection) = found {
+                f(&connection);
+            }
+        }
+        None => {
+            let _ = CONNECTION.try_with(|c| f(c));
+        }
+    }
+}
+
+/// A request's header has been read: no deadline while it is served.
+pub fn request_started(http2_key: Option<usize>) {
+    with_connection(http2_key, |c| {
+        c.active.fetch_add(1, Ordering::Relaxed);
+        c.clock.disarm();
+    });
+}
+
+/// A request is done: when no other request of the connection is in flight, the next one
+/// must arrive within `idle`.
+pub fn request_done(http2_key: Option<usize>, idle: Duration) {
+    with_connection(http2_key, |c| {
+        let before = c
+            .active
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(1))
+            })
+            .unwrap_or(0);
+        if before <= 1 {
+            c.clock.arm(idle);
+        }
+    });
 }
 
 /// The connection's peer and trusted-proxy verdict, computed by `work_out` on its first
@@ -96,14 +155,15 @@ impl DeadlineClock {
     }
 }
 
-/// Called once a request's header has been read: the header deadline no longer applies.
+/// Called once a request's header has been read (HTTP/1.x): the header deadline no longer
+/// applies.
 pub fn header_parsed() {
-    let _ = CONNECTION.try_with(|c| c.clock.disarm());
+    request_started(None);
 }
 
-/// Called when a response is done: the next request must arrive within `idle`.
+/// Called when a response is done (HTTP/1.x): the next request must arrive within `idle`.
 pub fn response_done(idle: Duration) {
-    let _ = CONNECTION.try_with(|c| c.clock.arm(idle));
+    request_done(None, idle);
 }
 
 /// Connection limits of the proxy listener.
@@ -153,18 +213,24 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         let connection = Arc::new(Connection {
             clock: DeadlineClock::new(),
             peer: std::sync::OnceLock::new(),
+            active: AtomicUsize::new(0),
         });
         connection.clock.arm(self.limits.header_timeout);
-        let clock_owner = Arc::clone(&connection);
+        let registered = Arc::clone(&connection);
         let h2c = self.limits.h2c;
         let serve = CONNECTION.scope(Arc::clone(&connection), async move {
-            // HTTP/2 multiplexes requests in tasks of their own, which cannot reach this
-            // connection's clock: once the connection is known to be HTTP/2 (ALPN, or the h2c
-            // preface, peeked under the header deadline), the deadline is lifted and Pingora's
-            // HTTP/2 idle timeout (the keep-alive timeout) takes over.
-            if is_http2(&mut stream, h2c).await {
-                clock_owner.clock.disarm();
-            }
+            // HTTP/2 (ALPN, or the h2c preface, peeked under the header deadline): the streams
+            // find this connection through its socket digest, so the header deadline holds
+            // until the first stream's header and the idle deadline after the last stream.
+            let _registration = if is_http2(&mut stream, h2c).await {
+                stream.get_socket_digest().map(|digest| {
+                    let key = Arc::as_ptr(&digest) as usize;
+                    HTTP2_CONNECTIONS.lock().insert(key, registered);
+                    Http2Registration(key)
+                })
+            } else {
+                None
+            };
             ServerApp::process_new(&self.inner, stream, shutdown).await
         });
         tokio::select! {

@@ -37,6 +37,8 @@ pub struct RequestCtx {
     server: Option<std::net::SocketAddr>,
     /// Connection attempts so far (a refused connection is retried on another server).
     connect_tries: usize,
+    /// The client address as resolved for limiting (the `client_hash` balancing key).
+    client_ip: Option<IpAddr>,
 }
 
 /// One request's access-log facts, gathered along the way.
@@ -67,6 +69,30 @@ impl Proxy {
     pub fn new(gateway: Arc<Gateway>, upstreams: Arc<ArcSwap<Upstreams>>) -> Self {
         Proxy { gateway, upstreams }
     }
+}
+
+/// The request's `X-Request-Id` for a response the gateway writes itself (with access logs).
+fn request_id_header(ctx: &RequestCtx) -> HeaderList {
+    let mut headers = HeaderList::new();
+    if let Some(id) = ctx
+        .access
+        .as_deref()
+        .and_then(|a| http::HeaderValue::from_str(&a.request_id).ok())
+    {
+        headers.push((X_REQUEST_ID.clone(), id));
+    }
+    headers
+}
+
+/// For an HTTP/2 stream, the key its connection is registered under (its socket digest).
+fn http2_key(session: &Session) -> Option<usize> {
+    if !session.is_http2() {
+        return None;
+    }
+    session
+        .digest()
+        .and_then(|d| d.socket_digest.as_ref())
+        .map(|digest| Arc::as_ptr(digest) as usize)
 }
 
 /// Most connection attempts per request: the first server and, when it refuses, two others.
@@ -157,7 +183,7 @@ impl Proxy {
             rule: access.rule.as_deref(),
             request_id: &access.request_id,
         };
-        access_log::write(&access_log::format(&record, self.gateway.config.access_log));
+        access_log::write(access_log::format(&record, self.gateway.config.access_log));
     }
 }
 
@@ -177,7 +203,7 @@ impl ProxyHttp for Proxy {
         // Requests pipelined behind this one are answered in order (Pingora drops them
         // otherwise); the flag carries over to the connection's next requests.
         session.set_pipelining_enabled(true);
-        super::conn::header_parsed();
+        super::conn::request_started(http2_key(session));
         if self.gateway.config.access_log != AccessLogFormat::Off {
             let sent = session
                 .req_header()
@@ -221,6 +247,7 @@ impl ProxyHttp for Proxy {
             let client_ip = self
                 .gateway
                 .client_ip_with(peer, peer_trusted, &req.headers);
+            ctx.client_ip = client_ip;
             // An absolute-form target (`GET http://api.example.com/x`) names the host the
             // upstream routes by; it wins over the Host header (RFC 9112 §3.2.2).
             let host = req.uri.authority().map(|a| a.as_str()).or_else(|| {
@@ -308,12 +335,14 @@ impl ProxyHttp for Proxy {
         let Some(group) = ctx.group.as_ref() else {
             return Err(Error::explain(NO_HEALTHY_UPSTREAM, "no upstream group"));
         };
-        // Consistent hashing keys on the client; round-robin ignores the key.
-        let key: &[u8] = match ctx.peer {
-            Some(IpAddr::V4(ref v4)) => &v4.octets()[..],
-            _ => b"",
+        // Consistent hashing keys on the client address as resolved for limiting (behind a
+        // trusted proxy, the real client); round-robin ignores the key.
+        let key = match ctx.client_ip.map(crate::descriptor::canonical_ip) {
+            Some(IpAddr::V4(v4)) => v4.octets().to_vec(),
+            Some(IpAddr::V6(v6)) => v6.octets().to_vec(),
+            None => Vec::new(),
         };
-        let Some((addr, peer)) = group.select(key) else {
+        let Some((addr, peer)) = group.select(&key) else {
             return Err(Error::explain(
                 NO_HEALTHY_UPSTREAM,
                 "every server of the upstream group is down",
@@ -405,7 +434,7 @@ impl ProxyHttp for Proxy {
 
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request.
-        super::conn::response_done(self.gateway.config.keepalive_timeout);
+        super::conn::request_done(http2_key(session), self.gateway.config.keepalive_timeout);
         if let Some(access) = ctx.access.take() {
             self.write_access_log(session, &access);
         }
@@ -431,7 +460,7 @@ impl ProxyHttp for Proxy {
             let _ = respond(
                 session,
                 502,
-                HeaderList::new(),
+                request_id_header(ctx),
                 "Bad Gateway: no healthy server in this route's upstream group\n",
             )
             .await;
@@ -445,7 +474,7 @@ impl ProxyHttp for Proxy {
             let _ = respond(
                 session,
                 502,
-                HeaderList::new(),
+                request_id_header(ctx),
                 "Bad Gateway: the upstream is unavailable\n",
             )
             .await;

@@ -288,12 +288,14 @@ struct Housekeeping {
     certificates: Option<Arc<crate::tls::Certificates>>,
     upstreams: Option<Arc<arc_swap::ArcSwap<upstreams::Upstreams>>>,
     /// The gateway file's signature at the last look.
-    routes_seen: parking_lot::Mutex<Option<(Option<std::time::SystemTime>, u64)>>,
+    routes_seen: parking_lot::Mutex<Option<u64>>,
 }
 
-fn file_signature(path: &std::path::Path) -> Option<(Option<std::time::SystemTime>, u64)> {
-    let meta = std::fs::metadata(path).ok()?;
-    Some((meta.modified().ok(), meta.len()))
+/// A hash of the gateway file's content (a rewrite in the same clock tick, with the same
+/// length, is still a change).
+fn file_signature(path: &std::path::Path) -> Option<u64> {
+    let bytes = std::fs::read(path).ok()?;
+    Some(twox_hash::XxHash3_64::oneshot(&bytes))
 }
 
 impl Housekeeping {
@@ -304,6 +306,13 @@ impl Housekeeping {
             return;
         };
         *self.routes_seen.lock() = file_signature(file);
+        // Unchanged (a SIGHUP for the certificates or the policy): keep the groups, and with
+        // them what the health checks know.
+        if let Ok(table) = crate::routes::load_file(file) {
+            if table == upstreams.load().table {
+                return;
+            }
+        }
         match crate::routes::load_file(file)
             .map_err(|e| e.to_string())
             .and_then(upstreams::Upstreams::build)
@@ -343,9 +352,12 @@ impl BackgroundService for HealthChecks {
             tokio::select! {
                 _ = shutdown.changed() => return,
                 _ = tick.tick() => {
+                    // Each group's check in a task of its own: a slow group never delays
+                    // another's.
                     let current = self.upstreams.load_full();
-                    for group in &current.groups {
-                        group.health_check_if_due().await;
+                    for group in current.groups.iter().filter(|g| g.claim_health_check()) {
+                        let group = Arc::clone(group);
+                        tokio::spawn(async move { group.run_health_check().await });
                     }
                 }
             }

@@ -3,7 +3,7 @@
 //! [`HttpPeer`] per server (HTTPS with SNI and verification against the group's CA file or the
 //! system roots, connect and read timeouts), active HTTP health checks with thresholds, and
 //! passive ejection: a server that refuses a connection is skipped for one health-check
-//! interval (the check brings it back as soon as it answers).
+//! interval (10 s without checks).
 //!
 //! The whole set is swapped on reload ([`Upstreams`] behind an `ArcSwap`): a request holds the
 //! group it was routed to, so nothing in flight is dropped.
@@ -155,7 +155,8 @@ impl Group {
     /// ejection); `None` when the health checks find every server down.
     pub fn select(&self, client_key: &[u8]) -> Option<(SocketAddr, HttpPeer)> {
         let now = Instant::now();
-        let tries = self.spec.servers.len().max(1) * 2;
+        // Ketama puts 160 points per server on its ring: enough steps to visit every server.
+        let tries = self.spec.servers.len().max(1) * 256;
         let pick = |accept: &dyn Fn(&Backend, bool) -> bool| match &self.balancer {
             Balancer::RoundRobin(lb) => lb.select_with(client_key, tries, accept),
             Balancer::ClientHash(lb) => lb.select_with(client_key, tries, accept),
@@ -175,41 +176,39 @@ impl Group {
         self.peers.get(&addr).map(|peer| (addr, peer.clone()))
     }
 
-    /// A connection to `addr` failed: skip it until the next health check says otherwise (or
-    /// for one interval).
+    /// A connection to `addr` failed: skip it for one health-check interval (10 s without
+    /// checks).
     pub fn eject(&self, addr: SocketAddr) {
         let until = Instant::now() + self.spec.ejection();
         self.ejected.lock().insert(addr, until);
         tracing::warn!(group = %self.spec.name, server = %addr, "upstream server refused a connection: ejected");
     }
 
-    /// Runs the active health check when one is due; a server found healthy is no longer
-    /// ejected.
-    pub async fn health_check_if_due(&self) {
+    /// Whether an active health check is due now (and claims it: the next one is an interval
+    /// later, so a slow check never runs twice at once).
+    pub fn claim_health_check(&self) -> bool {
         let Some((_, hc)) = &self.spec.health_check else {
-            return;
+            return false;
         };
-        {
-            let mut next = self.next_check.lock();
-            if Instant::now() < *next {
-                return;
-            }
-            *next = Instant::now() + hc.interval;
+        let mut next = self.next_check.lock();
+        let now = Instant::now();
+        if now < *next {
+            return false;
         }
+        // A check may take up to its timeout: the next starts no sooner than that.
+        *next = now + hc.interval.max(hc.timeout);
+        true
+    }
+
+    /// Checks every server once (in parallel), feeding the thresholds.
+    pub async fn run_health_check(&self) {
         let backends = match &self.balancer {
             Balancer::RoundRobin(lb) => lb.backends(),
             Balancer::ClientHash(lb) => lb.backends(),
         };
         backends.run_health_check(true).await;
-        let healthy: Vec<SocketAddr> = backends
-            .get_backend()
-            .iter()
-            .filter(|b| backends.ready(b))
-            .filter_map(|b| b.addr.as_inet().copied())
-            .collect();
-        let mut ejected = self.ejected.lock();
-        for addr in healthy {
-            ejected.remove(&addr);
-        }
+        // Expired ejections go: the map never holds more than the group's servers.
+        let now = Instant::now();
+        self.ejected.lock().retain(|_, until| *until > now);
     }
 }
