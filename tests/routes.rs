@@ -393,3 +393,45 @@ fn without_health_checks_a_refused_connection_ejects_the_server_and_retries_else
         .contains("upstream server refused a connection: ejected"));
     assert_eq!(a.hits(), 12);
 }
+
+#[test]
+fn client_hash_keeps_each_client_on_one_server_and_spreads_clients() {
+    let (a, b) = (Server::start("a"), Server::start("b"));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("routes.json");
+    std::fs::write(
+        &file,
+        format!(
+            r#"{{"upstreams": {{"pool": {{"servers": ["{}", "{}"], "balance": "client_hash"}}}},
+                "default_upstream": "pool"}}"#,
+            a.addr, b.addr
+        ),
+    )
+    .unwrap();
+    let gw = Gateway::start(
+        Some(OPEN),
+        None,
+        &[
+            "--routes",
+            file.to_str().unwrap(),
+            "--trusted-proxy",
+            "127.0.0.1/32",
+        ],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    // The key is the client address as resolved for limiting (behind the trusted proxy).
+    let server_of =
+        |client: &str| support::request(gw.proxy, "GET", "/", &[("X-Forwarded-For", client)]).body;
+    let mut used = std::collections::BTreeSet::new();
+    for i in 0..40 {
+        let client = format!("203.0.113.{i}");
+        let first = server_of(&client);
+        for _ in 0..3 {
+            assert_eq!(server_of(&client), first, "client {client} moved");
+        }
+        used.insert(first);
+    }
+    assert_eq!(used.len(), 2, "40 clients all on one server");
+}

@@ -336,13 +336,8 @@ impl ProxyHttp for Proxy {
             return Err(Error::explain(NO_HEALTHY_UPSTREAM, "no upstream group"));
         };
         // Consistent hashing keys on the client address as resolved for limiting (behind a
-        // trusted proxy, the real client); round-robin ignores the key.
-        let key = match ctx.client_ip.map(crate::descriptor::canonical_ip) {
-            Some(IpAddr::V4(v4)) => v4.octets().to_vec(),
-            Some(IpAddr::V6(v6)) => v6.octets().to_vec(),
-            None => Vec::new(),
-        };
-        let Some((addr, peer)) = group.select(&key) else {
+        // trusted proxy, the real client).
+        let Some((addr, peer)) = group.select(ctx.client_ip) else {
             return Err(Error::explain(
                 NO_HEALTHY_UPSTREAM,
                 "every server of the upstream group is down",

@@ -9,13 +9,13 @@
 //! group it was routed to, so nothing in flight is dropped.
 
 use crate::routes::{Balance, GroupSpec, RouteTable};
-use ahash::AHashMap;
 use parking_lot::Mutex;
 use pingora::lb::health_check::HttpHealthCheck;
 use pingora::lb::selection::{Consistent, RoundRobin};
-use pingora::lb::{Backend, LoadBalancer};
+use pingora::lb::LoadBalancer;
 use pingora::prelude::HttpPeer;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -50,14 +50,26 @@ enum Balancer {
     ClientHash(LoadBalancer<Consistent>),
 }
 
+/// One server of a group, with what selection reads on every request: atomics only.
+struct Server {
+    addr: SocketAddr,
+    /// Prepared once (cloned per request: no resolving, no parsing).
+    peer: HttpPeer,
+    /// The health checks' verdict, copied after each round.
+    healthy: AtomicBool,
+    /// Skipped until this many ms after the group was built (0: not ejected).
+    ejected_until_ms: AtomicU64,
+}
+
 /// One upstream group, ready to serve.
 pub struct Group {
     pub spec: GroupSpec,
+    /// Pingora's balancer: the health checks and their thresholds, and the Ketama ring.
     balancer: Balancer,
-    /// One prepared peer per server (cloned per request: no resolving, no parsing).
-    peers: AHashMap<SocketAddr, HttpPeer>,
-    /// Servers that refused a connection, and until when they are skipped.
-    ejected: Mutex<AHashMap<SocketAddr, Instant>>,
+    servers: Vec<Server>,
+    /// Round-robin position.
+    next: AtomicUsize,
+    built: Instant,
     /// When the next active health check is due.
     next_check: Mutex<Instant>,
 }
@@ -140,47 +152,89 @@ impl Group {
                 Balancer::ClientHash(lb) => lb.set_health_check(check),
             }
         }
-        let peers = spec.servers.iter().map(|a| (*a, peer_for(*a))).collect();
+        let servers = spec
+            .servers
+            .iter()
+            .map(|addr| Server {
+                addr: *addr,
+                peer: peer_for(*addr),
+                healthy: AtomicBool::new(true),
+                ejected_until_ms: AtomicU64::new(0),
+            })
+            .collect();
         Ok(Group {
             balancer,
-            peers,
-            ejected: Mutex::new(AHashMap::new()),
+            servers,
+            next: AtomicUsize::new(0),
+            built: Instant::now(),
             next_check: Mutex::new(Instant::now()),
             spec,
         })
     }
 
+    fn now_ms(&self) -> u64 {
+        self.built.elapsed().as_millis() as u64
+    }
+
+    fn server(&self, addr: SocketAddr) -> Option<&Server> {
+        self.servers.iter().find(|s| s.addr == addr)
+    }
+
+    /// Whether `server` may take a request now (`ignore_ejection`: a last resort when every
+    /// healthy server has been ejected).
+    fn available(&self, server: &Server, now_ms: u64, ignore_ejection: bool) -> bool {
+        server.healthy.load(Ordering::Relaxed)
+            && (ignore_ejection || server.ejected_until_ms.load(Ordering::Relaxed) <= now_ms)
+    }
+
     /// A healthy server that is not ejected, and its peer. When every healthy server has been
     /// ejected, one of them anyway (a restarted server is found at once, not after the
-    /// ejection); `None` when the health checks find every server down.
-    pub fn select(&self, client_key: &[u8]) -> Option<(SocketAddr, HttpPeer)> {
-        let now = Instant::now();
-        // Ketama puts 160 points per server on its ring: enough steps to visit every server.
-        let tries = self.spec.servers.len().max(1) * 256;
-        let pick = |accept: &dyn Fn(&Backend, bool) -> bool| match &self.balancer {
-            Balancer::RoundRobin(lb) => lb.select_with(client_key, tries, accept),
-            Balancer::ClientHash(lb) => lb.select_with(client_key, tries, accept),
-        };
-        let backend = {
-            let ejected = self.ejected.lock();
-            pick(&|backend: &Backend, healthy: bool| {
-                healthy
-                    && backend
-                        .addr
-                        .as_inet()
-                        .is_some_and(|addr| ejected.get(addr).is_none_or(|until| *until <= now))
-            })
+    /// ejection); `None` when the health checks find every server down. Round-robin reads only
+    /// atomics; client hashing walks Pingora's Ketama ring.
+    pub fn select(&self, client_ip: Option<std::net::IpAddr>) -> Option<(SocketAddr, HttpPeer)> {
+        let now_ms = self.now_ms();
+        for ignore_ejection in [false, true] {
+            let found = match &self.balancer {
+                Balancer::ClientHash(lb) => {
+                    let key = match client_ip.map(crate::descriptor::canonical_ip) {
+                        Some(std::net::IpAddr::V4(v4)) => v4.octets().to_vec(),
+                        Some(std::net::IpAddr::V6(v6)) => v6.octets().to_vec(),
+                        None => Vec::new(),
+                    };
+                    // Ketama puts 160 points per server on its ring: enough steps to visit
+                    // every server.
+                    let tries = self.servers.len().max(1) * 256;
+                    lb.select_with(&key, tries, |backend, _| {
+                        backend
+                            .addr
+                            .as_inet()
+                            .and_then(|addr| self.server(*addr))
+                            .is_some_and(|s| self.available(s, now_ms, ignore_ejection))
+                    })
+                    .and_then(|b| b.addr.as_inet().and_then(|a| self.server(*a)))
+                }
+                Balancer::RoundRobin(_) => {
+                    let n = self.servers.len();
+                    let start = self.next.fetch_add(1, Ordering::Relaxed);
+                    (0..n)
+                        .map(|i| &self.servers[(start + i) % n])
+                        .find(|s| self.available(s, now_ms, ignore_ejection))
+                }
+            };
+            if let Some(server) = found {
+                return Some((server.addr, server.peer.clone()));
+            }
         }
-        .or_else(|| pick(&|_: &Backend, healthy: bool| healthy))?;
-        let addr = *backend.addr.as_inet()?;
-        self.peers.get(&addr).map(|peer| (addr, peer.clone()))
+        None
     }
 
     /// A connection to `addr` failed: skip it for one health-check interval (10 s without
     /// checks).
     pub fn eject(&self, addr: SocketAddr) {
-        let until = Instant::now() + self.spec.ejection();
-        self.ejected.lock().insert(addr, until);
+        if let Some(server) = self.server(addr) {
+            let until = self.now_ms() + self.spec.ejection().as_millis() as u64;
+            server.ejected_until_ms.store(until, Ordering::Relaxed);
+        }
         tracing::warn!(group = %self.spec.name, server = %addr, "upstream server refused a connection: ejected");
     }
 
@@ -207,8 +261,12 @@ impl Group {
             Balancer::ClientHash(lb) => lb.backends(),
         };
         backends.run_health_check(true).await;
-        // Expired ejections go: the map never holds more than the group's servers.
-        let now = Instant::now();
-        self.ejected.lock().retain(|_, until| *until > now);
+        for backend in backends.get_backend().iter() {
+            if let Some(server) = backend.addr.as_inet().and_then(|a| self.server(*a)) {
+                server
+                    .healthy
+                    .store(backends.ready(backend), Ordering::Relaxed);
+            }
+        }
     }
 }
