@@ -13,6 +13,7 @@ SECS=${1:-8}
 TG=${2:-target/perf/tollgate}
 BARE=target/perf/examples/bare_proxy
 bash scripts/install-deps.sh --load
+[ "$TG" = target/perf/tollgate ] && cargo build --profile perf --quiet --bin tollgate --example bare_proxy
 command -v valgrind >/dev/null || { echo "instructions.sh: needs valgrind" >&2; exit 1; }
 WORK=$(mktemp -d)
 cleanup() { [ -f "$WORK/up.pid" ] && kill "$(cat "$WORK/up.pid")" 2>/dev/null; rm -rf "$WORK"; }
