@@ -5,11 +5,9 @@
 //! module only converts.
 
 use crate::config::GrpcConfig;
-use crate::descriptor::RequestFacts;
-use crate::engine::Reason;
 use crate::headers::HeaderList;
 use crate::rls::{self, LimitOverride, RlsDescriptor, RlsRequest};
-use crate::service::{Gateway, HttpHeaders, RlsFailure};
+use crate::service::{Gateway, RlsFailure};
 use envoy_types::pb::envoy::config::core::v3::{
     address, HeaderValue as PbHeaderValue, HeaderValueOption,
 };
@@ -501,37 +499,10 @@ impl Authorization for Authorizer {
         };
         // The peer is the client unless it is a trusted proxy, as on the proxy listener.
         let client_ip = self.gateway.client_ip(peer, &headers, false);
-        let lookup = HttpHeaders(&headers);
-        let answer = match RequestFacts::new(
-            &http.method,
-            target,
-            host,
-            client_ip,
-            &lookup,
-            self.gateway.config.encoded_slashes,
-        ) {
-            Ok(facts) => {
-                let claims = self.gateway.claims(&lookup);
-                self.gateway
-                    .decide(&facts.with_claims(claims.as_deref()))
-                    .await
-            }
-            Err(_) => {
-                let (path, _) = crate::descriptor::split_uri(target);
-                crate::service::Answer {
-                    allowed: false,
-                    no_policy: false,
-                    reason: Some(Reason::EncodedSlash),
-                    rule: None,
-                    response: self.gateway.refuse_early(
-                        Reason::EncodedSlash,
-                        client_ip,
-                        host,
-                        path,
-                    ),
-                }
-            }
-        };
+        let answer = self
+            .gateway
+            .decide_described(&http.method, target, host, client_ip, &headers)
+            .await;
         if answer.no_policy {
             self.gateway.metrics.grpc_call("authz", "unavailable");
             return Err(Status::unavailable("no policy loaded"));

@@ -413,6 +413,43 @@ impl Gateway {
         }
     }
 
+    /// Decides an original request described by another gateway (the decision service, Envoy's
+    /// ext_authz): facts from the method, target and host, JWT claims from the headers, and a
+    /// path with an encoded slash under `--encoded-slashes reject` refused before the engine.
+    pub async fn decide_described(
+        &self,
+        method: &str,
+        target: &str,
+        host: Option<&str>,
+        client_ip: Option<IpAddr>,
+        headers: &http::HeaderMap,
+    ) -> Answer {
+        let lookup = HttpHeaders(headers);
+        match RequestFacts::new(
+            method,
+            target,
+            host,
+            client_ip,
+            &lookup,
+            self.config.encoded_slashes,
+        ) {
+            Ok(facts) => {
+                let claims = self.claims(&lookup);
+                self.decide(&facts.with_claims(claims.as_deref())).await
+            }
+            Err(_) => {
+                let (path, _) = crate::descriptor::split_uri(target);
+                Answer {
+                    allowed: false,
+                    no_policy: false,
+                    reason: Some(Reason::EncodedSlash),
+                    rule: None,
+                    response: self.refuse_early(Reason::EncodedSlash, client_ip, host, path),
+                }
+            }
+        }
+    }
+
     /// Answers an Envoy `ShouldRateLimit` call ([`crate::rls`]): every descriptor's buckets in
     /// one store call (after a peek when a descriptor only checks), one status per
     /// descriptor, the merged decision counted, logged and turned into headers. A store failure

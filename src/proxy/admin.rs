@@ -2,10 +2,8 @@
 //! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
 //! `ext_authz` (method and path are the original ones), `/livez`, `/readyz`, `/metrics`.
 
-use crate::descriptor::RequestFacts;
-use crate::engine::Reason;
 use crate::headers::HeaderList;
-use crate::service::{Answer, Gateway, HttpHeaders};
+use crate::service::{Answer, Gateway};
 use async_trait::async_trait;
 use http::{Response, StatusCode};
 use pingora::apps::http_app::ServeHttp;
@@ -147,36 +145,8 @@ impl Admin {
         // The caller is a gateway by role: the client is described by X-Forwarded-For (or,
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, h, true);
-        let headers = HttpHeaders(h);
-        match RequestFacts::new(
-            method,
-            uri,
-            host,
-            client_ip,
-            &headers,
-            self.gateway.config.encoded_slashes,
-        ) {
-            Ok(facts) => {
-                let claims = self.gateway.claims(&headers);
-                self.gateway
-                    .decide(&facts.with_claims(claims.as_deref()))
-                    .await
-            }
-            Err(_) => {
-                let (path, _) = crate::descriptor::split_uri(uri);
-                Answer {
-                    allowed: false,
-                    no_policy: false,
-                    reason: Some(Reason::EncodedSlash),
-                    rule: None,
-                    response: self.gateway.refuse_early(
-                        Reason::EncodedSlash,
-                        client_ip,
-                        host,
-                        path,
-                    ),
-                }
-            }
-        }
+        self.gateway
+            .decide_described(method, uri, host, client_ip, h)
+            .await
     }
 }
