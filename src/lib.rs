@@ -4,12 +4,15 @@
 //! Layers, bottom up (a module uses only its own layer or lower ones):
 //!
 //! ```text
-//! L4  proxy/                       Pingora glue: reverse proxy, connection guard, admin/decision
-//!                                  listener, server and background tasks (the only Pingora code)
+//! L4  proxy/                       Pingora glue: reverse proxy, upstream groups (balancers,
+//!                                  health checks), connection guard, admin/decision listener,
+//!                                  server and background tasks (the only Pingora code)
 //!     grpc                         tonic glue: Envoy's RateLimitService and ext_authz (the only
 //!                                  gRPC code)
 //! L3  cli, config, simulate,       flags → Config; commands; the running gateway: one
-//!     service                      `Gateway::decide` for the proxy and the decision service
+//!     service, import, routes,     `Gateway::decide` for the proxy, the decision service and
+//!     tls, access_log              ext_authz; envoyproxy/ratelimit import; the gateway file;
+//!                                  edge certificates (rustls only); access-log lines
 //! L2  engine, rls, headers,        pure engine: bundle + facts + time → plan; plan + store
 //!     metrics, auth                answer → Decision (an enum carrying names and quotas);
 //!                                  Decision → HTTP headers; counters; JWT
