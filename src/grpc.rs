@@ -1,7 +1,7 @@
 //! gRPC glue for Envoy (the only module that names tonic and Envoy protobuf types): the
 //! `RateLimitService` v3 (`ShouldRateLimit`) and `Authorization` v3 (`Check`) on one listener,
 //! with `grpc.health.v1`, on their own multi-threaded runtime of `--threads` workers. Requests
-//! are translated into [`RlsRequest`] / [`RequestFacts`] and answered by the [`Gateway`]; this
+//! are translated into [`RlsRequest`] / [`RequestFacts`](crate::descriptor::RequestFacts) and answered by the [`Gateway`]; this
 //! module only converts.
 
 use crate::config::GrpcConfig;
