@@ -18,6 +18,7 @@
 //! }
 //! ```
 
+use crate::policy::json::{self, join};
 use crate::policy::{path_has_prefix, FieldError};
 use serde_json::{Map, Value};
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -228,20 +229,9 @@ struct Compiler<'a> {
     base_dir: Option<&'a Path>,
 }
 
-fn join(path: &str, field: &str) -> String {
-    if path.is_empty() {
-        field.to_string()
-    } else {
-        format!("{path}.{field}")
-    }
-}
-
 impl Compiler<'_> {
     fn error(&mut self, path: &str, message: impl Into<String>) {
-        self.errors.push(FieldError {
-            path: path.to_string(),
-            message: message.into(),
-        });
+        json::error(&mut self.errors, path, message);
     }
 
     fn object<'v>(
@@ -250,33 +240,11 @@ impl Compiler<'_> {
         path: &str,
         allowed: &[&str],
     ) -> Option<&'v Map<String, Value>> {
-        let Some(map) = v.as_object() else {
-            self.error(path, "must be an object");
-            return None;
-        };
-        for key in map.keys() {
-            if !allowed.contains(&key.as_str()) {
-                self.error(
-                    &join(path, key),
-                    format!("unknown field (expected one of: {})", allowed.join(", ")),
-                );
-            }
-        }
-        Some(map)
+        json::object(&mut self.errors, v, path, allowed)
     }
 
     fn string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
-        match v.as_str() {
-            Some(s) if !s.is_empty() => Some(s),
-            Some(_) => {
-                self.error(path, "must not be empty");
-                None
-            }
-            None => {
-                self.error(path, "must be a string");
-                None
-            }
-        }
+        json::non_empty_string(&mut self.errors, v, path)
     }
 
     fn millis(

@@ -107,24 +107,7 @@ struct Compiler {
     policy_ids: AHashSet<String>,
 }
 
-fn join(path: &str, field: &str) -> String {
-    if path.is_empty() {
-        field.to_string()
-    } else {
-        format!("{path}.{field}")
-    }
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
+use super::json::{join, type_name};
 
 /// The fields allowed in an `algorithm_config` (and, minus `overrides`, in an override).
 const CONFIG_FIELDS: &[&str] = &[
@@ -143,14 +126,7 @@ const CONFIG_FIELDS: &[&str] = &[
 
 impl Compiler {
     fn error(&mut self, path: &str, message: impl Into<String>) {
-        self.errors.push(FieldError {
-            path: if path.is_empty() {
-                "(root)".into()
-            } else {
-                path.to_string()
-            },
-            message: message.into(),
-        });
+        super::json::error(&mut self.errors, path, message);
     }
 
     fn warn(&mut self, path: &str, message: impl Into<String>) {
@@ -167,38 +143,15 @@ impl Compiler {
         path: &str,
         allowed: &[&str],
     ) -> Option<&'v Map<String, Value>> {
-        let Some(map) = v.as_object() else {
-            self.error(path, format!("must be an object, found {}", type_name(v)));
-            return None;
-        };
-        for key in map.keys() {
-            if !allowed.contains(&key.as_str()) {
-                self.error(
-                    &join(path, key),
-                    format!("unknown field (expected one of: {})", allowed.join(", ")),
-                );
-            }
-        }
-        Some(map)
+        super::json::object(&mut self.errors, v, path, allowed)
     }
 
     fn string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
-        match v.as_str() {
-            Some(s) => Some(s),
-            None => {
-                self.error(path, format!("must be a string, found {}", type_name(v)));
-                None
-            }
-        }
+        super::json::string(&mut self.errors, v, path)
     }
 
     fn non_empty_string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
-        let s = self.string(v, path)?;
-        if s.trim().is_empty() {
-            self.error(path, "must not be empty");
-            return None;
-        }
-        Some(s)
+        super::json::non_empty_string(&mut self.errors, v, path)
     }
 
     fn array<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v Vec<Value>> {

@@ -5,6 +5,7 @@
 
 mod compile;
 mod error;
+pub(crate) mod json;
 
 pub use compile::{compile_bundle, load_file, parse_bundle};
 pub use error::{FieldError, PolicyError};
