@@ -305,29 +305,14 @@ impl<'b> Pending<'b> {
     /// One enforced bucket for `rule` (Envoy's descriptor override when no rule applies).
     pub fn single(bundle: &'b Bundle, rule: &'b Rule, key: BucketKey, quota: Quota) -> Self {
         let mut checked = Checked::new(bundle);
-        let (cost, cost_exceeds) = match rule.cost {
-            CostSource::Fixed(cost) if cost <= quota.burst() => (cost, false),
-            _ => (quota.burst().saturating_add(1), true),
+        let cost = match rule.cost {
+            CostSource::Fixed(cost) if cost <= quota.burst() => Cost::Fits(cost),
+            _ => Cost::Exceeds,
         };
-        checked.rules.push(RuleOutcome {
-            rule,
-            key,
-            quota,
-            allowed: true,
-            committed: false,
-            fail_open: false,
-            cost_exceeds,
-            tokens: 0,
-            retry_after: 0,
-            reset: 0,
-        });
+        let (op, outcome) = planned_bucket(rule, key, quota, cost);
+        checked.rules.push(outcome);
         let mut ops = SmallVec::new();
-        ops.push(BucketOp {
-            key,
-            quota,
-            cost,
-            group: Group::Enforce,
-        });
+        ops.push(op);
         Pending { ops, checked }
     }
 
@@ -470,33 +455,10 @@ pub fn plan<'b>(
             });
             match found {
                 Some((key, quota)) => {
-                    let (cost, cost_exceeds) = match cost_of(&rule.cost, facts, &quota) {
-                        Cost::Fits(cost) => (cost, false),
-                        // One micro-token more than the bucket can ever hold: the store
-                        // refuses it whatever its state, and spends nothing anywhere.
-                        Cost::Exceeds => (quota.burst().saturating_add(1), true),
-                    };
-                    ops.push(BucketOp {
-                        key,
-                        quota,
-                        cost,
-                        group: match rule.mode {
-                            Mode::Enforce => Group::Enforce,
-                            Mode::Shadow => Group::Shadow,
-                        },
-                    });
-                    outcomes.push(RuleOutcome {
-                        rule,
-                        key,
-                        quota,
-                        allowed: true,
-                        committed: false,
-                        fail_open: false,
-                        cost_exceeds,
-                        tokens: 0,
-                        retry_after: 0,
-                        reset: 0,
-                    });
+                    let cost = cost_of(&rule.cost, facts, &quota);
+                    let (op, outcome) = planned_bucket(rule, key, quota, cost);
+                    ops.push(op);
+                    outcomes.push(outcome);
                 }
                 None if rule.on_missing == OnMissing::Reject => {
                     let slot = match rule.mode {
@@ -552,6 +514,43 @@ pub fn plan<'b>(
         return Plan::Done(Decision::Allow(checked));
     }
     Plan::Store(Pending { ops, checked })
+}
+
+/// A rule's bucket for the store and the outcome the store's answer fills in. A cost that
+/// can never fit is sent as one micro-token more than the bucket can hold: the store refuses
+/// it whatever its state, and spends nothing anywhere.
+fn planned_bucket(
+    rule: &Rule,
+    key: BucketKey,
+    quota: Quota,
+    cost: Cost,
+) -> (BucketOp, RuleOutcome<'_>) {
+    let (cost, cost_exceeds) = match cost {
+        Cost::Fits(cost) => (cost, false),
+        Cost::Exceeds => (quota.burst().saturating_add(1), true),
+    };
+    let op = BucketOp {
+        key,
+        quota,
+        cost,
+        group: match rule.mode {
+            Mode::Enforce => Group::Enforce,
+            Mode::Shadow => Group::Shadow,
+        },
+    };
+    let outcome = RuleOutcome {
+        rule,
+        key,
+        quota,
+        allowed: true,
+        committed: false,
+        fail_open: false,
+        cost_exceeds,
+        tokens: 0,
+        retry_after: 0,
+        reset: 0,
+    };
+    (op, outcome)
 }
 
 /// Completes a planned decision with the store's answer (one result per op, in order). A
