@@ -6,7 +6,7 @@ use crate::auth::{parse_algorithm, JwtConfig, TokenSource};
 use crate::cli::{AccessLogArg, EncodedSlashesArg, GrpcStoreErrors, LogFormat, RunArgs};
 use crate::descriptor::{EncodedSlashes, IpNet};
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Everything `run` needs, validated.
@@ -81,6 +81,14 @@ fn check_tls_addr(errors: &mut Vec<String>, value: &str) {
             "--listen-tls {value:?}: expected IP:PORT such as 0.0.0.0:8443 or [::]:443"
         ));
     }
+}
+
+/// A hash of a watched file's content, for change detection (certificates, the gateway file):
+/// rotated certificates often keep their length, and a copy within the same clock tick keeps
+/// the modification time. `None` when the file cannot be read.
+pub fn file_hash(path: &Path) -> Option<u64> {
+    let bytes = std::fs::read(path).ok()?;
+    Some(twox_hash::XxHash3_64::oneshot(&bytes))
 }
 
 /// Configuration problems, all of them.

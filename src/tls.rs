@@ -4,6 +4,7 @@
 //! and reloaded on SIGHUP or file change without dropping a connection: a bad file is logged
 //! and the certificates in force stay. Names rustls types, never Pingora's.
 
+use crate::config::file_hash;
 use ahash::AHashMap;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -187,15 +188,8 @@ fn dns_names(leaf: &CertificateDer<'_>) -> Result<Vec<String>, String> {
     Ok(names)
 }
 
-/// Change detection for one file: a hash of its content. Rotated certificates often keep
-/// the length, and a copy within the same clock tick keeps the modification time; PEM files
-/// are small enough to read at every poll.
+/// Change detection for one file ([`crate::config::file_hash`]).
 type Signature = Option<u64>;
-
-fn signature(path: &Path) -> Signature {
-    let bytes = std::fs::read(path).ok()?;
-    Some(twox_hash::XxHash3_64::oneshot(&bytes))
-}
 
 /// The certificates in force, and how to reload them.
 #[derive(Debug)]
@@ -224,7 +218,7 @@ impl Certificates {
     fn signatures(pairs: &[CertPair]) -> Vec<Signature> {
         pairs
             .iter()
-            .flat_map(|p| [signature(&p.cert), signature(&p.key)])
+            .flat_map(|p| [file_hash(&p.cert), file_hash(&p.key)])
             .collect()
     }
 

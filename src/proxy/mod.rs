@@ -215,7 +215,9 @@ pub fn run(args: RunArgs) -> u8 {
             gateway: Arc::clone(&gateway),
             certificates,
             upstreams: upstreams.clone(),
-            routes_seen: parking_lot::Mutex::new(config.routes.as_deref().and_then(file_signature)),
+            routes_seen: parking_lot::Mutex::new(
+                config.routes.as_deref().and_then(crate::config::file_hash),
+            ),
         },
     ));
     if let Some(upstreams) = upstreams {
@@ -291,13 +293,6 @@ struct Housekeeping {
     routes_seen: parking_lot::Mutex<Option<u64>>,
 }
 
-/// A hash of the gateway file's content (a rewrite in the same clock tick, with the same
-/// length, is still a change).
-fn file_signature(path: &std::path::Path) -> Option<u64> {
-    let bytes = std::fs::read(path).ok()?;
-    Some(twox_hash::XxHash3_64::oneshot(&bytes))
-}
-
 impl Housekeeping {
     /// Reloads the gateway file: a valid one replaces the groups and routes (requests in flight
     /// keep the group they were routed to); an invalid one is logged and the set in force stays.
@@ -305,18 +300,17 @@ impl Housekeeping {
         let (Some(file), Some(upstreams)) = (&self.gateway.config.routes, &self.upstreams) else {
             return;
         };
-        *self.routes_seen.lock() = file_signature(file);
-        // Unchanged (a SIGHUP for the certificates or the policy): keep the groups, and with
-        // them what the health checks know.
-        if let Ok(table) = crate::routes::load_file(file) {
-            if table == upstreams.load().table {
-                return;
-            }
-        }
-        match crate::routes::load_file(file)
-            .map_err(|e| e.to_string())
-            .and_then(upstreams::Upstreams::build)
+        *self.routes_seen.lock() = crate::config::file_hash(file);
+        // Read and compiled once; unchanged (a SIGHUP for the certificates or the policy), the
+        // groups stay, and with them what the health checks know.
+        let loaded = crate::routes::load_file(file).map_err(|e| e.to_string());
+        if loaded
+            .as_ref()
+            .is_ok_and(|table| *table == upstreams.load().table)
         {
+            return;
+        }
+        match loaded.and_then(upstreams::Upstreams::build) {
             Ok(built) => {
                 let names: Vec<String> = built.groups.iter().map(|g| g.spec.name.clone()).collect();
                 upstreams.store(Arc::new(built));
@@ -333,7 +327,7 @@ impl Housekeeping {
         let Some(file) = &self.gateway.config.routes else {
             return;
         };
-        if *self.routes_seen.lock() != file_signature(file) {
+        if *self.routes_seen.lock() != crate::config::file_hash(file) {
             self.reload_routes("file_change");
         }
     }
