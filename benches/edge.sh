@@ -17,38 +17,16 @@
 # Usage: bash benches/edge.sh [rounds=3] [seconds=5] [connections=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=benches/common.sh
+source benches/common.sh
 ROUNDS=${1:-3}; SECS=${2:-5}; CONNS=${3:-32}
 bash scripts/install-deps.sh --load
 cargo build --profile perf --quiet --bin tollgate
 TG=target/perf/tollgate
 CERT=$PWD/tests/fixtures/tls/api.pem; KEY=$PWD/tests/fixtures/tls/api.key
-WORK=$(mktemp -d)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  for f in "$WORK"/*.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
-  sleep 0.5; rm -rf "$WORK"
-}
-trap cleanup EXIT
-USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
 
 UP=18950; NGX_TLS=18951; NGX_H2=18952; TG_TLS=18953; TG_H2C=18954; TG_PLAIN=18955; TG_TEXT=18956; TG_JSON=18957
 
-nginx_conf() { # name, body
-  cat > "$WORK/$1.conf" <<NGINX
-$USER_LINE
-worker_processes 1;
-pid $WORK/$1.pid;
-error_log $WORK/$1.error.log error;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/$1-cb; proxy_temp_path $WORK/$1-px; fastcgi_temp_path $WORK/$1-fc;
-  uwsgi_temp_path $WORK/$1-uw; scgi_temp_path $WORK/$1-sc;
-  $2
-}
-NGINX
-}
 nginx_conf upstream "server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 \"ok\\n\"; } }"
 taskset -c 0 /usr/sbin/nginx -p "$WORK" -c "$WORK/upstream.conf"
 PROXY='proxy_http_version 1.1; proxy_set_header Connection ""; proxy_pass http://backend;'
@@ -76,8 +54,6 @@ start_tollgate 18964 --listen "127.0.0.1:$TG_JSON" --access-log json; PID_TG_JSO
 sleep 2
 NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 
-cpu_ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo $t; }
-TICK_US=$((1000000 / $(getconf CLK_TCK)))
 declare -A RPS CPU
 TARGETS=${TARGETS:-"nginx-tls tg-tls nginx-h2 tg-h2 tg-h2c tg-plain tg-log-text tg-log-json"}
 for round in $(seq 1 "$ROUNDS"); do
@@ -108,7 +84,6 @@ for round in $(seq 1 "$ROUNDS"); do
     printf 'round %s %-12s %10s req/s %6s µs CPU/req\n' "$round" "$t" "$rps" "$us"
   done
 done
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 declare -A MC
 echo; echo "| target | median req/s | median proxy CPU µs/req | runs (µs/req) |"; echo "|---|---|---|---|"
 for t in $TARGETS; do

@@ -27,42 +27,19 @@
 # Usage: bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=benches/common.sh
+source benches/common.sh
 ROUNDS=${1:-3}; SECS=${2:-5}; CONNS=${3:-32}
 bash scripts/install-deps.sh --load
 cargo build --profile perf --quiet --bin tollgate --example bare_proxy
 TG=target/perf/tollgate
 BARE=target/perf/examples/bare_proxy
-WORK=$(mktemp -d)
 ENVOY=$(bash scripts/install-envoy.sh)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  for f in "$WORK"/*.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null || true; done
-  sleep 0.5; rm -rf "$WORK"
-}
-trap cleanup EXIT
-USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
 
 # Ports.
 UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
 BARE_429=18907
 TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914; ENVOY_RLS=18915; TG_GRPC=18916
-
-nginx_conf() { # name, body
-  cat > "$WORK/$1.conf" <<NGINX
-$USER_LINE
-worker_processes 1;
-pid $WORK/$1.pid;
-error_log $WORK/$1.error.log error;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/$1-cb; proxy_temp_path $WORK/$1-px; fastcgi_temp_path $WORK/$1-fc;
-  uwsgi_temp_path $WORK/$1-uw; scgi_temp_path $WORK/$1-sc;
-  $2
-}
-NGINX
-}
 
 # The upstream: its own nginx, on core 0 with wrk.
 nginx_conf upstream "server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 \"ok\\n\"; } }"
@@ -208,8 +185,6 @@ PID_BARE_429=$!; PIDS+=("$PID_BARE_429")
 sleep 2
 NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 
-cpu_ticks() { local t=0; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo $t; }
-TICK_US=$((1000000 / $(getconf CLK_TCK)))
 
 declare -A RPS CPU SHARE
 TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 bare-429 tg-429 authreq envoy-rls"}
@@ -246,7 +221,6 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 declare -A MR MC
 echo; echo "| target | median req/s | median proxy CPU µs/req | runs (µs/req) |"; echo "|---|---|---|---|"
 for t in $TARGETS; do
