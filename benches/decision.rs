@@ -72,7 +72,7 @@ fn bench(c: &mut Criterion) {
                     black_box(&facts),
                     &store,
                     clock.now_us(),
-                    clock.unix_secs(),
+                    clock.unix_us(),
                     EngineConfig::default(),
                 );
                 black_box(decision.is_allowed())
@@ -124,7 +124,7 @@ fn rls(c: &mut Criterion) {
             let plan = plan(
                 &bundle,
                 black_box(&requests[i & 1023]),
-                clock.unix_secs(),
+                clock.unix_us(),
                 EngineConfig::default(),
             )
             .expect("valid call");

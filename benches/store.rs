@@ -103,6 +103,7 @@ fn bench(c: &mut Criterion) {
                         quota: q,
                         cost: MICRO,
                         group: Group::Enforce,
+                        window: None,
                     }],
                     &mut results,
                 );
@@ -147,6 +148,7 @@ fn bench(c: &mut Criterion) {
                 quota: q,
                 cost: MICRO,
                 group: Group::Enforce,
+                window: None,
             };
             let _ = store.apply(0, &[op], &mut results);
         }

@@ -18,6 +18,7 @@ fn ops(rules: usize, client: u64) -> Vec<BucketOp> {
             quota,
             cost: MICRO,
             group: Group::Enforce,
+            window: None,
         })
         .collect()
 }

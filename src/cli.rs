@@ -175,6 +175,11 @@ pub struct RunArgs {
     /// PEM private key of the --tls-cert at the same position.
     #[arg(long = "tls-key", env = "TOLLGATE_TLS_KEY", value_delimiter = ',')]
     pub tls_key: Vec<PathBuf>,
+    /// Load a bundle whose policies partly fail validation: the failing policies are left out
+    /// (logged, counted in `tollgate_policies_skipped`, listed in `/readyz`), as Fairvisor's
+    /// loader does. Off by default: one bad policy refuses the bundle.
+    #[arg(long, env = "TOLLGATE_SKIP_INVALID_POLICIES")]
+    pub skip_invalid_policies: bool,
     /// Accept HTTP/2 with prior knowledge (h2c) on the cleartext listener. On TLS, HTTP/2 is
     /// always offered by ALPN (h2, then http/1.1).
     #[arg(long, env = "TOLLGATE_H2C")]
@@ -232,6 +237,10 @@ pub struct ValidateArgs {
     /// Bundle files.
     #[arg(required = true)]
     pub files: Vec<PathBuf>,
+    /// Report policies with errors as skipped instead of failing the bundle (as `run
+    /// --skip-invalid-policies` would load it).
+    #[arg(long)]
+    pub skip_invalid_policies: bool,
 }
 
 #[derive(Debug, Args)]
@@ -296,7 +305,10 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
             }
             continue;
         }
-        match load_file(file) {
+        let options = crate::policy::CompileOptions {
+            skip_invalid_policies: args.skip_invalid_policies,
+        };
+        match crate::policy::load_current(file, options, crate::clock::wall_unix_secs()) {
             Ok(bundle) => {
                 let _ = writeln!(
                     out,
@@ -310,6 +322,20 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
                 );
                 for warning in &bundle.warnings {
                     let _ = writeln!(out, "  warning: {warning}");
+                }
+                for skipped in &bundle.skipped {
+                    let _ = writeln!(
+                        out,
+                        "  skipped: {} (id '{}'): {}",
+                        skipped.path,
+                        skipped.id,
+                        skipped
+                            .errors
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    );
                 }
             }
             Err(e) => {

@@ -44,6 +44,8 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// HTTP/2 with prior knowledge on the cleartext listener.
     pub h2c: bool,
+    /// `--skip-invalid-policies`.
+    pub skip_invalid_policies: bool,
     pub access_log: crate::access_log::AccessLogFormat,
 }
 
@@ -263,6 +265,7 @@ impl Config {
             grpc,
             tls,
             h2c: args.h2c,
+            skip_invalid_policies: args.skip_invalid_policies,
             access_log: match args.access_log {
                 AccessLogArg::Off => crate::access_log::AccessLogFormat::Off,
                 AccessLogArg::Text => crate::access_log::AccessLogFormat::Text,

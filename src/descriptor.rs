@@ -31,17 +31,32 @@ pub trait HeaderLookup {
     }
 }
 
-/// Headers as a list of `(name, value)` pairs (any case), for `simulate` and tests.
+/// Whether a listed name is the header `wanted` ([`header_name`] form): any case, and `_` as
+/// `-` (Envoy descriptor keys such as `x_user` and simulated requests are named freely).
+fn is_header(name: &str, wanted: &str) -> bool {
+    name.len() == wanted.len()
+        && name.bytes().zip(wanted.bytes()).all(|(a, b)| {
+            let a = if a == b'_' {
+                b'-'
+            } else {
+                a.to_ascii_lowercase()
+            };
+            a == b
+        })
+}
+
+/// Headers as a list of `(name, value)` pairs (any case), for `simulate`, Envoy descriptors and
+/// tests.
 impl HeaderLookup for [(String, String)] {
     fn header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
         self.iter()
-            .find(|(name, _)| name.eq_ignore_ascii_case(lower_name))
+            .find(|(name, _)| is_header(name, lower_name))
             .map(|(_, value)| value.as_bytes())
     }
 
     fn is_repeated(&self, lower_name: &str) -> bool {
         self.iter()
-            .filter(|(name, _)| name.eq_ignore_ascii_case(lower_name))
+            .filter(|(name, _)| is_header(name, lower_name))
             .nth(1)
             .is_some()
     }
@@ -444,6 +459,18 @@ pub fn percent_decode(input: &str) -> Cow<'_, str> {
     Cow::Owned(String::from_utf8_lossy(&out).into_owned())
 }
 
+/// The request header a `header:<name>` descriptor (or cost source) reads: lower case, and `_`
+/// read as `-`, so `header:x_api_key` reads `X-Api-Key` (Fairvisor treats the two alike, and
+/// nginx drops header names with underscores by default, so no real header is lost).
+pub fn header_name(name: &str) -> String {
+    name.chars()
+        .map(|c| match c {
+            '_' => '-',
+            c => c.to_ascii_lowercase(),
+        })
+        .collect()
+}
+
 /// A descriptor kind, parsed from its policy spelling.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Descriptor {
@@ -509,7 +536,7 @@ impl Descriptor {
             };
         }
         if let Some(name) = named("header:")? {
-            return Ok(Descriptor::Header(name.to_ascii_lowercase()));
+            return Ok(Descriptor::Header(header_name(&name)));
         }
         if let Some(name) = named("query:")? {
             return Ok(Descriptor::Query(name));

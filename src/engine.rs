@@ -7,8 +7,9 @@
 //! and logs need (rule and policy names, quotas, the kill switch that fired), so none of them
 //! calls back into the engine.
 
+use crate::budget::Action;
 use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
-use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota};
+use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, US_PER_SEC};
 use crate::policy::{Bundle, CostSource, KillSwitch, Mode, OnMissing, Rule};
 use crate::store::{BucketKey, BucketOp, Group, MemoryStore, OpResults, StoreError};
 use smallvec::SmallVec;
@@ -39,6 +40,8 @@ impl Default for EngineConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
     TokenBucketExceeded,
+    /// A `cost_based` budget is spent for this window.
+    BudgetExceeded,
     KillSwitch,
     /// A rule with `on_missing: reject` found its descriptor missing.
     MissingDescriptor,
@@ -53,8 +56,9 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 6] = [
+    pub const ALL: [Reason; 7] = [
         Reason::TokenBucketExceeded,
+        Reason::BudgetExceeded,
         Reason::KillSwitch,
         Reason::MissingDescriptor,
         Reason::CostExceedsLimit,
@@ -66,6 +70,7 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::TokenBucketExceeded => "token_bucket_exceeded",
+            Reason::BudgetExceeded => "budget_exceeded",
             Reason::KillSwitch => "kill_switch",
             Reason::MissingDescriptor => "missing_descriptor",
             Reason::CostExceedsLimit => "cost_exceeds_limit",
@@ -77,7 +82,10 @@ impl Reason {
     /// The HTTP status a refusal for this reason gets.
     pub fn status(self) -> u16 {
         match self {
-            Reason::TokenBucketExceeded | Reason::KillSwitch | Reason::CostExceedsLimit => 429,
+            Reason::TokenBucketExceeded
+            | Reason::BudgetExceeded
+            | Reason::KillSwitch
+            | Reason::CostExceedsLimit => 429,
             Reason::MissingDescriptor => 401,
             Reason::DuplicateHeader | Reason::EncodedSlash => 400,
         }
@@ -87,6 +95,9 @@ impl Reason {
     pub fn body(self) -> &'static str {
         match self {
             Reason::TokenBucketExceeded | Reason::KillSwitch => "Too Many Requests",
+            Reason::BudgetExceeded => {
+                "Too Many Requests: the budget for this period is spent; it renews when the period ends"
+            }
             Reason::CostExceedsLimit => {
                 "Too Many Requests: this request's cost exceeds what the rate limit can ever admit"
             }
@@ -133,8 +144,10 @@ pub struct RuleOutcome<'b> {
     pub tokens: u64,
     /// Seconds until the cost is affordable (0 when allowed or never affordable).
     pub retry_after: u64,
-    /// Seconds until the bucket is full.
+    /// Seconds until the bucket is full (for a budget: until its window ends, 0 when unused).
     pub reset: u64,
+    /// The budget window counted (`cost_based` rules).
+    pub window: Option<Window>,
 }
 
 impl RuleOutcome<'_> {
@@ -164,6 +177,9 @@ pub struct Checked<'b> {
     pub shadow_missing: Option<&'b Rule>,
     /// The store failed and the request was allowed without limiting.
     pub store_error: bool,
+    /// The strongest budget stage an enforced budget reached (throttle over warn, the longer
+    /// delay first); shadow budgets never throttle or warn the client.
+    pub stage: Option<Action>,
 }
 
 impl<'b> Checked<'b> {
@@ -173,6 +189,25 @@ impl<'b> Checked<'b> {
             rules: SmallVec::new(),
             shadow_missing: None,
             store_error: false,
+            stage: None,
+        }
+    }
+
+    /// The delay a throttle stage asks for before the request goes on (0: none).
+    pub fn throttle_ms(&self) -> u64 {
+        match self.stage {
+            Some(Action::Throttle { delay_ms }) => delay_ms,
+            _ => 0,
+        }
+    }
+
+    /// The warning a budget stage sends (`budget_warn` / `budget_throttle`), as Fairvisor's
+    /// `X-Fairvisor-Warning`.
+    pub fn warning(&self) -> Option<&'static str> {
+        match self.stage {
+            Some(Action::Warn) => Some("budget_warn"),
+            Some(Action::Throttle { .. }) => Some("budget_throttle"),
+            _ => None,
         }
     }
 }
@@ -195,6 +230,8 @@ pub struct Refusal<'b> {
     pub reason: Reason,
     /// `B`, the seconds the client must wait (before jitter); 0 = nothing to wait for.
     pub retry_after: u64,
+    /// `retry_after` is a budget window's end: jitter may only bring it earlier, never later.
+    pub retry_by_deadline: bool,
     pub cause: Cause<'b>,
     /// The rules checked (empty unless the buckets refused).
     pub checked: Option<Checked<'b>>,
@@ -215,6 +252,7 @@ impl<'b> Decision<'b> {
         Decision::Refuse(Refusal {
             reason,
             retry_after: 0,
+            retry_by_deadline: false,
             cause: Cause::Request,
             checked: None,
         })
@@ -309,7 +347,7 @@ impl<'b> Pending<'b> {
             CostSource::Fixed(cost) if cost <= quota.burst() => Cost::Fits(cost),
             _ => Cost::Exceeds,
         };
-        let (op, outcome) = planned_bucket(rule, key, quota, cost);
+        let (op, outcome) = planned_bucket(rule, key, quota, cost, None);
         checked.rules.push(outcome);
         let mut ops = SmallVec::new();
         ops.push(op);
@@ -365,6 +403,7 @@ pub fn merge<'b>(bundle: &'b Bundle, decisions: &[Decision<'b>]) -> Decision<'b>
                 }
             }
             checked.store_error |= c.store_error;
+            checked.stage = stronger(checked.stage, c.stage);
             if checked.shadow_missing.is_none() {
                 checked.shadow_missing = c.shadow_missing;
             }
@@ -381,22 +420,25 @@ pub fn merge<'b>(bundle: &'b Bundle, decisions: &[Decision<'b>]) -> Decision<'b>
         Some(r) => Decision::Refuse(Refusal {
             reason: r.reason,
             retry_after: r.retry_after,
+            retry_by_deadline: r.retry_by_deadline,
             cause: r.cause,
             checked: Some(checked),
         }),
     }
 }
 
-/// Everything up to the store call: kill switches (at wall-clock `unix_secs`), matching policies
+/// Everything up to the store call: kill switches and budget windows (at wall-clock `unix_us`), matching policies
 /// and rules, bucket keys and costs.
 pub fn plan<'b>(
     bundle: &'b Bundle,
     facts: &RequestFacts<'_>,
-    unix_secs: i64,
+    unix_us: u64,
     config: EngineConfig,
 ) -> Plan<'b> {
     let prefix = config.ipv6_prefix;
-    if !bundle.kill_switches.is_empty() {
+    let unix_secs = (unix_us / US_PER_SEC).min(i64::MAX as u64) as i64;
+    let bundle = bundle.in_force(unix_secs);
+    if !bundle.kill_switches.is_empty() && !bundle.kill_switch_override_active(unix_secs) {
         // A kill switch on a header must see the same value the upstream will (only switches
         // in force on this route: an expired one must not turn repeats into 400s).
         let repeated = bundle.kill_switches.iter().find(|ks| {
@@ -407,6 +449,7 @@ pub fn plan<'b>(
             return Plan::Done(Decision::Refuse(Refusal {
                 reason: Reason::DuplicateHeader,
                 retry_after: 0,
+                retry_by_deadline: false,
                 cause: Cause::KillSwitch(ks),
                 checked: None,
             }));
@@ -422,6 +465,7 @@ pub fn plan<'b>(
             return Plan::Done(Decision::Refuse(Refusal {
                 reason: Reason::KillSwitch,
                 retry_after: wait,
+                retry_by_deadline: false,
                 cause: Cause::KillSwitch(ks),
                 checked: None,
             }));
@@ -456,7 +500,8 @@ pub fn plan<'b>(
             match found {
                 Some((key, quota)) => {
                     let cost = cost_of(&rule.cost, facts, &quota);
-                    let (op, outcome) = planned_bucket(rule, key, quota, cost);
+                    let window = rule.budget.as_ref().map(|b| b.period.window(unix_us));
+                    let (op, outcome) = planned_bucket(rule, key, quota, cost, window);
                     ops.push(op);
                     outcomes.push(outcome);
                 }
@@ -500,6 +545,7 @@ pub fn plan<'b>(
         Plan::Done(Decision::Refuse(Refusal {
             reason,
             retry_after: 0,
+            retry_by_deadline: false,
             cause: Cause::Rule(rule),
             checked: None,
         }))
@@ -524,6 +570,7 @@ fn planned_bucket(
     key: BucketKey,
     quota: Quota,
     cost: Cost,
+    window: Option<Window>,
 ) -> (BucketOp, RuleOutcome<'_>) {
     let (cost, cost_exceeds) = match cost {
         Cost::Fits(cost) => (cost, false),
@@ -537,6 +584,7 @@ fn planned_bucket(
             Mode::Enforce => Group::Enforce,
             Mode::Shadow => Group::Shadow,
         },
+        window,
     };
     let outcome = RuleOutcome {
         rule,
@@ -549,6 +597,7 @@ fn planned_bucket(
         tokens: 0,
         retry_after: 0,
         reset: 0,
+        window,
     };
     (op, outcome)
 }
@@ -579,46 +628,82 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
         // A cost that can never fit has no time to wait for.
         outcome.retry_after = if outcome.cost_exceeds {
             0
+        } else if let Some(w) = outcome.window.filter(|_| !v.allowed) {
+            // Never past the window's end: whole seconds rounded down (at least 1).
+            (w.ends_in_us / US_PER_SEC).max(1)
         } else {
             v.retry_after_secs
         };
-        if r.committed {
-            outcome.tokens = v.remaining;
-            outcome.reset = v.reset_secs();
+        outcome.tokens = if r.committed {
+            v.remaining
         } else {
+            v.available
+        };
+        outcome.reset = match outcome.window {
+            Some(w) if outcome.tokens < outcome.quota.burst() => w.ends_in_us / US_PER_SEC,
+            Some(_) => 0,
+            None if r.committed => v.reset_secs(),
             // Nothing spent: report the bucket as it stands.
-            outcome.tokens = v.available;
-            outcome.reset = crate::limiter::ceil_secs(
+            None => crate::limiter::ceil_secs(
                 outcome
                     .quota
                     .time_to_gain_us(outcome.quota.burst().saturating_sub(v.available)),
-            );
-        }
+            ),
+        };
     }
     if never_admissible {
         return Decision::Refuse(Refusal {
             reason: Reason::CostExceedsLimit,
             retry_after: 0,
+            retry_by_deadline: false,
             cause: Cause::Buckets,
             checked: Some(checked),
         });
     }
     if rejected {
-        let retry_after = checked
+        // The longest wait decides: a budget's (its window's end) or a bucket's.
+        let longest = checked
             .rules
             .iter()
             .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed)
-            .map(|r| r.retry_after)
-            .max()
-            .unwrap_or(1);
+            .max_by_key(|r| (r.retry_after, r.window.is_some()));
+        let (retry_after, budget) =
+            longest.map_or((1, false), |r| (r.retry_after, r.window.is_some()));
         return Decision::Refuse(Refusal {
-            reason: Reason::TokenBucketExceeded,
+            reason: if budget {
+                Reason::BudgetExceeded
+            } else {
+                Reason::TokenBucketExceeded
+            },
             retry_after,
+            retry_by_deadline: budget,
             cause: Cause::Buckets,
             checked: Some(checked),
         });
     }
+    for outcome in &checked.rules {
+        if let (Some(budget), Mode::Enforce, true) =
+            (&outcome.rule.budget, outcome.rule.mode, outcome.committed)
+        {
+            let stage = budget.stage_for(outcome.quota.burst(), outcome.tokens);
+            checked.stage = stronger(checked.stage, stage);
+        }
+    }
     Decision::Allow(checked)
+}
+
+/// The stronger of two budget stages: a throttle over a warning, the longer throttle of two.
+fn stronger(a: Option<Action>, b: Option<Action>) -> Option<Action> {
+    let rank = |s: &Option<Action>| match s {
+        None | Some(Action::Reject) => 0,
+        Some(Action::Warn) => 1,
+        Some(Action::Throttle { delay_ms }) => 2 + *delay_ms,
+    };
+    if rank(&b) > rank(&a) {
+        b
+    } else {
+        a
+    }
 }
 
 /// Decides against an embedded store now: plan, one synchronous store call, finish.
@@ -627,10 +712,10 @@ pub fn decide_local<'b>(
     facts: &RequestFacts<'_>,
     store: &MemoryStore,
     now_us: u64,
-    unix_secs: i64,
+    unix_us: u64,
     config: EngineConfig,
 ) -> Decision<'b> {
-    match plan(bundle, facts, unix_secs, config) {
+    match plan(bundle, facts, unix_us, config) {
         Plan::Done(decision) => decision,
         Plan::Store(pending) => {
             let mut results = OpResults::new();
@@ -768,7 +853,7 @@ mod tests {
                     facts,
                     &self.store,
                     self.clock.now_us(),
-                    self.clock.unix_secs(),
+                    self.clock.unix_us(),
                     EngineConfig::default(),
                 ),
             }
@@ -977,6 +1062,117 @@ mod tests {
             &[("X-Tenant-Id", "tenant-42")]
         )
         .is_allowed());
+    }
+
+    fn budget(
+        name: &str,
+        budget: f64,
+        period: &str,
+        stages: serde_json::Value,
+    ) -> serde_json::Value {
+        json!({"name": name, "limit_keys": ["header:x-api-key"], "on_missing": "shared",
+               "algorithm": "cost_based",
+               "algorithm_config": {"budget": budget, "period": period, "cost_key": "header:x_cost",
+                                    "staged_actions": stages}})
+    }
+
+    #[test]
+    fn budgets_count_per_utc_window_and_roll_back_refusals() {
+        // Wall origin 2027-01-15T08:00:00Z: a 5-minute window starts right there.
+        let (e, clock) = engine(
+            json!({"bundle_version": 1, "policies": [{"id": "p", "spec": {"rules": [
+            budget("five-min", 10.0, "5m", json!([
+                {"threshold_percent": 50, "action": "warn"},
+                {"threshold_percent": 80, "action": "throttle", "delay_ms": 250},
+                {"threshold_percent": 100, "action": "reject"}]))]}}]}),
+        );
+        let key = [("X-Api-Key", "k1")];
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[key[0], ("X-Cost", "4")]);
+        assert!(d.is_allowed());
+        assert_eq!((d.rules()[0].tokens, d.rules()[0].reset), (6 * MICRO, 300));
+        assert_eq!(d.checked().unwrap().stage, None);
+        assert_eq!(bucket(&d, 0, "10.0.0.1", &key), "cb:five-min:k1");
+        clock.set_secs(60.0);
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[key[0], ("X-Cost", "2")]);
+        assert_eq!(d.checked().unwrap().warning(), Some("budget_warn"));
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[key[0], ("X-Cost", "3")]);
+        assert_eq!(d.checked().unwrap().throttle_ms(), 250);
+        assert_eq!(d.rules()[0].tokens, MICRO);
+        // 2 more would pass the budget: refused, nothing spent, back when the window ends.
+        clock.set_secs(100.5);
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[key[0], ("X-Cost", "2")]);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::BudgetExceeded));
+        assert_eq!(d.retry_after(), 199);
+        assert_eq!(d.rules()[0].tokens, MICRO);
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[key[0], ("X-Cost", "1")]);
+        assert!(d.is_allowed());
+        assert_eq!(d.rules()[0].tokens, 0);
+        // Other keys have their own budget.
+        assert!(ask(
+            &e,
+            "GET",
+            "/",
+            "10.0.0.1",
+            &[("X-Api-Key", "k2"), ("X-Cost", "10")]
+        )
+        .is_allowed());
+        // One microsecond before the window ends: still spent. At the boundary: whole again.
+        clock.set_us(300 * US_PER_SEC - 1);
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[key[0]]);
+        assert_eq!(
+            (d.outcome(), d.retry_after()),
+            (Outcome::Reject(Reason::BudgetExceeded), 1)
+        );
+        clock.set_us(300 * US_PER_SEC);
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[key[0]]);
+        assert!(d.is_allowed());
+        assert_eq!(d.rules()[0].tokens, 9 * MICRO);
+    }
+
+    #[test]
+    fn a_budget_refusal_keeps_the_other_rules_whole() {
+        let (e, _) = engine(
+            json!({"bundle_version": 1, "policies": [{"id": "p", "spec": {"rules": [
+            tb("per-ip", json!(["ip:address"]), 1.0, 10.0),
+            budget("hourly", 3.0, "1h", json!([{"threshold_percent": 100, "action": "reject"}]))]}}]}),
+        );
+        let h = [("X-Api-Key", "k"), ("X-Cost", "3")];
+        assert!(ask(&e, "GET", "/", "10.0.0.1", &h).is_allowed());
+        let d = ask(&e, "GET", "/", "10.0.0.1", &h);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::BudgetExceeded));
+        // The bucket was not charged for the refused request: 9 left, not 8.
+        assert_eq!(d.rules()[0].tokens, 9 * MICRO);
+        assert_eq!(d.retry_after(), 3600);
+        let Decision::Refuse(r) = &d else {
+            unreachable!()
+        };
+        assert!(r.retry_by_deadline);
+    }
+
+    #[test]
+    fn global_shadow_and_kill_switch_override_expire_by_themselves() {
+        // Both end 10 s after the clock's wall origin (2027-01-15T08:00:00Z).
+        let (e, clock) = engine(json!({"bundle_version": 1,
+            "global_shadow": {"enabled": true, "reason": "incident 7", "expires_at": "2027-01-15T08:00:10Z"},
+            "kill_switch_override": {"enabled": true, "reason": "incident 7", "expires_at": "2027-01-15T08:00:05Z"},
+            "kill_switches": [{"scope_key": "ip:address", "scope_value": "10.0.0.9"}],
+            "policies": [{"id": "p", "spec": {"rules": [tb("per-ip", json!(["ip:address"]), 1.0, 1.0)]}}]}));
+        assert!(ask(&e, "GET", "/", "10.0.0.1", &[]).is_allowed());
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert!(d.is_allowed());
+        assert_eq!(d.shadow_rejections().count(), 1);
+        assert_eq!(bucket(&d, 0, "10.0.0.1", &[]), "shadow:tb:per-ip:10.0.0.1");
+        assert!(ask(&e, "GET", "/", "10.0.0.9", &[]).is_allowed());
+        clock.set_secs(5.0);
+        assert_eq!(
+            ask(&e, "GET", "/", "10.0.0.9", &[]).outcome(),
+            Outcome::Reject(Reason::KillSwitch)
+        );
+        // At 10 s the policy enforces again, on its own (never spent) bucket.
+        clock.set_secs(10.0);
+        assert!(ask(&e, "GET", "/", "10.0.0.1", &[]).is_allowed());
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::TokenBucketExceeded));
     }
 
     #[test]

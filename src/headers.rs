@@ -49,6 +49,15 @@ pub fn retry_after_with_jitter(b: u64, identity: &JitterIdentity<'_>) -> u64 {
     b + identity.hash() % span
 }
 
+/// `Retry-After` for a wait `b` that ends at a deadline (a budget window's end): uniform over
+/// `[ceil(b / 2), b]`, so a spent budget's clients come back spread out, never after the window
+/// has renewed.
+pub fn retry_after_before_deadline(b: u64, identity: &JitterIdentity<'_>) -> u64 {
+    let low = b.div_ceil(2);
+    let span = b - low + 1;
+    (low + identity.hash() % span).max(1)
+}
+
 /// Headers for a response, in order: names parsed once at start-up, values slices of one
 /// shared buffer (one allocation for all of them).
 pub type HeaderList = SmallVec<[(HeaderName, HeaderValue); 7]>;
@@ -58,6 +67,9 @@ pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub static RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
 pub static RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
 pub static RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+/// Sent when an enforced budget crossed a warn or throttle stage (`budget_warn`,
+/// `budget_throttle`), as Fairvisor's `X-Fairvisor-Warning`.
+pub static WARNING: HeaderName = HeaderName::from_static("x-tollgate-warning");
 
 /// How a header name is written for people (`simulate` output): the IETF spelling of ours.
 pub fn display_name<'a>(name: &'a HeaderName, config: &'a HeaderConfig) -> &'a str {
@@ -243,6 +255,9 @@ pub fn build(
         }
     }
 
+    if let Some(warning) = decision.checked().and_then(|c| c.warning()) {
+        values.text(&WARNING, warning);
+    }
     let Some(refusal) = refusal else {
         return Response {
             status: 200,
@@ -256,10 +271,12 @@ pub fn build(
         values.number(&RATELIMIT_RESET, refusal.retry_after.max(1));
     }
     if refusal.retry_after > 0 {
-        values.number(
-            &http::header::RETRY_AFTER,
-            retry_after_with_jitter(refusal.retry_after, identity),
-        );
+        let wait = if refusal.retry_by_deadline {
+            retry_after_before_deadline(refusal.retry_after, identity)
+        } else {
+            retry_after_with_jitter(refusal.retry_after, identity)
+        };
+        values.number(&http::header::RETRY_AFTER, wait);
     }
     values.text(&config.reason_header, refusal.reason.as_str());
     Response {

@@ -19,8 +19,9 @@
 //! L1  store                        one `Store`: embedded (synchronous) or Redis / PostgreSQL
 //!                                  (awaited), with its own time base, stats and sweep
 //! L0  clock, policy, descriptor,   pure core: no network, no async (the policy loader reads
-//!     limiter, client_addr, redact its file) — time, compiled bundles, request facts and
-//!                                  keys, token-bucket maths, the client address, redaction
+//!     limiter, budget,             its file) — time, compiled bundles, request facts and
+//!     client_addr, redact          keys, token-bucket and window maths, budget windows and
+//!                                  stages, the client address, redaction
 //! ```
 //!
 //! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →
@@ -29,6 +30,7 @@
 
 pub mod access_log;
 pub mod auth;
+pub mod budget;
 pub mod cli;
 pub mod client_addr;
 pub mod clock;

@@ -198,6 +198,54 @@ pub fn check(state: Option<BucketState>, quota: &Quota, now_us: u64, cost: u64) 
     }
 }
 
+/// A fixed budget window (`cost_based` rules): its identity, the Unix second it starts at, and
+/// how long it still runs. A bucket's stored `last_us` holds the id of the window it counts, so a
+/// bucket from an earlier window reads as full whatever the store's time base.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Unix seconds of the window's start (never 0 for a real window).
+    pub id: u64,
+    /// Microseconds until the window ends (at least 1).
+    pub ends_in_us: u64,
+}
+
+/// Checks a request of `cost` against a budget of `budget` micro-tokens in `window`: what the
+/// bucket holds if it counts this window, the whole budget otherwise. Nothing refills inside a
+/// window; a refused request changes nothing.
+pub fn check_window(state: Option<BucketState>, budget: u64, window: Window, cost: u64) -> Verdict {
+    let avail = match state {
+        Some(s) if s.last_us == window.id => s.tokens.min(budget),
+        _ => budget,
+    };
+    let full_in = |left: u64| if left < budget { window.ends_in_us } else { 0 };
+    if avail >= cost {
+        let remaining = avail - cost;
+        Verdict {
+            allowed: true,
+            available: avail,
+            remaining,
+            next: BucketState {
+                tokens: remaining,
+                last_us: window.id,
+            },
+            retry_after_secs: 0,
+            full_in_us: full_in(remaining),
+        }
+    } else {
+        Verdict {
+            allowed: false,
+            available: avail,
+            remaining: avail,
+            next: BucketState {
+                tokens: avail,
+                last_us: window.id,
+            },
+            retry_after_secs: ceil_secs(window.ends_in_us).max(1),
+            full_in_us: full_in(avail),
+        }
+    }
+}
+
 /// Microseconds rounded up to whole seconds.
 pub fn ceil_secs(us: u64) -> u64 {
     us.div_ceil(US_PER_SEC)
@@ -322,6 +370,34 @@ mod tests {
             last_us: 0,
         });
         assert_eq!(available(state, &quota, 0), 5 * MICRO);
+    }
+
+    #[test]
+    fn windows_never_refill_inside_and_reset_at_the_next() {
+        let w1 = Window {
+            id: 1_800_000_000,
+            ends_in_us: 90 * US_PER_SEC,
+        };
+        let budget = 10 * MICRO;
+        let v = check_window(None, budget, w1, 4 * MICRO);
+        assert!(v.allowed);
+        assert_eq!((v.remaining, v.next.last_us), (6 * MICRO, w1.id));
+        assert_eq!(v.full_in_us, 90 * US_PER_SEC);
+        let v = check_window(Some(v.next), budget, w1, 7 * MICRO);
+        assert!(!v.allowed);
+        assert_eq!((v.available, v.retry_after_secs), (6 * MICRO, 90));
+        let v = check_window(Some(v.next), budget, w1, 6 * MICRO);
+        assert_eq!((v.allowed, v.remaining), (true, 0));
+        // The next window starts from the whole budget, whatever was left.
+        let w2 = Window {
+            id: w1.id + 300,
+            ends_in_us: 300 * US_PER_SEC,
+        };
+        let v = check_window(Some(v.next), budget, w2, MICRO);
+        assert_eq!((v.allowed, v.remaining), (true, 9 * MICRO));
+        // A lowered budget caps what the bucket held.
+        let v = check_window(Some(v.next), 5 * MICRO, w2, 0);
+        assert_eq!(v.available, 5 * MICRO);
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub struct Metrics {
     store_errors: IntCounter,
     reloads: IntCounterVec,
     policy_info: IntGaugeVec,
+    runtime_overrides: IntGaugeVec,
+    policies_skipped: IntGauge,
     jwt_valid: IntCounter,
     jwt_invalid: IntCounterVec,
     grpc_calls: IntCounterVec,
@@ -100,6 +102,7 @@ impl Metrics {
             ("reject", Reason::ALL[3].as_str()),
             ("reject", Reason::ALL[4].as_str()),
             ("reject", Reason::ALL[5].as_str()),
+            ("reject", Reason::ALL[6].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(
@@ -157,6 +160,20 @@ impl Metrics {
             ),
             &["version", "hash"],
         ));
+        let runtime_overrides = must(IntGaugeVec::new(
+            Opts::new(
+                "tollgate_runtime_override_active",
+                "Runtime overrides of the bundle in force: 1 while active (global_shadow, kill_switch_override)",
+            ),
+            &["override"],
+        ));
+        for name in ["global_shadow", "kill_switch_override"] {
+            runtime_overrides.with_label_values(&[name]);
+        }
+        let policies_skipped = must(IntGauge::new(
+            "tollgate_policies_skipped",
+            "Policies of the bundle in force left out by --skip-invalid-policies",
+        ));
         let jwt_valid = must(IntCounter::new(
             "tollgate_jwt_valid_total",
             "Requests with a verified JWT",
@@ -195,6 +212,8 @@ impl Metrics {
             Box::new(store_errors.clone()),
             Box::new(reloads.clone()),
             Box::new(policy_info.clone()),
+            Box::new(runtime_overrides.clone()),
+            Box::new(policies_skipped.clone()),
         ] {
             must(registry.register(c));
         }
@@ -226,6 +245,8 @@ impl Metrics {
             store_errors,
             reloads,
             policy_info,
+            runtime_overrides,
+            policies_skipped,
             jwt_valid,
             jwt_invalid,
             grpc_calls,
@@ -246,13 +267,14 @@ impl Metrics {
                     self.decisions
                         .with_label_values(&[policy, name, action, reason, mode])
                 };
+                let exceeded = exceeded_reason(rule);
                 RuleCounters {
                     allow: c("allow", "", "enforce"),
-                    reject: c("reject", "token_bucket_exceeded", "enforce"),
+                    reject: c("reject", exceeded, "enforce"),
                     reject_cost: c("reject", "cost_exceeds_limit", "enforce"),
                     shadow_allow: c("allow", "", "shadow"),
                     refunded: c("refunded", "", "enforce"),
-                    shadow_would_reject: c("would_reject", "token_bucket_exceeded", "shadow"),
+                    shadow_would_reject: c("would_reject", exceeded, "shadow"),
                     shadow_would_reject_total: self
                         .shadow_would_reject
                         .with_label_values(&[policy, name]),
@@ -333,8 +355,8 @@ impl Metrics {
                     (Mode::Enforce, false) if outcome.cost_exceeds => {
                         ("reject", "cost_exceeds_limit")
                     }
-                    (Mode::Enforce, false) => ("reject", "token_bucket_exceeded"),
-                    (Mode::Shadow, false) => ("would_reject", "token_bucket_exceeded"),
+                    (Mode::Enforce, false) => ("reject", exceeded_reason(rule)),
+                    (Mode::Shadow, false) => ("would_reject", exceeded_reason(rule)),
                 };
                 self.decisions
                     .with_label_values(&[
@@ -362,6 +384,24 @@ impl Metrics {
         }
     }
 
+    /// Sets the gauges that follow the bundle in force and the time: runtime overrides active
+    /// at `unix_secs`, policies skipped.
+    pub fn bundle_state(&self, bundle: Option<&Bundle>, unix_secs: i64) {
+        let active = |on: bool| i64::from(on);
+        self.runtime_overrides
+            .with_label_values(&["global_shadow"])
+            .set(active(
+                bundle.is_some_and(|b| b.global_shadow_active(unix_secs)),
+            ));
+        self.runtime_overrides
+            .with_label_values(&["kill_switch_override"])
+            .set(active(
+                bundle.is_some_and(|b| b.kill_switch_override_active(unix_secs)),
+            ));
+        self.policies_skipped
+            .set(bundle.map_or(0, |b| b.skipped.len() as i64));
+    }
+
     /// Prometheus text, with store gauges refreshed from `stats`.
     pub fn render(&self, stats: StoreStats) -> String {
         let _serialised = self.render_lock.lock();
@@ -383,6 +423,15 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// The `reason` label of a rule refusing for want of tokens: its budget or its bucket.
+fn exceeded_reason(rule: &crate::policy::Rule) -> &'static str {
+    if rule.budget.is_some() {
+        Reason::BudgetExceeded.as_str()
+    } else {
+        Reason::TokenBucketExceeded.as_str()
     }
 }
 

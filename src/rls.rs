@@ -268,7 +268,7 @@ impl RlsOutcome<'_> {
 pub fn plan<'b>(
     bundle: &'b Bundle,
     request: &RlsRequest,
-    unix_secs: i64,
+    unix_us: u64,
     config: EngineConfig,
 ) -> Result<RlsPlan<'b>, RlsError> {
     if request.domain.is_empty() {
@@ -319,7 +319,7 @@ pub fn plan<'b>(
         } else {
             descriptor.hits_addend.unwrap_or(request_hits)
         };
-        let mut pending = match (engine::plan(bundle, &facts, unix_secs, config), quota) {
+        let mut pending = match (engine::plan(bundle, &facts, unix_us, config), quota) {
             // A kill switch or a missing required descriptor refuses whatever the override.
             (Plan::Done(decision @ Decision::Refuse(_)), _) => {
                 planned.push(Planned::Done(decision));
@@ -490,7 +490,7 @@ impl<'b> RlsPlan<'b> {
                         .zip(&slots)
                         .map(|(op, &slot)| {
                             let result = results.get(slot).copied().unwrap_or(OpResult {
-                                verdict: crate::limiter::check(None, &op.quota, now_us, 0),
+                                verdict: BucketOp { cost: 0, ..*op }.check(None, now_us),
                                 committed: false,
                                 fail_open: true,
                             });
@@ -530,10 +530,10 @@ pub enum StoreAnswer<'r> {
 fn as_check(result: OpResult, op: &BucketOp, now_us: u64) -> OpResult {
     let state = BucketState {
         tokens: result.verdict.available,
-        last_us: now_us,
+        last_us: op.window.map_or(now_us, |w| w.id),
     };
     OpResult {
-        verdict: crate::limiter::check(Some(state), &op.quota, now_us, op.cost),
+        verdict: op.check(Some(state), now_us),
         committed: false,
         fail_open: result.fail_open,
     }

@@ -13,7 +13,7 @@ use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
 use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
-use crate::policy::{load_file, Bundle, Mode, PolicyError};
+use crate::policy::{Bundle, Mode, PolicyError};
 use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use arc_swap::ArcSwapOption;
@@ -26,7 +26,7 @@ use std::time::{Instant, SystemTime};
 /// What `/readyz` reports about the bundle in force.
 #[derive(Debug, Clone)]
 pub struct LoadedPolicy {
-    pub version: u64,
+    pub version: String,
     pub hash: String,
     /// Unix seconds.
     pub loaded_at: i64,
@@ -159,12 +159,25 @@ impl Gateway {
 
     fn install(&self, bundle: Bundle) {
         let info = LoadedPolicy {
-            version: bundle.version,
+            version: bundle.version.clone(),
             hash: bundle.hash.clone(),
             loaded_at: wall_unix_secs(),
         };
         for warning in &bundle.warnings {
             tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}");
+        }
+        for skipped in &bundle.skipped {
+            for error in &skipped.errors {
+                tracing::error!(policy_file = %self.config.policy.display(), policy = %skipped.path, id = %skipped.id, "policy skipped (--skip-invalid-policies): {error}");
+            }
+        }
+        for (name, o) in [
+            ("global_shadow", &bundle.global_shadow),
+            ("kill_switch_override", &bundle.kill_switch_override),
+        ] {
+            if let Some(o) = o {
+                tracing::warn!(reason = %o.reason, expires_at = o.expires_at, "runtime override {name} enabled in the bundle");
+            }
         }
         // Buckets live in the store, not in the bundle: they survive the swap, and a lowered
         // burst caps their tokens on the next request.
@@ -188,18 +201,21 @@ impl Gateway {
         }
         let path = &self.config.policy;
         let sig = signature(path);
-        match load_file(path) {
+        let options = crate::policy::CompileOptions {
+            skip_invalid_policies: self.config.skip_invalid_policies,
+        };
+        match crate::policy::load_current(path, options, self.clock.unix_secs()) {
             Ok(bundle) => {
-                let (version, hash) = (bundle.version, bundle.hash.clone());
+                let (version, hash) = (bundle.version.clone(), bundle.hash.clone());
                 self.install(bundle);
                 *self.watch.lock() = (sig, None);
                 self.metrics.reload(true);
-                tracing::info!(policy_file = %path.display(), version, hash = %hash, trigger, "policy loaded");
+                tracing::info!(policy_file = %path.display(), version = %version, hash = %hash, trigger, "policy loaded");
                 Ok(())
             }
             Err(e) => {
                 self.metrics.reload(false);
-                let kept = self.loaded.load().as_ref().map(|p| p.version);
+                let kept = self.loaded.load().as_ref().map(|p| p.version.clone());
                 match kept {
                     Some(v) => tracing::error!(
                         trigger,
@@ -256,6 +272,29 @@ impl Gateway {
         let _ = self.load_policy("file_change");
     }
 
+    /// The runtime overrides of the bundle in force, and whether each is active now.
+    fn runtime_overrides(&self) -> serde_json::Value {
+        let now = self.clock.unix_secs();
+        let guard = self.policy.load();
+        let Some(bundle) = guard.as_deref() else {
+            return serde_json::json!({});
+        };
+        let show = |o: &Option<crate::policy::RuntimeOverride>| match o {
+            Some(o) => serde_json::json!({
+                "active": o.active(now),
+                "reason": o.reason,
+                "expires_at": humantime::format_rfc3339_seconds(
+                    std::time::UNIX_EPOCH + std::time::Duration::from_secs(o.expires_at.max(0) as u64)
+                ).to_string(),
+            }),
+            None => serde_json::json!({"active": false}),
+        };
+        serde_json::json!({
+            "global_shadow": show(&bundle.global_shadow),
+            "kill_switch_override": show(&bundle.kill_switch_override),
+        })
+    }
+
     /// `/readyz`: status code and JSON body.
     pub fn readiness(&self) -> (u16, String) {
         match self.loaded.load().as_ref() {
@@ -263,7 +302,15 @@ impl Gateway {
                 200,
                 serde_json::json!({
                     "status": "ready",
-                    "policy_version": p.version,
+                    // Written as a number when it is one (Fairvisor bundles may use any text).
+                    "policy_version": p.version.parse::<u64>().map_or_else(
+                        |_| serde_json::Value::String(p.version.clone()),
+                        serde_json::Value::from,
+                    ),
+                    "skipped_policies": self.policy.load().as_deref().map_or_else(Vec::new, |b| {
+                        b.skipped.iter().map(|s| serde_json::json!({"path": s.path, "id": s.id, "errors": s.errors.iter().map(ToString::to_string).collect::<Vec<_>>()})).collect()
+                    }),
+                    "runtime_overrides": self.runtime_overrides(),
                     "policy_hash": p.hash,
                     "loaded_at": p.loaded_at,
                     "store": self.store.kind(),
@@ -350,9 +397,18 @@ impl Gateway {
     /// on this thread without suspending; a shared store is awaited here, with the bundle held
     /// as an `Arc` (an `arc_swap` guard must not live across a network call).
     pub async fn decide(&self, facts: &RequestFacts<'_>) -> Answer {
+        let answer = self.decide_now(facts).await;
+        // A budget's throttle stage: the request goes on, later (Fairvisor sleeps too).
+        if answer.throttle_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(answer.throttle_ms)).await;
+        }
+        answer
+    }
+
+    async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
         let started = Instant::now();
         let view = RequestView::of(facts);
-        let unix_secs = self.clock.unix_secs();
+        let unix_us = self.clock.unix_us();
         if let Backend::Memory(memory) = self.store.backend() {
             let guard = self.policy.load();
             let decision = match guard.as_deref() {
@@ -362,7 +418,7 @@ impl Gateway {
                     facts,
                     memory,
                     self.store.now_us(),
-                    unix_secs,
+                    unix_us,
                     self.engine_config,
                 ),
             };
@@ -371,7 +427,7 @@ impl Gateway {
         let Some(bundle) = self.policy.load_full() else {
             return self.answer(&Decision::NoPolicy, &view, started);
         };
-        let decision = match engine::plan(&bundle, facts, unix_secs, self.engine_config) {
+        let decision = match engine::plan(&bundle, facts, unix_us, self.engine_config) {
             Plan::Done(decision) => decision,
             Plan::Store(pending) => {
                 let mut results = OpResults::new();
@@ -406,6 +462,7 @@ impl Gateway {
         };
         Answer {
             allowed: decision.is_allowed(),
+            throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
             no_policy: matches!(decision, Decision::NoPolicy),
             reason,
             rule,
@@ -441,6 +498,7 @@ impl Gateway {
                 let (path, _) = crate::descriptor::split_uri(target);
                 Answer {
                     allowed: false,
+                    throttle_ms: 0,
                     no_policy: false,
                     reason: Some(Reason::EncodedSlash),
                     rule: None,
@@ -466,8 +524,8 @@ impl Gateway {
         let Some(bundle) = self.policy.load_full() else {
             return Err(RlsFailure::NoPolicy);
         };
-        let unix_secs = self.clock.unix_secs();
-        let plan = rls::plan(&bundle, request, unix_secs, self.engine_config)
+        let unix_us = self.clock.unix_us();
+        let plan = rls::plan(&bundle, request, unix_us, self.engine_config)
             .map_err(RlsFailure::Invalid)?;
         let now_us = self.store.now_us();
         let mut peek = OpResults::new();
@@ -549,6 +607,8 @@ impl Gateway {
     }
 
     pub fn metrics_text(&self) -> String {
+        self.metrics
+            .bundle_state(self.policy.load().as_deref(), self.clock.unix_secs());
         self.metrics.render(self.store.stats())
     }
 }
@@ -580,6 +640,8 @@ pub enum RlsFailure {
 pub struct Answer {
     /// Forward it (allowed, or no policy loaded: the proxy fails open).
     pub allowed: bool,
+    /// A budget's throttle stage: milliseconds [`Gateway::decide`] waited before answering.
+    pub throttle_ms: u64,
     /// No valid bundle is loaded (the decision service answers 503).
     pub no_policy: bool,
     /// Why it was refused.

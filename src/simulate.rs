@@ -136,7 +136,7 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         &facts,
         &replay.store,
         replay.clock.now_us(),
-        replay.clock.unix_secs(),
+        replay.clock.unix_us(),
         replay.config,
     );
     let identity = JitterIdentity {

@@ -4,8 +4,10 @@
 
 use super::{
     canonical_id, Bundle, CostLimits, CostSource, FieldError, KillSwitch, MatchCondition,
-    MatchValue, Mode, OnMissing, Policy, PolicyError, Rule, Selector,
+    MatchValue, Mode, OnMissing, Policy, PolicyError, Rule, RuntimeOverride, Selector,
+    SkippedPolicy,
 };
+use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
 use crate::descriptor::{Descriptor, IpNet};
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, MICRO, US_PER_SEC};
 use ahash::{AHashMap, AHashSet};
@@ -25,6 +27,34 @@ const MIN_AMOUNT: f64 = 1e-6;
 /// # Errors
 /// The file cannot be read, is not JSON, or fails validation (all errors listed).
 pub fn load_file(path: &Path) -> Result<Bundle, PolicyError> {
+    load_file_with(path, CompileOptions::default())
+}
+
+/// Loads a bundle the gateway can put in force at `unix_secs`: [`load_file_with`], then
+/// [`Bundle::check_current`] (an expired bundle or override is an error naming the file).
+///
+/// # Errors
+/// As [`load_file_with`], or something in the bundle has expired.
+pub fn load_current(
+    path: &Path,
+    options: CompileOptions,
+    unix_secs: i64,
+) -> Result<Bundle, PolicyError> {
+    let bundle = load_file_with(path, options)?;
+    bundle
+        .check_current(unix_secs)
+        .map_err(|errors| PolicyError::Invalid {
+            file: path.to_path_buf(),
+            errors,
+        })?;
+    Ok(bundle)
+}
+
+/// [`load_file`] with options.
+///
+/// # Errors
+/// The file cannot be read, is not JSON, or fails validation (all errors listed).
+pub fn load_file_with(path: &Path, options: CompileOptions) -> Result<Bundle, PolicyError> {
     let bytes = std::fs::read(path).map_err(|source| PolicyError::Io {
         file: path.to_path_buf(),
         source,
@@ -33,7 +63,7 @@ pub fn load_file(path: &Path) -> Result<Bundle, PolicyError> {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "policy".to_string());
-    parse_bundle(&bytes, &stem).map_err(|e| match e {
+    parse_bundle_with(&bytes, &stem, options).map_err(|e| match e {
         PolicyError::Json {
             line,
             column,
@@ -58,15 +88,29 @@ pub fn load_file(path: &Path) -> Result<Bundle, PolicyError> {
 /// # Errors
 /// Not JSON, or invalid (every error with its JSON path).
 pub fn parse_bundle(bytes: &[u8], default_id: &str) -> Result<Bundle, PolicyError> {
+    parse_bundle_with(bytes, default_id, CompileOptions::default())
+}
+
+/// [`parse_bundle`] with options.
+///
+/// # Errors
+/// Not JSON, or invalid (every error with its JSON path).
+pub fn parse_bundle_with(
+    bytes: &[u8],
+    default_id: &str,
+    options: CompileOptions,
+) -> Result<Bundle, PolicyError> {
     let value: Value = serde_json::from_slice(bytes).map_err(|e| PolicyError::Json {
         file: "<input>".into(),
         line: e.line(),
         column: e.column(),
         message: e.to_string(),
     })?;
-    let mut bundle = compile_bundle(&value, default_id).map_err(|errors| PolicyError::Invalid {
-        file: "<input>".into(),
-        errors,
+    let mut bundle = compile_bundle_with(&value, default_id, options).map_err(|errors| {
+        PolicyError::Invalid {
+            file: "<input>".into(),
+            errors,
+        }
     })?;
     bundle.hash = format!("{:016x}", twox_hash::XxHash3_64::oneshot(bytes));
     Ok(bundle)
@@ -77,28 +121,66 @@ pub fn parse_bundle(bytes: &[u8], default_id: &str) -> Result<Bundle, PolicyErro
 /// # Errors
 /// Every validation error, each with its JSON path.
 pub fn compile_bundle(root: &Value, default_id: &str) -> Result<Bundle, Vec<FieldError>> {
-    let mut c = Compiler::default();
+    compile_bundle_with(root, default_id, CompileOptions::default())
+}
+
+/// How strictly a bundle is compiled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompileOptions {
+    /// Leave out a policy with errors (listed in [`Bundle::skipped`]) instead of refusing the
+    /// bundle, as Fairvisor's loader does. Errors outside policies still refuse it.
+    pub skip_invalid_policies: bool,
+}
+
+/// [`compile_bundle`] with options.
+///
+/// # Errors
+/// Every validation error, each with its JSON path.
+pub fn compile_bundle_with(
+    root: &Value,
+    default_id: &str,
+    options: CompileOptions,
+) -> Result<Bundle, Vec<FieldError>> {
+    let mut c = Compiler {
+        skip_invalid: options.skip_invalid_policies,
+        ..Compiler::default()
+    };
     c.bundle(root, default_id);
-    if c.errors.is_empty() {
-        Ok(Bundle {
-            version: c.version,
-            hash: String::new(),
-            policies: c.policies,
-            rules: c.rules,
-            kill_switches: c.kill_switches,
-            warnings: c.warnings,
-            envoy_override: super::Rule::envoy_override(),
-        })
-    } else {
-        Err(c.errors)
+    if !c.errors.is_empty() {
+        return Err(c.errors);
     }
+    let shadow_twin = match &c.global_shadow {
+        Some(_) => {
+            let mut twin = Compiler {
+                skip_invalid: options.skip_invalid_policies,
+                force_shadow: true,
+                ..Compiler::default()
+            };
+            twin.bundle(root, default_id);
+            Some(Box::new(twin.finish()))
+        }
+        None => None,
+    };
+    let mut bundle = c.finish();
+    bundle.shadow_twin = shadow_twin;
+    Ok(bundle)
 }
 
 #[derive(Default)]
 struct Compiler {
     errors: Vec<FieldError>,
     warnings: Vec<FieldError>,
-    version: u64,
+    version: String,
+    expires_at: Option<i64>,
+    /// `--skip-invalid-policies`: a policy with errors is dropped instead of failing the bundle.
+    skip_invalid: bool,
+    skipped: Vec<SkippedPolicy>,
+    /// The id of the policy being compiled (names an unnamed fallback).
+    current_policy_id: String,
+    /// Compile every policy as shadow (the `global_shadow` twin).
+    force_shadow: bool,
+    global_shadow: Option<RuntimeOverride>,
+    kill_switch_override: Option<RuntimeOverride>,
     policies: Vec<Policy>,
     rules: Vec<Rule>,
     kill_switches: Vec<KillSwitch>,
@@ -108,6 +190,28 @@ struct Compiler {
 }
 
 use super::json::{join, type_name};
+
+/// The algorithms a rule may name.
+#[derive(Clone, Copy)]
+enum Algorithm {
+    TokenBucket,
+    CostBased,
+}
+
+/// The fields of a `cost_based` rule's `algorithm_config`.
+const COST_BASED_FIELDS: &[&str] = &[
+    "budget",
+    "period",
+    "cost_key",
+    "fixed_cost",
+    "default_cost",
+    "min_cost",
+    "max_cost",
+    "staged_actions",
+];
+
+/// What an unnamed `fallback_limit` is called.
+const FALLBACK_NAME: &str = "fallback_limit";
 
 /// The fields allowed in an `algorithm_config` (and, minus `overrides`, in an override).
 const CONFIG_FIELDS: &[&str] = &[
@@ -125,6 +229,67 @@ const CONFIG_FIELDS: &[&str] = &[
 ];
 
 impl Compiler {
+    /// The bundle of a compile that found no error.
+    fn finish(self) -> Bundle {
+        Bundle {
+            version: self.version,
+            expires_at: self.expires_at,
+            hash: String::new(),
+            policies: self.policies,
+            rules: self.rules,
+            kill_switches: self.kill_switches,
+            warnings: self.warnings,
+            envoy_override: super::Rule::envoy_override(),
+            global_shadow: self.global_shadow,
+            kill_switch_override: self.kill_switch_override,
+            shadow_twin: None,
+            skipped: self.skipped,
+        }
+    }
+
+    /// A `global_shadow` / `kill_switch_override` block: `enabled` (boolean, required); when
+    /// true, a non-empty `reason` of at most 256 bytes and an `expires_at`.
+    fn runtime_override(&mut self, v: &Value, path: &str) -> Option<RuntimeOverride> {
+        let map = self.object(v, path, &["enabled", "reason", "expires_at"])?;
+        match map.get("enabled") {
+            Some(Value::Bool(true)) => {}
+            Some(Value::Bool(false)) => return None,
+            Some(_) => {
+                self.error(&join(path, "enabled"), "must be true or false");
+                return None;
+            }
+            None => {
+                self.error(&join(path, "enabled"), "is required");
+                return None;
+            }
+        }
+        let reason = match map.get("reason") {
+            Some(v) => self.non_empty_string(v, &join(path, "reason")),
+            None => {
+                self.error(&join(path, "reason"), "is required when enabled");
+                None
+            }
+        };
+        if reason.is_some_and(|r| r.len() > 256) {
+            self.error(&join(path, "reason"), "must be at most 256 bytes");
+            return None;
+        }
+        let expires_at = match map.get("expires_at") {
+            Some(v) => self.time(v, &join(path, "expires_at")),
+            None => {
+                self.error(
+                    &join(path, "expires_at"),
+                    "is required when enabled (an override always ends)",
+                );
+                None
+            }
+        };
+        Some(RuntimeOverride {
+            reason: reason?.to_string(),
+            expires_at: expires_at?,
+        })
+    }
+
     fn error(&mut self, path: &str, message: impl Into<String>) {
         super::json::error(&mut self.errors, path, message);
     }
@@ -217,34 +382,59 @@ impl Compiler {
                     "issued_at",
                     "expires_at",
                     "description",
+                    "defaults",
+                    "global_shadow",
+                    "kill_switch_override",
                 ],
             ) else {
                 return;
             };
             match map.get("bundle_version") {
-                Some(v) => match v.as_u64() {
-                    Some(n) => self.version = n,
-                    None => self.error("bundle_version", "must be a non-negative integer"),
-                },
+                Some(v) => self.bundle_version(v),
                 None => self.error("bundle_version", "is required"),
             }
-            for field in ["issued_at", "expires_at"] {
-                if let Some(v) = map.get(field) {
-                    if let Some(s) = self.string(v, field) {
-                        if humantime::parse_rfc3339_weak(s).is_err() {
-                            self.error(
-                                field,
-                                "must be an RFC 3339 time such as 2030-01-01T00:00:00Z",
-                            );
-                        }
-                    }
+            if let Some(v) = map.get("global_shadow") {
+                self.global_shadow = self.runtime_override(v, "global_shadow");
+            }
+            if let Some(v) = map.get("kill_switch_override") {
+                self.kill_switch_override = self.runtime_override(v, "kill_switch_override");
+            }
+            if let Some(v) = map.get("issued_at") {
+                self.time(v, "issued_at");
+            }
+            if let Some(v) = map.get("expires_at") {
+                self.expires_at = self.time(v, "expires_at");
+            }
+            if let Some(v) = map.get("defaults") {
+                // Fairvisor accepts `defaults` and reads nothing from it; so does tollgate, and
+                // says so rather than pretend it applied.
+                if v.is_object() {
+                    self.warn("defaults", "accepted and not used: write each setting on its rule (Fairvisor ignores it too)");
+                } else {
+                    self.error(
+                        "defaults",
+                        format!("must be an object, found {}", type_name(v)),
+                    );
                 }
             }
             match map.get("policies") {
                 Some(v) => {
                     if let Some(items) = self.array(v, "policies") {
                         for (i, item) in items.iter().enumerate() {
-                            self.policy(item, &format!("policies[{i}]"));
+                            let path = format!("policies[{i}]");
+                            let errors_before = self.errors.len();
+                            let (rules_before, policies_before) =
+                                (self.rules.len(), self.policies.len());
+                            self.policy(item, &path);
+                            if self.skip_invalid && self.errors.len() > errors_before {
+                                self.skip_policy(
+                                    item,
+                                    &path,
+                                    errors_before,
+                                    rules_before,
+                                    policies_before,
+                                );
+                            }
                         }
                     }
                 }
@@ -262,13 +452,12 @@ impl Compiler {
             else {
                 return;
             };
-            self.policy_body(
-                map,
-                "",
-                default_id.to_string(),
-                Selector::default(),
-                Mode::Enforce,
-            );
+            let mode = if self.force_shadow {
+                Mode::Shadow
+            } else {
+                Mode::Enforce
+            };
+            self.policy_body(map, "", default_id.to_string(), Selector::default(), mode);
             if let Some(v) = map.get("kill_switches") {
                 if let Some(items) = self.array(v, "kill_switches") {
                     for (i, item) in items.iter().enumerate() {
@@ -282,6 +471,81 @@ impl Compiler {
                 "expected a bundle with \"bundle_version\" and \"policies\", or a bare {\"rules\": [...]} list",
             );
         }
+    }
+
+    /// `bundle_version` as written: a non-negative integer, a number, or a non-empty string
+    /// (Fairvisor bundles use all three).
+    fn bundle_version(&mut self, v: &Value) {
+        match v {
+            Value::Number(n) if n.as_f64().is_some_and(|f| f.is_finite() && f >= 0.0) => {
+                self.version = n.to_string();
+            }
+            Value::String(s)
+                if !s.trim().is_empty() && s.len() <= 128 && !s.chars().any(char::is_control) =>
+            {
+                self.version = s.clone();
+            }
+            _ => self.error(
+                "bundle_version",
+                "must be a non-negative number or a non-empty string of at most 128 printable characters",
+            ),
+        }
+    }
+
+    /// An RFC 3339 time, as Unix seconds.
+    fn time(&mut self, v: &Value, path: &str) -> Option<i64> {
+        let s = self.string(v, path)?;
+        match humantime::parse_rfc3339_weak(s) {
+            Ok(t) => Some(
+                t.duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs().min(i64::MAX as u64) as i64)
+                    .unwrap_or(0),
+            ),
+            Err(_) => {
+                self.error(
+                    path,
+                    "must be an RFC 3339 UTC time such as 2030-01-01T00:00:00Z",
+                );
+                None
+            }
+        }
+    }
+
+    /// Drops a policy that failed to compile (`--skip-invalid-policies`): its errors move to
+    /// [`SkippedPolicy`], and its rules, names and id are forgotten, so the rest of the bundle
+    /// compiles as if it had never been there.
+    fn skip_policy(
+        &mut self,
+        item: &Value,
+        path: &str,
+        errors_before: usize,
+        rules_before: usize,
+        policies_before: usize,
+    ) {
+        let errors = self.errors.split_off(errors_before);
+        self.rules.truncate(rules_before);
+        self.policies.truncate(policies_before);
+        let own = |p: &String| p == path || p.starts_with(&format!("{path}."));
+        self.rule_names.retain(|_, p| !own(p));
+        let id = item
+            .get("id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        if self.policy_ids.contains(&id) && !self.skipped.iter().any(|s| s.id == id) {
+            // A duplicate id is this policy's error: the first holder keeps it.
+            if !errors
+                .iter()
+                .any(|e| e.message.starts_with("duplicate policy id"))
+            {
+                self.policy_ids.remove(&id);
+            }
+        }
+        self.skipped.push(SkippedPolicy {
+            path: path.to_string(),
+            id,
+            errors,
+        });
     }
 
     fn policy(&mut self, v: &Value, path: &str) {
@@ -319,6 +583,7 @@ impl Compiler {
             None => Selector::default(),
         };
         let mode = match spec.get("mode") {
+            _ if self.force_shadow => Mode::Shadow,
             None => Mode::Enforce,
             Some(v) => match v.as_str() {
                 Some("enforce") => Mode::Enforce,
@@ -346,13 +611,12 @@ impl Compiler {
     ) {
         let policy_index = self.policies.len();
         let start = self.rules.len();
+        self.current_policy_id.clone_from(&id);
         let rules_path = join(path, "rules");
         match spec.get("rules") {
             Some(v) => {
                 if let Some(items) = self.array(v, &rules_path) {
-                    if items.is_empty() && !spec.contains_key("fallback_limit") {
-                        self.error(&rules_path, "must contain at least one rule");
-                    }
+                    // An empty list is a policy that limits nothing (Fairvisor loads it too).
                     for (i, item) in items.iter().enumerate() {
                         self.rule(item, &format!("{rules_path}[{i}]"), policy_index, mode);
                     }
@@ -363,7 +627,7 @@ impl Compiler {
         let end = self.rules.len();
         let fallback = spec.get("fallback_limit").and_then(|v| {
             let before = self.rules.len();
-            self.rule(v, &join(path, "fallback_limit"), policy_index, mode);
+            self.fallback_rule(v, &join(path, "fallback_limit"), policy_index, mode);
             (self.rules.len() > before).then_some(before)
         });
         // Rules carry their policy's id, so headers, logs and metrics need nothing else.
@@ -417,7 +681,10 @@ impl Compiler {
             let p = join(path, "methods");
             if let Some(list) = self.string_list(v, &p) {
                 if list.is_empty() {
-                    self.error(&p, "must not be empty (omit it to match every method)");
+                    self.warn(
+                        &p,
+                        "is empty: this policy matches no request (omit it to match every method)",
+                    );
                 }
                 selector.methods = Some(list.into_iter().map(|m| m.to_ascii_uppercase()).collect());
             }
@@ -455,6 +722,25 @@ impl Compiler {
                 self.error(path, e.to_string());
                 None
             }
+        }
+    }
+
+    /// A policy's `fallback_limit`. Its `name` may be left out, as Fairvisor allows: it is then
+    /// called `fallback_limit`, or `fallback_limit@<policy id>` when another policy's unnamed
+    /// fallback took that name first (rule names are bucket namespaces).
+    fn fallback_rule(&mut self, v: &Value, path: &str, policy: usize, mode: Mode) {
+        match v.as_object() {
+            Some(map) if !map.contains_key("name") => {
+                let mut named = map.clone();
+                let name = if self.rule_names.contains_key(FALLBACK_NAME) {
+                    format!("{FALLBACK_NAME}@{}", self.current_policy_id)
+                } else {
+                    FALLBACK_NAME.to_string()
+                };
+                named.insert("name".into(), Value::String(name));
+                self.rule(&Value::Object(named), path, policy, mode);
+            }
+            _ => self.rule(v, path, policy, mode),
         }
     }
 
@@ -576,22 +862,34 @@ impl Compiler {
                 }
             },
         };
-        match map.get("algorithm") {
-            Some(v) => {
-                if let Some(a) = self.string(v, &join(path, "algorithm")) {
-                    if a != "token_bucket" {
-                        self.error(
-                            &join(path, "algorithm"),
-                            format!("unknown algorithm '{a}' (supported: token_bucket)"),
-                        );
-                    }
+        let algorithm = match map.get("algorithm") {
+            Some(v) => match self.string(v, &join(path, "algorithm")) {
+                Some("token_bucket") => Some(Algorithm::TokenBucket),
+                Some("cost_based") => Some(Algorithm::CostBased),
+                Some(a) => {
+                    self.error(
+                        &join(path, "algorithm"),
+                        format!("unknown algorithm '{a}' (supported: token_bucket, cost_based)"),
+                    );
+                    None
                 }
+                None => None,
+            },
+            None => {
+                self.error(
+                    &join(path, "algorithm"),
+                    "is required (\"token_bucket\" or \"cost_based\")",
+                );
+                None
             }
-            None => self.error(&join(path, "algorithm"), "is required (\"token_bucket\")"),
-        }
+        };
         let config_path = join(path, "algorithm_config");
+        let allowed = match algorithm {
+            Some(Algorithm::CostBased) => COST_BASED_FIELDS,
+            _ => CONFIG_FIELDS,
+        };
         let config = match map.get("algorithm_config") {
-            Some(v) => self.object(v, &config_path, CONFIG_FIELDS),
+            Some(v) => self.object(v, &config_path, allowed),
             None => {
                 self.error(&config_path, "is required");
                 None
@@ -600,8 +898,27 @@ impl Compiler {
         let Some(config) = config else {
             return;
         };
-        let shape = self.bucket_shape(config, &config_path, None);
-        let cost = self.cost_source(config, &config_path);
+        // An unknown algorithm is an error already; its config is still checked as a token
+        // bucket's, so every other problem is reported in the same pass.
+        let (shape, cost, budget) = match algorithm.unwrap_or(Algorithm::TokenBucket) {
+            Algorithm::TokenBucket => (
+                self.bucket_shape(config, &config_path, None),
+                self.cost_source(config, &config_path),
+                None,
+            ),
+            Algorithm::CostBased => {
+                if map.contains_key("overrides") {
+                    self.error(
+                        &join(path, "overrides"),
+                        "is not supported on cost_based rules (write one rule per tier with match)",
+                    );
+                }
+                match self.budget(config, &config_path) {
+                    Some((shape, cost, budget)) => (Some(shape), Some(cost), Some(budget)),
+                    None => (None, None, None),
+                }
+            }
+        };
         let mut overrides = AHashMap::new();
         let mut ip_overrides: Vec<(IpNet, Quota)> = Vec::new();
         // `Some(explicit IPv6 prefix)` when the rule is keyed on the client address alone.
@@ -703,9 +1020,10 @@ impl Compiler {
                 c => vec![c],
             })
             .collect();
+        let kind = if budget.is_some() { "cb" } else { "tb" };
         let key_prefix = match mode {
-            Mode::Enforce => format!("tb:{escaped}:"),
-            Mode::Shadow => format!("shadow:tb:{escaped}:"),
+            Mode::Enforce => format!("{kind}:{escaped}:"),
+            Mode::Shadow => format!("shadow:{kind}:{escaped}:"),
         };
         if on_missing == OnMissing::Skip {
             if let Some(header) = limit_keys.iter().find_map(|d| match d {
@@ -740,7 +1058,9 @@ impl Compiler {
         let policy_item = format!(
             "{sf_name};q={};w={}",
             shape.quota.burst() / MICRO,
-            shape.quota.window_secs()
+            budget
+                .as_ref()
+                .map_or(shape.quota.window_secs(), |b| b.period.nominal_secs())
         );
         self.rules.push(Rule {
             index: self.rules.len(),
@@ -759,7 +1079,172 @@ impl Compiler {
             on_missing,
             key_prefix,
             header_names,
+            budget,
         });
+    }
+
+    /// A `cost_based` rule's budget, cost and stages (Fairvisor's fields: `budget`, `period`,
+    /// `cost_key`, `fixed_cost`, `default_cost`, `staged_actions`; tollgate adds `min_cost`,
+    /// `max_cost` and the calendar month).
+    fn budget(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+    ) -> Option<(Shape, CostSource, Budget)> {
+        let errors_before = self.errors.len();
+        let amount = match config.get("budget") {
+            Some(v) => self.amount(v, &join(path, "budget")),
+            None => {
+                self.error(&join(path, "budget"), "is required");
+                None
+            }
+        };
+        let period = match config.get("period") {
+            Some(v) => {
+                let p = join(path, "period");
+                let text = self.non_empty_string(v, &p);
+                let period = text.and_then(crate::budget::Period::parse);
+                if text.is_some() && period.is_none() {
+                    self.error(&p, "must be one of 5m, 1h, 1d, 7d, 1M (a calendar month)");
+                }
+                period
+            }
+            None => {
+                self.error(&join(path, "period"), "is required");
+                None
+            }
+        };
+        // `cost_key` is Fairvisor's name for tollgate's `cost_source`.
+        let mut cost_config = config.clone();
+        if let Some(key) = cost_config.remove("cost_key") {
+            cost_config.insert("cost_source".into(), key);
+        }
+        let cost = self.cost_source_named(&cost_config, path, "cost_key");
+        let mut stages = Vec::new();
+        let sp = join(path, "staged_actions");
+        match config.get("staged_actions") {
+            Some(v) => {
+                if let Some(items) = self.array(v, &sp) {
+                    for (i, item) in items.iter().enumerate() {
+                        if let Some(stage) = self.stage(item, &format!("{sp}[{i}]")) {
+                            stages.push(stage);
+                        }
+                    }
+                    if items.is_empty() {
+                        self.error(&sp, "must list at least the reject stage at 100");
+                    }
+                }
+            }
+            None => self.error(
+                &sp,
+                "is required (at least {\"threshold_percent\": 100, \"action\": \"reject\"})",
+            ),
+        }
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        stages.sort_by(|a, b| a.threshold_percent.total_cmp(&b.threshold_percent));
+        if stages
+            .windows(2)
+            .any(|w| w[0].threshold_percent == w[1].threshold_percent)
+        {
+            self.error(
+                &sp,
+                "thresholds must be strictly ascending (no two stages at the same percent)",
+            );
+            return None;
+        }
+        if !stages
+            .iter()
+            .any(|s| s.threshold_percent == 100.0 && s.action == Action::Reject)
+        {
+            self.error(
+                &sp,
+                "must include {\"threshold_percent\": 100, \"action\": \"reject\"}",
+            );
+            return None;
+        }
+        let (amount, period, cost) = (amount?, period?, cost?);
+        let budget_micro = tokens_to_micro(amount);
+        let quota = match Quota::new(
+            budget_micro,
+            budget_micro,
+            period.nominal_secs() * US_PER_SEC,
+        ) {
+            Ok(q) => q,
+            Err(e) => {
+                self.error(&join(path, "budget"), e.to_string());
+                return None;
+            }
+        };
+        Some((
+            Shape {
+                quota,
+                burst: amount,
+                rate: amount / period.nominal_secs() as f64,
+            },
+            cost,
+            Budget { period, stages },
+        ))
+    }
+
+    fn stage(&mut self, v: &Value, path: &str) -> Option<Stage> {
+        let map = self.object(v, path, &["threshold_percent", "action", "delay_ms"])?;
+        let threshold = match map.get("threshold_percent").map(Value::as_f64) {
+            Some(Some(t)) if (0.0..=100.0).contains(&t) => Some(t),
+            Some(_) => {
+                self.error(
+                    &join(path, "threshold_percent"),
+                    "must be a number from 0 to 100",
+                );
+                None
+            }
+            None => {
+                self.error(&join(path, "threshold_percent"), "is required");
+                None
+            }
+        };
+        let delay = map.get("delay_ms").map(|v| match v.as_f64() {
+            Some(d) if d > 0.0 && d.is_finite() => {
+                if d > MAX_THROTTLE_MS as f64 {
+                    self.warn(
+                        &join(path, "delay_ms"),
+                        format!("capped at {MAX_THROTTLE_MS} ms"),
+                    );
+                }
+                Some((d.ceil() as u64).min(MAX_THROTTLE_MS))
+            }
+            _ => {
+                self.error(
+                    &join(path, "delay_ms"),
+                    "must be a positive number of milliseconds",
+                );
+                None
+            }
+        });
+        let action = match map.get("action").and_then(Value::as_str) {
+            Some("warn") => Some(Action::Warn),
+            Some("reject") => Some(Action::Reject),
+            Some("throttle") => match delay {
+                Some(Some(delay_ms)) => Some(Action::Throttle { delay_ms }),
+                Some(None) => None,
+                None => {
+                    self.error(&join(path, "delay_ms"), "is required for a throttle stage");
+                    None
+                }
+            },
+            _ => {
+                self.error(
+                    &join(path, "action"),
+                    "must be \"warn\", \"throttle\" or \"reject\"",
+                );
+                None
+            }
+        };
+        Some(Stage {
+            threshold_percent: threshold?,
+            action: action?,
+        })
     }
 
     /// Burst and rate from a config (or an override, whose missing fields come from `base`).
@@ -876,6 +1361,16 @@ impl Compiler {
     }
 
     fn cost_source(&mut self, config: &Map<String, Value>, path: &str) -> Option<CostSource> {
+        self.cost_source_named(config, path, "cost_source")
+    }
+
+    /// The cost source of a config whose `cost_source` field is called `field` in the file.
+    fn cost_source_named(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+        field_name: &str,
+    ) -> Option<CostSource> {
         let amount = |c: &mut Self, field: &str| -> Result<Option<u64>, ()> {
             match config.get(field) {
                 Some(v) => c
@@ -891,12 +1386,15 @@ impl Compiler {
         let max = amount(self, "max_cost").ok()?;
         let source = match config.get("cost_source") {
             None => "fixed",
-            Some(v) => self.string(v, &join(path, "cost_source"))?,
+            Some(v) => self.string(v, &join(path, field_name))?,
         };
         if source == "fixed" {
             for field in ["min_cost", "max_cost", "default_cost"] {
                 if config.contains_key(field) {
-                    self.warn(&join(path, field), "ignored: cost_source is \"fixed\"");
+                    self.warn(
+                        &join(path, field),
+                        format!("ignored: {field_name} is \"fixed\""),
+                    );
                 }
             }
             return Some(CostSource::Fixed(fixed));
@@ -904,7 +1402,7 @@ impl Compiler {
         if config.contains_key("fixed_cost") {
             self.warn(
                 &join(path, "fixed_cost"),
-                "ignored: cost_source is not \"fixed\"",
+                format!("ignored: {field_name} is not \"fixed\""),
             );
         }
         let limits = CostLimits {
@@ -939,7 +1437,7 @@ impl Compiler {
         let named = |prefix: &str| source.strip_prefix(prefix).filter(|n| !n.is_empty());
         if let Some(name) = named("header:") {
             Some(CostSource::Header {
-                name: name.to_ascii_lowercase(),
+                name: crate::descriptor::header_name(name),
                 limits,
             })
         } else if let Some(name) = named("query:") {
@@ -949,7 +1447,7 @@ impl Compiler {
             })
         } else {
             self.error(
-                &join(path, "cost_source"),
+                &join(path, field_name),
                 format!("'{source}' is not \"fixed\", \"header:<name>\" or \"query:<name>\""),
             );
             None
@@ -1003,24 +1501,9 @@ impl Compiler {
                 .to_string(),
             None => String::new(),
         };
-        let expires_at = map.get("expires_at").and_then(|v| {
-            let p = join(path, "expires_at");
-            let s = self.string(v, &p)?;
-            match humantime::parse_rfc3339_weak(s) {
-                Ok(t) => Some(
-                    t.duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_secs() as i64)
-                        .unwrap_or(0),
-                ),
-                Err(_) => {
-                    self.error(
-                        &p,
-                        "must be an RFC 3339 UTC time such as 2030-01-01T00:00:00Z",
-                    );
-                    None
-                }
-            }
-        });
+        let expires_at = map
+            .get("expires_at")
+            .and_then(|v| self.time(v, &join(path, "expires_at")));
         if self.errors.len() > errors_before {
             return;
         }
@@ -1088,7 +1571,7 @@ mod tests {
                                "reason": "incident 123", "expires_at": "2030-01-01T00:00:00Z"}]
         });
         let b = compile_bundle(&v, "x").unwrap();
-        assert_eq!(b.version, 3);
+        assert_eq!(b.version, "3");
         assert_eq!(b.policies.len(), 1);
         let p = &b.policies[0];
         assert_eq!(p.mode, Mode::Shadow);
@@ -1126,6 +1609,179 @@ mod tests {
         let ks = &b.kill_switches[0];
         assert_eq!(ks.route.as_deref(), Some("/v1/inference"));
         assert_eq!(ks.expires_at, Some(1_893_456_000));
+    }
+
+    #[test]
+    fn fairvisor_bundles_load_as_written() {
+        let b = compile_bundle(
+            &json!({
+            "bundle_version": 1.5, "issued_at": "2026-11-01T00:00:00Z",
+            "defaults": {"default_cost": 1},
+            "policies": [
+                {"id": "empty", "spec": {"selector": {"pathPrefix": "/"}, "rules": []}},
+                {"id": "a", "spec": {"selector": {"pathPrefix": "/a/", "methods": []}, "rules": [],
+                 "fallback_limit": {"limit_keys": ["header:x_api_key"], "algorithm": "token_bucket",
+                                    "algorithm_config": {"tokens_per_second": 1, "burst": 2}}}},
+                {"id": "b", "spec": {"selector": {"pathPrefix": "/b/"}, "rules": [],
+                 "fallback_limit": {"limit_keys": [], "algorithm": "token_bucket",
+                                    "algorithm_config": {"tokens_per_second": 1, "burst": 2}}}}
+            ]}),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(b.version, "1.5");
+        assert_eq!(b.policies.len(), 3);
+        let names: Vec<&str> = b.rules.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["fallback_limit", "fallback_limit@b"]);
+        assert_eq!(
+            b.rules[0].limit_keys,
+            [Descriptor::Header("x-api-key".into())]
+        );
+        assert_eq!(b.policies[1].selector.methods, Some(Vec::new()));
+        let warned: Vec<&str> = b.warnings.iter().map(|w| w.path.as_str()).collect();
+        assert!(warned.contains(&"defaults"), "{warned:?}");
+        assert!(
+            warned.contains(&"policies[1].spec.selector.methods"),
+            "{warned:?}"
+        );
+        // A string version is kept as written.
+        let b = compile_bundle(
+            &json!({"bundle_version": "2026-11-22.1", "policies": []}),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(b.version, "2026-11-22.1");
+        assert!(!errors_of(json!({"bundle_version": -1, "policies": []})).is_empty());
+    }
+
+    #[test]
+    fn expired_bundles_and_overrides_are_refused_at_load() {
+        let b = compile_bundle(
+            &json!({"bundle_version": 1, "expires_at": "2027-01-15T08:00:00Z", "policies": [],
+                    "global_shadow": {"enabled": true, "reason": "r", "expires_at": "2027-01-15T09:00:00Z"}}),
+            "x",
+        )
+        .unwrap();
+        assert!(b.check_current(1_799_999_999).is_ok());
+        let errors = b.check_current(1_800_000_000).unwrap_err();
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].path, "expires_at");
+        assert!(
+            errors[0]
+                .message
+                .starts_with("2027-01-15T08:00:00Z has passed"),
+            "{}",
+            errors[0]
+        );
+        assert_eq!(b.check_current(1_800_003_600).unwrap_err().len(), 2);
+    }
+
+    #[test]
+    fn runtime_overrides_follow_fairvisor_rules() {
+        let errors = errors_of(json!({"bundle_version": 1, "policies": [],
+            "global_shadow": {"enabled": true, "reason": ""},
+            "kill_switch_override": {"enabled": "yes"}}));
+        assert_eq!(
+            errors,
+            [
+                "global_shadow.reason: must not be empty",
+                "global_shadow.expires_at: is required when enabled (an override always ends)",
+                "kill_switch_override.enabled: must be true or false",
+            ]
+        );
+        // Disabled: nothing else is read, nothing is built.
+        let b = compile_bundle(
+            &json!({"bundle_version": 1, "policies": [],
+            "global_shadow": {"enabled": false, "reason": 7}}),
+            "x",
+        )
+        .unwrap();
+        assert!(b.global_shadow.is_none() && b.shadow_twin.is_none());
+        let b = compile_bundle(&json!({"bundle_version": 1,
+            "global_shadow": {"enabled": true, "reason": "r", "expires_at": "2030-01-01T00:00:00Z"},
+            "policies": [{"id": "p", "spec": {"rules": [{"name": "r", "limit_keys": [], "algorithm": "token_bucket",
+                                                   "algorithm_config": {"rps": 1, "burst": 1}}]}}]}), "x").unwrap();
+        let twin = b.shadow_twin.as_ref().unwrap();
+        assert_eq!(
+            (b.rules[0].mode, twin.rules[0].mode),
+            (Mode::Enforce, Mode::Shadow)
+        );
+        assert_eq!(twin.rules[0].key_prefix, "shadow:tb:r:");
+        assert_eq!(b.in_force(1_893_455_999).rules[0].mode, Mode::Shadow);
+        assert_eq!(b.in_force(1_893_456_000).rules[0].mode, Mode::Enforce);
+    }
+
+    #[test]
+    fn invalid_policies_can_be_skipped() {
+        let bundle = json!({"bundle_version": 1, "policies": [
+            {"id": "bad", "spec": {"rules": [{"name": "shared-name", "limit_keys": [], "algorithm": "leaky_bucket",
+                                              "algorithm_config": {"rps": 1, "burst": 1}}]}},
+            {"id": "good", "spec": {"rules": [{"name": "shared-name", "limit_keys": [], "algorithm": "token_bucket",
+                                               "algorithm_config": {"rps": 1, "burst": 1}}]}}]});
+        let errors = errors_of(bundle.clone());
+        assert_eq!(
+            errors,
+            [
+                "policies[0].spec.rules[0].algorithm: unknown algorithm 'leaky_bucket' (supported: token_bucket, cost_based)",
+                "policies[1].spec.rules[0].name: duplicate rule name 'shared-name' (first defined at policies[0].spec.rules[0].name); rule names are bucket namespaces and must be unique across the bundle",
+            ]
+        );
+        let options = CompileOptions {
+            skip_invalid_policies: true,
+        };
+        let b = compile_bundle_with(&bundle, "x", options).unwrap();
+        assert_eq!(b.policies.len(), 1);
+        assert_eq!(b.policies[0].id, "good");
+        assert_eq!(
+            (b.rules.len(), b.rules[0].policy, b.rules[0].index),
+            (1, 0, 0)
+        );
+        assert_eq!(b.skipped.len(), 1);
+        assert_eq!(
+            (b.skipped[0].path.as_str(), b.skipped[0].id.as_str()),
+            ("policies[0]", "bad")
+        );
+        // Errors outside policies still refuse the bundle.
+        let broken = json!({"bundle_version": "", "policies": []});
+        assert!(compile_bundle_with(&broken, "x", options).is_err());
+    }
+
+    #[test]
+    fn cost_based_rules_compile_with_fairvisor_fields() {
+        let rule = |config: Value| json!({"rules": [{"name": "b", "limit_keys": ["jwt:org_id"], "algorithm": "cost_based", "algorithm_config": config}]});
+        let b = compile_bundle(
+            &rule(json!({"budget": 5000, "period": "5m", "cost_key": "fixed", "fixed_cost": 2,
+                         "staged_actions": [{"threshold_percent": 100, "action": "reject"},
+                                            {"threshold_percent": 80, "action": "warn"},
+                                            {"threshold_percent": 95, "action": "throttle", "delay_ms": 200}]})),
+            "x",
+        )
+        .unwrap();
+        let r = &b.rules[0];
+        assert_eq!(r.key_prefix, "cb:b:");
+        assert_eq!(r.policy_item, "\"b\";q=5000;w=300");
+        assert_eq!(r.cost, CostSource::Fixed(2 * MICRO));
+        let budget = r.budget.as_ref().unwrap();
+        assert_eq!(budget.period, crate::budget::Period::FiveMinutes);
+        let thresholds: Vec<f64> = budget.stages.iter().map(|s| s.threshold_percent).collect();
+        assert_eq!(thresholds, [80.0, 95.0, 100.0]);
+        assert_eq!(
+            errors_of(rule(json!({"budget": 0, "period": "2h", "cost_key": "cookie:x",
+                                  "staged_actions": [{"threshold_percent": 50, "action": "throttle"},
+                                                     {"threshold_percent": 101, "action": "reject"}]}))),
+            [
+                "rules[0].algorithm_config.budget: must be > 0",
+                "rules[0].algorithm_config.period: must be one of 5m, 1h, 1d, 7d, 1M (a calendar month)",
+                "rules[0].algorithm_config.cost_key: 'cookie:x' is not \"fixed\", \"header:<name>\" or \"query:<name>\"",
+                "rules[0].algorithm_config.staged_actions[0].delay_ms: is required for a throttle stage",
+                "rules[0].algorithm_config.staged_actions[1].threshold_percent: must be a number from 0 to 100",
+            ]
+        );
+        assert_eq!(
+            errors_of(rule(json!({"budget": 10, "period": "1M",
+                                  "staged_actions": [{"threshold_percent": 90, "action": "reject"}]}))),
+            ["rules[0].algorithm_config.staged_actions: must include {\"threshold_percent\": 100, \"action\": \"reject\"}"]
+        );
     }
 
     #[test]

@@ -7,7 +7,10 @@ mod compile;
 mod error;
 pub(crate) mod json;
 
-pub use compile::{compile_bundle, load_file, parse_bundle};
+pub use compile::{
+    compile_bundle, compile_bundle_with, load_current, load_file, load_file_with, parse_bundle,
+    parse_bundle_with, CompileOptions,
+};
 pub use error::{FieldError, PolicyError};
 
 use crate::descriptor::{Descriptor, IpNet, RequestFacts};
@@ -19,8 +22,10 @@ use std::ops::Range;
 /// A compiled policy bundle.
 #[derive(Debug)]
 pub struct Bundle {
-    /// `bundle_version` (0 for the bare `{"rules": [...]}` form).
-    pub version: u64,
+    /// `bundle_version` as written (`"0"` for the bare `{"rules": [...]}` form).
+    pub version: String,
+    /// `expires_at` (Unix seconds): a bundle past it is refused at load.
+    pub expires_at: Option<i64>,
     /// Hex xxHash3-64 of the source bytes: tells two loads of the same file apart from a change.
     pub hash: String,
     pub policies: Vec<Policy>,
@@ -32,19 +37,118 @@ pub struct Bundle {
     /// The rule an Envoy descriptor's own `limit` override is counted under when no rule of
     /// the bundle applies to the descriptor (envoyproxy/ratelimit honours such overrides too).
     pub envoy_override: Rule,
+    /// `global_shadow`, when enabled: every policy runs in shadow until it expires.
+    pub global_shadow: Option<RuntimeOverride>,
+    /// `kill_switch_override`, when enabled: kill switches are skipped until it expires.
+    pub kill_switch_override: Option<RuntimeOverride>,
+    /// The same bundle with every policy in shadow (built when `global_shadow` is enabled):
+    /// while the override is in force, requests are decided on it, so shadow counting, headers
+    /// and metrics are exactly those of shadow policies.
+    pub shadow_twin: Option<Box<Bundle>>,
+    /// Policies left out by `--skip-invalid-policies`, with their errors.
+    pub skipped: Vec<SkippedPolicy>,
+}
+
+/// A runtime override block (`global_shadow`, `kill_switch_override`), as Fairvisor defines it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeOverride {
+    pub reason: String,
+    /// Unix seconds; in force while `now < expires_at`.
+    pub expires_at: i64,
+}
+
+impl RuntimeOverride {
+    pub fn active(&self, unix_secs: i64) -> bool {
+        unix_secs < self.expires_at
+    }
+}
+
+/// A policy `--skip-invalid-policies` left out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedPolicy {
+    /// `policies[i]`.
+    pub path: String,
+    /// Its `id`, if it had a readable one.
+    pub id: String,
+    pub errors: Vec<FieldError>,
 }
 
 impl Bundle {
     /// An empty bundle: allows everything.
     pub fn empty() -> Self {
         Bundle {
-            version: 0,
+            version: "0".to_string(),
+            expires_at: None,
             hash: String::new(),
             policies: Vec::new(),
             rules: Vec::new(),
             kill_switches: Vec::new(),
             warnings: Vec::new(),
             envoy_override: Rule::envoy_override(),
+            global_shadow: None,
+            kill_switch_override: None,
+            shadow_twin: None,
+            skipped: Vec::new(),
+        }
+    }
+
+    /// The bundle requests are decided on at `unix_secs`: this one, or its all-shadow twin
+    /// while `global_shadow` is in force.
+    pub fn in_force(&self, unix_secs: i64) -> &Bundle {
+        match (&self.global_shadow, &self.shadow_twin) {
+            (Some(o), Some(twin)) if o.active(unix_secs) => twin,
+            _ => self,
+        }
+    }
+
+    /// Whether `global_shadow` is in force at `unix_secs`.
+    pub fn global_shadow_active(&self, unix_secs: i64) -> bool {
+        self.global_shadow
+            .as_ref()
+            .is_some_and(|o| o.active(unix_secs))
+    }
+
+    /// Whether kill switches are skipped at `unix_secs`.
+    pub fn kill_switch_override_active(&self, unix_secs: i64) -> bool {
+        self.kill_switch_override
+            .as_ref()
+            .is_some_and(|o| o.active(unix_secs))
+    }
+
+    /// Refuses a bundle whose `expires_at`, or an enabled runtime override's, has passed at
+    /// `unix_secs` (Fairvisor refuses both at load too).
+    ///
+    /// # Errors
+    /// What expired, and when.
+    pub fn check_current(&self, unix_secs: i64) -> Result<(), Vec<FieldError>> {
+        let mut errors = Vec::new();
+        let mut check = |path: &str, at: Option<i64>| {
+            if let Some(at) = at.filter(|at| *at <= unix_secs) {
+                errors.push(FieldError {
+                    path: path.to_string(),
+                    message: format!(
+                        "{} has passed: this bundle is expired (issue a new one, or remove expires_at)",
+                        humantime::format_rfc3339_seconds(
+                            std::time::UNIX_EPOCH
+                                + std::time::Duration::from_secs(at.max(0) as u64)
+                        )
+                    ),
+                });
+            }
+        };
+        check("expires_at", self.expires_at);
+        check(
+            "global_shadow.expires_at",
+            self.global_shadow.as_ref().map(|o| o.expires_at),
+        );
+        check(
+            "kill_switch_override.expires_at",
+            self.kill_switch_override.as_ref().map(|o| o.expires_at),
+        );
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
         }
     }
 
@@ -242,6 +346,8 @@ pub struct Rule {
     /// Lower-case names of the request headers this rule reads (limit keys, `match`, cost):
     /// a request repeating one of them is refused rather than limited on a guess.
     pub header_names: Vec<String>,
+    /// `Some` for a `cost_based` rule: its window and stages (the budget is `quota.burst()`).
+    pub budget: Option<crate::budget::Budget>,
 }
 
 /// Name of [`Bundle::envoy_override`]'s rule; bucket names start `tb:envoy-limit-override:`.
@@ -273,6 +379,7 @@ impl Rule {
             policy_item: format!("{sf_name};q=1;w=1"),
             sf_name,
             header_names: Vec::new(),
+            budget: None,
         }
     }
 

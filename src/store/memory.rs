@@ -33,7 +33,7 @@
 //!   cannot reset anyone's limit.
 
 use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError, StoreStats};
-use crate::limiter::{self, BucketState, US_PER_SEC};
+use crate::limiter::{BucketState, US_PER_SEC};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
@@ -637,7 +637,7 @@ impl MemoryStore {
         let guard = &epoch::pin();
         loop {
             if let Some((slot, meta)) = self.lock_existing(shard, key, guard) {
-                let verdict = limiter::check(Some(slot.state()), &op.quota, now_us, op.cost);
+                let verdict = op.check(Some(slot.state()), now_us);
                 let result = OpResult {
                     verdict,
                     committed: verdict.allowed,
@@ -652,7 +652,7 @@ impl MemoryStore {
                 return result;
             }
             let mut result = OpResult {
-                verdict: limiter::check(None, &op.quota, now_us, op.cost),
+                verdict: op.check(None, now_us),
                 committed: false,
                 fail_open: false,
             };
@@ -748,7 +748,7 @@ impl MemoryStore {
 
         // Verdicts; a key that appears twice sees its first op's state (as before).
         results.extend(ops.iter().zip(located.iter()).map(|(op, slot)| OpResult {
-            verdict: limiter::check(slot.map(Slot::state), &op.quota, now_us, op.cost),
+            verdict: op.check(slot.map(Slot::state), now_us),
             committed: false,
             fail_open: false,
         }));
@@ -873,6 +873,7 @@ mod tests {
             quota: q,
             cost: MICRO,
             group,
+            window: None,
         }
     }
 

@@ -16,7 +16,7 @@ pub use self::redis::{RedisConfig, RedisStore};
 pub use memory::{MemoryStore, MemoryStoreConfig};
 
 use crate::clock::Clock;
-use crate::limiter::{Quota, Verdict};
+use crate::limiter::{check_window, BucketState, Quota, Verdict, Window};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -64,6 +64,19 @@ pub struct BucketOp {
     /// Cost in micro-tokens.
     pub cost: u64,
     pub group: Group,
+    /// `Some` for a `cost_based` budget: the bucket holds `quota.burst()` per window and never
+    /// refills inside one (see [`crate::limiter::check_window`]).
+    pub window: Option<Window>,
+}
+
+impl BucketOp {
+    /// This op's verdict on a bucket state at `now_us` (the store's time base).
+    pub fn check(&self, state: Option<BucketState>, now_us: u64) -> Verdict {
+        match self.window {
+            Some(window) => check_window(state, self.quota.burst(), window, self.cost),
+            None => crate::limiter::check(state, &self.quota, now_us, self.cost),
+        }
+    }
 }
 
 /// The answer for one [`BucketOp`].
@@ -128,11 +141,11 @@ pub(crate) fn outcomes_from(
 ) {
     results.clear();
     for (op, &tokens) in ops.iter().zip(available) {
-        let state = Some(crate::limiter::BucketState {
+        let state = Some(BucketState {
             tokens,
-            last_us: now_us,
+            last_us: op.window.map_or(now_us, |w| w.id),
         });
-        let verdict = crate::limiter::check(state, &op.quota, now_us, op.cost);
+        let verdict = op.check(state, now_us);
         let committed = match op.group {
             Group::Enforce => enforce_ok,
             Group::Shadow => enforce_ok && shadow_ok,

@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS tollgate_buckets (
     full_at_us bigint NOT NULL
 );
 CREATE OR REPLACE FUNCTION tollgate_take(
-    keys text[], bursts bigint[], nums bigint[], dens bigint[], costs bigint[], grps int[], now_us bigint
+    keys text[], bursts bigint[], nums bigint[], dens bigint[], costs bigint[], grps int[], now_us bigint,
+    wins bigint[], wends bigint[]
 ) RETURNS bigint[] LANGUAGE plpgsql AS $$
 DECLARE
     n int := coalesce(array_length(keys, 1), 0);
@@ -38,13 +39,17 @@ BEGIN
     PERFORM 1 FROM tollgate_buckets WHERE key = ANY (keys) ORDER BY key FOR UPDATE;
     FOR i IN 1..n LOOP
         SELECT least(tokens, bursts[i]), last_us INTO t, l FROM tollgate_buckets WHERE key = keys[i];
-        IF greatest(now_us - l, 0) >= ceil((bursts[i] - t)::numeric * dens[i] / nums[i]) THEN
+        IF wins[i] > 0 THEN
+            -- A budget window: `last_us` holds the window id; another window's row is full.
+            a := CASE WHEN l = wins[i] THEN t ELSE bursts[i] END;
+            l := wins[i];
+        ELSIF greatest(now_us - l, 0) >= ceil((bursts[i] - t)::numeric * dens[i] / nums[i]) THEN
             a := bursts[i];
         ELSE
             a := least(bursts[i], t + floor(greatest(now_us - l, 0)::numeric * nums[i] / dens[i])::bigint);
         END IF;
         avail := avail || a;
-        lasts := lasts || greatest(l, now_us);
+        lasts := lasts || CASE WHEN wins[i] > 0 THEN l ELSE greatest(l, now_us) END;
         IF a < costs[i] THEN
             IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
         END IF;
@@ -54,7 +59,8 @@ BEGIN
             spent := avail[i] - costs[i];
             UPDATE tollgate_buckets
                SET tokens = spent, last_us = lasts[i],
-                   full_at_us = now_us + ceil((bursts[i] - spent)::numeric * dens[i] / nums[i])::bigint
+                   full_at_us = now_us + CASE WHEN wins[i] > 0 THEN wends[i]
+                       ELSE ceil((bursts[i] - spent)::numeric * dens[i] / nums[i])::bigint END
              WHERE key = keys[i];
         END IF;
     END LOOP;
@@ -62,7 +68,7 @@ BEGIN
 END $$;
 "#;
 
-const TAKE: &str = "SELECT tollgate_take($1, $2, $3, $4, $5, $6, $7)";
+const TAKE: &str = "SELECT tollgate_take($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
 /// The PostgreSQL store.
 pub struct PostgresStore {
@@ -162,7 +168,14 @@ impl PostgresStore {
         let mut dens = Vec::with_capacity(ops.len());
         let mut costs = Vec::with_capacity(ops.len());
         let mut groups = Vec::with_capacity(ops.len());
+        let mut windows = Vec::with_capacity(ops.len());
+        let mut window_ends = Vec::with_capacity(ops.len());
         for op in ops {
+            windows.push(op.window.map_or(0, |w| w.id.min(i64::MAX as u64) as i64));
+            window_ends.push(
+                op.window
+                    .map_or(0, |w| w.ends_in_us.min(i64::MAX as u64) as i64),
+            );
             let (num, den) = super::reduced_rate(&op.quota);
             bursts.push(op.quota.burst() as i64);
             nums.push(num as i64);
@@ -175,7 +188,20 @@ impl PostgresStore {
             let mut attempt = 0;
             loop {
                 let answer = client
-                    .query_one(TAKE, &[&keys, &bursts, &nums, &dens, &costs, &groups, &now])
+                    .query_one(
+                        TAKE,
+                        &[
+                            &keys,
+                            &bursts,
+                            &nums,
+                            &dens,
+                            &costs,
+                            &groups,
+                            &now,
+                            &windows,
+                            &window_ends,
+                        ],
+                    )
                     .await;
                 match answer {
                     // YugabyteDB: serialization failure under contention; bounded retry.

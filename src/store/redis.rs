@@ -29,7 +29,9 @@ use std::time::Duration;
 
 /// KEYS: bucket keys. ARGV[1] = now (µs); ARGV[2] = deadline in the server's own `TIME` (µs),
 /// 0 = none; then per key: burst (µtokens), rate numerator and denominator (µtokens per µs,
-/// reduced), cost (µtokens), group (0 enforce, 1 shadow).
+/// reduced), cost (µtokens), group (0 enforce, 1 shadow), budget window id (0 for a token
+/// bucket) and the µs until that window ends. A budget bucket's `l` holds its window id: a
+/// bucket of another window reads as full, and nothing refills inside one.
 /// Returns {enforce_ok, shadow_ok, available_1, ..., available_n}, or {-1} when the script ran
 /// after its deadline (the gateway had already failed the request open): then nothing is
 /// applied, so a hung Redis that resumes never charges requests that were let through free.
@@ -47,12 +49,15 @@ local n = #KEYS
 local avail, last = {}, {}
 local ok = {1, 1}
 for i = 1, n do
-  local b = 3 + (i - 1) * 5
+  local b = 3 + (i - 1) * 7
   local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
-  local cost, group = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  local cost, group, win = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
   local s = redis.call('HMGET', KEYS[i], 't', 'l')
   local a, l = burst, now
-  if s[1] then
+  if win > 0 then
+    l = win
+    if s[1] and tonumber(s[2]) == win then a = math.min(tonumber(s[1]), burst) end
+  elseif s[1] then
     local t = math.min(tonumber(s[1]), burst)
     l = tonumber(s[2])
     local elapsed = now - l
@@ -66,13 +71,14 @@ for i = 1, n do
 end
 local commit = {ok[1] == 1, ok[1] == 1 and ok[2] == 1}
 for i = 1, n do
-  local b = 3 + (i - 1) * 5
+  local b = 3 + (i - 1) * 7
   local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
-  local cost, group = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  local cost, group, win = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
   if commit[group + 1] then
     local left = avail[i] - cost
     redis.call('HSET', KEYS[i], 't', left, 'l', last[i])
     local full_us = math.ceil((burst - left) * den / num)
+    if win > 0 then full_us = tonumber(ARGV[b + 6]) end
     redis.call('PEXPIRE', KEYS[i], math.floor(full_us / 1000) + 1)
   end
 end
@@ -338,9 +344,9 @@ impl RedisStore {
             // A lower bound of what the bucket holds now (other gateways may have spent more).
             let state = (i == index).then_some(BucketState {
                 tokens: denied.available,
-                last_us: denied.at_us,
+                last_us: op.window.map_or(denied.at_us, |w| w.id),
             });
-            let verdict = limiter::check(state, &op.quota, now_us, op.cost);
+            let verdict = op.check(state, now_us);
             results.push(OpResult {
                 verdict,
                 committed: false,
@@ -401,7 +407,9 @@ impl RedisStore {
                         .arg(num)
                         .arg(den)
                         .arg(op.cost)
-                        .arg(u8::from(op.group == Group::Shadow));
+                        .arg(u8::from(op.group == Group::Shadow))
+                        .arg(op.window.map_or(0, |w| w.id))
+                        .arg(op.window.map_or(0, |w| w.ends_in_us));
                 }
                 let reply: redis::RedisResult<Vec<i64>> = match &mut conn {
                     Conn::Single(c) => invocation.invoke_async(c).await,

@@ -554,6 +554,7 @@ pub fn bucket_op(
         quota,
         cost: tollgate::limiter::MICRO,
         group,
+        window: None,
     }
 }
 
