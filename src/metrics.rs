@@ -31,6 +31,22 @@ struct BundleCounters {
     /// Identity of the bundle these were built for (its `Arc` address).
     bundle: usize,
     rules: Vec<RuleCounters>,
+    /// The same for the bundle's `global_shadow` twin (its address inside the bundle).
+    twin: Option<(usize, Vec<RuleCounters>)>,
+}
+
+impl BundleCounters {
+    /// The counters of the bundle a decision was made with, if it is the one installed.
+    fn of(&self, bundle: &Bundle) -> Option<&[RuleCounters]> {
+        let address = bundle as *const Bundle as usize;
+        if address == self.bundle {
+            return Some(&self.rules);
+        }
+        self.twin
+            .as_ref()
+            .filter(|(twin, _)| *twin == address)
+            .map(|(_, rules)| rules.as_slice())
+    }
 }
 
 /// All gateway metrics.
@@ -257,7 +273,22 @@ impl Metrics {
 
     /// Resolves per-rule counters for a newly installed bundle and updates the info gauge.
     pub fn on_install(&self, bundle: &Arc<Bundle>) {
-        let rules = bundle
+        self.per_rule.store(Some(Arc::new(BundleCounters {
+            bundle: Arc::as_ptr(bundle) as usize,
+            rules: self.rule_counters(bundle),
+            twin: bundle
+                .shadow_twin
+                .as_deref()
+                .map(|twin| (twin as *const Bundle as usize, self.rule_counters(twin))),
+        })));
+        self.policy_info.reset();
+        self.policy_info
+            .with_label_values(&[&bundle.version.to_string(), &bundle.hash])
+            .set(1);
+    }
+
+    fn rule_counters(&self, bundle: &Bundle) -> Vec<RuleCounters> {
+        bundle
             .rules
             .iter()
             .map(|rule| {
@@ -280,15 +311,7 @@ impl Metrics {
                         .with_label_values(&[policy, name]),
                 }
             })
-            .collect();
-        self.per_rule.store(Some(Arc::new(BundleCounters {
-            bundle: Arc::as_ptr(bundle) as usize,
-            rules,
-        })));
-        self.policy_info.reset();
-        self.policy_info
-            .with_label_values(&[&bundle.version.to_string(), &bundle.hash])
-            .set(1);
+            .collect()
     }
 
     /// Counts a token check (nothing for requests without a token).
@@ -342,13 +365,11 @@ impl Metrics {
                 .inc();
         }
         let table = self.per_rule.load();
-        let table = table
-            .as_ref()
-            .filter(|t| t.bundle == checked.bundle as *const Bundle as usize);
+        let table = table.as_ref().and_then(|t| t.of(checked.bundle));
         let allowed = decision.is_allowed();
         for outcome in &checked.rules {
             let rule = outcome.rule;
-            let Some(counters) = table.and_then(|t| t.rules.get(rule.index)) else {
+            let Some(counters) = table.and_then(|t| t.get(rule.index)) else {
                 // A reload raced this request: count it under labels.
                 let (action, reason) = match (rule.mode, outcome.allowed) {
                     (_, true) => ("allow", ""),
@@ -367,6 +388,11 @@ impl Metrics {
                         rule.mode.as_str(),
                     ])
                     .inc();
+                if action == "would_reject" {
+                    self.shadow_would_reject
+                        .with_label_values(&[&rule.policy_id, &rule.name])
+                        .inc();
+                }
                 continue;
             };
             match (rule.mode, outcome.allowed) {

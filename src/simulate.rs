@@ -234,4 +234,67 @@ mod tests {
         assert_eq!(lines[4]["rules"][0]["tokens"], json!(0.5));
         assert_eq!(lines[4]["headers"]["RateLimit-Remaining"], json!("0"));
     }
+
+    #[test]
+    fn monthly_budgets_renew_at_the_calendar_month() {
+        let bundle = compile_bundle(
+            &json!({"rules": [{"name": "monthly", "limit_keys": ["header:x-api-key"], "algorithm": "cost_based",
+                               "algorithm_config": {"budget": 2, "period": "1M",
+                                                    "staged_actions": [{"threshold_percent": 50, "action": "warn"},
+                                                                       {"threshold_percent": 100, "action": "reject"}]}}]}),
+            "m",
+        )
+        .unwrap();
+        // 2026-01-31T23:59:00Z: a minute before February.
+        let start = 1_769_903_940;
+        let line = |t: f64| format!("{{\"t\":{t},\"headers\":{{\"X-Api-Key\":\"k\"}}}}\n");
+        let input: String = [0.0, 1.0, 2.0, 59.5, 60.0].map(line).concat();
+        let mut out = Vec::new();
+        replay(
+            bundle,
+            EngineConfig::default(),
+            start,
+            input.as_bytes(),
+            &mut out,
+        )
+        .unwrap();
+        let lines: Vec<Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let statuses: Vec<&Value> = lines.iter().map(|l| &l["status"]).collect();
+        assert_eq!(
+            statuses,
+            [
+                &json!(200),
+                &json!(200),
+                &json!(429),
+                &json!(429),
+                &json!(200)
+            ]
+        );
+        assert_eq!(
+            lines[0]["headers"]["RateLimit-Policy"],
+            json!("\"monthly\";q=2;w=2592000")
+        );
+        assert_eq!(
+            lines[0]["headers"]["X-Tollgate-Warning"],
+            json!("budget_warn")
+        );
+        assert_eq!(
+            lines[2]["headers"]["X-Tollgate-Reason"],
+            json!("budget_exceeded")
+        );
+        // 58 s to February: Retry-After between 29 and 58, never past the renewal.
+        let retry: u64 = lines[2]["headers"]["Retry-After"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((29..=58).contains(&retry), "{retry}");
+        // Half a second before the end: 1 s at least, never 0.
+        assert_eq!(lines[3]["headers"]["Retry-After"], json!("1"));
+        assert_eq!(lines[4]["rules"][0]["tokens"], json!(1.0));
+    }
 }

@@ -179,6 +179,14 @@ async fn a_refusal_spends_nothing_on_redis() {
     assert_all_or_nothing(&store, "redis").await;
 }
 
+/// Budget windows on Redis: the embedded store's numbers, refusals spend nothing.
+#[tokio::test]
+async fn budget_windows_are_exact_on_redis() {
+    let redis = RedisServer::start();
+    let store = shared_store(&redis.url()).await;
+    support::assert_budget_windows(&store, "redis").await;
+}
+
 /// Two gateway processes on one Redis enforce one limit together under concurrent load.
 #[test]
 fn two_gateways_share_one_limit() {

@@ -719,3 +719,66 @@ pub async fn assert_grpc_fleet_exact(store_url: &str) {
         );
     }
 }
+
+/// A `cost_based` budget on `store`: spends inside a window never refill, a refused request (with
+/// a roomy token bucket beside it) spends nothing anywhere, and the next window starts whole.
+/// The same exact numbers on every store.
+pub async fn assert_budget_windows(store: &tollgate::store::Store, prefix: &str) {
+    use tollgate::limiter::{Quota, Window, MICRO, US_PER_SEC};
+    use tollgate::store::{Group, OpResults};
+    let budget = Quota::new(10 * MICRO, 10 * MICRO, 300 * US_PER_SEC).expect("quota");
+    let first = Window {
+        id: 1_800_000_000,
+        ends_in_us: 250 * US_PER_SEC,
+    };
+    let with = |cost: u64, window: Window| tollgate::store::BucketOp {
+        cost: cost * MICRO,
+        window: Some(window),
+        ..bucket_op(&format!("cb:budget:{prefix}"), budget, Group::Enforce)
+    };
+    // One token per 1 000 000 s: 60 µtokens come back in a minute.
+    let bucket = bucket_op(
+        &format!("tb:beside:{prefix}"),
+        Quota::new(100 * MICRO, MICRO, 1_000_000 * US_PER_SEC).expect("quota"),
+        Group::Enforce,
+    );
+    let mut now = 1_800_000_050 * US_PER_SEC;
+    let mut r = OpResults::new();
+    let mut call = |ops: Vec<tollgate::store::BucketOp>, now: u64| {
+        let store = &store;
+        async move {
+            let mut r = OpResults::new();
+            store.apply(now, &ops, &mut r).await.expect("store answers");
+            r
+        }
+    };
+    r.clone_from(&call(vec![with(4, first), bucket], now).await);
+    assert!(r[0].verdict.allowed && r[0].committed, "{prefix}: {r:?}");
+    assert_eq!(r[0].verdict.remaining, 6 * MICRO, "{prefix}");
+    // A minute later nothing has come back, and 7 does not fit: nothing spent anywhere.
+    now += 60 * US_PER_SEC;
+    r.clone_from(&call(vec![with(7, first), bucket], now).await);
+    assert!(!r[0].verdict.allowed && !r[1].committed, "{prefix}: {r:?}");
+    assert_eq!(r[0].verdict.available, 6 * MICRO, "{prefix}");
+    assert_eq!(r[1].verdict.available, 99 * MICRO + 60, "{prefix}");
+    r.clone_from(&call(vec![with(6, first)], now).await);
+    assert_eq!(
+        (r[0].verdict.allowed, r[0].verdict.remaining),
+        (true, 0),
+        "{prefix}"
+    );
+    r.clone_from(&call(vec![with(1, first)], now).await);
+    assert!(!r[0].verdict.allowed, "{prefix}");
+    // The next window: the whole budget again.
+    let second = Window {
+        id: first.id + 300,
+        ends_in_us: 300 * US_PER_SEC,
+    };
+    now = 1_800_000_300 * US_PER_SEC;
+    r.clone_from(&call(vec![with(1, second)], now).await);
+    assert_eq!(
+        (r[0].verdict.allowed, r[0].verdict.remaining),
+        (true, 9 * MICRO),
+        "{prefix}"
+    );
+}

@@ -1,0 +1,214 @@
+//! Limit kinds beyond the token bucket, through the real binary: `cost_based` budgets (proxy and
+//! decision service), runtime overrides, and Fairvisor bundles (skipped policies, expiry).
+
+mod support;
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use support::{Gateway, Upstream};
+
+/// A weekly budget of 5 with a warning at 40 % and a 300 ms throttle from 60 %.
+const WEEKLY_BUDGET: &str = r#"{"bundle_version": "2026-11-22.1", "issued_at": "2026-11-22T00:00:00Z",
+  "defaults": {"default_cost": 1},
+  "policies": [{"id": "agents", "spec": {"selector": {"pathPrefix": "/v1/"}, "rules": [
+    {"name": "weekly", "limit_keys": ["header:x_api_key"], "algorithm": "cost_based",
+     "algorithm_config": {"budget": 5, "period": "7d", "cost_key": "fixed",
+       "staged_actions": [{"threshold_percent": 40, "action": "warn"},
+                          {"threshold_percent": 60, "action": "throttle", "delay_ms": 300},
+                          {"threshold_percent": 100, "action": "reject"}]}}]}}]}"#;
+
+/// Seconds from now to the end of the current week (Sunday 00:00 UTC).
+fn secs_to_week_end() -> u64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let origin = 3 * 86_400;
+    let week = 7 * 86_400;
+    week - (now - origin) % week
+}
+
+#[test]
+fn a_budget_warns_throttles_then_refuses_until_its_window_ends() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(Some(WEEKLY_BUDGET), Some(upstream.addr), &[]);
+    let key = [("X-Api-Key", "agent-1")];
+    let r = gw.get("/v1/run", &key);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        r.header("RateLimit-Policy"),
+        Some("\"weekly\";q=5;w=604800")
+    );
+    assert_eq!(r.header("RateLimit-Remaining"), Some("4"));
+    assert_eq!(r.header("X-Tollgate-Warning"), None);
+    let r = gw.get("/v1/run", &key);
+    assert_eq!(r.header("X-Tollgate-Warning"), Some("budget_warn"));
+    for remaining in ["2", "1", "0"] {
+        let started = Instant::now();
+        let r = gw.get("/v1/run", &key);
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.header("X-Tollgate-Warning"), Some("budget_throttle"));
+        assert_eq!(r.header("RateLimit-Remaining"), Some(remaining));
+        assert!(
+            started.elapsed() >= Duration::from_millis(300),
+            "a throttled request waits its delay before going upstream"
+        );
+    }
+    let before = secs_to_week_end();
+    let r = gw.get("/v1/run", &key);
+    let after = secs_to_week_end();
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("X-Tollgate-Reason"), Some("budget_exceeded"));
+    let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
+    // Jittered toward earlier only: never past the week's end.
+    assert!(
+        retry <= before && retry >= after.div_ceil(2) - 1,
+        "{retry} not within [{}, {before}]",
+        after / 2
+    );
+    assert_eq!(
+        upstream.hits(),
+        5,
+        "the refused request never reached upstream"
+    );
+    // Another key has its own budget.
+    assert_eq!(gw.get("/v1/run", &[("X-Api-Key", "agent-2")]).status, 200);
+    assert_eq!(
+        gw.metric(
+            "tollgate_decisions_total{action=\"reject\",mode=\"enforce\",policy=\"agents\",reason=\"budget_exceeded\",rule=\"weekly\"}"
+        ),
+        1.0
+    );
+}
+
+#[test]
+fn the_decision_service_answers_budgets_the_same_way() {
+    let gw = Gateway::start(Some(WEEKLY_BUDGET), None, &[]);
+    let ask = || {
+        gw.admin(
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/run"),
+                ("X-Api-Key", "svc"),
+            ],
+        )
+    };
+    let statuses: Vec<u16> = (0..6).map(|_| ask().status).collect();
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
+    let r = ask();
+    assert_eq!(r.header("X-Tollgate-Reason"), Some("budget_exceeded"));
+    assert_eq!(r.header("RateLimit-Remaining"), Some("0"));
+}
+
+#[test]
+fn global_shadow_is_shown_and_switches_off_by_itself() {
+    let soon = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3;
+    let expires = humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(soon));
+    let policy = format!(
+        r#"{{"bundle_version": 9,
+        "global_shadow": {{"enabled": true, "reason": "incident 42", "expires_at": "{expires}"}},
+        "policies": [{{"id": "p", "spec": {{"rules": [
+          {{"name": "tiny", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+            "algorithm_config": {{"rps": 0.001, "burst": 1}}}}]}}}}]}}"#
+    );
+    let upstream = Upstream::start();
+    let gw = Gateway::start(Some(&policy), Some(upstream.addr), &[]);
+    let ready = gw.admin("GET", "/readyz", &[]);
+    let body: serde_json::Value = serde_json::from_str(&ready.body).unwrap();
+    assert_eq!(body["policy_version"], 9);
+    assert_eq!(
+        body["runtime_overrides"]["global_shadow"],
+        serde_json::json!({"active": true, "reason": "incident 42", "expires_at": expires.to_string()})
+    );
+    assert_eq!(
+        gw.metric("tollgate_runtime_override_active{override=\"global_shadow\"}"),
+        1.0
+    );
+    // In shadow: nothing is refused, the would-be refusals are counted.
+    for _ in 0..3 {
+        assert_eq!(gw.get("/", &[]).status, 200);
+    }
+    assert_eq!(
+        gw.metric("tollgate_shadow_would_reject_total{policy=\"p\",rule=\"tiny\"}"),
+        2.0
+    );
+    // At expires_at the policy enforces again, with no reload.
+    gw.wait_until(Duration::from_secs(10), || {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            >= soon
+    });
+    assert_eq!(gw.get("/", &[]).status, 200);
+    assert_eq!(gw.get("/", &[]).status, 429);
+    assert_eq!(
+        gw.metric("tollgate_runtime_override_active{override=\"global_shadow\"}"),
+        0.0
+    );
+}
+
+const ONE_BAD_POLICY: &str = r#"{"bundle_version": 1, "policies": [
+  {"id": "broken", "spec": {"rules": [{"name": "x", "limit_keys": ["ip:address"], "algorithm": "sliding_log",
+                                       "algorithm_config": {"rps": 1, "burst": 1}}]}},
+  {"id": "per-ip", "spec": {"rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                                       "algorithm_config": {"rps": 0.001, "burst": 1}}]}}]}"#;
+
+#[test]
+fn skip_invalid_policies_loads_the_rest_and_says_so() {
+    // By default one bad policy refuses the bundle: no policy, decisions answer 503.
+    let strict = Gateway::start(Some(ONE_BAD_POLICY), None, &[]);
+    assert_eq!(strict.admin("GET", "/readyz", &[]).status, 503);
+    assert!(strict
+        .log_text()
+        .contains("policies[0].spec.rules[0].algorithm: unknown algorithm 'sliding_log'"));
+    let upstream = Upstream::start();
+    let gw = Gateway::start(
+        Some(ONE_BAD_POLICY),
+        Some(upstream.addr),
+        &["--skip-invalid-policies"],
+    );
+    let ready = gw.admin("GET", "/readyz", &[]);
+    assert_eq!(ready.status, 200);
+    let body: serde_json::Value = serde_json::from_str(&ready.body).unwrap();
+    assert_eq!(body["skipped_policies"][0]["id"], "broken");
+    assert_eq!(body["skipped_policies"][0]["path"], "policies[0]");
+    assert_eq!(gw.metric("tollgate_policies_skipped"), 1.0);
+    assert!(gw
+        .log_text()
+        .contains("policy skipped (--skip-invalid-policies)"));
+    assert_eq!(gw.get("/", &[]).status, 200);
+    assert_eq!(gw.get("/", &[]).status, 429);
+}
+
+#[test]
+fn an_expired_bundle_is_refused_with_a_clear_error() {
+    let expired = r#"{"bundle_version": 1, "expires_at": "2020-01-01T00:00:00Z", "policies": []}"#;
+    let gw = Gateway::start(Some(expired), None, &[]);
+    assert_eq!(gw.admin("GET", "/readyz", &[]).status, 503);
+    assert!(
+        gw.log_text()
+            .contains("expires_at: 2020-01-01T00:00:00Z has passed: this bundle is expired"),
+        "{}",
+        gw.log_text()
+    );
+    // A later good bundle loads over it.
+    gw.write_policy(r#"{"bundle_version": 2, "policies": []}"#);
+    gw.wait_until(Duration::from_secs(10), || {
+        gw.admin("GET", "/readyz", &[]).status == 200
+    });
+}
+
+#[tokio::test]
+async fn budget_windows_are_exact_on_the_embedded_store() {
+    let store = tollgate::store::Store::memory(
+        tollgate::store::MemoryStoreConfig::default(),
+        std::sync::Arc::new(tollgate::clock::SystemClock::new()),
+    );
+    support::assert_budget_windows(&store, "memory").await;
+}
