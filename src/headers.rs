@@ -80,6 +80,7 @@ pub fn display_name<'a>(name: &'a HeaderName, config: &'a HeaderConfig) -> &'a s
         "ratelimit-remaining" => "RateLimit-Remaining",
         "ratelimit-reset" => "RateLimit-Reset",
         "retry-after" => "Retry-After",
+        "x-tollgate-warning" => "X-Tollgate-Warning",
         _ if *name == config.reason_header => config.reason_header_display,
         other => other,
     }

@@ -452,6 +452,7 @@ impl Compiler {
             else {
                 return;
             };
+            self.version = "0".to_string();
             let mode = if self.force_shadow {
                 Mode::Shadow
             } else {

@@ -744,7 +744,7 @@ pub async fn assert_budget_windows(store: &tollgate::store::Store, prefix: &str)
     );
     let mut now = 1_800_000_050 * US_PER_SEC;
     let mut r = OpResults::new();
-    let mut call = |ops: Vec<tollgate::store::BucketOp>, now: u64| {
+    let call = |ops: Vec<tollgate::store::BucketOp>, now: u64| {
         let store = &store;
         async move {
             let mut r = OpResults::new();
