@@ -11,6 +11,7 @@ use crate::budget::Action;
 use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, US_PER_SEC};
 use crate::policy::{Bundle, CostSource, KillSwitch, Mode, OnMissing, Rule};
+use crate::store::lease::{LeaseOp, LeaseResults};
 use crate::store::{BucketKey, BucketOp, Group, MemoryStore, OpResults, StoreError};
 use smallvec::SmallVec;
 
@@ -42,6 +43,8 @@ pub enum Reason {
     TokenBucketExceeded,
     /// A `cost_based` budget is spent for this window.
     BudgetExceeded,
+    /// A `concurrency` rule's slots are all taken.
+    ConcurrencyExceeded,
     KillSwitch,
     /// A rule with `on_missing: reject` found its descriptor missing.
     MissingDescriptor,
@@ -56,9 +59,10 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::TokenBucketExceeded,
         Reason::BudgetExceeded,
+        Reason::ConcurrencyExceeded,
         Reason::KillSwitch,
         Reason::MissingDescriptor,
         Reason::CostExceedsLimit,
@@ -71,6 +75,7 @@ impl Reason {
         match self {
             Reason::TokenBucketExceeded => "token_bucket_exceeded",
             Reason::BudgetExceeded => "budget_exceeded",
+            Reason::ConcurrencyExceeded => "concurrency_exceeded",
             Reason::KillSwitch => "kill_switch",
             Reason::MissingDescriptor => "missing_descriptor",
             Reason::CostExceedsLimit => "cost_exceeds_limit",
@@ -84,6 +89,7 @@ impl Reason {
         match self {
             Reason::TokenBucketExceeded
             | Reason::BudgetExceeded
+            | Reason::ConcurrencyExceeded
             | Reason::KillSwitch
             | Reason::CostExceedsLimit => 429,
             Reason::MissingDescriptor => 401,
@@ -95,6 +101,9 @@ impl Reason {
     pub fn body(self) -> &'static str {
         match self {
             Reason::TokenBucketExceeded | Reason::KillSwitch => "Too Many Requests",
+            Reason::ConcurrencyExceeded => {
+                "Too Many Requests: too many requests of yours are in progress; retry when one has finished"
+            }
             Reason::BudgetExceeded => {
                 "Too Many Requests: the budget for this period is spent; it renews when the period ends"
             }
@@ -180,6 +189,22 @@ pub struct Checked<'b> {
     /// The strongest budget stage an enforced budget reached (throttle over warn, the longer
     /// delay first); shadow budgets never throttle or warn the client.
     pub stage: Option<Action>,
+    /// Applicable `concurrency` rules, enforced and shadow, in policy order.
+    pub slots: SmallVec<[SlotOutcome<'b>; 1]>,
+}
+
+/// What happened to one applicable `concurrency` rule.
+#[derive(Debug, Clone)]
+pub struct SlotOutcome<'b> {
+    pub rule: &'b Rule,
+    /// The lease set's identity in the store (hash of `cc:<rule>:<key>`).
+    pub key: BucketKey,
+    /// A slot was free.
+    pub allowed: bool,
+    /// The request holds a lease on this key (to give back when it is done).
+    pub committed: bool,
+    /// Requests in flight on the key before this one.
+    pub in_flight: u32,
 }
 
 impl<'b> Checked<'b> {
@@ -190,7 +215,17 @@ impl<'b> Checked<'b> {
             shadow_missing: None,
             store_error: false,
             stage: None,
+            slots: SmallVec::new(),
         }
+    }
+
+    /// The lease keys this request holds (committed slots).
+    pub fn held_leases(&self) -> SmallVec<[BucketKey; 2]> {
+        self.slots
+            .iter()
+            .filter(|s| s.committed)
+            .map(|s| s.key)
+            .collect()
     }
 
     /// The delay a throttle stage asks for before the request goes on (0: none).
@@ -336,6 +371,8 @@ pub enum Plan<'b> {
 /// The bucket operations of a request, and the rule outcomes they will fill in.
 pub struct Pending<'b> {
     pub ops: SmallVec<[BucketOp; 4]>,
+    /// Concurrency slots to take first (see [`Pending::admit`]), one per slot outcome.
+    pub leases: SmallVec<[LeaseOp; 1]>,
     checked: Checked<'b>,
 }
 
@@ -351,7 +388,53 @@ impl<'b> Pending<'b> {
         checked.rules.push(outcome);
         let mut ops = SmallVec::new();
         ops.push(op);
-        Pending { ops, checked }
+        Pending {
+            ops,
+            leases: SmallVec::new(),
+            checked,
+        }
+    }
+
+    /// Fills in the concurrency slots from the store's answer, before any bucket is touched: a
+    /// request refused for concurrency spends no tokens. A store failure fails open (no slot is
+    /// held, the slots are not reported).
+    ///
+    /// # Errors
+    /// The refusal, when an enforced slot is taken.
+    // The refusal is returned once per refused request; boxing it would allocate on a path
+    // that is meant to be cheapest under attack.
+    #[allow(clippy::result_large_err)]
+    pub fn admit(
+        mut self,
+        answer: Result<&LeaseResults, StoreError>,
+    ) -> Result<Self, Decision<'b>> {
+        let results = match answer {
+            Ok(results) => results,
+            Err(_) => {
+                self.checked.slots.clear();
+                self.checked.store_error = true;
+                return Ok(self);
+            }
+        };
+        let mut refused = false;
+        for (slot, r) in self.checked.slots.iter_mut().zip(results.iter()) {
+            slot.allowed = r.allowed;
+            slot.committed = r.committed;
+            slot.in_flight = r.in_flight;
+            refused |= slot.rule.mode == Mode::Enforce && !r.allowed;
+        }
+        if !refused {
+            return Ok(self);
+        }
+        // Nothing is spent: the bucket outcomes are dropped rather than shown unchecked.
+        self.checked.rules.clear();
+        Err(Decision::Refuse(Refusal {
+            reason: Reason::ConcurrencyExceeded,
+            retry_after: 1,
+            retry_by_deadline: false,
+            cause: Cause::Buckets,
+            checked: Some(self.checked),
+        }))
     }
 
     /// Envoy's `hits_addend`: every bucket of the request costs `hits` times its rule's cost.
@@ -475,6 +558,8 @@ pub fn plan<'b>(
     // Applicable rules become outcomes right away; the store fills in the verdicts.
     let mut checked = Checked::new(bundle);
     let mut ops: SmallVec<[BucketOp; 4]> = SmallVec::new();
+    let mut leases: SmallVec<[LeaseOp; 1]> = SmallVec::new();
+    let mut slots: SmallVec<[SlotOutcome<'b>; 1]> = SmallVec::new();
     // Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
     let mut missing_enforce: Option<&'b Rule> = None;
     let mut missing_shadow: Option<&'b Rule> = None;
@@ -498,6 +583,26 @@ pub fn plan<'b>(
                 })
             });
             match found {
+                Some((key, _)) if rule.concurrency.is_some() => {
+                    if let Some(c) = rule.concurrency {
+                        leases.push(LeaseOp {
+                            key,
+                            max: c.max_in_flight,
+                            group: match rule.mode {
+                                Mode::Enforce => Group::Enforce,
+                                Mode::Shadow => Group::Shadow,
+                            },
+                            ttl_us: c.lease_ttl_us,
+                        });
+                        slots.push(SlotOutcome {
+                            rule,
+                            key,
+                            allowed: true,
+                            committed: false,
+                            in_flight: 0,
+                        });
+                    }
+                }
                 Some((key, quota)) => {
                     let cost = cost_of(&rule.cost, facts, &quota);
                     let window = rule.budget.as_ref().map(|b| b.period.window(unix_us));
@@ -556,10 +661,15 @@ pub fn plan<'b>(
     if let Some(rule) = missing_enforce {
         return refuse_for(Reason::MissingDescriptor, rule);
     }
-    if ops.is_empty() {
+    checked.slots = slots;
+    if ops.is_empty() && leases.is_empty() {
         return Plan::Done(Decision::Allow(checked));
     }
-    Plan::Store(Pending { ops, checked })
+    Plan::Store(Pending {
+        ops,
+        leases,
+        checked,
+    })
 }
 
 /// A rule's bucket for the store and the outcome the store's answer fills in. A cost that

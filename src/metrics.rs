@@ -119,6 +119,7 @@ impl Metrics {
             ("reject", Reason::ALL[4].as_str()),
             ("reject", Reason::ALL[5].as_str()),
             ("reject", Reason::ALL[6].as_str()),
+            ("reject", Reason::ALL[7].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(
@@ -365,6 +366,25 @@ impl Metrics {
                 .inc();
         }
         let table = self.per_rule.load();
+        for slot in &checked.slots {
+            // Concurrency rules are counted by label (they are few, and not per token).
+            let (action, reason) = match (slot.rule.mode, slot.allowed) {
+                (Mode::Enforce, true) if decision.is_allowed() => ("allow", ""),
+                (Mode::Enforce, true) => ("refunded", ""),
+                (Mode::Enforce, false) => ("reject", Reason::ConcurrencyExceeded.as_str()),
+                (Mode::Shadow, true) => ("allow", ""),
+                (Mode::Shadow, false) => ("would_reject", Reason::ConcurrencyExceeded.as_str()),
+            };
+            let (policy, name) = (&slot.rule.policy_id, &slot.rule.name);
+            self.decisions
+                .with_label_values(&[policy, name, action, reason, slot.rule.mode.as_str()])
+                .inc();
+            if action == "would_reject" {
+                self.shadow_would_reject
+                    .with_label_values(&[policy, name])
+                    .inc();
+            }
+        }
         let table = table.as_ref().and_then(|t| t.of(checked.bundle));
         let allowed = decision.is_allowed();
         for outcome in &checked.rules {

@@ -15,6 +15,7 @@ use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{Bundle, Mode, PolicyError};
 use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
+use crate::store::lease::{next_lease_id, Lease, LeaseResults};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -411,32 +412,101 @@ impl Gateway {
         let unix_us = self.clock.unix_us();
         if let Backend::Memory(memory) = self.store.backend() {
             let guard = self.policy.load();
+            let mut lease = None;
             let decision = match guard.as_deref() {
                 None => Decision::NoPolicy,
-                Some(bundle) => engine::decide_local(
-                    bundle,
-                    facts,
-                    memory,
-                    self.store.now_us(),
-                    unix_us,
-                    self.engine_config,
-                ),
+                Some(bundle) => match engine::plan(bundle, facts, unix_us, self.engine_config) {
+                    Plan::Done(decision) => decision,
+                    Plan::Store(pending) => {
+                        let now_us = self.store.now_us();
+                        // Concurrency slots first: a request refused for them spends no tokens.
+                        let (pending, id) = if pending.leases.is_empty() {
+                            (Ok(pending), 0)
+                        } else {
+                            let id = next_lease_id();
+                            let mut taken = LeaseResults::new();
+                            self.store.memory_leases().acquire(
+                                now_us,
+                                id,
+                                &pending.leases,
+                                &mut taken,
+                            );
+                            (pending.admit(Ok(&taken)), id)
+                        };
+                        let decision = match pending {
+                            Err(refused) => refused,
+                            Ok(pending) => {
+                                let mut results = OpResults::new();
+                                let answer = memory.apply(now_us, &pending.ops, &mut results);
+                                engine::finish(pending, answer.map(|()| &results))
+                            }
+                        };
+                        if id != 0 {
+                            lease = held_lease(&decision, id);
+                            if !decision.is_allowed() {
+                                if let Some(l) = lease.take() {
+                                    self.store.memory_leases().release(l.id, &l.keys);
+                                }
+                            }
+                        }
+                        decision
+                    }
+                },
             };
-            return self.answer(&decision, &view, started);
+            let mut answer = self.answer(&decision, &view, started);
+            answer.lease = lease;
+            return answer;
         }
         let Some(bundle) = self.policy.load_full() else {
             return self.answer(&Decision::NoPolicy, &view, started);
         };
+        let mut lease = None;
         let decision = match engine::plan(&bundle, facts, unix_us, self.engine_config) {
             Plan::Done(decision) => decision,
             Plan::Store(pending) => {
-                let mut results = OpResults::new();
                 let now_us = self.store.now_us();
-                let answer = self.store.apply(now_us, &pending.ops, &mut results).await;
-                engine::finish(pending, answer.map(|()| &results))
+                let (pending, id) = if pending.leases.is_empty() {
+                    (Ok(pending), 0)
+                } else {
+                    let id = next_lease_id();
+                    let mut taken = LeaseResults::new();
+                    let answer = self
+                        .store
+                        .acquire(now_us, id, &pending.leases, &mut taken)
+                        .await;
+                    (pending.admit(answer.map(|()| &taken)), id)
+                };
+                let decision = match pending {
+                    Err(refused) => refused,
+                    Ok(pending) if pending.ops.is_empty() => {
+                        engine::finish(pending, Ok(&OpResults::new()))
+                    }
+                    Ok(pending) => {
+                        let mut results = OpResults::new();
+                        let answer = self.store.apply(now_us, &pending.ops, &mut results).await;
+                        engine::finish(pending, answer.map(|()| &results))
+                    }
+                };
+                if id != 0 {
+                    lease = held_lease(&decision, id);
+                    if !decision.is_allowed() {
+                        if let Some(l) = lease.take() {
+                            self.store.release(l.id, &l.keys).await;
+                        }
+                    }
+                }
+                decision
             }
         };
-        self.answer(&decision, &view, started)
+        let mut answer = self.answer(&decision, &view, started);
+        answer.lease = lease;
+        answer
+    }
+
+    /// Gives back the concurrency slots a request held, once it is done (the proxy, when the
+    /// response has been sent or the request failed; the decision service, on `/v1/release`).
+    pub async fn release(&self, lease: &Lease) {
+        self.store.release(lease.id, &lease.keys).await;
     }
 
     fn answer(&self, decision: &Decision<'_>, view: &RequestView<'_>, started: Instant) -> Answer {
@@ -463,6 +533,7 @@ impl Gateway {
         Answer {
             allowed: decision.is_allowed(),
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
+            lease: None,
             no_policy: matches!(decision, Decision::NoPolicy),
             reason,
             rule,
@@ -499,6 +570,7 @@ impl Gateway {
                 Answer {
                     allowed: false,
                     throttle_ms: 0,
+                    lease: None,
                     no_policy: false,
                     reason: Some(Reason::EncodedSlash),
                     rule: None,
@@ -642,6 +714,9 @@ pub struct Answer {
     pub allowed: bool,
     /// A budget's throttle stage: milliseconds [`Gateway::decide`] waited before answering.
     pub throttle_ms: u64,
+    /// The concurrency slots an allowed request holds: give them back with
+    /// [`Gateway::release`] when it is done (they expire otherwise).
+    pub lease: Option<Lease>,
     /// No valid bundle is loaded (the decision service answers 503).
     pub no_policy: bool,
     /// Why it was refused.
@@ -650,6 +725,27 @@ pub struct Answer {
     pub rule: Option<String>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
+}
+
+/// The lease a decision holds: its committed concurrency slots under `id`, with the longest
+/// of their rules' lease TTLs.
+fn held_lease(decision: &Decision<'_>, id: u64) -> Option<Lease> {
+    let checked = decision.checked()?;
+    let keys = checked.held_leases();
+    if keys.is_empty() {
+        return None;
+    }
+    let ttl_us = checked
+        .slots
+        .iter()
+        .filter_map(|s| s.rule.concurrency.map(|c| c.lease_ttl_us))
+        .max()
+        .unwrap_or(0);
+    Some(Lease {
+        id,
+        keys,
+        ttl_secs: ttl_us / crate::limiter::US_PER_SEC,
+    })
 }
 
 /// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).

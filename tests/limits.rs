@@ -205,10 +205,220 @@ fn an_expired_bundle_is_refused_with_a_clear_error() {
 }
 
 #[tokio::test]
-async fn budget_windows_are_exact_on_the_embedded_store() {
+async fn budget_windows_and_leases_on_the_embedded_store() {
     let store = tollgate::store::Store::memory(
         tollgate::store::MemoryStoreConfig::default(),
         std::sync::Arc::new(tollgate::clock::SystemClock::new()),
     );
     support::assert_budget_windows(&store, "memory").await;
+    support::assert_leases(&store, "memory").await;
+}
+
+/// An upstream that answers `/hold` only when told to (one answer per `release`), closes `/die`
+/// without answering, and answers anything else at once. Counts requests seen.
+struct HoldingUpstream {
+    addr: std::net::SocketAddr,
+    release: std::sync::mpsc::Sender<()>,
+    seen: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HoldingUpstream {
+    fn start() -> HoldingUpstream {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let gate = std::sync::Arc::new(std::sync::Mutex::new(gate));
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = seen.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let gate = gate.clone();
+                let counter = counter.clone();
+                std::thread::spawn(move || loop {
+                    let mut buf = [0u8; 4096];
+                    let mut got = Vec::new();
+                    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    let head = String::from_utf8_lossy(&got).to_string();
+                    if head.starts_with("GET /die") {
+                        return;
+                    }
+                    if head.starts_with("GET /hold") {
+                        let _ = gate.lock().unwrap().recv_timeout(Duration::from_secs(20));
+                    }
+                    let body = "upstream ok\n";
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if stream.write_all(reply.as_bytes()).is_err() {
+                        return;
+                    }
+                });
+            }
+        });
+        HoldingUpstream {
+            addr,
+            release,
+            seen,
+        }
+    }
+
+    fn seen(&self) -> usize {
+        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Seed 004's profile limits in one policy: 15 r/s with a burst of 30, and 7 requests in flight,
+/// per profile (here: per API key).
+const PROFILE_LIMITS: &str = r#"{"bundle_version": 1, "policies": [{"id": "profile", "spec": {"rules": [
+  {"name": "profile-rate", "limit_keys": ["header:x-profile"], "on_missing": "reject", "algorithm": "token_bucket",
+   "algorithm_config": {"rps": 15, "burst": 30}},
+  {"name": "profile-connections", "limit_keys": ["header:x-profile"], "on_missing": "reject", "algorithm": "concurrency",
+   "algorithm_config": {"max_in_flight": 2, "lease_ttl_seconds": 60}}]}}]}"#;
+
+fn get_in_thread(
+    gw: &Gateway,
+    path: &'static str,
+    profile: &'static str,
+) -> std::thread::JoinHandle<u16> {
+    let addr = gw.proxy;
+    std::thread::spawn(move || {
+        support::request(addr, "GET", path, &[("X-Profile", profile)]).status
+    })
+}
+
+#[test]
+fn concurrency_slots_are_held_until_the_response_is_done() {
+    let upstream = HoldingUpstream::start();
+    // Nothing refills during the test, so the token count shows what was spent.
+    let slow = PROFILE_LIMITS.replace("\"rps\": 15", "\"rps\": 0.001");
+    let gw = Gateway::start(Some(&slow), Some(upstream.addr), &[]);
+    let first = get_in_thread(&gw, "/hold", "p1");
+    let second = get_in_thread(&gw, "/hold", "p1");
+    gw.wait_until(Duration::from_secs(10), || upstream.seen() == 2);
+    // Both slots are taken: refused at once, and no token spent on it.
+    let r = gw.get("/fast", &[("X-Profile", "p1")]);
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(r.header("X-Tollgate-Reason"), Some("concurrency_exceeded"));
+    assert_eq!(
+        r.header("Retry-After").map(|v| v == "1" || v == "2"),
+        Some(true)
+    );
+    // Another profile has its own slots.
+    assert_eq!(gw.get("/fast", &[("X-Profile", "p2")]).status, 200);
+    upstream.release.send(()).unwrap();
+    upstream.release.send(()).unwrap();
+    assert_eq!((first.join().unwrap(), second.join().unwrap()), (200, 200));
+    // Both answered: both slots are back.
+    let ok = gw.get("/fast", &[("X-Profile", "p1")]);
+    assert_eq!(ok.status, 200, "{ok:?}");
+    // 2 held + 1 fast: the refused request never spent a token (30 - 3 = 27 left).
+    assert_eq!(ok.header("RateLimit-Remaining"), Some("27"));
+    assert_eq!(
+        gw.metric("tollgate_decisions_total{action=\"reject\",mode=\"enforce\",policy=\"profile\",reason=\"concurrency_exceeded\",rule=\"profile-connections\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn a_client_that_goes_away_or_a_failing_upstream_gives_its_slot_back() {
+    use std::io::Write;
+    let upstream = HoldingUpstream::start();
+    let one_slot = PROFILE_LIMITS.replace("\"max_in_flight\": 2", "\"max_in_flight\": 1");
+    let gw = Gateway::start(Some(&one_slot), Some(upstream.addr), &[]);
+    // The upstream fails (closes without answering): 502, and the slot is free again.
+    let r = gw.get("/die", &[("X-Profile", "p")]);
+    assert_eq!(r.status, 502);
+    assert_eq!(gw.get("/fast", &[("X-Profile", "p")]).status, 200);
+    // A client sends a request and goes away while the upstream still works on it.
+    let mut client = std::net::TcpStream::connect(gw.proxy).unwrap();
+    client
+        .write_all(b"GET /hold HTTP/1.1\r\nHost: x\r\nX-Profile: p\r\n\r\n")
+        .unwrap();
+    let seen = upstream.seen();
+    gw.wait_until(Duration::from_secs(10), || upstream.seen() > seen);
+    assert_eq!(gw.get("/fast", &[("X-Profile", "p")]).status, 429);
+    drop(client);
+    upstream.release.send(()).unwrap();
+    // The response finds nobody to go to; the request ends and its slot is given back.
+    gw.wait_until(Duration::from_secs(10), || {
+        gw.get("/fast", &[("X-Profile", "p")]).status == 200
+    });
+}
+
+#[test]
+fn the_decision_service_hands_out_leases_to_give_back() {
+    let policy = r#"{"rules": [{"name": "jobs", "limit_keys": ["header:x-tenant"], "on_missing": "shared",
+        "algorithm": "concurrency", "algorithm_config": {"max_in_flight": 1, "lease_ttl_seconds": 2}}]}"#;
+    let gw = Gateway::start(Some(policy), None, &[]);
+    let ask = || {
+        gw.admin(
+            "POST",
+            "/v1/decision",
+            &[("X-Original-URI", "/jobs"), ("X-Tenant", "t1")],
+        )
+    };
+    let r = ask();
+    assert_eq!(r.status, 200);
+    let token = r.header("X-Tollgate-Lease").unwrap().to_string();
+    assert_eq!(r.header("X-Tollgate-Lease-Ttl"), Some("2"));
+    let refused = ask();
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("X-Tollgate-Lease"), None);
+    // Given back early: the slot is free at once.
+    let released = gw.admin("POST", "/v1/release", &[("X-Tollgate-Lease", &token)]);
+    assert_eq!(released.status, 204);
+    assert_eq!(
+        gw.admin("POST", "/v1/release", &[("X-Tollgate-Lease", "nonsense")])
+            .status,
+        400
+    );
+    assert_eq!(ask().status, 200);
+    // Never given back: free after the lease's 2 s.
+    assert_eq!(ask().status, 429);
+    let started = Instant::now();
+    gw.wait_until(Duration::from_secs(10), || ask().status == 200);
+    assert!(started.elapsed() >= Duration::from_millis(1500));
+}
+
+#[test]
+fn a_request_refused_by_a_bucket_holds_no_slot() {
+    let policy = r#"{"rules": [
+        {"name": "one-at-a-time", "limit_keys": ["header:x-tenant"], "on_missing": "shared",
+         "algorithm": "concurrency", "algorithm_config": {"max_in_flight": 1}},
+        {"name": "one-token", "limit_keys": ["header:x-tenant"], "on_missing": "shared",
+         "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 1}}]}"#;
+    let gw = Gateway::start(Some(policy), None, &[]);
+    let ask = || {
+        gw.admin(
+            "POST",
+            "/v1/decision",
+            &[("X-Original-URI", "/jobs"), ("X-Tenant", "t1")],
+        )
+    };
+    let first = ask();
+    assert_eq!(first.status, 200);
+    let token = first.header("X-Tollgate-Lease").unwrap().to_string();
+    assert_eq!(
+        gw.admin("POST", "/v1/release", &[("X-Tollgate-Lease", &token)])
+            .status,
+        204
+    );
+    // Out of tokens: refused by the bucket, twice. Had the first refusal kept its slot, the
+    // second would be refused for concurrency instead.
+    for _ in 0..2 {
+        let r = ask();
+        assert_eq!(r.status, 429);
+        assert_eq!(r.header("X-Tollgate-Reason"), Some("token_bucket_exceeded"));
+        assert_eq!(r.header("X-Tollgate-Lease"), None);
+    }
 }

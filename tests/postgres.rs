@@ -151,6 +151,7 @@ async fn seed_004_and_all_or_nothing_on_postgres() {
     assert_seed_vectors(&store, "tb:seed004:pg").await;
     assert_all_or_nothing(&store, "pg").await;
     support::assert_budget_windows(&store, "pg").await;
+    support::assert_leases(&store, "pg").await;
     let base = 1_800_000_000 * US_PER_SEC;
     // Full-again rows are deleted by the sweep; the others stay.
     let deleted = store.sweep_at(base + 3_600 * US_PER_SEC).await;

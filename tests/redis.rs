@@ -187,6 +187,14 @@ async fn budget_windows_are_exact_on_redis() {
     support::assert_budget_windows(&store, "redis").await;
 }
 
+/// Concurrency leases on Redis: the embedded store's behaviour, expiry included.
+#[tokio::test]
+async fn leases_on_redis() {
+    let redis = RedisServer::start();
+    let store = shared_store(&redis.url()).await;
+    support::assert_leases(&store, "redis").await;
+}
+
 /// Two gateway processes on one Redis enforce one limit together under concurrent load.
 #[test]
 fn two_gateways_share_one_limit() {

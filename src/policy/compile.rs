@@ -3,9 +3,9 @@
 //! and so that no input — wrong types, huge numbers, unknown fields — can panic.
 
 use super::{
-    canonical_id, Bundle, CostLimits, CostSource, FieldError, KillSwitch, MatchCondition,
-    MatchValue, Mode, OnMissing, Policy, PolicyError, Rule, RuntimeOverride, Selector,
-    SkippedPolicy,
+    canonical_id, Bundle, Concurrency, CostLimits, CostSource, FieldError, KillSwitch,
+    MatchCondition, MatchValue, Mode, OnMissing, Policy, PolicyError, Rule, RuntimeOverride,
+    Selector, SkippedPolicy,
 };
 use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
 use crate::descriptor::{Descriptor, IpNet};
@@ -196,7 +196,11 @@ use super::json::{join, type_name};
 enum Algorithm {
     TokenBucket,
     CostBased,
+    Concurrency,
 }
+
+/// How long a concurrency slot is held at most when nobody gives it back.
+const DEFAULT_LEASE_TTL_SECS: u64 = 300;
 
 /// The fields of a `cost_based` rule's `algorithm_config`.
 const COST_BASED_FIELDS: &[&str] = &[
@@ -867,10 +871,11 @@ impl Compiler {
             Some(v) => match self.string(v, &join(path, "algorithm")) {
                 Some("token_bucket") => Some(Algorithm::TokenBucket),
                 Some("cost_based") => Some(Algorithm::CostBased),
+                Some("concurrency") => Some(Algorithm::Concurrency),
                 Some(a) => {
                     self.error(
                         &join(path, "algorithm"),
-                        format!("unknown algorithm '{a}' (supported: token_bucket, cost_based)"),
+                        format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency)"),
                     );
                     None
                 }
@@ -887,6 +892,7 @@ impl Compiler {
         let config_path = join(path, "algorithm_config");
         let allowed = match algorithm {
             Some(Algorithm::CostBased) => COST_BASED_FIELDS,
+            Some(Algorithm::Concurrency) => &["max_in_flight", "lease_ttl_seconds"],
             _ => CONFIG_FIELDS,
         };
         let config = match map.get("algorithm_config") {
@@ -901,12 +907,40 @@ impl Compiler {
         };
         // An unknown algorithm is an error already; its config is still checked as a token
         // bucket's, so every other problem is reported in the same pass.
+        let mut concurrency = None;
         let (shape, cost, budget) = match algorithm.unwrap_or(Algorithm::TokenBucket) {
             Algorithm::TokenBucket => (
                 self.bucket_shape(config, &config_path, None),
                 self.cost_source(config, &config_path),
                 None,
             ),
+            Algorithm::Concurrency => {
+                if map.contains_key("overrides") {
+                    self.error(
+                        &join(path, "overrides"),
+                        "is not supported on concurrency rules (write one rule per tier with match)",
+                    );
+                }
+                concurrency = self.concurrency(config, &config_path);
+                match concurrency {
+                    Some(c) => (
+                        Quota::new(
+                            u64::from(c.max_in_flight) * MICRO,
+                            u64::from(c.max_in_flight) * MICRO,
+                            c.lease_ttl_us,
+                        )
+                        .ok()
+                        .map(|quota| Shape {
+                            quota,
+                            burst: f64::from(c.max_in_flight),
+                            rate: 0.0,
+                        }),
+                        Some(CostSource::Fixed(MICRO)),
+                        None,
+                    ),
+                    None => (None, None, None),
+                }
+            }
             Algorithm::CostBased => {
                 if map.contains_key("overrides") {
                     self.error(
@@ -1021,7 +1055,11 @@ impl Compiler {
                 c => vec![c],
             })
             .collect();
-        let kind = if budget.is_some() { "cb" } else { "tb" };
+        let kind = match (&budget, &concurrency) {
+            (Some(_), _) => "cb",
+            (_, Some(_)) => "cc",
+            _ => "tb",
+        };
         let key_prefix = match mode {
             Mode::Enforce => format!("{kind}:{escaped}:"),
             Mode::Shadow => format!("shadow:{kind}:{escaped}:"),
@@ -1081,7 +1119,46 @@ impl Compiler {
             key_prefix,
             header_names,
             budget,
+            concurrency,
         });
+    }
+
+    /// A `concurrency` rule: `max_in_flight` (a whole number from 1 to 1 000 000) and
+    /// `lease_ttl_seconds` (how long a slot may be held at most; 1 s to 1 day, default 300).
+    fn concurrency(&mut self, config: &Map<String, Value>, path: &str) -> Option<Concurrency> {
+        let max = match config.get("max_in_flight") {
+            Some(v) => match v.as_u64() {
+                Some(n @ 1..=1_000_000) => Some(n as u32),
+                _ => {
+                    self.error(
+                        &join(path, "max_in_flight"),
+                        "must be a whole number from 1 to 1000000",
+                    );
+                    None
+                }
+            },
+            None => {
+                self.error(&join(path, "max_in_flight"), "is required");
+                None
+            }
+        };
+        let ttl = match config.get("lease_ttl_seconds") {
+            None => Some(DEFAULT_LEASE_TTL_SECS),
+            Some(v) => match v.as_u64() {
+                Some(n @ 1..=86_400) => Some(n),
+                _ => {
+                    self.error(
+                        &join(path, "lease_ttl_seconds"),
+                        "must be a whole number of seconds from 1 to 86400",
+                    );
+                    None
+                }
+            },
+        };
+        Some(Concurrency {
+            max_in_flight: max?,
+            lease_ttl_us: ttl? * US_PER_SEC,
+        })
     }
 
     /// A `cost_based` rule's budget, cost and stages (Fairvisor's fields: `budget`, `period`,
@@ -1723,7 +1800,7 @@ mod tests {
         assert_eq!(
             errors,
             [
-                "policies[0].spec.rules[0].algorithm: unknown algorithm 'leaky_bucket' (supported: token_bucket, cost_based)",
+                "policies[0].spec.rules[0].algorithm: unknown algorithm 'leaky_bucket' (supported: token_bucket, cost_based, concurrency)",
                 "policies[1].spec.rules[0].name: duplicate rule name 'shared-name' (first defined at policies[0].spec.rules[0].name); rule names are bucket namespaces and must be unique across the bundle",
             ]
         );

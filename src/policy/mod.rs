@@ -348,6 +348,18 @@ pub struct Rule {
     pub header_names: Vec<String>,
     /// `Some` for a `cost_based` rule: its window and stages (the budget is `quota.burst()`).
     pub budget: Option<crate::budget::Budget>,
+    /// `Some` for a `concurrency` rule: slots instead of tokens.
+    pub concurrency: Option<Concurrency>,
+}
+
+/// A `concurrency` rule's cap: at most `max_in_flight` requests per key at once. A slot is a
+/// lease that ends when the response has been sent (or the decision service's caller gives it
+/// back), or at the latest `lease_ttl_us` after it was taken, so a gateway that dies never pins
+/// a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Concurrency {
+    pub max_in_flight: u32,
+    pub lease_ttl_us: u64,
 }
 
 /// Name of [`Bundle::envoy_override`]'s rule; bucket names start `tb:envoy-limit-override:`.
@@ -380,6 +392,7 @@ impl Rule {
             sf_name,
             header_names: Vec::new(),
             budget: None,
+            concurrency: None,
         }
     }
 

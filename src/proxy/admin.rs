@@ -4,6 +4,7 @@
 
 use crate::headers::HeaderList;
 use crate::service::{Answer, Gateway};
+use crate::store::lease::Lease;
 use async_trait::async_trait;
 use http::{Response, StatusCode};
 use pingora::apps::http_app::ServeHttp;
@@ -62,6 +63,11 @@ fn no_policy() -> Response<Vec<u8>> {
     )
 }
 
+/// The lease token of a decision that took concurrency slots.
+static LEASE_HEADER: http::HeaderName = http::HeaderName::from_static("x-tollgate-lease");
+/// Seconds after which the slots free themselves.
+static LEASE_TTL_HEADER: http::HeaderName = http::HeaderName::from_static("x-tollgate-lease-ttl");
+
 #[async_trait]
 impl ServeHttp for Admin {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
@@ -105,12 +111,46 @@ impl Admin {
             "/v1/decision" if method != "POST" => {
                 reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n")
             }
+            "/v1/release" if method != "POST" => {
+                reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n")
+            }
+            "/v1/release" => {
+                let token = req
+                    .headers
+                    .get(&LEASE_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(Lease::from_token);
+                match token {
+                    Some(lease) => {
+                        self.gateway.release(&lease).await;
+                        reply(204, TEXT, HeaderList::new(), "")
+                    }
+                    None => reply(
+                        400,
+                        TEXT,
+                        HeaderList::new(),
+                        "Bad Request: send the X-Tollgate-Lease header of the decision to release\n",
+                    ),
+                }
+            }
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
                 let answer = self.decide(req, peer).await;
                 if answer.no_policy {
                     return no_policy();
                 }
-                let response = answer.response;
+                let mut response = answer.response;
+                // Concurrency slots: the caller gives them back on /v1/release when the
+                // request is done, or they free themselves after the TTL.
+                if let Some(lease) = &answer.lease {
+                    for (name, value) in [
+                        (&LEASE_HEADER, lease.token()),
+                        (&LEASE_TTL_HEADER, lease.ttl_secs.to_string()),
+                    ] {
+                        if let Ok(value) = http::HeaderValue::from_str(&value) {
+                            response.headers.push((name.clone(), value));
+                        }
+                    }
+                }
                 // An allowed decision has an empty body: nginx's auth_request never reads the
                 // subrequest's body, and reuses the connection to tollgate only when there is
                 // none (with "OK" every decision cost a new TCP connection).

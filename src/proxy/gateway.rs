@@ -39,6 +39,9 @@ pub struct RequestCtx {
     connect_tries: usize,
     /// The client address as resolved for limiting (the `client_hash` balancing key).
     client_ip: Option<IpAddr>,
+    /// Concurrency slots held until the response is done (given back in `logging`, which runs
+    /// once per request whatever happened: sent, client gone, upstream failed or timed out).
+    lease: Option<crate::store::lease::Lease>,
 }
 
 /// One request's access-log facts, gathered along the way.
@@ -283,6 +286,7 @@ impl ProxyHttp for Proxy {
                     if answer.allowed {
                         // No policy loaded: the proxy fails open (the decision service
                         // answers 503).
+                        ctx.lease = answer.lease;
                         ctx.add_headers = answer.response.headers;
                         ctx.group = self
                             .upstreams
@@ -430,6 +434,10 @@ impl ProxyHttp for Proxy {
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request.
         super::conn::request_done(http2_key(session), self.gateway.config.keepalive_timeout);
+        // `take`: given back exactly once.
+        if let Some(lease) = ctx.lease.take() {
+            self.gateway.release(&lease).await;
+        }
         if let Some(access) = ctx.access.take() {
             self.write_access_log(session, &access);
         }

@@ -7,6 +7,7 @@
 //! (awaited), with its own time base, statistics and sweep. Every backend keeps the same
 //! contract and the same integer maths.
 
+pub mod lease;
 pub mod memory;
 pub mod postgres;
 pub mod redis;
@@ -209,6 +210,8 @@ pub enum Backend {
 /// a fleet of gateways has in common.
 pub struct Store {
     backend: Backend,
+    /// Concurrency leases of the embedded store (unused with a shared one).
+    leases: lease::MemoryLeases,
     clock: Arc<dyn Clock>,
     /// Rows deleted by the PostgreSQL sweep.
     swept: AtomicU64,
@@ -240,6 +243,7 @@ impl Store {
     fn with_backend(backend: Backend, clock: Arc<dyn Clock>) -> Store {
         Store {
             backend,
+            leases: lease::MemoryLeases::default(),
             clock,
             swept: AtomicU64::new(0),
         }
@@ -303,6 +307,47 @@ impl Store {
         answer
     }
 
+    /// Takes concurrency lease `id` on every op's key whose group is admitted (see
+    /// [`lease`]); `results` receives one entry per op.
+    ///
+    /// # Errors
+    /// A shared store could not answer: no lease is held.
+    pub async fn acquire(
+        &self,
+        now_us: u64,
+        id: u64,
+        ops: &[lease::LeaseOp],
+        results: &mut lease::LeaseResults,
+    ) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => {
+                self.leases.acquire(now_us, id, ops, results);
+                Ok(())
+            }
+            Backend::Redis(s) => s.acquire(now_us, id, ops, results).await,
+            Backend::Postgres(s) => s.acquire(now_us, id, ops, results).await,
+        }
+    }
+
+    /// Gives lease `id` back on `keys`.
+    pub async fn release(&self, id: u64, keys: &[BucketKey]) {
+        match &self.backend {
+            Backend::Memory(_) => self.leases.release(id, keys),
+            Backend::Redis(s) => s.release(id, keys).await,
+            Backend::Postgres(s) => s.release(id, keys).await,
+        }
+    }
+
+    /// The embedded store's leases (synchronous; empty with a shared store).
+    pub fn memory_leases(&self) -> &lease::MemoryLeases {
+        &self.leases
+    }
+
+    /// Live concurrency leases on `key` now (the embedded store; 0 for a shared one).
+    pub fn leases_in_flight(&self, key: &BucketKey) -> u32 {
+        self.leases.in_flight(key, self.now_us())
+    }
+
     /// Counters for `/metrics`.
     pub fn stats(&self) -> StoreStats {
         match &self.backend {
@@ -326,7 +371,7 @@ impl Store {
     /// [`Store::sweep`] at `now_us` in this store's time base (tests replay virtual time).
     pub async fn sweep_at(&self, now_us: u64) -> u64 {
         match &self.backend {
-            Backend::Memory(m) => m.sweep(now_us),
+            Backend::Memory(m) => m.sweep(now_us) + self.leases.sweep(now_us),
             Backend::Redis(s) => {
                 s.refresh_time_offset().await;
                 0

@@ -68,6 +68,46 @@ BEGIN
 END $$;
 "#;
 
+/// Concurrency leases: one row per live lease. `tollgate_acquire` serialises each key on an
+/// advisory lock (taken in key order, so requests never deadlock), drops expired rows, counts,
+/// and inserts the request's leases for each group whose every key has a free slot. Returns
+/// the live count of every key before the request.
+const LEASE_SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS tollgate_leases (
+    key           text   NOT NULL,
+    lease         bigint NOT NULL,
+    expires_at_us bigint NOT NULL,
+    PRIMARY KEY (key, lease)
+);
+CREATE OR REPLACE FUNCTION tollgate_acquire(
+    keys text[], maxes bigint[], grps int[], lease_id bigint, expiries bigint[], now_us bigint
+) RETURNS bigint[] LANGUAGE plpgsql AS $$
+DECLARE
+    n int := coalesce(array_length(keys, 1), 0);
+    counts bigint[] := '{}';
+    ok_e boolean := true;
+    ok_s boolean := true;
+    c bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(k, 0)) FROM unnest(keys) AS k ORDER BY k;
+    DELETE FROM tollgate_leases WHERE key = ANY (keys) AND expires_at_us <= now_us;
+    FOR i IN 1..n LOOP
+        SELECT count(*) INTO c FROM tollgate_leases WHERE key = keys[i];
+        counts := counts || c;
+        IF c >= maxes[i] THEN
+            IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
+        END IF;
+    END LOOP;
+    FOR i IN 1..n LOOP
+        IF (grps[i] = 0 AND ok_e) OR (grps[i] = 1 AND ok_e AND ok_s) THEN
+            INSERT INTO tollgate_leases VALUES (keys[i], lease_id, expiries[i])
+                ON CONFLICT (key, lease) DO UPDATE SET expires_at_us = EXCLUDED.expires_at_us;
+        END IF;
+    END LOOP;
+    RETURN counts;
+END $$;
+"#;
+
 const TAKE: &str = "SELECT tollgate_take($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
 /// The PostgreSQL store.
@@ -129,6 +169,7 @@ impl PostgresStore {
                     watcher.client.store(None);
                 });
                 client.batch_execute(SCHEMA).await?;
+                client.batch_execute(LEASE_SCHEMA).await?;
                 Ok::<_, tokio_postgres::Error>(client)
             };
             match tokio::time::timeout(Duration::from_secs(2), attempt).await {
@@ -252,12 +293,95 @@ impl PostgresStore {
         Ok(())
     }
 
-    /// Deletes rows whose bucket is full again (they are indistinguishable from absent ones).
+    /// Takes lease `id` on the ops' keys in one statement (see [`super::lease`]).
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable or too slow: no lease is held (the caller fails open).
+    pub async fn acquire(
+        &self,
+        now_us: u64,
+        id: u64,
+        ops: &[super::lease::LeaseOp],
+        results: &mut super::lease::LeaseResults,
+    ) -> Result<(), StoreError> {
+        let Some(client) = self.client.load_full() else {
+            self.health.failed(&redact(&self.url), "not connected");
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let keys: Vec<String> = ops.iter().map(|op| super::shared_key(&op.key)).collect();
+        let maxes: Vec<i64> = ops.iter().map(|op| i64::from(op.max)).collect();
+        let groups: Vec<i32> = ops
+            .iter()
+            .map(|op| i32::from(op.group == Group::Shadow))
+            .collect();
+        let expiries: Vec<i64> = ops
+            .iter()
+            .map(|op| now_us.saturating_add(op.ttl_us).min(i64::MAX as u64) as i64)
+            .collect();
+        let now = now_us.min(i64::MAX as u64) as i64;
+        // The id's bits as a signed bigint.
+        let lease = id as i64;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+            [&keys, &maxes, &groups, &lease, &expiries, &now];
+        let call = client.query_one("SELECT tollgate_acquire($1, $2, $3, $4, $5, $6)", &params);
+        let counts = match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(row)) => row.get::<_, Vec<i64>>(0),
+            Ok(Err(e)) => {
+                self.health.failed(&redact(&self.url), &e.to_string());
+                return Err(StoreError::Unavailable(e.to_string()));
+            }
+            Err(_) => {
+                self.health.failed(
+                    &redact(&self.url),
+                    &format!("no answer within {:?}", self.timeout),
+                );
+                return Err(StoreError::Unavailable("timeout".into()));
+            }
+        };
+        if counts.len() != ops.len() {
+            self.health
+                .failed(&redact(&self.url), "unexpected lease reply");
+            return Err(StoreError::Unavailable("bad reply".into()));
+        }
+        self.health.ok(&redact(&self.url));
+        let in_flight: Vec<u32> = counts
+            .iter()
+            .map(|c| (*c).clamp(0, i64::from(u32::MAX)) as u32)
+            .collect();
+        super::lease::judge(ops, &in_flight, results);
+        Ok(())
+    }
+
+    /// Gives lease `id` back on `keys`; a failure is logged (the lease then ends at its expiry).
+    pub async fn release(&self, id: u64, keys: &[super::BucketKey]) {
+        let Some(client) = self.client.load_full() else {
+            return;
+        };
+        let keys: Vec<String> = keys.iter().map(super::shared_key).collect();
+        let lease = id as i64;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&keys, &lease];
+        let call = client.execute(
+            "DELETE FROM tollgate_leases WHERE key = ANY ($1) AND lease = $2",
+            &params,
+        );
+        if !matches!(tokio::time::timeout(self.timeout, call).await, Ok(Ok(_))) {
+            tracing::warn!(store = %redact(&self.url), "giving back a concurrency lease failed; the slot frees at the lease's expiry");
+        }
+    }
+
+    /// Deletes rows whose bucket is full again (they are indistinguishable from absent ones),
+    /// and expired leases.
     pub async fn sweep(&self, now_us: u64) -> u64 {
         let Some(client) = self.client.load_full() else {
             return 0;
         };
         let now = now_us.min(i64::MAX as u64) as i64;
+        let _ = client
+            .execute(
+                "DELETE FROM tollgate_leases WHERE expires_at_us <= $1",
+                &[&now],
+            )
+            .await;
         match client
             .execute(
                 "DELETE FROM tollgate_buckets WHERE full_at_us <= $1",

@@ -558,6 +558,179 @@ fn key128(key: &BucketKey) -> u128 {
     (u128::from(key.hi) << 64) | u128::from(key.lo)
 }
 
+/// Takes concurrency leases. KEYS: lease sets (sorted sets of lease id → expiry µs). ARGV[1] =
+/// now (µs), ARGV[2] = lease id, then per key: max, group (0 enforce, 1 shadow), expiry (µs),
+/// TTL (ms). Expired members are dropped first; each group takes all its slots or none.
+/// Returns the live count of every key before this request.
+const ACQUIRE: &str = r#"
+local now = tonumber(ARGV[1])
+local n = #KEYS
+local counts = {}
+local ok = {1, 1}
+for i = 1, n do
+  local b = 3 + (i - 1) * 4
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
+  local c = redis.call('ZCARD', KEYS[i])
+  counts[i] = c
+  if c >= tonumber(ARGV[b]) then ok[tonumber(ARGV[b + 1]) + 1] = 0 end
+end
+local commit = {ok[1] == 1, ok[1] == 1 and ok[2] == 1}
+for i = 1, n do
+  local b = 3 + (i - 1) * 4
+  if commit[tonumber(ARGV[b + 1]) + 1] then
+    redis.call('ZADD', KEYS[i], ARGV[b + 2], ARGV[2])
+    redis.call('PEXPIRE', KEYS[i], ARGV[b + 3])
+  end
+end
+return counts
+"#;
+
+/// Gives a lease back: ARGV[1] = lease id, removed from every key.
+const RELEASE: &str = r#"
+for i = 1, #KEYS do redis.call('ZREM', KEYS[i], ARGV[1]) end
+return 1
+"#;
+
+impl RedisStore {
+    /// Takes lease `id` on the ops' keys (see [`super::lease`]). On a cluster each hash slot is
+    /// its own atomic call; leases a slot took for a request the fleet refused are given back.
+    ///
+    /// # Errors
+    /// Redis unreachable or too slow: no lease is held (the caller fails open).
+    pub async fn acquire(
+        &self,
+        now_us: u64,
+        id: u64,
+        ops: &[super::lease::LeaseOp],
+        results: &mut super::lease::LeaseResults,
+    ) -> Result<(), StoreError> {
+        let Some(conn) = self.conn.load_full() else {
+            self.failed("not connected");
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let keys: SmallVec<[String; 2]> = ops.iter().map(|op| redis_key(&op.key)).collect();
+        let groups = slot_groups(&conn, &keys);
+        let script = redis::Script::new(ACQUIRE);
+        let calls = groups.iter().map(|members| {
+            let mut conn = (*conn).clone();
+            let mut invocation = script.prepare_invoke();
+            for &i in members {
+                invocation.key(&keys[i]);
+            }
+            invocation.arg(now_us).arg(id);
+            for &i in members {
+                let op = &ops[i];
+                invocation
+                    .arg(op.max)
+                    .arg(u8::from(op.group == Group::Shadow))
+                    .arg(now_us.saturating_add(op.ttl_us))
+                    .arg(op.ttl_us.div_ceil(1000).max(1));
+            }
+            async move {
+                match &mut conn {
+                    Conn::Single(c) => invocation.invoke_async::<Vec<i64>>(c).await,
+                    Conn::Cluster(c) => invocation.invoke_async::<Vec<i64>>(c).await,
+                }
+            }
+        });
+        let replies =
+            tokio::time::timeout(self.config.timeout, futures::future::join_all(calls)).await;
+        let Ok(replies) = replies else {
+            self.failed(&format!("no answer within {:?}", self.config.timeout));
+            return Err(StoreError::Unavailable("timeout".into()));
+        };
+        let mut in_flight: SmallVec<[u32; 2]> = smallvec::smallvec![0; ops.len()];
+        let mut failure = None;
+        for (members, reply) in groups.iter().zip(replies) {
+            match reply {
+                Ok(counts) if counts.len() == members.len() => {
+                    for (&i, c) in members.iter().zip(counts) {
+                        in_flight[i] = c.clamp(0, i64::from(u32::MAX)) as u32;
+                    }
+                }
+                Ok(counts) => {
+                    failure.get_or_insert(format!("unexpected reply of {} values", counts.len()));
+                }
+                Err(e) => {
+                    failure.get_or_insert(e.to_string());
+                }
+            }
+        }
+        if let Some(what) = failure {
+            // Whatever a group took is given back: nothing is held on a failed call.
+            let all: SmallVec<[super::BucketKey; 2]> = ops.iter().map(|op| op.key).collect();
+            self.release(id, &all).await;
+            self.failed(&what);
+            return Err(StoreError::Unavailable(what));
+        }
+        self.health.ok(&self.config.url);
+        super::lease::judge(ops, &in_flight, results);
+        // A slot group judged alone may have taken leases the request as a whole does not keep.
+        let mut give_back: SmallVec<[super::BucketKey; 2]> = SmallVec::new();
+        for members in &groups {
+            let local: SmallVec<[super::lease::LeaseOp; 2]> =
+                members.iter().map(|&i| ops[i]).collect();
+            let counts: SmallVec<[u32; 2]> = members.iter().map(|&i| in_flight[i]).collect();
+            let mut local_results = super::lease::LeaseResults::new();
+            super::lease::judge(&local, &counts, &mut local_results);
+            for (&i, local) in members.iter().zip(&local_results) {
+                if local.committed && !results[i].committed {
+                    give_back.push(ops[i].key);
+                }
+            }
+        }
+        if !give_back.is_empty() {
+            self.release(id, &give_back).await;
+        }
+        Ok(())
+    }
+
+    /// Gives lease `id` back on `keys`; a failure is logged (the lease then ends at its expiry).
+    pub async fn release(&self, id: u64, keys: &[super::BucketKey]) {
+        let Some(conn) = self.conn.load_full() else {
+            return;
+        };
+        let names: SmallVec<[String; 2]> = keys.iter().map(redis_key).collect();
+        let script = redis::Script::new(RELEASE);
+        for members in slot_groups(&conn, &names) {
+            let mut invocation = script.prepare_invoke();
+            for &i in &members {
+                invocation.key(&names[i]);
+            }
+            invocation.arg(id);
+            let mut conn = (*conn).clone();
+            let call = async {
+                match &mut conn {
+                    Conn::Single(c) => invocation.invoke_async::<i64>(c).await,
+                    Conn::Cluster(c) => invocation.invoke_async::<i64>(c).await,
+                }
+            };
+            if !matches!(
+                tokio::time::timeout(self.config.timeout, call).await,
+                Ok(Ok(_))
+            ) {
+                tracing::warn!(store = %crate::redact::url(&self.config.url), "giving back a concurrency lease failed; the slot frees at the lease's expiry");
+            }
+        }
+    }
+}
+
+/// Indices of `keys` grouped by hash slot (one group on a single server).
+fn slot_groups(conn: &Conn, keys: &[String]) -> SmallVec<[SmallVec<[usize; 2]>; 2]> {
+    let mut groups: SmallVec<[(u16, SmallVec<[usize; 2]>); 2]> = SmallVec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let slot = match conn {
+            Conn::Single(_) => 0,
+            Conn::Cluster(_) => redis::cluster_routing::get_slot(key.as_bytes()),
+        };
+        match groups.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((slot, smallvec::smallvec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, members)| members).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -782,3 +782,59 @@ pub async fn assert_budget_windows(store: &tollgate::store::Store, prefix: &str)
         "{prefix}"
     );
 }
+
+/// Concurrency leases on `store`: at most `max` live per key, all-or-nothing across the keys of
+/// a request, given back once, and freed at their expiry when nobody gives them back.
+pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
+    use tollgate::limiter::US_PER_SEC;
+    use tollgate::store::lease::{LeaseOp, LeaseResults};
+    use tollgate::store::{BucketKey, Group};
+    let op = |name: &str, max: u32| LeaseOp {
+        key: BucketKey::of(&format!("cc:{name}:{prefix}")),
+        max,
+        group: Group::Enforce,
+        ttl_us: 10 * US_PER_SEC,
+    };
+    let (two, one) = (op("two", 2), op("one", 1));
+    let t0 = 1_800_000_000 * US_PER_SEC;
+    let mut r = LeaseResults::new();
+    store.acquire(t0, 11, &[two], &mut r).await.expect("store");
+    assert!(r[0].committed, "{prefix}");
+    store
+        .acquire(t0, 12, &[two, one], &mut r)
+        .await
+        .expect("store");
+    assert!(r[0].committed && r[1].committed, "{prefix}: {r:?}");
+    // `two` is full: a request needing both holds neither.
+    store
+        .acquire(t0, 13, &[one, two], &mut r)
+        .await
+        .expect("store");
+    assert_eq!(
+        (r[0].allowed, r[0].committed, r[1].allowed, r[1].in_flight),
+        (false, false, false, 2),
+        "{prefix}"
+    );
+    // Given back twice: one slot, once.
+    store.release(11, &[two.key]).await;
+    store.release(11, &[two.key]).await;
+    store.acquire(t0, 14, &[two], &mut r).await.expect("store");
+    assert_eq!((r[0].committed, r[0].in_flight), (true, 1), "{prefix}");
+    store.acquire(t0, 15, &[two], &mut r).await.expect("store");
+    assert!(!r[0].allowed, "{prefix}");
+    // Nobody gives 12 and 14 back: at their expiry the slots are free again.
+    store
+        .acquire(t0 + 10 * US_PER_SEC, 16, &[two, one], &mut r)
+        .await
+        .expect("store");
+    assert_eq!(
+        (
+            r[0].in_flight,
+            r[1].in_flight,
+            r[0].committed,
+            r[1].committed
+        ),
+        (0, 0, true, true),
+        "{prefix}"
+    );
+}

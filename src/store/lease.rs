@@ -1,0 +1,289 @@
+//! Concurrency slots as leases: a `concurrency` rule's key holds at most `max` live leases. A
+//! lease is taken when a request is admitted and given back when it is done; one nobody gives
+//! back (a gateway that died, a decision-service caller that never released) ends at its expiry,
+//! so no slot is pinned forever. Taking is all-or-nothing per [`Group`], like bucket ops.
+//!
+//! This module holds the types and the embedded store's lease table; Redis and PostgreSQL keep
+//! theirs server-side (see their modules).
+
+use super::{BucketKey, Group};
+use ahash::AHashMap;
+use parking_lot::Mutex;
+use smallvec::SmallVec;
+
+/// The slots one admitted request holds, to give back when it is done.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub id: u64,
+    pub keys: SmallVec<[BucketKey; 2]>,
+    /// Seconds after which the store frees the slots by itself.
+    pub ttl_secs: u64,
+}
+
+impl Lease {
+    /// The decision service's lease token: the id, then each key, in hex, dot-separated. Only
+    /// the holder knows the random id, so a token names nothing another client can release.
+    pub fn token(&self) -> String {
+        let mut out = format!("{:016x}", self.id);
+        for key in &self.keys {
+            out.push_str(&format!(".{:016x}{:016x}", key.hi, key.lo));
+        }
+        out
+    }
+
+    /// Parses [`Lease::token`] (at most 16 keys).
+    pub fn from_token(token: &str) -> Option<Lease> {
+        let mut parts = token.trim().split('.');
+        let id = u64::from_str_radix(parts.next()?, 16).ok()?;
+        let mut keys = SmallVec::new();
+        for part in parts {
+            if part.len() != 32 || keys.len() >= 16 {
+                return None;
+            }
+            keys.push(BucketKey {
+                hi: u64::from_str_radix(&part[..16], 16).ok()?,
+                lo: u64::from_str_radix(&part[16..], 16).ok()?,
+            });
+        }
+        (!keys.is_empty()).then_some(Lease {
+            id,
+            keys,
+            ttl_secs: 0,
+        })
+    }
+}
+
+/// One slot to take within a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseOp {
+    pub key: BucketKey,
+    /// Live leases allowed on the key.
+    pub max: u32,
+    pub group: Group,
+    /// How long the lease lives unless given back (µs).
+    pub ttl_us: u64,
+}
+
+/// The answer for one [`LeaseOp`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseResult {
+    /// A slot was free.
+    pub allowed: bool,
+    /// Live leases on the key before this request.
+    pub in_flight: u32,
+    /// The group was taken (every op of the group had a slot) and this lease is held.
+    pub committed: bool,
+}
+
+/// Results, one per op, in op order.
+pub type LeaseResults = SmallVec<[LeaseResult; 2]>;
+
+/// Lease ids: unique within the process, and random enough across a fleet (a per-process random
+/// prefix) that two gateways never hold the same id on a shared key.
+pub fn next_lease_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static PREFIX: OnceLock<u64> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(1);
+    let prefix = *PREFIX.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = ahash::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        h.finish() & 0xffff_ffff_0000_0000
+    });
+    // The low 32 bits count; the prefix keeps processes apart. Never 0.
+    prefix | (COUNTER.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff).max(1)
+}
+
+/// Decides which groups of `ops` are taken, from each key's live count: the enforced group if
+/// every enforced op has a free slot, the shadow group if that holds and so do its own ops.
+pub fn judge(ops: &[LeaseOp], in_flight: &[u32], results: &mut LeaseResults) -> (bool, bool) {
+    let ok = |group: Group| {
+        ops.iter()
+            .zip(in_flight)
+            .filter(|(op, _)| op.group == group)
+            .all(|(op, n)| *n < op.max)
+    };
+    let enforce = ok(Group::Enforce);
+    let shadow = enforce && ok(Group::Shadow);
+    results.clear();
+    for (op, &n) in ops.iter().zip(in_flight) {
+        results.push(LeaseResult {
+            allowed: n < op.max,
+            in_flight: n,
+            committed: match op.group {
+                Group::Enforce => enforce,
+                Group::Shadow => shadow,
+            },
+        });
+    }
+    (enforce, shadow)
+}
+
+/// The embedded store's leases: key → live (lease id, expiry µs). One mutex: only requests
+/// under a concurrency rule come here, twice each, for a few hundred nanoseconds.
+#[derive(Default)]
+pub struct MemoryLeases {
+    table: Mutex<LeaseTable>,
+}
+
+/// Key → its live leases as (lease id, expiry µs).
+type LeaseTable = AHashMap<BucketKey, SmallVec<[(u64, u64); 4]>>;
+
+impl MemoryLeases {
+    /// Takes a lease `id` on every op's key whose group is admitted, at `now_us`.
+    pub fn acquire(&self, now_us: u64, id: u64, ops: &[LeaseOp], results: &mut LeaseResults) {
+        let mut table = self.table.lock();
+        let mut in_flight: SmallVec<[u32; 2]> = SmallVec::new();
+        for op in ops {
+            let live = table.get_mut(&op.key).map_or(0, |leases| {
+                leases.retain(|(_, expires)| *expires > now_us);
+                leases.len() as u32
+            });
+            in_flight.push(live);
+        }
+        judge(ops, &in_flight, results);
+        for (op, result) in ops.iter().zip(results.iter()) {
+            if result.committed {
+                table
+                    .entry(op.key)
+                    .or_default()
+                    .push((id, now_us.saturating_add(op.ttl_us)));
+            }
+        }
+    }
+
+    /// Gives lease `id` back on `keys` (a lease already gone, expired or given back, is left
+    /// alone: giving back twice frees one slot, once).
+    pub fn release(&self, id: u64, keys: &[BucketKey]) {
+        let mut table = self.table.lock();
+        for key in keys {
+            if let Some(leases) = table.get_mut(key) {
+                leases.retain(|(lease, _)| *lease != id);
+                if leases.is_empty() {
+                    table.remove(key);
+                }
+            }
+        }
+    }
+
+    /// Drops expired leases and empty keys; returns how many leases expired.
+    pub fn sweep(&self, now_us: u64) -> u64 {
+        let mut table = self.table.lock();
+        let mut expired = 0;
+        table.retain(|_, leases| {
+            let before = leases.len();
+            leases.retain(|(_, expires)| *expires > now_us);
+            expired += (before - leases.len()) as u64;
+            !leases.is_empty()
+        });
+        expired
+    }
+
+    /// Live leases on `key` at `now_us` (tests and metrics).
+    pub fn in_flight(&self, key: &BucketKey, now_us: u64) -> u32 {
+        self.table.lock().get(key).map_or(0, |leases| {
+            leases.iter().filter(|(_, e)| *e > now_us).count() as u32
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(key: &str, max: u32, group: Group) -> LeaseOp {
+        LeaseOp {
+            key: BucketKey::of(key),
+            max,
+            group,
+            ttl_us: 10_000_000,
+        }
+    }
+
+    #[test]
+    fn slots_are_taken_all_or_nothing_and_given_back_once() {
+        let leases = MemoryLeases::default();
+        let mut r = LeaseResults::new();
+        let wide = op("cc:wide:k", 3, Group::Enforce);
+        let narrow = op("cc:narrow:k", 1, Group::Enforce);
+        leases.acquire(0, 1, &[wide, narrow], &mut r);
+        assert!(r.iter().all(|r| r.allowed && r.committed));
+        // The narrow slot is taken: the request holds neither.
+        leases.acquire(0, 2, &[wide, narrow], &mut r);
+        assert_eq!((r[0].allowed, r[0].committed), (true, false));
+        assert_eq!((r[1].allowed, r[1].in_flight), (false, 1));
+        assert_eq!(leases.in_flight(&wide.key, 0), 1);
+        // Given back twice: one slot freed, once.
+        leases.release(1, &[wide.key, narrow.key]);
+        leases.release(1, &[wide.key, narrow.key]);
+        assert_eq!(leases.in_flight(&wide.key, 0), 0);
+        leases.acquire(0, 3, &[wide, narrow], &mut r);
+        assert!(r[1].committed);
+        leases.acquire(0, 4, &[wide], &mut r);
+        leases.release(99, &[wide.key]);
+        assert_eq!(leases.in_flight(&wide.key, 0), 2);
+    }
+
+    #[test]
+    fn leases_nobody_gives_back_expire() {
+        let leases = MemoryLeases::default();
+        let mut r = LeaseResults::new();
+        let one = op("cc:one:k", 1, Group::Enforce);
+        leases.acquire(0, 1, &[one], &mut r);
+        leases.acquire(9_999_999, 2, &[one], &mut r);
+        assert!(!r[0].allowed);
+        leases.acquire(10_000_000, 3, &[one], &mut r);
+        assert!(r[0].committed);
+        assert_eq!(leases.sweep(20_000_000), 1);
+        assert_eq!(leases.in_flight(&one.key, 0), 0);
+    }
+
+    #[test]
+    fn shadow_slots_never_block_enforced_ones() {
+        let leases = MemoryLeases::default();
+        let mut r = LeaseResults::new();
+        let enforced = op("cc:e:k", 5, Group::Enforce);
+        let shadow = op("shadow:cc:s:k", 1, Group::Shadow);
+        leases.acquire(0, 1, &[enforced, shadow], &mut r);
+        leases.acquire(0, 2, &[enforced, shadow], &mut r);
+        assert_eq!(
+            (r[0].committed, r[1].allowed, r[1].committed),
+            (true, false, false)
+        );
+        assert_eq!(leases.in_flight(&enforced.key, 0), 2);
+    }
+
+    #[test]
+    fn tokens_round_trip_and_refuse_garbage() {
+        let lease = Lease {
+            id: 0xdead_beef_0000_0001,
+            keys: smallvec::smallvec![BucketKey::of("cc:a:1"), BucketKey::of("cc:b:1")],
+            ttl_secs: 300,
+        };
+        let back = Lease::from_token(&lease.token()).unwrap();
+        assert_eq!((back.id, back.keys), (lease.id, lease.keys));
+        for bad in [
+            "",
+            "xyz",
+            "00000000000000ff",
+            "00000000000000ff.1234",
+            "ff.zz",
+        ] {
+            assert_eq!(Lease::from_token(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn lease_ids_are_distinct() {
+        let a = next_lease_id();
+        let b = next_lease_id();
+        assert_ne!(a, b);
+        assert_ne!(a & 0xffff_ffff, 0);
+    }
+}
