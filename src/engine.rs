@@ -155,8 +155,10 @@ pub struct RuleOutcome<'b> {
     pub retry_after: u64,
     /// Seconds until the bucket is full (for a budget: until its window ends, 0 when unused).
     pub reset: u64,
-    /// The budget window counted (`cost_based` rules).
-    pub window: Option<Window>,
+    /// For a `cost_based` rule, the µs left in the window counted; 0 for a token bucket (a
+    /// real window always has at least 1 µs left). One word, not the whole window: outcomes
+    /// are copied on every decision.
+    pub budget_ends_in_us: u64,
 }
 
 impl RuleOutcome<'_> {
@@ -190,7 +192,9 @@ pub struct Checked<'b> {
     /// delay first); shadow budgets never throttle or warn the client.
     pub stage: Option<Action>,
     /// Applicable `concurrency` rules, enforced and shadow, in policy order.
-    pub slots: SmallVec<[SlotOutcome<'b>; 1]>,
+    /// A `Vec`: empty (no allocation) for the requests without one, and it keeps the
+    /// decision small for every other request.
+    pub slots: Vec<SlotOutcome<'b>>,
 }
 
 /// What happened to one applicable `concurrency` rule.
@@ -215,7 +219,7 @@ impl<'b> Checked<'b> {
             shadow_missing: None,
             store_error: false,
             stage: None,
-            slots: SmallVec::new(),
+            slots: Vec::new(),
         }
     }
 
@@ -416,23 +420,26 @@ impl<'b> Pending<'b> {
                 return Ok(self);
             }
         };
-        let mut refused = false;
+        let mut refused: Option<&'b Rule> = None;
         for (slot, r) in self.checked.slots.iter_mut().zip(results.iter()) {
             slot.allowed = r.allowed;
             slot.committed = r.committed;
             slot.in_flight = r.in_flight;
-            refused |= slot.rule.mode == Mode::Enforce && !r.allowed;
+            if slot.rule.mode == Mode::Enforce && !r.allowed {
+                refused.get_or_insert(slot.rule);
+            }
         }
-        if !refused {
+        let Some(rule) = refused else {
             return Ok(self);
-        }
+        };
         // Nothing is spent: the bucket outcomes are dropped rather than shown unchecked.
         self.checked.rules.clear();
         Err(Decision::Refuse(Refusal {
             reason: Reason::ConcurrencyExceeded,
             retry_after: 1,
             retry_by_deadline: false,
-            cause: Cause::Buckets,
+            // Names the full rule in logs and the access log.
+            cause: Cause::Rule(rule),
             checked: Some(self.checked),
         }))
     }
@@ -559,7 +566,7 @@ pub fn plan<'b>(
     let mut checked = Checked::new(bundle);
     let mut ops: SmallVec<[BucketOp; 4]> = SmallVec::new();
     let mut leases: SmallVec<[LeaseOp; 1]> = SmallVec::new();
-    let mut slots: SmallVec<[SlotOutcome<'b>; 1]> = SmallVec::new();
+    let mut slots: Vec<SlotOutcome<'b>> = Vec::new();
     // Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
     let mut missing_enforce: Option<&'b Rule> = None;
     let mut missing_shadow: Option<&'b Rule> = None;
@@ -707,7 +714,7 @@ fn planned_bucket(
         tokens: 0,
         retry_after: 0,
         reset: 0,
-        window,
+        budget_ends_in_us: window.map_or(0, |w| w.ends_in_us),
     };
     (op, outcome)
 }
@@ -738,9 +745,9 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
         // A cost that can never fit has no time to wait for.
         outcome.retry_after = if outcome.cost_exceeds {
             0
-        } else if let Some(w) = outcome.window.filter(|_| !v.allowed) {
+        } else if outcome.budget_ends_in_us > 0 && !v.allowed {
             // Never past the window's end: whole seconds rounded down (at least 1).
-            (w.ends_in_us / US_PER_SEC).max(1)
+            (outcome.budget_ends_in_us / US_PER_SEC).max(1)
         } else {
             v.retry_after_secs
         };
@@ -749,12 +756,12 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
         } else {
             v.available
         };
-        outcome.reset = match outcome.window {
-            Some(w) if outcome.tokens < outcome.quota.burst() => w.ends_in_us / US_PER_SEC,
-            Some(_) => 0,
-            None if r.committed => v.reset_secs(),
+        outcome.reset = match outcome.budget_ends_in_us {
+            ends if ends > 0 && outcome.tokens < outcome.quota.burst() => ends / US_PER_SEC,
+            ends if ends > 0 => 0,
+            _ if r.committed => v.reset_secs(),
             // Nothing spent: report the bucket as it stands.
-            None => crate::limiter::ceil_secs(
+            _ => crate::limiter::ceil_secs(
                 outcome
                     .quota
                     .time_to_gain_us(outcome.quota.burst().saturating_sub(v.available)),
@@ -776,9 +783,9 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             .rules
             .iter()
             .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed)
-            .max_by_key(|r| (r.retry_after, r.window.is_some()));
+            .max_by_key(|r| (r.retry_after, r.budget_ends_in_us > 0));
         let (retry_after, budget) =
-            longest.map_or((1, false), |r| (r.retry_after, r.window.is_some()));
+            longest.map_or((1, false), |r| (r.retry_after, r.budget_ends_in_us > 0));
         return Decision::Refuse(Refusal {
             reason: if budget {
                 Reason::BudgetExceeded
