@@ -107,7 +107,7 @@ fn global_shadow_is_shown_and_switches_off_by_itself() {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs()
-        + 3;
+        + 8;
     let expires = humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(soon));
     let policy = format!(
         r#"{{"bundle_version": 9,
