@@ -164,6 +164,11 @@ pub struct RunArgs {
     /// README). The admin listener has its own cap: this value, at most 4 096.
     #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
+    /// Most connections one client address holds open on the proxy listeners at once (nginx's
+    /// `limit_conn`): further ones get 429 `connection_limit` and are closed. IPv6 clients count
+    /// per /64 (--ipv6-prefix); --trusted-proxy peers are not counted. Off unless set.
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS_PER_IP")]
+    pub max_connections_per_ip: Option<usize>,
     /// A TLS listener next to --listen (which stays cleartext). Without it, --tls-cert/--tls-key
     /// make --listen itself serve HTTPS.
     #[arg(long, env = "TOLLGATE_LISTEN_TLS")]

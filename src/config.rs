@@ -38,6 +38,8 @@ pub struct Config {
     pub keepalive_timeout: Duration,
     /// Explicit `--max-connections`; `None` = derived from the open-file limit at start.
     pub max_connections: Option<usize>,
+    /// `--max-connections-per-ip`.
+    pub max_connections_per_ip: Option<usize>,
     /// The gRPC listener for Envoy, if any.
     pub grpc: Option<GrpcConfig>,
     /// HTTPS on the proxy, if any.
@@ -167,6 +169,9 @@ impl Config {
         if args.max_connections == Some(0) {
             errors.push("--max-connections 0: must be at least 1".to_string());
         }
+        if args.max_connections_per_ip == Some(0) {
+            errors.push("--max-connections-per-ip 0: must be at least 1".to_string());
+        }
         if args.store_timeout_ms == 0 {
             errors.push("--store-timeout-ms 0: must be at least 1".to_string());
         }
@@ -262,6 +267,7 @@ impl Config {
             header_timeout: Duration::from_secs(args.header_timeout_secs),
             keepalive_timeout: Duration::from_secs(args.keepalive_timeout_secs),
             max_connections: args.max_connections,
+            max_connections_per_ip: args.max_connections_per_ip,
             grpc,
             tls,
             h2c: args.h2c,

@@ -68,6 +68,7 @@ pub struct Metrics {
     policy_info: IntGaugeVec,
     runtime_overrides: IntGaugeVec,
     policies_skipped: IntGauge,
+    connections_refused: IntCounterVec,
     jwt_valid: IntCounter,
     jwt_invalid: IntCounterVec,
     grpc_calls: IntCounterVec,
@@ -187,6 +188,14 @@ impl Metrics {
         for name in ["global_shadow", "kill_switch_override"] {
             runtime_overrides.with_label_values(&[name]);
         }
+        let connections_refused = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_connections_refused_total",
+                "Client connections refused at accept, by cap (per_ip)",
+            ),
+            &["cap"],
+        ));
+        connections_refused.with_label_values(&["per_ip"]);
         let policies_skipped = must(IntGauge::new(
             "tollgate_policies_skipped",
             "Policies of the bundle in force left out by --skip-invalid-policies",
@@ -231,6 +240,7 @@ impl Metrics {
             Box::new(policy_info.clone()),
             Box::new(runtime_overrides.clone()),
             Box::new(policies_skipped.clone()),
+            Box::new(connections_refused.clone()),
         ] {
             must(registry.register(c));
         }
@@ -264,6 +274,7 @@ impl Metrics {
             policy_info,
             runtime_overrides,
             policies_skipped,
+            connections_refused,
             jwt_valid,
             jwt_invalid,
             grpc_calls,
@@ -428,6 +439,11 @@ impl Metrics {
                 }
             }
         }
+    }
+
+    /// The counter of connections refused by `cap` (the proxy's connection guard counts them).
+    pub fn connections_refused(&self, cap: &str) -> IntCounter {
+        self.connections_refused.with_label_values(&[cap])
     }
 
     /// Sets the gauges that follow the bundle in force and the time: runtime overrides active

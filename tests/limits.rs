@@ -422,3 +422,79 @@ fn a_request_refused_by_a_bucket_holds_no_slot() {
         assert_eq!(r.header("X-Tollgate-Lease"), None);
     }
 }
+
+/// The status line of what the proxy says first on a fresh connection that sent nothing yet
+/// but a request line (the 429 of a refused connection is written at accept).
+fn first_status(stream: &mut std::net::TcpStream) -> Option<u16> {
+    use std::io::{Read, Write};
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let _ = stream.write_all(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut buf = [0u8; 512];
+    let n = stream.read(&mut buf).ok()?;
+    let head = String::from_utf8_lossy(&buf[..n]).to_string();
+    head.split(' ').nth(1)?.parse().ok()
+}
+
+#[test]
+fn connections_are_capped_per_client_address() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(
+        Some(r#"{"rules": []}"#),
+        Some(upstream.addr),
+        &["--max-connections-per-ip", "2"],
+    );
+    let mut held: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect(gw.proxy).unwrap())
+        .collect();
+    for stream in &mut held {
+        assert_eq!(first_status(stream), Some(200));
+    }
+    let mut third = std::net::TcpStream::connect(gw.proxy).unwrap();
+    let refused = {
+        use std::io::Read;
+        third
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut text = String::new();
+        let _ = third.read_to_string(&mut text);
+        text
+    };
+    assert!(refused.starts_with("HTTP/1.1 429 "), "{refused}");
+    assert!(
+        refused.contains("X-Tollgate-Reason: connection_limit"),
+        "{refused}"
+    );
+    assert_eq!(
+        gw.metric("tollgate_connections_refused_total{cap=\"per_ip\"}"),
+        1.0
+    );
+    // One closes: a new connection is accepted again.
+    held.pop();
+    gw.wait_until(Duration::from_secs(10), || {
+        let mut s = std::net::TcpStream::connect(gw.proxy).unwrap();
+        first_status(&mut s) == Some(200)
+    });
+}
+
+#[test]
+fn trusted_proxies_are_not_capped_per_address() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(
+        Some(r#"{"rules": []}"#),
+        Some(upstream.addr),
+        &[
+            "--max-connections-per-ip",
+            "1",
+            "--trusted-proxy",
+            "127.0.0.1/32",
+        ],
+    );
+    let mut held: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(gw.proxy).unwrap())
+        .collect();
+    for stream in &mut held {
+        assert_eq!(first_status(stream), Some(200));
+    }
+}

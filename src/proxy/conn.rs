@@ -167,12 +167,111 @@ pub fn response_done(idle: Duration) {
 }
 
 /// Connection limits of the proxy listener.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct Limits {
     pub max_connections: usize,
     pub header_timeout: Duration,
     /// The app accepts HTTP/2 with prior knowledge on cleartext connections.
     pub h2c: bool,
+    /// `--max-connections-per-ip`, shared by every listener of the proxy.
+    pub per_client: Option<Arc<PerClient>>,
+}
+
+/// Open connections per client address, capped (`--max-connections-per-ip`, as nginx's
+/// `limit_conn`). The TCP peer is the client: a `--trusted-proxy` peer carries many clients
+/// and is not counted. IPv6 peers count per network (`--ipv6-prefix`), like their buckets.
+pub struct PerClient {
+    max: usize,
+    ipv6_prefix: u8,
+    trusted: Vec<crate::descriptor::IpNet>,
+    open: parking_lot::Mutex<ahash::AHashMap<std::net::IpAddr, usize>>,
+    refused: prometheus::IntCounter,
+    /// The whole refusal, built once (its reason header name is configurable).
+    busy: Vec<u8>,
+}
+
+impl PerClient {
+    pub fn new(
+        max: usize,
+        ipv6_prefix: u8,
+        trusted: Vec<crate::descriptor::IpNet>,
+        reason_header: &str,
+        refused: prometheus::IntCounter,
+    ) -> Arc<Self> {
+        let body = "Too Many Requests: too many connections from your address\r\n";
+        let busy = format!(
+            "HTTP/1.1 429 Too Many Requests\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nRetry-After: 1\r\n{reason_header}: connection_limit\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes();
+        Arc::new(PerClient {
+            max,
+            ipv6_prefix,
+            trusted,
+            open: parking_lot::Mutex::new(ahash::AHashMap::new()),
+            refused,
+            busy,
+        })
+    }
+
+    /// Counts a new connection from `peer`: `Ok(None)` when it is not counted (a trusted
+    /// proxy), `Err(())` when the address already holds its cap.
+    fn enter(self: &Arc<Self>, peer: std::net::IpAddr) -> Result<Option<ClientSlot>, ()> {
+        let peer = crate::descriptor::canonical_ip(peer);
+        if crate::client_addr::in_any(&self.trusted, peer) {
+            return Ok(None);
+        }
+        let key = match peer {
+            std::net::IpAddr::V6(v6) => {
+                let bits = u128::from(v6);
+                let keep = u32::from(self.ipv6_prefix.min(128));
+                let mask = if keep == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - keep)
+                };
+                std::net::IpAddr::V6((bits & mask).into())
+            }
+            v4 => v4,
+        };
+        let mut open = self.open.lock();
+        let count = open.entry(key).or_insert(0);
+        if *count >= self.max {
+            if *count == 0 {
+                open.remove(&key);
+            }
+            self.refused.inc();
+            return Err(());
+        }
+        *count += 1;
+        Ok(Some(ClientSlot {
+            owner: Arc::clone(self),
+            key,
+        }))
+    }
+
+    /// Connections open from `ip`'s address or network (tests).
+    pub fn open(&self, ip: std::net::IpAddr) -> usize {
+        self.open.lock().get(&ip).copied().unwrap_or(0)
+    }
+}
+
+/// One counted connection; given back when the connection ends, however it ends.
+struct ClientSlot {
+    owner: Arc<PerClient>,
+    key: std::net::IpAddr,
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut open = self.owner.open.lock();
+        if let Some(count) = open.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.key);
+            }
+        }
+    }
 }
 
 /// A [`ServerApp`] wrapping another with [`Limits`].
@@ -201,6 +300,24 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         mut stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
+        let peer = stream
+            .get_socket_digest()
+            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
+        let _client_slot = match (&self.limits.per_client, peer) {
+            (Some(per_client), Some(ip)) => match per_client.enter(ip) {
+                Ok(slot) => slot,
+                Err(()) => {
+                    let busy = per_client.busy.clone();
+                    let _ = tokio::time::timeout(Duration::from_millis(200), async {
+                        let _ = stream.write_all(&busy).await;
+                        let _ = stream.flush().await;
+                    })
+                    .await;
+                    return None;
+                }
+            },
+            _ => None,
+        };
         let Ok(_slot) = Arc::clone(&self.slots).try_acquire_owned() else {
             // Best effort and bounded: the socket is closed right after.
             let _ = tokio::time::timeout(Duration::from_millis(200), async {
@@ -303,6 +420,29 @@ pub fn default_max_connections(nofile: u64, upstream_pool: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv6_clients_share_their_network_and_slots_come_back() {
+        let counter = prometheus::IntCounter::new("t", "t").unwrap();
+        let per = PerClient::new(2, 64, Vec::new(), "X-Tollgate-Reason", counter.clone());
+        let a: std::net::IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: std::net::IpAddr = "2001:db8:1:2::2".parse().unwrap();
+        let other: std::net::IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        let first = per.enter(a).unwrap();
+        let second = per.enter(b).unwrap();
+        assert!(per.enter(a).is_err());
+        assert_eq!(counter.get(), 1);
+        assert!(per.enter(other).unwrap().is_some());
+        drop(first);
+        let net: std::net::IpAddr = "2001:db8:1:2::".parse().unwrap();
+        assert_eq!(per.open(net), 1);
+        drop(second);
+        assert_eq!(per.open(net), 0);
+        // IPv4-mapped IPv6 is the IPv4 client.
+        let v4 = per.enter("::ffff:10.0.0.1".parse().unwrap()).unwrap();
+        assert_eq!(per.open("10.0.0.1".parse().unwrap()), 1);
+        drop(v4);
+    }
 
     #[test]
     fn the_connection_cap_leaves_room_below_the_fd_limit() {

@@ -120,6 +120,15 @@ pub fn run(args: RunArgs) -> u8 {
                 .unwrap_or_else(|| conn::default_max_connections(nofile, UPSTREAM_KEEPALIVE_POOL)),
             header_timeout: config.header_timeout,
             h2c: config.h2c,
+            per_client: config.max_connections_per_ip.map(|max| {
+                conn::PerClient::new(
+                    max,
+                    config.ipv6_prefix,
+                    config.trusted_proxies.clone(),
+                    &config.reason_header,
+                    gateway.metrics.connections_refused("per_ip"),
+                )
+            }),
         };
         let proxy = gateway::Proxy::new(Arc::clone(&gateway), Arc::clone(upstreams));
         let mut app = pingora::proxy::http_proxy(&server.configuration, proxy);
@@ -131,7 +140,7 @@ pub fn run(args: RunArgs) -> u8 {
         app.server_options = Some(options);
         let mut svc = Service::new(
             "tollgate proxy".to_string(),
-            conn::Guarded::new(app, limits),
+            conn::Guarded::new(app, limits.clone()),
         );
         // A 4 KiB read buffer per connection instead of Pingora's 64 KiB: an idle connection
         // costs a fraction of the memory, and reads larger than the buffer bypass it anyway.
@@ -180,6 +189,7 @@ pub fn run(args: RunArgs) -> u8 {
             .min(ADMIN_MAX_CONNECTIONS),
         header_timeout: config.header_timeout,
         h2c: false,
+        per_client: None,
     };
     let mut admin = Service::new(
         "tollgate admin".to_string(),
