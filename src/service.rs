@@ -441,14 +441,11 @@ impl Gateway {
                                 engine::finish(pending, answer.map(|()| &results))
                             }
                         };
-                        if id != 0 {
-                            lease = held_lease(&decision, id);
-                            if !decision.is_allowed() {
-                                if let Some(l) = lease.take() {
-                                    self.store.memory_leases().release(l.id, &l.keys);
-                                }
-                            }
+                        let (kept, given_back) = settle_lease(&decision, id);
+                        if let Some(l) = given_back {
+                            self.store.memory_leases().release(l.id, &l.keys);
                         }
+                        lease = kept;
                         decision
                     }
                 },
@@ -478,23 +475,17 @@ impl Gateway {
                 };
                 let decision = match pending {
                     Err(refused) => refused,
-                    Ok(pending) if pending.ops.is_empty() => {
-                        engine::finish(pending, Ok(&OpResults::new()))
-                    }
                     Ok(pending) => {
                         let mut results = OpResults::new();
                         let answer = self.store.apply(now_us, &pending.ops, &mut results).await;
                         engine::finish(pending, answer.map(|()| &results))
                     }
                 };
-                if id != 0 {
-                    lease = held_lease(&decision, id);
-                    if !decision.is_allowed() {
-                        if let Some(l) = lease.take() {
-                            self.store.release(l.id, &l.keys).await;
-                        }
-                    }
+                let (kept, given_back) = settle_lease(&decision, id);
+                if let Some(l) = given_back {
+                    self.store.release(l.id, &l.keys).await;
                 }
+                lease = kept;
                 decision
             }
         };
@@ -725,6 +716,17 @@ pub struct Answer {
     pub rule: Option<String>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
+}
+
+/// What becomes of the concurrency slots a decision took under `id`: `(kept, given back)`. An
+/// allowed request keeps them until it is done; a refused one gives them back at once.
+fn settle_lease(decision: &Decision<'_>, id: u64) -> (Option<Lease>, Option<Lease>) {
+    let lease = held_lease(decision, id);
+    if decision.is_allowed() {
+        (lease, None)
+    } else {
+        (None, lease)
+    }
 }
 
 /// The lease a decision holds: its committed concurrency slots under `id`, with the longest

@@ -437,6 +437,17 @@ fn first_status(stream: &mut std::net::TcpStream) -> Option<u16> {
     head.split(' ').nth(1)?.parse().ok()
 }
 
+/// `n` connections to the proxy, each served one request (so each is surely accepted), held open.
+fn open_served_connections(gw: &Gateway, n: usize) -> Vec<std::net::TcpStream> {
+    let mut held: Vec<std::net::TcpStream> = (0..n)
+        .map(|_| std::net::TcpStream::connect(gw.proxy).unwrap())
+        .collect();
+    for stream in &mut held {
+        assert_eq!(first_status(stream), Some(200));
+    }
+    held
+}
+
 #[test]
 fn connections_are_capped_per_client_address() {
     let upstream = Upstream::start();
@@ -445,12 +456,7 @@ fn connections_are_capped_per_client_address() {
         Some(upstream.addr),
         &["--max-connections-per-ip", "2"],
     );
-    let mut held: Vec<std::net::TcpStream> = (0..2)
-        .map(|_| std::net::TcpStream::connect(gw.proxy).unwrap())
-        .collect();
-    for stream in &mut held {
-        assert_eq!(first_status(stream), Some(200));
-    }
+    let mut held = open_served_connections(&gw, 2);
     let mut third = std::net::TcpStream::connect(gw.proxy).unwrap();
     let refused = {
         use std::io::Read;
@@ -491,10 +497,5 @@ fn trusted_proxies_are_not_capped_per_address() {
             "127.0.0.1/32",
         ],
     );
-    let mut held: Vec<std::net::TcpStream> = (0..3)
-        .map(|_| std::net::TcpStream::connect(gw.proxy).unwrap())
-        .collect();
-    for stream in &mut held {
-        assert_eq!(first_status(stream), Some(200));
-    }
+    open_served_connections(&gw, 3);
 }

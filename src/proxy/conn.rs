@@ -300,11 +300,13 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         mut stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
-        let peer = stream
-            .get_socket_digest()
-            .and_then(|d| d.peer_addr().and_then(|a| a.as_inet()).map(|a| a.ip()));
-        let _client_slot = match (&self.limits.per_client, peer) {
-            (Some(per_client), Some(ip)) => match per_client.enter(ip) {
+        // The peer is looked up only when connections are capped per address.
+        let capped = self.limits.per_client.as_ref().and_then(|per_client| {
+            let peer = stream.get_socket_digest()?.peer_addr()?.as_inet()?.ip();
+            Some((per_client, peer))
+        });
+        let _client_slot = match capped {
+            Some((per_client, ip)) => match per_client.enter(ip) {
                 Ok(slot) => slot,
                 Err(()) => {
                     let busy = per_client.busy.clone();
@@ -316,7 +318,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
                     return None;
                 }
             },
-            _ => None,
+            None => None,
         };
         let Ok(_slot) = Arc::clone(&self.slots).try_acquire_owned() else {
             // Best effort and bounded: the socket is closed right after.

@@ -296,6 +296,11 @@ impl Store {
         ops: &[BucketOp],
         results: &mut OpResults,
     ) -> Result<(), StoreError> {
+        // Nothing to check (a request under concurrency rules only): no round trip.
+        if ops.is_empty() {
+            results.clear();
+            return Ok(());
+        }
         let answer = match &self.backend {
             Backend::Memory(m) => return m.apply(now_us, ops, results),
             Backend::Redis(s) => s.apply(now_us, ops, results).await,

@@ -259,28 +259,7 @@ impl PostgresStore {
                 }
             }
         };
-        let values = match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(values)) if values.len() == ops.len() + 2 => values,
-            Ok(Ok(values)) => {
-                self.health.failed(
-                    &redact(&self.url),
-                    &format!("unexpected reply of {} values", values.len()),
-                );
-                return Err(StoreError::Unavailable("bad reply".into()));
-            }
-            Ok(Err(e)) => {
-                self.health.failed(&redact(&self.url), &e.to_string());
-                return Err(StoreError::Unavailable(e.to_string()));
-            }
-            Err(_) => {
-                self.health.failed(
-                    &redact(&self.url),
-                    &format!("no answer within {:?}", self.timeout),
-                );
-                return Err(StoreError::Unavailable("timeout".into()));
-            }
-        };
-        self.health.ok(&redact(&self.url));
+        let values = self.answer(call, ops.len() + 2).await?;
         let available: Vec<u64> = values[2..].iter().map(|v| (*v).max(0) as u64).collect();
         outcomes_from(
             now_us,
@@ -291,6 +270,32 @@ impl PostgresStore {
             results,
         );
         Ok(())
+    }
+
+    /// The array a store function answered within the timeout, of `expected` values; anything
+    /// else is counted as a failure (logged without the password) and fails the call.
+    async fn answer(
+        &self,
+        call: impl std::future::Future<Output = Result<Vec<i64>, tokio_postgres::Error>>,
+        expected: usize,
+    ) -> Result<Vec<i64>, StoreError> {
+        let failure = match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(values)) if values.len() == expected => {
+                self.health.ok(&redact(&self.url));
+                return Ok(values);
+            }
+            Ok(Ok(values)) => (
+                format!("unexpected reply of {} values", values.len()),
+                "bad reply".to_string(),
+            ),
+            Ok(Err(e)) => (e.to_string(), e.to_string()),
+            Err(_) => (
+                format!("no answer within {:?}", self.timeout),
+                "timeout".to_string(),
+            ),
+        };
+        self.health.failed(&redact(&self.url), &failure.0);
+        Err(StoreError::Unavailable(failure.1))
     }
 
     /// Takes lease `id` on the ops' keys in one statement (see [`super::lease`]).
@@ -323,27 +328,13 @@ impl PostgresStore {
         let lease = id as i64;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
             [&keys, &maxes, &groups, &lease, &expiries, &now];
-        let call = client.query_one("SELECT tollgate_acquire($1, $2, $3, $4, $5, $6)", &params);
-        let counts = match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(row)) => row.get::<_, Vec<i64>>(0),
-            Ok(Err(e)) => {
-                self.health.failed(&redact(&self.url), &e.to_string());
-                return Err(StoreError::Unavailable(e.to_string()));
-            }
-            Err(_) => {
-                self.health.failed(
-                    &redact(&self.url),
-                    &format!("no answer within {:?}", self.timeout),
-                );
-                return Err(StoreError::Unavailable("timeout".into()));
-            }
+        let call = async {
+            client
+                .query_one("SELECT tollgate_acquire($1, $2, $3, $4, $5, $6)", &params)
+                .await
+                .map(|row| row.get::<_, Vec<i64>>(0))
         };
-        if counts.len() != ops.len() {
-            self.health
-                .failed(&redact(&self.url), "unexpected lease reply");
-            return Err(StoreError::Unavailable("bad reply".into()));
-        }
-        self.health.ok(&redact(&self.url));
+        let counts = self.answer(call, ops.len()).await?;
         let in_flight: Vec<u32> = counts
             .iter()
             .map(|c| (*c).clamp(0, i64::from(u32::MAX)) as u32)

@@ -132,6 +132,38 @@ enum Conn {
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
+impl Conn {
+    /// Runs a script invocation on whichever kind of connection this is.
+    async fn invoke<T: redis::FromRedisValue>(
+        &mut self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> redis::RedisResult<T> {
+        match self {
+            Conn::Single(c) => invocation.invoke_async(c).await,
+            Conn::Cluster(c) => invocation.invoke_async(c).await,
+        }
+    }
+}
+
+/// Indices of a request's keys, grouped by hash slot (one group on a single server): each
+/// group is one atomic script call.
+type SlotGroups = SmallVec<[SmallVec<[usize; 4]>; 4]>;
+
+fn slot_groups(conn: &Conn, keys: &[String]) -> SlotGroups {
+    let mut groups: SmallVec<[(u16, SmallVec<[usize; 4]>); 4]> = SmallVec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let slot = match conn {
+            Conn::Single(_) => 0,
+            Conn::Cluster(_) => redis::cluster_routing::get_slot(key.as_bytes()),
+        };
+        match groups.iter_mut().find(|(s, _)| *s == slot) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((slot, smallvec::smallvec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, members)| members).collect()
+}
+
 /// The Redis store.
 pub struct RedisStore {
     config: RedisConfig,
@@ -139,6 +171,9 @@ pub struct RedisStore {
     conn: ArcSwapOption<Conn>,
     script: redis::Script,
     refund: redis::Script,
+    /// Concurrency leases: taken and given back (scripts hashed once, called with EVALSHA).
+    acquire_script: redis::Script,
+    release_script: redis::Script,
     denied: Mutex<HashMap<u128, Denied>>,
     connecting: AtomicBool,
     health: Health,
@@ -201,6 +236,8 @@ impl RedisStore {
             conn: ArcSwapOption::empty(),
             script: redis::Script::new(SCRIPT),
             refund: redis::Script::new(REFUND),
+            acquire_script: redis::Script::new(ACQUIRE),
+            release_script: redis::Script::new(RELEASE),
             denied: Mutex::new(HashMap::new()),
             connecting: AtomicBool::new(false),
             health: Health::default(),
@@ -378,20 +415,10 @@ impl RedisStore {
         // Each bucket's Redis key, built once; one group on a single server, one group per
         // hash slot on a cluster.
         let keys: SmallVec<[String; 4]> = ops.iter().map(|op| redis_key(&op.key)).collect();
-        let mut groups: SmallVec<[(u16, SmallVec<[usize; 4]>); 4]> = SmallVec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let slot = match *conn {
-                Conn::Single(_) => 0,
-                Conn::Cluster(_) => redis::cluster_routing::get_slot(key.as_bytes()),
-            };
-            match groups.iter_mut().find(|(s, _)| *s == slot) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((slot, smallvec::smallvec![i])),
-            }
-        }
+        let groups = slot_groups(&conn, &keys);
         let keys = &keys;
         let deadline = self.script_deadline();
-        let calls = groups.iter().map(|(_, members)| {
+        let calls = groups.iter().map(|members| {
             let mut conn = (*conn).clone();
             async move {
                 let mut invocation = self.script.prepare_invoke();
@@ -411,11 +438,7 @@ impl RedisStore {
                         .arg(op.window.map_or(0, |w| w.id))
                         .arg(op.window.map_or(0, |w| w.ends_in_us));
                 }
-                let reply: redis::RedisResult<Vec<i64>> = match &mut conn {
-                    Conn::Single(c) => invocation.invoke_async(c).await,
-                    Conn::Cluster(c) => invocation.invoke_async(c).await,
-                };
-                reply
+                conn.invoke::<Vec<i64>>(&invocation).await
             }
         });
         let replies =
@@ -428,7 +451,7 @@ impl RedisStore {
         let mut available = vec![0u64; ops.len()];
         let mut group_ok: SmallVec<[(bool, bool); 4]> = SmallVec::new();
         let mut failure = None;
-        for ((_, members), reply) in groups.iter().zip(replies) {
+        for (members, reply) in groups.iter().zip(replies) {
             match reply {
                 Ok(values) if values.first() == Some(&-1) => {
                     failure.get_or_insert(
@@ -457,7 +480,7 @@ impl RedisStore {
         // Give back what groups committed on their own when the request as a whole did not pass
         // (several slots, or a group that failed).
         let mut refunds: SmallVec<[usize; 4]> = SmallVec::new();
-        for ((_, members), (e, s)) in groups.iter().zip(&group_ok) {
+        for (members, (e, s)) in groups.iter().zip(&group_ok) {
             for &i in members {
                 let committed_here = match ops[i].group {
                     Group::Enforce => *e,
@@ -496,10 +519,10 @@ impl RedisStore {
         conn: &Conn,
         ops: &[BucketOp],
         keys: &[String],
-        groups: &[(u16, SmallVec<[usize; 4]>)],
+        groups: &SlotGroups,
         refunds: &[usize],
     ) {
-        for (_, members) in groups {
+        for members in groups {
             let members: SmallVec<[usize; 4]> = members
                 .iter()
                 .copied()
@@ -515,19 +538,30 @@ impl RedisStore {
             for &i in &members {
                 invocation.arg(ops[i].quota.burst()).arg(ops[i].cost);
             }
-            let mut conn = conn.clone();
-            let call = async {
-                match &mut conn {
-                    Conn::Single(c) => invocation.invoke_async::<i64>(c).await,
-                    Conn::Cluster(c) => invocation.invoke_async::<i64>(c).await,
-                }
-            };
-            if !matches!(
-                tokio::time::timeout(self.config.timeout, call).await,
-                Ok(Ok(_))
-            ) {
-                tracing::warn!(store = %crate::redact::url(&self.config.url), "refund of a refused multi-slot request failed; those buckets stay short until they refill");
-            }
+            self.best_effort(
+                conn,
+                &invocation,
+                "refund of a refused multi-slot request failed; those buckets stay short until they refill",
+            )
+            .await;
+        }
+    }
+
+    /// Runs a script whose failure only costs accuracy (a refund, a lease given back): bounded
+    /// by the store timeout, a failure logged as `failure`.
+    async fn best_effort(
+        &self,
+        conn: &Conn,
+        invocation: &redis::ScriptInvocation<'_>,
+        failure: &str,
+    ) {
+        let mut conn = conn.clone();
+        let call = conn.invoke::<i64>(invocation);
+        if !matches!(
+            tokio::time::timeout(self.config.timeout, call).await,
+            Ok(Ok(_))
+        ) {
+            tracing::warn!(store = %crate::redact::url(&self.config.url), "{failure}");
         }
     }
 
@@ -608,12 +642,11 @@ impl RedisStore {
             self.failed("not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        let keys: SmallVec<[String; 2]> = ops.iter().map(|op| redis_key(&op.key)).collect();
+        let keys: SmallVec<[String; 4]> = ops.iter().map(|op| redis_key(&op.key)).collect();
         let groups = slot_groups(&conn, &keys);
-        let script = redis::Script::new(ACQUIRE);
         let calls = groups.iter().map(|members| {
             let mut conn = (*conn).clone();
-            let mut invocation = script.prepare_invoke();
+            let mut invocation = self.acquire_script.prepare_invoke();
             for &i in members {
                 invocation.key(&keys[i]);
             }
@@ -626,12 +659,7 @@ impl RedisStore {
                     .arg(now_us.saturating_add(op.ttl_us))
                     .arg(op.ttl_us.div_ceil(1000).max(1));
             }
-            async move {
-                match &mut conn {
-                    Conn::Single(c) => invocation.invoke_async::<Vec<i64>>(c).await,
-                    Conn::Cluster(c) => invocation.invoke_async::<Vec<i64>>(c).await,
-                }
-            }
+            async move { conn.invoke::<Vec<i64>>(&invocation).await }
         });
         let replies =
             tokio::time::timeout(self.config.timeout, futures::future::join_all(calls)).await;
@@ -690,45 +718,21 @@ impl RedisStore {
         let Some(conn) = self.conn.load_full() else {
             return;
         };
-        let names: SmallVec<[String; 2]> = keys.iter().map(redis_key).collect();
-        let script = redis::Script::new(RELEASE);
+        let names: SmallVec<[String; 4]> = keys.iter().map(redis_key).collect();
         for members in slot_groups(&conn, &names) {
-            let mut invocation = script.prepare_invoke();
+            let mut invocation = self.release_script.prepare_invoke();
             for &i in &members {
                 invocation.key(&names[i]);
             }
             invocation.arg(id);
-            let mut conn = (*conn).clone();
-            let call = async {
-                match &mut conn {
-                    Conn::Single(c) => invocation.invoke_async::<i64>(c).await,
-                    Conn::Cluster(c) => invocation.invoke_async::<i64>(c).await,
-                }
-            };
-            if !matches!(
-                tokio::time::timeout(self.config.timeout, call).await,
-                Ok(Ok(_))
-            ) {
-                tracing::warn!(store = %crate::redact::url(&self.config.url), "giving back a concurrency lease failed; the slot frees at the lease's expiry");
-            }
+            self.best_effort(
+                &conn,
+                &invocation,
+                "giving back a concurrency lease failed; the slot frees at the lease's expiry",
+            )
+            .await;
         }
     }
-}
-
-/// Indices of `keys` grouped by hash slot (one group on a single server).
-fn slot_groups(conn: &Conn, keys: &[String]) -> SmallVec<[SmallVec<[usize; 2]>; 2]> {
-    let mut groups: SmallVec<[(u16, SmallVec<[usize; 2]>); 2]> = SmallVec::new();
-    for (i, key) in keys.iter().enumerate() {
-        let slot = match conn {
-            Conn::Single(_) => 0,
-            Conn::Cluster(_) => redis::cluster_routing::get_slot(key.as_bytes()),
-        };
-        match groups.iter_mut().find(|(s, _)| *s == slot) {
-            Some((_, members)) => members.push(i),
-            None => groups.push((slot, smallvec::smallvec![i])),
-        }
-    }
-    groups.into_iter().map(|(_, members)| members).collect()
 }
 
 #[cfg(test)]
