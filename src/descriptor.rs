@@ -91,6 +91,8 @@ pub struct RequestFacts<'a> {
     pub claims: Option<&'a Claims>,
     /// The Envoy rate-limit descriptor these facts stand for (gRPC `ShouldRateLimit`), if any.
     pub envoy: Option<EnvoyDescriptor<'a>>,
+    /// xxHash3-64 of the request body, when the front end read it (for `loop_detection`).
+    pub body_hash: Option<u64>,
 }
 
 /// One descriptor of an Envoy `ShouldRateLimit` call: its request's `domain` and its
@@ -181,6 +183,7 @@ impl<'a> RequestFacts<'a> {
             headers,
             claims: None,
             envoy: None,
+            body_hash: None,
         }
     }
 
@@ -219,6 +222,45 @@ impl<'a> RequestFacts<'a> {
     pub fn with_claims(mut self, claims: Option<&'a Claims>) -> Self {
         self.claims = claims;
         self
+    }
+
+    /// The same facts with the request body's hash ([`body_hash`]).
+    pub fn with_body_hash(mut self, hash: Option<u64>) -> Self {
+        self.body_hash = hash;
+        self
+    }
+
+    /// Appends what makes two requests identical for `loop_detection`: method, path, the query
+    /// parameters sorted (by decoded name, then value, so order and encoding do not matter and
+    /// a repeated parameter counts every value), and the body hash (`-` when no body was read).
+    pub fn write_fingerprint(&self, out: &mut String) {
+        // Every field escaped and `|`-separated: the body hash is always the last one, so no two
+        // different requests write the same text.
+        push_key_part(out, false, self.method);
+        push_key_part(out, false, &self.path);
+        if let Some(query) = self.query {
+            let mut params: smallvec::SmallVec<[(Cow<'_, str>, Cow<'_, str>); 8]> = query
+                .split('&')
+                .filter(|pair| !pair.is_empty())
+                .map(|pair| {
+                    let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                    (percent_decode(k), percent_decode(v))
+                })
+                .collect();
+            params.sort_unstable();
+            for (k, v) in &params {
+                push_key_part(out, false, k);
+                push_key_part(out, false, v);
+            }
+        }
+        out.push('|');
+        match self.body_hash {
+            Some(h) => {
+                use std::fmt::Write;
+                let _ = write!(out, "{h:016x}");
+            }
+            None => out.push('-'),
+        }
     }
 
     /// The host without port, as sent (callers compare case-insensitively).
@@ -747,6 +789,33 @@ pub fn push_key_part(key: &mut String, first: bool, part: &str) {
     } else {
         key.push_str(part);
     }
+}
+
+/// Hashes a request body as it streams by, for `loop_detection` fingerprints: xxHash3-64, the
+/// same value as [`body_hash`] of the whole body. An empty body has no hash.
+#[derive(Default)]
+pub struct BodyHasher {
+    hasher: twox_hash::XxHash3_64,
+    bytes: u64,
+}
+
+impl BodyHasher {
+    pub fn update(&mut self, chunk: &[u8]) {
+        use std::hash::Hasher;
+        self.hasher.write(chunk);
+        self.bytes += chunk.len() as u64;
+    }
+
+    /// The hash, `None` for an empty body.
+    pub fn finish(&self) -> Option<u64> {
+        use std::hash::Hasher;
+        (self.bytes > 0).then(|| self.hasher.finish())
+    }
+}
+
+/// The hash a whole request body is fingerprinted by (`None` when empty).
+pub fn body_hash(body: &[u8]) -> Option<u64> {
+    (!body.is_empty()).then(|| twox_hash::XxHash3_64::oneshot(body))
 }
 
 /// Joins parts into one composite key (see [`push_key_part`]).

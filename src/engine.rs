@@ -10,8 +10,8 @@
 use crate::budget::Action;
 use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, US_PER_SEC};
-use crate::policy::{Bundle, CostSource, KillSwitch, Mode, OnMissing, Rule};
-use crate::store::lease::{LeaseOp, LeaseResults};
+use crate::policy::{Bundle, CostSource, Guard, KillSwitch, LoopAction, Mode, OnMissing, Rule};
+use crate::store::lease::{next_lease_id, LeaseOp, LeaseResults};
 use crate::store::{BucketKey, BucketOp, Group, MemoryStore, OpResults, StoreError};
 use smallvec::SmallVec;
 
@@ -45,6 +45,10 @@ pub enum Reason {
     BudgetExceeded,
     /// A `concurrency` rule's slots are all taken.
     ConcurrencyExceeded,
+    /// `loop_detection` (action `reject`): too many identical requests within its window.
+    LoopDetected,
+    /// A `circuit_breaker` is open: the spend rate went over its threshold.
+    CircuitBreakerOpen,
     KillSwitch,
     /// A rule with `on_missing: reject` found its descriptor missing.
     MissingDescriptor,
@@ -59,10 +63,12 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 10] = [
         Reason::TokenBucketExceeded,
         Reason::BudgetExceeded,
         Reason::ConcurrencyExceeded,
+        Reason::LoopDetected,
+        Reason::CircuitBreakerOpen,
         Reason::KillSwitch,
         Reason::MissingDescriptor,
         Reason::CostExceedsLimit,
@@ -76,6 +82,8 @@ impl Reason {
             Reason::TokenBucketExceeded => "token_bucket_exceeded",
             Reason::BudgetExceeded => "budget_exceeded",
             Reason::ConcurrencyExceeded => "concurrency_exceeded",
+            Reason::LoopDetected => "loop_detected",
+            Reason::CircuitBreakerOpen => "circuit_breaker_open",
             Reason::KillSwitch => "kill_switch",
             Reason::MissingDescriptor => "missing_descriptor",
             Reason::CostExceedsLimit => "cost_exceeds_limit",
@@ -90,6 +98,8 @@ impl Reason {
             Reason::TokenBucketExceeded
             | Reason::BudgetExceeded
             | Reason::ConcurrencyExceeded
+            | Reason::LoopDetected
+            | Reason::CircuitBreakerOpen
             | Reason::KillSwitch
             | Reason::CostExceedsLimit => 429,
             Reason::MissingDescriptor => 401,
@@ -103,6 +113,12 @@ impl Reason {
             Reason::TokenBucketExceeded | Reason::KillSwitch => "Too Many Requests",
             Reason::ConcurrencyExceeded => {
                 "Too Many Requests: too many requests of yours are in progress; retry when one has finished"
+            }
+            Reason::LoopDetected => {
+                "Too Many Requests: the same request was repeated too often; this looks like a retry loop"
+            }
+            Reason::CircuitBreakerOpen => {
+                "Too Many Requests: spending went over its limit and the circuit breaker is open; it closes after its reset time"
             }
             Reason::BudgetExceeded => {
                 "Too Many Requests: the budget for this period is spent; it renews when the period ends"
@@ -191,24 +207,48 @@ pub struct Checked<'b> {
     /// The strongest budget stage an enforced budget reached (throttle over warn, the longer
     /// delay first); shadow budgets never throttle or warn the client.
     pub stage: Option<Action>,
+    /// What an enforced `loop_detection` with action `warn` or `throttle` found (a loop whose
+    /// action is `reject` refuses instead).
+    pub loop_stage: Option<Action>,
     /// Applicable `concurrency` rules, enforced and shadow, in policy order.
     /// A `Vec`: empty (no allocation) for the requests without one, and it keeps the
     /// decision small for every other request.
     pub slots: Vec<SlotOutcome<'b>>,
+    /// The id the slots' leases were taken under (0: none taken).
+    pub lease_id: u64,
 }
 
-/// What happened to one applicable `concurrency` rule.
+/// What happened to one applicable `concurrency` rule, `loop_detection` mark or circuit
+/// breaker (its open state).
 #[derive(Debug, Clone)]
 pub struct SlotOutcome<'b> {
     pub rule: &'b Rule,
-    /// The lease set's identity in the store (hash of `cc:<rule>:<key>`).
+    /// The lease set's identity in the store (hash of `cc:<rule>:<key>`, of `lp:<policy>:<key>`
+    /// and the fingerprint, or of `br:<policy>:<key>|open`).
     pub key: BucketKey,
-    /// A slot was free.
+    /// A slot was free; for a loop, fewer identical requests than the threshold; for a
+    /// breaker, it is closed.
     pub allowed: bool,
-    /// The request holds a lease on this key (to give back when it is done).
+    /// The request holds a lease on this key (a slot to give back when it is done; a loop mark
+    /// that lives out its window).
     pub committed: bool,
-    /// Requests in flight on the key before this one.
+    /// Live leases on the key before this request (requests in flight, identical requests in
+    /// the window, 1 for an open breaker).
     pub in_flight: u32,
+    /// When not allowed: µs until the key's earliest lease ends (the next identical request
+    /// admitted, the breaker closing).
+    pub frees_in_us: u64,
+}
+
+impl SlotOutcome<'_> {
+    /// The reason this slot refuses (or would, in shadow).
+    pub fn reason(&self) -> Reason {
+        match self.rule.guard {
+            Some(Guard::Loop(_)) => Reason::LoopDetected,
+            Some(Guard::Breaker(_)) => Reason::CircuitBreakerOpen,
+            None => Reason::ConcurrencyExceeded,
+        }
+    }
 }
 
 impl<'b> Checked<'b> {
@@ -219,12 +259,23 @@ impl<'b> Checked<'b> {
             shadow_missing: None,
             store_error: false,
             stage: None,
+            loop_stage: None,
             slots: Vec::new(),
+            lease_id: 0,
         }
     }
 
-    /// The lease keys this request holds (committed slots).
+    /// The concurrency slots this request holds, to give back when it is done.
     pub fn held_leases(&self) -> SmallVec<[BucketKey; 2]> {
+        self.slots
+            .iter()
+            .filter(|s| s.committed && s.rule.concurrency.is_some())
+            .map(|s| s.key)
+            .collect()
+    }
+
+    /// Every lease this request took (slots and loop marks): all given back when it is refused.
+    pub fn taken_leases(&self) -> SmallVec<[BucketKey; 2]> {
         self.slots
             .iter()
             .filter(|s| s.committed)
@@ -232,21 +283,36 @@ impl<'b> Checked<'b> {
             .collect()
     }
 
-    /// The delay a throttle stage asks for before the request goes on (0: none).
+    /// The delay a throttle stage (a budget's or a loop's) asks for before the request goes on
+    /// (0: none); the longer of the two.
     pub fn throttle_ms(&self) -> u64 {
-        match self.stage {
+        let delay = |stage: Option<Action>| match stage {
             Some(Action::Throttle { delay_ms }) => delay_ms,
             _ => 0,
-        }
+        };
+        delay(self.stage).max(delay(self.loop_stage))
     }
 
-    /// The warning a budget stage sends (`budget_warn` / `budget_throttle`), as Fairvisor's
-    /// `X-Fairvisor-Warning`.
+    /// The warning header's value: a loop stage (`loop_warn` / `loop_throttle`), a budget stage
+    /// (`budget_warn` / `budget_throttle`, as Fairvisor's `X-Fairvisor-Warning`), or both.
     pub fn warning(&self) -> Option<&'static str> {
-        match self.stage {
+        let budget = match self.stage {
             Some(Action::Warn) => Some("budget_warn"),
             Some(Action::Throttle { .. }) => Some("budget_throttle"),
             _ => None,
+        };
+        let looped = match self.loop_stage {
+            Some(Action::Warn) => Some("loop_warn"),
+            Some(Action::Throttle { .. }) => Some("loop_throttle"),
+            _ => None,
+        };
+        match (looped, budget) {
+            (None, b) => b,
+            (l, None) => l,
+            (Some("loop_warn"), Some("budget_warn")) => Some("loop_warn, budget_warn"),
+            (Some("loop_warn"), Some(_)) => Some("loop_warn, budget_throttle"),
+            (Some(_), Some("budget_warn")) => Some("loop_throttle, budget_warn"),
+            (Some(_), Some(_)) => Some("loop_throttle, budget_throttle"),
         }
     }
 }
@@ -353,6 +419,37 @@ impl<'b> Decision<'b> {
             .max_by_key(|r| (r.cost_exceeds, r.retry_after))
     }
 
+    /// The circuit breakers this request tripped (their spend bucket refused it), each as the
+    /// lease that opens it, with its rule. The caller takes them after the decision.
+    pub fn breaker_trips(&self) -> SmallVec<[(LeaseOp, &'b Rule); 1]> {
+        let mut trips = SmallVec::new();
+        let Some(checked) = self.checked() else {
+            return trips;
+        };
+        for outcome in checked.rules.iter().filter(|o| !o.allowed) {
+            let Some(Guard::Breaker(breaker)) = outcome.rule.guard else {
+                continue;
+            };
+            let open = checked
+                .slots
+                .iter()
+                .find(|s| std::ptr::eq(s.rule, outcome.rule) && s.allowed);
+            if let Some(open) = open {
+                trips.push((
+                    LeaseOp {
+                        key: open.key,
+                        max: 1,
+                        group: Group::Enforce,
+                        ttl_us: breaker.open_us(),
+                        soft: false,
+                    },
+                    outcome.rule,
+                ));
+            }
+        }
+        trips
+    }
+
     /// Shadow rules that would have refused.
     pub fn shadow_rejections(&self) -> impl Iterator<Item = &RuleOutcome<'b>> {
         self.rules()
@@ -410,8 +507,10 @@ impl<'b> Pending<'b> {
     #[allow(clippy::result_large_err)]
     pub fn admit(
         mut self,
+        lease_id: u64,
         answer: Result<&LeaseResults, StoreError>,
     ) -> Result<Self, Decision<'b>> {
+        self.checked.lease_id = lease_id;
         let results = match answer {
             Ok(results) => results,
             Err(_) => {
@@ -420,23 +519,52 @@ impl<'b> Pending<'b> {
                 return Ok(self);
             }
         };
-        let mut refused: Option<&'b Rule> = None;
+        let mut refused: Option<(&'b Rule, Reason, u64)> = None;
+        let mut loop_stage = None;
         for (slot, r) in self.checked.slots.iter_mut().zip(results.iter()) {
-            slot.allowed = r.allowed;
+            // A breaker's open state is read, never taken: open while it has a lease.
+            slot.allowed = match slot.rule.guard {
+                Some(Guard::Breaker(_)) => r.in_flight == 0,
+                _ => r.allowed,
+            };
             slot.committed = r.committed;
             slot.in_flight = r.in_flight;
-            if slot.rule.mode == Mode::Enforce && !r.allowed {
-                refused.get_or_insert(slot.rule);
+            slot.frees_in_us = r.frees_in_us;
+            if slot.allowed || slot.rule.mode == Mode::Shadow {
+                continue;
             }
+            let retry_after = match slot.rule.guard {
+                Some(Guard::Loop(detection)) => match detection.action {
+                    LoopAction::Reject => crate::limiter::ceil_secs(r.frees_in_us).max(1),
+                    LoopAction::Warn => {
+                        loop_stage = stronger(loop_stage, Some(Action::Warn));
+                        continue;
+                    }
+                    LoopAction::Throttle => {
+                        let delay_ms = detection.throttle_ms();
+                        loop_stage = stronger(loop_stage, Some(Action::Throttle { delay_ms }));
+                        continue;
+                    }
+                },
+                // An open breaker without automatic reset lasts until the bundle changes:
+                // clients are told to come back in a minute, as for a kill switch.
+                Some(Guard::Breaker(breaker)) if breaker.reset_us.is_none() => {
+                    KILL_SWITCH_RETRY_SECS
+                }
+                Some(Guard::Breaker(_)) => crate::limiter::ceil_secs(r.frees_in_us).max(1),
+                None => 1,
+            };
+            refused.get_or_insert((slot.rule, slot.reason(), retry_after));
         }
-        let Some(rule) = refused else {
+        self.checked.loop_stage = loop_stage;
+        let Some((rule, reason, retry_after)) = refused else {
             return Ok(self);
         };
         // Nothing is spent: the bucket outcomes are dropped rather than shown unchecked.
         self.checked.rules.clear();
         Err(Decision::Refuse(Refusal {
-            reason: Reason::ConcurrencyExceeded,
-            retry_after: 1,
+            reason,
+            retry_after,
             retry_by_deadline: false,
             // Names the full rule in logs and the access log.
             cause: Cause::Rule(rule),
@@ -576,6 +704,32 @@ pub fn plan<'b>(
         if !policy.selector.matches(facts) {
             continue;
         }
+        // A policy's guards come first; Envoy descriptors have no request to fingerprint or
+        // spend to measure, so they only apply to HTTP requests.
+        if facts.envoy.is_none() {
+            for rule in [policy.loop_detection, policy.circuit_breaker]
+                .into_iter()
+                .flatten()
+                .map(|i| &bundle.rules[i])
+            {
+                if repeats_header(rule, facts) {
+                    repeated = Some(rule);
+                    break 'policies;
+                }
+                plan_guard(
+                    bundle,
+                    rule,
+                    facts,
+                    prefix,
+                    &mut GuardPlan {
+                        leases: &mut leases,
+                        slots: &mut slots,
+                        ops: &mut ops,
+                        outcomes: &mut checked.rules,
+                    },
+                );
+            }
+        }
         let mut matched_conditional = false;
         let mut consider = |rule: &'b Rule,
                             outcomes: &mut SmallVec<[RuleOutcome<'b>; 4]>,
@@ -595,19 +749,11 @@ pub fn plan<'b>(
                         leases.push(LeaseOp {
                             key,
                             max: c.max_in_flight,
-                            group: match rule.mode {
-                                Mode::Enforce => Group::Enforce,
-                                Mode::Shadow => Group::Shadow,
-                            },
+                            group: group_of(rule.mode),
                             ttl_us: c.lease_ttl_us,
+                            soft: false,
                         });
-                        slots.push(SlotOutcome {
-                            rule,
-                            key,
-                            allowed: true,
-                            committed: false,
-                            in_flight: 0,
-                        });
+                        slots.push(SlotOutcome::new(rule, key));
                     }
                 }
                 Some((key, quota)) => {
@@ -679,6 +825,98 @@ pub fn plan<'b>(
     })
 }
 
+/// Where a policy's guards put their store operations.
+struct GuardPlan<'p, 'b> {
+    leases: &'p mut SmallVec<[LeaseOp; 1]>,
+    slots: &'p mut Vec<SlotOutcome<'b>>,
+    ops: &'p mut SmallVec<[BucketOp; 4]>,
+    outcomes: &'p mut SmallVec<[RuleOutcome<'b>; 4]>,
+}
+
+/// Plans a guard rule: a loop mark under the request's fingerprint (soft when the loop only
+/// warns or throttles), or a breaker's open-state read and its spend bucket.
+fn plan_guard<'b>(
+    bundle: &'b Bundle,
+    rule: &'b Rule,
+    facts: &RequestFacts<'_>,
+    prefix: u8,
+    plan: &mut GuardPlan<'_, 'b>,
+) {
+    match rule.guard {
+        Some(Guard::Loop(detection)) => {
+            let key = KEY_BUFFER.with(|buffer| {
+                let mut bucket = buffer.borrow_mut();
+                // Guards share one key among requests lacking a descriptor: always written.
+                write_bucket(rule, facts, prefix, &mut bucket);
+                facts.write_fingerprint(&mut bucket);
+                BucketKey::of(&bucket)
+            });
+            plan.leases.push(LeaseOp {
+                key,
+                // The request making `threshold` identical ones is the loop: it finds
+                // `threshold - 1` marks.
+                max: detection.threshold - 1,
+                group: group_of(rule.mode),
+                ttl_us: detection.window_us,
+                soft: detection.action != LoopAction::Reject,
+            });
+            plan.slots.push(SlotOutcome::new(rule, key));
+        }
+        Some(Guard::Breaker(breaker)) => {
+            let (spend, open) = KEY_BUFFER.with(|buffer| {
+                let mut bucket = buffer.borrow_mut();
+                write_bucket(rule, facts, prefix, &mut bucket);
+                let spend = BucketKey::of(&bucket);
+                bucket.push_str("|open");
+                // Without automatic reset, a changed bundle closes it.
+                if breaker.reset_us.is_none() {
+                    bucket.push('|');
+                    bucket.push_str(&bundle.hash);
+                }
+                (spend, BucketKey::of(&bucket))
+            });
+            plan.leases.push(LeaseOp {
+                key: open,
+                max: 0,
+                group: group_of(rule.mode),
+                ttl_us: breaker.open_us(),
+                soft: true,
+            });
+            plan.slots.push(SlotOutcome::new(rule, open));
+            // A spend the whole threshold cannot hold trips the breaker, like any spend over it.
+            let cost = match cost_of(&rule.cost, facts, &rule.quota) {
+                Cost::Fits(cost) => cost,
+                Cost::Exceeds => rule.quota.burst().saturating_add(1),
+            };
+            let (op, outcome) = planned_bucket(rule, spend, rule.quota, Cost::Fits(cost), None);
+            plan.ops.push(op);
+            plan.outcomes.push(outcome);
+        }
+        None => {}
+    }
+}
+
+/// The commit group of a rule's operations.
+fn group_of(mode: Mode) -> Group {
+    match mode {
+        Mode::Enforce => Group::Enforce,
+        Mode::Shadow => Group::Shadow,
+    }
+}
+
+impl<'b> SlotOutcome<'b> {
+    fn new(rule: &'b Rule, key: BucketKey) -> Self {
+        SlotOutcome {
+            rule,
+            key,
+            allowed: true,
+            committed: false,
+            in_flight: 0,
+            frees_in_us: 0,
+        }
+    }
+}
+
 /// A rule's bucket for the store and the outcome the store's answer fills in. A cost that
 /// can never fit is sent as one micro-token more than the bucket can hold: the store refuses
 /// it whatever its state, and spends nothing anywhere.
@@ -697,10 +935,7 @@ fn planned_bucket(
         key,
         quota,
         cost,
-        group: match rule.mode {
-            Mode::Enforce => Group::Enforce,
-            Mode::Shadow => Group::Shadow,
-        },
+        group: group_of(rule.mode),
         window,
     };
     let outcome = RuleOutcome {
@@ -778,6 +1013,24 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
         });
     }
     if rejected {
+        // A tripped breaker refuses for as long as it stays open.
+        let tripped = checked.rules.iter().find_map(|r| match r.rule.guard {
+            Some(Guard::Breaker(breaker)) if r.rule.mode == Mode::Enforce && !r.allowed => {
+                Some((r.rule, breaker))
+            }
+            _ => None,
+        });
+        if let Some((rule, breaker)) = tripped {
+            return Decision::Refuse(Refusal {
+                reason: Reason::CircuitBreakerOpen,
+                retry_after: breaker
+                    .reset_us
+                    .map_or(KILL_SWITCH_RETRY_SECS, |us| us / US_PER_SEC),
+                retry_by_deadline: false,
+                cause: Cause::Rule(rule),
+                checked: Some(checked),
+            });
+        }
         // The longest wait decides: a budget's (its window's end) or a bucket's.
         let longest = checked
             .rules
@@ -823,7 +1076,10 @@ fn stronger(a: Option<Action>, b: Option<Action>) -> Option<Action> {
     }
 }
 
-/// Decides against an embedded store now: plan, one synchronous store call, finish.
+/// Decides against an embedded store now, synchronously: leases first (concurrency slots,
+/// loop marks, breaker states), then buckets; a tripped breaker is opened; a refused request's
+/// leases are given back. The slots an allowed request holds are under its
+/// [`Checked::lease_id`].
 pub fn decide_local<'b>(
     bundle: &'b Bundle,
     facts: &RequestFacts<'_>,
@@ -832,14 +1088,34 @@ pub fn decide_local<'b>(
     unix_us: u64,
     config: EngineConfig,
 ) -> Decision<'b> {
-    match plan(bundle, facts, unix_us, config) {
-        Plan::Done(decision) => decision,
-        Plan::Store(pending) => {
+    let pending = match plan(bundle, facts, unix_us, config) {
+        Plan::Done(decision) => return decision,
+        Plan::Store(pending) => pending,
+    };
+    let leases = store.leases();
+    let mut taken = LeaseResults::new();
+    let pending = if pending.leases.is_empty() {
+        Ok(pending)
+    } else {
+        let id = next_lease_id();
+        leases.acquire(now_us, id, &pending.leases, &mut taken);
+        pending.admit(id, Ok(&taken))
+    };
+    let decision = match pending {
+        Err(refused) => refused,
+        Ok(pending) => {
             let mut results = OpResults::new();
             let answer = store.apply(now_us, &pending.ops, &mut results);
             finish(pending, answer.map(|()| &results))
         }
+    };
+    for (trip, _) in decision.breaker_trips() {
+        leases.acquire(now_us, next_lease_id(), &[trip], &mut taken);
     }
+    if let (false, Some(checked)) = (decision.is_allowed(), decision.checked()) {
+        leases.release(checked.lease_id, &checked.taken_leases());
+    }
+    decision
 }
 
 /// The readable bucket name (`tb:<rule>:<key>`) of `rule` for this request, and where the

@@ -499,9 +499,16 @@ impl Authorization for Authorizer {
         };
         // The peer is the client unless it is a trusted proxy, as on the proxy listener.
         let client_ip = self.gateway.client_ip(peer, &headers, false);
+        // With `with_request_body`, Envoy sends the body (bytes in `raw_body`, else text in
+        // `body`): loop detection fingerprints it.
+        let body_hash = if http.raw_body.is_empty() {
+            crate::descriptor::body_hash(http.body.as_bytes())
+        } else {
+            crate::descriptor::body_hash(&http.raw_body)
+        };
         let answer = self
             .gateway
-            .decide_described(&http.method, target, host, client_ip, &headers)
+            .decide_described(&http.method, target, host, client_ip, &headers, body_hash)
             .await;
         if answer.no_policy {
             self.gateway.metrics.grpc_call("authz", "unavailable");

@@ -69,6 +69,7 @@ pub struct Metrics {
     runtime_overrides: IntGaugeVec,
     policies_skipped: IntGauge,
     connections_refused: IntCounterVec,
+    breaker_trips: IntCounterVec,
     jwt_valid: IntCounter,
     jwt_invalid: IntCounterVec,
     grpc_calls: IntCounterVec,
@@ -121,6 +122,8 @@ impl Metrics {
             ("reject", Reason::ALL[5].as_str()),
             ("reject", Reason::ALL[6].as_str()),
             ("reject", Reason::ALL[7].as_str()),
+            ("reject", Reason::ALL[8].as_str()),
+            ("reject", Reason::ALL[9].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(
@@ -196,6 +199,13 @@ impl Metrics {
             &["cap"],
         ));
         connections_refused.with_label_values(&["per_ip"]);
+        let breaker_trips = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_circuit_breaker_trips_total",
+                "Circuit breakers opened by a request's spend, by policy and mode",
+            ),
+            &["policy", "mode"],
+        ));
         let policies_skipped = must(IntGauge::new(
             "tollgate_policies_skipped",
             "Policies of the bundle in force left out by --skip-invalid-policies",
@@ -241,6 +251,7 @@ impl Metrics {
             Box::new(runtime_overrides.clone()),
             Box::new(policies_skipped.clone()),
             Box::new(connections_refused.clone()),
+            Box::new(breaker_trips.clone()),
         ] {
             must(registry.register(c));
         }
@@ -275,6 +286,7 @@ impl Metrics {
             runtime_overrides,
             policies_skipped,
             connections_refused,
+            breaker_trips,
             jwt_valid,
             jwt_invalid,
             grpc_calls,
@@ -378,13 +390,23 @@ impl Metrics {
         }
         let table = self.per_rule.load();
         for slot in &checked.slots {
-            // Concurrency rules are counted by label (they are few, and not per token).
-            let (action, reason) = match (slot.rule.mode, slot.allowed) {
-                (Mode::Enforce, true) if decision.is_allowed() => ("allow", ""),
-                (Mode::Enforce, true) => ("refunded", ""),
-                (Mode::Enforce, false) => ("reject", Reason::ConcurrencyExceeded.as_str()),
-                (Mode::Shadow, true) => ("allow", ""),
-                (Mode::Shadow, false) => ("would_reject", Reason::ConcurrencyExceeded.as_str()),
+            // Concurrency rules and guards are counted by label (they are few, and not per
+            // token). A loop that only warns or throttles is counted as such.
+            let soft = match slot.rule.guard {
+                Some(crate::policy::Guard::Loop(d)) => match d.action {
+                    crate::policy::LoopAction::Warn => Some("warn"),
+                    crate::policy::LoopAction::Throttle => Some("throttle"),
+                    crate::policy::LoopAction::Reject => None,
+                },
+                _ => None,
+            };
+            let (action, reason) = match (slot.rule.mode, slot.allowed, soft) {
+                (Mode::Enforce, true, _) if decision.is_allowed() => ("allow", ""),
+                (Mode::Enforce, true, _) => ("refunded", ""),
+                (Mode::Enforce, false, Some(action)) => (action, slot.reason().as_str()),
+                (Mode::Enforce, false, None) => ("reject", slot.reason().as_str()),
+                (Mode::Shadow, true, _) => ("allow", ""),
+                (Mode::Shadow, false, _) => ("would_reject", slot.reason().as_str()),
             };
             let (policy, name) = (&slot.rule.policy_id, &slot.rule.name);
             self.decisions
@@ -441,6 +463,13 @@ impl Metrics {
         }
     }
 
+    /// Counts a circuit breaker tripped by a request (`rule` is the breaker's).
+    pub fn breaker_tripped(&self, rule: &crate::policy::Rule) {
+        self.breaker_trips
+            .with_label_values(&[&rule.policy_id, rule.mode.as_str()])
+            .inc();
+    }
+
     /// The counter of connections refused by `cap` (the proxy's connection guard counts them).
     pub fn connections_refused(&self, cap: &str) -> IntCounter {
         self.connections_refused.with_label_values(&[cap])
@@ -490,7 +519,9 @@ impl Metrics {
 
 /// The `reason` label of a rule refusing for want of tokens: its budget or its bucket.
 fn exceeded_reason(rule: &crate::policy::Rule) -> &'static str {
-    if rule.budget.is_some() {
+    if matches!(rule.guard, Some(crate::policy::Guard::Breaker(_))) {
+        Reason::CircuitBreakerOpen.as_str()
+    } else if rule.budget.is_some() {
         Reason::BudgetExceeded.as_str()
     } else {
         Reason::TokenBucketExceeded.as_str()

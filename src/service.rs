@@ -342,6 +342,15 @@ impl Gateway {
         self.client_ip_with(peer, peer_trusted || caller_is_gateway, headers)
     }
 
+    /// Whether the bundle in force fingerprints request bodies (`loop_detection`): front ends
+    /// then hash the bodies they can read before deciding.
+    pub fn fingerprints_bodies(&self) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.fingerprints_bodies)
+    }
+
     /// Whether `ip` is inside a `--trusted-proxy` network.
     pub fn is_trusted_proxy(&self, ip: IpAddr) -> bool {
         client_addr::in_any(&self.config.trusted_proxies, ip)
@@ -412,58 +421,33 @@ impl Gateway {
         let unix_us = self.clock.unix_us();
         if let Backend::Memory(memory) = self.store.backend() {
             let guard = self.policy.load();
-            let mut lease = None;
             let decision = match guard.as_deref() {
                 None => Decision::NoPolicy,
-                Some(bundle) => match engine::plan(bundle, facts, unix_us, self.engine_config) {
-                    Plan::Done(decision) => decision,
-                    Plan::Store(pending) => {
-                        let now_us = self.store.now_us();
-                        // Concurrency slots first: a request refused for them spends no tokens.
-                        let (pending, id) = if pending.leases.is_empty() {
-                            (Ok(pending), 0)
-                        } else {
-                            let id = next_lease_id();
-                            let mut taken = LeaseResults::new();
-                            self.store.memory_leases().acquire(
-                                now_us,
-                                id,
-                                &pending.leases,
-                                &mut taken,
-                            );
-                            (pending.admit(Ok(&taken)), id)
-                        };
-                        let decision = match pending {
-                            Err(refused) => refused,
-                            Ok(pending) => {
-                                let mut results = OpResults::new();
-                                let answer = memory.apply(now_us, &pending.ops, &mut results);
-                                engine::finish(pending, answer.map(|()| &results))
-                            }
-                        };
-                        let (kept, given_back) = settle_lease(&decision, id);
-                        if let Some(l) = given_back {
-                            self.store.memory_leases().release(l.id, &l.keys);
-                        }
-                        lease = kept;
-                        decision
-                    }
-                },
+                Some(bundle) => engine::decide_local(
+                    bundle,
+                    facts,
+                    memory,
+                    self.store.now_us(),
+                    unix_us,
+                    self.engine_config,
+                ),
             };
+            self.breakers_tripped(&decision);
             let mut answer = self.answer(&decision, &view, started);
-            answer.lease = lease;
+            answer.lease = held_lease(&decision);
             return answer;
         }
         let Some(bundle) = self.policy.load_full() else {
             return self.answer(&Decision::NoPolicy, &view, started);
         };
-        let mut lease = None;
         let decision = match engine::plan(&bundle, facts, unix_us, self.engine_config) {
             Plan::Done(decision) => decision,
             Plan::Store(pending) => {
                 let now_us = self.store.now_us();
-                let (pending, id) = if pending.leases.is_empty() {
-                    (Ok(pending), 0)
+                // Leases first: a request refused for a slot, a loop or an open breaker spends
+                // no tokens.
+                let pending = if pending.leases.is_empty() {
+                    Ok(pending)
                 } else {
                     let id = next_lease_id();
                     let mut taken = LeaseResults::new();
@@ -471,7 +455,7 @@ impl Gateway {
                         .store
                         .acquire(now_us, id, &pending.leases, &mut taken)
                         .await;
-                    (pending.admit(answer.map(|()| &taken)), id)
+                    pending.admit(id, answer.map(|()| &taken))
                 };
                 let decision = match pending {
                     Err(refused) => refused,
@@ -481,17 +465,42 @@ impl Gateway {
                         engine::finish(pending, answer.map(|()| &results))
                     }
                 };
-                let (kept, given_back) = settle_lease(&decision, id);
-                if let Some(l) = given_back {
-                    self.store.release(l.id, &l.keys).await;
+                for (trip, _) in decision.breaker_trips() {
+                    let mut taken = LeaseResults::new();
+                    // Best effort: a store that cannot open it leaves the breaker closed
+                    // (failing open, as every store failure does).
+                    let _ = self
+                        .store
+                        .acquire(now_us, next_lease_id(), &[trip], &mut taken)
+                        .await;
                 }
-                lease = kept;
+                if let (false, Some(checked)) = (decision.is_allowed(), decision.checked()) {
+                    self.store
+                        .release(checked.lease_id, &checked.taken_leases())
+                        .await;
+                }
                 decision
             }
         };
+        self.breakers_tripped(&decision);
         let mut answer = self.answer(&decision, &view, started);
-        answer.lease = lease;
+        answer.lease = held_lease(&decision);
         answer
+    }
+
+    /// Logs and counts the circuit breakers a decision tripped (at error level for a breaker
+    /// with `alert: true`, so log-based alerting catches it).
+    fn breakers_tripped(&self, decision: &Decision<'_>) {
+        for (trip, rule) in decision.breaker_trips() {
+            self.metrics.breaker_tripped(rule);
+            let open_secs = trip.ttl_us / crate::limiter::US_PER_SEC;
+            let alert = matches!(rule.guard, Some(crate::policy::Guard::Breaker(b)) if b.alert);
+            if alert {
+                tracing::error!(policy = %rule.policy_id, rule = %rule.name, mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+            } else {
+                tracing::warn!(policy = %rule.policy_id, rule = %rule.name, mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+            }
+        }
     }
 
     /// Gives back the concurrency slots a request held, once it is done (the proxy, when the
@@ -542,6 +551,7 @@ impl Gateway {
         host: Option<&str>,
         client_ip: Option<IpAddr>,
         headers: &http::HeaderMap,
+        body_hash: Option<u64>,
     ) -> Answer {
         let lookup = HttpHeaders(headers);
         match RequestFacts::new(
@@ -554,7 +564,10 @@ impl Gateway {
         ) {
             Ok(facts) => {
                 let claims = self.claims(&lookup);
-                self.decide(&facts.with_claims(claims.as_deref())).await
+                let facts = facts
+                    .with_claims(claims.as_deref())
+                    .with_body_hash(body_hash);
+                self.decide(&facts).await
             }
             Err(_) => {
                 let (path, _) = crate::descriptor::split_uri(target);
@@ -718,21 +731,12 @@ pub struct Answer {
     pub response: Response,
 }
 
-/// What becomes of the concurrency slots a decision took under `id`: `(kept, given back)`. An
-/// allowed request keeps them until it is done; a refused one gives them back at once.
-fn settle_lease(decision: &Decision<'_>, id: u64) -> (Option<Lease>, Option<Lease>) {
-    let lease = held_lease(decision, id);
-    if decision.is_allowed() {
-        (lease, None)
-    } else {
-        (None, lease)
-    }
-}
-
-/// The lease a decision holds: its committed concurrency slots under `id`, with the longest
-/// of their rules' lease TTLs.
-fn held_lease(decision: &Decision<'_>, id: u64) -> Option<Lease> {
-    let checked = decision.checked()?;
+/// The lease an allowed decision holds: its committed concurrency slots, with the longest of
+/// their rules' lease TTLs (a refused decision's leases were given back already).
+fn held_lease(decision: &Decision<'_>) -> Option<Lease> {
+    let Decision::Allow(checked) = decision else {
+        return None;
+    };
     let keys = checked.held_leases();
     if keys.is_empty() {
         return None;
@@ -744,7 +748,7 @@ fn held_lease(decision: &Decision<'_>, id: u64) -> Option<Lease> {
         .max()
         .unwrap_or(0);
     Some(Lease {
-        id,
+        id: checked.lease_id,
         keys,
         ttl_secs: ttl_us / crate::limiter::US_PER_SEC,
     })

@@ -3,9 +3,9 @@
 //! and so that no input — wrong types, huge numbers, unknown fields — can panic.
 
 use super::{
-    canonical_id, Bundle, Concurrency, CostLimits, CostSource, FieldError, KillSwitch,
-    MatchCondition, MatchValue, Mode, OnMissing, Policy, PolicyError, Rule, RuntimeOverride,
-    Selector, SkippedPolicy,
+    canonical_id, Breaker, Bundle, Concurrency, CostLimits, CostSource, FieldError, Guard,
+    KillSwitch, LoopAction, LoopDetection, MatchCondition, MatchValue, Mode, OnMissing, Policy,
+    PolicyError, Rule, RuntimeOverride, Selector, SkippedPolicy,
 };
 use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
 use crate::descriptor::{Descriptor, IpNet};
@@ -113,6 +113,9 @@ pub fn parse_bundle_with(
         }
     })?;
     bundle.hash = format!("{:016x}", twox_hash::XxHash3_64::oneshot(bytes));
+    if let Some(twin) = bundle.shadow_twin.as_mut() {
+        twin.hash.clone_from(&bundle.hash);
+    }
     Ok(bundle)
 }
 
@@ -214,6 +217,19 @@ const COST_BASED_FIELDS: &[&str] = &[
     "staged_actions",
 ];
 
+/// A name as a key segment: `:` and `\` escaped, so the name ends at the first unescaped `:`
+/// and rule `a` with key `b:c` can never share a bucket with rule `a:b` and key `c`.
+fn escape_name(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if matches!(c, ':' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// What an unnamed `fallback_limit` is called.
 const FALLBACK_NAME: &str = "fallback_limit";
 
@@ -235,6 +251,7 @@ const CONFIG_FIELDS: &[&str] = &[
 impl Compiler {
     /// The bundle of a compile that found no error.
     fn finish(self) -> Bundle {
+        let fingerprints_bodies = self.policies.iter().any(|p| p.loop_detection.is_some());
         Bundle {
             version: self.version,
             expires_at: self.expires_at,
@@ -247,6 +264,7 @@ impl Compiler {
             global_shadow: self.global_shadow,
             kill_switch_override: self.kill_switch_override,
             shadow_twin: None,
+            fingerprints_bodies,
             skipped: self.skipped,
         }
     }
@@ -579,7 +597,15 @@ impl Compiler {
         let Some(spec) = self.object(
             spec_value,
             &spec_path,
-            &["selector", "mode", "rules", "fallback_limit", "description"],
+            &[
+                "selector",
+                "mode",
+                "rules",
+                "fallback_limit",
+                "loop_detection",
+                "circuit_breaker",
+                "description",
+            ],
         ) else {
             return;
         };
@@ -635,6 +661,12 @@ impl Compiler {
             self.fallback_rule(v, &join(path, "fallback_limit"), policy_index, mode);
             (self.rules.len() > before).then_some(before)
         });
+        let loop_detection = spec.get("loop_detection").and_then(|v| {
+            self.loop_detection(v, &join(path, "loop_detection"), policy_index, mode, start)
+        });
+        let circuit_breaker = spec.get("circuit_breaker").and_then(|v| {
+            self.circuit_breaker(v, &join(path, "circuit_breaker"), policy_index, mode, start)
+        });
         // Rules carry their policy's id, so headers, logs and metrics need nothing else.
         for rule in &mut self.rules[start..] {
             rule.policy_id.clone_from(&id);
@@ -645,6 +677,8 @@ impl Compiler {
             mode,
             rules: start..end,
             fallback,
+            loop_detection,
+            circuit_breaker,
         });
     }
 
@@ -1046,15 +1080,7 @@ impl Compiler {
         let (Some(name), Some(shape), Some(cost)) = (name, shape, cost) else {
             return;
         };
-        // `:` and `\` in a name are escaped, so the name ends at the first unescaped `:` and
-        // rule `a` with key `b:c` can never share a bucket with rule `a:b` and key `c`.
-        let escaped: String = name
-            .chars()
-            .flat_map(|c| match c {
-                ':' | '\\' => vec!['\\', c],
-                c => vec![c],
-            })
-            .collect();
+        let escaped = escape_name(&name);
         let kind = match (&budget, &concurrency) {
             (Some(_), _) => "cb",
             (_, Some(_)) => "cc",
@@ -1120,7 +1146,300 @@ impl Compiler {
             header_names,
             budget,
             concurrency,
+            guard: None,
         });
+    }
+
+    /// `enabled` of a guard block: absent or false turns it off (Fairvisor's reading).
+    fn enabled(&mut self, map: &Map<String, Value>, path: &str) -> bool {
+        match map.get("enabled") {
+            None | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(other) => {
+                self.error(
+                    &join(path, "enabled"),
+                    format!("must be a boolean, found {}", type_name(other)),
+                );
+                false
+            }
+        }
+    }
+
+    /// A whole number in `range` at `map[field]`, required when `required`.
+    fn whole(
+        &mut self,
+        map: &Map<String, Value>,
+        path: &str,
+        field: &str,
+        range: std::ops::RangeInclusive<u64>,
+        required: bool,
+    ) -> Option<u64> {
+        let p = join(path, field);
+        match map.get(field) {
+            None if required => {
+                self.error(&p, "is required when enabled is true");
+                None
+            }
+            None => None,
+            Some(v) => match v.as_u64().filter(|n| range.contains(n)) {
+                Some(n) => Some(n),
+                None => {
+                    self.error(
+                        &p,
+                        format!(
+                            "must be a whole number from {} to {}",
+                            range.start(),
+                            range.end()
+                        ),
+                    );
+                    None
+                }
+            },
+        }
+    }
+
+    /// A policy's `loop_detection` (Fairvisor's fields and checks, which Fairvisor itself never
+    /// runs): `enabled`, `window_seconds` (1 s to 1 day), `threshold_identical_requests` (2 to
+    /// 1000), `action` (`reject`, `throttle`, `warn`; default `reject`), `similarity` (`exact`).
+    /// Returns the index of the rule it compiled to.
+    fn loop_detection(
+        &mut self,
+        v: &Value,
+        path: &str,
+        policy: usize,
+        mode: Mode,
+        first_rule: usize,
+    ) -> Option<usize> {
+        let map = self.object(
+            v,
+            path,
+            &[
+                "enabled",
+                "window_seconds",
+                "threshold_identical_requests",
+                "action",
+                "similarity",
+                "description",
+            ],
+        )?;
+        let enabled = self.enabled(map, path);
+        let window = self.whole(map, path, "window_seconds", 1..=86_400, enabled);
+        let threshold = self.whole(map, path, "threshold_identical_requests", 2..=1000, enabled);
+        let action = match map.get("action").map(Value::as_str) {
+            None | Some(Some("reject")) => Some(LoopAction::Reject),
+            Some(Some("throttle")) => Some(LoopAction::Throttle),
+            Some(Some("warn")) => Some(LoopAction::Warn),
+            Some(_) => {
+                self.error(
+                    &join(path, "action"),
+                    "must be one of \"reject\", \"throttle\", \"warn\"",
+                );
+                None
+            }
+        };
+        match map.get("similarity").map(Value::as_str) {
+            None | Some(Some("exact")) => {}
+            Some(_) => self.error(&join(path, "similarity"), "must be \"exact\""),
+        }
+        if !enabled {
+            return None;
+        }
+        let (window, threshold, action) = (window?, threshold?, action?);
+        let detection = LoopDetection {
+            window_us: window * US_PER_SEC,
+            threshold: threshold as u32,
+            action,
+        };
+        // The identity: every limit key of the policy's rules, as Fairvisor fingerprints.
+        let mut limit_keys: Vec<Descriptor> = Vec::new();
+        for rule in &self.rules[first_rule..] {
+            for d in &rule.limit_keys {
+                if !limit_keys.contains(d) {
+                    limit_keys.push(d.clone());
+                }
+            }
+        }
+        let quota = Quota::new(
+            u64::from(detection.threshold) * MICRO,
+            u64::from(detection.threshold) * MICRO,
+            detection.window_us,
+        )
+        .ok()?;
+        let cost = CostSource::Fixed(MICRO);
+        self.guard_rule(
+            "loop_detection",
+            "lp",
+            policy,
+            mode,
+            limit_keys,
+            quota,
+            cost,
+            Guard::Loop(detection),
+        )
+    }
+
+    /// A policy's `circuit_breaker` (Fairvisor's fields and checks): `enabled`,
+    /// `spend_rate_threshold_per_minute` (> 0), `action` (`reject`), `auto_reset_after_minutes`
+    /// (0 to 43200; 0, the default, keeps it open until the bundle changes), `alert`. The spend
+    /// is the policy's first rule's cost, per that rule's limit keys.
+    fn circuit_breaker(
+        &mut self,
+        v: &Value,
+        path: &str,
+        policy: usize,
+        mode: Mode,
+        first_rule: usize,
+    ) -> Option<usize> {
+        let map = self.object(
+            v,
+            path,
+            &[
+                "enabled",
+                "spend_rate_threshold_per_minute",
+                "action",
+                "auto_reset_after_minutes",
+                "alert",
+                "description",
+            ],
+        )?;
+        let enabled = self.enabled(map, path);
+        let threshold_path = join(path, "spend_rate_threshold_per_minute");
+        let threshold = match map.get("spend_rate_threshold_per_minute") {
+            Some(v) => self.amount(v, &threshold_path),
+            None if enabled => {
+                self.error(&threshold_path, "is required when enabled is true");
+                None
+            }
+            None => None,
+        };
+        match map.get("action").map(Value::as_str) {
+            None | Some(Some("reject")) => {}
+            Some(_) => self.error(&join(path, "action"), "must be \"reject\""),
+        }
+        let reset_path = join(path, "auto_reset_after_minutes");
+        let reset_us = match map.get("auto_reset_after_minutes") {
+            None => Some(None),
+            Some(v) => match v.as_f64() {
+                Some(m) if m.is_finite() && m == 0.0 => Some(None),
+                Some(m) if m.is_finite() && m > 0.0 && m <= 43_200.0 => Some(Some(
+                    ((m * 60.0 * US_PER_SEC as f64).round() as u64).max(US_PER_SEC),
+                )),
+                _ => {
+                    self.error(&reset_path, "must be a number of minutes from 0 to 43200");
+                    None
+                }
+            },
+        };
+        let alert = match map.get("alert") {
+            None => false,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => {
+                self.error(
+                    &join(path, "alert"),
+                    format!("must be a boolean, found {}", type_name(other)),
+                );
+                false
+            }
+        };
+        if !enabled {
+            return None;
+        }
+        let (threshold, reset_us) = (threshold?, reset_us?);
+        let burst = tokens_to_micro(threshold);
+        let quota = Quota::new(burst, burst, 60 * US_PER_SEC).ok()?;
+        // Fairvisor measures the spend by the first rule; its keys name whose spend it is.
+        let first = self.rules.get(first_rule);
+        let keyed = self.rules[first_rule..]
+            .iter()
+            .find(|r| !r.limit_keys.is_empty());
+        let limit_keys = keyed.map(|r| r.limit_keys.clone()).unwrap_or_default();
+        let cost = first
+            .filter(|r| r.concurrency.is_none())
+            .map_or(CostSource::Fixed(MICRO), |r| r.cost.clone());
+        self.guard_rule(
+            "circuit_breaker",
+            "br",
+            policy,
+            mode,
+            limit_keys,
+            quota,
+            cost,
+            Guard::Breaker(Breaker { reset_us, alert }),
+        )
+    }
+
+    /// Adds the rule a guard compiles to: named after the guard (with `@<policy id>` when
+    /// another policy's guard took the name), keyed under `<kind>:<policy id>:`, sharing one
+    /// key among requests that lack a descriptor. Returns its index.
+    #[allow(clippy::too_many_arguments)]
+    fn guard_rule(
+        &mut self,
+        base: &str,
+        kind: &str,
+        policy: usize,
+        mode: Mode,
+        limit_keys: Vec<Descriptor>,
+        quota: Quota,
+        cost: CostSource,
+        guard: Guard,
+    ) -> Option<usize> {
+        let name = if self.rule_names.contains_key(base) {
+            format!("{base}@{}", self.current_policy_id)
+        } else {
+            base.to_string()
+        };
+        self.rule_names.insert(name.clone(), base.to_string());
+        let escaped = escape_name(&self.current_policy_id);
+        let key_prefix = match mode {
+            Mode::Enforce => format!("{kind}:{escaped}:"),
+            Mode::Shadow => format!("shadow:{kind}:{escaped}:"),
+        };
+        let mut header_names: Vec<String> = Vec::new();
+        let read = limit_keys
+            .iter()
+            .filter_map(|d| match d {
+                Descriptor::Header(h) => Some(h.clone()),
+                _ => None,
+            })
+            .chain(match &cost {
+                CostSource::Header { name, .. } => Some(name.clone()),
+                _ => None,
+            });
+        for h in read {
+            if !header_names.contains(&h) {
+                header_names.push(h);
+            }
+        }
+        let mut sf_name = String::with_capacity(name.len() + 2);
+        super::push_sf_string(&mut sf_name, &name);
+        let policy_item = format!(
+            "{sf_name};q={};w={}",
+            quota.burst() / MICRO,
+            quota.window_secs()
+        );
+        let index = self.rules.len();
+        self.rules.push(Rule {
+            index,
+            sf_name,
+            policy_item,
+            name,
+            policy,
+            policy_id: String::new(),
+            mode,
+            limit_keys,
+            conditions: Vec::new(),
+            quota,
+            cost,
+            overrides: AHashMap::new(),
+            ip_overrides: Vec::new(),
+            on_missing: OnMissing::Shared,
+            key_prefix,
+            header_names,
+            budget: None,
+            concurrency: None,
+            guard: Some(guard),
+        });
+        Some(index)
     }
 
     /// A `concurrency` rule: `max_in_flight` (a whole number from 1 to 1 000 000) and

@@ -47,6 +47,8 @@ pub struct Bundle {
     pub shadow_twin: Option<Box<Bundle>>,
     /// Policies left out by `--skip-invalid-policies`, with their errors.
     pub skipped: Vec<SkippedPolicy>,
+    /// A policy has `loop_detection`: front ends hash request bodies for its fingerprints.
+    pub fingerprints_bodies: bool,
 }
 
 /// A runtime override block (`global_shadow`, `kill_switch_override`), as Fairvisor defines it.
@@ -89,6 +91,7 @@ impl Bundle {
             kill_switch_override: None,
             shadow_twin: None,
             skipped: Vec::new(),
+            fingerprints_bodies: false,
         }
     }
 
@@ -184,6 +187,10 @@ pub struct Policy {
     pub rules: Range<usize>,
     /// Index into [`Bundle::rules`] of `fallback_limit`, if any.
     pub fallback: Option<usize>,
+    /// Index into [`Bundle::rules`] of the rule `loop_detection` compiled to, if enabled.
+    pub loop_detection: Option<usize>,
+    /// Index into [`Bundle::rules`] of the rule `circuit_breaker` compiled to, if enabled.
+    pub circuit_breaker: Option<usize>,
 }
 
 /// Which requests a policy applies to.
@@ -350,6 +357,71 @@ pub struct Rule {
     pub budget: Option<crate::budget::Budget>,
     /// `Some` for a `concurrency` rule: slots instead of tokens.
     pub concurrency: Option<Concurrency>,
+    /// `Some` for the rule a policy's `loop_detection` or `circuit_breaker` compiled to.
+    pub guard: Option<Guard>,
+}
+
+/// A policy-level guard, compiled into a rule of its own outside the policy's rule range (so
+/// metrics, logs and headers name it like any rule: `loop_detection`, `circuit_breaker`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guard {
+    /// `loop_detection`: the rule's `limit_keys` are the policy's identity (every limit key of
+    /// its rules); a request is identical to another when identity, method, path, sorted query
+    /// and body hash agree.
+    Loop(LoopDetection),
+    /// `circuit_breaker`: the rule's quota is the spend-rate bucket (`threshold` per minute,
+    /// burst `threshold`), its cost the policy's first rule's, its `limit_keys` that rule's.
+    Breaker(Breaker),
+}
+
+/// A compiled `loop_detection` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoopDetection {
+    pub window_us: u64,
+    /// `threshold_identical_requests`: the request that makes this many identical ones within
+    /// the window is a loop (at least 2).
+    pub threshold: u32,
+    pub action: LoopAction,
+}
+
+/// What a detected loop does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopAction {
+    /// 429 `loop_detected`.
+    Reject,
+    /// Delays the request (100 ms per identical request, at most 30 s), then lets it go on.
+    Throttle,
+    /// Lets it go on with `X-Tollgate-Warning: loop_warn`.
+    Warn,
+}
+
+impl LoopDetection {
+    /// The throttle delay: Fairvisor's 100 ms per identical request counted (the threshold,
+    /// since counting stops there), at most 30 s.
+    pub fn throttle_ms(&self) -> u64 {
+        (u64::from(self.threshold) * 100).min(crate::budget::MAX_THROTTLE_MS)
+    }
+}
+
+/// A compiled `circuit_breaker` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Breaker {
+    /// How long the breaker stays open; `None` (`auto_reset_after_minutes: 0`) keeps it open
+    /// until the bundle changes (at most [`Breaker::MANUAL_OPEN_US`]).
+    pub reset_us: Option<u64>,
+    /// `alert`: a trip is logged at error level rather than warning.
+    pub alert: bool,
+}
+
+impl Breaker {
+    /// The longest a breaker without automatic reset stays open, so a forgotten one cannot pin
+    /// a key in a shared store forever: 30 days.
+    pub const MANUAL_OPEN_US: u64 = 30 * 86_400 * crate::limiter::US_PER_SEC;
+
+    /// How long a trip keeps the breaker open.
+    pub fn open_us(&self) -> u64 {
+        self.reset_us.unwrap_or(Self::MANUAL_OPEN_US)
+    }
 }
 
 /// A `concurrency` rule's cap: at most `max_in_flight` requests per key at once. A slot is a
@@ -393,6 +465,7 @@ impl Rule {
             header_names: Vec::new(),
             budget: None,
             concurrency: None,
+            guard: None,
         }
     }
 

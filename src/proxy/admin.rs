@@ -84,8 +84,18 @@ impl Admin {
     async fn answer(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         // Requests pipelined behind this one are answered in order.
         session.set_pipelining_enabled(true);
-        // Read and discard any body so the connection can be reused.
-        let _ = session.drain_request_body().await;
+        // Read any body so the connection can be reused; hashed when a policy fingerprints
+        // bodies (Envoy's HTTP ext_authz sends the original body with `with_request_body`).
+        let body_hash = if self.gateway.fingerprints_bodies() {
+            let mut hasher = crate::descriptor::BodyHasher::default();
+            while let Ok(Some(chunk)) = session.read_request_body().await {
+                hasher.update(&chunk);
+            }
+            hasher.finish()
+        } else {
+            let _ = session.drain_request_body().await;
+            None
+        };
         let peer = session
             .client_addr()
             .and_then(|a| a.as_inet())
@@ -134,7 +144,7 @@ impl Admin {
                 }
             }
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
-                let answer = self.decide(req, peer).await;
+                let answer = self.decide(req, peer, body_hash).await;
                 if answer.no_policy {
                     return no_policy();
                 }
@@ -167,6 +177,7 @@ impl Admin {
         &self,
         req: &pingora::http::RequestHeader,
         peer: Option<std::net::IpAddr>,
+        body_hash: Option<u64>,
     ) -> Answer {
         let h = &req.headers;
         let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
@@ -186,7 +197,7 @@ impl Admin {
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, h, true);
         self.gateway
-            .decide_described(method, uri, host, client_ip, h)
+            .decide_described(method, uri, host, client_ip, h, body_hash)
             .await
     }
 }

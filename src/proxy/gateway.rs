@@ -244,6 +244,11 @@ impl ProxyHttp for Proxy {
             (peer, trusted)
         });
         ctx.peer = peer;
+        let body_hash = if self.gateway.fingerprints_bodies() {
+            read_small_body(session).await
+        } else {
+            None
+        };
         let response = {
             let req = session.req_header();
             let headers = HttpHeaders(&req.headers);
@@ -272,7 +277,9 @@ impl ProxyHttp for Proxy {
             ) {
                 Ok(facts) => {
                     let claims = self.gateway.claims(&headers);
-                    let facts = facts.with_claims(claims.as_deref());
+                    let facts = facts
+                        .with_claims(claims.as_deref())
+                        .with_body_hash(body_hash);
                     let answer = self.gateway.decide(&facts).await;
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
@@ -489,4 +496,35 @@ impl ProxyHttp for Proxy {
             can_reuse_downstream: false,
         }
     }
+}
+
+/// Largest request body read before deciding (`loop_detection` fingerprints): Pingora's retry
+/// buffer, which then replays the body to the upstream unchanged.
+const FINGERPRINTED_BODY_BYTES: usize = 64 * 1024;
+
+/// Reads and hashes a request body that declares a `Content-Length` of at most
+/// [`FINGERPRINTED_BODY_BYTES`], keeping it in Pingora's retry buffer so the upstream still
+/// receives it. Other bodies (chunked, larger, none) are left to stream and have no hash.
+async fn read_small_body(session: &mut Session) -> Option<u64> {
+    let length = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok())?;
+    if length == 0 || length > FINGERPRINTED_BODY_BYTES {
+        return None;
+    }
+    session.enable_retry_buffering();
+    let mut hasher = crate::descriptor::BodyHasher::default();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => hasher.update(&chunk),
+            Ok(None) => break,
+            // A client that fails mid-body gets no fingerprint; the proxy reports the error
+            // when it reads on.
+            Err(_) => return None,
+        }
+    }
+    hasher.finish()
 }

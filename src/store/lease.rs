@@ -1,7 +1,13 @@
-//! Concurrency slots as leases: a `concurrency` rule's key holds at most `max` live leases. A
-//! lease is taken when a request is admitted and given back when it is done; one nobody gives
-//! back (a gateway that died, a decision-service caller that never released) ends at its expiry,
-//! so no slot is pinned forever. Taking is all-or-nothing per [`Group`], like bucket ops.
+//! Leases: a key holds at most `max` live leases, each with an expiry. A `concurrency` rule's
+//! slot is a lease taken when a request is admitted and given back when it is done; one nobody
+//! gives back (a gateway that died, a decision-service caller that never released) ends at its
+//! expiry, so no slot is pinned forever. Taking is all-or-nothing per [`Group`], like bucket ops.
+//!
+//! The same sets, never given back, are a sliding log: `loop_detection` marks each admitted
+//! request under its fingerprint for the window, and a circuit breaker's open state is one lease
+//! that lives until the breaker closes. A *soft* op never blocks its group (a loop that only
+//! warns), and a soft op with `max` 0 takes nothing and only reads the key (is the breaker open,
+//! and until when).
 //!
 //! This module holds the types and the embedded store's lease table; Redis and PostgreSQL keep
 //! theirs server-side (see their modules).
@@ -62,6 +68,9 @@ pub struct LeaseOp {
     pub group: Group,
     /// How long the lease lives unless given back (µs).
     pub ttl_us: u64,
+    /// Never blocks its group: taken when its group is taken and it has room, left out (and
+    /// reported not allowed) otherwise.
+    pub soft: bool,
 }
 
 /// The answer for one [`LeaseOp`].
@@ -73,6 +82,17 @@ pub struct LeaseResult {
     pub in_flight: u32,
     /// The group was taken (every op of the group had a slot) and this lease is held.
     pub committed: bool,
+    /// When the key was full: µs until its earliest live lease expires (the first slot to free
+    /// by itself). 0 when the key had room.
+    pub frees_in_us: u64,
+}
+
+/// What a store read on one key before judging: live leases, and µs until the earliest of
+/// them expires (only needed, and only read, when the key is full).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Live {
+    pub count: u32,
+    pub frees_in_us: u64,
 }
 
 /// Results, one per op, in op order.
@@ -100,26 +120,30 @@ pub fn next_lease_id() -> u64 {
     prefix | (COUNTER.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff).max(1)
 }
 
-/// Decides which groups of `ops` are taken, from each key's live count: the enforced group if
-/// every enforced op has a free slot, the shadow group if that holds and so do its own ops.
-pub fn judge(ops: &[LeaseOp], in_flight: &[u32], results: &mut LeaseResults) -> (bool, bool) {
+/// Decides which groups of `ops` are taken, from each key's live leases: the enforced group if
+/// every (non-soft) enforced op has a free slot, the shadow group if that holds and so do its
+/// own ops. A soft op is taken with its group when it has room.
+pub fn judge(ops: &[LeaseOp], live: &[Live], results: &mut LeaseResults) -> (bool, bool) {
     let ok = |group: Group| {
         ops.iter()
-            .zip(in_flight)
-            .filter(|(op, _)| op.group == group)
-            .all(|(op, n)| *n < op.max)
+            .zip(live)
+            .filter(|(op, _)| op.group == group && !op.soft)
+            .all(|(op, l)| l.count < op.max)
     };
     let enforce = ok(Group::Enforce);
     let shadow = enforce && ok(Group::Shadow);
     results.clear();
-    for (op, &n) in ops.iter().zip(in_flight) {
+    for (op, l) in ops.iter().zip(live) {
+        let allowed = l.count < op.max;
+        let group_taken = match op.group {
+            Group::Enforce => enforce,
+            Group::Shadow => shadow,
+        };
         results.push(LeaseResult {
-            allowed: n < op.max,
-            in_flight: n,
-            committed: match op.group {
-                Group::Enforce => enforce,
-                Group::Shadow => shadow,
-            },
+            allowed,
+            in_flight: l.count,
+            committed: group_taken && (allowed || !op.soft),
+            frees_in_us: if allowed { 0 } else { l.frees_in_us },
         });
     }
     (enforce, shadow)
@@ -139,15 +163,26 @@ impl MemoryLeases {
     /// Takes a lease `id` on every op's key whose group is admitted, at `now_us`.
     pub fn acquire(&self, now_us: u64, id: u64, ops: &[LeaseOp], results: &mut LeaseResults) {
         let mut table = self.table.lock();
-        let mut in_flight: SmallVec<[u32; 2]> = SmallVec::new();
+        let mut live: SmallVec<[Live; 2]> = SmallVec::new();
         for op in ops {
-            let live = table.get_mut(&op.key).map_or(0, |leases| {
+            live.push(table.get_mut(&op.key).map_or(Live::default(), |leases| {
                 leases.retain(|(_, expires)| *expires > now_us);
-                leases.len() as u32
-            });
-            in_flight.push(live);
+                let count = leases.len() as u32;
+                Live {
+                    count,
+                    frees_in_us: if count >= op.max {
+                        leases
+                            .iter()
+                            .map(|(_, expires)| expires - now_us)
+                            .min()
+                            .unwrap_or(0)
+                    } else {
+                        0
+                    },
+                }
+            }));
         }
-        judge(ops, &in_flight, results);
+        judge(ops, &live, results);
         for (op, result) in ops.iter().zip(results.iter()) {
             if result.committed {
                 table
@@ -203,6 +238,7 @@ mod tests {
             max,
             group,
             ttl_us: 10_000_000,
+            soft: false,
         }
     }
 
@@ -257,6 +293,50 @@ mod tests {
             (true, false, false)
         );
         assert_eq!(leases.in_flight(&enforced.key, 0), 2);
+    }
+
+    #[test]
+    fn soft_ops_never_block_and_peeks_read_when_the_key_frees() {
+        let leases = MemoryLeases::default();
+        let mut r = LeaseResults::new();
+        let slot = op("cc:s:k", 5, Group::Enforce);
+        let mark = LeaseOp {
+            soft: true,
+            ..op("lp:p:k", 1, Group::Enforce)
+        };
+        let peek = LeaseOp { max: 0, ..mark };
+        leases.acquire(1_000, 1, &[slot, mark], &mut r);
+        assert_eq!((r[1].allowed, r[1].committed), (true, true));
+        // The mark is full: the request still takes its slot, and learns when the mark frees.
+        leases.acquire(4_000, 2, &[slot, mark], &mut r);
+        assert_eq!(
+            (r[0].committed, r[1].allowed, r[1].committed),
+            (true, false, false)
+        );
+        assert_eq!(r[1].frees_in_us, 10_001_000 - 4_000);
+        assert_eq!(leases.in_flight(&mark.key, 4_000), 1);
+        // A peek takes nothing, and reports the same.
+        leases.acquire(5_000, 3, &[peek], &mut r);
+        assert_eq!(
+            (
+                r[0].allowed,
+                r[0].committed,
+                r[0].in_flight,
+                r[0].frees_in_us
+            ),
+            (false, false, 1, 10_001_000 - 5_000)
+        );
+        assert_eq!(leases.in_flight(&mark.key, 5_000), 1);
+        // A soft op of a refused group is not taken either.
+        let full = op("cc:full:k", 1, Group::Enforce);
+        let fresh = LeaseOp {
+            soft: true,
+            ..op("lp:p:other", 3, Group::Enforce)
+        };
+        leases.acquire(0, 4, &[full], &mut r);
+        leases.acquire(0, 5, &[full, fresh], &mut r);
+        assert_eq!((r[1].allowed, r[1].committed), (true, false));
+        assert_eq!(leases.in_flight(&fresh.key, 0), 0);
     }
 
     #[test]

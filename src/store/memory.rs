@@ -349,6 +349,8 @@ pub struct MemoryStore {
     len: AtomicUsize,
     evictions: AtomicU64,
     fail_open: AtomicU64,
+    /// Leases (concurrency slots, loop marks, breaker states), beside the buckets.
+    leases: super::lease::MemoryLeases,
 }
 
 impl Drop for MemoryStore {
@@ -395,6 +397,7 @@ impl MemoryStore {
             len: AtomicUsize::new(0),
             evictions: AtomicU64::new(0),
             fail_open: AtomicU64::new(0),
+            leases: super::lease::MemoryLeases::default(),
         }
     }
 
@@ -820,6 +823,11 @@ impl MemoryStore {
     }
 
     /// Counters only: a scrape never takes a lock.
+    /// The leases kept beside the buckets.
+    pub fn leases(&self) -> &super::lease::MemoryLeases {
+        &self.leases
+    }
+
     pub fn stats(&self) -> StoreStats {
         StoreStats {
             entries: Some(self.len.load(Ordering::Relaxed) as u64),

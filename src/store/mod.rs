@@ -210,8 +210,6 @@ pub enum Backend {
 /// a fleet of gateways has in common.
 pub struct Store {
     backend: Backend,
-    /// Concurrency leases of the embedded store (unused with a shared one).
-    leases: lease::MemoryLeases,
     clock: Arc<dyn Clock>,
     /// Rows deleted by the PostgreSQL sweep.
     swept: AtomicU64,
@@ -243,7 +241,6 @@ impl Store {
     fn with_backend(backend: Backend, clock: Arc<dyn Clock>) -> Store {
         Store {
             backend,
-            leases: lease::MemoryLeases::default(),
             clock,
             swept: AtomicU64::new(0),
         }
@@ -325,8 +322,8 @@ impl Store {
         results: &mut lease::LeaseResults,
     ) -> Result<(), StoreError> {
         match &self.backend {
-            Backend::Memory(_) => {
-                self.leases.acquire(now_us, id, ops, results);
+            Backend::Memory(m) => {
+                m.leases().acquire(now_us, id, ops, results);
                 Ok(())
             }
             Backend::Redis(s) => s.acquire(now_us, id, ops, results).await,
@@ -337,20 +334,18 @@ impl Store {
     /// Gives lease `id` back on `keys`.
     pub async fn release(&self, id: u64, keys: &[BucketKey]) {
         match &self.backend {
-            Backend::Memory(_) => self.leases.release(id, keys),
+            Backend::Memory(m) => m.leases().release(id, keys),
             Backend::Redis(s) => s.release(id, keys).await,
             Backend::Postgres(s) => s.release(id, keys).await,
         }
     }
 
-    /// The embedded store's leases (synchronous; empty with a shared store).
-    pub fn memory_leases(&self) -> &lease::MemoryLeases {
-        &self.leases
-    }
-
-    /// Live concurrency leases on `key` now (the embedded store; 0 for a shared one).
+    /// Live leases on `key` now (the embedded store; 0 for a shared one).
     pub fn leases_in_flight(&self, key: &BucketKey) -> u32 {
-        self.leases.in_flight(key, self.now_us())
+        match &self.backend {
+            Backend::Memory(m) => m.leases().in_flight(key, self.now_us()),
+            _ => 0,
+        }
     }
 
     /// Counters for `/metrics`.
@@ -376,7 +371,7 @@ impl Store {
     /// [`Store::sweep`] at `now_us` in this store's time base (tests replay virtual time).
     pub async fn sweep_at(&self, now_us: u64) -> u64 {
         match &self.backend {
-            Backend::Memory(m) => m.sweep(now_us) + self.leases.sweep(now_us),
+            Backend::Memory(m) => m.sweep(now_us) + m.leases().sweep(now_us),
             Backend::Redis(s) => {
                 s.refresh_time_offset().await;
                 0

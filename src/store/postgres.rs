@@ -70,9 +70,12 @@ END $$;
 
 /// Concurrency leases: one row per live lease. `tollgate_acquire` serialises each key on an
 /// advisory lock (taken in key order, so requests never deadlock), drops expired rows, counts,
-/// and inserts the request's leases for each group whose every key has a free slot. Returns
-/// the live count of every key before the request.
+/// and inserts the request's leases for each group whose every non-soft key has a free slot
+/// (soft keys: when they have room). Returns, per key, the live count before the request and,
+/// for a full key, µs until its earliest lease expires (else 0). The six-argument function of
+/// earlier versions is dropped.
 const LEASE_SCHEMA: &str = r#"
+DROP FUNCTION IF EXISTS tollgate_acquire(text[], bigint[], int[], bigint, bigint[], bigint);
 CREATE TABLE IF NOT EXISTS tollgate_leases (
     key           text   NOT NULL,
     lease         bigint NOT NULL,
@@ -80,31 +83,41 @@ CREATE TABLE IF NOT EXISTS tollgate_leases (
     PRIMARY KEY (key, lease)
 );
 CREATE OR REPLACE FUNCTION tollgate_acquire(
-    keys text[], maxes bigint[], grps int[], lease_id bigint, expiries bigint[], now_us bigint
+    keys text[], maxes bigint[], grps int[], lease_id bigint, expiries bigint[], now_us bigint,
+    softs boolean[]
 ) RETURNS bigint[] LANGUAGE plpgsql AS $$
 DECLARE
     n int := coalesce(array_length(keys, 1), 0);
     counts bigint[] := '{}';
+    answer bigint[] := '{}';
     ok_e boolean := true;
     ok_s boolean := true;
     c bigint;
+    frees bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended(k, 0)) FROM unnest(keys) AS k ORDER BY k;
     DELETE FROM tollgate_leases WHERE key = ANY (keys) AND expires_at_us <= now_us;
     FOR i IN 1..n LOOP
-        SELECT count(*) INTO c FROM tollgate_leases WHERE key = keys[i];
+        SELECT count(*), coalesce(min(expires_at_us) - now_us, 0) INTO c, frees
+            FROM tollgate_leases WHERE key = keys[i];
         counts := counts || c;
         IF c >= maxes[i] THEN
-            IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
+            IF NOT softs[i] THEN
+                IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
+            END IF;
+        ELSE
+            frees := 0;
         END IF;
+        answer := answer || c || frees;
     END LOOP;
     FOR i IN 1..n LOOP
-        IF (grps[i] = 0 AND ok_e) OR (grps[i] = 1 AND ok_e AND ok_s) THEN
+        IF counts[i] < maxes[i]
+            AND ((grps[i] = 0 AND ok_e) OR (grps[i] = 1 AND ok_e AND ok_s)) THEN
             INSERT INTO tollgate_leases VALUES (keys[i], lease_id, expiries[i])
                 ON CONFLICT (key, lease) DO UPDATE SET expires_at_us = EXCLUDED.expires_at_us;
         END IF;
     END LOOP;
-    RETURN counts;
+    RETURN answer;
 END $$;
 "#;
 
@@ -326,20 +339,27 @@ impl PostgresStore {
         let now = now_us.min(i64::MAX as u64) as i64;
         // The id's bits as a signed bigint.
         let lease = id as i64;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-            [&keys, &maxes, &groups, &lease, &expiries, &now];
+        let softs: Vec<bool> = ops.iter().map(|op| op.soft).collect();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+            [&keys, &maxes, &groups, &lease, &expiries, &now, &softs];
         let call = async {
             client
-                .query_one("SELECT tollgate_acquire($1, $2, $3, $4, $5, $6)", &params)
+                .query_one(
+                    "SELECT tollgate_acquire($1, $2, $3, $4, $5, $6, $7)",
+                    &params,
+                )
                 .await
                 .map(|row| row.get::<_, Vec<i64>>(0))
         };
-        let counts = self.answer(call, ops.len()).await?;
-        let in_flight: Vec<u32> = counts
-            .iter()
-            .map(|c| (*c).clamp(0, i64::from(u32::MAX)) as u32)
+        let answer = self.answer(call, 2 * ops.len()).await?;
+        let live: Vec<super::lease::Live> = answer
+            .chunks_exact(2)
+            .map(|pair| super::lease::Live {
+                count: pair[0].clamp(0, i64::from(u32::MAX)) as u32,
+                frees_in_us: pair[1].max(0) as u64,
+            })
             .collect();
-        super::lease::judge(ops, &in_flight, results);
+        super::lease::judge(ops, &live, results);
         Ok(())
     }
 

@@ -16,6 +16,7 @@
 //! manager reconnects by itself. A local cache of denied buckets answers repeat offenders until
 //! their retry time without a Redis call.
 
+use super::lease::Live;
 use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
 use crate::limiter::{self, BucketState};
 use arc_swap::ArcSwapOption;
@@ -592,31 +593,42 @@ fn key128(key: &BucketKey) -> u128 {
     (u128::from(key.hi) << 64) | u128::from(key.lo)
 }
 
-/// Takes concurrency leases. KEYS: lease sets (sorted sets of lease id → expiry µs). ARGV[1] =
-/// now (µs), ARGV[2] = lease id, then per key: max, group (0 enforce, 1 shadow), expiry (µs),
-/// TTL (ms). Expired members are dropped first; each group takes all its slots or none.
-/// Returns the live count of every key before this request.
+/// Takes leases. KEYS: lease sets (sorted sets of lease id → expiry µs). ARGV[1] = now (µs),
+/// ARGV[2] = lease id, then per key: max, group (0 enforce, 1 shadow), expiry (µs), TTL (ms),
+/// soft (1: never blocks its group). Expired members are dropped first; each group takes all its
+/// non-soft slots or none, and its soft ones that have room. Returns, per key, the live count
+/// before this request and, for a full key, µs until its earliest lease expires (else 0).
 const ACQUIRE: &str = r#"
 local now = tonumber(ARGV[1])
 local n = #KEYS
 local counts = {}
+local out = {}
 local ok = {1, 1}
 for i = 1, n do
-  local b = 3 + (i - 1) * 4
+  local b = 3 + (i - 1) * 5
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now)
   local c = redis.call('ZCARD', KEYS[i])
   counts[i] = c
-  if c >= tonumber(ARGV[b]) then ok[tonumber(ARGV[b + 1]) + 1] = 0 end
+  local frees = 0
+  if c >= tonumber(ARGV[b]) then
+    if ARGV[b + 4] == '0' then ok[tonumber(ARGV[b + 1]) + 1] = 0 end
+    if c > 0 then
+      local first = redis.call('ZRANGE', KEYS[i], 0, 0, 'WITHSCORES')
+      frees = tonumber(first[2]) - now
+    end
+  end
+  out[2 * i - 1] = c
+  out[2 * i] = frees
 end
 local commit = {ok[1] == 1, ok[1] == 1 and ok[2] == 1}
 for i = 1, n do
-  local b = 3 + (i - 1) * 4
-  if commit[tonumber(ARGV[b + 1]) + 1] then
+  local b = 3 + (i - 1) * 5
+  if commit[tonumber(ARGV[b + 1]) + 1] and counts[i] < tonumber(ARGV[b]) then
     redis.call('ZADD', KEYS[i], ARGV[b + 2], ARGV[2])
     redis.call('PEXPIRE', KEYS[i], ARGV[b + 3])
   end
 end
-return counts
+return out
 "#;
 
 /// Gives a lease back: ARGV[1] = lease id, removed from every key.
@@ -657,7 +669,8 @@ impl RedisStore {
                     .arg(op.max)
                     .arg(u8::from(op.group == Group::Shadow))
                     .arg(now_us.saturating_add(op.ttl_us))
-                    .arg(op.ttl_us.div_ceil(1000).max(1));
+                    .arg(op.ttl_us.div_ceil(1000).max(1))
+                    .arg(u8::from(op.soft));
             }
             async move { conn.invoke::<Vec<i64>>(&invocation).await }
         });
@@ -667,13 +680,16 @@ impl RedisStore {
             self.failed(&format!("no answer within {:?}", self.config.timeout));
             return Err(StoreError::Unavailable("timeout".into()));
         };
-        let mut in_flight: SmallVec<[u32; 2]> = smallvec::smallvec![0; ops.len()];
+        let mut live: SmallVec<[Live; 2]> = smallvec::smallvec![Live::default(); ops.len()];
         let mut failure = None;
         for (members, reply) in groups.iter().zip(replies) {
             match reply {
-                Ok(counts) if counts.len() == members.len() => {
-                    for (&i, c) in members.iter().zip(counts) {
-                        in_flight[i] = c.clamp(0, i64::from(u32::MAX)) as u32;
+                Ok(counts) if counts.len() == 2 * members.len() => {
+                    for (&i, pair) in members.iter().zip(counts.chunks_exact(2)) {
+                        live[i] = Live {
+                            count: pair[0].clamp(0, i64::from(u32::MAX)) as u32,
+                            frees_in_us: pair[1].max(0) as u64,
+                        };
                     }
                 }
                 Ok(counts) => {
@@ -692,13 +708,13 @@ impl RedisStore {
             return Err(StoreError::Unavailable(what));
         }
         self.health.ok(&self.config.url);
-        super::lease::judge(ops, &in_flight, results);
+        super::lease::judge(ops, &live, results);
         // A slot group judged alone may have taken leases the request as a whole does not keep.
         let mut give_back: SmallVec<[super::BucketKey; 2]> = SmallVec::new();
         for members in &groups {
             let local: SmallVec<[super::lease::LeaseOp; 2]> =
                 members.iter().map(|&i| ops[i]).collect();
-            let counts: SmallVec<[u32; 2]> = members.iter().map(|&i| in_flight[i]).collect();
+            let counts: SmallVec<[Live; 2]> = members.iter().map(|&i| live[i]).collect();
             let mut local_results = super::lease::LeaseResults::new();
             super::lease::judge(&local, &counts, &mut local_results);
             for (&i, local) in members.iter().zip(&local_results) {
