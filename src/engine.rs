@@ -1522,6 +1522,258 @@ mod tests {
         assert_eq!(d.rules()[0].tokens, 9 * MICRO);
     }
 
+    fn guarded(
+        loop_detection: serde_json::Value,
+        circuit_breaker: serde_json::Value,
+        rules: serde_json::Value,
+    ) -> serde_json::Value {
+        json!({"bundle_version": 1, "policies": [{"id": "agents", "spec": {
+            "rules": rules, "loop_detection": loop_detection, "circuit_breaker": circuit_breaker}}]})
+    }
+
+    fn reason_of(d: &Decision<'_>) -> Option<&'static str> {
+        match d {
+            Decision::Refuse(r) => Some(r.reason.as_str()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn identical_requests_over_the_threshold_are_a_loop_within_a_sliding_window() {
+        let (e, clock) = engine(guarded(
+            json!({"enabled": true, "window_seconds": 60, "threshold_identical_requests": 3}),
+            json!({"enabled": false}),
+            json!([tb("per-ip", json!(["ip:address"]), 100.0, 100.0)]),
+        ));
+        let get = |uri: &str, ip: &str| ask(&e, "GET", uri, ip, &[]);
+        assert!(get("/search?q=a&page=1", "10.0.0.1").is_allowed());
+        clock.set_secs(10.0);
+        // Parameter order and encoding do not make a request different.
+        assert!(get("/search?page=1&q=%61", "10.0.0.1").is_allowed());
+        // The third identical one within 60 s is the loop; it spends nothing.
+        clock.set_secs(20.0);
+        let d = get("/search?q=a&page=1", "10.0.0.1");
+        assert_eq!(reason_of(&d), Some("loop_detected"));
+        assert_eq!(d.status(), 429);
+        // Retry-After: when the oldest identical request leaves the window (60 s after t=0).
+        assert_eq!(d.retry_after(), 40);
+        assert_eq!(d.rules().len(), 0);
+        // Another value, another client, another path: different requests.
+        assert!(get("/search?q=b&page=1", "10.0.0.1").is_allowed());
+        assert!(get("/search?q=a&page=1", "10.0.0.2").is_allowed());
+        assert!(get("/search/?q=a&page=1&page=2", "10.0.0.1").is_allowed());
+        // The window slides: at t=60 the first mark is gone, one more fits.
+        clock.set_secs(60.0);
+        assert!(get("/search?q=a&page=1", "10.0.0.1").is_allowed());
+        let d = get("/search?q=a&page=1", "10.0.0.1");
+        assert_eq!(
+            (reason_of(&d), d.retry_after()),
+            (Some("loop_detected"), 10)
+        );
+    }
+
+    #[test]
+    fn bodies_tell_requests_apart() {
+        let (e, _clock) = engine(guarded(
+            json!({"enabled": true, "window_seconds": 60, "threshold_identical_requests": 2}),
+            json!({"enabled": false}),
+            json!([]),
+        ));
+        let post = |body: &[u8]| {
+            let headers: Vec<(String, String)> = Vec::new();
+            let facts = RequestFacts::from_uri(
+                "POST",
+                "/v1/chat",
+                None,
+                Some("10.0.0.1".parse().unwrap()),
+                &headers,
+            )
+            .with_body_hash(crate::descriptor::body_hash(body));
+            e.decide(&facts)
+        };
+        assert!(post(b"{\"q\": 1}").is_allowed());
+        assert!(post(b"{\"q\": 2}").is_allowed());
+        assert_eq!(reason_of(&post(b"{\"q\": 1}")), Some("loop_detected"));
+        // Without a body the fingerprint differs from any body's.
+        assert!(post(b"").is_allowed());
+        assert_eq!(reason_of(&post(b"")), Some("loop_detected"));
+    }
+
+    #[test]
+    fn a_loop_that_warns_or_throttles_never_skips_the_other_rules() {
+        for (action, warning, throttle_ms) in
+            [("warn", "loop_warn", 0), ("throttle", "loop_throttle", 300)]
+        {
+            let (e, _clock) = engine(guarded(
+                json!({"enabled": true, "window_seconds": 60, "threshold_identical_requests": 3,
+                       "action": action}),
+                json!({"enabled": false}),
+                json!([tb("per-ip", json!(["ip:address"]), 0.001, 4.0)]),
+            ));
+            for _ in 0..2 {
+                let d = ask(&e, "GET", "/x", "10.0.0.1", &[]);
+                assert_eq!(d.checked().unwrap().warning(), None);
+            }
+            // The third and fourth are loops, and still pay the bucket.
+            for left in [1.0, 0.0] {
+                let d = ask(&e, "GET", "/x", "10.0.0.1", &[]);
+                assert!(d.is_allowed(), "{action}");
+                let checked = d.checked().unwrap();
+                assert_eq!(checked.warning(), Some(warning));
+                assert_eq!(checked.throttle_ms(), throttle_ms);
+                assert_eq!(d.rules()[0].tokens_f64(), left);
+            }
+            // The bucket still refuses when it is empty.
+            let d = ask(&e, "GET", "/x", "10.0.0.1", &[]);
+            assert_eq!(reason_of(&d), Some("token_bucket_exceeded"), "{action}");
+        }
+    }
+
+    #[test]
+    fn a_refused_request_leaves_no_loop_mark() {
+        let (e, _clock) = engine(guarded(
+            json!({"enabled": true, "window_seconds": 60, "threshold_identical_requests": 2}),
+            json!({"enabled": false}),
+            json!([tb("per-ip", json!(["ip:address"]), 0.001, 1.0)]),
+        ));
+        assert!(ask(&e, "GET", "/a", "10.0.0.1", &[]).is_allowed());
+        // Refused by the bucket: its mark is given back, so /b is not a repeat after it.
+        let d = ask(&e, "GET", "/b", "10.0.0.1", &[]);
+        assert_eq!(reason_of(&d), Some("token_bucket_exceeded"));
+        let key = d.checked().unwrap().slots[0].key;
+        assert_eq!(e.store.leases().in_flight(&key, 0), 0);
+    }
+
+    #[test]
+    fn a_breaker_trips_on_spend_rate_and_stays_open_until_reset() {
+        let (e, clock) = engine(guarded(
+            json!({"enabled": false}),
+            json!({"enabled": true, "spend_rate_threshold_per_minute": 100,
+                   "auto_reset_after_minutes": 5, "alert": true}),
+            json!([{"name": "org-budget", "limit_keys": ["header:x-org"], "algorithm": "cost_based",
+                    "algorithm_config": {"budget": 100000, "period": "1d", "cost_key": "header:x-cost",
+                                         "default_cost": 1, "staged_actions": [
+                                             {"threshold_percent": 100, "action": "reject"}]}}]),
+        ));
+        let spend = |org: &str, cost: &str| {
+            ask(
+                &e,
+                "POST",
+                "/v1/run",
+                "10.0.0.1",
+                &[("x-org", org), ("x-cost", cost)],
+            )
+        };
+        assert!(spend("acme", "60").is_allowed());
+        assert!(spend("acme", "40").is_allowed());
+        // 100 spent within the minute: the next spend trips the breaker and is refused.
+        let d = spend("acme", "1");
+        assert_eq!(reason_of(&d), Some("circuit_breaker_open"));
+        assert_eq!(d.retry_after(), 300);
+        let trips = d.breaker_trips();
+        assert_eq!(trips.len(), 1);
+        assert_eq!(trips[0].1.name, "circuit_breaker");
+        // The budget was not charged for the refused request.
+        let budget_left = d
+            .rules()
+            .iter()
+            .find(|r| r.rule.name == "org-budget")
+            .unwrap();
+        assert_eq!(budget_left.tokens_f64(), 99_900.0);
+        // Open: every request of this org is refused, whatever it costs, and spends nothing.
+        clock.set_secs(120.0);
+        let d = spend("acme", "1");
+        assert_eq!(
+            (reason_of(&d), d.retry_after()),
+            (Some("circuit_breaker_open"), 180)
+        );
+        assert!(d.breaker_trips().is_empty());
+        // Another org is not affected.
+        assert!(spend("globex", "1").is_allowed());
+        // Closed after 5 minutes, with a refilled spend bucket.
+        clock.set_secs(300.0);
+        let d = spend("acme", "100");
+        assert!(d.is_allowed());
+        assert_eq!(
+            d.rules()
+                .iter()
+                .find(|r| r.rule.name == "org-budget")
+                .unwrap()
+                .tokens_f64(),
+            99_800.0
+        );
+    }
+
+    #[test]
+    fn a_breaker_without_reset_closes_when_the_bundle_changes() {
+        let bundle = guarded(
+            json!({"enabled": false}),
+            json!({"enabled": true, "spend_rate_threshold_per_minute": 2}),
+            json!([tb("per-ip", json!(["ip:address"]), 100.0, 100.0)]),
+        );
+        let e = empty_engine(1_800_000_000);
+        let mut first = compile_bundle(&bundle, "test").unwrap();
+        first.hash = "0001".to_string();
+        e.install(first);
+        for _ in 0..2 {
+            assert!(ask(&e, "GET", "/", "10.0.0.1", &[]).is_allowed());
+        }
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        // Open until the bundle changes: clients come back in a minute, as for a kill switch.
+        assert_eq!(
+            (reason_of(&d), d.retry_after()),
+            (Some("circuit_breaker_open"), 60)
+        );
+        e.clock.set_secs(3600.0);
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(
+            (reason_of(&d), d.retry_after()),
+            (Some("circuit_breaker_open"), 60)
+        );
+        let mut second = compile_bundle(&bundle, "test").unwrap();
+        second.hash = "0002".to_string();
+        e.install(second);
+        assert!(ask(&e, "GET", "/", "10.0.0.1", &[]).is_allowed());
+    }
+
+    #[test]
+    fn shadow_guards_only_report() {
+        let mut bundle = guarded(
+            json!({"enabled": true, "window_seconds": 60, "threshold_identical_requests": 2}),
+            json!({"enabled": true, "spend_rate_threshold_per_minute": 2, "auto_reset_after_minutes": 1}),
+            json!([tb("per-ip", json!(["ip:address"]), 100.0, 100.0)]),
+        );
+        bundle["policies"][0]["spec"]["mode"] = json!("shadow");
+        let (e, _clock) = engine(bundle);
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+            assert!(d.is_allowed());
+            assert_eq!(d.checked().unwrap().warning(), None);
+            let refusing: Vec<String> = d
+                .checked()
+                .unwrap()
+                .slots
+                .iter()
+                .filter(|s| !s.allowed)
+                .map(|s| s.reason().as_str().to_string())
+                .collect();
+            seen.push(refusing);
+        }
+        assert_eq!(
+            seen,
+            [
+                vec![],
+                vec!["loop_detected".to_string()],
+                vec!["loop_detected".to_string()],
+                vec![
+                    "loop_detected".to_string(),
+                    "circuit_breaker_open".to_string()
+                ],
+            ]
+        );
+    }
+
     #[test]
     fn a_budget_refusal_keeps_the_other_rules_whole() {
         let (e, _) = engine(

@@ -2074,6 +2074,107 @@ mod tests {
     }
 
     #[test]
+    fn loop_detection_and_circuit_breakers_follow_fairvisor_checks() {
+        let policy =
+            |spec: Value| json!({"bundle_version": 1, "policies": [{"id": "p", "spec": spec}]});
+        let errors = errors_of(policy(json!({"rules": [],
+            "loop_detection": {"enabled": true, "threshold_identical_requests": 1, "action": "block",
+                               "similarity": "fuzzy"},
+            "circuit_breaker": {"enabled": "yes", "spend_rate_threshold_per_minute": 0,
+                                "action": "warn", "auto_reset_after_minutes": -1, "alert": 1}})));
+        assert_eq!(
+            errors,
+            [
+                "policies[0].spec.loop_detection.window_seconds: is required when enabled is true",
+                "policies[0].spec.loop_detection.threshold_identical_requests: must be a whole number from 2 to 1000",
+                "policies[0].spec.loop_detection.action: must be one of \"reject\", \"throttle\", \"warn\"",
+                "policies[0].spec.loop_detection.similarity: must be \"exact\"",
+                "policies[0].spec.circuit_breaker.enabled: must be a boolean, found a string",
+                "policies[0].spec.circuit_breaker.spend_rate_threshold_per_minute: must be > 0",
+                "policies[0].spec.circuit_breaker.action: must be \"reject\"",
+                "policies[0].spec.circuit_breaker.auto_reset_after_minutes: must be a number of minutes from 0 to 43200",
+                "policies[0].spec.circuit_breaker.alert: must be a boolean, found a number",
+            ]
+        );
+        // Fairvisor's example blocks compile, with defaults, into named rules of their own.
+        let tb = json!({"name": "org", "limit_keys": ["jwt:org_id"], "algorithm": "token_bucket",
+                        "algorithm_config": {"rps": 10, "burst": 20, "cost_source": "header:x-cost"}});
+        let spec = |id: &str| {
+            json!({"id": id, "spec": {"rules": [if id == "a" { tb.clone() } else { json!({"name": "ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}) }],
+            "loop_detection": {"enabled": true, "window_seconds": 60, "threshold_identical_requests": 10,
+                               "action": "reject", "similarity": "exact"},
+            "circuit_breaker": {"enabled": true, "spend_rate_threshold_per_minute": 1000,
+                                "action": "reject", "alert": true, "auto_reset_after_minutes": 5}}})
+        };
+        let b = compile_bundle(
+            &json!({"bundle_version": 1, "policies": [spec("a"), spec("b")]}),
+            "x",
+        )
+        .unwrap();
+        let names: Vec<&str> = b.rules.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "org",
+                "loop_detection",
+                "circuit_breaker",
+                "ip",
+                "loop_detection@b",
+                "circuit_breaker@b"
+            ]
+        );
+        let a = &b.policies[0];
+        assert_eq!(
+            (a.rules.clone(), a.loop_detection, a.circuit_breaker),
+            (0..1, Some(1), Some(2))
+        );
+        assert_eq!(
+            b.rules[1].guard,
+            Some(Guard::Loop(LoopDetection {
+                window_us: 60 * US_PER_SEC,
+                threshold: 10,
+                action: LoopAction::Reject
+            }))
+        );
+        assert_eq!(b.rules[1].key_prefix, "lp:a:");
+        let breaker = &b.rules[2];
+        assert_eq!(
+            breaker.guard,
+            Some(Guard::Breaker(Breaker {
+                reset_us: Some(300 * US_PER_SEC),
+                alert: true
+            }))
+        );
+        // The spend is the first rule's cost, per its keys, over a minute.
+        assert_eq!(breaker.limit_keys, b.rules[0].limit_keys);
+        assert_eq!(breaker.cost, b.rules[0].cost);
+        assert_eq!(
+            (breaker.quota.burst(), breaker.quota.window_secs()),
+            (1000 * MICRO, 60)
+        );
+        assert_eq!(breaker.key_prefix, "br:a:");
+        assert!(b.fingerprints_bodies);
+        // Disabled blocks build nothing, and defaults apply.
+        let b = compile_bundle(
+            &policy(json!({"rules": [],
+            "loop_detection": {"enabled": false},
+            "circuit_breaker": {"enabled": true, "spend_rate_threshold_per_minute": 5}})),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(b.policies[0].loop_detection, None);
+        assert!(!b.fingerprints_bodies);
+        assert_eq!(
+            b.rules[0].guard,
+            Some(Guard::Breaker(Breaker {
+                reset_us: None,
+                alert: false
+            }))
+        );
+        assert_eq!(b.rules[0].limit_keys, []);
+    }
+
+    #[test]
     fn runtime_overrides_follow_fairvisor_rules() {
         let errors = errors_of(json!({"bundle_version": 1, "policies": [],
             "global_shadow": {"enabled": true, "reason": ""},
