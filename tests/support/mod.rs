@@ -794,6 +794,7 @@ pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
         max,
         group: Group::Enforce,
         ttl_us: 10 * US_PER_SEC,
+        soft: false,
     };
     let (two, one) = (op("two", 2), op("one", 1));
     let t0 = 1_800_000_000 * US_PER_SEC;
@@ -837,4 +838,40 @@ pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
         (0, 0, true, true),
         "{prefix}"
     );
+    // Loop marks and breaker states: a soft op never blocks its group, and a full key tells
+    // when its earliest lease ends; a peek (max 0) takes nothing.
+    let mark = LeaseOp {
+        soft: true,
+        ..op("mark", 1)
+    };
+    let peek = LeaseOp { max: 0, ..mark };
+    let slot = op("slot", 5);
+    store
+        .acquire(t0, 21, &[slot, mark], &mut r)
+        .await
+        .expect("store");
+    assert_eq!((r[0].committed, r[1].committed), (true, true), "{prefix}");
+    store
+        .acquire(t0 + 4 * US_PER_SEC, 22, &[slot, mark], &mut r)
+        .await
+        .expect("store");
+    assert_eq!(
+        (r[0].committed, r[1].allowed, r[1].committed, r[1].frees_in_us),
+        (true, false, false, 6 * US_PER_SEC),
+        "{prefix}"
+    );
+    store
+        .acquire(t0 + 5 * US_PER_SEC, 23, &[peek], &mut r)
+        .await
+        .expect("store");
+    assert_eq!(
+        (r[0].committed, r[0].in_flight, r[0].frees_in_us),
+        (false, 1, 5 * US_PER_SEC),
+        "{prefix}"
+    );
+    store
+        .acquire(t0 + 10 * US_PER_SEC, 24, &[peek], &mut r)
+        .await
+        .expect("store");
+    assert_eq!((r[0].in_flight, r[0].frees_in_us), (0, 0), "{prefix}");
 }
