@@ -1,10 +1,14 @@
 //! Limit kinds beyond the token bucket, through the real binary: `cost_based` budgets (proxy and
-//! decision service), runtime overrides, and Fairvisor bundles (skipped policies, expiry).
+//! decision service), loop detection and circuit breakers, runtime overrides, and Fairvisor
+//! bundles (skipped policies, expiry).
 
 mod support;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use support::{Gateway, Upstream};
+use support::{request_with_body, Gateway, Upstream};
+
+/// The example bundle with loop detection and a circuit breaker.
+const AGENT_GUARDS: &str = include_str!("../policies/agent-guards.json");
 
 /// A weekly budget of 5 with a warning at 40 % and a 300 ms throttle from 60 %.
 const WEEKLY_BUDGET: &str = r#"{"bundle_version": "2026-11-22.1", "issued_at": "2026-11-22T00:00:00Z",
@@ -99,6 +103,130 @@ fn the_decision_service_answers_budgets_the_same_way() {
     let r = ask();
     assert_eq!(r.header("X-Tollgate-Reason"), Some("budget_exceeded"));
     assert_eq!(r.header("RateLimit-Remaining"), Some("0"));
+}
+
+#[test]
+fn repeated_requests_are_caught_by_body_and_reach_the_upstream_unchanged() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(Some(AGENT_GUARDS), Some(upstream.addr), &[]);
+    let key = [
+        ("X-Api-Key", "agent-7"),
+        ("Content-Type", "application/json"),
+    ];
+    let post =
+        |body: &str| request_with_body(gw.proxy, "POST", "/v1/agent/run", &key, body.as_bytes());
+    for body in [r#"{"task": "a"}"#, r#"{"task": "b"}"#, r#"{"task": "a"}"#] {
+        let r = post(body);
+        assert_eq!(r.status, 200, "{r:?}");
+        // The body was read to fingerprint it and still reached the upstream byte for byte.
+        assert!(r.body.ends_with(&format!(" body={body}")), "{r:?}");
+    }
+    let started = Instant::now();
+    let r = post(r#"{"task": "a"}"#);
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(r.header("X-Tollgate-Reason"), Some("loop_detected"));
+    // Until the first identical request leaves the 60 s window, jittered up to half again.
+    let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
+    let waited = started.elapsed().as_secs() + 2;
+    assert!((60 - waited.min(60)..=90).contains(&retry), "{retry}");
+    assert_eq!(upstream.hits(), 3, "the loop never reached the upstream");
+    // Another key sending the same body is not in a loop.
+    let r = request_with_body(
+        gw.proxy,
+        "POST",
+        "/v1/agent/run",
+        &[("X-Api-Key", "agent-8")],
+        br#"{"task": "a"}"#,
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        gw.metric(
+            "tollgate_decisions_total{action=\"reject\",mode=\"enforce\",policy=\"agent-runs\",reason=\"loop_detected\",rule=\"loop_detection\"}"
+        ),
+        1.0
+    );
+    // A loop that only warns lets the request through, and still counts it against the key.
+    let search = |q: &str| gw.get(&format!("/v1/search?{q}"), &[("X-Api-Key", "agent-7")]);
+    assert_eq!(search("q=x&page=2").header("X-Tollgate-Warning"), None);
+    assert_eq!(search("page=2&q=x").header("X-Tollgate-Warning"), None);
+    let r = search("q=x&page=2");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("X-Tollgate-Warning"), Some("loop_warn"));
+    assert_eq!(r.header("RateLimit-Remaining"), Some("37"));
+}
+
+#[test]
+fn a_runaway_spender_trips_the_breaker_and_is_locked_out() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(Some(AGENT_GUARDS), Some(upstream.addr), &[]);
+    let spend = |n: u32, cost: &str| {
+        request_with_body(
+            gw.proxy,
+            "POST",
+            &format!("/v1/agent/run?step={n}"),
+            &[("X-Api-Key", "agent-9"), ("X-Cost", cost)],
+            b"{}",
+        )
+    };
+    assert_eq!(spend(1, "30").status, 200);
+    // 60 within a minute is over the breaker's 50: this request trips it and is refused.
+    let r = spend(2, "30");
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(r.header("X-Tollgate-Reason"), Some("circuit_breaker_open"));
+    let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
+    assert!((60..=90).contains(&retry), "{retry}");
+    // Open: even a cheap request is refused, with the time left until it closes.
+    let r = spend(3, "1");
+    assert_eq!(r.header("X-Tollgate-Reason"), Some("circuit_breaker_open"));
+    let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
+    assert!((55..=90).contains(&retry), "{retry}");
+    // Another key is not affected.
+    let r = request_with_body(
+        gw.proxy,
+        "POST",
+        "/v1/agent/run",
+        &[("X-Api-Key", "agent-10"), ("X-Cost", "30")],
+        b"{}",
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(upstream.hits(), 2);
+    assert_eq!(
+        gw.metric("tollgate_circuit_breaker_trips_total{mode=\"enforce\",policy=\"agent-runs\"}"),
+        1.0
+    );
+    let log = std::fs::read_to_string(&gw.log).unwrap();
+    assert!(
+        log.contains("CIRCUIT_BREAKER_OPEN") && log.contains("ERROR"),
+        "an alerting breaker logs its trip at error level"
+    );
+}
+
+#[test]
+fn the_decision_service_fingerprints_the_bodies_it_is_sent() {
+    let gw = Gateway::start(Some(AGENT_GUARDS), None, &[]);
+    let ask = |body: &str| {
+        request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/agent/run"),
+                ("X-Api-Key", "svc"),
+            ],
+            body.as_bytes(),
+        )
+    };
+    let statuses: Vec<u16> = ["one", "two", "one", "two", "one"]
+        .iter()
+        .map(|b| ask(b).status)
+        .collect();
+    assert_eq!(statuses, [200, 200, 200, 200, 429]);
+    assert_eq!(
+        ask("one").header("X-Tollgate-Reason"),
+        Some("loop_detected")
+    );
+    assert_eq!(ask("three").status, 200);
 }
 
 #[test]

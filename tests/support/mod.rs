@@ -55,6 +55,28 @@ pub fn try_request(
     target: &str,
     headers: &[(&str, &str)],
 ) -> std::io::Result<HttpResponse> {
+    try_request_with_body(addr, method, target, headers, b"")
+}
+
+/// Sends one request with `body` (`Content-Length` framed, `Connection: close`).
+pub fn request_with_body(
+    addr: SocketAddr,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> HttpResponse {
+    try_request_with_body(addr, method, target, headers, body)
+        .unwrap_or_else(|e| panic!("{method} {target} to {addr}: {e}"))
+}
+
+pub fn try_request_with_body(
+    addr: SocketAddr,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<HttpResponse> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     stream.set_read_timeout(Some(Duration::from_secs(20)))?;
     let mut req = format!("{method} {target} HTTP/1.1\r\n");
@@ -64,8 +86,12 @@ pub fn try_request(
     for (n, v) in headers {
         req.push_str(&format!("{n}: {v}\r\n"));
     }
-    req.push_str("Connection: close\r\nContent-Length: 0\r\n\r\n");
+    req.push_str(&format!(
+        "Connection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    ));
     stream.write_all(req.as_bytes())?;
+    stream.write_all(body)?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
     parse_response(&raw)
@@ -158,7 +184,8 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
 }
 
 /// An upstream HTTP/1.1 server that counts requests and answers `200 upstream ok` (keep-alive
-/// aware). Requests to `/slow` wait 1 s before answering.
+/// aware), followed by ` body=<body>` when the request had one. Requests to `/slow` wait 1 s
+/// before answering.
 pub struct Upstream {
     pub addr: SocketAddr,
     hits: Arc<AtomicUsize>,
@@ -228,7 +255,11 @@ fn serve_connection(conn: TcpStream, hits: &AtomicUsize) {
             .find(|h| h.starts_with("x-forwarded-for="))
             .cloned()
             .unwrap_or_default();
-        let payload = format!("upstream ok {forwarded}");
+        let mut payload = format!("upstream ok {forwarded}");
+        if !body.is_empty() {
+            payload.push_str(" body=");
+            payload.push_str(&String::from_utf8_lossy(&body));
+        }
         let response = format!(
             "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Upstream: yes\r\n\r\n{}",
             payload.len(),
@@ -856,7 +887,12 @@ pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
         .await
         .expect("store");
     assert_eq!(
-        (r[0].committed, r[1].allowed, r[1].committed, r[1].frees_in_us),
+        (
+            r[0].committed,
+            r[1].allowed,
+            r[1].committed,
+            r[1].frees_in_us
+        ),
         (true, false, false, 6 * US_PER_SEC),
         "{prefix}"
     );
