@@ -419,13 +419,23 @@ impl<'b> Decision<'b> {
             .max_by_key(|r| (r.cost_exceeds, r.retry_after))
     }
 
-    /// The circuit breakers this request tripped (their spend bucket refused it), each as the
-    /// lease that opens it, with its rule. The caller takes them after the decision.
+    /// The circuit breakers this request tripped, each as the lease that opens it, with its
+    /// rule; the caller takes them after the decision. A breaker trips when its spend bucket
+    /// refused a request no other enforced rule refused: a request refused anyway spends
+    /// nothing, so it cannot run the spend rate up.
     pub fn breaker_trips(&self) -> SmallVec<[(LeaseOp, &'b Rule); 1]> {
         let mut trips = SmallVec::new();
         let Some(checked) = self.checked() else {
             return trips;
         };
+        let is_breaker = |o: &RuleOutcome<'_>| matches!(o.rule.guard, Some(Guard::Breaker(_)));
+        let refused_otherwise = checked
+            .rules
+            .iter()
+            .any(|o| o.rule.mode == Mode::Enforce && !o.allowed && !is_breaker(o));
+        if refused_otherwise {
+            return trips;
+        }
         for outcome in checked.rules.iter().filter(|o| !o.allowed) {
             let Some(Guard::Breaker(breaker)) = outcome.rule.guard else {
                 continue;
@@ -1013,13 +1023,19 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
         });
     }
     if rejected {
-        // A tripped breaker refuses for as long as it stays open.
-        let tripped = checked.rules.iter().find_map(|r| match r.rule.guard {
-            Some(Guard::Breaker(breaker)) if r.rule.mode == Mode::Enforce && !r.allowed => {
-                Some((r.rule, breaker))
+        // A breaker tripped (it alone refused) refuses for as long as it stays open.
+        let mut tripped = None;
+        let mut refused_otherwise = false;
+        for r in checked.rules.iter() {
+            if r.rule.mode != Mode::Enforce || r.allowed {
+                continue;
             }
-            _ => None,
-        });
+            match r.rule.guard {
+                Some(Guard::Breaker(breaker)) => tripped = tripped.or(Some((r.rule, breaker))),
+                _ => refused_otherwise = true,
+            }
+        }
+        let tripped = tripped.filter(|_| !refused_otherwise);
         if let Some((rule, breaker)) = tripped {
             return Decision::Refuse(Refusal {
                 reason: Reason::CircuitBreakerOpen,
@@ -1032,10 +1048,11 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             });
         }
         // The longest wait decides: a budget's (its window's end) or a bucket's.
+        // (A breaker refusing beside another rule has not tripped: it does not speak.)
         let longest = checked
             .rules
             .iter()
-            .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed)
+            .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed && r.rule.guard.is_none())
             .max_by_key(|r| (r.retry_after, r.budget_ends_in_us > 0));
         let (retry_after, budget) =
             longest.map_or((1, false), |r| (r.retry_after, r.budget_ends_in_us > 0));
@@ -1702,6 +1719,34 @@ mod tests {
                 .tokens_f64(),
             99_800.0
         );
+    }
+
+    #[test]
+    fn a_request_refused_by_another_rule_never_trips_the_breaker() {
+        let (e, _clock) = engine(guarded(
+            json!({"enabled": false}),
+            json!({"enabled": true, "spend_rate_threshold_per_minute": 10, "auto_reset_after_minutes": 1}),
+            json!([{"name": "per-key", "limit_keys": ["header:x-org"], "algorithm": "token_bucket",
+                    "algorithm_config": {"rps": 100, "burst": 20, "cost_source": "header:x-cost",
+                                         "max_cost": 15}}]),
+        ));
+        let spend = |cost: &str| {
+            ask(
+                &e,
+                "POST",
+                "/",
+                "10.0.0.1",
+                &[("x-org", "a"), ("x-cost", cost)],
+            )
+        };
+        // 16 is over the breaker's 10 but also over max_cost: refused for its cost, no trip.
+        let d = spend("16");
+        assert_eq!(reason_of(&d), Some("cost_exceeds_limit"));
+        assert!(d.breaker_trips().is_empty());
+        assert!(spend("10").is_allowed());
+        let d = spend("1");
+        assert_eq!(reason_of(&d), Some("circuit_breaker_open"));
+        assert_eq!(d.breaker_trips().len(), 1);
     }
 
     #[test]

@@ -236,6 +236,62 @@ mod tests {
     }
 
     #[test]
+    fn loops_and_breakers_replay_on_the_virtual_clock() {
+        let bundle = crate::policy::parse_bundle(
+            include_bytes!("../policies/agent-guards.json"),
+            "agent-guards",
+        )
+        .unwrap();
+        let line = |t: f64, path: &str, cost: u32| {
+            format!(
+                r#"{{"t": {t}, "method": "POST", "path": "{path}", "headers": {{"x-api-key": "k", "x-cost": "{cost}"}}}}"#
+            )
+        };
+        let input = [
+            line(0.0, "/v1/agent/a", 1),
+            line(1.0, "/v1/agent/a", 1),
+            line(2.0, "/v1/agent/a", 1),
+            // The first identical request leaves the 60 s window at t=60.
+            line(60.0, "/v1/agent/a", 1),
+            line(61.0, "/v1/agent/b", 45),
+            line(62.0, "/v1/agent/c", 10),
+            line(100.0, "/v1/agent/d", 1),
+            line(122.0, "/v1/agent/e", 1),
+        ]
+        .join("\n");
+        let mut out = Vec::new();
+        replay(
+            bundle,
+            EngineConfig::default(),
+            DEFAULT_START_UNIX,
+            input.as_bytes(),
+            &mut out,
+        )
+        .unwrap();
+        let reasons: Vec<String> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).unwrap();
+                format!("{} {}", v["status"], v["reason"].as_str().unwrap_or("-"))
+            })
+            .collect();
+        assert_eq!(
+            reasons,
+            [
+                "200 -",
+                "200 -",
+                "429 loop_detected",
+                "200 -",
+                "200 -",
+                "429 circuit_breaker_open",
+                "429 circuit_breaker_open",
+                "200 -",
+            ]
+        );
+    }
+
+    #[test]
     fn monthly_budgets_renew_at_the_calendar_month() {
         let bundle = compile_bundle(
             &json!({"rules": [{"name": "monthly", "limit_keys": ["header:x-api-key"], "algorithm": "cost_based",

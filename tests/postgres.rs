@@ -214,6 +214,13 @@ fn two_gateways_share_one_limit_on_postgres_and_survive_its_death() {
         .contains("\"store_status\":\"ok\""));
 }
 
+/// Loop detection and circuit breakers shared by a fleet on PostgreSQL.
+#[test]
+fn loop_marks_and_breakers_are_shared_on_postgres() {
+    let pg = PgServer::start();
+    support::assert_guards_across_a_fleet(&pg.url());
+}
+
 /// Envoy's rate-limit protocol on a fleet sharing PostgreSQL ([`support::assert_grpc_fleet_exact`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_rate_limit_calls_are_exact_and_all_or_nothing_on_postgres() {

@@ -195,6 +195,13 @@ async fn leases_on_redis() {
     support::assert_leases(&store, "redis").await;
 }
 
+/// Loop detection and circuit breakers shared by a fleet on Redis.
+#[test]
+fn loop_marks_and_breakers_are_shared_on_redis() {
+    let redis = RedisServer::start();
+    support::assert_guards_across_a_fleet(&redis.url());
+}
+
 /// Two gateway processes on one Redis enforce one limit together under concurrent load.
 #[test]
 fn two_gateways_share_one_limit() {

@@ -911,3 +911,69 @@ pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
         .expect("store");
     assert_eq!((r[0].in_flight, r[0].frees_in_us), (0, 0), "{prefix}");
 }
+
+/// Loop marks and breaker states shared by a fleet on `store_url` (policies/agent-guards.json):
+/// identical requests through either gateway count as one loop, a breaker one gateway trips
+/// refuses on the other, and a request refused by a bucket leaves no mark behind.
+pub fn assert_guards_across_a_fleet(store_url: &str) {
+    let upstream = Upstream::start();
+    let policy = include_str!("../../policies/agent-guards.json");
+    let fleet = start_fleet(
+        policy,
+        upstream.addr,
+        store_url,
+        "1000",
+        Duration::from_secs(20),
+    );
+    let post = |gw: &Gateway, key: &str, target: &str, cost: &str, body: &str| {
+        request_with_body(
+            gw.proxy,
+            "POST",
+            target,
+            &[("X-Api-Key", key), ("X-Cost", cost)],
+            body.as_bytes(),
+        )
+    };
+    let reason = |r: &HttpResponse| r.header("X-Tollgate-Reason").map(str::to_string);
+    // Two identical requests, one through each gateway: the third is a loop on either.
+    assert_eq!(
+        post(&fleet[0], "a", "/v1/agent/run", "1", "same").status,
+        200
+    );
+    assert_eq!(
+        post(&fleet[1], "a", "/v1/agent/run", "1", "same").status,
+        200
+    );
+    let r = post(&fleet[0], "a", "/v1/agent/run", "1", "same");
+    assert_eq!(reason(&r).as_deref(), Some("loop_detected"), "{r:?}");
+    // Spend over 50 a minute through one gateway trips the breaker for the whole fleet.
+    assert_eq!(
+        post(&fleet[0], "b", "/v1/agent/run?n=1", "40", "x").status,
+        200
+    );
+    let r = post(&fleet[0], "b", "/v1/agent/run?n=2", "40", "x");
+    assert_eq!(reason(&r).as_deref(), Some("circuit_breaker_open"), "{r:?}");
+    let r = post(&fleet[1], "b", "/v1/agent/run?n=3", "1", "x");
+    assert_eq!(reason(&r).as_deref(), Some("circuit_breaker_open"), "{r:?}");
+    let retry: u64 = r.header("Retry-After").unwrap().parse().unwrap();
+    assert!((50..=90).contains(&retry), "{retry}");
+    // A request the bucket refuses (a cost over max_cost) leaves no loop mark: the same
+    // request twice more is still admitted once it fits.
+    let r = post(&fleet[1], "c", "/v1/agent/run", "101", "big");
+    assert_eq!(reason(&r).as_deref(), Some("cost_exceeds_limit"), "{r:?}");
+    let r = post(&fleet[1], "c", "/v1/agent/run", "101", "big");
+    assert_eq!(reason(&r).as_deref(), Some("cost_exceeds_limit"), "{r:?}");
+    assert_eq!(
+        post(&fleet[0], "c", "/v1/agent/run", "1", "big").status,
+        200
+    );
+    assert_eq!(upstream.hits(), 4);
+    for gw in &fleet {
+        assert_eq!(
+            gw.metric("tollgate_store_errors_total"),
+            0.0,
+            "{}",
+            gw.log_text()
+        );
+    }
+}
