@@ -65,6 +65,7 @@ fn bench(c: &mut Criterion) {
                     headers: &headers,
                     claims: None,
                     envoy: None,
+                    body_hash: None,
                 };
                 let bundle = policy.load();
                 let decision = decide_local(
