@@ -1109,16 +1109,23 @@ pub fn decide_local<'b>(
         Plan::Done(decision) => return decision,
         Plan::Store(pending) => pending,
     };
+    if !pending.leases.is_empty() {
+        return decide_with_leases(pending, store, now_us);
+    }
+    let mut results = OpResults::new();
+    let answer = store.apply(now_us, &pending.ops, &mut results);
+    finish(pending, answer.map(|()| &results))
+}
+
+/// [`decide_local`] for a request with leases to take (kept out of line: most requests have
+/// none, and the plain path stays as small as it was).
+#[inline(never)]
+fn decide_with_leases<'b>(pending: Pending<'b>, store: &MemoryStore, now_us: u64) -> Decision<'b> {
     let leases = store.leases();
     let mut taken = LeaseResults::new();
-    let pending = if pending.leases.is_empty() {
-        Ok(pending)
-    } else {
-        let id = next_lease_id();
-        leases.acquire(now_us, id, &pending.leases, &mut taken);
-        pending.admit(id, Ok(&taken))
-    };
-    let decision = match pending {
+    let id = next_lease_id();
+    leases.acquire(now_us, id, &pending.leases, &mut taken);
+    let decision = match pending.admit(id, Ok(&taken)) {
         Err(refused) => refused,
         Ok(pending) => {
             let mut results = OpResults::new();
@@ -1126,6 +1133,7 @@ pub fn decide_local<'b>(
             finish(pending, answer.map(|()| &results))
         }
     };
+    // A breaker always reads its open state, so trips only come from this path.
     for (trip, _) in decision.breaker_trips() {
         leases.acquire(now_us, next_lease_id(), &[trip], &mut taken);
     }
