@@ -240,7 +240,18 @@ pub struct SlotOutcome<'b> {
     pub frees_in_us: u64,
 }
 
-impl SlotOutcome<'_> {
+impl<'b> SlotOutcome<'b> {
+    fn new(rule: &'b Rule, key: BucketKey) -> Self {
+        SlotOutcome {
+            rule,
+            key,
+            allowed: true,
+            committed: false,
+            in_flight: 0,
+            frees_in_us: 0,
+        }
+    }
+
     /// The reason this slot refuses (or would, in shadow).
     pub fn reason(&self) -> Reason {
         match self.rule.guard {
@@ -272,6 +283,16 @@ impl<'b> Checked<'b> {
             .filter(|s| s.committed && s.rule.concurrency.is_some())
             .map(|s| s.key)
             .collect()
+    }
+
+    /// An enforced rule other than a circuit breaker refused: a breaker refusing beside it has
+    /// not tripped (the request would spend nothing anyway).
+    pub fn refused_beside_breakers(&self) -> bool {
+        self.rules.iter().any(|o| {
+            o.rule.mode == Mode::Enforce
+                && !o.allowed
+                && !matches!(o.rule.guard, Some(Guard::Breaker(_)))
+        })
     }
 
     /// Every lease this request took (slots and loop marks): all given back when it is refused.
@@ -428,12 +449,7 @@ impl<'b> Decision<'b> {
         let Some(checked) = self.checked() else {
             return trips;
         };
-        let is_breaker = |o: &RuleOutcome<'_>| matches!(o.rule.guard, Some(Guard::Breaker(_)));
-        let refused_otherwise = checked
-            .rules
-            .iter()
-            .any(|o| o.rule.mode == Mode::Enforce && !o.allowed && !is_breaker(o));
-        if refused_otherwise {
+        if checked.refused_beside_breakers() {
             return trips;
         }
         for outcome in checked.rules.iter().filter(|o| !o.allowed) {
@@ -914,19 +930,6 @@ fn group_of(mode: Mode) -> Group {
     }
 }
 
-impl<'b> SlotOutcome<'b> {
-    fn new(rule: &'b Rule, key: BucketKey) -> Self {
-        SlotOutcome {
-            rule,
-            key,
-            allowed: true,
-            committed: false,
-            in_flight: 0,
-            frees_in_us: 0,
-        }
-    }
-}
-
 /// A rule's bucket for the store and the outcome the store's answer fills in. A cost that
 /// can never fit is sent as one micro-token more than the bucket can hold: the store refuses
 /// it whatever its state, and spends nothing anywhere.
@@ -1024,18 +1027,16 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
     }
     if rejected {
         // A breaker tripped (it alone refused) refuses for as long as it stays open.
-        let mut tripped = None;
-        let mut refused_otherwise = false;
-        for r in checked.rules.iter() {
-            if r.rule.mode != Mode::Enforce || r.allowed {
-                continue;
-            }
-            match r.rule.guard {
-                Some(Guard::Breaker(breaker)) => tripped = tripped.or(Some((r.rule, breaker))),
-                _ => refused_otherwise = true,
-            }
-        }
-        let tripped = tripped.filter(|_| !refused_otherwise);
+        let tripped = checked
+            .rules
+            .iter()
+            .find_map(|r| match r.rule.guard {
+                Some(Guard::Breaker(breaker)) if r.rule.mode == Mode::Enforce && !r.allowed => {
+                    Some((r.rule, breaker))
+                }
+                _ => None,
+            })
+            .filter(|_| !checked.refused_beside_breakers());
         if let Some((rule, breaker)) = tripped {
             return Decision::Refuse(Refusal {
                 reason: Reason::CircuitBreakerOpen,

@@ -230,6 +230,48 @@ fn escape_name(name: &str) -> String {
     out
 }
 
+/// A rule's key prefix: `<kind>:<escaped name>:`, under `shadow:` for a shadow rule.
+fn key_prefix(kind: &str, name: &str, mode: Mode) -> String {
+    let escaped = escape_name(name);
+    match mode {
+        Mode::Enforce => format!("{kind}:{escaped}:"),
+        Mode::Shadow => format!("shadow:{kind}:{escaped}:"),
+    }
+}
+
+/// Lower-case names of the request headers a rule reads (its descriptors and its cost), once
+/// each: a request repeating one of them is refused rather than limited on a guess.
+fn headers_read<'d>(
+    descriptors: impl Iterator<Item = &'d Descriptor>,
+    cost: &CostSource,
+) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    let read = descriptors
+        .filter_map(|d| match d {
+            Descriptor::Header(h) => Some(h.clone()),
+            _ => None,
+        })
+        .chain(match cost {
+            CostSource::Header { name, .. } => Some(name.clone()),
+            _ => None,
+        });
+    for h in read {
+        if !names.contains(&h) {
+            names.push(h);
+        }
+    }
+    names
+}
+
+/// A rule's name as a structured-field string, and its `RateLimit-Policy` item
+/// (`"name";q=<burst>;w=<window_secs>`), serialised once at load.
+fn policy_item(name: &str, quota: &Quota, window_secs: u64) -> (String, String) {
+    let mut sf_name = String::with_capacity(name.len() + 2);
+    super::push_sf_string(&mut sf_name, name);
+    let item = format!("{sf_name};q={};w={window_secs}", quota.burst() / MICRO);
+    (sf_name, item)
+}
+
 /// What an unnamed `fallback_limit` is called.
 const FALLBACK_NAME: &str = "fallback_limit";
 
@@ -764,6 +806,16 @@ impl Compiler {
         }
     }
 
+    /// `base`, or `base@<policy id>` when another policy's rule took `base` first (rule names
+    /// are bucket namespaces: an unnamed fallback, a guard).
+    fn unclaimed_name(&self, base: &str) -> String {
+        if self.rule_names.contains_key(base) {
+            format!("{base}@{}", self.current_policy_id)
+        } else {
+            base.to_string()
+        }
+    }
+
     /// A policy's `fallback_limit`. Its `name` may be left out, as Fairvisor allows: it is then
     /// called `fallback_limit`, or `fallback_limit@<policy id>` when another policy's unnamed
     /// fallback took that name first (rule names are bucket namespaces).
@@ -771,11 +823,7 @@ impl Compiler {
         match v.as_object() {
             Some(map) if !map.contains_key("name") => {
                 let mut named = map.clone();
-                let name = if self.rule_names.contains_key(FALLBACK_NAME) {
-                    format!("{FALLBACK_NAME}@{}", self.current_policy_id)
-                } else {
-                    FALLBACK_NAME.to_string()
-                };
+                let name = self.unclaimed_name(FALLBACK_NAME);
                 named.insert("name".into(), Value::String(name));
                 self.rule(&Value::Object(named), path, policy, mode);
             }
@@ -1080,16 +1128,12 @@ impl Compiler {
         let (Some(name), Some(shape), Some(cost)) = (name, shape, cost) else {
             return;
         };
-        let escaped = escape_name(&name);
         let kind = match (&budget, &concurrency) {
             (Some(_), _) => "cb",
             (_, Some(_)) => "cc",
             _ => "tb",
         };
-        let key_prefix = match mode {
-            Mode::Enforce => format!("{kind}:{escaped}:"),
-            Mode::Shadow => format!("shadow:{kind}:{escaped}:"),
-        };
+        let key_prefix = key_prefix(kind, &name, mode);
         if on_missing == OnMissing::Skip {
             if let Some(header) = limit_keys.iter().find_map(|d| match d {
                 Descriptor::Header(h) => Some(h),
@@ -1101,31 +1145,18 @@ impl Compiler {
                 );
             }
         }
-        let mut header_names: Vec<String> = Vec::new();
-        let headers_read = limit_keys
-            .iter()
-            .chain(conditions.iter().map(|c| &c.descriptor))
-            .filter_map(|d| match d {
-                Descriptor::Header(h) => Some(h.clone()),
-                _ => None,
-            })
-            .chain(match &cost {
-                CostSource::Header { name, .. } => Some(name.clone()),
-                _ => None,
-            });
-        for h in headers_read {
-            if !header_names.contains(&h) {
-                header_names.push(h);
-            }
-        }
-        let mut sf_name = String::with_capacity(name.len() + 2);
-        super::push_sf_string(&mut sf_name, &name);
-        let policy_item = format!(
-            "{sf_name};q={};w={}",
-            shape.quota.burst() / MICRO,
+        let header_names = headers_read(
+            limit_keys
+                .iter()
+                .chain(conditions.iter().map(|c| &c.descriptor)),
+            &cost,
+        );
+        let (sf_name, policy_item) = policy_item(
+            &name,
+            &shape.quota,
             budget
                 .as_ref()
-                .map_or(shape.quota.window_secs(), |b| b.period.nominal_secs())
+                .map_or(shape.quota.window_secs(), |b| b.period.nominal_secs()),
         );
         self.rules.push(Rule {
             index: self.rules.len(),
@@ -1383,40 +1414,11 @@ impl Compiler {
         cost: CostSource,
         guard: Guard,
     ) -> Option<usize> {
-        let name = if self.rule_names.contains_key(base) {
-            format!("{base}@{}", self.current_policy_id)
-        } else {
-            base.to_string()
-        };
+        let name = self.unclaimed_name(base);
         self.rule_names.insert(name.clone(), base.to_string());
-        let escaped = escape_name(&self.current_policy_id);
-        let key_prefix = match mode {
-            Mode::Enforce => format!("{kind}:{escaped}:"),
-            Mode::Shadow => format!("shadow:{kind}:{escaped}:"),
-        };
-        let mut header_names: Vec<String> = Vec::new();
-        let read = limit_keys
-            .iter()
-            .filter_map(|d| match d {
-                Descriptor::Header(h) => Some(h.clone()),
-                _ => None,
-            })
-            .chain(match &cost {
-                CostSource::Header { name, .. } => Some(name.clone()),
-                _ => None,
-            });
-        for h in read {
-            if !header_names.contains(&h) {
-                header_names.push(h);
-            }
-        }
-        let mut sf_name = String::with_capacity(name.len() + 2);
-        super::push_sf_string(&mut sf_name, &name);
-        let policy_item = format!(
-            "{sf_name};q={};w={}",
-            quota.burst() / MICRO,
-            quota.window_secs()
-        );
+        let key_prefix = key_prefix(kind, &self.current_policy_id, mode);
+        let header_names = headers_read(limit_keys.iter(), &cost);
+        let (sf_name, policy_item) = policy_item(&name, &quota, quota.window_secs());
         let index = self.rules.len();
         self.rules.push(Rule {
             index,

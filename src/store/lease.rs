@@ -95,6 +95,18 @@ pub struct Live {
     pub frees_in_us: u64,
 }
 
+impl Live {
+    /// From a shared store's reply for one key: `[count, frees_in_us]` (out-of-range values
+    /// clamped).
+    pub fn from_reply(pair: &[i64]) -> Live {
+        let value = |i: usize| pair.get(i).copied().unwrap_or(0);
+        Live {
+            count: value(0).clamp(0, i64::from(u32::MAX)) as u32,
+            frees_in_us: value(1).max(0) as u64,
+        }
+    }
+}
+
 /// Results, one per op, in op order.
 pub type LeaseResults = SmallVec<[LeaseResult; 2]>;
 

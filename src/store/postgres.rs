@@ -354,10 +354,7 @@ impl PostgresStore {
         let answer = self.answer(call, 2 * ops.len()).await?;
         let live: Vec<super::lease::Live> = answer
             .chunks_exact(2)
-            .map(|pair| super::lease::Live {
-                count: pair[0].clamp(0, i64::from(u32::MAX)) as u32,
-                frees_in_us: pair[1].max(0) as u64,
-            })
+            .map(super::lease::Live::from_reply)
             .collect();
         super::lease::judge(ops, &live, results);
         Ok(())

@@ -686,10 +686,7 @@ impl RedisStore {
             match reply {
                 Ok(counts) if counts.len() == 2 * members.len() => {
                     for (&i, pair) in members.iter().zip(counts.chunks_exact(2)) {
-                        live[i] = Live {
-                            count: pair[0].clamp(0, i64::from(u32::MAX)) as u32,
-                            frees_in_us: pair[1].max(0) as u64,
-                        };
+                        live[i] = Live::from_reply(pair);
                     }
                 }
                 Ok(counts) => {
