@@ -990,6 +990,31 @@ mod tests {
             proptest::prop_assert_eq!(&twice, &once);
         }
 
+        /// Fingerprints never panic on any query, ignore parameter order, and tell a different
+        /// parameter list apart (escaping keeps `&`, `=`, `|` and `\\` inside their part).
+        #[test]
+        fn fingerprints_ignore_order_and_keep_params_apart(
+            params in proptest::collection::vec(("[a-z&=|\\\\%]{0,4}", "[a-z&=|\\\\%]{0,4}"), 0..5),
+            extra in "[a-z|\\\\]{1,3}",
+        ) {
+            let headers: Vec<(String, String)> = Vec::new();
+            let fingerprint = |query: &str| {
+                let uri = format!("/p?{query}");
+                let facts = RequestFacts::from_uri("GET", &uri, None, None, &headers);
+                let mut out = String::new();
+                facts.write_fingerprint(&mut out);
+                out
+            };
+            let encode = |t: &str| t.replace('%', "%25").replace('&', "%26").replace('=', "%3D");
+            let pairs: Vec<String> = params.iter().map(|(k, v)| format!("{}={}", encode(k), encode(v))).collect();
+            let forward = fingerprint(&pairs.join("&"));
+            let reversed: Vec<String> = pairs.iter().rev().cloned().collect();
+            proptest::prop_assert_eq!(&forward, &fingerprint(&reversed.join("&")));
+            let mut more = pairs.clone();
+            more.push(format!("{}=", encode(&extra)));
+            proptest::prop_assert_ne!(&forward, &fingerprint(&more.join("&")));
+        }
+
         #[test]
         fn descriptor_parse_never_panics(text in ".{0,40}") {
             let _ = Descriptor::parse(&text);

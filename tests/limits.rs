@@ -156,6 +156,61 @@ fn repeated_requests_are_caught_by_body_and_reach_the_upstream_unchanged() {
 }
 
 #[test]
+fn bodies_too_large_or_cut_short_are_never_lost_or_fatal() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(Some(AGENT_GUARDS), Some(upstream.addr), &[]);
+    // One byte over what is fingerprinted: streamed to the upstream unread, byte for byte.
+    let big = "x".repeat(64 * 1024 + 1);
+    let r = request_with_body(
+        gw.proxy,
+        "POST",
+        "/v1/agent/run",
+        &[("X-Api-Key", "big")],
+        big.as_bytes(),
+    );
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body.ends_with(&format!(" body={big}")),
+        "{} bytes back",
+        r.body.len()
+    );
+    // A client that declares 10 bytes, sends 3 and hangs up: no answer is owed, nothing breaks.
+    let cut = b"POST /v1/agent/run HTTP/1.1\r\nHost: api.example.com\r\nX-Api-Key: cut\r\nContent-Length: 10\r\n\r\nabc";
+    {
+        let mut stream = std::net::TcpStream::connect(gw.proxy).unwrap();
+        std::io::Write::write_all(&mut stream, cut).unwrap();
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut sink = Vec::new();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let _ = std::io::Read::read_to_end(&mut stream, &mut sink);
+    }
+    // A Content-Length that is not a number is refused by the HTTP parser, not by us.
+    let garbage = support::raw_exchange(
+        gw.proxy,
+        b"POST /v1/agent/run HTTP/1.1\r\nHost: api.example.com\r\nContent-Length: ten\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    assert!(
+        !garbage.is_empty() && garbage.iter().all(|r| r.status == 400),
+        "{garbage:?}"
+    );
+    // The gateway still serves, and neither broken request left a loop mark behind.
+    for _ in 0..2 {
+        let r = request_with_body(
+            gw.proxy,
+            "POST",
+            "/v1/agent/run",
+            &[("X-Api-Key", "cut")],
+            b"abc",
+        );
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    assert_eq!(upstream.hits(), 3);
+}
+
+#[test]
 fn a_runaway_spender_trips_the_breaker_and_is_locked_out() {
     let upstream = Upstream::start();
     let gw = Gateway::start(Some(AGENT_GUARDS), Some(upstream.addr), &[]);
