@@ -66,6 +66,7 @@ fn bench(c: &mut Criterion) {
                     claims: None,
                     envoy: None,
                     body_hash: None,
+                    llm: None,
                 };
                 let bundle = policy.load();
                 let decision = decide_local(

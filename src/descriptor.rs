@@ -93,6 +93,8 @@ pub struct RequestFacts<'a> {
     pub envoy: Option<EnvoyDescriptor<'a>>,
     /// xxHash3-64 of the request body, when the front end read it (for `loop_detection`).
     pub body_hash: Option<u64>,
+    /// What an LLM request body asks for, when the front end read it (`token_bucket_llm`).
+    pub llm: Option<&'a crate::llm::LlmRequest>,
 }
 
 /// One descriptor of an Envoy `ShouldRateLimit` call: its request's `domain` and its
@@ -184,6 +186,7 @@ impl<'a> RequestFacts<'a> {
             claims: None,
             envoy: None,
             body_hash: None,
+            llm: None,
         }
     }
 
@@ -227,6 +230,11 @@ impl<'a> RequestFacts<'a> {
     /// The same facts with the request body's hash ([`body_hash`]).
     pub fn with_body_hash(mut self, hash: Option<u64>) -> Self {
         self.body_hash = hash;
+        self
+    }
+
+    pub fn with_llm(mut self, llm: Option<&'a crate::llm::LlmRequest>) -> Self {
+        self.llm = llm;
         self
     }
 

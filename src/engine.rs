@@ -59,11 +59,20 @@ pub enum Reason {
     DuplicateHeader,
     /// The path has `%2F` / `%5C` and the gateway refuses encoded slashes.
     EncodedSlash,
+    /// A `token_bucket_llm` rule's tokens-per-minute bucket cannot hold the reservation now.
+    TpmExceeded,
+    /// A `token_bucket_llm` rule's `tokens_per_day` is spent for this UTC day.
+    TpdExceeded,
+    /// The prompt is estimated above the rule's `max_prompt_tokens`.
+    PromptTokensExceeded,
+    /// The reservation (prompt and completion) is above `max_tokens_per_request`, or above
+    /// what the rule's budgets can ever hold.
+    MaxTokensPerRequestExceeded,
 }
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 14] = [
         Reason::TokenBucketExceeded,
         Reason::BudgetExceeded,
         Reason::ConcurrencyExceeded,
@@ -74,6 +83,10 @@ impl Reason {
         Reason::CostExceedsLimit,
         Reason::DuplicateHeader,
         Reason::EncodedSlash,
+        Reason::TpmExceeded,
+        Reason::TpdExceeded,
+        Reason::PromptTokensExceeded,
+        Reason::MaxTokensPerRequestExceeded,
     ];
 
     /// The value of the reason header and of the `reason` metric label.
@@ -89,6 +102,10 @@ impl Reason {
             Reason::CostExceedsLimit => "cost_exceeds_limit",
             Reason::DuplicateHeader => "duplicate_header",
             Reason::EncodedSlash => "encoded_slash",
+            Reason::TpmExceeded => "tpm_exceeded",
+            Reason::TpdExceeded => "tpd_exceeded",
+            Reason::PromptTokensExceeded => "prompt_tokens_exceeded",
+            Reason::MaxTokensPerRequestExceeded => "max_tokens_per_request_exceeded",
         }
     }
 
@@ -101,7 +118,11 @@ impl Reason {
             | Reason::LoopDetected
             | Reason::CircuitBreakerOpen
             | Reason::KillSwitch
-            | Reason::CostExceedsLimit => 429,
+            | Reason::CostExceedsLimit
+            | Reason::TpmExceeded
+            | Reason::TpdExceeded
+            | Reason::PromptTokensExceeded
+            | Reason::MaxTokensPerRequestExceeded => 429,
             Reason::MissingDescriptor => 401,
             Reason::DuplicateHeader | Reason::EncodedSlash => 400,
         }
@@ -135,6 +156,30 @@ impl Reason {
             Reason::EncodedSlash => {
                 "Bad Request: encoded slashes (%2F, %5C) are not accepted in the path"
             }
+            // OpenAI's error shape, so SDKs report it and back off as from the API itself.
+            Reason::TpmExceeded => {
+                r#"{"error":{"message":"Rate limit reached: tokens per minute. Retry after the time in the Retry-After header.","type":"rate_limit_exceeded","param":null,"code":"tpm_exceeded"}}"#
+            }
+            Reason::TpdExceeded => {
+                r#"{"error":{"message":"Rate limit reached: tokens per day. The budget renews at 00:00 UTC.","type":"rate_limit_exceeded","param":null,"code":"tpd_exceeded"}}"#
+            }
+            Reason::PromptTokensExceeded => {
+                r#"{"error":{"message":"The prompt is longer than this API key may send in one request.","type":"rate_limit_exceeded","param":"messages","code":"prompt_tokens_exceeded"}}"#
+            }
+            Reason::MaxTokensPerRequestExceeded => {
+                r#"{"error":{"message":"The prompt and max_tokens together ask for more tokens than one request may use; lower max_tokens or shorten the prompt.","type":"rate_limit_exceeded","param":"max_tokens","code":"max_tokens_per_request_exceeded"}}"#
+            }
+        }
+    }
+
+    /// The media type of [`Reason::body`]: JSON for the LLM reasons, text otherwise.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Reason::TpmExceeded
+            | Reason::TpdExceeded
+            | Reason::PromptTokensExceeded
+            | Reason::MaxTokensPerRequestExceeded => "application/json",
+            _ => "text/plain; charset=utf-8",
         }
     }
 }
@@ -216,6 +261,25 @@ pub struct Checked<'b> {
     pub slots: Vec<SlotOutcome<'b>>,
     /// The id the slots' leases were taken under (0: none taken).
     pub lease_id: u64,
+    /// The reservations of `token_bucket_llm` rules (empty, without allocating, for every
+    /// other request): settled by the response's usage.
+    pub reserved: Vec<Reserved>,
+}
+
+/// One bucket a `token_bucket_llm` rule reserved tokens on.
+#[derive(Debug, Clone, Copy)]
+pub struct Reserved {
+    /// Index of its outcome in [`Checked::rules`].
+    pub outcome: usize,
+    pub key: BucketKey,
+    pub quota: Quota,
+    /// The UTC day's window id, for a `tokens_per_day` budget.
+    pub window_id: Option<u64>,
+    /// Micro-tokens reserved: the prompt estimate and the completion allowed.
+    pub cost: u64,
+    pub group: Group,
+    /// The prompt estimate, in tokens.
+    pub prompt_tokens: u64,
 }
 
 /// What happened to one applicable `concurrency` rule, `loop_detection` mark or circuit
@@ -273,6 +337,7 @@ impl<'b> Checked<'b> {
             loop_stage: None,
             slots: Vec::new(),
             lease_id: 0,
+            reserved: Vec::new(),
         }
     }
 
@@ -726,6 +791,9 @@ pub fn plan<'b>(
     let mut missing_shadow: Option<&'b Rule> = None;
     // A rule reading a header the request repeats.
     let mut repeated: Option<&'b Rule> = None;
+    // An enforced `token_bucket_llm` rule the request is too large for.
+    let mut llm_refused: Option<(&'b Rule, Reason)> = None;
+    let mut reserved: Vec<Reserved> = Vec::new();
     'policies: for policy in bundle.policies.iter() {
         if !policy.selector.matches(facts) {
             continue;
@@ -770,6 +838,20 @@ pub fn plan<'b>(
                 })
             });
             match found {
+                Some((key, quota)) if rule.llm.is_some() => {
+                    plan_llm(
+                        bundle,
+                        rule,
+                        (key, quota),
+                        (facts, unix_us, prefix),
+                        &mut LlmPlan {
+                            ops,
+                            outcomes,
+                            reserved: &mut reserved,
+                            refused: &mut llm_refused,
+                        },
+                    );
+                }
                 Some((key, _)) if rule.concurrency.is_some() => {
                     if let Some(c) = rule.concurrency {
                         leases.push(LeaseOp {
@@ -840,7 +922,11 @@ pub fn plan<'b>(
     if let Some(rule) = missing_enforce {
         return refuse_for(Reason::MissingDescriptor, rule);
     }
+    if let Some((rule, reason)) = llm_refused {
+        return refuse_for(reason, rule);
+    }
     checked.slots = slots;
+    checked.reserved = reserved;
     if ops.is_empty() && leases.is_empty() {
         return Plan::Done(Decision::Allow(checked));
     }
@@ -849,6 +935,105 @@ pub fn plan<'b>(
         leases,
         checked,
     })
+}
+
+/// Where a `token_bucket_llm` rule puts its store operations.
+struct LlmPlan<'p, 'b> {
+    ops: &'p mut SmallVec<[BucketOp; 4]>,
+    outcomes: &'p mut SmallVec<[RuleOutcome<'b>; 4]>,
+    reserved: &'p mut Vec<Reserved>,
+    refused: &'p mut Option<(&'b Rule, Reason)>,
+}
+
+/// The tokens a `token_bucket_llm` rule reserves for this request: the prompt estimate and the
+/// completion it may produce (`max_tokens`, at most `max_completion_tokens`, else the rule's
+/// default), with the prompt estimate alone; or why the request can never be admitted.
+///
+/// # Errors
+/// `prompt_tokens_exceeded` or `max_tokens_per_request_exceeded` (also for a reservation the
+/// rule's burst or daily budget can never hold).
+pub fn llm_reservation(
+    rule: &Rule,
+    bundle: &Bundle,
+    facts: &RequestFacts<'_>,
+) -> Result<(u64, u64), Reason> {
+    let Some(limit) = rule.llm else {
+        return Ok((0, 0));
+    };
+    let body = facts.llm.copied().unwrap_or_default();
+    let prompt = match limit.estimator {
+        crate::llm::Estimator::HeaderHint => facts
+            .headers
+            .header_text(crate::llm::TOKEN_ESTIMATE_HEADER)
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(body.prompt_tokens),
+        crate::llm::Estimator::SimpleWord => body.prompt_tokens,
+    };
+    let completion = body.max_completion.unwrap_or(limit.default_max_completion);
+    let completion = limit
+        .max_completion_tokens
+        .map_or(completion, |max| completion.min(max));
+    if limit.max_prompt_tokens.is_some_and(|max| prompt > max) {
+        return Err(Reason::PromptTokensExceeded);
+    }
+    let tokens = prompt.saturating_add(completion);
+    let day_budget = limit
+        .day_rule
+        .map_or(u64::MAX, |d| bundle.rules[d].quota.burst());
+    let never_fits = tokens.saturating_mul(crate::limiter::MICRO) > rule.quota.burst().min(day_budget);
+    if never_fits || limit.max_tokens_per_request.is_some_and(|max| tokens > max) {
+        return Err(Reason::MaxTokensPerRequestExceeded);
+    }
+    Ok((tokens, prompt))
+}
+
+/// Plans a `token_bucket_llm` rule: its minute bucket and its daily budget (the same key under
+/// `tpd:`), both costing the reservation, all-or-nothing with the request's other rules. A
+/// request the rule can never admit is refused before the store (in shadow: reported as a
+/// would-refusal that cannot fit).
+fn plan_llm<'b>(
+    bundle: &'b Bundle,
+    rule: &'b Rule,
+    (key, quota): (BucketKey, Quota),
+    (facts, unix_us, prefix): (&RequestFacts<'_>, u64, u8),
+    plan: &mut LlmPlan<'_, 'b>,
+) {
+    let (cost, prompt_tokens) = match llm_reservation(rule, bundle, facts) {
+        Ok((tokens, prompt)) => (Cost::Fits(tokens * crate::limiter::MICRO), prompt),
+        Err(reason) if rule.mode == Mode::Enforce => {
+            plan.refused.get_or_insert((rule, reason));
+            return;
+        }
+        Err(_) => (Cost::Exceeds, 0),
+    };
+    let day = rule.llm.and_then(|l| l.day_rule).map(|d| &bundle.rules[d]);
+    let day_key = day.and_then(|day| {
+        KEY_BUFFER.with(|buffer| {
+            let mut bucket = buffer.borrow_mut();
+            write_bucket(day, facts, prefix, &mut bucket)
+                .then(|| BucketKey::of(&bucket))
+        })
+    });
+    let parts = std::iter::once((rule, key, quota, None)).chain(
+        day.zip(day_key)
+            .map(|(day, k)| (day, k, day.quota, Some(crate::budget::Period::Day.window(unix_us)))),
+    );
+    for (rule, key, quota, window) in parts {
+        let (op, outcome) = planned_bucket(rule, key, quota, cost, window);
+        if let Cost::Fits(cost) = cost {
+            plan.reserved.push(Reserved {
+                outcome: plan.outcomes.len(),
+                key,
+                quota,
+                window_id: window.map(|w| w.id),
+                cost,
+                group: op.group,
+                prompt_tokens,
+            });
+        }
+        plan.ops.push(op);
+        plan.outcomes.push(outcome);
+    }
 }
 
 /// Where a policy's guards put their store operations.
@@ -1055,13 +1240,15 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             .iter()
             .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed && r.rule.guard.is_none())
             .max_by_key(|r| (r.retry_after, r.budget_ends_in_us > 0));
-        let (retry_after, budget) =
-            longest.map_or((1, false), |r| (r.retry_after, r.budget_ends_in_us > 0));
+        let (retry_after, budget, llm) = longest.map_or((1, false, None), |r| {
+            (r.retry_after, r.budget_ends_in_us > 0, r.rule.llm)
+        });
         return Decision::Refuse(Refusal {
-            reason: if budget {
-                Reason::BudgetExceeded
-            } else {
-                Reason::TokenBucketExceeded
+            reason: match (llm, budget) {
+                (Some(l), _) if l.part == crate::policy::LlmPart::Minute => Reason::TpmExceeded,
+                (Some(_), _) => Reason::TpdExceeded,
+                (None, true) => Reason::BudgetExceeded,
+                (None, false) => Reason::TokenBucketExceeded,
             },
             retry_after,
             retry_by_deadline: budget,

@@ -41,6 +41,7 @@ pub mod grpc;
 pub mod headers;
 pub mod import;
 pub mod limiter;
+pub mod llm;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

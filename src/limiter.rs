@@ -111,6 +111,12 @@ impl Quota {
         us.min(u64::MAX as u128) as u64
     }
 
+    /// Microseconds of refill `micro` micro-tokens are worth (rounded down).
+    pub fn refund_time_us(&self, micro: u64) -> u64 {
+        let us = micro as u128 * self.period_us as u128 / self.refill as u128;
+        us.min(u64::MAX as u128) as u64
+    }
+
     /// Whole seconds to refill from empty (`w` in `RateLimit-Policy`), at least 1.
     pub fn window_secs(&self) -> u64 {
         ceil_secs(self.time_to_gain_us(self.burst)).max(1)
@@ -180,10 +186,14 @@ pub fn check(state: Option<BucketState>, quota: &Quota, now_us: u64, cost: u64) 
                 last_us,
             },
             retry_after_secs: 0,
-            full_in_us: quota.time_to_gain_us(quota.burst - remaining),
+            full_in_us: (last_us - now_us)
+                .saturating_add(quota.time_to_gain_us(quota.burst - remaining)),
         }
     } else {
-        let wait_us = quota.time_to_gain_us(cost - avail);
+        // A bucket in debt (see [`settle`]) refills nothing until its refill time: that wait
+        // comes first.
+        let debt_us = last_us - now_us;
+        let wait_us = debt_us.saturating_add(quota.time_to_gain_us(cost - avail));
         Verdict {
             allowed: false,
             available: avail,
@@ -193,9 +203,83 @@ pub fn check(state: Option<BucketState>, quota: &Quota, now_us: u64, cost: u64) 
                 last_us,
             },
             retry_after_secs: ceil_secs(wait_us).max(1),
-            full_in_us: quota.time_to_gain_us(quota.burst - avail),
+            full_in_us: debt_us.saturating_add(quota.time_to_gain_us(quota.burst - avail)),
         }
     }
+}
+
+/// Settles a reservation on a token bucket at `now_us`: `delta` more micro-tokens are charged
+/// (negative: refunded). A refund fills the bucket up to its burst at most. A charge the bucket
+/// cannot cover puts it in debt rather than losing it: the bucket holds nothing and its refill
+/// time moves past now by the time the shortfall takes to refill, so it refills nothing until
+/// then. A later refund pays the debt back first. An absent bucket is full.
+pub fn settle(state: Option<BucketState>, quota: &Quota, now_us: u64, delta: i64) -> BucketState {
+    let held = state.map_or(quota.burst, |s| s.tokens.min(quota.burst));
+    let last_us = state.map_or(now_us, |s| s.last_us);
+    let amount = delta.unsigned_abs();
+    if last_us > now_us && held == 0 {
+        // In debt until `last_us`.
+        let debt_us = last_us - now_us;
+        if delta >= 0 {
+            return BucketState {
+                tokens: 0,
+                last_us: last_us.saturating_add(quota.time_to_gain_us(amount)),
+            };
+        }
+        // A refund buys back refill time (rounded down: never more than it is worth).
+        let bought_us = quota.refund_time_us(amount);
+        if bought_us <= debt_us {
+            return BucketState {
+                tokens: 0,
+                last_us: last_us - bought_us,
+            };
+        }
+        let left = amount - quota.gained(debt_us).min(amount);
+        return BucketState {
+            tokens: left.min(quota.burst),
+            last_us: now_us,
+        };
+    }
+    let avail = available(state, quota, now_us);
+    let last_us = last_us.max(now_us);
+    if delta < 0 {
+        return BucketState {
+            tokens: avail.saturating_add(amount).min(quota.burst),
+            last_us,
+        };
+    }
+    if avail >= amount {
+        return BucketState {
+            tokens: avail - amount,
+            last_us,
+        };
+    }
+    BucketState {
+        tokens: 0,
+        last_us: last_us.saturating_add(quota.time_to_gain_us(amount - avail)),
+    }
+}
+
+/// Settles a reservation on a budget window (`window_id`): the spend moves by `delta`, between
+/// nothing left and the whole budget. A bucket counting another window (the reservation's
+/// window has ended) is left as it is.
+pub fn settle_window(
+    state: Option<BucketState>,
+    budget: u64,
+    window_id: u64,
+    delta: i64,
+) -> Option<BucketState> {
+    let s = state.filter(|s| s.last_us == window_id)?;
+    let held = s.tokens.min(budget);
+    let tokens = if delta < 0 {
+        held.saturating_add(delta.unsigned_abs()).min(budget)
+    } else {
+        held.saturating_sub(delta.unsigned_abs())
+    };
+    Some(BucketState {
+        tokens,
+        last_us: window_id,
+    })
 }
 
 /// A fixed budget window (`cost_based` rules): its identity, the Unix second it starts at, and
@@ -435,6 +519,69 @@ mod tests {
         (1u64..=1_000, 1u64..=1_000).prop_map(|(burst, rate)| {
             Quota::new(burst * MICRO / 10, rate * MICRO / 10, US_PER_SEC).unwrap()
         })
+    }
+
+    #[test]
+    fn settling_refunds_charges_and_carries_debt() {
+        // 1 000 tokens of burst, 100 per second.
+        let q = tokens_per_sec(100.0, 1000.0);
+        let t = |tokens: f64| tokens_to_micro(tokens);
+        let reserved = check(None, &q, 0, t(800.0));
+        assert_eq!(reserved.remaining, t(200.0));
+        // 300 really used: 500 back.
+        let s = settle(Some(reserved.next), &q, 0, -(t(500.0) as i64));
+        assert_eq!(s, BucketState { tokens: t(700.0), last_us: 0 });
+        // A refund never fills past the burst; an absent bucket is full.
+        assert_eq!(settle(Some(s), &q, 0, -(t(900.0) as i64)).tokens, t(1000.0));
+        assert_eq!(settle(None, &q, 5, -1), BucketState { tokens: t(1000.0), last_us: 5 });
+        // 4 900 more than reserved: 4 200 of debt, 42 s of refill.
+        let debt = settle(Some(s), &q, 0, t(4900.0) as i64);
+        assert_eq!(debt, BucketState { tokens: 0, last_us: secs(42.0) });
+        let at41 = check(Some(debt), &q, secs(41.0), t(1.0));
+        assert!(!at41.allowed);
+        assert_eq!((at41.available, at41.retry_after_secs), (0, 2));
+        assert_eq!(check(Some(debt), &q, secs(42.0), t(1.0)).retry_after_secs, 1);
+        assert_eq!(available(Some(debt), &q, secs(43.0)), t(100.0));
+        // More charges deepen it; refunds pay it back first.
+        assert_eq!(settle(Some(debt), &q, 0, t(100.0) as i64).last_us, secs(43.0));
+        assert_eq!(settle(Some(debt), &q, 0, -(t(1200.0) as i64)).last_us, secs(30.0));
+        assert_eq!(
+            settle(Some(debt), &q, secs(2.0), -(t(5000.0) as i64)),
+            BucketState { tokens: t(1000.0), last_us: secs(2.0) }
+        );
+        assert_eq!(
+            settle(Some(debt), &q, 0, -(t(4500.0) as i64)),
+            BucketState { tokens: t(300.0), last_us: 0 }
+        );
+    }
+
+    #[test]
+    fn settling_a_window_stays_inside_it() {
+        let w = Window { id: 86_400, ends_in_us: 1 };
+        let spent = check_window(None, 1000, w, 800).next;
+        assert_eq!(settle_window(Some(spent), 1000, 86_400, -500).map(|s| s.tokens), Some(700));
+        assert_eq!(settle_window(Some(spent), 1000, 86_400, 900).map(|s| s.tokens), Some(0));
+        assert_eq!(settle_window(Some(spent), 1000, 86_400, -5000).map(|s| s.tokens), Some(1000));
+        // The reservation's day is over: the new day's bucket is not touched.
+        assert_eq!(settle_window(Some(spent), 1000, 0, -500), None);
+        assert_eq!(settle_window(None, 1000, 86_400, -500), None);
+    }
+
+    proptest! {
+        /// A charge then the same refund leave the bucket as it was (whole µs per µtoken, so no
+        /// rounding), in debt or not.
+        #[test]
+        fn a_charge_and_its_refund_cancel_out(
+            burst in 1u64..1_000_000_000, us_per in 1u64..1_000, held in 0u64..1_000_000_000,
+            charge in 0u64..5_000_000_000, now in 0u64..1_000_000_000,
+        ) {
+            let q = Quota::new(burst, 1, us_per).unwrap();
+            let state = BucketState { tokens: held.min(burst), last_us: now };
+            let charged = settle(Some(state), &q, now, charge as i64);
+            let back = settle(Some(charged), &q, now, -(charge as i64));
+            prop_assert_eq!(available(Some(back), &q, now), held.min(burst));
+            prop_assert!(back.last_us <= now);
+        }
     }
 
     proptest! {

@@ -124,6 +124,10 @@ impl Metrics {
             ("reject", Reason::ALL[7].as_str()),
             ("reject", Reason::ALL[8].as_str()),
             ("reject", Reason::ALL[9].as_str()),
+            ("reject", Reason::ALL[10].as_str()),
+            ("reject", Reason::ALL[11].as_str()),
+            ("reject", Reason::ALL[12].as_str()),
+            ("reject", Reason::ALL[13].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(

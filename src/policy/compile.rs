@@ -4,7 +4,7 @@
 
 use super::{
     canonical_id, Breaker, Bundle, Concurrency, CostLimits, CostSource, FieldError, Guard,
-    KillSwitch, LoopAction, LoopDetection, MatchCondition, MatchValue, Mode, OnMissing, Policy,
+    KillSwitch, LlmLimit, LlmPart, LoopAction, LoopDetection, MatchCondition, MatchValue, Mode, OnMissing, Policy,
     PolicyError, Rule, RuntimeOverride, Selector, SkippedPolicy,
 };
 use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
@@ -189,6 +189,9 @@ struct Compiler {
     kill_switches: Vec<KillSwitch>,
     /// Rule name → path of its first definition.
     rule_names: AHashMap<String, String>,
+    /// `tokens_per_day` rules of the policy being compiled, with the index of their minute
+    /// rule: added after the policy's rules, outside its range.
+    day_rules: Vec<(usize, Rule)>,
     policy_ids: AHashSet<String>,
 }
 
@@ -200,7 +203,26 @@ enum Algorithm {
     TokenBucket,
     CostBased,
     Concurrency,
+    Llm,
 }
+
+/// The fields of a `token_bucket_llm` rule's `algorithm_config` (Fairvisor's).
+const LLM_FIELDS: &[&str] = &[
+    "tokens_per_minute",
+    "tokens_per_day",
+    "burst_tokens",
+    "max_tokens_per_request",
+    "max_prompt_tokens",
+    "max_completion_tokens",
+    "default_max_completion",
+    "token_source",
+];
+
+/// Fairvisor's default completion reservation.
+const DEFAULT_MAX_COMPLETION: u64 = 1000;
+
+/// The largest token amount an LLM field takes (a billion tokens a minute or a day).
+const MAX_LLM_TOKENS: u64 = 1_000_000_000;
 
 /// How long a concurrency slot is held at most when nobody gives it back.
 const DEFAULT_LEASE_TTL_SECS: u64 = 300;
@@ -294,6 +316,7 @@ impl Compiler {
     /// The bundle of a compile that found no error.
     fn finish(self) -> Bundle {
         let fingerprints_bodies = self.policies.iter().any(|p| p.loop_detection.is_some());
+        let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
         Bundle {
             version: self.version,
             expires_at: self.expires_at,
@@ -307,6 +330,7 @@ impl Compiler {
             kill_switch_override: self.kill_switch_override,
             shadow_twin: None,
             fingerprints_bodies,
+            meters_tokens,
             skipped: self.skipped,
         }
     }
@@ -709,6 +733,14 @@ impl Compiler {
         let circuit_breaker = spec.get("circuit_breaker").and_then(|v| {
             self.circuit_breaker(v, &join(path, "circuit_breaker"), policy_index, mode, start)
         });
+        let meters_tokens = self.rules[start..].iter().any(|r| r.llm.is_some());
+        for (minute, mut day) in std::mem::take(&mut self.day_rules) {
+            day.index = self.rules.len();
+            if let Some(llm) = self.rules[minute].llm.as_mut() {
+                llm.day_rule = Some(day.index);
+            }
+            self.rules.push(day);
+        }
         // Rules carry their policy's id, so headers, logs and metrics need nothing else.
         for rule in &mut self.rules[start..] {
             rule.policy_id.clone_from(&id);
@@ -721,6 +753,7 @@ impl Compiler {
             fallback,
             loop_detection,
             circuit_breaker,
+            meters_tokens,
         });
     }
 
@@ -954,10 +987,11 @@ impl Compiler {
                 Some("token_bucket") => Some(Algorithm::TokenBucket),
                 Some("cost_based") => Some(Algorithm::CostBased),
                 Some("concurrency") => Some(Algorithm::Concurrency),
+                Some("token_bucket_llm") => Some(Algorithm::Llm),
                 Some(a) => {
                     self.error(
                         &join(path, "algorithm"),
-                        format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency)"),
+                        format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)"),
                     );
                     None
                 }
@@ -975,6 +1009,7 @@ impl Compiler {
         let allowed = match algorithm {
             Some(Algorithm::CostBased) => COST_BASED_FIELDS,
             Some(Algorithm::Concurrency) => &["max_in_flight", "lease_ttl_seconds"],
+            Some(Algorithm::Llm) => LLM_FIELDS,
             _ => CONFIG_FIELDS,
         };
         let config = match map.get("algorithm_config") {
@@ -990,7 +1025,23 @@ impl Compiler {
         // An unknown algorithm is an error already; its config is still checked as a token
         // bucket's, so every other problem is reported in the same pass.
         let mut concurrency = None;
+        let mut llm = None;
         let (shape, cost, budget) = match algorithm.unwrap_or(Algorithm::TokenBucket) {
+            Algorithm::Llm => {
+                if map.contains_key("overrides") {
+                    self.error(
+                        &join(path, "overrides"),
+                        "is not supported on token_bucket_llm rules (write one rule per tier with match)",
+                    );
+                }
+                match self.llm(config, &config_path) {
+                    Some((shape, limit, tpd)) => {
+                        llm = Some((limit, tpd));
+                        (Some(shape), Some(CostSource::Fixed(0)), None)
+                    }
+                    None => (None, None, None),
+                }
+            }
             Algorithm::TokenBucket => (
                 self.bucket_shape(config, &config_path, None),
                 self.cost_source(config, &config_path),
@@ -1128,9 +1179,10 @@ impl Compiler {
         let (Some(name), Some(shape), Some(cost)) = (name, shape, cost) else {
             return;
         };
-        let kind = match (&budget, &concurrency) {
-            (Some(_), _) => "cb",
-            (_, Some(_)) => "cc",
+        let kind = match (&budget, &concurrency, &llm) {
+            (Some(_), _, _) => "cb",
+            (_, Some(_), _) => "cc",
+            (_, _, Some(_)) => "tpm",
             _ => "tb",
         };
         let key_prefix = key_prefix(kind, &name, mode);
@@ -1145,12 +1197,31 @@ impl Compiler {
                 );
             }
         }
-        let header_names = headers_read(
+        let mut header_names = headers_read(
             limit_keys
                 .iter()
                 .chain(conditions.iter().map(|c| &c.descriptor)),
             &cost,
         );
+        if llm.is_some_and(|(l, _)| l.estimator == crate::llm::Estimator::HeaderHint) {
+            header_names.push(crate::llm::TOKEN_ESTIMATE_HEADER.to_string());
+        }
+        if let Some((limit, Some(tpd))) = llm {
+            let day = self.llm_day_rule(
+                &name,
+                policy,
+                mode,
+                tpd,
+                LlmLimit {
+                    part: LlmPart::Day,
+                    ..limit
+                },
+                (&limit_keys, &conditions, on_missing, &header_names),
+            );
+            if let Some(day) = day {
+                self.day_rules.push((self.rules.len(), day));
+            }
+        }
         let (sf_name, policy_item) = policy_item(
             &name,
             &shape.quota,
@@ -1178,7 +1249,147 @@ impl Compiler {
             budget,
             concurrency,
             guard: None,
+            llm: llm.map(|(limit, _)| limit),
         });
+    }
+
+    /// The `tokens_per_day` rule of a `token_bucket_llm` rule: a one-day UTC budget named
+    /// `<rule>:tpd` (with `@<policy id>` on a clash), keyed `tpd:<rule>:`, sharing the minute
+    /// rule's keys.
+    #[allow(clippy::too_many_arguments)]
+    fn llm_day_rule(
+        &mut self,
+        minute_name: &str,
+        policy: usize,
+        mode: Mode,
+        tpd: u64,
+        limit: LlmLimit,
+        (limit_keys, conditions, on_missing, header_names): (
+            &[Descriptor],
+            &[MatchCondition],
+            OnMissing,
+            &[String],
+        ),
+    ) -> Option<Rule> {
+        let name = self.unclaimed_name(&format!("{minute_name}:tpd"));
+        self.rule_names
+            .insert(name.clone(), format!("{minute_name}.tokens_per_day"));
+        let period = crate::budget::Period::Day;
+        let quota = Quota::new(
+            tpd * MICRO,
+            tpd * MICRO,
+            period.nominal_secs() * US_PER_SEC,
+        )
+        .ok()?;
+        let (sf_name, policy_item) = policy_item(&name, &quota, period.nominal_secs());
+        Some(Rule {
+            index: 0,
+            sf_name,
+            policy_item,
+            name,
+            policy,
+            policy_id: String::new(),
+            mode,
+            limit_keys: limit_keys.to_vec(),
+            conditions: conditions.to_vec(),
+            quota,
+            cost: CostSource::Fixed(0),
+            overrides: AHashMap::new(),
+            ip_overrides: Vec::new(),
+            on_missing,
+            key_prefix: key_prefix("tpd", minute_name, mode),
+            header_names: header_names.to_vec(),
+            budget: Some(Budget {
+                period,
+                stages: vec![crate::budget::Stage {
+                    threshold_percent: 100.0,
+                    action: Action::Reject,
+                }],
+            }),
+            concurrency: None,
+            guard: None,
+            llm: Some(limit),
+        })
+    }
+
+    /// A `token_bucket_llm` rule's fields (Fairvisor's names and checks): `tokens_per_minute`
+    /// (required), `tokens_per_day`, `burst_tokens` (default and minimum `tokens_per_minute`),
+    /// `max_tokens_per_request`, `max_prompt_tokens`, `max_completion_tokens`,
+    /// `default_max_completion` (default 1000) and `token_source.estimator` (`simple_word`, the
+    /// default, or `header_hint`). Returns the minute bucket's shape, the limits and the daily
+    /// budget.
+    fn llm(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+    ) -> Option<(Shape, LlmLimit, Option<u64>)> {
+        let errors_before = self.errors.len();
+        let range = 1..=MAX_LLM_TOKENS;
+        if !config.contains_key("tokens_per_minute") {
+            self.error(&join(path, "tokens_per_minute"), "is required");
+        }
+        let tpm = self.whole(config, path, "tokens_per_minute", range.clone(), false);
+        let tpd = self.whole(config, path, "tokens_per_day", range.clone(), false);
+        let burst = self.whole(config, path, "burst_tokens", range.clone(), false);
+        let max_request = self.whole(config, path, "max_tokens_per_request", range.clone(), false);
+        let max_prompt = self.whole(config, path, "max_prompt_tokens", range.clone(), false);
+        let max_completion = self.whole(config, path, "max_completion_tokens", range.clone(), false);
+        let default_completion = self
+            .whole(config, path, "default_max_completion", range, false)
+            .unwrap_or(DEFAULT_MAX_COMPLETION);
+        if let (Some(tpm), Some(burst)) = (tpm, burst) {
+            if burst < tpm {
+                self.error(
+                    &join(path, "burst_tokens"),
+                    "must be >= tokens_per_minute",
+                );
+            }
+        }
+        let estimator = match config.get("token_source") {
+            None => Some(crate::llm::Estimator::SimpleWord),
+            Some(v) => {
+                let sp = join(path, "token_source");
+                self.object(v, &sp, &["estimator"]).and_then(|m| {
+                    match m.get("estimator").map(|e| e.as_str()) {
+                        None | Some(Some("simple_word")) => {
+                            Some(crate::llm::Estimator::SimpleWord)
+                        }
+                        Some(Some("header_hint")) => Some(crate::llm::Estimator::HeaderHint),
+                        Some(_) => {
+                            self.error(
+                                &join(&sp, "estimator"),
+                                "must be \"simple_word\" or \"header_hint\"",
+                            );
+                            None
+                        }
+                    }
+                })
+            }
+        };
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        let (tpm, estimator) = (tpm?, estimator?);
+        let burst = burst.unwrap_or(tpm);
+        let quota = Quota::new(burst * MICRO, tpm * MICRO, 60 * US_PER_SEC).ok()?;
+        Some((
+            Shape {
+                quota,
+                burst: burst as f64,
+                rate: tpm as f64 / 60.0,
+            },
+            LlmLimit {
+                part: LlmPart::Minute,
+                day_rule: None,
+                max_prompt_tokens: max_prompt,
+                max_tokens_per_request: max_request,
+                max_completion_tokens: max_completion,
+                default_max_completion: max_completion
+                    .map_or(default_completion, |max| default_completion.min(max)),
+                estimator,
+            },
+            tpd,
+        ))
     }
 
     /// `enabled` of a guard block: absent or false turns it off (Fairvisor's reading).
@@ -1440,6 +1651,7 @@ impl Compiler {
             budget: None,
             concurrency: None,
             guard: Some(guard),
+            llm: None,
         });
         Some(index)
     }

@@ -49,6 +49,9 @@ pub struct Bundle {
     pub skipped: Vec<SkippedPolicy>,
     /// A policy has `loop_detection`: front ends hash request bodies for its fingerprints.
     pub fingerprints_bodies: bool,
+    /// A policy has a `token_bucket_llm` rule: front ends read the bodies of the requests it
+    /// selects ([`Bundle::meters_tokens`]).
+    pub meters_tokens: bool,
 }
 
 /// A runtime override block (`global_shadow`, `kill_switch_override`), as Fairvisor defines it.
@@ -92,6 +95,7 @@ impl Bundle {
             shadow_twin: None,
             skipped: Vec::new(),
             fingerprints_bodies: false,
+            meters_tokens: false,
         }
     }
 
@@ -155,6 +159,16 @@ impl Bundle {
         }
     }
 
+    /// Whether a policy with a `token_bucket_llm` rule selects this request: its body must be
+    /// read (and its response metered) before it is decided.
+    pub fn meters_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
+        self.meters_tokens
+            && self
+                .policies
+                .iter()
+                .any(|p| p.meters_tokens && p.selector.matches(facts))
+    }
+
     /// Looks up a rule by name.
     pub fn rule(&self, name: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| &*r.name == name)
@@ -191,6 +205,8 @@ pub struct Policy {
     pub loop_detection: Option<usize>,
     /// Index into [`Bundle::rules`] of the rule `circuit_breaker` compiled to, if enabled.
     pub circuit_breaker: Option<usize>,
+    /// The policy has a `token_bucket_llm` rule (regular or fallback).
+    pub meters_tokens: bool,
 }
 
 /// Which requests a policy applies to.
@@ -359,6 +375,40 @@ pub struct Rule {
     pub concurrency: Option<Concurrency>,
     /// `Some` for the rule a policy's `loop_detection` or `circuit_breaker` compiled to.
     pub guard: Option<Guard>,
+    /// `Some` for a `token_bucket_llm` rule (its tokens-per-minute bucket) and for the rule
+    /// counting its `tokens_per_day`.
+    pub llm: Option<LlmLimit>,
+}
+
+/// A `token_bucket_llm` rule (Fairvisor's fields). The rule is the tokens-per-minute bucket
+/// (`quota`: `burst_tokens`, refilled at `tokens_per_minute`); `tokens_per_day` compiles to a
+/// second rule, a one-day UTC budget named `<rule>:tpd`, outside the policy's rule range and
+/// always checked with its minute rule, all-or-nothing. A request costs its reservation: the
+/// prompt estimate plus the completion it may produce; the response's usage settles it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlmLimit {
+    pub part: LlmPart,
+    /// On the minute rule: the index of its `tokens_per_day` rule.
+    pub day_rule: Option<usize>,
+    /// A prompt estimated above this is refused (`prompt_tokens_exceeded`).
+    pub max_prompt_tokens: Option<u64>,
+    /// A reservation above this is refused (`max_tokens_per_request_exceeded`).
+    pub max_tokens_per_request: Option<u64>,
+    /// The completion reserved is at most this (a larger `max_tokens` asks for more than the
+    /// rule grants).
+    pub max_completion_tokens: Option<u64>,
+    /// The completion reserved when the request names no `max_tokens`.
+    pub default_max_completion: u64,
+    pub estimator: crate::llm::Estimator,
+}
+
+/// Which budget of a `token_bucket_llm` rule a rule counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LlmPart {
+    /// `tokens_per_minute` (and `burst_tokens`): a token bucket.
+    Minute,
+    /// `tokens_per_day`: a budget per UTC day.
+    Day,
 }
 
 /// A policy-level guard, compiled into a rule of its own outside the policy's rule range (so
@@ -466,6 +516,7 @@ impl Rule {
             budget: None,
             concurrency: None,
             guard: None,
+            llm: None,
         }
     }
 

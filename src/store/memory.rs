@@ -678,6 +678,52 @@ impl MemoryStore {
         }
     }
 
+    /// Settles reservations, each op on its bucket under the bucket's lock. A bucket that is
+    /// gone (full again, swept) is full: a refund leaves it so, a charge stores it again.
+    pub fn adjust(&self, now_us: u64, ops: &[super::AdjustOp]) {
+        let guard = &epoch::pin();
+        let settled = |op: &super::AdjustOp, next: BucketState| OpResult {
+            verdict: crate::limiter::Verdict {
+                allowed: true,
+                available: next.tokens,
+                remaining: next.tokens,
+                next,
+                retry_after_secs: 0,
+                full_in_us: op.full_in_us(next, now_us),
+            },
+            committed: true,
+            fail_open: false,
+        };
+        for op in ops {
+            let shard = self.shard_of(&op.key);
+            let key = stored(&op.key);
+            loop {
+                if let Some((slot, meta)) = self.lock_existing(shard, key, guard) {
+                    let meta = match op.settle(Some(slot.state()), now_us) {
+                        Some(next) => slot.commit(&settled(op, next), now_us),
+                        None => meta,
+                    };
+                    slot.unlock(meta);
+                    break;
+                }
+                let Some(next) = op.settle(None, now_us) else {
+                    break;
+                };
+                if next.tokens >= op.quota.burst() {
+                    break;
+                }
+                let mut state = shard.structure.lock();
+                if Self::table(shard, guard).find(key).is_some() {
+                    continue;
+                }
+                if !self.insert(shard, &mut state, key, &settled(op, next), now_us, true, guard) {
+                    self.fail_open.fetch_add(1, Ordering::Relaxed);
+                }
+                break;
+            }
+        }
+    }
+
     /// Checks every op at `now_us` and commits each group whose ops all allow. `results` is
     /// cleared and receives one entry per op, in op order (a caller-owned buffer: results are
     /// not moved around on the hot path).

@@ -80,6 +80,40 @@ impl BucketOp {
     }
 }
 
+/// Settles one reservation on a bucket (`token_bucket_llm`): `delta` more micro-tokens charged,
+/// or refunded when negative (see [`crate::limiter::settle`] and
+/// [`crate::limiter::settle_window`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdjustOp {
+    pub key: BucketKey,
+    pub quota: Quota,
+    /// `Some(window id)` for a budget: only that window's spend moves.
+    pub window_id: Option<u64>,
+    pub delta: i64,
+}
+
+impl AdjustOp {
+    /// The state to store, or `None` when there is nothing to change (a budget bucket that
+    /// counts another window, or none).
+    pub fn settle(&self, state: Option<BucketState>, now_us: u64) -> Option<BucketState> {
+        match self.window_id {
+            Some(id) => crate::limiter::settle_window(state, self.quota.burst(), id, self.delta),
+            None => Some(crate::limiter::settle(state, &self.quota, now_us, self.delta)),
+        }
+    }
+
+    /// Microseconds until a settled state is full again (a budget: one period at most).
+    pub fn full_in_us(&self, next: BucketState, now_us: u64) -> u64 {
+        match self.window_id {
+            Some(_) => self.quota.period_us(),
+            None => next.last_us.saturating_sub(now_us).saturating_add(
+                self.quota
+                    .time_to_gain_us(self.quota.burst().saturating_sub(next.tokens)),
+            ),
+        }
+    }
+}
+
 /// The answer for one [`BucketOp`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpResult {
@@ -130,21 +164,33 @@ pub(crate) fn reduced_rate(q: &Quota) -> (u64, u64) {
     (q.refill() / g, q.period_us() / g)
 }
 
-/// Turns a shared store's answer (each bucket's tokens at `now_us`, and whether the enforced and
-/// shadow groups passed) into results, with the embedded store's maths for the details.
+/// Turns a shared store's answer (each bucket's tokens at `now_us`, or minus its µs of debt, and
+/// whether the enforced and shadow groups passed) into results, with the embedded store's maths
+/// for the details.
 pub(crate) fn outcomes_from(
     now_us: u64,
     ops: &[BucketOp],
     enforce_ok: bool,
     shadow_ok: bool,
-    available: &[u64],
+    available: &[i64],
     results: &mut OpResults,
 ) {
     results.clear();
     for (op, &tokens) in ops.iter().zip(available) {
-        let state = Some(BucketState {
-            tokens,
-            last_us: op.window.map_or(now_us, |w| w.id),
+        let state = Some(match (op.window, tokens) {
+            (Some(w), _) => BucketState {
+                tokens: tokens.max(0) as u64,
+                last_us: w.id,
+            },
+            // In debt: empty, refilling from `now + debt`.
+            (None, debt) if debt < 0 => BucketState {
+                tokens: 0,
+                last_us: now_us.saturating_add(debt.unsigned_abs()),
+            },
+            (None, _) => BucketState {
+                tokens: tokens as u64,
+                last_us: now_us,
+            },
         });
         let verdict = op.check(state, now_us);
         let committed = match op.group {
@@ -307,6 +353,24 @@ impl Store {
             self.connect_in_background();
         }
         answer
+    }
+
+    /// Settles reservations: each op applied atomically on its bucket.
+    ///
+    /// # Errors
+    /// A shared store could not answer: nothing (or, on a cluster, part) was settled.
+    pub async fn adjust(&self, now_us: u64, ops: &[AdjustOp]) -> Result<(), StoreError> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        match &self.backend {
+            Backend::Memory(m) => {
+                m.adjust(now_us, ops);
+                Ok(())
+            }
+            Backend::Redis(s) => s.adjust(now_us, ops).await,
+            Backend::Postgres(s) => s.adjust(now_us, ops).await,
+        }
     }
 
     /// Takes concurrency lease `id` on every op's key whose group is admitted (see

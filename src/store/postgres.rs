@@ -28,6 +28,7 @@ CREATE OR REPLACE FUNCTION tollgate_take(
 DECLARE
     n int := coalesce(array_length(keys, 1), 0);
     avail bigint[] := '{}';
+    answer bigint[] := '{}';
     lasts bigint[] := '{}';
     ok_e boolean := true;
     ok_s boolean := true;
@@ -64,7 +65,76 @@ BEGIN
              WHERE key = keys[i];
         END IF;
     END LOOP;
-    RETURN ARRAY[ok_e::int, ok_s::int]::bigint[] || avail;
+    -- A bucket in debt (emptied, refilling from a time past now) answers minus its µs of debt.
+    FOR i IN 1..n LOOP
+        answer := answer || CASE WHEN wins[i] = 0 AND avail[i] = 0 AND lasts[i] > now_us
+            THEN now_us - lasts[i] ELSE avail[i] END;
+    END LOOP;
+    RETURN ARRAY[ok_e::int, ok_s::int]::bigint[] || answer;
+END $$;
+
+-- Settles reservations (`token_bucket_llm`), each bucket with the embedded store's maths: a
+-- charge the bucket cannot cover moves its refill time past now (debt), a refund pays debt back
+-- first; a budget row only moves inside the window it reserved in.
+CREATE OR REPLACE FUNCTION tollgate_settle(
+    keys text[], bursts bigint[], nums bigint[], dens bigint[], deltas bigint[], wins bigint[],
+    now_us bigint
+) RETURNS int LANGUAGE plpgsql AS $$
+DECLARE
+    n int := coalesce(array_length(keys, 1), 0);
+    t bigint; l bigint; a bigint; amt bigint;
+BEGIN
+    IF n = 0 THEN RETURN 0; END IF;
+    -- A charge on a bucket swept as full starts from full.
+    INSERT INTO tollgate_buckets (key, tokens, last_us, full_at_us)
+        SELECT k, b, now_us, now_us FROM unnest(keys, bursts, deltas, wins) AS u(k, b, d, w)
+         WHERE d > 0 AND w = 0 ORDER BY k
+        ON CONFLICT (key) DO NOTHING;
+    PERFORM 1 FROM tollgate_buckets WHERE key = ANY (keys) ORDER BY key FOR UPDATE;
+    FOR i IN 1..n LOOP
+        SELECT least(tokens, bursts[i]), last_us INTO t, l FROM tollgate_buckets WHERE key = keys[i];
+        CONTINUE WHEN NOT FOUND;
+        amt := abs(deltas[i]);
+        IF wins[i] > 0 THEN
+            IF l = wins[i] THEN
+                UPDATE tollgate_buckets SET tokens = greatest(0, least(bursts[i], t - deltas[i]))
+                 WHERE key = keys[i];
+            END IF;
+            CONTINUE;
+        END IF;
+        IF l > now_us AND t = 0 THEN
+            IF deltas[i] >= 0 THEN
+                l := l + ceil(amt::numeric * dens[i] / nums[i])::bigint;
+            ELSIF floor(amt::numeric * dens[i] / nums[i]) <= l - now_us THEN
+                l := l - floor(amt::numeric * dens[i] / nums[i])::bigint;
+            ELSE
+                t := least(bursts[i],
+                    amt - least(floor((l - now_us)::numeric * nums[i] / dens[i])::bigint, amt));
+                l := now_us;
+            END IF;
+        ELSE
+            IF greatest(now_us - l, 0) >= ceil((bursts[i] - t)::numeric * dens[i] / nums[i]) THEN
+                a := bursts[i];
+            ELSE
+                a := least(bursts[i],
+                    t + floor(greatest(now_us - l, 0)::numeric * nums[i] / dens[i])::bigint);
+            END IF;
+            l := greatest(l, now_us);
+            IF deltas[i] < 0 THEN
+                t := least(bursts[i], a + amt);
+            ELSIF a >= amt THEN
+                t := a - amt;
+            ELSE
+                l := l + ceil((amt - a)::numeric * dens[i] / nums[i])::bigint;
+                t := 0;
+            END IF;
+        END IF;
+        UPDATE tollgate_buckets
+           SET tokens = t, last_us = l,
+               full_at_us = greatest(l, now_us) + ceil((bursts[i] - t)::numeric * dens[i] / nums[i])::bigint
+         WHERE key = keys[i];
+    END LOOP;
+    RETURN n;
 END $$;
 "#;
 
@@ -273,16 +343,48 @@ impl PostgresStore {
             }
         };
         let values = self.answer(call, ops.len() + 2).await?;
-        let available: Vec<u64> = values[2..].iter().map(|v| (*v).max(0) as u64).collect();
         outcomes_from(
             now_us,
             ops,
             values[0] == 1,
             values[1] == 1,
-            &available,
+            &values[2..],
             results,
         );
         Ok(())
+    }
+
+    /// Settles reservations in one statement (`tollgate_settle`).
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn adjust(&self, now_us: u64, ops: &[super::AdjustOp]) -> Result<(), StoreError> {
+        let Some(client) = self.client.load_full() else {
+            self.health.failed(&redact(&self.url), "not connected");
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let keys: Vec<String> = ops.iter().map(|op| super::shared_key(&op.key)).collect();
+        let (mut bursts, mut nums, mut dens, mut deltas, mut windows) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for op in ops {
+            let (num, den) = super::reduced_rate(&op.quota);
+            bursts.push(op.quota.burst() as i64);
+            nums.push(num as i64);
+            dens.push(den as i64);
+            deltas.push(op.delta);
+            windows.push(op.window_id.map_or(0, |id| id.min(i64::MAX as u64) as i64));
+        }
+        let now = now_us.min(i64::MAX as u64) as i64;
+        let call = async {
+            client
+                .query_one(
+                    "SELECT tollgate_settle($1, $2, $3, $4, $5, $6, $7)",
+                    &[&keys, &bursts, &nums, &dens, &deltas, &windows, &now],
+                )
+                .await
+                .map(|row| vec![i64::from(row.get::<_, i32>(0))])
+        };
+        self.answer(call, 1).await.map(|_| ())
     }
 
     /// The array a store function answered within the timeout, of `expected` values; anything

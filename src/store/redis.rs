@@ -84,8 +84,67 @@ for i = 1, n do
   end
 end
 local out = {ok[1], ok[2]}
-for i = 1, n do out[i + 2] = avail[i] end
+for i = 1, n do
+  local win = tonumber(ARGV[3 + (i - 1) * 7 + 5])
+  if win == 0 and avail[i] == 0 and last[i] > now then out[i + 2] = now - last[i] else out[i + 2] = avail[i] end
+end
 return out
+"#;
+
+/// Settles reservations (`token_bucket_llm`). KEYS: buckets; ARGV[1] = now (µs); per key: burst,
+/// rate numerator and denominator, delta (µtokens charged, negative: refunded) and budget window
+/// id (0 for a token bucket). The embedded store's [`limiter::settle`] maths: a charge the bucket
+/// cannot cover moves its refill time past now (debt), a refund pays debt back first; a budget
+/// only moves inside the window it reserved in.
+const ADJUST: &str = r#"
+local now = tonumber(ARGV[1])
+for i = 1, #KEYS do
+  local b = 2 + (i - 1) * 5
+  local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
+  local delta, win = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
+  local s = redis.call('HMGET', KEYS[i], 't', 'l')
+  local amount = math.abs(delta)
+  if win > 0 then
+    if s[1] and tonumber(s[2]) == win then
+      local t = math.min(tonumber(s[1]), burst) - delta
+      if t < 0 then t = 0 end
+      if t > burst then t = burst end
+      redis.call('HSET', KEYS[i], 't', t)
+    end
+  elseif s[1] or delta > 0 then
+    local t, l = burst, now
+    if s[1] then t = math.min(tonumber(s[1]), burst); l = tonumber(s[2]) end
+    if l > now and t == 0 then
+      local debt = l - now
+      if delta >= 0 then
+        l = l + math.ceil(amount * den / num)
+      else
+        local bought = math.floor(amount * den / num)
+        if bought <= debt then
+          l = l - bought
+        else
+          t = math.min(burst, amount - math.min(math.floor(debt * num / den), amount))
+          l = now
+        end
+      end
+    else
+      local elapsed = now - l
+      if elapsed < 0 then elapsed = 0 end
+      local a = burst
+      if elapsed < math.ceil((burst - t) * den / num) then a = math.min(burst, t + math.floor(elapsed * num / den)) end
+      if l < now then l = now end
+      if delta < 0 then t = math.min(burst, a + amount)
+      elseif a >= amount then t = a - amount
+      else t = 0; l = l + math.ceil((amount - a) * den / num) end
+    end
+    redis.call('HSET', KEYS[i], 't', t, 'l', l)
+    local full_us = l - now
+    if full_us < 0 then full_us = 0 end
+    full_us = full_us + math.ceil((burst - t) * den / num)
+    redis.call('PEXPIRE', KEYS[i], math.floor(full_us / 1000) + 1)
+  end
+end
+return 1
 "#;
 
 /// Gives back what a committed group spent (KEYS: buckets; ARGV per key: burst, cost).
@@ -172,6 +231,7 @@ pub struct RedisStore {
     conn: ArcSwapOption<Conn>,
     script: redis::Script,
     refund: redis::Script,
+    adjust_script: redis::Script,
     /// Concurrency leases: taken and given back (scripts hashed once, called with EVALSHA).
     acquire_script: redis::Script,
     release_script: redis::Script,
@@ -237,6 +297,7 @@ impl RedisStore {
             conn: ArcSwapOption::empty(),
             script: redis::Script::new(SCRIPT),
             refund: redis::Script::new(REFUND),
+            adjust_script: redis::Script::new(ADJUST),
             acquire_script: redis::Script::new(ACQUIRE),
             release_script: redis::Script::new(RELEASE),
             denied: Mutex::new(HashMap::new()),
@@ -448,8 +509,9 @@ impl RedisStore {
             self.failed(&format!("no answer within {:?}", self.config.timeout));
             return Err(StoreError::Unavailable("timeout".into()));
         };
-        // Per op: the bucket's tokens; per group: whether its enforced and shadow parts allowed.
-        let mut available = vec![0u64; ops.len()];
+        // Per op: the bucket's tokens (negative: µs of debt); per group: whether its enforced
+        // and shadow parts allowed.
+        let mut available = vec![0i64; ops.len()];
         let mut group_ok: SmallVec<[(bool, bool); 4]> = SmallVec::new();
         let mut failure = None;
         for (members, reply) in groups.iter().zip(replies) {
@@ -463,7 +525,7 @@ impl RedisStore {
                 Ok(values) if values.len() == members.len() + 2 => {
                     group_ok.push((values[0] == 1, values[1] == 1));
                     for (&i, value) in members.iter().zip(&values[2..]) {
-                        available[i] = (*value).max(0) as u64;
+                        available[i] = *value;
                     }
                 }
                 Ok(values) => {
@@ -511,6 +573,60 @@ impl RedisStore {
             }
         }
         Ok(())
+    }
+
+    /// Settles reservations: one atomic script call per hash slot (one on a single server).
+    /// Keys refused from the local denied cache are forgotten first: a refund may have made
+    /// room.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn adjust(&self, now_us: u64, ops: &[super::AdjustOp]) -> Result<(), StoreError> {
+        {
+            let mut cache = self.denied.lock();
+            for op in ops {
+                cache.remove(&key128(&op.key));
+            }
+        }
+        let Some(conn) = self.conn.load_full() else {
+            self.failed("not connected");
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let keys: SmallVec<[String; 4]> = ops.iter().map(|op| redis_key(&op.key)).collect();
+        let groups = slot_groups(&conn, &keys);
+        let calls = groups.iter().map(|members| {
+            let mut conn = (*conn).clone();
+            let mut invocation = self.adjust_script.prepare_invoke();
+            for &i in members {
+                invocation.key(&keys[i]);
+            }
+            invocation.arg(now_us);
+            for &i in members {
+                let op = &ops[i];
+                let (num, den) = reduced(&op.quota);
+                invocation
+                    .arg(op.quota.burst())
+                    .arg(num)
+                    .arg(den)
+                    .arg(op.delta)
+                    .arg(op.window_id.unwrap_or(0));
+            }
+            async move { conn.invoke::<i64>(&invocation).await }
+        });
+        let replies =
+            tokio::time::timeout(self.config.timeout, futures::future::join_all(calls)).await;
+        let what = match replies {
+            Err(_) => format!("no answer within {:?}", self.config.timeout),
+            Ok(replies) => match replies.into_iter().find_map(Result::err) {
+                None => {
+                    self.health.ok(&self.config.url);
+                    return Ok(());
+                }
+                Some(e) => e.to_string(),
+            },
+        };
+        self.failed(&what);
+        Err(StoreError::Unavailable(what))
     }
 
     /// Returns the cost of the `refunds` ops to their buckets, one call per slot group (best

@@ -1,0 +1,456 @@
+//! LLM token accounting, pure: what an OpenAI-style request asks for (a prompt estimate and the
+//! completion it may produce), and what a response really used (the `usage` object of a JSON
+//! body, or of a streamed `text/event-stream`'s final chunk, read chunk by chunk as it passes).
+//! No I/O: the proxy and the decision service feed bytes in and read numbers out; the engine
+//! turns them into reservations (`token_bucket_llm` rules).
+
+use serde_json::Value;
+
+/// Where a `token_bucket_llm` rule takes its prompt estimate from (`token_source.estimator`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Estimator {
+    /// Counted from the request body's prompt text ([`estimate_text`]).
+    SimpleWord,
+    /// The client's own count in `X-Token-Estimate` (a whole number); the body's estimate
+    /// when the header is absent or not a number.
+    HeaderHint,
+}
+
+/// The header a `header_hint` estimator reads (lower case).
+pub const TOKEN_ESTIMATE_HEADER: &str = "x-token-estimate";
+
+/// Word and character counts of a text, accumulated piece by piece (a word split across two
+/// streamed pieces counts once).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TextCount {
+    pub words: u64,
+    pub chars: u64,
+    in_word: bool,
+}
+
+impl TextCount {
+    pub fn add(&mut self, text: &str) {
+        for c in text.chars() {
+            self.chars += 1;
+            if c.is_whitespace() {
+                self.in_word = false;
+            } else if !self.in_word {
+                self.in_word = true;
+                self.words += 1;
+            }
+        }
+    }
+
+    /// Ends a piece of text: the next one starts a new word (message boundaries).
+    pub fn separate(&mut self) {
+        self.in_word = false;
+    }
+
+    /// The `simple_word` estimate: ⌈words × 4 / 3⌉ (English averages ¾ word per token), but
+    /// never below ⌈chars / 4⌉ (code, URLs and unspaced scripts have more tokens than words).
+    pub fn tokens(&self) -> u64 {
+        (self.words * 4).div_ceil(3).max(self.chars.div_ceil(4))
+    }
+}
+
+/// The `simple_word` estimate of one text.
+pub fn estimate_text(text: &str) -> u64 {
+    let mut count = TextCount::default();
+    count.add(text);
+    count.tokens()
+}
+
+/// What an LLM request asks for, read once from its body.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LlmRequest {
+    /// The `simple_word` estimate of the prompt: every text of `messages[].content` (strings
+    /// and text parts), `prompt`, `input`, `instructions` and `system`. A body that is not
+    /// JSON is estimated as text, whole.
+    pub prompt_tokens: u64,
+    /// `max_completion_tokens`, else `max_tokens`, else `max_output_tokens`, when a whole
+    /// number.
+    pub max_completion: Option<u64>,
+}
+
+impl LlmRequest {
+    /// Reads a request body (never fails: what cannot be read estimates conservatively).
+    pub fn parse(body: &[u8]) -> LlmRequest {
+        let Ok(json) = serde_json::from_slice::<Value>(body) else {
+            return LlmRequest {
+                prompt_tokens: estimate_text(&String::from_utf8_lossy(body)),
+                max_completion: None,
+            };
+        };
+        let mut count = TextCount::default();
+        for field in ["messages", "prompt", "input", "instructions", "system"] {
+            if let Some(v) = json.get(field) {
+                count_prompt(v, &mut count, 0);
+            }
+        }
+        let max_completion = ["max_completion_tokens", "max_tokens", "max_output_tokens"]
+            .iter()
+            .find_map(|f| json.get(*f).and_then(Value::as_u64));
+        LlmRequest {
+            prompt_tokens: count.tokens(),
+            max_completion,
+        }
+    }
+}
+
+/// Counts the prompt text in a `messages` / `prompt` / `input` value: strings, arrays of them,
+/// messages (`content`) and content parts (`text`). Depth-bounded: a hostile body cannot recurse
+/// without end.
+fn count_prompt(v: &Value, count: &mut TextCount, depth: u32) {
+    if depth > 8 {
+        return;
+    }
+    match v {
+        Value::String(s) => {
+            count.add(s);
+            count.separate();
+        }
+        Value::Array(items) => {
+            for item in items {
+                count_prompt(item, count, depth + 1);
+            }
+        }
+        Value::Object(map) => {
+            for field in ["content", "text", "input_text"] {
+                if let Some(inner) = map.get(field) {
+                    count_prompt(inner, count, depth + 1);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Tokens a response reports in its `usage` object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+}
+
+impl Usage {
+    /// OpenAI's `{prompt_tokens, completion_tokens, total_tokens}` or the Responses API's
+    /// `{input_tokens, output_tokens, total_tokens}`; `None` when absent or `null`. A missing
+    /// total is the sum of the two.
+    pub fn of(json: &Value) -> Option<Usage> {
+        let usage = json.get("usage").filter(|u| u.is_object())?;
+        let field = |names: [&str; 2]| {
+            names
+                .iter()
+                .find_map(|n| usage.get(*n).and_then(Value::as_u64))
+        };
+        let prompt = field(["prompt_tokens", "input_tokens"]);
+        let completion = field(["completion_tokens", "output_tokens"]);
+        let total = usage.get("total_tokens").and_then(Value::as_u64);
+        if prompt.is_none() && completion.is_none() && total.is_none() {
+            return None;
+        }
+        let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
+        Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: total.unwrap_or(prompt + completion),
+        })
+    }
+}
+
+/// How a response body is read.
+#[derive(Debug)]
+enum Format {
+    /// One JSON document: kept (up to the bound) and read at its end.
+    Json { body: Vec<u8>, overflow: bool },
+    /// Server-sent events: read line by line as they pass, only the current line kept.
+    Stream { line: Vec<u8>, overflow: bool },
+}
+
+/// Reads the usage of an upstream response as its body streams to the client: nothing is held
+/// back, and at most `limit` bytes are kept (the JSON body, or the current event line).
+#[derive(Debug)]
+pub struct ResponseMeter {
+    format: Format,
+    limit: usize,
+    usage: Option<Usage>,
+    /// The completion text seen (streamed deltas, or a JSON body's choices).
+    completion: TextCount,
+    /// Body bytes seen.
+    pub bytes: u64,
+}
+
+impl ResponseMeter {
+    /// A meter for a response of this `Content-Type`, keeping at most `limit` bytes.
+    pub fn new(content_type: &str, limit: usize) -> ResponseMeter {
+        let streamed = content_type
+            .split(';')
+            .next()
+            .is_some_and(|t| t.trim().eq_ignore_ascii_case("text/event-stream"));
+        let format = if streamed {
+            Format::Stream {
+                line: Vec::new(),
+                overflow: false,
+            }
+        } else {
+            Format::Json {
+                body: Vec::new(),
+                overflow: false,
+            }
+        };
+        ResponseMeter {
+            format,
+            limit,
+            usage: None,
+            completion: TextCount::default(),
+            bytes: 0,
+        }
+    }
+
+    /// Reads the next piece of the body.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        self.bytes += chunk.len() as u64;
+        let mut events: Vec<Vec<u8>> = Vec::new();
+        match &mut self.format {
+            Format::Json { body, overflow } => {
+                if !*overflow {
+                    if body.len() + chunk.len() > self.limit {
+                        *overflow = true;
+                        *body = Vec::new();
+                    } else {
+                        body.extend_from_slice(chunk);
+                    }
+                }
+            }
+            Format::Stream { line, overflow } => {
+                let mut rest = chunk;
+                while let Some(end) = rest.iter().position(|b| *b == b'\n') {
+                    if !*overflow && line.len() + end <= self.limit {
+                        line.extend_from_slice(&rest[..end]);
+                        events.push(std::mem::take(line));
+                    }
+                    line.clear();
+                    *overflow = false;
+                    rest = &rest[end + 1..];
+                }
+                if line.len() + rest.len() > self.limit {
+                    *overflow = true;
+                    line.clear();
+                } else if !*overflow {
+                    line.extend_from_slice(rest);
+                }
+            }
+        }
+        for event in events {
+            self.event_line(&event);
+        }
+    }
+
+    /// One line of an event stream: a `data:` line holding JSON is a chunk.
+    fn event_line(&mut self, line: &[u8]) {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        let Ok(json) = serde_json::from_slice::<Value>(data) else {
+            return;
+        };
+        self.read_document(&json, true);
+    }
+
+    /// The usage and completion text of one JSON document (a whole response, or one chunk).
+    fn read_document(&mut self, json: &Value, streamed: bool) {
+        if let Some(usage) = Usage::of(json) {
+            self.usage = Some(usage);
+        }
+        // Responses API events carry their usage in `response.usage`.
+        if let Some(usage) = json.get("response").and_then(Usage::of) {
+            self.usage = Some(usage);
+        }
+        let texts = json
+            .get("choices")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|choice| {
+                let part = if streamed {
+                    choice.get("delta")
+                } else {
+                    choice.get("message")
+                };
+                part.and_then(|p| p.get("content"))
+                    .or_else(|| choice.get("text"))
+                    .and_then(Value::as_str)
+            });
+        for text in texts {
+            self.completion.add(text);
+            if !streamed {
+                self.completion.separate();
+            }
+        }
+        // Responses API stream: `{"type": "response.output_text.delta", "delta": "..."}`.
+        if let Some(delta) = json
+            .get("delta")
+            .and_then(Value::as_str)
+            .filter(|_| streamed)
+        {
+            self.completion.add(delta);
+        }
+    }
+
+    /// The body is complete: a JSON body is read now.
+    pub fn finish(&mut self) {
+        if let Format::Json { body, overflow } = &mut self.format {
+            if !*overflow && !body.is_empty() {
+                let body = std::mem::take(body);
+                if let Ok(json) = serde_json::from_slice::<Value>(&body) {
+                    self.read_document(&json, false);
+                }
+            }
+        }
+    }
+
+    /// The usage the response reported, if it did.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// The `simple_word` estimate of the completion text seen so far.
+    pub fn completion_estimate(&self) -> u64 {
+        self.completion.tokens()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn prompts_are_estimated_from_every_openai_shape() {
+        // 3 words → ⌈4⌉ = 4; 12 chars → 3.
+        assert_eq!(estimate_text("hello big world"), 4);
+        // One long word: chars win (40 chars → 10).
+        assert_eq!(estimate_text(&"x".repeat(40)), 10);
+        let chat = br#"{"model":"m","max_tokens":800,"messages":[
+            {"role":"system","content":"be brief"},
+            {"role":"user","content":[{"type":"text","text":"one two three"},{"type":"image_url","image_url":{"url":"http://x"}}]}]}"#;
+        // 2 + 3 words = 5 → ⌈20/3⌉ = 7; chars 8 + 13 = 21 → 6.
+        assert_eq!(
+            LlmRequest::parse(chat),
+            LlmRequest {
+                prompt_tokens: 7,
+                max_completion: Some(800)
+            }
+        );
+        let completion = br#"{"prompt":["a b","c"],"max_completion_tokens":5,"max_tokens":9}"#;
+        assert_eq!(
+            LlmRequest::parse(completion),
+            LlmRequest {
+                prompt_tokens: 4,
+                max_completion: Some(5)
+            }
+        );
+        let responses = br#"{"input":[{"role":"user","content":[{"type":"input_text","text":"w w w w w w"}]}],"instructions":"x"}"#;
+        assert_eq!(LlmRequest::parse(responses).prompt_tokens, 10);
+        // Not JSON: the whole body is the prompt.
+        assert_eq!(LlmRequest::parse(b"a b c d e f").prompt_tokens, 8);
+        // A word split across two message texts counts twice, within one text once.
+        assert_eq!(
+            LlmRequest::parse(br#"{"messages":[{"content":"ab"},{"content":"cd"}]}"#)
+                .prompt_tokens,
+            3
+        );
+    }
+
+    #[test]
+    fn json_usage_is_read_at_the_end_of_the_body() {
+        let body = br#"{"id":"x","choices":[{"message":{"role":"assistant","content":"hi there"}}],"usage":{"prompt_tokens":12,"completion_tokens":288,"total_tokens":300}}"#;
+        let mut meter = ResponseMeter::new("application/json; charset=utf-8", 1 << 20);
+        for piece in body.chunks(7) {
+            meter.feed(piece);
+        }
+        assert_eq!(meter.usage(), None);
+        meter.finish();
+        assert_eq!(
+            meter.usage(),
+            Some(Usage {
+                prompt_tokens: 12,
+                completion_tokens: 288,
+                total_tokens: 300
+            })
+        );
+        assert_eq!(meter.completion_estimate(), 3);
+        // Over the bound: nothing kept, nothing read.
+        let mut small = ResponseMeter::new("application/json", 10);
+        small.feed(body);
+        small.finish();
+        assert_eq!(small.usage(), None);
+        assert_eq!(small.bytes, body.len() as u64);
+    }
+
+    #[test]
+    fn streamed_usage_comes_from_the_final_chunk_and_text_from_deltas() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"lo world\"}}]}\r\n\r\n",
+            ": keep-alive\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":290,\"total_tokens\":300}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        let mut meter = ResponseMeter::new("text/event-stream", 1 << 16);
+        // Byte by byte: lines and words split anywhere.
+        for b in stream.as_bytes() {
+            meter.feed(std::slice::from_ref(b));
+        }
+        assert_eq!(meter.usage().map(|u| u.total_tokens), Some(300));
+        // "Hello world": 2 words → 3; 11 chars → 3.
+        assert_eq!(meter.completion_estimate(), 3);
+        // Without the usage chunk: only the text is known.
+        let mut cut = ResponseMeter::new("text/event-stream", 1 << 16);
+        cut.feed(&stream.as_bytes()[..110]);
+        assert_eq!(cut.usage(), None);
+        assert_eq!(cut.completion_estimate(), 3);
+        // A line longer than the bound is skipped whole, the next one read.
+        let mut bounded = ResponseMeter::new("text/event-stream", 64);
+        bounded.feed(format!("data: {}\n", "x".repeat(100)).as_bytes());
+        bounded.feed(b"data: {\"usage\":{\"total_tokens\":7}}\n");
+        assert_eq!(bounded.usage().map(|u| u.total_tokens), Some(7));
+    }
+
+    #[test]
+    fn responses_api_usage_and_null_usage() {
+        let v: Value = serde_json::from_str(
+            r#"{"type":"response.completed","response":{"usage":{"input_tokens":5,"output_tokens":6}}}"#,
+        )
+        .unwrap();
+        let mut meter = ResponseMeter::new("text/event-stream", 1024);
+        meter.read_document(&v, true);
+        assert_eq!(meter.usage().map(|u| u.total_tokens), Some(11));
+        let null: Value = serde_json::from_str(r#"{"usage":null}"#).unwrap();
+        assert_eq!(Usage::of(&null), None);
+    }
+
+    proptest! {
+        #[test]
+        fn hostile_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512), cut in 0usize..512) {
+            let _ = LlmRequest::parse(&body);
+            let mut meter = ResponseMeter::new("text/event-stream", 128);
+            let cut = cut.min(body.len());
+            meter.feed(&body[..cut]);
+            meter.feed(&body[cut..]);
+            meter.finish();
+            prop_assert_eq!(meter.bytes, body.len() as u64);
+        }
+
+        #[test]
+        fn split_text_counts_like_whole_text(text in "[a-z ]{0,64}", cut in 0usize..64) {
+            let cut = cut.min(text.len());
+            let mut pieces = TextCount::default();
+            pieces.add(&text[..cut]);
+            pieces.add(&text[cut..]);
+            prop_assert_eq!(pieces.tokens(), estimate_text(&text));
+        }
+    }
+}
