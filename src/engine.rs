@@ -403,6 +403,61 @@ impl<'b> Checked<'b> {
     }
 }
 
+/// An allowed request's `token_bucket_llm` reservations, detached from the bundle: what to
+/// settle once the response's usage is known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reservation {
+    /// Every bucket reserved on (committed).
+    pub ops: SmallVec<[ReservedOp; 2]>,
+    /// Each minute rule reserved on, for metrics.
+    pub rules: SmallVec<[ReservedRule; 1]>,
+}
+
+/// One bucket of a [`Reservation`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReservedOp {
+    pub key: BucketKey,
+    pub quota: Quota,
+    pub window_id: Option<u64>,
+    /// Micro-tokens reserved.
+    pub cost: u64,
+}
+
+/// A minute rule of a [`Reservation`] (metric labels are the policy and rule).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReservedRule {
+    pub policy: String,
+    pub rule: String,
+    pub mode: Mode,
+    /// Tokens reserved.
+    pub tokens: u64,
+    /// The prompt estimate, in tokens.
+    pub prompt_tokens: u64,
+}
+
+impl Reservation {
+    /// The tokens reserved (the largest reservation of its rules).
+    pub fn tokens(&self) -> u64 {
+        self.rules.iter().map(|r| r.tokens).max().unwrap_or(0)
+    }
+
+    /// The settlement once `used` tokens were really used: each bucket moves by `used` minus
+    /// what it reserved (a refund when negative).
+    pub fn adjustments(&self, used: u64) -> SmallVec<[crate::store::AdjustOp; 2]> {
+        let used = used.saturating_mul(crate::limiter::MICRO).min(i64::MAX as u64) as i64;
+        self.ops
+            .iter()
+            .map(|op| crate::store::AdjustOp {
+                key: op.key,
+                quota: op.quota,
+                window_id: op.window_id,
+                delta: used.saturating_sub(op.cost.min(i64::MAX as u64) as i64),
+            })
+            .filter(|op| op.delta != 0)
+            .collect()
+    }
+}
+
 /// What refused a request, beyond the buckets.
 #[derive(Debug, Clone, Copy)]
 pub enum Cause<'b> {
@@ -539,6 +594,39 @@ impl<'b> Decision<'b> {
             }
         }
         trips
+    }
+
+    /// The reservations an allowed request holds on `token_bucket_llm` rules (`None`: none,
+    /// or the store failed and nothing was spent).
+    pub fn reservation(&self) -> Option<Reservation> {
+        let Decision::Allow(checked) = self else {
+            return None;
+        };
+        let mut reservation = Reservation::default();
+        for r in &checked.reserved {
+            let Some(outcome) = checked.rules.get(r.outcome) else {
+                continue;
+            };
+            if !outcome.committed || outcome.fail_open {
+                continue;
+            }
+            reservation.ops.push(ReservedOp {
+                key: r.key,
+                quota: r.quota,
+                window_id: r.window_id,
+                cost: r.cost,
+            });
+            if r.window_id.is_none() {
+                reservation.rules.push(ReservedRule {
+                    policy: outcome.rule.policy_id.clone(),
+                    rule: outcome.rule.name.clone(),
+                    mode: outcome.rule.mode,
+                    tokens: r.cost / crate::limiter::MICRO,
+                    prompt_tokens: r.prompt_tokens,
+                });
+            }
+        }
+        (!reservation.ops.is_empty()).then_some(reservation)
     }
 
     /// Shadow rules that would have refused.
@@ -1680,6 +1768,97 @@ mod tests {
                "algorithm": "cost_based",
                "algorithm_config": {"budget": budget, "period": period, "cost_key": "header:x_cost",
                                     "staged_actions": stages}})
+    }
+
+    fn ask_llm(e: &TestEngine, body: &str, headers: &[(&str, &str)]) -> Decision<'static> {
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let llm = crate::llm::LlmRequest::parse(body.as_bytes());
+        let facts = RequestFacts::from_uri(
+            "POST",
+            "/v1/chat/completions",
+            Some("api.example.com"),
+            Some("10.0.0.1".parse().unwrap()),
+            &headers,
+        )
+        .with_llm(Some(&llm));
+        e.decide(&facts)
+    }
+
+    #[test]
+    fn llm_reservations_are_settled_by_real_usage() {
+        // 1 200 tokens a minute (20 a second), 2 000 of burst, 5 000 a UTC day.
+        let (e, clock) = engine(json!({"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+            "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 1200,
+            "burst_tokens": 2000, "tokens_per_day": 5000, "max_prompt_tokens": 100,
+            "max_tokens_per_request": 1500, "default_max_completion": 500}}]}));
+        let key = [("X-Api-Key", "tenant-a")];
+        // "one two three": 3 words → 4 tokens; 800 asked: 804 reserved on both budgets.
+        let body = r#"{"max_tokens": 800, "messages": [{"role": "user", "content": "one two three"}]}"#;
+        let d = ask_llm(&e, body, &key);
+        assert!(d.is_allowed());
+        let tokens: Vec<(&str, u64)> = d.rules().iter().map(|o| (o.rule.name.as_str(), o.tokens / MICRO)).collect();
+        assert_eq!(tokens, [("chat", 1196), ("chat:tpd", 4196)]);
+        assert_eq!(bucket(&d, 1, "10.0.0.1", &key), "tpd:chat:tenant-a");
+        let reservation = d.reservation().unwrap();
+        assert_eq!(reservation.tokens(), 804);
+        assert_eq!(reservation.rules[0].prompt_tokens, 4);
+        // 300 really used: 504 back on each.
+        let adjust = reservation.adjustments(300);
+        assert_eq!(adjust.iter().map(|a| a.delta).collect::<Vec<_>>(), [-504 * MICRO as i64; 2]);
+        e.store.adjust(clock.now_us(), &adjust);
+        let d = ask_llm(&e, body, &key);
+        let tokens: Vec<u64> = d.rules().iter().map(|o| o.tokens / MICRO).collect();
+        assert_eq!(tokens, [1700 - 804, 4700 - 804]);
+        e.store.adjust(clock.now_us(), &d.reservation().unwrap().adjustments(300));
+        // Without max_tokens the default completion is reserved: 504.
+        let d = ask_llm(&e, r#"{"messages": [{"content": "one two three"}]}"#, &key);
+        assert_eq!(d.rules()[0].tokens / MICRO, 1400 - 504);
+        // An overrun puts the minute bucket in debt: 896 left, 2 000 used beyond 504.
+        e.store.adjust(clock.now_us(), &d.reservation().unwrap().adjustments(2504));
+        let d = ask_llm(&e, body, &key);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::TpmExceeded));
+        // 1 104 of debt (55.2 s) and then 804 to refill (40.2 s).
+        assert_eq!(d.retry_after(), 96);
+        assert_eq!(d.status(), 429);
+        // The minute bucket holds 804 again after 95.4 s; the day has used 300 + 300 + 2 504.
+        clock.set_secs(96.0);
+        let d = ask_llm(&e, body, &key);
+        assert_eq!(d.rules()[1].tokens / MICRO, 5000 - 3104 - 804);
+        // 1 896 really used: the day budget is spent (and the minute bucket in debt again).
+        e.store.adjust(clock.now_us(), &d.reservation().unwrap().adjustments(1896));
+        let d = ask_llm(&e, body, &key);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::TpdExceeded));
+        assert_eq!(d.rules()[1].tokens, 0);
+        // Until UTC midnight (16 h after the origin, 08:00), minus the 96 s gone.
+        assert_eq!(d.retry_after(), 16 * 3600 - 96);
+        // Requests too large for the rule are refused before any bucket.
+        let long = format!(r#"{{"messages": [{{"content": "{}"}}]}}"#, "w ".repeat(100));
+        assert_eq!(ask_llm(&e, &long, &key).outcome(), Outcome::Reject(Reason::PromptTokensExceeded));
+        let big = r#"{"max_tokens": 1600, "messages": []}"#;
+        assert_eq!(ask_llm(&e, big, &key).outcome(), Outcome::Reject(Reason::MaxTokensPerRequestExceeded));
+        assert_eq!(Reason::TpmExceeded.content_type(), "application/json");
+        // Another tenant has its own budgets.
+        assert!(ask_llm(&e, body, &[("X-Api-Key", "tenant-b")]).is_allowed());
+    }
+
+    #[test]
+    fn header_hints_and_completion_caps() {
+        let (e, _clock) = engine(json!({"rules": [{"name": "chat", "limit_keys": [],
+            "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 10000,
+            "max_completion_tokens": 300, "token_source": {"estimator": "header_hint"}}}]}));
+        let body = r#"{"max_tokens": 800, "messages": [{"content": "one two three"}]}"#;
+        // The client's estimate (50) and the completion cap (300).
+        let d = ask_llm(&e, body, &[("X-Token-Estimate", "50")]);
+        assert_eq!(d.reservation().unwrap().tokens(), 350);
+        // No hint (or a bad one): the body's estimate.
+        let d = ask_llm(&e, body, &[("X-Token-Estimate", "lots")]);
+        assert_eq!(d.reservation().unwrap().tokens(), 304);
+        // Fairvisor's default completion (1 000) is capped too.
+        let d = ask_llm(&e, r#"{"prompt": "a"}"#, &[]);
+        assert_eq!(d.reservation().unwrap().tokens(), 302);
     }
 
     #[test]
