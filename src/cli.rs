@@ -159,6 +159,14 @@ pub struct RunArgs {
     /// Seconds a kept-alive connection has, after a response, to send its next request's headers.
     #[arg(long, env = "TOLLGATE_KEEPALIVE_TIMEOUT_SECS", default_value_t = 60)]
     pub keepalive_timeout_secs: u64,
+    /// Largest request body read before deciding a request under a `token_bucket_llm` rule (the
+    /// proxy and the decision service): a larger one gets 413.
+    #[arg(long, env = "TOLLGATE_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Seconds the decision service keeps an LLM reservation for `POST /v1/usage`; one not
+    /// reported by then stays charged as reserved.
+    #[arg(long, env = "TOLLGATE_RESERVATION_TTL_SECS", default_value_t = 600)]
+    pub reservation_ttl_secs: u64,
     /// Most client connections the proxy holds at once; further ones get 503 and are closed.
     /// Default: what the open-file limit leaves after upstream connections, at most 50 000 (see
     /// README). The admin listener has its own cap: this value, at most 4 096.

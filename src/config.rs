@@ -36,6 +36,10 @@ pub struct Config {
     pub header_timeout: Duration,
     /// Time a kept-alive connection has, after a response, to send its next request's headers.
     pub keepalive_timeout: Duration,
+    /// Largest request body read for `token_bucket_llm` rules (larger: 413).
+    pub max_body_bytes: usize,
+    /// How long the decision service keeps an unreported LLM reservation.
+    pub reservation_ttl: Duration,
     /// Explicit `--max-connections`; `None` = derived from the open-file limit at start.
     pub max_connections: Option<usize>,
     /// `--max-connections-per-ip`.
@@ -166,6 +170,12 @@ impl Config {
         if args.keepalive_timeout_secs == 0 {
             errors.push("--keepalive-timeout-secs 0: must be at least 1".to_string());
         }
+        if args.max_body_bytes == 0 {
+            errors.push("--max-body-bytes 0: must be at least 1".to_string());
+        }
+        if args.reservation_ttl_secs == 0 {
+            errors.push("--reservation-ttl-secs 0: must be at least 1".to_string());
+        }
         if args.max_connections == Some(0) {
             errors.push("--max-connections 0: must be at least 1".to_string());
         }
@@ -266,6 +276,8 @@ impl Config {
             },
             header_timeout: Duration::from_secs(args.header_timeout_secs),
             keepalive_timeout: Duration::from_secs(args.keepalive_timeout_secs),
+            max_body_bytes: args.max_body_bytes,
+            reservation_ttl: Duration::from_secs(args.reservation_ttl_secs),
             max_connections: args.max_connections,
             max_connections_per_ip: args.max_connections_per_ip,
             grpc,

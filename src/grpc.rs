@@ -436,6 +436,12 @@ fn header_options(headers: &HeaderList) -> Vec<HeaderValueOption> {
         .collect()
 }
 
+/// The header carrying an LLM reservation's token to the upstream (ext_authz) or the caller
+/// (the decision service), for `POST /v1/usage`.
+pub const RESERVATION_HEADER: &str = "x-tollgate-reservation";
+/// The tokens that reservation holds.
+pub const RESERVED_TOKENS_HEADER: &str = "x-tollgate-reserved-tokens";
+
 /// `envoy.service.auth.v3.Authorization`.
 struct Authorizer {
     gateway: Arc<Gateway>,
@@ -506,10 +512,47 @@ impl Authorization for Authorizer {
         } else {
             crate::descriptor::body_hash(&http.raw_body)
         };
-        let answer = self
+        // `token_bucket_llm`: the body Envoy sends (`with_request_body`) is the prompt.
+        let llm = self.gateway.meters_tokens().then(|| {
+            crate::llm::LlmRequest::parse(if http.raw_body.is_empty() {
+                http.body.as_bytes()
+            } else {
+                &http.raw_body
+            })
+        });
+        let mut answer = self
             .gateway
-            .decide_described(&http.method, target, host, client_ip, &headers, body_hash)
+            .decide_described(
+                &http.method,
+                target,
+                host,
+                client_ip,
+                &headers,
+                body_hash,
+                llm.as_ref(),
+            )
             .await;
+        // The reservation's token goes to the upstream, which reports the usage on
+        // `POST /v1/usage` (or the reservation stays charged as reserved).
+        let mut upstream_headers = Vec::new();
+        if let Some(reservation) = answer.reservation.take() {
+            let tokens = reservation.tokens();
+            if let Some(token) = self.gateway.hold_reservation(reservation) {
+                for (key, value) in [
+                    (RESERVATION_HEADER, token),
+                    (RESERVED_TOKENS_HEADER, tokens.to_string()),
+                ] {
+                    upstream_headers.push(HeaderValueOption {
+                        header: Some(PbHeaderValue {
+                            key: key.to_string(),
+                            value,
+                            ..Default::default()
+                        }),
+                        ..HeaderValueOption::default()
+                    });
+                }
+            }
+        }
         if answer.no_policy {
             self.gateway.metrics.grpc_call("authz", "unavailable");
             return Err(Status::unavailable("no policy loaded"));
@@ -525,6 +568,7 @@ impl Authorization for Authorizer {
                     ..RpcStatus::default()
                 }),
                 http_response: Some(check_response::HttpResponse::OkResponse(OkHttpResponse {
+                    headers: upstream_headers,
                     response_headers_to_add: header_options(&response.headers),
                     ..OkHttpResponse::default()
                 })),

@@ -19,6 +19,22 @@ pub enum Estimator {
 /// The header a `header_hint` estimator reads (lower case).
 pub const TOKEN_ESTIMATE_HEADER: &str = "x-token-estimate";
 
+/// The 413 body for a request body larger than the gateway reads (`--max-body-bytes`), in
+/// OpenAI's error shape.
+pub const BODY_TOO_LARGE: &str = r#"{"error":{"message":"The request body is larger than this gateway reads before forwarding (--max-body-bytes).","type":"invalid_request_error","param":null,"code":"request_too_large"}}"#;
+
+/// The 411 body for a chunked request body too large to replay to the upstream.
+pub const LENGTH_REQUIRED: &str = r#"{"error":{"message":"Send Content-Length with request bodies over 64 KiB on this route (token budgets read the body before forwarding it).","type":"invalid_request_error","param":null,"code":"length_required"}}"#;
+
+/// The usage a `POST /v1/usage` reports: `{"total_tokens": n}`, an OpenAI `usage` object at
+/// the top level, or one under `usage`. `None` when it holds no token count.
+pub fn reported_usage(json: &Value) -> Option<Usage> {
+    Usage::of(json).or_else(|| {
+        let wrapped = serde_json::json!({ "usage": json });
+        Usage::of(&wrapped)
+    })
+}
+
 /// Word and character counts of a text, accumulated piece by piece (a word split across two
 /// streamed pieces counts once).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -70,6 +70,12 @@ pub struct Metrics {
     policies_skipped: IntGauge,
     connections_refused: IntCounterVec,
     breaker_trips: IntCounterVec,
+    /// `token_bucket_llm`: tokens reserved, really used, refunded and charged past the
+    /// reservation, by policy and rule; settlements by how the usage was known; prompt estimates
+    /// over the prompt tokens the response reported.
+    llm_tokens: [IntCounterVec; 4],
+    llm_settlements: IntCounterVec,
+    llm_estimate_ratio: Histogram,
     jwt_valid: IntCounter,
     jwt_invalid: IntCounterVec,
     grpc_calls: IntCounterVec,
@@ -210,6 +216,35 @@ impl Metrics {
             ),
             &["policy", "mode"],
         ));
+        let llm_tokens = [
+            ("reserved", "Tokens reserved by token_bucket_llm rules before the upstream answered"),
+            ("used", "Tokens the upstream's responses really used, as settled"),
+            ("refunded", "Reserved tokens given back because the response used fewer"),
+            ("overrun", "Tokens charged beyond the reservation because the response used more"),
+        ]
+        .map(|(kind, help)| {
+            must(IntCounterVec::new(
+                Opts::new(format!("tollgate_llm_tokens_{kind}_total"), help),
+                &["policy", "rule"],
+            ))
+        });
+        let llm_settlements = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_llm_settlements_total",
+                "LLM reservations settled, by where the usage came from (usage: the response's usage object; estimate: counted from the text streamed; unused: nothing came back, all refunded; report: POST /v1/usage; expired: never reported, kept as reserved)",
+            ),
+            &["source"],
+        ));
+        for source in ["usage", "estimate", "unused", "report", "expired"] {
+            llm_settlements.with_label_values(&[source]);
+        }
+        let llm_estimate_ratio = must(Histogram::with_opts(
+            HistogramOpts::new(
+                "tollgate_llm_prompt_estimate_ratio",
+                "Prompt token estimates divided by the prompt tokens the upstream reported (1 = exact)",
+            )
+            .buckets(vec![0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0]),
+        ));
         let policies_skipped = must(IntGauge::new(
             "tollgate_policies_skipped",
             "Policies of the bundle in force left out by --skip-invalid-policies",
@@ -256,6 +291,12 @@ impl Metrics {
             Box::new(policies_skipped.clone()),
             Box::new(connections_refused.clone()),
             Box::new(breaker_trips.clone()),
+            Box::new(llm_tokens[0].clone()),
+            Box::new(llm_tokens[1].clone()),
+            Box::new(llm_tokens[2].clone()),
+            Box::new(llm_tokens[3].clone()),
+            Box::new(llm_settlements.clone()),
+            Box::new(llm_estimate_ratio.clone()),
         ] {
             must(registry.register(c));
         }
@@ -291,6 +332,9 @@ impl Metrics {
             policies_skipped,
             connections_refused,
             breaker_trips,
+            llm_tokens,
+            llm_settlements,
+            llm_estimate_ratio,
             jwt_valid,
             jwt_invalid,
             grpc_calls,
@@ -472,6 +516,35 @@ impl Metrics {
         self.breaker_trips
             .with_label_values(&[&rule.policy_id, rule.mode.as_str()])
             .inc();
+    }
+
+    /// Counts an LLM reservation settled: what each rule reserved, what was used, the
+    /// difference refunded or charged, how the usage was known, and (when the upstream reported
+    /// prompt tokens) how close the prompt estimate was.
+    pub fn llm_settled(
+        &self,
+        reservation: &crate::engine::Reservation,
+        used: u64,
+        reported_prompt: Option<u64>,
+        source: &str,
+    ) {
+        self.llm_settlements.with_label_values(&[source]).inc();
+        for rule in &reservation.rules {
+            let labels = [rule.policy.as_str(), rule.rule.as_str()];
+            let [reserved, used_total, refunded, overrun] = &self.llm_tokens;
+            reserved.with_label_values(&labels).inc_by(rule.tokens);
+            used_total.with_label_values(&labels).inc_by(used);
+            refunded
+                .with_label_values(&labels)
+                .inc_by(rule.tokens.saturating_sub(used));
+            overrun
+                .with_label_values(&labels)
+                .inc_by(used.saturating_sub(rule.tokens));
+        }
+        if let (Some(actual), Some(rule)) = (reported_prompt.filter(|p| *p > 0), reservation.rules.first()) {
+            self.llm_estimate_ratio
+                .observe(rule.prompt_tokens as f64 / actual as f64);
+        }
     }
 
     /// The counter of connections refused by `cap` (the proxy's connection guard counts them).

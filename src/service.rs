@@ -10,7 +10,7 @@ use crate::client_addr::{self, ForwardingHeaders};
 use crate::clock::{wall_unix_secs, Clock, SystemClock};
 use crate::config::{Config, StoreKind};
 use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
-use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason};
+use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason, Reservation};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{Bundle, Mode, PolicyError};
@@ -89,6 +89,22 @@ pub struct Gateway {
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
     watch: Mutex<(Option<FileSignature>, Option<String>)>,
+    /// LLM reservations the decision service handed out, by token, until `POST /v1/usage`
+    /// settles them or they expire (wall-clock µs).
+    held: Mutex<ahash::AHashMap<String, (u64, Reservation)>>,
+}
+
+/// Most LLM reservations the decision service keeps waiting for their usage; past it, a new
+/// one is not kept and stays charged as reserved.
+const MAX_HELD_RESERVATIONS: usize = 100_000;
+
+/// What settling a reservation did, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Settled {
+    pub reserved: u64,
+    pub used: u64,
+    pub refunded: u64,
+    pub charged_over: u64,
 }
 
 impl Gateway {
@@ -132,6 +148,7 @@ impl Gateway {
             config,
             loaded: ArcSwapOption::empty(),
             watch: Mutex::new((None, None)),
+            held: Mutex::new(ahash::AHashMap::new()),
         })
     }
 
@@ -351,6 +368,102 @@ impl Gateway {
             .is_some_and(|b| b.fingerprints_bodies)
     }
 
+    /// Whether the bundle in force has a `token_bucket_llm` rule (the decision service then
+    /// reads request bodies, bounded by `--max-body-bytes`).
+    pub fn meters_tokens(&self) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.meters_tokens)
+    }
+
+    /// Whether a `token_bucket_llm` rule of the bundle in force may apply to this request:
+    /// front ends then read its body (bounded by `--max-body-bytes`) before deciding, and meter
+    /// its response.
+    pub fn meters_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.meters_tokens_for(facts))
+    }
+
+    /// Settles an LLM reservation once `used` tokens are known: every bucket it reserved on
+    /// moves by the difference (refund or further charge), counted under `source`. A store
+    /// failure leaves the reservation charged as reserved (logged by the store).
+    pub async fn settle(
+        &self,
+        reservation: &Reservation,
+        used: u64,
+        reported_prompt: Option<u64>,
+        source: &str,
+    ) -> Settled {
+        let adjustments = reservation.adjustments(used);
+        let _ = self.store.adjust(self.store.now_us(), &adjustments).await;
+        self.metrics
+            .llm_settled(reservation, used, reported_prompt, source);
+        let reserved = reservation.tokens();
+        Settled {
+            reserved,
+            used,
+            refunded: reserved.saturating_sub(used),
+            charged_over: used.saturating_sub(reserved),
+        }
+    }
+
+    /// Keeps a decision's reservation for `POST /v1/usage`: its token (32 hex digits, random:
+    /// only the caller that got it can settle it), or `None` when too many are waiting (it then
+    /// stays charged as reserved).
+    pub fn hold_reservation(&self, reservation: Reservation) -> Option<String> {
+        let mut bytes = [0u8; 16];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).ok()?;
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let expires = self
+            .clock
+            .unix_us()
+            .saturating_add(self.config.reservation_ttl.as_micros().min(u64::MAX as u128) as u64);
+        let mut held = self.held.lock();
+        if held.len() >= MAX_HELD_RESERVATIONS {
+            return None;
+        }
+        held.insert(token.clone(), (expires, reservation));
+        Some(token)
+    }
+
+    /// Settles a held reservation with the usage its caller reports; `None` when the token is
+    /// unknown, already settled or expired.
+    pub async fn report_usage(
+        &self,
+        token: &str,
+        used: u64,
+        reported_prompt: Option<u64>,
+    ) -> Option<Settled> {
+        let now = self.clock.unix_us();
+        let (expires, reservation) = self.held.lock().remove(token.trim())?;
+        if expires <= now {
+            self.metrics
+                .llm_settled(&reservation, reservation.tokens(), None, "expired");
+            return None;
+        }
+        Some(self.settle(&reservation, used, reported_prompt, "report").await)
+    }
+
+    /// Drops the held reservations whose time is up: they stay charged as reserved.
+    fn expire_reservations(&self) {
+        let now = self.clock.unix_us();
+        let mut expired = Vec::new();
+        self.held.lock().retain(|_, (expires, reservation)| {
+            let keep = *expires > now;
+            if !keep {
+                expired.push(std::mem::take(reservation));
+            }
+            keep
+        });
+        for reservation in expired {
+            self.metrics
+                .llm_settled(&reservation, reservation.tokens(), None, "expired");
+        }
+    }
+
     /// Whether `ip` is inside a `--trusted-proxy` network.
     pub fn is_trusted_proxy(&self, ip: IpAddr) -> bool {
         client_addr::in_any(&self.config.trusted_proxies, ip)
@@ -435,6 +548,7 @@ impl Gateway {
             self.breakers_tripped(&decision);
             let mut answer = self.answer(&decision, &view, started);
             answer.lease = held_lease(&decision);
+            answer.reservation = decision.reservation();
             return answer;
         }
         let Some(bundle) = self.policy.load_full() else {
@@ -485,6 +599,7 @@ impl Gateway {
         self.breakers_tripped(&decision);
         let mut answer = self.answer(&decision, &view, started);
         answer.lease = held_lease(&decision);
+        answer.reservation = decision.reservation();
         answer
     }
 
@@ -534,6 +649,7 @@ impl Gateway {
             allowed: decision.is_allowed(),
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
             lease: None,
+            reservation: None,
             no_policy: matches!(decision, Decision::NoPolicy),
             reason,
             rule,
@@ -552,6 +668,7 @@ impl Gateway {
         client_ip: Option<IpAddr>,
         headers: &http::HeaderMap,
         body_hash: Option<u64>,
+        llm: Option<&crate::llm::LlmRequest>,
     ) -> Answer {
         let lookup = HttpHeaders(headers);
         match RequestFacts::new(
@@ -566,7 +683,8 @@ impl Gateway {
                 let claims = self.claims(&lookup);
                 let facts = facts
                     .with_claims(claims.as_deref())
-                    .with_body_hash(body_hash);
+                    .with_body_hash(body_hash)
+                    .with_llm(llm);
                 self.decide(&facts).await
             }
             Err(_) => {
@@ -575,6 +693,7 @@ impl Gateway {
                     allowed: false,
                     throttle_ms: 0,
                     lease: None,
+                    reservation: None,
                     no_policy: false,
                     reason: Some(Reason::EncodedSlash),
                     rule: None,
@@ -677,8 +796,10 @@ impl Gateway {
         })
     }
 
-    /// Drops buckets that no longer matter (see [`Store::sweep`]).
+    /// Drops buckets that no longer matter (see [`Store::sweep`]) and LLM reservations nobody
+    /// reported in time.
     pub async fn sweep(&self) -> u64 {
+        self.expire_reservations();
         self.store.sweep().await
     }
 
@@ -721,6 +842,9 @@ pub struct Answer {
     /// The concurrency slots an allowed request holds: give them back with
     /// [`Gateway::release`] when it is done (they expire otherwise).
     pub lease: Option<Lease>,
+    /// The tokens an allowed request reserved on `token_bucket_llm` rules: settle them with
+    /// [`Gateway::settle`] once the response's usage is known.
+    pub reservation: Option<Reservation>,
     /// No valid bundle is loaded (the decision service answers 503).
     pub no_policy: bool,
     /// Why it was refused.

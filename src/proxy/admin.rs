@@ -1,6 +1,7 @@
 //! The admin listener: `POST /v1/decision` (nginx `auth_request`, or any gateway describing the
 //! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
-//! `ext_authz` (method and path are the original ones), `/livez`, `/readyz`, `/metrics`.
+//! `ext_authz` (method and path are the original ones), `POST /v1/release` (concurrency slots),
+//! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`.
 
 use crate::headers::HeaderList;
 use crate::service::{Answer, Gateway};
@@ -53,6 +54,7 @@ fn allow(methods: &'static str) -> HeaderList {
 }
 
 const TEXT: &str = "text/plain; charset=utf-8";
+const JSON: &str = "application/json";
 
 fn no_policy() -> Response<Vec<u8>> {
     reply(
@@ -67,6 +69,11 @@ fn no_policy() -> Response<Vec<u8>> {
 static LEASE_HEADER: http::HeaderName = http::HeaderName::from_static("x-tollgate-lease");
 /// Seconds after which the slots free themselves.
 static LEASE_TTL_HEADER: http::HeaderName = http::HeaderName::from_static("x-tollgate-lease-ttl");
+/// An LLM reservation's token, for `/v1/usage`, and the tokens it holds.
+static RESERVATION_HEADER: http::HeaderName =
+    http::HeaderName::from_static(crate::grpc::RESERVATION_HEADER);
+static RESERVED_TOKENS_HEADER: http::HeaderName =
+    http::HeaderName::from_static(crate::grpc::RESERVED_TOKENS_HEADER);
 
 #[async_trait]
 impl ServeHttp for Admin {
@@ -84,6 +91,30 @@ impl Admin {
     async fn answer(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         // Requests pipelined behind this one are answered in order.
         session.set_pipelining_enabled(true);
+        // `token_bucket_llm` rules read the original body (Envoy's HTTP ext_authz sends it with
+        // `with_request_body`; other callers may POST it), bounded; `/v1/usage` is a report.
+        let path = session.req_header().uri.path();
+        let usage = path == "/v1/usage";
+        let metered = self.gateway.meters_tokens()
+            && (path.starts_with("/v1/decision/")
+                || (path == "/v1/decision" && session.req_header().method == http::Method::POST));
+        if metered || usage {
+            let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes).await else {
+                return reply(413, JSON, HeaderList::new(), crate::llm::BODY_TOO_LARGE);
+            };
+            if usage {
+                return self.usage(session, &body).await;
+            }
+            let body_hash = crate::descriptor::body_hash(&body);
+            let llm = crate::llm::LlmRequest::parse(&body);
+            let peer = session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|sa| sa.ip());
+            return self
+                .decision(session.req_header(), peer, body_hash, Some(&llm))
+                .await;
+        }
         // Read any body so the connection can be reused; hashed when a policy fingerprints
         // bodies (Envoy's HTTP ext_authz sends the original body with `with_request_body`).
         let body_hash = if self.gateway.fingerprints_bodies() {
@@ -143,41 +174,149 @@ impl Admin {
                     ),
                 }
             }
+            "/v1/usage" => reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n"),
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
-                let answer = self.decide(req, peer, body_hash).await;
-                if answer.no_policy {
-                    return no_policy();
-                }
-                let mut response = answer.response;
-                // Concurrency slots: the caller gives them back on /v1/release when the
-                // request is done, or they free themselves after the TTL.
-                if let Some(lease) = &answer.lease {
-                    for (name, value) in [
-                        (&LEASE_HEADER, lease.token()),
-                        (&LEASE_TTL_HEADER, lease.ttl_secs.to_string()),
-                    ] {
-                        if let Ok(value) = http::HeaderValue::from_str(&value) {
-                            response.headers.push((name.clone(), value));
-                        }
-                    }
-                }
-                // An allowed decision has an empty body: nginx's auth_request never reads the
-                // subrequest's body, and reuses the connection to tollgate only when there is
-                // none (with "OK" every decision cost a new TCP connection).
-                let body = response.body.unwrap_or("");
-                reply(response.status, TEXT, response.headers, body)
+                self.decision(req, peer, body_hash, None).await
             }
             _ => reply(404, TEXT, HeaderList::new(), "Not Found\n"),
         }
     }
 }
 
+/// Reads a request body of at most `limit` bytes; `None` when it is larger (nothing more is
+/// read) or breaks off.
+async fn read_bounded(session: &mut ServerSession, limit: usize) -> Option<Vec<u8>> {
+    let declared = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return None;
+    }
+    let mut body = Vec::with_capacity(declared.unwrap_or(0));
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) if body.len() + chunk.len() <= limit => body.extend_from_slice(&chunk),
+            Ok(Some(_)) | Err(_) => return None,
+            Ok(None) => return Some(body),
+        }
+    }
+}
+
 impl Admin {
+    /// A decision: its headers, its refusal body, and what the caller must give back later
+    /// (concurrency slots on `/v1/release`, an LLM reservation's usage on `/v1/usage`).
+    async fn decision(
+        &self,
+        req: &pingora::http::RequestHeader,
+        peer: Option<std::net::IpAddr>,
+        body_hash: Option<u64>,
+        llm: Option<&crate::llm::LlmRequest>,
+    ) -> Response<Vec<u8>> {
+        let answer = self.decide(req, peer, body_hash, llm).await;
+        if answer.no_policy {
+            return no_policy();
+        }
+        let mut response = answer.response;
+        // Concurrency slots: the caller gives them back on /v1/release when the
+        // request is done, or they free themselves after the TTL.
+        if let Some(lease) = &answer.lease {
+            for (name, value) in [
+                (&LEASE_HEADER, lease.token()),
+                (&LEASE_TTL_HEADER, lease.ttl_secs.to_string()),
+            ] {
+                if let Ok(value) = http::HeaderValue::from_str(&value) {
+                    response.headers.push((name.clone(), value));
+                }
+            }
+        }
+        // LLM tokens: the caller reports the usage on /v1/usage, or the reservation stays
+        // charged as reserved after --reservation-ttl-secs.
+        if let Some(reservation) = answer.reservation {
+            let tokens = reservation.tokens();
+            if let Some(token) = self.gateway.hold_reservation(reservation) {
+                for (name, value) in [
+                    (&RESERVATION_HEADER, token),
+                    (&RESERVED_TOKENS_HEADER, tokens.to_string()),
+                ] {
+                    if let Ok(value) = http::HeaderValue::from_str(&value) {
+                        response.headers.push((name.clone(), value));
+                    }
+                }
+            }
+        }
+        // An allowed decision has an empty body: nginx's auth_request never reads the
+        // subrequest's body, and reuses the connection to tollgate only when there is
+        // none (with "OK" every decision cost a new TCP connection).
+        let body = response.body.unwrap_or("");
+        let content_type = answer.reason.map_or(TEXT, |r| r.content_type());
+        reply(response.status, content_type, response.headers, body)
+    }
+
+    /// `POST /v1/usage`: settles a reservation with the tokens really used. The reservation is
+    /// the body's `reservation` (or the `X-Tollgate-Reservation` header); the usage is
+    /// `total_tokens`, or OpenAI's `usage` object (top level or under `usage`).
+    async fn usage(&self, session: &ServerSession, body: &[u8]) -> Response<Vec<u8>> {
+        if session.req_header().method != http::Method::POST {
+            return reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n");
+        }
+        let bad = |what: &str| {
+            reply(
+                400,
+                TEXT,
+                HeaderList::new(),
+                format!("Bad Request: {what}\n"),
+            )
+        };
+        let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return bad("the body must be JSON: {\"reservation\": \"...\", \"total_tokens\": N} or an OpenAI usage object");
+        };
+        let token = json
+            .get("reservation")
+            .and_then(|v| v.as_str())
+            .map(str::to_string)
+            .or_else(|| {
+                session
+                    .req_header()
+                    .headers
+                    .get(&RESERVATION_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string)
+            });
+        let Some(token) = token else {
+            return bad("name the reservation (\"reservation\" or the X-Tollgate-Reservation header)");
+        };
+        let Some(usage) = crate::llm::reported_usage(&json) else {
+            return bad("report the tokens used: \"total_tokens\", or prompt_tokens and completion_tokens");
+        };
+        match self
+            .gateway
+            .report_usage(&token, usage.total_tokens, Some(usage.prompt_tokens).filter(|p| *p > 0))
+            .await
+        {
+            Some(settled) => reply(
+                200,
+                JSON,
+                HeaderList::new(),
+                serde_json::to_vec(&settled).unwrap_or_default(),
+            ),
+            None => reply(
+                404,
+                TEXT,
+                HeaderList::new(),
+                "Not Found: no such reservation (already settled, expired, or never made)\n",
+            ),
+        }
+    }
+
     async fn decide(
         &self,
         req: &pingora::http::RequestHeader,
         peer: Option<std::net::IpAddr>,
         body_hash: Option<u64>,
+        llm: Option<&crate::llm::LlmRequest>,
     ) -> Answer {
         let h = &req.headers;
         let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
@@ -197,7 +336,7 @@ impl Admin {
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, h, true);
         self.gateway
-            .decide_described(method, uri, host, client_ip, h, body_hash)
+            .decide_described(method, uri, host, client_ip, h, body_hash, llm)
             .await
     }
 }
