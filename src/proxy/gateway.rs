@@ -42,6 +42,43 @@ pub struct RequestCtx {
     /// Concurrency slots held until the response is done (given back in `logging`, which runs
     /// once per request whatever happened: sent, client gone, upstream failed or timed out).
     lease: Option<crate::store::lease::Lease>,
+    /// A request body larger than Pingora's 64 KiB retry buffer, read whole before deciding:
+    /// Pingora replays only its last piece, and `request_body_filter` sends this instead.
+    forward_body: Option<Bytes>,
+    /// An LLM reservation and the meter reading its response's usage (settled in `logging`).
+    metering: Option<Box<Metering>>,
+}
+
+/// A `token_bucket_llm` reservation waiting for its response's usage.
+struct Metering {
+    reservation: crate::engine::Reservation,
+    /// Made when the response header arrives.
+    meter: Option<crate::llm::ResponseMeter>,
+    status: u16,
+}
+
+impl Metering {
+    /// The tokens to settle on, the prompt tokens the upstream reported, and how they were
+    /// known: the response's `usage`; else, for a successful response that sent something, the
+    /// prompt estimate plus the completion text seen (a stream cut short by the client or the
+    /// upstream is charged what it streamed); else nothing (all refunded).
+    fn used(&self) -> (u64, Option<u64>, &'static str) {
+        match &self.meter {
+            Some(meter) => match meter.usage() {
+                Some(usage) => (usage.total_tokens, Some(usage.prompt_tokens), "usage"),
+                None if (200..300).contains(&self.status) && meter.bytes > 0 => {
+                    let prompt = self
+                        .reservation
+                        .rules
+                        .first()
+                        .map_or(0, |r| r.prompt_tokens);
+                    (prompt + meter.completion_estimate(), None, "estimate")
+                }
+                None => (0, None, "unused"),
+            },
+            None => (0, None, "unused"),
+        }
+    }
 }
 
 /// One request's access-log facts, gathered along the way.
@@ -130,10 +167,12 @@ async fn respond(
     for (name, value) in headers {
         parts.headers.append(name, value);
     }
-    parts.headers.insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
+    if !parts.headers.contains_key(http::header::CONTENT_TYPE) {
+        parts.headers.insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+    }
     parts.headers.insert(
         http::header::CONTENT_LENGTH,
         http::HeaderValue::from(body.len()),
@@ -244,29 +283,53 @@ impl ProxyHttp for Proxy {
             (peer, trusted)
         });
         ctx.peer = peer;
-        let body_hash = if self.gateway.fingerprints_bodies() {
-            read_small_body(session).await
-        } else {
-            None
+        // A `token_bucket_llm` rule needs the whole body (bounded) before deciding.
+        let metered = self.gateway.meters_tokens() && {
+            let req = session.req_header();
+            let (host, target) = host_and_target(req);
+            RequestFacts::new(
+                req.method.as_str(),
+                target,
+                host,
+                None,
+                &HttpHeaders(&req.headers),
+                self.gateway.config.encoded_slashes,
+            )
+            .is_ok_and(|facts| self.gateway.meters_tokens_for(&facts))
         };
-        let response = {
+        let (body_hash, llm) = if metered {
+            match read_whole_body(session, self.gateway.config.max_body_bytes).await {
+                Ok(body) => {
+                    let hash = crate::descriptor::body_hash(&body);
+                    let llm = crate::llm::LlmRequest::parse(&body);
+                    if body.len() > RETRY_BUFFER_BYTES {
+                        ctx.forward_body = Some(body);
+                    }
+                    (hash, Some(llm))
+                }
+                Err((status, message)) => {
+                    let mut headers = request_id_header(ctx);
+                    headers.push((
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    ));
+                    respond(session, status, headers, message).await?;
+                    return Ok(true);
+                }
+            }
+        } else if self.gateway.fingerprints_bodies() {
+            (read_small_body(session).await, None)
+        } else {
+            (None, None)
+        };
+        let (response, content_type) = {
             let req = session.req_header();
             let headers = HttpHeaders(&req.headers);
             let client_ip = self
                 .gateway
                 .client_ip_with(peer, peer_trusted, &req.headers);
             ctx.client_ip = client_ip;
-            // An absolute-form target (`GET http://api.example.com/x`) names the host the
-            // upstream routes by; it wins over the Host header (RFC 9112 §3.2.2).
-            let host = req.uri.authority().map(|a| a.as_str()).or_else(|| {
-                req.headers
-                    .get(http::header::HOST)
-                    .and_then(|v| v.to_str().ok())
-            });
-            let target = req
-                .uri
-                .path_and_query()
-                .map_or_else(|| req.uri.path(), |pq| pq.as_str());
+            let (host, target) = host_and_target(req);
             match RequestFacts::new(
                 req.method.as_str(),
                 target,
@@ -279,7 +342,8 @@ impl ProxyHttp for Proxy {
                     let claims = self.gateway.claims(&headers);
                     let facts = facts
                         .with_claims(claims.as_deref())
-                        .with_body_hash(body_hash);
+                        .with_body_hash(body_hash)
+                        .with_llm(llm.as_ref());
                     let answer = self.gateway.decide(&facts).await;
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
@@ -294,6 +358,13 @@ impl ProxyHttp for Proxy {
                         // No policy loaded: the proxy fails open (the decision service
                         // answers 503).
                         ctx.lease = answer.lease;
+                        ctx.metering = answer.reservation.map(|reservation| {
+                            Box::new(Metering {
+                                reservation,
+                                meter: None,
+                                status: 0,
+                            })
+                        });
                         ctx.add_headers = answer.response.headers;
                         ctx.group = self
                             .upstreams
@@ -303,13 +374,18 @@ impl ProxyHttp for Proxy {
                         if ctx.group.is_some() {
                             return Ok(false);
                         }
-                        crate::headers::Response {
-                            status: 404,
-                            headers: std::mem::take(&mut ctx.add_headers),
-                            body: Some("Not Found: no route for this host and path\n"),
-                        }
+                        (
+                            crate::headers::Response {
+                                status: 404,
+                                headers: std::mem::take(&mut ctx.add_headers),
+                                body: Some("Not Found: no route for this host and path\n"),
+                            },
+                            TEXT,
+                        )
                     } else {
-                        answer.response
+                        // OpenAI-style JSON for the LLM reasons, text otherwise.
+                        let content_type = answer.reason.map_or(TEXT, |r| r.content_type());
+                        (answer.response, content_type)
                     }
                 }
                 Err(_) => {
@@ -317,8 +393,15 @@ impl ProxyHttp for Proxy {
                         access.client_ip = client_ip;
                         access.verdict = Reason::EncodedSlash.as_str();
                     }
-                    self.gateway
-                        .refuse_early(Reason::EncodedSlash, client_ip, host, req.uri.path())
+                    (
+                        self.gateway.refuse_early(
+                            Reason::EncodedSlash,
+                            client_ip,
+                            host,
+                            req.uri.path(),
+                        ),
+                        TEXT,
+                    )
                 }
             }
         };
@@ -328,6 +411,10 @@ impl ProxyHttp for Proxy {
                 headers.push((X_REQUEST_ID.clone(), id));
             }
         }
+        headers.push((
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static(content_type),
+        ));
         respond(
             session,
             response.status,
@@ -336,6 +423,40 @@ impl ProxyHttp for Proxy {
         )
         .await?;
         Ok(true)
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Self::CTX,
+    ) -> Result<()> {
+        // The body was read whole before deciding, past what Pingora's retry buffer replays:
+        // the upstream gets all of it, byte for byte (again on a retry to another server).
+        if let (Some(whole), true) = (&ctx.forward_body, end_of_stream) {
+            *body = Some(whole.clone());
+        }
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Self::CTX,
+    ) -> Result<Option<std::time::Duration>> {
+        // Read as it passes, never held back: a stream reaches the client chunk by chunk.
+        if let Some(meter) = ctx.metering.as_mut().and_then(|m| m.meter.as_mut()) {
+            if let Some(chunk) = body.as_ref() {
+                meter.feed(chunk);
+            }
+            if end_of_stream {
+                meter.finish();
+            }
+        }
+        Ok(None)
     }
 
     async fn upstream_peer(
@@ -407,6 +528,18 @@ impl ProxyHttp for Proxy {
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        if let Some(metering) = ctx.metering.as_deref_mut() {
+            let content_type = upstream_response
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
+            metering.status = upstream_response.status.as_u16();
+            metering.meter = Some(crate::llm::ResponseMeter::new(
+                content_type,
+                self.gateway.config.max_body_bytes,
+            ));
+        }
         if let Some(access) = ctx.access.as_deref_mut() {
             access.upstream_secs = access.upstream_started.map(|at| at.elapsed().as_secs_f64());
             if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
@@ -444,6 +577,13 @@ impl ProxyHttp for Proxy {
         // `take`: given back exactly once.
         if let Some(lease) = ctx.lease.take() {
             self.gateway.release(&lease).await;
+        }
+        // Settled exactly once, whatever happened to the response.
+        if let Some(metering) = ctx.metering.take() {
+            let (used, reported_prompt, source) = metering.used();
+            self.gateway
+                .settle(&metering.reservation, used, reported_prompt, source)
+                .await;
         }
         if let Some(access) = ctx.access.take() {
             self.write_access_log(session, &access);
@@ -498,9 +638,75 @@ impl ProxyHttp for Proxy {
     }
 }
 
-/// Largest request body read before deciding (`loop_detection` fingerprints): Pingora's retry
-/// buffer, which then replays the body to the upstream unchanged.
-const FINGERPRINTED_BODY_BYTES: usize = 64 * 1024;
+const TEXT: &str = "text/plain; charset=utf-8";
+
+/// Pingora's retry buffer: a body up to this size read before deciding is replayed to the
+/// upstream by Pingora itself.
+const RETRY_BUFFER_BYTES: usize = 64 * 1024;
+
+/// Largest request body read before deciding for `loop_detection` fingerprints alone (larger
+/// ones stream and have no hash).
+const FINGERPRINTED_BODY_BYTES: usize = RETRY_BUFFER_BYTES;
+
+/// The request's host (an absolute-form target's authority wins over the Host header, RFC 9112
+/// §3.2.2) and its target.
+fn host_and_target(req: &RequestHeader) -> (Option<&str>, &str) {
+    let host = req.uri.authority().map(|a| a.as_str()).or_else(|| {
+        req.headers
+            .get(http::header::HOST)
+            .and_then(|v| v.to_str().ok())
+    });
+    let target = req
+        .uri
+        .path_and_query()
+        .map_or_else(|| req.uri.path(), |pq| pq.as_str());
+    (host, target)
+}
+
+/// Reads a whole request body of at most `limit` bytes before deciding, so that Pingora can
+/// still send it upstream: its retry buffer (64 KiB) is switched on for the last 64 KiB of a
+/// body of known length, and `request_body_filter` puts the whole body in place of that tail.
+/// A chunked body over 64 KiB cannot be replayed (its end is only known once read), so it is
+/// refused with 411; one over `limit`, with 413 (a declared one before any byte is read).
+///
+/// # Errors
+/// The status and JSON body to answer with.
+async fn read_whole_body(
+    session: &mut Session,
+    limit: usize,
+) -> std::result::Result<Bytes, (u16, &'static str)> {
+    let declared = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err((413, crate::llm::BODY_TOO_LARGE));
+    }
+    if session.is_body_empty() {
+        return Ok(Bytes::new());
+    }
+    let mut body = bytes::BytesMut::with_capacity(declared.unwrap_or(0));
+    loop {
+        if declared.is_none_or(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER_BYTES) {
+            session.enable_retry_buffering();
+        }
+        match session.read_request_body().await {
+            Ok(Some(chunk)) if body.len() + chunk.len() <= limit => body.extend_from_slice(&chunk),
+            Ok(Some(_)) => return Err((413, crate::llm::BODY_TOO_LARGE)),
+            Ok(None) => break,
+            Err(_) => return Err((400, BODY_BROKEN)),
+        }
+    }
+    if body.len() > RETRY_BUFFER_BYTES && session.get_retry_buffer().is_none() {
+        return Err((411, crate::llm::LENGTH_REQUIRED));
+    }
+    Ok(body.freeze())
+}
+
+/// The 400 body for a request body that broke off before its end.
+const BODY_BROKEN: &str = r#"{"error":{"message":"The request body ended before its declared length.","type":"invalid_request_error","param":null,"code":"incomplete_body"}}"#;
 
 /// Reads and hashes a request body that declares a `Content-Length` of at most
 /// [`FINGERPRINTED_BODY_BYTES`], keeping it in Pingora's retry buffer so the upstream still
