@@ -444,7 +444,9 @@ impl Reservation {
     /// The settlement once `used` tokens were really used: each bucket moves by `used` minus
     /// what it reserved (a refund when negative).
     pub fn adjustments(&self, used: u64) -> SmallVec<[crate::store::AdjustOp; 2]> {
-        let used = used.saturating_mul(crate::limiter::MICRO).min(i64::MAX as u64) as i64;
+        let used = used
+            .saturating_mul(crate::limiter::MICRO)
+            .min(i64::MAX as u64) as i64;
         self.ops
             .iter()
             .map(|op| crate::store::AdjustOp {
@@ -1068,7 +1070,8 @@ pub fn llm_reservation(
     let day_budget = limit
         .day_rule
         .map_or(u64::MAX, |d| bundle.rules[d].quota.burst());
-    let never_fits = tokens.saturating_mul(crate::limiter::MICRO) > rule.quota.burst().min(day_budget);
+    let never_fits =
+        tokens.saturating_mul(crate::limiter::MICRO) > rule.quota.burst().min(day_budget);
     if never_fits || limit.max_tokens_per_request.is_some_and(|max| tokens > max) {
         return Err(Reason::MaxTokensPerRequestExceeded);
     }
@@ -1098,14 +1101,18 @@ fn plan_llm<'b>(
     let day_key = day.and_then(|day| {
         KEY_BUFFER.with(|buffer| {
             let mut bucket = buffer.borrow_mut();
-            write_bucket(day, facts, prefix, &mut bucket)
-                .then(|| BucketKey::of(&bucket))
+            write_bucket(day, facts, prefix, &mut bucket).then(|| BucketKey::of(&bucket))
         })
     });
-    let parts = std::iter::once((rule, key, quota, None)).chain(
-        day.zip(day_key)
-            .map(|(day, k)| (day, k, day.quota, Some(crate::budget::Period::Day.window(unix_us)))),
-    );
+    let parts =
+        std::iter::once((rule, key, quota, None)).chain(day.zip(day_key).map(|(day, k)| {
+            (
+                day,
+                k,
+                day.quota,
+                Some(crate::budget::Period::Day.window(unix_us)),
+            )
+        }));
     for (rule, key, quota, window) in parts {
         let (op, outcome) = planned_bucket(rule, key, quota, cost, window);
         if let Cost::Fits(cost) = cost {
@@ -1790,16 +1797,23 @@ mod tests {
     #[test]
     fn llm_reservations_are_settled_by_real_usage() {
         // 1 200 tokens a minute (20 a second), 2 000 of burst, 5 000 a UTC day.
-        let (e, clock) = engine(json!({"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+        let (e, clock) = engine(
+            json!({"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
             "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 1200,
             "burst_tokens": 2000, "tokens_per_day": 5000, "max_prompt_tokens": 100,
-            "max_tokens_per_request": 1500, "default_max_completion": 500}}]}));
+            "max_tokens_per_request": 1500, "default_max_completion": 500}}]}),
+        );
         let key = [("X-Api-Key", "tenant-a")];
         // "one two three": 3 words → 4 tokens; 800 asked: 804 reserved on both budgets.
-        let body = r#"{"max_tokens": 800, "messages": [{"role": "user", "content": "one two three"}]}"#;
+        let body =
+            r#"{"max_tokens": 800, "messages": [{"role": "user", "content": "one two three"}]}"#;
         let d = ask_llm(&e, body, &key);
         assert!(d.is_allowed());
-        let tokens: Vec<(&str, u64)> = d.rules().iter().map(|o| (o.rule.name.as_str(), o.tokens / MICRO)).collect();
+        let tokens: Vec<(&str, u64)> = d
+            .rules()
+            .iter()
+            .map(|o| (o.rule.name.as_str(), o.tokens / MICRO))
+            .collect();
         assert_eq!(tokens, [("chat", 1196), ("chat:tpd", 4196)]);
         assert_eq!(bucket(&d, 1, "10.0.0.1", &key), "tpd:chat:tenant-a");
         let reservation = d.reservation().unwrap();
@@ -1807,17 +1821,22 @@ mod tests {
         assert_eq!(reservation.rules[0].prompt_tokens, 4);
         // 300 really used: 504 back on each.
         let adjust = reservation.adjustments(300);
-        assert_eq!(adjust.iter().map(|a| a.delta).collect::<Vec<_>>(), [-504 * MICRO as i64; 2]);
+        assert_eq!(
+            adjust.iter().map(|a| a.delta).collect::<Vec<_>>(),
+            [-504 * MICRO as i64; 2]
+        );
         e.store.adjust(clock.now_us(), &adjust);
         let d = ask_llm(&e, body, &key);
         let tokens: Vec<u64> = d.rules().iter().map(|o| o.tokens / MICRO).collect();
         assert_eq!(tokens, [1700 - 804, 4700 - 804]);
-        e.store.adjust(clock.now_us(), &d.reservation().unwrap().adjustments(300));
+        e.store
+            .adjust(clock.now_us(), &d.reservation().unwrap().adjustments(300));
         // Without max_tokens the default completion is reserved: 504.
         let d = ask_llm(&e, r#"{"messages": [{"content": "one two three"}]}"#, &key);
         assert_eq!(d.rules()[0].tokens / MICRO, 1400 - 504);
         // An overrun puts the minute bucket in debt: 896 left, 2 000 used beyond 504.
-        e.store.adjust(clock.now_us(), &d.reservation().unwrap().adjustments(2504));
+        e.store
+            .adjust(clock.now_us(), &d.reservation().unwrap().adjustments(2504));
         let d = ask_llm(&e, body, &key);
         assert_eq!(d.outcome(), Outcome::Reject(Reason::TpmExceeded));
         // 1 104 of debt (55.2 s) and then 804 to refill (40.2 s).
@@ -1828,7 +1847,8 @@ mod tests {
         let d = ask_llm(&e, body, &key);
         assert_eq!(d.rules()[1].tokens / MICRO, 5000 - 3104 - 804);
         // 1 896 really used: the day budget is spent (and the minute bucket in debt again).
-        e.store.adjust(clock.now_us(), &d.reservation().unwrap().adjustments(1896));
+        e.store
+            .adjust(clock.now_us(), &d.reservation().unwrap().adjustments(1896));
         let d = ask_llm(&e, body, &key);
         assert_eq!(d.outcome(), Outcome::Reject(Reason::TpdExceeded));
         assert_eq!(d.rules()[1].tokens, 0);
@@ -1836,9 +1856,15 @@ mod tests {
         assert_eq!(d.retry_after(), 16 * 3600 - 96);
         // Requests too large for the rule are refused before any bucket.
         let long = format!(r#"{{"messages": [{{"content": "{}"}}]}}"#, "w ".repeat(100));
-        assert_eq!(ask_llm(&e, &long, &key).outcome(), Outcome::Reject(Reason::PromptTokensExceeded));
+        assert_eq!(
+            ask_llm(&e, &long, &key).outcome(),
+            Outcome::Reject(Reason::PromptTokensExceeded)
+        );
         let big = r#"{"max_tokens": 1600, "messages": []}"#;
-        assert_eq!(ask_llm(&e, big, &key).outcome(), Outcome::Reject(Reason::MaxTokensPerRequestExceeded));
+        assert_eq!(
+            ask_llm(&e, big, &key).outcome(),
+            Outcome::Reject(Reason::MaxTokensPerRequestExceeded)
+        );
         assert_eq!(Reason::TpmExceeded.content_type(), "application/json");
         // Another tenant has its own budgets.
         assert!(ask_llm(&e, body, &[("X-Api-Key", "tenant-b")]).is_allowed());

@@ -528,8 +528,10 @@ impl Authorization for Authorizer {
                 host,
                 client_ip,
                 &headers,
-                body_hash,
-                llm.as_ref(),
+                crate::service::DescribedBody {
+                    hash: body_hash,
+                    llm: llm.as_ref(),
+                },
             )
             .await;
         // The reservation's token goes to the upstream, which reports the usage on

@@ -530,38 +530,83 @@ mod tests {
         assert_eq!(reserved.remaining, t(200.0));
         // 300 really used: 500 back.
         let s = settle(Some(reserved.next), &q, 0, -(t(500.0) as i64));
-        assert_eq!(s, BucketState { tokens: t(700.0), last_us: 0 });
+        assert_eq!(
+            s,
+            BucketState {
+                tokens: t(700.0),
+                last_us: 0
+            }
+        );
         // A refund never fills past the burst; an absent bucket is full.
         assert_eq!(settle(Some(s), &q, 0, -(t(900.0) as i64)).tokens, t(1000.0));
-        assert_eq!(settle(None, &q, 5, -1), BucketState { tokens: t(1000.0), last_us: 5 });
+        assert_eq!(
+            settle(None, &q, 5, -1),
+            BucketState {
+                tokens: t(1000.0),
+                last_us: 5
+            }
+        );
         // 4 900 more than reserved: 4 200 of debt, 42 s of refill.
         let debt = settle(Some(s), &q, 0, t(4900.0) as i64);
-        assert_eq!(debt, BucketState { tokens: 0, last_us: secs(42.0) });
+        assert_eq!(
+            debt,
+            BucketState {
+                tokens: 0,
+                last_us: secs(42.0)
+            }
+        );
         let at41 = check(Some(debt), &q, secs(41.0), t(1.0));
         assert!(!at41.allowed);
         assert_eq!((at41.available, at41.retry_after_secs), (0, 2));
-        assert_eq!(check(Some(debt), &q, secs(42.0), t(1.0)).retry_after_secs, 1);
+        assert_eq!(
+            check(Some(debt), &q, secs(42.0), t(1.0)).retry_after_secs,
+            1
+        );
         assert_eq!(available(Some(debt), &q, secs(43.0)), t(100.0));
         // More charges deepen it; refunds pay it back first.
-        assert_eq!(settle(Some(debt), &q, 0, t(100.0) as i64).last_us, secs(43.0));
-        assert_eq!(settle(Some(debt), &q, 0, -(t(1200.0) as i64)).last_us, secs(30.0));
+        assert_eq!(
+            settle(Some(debt), &q, 0, t(100.0) as i64).last_us,
+            secs(43.0)
+        );
+        assert_eq!(
+            settle(Some(debt), &q, 0, -(t(1200.0) as i64)).last_us,
+            secs(30.0)
+        );
         assert_eq!(
             settle(Some(debt), &q, secs(2.0), -(t(5000.0) as i64)),
-            BucketState { tokens: t(1000.0), last_us: secs(2.0) }
+            BucketState {
+                tokens: t(1000.0),
+                last_us: secs(2.0)
+            }
         );
         assert_eq!(
             settle(Some(debt), &q, 0, -(t(4500.0) as i64)),
-            BucketState { tokens: t(300.0), last_us: 0 }
+            BucketState {
+                tokens: t(300.0),
+                last_us: 0
+            }
         );
     }
 
     #[test]
     fn settling_a_window_stays_inside_it() {
-        let w = Window { id: 86_400, ends_in_us: 1 };
+        let w = Window {
+            id: 86_400,
+            ends_in_us: 1,
+        };
         let spent = check_window(None, 1000, w, 800).next;
-        assert_eq!(settle_window(Some(spent), 1000, 86_400, -500).map(|s| s.tokens), Some(700));
-        assert_eq!(settle_window(Some(spent), 1000, 86_400, 900).map(|s| s.tokens), Some(0));
-        assert_eq!(settle_window(Some(spent), 1000, 86_400, -5000).map(|s| s.tokens), Some(1000));
+        assert_eq!(
+            settle_window(Some(spent), 1000, 86_400, -500).map(|s| s.tokens),
+            Some(700)
+        );
+        assert_eq!(
+            settle_window(Some(spent), 1000, 86_400, 900).map(|s| s.tokens),
+            Some(0)
+        );
+        assert_eq!(
+            settle_window(Some(spent), 1000, 86_400, -5000).map(|s| s.tokens),
+            Some(1000)
+        );
         // The reservation's day is over: the new day's bucket is not touched.
         assert_eq!(settle_window(Some(spent), 1000, 0, -500), None);
         assert_eq!(settle_window(None, 1000, 86_400, -500), None);

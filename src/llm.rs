@@ -374,8 +374,7 @@ mod tests {
         assert_eq!(LlmRequest::parse(b"a b c d e f").prompt_tokens, 8);
         // A word split across two message texts counts twice, within one text once.
         assert_eq!(
-            LlmRequest::parse(br#"{"messages":[{"content":"ab"},{"content":"cd"}]}"#)
-                .prompt_tokens,
+            LlmRequest::parse(br#"{"messages":[{"content":"ab"},{"content":"cd"}]}"#).prompt_tokens,
             3
         );
     }

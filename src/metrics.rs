@@ -217,10 +217,22 @@ impl Metrics {
             &["policy", "mode"],
         ));
         let llm_tokens = [
-            ("reserved", "Tokens reserved by token_bucket_llm rules before the upstream answered"),
-            ("used", "Tokens the upstream's responses really used, as settled"),
-            ("refunded", "Reserved tokens given back because the response used fewer"),
-            ("overrun", "Tokens charged beyond the reservation because the response used more"),
+            (
+                "reserved",
+                "Tokens reserved by token_bucket_llm rules before the upstream answered",
+            ),
+            (
+                "used",
+                "Tokens the upstream's responses really used, as settled",
+            ),
+            (
+                "refunded",
+                "Reserved tokens given back because the response used fewer",
+            ),
+            (
+                "overrun",
+                "Tokens charged beyond the reservation because the response used more",
+            ),
         ]
         .map(|(kind, help)| {
             must(IntCounterVec::new(
@@ -541,7 +553,10 @@ impl Metrics {
                 .with_label_values(&labels)
                 .inc_by(used.saturating_sub(rule.tokens));
         }
-        if let (Some(actual), Some(rule)) = (reported_prompt.filter(|p| *p > 0), reservation.rules.first()) {
+        if let (Some(actual), Some(rule)) = (
+            reported_prompt.filter(|p| *p > 0),
+            reservation.rules.first(),
+        ) {
             self.llm_estimate_ratio
                 .observe(rule.prompt_tokens as f64 / actual as f64);
         }

@@ -417,10 +417,12 @@ impl Gateway {
         let mut bytes = [0u8; 16];
         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).ok()?;
         let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        let expires = self
-            .clock
-            .unix_us()
-            .saturating_add(self.config.reservation_ttl.as_micros().min(u64::MAX as u128) as u64);
+        let expires = self.clock.unix_us().saturating_add(
+            self.config
+                .reservation_ttl
+                .as_micros()
+                .min(u64::MAX as u128) as u64,
+        );
         let mut held = self.held.lock();
         if held.len() >= MAX_HELD_RESERVATIONS {
             return None;
@@ -444,7 +446,10 @@ impl Gateway {
                 .llm_settled(&reservation, reservation.tokens(), None, "expired");
             return None;
         }
-        Some(self.settle(&reservation, used, reported_prompt, "report").await)
+        Some(
+            self.settle(&reservation, used, reported_prompt, "report")
+                .await,
+        )
     }
 
     /// Drops the held reservations whose time is up: they stay charged as reserved.
@@ -667,8 +672,7 @@ impl Gateway {
         host: Option<&str>,
         client_ip: Option<IpAddr>,
         headers: &http::HeaderMap,
-        body_hash: Option<u64>,
-        llm: Option<&crate::llm::LlmRequest>,
+        body: DescribedBody<'_>,
     ) -> Answer {
         let lookup = HttpHeaders(headers);
         match RequestFacts::new(
@@ -683,8 +687,8 @@ impl Gateway {
                 let claims = self.claims(&lookup);
                 let facts = facts
                     .with_claims(claims.as_deref())
-                    .with_body_hash(body_hash)
-                    .with_llm(llm);
+                    .with_body_hash(body.hash)
+                    .with_llm(body.llm);
                 self.decide(&facts).await
             }
             Err(_) => {
@@ -830,6 +834,14 @@ pub enum RlsFailure {
     NoPolicy,
     #[error("the rate-limit store is unavailable")]
     StoreUnavailable,
+}
+
+/// What a described request's body contributes: its fingerprint (for `body_hash`
+/// descriptors) and, when a `token_bucket_llm` rule meters it, the parsed prompt.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DescribedBody<'a> {
+    pub hash: Option<u64>,
+    pub llm: Option<&'a crate::llm::LlmRequest>,
 }
 
 /// What a front end needs to answer a request.

@@ -4,8 +4,8 @@
 
 use super::{
     canonical_id, Breaker, Bundle, Concurrency, CostLimits, CostSource, FieldError, Guard,
-    KillSwitch, LlmLimit, LlmPart, LoopAction, LoopDetection, MatchCondition, MatchValue, Mode, OnMissing, Policy,
-    PolicyError, Rule, RuntimeOverride, Selector, SkippedPolicy,
+    KillSwitch, LlmLimit, LlmPart, LoopAction, LoopDetection, MatchCondition, MatchValue, Mode,
+    OnMissing, Policy, PolicyError, Rule, RuntimeOverride, Selector, SkippedPolicy,
 };
 use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
 use crate::descriptor::{Descriptor, IpNet};
@@ -1275,12 +1275,8 @@ impl Compiler {
         self.rule_names
             .insert(name.clone(), format!("{minute_name}.tokens_per_day"));
         let period = crate::budget::Period::Day;
-        let quota = Quota::new(
-            tpd * MICRO,
-            tpd * MICRO,
-            period.nominal_secs() * US_PER_SEC,
-        )
-        .ok()?;
+        let quota =
+            Quota::new(tpd * MICRO, tpd * MICRO, period.nominal_secs() * US_PER_SEC).ok()?;
         let (sf_name, policy_item) = policy_item(&name, &quota, period.nominal_secs());
         Some(Rule {
             index: 0,
@@ -1333,16 +1329,14 @@ impl Compiler {
         let burst = self.whole(config, path, "burst_tokens", range.clone(), false);
         let max_request = self.whole(config, path, "max_tokens_per_request", range.clone(), false);
         let max_prompt = self.whole(config, path, "max_prompt_tokens", range.clone(), false);
-        let max_completion = self.whole(config, path, "max_completion_tokens", range.clone(), false);
+        let max_completion =
+            self.whole(config, path, "max_completion_tokens", range.clone(), false);
         let default_completion = self
             .whole(config, path, "default_max_completion", range, false)
             .unwrap_or(DEFAULT_MAX_COMPLETION);
         if let (Some(tpm), Some(burst)) = (tpm, burst) {
             if burst < tpm {
-                self.error(
-                    &join(path, "burst_tokens"),
-                    "must be >= tokens_per_minute",
-                );
+                self.error(&join(path, "burst_tokens"), "must be >= tokens_per_minute");
             }
         }
         let estimator = match config.get("token_source") {
@@ -1351,9 +1345,7 @@ impl Compiler {
                 let sp = join(path, "token_source");
                 self.object(v, &sp, &["estimator"]).and_then(|m| {
                     match m.get("estimator").map(|e| e.as_str()) {
-                        None | Some(Some("simple_word")) => {
-                            Some(crate::llm::Estimator::SimpleWord)
-                        }
+                        None | Some(Some("simple_word")) => Some(crate::llm::Estimator::SimpleWord),
                         Some(Some("header_hint")) => Some(crate::llm::Estimator::HeaderHint),
                         Some(_) => {
                             self.error(

@@ -286,14 +286,22 @@ impl Admin {
                     .map(str::to_string)
             });
         let Some(token) = token else {
-            return bad("name the reservation (\"reservation\" or the X-Tollgate-Reservation header)");
+            return bad(
+                "name the reservation (\"reservation\" or the X-Tollgate-Reservation header)",
+            );
         };
         let Some(usage) = crate::llm::reported_usage(&json) else {
-            return bad("report the tokens used: \"total_tokens\", or prompt_tokens and completion_tokens");
+            return bad(
+                "report the tokens used: \"total_tokens\", or prompt_tokens and completion_tokens",
+            );
         };
         match self
             .gateway
-            .report_usage(&token, usage.total_tokens, Some(usage.prompt_tokens).filter(|p| *p > 0))
+            .report_usage(
+                &token,
+                usage.total_tokens,
+                Some(usage.prompt_tokens).filter(|p| *p > 0),
+            )
             .await
         {
             Some(settled) => reply(
@@ -336,7 +344,17 @@ impl Admin {
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, h, true);
         self.gateway
-            .decide_described(method, uri, host, client_ip, h, body_hash, llm)
+            .decide_described(
+                method,
+                uri,
+                host,
+                client_ip,
+                h,
+                crate::service::DescribedBody {
+                    hash: body_hash,
+                    llm,
+                },
+            )
             .await
     }
 }

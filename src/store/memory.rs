@@ -716,7 +716,15 @@ impl MemoryStore {
                 if Self::table(shard, guard).find(key).is_some() {
                     continue;
                 }
-                if !self.insert(shard, &mut state, key, &settled(op, next), now_us, true, guard) {
+                if !self.insert(
+                    shard,
+                    &mut state,
+                    key,
+                    &settled(op, next),
+                    now_us,
+                    true,
+                    guard,
+                ) {
                     self.fail_open.fetch_add(1, Ordering::Relaxed);
                 }
                 break;

@@ -98,7 +98,12 @@ impl AdjustOp {
     pub fn settle(&self, state: Option<BucketState>, now_us: u64) -> Option<BucketState> {
         match self.window_id {
             Some(id) => crate::limiter::settle_window(state, self.quota.burst(), id, self.delta),
-            None => Some(crate::limiter::settle(state, &self.quota, now_us, self.delta)),
+            None => Some(crate::limiter::settle(
+                state,
+                &self.quota,
+                now_us,
+                self.delta,
+            )),
         }
     }
 
