@@ -2426,7 +2426,7 @@ mod tests {
         assert_eq!(
             errors,
             [
-                "policies[0].spec.rules[0].algorithm: unknown algorithm 'leaky_bucket' (supported: token_bucket, cost_based, concurrency)",
+                "policies[0].spec.rules[0].algorithm: unknown algorithm 'leaky_bucket' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)",
                 "policies[1].spec.rules[0].name: duplicate rule name 'shared-name' (first defined at policies[0].spec.rules[0].name); rule names are bucket namespaces and must be unique across the bundle",
             ]
         );
