@@ -1,0 +1,488 @@
+//! LLM token budgets end to end: a real `tollgate run` in front of a small fake
+//! OpenAI-compatible upstream started here (JSON and streamed responses with `usage`, and a
+//! stream the upstream cuts short), and the decision service's reserve / `POST /v1/usage`.
+//!
+//! The daily budget (`tokens_per_day`) never refills within a test, so its `RateLimit` item
+//! shows exactly what each request was charged.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+use support::{request_with_body, Gateway, HttpResponse};
+
+/// 5 000 tokens a UTC day per API key; the minute bucket is wide enough not to matter.
+const POLICY: &str = r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+    "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 100000,
+    "tokens_per_day": 5000, "max_prompt_tokens": 1000, "max_tokens_per_request": 4000,
+    "default_max_completion": 500}}]}"#;
+
+/// "one two three" is 4 prompt tokens (3 words × 4/3); with `max_tokens: 800`, 804 reserved.
+const CHAT: &str = r#"{"model": "m", "max_tokens": 800, "messages": [{"role": "user", "content": "one two three"}]}"#;
+const STREAM_CHAT: &str = r#"{"model": "m", "max_tokens": 800, "stream": true, "messages": [{"role": "user", "content": "one two three"}]}"#;
+
+/// What the fake model reports using: 300 tokens, whatever was asked.
+const USAGE: &str = r#"{"prompt_tokens": 100, "completion_tokens": 200, "total_tokens": 300}"#;
+
+/// A fake OpenAI-compatible upstream. `POST /v1/chat/completions` answers JSON with `usage`,
+/// or, for `"stream": true`, server-sent events: a first delta at once, then (after the test
+/// opens the gate) a second delta and a final chunk with `usage`. `/v1/cut/...` streams two
+/// deltas and drops the connection.
+struct FakeOpenAi {
+    addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    bodies: Arc<Mutex<Vec<Vec<u8>>>>,
+    gate: Arc<(Mutex<bool>, Condvar)>,
+    stream_finished: Arc<AtomicBool>,
+}
+
+impl FakeOpenAi {
+    fn start() -> FakeOpenAi {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake upstream");
+        let upstream = FakeOpenAi {
+            addr: listener.local_addr().expect("addr"),
+            hits: Arc::default(),
+            bodies: Arc::default(),
+            gate: Arc::new((Mutex::new(false), Condvar::new())),
+            stream_finished: Arc::default(),
+        };
+        let shared = (
+            Arc::clone(&upstream.hits),
+            Arc::clone(&upstream.bodies),
+            Arc::clone(&upstream.gate),
+            Arc::clone(&upstream.stream_finished),
+        );
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let shared = shared.clone();
+                std::thread::spawn(move || {
+                    let (hits, bodies, gate, finished) = shared;
+                    serve(conn, &hits, &bodies, &gate, &finished);
+                });
+            }
+        });
+        upstream
+    }
+
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+
+    fn open_gate(&self) {
+        let (open, wake) = &*self.gate;
+        *open.lock().unwrap() = true;
+        wake.notify_all();
+    }
+}
+
+fn serve(
+    conn: TcpStream,
+    hits: &AtomicUsize,
+    bodies: &Mutex<Vec<Vec<u8>>>,
+    gate: &(Mutex<bool>, Condvar),
+    stream_finished: &AtomicBool,
+) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+    let Ok(read_half) = conn.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(read_half);
+    let mut out = conn;
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+            return;
+        }
+        let (mut length, mut chunked) = (0usize, false);
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            let (name, value) = line.split_once(':').unwrap_or((line, ""));
+            if name.eq_ignore_ascii_case("content-length") {
+                length = value.trim().parse().unwrap_or(0);
+            }
+            if name.eq_ignore_ascii_case("transfer-encoding") && value.contains("chunked") {
+                chunked = true;
+            }
+        }
+        let body = if chunked {
+            let mut body = Vec::new();
+            loop {
+                let mut size = String::new();
+                if reader.read_line(&mut size).unwrap_or(0) == 0 {
+                    return;
+                }
+                let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+                let mut piece = vec![0u8; size + 2];
+                if reader.read_exact(&mut piece).is_err() {
+                    return;
+                }
+                if size == 0 {
+                    break body;
+                }
+                body.extend_from_slice(&piece[..size]);
+            }
+        } else {
+            let mut body = vec![0u8; length];
+            if reader.read_exact(&mut body).is_err() {
+                return;
+            }
+            body
+        };
+        let streamed = String::from_utf8_lossy(&body).contains(r#""stream": true"#);
+        bodies.lock().unwrap().push(body);
+        hits.fetch_add(1, Ordering::SeqCst);
+        let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n";
+        let event = |json: &str| {
+            let data = format!("data: {json}\n\n");
+            format!("{:x}\r\n{data}\r\n", data.len())
+        };
+        if request_line.contains(" /v1/cut/") {
+            // Two deltas ("one two three " and "four five six": 6 words, 8 tokens), then
+            // the connection drops without the final chunk.
+            let _ = out.write_all(head.as_bytes());
+            let _ = out.write_all(
+                event(r#"{"choices": [{"delta": {"content": "one two three "}}]}"#).as_bytes(),
+            );
+            let _ = out.write_all(
+                event(r#"{"choices": [{"delta": {"content": "four five six"}}]}"#).as_bytes(),
+            );
+            let _ = out.flush();
+            std::thread::sleep(Duration::from_millis(100));
+            let _ = out.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+        let written = if streamed {
+            let first = event(r#"{"choices": [{"delta": {"content": "Hel"}}]}"#);
+            let ok = out.write_all(head.as_bytes()).is_ok()
+                && out.write_all(first.as_bytes()).is_ok()
+                && out.flush().is_ok();
+            // The rest waits until the client has seen the first delta (bounded).
+            let (open, wake) = gate;
+            let guard = open.lock().unwrap();
+            let (mut guard, _) = wake
+                .wait_timeout_while(guard, Duration::from_secs(10), |open| !*open)
+                .unwrap();
+            *guard = false;
+            drop(guard);
+            let rest = format!(
+                "{}{}{}0\r\n\r\n",
+                event(r#"{"choices": [{"delta": {"content": "lo"}}]}"#),
+                event(&format!(r#"{{"choices": [], "usage": {USAGE}}}"#)),
+                event("[DONE]"),
+            );
+            let ok = ok && out.write_all(rest.as_bytes()).is_ok();
+            stream_finished.store(true, Ordering::SeqCst);
+            ok
+        } else {
+            let json = format!(
+                r#"{{"id": "c1", "object": "chat.completion", "choices": [{{"message": {{"role": "assistant", "content": "Hello"}}}}], "usage": {USAGE}}}"#
+            );
+            out.write_all(
+                format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{json}",
+                    json.len()
+                )
+                .as_bytes(),
+            )
+            .is_ok()
+        };
+        if !written {
+            return;
+        }
+    }
+}
+
+/// The remaining tokens of the `RateLimit` item named `name`.
+fn remaining(r: &HttpResponse, name: &str) -> u64 {
+    let header = r.header("ratelimit").unwrap_or_default();
+    header
+        .split(',')
+        .map(str::trim)
+        .find(|item| item.starts_with(&format!("\"{name}\";")))
+        .and_then(|item| {
+            item.split(';')
+                .find_map(|p| p.strip_prefix("r="))
+                .and_then(|r| r.parse().ok())
+        })
+        .unwrap_or_else(|| panic!("no RateLimit item {name:?} in {header:?} ({r:?})"))
+}
+
+fn chat(gw: &Gateway, path: &str, tenant: &str, body: &str) -> HttpResponse {
+    request_with_body(
+        gw.proxy,
+        "POST",
+        path,
+        &[("X-Api-Key", tenant), ("Content-Type", "application/json")],
+        body.as_bytes(),
+    )
+}
+
+const SETTLED_BY_USAGE: &str = "tollgate_llm_settlements_total{source=\"usage\"}";
+const SETTLED_BY_ESTIMATE: &str = "tollgate_llm_settlements_total{source=\"estimate\"}";
+
+/// Settlement runs once the response is done: waits until `series` reaches `count`.
+fn wait_settled(gw: &Gateway, series: &str, count: u32) {
+    gw.wait_until(Duration::from_secs(10), || {
+        gw.metric(series) == f64::from(count)
+    });
+}
+
+#[test]
+fn the_proxy_charges_what_the_model_used_and_refuses_before_the_upstream() {
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(Some(POLICY), Some(upstream.addr), &[]);
+    // Asking for 800 but using 300: each request moves the day budget by exactly 300, so 14
+    // requests fit in 5 000 (an 800-token charge would have allowed 6).
+    let mut before = None;
+    for n in 0..14u64 {
+        let r = chat(&gw, "/v1/chat/completions", "tenant-a", CHAT);
+        assert_eq!(r.status, 200, "request {n}: {r:?}");
+        assert!(r.body.contains(r#""total_tokens": 300"#), "{}", r.body);
+        // Seen at decision time: 804 reserved on top of the 300 × n already charged.
+        let left = remaining(&r, "chat:tpd");
+        assert_eq!(left, 5000 - 300 * n - 804, "request {n}");
+        if let Some(before) = before {
+            assert_eq!(before - left, 300);
+        }
+        before = Some(left);
+        wait_settled(&gw, SETTLED_BY_USAGE, n as u32 + 1);
+    }
+    assert_eq!(upstream.hits(), 14);
+    // 800 left, 804 to reserve: refused here, OpenAI-shaped, and the model never sees it.
+    let r = chat(&gw, "/v1/chat/completions", "tenant-a", CHAT);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-tollgate-reason"), Some("tpd_exceeded"));
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let error: serde_json::Value = serde_json::from_str(&r.body).expect("JSON error body");
+    assert_eq!(error["error"]["type"], "rate_limit_exceeded");
+    assert_eq!(error["error"]["code"], "tpd_exceeded");
+    assert_eq!(upstream.hits(), 14);
+    // A request asking for less still fits: 4 + 700 reserved.
+    let small = CHAT.replace("800", "700");
+    let r = chat(&gw, "/v1/chat/completions", "tenant-a", &small);
+    assert_eq!(r.status, 200);
+    assert_eq!(remaining(&r, "chat:tpd"), 800 - 704);
+    assert_eq!(upstream.hits(), 15);
+    // The body reached the model byte for byte.
+    assert_eq!(upstream.bodies.lock().unwrap()[0], CHAT.as_bytes());
+    // A prompt over max_prompt_tokens (1 500 words: 2 000 tokens) is refused before anything.
+    let long = format!(
+        r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#,
+        "word ".repeat(1500)
+    );
+    let r = chat(&gw, "/v1/chat/completions", "tenant-b", &long);
+    assert_eq!(r.status, 429);
+    assert_eq!(
+        r.header("x-tollgate-reason"),
+        Some("prompt_tokens_exceeded")
+    );
+    assert_eq!(upstream.hits(), 15);
+    // Another tenant has its own day.
+    let r = chat(&gw, "/v1/chat/completions", "tenant-b", CHAT);
+    assert_eq!(remaining(&r, "chat:tpd"), 5000 - 804);
+    wait_settled(&gw, SETTLED_BY_USAGE, 16);
+    // Counters: 16 settled by usage, 16 × 300 used; refunds 504 each (and 404 once).
+    assert_eq!(
+        gw.metric("tollgate_llm_tokens_used_total{policy=\"policy\",rule=\"chat\"}"),
+        4800.0,
+        "{}",
+        gw.metrics()
+    );
+    assert_eq!(
+        gw.metric("tollgate_llm_tokens_refunded_total{policy=\"policy\",rule=\"chat\"}"),
+        15.0 * 504.0 + 404.0
+    );
+    assert_eq!(
+        gw.metric("tollgate_requests_total{action=\"reject\",reason=\"tpd_exceeded\"}"),
+        1.0,
+        "{}",
+        gw.metrics()
+    );
+    // Estimate accuracy: 16 observations (prompt estimate 4 against 100 reported).
+    assert_eq!(gw.metric("tollgate_llm_prompt_estimate_ratio_count"), 16.0);
+}
+
+#[test]
+fn streams_reach_the_client_as_they_come_and_are_charged_their_final_usage() {
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(Some(POLICY), Some(upstream.addr), &[]);
+    let mut conn = TcpStream::connect(gw.proxy).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: api.example.com\r\nX-Api-Key: tenant-s\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{STREAM_CHAT}",
+        STREAM_CHAT.len()
+    )
+    .expect("send");
+    // The first delta arrives while the upstream is still holding the rest back.
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("Hel") {
+        let n = conn
+            .read(&mut buf)
+            .expect("first delta before the upstream finishes");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(!upstream.stream_finished.load(Ordering::SeqCst));
+    let head = String::from_utf8_lossy(&seen).to_ascii_lowercase();
+    assert!(head.contains("content-type: text/event-stream"), "{head}");
+    assert!(head.contains("\"chat:tpd\";r=4196"), "{head}");
+    upstream.open_gate();
+    conn.read_to_end(&mut seen).expect("rest of the stream");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert!(upstream.stream_finished.load(Ordering::SeqCst));
+    // The final chunk's usage (300) is what the day was charged.
+    wait_settled(&gw, SETTLED_BY_USAGE, 1);
+    let r = chat(&gw, "/v1/chat/completions", "tenant-s", CHAT);
+    assert_eq!(remaining(&r, "chat:tpd"), 5000 - 300 - 804);
+    wait_settled(&gw, SETTLED_BY_USAGE, 2);
+
+    // Cut short by the upstream after two deltas: charged the prompt estimate (4) and the
+    // text streamed (6 words: 8 tokens), the rest of the reservation refunded.
+    let r = support::try_request_with_body(
+        gw.proxy,
+        "POST",
+        "/v1/cut/chat/completions",
+        &[("X-Api-Key", "tenant-c")],
+        STREAM_CHAT.as_bytes(),
+    );
+    if let Ok(r) = &r {
+        assert_eq!(r.status, 200);
+    }
+    wait_settled(&gw, SETTLED_BY_ESTIMATE, 1);
+    let r = chat(&gw, "/v1/chat/completions", "tenant-c", CHAT);
+    assert_eq!(remaining(&r, "chat:tpd"), 5000 - 12 - 804);
+}
+
+#[test]
+fn bodies_are_bounded_and_forwarded_unchanged() {
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(
+        Some(POLICY),
+        Some(upstream.addr),
+        &["--max-body-bytes", "200000"],
+    );
+    // Over 64 KiB (Pingora's retry buffer) yet within the bound: read whole, decided, and
+    // replayed to the model byte for byte. The padding is no prompt: "hi" is 2 tokens (one word × 4/3, rounded up).
+    let padding = "x".repeat(100_000);
+    let big = format!(
+        r#"{{"max_tokens": 10, "metadata": {{"note": "{padding}"}}, "messages": [{{"role": "user", "content": "hi"}}]}}"#
+    );
+    let r = chat(&gw, "/v1/chat/completions", "tenant-big", &big);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(remaining(&r, "chat:tpd"), 5000 - 12);
+    assert_eq!(upstream.bodies.lock().unwrap()[0], big.as_bytes());
+    // Over the bound: 413 with a JSON error, never read whole, never forwarded.
+    let huge = format!(r#"{{"note": "{}"}}"#, "x".repeat(250_000));
+    let r = chat(&gw, "/v1/chat/completions", "tenant-big", &huge);
+    assert_eq!(r.status, 413);
+    let error: serde_json::Value = serde_json::from_str(&r.body).expect("JSON error body");
+    assert_eq!(error["error"]["code"], "request_too_large");
+    assert_eq!(upstream.hits(), 1);
+    // The gateway is still serving.
+    let r = chat(&gw, "/v1/chat/completions", "tenant-big", CHAT);
+    assert_eq!(r.status, 200);
+}
+
+#[test]
+fn the_decision_service_reserves_and_post_v1_usage_reconciles() {
+    let gw = Gateway::start(Some(POLICY), None, &[]);
+    let decide = |tenant: &str| {
+        request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/chat/completions"),
+                ("X-Api-Key", tenant),
+            ],
+            CHAT.as_bytes(),
+        )
+    };
+    let usage = |body: &str| {
+        request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/usage",
+            &[("Content-Type", "application/json")],
+            body.as_bytes(),
+        )
+    };
+    let mut before = None;
+    for n in 0..14u64 {
+        let r = decide("tenant-d");
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.header("x-tollgate-reserved-tokens"), Some("804"));
+        let left = remaining(&r, "chat:tpd");
+        assert_eq!(left, 5000 - 300 * n - 804);
+        if let Some(before) = before {
+            assert_eq!(before - left, 300);
+        }
+        before = Some(left);
+        let token = r
+            .header("x-tollgate-reservation")
+            .expect("reservation")
+            .to_string();
+        assert_eq!(token.len(), 32);
+        // The upstream's own usage object, as the model returned it.
+        let settled = usage(&format!(
+            r#"{{"reservation": "{token}", "usage": {USAGE}}}"#
+        ));
+        assert_eq!(settled.status, 200, "{settled:?}");
+        let settled: serde_json::Value = serde_json::from_str(&settled.body).expect("JSON");
+        assert_eq!(
+            settled,
+            serde_json::json!({"reserved": 804, "used": 300, "refunded": 504, "charged_over": 0})
+        );
+        // Reported once: a second report finds nothing.
+        let again = usage(&format!(
+            r#"{{"reservation": "{token}", "total_tokens": 300}}"#
+        ));
+        assert_eq!(again.status, 404);
+    }
+    let r = decide("tenant-d");
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-tollgate-reason"), Some("tpd_exceeded"));
+    assert_eq!(r.header("x-tollgate-reservation"), None);
+    // An overrun is charged: 804 reserved, 1 000 used.
+    let r = decide("tenant-e");
+    let token = r
+        .header("x-tollgate-reservation")
+        .expect("reservation")
+        .to_string();
+    let settled = usage(&format!(
+        r#"{{"reservation": "{token}", "total_tokens": 1000}}"#
+    ));
+    let settled: serde_json::Value = serde_json::from_str(&settled.body).expect("JSON");
+    assert_eq!(settled["charged_over"], 196);
+    assert_eq!(
+        remaining(&decide("tenant-e"), "chat:tpd"),
+        5000 - 1000 - 804
+    );
+    // Bad reports are named, not guessed at.
+    assert_eq!(usage("not json").status, 400);
+    assert_eq!(usage(r#"{"total_tokens": 5}"#).status, 400);
+    assert_eq!(
+        usage(r#"{"reservation": "0123456789abcdef0123456789abcdef", "total_tokens": 5}"#).status,
+        404
+    );
+    assert_eq!(
+        gw.metric(SETTLED_BY_USAGE.replace("usage", "report").as_str()),
+        15.0
+    );
+}
