@@ -394,6 +394,7 @@ async fn budget_windows_and_leases_on_the_embedded_store() {
         std::sync::Arc::new(tollgate::clock::SystemClock::new()),
     );
     support::assert_budget_windows(&store, "memory").await;
+    support::assert_settlements(&store, "memory").await;
     support::assert_leases(&store, "memory").await;
 }
 

@@ -151,6 +151,7 @@ async fn seed_004_and_all_or_nothing_on_postgres() {
     assert_seed_vectors(&store, "tb:seed004:pg").await;
     assert_all_or_nothing(&store, "pg").await;
     support::assert_budget_windows(&store, "pg").await;
+    support::assert_settlements(&store, "pg").await;
     support::assert_leases(&store, "pg").await;
     let base = 1_800_000_000 * US_PER_SEC;
     // Full-again rows are deleted by the sweep; the others stay.
@@ -226,4 +227,11 @@ fn loop_marks_and_breakers_are_shared_on_postgres() {
 async fn grpc_rate_limit_calls_are_exact_and_all_or_nothing_on_postgres() {
     let pg = PgServer::start();
     support::assert_grpc_fleet_exact(&pg.url()).await;
+}
+
+/// `POST /v1/usage` on one gateway of a PostgreSQL fleet moves the budget the other one reads.
+#[test]
+fn llm_usage_is_reconciled_across_a_postgres_fleet() {
+    let pg = PgServer::start();
+    support::assert_usage_reconciled_across_a_fleet(&pg.url());
 }

@@ -185,6 +185,7 @@ async fn budget_windows_are_exact_on_redis() {
     let redis = RedisServer::start();
     let store = shared_store(&redis.url()).await;
     support::assert_budget_windows(&store, "redis").await;
+    support::assert_settlements(&store, "redis").await;
 }
 
 /// Concurrency leases on Redis: the embedded store's behaviour, expiry included.
@@ -349,6 +350,7 @@ async fn redis_cluster_keeps_the_maths_and_refunds_across_slots() {
     let cluster = RedisCluster::start();
     let store = shared_store(&cluster.url()).await;
     assert_seed_vectors(&store, "tb:seed004:cluster").await;
+    support::assert_settlements(&store, "cluster").await;
     let base = 1_800_000_000 * US_PER_SEC;
     let mut results = OpResults::new();
     // Two buckets in different slots: the tight one refuses, the loose one is refunded.
@@ -428,4 +430,11 @@ fn two_gateways_share_one_limit_on_a_cluster() {
 async fn grpc_rate_limit_calls_are_exact_and_all_or_nothing_on_redis() {
     let redis = RedisServer::start();
     support::assert_grpc_fleet_exact(&redis.url()).await;
+}
+
+/// `POST /v1/usage` on one gateway of a Redis fleet moves the budget the other one reads.
+#[test]
+fn llm_usage_is_reconciled_across_a_redis_fleet() {
+    let redis = RedisServer::start();
+    support::assert_usage_reconciled_across_a_fleet(&redis.url());
 }

@@ -977,3 +977,188 @@ pub fn assert_guards_across_a_fleet(store_url: &str) {
         );
     }
 }
+
+/// LLM settlement on `store` (`Store::adjust`): a 1 200-a-minute bucket (2 000 of burst) and
+/// a 5 000-a-day budget charged 804 each, 504 refunded, an overrun that puts the bucket in
+/// debt (its wait includes the debt) while the budget stops at 0, a refund that pays the debt
+/// first, and a settlement for another window that moves nothing. The embedded store's
+/// numbers on every store.
+pub async fn assert_settlements(store: &tollgate::store::Store, prefix: &str) {
+    use tollgate::limiter::{Quota, Window, MICRO, US_PER_SEC};
+    use tollgate::store::{AdjustOp, BucketKey, BucketOp, Group, OpResults};
+    let minute = Quota::new(2000 * MICRO, 1200 * MICRO, 60 * US_PER_SEC).expect("quota");
+    let day = Quota::new(5000 * MICRO, 5000 * MICRO, 86_400 * US_PER_SEC).expect("quota");
+    let today = Window {
+        id: 1_799_971_200,
+        ends_in_us: 57_600 * US_PER_SEC,
+    };
+    let (bucket_key, budget_key) = (
+        BucketKey::of(&format!("tpm:chat:{prefix}")),
+        BucketKey::of(&format!("tpd:chat:{prefix}")),
+    );
+    let charge = |tokens: u64| {
+        [
+            BucketOp {
+                key: bucket_key,
+                quota: minute,
+                cost: tokens * MICRO,
+                group: Group::Enforce,
+                window: None,
+            },
+            BucketOp {
+                key: budget_key,
+                quota: day,
+                cost: tokens * MICRO,
+                group: Group::Enforce,
+                window: Some(today),
+            },
+        ]
+    };
+    let settle = |bucket: i64, budget: i64, window_id: u64| {
+        [
+            AdjustOp {
+                key: bucket_key,
+                quota: minute,
+                window_id: None,
+                delta: bucket * MICRO as i64,
+            },
+            AdjustOp {
+                key: budget_key,
+                quota: day,
+                window_id: Some(window_id),
+                delta: budget * MICRO as i64,
+            },
+        ]
+    };
+    let now = 1_800_000_000 * US_PER_SEC;
+    let mut r = OpResults::new();
+    let left = |r: &OpResults| {
+        (
+            r[0].verdict.remaining / MICRO,
+            r[1].verdict.remaining / MICRO,
+        )
+    };
+    store.apply(now, &charge(804), &mut r).await.expect("store");
+    assert_eq!(left(&r), (1196, 4196), "{prefix}");
+    // 300 really used: 504 back on each.
+    store
+        .adjust(now, &settle(-504, -504, today.id))
+        .await
+        .expect("adjust");
+    store.apply(now, &charge(804), &mut r).await.expect("store");
+    assert_eq!(left(&r), (1700 - 804, 4700 - 804), "{prefix}");
+    // 2 804 really used: 2 000 more. The bucket owes 1 104 (55.2 s) and needs 804 (40.2 s)
+    // more for the next request; the budget has 1 896 left and is not spent by a refusal.
+    store
+        .adjust(now, &settle(2000, 2000, today.id))
+        .await
+        .expect("adjust");
+    store.apply(now, &charge(804), &mut r).await.expect("store");
+    assert!(!r[0].verdict.allowed && !r[1].committed, "{prefix}: {r:?}");
+    assert_eq!(r[0].verdict.retry_after_secs, 96, "{prefix}: {r:?}");
+    assert_eq!(r[0].verdict.available, 0, "{prefix}");
+    // A refund pays the debt first: 1 104 back leaves the bucket empty, not in credit.
+    store
+        .adjust(now, &settle(-1104, 0, today.id))
+        .await
+        .expect("adjust");
+    store.apply(now, &charge(0), &mut r).await.expect("store");
+    assert_eq!(r[0].verdict.available, 0, "{prefix}: {r:?}");
+    assert_eq!(r[1].verdict.available, 1896 * MICRO, "{prefix}");
+    // The budget never goes below 0, and yesterday's settlement leaves today alone.
+    store
+        .adjust(now, &settle(0, 9000, today.id))
+        .await
+        .expect("adjust");
+    store
+        .adjust(now, &settle(0, -3000, today.id - 86_400))
+        .await
+        .expect("adjust");
+    let later = now + 100 * US_PER_SEC;
+    store.apply(later, &charge(0), &mut r).await.expect("store");
+    assert_eq!(
+        (r[0].verdict.available, r[1].verdict.available),
+        (2000 * MICRO, 0),
+        "{prefix}: {r:?}"
+    );
+    // A refund to a bucket that was never charged (evicted, say) leaves it full, no more.
+    let fresh = AdjustOp {
+        key: BucketKey::of(&format!("tpm:fresh:{prefix}")),
+        quota: minute,
+        window_id: None,
+        delta: -500 * MICRO as i64,
+    };
+    store.adjust(now, &[fresh]).await.expect("adjust");
+    let peek = BucketOp {
+        key: fresh.key,
+        cost: 0,
+        ..charge(0)[0]
+    };
+    store.apply(now, &[peek], &mut r).await.expect("store");
+    assert_eq!(r[0].verdict.available, 2000 * MICRO, "{prefix}");
+}
+
+/// The decision service on a fleet sharing `store_url`: a reservation made on one gateway
+/// (804 tokens for `max_tokens: 800`), reconciled there by `POST /v1/usage` at 300, shows as
+/// exactly 300 spent on the other gateway's next decision.
+pub fn assert_usage_reconciled_across_a_fleet(store_url: &str) {
+    let policy = r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+        "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 100000,
+        "tokens_per_day": 5000}}]}"#;
+    let upstream = Upstream::start();
+    let fleet = start_fleet(
+        policy,
+        upstream.addr,
+        store_url,
+        "1000",
+        Duration::from_secs(20),
+    );
+    let body = r#"{"max_tokens": 800, "messages": [{"role": "user", "content": "one two three"}]}"#;
+    let decide = |gw: &Gateway| {
+        request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/chat/completions"),
+                ("X-Api-Key", "fleet-tenant"),
+            ],
+            body.as_bytes(),
+        )
+    };
+    let tpd_item = |r: &HttpResponse| {
+        r.header("ratelimit")
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .find(|item| item.starts_with("\"chat:tpd\";"))
+            .map(str::to_string)
+    };
+    for (n, gw) in fleet.iter().enumerate() {
+        let r = decide(gw);
+        assert_eq!(r.status, 200, "{r:?}");
+        let left = 5000 - 300 * n - 804;
+        assert!(
+            tpd_item(&r).is_some_and(|item| item.starts_with(&format!("\"chat:tpd\";r={left};"))),
+            "decision {n}: {r:?}"
+        );
+        let token = r.header("x-tollgate-reservation").expect("reservation");
+        let settled = request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/usage",
+            &[("X-Tollgate-Reservation", token)],
+            br#"{"total_tokens": 300}"#,
+        );
+        assert_eq!(
+            settled.body,
+            r#"{"reserved":804,"used":300,"refunded":504,"charged_over":0}"#
+        );
+    }
+    let r = decide(&fleet[0]);
+    assert!(
+        tpd_item(&r).is_some_and(|item| item.starts_with("\"chat:tpd\";r=3596;")),
+        "{r:?}"
+    );
+}
