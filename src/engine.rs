@@ -435,7 +435,27 @@ pub struct ReservedRule {
     pub prompt_tokens: u64,
 }
 
+/// What settling a reservation did, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Settled {
+    pub reserved: u64,
+    pub used: u64,
+    pub refunded: u64,
+    pub charged_over: u64,
+}
+
 impl Reservation {
+    /// What settling on `used` tokens does: the unused part refunded, an overrun charged.
+    pub fn settled(&self, used: u64) -> Settled {
+        let reserved = self.tokens();
+        Settled {
+            reserved,
+            used,
+            refunded: reserved.saturating_sub(used),
+            charged_over: used.saturating_sub(reserved),
+        }
+    }
+
     /// The tokens reserved (the largest reservation of its rules).
     pub fn tokens(&self) -> u64 {
         self.rules.iter().map(|r| r.tokens).max().unwrap_or(0)

@@ -10,7 +10,7 @@ use crate::client_addr::{self, ForwardingHeaders};
 use crate::clock::{wall_unix_secs, Clock, SystemClock};
 use crate::config::{Config, StoreKind};
 use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
-use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason, Reservation};
+use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason, Reservation, Settled};
 use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
 use crate::metrics::Metrics;
 use crate::policy::{Bundle, Mode, PolicyError};
@@ -97,15 +97,6 @@ pub struct Gateway {
 /// Most LLM reservations the decision service keeps waiting for their usage; past it, a new
 /// one is not kept and stays charged as reserved.
 const MAX_HELD_RESERVATIONS: usize = 100_000;
-
-/// What settling a reservation did, in tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct Settled {
-    pub reserved: u64,
-    pub used: u64,
-    pub refunded: u64,
-    pub charged_over: u64,
-}
 
 impl Gateway {
     /// # Errors
@@ -401,13 +392,7 @@ impl Gateway {
         let _ = self.store.adjust(self.store.now_us(), &adjustments).await;
         self.metrics
             .llm_settled(reservation, used, reported_prompt, source);
-        let reserved = reservation.tokens();
-        Settled {
-            reserved,
-            used,
-            refunded: reserved.saturating_sub(used),
-            charged_over: used.saturating_sub(reserved),
-        }
+        reservation.settled(used)
     }
 
     /// Keeps a decision's reservation for `POST /v1/usage`: its token (32 hex digits, random:

@@ -30,6 +30,13 @@ struct SimRequest {
     headers: BTreeMap<String, String>,
     /// Claims of a token the gateway would have verified (`jwt:` descriptors, jitter `sub`).
     claims: Option<crate::descriptor::Claims>,
+    /// The request body (`token_bucket_llm` prompts, `body_hash`): a JSON value sent as its
+    /// JSON text, or a string sent as is.
+    body: Option<Value>,
+    /// What the upstream reported using, for a `token_bucket_llm` reservation: a number of
+    /// tokens or an OpenAI `usage` object. Settled at the request's `t`; without it the
+    /// reservation stays charged as reserved.
+    usage: Option<Value>,
 }
 
 fn default_method() -> String {
@@ -123,6 +130,29 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
+    let body: Option<Vec<u8>> = request.body.as_ref().map(|body| match body {
+        Value::String(text) => text.clone().into_bytes(),
+        other => other.to_string().into_bytes(),
+    });
+    let llm = body
+        .as_deref()
+        .filter(|_| replay.bundle.meters_tokens)
+        .map(crate::llm::LlmRequest::parse);
+    let used = match &request.usage {
+        None => None,
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(tokens) => Some(tokens),
+            None => {
+                return json!({"t": request.t, "error": "usage must be a whole number of tokens or a usage object"})
+            }
+        },
+        Some(object) => match crate::llm::reported_usage(object) {
+            Some(usage) => Some(usage.total_tokens),
+            None => {
+                return json!({"t": request.t, "error": "usage names no tokens: total_tokens, or prompt_tokens and completion_tokens"})
+            }
+        },
+    };
     let facts = RequestFacts::from_uri(
         &request.method,
         &request.path,
@@ -130,7 +160,9 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         ip,
         &headers,
     )
-    .with_claims(request.claims.as_ref());
+    .with_claims(request.claims.as_ref())
+    .with_body_hash(body.as_deref().and_then(crate::descriptor::body_hash))
+    .with_llm(llm.as_ref());
     let decision = engine::decide_local(
         &replay.bundle,
         &facts,
@@ -185,7 +217,7 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         Decision::Refuse(refusal) => Value::String(refusal.reason.as_str().to_string()),
         _ => Value::Null,
     };
-    json!({
+    let mut result = json!({
         "t": request.t,
         "method": request.method,
         "path": request.path,
@@ -193,7 +225,17 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         "reason": reason,
         "headers": header_map,
         "rules": rules,
-    })
+    });
+    if let Some(reservation) = decision.reservation() {
+        result["reserved"] = json!(reservation.tokens());
+        if let Some(used) = used {
+            replay
+                .store
+                .adjust(replay.clock.now_us(), &reservation.adjustments(used));
+            result["settled"] = json!(reservation.settled(used));
+        }
+    }
+    result
 }
 
 #[cfg(test)]
@@ -233,6 +275,101 @@ mod tests {
         assert_eq!(lines[4]["status"], json!(429));
         assert_eq!(lines[4]["rules"][0]["tokens"], json!(0.5));
         assert_eq!(lines[4]["headers"]["RateLimit-Remaining"], json!("0"));
+    }
+
+    #[test]
+    fn conversation_logs_replay_with_their_real_usage() {
+        // 1 200 tokens a minute (20 a second), 2 000 of burst, 5 000 a UTC day.
+        let bundle = compile_bundle(
+            &json!({"rules": [{"name": "chat", "limit_keys": ["jwt:sub"], "algorithm": "token_bucket_llm",
+                               "algorithm_config": {"tokens_per_minute": 1200, "burst_tokens": 2000,
+                                                    "tokens_per_day": 5000}}]}),
+            "llm",
+        )
+        .unwrap();
+        let line = |t: f64, usage: &str| {
+            format!(
+                r#"{{"t": {t}, "method": "POST", "path": "/v1/chat/completions", "claims": {{"sub": "u1"}}, "body": {{"max_tokens": 800, "messages": [{{"role": "user", "content": "one two three"}}]}}{usage}}}"#
+            )
+        };
+        let input = [
+            line(0.0, r#", "usage": 300"#),
+            line(
+                1.0,
+                r#", "usage": {"prompt_tokens": 100, "completion_tokens": 200}"#,
+            ),
+            // No usage: stays charged as reserved.
+            line(2.0, ""),
+            line(3.0, r#", "usage": 300"#),
+            line(20.0, r#", "usage": {"usage": {"total_tokens": 2000}}"#),
+            line(21.0, r#", "usage": 300"#),
+            line(22.0, r#", "usage": -3"#),
+            r#"{"t": 23, "claims": {"sub": "u2"}, "body": "one two three", "usage": 5}"#
+                .to_string(),
+        ]
+        .join("\n");
+        let mut out = Vec::new();
+        replay(
+            bundle,
+            EngineConfig::default(),
+            DEFAULT_START_UNIX,
+            input.as_bytes(),
+            &mut out,
+        )
+        .unwrap();
+        let lines: Vec<Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let seen: Vec<String> = lines
+            .iter()
+            .map(|l| {
+                format!(
+                    "{} {} {}/{} {}",
+                    l["status"],
+                    l["reason"].as_str().unwrap_or("-"),
+                    l["rules"][0]["tokens"],
+                    l["rules"][1]["tokens"],
+                    l["settled"]
+                )
+            })
+            .collect();
+        let settled = |used: u64| {
+            json!({"reserved": 804, "used": used, "refunded": 804u64.saturating_sub(used),
+                   "charged_over": used.saturating_sub(804)})
+            .to_string()
+        };
+        assert_eq!(
+            seen,
+            [
+                // 804 reserved (4 prompt + 800), 300 used: 504 back on both.
+                format!("200 - 1196.0/4196.0 {}", settled(300)),
+                // A second later: 1 700 + 20 − 804; the day moved by exactly 300.
+                format!("200 - 916.0/3896.0 {}", settled(300)),
+                "200 - 636.0/3596.0 null".to_string(),
+                // 656 in the minute bucket: 804 does not fit. Nothing spent on the day.
+                "429 tpm_exceeded 656.0/3596.0 null".to_string(),
+                // 17 s later: 996 − 804; then 2 000 used, 1 196 over: the bucket owes 1 004.
+                format!("200 - 192.0/2792.0 {}", settled(2000)),
+                "429 tpm_exceeded 0.0/1596.0 null".to_string(),
+                "null - null/null null".to_string(),
+                // No JSON body: the text is the prompt (4 tokens), plus the default 1 000.
+                r#"200 - 996.0/3996.0 {"charged_over":0,"refunded":999,"reserved":1004,"used":5}"#
+                    .to_string(),
+            ]
+        );
+        // The debt is in the wait: (984 + 804) / 20 = 89.4 s.
+        assert_eq!(lines[5]["rules"][0]["retry_after"], json!(90));
+        assert_eq!(lines[0]["reserved"], json!(804));
+        assert_eq!(
+            lines[6]["error"],
+            json!("usage must be a whole number of tokens or a usage object")
+        );
+        assert_eq!(
+            lines[0]["headers"]["RateLimit"],
+            json!("\"chat\";r=1196;t=41, \"chat:tpd\";r=4196;t=86400")
+        );
     }
 
     #[test]

@@ -277,3 +277,59 @@ fn import_envoy_ratelimit_prints_a_valid_bundle_and_its_notes() {
     assert_eq!(code, 2);
     assert!(err.contains("/nonexistent.yaml: cannot read"), "{err}");
 }
+
+/// `simulate` replays a conversation log against the LLM tier policy: each request reserves
+/// its prompt estimate plus its completion, and is then charged the usage the log records.
+#[test]
+fn simulate_replays_a_conversation_log_with_real_usage() {
+    let (code, out, err) = tollgate(
+        &[
+            "simulate",
+            "--policy",
+            "policies/llm-tiers.json",
+            "--requests",
+            "examples/llm-conversation.jsonl",
+        ],
+        None,
+    );
+    assert_eq!(code, 0, "{err}");
+    let seen: Vec<String> = json_lines(&out)
+        .iter()
+        .map(|l| {
+            let day = l["rules"]
+                .as_array()
+                .and_then(|rules| {
+                    rules
+                        .iter()
+                        .find(|r| r["rule"].as_str().is_some_and(|n| n.ends_with(":tpd")))
+                })
+                .map_or(Value::Null, |r| r["tokens"].clone());
+            format!(
+                "{} {} reserved={} used={} day_left={}",
+                l["status"],
+                l["reason"].as_str().unwrap_or("-"),
+                l["reserved"],
+                l["settled"]["used"],
+                day
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            // Free tier, 26 prompt tokens + 1 000: 95 used, the day moves by 95 only.
+            "200 - reserved=1026 used=95 day_left=8974.0",
+            "200 - reserved=1058 used=702 day_left=8847.0",
+            // max_tokens 3 000 reserves max_completion_tokens (1 000); 2 890 used is charged.
+            "200 - reserved=1015 used=2890 day_left=8188.0",
+            // The minute bucket is in debt: refused before the model, nothing spent.
+            "429 tpm_exceeded reserved=null used=null day_left=6313.0",
+            "429 tpm_exceeded reserved=null used=null day_left=6313.0",
+            "200 - reserved=1003 used=760 day_left=5310.0",
+            // Pro tier, Responses API shape, no max tokens: the default 1 000 is reserved.
+            "200 - reserved=1008 used=26 day_left=1998992.0",
+            // No verified token: the fallback per-IP limit, nothing metered.
+            "200 - reserved=null used=null day_left=null",
+        ]
+    );
+}
