@@ -1,6 +1,7 @@
 //! One decision through the engine (embedded store, manual clock): 1 rule keyed by IP, and 5
 //! rules (IP, API key, path, global, shadow). Distinct client IPs rotate so buckets stay warm
-//! but not all on one key.
+//! but not all on one key. Also Envoy's rate-limit call, JWT verification, and an LLM
+//! reservation settled.
 
 // Same allocator as the shipped binary.
 #[global_allocator]
@@ -82,6 +83,56 @@ fn bench(c: &mut Criterion) {
         });
     }
     group.finish();
+}
+
+/// A `token_bucket_llm` request end to end without the network: a 1 KiB chat body parsed and
+/// its prompt estimated, the reservation planned on the minute bucket and the day budget, then
+/// settled on 300 tokens really used (two store adjustments).
+fn llm(c: &mut Criterion) {
+    let (policy, store, clock) = engine(
+        r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket_llm",
+            "algorithm_config": {"tokens_per_minute": 1000000000, "tokens_per_day": 1000000000}}]}"#,
+    );
+    let text = "Summarise the quarterly report for the board in three short bullet points. ".repeat(12);
+    let body = format!(
+        r#"{{"model": "gpt-4o-mini", "max_tokens": 800, "messages": [{{"role": "system", "content": "You are concise."}}, {{"role": "user", "content": "{text}"}}]}}"#
+    );
+    let keys: Vec<Vec<(String, String)>> = (0..1024)
+        .map(|i| vec![("x-api-key".to_string(), format!("tenant-{i}"))])
+        .collect();
+    let mut i = 0usize;
+    c.bench_function("llm/reserve_and_settle", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(1);
+            clock.advance_us(1);
+            let prompt = tollgate::llm::LlmRequest::parse(black_box(body.as_bytes()));
+            let facts = RequestFacts {
+                method: "POST",
+                path: std::borrow::Cow::Borrowed("/v1/chat/completions"),
+                query: None,
+                host: Some("api.example.com"),
+                client_ip: None,
+                headers: &keys[i & 1023],
+                claims: None,
+                envoy: None,
+                body_hash: None,
+                llm: Some(&prompt),
+            };
+            let bundle = policy.load();
+            let decision = decide_local(
+                &bundle,
+                &facts,
+                &store,
+                clock.now_us(),
+                clock.unix_us(),
+                EngineConfig::default(),
+            );
+            if let Some(reservation) = decision.reservation() {
+                store.adjust(clock.now_us(), &reservation.adjustments(300));
+            }
+            black_box(decision.is_allowed())
+        })
+    });
 }
 
 /// One `ShouldRateLimit` call through the engine (no gRPC): Envoy's two common descriptors,
@@ -197,5 +248,5 @@ fn jwt(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, rls, jwt);
+criterion_group!(benches, bench, rls, jwt, llm);
 criterion_main!(benches);
