@@ -93,7 +93,8 @@ fn llm(c: &mut Criterion) {
         r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket_llm",
             "algorithm_config": {"tokens_per_minute": 1000000000, "tokens_per_day": 1000000000}}]}"#,
     );
-    let text = "Summarise the quarterly report for the board in three short bullet points. ".repeat(12);
+    let text =
+        "Summarise the quarterly report for the board in three short bullet points. ".repeat(12);
     let body = format!(
         r#"{{"model": "gpt-4o-mini", "max_tokens": 800, "messages": [{{"role": "system", "content": "You are concise."}}, {{"role": "user", "content": "{text}"}}]}}"#
     );
