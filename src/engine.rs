@@ -433,6 +433,9 @@ pub struct ReservedRule {
     pub tokens: u64,
     /// The prompt estimate, in tokens.
     pub prompt_tokens: u64,
+    /// The rule's `streaming` cap, when it stops streams (never on a shadow rule: shadow mode
+    /// changes no response).
+    pub stream_cap: Option<crate::llm::StreamCap>,
 }
 
 /// What settling a reservation did, in tokens.
@@ -454,6 +457,16 @@ impl Reservation {
             refunded: reserved.saturating_sub(used),
             charged_over: used.saturating_sub(reserved),
         }
+    }
+
+    /// The cap a streamed response is stopped at: the tightest of its enforced rules'.
+    pub fn stream_cap(&self) -> Option<crate::llm::StreamCap> {
+        crate::llm::StreamCap::tightest(self.rules.iter().filter_map(|r| r.stream_cap))
+    }
+
+    /// The prompt estimate the reservation was made on.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.rules.first().map_or(0, |r| r.prompt_tokens)
     }
 
     /// The tokens reserved (the largest reservation of its rules).
@@ -645,6 +658,11 @@ impl<'b> Decision<'b> {
                     mode: outcome.rule.mode,
                     tokens: r.cost / crate::limiter::MICRO,
                     prompt_tokens: r.prompt_tokens,
+                    stream_cap: outcome
+                        .rule
+                        .llm
+                        .and_then(|l| l.stream_cap)
+                        .filter(|_| outcome.rule.mode == crate::policy::Mode::Enforce),
                 });
             }
         }
@@ -1812,6 +1830,35 @@ mod tests {
         )
         .with_llm(Some(&llm));
         e.decide(&facts)
+    }
+
+    #[test]
+    fn a_stream_is_stopped_at_the_tightest_enforced_cap() {
+        let rule = |name: &str, max: u64, buffer: u64| {
+            json!({"name": name, "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket_llm",
+                   "algorithm_config": {"tokens_per_minute": 100000, "max_completion_tokens": max,
+                                        "streaming": {"buffer_tokens": buffer}}})
+        };
+        // The shadow policy's cap (5 + 1) would be the tightest: shadow mode changes no
+        // response, so the enforced ones decide (100 + 50 beats 120 + 100).
+        let (e, _) = engine(json!({"bundle_version": 1, "policies": [
+            {"id": "live", "spec": {"rules": [rule("wide", 120, 100), rule("tight", 100, 50)]}},
+            {"id": "trial", "spec": {"mode": "shadow", "rules": [rule("trial", 5, 1)]}}]}));
+        let body =
+            r#"{"max_tokens": 800, "messages": [{"role": "user", "content": "one two three"}]}"#;
+        let d = ask_llm(&e, body, &[("X-Api-Key", "t")]);
+        let reservation = d.reservation().unwrap();
+        let caps: Vec<(&str, Option<u64>)> = reservation
+            .rules
+            .iter()
+            .map(|r| (r.rule.as_str(), r.stream_cap.map(|c| c.limit())))
+            .collect();
+        assert_eq!(
+            caps,
+            [("wide", Some(220)), ("tight", Some(150)), ("trial", None)]
+        );
+        assert_eq!(reservation.stream_cap().map(|c| c.limit()), Some(150));
+        assert_eq!(reservation.prompt_tokens(), 4);
     }
 
     #[test]

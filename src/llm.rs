@@ -175,6 +175,96 @@ impl Usage {
     }
 }
 
+/// What a `token_bucket_llm` rule's `streaming` block does with a streamed completion that runs
+/// past `max_completion_tokens` (Fairvisor's field names): the gateway stops the stream once the
+/// estimate of the text streamed passes `max_completion_tokens + buffer_tokens`, ends it with a
+/// closing event the SDKs understand and drops the upstream connection (the model stops
+/// generating).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamCap {
+    /// The rule's `max_completion_tokens`.
+    pub max_completion_tokens: u64,
+    /// `buffer_tokens`: how far past `max_completion_tokens` the estimate may run before the
+    /// stream is stopped (the estimate is a rule of thumb, not the model's tokenizer).
+    pub buffer_tokens: u64,
+    /// `on_limit_exceeded`.
+    pub on_exceeded: StreamCutStyle,
+    /// `include_partial_usage`: the closing event carries the `usage` the gateway counted.
+    pub include_partial_usage: bool,
+}
+
+/// How a stopped stream ends (`streaming.on_limit_exceeded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamCutStyle {
+    /// `graceful_close`: a last chunk with `finish_reason: "length"`, as a model that reached
+    /// its `max_tokens` sends, then `data: [DONE]`.
+    GracefulClose,
+    /// `error_chunk`: an `error` event (`code: completion_tokens_exceeded`), then `data: [DONE]`.
+    ErrorChunk,
+}
+
+impl StreamCap {
+    /// The completion estimate past which the stream is stopped.
+    pub fn limit(&self) -> u64 {
+        self.max_completion_tokens
+            .saturating_add(self.buffer_tokens)
+    }
+
+    /// The tightest of several caps (one request may meet several `token_bucket_llm` rules).
+    pub fn tightest(caps: impl IntoIterator<Item = StreamCap>) -> Option<StreamCap> {
+        caps.into_iter().min_by_key(StreamCap::limit)
+    }
+
+    /// The bytes that end a stopped stream, after the event that crossed the limit: a blank line
+    /// (that event's end), the closing event, and `data: [DONE]`. `id`, `created` and `model`
+    /// repeat the stream's own, when it named them.
+    pub fn closing_events(&self, meter: &ResponseMeter, prompt_tokens: u64) -> String {
+        let completion = meter.completion_estimate();
+        let usage = serde_json::json!({
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens.saturating_add(completion),
+        });
+        let mut event = serde_json::Map::new();
+        match self.on_exceeded {
+            StreamCutStyle::GracefulClose => {
+                if let Some(id) = &meter.stream_id {
+                    event.insert("id".into(), Value::from(id.as_str()));
+                }
+                event.insert("object".into(), Value::from("chat.completion.chunk"));
+                if let Some(created) = meter.stream_created {
+                    event.insert("created".into(), Value::from(created));
+                }
+                if let Some(model) = &meter.stream_model {
+                    event.insert("model".into(), Value::from(model.as_str()));
+                }
+                event.insert(
+                    "choices".into(),
+                    serde_json::json!([{"index": 0, "delta": {}, "finish_reason": "length"}]),
+                );
+            }
+            StreamCutStyle::ErrorChunk => {
+                event.insert(
+                    "error".into(),
+                    serde_json::json!({
+                        "message": format!(
+                            "The completion passed the {} tokens this gateway allows a request (max_completion_tokens); the stream was stopped.",
+                            self.max_completion_tokens
+                        ),
+                        "type": "rate_limit_exceeded",
+                        "param": null,
+                        "code": "completion_tokens_exceeded",
+                    }),
+                );
+            }
+        }
+        if self.include_partial_usage {
+            event.insert("usage".into(), usage);
+        }
+        format!("\ndata: {}\n\ndata: [DONE]\n\n", Value::Object(event))
+    }
+}
+
 /// How a response body is read.
 #[derive(Debug)]
 enum Format {
@@ -195,6 +285,15 @@ pub struct ResponseMeter {
     completion: TextCount,
     /// Body bytes seen.
     pub bytes: u64,
+    /// A streamed completion whose estimate passes this is stopped ([`StreamCap::limit`]).
+    cap: Option<u64>,
+    /// The cap was passed: nothing after it is read.
+    pub stopped: bool,
+    /// The stream's own `id`, `created` and `model` (from its first chunk naming them), for
+    /// the closing event of a stopped stream.
+    stream_id: Option<String>,
+    stream_created: Option<u64>,
+    stream_model: Option<String>,
 }
 
 impl ResponseMeter {
@@ -221,13 +320,38 @@ impl ResponseMeter {
             usage: None,
             completion: TextCount::default(),
             bytes: 0,
+            cap: None,
+            stopped: false,
+            stream_id: None,
+            stream_created: None,
+            stream_model: None,
         }
     }
 
-    /// Reads the next piece of the body.
-    pub fn feed(&mut self, chunk: &[u8]) {
+    /// Stops reading a streamed response once its completion estimate passes `limit`
+    /// ([`ResponseMeter::feed`] then says where). A JSON response is never stopped: it is
+    /// whole by the time it is read.
+    pub fn with_cap(mut self, limit: Option<u64>) -> ResponseMeter {
+        if matches!(self.format, Format::Stream { .. }) {
+            self.cap = limit;
+        }
+        self
+    }
+
+    /// Whether a cap applies ([`ResponseMeter::with_cap`] on a stream).
+    pub fn capped(&self) -> bool {
+        self.cap.is_some()
+    }
+
+    /// Reads the next piece of the body. With a cap ([`ResponseMeter::with_cap`]), returns
+    /// `Some(n)` when the event line ending at `chunk[n - 1]` took the completion estimate past
+    /// it: the first `n` bytes may still go to the client, nothing after them (nor any later
+    /// piece) is read.
+    pub fn feed(&mut self, chunk: &[u8]) -> Option<usize> {
+        if self.stopped {
+            return None;
+        }
         self.bytes += chunk.len() as u64;
-        let mut events: Vec<Vec<u8>> = Vec::new();
         match &mut self.format {
             Format::Json { body, overflow } => {
                 if !*overflow {
@@ -238,29 +362,46 @@ impl ResponseMeter {
                         body.extend_from_slice(chunk);
                     }
                 }
+                None
             }
-            Format::Stream { line, overflow } => {
-                let mut rest = chunk;
-                while let Some(end) = rest.iter().position(|b| *b == b'\n') {
-                    if !*overflow && line.len() + end <= self.limit {
-                        line.extend_from_slice(&rest[..end]);
-                        events.push(std::mem::take(line));
-                    }
-                    line.clear();
-                    *overflow = false;
-                    rest = &rest[end + 1..];
-                }
-                if line.len() + rest.len() > self.limit {
-                    *overflow = true;
-                    line.clear();
-                } else if !*overflow {
-                    line.extend_from_slice(rest);
+            Format::Stream { .. } => self.feed_stream(chunk),
+        }
+    }
+
+    fn feed_stream(&mut self, chunk: &[u8]) -> Option<usize> {
+        let mut rest = chunk;
+        let mut at = 0;
+        while let Some(end) = rest.iter().position(|b| *b == b'\n') {
+            let Format::Stream { line, overflow } = &mut self.format else {
+                return None;
+            };
+            let event = (!*overflow && line.len() + end <= self.limit).then(|| {
+                line.extend_from_slice(&rest[..end]);
+                std::mem::take(line)
+            });
+            line.clear();
+            *overflow = false;
+            rest = &rest[end + 1..];
+            at += end + 1;
+            if let Some(event) = event {
+                self.event_line(&event);
+                if self.cap.is_some_and(|cap| self.completion.tokens() > cap) {
+                    self.stopped = true;
+                    self.bytes -= (chunk.len() - at) as u64;
+                    return Some(at);
                 }
             }
         }
-        for event in events {
-            self.event_line(&event);
+        let Format::Stream { line, overflow } = &mut self.format else {
+            return None;
+        };
+        if line.len() + rest.len() > self.limit {
+            *overflow = true;
+            line.clear();
+        } else if !*overflow {
+            line.extend_from_slice(rest);
         }
+        None
     }
 
     /// One line of an event stream: a `data:` line holding JSON is a chunk.
@@ -277,6 +418,16 @@ impl ResponseMeter {
 
     /// The usage and completion text of one JSON document (a whole response, or one chunk).
     fn read_document(&mut self, json: &Value, streamed: bool) {
+        if streamed && self.stream_id.is_none() {
+            if let Some(id) = json.get("id").and_then(Value::as_str) {
+                self.stream_id = Some(id.chars().take(128).collect());
+                self.stream_created = json.get("created").and_then(Value::as_u64);
+                self.stream_model = json
+                    .get("model")
+                    .and_then(Value::as_str)
+                    .map(|m| m.chars().take(128).collect());
+            }
+        }
         if let Some(usage) = Usage::of(json) {
             self.usage = Some(usage);
         }
@@ -447,6 +598,76 @@ mod tests {
         assert_eq!(Usage::of(&null), None);
     }
 
+    fn cap(max: u64, buffer: u64, on_exceeded: StreamCutStyle) -> StreamCap {
+        StreamCap {
+            max_completion_tokens: max,
+            buffer_tokens: buffer,
+            on_exceeded,
+            include_partial_usage: true,
+        }
+    }
+
+    #[test]
+    fn a_capped_stream_stops_after_the_event_that_passes_the_cap() {
+        // Each delta "w w w " is 3 words: the estimate runs 4, 8, 12, 16 (⌈words × 4/3⌉).
+        let delta = "data: {\"id\":\"c-9\",\"created\":17,\"model\":\"m1\",\"choices\":[{\"delta\":{\"content\":\"w w w \"}}]}\n\n";
+        let cap = cap(6, 4, StreamCutStyle::GracefulClose);
+        assert_eq!(cap.limit(), 10);
+        let mut meter =
+            ResponseMeter::new("text/event-stream", 1 << 16).with_cap(Some(cap.limit()));
+        let stream = delta.repeat(4);
+        // The first two events (8 tokens) pass; the third (12 > 10) is the last one sent.
+        assert_eq!(meter.feed(&stream.as_bytes()[..delta.len() * 2]), None);
+        let at = meter.feed(&stream.as_bytes()[delta.len() * 2..]);
+        assert_eq!(at, Some(delta.len() - 1));
+        assert!(meter.stopped);
+        assert_eq!(meter.completion_estimate(), 12);
+        assert_eq!(meter.bytes, (delta.len() * 3 - 1) as u64);
+        // Nothing after the stop is read.
+        assert_eq!(meter.feed(delta.as_bytes()), None);
+        assert_eq!(meter.completion_estimate(), 12);
+        assert_eq!(
+            cap.closing_events(&meter, 5),
+            "\ndata: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\",\"index\":0}],\"created\":17,\"id\":\"c-9\",\"model\":\"m1\",\"object\":\"chat.completion.chunk\",\"usage\":{\"completion_tokens\":12,\"prompt_tokens\":5,\"total_tokens\":17}}\n\ndata: [DONE]\n\n"
+        );
+        let error = StreamCap {
+            include_partial_usage: false,
+            ..cap_error()
+        };
+        assert_eq!(
+            error.closing_events(&meter, 5),
+            "\ndata: {\"error\":{\"code\":\"completion_tokens_exceeded\",\"message\":\"The completion passed the 6 tokens this gateway allows a request (max_completion_tokens); the stream was stopped.\",\"param\":null,\"type\":\"rate_limit_exceeded\"}}\n\ndata: [DONE]\n\n"
+        );
+    }
+
+    fn cap_error() -> StreamCap {
+        cap(6, 4, StreamCutStyle::ErrorChunk)
+    }
+
+    #[test]
+    fn json_responses_and_uncapped_streams_are_never_stopped() {
+        let mut json = ResponseMeter::new("application/json", 1 << 16).with_cap(Some(0));
+        let body = br#"{"choices":[{"message":{"content":"a b c d e f"}}]}"#;
+        assert_eq!(json.feed(body), None);
+        json.finish();
+        assert_eq!(json.completion_estimate(), 8);
+        assert!(!json.stopped);
+        let mut open = ResponseMeter::new("text/event-stream", 1 << 16).with_cap(None);
+        let event = "data: {\"choices\":[{\"delta\":{\"content\":\"w w w \"}}]}\n\n".repeat(50);
+        assert_eq!(open.feed(event.as_bytes()), None);
+        assert_eq!(open.completion_estimate(), 200);
+        assert_eq!(
+            StreamCap::tightest([
+                cap(100, 50, StreamCutStyle::ErrorChunk),
+                cap(60, 100, StreamCutStyle::GracefulClose),
+                cap(90, 20, StreamCutStyle::GracefulClose)
+            ])
+            .map(|c| c.limit()),
+            Some(110)
+        );
+        assert_eq!(StreamCap::tightest([]), None);
+    }
+
     proptest! {
         #[test]
         fn hostile_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512), cut in 0usize..512) {
@@ -457,6 +678,29 @@ mod tests {
             meter.feed(&body[cut..]);
             meter.finish();
             prop_assert_eq!(meter.bytes, body.len() as u64);
+        }
+
+        #[test]
+        fn a_stream_stops_at_the_same_byte_however_it_is_split(words in proptest::collection::vec(1usize..6, 1..40), cut in 0usize..4096, limit in 0u64..60) {
+            let stream: String = words
+                .iter()
+                .map(|n| format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n", "w ".repeat(*n)))
+                .collect();
+            let whole = ResponseMeter::new("text/event-stream", 1 << 16).with_cap(Some(limit)).feed(stream.as_bytes());
+            let cut = cut.min(stream.len());
+            let mut split = ResponseMeter::new("text/event-stream", 1 << 16).with_cap(Some(limit));
+            let stopped_at = split
+                .feed(&stream.as_bytes()[..cut])
+                .or_else(|| split.feed(&stream.as_bytes()[cut..]).map(|n| n + cut));
+            prop_assert_eq!(whole, stopped_at);
+            if let Some(at) = stopped_at {
+                // What was let through estimates past the limit, one event less would not.
+                let sent = &stream[..at];
+                let mut count = TextCount::default();
+                for w in sent.matches("w ") { count.add(w); }
+                prop_assert!(count.tokens() > limit);
+                prop_assert_eq!(split.bytes, at as u64);
+            }
         }
 
         #[test]

@@ -243,11 +243,13 @@ impl Metrics {
         let llm_settlements = must(IntCounterVec::new(
             Opts::new(
                 "tollgate_llm_settlements_total",
-                "LLM reservations settled, by where the usage came from (usage: the response's usage object; estimate: counted from the text streamed; unused: nothing came back, all refunded; report: POST /v1/usage; expired: never reported, kept as reserved)",
+                "LLM reservations settled, by where the usage came from (usage: the response's usage object; estimate: counted from the text streamed; stopped: a stream stopped past max_completion_tokens, counted from the text let through; unused: nothing came back, all refunded; report: POST /v1/usage; expired: never reported, kept as reserved)",
             ),
             &["source"],
         ));
-        for source in ["usage", "estimate", "unused", "report", "expired"] {
+        for source in [
+            "usage", "estimate", "stopped", "unused", "report", "expired",
+        ] {
             llm_settlements.with_label_values(&[source]);
         }
         let llm_estimate_ratio = must(Histogram::with_opts(

@@ -37,7 +37,19 @@ struct FakeOpenAi {
     bodies: Arc<Mutex<Vec<Vec<u8>>>>,
     gate: Arc<(Mutex<bool>, Condvar)>,
     stream_finished: Arc<AtomicBool>,
+    long: Arc<LongStream>,
 }
+
+/// What the upstream saw of its `/v1/long/...` streams: deltas written, and whether the
+/// gateway dropped the connection before the last one.
+#[derive(Default)]
+struct LongStream {
+    deltas_written: AtomicUsize,
+    aborted: AtomicBool,
+}
+
+/// The deltas a `/v1/long/...` stream has (every one "w w w ": 3 words, 4 tokens).
+const LONG_DELTAS: usize = 400;
 
 impl FakeOpenAi {
     fn start() -> FakeOpenAi {
@@ -48,19 +60,21 @@ impl FakeOpenAi {
             bodies: Arc::default(),
             gate: Arc::new((Mutex::new(false), Condvar::new())),
             stream_finished: Arc::default(),
+            long: Arc::default(),
         };
         let shared = (
             Arc::clone(&upstream.hits),
             Arc::clone(&upstream.bodies),
             Arc::clone(&upstream.gate),
             Arc::clone(&upstream.stream_finished),
+            Arc::clone(&upstream.long),
         );
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
                 let shared = shared.clone();
                 std::thread::spawn(move || {
-                    let (hits, bodies, gate, finished) = shared;
-                    serve(conn, &hits, &bodies, &gate, &finished);
+                    let (hits, bodies, gate, finished, long) = shared;
+                    serve(conn, &hits, &bodies, &gate, &finished, &long);
                 });
             }
         });
@@ -84,6 +98,7 @@ fn serve(
     bodies: &Mutex<Vec<Vec<u8>>>,
     gate: &(Mutex<bool>, Condvar),
     stream_finished: &AtomicBool,
+    long: &LongStream,
 ) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
     let Ok(read_half) = conn.try_clone() else {
@@ -146,6 +161,34 @@ fn serve(
             let data = format!("data: {json}\n\n");
             format!("{:x}\r\n{data}\r\n", data.len())
         };
+        let delta = || {
+            event(
+                r#"{"id": "chatcmpl-7", "created": 1764000000, "model": "m-large", "choices": [{"index": 0, "delta": {"content": "w w w "}}]}"#,
+            )
+        };
+        if request_line.contains(" /v1/long/") {
+            // A model that goes on and on: a delta every 5 ms (2 s in all), until the
+            // connection is dropped.
+            if out.write_all(head.as_bytes()).is_err() {
+                return;
+            }
+            for _ in 0..LONG_DELTAS {
+                if out.write_all(delta().as_bytes()).is_err() || out.flush().is_err() {
+                    long.aborted.store(true, Ordering::SeqCst);
+                    return;
+                }
+                long.deltas_written.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let _ = out.write_all(format!("{}0\r\n\r\n", event("[DONE]")).as_bytes());
+            return;
+        }
+        if request_line.contains(" /v1/burst/") {
+            // The header and 40 deltas in one write: the gateway gets them in one piece.
+            let all = format!("{head}{}{}0\r\n\r\n", delta().repeat(40), event("[DONE]"));
+            let _ = out.write_all(all.as_bytes());
+            return;
+        }
         if request_line.contains(" /v1/cut/") {
             // Two deltas ("one two three " and "four five six": 6 words, 8 tokens), then
             // the connection drops without the final chunk.
@@ -366,6 +409,78 @@ fn streams_reach_the_client_as_they_come_and_are_charged_their_final_usage() {
     wait_settled(&gw, SETTLED_BY_ESTIMATE, 1);
     let r = chat(&gw, "/v1/chat/completions", "tenant-c", CHAT);
     assert_eq!(remaining(&r, "chat:tpd"), 5000 - 12 - 804);
+}
+
+/// Stops streams past `max_completion_tokens` (20) + `buffer_tokens` (10).
+const CAPPED_POLICY: &str = r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+    "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 100000,
+    "tokens_per_day": 5000, "max_completion_tokens": 20,
+    "streaming": {"enforce_mid_stream": true, "buffer_tokens": 10}}}]}"#;
+
+/// A whole HTTP/1.1 response read raw until the server closes (with `Connection: close`).
+fn raw_post(gw: &Gateway, path: &str, tenant: &str, body: &str) -> String {
+    let mut conn = TcpStream::connect(gw.proxy).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        conn,
+        "POST {path} HTTP/1.1\r\nHost: api.example.com\r\nX-Api-Key: {tenant}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).expect("the whole response");
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
+#[test]
+fn a_stream_past_max_completion_tokens_is_stopped_and_charged_what_it_streamed() {
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(Some(CAPPED_POLICY), Some(upstream.addr), &[]);
+    // Deltas of 4 tokens each: the 8th takes the estimate to 32, past 20 + 10. The client gets
+    // 8 deltas, then a last chunk like a model at its max_tokens, and a complete response.
+    let closing = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\",\"index\":0}],\"created\":1764000000,\"id\":\"chatcmpl-7\",\"model\":\"m-large\",\"object\":\"chat.completion.chunk\",\"usage\":{\"completion_tokens\":32,\"prompt_tokens\":4,\"total_tokens\":36}}\n\ndata: [DONE]\n\n";
+    let raw = raw_post(&gw, "/v1/long/chat/completions", "tenant-l", STREAM_CHAT);
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    // The last chunk of a chunked body: the response is complete, not cut off.
+    assert!(raw.ends_with("\r\n0\r\n\r\n"), "{raw}");
+    let response = support::split_responses(raw.as_bytes());
+    let body = &response[0].body;
+    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
+    assert!(body.ends_with(closing), "{body}");
+    // The upstream connection was dropped: the model stopped well before its 400 deltas.
+    gw.wait_until(Duration::from_secs(10), || {
+        upstream.long.aborted.load(Ordering::SeqCst)
+    });
+    assert!(upstream.long.deltas_written.load(Ordering::SeqCst) < LONG_DELTAS);
+    // Charged what was let through: prompt 4 + completion 32 (24 were reserved: the
+    // completion is capped at 20), whatever the client asked for.
+    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 1);
+    let r = chat(&gw, "/v1/chat/completions", "tenant-l", CHAT);
+    assert_eq!(remaining(&r, "chat:tpd"), 5000 - 36 - 24);
+
+    // Header and deltas reaching the gateway in one piece are stopped the same way.
+    let raw = raw_post(&gw, "/v1/burst/chat/completions", "tenant-b", STREAM_CHAT);
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    assert!(
+        raw.to_ascii_lowercase().contains("\"chat:tpd\";r=4976"),
+        "{raw}"
+    );
+    assert!(raw.ends_with("\r\n0\r\n\r\n"), "{raw}");
+    let body = &support::split_responses(raw.as_bytes())[0].body;
+    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
+    assert!(body.ends_with(closing), "{body}");
+    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 2);
+
+    // A JSON answer is whole before it is read: never stopped, charged its usage (300).
+    let r = chat(&gw, "/v1/chat/completions", "tenant-j", CHAT);
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("\"usage\""), "{r:?}");
+    // (The first usage settlement was tenant-l's request above.)
+    wait_settled(&gw, SETTLED_BY_USAGE, 2);
+    let r = chat(&gw, "/v1/chat/completions", "tenant-j", CHAT);
+    assert_eq!(remaining(&r, "chat:tpd"), 5000 - 300 - 24);
 }
 
 #[test]

@@ -216,7 +216,20 @@ const LLM_FIELDS: &[&str] = &[
     "max_completion_tokens",
     "default_max_completion",
     "token_source",
+    "streaming",
 ];
+
+/// The fields of a `token_bucket_llm` rule's `streaming` block (Fairvisor's).
+const LLM_STREAMING_FIELDS: &[&str] = &[
+    "enabled",
+    "enforce_mid_stream",
+    "buffer_tokens",
+    "on_limit_exceeded",
+    "include_partial_usage",
+];
+
+/// Fairvisor's default `streaming.buffer_tokens`.
+const DEFAULT_STREAM_BUFFER_TOKENS: u64 = 100;
 
 /// Fairvisor's default completion reservation.
 const DEFAULT_MAX_COMPLETION: u64 = 1000;
@@ -1358,10 +1371,14 @@ impl Compiler {
                 })
             }
         };
+        let stream_cap = match config.get("streaming") {
+            None => Some(None),
+            Some(v) => self.llm_streaming(v, &join(path, "streaming"), max_completion),
+        };
         if self.errors.len() > errors_before {
             return None;
         }
-        let (tpm, estimator) = (tpm?, estimator?);
+        let (tpm, estimator, stream_cap) = (tpm?, estimator?, stream_cap?);
         let burst = burst.unwrap_or(tpm);
         let quota = Quota::new(burst * MICRO, tpm * MICRO, 60 * US_PER_SEC).ok()?;
         Some((
@@ -1379,9 +1396,80 @@ impl Compiler {
                 default_max_completion: max_completion
                     .map_or(default_completion, |max| default_completion.min(max)),
                 estimator,
+                stream_cap,
             },
             tpd,
         ))
+    }
+
+    /// A `token_bucket_llm` rule's `streaming` block (Fairvisor's fields and defaults once the
+    /// block is written): `enabled` and `enforce_mid_stream` (default true), `buffer_tokens`
+    /// (default 100), `on_limit_exceeded` (`graceful_close`, the default, or `error_chunk`) and
+    /// `include_partial_usage` (default true). `Some(None)` when streams are not stopped;
+    /// stopping needs the rule's `max_completion_tokens`.
+    fn llm_streaming(
+        &mut self,
+        v: &Value,
+        path: &str,
+        max_completion: Option<u64>,
+    ) -> Option<Option<crate::llm::StreamCap>> {
+        let map = self.object(v, path, LLM_STREAMING_FIELDS)?;
+        let enabled = self.flag(map, path, "enabled", true);
+        let enforce = self.flag(map, path, "enforce_mid_stream", true);
+        let include_partial_usage = self.flag(map, path, "include_partial_usage", true);
+        let buffer_tokens = self
+            .whole(map, path, "buffer_tokens", 1..=MAX_LLM_TOKENS, false)
+            .unwrap_or(DEFAULT_STREAM_BUFFER_TOKENS);
+        let on_exceeded = match map.get("on_limit_exceeded").map(Value::as_str) {
+            None | Some(Some("graceful_close")) => Some(crate::llm::StreamCutStyle::GracefulClose),
+            Some(Some("error_chunk")) => Some(crate::llm::StreamCutStyle::ErrorChunk),
+            Some(_) => {
+                self.error(
+                    &join(path, "on_limit_exceeded"),
+                    "must be \"graceful_close\" or \"error_chunk\"",
+                );
+                None
+            }
+        };
+        let (enabled, enforce, include_partial_usage, on_exceeded) =
+            (enabled?, enforce?, include_partial_usage?, on_exceeded?);
+        if !(enabled && enforce) {
+            return Some(None);
+        }
+        let Some(max_completion_tokens) = max_completion else {
+            self.error(
+                &join(path, "enforce_mid_stream"),
+                "stops streams past max_completion_tokens, which this rule does not set",
+            );
+            return None;
+        };
+        Some(Some(crate::llm::StreamCap {
+            max_completion_tokens,
+            buffer_tokens,
+            on_exceeded,
+            include_partial_usage,
+        }))
+    }
+
+    /// A boolean at `map[field]`, `default` when absent; `None` (an error) when not a boolean.
+    fn flag(
+        &mut self,
+        map: &Map<String, Value>,
+        path: &str,
+        field: &str,
+        default: bool,
+    ) -> Option<bool> {
+        match map.get(field) {
+            None => Some(default),
+            Some(Value::Bool(b)) => Some(*b),
+            Some(other) => {
+                self.error(
+                    &join(path, field),
+                    format!("must be a boolean, found {}", type_name(other)),
+                );
+                None
+            }
+        }
     }
 
     /// `enabled` of a guard block: absent or false turns it off (Fairvisor's reading).
@@ -2149,6 +2237,81 @@ mod tests {
 
     fn rule(config: Value) -> Value {
         json!({"rules": [{"name": "r", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": config}]})
+    }
+
+    fn llm_rule(config: Value) -> Value {
+        json!({"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket_llm", "algorithm_config": config}]})
+    }
+
+    #[test]
+    fn llm_rules_check_fairvisor_fields_and_streaming() {
+        let b = compile_bundle(
+            &llm_rule(json!({"tokens_per_minute": 600, "tokens_per_day": 9000,
+                "max_completion_tokens": 300, "default_max_completion": 500,
+                "streaming": {"buffer_tokens": 50, "on_limit_exceeded": "error_chunk",
+                              "include_partial_usage": false}})),
+            "t",
+        )
+        .unwrap();
+        let llm = b.rules[0].llm.unwrap();
+        assert_eq!((llm.part, llm.day_rule), (LlmPart::Minute, Some(1)));
+        // The default completion never asks for more than the cap.
+        assert_eq!(llm.default_max_completion, 300);
+        assert_eq!(
+            llm.stream_cap,
+            Some(crate::llm::StreamCap {
+                max_completion_tokens: 300,
+                buffer_tokens: 50,
+                on_exceeded: crate::llm::StreamCutStyle::ErrorChunk,
+                include_partial_usage: false,
+            })
+        );
+        assert_eq!(b.rules[1].name, "chat:tpd");
+        assert_eq!(b.rules[1].llm.map(|l| l.part), Some(LlmPart::Day));
+        // No `streaming` block, or one turned off: streams run to their end.
+        for streaming in [
+            None,
+            Some(json!({"enforce_mid_stream": false})),
+            Some(json!({"enabled": false})),
+        ] {
+            let mut config = json!({"tokens_per_minute": 600, "max_completion_tokens": 300});
+            if let Some(s) = streaming {
+                config["streaming"] = s;
+            }
+            let b = compile_bundle(&llm_rule(config), "t").unwrap();
+            assert_eq!(b.rules[0].llm.unwrap().stream_cap, None);
+        }
+        // Written with only Fairvisor's defaults: graceful close, 100 tokens of buffer.
+        let b = compile_bundle(
+            &llm_rule(
+                json!({"tokens_per_minute": 600, "max_completion_tokens": 300, "streaming": {}}),
+            ),
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            b.rules[0].llm.unwrap().stream_cap.map(|c| (
+                c.limit(),
+                c.on_exceeded,
+                c.include_partial_usage
+            )),
+            Some((400, crate::llm::StreamCutStyle::GracefulClose, true))
+        );
+        assert_eq!(
+            errors_of(llm_rule(json!({"tokens_per_minute": 600, "burst_tokens": 10,
+                "streaming": {"buffer_tokens": 0, "on_limit_exceeded": "cut", "enabled": "yes", "speed": 1}}))),
+            [
+                "rules[0].algorithm_config.burst_tokens: must be >= tokens_per_minute",
+                "rules[0].algorithm_config.streaming.speed: unknown field (expected one of: enabled, enforce_mid_stream, buffer_tokens, on_limit_exceeded, include_partial_usage)",
+                "rules[0].algorithm_config.streaming.enabled: must be a boolean, found a string",
+                "rules[0].algorithm_config.streaming.buffer_tokens: must be a whole number from 1 to 1000000000",
+                "rules[0].algorithm_config.streaming.on_limit_exceeded: must be \"graceful_close\" or \"error_chunk\"",
+            ]
+        );
+        assert_eq!(
+            errors_of(llm_rule(json!({"tokens_per_minute": 600, "streaming": {"enforce_mid_stream": true}}))),
+            ["rules[0].algorithm_config.streaming.enforce_mid_stream: stops streams past max_completion_tokens, which this rule does not set"]
+        );
     }
 
     #[test]

@@ -400,6 +400,9 @@ pub struct LlmLimit {
     /// The completion reserved when the request names no `max_tokens`.
     pub default_max_completion: u64,
     pub estimator: crate::llm::Estimator,
+    /// `streaming`: a streamed completion past `max_completion_tokens` (and the buffer) is
+    /// stopped; `None` lets it run and charges the overrun.
+    pub stream_cap: Option<crate::llm::StreamCap>,
 }
 
 /// Which budget of a `token_bucket_llm` rule a rule counts.

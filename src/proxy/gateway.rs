@@ -23,6 +23,12 @@ use std::sync::Arc;
 /// at once.
 const NO_HEALTHY_UPSTREAM: pingora::ErrorType = pingora::ErrorType::Custom("no healthy upstream");
 
+/// A streamed completion passed its rule's `streaming` cap: the proxying ends here (dropping the
+/// upstream connection, so the model stops generating) and `fail_to_proxy` ends the response
+/// to the client with the closing events. An outcome, not a failure: never logged as an error.
+const STREAM_STOPPED: pingora::ErrorType =
+    pingora::ErrorType::Custom("stream stopped past max_completion_tokens");
+
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
@@ -55,6 +61,43 @@ struct Metering {
     /// Made when the response header arrives.
     meter: Option<crate::llm::ResponseMeter>,
     status: u16,
+    /// A successful streamed response its rules may stop (`streaming`).
+    stop: Option<Box<StreamStop>>,
+}
+
+/// What stopping a stream needs. Pingora hands the client's side its response in batches and
+/// drops a batch whose filter fails, so the bytes given to Pingora but not yet written to the
+/// client are kept until written (`body_bytes_sent` says how far it got), with the response
+/// header: stopping writes whatever of them the client has not had, then the closing events.
+struct StreamStop {
+    cap: crate::llm::StreamCap,
+    /// The response header as sent (after `response_filter`).
+    header: Option<ResponseHeader>,
+    /// Body pieces passed on, oldest first, from body byte `unsent_from` on, not yet known
+    /// to be written to the client.
+    unsent: std::collections::VecDeque<Bytes>,
+    unsent_from: usize,
+    /// Set when the stream is stopped: the rest of the response to write.
+    tail: Option<Bytes>,
+}
+
+impl StreamStop {
+    /// Forgets the pieces the client has been sent (`sent` body bytes).
+    fn written(&mut self, sent: usize) {
+        while let Some(front) = self.unsent.front_mut() {
+            let end = self.unsent_from + front.len();
+            if end <= sent {
+                self.unsent_from = end;
+                self.unsent.pop_front();
+            } else {
+                if sent > self.unsent_from {
+                    *front = front.slice(sent - self.unsent_from..);
+                    self.unsent_from = sent;
+                }
+                break;
+            }
+        }
+    }
 }
 
 impl Metering {
@@ -67,12 +110,9 @@ impl Metering {
             Some(meter) => match meter.usage() {
                 Some(usage) => (usage.total_tokens, Some(usage.prompt_tokens), "usage"),
                 None if (200..300).contains(&self.status) && meter.bytes > 0 => {
-                    let prompt = self
-                        .reservation
-                        .rules
-                        .first()
-                        .map_or(0, |r| r.prompt_tokens);
-                    (prompt + meter.completion_estimate(), None, "estimate")
+                    let prompt = self.reservation.prompt_tokens();
+                    let source = if meter.stopped { "stopped" } else { "estimate" };
+                    (prompt + meter.completion_estimate(), None, source)
                 }
                 None => (0, None, "unused"),
             },
@@ -363,6 +403,7 @@ impl ProxyHttp for Proxy {
                                 reservation,
                                 meter: None,
                                 status: 0,
+                                stop: None,
                             })
                         });
                         ctx.add_headers = answer.response.headers;
@@ -442,19 +483,52 @@ impl ProxyHttp for Proxy {
 
     fn response_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
         ctx: &mut Self::CTX,
     ) -> Result<Option<std::time::Duration>> {
         // Read as it passes, never held back: a stream reaches the client chunk by chunk.
-        if let Some(meter) = ctx.metering.as_mut().and_then(|m| m.meter.as_mut()) {
-            if let Some(chunk) = body.as_ref() {
-                meter.feed(chunk);
+        let Some(metering) = ctx.metering.as_deref_mut() else {
+            return Ok(None);
+        };
+        let Some(meter) = metering.meter.as_mut() else {
+            return Ok(None);
+        };
+        if let Some(chunk) = body.as_ref() {
+            match metering.stop.as_deref_mut() {
+                None => {
+                    meter.feed(chunk);
+                }
+                Some(stop) => {
+                    stop.written(session.body_bytes_sent());
+                    if let Some(at) = meter.feed(chunk) {
+                        let prompt = metering.reservation.prompt_tokens();
+                        let closing = stop.cap.closing_events(meter, prompt);
+                        let unsent: usize = stop.unsent.iter().map(Bytes::len).sum();
+                        let mut tail = Vec::with_capacity(unsent + at + closing.len());
+                        for piece in stop.unsent.drain(..) {
+                            tail.extend_from_slice(&piece);
+                        }
+                        tail.extend_from_slice(&chunk[..at]);
+                        tail.extend_from_slice(closing.as_bytes());
+                        stop.tail = Some(Bytes::from(tail));
+                        tracing::info!(
+                            completion_tokens = meter.completion_estimate(),
+                            max_completion_tokens = stop.cap.max_completion_tokens,
+                            "LLM_STREAM_STOPPED"
+                        );
+                        return Err(Error::explain(
+                            STREAM_STOPPED,
+                            "the completion passed max_completion_tokens",
+                        ));
+                    }
+                    stop.unsent.push_back(chunk.clone());
+                }
             }
-            if end_of_stream {
-                meter.finish();
-            }
+        }
+        if end_of_stream {
+            meter.finish();
         }
         Ok(None)
     }
@@ -535,10 +609,27 @@ impl ProxyHttp for Proxy {
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("");
             metering.status = upstream_response.status.as_u16();
-            metering.meter = Some(crate::llm::ResponseMeter::new(
-                content_type,
-                self.gateway.config.max_body_bytes,
-            ));
+            // A body framed by Content-Length cannot end early: it streams whole.
+            let cap = metering.reservation.stream_cap().filter(|_| {
+                upstream_response.status.is_success()
+                    && upstream_response
+                        .headers
+                        .get(http::header::CONTENT_LENGTH)
+                        .is_none()
+            });
+            let meter =
+                crate::llm::ResponseMeter::new(content_type, self.gateway.config.max_body_bytes)
+                    .with_cap(cap.map(|c| c.limit()));
+            metering.stop = cap.filter(|_| meter.capped()).map(|cap| {
+                Box::new(StreamStop {
+                    cap,
+                    header: None,
+                    unsent: std::collections::VecDeque::new(),
+                    unsent_from: 0,
+                    tail: None,
+                })
+            });
+            metering.meter = Some(meter);
         }
         if let Some(access) = ctx.access.as_deref_mut() {
             access.upstream_secs = access.upstream_started.map(|at| at.elapsed().as_secs_f64());
@@ -546,31 +637,14 @@ impl ProxyHttp for Proxy {
                 ctx.add_headers.push((X_REQUEST_ID.clone(), id));
             }
         }
-        if ctx.add_headers.is_empty() {
-            return Ok(());
+        if !ctx.add_headers.is_empty() {
+            add_response_headers(upstream_response, std::mem::take(&mut ctx.add_headers))?;
         }
-        // Rebuilt from its parts: inserting into Pingora's header would parse and allocate
-        // every custom name again and keep a second, case-preserving map in step. The
-        // upstream's header names go out in canonical form (well-known names Title-Case,
-        // others lower-case), as Envoy sends them.
-        let custom_reason = upstream_response
-            .get_reason_phrase()
-            .filter(|r| Some(*r) != upstream_response.status.canonical_reason())
-            .map(str::to_string);
-        let placeholder = ResponseHeader::build_no_case(200, Some(0))?;
-        let mut parts: http::response::Parts =
-            std::mem::replace(upstream_response, placeholder).into();
-        parts.headers.reserve(ctx.add_headers.len());
-        for (name, value) in std::mem::take(&mut ctx.add_headers) {
-            parts.headers.insert(name, value);
-        }
-        *upstream_response = ResponseHeader::from(parts);
-        if custom_reason.is_some() {
-            upstream_response.set_reason_phrase(custom_reason.as_deref())?;
+        if let Some(stop) = ctx.metering.as_mut().and_then(|m| m.stop.as_mut()) {
+            stop.header = Some(upstream_response.clone());
         }
         Ok(())
     }
-
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request.
         super::conn::request_done(http2_key(session), self.gateway.config.keepalive_timeout);
@@ -590,12 +664,19 @@ impl ProxyHttp for Proxy {
         }
     }
 
+    fn suppress_error_log(&self, _session: &Session, _ctx: &Self::CTX, e: &Error) -> bool {
+        *e.etype() == STREAM_STOPPED
+    }
+
     async fn fail_to_proxy(
         &self,
         session: &mut Session,
         e: &Error,
         ctx: &mut Self::CTX,
     ) -> FailToProxy {
+        if *e.etype() == STREAM_STOPPED {
+            return finish_stopped_stream(session, ctx).await;
+        }
         let code = match e.etype() {
             pingora::ErrorType::HTTPStatus(code) => *code,
             _ => match e.esource() {
@@ -635,6 +716,52 @@ impl ProxyHttp for Proxy {
             error_code: code,
             can_reuse_downstream: false,
         }
+    }
+}
+
+/// Adds the gateway's headers to the upstream's response. Rebuilt from its parts: inserting
+/// into Pingora's header would parse and allocate every custom name again and keep a second,
+/// case-preserving map in step. The upstream's header names go out in canonical form
+/// (well-known names Title-Case, others lower-case), as Envoy sends them.
+fn add_response_headers(upstream_response: &mut ResponseHeader, headers: HeaderList) -> Result<()> {
+    let custom_reason = upstream_response
+        .get_reason_phrase()
+        .filter(|r| Some(*r) != upstream_response.status.canonical_reason())
+        .map(str::to_string);
+    let placeholder = ResponseHeader::build_no_case(200, Some(0))?;
+    let mut parts: http::response::Parts = std::mem::replace(upstream_response, placeholder).into();
+    parts.headers.reserve(headers.len());
+    for (name, value) in headers {
+        parts.headers.insert(name, value);
+    }
+    *upstream_response = ResponseHeader::from(parts);
+    if custom_reason.is_some() {
+        upstream_response.set_reason_phrase(custom_reason.as_deref())?;
+    }
+    Ok(())
+}
+
+/// Ends a stopped stream: the header if Pingora had not written it yet, the body bytes the
+/// client has not had, the closing events, and the end of the body (a complete response: the
+/// last chunk on HTTP/1.1, END_STREAM on HTTP/2). The connection is then closed.
+async fn finish_stopped_stream(session: &mut Session, ctx: &mut RequestCtx) -> FailToProxy {
+    let status = ctx.metering.as_ref().map_or(200, |m| m.status);
+    if let Some(stop) = ctx.metering.as_mut().and_then(|m| m.stop.as_mut()) {
+        let header = stop.header.take();
+        if let (Some(tail), Some(header)) = (stop.tail.take(), header) {
+            let header_ok = session.response_written().is_some()
+                || session
+                    .write_response_header(Box::new(header), false)
+                    .await
+                    .is_ok();
+            if header_ok {
+                let _ = session.write_response_body(Some(tail), true).await;
+            }
+        }
+    }
+    FailToProxy {
+        error_code: status,
+        can_reuse_downstream: false,
     }
 }
 
