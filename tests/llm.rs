@@ -484,6 +484,49 @@ fn a_stream_past_max_completion_tokens_is_stopped_and_charged_what_it_streamed()
 }
 
 #[test]
+fn a_stopped_stream_ends_cleanly_over_http2() {
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(Some(CAPPED_POLICY), Some(upstream.addr), &["--h2c"]);
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "10",
+            "--http2-prior-knowledge",
+            "-H",
+            "X-Api-Key: tenant-h2",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            STREAM_CHAT,
+            "-w",
+            "|%{http_version} %{http_code}",
+        ])
+        .arg(format!("http://{}/v1/long/chat/completions", gw.proxy))
+        .output()
+        .expect("curl is not installed: run `bash scripts/test.sh`");
+    // curl exits non-zero on a reset or unfinished HTTP/2 stream: this one ended with
+    // END_STREAM after the closing events.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (body, version) = stdout.rsplit_once('|').expect("write-out");
+    assert_eq!(version, "2 200");
+    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
+    assert!(
+        body.ends_with("\"usage\":{\"completion_tokens\":32,\"prompt_tokens\":4,\"total_tokens\":36}}\n\ndata: [DONE]\n\n"),
+        "{body}"
+    );
+    gw.wait_until(Duration::from_secs(10), || {
+        upstream.long.aborted.load(Ordering::SeqCst)
+    });
+    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 1);
+}
+
+#[test]
 fn bodies_are_bounded_and_forwarded_unchanged() {
     let upstream = FakeOpenAi::start();
     let gw = Gateway::start(
