@@ -136,6 +136,36 @@ fn llm(c: &mut Criterion) {
     });
 }
 
+/// Metering a streamed answer as it passes the proxy: 200 SSE delta events (a 1 000-word
+/// completion) and a final usage chunk, fed in 16 network reads, without and with a
+/// `streaming` cap (one the stream never reaches, so both read every byte).
+fn llm_stream(c: &mut Criterion) {
+    use tollgate::llm::ResponseMeter;
+    let mut stream: String = (0..200)
+        .map(|i| {
+            format!(
+                "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1764000000,\"model\":\"gpt-4o-mini\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" word{i} and four more\"}}}}]}}\n\n"
+            )
+        })
+        .collect();
+    stream.push_str("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":1300,\"total_tokens\":1340}}\n\ndata: [DONE]\n\n");
+    let reads: Vec<&[u8]> = stream.as_bytes().chunks(stream.len() / 16 + 1).collect();
+    for (name, cap) in [
+        ("llm/meter_stream", None),
+        ("llm/meter_stream_capped", Some(100_000)),
+    ] {
+        c.bench_function(name, |b| {
+            b.iter(|| {
+                let mut meter = ResponseMeter::new("text/event-stream", 1 << 20).with_cap(cap);
+                for read in &reads {
+                    black_box(meter.feed(black_box(read)));
+                }
+                black_box(meter.usage())
+            })
+        });
+    }
+}
+
 /// One `ShouldRateLimit` call through the engine (no gRPC): Envoy's two common descriptors,
 /// `[remote_address]` and `[generic_key, api_key]`, planned, applied in one embedded-store
 /// call and turned into statuses.
@@ -249,5 +279,5 @@ fn jwt(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, rls, jwt, llm);
+criterion_group!(benches, bench, rls, jwt, llm, llm_stream);
 criterion_main!(benches);

@@ -5,6 +5,7 @@
 //! turns them into reservations (`token_bucket_llm` rules).
 
 use serde_json::Value;
+use std::borrow::Cow;
 
 /// Where a `token_bucket_llm` rule takes its prompt estimate from (`token_source.estimator`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -265,6 +266,100 @@ impl StreamCap {
     }
 }
 
+/// The usual shape of a streamed chunk (Chat Completions, legacy Completions, Responses API
+/// events), read without building a JSON map. A chunk of any other shape fails to parse here
+/// and is read as a [`Value`] instead, so nothing is lost to the fast path.
+#[derive(serde::Deserialize)]
+struct StreamChunk<'a> {
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    created: Option<u64>,
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    choices: Vec<StreamChoice<'a>>,
+    #[serde(default)]
+    usage: Option<UsageFields>,
+    #[serde(default)]
+    response: Option<ResponseEvent>,
+    /// Responses API text deltas (`response.output_text.delta`).
+    #[serde(borrow, default)]
+    delta: Option<Cow<'a, str>>,
+}
+
+#[derive(serde::Deserialize)]
+struct StreamChoice<'a> {
+    #[serde(borrow, default)]
+    delta: Option<ChoiceDelta<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+/// A choice's `delta`; `has_content` tells an absent `content` (the choice's `text` is read
+/// instead) from a `null` one (nothing is), as the document path does.
+struct ChoiceDelta<'a> {
+    content: Option<Cow<'a, str>>,
+    has_content: bool,
+}
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for ChoiceDelta<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Raw<'a> {
+            #[serde(borrow, default, deserialize_with = "present")]
+            content: Option<Option<Cow<'a, str>>>,
+        }
+        let raw = Raw::deserialize(d)?;
+        Ok(ChoiceDelta {
+            has_content: raw.content.is_some(),
+            content: raw.content.flatten(),
+        })
+    }
+}
+
+/// A field that is present (even as `null`) is `Some`.
+fn present<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    T::deserialize(d).map(Some)
+}
+
+#[derive(serde::Deserialize)]
+struct ResponseEvent {
+    #[serde(default)]
+    usage: Option<UsageFields>,
+}
+
+/// A `usage` object's token counts, under OpenAI's or the Responses API's names.
+#[derive(serde::Deserialize)]
+struct UsageFields {
+    prompt_tokens: Option<u64>,
+    input_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+    total_tokens: Option<u64>,
+}
+
+impl UsageFields {
+    /// As [`Usage::of`]: `None` without any count; a missing total is the sum.
+    fn usage(self) -> Option<Usage> {
+        let prompt = self.prompt_tokens.or(self.input_tokens);
+        let completion = self.completion_tokens.or(self.output_tokens);
+        if prompt.is_none() && completion.is_none() && self.total_tokens.is_none() {
+            return None;
+        }
+        let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
+        Some(Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: self.total_tokens.unwrap_or(prompt + completion),
+        })
+    }
+}
+
 /// How a response body is read.
 #[derive(Debug)]
 enum Format {
@@ -371,25 +466,34 @@ impl ResponseMeter {
     fn feed_stream(&mut self, chunk: &[u8]) -> Option<usize> {
         let mut rest = chunk;
         let mut at = 0;
-        while let Some(end) = rest.iter().position(|b| *b == b'\n') {
+        while let Some(end) = memchr::memchr(b'\n', rest) {
+            let piece = &rest[..end];
+            rest = &rest[end + 1..];
+            at += end + 1;
             let Format::Stream { line, overflow } = &mut self.format else {
                 return None;
             };
-            let event = (!*overflow && line.len() + end <= self.limit).then(|| {
-                line.extend_from_slice(&rest[..end]);
-                std::mem::take(line)
-            });
-            line.clear();
+            // A line whole in this piece is read where it lies; one begun in an earlier piece
+            // is completed in the kept buffer (its capacity reused line after line).
+            let mut carried = std::mem::take(line);
+            let read = !*overflow && carried.len() + piece.len() <= self.limit;
             *overflow = false;
-            rest = &rest[end + 1..];
-            at += end + 1;
-            if let Some(event) = event {
-                self.event_line(&event);
-                if self.cap.is_some_and(|cap| self.completion.tokens() > cap) {
-                    self.stopped = true;
-                    self.bytes -= (chunk.len() - at) as u64;
-                    return Some(at);
+            if read {
+                if carried.is_empty() {
+                    self.event_line(piece);
+                } else {
+                    carried.extend_from_slice(piece);
+                    self.event_line(&carried);
                 }
+            }
+            carried.clear();
+            if let Format::Stream { line, .. } = &mut self.format {
+                *line = carried;
+            }
+            if read && self.cap.is_some_and(|cap| self.completion.tokens() > cap) {
+                self.stopped = true;
+                self.bytes -= (chunk.len() - at) as u64;
+                return Some(at);
             }
         }
         let Format::Stream { line, overflow } = &mut self.format else {
@@ -404,16 +508,55 @@ impl ResponseMeter {
         None
     }
 
-    /// One line of an event stream: a `data:` line holding JSON is a chunk.
+    /// One line of an event stream: a `data:` line holding JSON is a chunk. The usual chunk
+    /// shapes are read typed, borrowing their strings (no map built per event: see the
+    /// `llm/meter_stream` bench); any other JSON is read as a document.
     fn event_line(&mut self, line: &[u8]) {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let Some(data) = line.strip_prefix(b"data:") else {
             return;
         };
+        if let Ok(chunk) = serde_json::from_slice::<StreamChunk>(data) {
+            self.read_chunk(chunk);
+            return;
+        }
         let Ok(json) = serde_json::from_slice::<Value>(data) else {
             return;
         };
         self.read_document(&json, true);
+    }
+
+    /// A typed stream chunk: what [`ResponseMeter::read_document`] reads of the same JSON.
+    fn read_chunk(&mut self, chunk: StreamChunk<'_>) {
+        if self.stream_id.is_none() {
+            if let Some(id) = &chunk.id {
+                self.stream_id = Some(id.chars().take(128).collect());
+                self.stream_created = chunk.created;
+                self.stream_model = chunk.model.map(|m| m.chars().take(128).collect());
+            }
+        }
+        if let Some(usage) = chunk.usage.and_then(UsageFields::usage) {
+            self.usage = Some(usage);
+        }
+        if let Some(usage) = chunk
+            .response
+            .and_then(|r| r.usage)
+            .and_then(UsageFields::usage)
+        {
+            self.usage = Some(usage);
+        }
+        for choice in &chunk.choices {
+            let text = match &choice.delta {
+                Some(delta) if delta.has_content => delta.content.as_deref(),
+                _ => choice.text.as_deref(),
+            };
+            if let Some(text) = text {
+                self.completion.add(text);
+            }
+        }
+        if let Some(delta) = &chunk.delta {
+            self.completion.add(delta);
+        }
     }
 
     /// The usage and completion text of one JSON document (a whole response, or one chunk).
@@ -666,6 +809,177 @@ mod tests {
             Some(110)
         );
         assert_eq!(StreamCap::tightest([]), None);
+    }
+
+    /// A JSON value where chunk fields go: absent (`None`), or one of the shapes a field may
+    /// take, right or wrong.
+    fn odd_value() -> impl Strategy<Value = Option<Value>> {
+        prop_oneof![
+            2 => Just(None),
+            2 => Just(Some(Value::Null)),
+            2 => (0u64..5000).prop_map(|n| Some(Value::from(n))),
+            1 => Just(Some(serde_json::json!(12.5))),
+            1 => Just(Some(serde_json::json!(-3))),
+            3 => "[a-z \\\\\"é]{1,12}".prop_map(|t| Some(Value::from(t))),
+            1 => Just(Some(serde_json::json!({}))),
+            1 => Just(Some(serde_json::json!([]))),
+        ]
+    }
+
+    fn object(fields: Vec<(&str, Option<Value>)>) -> Value {
+        Value::Object(
+            fields
+                .into_iter()
+                .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
+                .collect(),
+        )
+    }
+
+    /// Mostly a well-typed field (`good`), sometimes any odd value.
+    fn field(
+        good: impl Strategy<Value = Option<Value>> + 'static,
+    ) -> impl Strategy<Value = Option<Value>> {
+        prop_oneof![12 => good, 1 => odd_value()]
+    }
+
+    fn text() -> impl Strategy<Value = Option<Value>> {
+        proptest::option::of("[a-z \\\\\"é]{1,12}".prop_map(Value::from))
+    }
+
+    fn count() -> impl Strategy<Value = Option<Value>> {
+        prop_oneof![
+            2 => Just(None),
+            1 => Just(Some(Value::Null)),
+            4 => (0u64..5000).prop_map(|n| Some(Value::from(n))),
+        ]
+    }
+
+    fn usage_json() -> impl Strategy<Value = Option<Value>> {
+        let usage = proptest::collection::vec(field(count()), 5).prop_map(|v| {
+            let names = [
+                "prompt_tokens",
+                "input_tokens",
+                "completion_tokens",
+                "output_tokens",
+                "total_tokens",
+            ];
+            object(names.iter().copied().zip(v).collect())
+        });
+        field(prop_oneof![
+            2 => Just(None),
+            1 => Just(Some(Value::Null)),
+            3 => usage.prop_map(Some),
+        ])
+    }
+
+    fn chunk_json() -> impl Strategy<Value = Value> {
+        let content = prop_oneof![2 => text(), 1 => Just(Some(Value::Null))];
+        let delta = field(prop_oneof![
+            6 => field(content).prop_map(|content| Some(object(vec![
+                ("content", content),
+                ("role", Some(Value::from("assistant"))),
+            ]))),
+            1 => Just(None),
+            1 => Just(Some(Value::Null)),
+        ]);
+        let choice = (delta, field(text())).prop_map(|(delta, text)| {
+            object(vec![
+                ("index", Some(Value::from(0))),
+                ("delta", delta),
+                ("text", text),
+            ])
+        });
+        let choices =
+            field(proptest::collection::vec(choice, 0..4).prop_map(|c| Some(Value::Array(c))));
+        let response = field(
+            usage_json()
+                .prop_map(|u| Some(object(vec![("usage", u), ("id", Some(Value::from("r")))]))),
+        );
+        (
+            field(text()),
+            field(count()),
+            field(text()),
+            choices,
+            usage_json(),
+            response,
+            field(prop_oneof![3 => Just(None), 1 => text()]),
+        )
+            .prop_map(|(id, created, model, choices, usage, response, delta)| {
+                object(vec![
+                    ("id", id),
+                    ("created", created),
+                    ("model", model),
+                    ("choices", choices),
+                    ("usage", usage),
+                    ("response", response),
+                    ("delta", delta),
+                ])
+            })
+    }
+
+    #[test]
+    fn typed_chunk_edge_cases_read_like_documents() {
+        // (chunk, completion estimate, total tokens)
+        let cases = [
+            // A null delta content hides the choice's text; an absent one does not.
+            (
+                r#"{"choices":[{"delta":{"content":null},"text":"a b c"}]}"#,
+                0,
+                None,
+            ),
+            (
+                r#"{"choices":[{"delta":{"role":"assistant"},"text":"a b c"}]}"#,
+                4,
+                None,
+            ),
+            (r#"{"choices":[{"delta":null,"text":"a b c"}]}"#, 4, None),
+            // A float count is not a count; the others still are.
+            (
+                r#"{"usage":{"prompt_tokens":1.5,"completion_tokens":7}}"#,
+                0,
+                Some(7),
+            ),
+            (
+                r#"{"usage":{"input_tokens":3,"output_tokens":4}}"#,
+                0,
+                Some(7),
+            ),
+            (
+                r#"{"type":"response.output_text.delta","delta":"x y z"}"#,
+                4,
+                None,
+            ),
+            (
+                r#"{"choices":[{"delta":{"content":["x"]}}],"usage":{"total_tokens":9}}"#,
+                0,
+                Some(9),
+            ),
+        ];
+        for (chunk, estimate, total) in cases {
+            let mut meter = ResponseMeter::new("text/event-stream", 1 << 16);
+            meter.feed(format!("data: {chunk}\n").as_bytes());
+            assert_eq!(meter.completion_estimate(), estimate, "{chunk}");
+            assert_eq!(meter.usage().map(|u| u.total_tokens), total, "{chunk}");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1024))]
+
+        #[test]
+        fn typed_chunks_read_like_documents(chunk in chunk_json()) {
+            // The fast typed path (with its fallback) and the document path agree on every
+            // chunk shape, odd ones included (nulls, floats, strings where objects go).
+            let mut fast = ResponseMeter::new("text/event-stream", 1 << 16);
+            fast.feed(format!("data: {chunk}\n").as_bytes());
+            let mut slow = ResponseMeter::new("text/event-stream", 1 << 16);
+            slow.read_document(&chunk, true);
+            prop_assert_eq!(fast.usage(), slow.usage());
+            prop_assert_eq!(fast.completion_estimate(), slow.completion_estimate());
+            prop_assert_eq!(&fast.stream_id, &slow.stream_id);
+            prop_assert_eq!(fast.stream_created, slow.stream_created);
+            prop_assert_eq!(&fast.stream_model, &slow.stream_model);
+        }
     }
 
     proptest! {
