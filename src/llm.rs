@@ -46,10 +46,26 @@ pub struct TextCount {
 }
 
 impl TextCount {
+    /// Counts `text` (Unicode whitespace separates words). ASCII, most of any prompt, is
+    /// classified byte by byte; other characters are decoded one at a time.
     pub fn add(&mut self, text: &str) {
-        for c in text.chars() {
+        let bytes = text.as_bytes();
+        let mut at = 0;
+        while let Some(&b) = bytes.get(at) {
+            let space = if b < 0x80 {
+                at += 1;
+                // `char::is_whitespace` on ASCII: tab, line feed, vertical tab, form feed,
+                // carriage return and space.
+                matches!(b, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ')
+            } else {
+                let Some(c) = text.get(at..).and_then(|rest| rest.chars().next()) else {
+                    break;
+                };
+                at += c.len_utf8();
+                c.is_whitespace()
+            };
             self.chars += 1;
-            if c.is_whitespace() {
+            if space {
                 self.in_word = false;
             } else if !self.in_word {
                 self.in_word = true;
@@ -90,8 +106,25 @@ pub struct LlmRequest {
 }
 
 impl LlmRequest {
-    /// Reads a request body (never fails: what cannot be read estimates conservatively).
+    /// Reads a request body (never fails: what cannot be read estimates conservatively). A
+    /// JSON object is read in one pass, counting prompt text as the parser meets it (no JSON
+    /// tree built: see the `llm/reserve_and_settle` bench); anything else goes through
+    /// [`LlmRequest::parse_document`].
     pub fn parse(body: &[u8]) -> LlmRequest {
+        use serde::de::DeserializeSeed;
+        let mut de = serde_json::Deserializer::from_slice(body);
+        match RequestSeed
+            .deserialize(&mut de)
+            .and_then(|r| de.end().map(|()| r))
+        {
+            Ok(request) => request,
+            Err(_) => LlmRequest::parse_document(body),
+        }
+    }
+
+    /// The same reading through a JSON tree: the reference [`LlmRequest::parse`] agrees with
+    /// (property-tested), and its path for bodies that are not a JSON object.
+    pub fn parse_document(body: &[u8]) -> LlmRequest {
         let Ok(json) = serde_json::from_slice::<Value>(body) else {
             return LlmRequest {
                 prompt_tokens: estimate_text(&String::from_utf8_lossy(body)),
@@ -104,7 +137,7 @@ impl LlmRequest {
                 count_prompt(v, &mut count, 0);
             }
         }
-        let max_completion = ["max_completion_tokens", "max_tokens", "max_output_tokens"]
+        let max_completion = COMPLETION_FIELDS
             .iter()
             .find_map(|f| json.get(*f).and_then(Value::as_u64));
         LlmRequest {
@@ -114,11 +147,202 @@ impl LlmRequest {
     }
 }
 
+/// The deepest prompt text counted (a hostile body cannot make counting recurse without end).
+const MAX_PROMPT_DEPTH: u32 = 8;
+
+/// Reads a request body that is a JSON object in one pass: the prompt fields counted by
+/// [`PromptSeed`], the completion fields kept when whole numbers, the rest skipped. A field
+/// repeated in the body is counted each time (a JSON tree keeps the last): a larger estimate,
+/// never a smaller one.
+struct RequestSeed;
+
+/// The completion fields, in the order they are preferred.
+const COMPLETION_FIELDS: [&str; 3] = ["max_completion_tokens", "max_tokens", "max_output_tokens"];
+
+impl<'de> serde::de::DeserializeSeed<'de> for RequestSeed {
+    type Value = LlmRequest;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<LlmRequest, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for RequestSeed {
+    type Value = LlmRequest;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<LlmRequest, A::Error> {
+        let mut count = TextCount::default();
+        let mut completion = [None; 3];
+        while let Some(key) = map.next_key::<RequestKey>()? {
+            match key {
+                RequestKey::Prompt => map.next_value_seed(PromptSeed {
+                    count: &mut count,
+                    depth: 0,
+                })?,
+                RequestKey::Completion(i) => {
+                    completion[i] = map.next_value::<Value>()?.as_u64();
+                }
+                RequestKey::Other => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(LlmRequest {
+            prompt_tokens: count.tokens(),
+            max_completion: completion.into_iter().flatten().next(),
+        })
+    }
+}
+
+/// A request body's top-level field, as [`RequestSeed`] reads it.
+enum RequestKey {
+    Prompt,
+    Completion(usize),
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for RequestKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RequestKey, D::Error> {
+        struct KeyVisitor;
+        impl serde::de::Visitor<'_> for KeyVisitor {
+            type Value = RequestKey;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E>(self, key: &str) -> Result<RequestKey, E> {
+                Ok(
+                    if let Some(i) = COMPLETION_FIELDS.iter().position(|f| *f == key) {
+                        RequestKey::Completion(i)
+                    } else if matches!(
+                        key,
+                        "messages" | "prompt" | "input" | "instructions" | "system"
+                    ) {
+                        RequestKey::Prompt
+                    } else {
+                        RequestKey::Other
+                    },
+                )
+            }
+        }
+        d.deserialize_str(KeyVisitor)
+    }
+}
+
+/// Counts the prompt text of one value as the parser meets it, as [`count_prompt`] does on a
+/// tree: strings, arrays of them, and the `content` / `text` / `input_text` of objects, down to
+/// [`MAX_PROMPT_DEPTH`].
+struct PromptSeed<'c> {
+    count: &'c mut TextCount,
+    depth: u32,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for PromptSeed<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<(), E> {
+        if self.depth <= MAX_PROMPT_DEPTH {
+            self.count.add(text);
+            self.count.separate();
+        }
+        Ok(())
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let PromptSeed { count, depth } = self;
+        if depth >= MAX_PROMPT_DEPTH {
+            // Nothing below is counted.
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+            return Ok(());
+        }
+        while seq
+            .next_element_seed(PromptSeed {
+                count: &mut *count,
+                depth: depth + 1,
+            })?
+            .is_some()
+        {}
+        Ok(())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let PromptSeed { count, depth } = self;
+        while let Some(PromptField(counted)) = map.next_key()? {
+            if counted && depth < MAX_PROMPT_DEPTH {
+                map.next_value_seed(PromptSeed {
+                    count: &mut *count,
+                    depth: depth + 1,
+                })?;
+            } else {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether an object's field holds prompt text (`content`, `text`, `input_text`).
+struct PromptField(bool);
+
+impl<'de> serde::Deserialize<'de> for PromptField {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PromptField, D::Error> {
+        struct FieldVisitor;
+        impl serde::de::Visitor<'_> for FieldVisitor {
+            type Value = PromptField;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E>(self, key: &str) -> Result<PromptField, E> {
+                Ok(PromptField(matches!(
+                    key,
+                    "content" | "text" | "input_text"
+                )))
+            }
+        }
+        d.deserialize_str(FieldVisitor)
+    }
+}
+
 /// Counts the prompt text in a `messages` / `prompt` / `input` value: strings, arrays of them,
 /// messages (`content`) and content parts (`text`). Depth-bounded: a hostile body cannot recurse
 /// without end.
 fn count_prompt(v: &Value, count: &mut TextCount, depth: u32) {
-    if depth > 8 {
+    if depth > MAX_PROMPT_DEPTH {
         return;
     }
     match v {
@@ -854,6 +1078,87 @@ mod tests {
         ]
     }
 
+    /// Prompt-shaped values: strings, parts, messages, odd values, nested up to 12 deep (past
+    /// the depth counted).
+    fn prompt_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            4 => "[a-z \\\\\"é]{0,12}".prop_map(Value::from),
+            1 => odd_value().prop_map(|v| v.unwrap_or(Value::Null)),
+        ];
+        // A text under a chain of arrays and prompt objects, around the depth counted.
+        let chain =
+            ("[a-z ]{1,8}", proptest::collection::vec(0u8..4, 6..12)).prop_map(|(text, layers)| {
+                layers
+                    .iter()
+                    .fold(Value::from(text), |inner, layer| match layer {
+                        0 => Value::Array(vec![inner]),
+                        1 => serde_json::json!({"content": inner}),
+                        2 => serde_json::json!({"text": inner, "type": "text"}),
+                        _ => serde_json::json!({"input_text": inner}),
+                    })
+            });
+        let leaf = prop_oneof![3 => leaf, 1 => chain];
+        leaf.prop_recursive(12, 64, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                (
+                    proptest::sample::select(vec![
+                        "content",
+                        "text",
+                        "input_text",
+                        "role",
+                        "image_url"
+                    ]),
+                    inner.clone(),
+                    proptest::sample::select(vec!["content", "text", "type", "name"]),
+                    inner,
+                )
+                    .prop_map(|(k1, v1, k2, v2)| {
+                        let mut m = serde_json::Map::new();
+                        m.insert(k1.to_string(), v1);
+                        m.insert(k2.to_string(), v2);
+                        Value::Object(m)
+                    }),
+            ]
+        })
+    }
+
+    fn request_json() -> impl Strategy<Value = Value> {
+        let field = |v: BoxedStrategy<Value>| proptest::option::of(v);
+        let count = prop_oneof![
+            4 => (0u64..100_000).prop_map(Value::from),
+            1 => odd_value().prop_map(|v| v.unwrap_or(Value::Null)),
+        ]
+        .boxed();
+        (
+            field(prompt_json().boxed()),
+            field(prompt_json().boxed()),
+            field(prompt_json().boxed()),
+            field(prompt_json().boxed()),
+            field(prompt_json().boxed()),
+            field(count.clone()),
+            field(count.clone()),
+            field(count),
+            field(prompt_json().boxed()),
+        )
+            .prop_map(
+                |(messages, prompt, input, instructions, system, mct, mt, mot, other)| {
+                    object(vec![
+                        ("model", Some(Value::from("m"))),
+                        ("messages", messages),
+                        ("prompt", prompt),
+                        ("input", input),
+                        ("instructions", instructions),
+                        ("system", system),
+                        ("max_completion_tokens", mct),
+                        ("max_tokens", mt),
+                        ("max_output_tokens", mot),
+                        ("metadata", other),
+                    ])
+                },
+            )
+    }
+
     fn usage_json() -> impl Strategy<Value = Option<Value>> {
         let usage = proptest::collection::vec(field(count()), 5).prop_map(|v| {
             let names = [
@@ -967,6 +1272,15 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(1024))]
 
         #[test]
+        fn requests_read_in_one_pass_like_documents(request in request_json()) {
+            let body = request.to_string();
+            prop_assert_eq!(
+                LlmRequest::parse(body.as_bytes()),
+                LlmRequest::parse_document(body.as_bytes())
+            );
+        }
+
+        #[test]
         fn typed_chunks_read_like_documents(chunk in chunk_json()) {
             // The fast typed path (with its fallback) and the document path agree on every
             // chunk shape, odd ones included (nulls, floats, strings where objects go).
@@ -1015,6 +1329,14 @@ mod tests {
                 prop_assert!(count.tokens() > limit);
                 prop_assert_eq!(split.bytes, at as u64);
             }
+        }
+
+        #[test]
+        fn text_counts_like_a_char_by_char_count(text in "(\\PC|[ \t\n\u{b}\u{c}\r\u{85}\u{a0}\u{2028}\u{3000}]){0,40}") {
+            let mut count = TextCount::default();
+            count.add(&text);
+            let words = text.split(char::is_whitespace).filter(|w| !w.is_empty()).count() as u64;
+            prop_assert_eq!((count.words, count.chars), (words, text.chars().count() as u64));
         }
 
         #[test]
