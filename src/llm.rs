@@ -112,6 +112,9 @@ impl LlmRequest {
     /// [`LlmRequest::parse_document`].
     pub fn parse(body: &[u8]) -> LlmRequest {
         use serde::de::DeserializeSeed;
+        if !fast_path_ok(body) {
+            return LlmRequest::parse_document(body);
+        }
         let mut de = serde_json::Deserializer::from_slice(body);
         match RequestSeed
             .deserialize(&mut de)
@@ -395,7 +398,7 @@ impl Usage {
         Some(Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
-            total_tokens: total.unwrap_or(prompt + completion),
+            total_tokens: total.unwrap_or(prompt.saturating_add(completion)),
         })
     }
 }
@@ -496,20 +499,20 @@ impl StreamCap {
 #[derive(serde::Deserialize)]
 struct StreamChunk<'a> {
     #[serde(borrow, default)]
-    id: Option<Cow<'a, str>>,
+    id: Option<Text<'a>>,
     #[serde(default)]
     created: Option<u64>,
     #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
+    model: Option<Text<'a>>,
     #[serde(borrow, default)]
-    choices: Vec<StreamChoice<'a>>,
+    choices: Vec<Object<StreamChoice<'a>>>,
     #[serde(default)]
-    usage: Option<UsageFields>,
+    usage: Option<Object<UsageFields>>,
     #[serde(default)]
-    response: Option<ResponseEvent>,
+    response: Option<Object<ResponseEvent>>,
     /// Responses API text deltas (`response.output_text.delta`).
     #[serde(borrow, default)]
-    delta: Option<Cow<'a, str>>,
+    delta: Option<Text<'a>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -517,13 +520,13 @@ struct StreamChoice<'a> {
     #[serde(borrow, default)]
     delta: Option<ChoiceDelta<'a>>,
     #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
+    text: Option<Text<'a>>,
 }
 
 /// A choice's `delta`; `has_content` tells an absent `content` (the choice's `text` is read
 /// instead) from a `null` one (nothing is), as the document path does.
 struct ChoiceDelta<'a> {
-    content: Option<Cow<'a, str>>,
+    content: Option<Text<'a>>,
     has_content: bool,
 }
 
@@ -532,9 +535,9 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for ChoiceDelta<'a> {
         #[derive(serde::Deserialize)]
         struct Raw<'a> {
             #[serde(borrow, default, deserialize_with = "present")]
-            content: Option<Option<Cow<'a, str>>>,
+            content: Option<Option<Text<'a>>>,
         }
-        let raw = Raw::deserialize(d)?;
+        let Object(raw) = Object::<Raw>::deserialize(d)?;
         Ok(ChoiceDelta {
             has_content: raw.content.is_some(),
             content: raw.content.flatten(),
@@ -551,10 +554,70 @@ where
     T::deserialize(d).map(Some)
 }
 
+/// A JSON string, borrowed from the input when it has no escapes (serde's own `Cow` always
+/// copies).
+struct Text<'a>(Cow<'a, str>);
+
+impl std::ops::Deref for Text<'_> {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl<'de: 'a, 'a> serde::Deserialize<'de> for Text<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct TextVisitor;
+        impl<'de> serde::de::Visitor<'de> for TextVisitor {
+            type Value = Cow<'de, str>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Cow<'de, str>, E> {
+                Ok(Cow::Borrowed(text))
+            }
+            fn visit_str<E>(self, text: &str) -> Result<Cow<'de, str>, E> {
+                Ok(Cow::Owned(text.to_owned()))
+            }
+        }
+        d.deserialize_str(TextVisitor).map(Text)
+    }
+}
+
+/// `T` read from a JSON object only: serde's derived structs also accept an array of their
+/// fields, which the document reader never reads as one.
+struct Object<T>(T);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ObjectVisitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for ObjectVisitor<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(ObjectVisitor(std::marker::PhantomData))
+            .map(Object)
+    }
+}
+
+/// Whether the one-pass readers may read `json`: they skip fields without checking them, so
+/// what the document reader would refuse (bytes that are not UTF-8, a `\uD800`-`\uDFFF`
+/// escape, lone or paired) goes to the document reader instead, and both agree.
+fn fast_path_ok(json: &[u8]) -> bool {
+    let surrogate_escape = memchr::memchr_iter(b'\\', json)
+        .any(|at| matches!(json.get(at + 1..at + 3), Some([b'u', b'd' | b'D'])));
+    !surrogate_escape && std::str::from_utf8(json).is_ok()
+}
+
 #[derive(serde::Deserialize)]
 struct ResponseEvent {
     #[serde(default)]
-    usage: Option<UsageFields>,
+    usage: Option<Object<UsageFields>>,
 }
 
 /// A `usage` object's token counts, under OpenAI's or the Responses API's names.
@@ -579,7 +642,9 @@ impl UsageFields {
         Some(Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
-            total_tokens: self.total_tokens.unwrap_or(prompt + completion),
+            total_tokens: self
+                .total_tokens
+                .unwrap_or(prompt.saturating_add(completion)),
         })
     }
 }
@@ -740,9 +805,11 @@ impl ResponseMeter {
         let Some(data) = line.strip_prefix(b"data:") else {
             return;
         };
-        if let Ok(chunk) = serde_json::from_slice::<StreamChunk>(data) {
-            self.read_chunk(chunk);
-            return;
+        if fast_path_ok(data) {
+            if let Ok(Object(chunk)) = serde_json::from_slice::<Object<StreamChunk>>(data) {
+                self.read_chunk(chunk);
+                return;
+            }
         }
         let Ok(json) = serde_json::from_slice::<Value>(data) else {
             return;
@@ -759,17 +826,20 @@ impl ResponseMeter {
                 self.stream_model = chunk.model.map(|m| m.chars().take(128).collect());
             }
         }
-        if let Some(usage) = chunk.usage.and_then(UsageFields::usage) {
-            self.usage = Some(usage);
+        if let Some(Object(usage)) = chunk.usage {
+            if let Some(usage) = usage.usage() {
+                self.usage = Some(usage);
+            }
         }
-        if let Some(usage) = chunk
-            .response
-            .and_then(|r| r.usage)
-            .and_then(UsageFields::usage)
+        if let Some(Object(ResponseEvent {
+            usage: Some(Object(usage)),
+        })) = chunk.response
         {
-            self.usage = Some(usage);
+            if let Some(usage) = usage.usage() {
+                self.usage = Some(usage);
+            }
         }
-        for choice in &chunk.choices {
+        for Object(choice) in &chunk.choices {
             let text = match &choice.delta {
                 Some(delta) if delta.has_content => delta.content.as_deref(),
                 _ => choice.text.as_deref(),
@@ -1047,6 +1117,10 @@ mod tests {
             3 => "[a-z \\\\\"é]{1,12}".prop_map(|t| Some(Value::from(t))),
             1 => Just(Some(serde_json::json!({}))),
             1 => Just(Some(serde_json::json!([]))),
+            // Arrays where objects go: serde's derived structs would read them as fields.
+            1 => Just(Some(serde_json::json!([1, 2, 3, 4, 5]))),
+            1 => Just(Some(serde_json::json!(["a b", "c"]))),
+            1 => Just(Some(serde_json::json!([null, "a b c"]))),
         ]
     }
 
@@ -1223,6 +1297,44 @@ mod tests {
     }
 
     #[test]
+    fn request_edge_cases_read_like_documents() {
+        let bodies: [&[u8]; 6] = [
+            // Bytes that are not UTF-8, or a lone surrogate, in a field the one-pass reader
+            // skips: not JSON to the document reader, so the whole body is estimated as text.
+            b"{\"messages\":[{\"content\":\"a b\"}],\"user\":\"\xff\xfe\"}",
+            br#"{"messages":[{"content":"a b"}],"user":"\udc00"}"#,
+            // A paired surrogate is fine for both.
+            br#"{"messages":[{"content":"a b \ud83d\ude00"}],"max_tokens":7}"#,
+            // Not an object at the top: nothing is a prompt field.
+            br#"[{"messages":[{"content":"a b"}]}]"#,
+            // Numbers that are not whole are not a completion.
+            br#"{"prompt":"a","max_tokens":1e3,"max_completion_tokens":5.0,"max_output_tokens":-1}"#,
+            // Trailing bytes after the object.
+            br#"{"prompt":"a b c"} x"#,
+        ];
+        for body in bodies {
+            assert_eq!(
+                LlmRequest::parse(body),
+                LlmRequest::parse_document(body),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        assert_eq!(
+            LlmRequest::parse(bodies[0]).prompt_tokens,
+            estimate_text(&String::from_utf8_lossy(bodies[0]))
+        );
+        assert_eq!(
+            LlmRequest::parse(bodies[2]),
+            LlmRequest {
+                prompt_tokens: 4,
+                max_completion: Some(7)
+            }
+        );
+        assert_eq!(LlmRequest::parse(bodies[4]).max_completion, None);
+    }
+
+    #[test]
     fn typed_chunk_edge_cases_read_like_documents() {
         // (chunk, completion estimate, total tokens)
         let cases = [
@@ -1259,8 +1371,28 @@ mod tests {
                 0,
                 Some(9),
             ),
+            // Arrays are not objects, however many fields they could fill.
+            (r#"{"usage":[1,2,3,4,5]}"#, 0, None),
+            (r#"{"choices":[{"delta":["a b"]}]}"#, 0, None),
+            (r#"{"choices":[[null,"a b c"]]}"#, 0, None),
+            (r#"{"response":[[1,2,3,4,5]]}"#, 0, None),
+            // Counts past u64 when summed saturate.
+            (
+                r#"{"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":2}}"#,
+                0,
+                Some(u64::MAX),
+            ),
+            // A lone surrogate escape: not JSON to the document reader, so nothing is read.
+            (r#"{"x":"\ud800","usage":{"total_tokens":9}}"#, 0, None),
         ];
         for (chunk, estimate, total) in cases {
+            let value: Option<Value> = serde_json::from_str(chunk).ok();
+            if let Some(value) = &value {
+                let mut slow = ResponseMeter::new("text/event-stream", 1 << 16);
+                slow.read_document(value, true);
+                assert_eq!(slow.completion_estimate(), estimate, "{chunk}");
+                assert_eq!(slow.usage().map(|u| u.total_tokens), total, "{chunk}");
+            }
             let mut meter = ResponseMeter::new("text/event-stream", 1 << 16);
             meter.feed(format!("data: {chunk}\n").as_bytes());
             assert_eq!(meter.completion_estimate(), estimate, "{chunk}");

@@ -183,9 +183,19 @@ fn serve(
             let _ = out.write_all(format!("{}0\r\n\r\n", event("[DONE]")).as_bytes());
             return;
         }
-        if request_line.contains(" /v1/burst/") {
-            // The header and 40 deltas in one write: the gateway gets them in one piece.
-            let all = format!("{head}{}{}0\r\n\r\n", delta().repeat(40), event("[DONE]"));
+        if request_line.contains(" /v1/burst/") || request_line.contains(" /v1/early/") {
+            // The header and 40 deltas in one write: the gateway gets them in one piece;
+            // `/v1/early/` puts a 103 Early Hints before them.
+            let early = if request_line.contains(" /v1/early/") {
+                "HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+            } else {
+                ""
+            };
+            let all = format!(
+                "{early}{head}{}{}0\r\n\r\n",
+                delta().repeat(40),
+                event("[DONE]")
+            );
             let _ = out.write_all(all.as_bytes());
             return;
         }
@@ -472,6 +482,23 @@ fn a_stream_past_max_completion_tokens_is_stopped_and_charged_what_it_streamed()
     assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
     assert!(body.ends_with(closing), "{body}");
     wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 2);
+
+    // After a 103 Early Hints the final header still goes out (with the limit headers),
+    // then the stopped stream.
+    let raw = raw_post(&gw, "/v1/early/chat/completions", "tenant-e", STREAM_CHAT);
+    assert!(raw.starts_with("HTTP/1.1 103"), "{raw}");
+    let (early, rest) = raw.split_once("\r\n\r\n").expect("103 head");
+    assert!(!early.to_ascii_lowercase().contains("ratelimit"), "{early}");
+    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
+    assert!(
+        rest.to_ascii_lowercase().contains("\"chat:tpd\";r=4976"),
+        "{rest}"
+    );
+    assert!(rest.ends_with("\r\n0\r\n\r\n"), "{rest}");
+    let body = &support::split_responses(rest.as_bytes())[0].body;
+    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
+    assert!(body.ends_with(closing), "{body}");
+    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 3);
 
     // A JSON answer is whole before it is read: never stopped, charged its usage (300).
     let r = chat(&gw, "/v1/chat/completions", "tenant-j", CHAT);

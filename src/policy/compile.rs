@@ -1373,7 +1373,12 @@ impl Compiler {
         };
         let stream_cap = match config.get("streaming") {
             None => Some(None),
-            Some(v) => self.llm_streaming(v, &join(path, "streaming"), max_completion),
+            // An invalid `max_completion_tokens` is reported once, at its own path.
+            Some(v) => self.llm_streaming(
+                v,
+                &join(path, "streaming"),
+                max_completion.ok_or(config.contains_key("max_completion_tokens")),
+            ),
         };
         if self.errors.len() > errors_before {
             return None;
@@ -1406,12 +1411,13 @@ impl Compiler {
     /// block is written): `enabled` and `enforce_mid_stream` (default true), `buffer_tokens`
     /// (default 100), `on_limit_exceeded` (`graceful_close`, the default, or `error_chunk`) and
     /// `include_partial_usage` (default true). `Some(None)` when streams are not stopped;
-    /// stopping needs the rule's `max_completion_tokens`.
+    /// stopping needs the rule's `max_completion_tokens` (`Err(true)`: written but invalid,
+    /// already reported; `Err(false)`: absent).
     fn llm_streaming(
         &mut self,
         v: &Value,
         path: &str,
-        max_completion: Option<u64>,
+        max_completion: Result<u64, bool>,
     ) -> Option<Option<crate::llm::StreamCap>> {
         let map = self.object(v, path, LLM_STREAMING_FIELDS)?;
         let enabled = self.flag(map, path, "enabled", true);
@@ -1436,12 +1442,17 @@ impl Compiler {
         if !(enabled && enforce) {
             return Some(None);
         }
-        let Some(max_completion_tokens) = max_completion else {
-            self.error(
-                &join(path, "enforce_mid_stream"),
-                "stops streams past max_completion_tokens, which this rule does not set",
-            );
-            return None;
+        let max_completion_tokens = match max_completion {
+            Ok(max) => max,
+            Err(written_but_invalid) => {
+                if !written_but_invalid {
+                    self.error(
+                        path,
+                        "stops streams past max_completion_tokens, which this rule does not set",
+                    );
+                }
+                return None;
+            }
         };
         Some(Some(crate::llm::StreamCap {
             max_completion_tokens,
@@ -2310,7 +2321,14 @@ mod tests {
         );
         assert_eq!(
             errors_of(llm_rule(json!({"tokens_per_minute": 600, "streaming": {"enforce_mid_stream": true}}))),
-            ["rules[0].algorithm_config.streaming.enforce_mid_stream: stops streams past max_completion_tokens, which this rule does not set"]
+            ["rules[0].algorithm_config.streaming: stops streams past max_completion_tokens, which this rule does not set"]
+        );
+        // An invalid max_completion_tokens is reported once, where it is.
+        assert_eq!(
+            errors_of(llm_rule(
+                json!({"tokens_per_minute": 600, "max_completion_tokens": 0, "streaming": {}})
+            )),
+            ["rules[0].algorithm_config.max_completion_tokens: must be a whole number from 1 to 1000000000"]
         );
     }
 

@@ -602,6 +602,11 @@ impl ProxyHttp for Proxy {
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        // A 1xx (103 Early Hints, 100 Continue) passes as it came: the limit headers, the meter
+        // and the access-log facts belong to the final response that follows it.
+        if upstream_response.status.is_informational() {
+            return Ok(());
+        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             let content_type = upstream_response
                 .headers
@@ -749,7 +754,12 @@ async fn finish_stopped_stream(session: &mut Session, ctx: &mut RequestCtx) -> F
     if let Some(stop) = ctx.metering.as_mut().and_then(|m| m.stop.as_mut()) {
         let header = stop.header.take();
         if let (Some(tail), Some(header)) = (stop.tail.take(), header) {
-            let header_ok = session.response_written().is_some()
+            // A 1xx (100 Continue, 103 Early Hints) written before does not count: the final
+            // header may be in the batch that was dropped.
+            let header_written = session
+                .response_written()
+                .is_some_and(|h| !h.status.is_informational());
+            let header_ok = header_written
                 || session
                     .write_response_header(Box::new(header), false)
                     .await
