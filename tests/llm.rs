@@ -444,21 +444,31 @@ fn raw_post(gw: &Gateway, path: &str, tenant: &str, body: &str) -> String {
     String::from_utf8_lossy(&raw).into_owned()
 }
 
+/// What a client gets of a stream stopped after 8 deltas of 4 tokens (32, past 20 + 10): a
+/// last chunk like a model's at its max_tokens, `[DONE]`, and the end of the body.
+const CLOSING: &str = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\",\"index\":0}],\"created\":1764000000,\"id\":\"chatcmpl-7\",\"model\":\"m-large\",\"object\":\"chat.completion.chunk\",\"usage\":{\"completion_tokens\":32,\"prompt_tokens\":4,\"total_tokens\":36}}\n\ndata: [DONE]\n\n";
+
+/// Checks a raw HTTP/1.1 response (from its final header on) is a complete 200 carrying
+/// `limit_item`, with 8 deltas then [`CLOSING`].
+fn assert_stopped(raw: &str, limit_item: &str) {
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    assert!(raw.to_ascii_lowercase().contains(limit_item), "{raw}");
+    // The last chunk of a chunked body: the response is complete, not cut off.
+    assert!(raw.ends_with("\r\n0\r\n\r\n"), "{raw}");
+    let body = &support::split_responses(raw.as_bytes())[0].body;
+    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
+    assert!(body.ends_with(CLOSING), "{body}");
+}
+
+const STOPPED: &str = "tollgate_llm_settlements_total{source=\"stopped\"}";
+
 #[test]
 fn a_stream_past_max_completion_tokens_is_stopped_and_charged_what_it_streamed() {
     let upstream = FakeOpenAi::start();
     let gw = Gateway::start(Some(CAPPED_POLICY), Some(upstream.addr), &[]);
-    // Deltas of 4 tokens each: the 8th takes the estimate to 32, past 20 + 10. The client gets
-    // 8 deltas, then a last chunk like a model at its max_tokens, and a complete response.
-    let closing = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\",\"index\":0}],\"created\":1764000000,\"id\":\"chatcmpl-7\",\"model\":\"m-large\",\"object\":\"chat.completion.chunk\",\"usage\":{\"completion_tokens\":32,\"prompt_tokens\":4,\"total_tokens\":36}}\n\ndata: [DONE]\n\n";
+    // A delta every 5 ms: the gateway reads them one by one.
     let raw = raw_post(&gw, "/v1/long/chat/completions", "tenant-l", STREAM_CHAT);
-    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
-    // The last chunk of a chunked body: the response is complete, not cut off.
-    assert!(raw.ends_with("\r\n0\r\n\r\n"), "{raw}");
-    let response = support::split_responses(raw.as_bytes());
-    let body = &response[0].body;
-    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
-    assert!(body.ends_with(closing), "{body}");
+    assert_stopped(&raw, "\"chat:tpd\";r=4976");
     // The upstream connection was dropped: the model stopped well before its 400 deltas.
     gw.wait_until(Duration::from_secs(10), || {
         upstream.long.aborted.load(Ordering::SeqCst)
@@ -466,22 +476,14 @@ fn a_stream_past_max_completion_tokens_is_stopped_and_charged_what_it_streamed()
     assert!(upstream.long.deltas_written.load(Ordering::SeqCst) < LONG_DELTAS);
     // Charged what was let through: prompt 4 + completion 32 (24 were reserved: the
     // completion is capped at 20), whatever the client asked for.
-    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 1);
+    wait_settled(&gw, STOPPED, 1);
     let r = chat(&gw, "/v1/chat/completions", "tenant-l", CHAT);
     assert_eq!(remaining(&r, "chat:tpd"), 5000 - 36 - 24);
 
     // Header and deltas reaching the gateway in one piece are stopped the same way.
     let raw = raw_post(&gw, "/v1/burst/chat/completions", "tenant-b", STREAM_CHAT);
-    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
-    assert!(
-        raw.to_ascii_lowercase().contains("\"chat:tpd\";r=4976"),
-        "{raw}"
-    );
-    assert!(raw.ends_with("\r\n0\r\n\r\n"), "{raw}");
-    let body = &support::split_responses(raw.as_bytes())[0].body;
-    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
-    assert!(body.ends_with(closing), "{body}");
-    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 2);
+    assert_stopped(&raw, "\"chat:tpd\";r=4976");
+    wait_settled(&gw, STOPPED, 2);
 
     // After a 103 Early Hints the final header still goes out (with the limit headers),
     // then the stopped stream.
@@ -489,16 +491,8 @@ fn a_stream_past_max_completion_tokens_is_stopped_and_charged_what_it_streamed()
     assert!(raw.starts_with("HTTP/1.1 103"), "{raw}");
     let (early, rest) = raw.split_once("\r\n\r\n").expect("103 head");
     assert!(!early.to_ascii_lowercase().contains("ratelimit"), "{early}");
-    assert!(rest.starts_with("HTTP/1.1 200"), "{rest}");
-    assert!(
-        rest.to_ascii_lowercase().contains("\"chat:tpd\";r=4976"),
-        "{rest}"
-    );
-    assert!(rest.ends_with("\r\n0\r\n\r\n"), "{rest}");
-    let body = &support::split_responses(rest.as_bytes())[0].body;
-    assert_eq!(body.matches("\"content\": \"w w w \"").count(), 8, "{body}");
-    assert!(body.ends_with(closing), "{body}");
-    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 3);
+    assert_stopped(rest, "\"chat:tpd\";r=4976");
+    wait_settled(&gw, STOPPED, 3);
 
     // A JSON answer is whole before it is read: never stopped, charged its usage (300).
     let r = chat(&gw, "/v1/chat/completions", "tenant-j", CHAT);
@@ -550,7 +544,7 @@ fn a_stopped_stream_ends_cleanly_over_http2() {
     gw.wait_until(Duration::from_secs(10), || {
         upstream.long.aborted.load(Ordering::SeqCst)
     });
-    wait_settled(&gw, "tollgate_llm_settlements_total{source=\"stopped\"}", 1);
+    wait_settled(&gw, STOPPED, 1);
 }
 
 #[test]
