@@ -448,8 +448,10 @@ pub struct Settled {
 }
 
 impl Reservation {
-    /// What settling on `used` tokens does: the unused part refunded, an overrun charged.
+    /// What settling on `used` tokens does: the unused part refunded, an overrun charged
+    /// (`used` counts at most [`crate::llm::MAX_TOKENS`]).
     pub fn settled(&self, used: u64) -> Settled {
+        let used = used.min(crate::llm::MAX_TOKENS);
         let reserved = self.tokens();
         Settled {
             reserved,
@@ -474,10 +476,11 @@ impl Reservation {
         self.rules.iter().map(|r| r.tokens).max().unwrap_or(0)
     }
 
-    /// The settlement once `used` tokens were really used: each bucket moves by `used` minus
-    /// what it reserved (a refund when negative).
+    /// The settlement once `used` tokens (at most [`crate::llm::MAX_TOKENS`]) were really
+    /// used: each bucket moves by `used` minus what it reserved (a refund when negative).
     pub fn adjustments(&self, used: u64) -> SmallVec<[crate::store::AdjustOp; 2]> {
         let used = used
+            .min(crate::llm::MAX_TOKENS)
             .saturating_mul(crate::limiter::MICRO)
             .min(i64::MAX as u64) as i64;
         self.ops
@@ -1859,6 +1862,13 @@ mod tests {
         );
         assert_eq!(reservation.stream_cap().map(|c| c.limit()), Some(150));
         assert_eq!(reservation.prompt_tokens(), 4);
+        // A usage past any policy's reach settles as the largest one, in every store's range.
+        let over = reservation.adjustments(u64::MAX);
+        assert_eq!(
+            over[0].delta,
+            (crate::llm::MAX_TOKENS * MICRO - reservation.ops[0].cost) as i64
+        );
+        assert_eq!(reservation.settled(u64::MAX).used, crate::llm::MAX_TOKENS);
     }
 
     #[test]

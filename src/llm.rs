@@ -7,6 +7,11 @@
 use serde_json::Value;
 use std::borrow::Cow;
 
+/// The largest token count a policy field takes, and a settlement charges: a billion. A usage
+/// reported above it (by an upstream or a `POST /v1/usage` caller) settles as this much, so
+/// no store's arithmetic (µtokens in 64 bits, refill times in µs) can overflow on it.
+pub const MAX_TOKENS: u64 = 1_000_000_000;
+
 /// Where a `token_bucket_llm` rule takes its prompt estimate from (`token_source.estimator`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Estimator {

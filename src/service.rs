@@ -378,6 +378,26 @@ impl Gateway {
             .is_some_and(|b| b.meters_tokens_for(facts))
     }
 
+    /// Whether an enforced `token_bucket_llm` rule may apply to this request: a body too large
+    /// to read is then refused (413); with shadow rules alone it goes through unread.
+    pub fn enforces_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
+        let now = self.clock.unix_secs();
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.enforces_tokens_for(facts, now))
+    }
+
+    /// Whether any enforced `token_bucket_llm` rule is in force (the decision service's
+    /// coarser question: it reads the body before it knows the request).
+    pub fn enforces_tokens(&self) -> bool {
+        let now = self.clock.unix_secs();
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.enforces_tokens(now))
+    }
+
     /// Settles an LLM reservation once `used` tokens are known: every bucket it reserved on
     /// moves by the difference (refund or further charge), counted under `source`. A store
     /// failure leaves the reservation charged as reserved (logged by the store).
@@ -388,6 +408,9 @@ impl Gateway {
         reported_prompt: Option<u64>,
         source: &str,
     ) -> Settled {
+        // A usage past any policy's reach (a hostile report) counts as the largest one.
+        let used = used.min(crate::llm::MAX_TOKENS);
+        let reported_prompt = reported_prompt.map(|p| p.min(crate::llm::MAX_TOKENS));
         let adjustments = reservation.adjustments(used);
         let _ = self.store.adjust(self.store.now_us(), &adjustments).await;
         self.metrics

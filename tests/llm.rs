@@ -38,6 +38,8 @@ struct FakeOpenAi {
     gate: Arc<(Mutex<bool>, Condvar)>,
     stream_finished: Arc<AtomicBool>,
     long: Arc<LongStream>,
+    /// The `Accept-Encoding` of every request, in order ("" when absent).
+    encodings: Arc<Mutex<Vec<String>>>,
 }
 
 /// What the upstream saw of its `/v1/long/...` streams: deltas written, and whether the
@@ -61,6 +63,7 @@ impl FakeOpenAi {
             gate: Arc::new((Mutex::new(false), Condvar::new())),
             stream_finished: Arc::default(),
             long: Arc::default(),
+            encodings: Arc::default(),
         };
         let shared = (
             Arc::clone(&upstream.hits),
@@ -68,13 +71,14 @@ impl FakeOpenAi {
             Arc::clone(&upstream.gate),
             Arc::clone(&upstream.stream_finished),
             Arc::clone(&upstream.long),
+            Arc::clone(&upstream.encodings),
         );
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
                 let shared = shared.clone();
                 std::thread::spawn(move || {
-                    let (hits, bodies, gate, finished, long) = shared;
-                    serve(conn, &hits, &bodies, &gate, &finished, &long);
+                    let (hits, bodies, gate, finished, long, encodings) = shared;
+                    serve(conn, &hits, &bodies, &gate, &finished, &long, &encodings);
                 });
             }
         });
@@ -99,6 +103,7 @@ fn serve(
     gate: &(Mutex<bool>, Condvar),
     stream_finished: &AtomicBool,
     long: &LongStream,
+    encodings: &Mutex<Vec<String>>,
 ) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
     let Ok(read_half) = conn.try_clone() else {
@@ -111,7 +116,7 @@ fn serve(
         if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
             return;
         }
-        let (mut length, mut chunked) = (0usize, false);
+        let (mut length, mut chunked, mut encoding) = (0usize, false, String::new());
         loop {
             let mut line = String::new();
             if reader.read_line(&mut line).unwrap_or(0) == 0 {
@@ -127,6 +132,9 @@ fn serve(
             }
             if name.eq_ignore_ascii_case("transfer-encoding") && value.contains("chunked") {
                 chunked = true;
+            }
+            if name.eq_ignore_ascii_case("accept-encoding") {
+                encoding = value.trim().to_string();
             }
         }
         let body = if chunked {
@@ -155,6 +163,13 @@ fn serve(
         };
         let streamed = String::from_utf8_lossy(&body).contains(r#""stream": true"#);
         bodies.lock().unwrap().push(body);
+        encodings.lock().unwrap().push(encoding);
+        if request_line.contains(" /v1/silent/") {
+            // Reads the request, then hangs up without a word.
+            hits.fetch_add(1, Ordering::SeqCst);
+            let _ = out.shutdown(std::net::Shutdown::Both);
+            return;
+        }
         hits.fetch_add(1, Ordering::SeqCst);
         let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n";
         let event = |json: &str| {
@@ -545,6 +560,139 @@ fn a_stopped_stream_ends_cleanly_over_http2() {
         upstream.long.aborted.load(Ordering::SeqCst)
     });
     wait_settled(&gw, STOPPED, 1);
+}
+
+#[test]
+fn usage_is_read_uncompressed_and_a_request_never_answered_pays_its_prompt() {
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(Some(POLICY), Some(upstream.addr), &[]);
+    // SDKs ask for gzip and br: the upstream is asked for an uncompressed answer, whose usage
+    // (300) is what the day is charged.
+    let r = request_with_body(
+        gw.proxy,
+        "POST",
+        "/v1/chat/completions",
+        &[
+            ("X-Api-Key", "tenant-z"),
+            ("Accept-Encoding", "gzip, deflate, br"),
+        ],
+        CHAT.as_bytes(),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(upstream.encodings.lock().unwrap().as_slice(), ["identity"]);
+    wait_settled(&gw, SETTLED_BY_USAGE, 1);
+    // Requests no token_bucket_llm rule applies to keep their own Accept-Encoding.
+    let plain = Gateway::start(None, Some(upstream.addr), &[]);
+    let r = request_with_body(
+        plain.proxy,
+        "POST",
+        "/v1/chat/completions",
+        &[("Accept-Encoding", "gzip")],
+        CHAT.as_bytes(),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        upstream
+            .encodings
+            .lock()
+            .unwrap()
+            .last()
+            .map(String::as_str),
+        Some("gzip")
+    );
+
+    // The upstream read the request and hung up: the model read the prompt (4), so that
+    // much is charged; the 800 of completion reserved are refunded.
+    let r = chat(&gw, "/v1/silent/chat/completions", "tenant-q", CHAT);
+    assert_eq!(r.status, 502, "{r:?}");
+    wait_settled(&gw, SETTLED_BY_ESTIMATE, 1);
+    let r = chat(&gw, "/v1/chat/completions", "tenant-q", CHAT);
+    assert_eq!(remaining(&r, "chat:tpd"), 5000 - 4 - 804);
+}
+
+/// The same rule in shadow mode, with bodies read up to 1 KiB.
+const SHADOW_POLICY: &str = r#"{"bundle_version": 1, "policies": [{"id": "trial", "spec": {"mode": "shadow",
+    "rules": [{"name": "chat", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket_llm",
+    "algorithm_config": {"tokens_per_minute": 100000, "tokens_per_day": 5000}}]}}]}"#;
+
+#[test]
+fn shadow_rules_never_refuse_a_body_for_its_size() {
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(
+        Some(SHADOW_POLICY),
+        Some(upstream.addr),
+        &["--max-body-bytes", "1024"],
+    );
+    let big = format!(
+        r#"{{"model": "m", "messages": [{{"role": "user", "content": "{}"}}]}}"#,
+        "word ".repeat(400)
+    );
+    // Too large to read, and chunked past 64 KiB: enforced, 413 and 411; in shadow mode
+    // both reach the upstream whole.
+    let r = chat(&gw, "/v1/chat/completions", "tenant-s", &big);
+    assert_eq!(r.status, 200, "{r:?}");
+    let chunked_body = format!(
+        r#"{{"model": "m", "messages": [{{"role": "user", "content": "{}"}}]}}"#,
+        "word ".repeat(20_000)
+    );
+    let mut conn = TcpStream::connect(gw.proxy).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: api.example.com\r\nX-Api-Key: tenant-s\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
+    .into_bytes();
+    for piece in chunked_body.as_bytes().chunks(8192) {
+        raw.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+        raw.extend_from_slice(piece);
+        raw.extend_from_slice(b"\r\n");
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    conn.write_all(&raw).expect("send");
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).expect("answer");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let bodies = upstream.bodies.lock().unwrap();
+    assert_eq!(bodies.len(), 2);
+    assert_eq!(bodies[0], big.as_bytes());
+    assert_eq!(bodies[1], chunked_body.as_bytes());
+    drop(bodies);
+    // The decision service answers too, without the prompt.
+    let r = request_with_body(
+        gw.admin,
+        "POST",
+        "/v1/decision",
+        &[
+            ("X-Original-Method", "POST"),
+            ("X-Original-URI", "/v1/chat/completions"),
+            ("X-Api-Key", "tenant-s"),
+        ],
+        big.as_bytes(),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+
+    // Enforced, the same requests are refused before the upstream.
+    let enforced = Gateway::start(
+        Some(&SHADOW_POLICY.replace(r#""mode": "shadow","#, "")),
+        Some(upstream.addr),
+        &["--max-body-bytes", "1024"],
+    );
+    let r = chat(&enforced, "/v1/chat/completions", "tenant-s", &big);
+    assert_eq!(r.status, 413, "{r:?}");
+    let r = request_with_body(
+        enforced.admin,
+        "POST",
+        "/v1/decision",
+        &[
+            ("X-Original-URI", "/v1/chat/completions"),
+            ("X-Api-Key", "tenant-s"),
+        ],
+        big.as_bytes(),
+    );
+    assert_eq!(r.status, 413, "{r:?}");
+    assert_eq!(upstream.hits(), 2);
 }
 
 #[test]

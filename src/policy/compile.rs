@@ -235,7 +235,7 @@ const DEFAULT_STREAM_BUFFER_TOKENS: u64 = 100;
 const DEFAULT_MAX_COMPLETION: u64 = 1000;
 
 /// The largest token amount an LLM field takes (a billion tokens a minute or a day).
-const MAX_LLM_TOKENS: u64 = 1_000_000_000;
+const MAX_LLM_TOKENS: u64 = crate::llm::MAX_TOKENS;
 
 /// How long a concurrency slot is held at most when nobody gives it back.
 const DEFAULT_LEASE_TTL_SECS: u64 = 300;
@@ -747,6 +747,9 @@ impl Compiler {
             self.circuit_breaker(v, &join(path, "circuit_breaker"), policy_index, mode, start)
         });
         let meters_tokens = self.rules[start..].iter().any(|r| r.llm.is_some());
+        let enforces_tokens = self.rules[start..]
+            .iter()
+            .any(|r| r.llm.is_some() && r.mode == Mode::Enforce);
         for (minute, mut day) in std::mem::take(&mut self.day_rules) {
             day.index = self.rules.len();
             if let Some(llm) = self.rules[minute].llm.as_mut() {
@@ -767,6 +770,7 @@ impl Compiler {
             loop_detection,
             circuit_breaker,
             meters_tokens,
+            enforces_tokens,
         });
     }
 

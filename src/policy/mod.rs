@@ -169,6 +169,23 @@ impl Bundle {
                 .any(|p| p.meters_tokens && p.selector.matches(facts))
     }
 
+    /// Whether an enforced `token_bucket_llm` rule may apply to this request at `unix_secs`
+    /// (under `global_shadow`, none is).
+    pub fn enforces_tokens_for(&self, facts: &RequestFacts<'_>, unix_secs: i64) -> bool {
+        self.in_force(unix_secs)
+            .policies
+            .iter()
+            .any(|p| p.enforces_tokens && p.selector.matches(facts))
+    }
+
+    /// Whether any enforced `token_bucket_llm` rule is in force at `unix_secs`.
+    pub fn enforces_tokens(&self, unix_secs: i64) -> bool {
+        self.in_force(unix_secs)
+            .policies
+            .iter()
+            .any(|p| p.enforces_tokens)
+    }
+
     /// Looks up a rule by name.
     pub fn rule(&self, name: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| &*r.name == name)
@@ -207,6 +224,9 @@ pub struct Policy {
     pub circuit_breaker: Option<usize>,
     /// The policy has a `token_bucket_llm` rule (regular or fallback).
     pub meters_tokens: bool,
+    /// An enforced (not shadow) `token_bucket_llm` rule: a body too large to read is then
+    /// refused; with shadow rules alone it is let through unread.
+    pub enforces_tokens: bool,
 }
 
 /// Which requests a policy applies to.

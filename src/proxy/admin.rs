@@ -100,7 +100,17 @@ impl Admin {
                 || (path == "/v1/decision" && session.req_header().method == http::Method::POST));
         if metered || usage {
             let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes).await else {
-                return reply(413, JSON, HeaderList::new(), crate::llm::BODY_TOO_LARGE);
+                if usage || self.gateway.enforces_tokens() {
+                    return reply(413, JSON, HeaderList::new(), crate::llm::BODY_TOO_LARGE);
+                }
+                // Shadow rules alone refuse nothing: the rest is read past (not kept) and
+                // the decision made without the prompt.
+                let _ = session.drain_request_body().await;
+                let peer = session
+                    .client_addr()
+                    .and_then(|a| a.as_inet())
+                    .map(|sa| sa.ip());
+                return self.decision(session.req_header(), peer, None, None).await;
             };
             if usage {
                 return self.usage(session, &body).await;

@@ -61,6 +61,8 @@ struct Metering {
     /// Made when the response header arrives.
     meter: Option<crate::llm::ResponseMeter>,
     status: u16,
+    /// The request went to the upstream (the model may have read the prompt).
+    sent: bool,
     /// A successful streamed response its rules may stop (`streaming`).
     stop: Option<Box<StreamStop>>,
 }
@@ -104,20 +106,27 @@ impl StreamStop {
 
 impl Metering {
     /// The tokens to settle on, the prompt tokens the upstream reported, and how they were
-    /// known: the response's `usage`; else, for a successful response that sent something, the
-    /// prompt estimate plus the completion text seen (a stream cut short by the client or the
-    /// upstream is charged what it streamed); else nothing (all refunded).
+    /// known: the response's `usage`; else, once the request went to the upstream, the prompt
+    /// estimate plus the completion text seen — a stream cut short by the client or the
+    /// upstream, or stopped here, is charged what it streamed, and a request that got no
+    /// answer at all (timed out, reset, client gone first) its prompt, which the model read;
+    /// nothing (all refunded) for an error status or a request that never left.
     fn used(&self) -> (u64, Option<u64>, &'static str) {
+        let prompt = self.reservation.prompt_tokens();
         match &self.meter {
             Some(meter) => match meter.usage() {
                 Some(usage) => (usage.total_tokens, Some(usage.prompt_tokens), "usage"),
-                None if (200..300).contains(&self.status) && meter.bytes > 0 => {
-                    let prompt = self.reservation.prompt_tokens();
+                None if (200..300).contains(&self.status) => {
                     let source = if meter.stopped { "stopped" } else { "estimate" };
-                    (prompt + meter.completion_estimate(), None, source)
+                    (
+                        prompt.saturating_add(meter.completion_estimate()),
+                        None,
+                        source,
+                    )
                 }
                 None => (0, None, "unused"),
             },
+            None if self.sent => (prompt, None, "estimate"),
             None => (0, None, "unused"),
         }
     }
@@ -325,7 +334,9 @@ impl ProxyHttp for Proxy {
             (peer, trusted)
         });
         ctx.peer = peer;
-        // A `token_bucket_llm` rule needs the whole body (bounded) before deciding.
+        // A `token_bucket_llm` rule needs the whole body (bounded) before deciding. With shadow
+        // rules alone, a body that could be refused (too large, or chunked) is not read:
+        // shadow mode refuses nothing, and the shadow rules count it without its prompt.
         let metered = self.gateway.meters_tokens() && {
             let req = session.req_header();
             let (host, target) = host_and_target(req);
@@ -337,7 +348,12 @@ impl ProxyHttp for Proxy {
                 &HttpHeaders(&req.headers),
                 self.gateway.config.encoded_slashes,
             )
-            .is_ok_and(|facts| self.gateway.meters_tokens_for(&facts))
+            .is_ok_and(|facts| {
+                self.gateway.meters_tokens_for(&facts)
+                    && (self.gateway.enforces_tokens_for(&facts)
+                        || declared_length(req)
+                            .is_some_and(|n| n <= self.gateway.config.max_body_bytes))
+            })
         };
         let (body_hash, llm) = if metered {
             match read_whole_body(session, self.gateway.config.max_body_bytes).await {
@@ -405,6 +421,7 @@ impl ProxyHttp for Proxy {
                                 reservation,
                                 meter: None,
                                 status: 0,
+                                sent: false,
                                 stop: None,
                             })
                         });
@@ -594,6 +611,12 @@ impl ProxyHttp for Proxy {
             if access.generated_id {
                 upstream_request.insert_header("X-Request-Id", access.request_id.as_str())?;
             }
+        }
+        if let Some(metering) = ctx.metering.as_deref_mut() {
+            // The response's usage must be readable as it passes: uncompressed (SDKs ask
+            // for gzip and br by default).
+            upstream_request.insert_header(http::header::ACCEPT_ENCODING, "identity")?;
+            metering.sent = true;
         }
         Ok(())
     }
@@ -810,16 +833,19 @@ fn host_and_target(req: &RequestHeader) -> (Option<&str>, &str) {
 ///
 /// # Errors
 /// The status and JSON body to answer with.
+/// The request body's declared `Content-Length`, when it has one.
+fn declared_length(req: &RequestHeader) -> Option<usize> {
+    req.headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok())
+}
+
 async fn read_whole_body(
     session: &mut Session,
     limit: usize,
 ) -> std::result::Result<Bytes, (u16, &'static str)> {
-    let declared = session
-        .req_header()
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<usize>().ok());
+    let declared = declared_length(session.req_header());
     if declared.is_some_and(|n| n > limit) {
         return Err((413, crate::llm::BODY_TOO_LARGE));
     }

@@ -308,39 +308,21 @@ impl PostgresStore {
             groups.push(i32::from(op.group == Group::Shadow));
         }
         let now = now_us.min(i64::MAX as u64) as i64;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
+            &keys,
+            &bursts,
+            &nums,
+            &dens,
+            &costs,
+            &groups,
+            &now,
+            &windows,
+            &window_ends,
+        ];
         let call = async {
-            let mut attempt = 0;
-            loop {
-                let answer = client
-                    .query_one(
-                        TAKE,
-                        &[
-                            &keys,
-                            &bursts,
-                            &nums,
-                            &dens,
-                            &costs,
-                            &groups,
-                            &now,
-                            &windows,
-                            &window_ends,
-                        ],
-                    )
-                    .await;
-                match answer {
-                    // YugabyteDB: serialization failure under contention; bounded retry.
-                    Err(e)
-                        if attempt < 3
-                            && e.code()
-                                == Some(
-                                    &tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE,
-                                ) =>
-                    {
-                        attempt += 1;
-                    }
-                    other => return other.map(|row| row.get::<_, Vec<i64>>(0)),
-                }
-            }
+            retry_serialization(|| client.query_one(TAKE, &params))
+                .await
+                .map(|row| row.get::<_, Vec<i64>>(0))
         };
         let values = self.answer(call, ops.len() + 2).await?;
         outcomes_from(
@@ -375,14 +357,17 @@ impl PostgresStore {
             windows.push(op.window_id.map_or(0, |id| id.min(i64::MAX as u64) as i64));
         }
         let now = now_us.min(i64::MAX as u64) as i64;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+            [&keys, &bursts, &nums, &dens, &deltas, &windows, &now];
         let call = async {
-            client
-                .query_one(
+            retry_serialization(|| {
+                client.query_one(
                     "SELECT tollgate_settle($1, $2, $3, $4, $5, $6, $7)",
-                    &[&keys, &bursts, &nums, &dens, &deltas, &windows, &now],
+                    &params,
                 )
-                .await
-                .map(|row| vec![i64::from(row.get::<_, i32>(0))])
+            })
+            .await
+            .map(|row| vec![i64::from(row.get::<_, i32>(0))])
         };
         self.answer(call, 1).await.map(|_| ())
     }
@@ -512,6 +497,29 @@ impl PostgresStore {
 /// The URL without its password, for logs (see [`crate::redact::url`]).
 fn redact(url: &str) -> String {
     crate::redact::url(url).into_owned()
+}
+
+/// Runs a store statement again, up to 3 more times, on a serialization failure (SQLSTATE
+/// 40001: YugabyteDB under contention; PostgreSQL's single-statement functions never report
+/// one). Taking and settling both retry: a settlement lost to contention would lose a refund.
+async fn retry_serialization<T, F, Fut>(mut call: F) -> Result<T, tokio_postgres::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+{
+    let mut attempt = 0;
+    loop {
+        match call().await {
+            Err(e)
+                if attempt < 3
+                    && e.code()
+                        == Some(&tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE) =>
+            {
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
 }
 
 #[cfg(test)]
