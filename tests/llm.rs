@@ -638,11 +638,9 @@ fn shadow_rules_never_refuse_a_body_for_its_size() {
     let mut conn = TcpStream::connect(gw.proxy).expect("connect");
     conn.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
-    let mut raw = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: api.example.com\r\nX-Api-Key: tenant-s\r\n\
-         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-    )
-    .into_bytes();
+    let mut raw = b"POST /v1/chat/completions HTTP/1.1\r\nHost: api.example.com\r\n\
+        X-Api-Key: tenant-s\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        .to_vec();
     for piece in chunked_body.as_bytes().chunks(8192) {
         raw.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
         raw.extend_from_slice(piece);
