@@ -675,6 +675,7 @@ impl ProxyHttp for Proxy {
         }
         Ok(())
     }
+
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request.
         super::conn::request_done(http2_key(session), self.gateway.config.keepalive_timeout);
@@ -825,14 +826,6 @@ fn host_and_target(req: &RequestHeader) -> (Option<&str>, &str) {
     (host, target)
 }
 
-/// Reads a whole request body of at most `limit` bytes before deciding, so that Pingora can
-/// still send it upstream: its retry buffer (64 KiB) is switched on for the last 64 KiB of a
-/// body of known length, and `request_body_filter` puts the whole body in place of that tail.
-/// A chunked body over 64 KiB cannot be replayed (its end is only known once read), so it is
-/// refused with 411; one over `limit`, with 413 (a declared one before any byte is read).
-///
-/// # Errors
-/// The status and JSON body to answer with.
 /// The request body's declared `Content-Length`, when it has one.
 fn declared_length(req: &RequestHeader) -> Option<usize> {
     req.headers
@@ -841,6 +834,14 @@ fn declared_length(req: &RequestHeader) -> Option<usize> {
         .and_then(|v| v.trim().parse::<usize>().ok())
 }
 
+/// Reads a whole request body of at most `limit` bytes before deciding, so that Pingora can
+/// still send it upstream: its retry buffer (64 KiB) is switched on for the last 64 KiB of a
+/// body of known length, and `request_body_filter` puts the whole body in place of that tail.
+/// A chunked body over 64 KiB cannot be replayed (its end is only known once read), so it is
+/// refused with 411; one over `limit`, with 413 (a declared one before any byte is read).
+///
+/// # Errors
+/// The status and JSON body to answer with.
 async fn read_whole_body(
     session: &mut Session,
     limit: usize,
