@@ -10,6 +10,19 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Everything `run` needs, validated.
+/// The shortest `--reservation-secret` taken: 32 bytes, HMAC-SHA256's own key size.
+const MIN_RESERVATION_SECRET_BYTES: usize = 32;
+
+/// `--reservation-secret`'s bytes; `Debug` never shows them.
+#[derive(Clone)]
+pub struct ReservationSecret(pub Vec<u8>);
+
+impl std::fmt::Debug for ReservationSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReservationSecret(<redacted>)")
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub policy: PathBuf,
@@ -40,6 +53,8 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// How long the decision service keeps an unreported LLM reservation.
     pub reservation_ttl: Duration,
+    /// `--reservation-secret`: reservations travel in signed tokens any gateway settles.
+    pub reservation_secret: Option<ReservationSecret>,
     /// Explicit `--max-connections`; `None` = derived from the open-file limit at start.
     pub max_connections: Option<usize>,
     /// `--max-connections-per-ip`.
@@ -176,6 +191,15 @@ impl Config {
         if args.reservation_ttl_secs == 0 {
             errors.push("--reservation-ttl-secs 0: must be at least 1".to_string());
         }
+        if args
+            .reservation_secret
+            .as_ref()
+            .is_some_and(|s| s.len() < MIN_RESERVATION_SECRET_BYTES)
+        {
+            errors.push(format!(
+                "--reservation-secret: must be at least {MIN_RESERVATION_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)"
+            ));
+        }
         if args.max_connections == Some(0) {
             errors.push("--max-connections 0: must be at least 1".to_string());
         }
@@ -278,6 +302,10 @@ impl Config {
             keepalive_timeout: Duration::from_secs(args.keepalive_timeout_secs),
             max_body_bytes: args.max_body_bytes,
             reservation_ttl: Duration::from_secs(args.reservation_ttl_secs),
+            reservation_secret: args
+                .reservation_secret
+                .as_ref()
+                .map(|s| ReservationSecret(s.as_bytes().to_vec())),
             max_connections: args.max_connections,
             max_connections_per_ip: args.max_connections_per_ip,
             grpc,

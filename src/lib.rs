@@ -46,6 +46,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod redact;
+pub mod reservation_token;
 pub mod rls;
 pub mod routes;
 pub mod service;

@@ -92,6 +92,9 @@ pub struct Gateway {
     /// LLM reservations the decision service handed out, by token, until `POST /v1/usage`
     /// settles them or they expire (wall-clock µs).
     held: Mutex<ahash::AHashMap<String, (u64, Reservation)>>,
+    /// With `--reservation-secret`: reservations travel in tokens signed with this key
+    /// ([`crate::reservation_token`]) instead of being held here.
+    reservation_key: Option<ring::hmac::Key>,
 }
 
 /// Most LLM reservations the decision service keeps waiting for their usage; past it, a new
@@ -136,10 +139,14 @@ impl Gateway {
             },
             clock,
             policy: ArcSwapOption::empty(),
-            config,
             loaded: ArcSwapOption::empty(),
             watch: Mutex::new((None, None)),
             held: Mutex::new(ahash::AHashMap::new()),
+            reservation_key: config
+                .reservation_secret
+                .as_ref()
+                .map(|secret| crate::reservation_token::key(&secret.0)),
+            config,
         })
     }
 
@@ -418,19 +425,31 @@ impl Gateway {
         reservation.settled(used)
     }
 
-    /// Keeps a decision's reservation for `POST /v1/usage`: its token (32 hex digits, random:
-    /// only the caller that got it can settle it), or `None` when too many are waiting (it then
-    /// stays charged as reserved).
+    /// Keeps a decision's reservation for `POST /v1/usage` and returns its token: with
+    /// `--reservation-secret`, the reservation signed into the token itself (any gateway of
+    /// the fleet settles it); else 32 random hex digits naming it here. Either way only the
+    /// caller that got it can settle it. `None` when too many are held here (it then stays
+    /// charged as reserved).
     pub fn hold_reservation(&self, reservation: Reservation) -> Option<String> {
         let mut bytes = [0u8; 16];
         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).ok()?;
-        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         let expires = self.clock.unix_us().saturating_add(
             self.config
                 .reservation_ttl
                 .as_micros()
                 .min(u64::MAX as u128) as u64,
         );
+        if let Some(key) = &self.reservation_key {
+            let mut id = [0u8; 8];
+            id.copy_from_slice(&bytes[..8]);
+            return Some(crate::reservation_token::encode(
+                key,
+                u64::from_le_bytes(id),
+                expires,
+                &reservation,
+            ));
+        }
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         let mut held = self.held.lock();
         if held.len() >= MAX_HELD_RESERVATIONS {
             return None;
@@ -439,8 +458,9 @@ impl Gateway {
         Some(token)
     }
 
-    /// Settles a held reservation with the usage its caller reports; `None` when the token is
-    /// unknown, already settled or expired.
+    /// Settles a reservation with the usage its caller reports; `None` when the token is
+    /// unknown, forged, already settled or expired (or, for a signed token, when the store
+    /// that marks it settled cannot answer: it then stays charged as reserved).
     pub async fn report_usage(
         &self,
         token: &str,
@@ -448,7 +468,24 @@ impl Gateway {
         reported_prompt: Option<u64>,
     ) -> Option<Settled> {
         let now = self.clock.unix_us();
-        let (expires, reservation) = self.held.lock().remove(token.trim())?;
+        let token = token.trim();
+        if crate::reservation_token::is_signed(token) {
+            let verified = crate::reservation_token::decode(self.reservation_key.as_ref()?, token)?;
+            if verified.expires_us <= now {
+                return None;
+            }
+            if !self
+                .mark_settled(verified.id, verified.expires_us - now)
+                .await
+            {
+                return None;
+            }
+            return Some(
+                self.settle(&verified.reservation, used, reported_prompt, "report")
+                    .await,
+            );
+        }
+        let (expires, reservation) = self.held.lock().remove(token)?;
         if expires <= now {
             self.metrics
                 .llm_settled(&reservation, reservation.tokens(), None, "expired");
@@ -458,6 +495,28 @@ impl Gateway {
             self.settle(&reservation, used, reported_prompt, "report")
                 .await,
         )
+    }
+
+    /// Marks signed reservation `id` settled for the `ttl_us` it can still be reported in (and
+    /// a minute more, for clocks a little apart across the fleet): a lease on the shared store,
+    /// so only the first report anywhere settles it. `false` when it already was, or the
+    /// store cannot answer.
+    async fn mark_settled(&self, id: u64, ttl_us: u64) -> bool {
+        let op = crate::store::lease::LeaseOp {
+            key: crate::store::BucketKey::of(&format!("rsv:{id:016x}")),
+            max: 1,
+            group: crate::store::Group::Enforce,
+            ttl_us: ttl_us.saturating_add(60 * 1_000_000),
+            soft: false,
+        };
+        let mut results = crate::store::lease::LeaseResults::new();
+        // A fresh lease id: a second report, even from this gateway, finds the key full.
+        let lease_id = crate::store::lease::next_lease_id();
+        self.store
+            .acquire(self.store.now_us(), lease_id, &[op], &mut results)
+            .await
+            .is_ok()
+            && results.first().is_some_and(|r| r.allowed && r.committed)
     }
 
     /// Drops the held reservations whose time is up: they stay charged as reserved.

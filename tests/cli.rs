@@ -333,3 +333,23 @@ fn simulate_replays_a_conversation_log_with_real_usage() {
         ]
     );
 }
+
+#[test]
+fn a_short_reservation_secret_stops_start_up_without_being_echoed() {
+    let (code, _out, err) = tollgate(
+        &[
+            "run",
+            "--policy",
+            "policies/llm-tiers.json",
+            "--reservation-secret",
+            "hunter2-too-short",
+        ],
+        None,
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("--reservation-secret: must be at least 32 bytes"),
+        "{err}"
+    );
+    assert!(!err.contains("hunter2"), "{err}");
+}

@@ -634,8 +634,21 @@ pub fn start_fleet(
     timeout_ms: &str,
     wait: Duration,
 ) -> [Gateway; 2] {
+    start_fleet_with(policy, upstream, store_url, timeout_ms, wait, &[])
+}
+
+/// [`start_fleet`] with `extra` flags on both gateways.
+pub fn start_fleet_with(
+    policy: &str,
+    upstream: SocketAddr,
+    store_url: &str,
+    timeout_ms: &str,
+    wait: Duration,
+    extra: &[&str],
+) -> [Gateway; 2] {
     let store = format!("--store={store_url}");
-    let flags = [store.as_str(), "--store-timeout-ms", timeout_ms];
+    let mut flags = vec![store.as_str(), "--store-timeout-ms", timeout_ms];
+    flags.extend_from_slice(extra);
     let fleet = [
         Gateway::start(Some(policy), Some(upstream), &flags),
         Gateway::start(Some(policy), Some(upstream), &flags),
@@ -1159,6 +1172,57 @@ pub fn assert_usage_reconciled_across_a_fleet(store_url: &str) {
     let r = decide(&fleet[0]);
     assert!(
         tpd_item(&r).is_some_and(|item| item.starts_with("\"chat:tpd\";r=3596;")),
+        "{r:?}"
+    );
+    drop(fleet);
+
+    // With a shared --reservation-secret the token carries the reservation: decided on one
+    // gateway, settled on the other, once.
+    let secret = "--reservation-secret=0123456789abcdef0123456789abcdef-fleet";
+    let fleet = start_fleet_with(
+        policy,
+        upstream.addr,
+        store_url,
+        "1000",
+        Duration::from_secs(20),
+        &[secret],
+    );
+    let report = |gw: &Gateway, token: &str| {
+        request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/usage",
+            &[("X-Tollgate-Reservation", token)],
+            br#"{"total_tokens": 300}"#,
+        )
+    };
+    let r = decide(&fleet[0]);
+    assert_eq!(r.status, 200, "{r:?}");
+    // The day's 3596 left from above, 804 reserved.
+    assert!(
+        tpd_item(&r).is_some_and(|item| item.starts_with("\"chat:tpd\";r=2792;")),
+        "{r:?}"
+    );
+    let token = r
+        .header("x-tollgate-reservation")
+        .expect("reservation")
+        .to_string();
+    assert!(token.starts_with("v1."), "{token}");
+    // Altered anywhere in its payload: refused, nothing moves.
+    let forged = token.replacen("v1.e", "v1.f", 1);
+    assert_ne!(forged, token);
+    assert_eq!(report(&fleet[1], &forged).status, 404);
+    let settled = report(&fleet[1], &token);
+    assert_eq!(
+        settled.body,
+        r#"{"reserved":804,"used":300,"refunded":504,"charged_over":0}"#
+    );
+    // A second report, on either gateway, finds it settled.
+    assert_eq!(report(&fleet[0], &token).status, 404);
+    assert_eq!(report(&fleet[1], &token).status, 404);
+    let r = decide(&fleet[1]);
+    assert!(
+        tpd_item(&r).is_some_and(|item| item.starts_with("\"chat:tpd\";r=2492;")),
         "{r:?}"
     );
 }
