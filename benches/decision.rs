@@ -134,6 +134,43 @@ fn llm(c: &mut Criterion) {
             black_box(decision.is_allowed())
         })
     });
+    // With --reservation-secret, the decision service signs each reservation into its token
+    // and `POST /v1/usage` verifies it: one of each.
+    let prompt = tollgate::llm::LlmRequest::parse(body.as_bytes());
+    let facts = RequestFacts {
+        method: "POST",
+        path: std::borrow::Cow::Borrowed("/v1/chat/completions"),
+        query: None,
+        host: Some("api.example.com"),
+        client_ip: None,
+        headers: &keys[0],
+        claims: None,
+        envoy: None,
+        body_hash: None,
+        llm: Some(&prompt),
+    };
+    let bundle = policy.load();
+    let decision = decide_local(
+        &bundle,
+        &facts,
+        &store,
+        clock.now_us(),
+        clock.unix_us(),
+        EngineConfig::default(),
+    );
+    let reservation = decision.reservation().expect("a reservation");
+    let key = tollgate::reservation_token::key(b"0123456789abcdef0123456789abcdef");
+    c.bench_function("llm/signed_token_roundtrip", |b| {
+        b.iter(|| {
+            let token = tollgate::reservation_token::encode(
+                &key,
+                7,
+                1_800_000_000_000_000,
+                black_box(&reservation),
+            );
+            black_box(tollgate::reservation_token::decode(&key, &token))
+        })
+    });
 }
 
 /// Metering a streamed answer as it passes the proxy: 200 SSE delta events (a 1 000-word
