@@ -167,10 +167,10 @@ pub struct RunArgs {
     /// reported by then stays charged as reserved.
     #[arg(long, env = "TOLLGATE_RESERVATION_TTL_SECS", default_value_t = 600)]
     pub reservation_ttl_secs: u64,
-    /// A secret shared by every gateway of a fleet (at least 32 bytes; best from the
-    /// environment): decision-service LLM reservations then travel in tokens signed with it,
-    /// and `POST /v1/usage` settles one on any gateway of the fleet, once. Without it, a
-    /// reservation is held by the gateway that made it.
+    /// A secret shared by every gateway of a fleet on one shared --store (at least 32 bytes;
+    /// best from the environment): decision-service LLM reservations then travel in tokens
+    /// signed with it, and `POST /v1/usage` settles one on any gateway of the fleet, once.
+    /// Without it, a reservation is held by the gateway that made it.
     #[arg(long, env = "TOLLGATE_RESERVATION_SECRET", hide_env_values = true)]
     pub reservation_secret: Option<String>,
     /// Most client connections the proxy holds at once; further ones get 503 and are closed.

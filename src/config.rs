@@ -9,7 +9,6 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Everything `run` needs, validated.
 /// The shortest `--reservation-secret` taken: 32 bytes, HMAC-SHA256's own key size.
 const MIN_RESERVATION_SECRET_BYTES: usize = 32;
 
@@ -23,6 +22,7 @@ impl std::fmt::Debug for ReservationSecret {
     }
 }
 
+/// Everything `run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub policy: PathBuf,
@@ -199,6 +199,13 @@ impl Config {
             errors.push(format!(
                 "--reservation-secret: must be at least {MIN_RESERVATION_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)"
             ));
+        }
+        if args.reservation_secret.is_some() && matches!(store, StoreKind::Memory) {
+            // The mark that a token was settled lives in the store: in each gateway's own
+            // embedded store, a token would settle once per gateway.
+            errors.push(
+                "--reservation-secret: needs a shared --store (redis://... or postgres://...), which marks each reservation settled for the whole fleet".to_string(),
+            );
         }
         if args.max_connections == Some(0) {
             errors.push("--max-connections 0: must be at least 1".to_string());

@@ -97,6 +97,10 @@ pub struct Gateway {
     reservation_key: Option<ring::hmac::Key>,
 }
 
+/// How long past its expiry a signed reservation stays marked settled: gateways whose clocks
+/// disagree by up to this much still find the mark.
+const SETTLED_MARK_SLACK_US: u64 = 3_600 * 1_000_000;
+
 /// Most LLM reservations the decision service keeps waiting for their usage; past it, a new
 /// one is not kept and stays charged as reserved.
 const MAX_HELD_RESERVATIONS: usize = 100_000;
@@ -442,12 +446,22 @@ impl Gateway {
         if let Some(key) = &self.reservation_key {
             let mut id = [0u8; 8];
             id.copy_from_slice(&bytes[..8]);
-            return Some(crate::reservation_token::encode(
+            let token = crate::reservation_token::encode(
                 key,
                 u64::from_le_bytes(id),
                 expires,
                 &reservation,
-            ));
+            );
+            // One that could never be read back is not handed out (it stays charged as
+            // reserved, like a reservation too many to hold).
+            if token.len() > crate::reservation_token::MAX_TOKEN_LEN {
+                tracing::warn!(
+                    len = token.len(),
+                    "LLM reservation too large for a signed token; kept as reserved"
+                );
+                return None;
+            }
+            return Some(token);
         }
         let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
         let mut held = self.held.lock();
@@ -498,7 +512,7 @@ impl Gateway {
     }
 
     /// Marks signed reservation `id` settled for the `ttl_us` it can still be reported in (and
-    /// a minute more, for clocks a little apart across the fleet): a lease on the shared store,
+    /// an hour more, for gateways whose clocks disagree): a lease on the shared store,
     /// so only the first report anywhere settles it. `false` when it already was, or the
     /// store cannot answer.
     async fn mark_settled(&self, id: u64, ttl_us: u64) -> bool {
@@ -506,7 +520,7 @@ impl Gateway {
             key: crate::store::BucketKey::of(&format!("rsv:{id:016x}")),
             max: 1,
             group: crate::store::Group::Enforce,
-            ttl_us: ttl_us.saturating_add(60 * 1_000_000),
+            ttl_us: ttl_us.saturating_add(SETTLED_MARK_SLACK_US),
             soft: false,
         };
         let mut results = crate::store::lease::LeaseResults::new();

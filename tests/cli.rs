@@ -352,4 +352,21 @@ fn a_short_reservation_secret_stops_start_up_without_being_echoed() {
         "{err}"
     );
     assert!(!err.contains("hunter2"), "{err}");
+    // Long enough, but with the embedded store each gateway would mark its own settlements.
+    let (code, _out, err) = tollgate(
+        &[
+            "run",
+            "--policy",
+            "policies/llm-tiers.json",
+            "--reservation-secret",
+            "0123456789abcdef0123456789abcdef",
+        ],
+        None,
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("--reservation-secret: needs a shared --store"),
+        "{err}"
+    );
+    assert!(!err.contains("0123456789abcdef"), "{err}");
 }
