@@ -213,30 +213,39 @@ enum RequestKey {
     Other,
 }
 
+impl RequestKey {
+    fn of(key: &str) -> RequestKey {
+        if let Some(i) = COMPLETION_FIELDS.iter().position(|f| *f == key) {
+            RequestKey::Completion(i)
+        } else if matches!(
+            key,
+            "messages" | "prompt" | "input" | "instructions" | "system"
+        ) {
+            RequestKey::Prompt
+        } else {
+            RequestKey::Other
+        }
+    }
+}
+
 impl<'de> serde::Deserialize<'de> for RequestKey {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RequestKey, D::Error> {
-        struct KeyVisitor;
-        impl serde::de::Visitor<'_> for KeyVisitor {
-            type Value = RequestKey;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a field name")
-            }
-            fn visit_str<E>(self, key: &str) -> Result<RequestKey, E> {
-                Ok(
-                    if let Some(i) = COMPLETION_FIELDS.iter().position(|f| *f == key) {
-                        RequestKey::Completion(i)
-                    } else if matches!(
-                        key,
-                        "messages" | "prompt" | "input" | "instructions" | "system"
-                    ) {
-                        RequestKey::Prompt
-                    } else {
-                        RequestKey::Other
-                    },
-                )
-            }
-        }
-        d.deserialize_str(KeyVisitor)
+        d.deserialize_str(KeyVisitor(RequestKey::of))
+    }
+}
+
+/// Reads an object's key as `classify` sees it, without copying the name.
+struct KeyVisitor<T>(fn(&str) -> T);
+
+impl<T> serde::de::Visitor<'_> for KeyVisitor<T> {
+    type Value = T;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a field name")
+    }
+
+    fn visit_str<E>(self, key: &str) -> Result<T, E> {
+        Ok((self.0)(key))
     }
 }
 
@@ -329,20 +338,9 @@ struct PromptField(bool);
 
 impl<'de> serde::Deserialize<'de> for PromptField {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PromptField, D::Error> {
-        struct FieldVisitor;
-        impl serde::de::Visitor<'_> for FieldVisitor {
-            type Value = PromptField;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a field name")
-            }
-            fn visit_str<E>(self, key: &str) -> Result<PromptField, E> {
-                Ok(PromptField(matches!(
-                    key,
-                    "content" | "text" | "input_text"
-                )))
-            }
-        }
-        d.deserialize_str(FieldVisitor)
+        d.deserialize_str(KeyVisitor(|key| {
+            PromptField(matches!(key, "content" | "text" | "input_text"))
+        }))
     }
 }
 
@@ -822,14 +820,20 @@ impl ResponseMeter {
         self.read_document(&json, true);
     }
 
+    /// Keeps the stream's `id`, `created` and `model` from its first chunk naming an `id`
+    /// (bounded: 128 characters each), for the closing event of a stopped stream.
+    fn remember_stream(&mut self, id: &str, created: Option<u64>, model: Option<&str>) {
+        if self.stream_id.is_none() {
+            self.stream_id = Some(id.chars().take(128).collect());
+            self.stream_created = created;
+            self.stream_model = model.map(|m| m.chars().take(128).collect());
+        }
+    }
+
     /// A typed stream chunk: what [`ResponseMeter::read_document`] reads of the same JSON.
     fn read_chunk(&mut self, chunk: StreamChunk<'_>) {
-        if self.stream_id.is_none() {
-            if let Some(id) = &chunk.id {
-                self.stream_id = Some(id.chars().take(128).collect());
-                self.stream_created = chunk.created;
-                self.stream_model = chunk.model.map(|m| m.chars().take(128).collect());
-            }
+        if let Some(id) = &chunk.id {
+            self.remember_stream(id, chunk.created, chunk.model.as_deref());
         }
         if let Some(Object(usage)) = chunk.usage {
             if let Some(usage) = usage.usage() {
@@ -860,15 +864,9 @@ impl ResponseMeter {
 
     /// The usage and completion text of one JSON document (a whole response, or one chunk).
     fn read_document(&mut self, json: &Value, streamed: bool) {
-        if streamed && self.stream_id.is_none() {
-            if let Some(id) = json.get("id").and_then(Value::as_str) {
-                self.stream_id = Some(id.chars().take(128).collect());
-                self.stream_created = json.get("created").and_then(Value::as_u64);
-                self.stream_model = json
-                    .get("model")
-                    .and_then(Value::as_str)
-                    .map(|m| m.chars().take(128).collect());
-            }
+        if let Some(id) = json.get("id").and_then(Value::as_str).filter(|_| streamed) {
+            let created = json.get("created").and_then(Value::as_u64);
+            self.remember_stream(id, created, json.get("model").and_then(Value::as_str));
         }
         if let Some(usage) = Usage::of(json) {
             self.usage = Some(usage);
