@@ -98,6 +98,10 @@ impl Admin {
         let metered = self.gateway.meters_tokens()
             && (path.starts_with("/v1/decision/")
                 || (path == "/v1/decision" && session.req_header().method == http::Method::POST));
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|sa| sa.ip());
         if metered || usage {
             let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes).await else {
                 if usage || self.gateway.enforces_tokens() {
@@ -106,10 +110,6 @@ impl Admin {
                 // Shadow rules alone refuse nothing: the rest is read past (not kept) and
                 // the decision made without the prompt.
                 let _ = session.drain_request_body().await;
-                let peer = session
-                    .client_addr()
-                    .and_then(|a| a.as_inet())
-                    .map(|sa| sa.ip());
                 return self.decision(session.req_header(), peer, None, None).await;
             };
             if usage {
@@ -117,10 +117,6 @@ impl Admin {
             }
             let body_hash = crate::descriptor::body_hash(&body);
             let llm = crate::llm::LlmRequest::parse(&body);
-            let peer = session
-                .client_addr()
-                .and_then(|a| a.as_inet())
-                .map(|sa| sa.ip());
             return self
                 .decision(session.req_header(), peer, body_hash, Some(&llm))
                 .await;
@@ -137,10 +133,6 @@ impl Admin {
             let _ = session.drain_request_body().await;
             None
         };
-        let peer = session
-            .client_addr()
-            .and_then(|a| a.as_inet())
-            .map(|sa| sa.ip());
         let req = session.req_header();
         let method = req.method.as_str();
         let path = req.uri.path();
@@ -196,12 +188,7 @@ impl Admin {
 /// Reads a request body of at most `limit` bytes; `None` when it is larger (nothing more is
 /// read) or breaks off.
 async fn read_bounded(session: &mut ServerSession, limit: usize) -> Option<Vec<u8>> {
-    let declared = session
-        .req_header()
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<usize>().ok());
+    let declared = super::declared_length(session.req_header());
     if declared.is_some_and(|n| n > limit) {
         return None;
     }

@@ -351,7 +351,7 @@ impl ProxyHttp for Proxy {
             .is_ok_and(|facts| {
                 self.gateway.meters_tokens_for(&facts)
                     && (self.gateway.enforces_tokens_for(&facts)
-                        || declared_length(req)
+                        || super::declared_length(req)
                             .is_some_and(|n| n <= self.gateway.config.max_body_bytes))
             })
         };
@@ -826,14 +826,6 @@ fn host_and_target(req: &RequestHeader) -> (Option<&str>, &str) {
     (host, target)
 }
 
-/// The request body's declared `Content-Length`, when it has one.
-fn declared_length(req: &RequestHeader) -> Option<usize> {
-    req.headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<usize>().ok())
-}
-
 /// Reads a whole request body of at most `limit` bytes before deciding, so that Pingora can
 /// still send it upstream: its retry buffer (64 KiB) is switched on for the last 64 KiB of a
 /// body of known length, and `request_body_filter` puts the whole body in place of that tail.
@@ -846,7 +838,7 @@ async fn read_whole_body(
     session: &mut Session,
     limit: usize,
 ) -> std::result::Result<Bytes, (u16, &'static str)> {
-    let declared = declared_length(session.req_header());
+    let declared = super::declared_length(session.req_header());
     if declared.is_some_and(|n| n > limit) {
         return Err((413, crate::llm::BODY_TOO_LARGE));
     }
