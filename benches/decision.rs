@@ -101,64 +101,48 @@ fn llm(c: &mut Criterion) {
     let keys: Vec<Vec<(String, String)>> = (0..1024)
         .map(|i| vec![("x-api-key".to_string(), format!("tenant-{i}"))])
         .collect();
+    // One decision on a chat body: its reservation, detached from the bundle.
+    let reserve = |prompt: &tollgate::llm::LlmRequest, headers: &Vec<(String, String)>| {
+        let facts = RequestFacts {
+            method: "POST",
+            path: std::borrow::Cow::Borrowed("/v1/chat/completions"),
+            query: None,
+            host: Some("api.example.com"),
+            client_ip: None,
+            headers,
+            claims: None,
+            envoy: None,
+            body_hash: None,
+            llm: Some(prompt),
+        };
+        let bundle = policy.load();
+        let decision = decide_local(
+            &bundle,
+            &facts,
+            &store,
+            clock.now_us(),
+            clock.unix_us(),
+            EngineConfig::default(),
+        );
+        decision.reservation()
+    };
     let mut i = 0usize;
     c.bench_function("llm/reserve_and_settle", |b| {
         b.iter(|| {
             i = i.wrapping_add(1);
             clock.advance_us(1);
             let prompt = tollgate::llm::LlmRequest::parse(black_box(body.as_bytes()));
-            let facts = RequestFacts {
-                method: "POST",
-                path: std::borrow::Cow::Borrowed("/v1/chat/completions"),
-                query: None,
-                host: Some("api.example.com"),
-                client_ip: None,
-                headers: &keys[i & 1023],
-                claims: None,
-                envoy: None,
-                body_hash: None,
-                llm: Some(&prompt),
-            };
-            let bundle = policy.load();
-            let decision = decide_local(
-                &bundle,
-                &facts,
-                &store,
-                clock.now_us(),
-                clock.unix_us(),
-                EngineConfig::default(),
-            );
-            if let Some(reservation) = decision.reservation() {
+            let reservation = reserve(&prompt, &keys[i & 1023]);
+            if let Some(reservation) = &reservation {
                 store.adjust(clock.now_us(), &reservation.adjustments(300));
             }
-            black_box(decision.is_allowed())
+            black_box(reservation.is_some())
         })
     });
     // With --reservation-secret, the decision service signs each reservation into its token
     // and `POST /v1/usage` verifies it: one of each.
     let prompt = tollgate::llm::LlmRequest::parse(body.as_bytes());
-    let facts = RequestFacts {
-        method: "POST",
-        path: std::borrow::Cow::Borrowed("/v1/chat/completions"),
-        query: None,
-        host: Some("api.example.com"),
-        client_ip: None,
-        headers: &keys[0],
-        claims: None,
-        envoy: None,
-        body_hash: None,
-        llm: Some(&prompt),
-    };
-    let bundle = policy.load();
-    let decision = decide_local(
-        &bundle,
-        &facts,
-        &store,
-        clock.now_us(),
-        clock.unix_us(),
-        EngineConfig::default(),
-    );
-    let reservation = decision.reservation().expect("a reservation");
+    let reservation = reserve(&prompt, &keys[0]).expect("a reservation");
     let key = tollgate::reservation_token::key(b"0123456789abcdef0123456789abcdef");
     c.bench_function("llm/signed_token_roundtrip", |b| {
         b.iter(|| {
