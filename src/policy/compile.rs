@@ -234,9 +234,6 @@ const DEFAULT_STREAM_BUFFER_TOKENS: u64 = 100;
 /// Fairvisor's default completion reservation.
 const DEFAULT_MAX_COMPLETION: u64 = 1000;
 
-/// The largest token amount an LLM field takes (a billion tokens a minute or a day).
-const MAX_LLM_TOKENS: u64 = crate::llm::MAX_TOKENS;
-
 /// How long a concurrency slot is held at most when nobody gives it back.
 const DEFAULT_LEASE_TTL_SECS: u64 = 300;
 
@@ -1337,7 +1334,7 @@ impl Compiler {
         path: &str,
     ) -> Option<(Shape, LlmLimit, Option<u64>)> {
         let errors_before = self.errors.len();
-        let range = 1..=MAX_LLM_TOKENS;
+        let range = 1..=crate::llm::MAX_TOKENS;
         if !config.contains_key("tokens_per_minute") {
             self.error(&join(path, "tokens_per_minute"), "is required");
         }
@@ -1428,7 +1425,13 @@ impl Compiler {
         let enforce = self.flag(map, path, "enforce_mid_stream", true);
         let include_partial_usage = self.flag(map, path, "include_partial_usage", true);
         let buffer_tokens = self
-            .whole(map, path, "buffer_tokens", 1..=MAX_LLM_TOKENS, false)
+            .whole(
+                map,
+                path,
+                "buffer_tokens",
+                1..=crate::llm::MAX_TOKENS,
+                false,
+            )
             .unwrap_or(DEFAULT_STREAM_BUFFER_TOKENS);
         let on_exceeded = match map.get("on_limit_exceeded").map(Value::as_str) {
             None | Some(Some("graceful_close")) => Some(crate::llm::StreamCutStyle::GracefulClose),
@@ -1489,17 +1492,7 @@ impl Compiler {
 
     /// `enabled` of a guard block: absent or false turns it off (Fairvisor's reading).
     fn enabled(&mut self, map: &Map<String, Value>, path: &str) -> bool {
-        match map.get("enabled") {
-            None | Some(Value::Bool(false)) => false,
-            Some(Value::Bool(true)) => true,
-            Some(other) => {
-                self.error(
-                    &join(path, "enabled"),
-                    format!("must be a boolean, found {}", type_name(other)),
-                );
-                false
-            }
-        }
+        self.flag(map, path, "enabled", false).unwrap_or(false)
     }
 
     /// A whole number in `range` at `map[field]`, required when `required`.
@@ -1667,17 +1660,7 @@ impl Compiler {
                 }
             },
         };
-        let alert = match map.get("alert") {
-            None => false,
-            Some(Value::Bool(b)) => *b,
-            Some(other) => {
-                self.error(
-                    &join(path, "alert"),
-                    format!("must be a boolean, found {}", type_name(other)),
-                );
-                false
-            }
-        };
+        let alert = self.flag(map, path, "alert", false).unwrap_or(false);
         if !enabled {
             return None;
         }
