@@ -83,10 +83,30 @@ pub struct RunArgs {
     /// Most buckets the embedded store holds.
     #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 1_000_000)]
     pub max_buckets: usize,
-    /// Seconds after which an untouched bucket is dropped.
-    #[arg(long, env = "TOLLGATE_BUCKET_IDLE_SECS", default_value_t = 300)]
-    pub bucket_idle_secs: u64,
-    /// Seconds between sweeps of idle and full buckets.
+    /// Accepted for compatibility and ignored: a bucket that is not full again is never dropped
+    /// for being idle (a flood of fresh keys must not reset anyone's limit or budget).
+    #[arg(long, env = "TOLLGATE_BUCKET_IDLE_SECS", hide = true)]
+    pub bucket_idle_secs: Option<u64>,
+    /// Keep the embedded store's buckets, budgets, breakers, loop marks and reservations in
+    /// files under DIR (mapped into memory): they survive a restart, a crash of the process and
+    /// an upgrade. One gateway per directory.
+    #[arg(long, env = "TOLLGATE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// With --state-dir: milliseconds between flushes of the state file to disk, the most a
+    /// crash of the machine (not of the process) can lose.
+    #[arg(long, env = "TOLLGATE_STATE_SYNC_MS", default_value_t = 1000)]
+    pub state_sync_ms: u64,
+    /// Take the listening sockets over from the running gateway (zero-downtime upgrade): start
+    /// this process, then send the old one SIGQUIT; it hands its listeners over through
+    /// --upgrade-sock, finishes its requests in flight and exits.
+    #[arg(long, env = "TOLLGATE_UPGRADE")]
+    pub upgrade: bool,
+    /// The Unix socket the listeners are handed over through (the old and the new process must
+    /// name the same one). Default: `upgrade.sock` in --state-dir, else
+    /// /tmp/tollgate-upgrade-<admin port>.sock.
+    #[arg(long, env = "TOLLGATE_UPGRADE_SOCK")]
+    pub upgrade_sock: Option<PathBuf>,
+    /// Seconds between sweeps of full-again buckets and expired leases.
     #[arg(long, env = "TOLLGATE_SWEEP_INTERVAL_SECS", default_value_t = 60)]
     pub sweep_interval_secs: u64,
     /// CIDR whose peers may set X-Forwarded-For (repeatable or comma-separated).
@@ -260,6 +280,13 @@ pub struct ValidateArgs {
     /// --skip-invalid-policies` would load it).
     #[arg(long)]
     pub skip_invalid_policies: bool,
+    /// The state dir `run` will use, if any: without it (or a shared --store), rules whose
+    /// state a restart resets are warned about.
+    #[arg(long, env = "TOLLGATE_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// The store `run` will use (`memory` or a shared store's URL).
+    #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
+    pub store: String,
 }
 
 #[derive(Debug, Args)]
@@ -341,6 +368,11 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
                 );
                 for warning in &bundle.warnings {
                     let _ = writeln!(out, "  warning: {warning}");
+                }
+                if args.state_dir.is_none() && args.store == "memory" {
+                    if let Some(warning) = bundle.restart_warning() {
+                        let _ = writeln!(out, "  warning: {warning}");
+                    }
                 }
                 for skipped in &bundle.skipped {
                     let _ = writeln!(

@@ -33,8 +33,15 @@ pub struct Config {
     pub admin_listen: String,
     pub threads: usize,
     pub max_buckets: usize,
-    pub bucket_idle: Duration,
     pub sweep_interval: Duration,
+    /// `--state-dir`: where the embedded store keeps its tables (`None`: process memory).
+    pub state_dir: Option<crate::store::StateDirConfig>,
+    /// `--upgrade`: take the listeners over from a running gateway.
+    pub upgrade: bool,
+    /// The socket listeners are handed over through.
+    pub upgrade_sock: PathBuf,
+    /// `--bucket-idle-secs` was given (it no longer does anything; start-up says so).
+    pub bucket_idle_given: bool,
     pub trusted_proxies: Vec<IpNet>,
     pub ipv6_prefix: u8,
     pub reason_header: String,
@@ -98,6 +105,24 @@ pub enum StoreKind {
     Shared(String),
 }
 
+/// The upgrade socket: `--upgrade-sock`, else `upgrade.sock` in the state dir, else one per
+/// admin port under /tmp (two gateways on one machine never share one by accident).
+fn upgrade_sock(args: &RunArgs) -> PathBuf {
+    if let Some(sock) = &args.upgrade_sock {
+        return sock.clone();
+    }
+    if let Some(dir) = &args.state_dir {
+        return dir.join("upgrade.sock");
+    }
+    let port = args
+        .admin_listen
+        .rsplit(':')
+        .next()
+        .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+        .unwrap_or("0");
+    PathBuf::from(format!("/tmp/tollgate-upgrade-{port}.sock"))
+}
+
 fn check_tls_addr(errors: &mut Vec<String>, value: &str) {
     if value.parse::<SocketAddr>().is_err() {
         errors.push(format!(
@@ -159,6 +184,15 @@ impl Config {
         if args.max_buckets == 0 {
             errors.push("--max-buckets 0: must be at least 1".to_string());
         }
+        if args.state_sync_ms == 0 {
+            errors.push("--state-sync-ms 0: must be at least 1".to_string());
+        }
+        if args.state_dir.is_some() && !matches!(args.store.as_str(), "memory") {
+            errors.push(
+                "--state-dir: keeps the embedded store's tables; a shared --store keeps its own"
+                    .to_string(),
+            );
+        }
         if args.sweep_interval_secs == 0 {
             errors.push("--sweep-interval-secs 0: must be at least 1".to_string());
         }
@@ -200,11 +234,14 @@ impl Config {
                 "--reservation-secret: must be at least {MIN_RESERVATION_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)"
             ));
         }
-        if args.reservation_secret.is_some() && matches!(store, StoreKind::Memory) {
+        if args.reservation_secret.is_some()
+            && matches!(store, StoreKind::Memory)
+            && args.state_dir.is_none()
+        {
             // The mark that a token was settled lives in the store: in each gateway's own
             // embedded store, a token would settle once per gateway.
             errors.push(
-                "--reservation-secret: needs a shared --store (redis://... or postgres://...), which marks each reservation settled for the whole fleet".to_string(),
+                "--reservation-secret: needs a shared --store (redis://... or postgres://...), which marks each reservation settled for the whole fleet, or a --state-dir".to_string(),
             );
         }
         if args.max_connections == Some(0) {
@@ -291,7 +328,17 @@ impl Config {
             admin_listen: args.admin_listen.clone(),
             threads: args.threads,
             max_buckets: args.max_buckets,
-            bucket_idle: Duration::from_secs(args.bucket_idle_secs),
+            state_dir: args
+                .state_dir
+                .as_ref()
+                .map(|dir| crate::store::StateDirConfig {
+                    dir: dir.clone(),
+                    sync_every: Duration::from_millis(args.state_sync_ms),
+                    upgrade: args.upgrade,
+                }),
+            upgrade: args.upgrade,
+            upgrade_sock: upgrade_sock(args),
+            bucket_idle_given: args.bucket_idle_secs.is_some(),
             sweep_interval: Duration::from_secs(args.sweep_interval_secs),
             trusted_proxies,
             ipv6_prefix: args.ipv6_prefix,

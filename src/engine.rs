@@ -626,6 +626,7 @@ impl<'b> Decision<'b> {
                         group: Group::Enforce,
                         ttl_us: breaker.open_us(),
                         soft: false,
+                        held: false,
                     },
                     outcome.rule,
                 ));
@@ -991,6 +992,7 @@ pub fn plan<'b>(
                             group: group_of(rule.mode),
                             ttl_us: c.lease_ttl_us,
                             soft: false,
+                            held: true,
                         });
                         slots.push(SlotOutcome::new(rule, key));
                     }
@@ -1206,6 +1208,7 @@ fn plan_guard<'b>(
                 group: group_of(rule.mode),
                 ttl_us: detection.window_us,
                 soft: detection.action != LoopAction::Reject,
+                held: false,
             });
             plan.slots.push(SlotOutcome::new(rule, key));
         }
@@ -1228,6 +1231,7 @@ fn plan_guard<'b>(
                 group: group_of(rule.mode),
                 ttl_us: breaker.open_us(),
                 soft: true,
+                held: false,
             });
             plan.slots.push(SlotOutcome::new(rule, open));
             // A spend the whole threshold cannot hold trips the breaker, like any spend over it.

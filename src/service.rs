@@ -57,6 +57,8 @@ pub enum StartError {
     Store(StoreError),
     #[error("--reason-header: not a valid HTTP header name")]
     ReasonHeader,
+    #[error(transparent)]
+    State(#[from] crate::store::state_file::StateError),
 }
 
 /// Headers of an `http` request, for the engine.
@@ -97,6 +99,35 @@ pub struct Gateway {
     reservation_key: Option<ring::hmac::Key>,
 }
 
+/// The state dir's own reservation-signing key (`DIR/reservation.key`, 32 random bytes, made
+/// on first use, readable by the owner only). `None` (reservations held in memory, logged) when
+/// it cannot be read or made.
+fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac::Key> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("reservation.key");
+    let secret = match std::fs::read(&path) {
+        Ok(secret) if secret.len() >= 32 => secret,
+        _ => {
+            let mut secret = vec![0u8; 32];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret).ok()?;
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&path)
+                .and_then(|mut f| f.write_all(&secret).and_then(|()| f.sync_all()));
+            if let Err(e) = written {
+                tracing::error!(path = %path.display(), "state dir: cannot write the reservation key, LLM reservations of the decision service will not survive a restart: {e}");
+                return None;
+            }
+            secret
+        }
+    };
+    Some(crate::reservation_token::key(&secret))
+}
+
 /// How long past its expiry a signed reservation stays marked settled: gateways whose clocks
 /// disagree by up to this much still find the mark.
 const SETTLED_MARK_SLACK_US: u64 = 3_600 * 1_000_000;
@@ -118,14 +149,16 @@ impl Gateway {
         let verifier = Verifier::new(config.jwt.clone())?;
         // One store: under `--store redis://` no embedded store is built, swept or reported.
         let store = match &config.store {
-            StoreKind::Memory => Store::memory(
-                MemoryStoreConfig {
+            StoreKind::Memory => {
+                let memory = MemoryStoreConfig {
                     max_buckets: config.max_buckets,
-                    idle_timeout_us: config.bucket_idle.as_micros().min(u64::MAX as u128) as u64,
                     ..MemoryStoreConfig::default()
-                },
-                Arc::clone(&clock),
-            ),
+                };
+                match &config.state_dir {
+                    Some(state) => Store::memory_in_state_dir(memory, state, Arc::clone(&clock))?,
+                    None => Store::memory(memory, Arc::clone(&clock)),
+                }
+            }
             StoreKind::Shared(url) => Store::open(url, config.store_timeout, Arc::clone(&clock))
                 .map_err(StartError::Store)?,
         };
@@ -146,10 +179,15 @@ impl Gateway {
             loaded: ArcSwapOption::empty(),
             watch: Mutex::new((None, None)),
             held: Mutex::new(ahash::AHashMap::new()),
-            reservation_key: config
-                .reservation_secret
-                .as_ref()
-                .map(|secret| crate::reservation_token::key(&secret.0)),
+            reservation_key: match (&config.reservation_secret, &config.state_dir) {
+                (Some(secret), _) => Some(crate::reservation_token::key(&secret.0)),
+                // With a state dir, the decision service's reservations travel signed (with
+                // the directory's own key) so that a restart can still settle them.
+                (None, Some(state)) if matches!(config.store, StoreKind::Memory) => {
+                    state_reservation_key(&state.dir)
+                }
+                (None, _) => None,
+            },
             config,
         })
     }
@@ -227,6 +265,11 @@ impl Gateway {
         match crate::policy::load_current(path, options, self.clock.unix_secs()) {
             Ok(bundle) => {
                 let (version, hash) = (bundle.version.clone(), bundle.hash.clone());
+                let in_memory = matches!(self.config.store, StoreKind::Memory)
+                    && self.store.stats().state_fallback != Some(false);
+                if let Some(warning) = bundle.restart_warning().filter(|_| in_memory) {
+                    tracing::warn!(policy_file = %path.display(), "{warning}");
+                }
                 self.install(bundle);
                 *self.watch.lock() = (sig, None);
                 self.metrics.reload(true);
@@ -522,6 +565,7 @@ impl Gateway {
             group: crate::store::Group::Enforce,
             ttl_us: ttl_us.saturating_add(SETTLED_MARK_SLACK_US),
             soft: false,
+            held: false,
         };
         let mut results = crate::store::lease::LeaseResults::new();
         // A fresh lease id: a second report, even from this gateway, finds the key full.

@@ -186,6 +186,40 @@ impl Bundle {
             .any(|p| p.enforces_tokens)
     }
 
+    /// Rules holding state a restart of a gateway on process memory would reset, each with
+    /// what it holds: budgets (LLM day windows included), circuit breakers, loop detection.
+    pub fn state_a_restart_resets(&self) -> Vec<(&str, &'static str)> {
+        self.rules
+            .iter()
+            .filter_map(|rule| {
+                let what = match (&rule.budget, &rule.guard) {
+                    (Some(_), _) => "budget",
+                    (None, Some(Guard::Breaker(_))) => "circuit breaker",
+                    (None, Some(Guard::Loop(_))) => "loop marks",
+                    (None, None) => return None,
+                };
+                Some((&*rule.name, what))
+            })
+            .collect()
+    }
+
+    /// The warning for [`Bundle::state_a_restart_resets`] when no state dir or shared store
+    /// keeps that state (`None` when the bundle holds none).
+    pub fn restart_warning(&self) -> Option<String> {
+        let rules = self.state_a_restart_resets();
+        if rules.is_empty() {
+            return None;
+        }
+        let listed: Vec<String> = rules
+            .iter()
+            .map(|(name, what)| format!("{name} ({what})"))
+            .collect();
+        Some(format!(
+            "{} hold state that a restart resets with the embedded store in process memory: run with --state-dir DIR (or a shared --store) to keep it",
+            listed.join(", ")
+        ))
+    }
+
     /// Looks up a rule by name.
     pub fn rule(&self, name: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| &*r.name == name)

@@ -9,13 +9,16 @@
 //! warns), and a soft op with `max` 0 takes nothing and only reads the key (is the breaker open,
 //! and until when).
 //!
-//! This module holds the types and the embedded store's lease table; Redis and PostgreSQL keep
-//! theirs server-side (see their modules).
+//! This module holds the types and the embedded store's lease table, in process memory or in
+//! the state file (`--state-dir`); Redis and PostgreSQL keep theirs server-side (see their
+//! modules).
 
 use super::{BucketKey, Group};
 use ahash::AHashMap;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// The slots one admitted request holds, to give back when it is done.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +74,11 @@ pub struct LeaseOp {
     /// Never blocks its group: taken when its group is taken and it has room, left out (and
     /// reported not allowed) otherwise.
     pub soft: bool,
+    /// Held by a request in flight and given back when it is done (a concurrency slot): a
+    /// restart does not carry it over (its connection died with the process). Loop marks,
+    /// breaker states and settlement marks are not held: they outlive the process in a state
+    /// dir.
+    pub held: bool,
 }
 
 /// The answer for one [`LeaseOp`].
@@ -161,20 +169,55 @@ pub fn judge(ops: &[LeaseOp], live: &[Live], results: &mut LeaseResults) -> (boo
     (enforce, shadow)
 }
 
-/// The embedded store's leases: key → live (lease id, expiry µs). One mutex: only requests
-/// under a concurrency rule come here, twice each, for a few hundred nanoseconds.
+/// The embedded store's leases: in process memory, or in the state file. Times handed in are
+/// shifted by `time_offset_us` (see [`super::MemoryStore::time_offset_us`]).
 #[derive(Default)]
 pub struct MemoryLeases {
-    table: Mutex<LeaseTable>,
+    table: LeaseBacking,
+    time_offset_us: u64,
+}
+
+enum LeaseBacking {
+    /// One mutex: only requests under a lease rule come here, twice each, for a few hundred
+    /// nanoseconds.
+    Heap(Mutex<LeaseTable>),
+    File(MappedLeases),
+}
+
+impl Default for LeaseBacking {
+    fn default() -> Self {
+        LeaseBacking::Heap(Mutex::default())
+    }
 }
 
 /// Key → its live leases as (lease id, expiry µs).
 type LeaseTable = AHashMap<BucketKey, SmallVec<[(u64, u64); 4]>>;
 
 impl MemoryLeases {
+    /// The lease table of a state file; `sole_owner` drops the concurrency slots a previous
+    /// process left (and the lock it may have died holding).
+    pub fn in_state_file(
+        file: &Arc<super::state_file::StateFile>,
+        sole_owner: bool,
+        time_offset_us: u64,
+    ) -> Self {
+        let leases = MappedLeases::new(Arc::clone(file));
+        if sole_owner {
+            leases.recover();
+        }
+        MemoryLeases {
+            table: LeaseBacking::File(leases),
+            time_offset_us,
+        }
+    }
+
     /// Takes a lease `id` on every op's key whose group is admitted, at `now_us`.
     pub fn acquire(&self, now_us: u64, id: u64, ops: &[LeaseOp], results: &mut LeaseResults) {
-        let mut table = self.table.lock();
+        let now_us = now_us.saturating_add(self.time_offset_us);
+        let mut table = match &self.table {
+            LeaseBacking::File(file) => return file.acquire(now_us, id, ops, results),
+            LeaseBacking::Heap(table) => table.lock(),
+        };
         let mut live: SmallVec<[Live; 2]> = SmallVec::new();
         for op in ops {
             live.push(table.get_mut(&op.key).map_or(Live::default(), |leases| {
@@ -208,7 +251,10 @@ impl MemoryLeases {
     /// Gives lease `id` back on `keys` (a lease already gone, expired or given back, is left
     /// alone: giving back twice frees one slot, once).
     pub fn release(&self, id: u64, keys: &[BucketKey]) {
-        let mut table = self.table.lock();
+        let mut table = match &self.table {
+            LeaseBacking::File(file) => return file.release(id, keys),
+            LeaseBacking::Heap(table) => table.lock(),
+        };
         for key in keys {
             if let Some(leases) = table.get_mut(key) {
                 leases.retain(|(lease, _)| *lease != id);
@@ -221,7 +267,11 @@ impl MemoryLeases {
 
     /// Drops expired leases and empty keys; returns how many leases expired.
     pub fn sweep(&self, now_us: u64) -> u64 {
-        let mut table = self.table.lock();
+        let now_us = now_us.saturating_add(self.time_offset_us);
+        let mut table = match &self.table {
+            LeaseBacking::File(file) => return file.sweep(now_us),
+            LeaseBacking::Heap(table) => table.lock(),
+        };
         let mut expired = 0;
         table.retain(|_, leases| {
             let before = leases.len();
@@ -234,9 +284,236 @@ impl MemoryLeases {
 
     /// Live leases on `key` at `now_us` (tests and metrics).
     pub fn in_flight(&self, key: &BucketKey, now_us: u64) -> u32 {
-        self.table.lock().get(key).map_or(0, |leases| {
+        let now_us = now_us.saturating_add(self.time_offset_us);
+        let table = match &self.table {
+            LeaseBacking::File(file) => return file.in_flight(key, now_us),
+            LeaseBacking::Heap(table) => table.lock(),
+        };
+        table.get(key).map_or(0, |leases| {
             leases.iter().filter(|(_, e)| *e > now_us).count() as u32
         })
+    }
+}
+
+/// Bytes of one lease slot in the state file.
+pub const MAPPED_SLOT_BYTES: usize = std::mem::size_of::<LeaseSlot>();
+
+/// One lease in the state file. All zeros is an empty slot (a zero key is stored as `(0, 1)`).
+#[repr(C)]
+struct LeaseSlot {
+    hi: AtomicU64,
+    lo: AtomicU64,
+    id: AtomicU64,
+    /// Expiry µs, with [`HELD`] for a lease given back when its request is done.
+    expires: AtomicU64,
+}
+
+const HELD: u64 = 1 << 63;
+
+/// The state file's lease table: open addressing with linear probing, every lease of a key in
+/// the probe run from the key's home slot, removals shifting later entries back (no
+/// tombstones), all under one lock word in the file header (shared by the processes of an
+/// upgrade). Bounded: at 3/4 full, expired leases are swept; a lease that still finds no room
+/// is not recorded (its request fails open, as a full bucket store does).
+struct MappedLeases {
+    file: Arc<super::state_file::StateFile>,
+}
+
+impl MappedLeases {
+    fn new(file: Arc<super::state_file::StateFile>) -> Self {
+        MappedLeases { file }
+    }
+
+    fn slots(&self) -> &[LeaseSlot] {
+        let g = self.file.geometry();
+        // SAFETY: the geometry's lease region lies within the mapping, 64-byte aligned, and
+        // lease slots are atomics, valid for any bytes.
+        unsafe {
+            self.file
+                .region::<LeaseSlot>(g.leases_offset(), g.lease_capacity)
+        }
+    }
+
+    fn live(&self) -> &AtomicU64 {
+        &self.file.header().lease_live
+    }
+
+    fn stored(key: &BucketKey) -> (u64, u64) {
+        match (key.hi, key.lo) {
+            (0, 0) => (0, 1),
+            k => k,
+        }
+    }
+
+    fn key_at(slot: &LeaseSlot) -> (u64, u64) {
+        (
+            slot.hi.load(Ordering::Relaxed),
+            slot.lo.load(Ordering::Relaxed),
+        )
+    }
+
+    /// After a restart: the lock and the count rebuilt, held leases (concurrency slots)
+    /// dropped.
+    fn recover(&self) {
+        self.file.header().lease_lock.store(0, Ordering::Relaxed);
+        let slots = self.slots();
+        let mut live = 0;
+        for slot in slots {
+            live += u64::from(Self::key_at(slot) != (0, 0));
+        }
+        self.live().store(live, Ordering::Relaxed);
+        let _lock = super::state_file::lock(&self.file.header().lease_lock);
+        self.remove_where(|_, expires| expires & HELD != 0);
+    }
+
+    /// Live leases of `key` at `now_us`, and µs until the earliest of them expires.
+    fn count(&self, key: (u64, u64), now_us: u64) -> Live {
+        let slots = self.slots();
+        let mask = slots.len() - 1;
+        let mut i = (key.1 as usize) & mask;
+        let mut live = Live::default();
+        let mut earliest = u64::MAX;
+        for _ in 0..slots.len() {
+            let slot = &slots[i];
+            let k = Self::key_at(slot);
+            if k == (0, 0) {
+                break;
+            }
+            let expires = slot.expires.load(Ordering::Relaxed) & !HELD;
+            if k == key && expires > now_us {
+                live.count += 1;
+                earliest = earliest.min(expires - now_us);
+            }
+            i = (i + 1) & mask;
+        }
+        live.frees_in_us = if live.count > 0 { earliest } else { 0 };
+        live
+    }
+
+    /// Stores one lease (the lock held); false when there is no room.
+    fn insert(&self, key: (u64, u64), id: u64, expires: u64, now_us: u64) -> bool {
+        let slots = self.slots();
+        if self.live().load(Ordering::Relaxed) as usize * 4 >= slots.len() * 3 {
+            self.remove_where(|_, e| e & !HELD <= now_us);
+            if self.live().load(Ordering::Relaxed) as usize * 4 >= slots.len() * 3 {
+                return false;
+            }
+        }
+        let mask = slots.len() - 1;
+        let mut i = (key.1 as usize) & mask;
+        while Self::key_at(&slots[i]) != (0, 0) {
+            i = (i + 1) & mask;
+        }
+        let slot = &slots[i];
+        slot.id.store(id, Ordering::Relaxed);
+        slot.expires.store(expires, Ordering::Relaxed);
+        slot.lo.store(key.1, Ordering::Relaxed);
+        slot.hi.store(key.0, Ordering::Relaxed);
+        self.live().fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Removes every lease for which `remove(key, expires word)` holds (the lock held),
+    /// shifting later entries back so every probe run stays unbroken. Returns how many went.
+    fn remove_where(&self, remove: impl Fn((u64, u64), u64) -> bool) -> u64 {
+        let slots = self.slots();
+        let mask = slots.len() - 1;
+        let mut removed = 0;
+        let mut i = 0;
+        while i < slots.len() {
+            let k = Self::key_at(&slots[i]);
+            if k != (0, 0) && remove(k, slots[i].expires.load(Ordering::Relaxed)) {
+                self.remove_at(i, mask);
+                removed += 1;
+            } else {
+                i += 1;
+            }
+        }
+        let live = self.live().load(Ordering::Relaxed);
+        self.live()
+            .store(live.saturating_sub(removed), Ordering::Relaxed);
+        removed
+    }
+
+    /// Empties slot `i`, moving later entries of its run back where their home allows.
+    fn remove_at(&self, i: usize, mask: usize) {
+        let slots = self.slots();
+        let mut hole = i;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            if j == hole {
+                break;
+            }
+            let k = Self::key_at(&slots[j]);
+            if k == (0, 0) {
+                break;
+            }
+            if super::memory::stays((k.1 as usize) & mask, hole, j) {
+                continue;
+            }
+            let (from, to) = (&slots[j], &slots[hole]);
+            to.id
+                .store(from.id.load(Ordering::Relaxed), Ordering::Relaxed);
+            to.expires
+                .store(from.expires.load(Ordering::Relaxed), Ordering::Relaxed);
+            to.lo.store(k.1, Ordering::Relaxed);
+            to.hi.store(k.0, Ordering::Relaxed);
+            hole = j;
+        }
+        let last = &slots[hole];
+        for word in [&last.hi, &last.lo, &last.id, &last.expires] {
+            word.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn acquire(&self, now_us: u64, id: u64, ops: &[LeaseOp], results: &mut LeaseResults) {
+        let _lock = super::state_file::lock(&self.file.header().lease_lock);
+        let live: SmallVec<[Live; 2]> = ops
+            .iter()
+            .map(|op| self.count(Self::stored(&op.key), now_us))
+            .collect();
+        judge(ops, &live, results);
+        for (op, result) in ops.iter().zip(results.iter()) {
+            if result.committed {
+                let expires =
+                    now_us.saturating_add(op.ttl_us).min(HELD - 1) | if op.held { HELD } else { 0 };
+                self.insert(Self::stored(&op.key), id, expires, now_us);
+            }
+        }
+    }
+
+    fn release(&self, id: u64, keys: &[BucketKey]) {
+        let _lock = super::state_file::lock(&self.file.header().lease_lock);
+        let slots = self.slots();
+        let mask = slots.len() - 1;
+        for key in keys {
+            let key = Self::stored(key);
+            let mut i = (key.1 as usize) & mask;
+            for _ in 0..slots.len() {
+                let k = Self::key_at(&slots[i]);
+                if k == (0, 0) {
+                    break;
+                }
+                if k == key && slots[i].id.load(Ordering::Relaxed) == id {
+                    self.remove_at(i, mask);
+                    let live = self.live().load(Ordering::Relaxed);
+                    self.live().store(live.saturating_sub(1), Ordering::Relaxed);
+                    break;
+                }
+                i = (i + 1) & mask;
+            }
+        }
+    }
+
+    fn sweep(&self, now_us: u64) -> u64 {
+        let _lock = super::state_file::lock(&self.file.header().lease_lock);
+        self.remove_where(|_, expires| expires & !HELD <= now_us)
+    }
+
+    fn in_flight(&self, key: &BucketKey, now_us: u64) -> u32 {
+        let _lock = super::state_file::lock(&self.file.header().lease_lock);
+        self.count(Self::stored(key), now_us).count
     }
 }
 
@@ -251,6 +528,7 @@ mod tests {
             group,
             ttl_us: 10_000_000,
             soft: false,
+            held: true,
         }
     }
 

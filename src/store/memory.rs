@@ -23,30 +23,30 @@
 //! What it loses, on purpose and nothing else:
 //! - entries whose bucket is full again: they are indistinguishable from absent ones (a new
 //!   bucket starts full), so dropping them loses nothing. They are evicted first.
-//! - entries idle longer than `idle_timeout` (default 300 s) that are not full yet, only under
-//!   memory pressure: by the sweep when the store is above 3/4 of its bound, and when a full
-//!   store has nothing full-again to drop. A drained bucket of a long quota (300 per 180 min)
-//!   is otherwise kept until it is full again. Refusals count as activity.
-//! - when the store is full and nothing in the key's shard is full-again or idle (or that shard
-//!   was purged less than `purge_interval` ago), a *new* key is not stored: its request is
-//!   allowed (fail-open) and counted. Live buckets are never evicted, so a flood of fresh keys
-//!   cannot reset anyone's limit.
+//!   A budget is full again when its window ends, so a spent budget is never dropped before.
+//! - when the store is full and nothing in the key's shard is full-again (or that shard was
+//!   purged less than `purge_interval` ago), a *new* key is not stored: its request is allowed
+//!   (fail-open) and counted. Entries that are not full yet are never evicted, however long they
+//!   sit idle, so a flood of fresh keys cannot reset anyone's limit or budget.
+//!
+//! With a state dir ([`MemoryStore::in_state_file`]) the tables are not grown but made at their
+//! largest size in the state file, and the shard heads and the entry count live there too; the
+//! locks are lock words in the file ([`state_file::lock`]), so two processes sharing the file
+//! during an upgrade update it as one.
 
+use super::state_file::{self, Geometry, StateFile, WordGuard};
 use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError, StoreStats};
 use crate::limiter::{BucketState, US_PER_SEC};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
-use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Limits of the embedded store.
 #[derive(Debug, Clone, Copy)]
 pub struct MemoryStoreConfig {
     /// Most entries ever held (memory bound).
     pub max_buckets: usize,
-    /// Entries untouched for longer than this may be dropped when memory is short
-    /// (microseconds).
-    pub idle_timeout_us: u64,
     /// Minimum spacing of on-demand purges of a full shard (microseconds), so a flood of new
     /// keys against a full store cannot turn every request into a shard scan.
     pub purge_interval_us: u64,
@@ -56,7 +56,6 @@ impl Default for MemoryStoreConfig {
     fn default() -> Self {
         MemoryStoreConfig {
             max_buckets: 1_000_000,
-            idle_timeout_us: 300 * 1_000_000,
             purge_interval_us: 1_000_000,
         }
     }
@@ -64,9 +63,8 @@ impl Default for MemoryStoreConfig {
 
 /// The `meta` word: bit 63 is the bucket's lock; bit 62 marks a slot whose entry was copied
 /// into a grown table (probes that meet it retry there); bits 32..62 the second (since the
-/// clock's origin) the bucket is full again, rounded up; bits 0..32 the second a request last
-/// touched it, refused ones included ("idle" is measured from there, so a drained client that
-/// keeps hammering is never idle).
+/// time base's origin) the bucket is full again, rounded up; bits 0..32 the second a request
+/// last touched it, refused ones included.
 const LOCKED: u64 = 1 << 63;
 const MOVED: u64 = 1 << 62;
 const FULL_AT_MAX: u64 = (1 << 30) - 1;
@@ -81,6 +79,12 @@ fn meta_full_at_s(meta: u64) -> u64 {
 
 fn meta_seen_s(meta: u64) -> u64 {
     meta & u64::from(u32::MAX)
+}
+
+/// Whether the entry is full again at `now_us`: indistinguishable from an absent one (a new
+/// bucket starts full), so dropping it loses nothing.
+fn full_again(meta: u64, now_us: u64) -> bool {
+    meta_full_at_s(meta) * US_PER_SEC <= now_us
 }
 
 /// The meta word after a refusal: the bucket was asked about now.
@@ -188,6 +192,9 @@ enum Backing {
     /// replaced by growth goes back to the operating system at once (an allocator would keep
     /// it: measured, that doubled the bytes per bucket).
     Mapped { ptr: *mut Slot, len: usize },
+    /// A shard's slots in the state file (`--state-dir`): owned by the store's
+    /// [`StateFile`], never grown, never unmapped by the table.
+    File { ptr: *const Slot, len: usize },
 }
 
 /// Slot bytes from which a table gets its own mapping.
@@ -262,11 +269,24 @@ impl Table {
         }
     }
 
+    /// A table over slots of the state file.
+    fn in_file(slots: &[Slot]) -> Table {
+        Table {
+            backing: Backing::File {
+                ptr: slots.as_ptr(),
+                len: slots.len(),
+            },
+            mask: slots.len() - 1,
+        }
+    }
+
     fn slots(&self) -> &[Slot] {
         match &self.backing {
             Backing::Heap(slots) => slots,
             // SAFETY: the mapping holds `len` initialised slots for as long as `self` lives.
             Backing::Mapped { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            // SAFETY: the state file outlives the tables (the store drops them first).
+            Backing::File { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
         }
     }
 
@@ -313,7 +333,7 @@ impl Table {
 
 /// Whether `home` lies cyclically in `(hole, j]`: the entry at `j` must then stay after the
 /// hole (moving it before its home would hide it from probes).
-fn stays(home: usize, hole: usize, j: usize) -> bool {
+pub(super) fn stays(home: usize, hole: usize, j: usize) -> bool {
     if hole <= j {
         hole < home && home <= j
     } else {
@@ -321,19 +341,67 @@ fn stays(home: usize, hole: usize, j: usize) -> bool {
     }
 }
 
-/// Structure of one shard, behind its mutex.
-struct ShardState {
-    live: usize,
-    last_purge_us: Option<u64>,
+/// A shard's structure, shared by every process using the state file: its lock (see
+/// [`state_file::lock`]), live entries and last purge. One cache line each.
+#[repr(C, align(64))]
+struct ShardHead {
+    lock: AtomicU64,
+    live: AtomicU64,
+    /// µs of the last on-demand purge; `NEVER_PURGED` for none.
+    last_purge_us: AtomicU64,
 }
 
-/// One shard: its current table and the mutex for inserts, growth and deletions in it.
+const NEVER_PURGED: u64 = u64::MAX;
+
+/// A shard's structure, locked (inserts, growth and deletions happen under it).
+struct ShardState<'a> {
+    head: &'a ShardHead,
+    _lock: WordGuard<'a>,
+}
+
+impl ShardState<'_> {
+    fn live(&self) -> usize {
+        self.head.live.load(Ordering::Relaxed) as usize
+    }
+
+    fn add_live(&mut self, n: usize) {
+        self.head.live.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn sub_live(&mut self, n: usize) {
+        let live = self.head.live.load(Ordering::Relaxed);
+        self.head
+            .live
+            .store(live.saturating_sub(n as u64), Ordering::Relaxed);
+    }
+
+    fn last_purge_us(&self) -> Option<u64> {
+        Some(self.head.last_purge_us.load(Ordering::Relaxed)).filter(|&t| t != NEVER_PURGED)
+    }
+
+    fn may_purge(&self, now_us: u64, interval_us: u64) -> bool {
+        self.last_purge_us()
+            .is_none_or(|at| now_us.saturating_sub(at) >= interval_us)
+    }
+}
+
+/// One shard: its current table (its structure lives in its [`ShardHead`]).
 #[repr(align(64))]
 struct Shard {
     table: Atomic<Table>,
-    structure: Mutex<ShardState>,
+    index: usize,
     /// The table never grows past this many slots.
     max_capacity: usize,
+}
+
+/// Where the shards' heads and the entry count live: the heap, or the state file shared with
+/// the other process of an upgrade.
+enum Region {
+    Heap {
+        len: AtomicU64,
+        heads: Box<[ShardHead]>,
+    },
+    File(Arc<StateFile>),
 }
 
 /// Tables start at this many slots.
@@ -344,9 +412,13 @@ pub struct MemoryStore {
     shards: Box<[Shard]>,
     shard_mask: u64,
     config: MemoryStoreConfig,
-    /// Live entries across all shards: the bound is exact however unevenly keys fall. Touched
-    /// only by inserts and removals, not by updates of existing buckets.
-    len: AtomicUsize,
+    /// The heads and the live-entry count (across all shards: the bound is exact however
+    /// unevenly keys fall; touched only by inserts and removals, not by updates).
+    region: Region,
+    /// Added to every time handed in: 0 in process memory; with a state dir, turns the
+    /// caller's monotonic µs into µs since [`state_file::EPOCH_US`] on the wall clock, the only
+    /// time that means the same after a restart.
+    time_offset_us: u64,
     evictions: AtomicU64,
     fail_open: AtomicU64,
     /// Leases (concurrency slots, loop marks, breaker states), beside the buckets.
@@ -372,32 +444,158 @@ impl Drop for MemoryStore {
 }
 
 impl MemoryStore {
+    /// The store in process memory.
     pub fn new(config: MemoryStoreConfig) -> Self {
-        let max = config.max_buckets.max(1);
-        // Up to 1 024 shards: new keys and evictions in different shards never contend.
-        let shard_count = (max / 256).next_power_of_two().clamp(1, 1024);
-        // Room for four times a shard's fair share: keys never spread that unevenly.
-        let max_capacity = (max.div_ceil(shard_count) * 4)
-            .next_power_of_two()
-            .max(INITIAL_CAPACITY);
-        let shards = (0..shard_count)
-            .map(|_| Shard {
-                table: Atomic::new(Table::new(INITIAL_CAPACITY)),
-                structure: Mutex::new(ShardState {
-                    live: 0,
-                    last_purge_us: None,
-                }),
-                max_capacity,
+        let geometry = Self::geometry(&config, false);
+        let heads = (0..geometry.shard_count)
+            .map(|_| ShardHead {
+                lock: AtomicU64::new(0),
+                live: AtomicU64::new(0),
+                last_purge_us: AtomicU64::new(NEVER_PURGED),
             })
             .collect();
-        MemoryStore {
-            shards,
-            shard_mask: shard_count as u64 - 1,
+        let shards = (0..geometry.shard_count)
+            .map(|index| Shard {
+                table: Atomic::new(Table::new(INITIAL_CAPACITY)),
+                index,
+                max_capacity: geometry.shard_capacity,
+            })
+            .collect();
+        Self::assemble(
             config,
-            len: AtomicUsize::new(0),
+            shards,
+            Region::Heap {
+                len: AtomicU64::new(0),
+                heads,
+            },
+            super::lease::MemoryLeases::default(),
+            0,
+        )
+    }
+
+    /// The regions a store of `config` needs: up to 1 024 shards (new keys and evictions in
+    /// different shards never contend), each with room for four times its fair share in process
+    /// memory (keys never spread that unevenly) or twice in a state file (whose tables never
+    /// grow: allocated once, on disk), and as many lease slots as buckets.
+    pub fn geometry(config: &MemoryStoreConfig, in_file: bool) -> Geometry {
+        let max = config.max_buckets.max(1);
+        let shard_count = (max / 256).next_power_of_two().clamp(1, 1024);
+        let room = if in_file { 2 } else { 4 };
+        Geometry {
+            shard_count,
+            shard_capacity: (max.div_ceil(shard_count) * room)
+                .next_power_of_two()
+                .max(INITIAL_CAPACITY),
+            slot_bytes: std::mem::size_of::<Slot>(),
+            lease_capacity: max.next_power_of_two().max(64),
+            lease_slot_bytes: super::lease::MAPPED_SLOT_BYTES,
+        }
+    }
+
+    /// The store in a state file ([`state_file::open`]). `sole_owner`: no other process uses
+    /// the file (not an upgrade's handover), so locks a crashed process left are cleared,
+    /// counts rebuilt from the slots and concurrency slots dropped. `time_offset_us`: see
+    /// [`MemoryStore::time_offset_us`].
+    pub fn in_state_file(
+        config: MemoryStoreConfig,
+        file: Arc<StateFile>,
+        sole_owner: bool,
+        time_offset_us: u64,
+    ) -> Self {
+        let geometry = file.geometry();
+        // SAFETY: the geometry's regions lie within the mapping, 64-byte aligned; heads, slots
+        // and lease slots are atomics, valid for any bytes.
+        let (heads, slots) = unsafe {
+            (
+                file.region::<ShardHead>(geometry.heads_offset(), geometry.shard_count),
+                file.region::<Slot>(
+                    geometry.slots_offset(),
+                    geometry.shard_count * geometry.shard_capacity,
+                ),
+            )
+        };
+        let shards: Box<[Shard]> = slots
+            .chunks(geometry.shard_capacity)
+            .enumerate()
+            .map(|(index, slots)| Shard {
+                table: Atomic::new(Table::in_file(slots)),
+                index,
+                max_capacity: geometry.shard_capacity,
+            })
+            .collect();
+        if sole_owner {
+            let mut total = 0u64;
+            for (shard, head) in shards.iter().zip(heads) {
+                let guard = &epoch::pin();
+                let mut live = 0u64;
+                for slot in Self::table(shard, guard).slots() {
+                    let meta = slot.meta.load(Ordering::Relaxed) & !(LOCKED | MOVED);
+                    slot.meta.store(meta, Ordering::Relaxed);
+                    live += u64::from(!is_empty(slot.key()));
+                }
+                head.lock.store(0, Ordering::Relaxed);
+                head.live.store(live, Ordering::Relaxed);
+                total += live;
+            }
+            file.header().len.store(total, Ordering::Relaxed);
+        }
+        let leases = super::lease::MemoryLeases::in_state_file(&file, sole_owner, time_offset_us);
+        Self::assemble(config, shards, Region::File(file), leases, time_offset_us)
+    }
+
+    fn assemble(
+        config: MemoryStoreConfig,
+        shards: Box<[Shard]>,
+        region: Region,
+        leases: super::lease::MemoryLeases,
+        time_offset_us: u64,
+    ) -> Self {
+        MemoryStore {
+            shard_mask: shards.len() as u64 - 1,
+            shards,
+            config,
+            region,
+            time_offset_us,
             evictions: AtomicU64::new(0),
             fail_open: AtomicU64::new(0),
-            leases: super::lease::MemoryLeases::default(),
+            leases,
+        }
+    }
+
+    /// Whether the tables live in a state file.
+    pub fn persistent(&self) -> bool {
+        matches!(self.region, Region::File(_))
+    }
+
+    /// What is added to every time handed to this store (0 in process memory).
+    pub fn time_offset_us(&self) -> u64 {
+        self.time_offset_us
+    }
+
+    fn len(&self) -> &AtomicU64 {
+        match &self.region {
+            Region::Heap { len, .. } => len,
+            Region::File(file) => &file.header().len,
+        }
+    }
+
+    fn head(&self, index: usize) -> &ShardHead {
+        match &self.region {
+            Region::Heap { heads, .. } => &heads[index],
+            Region::File(file) => {
+                let g = file.geometry();
+                // SAFETY: as in `in_state_file`.
+                unsafe { &file.region::<ShardHead>(g.heads_offset(), g.shard_count)[index] }
+            }
+        }
+    }
+
+    /// Locks a shard's structure.
+    fn structure(&self, shard: &Shard) -> ShardState<'_> {
+        let head = self.head(shard.index);
+        ShardState {
+            head,
+            _lock: state_file::lock(&head.lock),
         }
     }
 
@@ -459,9 +657,9 @@ impl MemoryStore {
 
     /// Reserves room for one new entry; false when the store is at its bound.
     fn reserve(&self) -> bool {
-        self.len
+        self.len()
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < self.config.max_buckets).then_some(n + 1)
+                (n < self.config.max_buckets as u64).then_some(n + 1)
             })
             .is_ok()
     }
@@ -471,13 +669,13 @@ impl MemoryStore {
     fn make_room<'g>(
         &self,
         shard: &Shard,
-        state: &ShardState,
+        state: &ShardState<'_>,
         extra: usize,
         guard: &'g Guard,
     ) -> &'g Table {
         let table = Self::table(shard, guard);
         let mut capacity = table.capacity();
-        while (state.live + extra) * 4 > capacity * 3 && capacity < shard.max_capacity {
+        while (state.live() + extra) * 4 > capacity * 3 && capacity < shard.max_capacity {
             capacity *= 2;
         }
         if capacity == table.capacity() {
@@ -513,7 +711,7 @@ impl MemoryStore {
     fn insert(
         &self,
         shard: &Shard,
-        state: &mut ShardState,
+        state: &mut ShardState<'_>,
         key: (u64, u64),
         result: &OpResult,
         now_us: u64,
@@ -521,10 +719,7 @@ impl MemoryStore {
         guard: &Guard,
     ) -> bool {
         if !self.reserve() {
-            let may_purge = grow
-                && state
-                    .last_purge_us
-                    .is_none_or(|at| now_us.saturating_sub(at) >= self.config.purge_interval_us);
+            let may_purge = grow && state.may_purge(now_us, self.config.purge_interval_us);
             if !may_purge || self.purge(shard, state, now_us, guard) == 0 || !self.reserve() {
                 return false;
             }
@@ -536,7 +731,7 @@ impl MemoryStore {
         };
         let Some(i) = table.free_slot(key) else {
             // The shard is full of live keys (only with a very uneven spread): refuse.
-            self.len.fetch_sub(1, Ordering::Relaxed);
+            self.len().fetch_sub(1, Ordering::Relaxed);
             return false;
         };
         let slot = table.slot(i);
@@ -545,7 +740,7 @@ impl MemoryStore {
         let meta = slot.commit(result, now_us);
         slot.set_key(key);
         slot.unlock(meta);
-        state.live += 1;
+        state.add_live(1);
         true
     }
 
@@ -589,7 +784,7 @@ impl MemoryStore {
     fn evict_where(
         &self,
         shard: &Shard,
-        state: &mut ShardState,
+        state: &mut ShardState<'_>,
         guard: &Guard,
         evict: impl Fn(u64) -> bool,
     ) -> usize {
@@ -612,24 +807,26 @@ impl MemoryStore {
                 i += 1;
             }
         }
-        state.live -= removed;
-        self.len.fetch_sub(removed, Ordering::Relaxed);
+        state.sub_live(removed);
+        let len = self.len();
+        let _ = len.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+            Some(n.saturating_sub(removed as u64))
+        });
         self.evictions.fetch_add(removed as u64, Ordering::Relaxed);
         removed
     }
 
-    /// Removes full-again entries, then idle ones if none were full. Returns how many went.
-    fn purge(&self, shard: &Shard, state: &mut ShardState, now_us: u64, guard: &Guard) -> usize {
-        state.last_purge_us = Some(now_us);
-        let full = |meta: u64| meta_full_at_s(meta) * US_PER_SEC <= now_us;
-        let removed = self.evict_where(shard, state, guard, full);
-        if removed > 0 {
-            return removed;
-        }
-        let idle = self.config.idle_timeout_us;
-        self.evict_where(shard, state, guard, |meta| {
-            now_us.saturating_sub(meta_seen_s(meta) * US_PER_SEC) > idle
-        })
+    /// Removes the shard's full-again entries (the only ones indistinguishable from absent).
+    /// Returns how many went.
+    fn purge(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState<'_>,
+        now_us: u64,
+        guard: &Guard,
+    ) -> usize {
+        state.head.last_purge_us.store(now_us, Ordering::Relaxed);
+        self.evict_where(shard, state, guard, |meta| full_again(meta, now_us))
     }
 
     /// One bucket: a lock-free probe and the bucket's own lock (the common case); the shard's
@@ -663,7 +860,7 @@ impl MemoryStore {
                 // A cost above the burst: refused whatever the bucket holds.
                 return result;
             }
-            let mut state = shard.structure.lock();
+            let mut state = self.structure(shard);
             if Self::table(shard, guard).find(key).is_some() {
                 // Inserted meanwhile, or missed while an entry moved: update it instead.
                 continue;
@@ -681,6 +878,7 @@ impl MemoryStore {
     /// Settles reservations, each op on its bucket under the bucket's lock. A bucket that is
     /// gone (full again, swept) is full: a refund leaves it so, a charge stores it again.
     pub fn adjust(&self, now_us: u64, ops: &[super::AdjustOp]) {
+        let now_us = now_us.saturating_add(self.time_offset_us);
         let guard = &epoch::pin();
         let settled = |op: &super::AdjustOp, next: BucketState| OpResult {
             verdict: crate::limiter::Verdict {
@@ -712,7 +910,7 @@ impl MemoryStore {
                 if next.tokens >= op.quota.burst() {
                     break;
                 }
-                let mut state = shard.structure.lock();
+                let mut state = self.structure(shard);
                 if Self::table(shard, guard).find(key).is_some() {
                     continue;
                 }
@@ -745,6 +943,7 @@ impl MemoryStore {
         ops: &[BucketOp],
         results: &mut OpResults,
     ) -> Result<(), StoreError> {
+        let now_us = now_us.saturating_add(self.time_offset_us);
         results.clear();
         if let [op] = ops {
             results.push(self.apply_one(now_us, op));
@@ -757,9 +956,9 @@ impl MemoryStore {
             ops.iter().map(|op| self.shard_index(&op.key)).collect();
         wanted.sort_unstable();
         wanted.dedup();
-        let mut guards: SmallVec<[(usize, MutexGuard<'_, ShardState>); 4]> = wanted
+        let mut guards: SmallVec<[(usize, ShardState<'_>); 4]> = wanted
             .iter()
-            .map(|&i| (i, self.shards[i].structure.lock()))
+            .map(|&i| (i, self.structure(&self.shards[i])))
             .collect();
         // ...room for the request's new keys, before any bucket lock is taken: a purge when the
         // store is at its bound (as for one bucket), and a bigger table when needed...
@@ -775,10 +974,9 @@ impl MemoryStore {
             if missing == 0 {
                 continue;
             }
-            let at_bound = self.len.load(Ordering::Relaxed) + missing > self.config.max_buckets;
-            let may_purge = state
-                .last_purge_us
-                .is_none_or(|at| now_us.saturating_sub(at) >= self.config.purge_interval_us);
+            let at_bound =
+                self.len().load(Ordering::Relaxed) as usize + missing > self.config.max_buckets;
+            let may_purge = state.may_purge(now_us, self.config.purge_interval_us);
             if at_bound && may_purge {
                 self.purge(shard, state, now_us, guard);
             }
@@ -884,28 +1082,24 @@ impl MemoryStore {
 
     pub fn stats(&self) -> StoreStats {
         StoreStats {
-            entries: Some(self.len.load(Ordering::Relaxed) as u64),
+            entries: Some(self.len().load(Ordering::Relaxed)),
             evictions: self.evictions.load(Ordering::Relaxed),
             fail_open: self.fail_open.load(Ordering::Relaxed),
+            state_fallback: None,
         }
     }
 
-    /// Drops buckets that are full again, and idle ones when memory is short; returns how many.
+    /// Drops buckets that are full again; returns how many. Nothing else is ever dropped: a
+    /// bucket that is not full yet (a drained client of a 300 per 180 min quota, a budget with
+    /// spend in its window) holds state a fresh bucket would not, however long it sits idle.
     pub fn sweep(&self, now_us: u64) -> u64 {
-        let idle = self.config.idle_timeout_us;
-        // Idle buckets that are not full yet still hold state (a drained client of a 300 per
-        // 180 min quota must not come back to a full bucket after 5 idle minutes); they go only
-        // when memory is short: above 3/4 of the bound.
-        let pressed = self.len.load(Ordering::Relaxed) >= self.config.max_buckets / 4 * 3;
+        let now_us = now_us.saturating_add(self.time_offset_us);
         let guard = &epoch::pin();
         let mut removed = 0u64;
         for shard in self.shards.iter() {
-            let mut state = shard.structure.lock();
-            removed += self.evict_where(shard, &mut state, guard, |meta| {
-                let full = meta_full_at_s(meta) * US_PER_SEC <= now_us;
-                let idle = now_us.saturating_sub(meta_seen_s(meta) * US_PER_SEC) > idle;
-                full || (pressed && idle)
-            }) as u64;
+            let mut state = self.structure(shard);
+            removed +=
+                self.evict_where(shard, &mut state, guard, |meta| full_again(meta, now_us)) as u64;
         }
         removed
     }
@@ -942,7 +1136,6 @@ mod tests {
     fn small(max: usize) -> MemoryStore {
         MemoryStore::new(MemoryStoreConfig {
             max_buckets: max,
-            idle_timeout_us: 300 * US_PER_SEC,
             purge_interval_us: 0,
         })
     }
@@ -1014,10 +1207,13 @@ mod tests {
         assert_eq!(store.stats().entries, Some(0));
     }
 
+    /// Issue 21: a flood of fresh keys against a full store never evicts a bucket or budget
+    /// that still holds state, however long it has been idle; the new keys fail open instead.
     #[test]
-    fn under_memory_pressure_the_sweep_drops_idle_buckets() {
+    fn a_full_store_of_idle_unfull_buckets_keeps_them_and_fails_new_keys_open() {
         let store = small(4);
-        let slow = Quota::new(300 * MICRO, MICRO, 3_600 * US_PER_SEC).unwrap();
+        // One token a month: a spent token takes 30 days to come back.
+        let slow = Quota::new(300 * MICRO, MICRO, 30 * 86_400 * US_PER_SEC).unwrap();
         for k in ["a", "b", "c"] {
             run(
                 &store,
@@ -1025,66 +1221,45 @@ mod tests {
                 &[op(&format!("tb:slow:{k}"), slow, Group::Enforce)],
             );
         }
-        run(
-            &store,
-            290 * US_PER_SEC,
-            &[op("tb:slow:d", slow, Group::Enforce)],
-        );
-        // 4 of 4 held: above 3/4. a, b, c idle for 301 s go; d (idle 11 s) stays.
-        assert_eq!(store.sweep(301 * US_PER_SEC), 3);
-        assert!(store.peek(&BucketKey::of("tb:slow:d")).is_some());
-    }
-
-    /// Issue 13, attack 7: a drained client that keeps hammering is not idle. Refusals
-    /// refresh the bucket's activity, so memory pressure never hands it a fresh bucket.
-    #[test]
-    fn refusals_keep_a_drained_bucket_from_being_idle() {
-        let store = MemoryStore::new(MemoryStoreConfig {
-            max_buckets: 4,
-            idle_timeout_us: 5 * US_PER_SEC,
-            purge_interval_us: 0,
-        });
-        let slow = Quota::new(20 * MICRO, MICRO, 3_600 * US_PER_SEC).unwrap();
-        let hammer = op("tb:slow:hammer", slow, Group::Enforce);
-        for _ in 0..20 {
-            assert!(run(&store, 0, &[hammer])[0].committed);
-        }
-        // Drained: refused once a second for 6 s (past the 5 s idle timeout).
-        for second in 1..=6 {
-            assert!(
-                !run(&store, second * US_PER_SEC, &[hammer])[0]
-                    .verdict
-                    .allowed
-            );
-        }
-        // Fill the store to the bound (3 more keys) and press it: the sweep and a new key
-        // that needs room both look for idle buckets.
-        for k in ["a", "b", "c"] {
-            run(
+        // A monthly budget of 10 with 7 spent, its window ending in 20 days.
+        let budget = BucketOp {
+            key: BucketKey::of("tb:budget:tenant"),
+            quota: Quota::new(10 * MICRO, 10 * MICRO, 30 * 86_400 * US_PER_SEC).unwrap(),
+            cost: 7 * MICRO,
+            group: Group::Enforce,
+            window: Some(crate::limiter::Window {
+                id: 42,
+                ends_in_us: 20 * 86_400 * US_PER_SEC,
+            }),
+        };
+        assert!(run(&store, 0, &[budget])[0].committed);
+        // A week later, under a flood: nothing is full again, nothing goes.
+        let week = 7 * 86_400 * US_PER_SEC;
+        assert_eq!(store.sweep(week), 0);
+        for k in 0..50 {
+            let r = run(
                 &store,
-                0,
-                &[op(&format!("tb:slow:{k}"), slow, Group::Enforce)],
+                week,
+                &[op(&format!("tb:slow:new{k}"), slow, Group::Enforce)],
             );
+            assert!(r[0].verdict.allowed && r[0].fail_open && !r[0].committed);
         }
-        assert_eq!(store.sweep(6 * US_PER_SEC + 1), 3);
-        let state = store
-            .peek(&hammer.key)
-            .expect("the hammering client's bucket is kept");
-        assert_eq!(state.tokens, 0);
-        // Still refused: no fresh bucket.
-        assert!(
-            !run(&store, 6 * US_PER_SEC + 2, &[hammer])[0]
-                .verdict
-                .allowed
-        );
-        // Through a multi-bucket request too.
-        let other = op("tb:other:hammer", quota(1, 100), Group::Enforce);
-        for second in 7..=12 {
-            let r = run(&store, second * US_PER_SEC, &[other, hammer]);
-            assert!(!r[1].verdict.allowed && !r[0].committed);
-        }
-        assert_eq!(store.sweep(12 * US_PER_SEC + 1), 0);
-        assert!(store.peek(&hammer.key).is_some());
+        assert_eq!(store.stats().fail_open, 50);
+        assert_eq!(store.stats().evictions, 0);
+        // The budget still holds its 3: a request for 4 is refused.
+        let four = BucketOp {
+            cost: 4 * MICRO,
+            window: Some(crate::limiter::Window {
+                id: 42,
+                ends_in_us: 13 * 86_400 * US_PER_SEC,
+            }),
+            ..budget
+        };
+        let r = run(&store, week, &[four]);
+        assert!(!r[0].verdict.allowed);
+        assert_eq!(r[0].verdict.available, 3 * MICRO);
+        // Once its window has ended it is full again, and only then can it go.
+        assert_eq!(store.sweep(20 * 86_400 * US_PER_SEC), 1);
     }
 
     #[test]
@@ -1157,7 +1332,6 @@ mod tests {
     fn updates_stay_exact_while_entries_move() {
         let store = Arc::new(MemoryStore::new(MemoryStoreConfig {
             max_buckets: 500,
-            idle_timeout_us: 300 * US_PER_SEC,
             purge_interval_us: 0,
         }));
         assert_eq!(

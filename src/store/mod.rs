@@ -11,6 +11,7 @@ pub mod lease;
 pub mod memory;
 pub mod postgres;
 pub mod redis;
+pub mod state_file;
 
 pub use self::postgres::PostgresStore;
 pub use self::redis::{RedisConfig, RedisStore};
@@ -149,6 +150,9 @@ pub struct StoreStats {
     pub evictions: u64,
     /// Requests allowed untracked because the embedded store had no room.
     pub fail_open: u64,
+    /// With `--state-dir`: whether the tables are in process memory instead, because the state
+    /// file could not be made or mapped (`None` without a state dir).
+    pub state_fallback: Option<bool>,
 }
 
 /// The name of a bucket in a shared store: its 128-bit hash, with its own Redis hash tag.
@@ -264,12 +268,93 @@ pub struct Store {
     clock: Arc<dyn Clock>,
     /// Rows deleted by the PostgreSQL sweep.
     swept: AtomicU64,
+    /// The state dir's lock (held while the store lives), and whether the store fell back to
+    /// process memory.
+    state_dir: Option<(Option<state_file::DirLock>, bool)>,
+}
+
+/// Where the embedded store keeps its tables.
+#[derive(Debug, Clone)]
+pub struct StateDirConfig {
+    pub dir: std::path::PathBuf,
+    /// Interval of the `msync` that bounds what a crash of the machine loses.
+    pub sync_every: Duration,
+    /// This process takes over from a running one (`--upgrade`): the two share the files until
+    /// the old one exits.
+    pub upgrade: bool,
 }
 
 impl Store {
     /// The embedded store.
     pub fn memory(config: MemoryStoreConfig, clock: Arc<dyn Clock>) -> Store {
         Store::with_backend(Backend::Memory(MemoryStore::new(config)), clock)
+    }
+
+    /// The embedded store with its tables in a state dir: they survive a restart, a crash of
+    /// the process and an upgrade. A state file that cannot be made or mapped (a full disk, no
+    /// address space) leaves the store in process memory, logged at error level and shown by
+    /// [`StoreStats::state_fallback`]; a bad file is moved aside and a new one made.
+    ///
+    /// # Errors
+    /// Another gateway holds the directory (and this is not an upgrade).
+    pub fn memory_in_state_dir(
+        config: MemoryStoreConfig,
+        state: &StateDirConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Store, state_file::StateError> {
+        let shown = state.dir.display().to_string();
+        let lock = match state_file::lock_dir(&state.dir, state.upgrade) {
+            Ok(lock) => Some(lock),
+            Err(e @ state_file::StateError::Held { .. }) => return Err(e),
+            Err(e) => {
+                tracing::error!(dir = %shown, "state dir unusable, buckets kept in process memory only: {e}");
+                None
+            }
+        };
+        let opened = match &lock {
+            Some(lock) => {
+                let geometry = MemoryStore::geometry(&config, true);
+                match state_file::open(&state.dir, geometry) {
+                    Ok(opened) => Some((opened, lock.sole_owner)),
+                    Err(e) => {
+                        tracing::error!(dir = %shown, "state dir unusable, buckets kept in process memory only: {e}");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let Some((opened, sole_owner)) = opened else {
+            let mut store = Store::memory(config, clock);
+            store.state_dir = Some((lock, true));
+            return Ok(store);
+        };
+        if let Some((aside, reason)) = &opened.moved_aside {
+            tracing::error!(
+                dir = %shown,
+                moved_to = %aside.display(),
+                "state file unusable ({reason}); moved aside, starting with empty buckets"
+            );
+        }
+        let file = Arc::new(opened.file);
+        state_file::sync_periodically(&file, state.sync_every);
+        // Wall-clock µs since the file's epoch, continued by the monotonic clock while the
+        // process lives: a wall clock stepped back at a restart refills nothing (the limiter
+        // never counts negative time), one stepped forward counts as elapsed.
+        let offset = clock
+            .unix_us()
+            .saturating_sub(state_file::EPOCH_US)
+            .saturating_sub(clock.now_us());
+        let memory = MemoryStore::in_state_file(config, file, sole_owner, offset);
+        tracing::info!(
+            dir = %shown,
+            entries = memory.stats().entries.unwrap_or(0),
+            created = opened.created,
+            "state dir: buckets, budgets, breakers and loop marks kept in its state file"
+        );
+        let mut store = Store::with_backend(Backend::Memory(memory), clock);
+        store.state_dir = Some((lock, false));
+        Ok(store)
     }
 
     /// A shared store from its URL: `redis://`, `redis+cluster://`, `postgres://` or
@@ -294,6 +379,7 @@ impl Store {
             backend,
             clock,
             swept: AtomicU64::new(0),
+            state_dir: None,
         }
     }
 
@@ -420,12 +506,16 @@ impl Store {
     /// Counters for `/metrics`.
     pub fn stats(&self) -> StoreStats {
         match &self.backend {
-            Backend::Memory(m) => m.stats(),
+            Backend::Memory(m) => StoreStats {
+                state_fallback: self.state_dir.as_ref().map(|(_, fallback)| *fallback),
+                ..m.stats()
+            },
             Backend::Redis(_) => StoreStats::default(),
             Backend::Postgres(_) => StoreStats {
                 entries: None,
                 evictions: self.swept.load(Ordering::Relaxed),
                 fail_open: 0,
+                state_fallback: None,
             },
         }
     }
