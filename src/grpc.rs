@@ -73,25 +73,35 @@ pub struct GrpcServer {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
+/// Binds the gRPC listener now, so a bad address stops start-up.
+///
+/// # Errors
+/// The address cannot be bound.
+pub fn bind(config: &GrpcConfig) -> Result<std::net::TcpListener, GrpcStartError> {
+    let listener =
+        std::net::TcpListener::bind(config.listen).map_err(|source| GrpcStartError::Bind {
+            addr: config.listen,
+            source,
+        })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(GrpcStartError::Runtime)?;
+    Ok(listener)
+}
+
 impl GrpcServer {
-    /// Binds now (a bad address or certificate stops start-up), then serves on a runtime of
-    /// `threads` workers in its own thread.
+    /// Serves on a runtime of `threads` workers in its own thread, on the listener `listener`
+    /// delivers: bound by [`bind`] at start-up, or handed over by the process this one upgrades
+    /// (a bad certificate stops start-up either way).
     ///
     /// # Errors
-    /// The address cannot be bound, or the certificate or key cannot be read or used.
+    /// The certificate or key cannot be read or used, or the runtime cannot start.
     pub fn start(
         gateway: Arc<Gateway>,
         config: &GrpcConfig,
         threads: usize,
+        listener: tokio::sync::oneshot::Receiver<std::net::TcpListener>,
     ) -> Result<Self, GrpcStartError> {
-        let listener =
-            std::net::TcpListener::bind(config.listen).map_err(|source| GrpcStartError::Bind {
-                addr: config.listen,
-                source,
-            })?;
-        listener
-            .set_nonblocking(true)
-            .map_err(GrpcStartError::Runtime)?;
         let tls = match &config.tls {
             None => None,
             Some((cert, key)) => Some(tls_config(cert, key)?),
@@ -128,6 +138,9 @@ impl GrpcServer {
             .name("tollgate-grpc".into())
             .spawn(move || {
                 runtime.block_on(async move {
+                    let Ok(listener) = listener.await else {
+                        return;
+                    };
                     let listener = match tokio::net::TcpListener::from_std(listener) {
                         Ok(l) => l,
                         Err(e) => {

@@ -63,6 +63,7 @@ pub struct Metrics {
     store_entries: Option<IntGauge>,
     store_evictions: Option<IntCounter>,
     store_fail_open: Option<IntCounter>,
+    state_dir_fallback: Option<IntGauge>,
     store_errors: IntCounter,
     reloads: IntCounterVec,
     policy_info: IntGaugeVec,
@@ -162,13 +163,19 @@ impl Metrics {
         let store_evictions = (embedded || store_kind == "postgres").then(|| {
             must(IntCounter::new(
                 "tollgate_store_evictions_total",
-                "Buckets dropped by the store (full again or idle)",
+                "Buckets dropped by the store (full again: indistinguishable from fresh)",
             ))
         });
         let store_fail_open = embedded.then(|| {
             must(IntCounter::new(
                 "tollgate_store_fail_open_total",
                 "Requests allowed untracked because the store had no room",
+            ))
+        });
+        let state_dir_fallback = embedded.then(|| {
+            must(IntGauge::new(
+                "tollgate_state_dir_fallback",
+                "1 when --state-dir was given but the buckets are in process memory (the state file could not be made or mapped)",
             ))
         });
         let store_info = must(IntGaugeVec::new(
@@ -324,6 +331,9 @@ impl Metrics {
             store_fail_open
                 .clone()
                 .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            state_dir_fallback
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
         ]
         .into_iter()
         .flatten()
@@ -339,6 +349,7 @@ impl Metrics {
             store_entries,
             store_evictions,
             store_fail_open,
+            state_dir_fallback,
             store_errors,
             reloads,
             policy_info,
@@ -599,6 +610,9 @@ impl Metrics {
         }
         if let Some(counter) = &self.store_fail_open {
             advance_to(counter, stats.fail_open);
+        }
+        if let Some(gauge) = &self.state_dir_fallback {
+            gauge.set(i64::from(stats.state_fallback == Some(true)));
         }
         let mut buf = Vec::new();
         if TextEncoder::new()

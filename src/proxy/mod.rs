@@ -1,6 +1,7 @@
 //! Pingora glue: the only module that names Pingora types. It builds the server — the reverse
 //! proxy ([`gateway`]), the admin listener ([`admin`]) and background tasks (reload, sweep) — and
-//! runs it until SIGTERM/SIGINT, then drains.
+//! runs it until SIGTERM/SIGINT, then drains; or, on SIGQUIT, hands its listening sockets over
+//! to the process started with `--upgrade` (Pingora's zero-downtime upgrade), then drains.
 
 pub mod admin;
 pub mod conn;
@@ -60,8 +61,23 @@ pub fn run(args: RunArgs) -> u8 {
     // appears (the file watcher picks it up).
     let _ = gateway.load_policy("startup");
 
+    if config.upgrade
+        && !config
+            .upgrade_sock
+            .parent()
+            .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
+    {
+        let e = format!(
+            "--upgrade-sock {}: its directory does not exist",
+            config.upgrade_sock.display()
+        );
+        tracing::error!("{e}");
+        eprintln!("tollgate: {e}");
+        return EXIT_INVALID;
+    }
     let conf = ServerConf {
         threads: config.threads,
+        upgrade_sock: config.upgrade_sock.display().to_string(),
         work_stealing: false,
         upstream_keepalive_pool_size: UPSTREAM_KEEPALIVE_POOL,
         grace_period_seconds: Some(1),
@@ -83,9 +99,12 @@ pub fn run(args: RunArgs) -> u8 {
             }
         },
     };
-    // `None` options: Pingora must not parse our argv (its own flags clash with ours).
-    let mut server = Server::new_with_opt_and_conf(None, conf);
-    server.bootstrap();
+    // Options built here: Pingora must not parse our argv (its own flags clash with ours).
+    let options = pingora::server::configuration::Opt {
+        upgrade: config.upgrade,
+        ..Default::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(options, conf);
 
     // Upstream groups and routes: the gateway file, or `--upstream` as one default group.
     let route_table = match &config.routes {
@@ -202,14 +221,30 @@ pub fn run(args: RunArgs) -> u8 {
     tracing::info!(admin_listen = %config.admin_listen, "admin listener (decision service, health, metrics)");
 
     if let Some(grpc) = &config.grpc {
-        match crate::grpc::GrpcServer::start(Arc::clone(&gateway), grpc, config.threads) {
+        // Bound now (a bad address stops start-up), unless an upgrade takes the running
+        // process's socket over.
+        let bound = if config.upgrade {
+            None
+        } else {
+            match crate::grpc::bind(grpc) {
+                Ok(listener) => Some(listener),
+                Err(e) => {
+                    tracing::error!("{e}");
+                    eprintln!("tollgate: {e}");
+                    return EXIT_INVALID;
+                }
+            }
+        };
+        let (deliver, delivered) = tokio::sync::oneshot::channel();
+        match crate::grpc::GrpcServer::start(Arc::clone(&gateway), grpc, config.threads, delivered)
+        {
             Ok(running) => {
-                server.add_service(background_service(
-                    "tollgate grpc",
-                    GrpcDrain {
-                        server: parking_lot::Mutex::new(Some(running)),
-                    },
-                ));
+                server.add_service(GrpcListener {
+                    key: grpc.listen.to_string(),
+                    bound,
+                    deliver: Some(deliver),
+                    server: Some(running),
+                });
             }
             Err(e) => {
                 tracing::error!("{e}");
@@ -237,6 +272,12 @@ pub fn run(args: RunArgs) -> u8 {
         ));
     }
 
+    // Last, once nothing else can fail: with --upgrade this waits (up to about 6 s) for the
+    // running process, sent SIGQUIT, to hand its listening sockets over.
+    if config.upgrade {
+        tracing::info!(upgrade_sock = %config.upgrade_sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
+    }
+    server.bootstrap();
     server.run(PingoraRunArgs {
         shutdown_signal: Box::new(DrainOnSignal),
     });
@@ -261,19 +302,25 @@ fn ignore_sighup_until_ready() {
     // async-signal-safe; it runs before any other thread of ours exists.
     unsafe {
         libc::signal(libc::SIGHUP, libc::SIG_IGN);
+        // SIGQUIT's default action dumps core; until the server runs there are no listeners
+        // to hand over, so an early one is ignored too.
+        libc::signal(libc::SIGQUIT, libc::SIG_IGN);
     }
 }
 
 /// SIGTERM and SIGINT both drain gracefully: listeners close, in-flight requests finish.
+/// SIGQUIT first hands the listening sockets to the process started with `--upgrade`, then
+/// drains the same way.
 struct DrainOnSignal;
 
 #[async_trait]
 impl ShutdownSignalWatch for DrainOnSignal {
     async fn recv(&self) -> ShutdownSignal {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
+        let (Ok(mut term), Ok(mut int), Ok(mut quit)) = (
             signal(SignalKind::terminate()),
             signal(SignalKind::interrupt()),
+            signal(SignalKind::quit()),
         ) else {
             tracing::error!("cannot install signal handlers; shutting down");
             return ShutdownSignal::FastShutdown;
@@ -281,25 +328,86 @@ impl ShutdownSignalWatch for DrainOnSignal {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: draining"),
             _ = int.recv() => tracing::info!("SIGINT: draining"),
+            _ = quit.recv() => {
+                tracing::info!("SIGQUIT: handing the listeners over to the new gateway, then draining");
+                return ShutdownSignal::GracefulUpgrade;
+            }
         }
         ShutdownSignal::GracefulTerminate
     }
 }
 
-/// Drains the gRPC listener (its own runtime) when the server shuts down.
-struct GrpcDrain {
-    server: parking_lot::Mutex<Option<crate::grpc::GrpcServer>>,
+/// The gRPC listener's place among Pingora's services: it finds its socket in the table of
+/// listening sockets an upgrade hands over (by address, like Pingora's own listeners) or puts the
+/// one bound at start-up there so the next upgrade hands it on; it gives the socket to the gRPC
+/// server (its own runtime) and drains that when the server shuts down.
+struct GrpcListener {
+    key: String,
+    bound: Option<std::net::TcpListener>,
+    deliver: Option<tokio::sync::oneshot::Sender<std::net::TcpListener>>,
+    server: Option<crate::grpc::GrpcServer>,
 }
 
 #[async_trait]
-impl BackgroundService for GrpcDrain {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
+impl pingora::services::Service for GrpcListener {
+    async fn start_service(
+        &mut self,
+        fds: Option<pingora::server::ListenFds>,
+        mut shutdown: ShutdownWatch,
+        _listeners_per_fd: usize,
+    ) {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let inherited = fds
+            .as_ref()
+            .and_then(|fds| fds.lock().get(&self.key).copied());
+        let listener = match (inherited, self.bound.take()) {
+            (Some(fd), _) => {
+                tracing::info!(grpc_listen = %self.key, "gRPC listener taken over from the previous gateway");
+                // SAFETY: the descriptor came over the upgrade socket as this address's listening
+                // socket, and nothing else in this process owns it.
+                let listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
+                let _ = listener.set_nonblocking(true);
+                Some(listener)
+            }
+            (None, Some(bound)) => Some(bound),
+            // An upgrade from a gateway that had no gRPC listener: bind now.
+            (None, None) => match std::net::TcpListener::bind(&self.key) {
+                Ok(l) => {
+                    let _ = l.set_nonblocking(true);
+                    Some(l)
+                }
+                Err(e) => {
+                    tracing::error!(grpc_listen = %self.key, "gRPC listener: cannot bind: {e}");
+                    None
+                }
+            },
+        };
+        if let Some(listener) = listener {
+            if let (Some(fds), None) = (&fds, inherited) {
+                fds.lock().add(self.key.clone(), listener.as_raw_fd());
+            }
+            if let Some(deliver) = self.deliver.take() {
+                let _ = deliver.send(listener);
+            }
+        }
         let _ = shutdown.changed().await;
-        let server = self.server.lock().take();
-        if let Some(server) = server {
+        if let Some(server) = self.server.take() {
             // Joining the gRPC runtime's thread blocks: not on this runtime's worker.
             let _ = tokio::task::spawn_blocking(move || server.shutdown()).await;
         }
+    }
+
+    fn name(&self) -> &str {
+        "tollgate grpc"
+    }
+
+    fn threads(&self) -> Option<usize> {
+        Some(1)
+    }
+
+    /// Claims its socket, so Pingora does not close it as unclaimed after an upgrade.
+    fn listen_addresses(&self) -> Option<Vec<String>> {
+        Some(vec![self.key.clone()])
     }
 }
 
