@@ -1,7 +1,8 @@
 //! One decision through the engine (embedded store, manual clock): 1 rule keyed by IP, and 5
 //! rules (IP, API key, path, global, shadow). Distinct client IPs rotate so buckets stay warm
 //! but not all on one key. Also Envoy's rate-limit call, JWT verification, and an LLM
-//! reservation settled.
+//! reservation settled. The `*_state_dir` variants keep the store in a state file
+//! (`--state-dir`), to show what surviving restarts costs.
 
 // Same allocator as the shipped binary.
 #[global_allocator]
@@ -23,6 +24,19 @@ fn engine(bundle: &str) -> (arc_swap::ArcSwap<Bundle>, MemoryStore, ManualClock)
         arc_swap::ArcSwap::from_pointee(bundle),
         MemoryStore::new(MemoryStoreConfig::default()),
         ManualClock::new(0),
+    )
+}
+
+/// The same store kept in a state file under a temporary directory (kept alive by the caller).
+fn in_state_dir() -> (MemoryStore, tempfile::TempDir) {
+    use tollgate::store::state_file;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = MemoryStoreConfig::default();
+    let opened =
+        state_file::open(dir.path(), MemoryStore::geometry(&config, true)).expect("state file");
+    (
+        MemoryStore::in_state_file(config, std::sync::Arc::new(opened.file), true, 0),
+        dir,
     )
 }
 
@@ -48,8 +62,18 @@ fn bench(c: &mut Criterion) {
         .map(|i| IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)))
         .collect();
     let mut group = c.benchmark_group("decision");
-    for (name, bundle) in [("1_rule_ip", ONE_RULE), ("5_rules", FIVE_RULES)] {
-        let (policy, store, clock) = engine(bundle);
+    for (name, bundle, state_dir) in [
+        ("1_rule_ip", ONE_RULE, false),
+        ("5_rules", FIVE_RULES, false),
+        ("1_rule_ip_state_dir", ONE_RULE, true),
+        ("5_rules_state_dir", FIVE_RULES, true),
+    ] {
+        let (policy, mut store, clock) = engine(bundle);
+        let _dir = state_dir.then(|| {
+            let (persistent, dir) = in_state_dir();
+            store = persistent;
+            dir
+        });
         let mut i = 0usize;
         group.bench_function(name, |b| {
             b.iter(|| {

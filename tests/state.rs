@@ -7,7 +7,7 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -544,7 +544,7 @@ fn an_upgrade_under_load_drops_nothing_and_counts_once() {
         })
     };
     std::thread::sleep(Duration::from_millis(300));
-    let mut new = setup.spawn("new.log", &["--upgrade", TRUST[0], TRUST[1]]);
+    let new = setup.spawn("new.log", &["--upgrade", TRUST[0], TRUST[1]]);
     // The new process waits on the upgrade socket; the old one hands over on SIGQUIT.
     let sock = setup.state().join("upgrade.sock");
     let start = Instant::now();
@@ -593,5 +593,4 @@ fn an_upgrade_under_load_drops_nothing_and_counts_once() {
     assert_eq!(third.wait_exit(Duration::from_secs(20)), Some(1));
     let lock_pid = std::fs::read_to_string(setup.state().join("owner.lock")).unwrap();
     assert_eq!(lock_pid.trim(), new.pid().to_string());
-    let _ = Path::new("");
 }
