@@ -15,6 +15,7 @@
 #   tg-none        tollgate, no policy loaded
 #   tg-1           tollgate, 1 per-IP rule (5 RateLimit headers)
 #   tg-5           tollgate, 5 rules (IP, key, key+path, global, 1 shadow)
+#   tg-1-state     tg-1 with its buckets in a state dir (--state-dir): what surviving restarts costs
 #   nginx-429      nginx limit_req refusing every request (limit_req_status 429)
 #   tg-429         tollgate refusing every request
 #   authreq        nginx auth_request → tollgate decision service (CPU: nginx + tollgate)
@@ -24,22 +25,25 @@
 # Then, once: the decision service alone with --threads 2 and no pinning (cores used,
 # decisions/s, decisions per CPU-second).
 #
-# Usage: bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
+# Usage: [TARGETS="tg-1 tg-1-state"] [PROFILE=perf] bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=benches/common.sh
 source benches/common.sh
 ROUNDS=${1:-3}; SECS=${2:-5}; CONNS=${3:-32}
 bash scripts/install-deps.sh --load
-cargo build --profile perf --quiet --bin tollgate --example bare_proxy
-TG=target/perf/tollgate
-BARE=target/perf/examples/bare_proxy
+# PROFILE=release skips the fat-LTO build (minutes) for a quick comparison between targets.
+PROFILE=${PROFILE:-perf}
+cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy
+TG=target/$PROFILE/tollgate
+BARE=target/$PROFILE/examples/bare_proxy
 ENVOY=$(bash scripts/install-envoy.sh)
 
 # Ports.
 UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
 BARE_429=18907
 TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914; ENVOY_RLS=18915; TG_GRPC=18916
+TG_1_STATE=18918
 
 # The upstream: its own nginx, on core 0 with wrk.
 nginx_conf upstream "server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 \"ok\\n\"; } }"
@@ -163,15 +167,16 @@ cat > "$WORK/five.json" <<JSON
     $(rule global '[]' 1000000000 1000000000)]}},
   {"id": "s", "spec": {"mode": "shadow", "rules": [$(rule shadow-ip '["ip:address"]' 1000000000 1000000000)]}}]}
 JSON
-start_tollgate() { # port, policy, admin port: sets LAST_PID
+start_tollgate() { # port, policy, admin port, extra flags...: sets LAST_PID
   taskset -c 1 $TG run --policy "$2" --listen "127.0.0.1:$1" --upstream "127.0.0.1:$UP" \
-    --admin-listen "127.0.0.1:$3" --threads 1 2>"$WORK/tg-$1.log" >/dev/null &
+    --admin-listen "127.0.0.1:$3" --threads 1 "${@:4}" 2>"$WORK/tg-$1.log" >/dev/null &
   LAST_PID=$!; PIDS+=("$LAST_PID")
 }
 start_tollgate $TG_NONE "$WORK/missing.json" 18920; PID_TG_NONE=$LAST_PID
 start_tollgate $TG_1 "$WORK/one.json" 18921; PID_TG_1=$LAST_PID
 start_tollgate $TG_5 "$WORK/five.json" 18922; PID_TG_5=$LAST_PID
 start_tollgate $TG_429 "$WORK/deny.json" 18923; PID_TG_429=$LAST_PID
+start_tollgate $TG_1_STATE "$WORK/one.json" 18924 --state-dir "$WORK/state"; PID_TG_1_STATE=$LAST_PID
 # The decision service for nginx auth_request: its admin listener on TG_DEC.
 taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen "127.0.0.1:$TG_DEC" --threads 1 2>"$WORK/tg-dec.log" &
 PID_TG_DEC=$!; PIDS+=("$PID_TG_DEC")
@@ -187,7 +192,7 @@ NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 
 
 declare -A RPS CPU SHARE
-TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-5 nginx-429 bare-429 tg-429 authreq envoy-rls"}
+TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-1-state tg-5 nginx-429 bare-429 tg-429 authreq envoy-rls"}
 for round in $(seq 1 "$ROUNDS"); do
   for t in $TARGETS; do
     case $t in
@@ -198,6 +203,7 @@ for round in $(seq 1 "$ROUNDS"); do
       tg-none) port=$TG_NONE; pids=$PID_TG_NONE;;
       tg-1) port=$TG_1; pids=$PID_TG_1;;
       tg-5) port=$TG_5; pids=$PID_TG_5;;
+      tg-1-state) port=$TG_1_STATE; pids=$PID_TG_1_STATE;;
       nginx-429) port=$NGX_429; pids=$NGX_WORKER;;
       bare-429) port=$BARE_429; pids=$PID_BARE_429;;
       tg-429) port=$TG_429; pids=$PID_TG_429;;
@@ -233,6 +239,7 @@ for t in $TARGETS; do
     tg-none) name="tollgate, no policy";;
     tg-1) name="tollgate, 1 per-IP rule (5 RateLimit headers)";;
     tg-5) name="tollgate, 5 rules";;
+    tg-1-state) name="tollgate, 1 rule, --state-dir";;
     nginx-429) name="nginx limit_req, every request refused (429)";;
     bare-429) name="bare Pingora, every request refused (429, same headers)";;
     tg-429) name="tollgate, every request refused (429)";;
@@ -249,6 +256,7 @@ echo "tollgate 429 / nginx limit_req 429, CPU per refusal:      $(ratio "${MC[tg
 echo "tollgate limiter on / off, req/s:                         $(ratio "${MR[tg-1]}" "${MR[tg-none]}")  (target ≥ 0.97)"
 echo "tollgate limiter on / off, CPU per request:               $(ratio "${MC[tg-1]}" "${MC[tg-none]}")"
 echo "tollgate no policy / bare Pingora, CPU per request:       $(ratio "${MC[tg-none]}" "${MC[bare]}")"
+[ -n "${MC[tg-1-state]:-}" ] && echo "tollgate 1 rule, state dir / in memory, CPU per request:  $(ratio "${MC[tg-1-state]}" "${MC[tg-1]}")  (target ≤ 1.05)"
 echo "tollgate 429 / bare Pingora 429, CPU per refusal:         $(ratio "${MC[tg-429]}" "${MC[bare-429]}")"
 echo "bare Pingora / nginx proxy_pass, CPU per request:         $(ratio "${MC[bare]}" "${MC[nginx]}")"
 echo "auth_request → tollgate / nginx limit_req, CPU per request: $(ratio "${MC[authreq]}" "${MC[nginx-lr]}")"

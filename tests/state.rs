@@ -56,17 +56,24 @@ impl Setup {
 
     /// Spawns `tollgate run` with the state dir and `extra` flags; `log` names its log file.
     fn spawn(&self, log: &str, extra: &[&str]) -> Node {
+        self.spawn_with(log, extra, true)
+    }
+
+    /// [`Setup::spawn`], with or without the state dir.
+    fn spawn_with(&self, log: &str, extra: &[&str], state_dir: bool) -> Node {
         let log = self.dir.path().join(log);
-        let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-            .arg("run")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        cmd.arg("run");
+        if state_dir {
+            cmd.arg("--state-dir").arg(self.state());
+        }
+        let child = cmd
             .arg("--policy")
             .arg(self.dir.path().join("policy.json"))
             .args(["--listen", &self.proxy.to_string()])
             .args(["--admin-listen", &self.admin.to_string()])
             .args(["--upstream", &self.upstream.addr.to_string()])
             .args(["--threads", "1"])
-            .arg("--state-dir")
-            .arg(self.state())
             .args(extra)
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
@@ -352,35 +359,8 @@ fn a_key_flood_never_resets_a_spent_budget() {
             "1",
         ];
         flags.extend(TRUST);
-        let node = if state_dir {
-            setup.start("gw.log", &flags)
-        } else {
-            // The same flags on process memory: start without the state dir.
-            let dir = setup.dir.path();
-            let log = dir.join("mem.log");
-            let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-                .arg("run")
-                .arg("--policy")
-                .arg(dir.join("policy.json"))
-                .args(["--listen", &setup.proxy.to_string()])
-                .args(["--admin-listen", &setup.admin.to_string()])
-                .args(["--upstream", &setup.upstream.addr.to_string()])
-                .args(["--threads", "1"])
-                .args(&flags)
-                .env_remove("RUST_LOG")
-                .stdout(Stdio::null())
-                .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
-                .spawn()
-                .unwrap();
-            let node = Node {
-                child: Some(child),
-                proxy: setup.proxy,
-                admin: setup.admin,
-                log,
-            };
-            node.wait_ready();
-            node
-        };
+        let node = setup.spawn_with("gw.log", &flags, state_dir);
+        node.wait_ready();
         let spent = node.statuses(10, "victim", "10.9.9.9");
         assert_eq!(count(&spent, 200), 10, "{spent:?}");
         // Idle for longer than --bucket-idle-secs, and two sweeps.

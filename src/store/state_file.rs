@@ -128,7 +128,11 @@ pub struct DirLock {
 /// # Errors
 /// The directory cannot be made or its lock file opened, or another gateway holds it.
 pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
-    std::fs::create_dir_all(dir).map_err(io_error(dir, "cannot create the directory"))?;
+    // Owner-only: the directory holds the upgrade socket, through which the listening sockets
+    // are handed over, and the reservation-signing key.
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+        .create(dir)
+        .map_err(io_error(dir, "cannot create the directory"))?;
     let path = dir.join(LOCK_NAME);
     let mut file = OpenOptions::new()
         .read(true)
