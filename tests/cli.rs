@@ -152,6 +152,28 @@ fn validate_accepts_every_shipped_policy() {
     );
 }
 
+/// Issue 21: a bundle holding state a restart resets is warned about unless a state dir or a
+/// shared store keeps it.
+#[test]
+fn validate_warns_about_state_a_restart_resets() {
+    let warning = "  warning: 5m-cost-window (budget), org-month (budget) hold state that a restart resets with the embedded store in process memory: run with --state-dir DIR (or a shared --store) to keep it";
+    let file = "policies/fairvisor-budgets.json";
+    let (code, out, _) = tollgate(&["validate", file], None);
+    assert_eq!(code, 0);
+    assert!(out.lines().any(|l| l == warning), "{out}");
+    for flags in [
+        ["--state-dir", "/var/lib/tollgate"],
+        ["--store", "redis://127.0.0.1:6379"],
+    ] {
+        let (code, out, _) = tollgate(&["validate", flags[0], flags[1], file], None);
+        assert_eq!(code, 0);
+        assert!(!out.contains("restart resets"), "{flags:?}: {out}");
+    }
+    // A bundle of token buckets only holds nothing a restart could hand back unfairly.
+    let (_, out, _) = tollgate(&["validate", "policies/axum-per-ip.json"], None);
+    assert!(!out.contains("restart resets"), "{out}");
+}
+
 #[test]
 fn validate_lists_every_error_with_its_path() {
     let dir = tempfile::tempdir().unwrap();
