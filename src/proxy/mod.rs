@@ -51,6 +51,11 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_INVALID;
         }
     };
+    if config.bucket_idle_given {
+        tracing::warn!(
+            "--bucket-idle-secs is ignored: a bucket that still holds state is never dropped for being idle (only full-again ones are)"
+        );
+    }
     if gateway.verifier.unverified() {
         tracing::warn!(
             "--jwt-unverified: JWT claims are used WITHOUT checking signatures. Anyone can forge \
