@@ -876,16 +876,49 @@ pub fn plan<'b>(
     unix_us: u64,
     config: EngineConfig,
 ) -> Plan<'b> {
+    plan_with(bundle, facts, unix_us, config, Selection::Indexed)
+}
+
+/// How [`plan_with`] finds the policies, rules and kill switches that apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selection {
+    /// Through the bundle's index (what the gateway does).
+    Indexed,
+    /// Every entry tried in turn: the reference the index is tested against.
+    Scan,
+}
+
+/// [`plan`], choosing how candidates are found: both ways give the same plan (the index only
+/// narrows what the same predicates are tried on, in the same order).
+pub fn plan_with<'b>(
+    bundle: &'b Bundle,
+    facts: &RequestFacts<'_>,
+    unix_us: u64,
+    config: EngineConfig,
+    selection: Selection,
+) -> Plan<'b> {
     let prefix = config.ipv6_prefix;
     let unix_secs = (unix_us / US_PER_SEC).min(i64::MAX as u64) as i64;
     let bundle = bundle.in_force(unix_secs);
+    let indexed = selection == Selection::Indexed;
+    let mut candidates = crate::policy::index::Candidates::new();
     if !bundle.kill_switches.is_empty() && !bundle.kill_switch_override_active(unix_secs) {
         // A kill switch on a header must see the same value the upstream will (only switches
         // in force on this route: an expired one must not turn repeats into 400s).
-        let repeated = bundle.kill_switches.iter().find(|ks| {
-            matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h))
-                && ks.in_force(facts, unix_secs)
-        });
+        let repeated = if indexed {
+            bundle
+                .index
+                .kill_switches_on_repeated_headers(facts, &mut candidates);
+            candidates
+                .iter()
+                .map(|&i| &bundle.kill_switches[i as usize])
+                .find(|ks| ks.in_force(facts, unix_secs))
+        } else {
+            bundle.kill_switches.iter().find(|ks| {
+                matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h))
+                    && ks.in_force(facts, unix_secs)
+            })
+        };
         if let Some(ks) = repeated {
             return Plan::Done(Decision::Refuse(Refusal {
                 reason: Reason::DuplicateHeader,
@@ -895,10 +928,18 @@ pub fn plan<'b>(
                 checked: None,
             }));
         }
-        let hit = bundle
-            .kill_switches
-            .iter()
-            .find(|ks| ks.hits(facts, unix_secs, prefix));
+        let hit = if indexed {
+            bundle.index.kill_switches(facts, prefix, &mut candidates);
+            candidates
+                .iter()
+                .map(|&i| &bundle.kill_switches[i as usize])
+                .find(|ks| ks.hits(facts, unix_secs, prefix))
+        } else {
+            bundle
+                .kill_switches
+                .iter()
+                .find(|ks| ks.hits(facts, unix_secs, prefix))
+        };
         if let Some(ks) = hit {
             let wait = ks
                 .expires_at
@@ -926,7 +967,15 @@ pub fn plan<'b>(
     // An enforced `token_bucket_llm` rule the request is too large for.
     let mut llm_refused: Option<(&'b Rule, Reason)> = None;
     let mut reserved: Vec<Reserved> = Vec::new();
-    'policies: for policy in bundle.policies.iter() {
+    let mut selected = crate::policy::index::Candidates::new();
+    if indexed {
+        bundle.index.policies(facts, &mut selected);
+    } else {
+        selected.extend(0..bundle.policies.len() as u32);
+    }
+    let mut rule_candidates = crate::policy::index::Candidates::new();
+    'policies: for &policy_index in &selected {
+        let policy = &bundle.policies[policy_index as usize];
         if !policy.selector.matches(facts) {
             continue;
         }
@@ -1014,7 +1063,16 @@ pub fn plan<'b>(
                 None => {}
             }
         };
-        for rule in &bundle.rules[policy.rules.clone()] {
+        let scanned = !indexed
+            || bundle
+                .index
+                .rules(policy_index as usize, facts, prefix, &mut rule_candidates)
+                .is_none();
+        if scanned {
+            rule_candidates.clear();
+            rule_candidates.extend(policy.rules.clone().map(|i| i as u32));
+        }
+        for rule in rule_candidates.iter().map(|&i| &bundle.rules[i as usize]) {
             if repeats_header(rule, facts) {
                 repeated = Some(rule);
                 break 'policies;
@@ -2662,5 +2720,249 @@ mod tests {
         assert_eq!(d.rules()[0].quota.burst(), 40 * MICRO);
         let d = ask(&e, "GET", "/", "2001:db8:2::1", &[]);
         assert_eq!(d.rules()[0].quota.burst(), 2 * MICRO);
+    }
+
+    /// A plan, written out in full (every op, lease, outcome and refusal, with the rules they
+    /// name), for comparing two ways of planning.
+    fn digest(plan: &Plan<'_>) -> String {
+        match plan {
+            Plan::Done(d) => format!("done {d:?}"),
+            Plan::Store(p) => format!("store {:?} {:?} {:?}", p.ops, p.leases, p.checked),
+        }
+    }
+
+    mod differential {
+        use super::*;
+        use proptest::prelude::*;
+
+        const HOSTS: &[&str] = &["a.example", "B.example", "c.example:8443"];
+        const PREFIXES: &[&str] = &["/", "/api", "/api/v1", "/x", "/api//v1"];
+        const EXACT: &[&str] = &["/api", "/api/v1/x", "/"];
+        const METHODS: &[&str] = &["GET", "post", "DELETE"];
+        const TIERS: &[&str] = &["gold", "silver", "bronze"];
+        const KEYS: &[&str] = &["k1", "k2", "k|3"];
+        const NETS: &[&str] = &[
+            "10.0.0.0/8",
+            "10.1.2.3",
+            "2001:db8::/32",
+            "192.0.2.0/24",
+            "::ffff:10.0.0.1",
+        ];
+
+        fn selector() -> impl Strategy<Value = serde_json::Value> {
+            (
+                proptest::option::of(proptest::sample::subsequence(HOSTS, 1..3)),
+                proptest::option::of(proptest::sample::select(PREFIXES)),
+                proptest::option::of(proptest::sample::select(EXACT)),
+                proptest::option::of(proptest::sample::subsequence(METHODS, 1..3)),
+            )
+                .prop_map(|(hosts, prefix, exact, methods)| {
+                    let mut s = serde_json::Map::new();
+                    if let Some(h) = hosts {
+                        s.insert("hosts".into(), json!(h));
+                    }
+                    if let Some(p) = prefix {
+                        s.insert("pathPrefix".into(), json!(p));
+                    }
+                    if let Some(e) = exact {
+                        s.insert("pathExact".into(), json!(e));
+                    }
+                    if let Some(m) = methods {
+                        s.insert("methods".into(), json!(m));
+                    }
+                    serde_json::Value::Object(s)
+                })
+        }
+
+        fn condition() -> impl Strategy<Value = Option<serde_json::Value>> {
+            prop_oneof![
+                Just(None),
+                proptest::sample::select(TIERS).prop_map(|t| Some(json!({"header:x-tier": t}))),
+                proptest::sample::select(TIERS)
+                    .prop_map(|t| Some(json!({"header:x-tier": t, "method": "GET"}))),
+                proptest::sample::select(NETS).prop_map(|n| Some(json!({"ip:address": n}))),
+                proptest::sample::select(HOSTS).prop_map(|h| Some(json!({"host": h}))),
+                proptest::sample::select(KEYS).prop_map(|k| Some(json!({"query:k": k}))),
+            ]
+        }
+
+        fn rule(name: String) -> impl Strategy<Value = serde_json::Value> {
+            (condition(), proptest::sample::select(&["ip:address", "header:x-api-key", "header:x-tier"][..]), 1u32..4)
+                .prop_map(move |(cond, key, burst)| {
+                    let mut r = json!({"name": name, "limit_keys": [key], "algorithm": "token_bucket",
+                        "algorithm_config": {"rps": 1, "burst": burst}});
+                    if let Some(c) = cond {
+                        r["match"] = c;
+                    }
+                    r
+                })
+        }
+
+        fn policy(p: usize) -> impl Strategy<Value = serde_json::Value> {
+            (
+                selector(),
+                proptest::collection::vec(0u8..1, 0..5),
+                any::<bool>(),
+                any::<bool>(),
+            )
+                .prop_flat_map(move |(selector, rules, fallback, shadow)| {
+                    let rules: Vec<_> = (0..rules.len())
+                        .map(|r| rule(format!("p{p}r{r}")))
+                        .collect();
+                    (
+                        Just(selector),
+                        rules,
+                        Just(fallback),
+                        Just(shadow),
+                        rule(format!("p{p}fb")),
+                    )
+                })
+                .prop_map(move |(selector, rules, fallback, shadow, fb)| {
+                    let mut spec = json!({"selector": selector, "rules": rules});
+                    if fallback {
+                        spec["fallback_limit"] = fb;
+                    }
+                    if shadow {
+                        spec["mode"] = json!("shadow");
+                    }
+                    json!({"id": format!("p{p}"), "spec": spec})
+                })
+        }
+
+        fn kill_switch() -> impl Strategy<Value = serde_json::Value> {
+            (
+                prop_oneof![
+                    proptest::sample::select(KEYS).prop_map(|k| ("header:x-api-key", k)),
+                    proptest::sample::select(NETS).prop_map(|n| ("ip:address", n)),
+                    proptest::sample::select(&["not-an-address", "10.0.0.0/99"][..])
+                        .prop_map(|v| ("ip:address", v)),
+                    proptest::sample::select(EXACT).prop_map(|p| ("path", p)),
+                    proptest::sample::select(TIERS).prop_map(|t| ("header:x-tier", t)),
+                ],
+                proptest::option::of(proptest::sample::select(PREFIXES)),
+                any::<bool>(),
+            )
+                .prop_map(|((scope, value), route, expired)| {
+                    let mut ks = json!({"scope_key": scope, "scope_value": value, "reason": "r"});
+                    if let Some(r) = route {
+                        ks["route"] = json!(r);
+                    }
+                    // The clock's wall origin is 2027-01-15T08:00:00Z.
+                    ks["expires_at"] = json!(if expired {
+                        "2027-01-15T07:00:00Z"
+                    } else {
+                        "2027-02-01T00:00:00Z"
+                    });
+                    ks
+                })
+        }
+
+        fn bundle() -> impl Strategy<Value = serde_json::Value> {
+            (1usize..7, proptest::collection::vec(kill_switch(), 0..5)).prop_flat_map(
+                |(n, switches)| {
+                    let policies: Vec<_> = (0..n).map(policy).collect();
+                    (policies, Just(switches)).prop_map(|(policies, switches)| {
+                    json!({"bundle_version": 1, "policies": policies, "kill_switches": switches})
+                })
+                },
+            )
+        }
+
+        #[derive(Debug, Clone)]
+        struct Request {
+            method: &'static str,
+            uri: String,
+            host: Option<&'static str>,
+            ip: Option<&'static str>,
+            headers: Vec<(String, String)>,
+        }
+
+        fn request() -> impl Strategy<Value = Request> {
+            (
+                proptest::sample::select(&["GET", "POST", "get", "DELETE", "PUT"][..]),
+                proptest::sample::select(
+                    &[
+                        "/",
+                        "/api",
+                        "/api/v1",
+                        "/api/v1/x",
+                        "/apix",
+                        "/x/y",
+                        "/api//v1/z",
+                        "api",
+                        "/API",
+                    ][..],
+                ),
+                proptest::option::of(proptest::sample::select(KEYS)),
+                proptest::option::of(proptest::sample::select(
+                    &[
+                        "a.example",
+                        "A.EXAMPLE",
+                        "b.example:443",
+                        "c.example",
+                        "c.example.",
+                        "z.example",
+                    ][..],
+                )),
+                proptest::option::of(proptest::sample::select(
+                    &[
+                        "10.1.2.3",
+                        "10.0.0.1",
+                        "192.0.2.77",
+                        "2001:db8::1",
+                        "::ffff:10.0.0.1",
+                        "203.0.113.9",
+                    ][..],
+                )),
+                proptest::collection::vec(
+                    (
+                        proptest::sample::select(&["x-tier", "x-api-key", "X-Tier"][..]),
+                        proptest::sample::select(&["gold", "silver", "k1", "k2", "k|3"][..]),
+                    ),
+                    0..4,
+                ),
+            )
+                .prop_map(|(method, path, k, host, ip, headers)| Request {
+                    method,
+                    uri: match k {
+                        Some(k) => format!("{path}?k={k}"),
+                        None => path.to_string(),
+                    },
+                    host,
+                    ip,
+                    headers: headers
+                        .into_iter()
+                        .map(|(n, v)| (n.to_ascii_lowercase(), v.to_string()))
+                        .collect(),
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(400))]
+
+            /// Issue 28: the indexed selection plans exactly what trying every policy, rule and
+            /// kill switch in turn plans, on random bundles and requests.
+            #[test]
+            fn indexed_selection_plans_what_a_scan_plans(
+                bundle in bundle(),
+                requests in proptest::collection::vec(request(), 1..12),
+            ) {
+                let compiled = compile_bundle(&bundle, "test").unwrap();
+                let clock = ManualClock::new(1_800_000_000);
+                for r in &requests {
+                    let facts = RequestFacts::from_uri(
+                        r.method,
+                        &r.uri,
+                        r.host,
+                        r.ip.map(|ip| ip.parse().unwrap()),
+                        &r.headers,
+                    );
+                    let config = EngineConfig::default();
+                    let indexed = plan_with(&compiled, &facts, clock.unix_us(), config, Selection::Indexed);
+                    let scanned = plan_with(&compiled, &facts, clock.unix_us(), config, Selection::Scan);
+                    prop_assert_eq!(digest(&indexed), digest(&scanned), "request {:?}", r);
+                }
+            }
+        }
     }
 }

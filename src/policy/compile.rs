@@ -327,6 +327,8 @@ impl Compiler {
     fn finish(self) -> Bundle {
         let fingerprints_bodies = self.policies.iter().any(|p| p.loop_detection.is_some());
         let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
+        let index =
+            super::index::BundleIndex::build(&self.policies, &self.rules, &self.kill_switches);
         Bundle {
             version: self.version,
             expires_at: self.expires_at,
@@ -342,6 +344,7 @@ impl Compiler {
             fingerprints_bodies,
             meters_tokens,
             skipped: self.skipped,
+            index,
         }
     }
 

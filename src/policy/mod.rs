@@ -5,6 +5,7 @@
 
 mod compile;
 mod error;
+pub mod index;
 pub(crate) mod json;
 
 pub use compile::{
@@ -52,6 +53,8 @@ pub struct Bundle {
     /// A policy has a `token_bucket_llm` rule: front ends read the bodies of the requests it
     /// selects ([`Bundle::meters_tokens`]).
     pub meters_tokens: bool,
+    /// Policies, rules and kill switches by what selects them ([`index`]).
+    pub index: index::BundleIndex,
 }
 
 /// A runtime override block (`global_shadow`, `kill_switch_override`), as Fairvisor defines it.
@@ -96,6 +99,7 @@ impl Bundle {
             skipped: Vec::new(),
             fingerprints_bodies: false,
             meters_tokens: false,
+            index: index::BundleIndex::default(),
         }
     }
 

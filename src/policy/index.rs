@@ -1,0 +1,389 @@
+//! The bundle's lookup structures, built when it is compiled, so that finding what applies to a
+//! request costs about the same with one policy, rule or kill switch as with a hundred thousand:
+//! policies by host (a hash map), exact path (a hash map), path prefix (a segment trie) or method
+//! (a hash map); a policy's rules by the value of the descriptor their `match` compares for
+//! equality; kill switches by `(scope, value)` (a hash map) and, for address scopes, by network
+//! (one hash map per prefix length). What cannot be indexed (a policy selected by nothing but
+//! Envoy domains, a `match` on a network or on the host, a kill switch on an unreadable address)
+//! stays a scan, over only those entries.
+//!
+//! The index only narrows the candidates: the engine still checks each one with its own
+//! predicate ([`super::Selector::matches`], [`super::MatchCondition::matches`],
+//! [`super::KillSwitch::hits`]) in bundle order, so answers are those of a plain scan (a
+//! differential property test in the engine runs random bundles and requests both ways).
+
+use super::{KillSwitch, MatchValue, Policy, Rule};
+use crate::descriptor::{Descriptor, IpNet, RequestFacts};
+use ahash::AHashMap;
+use smallvec::SmallVec;
+use std::net::IpAddr;
+
+/// Candidate positions (policies, rules or kill switches), in bundle order.
+pub type Candidates = SmallVec<[u32; 16]>;
+
+/// A value → the positions wanting it.
+type ByValue = AHashMap<Box<str>, Vec<u32>>;
+
+/// The group of `key` among `groups` (added when missing): groups are few (one per descriptor or
+/// prefix length in use), so a list beats a map.
+fn group<'g, K: PartialEq + Clone>(groups: &'g mut Vec<(K, ByValue)>, key: &K) -> &'g mut ByValue {
+    let at = match groups.iter().position(|(k, _)| k == key) {
+        Some(at) => at,
+        None => {
+            groups.push((key.clone(), ByValue::default()));
+            groups.len() - 1
+        }
+    };
+    &mut groups[at].1
+}
+
+/// Every lookup structure of one bundle.
+#[derive(Debug, Default)]
+pub struct BundleIndex {
+    policies: PolicyIndex,
+    /// One per policy, in policy order.
+    rules: Vec<RuleIndex>,
+    kill_switches: KillSwitchIndex,
+}
+
+impl BundleIndex {
+    pub fn build(policies: &[Policy], rules: &[Rule], kill_switches: &[KillSwitch]) -> Self {
+        BundleIndex {
+            policies: PolicyIndex::build(policies),
+            rules: policies
+                .iter()
+                .map(|p| RuleIndex::build(&rules[p.rules.clone()], p.rules.start))
+                .collect(),
+            kill_switches: KillSwitchIndex::build(kill_switches),
+        }
+    }
+
+    /// The policies whose selector may match the request, in bundle order.
+    pub fn policies(&self, facts: &RequestFacts<'_>, out: &mut Candidates) {
+        self.policies.candidates(facts, out);
+    }
+
+    /// The regular rules of policy `policy` whose `match` may hold for the request, in bundle
+    /// order; `None` when the request repeats a header one of them reads (the caller then
+    /// scans, and refuses as it always has).
+    pub fn rules(
+        &self,
+        policy: usize,
+        facts: &RequestFacts<'_>,
+        default_v6_prefix: u8,
+        out: &mut Candidates,
+    ) -> Option<()> {
+        self.rules
+            .get(policy)?
+            .candidates(facts, default_v6_prefix, out)
+    }
+
+    /// The kill switches that may stop the request (whatever their expiry and route), in
+    /// bundle order.
+    pub fn kill_switches(
+        &self,
+        facts: &RequestFacts<'_>,
+        default_v6_prefix: u8,
+        out: &mut Candidates,
+    ) {
+        self.kill_switches.candidates(facts, default_v6_prefix, out);
+    }
+
+    /// The kill switches scoped on a header the request repeats, in bundle order.
+    pub fn kill_switches_on_repeated_headers(
+        &self,
+        facts: &RequestFacts<'_>,
+        out: &mut Candidates,
+    ) {
+        out.clear();
+        for (name, switches) in &self.kill_switches.by_header_name {
+            if facts.headers.is_repeated(name) {
+                out.extend_from_slice(switches);
+            }
+        }
+        out.sort_unstable();
+    }
+}
+
+/// Bundle order: candidates gathered from several lists, sorted (each position is in one list).
+fn finish(out: &mut Candidates) {
+    out.sort_unstable();
+    out.dedup();
+}
+
+/// Policies by what selects them; each policy is in exactly one place.
+#[derive(Debug, Default)]
+struct PolicyIndex {
+    /// Lower-case host → policies listing it.
+    by_host: AHashMap<Box<str>, Vec<u32>>,
+    by_exact_path: AHashMap<Box<str>, Vec<u32>>,
+    by_prefix: PathTrie,
+    /// Upper-case method → policies selected by methods alone.
+    by_method: AHashMap<Box<str>, Vec<u32>>,
+    /// Policies selected by nothing indexable (every request, or Envoy domains only).
+    scan: Vec<u32>,
+}
+
+impl PolicyIndex {
+    fn build(policies: &[Policy]) -> Self {
+        let mut index = PolicyIndex::default();
+        for (i, policy) in policies.iter().enumerate() {
+            let i = i as u32;
+            let s = &policy.selector;
+            let prefix = s
+                .path_prefix
+                .as_deref()
+                .filter(|p| !p.is_empty() && *p != "/");
+            if let Some(hosts) = &s.hosts {
+                for host in hosts {
+                    let list = index
+                        .by_host
+                        .entry(host.to_ascii_lowercase().into())
+                        .or_default();
+                    if list.last() != Some(&i) {
+                        list.push(i);
+                    }
+                }
+            } else if let Some(path) = &s.path_exact {
+                index
+                    .by_exact_path
+                    .entry(path.as_str().into())
+                    .or_default()
+                    .push(i);
+            } else if let Some(prefix) = prefix.filter(|p| p.starts_with('/')) {
+                index.by_prefix.insert(prefix, i);
+            } else if let (Some(methods), None) = (&s.methods, prefix) {
+                for method in methods {
+                    let list = index
+                        .by_method
+                        .entry(method.to_ascii_uppercase().into())
+                        .or_default();
+                    if list.last() != Some(&i) {
+                        list.push(i);
+                    }
+                }
+            } else {
+                index.scan.push(i);
+            }
+        }
+        index
+    }
+
+    fn candidates(&self, facts: &RequestFacts<'_>, out: &mut Candidates) {
+        out.clear();
+        out.extend_from_slice(&self.scan);
+        if !self.by_host.is_empty() {
+            if let Some(host) = facts.host_name() {
+                let found = if host.bytes().any(|b| b.is_ascii_uppercase()) {
+                    self.by_host.get(host.to_ascii_lowercase().as_str())
+                } else {
+                    self.by_host.get(host)
+                };
+                out.extend_from_slice(found.map_or(&[][..], Vec::as_slice));
+            }
+        }
+        if !self.by_exact_path.is_empty() {
+            if let Some(found) = self.by_exact_path.get(&*facts.path) {
+                out.extend_from_slice(found);
+            }
+        }
+        self.by_prefix.walk(&facts.path, out);
+        if !self.by_method.is_empty() {
+            let found = if facts.method.bytes().any(|b| b.is_ascii_lowercase()) {
+                self.by_method
+                    .get(facts.method.to_ascii_uppercase().as_str())
+            } else {
+                self.by_method.get(facts.method)
+            };
+            out.extend_from_slice(found.map_or(&[][..], Vec::as_slice));
+        }
+        finish(out);
+    }
+}
+
+/// Path prefixes by segment: `/api/v1` is the node `api` → `v1`. A request's path walks down
+/// its own segments and gathers every node it passes (segment-wise prefixes, as
+/// [`super::path_has_prefix`] defines them).
+#[derive(Debug, Default)]
+struct PathTrie {
+    nodes: Vec<TrieNode>,
+}
+
+#[derive(Debug, Default)]
+struct TrieNode {
+    children: AHashMap<Box<str>, u32>,
+    entries: Vec<u32>,
+}
+
+impl PathTrie {
+    fn insert(&mut self, prefix: &str, entry: u32) {
+        if self.nodes.is_empty() {
+            self.nodes.push(TrieNode::default());
+        }
+        let mut node = 0usize;
+        for segment in prefix[1..].split('/') {
+            let next = match self.nodes[node].children.get(segment) {
+                Some(&n) => n as usize,
+                None => {
+                    let n = self.nodes.len();
+                    self.nodes.push(TrieNode::default());
+                    self.nodes[node].children.insert(segment.into(), n as u32);
+                    n
+                }
+            };
+            node = next;
+        }
+        self.nodes[node].entries.push(entry);
+    }
+
+    fn walk(&self, path: &str, out: &mut Candidates) {
+        let (Some(root), Some(rest)) = (self.nodes.first(), path.strip_prefix('/')) else {
+            return;
+        };
+        let mut node = root;
+        for segment in rest.split('/') {
+            match node.children.get(segment) {
+                Some(&n) => {
+                    node = &self.nodes[n as usize];
+                    out.extend_from_slice(&node.entries);
+                }
+                None => return,
+            }
+        }
+    }
+}
+
+/// One policy's regular rules by their `match`.
+#[derive(Debug, Default)]
+struct RuleIndex {
+    /// Rules without an indexable condition (none at all, or only networks and hosts).
+    scan: Vec<u32>,
+    /// A descriptor → its value → the rules whose first indexable condition wants that value.
+    by_value: Vec<(Descriptor, ByValue)>,
+    /// Every header the policy's rules read: a request repeating one is scanned.
+    headers: Vec<String>,
+}
+
+/// Whether a `match` condition compares its descriptor's value for plain equality (hosts and
+/// domains compare in any case: left to the scan).
+fn indexable(descriptor: &Descriptor, expected: &MatchValue) -> Option<String> {
+    match (descriptor, expected) {
+        (Descriptor::Host | Descriptor::Domain, _) | (_, MatchValue::Network(_)) => None,
+        (_, MatchValue::Text(value)) => Some(value.clone()),
+    }
+}
+
+impl RuleIndex {
+    fn build(rules: &[Rule], start: usize) -> Self {
+        let mut index = RuleIndex::default();
+        for (offset, rule) in rules.iter().enumerate() {
+            let position = (start + offset) as u32;
+            for name in &rule.header_names {
+                if !index.headers.contains(name) {
+                    index.headers.push(name.clone());
+                }
+            }
+            let keyed = rule
+                .conditions
+                .iter()
+                .find_map(|c| indexable(&c.descriptor, &c.expected).map(|v| (&c.descriptor, v)));
+            match keyed {
+                None => index.scan.push(position),
+                Some((descriptor, value)) => group(&mut index.by_value, descriptor)
+                    .entry(value.into())
+                    .or_default()
+                    .push(position),
+            }
+        }
+        index
+    }
+
+    fn candidates(
+        &self,
+        facts: &RequestFacts<'_>,
+        default_v6_prefix: u8,
+        out: &mut Candidates,
+    ) -> Option<()> {
+        if self.headers.iter().any(|h| facts.headers.is_repeated(h)) {
+            return None;
+        }
+        out.clear();
+        out.extend_from_slice(&self.scan);
+        for (descriptor, by_value) in &self.by_value {
+            if let Some(value) = descriptor.value(facts, default_v6_prefix) {
+                if let Some(found) = by_value.get(&*value) {
+                    out.extend_from_slice(found);
+                }
+            }
+        }
+        finish(out);
+        Some(())
+    }
+}
+
+/// Kill switches by what they stop.
+#[derive(Debug, Default)]
+struct KillSwitchIndex {
+    /// A scope → its value → switches.
+    by_value: Vec<(Descriptor, ByValue)>,
+    /// Address scopes: (IPv6, prefix length) → the canonical network → switches.
+    by_network: Vec<((bool, u8), ByValue)>,
+    /// Switches on a header, by header name (for the repeated-header refusal).
+    by_header_name: Vec<(String, Vec<u32>)>,
+}
+
+impl KillSwitchIndex {
+    fn build(switches: &[KillSwitch]) -> Self {
+        let mut index = KillSwitchIndex::default();
+        for (i, ks) in switches.iter().enumerate() {
+            let i = i as u32;
+            if let Descriptor::Header(name) = &ks.scope {
+                match index.by_header_name.iter_mut().find(|(n, _)| n == name) {
+                    Some((_, list)) => list.push(i),
+                    None => index.by_header_name.push((name.clone(), vec![i])),
+                }
+            }
+            let network = match &ks.scope {
+                Descriptor::Ip { .. } => IpNet::parse(&ks.value),
+                _ => None,
+            };
+            match network {
+                Some(net) => group(&mut index.by_network, &(net.addr().is_ipv6(), net.prefix()))
+                    .entry(net.canonical().into())
+                    .or_default()
+                    .push(i),
+                None => group(&mut index.by_value, &ks.scope)
+                    .entry(ks.value.as_str().into())
+                    .or_default()
+                    .push(i),
+            }
+        }
+        index
+    }
+
+    fn candidates(&self, facts: &RequestFacts<'_>, default_v6_prefix: u8, out: &mut Candidates) {
+        out.clear();
+        for (scope, by_value) in &self.by_value {
+            if let Some(value) = scope.value(facts, default_v6_prefix) {
+                if let Some(found) = by_value.get(&*value) {
+                    out.extend_from_slice(found);
+                }
+            }
+        }
+        if let (Some(ip), false) = (facts.client_ip, self.by_network.is_empty()) {
+            if let Some(ip) = IpNet::parse(&ip.to_string()) {
+                let v6 = matches!(ip.addr(), IpAddr::V6(_));
+                for ((is_v6, prefix), by_net) in &self.by_network {
+                    if *is_v6 == v6 {
+                        if let Some(found) =
+                            by_net.get(ip.with_prefix(*prefix).canonical().as_str())
+                        {
+                            out.extend_from_slice(found);
+                        }
+                    }
+                }
+            }
+        }
+        finish(out);
+    }
+}
