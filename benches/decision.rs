@@ -324,5 +324,112 @@ fn jwt(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, rls, jwt, llm, llm_stream);
+/// Bundles of `n` entries for `decision/scale/<kind>/<n>`: one-rule policies selected by path
+/// prefix or by host, rules of one policy tiered by `match`, or kill switches on an API key.
+/// The request always selects the first entry (and is never stopped), so only the bundle grows.
+fn scale_bundle(kind: &str, n: usize) -> String {
+    let rule = |name: &str, extra: &str| {
+        format!(
+            r#"{{"name": "{name}", "limit_keys": ["ip:address"], {extra} "algorithm": "token_bucket", "algorithm_config": {{"rps": 1000000, "burst": 1000000}}}}"#
+        )
+    };
+    let list = |item: &dyn Fn(usize) -> String| (0..n).map(item).collect::<Vec<_>>().join(",");
+    match kind {
+        "paths" => format!(
+            r#"{{"bundle_version": 1, "policies": [{}]}}"#,
+            list(&|i| format!(
+                r#"{{"id": "p{i}", "spec": {{"selector": {{"pathPrefix": "/p{i}"}}, "rules": [{}]}}}}"#,
+                rule(&format!("r{i}"), "")
+            ))
+        ),
+        "hosts" => format!(
+            r#"{{"bundle_version": 1, "policies": [{}]}}"#,
+            list(&|i| format!(
+                r#"{{"id": "h{i}", "spec": {{"selector": {{"hosts": ["h{i}.example.com"]}}, "rules": [{}]}}}}"#,
+                rule(&format!("r{i}"), "")
+            ))
+        ),
+        "tiers" => format!(
+            r#"{{"bundle_version": 1, "policies": [{{"id": "tiers", "spec": {{"rules": [{}]}}}}]}}"#,
+            list(&|i| rule(
+                &format!("t{i}"),
+                &format!(r#""match": {{"header:x-tier": "t{i}"}},"#)
+            ))
+        ),
+        _ => format!(
+            r#"{{"bundle_version": 1, "kill_switches": [{}], "policies": [{{"id": "p", "spec": {{"rules": [{}]}}}}]}}"#,
+            list(&|i| format!(
+                r#"{{"scope_key": "header:x-api-key", "scope_value": "blocked-{i}", "reason": "abuse"}}"#
+            )),
+            rule("per-ip", "")
+        ),
+    }
+}
+
+/// Issue 28: a decision's cost as the bundle grows (the engine with the embedded store; the
+/// request selects the first entry), and what compiling the largest bundle costs.
+fn scale(c: &mut Criterion) {
+    let headers: Vec<(String, String)> = vec![
+        ("x-api-key".into(), "bench-key".into()),
+        ("x-tier".into(), "t0".into()),
+    ];
+    let mut group = c.benchmark_group("decision/scale");
+    for (kind, sizes) in [
+        ("paths", &[1, 1_000, 10_000][..]),
+        ("hosts", &[1, 1_000, 10_000][..]),
+        ("tiers", &[1, 1_000, 10_000][..]),
+        ("kill_switches", &[1, 1_000, 10_000, 100_000][..]),
+    ] {
+        for &n in sizes {
+            let (policy, store, clock) = engine(&scale_bundle(kind, n));
+            let (host, path) = match kind {
+                "paths" => ("api.example.com", "/p0/orders"),
+                "hosts" => ("h0.example.com", "/v1/orders"),
+                _ => ("api.example.com", "/v1/orders"),
+            };
+            let mut i = 0u32;
+            group.bench_function(format!("{kind}/{n}"), |b| {
+                b.iter(|| {
+                    i = i.wrapping_add(1);
+                    clock.advance_us(1);
+                    let facts = RequestFacts {
+                        method: "GET",
+                        path: std::borrow::Cow::Borrowed(path),
+                        query: None,
+                        host: Some(host),
+                        client_ip: Some(IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + (i & 1023)))),
+                        headers: &headers,
+                        claims: None,
+                        envoy: None,
+                        body_hash: None,
+                        llm: None,
+                    };
+                    let bundle = policy.load();
+                    let decision = decide_local(
+                        &bundle,
+                        black_box(&facts),
+                        &store,
+                        clock.now_us(),
+                        clock.unix_us(),
+                        EngineConfig::default(),
+                    );
+                    assert!(decision.is_allowed());
+                    black_box(decision.is_allowed())
+                })
+            });
+        }
+    }
+    group.finish();
+    let mut compile = c.benchmark_group("bundle/compile");
+    compile.sample_size(10);
+    for (kind, n) in [("kill_switches", 100_000), ("paths", 10_000)] {
+        let text = scale_bundle(kind, n);
+        compile.bench_function(format!("{kind}/{n}"), |b| {
+            b.iter(|| black_box(parse_bundle(text.as_bytes(), "bench").expect("bundle")))
+        });
+    }
+    compile.finish();
+}
+
+criterion_group!(benches, bench, rls, jwt, llm, llm_stream, scale);
 criterion_main!(benches);

@@ -1036,7 +1036,7 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
                 (r.rule.policy_id.as_str(), r.rule.name.as_str(), "")
             }),
             Cause::Rule(rule) => (rule.policy_id.as_str(), rule.name.as_str(), ""),
-            Cause::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_str()),
+            Cause::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_ref()),
             Cause::Request => ("", "", ""),
         };
         let reason = refusal.reason.as_str();

@@ -324,7 +324,11 @@ const CONFIG_FIELDS: &[&str] = &[
 
 impl Compiler {
     /// The bundle of a compile that found no error.
-    fn finish(self) -> Bundle {
+    fn finish(mut self) -> Bundle {
+        // Held for the bundle's whole life: no room left over from growing while compiling.
+        self.policies.shrink_to_fit();
+        self.rules.shrink_to_fit();
+        self.kill_switches.shrink_to_fit();
         let fingerprints_bodies = self.policies.iter().any(|p| p.loop_detection.is_some());
         let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
         let index =
@@ -2193,6 +2197,12 @@ impl Compiler {
                 .to_string(),
             None => String::new(),
         };
+        let reason = match self.kill_switches.last() {
+            Some(previous) if *previous.reason == *reason => {
+                std::sync::Arc::clone(&previous.reason)
+            }
+            _ => std::sync::Arc::from(reason),
+        };
         let expires_at = map
             .get("expires_at")
             .and_then(|v| self.time(v, &join(path, "expires_at")));
@@ -2208,8 +2218,8 @@ impl Compiler {
             };
             self.kill_switches.push(KillSwitch {
                 scope,
-                value,
-                route,
+                value: value.into(),
+                route: route.map(String::into_boxed_str),
                 reason,
                 expires_at,
             });
@@ -2881,7 +2891,7 @@ mod tests {
             "x",
         )
         .unwrap();
-        assert_eq!(b.kill_switches[0].value, "api.example.com");
+        assert_eq!(&*b.kill_switches[0].value, "api.example.com");
     }
 
     #[test]

@@ -21,8 +21,18 @@ use std::net::IpAddr;
 /// Candidate positions (policies, rules or kill switches), in bundle order.
 pub type Candidates = SmallVec<[u32; 16]>;
 
-/// A value → the positions wanting it.
-type ByValue = AHashMap<Box<str>, Vec<u32>>;
+/// Positions sharing one key: most keys have one, kept inline.
+type Positions = SmallVec<[u32; 2]>;
+
+/// A value's 64-bit hash → the positions wanting that value. Keys are hashes, not copies of the
+/// text: a bundle of 100 000 entries does not hold every value twice, and two values whose
+/// hashes collide only make each other a candidate, which its own predicate then turns away.
+type ByValue = AHashMap<u64, Positions>;
+
+/// The key of a value in a [`ByValue`].
+fn key(value: &str) -> u64 {
+    twox_hash::XxHash3_64::oneshot(value.as_bytes())
+}
 
 /// The group of `key` among `groups` (added when missing): groups are few (one per descriptor or
 /// prefix length in use), so a list beats a map.
@@ -56,6 +66,38 @@ impl BundleIndex {
                 .collect(),
             kill_switches: KillSwitchIndex::build(kill_switches),
         }
+    }
+
+    /// Bytes this index holds on the heap (tables at their capacity), for the memory figures.
+    pub fn heap_bytes(&self) -> usize {
+        fn map<K, V>(m: &AHashMap<K, V>) -> usize {
+            m.capacity() * (std::mem::size_of::<(K, V)>() + 1)
+        }
+        let p = &self.policies;
+        let policies = map(&p.by_host)
+            + map(&p.by_exact_path)
+            + map(&p.by_method)
+            + p.scan.capacity() * 4
+            + p.by_prefix
+                .nodes
+                .iter()
+                .map(|n| {
+                    map(&n.children) + n.entries.capacity() * 4 + std::mem::size_of::<TrieNode>()
+                })
+                .sum::<usize>();
+        let rules = self
+            .rules
+            .iter()
+            .map(|r| r.scan.capacity() * 4 + r.by_value.iter().map(|(_, m)| map(m)).sum::<usize>())
+            .sum::<usize>();
+        let k = &self.kill_switches;
+        let switches = k.by_value.iter().map(|(_, m)| map(m)).sum::<usize>()
+            + k.by_network.iter().map(|(_, m)| map(m)).sum::<usize>()
+            + k.by_header_name
+                .iter()
+                .map(|(_, l)| l.capacity() * 4)
+                .sum::<usize>();
+        policies + rules + switches
     }
 
     /// The policies whose selector may match the request, in bundle order.
@@ -115,11 +157,11 @@ fn finish(out: &mut Candidates) {
 #[derive(Debug, Default)]
 struct PolicyIndex {
     /// Lower-case host → policies listing it.
-    by_host: AHashMap<Box<str>, Vec<u32>>,
-    by_exact_path: AHashMap<Box<str>, Vec<u32>>,
+    by_host: ByValue,
+    by_exact_path: ByValue,
     by_prefix: PathTrie,
     /// Upper-case method → policies selected by methods alone.
-    by_method: AHashMap<Box<str>, Vec<u32>>,
+    by_method: ByValue,
     /// Policies selected by nothing indexable (every request, or Envoy domains only).
     scan: Vec<u32>,
 }
@@ -138,25 +180,21 @@ impl PolicyIndex {
                 for host in hosts {
                     let list = index
                         .by_host
-                        .entry(host.to_ascii_lowercase().into())
+                        .entry(key(&host.to_ascii_lowercase()))
                         .or_default();
                     if list.last() != Some(&i) {
                         list.push(i);
                     }
                 }
             } else if let Some(path) = &s.path_exact {
-                index
-                    .by_exact_path
-                    .entry(path.as_str().into())
-                    .or_default()
-                    .push(i);
+                index.by_exact_path.entry(key(path)).or_default().push(i);
             } else if let Some(prefix) = prefix.filter(|p| p.starts_with('/')) {
                 index.by_prefix.insert(prefix, i);
             } else if let (Some(methods), None) = (&s.methods, prefix) {
                 for method in methods {
                     let list = index
                         .by_method
-                        .entry(method.to_ascii_uppercase().into())
+                        .entry(key(&method.to_ascii_uppercase()))
                         .or_default();
                     if list.last() != Some(&i) {
                         list.push(i);
@@ -175,27 +213,26 @@ impl PolicyIndex {
         if !self.by_host.is_empty() {
             if let Some(host) = facts.host_name() {
                 let found = if host.bytes().any(|b| b.is_ascii_uppercase()) {
-                    self.by_host.get(host.to_ascii_lowercase().as_str())
+                    self.by_host.get(&key(&host.to_ascii_lowercase()))
                 } else {
-                    self.by_host.get(host)
+                    self.by_host.get(&key(host))
                 };
-                out.extend_from_slice(found.map_or(&[][..], Vec::as_slice));
+                out.extend_from_slice(found.map_or(&[][..], |p| p.as_slice()));
             }
         }
         if !self.by_exact_path.is_empty() {
-            if let Some(found) = self.by_exact_path.get(&*facts.path) {
+            if let Some(found) = self.by_exact_path.get(&key(&facts.path)) {
                 out.extend_from_slice(found);
             }
         }
         self.by_prefix.walk(&facts.path, out);
         if !self.by_method.is_empty() {
             let found = if facts.method.bytes().any(|b| b.is_ascii_lowercase()) {
-                self.by_method
-                    .get(facts.method.to_ascii_uppercase().as_str())
+                self.by_method.get(&key(&facts.method.to_ascii_uppercase()))
             } else {
-                self.by_method.get(facts.method)
+                self.by_method.get(&key(facts.method))
             };
-            out.extend_from_slice(found.map_or(&[][..], Vec::as_slice));
+            out.extend_from_slice(found.map_or(&[][..], |p| p.as_slice()));
         }
         finish(out);
     }
@@ -211,7 +248,8 @@ struct PathTrie {
 
 #[derive(Debug, Default)]
 struct TrieNode {
-    children: AHashMap<Box<str>, u32>,
+    /// A segment's hash → the child node.
+    children: AHashMap<u64, u32>,
     entries: Vec<u32>,
 }
 
@@ -222,12 +260,12 @@ impl PathTrie {
         }
         let mut node = 0usize;
         for segment in prefix[1..].split('/') {
-            let next = match self.nodes[node].children.get(segment) {
+            let next = match self.nodes[node].children.get(&key(segment)) {
                 Some(&n) => n as usize,
                 None => {
                     let n = self.nodes.len();
                     self.nodes.push(TrieNode::default());
-                    self.nodes[node].children.insert(segment.into(), n as u32);
+                    self.nodes[node].children.insert(key(segment), n as u32);
                     n
                 }
             };
@@ -242,7 +280,7 @@ impl PathTrie {
         };
         let mut node = root;
         for segment in rest.split('/') {
-            match node.children.get(segment) {
+            match node.children.get(&key(segment)) {
                 Some(&n) => {
                     node = &self.nodes[n as usize];
                     out.extend_from_slice(&node.entries);
@@ -290,7 +328,7 @@ impl RuleIndex {
             match keyed {
                 None => index.scan.push(position),
                 Some((descriptor, value)) => group(&mut index.by_value, descriptor)
-                    .entry(value.into())
+                    .entry(key(&value))
                     .or_default()
                     .push(position),
             }
@@ -311,7 +349,7 @@ impl RuleIndex {
         out.extend_from_slice(&self.scan);
         for (descriptor, by_value) in &self.by_value {
             if let Some(value) = descriptor.value(facts, default_v6_prefix) {
-                if let Some(found) = by_value.get(&*value) {
+                if let Some(found) = by_value.get(&key(&value)) {
                     out.extend_from_slice(found);
                 }
             }
@@ -349,11 +387,11 @@ impl KillSwitchIndex {
             };
             match network {
                 Some(net) => group(&mut index.by_network, &(net.addr().is_ipv6(), net.prefix()))
-                    .entry(net.canonical().into())
+                    .entry(key(&net.canonical()))
                     .or_default()
                     .push(i),
                 None => group(&mut index.by_value, &ks.scope)
-                    .entry(ks.value.as_str().into())
+                    .entry(key(&ks.value))
                     .or_default()
                     .push(i),
             }
@@ -365,7 +403,7 @@ impl KillSwitchIndex {
         out.clear();
         for (scope, by_value) in &self.by_value {
             if let Some(value) = scope.value(facts, default_v6_prefix) {
-                if let Some(found) = by_value.get(&*value) {
+                if let Some(found) = by_value.get(&key(&value)) {
                     out.extend_from_slice(found);
                 }
             }
@@ -375,8 +413,7 @@ impl KillSwitchIndex {
                 let v6 = matches!(ip.addr(), IpAddr::V6(_));
                 for ((is_v6, prefix), by_net) in &self.by_network {
                     if *is_v6 == v6 {
-                        if let Some(found) =
-                            by_net.get(ip.with_prefix(*prefix).canonical().as_str())
+                        if let Some(found) = by_net.get(&key(&ip.with_prefix(*prefix).canonical()))
                         {
                             out.extend_from_slice(found);
                         }

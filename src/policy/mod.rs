@@ -614,10 +614,12 @@ impl Rule {
 #[derive(Debug)]
 pub struct KillSwitch {
     pub scope: Descriptor,
-    pub value: String,
+    pub value: Box<str>,
     /// Segment-wise path prefix, no trailing slash.
-    pub route: Option<String>,
-    pub reason: String,
+    pub route: Option<Box<str>>,
+    /// Shared by every switch of the bundle giving the same reason (a block list of 100 000
+    /// keys usually gives one).
+    pub reason: std::sync::Arc<str>,
     /// Unix seconds; `None` = until removed.
     pub expires_at: Option<i64>,
 }
@@ -645,12 +647,12 @@ impl KillSwitch {
                 None => self
                     .scope
                     .value(facts, default_v6_prefix)
-                    .is_some_and(|v| v == self.value),
+                    .is_some_and(|v| *v == *self.value),
             },
             _ => self
                 .scope
                 .value(facts, default_v6_prefix)
-                .is_some_and(|v| v == self.value.as_str()),
+                .is_some_and(|v| *v == *self.value),
         }
     }
 }

@@ -356,7 +356,19 @@ const NEVER_PURGED: u64 = u64::MAX;
 /// A shard's structure, locked (inserts, growth and deletions happen under it).
 struct ShardState<'a> {
     head: &'a ShardHead,
-    _lock: WordGuard<'a>,
+    _lock: StructureLock<'a>,
+}
+
+/// In process memory, a shard's structure is behind a mutex (fair: a sweep is never starved by
+/// a flood of inserts); in a state file, behind the head's lock word, which the other process
+/// of an upgrade sees too.
+enum StructureLock<'a> {
+    Mutex {
+        _held: parking_lot::MutexGuard<'a, ()>,
+    },
+    Word {
+        _held: WordGuard<'a>,
+    },
 }
 
 impl ShardState<'_> {
@@ -400,6 +412,7 @@ enum Region {
     Heap {
         len: AtomicU64,
         heads: Box<[ShardHead]>,
+        structure: Box<[parking_lot::Mutex<()>]>,
     },
     File(Arc<StateFile>),
 }
@@ -467,6 +480,9 @@ impl MemoryStore {
             Region::Heap {
                 len: AtomicU64::new(0),
                 heads,
+                structure: (0..geometry.shard_count)
+                    .map(|_| parking_lot::Mutex::new(()))
+                    .collect(),
             },
             super::lease::MemoryLeases::default(),
             0,
@@ -593,10 +609,15 @@ impl MemoryStore {
     /// Locks a shard's structure.
     fn structure(&self, shard: &Shard) -> ShardState<'_> {
         let head = self.head(shard.index);
-        ShardState {
-            head,
-            _lock: state_file::lock(&head.lock),
-        }
+        let lock = match &self.region {
+            Region::Heap { structure, .. } => StructureLock::Mutex {
+                _held: structure[shard.index].lock(),
+            },
+            Region::File(_) => StructureLock::Word {
+                _held: state_file::lock(&head.lock),
+            },
+        };
+        ShardState { head, _lock: lock }
     }
 
     fn shard_of(&self, key: &BucketKey) -> &Shard {

@@ -1,0 +1,90 @@
+//! Memory per bundle entry: the heap bytes a compiled bundle of `n` one-rule policies (selected
+//! by path prefix) or `n` kill switches keeps, divided by `n` (counted by the allocator, so the
+//! parser's transient JSON tree does not count), and the resident set size the process grew by.
+//! Run by hand:
+//!
+//! ```sh
+//! cargo run --release --example bundle_memory -- policies 10000
+//! cargo run --release --example bundle_memory -- kill_switches 100000
+//! ```
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The shipped binary's allocator, counting the bytes live.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to mimalloc unchanged; the counter only observes sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        mimalloc::MiMalloc.alloc(layout)
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        mimalloc::MiMalloc.dealloc(ptr, layout)
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(new_size, Ordering::Relaxed);
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        mimalloc::MiMalloc.realloc(ptr, layout, new_size)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let kind = args.next().unwrap_or_else(|| "policies".to_string());
+    let n: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(10_000);
+    let rule = r#"{"name": "r", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 10, "burst": 20}}"#;
+    let text = if kind == "kill_switches" {
+        let switches: Vec<String> = (0..n)
+            .map(|i| format!(r#"{{"scope_key": "header:x-api-key", "scope_value": "blocked-key-{i:08}", "reason": "abuse"}}"#))
+            .collect();
+        format!(
+            r#"{{"bundle_version": 1, "kill_switches": [{}], "policies": [{{"id": "p", "spec": {{"rules": [{rule}]}}}}]}}"#,
+            switches.join(",")
+        )
+    } else {
+        let policies: Vec<String> = (0..n)
+            .map(|i| {
+                format!(r#"{{"id": "tenant-{i}", "spec": {{"selector": {{"pathPrefix": "/t/{i}"}}, "rules": [{}]}}}}"#,
+                    rule.replace("\"r\"", &format!("\"r{i}\"")))
+            })
+            .collect();
+        format!(
+            r#"{{"bundle_version": 1, "policies": [{}]}}"#,
+            policies.join(",")
+        )
+    };
+    // The source text is not part of the bundle: measure after it exists.
+    let before = rss_bytes();
+    let live_before = LIVE.load(Ordering::Relaxed);
+    let start = std::time::Instant::now();
+    let bundle = tollgate::policy::parse_bundle(text.as_bytes(), "memory").expect("bundle");
+    let took = start.elapsed();
+    let kept = LIVE.load(Ordering::Relaxed).saturating_sub(live_before);
+    let after = rss_bytes();
+    println!(
+        "{n} {kind}: compiled in {:.0} ms; {} heap bytes kept per entry ({:.1} MB); RSS grew {} MB ({} policies, {} kill switches)",
+        took.as_secs_f64() * 1000.0,
+        kept / n.max(1),
+        kept as f64 / 1e6,
+        after.saturating_sub(before) / 1_000_000,
+        bundle.policies.len(),
+        bundle.kill_switches.len()
+    );
+}
