@@ -882,10 +882,27 @@ pub fn plan<'b>(
 /// How [`plan_with`] finds the policies, rules and kill switches that apply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Selection {
-    /// Through the bundle's index (what the gateway does).
+    /// Through the bundle's index where a list is longer than [`SCAN_UP_TO`] entries, trying
+    /// each in turn where it is not (what the gateway does).
     Indexed,
+    /// Through the index whatever the size (what the index is tested with).
+    IndexedAlways,
     /// Every entry tried in turn: the reference the index is tested against.
     Scan,
+}
+
+/// Lists this short (a bundle's policies or kill switches, a policy's rules) are tried in turn:
+/// that costs no more than an index lookup and keeps small bundles on the plainest path.
+pub const SCAN_UP_TO: usize = 8;
+
+impl Selection {
+    fn indexes(self, entries: usize) -> bool {
+        match self {
+            Selection::Indexed => entries > SCAN_UP_TO,
+            Selection::IndexedAlways => true,
+            Selection::Scan => false,
+        }
+    }
 }
 
 /// [`plan`], choosing how candidates are found: both ways give the same plan (the index only
@@ -900,11 +917,11 @@ pub fn plan_with<'b>(
     let prefix = config.ipv6_prefix;
     let unix_secs = (unix_us / US_PER_SEC).min(i64::MAX as u64) as i64;
     let bundle = bundle.in_force(unix_secs);
-    let indexed = selection == Selection::Indexed;
     let mut candidates = crate::policy::index::Candidates::new();
     if !bundle.kill_switches.is_empty() && !bundle.kill_switch_override_active(unix_secs) {
         // A kill switch on a header must see the same value the upstream will (only switches
         // in force on this route: an expired one must not turn repeats into 400s).
+        let indexed = selection.indexes(bundle.kill_switches.len());
         let repeated = if indexed {
             bundle
                 .index
@@ -968,7 +985,7 @@ pub fn plan_with<'b>(
     let mut llm_refused: Option<(&'b Rule, Reason)> = None;
     let mut reserved: Vec<Reserved> = Vec::new();
     let mut selected = crate::policy::index::Candidates::new();
-    if indexed {
+    if selection.indexes(bundle.policies.len()) {
         bundle.index.policies(facts, &mut selected);
     } else {
         selected.extend(0..bundle.policies.len() as u32);
@@ -1063,7 +1080,7 @@ pub fn plan_with<'b>(
                 None => {}
             }
         };
-        let scanned = !indexed
+        let scanned = !selection.indexes(policy.rules.len())
             || bundle
                 .index
                 .rules(policy_index as usize, facts, prefix, &mut rule_candidates)
@@ -2958,7 +2975,7 @@ mod tests {
                         &r.headers,
                     );
                     let config = EngineConfig::default();
-                    let indexed = plan_with(&compiled, &facts, clock.unix_us(), config, Selection::Indexed);
+                    let indexed = plan_with(&compiled, &facts, clock.unix_us(), config, Selection::IndexedAlways);
                     let scanned = plan_with(&compiled, &facts, clock.unix_us(), config, Selection::Scan);
                     prop_assert_eq!(digest(&indexed), digest(&scanned), "request {:?}", r);
                 }

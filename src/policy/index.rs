@@ -147,10 +147,32 @@ impl BundleIndex {
     }
 }
 
-/// Bundle order: candidates gathered from several lists, sorted (each position is in one list).
-fn finish(out: &mut Candidates) {
-    out.sort_unstable();
-    out.dedup();
+/// Candidates gathered from several lists, each already in bundle order: sorted at the end only
+/// when more than one list contributed (each position is in one list).
+struct Gather<'o> {
+    out: &'o mut Candidates,
+    lists: u8,
+}
+
+impl<'o> Gather<'o> {
+    fn new(out: &'o mut Candidates) -> Self {
+        out.clear();
+        Gather { out, lists: 0 }
+    }
+
+    fn add(&mut self, list: &[u32]) {
+        if !list.is_empty() {
+            self.out.extend_from_slice(list);
+            self.lists = self.lists.saturating_add(1);
+        }
+    }
+
+    fn done(self) {
+        if self.lists > 1 {
+            self.out.sort_unstable();
+            self.out.dedup();
+        }
+    }
 }
 
 /// Policies by what selects them; each policy is in exactly one place.
@@ -208,8 +230,8 @@ impl PolicyIndex {
     }
 
     fn candidates(&self, facts: &RequestFacts<'_>, out: &mut Candidates) {
-        out.clear();
-        out.extend_from_slice(&self.scan);
+        let mut out = Gather::new(out);
+        out.add(&self.scan);
         if !self.by_host.is_empty() {
             if let Some(host) = facts.host_name() {
                 let found = if host.bytes().any(|b| b.is_ascii_uppercase()) {
@@ -217,24 +239,24 @@ impl PolicyIndex {
                 } else {
                     self.by_host.get(&key(host))
                 };
-                out.extend_from_slice(found.map_or(&[][..], |p| p.as_slice()));
+                out.add(found.map_or(&[][..], |p| p.as_slice()));
             }
         }
         if !self.by_exact_path.is_empty() {
             if let Some(found) = self.by_exact_path.get(&key(&facts.path)) {
-                out.extend_from_slice(found);
+                out.add(found);
             }
         }
-        self.by_prefix.walk(&facts.path, out);
+        self.by_prefix.walk(&facts.path, &mut out);
         if !self.by_method.is_empty() {
             let found = if facts.method.bytes().any(|b| b.is_ascii_lowercase()) {
                 self.by_method.get(&key(&facts.method.to_ascii_uppercase()))
             } else {
                 self.by_method.get(&key(facts.method))
             };
-            out.extend_from_slice(found.map_or(&[][..], |p| p.as_slice()));
+            out.add(found.map_or(&[][..], |p| p.as_slice()));
         }
-        finish(out);
+        out.done();
     }
 }
 
@@ -274,7 +296,7 @@ impl PathTrie {
         self.nodes[node].entries.push(entry);
     }
 
-    fn walk(&self, path: &str, out: &mut Candidates) {
+    fn walk(&self, path: &str, out: &mut Gather<'_>) {
         let (Some(root), Some(rest)) = (self.nodes.first(), path.strip_prefix('/')) else {
             return;
         };
@@ -283,7 +305,7 @@ impl PathTrie {
             match node.children.get(&key(segment)) {
                 Some(&n) => {
                     node = &self.nodes[n as usize];
-                    out.extend_from_slice(&node.entries);
+                    out.add(&node.entries);
                 }
                 None => return,
             }
@@ -345,16 +367,16 @@ impl RuleIndex {
         if self.headers.iter().any(|h| facts.headers.is_repeated(h)) {
             return None;
         }
-        out.clear();
-        out.extend_from_slice(&self.scan);
+        let mut out = Gather::new(out);
+        out.add(&self.scan);
         for (descriptor, by_value) in &self.by_value {
             if let Some(value) = descriptor.value(facts, default_v6_prefix) {
                 if let Some(found) = by_value.get(&key(&value)) {
-                    out.extend_from_slice(found);
+                    out.add(found);
                 }
             }
         }
-        finish(out);
+        out.done();
         Some(())
     }
 }
@@ -400,11 +422,11 @@ impl KillSwitchIndex {
     }
 
     fn candidates(&self, facts: &RequestFacts<'_>, default_v6_prefix: u8, out: &mut Candidates) {
-        out.clear();
+        let mut out = Gather::new(out);
         for (scope, by_value) in &self.by_value {
             if let Some(value) = scope.value(facts, default_v6_prefix) {
                 if let Some(found) = by_value.get(&key(&value)) {
-                    out.extend_from_slice(found);
+                    out.add(found);
                 }
             }
         }
@@ -415,12 +437,12 @@ impl KillSwitchIndex {
                     if *is_v6 == v6 {
                         if let Some(found) = by_net.get(&key(&ip.with_prefix(*prefix).canonical()))
                         {
-                            out.extend_from_slice(found);
+                            out.add(found);
                         }
                     }
                 }
             }
         }
-        finish(out);
+        out.done();
     }
 }

@@ -432,7 +432,7 @@ fn write_header(file: &File, g: &Geometry) -> std::io::Result<()> {
 /// the mapping; a holder that died with it (a crash during an upgrade's handover) is found by
 /// its pid and the lock taken over.
 pub fn lock(word: &AtomicU64) -> WordGuard<'_> {
-    let me = u64::from(std::process::id());
+    let me = own_pid();
     let mut spins = 0u32;
     loop {
         let holder = word.load(Ordering::Relaxed);
@@ -465,6 +465,13 @@ pub fn lock(word: &AtomicU64) -> WordGuard<'_> {
         }
         std::thread::yield_now();
     }
+}
+
+/// This process's id, read once: `getpid` is a system call, and a request over several buckets
+/// takes several locks.
+fn own_pid() -> u64 {
+    static PID: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *PID.get_or_init(|| u64::from(std::process::id()))
 }
 
 fn alive(pid: u64) -> bool {
