@@ -77,7 +77,13 @@ fn main() {
     let bundle = tollgate::policy::parse_bundle(text.as_bytes(), "memory").expect("bundle");
     let took = start.elapsed();
     let kept = LIVE.load(Ordering::Relaxed).saturating_sub(live_before);
+    let before_collect = rss_bytes();
+    tollgate::policy::release_parse_memory();
     let after = rss_bytes();
+    println!(
+        "RSS grew {} MB before the allocator gave the parse's memory back",
+        before_collect.saturating_sub(before) / 1_000_000
+    );
     println!(
         "{n} {kind}: compiled in {:.0} ms; {} heap bytes kept per entry ({:.1} MB); RSS grew {} MB ({} policies, {} kill switches)",
         took.as_secs_f64() * 1000.0,

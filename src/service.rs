@@ -271,12 +271,14 @@ impl Gateway {
                     tracing::warn!(policy_file = %path.display(), "{warning}");
                 }
                 self.install(bundle);
+                crate::policy::release_parse_memory();
                 *self.watch.lock() = (sig, None);
                 self.metrics.reload(true);
                 tracing::info!(policy_file = %path.display(), version = %version, hash = %hash, trigger, "policy loaded");
                 Ok(())
             }
             Err(e) => {
+                crate::policy::release_parse_memory();
                 self.metrics.reload(false);
                 let kept = self.loaded.load().as_ref().map(|p| p.version.clone());
                 match kept {

@@ -57,6 +57,15 @@ pub struct Bundle {
     pub index: index::BundleIndex,
 }
 
+/// Gives the memory a bundle's parse used (its JSON tree, the source text) back to the operating
+/// system: the allocator keeps freed pages for reuse, and a bundle of 10 000 policies parses
+/// through about 50 MB that would otherwise stay resident until the next reload. Called after
+/// a load, off the request path.
+pub fn release_parse_memory() {
+    // SAFETY: mi_collect only walks and frees this thread's and abandoned heaps' free pages.
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}
+
 /// A runtime override block (`global_shadow`, `kill_switch_override`), as Fairvisor defines it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuntimeOverride {
