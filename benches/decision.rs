@@ -40,6 +40,26 @@ fn in_state_dir() -> (MemoryStore, tempfile::TempDir) {
     )
 }
 
+/// One decision as the gateway makes it (the bundle loaded from its `arc_swap`): allowed?
+fn decide(
+    policy: &arc_swap::ArcSwap<Bundle>,
+    store: &MemoryStore,
+    clock: &ManualClock,
+    facts: &RequestFacts<'_>,
+) -> bool {
+    let bundle = policy.load();
+    let allowed = decide_local(
+        &bundle,
+        black_box(facts),
+        store,
+        clock.now_us(),
+        clock.unix_us(),
+        EngineConfig::default(),
+    )
+    .is_allowed();
+    allowed
+}
+
 const ONE_RULE: &str = r#"{"rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
     "algorithm_config": {"rps": 1000000, "burst": 1000000}}]}"#;
 
@@ -93,16 +113,7 @@ fn bench(c: &mut Criterion) {
                     body_hash: None,
                     llm: None,
                 };
-                let bundle = policy.load();
-                let decision = decide_local(
-                    &bundle,
-                    black_box(&facts),
-                    &store,
-                    clock.now_us(),
-                    clock.unix_us(),
-                    EngineConfig::default(),
-                );
-                black_box(decision.is_allowed())
+                black_box(decide(&policy, &store, &clock, &facts))
             })
         });
     }
@@ -404,17 +415,9 @@ fn scale(c: &mut Criterion) {
                         body_hash: None,
                         llm: None,
                     };
-                    let bundle = policy.load();
-                    let decision = decide_local(
-                        &bundle,
-                        black_box(&facts),
-                        &store,
-                        clock.now_us(),
-                        clock.unix_us(),
-                        EngineConfig::default(),
-                    );
-                    assert!(decision.is_allowed());
-                    black_box(decision.is_allowed())
+                    let allowed = decide(&policy, &store, &clock, &facts);
+                    assert!(allowed);
+                    black_box(allowed)
                 })
             });
         }

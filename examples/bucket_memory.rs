@@ -16,14 +16,9 @@ use tollgate::engine::{decide_local, EngineConfig};
 use tollgate::policy::compile_bundle;
 use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
-fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
+#[path = "common/rss.rs"]
+mod rss;
+use rss::rss_bytes;
 
 fn main() {
     let keys: u32 = std::env::args()

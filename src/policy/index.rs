@@ -198,15 +198,16 @@ impl PolicyIndex {
                 .path_prefix
                 .as_deref()
                 .filter(|p| !p.is_empty() && *p != "/");
+            // A policy listing a name twice (or two names whose hashes collide) is kept once.
+            let add = |map: &mut ByValue, value: &str| {
+                let list = map.entry(key(value)).or_default();
+                if list.last() != Some(&i) {
+                    list.push(i);
+                }
+            };
             if let Some(hosts) = &s.hosts {
                 for host in hosts {
-                    let list = index
-                        .by_host
-                        .entry(key(&host.to_ascii_lowercase()))
-                        .or_default();
-                    if list.last() != Some(&i) {
-                        list.push(i);
-                    }
+                    add(&mut index.by_host, &host.to_ascii_lowercase());
                 }
             } else if let Some(path) = &s.path_exact {
                 index.by_exact_path.entry(key(path)).or_default().push(i);
@@ -214,13 +215,7 @@ impl PolicyIndex {
                 index.by_prefix.insert(prefix, i);
             } else if let (Some(methods), None) = (&s.methods, prefix) {
                 for method in methods {
-                    let list = index
-                        .by_method
-                        .entry(key(&method.to_ascii_uppercase()))
-                        .or_default();
-                    if list.last() != Some(&i) {
-                        list.push(i);
-                    }
+                    add(&mut index.by_method, &method.to_ascii_uppercase());
                 }
             } else {
                 index.scan.push(i);
