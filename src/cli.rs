@@ -103,7 +103,7 @@ pub struct RunArgs {
     pub upgrade: bool,
     /// The Unix socket the listeners are handed over through (the old and the new process must
     /// name the same one). Default: `upgrade.sock` in --state-dir, else
-    /// /tmp/tollgate-upgrade-<admin port>.sock.
+    /// `/tmp/tollgate-upgrade-<admin port>.sock`.
     #[arg(long, env = "TOLLGATE_UPGRADE_SOCK")]
     pub upgrade_sock: Option<PathBuf>,
     /// Seconds between sweeps of full-again buckets and expired leases.
