@@ -84,6 +84,10 @@ pub struct Metrics {
     jwt_valid: IntCounter,
     jwt_invalid: IntCounterVec,
     grpc_calls: IntCounterVec,
+    /// Upstream connection failures by group and kind, retries and ejections by group.
+    upstream_connect_failures: IntCounterVec,
+    upstream_retries: IntCounterVec,
+    upstream_ejections: IntCounterVec,
     per_rule: ArcSwapOption<BundleCounters>,
     /// Serialises `render` so two scrapes cannot both advance the store counters.
     render_lock: parking_lot::Mutex<()>,
@@ -288,6 +292,34 @@ impl Metrics {
         for reason in crate::auth::InvalidToken::ALL {
             jwt_invalid.with_label_values(&[reason.as_str()]);
         }
+        let upstream_connect_failures = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_upstream_connect_failures_total",
+                "Failed connections to upstream servers, by group and kind (refused, timeout, unreachable, reset, tls, other)",
+            ),
+            &["group", "kind"],
+        ));
+        let upstream_retries = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_upstream_retries_total",
+                "Requests tried again after a failed connection, by group",
+            ),
+            &["group"],
+        ));
+        let upstream_ejections = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_upstream_ejections_total",
+                "Servers taken out of their group after consecutive connection failures",
+            ),
+            &["group"],
+        ));
+        for c in [
+            &upstream_connect_failures,
+            &upstream_retries,
+            &upstream_ejections,
+        ] {
+            must(registry.register(Box::new(c.clone())));
+        }
         let grpc_calls = must(IntCounterVec::new(
             Opts::new(
                 "tollgate_grpc_calls_total",
@@ -367,6 +399,9 @@ impl Metrics {
             jwt_valid,
             jwt_invalid,
             grpc_calls,
+            upstream_connect_failures,
+            upstream_retries,
+            upstream_ejections,
             per_rule: ArcSwapOption::empty(),
             render_lock: parking_lot::Mutex::new(()),
         }
@@ -414,6 +449,20 @@ impl Metrics {
         match outcome {
             Ok(()) => self.jwt_valid.inc(),
             Err(reason) => self.jwt_invalid.with_label_values(&[reason.as_str()]).inc(),
+        }
+    }
+
+    /// Counts a failed upstream connection (and whether the request tries again, and whether the
+    /// server was ejected). Group names come from the gateway file: a bounded set.
+    pub fn upstream_connect_failed(&self, group: &str, kind: &str, retried: bool, ejected: bool) {
+        self.upstream_connect_failures
+            .with_label_values(&[group, kind])
+            .inc();
+        if retried {
+            self.upstream_retries.with_label_values(&[group]).inc();
+        }
+        if ejected {
+            self.upstream_ejections.with_label_values(&[group]).inc();
         }
     }
 

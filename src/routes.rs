@@ -7,7 +7,7 @@
 //! {
 //!   "upstreams": {
 //!     "api": { "servers": ["10.0.0.1:8080", "10.0.0.2:8080"], "balance": "round_robin",
-//!              "connect_timeout_ms": 1000, "read_timeout_ms": 30000,
+//!              "connect_timeout_ms": 5000, "read_timeout_ms": 30000, "idle_timeout_ms": 60000,
 //!              "tls": { "sni": "api.internal", "ca_file": "/etc/tollgate/ca.pem" },
 //!              "health_check": { "path": "/healthz", "interval_ms": 2000,
 //!                                "healthy_threshold": 2, "unhealthy_threshold": 2 } }
@@ -69,6 +69,10 @@ pub struct GroupSpec {
     pub tls: Option<UpstreamTls>,
     /// `GET <path>` must answer 200.
     pub health_check: Option<(String, HealthCheckSpec)>,
+    /// How long an idle kept-alive connection to one of the group's servers stays in the pool;
+    /// `None`: until the server closes it or the pool (shared by every group, least recently
+    /// used first out) needs its place.
+    pub idle_timeout: Option<Duration>,
 }
 
 impl GroupSpec {
@@ -82,6 +86,7 @@ impl GroupSpec {
             read_timeout: None,
             tls: None,
             health_check: None,
+            idle_timeout: None,
         }
     }
 
@@ -94,7 +99,10 @@ impl GroupSpec {
     }
 }
 
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Longer than TCP's first two SYN retransmissions (sent after 1 s and 3 s): a SYN that a busy
+/// server's full accept queue dropped is sent again and answered, instead of failing the
+/// request (Envoy's and HAProxy's usual 5 s).
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A host pattern.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -366,6 +374,7 @@ impl Compiler<'_> {
                 "balance",
                 "connect_timeout_ms",
                 "read_timeout_ms",
+                "idle_timeout_ms",
                 "tls",
                 "health_check",
             ],
@@ -403,6 +412,9 @@ impl Compiler<'_> {
         let read_timeout = map
             .contains_key("read_timeout_ms")
             .then(|| self.millis(map, path, "read_timeout_ms", Duration::from_secs(60)));
+        let idle_timeout = map
+            .contains_key("idle_timeout_ms")
+            .then(|| self.millis(map, path, "idle_timeout_ms", Duration::from_secs(60)));
         let tls = map.get("tls").and_then(|v| self.tls(v, &join(path, "tls")));
         let health_check = map
             .get("health_check")
@@ -415,6 +427,7 @@ impl Compiler<'_> {
             read_timeout,
             tls,
             health_check,
+            idle_timeout,
         })
     }
 

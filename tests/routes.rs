@@ -390,7 +390,7 @@ fn without_health_checks_a_refused_connection_ejects_the_server_and_retries_else
     }
     assert!(gw
         .log_text()
-        .contains("upstream server refused a connection: ejected"));
+        .contains("upstream server ejected after consecutive connection failures"));
     assert_eq!(a.hits(), 12);
 }
 

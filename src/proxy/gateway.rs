@@ -186,9 +186,6 @@ fn http2_key(session: &Session) -> Option<usize> {
         .map(|digest| Arc::as_ptr(digest) as usize)
 }
 
-/// Most connection attempts per request: the first server and, when it refuses, two others.
-const MAX_CONNECT_TRIES: usize = 3;
-
 /// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
 /// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
 /// as nginx's `$proxy_add_x_forwarded_for` does.
@@ -562,7 +559,9 @@ impl ProxyHttp for Proxy {
         };
         // Consistent hashing keys on the client address as resolved for limiting (behind a
         // trusted proxy, the real client).
-        let Some((addr, peer)) = group.select(ctx.client_ip) else {
+        // A retry (after a failed connection) goes to another server when there is one.
+        let failed = ctx.server.filter(|_| ctx.connect_tries > 0);
+        let Some((addr, peer)) = group.select(ctx.client_ip, failed) else {
             return Err(Error::explain(
                 NO_HEALTHY_UPSTREAM,
                 "every server of the upstream group is down",
@@ -584,15 +583,47 @@ impl ProxyHttp for Proxy {
         ctx: &mut Self::CTX,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        // Passive ejection: the server is skipped until a health check finds it up, and the
-        // request tries another one (nothing was sent yet, so a retry is always safe).
+        // Nothing was sent yet, so trying again is always safe: on another server when the
+        // group has one, else on the same (see `upstreams` for the budget and ejection rules).
         if let (Some(group), Some(addr)) = (ctx.group.as_ref(), ctx.server) {
-            group.eject(addr);
-            if ctx.connect_tries < MAX_CONNECT_TRIES.min(group.spec.servers.len()) {
-                e.set_retry(true);
+            let kind = super::upstreams::ConnectFailure::of(e.etype());
+            let outcome = group.connect_failed(addr, kind, ctx.connect_tries);
+            e.set_retry(outcome.retry);
+            self.gateway.metrics.upstream_connect_failed(
+                &group.spec.name,
+                kind.as_str(),
+                outcome.retry,
+                outcome.ejected,
+            );
+            tracing::warn!(
+                group = %group.spec.name,
+                server = %addr,
+                kind = kind.as_str(),
+                attempt = ctx.connect_tries,
+                retry = outcome.retry,
+                "upstream connection failed: {}",
+                e.etype().as_str()
+            );
+            if outcome.ejected {
+                tracing::warn!(group = %group.spec.name, server = %addr, "upstream server ejected after consecutive connection failures");
             }
         }
         e
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        _reused: bool,
+        _peer: &HttpPeer,
+        _fd: std::os::unix::io::RawFd,
+        _digest: Option<&pingora::protocols::Digest>,
+        ctx: &mut Self::CTX,
+    ) -> Result<()> {
+        if let (Some(group), Some(addr)) = (ctx.group.as_ref(), ctx.server) {
+            group.connected(addr);
+        }
+        Ok(())
     }
 
     async fn upstream_request_filter(
@@ -710,12 +741,27 @@ impl ProxyHttp for Proxy {
         }
         let code = match e.etype() {
             pingora::ErrorType::HTTPStatus(code) => *code,
+            // The upstream took the request and did not answer within its read timeout: a
+            // gateway timeout (nginx's and Envoy's answer too), not an unavailable upstream.
+            pingora::ErrorType::ReadTimedout if e.esource() == &pingora::ErrorSource::Upstream => {
+                504
+            }
             _ => match e.esource() {
                 pingora::ErrorSource::Upstream => 502,
                 pingora::ErrorSource::Downstream => 0,
                 _ => 500,
             },
         };
+        if session.as_downstream().response_written().is_some() {
+            // The response is already under way: an error page now would be read as the rest
+            // of its body. The connection is closed instead, so the client sees the body end
+            // short of its length (or an HTTP/2 stream reset) and knows it is incomplete.
+            tracing::warn!(error = %e, "upstream failed mid-response: the client connection is closed");
+            return FailToProxy {
+                error_code: code,
+                can_reuse_downstream: false,
+            };
+        }
         if *e.etype() == NO_HEALTHY_UPSTREAM {
             let group = ctx.group.as_ref().map_or("", |g| g.spec.name.as_str());
             tracing::warn!(group, "no healthy server in the upstream group");
@@ -731,7 +777,16 @@ impl ProxyHttp for Proxy {
                 can_reuse_downstream: false,
             };
         }
-        if code == 502 {
+        if code == 504 {
+            tracing::warn!(error = %e, "upstream timed out");
+            let _ = respond(
+                session,
+                504,
+                request_id_header(ctx),
+                "Gateway Timeout: the upstream did not answer in time\n",
+            )
+            .await;
+        } else if code == 502 {
             tracing::warn!(error = %e, "upstream unavailable");
             let _ = respond(
                 session,

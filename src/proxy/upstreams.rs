@@ -2,8 +2,18 @@
 //! becomes a round-robin or consistent-hash balancer over its servers, one prepared
 //! [`HttpPeer`] per server (HTTPS with SNI and verification against the group's CA file or the
 //! system roots, connect and read timeouts), active HTTP health checks with thresholds, and
-//! passive ejection: a server that refuses a connection is skipped for one health-check
-//! interval (10 s without checks).
+//! what a failed connection does ([`Group::connect_failed`]):
+//!
+//! - **retries**: nothing was sent, so a request whose connection failed is tried again — on
+//!   another server when the group has one, else on the same — up to [`MAX_CONNECT_TRIES`]
+//!   attempts, within the group's retry budget (retries in a second at most a fifth of the
+//!   requests, and at least [`MIN_RETRIES_PER_SECOND`]), so retries cannot multiply an outage;
+//! - **passive ejection** (Envoy's outlier detection): a server is skipped for one
+//!   health-check interval (10 s without checks) after [`EJECT_AFTER_DOWN`] consecutive
+//!   failures that prove it down (refused, unreachable, reset, TLS) or [`EJECT_AFTER_TIMEOUTS`]
+//!   consecutive connect timeouts (a timeout may only be a full accept queue), and never when
+//!   that would leave the group without a server to try; a group whose servers are all ejected
+//!   still tries them (Envoy's panic mode) rather than answering 502 at once.
 //!
 //! The whole set is swapped on reload ([`Upstreams`] behind an `ArcSwap`): a request holds the
 //! group it was routed to, so nothing in flight is dropped.
@@ -15,7 +25,7 @@ use pingora::lb::selection::{Consistent, RoundRobin};
 use pingora::lb::LoadBalancer;
 use pingora::prelude::HttpPeer;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -59,6 +69,87 @@ struct Server {
     healthy: AtomicBool,
     /// Skipped until this many ms after the group was built (0: not ejected).
     ejected_until_ms: AtomicU64,
+    /// Connect failures since the last connection that worked: refused, unreachable, reset or
+    /// TLS, and timeouts.
+    failures_down: AtomicU32,
+    failures_timeout: AtomicU32,
+}
+
+/// Most connection attempts per request.
+pub const MAX_CONNECT_TRIES: usize = 3;
+/// Consecutive refused, unreachable, reset or TLS failures that eject a server.
+pub const EJECT_AFTER_DOWN: u32 = 3;
+/// Consecutive connect timeouts that eject a server.
+pub const EJECT_AFTER_TIMEOUTS: u32 = 5;
+/// Retries a group may make in any second, whatever its traffic.
+pub const MIN_RETRIES_PER_SECOND: u64 = 10;
+
+/// Why a connection to a server failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectFailure {
+    Refused,
+    TimedOut,
+    Unreachable,
+    Reset,
+    Tls,
+    Other,
+}
+
+impl ConnectFailure {
+    /// The label in logs and in `tollgate_upstream_connect_failures_total{kind}`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConnectFailure::Refused => "refused",
+            ConnectFailure::TimedOut => "timeout",
+            ConnectFailure::Unreachable => "unreachable",
+            ConnectFailure::Reset => "reset",
+            ConnectFailure::Tls => "tls",
+            ConnectFailure::Other => "other",
+        }
+    }
+
+    pub const ALL: [ConnectFailure; 6] = [
+        ConnectFailure::Refused,
+        ConnectFailure::TimedOut,
+        ConnectFailure::Unreachable,
+        ConnectFailure::Reset,
+        ConnectFailure::Tls,
+        ConnectFailure::Other,
+    ];
+
+    /// Pingora's error type of a failed connect.
+    pub fn of(etype: &pingora::ErrorType) -> ConnectFailure {
+        use pingora::ErrorType as E;
+        match etype {
+            E::ConnectRefused => ConnectFailure::Refused,
+            E::ConnectTimedout => ConnectFailure::TimedOut,
+            E::ConnectNoRoute => ConnectFailure::Unreachable,
+            E::TLSHandshakeFailure
+            | E::TLSHandshakeTimedout
+            | E::InvalidCert
+            | E::HandshakeError
+            | E::TLSWantX509Lookup => ConnectFailure::Tls,
+            E::ConnectionClosed | E::ReadError | E::WriteError => ConnectFailure::Reset,
+            _ => ConnectFailure::Other,
+        }
+    }
+}
+
+/// What [`Group::connect_failed`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailureOutcome {
+    /// The server was ejected now.
+    pub ejected: bool,
+    /// The request may try again.
+    pub retry: bool,
+}
+
+/// Requests and retries of the current second.
+#[derive(Default)]
+struct RetryBudget {
+    second: AtomicU64,
+    requests: AtomicU64,
+    retries: AtomicU64,
 }
 
 /// One upstream group, ready to serve.
@@ -72,6 +163,7 @@ pub struct Group {
     built: Instant,
     /// When the next active health check is due.
     next_check: Mutex<Instant>,
+    budget: RetryBudget,
 }
 
 impl Group {
@@ -125,6 +217,7 @@ impl Group {
             peer.group_key = group_key;
             peer.options.connection_timeout = Some(spec.connect_timeout);
             peer.options.read_timeout = spec.read_timeout;
+            peer.options.idle_timeout = spec.idle_timeout;
             if let Some(ca) = &ca {
                 peer.options.ca = Some(Arc::clone(ca));
             }
@@ -160,6 +253,8 @@ impl Group {
                 peer: peer_for(*addr),
                 healthy: AtomicBool::new(true),
                 ejected_until_ms: AtomicU64::new(0),
+                failures_down: AtomicU32::new(0),
+                failures_timeout: AtomicU32::new(0),
             })
             .collect();
         Ok(Group {
@@ -168,6 +263,7 @@ impl Group {
             next: AtomicUsize::new(0),
             built: Instant::now(),
             next_check: Mutex::new(Instant::now()),
+            budget: RetryBudget::default(),
             spec,
         })
     }
@@ -191,9 +287,20 @@ impl Group {
     /// ejected, one of them anyway (a restarted server is found at once, not after the
     /// ejection); `None` when the health checks find every server down. Round-robin reads only
     /// atomics; client hashing walks Pingora's Ketama ring.
-    pub fn select(&self, client_ip: Option<std::net::IpAddr>) -> Option<(SocketAddr, HttpPeer)> {
+    pub fn select(
+        &self,
+        client_ip: Option<std::net::IpAddr>,
+        avoid: Option<SocketAddr>,
+    ) -> Option<(SocketAddr, HttpPeer)> {
         let now_ms = self.now_ms();
-        for ignore_ejection in [false, true] {
+        if avoid.is_none() {
+            self.count_request(now_ms);
+        }
+        // A retry goes to another server when there is one to take it.
+        let other = |s: &Server| avoid != Some(s.addr);
+        for (ignore_ejection, avoiding) in [(false, true), (false, false), (true, false)] {
+            let usable =
+                |s: &Server| self.available(s, now_ms, ignore_ejection) && (!avoiding || other(s));
             let found = match &self.balancer {
                 Balancer::ClientHash(lb) => {
                     let key = match client_ip.map(crate::descriptor::canonical_ip) {
@@ -209,7 +316,7 @@ impl Group {
                             .addr
                             .as_inet()
                             .and_then(|addr| self.server(*addr))
-                            .is_some_and(|s| self.available(s, now_ms, ignore_ejection))
+                            .is_some_and(usable)
                     })
                     .and_then(|b| b.addr.as_inet().and_then(|a| self.server(*a)))
                 }
@@ -218,7 +325,7 @@ impl Group {
                     let start = self.next.fetch_add(1, Ordering::Relaxed);
                     (0..n)
                         .map(|i| &self.servers[(start + i) % n])
-                        .find(|s| self.available(s, now_ms, ignore_ejection))
+                        .find(|s| usable(s))
                 }
             };
             if let Some(server) = found {
@@ -228,14 +335,84 @@ impl Group {
         None
     }
 
-    /// A connection to `addr` failed: skip it for one health-check interval (10 s without
-    /// checks).
-    pub fn eject(&self, addr: SocketAddr) {
+    /// A connection to `addr` worked: its run of failures ends.
+    pub fn connected(&self, addr: SocketAddr) {
         if let Some(server) = self.server(addr) {
-            let until = self.now_ms() + self.spec.ejection().as_millis() as u64;
-            server.ejected_until_ms.store(until, Ordering::Relaxed);
+            // Read first: most connections follow a success, and a plain load keeps the
+            // cache line shared.
+            if server.failures_down.load(Ordering::Relaxed) != 0 {
+                server.failures_down.store(0, Ordering::Relaxed);
+            }
+            if server.failures_timeout.load(Ordering::Relaxed) != 0 {
+                server.failures_timeout.store(0, Ordering::Relaxed);
+            }
         }
-        tracing::warn!(group = %self.spec.name, server = %addr, "upstream server refused a connection: ejected");
+    }
+
+    /// A connection to `addr` failed (attempt `tries` of the request): counts it, ejects the
+    /// server when its run of failures proves it down and another server can take its share,
+    /// and says whether the request may try again (attempts and the retry budget left).
+    pub fn connect_failed(
+        &self,
+        addr: SocketAddr,
+        kind: ConnectFailure,
+        tries: usize,
+    ) -> FailureOutcome {
+        let now_ms = self.now_ms();
+        let mut ejected = false;
+        if let Some(server) = self.server(addr) {
+            let (run, limit) = match kind {
+                ConnectFailure::TimedOut => (&server.failures_timeout, EJECT_AFTER_TIMEOUTS),
+                _ => (&server.failures_down, EJECT_AFTER_DOWN),
+            };
+            let failures = run.fetch_add(1, Ordering::Relaxed) + 1;
+            let others_left = self
+                .servers
+                .iter()
+                .any(|s| s.addr != addr && self.available(s, now_ms, false));
+            if failures >= limit && others_left {
+                let until = now_ms + self.spec.ejection().as_millis() as u64;
+                ejected = server.ejected_until_ms.swap(until, Ordering::Relaxed) <= now_ms;
+                run.store(0, Ordering::Relaxed);
+            }
+        }
+        let retry = tries < MAX_CONNECT_TRIES && self.take_retry(now_ms);
+        FailureOutcome { ejected, retry }
+    }
+
+    /// The budget's second, starting a new one when `now_ms` is past it.
+    fn budget_second(&self, now_ms: u64) {
+        let second = now_ms / 1000;
+        let budget = &self.budget;
+        let current = budget.second.load(Ordering::Relaxed);
+        if current != second
+            && budget
+                .second
+                .compare_exchange(current, second, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            budget.requests.store(0, Ordering::Relaxed);
+            budget.retries.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn count_request(&self, now_ms: u64) {
+        self.budget_second(now_ms);
+        self.budget.requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Takes one retry from this second's budget: at most a fifth of the second's requests,
+    /// and at least [`MIN_RETRIES_PER_SECOND`].
+    fn take_retry(&self, now_ms: u64) -> bool {
+        self.budget_second(now_ms);
+        let allowed =
+            (self.budget.requests.load(Ordering::Relaxed) / 5).max(MIN_RETRIES_PER_SECOND);
+        self.budget
+            .retries
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| {
+                (r < allowed).then_some(r + 1)
+            })
+            .is_ok()
     }
 
     /// Whether an active health check is due now (and claims it: the next one is an interval

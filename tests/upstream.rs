@@ -1,0 +1,444 @@
+//! The proxy side against real, slow or failing upstreams (issue 23): no 502 a client did not
+//! earn. An ordinary upstream with a listen backlog of 5 under a burst of 100 HTTP/2 streams,
+//! connection reuse under a second burst, an upstream that accepts and never answers, one that
+//! resets mid-body, one that is down and then back, and a two-server group with one server
+//! black-holed (its SYNs dropped) — each with the exact statuses the client gets and what the
+//! metrics say.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::{free_port, request, Gateway};
+
+/// Sets a listening socket's backlog (the standard library listens with 128).
+fn set_backlog(listener: &TcpListener, backlog: i32) {
+    // SAFETY: listen(2) on a socket this test owns; calling it again only changes the backlog.
+    let rc = unsafe { libc::listen(listener.as_raw_fd(), backlog) };
+    assert_eq!(rc, 0);
+}
+
+/// An upstream that counts connections and requests, answering each request `200 ok`
+/// (HTTP/1.1, kept alive) after `delay`; its backlog as given.
+struct Counting {
+    addr: SocketAddr,
+    connections: Arc<AtomicUsize>,
+    requests: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    fn start(backlog: i32, delay: Duration) -> Counting {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        set_backlog(&listener, backlog);
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let requests = Arc::new(AtomicUsize::new(0));
+        let (c, r) = (Arc::clone(&connections), Arc::clone(&requests));
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                c.fetch_add(1, Ordering::SeqCst);
+                let r = Arc::clone(&r);
+                std::thread::spawn(move || serve(conn, &r, delay));
+            }
+        });
+        Counting {
+            addr,
+            connections,
+            requests,
+        }
+    }
+}
+
+fn serve(conn: TcpStream, requests: &AtomicUsize, delay: Duration) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+    let mut reader = BufReader::new(conn.try_clone().unwrap());
+    let mut writer = conn;
+    loop {
+        let mut line = String::new();
+        // Headers only: the test requests carry no body.
+        loop {
+            line.clear();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            if line == "\r\n" {
+                break;
+            }
+        }
+        requests.fetch_add(1, Ordering::SeqCst);
+        std::thread::sleep(delay);
+        if writer
+            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// Sends `n` GETs at once on one HTTP/2 connection (h2c), each with `headers`; the statuses.
+async fn h2c_burst(addr: SocketAddr, n: usize, headers: &[(&str, &str)]) -> Vec<u16> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, connection) = h2::client::Builder::new()
+        .initial_max_send_streams(n)
+        .handshake::<_, bytes::Bytes>(tcp)
+        .await
+        .expect("h2c handshake");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut client = client.ready().await.unwrap();
+    let mut responses = Vec::new();
+    for i in 0..n {
+        let mut request = http::Request::builder()
+            .method("GET")
+            .uri(format!("http://api.example.com/v1/orders?i={i}"));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let (response, _) = client
+            .send_request(request.body(()).unwrap(), true)
+            .expect("send");
+        responses.push(response);
+        client = client.ready().await.unwrap();
+    }
+    let mut statuses = Vec::new();
+    for response in responses {
+        statuses.push(response.await.expect("response").status().as_u16());
+    }
+    statuses
+}
+
+fn count(statuses: &[u16], status: u16) -> usize {
+    statuses.iter().filter(|&&s| s == status).count()
+}
+
+/// 40 per client, never refilling (within a test).
+const PER_CLIENT_40: &str = r#"{"rules": [{"name": "per-client", "limit_keys": ["header:x-client"],
+    "algorithm": "token_bucket", "algorithm_config": {"rps": 0.0001, "burst": 40}}]}"#;
+
+/// Python's `http.server` (listen backlog 5), serving this directory's files.
+struct PythonServer {
+    child: Child,
+    addr: SocketAddr,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl PythonServer {
+    fn start() -> PythonServer {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("v1")).unwrap();
+        std::fs::write(dir.path().join("v1/orders"), "orders\n").unwrap();
+        let port = free_port();
+        let log = dir.path().join("python.log");
+        let child = Command::new("python3")
+            .args([
+                "-m",
+                "http.server",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+            ])
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .spawn()
+            .expect("python3 -m http.server");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let start = Instant::now();
+        while TcpStream::connect(addr).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "python did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        PythonServer {
+            child,
+            addr,
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// Requests it answered (one log line each).
+    fn requests(&self) -> usize {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"GET /v1/orders"))
+            .count()
+    }
+}
+
+impl Drop for PythonServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The issue's case: 100 streams on one connection against a burst of 40, in front of Python's
+/// `http.server` (backlog 5, so the burst's connections overflow its accept queue and SYNs are
+/// dropped). Every admitted request reaches the upstream and gets its 200: the 5 s connect
+/// timeout outlives SYN retransmission. Exactly 40 × 200 and 60 × 429, no 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_5_upstream_under_100_streams_gives_no_502() {
+    let python = PythonServer::start();
+    let gw = Gateway::start(Some(PER_CLIENT_40), Some(python.addr), &["--h2c"]);
+    let statuses = h2c_burst(gw.proxy, 100, &[("x-client", "a")]).await;
+    assert_eq!(
+        (count(&statuses, 200), count(&statuses, 429)),
+        (40, 60),
+        "{statuses:?}\n{}",
+        gw.log_text()
+    );
+    // Python logs each request it answered; give the last lines a moment to be written.
+    let start = Instant::now();
+    while python.requests() < 40 && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(python.requests(), 40);
+    assert!(!gw
+        .metrics()
+        .contains("tollgate_upstream_connect_failures_total{"));
+}
+
+/// Connection reuse under HTTP/2 bursts: a second burst of 40 admitted streams finds the first
+/// burst's connections idle in the pool and opens no new ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_burst_reuses_the_pooled_connections() {
+    let upstream = Counting::start(128, Duration::from_millis(20));
+    let gw = Gateway::start(Some(PER_CLIENT_40), Some(upstream.addr), &["--h2c"]);
+    let first = h2c_burst(gw.proxy, 40, &[("x-client", "a")]).await;
+    assert_eq!(count(&first, 200), 40);
+    let opened = upstream.connections.load(Ordering::SeqCst);
+    assert!(opened <= 40, "{opened}");
+    let second = h2c_burst(gw.proxy, 40, &[("x-client", "b")]).await;
+    assert_eq!(count(&second, 200), 40);
+    assert_eq!(upstream.requests.load(Ordering::SeqCst), 80);
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        opened,
+        "the second burst opened new connections"
+    );
+}
+
+fn write_routes(gw_dir: &std::path::Path, group: &str) -> std::path::PathBuf {
+    let path = gw_dir.join("routes.json");
+    std::fs::write(
+        &path,
+        format!(r#"{{"upstreams": {{"api": {group}}}, "default_upstream": "api"}}"#),
+    )
+    .unwrap();
+    path
+}
+
+/// A gateway with a gateway file whose one group is `group` (JSON).
+fn gateway_with_group(policy: &str, group: &str) -> (Gateway, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_routes(dir.path(), group);
+    let gw = Gateway::start(Some(policy), None, &["--routes", routes.to_str().unwrap()]);
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    (gw, dir)
+}
+
+/// One concurrent request at most, so a leaked slot would show.
+const ONE_AT_A_TIME: &str = r#"{"bundle_version": 1, "policies": [{"id": "p", "spec": {"rules": [
+    {"name": "one", "limit_keys": [], "algorithm": "concurrency", "algorithm_config": {"max_in_flight": 1}}]}}]}"#;
+
+/// An upstream that accepts and never answers: each request waits `read_timeout_ms` and gets a
+/// 504; the concurrency slot it held is given back every time (with one slot, a leaked one
+/// would turn the next request into a 429).
+#[test]
+fn an_upstream_that_never_answers_times_out_and_leaks_no_slot() {
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = silent.local_addr().unwrap();
+    let held: Arc<std::sync::Mutex<Vec<TcpStream>>> = Arc::default();
+    let keep = Arc::clone(&held);
+    std::thread::spawn(move || {
+        for conn in silent.incoming().flatten() {
+            keep.lock().unwrap().push(conn);
+        }
+    });
+    let (gw, _dir) = gateway_with_group(
+        ONE_AT_A_TIME,
+        &format!(r#"{{"servers": ["{addr}"], "read_timeout_ms": 300}}"#),
+    );
+    for i in 0..5 {
+        let started = Instant::now();
+        let r = request(gw.proxy, "GET", "/v1/x", &[]);
+        assert_eq!(
+            (r.status, r.body.as_str()),
+            (
+                504,
+                "Gateway Timeout: the upstream did not answer in time\n"
+            ),
+            "request {i}"
+        );
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+    }
+    assert!(!gw
+        .metrics()
+        .contains("tollgate_upstream_connect_failures_total{"));
+}
+
+/// An upstream that resets the connection in the middle of the body: the client gets the
+/// status and the bytes sent before the reset, then the connection ends early (never a
+/// complete body of the wrong length); the next request gets a new connection.
+#[test]
+fn an_upstream_that_resets_mid_body_ends_the_response_early() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n");
+            let _ = conn.write_all(&[b'x'; 300]);
+            let _ = conn.flush();
+            std::thread::sleep(Duration::from_millis(50));
+            // SO_LINGER 0: close sends RST.
+            let linger = libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            };
+            // SAFETY: setsockopt on a socket this thread owns, with a valid linger struct.
+            unsafe {
+                libc::setsockopt(
+                    conn.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&linger as *const libc::linger).cast(),
+                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                );
+            }
+            drop(conn);
+        }
+    });
+    let gw = Gateway::start(Some(PER_CLIENT_40), Some(addr), &[]);
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(gw.proxy).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream
+            .write_all(b"GET /v1/x HTTP/1.1\r\nHost: api.example.com\r\nx-client: r\r\n\r\n")
+            .unwrap();
+        let mut raw = Vec::new();
+        let _ = stream.read_to_end(&mut raw);
+        let text = String::from_utf8_lossy(&raw);
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+        let body = &raw[text.find("\r\n\r\n").unwrap() + 4..];
+        assert_eq!(
+            body.len(),
+            300,
+            "the bytes sent before the reset, then the end: {text:?}"
+        );
+    }
+}
+
+/// A single-server group whose server is down: each request tries it 3 times (every refusal
+/// retried on the same server, nothing having been sent) and gets a 502 naming the group's
+/// state; once the server is back the very next request gets 200 (a group's only server is
+/// never ejected).
+#[test]
+fn a_server_down_then_back() {
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let (gw, _dir) = gateway_with_group(PER_CLIENT_40, &format!(r#"{{"servers": ["{addr}"]}}"#));
+    for _ in 0..2 {
+        let r = request(gw.proxy, "GET", "/v1/x", &[("x-client", "d")]);
+        assert_eq!(r.status, 502);
+    }
+    assert_eq!(
+        gw.metric("tollgate_upstream_connect_failures_total{group=\"api\",kind=\"refused\"}"),
+        6.0
+    );
+    assert_eq!(
+        gw.metric("tollgate_upstream_retries_total{group=\"api\"}"),
+        4.0
+    );
+    assert_eq!(
+        gw.metric("tollgate_upstream_ejections_total{group=\"api\"}"),
+        0.0
+    );
+    let log = gw.log_text();
+    assert!(
+        log.contains("upstream connection failed: ConnectRefused"),
+        "{log}"
+    );
+    // Back.
+    let revived = TcpListener::bind(addr).expect("the port is free again");
+    std::thread::spawn(move || {
+        let hits = AtomicUsize::new(0);
+        for conn in revived.incoming().flatten() {
+            serve(conn, &hits, Duration::ZERO);
+        }
+    });
+    let r = request(gw.proxy, "GET", "/v1/x", &[("x-client", "d")]);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, "ok");
+}
+
+/// A two-server group with one server black-holed (a full accept queue: its SYNs are dropped,
+/// as a host that went away would): every request is answered 200 by the other server, the
+/// black-holed one costs a connect timeout (300 ms here) and a retry until its fifth
+/// consecutive timeout ejects it, and from then on requests no longer wait.
+#[test]
+fn a_black_holed_server_is_retried_around_then_ejected() {
+    let good = Counting::start(128, Duration::ZERO);
+    let hole = TcpListener::bind("127.0.0.1:0").unwrap();
+    set_backlog(&hole, 0);
+    let hole_addr = hole.local_addr().unwrap();
+    // Fill the accept queue: from now on its SYNs are dropped.
+    let _filler = TcpStream::connect(hole_addr).unwrap();
+    let (gw, _dir) = gateway_with_group(
+        PER_CLIENT_40,
+        &format!(
+            r#"{{"servers": ["{}", "{hole_addr}"], "connect_timeout_ms": 300}}"#,
+            good.addr
+        ),
+    );
+    let mut slow = 0;
+    for i in 0..20 {
+        let started = Instant::now();
+        let r = request(gw.proxy, "GET", "/v1/x", &[("x-client", "h")]);
+        assert_eq!((r.status, r.body.as_str()), (200, "ok"), "request {i}");
+        if started.elapsed() >= Duration::from_millis(250) {
+            slow += 1;
+        }
+    }
+    assert_eq!(
+        slow, 5,
+        "one connect timeout per round-robin turn until the ejection"
+    );
+    assert_eq!(good.requests.load(Ordering::SeqCst), 20);
+    assert_eq!(
+        gw.metric("tollgate_upstream_connect_failures_total{group=\"api\",kind=\"timeout\"}"),
+        5.0
+    );
+    assert_eq!(
+        gw.metric("tollgate_upstream_retries_total{group=\"api\"}"),
+        5.0
+    );
+    assert_eq!(
+        gw.metric("tollgate_upstream_ejections_total{group=\"api\"}"),
+        1.0
+    );
+    assert!(gw
+        .log_text()
+        .contains("upstream server ejected after consecutive connection failures"));
+}
