@@ -210,24 +210,20 @@ async fn a_backlog_5_upstream_under_100_streams_gives_no_502() {
         .contains("tollgate_upstream_connect_failures_total{"));
 }
 
-/// Connection reuse under HTTP/2 bursts: a second burst of 40 admitted streams finds the first
-/// burst's connections idle in the pool and opens no new ones.
+/// Connection reuse under HTTP/2 bursts: 40 admitted streams at once need at most 40 upstream
+/// connections; a second burst of 40 finds them idle in the pool, so the two bursts together
+/// never open more than 40 (without reuse they would open 80).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_burst_reuses_the_pooled_connections() {
     let upstream = Counting::start(128, Duration::from_millis(20));
     let gw = Gateway::start(Some(PER_CLIENT_40), Some(upstream.addr), &["--h2c"]);
     let first = h2c_burst(gw.proxy, 40, &[("x-client", "a")]).await;
     assert_eq!(count(&first, 200), 40);
-    let opened = upstream.connections.load(Ordering::SeqCst);
-    assert!(opened <= 40, "{opened}");
     let second = h2c_burst(gw.proxy, 40, &[("x-client", "b")]).await;
     assert_eq!(count(&second, 200), 40);
     assert_eq!(upstream.requests.load(Ordering::SeqCst), 80);
-    assert_eq!(
-        upstream.connections.load(Ordering::SeqCst),
-        opened,
-        "the second burst opened new connections"
-    );
+    let opened = upstream.connections.load(Ordering::SeqCst);
+    assert!(opened <= 40, "two bursts of 40 opened {opened} connections");
 }
 
 fn write_routes(gw_dir: &std::path::Path, group: &str) -> std::path::PathBuf {
