@@ -101,9 +101,10 @@ pub fn estimate_text(text: &str) -> u64 {
 /// What an LLM request asks for, read once from its body.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LlmRequest {
-    /// The `simple_word` estimate of the prompt: every text of `messages[].content` (strings
-    /// and text parts), `prompt`, `input`, `instructions` and `system`. A body that is not
-    /// JSON is estimated as text, whole.
+    /// The `simple_word` estimate of the prompt: every text the model reads (see
+    /// [`field`]: every string of the body but known metadata, tool and response schemas as
+    /// their JSON text) plus a fixed estimate per image or audio part ([`media_tokens`]). A body
+    /// that is not JSON is estimated as text, whole.
     pub prompt_tokens: u64,
     /// `max_completion_tokens`, else `max_tokens`, else `max_output_tokens`, when a whole
     /// number.
@@ -139,11 +140,15 @@ impl LlmRequest {
                 max_completion: None,
             };
         };
-        let mut count = TextCount::default();
-        for field in ["messages", "prompt", "input", "instructions", "system"] {
-            if let Some(v) = json.get(field) {
-                count_prompt(v, &mut count, 0);
+        let mut count = Prompt::default();
+        if let Value::Object(map) = &json {
+            for (key, v) in map {
+                if !COMPLETION_FIELDS.contains(&key.as_str()) {
+                    count.value(field(key), v, 1);
+                }
             }
+        } else {
+            count.value(Field::Text, &json, 0);
         }
         let max_completion = COMPLETION_FIELDS
             .iter()
@@ -155,13 +160,240 @@ impl LlmRequest {
     }
 }
 
-/// The deepest prompt text counted (a hostile body cannot make counting recurse without end).
-const MAX_PROMPT_DEPTH: u32 = 8;
+/// The deepest value counted: below it (a hostile body), nothing more is read. serde_json stops
+/// at 128 levels itself; such a body is then estimated as text, whole.
+const MAX_PROMPT_DEPTH: u32 = 120;
 
-/// Reads a request body that is a JSON object in one pass: the prompt fields counted by
-/// [`PromptSeed`], the completion fields kept when whole numbers, the rest skipped. A field
-/// repeated in the body is counted each time (a JSON tree keeps the last): a larger estimate,
-/// never a smaller one.
+/// How a field's value counts towards the prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// Every string in it (the model reads it): messages, contents, tools' names and
+    /// descriptions, tool-call arguments, system prompts, and every field not known to be
+    /// metadata, so that an unknown API shape over-estimates rather than slipping through.
+    Text,
+    /// Metadata the model does not read as text (`model`, `user`, `metadata`, ids, roles,
+    /// types, MIME types, sampling settings...): not counted.
+    Skip,
+    /// A schema (`parameters`, `input_schema`, `schema`, `json_schema`, `response_schema`):
+    /// counted as its JSON text, keys included.
+    Whole,
+    /// An image or audio part: a fixed estimate ([`media_tokens`]), whatever its bytes.
+    Media(MediaKind),
+}
+
+/// What a media part holds, as far as its field's name tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaKind {
+    Image,
+    Audio,
+    /// Inline data or a file whose MIME type decides (`audio/...`, else an image).
+    ByMime,
+}
+
+/// How an object's field counts, by its name.
+pub fn field(key: &str) -> Field {
+    match key {
+        "model"
+        | "user"
+        | "metadata"
+        | "id"
+        | "type"
+        | "role"
+        | "object"
+        | "tool_call_id"
+        | "call_id"
+        | "tool_use_id"
+        | "service_tier"
+        | "safety_identifier"
+        | "prompt_cache_key"
+        | "previous_response_id"
+        | "store"
+        | "stream"
+        | "stop"
+        | "stop_sequences"
+        | "stopSequences"
+        | "mime_type"
+        | "mimeType"
+        | "media_type"
+        | "detail"
+        | "format"
+        | "encoding"
+        | "status"
+        | "modalities"
+        | "responseModalities"
+        | "voice"
+        | "reasoning_effort"
+        | "logit_bias"
+        | "cache_control"
+        | "finish_reason" => Field::Skip,
+        "parameters"
+        | "input_schema"
+        | "schema"
+        | "json_schema"
+        | "response_schema"
+        | "responseSchema"
+        | "responseJsonSchema"
+        | "parametersJsonSchema" => Field::Whole,
+        "image_url" | "image" | "input_image" => Field::Media(MediaKind::Image),
+        "input_audio" | "audio" => Field::Media(MediaKind::Audio),
+        "inline_data" | "inlineData" | "file_data" | "fileData" | "source" => {
+            Field::Media(MediaKind::ByMime)
+        }
+        _ => Field::Text,
+    }
+}
+
+/// Tokens an image counts: OpenAI's published rule for one 1024 × 1024 image (the size a part
+/// does not state): 85 at `detail: low`, else 85 + 170 per 512-pixel tile of the image scaled
+/// to 768 on its short side, 4 tiles: 765.
+pub const IMAGE_TOKENS_LOW: u64 = 85;
+pub const IMAGE_TOKENS: u64 = 765;
+/// Audio: about 10 tokens a second of 16 kHz 16-bit mono, from the base64 data's size (4
+/// characters carry 3 bytes, 32 000 bytes a second), and never below this.
+pub const AUDIO_TOKENS_MIN: u64 = 50;
+
+/// What a media value said about itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct MediaFacts {
+    low_detail: bool,
+    audio_mime: bool,
+    data_chars: u64,
+}
+
+/// The estimate of one media part.
+fn media_tokens(kind: MediaKind, facts: MediaFacts) -> u64 {
+    let audio = match kind {
+        MediaKind::Audio => true,
+        MediaKind::Image => false,
+        MediaKind::ByMime => facts.audio_mime,
+    };
+    if audio {
+        (facts.data_chars.saturating_mul(3) / 4)
+            .saturating_mul(10)
+            .div_ceil(32_000)
+            .max(AUDIO_TOKENS_MIN)
+    } else if facts.low_detail {
+        IMAGE_TOKENS_LOW
+    } else {
+        IMAGE_TOKENS
+    }
+}
+
+/// The fields of a media value that tell something about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MediaKey {
+    Detail,
+    Mime,
+    Data,
+    /// Any other field, or none (a string standing for the whole value, such as an image URL).
+    Other,
+}
+
+impl MediaKey {
+    fn of(key: &str) -> MediaKey {
+        match key {
+            "detail" => MediaKey::Detail,
+            "mime_type" | "mimeType" | "media_type" | "format" => MediaKey::Mime,
+            "data" => MediaKey::Data,
+            _ => MediaKey::Other,
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for MediaKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<MediaKey, D::Error> {
+        d.deserialize_str(KeyVisitor(MediaKey::of))
+    }
+}
+
+/// A media value's string at `key`.
+fn media_string(facts: &mut MediaFacts, key: MediaKey, text: &str) {
+    match key {
+        MediaKey::Detail => facts.low_detail |= text == "low",
+        MediaKey::Mime => {
+            facts.audio_mime |= text.starts_with("audio/") || matches!(text, "wav" | "mp3")
+        }
+        MediaKey::Data => facts.data_chars = facts.data_chars.saturating_add(text.len() as u64),
+        MediaKey::Other => {}
+    }
+}
+
+/// A prompt's count: its text, and the fixed estimates of its media parts.
+#[derive(Debug, Clone, Copy, Default)]
+struct Prompt {
+    text: TextCount,
+    media: u64,
+}
+
+impl Prompt {
+    fn tokens(&self) -> u64 {
+        self.text.tokens().saturating_add(self.media)
+    }
+
+    fn string(&mut self, text: &str) {
+        self.text.add(text);
+        self.text.separate();
+    }
+
+    /// Counts a value of a field read as `how`, through a JSON tree (the reference the one-pass
+    /// reader agrees with).
+    fn value(&mut self, how: Field, v: &Value, depth: u32) {
+        if depth > MAX_PROMPT_DEPTH {
+            return;
+        }
+        match (how, v) {
+            (Field::Skip, _) => {}
+            (Field::Media(kind), v) => {
+                let mut facts = MediaFacts::default();
+                media_facts(v, MediaKey::Other, &mut facts, depth);
+                self.media = self.media.saturating_add(media_tokens(kind, facts));
+            }
+            (_, Value::String(s)) => self.string(s),
+            (_, Value::Array(items)) => {
+                for item in items {
+                    self.value(how, item, depth + 1);
+                }
+            }
+            (Field::Whole, Value::Object(map)) => {
+                for (key, inner) in map {
+                    self.string(key);
+                    self.value(Field::Whole, inner, depth + 1);
+                }
+            }
+            (_, Value::Object(map)) => {
+                for (key, inner) in map {
+                    self.value(field(key), inner, depth + 1);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Gathers [`MediaFacts`] from a media value through a JSON tree.
+fn media_facts(v: &Value, key: MediaKey, facts: &mut MediaFacts, depth: u32) {
+    if depth > MAX_PROMPT_DEPTH {
+        return;
+    }
+    match v {
+        Value::String(s) => media_string(facts, key, s),
+        Value::Array(items) => {
+            for item in items {
+                media_facts(item, key, facts, depth + 1);
+            }
+        }
+        Value::Object(map) => {
+            for (k, inner) in map {
+                media_facts(inner, MediaKey::of(k), facts, depth + 1);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Reads a request body that is a JSON object in one pass: every field counted as [`field`]
+/// says, the completion fields kept when whole numbers. A field repeated in the body is counted
+/// each time (a JSON tree keeps the last): a larger estimate, never a smaller one.
 struct RequestSeed;
 
 /// The completion fields, in the order they are preferred.
@@ -183,20 +415,18 @@ impl<'de> serde::de::Visitor<'de> for RequestSeed {
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<LlmRequest, A::Error> {
-        let mut count = TextCount::default();
+        let mut count = Prompt::default();
         let mut completion = [None; 3];
         while let Some(key) = map.next_key::<RequestKey>()? {
             match key {
-                RequestKey::Prompt => map.next_value_seed(PromptSeed {
-                    count: &mut count,
-                    depth: 0,
-                })?,
                 RequestKey::Completion(i) => {
                     completion[i] = map.next_value::<Value>()?.as_u64();
                 }
-                RequestKey::Other => {
-                    map.next_value::<serde::de::IgnoredAny>()?;
-                }
+                RequestKey::Field(how) => map.next_value_seed(PromptSeed {
+                    count: &mut count,
+                    how,
+                    depth: 1,
+                })?,
             }
         }
         Ok(LlmRequest {
@@ -208,22 +438,15 @@ impl<'de> serde::de::Visitor<'de> for RequestSeed {
 
 /// A request body's top-level field, as [`RequestSeed`] reads it.
 enum RequestKey {
-    Prompt,
     Completion(usize),
-    Other,
+    Field(Field),
 }
 
 impl RequestKey {
     fn of(key: &str) -> RequestKey {
-        if let Some(i) = COMPLETION_FIELDS.iter().position(|f| *f == key) {
-            RequestKey::Completion(i)
-        } else if matches!(
-            key,
-            "messages" | "prompt" | "input" | "instructions" | "system"
-        ) {
-            RequestKey::Prompt
-        } else {
-            RequestKey::Other
+        match COMPLETION_FIELDS.iter().position(|f| *f == key) {
+            Some(i) => RequestKey::Completion(i),
+            None => RequestKey::Field(field(key)),
         }
     }
 }
@@ -249,11 +472,10 @@ impl<T> serde::de::Visitor<'_> for KeyVisitor<T> {
     }
 }
 
-/// Counts the prompt text of one value as the parser meets it, as [`count_prompt`] does on a
-/// tree: strings, arrays of them, and the `content` / `text` / `input_text` of objects, down to
-/// [`MAX_PROMPT_DEPTH`].
+/// Counts one value as the parser meets it, as [`Prompt::value`] does on a tree.
 struct PromptSeed<'c> {
-    count: &'c mut TextCount,
+    count: &'c mut Prompt,
+    how: Field,
     depth: u32,
 }
 
@@ -261,7 +483,24 @@ impl<'de> serde::de::DeserializeSeed<'de> for PromptSeed<'_> {
     type Value = ();
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
+        match self.how {
+            Field::Skip => {
+                <serde::de::IgnoredAny as serde::Deserialize>::deserialize(d)?;
+                Ok(())
+            }
+            Field::Media(kind) => {
+                let mut facts = MediaFacts::default();
+                MediaSeed {
+                    facts: &mut facts,
+                    key: MediaKey::Other,
+                    depth: self.depth,
+                }
+                .deserialize(d)?;
+                self.count.media = self.count.media.saturating_add(media_tokens(kind, facts));
+                Ok(())
+            }
+            Field::Text | Field::Whole => d.deserialize_any(self),
+        }
     }
 }
 
@@ -274,8 +513,7 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
 
     fn visit_str<E>(self, text: &str) -> Result<(), E> {
         if self.depth <= MAX_PROMPT_DEPTH {
-            self.count.add(text);
-            self.count.separate();
+            self.count.string(text);
         }
         Ok(())
     }
@@ -301,7 +539,7 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let PromptSeed { count, depth } = self;
+        let PromptSeed { count, how, depth } = self;
         if depth >= MAX_PROMPT_DEPTH {
             // Nothing below is counted.
             while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
@@ -310,6 +548,7 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
         while seq
             .next_element_seed(PromptSeed {
                 count: &mut *count,
+                how,
                 depth: depth + 1,
             })?
             .is_some()
@@ -318,57 +557,147 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let PromptSeed { count, depth } = self;
-        while let Some(PromptField(counted)) = map.next_key()? {
-            if counted && depth < MAX_PROMPT_DEPTH {
-                map.next_value_seed(PromptSeed {
-                    count: &mut *count,
-                    depth: depth + 1,
-                })?;
+        let PromptSeed { count, how, depth } = self;
+        loop {
+            // A schema's keys count as text; elsewhere a key only says how its value counts.
+            let inner = if how == Field::Whole {
+                match map.next_key_seed(KeyText(&mut *count))? {
+                    Some(()) => Field::Whole,
+                    None => break,
+                }
             } else {
+                match map.next_key::<FieldKey>()? {
+                    Some(FieldKey(inner)) => inner,
+                    None => break,
+                }
+            };
+            if depth >= MAX_PROMPT_DEPTH {
                 map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
             }
+            map.next_value_seed(PromptSeed {
+                count: &mut *count,
+                how: inner,
+                depth: depth + 1,
+            })?;
         }
         Ok(())
     }
 }
 
-/// Whether an object's field holds prompt text (`content`, `text`, `input_text`).
-struct PromptField(bool);
+/// An object's key, as [`field`] reads it.
+struct FieldKey(Field);
 
-impl<'de> serde::Deserialize<'de> for PromptField {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<PromptField, D::Error> {
-        d.deserialize_str(KeyVisitor(|key| {
-            PromptField(matches!(key, "content" | "text" | "input_text"))
-        }))
+impl<'de> serde::Deserialize<'de> for FieldKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<FieldKey, D::Error> {
+        d.deserialize_str(KeyVisitor(|key| FieldKey(field(key))))
     }
 }
 
-/// Counts the prompt text in a `messages` / `prompt` / `input` value: strings, arrays of them,
-/// messages (`content`) and content parts (`text`). Depth-bounded: a hostile body cannot recurse
-/// without end.
-fn count_prompt(v: &Value, count: &mut TextCount, depth: u32) {
-    if depth > MAX_PROMPT_DEPTH {
-        return;
+/// A schema's key, counted as text.
+struct KeyText<'c>(&'c mut Prompt);
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeyText<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_str(self)
     }
-    match v {
-        Value::String(s) => {
-            count.add(s);
-            count.separate();
+}
+
+impl serde::de::Visitor<'_> for KeyText<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a field name")
+    }
+
+    fn visit_str<E>(self, key: &str) -> Result<(), E> {
+        self.0.string(key);
+        Ok(())
+    }
+}
+
+/// Gathers [`MediaFacts`] from a media value as the parser meets it.
+struct MediaSeed<'f> {
+    facts: &'f mut MediaFacts,
+    key: MediaKey,
+    depth: u32,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for MediaSeed<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for MediaSeed<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<(), E> {
+        if self.depth <= MAX_PROMPT_DEPTH {
+            media_string(self.facts, self.key, text);
         }
-        Value::Array(items) => {
-            for item in items {
-                count_prompt(item, count, depth + 1);
+        Ok(())
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let MediaSeed { facts, key, depth } = self;
+        if depth >= MAX_PROMPT_DEPTH {
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+            return Ok(());
+        }
+        while seq
+            .next_element_seed(MediaSeed {
+                facts: &mut *facts,
+                key,
+                depth: depth + 1,
+            })?
+            .is_some()
+        {}
+        Ok(())
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let MediaSeed { facts, depth, .. } = self;
+        while let Some(key) = map.next_key::<MediaKey>()? {
+            if depth >= MAX_PROMPT_DEPTH {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
             }
+            map.next_value_seed(MediaSeed {
+                facts: &mut *facts,
+                key,
+                depth: depth + 1,
+            })?;
         }
-        Value::Object(map) => {
-            for field in ["content", "text", "input_text"] {
-                if let Some(inner) = map.get(field) {
-                    count_prompt(inner, count, depth + 1);
-                }
-            }
-        }
-        _ => {}
+        Ok(())
     }
 }
 
@@ -943,11 +1272,11 @@ mod tests {
         let chat = br#"{"model":"m","max_tokens":800,"messages":[
             {"role":"system","content":"be brief"},
             {"role":"user","content":[{"type":"text","text":"one two three"},{"type":"image_url","image_url":{"url":"http://x"}}]}]}"#;
-        // 2 + 3 words = 5 → ⌈20/3⌉ = 7; chars 8 + 13 = 21 → 6.
+        // 2 + 3 words = 5 → ⌈20/3⌉ = 7; chars 8 + 13 = 21 → 6; and the image part, 765.
         assert_eq!(
             LlmRequest::parse(chat),
             LlmRequest {
-                prompt_tokens: 7,
+                prompt_tokens: 7 + IMAGE_TOKENS,
                 max_completion: Some(800)
             }
         );
@@ -968,6 +1297,52 @@ mod tests {
             LlmRequest::parse(br#"{"messages":[{"content":"ab"},{"content":"cd"}]}"#).prompt_tokens,
             3
         );
+    }
+
+    /// Issue 27: every text the model reads counts, wherever the API shape puts it; metadata
+    /// does not; schemas count as their JSON text; media parts count their fixed estimate.
+    #[test]
+    fn every_text_the_model_reads_is_counted() {
+        let text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"; // 12 words
+                                                                                         // The estimate of these texts, counted apart.
+        let t = |texts: &[&str]| {
+            let mut count = TextCount::default();
+            for piece in texts {
+                count.add(piece);
+                count.separate();
+            }
+            count.tokens()
+        };
+        let cases: Vec<(String, u64)> = vec![
+            (format!(r#"{{"model":"gpt-4o","tools":[{{"type":"function","function":{{"name":"x","description":"{text}"}}}}]}}"#), t(&["x", text])),
+            (format!(r#"{{"functions":[{{"name":"x","description":"{text}"}}]}}"#), t(&["x", text])),
+            (format!(r#"{{"messages":[{{"role":"assistant","tool_calls":[{{"id":"call_1","type":"function","function":{{"name":"f","arguments":"{text}"}}}}]}}]}}"#), t(&["f", text])),
+            (format!(r#"{{"messages":[{{"role":"user","name":"{text}","content":"hi"}}]}}"#), t(&[text, "hi"])),
+            (format!(r#"{{"contents":[{{"role":"user","parts":[{{"text":"{text}"}}]}}]}}"#), t(&[text])),
+            (format!(r#"{{"systemInstruction":{{"parts":[{{"text":"{text}"}}]}}}}"#), t(&[text])),
+            (format!(r#"{{"system":[{{"type":"text","text":"{text}"}}],"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t1","content":[{{"type":"text","text":"{text}"}}]}}]}}]}}"#), t(&[text, text])),
+            (format!(r#"{{"messages":[{{"role":"assistant","content":[{{"type":"tool_use","id":"t1","name":"f","input":{{"q":"{text}"}}}}]}}]}}"#), t(&["f", text])),
+            (format!(r#"{{"some_future_field":{{"deep":["{text}"]}},"user":"u-123","metadata":{{"k":"{text}"}}}}"#), t(&[text])),
+            // A schema counts as its JSON text, keys included: type, object, properties, city,
+            // type, string, description + the text → 7 + 12 words.
+            (format!(r#"{{"response_format":{{"type":"json_schema","json_schema":{{"type":"object","properties":{{"city":{{"type":"string","description":"{text}"}}}}}}}}}}"#), t(&["type", "object", "properties", "city", "type", "string", "description", text])),
+            (r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x/y.png","detail":"low"}}]}]}"#.to_string(), IMAGE_TOKENS_LOW),
+            (r#"{"input":[{"role":"user","content":[{"type":"input_image","image_url":"https://x/y.png"}]}]}"#.to_string(), IMAGE_TOKENS),
+            (r#"{"contents":[{"parts":[{"inline_data":{"mime_type":"image/png","data":"AAAA"}}]}]}"#.to_string(), IMAGE_TOKENS),
+            // 10 s of 16 kHz 16-bit audio: 320 000 bytes, 426 664 base64 characters → 100.
+            (format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"input_audio","input_audio":{{"data":"{}","format":"wav"}}}}]}}]}}"#, "A".repeat(426_664)), 100),
+            (format!(r#"{{"contents":[{{"parts":[{{"inlineData":{{"mimeType":"audio/wav","data":"{}"}}}}]}}]}}"#, "A".repeat(4)), AUDIO_TOKENS_MIN),
+        ];
+        for (body, expected) in cases {
+            let fast = LlmRequest::parse(body.as_bytes());
+            assert_eq!(fast, LlmRequest::parse_document(body.as_bytes()), "{body}");
+            assert_eq!(
+                fast.prompt_tokens,
+                expected,
+                "{}",
+                &body[..body.len().min(300)]
+            );
+        }
     }
 
     #[test]
@@ -1184,10 +1559,26 @@ mod tests {
                         "text",
                         "input_text",
                         "role",
-                        "image_url"
+                        "image_url",
+                        "parameters",
+                        "inline_data",
+                        "detail",
+                        "data",
+                        "mime_type",
+                        "future_field"
                     ]),
                     inner.clone(),
-                    proptest::sample::select(vec!["content", "text", "type", "name"]),
+                    proptest::sample::select(vec![
+                        "content",
+                        "text",
+                        "type",
+                        "name",
+                        "schema",
+                        "input_audio",
+                        "data",
+                        "detail",
+                        "metadata"
+                    ]),
                     inner,
                 )
                     .prop_map(|(k1, v1, k2, v2)| {
