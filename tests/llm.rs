@@ -811,3 +811,89 @@ fn the_decision_service_reserves_and_post_v1_usage_reconciles() {
         15.0
     );
 }
+
+/// Issue 27: a prompt hidden anywhere the model reads it is counted before the request runs.
+/// The issue's table, through the proxy and through the decision service: the same text, too
+/// long for `max_prompt_tokens`, in every place an API shape puts text is refused
+/// `prompt_tokens_exceeded` before the upstream; a short one is admitted with a reservation
+/// that is the `simple_word` estimate of that text (plus the field names a schema counts), and
+/// the default completion.
+#[test]
+fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
+    let policy = r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+        "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 10000000,
+        "burst_tokens": 10000000, "max_prompt_tokens": 2000, "default_max_completion": 100}}]}"#;
+    let upstream = FakeOpenAi::start();
+    let gw = Gateway::start(Some(policy), Some(upstream.addr), &[]);
+    let shapes: [(&str, fn(&str) -> String); 7] = [
+        ("tools[].function.description", |t| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{{"type":"function","function":{{"name":"f","description":"{t}","parameters":{{"type":"object"}}}}}}]}}"#)
+        }),
+        ("functions[].description", |t| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"functions":[{{"name":"f","description":"{t}"}}]}}"#)
+        }),
+        ("tool_calls[].function.arguments", |t| {
+            format!(r#"{{"model":"m","messages":[{{"role":"assistant","tool_calls":[{{"id":"c1","type":"function","function":{{"name":"f","arguments":"{t}"}}}}]}}]}}"#)
+        }),
+        ("response_format.json_schema.schema", |t| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"response_format":{{"type":"json_schema","json_schema":{{"name":"s","schema":{{"description":"{t}"}}}}}}}}"#)
+        }),
+        ("Gemini contents[].parts[].text", |t| {
+            format!(r#"{{"contents":[{{"role":"user","parts":[{{"text":"{t}"}}]}}]}}"#)
+        }),
+        ("a message's name", |t| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","name":"{t}","content":"hi"}}]}}"#)
+        }),
+        ("messages[].content", |t| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{t}"}}]}}"#)
+        }),
+    ];
+    let long = "lorem ipsum dolor sit amet ".repeat(6000); // 30 000 words: 40 000 tokens
+    let short = "lorem ipsum dolor sit amet ".repeat(60); // 300 words: 400 tokens
+    for (i, (place, body)) in shapes.iter().enumerate() {
+        let key = format!("tenant-{i}");
+        let r = chat(&gw, "/v1/chat/completions", &key, &body(&long));
+        assert_eq!(
+            (r.status, r.header("x-tollgate-reason")),
+            (429, Some("prompt_tokens_exceeded")),
+            "proxy, {place}"
+        );
+        let decided = request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/chat/completions"),
+                ("X-Api-Key", key.as_str()),
+            ],
+            body(&long).as_bytes(),
+        );
+        assert_eq!(
+            (decided.status, decided.header("x-tollgate-reason")),
+            (429, Some("prompt_tokens_exceeded")),
+            "decision service, {place}"
+        );
+        let decided = request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/chat/completions"),
+                ("X-Api-Key", key.as_str()),
+            ],
+            body(&short).as_bytes(),
+        );
+        assert_eq!(decided.status, 200, "{place}");
+        let reserved: u64 = decided
+            .header("x-tollgate-reserved-tokens")
+            .and_then(|v| v.parse().ok())
+            .expect("reserved tokens");
+        // 400 for the text, 100 for the completion, and the few words around it ("hi", a
+        // function's name, a schema's field names): within 10 % of the text's own estimate.
+        let prompt = reserved - 100;
+        assert!((400..=440).contains(&prompt), "{place}: {prompt}");
+    }
+    assert_eq!(upstream.hits(), 0, "no long prompt reached the model");
+}
