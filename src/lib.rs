@@ -42,6 +42,7 @@ pub mod headers;
 pub mod import;
 pub mod limiter;
 pub mod llm;
+pub mod llm_encoding;
 pub mod metrics;
 pub mod policy;
 pub mod proxy;

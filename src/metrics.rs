@@ -88,6 +88,7 @@ pub struct Metrics {
     upstream_connect_failures: IntCounterVec,
     upstream_retries: IntCounterVec,
     upstream_ejections: IntCounterVec,
+    llm_undecodable: IntCounterVec,
     per_rule: ArcSwapOption<BundleCounters>,
     /// Serialises `render` so two scrapes cannot both advance the store counters.
     render_lock: parking_lot::Mutex<()>,
@@ -313,10 +314,18 @@ impl Metrics {
             ),
             &["group"],
         ));
+        let llm_undecodable = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_llm_undecodable_responses_total",
+                "LLM responses whose Content-Encoding could not be decoded to read their usage (settled as reserved), by encoding and reason",
+            ),
+            &["encoding", "reason"],
+        ));
         for c in [
             &upstream_connect_failures,
             &upstream_retries,
             &upstream_ejections,
+            &llm_undecodable,
         ] {
             must(registry.register(Box::new(c.clone())));
         }
@@ -402,6 +411,7 @@ impl Metrics {
             upstream_connect_failures,
             upstream_retries,
             upstream_ejections,
+            llm_undecodable,
             per_rule: ArcSwapOption::empty(),
             render_lock: parking_lot::Mutex::new(()),
         }
@@ -464,6 +474,18 @@ impl Metrics {
         if ejected {
             self.upstream_ejections.with_label_values(&[group]).inc();
         }
+    }
+
+    /// Counts an LLM response that could not be decoded. The encoding label is bounded: the
+    /// decoded ones by name, anything else as `other`.
+    pub fn llm_undecodable(&self, encoding: &str, reason: &str) {
+        let encoding = match encoding {
+            "gzip" | "deflate" | "br" | "zstd" => encoding,
+            _ => "other",
+        };
+        self.llm_undecodable
+            .with_label_values(&[encoding, reason])
+            .inc();
     }
 
     /// Counts one gRPC call: `service` and `code` from [`GRPC_CODES`].

@@ -827,16 +827,24 @@ fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
     let gw = Gateway::start(Some(policy), Some(upstream.addr), &[]);
     let shapes: [(&str, fn(&str) -> String); 7] = [
         ("tools[].function.description", |t| {
-            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{{"type":"function","function":{{"name":"f","description":"{t}","parameters":{{"type":"object"}}}}}}]}}"#)
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{{"type":"function","function":{{"name":"f","description":"{t}","parameters":{{"type":"object"}}}}}}]}}"#
+            )
         }),
         ("functions[].description", |t| {
-            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"functions":[{{"name":"f","description":"{t}"}}]}}"#)
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"functions":[{{"name":"f","description":"{t}"}}]}}"#
+            )
         }),
         ("tool_calls[].function.arguments", |t| {
-            format!(r#"{{"model":"m","messages":[{{"role":"assistant","tool_calls":[{{"id":"c1","type":"function","function":{{"name":"f","arguments":"{t}"}}}}]}}]}}"#)
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"assistant","tool_calls":[{{"id":"c1","type":"function","function":{{"name":"f","arguments":"{t}"}}}}]}}]}}"#
+            )
         }),
         ("response_format.json_schema.schema", |t| {
-            format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"response_format":{{"type":"json_schema","json_schema":{{"name":"s","schema":{{"description":"{t}"}}}}}}}}"#)
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"response_format":{{"type":"json_schema","json_schema":{{"name":"s","schema":{{"description":"{t}"}}}}}}}}"#
+            )
         }),
         ("Gemini contents[].parts[].text", |t| {
             format!(r#"{{"contents":[{{"role":"user","parts":[{{"text":"{t}"}}]}}]}}"#)
@@ -896,4 +904,136 @@ fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
         assert!((400..=440).contains(&prompt), "{place}: {prompt}");
     }
     assert_eq!(upstream.hits(), 0, "no long prompt reached the model");
+}
+
+/// An upstream that answers every request with `body` under `Content-Encoding: encoding`,
+/// whatever the request asked for.
+fn encoding_upstream(encoding: &'static str, body: Vec<u8>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let body = Arc::new(body);
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let body = Arc::clone(&body);
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut writer = conn;
+                loop {
+                    let mut length = 0usize;
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut request = vec![0u8; length];
+                    if reader.read_exact(&mut request).is_err() {
+                        return;
+                    }
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: {encoding}\r\nContent-Length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    if writer
+                        .write_all(head.as_bytes())
+                        .and_then(|()| writer.write_all(&body))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Issue 27: an upstream that compresses its answer although it was asked for identity still
+/// has its `usage` read: gzip, deflate, br and zstd each settle on the 5 010 tokens the model
+/// reports (the client gets the compressed bytes as sent). An encoding that cannot be decoded,
+/// and a decompression bomb, leave the reservation charged as reserved, counted by reason.
+#[test]
+fn compressed_answers_settle_on_their_usage() {
+    use std::io::Write as _;
+    let policy = r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+        "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 10000000,
+        "burst_tokens": 10000000, "tokens_per_day": 100000}}]}"#;
+    let answer = br#"{"id":"c","choices":[{"message":{"role":"assistant","content":"long"}}],"usage":{"prompt_tokens":10,"completion_tokens":5000,"total_tokens":5010}}"#;
+    let gzip = |data: &[u8]| {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    };
+    let deflate = {
+        let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(answer).unwrap();
+        e.finish().unwrap()
+    };
+    let br = {
+        let mut out = Vec::new();
+        let mut w = brotli::CompressorWriter::new(&mut out, 4096, 5, 22);
+        w.write_all(answer).unwrap();
+        drop(w);
+        out
+    };
+    let zstd = zstd::stream::encode_all(&answer[..], 3).unwrap();
+    let bomb = gzip(&vec![b' '; 40 << 20]);
+    let cases: [(&'static str, Vec<u8>, u64, &str); 6] = [
+        ("gzip", gzip(answer), 5010, "usage"),
+        ("deflate", deflate, 5010, "usage"),
+        ("br", br, 5010, "usage"),
+        ("zstd", zstd, 5010, "usage"),
+        ("compress", answer.to_vec(), 804, "undecodable"),
+        ("gzip", bomb, 804, "undecodable"),
+    ];
+    for (i, (encoding, body, charged, source)) in cases.into_iter().enumerate() {
+        let sent = body.clone();
+        let upstream = encoding_upstream(encoding, body);
+        // A response limit of 1 MiB: the bomb decodes to 40 MiB, past 16 × the limit.
+        let gw = Gateway::start(
+            Some(policy),
+            Some(upstream),
+            &["--max-body-bytes", "1048576"],
+        );
+        let r = chat(&gw, "/v1/chat/completions", "tenant", CHAT);
+        assert_eq!(r.status, 200, "{encoding}");
+        assert_eq!(r.header("content-encoding"), Some(encoding));
+        if i < 5 {
+            assert_eq!(
+                r.body.as_bytes(),
+                String::from_utf8_lossy(&sent).as_bytes(),
+                "{encoding}: the bytes as sent"
+            );
+        }
+        wait_settled(
+            &gw,
+            &format!("tollgate_llm_settlements_total{{source=\"{source}\"}}"),
+            1,
+        );
+        if source == "undecodable" {
+            let reason = if i == 4 {
+                "unknown_encoding"
+            } else {
+                "too_large"
+            };
+            let series = format!(
+                "tollgate_llm_undecodable_responses_total{{encoding=\"{}\",reason=\"{reason}\"}}",
+                if i == 4 { "other" } else { "gzip" }
+            );
+            assert_eq!(gw.metric(&series), 1.0, "{series}\n{}", gw.metrics());
+        }
+        let next = chat(&gw, "/v1/chat/completions", "tenant", CHAT);
+        assert_eq!(
+            remaining(&next, "chat:tpd"),
+            100_000 - charged - 804,
+            "{encoding} (case {i}) charged {charged}"
+        );
+    }
 }

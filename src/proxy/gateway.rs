@@ -59,7 +59,7 @@ pub struct RequestCtx {
 struct Metering {
     reservation: crate::engine::Reservation,
     /// Made when the response header arrives.
-    meter: Option<crate::llm::ResponseMeter>,
+    meter: Option<crate::llm_encoding::BodyMeter>,
     status: u16,
     /// The request went to the upstream (the model may have read the prompt).
     sent: bool,
@@ -114,9 +114,15 @@ impl Metering {
     fn used(&self) -> (u64, Option<u64>, &'static str) {
         let prompt = self.reservation.prompt_tokens();
         match &self.meter {
-            Some(meter) => match meter.usage() {
+            // A 2xx body that could not be decoded: what it used is unknown, so the reservation
+            // stays charged as reserved (never the prompt alone).
+            Some(body) if !body.readable() && (200..300).contains(&self.status) => {
+                (self.reservation.tokens(), None, "undecodable")
+            }
+            Some(body) => match body.meter().usage() {
                 Some(usage) => (usage.total_tokens, Some(usage.prompt_tokens), "usage"),
                 None if (200..300).contains(&self.status) => {
+                    let meter = body.meter();
                     let source = if meter.stopped { "stopped" } else { "estimate" };
                     (
                         prompt.saturating_add(meter.completion_estimate()),
@@ -520,7 +526,7 @@ impl ProxyHttp for Proxy {
                     stop.written(session.body_bytes_sent());
                     if let Some(at) = meter.feed(chunk) {
                         let prompt = metering.reservation.prompt_tokens();
-                        let closing = stop.cap.closing_events(meter, prompt);
+                        let closing = stop.cap.closing_events(meter.meter(), prompt);
                         let unsent: usize = stop.unsent.iter().map(Bytes::len).sum();
                         let mut tail = Vec::with_capacity(unsent + at + closing.len());
                         for piece in stop.unsent.drain(..) {
@@ -530,7 +536,7 @@ impl ProxyHttp for Proxy {
                         tail.extend_from_slice(closing.as_bytes());
                         stop.tail = Some(Bytes::from(tail));
                         tracing::info!(
-                            completion_tokens = meter.completion_estimate(),
+                            completion_tokens = meter.meter().completion_estimate(),
                             max_completion_tokens = stop.cap.max_completion_tokens,
                             "LLM_STREAM_STOPPED"
                         );
@@ -670,9 +676,17 @@ impl ProxyHttp for Proxy {
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("");
             metering.status = upstream_response.status.as_u16();
-            // A body framed by Content-Length cannot end early: it streams whole.
+            // Asked for identity, some upstreams (and CDNs) compress anyway: read through it.
+            let encoding = upstream_response
+                .headers
+                .get(http::header::CONTENT_ENCODING)
+                .and_then(|v| v.to_str().ok())
+                .filter(|v| !v.trim().eq_ignore_ascii_case("identity"));
+            // A body framed by Content-Length cannot end early: it streams whole; an encoded
+            // one does not split where its text does.
             let cap = metering.reservation.stream_cap().filter(|_| {
                 upstream_response.status.is_success()
+                    && encoding.is_none()
                     && upstream_response
                         .headers
                         .get(http::header::CONTENT_LENGTH)
@@ -690,7 +704,11 @@ impl ProxyHttp for Proxy {
                     tail: None,
                 })
             });
-            metering.meter = Some(meter);
+            metering.meter = Some(crate::llm_encoding::BodyMeter::new(
+                meter,
+                encoding,
+                self.gateway.config.max_body_bytes,
+            ));
         }
         if let Some(access) = ctx.access.as_deref_mut() {
             access.upstream_secs = access.upstream_started.map(|at| at.elapsed().as_secs_f64());
@@ -716,6 +734,17 @@ impl ProxyHttp for Proxy {
         }
         // Settled exactly once, whatever happened to the response.
         if let Some(metering) = ctx.metering.take() {
+            if let Some((reason, encoding)) = metering.meter.as_ref().and_then(|m| m.undecodable())
+            {
+                self.gateway
+                    .metrics
+                    .llm_undecodable(encoding, reason.as_str());
+                tracing::warn!(
+                    encoding,
+                    reason = reason.as_str(),
+                    "LLM response body could not be decoded: the reservation stays charged as reserved"
+                );
+            }
             let (used, reported_prompt, source) = metering.used();
             self.gateway
                 .settle(&metering.reservation, used, reported_prompt, source)
