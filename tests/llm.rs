@@ -825,7 +825,9 @@ fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
         "burst_tokens": 10000000, "max_prompt_tokens": 2000, "default_max_completion": 100}}]}"#;
     let upstream = FakeOpenAi::start();
     let gw = Gateway::start(Some(policy), Some(upstream.addr), &[]);
-    let shapes: [(&str, fn(&str) -> String); 7] = [
+    // Where the text goes, and the body that puts it there.
+    type Shape = (&'static str, fn(&str) -> String);
+    let shapes: [Shape; 7] = [
         ("tools[].function.description", |t| {
             format!(
                 r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{{"type":"function","function":{{"name":"f","description":"{t}","parameters":{{"type":"object"}}}}}}]}}"#
