@@ -1175,7 +1175,7 @@ pub fn llm_reservation(
             .header_text(crate::llm::TOKEN_ESTIMATE_HEADER)
             .and_then(|v| v.trim().parse::<u64>().ok())
             .unwrap_or(body.prompt_tokens),
-        crate::llm::Estimator::SimpleWord => body.prompt_tokens,
+        estimator => body.prompt_for(estimator),
     };
     let completion = body.max_completion.unwrap_or(limit.default_max_completion);
     let completion = limit

@@ -527,11 +527,14 @@ impl Authorization for Authorizer {
         };
         // `token_bucket_llm`: the body Envoy sends (`with_request_body`) is the prompt.
         let llm = self.gateway.meters_tokens().then(|| {
-            crate::llm::LlmRequest::parse(if http.raw_body.is_empty() {
-                http.body.as_bytes()
-            } else {
-                &http.raw_body
-            })
+            crate::llm::LlmRequest::parse_with(
+                if http.raw_body.is_empty() {
+                    http.body.as_bytes()
+                } else {
+                    &http.raw_body
+                },
+                self.gateway.tiktoken_encodings(),
+            )
         });
         let mut answer = self
             .gateway

@@ -20,7 +20,59 @@ pub enum Estimator {
     /// The client's own count in `X-Token-Estimate` (a whole number); the body's estimate
     /// when the header is absent or not a number.
     HeaderHint,
+    /// OpenAI's BPE over the same texts, exact, with the per-message overhead the OpenAI
+    /// cookbook documents ([`LlmRequest::exact_prompt_tokens`]).
+    Tiktoken(TokenEncoding),
 }
+
+/// A `tiktoken` encoding (`token_source.encoding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenEncoding {
+    /// GPT-4o, GPT-4.1, o-series.
+    O200kBase,
+    /// GPT-4, GPT-3.5.
+    Cl100kBase,
+}
+
+impl TokenEncoding {
+    pub const ALL: [TokenEncoding; 2] = [TokenEncoding::O200kBase, TokenEncoding::Cl100kBase];
+
+    /// Its position in [`LlmRequest::exact_prompt_tokens`].
+    pub fn index(self) -> usize {
+        match self {
+            TokenEncoding::O200kBase => 0,
+            TokenEncoding::Cl100kBase => 1,
+        }
+    }
+
+    /// Its bit in the set of encodings a bundle asks for.
+    pub fn bit(self) -> u8 {
+        1 << self.index()
+    }
+
+    pub fn parse(name: &str) -> Option<TokenEncoding> {
+        match name {
+            "o200k_base" => Some(TokenEncoding::O200kBase),
+            "cl100k_base" => Some(TokenEncoding::Cl100kBase),
+            _ => None,
+        }
+    }
+
+    /// Tokens of `text` (special tokens read as text, as a prompt's are).
+    pub fn count(self, text: &str) -> u64 {
+        let bpe = match self {
+            TokenEncoding::O200kBase => tiktoken_rs::o200k_base_singleton(),
+            TokenEncoding::Cl100kBase => tiktoken_rs::cl100k_base_singleton(),
+        };
+        bpe.encode_ordinary(text).len() as u64
+    }
+}
+
+/// Tokens OpenAI adds per chat message (`<|start|>role ... <|end|>`), per message `name`, and
+/// once to prime the reply (the OpenAI cookbook's `num_tokens_from_messages`).
+pub const TOKENS_PER_MESSAGE: u64 = 3;
+pub const TOKENS_PER_NAME: u64 = 1;
+pub const TOKENS_REPLY_PRIMING: u64 = 3;
 
 /// The header a `header_hint` estimator reads (lower case).
 pub const TOKEN_ESTIMATE_HEADER: &str = "x-token-estimate";
@@ -109,9 +161,36 @@ pub struct LlmRequest {
     /// `max_completion_tokens`, else `max_tokens`, else `max_output_tokens`, when a whole
     /// number.
     pub max_completion: Option<u64>,
+    /// The exact prompt by [`TokenEncoding`] (in [`TokenEncoding::index`] order), for the
+    /// encodings the bundle's `tiktoken` rules asked for ([`LlmRequest::parse_with`]).
+    pub exact_prompt_tokens: [Option<u64>; 2],
 }
 
 impl LlmRequest {
+    /// [`LlmRequest::parse`], and the exact prompt in each encoding of `encodings` (a set of
+    /// [`TokenEncoding::bit`]s): the same texts through OpenAI's BPE, the media parts' fixed
+    /// estimates, and the chat overhead (3 tokens per message of `messages` or `input`, 1 per
+    /// `name`, 3 to prime the reply). A body that is not JSON is counted as text, whole.
+    pub fn parse_with(body: &[u8], encodings: u8) -> LlmRequest {
+        let mut request = LlmRequest::parse(body);
+        for encoding in TokenEncoding::ALL {
+            if encodings & encoding.bit() != 0 {
+                request.exact_prompt_tokens[encoding.index()] = Some(exact_prompt(body, encoding));
+            }
+        }
+        request
+    }
+
+    /// The prompt as `estimator` counts it.
+    pub fn prompt_for(&self, estimator: Estimator) -> u64 {
+        match estimator {
+            Estimator::Tiktoken(encoding) => {
+                self.exact_prompt_tokens[encoding.index()].unwrap_or(self.prompt_tokens)
+            }
+            Estimator::SimpleWord | Estimator::HeaderHint => self.prompt_tokens,
+        }
+    }
+
     /// Reads a request body (never fails: what cannot be read estimates conservatively). A
     /// JSON object is read in one pass, counting prompt text as the parser meets it (no JSON
     /// tree built: see the `llm/reserve_and_settle` bench); anything else goes through
@@ -137,7 +216,7 @@ impl LlmRequest {
         let Ok(json) = serde_json::from_slice::<Value>(body) else {
             return LlmRequest {
                 prompt_tokens: estimate_text(&String::from_utf8_lossy(body)),
-                max_completion: None,
+                ..LlmRequest::default()
             };
         };
         let mut count = Prompt::default();
@@ -156,8 +235,50 @@ impl LlmRequest {
         LlmRequest {
             prompt_tokens: count.tokens(),
             max_completion,
+            exact_prompt_tokens: [None; 2],
         }
     }
+}
+
+/// The exact prompt of a body in one encoding (see [`LlmRequest::parse_with`]).
+fn exact_prompt(body: &[u8], encoding: TokenEncoding) -> u64 {
+    let Ok(json) = serde_json::from_slice::<Value>(body) else {
+        return encoding.count(&String::from_utf8_lossy(body));
+    };
+    let mut count = Prompt {
+        exact: Some(encoding),
+        ..Prompt::default()
+    };
+    let mut overhead = 0u64;
+    if let Value::Object(map) = &json {
+        for (key, v) in map {
+            if COMPLETION_FIELDS.contains(&key.as_str()) {
+                continue;
+            }
+            count.value(field(key), v, 1);
+            if let ("messages" | "input", Value::Array(messages)) = (key.as_str(), v) {
+                for message in messages.iter().filter_map(Value::as_object) {
+                    overhead += TOKENS_PER_MESSAGE;
+                    if message.contains_key("name") {
+                        overhead += TOKENS_PER_NAME;
+                    }
+                    // The role is part of what the model reads of a message, too.
+                    if let Some(role) = message.get("role").and_then(Value::as_str) {
+                        overhead = overhead.saturating_add(encoding.count(role));
+                    }
+                }
+            }
+        }
+    } else {
+        count.value(Field::Text, &json, 0);
+    }
+    if overhead > 0 {
+        overhead += TOKENS_REPLY_PRIMING;
+    }
+    count
+        .exact_tokens
+        .saturating_add(count.media)
+        .saturating_add(overhead)
 }
 
 /// The deepest value counted: below it (a hostile body), nothing more is read. serde_json stops
@@ -323,6 +444,9 @@ fn media_string(facts: &mut MediaFacts, key: MediaKey, text: &str) {
 struct Prompt {
     text: TextCount,
     media: u64,
+    /// Also counting every text through this BPE ([`exact_prompt`]).
+    exact: Option<TokenEncoding>,
+    exact_tokens: u64,
 }
 
 impl Prompt {
@@ -333,6 +457,9 @@ impl Prompt {
     fn string(&mut self, text: &str) {
         self.text.add(text);
         self.text.separate();
+        if let Some(encoding) = self.exact {
+            self.exact_tokens = self.exact_tokens.saturating_add(encoding.count(text));
+        }
     }
 
     /// Counts a value of a field read as `how`, through a JSON tree (the reference the one-pass
@@ -432,6 +559,7 @@ impl<'de> serde::de::Visitor<'de> for RequestSeed {
         Ok(LlmRequest {
             prompt_tokens: count.tokens(),
             max_completion: completion.into_iter().flatten().next(),
+            exact_prompt_tokens: [None; 2],
         })
     }
 }
@@ -1277,7 +1405,8 @@ mod tests {
             LlmRequest::parse(chat),
             LlmRequest {
                 prompt_tokens: 7 + IMAGE_TOKENS,
-                max_completion: Some(800)
+                max_completion: Some(800),
+                exact_prompt_tokens: [None; 2],
             }
         );
         let completion = br#"{"prompt":["a b","c"],"max_completion_tokens":5,"max_tokens":9}"#;
@@ -1285,7 +1414,8 @@ mod tests {
             LlmRequest::parse(completion),
             LlmRequest {
                 prompt_tokens: 4,
-                max_completion: Some(5)
+                max_completion: Some(5),
+                exact_prompt_tokens: [None; 2],
             }
         );
         let responses = br#"{"input":[{"role":"user","content":[{"type":"input_text","text":"w w w w w w"}]}],"instructions":"x"}"#;
@@ -1343,6 +1473,45 @@ mod tests {
                 &body[..body.len().min(300)]
             );
         }
+    }
+
+    /// The `tiktoken` estimator against the tiktoken-rs crate's own reference: the six
+    /// messages of its `num_tokens_from_messages` test count 129 tokens for GPT-4 (cl100k_base)
+    /// and 124 for GPT-4o (o200k_base), role, name and per-message overhead included.
+    #[test]
+    fn tiktoken_counts_what_the_reference_counts() {
+        let body = serde_json::json!({"model": "gpt-4o", "max_tokens": 50, "messages": [
+            {"role": "system", "content": "You are a helpful, pattern-following assistant that translates corporate jargon into plain English."},
+            {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},
+            {"role": "system", "name": "example_assistant", "content": "Things working well together will increase revenue."},
+            {"role": "system", "name": "example_user", "content": "Let's circle back when we have more bandwidth to touch base on opportunities for increased leverage."},
+            {"role": "system", "name": "example_assistant", "content": "Let's talk later when we're less busy about how to do better."},
+            {"role": "user", "content": "This late pivot means we don't have time to boil the ocean for the client deliverable."}
+        ]})
+        .to_string();
+        let all = TokenEncoding::O200kBase.bit() | TokenEncoding::Cl100kBase.bit();
+        let r = LlmRequest::parse_with(body.as_bytes(), all);
+        assert_eq!(
+            r.prompt_for(Estimator::Tiktoken(TokenEncoding::Cl100kBase)),
+            129
+        );
+        assert_eq!(
+            r.prompt_for(Estimator::Tiktoken(TokenEncoding::O200kBase)),
+            124
+        );
+        // Not asked for: the simple estimate stands in.
+        let plain = LlmRequest::parse_with(body.as_bytes(), 0);
+        assert_eq!(plain.exact_prompt_tokens, [None, None]);
+        assert_eq!(
+            plain.prompt_for(Estimator::Tiktoken(TokenEncoding::O200kBase)),
+            plain.prompt_tokens
+        );
+        // The crate's own split of a spaced sentence: 10 tokens (cl100k_base).
+        assert_eq!(
+            TokenEncoding::Cl100kBase.count("This is a test         with a lot of spaces"),
+            10
+        );
+        assert_eq!(TokenEncoding::Cl100kBase.count("hello"), 1);
     }
 
     #[test]
@@ -1722,7 +1891,8 @@ mod tests {
             LlmRequest::parse(bodies[2]),
             LlmRequest {
                 prompt_tokens: 4,
-                max_completion: Some(7)
+                max_completion: Some(7),
+                exact_prompt_tokens: [None; 2],
             }
         );
         assert_eq!(LlmRequest::parse(bodies[4]).max_completion, None);

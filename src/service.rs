@@ -417,6 +417,12 @@ impl Gateway {
 
     /// Whether the bundle in force has a `token_bucket_llm` rule (the decision service then
     /// reads request bodies, bounded by `--max-body-bytes`).
+    /// The `tiktoken` encodings the bundle in force counts prompts in (see
+    /// [`crate::llm::LlmRequest::parse_with`]).
+    pub fn tiktoken_encodings(&self) -> u8 {
+        self.policy.load().as_deref().map_or(0, |b| b.tiktoken)
+    }
+
     pub fn meters_tokens(&self) -> bool {
         self.policy
             .load()

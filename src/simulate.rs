@@ -137,7 +137,7 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
     let llm = body
         .as_deref()
         .filter(|_| replay.bundle.meters_tokens)
-        .map(crate::llm::LlmRequest::parse);
+        .map(|body| crate::llm::LlmRequest::parse_with(body, replay.bundle.tiktoken));
     let used = match &request.usage {
         None => None,
         Some(Value::Number(n)) => match n.as_u64() {

@@ -331,6 +331,14 @@ impl Compiler {
         self.kill_switches.shrink_to_fit();
         let fingerprints_bodies = self.policies.iter().any(|p| p.loop_detection.is_some());
         let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
+        let tiktoken = self
+            .rules
+            .iter()
+            .filter_map(|r| match r.llm.map(|l| l.estimator) {
+                Some(crate::llm::Estimator::Tiktoken(encoding)) => Some(encoding.bit()),
+                _ => None,
+            })
+            .fold(0, |set, bit| set | bit);
         let index =
             super::index::BundleIndex::build(&self.policies, &self.rules, &self.kill_switches);
         Bundle {
@@ -349,6 +357,7 @@ impl Compiler {
             meters_tokens,
             skipped: self.skipped,
             index,
+            tiktoken,
         }
     }
 
@@ -1364,19 +1373,45 @@ impl Compiler {
             None => Some(crate::llm::Estimator::SimpleWord),
             Some(v) => {
                 let sp = join(path, "token_source");
-                self.object(v, &sp, &["estimator"]).and_then(|m| {
-                    match m.get("estimator").map(|e| e.as_str()) {
-                        None | Some(Some("simple_word")) => Some(crate::llm::Estimator::SimpleWord),
-                        Some(Some("header_hint")) => Some(crate::llm::Estimator::HeaderHint),
-                        Some(_) => {
+                self.object(v, &sp, &["estimator", "encoding"])
+                    .and_then(|m| {
+                        let encoding = match m.get("encoding").map(|e| e.as_str()) {
+                            None => Some(crate::llm::TokenEncoding::O200kBase),
+                            Some(Some(name)) => crate::llm::TokenEncoding::parse(name),
+                            Some(None) => None,
+                        };
+                        let estimator = m.get("estimator").map(|e| e.as_str());
+                        if m.contains_key("encoding") && estimator != Some(Some("tiktoken")) {
                             self.error(
-                                &join(&sp, "estimator"),
-                                "must be \"simple_word\" or \"header_hint\"",
+                                &join(&sp, "encoding"),
+                                "only goes with \"estimator\": \"tiktoken\"",
                             );
-                            None
+                            return None;
                         }
-                    }
-                })
+                        match estimator {
+                            None | Some(Some("simple_word")) => {
+                                Some(crate::llm::Estimator::SimpleWord)
+                            }
+                            Some(Some("header_hint")) => Some(crate::llm::Estimator::HeaderHint),
+                            Some(Some("tiktoken")) => match encoding {
+                                Some(encoding) => Some(crate::llm::Estimator::Tiktoken(encoding)),
+                                None => {
+                                    self.error(
+                                        &join(&sp, "encoding"),
+                                        "must be \"o200k_base\" or \"cl100k_base\"",
+                                    );
+                                    None
+                                }
+                            },
+                            Some(_) => {
+                                self.error(
+                                    &join(&sp, "estimator"),
+                                    "must be \"simple_word\", \"header_hint\" or \"tiktoken\"",
+                                );
+                                None
+                            }
+                        }
+                    })
             }
         };
         let stream_cap = match config.get("streaming") {

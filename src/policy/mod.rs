@@ -55,6 +55,9 @@ pub struct Bundle {
     pub meters_tokens: bool,
     /// Policies, rules and kill switches by what selects them ([`index`]).
     pub index: index::BundleIndex,
+    /// The `tiktoken` encodings its rules count prompts in (a set of
+    /// [`crate::llm::TokenEncoding::bit`]s): front ends count those too.
+    pub tiktoken: u8,
 }
 
 /// Gives the memory a bundle's parse used (its JSON tree, the source text) back to the operating
@@ -109,6 +112,7 @@ impl Bundle {
             fingerprints_bodies: false,
             meters_tokens: false,
             index: index::BundleIndex::default(),
+            tiktoken: 0,
         }
     }
 

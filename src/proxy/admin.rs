@@ -116,7 +116,7 @@ impl Admin {
                 return self.usage(session, &body).await;
             }
             let body_hash = crate::descriptor::body_hash(&body);
-            let llm = crate::llm::LlmRequest::parse(&body);
+            let llm = crate::llm::LlmRequest::parse_with(&body, self.gateway.tiktoken_encodings());
             return self
                 .decision(session.req_header(), peer, body_hash, Some(&llm))
                 .await;

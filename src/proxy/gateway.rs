@@ -362,7 +362,10 @@ impl ProxyHttp for Proxy {
             match read_whole_body(session, self.gateway.config.max_body_bytes).await {
                 Ok(body) => {
                     let hash = crate::descriptor::body_hash(&body);
-                    let llm = crate::llm::LlmRequest::parse(&body);
+                    let llm = crate::llm::LlmRequest::parse_with(
+                        &body,
+                        self.gateway.tiktoken_encodings(),
+                    );
                     if body.len() > RETRY_BUFFER_BYTES {
                         ctx.forward_body = Some(body);
                     }
