@@ -434,5 +434,45 @@ fn scale(c: &mut Criterion) {
     compile.finish();
 }
 
-criterion_group!(benches, bench, rls, jwt, llm, llm_stream, scale);
+/// The committed sample prompts (`benches/prompts/`): English, code, CJK, JSON.
+const SAMPLE_PROMPTS: [(&str, &str); 4] = [
+    ("english", include_str!("prompts/english.txt")),
+    ("code", include_str!("prompts/code.txt")),
+    ("cjk", include_str!("prompts/cjk.txt")),
+    ("json", include_str!("prompts/json.txt")),
+];
+
+/// Issue 27: what each prompt estimator costs per request body (one chat message holding a
+/// sample prompt, read whole), by sample; criterion reports the throughput in bytes.
+fn estimators(c: &mut Criterion) {
+    use tollgate::llm::{LlmRequest, TokenEncoding};
+    let mut group = c.benchmark_group("estimator");
+    for (name, text) in SAMPLE_PROMPTS {
+        let body =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
+                .to_string();
+        group.throughput(criterion::Throughput::Bytes(body.len() as u64));
+        group.bench_function(format!("simple_word/{name}"), |b| {
+            b.iter(|| black_box(LlmRequest::parse(black_box(body.as_bytes()))))
+        });
+        for (label, encoding) in [
+            ("tiktoken_o200k", TokenEncoding::O200kBase),
+            ("tiktoken_cl100k", TokenEncoding::Cl100kBase),
+        ] {
+            // Built once, before measuring (the gateway builds each encoding once too).
+            encoding.count("warm");
+            group.bench_function(format!("{label}/{name}"), |b| {
+                b.iter(|| {
+                    black_box(LlmRequest::parse_with(
+                        black_box(body.as_bytes()),
+                        encoding.bit(),
+                    ))
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, rls, jwt, llm, llm_stream, scale, estimators);
 criterion_main!(benches);
