@@ -2289,6 +2289,47 @@ mod tests {
         json!({"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket_llm", "algorithm_config": config}]})
     }
 
+    /// Issue 27: the `tiktoken` estimator and its encoding; the bundle says which encodings
+    /// its front ends must count.
+    #[test]
+    fn tiktoken_estimators_name_their_encoding() {
+        use crate::llm::{Estimator, TokenEncoding};
+        let rule =
+            |source: Value| llm_rule(json!({"tokens_per_minute": 600, "token_source": source}));
+        let b = compile_bundle(
+            &rule(json!({"estimator": "tiktoken", "encoding": "cl100k_base"})),
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            b.rules[0].llm.unwrap().estimator,
+            Estimator::Tiktoken(TokenEncoding::Cl100kBase)
+        );
+        assert_eq!(b.tiktoken, TokenEncoding::Cl100kBase.bit());
+        let b = compile_bundle(&rule(json!({"estimator": "tiktoken"})), "t").unwrap();
+        assert_eq!(b.tiktoken, TokenEncoding::O200kBase.bit());
+        let b = compile_bundle(&rule(json!({"estimator": "simple_word"})), "t").unwrap();
+        assert_eq!(b.tiktoken, 0);
+        for (source, message) in [
+            (
+                json!({"estimator": "tiktoken", "encoding": "p50k"}),
+                "rules[0].algorithm_config.token_source.encoding: must be \"o200k_base\" or \"cl100k_base\"",
+            ),
+            (
+                json!({"estimator": "simple_word", "encoding": "o200k_base"}),
+                "rules[0].algorithm_config.token_source.encoding: only goes with \"estimator\": \"tiktoken\"",
+            ),
+            (
+                json!({"estimator": "bpe"}),
+                "rules[0].algorithm_config.token_source.estimator: must be \"simple_word\", \"header_hint\" or \"tiktoken\"",
+            ),
+        ] {
+            let errors = compile_bundle(&rule(source), "t").unwrap_err();
+            assert_eq!(errors.len(), 1, "{errors:?}");
+            assert_eq!(errors[0].to_string(), message);
+        }
+    }
+
     #[test]
     fn llm_rules_check_fairvisor_fields_and_streaming() {
         let b = compile_bundle(
