@@ -32,8 +32,8 @@ fn in_state_dir() -> (MemoryStore, tempfile::TempDir) {
     use tollgate::store::state_file;
     let dir = tempfile::tempdir().expect("temp dir");
     let config = MemoryStoreConfig::default();
-    let opened =
-        state_file::open(dir.path(), MemoryStore::geometry(&config, true)).expect("state file");
+    let opened = state_file::open(dir.path(), MemoryStore::geometry(&config, true), true)
+        .expect("state file");
     (
         MemoryStore::in_state_file(config, std::sync::Arc::new(opened.file), true, 0),
         dir,

@@ -102,8 +102,8 @@ pub struct RunArgs {
     #[arg(long, env = "TOLLGATE_UPGRADE")]
     pub upgrade: bool,
     /// The Unix socket the listeners are handed over through (the old and the new process must
-    /// name the same one). Default: `upgrade.sock` in --state-dir, else
-    /// `/tmp/tollgate-upgrade-<admin port>.sock`.
+    /// name the same one), in a directory only this user can write. Default: `upgrade.sock` in
+    /// --state-dir; without either, SIGQUIT drains without handing anything over.
     #[arg(long, env = "TOLLGATE_UPGRADE_SOCK")]
     pub upgrade_sock: Option<PathBuf>,
     /// Seconds between sweeps of full-again buckets and expired leases.

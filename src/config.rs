@@ -38,8 +38,9 @@ pub struct Config {
     pub state_dir: Option<crate::store::StateDirConfig>,
     /// `--upgrade`: take the listeners over from a running gateway.
     pub upgrade: bool,
-    /// The socket listeners are handed over through.
-    pub upgrade_sock: PathBuf,
+    /// The socket listeners are handed over through (`None`: SIGQUIT drains without handing
+    /// anything over).
+    pub upgrade_sock: Option<PathBuf>,
     /// `--bucket-idle-secs` was given (it no longer does anything; start-up says so).
     pub bucket_idle_given: bool,
     pub trusted_proxies: Vec<IpNet>,
@@ -105,22 +106,13 @@ pub enum StoreKind {
     Shared(String),
 }
 
-/// The upgrade socket: `--upgrade-sock`, else `upgrade.sock` in the state dir, else one per
-/// admin port under /tmp (two gateways on one machine never share one by accident).
-fn upgrade_sock(args: &RunArgs) -> PathBuf {
-    if let Some(sock) = &args.upgrade_sock {
-        return sock.clone();
-    }
-    if let Some(dir) = &args.state_dir {
-        return dir.join("upgrade.sock");
-    }
-    let port = args
-        .admin_listen
-        .rsplit(':')
-        .next()
-        .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
-        .unwrap_or("0");
-    PathBuf::from(format!("/tmp/tollgate-upgrade-{port}.sock"))
+/// The upgrade socket: `--upgrade-sock`, else `upgrade.sock` in the state dir (owner-only);
+/// none otherwise. Never a default in a shared directory such as /tmp: whoever creates the
+/// socket there first would be handed the listening sockets.
+fn upgrade_sock(args: &RunArgs) -> Option<PathBuf> {
+    args.upgrade_sock
+        .clone()
+        .or_else(|| args.state_dir.as_ref().map(|dir| dir.join("upgrade.sock")))
 }
 
 fn check_tls_addr(errors: &mut Vec<String>, value: &str) {
@@ -190,6 +182,12 @@ impl Config {
         if args.state_dir.is_some() && !matches!(args.store.as_str(), "memory") {
             errors.push(
                 "--state-dir: keeps the embedded store's tables; a shared --store keeps its own"
+                    .to_string(),
+            );
+        }
+        if args.upgrade && upgrade_sock(args).is_none() {
+            errors.push(
+                "--upgrade: needs --upgrade-sock PATH (in a directory only this user can write) or --state-dir, naming the socket the running gateway hands its listeners over through"
                     .to_string(),
             );
         }

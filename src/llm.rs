@@ -58,15 +58,49 @@ impl TokenEncoding {
         }
     }
 
-    /// Tokens of `text` (special tokens read as text, as a prompt's are).
+    /// Tokens of `text` (special tokens read as text, as a prompt's are), with the BPE's cost
+    /// bounded: a run of more than [`BPE_RUN_BYTES`] without whitespace is counted in pieces of
+    /// that size (BPE merging is quadratic in a piece's length, and its piece-splitting regex
+    /// overflows on megabyte runs), and the text goes to the BPE at most [`BPE_CALL_BYTES`] at a
+    /// time. Ordinary text (words and spaces) counts exactly as a whole.
     pub fn count(self, text: &str) -> u64 {
         let bpe = match self {
             TokenEncoding::O200kBase => tiktoken_rs::o200k_base_singleton(),
             TokenEncoding::Cl100kBase => tiktoken_rs::cl100k_base_singleton(),
         };
-        bpe.encode_ordinary(text).len() as u64
+        let mut tokens = 0u64;
+        let mut start = 0;
+        let mut run = 0usize;
+        for (at, c) in text.char_indices() {
+            if c.is_whitespace() {
+                // Cut before the space: the BPE's pieces start with it (" word"), so ordinary
+                // text splits where the BPE splits it anyway.
+                if at - start >= BPE_CALL_BYTES {
+                    tokens += bpe.encode_ordinary(&text[start..at]).len() as u64;
+                    start = at;
+                }
+                run = 0;
+                continue;
+            }
+            run += c.len_utf8();
+            if run >= BPE_RUN_BYTES {
+                let end = at + c.len_utf8();
+                tokens += bpe.encode_ordinary(&text[start..end]).len() as u64;
+                start = end;
+                run = 0;
+            }
+        }
+        if start < text.len() {
+            tokens += bpe.encode_ordinary(&text[start..]).len() as u64;
+        }
+        tokens
     }
 }
+
+/// The longest run without whitespace the BPE is given at once (see [`TokenEncoding::count`]).
+pub const BPE_RUN_BYTES: usize = 256;
+/// The most text the BPE is given at once, cut at whitespace.
+pub const BPE_CALL_BYTES: usize = 4096;
 
 /// Tokens OpenAI adds per chat message (`<|start|>role ... <|end|>`), per message `name`, and
 /// once to prime the reply (the OpenAI cookbook's `num_tokens_from_messages`).
@@ -337,7 +371,6 @@ pub fn field(key: &str) -> Field {
         | "mimeType"
         | "media_type"
         | "detail"
-        | "format"
         | "encoding"
         | "status"
         | "modalities"
@@ -377,27 +410,45 @@ pub const AUDIO_TOKENS_MIN: u64 = 50;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct MediaFacts {
     low_detail: bool,
+    /// The part's MIME type (or audio format) says: audio, an image, or compressed audio.
     audio_mime: bool,
+    image_mime: bool,
+    compressed_audio: bool,
+    /// Characters of its `data` (base64, or a text document's text).
     data_chars: u64,
+    /// Characters of text blocks inside it (an Anthropic document's `content`).
+    text_chars: u64,
 }
 
-/// The estimate of one media part.
+/// The estimate of one media part. Inline data of a type that is neither an image nor audio (a
+/// text or PDF document, an unknown type) counts like text: a token per 4 characters of its
+/// data, and of any text blocks in it.
 fn media_tokens(kind: MediaKind, facts: MediaFacts) -> u64 {
+    let text = facts.text_chars.div_ceil(4);
     let audio = match kind {
         MediaKind::Audio => true,
         MediaKind::Image => false,
-        MediaKind::ByMime => facts.audio_mime,
+        MediaKind::ByMime if facts.audio_mime => true,
+        MediaKind::ByMime if facts.image_mime || facts.data_chars == 0 => false,
+        MediaKind::ByMime => return facts.data_chars.div_ceil(4).saturating_add(text),
     };
-    if audio {
+    let part = if audio {
+        // Compressed audio (mp3, opus...) carries a second in about 4 000 bytes, not 32 000.
+        let bytes_per_second = if facts.compressed_audio {
+            4_000
+        } else {
+            32_000
+        };
         (facts.data_chars.saturating_mul(3) / 4)
             .saturating_mul(10)
-            .div_ceil(32_000)
+            .div_ceil(bytes_per_second)
             .max(AUDIO_TOKENS_MIN)
     } else if facts.low_detail {
         IMAGE_TOKENS_LOW
     } else {
         IMAGE_TOKENS
-    }
+    };
+    part.saturating_add(text)
 }
 
 /// The fields of a media value that tell something about it.
@@ -406,6 +457,7 @@ enum MediaKey {
     Detail,
     Mime,
     Data,
+    Text,
     /// Any other field, or none (a string standing for the whole value, such as an image URL).
     Other,
 }
@@ -416,6 +468,7 @@ impl MediaKey {
             "detail" => MediaKey::Detail,
             "mime_type" | "mimeType" | "media_type" | "format" => MediaKey::Mime,
             "data" => MediaKey::Data,
+            "text" => MediaKey::Text,
             _ => MediaKey::Other,
         }
     }
@@ -430,11 +483,24 @@ impl<'de> serde::Deserialize<'de> for MediaKey {
 /// A media value's string at `key`.
 fn media_string(facts: &mut MediaFacts, key: MediaKey, text: &str) {
     match key {
-        MediaKey::Detail => facts.low_detail |= text == "low",
+        // The last value wins, as in a JSON tree (and in the upstream that reads the body).
+        MediaKey::Detail => facts.low_detail = text == "low",
         MediaKey::Mime => {
-            facts.audio_mime |= text.starts_with("audio/") || matches!(text, "wav" | "mp3")
+            facts.audio_mime = text.starts_with("audio/")
+                || matches!(
+                    text,
+                    "wav" | "pcm16" | "mp3" | "opus" | "aac" | "flac" | "ogg"
+                );
+            facts.image_mime = text.starts_with("image/");
+            facts.compressed_audio = !matches!(
+                text,
+                "wav" | "pcm16" | "audio/wav" | "audio/x-wav" | "audio/pcm" | "audio/l16"
+            );
         }
         MediaKey::Data => facts.data_chars = facts.data_chars.saturating_add(text.len() as u64),
+        MediaKey::Text => {
+            facts.text_chars = facts.text_chars.saturating_add(text.chars().count() as u64)
+        }
         MediaKey::Other => {}
     }
 }
@@ -1462,6 +1528,13 @@ mod tests {
             // 10 s of 16 kHz 16-bit audio: 320 000 bytes, 426 664 base64 characters → 100.
             (format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"input_audio","input_audio":{{"data":"{}","format":"wav"}}}}]}}]}}"#, "A".repeat(426_664)), 100),
             (format!(r#"{{"contents":[{{"parts":[{{"inlineData":{{"mimeType":"audio/wav","data":"{}"}}}}]}}]}}"#, "A".repeat(4)), AUDIO_TOKENS_MIN),
+            // The Responses API's structured output schema sits under `text.format`.
+            (format!(r#"{{"text":{{"format":{{"type":"json_schema","name":"n","schema":{{"description":"{text}"}}}}}}}}"#), t(&["n", "description", text])),
+            // A text document given as inline data counts by its size, not as one image.
+            (format!(r#"{{"contents":[{{"parts":[{{"inline_data":{{"mime_type":"text/plain","data":"{}"}}}}]}}]}}"#, "x".repeat(40_000)), 10_000),
+            (format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"document","source":{{"type":"text","media_type":"text/plain","data":"{}"}}}}]}}]}}"#, "y".repeat(8_000)), 2_000),
+            // A duplicated detail: the last one counts, as in the tree.
+            (r#"{"messages":[{"content":[{"image_url":{"url":"u","detail":"low","detail":"high"}}]}]}"#.to_string(), IMAGE_TOKENS),
         ];
         for (body, expected) in cases {
             let fast = LlmRequest::parse(body.as_bytes());
@@ -1512,6 +1585,18 @@ mod tests {
             10
         );
         assert_eq!(TokenEncoding::Cl100kBase.count("hello"), 1);
+        // A megabyte run without whitespace (which would overflow the BPE's piece regex and
+        // merge quadratically) is counted in bounded pieces: an answer, not a panic.
+        let run = "^".repeat(1 << 20);
+        let tokens = TokenEncoding::O200kBase.count(&run);
+        assert!(tokens > 0 && tokens <= run.len() as u64, "{tokens}");
+        // Ordinary text is counted whole: the same as the BPE's own count.
+        let prose = "the quick brown fox jumps over the lazy dog ".repeat(400);
+        let bpe = tiktoken_rs::cl100k_base_singleton();
+        assert_eq!(
+            TokenEncoding::Cl100kBase.count(&prose),
+            bpe.encode_ordinary(&prose).len() as u64
+        );
     }
 
     #[test]

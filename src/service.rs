@@ -108,21 +108,37 @@ fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac::Key> {
     let path = dir.join("reservation.key");
     let secret = match std::fs::read(&path) {
         Ok(secret) if secret.len() >= 32 => secret,
-        _ => {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut secret = vec![0u8; 32];
             ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret).ok()?;
+            // Written whole under another name, then linked into place: a crash never leaves
+            // half a key, and a key another process made meanwhile is not replaced.
+            let fresh = dir.join(format!("reservation.key.{}", std::process::id()));
             let written = std::fs::OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .mode(0o600)
-                .open(&path)
-                .and_then(|mut f| f.write_all(&secret).and_then(|()| f.sync_all()));
-            if let Err(e) = written {
-                tracing::error!(path = %path.display(), "state dir: cannot write the reservation key, LLM reservations of the decision service will not survive a restart: {e}");
-                return None;
+                .open(&fresh)
+                .and_then(|mut f| f.write_all(&secret).and_then(|()| f.sync_all()))
+                .and_then(|()| std::fs::hard_link(&fresh, &path));
+            let _ = std::fs::remove_file(&fresh);
+            match written {
+                Ok(()) => secret,
+                // Made by the other process of an upgrade first: use that one.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    std::fs::read(&path).ok().filter(|s| s.len() >= 32)?
+                }
+                Err(e) => {
+                    tracing::error!(path = %path.display(), "state dir: cannot write the reservation key, LLM reservations of the decision service will not survive a restart: {e}");
+                    return None;
+                }
             }
-            secret
+        }
+        _ => {
+            // Unreadable or too short: never replaced (reservations signed with it would all
+            // turn invalid); reservations are held in memory instead.
+            tracing::error!(path = %path.display(), "state dir: the reservation key cannot be read; LLM reservations of the decision service will not survive a restart");
+            return None;
         }
     };
     Some(crate::reservation_token::key(&secret))

@@ -623,13 +623,15 @@ impl ProxyHttp for Proxy {
     async fn connected_to_upstream(
         &self,
         _session: &mut Session,
-        _reused: bool,
+        reused: bool,
         _peer: &HttpPeer,
         _fd: std::os::unix::io::RawFd,
         _digest: Option<&pingora::protocols::Digest>,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        if let (Some(group), Some(addr)) = (ctx.group.as_ref(), ctx.server) {
+        // Only a new connection proves the server takes connections (a pooled one was made
+        // earlier, and could hide a server whose new connections now fail).
+        if let (Some(group), Some(addr), false) = (ctx.group.as_ref(), ctx.server, reused) {
             group.connected(addr);
         }
         Ok(())
@@ -784,7 +786,12 @@ impl ProxyHttp for Proxy {
                 _ => 500,
             },
         };
-        if session.as_downstream().response_written().is_some() {
+        // A 1xx (100 Continue, 103 Early Hints) is not the response: the error page still goes.
+        let final_written = session
+            .as_downstream()
+            .response_written()
+            .is_some_and(|h| !h.status.is_informational() || h.status.as_u16() == 101);
+        if final_written {
             // The response is already under way: an error page now would be read as the rest
             // of its body. The connection is closed instead, so the client sees the body end
             // short of its length (or an HTTP/2 stream reset) and knows it is incomplete.

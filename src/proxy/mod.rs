@@ -66,15 +66,14 @@ pub fn run(args: RunArgs) -> u8 {
     // appears (the file watcher picks it up).
     let _ = gateway.load_policy("startup");
 
-    if config.upgrade
-        && !config
-            .upgrade_sock
+    if let Some(sock) = config.upgrade_sock.as_ref().filter(|sock| {
+        !sock
             .parent()
             .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
-    {
+    }) {
         let e = format!(
             "--upgrade-sock {}: its directory does not exist",
-            config.upgrade_sock.display()
+            sock.display()
         );
         tracing::error!("{e}");
         eprintln!("tollgate: {e}");
@@ -82,7 +81,11 @@ pub fn run(args: RunArgs) -> u8 {
     }
     let conf = ServerConf {
         threads: config.threads,
-        upgrade_sock: config.upgrade_sock.display().to_string(),
+        // Without one, SIGQUIT drains instead (`DrainOnSignal`), so Pingora never uses this.
+        upgrade_sock: config
+            .upgrade_sock
+            .as_ref()
+            .map_or_else(String::new, |sock| sock.display().to_string()),
         work_stealing: false,
         upstream_keepalive_pool_size: UPSTREAM_KEEPALIVE_POOL,
         grace_period_seconds: Some(1),
@@ -280,11 +283,17 @@ pub fn run(args: RunArgs) -> u8 {
     // Last, once nothing else can fail: with --upgrade this waits (up to about 6 s) for the
     // running process, sent SIGQUIT, to hand its listening sockets over.
     if config.upgrade {
-        tracing::info!(upgrade_sock = %config.upgrade_sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
+        let sock = config
+            .upgrade_sock
+            .as_deref()
+            .unwrap_or(std::path::Path::new(""));
+        tracing::info!(upgrade_sock = %sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
     }
     server.bootstrap();
     server.run(PingoraRunArgs {
-        shutdown_signal: Box::new(DrainOnSignal),
+        shutdown_signal: Box::new(DrainOnSignal {
+            can_hand_over: config.upgrade_sock.is_some(),
+        }),
     });
     tracing::info!("tollgate stopped");
     EXIT_OK
@@ -316,7 +325,10 @@ fn ignore_sighup_until_ready() {
 /// SIGTERM and SIGINT both drain gracefully: listeners close, in-flight requests finish.
 /// SIGQUIT first hands the listening sockets to the process started with `--upgrade`, then
 /// drains the same way.
-struct DrainOnSignal;
+struct DrainOnSignal {
+    /// An upgrade socket is configured: SIGQUIT hands the listeners over through it.
+    can_hand_over: bool,
+}
 
 #[async_trait]
 impl ShutdownSignalWatch for DrainOnSignal {
@@ -334,6 +346,10 @@ impl ShutdownSignalWatch for DrainOnSignal {
             _ = term.recv() => tracing::info!("SIGTERM: draining"),
             _ = int.recv() => tracing::info!("SIGINT: draining"),
             _ = quit.recv() => {
+                if !self.can_hand_over {
+                    tracing::warn!("SIGQUIT: no upgrade socket (--upgrade-sock or --state-dir): draining without handing the listeners over");
+                    return ShutdownSignal::GracefulTerminate;
+                }
                 tracing::info!("SIGQUIT: handing the listeners over to the new gateway, then draining");
                 return ShutdownSignal::GracefulUpgrade;
             }

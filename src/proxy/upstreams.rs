@@ -363,9 +363,14 @@ impl Group {
         if let Some(server) = self.server(addr) {
             let (run, limit) = match kind {
                 ConnectFailure::TimedOut => (&server.failures_timeout, EJECT_AFTER_TIMEOUTS),
+                // A local failure (no socket, no port to bind) says nothing about the server.
+                ConnectFailure::Other => (&server.failures_down, u32::MAX),
                 _ => (&server.failures_down, EJECT_AFTER_DOWN),
             };
-            let failures = run.fetch_add(1, Ordering::Relaxed) + 1;
+            let failures = match kind {
+                ConnectFailure::Other => run.load(Ordering::Relaxed),
+                _ => run.fetch_add(1, Ordering::Relaxed) + 1,
+            };
             let others_left = self
                 .servers
                 .iter()
@@ -440,9 +445,12 @@ impl Group {
         backends.run_health_check(true).await;
         for backend in backends.get_backend().iter() {
             if let Some(server) = backend.addr.as_inet().and_then(|a| self.server(*a)) {
-                server
-                    .healthy
-                    .store(backends.ready(backend), Ordering::Relaxed);
+                let ready = backends.ready(backend);
+                server.healthy.store(ready, Ordering::Relaxed);
+                // A check that finds an ejected server up brings it back at once.
+                if ready {
+                    server.ejected_until_ms.store(0, Ordering::Relaxed);
+                }
             }
         }
     }

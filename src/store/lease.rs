@@ -474,11 +474,17 @@ impl MappedLeases {
             .map(|op| self.count(Self::stored(&op.key), now_us))
             .collect();
         judge(ops, &live, results);
-        for (op, result) in ops.iter().zip(results.iter()) {
+        for (op, result) in ops.iter().zip(results.iter_mut()) {
             if result.committed {
                 let expires =
                     now_us.saturating_add(op.ttl_us).min(HELD - 1) | if op.held { HELD } else { 0 };
-                self.insert(Self::stored(&op.key), id, expires, now_us);
+                if !self.insert(Self::stored(&op.key), id, expires, now_us) {
+                    // No room: the lease is not held, and says so (a settlement mark that
+                    // could not be stored refuses the settlement rather than allowing a
+                    // second one; a slot or a mark not stored is not enforced).
+                    result.committed = false;
+                    tracing::warn!("state dir: the lease table is full; a lease was not stored");
+                }
             }
         }
     }

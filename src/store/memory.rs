@@ -420,6 +420,9 @@ enum Region {
 /// Tables start at this many slots.
 const INITIAL_CAPACITY: usize = 8;
 
+/// How long a bucket lock must stay held, unchanged, to count as left by a dead process.
+const STUCK_LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// The embedded bounded store.
 pub struct MemoryStore {
     shards: Box<[Shard]>,
@@ -551,12 +554,45 @@ impl MemoryStore {
                 }
                 head.lock.store(0, Ordering::Relaxed);
                 head.live.store(live, Ordering::Relaxed);
+                head.last_purge_us.store(NEVER_PURGED, Ordering::Relaxed);
                 total += live;
             }
             file.header().len.store(total, Ordering::Relaxed);
         }
         let leases = super::lease::MemoryLeases::in_state_file(&file, sole_owner, time_offset_us);
         Self::assemble(config, shards, Region::File(file), leases, time_offset_us)
+    }
+
+    /// After an upgrade's old process has exited (this one holds the directory's lock now): a
+    /// bucket lock it died holding would stall every request for that bucket. A bucket's lock is
+    /// held for a few hundred nanoseconds, never across I/O: one still held, unchanged, after
+    /// [`STUCK_LOCK_WAIT`] was left by the dead process, and is released. (Shard and lease lock
+    /// words name their holder's pid and are taken over by [`state_file::lock`].)
+    pub fn release_stuck_locks(file: &StateFile) -> usize {
+        let g = file.geometry();
+        // SAFETY: as in `in_state_file`.
+        let slots =
+            unsafe { file.region::<Slot>(g.slots_offset(), g.shard_count * g.shard_capacity) };
+        let held: Vec<(usize, u64)> = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let meta = s.meta.load(Ordering::Relaxed);
+                (meta & LOCKED != 0).then_some((i, meta))
+            })
+            .collect();
+        if held.is_empty() {
+            return 0;
+        }
+        std::thread::sleep(STUCK_LOCK_WAIT);
+        held.iter()
+            .filter(|(i, meta)| {
+                slots[*i]
+                    .meta
+                    .compare_exchange(*meta, meta & !LOCKED, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            })
+            .count()
     }
 
     fn assemble(
@@ -1115,6 +1151,9 @@ impl MemoryStore {
     /// spend in its window) holds state a fresh bucket would not, however long it sits idle.
     pub fn sweep(&self, now_us: u64) -> u64 {
         let now_us = now_us.saturating_add(self.time_offset_us);
+        if let Region::File(file) = &self.region {
+            file.header().time_hwm.fetch_max(now_us, Ordering::Relaxed);
+        }
         let guard = &epoch::pin();
         let mut removed = 0u64;
         for shard in self.shards.iter() {
@@ -1507,7 +1546,8 @@ mod tests {
 
     /// Two mappings of one state file: what two processes of an upgrade share.
     fn mapped(dir: &std::path::Path, config: MemoryStoreConfig, sole_owner: bool) -> MemoryStore {
-        let opened = state_file::open(dir, MemoryStore::geometry(&config, true)).unwrap();
+        let opened =
+            state_file::open(dir, MemoryStore::geometry(&config, true), sole_owner).unwrap();
         MemoryStore::in_state_file(config, Arc::new(opened.file), sole_owner, 0)
     }
 
@@ -1569,6 +1609,34 @@ mod tests {
         assert!(!r[0].allowed, "the slot is held through the other mapping");
         store.leases().release(2, &[slot.key]);
         assert_eq!(other.leases().in_flight(&slot.key, 0), 0);
+    }
+
+    /// A bucket lock left held by a process that died during an upgrade is released once this
+    /// process owns the directory, and the bucket is usable again.
+    #[test]
+    fn bucket_locks_a_dead_process_left_are_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = MemoryStoreConfig {
+            max_buckets: 100,
+            purge_interval_us: 0,
+        };
+        let store = mapped(dir.path(), config, true);
+        let a = op("tb:r:a", quota(1, 10), Group::Enforce);
+        assert!(run(&store, 0, &[a])[0].committed);
+        let Region::File(file) = &store.region else {
+            unreachable!("a mapped store")
+        };
+        let g = file.geometry();
+        // SAFETY: the mapped store's own slot region.
+        let slots =
+            unsafe { file.region::<Slot>(g.slots_offset(), g.shard_count * g.shard_capacity) };
+        let slot = slots.iter().find(|s| !is_empty(s.key())).unwrap();
+        slot.lock();
+        assert_eq!(MemoryStore::release_stuck_locks(file), 1);
+        assert_eq!(MemoryStore::release_stuck_locks(file), 0);
+        let r = run(&store, 0, &[a]);
+        assert!(r[0].committed);
+        assert_eq!(store.peek(&a.key).unwrap().tokens, 8 * MICRO);
     }
 
     /// Two mappings of one file (two processes during an upgrade) hammered from four threads

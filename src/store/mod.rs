@@ -273,6 +273,33 @@ pub struct Store {
     state_dir: Option<(Option<state_file::DirLock>, bool)>,
 }
 
+/// During an upgrade: once the old process has exited (this one got the directory's lock),
+/// releases the bucket locks it may have died holding ([`MemoryStore::release_stuck_locks`]).
+fn release_when_owned(
+    file: &Arc<state_file::StateFile>,
+    owned: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let weak = Arc::downgrade(file);
+    let _ = std::thread::Builder::new()
+        .name("state-dir-takeover".into())
+        .spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(100));
+            let Some(file) = weak.upgrade() else {
+                return;
+            };
+            if owned.load(Ordering::Acquire) {
+                let released = MemoryStore::release_stuck_locks(&file);
+                if released > 0 {
+                    tracing::warn!(
+                        released,
+                        "state dir: released bucket locks the previous gateway died holding"
+                    );
+                }
+                return;
+            }
+        });
+}
+
 /// Where the embedded store keeps its tables.
 #[derive(Debug, Clone)]
 pub struct StateDirConfig {
@@ -314,7 +341,7 @@ impl Store {
         let opened = match &lock {
             Some(lock) => {
                 let geometry = MemoryStore::geometry(&config, true);
-                match state_file::open(&state.dir, geometry) {
+                match state_file::open(&state.dir, geometry, lock.sole_owner) {
                     Ok(opened) => Some((opened, lock.sole_owner)),
                     Err(e) => {
                         tracing::error!(dir = %shown, "state dir unusable, buckets kept in process memory only: {e}");
@@ -341,10 +368,18 @@ impl Store {
         // Wall-clock µs since the file's epoch, continued by the monotonic clock while the
         // process lives: a wall clock stepped back at a restart refills nothing (the limiter
         // never counts negative time), one stepped forward counts as elapsed.
+        // Never before the latest time the file has seen: a wall clock not yet set at boot, or
+        // stepped back, must not make every stored time lie in the future.
         let offset = clock
             .unix_us()
             .saturating_sub(state_file::EPOCH_US)
+            .max(file.header().time_hwm.load(Ordering::Relaxed))
             .saturating_sub(clock.now_us());
+        if !sole_owner {
+            if let Some(lock) = &lock {
+                release_when_owned(&file, std::sync::Arc::clone(&lock.became_owner));
+            }
+        }
         let memory = MemoryStore::in_state_file(config, file, sole_owner, offset);
         tracing::info!(
             dir = %shown,

@@ -88,6 +88,9 @@ pub struct Header {
     pub lease_lock: AtomicU64,
     /// Live lease entries.
     pub lease_live: AtomicU64,
+    /// The latest time (the file's time base) a sweep saw: a restart never starts before it,
+    /// whatever the wall clock says then (a clock not yet set, or stepped back).
+    pub time_hwm: AtomicU64,
 }
 
 /// Why the state directory could not be used.
@@ -119,6 +122,8 @@ pub struct DirLock {
     _file: File,
     /// The lock was ours at once: no other process uses the directory's files.
     pub sole_owner: bool,
+    /// Set when an upgrade's process gets the lock (the old process has exited).
+    pub became_owner: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Takes the directory's lock. A directory another gateway holds is refused, unless this is an
@@ -133,6 +138,11 @@ pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
     std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
         .create(dir)
         .map_err(io_error(dir, "cannot create the directory"))?;
+    // A directory that already existed keeps its mode: made owner-only here too.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    }
     let path = dir.join(LOCK_NAME);
     let mut file = OpenOptions::new()
         .read(true)
@@ -146,6 +156,7 @@ pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
         return Ok(DirLock {
             _file: file,
             sole_owner: true,
+            became_owner: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
         });
     }
     if !upgrade {
@@ -166,11 +177,14 @@ pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
         .try_clone()
         .map_err(io_error(&path, "cannot open the lock file"))?;
     let shown = dir.display().to_string();
+    let became_owner = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let owned = std::sync::Arc::clone(&became_owner);
     std::thread::Builder::new()
         .name("state-dir-lock".into())
         .spawn(move || {
             if flock(&waiter, libc::LOCK_EX) {
                 write_pid(&waiter);
+                owned.store(true, std::sync::atomic::Ordering::Release);
                 tracing::info!(dir = %shown, "state dir: the old gateway let go; this one owns it now");
                 // Held for the rest of the process's life.
                 std::mem::forget(waiter);
@@ -180,6 +194,7 @@ pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
     Ok(DirLock {
         _file: file,
         sole_owner: false,
+        became_owner,
     })
 }
 
@@ -327,13 +342,22 @@ fn unusable(path: &Path, geometry: &Geometry) -> std::io::Result<Option<String>>
 /// # Errors
 /// The file cannot be made, sized, allocated on disk or mapped: the caller falls back to process
 /// memory.
-pub fn open(dir: &Path, geometry: Geometry) -> Result<Opened, StateError> {
+pub fn open(dir: &Path, geometry: Geometry, sole_owner: bool) -> Result<Opened, StateError> {
     let path = dir.join(FILE_NAME);
     let mut moved_aside = None;
     let mut created = true;
     if path.exists() {
         match unusable(&path, &geometry).map_err(io_error(&path, "cannot read the state file"))? {
             None => created = false,
+            // During an upgrade the running process still writes the file: never moved aside
+            // from under it (this process keeps its buckets in memory instead).
+            Some(reason) if !sole_owner => {
+                return Err(StateError::Io {
+                    path,
+                    what: "the running gateway's state file does not fit this one's --max-buckets",
+                    source: std::io::Error::other(reason),
+                })
+            }
             Some(reason) => {
                 let aside = dir.join(format!(
                     "{FILE_NAME}.bad-{}",
@@ -433,7 +457,7 @@ fn write_header(file: &File, g: &Geometry) -> std::io::Result<()> {
 /// its pid and the lock taken over.
 pub fn lock(word: &AtomicU64) -> WordGuard<'_> {
     let me = own_pid();
-    let mut spins = 0u32;
+    let mut spins = 0u64;
     loop {
         let holder = word.load(Ordering::Relaxed);
         if holder == 0 {
@@ -528,11 +552,11 @@ mod tests {
     #[test]
     fn a_file_is_made_then_reopened_as_is() {
         let dir = tempfile::tempdir().unwrap();
-        let opened = open(dir.path(), geometry()).unwrap();
+        let opened = open(dir.path(), geometry(), true).unwrap();
         assert!(opened.created && opened.moved_aside.is_none());
         opened.file.header().len.store(7, Ordering::Relaxed);
         drop(opened);
-        let again = open(dir.path(), geometry()).unwrap();
+        let again = open(dir.path(), geometry(), true).unwrap();
         assert!(!again.created);
         assert_eq!(again.file.header().len.load(Ordering::Relaxed), 7);
         assert_eq!(
@@ -551,7 +575,7 @@ mod tests {
         for (bytes, reason) in cases {
             let dir = tempfile::tempdir().unwrap();
             std::fs::write(dir.path().join(FILE_NAME), bytes).unwrap();
-            let opened = open(dir.path(), geometry()).unwrap();
+            let opened = open(dir.path(), geometry(), true).unwrap();
             let (aside, why) = opened.moved_aside.unwrap();
             assert!(why.contains(reason), "{why}");
             assert_eq!(std::fs::read(aside).unwrap(), bytes, "kept as it was");
@@ -563,16 +587,19 @@ mod tests {
         bytes[..8].copy_from_slice(&MAGIC);
         bytes[8] = 9;
         std::fs::write(dir.path().join(FILE_NAME), &bytes).unwrap();
-        let (_, why) = open(dir.path(), geometry()).unwrap().moved_aside.unwrap();
+        let (_, why) = open(dir.path(), geometry(), true)
+            .unwrap()
+            .moved_aside
+            .unwrap();
         assert_eq!(why, "layout version 9 (this build reads 1)");
         // Another geometry.
         let dir = tempfile::tempdir().unwrap();
-        drop(open(dir.path(), geometry()).unwrap());
+        drop(open(dir.path(), geometry(), true).unwrap());
         let bigger = Geometry {
             shard_capacity: 16,
             ..geometry()
         };
-        let (_, why) = open(dir.path(), bigger).unwrap().moved_aside.unwrap();
+        let (_, why) = open(dir.path(), bigger, true).unwrap().moved_aside.unwrap();
         assert_eq!(
             why,
             "made for another --max-buckets (2 × 8 slots, now 2 × 16)"
