@@ -67,9 +67,10 @@ pub fn run(args: RunArgs) -> u8 {
     let _ = gateway.load_policy("startup");
 
     if let Some(sock) = config.upgrade_sock.as_ref().filter(|sock| {
-        !sock
-            .parent()
-            .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
+        config.upgrade
+            && !sock
+                .parent()
+                .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
     }) {
         let e = format!(
             "--upgrade-sock {}: its directory does not exist",
