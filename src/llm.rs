@@ -257,11 +257,11 @@ impl LlmRequest {
         if let Value::Object(map) = &json {
             for (key, v) in map {
                 if !COMPLETION_FIELDS.contains(&key.as_str()) {
-                    count.value(field(key), v, 1);
+                    count.value(Reading::Field(field(key)), v, 1);
                 }
             }
         } else {
-            count.value(Field::Text, &json, 0);
+            count.value(Reading::Field(Field::Text), &json, 0);
         }
         let max_completion = COMPLETION_FIELDS
             .iter()
@@ -289,7 +289,7 @@ fn exact_prompt(body: &[u8], encoding: TokenEncoding) -> u64 {
             if COMPLETION_FIELDS.contains(&key.as_str()) {
                 continue;
             }
-            count.value(field(key), v, 1);
+            count.value(Reading::Field(field(key)), v, 1);
             if let ("messages" | "input", Value::Array(messages)) = (key.as_str(), v) {
                 for message in messages.iter().filter_map(Value::as_object) {
                     overhead += TOKENS_PER_MESSAGE;
@@ -304,7 +304,7 @@ fn exact_prompt(body: &[u8], encoding: TokenEncoding) -> u64 {
             }
         }
     } else {
-        count.value(Field::Text, &json, 0);
+        count.value(Reading::Field(Field::Text), &json, 0);
     }
     if overhead > 0 {
         overhead += TOKENS_REPLY_PRIMING;
@@ -474,12 +474,6 @@ impl MediaKey {
     }
 }
 
-impl<'de> serde::Deserialize<'de> for MediaKey {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<MediaKey, D::Error> {
-        d.deserialize_str(KeyVisitor(MediaKey::of))
-    }
-}
-
 /// A media value's string at `key`.
 fn media_string(facts: &mut MediaFacts, key: MediaKey, text: &str) {
     match key {
@@ -505,11 +499,21 @@ fn media_string(facts: &mut MediaFacts, key: MediaKey, text: &str) {
     }
 }
 
+/// How a value is being read: as a field of the prompt says, or as part of a media value
+/// (where only what tells about the media counts, by the field it is under).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    Field(Field),
+    Media(MediaKey),
+}
+
 /// A prompt's count: its text, and the fixed estimates of its media parts.
 #[derive(Debug, Clone, Copy, Default)]
 struct Prompt {
     text: TextCount,
     media: u64,
+    /// The media part being read.
+    part: MediaFacts,
     /// Also counting every text through this BPE ([`exact_prompt`]).
     exact: Option<TokenEncoding>,
     exact_tokens: u64,
@@ -528,59 +532,64 @@ impl Prompt {
         }
     }
 
-    /// Counts a value of a field read as `how`, through a JSON tree (the reference the one-pass
-    /// reader agrees with).
-    fn value(&mut self, how: Field, v: &Value, depth: u32) {
+    /// A string read as `how`.
+    fn read_str(&mut self, how: Reading, text: &str) {
+        match how {
+            Reading::Media(key) => media_string(&mut self.part, key, text),
+            Reading::Field(_) => self.string(text),
+        }
+    }
+
+    /// Starts a media part (its facts gathered as it is read).
+    fn start_part(&mut self) {
+        self.part = MediaFacts::default();
+    }
+
+    /// Ends a media part: its estimate counts.
+    fn end_part(&mut self, kind: MediaKind) {
+        self.media = self.media.saturating_add(media_tokens(kind, self.part));
+    }
+
+    /// Counts a value read as `how`, through a JSON tree (the reference the one-pass reader
+    /// agrees with).
+    fn value(&mut self, how: Reading, v: &Value, depth: u32) {
         if depth > MAX_PROMPT_DEPTH {
             return;
         }
         match (how, v) {
-            (Field::Skip, _) => {}
-            (Field::Media(kind), v) => {
-                let mut facts = MediaFacts::default();
-                media_facts(v, MediaKey::Other, &mut facts, depth);
-                self.media = self.media.saturating_add(media_tokens(kind, facts));
+            (Reading::Field(Field::Skip), _) => {}
+            (Reading::Field(Field::Media(kind)), v) => {
+                self.start_part();
+                self.value(Reading::Media(MediaKey::Other), v, depth);
+                self.end_part(kind);
             }
-            (_, Value::String(s)) => self.string(s),
+            (_, Value::String(s)) => self.read_str(how, s),
             (_, Value::Array(items)) => {
                 for item in items {
                     self.value(how, item, depth + 1);
                 }
             }
-            (Field::Whole, Value::Object(map)) => {
-                for (key, inner) in map {
-                    self.string(key);
-                    self.value(Field::Whole, inner, depth + 1);
-                }
-            }
             (_, Value::Object(map)) => {
                 for (key, inner) in map {
-                    self.value(field(key), inner, depth + 1);
+                    let inner_how = self.key(how, key);
+                    self.value(inner_how, inner, depth + 1);
                 }
             }
             _ => {}
         }
     }
-}
 
-/// Gathers [`MediaFacts`] from a media value through a JSON tree.
-fn media_facts(v: &Value, key: MediaKey, facts: &mut MediaFacts, depth: u32) {
-    if depth > MAX_PROMPT_DEPTH {
-        return;
-    }
-    match v {
-        Value::String(s) => media_string(facts, key, s),
-        Value::Array(items) => {
-            for item in items {
-                media_facts(item, key, facts, depth + 1);
+    /// How the value under `key` of an object read as `how` is read; a schema's keys count as
+    /// text themselves.
+    fn key(&mut self, how: Reading, key: &str) -> Reading {
+        match how {
+            Reading::Field(Field::Whole) => {
+                self.string(key);
+                how
             }
+            Reading::Media(_) => Reading::Media(MediaKey::of(key)),
+            Reading::Field(_) => Reading::Field(field(key)),
         }
-        Value::Object(map) => {
-            for (k, inner) in map {
-                media_facts(inner, MediaKey::of(k), facts, depth + 1);
-            }
-        }
-        _ => {}
     }
 }
 
@@ -617,7 +626,7 @@ impl<'de> serde::de::Visitor<'de> for RequestSeed {
                 }
                 RequestKey::Field(how) => map.next_value_seed(PromptSeed {
                     count: &mut count,
-                    how,
+                    how: Reading::Field(how),
                     depth: 1,
                 })?,
             }
@@ -669,7 +678,7 @@ impl<T> serde::de::Visitor<'_> for KeyVisitor<T> {
 /// Counts one value as the parser meets it, as [`Prompt::value`] does on a tree.
 struct PromptSeed<'c> {
     count: &'c mut Prompt,
-    how: Field,
+    how: Reading,
     depth: u32,
 }
 
@@ -678,22 +687,21 @@ impl<'de> serde::de::DeserializeSeed<'de> for PromptSeed<'_> {
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         match self.how {
-            Field::Skip => {
+            Reading::Field(Field::Skip) => {
                 <serde::de::IgnoredAny as serde::Deserialize>::deserialize(d)?;
                 Ok(())
             }
-            Field::Media(kind) => {
-                let mut facts = MediaFacts::default();
-                MediaSeed {
-                    facts: &mut facts,
-                    key: MediaKey::Other,
+            Reading::Field(Field::Media(kind)) => {
+                self.count.start_part();
+                d.deserialize_any(PromptSeed {
+                    count: &mut *self.count,
+                    how: Reading::Media(MediaKey::Other),
                     depth: self.depth,
-                }
-                .deserialize(d)?;
-                self.count.media = self.count.media.saturating_add(media_tokens(kind, facts));
+                })?;
+                self.count.end_part(kind);
                 Ok(())
             }
-            Field::Text | Field::Whole => d.deserialize_any(self),
+            _ => d.deserialize_any(self),
         }
     }
 }
@@ -707,7 +715,7 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
 
     fn visit_str<E>(self, text: &str) -> Result<(), E> {
         if self.depth <= MAX_PROMPT_DEPTH {
-            self.count.string(text);
+            self.count.read_str(self.how, text);
         }
         Ok(())
     }
@@ -752,19 +760,10 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let PromptSeed { count, how, depth } = self;
-        loop {
-            // A schema's keys count as text; elsewhere a key only says how its value counts.
-            let inner = if how == Field::Whole {
-                match map.next_key_seed(KeyText(&mut *count))? {
-                    Some(()) => Field::Whole,
-                    None => break,
-                }
-            } else {
-                match map.next_key::<FieldKey>()? {
-                    Some(FieldKey(inner)) => inner,
-                    None => break,
-                }
-            };
+        while let Some(inner) = map.next_key_seed(KeySeed {
+            count: &mut *count,
+            how,
+        })? {
             if depth >= MAX_PROMPT_DEPTH {
                 map.next_value::<serde::de::IgnoredAny>()?;
                 continue;
@@ -779,119 +778,29 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
     }
 }
 
-/// An object's key, as [`field`] reads it.
-struct FieldKey(Field);
-
-impl<'de> serde::Deserialize<'de> for FieldKey {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<FieldKey, D::Error> {
-        d.deserialize_str(KeyVisitor(|key| FieldKey(field(key))))
-    }
+/// An object's key as the parser meets it: how its value is read ([`Prompt::key`]).
+struct KeySeed<'c> {
+    count: &'c mut Prompt,
+    how: Reading,
 }
 
-/// A schema's key, counted as text.
-struct KeyText<'c>(&'c mut Prompt);
+impl<'de> serde::de::DeserializeSeed<'de> for KeySeed<'_> {
+    type Value = Reading;
 
-impl<'de> serde::de::DeserializeSeed<'de> for KeyText<'_> {
-    type Value = ();
-
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Reading, D::Error> {
         d.deserialize_str(self)
     }
 }
 
-impl serde::de::Visitor<'_> for KeyText<'_> {
-    type Value = ();
+impl serde::de::Visitor<'_> for KeySeed<'_> {
+    type Value = Reading;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
         f.write_str("a field name")
     }
 
-    fn visit_str<E>(self, key: &str) -> Result<(), E> {
-        self.0.string(key);
-        Ok(())
-    }
-}
-
-/// Gathers [`MediaFacts`] from a media value as the parser meets it.
-struct MediaSeed<'f> {
-    facts: &'f mut MediaFacts,
-    key: MediaKey,
-    depth: u32,
-}
-
-impl<'de> serde::de::DeserializeSeed<'de> for MediaSeed<'_> {
-    type Value = ();
-
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> serde::de::Visitor<'de> for MediaSeed<'_> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("any JSON value")
-    }
-
-    fn visit_str<E>(self, text: &str) -> Result<(), E> {
-        if self.depth <= MAX_PROMPT_DEPTH {
-            media_string(self.facts, self.key, text);
-        }
-        Ok(())
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_unit<E>(self) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let MediaSeed { facts, key, depth } = self;
-        if depth >= MAX_PROMPT_DEPTH {
-            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-            return Ok(());
-        }
-        while seq
-            .next_element_seed(MediaSeed {
-                facts: &mut *facts,
-                key,
-                depth: depth + 1,
-            })?
-            .is_some()
-        {}
-        Ok(())
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let MediaSeed { facts, depth, .. } = self;
-        while let Some(key) = map.next_key::<MediaKey>()? {
-            if depth >= MAX_PROMPT_DEPTH {
-                map.next_value::<serde::de::IgnoredAny>()?;
-                continue;
-            }
-            map.next_value_seed(MediaSeed {
-                facts: &mut *facts,
-                key,
-                depth: depth + 1,
-            })?;
-        }
-        Ok(())
+    fn visit_str<E>(self, key: &str) -> Result<Reading, E> {
+        Ok(self.count.key(self.how, key))
     }
 }
 
