@@ -95,6 +95,14 @@ impl Decoder {
     }
 }
 
+/// A `Content-Encoding` value as a coding to undo: `None` for none (absent, empty or
+/// `identity`), else the coding in lower case.
+pub fn coding(content_encoding: Option<&str>) -> Option<String> {
+    content_encoding
+        .map(|v| v.trim().to_ascii_lowercase())
+        .filter(|v| !v.is_empty() && v != "identity")
+}
+
 /// A response body's meter, reading through its content decoding when it has one.
 pub struct BodyMeter(Reading);
 
@@ -117,10 +125,7 @@ enum Reading {
 impl BodyMeter {
     /// The meter for a response with this `Content-Encoding` (absent or `identity`: plain).
     pub fn new(meter: ResponseMeter, content_encoding: Option<&str>, limit: usize) -> BodyMeter {
-        let coding = content_encoding
-            .map(|v| v.trim().to_ascii_lowercase())
-            .filter(|v| !v.is_empty() && v != "identity");
-        let Some(coding) = coding else {
+        let Some(coding) = coding(content_encoding) else {
             return BodyMeter(Reading::Plain(meter));
         };
         let sink = Sink {
@@ -155,7 +160,7 @@ impl BodyMeter {
             },
             _ => {
                 return BodyMeter(Reading::Unreadable {
-                    meter: ResponseMeter::new("", 0),
+                    meter: sink.meter,
                     encoding: coding,
                 })
             }

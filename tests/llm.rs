@@ -860,6 +860,20 @@ fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
     ];
     let long = "lorem ipsum dolor sit amet ".repeat(6000); // 30 000 words: 40 000 tokens
     let short = "lorem ipsum dolor sit amet ".repeat(60); // 300 words: 400 tokens
+                                                          // The decision service asked about a chat request of `key` with `body`.
+    let decide = |key: &str, body: &str| {
+        request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/chat/completions"),
+                ("X-Api-Key", key),
+            ],
+            body.as_bytes(),
+        )
+    };
     for (i, (place, body)) in shapes.iter().enumerate() {
         let key = format!("tenant-{i}");
         let r = chat(&gw, "/v1/chat/completions", &key, &body(&long));
@@ -868,33 +882,13 @@ fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
             (429, Some("prompt_tokens_exceeded")),
             "proxy, {place}"
         );
-        let decided = request_with_body(
-            gw.admin,
-            "POST",
-            "/v1/decision",
-            &[
-                ("X-Original-Method", "POST"),
-                ("X-Original-URI", "/v1/chat/completions"),
-                ("X-Api-Key", key.as_str()),
-            ],
-            body(&long).as_bytes(),
-        );
+        let decided = decide(&key, &body(&long));
         assert_eq!(
             (decided.status, decided.header("x-tollgate-reason")),
             (429, Some("prompt_tokens_exceeded")),
             "decision service, {place}"
         );
-        let decided = request_with_body(
-            gw.admin,
-            "POST",
-            "/v1/decision",
-            &[
-                ("X-Original-Method", "POST"),
-                ("X-Original-URI", "/v1/chat/completions"),
-                ("X-Api-Key", key.as_str()),
-            ],
-            body(&short).as_bytes(),
-        );
+        let decided = decide(&key, &body(&short));
         assert_eq!(decided.status, 200, "{place}");
         let reserved: u64 = decided
             .header("x-tollgate-reserved-tokens")

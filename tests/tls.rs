@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
-use support::{free_port, Gateway, Upstream};
+use support::{free_port, h2c_burst, Gateway, Upstream};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -272,44 +272,13 @@ fn an_unusable_certificate_stops_start_up_naming_the_file() {
         .contains("--tls-cert given 1 time(s) and --tls-key 0 time(s)"));
 }
 
-/// Sends `n` requests at once on one HTTP/2 connection (h2c, prior knowledge); returns the
-/// statuses.
-async fn h2c_burst(addr: SocketAddr, n: usize) -> Vec<u16> {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (client, connection) = h2::client::Builder::new()
-        .initial_max_send_streams(n)
-        .handshake::<_, bytes::Bytes>(tcp)
-        .await
-        .expect("h2c handshake");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let mut client = client.ready().await.unwrap();
-    let mut responses = Vec::new();
-    for i in 0..n {
-        let request = http::Request::builder()
-            .method("GET")
-            .uri(format!("http://api.example.com/v1/orders?i={i}"))
-            .body(())
-            .unwrap();
-        let (response, _) = client.send_request(request, true).expect("send");
-        responses.push(response);
-        client = client.ready().await.unwrap();
-    }
-    let mut statuses = Vec::new();
-    for response in responses {
-        statuses.push(response.await.expect("response").status().as_u16());
-    }
-    statuses
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_hundred_streams_on_one_connection_are_one_hundred_requests() {
     let upstream = Upstream::start();
     let policy = r#"{"rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
         "algorithm_config": {"rps": 0.001, "burst": 30}}]}"#;
     let gw = Gateway::start(Some(policy), Some(upstream.addr), &["--h2c"]);
-    let statuses = h2c_burst(gw.proxy, 100).await;
+    let statuses = h2c_burst(gw.proxy, 100, &[]).await;
     assert_eq!(statuses.len(), 100);
     assert_eq!(
         statuses.iter().filter(|s| **s == 200).count(),

@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{free_port, request, Gateway};
+use support::{free_port, h2c_burst, request, Gateway};
 
 /// Sets a listening socket's backlog (the standard library listens with 128).
 fn set_backlog(listener: &TcpListener, backlog: i32) {
@@ -79,39 +79,6 @@ fn serve(conn: TcpStream, requests: &AtomicUsize, delay: Duration) {
             return;
         }
     }
-}
-
-/// Sends `n` GETs at once on one HTTP/2 connection (h2c), each with `headers`; the statuses.
-async fn h2c_burst(addr: SocketAddr, n: usize, headers: &[(&str, &str)]) -> Vec<u16> {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (client, connection) = h2::client::Builder::new()
-        .initial_max_send_streams(n)
-        .handshake::<_, bytes::Bytes>(tcp)
-        .await
-        .expect("h2c handshake");
-    tokio::spawn(async move {
-        let _ = connection.await;
-    });
-    let mut client = client.ready().await.unwrap();
-    let mut responses = Vec::new();
-    for i in 0..n {
-        let mut request = http::Request::builder()
-            .method("GET")
-            .uri(format!("http://api.example.com/v1/orders?i={i}"));
-        for (name, value) in headers {
-            request = request.header(*name, *value);
-        }
-        let (response, _) = client
-            .send_request(request.body(()).unwrap(), true)
-            .expect("send");
-        responses.push(response);
-        client = client.ready().await.unwrap();
-    }
-    let mut statuses = Vec::new();
-    for response in responses {
-        statuses.push(response.await.expect("response").status().as_u16());
-    }
-    statuses
 }
 
 fn count(statuses: &[u16], status: u16) -> usize {

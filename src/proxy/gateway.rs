@@ -685,13 +685,13 @@ impl ProxyHttp for Proxy {
             let encoding = upstream_response
                 .headers
                 .get(http::header::CONTENT_ENCODING)
-                .and_then(|v| v.to_str().ok())
-                .filter(|v| !v.trim().eq_ignore_ascii_case("identity"));
+                .and_then(|v| v.to_str().ok());
+            let encoded = crate::llm_encoding::coding(encoding).is_some();
             // A body framed by Content-Length cannot end early: it streams whole; an encoded
             // one does not split where its text does.
             let cap = metering.reservation.stream_cap().filter(|_| {
                 upstream_response.status.is_success()
-                    && encoding.is_none()
+                    && !encoded
                     && upstream_response
                         .headers
                         .get(http::header::CONTENT_LENGTH)
@@ -816,24 +816,20 @@ impl ProxyHttp for Proxy {
                 can_reuse_downstream: false,
             };
         }
-        if code == 504 {
-            tracing::warn!(error = %e, "upstream timed out");
-            let _ = respond(
-                session,
-                504,
-                request_id_header(ctx),
+        let page = match code {
+            504 => Some((
+                "upstream timed out",
                 "Gateway Timeout: the upstream did not answer in time\n",
-            )
-            .await;
-        } else if code == 502 {
-            tracing::warn!(error = %e, "upstream unavailable");
-            let _ = respond(
-                session,
-                502,
-                request_id_header(ctx),
+            )),
+            502 => Some((
+                "upstream unavailable",
                 "Bad Gateway: the upstream is unavailable\n",
-            )
-            .await;
+            )),
+            _ => None,
+        };
+        if let Some((what, body)) = page {
+            tracing::warn!(error = %e, "{what}");
+            let _ = respond(session, code, request_id_header(ctx), body).await;
         } else if code > 0 {
             let _ = session.respond_error(code).await;
         }

@@ -1227,3 +1227,37 @@ pub fn assert_usage_reconciled_across_a_fleet(store_url: &str) {
         "{r:?}"
     );
 }
+
+/// Sends `n` GETs of `/v1/orders?i=<index>` at once on one HTTP/2 connection (h2c, prior
+/// knowledge), each with `headers`; returns the statuses.
+pub async fn h2c_burst(addr: SocketAddr, n: usize, headers: &[(&str, &str)]) -> Vec<u16> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, connection) = h2::client::Builder::new()
+        .initial_max_send_streams(n)
+        .handshake::<_, bytes::Bytes>(tcp)
+        .await
+        .expect("h2c handshake");
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let mut client = client.ready().await.unwrap();
+    let mut responses = Vec::new();
+    for i in 0..n {
+        let mut request = http::Request::builder()
+            .method("GET")
+            .uri(format!("http://api.example.com/v1/orders?i={i}"));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let (response, _) = client
+            .send_request(request.body(()).unwrap(), true)
+            .expect("send");
+        responses.push(response);
+        client = client.ready().await.unwrap();
+    }
+    let mut statuses = Vec::new();
+    for response in responses {
+        statuses.push(response.await.expect("response").status().as_u16());
+    }
+    statuses
+}
