@@ -9,6 +9,9 @@
 #   openssl - the CLI makes the test CA and certificates (tests/grpc.rs) and reads served
 #          certificates (tests/tls.rs)
 #   curl   - HTTP/2 and HTTPS requests in tests/tls.rs (Debian's curl speaks HTTP/2)
+#   chromium - tests/operator.rs renders the /status page headless (and the README's
+#          screenshot is taken that way)
+#   prometheus - its promtool checks monitoring/alerts.yml (tests/operator.rs)
 #   wrk, h2load (nghttp2-client) - the load harnesses only (benches/), not needed by the tests
 set -euo pipefail
 
@@ -20,6 +23,8 @@ ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
   command -v h2load >/dev/null 2>&1 || need+=(nghttp2-client)
@@ -42,3 +47,4 @@ fi
 $sudo service nginx stop >/dev/null 2>&1 || true
 $sudo service redis-server stop >/dev/null 2>&1 || true
 $sudo service postgresql stop >/dev/null 2>&1 || true
+$sudo service prometheus stop >/dev/null 2>&1 || true

@@ -27,6 +27,17 @@ const DAY: u64 = 86_400;
 const WEEK_ORIGIN: u64 = 3 * DAY;
 
 impl Period {
+    /// The period as a policy writes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Period::FiveMinutes => "5m",
+            Period::Hour => "1h",
+            Period::Day => "1d",
+            Period::Week => "7d",
+            Period::Month => "1M",
+        }
+    }
+
     /// Parses a `period` value: `5m`, `1h`, `1d`, `7d` (as Fairvisor) or `1M` / `month`.
     pub fn parse(text: &str) -> Option<Period> {
         match text {

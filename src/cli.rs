@@ -68,9 +68,28 @@ pub struct RunArgs {
     /// checks) and the host/path routes to them. Reloaded on SIGHUP and when it changes.
     #[arg(long, env = "TOLLGATE_ROUTES")]
     pub routes: Option<PathBuf>,
-    /// Admin listener: /v1/decision, /livez, /readyz, /metrics.
+    /// Admin listener: /v1/decision, /livez, /readyz, /metrics, and with --admin-token the
+    /// operator endpoints (/v1/buckets, /v1/explain, /v1/top, /status).
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
     pub admin_listen: String,
+    /// Turns the operator endpoints on: they answer requests sending
+    /// `Authorization: Bearer TOKEN` (at least 16 characters; best from the environment or
+    /// --admin-token-file). Without it they answer 403.
+    #[arg(
+        long,
+        env = "TOLLGATE_ADMIN_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "admin_token_file"
+    )]
+    pub admin_token: Option<String>,
+    /// --admin-token read from a file (its first line), so it never shows in `ps`.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Start even when --policy does not exist yet (an orchestrator mounts it later): until a
+    /// valid bundle appears, the proxy forwards everything unlimited and decisions answer 503.
+    /// Without it, a missing policy file stops start-up with exit code 1.
+    #[arg(long, env = "TOLLGATE_WAIT_FOR_POLICY")]
+    pub wait_for_policy: bool,
     /// Worker threads of the proxy service.
     #[arg(long, env = "TOLLGATE_THREADS", default_value_t = 2)]
     pub threads: usize,

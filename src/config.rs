@@ -22,6 +22,25 @@ impl std::fmt::Debug for ReservationSecret {
     }
 }
 
+/// `--admin-token` or the first line of `--admin-token-file`. The token itself never appears
+/// in an error.
+fn admin_token(args: &RunArgs) -> Result<Option<crate::operator::AdminToken>, String> {
+    let (text, source) = match (&args.admin_token, &args.admin_token_file) {
+        (Some(token), _) => (token.clone(), "--admin-token".to_string()),
+        (None, Some(file)) => {
+            let text = std::fs::read_to_string(file).map_err(|e| {
+                format!("--admin-token-file {}: cannot read it: {e}", file.display())
+            })?;
+            let first = text.lines().next().unwrap_or("").trim().to_string();
+            (first, format!("--admin-token-file {}", file.display()))
+        }
+        (None, None) => return Ok(None),
+    };
+    crate::operator::AdminToken::new(&text)
+        .map(Some)
+        .map_err(|e| format!("{source}: the token {e}"))
+}
+
 /// Everything `run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -76,6 +95,10 @@ pub struct Config {
     /// `--skip-invalid-policies`.
     pub skip_invalid_policies: bool,
     pub access_log: crate::access_log::AccessLogFormat,
+    /// `--admin-token` (or its file): the operator endpoints' bearer token.
+    pub admin_token: Option<crate::operator::AdminToken>,
+    /// `--wait-for-policy`: a missing policy file at start-up is not an error.
+    pub wait_for_policy: bool,
 }
 
 /// HTTPS on the proxy (`--tls-cert`/`--tls-key`, `--listen-tls`).
@@ -242,6 +265,10 @@ impl Config {
                 "--reservation-secret: needs a shared --store (redis://... or postgres://...), which marks each reservation settled for the whole fleet, or a --state-dir".to_string(),
             );
         }
+        let admin_token = admin_token(args).unwrap_or_else(|e| {
+            errors.push(e);
+            None
+        });
         if args.max_connections == Some(0) {
             errors.push("--max-connections 0: must be at least 1".to_string());
         }
@@ -369,6 +396,8 @@ impl Config {
                 AccessLogArg::Text => crate::access_log::AccessLogFormat::Text,
                 AccessLogArg::Json => crate::access_log::AccessLogFormat::Json,
             },
+            admin_token,
+            wait_for_policy: args.wait_for_policy,
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),

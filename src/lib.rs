@@ -44,6 +44,7 @@ pub mod limiter;
 pub mod llm;
 pub mod llm_encoding;
 pub mod metrics;
+pub mod operator;
 pub mod policy;
 pub mod proxy;
 pub mod redact;

@@ -89,7 +89,13 @@ pub struct Metrics {
     upstream_retries: IntCounterVec,
     upstream_ejections: IntCounterVec,
     llm_undecodable: IntCounterVec,
+    /// Operator actions: bucket resets by the store's answer (`reset`: it held state, `full`:
+    /// nothing to reset), admin requests refused for their token.
+    admin_resets: IntCounterVec,
+    admin_refused: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
+    /// The name of every metric family registered, series or not.
+    defined: Vec<String>,
     /// Serialises `render` so two scrapes cannot both advance the store counters.
     render_lock: parking_lot::Mutex<()>,
 }
@@ -116,6 +122,7 @@ impl Metrics {
     /// Metrics for a gateway whose store is of `store_kind` (`memory`, `redis`, `postgres`).
     pub fn new(store_kind: &str) -> Self {
         let registry = Registry::new();
+        let mut defined = Vec::new();
         let decisions = must(IntCounterVec::new(
             Opts::new("tollgate_decisions_total", "Rule evaluations by outcome"),
             &["policy", "rule", "action", "reason", "mode"],
@@ -195,6 +202,20 @@ impl Metrics {
         let store_errors = must(IntCounter::new(
             "tollgate_store_errors_total",
             "Requests allowed because the store failed (fail-open)",
+        ));
+        let admin_resets = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_admin_resets_total",
+                "Buckets reset by an operator (DELETE /v1/buckets), by whether the store held state for them",
+            ),
+            &["result"],
+        ));
+        for result in ["reset", "full"] {
+            admin_resets.with_label_values(&[result]);
+        }
+        let admin_refused = must(IntCounter::new(
+            "tollgate_admin_unauthorized_total",
+            "Operator endpoint requests refused for a missing or wrong admin token",
         ));
         let reloads = must(IntCounterVec::new(
             Opts::new("tollgate_policy_reloads_total", "Policy loads by result"),
@@ -327,6 +348,7 @@ impl Metrics {
             &upstream_ejections,
             &llm_undecodable,
         ] {
+            defined.extend(names_of(c));
             must(registry.register(Box::new(c.clone())));
         }
         let grpc_calls = must(IntCounterVec::new(
@@ -352,6 +374,8 @@ impl Metrics {
             Box::new(store_info),
             Box::new(store_errors.clone()),
             Box::new(reloads.clone()),
+            Box::new(admin_resets.clone()),
+            Box::new(admin_refused.clone()),
             Box::new(policy_info.clone()),
             Box::new(runtime_overrides.clone()),
             Box::new(policies_skipped.clone()),
@@ -364,6 +388,7 @@ impl Metrics {
             Box::new(llm_settlements.clone()),
             Box::new(llm_estimate_ratio.clone()),
         ] {
+            defined.extend(names_of(c.as_ref()));
             must(registry.register(c));
         }
         for c in [
@@ -383,10 +408,12 @@ impl Metrics {
         .into_iter()
         .flatten()
         {
+            defined.extend(names_of(c.as_ref()));
             must(registry.register(c));
         }
         Metrics {
             registry,
+            defined,
             decisions,
             request_counters,
             shadow_would_reject,
@@ -397,6 +424,8 @@ impl Metrics {
             state_dir_fallback,
             store_errors,
             reloads,
+            admin_resets,
+            admin_refused,
             policy_info,
             runtime_overrides,
             policies_skipped,
@@ -491,6 +520,24 @@ impl Metrics {
     /// Counts one gRPC call: `service` and `code` from [`GRPC_CODES`].
     pub fn grpc_call(&self, service: &str, code: &str) {
         self.grpc_calls.with_label_values(&[service, code]).inc();
+    }
+
+    /// Every metric family this gateway exports (a labelled family appears in `/metrics` once
+    /// it has a series): what the shipped dashboard and alerts may query.
+    pub fn defined_names(&self) -> &[String] {
+        &self.defined
+    }
+
+    /// Counts an operator's bucket reset.
+    pub fn admin_reset(&self, held_state: bool) {
+        self.admin_resets
+            .with_label_values(&[if held_state { "reset" } else { "full" }])
+            .inc();
+    }
+
+    /// Counts an operator endpoint request refused for its token.
+    pub fn admin_unauthorized(&self) {
+        self.admin_refused.inc();
     }
 
     pub fn reload(&self, ok: bool) {
@@ -695,6 +742,10 @@ impl Metrics {
         }
         String::from_utf8(buf).unwrap_or_default()
     }
+}
+
+fn names_of(collector: &dyn prometheus::core::Collector) -> Vec<String> {
+    collector.desc().iter().map(|d| d.fq_name.clone()).collect()
 }
 
 /// The `reason` label of a rule refusing for want of tokens: its budget or its bucket.

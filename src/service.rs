@@ -82,12 +82,14 @@ pub struct Gateway {
     pub verifier: Verifier,
     /// Where buckets live: the embedded store, or one shared with other gateways.
     pub store: Store,
-    engine_config: EngineConfig,
+    pub(crate) engine_config: EngineConfig,
     /// Wall-clock time for kill-switch expiry (the store keeps its own time base).
-    clock: Arc<dyn Clock>,
+    pub(crate) clock: Arc<dyn Clock>,
     /// The bundle in force.
-    policy: ArcSwapOption<Bundle>,
-    loaded: ArcSwapOption<LoadedPolicy>,
+    pub(crate) policy: ArcSwapOption<Bundle>,
+    pub(crate) loaded: ArcSwapOption<LoadedPolicy>,
+    /// The buckets limited most over the last minute (`/v1/top`, the status page).
+    pub(crate) top: Mutex<crate::operator::top::TopSketch>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
     watch: Mutex<(Option<FileSignature>, Option<String>)>,
@@ -193,6 +195,7 @@ impl Gateway {
             clock,
             policy: ArcSwapOption::empty(),
             loaded: ArcSwapOption::empty(),
+            top: Mutex::new(crate::operator::top::TopSketch::default()),
             watch: Mutex::new((None, None)),
             held: Mutex::new(ahash::AHashMap::new()),
             reservation_key: match (&config.reservation_secret, &config.state_dir) {
@@ -354,7 +357,7 @@ impl Gateway {
     }
 
     /// The runtime overrides of the bundle in force, and whether each is active now.
-    fn runtime_overrides(&self) -> serde_json::Value {
+    pub(crate) fn runtime_overrides(&self) -> serde_json::Value {
         let now = self.clock.unix_secs();
         let guard = self.policy.load();
         let Some(bundle) = guard.as_deref() else {
@@ -700,6 +703,7 @@ impl Gateway {
                 ),
             };
             self.breakers_tripped(&decision);
+            self.note_limited(&decision, facts);
             let mut answer = self.answer(&decision, &view, started);
             answer.lease = held_lease(&decision);
             answer.reservation = decision.reservation();
@@ -751,6 +755,7 @@ impl Gateway {
             }
         };
         self.breakers_tripped(&decision);
+        self.note_limited(&decision, facts);
         let mut answer = self.answer(&decision, &view, started);
         answer.lease = held_lease(&decision);
         answer.reservation = decision.reservation();
@@ -1168,7 +1173,9 @@ impl log::Log for RedactingLog {
         match record.level() {
             log::Level::Error => tracing::error!(target: "pingora", origin, "{message}"),
             log::Level::Warn => tracing::warn!(target: "pingora", origin, "{message}"),
-            log::Level::Info => tracing::info!(target: "pingora", origin, "{message}"),
+            // Pingora's own start-up and shutdown chatter: debug, so a start-up error is not
+            // lost among ten lines of it.
+            log::Level::Info => tracing::debug!(target: "pingora", origin, "{message}"),
             log::Level::Debug => tracing::debug!(target: "pingora", origin, "{message}"),
             log::Level::Trace => tracing::trace!(target: "pingora", origin, "{message}"),
         }

@@ -176,7 +176,11 @@ fn decision_service_statuses_and_headers() {
 #[test]
 fn no_policy_means_503_until_a_valid_file_appears() {
     let upstream = Upstream::start();
-    let gw = Gateway::start(None, Some(upstream.addr), &["--policy-poll-secs", "1"]);
+    let gw = Gateway::start(
+        None,
+        Some(upstream.addr),
+        &["--policy-poll-secs", "1", "--wait-for-policy"],
+    );
     assert_eq!(gw.admin("POST", "/v1/decision", &[]).status, 503);
     let ready = gw.admin("GET", "/readyz", &[]);
     assert_eq!(ready.status, 503);

@@ -582,7 +582,7 @@ fn usage_is_read_uncompressed_and_a_request_never_answered_pays_its_prompt() {
     assert_eq!(upstream.encodings.lock().unwrap().as_slice(), ["identity"]);
     wait_settled(&gw, SETTLED_BY_USAGE, 1);
     // Requests no token_bucket_llm rule applies to keep their own Accept-Encoding.
-    let plain = Gateway::start(None, Some(upstream.addr), &[]);
+    let plain = Gateway::start(None, Some(upstream.addr), &["--wait-for-policy"]);
     let r = request_with_body(
         plain.proxy,
         "POST",

@@ -1,7 +1,9 @@
 //! The admin listener: `POST /v1/decision` (nginx `auth_request`, or any gateway describing the
 //! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
 //! `ext_authz` (method and path are the original ones), `POST /v1/release` (concurrency slots),
-//! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`.
+//! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`, and the
+//! operator endpoints behind `--admin-token` (`/v1/buckets/{bucket}`, `POST /v1/explain`,
+//! `/v1/top`, `/status`; see [`crate::operator`]).
 
 use crate::headers::HeaderList;
 use crate::service::{Answer, Gateway};
@@ -28,7 +30,15 @@ fn reply(
     headers: HeaderList,
     body: impl Into<Vec<u8>>,
 ) -> Response<Vec<u8>> {
-    let body = body.into();
+    reply_with(status, content_type, headers, body.into())
+}
+
+fn reply_with(
+    status: u16,
+    content_type: &'static str,
+    headers: HeaderList,
+    body: Vec<u8>,
+) -> Response<Vec<u8>> {
     let mut response = Response::new(Vec::new());
     *response.status_mut() =
         StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -91,6 +101,9 @@ impl Admin {
     async fn answer(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         // Requests pipelined behind this one are answered in order.
         session.set_pipelining_enabled(true);
+        if let Some(route) = OperatorRoute::of(session.req_header().uri.path()) {
+            return self.operator(session, route).await;
+        }
         // `token_bucket_llm` rules read the original body (Envoy's HTTP ext_authz sends it with
         // `with_request_body`; other callers may POST it), bounded; `/v1/usage` is a report.
         let path = session.req_header().uri.path();
@@ -323,35 +336,196 @@ impl Admin {
         body_hash: Option<u64>,
         llm: Option<&crate::llm::LlmRequest>,
     ) -> Answer {
-        let h = &req.headers;
-        let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
-        // Envoy ext_authz (HTTP) sends the original method and `path_prefix + original path`.
-        let envoy_uri = req
-            .uri
-            .path_and_query()
-            .and_then(|pq| pq.as_str().strip_prefix("/v1/decision"))
-            .filter(|rest| rest.starts_with('/'));
-        let method = get("x-original-method").unwrap_or(match envoy_uri {
-            Some(_) => req.method.as_str(),
-            None => "GET",
-        });
-        let uri = get("x-original-uri").or(envoy_uri).unwrap_or("/");
-        let host = get("x-original-host").or_else(|| get("host"));
+        let described = Described::of(req, "/v1/decision", req.method.as_str());
         // The caller is a gateway by role: the client is described by X-Forwarded-For (or,
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
-        let client_ip = self.gateway.client_ip(peer, h, true);
+        let client_ip = self.gateway.client_ip(peer, &req.headers, true);
         self.gateway
             .decide_described(
-                method,
-                uri,
-                host,
+                described.method,
+                described.uri,
+                described.host,
                 client_ip,
-                h,
+                &req.headers,
                 crate::service::DescribedBody {
                     hash: body_hash,
                     llm,
                 },
             )
             .await
+    }
+}
+
+/// The original request a caller describes: `X-Original-Method/URI/Host`, or Envoy ext_authz's
+/// form (the original path after the endpoint's own, with `envoy_method`).
+struct Described<'r> {
+    method: &'r str,
+    uri: &'r str,
+    host: Option<&'r str>,
+}
+
+impl<'r> Described<'r> {
+    fn of(req: &'r pingora::http::RequestHeader, endpoint: &str, envoy_method: &'r str) -> Self {
+        let h = &req.headers;
+        let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
+        // Envoy ext_authz (HTTP) sends the original method and `path_prefix + original path`.
+        let envoy_uri = req
+            .uri
+            .path_and_query()
+            .and_then(|pq| pq.as_str().strip_prefix(endpoint))
+            .filter(|rest| rest.starts_with('/'));
+        Described {
+            method: get("x-original-method").unwrap_or(match envoy_uri {
+                Some(_) => envoy_method,
+                None => "GET",
+            }),
+            uri: get("x-original-uri").or(envoy_uri).unwrap_or("/"),
+            host: get("x-original-host").or_else(|| get("host")),
+        }
+    }
+}
+
+/// An operator endpoint (behind `--admin-token`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OperatorRoute {
+    Buckets,
+    Explain,
+    Top,
+    Status,
+}
+
+impl OperatorRoute {
+    fn of(path: &str) -> Option<Self> {
+        match path {
+            "/v1/top" => Some(OperatorRoute::Top),
+            "/status" => Some(OperatorRoute::Status),
+            "/v1/explain" => Some(OperatorRoute::Explain),
+            p if p.starts_with("/v1/explain/") => Some(OperatorRoute::Explain),
+            p if p == "/v1/buckets" || p.starts_with("/v1/buckets/") => {
+                Some(OperatorRoute::Buckets)
+            }
+            _ => None,
+        }
+    }
+
+    /// The methods it answers.
+    fn allowed(self) -> &'static str {
+        match self {
+            OperatorRoute::Buckets => "GET, DELETE",
+            OperatorRoute::Explain => "POST",
+            OperatorRoute::Top | OperatorRoute::Status => "GET",
+        }
+    }
+}
+
+/// Operator answers are never cached (they show live state, and the status page is behind a
+/// token).
+static NO_STORE: http::HeaderValue = http::HeaderValue::from_static("no-store");
+static BEARER_CHALLENGE: http::HeaderValue =
+    http::HeaderValue::from_static("Bearer realm=\"tollgate admin\"");
+
+fn operator_reply(reply: crate::operator::endpoints::Reply) -> Response<Vec<u8>> {
+    let mut headers: HeaderList =
+        smallvec::smallvec![(http::header::CACHE_CONTROL, NO_STORE.clone())];
+    if reply.status == 401 {
+        headers.push((http::header::WWW_AUTHENTICATE, BEARER_CHALLENGE.clone()));
+    }
+    reply_with(reply.status, reply.content_type, headers, reply.body)
+}
+
+impl Admin {
+    /// An operator endpoint: the token first (nothing is read or looked up without it), then
+    /// the method, then the endpoint.
+    async fn operator(
+        &self,
+        session: &mut ServerSession,
+        route: OperatorRoute,
+    ) -> Response<Vec<u8>> {
+        use crate::operator::endpoints::{Access, Reply};
+        let authorization = session
+            .req_header()
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        match self.gateway.admin_access(authorization) {
+            Access::Granted => {}
+            denied => {
+                let _ = session.drain_request_body().await;
+                return operator_reply(match denied {
+                    Access::NotEnabled => Reply::not_enabled(),
+                    _ => Reply::unauthorized(route == OperatorRoute::Status),
+                });
+            }
+        }
+        let req = session.req_header();
+        let method = req.method.clone();
+        let allowed = route.allowed();
+        if !allowed.split(", ").any(|m| m == method.as_str()) {
+            let _ = session.drain_request_body().await;
+            return reply(405, TEXT, allow(allowed), "Method Not Allowed\n");
+        }
+        let peer = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|sa| sa.ip());
+        match route {
+            OperatorRoute::Top => {
+                let _ = session.drain_request_body().await;
+                operator_reply(self.gateway.top_reply(session.req_header().uri.query()))
+            }
+            OperatorRoute::Status => {
+                let _ = session.drain_request_body().await;
+                operator_reply(self.gateway.status_reply())
+            }
+            OperatorRoute::Buckets => {
+                let _ = session.drain_request_body().await;
+                let rest = session
+                    .req_header()
+                    .uri
+                    .path()
+                    .strip_prefix("/v1/buckets")
+                    .map_or("", |r| r.trim_start_matches('/'))
+                    .to_string();
+                operator_reply(if method == http::Method::DELETE {
+                    self.gateway.reset_bucket(&rest, peer).await
+                } else {
+                    self.gateway.inspect_bucket(&rest).await
+                })
+            }
+            OperatorRoute::Explain => {
+                // The body as /v1/decision reads it: a prompt for `token_bucket_llm` rules, a
+                // fingerprint for `loop_detection`.
+                let body = read_bounded(session, self.gateway.config.max_body_bytes).await;
+                let Some(body) = body else {
+                    return reply(413, JSON, HeaderList::new(), crate::llm::BODY_TOO_LARGE);
+                };
+                let req = session.req_header();
+                let body_hash = if self.gateway.fingerprints_bodies() {
+                    crate::descriptor::body_hash(&body)
+                } else {
+                    None
+                };
+                let llm = self.gateway.meters_tokens().then(|| {
+                    crate::llm::LlmRequest::parse_with(&body, self.gateway.tiktoken_encodings())
+                });
+                let described = Described::of(req, "/v1/explain", "GET");
+                let client_ip = self.gateway.client_ip(peer, &req.headers, true);
+                operator_reply(
+                    self.gateway
+                        .explain_described(
+                            described.method,
+                            described.uri,
+                            described.host,
+                            client_ip,
+                            &req.headers,
+                            crate::service::DescribedBody {
+                                hash: body_hash,
+                                llm: llm.as_ref(),
+                            },
+                        )
+                        .await,
+                )
+            }
+        }
     }
 }

@@ -62,8 +62,19 @@ pub fn run(args: RunArgs) -> u8 {
              jwt: descriptors unless a layer in front of tollgate verifies every token."
         );
     }
-    // A missing or invalid policy is not fatal: decisions answer 503 until a valid bundle
-    // appears (the file watcher picks it up).
+    // A policy file that does not exist is most likely a typo: starting would proxy everything
+    // unlimited. `--wait-for-policy` is for orchestrators that mount the file later.
+    if !config.wait_for_policy && !config.policy.exists() {
+        let e = format!(
+            "--policy {}: no such file (start with --wait-for-policy to run unlimited until it appears)",
+            config.policy.display()
+        );
+        tracing::error!("{e}");
+        eprintln!("tollgate: {e}");
+        return EXIT_INVALID;
+    }
+    // An invalid policy is not fatal: decisions answer 503 until a valid bundle appears (the
+    // file watcher picks it up).
     let _ = gateway.load_policy("startup");
 
     if let Some(sock) = config.upgrade_sock.as_ref().filter(|sock| {

@@ -282,6 +282,48 @@ impl MemoryLeases {
         expired
     }
 
+    /// Live leases on `key` at `now_us`, and µs until the earliest of them ends (what
+    /// [`judge`] reads), without taking any.
+    pub fn live(&self, key: &BucketKey, now_us: u64) -> Live {
+        let now_us = now_us.saturating_add(self.time_offset_us);
+        let table = match &self.table {
+            LeaseBacking::File(file) => {
+                let _lock = super::state_file::lock(&file.file.header().lease_lock);
+                return file.count(MappedLeases::stored(key), now_us);
+            }
+            LeaseBacking::Heap(table) => table.lock(),
+        };
+        let mut live = Live::default();
+        if let Some(leases) = table.get(key) {
+            for (_, expires) in leases.iter().filter(|(_, e)| *e > now_us) {
+                live.count += 1;
+                let left = expires - now_us;
+                if live.count == 1 || left < live.frees_in_us {
+                    live.frees_in_us = left;
+                }
+            }
+        }
+        live
+    }
+
+    /// Drops every lease on `keys` (an operator's reset: the slots are free, the marks gone);
+    /// returns how many went.
+    pub fn forget(&self, keys: &[BucketKey]) -> u64 {
+        let mut table = match &self.table {
+            LeaseBacking::File(file) => {
+                let _lock = super::state_file::lock(&file.file.header().lease_lock);
+                let stored: SmallVec<[(u64, u64); 2]> =
+                    keys.iter().map(MappedLeases::stored).collect();
+                return file.remove_where(|k, _| stored.contains(&k));
+            }
+            LeaseBacking::Heap(table) => table.lock(),
+        };
+        keys.iter()
+            .filter_map(|key| table.remove(key))
+            .map(|leases| leases.len() as u64)
+            .sum()
+    }
+
     /// Live leases on `key` at `now_us` (tests and metrics).
     pub fn in_flight(&self, key: &BucketKey, now_us: u64) -> u32 {
         let now_us = now_us.saturating_add(self.time_offset_us);

@@ -712,6 +712,35 @@ impl MemoryStore {
         Some(state)
     }
 
+    /// Removes a bucket, wherever it is (an operator's reset: the bucket is full again, a
+    /// budget unspent); false when the store holds no entry for it.
+    pub fn remove(&self, key: &BucketKey) -> bool {
+        let shard = self.shard_of(key);
+        let stored_key = stored(key);
+        let guard = &epoch::pin();
+        // The shard's mutex first: removal shifts entries, which only it may do.
+        // With it held the table neither grows nor moves entries.
+        let mut state = self.structure(shard);
+        let table = Self::table(shard, guard);
+        let Some(i) = table.find(stored_key) else {
+            return false;
+        };
+        let slot = table.slot(i);
+        let meta = slot.lock();
+        if slot.key() != stored_key {
+            slot.unlock(meta);
+            return false;
+        }
+        Self::remove_at(table, i);
+        state.sub_live(1);
+        let _ = self
+            .len()
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_sub(1))
+            });
+        true
+    }
+
     /// Reserves room for one new entry; false when the store is at its bound.
     fn reserve(&self) -> bool {
         self.len()

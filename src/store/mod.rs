@@ -252,6 +252,10 @@ impl Health {
     }
 }
 
+/// Deadline of one operator read or reset (`/v1/buckets`, `/v1/explain`) on a shared store:
+/// longer than a decision's `--store-timeout-ms`, since nobody's request waits on it.
+pub(crate) const OPERATOR_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Where the buckets live.
 pub enum Backend {
     /// The embedded bounded map (default).
@@ -535,6 +539,109 @@ impl Store {
         match &self.backend {
             Backend::Memory(m) => m.leases().in_flight(key, self.now_us()),
             _ => 0,
+        }
+    }
+
+    /// The stored state of each of `keys` (`None`: no entry, a full bucket), and now in the
+    /// time base those states count in (what [`BucketOp::check`] takes). Nothing changes.
+    ///
+    /// # Errors
+    /// A shared store could not answer.
+    pub async fn read_states(
+        &self,
+        keys: &[BucketKey],
+    ) -> Result<(u64, Vec<Option<BucketState>>), StoreError> {
+        let now_us = self.now_us();
+        match &self.backend {
+            Backend::Memory(m) => Ok((
+                now_us.saturating_add(m.time_offset_us()),
+                keys.iter().map(|key| m.peek(key)).collect(),
+            )),
+            Backend::Redis(s) => Ok((now_us, s.read_states(keys).await?)),
+            Backend::Postgres(s) => Ok((now_us, s.read_states(keys).await?)),
+        }
+    }
+
+    /// The live leases on each of `keys` now. Nothing changes.
+    ///
+    /// # Errors
+    /// A shared store could not answer.
+    pub async fn read_leases(&self, keys: &[BucketKey]) -> Result<Vec<lease::Live>, StoreError> {
+        let now_us = self.now_us();
+        match &self.backend {
+            Backend::Memory(m) => Ok(keys
+                .iter()
+                .map(|key| m.leases().live(key, now_us))
+                .collect()),
+            Backend::Redis(s) => s.read_leases(now_us, keys).await,
+            Backend::Postgres(s) => s.read_leases(now_us, keys).await,
+        }
+    }
+
+    /// What [`Store::apply`] would answer now, spending nothing: each op's verdict on its
+    /// bucket as stored, `committed` when its group would be committed.
+    ///
+    /// # Errors
+    /// A shared store could not answer.
+    pub async fn check_only(
+        &self,
+        ops: &[BucketOp],
+        results: &mut OpResults,
+    ) -> Result<(), StoreError> {
+        let keys: SmallVec<[BucketKey; 4]> = ops.iter().map(|op| op.key).collect();
+        let (now_us, states) = self.read_states(&keys).await?;
+        results.clear();
+        let verdicts: SmallVec<[Verdict; 4]> = ops
+            .iter()
+            .zip(states)
+            .map(|(op, state)| op.check(state, now_us))
+            .collect();
+        let group_ok = |group: Group| {
+            ops.iter()
+                .zip(&verdicts)
+                .all(|(op, v)| op.group != group || v.allowed)
+        };
+        let enforce_ok = group_ok(Group::Enforce);
+        let shadow_ok = enforce_ok && group_ok(Group::Shadow);
+        for (op, verdict) in ops.iter().zip(verdicts) {
+            results.push(OpResult {
+                verdict,
+                committed: match op.group {
+                    Group::Enforce => enforce_ok,
+                    Group::Shadow => shadow_ok,
+                },
+                fail_open: false,
+            });
+        }
+        Ok(())
+    }
+
+    /// Removes buckets and lease sets (an operator's reset): each bucket is full again, each
+    /// budget unspent, each concurrency slot free. Returns whether any of them held state.
+    ///
+    /// # Errors
+    /// A shared store could not answer (some keys may be reset, some not).
+    pub async fn forget(
+        &self,
+        buckets: &[BucketKey],
+        leases: &[BucketKey],
+    ) -> Result<bool, StoreError> {
+        match &self.backend {
+            Backend::Memory(m) => {
+                let mut found = false;
+                for key in buckets {
+                    found |= m.remove(key);
+                }
+                Ok(m.leases().forget(leases) > 0 || found)
+            }
+            Backend::Redis(s) => {
+                let all: Vec<BucketKey> = buckets.iter().chain(leases).copied().collect();
+                Ok(s.forget(&all).await? > 0)
+            }
+            Backend::Postgres(s) => {
+                let all: Vec<BucketKey> = buckets.iter().chain(leases).copied().collect();
+                Ok(s.forget(&all).await? > 0)
+            }
         }
     }
 

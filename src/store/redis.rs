@@ -193,6 +193,15 @@ enum Conn {
 }
 
 impl Conn {
+    /// Runs one command on whichever kind of connection this is (a cluster routes it by its
+    /// key).
+    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        match self {
+            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+
     /// Runs a script invocation on whichever kind of connection this is.
     async fn invoke<T: redis::FromRedisValue>(
         &mut self,
@@ -258,6 +267,9 @@ impl RedisStore {
 }
 
 const DENIED_CACHE_MAX: usize = 100_000;
+
+/// Longest a refusal is answered from the local cache before Redis is asked again.
+const DENIED_CACHE_US: u64 = 5 * 1_000_000;
 
 impl RedisStore {
     /// Prepares the store; the first connection is made in the background, so a gateway starts
@@ -690,9 +702,12 @@ impl RedisStore {
                 return;
             }
         }
+        // At most DENIED_CACHE_US: a bucket an operator resets on another gateway of the fleet
+        // is asked about again here within that time.
         let wait = op
             .quota
-            .time_to_gain_us(op.cost.saturating_sub(verdict.available));
+            .time_to_gain_us(op.cost.saturating_sub(verdict.available))
+            .min(DENIED_CACHE_US);
         cache.insert(
             key128(&op.key),
             Denied {
@@ -861,6 +876,115 @@ impl RedisStore {
             )
             .await;
         }
+    }
+}
+
+/// The operator's reads and resets (`/v1/buckets`, `/v1/explain`): one command per key (each
+/// key is its own hash slot on a cluster), bounded by [`super::OPERATOR_TIMEOUT`].
+impl RedisStore {
+    fn connection(&self) -> Result<Conn, StoreError> {
+        self.conn
+            .load_full()
+            .map(|conn| (*conn).clone())
+            .ok_or_else(|| StoreError::Unavailable("not connected".into()))
+    }
+
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(super::OPERATOR_TIMEOUT, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(StoreError::Unavailable(
+                crate::redact::text(&e.to_string()).into_owned(),
+            )),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "no answer within {:?}",
+                super::OPERATOR_TIMEOUT
+            ))),
+        }
+    }
+
+    /// Each bucket's stored state (`None`: no entry, a full bucket).
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn read_states(
+        &self,
+        keys: &[super::BucketKey],
+    ) -> Result<Vec<Option<BucketState>>, StoreError> {
+        let mut conn = self.connection()?;
+        let mut states = Vec::with_capacity(keys.len());
+        for key in keys {
+            let mut cmd = redis::cmd("HMGET");
+            cmd.arg(redis_key(key)).arg("t").arg("l");
+            let (t, l): (Option<f64>, Option<f64>) = self.bounded(conn.query(&cmd)).await?;
+            states.push(match (t, l) {
+                (Some(t), Some(l)) => Some(BucketState {
+                    tokens: t.max(0.0) as u64,
+                    last_us: l.max(0.0) as u64,
+                }),
+                _ => None,
+            });
+        }
+        Ok(states)
+    }
+
+    /// Each lease set's live leases at `now_us`.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn read_leases(
+        &self,
+        now_us: u64,
+        keys: &[super::BucketKey],
+    ) -> Result<Vec<super::lease::Live>, StoreError> {
+        let mut conn = self.connection()?;
+        let mut lives = Vec::with_capacity(keys.len());
+        let after = format!("({now_us}");
+        for key in keys {
+            let name = redis_key(key);
+            let mut count = redis::cmd("ZCOUNT");
+            count.arg(&name).arg(&after).arg("+inf");
+            let count: i64 = self.bounded(conn.query(&count)).await?;
+            let mut first = redis::cmd("ZRANGEBYSCORE");
+            first
+                .arg(&name)
+                .arg(&after)
+                .arg("+inf")
+                .arg("WITHSCORES")
+                .arg("LIMIT")
+                .arg(0)
+                .arg(1);
+            let first: Vec<(String, f64)> = self.bounded(conn.query(&first)).await?;
+            let frees = first
+                .first()
+                .map_or(0, |(_, expires)| (*expires as i64) - now_us as i64);
+            lives.push(super::lease::Live::from_reply(&[count, frees]));
+        }
+        Ok(lives)
+    }
+
+    /// Deletes buckets and lease sets (and forgets their refusals cached here); returns how
+    /// many keys existed.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn forget(&self, keys: &[super::BucketKey]) -> Result<u64, StoreError> {
+        {
+            let mut denied = self.denied.lock();
+            for key in keys {
+                denied.remove(&key128(key));
+            }
+        }
+        let mut conn = self.connection()?;
+        let mut removed = 0;
+        for key in keys {
+            let mut del = redis::cmd("DEL");
+            del.arg(redis_key(key));
+            removed += self.bounded(conn.query::<u64>(&del)).await?;
+        }
+        Ok(removed)
     }
 }
 

@@ -1261,3 +1261,226 @@ pub async fn h2c_burst(addr: SocketAddr, n: usize, headers: &[(&str, &str)]) -> 
     }
     statuses
 }
+
+/// The admin token the operator tests start gateways with.
+pub const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
+
+/// An API key the operator tests send: it must never appear in a log or an operator answer.
+pub const API_KEY: &str = "sk-live-5b8f0c1e9a7d4e2f";
+
+/// The operator tests' bundle: 3 per client address and a monthly budget of 5 per API key
+/// (warning at 60 %) under `/api`, 2 concurrent uploads per tenant under `/uploads`.
+pub const OPERATOR_POLICY: &str = r#"{"bundle_version": "7", "issued_at": "2026-11-25T00:00:00Z",
+  "policies": [
+   {"id": "api", "spec": {"selector": {"pathPrefix": "/api"}, "rules": [
+     {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+      "algorithm_config": {"tokens_per_second": 0.001, "burst": 3}},
+     {"name": "monthly", "limit_keys": ["header:x-api-key"], "algorithm": "cost_based",
+      "algorithm_config": {"budget": 5, "period": "1M", "cost_key": "fixed", "fixed_cost": 1,
+        "staged_actions": [{"threshold_percent": 60, "action": "warn"}, {"threshold_percent": 100, "action": "reject"}]}}]}},
+   {"id": "uploads", "spec": {"selector": {"pathPrefix": "/uploads"}, "rules": [
+     {"name": "slots", "limit_keys": ["header:x-tenant"], "algorithm": "concurrency",
+      "algorithm_config": {"max_in_flight": 2, "lease_ttl_seconds": 300}}]}}]}"#;
+
+/// An operator request with the admin token.
+pub fn operator(gw: &Gateway, method: &str, target: &str) -> HttpResponse {
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    request(gw.admin, method, target, &[("Authorization", &bearer)])
+}
+
+/// A JSON body.
+pub fn json_of(response: &HttpResponse) -> serde_json::Value {
+    serde_json::from_str(&response.body)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {} {}", response.status, response.body))
+}
+
+/// A decision-service call for `/api/x` from `ip` with the test API key.
+pub fn api_decision(gw: &Gateway, ip: &str) -> HttpResponse {
+    request(
+        gw.admin,
+        "POST",
+        "/v1/decision",
+        &[
+            ("X-Original-URI", "/api/x"),
+            ("X-Forwarded-For", ip),
+            ("X-Api-Key", API_KEY),
+        ],
+    )
+}
+
+/// The operator endpoints on a gateway started with [`OPERATOR_POLICY`] and [`ADMIN_TOKEN`], on
+/// whatever store it has: exact bucket states, exact top counts, `explain` spending nothing,
+/// resets by name and by the hash `/v1/top` shows, credentials masked everywhere.
+pub fn assert_operator_endpoints(gw: &Gateway) {
+    // Three admitted, the fourth refused by per-ip (nothing spent on the budget).
+    for i in 0..3 {
+        assert_eq!(api_decision(gw, "10.0.0.1").status, 200, "request {i}");
+    }
+    let refused = api_decision(gw, "10.0.0.1");
+    assert_eq!(refused.status, 429);
+
+    let bucket = json_of(&operator(gw, "GET", "/v1/buckets/tb:per-ip:10.0.0.1"));
+    assert_eq!(bucket["bucket"], "tb:per-ip:10.0.0.1");
+    assert_eq!(bucket["rule"], "per-ip");
+    assert_eq!(bucket["policy"], "api");
+    assert_eq!(bucket["kind"], "token_bucket");
+    assert_eq!(bucket["capacity"], 3.0);
+    // 0.001 tokens a second: under 0.1 token refilled in the seconds this test takes.
+    let tokens = bucket["tokens"].as_f64().expect("tokens");
+    assert!((0.0..0.1).contains(&tokens), "{bucket}");
+    let full_in = bucket["full_in_secs"].as_f64().expect("full_in_secs");
+    assert!(full_in > 2_900.0 && full_in <= 3_000.0, "{bucket}");
+    // Encoded colons name the same bucket; a double encoding does not.
+    assert_eq!(
+        json_of(&operator(gw, "GET", "/v1/buckets/tb%3Aper-ip%3A10.0.0.1"))["rule"],
+        "per-ip"
+    );
+    assert_eq!(
+        operator(gw, "GET", "/v1/buckets/tb%253Aper-ip%253A10.0.0.1").status,
+        404
+    );
+
+    let budget_path = format!("/v1/buckets/cb:monthly:{API_KEY}");
+    let budget = json_of(&operator(gw, "GET", &budget_path));
+    assert_eq!(budget["kind"], "budget");
+    assert_eq!(budget["spent"], 3.0);
+    assert_eq!(budget["budget"], 5.0);
+    assert_eq!(budget["tokens"], 2.0);
+    assert_eq!(budget["period"], "1M");
+    assert_eq!(budget["stage"], "warn");
+    assert!(budget["window_ends_at"]
+        .as_str()
+        .is_some_and(|t| t.ends_with("T00:00:00Z")));
+
+    // Who is limited: per-ip refused once; the budget warned once (its third request), shown
+    // masked with a reset address by hash.
+    let top = json_of(&operator(gw, "GET", "/v1/top?n=10"));
+    assert_eq!(top["window_secs"], 60);
+    assert_eq!(top["events"], 2);
+    assert_eq!(top["error_bound"], 0);
+    let entries = top["buckets"].as_array().expect("buckets");
+    assert_eq!(entries.len(), 2, "{top}");
+    let per_ip = entries
+        .iter()
+        .find(|e| e["rule"] == "per-ip")
+        .expect("per-ip");
+    assert_eq!(per_ip["bucket"], "tb:per-ip:10.0.0.1");
+    assert_eq!(
+        (per_ip["refused"].as_u64(), per_ip["warned"].as_u64()),
+        (Some(1), Some(0))
+    );
+    assert_eq!(per_ip["reset"], "/v1/buckets/tb:per-ip:10.0.0.1");
+    let monthly = entries
+        .iter()
+        .find(|e| e["rule"] == "monthly")
+        .expect("monthly");
+    assert_eq!(
+        (monthly["refused"].as_u64(), monthly["warned"].as_u64()),
+        (Some(0), Some(1))
+    );
+    let shown = monthly["bucket"].as_str().expect("bucket");
+    assert!(shown.starts_with("cb:monthly:sk-l…#"), "{shown}");
+    let by_hash = monthly["reset"].as_str().expect("reset").to_string();
+    assert!(by_hash.starts_with("/v1/buckets/by-hash/"), "{by_hash}");
+    assert!(!top.to_string().contains(API_KEY), "{top}");
+    let only = json_of(&operator(gw, "GET", "/v1/top?n=10&rule=monthly"));
+    assert_eq!(only["buckets"].as_array().map(Vec::len), Some(1));
+
+    // Explain spends nothing: the same request twice, then the budget is still at 3.
+    let explain = |ip: &str| {
+        json_of(&request(
+            gw.admin,
+            "POST",
+            "/v1/explain",
+            &[
+                ("Authorization", &format!("Bearer {ADMIN_TOKEN}")),
+                ("X-Original-URI", "/api/x"),
+                ("X-Forwarded-For", ip),
+                ("X-Api-Key", API_KEY),
+            ],
+        ))
+    };
+    for _ in 0..2 {
+        let e = explain("10.0.0.1");
+        assert_eq!(e["decision"], "refuse", "{e}");
+        assert_eq!(e["status"], 429);
+        assert_eq!(e["reason"], "token_bucket_exceeded");
+        assert_eq!(e["spent"], false);
+        let rules = e["rules"].as_array().expect("rules");
+        assert_eq!(rules.len(), 2, "{e}");
+        assert_eq!(rules[0]["rule"], "per-ip");
+        assert_eq!(rules[0]["allowed"], false);
+        assert_eq!(rules[0]["bucket"], "tb:per-ip:10.0.0.1");
+        assert_eq!(rules[1]["rule"], "monthly");
+        assert_eq!(rules[1]["allowed"], true);
+        assert_eq!(rules[1]["would_spend"], false);
+        assert_eq!(rules[1]["tokens"], 2.0);
+        assert!(rules[1]["bucket"]
+            .as_str()
+            .is_some_and(|b| b.starts_with("cb:monthly:sk-l…#")));
+        assert!(!e.to_string().contains(API_KEY));
+    }
+    let fresh = explain("10.0.0.2");
+    assert_eq!(fresh["decision"], "allow", "{fresh}");
+    assert_eq!(fresh["rules"][0]["tokens"], 3.0);
+    assert_eq!(fresh["rules"][0]["tokens_after"], 2.0);
+    assert_eq!(fresh["rules"][1]["tokens_after"], 1.0);
+    assert_eq!(json_of(&operator(gw, "GET", &budget_path))["spent"], 3.0);
+    assert_eq!(
+        operator(gw, "GET", "/v1/buckets/tb:per-ip:10.0.0.2").status,
+        404,
+        "explain made no bucket"
+    );
+
+    // Reset by name: full again, and the client is admitted.
+    assert_eq!(
+        operator(gw, "DELETE", "/v1/buckets/tb:per-ip:10.0.0.1").status,
+        204
+    );
+    assert_eq!(
+        operator(gw, "GET", "/v1/buckets/tb:per-ip:10.0.0.1").status,
+        404
+    );
+    assert_eq!(api_decision(gw, "10.0.0.1").status, 200);
+    // Reset by hash: the budget is unspent.
+    assert_eq!(operator(gw, "DELETE", &by_hash).status, 204);
+    assert_eq!(operator(gw, "GET", &budget_path).status, 404, "unspent");
+    assert_eq!(
+        gw.metric("tollgate_admin_resets_total{result=\"reset\"}"),
+        2.0
+    );
+
+    // Concurrency: two slots held, the third refused; a reset frees them.
+    let upload = || {
+        request(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[("X-Original-URI", "/uploads/a"), ("X-Tenant", "t1")],
+        )
+        .status
+    };
+    assert_eq!((upload(), upload(), upload()), (200, 200, 429));
+    let slots = json_of(&operator(gw, "GET", "/v1/buckets/cc:slots:t1"));
+    assert_eq!(slots["kind"], "concurrency");
+    assert_eq!(slots["in_use"], 2);
+    assert_eq!(slots["max_in_flight"], 2);
+    assert_eq!(
+        operator(gw, "DELETE", "/v1/buckets/cc:slots:t1").status,
+        204
+    );
+    assert_eq!(operator(gw, "GET", "/v1/buckets/cc:slots:t1").status, 404);
+    assert_eq!(upload(), 200);
+
+    let log = gw.log_text();
+    assert_eq!(log.matches("ADMIN_RESET").count(), 3, "{log}");
+    assert!(log.contains("who=127.0.0.1"), "{log}");
+    assert!(
+        !log.contains(API_KEY),
+        "the API key reached the log:\n{log}"
+    );
+    assert!(
+        !log.contains(ADMIN_TOKEN),
+        "the admin token reached the log"
+    );
+}

@@ -1,0 +1,443 @@
+//! The operator endpoints on the running gateway, independent of HTTP framing: who may call
+//! them, `GET`/`DELETE /v1/buckets/{bucket}`, `POST /v1/explain`, `GET /v1/top`, `GET /status`,
+//! and the recording of every limited request into the top sketch.
+
+use super::top::{Event, Label};
+use super::{BucketRef, LookupError};
+use crate::descriptor::RequestFacts;
+use crate::engine::Decision;
+use crate::policy::{Bundle, Mode};
+use crate::service::{DescribedBody, Gateway};
+use serde_json::json;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+/// Whether a request may use the operator endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Granted,
+    /// No token, or the wrong one: 401.
+    Unauthorized,
+    /// No `--admin-token` configured: 403.
+    NotEnabled,
+}
+
+/// The answer of an operator endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: Vec<u8>,
+}
+
+const JSON: &str = "application/json";
+const TEXT: &str = "text/plain; charset=utf-8";
+const HTML: &str = "text/html; charset=utf-8";
+
+impl Reply {
+    fn json(status: u16, value: &serde_json::Value) -> Reply {
+        Reply {
+            status,
+            content_type: JSON,
+            body: value.to_string().into_bytes(),
+        }
+    }
+
+    fn error(status: u16, message: impl std::fmt::Display) -> Reply {
+        Reply::json(status, &json!({ "error": message.to_string() }))
+    }
+
+    /// 401: the status page answers with its sign-in document, the JSON endpoints with JSON.
+    pub fn unauthorized(html: bool) -> Reply {
+        if html {
+            return Reply {
+                status: 401,
+                content_type: HTML,
+                body: super::status::sign_in().into_bytes(),
+            };
+        }
+        Reply::error(
+            401,
+            "send the admin token as `Authorization: Bearer <token>` (--admin-token)",
+        )
+    }
+
+    /// 403: the operator endpoints are off.
+    pub fn not_enabled() -> Reply {
+        Reply {
+            status: 403,
+            content_type: TEXT,
+            body: b"Forbidden: the operator endpoints are off. Start tollgate with --admin-token (or TOLLGATE_ADMIN_TOKEN, or --admin-token-file) and send it as `Authorization: Bearer <token>`.\n".to_vec(),
+        }
+    }
+}
+
+/// Decodes a path segment's `%XX` escapes (a `+` stays a `+`: it is a path, not a form).
+///
+/// # Errors
+/// A malformed escape, or bytes that are not UTF-8.
+pub fn decode_path(raw: &str) -> Result<String, &'static str> {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = |b: Option<&u8>| b.and_then(|b| (*b as char).to_digit(16));
+            match (hex(bytes.get(i + 1)), hex(bytes.get(i + 2))) {
+                (Some(h), Some(l)) => out.push((h * 16 + l) as u8),
+                _ => return Err("a malformed %-escape"),
+            }
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).map_err(|_| "escapes that are not UTF-8")
+}
+
+/// Encodes a bucket name for a path segment (everything but unreserved characters and `:`).
+pub fn encode_path(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for b in name.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b':') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The value of query parameter `name`, percent-decoded.
+fn query_param<'q>(query: Option<&'q str>, name: &str) -> Option<std::borrow::Cow<'q, str>> {
+    query?.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (k == name).then(|| crate::descriptor::percent_decode(v))
+    })
+}
+
+/// Where a masked bucket is addressed: by the hash `/v1/top` shows.
+const BY_HASH: &str = "by-hash/";
+
+impl Gateway {
+    /// Whether `Authorization` grants the operator endpoints (a refusal is counted).
+    pub fn admin_access(&self, authorization: Option<&[u8]>) -> Access {
+        match &self.config.admin_token {
+            None => Access::NotEnabled,
+            Some(token) if token.accepts(authorization) => Access::Granted,
+            Some(_) => {
+                self.metrics.admin_unauthorized();
+                Access::Unauthorized
+            }
+        }
+    }
+
+    /// Counts a decided request in the top sketch: the buckets that refused it (or would
+    /// have, in shadow), and an enforced budget that warned or throttled it. Allowed requests
+    /// without a stage or shadow refusal return at once; a bucket's name is built only when it
+    /// enters the sketch.
+    pub(crate) fn note_limited(&self, decision: &Decision<'_>, facts: &RequestFacts<'_>) {
+        let Some(checked) = decision.checked() else {
+            return;
+        };
+        let refused = !decision.is_allowed();
+        if !refused && checked.stage.is_none() && decision.shadow_rejections().next().is_none() {
+            return;
+        }
+        let unix_secs = self.clock.unix_secs().max(0) as u64;
+        let config = self.engine_config;
+        let mut top = self.top.lock();
+        let mut note = |rule: &crate::policy::Rule, key: &crate::store::BucketKey, event| {
+            let key = super::key_u128(key);
+            top.record(key, event, unix_secs, || {
+                let name = crate::engine::bucket_name(rule, facts, config)
+                    .map(|(name, _)| name)
+                    .unwrap_or_else(|| rule.key_prefix.clone());
+                let shown = super::shown_name(rule, &name).into_owned();
+                let reset_path = if shown == name {
+                    format!("/v1/buckets/{}", encode_path(&name))
+                } else {
+                    format!("/v1/buckets/{BY_HASH}{key:032x}")
+                };
+                Label {
+                    bucket: shown,
+                    name,
+                    rule: rule.name.clone(),
+                    policy: rule.policy_id.clone(),
+                    mode: rule.mode.as_str(),
+                    reset_path,
+                }
+            });
+        };
+        for outcome in &checked.rules {
+            if !outcome.allowed && (refused || outcome.rule.mode == Mode::Shadow) {
+                note(outcome.rule, &outcome.key, Event::Refused);
+            } else if let (Some(budget), true, Mode::Enforce) =
+                (&outcome.rule.budget, outcome.committed, outcome.rule.mode)
+            {
+                match budget.stage_for(outcome.quota.burst(), outcome.tokens) {
+                    Some(crate::budget::Action::Warn) => {
+                        note(outcome.rule, &outcome.key, Event::Warned)
+                    }
+                    Some(crate::budget::Action::Throttle { .. }) => {
+                        note(outcome.rule, &outcome.key, Event::Throttled)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for slot in &checked.slots {
+            if !slot.allowed {
+                note(slot.rule, &slot.key, Event::Refused);
+            }
+        }
+    }
+
+    /// The bundle in force, or the 503 to answer without one.
+    fn bundle_or_503(&self) -> Result<Arc<Bundle>, Reply> {
+        self.policy
+            .load_full()
+            .ok_or_else(|| Reply::error(503, LookupError::NoPolicy))
+    }
+
+    /// Reads `/v1/buckets/<rest>` into a bucket of `bundle`, and the name to show for it.
+    fn bucket_of<'b>(
+        &self,
+        bundle: &'b Bundle,
+        rest: &str,
+    ) -> Result<(BucketRef<'b>, String), Reply> {
+        if rest.len() > 3 * super::MAX_BUCKET_NAME_BYTES {
+            return Err(Reply::error(414, LookupError::TooLong));
+        }
+        let lookup = |e: LookupError| {
+            let status = match e {
+                LookupError::TooLong => 414,
+                LookupError::NoRule | LookupError::HashNotListed => 404,
+                LookupError::NoPolicy => 503,
+                LookupError::Loop | LookupError::BadHash => 400,
+            };
+            Reply::error(status, e)
+        };
+        if let Some(hex) = rest.strip_prefix(BY_HASH) {
+            let key = super::parse_key_hex(hex).map_err(lookup)?;
+            let unix_secs = self.clock.unix_secs().max(0) as u64;
+            let label = self.top.lock().label_of(key, unix_secs);
+            let label = label.ok_or_else(|| lookup(LookupError::HashNotListed))?;
+            let bucket = super::resolve(bundle, &label.name).map_err(lookup)?;
+            return Ok((bucket, label.bucket.clone()));
+        }
+        let name = decode_path(rest)
+            .map_err(|what| Reply::error(400, format!("the bucket name has {what}")))?;
+        if name.is_empty() {
+            return Err(Reply::error(
+                400,
+                "name the bucket: /v1/buckets/{bucket}, as `tollgate simulate` prints it",
+            ));
+        }
+        let bucket = super::resolve(bundle, &name).map_err(lookup)?;
+        // The caller knows the name it sent; it is shown as sent.
+        Ok((bucket, name))
+    }
+
+    /// `GET /v1/buckets/{bucket}`.
+    pub async fn inspect_bucket(&self, rest: &str) -> Reply {
+        let bundle = match self.bundle_or_503() {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+        let (bucket, shown) = match self.bucket_of(&bundle, rest) {
+            Ok(found) => found,
+            Err(reply) => return reply,
+        };
+        match super::inspect(&self.store, &bundle, &bucket, &shown, self.clock.unix_us()).await {
+            Ok(Some(state)) => Reply::json(200, &state),
+            Ok(None) => Reply::json(
+                404,
+                &json!({
+                    "error": "the store holds no entry for this bucket: it is full (a budget unspent, no slot taken)",
+                    "bucket": shown,
+                    "rule": bucket.rule.name,
+                }),
+            ),
+            Err(e) => Reply::error(503, e),
+        }
+    }
+
+    /// `DELETE /v1/buckets/{bucket}`: 204 once the bucket is full again; logged as
+    /// `ADMIN_RESET` (the name masked where it carries a credential) and counted.
+    pub async fn reset_bucket(&self, rest: &str, who: Option<IpAddr>) -> Reply {
+        let bundle = match self.bundle_or_503() {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+        let (bucket, _) = match self.bucket_of(&bundle, rest) {
+            Ok(found) => found,
+            Err(reply) => return reply,
+        };
+        match super::reset(&self.store, &bundle, &bucket).await {
+            Ok(held_state) => {
+                self.top.lock().forget(super::key_u128(&bucket.key));
+                self.metrics.admin_reset(held_state);
+                let shown = super::shown_name(bucket.rule, &bucket.name);
+                let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
+                tracing::warn!(
+                    bucket = %shown,
+                    policy = %bucket.rule.policy_id,
+                    rule = %bucket.rule.name,
+                    who = %who,
+                    held_state,
+                    "ADMIN_RESET"
+                );
+                Reply {
+                    status: 204,
+                    content_type: TEXT,
+                    body: Vec::new(),
+                }
+            }
+            Err(e) => Reply::error(503, e),
+        }
+    }
+
+    /// `POST /v1/explain`: the request described as for `/v1/decision`, decided against the
+    /// store as it is, spending nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn explain_described(
+        &self,
+        method: &str,
+        target: &str,
+        host: Option<&str>,
+        client_ip: Option<IpAddr>,
+        headers: &http::HeaderMap,
+        body: DescribedBody<'_>,
+    ) -> Reply {
+        let bundle = match self.bundle_or_503() {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+        let lookup = crate::service::HttpHeaders(headers);
+        let facts = match RequestFacts::new(
+            method,
+            target,
+            host,
+            client_ip,
+            &lookup,
+            self.config.encoded_slashes,
+        ) {
+            Ok(facts) => facts,
+            Err(_) => {
+                return Reply::json(
+                    200,
+                    &json!({"decision": "refuse", "status": 400, "reason": "encoded_slash", "spent": false, "rules": [], "slots": []}),
+                )
+            }
+        };
+        let claims = self.claims(&lookup);
+        let facts = facts
+            .with_claims(claims.as_deref())
+            .with_body_hash(body.hash)
+            .with_llm(body.llm);
+        let unix_us = self.clock.unix_us();
+        let mut explained =
+            match super::explain(&self.store, &bundle, &facts, unix_us, self.engine_config).await {
+                Ok(value) => value,
+                Err(e) => return Reply::error(503, e),
+            };
+        explained["client_ip"] = json!(client_ip.map(|ip| ip.to_string()));
+        explained["bundle_version"] = json!(bundle.version);
+        Reply::json(200, &explained)
+    }
+
+    /// `GET /v1/top?n=N[&rule=NAME]`.
+    pub fn top_reply(&self, query: Option<&str>) -> Reply {
+        let n = match query_param(query, "n") {
+            None => 10,
+            Some(n) => match n.parse::<usize>() {
+                Ok(n) if (1..=1000).contains(&n) => n,
+                _ => return Reply::error(400, "n must be a whole number from 1 to 1000"),
+            },
+        };
+        let rule = query_param(query, "rule");
+        let unix_secs = self.clock.unix_secs().max(0) as u64;
+        let top = self.top.lock().top(n, rule.as_deref(), unix_secs);
+        let capacity = self.top.lock().capacity();
+        let entries: Vec<serde_json::Value> = top
+            .entries
+            .iter()
+            .map(|e| {
+                json!({
+                    "bucket": e.label.bucket,
+                    "rule": e.label.rule,
+                    "policy": e.label.policy,
+                    "mode": e.label.mode,
+                    "refused": e.refused,
+                    "throttled": e.throttled,
+                    "warned": e.warned,
+                    "max_overcount": e.overcount,
+                    "reset": e.label.reset_path,
+                })
+            })
+            .collect();
+        Reply::json(
+            200,
+            &json!({
+                "window_secs": super::top::SLOT_SECS * super::top::SLOTS as u64,
+                "events": top.events,
+                "error_bound": top.error_bound,
+                "sketch_capacity": capacity,
+                "buckets": entries,
+            }),
+        )
+    }
+
+    /// `GET /status` (with the token).
+    pub fn status_reply(&self) -> Reply {
+        let bundle = self.policy.load_full();
+        let loaded = self.loaded.load_full();
+        let unix_secs = self.clock.unix_secs();
+        let top = self.top.lock().top(20, None, unix_secs.max(0) as u64);
+        let overrides = self.runtime_overrides();
+        let page = super::status::render(&super::status::StatusView {
+            bundle: bundle.as_deref(),
+            loaded_at: loaded.map(|l| l.loaded_at.max(0) as u64),
+            unix_secs,
+            store_kind: self.store.kind(),
+            store_degraded: self.store.degraded(),
+            store_stats: self.store.stats(),
+            overrides: &overrides,
+            top: &top,
+        });
+        Reply {
+            status: 200,
+            content_type: HTML,
+            body: page.into_bytes(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_segments_decode_strictly_and_keep_plus_signs() {
+        assert_eq!(decode_path("tb:r:a%7Cb+c").unwrap(), "tb:r:a|b+c");
+        assert_eq!(decode_path("%E2%9C%93").unwrap(), "✓");
+        assert!(decode_path("%zz").is_err());
+        assert!(decode_path("%4").is_err());
+        assert!(decode_path("%FF%FE").is_err());
+    }
+
+    #[test]
+    fn encoded_names_decode_back() {
+        for name in [
+            "tb:per-ip:10.0.0.1",
+            "tb:a\\:b:x|y",
+            "cb:t:2001:db8::/64",
+            "tb:r:ü %/?#",
+        ] {
+            assert_eq!(decode_path(&encode_path(name)).unwrap(), name);
+        }
+        assert_eq!(encode_path("tb:r:a/b"), "tb:r:a%2Fb");
+    }
+}

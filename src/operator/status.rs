@@ -1,0 +1,328 @@
+//! The status page (`GET /status` on the admin listener): one HTML document served by the
+//! binary, no external assets and no framework: the bundle in force, the store's health, the
+//! runtime overrides, the buckets limited most over the last minute (each with a reset button)
+//! and links to the JSON endpoints.
+//!
+//! A browser cannot send a bearer token on a plain navigation, so without one the page answers
+//! 401 with a small sign-in document: its script takes the token from the address's fragment
+//! (`/status#token=...`, never sent to the server, so never in any log) or a form, keeps it in
+//! the tab's `sessionStorage`, fetches the page again with `Authorization: Bearer` and shows it.
+//! The reset buttons send `DELETE /v1/buckets/...` with the same header.
+
+use super::top::Top;
+use crate::policy::Bundle;
+use crate::store::StoreStats;
+use std::fmt::Write;
+
+/// What the page shows.
+pub struct StatusView<'a> {
+    pub bundle: Option<&'a Bundle>,
+    /// Unix seconds the bundle was loaded at.
+    pub loaded_at: Option<u64>,
+    pub unix_secs: i64,
+    pub store_kind: &'a str,
+    pub store_degraded: bool,
+    pub store_stats: StoreStats,
+    /// `/readyz`'s `runtime_overrides` object.
+    pub overrides: &'a serde_json::Value,
+    pub top: &'a Top,
+}
+
+/// Escapes text for HTML element content and quoted attribute values.
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+const STYLE: &str =
+    "body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#1d1d1f;background:#fafafa}\
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:24px 0 8px}\
+table{border-collapse:collapse;background:#fff;min-width:480px}\
+td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}\
+th{background:#f0f0f0}code{font:12px ui-monospace,monospace}\
+.ok{color:#137333;font-weight:600}.bad{color:#b3261e;font-weight:600}\
+.muted{color:#666}button{cursor:pointer}";
+
+/// The script both documents carry: sign-in (token from the fragment, `sessionStorage` or the
+/// form) and the reset buttons.
+const SCRIPT: &str = r#"(function () {
+  var key = 'tollgate-admin-token';
+  var m = location.hash.match(/token=([^&]+)/);
+  if (m) {
+    sessionStorage.setItem(key, decodeURIComponent(m[1]));
+    history.replaceState(null, '', location.pathname);
+  }
+  function token() { return sessionStorage.getItem(key); }
+  function load() {
+    var t = token();
+    if (!t) return;
+    fetch('/status', { headers: { 'Authorization': 'Bearer ' + t } }).then(function (r) {
+      if (r.status !== 200) {
+        sessionStorage.removeItem(key);
+        var e = document.getElementById('signin-error');
+        if (e) e.textContent = 'The admin token was refused (' + r.status + ').';
+        return;
+      }
+      return r.text().then(function (html) { document.open(); document.write(html); document.close(); });
+    });
+  }
+  document.addEventListener('click', function (ev) {
+    var b = ev.target.closest ? ev.target.closest('button[data-reset]') : null;
+    if (!b) return;
+    var t = token() || prompt('Admin token');
+    if (!t) return;
+    sessionStorage.setItem(key, t);
+    fetch(b.getAttribute('data-reset'), { method: 'DELETE', headers: { 'Authorization': 'Bearer ' + t } })
+      .then(function (r) { b.textContent = r.status === 204 ? 'reset' : 'failed (' + r.status + ')'; b.disabled = r.status === 204; });
+  });
+  document.addEventListener('submit', function (ev) {
+    if (ev.target.id !== 'signin') return;
+    ev.preventDefault();
+    sessionStorage.setItem(key, ev.target.elements.token.value);
+    load();
+  });
+  if (document.body.getAttribute('data-page') === 'signin') load();
+})();"#;
+
+fn document(page: &str, title: &str, body: &str) -> String {
+    format!(
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+<meta name=\"viewport\" content=\"width=device-width\">\
+<meta name=\"referrer\" content=\"no-referrer\">\
+<title>{title}</title><style>{STYLE}</style></head>\
+<body data-page=\"{page}\">{body}<script>{SCRIPT}</script></body></html>\n"
+    )
+}
+
+/// The 401 answer: a sign-in document that loads the page with the token.
+pub fn sign_in() -> String {
+    document(
+        "signin",
+        "tollgate: sign in",
+        "<h1>tollgate status</h1>\
+<p>This page needs the admin token (<code>--admin-token</code>). Open \
+<code>/status#token=&lt;token&gt;</code> (the fragment never leaves the browser) or enter it:</p>\
+<form id=\"signin\"><input name=\"token\" type=\"password\" autocomplete=\"off\" size=\"40\"> \
+<button type=\"submit\">Sign in</button></form><p id=\"signin-error\" class=\"bad\"></p>",
+    )
+}
+
+fn rfc3339(unix_secs: u64) -> String {
+    humantime::format_rfc3339_seconds(
+        std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix_secs),
+    )
+    .to_string()
+}
+
+/// The page itself.
+pub fn render(view: &StatusView<'_>) -> String {
+    let mut body = String::with_capacity(8 * 1024);
+    let _ = write!(
+        body,
+        "<h1>tollgate status</h1><p class=\"muted\">tollgate {} · page made at <span id=\"now\">{}</span></p>",
+        env!("CARGO_PKG_VERSION"),
+        rfc3339(view.unix_secs.max(0) as u64)
+    );
+
+    body.push_str("<h2>Bundle in force</h2>");
+    match view.bundle {
+        None => body.push_str("<p class=\"bad\" id=\"bundle\">No policy loaded: the proxy fails open and the decision service answers 503.</p>"),
+        Some(bundle) => {
+            let _ = write!(
+                body,
+                "<table id=\"bundle\"><tr><th>version</th><td id=\"bundle-version\">{}</td></tr>\
+<tr><th>hash</th><td><code id=\"bundle-hash\">{}</code></td></tr>\
+<tr><th>loaded at</th><td>{}</td></tr>\
+<tr><th>policies</th><td>{}</td></tr><tr><th>rules</th><td>{}</td></tr>\
+<tr><th>kill switches</th><td>{}</td></tr><tr><th>policies skipped</th><td>{}</td></tr></table>",
+                escape(&bundle.version),
+                escape(&bundle.hash),
+                view.loaded_at.map_or_else(String::new, rfc3339),
+                bundle.policies.len(),
+                bundle.rules.len(),
+                bundle.kill_switches.len(),
+                bundle.skipped.len(),
+            );
+            body.push_str("<h2>Policies</h2><table id=\"policies\"><tr><th>policy</th><th>mode</th><th>rules</th></tr>");
+            for policy in bundle.policies.iter().take(200) {
+                let rules: Vec<String> = policy
+                    .rules
+                    .clone()
+                    .chain(policy.fallback)
+                    .chain(policy.loop_detection)
+                    .chain(policy.circuit_breaker)
+                    .filter_map(|i| bundle.rules.get(i))
+                    .map(|r| {
+                        format!(
+                            "{} <span class=\"muted\">({}, {})</span>",
+                            escape(&r.name),
+                            super::Kind::of(r).as_str(),
+                            r.mode.as_str()
+                        )
+                    })
+                    .collect();
+                let _ = write!(
+                    body,
+                    "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+                    escape(&policy.id),
+                    policy.mode.as_str(),
+                    rules.join("<br>")
+                );
+            }
+            if bundle.policies.len() > 200 {
+                let _ = write!(
+                    body,
+                    "<tr><td colspan=\"3\" class=\"muted\">and {} more</td></tr>",
+                    bundle.policies.len() - 200
+                );
+            }
+            body.push_str("</table>");
+        }
+    }
+
+    body.push_str("<h2>Store</h2>");
+    let _ = write!(
+        body,
+        "<table id=\"store\"><tr><th>kind</th><td>{}</td></tr><tr><th>status</th><td id=\"store-status\" class=\"{}\">{}</td></tr>",
+        escape(view.store_kind),
+        if view.store_degraded { "bad" } else { "ok" },
+        if view.store_degraded { "degraded: failing open" } else { "ok" }
+    );
+    let stats = view.store_stats;
+    if let Some(entries) = stats.entries {
+        let _ = write!(body, "<tr><th>buckets held</th><td>{entries}</td></tr>");
+    }
+    let _ = write!(
+        body,
+        "<tr><th>evicted</th><td>{}</td></tr><tr><th>allowed untracked (store full)</th><td>{}</td></tr>",
+        stats.evictions, stats.fail_open
+    );
+    if let Some(fallback) = stats.state_fallback {
+        let _ = write!(
+            body,
+            "<tr><th>state dir</th><td class=\"{}\">{}</td></tr>",
+            if fallback { "bad" } else { "ok" },
+            if fallback {
+                "unusable: buckets in process memory only"
+            } else {
+                "in use"
+            }
+        );
+    }
+    body.push_str("</table>");
+
+    body.push_str("<h2>Runtime overrides</h2><table id=\"overrides\">");
+    if let Some(overrides) = view.overrides.as_object() {
+        for (name, o) in overrides {
+            let active = o.get("active").and_then(|a| a.as_bool()).unwrap_or(false);
+            let detail = match (o.get("reason"), o.get("expires_at")) {
+                (Some(reason), Some(expires)) => format!(
+                    " · {} · until {}",
+                    escape(reason.as_str().unwrap_or("")),
+                    escape(expires.as_str().unwrap_or(""))
+                ),
+                _ => String::new(),
+            };
+            let _ = write!(
+                body,
+                "<tr><th>{}</th><td>{}{}</td></tr>",
+                escape(name),
+                if active {
+                    "<span class=\"bad\">active</span>"
+                } else {
+                    "inactive"
+                },
+                detail
+            );
+        }
+    }
+    body.push_str("</table>");
+
+    let _ = write!(
+        body,
+        "<h2>Limited most in the last minute</h2><p class=\"muted\">{} refusals, throttles and warnings counted; a count may be over by at most {} (see <a href=\"/v1/top?n=100\">/v1/top</a>).</p>",
+        view.top.events, view.top.error_bound
+    );
+    if view.top.entries.is_empty() {
+        body.push_str("<p id=\"top-empty\">Nobody was limited in the last minute.</p>");
+    } else {
+        body.push_str("<table id=\"top\"><tr><th>bucket</th><th>rule</th><th>policy</th><th>refused</th><th>throttled</th><th>warned</th><th></th></tr>");
+        for entry in &view.top.entries {
+            let label = &entry.label;
+            let _ = write!(
+                body,
+                "<tr><td><code>{}</code>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+<td><button type=\"button\" data-reset=\"{}\">Reset</button></td></tr>",
+                escape(&label.bucket),
+                if label.mode == "shadow" {
+                    " <span class=\"muted\">(shadow)</span>"
+                } else {
+                    ""
+                },
+                escape(&label.rule),
+                escape(&label.policy),
+                entry.refused,
+                entry.throttled,
+                entry.warned,
+                escape(&label.reset_path),
+            );
+        }
+        body.push_str("</table>");
+    }
+
+    body.push_str(
+        "<h2>JSON endpoints</h2><ul id=\"links\">\
+<li><a href=\"/readyz\">/readyz</a>: readiness, bundle version and hash</li>\
+<li><a href=\"/metrics\">/metrics</a>: Prometheus metrics</li>\
+<li><a href=\"/v1/top?n=20\">/v1/top?n=20</a>: the buckets limited most (token needed)</li>\
+<li><code>GET /v1/buckets/{bucket}</code> and <code>DELETE /v1/buckets/{bucket}</code>: a bucket's state, and its reset</li>\
+<li><code>POST /v1/explain</code>: what every rule would do to a request, spending nothing</li></ul>",
+    );
+    document("status", "tollgate status", &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_escaped_for_content_and_attributes() {
+        assert_eq!(
+            escape(r#"<a href="x">&'"#),
+            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
+        );
+    }
+
+    #[test]
+    fn a_page_without_a_bundle_says_so_and_lists_nobody() {
+        let overrides = serde_json::json!({});
+        let top = Top {
+            entries: Vec::new(),
+            events: 0,
+            error_bound: 0,
+        };
+        let page = render(&StatusView {
+            bundle: None,
+            loaded_at: None,
+            unix_secs: 0,
+            store_kind: "memory",
+            store_degraded: false,
+            store_stats: StoreStats::default(),
+            overrides: &overrides,
+            top: &top,
+        });
+        assert!(page.contains("No policy loaded"));
+        assert!(page.contains("id=\"top-empty\""));
+        assert!(!page.contains("src="), "no external assets");
+    }
+}
