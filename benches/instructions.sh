@@ -57,7 +57,7 @@ measure() { # name, command...
 echo "| target | requests | user-space instructions per request |"
 echo "|---|---|---|"
 measure "bare Pingora proxy" $BARE 127.0.0.1:18951 127.0.0.1:18950
-measure "tollgate, no policy" $TG run --policy "$WORK/none.json" --listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1
+measure "tollgate, no policy" $TG run --policy "$WORK/none.json" --wait-for-policy --listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1
 measure "tollgate, 1 per-IP rule" $TG run --policy "$WORK/one.json" --listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1
 measure "bare Pingora, 429 with the same headers" $BARE 127.0.0.1:18951 127.0.0.1:18950 --refuse
 measure "tollgate, every request refused" $TG run --policy "$WORK/deny.json" --listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1

@@ -25,7 +25,11 @@
 # Then, once: the decision service alone with --threads 2 and no pinning (cores used,
 # decisions/s, decisions per CPU-second).
 #
-# Usage: [TARGETS="tg-1 tg-1-state"] [PROFILE=perf] bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
+#   tg-1-base, tg-429-base  tg-1 and tg-429 run by the binary TG_BASE names (an earlier
+#                  build), interleaved with this build's: what a change costs, in one run
+#
+# Usage: [TARGETS="tg-1 tg-1-state"] [PROFILE=perf] [TG_BASE=/path/to/old/tollgate]
+#        bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=benches/common.sh
@@ -43,7 +47,7 @@ ENVOY=$(bash scripts/install-envoy.sh)
 UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
 BARE_429=18907
 TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914; ENVOY_RLS=18915; TG_GRPC=18916
-TG_1_STATE=18918
+TG_1_STATE=18918; TG_1_BASE=18919; TG_429_BASE=18926
 
 # The upstream: its own nginx, on core 0 with wrk.
 nginx_conf upstream "server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 \"ok\\n\"; } }"
@@ -168,15 +172,19 @@ cat > "$WORK/five.json" <<JSON
   {"id": "s", "spec": {"mode": "shadow", "rules": [$(rule shadow-ip '["ip:address"]' 1000000000 1000000000)]}}]}
 JSON
 start_tollgate() { # port, policy, admin port, extra flags...: sets LAST_PID
-  taskset -c 1 $TG run --policy "$2" --listen "127.0.0.1:$1" --upstream "127.0.0.1:$UP" \
+  taskset -c 1 "${TG_RUN:-$TG}" run --policy "$2" --listen "127.0.0.1:$1" --upstream "127.0.0.1:$UP" \
     --admin-listen "127.0.0.1:$3" --threads 1 "${@:4}" 2>"$WORK/tg-$1.log" >/dev/null &
   LAST_PID=$!; PIDS+=("$LAST_PID")
 }
-start_tollgate $TG_NONE "$WORK/missing.json" 18920; PID_TG_NONE=$LAST_PID
+start_tollgate $TG_NONE "$WORK/missing.json" 18920 --wait-for-policy; PID_TG_NONE=$LAST_PID
 start_tollgate $TG_1 "$WORK/one.json" 18921; PID_TG_1=$LAST_PID
 start_tollgate $TG_5 "$WORK/five.json" 18922; PID_TG_5=$LAST_PID
 start_tollgate $TG_429 "$WORK/deny.json" 18923; PID_TG_429=$LAST_PID
 start_tollgate $TG_1_STATE "$WORK/one.json" 18924 --state-dir "$WORK/state"; PID_TG_1_STATE=$LAST_PID
+if [ -n "${TG_BASE:-}" ]; then
+  TG_RUN=$TG_BASE start_tollgate $TG_1_BASE "$WORK/one.json" 18927; PID_TG_1_BASE=$LAST_PID
+  TG_RUN=$TG_BASE start_tollgate $TG_429_BASE "$WORK/deny.json" 18928; PID_TG_429_BASE=$LAST_PID
+fi
 # The decision service for nginx auth_request: its admin listener on TG_DEC.
 taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen "127.0.0.1:$TG_DEC" --threads 1 2>"$WORK/tg-dec.log" &
 PID_TG_DEC=$!; PIDS+=("$PID_TG_DEC")
@@ -207,6 +215,8 @@ for round in $(seq 1 "$ROUNDS"); do
       nginx-429) port=$NGX_429; pids=$NGX_WORKER;;
       bare-429) port=$BARE_429; pids=$PID_BARE_429;;
       tg-429) port=$TG_429; pids=$PID_TG_429;;
+      tg-1-base) port=$TG_1_BASE; pids=$PID_TG_1_BASE;;
+      tg-429-base) port=$TG_429_BASE; pids=$PID_TG_429_BASE;;
       authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
       envoy-rls) port=$ENVOY_RLS; pids="$PID_ENVOY_RLS $PID_TG_GRPC";;
     esac
@@ -243,27 +253,33 @@ for t in $TARGETS; do
     nginx-429) name="nginx limit_req, every request refused (429)";;
     bare-429) name="bare Pingora, every request refused (429, same headers)";;
     tg-429) name="tollgate, every request refused (429)";;
+    tg-1-base) name="TG_BASE, 1 per-IP rule";;
+    tg-429-base) name="TG_BASE, every request refused (429)";;
     authreq) name="nginx auth_request → tollgate (nginx + tollgate CPU)";;
     envoy-rls) name="Envoy ratelimit filter → tollgate gRPC (Envoy + tollgate CPU)";;
   esac
   echo "| $name | ${MR[$t]} | ${MC[$t]} | ${CPU[$t]% } |"
 done
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
+# One line per pair of targets that ran (a TARGETS subset leaves the others out).
+line() { # label, numerator target, denominator target, [note], [req/s instead of CPU]
+  local a b
+  if [ -n "${5:-}" ]; then a=${MR[$2]:-}; b=${MR[$3]:-}; else a=${MC[$2]:-}; b=${MC[$3]:-}; fi
+  [ -n "$a" ] && [ -n "$b" ] && printf '%-58s %s  %s\n' "$1" "$(ratio "$a" "$b")" "${4:-}"
+  return 0
+}
 echo
-echo "tollgate 1 rule / nginx + limit_req, CPU per request:   $(ratio "${MC[tg-1]}" "${MC[nginx-lr]}")  (target ≤ 1.15)"
-echo "tollgate 1 rule / Envoy local_ratelimit, CPU per request: $(ratio "${MC[tg-1]}" "${MC[envoy-lr]}")  (target ≤ 0.6)"
-echo "tollgate 429 / nginx limit_req 429, CPU per refusal:      $(ratio "${MC[tg-429]}" "${MC[nginx-429]}")  (target ≤ 1.0)"
-echo "tollgate limiter on / off, req/s:                         $(ratio "${MR[tg-1]}" "${MR[tg-none]}")  (target ≥ 0.97)"
-echo "tollgate limiter on / off, CPU per request:               $(ratio "${MC[tg-1]}" "${MC[tg-none]}")"
-echo "tollgate no policy / bare Pingora, CPU per request:       $(ratio "${MC[tg-none]}" "${MC[bare]}")"
-[ -n "${MC[tg-1-state]:-}" ] && echo "tollgate 1 rule, state dir / in memory, CPU per request:  $(ratio "${MC[tg-1-state]}" "${MC[tg-1]}")  (target ≤ 1.05)"
-echo "tollgate 429 / bare Pingora 429, CPU per refusal:         $(ratio "${MC[tg-429]}" "${MC[bare-429]}")"
-echo "bare Pingora / nginx proxy_pass, CPU per request:         $(ratio "${MC[bare]}" "${MC[nginx]}")"
-echo "auth_request → tollgate / nginx limit_req, CPU per request: $(ratio "${MC[authreq]}" "${MC[nginx-lr]}")"
-echo "Envoy → tollgate gRPC / Envoy local_ratelimit, CPU per request: $(ratio "${MC[envoy-rls]}" "${MC[envoy-lr]}")"
-echo "  of which tollgate's gRPC service, CPU µs per request (median): $(echo "${SHARE[envoy-rls]}" | median)"
-echo "  and tollgate's decision service under auth_request: $(echo "${SHARE[authreq]:-}" | median)"
-
+line "tollgate 1 rule / nginx + limit_req, CPU per request:" tg-1 nginx-lr "(target ≤ 1.15)"
+line "tollgate 1 rule / Envoy local_ratelimit, CPU per request:" tg-1 envoy-lr "(target ≤ 0.6)"
+line "tollgate 429 / nginx limit_req 429, CPU per refusal:" tg-429 nginx-429 "(target ≤ 1.0)"
+line "tollgate limiter on / off, req/s:" tg-1 tg-none "(target ≥ 0.97)" rps
+line "tollgate limiter on / off, CPU per request:" tg-1 tg-none
+line "tollgate no policy / bare Pingora, CPU per request:" tg-none bare
+line "tollgate 1 rule, state dir / in memory, CPU per request:" tg-1-state tg-1 "(target ≤ 1.05)"
+line "tollgate 429 / bare Pingora 429, CPU per refusal:" tg-429 bare-429
+line "tollgate 1 rule / bare Pingora, CPU per request:" tg-1 bare
+line "this build / TG_BASE, 1 rule, CPU per request:" tg-1 tg-1-base
+line "this build / TG_BASE, refusal, CPU per request:" tg-429 tg-429-base
 # The decision service on every core: --threads 2, unpinned, wrk POSTing decisions.
 cat > "$WORK/post.lua" <<'LUA'
 wrk.method = "POST"

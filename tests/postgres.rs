@@ -235,3 +235,10 @@ fn llm_usage_is_reconciled_across_a_postgres_fleet() {
     let pg = PgServer::start();
     support::assert_usage_reconciled_across_a_fleet(&pg.url());
 }
+
+/// The operator endpoints on a PostgreSQL fleet ([`support::assert_operator_endpoints_across_a_fleet`]).
+#[test]
+fn operator_endpoints_on_postgres() {
+    let pg = PgServer::start();
+    support::assert_operator_endpoints_across_a_fleet(&pg.url());
+}

@@ -438,3 +438,17 @@ fn llm_usage_is_reconciled_across_a_redis_fleet() {
     let redis = RedisServer::start();
     support::assert_usage_reconciled_across_a_fleet(&redis.url());
 }
+
+/// The operator endpoints on a Redis fleet ([`support::assert_operator_endpoints_across_a_fleet`]).
+#[test]
+fn operator_endpoints_on_redis() {
+    let redis = RedisServer::start();
+    support::assert_operator_endpoints_across_a_fleet(&redis.url());
+}
+
+/// The operator endpoints on a Redis Cluster: each key read and reset on its own node.
+#[test]
+fn operator_endpoints_on_a_redis_cluster() {
+    let cluster = RedisCluster::start();
+    support::assert_operator_endpoints_across_a_fleet(&cluster.url());
+}

@@ -1484,3 +1484,40 @@ pub fn assert_operator_endpoints(gw: &Gateway) {
         "the admin token reached the log"
     );
 }
+
+/// The operator endpoints on a fleet of two gateways sharing `store_url`: every check of
+/// [`assert_operator_endpoints`] on the first; the second reads what the first spent, and a
+/// reset on the first reaches a client the second had refused (its local refusal cache lasts
+/// at most 5 s).
+pub fn assert_operator_endpoints_across_a_fleet(store_url: &str) {
+    let token = format!("--admin-token={ADMIN_TOKEN}");
+    let upstream = Upstream::start();
+    let [a, b] = start_fleet_with(
+        OPERATOR_POLICY,
+        upstream.addr,
+        store_url,
+        "1000",
+        Duration::from_secs(20),
+        &[token.as_str()],
+    );
+    assert_operator_endpoints(&a);
+    for _ in 0..3 {
+        assert_eq!(api_decision(&a, "10.0.0.3").status, 200);
+    }
+    assert_eq!(api_decision(&b, "10.0.0.3").status, 429);
+    let seen = json_of(&operator(&b, "GET", "/v1/buckets/tb:per-ip:10.0.0.3"));
+    assert!(seen["tokens"].as_f64().is_some_and(|t| t < 0.1), "{seen}");
+    assert_eq!(
+        operator(&a, "DELETE", "/v1/buckets/tb:per-ip:10.0.0.3").status,
+        204
+    );
+    assert_eq!(
+        operator(&b, "GET", "/v1/buckets/tb:per-ip:10.0.0.3").status,
+        404
+    );
+    let reset_at = Instant::now();
+    b.wait_until(Duration::from_secs(8), || {
+        api_decision(&b, "10.0.0.3").status == 200
+    });
+    assert!(reset_at.elapsed() < Duration::from_secs(7));
+}
