@@ -538,17 +538,17 @@ impl Authorization for Authorizer {
         });
         let mut answer = self
             .gateway
-            .decide_described(
-                &http.method,
+            .decide_described(&crate::service::Described {
+                method: &http.method,
                 target,
                 host,
                 client_ip,
-                &headers,
-                crate::service::DescribedBody {
+                headers: &headers,
+                body: crate::service::DescribedBody {
                     hash: body_hash,
                     llm: llm.as_ref(),
                 },
-            )
+            })
             .await;
         // The reservation's token goes to the upstream, which reports the usage on
         // `POST /v1/usage` (or the reservation stays charged as reserved).

@@ -819,34 +819,13 @@ impl Gateway {
     /// Decides an original request described by another gateway (the decision service, Envoy's
     /// ext_authz): facts from the method, target and host, JWT claims from the headers, and a
     /// path with an encoded slash under `--encoded-slashes reject` refused before the engine.
-    pub async fn decide_described(
-        &self,
-        method: &str,
-        target: &str,
-        host: Option<&str>,
-        client_ip: Option<IpAddr>,
-        headers: &http::HeaderMap,
-        body: DescribedBody<'_>,
-    ) -> Answer {
-        let lookup = HttpHeaders(headers);
-        match RequestFacts::new(
-            method,
-            target,
-            host,
-            client_ip,
-            &lookup,
-            self.config.encoded_slashes,
-        ) {
-            Ok(facts) => {
-                let claims = self.claims(&lookup);
-                let facts = facts
-                    .with_claims(claims.as_deref())
-                    .with_body_hash(body.hash)
-                    .with_llm(body.llm);
-                self.decide(&facts).await
-            }
+    pub async fn decide_described(&self, described: &Described<'_>) -> Answer {
+        let lookup = HttpHeaders(described.headers);
+        let claims = self.claims(&lookup);
+        match self.described_facts(described, &lookup, claims.as_deref()) {
+            Ok(facts) => self.decide(&facts).await,
             Err(_) => {
-                let (path, _) = crate::descriptor::split_uri(target);
+                let (path, _) = crate::descriptor::split_uri(described.target);
                 Answer {
                     allowed: false,
                     throttle_ms: 0,
@@ -855,10 +834,38 @@ impl Gateway {
                     no_policy: false,
                     reason: Some(Reason::EncodedSlash),
                     rule: None,
-                    response: self.refuse_early(Reason::EncodedSlash, client_ip, host, path),
+                    response: self.refuse_early(
+                        Reason::EncodedSlash,
+                        described.client_ip,
+                        described.host,
+                        path,
+                    ),
                 }
             }
         }
+    }
+
+    /// The facts of a described request, with its verified claims.
+    ///
+    /// # Errors
+    /// Its path has an encoded slash and `--encoded-slashes reject` is set.
+    pub(crate) fn described_facts<'a>(
+        &self,
+        described: &'a Described<'a>,
+        lookup: &'a HttpHeaders<'a>,
+        claims: Option<&'a Claims>,
+    ) -> Result<RequestFacts<'a>, crate::descriptor::EncodedSlashError> {
+        Ok(RequestFacts::new(
+            described.method,
+            described.target,
+            described.host,
+            described.client_ip,
+            lookup,
+            self.config.encoded_slashes,
+        )?
+        .with_claims(claims)
+        .with_body_hash(described.body.hash)
+        .with_llm(described.body.llm))
     }
 
     /// Answers an Envoy `ShouldRateLimit` call ([`crate::rls`]): every descriptor's buckets in
@@ -988,6 +995,19 @@ pub enum RlsFailure {
     NoPolicy,
     #[error("the rate-limit store is unavailable")]
     StoreUnavailable,
+}
+
+/// An original request another gateway describes (the decision service's `X-Original-*`
+/// headers, Envoy's ext_authz), as the engine is asked about it.
+#[derive(Clone, Copy)]
+pub struct Described<'a> {
+    pub method: &'a str,
+    /// Path and query.
+    pub target: &'a str,
+    pub host: Option<&'a str>,
+    pub client_ip: Option<IpAddr>,
+    pub headers: &'a http::HeaderMap,
+    pub body: DescribedBody<'a>,
 }
 
 /// What a described request's body contributes: its fingerprint (for `body_hash`

@@ -7,7 +7,7 @@ use super::{BucketRef, LookupError};
 use crate::descriptor::RequestFacts;
 use crate::engine::Decision;
 use crate::policy::{Bundle, Mode};
-use crate::service::{DescribedBody, Gateway};
+use crate::service::{Described, Gateway};
 use serde_json::json;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -301,49 +301,27 @@ impl Gateway {
 
     /// `POST /v1/explain`: the request described as for `/v1/decision`, decided against the
     /// store as it is, spending nothing.
-    #[allow(clippy::too_many_arguments)]
-    pub async fn explain_described(
-        &self,
-        method: &str,
-        target: &str,
-        host: Option<&str>,
-        client_ip: Option<IpAddr>,
-        headers: &http::HeaderMap,
-        body: DescribedBody<'_>,
-    ) -> Reply {
+    pub async fn explain_described(&self, described: &Described<'_>) -> Reply {
         let bundle = match self.bundle_or_503() {
             Ok(b) => b,
             Err(reply) => return reply,
         };
-        let lookup = crate::service::HttpHeaders(headers);
-        let facts = match RequestFacts::new(
-            method,
-            target,
-            host,
-            client_ip,
-            &lookup,
-            self.config.encoded_slashes,
-        ) {
-            Ok(facts) => facts,
-            Err(_) => {
-                return Reply::json(
-                    200,
-                    &json!({"decision": "refuse", "status": 400, "reason": "encoded_slash", "spent": false, "rules": [], "slots": []}),
-                )
-            }
-        };
+        let lookup = crate::service::HttpHeaders(described.headers);
         let claims = self.claims(&lookup);
-        let facts = facts
-            .with_claims(claims.as_deref())
-            .with_body_hash(body.hash)
-            .with_llm(body.llm);
+        let Ok(facts) = self.described_facts(described, &lookup, claims.as_deref()) else {
+            return Reply::json(
+                200,
+                &json!({"decision": "refuse", "status": 400, "reason": "encoded_slash", "spent": false, "rules": [], "slots": []}),
+            );
+        };
         let unix_us = self.clock.unix_us();
-        let mut explained =
-            match super::explain(&self.store, &bundle, &facts, unix_us, self.engine_config).await {
-                Ok(value) => value,
-                Err(e) => return Reply::error(503, e),
-            };
-        explained["client_ip"] = json!(client_ip.map(|ip| ip.to_string()));
+        let explained =
+            super::explain(&self.store, &bundle, &facts, unix_us, self.engine_config).await;
+        let mut explained = match explained {
+            Ok(value) => value,
+            Err(e) => return Reply::error(503, e),
+        };
+        explained["client_ip"] = json!(described.client_ip.map(|ip| ip.to_string()));
         explained["bundle_version"] = json!(bundle.version);
         Reply::json(200, &explained)
     }

@@ -336,35 +336,45 @@ impl Admin {
         body_hash: Option<u64>,
         llm: Option<&crate::llm::LlmRequest>,
     ) -> Answer {
-        let described = Described::of(req, "/v1/decision", req.method.as_str());
+        let original = Original::of(req, "/v1/decision", req.method.as_str());
         // The caller is a gateway by role: the client is described by X-Forwarded-For (or,
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, &req.headers, true);
+        let body = crate::service::DescribedBody {
+            hash: body_hash,
+            llm,
+        };
         self.gateway
-            .decide_described(
-                described.method,
-                described.uri,
-                described.host,
-                client_ip,
-                &req.headers,
-                crate::service::DescribedBody {
-                    hash: body_hash,
-                    llm,
-                },
-            )
+            .decide_described(&original.described(client_ip, &req.headers, body))
             .await
     }
 }
 
 /// The original request a caller describes: `X-Original-Method/URI/Host`, or Envoy ext_authz's
 /// form (the original path after the endpoint's own, with `envoy_method`).
-struct Described<'r> {
+struct Original<'r> {
     method: &'r str,
     uri: &'r str,
     host: Option<&'r str>,
 }
 
-impl<'r> Described<'r> {
+impl<'r> Original<'r> {
+    fn described(
+        &self,
+        client_ip: Option<std::net::IpAddr>,
+        headers: &'r http::HeaderMap,
+        body: crate::service::DescribedBody<'r>,
+    ) -> crate::service::Described<'r> {
+        crate::service::Described {
+            method: self.method,
+            target: self.uri,
+            host: self.host,
+            client_ip,
+            headers,
+            body,
+        }
+    }
+
     fn of(req: &'r pingora::http::RequestHeader, endpoint: &str, envoy_method: &'r str) -> Self {
         let h = &req.headers;
         let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
@@ -374,7 +384,7 @@ impl<'r> Described<'r> {
             .path_and_query()
             .and_then(|pq| pq.as_str().strip_prefix(endpoint))
             .filter(|rest| rest.starts_with('/'));
-        Described {
+        Original {
             method: get("x-original-method").unwrap_or(match envoy_uri {
                 Some(_) => envoy_method,
                 None => "GET",
@@ -508,23 +518,14 @@ impl Admin {
                 let llm = self.gateway.meters_tokens().then(|| {
                     crate::llm::LlmRequest::parse_with(&body, self.gateway.tiktoken_encodings())
                 });
-                let described = Described::of(req, "/v1/explain", "GET");
+                let original = Original::of(req, "/v1/explain", "GET");
                 let client_ip = self.gateway.client_ip(peer, &req.headers, true);
-                operator_reply(
-                    self.gateway
-                        .explain_described(
-                            described.method,
-                            described.uri,
-                            described.host,
-                            client_ip,
-                            &req.headers,
-                            crate::service::DescribedBody {
-                                hash: body_hash,
-                                llm: llm.as_ref(),
-                            },
-                        )
-                        .await,
-                )
+                let body = crate::service::DescribedBody {
+                    hash: body_hash,
+                    llm: llm.as_ref(),
+                };
+                let described = original.described(client_ip, &req.headers, body);
+                operator_reply(self.gateway.explain_described(&described).await)
             }
         }
     }

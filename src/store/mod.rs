@@ -256,6 +256,22 @@ impl Health {
 /// longer than a decision's `--store-timeout-ms`, since nobody's request waits on it.
 pub(crate) const OPERATOR_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// An operator's read or reset, bounded by [`OPERATOR_TIMEOUT`]; the store's error text
+/// redacted.
+pub(crate) async fn operator_call<T, E: std::fmt::Display>(
+    call: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(OPERATOR_TIMEOUT, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(StoreError::Unavailable(
+            crate::redact::text(&e.to_string()).into_owned(),
+        )),
+        Err(_) => Err(StoreError::Unavailable(format!(
+            "no answer within {OPERATOR_TIMEOUT:?}"
+        ))),
+    }
+}
+
 /// Where the buckets live.
 pub enum Backend {
     /// The embedded bounded map (default).

@@ -497,26 +497,31 @@ impl PostgresStore {
 /// The operator's reads and resets (`/v1/buckets`, `/v1/explain`), bounded by
 /// [`super::OPERATOR_TIMEOUT`].
 impl PostgresStore {
-    async fn bounded<T>(
-        &self,
-        call: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, StoreError> {
-        match tokio::time::timeout(super::OPERATOR_TIMEOUT, call).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(StoreError::Unavailable(
-                crate::redact::text(&e.to_string()).into_owned(),
-            )),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "no answer within {:?}",
-                super::OPERATOR_TIMEOUT
-            ))),
-        }
-    }
-
     fn connected_client(&self) -> Result<Arc<tokio_postgres::Client>, StoreError> {
         self.client
             .load_full()
             .ok_or_else(|| StoreError::Unavailable("not connected".into()))
+    }
+
+    /// Runs an operator query whose first column is the key, over `keys` (`$1`, with `now` as
+    /// `$2` when given), and reads each key's row, if it has one.
+    async fn per_key<T>(
+        &self,
+        sql: &str,
+        keys: &[super::BucketKey],
+        now: Option<i64>,
+        read: impl Fn(Option<&tokio_postgres::Row>) -> T,
+    ) -> Result<Vec<T>, StoreError> {
+        let client = self.connected_client()?;
+        let names: Vec<String> = keys.iter().map(super::shared_key).collect();
+        let rows = match now {
+            Some(now) => super::operator_call(client.query(sql, &[&names, &now])).await?,
+            None => super::operator_call(client.query(sql, &[&names])).await?,
+        };
+        Ok(names
+            .iter()
+            .map(|name| read(rows.iter().find(|row| row.get::<_, &str>(0) == name)))
+            .collect())
     }
 
     /// Each bucket's stored state (`None`: no row, a full bucket).
@@ -527,25 +532,18 @@ impl PostgresStore {
         &self,
         keys: &[super::BucketKey],
     ) -> Result<Vec<Option<crate::limiter::BucketState>>, StoreError> {
-        let client = self.connected_client()?;
-        let names: Vec<String> = keys.iter().map(super::shared_key).collect();
-        let rows = self
-            .bounded(client.query(
-                "SELECT key, tokens, last_us FROM tollgate_buckets WHERE key = ANY ($1)",
-                &[&names],
-            ))
-            .await?;
-        Ok(names
-            .iter()
-            .map(|name| {
-                rows.iter()
-                    .find(|row| row.get::<_, &str>(0) == name)
-                    .map(|row| crate::limiter::BucketState {
-                        tokens: row.get::<_, i64>(1).max(0) as u64,
-                        last_us: row.get::<_, i64>(2).max(0) as u64,
-                    })
-            })
-            .collect())
+        self.per_key(
+            "SELECT key, tokens, last_us FROM tollgate_buckets WHERE key = ANY ($1)",
+            keys,
+            None,
+            |row| {
+                row.map(|row| crate::limiter::BucketState {
+                    tokens: row.get::<_, i64>(1).max(0) as u64,
+                    last_us: row.get::<_, i64>(2).max(0) as u64,
+                })
+            },
+        )
+        .await
     }
 
     /// Each lease set's live leases at `now_us`.
@@ -557,29 +555,18 @@ impl PostgresStore {
         now_us: u64,
         keys: &[super::BucketKey],
     ) -> Result<Vec<super::lease::Live>, StoreError> {
-        let client = self.connected_client()?;
-        let names: Vec<String> = keys.iter().map(super::shared_key).collect();
-        let now = now_us.min(i64::MAX as u64) as i64;
-        let rows = self
-            .bounded(client.query(
-                "SELECT key, count(*), min(expires_at_us) - $2 FROM tollgate_leases \
-                 WHERE key = ANY ($1) AND expires_at_us > $2 GROUP BY key",
-                &[&names, &now],
-            ))
-            .await?;
-        Ok(names
-            .iter()
-            .map(|name| {
-                rows.iter()
-                    .find(|row| row.get::<_, &str>(0) == name)
-                    .map_or_else(super::lease::Live::default, |row| {
-                        super::lease::Live::from_reply(&[
-                            row.get::<_, i64>(1),
-                            row.get::<_, i64>(2),
-                        ])
-                    })
-            })
-            .collect())
+        self.per_key(
+            "SELECT key, count(*), min(expires_at_us) - $2 FROM tollgate_leases \
+             WHERE key = ANY ($1) AND expires_at_us > $2 GROUP BY key",
+            keys,
+            Some(now_us.min(i64::MAX as u64) as i64),
+            |row| {
+                row.map_or_else(super::lease::Live::default, |row| {
+                    super::lease::Live::from_reply(&[row.get::<_, i64>(1), row.get::<_, i64>(2)])
+                })
+            },
+        )
+        .await
     }
 
     /// Deletes buckets and lease sets; returns how many rows went.
@@ -589,19 +576,12 @@ impl PostgresStore {
     pub async fn forget(&self, keys: &[super::BucketKey]) -> Result<u64, StoreError> {
         let client = self.connected_client()?;
         let names: Vec<String> = keys.iter().map(super::shared_key).collect();
-        let buckets = self
-            .bounded(client.execute(
-                "DELETE FROM tollgate_buckets WHERE key = ANY ($1)",
-                &[&names],
-            ))
-            .await?;
-        let leases = self
-            .bounded(client.execute(
-                "DELETE FROM tollgate_leases WHERE key = ANY ($1)",
-                &[&names],
-            ))
-            .await?;
-        Ok(buckets + leases)
+        let mut removed = 0;
+        for table in ["tollgate_buckets", "tollgate_leases"] {
+            let sql = format!("DELETE FROM {table} WHERE key = ANY ($1)");
+            removed += super::operator_call(client.execute(&sql, &[&names])).await?;
+        }
+        Ok(removed)
     }
 }
 

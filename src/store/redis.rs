@@ -889,22 +889,6 @@ impl RedisStore {
             .ok_or_else(|| StoreError::Unavailable("not connected".into()))
     }
 
-    async fn bounded<T>(
-        &self,
-        call: impl std::future::Future<Output = redis::RedisResult<T>>,
-    ) -> Result<T, StoreError> {
-        match tokio::time::timeout(super::OPERATOR_TIMEOUT, call).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(StoreError::Unavailable(
-                crate::redact::text(&e.to_string()).into_owned(),
-            )),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "no answer within {:?}",
-                super::OPERATOR_TIMEOUT
-            ))),
-        }
-    }
-
     /// Each bucket's stored state (`None`: no entry, a full bucket).
     ///
     /// # Errors
@@ -918,7 +902,7 @@ impl RedisStore {
         for key in keys {
             let mut cmd = redis::cmd("HMGET");
             cmd.arg(redis_key(key)).arg("t").arg("l");
-            let (t, l): (Option<f64>, Option<f64>) = self.bounded(conn.query(&cmd)).await?;
+            let (t, l): (Option<f64>, Option<f64>) = super::operator_call(conn.query(&cmd)).await?;
             states.push(match (t, l) {
                 (Some(t), Some(l)) => Some(BucketState {
                     tokens: t.max(0.0) as u64,
@@ -946,7 +930,7 @@ impl RedisStore {
             let name = redis_key(key);
             let mut count = redis::cmd("ZCOUNT");
             count.arg(&name).arg(&after).arg("+inf");
-            let count: i64 = self.bounded(conn.query(&count)).await?;
+            let count: i64 = super::operator_call(conn.query(&count)).await?;
             let mut first = redis::cmd("ZRANGEBYSCORE");
             first
                 .arg(&name)
@@ -956,7 +940,7 @@ impl RedisStore {
                 .arg("LIMIT")
                 .arg(0)
                 .arg(1);
-            let first: Vec<(String, f64)> = self.bounded(conn.query(&first)).await?;
+            let first: Vec<(String, f64)> = super::operator_call(conn.query(&first)).await?;
             let frees = first
                 .first()
                 .map_or(0, |(_, expires)| (*expires as i64) - now_us as i64);
@@ -982,7 +966,7 @@ impl RedisStore {
         for key in keys {
             let mut del = redis::cmd("DEL");
             del.arg(redis_key(key));
-            removed += self.bounded(conn.query::<u64>(&del)).await?;
+            removed += super::operator_call(conn.query::<u64>(&del)).await?;
         }
         Ok(removed)
     }
