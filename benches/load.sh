@@ -25,6 +25,11 @@
 # Then, once: the decision service alone with --threads 2 and no pinning (cores used,
 # decisions/s, decisions per CPU-second).
 #
+#   tg-redis       tg-1 on a Redis store (redis-server on core 0, with wrk and the upstream)
+#   tg-cluster     tg-1 on a 3-node Redis Cluster (core 0)
+#   tg-pg          tg-1 on PostgreSQL (core 0; needs Debian's postgresql, run as `postgres`)
+#                  The shared-store targets start their servers only when named in TARGETS;
+#                  every store error (a request failed open) is reported after the table.
 #   tg-1-base, tg-429-base  tg-1 and tg-429 run by the binary TG_BASE names (an earlier
 #                  build), interleaved with this build's: what a change costs, in one run
 #
@@ -48,6 +53,8 @@ UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=1890
 BARE_429=18907
 TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914; ENVOY_RLS=18915; TG_GRPC=18916
 TG_1_STATE=18918; TG_1_BASE=18919; TG_429_BASE=18926
+TG_REDIS=18931; TG_CLUSTER=18932; TG_PG=18933; REDIS_PORT=18960; CLUSTER_PORTS="18961 18962 18963"
+PG_PORT=18964
 
 # The upstream: its own nginx, on core 0 with wrk.
 nginx_conf upstream "server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 \"ok\\n\"; } }"
@@ -185,6 +192,48 @@ if [ -n "${TG_BASE:-}" ]; then
   TG_RUN=$TG_BASE start_tollgate $TG_1_BASE "$WORK/one.json" 18927; PID_TG_1_BASE=$LAST_PID
   TG_RUN=$TG_BASE start_tollgate $TG_429_BASE "$WORK/deny.json" 18928; PID_TG_429_BASE=$LAST_PID
 fi
+wants() { [[ " ${TARGETS:-} " == *" $1 "* ]]; }
+redis_on() { # port, extra flags...: a redis-server on core 0, without persistence
+  mkdir -p "$WORK/redis-$1"
+  taskset -c 0 redis-server --port "$1" --bind 127.0.0.1 --save '' --appendonly no \
+    --dir "$WORK/redis-$1" --daemonize yes --pidfile "$WORK/redis-$1.pid" "${@:2}" >/dev/null
+}
+# A shared store's gateway: its own admin port (for its store-error count), a 100 ms store
+# deadline so a loaded core never fails a request open.
+start_shared() { # port, admin port, store URL
+  start_tollgate "$1" "$WORK/one.json" "$2" --store "$3" --store-timeout-ms 100
+  for _ in $(seq 1 100); do
+    curl -s "127.0.0.1:$2/readyz" | grep -q '"store_status":"ok"' && return 0; sleep 0.1
+  done
+  echo "load.sh: the gateway on $3 never connected" >&2; exit 1
+}
+if wants tg-redis; then
+  redis_on $REDIS_PORT
+  start_shared $TG_REDIS 18934 "redis://127.0.0.1:$REDIS_PORT"; PID_TG_REDIS=$LAST_PID
+fi
+if wants tg-cluster; then
+  for p in $CLUSTER_PORTS; do redis_on "$p" --cluster-enabled yes --cluster-config-file "$WORK/nodes-$p.conf"; done
+  sleep 0.5
+  # shellcheck disable=SC2086
+  redis-cli --cluster create $(for p in $CLUSTER_PORTS; do printf '127.0.0.1:%s ' "$p"; done) \
+    --cluster-replicas 0 --cluster-yes >/dev/null
+  for _ in $(seq 1 100); do
+    redis-cli -p 18961 cluster info | grep -q cluster_state:ok && break; sleep 0.1
+  done
+  start_shared $TG_CLUSTER 18935 "redis+cluster://127.0.0.1:18961,127.0.0.1:18962,127.0.0.1:18963"
+  PID_TG_CLUSTER=$LAST_PID
+fi
+if wants tg-pg; then
+  PG_BIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
+  mkdir -p "$WORK/pg"; [ "$(id -u)" = 0 ] && chown -R postgres:postgres "$WORK/pg" && chmod 755 "$WORK"
+  as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+  as_pg "$PG_BIN/initdb" -U tollgate --auth=trust -E UTF8 -D "$WORK/pg/data" >/dev/null
+  as_pg taskset -c 0 "$PG_BIN/postgres" -D "$WORK/pg/data" -p $PG_PORT -c listen_addresses=127.0.0.1 \
+    -c fsync=off -c synchronous_commit=off -k "$WORK/pg" >/dev/null 2>&1 &
+  PIDS+=("$!")
+  for _ in $(seq 1 100); do "$PG_BIN/pg_isready" -h 127.0.0.1 -p $PG_PORT >/dev/null && break; sleep 0.1; done
+  start_shared $TG_PG 18936 "postgres://tollgate@127.0.0.1:$PG_PORT/postgres"; PID_TG_PG=$LAST_PID
+fi
 # The decision service for nginx auth_request: its admin listener on TG_DEC.
 taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen "127.0.0.1:$TG_DEC" --threads 1 2>"$WORK/tg-dec.log" &
 PID_TG_DEC=$!; PIDS+=("$PID_TG_DEC")
@@ -215,6 +264,9 @@ for round in $(seq 1 "$ROUNDS"); do
       nginx-429) port=$NGX_429; pids=$NGX_WORKER;;
       bare-429) port=$BARE_429; pids=$PID_BARE_429;;
       tg-429) port=$TG_429; pids=$PID_TG_429;;
+      tg-redis) port=$TG_REDIS; pids=$PID_TG_REDIS;;
+      tg-cluster) port=$TG_CLUSTER; pids=$PID_TG_CLUSTER;;
+      tg-pg) port=$TG_PG; pids=$PID_TG_PG;;
       tg-1-base) port=$TG_1_BASE; pids=$PID_TG_1_BASE;;
       tg-429-base) port=$TG_429_BASE; pids=$PID_TG_429_BASE;;
       authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
@@ -253,6 +305,9 @@ for t in $TARGETS; do
     nginx-429) name="nginx limit_req, every request refused (429)";;
     bare-429) name="bare Pingora, every request refused (429, same headers)";;
     tg-429) name="tollgate, every request refused (429)";;
+    tg-redis) name="tollgate, 1 rule, Redis store";;
+    tg-cluster) name="tollgate, 1 rule, Redis Cluster (3 nodes)";;
+    tg-pg) name="tollgate, 1 rule, PostgreSQL store";;
     tg-1-base) name="TG_BASE, 1 per-IP rule";;
     tg-429-base) name="TG_BASE, every request refused (429)";;
     authreq) name="nginx auth_request → tollgate (nginx + tollgate CPU)";;
@@ -278,6 +333,15 @@ line "tollgate no policy / bare Pingora, CPU per request:" tg-none bare
 line "tollgate 1 rule, state dir / in memory, CPU per request:" tg-1-state tg-1 "(target ≤ 1.05)"
 line "tollgate 429 / bare Pingora 429, CPU per refusal:" tg-429 bare-429
 line "tollgate 1 rule / bare Pingora, CPU per request:" tg-1 bare
+line "Redis / embedded store, 1 rule, CPU per request:" tg-redis tg-1 "(target ≤ 1.3)"
+line "Redis Cluster / embedded store, 1 rule, CPU per request:" tg-cluster tg-1 "(target ≤ 1.3)"
+line "PostgreSQL / embedded store, 1 rule, CPU per request:" tg-pg tg-1 "(target ≤ 1.3)"
+for t in tg-redis tg-cluster tg-pg; do
+  wants $t || continue
+  case $t in tg-redis) a=18934;; tg-cluster) a=18935;; tg-pg) a=18936;; esac
+  errors=$(curl -s "127.0.0.1:$a/metrics" | awk '/^tollgate_store_errors_total/ {print $2}')
+  echo "$t: store errors (requests failed open) during the run: ${errors:-0}"
+done
 line "this build / TG_BASE, 1 rule, CPU per request:" tg-1 tg-1-base
 line "this build / TG_BASE, refusal, CPU per request:" tg-429 tg-429-base
 # The decision service on every core: --threads 2, unpinned, wrk POSTing decisions.

@@ -254,6 +254,26 @@ pub struct RedisStore {
     time_offset_us: AtomicI64,
     /// The origin of the monotonic clock the offset is measured against.
     origin: std::time::Instant,
+    /// Tells this store's connections apart in [`LOCAL_CONNS`].
+    id: u64,
+}
+
+thread_local! {
+    /// Each worker thread's own connection to each store: a request's command is written, and
+    /// its answer read, by a task on the thread that waits for it. Through one shared
+    /// connection, every request handed its command to the connection's thread and was woken
+    /// back from it: two cross-thread wake-ups and context switches per request, the largest
+    /// part of a shared store's CPU cost. Concurrent requests of one thread still share their
+    /// writes (the connection pipelines whatever is queued when it writes).
+    static LOCAL_CONNS: std::cell::RefCell<Vec<LocalConn>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One thread's connection to one store, or the attempt at making it.
+struct LocalConn {
+    store: u64,
+    conn: Option<Arc<Conn>>,
+    connecting: bool,
+    next_attempt: std::time::Instant,
 }
 
 /// `time_offset_us` before the first measurement.
@@ -318,7 +338,78 @@ impl RedisStore {
             denied_hits: AtomicU64::new(0),
             time_offset_us: AtomicI64::new(TIME_UNKNOWN),
             origin: std::time::Instant::now(),
+            id: {
+                static NEXT: AtomicU64 = AtomicU64::new(1);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
         }))
+    }
+
+    /// A new connection (a reconnecting manager on one server, a cluster connection), driven
+    /// by a task on the runtime this is called on.
+    async fn connect(&self) -> redis::RedisResult<Conn> {
+        match &self.client {
+            Client::Single(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Duration::from_millis(500))
+                    .set_response_timeout(self.config.timeout.max(Duration::from_millis(1)))
+                    .set_number_of_retries(2)
+                    .set_max_delay(200);
+                ConnectionManager::new_with_config(client.clone(), config)
+                    .await
+                    .map(Conn::Single)
+            }
+            Client::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+        }
+    }
+
+    /// The connection a request's calls go on: this thread's own once it has one (see
+    /// [`LOCAL_CONNS`]), the shared one until then; `None` while not connected at all.
+    fn request_conn(self: &Arc<Self>) -> Option<Arc<Conn>> {
+        let shared = self.conn.load_full()?;
+        let on_own_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+        if !on_own_thread {
+            return Some(shared);
+        }
+        LOCAL_CONNS.with(|cell| {
+            let mut locals = cell.borrow_mut();
+            let now = std::time::Instant::now();
+            let local = match locals.iter_mut().position(|l| l.store == self.id) {
+                Some(i) => &mut locals[i],
+                None => {
+                    locals.push(LocalConn {
+                        store: self.id,
+                        conn: None,
+                        connecting: false,
+                        next_attempt: now,
+                    });
+                    let last = locals.len() - 1;
+                    &mut locals[last]
+                }
+            };
+            if let Some(conn) = &local.conn {
+                return Some(Arc::clone(conn));
+            }
+            if !local.connecting && now >= local.next_attempt {
+                local.connecting = true;
+                let store = Arc::clone(self);
+                // A current-thread runtime runs this task, and the connection's own driver, on
+                // this thread.
+                tokio::spawn(async move {
+                    let made = store.connect().await.ok().map(Arc::new);
+                    LOCAL_CONNS.with(|cell| {
+                        if let Some(l) = cell.borrow_mut().iter_mut().find(|l| l.store == store.id)
+                        {
+                            l.connecting = false;
+                            l.next_attempt = std::time::Instant::now() + Duration::from_secs(1);
+                            l.conn = made;
+                        }
+                    });
+                });
+            }
+            Some(shared)
+        })
     }
 
     /// Connects (or reconnects) in the background; at most one attempt at a time.
@@ -328,20 +419,7 @@ impl RedisStore {
         }
         let store = Arc::clone(self);
         tokio::spawn(async move {
-            let connected = match &store.client {
-                Client::Single(client) => {
-                    let config = ConnectionManagerConfig::new()
-                        .set_connection_timeout(Duration::from_millis(500))
-                        .set_response_timeout(store.config.timeout.max(Duration::from_millis(1)))
-                        .set_number_of_retries(2)
-                        .set_max_delay(200);
-                    ConnectionManager::new_with_config(client.clone(), config)
-                        .await
-                        .map(Conn::Single)
-                }
-                Client::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
-            };
-            match connected {
+            match store.connect().await {
                 Ok(conn) => {
                     tracing::info!(store = %crate::redact::url(&store.config.url), "connected to Redis");
                     store.measure_time_offset(&conn).await;
@@ -474,7 +552,7 @@ impl RedisStore {
     /// # Errors
     /// Redis unreachable, too slow or failing: nothing was spent (the caller fails open).
     pub async fn apply(
-        &self,
+        self: &Arc<Self>,
         now_us: u64,
         ops: &[BucketOp],
         results: &mut OpResults,
@@ -482,7 +560,7 @@ impl RedisStore {
         if self.answer_from_denied_cache(now_us, ops, results) {
             return Ok(());
         }
-        let Some(conn) = self.conn.load_full() else {
+        let Some(conn) = self.request_conn() else {
             self.failed("not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
@@ -593,14 +671,18 @@ impl RedisStore {
     ///
     /// # Errors
     /// Redis unreachable, too slow or failing.
-    pub async fn adjust(&self, now_us: u64, ops: &[super::AdjustOp]) -> Result<(), StoreError> {
+    pub async fn adjust(
+        self: &Arc<Self>,
+        now_us: u64,
+        ops: &[super::AdjustOp],
+    ) -> Result<(), StoreError> {
         {
             let mut cache = self.denied.lock();
             for op in ops {
                 cache.remove(&key128(&op.key));
             }
         }
-        let Some(conn) = self.conn.load_full() else {
+        let Some(conn) = self.request_conn() else {
             self.failed("not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
@@ -775,13 +857,13 @@ impl RedisStore {
     /// # Errors
     /// Redis unreachable or too slow: no lease is held (the caller fails open).
     pub async fn acquire(
-        &self,
+        self: &Arc<Self>,
         now_us: u64,
         id: u64,
         ops: &[super::lease::LeaseOp],
         results: &mut super::lease::LeaseResults,
     ) -> Result<(), StoreError> {
-        let Some(conn) = self.conn.load_full() else {
+        let Some(conn) = self.request_conn() else {
             self.failed("not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
@@ -858,8 +940,8 @@ impl RedisStore {
     }
 
     /// Gives lease `id` back on `keys`; a failure is logged (the lease then ends at its expiry).
-    pub async fn release(&self, id: u64, keys: &[super::BucketKey]) {
-        let Some(conn) = self.conn.load_full() else {
+    pub async fn release(self: &Arc<Self>, id: u64, keys: &[super::BucketKey]) {
+        let Some(conn) = self.request_conn() else {
             return;
         };
         let names: SmallVec<[String; 4]> = keys.iter().map(redis_key).collect();
