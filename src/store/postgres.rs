@@ -9,6 +9,7 @@
 
 use super::{outcomes_from, BucketOp, Group, Health, OpResults, StoreError};
 use arc_swap::ArcSwapOption;
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,57 +22,77 @@ CREATE TABLE IF NOT EXISTS tollgate_buckets (
     last_us    bigint NOT NULL,
     full_at_us bigint NOT NULL
 );
+CREATE OR REPLACE FUNCTION tollgate_take_batch(
+    reqs int[], keys text[], bursts bigint[], nums bigint[], dens bigint[], costs bigint[], grps int[],
+    now_us bigint, wins bigint[], wends bigint[]
+) RETURNS bigint[] LANGUAGE plpgsql AS $$
+-- Many requests' buckets in one statement: op i belongs to request reqs[i] (consecutive ops
+-- share a request). Every row of the batch is created and locked first, in key order (so
+-- concurrent batches never deadlock); then each request, in order, is checked and spent
+-- all-or-nothing per group exactly as if it ran alone, seeing what earlier requests of the
+-- batch spent. Answers, per request: enforce_ok, shadow_ok, then each op's tokens (minus its
+-- µs of debt for a bucket in debt).
+DECLARE
+    n int := coalesce(array_length(keys, 1), 0);
+    answer bigint[] := '{}';
+    avail bigint[]; lasts bigint[];
+    ok_e boolean; ok_s boolean;
+    t bigint; l bigint; a bigint; spent bigint;
+    first int := 1; stop int;
+BEGIN
+    INSERT INTO tollgate_buckets (key, tokens, last_us, full_at_us)
+        SELECT DISTINCT ON (k) k, b, now_us, now_us FROM unnest(keys, bursts) AS u(k, b) ORDER BY k
+        ON CONFLICT (key) DO NOTHING;
+    PERFORM 1 FROM tollgate_buckets WHERE key = ANY (keys) ORDER BY key FOR UPDATE;
+    WHILE first <= n LOOP
+        stop := first;
+        WHILE stop < n AND reqs[stop + 1] = reqs[first] LOOP stop := stop + 1; END LOOP;
+        avail := '{}'; lasts := '{}'; ok_e := true; ok_s := true;
+        FOR i IN first..stop LOOP
+            SELECT least(tokens, bursts[i]), last_us INTO t, l FROM tollgate_buckets WHERE key = keys[i];
+            IF wins[i] > 0 THEN
+                -- A budget window: `last_us` holds the window id; another window's row is full.
+                a := CASE WHEN l = wins[i] THEN t ELSE bursts[i] END;
+                l := wins[i];
+            ELSIF greatest(now_us - l, 0) >= ceil((bursts[i] - t)::numeric * dens[i] / nums[i]) THEN
+                a := bursts[i];
+            ELSE
+                a := least(bursts[i], t + floor(greatest(now_us - l, 0)::numeric * nums[i] / dens[i])::bigint);
+            END IF;
+            avail := avail || a;
+            lasts := lasts || CASE WHEN wins[i] > 0 THEN l ELSE greatest(l, now_us) END;
+            IF a < costs[i] THEN
+                IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
+            END IF;
+        END LOOP;
+        FOR i IN first..stop LOOP
+            IF (grps[i] = 0 AND ok_e) OR (grps[i] = 1 AND ok_e AND ok_s) THEN
+                spent := avail[i - first + 1] - costs[i];
+                UPDATE tollgate_buckets
+                   SET tokens = spent, last_us = lasts[i - first + 1],
+                       full_at_us = now_us + CASE WHEN wins[i] > 0 THEN wends[i]
+                           ELSE ceil((bursts[i] - spent)::numeric * dens[i] / nums[i])::bigint END
+                 WHERE key = keys[i];
+            END IF;
+        END LOOP;
+        answer := answer || ARRAY[ok_e::int, ok_s::int]::bigint[];
+        FOR i IN first..stop LOOP
+            answer := answer || CASE WHEN wins[i] = 0 AND avail[i - first + 1] = 0
+                AND lasts[i - first + 1] > now_us
+                THEN now_us - lasts[i - first + 1] ELSE avail[i - first + 1] END;
+        END LOOP;
+        first := stop + 1;
+    END LOOP;
+    RETURN answer;
+END $$;
+-- One request alone (gateways of earlier versions call this): a batch of one.
 CREATE OR REPLACE FUNCTION tollgate_take(
     keys text[], bursts bigint[], nums bigint[], dens bigint[], costs bigint[], grps int[], now_us bigint,
     wins bigint[], wends bigint[]
-) RETURNS bigint[] LANGUAGE plpgsql AS $$
-DECLARE
-    n int := coalesce(array_length(keys, 1), 0);
-    avail bigint[] := '{}';
-    answer bigint[] := '{}';
-    lasts bigint[] := '{}';
-    ok_e boolean := true;
-    ok_s boolean := true;
-    t bigint; l bigint; a bigint; spent bigint;
-BEGIN
-    INSERT INTO tollgate_buckets (key, tokens, last_us, full_at_us)
-        SELECT k, b, now_us, now_us FROM unnest(keys, bursts) AS u(k, b) ORDER BY k
-        ON CONFLICT (key) DO NOTHING;
-    PERFORM 1 FROM tollgate_buckets WHERE key = ANY (keys) ORDER BY key FOR UPDATE;
-    FOR i IN 1..n LOOP
-        SELECT least(tokens, bursts[i]), last_us INTO t, l FROM tollgate_buckets WHERE key = keys[i];
-        IF wins[i] > 0 THEN
-            -- A budget window: `last_us` holds the window id; another window's row is full.
-            a := CASE WHEN l = wins[i] THEN t ELSE bursts[i] END;
-            l := wins[i];
-        ELSIF greatest(now_us - l, 0) >= ceil((bursts[i] - t)::numeric * dens[i] / nums[i]) THEN
-            a := bursts[i];
-        ELSE
-            a := least(bursts[i], t + floor(greatest(now_us - l, 0)::numeric * nums[i] / dens[i])::bigint);
-        END IF;
-        avail := avail || a;
-        lasts := lasts || CASE WHEN wins[i] > 0 THEN l ELSE greatest(l, now_us) END;
-        IF a < costs[i] THEN
-            IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
-        END IF;
-    END LOOP;
-    FOR i IN 1..n LOOP
-        IF (grps[i] = 0 AND ok_e) OR (grps[i] = 1 AND ok_e AND ok_s) THEN
-            spent := avail[i] - costs[i];
-            UPDATE tollgate_buckets
-               SET tokens = spent, last_us = lasts[i],
-                   full_at_us = now_us + CASE WHEN wins[i] > 0 THEN wends[i]
-                       ELSE ceil((bursts[i] - spent)::numeric * dens[i] / nums[i])::bigint END
-             WHERE key = keys[i];
-        END IF;
-    END LOOP;
-    -- A bucket in debt (emptied, refilling from a time past now) answers minus its µs of debt.
-    FOR i IN 1..n LOOP
-        answer := answer || CASE WHEN wins[i] = 0 AND avail[i] = 0 AND lasts[i] > now_us
-            THEN now_us - lasts[i] ELSE avail[i] END;
-    END LOOP;
-    RETURN ARRAY[ok_e::int, ok_s::int]::bigint[] || answer;
-END $$;
+) RETURNS bigint[] LANGUAGE sql AS $$
+    SELECT tollgate_take_batch(array_fill(1, ARRAY[coalesce(array_length(keys, 1), 0)]), keys,
+        bursts, nums, dens, costs, grps, now_us, wins, wends)
+$$;
 
 -- Settles reservations (`token_bucket_llm`), each bucket with the embedded store's maths: a
 -- charge the bucket cannot cover moves its refill time past now (debt), a refund pays debt back
@@ -191,15 +212,102 @@ BEGIN
 END $$;
 "#;
 
-const TAKE: &str = "SELECT tollgate_take($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+const TAKE: &str = "SELECT tollgate_take_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
 /// The PostgreSQL store.
 pub struct PostgresStore {
     url: String,
     timeout: Duration,
-    client: ArcSwapOption<tokio_postgres::Client>,
+    client: ArcSwapOption<PgConn>,
     connecting: AtomicBool,
     health: Health,
+    /// This store's identity among the thread's own connections ([`super::thread_conn`]).
+    id: u64,
+}
+
+/// A connection, with the decision's statement prepared on it once (a statement sent as text
+/// is parsed, planned and described by the server on every call: a round trip of its own), and
+/// the requests waiting for its next batch.
+pub struct PgConn {
+    client: tokio_postgres::Client,
+    take: tokio_postgres::Statement,
+    batch: parking_lot::Mutex<Batch>,
+}
+
+/// Requests that arrived while a batch was in flight: they go in the next one.
+#[derive(Default)]
+struct Batch {
+    in_flight: bool,
+    waiting: Vec<Waiting>,
+}
+
+/// One request in a batch: its ops, its time, and where its answer goes (`now`, then
+/// enforce_ok, shadow_ok and each op's tokens).
+struct Waiting {
+    now_us: u64,
+    ops: SmallVec<[BucketOp; 4]>,
+    reply: tokio::sync::oneshot::Sender<Result<(u64, Vec<i64>), String>>,
+}
+
+/// `tollgate_take_batch`'s arrays for these requests' ops (request numbers from 1).
+#[allow(clippy::type_complexity)]
+fn batch_arrays(
+    requests: &[&[BucketOp]],
+) -> (
+    Vec<i32>,
+    Vec<String>,
+    Vec<i64>,
+    Vec<i64>,
+    Vec<i64>,
+    Vec<i64>,
+    Vec<i32>,
+    Vec<i64>,
+    Vec<i64>,
+) {
+    let n = requests.iter().map(|r| r.len()).sum::<usize>();
+    let mut arrays = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for (r, ops) in requests.iter().enumerate() {
+        for op in *ops {
+            let (num, den) = super::reduced_rate(&op.quota);
+            arrays.0.push(r as i32 + 1);
+            arrays.1.push(super::shared_key(&op.key));
+            arrays.2.push(op.quota.burst() as i64);
+            arrays.3.push(num as i64);
+            arrays.4.push(den as i64);
+            arrays.5.push(op.cost.min(i64::MAX as u64) as i64);
+            arrays.6.push(i32::from(op.group == Group::Shadow));
+            arrays
+                .7
+                .push(op.window.map_or(0, |w| w.id.min(i64::MAX as u64) as i64));
+            arrays.8.push(
+                op.window
+                    .map_or(0, |w| w.ends_in_us.min(i64::MAX as u64) as i64),
+            );
+        }
+    }
+    arrays
+}
+
+/// Most requests waiting for one connection's next batch; past it a request fails open at
+/// once rather than queueing behind a store that does not keep up.
+const MAX_WAITING: usize = 10_000;
+
+impl std::ops::Deref for PgConn {
+    type Target = tokio_postgres::Client;
+
+    fn deref(&self) -> &tokio_postgres::Client {
+        &self.client
+    }
 }
 
 impl PostgresStore {
@@ -221,6 +329,7 @@ impl PostgresStore {
             client: ArcSwapOption::empty(),
             connecting: AtomicBool::new(false),
             health: Health::default(),
+            id: super::next_store_id(),
         }))
     }
 
@@ -240,22 +349,7 @@ impl PostgresStore {
         }
         let store = Arc::clone(self);
         tokio::spawn(async move {
-            let attempt = async {
-                let (client, connection) = tokio_postgres::connect(&store.url, NoTls).await?;
-                let watcher = Arc::clone(&store);
-                tokio::spawn(async move {
-                    if let Err(e) = connection.await {
-                        watcher
-                            .health
-                            .failed(&redact(&watcher.url), &format!("connection lost: {e}"));
-                    }
-                    watcher.client.store(None);
-                });
-                client.batch_execute(SCHEMA).await?;
-                client.batch_execute(LEASE_SCHEMA).await?;
-                Ok::<_, tokio_postgres::Error>(client)
-            };
-            match tokio::time::timeout(Duration::from_secs(2), attempt).await {
+            match tokio::time::timeout(Duration::from_secs(2), store.open(true)).await {
                 Ok(Ok(client)) => {
                     tracing::info!(store = %redact(&store.url), "connected to PostgreSQL");
                     store.client.store(Some(Arc::new(client)));
@@ -272,68 +366,186 @@ impl PostgresStore {
         });
     }
 
-    /// Checks and spends every bucket of a request in one statement.
+    /// A new connection, driven by a task on the runtime this is called on: the process's
+    /// shared one (`shared`: it creates the schema, and its loss is a store failure) or a
+    /// worker thread's own (its loss only drops it: the next call makes another).
+    async fn open(self: &Arc<Self>, shared: bool) -> Result<PgConn, tokio_postgres::Error> {
+        let (client, connection) = tokio_postgres::connect(&self.url, NoTls).await?;
+        let watcher = Arc::clone(self);
+        tokio::spawn(async move {
+            let lost = connection.await;
+            if shared {
+                if let Err(e) = lost {
+                    watcher
+                        .health
+                        .failed(&redact(&watcher.url), &format!("connection lost: {e}"));
+                }
+                watcher.client.store(None);
+            } else {
+                super::forget_thread_conn(watcher.id);
+            }
+        });
+        if shared {
+            client.batch_execute(SCHEMA).await?;
+            client.batch_execute(LEASE_SCHEMA).await?;
+        }
+        let take = client.prepare(TAKE).await?;
+        Ok(PgConn {
+            client,
+            take,
+            batch: parking_lot::Mutex::new(Batch::default()),
+        })
+    }
+
+    /// The connection a request's statement goes on: this thread's own once it has one (see
+    /// [`super::thread_conn`]), the shared one until then; `None` while not connected.
+    fn request_conn(self: &Arc<Self>) -> Option<Arc<PgConn>> {
+        let shared = self.client.load_full()?;
+        let store = Arc::clone(self);
+        Some(super::thread_conn(self.id, shared, move || async move {
+            tokio::time::timeout(Duration::from_secs(2), store.open(false))
+                .await
+                .ok()?
+                .ok()
+        }))
+    }
+
+    /// Checks and spends every bucket of a request: in the next batch of its thread's
+    /// connection, which leaves at once when none is in flight, and otherwise carries every
+    /// request that arrived meanwhile in one statement (see `tollgate_take_batch`).
     ///
     /// # Errors
-    /// PostgreSQL unreachable, too slow or failing: nothing was spent (the caller fails open).
+    /// PostgreSQL unreachable, too slow or failing: the request fails open.
     pub async fn apply(
-        &self,
+        self: &Arc<Self>,
         now_us: u64,
         ops: &[BucketOp],
         results: &mut OpResults,
     ) -> Result<(), StoreError> {
-        let Some(client) = self.client.load_full() else {
+        let Some(conn) = self.request_conn() else {
             self.health.failed(&redact(&self.url), "not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        let keys: Vec<String> = ops.iter().map(|op| super::shared_key(&op.key)).collect();
-        let mut bursts = Vec::with_capacity(ops.len());
-        let mut nums = Vec::with_capacity(ops.len());
-        let mut dens = Vec::with_capacity(ops.len());
-        let mut costs = Vec::with_capacity(ops.len());
-        let mut groups = Vec::with_capacity(ops.len());
-        let mut windows = Vec::with_capacity(ops.len());
-        let mut window_ends = Vec::with_capacity(ops.len());
-        for op in ops {
-            windows.push(op.window.map_or(0, |w| w.id.min(i64::MAX as u64) as i64));
-            window_ends.push(
-                op.window
-                    .map_or(0, |w| w.ends_in_us.min(i64::MAX as u64) as i64),
-            );
-            let (num, den) = super::reduced_rate(&op.quota);
-            bursts.push(op.quota.burst() as i64);
-            nums.push(num as i64);
-            dens.push(den as i64);
-            costs.push(op.cost.min(i64::MAX as u64) as i64);
-            groups.push(i32::from(op.group == Group::Shadow));
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let lead = {
+            let mut batch = conn.batch.lock();
+            if batch.waiting.len() >= MAX_WAITING {
+                drop(batch);
+                self.health.failed(
+                    &redact(&self.url),
+                    "too many requests waiting for the store",
+                );
+                return Err(StoreError::Unavailable("queue full".into()));
+            }
+            batch.waiting.push(Waiting {
+                now_us,
+                ops: ops.iter().copied().collect(),
+                reply,
+            });
+            !std::mem::replace(&mut batch.in_flight, true)
+        };
+        if lead {
+            tokio::spawn(Arc::clone(self).send_batches(conn));
         }
+        let failure = match tokio::time::timeout(self.timeout, answer).await {
+            Ok(Ok(Ok((batch_now, values)))) => {
+                outcomes_from(
+                    batch_now,
+                    ops,
+                    values[0] == 1,
+                    values[1] == 1,
+                    &values[2..],
+                    results,
+                );
+                return Ok(());
+            }
+            Ok(Ok(Err(e))) => e,
+            Ok(Err(_)) => "the batch was dropped".to_string(),
+            Err(_) => "timeout".to_string(),
+        };
+        Err(StoreError::Unavailable(failure))
+    }
+
+    /// Sends the waiting requests in batches until none is left: one statement each, every
+    /// request's answer handed to it. A request that gave up waiting (failed open) is left out.
+    async fn send_batches(self: Arc<Self>, conn: Arc<PgConn>) {
+        loop {
+            let waiting = {
+                let mut batch = conn.batch.lock();
+                if batch.waiting.is_empty() {
+                    batch.in_flight = false;
+                    return;
+                }
+                std::mem::take(&mut batch.waiting)
+            };
+            let waiting: Vec<Waiting> = waiting
+                .into_iter()
+                .filter(|w| !w.reply.is_closed())
+                .collect();
+            if waiting.is_empty() {
+                continue;
+            }
+            let now_us = waiting.iter().map(|w| w.now_us).max().unwrap_or(0);
+            let ops = waiting.iter().map(|w| w.ops.len()).sum::<usize>();
+            let requests: Vec<&[BucketOp]> = waiting.iter().map(|w| w.ops.as_slice()).collect();
+            let (reqs, keys, bursts, nums, dens, costs, groups, windows, ends) =
+                batch_arrays(&requests);
+            let now = now_us.min(i64::MAX as u64) as i64;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] = [
+                &reqs, &keys, &bursts, &nums, &dens, &costs, &groups, &now, &windows, &ends,
+            ];
+            let call = async {
+                retry_serialization(|| conn.client.query_one(&conn.take, &params))
+                    .await
+                    .map(|row| row.get::<_, Vec<i64>>(0))
+            };
+            let expected = 2 * waiting.len() + ops;
+            match self.answer(call, expected).await {
+                Ok(values) => {
+                    let mut rest = values.as_slice();
+                    for w in waiting {
+                        let (mine, later) = rest.split_at(2 + w.ops.len());
+                        rest = later;
+                        let _ = w.reply.send(Ok((now_us, mine.to_vec())));
+                    }
+                }
+                // The server refused the statement (not a timeout: that would refuse each one
+                // alone too): each request again on its own, so one bad request fails alone.
+                Err(StoreError::Unavailable(e)) if waiting.len() > 1 && e != "timeout" => {
+                    for w in waiting {
+                        let answer = self.take_alone(&conn, w.now_us, &w.ops).await;
+                        let _ = w
+                            .reply
+                            .send(answer.map(|v| (w.now_us, v)).map_err(|e| e.to_string()));
+                    }
+                }
+                Err(e) => {
+                    for w in waiting {
+                        let _ = w.reply.send(Err(e.to_string()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One request's buckets in a statement of their own.
+    async fn take_alone(
+        &self,
+        conn: &PgConn,
+        now_us: u64,
+        ops: &[BucketOp],
+    ) -> Result<Vec<i64>, StoreError> {
+        let (reqs, keys, bursts, nums, dens, costs, groups, windows, ends) = batch_arrays(&[ops]);
         let now = now_us.min(i64::MAX as u64) as i64;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
-            &keys,
-            &bursts,
-            &nums,
-            &dens,
-            &costs,
-            &groups,
-            &now,
-            &windows,
-            &window_ends,
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 10] = [
+            &reqs, &keys, &bursts, &nums, &dens, &costs, &groups, &now, &windows, &ends,
         ];
         let call = async {
-            retry_serialization(|| client.query_one(TAKE, &params))
+            retry_serialization(|| conn.client.query_one(&conn.take, &params))
                 .await
                 .map(|row| row.get::<_, Vec<i64>>(0))
         };
-        let values = self.answer(call, ops.len() + 2).await?;
-        outcomes_from(
-            now_us,
-            ops,
-            values[0] == 1,
-            values[1] == 1,
-            &values[2..],
-            results,
-        );
-        Ok(())
+        self.answer(call, 2 + ops.len()).await
     }
 
     /// Settles reservations in one statement (`tollgate_settle`).
@@ -403,13 +615,13 @@ impl PostgresStore {
     /// # Errors
     /// PostgreSQL unreachable or too slow: no lease is held (the caller fails open).
     pub async fn acquire(
-        &self,
+        self: &Arc<Self>,
         now_us: u64,
         id: u64,
         ops: &[super::lease::LeaseOp],
         results: &mut super::lease::LeaseResults,
     ) -> Result<(), StoreError> {
-        let Some(client) = self.client.load_full() else {
+        let Some(client) = self.request_conn() else {
             self.health.failed(&redact(&self.url), "not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
@@ -448,8 +660,8 @@ impl PostgresStore {
     }
 
     /// Gives lease `id` back on `keys`; a failure is logged (the lease then ends at its expiry).
-    pub async fn release(&self, id: u64, keys: &[super::BucketKey]) {
-        let Some(client) = self.client.load_full() else {
+    pub async fn release(self: &Arc<Self>, id: u64, keys: &[super::BucketKey]) {
+        let Some(client) = self.request_conn() else {
             return;
         };
         let keys: Vec<String> = keys.iter().map(super::shared_key).collect();
@@ -497,7 +709,7 @@ impl PostgresStore {
 /// The operator's reads and resets (`/v1/buckets`, `/v1/explain`), bounded by
 /// [`super::OPERATOR_TIMEOUT`].
 impl PostgresStore {
-    fn connected_client(&self) -> Result<Arc<tokio_postgres::Client>, StoreError> {
+    fn connected_client(&self) -> Result<Arc<PgConn>, StoreError> {
         self.client
             .load_full()
             .ok_or_else(|| StoreError::Unavailable("not connected".into()))

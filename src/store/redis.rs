@@ -254,26 +254,8 @@ pub struct RedisStore {
     time_offset_us: AtomicI64,
     /// The origin of the monotonic clock the offset is measured against.
     origin: std::time::Instant,
-    /// Tells this store's connections apart in [`LOCAL_CONNS`].
+    /// This store's identity among the thread's own connections ([`super::thread_conn`]).
     id: u64,
-}
-
-thread_local! {
-    /// Each worker thread's own connection to each store: a request's command is written, and
-    /// its answer read, by a task on the thread that waits for it. Through one shared
-    /// connection, every request handed its command to the connection's thread and was woken
-    /// back from it: two cross-thread wake-ups and context switches per request, the largest
-    /// part of a shared store's CPU cost. Concurrent requests of one thread still share their
-    /// writes (the connection pipelines whatever is queued when it writes).
-    static LOCAL_CONNS: std::cell::RefCell<Vec<LocalConn>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// One thread's connection to one store, or the attempt at making it.
-struct LocalConn {
-    store: u64,
-    conn: Option<Arc<Conn>>,
-    connecting: bool,
-    next_attempt: std::time::Instant,
 }
 
 /// `time_offset_us` before the first measurement.
@@ -338,10 +320,7 @@ impl RedisStore {
             denied_hits: AtomicU64::new(0),
             time_offset_us: AtomicI64::new(TIME_UNKNOWN),
             origin: std::time::Instant::now(),
-            id: {
-                static NEXT: AtomicU64 = AtomicU64::new(1);
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            },
+            id: super::next_store_id(),
         }))
     }
 
@@ -364,52 +343,13 @@ impl RedisStore {
     }
 
     /// The connection a request's calls go on: this thread's own once it has one (see
-    /// [`LOCAL_CONNS`]), the shared one until then; `None` while not connected at all.
+    /// [`super::thread_conn`]), the shared one until then; `None` while not connected at all.
     fn request_conn(self: &Arc<Self>) -> Option<Arc<Conn>> {
         let shared = self.conn.load_full()?;
-        let on_own_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
-        if !on_own_thread {
-            return Some(shared);
-        }
-        LOCAL_CONNS.with(|cell| {
-            let mut locals = cell.borrow_mut();
-            let now = std::time::Instant::now();
-            let local = match locals.iter_mut().position(|l| l.store == self.id) {
-                Some(i) => &mut locals[i],
-                None => {
-                    locals.push(LocalConn {
-                        store: self.id,
-                        conn: None,
-                        connecting: false,
-                        next_attempt: now,
-                    });
-                    let last = locals.len() - 1;
-                    &mut locals[last]
-                }
-            };
-            if let Some(conn) = &local.conn {
-                return Some(Arc::clone(conn));
-            }
-            if !local.connecting && now >= local.next_attempt {
-                local.connecting = true;
-                let store = Arc::clone(self);
-                // A current-thread runtime runs this task, and the connection's own driver, on
-                // this thread.
-                tokio::spawn(async move {
-                    let made = store.connect().await.ok().map(Arc::new);
-                    LOCAL_CONNS.with(|cell| {
-                        if let Some(l) = cell.borrow_mut().iter_mut().find(|l| l.store == store.id)
-                        {
-                            l.connecting = false;
-                            l.next_attempt = std::time::Instant::now() + Duration::from_secs(1);
-                            l.conn = made;
-                        }
-                    });
-                });
-            }
-            Some(shared)
-        })
+        let store = Arc::clone(self);
+        Some(super::thread_conn(self.id, shared, move || async move {
+            store.connect().await.ok()
+        }))
     }
 
     /// Connects (or reconnects) in the background; at most one attempt at a time.
