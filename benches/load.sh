@@ -30,8 +30,11 @@
 #   tg-pg          tg-1 on PostgreSQL (core 0; needs Debian's postgresql, run as `postgres`)
 #                  The shared-store targets start their servers only when named in TARGETS;
 #                  every store error (a request failed open) is reported after the table.
-#   tg-1-base, tg-429-base  tg-1 and tg-429 run by the binary TG_BASE names (an earlier
-#                  build), interleaved with this build's: what a change costs, in one run
+#   tg-1-base, tg-429-base, tg-redis-base, tg-cluster-base, tg-pg-base
+#                  the same targets run by the binary TG_BASE names (an earlier build),
+#                  interleaved with this build's: what a change costs, in one run
+# With LATENCY=1, each target is then also run at 1, 32 and 256 connections (wrk --latency),
+# and its p50 and p99 latencies printed.
 #
 # Usage: [TARGETS="tg-1 tg-1-state"] [PROFILE=perf] [TG_BASE=/path/to/old/tollgate]
 #        bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
@@ -207,11 +210,11 @@ start_shared() { # port, admin port, store URL
   done
   echo "load.sh: the gateway on $3 never connected" >&2; exit 1
 }
-if wants tg-redis; then
+if wants tg-redis || wants tg-redis-base; then
   redis_on $REDIS_PORT
   start_shared $TG_REDIS 18934 "redis://127.0.0.1:$REDIS_PORT"; PID_TG_REDIS=$LAST_PID
 fi
-if wants tg-cluster; then
+if wants tg-cluster || wants tg-cluster-base; then
   for p in $CLUSTER_PORTS; do redis_on "$p" --cluster-enabled yes --cluster-config-file "$WORK/nodes-$p.conf"; done
   sleep 0.5
   # shellcheck disable=SC2086
@@ -223,7 +226,7 @@ if wants tg-cluster; then
   start_shared $TG_CLUSTER 18935 "redis+cluster://127.0.0.1:18961,127.0.0.1:18962,127.0.0.1:18963"
   PID_TG_CLUSTER=$LAST_PID
 fi
-if wants tg-pg; then
+if wants tg-pg || wants tg-pg-base; then
   PG_BIN=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
   mkdir -p "$WORK/pg"; [ "$(id -u)" = 0 ] && chown -R postgres:postgres "$WORK/pg" && chmod 755 "$WORK"
   as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
@@ -233,6 +236,11 @@ if wants tg-pg; then
   PIDS+=("$!")
   for _ in $(seq 1 100); do "$PG_BIN/pg_isready" -h 127.0.0.1 -p $PG_PORT >/dev/null && break; sleep 0.1; done
   start_shared $TG_PG 18936 "postgres://tollgate@127.0.0.1:$PG_PORT/postgres"; PID_TG_PG=$LAST_PID
+fi
+if [ -n "${TG_BASE:-}" ]; then
+  wants tg-redis-base && { TG_RUN=$TG_BASE start_shared 18937 18940 "redis://127.0.0.1:$REDIS_PORT"; PID_TG_REDIS_BASE=$LAST_PID; }
+  wants tg-cluster-base && { TG_RUN=$TG_BASE start_shared 18938 18941 "redis+cluster://127.0.0.1:18961,127.0.0.1:18962,127.0.0.1:18963"; PID_TG_CLUSTER_BASE=$LAST_PID; }
+  wants tg-pg-base && { TG_RUN=$TG_BASE start_shared 18939 18942 "postgres://tollgate@127.0.0.1:$PG_PORT/postgres"; PID_TG_PG_BASE=$LAST_PID; }
 fi
 # The decision service for nginx auth_request: its admin listener on TG_DEC.
 taskset -c 1 $TG run --policy "$WORK/one.json" --admin-listen "127.0.0.1:$TG_DEC" --threads 1 2>"$WORK/tg-dec.log" &
@@ -267,6 +275,9 @@ for round in $(seq 1 "$ROUNDS"); do
       tg-redis) port=$TG_REDIS; pids=$PID_TG_REDIS;;
       tg-cluster) port=$TG_CLUSTER; pids=$PID_TG_CLUSTER;;
       tg-pg) port=$TG_PG; pids=$PID_TG_PG;;
+      tg-redis-base) port=18937; pids=$PID_TG_REDIS_BASE;;
+      tg-cluster-base) port=18938; pids=$PID_TG_CLUSTER_BASE;;
+      tg-pg-base) port=18939; pids=$PID_TG_PG_BASE;;
       tg-1-base) port=$TG_1_BASE; pids=$PID_TG_1_BASE;;
       tg-429-base) port=$TG_429_BASE; pids=$PID_TG_429_BASE;;
       authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
@@ -308,6 +319,9 @@ for t in $TARGETS; do
     tg-redis) name="tollgate, 1 rule, Redis store";;
     tg-cluster) name="tollgate, 1 rule, Redis Cluster (3 nodes)";;
     tg-pg) name="tollgate, 1 rule, PostgreSQL store";;
+    tg-redis-base) name="TG_BASE, 1 rule, Redis store";;
+    tg-cluster-base) name="TG_BASE, 1 rule, Redis Cluster";;
+    tg-pg-base) name="TG_BASE, 1 rule, PostgreSQL store";;
     tg-1-base) name="TG_BASE, 1 per-IP rule";;
     tg-429-base) name="TG_BASE, every request refused (429)";;
     authreq) name="nginx auth_request → tollgate (nginx + tollgate CPU)";;
@@ -342,8 +356,27 @@ for t in tg-redis tg-cluster tg-pg; do
   errors=$(curl -s "127.0.0.1:$a/metrics" | awk '/^tollgate_store_errors_total/ {print $2}')
   echo "$t: store errors (requests failed open) during the run: ${errors:-0}"
 done
+line "this build / TG_BASE, Redis, CPU per request:" tg-redis tg-redis-base
+line "this build / TG_BASE, Redis Cluster, CPU per request:" tg-cluster tg-cluster-base
+line "this build / TG_BASE, PostgreSQL, CPU per request:" tg-pg tg-pg-base
 line "this build / TG_BASE, 1 rule, CPU per request:" tg-1 tg-1-base
 line "this build / TG_BASE, refusal, CPU per request:" tg-429 tg-429-base
+if [ -n "${LATENCY:-}" ]; then
+  echo; echo "| target | connections | req/s | p50 | p99 |"; echo "|---|---|---|---|---|"
+  for t in $TARGETS; do
+    case $t in
+      tg-1) port=$TG_1;; tg-redis) port=$TG_REDIS;; tg-cluster) port=$TG_CLUSTER;; tg-pg) port=$TG_PG;;
+      tg-redis-base) port=18937;; tg-cluster-base) port=18938;; tg-pg-base) port=18939;;
+      tg-1-base) port=$TG_1_BASE;; *) continue;;
+    esac
+    for c in 1 32 256; do
+      out=$(taskset -c 0 wrk -t1 -c$c -d"${SECS}s" --latency -H 'X-Api-Key: bench-key' "http://127.0.0.1:$port/v1/orders")
+      rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+      p50=$(echo "$out" | awk '$1 == "50%" {print $2}'); p99=$(echo "$out" | awk '$1 == "99%" {print $2}')
+      echo "| $t | $c | $rps | $p50 | $p99 |"
+    done
+  done
+fi
 # The decision service on every core: --threads 2, unpinned, wrk POSTing decisions.
 cat > "$WORK/post.lua" <<'LUA'
 wrk.method = "POST"

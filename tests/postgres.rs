@@ -242,3 +242,44 @@ fn operator_endpoints_on_postgres() {
     let pg = PgServer::start();
     support::assert_operator_endpoints_across_a_fleet(&pg.url());
 }
+
+/// Batching: requests that arrive while a statement is in flight share the next one, each
+/// still all-or-nothing and exact; a request the server refuses (here: a cost whose refill time
+/// overflows a bigint) fails alone, and the others of its batch are answered exactly.
+#[tokio::test]
+async fn a_failing_request_fails_alone_in_its_batch() {
+    use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+    use tollgate::store::{Group, OpResults};
+    let pg = PgServer::start();
+    let store = shared_store(&pg.url()).await;
+    let quota = Quota::new(5 * MICRO, MICRO, 3_600 * US_PER_SEC).unwrap();
+    let op = support::bucket_op("tb:batched:k", quota, Group::Enforce);
+    let mut poison = support::bucket_op(
+        "tb:poison:k",
+        Quota::new(i64::MAX as u64, 1, 1_000_000_000).unwrap(),
+        Group::Enforce,
+    );
+    poison.cost = i64::MAX as u64;
+    let now = 1_800_000_000 * US_PER_SEC;
+    // Eleven requests at once on one thread: the first leaves alone, the rest (the poisoned
+    // one among them) wait for it and go together.
+    let calls = (0..12).map(|i| {
+        let store = &store;
+        let ops = if i == 3 { [poison] } else { [op] };
+        async move {
+            let mut results = OpResults::new();
+            let answer = store.apply(now, &ops, &mut results).await;
+            answer.map(|()| results[0].verdict.allowed)
+        }
+    });
+    let answers = futures::future::join_all(calls).await;
+    assert!(answers[3].is_err(), "the poisoned request fails (open)");
+    let allowed = answers
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 3)
+        .map(|(_, a)| *a.as_ref().expect("the others are answered"))
+        .filter(|allowed| *allowed)
+        .count();
+    assert_eq!(allowed, 5, "{answers:?}");
+}
