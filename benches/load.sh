@@ -195,6 +195,7 @@ if [ -n "${TG_BASE:-}" ]; then
   TG_RUN=$TG_BASE start_tollgate $TG_1_BASE "$WORK/one.json" 18927; PID_TG_1_BASE=$LAST_PID
   TG_RUN=$TG_BASE start_tollgate $TG_429_BASE "$WORK/deny.json" 18928; PID_TG_429_BASE=$LAST_PID
 fi
+TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-1-state tg-5 tg-redis nginx-429 bare-429 tg-429 authreq envoy-rls"}
 wants() { [[ " ${TARGETS:-} " == *" $1 "* ]]; }
 redis_on() { # port, extra flags...: a redis-server on core 0, without persistence
   mkdir -p "$WORK/redis-$1"
@@ -257,7 +258,6 @@ NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 
 
 declare -A RPS CPU SHARE
-TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-1-state tg-5 nginx-429 bare-429 tg-429 authreq envoy-rls"}
 for round in $(seq 1 "$ROUNDS"); do
   for t in $TARGETS; do
     case $t in
