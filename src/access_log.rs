@@ -1,5 +1,6 @@
 //! Access logs: one line per proxied request (allowed or refused), nginx-combined-like text or
-//! JSON, written to standard output in one `write` per line; and request IDs (`X-Request-Id`
+//! JSON, queued for standard output ([`crate::log_line`]: written in batches, off the request
+//! path); and request IDs (`X-Request-Id`
 //! kept when the client sent a sane one, generated otherwise). Off by default: nothing here
 //! runs on the hot path unless `--access-log` asks for it.
 //!
@@ -7,10 +8,8 @@
 //! query parameters and JWT-shaped tokens masked), and client-controlled text is escaped.
 
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 /// `--access-log`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -149,77 +148,14 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
     }
 }
 
-/// Bytes of lines waiting for the writer thread, at most (then lines are dropped, counted).
-const BUFFER_LIMIT: usize = 4 << 20;
-/// The writer wakes early once this much is waiting.
-const FLUSH_AT: usize = 64 << 10;
-/// Longest a line waits before it is written.
-const FLUSH_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// Lines dropped because the writer fell behind (a stalled reader of standard output).
-pub static DROPPED: AtomicU64 = AtomicU64::new(0);
-
-struct Pending {
-    lines: parking_lot::Mutex<Vec<u8>>,
-    wake: parking_lot::Condvar,
-}
-
-/// Appends a formatted line to a memory buffer that a writer thread empties onto standard
-/// output every 100 ms (sooner past 64 KiB), in one `write` per batch, as nginx's
-/// `access_log ... buffer= flush=` does: a request never waits on I/O nor wakes a thread per
-/// line. When whatever reads standard output has stopped reading and 4 MiB are waiting, lines
-/// are dropped and counted (a warning at each power of two).
+/// Queues a formatted line for standard output (see [`crate::log_line`]): a request never
+/// waits on I/O.
 pub fn write(line: String) {
-    static PENDING: std::sync::OnceLock<Arc<Pending>> = std::sync::OnceLock::new();
-    if line.is_empty() {
-        return;
-    }
-    let pending = PENDING.get_or_init(|| {
-        let pending = Arc::new(Pending {
-            lines: parking_lot::Mutex::new(Vec::with_capacity(FLUSH_AT)),
-            wake: parking_lot::Condvar::new(),
-        });
-        let writer = Arc::clone(&pending);
-        let spawned = std::thread::Builder::new()
-            .name("tollgate-access-log".into())
-            .spawn(move || loop {
-                let batch = {
-                    let mut lines = writer.lines.lock();
-                    if lines.len() < FLUSH_AT {
-                        writer.wake.wait_for(&mut lines, FLUSH_EVERY);
-                    }
-                    std::mem::replace(&mut *lines, Vec::with_capacity(FLUSH_AT))
-                };
-                if !batch.is_empty() {
-                    // A closed pipe drops lines; logging never fails a request.
-                    let _ = std::io::stdout().lock().write_all(&batch);
-                }
-            });
-        if let Err(e) = spawned {
-            tracing::error!("access log writer thread: {e}");
-        }
-        pending
-    });
-    let mut lines = pending.lines.lock();
-    if lines.len() + line.len() > BUFFER_LIMIT {
-        drop(lines);
-        let dropped = DROPPED.fetch_add(1, Ordering::Relaxed);
-        if dropped.is_power_of_two() {
-            tracing::warn!(
-                dropped = dropped + 1,
-                "access log lines dropped: standard output is not being read fast enough"
-            );
-        }
-        return;
-    }
-    lines.extend_from_slice(line.as_bytes());
-    if lines.len() >= FLUSH_AT {
-        pending.wake.notify_one();
-    }
+    crate::log_line::stdout(line.as_bytes());
 }
 
 /// `,"name":"value"` (JSON-escaped) or `,"name":null`.
-fn json_field(line: &mut String, name: &str, value: Option<&str>) {
+pub(crate) fn json_field(line: &mut String, name: &str, value: Option<&str>) {
     let _ = write!(line, ",\"{name}\":");
     let Some(value) = value else {
         line.push_str("null");
@@ -278,7 +214,7 @@ fn civil(days: i64) -> (i64, u32, u32) {
     (year, month, day)
 }
 
-fn split_time(unix_ms: i64) -> (i64, u32, u32, i64, i64, i64, i64) {
+pub(crate) fn split_time(unix_ms: i64) -> (i64, u32, u32, i64, i64, i64, i64) {
     let secs = unix_ms.div_euclid(1000);
     let ms = unix_ms.rem_euclid(1000);
     let (y, mo, d) = civil(secs.div_euclid(86_400));

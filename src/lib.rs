@@ -43,6 +43,7 @@ pub mod import;
 pub mod limiter;
 pub mod llm;
 pub mod llm_encoding;
+pub mod log_line;
 pub mod metrics;
 pub mod operator;
 pub mod policy;

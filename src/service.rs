@@ -1075,10 +1075,29 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
         // The common case: nothing to say, and nothing formatted.
         return;
     }
-    let client_ip = facts
-        .client_ip
-        .map_or_else(|| "-".to_string(), |ip| ip.to_string());
-    let host = facts.host.unwrap_or("-");
+    // `RUST_LOG` decides, as for every other line (the callsite's interest is cached).
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let mut ip_text = String::new();
+    let client_ip = match facts.client_ip {
+        Some(ip) => {
+            let _ = std::fmt::Write::write_fmt(&mut ip_text, format_args!("{ip}"));
+            ip_text.as_str()
+        }
+        None => "-",
+    };
+    let line = crate::log_line::RateLimit {
+        client_ip,
+        host: facts.host.unwrap_or("-"),
+        path: facts.path,
+        status,
+        policy: "",
+        rule: "",
+        reason: "",
+        mode: "enforce",
+        detail: None,
+    };
     if let Decision::Refuse(refusal) = decision {
         let (policy, rule, detail) = match refusal.cause {
             Cause::Buckets => decision.rejecting_rule().map_or(("", "", ""), |r| {
@@ -1088,18 +1107,25 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
             Cause::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_ref()),
             Cause::Request => ("", "", ""),
         };
-        let reason = refusal.reason.as_str();
-        if detail.is_empty() {
-            tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status,
-                policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", "RATE_LIMIT");
-        } else {
-            tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status,
-                policy = %policy, rule = %rule, reason = %reason, mode = %"enforce", detail = %detail, "RATE_LIMIT");
+        crate::log_line::RateLimit {
+            policy,
+            rule,
+            reason: refusal.reason.as_str(),
+            detail: (!detail.is_empty()).then_some(detail),
+            ..line
         }
+        .write();
     }
     if let Some(rule) = shadow_missing {
-        tracing::info!(client_ip = %client_ip, host = %host, path = %facts.path, status = 401u16,
-            policy = %rule.policy_id, rule = %rule.name, reason = %"missing_descriptor", mode = %"shadow", "RATE_LIMIT");
+        crate::log_line::RateLimit {
+            status: 401,
+            policy: &rule.policy_id,
+            rule: &rule.name,
+            reason: "missing_descriptor",
+            mode: "shadow",
+            ..line
+        }
+        .write();
     }
     for shadow in decision.shadow_rejections() {
         let reason = if shadow.cost_exceeds {
@@ -1107,17 +1133,15 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
         } else {
             Reason::TokenBucketExceeded
         };
-        tracing::info!(
-            client_ip = %client_ip,
-            host = %host,
-            path = %facts.path,
-            status = 429u16,
-            policy = %shadow.rule.policy_id,
-            rule = %shadow.rule.name,
-            reason = %reason.as_str(),
-            mode = %Mode::Shadow.as_str(),
-            "RATE_LIMIT"
-        );
+        crate::log_line::RateLimit {
+            status: 429,
+            policy: &shadow.rule.policy_id,
+            rule: &shadow.rule.name,
+            reason: reason.as_str(),
+            mode: Mode::Shadow.as_str(),
+            ..line
+        }
+        .write();
     }
 }
 
@@ -1153,6 +1177,7 @@ pub fn init_logging(format: LogFormat) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    crate::log_line::set_json(format == LogFormat::Json);
     let result = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),

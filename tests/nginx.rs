@@ -109,7 +109,7 @@ fn nginx_auth_request_enforces_tollgate_decisions() {
         "refused requests never reach the upstream"
     );
     // tollgate saw the original request line.
-    assert!(gw.log_text().contains("path=/orders"), "{}", gw.log_text());
+    gw.wait_for_log("path=/orders");
     // tollgate gone: nginx fails open.
     drop(gw);
     let r = request(addr, "GET", "/orders", &[]);

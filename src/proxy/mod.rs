@@ -307,6 +307,7 @@ pub fn run(args: RunArgs) -> u8 {
             can_hand_over: config.upgrade_sock.is_some(),
         }),
     });
+    crate::log_line::flush();
     tracing::info!("tollgate stopped");
     EXIT_OK
 }

@@ -374,6 +374,12 @@ impl Gateway {
         }
     }
 
+    /// Waits until the log has `needle` (per-request lines are written in batches, within
+    /// 20 ms), at most 5 s.
+    pub fn wait_for_log(&self, needle: &str) {
+        self.wait_until(Duration::from_secs(5), || self.log_text().contains(needle));
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
