@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# Instructions per request, in user space, under callgrind (by hand, not CI): repeatable to a
-# fraction of a percent where CPU time on this VM swings ±20 %. Each target runs alone under
-# valgrind; after a warm-up the counters are zeroed, wrk sends requests for a while, and the
-# instructions counted are divided by the requests served. The kernel's share (about half of
-# the CPU time, loopback TCP) is not counted here: see benches/load.sh for CPU time.
+# Instructions per request, in user space, under callgrind: repeatable to a fraction of a
+# percent where CPU time on this VM swings ±20 %. Each target runs alone under valgrind; after a
+# warm-up the counters are zeroed, wrk sends requests for a while, and the instructions counted
+# are divided by the requests served. The kernel's share (about half of the CPU time, loopback
+# TCP) is not counted here: see benches/load.sh for CPU time.
 #
-# Usage: [KEEP=dir] bash benches/instructions.sh [seconds=8] [BINARY=target/perf/tollgate]
-# (KEEP keeps each profile for `callgrind_annotate --inclusive=yes`.)
+# Usage: [PROFILE=perf] [KEEP=dir] bash benches/instructions.sh [seconds=8] [BINARY]
+#   (KEEP keeps each profile for `callgrind_annotate --inclusive=yes`.)
+# The gate CI runs (release build; tollgate's no-policy, one-rule and refusal paths against
+# benches/instructions-baseline.txt; exit 1 when one costs over 3 % more):
+#   bash benches/instructions.sh --check
+#   bash benches/instructions.sh --write-baseline    (after a change that is meant to cost more
+#                                                     or less; commit the file with its reason)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=table
+case "${1:-}" in
+  --check) MODE=check; shift;;
+  --write-baseline) MODE=write; shift;;
+esac
+BASELINE=benches/instructions-baseline.txt
+if [ "$MODE" != table ]; then PROFILE=release; fi
+PROFILE=${PROFILE:-perf}
 SECS=${1:-8}
-TG=${2:-target/perf/tollgate}
-BARE=target/perf/examples/bare_proxy
+[ "$MODE" != table ] && SECS=4
+TG=${2:-target/$PROFILE/tollgate}
+BARE=target/$PROFILE/examples/bare_proxy
 bash scripts/install-deps.sh --load
-[ "$TG" = target/perf/tollgate ] && cargo build --profile perf --quiet --bin tollgate --example bare_proxy
+[ "$TG" = "target/$PROFILE/tollgate" ] && cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy
 command -v valgrind >/dev/null || { echo "instructions.sh: needs valgrind" >&2; exit 1; }
 WORK=$(mktemp -d)
 cleanup() { [ -f "$WORK/up.pid" ] && kill "$(cat "$WORK/up.pid")" 2>/dev/null; rm -rf "$WORK"; }
@@ -34,8 +48,9 @@ rule() { printf '{"rules": [{"name": "%s", "limit_keys": ["ip:address"], "algori
 rule per-ip 1000000000 1000000000 > "$WORK/one.json"
 rule deny 0.000001 1 > "$WORK/deny.json"
 
-measure() { # name, command...
-  local name=$1; shift
+declare -A IR
+measure() { # id, name, command...
+  local id=$1 name=$2; shift 2
   valgrind --tool=callgrind --callgrind-out-file="$WORK/cg.%p" "$@" >/dev/null 2>&1 &
   local pid=$!
   for _ in $(seq 1 120); do curl -s -o /dev/null "http://127.0.0.1:18951/" && break; sleep 0.5; done
@@ -48,7 +63,8 @@ measure() { # name, command...
   # The dump taken after zeroing has the highest part number.
   local dump; dump=$(ls -v "$WORK"/cg."$pid"* | tail -1)
   local ir; ir=$(awk '/^summary:/ {print $2}' "$dump")
-  awk -v name="$name" -v ir="$ir" -v n="$n" 'BEGIN { printf "| %s | %d | %.0f |\n", name, n, ir / n }'
+  IR[$id]=$(awk -v ir="$ir" -v n="$n" 'BEGIN { printf "%.0f", ir / n }')
+  printf '| %s | %d | %s |\n' "$name" "$n" "${IR[$id]}"
   # Keep the profile for callgrind_annotate when asked (KEEP=dir).
   if [ -n "${KEEP:-}" ]; then mkdir -p "$KEEP"; cp "$dump" "$KEEP/$(echo "$name" | tr -c 'a-zA-Z0-9\n' '-').callgrind"; fi
   rm -f "$WORK"/cg."$pid"*
@@ -56,8 +72,32 @@ measure() { # name, command...
 
 echo "| target | requests | user-space instructions per request |"
 echo "|---|---|---|"
-measure "bare Pingora proxy" $BARE 127.0.0.1:18951 127.0.0.1:18950
-measure "tollgate, no policy" $TG run --policy "$WORK/none.json" --wait-for-policy --listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1
-measure "tollgate, 1 per-IP rule" $TG run --policy "$WORK/one.json" --listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1
-measure "bare Pingora, 429 with the same headers" $BARE 127.0.0.1:18951 127.0.0.1:18950 --refuse
-measure "tollgate, every request refused" $TG run --policy "$WORK/deny.json" --listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1
+TG_ARGS=(--listen 127.0.0.1:18951 --upstream 127.0.0.1:18950 --admin-listen 127.0.0.1:18952 --threads 1)
+if [ "$MODE" = table ]; then
+  measure bare "bare Pingora proxy" $BARE 127.0.0.1:18951 127.0.0.1:18950
+fi
+measure none "tollgate, no policy" $TG run --policy "$WORK/none.json" --wait-for-policy "${TG_ARGS[@]}"
+measure one "tollgate, 1 per-IP rule" $TG run --policy "$WORK/one.json" "${TG_ARGS[@]}"
+if [ "$MODE" = table ]; then
+  measure bare429 "bare Pingora, 429 with the same headers" $BARE 127.0.0.1:18951 127.0.0.1:18950 --refuse
+fi
+measure refused "tollgate, every request refused" $TG run --policy "$WORK/deny.json" "${TG_ARGS[@]}"
+
+case $MODE in
+  write)
+    { echo "# User-space instructions per request (benches/instructions.sh --check compares against"
+      echo "# these; a path over 3 % above its line fails CI). Release build, made with --write-baseline."
+      for id in none one refused; do echo "$id ${IR[$id]}"; done; } > "$BASELINE"
+    echo "instructions.sh: wrote $BASELINE";;
+  check)
+    failed=0
+    for id in none one refused; do
+      base=$(awk -v id="$id" '$1 == id {print $2}' "$BASELINE")
+      [ -n "$base" ] || { echo "instructions.sh: $BASELINE has no line for $id" >&2; exit 1; }
+      verdict=$(awk -v now="${IR[$id]}" -v base="$base" 'BEGIN {
+        d = (now - base) * 100 / base; printf "%+.2f %%", d; if (d > 3) print " REGRESSION" }')
+      echo "$id: ${IR[$id]} instructions per request, baseline $base ($verdict)"
+      case $verdict in *REGRESSION*) failed=1;; esac
+    done
+    [ $failed = 0 ] || { echo "instructions.sh: over 3 % more instructions per request than the baseline" >&2; exit 1; };;
+esac

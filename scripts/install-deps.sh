@@ -12,7 +12,8 @@
 #   chromium - tests/operator.rs renders the /status page headless (and the README's
 #          screenshot is taken that way)
 #   prometheus - its promtool checks monitoring/alerts.yml (tests/operator.rs)
-#   wrk, h2load (nghttp2-client) - the load harnesses only (benches/), not needed by the tests
+#   wrk, h2load (nghttp2-client), valgrind - the load harnesses (benches/), and the instruction
+#          gate CI runs (benches/instructions.sh --check: callgrind under wrk)
 set -euo pipefail
 
 need=()
@@ -28,6 +29,7 @@ command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
   command -v h2load >/dev/null 2>&1 || need+=(nghttp2-client)
+  command -v valgrind >/dev/null 2>&1 || need+=(valgrind)
 fi
 [ ${#need[@]} -eq 0 ] && exit 0
 

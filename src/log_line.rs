@@ -158,8 +158,10 @@ const TARGET: &str = "tollgate::service";
 impl RateLimit<'_> {
     /// The whole line, newline included: `tracing`'s text layout
     /// (`<time>  INFO tollgate::service: RATE_LIMIT client_ip=... mode=enforce`) or its JSON one.
+    /// Written piece by piece (no `format!` machinery): this runs once per refusal.
     pub fn format(&self, unix_us: i64, json: bool) -> String {
-        let mut line = String::with_capacity(192 + self.path.len());
+        let mut line = String::with_capacity(224 + self.path.len());
+        let mut number = itoa::Buffer::new();
         if json {
             line.push_str("{\"timestamp\":\"");
             push_rfc3339_us(&mut line, unix_us);
@@ -168,7 +170,8 @@ impl RateLimit<'_> {
             j(&mut line, "client_ip", Some(self.client_ip));
             j(&mut line, "host", Some(self.host));
             j(&mut line, "path", Some(self.path));
-            let _ = write!(line, ",\"status\":{}", self.status);
+            line.push_str(",\"status\":");
+            line.push_str(number.format(self.status));
             j(&mut line, "policy", Some(self.policy));
             j(&mut line, "rule", Some(self.rule));
             j(&mut line, "reason", Some(self.reason));
@@ -176,23 +179,30 @@ impl RateLimit<'_> {
             if let Some(detail) = self.detail {
                 j(&mut line, "detail", Some(detail));
             }
-            let _ = writeln!(line, ",\"target\":\"{TARGET}\"}}");
+            line.push_str(",\"target\":\"");
+            line.push_str(TARGET);
+            line.push_str("\"}\n");
         } else {
             push_rfc3339_us(&mut line, unix_us);
-            let _ = write!(
-                line,
-                "  INFO {TARGET}: RATE_LIMIT client_ip={} host={} path={} status={} policy={} rule={} reason={} mode={}",
-                self.client_ip,
-                self.host,
-                self.path,
-                self.status,
-                self.policy,
-                self.rule,
-                self.reason,
-                self.mode
-            );
+            line.push_str("  INFO ");
+            line.push_str(TARGET);
+            line.push_str(": RATE_LIMIT");
+            for (name, value) in [
+                (" client_ip=", self.client_ip),
+                (" host=", self.host),
+                (" path=", self.path),
+                (" status=", number.format(self.status)),
+                (" policy=", self.policy),
+                (" rule=", self.rule),
+                (" reason=", self.reason),
+                (" mode=", self.mode),
+            ] {
+                line.push_str(name);
+                line.push_str(value);
+            }
             if let Some(detail) = self.detail {
-                let _ = write!(line, " detail={detail}");
+                line.push_str(" detail=");
+                line.push_str(detail);
             }
             line.push('\n');
         }
@@ -211,11 +221,52 @@ impl RateLimit<'_> {
     }
 }
 
-/// `2026-11-22T10:33:26.123456Z`, as `tracing` writes times.
+/// `2026-11-22T10:33:26.123456Z`, as `tracing` writes times. The date and time of day are
+/// formatted once per second per thread; the microseconds are six digits pushed in place.
 fn push_rfc3339_us(out: &mut String, unix_us: i64) {
-    let (y, mo, d, h, mi, s, ms) = crate::access_log::split_time(unix_us.div_euclid(1000));
-    let us = ms * 1000 + unix_us.rem_euclid(1000);
-    let _ = write!(out, "{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{us:06}Z");
+    thread_local! {
+        static SECOND: std::cell::RefCell<(i64, String)> =
+            const { std::cell::RefCell::new((i64::MIN, String::new())) };
+    }
+    let secs = unix_us.div_euclid(1_000_000);
+    let micros = unix_us.rem_euclid(1_000_000);
+    SECOND.with(|cell| {
+        let mut second = cell.borrow_mut();
+        if second.0 != secs {
+            let (y, mo, d, h, mi, s, _) = crate::access_log::split_time(secs * 1000);
+            second.1.clear();
+            let _ = write!(second.1, "{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}");
+            second.0 = secs;
+        }
+        out.push_str(&second.1);
+    });
+    out.push('.');
+    let mut digits = [b'0'; 6];
+    let mut rest = micros;
+    for digit in digits.iter_mut().rev() {
+        *digit = b'0' + (rest % 10) as u8;
+        rest /= 10;
+    }
+    out.push_str(std::str::from_utf8(&digits).unwrap_or("000000"));
+    out.push('Z');
+}
+
+/// A client address as text, without the formatting machinery for the common IPv4 case.
+pub fn push_ip(out: &mut String, ip: std::net::IpAddr) {
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            let mut number = itoa::Buffer::new();
+            for (i, octet) in v4.octets().iter().enumerate() {
+                if i > 0 {
+                    out.push('.');
+                }
+                out.push_str(number.format(*octet));
+            }
+        }
+        std::net::IpAddr::V6(v6) => {
+            let _ = write!(out, "{v6}");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -249,6 +300,22 @@ mod tests {
         assert!(killed
             .format(0, false)
             .ends_with(" mode=enforce detail=abuse\n"));
+    }
+
+    #[test]
+    fn addresses_read_as_the_standard_library_writes_them() {
+        for ip in [
+            "203.0.113.7",
+            "0.0.0.0",
+            "255.255.255.255",
+            "2001:db8::1",
+            "::1",
+        ] {
+            let ip: std::net::IpAddr = ip.parse().unwrap();
+            let mut out = String::new();
+            push_ip(&mut out, ip);
+            assert_eq!(out, ip.to_string());
+        }
     }
 
     #[test]

@@ -1082,7 +1082,7 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
     let mut ip_text = String::new();
     let client_ip = match facts.client_ip {
         Some(ip) => {
-            let _ = std::fmt::Write::write_fmt(&mut ip_text, format_args!("{ip}"));
+            crate::log_line::push_ip(&mut ip_text, ip);
             ip_text.as_str()
         }
         None => "-",
@@ -1212,6 +1212,12 @@ impl log::Log for RedactingLog {
     }
 
     fn log(&self, record: &log::Record<'_>) {
+        // Info records are shown at debug level (below): not formatted at all unless debug is on.
+        if record.level() == log::Level::Info
+            && !tracing::enabled!(target: "pingora", tracing::Level::DEBUG)
+        {
+            return;
+        }
         let text = record.args().to_string();
         let message = crate::redact::text(&text);
         let origin = record.target();
