@@ -85,6 +85,15 @@ pub struct RunArgs {
     /// --admin-token read from a file (its first line), so it never shows in `ps`.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
+    /// ASN → type map for the `ip:type` descriptor, in nginx `map` format (`72 business;`,
+    /// `default unknown;`). Reloaded on SIGHUP and when it changes; a bad file keeps the last
+    /// good one.
+    #[arg(long, env = "TOLLGATE_ASN_TYPE_MAP")]
+    pub asn_type_map: Option<PathBuf>,
+    /// Tor exit list for the `ip:tor` descriptor: one address or CIDR per line (or nginx `geo`
+    /// lines `1.2.3.4 1;`). Reloaded on SIGHUP and when it changes.
+    #[arg(long, env = "TOLLGATE_TOR_EXITS")]
+    pub tor_exits: Option<PathBuf>,
     /// Start even when --policy does not exist yet (an orchestrator mounts it later): until a
     /// valid bundle appears, the proxy forwards everything unlimited and decisions answer 503.
     /// Without it, a missing policy file stops start-up with exit code 1.

@@ -99,6 +99,9 @@ pub struct Config {
     pub admin_token: Option<crate::operator::AdminToken>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
     pub wait_for_policy: bool,
+    /// `--asn-type-map` and `--tor-exits` ([`crate::network`]).
+    pub asn_type_map: Option<PathBuf>,
+    pub tor_exits: Option<PathBuf>,
 }
 
 /// HTTPS on the proxy (`--tls-cert`/`--tls-key`, `--listen-tls`).
@@ -398,6 +401,8 @@ impl Config {
             },
             admin_token,
             wait_for_policy: args.wait_for_policy,
+            asn_type_map: args.asn_type_map.clone(),
+            tor_exits: args.tor_exits.clone(),
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),

@@ -95,6 +95,12 @@ pub struct RequestFacts<'a> {
     pub body_hash: Option<u64>,
     /// What an LLM request body asks for, when the front end read it (`token_bucket_llm`).
     pub llm: Option<&'a crate::llm::LlmRequest>,
+    /// The request came from a `--trusted-proxy` (or is described by a gateway calling the
+    /// decision service): its network headers (`X-Country-Code`...) may be believed.
+    pub trusted_peer: bool,
+    /// The client's network (`ip:country`, `ip:asn`, `ip:type`, `ip:tor`), when the bundle in
+    /// force reads it ([`crate::network`]).
+    pub network: Option<&'a crate::network::NetworkFacts>,
 }
 
 /// One descriptor of an Envoy `ShouldRateLimit` call: its request's `domain` and its
@@ -187,6 +193,8 @@ impl<'a> RequestFacts<'a> {
             envoy: None,
             body_hash: None,
             llm: None,
+            trusted_peer: false,
+            network: None,
         }
     }
 
@@ -236,6 +244,33 @@ impl<'a> RequestFacts<'a> {
     pub fn with_llm(mut self, llm: Option<&'a crate::llm::LlmRequest>) -> Self {
         self.llm = llm;
         self
+    }
+
+    /// The same facts, from a trusted peer or not (see [`RequestFacts::trusted_peer`]).
+    pub fn with_trusted_peer(mut self, trusted: bool) -> Self {
+        self.trusted_peer = trusted;
+        self
+    }
+
+    /// A copy of these facts with the client's network facts.
+    pub fn with_network<'n>(
+        &'n self,
+        network: &'n crate::network::NetworkFacts,
+    ) -> RequestFacts<'n> {
+        RequestFacts {
+            method: self.method,
+            path: Cow::Borrowed(&self.path),
+            query: self.query,
+            host: self.host,
+            client_ip: self.client_ip,
+            headers: self.headers,
+            claims: self.claims,
+            envoy: self.envoy,
+            body_hash: self.body_hash,
+            llm: self.llm,
+            trusted_peer: self.trusted_peer,
+            network: Some(network),
+        }
     }
 
     /// Appends what makes two requests identical for `loop_detection`: method, path, the query
@@ -543,12 +578,23 @@ pub enum Descriptor {
     Domain,
     /// `descriptor_keys`: an Envoy descriptor's entry keys in order, joined with `,`.
     EntryKeys,
+    /// `ip:country`, `ip:asn`, `ip:type`, `ip:tor`: the client's network ([`crate::network`]).
+    Network(NetworkKey),
+}
+
+/// Which network fact a `Descriptor::Network` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NetworkKey {
+    Country,
+    Asn,
+    Type,
+    Tor,
 }
 
 /// Why a descriptor string is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
-    #[error("unknown descriptor '{0}' (expected ip:address, header:<name>, query:<name>, jwt:<claim>, method, path, host, descriptor:<key>, domain or descriptor_keys)")]
+    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, descriptor:<key>, domain or descriptor_keys)")]
     Unknown(String),
     #[error("descriptor '{0}' needs a name after the colon")]
     EmptyName(String),
@@ -577,6 +623,10 @@ impl Descriptor {
             "host" => return Ok(Descriptor::Host),
             "domain" => return Ok(Descriptor::Domain),
             "descriptor_keys" => return Ok(Descriptor::EntryKeys),
+            "ip:country" => return Ok(Descriptor::Network(NetworkKey::Country)),
+            "ip:asn" => return Ok(Descriptor::Network(NetworkKey::Asn)),
+            "ip:type" => return Ok(Descriptor::Network(NetworkKey::Type)),
+            "ip:tor" => return Ok(Descriptor::Network(NetworkKey::Tor)),
             _ => {}
         }
         if let Some(bits) = text.strip_prefix("ip:address/") {
@@ -624,6 +674,15 @@ impl Descriptor {
                 .envoy
                 .map(|e| Cow::Owned(e.domain.to_ascii_lowercase())),
             Descriptor::EntryKeys => facts.envoy.map(|e| Cow::Owned(e.keys())),
+            Descriptor::Network(key) => {
+                let network = facts.network?;
+                match key {
+                    NetworkKey::Country => network.country.as_deref().map(Cow::Borrowed),
+                    NetworkKey::Asn => network.asn.as_deref().map(Cow::Borrowed),
+                    NetworkKey::Type => network.asn_type.as_deref().map(Cow::Borrowed),
+                    NetworkKey::Tor => network.tor.map(Cow::Borrowed),
+                }
+            }
         }
     }
 }
@@ -642,6 +701,10 @@ impl std::fmt::Display for Descriptor {
             Descriptor::Entry(key) => write!(f, "descriptor:{key}"),
             Descriptor::Domain => f.write_str("domain"),
             Descriptor::EntryKeys => f.write_str("descriptor_keys"),
+            Descriptor::Network(NetworkKey::Country) => f.write_str("ip:country"),
+            Descriptor::Network(NetworkKey::Asn) => f.write_str("ip:asn"),
+            Descriptor::Network(NetworkKey::Type) => f.write_str("ip:type"),
+            Descriptor::Network(NetworkKey::Tor) => f.write_str("ip:tor"),
         }
     }
 }

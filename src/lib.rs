@@ -45,6 +45,7 @@ pub mod llm;
 pub mod llm_encoding;
 pub mod log_line;
 pub mod metrics;
+pub mod network;
 pub mod operator;
 pub mod policy;
 pub mod proxy;

@@ -59,6 +59,8 @@ pub enum StartError {
     ReasonHeader,
     #[error(transparent)]
     State(#[from] crate::store::state_file::StateError),
+    #[error("{0}")]
+    Network(String),
 }
 
 /// Headers of an `http` request, for the engine.
@@ -90,6 +92,9 @@ pub struct Gateway {
     pub(crate) loaded: ArcSwapOption<LoadedPolicy>,
     /// The buckets limited most over the last minute (`/v1/top`, the status page).
     pub(crate) top: Mutex<crate::operator::top::TopSketch>,
+    /// `--asn-type-map` and `--tor-exits` in force, and the files' signatures last read.
+    network: arc_swap::ArcSwap<crate::network::NetworkData>,
+    network_watch: Mutex<[Option<FileSignature>; 2]>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
     watch: Mutex<(Option<FileSignature>, Option<String>)>,
@@ -184,7 +189,7 @@ impl Gateway {
         let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
         let header_config =
             HeaderConfig::new(reason_header).map_err(|_| StartError::ReasonHeader)?;
-        Ok(Gateway {
+        let gateway = Gateway {
             metrics: Metrics::new(store.kind()),
             header_config,
             verifier,
@@ -196,6 +201,8 @@ impl Gateway {
             policy: ArcSwapOption::empty(),
             loaded: ArcSwapOption::empty(),
             top: Mutex::new(crate::operator::top::TopSketch::default()),
+            network: arc_swap::ArcSwap::from_pointee(crate::network::NetworkData::default()),
+            network_watch: Mutex::new([None, None]),
             watch: Mutex::new((None, None)),
             held: Mutex::new(ahash::AHashMap::new()),
             reservation_key: match (&config.reservation_secret, &config.state_dir) {
@@ -208,6 +215,73 @@ impl Gateway {
                 (None, _) => None,
             },
             config,
+        };
+        gateway
+            .load_network("startup")
+            .map_err(StartError::Network)?;
+        Ok(gateway)
+    }
+
+    /// Reads `--asn-type-map` and `--tor-exits` (when given) into the data `ip:type` and
+    /// `ip:tor` read. A file that cannot be read or parsed keeps the data in force.
+    ///
+    /// # Errors
+    /// The file and line that could not be read.
+    pub fn load_network(&self, trigger: &str) -> Result<(), String> {
+        let paths = [&self.config.asn_type_map, &self.config.tor_exits];
+        if paths.iter().all(|p| p.is_none()) {
+            return Ok(());
+        }
+        let read = |path: &Option<std::path::PathBuf>, flag: &str| {
+            path.as_ref()
+                .map(|p| {
+                    std::fs::read_to_string(p)
+                        .map_err(|e| format!("{flag} {}: cannot read it: {e}", p.display()))
+                })
+                .transpose()
+        };
+        let signatures = paths.map(|p| p.as_deref().and_then(signature));
+        let loaded = read(paths[0], "--asn-type-map").and_then(|map| {
+            let tor = read(paths[1], "--tor-exits")?;
+            crate::network::NetworkData::parse(map.as_deref(), tor.as_deref())
+        });
+        *self.network_watch.lock() = signatures;
+        match loaded {
+            Ok(data) => {
+                let (types, exits) = data.sizes();
+                tracing::info!(
+                    trigger,
+                    asn_types = types,
+                    tor_exits = exits,
+                    "network data loaded"
+                );
+                self.network.store(Arc::new(data));
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(
+                    trigger,
+                    "network data not reloaded, keeping the previous: {e}"
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// The client's network facts, when the bundle in force reads them.
+    pub(crate) fn network_facts(
+        &self,
+        facts: &RequestFacts<'_>,
+    ) -> Option<crate::network::NetworkFacts> {
+        let uses = self
+            .policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.uses_network);
+        uses.then(|| {
+            self.network
+                .load()
+                .resolve(facts.client_ip, facts.headers, facts.trusted_peer)
         })
     }
 
@@ -270,6 +344,9 @@ impl Gateway {
     /// # Errors
     /// The file could not be read, parsed or validated.
     pub fn load_policy(&self, trigger: &str) -> Result<(), PolicyError> {
+        if trigger != "startup" {
+            let _ = self.load_network(trigger);
+        }
         if let Err(e) = self.verifier.reload_jwks() {
             tracing::error!(
                 trigger,
@@ -329,6 +406,11 @@ impl Gateway {
                 tracing::error!("JWKS reload failed, keeping the previous keys: {e}")
             }
             None => {}
+        }
+        let paths = [&self.config.asn_type_map, &self.config.tor_exits];
+        let now = paths.map(|p| p.as_deref().and_then(signature));
+        if *self.network_watch.lock() != now {
+            let _ = self.load_network("file_change");
         }
         self.reload_policy_if_changed();
     }
@@ -677,6 +759,15 @@ impl Gateway {
     /// on this thread without suspending; a shared store is awaited here, with the bundle held
     /// as an `Arc` (an `arc_swap` guard must not live across a network call).
     pub async fn decide(&self, facts: &RequestFacts<'_>) -> Answer {
+        let network = self.network_facts(facts);
+        let with_network;
+        let facts = match &network {
+            Some(network) => {
+                with_network = facts.with_network(network);
+                &with_network
+            }
+            None => facts,
+        };
         let answer = self.decide_now(facts).await;
         // A budget's throttle stage: the request goes on, later (Fairvisor sleeps too).
         if answer.throttle_ms > 0 {
@@ -865,7 +956,9 @@ impl Gateway {
         )?
         .with_claims(claims)
         .with_body_hash(described.body.hash)
-        .with_llm(described.body.llm))
+        .with_llm(described.body.llm)
+        // The caller is a gateway by role: its network headers are believed.
+        .with_trusted_peer(true))
     }
 
     /// Answers an Envoy `ShouldRateLimit` call ([`crate::rls`]): every descriptor's buckets in

@@ -314,9 +314,18 @@ impl Gateway {
                 &json!({"decision": "refuse", "status": 400, "reason": "encoded_slash", "spent": false, "rules": [], "slots": []}),
             );
         };
+        let network = self.network_facts(&facts);
+        let with_network;
+        let facts = match &network {
+            Some(network) => {
+                with_network = facts.with_network(network);
+                &with_network
+            }
+            None => &facts,
+        };
         let unix_us = self.clock.unix_us();
         let explained =
-            super::explain(&self.store, &bundle, &facts, unix_us, self.engine_config).await;
+            super::explain(&self.store, &bundle, facts, unix_us, self.engine_config).await;
         let mut explained = match explained {
             Ok(value) => value,
             Err(e) => return Reply::error(503, e),

@@ -330,6 +330,10 @@ impl Compiler {
         self.rules.shrink_to_fit();
         self.kill_switches.shrink_to_fit();
         let fingerprints_bodies = self.policies.iter().any(|p| p.loop_detection.is_some());
+        let network = |d: &Descriptor| matches!(d, Descriptor::Network(_));
+        let uses_network = self.rules.iter().any(|r| {
+            r.limit_keys.iter().any(network) || r.conditions.iter().any(|c| network(&c.descriptor))
+        }) || self.kill_switches.iter().any(|k| network(&k.scope));
         let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
         let tiktoken = self
             .rules
@@ -354,6 +358,7 @@ impl Compiler {
             kill_switch_override: self.kill_switch_override,
             shadow_twin: None,
             fingerprints_bodies,
+            uses_network,
             meters_tokens,
             skipped: self.skipped,
             index,

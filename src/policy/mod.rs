@@ -50,6 +50,9 @@ pub struct Bundle {
     pub skipped: Vec<SkippedPolicy>,
     /// A policy has `loop_detection`: front ends hash request bodies for its fingerprints.
     pub fingerprints_bodies: bool,
+    /// A rule or kill switch reads the client's network (`ip:country`, `ip:asn`, `ip:type`,
+    /// `ip:tor`): the gateway resolves it per request only then.
+    pub uses_network: bool,
     /// A policy has a `token_bucket_llm` rule: front ends read the bodies of the requests it
     /// selects ([`Bundle::meters_tokens`]).
     pub meters_tokens: bool,
@@ -110,6 +113,7 @@ impl Bundle {
             shadow_twin: None,
             skipped: Vec::new(),
             fingerprints_bodies: false,
+            uses_network: false,
             meters_tokens: false,
             index: index::BundleIndex::default(),
             tiktoken: 0,

@@ -407,7 +407,8 @@ impl ProxyHttp for Proxy {
                     let facts = facts
                         .with_claims(claims.as_deref())
                         .with_body_hash(body_hash)
-                        .with_llm(llm.as_ref());
+                        .with_llm(llm.as_ref())
+                        .with_trusted_peer(peer_trusted);
                     let answer = self.gateway.decide(&facts).await;
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;

@@ -1,0 +1,164 @@
+//! `ip:country`, `ip:asn`, `ip:type` and `ip:tor` through the real binary: trusted headers
+//! through the decision service and the proxy (believed from `--trusted-proxy` peers only), the
+//! `--asn-type-map` and `--tor-exits` files, in limit keys, `match` and kill switches, reloaded
+//! on SIGHUP with a bad file keeping the last good one, and a bad file at start-up refused.
+
+mod support;
+
+use std::time::Duration;
+use support::{request, Gateway, Upstream};
+
+const MAP: &str = "# test map\ndefault unknown;\n72 business;\nAS16509 hosting;\n";
+
+fn files(dir: &std::path::Path, tor: &str) -> (String, String) {
+    let map = dir.join("asn_type.map");
+    let exits = dir.join("tor_exits.txt");
+    std::fs::write(&map, MAP).unwrap();
+    std::fs::write(&exits, tor).unwrap();
+    (
+        map.to_str().unwrap().to_string(),
+        exits.to_str().unwrap().to_string(),
+    )
+}
+
+/// One rule of burst 1 keyed on `key`, plus a kill switch on Tor exits.
+fn policy(key: &str) -> String {
+    format!(
+        r#"{{"bundle_version": 1, "policies": [{{"id": "geo", "spec": {{"rules": [
+            {{"name": "by-net", "limit_keys": ["{key}"], "algorithm": "token_bucket",
+              "algorithm_config": {{"rps": 0.001, "burst": 1}}}}]}}}}],
+           "kill_switches": [{{"scope_key": "ip:tor", "scope_value": "true", "reason": "tor"}}]}}"#
+    )
+}
+
+fn decide(gw: &Gateway, ip: &str, headers: &[(&str, &str)]) -> (u16, Option<String>) {
+    let mut all = vec![("X-Original-URI", "/x"), ("X-Forwarded-For", ip)];
+    all.extend_from_slice(headers);
+    let r = request(gw.admin, "POST", "/v1/decision", &all);
+    (r.status, r.header("X-Tollgate-Reason").map(str::to_string))
+}
+
+#[test]
+fn countries_from_the_decision_services_caller_key_buckets() {
+    let gw = Gateway::start(Some(&policy("ip:country")), None, &[]);
+    let de = [("X-Country-Code", "de")];
+    assert_eq!(decide(&gw, "10.0.0.1", &de).0, 200);
+    // Another client of the same country shares the bucket (the header is upper-cased).
+    assert_eq!(decide(&gw, "10.0.0.2", &[("X-Country-Code", "DE")]).0, 429);
+    assert_eq!(decide(&gw, "10.0.0.3", &[("X-Country-Code", "FR")]).0, 200);
+}
+
+#[test]
+fn asn_types_come_from_the_map_and_tor_exits_from_the_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let (map, exits) = files(dir.path(), "198.51.100.7\n203.0.113.0/24\n");
+    let gw = Gateway::start(
+        Some(&policy("ip:type")),
+        None,
+        &["--asn-type-map", &map, "--tor-exits", &exits],
+    );
+    // AS72 is business, AS16509 hosting, an unlisted ASN unknown: three buckets.
+    assert_eq!(decide(&gw, "10.0.0.1", &[("X-ASN", "72")]).0, 200);
+    assert_eq!(decide(&gw, "10.0.0.2", &[("X-ASN", "72")]).0, 429);
+    assert_eq!(decide(&gw, "10.0.0.3", &[("X-ASN", "16509")]).0, 200);
+    assert_eq!(decide(&gw, "10.0.0.4", &[("X-ASN", "64500")]).0, 200);
+    assert_eq!(decide(&gw, "10.0.0.5", &[("X-ASN", "64501")]).0, 429);
+    // Tor exits hit the kill switch, whatever their ASN; the list beats a header saying no.
+    for ip in ["198.51.100.7", "203.0.113.9"] {
+        let (status, reason) = decide(&gw, ip, &[("X-ASN", "1"), ("X-Tor-Exit", "0")]);
+        assert_eq!(
+            (status, reason.as_deref()),
+            (429, Some("kill_switch")),
+            "{ip}"
+        );
+    }
+
+    // SIGHUP rereads the files; a bad one keeps the last good data and says which line.
+    std::fs::write(dir.path().join("tor_exits.txt"), "192.0.2.50\n").unwrap();
+    gw.signal(libc::SIGHUP);
+    gw.wait_until(Duration::from_secs(10), || {
+        decide(&gw, "192.0.2.50", &[("X-ASN", "2")]).1.as_deref() == Some("kill_switch")
+    });
+    assert_ne!(
+        decide(&gw, "198.51.100.7", &[("X-ASN", "3")]).1.as_deref(),
+        Some("kill_switch"),
+        "no longer listed"
+    );
+    std::fs::write(
+        dir.path().join("tor_exits.txt"),
+        "192.0.2.50\nnot-an-address\n",
+    )
+    .unwrap();
+    gw.signal(libc::SIGHUP);
+    gw.wait_for_log("--tor-exits: line 2: 'not-an-address' is not an IP address or network");
+    assert_eq!(
+        decide(&gw, "192.0.2.50", &[("X-ASN", "4")]).1.as_deref(),
+        Some("kill_switch"),
+        "the last good list stays in force"
+    );
+}
+
+#[test]
+fn the_proxy_believes_network_headers_from_trusted_proxies_only() {
+    let upstream = Upstream::start();
+    // Only German clients are limited (match), to 1.
+    let limited = r#"{"bundle_version": 1, "policies": [{"id": "geo", "spec": {"rules": [
+        {"name": "de-only", "limit_keys": [], "match": {"ip:country": "DE"}, "algorithm": "token_bucket",
+         "algorithm_config": {"rps": 0.001, "burst": 1}}]}}]}"#;
+    let direct = Gateway::start(Some(limited), Some(upstream.addr), &[]);
+    for _ in 0..3 {
+        assert_eq!(
+            direct.get("/", &[("X-Country-Code", "DE")]).status,
+            200,
+            "a client's own header is not believed"
+        );
+    }
+    let behind = Gateway::start(
+        Some(limited),
+        Some(upstream.addr),
+        &["--trusted-proxy", "127.0.0.1/32"],
+    );
+    let de = [
+        ("X-Country-Code", "DE"),
+        ("X-Forwarded-For", "198.51.100.1"),
+    ];
+    assert_eq!(behind.get("/", &de).status, 200);
+    assert_eq!(behind.get("/", &de).status, 429);
+    assert_eq!(
+        behind
+            .get(
+                "/",
+                &[
+                    ("X-Country-Code", "FR"),
+                    ("X-Forwarded-For", "198.51.100.2")
+                ]
+            )
+            .status,
+        200
+    );
+}
+
+#[test]
+fn a_bad_network_file_at_start_up_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy_file = dir.path().join("policy.json");
+    std::fs::write(&policy_file, policy("ip:type")).unwrap();
+    let map = dir.path().join("bad.map");
+    std::fs::write(&map, "72 business;\nseventy-two hosting;\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy_file)
+        .arg("--asn-type-map")
+        .arg(&map)
+        .args(["--admin-listen", "127.0.0.1:0"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--asn-type-map: line 2: the ASN must be a number"),
+        "{stderr}"
+    );
+}
