@@ -53,6 +53,9 @@ pub const ASN_HEADER: &str = "x-asn";
 pub const ASN_TYPE_HEADER: &str = "x-asn-type";
 pub const TOR_HEADER: &str = "x-tor-exit";
 
+/// ASN → type, and the map's default.
+type AsnTypes = (ahash::AHashMap<u32, Box<str>>, Box<str>);
+
 /// Parses an nginx `map` body: `<asn> <type>;` lines, `default <type>;`, `#` comments, and
 /// (ignored) a `map ... {` opening and `}` closing line.
 ///
