@@ -112,6 +112,8 @@ fn bench(c: &mut Criterion) {
                     envoy: None,
                     body_hash: None,
                     llm: None,
+                    trusted_peer: false,
+                    network: None,
                 };
                 black_box(decide(&policy, &store, &clock, &facts))
             })
@@ -149,6 +151,8 @@ fn llm(c: &mut Criterion) {
             envoy: None,
             body_hash: None,
             llm: Some(prompt),
+            trusted_peer: false,
+            network: None,
         };
         let bundle = policy.load();
         let decision = decide_local(
@@ -414,6 +418,8 @@ fn scale(c: &mut Criterion) {
                         envoy: None,
                         body_hash: None,
                         llm: None,
+                        trusted_peer: false,
+                        network: None,
                     };
                     let allowed = decide(&policy, &store, &clock, &facts);
                     assert!(allowed);

@@ -61,9 +61,7 @@ type AsnTypes = (ahash::AHashMap<u32, Box<str>>, Box<str>);
 ///
 /// # Errors
 /// The first line that is none of these, with its number.
-pub fn parse_asn_type_map(
-    text: &str,
-) -> Result<AsnTypes, LineError> {
+pub fn parse_asn_type_map(text: &str) -> Result<AsnTypes, LineError> {
     let mut map = ahash::AHashMap::new();
     let mut default: Box<str> = "unknown".into();
     for (i, raw) in text.lines().enumerate() {
