@@ -26,7 +26,63 @@ pub struct NetworkData {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct TorExits {
     addresses: ahash::AHashSet<IpAddr>,
-    networks: Vec<IpNet>,
+    /// Networks by family and prefix length, as masked addresses: one hash probe per length
+    /// listed, whatever the number of networks.
+    networks: Vec<(bool, u8, ahash::AHashSet<u128>)>,
+}
+
+/// `ip` masked to `prefix` bits, with its family (`true`: IPv4).
+fn masked(ip: IpAddr, prefix: u8) -> (bool, u128) {
+    match crate::descriptor::canonical_ip(ip) {
+        IpAddr::V4(v4) => {
+            let mask = if prefix == 0 {
+                0
+            } else {
+                u32::MAX << (32 - u32::from(prefix.min(32)))
+            };
+            (true, u128::from(u32::from(v4) & mask))
+        }
+        IpAddr::V6(v6) => {
+            let mask = if prefix == 0 {
+                0
+            } else {
+                u128::MAX << (128 - u32::from(prefix.min(128)))
+            };
+            (false, u128::from(v6) & mask)
+        }
+    }
+}
+
+impl TorExits {
+    fn add_network(&mut self, net: IpNet) {
+        let (v4, bits) = masked(net.addr(), net.prefix());
+        match self
+            .networks
+            .iter_mut()
+            .find(|(f, p, _)| *f == v4 && *p == net.prefix())
+        {
+            Some((_, _, set)) => {
+                set.insert(bits);
+            }
+            None => {
+                let mut set = ahash::AHashSet::new();
+                set.insert(bits);
+                self.networks.push((v4, net.prefix(), set));
+            }
+        }
+    }
+
+    fn contains(&self, ip: IpAddr) -> bool {
+        let ip = crate::descriptor::canonical_ip(ip);
+        self.addresses.contains(&ip)
+            || self.networks.iter().any(|(v4, prefix, set)| {
+                *v4 == ip.is_ipv4() && set.contains(&masked(ip, *prefix).1)
+            })
+    }
+
+    fn len(&self) -> usize {
+        self.addresses.len() + self.networks.iter().map(|(_, _, s)| s.len()).sum::<usize>()
+    }
 }
 
 /// A line of a network file that could not be read.
@@ -116,7 +172,7 @@ fn parse_tor_exits(text: &str) -> Result<TorExits, LineError> {
             message: format!("'{target}' is not an IP address or network"),
         };
         if target.contains('/') {
-            exits.networks.push(IpNet::parse(target).ok_or_else(bad)?);
+            exits.add_network(IpNet::parse(target).ok_or_else(bad)?);
         } else {
             let ip: IpAddr = target.parse().map_err(|_| bad())?;
             exits.addresses.insert(crate::descriptor::canonical_ip(ip));
@@ -171,16 +227,12 @@ impl NetworkData {
     pub fn sizes(&self) -> (usize, usize) {
         (
             self.asn_types.as_ref().map_or(0, |m| m.len()),
-            self.tor_exits
-                .as_ref()
-                .map_or(0, |t| t.addresses.len() + t.networks.len()),
+            self.tor_exits.as_ref().map_or(0, TorExits::len),
         )
     }
 
     fn is_tor_exit(&self, ip: IpAddr) -> Option<bool> {
-        let exits = self.tor_exits.as_ref()?;
-        let ip = crate::descriptor::canonical_ip(ip);
-        Some(exits.addresses.contains(&ip) || exits.networks.iter().any(|n| n.contains(ip)))
+        Some(self.tor_exits.as_ref()?.contains(ip))
     }
 
     /// The request's network facts: the trusted headers when `trusted`, the ASN type from the
