@@ -34,6 +34,10 @@ struct Pending {
     output: Output,
     lines: parking_lot::Mutex<Vec<u8>>,
     wake: parking_lot::Condvar,
+    /// Held from taking a batch to writing it, by the writer thread and by [`flush`]: batches
+    /// reach the output in order, and a flush never returns while a batch is in the writer's
+    /// hands.
+    writing: parking_lot::Mutex<()>,
 }
 
 impl Pending {
@@ -63,17 +67,19 @@ fn pending(output: Output) -> &'static Pending {
             output,
             lines: parking_lot::Mutex::new(Vec::with_capacity(FLUSH_AT)),
             wake: parking_lot::Condvar::new(),
+            writing: parking_lot::Mutex::new(()),
         }));
         let spawned = std::thread::Builder::new()
             .name("tollgate-log-writer".into())
             .spawn(move || loop {
-                let batch = {
+                {
                     let mut lines = pending.lines.lock();
                     if lines.len() < FLUSH_AT {
                         pending.wake.wait_for(&mut lines, FLUSH_EVERY);
                     }
-                    std::mem::replace(&mut *lines, Vec::with_capacity(FLUSH_AT))
-                };
+                }
+                let _writing = pending.writing.lock();
+                let batch = pending.take();
                 if !batch.is_empty() {
                     pending.write_out(&batch);
                 }
@@ -122,6 +128,7 @@ pub fn stderr(line: &[u8]) {
 pub fn flush() {
     for output in [Output::Stdout, Output::Stderr] {
         let pending = pending(output);
+        let _writing = pending.writing.lock();
         let batch = pending.take();
         if !batch.is_empty() {
             pending.write_out(&batch);

@@ -93,6 +93,8 @@ pub struct Metrics {
     /// nothing to reset), admin requests refused for their token.
     admin_resets: IntCounterVec,
     admin_refused: IntCounter,
+    /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
+    log_lines_dropped: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
     /// The name of every metric family registered, series or not.
     defined: Vec<String>,
@@ -213,6 +215,10 @@ impl Metrics {
         for result in ["reset", "full"] {
             admin_resets.with_label_values(&[result]);
         }
+        let log_lines_dropped = must(IntCounter::new(
+            "tollgate_log_lines_dropped_total",
+            "Access-log and RATE_LIMIT lines dropped because standard output or error was not read fast enough",
+        ));
         let admin_refused = must(IntCounter::new(
             "tollgate_admin_unauthorized_total",
             "Operator endpoint requests refused for a missing or wrong admin token",
@@ -376,6 +382,7 @@ impl Metrics {
             Box::new(reloads.clone()),
             Box::new(admin_resets.clone()),
             Box::new(admin_refused.clone()),
+            Box::new(log_lines_dropped.clone()),
             Box::new(policy_info.clone()),
             Box::new(runtime_overrides.clone()),
             Box::new(policies_skipped.clone()),
@@ -426,6 +433,7 @@ impl Metrics {
             reloads,
             admin_resets,
             admin_refused,
+            log_lines_dropped,
             policy_info,
             runtime_overrides,
             policies_skipped,
@@ -730,6 +738,10 @@ impl Metrics {
         if let Some(counter) = &self.store_fail_open {
             advance_to(counter, stats.fail_open);
         }
+        advance_to(
+            &self.log_lines_dropped,
+            crate::log_line::DROPPED.load(std::sync::atomic::Ordering::Relaxed),
+        );
         if let Some(gauge) = &self.state_dir_fallback {
             gauge.set(i64::from(stats.state_fallback == Some(true)));
         }

@@ -155,7 +155,10 @@ impl Gateway {
                     .map(|(name, _)| name)
                     .unwrap_or_else(|| rule.key_prefix.clone());
                 let shown = super::shown_name(rule, &name).into_owned();
-                let reset_path = if shown == name {
+                // A loop's marks are per request fingerprint: nothing to reset by name.
+                let reset_path = if super::Kind::of(rule) == super::Kind::Loop {
+                    String::new()
+                } else if shown == name {
                     format!("/v1/buckets/{}", encode_path(&name))
                 } else {
                     format!("/v1/buckets/{BY_HASH}{key:032x}")
@@ -277,7 +280,14 @@ impl Gateway {
         };
         match super::reset(&self.store, &bundle, &bucket).await {
             Ok(held_state) => {
-                self.top.lock().forget(super::key_u128(&bucket.key));
+                // Every key the reset cleared leaves the list (a breaker is listed under its
+                // open state).
+                let (buckets, leases) = super::reset_keys(&bucket, &bundle.hash);
+                let mut top = self.top.lock();
+                for key in buckets.iter().chain(&leases) {
+                    top.forget(super::key_u128(key));
+                }
+                drop(top);
                 self.metrics.admin_reset(held_state);
                 let shown = super::shown_name(bucket.rule, &bucket.name);
                 let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
@@ -361,7 +371,7 @@ impl Gateway {
                     "throttled": e.throttled,
                     "warned": e.warned,
                     "max_overcount": e.overcount,
-                    "reset": e.label.reset_path,
+                    "reset": (!e.label.reset_path.is_empty()).then_some(&e.label.reset_path),
                 })
             })
             .collect();

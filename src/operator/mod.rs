@@ -202,7 +202,10 @@ pub fn key_u128(key: &BucketKey) -> u128 {
 
 /// The keys a reset removes: the bucket (a breaker's spend bucket), and the lease set of a
 /// concurrency rule or a breaker's open state.
-fn reset_keys(bucket: &BucketRef<'_>, bundle_hash: &str) -> (Vec<BucketKey>, Vec<BucketKey>) {
+pub(crate) fn reset_keys(
+    bucket: &BucketRef<'_>,
+    bundle_hash: &str,
+) -> (Vec<BucketKey>, Vec<BucketKey>) {
     match (bucket.kind, bucket.rule.guard) {
         (Kind::Concurrency, _) => (Vec::new(), vec![bucket.key]),
         (Kind::Breaker, Some(Guard::Breaker(breaker))) => (

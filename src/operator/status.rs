@@ -59,7 +59,9 @@ const SCRIPT: &str = r#"(function () {
   var key = 'tollgate-admin-token';
   var m = location.hash.match(/token=([^&]+)/);
   if (m) {
-    sessionStorage.setItem(key, decodeURIComponent(m[1]));
+    var t = m[1];
+    try { t = decodeURIComponent(t); } catch (e) { /* kept as written */ }
+    sessionStorage.setItem(key, t);
     history.replaceState(null, '', location.pathname);
   }
   function token() { return sessionStorage.getItem(key); }
@@ -88,7 +90,7 @@ const SCRIPT: &str = r#"(function () {
   document.addEventListener('submit', function (ev) {
     if (ev.target.id !== 'signin') return;
     ev.preventDefault();
-    sessionStorage.setItem(key, ev.target.elements.token.value);
+    sessionStorage.setItem(key, document.getElementById('signin-token').value);
     load();
   });
   if (document.body.getAttribute('data-page') === 'signin') load();
@@ -112,8 +114,8 @@ pub fn sign_in() -> String {
         "<h1>tollgate status</h1>\
 <p>This page needs the admin token (<code>--admin-token</code>). Open \
 <code>/status#token=&lt;token&gt;</code> (the fragment never leaves the browser) or enter it:</p>\
-<form id=\"signin\"><input name=\"token\" type=\"password\" autocomplete=\"off\" size=\"40\"> \
-<button type=\"submit\">Sign in</button></form><p id=\"signin-error\" class=\"bad\"></p>",
+<form id=\"signin\" method=\"post\" action=\"javascript:void 0\"><input id=\"signin-token\" type=\"password\" \
+autocomplete=\"off\" size=\"40\"> <button type=\"submit\">Sign in</button></form><p id=\"signin-error\" class=\"bad\"></p>",
     )
 }
 
@@ -262,7 +264,7 @@ pub fn render(view: &StatusView<'_>) -> String {
             let _ = write!(
                 body,
                 "<tr><td><code>{}</code>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-<td><button type=\"button\" data-reset=\"{}\">Reset</button></td></tr>",
+<td>{}</td></tr>",
                 escape(&label.bucket),
                 if label.mode == "shadow" {
                     " <span class=\"muted\">(shadow)</span>"
@@ -274,7 +276,14 @@ pub fn render(view: &StatusView<'_>) -> String {
                 entry.refused,
                 entry.throttled,
                 entry.warned,
-                escape(&label.reset_path),
+                if label.reset_path.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "<button type=\"button\" data-reset=\"{}\">Reset</button>",
+                        escape(&label.reset_path)
+                    )
+                },
             );
         }
         body.push_str("</table>");

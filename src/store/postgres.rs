@@ -40,9 +40,11 @@ DECLARE
     t bigint; l bigint; a bigint; spent bigint;
     first int := 1; stop int;
 BEGIN
+    -- DO UPDATE (a no-op) locks an existing row, so the sweep cannot delete it between here
+    -- and the reads below.
     INSERT INTO tollgate_buckets (key, tokens, last_us, full_at_us)
         SELECT DISTINCT ON (k) k, b, now_us, now_us FROM unnest(keys, bursts) AS u(k, b) ORDER BY k
-        ON CONFLICT (key) DO NOTHING;
+        ON CONFLICT (key) DO UPDATE SET key = EXCLUDED.key;
     PERFORM 1 FROM tollgate_buckets WHERE key = ANY (keys) ORDER BY key FOR UPDATE;
     WHILE first <= n LOOP
         stop := first;
@@ -298,6 +300,9 @@ fn batch_arrays(
     arrays
 }
 
+/// Most requests in one statement: a larger batch would outlast the store deadline.
+const MAX_BATCH: usize = 128;
+
 /// Most requests waiting for one connection's next batch; past it a request fails open at
 /// once rather than queueing behind a store that does not keep up.
 const MAX_WAITING: usize = 10_000;
@@ -469,14 +474,35 @@ impl PostgresStore {
     /// Sends the waiting requests in batches until none is left: one statement each, every
     /// request's answer handed to it. A request that gave up waiting (failed open) is left out.
     async fn send_batches(self: Arc<Self>, conn: Arc<PgConn>) {
+        // However this task ends (a panic included), the connection takes batches again and
+        // nobody is left waiting on it: dropped replies fail their requests open at once.
+        struct Stalled<'c> {
+            conn: &'c PgConn,
+            armed: bool,
+        }
+        impl Drop for Stalled<'_> {
+            fn drop(&mut self) {
+                if self.armed {
+                    let mut batch = self.conn.batch.lock();
+                    batch.in_flight = false;
+                    batch.waiting.clear();
+                }
+            }
+        }
+        let mut guard = Stalled {
+            conn: &conn,
+            armed: true,
+        };
         loop {
             let waiting = {
                 let mut batch = conn.batch.lock();
                 if batch.waiting.is_empty() {
                     batch.in_flight = false;
+                    guard.armed = false;
                     return;
                 }
-                std::mem::take(&mut batch.waiting)
+                let take = batch.waiting.len().min(MAX_BATCH);
+                batch.waiting.drain(..take).collect::<Vec<Waiting>>()
             };
             let waiting: Vec<Waiting> = waiting
                 .into_iter()
@@ -495,13 +521,15 @@ impl PostgresStore {
                 &reqs, &keys, &bursts, &nums, &dens, &costs, &groups, &now, &windows, &ends,
             ];
             let call = async {
-                retry_serialization(|| conn.client.query_one(&conn.take, &params))
-                    .await
-                    .map(|row| row.get::<_, Vec<i64>>(0))
+                let row =
+                    retry_serialization(|| conn.client.query_one(&conn.take, &params)).await?;
+                row.try_get::<_, Vec<i64>>(0)
             };
             let expected = 2 * waiting.len() + ops;
-            match self.answer(call, expected).await {
-                Ok(values) => {
+            let url = redact(&self.url);
+            match tokio::time::timeout(self.timeout, call).await {
+                Ok(Ok(values)) if values.len() == expected => {
+                    self.health.ok(&url);
                     let mut rest = values.as_slice();
                     for w in waiting {
                         let (mine, later) = rest.split_at(2 + w.ops.len());
@@ -509,19 +537,38 @@ impl PostgresStore {
                         let _ = w.reply.send(Ok((now_us, mine.to_vec())));
                     }
                 }
-                // The server refused the statement (not a timeout: that would refuse each one
-                // alone too): each request again on its own, so one bad request fails alone.
-                Err(StoreError::Unavailable(e)) if waiting.len() > 1 && e != "timeout" => {
-                    for w in waiting {
-                        let answer = self.take_alone(&conn, w.now_us, &w.ops).await;
+                // The server refused the statement: each request again on its own (at once,
+                // under one deadline), so a request the server cannot take fails alone. Never
+                // after a statement that ran (a reply of the wrong shape): that would spend
+                // twice.
+                Ok(Err(e)) if e.as_db_error().is_some() && waiting.len() > 1 => {
+                    self.health.failed(
+                        &url,
+                        &format!("a batch was refused, retrying its requests one by one: {e}"),
+                    );
+                    let open: Vec<Waiting> = waiting
+                        .into_iter()
+                        .filter(|w| !w.reply.is_closed())
+                        .collect();
+                    let alone = open
+                        .iter()
+                        .map(|w| self.take_alone(&conn, w.now_us, &w.ops));
+                    let answers = futures::future::join_all(alone).await;
+                    for (w, answer) in open.into_iter().zip(answers) {
                         let _ = w
                             .reply
                             .send(answer.map(|v| (w.now_us, v)).map_err(|e| e.to_string()));
                     }
                 }
-                Err(e) => {
+                failed => {
+                    let what = match failed {
+                        Ok(Ok(values)) => format!("unexpected reply of {} values", values.len()),
+                        Ok(Err(e)) => e.to_string(),
+                        Err(_) => "timeout".to_string(),
+                    };
+                    self.health.failed(&url, &what);
                     for w in waiting {
-                        let _ = w.reply.send(Err(e.to_string()));
+                        let _ = w.reply.send(Err(what.clone()));
                     }
                 }
             }
