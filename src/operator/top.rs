@@ -269,7 +269,7 @@ impl TopSketch {
     }
 
     /// Forgets a bucket (it was reset). The slot keeps what it knows of the buckets it replaced
-    /// ([`Slot::evicted_max`]): one that enters the freed place may have had that many events.
+    /// (its largest replaced count): one that enters the freed place may have had that many events.
     pub fn forget(&mut self, key: u128) {
         for slot in &mut self.slots {
             slot.counted.retain(|c| c.key != key);

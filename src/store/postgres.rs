@@ -754,7 +754,7 @@ impl PostgresStore {
 }
 
 /// The operator's reads and resets (`/v1/buckets`, `/v1/explain`), bounded by
-/// [`super::OPERATOR_TIMEOUT`].
+/// `OPERATOR_TIMEOUT`.
 impl PostgresStore {
     fn connected_client(&self) -> Result<Arc<PgConn>, StoreError> {
         self.client

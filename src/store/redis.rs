@@ -902,7 +902,7 @@ impl RedisStore {
 }
 
 /// The operator's reads and resets (`/v1/buckets`, `/v1/explain`): one command per key (each
-/// key is its own hash slot on a cluster), bounded by [`super::OPERATOR_TIMEOUT`].
+/// key is its own hash slot on a cluster), bounded by `OPERATOR_TIMEOUT`.
 impl RedisStore {
     fn connection(&self) -> Result<Conn, StoreError> {
         self.conn
