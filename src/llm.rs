@@ -189,7 +189,7 @@ pub fn estimate_text(text: &str) -> u64 {
 pub struct LlmRequest {
     /// The `simple_word` estimate of the prompt: every text the model reads (see
     /// [`field`]: every string of the body but known metadata, tool and response schemas as
-    /// their JSON text) plus a fixed estimate per image or audio part ([`media_tokens`]). A body
+    /// their JSON text) plus a fixed estimate per image or audio part (`media_tokens`). A body
     /// that is not JSON is estimated as text, whole.
     pub prompt_tokens: u64,
     /// `max_completion_tokens`, else `max_tokens`, else `max_output_tokens`, when a whole
@@ -332,7 +332,7 @@ pub enum Field {
     /// A schema (`parameters`, `input_schema`, `schema`, `json_schema`, `response_schema`):
     /// counted as its JSON text, keys included.
     Whole,
-    /// An image or audio part: a fixed estimate ([`media_tokens`]), whatever its bytes.
+    /// An image or audio part: a fixed estimate (`media_tokens`), whatever its bytes.
     Media(MediaKind),
 }
 

@@ -566,7 +566,7 @@ impl MemoryStore {
     /// After an upgrade's old process has exited (this one holds the directory's lock now): a
     /// bucket lock it died holding would stall every request for that bucket. A bucket's lock is
     /// held for a few hundred nanoseconds, never across I/O: one still held, unchanged, after
-    /// [`STUCK_LOCK_WAIT`] was left by the dead process, and is released. (Shard and lease lock
+    /// `STUCK_LOCK_WAIT` was left by the dead process, and is released. (Shard and lease lock
     /// words name their holder's pid and are taken over by [`state_file::lock`].)
     pub fn release_stuck_locks(file: &StateFile) -> usize {
         let g = file.geometry();
