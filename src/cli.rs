@@ -85,6 +85,16 @@ pub struct RunArgs {
     /// --admin-token read from a file (its first line), so it never shows in `ps`.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN_FILE")]
     pub admin_token_file: Option<PathBuf>,
+    /// Answer as Fairvisor Edge does where tollgate differs on purpose (README: "--compat
+    /// fairvisor"): `X-Fairvisor-*` header names, the reason header only for debug sessions,
+    /// `fairvisor_*` metrics beside tollgate's, Fairvisor's unverified-JWT reading.
+    #[arg(long, env = "TOLLGATE_COMPAT", value_enum, default_value = "none")]
+    pub compat: CompatArg,
+    /// With --compat fairvisor: the secret `POST /v1/debug/session` takes in
+    /// `X-Fairvisor-Debug-Secret` to open a debug session (a signed `fv_dbg` cookie, 15
+    /// minutes). Without it the debug endpoints answer 404.
+    #[arg(long, env = "TOLLGATE_DEBUG_SESSION_SECRET", hide_env_values = true)]
+    pub debug_session_secret: Option<String>,
     /// ASN → type map for the `ip:type` descriptor, in nginx `map` format (`72 business;`,
     /// `default unknown;`). Reloaded on SIGHUP and when it changes; a bad file keeps the last
     /// good one.
@@ -275,6 +285,13 @@ pub struct RunArgs {
         default_value = "allow"
     )]
     pub grpc_store_errors: GrpcStoreErrors,
+}
+
+/// `--compat` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CompatArg {
+    None,
+    Fairvisor,
 }
 
 /// `--access-log` values.

@@ -99,6 +99,9 @@ pub struct Config {
     pub admin_token: Option<crate::operator::AdminToken>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
     pub wait_for_policy: bool,
+    /// `--compat`, and `--debug-session-secret` (its sessions' signing key).
+    pub compat: crate::compat::Compat,
+    pub debug_sessions: Option<std::sync::Arc<crate::compat::DebugSessions>>,
     /// `--asn-type-map` and `--tor-exits` ([`crate::network`]).
     pub asn_type_map: Option<PathBuf>,
     pub tor_exits: Option<PathBuf>,
@@ -268,6 +271,13 @@ impl Config {
                 "--reservation-secret: needs a shared --store (redis://... or postgres://...), which marks each reservation settled for the whole fleet, or a --state-dir".to_string(),
             );
         }
+        let compat = match args.compat {
+            crate::cli::CompatArg::None => crate::compat::Compat::Off,
+            crate::cli::CompatArg::Fairvisor => crate::compat::Compat::Fairvisor,
+        };
+        if args.debug_session_secret.is_some() && compat != crate::compat::Compat::Fairvisor {
+            errors.push("--debug-session-secret: needs --compat fairvisor".to_string());
+        }
         let admin_token = admin_token(args).unwrap_or_else(|e| {
             errors.push(e);
             None
@@ -370,7 +380,14 @@ impl Config {
             sweep_interval: Duration::from_secs(args.sweep_interval_secs),
             trusted_proxies,
             ipv6_prefix: args.ipv6_prefix,
-            reason_header: args.reason_header.clone(),
+            // Fairvisor's name, unless the operator chose one.
+            reason_header: if compat == crate::compat::Compat::Fairvisor
+                && args.reason_header == crate::headers::DEFAULT_REASON_HEADER
+            {
+                crate::compat::REASON_HEADER.to_string()
+            } else {
+                args.reason_header.clone()
+            },
             log_format: args.log_format,
             policy_poll: (args.policy_poll_secs > 0)
                 .then(|| Duration::from_secs(args.policy_poll_secs)),
@@ -401,6 +418,12 @@ impl Config {
             },
             admin_token,
             wait_for_policy: args.wait_for_policy,
+            compat,
+            debug_sessions: args
+                .debug_session_secret
+                .as_ref()
+                .filter(|_| compat == crate::compat::Compat::Fairvisor)
+                .map(|s| std::sync::Arc::new(crate::compat::DebugSessions::new(s.as_bytes()))),
             asn_type_map: args.asn_type_map.clone(),
             tor_exits: args.tor_exits.clone(),
             jwt: JwtConfig {
@@ -413,6 +436,7 @@ impl Config {
                 audience: args.jwt_audience.clone(),
                 source,
                 unverified: args.jwt_unverified,
+                payload_only: compat == crate::compat::Compat::Fairvisor,
             },
         })
     }

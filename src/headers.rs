@@ -81,6 +81,7 @@ pub fn display_name<'a>(name: &'a HeaderName, config: &'a HeaderConfig) -> &'a s
         "ratelimit-reset" => "RateLimit-Reset",
         "retry-after" => "Retry-After",
         "x-tollgate-warning" => "X-Tollgate-Warning",
+        "x-fairvisor-warning" => "X-Fairvisor-Warning",
         _ if *name == config.reason_header => config.reason_header_display,
         other => other,
     }
@@ -147,6 +148,9 @@ pub struct HeaderConfig {
     pub reason_header: HeaderName,
     /// The same name as the operator wrote it.
     pub reason_header_display: &'static str,
+    /// Name of the warning header (`X-Tollgate-Warning`; `X-Fairvisor-Warning` under
+    /// `--compat fairvisor`).
+    pub warning_header: HeaderName,
 }
 
 impl HeaderConfig {
@@ -158,6 +162,7 @@ impl HeaderConfig {
         Ok(HeaderConfig {
             reason_header: HeaderName::from_bytes(name.as_bytes())?,
             reason_header_display: name,
+            warning_header: WARNING.clone(),
         })
     }
 }
@@ -167,6 +172,7 @@ impl Default for HeaderConfig {
         HeaderConfig {
             reason_header: HeaderName::from_static("x-tollgate-reason"),
             reason_header_display: DEFAULT_REASON_HEADER,
+            warning_header: WARNING.clone(),
         }
     }
 }
@@ -257,7 +263,7 @@ pub fn build(
     }
 
     if let Some(warning) = decision.checked().and_then(|c| c.warning()) {
-        values.text(&WARNING, warning);
+        values.text(&config.warning_header, warning);
     }
     let Some(refusal) = refusal else {
         return Response {

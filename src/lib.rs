@@ -34,6 +34,7 @@ pub mod budget;
 pub mod cli;
 pub mod client_addr;
 pub mod clock;
+pub mod compat;
 pub mod config;
 pub mod descriptor;
 pub mod engine;

@@ -187,8 +187,11 @@ impl Gateway {
         };
         // Leaked once at start-up: the display name lives as long as the process.
         let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
-        let header_config =
+        let mut header_config =
             HeaderConfig::new(reason_header).map_err(|_| StartError::ReasonHeader)?;
+        if config.compat == crate::compat::Compat::Fairvisor {
+            header_config.warning_header = crate::compat::WARNING_HEADER.clone();
+        }
         let gateway = Gateway {
             metrics: Metrics::new(store.kind()),
             header_config,
@@ -796,6 +799,7 @@ impl Gateway {
             self.breakers_tripped(&decision);
             self.note_limited(&decision, facts);
             let mut answer = self.answer(&decision, &view, started);
+            self.compat_headers(&mut answer, &decision, facts);
             answer.lease = held_lease(&decision);
             answer.reservation = decision.reservation();
             return answer;
@@ -848,9 +852,51 @@ impl Gateway {
         self.breakers_tripped(&decision);
         self.note_limited(&decision, facts);
         let mut answer = self.answer(&decision, &view, started);
+        self.compat_headers(&mut answer, &decision, facts);
         answer.lease = held_lease(&decision);
         answer.reservation = decision.reservation();
         answer
+    }
+
+    /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets
+    /// Fairvisor's verbose headers.
+    fn compat_headers(
+        &self,
+        answer: &mut Answer,
+        decision: &Decision<'_>,
+        facts: &RequestFacts<'_>,
+    ) {
+        if self.config.compat != crate::compat::Compat::Fairvisor {
+            return;
+        }
+        let debug = self.debug_session_open(facts.headers.header("cookie"));
+        crate::compat::finish_headers(
+            &mut answer.response.headers,
+            decision,
+            &self.header_config.reason_header,
+            debug,
+        );
+    }
+
+    /// Whether a `Cookie` header opens a debug session (`--compat fairvisor` with
+    /// `--debug-session-secret`).
+    pub fn debug_session_open(&self, cookie: Option<&str>) -> bool {
+        self.config
+            .debug_sessions
+            .as_ref()
+            .is_some_and(|d| d.is_open(cookie, self.clock.unix_secs().max(0) as u64))
+    }
+
+    /// `POST /v1/debug/session`: the `Set-Cookie` value of a new debug session, `Err(404)`
+    /// when debug sessions are off, `Err(403)` for a wrong secret.
+    pub fn open_debug_session(&self, secret: Option<&[u8]>) -> Result<String, u16> {
+        let sessions = self.config.debug_sessions.as_ref().ok_or(404u16)?;
+        match secret {
+            Some(s) if sessions.secret_matches(s) => {
+                Ok(sessions.open(self.clock.unix_secs().max(0) as u64))
+            }
+            _ => Err(403),
+        }
     }
 
     /// Logs and counts the circuit breakers a decision tripped (at error level for a breaker
@@ -1062,9 +1108,16 @@ impl Gateway {
     }
 
     pub fn metrics_text(&self) -> String {
+        let bundle = self.policy.load();
         self.metrics
-            .bundle_state(self.policy.load().as_deref(), self.clock.unix_secs());
-        self.metrics.render(self.store.stats())
+            .bundle_state(bundle.as_deref(), self.clock.unix_secs());
+        let mut text = self.metrics.render(self.store.stats());
+        if self.config.compat == crate::compat::Compat::Fairvisor {
+            let fairvisor =
+                crate::compat::fairvisor_metrics(&text, bundle.as_deref(), self.clock.unix_secs());
+            text.push_str(&fairvisor);
+        }
+        text
     }
 }
 

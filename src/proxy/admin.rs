@@ -190,10 +190,49 @@ impl Admin {
                 }
             }
             "/v1/usage" => reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n"),
+            "/v1/debug/session" | "/v1/debug/logout" => self.debug_session(req, path),
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
                 self.decision(req, peer, body_hash, None).await
             }
             _ => reply(404, TEXT, HeaderList::new(), "Not Found\n"),
+        }
+    }
+}
+
+impl Admin {
+    /// `POST /v1/debug/session` and `POST /v1/debug/logout` (`--compat fairvisor` with
+    /// `--debug-session-secret`; 404 otherwise, as Fairvisor answers).
+    fn debug_session(&self, req: &pingora::http::RequestHeader, path: &str) -> Response<Vec<u8>> {
+        if self.gateway.config.debug_sessions.is_none() {
+            return reply(404, TEXT, HeaderList::new(), "Not Found\n");
+        }
+        if req.method != http::Method::POST {
+            return reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n");
+        }
+        let cookie = if path == "/v1/debug/logout" {
+            Ok(crate::compat::CLOSE_COOKIE.to_string())
+        } else {
+            let secret = req
+                .headers
+                .get(crate::compat::SECRET_HEADER)
+                .map(|v| v.as_bytes());
+            self.gateway.open_debug_session(secret)
+        };
+        match cookie.map(|c| http::HeaderValue::from_str(&c)) {
+            Ok(Ok(value)) => reply(
+                204,
+                TEXT,
+                smallvec::smallvec![(http::header::SET_COOKIE, value)],
+                "",
+            ),
+            Ok(Err(_)) => reply(500, TEXT, HeaderList::new(), "Internal Server Error\n"),
+            Err(403) => reply(
+                403,
+                JSON,
+                HeaderList::new(),
+                "{\"error\":\"debug_secret_invalid\"}",
+            ),
+            Err(_) => reply(404, TEXT, HeaderList::new(), "Not Found\n"),
         }
     }
 }
