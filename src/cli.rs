@@ -95,6 +95,11 @@ pub struct RunArgs {
     /// minutes). Without it the debug endpoints answer 404.
     #[arg(long, env = "TOLLGATE_DEBUG_SESSION_SECRET", hide_env_values = true)]
     pub debug_session_secret: Option<String>,
+    /// MaxMind-format database for `ip:country` (GeoLite2/GeoIP2 Country or City, DB-IP lite)
+    /// or `ip:asn` (GeoLite2 ASN); repeat it for both. A database answers before the trusted
+    /// headers. Verified whole at load; reloaded on SIGHUP and when it changes.
+    #[arg(long = "geoip-db", env = "TOLLGATE_GEOIP_DB", value_delimiter = ',')]
+    pub geoip_db: Vec<PathBuf>,
     /// ASN → type map for the `ip:type` descriptor, in nginx `map` format (`72 business;`,
     /// `default unknown;`). Reloaded on SIGHUP and when it changes; a bad file keeps the last
     /// good one.

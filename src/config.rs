@@ -102,7 +102,8 @@ pub struct Config {
     /// `--compat`, and `--debug-session-secret` (its sessions' signing key).
     pub compat: crate::compat::Compat,
     pub debug_sessions: Option<std::sync::Arc<crate::compat::DebugSessions>>,
-    /// `--asn-type-map` and `--tor-exits` ([`crate::network`]).
+    /// `--geoip-db`, `--asn-type-map` and `--tor-exits` ([`crate::network`]).
+    pub geoip_db: Vec<PathBuf>,
     pub asn_type_map: Option<PathBuf>,
     pub tor_exits: Option<PathBuf>,
 }
@@ -424,6 +425,7 @@ impl Config {
                 .as_ref()
                 .filter(|_| compat == crate::compat::Compat::Fairvisor)
                 .map(|s| std::sync::Arc::new(crate::compat::DebugSessions::new(s.as_bytes()))),
+            geoip_db: args.geoip_db.clone(),
             asn_type_map: args.asn_type_map.clone(),
             tor_exits: args.tor_exits.clone(),
             jwt: JwtConfig {

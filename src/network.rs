@@ -12,9 +12,11 @@
 use crate::descriptor::{HeaderLookup, IpNet};
 use std::net::IpAddr;
 
-/// The `--asn-type-map` and `--tor-exits` contents in force.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+/// The `--geoip-db`, `--asn-type-map` and `--tor-exits` contents in force.
+#[derive(Debug, Default, Clone)]
 pub struct NetworkData {
+    /// MaxMind-format databases: a country (or city) one and an ASN one.
+    geo: Vec<std::sync::Arc<GeoDb>>,
     /// ASN → its type; `None` without `--asn-type-map`.
     asn_types: Option<ahash::AHashMap<u32, Box<str>>>,
     /// The map's `default` (Fairvisor's files say `default unknown;`).
@@ -82,6 +84,51 @@ impl TorExits {
 
     fn len(&self) -> usize {
         self.addresses.len() + self.networks.iter().map(|(_, _, s)| s.len()).sum::<usize>()
+    }
+}
+
+/// A `--geoip-db` file: a MaxMind-format database (GeoLite2/GeoIP2 Country or City, GeoLite2
+/// ASN, DB-IP lite), read whole into memory and verified whole at load, so a corrupt file is
+/// refused then rather than met by a request.
+pub struct GeoDb {
+    reader: maxminddb::Reader<Vec<u8>>,
+    /// An ASN database (its `database_type` names ASN); otherwise a country one.
+    asn: bool,
+}
+
+impl std::fmt::Debug for GeoDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GeoDb({})", self.reader.metadata().database_type)
+    }
+}
+
+impl GeoDb {
+    /// # Errors
+    /// The bytes are not a sound MaxMind-format database.
+    pub fn parse(bytes: Vec<u8>) -> Result<GeoDb, String> {
+        let reader = maxminddb::Reader::from_source(bytes).map_err(|e| e.to_string())?;
+        reader.verify().map_err(|e| e.to_string())?;
+        let asn = reader
+            .metadata()
+            .database_type
+            .to_ascii_lowercase()
+            .contains("asn");
+        Ok(GeoDb { reader, asn })
+    }
+
+    fn country(&self, ip: IpAddr) -> Option<String> {
+        let record: maxminddb::geoip2::Country<'_> =
+            self.reader.lookup(ip).ok()?.decode().ok()??;
+        record
+            .country
+            .iso_code
+            .or(record.registered_country.iso_code)
+            .map(str::to_ascii_uppercase)
+    }
+
+    fn asn(&self, ip: IpAddr) -> Option<String> {
+        let record: maxminddb::geoip2::Asn<'_> = self.reader.lookup(ip).ok()?.decode().ok()??;
+        record.autonomous_system_number.map(|n| n.to_string())
     }
 }
 
@@ -204,6 +251,18 @@ impl NetworkData {
     /// # Errors
     /// A line of either file that cannot be read, naming the file's flag.
     pub fn parse(asn_type_map: Option<&str>, tor_exits: Option<&str>) -> Result<Self, String> {
+        Self::with_geo(asn_type_map, tor_exits, Vec::new())
+    }
+
+    /// [`NetworkData::parse`] with `--geoip-db` databases.
+    ///
+    /// # Errors
+    /// A line of either text file that cannot be read, naming the file's flag.
+    pub fn with_geo(
+        asn_type_map: Option<&str>,
+        tor_exits: Option<&str>,
+        geo: Vec<GeoDb>,
+    ) -> Result<Self, String> {
         let (asn_types, default_type) = match asn_type_map {
             Some(text) => {
                 let (map, default) =
@@ -217,6 +276,7 @@ impl NetworkData {
             .transpose()
             .map_err(|e| format!("--tor-exits: {e}"))?;
         Ok(NetworkData {
+            geo: geo.into_iter().map(std::sync::Arc::new).collect(),
             asn_types,
             default_type,
             tor_exits,
@@ -250,8 +310,21 @@ impl NetworkData {
                 .map(|v| v.trim().to_string())
                 .filter(|v| !v.is_empty())
         };
-        let country = header(COUNTRY_HEADER).map(|c| c.to_ascii_uppercase());
-        let asn = header(ASN_HEADER);
+        // A database answers first (as nginx's GeoIP2 variables do for Fairvisor); the
+        // trusted headers for what it does not know.
+        let from_db = |asn: bool| {
+            let ip = client_ip?;
+            self.geo.iter().filter(|db| db.asn == asn).find_map(|db| {
+                if asn {
+                    db.asn(ip)
+                } else {
+                    db.country(ip)
+                }
+            })
+        };
+        let country =
+            from_db(false).or_else(|| header(COUNTRY_HEADER).map(|c| c.to_ascii_uppercase()));
+        let asn = from_db(true).or_else(|| header(ASN_HEADER));
         let asn_type = match (&self.asn_types, asn.as_deref().and_then(asn_number)) {
             (Some(map), Some(number)) => Some(
                 map.get(&number)

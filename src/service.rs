@@ -94,7 +94,7 @@ pub struct Gateway {
     pub(crate) top: Mutex<crate::operator::top::TopSketch>,
     /// `--asn-type-map` and `--tor-exits` in force, and the files' signatures last read.
     network: arc_swap::ArcSwap<crate::network::NetworkData>,
-    network_watch: Mutex<[Option<FileSignature>; 2]>,
+    network_watch: Mutex<Vec<Option<FileSignature>>>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
     watch: Mutex<(Option<FileSignature>, Option<String>)>,
@@ -205,7 +205,7 @@ impl Gateway {
             loaded: ArcSwapOption::empty(),
             top: Mutex::new(crate::operator::top::TopSketch::default()),
             network: arc_swap::ArcSwap::from_pointee(crate::network::NetworkData::default()),
-            network_watch: Mutex::new([None, None]),
+            network_watch: Mutex::new(Vec::new()),
             watch: Mutex::new((None, None)),
             held: Mutex::new(ahash::AHashMap::new()),
             reservation_key: match (&config.reservation_secret, &config.state_dir) {
@@ -231,11 +231,12 @@ impl Gateway {
     /// # Errors
     /// The file and line that could not be read.
     pub fn load_network(&self, trigger: &str) -> Result<(), String> {
-        let paths = [&self.config.asn_type_map, &self.config.tor_exits];
-        if paths.iter().all(|p| p.is_none()) {
+        let files = self.network_files();
+        if files.is_empty() {
             return Ok(());
         }
-        let read = |path: &Option<std::path::PathBuf>, flag: &str| {
+        let signatures: Vec<Option<FileSignature>> = files.iter().map(|p| signature(p)).collect();
+        let read_text = |path: &Option<std::path::PathBuf>, flag: &str| {
             path.as_ref()
                 .map(|p| {
                     std::fs::read_to_string(p)
@@ -243,11 +244,20 @@ impl Gateway {
                 })
                 .transpose()
         };
-        let signatures = paths.map(|p| p.as_deref().and_then(signature));
-        let loaded = read(paths[0], "--asn-type-map").and_then(|map| {
-            let tor = read(paths[1], "--tor-exits")?;
-            crate::network::NetworkData::parse(map.as_deref(), tor.as_deref())
-        });
+        let loaded = (|| {
+            let map = read_text(&self.config.asn_type_map, "--asn-type-map")?;
+            let tor = read_text(&self.config.tor_exits, "--tor-exits")?;
+            let mut geo = Vec::new();
+            for path in &self.config.geoip_db {
+                let bytes = std::fs::read(path)
+                    .map_err(|e| format!("--geoip-db {}: cannot read it: {e}", path.display()))?;
+                geo.push(
+                    crate::network::GeoDb::parse(bytes)
+                        .map_err(|e| format!("--geoip-db {}: {e}", path.display()))?,
+                );
+            }
+            crate::network::NetworkData::with_geo(map.as_deref(), tor.as_deref(), geo)
+        })();
         *self.network_watch.lock() = signatures;
         match loaded {
             Ok(data) => {
@@ -256,6 +266,7 @@ impl Gateway {
                     trigger,
                     asn_types = types,
                     tor_exits = exits,
+                    geoip_dbs = self.config.geoip_db.len(),
                     "network data loaded"
                 );
                 self.network.store(Arc::new(data));
@@ -269,6 +280,17 @@ impl Gateway {
                 Err(e)
             }
         }
+    }
+
+    /// The files the network data is read from, in a fixed order.
+    fn network_files(&self) -> Vec<&std::path::Path> {
+        self.config
+            .geoip_db
+            .iter()
+            .map(|p| p.as_path())
+            .chain(self.config.asn_type_map.as_deref())
+            .chain(self.config.tor_exits.as_deref())
+            .collect()
     }
 
     /// The client's network facts, when the bundle in force reads them.
@@ -410,10 +432,12 @@ impl Gateway {
             }
             None => {}
         }
-        let paths = [&self.config.asn_type_map, &self.config.tor_exits];
-        let now = paths.map(|p| p.as_deref().and_then(signature));
-        if *self.network_watch.lock() != now {
-            let _ = self.load_network("file_change");
+        let files = self.network_files();
+        if !files.is_empty() {
+            let now: Vec<Option<FileSignature>> = files.iter().map(|p| signature(p)).collect();
+            if *self.network_watch.lock() != now {
+                let _ = self.load_network("file_change");
+            }
         }
         self.reload_policy_if_changed();
     }

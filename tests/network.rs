@@ -162,3 +162,88 @@ fn a_bad_network_file_at_start_up_is_refused_naming_it() {
         "{stderr}"
     );
 }
+
+#[test]
+fn maxmind_databases_answer_before_the_headers_and_reload() {
+    use support::{mmdb, GeoRecord};
+    let dir = tempfile::tempdir().unwrap();
+    let country = dir.path().join("country.mmdb");
+    let asn = dir.path().join("asn.mmdb");
+    std::fs::write(
+        &country,
+        mmdb(
+            "GeoLite2-Country",
+            &[
+                ("81.2.69.0/24", GeoRecord::Country("DE")),
+                ("175.16.199.0/24", GeoRecord::Country("CN")),
+            ],
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        &asn,
+        mmdb(
+            "GeoLite2-ASN",
+            &[("1.2.3.0/24", GeoRecord::Asn(72, "Example Networks"))],
+        ),
+    )
+    .unwrap();
+    let (map, _) = files(dir.path(), "");
+    let dbs = format!("{},{}", country.display(), asn.display());
+    let by_country = Gateway::start(Some(&policy("ip:country")), None, &["--geoip-db", &dbs]);
+    // The database's DE outranks the header's FR; two DE clients share a bucket.
+    assert_eq!(
+        decide(&by_country, "81.2.69.1", &[("X-Country-Code", "FR")]).0,
+        200
+    );
+    assert_eq!(decide(&by_country, "81.2.69.200", &[]).0, 429);
+    assert_eq!(decide(&by_country, "175.16.199.9", &[]).0, 200);
+    // An address the database does not know falls back to the trusted header.
+    assert_eq!(
+        decide(&by_country, "10.9.9.9", &[("X-Country-Code", "FR")]).0,
+        200
+    );
+    assert_eq!(
+        decide(&by_country, "10.9.9.8", &[("X-Country-Code", "FR")]).0,
+        429
+    );
+
+    let by_type = Gateway::start(
+        Some(&policy("ip:type")),
+        None,
+        &["--geoip-db", &dbs, "--asn-type-map", &map],
+    );
+    // 1.2.3.4 is AS72 by the database: business, the bucket X-ASN: 72 reaches elsewhere.
+    assert_eq!(decide(&by_type, "1.2.3.4", &[]).0, 200);
+    assert_eq!(decide(&by_type, "10.0.0.1", &[("X-ASN", "72")]).0, 429);
+
+    // SIGHUP rereads the database; a corrupt one is refused at load (never met by a request)
+    // and the last good one stays.
+    std::fs::write(
+        &country,
+        mmdb(
+            "GeoLite2-Country",
+            &[("81.2.69.0/24", GeoRecord::Country("AT"))],
+        ),
+    )
+    .unwrap();
+    by_country.signal(libc::SIGHUP);
+    by_country.wait_for_log("network data loaded trigger=\"sighup\"");
+    assert_eq!(
+        decide(&by_country, "81.2.69.1", &[]).0,
+        200,
+        "now AT, a fresh bucket"
+    );
+    let mut corrupt = mmdb(
+        "GeoLite2-Country",
+        &[("81.2.69.0/24", GeoRecord::Country("DE"))],
+    );
+    // The data section's string claims more bytes than the file has.
+    let at = corrupt.windows(2).position(|w| w == b"DE").unwrap() - 1;
+    corrupt[at] = (2 << 5) | 28;
+    std::fs::write(&country, &corrupt).unwrap();
+    by_country.signal(libc::SIGHUP);
+    by_country.wait_for_log(&format!("--geoip-db {}:", country.display()));
+    assert_eq!(decide(&by_country, "81.2.69.2", &[]).0, 429, "still AT");
+    assert_eq!(by_country.admin("GET", "/livez", &[]).status, 200);
+}

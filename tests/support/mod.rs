@@ -1527,3 +1527,134 @@ pub fn assert_operator_endpoints_across_a_fleet(store_url: &str) {
     });
     assert!(reset_at.elapsed() < Duration::from_secs(7));
 }
+
+/// What a test MaxMind database says for a network.
+pub enum GeoRecord<'a> {
+    /// `{"country": {"iso_code": ..}}` (GeoLite2-Country's shape).
+    Country(&'a str),
+    /// `{"autonomous_system_number": .., "autonomous_system_organization": ..}` (GeoLite2-ASN's).
+    Asn(u32, &'a str),
+}
+
+/// A small IPv4 MaxMind DB (format 2.0, 24-bit records), written here so no test downloads one:
+/// a search tree over the networks' bits, 16 zero bytes, the data section, then the metadata.
+pub fn mmdb(database_type: &str, networks: &[(&str, GeoRecord<'_>)]) -> Vec<u8> {
+    /// A control byte for `kind` (extended types past 7) and `size` (29..=284 in one more
+    /// byte).
+    fn control(out: &mut Vec<u8>, kind: u8, size: usize) {
+        let (bits, extra) = if size < 29 {
+            (size as u8, None)
+        } else {
+            (29, Some((size - 29) as u8))
+        };
+        if kind < 8 {
+            out.push((kind << 5) | bits);
+        } else {
+            out.push(bits);
+            out.push(kind - 7);
+        }
+        out.extend(extra);
+    }
+    fn uint(out: &mut Vec<u8>, kind: u8, value: u64) {
+        let bytes: Vec<u8> = value
+            .to_be_bytes()
+            .iter()
+            .copied()
+            .skip_while(|b| *b == 0)
+            .collect();
+        control(out, kind, bytes.len());
+        out.extend_from_slice(&bytes);
+    }
+    fn string(out: &mut Vec<u8>, text: &str) {
+        control(out, 2, text.len());
+        out.extend_from_slice(text.as_bytes());
+    }
+    fn map(out: &mut Vec<u8>, size: usize) {
+        control(out, 7, size);
+    }
+    #[derive(Clone, Copy)]
+    enum Rec {
+        Empty,
+        Node(usize),
+        Data(usize),
+    }
+    let mut data = Vec::new();
+    let mut nodes: Vec<[Rec; 2]> = vec![[Rec::Empty, Rec::Empty]];
+    for (cidr, record) in networks {
+        let (addr, prefix) = cidr.split_once('/').expect("a CIDR");
+        let addr = u32::from(addr.parse::<std::net::Ipv4Addr>().expect("IPv4"));
+        let prefix: u32 = prefix.parse().expect("prefix");
+        let offset = data.len();
+        match record {
+            GeoRecord::Country(code) => {
+                map(&mut data, 1);
+                string(&mut data, "country");
+                map(&mut data, 1);
+                string(&mut data, "iso_code");
+                string(&mut data, code);
+            }
+            GeoRecord::Asn(number, org) => {
+                map(&mut data, 2);
+                string(&mut data, "autonomous_system_number");
+                uint(&mut data, 6, u64::from(*number));
+                string(&mut data, "autonomous_system_organization");
+                string(&mut data, org);
+            }
+        }
+        let mut node = 0;
+        for depth in 0..prefix {
+            let bit = ((addr >> (31 - depth)) & 1) as usize;
+            if depth + 1 == prefix {
+                nodes[node][bit] = Rec::Data(offset);
+            } else {
+                node = match nodes[node][bit] {
+                    Rec::Node(next) => next,
+                    _ => {
+                        nodes.push([Rec::Empty, Rec::Empty]);
+                        let next = nodes.len() - 1;
+                        nodes[node][bit] = Rec::Node(next);
+                        next
+                    }
+                };
+            }
+        }
+    }
+    let count = nodes.len();
+    let mut out = Vec::new();
+    for pair in &nodes {
+        for rec in pair {
+            let value = match rec {
+                Rec::Empty => count,
+                Rec::Node(i) => *i,
+                Rec::Data(offset) => count + 16 + offset,
+            } as u32;
+            out.extend_from_slice(&value.to_be_bytes()[1..]);
+        }
+    }
+    out.extend_from_slice(&[0u8; 16]);
+    out.extend_from_slice(&data);
+    out.extend_from_slice(b"\xAB\xCD\xEFMaxMind.com");
+    map(&mut out, 9);
+    string(&mut out, "node_count");
+    uint(&mut out, 6, count as u64);
+    string(&mut out, "record_size");
+    uint(&mut out, 5, 24);
+    string(&mut out, "ip_version");
+    uint(&mut out, 5, 4);
+    string(&mut out, "database_type");
+    string(&mut out, database_type);
+    string(&mut out, "languages");
+    control(&mut out, 11, 1);
+    string(&mut out, "en");
+    string(&mut out, "binary_format_major_version");
+    uint(&mut out, 5, 2);
+    string(&mut out, "binary_format_minor_version");
+    uint(&mut out, 5, 0);
+    string(&mut out, "build_epoch");
+    uint(&mut out, 9, 1_764_000_000);
+    string(&mut out, "description");
+    map(&mut out, 1);
+    string(&mut out, "en");
+    string(&mut out, "tollgate test database");
+    out
+}
