@@ -9,6 +9,11 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
+
+/// The integration tests' helpers (their MaxMind database writer).
+#[allow(dead_code, unused_imports)]
+#[path = "../tests/support/mod.rs"]
+mod support;
 use std::net::{IpAddr, Ipv4Addr};
 use tollgate::clock::{Clock, ManualClock};
 use tollgate::descriptor::RequestFacts;
@@ -481,7 +486,8 @@ fn estimators(c: &mut Criterion) {
 }
 
 /// `ip:country`/`ip:asn`/`ip:type`/`ip:tor`: one request's network facts from trusted
-/// headers, a 100 000-entry ASN map and 10 000 Tor exits (9 000 addresses, 1 000 networks).
+/// headers, a 100 000-entry ASN map and 10 000 Tor exits (9 000 addresses, 1 000 networks),
+/// and with Country and ASN databases answering first.
 fn network(c: &mut Criterion) {
     use tollgate::network::NetworkData;
     let map: String = (1..=100_000)
@@ -494,11 +500,33 @@ fn network(c: &mut Criterion) {
                 .map(|i| format!("{}/24\n", std::net::Ipv4Addr::from(0xc000_0000 + (i << 8)))),
         )
         .collect();
-    let data = NetworkData::parse(Some(&map), Some(&exits)).expect("network data");
     let mut headers = http::HeaderMap::new();
     headers.insert("x-country-code", "de".parse().unwrap());
     headers.insert("x-asn", "16509".parse().unwrap());
     let lookup = tollgate::service::HttpHeaders(&headers);
+    // Country and ASN databases of 4 096 /24 networks each, as `--geoip-db` reads them.
+    let networks: Vec<String> = (0..4_096u32)
+        .map(|i| format!("{}/24", std::net::Ipv4Addr::from(0x2000_0000 + (i << 8))))
+        .collect();
+    let countries: Vec<(&str, support::GeoRecord<'_>)> = networks
+        .iter()
+        .map(|n| (n.as_str(), support::GeoRecord::Country("DE")))
+        .collect();
+    let asns: Vec<(&str, support::GeoRecord<'_>)> = networks
+        .iter()
+        .map(|n| (n.as_str(), support::GeoRecord::Asn(16509, "Example")))
+        .collect();
+    let geo = vec![
+        tollgate::network::GeoDb::parse(support::mmdb("GeoLite2-Country", &countries))
+            .expect("country db"),
+        tollgate::network::GeoDb::parse(support::mmdb("GeoLite2-ASN", &asns)).expect("asn db"),
+    ];
+    let with_dbs = NetworkData::with_geo(Some(&map), Some(&exits), geo).expect("network data");
+    let listed: std::net::IpAddr = "32.0.5.7".parse().unwrap();
+    c.bench_function("network/resolve_geoip", |b| {
+        b.iter(|| black_box(with_dbs.resolve(Some(black_box(listed)), &lookup, true)))
+    });
+    let data = NetworkData::parse(Some(&map), Some(&exits)).expect("network data");
     let ip: std::net::IpAddr = "203.0.113.7".parse().unwrap();
     c.bench_function("network/resolve", |b| {
         b.iter(|| black_box(data.resolve(Some(black_box(ip)), &lookup, true)))
