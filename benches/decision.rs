@@ -11,7 +11,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 
 /// The integration tests' helpers (their MaxMind database writer).
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 #[path = "../tests/support/mod.rs"]
 mod support;
 use std::net::{IpAddr, Ipv4Addr};
