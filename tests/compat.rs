@@ -156,20 +156,7 @@ fn debug_sessions_are_off_without_their_secret_or_the_switch() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("p.json");
     std::fs::write(&policy, POLICY).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .arg("run")
-        .arg("--policy")
-        .arg(&policy)
-        .args([
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--debug-session-secret",
-            SECRET,
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = support::refused_start(&policy, &["--debug-session-secret", SECRET]);
     assert!(
         stderr.contains("--debug-session-secret: needs --compat fairvisor"),
         "{stderr}"

@@ -145,18 +145,7 @@ fn a_bad_network_file_at_start_up_is_refused_naming_it() {
     std::fs::write(&policy_file, policy("ip:type")).unwrap();
     let map = dir.path().join("bad.map");
     std::fs::write(&map, "72 business;\nseventy-two hosting;\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .arg("run")
-        .arg("--policy")
-        .arg(&policy_file)
-        .arg("--asn-type-map")
-        .arg(&map)
-        .args(["--admin-listen", "127.0.0.1:0"])
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = support::refused_start(&policy_file, &["--asn-type-map", map.to_str().unwrap()]);
     assert!(
         stderr.contains("--asn-type-map: line 2: the ASN must be a number"),
         "{stderr}"

@@ -126,29 +126,14 @@ fn a_short_token_or_an_unreadable_file_stops_start_up_without_showing_it() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policy.json");
     std::fs::write(&policy, OPERATOR_POLICY).unwrap();
-    let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_tollgate"))
-            .arg("run")
-            .arg("--policy")
-            .arg(&policy)
-            .args(["--admin-listen", "127.0.0.1:0"])
-            .args(extra)
-            .env_remove("RUST_LOG")
-            .output()
-            .unwrap()
-    };
-    let short = run(&["--admin-token", "hunter2"]);
-    assert_eq!(short.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&short.stderr);
+    let stderr = support::refused_start(&policy, &["--admin-token", "hunter2"]);
     assert!(
         stderr.contains("--admin-token: the token must be at least 16 characters"),
         "{stderr}"
     );
     assert!(!stderr.contains("hunter2"), "{stderr}");
-    let missing = run(&["--admin-token-file", "/nonexistent/token"]);
-    assert_eq!(missing.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&missing.stderr)
-        .contains("--admin-token-file /nonexistent/token: cannot read it"));
+    let missing = support::refused_start(&policy, &["--admin-token-file", "/nonexistent/token"]);
+    assert!(missing.contains("--admin-token-file /nonexistent/token: cannot read it"));
 }
 
 #[test]
@@ -215,16 +200,7 @@ fn hostile_bucket_names_and_queries_get_clear_errors() {
 fn a_missing_policy_file_stops_start_up_unless_told_to_wait() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .arg("run")
-        .arg("--policy")
-        .arg(&missing)
-        .args(["--admin-listen", "127.0.0.1:0", "--listen", "127.0.0.1:0"])
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = support::refused_start(&missing, &["--listen", "127.0.0.1:0"]);
     assert!(
         stderr.contains(&format!("--policy {}: no such file", missing.display())),
         "{stderr}"

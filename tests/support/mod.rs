@@ -1658,3 +1658,20 @@ pub fn mmdb(database_type: &str, networks: &[(&str, GeoRecord<'_>)]) -> Vec<u8> 
     string(&mut out, "tollgate test database");
     out
 }
+
+/// Runs `tollgate run --policy POLICY --admin-listen 127.0.0.1:0 EXTRA...` (no `RUST_LOG`),
+/// which must refuse to start: asserts exit code 1 and returns what it wrote to standard error.
+pub fn refused_start(policy: &Path, extra: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("run")
+        .arg("--policy")
+        .arg(policy)
+        .args(["--admin-listen", "127.0.0.1:0"])
+        .args(extra)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run tollgate");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    stderr
+}
