@@ -257,7 +257,7 @@ impl LlmRequest {
         if let Value::Object(map) = &json {
             for (key, v) in map {
                 if !COMPLETION_FIELDS.contains(&key.as_str()) {
-                    count.value(Reading::Field(field(key)), v, 1);
+                    count.value(Reading::Field(top_level_field(key)), v, 1);
                 }
             }
         } else {
@@ -289,7 +289,7 @@ fn exact_prompt(body: &[u8], encoding: TokenEncoding) -> u64 {
             if COMPLETION_FIELDS.contains(&key.as_str()) {
                 continue;
             }
-            count.value(Reading::Field(field(key)), v, 1);
+            count.value(Reading::Field(top_level_field(key)), v, 1);
             if let ("messages" | "input", Value::Array(messages)) = (key.as_str(), v) {
                 for message in messages.iter().filter_map(Value::as_object) {
                     overhead += TOKENS_PER_MESSAGE;
@@ -315,9 +315,10 @@ fn exact_prompt(body: &[u8], encoding: TokenEncoding) -> u64 {
         .saturating_add(overhead)
 }
 
-/// The deepest value counted: below it (a hostile body), nothing more is read. serde_json stops
-/// at 128 levels itself; such a body is then estimated as text, whole.
-const MAX_PROMPT_DEPTH: u32 = 120;
+/// The deepest value counted. serde_json refuses a body nested deeper than 128 levels (such a
+/// body is then estimated as text, whole), so every value of a body that parses is above this
+/// bound and counts; it only keeps the readers' recursion bounded should that limit change.
+const MAX_PROMPT_DEPTH: u32 = 200;
 
 /// How a field's value counts towards the prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -329,8 +330,10 @@ pub enum Field {
     /// Metadata the model does not read as text (`model`, `user`, `metadata`, ids, roles,
     /// types, MIME types, sampling settings...): not counted.
     Skip,
-    /// A schema (`parameters`, `input_schema`, `schema`, `json_schema`, `response_schema`):
-    /// counted as its JSON text, keys included.
+    /// A schema (`parameters`, `input_schema`, `schema`, `json_schema`, `response_schema`) or
+    /// a tool's input or result (`input` below the top level, Gemini's `args` and `response`):
+    /// counted as its JSON text, keys, numbers and booleans included, and no name inside it is
+    /// metadata (a tool's input may well have a `metadata` or `id` field holding text).
     Whole,
     /// An image or audio part: a fixed estimate (`media_tokens`), whatever its bytes.
     Media(MediaKind),
@@ -387,13 +390,26 @@ pub fn field(key: &str) -> Field {
         | "response_schema"
         | "responseSchema"
         | "responseJsonSchema"
-        | "parametersJsonSchema" => Field::Whole,
+        | "parametersJsonSchema"
+        | "input"
+        | "args"
+        | "response" => Field::Whole,
         "image_url" | "image" | "input_image" => Field::Media(MediaKind::Image),
         "input_audio" | "audio" => Field::Media(MediaKind::Audio),
         "inline_data" | "inlineData" | "file_data" | "fileData" | "source" => {
             Field::Media(MediaKind::ByMime)
         }
         _ => Field::Text,
+    }
+}
+
+/// How a top-level field of a request body counts: as [`field`] says, except `input`, which at
+/// the top is the Responses API's prompt (a string or a list of messages, with media parts
+/// read as media), not a tool's input.
+pub fn top_level_field(key: &str) -> Field {
+    match key {
+        "input" => Field::Text,
+        _ => field(key),
     }
 }
 
@@ -458,7 +474,10 @@ enum MediaKey {
     Mime,
     Data,
     Text,
-    /// Any other field, or none (a string standing for the whole value, such as an image URL).
+    /// The media value itself, when it is a string: a data URL (its MIME type and data), a
+    /// URL elsewhere (nothing known of its size), or the data itself (OpenAI's `file_data`).
+    Root,
+    /// Any other field.
     Other,
 }
 
@@ -494,6 +513,15 @@ fn media_string(facts: &mut MediaFacts, key: MediaKey, text: &str) {
         MediaKey::Data => facts.data_chars = facts.data_chars.saturating_add(text.len() as u64),
         MediaKey::Text => {
             facts.text_chars = facts.text_chars.saturating_add(text.chars().count() as u64)
+        }
+        MediaKey::Root => {
+            if let Some(url) = text.strip_prefix("data:") {
+                let (meta, data) = url.split_once(',').unwrap_or((url, ""));
+                media_string(facts, MediaKey::Mime, meta.split(';').next().unwrap_or(""));
+                facts.data_chars = facts.data_chars.saturating_add(data.len() as u64);
+            } else if !text.contains("://") {
+                facts.data_chars = facts.data_chars.saturating_add(text.len() as u64);
+            }
         }
         MediaKey::Other => {}
     }
@@ -560,10 +588,20 @@ impl Prompt {
             (Reading::Field(Field::Skip), _) => {}
             (Reading::Field(Field::Media(kind)), v) => {
                 self.start_part();
-                self.value(Reading::Media(MediaKey::Other), v, depth);
+                self.value(Reading::Media(MediaKey::Root), v, depth);
                 self.end_part(kind);
             }
             (_, Value::String(s)) => self.read_str(how, s),
+            (Reading::Field(Field::Whole), Value::Number(n)) => {
+                if let Some(u) = n.as_u64() {
+                    self.string(&u.to_string());
+                } else if let Some(i) = n.as_i64() {
+                    self.string(&i.to_string());
+                } else if let Some(f) = n.as_f64() {
+                    self.string(&f.to_string());
+                }
+            }
+            (Reading::Field(Field::Whole), Value::Bool(b)) => self.string(bool_text(*b)),
             (_, Value::Array(items)) => {
                 for item in items {
                     self.value(how, item, depth + 1);
@@ -649,7 +687,7 @@ impl RequestKey {
     fn of(key: &str) -> RequestKey {
         match COMPLETION_FIELDS.iter().position(|f| *f == key) {
             Some(i) => RequestKey::Completion(i),
-            None => RequestKey::Field(field(key)),
+            None => RequestKey::Field(top_level_field(key)),
         }
     }
 }
@@ -682,6 +720,25 @@ struct PromptSeed<'c> {
     depth: u32,
 }
 
+/// A boolean as its JSON text.
+fn bool_text(b: bool) -> &'static str {
+    if b {
+        "true"
+    } else {
+        "false"
+    }
+}
+
+impl PromptSeed<'_> {
+    /// A number or boolean counts as its JSON text inside a schema or a tool's input, and
+    /// nowhere else (sampling settings, counts and flags are not text the model reads).
+    fn whole_scalar(self, text: impl FnOnce() -> String) {
+        if self.how == Reading::Field(Field::Whole) && self.depth <= MAX_PROMPT_DEPTH {
+            self.count.string(&text());
+        }
+    }
+}
+
 impl<'de> serde::de::DeserializeSeed<'de> for PromptSeed<'_> {
     type Value = ();
 
@@ -695,7 +752,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for PromptSeed<'_> {
                 self.count.start_part();
                 d.deserialize_any(PromptSeed {
                     count: &mut *self.count,
-                    how: Reading::Media(MediaKey::Other),
+                    how: Reading::Media(MediaKey::Root),
                     depth: self.depth,
                 })?;
                 self.count.end_part(kind);
@@ -720,19 +777,23 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
         Ok(())
     }
 
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+    fn visit_bool<E>(self, b: bool) -> Result<(), E> {
+        self.whole_scalar(|| bool_text(b).to_string());
         Ok(())
     }
 
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+    fn visit_i64<E>(self, n: i64) -> Result<(), E> {
+        self.whole_scalar(|| n.to_string());
         Ok(())
     }
 
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+    fn visit_u64<E>(self, n: u64) -> Result<(), E> {
+        self.whole_scalar(|| n.to_string());
         Ok(())
     }
 
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+    fn visit_f64<E>(self, n: f64) -> Result<(), E> {
+        self.whole_scalar(|| n.to_string());
         Ok(())
     }
 
@@ -1116,6 +1177,12 @@ pub struct ResponseMeter {
 }
 
 impl ResponseMeter {
+    /// Whether the response is an event stream (read line by line, of any length) rather than
+    /// one JSON document (kept whole up to the limit).
+    pub fn is_stream(&self) -> bool {
+        matches!(self.format, Format::Stream { .. })
+    }
+
     /// A meter for a response of this `Content-Type`, keeping at most `limit` bytes.
     pub fn new(content_type: &str, limit: usize) -> ResponseMeter {
         let streamed = content_type
@@ -1426,7 +1493,16 @@ mod tests {
             (format!(r#"{{"contents":[{{"role":"user","parts":[{{"text":"{text}"}}]}}]}}"#), t(&[text])),
             (format!(r#"{{"systemInstruction":{{"parts":[{{"text":"{text}"}}]}}}}"#), t(&[text])),
             (format!(r#"{{"system":[{{"type":"text","text":"{text}"}}],"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t1","content":[{{"type":"text","text":"{text}"}}]}}]}}]}}"#), t(&[text, text])),
-            (format!(r#"{{"messages":[{{"role":"assistant","content":[{{"type":"tool_use","id":"t1","name":"f","input":{{"q":"{text}"}}}}]}}]}}"#), t(&["f", text])),
+            // A tool's input counts whole: its keys, numbers and booleans, and its `metadata`.
+            (format!(r#"{{"messages":[{{"role":"assistant","content":[{{"type":"tool_use","id":"t1","name":"f","input":{{"q":"{text}"}}}}]}}]}}"#), t(&["f", "q", text])),
+            (format!(r#"{{"messages":[{{"role":"assistant","content":[{{"type":"tool_use","id":"t1","name":"f","input":{{"metadata":"{text}","n":[1,-2,2.5],"ok":true}}}}]}}]}}"#), t(&["f", "metadata", text, "n", "1", "-2", "2.5", "ok", "true"])),
+            (format!(r#"{{"contents":[{{"role":"model","parts":[{{"functionCall":{{"name":"f","args":{{"id":"{text}"}}}}}}]}},{{"role":"user","parts":[{{"functionResponse":{{"name":"f","response":{{"status":"{text}"}}}}}}]}}]}}"#), t(&["f", "id", text, "f", "status", text])),
+            // An OpenAI file part counts by its data's size, a data URL's MIME type deciding.
+            (format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"file","file":{{"filename":"a","file_data":"data:application/pdf;base64,{}"}}}}]}}]}}"#, "Q".repeat(40_000)), t(&["a"]) + 10_000),
+            (format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"file","file":{{"file_data":"{}"}}}}]}}]}}"#, "Q".repeat(4_000)), 1_000),
+            (r#"{"messages":[{"role":"user","content":[{"type":"file","file":{"file_data":"data:image/png;base64,AAAA"}}]}]}"#.to_string(), IMAGE_TOKENS),
+            // As deep as serde_json parses (128 levels), a string still counts.
+            (format!(r#"{{"messages":{}"{text}"{}}}"#, "[".repeat(126), "]".repeat(126)), t(&[text])),
             (format!(r#"{{"some_future_field":{{"deep":["{text}"]}},"user":"u-123","metadata":{{"k":"{text}"}}}}"#), t(&[text])),
             // A schema counts as its JSON text, keys included: type, object, properties, city,
             // type, string, description + the text → 7 + 12 words.

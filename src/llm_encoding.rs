@@ -1,8 +1,10 @@
 //! Reading an LLM response's `usage` whatever its `Content-Encoding`, pure: a gzip, deflate,
 //! br or zstd body is decoded on a copy as it passes (the client still gets the bytes the
 //! upstream sent) and fed to the [`ResponseMeter`], bounded in memory (the decoders write in
-//! pieces of their own buffer size straight into the meter) and in expansion: past
-//! [`DECODED_LIMIT_FACTOR`] × the response limit of decoded bytes, decoding stops, so a
+//! pieces of their own buffer size straight into the meter) and in expansion: a JSON answer
+//! decoding to more than the response limit, or an event stream to more than
+//! [`DECODED_LIMIT_FACTOR`] × that limit (a stream is read line by line, and a long completion
+//! is legitimately larger than one document), stops decoding and counts as too large, so a
 //! decompression bomb cannot cost more than reading that many bytes. An encoding that cannot be
 //! decoded (unknown, several codings, corrupt data, too large) leaves the reservation to settle
 //! on its estimate.
@@ -10,7 +12,8 @@
 use crate::llm::ResponseMeter;
 use std::io::Write;
 
-/// Decoded bytes read at most, as a multiple of the meter's response limit.
+/// Decoded bytes of an event stream read at most, as a multiple of the meter's response limit
+/// (a JSON answer: the limit itself).
 pub const DECODED_LIMIT_FACTOR: u64 = 16;
 
 /// Why a response's body could not be read.
@@ -40,11 +43,14 @@ struct Sink {
     meter: ResponseMeter,
     decoded: u64,
     limit: u64,
+    /// A write past the bound was refused.
+    over: bool,
 }
 
 impl Write for Sink {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if self.decoded.saturating_add(buf.len() as u64) > self.limit {
+            self.over = true;
             return Err(std::io::Error::other("decoded past the bound"));
         }
         self.decoded += buf.len() as u64;
@@ -128,10 +134,16 @@ impl BodyMeter {
         let Some(coding) = coding(content_encoding) else {
             return BodyMeter(Reading::Plain(meter));
         };
+        let limit = if meter.is_stream() {
+            (limit as u64).saturating_mul(DECODED_LIMIT_FACTOR)
+        } else {
+            limit as u64
+        };
         let sink = Sink {
             meter,
             decoded: 0,
-            limit: (limit as u64).saturating_mul(DECODED_LIMIT_FACTOR),
+            limit,
+            over: false,
         };
         let (decoder, encoding) = match coding.as_str() {
             "gzip" | "x-gzip" => (
@@ -242,8 +254,7 @@ impl BodyMeter {
 }
 
 fn failure(decoder: &Decoder, _e: &std::io::Error) -> Undecodable {
-    let sink = decoder.sink();
-    if sink.decoded >= sink.limit.saturating_sub(1 << 16) {
+    if decoder.sink().over {
         Undecodable::TooLarge
     } else {
         Undecodable::Corrupt
@@ -321,16 +332,47 @@ mod tests {
         assert!(!m.readable());
     }
 
+    /// A JSON answer decoding to more than the response limit is too large (its usage could
+    /// not be read whole), where the same bytes as an event stream are read to 16 × the limit.
+    #[test]
+    fn a_json_answer_past_the_limit_is_too_large() {
+        let padded = format!(
+            r#"{{"pad":"{}","usage":{{"prompt_tokens":10,"completion_tokens":5000,"total_tokens":5010}}}}"#,
+            " ".repeat(3 << 20)
+        );
+        let gzipped = encode("gzip", padded.as_bytes());
+        let mut m = BodyMeter::new(
+            ResponseMeter::new("application/json", 1 << 20),
+            Some("gzip"),
+            1 << 20,
+        );
+        for piece in gzipped.chunks(4096) {
+            m.feed(piece);
+        }
+        m.finish();
+        assert_eq!(m.undecodable(), Some((Undecodable::TooLarge, "gzip")));
+        let mut m = BodyMeter::new(
+            ResponseMeter::new("text/event-stream", 1 << 20),
+            Some("gzip"),
+            1 << 20,
+        );
+        for piece in gzipped.chunks(4096) {
+            m.feed(piece);
+        }
+        m.finish();
+        assert!(m.readable());
+    }
+
     #[test]
     fn a_decompression_bomb_stops_at_the_bound() {
-        // 64 MiB of zeros gzip to about 64 KiB; the bound is 16 × 1 MiB.
+        // 64 MiB of zeros gzip to about 64 KiB; a JSON answer's bound is the 1 MiB limit.
         let zeros = vec![0u8; 64 << 20];
         let bomb = encode("gzip", &zeros);
         assert!(bomb.len() < 1 << 20);
         let m = read("gzip", &bomb, 16);
         assert_eq!(m.undecodable(), Some((Undecodable::TooLarge, "gzip")));
         if let Reading::Decoding { decoder, .. } = &m.0 {
-            assert!(decoder.sink().decoded <= 16 << 20);
+            assert!(decoder.sink().decoded <= 1 << 20);
         }
     }
 }

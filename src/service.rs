@@ -543,14 +543,14 @@ impl Gateway {
             .is_some_and(|b| b.fingerprints_bodies)
     }
 
-    /// Whether the bundle in force has a `token_bucket_llm` rule (the decision service then
-    /// reads request bodies, bounded by `--max-body-bytes`).
     /// The `tiktoken` encodings the bundle in force counts prompts in (see
     /// [`crate::llm::LlmRequest::parse_with`]).
     pub fn tiktoken_encodings(&self) -> u8 {
         self.policy.load().as_deref().map_or(0, |b| b.tiktoken)
     }
 
+    /// Whether the bundle in force has a `token_bucket_llm` rule (the decision service then
+    /// reads request bodies, bounded by `--max-body-bytes`).
     pub fn meters_tokens(&self) -> bool {
         self.policy
             .load()

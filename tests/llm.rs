@@ -827,7 +827,7 @@ fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
     let gw = Gateway::start(Some(policy), Some(upstream.addr), &[]);
     // Where the text goes, and the body that puts it there.
     type Shape = (&'static str, fn(&str) -> String);
-    let shapes: [Shape; 7] = [
+    let shapes: [Shape; 21] = [
         ("tools[].function.description", |t| {
             format!(
                 r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{{"type":"function","function":{{"name":"f","description":"{t}","parameters":{{"type":"object"}}}}}}]}}"#
@@ -856,6 +856,74 @@ fn every_place_a_prompt_hides_is_counted_before_the_upstream() {
         }),
         ("messages[].content", |t| {
             format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{t}"}}]}}"#)
+        }),
+        ("Responses instructions", |t| {
+            format!(r#"{{"model":"m","instructions":"{t}","input":"hi"}}"#)
+        }),
+        ("Responses input[].content[].text", |t| {
+            format!(
+                r#"{{"model":"m","input":[{{"role":"user","content":[{{"type":"input_text","text":"{t}"}}]}}]}}"#
+            )
+        }),
+        ("Responses text.format.schema", |t| {
+            format!(
+                r#"{{"model":"m","input":"hi","text":{{"format":{{"type":"json_schema","name":"s","schema":{{"description":"{t}"}}}}}}}}"#
+            )
+        }),
+        ("Responses tools[].description", |t| {
+            format!(
+                r#"{{"model":"m","input":"hi","tools":[{{"type":"function","name":"f","description":"{t}","parameters":{{"type":"object"}}}}]}}"#
+            )
+        }),
+        ("Anthropic system blocks", |t| {
+            format!(
+                r#"{{"model":"m","system":[{{"type":"text","text":"{t}"}}],"messages":[{{"role":"user","content":"hi"}}]}}"#
+            )
+        }),
+        ("Anthropic nested tool_result", |t| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t1","content":[{{"type":"text","text":"{t}"}}]}}]}}]}}"#
+            )
+        }),
+        ("Anthropic tool_use input (under a metadata key)", |t| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"assistant","content":[{{"type":"tool_use","id":"t1","name":"f","input":{{"metadata":"{t}"}}}}]}}]}}"#
+            )
+        }),
+        ("Anthropic tools[].input_schema", |t| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{{"name":"f","input_schema":{{"type":"object","description":"{t}"}}}}]}}"#
+            )
+        }),
+        ("Gemini systemInstruction", |t| {
+            format!(
+                r#"{{"systemInstruction":{{"parts":[{{"text":"{t}"}}]}},"contents":[{{"role":"user","parts":[{{"text":"hi"}}]}}]}}"#
+            )
+        }),
+        ("Gemini tools[].functionDeclarations", |t| {
+            format!(
+                r#"{{"contents":[{{"role":"user","parts":[{{"text":"hi"}}]}}],"tools":[{{"functionDeclarations":[{{"name":"f","description":"{t}"}}]}}]}}"#
+            )
+        }),
+        ("Gemini functionCall.args", |t| {
+            format!(
+                r#"{{"contents":[{{"role":"model","parts":[{{"functionCall":{{"name":"f","args":{{"q":"{t}"}}}}}}]}}]}}"#
+            )
+        }),
+        ("Gemini functionResponse.response", |t| {
+            format!(
+                r#"{{"contents":[{{"role":"user","parts":[{{"functionResponse":{{"name":"f","response":{{"status":"{t}"}}}}}}]}}]}}"#
+            )
+        }),
+        ("an unknown field", |t| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"some_future_field":{{"deep":["{t}"]}}}}"#
+            )
+        }),
+        ("an OpenAI file part's file_data", |t| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"file","file":{{"file_data":"{t}"}}}}]}}]}}"#
+            )
         }),
     ];
     let long = "lorem ipsum dolor sit amet ".repeat(6000); // 30 000 words: 40 000 tokens
