@@ -61,8 +61,37 @@ impl Setup {
 
     /// [`Setup::spawn`], with or without the state dir.
     fn spawn_with(&self, log: &str, extra: &[&str], state_dir: bool) -> Node {
+        self.spawn_limited(log, extra, state_dir, None)
+    }
+
+    /// [`Setup::spawn_with`], the process's address space limited to `address_space` bytes
+    /// (`RLIMIT_AS`) when given.
+    fn spawn_limited(
+        &self,
+        log: &str,
+        extra: &[&str],
+        state_dir: bool,
+        address_space: Option<u64>,
+    ) -> Node {
         let log = self.dir.path().join(log);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        if let Some(bytes) = address_space {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit(2) only, between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let limit = libc::rlimit {
+                        rlim_cur: bytes,
+                        rlim_max: bytes,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_AS, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
         cmd.arg("run");
         if state_dir {
             cmd.arg("--state-dir").arg(self.state());
@@ -298,8 +327,34 @@ fn an_unusable_state_dir_falls_back_to_process_memory() {
     );
 }
 
-/// A full disk: a tmpfs too small for the state file. Needs root for the mount; elsewhere the
-/// test says so and checks nothing.
+/// A failed `mmap`: an address space too small for the state file's mapping (10 million
+/// buckets: a 1.9 GB file, where the gateway itself needs about 1.5 GB of address space).
+#[test]
+fn a_failed_mmap_falls_back_to_process_memory() {
+    let setup = Setup::new(POLICY);
+    let node = setup.spawn_limited(
+        "gw.log",
+        &[TRUST[0], TRUST[1], "--max-buckets", "10000000"],
+        true,
+        Some(2_300_000_000),
+    );
+    node.wait_ready();
+    let log = node.log_text();
+    assert!(
+        log.contains("ERROR")
+            && log.contains("state dir unusable, buckets kept in process memory only")
+            && log.contains("cannot map the state file"),
+        "{log}"
+    );
+    assert_eq!(node.metric("tollgate_state_dir_fallback"), 1.0);
+    assert_eq!(
+        node.statuses(6, "a", "10.0.0.1"),
+        [200, 200, 200, 200, 200, 429]
+    );
+}
+
+/// A full disk: a tmpfs too small for the state file. Needs root for the mount (CI runs as
+/// root, where a failed mount fails the test); elsewhere the test says so and checks nothing.
 #[test]
 fn a_full_disk_falls_back_to_process_memory() {
     let setup = Setup::new(POLICY);
@@ -310,6 +365,9 @@ fn a_full_disk_falls_back_to_process_memory() {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
+    // SAFETY: getuid(2) has no preconditions.
+    let root = unsafe { libc::getuid() } == 0;
+    assert!(mounted || !root, "root could not mount a tmpfs");
     if !mounted {
         eprintln!(
             "a_full_disk_falls_back_to_process_memory: cannot mount a tmpfs (not root): skipped"
@@ -335,6 +393,133 @@ fn a_full_disk_falls_back_to_process_memory() {
         [200, 200, 200, 200, 200, 429]
     );
     assert!(!setup.state().join("buckets.state").exists());
+}
+
+/// Without a state dir, a bundle holding state a restart resets says so at start-up (once, at
+/// warning level, naming the rules); with one, it does not.
+#[test]
+fn start_up_warns_about_state_a_restart_resets() {
+    let setup = Setup::new(POLICY);
+    let node = setup.spawn_with("memory.log", &TRUST, false);
+    node.wait_ready();
+    let log = node.log_text();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("hold state that a restart resets"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{log}");
+    assert!(
+        warnings[0].contains("WARN")
+            && warnings[0].contains("monthly")
+            && warnings[0].contains("--state-dir DIR"),
+        "{log}"
+    );
+    drop(node);
+    let node = setup.start("state.log", &TRUST);
+    assert!(
+        !node.log_text().contains("hold state that a restart resets"),
+        "{}",
+        node.log_text()
+    );
+}
+
+/// A tripped circuit breaker and a loop mark (the shipped agent-guards policy) survive
+/// `kill -9`: after the restart the breaker is still open and the repeated body is still a
+/// loop.
+#[test]
+fn breakers_and_loop_marks_survive_kill_9() {
+    let setup = Setup::new(include_str!("../policies/agent-guards.json"));
+    let post = |node: &Node, key: &str, cost: &str, body: &str| {
+        let r = support::request_with_body(
+            node.proxy,
+            "POST",
+            "/v1/agent/run",
+            &[("X-Api-Key", key), ("X-Cost", cost)],
+            body.as_bytes(),
+        );
+        (r.status, r.header("x-tollgate-reason").map(str::to_string))
+    };
+    let mut node = setup.start("gw1.log", &[]);
+    // Two identical bodies pass; a third would be a loop.
+    assert_eq!(post(&node, "looper", "1", r#"{"task": "a"}"#).0, 200);
+    assert_eq!(post(&node, "looper", "1", r#"{"task": "a"}"#).0, 200);
+    // 60 within a minute trips the breaker (50).
+    assert_eq!(post(&node, "spender", "30", "{}").0, 200);
+    assert_eq!(
+        post(&node, "spender", "30", "{}"),
+        (429, Some("circuit_breaker_open".to_string()))
+    );
+    node.kill9();
+    let node = setup.start("gw2.log", &[]);
+    assert_eq!(
+        post(&node, "looper", "1", r#"{"task": "a"}"#),
+        (429, Some("loop_detected".to_string()))
+    );
+    assert_eq!(
+        post(&node, "spender", "1", "{}"),
+        (429, Some("circuit_breaker_open".to_string()))
+    );
+    // Other keys are untouched.
+    assert_eq!(post(&node, "other", "1", r#"{"task": "a"}"#).0, 200);
+}
+
+/// An LLM reservation the decision service handed out before a `kill -9` is settled after the
+/// restart: its token still verifies (signed with the state dir's key), the day budget is
+/// charged the reported usage, not the reservation.
+#[test]
+fn a_pending_llm_reservation_settles_after_kill_9() {
+    let setup = Setup::new(
+        r#"{"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"],
+        "algorithm": "token_bucket_llm", "algorithm_config": {"tokens_per_minute": 100000,
+        "tokens_per_day": 5000, "default_max_completion": 500}}]}"#,
+    );
+    // "one two three" is 4 prompt tokens; with max_tokens 800, 804 reserved.
+    let chat = r#"{"model": "m", "max_tokens": 800, "messages": [{"role": "user", "content": "one two three"}]}"#;
+    let decide = |node: &Node| {
+        support::request_with_body(
+            node.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/chat/completions"),
+                ("X-Api-Key", "tenant"),
+            ],
+            chat.as_bytes(),
+        )
+    };
+    // The day budget left, from the RateLimit header's `chat:tpd` item.
+    let day_left = |r: &support::HttpResponse| -> u64 {
+        let header = r.header("ratelimit").unwrap_or_default();
+        header
+            .split(',')
+            .map(str::trim)
+            .find(|item| item.starts_with("\"chat:tpd\";"))
+            .and_then(|item| item.split(';').find_map(|p| p.strip_prefix("r=")))
+            .and_then(|r| r.parse().ok())
+            .unwrap_or_else(|| panic!("no chat:tpd item in {header:?}"))
+    };
+    let mut node = setup.start("gw1.log", &[]);
+    let r = decide(&node);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-tollgate-reserved-tokens"), Some("804"));
+    assert_eq!(day_left(&r), 5000 - 804);
+    let token = r
+        .header("x-tollgate-reservation")
+        .expect("a reservation")
+        .to_string();
+    node.kill9();
+    let node = setup.start("gw2.log", &[]);
+    let settled = support::request_with_body(
+        node.admin,
+        "POST",
+        "/v1/usage",
+        &[("Content-Type", "application/json")],
+        format!(r#"{{"reservation": "{token}", "total_tokens": 100}}"#).as_bytes(),
+    );
+    assert_eq!(settled.status, 200, "{settled:?}");
+    // 100 used: 704 of the 804 handed back, then the next 804 reserved.
+    assert_eq!(day_left(&decide(&node)), 5000 - 100 - 804);
 }
 
 /// The issue's key flood: a spent monthly budget, idle past the old idle timeout, then 3 000

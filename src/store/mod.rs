@@ -815,3 +815,72 @@ impl Store {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::limiter::{MICRO, US_PER_SEC};
+
+    /// Time in a state file is wall-clock based: a restart whose wall clock stepped back an
+    /// hour refills nothing (the buckets continue from the latest time the file saw, kept by
+    /// the sweep), and one whose clock jumped forward counts the jump as elapsed time.
+    #[test]
+    fn a_restart_with_the_wall_clock_stepped_refills_only_elapsed_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDirConfig {
+            dir: dir.path().to_path_buf(),
+            sync_every: Duration::from_secs(1),
+            upgrade: false,
+        };
+        let config = MemoryStoreConfig {
+            max_buckets: 1000,
+            purge_interval_us: 0,
+        };
+        // 5 tokens, 1 a second.
+        let op = BucketOp {
+            key: BucketKey::of("tb:r:a"),
+            quota: Quota::new(5 * MICRO, MICRO, US_PER_SEC).unwrap(),
+            cost: MICRO,
+            group: Group::Enforce,
+            window: None,
+        };
+        let open = |wall_secs: i64| {
+            let clock = Arc::new(ManualClock::new(wall_secs));
+            let store = Store::memory_in_state_dir(config, &state, clock.clone()).unwrap();
+            (store, clock)
+        };
+        // How many of `n` requests at the clock's now are admitted.
+        let admitted = |store: &Store, clock: &ManualClock, n: usize| {
+            (0..n)
+                .filter(|_| {
+                    let mut r = OpResults::new();
+                    store
+                        .apply_now(clock.now_us(), &[op], &mut r)
+                        .expect("the embedded store")
+                        .expect("answered");
+                    r[0].verdict.allowed
+                })
+                .count()
+        };
+        let wall = 1_800_000_000;
+        {
+            let (store, clock) = open(wall);
+            assert_eq!(admitted(&store, &clock, 6), 5);
+            futures::executor::block_on(store.sweep_at(clock.now_us()));
+        }
+        {
+            // An hour back: still drained; two seconds later, exactly two tokens.
+            let (store, clock) = open(wall - 3600);
+            assert_eq!(admitted(&store, &clock, 3), 0);
+            clock.advance_us(2 * US_PER_SEC);
+            assert_eq!(admitted(&store, &clock, 3), 2);
+            futures::executor::block_on(store.sweep_at(clock.now_us()));
+        }
+        {
+            // Three seconds forward of the last time seen (wall + 2 s): three tokens.
+            let (store, clock) = open(wall + 5);
+            assert_eq!(admitted(&store, &clock, 6), 3);
+        }
+    }
+}
