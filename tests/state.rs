@@ -759,3 +759,96 @@ fn an_upgrade_under_load_drops_nothing_and_counts_once() {
     let lock_pid = std::fs::read_to_string(setup.state().join("owner.lock")).unwrap();
     assert_eq!(lock_pid.trim(), new.pid().to_string());
 }
+
+/// `curl` over TLS to `api.example.com` resolved to `addr`, trusting the test CA: the status.
+fn curl_tls(addr: SocketAddr) -> u16 {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tls");
+    let out = Command::new("curl")
+        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert"])
+        .arg(fixtures.join("ca.pem"))
+        .arg("--resolve")
+        .arg(format!("api.example.com:{}:{}", addr.port(), addr.ip()))
+        .arg(format!("https://api.example.com:{}/v1/x", addr.port()))
+        .output()
+        .expect("curl is not installed: run `bash scripts/test.sh`");
+    String::from_utf8_lossy(&out.stdout).parse().unwrap_or(0)
+}
+
+/// The first frame an HTTP/2 server sends after the client's preface: its type (4, SETTINGS).
+fn http2_first_frame_type(addr: SocketAddr) -> Option<u8> {
+    let mut conn = TcpStream::connect(addr).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .ok()?;
+    let mut head = [0u8; 9];
+    conn.read_exact(&mut head).ok()?;
+    Some(head[3])
+}
+
+/// The TLS and gRPC listeners are handed over too: the new process serves both after the old
+/// one has exited, without binding them itself (the old one held them when it started).
+#[test]
+fn an_upgrade_hands_over_the_tls_and_grpc_listeners() {
+    let setup = Setup::new(POLICY);
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tls");
+    let tls: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let (tls_arg, grpc_arg) = (tls.to_string(), grpc.to_string());
+    let (cert, key) = (
+        fixtures.join("api.pem").display().to_string(),
+        fixtures.join("api.key").display().to_string(),
+    );
+    let listeners = [
+        TRUST[0],
+        TRUST[1],
+        "--listen-tls",
+        &tls_arg,
+        "--tls-cert",
+        &cert,
+        "--tls-key",
+        &key,
+        "--grpc-listen",
+        &grpc_arg,
+    ];
+    let mut old = setup.start("old.log", &listeners);
+    let start = Instant::now();
+    while http2_first_frame_type(grpc).is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{}",
+            old.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(curl_tls(tls), 200);
+    let mut upgrade = vec!["--upgrade"];
+    upgrade.extend(listeners);
+    let new = setup.spawn("new.log", &upgrade);
+    let sock = setup.state().join("upgrade.sock");
+    let start = Instant::now();
+    while !sock.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{}",
+            new.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    old.signal(libc::SIGQUIT);
+    assert_eq!(
+        old.wait_exit(Duration::from_secs(40)),
+        Some(0),
+        "{}",
+        old.log_text()
+    );
+    new.wait_ready();
+    assert_eq!(curl_tls(tls), 200, "{}", new.log_text());
+    assert_eq!(http2_first_frame_type(grpc), Some(4), "{}", new.log_text());
+    // The per-IP bucket was shared: 2 of its 5 spent, across both processes.
+    assert_eq!(
+        new.statuses(4, "t", "127.0.0.1"),
+        [200, 200, 200, 429],
+        "{}",
+        new.log_text()
+    );
+}
