@@ -256,6 +256,26 @@ fn an_upstream_that_never_answers_times_out_and_leaks_no_slot() {
     assert!(!gw
         .metrics()
         .contains("tollgate_upstream_connect_failures_total{"));
+    // Nothing leaks: each timed-out request's upstream connection was closed by the gateway
+    // (never pooled, never left open), one per request.
+    let held = std::mem::take(&mut *held.lock().unwrap());
+    assert_eq!(held.len(), 5);
+    for mut conn in held {
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 4096];
+        let mut read = conn.read(&mut buf).expect("the request");
+        while read > 0 {
+            read = conn
+                .read(&mut buf)
+                .expect("closed by the gateway, not left open");
+        }
+    }
+    assert_eq!(
+        gw.log_text().matches("upstream timed out").count(),
+        5,
+        "{}",
+        gw.log_text()
+    );
 }
 
 /// An upstream that resets the connection in the middle of the body: the client gets the
@@ -311,6 +331,11 @@ fn an_upstream_that_resets_mid_body_ends_the_response_early() {
             "the bytes sent before the reset, then the end: {text:?}"
         );
     }
+    // Said in the log (no connect failure: the connection was made).
+    gw.wait_for_log("upstream failed mid-response");
+    assert!(!gw
+        .metrics()
+        .contains("tollgate_upstream_connect_failures_total{"));
 }
 
 /// A single-server group whose server is down: each request tries it 3 times (every refusal

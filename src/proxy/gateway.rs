@@ -596,7 +596,7 @@ impl ProxyHttp for Proxy {
         // Nothing was sent yet, so trying again is always safe: on another server when the
         // group has one, else on the same (see `upstreams` for the budget and ejection rules).
         if let (Some(group), Some(addr)) = (ctx.group.as_ref(), ctx.server) {
-            let kind = super::upstreams::ConnectFailure::of(e.etype());
+            let kind = super::upstreams::ConnectFailure::of_error(&e);
             let outcome = group.connect_failed(addr, kind, ctx.connect_tries);
             e.set_retry(outcome.retry);
             self.gateway.metrics.upstream_connect_failed(

@@ -133,6 +133,32 @@ impl ConnectFailure {
             _ => ConnectFailure::Other,
         }
     }
+
+    /// A failed connect, by its error type and, where Pingora files it under a plain
+    /// `ConnectError`, by the system error underneath (a reset during connect is one).
+    pub fn of_error(e: &pingora::Error) -> ConnectFailure {
+        let kind = ConnectFailure::of(e.etype());
+        if kind != ConnectFailure::Other {
+            return kind;
+        }
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = e
+            .cause
+            .as_deref()
+            .map(|c| c as &(dyn std::error::Error + 'static));
+        while let Some(c) = cause {
+            if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                use std::io::ErrorKind as K;
+                if matches!(
+                    io.kind(),
+                    K::ConnectionReset | K::ConnectionAborted | K::BrokenPipe
+                ) {
+                    return ConnectFailure::Reset;
+                }
+            }
+            cause = c.source();
+        }
+        kind
+    }
 }
 
 /// What [`Group::connect_failed`] decided.
@@ -453,5 +479,120 @@ impl Group {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pingora::ErrorType as E;
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    fn group(ports: &[u16]) -> Group {
+        Group::build(GroupSpec::from_flag(
+            ports.iter().map(|p| addr(*p)).collect(),
+        ))
+        .expect("a group")
+    }
+
+    #[test]
+    fn connect_failures_are_named_by_what_happened() {
+        let io = |kind: std::io::ErrorKind| {
+            pingora::Error::because(E::ConnectError, "connect", std::io::Error::from(kind))
+        };
+        let of = |e: Box<pingora::Error>| ConnectFailure::of_error(&e);
+        assert_eq!(
+            of(pingora::Error::new(E::ConnectRefused)),
+            ConnectFailure::Refused
+        );
+        assert_eq!(
+            of(pingora::Error::new(E::ConnectTimedout)),
+            ConnectFailure::TimedOut
+        );
+        assert_eq!(
+            of(pingora::Error::new(E::TLSHandshakeFailure)),
+            ConnectFailure::Tls
+        );
+        assert_eq!(
+            of(io(std::io::ErrorKind::ConnectionReset)),
+            ConnectFailure::Reset
+        );
+        assert_eq!(of(io(std::io::ErrorKind::AddrInUse)), ConnectFailure::Other);
+        assert_eq!(
+            of(pingora::Error::new(E::ConnectNoRoute)),
+            ConnectFailure::Unreachable
+        );
+    }
+
+    /// Retries in a second: at least 10, else a fifth of the second's requests; and never more
+    /// than 3 attempts for one request.
+    #[test]
+    fn retries_are_budgeted() {
+        let g = group(&[1]);
+        let outcomes: Vec<bool> = (0..11)
+            .map(|_| g.connect_failed(addr(1), ConnectFailure::Refused, 1).retry)
+            .collect();
+        assert_eq!(outcomes.iter().filter(|r| **r).count(), 10);
+        assert!(!outcomes[10]);
+        // 100 requests this second: 20 retries in all, 10 more.
+        for _ in 0..100 {
+            g.select(None, None);
+        }
+        let more = (0..20)
+            .filter(|_| g.connect_failed(addr(1), ConnectFailure::Refused, 1).retry)
+            .count();
+        assert_eq!(more, 10);
+        // Whatever the budget, a third failed attempt is the last.
+        let g = group(&[1]);
+        assert!(!g.connect_failed(addr(1), ConnectFailure::Refused, 3).retry);
+    }
+
+    /// Consecutive failures eject a server while another can take its share; the last one is
+    /// never ejected, a group's only server not even by timeouts; and a group whose servers are
+    /// all ejected still tries them (no 502 without an attempt).
+    #[test]
+    fn ejection_never_empties_a_group() {
+        let g = group(&[1, 2]);
+        let ejected = |g: &Group, port, kind| g.connect_failed(addr(port), kind, 1).ejected;
+        assert!(!ejected(&g, 1, ConnectFailure::Refused));
+        assert!(!ejected(&g, 1, ConnectFailure::Refused));
+        assert!(ejected(&g, 1, ConnectFailure::Refused));
+        // Only 2 is offered now, whichever the round-robin turn.
+        for _ in 0..4 {
+            assert_eq!(g.select(None, None).map(|s| s.0), Some(addr(2)));
+        }
+        // 2 is the last one standing: never ejected.
+        for _ in 0..6 {
+            assert!(!ejected(&g, 2, ConnectFailure::Refused));
+        }
+        // Timeouts eject after 5 in a row, and a success in between starts the run again.
+        let g = group(&[1, 2]);
+        for _ in 0..4 {
+            assert!(!ejected(&g, 1, ConnectFailure::TimedOut));
+        }
+        g.connected(addr(1));
+        for _ in 0..4 {
+            assert!(!ejected(&g, 1, ConnectFailure::TimedOut));
+        }
+        assert!(ejected(&g, 1, ConnectFailure::TimedOut));
+        // A single server is never ejected by timeouts either.
+        let g = group(&[1]);
+        for _ in 0..20 {
+            assert!(!ejected(&g, 1, ConnectFailure::TimedOut));
+        }
+        assert_eq!(g.select(None, None).map(|s| s.0), Some(addr(1)));
+        // Every server ejected (as a race of two failing servers can leave them): both are
+        // still tried.
+        let g = group(&[1, 2]);
+        for s in &g.servers {
+            s.ejected_until_ms.store(u64::MAX, Ordering::Relaxed);
+        }
+        let picked: std::collections::BTreeSet<SocketAddr> = (0..4)
+            .filter_map(|_| g.select(None, None).map(|s| s.0))
+            .collect();
+        assert_eq!(picked.len(), 2);
     }
 }
