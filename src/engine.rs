@@ -932,7 +932,7 @@ pub fn plan_with<'b>(
                 .find(|ks| ks.in_force(facts, unix_secs))
         } else {
             bundle.kill_switches.iter().find(|ks| {
-                matches!(&ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h))
+                matches!(&*ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h))
                     && ks.in_force(facts, unix_secs)
             })
         };

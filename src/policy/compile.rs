@@ -2256,6 +2256,14 @@ impl Compiler {
             } else {
                 value
             };
+            // Shared with the previous switch when it has the same scope (a block list of
+            // 100 000 keys usually has one): 40 bytes less per switch.
+            let scope = match self.kill_switches.last() {
+                Some(previous) if *previous.scope == scope => {
+                    std::sync::Arc::clone(&previous.scope)
+                }
+                _ => std::sync::Arc::new(scope),
+            };
             self.kill_switches.push(KillSwitch {
                 scope,
                 value: value.into(),

@@ -392,13 +392,13 @@ impl KillSwitchIndex {
         let mut index = KillSwitchIndex::default();
         for (i, ks) in switches.iter().enumerate() {
             let i = i as u32;
-            if let Descriptor::Header(name) = &ks.scope {
+            if let Descriptor::Header(name) = &*ks.scope {
                 match index.by_header_name.iter_mut().find(|(n, _)| n == name) {
                     Some((_, list)) => list.push(i),
                     None => index.by_header_name.push((name.clone(), vec![i])),
                 }
             }
-            let network = match &ks.scope {
+            let network = match &*ks.scope {
                 Descriptor::Ip { .. } => IpNet::parse(&ks.value),
                 _ => None,
             };

@@ -630,7 +630,8 @@ impl Rule {
 /// refused with 429 `kill_switch` until `expires_at`.
 #[derive(Debug)]
 pub struct KillSwitch {
-    pub scope: Descriptor,
+    /// Shared by consecutive switches of the same scope.
+    pub scope: std::sync::Arc<Descriptor>,
     pub value: Box<str>,
     /// Segment-wise path prefix, no trailing slash.
     pub route: Option<Box<str>>,
@@ -657,7 +658,7 @@ impl KillSwitch {
         if !self.in_force(facts, unix_secs) {
             return false;
         }
-        match (&self.scope, facts.client_ip) {
+        match (&*self.scope, facts.client_ip) {
             // An IP scope may be a network: `10.0.0.0/8` stops the whole range.
             (Descriptor::Ip { .. }, Some(ip)) => match IpNet::parse(&self.value) {
                 Some(net) => net.contains(ip),
