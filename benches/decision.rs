@@ -395,9 +395,9 @@ fn scale(c: &mut Criterion) {
     ];
     let mut group = c.benchmark_group("decision/scale");
     for (kind, sizes) in [
-        ("paths", &[1, 1_000, 10_000][..]),
-        ("hosts", &[1, 1_000, 10_000][..]),
-        ("tiers", &[1, 1_000, 10_000][..]),
+        ("paths", &[1, 1_000, 10_000, 100_000][..]),
+        ("hosts", &[1, 1_000, 10_000, 100_000][..]),
+        ("tiers", &[1, 1_000, 10_000, 100_000][..]),
         ("kill_switches", &[1, 1_000, 10_000, 100_000][..]),
     ] {
         for &n in sizes {

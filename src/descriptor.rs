@@ -18,6 +18,13 @@ pub trait HeaderLookup {
     /// identity while the upstream serves another.
     fn is_repeated(&self, lower_name: &str) -> bool;
 
+    /// Whether any header at all arrived on more than one line; when not, no name needs
+    /// [`HeaderLookup::is_repeated`] (a request rarely repeats one, and asking costs a lookup per
+    /// name read). The default answers "perhaps".
+    fn repeats_any(&self) -> bool {
+        true
+    }
+
     /// The first value, if present and valid UTF-8 (credentials: anything else is no token).
     fn header(&self, lower_name: &str) -> Option<&str> {
         self.header_bytes(lower_name)
@@ -60,6 +67,24 @@ impl HeaderLookup for [(String, String)] {
             .nth(1)
             .is_some()
     }
+
+    fn repeats_any(&self) -> bool {
+        self.iter().enumerate().any(|(i, (a, _))| {
+            self[i + 1..].iter().any(|(b, _)| {
+                a.len() == b.len()
+                    && a.bytes().zip(b.bytes()).all(|(x, y)| {
+                        let fold = |c: u8| {
+                            if c == b'_' {
+                                b'-'
+                            } else {
+                                c.to_ascii_lowercase()
+                            }
+                        };
+                        fold(x) == fold(y)
+                    })
+            })
+        })
+    }
 }
 
 impl HeaderLookup for Vec<(String, String)> {
@@ -69,6 +94,10 @@ impl HeaderLookup for Vec<(String, String)> {
 
     fn is_repeated(&self, lower_name: &str) -> bool {
         self.as_slice().is_repeated(lower_name)
+    }
+
+    fn repeats_any(&self) -> bool {
+        self.as_slice().repeats_any()
     }
 }
 
@@ -901,6 +930,20 @@ pub fn composite_key<'p>(parts: impl IntoIterator<Item = &'p str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_header_is_seen_in_any_case_and_spelling() {
+        let h = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .collect()
+        };
+        assert!(!h(&[("X-Tier", "a"), ("X-Api-Key", "k")]).repeats_any());
+        assert!(h(&[("X-Tier", "a"), ("x_tier", "b")]).repeats_any());
+        assert!(h(&[("a", "1"), ("b", "2"), ("A", "3")]).repeats_any());
+        assert!(!h(&[]).repeats_any());
+    }
 
     // `&dyn HeaderLookup` needs a sized type, so a `Vec`, not a slice.
     #[allow(clippy::ptr_arg)]

@@ -932,7 +932,7 @@ pub fn plan_with<'b>(
                 .find(|ks| ks.in_force(facts, unix_secs))
         } else {
             bundle.kill_switches.iter().find(|ks| {
-                matches!(&*ks.scope, Descriptor::Header(h) if facts.headers.is_repeated(h))
+                matches!(&*ks.scope, Descriptor::Header(h) if facts.headers.repeats_any() && facts.headers.is_repeated(h))
                     && ks.in_force(facts, unix_secs)
             })
         };
@@ -1598,9 +1598,12 @@ fn write_bucket(
 
 /// Whether a rule reads a header that the request sent on more than one line.
 fn repeats_header(rule: &Rule, facts: &RequestFacts<'_>) -> bool {
-    rule.header_names
-        .iter()
-        .any(|name| facts.headers.is_repeated(name))
+    !rule.header_names.is_empty()
+        && facts.headers.repeats_any()
+        && rule
+            .header_names
+            .iter()
+            .any(|name| facts.headers.is_repeated(name))
 }
 
 /// A request's cost under one rule.

@@ -74,6 +74,11 @@ impl HeaderLookup for HttpHeaders<'_> {
     fn is_repeated(&self, lower_name: &str) -> bool {
         self.0.get_all(lower_name).iter().nth(1).is_some()
     }
+
+    fn repeats_any(&self) -> bool {
+        // Every extra line of a name is one more value than there are names.
+        self.0.len() != self.0.keys_len()
+    }
 }
 
 /// The gateway.
@@ -1403,4 +1408,21 @@ impl log::Log for RedactingLog {
     }
 
     fn flush(&self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_map_repeating_a_name_says_so() {
+        let mut map = http::HeaderMap::new();
+        map.insert("x-tier", http::HeaderValue::from_static("a"));
+        map.insert("x-api-key", http::HeaderValue::from_static("k"));
+        assert!(!HttpHeaders(&map).repeats_any());
+        map.append("x-tier", http::HeaderValue::from_static("b"));
+        assert!(HttpHeaders(&map).repeats_any());
+        assert!(HttpHeaders(&map).is_repeated("x-tier"));
+        assert!(!HttpHeaders(&map).is_repeated("x-api-key"));
+    }
 }

@@ -138,6 +138,9 @@ impl BundleIndex {
         out: &mut Candidates,
     ) {
         out.clear();
+        if !facts.headers.repeats_any() {
+            return;
+        }
         for (name, switches) in &self.kill_switches.by_header_name {
             if facts.headers.is_repeated(name) {
                 out.extend_from_slice(switches);
@@ -359,7 +362,10 @@ impl RuleIndex {
         default_v6_prefix: u8,
         out: &mut Candidates,
     ) -> Option<()> {
-        if self.headers.iter().any(|h| facts.headers.is_repeated(h)) {
+        if !self.headers.is_empty()
+            && facts.headers.repeats_any()
+            && self.headers.iter().any(|h| facts.headers.is_repeated(h))
+        {
             return None;
         }
         let mut out = Gather::new(out);
