@@ -10,6 +10,7 @@
 use crate::budget::Action;
 use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, US_PER_SEC};
+use crate::policy::index::VERIFIED;
 use crate::policy::{Bundle, CostSource, Guard, KillSwitch, LoopAction, Mode, OnMissing, Rule};
 use crate::store::lease::{next_lease_id, LeaseOp, LeaseResults};
 use crate::store::{BucketKey, BucketOp, Group, MemoryStore, OpResults, StoreError};
@@ -1083,19 +1084,35 @@ pub fn plan_with<'b>(
         let scanned = !selection.indexes(policy.rules.len())
             || bundle
                 .index
-                .rules(policy_index as usize, facts, prefix, &mut rule_candidates)
+                .rules(
+                    &bundle.rules,
+                    policy_index as usize,
+                    facts,
+                    prefix,
+                    &mut rule_candidates,
+                )
                 .is_none();
         if scanned {
             rule_candidates.clear();
             rule_candidates.extend(policy.rules.clone().map(|i| i as u32));
         }
-        for rule in rule_candidates.iter().map(|&i| &bundle.rules[i as usize]) {
+        for &candidate in &rule_candidates {
+            let rule = &bundle.rules[(candidate & !VERIFIED) as usize];
             if repeats_header(rule, facts) {
                 repeated = Some(rule);
                 break 'policies;
             }
             if !rule.conditions.is_empty() {
-                if !rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
+                // The condition the index compared is not asked again.
+                let compared = (candidate & VERIFIED != 0)
+                    .then(|| crate::policy::index::indexed_condition(rule).map(|(k, _)| k))
+                    .flatten();
+                if !rule
+                    .conditions
+                    .iter()
+                    .enumerate()
+                    .all(|(k, c)| Some(k) == compared || c.matches(facts, prefix))
+                {
                     continue;
                 }
                 matched_conditional = true;

@@ -21,6 +21,11 @@ use std::net::IpAddr;
 /// Candidate positions (policies, rules or kill switches), in bundle order.
 pub type Candidates = SmallVec<[u32; 16]>;
 
+/// Set on a candidate rule whose indexed condition ([`indexed_condition`]) the index has
+/// already compared, exactly, with the request's value: the engine does not ask it again (a
+/// decision over a bundle of tiers would otherwise read the same header twice).
+pub const VERIFIED: u32 = 1 << 31;
+
 /// Positions sharing one key: most keys have one, kept inline.
 type Positions = SmallVec<[u32; 2]>;
 
@@ -110,6 +115,7 @@ impl BundleIndex {
     /// scans, and refuses as it always has).
     pub fn rules(
         &self,
+        rules: &[Rule],
         policy: usize,
         facts: &RequestFacts<'_>,
         default_v6_prefix: u8,
@@ -117,7 +123,7 @@ impl BundleIndex {
     ) -> Option<()> {
         self.rules
             .get(policy)?
-            .candidates(facts, default_v6_prefix, out)
+            .candidates(rules, facts, default_v6_prefix, out)
     }
 
     /// The kill switches that may stop the request (whatever their expiry and route), in
@@ -170,10 +176,20 @@ impl<'o> Gather<'o> {
         }
     }
 
+    /// Adds the positions of `list` that `verified` confirms, marked [`VERIFIED`].
+    fn add_verified(&mut self, list: &[u32], verified: impl Fn(u32) -> bool) {
+        let before = self.out.len();
+        self.out
+            .extend(list.iter().filter(|&&p| verified(p)).map(|&p| p | VERIFIED));
+        if self.out.len() > before {
+            self.lists = self.lists.saturating_add(1);
+        }
+    }
+
     fn done(self) {
         if self.lists > 1 {
-            self.out.sort_unstable();
-            self.out.dedup();
+            self.out.sort_unstable_by_key(|p| p & !VERIFIED);
+            self.out.dedup_by_key(|p| *p & !VERIFIED);
         }
     }
 }
@@ -324,11 +340,19 @@ struct RuleIndex {
 
 /// Whether a `match` condition compares its descriptor's value for plain equality (hosts and
 /// domains compare in any case: left to the scan).
-fn indexable(descriptor: &Descriptor, expected: &MatchValue) -> Option<String> {
+fn indexable<'r>(descriptor: &Descriptor, expected: &'r MatchValue) -> Option<&'r str> {
     match (descriptor, expected) {
         (Descriptor::Host | Descriptor::Domain, _) | (_, MatchValue::Network(_)) => None,
-        (_, MatchValue::Text(value)) => Some(value.clone()),
+        (_, MatchValue::Text(value)) => Some(value),
     }
+}
+
+/// The condition a rule is indexed by: its first indexable one (position and wanted value).
+pub fn indexed_condition(rule: &Rule) -> Option<(usize, &str)> {
+    rule.conditions
+        .iter()
+        .enumerate()
+        .find_map(|(k, c)| indexable(&c.descriptor, &c.expected).map(|v| (k, v)))
 }
 
 impl RuleIndex {
@@ -348,7 +372,7 @@ impl RuleIndex {
             match keyed {
                 None => index.scan.push(position),
                 Some((descriptor, value)) => group(&mut index.by_value, descriptor)
-                    .entry(key(&value))
+                    .entry(key(value))
                     .or_default()
                     .push(position),
             }
@@ -358,6 +382,7 @@ impl RuleIndex {
 
     fn candidates(
         &self,
+        rules: &[Rule],
         facts: &RequestFacts<'_>,
         default_v6_prefix: u8,
         out: &mut Candidates,
@@ -373,7 +398,14 @@ impl RuleIndex {
         for (descriptor, by_value) in &self.by_value {
             if let Some(value) = descriptor.value(facts, default_v6_prefix) {
                 if let Some(found) = by_value.get(&key(&value)) {
-                    out.add(found);
+                    // Compared exactly here (two values whose hashes collide are not the
+                    // same), so the engine need not read the descriptor again.
+                    out.add_verified(found, |p| {
+                        rules
+                            .get(p as usize)
+                            .and_then(indexed_condition)
+                            .is_some_and(|(_, wanted)| wanted == value)
+                    });
                 }
             }
         }
