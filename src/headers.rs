@@ -119,16 +119,37 @@ impl Values {
 
     fn finish(self) -> HeaderList {
         let bytes = self.buf.freeze();
+        // Every value is built from header-safe text; checked here once for the whole buffer
+        // (the per-value check costs more than building the values). Should a byte not be
+        // allowed in a header, each value is checked and a bad one dropped, never sent.
+        if bytes.iter().all(|&b| is_header_value_byte(b)) {
+            return self
+                .spans
+                .into_iter()
+                .map(|(name, start, end)| {
+                    // SAFETY: every byte of the buffer was checked above.
+                    let value = unsafe {
+                        HeaderValue::from_maybe_shared_unchecked(bytes.slice(start..end))
+                    };
+                    (name, value)
+                })
+                .collect();
+        }
         self.spans
             .into_iter()
             .filter_map(|(name, start, end)| {
-                // Every value is built from header-safe text; a bad one is dropped, never sent.
                 HeaderValue::from_maybe_shared(bytes.slice(start..end))
                     .ok()
                     .map(|value| (name, value))
             })
             .collect()
     }
+}
+
+/// A byte `http` accepts in a header value: visible ASCII, space, tab and obs-text (what
+/// `HeaderValue::from_bytes` checks).
+fn is_header_value_byte(b: u8) -> bool {
+    (b >= 0x20 && b != 0x7f) || b == b'\t'
 }
 
 /// Everything a front end needs to answer.
@@ -296,6 +317,26 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Values are checked once for the whole buffer; a value that is not header-safe is
+    /// dropped and the others kept, as when each was checked alone.
+    #[test]
+    fn a_value_that_is_not_header_safe_is_dropped() {
+        let mut values = Values::new();
+        values.number(&RATELIMIT_REMAINING, 7);
+        values.text(&RATELIMIT_POLICY, "\"r\";q=5;w=1");
+        let list = values.finish();
+        assert_eq!(list.len(), 2);
+        assert_eq!(list[1].1.as_bytes(), b"\"r\";q=5;w=1");
+        let mut values = Values::new();
+        values.number(&RATELIMIT_REMAINING, 7);
+        values.text(&RATELIMIT_POLICY, "bad\nvalue");
+        values.text(&RATELIMIT, "tab\tand \u{e9}");
+        let list = values.finish();
+        let names: Vec<&str> = list.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["ratelimit-remaining", "ratelimit"]);
+        assert_eq!(list[1].1.as_bytes(), "tab\tand \u{e9}".as_bytes());
+    }
     use crate::descriptor::RequestFacts;
     use crate::engine::{decide_local, EngineConfig};
     use crate::policy::{compile_bundle, push_sf_string};

@@ -262,12 +262,27 @@ fn push_rfc3339_us(out: &mut String, unix_us: i64) {
 pub fn push_ip(out: &mut String, ip: std::net::IpAddr) {
     match ip {
         std::net::IpAddr::V4(v4) => {
-            let mut number = itoa::Buffer::new();
-            for (i, octet) in v4.octets().iter().enumerate() {
+            // Written into 15 bytes on the stack, then pushed once.
+            let mut text = [0u8; 15];
+            let mut n = 0;
+            for (i, &octet) in v4.octets().iter().enumerate() {
                 if i > 0 {
-                    out.push('.');
+                    text[n] = b'.';
+                    n += 1;
                 }
-                out.push_str(number.format(*octet));
+                if octet >= 100 {
+                    text[n] = b'0' + octet / 100;
+                    n += 1;
+                }
+                if octet >= 10 {
+                    text[n] = b'0' + octet / 10 % 10;
+                    n += 1;
+                }
+                text[n] = b'0' + octet % 10;
+                n += 1;
+            }
+            if let Ok(text) = std::str::from_utf8(&text[..n]) {
+                out.push_str(text);
             }
         }
         std::net::IpAddr::V6(v6) => {
@@ -279,6 +294,21 @@ pub fn push_ip(out: &mut String, ip: std::net::IpAddr) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// Addresses are written as `Display` writes them.
+        #[test]
+        fn addresses_are_written_as_displayed(bits in proptest::prelude::any::<u32>(), v6 in proptest::prelude::any::<u128>()) {
+            for ip in [
+                std::net::IpAddr::V4(std::net::Ipv4Addr::from(bits)),
+                std::net::IpAddr::V6(std::net::Ipv6Addr::from(v6)),
+            ] {
+                let mut out = String::from("x=");
+                push_ip(&mut out, ip);
+                proptest::prop_assert_eq!(out, format!("x={ip}"));
+            }
+        }
+    }
 
     fn line() -> RateLimit<'static> {
         RateLimit {

@@ -63,6 +63,11 @@ pub enum StartError {
     Network(String),
 }
 
+/// `X-Forwarded-For` and `X-Real-IP`, parsed once (a name given as a string is parsed at every
+/// lookup).
+pub static X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+pub static X_REAL_IP: http::HeaderName = http::HeaderName::from_static("x-real-ip");
+
 /// Headers of an `http` request, for the engine.
 pub struct HttpHeaders<'a>(pub &'a http::HeaderMap);
 
@@ -753,10 +758,10 @@ impl Gateway {
             peer,
             ForwardingHeaders {
                 forwarded_for: headers
-                    .get_all("x-forwarded-for")
+                    .get_all(&X_FORWARDED_FOR)
                     .iter()
                     .map(http::HeaderValue::as_bytes),
-                real_ip: headers.get("x-real-ip").map(http::HeaderValue::as_bytes),
+                real_ip: headers.get(&X_REAL_IP).map(http::HeaderValue::as_bytes),
             },
             |ip| {
                 if Some(ip) == caller {

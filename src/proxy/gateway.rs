@@ -197,11 +197,13 @@ fn http2_key(session: &Session) -> Option<usize> {
 /// as nginx's `$proxy_add_x_forwarded_for` does.
 fn forwarded_for_upstream(headers: &http::HeaderMap, peer: std::net::IpAddr) -> Vec<u8> {
     let mut value = Vec::with_capacity(64);
-    for line in headers.get_all("x-forwarded-for") {
+    for line in headers.get_all(&crate::service::X_FORWARDED_FOR) {
         value.extend_from_slice(line.as_bytes());
         value.extend_from_slice(b", ");
     }
-    value.extend_from_slice(peer.to_string().as_bytes());
+    let mut peer_text = String::with_capacity(39);
+    crate::log_line::push_ip(&mut peer_text, peer);
+    value.extend_from_slice(peer_text.as_bytes());
     value
 }
 
