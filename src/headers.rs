@@ -122,7 +122,7 @@ impl Values {
         // Every value is built from header-safe text; checked here once for the whole buffer
         // (the per-value check costs more than building the values). Should a byte not be
         // allowed in a header, each value is checked and a bad one dropped, never sent.
-        if bytes.iter().all(|&b| is_header_value_byte(b)) {
+        if all_header_value_bytes(&bytes) {
             return self
                 .spans
                 .into_iter()
@@ -150,6 +150,26 @@ impl Values {
 /// `HeaderValue::from_bytes` checks).
 fn is_header_value_byte(b: u8) -> bool {
     (b >= 0x20 && b != 0x7f) || b == b'\t'
+}
+
+/// Whether every byte is one [`is_header_value_byte`] accepts, eight at a time: a word with no
+/// byte below 0x20 and none equal to 0x7f passes whole (the classic "has a byte less than n" and
+/// "has a zero byte" word tests, exact as yes/no answers); only a word that might not is looked
+/// at byte by byte (a tab is allowed).
+fn all_header_value_bytes(bytes: &[u8]) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGHS: u64 = 0x8080_8080_8080_8080;
+    let mut words = bytes.chunks_exact(8);
+    let words_pass = words.by_ref().all(|word| {
+        let mut eight = [0u8; 8];
+        eight.copy_from_slice(word);
+        let x = u64::from_le_bytes(eight);
+        let below_space = x.wrapping_sub(ONES * 0x20) & !x & HIGHS;
+        let del = x ^ (ONES * 0x7f);
+        let has_del = del.wrapping_sub(ONES) & !del & HIGHS;
+        (below_space | has_del) == 0 || word.iter().all(|&b| is_header_value_byte(b))
+    });
+    words_pass && words.remainder().iter().all(|&b| is_header_value_byte(b))
 }
 
 /// Everything a front end needs to answer.
@@ -317,6 +337,26 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The word-at-a-time check answers as the byte-by-byte one.
+        #[test]
+        fn header_bytes_are_checked_as_one_by_one(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40)) {
+            proptest::prop_assert_eq!(
+                all_header_value_bytes(&bytes),
+                bytes.iter().all(|&b| is_header_value_byte(b))
+            );
+        }
+
+        /// Mostly header-safe text with a rare bad byte, where a word test could go wrong.
+        #[test]
+        fn header_bytes_near_the_edges(bytes in proptest::collection::vec(proptest::sample::select(vec![0x00u8, 0x09, 0x0a, 0x1f, 0x20, 0x21, 0x7e, 0x7f, 0x80, 0xff, b'a']), 0..40)) {
+            proptest::prop_assert_eq!(
+                all_header_value_bytes(&bytes),
+                bytes.iter().all(|&b| is_header_value_byte(b))
+            );
+        }
+    }
 
     /// Values are checked once for the whole buffer; a value that is not header-safe is
     /// dropped and the others kept, as when each was checked alone.
