@@ -9,7 +9,7 @@
 #   openssl - the CLI makes the test CA and certificates (tests/grpc.rs) and reads served
 #          certificates (tests/tls.rs)
 #   curl   - HTTP/2 and HTTPS requests in tests/tls.rs (Debian's curl speaks HTTP/2)
-#   chromium - tests/operator.rs renders the /status page headless (and the README's
+#   chromium - tests/operator.rs renders the /status page headless (and the manual's
 #          screenshot is taken that way)
 #   prometheus - its promtool checks monitoring/alerts.yml (tests/operator.rs)
 #   wrk, h2load (nghttp2-client), valgrind - the load harnesses (benches/), and the instruction

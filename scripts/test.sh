@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what the tests need, then runs every unit, property,
-# integration, CLI and Envoy test (benches are compiled and run once in test mode).
+# integration, CLI and Envoy test (benches are compiled and run once in test mode), then builds
+# the manual.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -8,3 +9,5 @@ bash scripts/install-deps.sh
 TOLLGATE_ENVOY=$(bash scripts/install-envoy.sh)
 export TOLLGATE_ENVOY
 cargo test --all-targets "$@"
+# The manual: built with mdBook (its links and commands are checked by tests/docs.rs above).
+bash scripts/book.sh

@@ -12,7 +12,10 @@ use std::path::PathBuf;
 #[command(
     name = "tollgate",
     version,
-    about = "Edge API gateway: rate limits, quotas and kill switches as JSON policy"
+    about = "Edge API gateway: rate limits, quotas and kill switches as JSON policy",
+    after_help = "Every flag of `run` can also come from its TOLLGATE_* environment variable.\n\
+                  `tollgate help <command>` shows a command's flags, grouped, with defaults and\n\
+                  examples. The manual: docs/src (an mdBook; built into target/book)."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -22,16 +25,50 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the gateway: reverse proxy (with --upstream) and admin/decision listener.
+    #[command(after_help = RUN_EXAMPLES)]
     Run(Box<RunArgs>),
     /// Check policy bundles; exit 0 when all are valid, 1 with every error otherwise.
+    #[command(after_help = VALIDATE_EXAMPLES)]
     Validate(ValidateArgs),
     /// Replay JSON-lines requests through the engine on a virtual clock.
+    #[command(after_help = SIMULATE_EXAMPLES)]
     Simulate(SimulateArgs),
     /// Convert another limiter's configuration into a tollgate bundle (JSON on stdout; what
     /// could not be carried over exactly on stderr).
-    #[command(subcommand)]
+    #[command(subcommand, after_help = IMPORT_EXAMPLES)]
     Import(ImportCommand),
 }
+
+/// `tollgate help run`'s examples (each line after a comment is parsed by a unit test).
+const RUN_EXAMPLES: &str = "Examples:
+  # In front of an API, its buckets kept across restarts, crashes and upgrades:
+  tollgate run --policy policies/axum-per-ip.json --upstream 127.0.0.1:3000 --state-dir /var/lib/tollgate
+  # A decision service only, for nginx auth_request (POST /v1/decision on the admin listener):
+  tollgate run --policy policies/jwt-tiers.json --admin-listen 127.0.0.1:9090
+  # HTTPS and HTTP/2 in front, routes to several upstream groups:
+  tollgate run --policy policies/axum-per-ip.json --routes examples/gateway/routes.json --listen-tls 0.0.0.0:8443 --tls-cert cert.pem --tls-key key.pem
+  # Envoy's rate-limit service over gRPC, for envoyproxy/ratelimit users:
+  tollgate run --policy policies/envoy-ratelimit.json --grpc-listen 0.0.0.0:8081
+  # One of a fleet sharing its buckets on Redis:
+  tollgate run --policy policies/axum-per-ip.json --upstream 10.0.0.5:8080 --store redis://10.0.0.9:6379
+  # Replace a running gateway without closing its listeners (then SIGQUIT the old process):
+  tollgate run --policy policies/axum-per-ip.json --upstream 127.0.0.1:3000 --state-dir /var/lib/tollgate --upgrade";
+
+const VALIDATE_EXAMPLES: &str = "Examples:
+  # Every shipped policy:
+  tollgate validate policies/coinbase.json policies/llm-tiers.json
+  # Also warn about state a restart would reset without the state dir run will use:
+  tollgate validate --state-dir /var/lib/tollgate policies/fairvisor-budgets.json";
+
+const SIMULATE_EXAMPLES: &str = "Examples:
+  # The Coinbase worked example, replayed to the digit:
+  tollgate simulate --policy policies/coinbase-worked-example.json --requests examples/seed-004-requests.jsonl
+  # A recorded LLM conversation against the tiers (usage settled as it was reported):
+  tollgate simulate --policy policies/llm-tiers.json --requests examples/llm-conversation.jsonl";
+
+const IMPORT_EXAMPLES: &str = "Examples:
+  # An envoyproxy/ratelimit configuration, as a bundle for tollgate's gRPC service:
+  tollgate import envoy-ratelimit examples/envoy/ratelimit-config.yaml";
 
 #[derive(Debug, Subcommand)]
 pub enum ImportCommand {
@@ -51,13 +88,19 @@ pub enum LogFormat {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Policy bundle (JSON). Reloaded on SIGHUP and when the file changes.
-    #[arg(long, env = "TOLLGATE_POLICY")]
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_POLICY")]
     pub policy: PathBuf,
     /// Proxy listener address.
-    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_LISTEN",
+        default_value = "0.0.0.0:8080"
+    )]
     pub listen: String,
     /// Upstream(s) HOST:PORT, round-robin. Without it (or --routes) only the admin listener runs.
     #[arg(
+        help_heading = "Listeners and upstreams",
         long,
         env = "TOLLGATE_UPSTREAM",
         value_delimiter = ',',
@@ -66,16 +109,26 @@ pub struct RunArgs {
     pub upstream: Vec<String>,
     /// Gateway file (JSON): named upstream groups (servers, balancing, HTTPS, timeouts, health
     /// checks) and the host/path routes to them. Reloaded on SIGHUP and when it changes.
-    #[arg(long, env = "TOLLGATE_ROUTES")]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_ROUTES"
+    )]
     pub routes: Option<PathBuf>,
     /// Admin listener: /v1/decision, /livez, /readyz, /metrics, and with --admin-token the
     /// operator endpoints (/v1/buckets, /v1/explain, /v1/top, /status).
-    #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9090")]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_ADMIN_LISTEN",
+        default_value = "127.0.0.1:9090"
+    )]
     pub admin_listen: String,
     /// Turns the operator endpoints on: they answer requests sending
     /// `Authorization: Bearer TOKEN` (at least 16 characters; best from the environment or
     /// --admin-token-file). Without it they answer 403.
     #[arg(
+        help_heading = "Operators and logs",
         long,
         env = "TOLLGATE_ADMIN_TOKEN",
         hide_env_values = true,
@@ -83,131 +136,236 @@ pub struct RunArgs {
     )]
     pub admin_token: Option<String>,
     /// --admin-token read from a file (its first line), so it never shows in `ps`.
-    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN_FILE")]
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_ADMIN_TOKEN_FILE"
+    )]
     pub admin_token_file: Option<PathBuf>,
-    /// Answer as Fairvisor Edge does where tollgate differs on purpose (README: "--compat
-    /// fairvisor"): `X-Fairvisor-*` header names, the reason header only for debug sessions,
+    /// Answer as Fairvisor Edge does where tollgate differs on purpose (the manual: "From
+    /// Fairvisor Edge"): `X-Fairvisor-*` header names, the reason header only for debug sessions,
     /// `fairvisor_*` metrics beside tollgate's, Fairvisor's unverified-JWT reading.
-    #[arg(long, env = "TOLLGATE_COMPAT", value_enum, default_value = "none")]
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_COMPAT",
+        value_enum,
+        default_value = "none"
+    )]
     pub compat: CompatArg,
     /// With --compat fairvisor: the secret `POST /v1/debug/session` takes in
     /// `X-Fairvisor-Debug-Secret` to open a debug session (a signed `fv_dbg` cookie, 15
     /// minutes). Without it the debug endpoints answer 404.
-    #[arg(long, env = "TOLLGATE_DEBUG_SESSION_SECRET", hide_env_values = true)]
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_DEBUG_SESSION_SECRET",
+        hide_env_values = true
+    )]
     pub debug_session_secret: Option<String>,
     /// MaxMind-format database for `ip:country` (GeoLite2/GeoIP2 Country or City, DB-IP lite)
     /// or `ip:asn` (GeoLite2 ASN); repeat it for both. A database answers before the trusted
     /// headers. Verified whole at load; reloaded on SIGHUP and when it changes.
-    #[arg(long = "geoip-db", env = "TOLLGATE_GEOIP_DB", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Who the client is",
+        long = "geoip-db",
+        env = "TOLLGATE_GEOIP_DB",
+        value_delimiter = ','
+    )]
     pub geoip_db: Vec<PathBuf>,
     /// ASN → type map for the `ip:type` descriptor, in nginx `map` format (`72 business;`,
     /// `default unknown;`). Reloaded on SIGHUP and when it changes; a bad file keeps the last
     /// good one.
-    #[arg(long, env = "TOLLGATE_ASN_TYPE_MAP")]
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_ASN_TYPE_MAP"
+    )]
     pub asn_type_map: Option<PathBuf>,
     /// Tor exit list for the `ip:tor` descriptor: one address or CIDR per line (or nginx `geo`
     /// lines `1.2.3.4 1;`). Reloaded on SIGHUP and when it changes.
-    #[arg(long, env = "TOLLGATE_TOR_EXITS")]
+    #[arg(help_heading = "Who the client is", long, env = "TOLLGATE_TOR_EXITS")]
     pub tor_exits: Option<PathBuf>,
     /// Start even when --policy does not exist yet (an orchestrator mounts it later): until a
     /// valid bundle appears, the proxy forwards everything unlimited and decisions answer 503.
     /// Without it, a missing policy file stops start-up with exit code 1.
-    #[arg(long, env = "TOLLGATE_WAIT_FOR_POLICY")]
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_WAIT_FOR_POLICY")]
     pub wait_for_policy: bool,
     /// Worker threads of the proxy service.
-    #[arg(long, env = "TOLLGATE_THREADS", default_value_t = 2)]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_THREADS",
+        default_value_t = 2
+    )]
     pub threads: usize,
     /// Bucket store: `memory` (embedded, default) or `redis://HOST:PORT[/DB]` (shared by a fleet).
-    #[arg(long, env = "TOLLGATE_STORE", default_value = "memory")]
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_STORE",
+        default_value = "memory"
+    )]
     pub store: String,
     /// Deadline of one call to a networked store, in milliseconds; past it the request fails open.
-    #[arg(long, env = "TOLLGATE_STORE_TIMEOUT_MS", default_value_t = 5)]
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_STORE_TIMEOUT_MS",
+        default_value_t = 5
+    )]
     pub store_timeout_ms: u64,
     /// Most buckets the embedded store holds.
-    #[arg(long, env = "TOLLGATE_MAX_BUCKETS", default_value_t = 1_000_000)]
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_MAX_BUCKETS",
+        default_value_t = 1_000_000
+    )]
     pub max_buckets: usize,
     /// Accepted for compatibility and ignored: a bucket that is not full again is never dropped
     /// for being idle (a flood of fresh keys must not reset anyone's limit or budget).
-    #[arg(long, env = "TOLLGATE_BUCKET_IDLE_SECS", hide = true)]
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_BUCKET_IDLE_SECS",
+        hide = true
+    )]
     pub bucket_idle_secs: Option<u64>,
     /// Keep the embedded store's buckets, budgets, breakers, loop marks and reservations in
     /// files under DIR (mapped into memory): they survive a restart, a crash of the process and
     /// an upgrade. One gateway per directory.
-    #[arg(long, env = "TOLLGATE_STATE_DIR")]
+    #[arg(help_heading = "Buckets and stores", long, env = "TOLLGATE_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
     /// With --state-dir: milliseconds between flushes of the state file to disk, the most a
     /// crash of the machine (not of the process) can lose.
-    #[arg(long, env = "TOLLGATE_STATE_SYNC_MS", default_value_t = 1000)]
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_STATE_SYNC_MS",
+        default_value_t = 1000
+    )]
     pub state_sync_ms: u64,
     /// Take the listening sockets over from the running gateway (zero-downtime upgrade): start
     /// this process, then send the old one SIGQUIT; it hands its listeners over through
     /// --upgrade-sock, finishes its requests in flight and exits.
-    #[arg(long, env = "TOLLGATE_UPGRADE")]
+    #[arg(help_heading = "Buckets and stores", long, env = "TOLLGATE_UPGRADE")]
     pub upgrade: bool,
     /// The Unix socket the listeners are handed over through (the old and the new process must
     /// name the same one), in a directory only this user can write. Default: `upgrade.sock` in
     /// --state-dir; without either, SIGQUIT drains without handing anything over.
-    #[arg(long, env = "TOLLGATE_UPGRADE_SOCK")]
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_UPGRADE_SOCK"
+    )]
     pub upgrade_sock: Option<PathBuf>,
     /// Seconds between sweeps of full-again buckets and expired leases.
-    #[arg(long, env = "TOLLGATE_SWEEP_INTERVAL_SECS", default_value_t = 60)]
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_SWEEP_INTERVAL_SECS",
+        default_value_t = 60
+    )]
     pub sweep_interval_secs: u64,
     /// CIDR whose peers may set X-Forwarded-For (repeatable or comma-separated).
     #[arg(
+        help_heading = "Who the client is",
         long = "trusted-proxy",
         env = "TOLLGATE_TRUSTED_PROXY",
         value_delimiter = ','
     )]
     pub trusted_proxy: Vec<String>,
     /// Prefix IPv6 clients are reduced to for ip:address.
-    #[arg(long, env = "TOLLGATE_IPV6_PREFIX", default_value_t = 64, value_parser = clap::value_parser!(u8).range(1..=128))]
+    #[arg(help_heading = "Who the client is", long, env = "TOLLGATE_IPV6_PREFIX", default_value_t = 64, value_parser = clap::value_parser!(u8).range(1..=128))]
     pub ipv6_prefix: u8,
     /// Name of the header carrying the refusal reason.
-    #[arg(long, env = "TOLLGATE_REASON_HEADER", default_value = crate::headers::DEFAULT_REASON_HEADER)]
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_REASON_HEADER", default_value = crate::headers::DEFAULT_REASON_HEADER)]
     pub reason_header: String,
     /// Log format.
-    #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
     pub log_format: LogFormat,
     /// HMAC secret for HS256/384/512 tokens.
-    #[arg(long, env = "TOLLGATE_JWT_SECRET", hide_env_values = true)]
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_JWT_SECRET",
+        hide_env_values = true
+    )]
     pub jwt_secret: Option<String>,
     /// PEM public key (RSA, EC or Ed25519) for RS*/PS*/ES*/EdDSA tokens (repeatable).
     #[arg(
+        help_heading = "Who the client is",
         long = "jwt-public-key",
         env = "TOLLGATE_JWT_PUBLIC_KEY",
         value_delimiter = ','
     )]
     pub jwt_public_key: Vec<PathBuf>,
     /// JWKS file; keys chosen by `kid`, re-read with every policy reload.
-    #[arg(long, env = "TOLLGATE_JWT_JWKS")]
+    #[arg(help_heading = "Who the client is", long, env = "TOLLGATE_JWT_JWKS")]
     pub jwt_jwks: Option<PathBuf>,
     /// Use JWT claims WITHOUT checking signatures (only behind a layer that verifies them).
-    #[arg(long, env = "TOLLGATE_JWT_UNVERIFIED")]
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_JWT_UNVERIFIED"
+    )]
     pub jwt_unverified: bool,
     /// Allowed algorithms (default: every algorithm of the configured keys' families).
-    #[arg(long, env = "TOLLGATE_JWT_ALGORITHMS", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_JWT_ALGORITHMS",
+        value_delimiter = ','
+    )]
     pub jwt_algorithms: Vec<String>,
     /// Clock-skew allowance for exp/nbf, in seconds.
-    #[arg(long, env = "TOLLGATE_JWT_LEEWAY_SECS", default_value_t = 30)]
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_JWT_LEEWAY_SECS",
+        default_value_t = 30
+    )]
     pub jwt_leeway_secs: u64,
     /// Required `iss`.
-    #[arg(long, env = "TOLLGATE_JWT_ISSUER")]
+    #[arg(help_heading = "Who the client is", long, env = "TOLLGATE_JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
     /// Required `aud`.
-    #[arg(long, env = "TOLLGATE_JWT_AUDIENCE")]
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_JWT_AUDIENCE"
+    )]
     pub jwt_audience: Option<String>,
     /// Read the token from this header instead of `Authorization: Bearer`.
-    #[arg(long, env = "TOLLGATE_JWT_HEADER", conflicts_with = "jwt_cookie")]
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_JWT_HEADER",
+        conflicts_with = "jwt_cookie"
+    )]
     pub jwt_header: Option<String>,
     /// Read the token from this cookie instead of `Authorization: Bearer`.
-    #[arg(long, env = "TOLLGATE_JWT_COOKIE")]
+    #[arg(help_heading = "Who the client is", long, env = "TOLLGATE_JWT_COOKIE")]
     pub jwt_cookie: Option<String>,
     /// Seconds between checks of the policy file for changes (0 = only SIGHUP).
-    #[arg(long, env = "TOLLGATE_POLICY_POLL_SECS", default_value_t = 2)]
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_POLICY_POLL_SECS",
+        default_value_t = 2
+    )]
     pub policy_poll_secs: u64,
     /// Encoded slashes (`%2F`, `%5C`) in a request path: `decode` them for matching (the
     /// request is forwarded unchanged), or `reject` the request with 400.
     #[arg(
+        help_heading = "Who the client is",
         long,
         env = "TOLLGATE_ENCODED_SLASHES",
         value_enum,
@@ -217,73 +375,132 @@ pub struct RunArgs {
     /// Total seconds a new connection has to send its first request's headers; slow or silent
     /// clients are cut off after it (later requests on a kept-alive connection get the
     /// keep-alive timeout instead).
-    #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    #[arg(
+        help_heading = "Connections",
+        long,
+        env = "TOLLGATE_HEADER_TIMEOUT_SECS",
+        default_value_t = 10
+    )]
     pub header_timeout_secs: u64,
     /// Seconds a kept-alive connection has, after a response, to send its next request's headers.
-    #[arg(long, env = "TOLLGATE_KEEPALIVE_TIMEOUT_SECS", default_value_t = 60)]
+    #[arg(
+        help_heading = "Connections",
+        long,
+        env = "TOLLGATE_KEEPALIVE_TIMEOUT_SECS",
+        default_value_t = 60
+    )]
     pub keepalive_timeout_secs: u64,
     /// Largest request body read before deciding a request under a `token_bucket_llm` rule (the
     /// proxy and the decision service): a larger one gets 413.
-    #[arg(long, env = "TOLLGATE_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    #[arg(help_heading = "LLM token budgets", long, env = "TOLLGATE_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
     pub max_body_bytes: usize,
     /// Seconds the decision service keeps an LLM reservation for `POST /v1/usage`; one not
     /// reported by then stays charged as reserved.
-    #[arg(long, env = "TOLLGATE_RESERVATION_TTL_SECS", default_value_t = 600)]
+    #[arg(
+        help_heading = "LLM token budgets",
+        long,
+        env = "TOLLGATE_RESERVATION_TTL_SECS",
+        default_value_t = 600
+    )]
     pub reservation_ttl_secs: u64,
     /// A secret shared by every gateway of a fleet on one shared --store (at least 32 bytes;
     /// best from the environment): decision-service LLM reservations then travel in tokens
     /// signed with it, and `POST /v1/usage` settles one on any gateway of the fleet, once.
     /// Without it, a reservation is held by the gateway that made it.
-    #[arg(long, env = "TOLLGATE_RESERVATION_SECRET", hide_env_values = true)]
+    #[arg(
+        help_heading = "LLM token budgets",
+        long,
+        env = "TOLLGATE_RESERVATION_SECRET",
+        hide_env_values = true
+    )]
     pub reservation_secret: Option<String>,
     /// Most client connections the proxy holds at once; further ones get 503 and are closed.
-    /// Default: what the open-file limit leaves after upstream connections, at most 50 000 (see
-    /// README). The admin listener has its own cap: this value, at most 4 096.
-    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS")]
+    /// Default: what the open-file limit leaves after upstream connections, at most 50 000 (see the
+    /// manual, "At the edge"). The admin listener has its own cap: this value, at most 4 096.
+    #[arg(help_heading = "Connections", long, env = "TOLLGATE_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
     /// Most connections one client address holds open on the proxy listeners at once (nginx's
     /// `limit_conn`): further ones get 429 `connection_limit` and are closed. IPv6 clients count
     /// per /64 (--ipv6-prefix); --trusted-proxy peers are not counted. Off unless set.
-    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS_PER_IP")]
+    #[arg(
+        help_heading = "Connections",
+        long,
+        env = "TOLLGATE_MAX_CONNECTIONS_PER_IP"
+    )]
     pub max_connections_per_ip: Option<usize>,
     /// A TLS listener next to --listen (which stays cleartext). Without it, --tls-cert/--tls-key
     /// make --listen itself serve HTTPS.
-    #[arg(long, env = "TOLLGATE_LISTEN_TLS")]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_LISTEN_TLS"
+    )]
     pub listen_tls: Option<String>,
     /// PEM certificate chain for HTTPS (repeatable, paired in order with --tls-key; chosen by
     /// SNI, the first is the default). Reloaded on SIGHUP and when the files change.
-    #[arg(long = "tls-cert", env = "TOLLGATE_TLS_CERT", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long = "tls-cert",
+        env = "TOLLGATE_TLS_CERT",
+        value_delimiter = ','
+    )]
     pub tls_cert: Vec<PathBuf>,
     /// PEM private key of the --tls-cert at the same position.
-    #[arg(long = "tls-key", env = "TOLLGATE_TLS_KEY", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long = "tls-key",
+        env = "TOLLGATE_TLS_KEY",
+        value_delimiter = ','
+    )]
     pub tls_key: Vec<PathBuf>,
     /// Load a bundle whose policies partly fail validation: the failing policies are left out
     /// (logged, counted in `tollgate_policies_skipped`, listed in `/readyz`), as Fairvisor's
     /// loader does. Off by default: one bad policy refuses the bundle.
-    #[arg(long, env = "TOLLGATE_SKIP_INVALID_POLICIES")]
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_SKIP_INVALID_POLICIES")]
     pub skip_invalid_policies: bool,
     /// Accept HTTP/2 with prior knowledge (h2c) on the cleartext listener. On TLS, HTTP/2 is
     /// always offered by ALPN (h2, then http/1.1).
-    #[arg(long, env = "TOLLGATE_H2C")]
+    #[arg(help_heading = "Listeners and upstreams", long, env = "TOLLGATE_H2C")]
     pub h2c: bool,
     /// One access-log line per proxied request on standard output: `off` (default), `text`
     /// (nginx combined plus key=value fields) or `json`. Turns on X-Request-Id handling.
-    #[arg(long, env = "TOLLGATE_ACCESS_LOG", value_enum, default_value = "off")]
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_ACCESS_LOG",
+        value_enum,
+        default_value = "off"
+    )]
     pub access_log: AccessLogArg,
     /// gRPC listener for Envoy: `envoy.service.ratelimit.v3.RateLimitService`,
     /// `envoy.service.auth.v3.Authorization` and `grpc.health.v1.Health` (h2c, or TLS with
     /// --grpc-tls-cert/--grpc-tls-key). Off unless set.
-    #[arg(long, env = "TOLLGATE_GRPC_LISTEN")]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_GRPC_LISTEN"
+    )]
     pub grpc_listen: Option<String>,
     /// PEM certificate chain for the gRPC listener (TLS); needs --grpc-tls-key.
-    #[arg(long, env = "TOLLGATE_GRPC_TLS_CERT", requires = "grpc_tls_key")]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_GRPC_TLS_CERT",
+        requires = "grpc_tls_key"
+    )]
     pub grpc_tls_cert: Option<PathBuf>,
     /// PEM private key for the gRPC listener.
-    #[arg(long, env = "TOLLGATE_GRPC_TLS_KEY", requires = "grpc_tls_cert")]
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_GRPC_TLS_KEY",
+        requires = "grpc_tls_cert"
+    )]
     pub grpc_tls_key: Option<PathBuf>,
     /// A store failure during a gRPC call: `allow` (fail open, counted, as everywhere else) or
     /// `unavailable` (gRPC UNAVAILABLE, so Envoy's `failure_mode_deny` decides).
     #[arg(
+        help_heading = "Listeners and upstreams",
         long,
         env = "TOLLGATE_GRPC_STORE_ERRORS",
         value_enum,
@@ -508,5 +725,43 @@ pub fn simulate(args: &SimulateArgs, out: &mut dyn Write, err: &mut dyn Write) -
             let _ = writeln!(err, "{e}");
             EXIT_FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every example `tollgate help <command>` shows parses as written, and the files it names
+    /// from this repository exist.
+    #[test]
+    fn the_help_examples_parse() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut seen = 0;
+        for examples in [
+            RUN_EXAMPLES,
+            VALIDATE_EXAMPLES,
+            SIMULATE_EXAMPLES,
+            IMPORT_EXAMPLES,
+        ] {
+            for line in examples.lines().map(str::trim) {
+                let Some(args) = line.strip_prefix("tollgate ") else {
+                    continue;
+                };
+                seen += 1;
+                let argv: Vec<&str> = std::iter::once("tollgate")
+                    .chain(args.split_whitespace())
+                    .collect();
+                if let Err(e) = Cli::try_parse_from(&argv) {
+                    panic!("{line}: {e}");
+                }
+                for word in args.split_whitespace() {
+                    if word.starts_with("policies/") || word.starts_with("examples/") {
+                        assert!(root.join(word).exists(), "{line}: no {word}");
+                    }
+                }
+            }
+        }
+        assert_eq!(seen, 11);
     }
 }

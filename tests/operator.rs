@@ -289,7 +289,7 @@ fn chromium_command(profile: &std::path::Path) -> Command {
 /// The page in a real browser: Chromium opens `/status#token=...` (the fragment never reaches
 /// the server), the sign-in script fetches the page with the token and shows it; the rendered
 /// DOM has the bundle, the store and the limited bucket with its reset button. With
-/// `TOLLGATE_STATUS_SCREENSHOT=path` it also saves the screenshot the README shows.
+/// `TOLLGATE_STATUS_SCREENSHOT=path` it also saves the screenshot the manual shows (docs/src/images/status.png).
 #[test]
 fn headless_chromium_renders_the_status_page_with_the_token() {
     let gw = with_token(&[]);

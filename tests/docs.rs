@@ -1,0 +1,433 @@
+//! The manual (`docs/src`, an mdBook) and the README, read as a newcomer would follow them:
+//! every relative link leads to a file that exists and every `#anchor` to a heading of it (as
+//! mdBook names headings), every page is in the book's `SUMMARY.md`, and every command shown —
+//! in a `sh` block or as inline code — is one that works: `tollgate` invocations parse with the
+//! real command line (flags exist, values are valid), the files they name exist, scripts,
+//! benches and examples exist, and the endpoints `curl` is pointed at are served.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every page of the manual, and the README.
+fn pages() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("docs/src") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let mut out = vec![root().join("README.md")];
+    walk(&root().join("docs/src"), &mut out);
+    out.sort();
+    out
+}
+
+/// The text of a page outside fenced code blocks, line by line (code blocks hold neither links
+/// nor headings).
+fn prose(text: &str) -> Vec<&str> {
+    let mut inside = false;
+    text.lines()
+        .filter(|line| {
+            if line.starts_with("```") {
+                inside = !inside;
+                return false;
+            }
+            !inside
+        })
+        .collect()
+}
+
+/// A heading's anchor as mdBook makes it: lower case, letters, digits, `_` and `-` kept,
+/// whitespace as `-`, everything else dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .chars()
+        .filter_map(|c| {
+            if c.is_alphanumeric() || c == '_' || c == '-' {
+                Some(c.to_lowercase().next().unwrap_or(c))
+            } else if c.is_whitespace() {
+                Some('-')
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+fn anchors(text: &str) -> BTreeSet<String> {
+    prose(text)
+        .into_iter()
+        .filter_map(|line| {
+            let hashes = line.chars().take_while(|&c| c == '#').count();
+            (hashes > 0 && line[hashes..].starts_with(' ')).then(|| anchor(line[hashes..].trim()))
+        })
+        .collect()
+}
+
+/// `[text](target)` links of a line, outside inline code.
+fn links(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut in_code = false;
+    let bytes = line.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'`' => in_code = !in_code,
+            b']' if !in_code && bytes.get(i + 1) == Some(&b'(') => {
+                if let Some(end) = line[i + 2..].find(')') {
+                    out.push(line[i + 2..i + 2 + end].to_string());
+                    i += 2 + end;
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn every_link_and_anchor_of_the_manual_resolves() {
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).expect("page");
+        for line in prose(&text) {
+            for target in links(line) {
+                if target.starts_with("http://") || target.starts_with("https://") {
+                    continue;
+                }
+                checked += 1;
+                let (file, fragment) = match target.split_once('#') {
+                    Some((file, fragment)) => (file, Some(fragment)),
+                    None => (target.as_str(), None),
+                };
+                let resolved = if file.is_empty() {
+                    page.clone()
+                } else {
+                    page.parent().expect("dir").join(file)
+                };
+                if !resolved.exists() {
+                    broken.push(format!("{}: {target} (no such file)", page.display()));
+                    continue;
+                }
+                if let Some(fragment) = fragment {
+                    let target_text = std::fs::read_to_string(&resolved).unwrap_or_default();
+                    if !anchors(&target_text).contains(fragment) {
+                        broken.push(format!("{}: {target} (no such heading)", page.display()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    assert!(
+        checked > 40,
+        "only {checked} links found: is the parser right?"
+    );
+}
+
+#[test]
+fn every_page_is_in_the_book() {
+    let src = root().join("docs/src");
+    let summary = std::fs::read_to_string(src.join("SUMMARY.md")).expect("SUMMARY.md");
+    let listed: BTreeSet<PathBuf> = prose(&summary)
+        .into_iter()
+        .flat_map(links)
+        .map(|l| src.join(l))
+        .collect();
+    for page in pages() {
+        if page.starts_with(&src) && !page.ends_with("SUMMARY.md") {
+            assert!(
+                listed.contains(&page),
+                "{} is not in SUMMARY.md",
+                page.display()
+            );
+        }
+    }
+    for listed in &listed {
+        assert!(listed.exists(), "SUMMARY.md lists {}", listed.display());
+    }
+}
+
+/// Splits a shell line into words: quotes removed, `$(...)`, `${...}` and `$NAME` kept as one
+/// word (they stand for a value the reader supplies).
+fn words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut word = String::new();
+    let mut quote = None;
+    let mut started = false;
+    for c in line.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => word.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(c);
+                started = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if started || !word.is_empty() {
+                    out.push(std::mem::take(&mut word));
+                    started = false;
+                }
+            }
+            (None, c) => word.push(c),
+        }
+    }
+    if started || !word.is_empty() {
+        out.push(word);
+    }
+    out
+}
+
+/// The commands a page shows: each line of a `sh` block (continuation lines joined, `&&`
+/// chains split), and inline code that starts with a command this project ships (read per
+/// paragraph: a span may wrap onto the next line).
+fn commands(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut inside: Option<String> = None;
+    let mut pending = String::new();
+    let mut paragraph = String::new();
+    let shipped = ["tollgate ", "cargo ", "bash scripts/", "bash benches/"];
+    let inline = |paragraph: &mut String, out: &mut Vec<String>| {
+        for (k, span) in paragraph.split('`').enumerate() {
+            if k % 2 == 1 && shipped.iter().any(|p| span.starts_with(p)) {
+                out.push(span.to_string());
+            }
+        }
+        paragraph.clear();
+    };
+    for line in text.lines() {
+        if inside.is_none() && (line.trim().is_empty() || line.starts_with("```")) {
+            inline(&mut paragraph, &mut out);
+        }
+        if let Some(lang) = line.strip_prefix("```") {
+            inside = match inside {
+                Some(_) => None,
+                None => Some(lang.trim().to_string()),
+            };
+            continue;
+        }
+        match inside.as_deref() {
+            Some("sh" | "bash" | "console") => {
+                let line = line.trim().trim_start_matches("$ ");
+                if let Some(head) = line.strip_suffix('\\') {
+                    pending.push_str(head);
+                    pending.push(' ');
+                    continue;
+                }
+                pending.push_str(line);
+                let full = std::mem::take(&mut pending);
+                out.extend(
+                    full.split("&&")
+                        .map(|c| c.trim().to_string())
+                        .filter(|c| !c.is_empty() && !c.starts_with('#')),
+                );
+            }
+            Some(_) => {}
+            None => {
+                paragraph.push_str(line.trim());
+                paragraph.push(' ');
+            }
+        }
+    }
+    inline(&mut paragraph, &mut out);
+    out
+}
+
+/// What is wrong with one command, if anything.
+fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
+    let mut words = words(command);
+    // What a shell does with the output is not the command's.
+    if let Some(at) = words.iter().position(|w| {
+        matches!(
+            w.as_str(),
+            ">" | ">>" | "|" | "<" | "2>" | ";" | "2>&1" | "&"
+        )
+    }) {
+        words.truncate(at);
+    }
+    // Environment assignments in front (`TOLLGATE_JWT_SECRET=... cargo run ...`).
+    while words.first().is_some_and(|w| {
+        w.split_once('=').is_some_and(|(k, _)| {
+            !k.is_empty() && k.chars().all(|c| c.is_ascii_uppercase() || c == '_')
+        })
+    }) {
+        words.remove(0);
+    }
+    let Some(first) = words.first().cloned() else {
+        return Ok(());
+    };
+    let exists = |path: &str| {
+        // A glob (`policies/*.json`) names a directory that must exist.
+        let path = path.split('*').next().unwrap_or(path);
+        root().join(path).exists()
+    };
+    let tollgate_args = match first.as_str() {
+        "tollgate" | "./target/release/tollgate" | "target/release/tollgate" => Some(&words[1..]),
+        "cargo" if words.get(1).map(String::as_str) == Some("run") => {
+            match words.iter().position(|w| w == "--example") {
+                Some(at) => {
+                    let example = words.get(at + 1).ok_or("--example without a name")?;
+                    return exists(&format!("examples/{example}.rs"))
+                        .then_some(())
+                        .ok_or(format!("no example {example}"));
+                }
+                None => words
+                    .iter()
+                    .position(|w| w == "--")
+                    .map(|at| &words[at + 1..]),
+            }
+        }
+        "cargo" => {
+            if let Some(at) = words.iter().position(|w| w == "--bench") {
+                let bench = words.get(at + 1).ok_or("--bench without a name")?;
+                return exists(&format!("benches/{bench}.rs"))
+                    .then_some(())
+                    .ok_or(format!("no bench {bench}"));
+            }
+            return Ok(());
+        }
+        "bash" | "python3" => {
+            let script = words.get(1).ok_or("no script")?;
+            return exists(script)
+                .then_some(())
+                .ok_or(format!("no script {script}"));
+        }
+        "curl" => {
+            // An endpoint of the admin listener (port 9090 by default) must be one it serves;
+            // the proxy's paths are the upstream's.
+            let Some(url) = words.iter().find(|w| w.contains(":9090")) else {
+                return Ok(());
+            };
+            let path = url
+                .split_once("://")
+                .map_or(url.as_str(), |(_, rest)| rest)
+                .split_once('/')
+                .map_or("/", |(_, p)| p);
+            let endpoint = format!(
+                "/{}",
+                path.split(['?', '/']).take(2).collect::<Vec<_>>().join("/")
+            );
+            let endpoint = endpoint.trim_end_matches('/');
+            let known = endpoint.is_empty()
+                || !endpoint.starts_with("/v1") && !endpoint.starts_with("/status")
+                || admin_paths.contains(&format!("\"{endpoint}"));
+            return known
+                .then_some(())
+                .ok_or(format!("no endpoint {endpoint} in the admin router"));
+        }
+        _ => return Ok(()),
+    };
+    let Some(args) = tollgate_args else {
+        return Ok(());
+    };
+    // Placeholders a reader fills in are not checked as values.
+    if args
+        .iter()
+        .any(|a| a.contains("...") || a.starts_with('[') || a.starts_with('<') || a.contains('|'))
+    {
+        return Ok(());
+    }
+    // A file of this repository a command names (a policy, an example, a fixture) must exist;
+    // the reader's own files (`bundle.json`, `/etc/...`) cannot be checked.
+    for arg in args {
+        let repo_file = ["policies/", "examples/", "monitoring/", "tests/fixtures/"]
+            .iter()
+            .any(|p| arg.starts_with(p));
+        if repo_file && !exists(arg) {
+            return Err(format!("{arg} does not exist"));
+        }
+    }
+    let argv = std::iter::once("tollgate".to_string()).chain(args.iter().cloned());
+    match tollgate::cli::Cli::try_parse_from(argv) {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            use clap::error::ErrorKind as K;
+            match e.kind() {
+                // A command shown without its required arguments (`tollgate import envoy-ratelimit`
+                // named in a sentence) still has every flag right.
+                K::MissingRequiredArgument
+                | K::MissingSubcommand
+                | K::DisplayHelp
+                | K::DisplayHelpOnMissingArgumentOrSubcommand
+                | K::DisplayVersion => Ok(()),
+                _ => Err(e.to_string()),
+            }
+        }
+    }
+}
+
+#[test]
+fn every_command_shown_works() {
+    let admin_paths = [
+        "src/proxy/admin.rs",
+        "src/operator/mod.rs",
+        "src/operator/endpoints.rs",
+        "src/service.rs",
+    ]
+    .iter()
+    .map(|p| std::fs::read_to_string(root().join(p)).unwrap_or_default())
+    .collect::<Vec<_>>()
+    .join("\n");
+    let mut failures = Vec::new();
+    let mut seen = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).expect("page");
+        for command in commands(&text) {
+            seen += 1;
+            if let Err(why) = check_command(&command, &admin_paths) {
+                failures.push(format!("{}: `{command}`: {why}", page.display()));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "commands that do not work:\n{}",
+        failures.join("\n\n")
+    );
+    assert!(
+        seen > 30,
+        "only {seen} commands found: is the reader right?"
+    );
+}
+
+/// The checks themselves can fail: a flag that does not exist, a value that does not parse, a
+/// missing policy file, a missing script and a broken anchor are each caught.
+#[test]
+fn the_checks_catch_what_they_are_for() {
+    let admin = "\"/v1/buckets\"";
+    assert!(check_command(
+        "tollgate run --policy policies/axum-per-ip.json --threads 2",
+        admin
+    )
+    .is_ok());
+    assert!(check_command("tollgate run --no-such-flag", admin).is_err());
+    assert!(check_command("tollgate run --threads lots", admin).is_err());
+    assert!(check_command("tollgate validate policies/no-such.json", admin).is_err());
+    assert!(check_command("bash scripts/no-such.sh", admin).is_err());
+    assert!(check_command("cargo bench --bench no_such", admin).is_err());
+    assert!(check_command("curl -s localhost:9090/v1/buckets/x", admin).is_ok());
+    assert!(check_command("curl -s localhost:9090/v1/nothing", admin).is_err());
+    assert!(check_command("curl -s localhost:8080/v1/orders", admin).is_ok());
+    assert!(check_command("tollgate import envoy-ratelimit x.yaml > edge.json", admin).is_ok());
+    assert_eq!(
+        anchor("The client's network: `ip:country`"),
+        "the-clients-network-ipcountry"
+    );
+    assert_eq!(links("see [a](b.md#c) and `[x](y)`"), ["b.md#c"]);
+    assert_eq!(
+        words(r#"H="Authorization: Bearer $T" curl"#),
+        ["H=Authorization: Bearer $T", "curl"]
+    );
+}
