@@ -42,6 +42,7 @@ pub mod grpc;
 pub mod headers;
 pub mod import;
 pub mod limiter;
+pub mod limits;
 pub mod llm;
 pub mod llm_encoding;
 pub mod log_line;

@@ -3,13 +3,12 @@
 //! and so that no input — wrong types, huge numbers, unknown fields — can panic.
 
 use super::{
-    canonical_id, Breaker, Bundle, Concurrency, CostLimits, CostSource, FieldError, Guard,
-    KillSwitch, LlmLimit, LlmPart, LoopAction, LoopDetection, MatchCondition, MatchValue, Mode,
-    OnMissing, Policy, PolicyError, Rule, RuntimeOverride, Selector, SkippedPolicy,
+    canonical_id, Bundle, CostSource, FieldError, KillSwitch, LlmLimit, LlmPart, MatchCondition,
+    MatchValue, Mode, OnMissing, Policy, PolicyError, Rule, RuntimeOverride, Selector,
+    SkippedPolicy,
 };
-use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
 use crate::descriptor::{Descriptor, IpNet};
-use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, MICRO, US_PER_SEC};
+use crate::limiter::{Quota, MICRO};
 use ahash::{AHashMap, AHashSet};
 use serde_json::{Map, Value};
 use std::net::IpAddr;
@@ -17,9 +16,9 @@ use std::path::Path;
 
 /// Largest accepted burst, rate or cost, in tokens: keeps every micro-token amount and product
 /// far inside 64-bit integers (and inside the 2^53 exact range of Lua and PostgreSQL doubles).
-const MAX_AMOUNT: f64 = 1e9;
+pub(crate) const MAX_AMOUNT: f64 = 1e9;
 /// Smallest accepted amount: one micro-token.
-const MIN_AMOUNT: f64 = 1e-6;
+pub(crate) const MIN_AMOUNT: f64 = 1e-6;
 
 /// Reads, parses and compiles a bundle file. The bare `{"rules": [...]}` form takes the file
 /// stem as its policy id.
@@ -169,37 +168,39 @@ pub fn compile_bundle_with(
     Ok(bundle)
 }
 
+/// The bundle compiler: walks the JSON once, collecting every error with its path. Each limit
+/// kind compiles its own fields in its module under [`crate::limits`].
 #[derive(Default)]
-struct Compiler {
-    errors: Vec<FieldError>,
-    warnings: Vec<FieldError>,
-    version: String,
-    expires_at: Option<i64>,
+pub(crate) struct Compiler {
+    pub(crate) errors: Vec<FieldError>,
+    pub(crate) warnings: Vec<FieldError>,
+    pub(crate) version: String,
+    pub(crate) expires_at: Option<i64>,
     /// `--skip-invalid-policies`: a policy with errors is dropped instead of failing the bundle.
-    skip_invalid: bool,
-    skipped: Vec<SkippedPolicy>,
+    pub(crate) skip_invalid: bool,
+    pub(crate) skipped: Vec<SkippedPolicy>,
     /// The id of the policy being compiled (names an unnamed fallback).
-    current_policy_id: String,
+    pub(crate) current_policy_id: String,
     /// Compile every policy as shadow (the `global_shadow` twin).
-    force_shadow: bool,
-    global_shadow: Option<RuntimeOverride>,
-    kill_switch_override: Option<RuntimeOverride>,
-    policies: Vec<Policy>,
-    rules: Vec<Rule>,
-    kill_switches: Vec<KillSwitch>,
+    pub(crate) force_shadow: bool,
+    pub(crate) global_shadow: Option<RuntimeOverride>,
+    pub(crate) kill_switch_override: Option<RuntimeOverride>,
+    pub(crate) policies: Vec<Policy>,
+    pub(crate) rules: Vec<Rule>,
+    pub(crate) kill_switches: Vec<KillSwitch>,
     /// Rule name → path of its first definition.
-    rule_names: AHashMap<String, String>,
+    pub(crate) rule_names: AHashMap<String, String>,
     /// `tokens_per_day` rules of the policy being compiled, with the index of their minute
     /// rule: added after the policy's rules, outside its range.
-    day_rules: Vec<(usize, Rule)>,
-    policy_ids: AHashSet<String>,
+    pub(crate) day_rules: Vec<(usize, Rule)>,
+    pub(crate) policy_ids: AHashSet<String>,
 }
 
 use super::json::{join, type_name};
 
 /// The algorithms a rule may name.
 #[derive(Clone, Copy)]
-enum Algorithm {
+pub(crate) enum Algorithm {
     TokenBucket,
     CostBased,
     Concurrency,
@@ -219,24 +220,6 @@ const LLM_FIELDS: &[&str] = &[
     "streaming",
 ];
 
-/// The fields of a `token_bucket_llm` rule's `streaming` block (Fairvisor's).
-const LLM_STREAMING_FIELDS: &[&str] = &[
-    "enabled",
-    "enforce_mid_stream",
-    "buffer_tokens",
-    "on_limit_exceeded",
-    "include_partial_usage",
-];
-
-/// Fairvisor's default `streaming.buffer_tokens`.
-const DEFAULT_STREAM_BUFFER_TOKENS: u64 = 100;
-
-/// Fairvisor's default completion reservation.
-const DEFAULT_MAX_COMPLETION: u64 = 1000;
-
-/// How long a concurrency slot is held at most when nobody gives it back.
-const DEFAULT_LEASE_TTL_SECS: u64 = 300;
-
 /// The fields of a `cost_based` rule's `algorithm_config`.
 const COST_BASED_FIELDS: &[&str] = &[
     "budget",
@@ -251,7 +234,7 @@ const COST_BASED_FIELDS: &[&str] = &[
 
 /// A name as a key segment: `:` and `\` escaped, so the name ends at the first unescaped `:`
 /// and rule `a` with key `b:c` can never share a bucket with rule `a:b` and key `c`.
-fn escape_name(name: &str) -> String {
+pub(crate) fn escape_name(name: &str) -> String {
     let mut out = String::with_capacity(name.len());
     for c in name.chars() {
         if matches!(c, ':' | '\\') {
@@ -263,7 +246,7 @@ fn escape_name(name: &str) -> String {
 }
 
 /// A rule's key prefix: `<kind>:<escaped name>:`, under `shadow:` for a shadow rule.
-fn key_prefix(kind: &str, name: &str, mode: Mode) -> String {
+pub(crate) fn key_prefix(kind: &str, name: &str, mode: Mode) -> String {
     let escaped = escape_name(name);
     match mode {
         Mode::Enforce => format!("{kind}:{escaped}:"),
@@ -273,7 +256,7 @@ fn key_prefix(kind: &str, name: &str, mode: Mode) -> String {
 
 /// Lower-case names of the request headers a rule reads (its descriptors and its cost), once
 /// each: a request repeating one of them is refused rather than limited on a guess.
-fn headers_read<'d>(
+pub(crate) fn headers_read<'d>(
     descriptors: impl Iterator<Item = &'d Descriptor>,
     cost: &CostSource,
 ) -> Vec<String> {
@@ -297,7 +280,43 @@ fn headers_read<'d>(
 
 /// A rule's name as a structured-field string, and its `RateLimit-Policy` item
 /// (`"name";q=<burst>;w=<window_secs>`), serialised once at load.
-fn policy_item(name: &str, quota: &Quota, window_secs: u64) -> (String, String) {
+/// A rule with its name, owner, mode and quota, and nothing else yet: no keys, conditions,
+/// overrides or kind-specific part. Each limit kind fills in what it has with struct update
+/// syntax (`Rule { guard: Some(..), ..plain_rule(..) }`). `window_secs` is what its
+/// `RateLimit-Policy` item states as the window.
+pub(crate) fn plain_rule(
+    name: String,
+    policy: usize,
+    mode: Mode,
+    quota: Quota,
+    window_secs: u64,
+) -> Rule {
+    let (sf_name, policy_item) = policy_item(&name, &quota, window_secs);
+    Rule {
+        index: 0,
+        sf_name,
+        policy_item,
+        name,
+        policy,
+        policy_id: String::new(),
+        mode,
+        limit_keys: Vec::new(),
+        conditions: Vec::new(),
+        quota,
+        cost: CostSource::Fixed(0),
+        overrides: AHashMap::new(),
+        ip_overrides: Vec::new(),
+        on_missing: OnMissing::Shared,
+        key_prefix: String::new(),
+        header_names: Vec::new(),
+        budget: None,
+        concurrency: None,
+        guard: None,
+        llm: None,
+    }
+}
+
+pub(crate) fn policy_item(name: &str, quota: &Quota, window_secs: u64) -> (String, String) {
     let mut sf_name = String::with_capacity(name.len() + 2);
     super::push_sf_string(&mut sf_name, name);
     let item = format!("{sf_name};q={};w={window_secs}", quota.burst() / MICRO);
@@ -324,7 +343,7 @@ const CONFIG_FIELDS: &[&str] = &[
 
 impl Compiler {
     /// The bundle of a compile that found no error.
-    fn finish(mut self) -> Bundle {
+    pub(crate) fn finish(mut self) -> Bundle {
         // Held for the bundle's whole life: no room left over from growing while compiling.
         self.policies.shrink_to_fit();
         self.rules.shrink_to_fit();
@@ -368,7 +387,7 @@ impl Compiler {
 
     /// A `global_shadow` / `kill_switch_override` block: `enabled` (boolean, required); when
     /// true, a non-empty `reason` of at most 256 bytes and an `expires_at`.
-    fn runtime_override(&mut self, v: &Value, path: &str) -> Option<RuntimeOverride> {
+    pub(crate) fn runtime_override(&mut self, v: &Value, path: &str) -> Option<RuntimeOverride> {
         let map = self.object(v, path, &["enabled", "reason", "expires_at"])?;
         match map.get("enabled") {
             Some(Value::Bool(true)) => {}
@@ -409,11 +428,11 @@ impl Compiler {
         })
     }
 
-    fn error(&mut self, path: &str, message: impl Into<String>) {
+    pub(crate) fn error(&mut self, path: &str, message: impl Into<String>) {
         super::json::error(&mut self.errors, path, message);
     }
 
-    fn warn(&mut self, path: &str, message: impl Into<String>) {
+    pub(crate) fn warn(&mut self, path: &str, message: impl Into<String>) {
         self.warnings.push(FieldError {
             path: path.to_string(),
             message: message.into(),
@@ -421,7 +440,7 @@ impl Compiler {
     }
 
     /// `v` as an object whose keys are all in `allowed`; unknown keys are errors.
-    fn object<'v>(
+    pub(crate) fn object<'v>(
         &mut self,
         v: &'v Value,
         path: &str,
@@ -430,15 +449,15 @@ impl Compiler {
         super::json::object(&mut self.errors, v, path, allowed)
     }
 
-    fn string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
+    pub(crate) fn string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
         super::json::string(&mut self.errors, v, path)
     }
 
-    fn non_empty_string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
+    pub(crate) fn non_empty_string<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v str> {
         super::json::non_empty_string(&mut self.errors, v, path)
     }
 
-    fn array<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v Vec<Value>> {
+    pub(crate) fn array<'v>(&mut self, v: &'v Value, path: &str) -> Option<&'v Vec<Value>> {
         match v.as_array() {
             Some(a) => Some(a),
             None => {
@@ -448,7 +467,7 @@ impl Compiler {
         }
     }
 
-    fn string_list(&mut self, v: &Value, path: &str) -> Option<Vec<String>> {
+    pub(crate) fn string_list(&mut self, v: &Value, path: &str) -> Option<Vec<String>> {
         let items = self.array(v, path)?;
         let mut out = Vec::with_capacity(items.len());
         let mut ok = true;
@@ -462,7 +481,7 @@ impl Compiler {
     }
 
     /// A token amount in `[1e-6, 1e9]`.
-    fn amount(&mut self, v: &Value, path: &str) -> Option<f64> {
+    pub(crate) fn amount(&mut self, v: &Value, path: &str) -> Option<f64> {
         let Some(n) = v.as_f64() else {
             self.error(path, format!("must be a number, found {}", type_name(v)));
             return None;
@@ -482,7 +501,7 @@ impl Compiler {
         Some(n)
     }
 
-    fn bundle(&mut self, root: &Value, default_id: &str) {
+    pub(crate) fn bundle(&mut self, root: &Value, default_id: &str) {
         let Some(map) = root.as_object() else {
             self.error(
                 "",
@@ -595,7 +614,7 @@ impl Compiler {
 
     /// `bundle_version` as written: a non-negative integer, a number, or a non-empty string
     /// (Fairvisor bundles use all three).
-    fn bundle_version(&mut self, v: &Value) {
+    pub(crate) fn bundle_version(&mut self, v: &Value) {
         match v {
             Value::Number(n) if n.as_f64().is_some_and(|f| f.is_finite() && f >= 0.0) => {
                 self.version = n.to_string();
@@ -613,7 +632,7 @@ impl Compiler {
     }
 
     /// An RFC 3339 time, as Unix seconds.
-    fn time(&mut self, v: &Value, path: &str) -> Option<i64> {
+    pub(crate) fn time(&mut self, v: &Value, path: &str) -> Option<i64> {
         let s = self.string(v, path)?;
         match humantime::parse_rfc3339_weak(s) {
             Ok(t) => Some(
@@ -634,7 +653,7 @@ impl Compiler {
     /// Drops a policy that failed to compile (`--skip-invalid-policies`): its errors move to
     /// [`SkippedPolicy`], and its rules, names and id are forgotten, so the rest of the bundle
     /// compiles as if it had never been there.
-    fn skip_policy(
+    pub(crate) fn skip_policy(
         &mut self,
         item: &Value,
         path: &str,
@@ -668,7 +687,7 @@ impl Compiler {
         });
     }
 
-    fn policy(&mut self, v: &Value, path: &str) {
+    pub(crate) fn policy(&mut self, v: &Value, path: &str) {
         let Some(map) = self.object(v, path, &["id", "spec", "version", "description"]) else {
             return;
         };
@@ -729,7 +748,7 @@ impl Compiler {
     }
 
     /// The `rules` and `fallback_limit` of a policy (or of a bare bundle).
-    fn policy_body(
+    pub(crate) fn policy_body(
         &mut self,
         spec: &Map<String, Value>,
         path: &str,
@@ -792,7 +811,7 @@ impl Compiler {
         });
     }
 
-    fn selector(&mut self, v: &Value, path: &str) -> Selector {
+    pub(crate) fn selector(&mut self, v: &Value, path: &str) -> Selector {
         let mut selector = Selector::default();
         let Some(map) = self.object(
             v,
@@ -863,7 +882,7 @@ impl Compiler {
         selector
     }
 
-    fn descriptor(&mut self, v: &Value, path: &str) -> Option<Descriptor> {
+    pub(crate) fn descriptor(&mut self, v: &Value, path: &str) -> Option<Descriptor> {
         let text = self.non_empty_string(v, path)?;
         match Descriptor::parse(text) {
             Ok(d) => Some(d),
@@ -876,7 +895,7 @@ impl Compiler {
 
     /// `base`, or `base@<policy id>` when another policy's rule took `base` first (rule names
     /// are bucket namespaces: an unnamed fallback, a guard).
-    fn unclaimed_name(&self, base: &str) -> String {
+    pub(crate) fn unclaimed_name(&self, base: &str) -> String {
         if self.rule_names.contains_key(base) {
             format!("{base}@{}", self.current_policy_id)
         } else {
@@ -887,7 +906,7 @@ impl Compiler {
     /// A policy's `fallback_limit`. Its `name` may be left out, as Fairvisor allows: it is then
     /// called `fallback_limit`, or `fallback_limit@<policy id>` when another policy's unnamed
     /// fallback took that name first (rule names are bucket namespaces).
-    fn fallback_rule(&mut self, v: &Value, path: &str, policy: usize, mode: Mode) {
+    pub(crate) fn fallback_rule(&mut self, v: &Value, path: &str, policy: usize, mode: Mode) {
         match v.as_object() {
             Some(map) if !map.contains_key("name") => {
                 let mut named = map.clone();
@@ -899,7 +918,7 @@ impl Compiler {
         }
     }
 
-    fn rule(&mut self, v: &Value, path: &str, policy: usize, mode: Mode) {
+    pub(crate) fn rule(&mut self, v: &Value, path: &str, policy: usize, mode: Mode) {
         let Some(map) = self.object(
             v,
             path,
@@ -1257,24 +1276,13 @@ impl Compiler {
                 self.day_rules.push((self.rules.len(), day));
             }
         }
-        let (sf_name, policy_item) = policy_item(
-            &name,
-            &shape.quota,
-            budget
-                .as_ref()
-                .map_or(shape.quota.window_secs(), |b| b.period.nominal_secs()),
-        );
+        let window_secs = budget
+            .as_ref()
+            .map_or(shape.quota.window_secs(), |b| b.period.nominal_secs());
         self.rules.push(Rule {
             index: self.rules.len(),
-            sf_name,
-            policy_item,
-            name,
-            policy,
-            policy_id: String::new(),
-            mode,
             limit_keys,
             conditions,
-            quota: shape.quota,
             cost,
             overrides,
             ip_overrides,
@@ -1283,241 +1291,13 @@ impl Compiler {
             header_names,
             budget,
             concurrency,
-            guard: None,
             llm: llm.map(|(limit, _)| limit),
+            ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
     }
 
-    /// The `tokens_per_day` rule of a `token_bucket_llm` rule: a one-day UTC budget named
-    /// `<rule>:tpd` (with `@<policy id>` on a clash), keyed `tpd:<rule>:`, sharing the minute
-    /// rule's keys.
-    #[allow(clippy::too_many_arguments)]
-    fn llm_day_rule(
-        &mut self,
-        minute_name: &str,
-        policy: usize,
-        mode: Mode,
-        tpd: u64,
-        limit: LlmLimit,
-        (limit_keys, conditions, on_missing, header_names): (
-            &[Descriptor],
-            &[MatchCondition],
-            OnMissing,
-            &[String],
-        ),
-    ) -> Option<Rule> {
-        let name = self.unclaimed_name(&format!("{minute_name}:tpd"));
-        self.rule_names
-            .insert(name.clone(), format!("{minute_name}.tokens_per_day"));
-        let period = crate::budget::Period::Day;
-        let quota =
-            Quota::new(tpd * MICRO, tpd * MICRO, period.nominal_secs() * US_PER_SEC).ok()?;
-        let (sf_name, policy_item) = policy_item(&name, &quota, period.nominal_secs());
-        Some(Rule {
-            index: 0,
-            sf_name,
-            policy_item,
-            name,
-            policy,
-            policy_id: String::new(),
-            mode,
-            limit_keys: limit_keys.to_vec(),
-            conditions: conditions.to_vec(),
-            quota,
-            cost: CostSource::Fixed(0),
-            overrides: AHashMap::new(),
-            ip_overrides: Vec::new(),
-            on_missing,
-            key_prefix: key_prefix("tpd", minute_name, mode),
-            header_names: header_names.to_vec(),
-            budget: Some(Budget {
-                period,
-                stages: vec![crate::budget::Stage {
-                    threshold_percent: 100.0,
-                    action: Action::Reject,
-                }],
-            }),
-            concurrency: None,
-            guard: None,
-            llm: Some(limit),
-        })
-    }
-
-    /// A `token_bucket_llm` rule's fields (Fairvisor's names and checks): `tokens_per_minute`
-    /// (required), `tokens_per_day`, `burst_tokens` (default and minimum `tokens_per_minute`),
-    /// `max_tokens_per_request`, `max_prompt_tokens`, `max_completion_tokens`,
-    /// `default_max_completion` (default 1000) and `token_source.estimator` (`simple_word`, the
-    /// default, or `header_hint`). Returns the minute bucket's shape, the limits and the daily
-    /// budget.
-    fn llm(
-        &mut self,
-        config: &Map<String, Value>,
-        path: &str,
-    ) -> Option<(Shape, LlmLimit, Option<u64>)> {
-        let errors_before = self.errors.len();
-        let range = 1..=crate::llm::MAX_TOKENS;
-        if !config.contains_key("tokens_per_minute") {
-            self.error(&join(path, "tokens_per_minute"), "is required");
-        }
-        let tpm = self.whole(config, path, "tokens_per_minute", range.clone(), false);
-        let tpd = self.whole(config, path, "tokens_per_day", range.clone(), false);
-        let burst = self.whole(config, path, "burst_tokens", range.clone(), false);
-        let max_request = self.whole(config, path, "max_tokens_per_request", range.clone(), false);
-        let max_prompt = self.whole(config, path, "max_prompt_tokens", range.clone(), false);
-        let max_completion =
-            self.whole(config, path, "max_completion_tokens", range.clone(), false);
-        let default_completion = self
-            .whole(config, path, "default_max_completion", range, false)
-            .unwrap_or(DEFAULT_MAX_COMPLETION);
-        if let (Some(tpm), Some(burst)) = (tpm, burst) {
-            if burst < tpm {
-                self.error(&join(path, "burst_tokens"), "must be >= tokens_per_minute");
-            }
-        }
-        let estimator = match config.get("token_source") {
-            None => Some(crate::llm::Estimator::SimpleWord),
-            Some(v) => {
-                let sp = join(path, "token_source");
-                self.object(v, &sp, &["estimator", "encoding"])
-                    .and_then(|m| {
-                        let encoding = match m.get("encoding").map(|e| e.as_str()) {
-                            None => Some(crate::llm::TokenEncoding::O200kBase),
-                            Some(Some(name)) => crate::llm::TokenEncoding::parse(name),
-                            Some(None) => None,
-                        };
-                        let estimator = m.get("estimator").map(|e| e.as_str());
-                        if m.contains_key("encoding") && estimator != Some(Some("tiktoken")) {
-                            self.error(
-                                &join(&sp, "encoding"),
-                                "only goes with \"estimator\": \"tiktoken\"",
-                            );
-                            return None;
-                        }
-                        match estimator {
-                            None | Some(Some("simple_word")) => {
-                                Some(crate::llm::Estimator::SimpleWord)
-                            }
-                            Some(Some("header_hint")) => Some(crate::llm::Estimator::HeaderHint),
-                            Some(Some("tiktoken")) => match encoding {
-                                Some(encoding) => Some(crate::llm::Estimator::Tiktoken(encoding)),
-                                None => {
-                                    self.error(
-                                        &join(&sp, "encoding"),
-                                        "must be \"o200k_base\" or \"cl100k_base\"",
-                                    );
-                                    None
-                                }
-                            },
-                            Some(_) => {
-                                self.error(
-                                    &join(&sp, "estimator"),
-                                    "must be \"simple_word\", \"header_hint\" or \"tiktoken\"",
-                                );
-                                None
-                            }
-                        }
-                    })
-            }
-        };
-        let stream_cap = match config.get("streaming") {
-            None => Some(None),
-            // An invalid `max_completion_tokens` is reported once, at its own path.
-            Some(v) => self.llm_streaming(
-                v,
-                &join(path, "streaming"),
-                max_completion.ok_or(config.contains_key("max_completion_tokens")),
-            ),
-        };
-        if self.errors.len() > errors_before {
-            return None;
-        }
-        let (tpm, estimator, stream_cap) = (tpm?, estimator?, stream_cap?);
-        let burst = burst.unwrap_or(tpm);
-        let quota = Quota::new(burst * MICRO, tpm * MICRO, 60 * US_PER_SEC).ok()?;
-        Some((
-            Shape {
-                quota,
-                burst: burst as f64,
-                rate: tpm as f64 / 60.0,
-            },
-            LlmLimit {
-                part: LlmPart::Minute,
-                day_rule: None,
-                max_prompt_tokens: max_prompt,
-                max_tokens_per_request: max_request,
-                max_completion_tokens: max_completion,
-                default_max_completion: max_completion
-                    .map_or(default_completion, |max| default_completion.min(max)),
-                estimator,
-                stream_cap,
-            },
-            tpd,
-        ))
-    }
-
-    /// A `token_bucket_llm` rule's `streaming` block (Fairvisor's fields and defaults once the
-    /// block is written): `enabled` and `enforce_mid_stream` (default true), `buffer_tokens`
-    /// (default 100), `on_limit_exceeded` (`graceful_close`, the default, or `error_chunk`) and
-    /// `include_partial_usage` (default true). `Some(None)` when streams are not stopped;
-    /// stopping needs the rule's `max_completion_tokens` (`Err(true)`: written but invalid,
-    /// already reported; `Err(false)`: absent).
-    fn llm_streaming(
-        &mut self,
-        v: &Value,
-        path: &str,
-        max_completion: Result<u64, bool>,
-    ) -> Option<Option<crate::llm::StreamCap>> {
-        let map = self.object(v, path, LLM_STREAMING_FIELDS)?;
-        let enabled = self.flag(map, path, "enabled", true);
-        let enforce = self.flag(map, path, "enforce_mid_stream", true);
-        let include_partial_usage = self.flag(map, path, "include_partial_usage", true);
-        let buffer_tokens = self
-            .whole(
-                map,
-                path,
-                "buffer_tokens",
-                1..=crate::llm::MAX_TOKENS,
-                false,
-            )
-            .unwrap_or(DEFAULT_STREAM_BUFFER_TOKENS);
-        let on_exceeded = match map.get("on_limit_exceeded").map(Value::as_str) {
-            None | Some(Some("graceful_close")) => Some(crate::llm::StreamCutStyle::GracefulClose),
-            Some(Some("error_chunk")) => Some(crate::llm::StreamCutStyle::ErrorChunk),
-            Some(_) => {
-                self.error(
-                    &join(path, "on_limit_exceeded"),
-                    "must be \"graceful_close\" or \"error_chunk\"",
-                );
-                None
-            }
-        };
-        let (enabled, enforce, include_partial_usage, on_exceeded) =
-            (enabled?, enforce?, include_partial_usage?, on_exceeded?);
-        if !(enabled && enforce) {
-            return Some(None);
-        }
-        let max_completion_tokens = match max_completion {
-            Ok(max) => max,
-            Err(written_but_invalid) => {
-                if !written_but_invalid {
-                    self.error(
-                        path,
-                        "stops streams past max_completion_tokens, which this rule does not set",
-                    );
-                }
-                return None;
-            }
-        };
-        Some(Some(crate::llm::StreamCap {
-            max_completion_tokens,
-            buffer_tokens,
-            on_exceeded,
-            include_partial_usage,
-        }))
-    }
-
     /// A boolean at `map[field]`, `default` when absent; `None` (an error) when not a boolean.
-    fn flag(
+    pub(crate) fn flag(
         &mut self,
         map: &Map<String, Value>,
         path: &str,
@@ -1538,12 +1318,12 @@ impl Compiler {
     }
 
     /// `enabled` of a guard block: absent or false turns it off (Fairvisor's reading).
-    fn enabled(&mut self, map: &Map<String, Value>, path: &str) -> bool {
+    pub(crate) fn enabled(&mut self, map: &Map<String, Value>, path: &str) -> bool {
         self.flag(map, path, "enabled", false).unwrap_or(false)
     }
 
     /// A whole number in `range` at `map[field]`, required when `required`.
-    fn whole(
+    pub(crate) fn whole(
         &mut self,
         map: &Map<String, Value>,
         path: &str,
@@ -1575,508 +1355,7 @@ impl Compiler {
         }
     }
 
-    /// A policy's `loop_detection` (Fairvisor's fields and checks, which Fairvisor itself never
-    /// runs): `enabled`, `window_seconds` (1 s to 1 day), `threshold_identical_requests` (2 to
-    /// 1000), `action` (`reject`, `throttle`, `warn`; default `reject`), `similarity` (`exact`).
-    /// Returns the index of the rule it compiled to.
-    fn loop_detection(
-        &mut self,
-        v: &Value,
-        path: &str,
-        policy: usize,
-        mode: Mode,
-        first_rule: usize,
-    ) -> Option<usize> {
-        let map = self.object(
-            v,
-            path,
-            &[
-                "enabled",
-                "window_seconds",
-                "threshold_identical_requests",
-                "action",
-                "similarity",
-                "description",
-            ],
-        )?;
-        let enabled = self.enabled(map, path);
-        let window = self.whole(map, path, "window_seconds", 1..=86_400, enabled);
-        let threshold = self.whole(map, path, "threshold_identical_requests", 2..=1000, enabled);
-        let action = match map.get("action").map(Value::as_str) {
-            None | Some(Some("reject")) => Some(LoopAction::Reject),
-            Some(Some("throttle")) => Some(LoopAction::Throttle),
-            Some(Some("warn")) => Some(LoopAction::Warn),
-            Some(_) => {
-                self.error(
-                    &join(path, "action"),
-                    "must be one of \"reject\", \"throttle\", \"warn\"",
-                );
-                None
-            }
-        };
-        match map.get("similarity").map(Value::as_str) {
-            None | Some(Some("exact")) => {}
-            Some(_) => self.error(&join(path, "similarity"), "must be \"exact\""),
-        }
-        if !enabled {
-            return None;
-        }
-        let (window, threshold, action) = (window?, threshold?, action?);
-        let detection = LoopDetection {
-            window_us: window * US_PER_SEC,
-            threshold: threshold as u32,
-            action,
-        };
-        // The identity: every limit key of the policy's rules, as Fairvisor fingerprints.
-        let mut limit_keys: Vec<Descriptor> = Vec::new();
-        for rule in &self.rules[first_rule..] {
-            for d in &rule.limit_keys {
-                if !limit_keys.contains(d) {
-                    limit_keys.push(d.clone());
-                }
-            }
-        }
-        let quota = Quota::new(
-            u64::from(detection.threshold) * MICRO,
-            u64::from(detection.threshold) * MICRO,
-            detection.window_us,
-        )
-        .ok()?;
-        let cost = CostSource::Fixed(MICRO);
-        self.guard_rule(
-            "loop_detection",
-            "lp",
-            policy,
-            mode,
-            limit_keys,
-            quota,
-            cost,
-            Guard::Loop(detection),
-        )
-    }
-
-    /// A policy's `circuit_breaker` (Fairvisor's fields and checks): `enabled`,
-    /// `spend_rate_threshold_per_minute` (> 0), `action` (`reject`), `auto_reset_after_minutes`
-    /// (0 to 43200; 0, the default, keeps it open until the bundle changes), `alert`. The spend
-    /// is the policy's first rule's cost, per that rule's limit keys.
-    fn circuit_breaker(
-        &mut self,
-        v: &Value,
-        path: &str,
-        policy: usize,
-        mode: Mode,
-        first_rule: usize,
-    ) -> Option<usize> {
-        let map = self.object(
-            v,
-            path,
-            &[
-                "enabled",
-                "spend_rate_threshold_per_minute",
-                "action",
-                "auto_reset_after_minutes",
-                "alert",
-                "description",
-            ],
-        )?;
-        let enabled = self.enabled(map, path);
-        let threshold_path = join(path, "spend_rate_threshold_per_minute");
-        let threshold = match map.get("spend_rate_threshold_per_minute") {
-            Some(v) => self.amount(v, &threshold_path),
-            None if enabled => {
-                self.error(&threshold_path, "is required when enabled is true");
-                None
-            }
-            None => None,
-        };
-        match map.get("action").map(Value::as_str) {
-            None | Some(Some("reject")) => {}
-            Some(_) => self.error(&join(path, "action"), "must be \"reject\""),
-        }
-        let reset_path = join(path, "auto_reset_after_minutes");
-        let reset_us = match map.get("auto_reset_after_minutes") {
-            None => Some(None),
-            Some(v) => match v.as_f64() {
-                Some(m) if m.is_finite() && m == 0.0 => Some(None),
-                Some(m) if m.is_finite() && m > 0.0 && m <= 43_200.0 => Some(Some(
-                    ((m * 60.0 * US_PER_SEC as f64).round() as u64).max(US_PER_SEC),
-                )),
-                _ => {
-                    self.error(&reset_path, "must be a number of minutes from 0 to 43200");
-                    None
-                }
-            },
-        };
-        let alert = self.flag(map, path, "alert", false).unwrap_or(false);
-        if !enabled {
-            return None;
-        }
-        let (threshold, reset_us) = (threshold?, reset_us?);
-        let burst = tokens_to_micro(threshold);
-        let quota = Quota::new(burst, burst, 60 * US_PER_SEC).ok()?;
-        // Fairvisor measures the spend by the first rule; its keys name whose spend it is.
-        let first = self.rules.get(first_rule);
-        let keyed = self.rules[first_rule..]
-            .iter()
-            .find(|r| !r.limit_keys.is_empty());
-        let limit_keys = keyed.map(|r| r.limit_keys.clone()).unwrap_or_default();
-        let cost = first
-            .filter(|r| r.concurrency.is_none())
-            .map_or(CostSource::Fixed(MICRO), |r| r.cost.clone());
-        self.guard_rule(
-            "circuit_breaker",
-            "br",
-            policy,
-            mode,
-            limit_keys,
-            quota,
-            cost,
-            Guard::Breaker(Breaker { reset_us, alert }),
-        )
-    }
-
-    /// Adds the rule a guard compiles to: named after the guard (with `@<policy id>` when
-    /// another policy's guard took the name), keyed under `<kind>:<policy id>:`, sharing one
-    /// key among requests that lack a descriptor. Returns its index.
-    #[allow(clippy::too_many_arguments)]
-    fn guard_rule(
-        &mut self,
-        base: &str,
-        kind: &str,
-        policy: usize,
-        mode: Mode,
-        limit_keys: Vec<Descriptor>,
-        quota: Quota,
-        cost: CostSource,
-        guard: Guard,
-    ) -> Option<usize> {
-        let name = self.unclaimed_name(base);
-        self.rule_names.insert(name.clone(), base.to_string());
-        let key_prefix = key_prefix(kind, &self.current_policy_id, mode);
-        let header_names = headers_read(limit_keys.iter(), &cost);
-        let (sf_name, policy_item) = policy_item(&name, &quota, quota.window_secs());
-        let index = self.rules.len();
-        self.rules.push(Rule {
-            index,
-            sf_name,
-            policy_item,
-            name,
-            policy,
-            policy_id: String::new(),
-            mode,
-            limit_keys,
-            conditions: Vec::new(),
-            quota,
-            cost,
-            overrides: AHashMap::new(),
-            ip_overrides: Vec::new(),
-            on_missing: OnMissing::Shared,
-            key_prefix,
-            header_names,
-            budget: None,
-            concurrency: None,
-            guard: Some(guard),
-            llm: None,
-        });
-        Some(index)
-    }
-
-    /// A `concurrency` rule: `max_in_flight` (a whole number from 1 to 1 000 000) and
-    /// `lease_ttl_seconds` (how long a slot may be held at most; 1 s to 1 day, default 300).
-    fn concurrency(&mut self, config: &Map<String, Value>, path: &str) -> Option<Concurrency> {
-        let max = match config.get("max_in_flight") {
-            Some(v) => match v.as_u64() {
-                Some(n @ 1..=1_000_000) => Some(n as u32),
-                _ => {
-                    self.error(
-                        &join(path, "max_in_flight"),
-                        "must be a whole number from 1 to 1000000",
-                    );
-                    None
-                }
-            },
-            None => {
-                self.error(&join(path, "max_in_flight"), "is required");
-                None
-            }
-        };
-        let ttl = match config.get("lease_ttl_seconds") {
-            None => Some(DEFAULT_LEASE_TTL_SECS),
-            Some(v) => match v.as_u64() {
-                Some(n @ 1..=86_400) => Some(n),
-                _ => {
-                    self.error(
-                        &join(path, "lease_ttl_seconds"),
-                        "must be a whole number of seconds from 1 to 86400",
-                    );
-                    None
-                }
-            },
-        };
-        Some(Concurrency {
-            max_in_flight: max?,
-            lease_ttl_us: ttl? * US_PER_SEC,
-        })
-    }
-
-    /// A `cost_based` rule's budget, cost and stages (Fairvisor's fields: `budget`, `period`,
-    /// `cost_key`, `fixed_cost`, `default_cost`, `staged_actions`; tollgate adds `min_cost`,
-    /// `max_cost` and the calendar month).
-    fn budget(
-        &mut self,
-        config: &Map<String, Value>,
-        path: &str,
-    ) -> Option<(Shape, CostSource, Budget)> {
-        let errors_before = self.errors.len();
-        let amount = match config.get("budget") {
-            Some(v) => self.amount(v, &join(path, "budget")),
-            None => {
-                self.error(&join(path, "budget"), "is required");
-                None
-            }
-        };
-        let period = match config.get("period") {
-            Some(v) => {
-                let p = join(path, "period");
-                let text = self.non_empty_string(v, &p);
-                let period = text.and_then(crate::budget::Period::parse);
-                if text.is_some() && period.is_none() {
-                    self.error(&p, "must be one of 5m, 1h, 1d, 7d, 1M (a calendar month)");
-                }
-                period
-            }
-            None => {
-                self.error(&join(path, "period"), "is required");
-                None
-            }
-        };
-        // `cost_key` is Fairvisor's name for tollgate's `cost_source`.
-        let mut cost_config = config.clone();
-        if let Some(key) = cost_config.remove("cost_key") {
-            cost_config.insert("cost_source".into(), key);
-        }
-        let cost = self.cost_source_named(&cost_config, path, "cost_key");
-        let mut stages = Vec::new();
-        let sp = join(path, "staged_actions");
-        match config.get("staged_actions") {
-            Some(v) => {
-                if let Some(items) = self.array(v, &sp) {
-                    for (i, item) in items.iter().enumerate() {
-                        if let Some(stage) = self.stage(item, &format!("{sp}[{i}]")) {
-                            stages.push(stage);
-                        }
-                    }
-                    if items.is_empty() {
-                        self.error(&sp, "must list at least the reject stage at 100");
-                    }
-                }
-            }
-            None => self.error(
-                &sp,
-                "is required (at least {\"threshold_percent\": 100, \"action\": \"reject\"})",
-            ),
-        }
-        if self.errors.len() > errors_before {
-            return None;
-        }
-        stages.sort_by(|a, b| a.threshold_percent.total_cmp(&b.threshold_percent));
-        if stages
-            .windows(2)
-            .any(|w| w[0].threshold_percent == w[1].threshold_percent)
-        {
-            self.error(
-                &sp,
-                "thresholds must be strictly ascending (no two stages at the same percent)",
-            );
-            return None;
-        }
-        if !stages
-            .iter()
-            .any(|s| s.threshold_percent == 100.0 && s.action == Action::Reject)
-        {
-            self.error(
-                &sp,
-                "must include {\"threshold_percent\": 100, \"action\": \"reject\"}",
-            );
-            return None;
-        }
-        let (amount, period, cost) = (amount?, period?, cost?);
-        let budget_micro = tokens_to_micro(amount);
-        let quota = match Quota::new(
-            budget_micro,
-            budget_micro,
-            period.nominal_secs() * US_PER_SEC,
-        ) {
-            Ok(q) => q,
-            Err(e) => {
-                self.error(&join(path, "budget"), e.to_string());
-                return None;
-            }
-        };
-        Some((
-            Shape {
-                quota,
-                burst: amount,
-                rate: amount / period.nominal_secs() as f64,
-            },
-            cost,
-            Budget { period, stages },
-        ))
-    }
-
-    fn stage(&mut self, v: &Value, path: &str) -> Option<Stage> {
-        let map = self.object(v, path, &["threshold_percent", "action", "delay_ms"])?;
-        let threshold = match map.get("threshold_percent").map(Value::as_f64) {
-            Some(Some(t)) if (0.0..=100.0).contains(&t) => Some(t),
-            Some(_) => {
-                self.error(
-                    &join(path, "threshold_percent"),
-                    "must be a number from 0 to 100",
-                );
-                None
-            }
-            None => {
-                self.error(&join(path, "threshold_percent"), "is required");
-                None
-            }
-        };
-        let delay = map.get("delay_ms").map(|v| match v.as_f64() {
-            Some(d) if d > 0.0 && d.is_finite() => {
-                if d > MAX_THROTTLE_MS as f64 {
-                    self.warn(
-                        &join(path, "delay_ms"),
-                        format!("capped at {MAX_THROTTLE_MS} ms"),
-                    );
-                }
-                Some((d.ceil() as u64).min(MAX_THROTTLE_MS))
-            }
-            _ => {
-                self.error(
-                    &join(path, "delay_ms"),
-                    "must be a positive number of milliseconds",
-                );
-                None
-            }
-        });
-        let action = match map.get("action").and_then(Value::as_str) {
-            Some("warn") => Some(Action::Warn),
-            Some("reject") => Some(Action::Reject),
-            Some("throttle") => match delay {
-                Some(Some(delay_ms)) => Some(Action::Throttle { delay_ms }),
-                Some(None) => None,
-                None => {
-                    self.error(&join(path, "delay_ms"), "is required for a throttle stage");
-                    None
-                }
-            },
-            _ => {
-                self.error(
-                    &join(path, "action"),
-                    "must be \"warn\", \"throttle\" or \"reject\"",
-                );
-                None
-            }
-        };
-        Some(Stage {
-            threshold_percent: threshold?,
-            action: action?,
-        })
-    }
-
-    /// Burst and rate from a config (or an override, whose missing fields come from `base`).
-    fn bucket_shape(
-        &mut self,
-        config: &Map<String, Value>,
-        path: &str,
-        base: Option<&Shape>,
-    ) -> Option<Shape> {
-        let burst = match config.get("burst") {
-            Some(v) => self.amount(v, &join(path, "burst")),
-            None => match base {
-                Some(b) => Some(b.burst),
-                None => {
-                    self.error(&join(path, "burst"), "is required");
-                    None
-                }
-            },
-        };
-        if burst.is_some_and(|b| b < 1.0) {
-            self.error(&join(path, "burst"), "must be >= 1");
-        }
-        let tps = config.get("tokens_per_second");
-        let rps = config.get("rps");
-        let count = config.get("count");
-        let period = config.get("period");
-        let rate: Option<(u64, u64, f64)> = if tps.is_some() && rps.is_some() {
-            self.error(
-                &join(path, "rps"),
-                "set tokens_per_second or its alias rps, not both",
-            );
-            None
-        } else if (tps.is_some() || rps.is_some()) && (count.is_some() || period.is_some()) {
-            self.error(
-                &join(path, "count"),
-                "set either tokens_per_second/rps or count + period, not both",
-            );
-            None
-        } else if let Some(v) = tps.or(rps) {
-            let field = if tps.is_some() {
-                "tokens_per_second"
-            } else {
-                "rps"
-            };
-            self.amount(v, &join(path, field))
-                .map(|r| (tokens_to_micro(r), US_PER_SEC, r))
-        } else if count.is_some() || period.is_some() {
-            let count = match count {
-                Some(c) => self.amount(c, &join(path, "count")),
-                None => {
-                    self.error(&join(path, "count"), "is required with period");
-                    None
-                }
-            };
-            let period = match period {
-                Some(p) => self.period(p, &join(path, "period")),
-                None => {
-                    self.error(&join(path, "period"), "is required with count");
-                    None
-                }
-            };
-            let (count, period_us) = (count?, period?);
-            Some((
-                tokens_to_micro(count),
-                period_us,
-                count / (period_us as f64 / US_PER_SEC as f64),
-            ))
-        } else if let Some(b) = base {
-            Some((b.quota.refill(), b.quota.period_us(), b.rate))
-        } else {
-            self.error(
-                &join(path, "tokens_per_second"),
-                "is required (or rps, or count + period)",
-            );
-            None
-        };
-        let (burst, (refill, period_us, rate)) = (burst?, rate?);
-        if burst < 1.0 {
-            return None;
-        }
-        if base.is_none() && burst < rate {
-            self.warn(
-                &join(path, "burst"),
-                format!("burst {burst} is below the rate {rate}/s: the bucket can never hold one second of traffic"),
-            );
-        }
-        match Quota::new(tokens_to_micro(burst), refill, period_us) {
-            Ok(quota) => Some(Shape { quota, burst, rate }),
-            Err(e) => {
-                self.error(path, e.to_string());
-                None
-            }
-        }
-    }
-
-    fn period(&mut self, v: &Value, path: &str) -> Option<u64> {
+    pub(crate) fn period(&mut self, v: &Value, path: &str) -> Option<u64> {
         let s = self.non_empty_string(v, path)?;
         match humantime::parse_duration(s) {
             Ok(d) if d.as_micros() >= 1 && d.as_secs() <= 366 * 86_400 => {
@@ -2096,101 +1375,7 @@ impl Compiler {
         }
     }
 
-    fn cost_source(&mut self, config: &Map<String, Value>, path: &str) -> Option<CostSource> {
-        self.cost_source_named(config, path, "cost_source")
-    }
-
-    /// The cost source of a config whose `cost_source` field is called `field` in the file.
-    fn cost_source_named(
-        &mut self,
-        config: &Map<String, Value>,
-        path: &str,
-        field_name: &str,
-    ) -> Option<CostSource> {
-        let amount = |c: &mut Self, field: &str| -> Result<Option<u64>, ()> {
-            match config.get(field) {
-                Some(v) => c
-                    .amount(v, &join(path, field))
-                    .map(|a| Some(tokens_to_micro(a)))
-                    .ok_or(()),
-                None => Ok(None),
-            }
-        };
-        let fixed = amount(self, "fixed_cost").ok()?.unwrap_or(MICRO);
-        let default = amount(self, "default_cost").ok()?.unwrap_or(MICRO);
-        let min = amount(self, "min_cost").ok()?;
-        let max = amount(self, "max_cost").ok()?;
-        let source = match config.get("cost_source") {
-            None => "fixed",
-            Some(v) => self.string(v, &join(path, field_name))?,
-        };
-        if source == "fixed" {
-            for field in ["min_cost", "max_cost", "default_cost"] {
-                if config.contains_key(field) {
-                    self.warn(
-                        &join(path, field),
-                        format!("ignored: {field_name} is \"fixed\""),
-                    );
-                }
-            }
-            return Some(CostSource::Fixed(fixed));
-        }
-        if config.contains_key("fixed_cost") {
-            self.warn(
-                &join(path, "fixed_cost"),
-                format!("ignored: {field_name} is not \"fixed\""),
-            );
-        }
-        let limits = CostLimits {
-            default,
-            min: min.unwrap_or(default),
-            max,
-        };
-        if let Some(max) = max {
-            if limits.min > max {
-                self.error(
-                    &join(path, "min_cost"),
-                    format!(
-                        "min_cost {} is above max_cost {}",
-                        micro_to_tokens(limits.min),
-                        micro_to_tokens(max)
-                    ),
-                );
-                return None;
-            }
-            if default > max {
-                self.error(
-                    &join(path, "default_cost"),
-                    format!(
-                        "default_cost {} is above max_cost {}: requests without a cost would all be refused",
-                        micro_to_tokens(default),
-                        micro_to_tokens(max)
-                    ),
-                );
-                return None;
-            }
-        }
-        let named = |prefix: &str| source.strip_prefix(prefix).filter(|n| !n.is_empty());
-        if let Some(name) = named("header:") {
-            Some(CostSource::Header {
-                name: crate::descriptor::header_name(name),
-                limits,
-            })
-        } else if let Some(name) = named("query:") {
-            Some(CostSource::Query {
-                name: name.to_string(),
-                limits,
-            })
-        } else {
-            self.error(
-                &join(path, field_name),
-                format!("'{source}' is not \"fixed\", \"header:<name>\" or \"query:<name>\""),
-            );
-            None
-        }
-    }
-
-    fn kill_switch(&mut self, v: &Value, path: &str) {
+    pub(crate) fn kill_switch(&mut self, v: &Value, path: &str) {
         let Some(map) = self.object(
             v,
             path,
@@ -2275,150 +1460,34 @@ impl Compiler {
     }
 }
 
+/// A bucket's shape as a rule wrote it: its quota, and the burst and rate in tokens.
 #[derive(Clone, Copy)]
-struct Shape {
-    quota: Quota,
-    burst: f64,
-    rate: f64,
+pub(crate) struct Shape {
+    pub(crate) quota: Quota,
+    pub(crate) burst: f64,
+    pub(crate) rate: f64,
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use crate::limiter::US_PER_SEC;
+    use crate::policy::CostLimits;
     use serde_json::json;
 
-    fn errors_of(v: Value) -> Vec<String> {
+    pub(crate) fn errors_of(v: Value) -> Vec<String> {
         match compile_bundle(&v, "test") {
             Ok(_) => Vec::new(),
             Err(errors) => errors.into_iter().map(|e| e.to_string()).collect(),
         }
     }
 
-    fn rule(config: Value) -> Value {
+    pub(crate) fn rule(config: Value) -> Value {
         json!({"rules": [{"name": "r", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": config}]})
     }
 
-    fn llm_rule(config: Value) -> Value {
+    pub(crate) fn llm_rule(config: Value) -> Value {
         json!({"rules": [{"name": "chat", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket_llm", "algorithm_config": config}]})
-    }
-
-    /// Issue 27: the `tiktoken` estimator and its encoding; the bundle says which encodings
-    /// its front ends must count.
-    #[test]
-    fn tiktoken_estimators_name_their_encoding() {
-        use crate::llm::{Estimator, TokenEncoding};
-        let rule =
-            |source: Value| llm_rule(json!({"tokens_per_minute": 600, "token_source": source}));
-        let b = compile_bundle(
-            &rule(json!({"estimator": "tiktoken", "encoding": "cl100k_base"})),
-            "t",
-        )
-        .unwrap();
-        assert_eq!(
-            b.rules[0].llm.unwrap().estimator,
-            Estimator::Tiktoken(TokenEncoding::Cl100kBase)
-        );
-        assert_eq!(b.tiktoken, TokenEncoding::Cl100kBase.bit());
-        let b = compile_bundle(&rule(json!({"estimator": "tiktoken"})), "t").unwrap();
-        assert_eq!(b.tiktoken, TokenEncoding::O200kBase.bit());
-        let b = compile_bundle(&rule(json!({"estimator": "simple_word"})), "t").unwrap();
-        assert_eq!(b.tiktoken, 0);
-        for (source, message) in [
-            (
-                json!({"estimator": "tiktoken", "encoding": "p50k"}),
-                "rules[0].algorithm_config.token_source.encoding: must be \"o200k_base\" or \"cl100k_base\"",
-            ),
-            (
-                json!({"estimator": "simple_word", "encoding": "o200k_base"}),
-                "rules[0].algorithm_config.token_source.encoding: only goes with \"estimator\": \"tiktoken\"",
-            ),
-            (
-                json!({"estimator": "bpe"}),
-                "rules[0].algorithm_config.token_source.estimator: must be \"simple_word\", \"header_hint\" or \"tiktoken\"",
-            ),
-        ] {
-            let errors = compile_bundle(&rule(source), "t").unwrap_err();
-            assert_eq!(errors.len(), 1, "{errors:?}");
-            assert_eq!(errors[0].to_string(), message);
-        }
-    }
-
-    #[test]
-    fn llm_rules_check_fairvisor_fields_and_streaming() {
-        let b = compile_bundle(
-            &llm_rule(json!({"tokens_per_minute": 600, "tokens_per_day": 9000,
-                "max_completion_tokens": 300, "default_max_completion": 500,
-                "streaming": {"buffer_tokens": 50, "on_limit_exceeded": "error_chunk",
-                              "include_partial_usage": false}})),
-            "t",
-        )
-        .unwrap();
-        let llm = b.rules[0].llm.unwrap();
-        assert_eq!((llm.part, llm.day_rule), (LlmPart::Minute, Some(1)));
-        // The default completion never asks for more than the cap.
-        assert_eq!(llm.default_max_completion, 300);
-        assert_eq!(
-            llm.stream_cap,
-            Some(crate::llm::StreamCap {
-                max_completion_tokens: 300,
-                buffer_tokens: 50,
-                on_exceeded: crate::llm::StreamCutStyle::ErrorChunk,
-                include_partial_usage: false,
-            })
-        );
-        assert_eq!(b.rules[1].name, "chat:tpd");
-        assert_eq!(b.rules[1].llm.map(|l| l.part), Some(LlmPart::Day));
-        // No `streaming` block, or one turned off: streams run to their end.
-        for streaming in [
-            None,
-            Some(json!({"enforce_mid_stream": false})),
-            Some(json!({"enabled": false})),
-        ] {
-            let mut config = json!({"tokens_per_minute": 600, "max_completion_tokens": 300});
-            if let Some(s) = streaming {
-                config["streaming"] = s;
-            }
-            let b = compile_bundle(&llm_rule(config), "t").unwrap();
-            assert_eq!(b.rules[0].llm.unwrap().stream_cap, None);
-        }
-        // Written with only Fairvisor's defaults: graceful close, 100 tokens of buffer.
-        let b = compile_bundle(
-            &llm_rule(
-                json!({"tokens_per_minute": 600, "max_completion_tokens": 300, "streaming": {}}),
-            ),
-            "t",
-        )
-        .unwrap();
-        assert_eq!(
-            b.rules[0].llm.unwrap().stream_cap.map(|c| (
-                c.limit(),
-                c.on_exceeded,
-                c.include_partial_usage
-            )),
-            Some((400, crate::llm::StreamCutStyle::GracefulClose, true))
-        );
-        assert_eq!(
-            errors_of(llm_rule(json!({"tokens_per_minute": 600, "burst_tokens": 10,
-                "streaming": {"buffer_tokens": 0, "on_limit_exceeded": "cut", "enabled": "yes", "speed": 1}}))),
-            [
-                "rules[0].algorithm_config.burst_tokens: must be >= tokens_per_minute",
-                "rules[0].algorithm_config.streaming.speed: unknown field (expected one of: enabled, enforce_mid_stream, buffer_tokens, on_limit_exceeded, include_partial_usage)",
-                "rules[0].algorithm_config.streaming.enabled: must be a boolean, found a string",
-                "rules[0].algorithm_config.streaming.buffer_tokens: must be a whole number from 1 to 1000000000",
-                "rules[0].algorithm_config.streaming.on_limit_exceeded: must be \"graceful_close\" or \"error_chunk\"",
-            ]
-        );
-        assert_eq!(
-            errors_of(llm_rule(json!({"tokens_per_minute": 600, "streaming": {"enforce_mid_stream": true}}))),
-            ["rules[0].algorithm_config.streaming: stops streams past max_completion_tokens, which this rule does not set"]
-        );
-        // An invalid max_completion_tokens is reported once, where it is.
-        assert_eq!(
-            errors_of(llm_rule(
-                json!({"tokens_per_minute": 600, "max_completion_tokens": 0, "streaming": {}})
-            )),
-            ["rules[0].algorithm_config.max_completion_tokens: must be a whole number from 1 to 1000000000"]
-        );
     }
 
     #[test]
@@ -2550,107 +1619,6 @@ mod tests {
     }
 
     #[test]
-    fn loop_detection_and_circuit_breakers_follow_fairvisor_checks() {
-        let policy =
-            |spec: Value| json!({"bundle_version": 1, "policies": [{"id": "p", "spec": spec}]});
-        let errors = errors_of(policy(json!({"rules": [],
-            "loop_detection": {"enabled": true, "threshold_identical_requests": 1, "action": "block",
-                               "similarity": "fuzzy"},
-            "circuit_breaker": {"enabled": "yes", "spend_rate_threshold_per_minute": 0,
-                                "action": "warn", "auto_reset_after_minutes": -1, "alert": 1}})));
-        assert_eq!(
-            errors,
-            [
-                "policies[0].spec.loop_detection.window_seconds: is required when enabled is true",
-                "policies[0].spec.loop_detection.threshold_identical_requests: must be a whole number from 2 to 1000",
-                "policies[0].spec.loop_detection.action: must be one of \"reject\", \"throttle\", \"warn\"",
-                "policies[0].spec.loop_detection.similarity: must be \"exact\"",
-                "policies[0].spec.circuit_breaker.enabled: must be a boolean, found a string",
-                "policies[0].spec.circuit_breaker.spend_rate_threshold_per_minute: must be > 0",
-                "policies[0].spec.circuit_breaker.action: must be \"reject\"",
-                "policies[0].spec.circuit_breaker.auto_reset_after_minutes: must be a number of minutes from 0 to 43200",
-                "policies[0].spec.circuit_breaker.alert: must be a boolean, found a number",
-            ]
-        );
-        // Fairvisor's example blocks compile, with defaults, into named rules of their own.
-        let tb = json!({"name": "org", "limit_keys": ["jwt:org_id"], "algorithm": "token_bucket",
-                        "algorithm_config": {"rps": 10, "burst": 20, "cost_source": "header:x-cost"}});
-        let spec = |id: &str| {
-            json!({"id": id, "spec": {"rules": [if id == "a" { tb.clone() } else { json!({"name": "ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}) }],
-            "loop_detection": {"enabled": true, "window_seconds": 60, "threshold_identical_requests": 10,
-                               "action": "reject", "similarity": "exact"},
-            "circuit_breaker": {"enabled": true, "spend_rate_threshold_per_minute": 1000,
-                                "action": "reject", "alert": true, "auto_reset_after_minutes": 5}}})
-        };
-        let b = compile_bundle(
-            &json!({"bundle_version": 1, "policies": [spec("a"), spec("b")]}),
-            "x",
-        )
-        .unwrap();
-        let names: Vec<&str> = b.rules.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "org",
-                "loop_detection",
-                "circuit_breaker",
-                "ip",
-                "loop_detection@b",
-                "circuit_breaker@b"
-            ]
-        );
-        let a = &b.policies[0];
-        assert_eq!(
-            (a.rules.clone(), a.loop_detection, a.circuit_breaker),
-            (0..1, Some(1), Some(2))
-        );
-        assert_eq!(
-            b.rules[1].guard,
-            Some(Guard::Loop(LoopDetection {
-                window_us: 60 * US_PER_SEC,
-                threshold: 10,
-                action: LoopAction::Reject
-            }))
-        );
-        assert_eq!(b.rules[1].key_prefix, "lp:a:");
-        let breaker = &b.rules[2];
-        assert_eq!(
-            breaker.guard,
-            Some(Guard::Breaker(Breaker {
-                reset_us: Some(300 * US_PER_SEC),
-                alert: true
-            }))
-        );
-        // The spend is the first rule's cost, per its keys, over a minute.
-        assert_eq!(breaker.limit_keys, b.rules[0].limit_keys);
-        assert_eq!(breaker.cost, b.rules[0].cost);
-        assert_eq!(
-            (breaker.quota.burst(), breaker.quota.window_secs()),
-            (1000 * MICRO, 60)
-        );
-        assert_eq!(breaker.key_prefix, "br:a:");
-        assert!(b.fingerprints_bodies);
-        // Disabled blocks build nothing, and defaults apply.
-        let b = compile_bundle(
-            &policy(json!({"rules": [],
-            "loop_detection": {"enabled": false},
-            "circuit_breaker": {"enabled": true, "spend_rate_threshold_per_minute": 5}})),
-            "x",
-        )
-        .unwrap();
-        assert_eq!(b.policies[0].loop_detection, None);
-        assert!(!b.fingerprints_bodies);
-        assert_eq!(
-            b.rules[0].guard,
-            Some(Guard::Breaker(Breaker {
-                reset_us: None,
-                alert: false
-            }))
-        );
-        assert_eq!(b.rules[0].limit_keys, []);
-    }
-
-    #[test]
     fn runtime_overrides_follow_fairvisor_rules() {
         let errors = errors_of(json!({"bundle_version": 1, "policies": [],
             "global_shadow": {"enabled": true, "reason": ""},
@@ -2718,44 +1686,6 @@ mod tests {
         // Errors outside policies still refuse the bundle.
         let broken = json!({"bundle_version": "", "policies": []});
         assert!(compile_bundle_with(&broken, "x", options).is_err());
-    }
-
-    #[test]
-    fn cost_based_rules_compile_with_fairvisor_fields() {
-        let rule = |config: Value| json!({"rules": [{"name": "b", "limit_keys": ["jwt:org_id"], "algorithm": "cost_based", "algorithm_config": config}]});
-        let b = compile_bundle(
-            &rule(json!({"budget": 5000, "period": "5m", "cost_key": "fixed", "fixed_cost": 2,
-                         "staged_actions": [{"threshold_percent": 100, "action": "reject"},
-                                            {"threshold_percent": 80, "action": "warn"},
-                                            {"threshold_percent": 95, "action": "throttle", "delay_ms": 200}]})),
-            "x",
-        )
-        .unwrap();
-        let r = &b.rules[0];
-        assert_eq!(r.key_prefix, "cb:b:");
-        assert_eq!(r.policy_item, "\"b\";q=5000;w=300");
-        assert_eq!(r.cost, CostSource::Fixed(2 * MICRO));
-        let budget = r.budget.as_ref().unwrap();
-        assert_eq!(budget.period, crate::budget::Period::FiveMinutes);
-        let thresholds: Vec<f64> = budget.stages.iter().map(|s| s.threshold_percent).collect();
-        assert_eq!(thresholds, [80.0, 95.0, 100.0]);
-        assert_eq!(
-            errors_of(rule(json!({"budget": 0, "period": "2h", "cost_key": "cookie:x",
-                                  "staged_actions": [{"threshold_percent": 50, "action": "throttle"},
-                                                     {"threshold_percent": 101, "action": "reject"}]}))),
-            [
-                "rules[0].algorithm_config.budget: must be > 0",
-                "rules[0].algorithm_config.period: must be one of 5m, 1h, 1d, 7d, 1M (a calendar month)",
-                "rules[0].algorithm_config.cost_key: 'cookie:x' is not \"fixed\", \"header:<name>\" or \"query:<name>\"",
-                "rules[0].algorithm_config.staged_actions[0].delay_ms: is required for a throttle stage",
-                "rules[0].algorithm_config.staged_actions[1].threshold_percent: must be a number from 0 to 100",
-            ]
-        );
-        assert_eq!(
-            errors_of(rule(json!({"budget": 10, "period": "1M",
-                                  "staged_actions": [{"threshold_percent": 90, "action": "reject"}]}))),
-            ["rules[0].algorithm_config.staged_actions: must include {\"threshold_percent\": 100, \"action\": \"reject\"}"]
-        );
     }
 
     #[test]
@@ -2939,37 +1869,6 @@ mod tests {
             "rule 'k' is keyed on the client-supplied header 'x-api-key' with on_missing \"skip\""
         ));
         assert_eq!(b.rules[0].header_names, ["x-api-key"]);
-    }
-
-    #[test]
-    fn cost_limits_compile_and_are_checked() {
-        let b = compile_bundle(
-            &rule(json!({"rps": 1, "burst": 20, "cost_source": "header:X-Weight", "default_cost": 2, "max_cost": 10})),
-            "x",
-        )
-        .unwrap();
-        assert_eq!(
-            b.rules[0].cost,
-            CostSource::Header {
-                name: "x-weight".into(),
-                limits: CostLimits {
-                    default: 2 * MICRO,
-                    min: 2 * MICRO,
-                    max: Some(10 * MICRO)
-                }
-            }
-        );
-        assert_eq!(b.rules[0].header_names, ["x-weight"]);
-        assert_eq!(
-            errors_of(rule(
-                json!({"rps": 1, "burst": 20, "cost_source": "query:w", "min_cost": 5, "max_cost": 3})
-            )),
-            ["rules[0].algorithm_config.min_cost: min_cost 5 is above max_cost 3"]
-        );
-        assert_eq!(
-            errors_of(rule(json!({"rps": 1, "burst": 20, "cost_source": "query:w", "default_cost": 4, "min_cost": 1, "max_cost": 3}))),
-            ["rules[0].algorithm_config.default_cost: default_cost 4 is above max_cost 3: requests without a cost would all be refused"]
-        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! `compile` turns JSON into these structs once; nothing downstream re-checks a value. The
 //! runtime never sees JSON: rates are [`Quota`]s, descriptors are parsed, names are unique.
 
-mod compile;
+pub(crate) mod compile;
 mod error;
 pub mod index;
 pub(crate) mod json;

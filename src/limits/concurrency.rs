@@ -1,0 +1,55 @@
+//! `concurrency`: in-flight caps. Compiles `max_in_flight` and `lease_ttl_seconds`; the slots
+//! themselves are leases of the store ([`crate::store::lease`]).
+
+use crate::limiter::US_PER_SEC;
+use crate::policy::compile::Compiler;
+use crate::policy::json::join;
+use crate::policy::Concurrency;
+use serde_json::{Map, Value};
+
+/// How long a concurrency slot is held at most when nobody gives it back.
+const DEFAULT_LEASE_TTL_SECS: u64 = 300;
+
+impl Compiler {
+    /// A `concurrency` rule: `max_in_flight` (a whole number from 1 to 1 000 000) and
+    /// `lease_ttl_seconds` (how long a slot may be held at most; 1 s to 1 day, default 300).
+    pub(crate) fn concurrency(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+    ) -> Option<Concurrency> {
+        let max = match config.get("max_in_flight") {
+            Some(v) => match v.as_u64() {
+                Some(n @ 1..=1_000_000) => Some(n as u32),
+                _ => {
+                    self.error(
+                        &join(path, "max_in_flight"),
+                        "must be a whole number from 1 to 1000000",
+                    );
+                    None
+                }
+            },
+            None => {
+                self.error(&join(path, "max_in_flight"), "is required");
+                None
+            }
+        };
+        let ttl = match config.get("lease_ttl_seconds") {
+            None => Some(DEFAULT_LEASE_TTL_SECS),
+            Some(v) => match v.as_u64() {
+                Some(n @ 1..=86_400) => Some(n),
+                _ => {
+                    self.error(
+                        &join(path, "lease_ttl_seconds"),
+                        "must be a whole number of seconds from 1 to 86400",
+                    );
+                    None
+                }
+            },
+        };
+        Some(Concurrency {
+            max_in_flight: max?,
+            lease_ttl_us: ttl? * US_PER_SEC,
+        })
+    }
+}

@@ -1,0 +1,241 @@
+//! Token buckets: the shape every bucketed rule shares (burst and refill, from any of the
+//! accepted spellings) and where a request's cost comes from (`fixed`, a header or a query
+//! parameter, with its limits).
+
+use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, MICRO, US_PER_SEC};
+use crate::policy::compile::{Compiler, Shape};
+use crate::policy::json::join;
+use crate::policy::{CostLimits, CostSource};
+use serde_json::{Map, Value};
+
+impl Compiler {
+    /// Burst and rate from a config (or an override, whose missing fields come from `base`).
+    pub(crate) fn bucket_shape(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+        base: Option<&Shape>,
+    ) -> Option<Shape> {
+        let burst = match config.get("burst") {
+            Some(v) => self.amount(v, &join(path, "burst")),
+            None => match base {
+                Some(b) => Some(b.burst),
+                None => {
+                    self.error(&join(path, "burst"), "is required");
+                    None
+                }
+            },
+        };
+        if burst.is_some_and(|b| b < 1.0) {
+            self.error(&join(path, "burst"), "must be >= 1");
+        }
+        let tps = config.get("tokens_per_second");
+        let rps = config.get("rps");
+        let count = config.get("count");
+        let period = config.get("period");
+        let rate: Option<(u64, u64, f64)> = if tps.is_some() && rps.is_some() {
+            self.error(
+                &join(path, "rps"),
+                "set tokens_per_second or its alias rps, not both",
+            );
+            None
+        } else if (tps.is_some() || rps.is_some()) && (count.is_some() || period.is_some()) {
+            self.error(
+                &join(path, "count"),
+                "set either tokens_per_second/rps or count + period, not both",
+            );
+            None
+        } else if let Some(v) = tps.or(rps) {
+            let field = if tps.is_some() {
+                "tokens_per_second"
+            } else {
+                "rps"
+            };
+            self.amount(v, &join(path, field))
+                .map(|r| (tokens_to_micro(r), US_PER_SEC, r))
+        } else if count.is_some() || period.is_some() {
+            let count = match count {
+                Some(c) => self.amount(c, &join(path, "count")),
+                None => {
+                    self.error(&join(path, "count"), "is required with period");
+                    None
+                }
+            };
+            let period = match period {
+                Some(p) => self.period(p, &join(path, "period")),
+                None => {
+                    self.error(&join(path, "period"), "is required with count");
+                    None
+                }
+            };
+            let (count, period_us) = (count?, period?);
+            Some((
+                tokens_to_micro(count),
+                period_us,
+                count / (period_us as f64 / US_PER_SEC as f64),
+            ))
+        } else if let Some(b) = base {
+            Some((b.quota.refill(), b.quota.period_us(), b.rate))
+        } else {
+            self.error(
+                &join(path, "tokens_per_second"),
+                "is required (or rps, or count + period)",
+            );
+            None
+        };
+        let (burst, (refill, period_us, rate)) = (burst?, rate?);
+        if burst < 1.0 {
+            return None;
+        }
+        if base.is_none() && burst < rate {
+            self.warn(
+                &join(path, "burst"),
+                format!("burst {burst} is below the rate {rate}/s: the bucket can never hold one second of traffic"),
+            );
+        }
+        match Quota::new(tokens_to_micro(burst), refill, period_us) {
+            Ok(quota) => Some(Shape { quota, burst, rate }),
+            Err(e) => {
+                self.error(path, e.to_string());
+                None
+            }
+        }
+    }
+
+    pub(crate) fn cost_source(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+    ) -> Option<CostSource> {
+        self.cost_source_named(config, path, "cost_source")
+    }
+
+    /// The cost source of a config whose `cost_source` field is called `field` in the file.
+    pub(crate) fn cost_source_named(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+        field_name: &str,
+    ) -> Option<CostSource> {
+        let amount = |c: &mut Self, field: &str| -> Result<Option<u64>, ()> {
+            match config.get(field) {
+                Some(v) => c
+                    .amount(v, &join(path, field))
+                    .map(|a| Some(tokens_to_micro(a)))
+                    .ok_or(()),
+                None => Ok(None),
+            }
+        };
+        let fixed = amount(self, "fixed_cost").ok()?.unwrap_or(MICRO);
+        let default = amount(self, "default_cost").ok()?.unwrap_or(MICRO);
+        let min = amount(self, "min_cost").ok()?;
+        let max = amount(self, "max_cost").ok()?;
+        let source = match config.get("cost_source") {
+            None => "fixed",
+            Some(v) => self.string(v, &join(path, field_name))?,
+        };
+        if source == "fixed" {
+            for field in ["min_cost", "max_cost", "default_cost"] {
+                if config.contains_key(field) {
+                    self.warn(
+                        &join(path, field),
+                        format!("ignored: {field_name} is \"fixed\""),
+                    );
+                }
+            }
+            return Some(CostSource::Fixed(fixed));
+        }
+        if config.contains_key("fixed_cost") {
+            self.warn(
+                &join(path, "fixed_cost"),
+                format!("ignored: {field_name} is not \"fixed\""),
+            );
+        }
+        let limits = CostLimits {
+            default,
+            min: min.unwrap_or(default),
+            max,
+        };
+        if let Some(max) = max {
+            if limits.min > max {
+                self.error(
+                    &join(path, "min_cost"),
+                    format!(
+                        "min_cost {} is above max_cost {}",
+                        micro_to_tokens(limits.min),
+                        micro_to_tokens(max)
+                    ),
+                );
+                return None;
+            }
+            if default > max {
+                self.error(
+                    &join(path, "default_cost"),
+                    format!(
+                        "default_cost {} is above max_cost {}: requests without a cost would all be refused",
+                        micro_to_tokens(default),
+                        micro_to_tokens(max)
+                    ),
+                );
+                return None;
+            }
+        }
+        let named = |prefix: &str| source.strip_prefix(prefix).filter(|n| !n.is_empty());
+        if let Some(name) = named("header:") {
+            Some(CostSource::Header {
+                name: crate::descriptor::header_name(name),
+                limits,
+            })
+        } else if let Some(name) = named("query:") {
+            Some(CostSource::Query {
+                name: name.to_string(),
+                limits,
+            })
+        } else {
+            self.error(
+                &join(path, field_name),
+                format!("'{source}' is not \"fixed\", \"header:<name>\" or \"query:<name>\""),
+            );
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::compile::compile_bundle;
+    use crate::policy::compile::tests::{errors_of, rule};
+    use serde_json::json;
+
+    #[test]
+    fn cost_limits_compile_and_are_checked() {
+        let b = compile_bundle(
+            &rule(json!({"rps": 1, "burst": 20, "cost_source": "header:X-Weight", "default_cost": 2, "max_cost": 10})),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(
+            b.rules[0].cost,
+            CostSource::Header {
+                name: "x-weight".into(),
+                limits: CostLimits {
+                    default: 2 * MICRO,
+                    min: 2 * MICRO,
+                    max: Some(10 * MICRO)
+                }
+            }
+        );
+        assert_eq!(b.rules[0].header_names, ["x-weight"]);
+        assert_eq!(
+            errors_of(rule(
+                json!({"rps": 1, "burst": 20, "cost_source": "query:w", "min_cost": 5, "max_cost": 3})
+            )),
+            ["rules[0].algorithm_config.min_cost: min_cost 5 is above max_cost 3"]
+        );
+        assert_eq!(
+            errors_of(rule(json!({"rps": 1, "burst": 20, "cost_source": "query:w", "default_cost": 4, "min_cost": 1, "max_cost": 3}))),
+            ["rules[0].algorithm_config.default_cost: default_cost 4 is above max_cost 3: requests without a cost would all be refused"]
+        );
+    }
+}
