@@ -1,5 +1,5 @@
 //! One module per limit kind: each compiles its own wire fields (as `impl Compiler` blocks
-//! beside [`crate::policy::compile`], which keeps what every rule shares: selectors, `match`,
+//! beside `policy::compile`, which keeps what every rule shares: selectors, `match`,
 //! keys, modes, kill switches) and, where its planning differs from a plain bucket, plans a
 //! request under it for the engine ([`crate::engine`] keeps what is common: selection, kill
 //! switches, all-or-nothing commit, shadow).
