@@ -461,7 +461,6 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     }
 }
 
-/// One normalisation pass (see [`normalize_path`]).
 /// Whether a normalisation pass could change `path`: a `%` or `\\`, or a `/` followed by `/`,
 /// `.` (ending the path or followed by `/`) or `..` (likewise). One pass over the bytes: seven
 /// substring searches cost more than the rest of a request's facts.
@@ -481,6 +480,7 @@ fn needs_normalizing(path: &str) -> bool {
     })
 }
 
+/// One normalisation pass (see [`normalize_path`]).
 fn normalize_once(path: &str) -> Cow<'_, str> {
     if !needs_normalizing(path) {
         return Cow::Borrowed(path);

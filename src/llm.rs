@@ -592,15 +592,8 @@ impl Prompt {
                 self.end_part(kind);
             }
             (_, Value::String(s)) => self.read_str(how, s),
-            (Reading::Field(Field::Whole), Value::Number(n)) => {
-                if let Some(u) = n.as_u64() {
-                    self.string(&u.to_string());
-                } else if let Some(i) = n.as_i64() {
-                    self.string(&i.to_string());
-                } else if let Some(f) = n.as_f64() {
-                    self.string(&f.to_string());
-                }
-            }
+            // As JSON writes it (`1e308`, never 309 digits).
+            (Reading::Field(Field::Whole), Value::Number(n)) => self.string(&n.to_string()),
             (Reading::Field(Field::Whole), Value::Bool(b)) => self.string(bool_text(*b)),
             (_, Value::Array(items)) => {
                 for item in items {
@@ -793,7 +786,10 @@ impl<'de> serde::de::Visitor<'de> for PromptSeed<'_> {
     }
 
     fn visit_f64<E>(self, n: f64) -> Result<(), E> {
-        self.whole_scalar(|| n.to_string());
+        // As JSON writes it (`1e308`, never 309 digits), as the tree reader does.
+        self.whole_scalar(|| {
+            serde_json::Number::from_f64(n).map_or_else(String::new, |n| n.to_string())
+        });
         Ok(())
     }
 
@@ -1497,6 +1493,8 @@ mod tests {
             (format!(r#"{{"messages":[{{"role":"assistant","content":[{{"type":"tool_use","id":"t1","name":"f","input":{{"q":"{text}"}}}}]}}]}}"#), t(&["f", "q", text])),
             (format!(r#"{{"messages":[{{"role":"assistant","content":[{{"type":"tool_use","id":"t1","name":"f","input":{{"metadata":"{text}","n":[1,-2,2.5],"ok":true}}}}]}}]}}"#), t(&["f", "metadata", text, "n", "1", "-2", "2.5", "ok", "true"])),
             (format!(r#"{{"contents":[{{"role":"model","parts":[{{"functionCall":{{"name":"f","args":{{"id":"{text}"}}}}}}]}},{{"role":"user","parts":[{{"functionResponse":{{"name":"f","response":{{"status":"{text}"}}}}}}]}}]}}"#), t(&["f", "id", text, "f", "status", text])),
+            // Numbers count as JSON writes them: `1e308` is one short word, not 309 digits.
+            (r#"{"messages":[{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{"n":[1e308]}}]}]}"#.to_string(), t(&["f", "n", "1e308"])),
             // An OpenAI file part counts by its data's size, a data URL's MIME type deciding.
             (format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"file","file":{{"filename":"a","file_data":"data:application/pdf;base64,{}"}}}}]}}]}}"#, "Q".repeat(40_000)), t(&["a"]) + 10_000),
             (format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"file","file":{{"file_data":"{}"}}}}]}}]}}"#, "Q".repeat(4_000)), 1_000),

@@ -245,6 +245,11 @@ fn commands(text: &str) -> Vec<String> {
     out
 }
 
+thread_local! {
+    /// `tollgate` command lines parsed by [`check_command`] on this thread.
+    static PARSED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// What is wrong with one command, if anything.
 fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
     let mut words = words(command);
@@ -305,8 +310,8 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
                 .ok_or(format!("no script {script}"));
         }
         "curl" => {
-            // An endpoint of the admin listener (port 9090 by default) must be one it serves;
-            // the proxy's paths are the upstream's.
+            // A path on the admin listener (port 9090 by default) must be a route it serves,
+            // as written in its router; the proxy's paths are the upstream's.
             let Some(url) = words.iter().find(|w| w.contains(":9090")) else {
                 return Ok(());
             };
@@ -314,34 +319,48 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
                 .split_once("://")
                 .map_or(url.as_str(), |(_, rest)| rest)
                 .split_once('/')
-                .map_or("/", |(_, p)| p);
-            let endpoint = format!(
-                "/{}",
-                path.split(['?', '/']).take(2).collect::<Vec<_>>().join("/")
-            );
-            let endpoint = endpoint.trim_end_matches('/');
-            let known = endpoint.is_empty()
-                || !endpoint.starts_with("/v1") && !endpoint.starts_with("/status")
-                || admin_paths.contains(&format!("\"{endpoint}"));
-            return known
+                .map_or("", |(_, p)| p);
+            let segments: Vec<&str> = path.split(['?', '/']).collect();
+            let take = if segments.first() == Some(&"v1") {
+                2
+            } else {
+                1
+            };
+            let route = format!("/{}", segments[..take.min(segments.len())].join("/"));
+            return admin_paths
+                .contains(&format!("\"{route}\""))
                 .then_some(())
-                .ok_or(format!("no endpoint {endpoint} in the admin router"));
+                .ok_or(format!("no route {route} in the admin router"));
         }
         _ => return Ok(()),
     };
     let Some(args) = tollgate_args else {
         return Ok(());
     };
-    // Placeholders a reader fills in are not checked as values.
-    if args
-        .iter()
-        .any(|a| a.contains("...") || a.starts_with('[') || a.starts_with('<') || a.contains('|'))
-    {
+    // Placeholders a reader fills in stand for a value: `<file>` becomes one, `[--flag X]` is
+    // read as `--flag X`, `a|b` as its first choice, a trailing `...` (more of the same) dropped.
+    if args.first().map(String::as_str) == Some("help") {
         return Ok(());
     }
+    let args: Vec<String> = args
+        .iter()
+        .map(|a| {
+            a.trim_end_matches("...")
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+        })
+        .filter(|a| !a.is_empty())
+        .map(|a| {
+            if a.starts_with('<') && a.ends_with('>') {
+                "1".to_string()
+            } else {
+                a.split('|').next().unwrap_or(a).to_string()
+            }
+        })
+        .collect();
     // A file of this repository a command names (a policy, an example, a fixture) must exist;
     // the reader's own files (`bundle.json`, `/etc/...`) cannot be checked.
-    for arg in args {
+    for arg in &args {
         let repo_file = ["policies/", "examples/", "monitoring/", "tests/fixtures/"]
             .iter()
             .any(|p| arg.starts_with(p));
@@ -349,6 +368,7 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
             return Err(format!("{arg} does not exist"));
         }
     }
+    PARSED.with(|n| n.set(n.get() + 1));
     let argv = std::iter::once("tollgate".to_string()).chain(args.iter().cloned());
     match tollgate::cli::Cli::try_parse_from(argv) {
         Ok(_) => Ok(()),
@@ -368,6 +388,53 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
     }
 }
 
+/// Synopsis blocks (untagged, a `tollgate <command>` line and its indented continuation lines):
+/// every `--flag` they name is one that command has.
+fn synopsis_flags(text: &str) -> Vec<String> {
+    use clap::CommandFactory;
+    let cli = tollgate::cli::Cli::command();
+    let mut out = Vec::new();
+    let mut untagged = false;
+    let mut inside = false;
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        if let Some(lang) = line.strip_prefix("```") {
+            inside = !inside;
+            untagged = inside && lang.trim().is_empty();
+            current = None;
+            continue;
+        }
+        if !(inside && untagged) {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("tollgate ") {
+            current = rest.split_whitespace().next().map(str::to_string);
+        } else if !line.starts_with(char::is_whitespace) {
+            current = None;
+        }
+        let Some(name) = current.as_deref() else {
+            continue;
+        };
+        let Some(command) = cli.find_subcommand(name) else {
+            out.push(format!("no command `tollgate {name}`"));
+            continue;
+        };
+        let longs: BTreeSet<&str> = command
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .collect();
+        for word in line.split(|c: char| c.is_whitespace() || "[]|".contains(c)) {
+            if let Some(flag) = word.strip_prefix("--") {
+                let flag = flag.trim_end_matches("...");
+                if !longs.contains(flag) {
+                    out.push(format!("`tollgate {name}` has no --{flag}"));
+                }
+            }
+        }
+    }
+    out
+}
+
 #[test]
 fn every_command_shown_works() {
     let admin_paths = [
@@ -381,24 +448,28 @@ fn every_command_shown_works() {
     .collect::<Vec<_>>()
     .join("\n");
     let mut failures = Vec::new();
-    let mut seen = 0;
     for page in pages() {
         let text = std::fs::read_to_string(&page).expect("page");
         for command in commands(&text) {
-            seen += 1;
             if let Err(why) = check_command(&command, &admin_paths) {
                 failures.push(format!("{}: `{command}`: {why}", page.display()));
             }
         }
+        failures.extend(
+            synopsis_flags(&text)
+                .into_iter()
+                .map(|why| format!("{}: {why}", page.display())),
+        );
     }
     assert!(
         failures.is_empty(),
         "commands that do not work:\n{}",
         failures.join("\n\n")
     );
+    let parsed = PARSED.with(std::cell::Cell::get);
     assert!(
-        seen > 30,
-        "only {seen} commands found: is the reader right?"
+        parsed > 15,
+        "only {parsed} tollgate commands parsed: is the reader right?"
     );
 }
 
@@ -421,6 +492,14 @@ fn the_checks_catch_what_they_are_for() {
     assert!(check_command("curl -s localhost:9090/v1/nothing", admin).is_err());
     assert!(check_command("curl -s localhost:8080/v1/orders", admin).is_ok());
     assert!(check_command("tollgate import envoy-ratelimit x.yaml > edge.json", admin).is_ok());
+    assert!(check_command("tollgate run --policy <file> --bogus", admin).is_err());
+    assert!(check_command("tollgate run --policy F [--threads many]", admin).is_err());
+    assert!(check_command("curl -s localhost:9090/v1/bucket/x", admin).is_err());
+    assert_eq!(
+        synopsis_flags("```\ntollgate run --policy FILE\n    [--no-such X]\n```\n"),
+        ["`tollgate run` has no --no-such"]
+    );
+    assert!(synopsis_flags("```\ntollgate run --policy FILE [--threads 2]\n```\n").is_empty());
     assert_eq!(
         anchor("The client's network: `ip:country`"),
         "the-clients-network-ipcountry"
