@@ -8,6 +8,18 @@ use crate::policy::json::join;
 use crate::policy::CostSource;
 use serde_json::{Map, Value};
 
+/// The fields of a `cost_based` rule's `algorithm_config`.
+pub(crate) const COST_BASED_FIELDS: &[&str] = &[
+    "budget",
+    "period",
+    "cost_key",
+    "fixed_cost",
+    "default_cost",
+    "min_cost",
+    "max_cost",
+    "staged_actions",
+];
+
 impl Compiler {
     /// A `cost_based` rule's budget, cost and stages (Fairvisor's fields: `budget`, `period`,
     /// `cost_key`, `fixed_cost`, `default_cost`, `staged_actions`; tollgate adds `min_cost`,

@@ -10,6 +10,9 @@ use serde_json::{Map, Value};
 /// How long a concurrency slot is held at most when nobody gives it back.
 const DEFAULT_LEASE_TTL_SECS: u64 = 300;
 
+/// The fields of a `concurrency` rule's `algorithm_config`.
+pub(crate) const CONCURRENCY_FIELDS: &[&str] = &["max_in_flight", "lease_ttl_seconds"];
+
 impl Compiler {
     /// A `concurrency` rule: `max_in_flight` (a whole number from 1 to 1 000 000) and
     /// `lease_ttl_seconds` (how long a slot may be held at most; 1 s to 1 day, default 300).

@@ -34,6 +34,19 @@ const DEFAULT_STREAM_BUFFER_TOKENS: u64 = 100;
 /// Fairvisor's default completion reservation.
 const DEFAULT_MAX_COMPLETION: u64 = 1000;
 
+/// The fields of a `token_bucket_llm` rule's `algorithm_config` (Fairvisor's).
+pub(crate) const LLM_FIELDS: &[&str] = &[
+    "tokens_per_minute",
+    "tokens_per_day",
+    "burst_tokens",
+    "max_tokens_per_request",
+    "max_prompt_tokens",
+    "max_completion_tokens",
+    "default_max_completion",
+    "token_source",
+    "streaming",
+];
+
 impl Compiler {
     /// The `tokens_per_day` rule of a `token_bucket_llm` rule: a one-day UTC budget named
     /// `<rule>:tpd` (with `@<policy id>` on a clash), keyed `tpd:<rule>:`, sharing the minute

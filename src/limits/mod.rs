@@ -4,6 +4,9 @@
 //! request under it for the engine ([`crate::engine`] keeps what is common: selection, kill
 //! switches, all-or-nothing commit, shadow).
 //!
+//! [`LimitKind`] is the `algorithm` a rule names; [`Compiler::kind_config`] hands its
+//! `algorithm_config` to its module and gets back the parts a rule carries.
+//!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;
 //! - [`budget`]: `cost_based` budgets and their stages;
 //! - [`concurrency`]: in-flight caps;
@@ -15,3 +18,137 @@ pub mod concurrency;
 pub mod guards;
 pub mod llm;
 pub mod token_bucket;
+
+use crate::budget::Budget;
+use crate::limiter::{Quota, MICRO};
+use crate::policy::compile::{Compiler, Shape, CONFIG_FIELDS};
+use crate::policy::json::join;
+use crate::policy::{Concurrency, CostSource, LlmLimit};
+use serde_json::{Map, Value};
+
+/// The `algorithm` of a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    TokenBucket,
+    CostBased,
+    Concurrency,
+    Llm,
+}
+
+impl LimitKind {
+    /// The kind an `algorithm` names, if any.
+    pub fn named(algorithm: &str) -> Option<LimitKind> {
+        match algorithm {
+            "token_bucket" => Some(LimitKind::TokenBucket),
+            "cost_based" => Some(LimitKind::CostBased),
+            "concurrency" => Some(LimitKind::Concurrency),
+            "token_bucket_llm" => Some(LimitKind::Llm),
+            _ => None,
+        }
+    }
+
+    /// The fields its `algorithm_config` may have.
+    pub fn config_fields(self) -> &'static [&'static str] {
+        match self {
+            LimitKind::TokenBucket => CONFIG_FIELDS,
+            LimitKind::CostBased => budget::COST_BASED_FIELDS,
+            LimitKind::Concurrency => concurrency::CONCURRENCY_FIELDS,
+            LimitKind::Llm => llm::LLM_FIELDS,
+        }
+    }
+
+    /// Whether a rule of this kind may carry per-ID `overrides` (the others write one rule per
+    /// tier with `match`).
+    fn takes_overrides(self) -> bool {
+        self == LimitKind::TokenBucket
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            LimitKind::TokenBucket => "token_bucket",
+            LimitKind::CostBased => "cost_based",
+            LimitKind::Concurrency => "concurrency",
+            LimitKind::Llm => "token_bucket_llm",
+        }
+    }
+}
+
+/// What a rule's `algorithm_config` compiled to: its bucket's shape and cost (`None` after an
+/// error), and the part of its kind.
+#[derive(Default)]
+pub(crate) struct KindParts {
+    pub(crate) shape: Option<Shape>,
+    pub(crate) cost: Option<CostSource>,
+    pub(crate) budget: Option<Budget>,
+    pub(crate) concurrency: Option<Concurrency>,
+    /// The token limits and the `tokens_per_day` budget of a `token_bucket_llm` rule.
+    pub(crate) llm: Option<(LlmLimit, Option<u64>)>,
+}
+
+impl Compiler {
+    /// Compiles a rule's `algorithm_config` (at `rule_path`) as its kind says.
+    pub(crate) fn kind_config(
+        &mut self,
+        kind: LimitKind,
+        config: &Map<String, Value>,
+        rule_path: &str,
+        has_overrides: bool,
+    ) -> KindParts {
+        let path = join(rule_path, "algorithm_config");
+        if has_overrides && !kind.takes_overrides() {
+            self.error(
+                &join(rule_path, "overrides"),
+                format!(
+                    "is not supported on {} rules (write one rule per tier with match)",
+                    kind.name()
+                ),
+            );
+        }
+        match kind {
+            LimitKind::TokenBucket => KindParts {
+                shape: self.bucket_shape(config, &path, None),
+                cost: self.cost_source(config, &path),
+                ..KindParts::default()
+            },
+            LimitKind::CostBased => match self.budget(config, &path) {
+                Some((shape, cost, budget)) => KindParts {
+                    shape: Some(shape),
+                    cost: Some(cost),
+                    budget: Some(budget),
+                    ..KindParts::default()
+                },
+                None => KindParts::default(),
+            },
+            LimitKind::Concurrency => {
+                let concurrency = self.concurrency(config, &path);
+                let Some(c) = concurrency else {
+                    return KindParts::default();
+                };
+                // A slot is a bucket of `max_in_flight` tokens that never refills: leases give
+                // them back.
+                let max = u64::from(c.max_in_flight) * MICRO;
+                KindParts {
+                    shape: Quota::new(max, max, c.lease_ttl_us)
+                        .ok()
+                        .map(|quota| Shape {
+                            quota,
+                            burst: f64::from(c.max_in_flight),
+                            rate: 0.0,
+                        }),
+                    cost: Some(CostSource::Fixed(MICRO)),
+                    concurrency,
+                    ..KindParts::default()
+                }
+            }
+            LimitKind::Llm => match self.llm(config, &path) {
+                Some((shape, limit, tpd)) => KindParts {
+                    shape: Some(shape),
+                    cost: Some(CostSource::Fixed(0)),
+                    llm: Some((limit, tpd)),
+                    ..KindParts::default()
+                },
+                None => KindParts::default(),
+            },
+        }
+    }
+}

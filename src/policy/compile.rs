@@ -197,40 +197,7 @@ pub(crate) struct Compiler {
 }
 
 use super::json::{join, type_name};
-
-/// The algorithms a rule may name.
-#[derive(Clone, Copy)]
-pub(crate) enum Algorithm {
-    TokenBucket,
-    CostBased,
-    Concurrency,
-    Llm,
-}
-
-/// The fields of a `token_bucket_llm` rule's `algorithm_config` (Fairvisor's).
-const LLM_FIELDS: &[&str] = &[
-    "tokens_per_minute",
-    "tokens_per_day",
-    "burst_tokens",
-    "max_tokens_per_request",
-    "max_prompt_tokens",
-    "max_completion_tokens",
-    "default_max_completion",
-    "token_source",
-    "streaming",
-];
-
-/// The fields of a `cost_based` rule's `algorithm_config`.
-const COST_BASED_FIELDS: &[&str] = &[
-    "budget",
-    "period",
-    "cost_key",
-    "fixed_cost",
-    "default_cost",
-    "min_cost",
-    "max_cost",
-    "staged_actions",
-];
+use crate::limits::{KindParts, LimitKind};
 
 /// A name as a key segment: `:` and `\` escaped, so the name ends at the first unescaped `:`
 /// and rule `a` with key `b:c` can never share a bucket with rule `a:b` and key `c`.
@@ -327,7 +294,7 @@ pub(crate) fn policy_item(name: &str, quota: &Quota, window_secs: u64) -> (Strin
 const FALLBACK_NAME: &str = "fallback_limit";
 
 /// The fields allowed in an `algorithm_config` (and, minus `overrides`, in an override).
-const CONFIG_FIELDS: &[&str] = &[
+pub(crate) const CONFIG_FIELDS: &[&str] = &[
     "tokens_per_second",
     "rps",
     "burst",
@@ -1038,10 +1005,7 @@ impl Compiler {
         };
         let algorithm = match map.get("algorithm") {
             Some(v) => match self.string(v, &join(path, "algorithm")) {
-                Some("token_bucket") => Some(Algorithm::TokenBucket),
-                Some("cost_based") => Some(Algorithm::CostBased),
-                Some("concurrency") => Some(Algorithm::Concurrency),
-                Some("token_bucket_llm") => Some(Algorithm::Llm),
+                Some(a) if LimitKind::named(a).is_some() => LimitKind::named(a),
                 Some(a) => {
                     self.error(
                         &join(path, "algorithm"),
@@ -1060,12 +1024,7 @@ impl Compiler {
             }
         };
         let config_path = join(path, "algorithm_config");
-        let allowed = match algorithm {
-            Some(Algorithm::CostBased) => COST_BASED_FIELDS,
-            Some(Algorithm::Concurrency) => &["max_in_flight", "lease_ttl_seconds"],
-            Some(Algorithm::Llm) => LLM_FIELDS,
-            _ => CONFIG_FIELDS,
-        };
+        let allowed = algorithm.map_or(CONFIG_FIELDS, LimitKind::config_fields);
         let config = match map.get("algorithm_config") {
             Some(v) => self.object(v, &config_path, allowed),
             None => {
@@ -1078,69 +1037,18 @@ impl Compiler {
         };
         // An unknown algorithm is an error already; its config is still checked as a token
         // bucket's, so every other problem is reported in the same pass.
-        let mut concurrency = None;
-        let mut llm = None;
-        let (shape, cost, budget) = match algorithm.unwrap_or(Algorithm::TokenBucket) {
-            Algorithm::Llm => {
-                if map.contains_key("overrides") {
-                    self.error(
-                        &join(path, "overrides"),
-                        "is not supported on token_bucket_llm rules (write one rule per tier with match)",
-                    );
-                }
-                match self.llm(config, &config_path) {
-                    Some((shape, limit, tpd)) => {
-                        llm = Some((limit, tpd));
-                        (Some(shape), Some(CostSource::Fixed(0)), None)
-                    }
-                    None => (None, None, None),
-                }
-            }
-            Algorithm::TokenBucket => (
-                self.bucket_shape(config, &config_path, None),
-                self.cost_source(config, &config_path),
-                None,
-            ),
-            Algorithm::Concurrency => {
-                if map.contains_key("overrides") {
-                    self.error(
-                        &join(path, "overrides"),
-                        "is not supported on concurrency rules (write one rule per tier with match)",
-                    );
-                }
-                concurrency = self.concurrency(config, &config_path);
-                match concurrency {
-                    Some(c) => (
-                        Quota::new(
-                            u64::from(c.max_in_flight) * MICRO,
-                            u64::from(c.max_in_flight) * MICRO,
-                            c.lease_ttl_us,
-                        )
-                        .ok()
-                        .map(|quota| Shape {
-                            quota,
-                            burst: f64::from(c.max_in_flight),
-                            rate: 0.0,
-                        }),
-                        Some(CostSource::Fixed(MICRO)),
-                        None,
-                    ),
-                    None => (None, None, None),
-                }
-            }
-            Algorithm::CostBased => {
-                if map.contains_key("overrides") {
-                    self.error(
-                        &join(path, "overrides"),
-                        "is not supported on cost_based rules (write one rule per tier with match)",
-                    );
-                }
-                match self.budget(config, &config_path) {
-                    Some((shape, cost, budget)) => (Some(shape), Some(cost), Some(budget)),
-                    None => (None, None, None),
-                }
-            }
-        };
+        let KindParts {
+            shape,
+            cost,
+            budget,
+            concurrency,
+            llm,
+        } = self.kind_config(
+            algorithm.unwrap_or(LimitKind::TokenBucket),
+            config,
+            path,
+            map.contains_key("overrides"),
+        );
         let mut overrides = AHashMap::new();
         let mut ip_overrides: Vec<(IpNet, Quota)> = Vec::new();
         // `Some(explicit IPv6 prefix)` when the rule is keyed on the client address alone.
