@@ -4,7 +4,7 @@
 //! request under it for the engine ([`crate::engine`] keeps what is common: selection, kill
 //! switches, all-or-nothing commit, shadow).
 //!
-//! [`LimitKind`] is the `algorithm` a rule names; [`Compiler::kind_config`] hands its
+//! [`LimitKind`] is the `algorithm` a rule names; `Compiler::kind_config` hands its
 //! `algorithm_config` to its module and gets back the parts a rule carries.
 //!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;
