@@ -287,8 +287,13 @@ mod tests {
     }
 
     fn read(encoding: &str, bytes: &[u8], pieces: usize) -> BodyMeter {
+        read_as("application/json", encoding, bytes, pieces)
+    }
+
+    /// A response of `content_type` in `encoding`, fed in `pieces` pieces, limit 1 MiB.
+    fn read_as(content_type: &str, encoding: &str, bytes: &[u8], pieces: usize) -> BodyMeter {
         let mut m = BodyMeter::new(
-            ResponseMeter::new("application/json", 1 << 20),
+            ResponseMeter::new(content_type, 1 << 20),
             Some(encoding),
             1 << 20,
         );
@@ -341,25 +346,9 @@ mod tests {
             " ".repeat(3 << 20)
         );
         let gzipped = encode("gzip", padded.as_bytes());
-        let mut m = BodyMeter::new(
-            ResponseMeter::new("application/json", 1 << 20),
-            Some("gzip"),
-            1 << 20,
-        );
-        for piece in gzipped.chunks(4096) {
-            m.feed(piece);
-        }
-        m.finish();
+        let m = read_as("application/json", "gzip", &gzipped, 8);
         assert_eq!(m.undecodable(), Some((Undecodable::TooLarge, "gzip")));
-        let mut m = BodyMeter::new(
-            ResponseMeter::new("text/event-stream", 1 << 20),
-            Some("gzip"),
-            1 << 20,
-        );
-        for piece in gzipped.chunks(4096) {
-            m.feed(piece);
-        }
-        m.finish();
+        let m = read_as("text/event-stream", "gzip", &gzipped, 8);
         assert!(m.readable());
     }
 

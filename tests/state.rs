@@ -122,6 +122,34 @@ impl Setup {
         node.wait_ready();
         node
     }
+
+    /// Upgrades `old` to a new process started with `--upgrade` and `extra` (its log
+    /// `new.log`): the new one waits on the upgrade socket, the old one hands its listeners
+    /// over on SIGQUIT and exits 0; the new one is ready when this returns.
+    fn upgrade(&self, old: &mut Node, extra: &[&str]) -> Node {
+        let mut args = vec!["--upgrade"];
+        args.extend(extra);
+        let new = self.spawn("new.log", &args);
+        let sock = self.state().join("upgrade.sock");
+        let start = Instant::now();
+        while !sock.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{}",
+                new.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        old.signal(libc::SIGQUIT);
+        assert_eq!(
+            old.wait_exit(Duration::from_secs(40)),
+            Some(0),
+            "{}",
+            old.log_text()
+        );
+        new.wait_ready();
+        new
+    }
 }
 
 impl Node {
@@ -726,26 +754,7 @@ fn an_upgrade_under_load_drops_nothing_and_counts_once() {
         })
     };
     std::thread::sleep(Duration::from_millis(300));
-    let new = setup.spawn("new.log", &["--upgrade", TRUST[0], TRUST[1]]);
-    // The new process waits on the upgrade socket; the old one hands over on SIGQUIT.
-    let sock = setup.state().join("upgrade.sock");
-    let start = Instant::now();
-    while !sock.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{}",
-            new.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    old.signal(libc::SIGQUIT);
-    assert_eq!(
-        old.wait_exit(Duration::from_secs(40)),
-        Some(0),
-        "{}",
-        old.log_text()
-    );
-    new.wait_ready();
+    let new = setup.upgrade(&mut old, &[TRUST[0], TRUST[1]]);
     std::thread::sleep(Duration::from_millis(500));
     stop.store(true, Ordering::Relaxed);
     let (ok, limited, failed) = keepalive.join().unwrap();
@@ -838,27 +847,7 @@ fn an_upgrade_hands_over_the_tls_and_grpc_listeners() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(curl_tls(tls), 200);
-    let mut upgrade = vec!["--upgrade"];
-    upgrade.extend(listeners);
-    let new = setup.spawn("new.log", &upgrade);
-    let sock = setup.state().join("upgrade.sock");
-    let start = Instant::now();
-    while !sock.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{}",
-            new.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    old.signal(libc::SIGQUIT);
-    assert_eq!(
-        old.wait_exit(Duration::from_secs(40)),
-        Some(0),
-        "{}",
-        old.log_text()
-    );
-    new.wait_ready();
+    let new = setup.upgrade(&mut old, &listeners);
     assert_eq!(curl_tls(tls), 200, "{}", new.log_text());
     assert_eq!(http2_first_frame_type(grpc), Some(4), "{}", new.log_text());
     // The per-IP bucket was shared: 2 of its 5 spent, across both processes.
