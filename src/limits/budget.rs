@@ -1,11 +1,15 @@
 //! `cost_based`: budgets per period with warn / throttle / reject stages. Compiles `budget`,
-//! `period` and `staged_actions`; the window and stage arithmetic is [`crate::budget`]'s.
+//! `period` and `staged_actions`, and plans a request's spend in the current window; the
+//! window and stage arithmetic is [`crate::budget`]'s.
 
+use super::{PlanContext, Planning};
 use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
+use crate::descriptor::RequestFacts;
 use crate::limiter::{tokens_to_micro, Quota, US_PER_SEC};
 use crate::policy::compile::{Compiler, Shape};
 use crate::policy::json::join;
-use crate::policy::CostSource;
+use crate::policy::{CostSource, Rule};
+use crate::store::BucketKey;
 use serde_json::{Map, Value};
 
 /// The fields of a `cost_based` rule's `algorithm_config`.
@@ -184,6 +188,22 @@ impl Compiler {
             action: action?,
         })
     }
+}
+
+/// Plans a budget's spend: the request's cost, in the budget's current window (a new window
+/// starts full).
+pub(crate) fn plan<'b>(
+    rule: &'b Rule,
+    bucket: (BucketKey, Quota),
+    facts: &RequestFacts<'_>,
+    context: PlanContext<'b>,
+    planning: &mut Planning<'b>,
+) {
+    let window = rule
+        .budget
+        .as_ref()
+        .map(|b| b.period.window(context.unix_us));
+    super::token_bucket::plan(rule, bucket, facts, window, planning);
 }
 
 #[cfg(test)]

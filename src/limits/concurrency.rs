@@ -1,10 +1,14 @@
-//! `concurrency`: in-flight caps. Compiles `max_in_flight` and `lease_ttl_seconds`; the slots
-//! themselves are leases of the store ([`crate::store::lease`]).
+//! `concurrency`: in-flight caps. Compiles `max_in_flight` and `lease_ttl_seconds` and plans a
+//! request's slot; the slots themselves are leases of the store ([`crate::store::lease`]).
 
+use super::{group_of, Planning};
+use crate::engine::SlotOutcome;
 use crate::limiter::US_PER_SEC;
 use crate::policy::compile::Compiler;
 use crate::policy::json::join;
-use crate::policy::Concurrency;
+use crate::policy::{Concurrency, Rule};
+use crate::store::lease::LeaseOp;
+use crate::store::BucketKey;
 use serde_json::{Map, Value};
 
 /// How long a concurrency slot is held at most when nobody gives it back.
@@ -54,5 +58,21 @@ impl Compiler {
             max_in_flight: max?,
             lease_ttl_us: ttl? * US_PER_SEC,
         })
+    }
+}
+
+/// Plans a slot: a lease on the key, held until the request is done (given back then, or by
+/// its TTL if the gateway never says).
+pub(crate) fn plan<'b>(rule: &'b Rule, key: BucketKey, planning: &mut Planning<'b>) {
+    if let Some(c) = rule.concurrency {
+        planning.leases.push(LeaseOp {
+            key,
+            max: c.max_in_flight,
+            group: group_of(rule.mode),
+            ttl_us: c.lease_ttl_us,
+            soft: false,
+            held: true,
+        });
+        planning.checked.slots.push(SlotOutcome::new(rule, key));
     }
 }

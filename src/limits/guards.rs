@@ -3,20 +3,18 @@
 //! rules and plans a request under them: a loop mark under the request's fingerprint, or the
 //! breaker's open-state read and its spend bucket.
 
+use super::token_bucket::{cost_of, planned_bucket, Cost};
+use super::{group_of, PlanContext, Planning};
 use crate::descriptor::Descriptor;
 use crate::descriptor::RequestFacts;
-use crate::engine::{
-    cost_of, group_of, planned_bucket, write_bucket, Cost, RuleOutcome, SlotOutcome, KEY_BUFFER,
-};
+use crate::engine::{write_bucket, SlotOutcome, KEY_BUFFER};
 use crate::limiter::{tokens_to_micro, Quota, MICRO, US_PER_SEC};
 use crate::policy::compile::{headers_read, key_prefix, plain_rule, Compiler};
 use crate::policy::json::join;
-use crate::policy::Bundle;
 use crate::policy::{Breaker, CostSource, Guard, LoopAction, LoopDetection, Mode, OnMissing, Rule};
 use crate::store::lease::LeaseOp;
-use crate::store::{BucketKey, BucketOp};
+use crate::store::BucketKey;
 use serde_json::Value;
-use smallvec::SmallVec;
 
 impl Compiler {
     /// A policy's `loop_detection` (Fairvisor's fields and checks, which Fairvisor itself never
@@ -213,23 +211,19 @@ impl Compiler {
     }
 }
 
-/// Where a policy's guards put their store operations.
-pub(crate) struct GuardPlan<'p, 'b> {
-    pub(crate) leases: &'p mut SmallVec<[LeaseOp; 1]>,
-    pub(crate) slots: &'p mut Vec<SlotOutcome<'b>>,
-    pub(crate) ops: &'p mut SmallVec<[BucketOp; 4]>,
-    pub(crate) outcomes: &'p mut SmallVec<[RuleOutcome<'b>; 4]>,
-}
-
 /// Plans a guard rule: a loop mark under the request's fingerprint (soft when the loop only
 /// warns or throttles), or a breaker's open-state read and its spend bucket.
-pub(crate) fn plan_guard<'b>(
-    bundle: &'b Bundle,
+pub(crate) fn plan<'b>(
     rule: &'b Rule,
     facts: &RequestFacts<'_>,
-    prefix: u8,
-    plan: &mut GuardPlan<'_, 'b>,
+    context: PlanContext<'b>,
+    planning: &mut Planning<'b>,
 ) {
+    let PlanContext {
+        bundle,
+        ipv6_prefix: prefix,
+        ..
+    } = context;
     match rule.guard {
         Some(Guard::Loop(detection)) => {
             let key = KEY_BUFFER.with(|buffer| {
@@ -239,7 +233,7 @@ pub(crate) fn plan_guard<'b>(
                 facts.write_fingerprint(&mut bucket);
                 BucketKey::of(&bucket)
             });
-            plan.leases.push(LeaseOp {
+            planning.leases.push(LeaseOp {
                 key,
                 // The request making `threshold` identical ones is the loop: it finds
                 // `threshold - 1` marks.
@@ -249,7 +243,7 @@ pub(crate) fn plan_guard<'b>(
                 soft: detection.action != LoopAction::Reject,
                 held: false,
             });
-            plan.slots.push(SlotOutcome::new(rule, key));
+            planning.checked.slots.push(SlotOutcome::new(rule, key));
         }
         Some(Guard::Breaker(breaker)) => {
             let (spend, open) = KEY_BUFFER.with(|buffer| {
@@ -264,7 +258,7 @@ pub(crate) fn plan_guard<'b>(
                 }
                 (spend, BucketKey::of(&bucket))
             });
-            plan.leases.push(LeaseOp {
+            planning.leases.push(LeaseOp {
                 key: open,
                 max: 0,
                 group: group_of(rule.mode),
@@ -272,15 +266,15 @@ pub(crate) fn plan_guard<'b>(
                 soft: true,
                 held: false,
             });
-            plan.slots.push(SlotOutcome::new(rule, open));
+            planning.checked.slots.push(SlotOutcome::new(rule, open));
             // A spend the whole threshold cannot hold trips the breaker, like any spend over it.
             let cost = match cost_of(&rule.cost, facts, &rule.quota) {
                 Cost::Fits(cost) => cost,
                 Cost::Exceeds => rule.quota.burst().saturating_add(1),
             };
             let (op, outcome) = planned_bucket(rule, spend, rule.quota, Cost::Fits(cost), None);
-            plan.ops.push(op);
-            plan.outcomes.push(outcome);
+            planning.ops.push(op);
+            planning.checked.rules.push(outcome);
         }
         None => {}
     }

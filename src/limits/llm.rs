@@ -4,20 +4,19 @@
 //! from both buckets, all-or-nothing with the request's other rules. Reading request and
 //! response bodies is [`crate::llm`]'s; settling is the engine's [`crate::engine::Reservation`].
 
+use super::token_bucket::{planned_bucket, Cost};
+use super::{PlanContext, Planning};
 use crate::budget::{Action, Budget};
 use crate::descriptor::Descriptor;
 use crate::descriptor::RequestFacts;
-use crate::engine::{
-    planned_bucket, write_bucket, Cost, Reason, Reserved, RuleOutcome, KEY_BUFFER,
-};
+use crate::engine::{write_bucket, Reason, Reserved, KEY_BUFFER};
 use crate::limiter::{Quota, MICRO, US_PER_SEC};
 use crate::policy::compile::{key_prefix, plain_rule, Compiler, Shape};
 use crate::policy::json::join;
 use crate::policy::Bundle;
 use crate::policy::{CostSource, LlmLimit, LlmPart, MatchCondition, Mode, OnMissing, Rule};
-use crate::store::{BucketKey, BucketOp};
+use crate::store::BucketKey;
 use serde_json::{Map, Value};
-use smallvec::SmallVec;
 
 /// The fields of a `token_bucket_llm` rule's `streaming` block (Fairvisor's).
 const LLM_STREAMING_FIELDS: &[&str] = &[
@@ -265,14 +264,6 @@ impl Compiler {
     }
 }
 
-/// Where a `token_bucket_llm` rule puts its store operations.
-pub(crate) struct LlmPlan<'p, 'b> {
-    pub(crate) ops: &'p mut SmallVec<[BucketOp; 4]>,
-    pub(crate) outcomes: &'p mut SmallVec<[RuleOutcome<'b>; 4]>,
-    pub(crate) reserved: &'p mut Vec<Reserved>,
-    pub(crate) refused: &'p mut Option<(&'b Rule, Reason)>,
-}
-
 /// The tokens a `token_bucket_llm` rule reserves for this request: the prompt estimate and the
 /// completion it may produce (`max_tokens`, at most `max_completion_tokens`, else the rule's
 /// default), with the prompt estimate alone; or why the request can never be admitted.
@@ -320,17 +311,22 @@ pub fn llm_reservation(
 /// `tpd:`), both costing the reservation, all-or-nothing with the request's other rules. A
 /// request the rule can never admit is refused before the store (in shadow: reported as a
 /// would-refusal that cannot fit).
-pub(crate) fn plan_llm<'b>(
-    bundle: &'b Bundle,
+pub(crate) fn plan<'b>(
     rule: &'b Rule,
     (key, quota): (BucketKey, Quota),
-    (facts, unix_us, prefix): (&RequestFacts<'_>, u64, u8),
-    plan: &mut LlmPlan<'_, 'b>,
+    facts: &RequestFacts<'_>,
+    context: PlanContext<'b>,
+    planning: &mut Planning<'b>,
 ) {
+    let PlanContext {
+        bundle,
+        unix_us,
+        ipv6_prefix: prefix,
+    } = context;
     let (cost, prompt_tokens) = match llm_reservation(rule, bundle, facts) {
         Ok((tokens, prompt)) => (Cost::Fits(tokens * crate::limiter::MICRO), prompt),
         Err(reason) if rule.mode == Mode::Enforce => {
-            plan.refused.get_or_insert((rule, reason));
+            planning.refused.get_or_insert((rule, reason));
             return;
         }
         Err(_) => (Cost::Exceeds, 0),
@@ -354,8 +350,8 @@ pub(crate) fn plan_llm<'b>(
     for (rule, key, quota, window) in parts {
         let (op, outcome) = planned_bucket(rule, key, quota, cost, window);
         if let Cost::Fits(cost) = cost {
-            plan.reserved.push(Reserved {
-                outcome: plan.outcomes.len(),
+            planning.checked.reserved.push(Reserved {
+                outcome: planning.checked.rules.len(),
                 key,
                 quota,
                 window_id: window.map(|w| w.id),
@@ -364,8 +360,8 @@ pub(crate) fn plan_llm<'b>(
                 prompt_tokens,
             });
         }
-        plan.ops.push(op);
-        plan.outcomes.push(outcome);
+        planning.ops.push(op);
+        planning.checked.rules.push(outcome);
     }
 }
 

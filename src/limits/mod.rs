@@ -1,17 +1,20 @@
 //! One module per limit kind: each compiles its own wire fields (as `impl Compiler` blocks
 //! beside `policy::compile`, which keeps what every rule shares: selectors, `match`,
-//! keys, modes, kill switches) and, where its planning differs from a plain bucket, plans a
-//! request under it for the engine ([`crate::engine`] keeps what is common: selection, kill
-//! switches, all-or-nothing commit, shadow).
+//! keys, modes, kill switches) and plans a request under a rule of its kind for the engine
+//! ([`crate::engine`] keeps what is common: selection, keys, kill switches, all-or-nothing
+//! commit, shadow).
 //!
-//! [`LimitKind`] is the `algorithm` a rule names; `Compiler::kind_config` hands its
-//! `algorithm_config` to its module and gets back the parts a rule carries.
+//! [`LimitKind`] is the `algorithm` a rule names and what both sides dispatch on:
+//! `Compiler::kind_config` hands its `algorithm_config` to its module and gets back the parts a
+//! rule carries; [`LimitKind::plan`] hands a request's bucket under the rule to the same module,
+//! which adds its store operations and outcomes to the request's [`Planning`].
 //!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;
 //! - [`budget`]: `cost_based` budgets and their stages;
 //! - [`concurrency`]: in-flight caps;
-//! - [`llm`]: `token_bucket_llm` token budgets (compile and plan);
-//! - [`guards`]: loop detection and circuit breakers (compile and plan).
+//! - [`llm`]: `token_bucket_llm` token budgets;
+//! - [`guards`]: loop detection and circuit breakers (a policy's guards, planned before its
+//!   rules).
 
 pub mod budget;
 pub mod concurrency;
@@ -20,11 +23,16 @@ pub mod llm;
 pub mod token_bucket;
 
 use crate::budget::Budget;
+use crate::descriptor::RequestFacts;
+use crate::engine::{Checked, Reason};
 use crate::limiter::{Quota, MICRO};
 use crate::policy::compile::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
-use crate::policy::{Concurrency, CostSource, LlmLimit};
+use crate::policy::{Bundle, Concurrency, CostSource, LlmLimit, Mode, Rule};
+use crate::store::lease::LeaseOp;
+use crate::store::{BucketKey, BucketOp, Group};
 use serde_json::{Map, Value};
+use smallvec::SmallVec;
 
 /// The `algorithm` of a rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +65,37 @@ impl LimitKind {
         }
     }
 
+    /// The kind of a compiled rule (a guard's rule, planned by [`guards`], is a plain bucket
+    /// here).
+    pub fn of(rule: &Rule) -> LimitKind {
+        if rule.llm.is_some() {
+            LimitKind::Llm
+        } else if rule.concurrency.is_some() {
+            LimitKind::Concurrency
+        } else if rule.budget.is_some() {
+            LimitKind::CostBased
+        } else {
+            LimitKind::TokenBucket
+        }
+    }
+
+    /// Plans this request under `rule` (of this kind), whose bucket is `key` with `quota`.
+    pub(crate) fn plan<'b>(
+        self,
+        rule: &'b Rule,
+        (key, quota): (BucketKey, Quota),
+        facts: &RequestFacts<'_>,
+        context: PlanContext<'b>,
+        planning: &mut Planning<'b>,
+    ) {
+        match self {
+            LimitKind::TokenBucket => token_bucket::plan(rule, (key, quota), facts, None, planning),
+            LimitKind::CostBased => budget::plan(rule, (key, quota), facts, context, planning),
+            LimitKind::Concurrency => concurrency::plan(rule, key, planning),
+            LimitKind::Llm => llm::plan(rule, (key, quota), facts, context, planning),
+        }
+    }
+
     /// Whether a rule of this kind may carry per-ID `overrides` (the others write one rule per
     /// tier with `match`).
     fn takes_overrides(self) -> bool {
@@ -70,6 +109,47 @@ impl LimitKind {
             LimitKind::Concurrency => "concurrency",
             LimitKind::Llm => "token_bucket_llm",
         }
+    }
+}
+
+/// What planning one request gathers from the rules it falls under: the outcomes the store's
+/// answer fills in, the store operations (all-or-nothing within each commit group), and an
+/// enforced refusal found before the store.
+pub(crate) struct Planning<'b> {
+    /// Every applicable rule's outcome, slot, and reservation, in policy order.
+    pub(crate) checked: Checked<'b>,
+    pub(crate) ops: SmallVec<[BucketOp; 4]>,
+    /// Leases to take before the bucket operations (slots, loop marks, open breakers).
+    pub(crate) leases: SmallVec<[LeaseOp; 1]>,
+    /// An enforced `token_bucket_llm` rule the request is too large for.
+    pub(crate) refused: Option<(&'b Rule, Reason)>,
+}
+
+impl<'b> Planning<'b> {
+    pub(crate) fn new(bundle: &'b Bundle) -> Self {
+        Planning {
+            checked: Checked::new(bundle),
+            ops: SmallVec::new(),
+            leases: SmallVec::new(),
+            refused: None,
+        }
+    }
+}
+
+/// What every kind's planning may read besides the request: the bundle (a rule's companion
+/// rules, its hash), the wall clock (a budget's window) and the IPv6 key prefix.
+#[derive(Clone, Copy)]
+pub(crate) struct PlanContext<'b> {
+    pub(crate) bundle: &'b Bundle,
+    pub(crate) unix_us: u64,
+    pub(crate) ipv6_prefix: u8,
+}
+
+/// The commit group of a rule's operations.
+pub(crate) fn group_of(mode: Mode) -> Group {
+    match mode {
+        Mode::Enforce => Group::Enforce,
+        Mode::Shadow => Group::Shadow,
     }
 }
 

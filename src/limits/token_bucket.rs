@@ -1,11 +1,16 @@
 //! Token buckets: the shape every bucketed rule shares (burst and refill, from any of the
-//! accepted spellings) and where a request's cost comes from (`fixed`, a header or a query
-//! parameter, with its limits).
+//! accepted spellings), where a request's cost comes from (`fixed`, a header or a query
+//! parameter, with its limits), and a request's bucket operation under a rule (what every
+//! bucketed kind plans through).
 
-use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, MICRO, US_PER_SEC};
+use super::{group_of, Planning};
+use crate::descriptor::RequestFacts;
+use crate::engine::RuleOutcome;
+use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, MICRO, US_PER_SEC};
 use crate::policy::compile::{Compiler, Shape};
 use crate::policy::json::join;
-use crate::policy::{CostLimits, CostSource};
+use crate::policy::{CostLimits, CostSource, Rule};
+use crate::store::{BucketKey, BucketOp};
 use serde_json::{Map, Value};
 
 impl Compiler {
@@ -198,6 +203,98 @@ impl Compiler {
             );
             None
         }
+    }
+}
+
+/// Plans a plain bucket: the request's cost under the applied quota, spent in `window` (a
+/// budget's) or in the bucket alone.
+pub(crate) fn plan<'b>(
+    rule: &'b Rule,
+    (key, quota): (BucketKey, Quota),
+    facts: &RequestFacts<'_>,
+    window: Option<Window>,
+    planning: &mut Planning<'b>,
+) {
+    let cost = cost_of(&rule.cost, facts, &quota);
+    let (op, outcome) = planned_bucket(rule, key, quota, cost, window);
+    planning.ops.push(op);
+    planning.checked.rules.push(outcome);
+}
+
+/// A rule's bucket for the store and the outcome the store's answer fills in. A cost that
+/// can never fit is sent as one micro-token more than the bucket can hold: the store refuses
+/// it whatever its state, and spends nothing anywhere.
+pub(crate) fn planned_bucket(
+    rule: &Rule,
+    key: BucketKey,
+    quota: Quota,
+    cost: Cost,
+    window: Option<Window>,
+) -> (BucketOp, RuleOutcome<'_>) {
+    let (cost, cost_exceeds) = match cost {
+        Cost::Fits(cost) => (cost, false),
+        Cost::Exceeds => (quota.burst().saturating_add(1), true),
+    };
+    let op = BucketOp {
+        key,
+        quota,
+        cost,
+        group: group_of(rule.mode),
+        window,
+    };
+    let outcome = RuleOutcome {
+        rule,
+        key,
+        quota,
+        allowed: true,
+        committed: false,
+        fail_open: false,
+        cost_exceeds,
+        tokens: 0,
+        retry_after: 0,
+        reset: 0,
+        budget_ends_in_us: window.map_or(0, |w| w.ends_in_us),
+    };
+    (op, outcome)
+}
+
+/// A request's cost under one rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cost {
+    /// Micro-tokens to spend.
+    Fits(u64),
+    /// Above the rule's `max_cost` or the bucket's burst: refused, never admissible.
+    Exceeds,
+}
+
+/// The cost of this request under `source` and the applied `quota`. A stated cost that is
+/// absent, empty, not a number, not finite or not positive gives the default; one below
+/// `min_cost` is raised to it (the client may raise its price, never lower it).
+pub fn cost_of(source: &CostSource, facts: &RequestFacts<'_>, quota: &Quota) -> Cost {
+    let (raw, limits) = match source {
+        CostSource::Fixed(cost) => {
+            return if *cost > quota.burst() {
+                Cost::Exceeds
+            } else {
+                Cost::Fits(*cost)
+            };
+        }
+        CostSource::Header { name, limits } => (facts.headers.header_text(name), limits),
+        CostSource::Query { name, limits } => (facts.query_param(name), limits),
+    };
+    let cost = raw
+        .and_then(|text| text.trim().parse::<f64>().ok())
+        .filter(|tokens| tokens.is_finite() && *tokens > 0.0)
+        .map_or(limits.default, |tokens| {
+            tokens_to_micro(tokens).max(limits.min)
+        });
+    let ceiling = limits
+        .max
+        .map_or(quota.burst(), |max| max.min(quota.burst()));
+    if cost > ceiling {
+        Cost::Exceeds
+    } else {
+        Cost::Fits(cost)
     }
 }
 

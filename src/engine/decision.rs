@@ -1,0 +1,656 @@
+//! What the engine decided: a [`Decision`] (no policy, allowed with the rules it was checked
+//! against, or refused with its [`Reason`] and [`Cause`]), each rule's and slot's outcome, and
+//! the `token_bucket_llm` reservations an allowed request carries away. It borrows the bundle
+//! it was made with and carries everything its consumers need (names, quotas, the kill switch
+//! that fired).
+
+use crate::budget::Action;
+use crate::limiter::{micro_to_tokens, Quota};
+use crate::policy::{Bundle, Guard, KillSwitch, Mode, Rule};
+use crate::store::lease::LeaseOp;
+use crate::store::{BucketKey, Group};
+use smallvec::SmallVec;
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    TokenBucketExceeded,
+    /// A `cost_based` budget is spent for this window.
+    BudgetExceeded,
+    /// A `concurrency` rule's slots are all taken.
+    ConcurrencyExceeded,
+    /// `loop_detection` (action `reject`): too many identical requests within its window.
+    LoopDetected,
+    /// A `circuit_breaker` is open: the spend rate went over its threshold.
+    CircuitBreakerOpen,
+    KillSwitch,
+    /// A rule with `on_missing: reject` found its descriptor missing.
+    MissingDescriptor,
+    /// The request's stated cost is above the rule's `max_cost` or its bucket's burst: it
+    /// could never be admitted, so no `Retry-After` is promised.
+    CostExceedsLimit,
+    /// A header a rule limits on (or reads its cost from) arrived on more than one line.
+    DuplicateHeader,
+    /// The path has `%2F` / `%5C` and the gateway refuses encoded slashes.
+    EncodedSlash,
+    /// A `token_bucket_llm` rule's tokens-per-minute bucket cannot hold the reservation now.
+    TpmExceeded,
+    /// A `token_bucket_llm` rule's `tokens_per_day` is spent for this UTC day.
+    TpdExceeded,
+    /// The prompt is estimated above the rule's `max_prompt_tokens`.
+    PromptTokensExceeded,
+    /// The reservation (prompt and completion) is above `max_tokens_per_request`, or above
+    /// what the rule's budgets can ever hold.
+    MaxTokensPerRequestExceeded,
+}
+
+impl Reason {
+    /// Every reason, for pre-resolved metric counters.
+    pub const ALL: [Reason; 14] = [
+        Reason::TokenBucketExceeded,
+        Reason::BudgetExceeded,
+        Reason::ConcurrencyExceeded,
+        Reason::LoopDetected,
+        Reason::CircuitBreakerOpen,
+        Reason::KillSwitch,
+        Reason::MissingDescriptor,
+        Reason::CostExceedsLimit,
+        Reason::DuplicateHeader,
+        Reason::EncodedSlash,
+        Reason::TpmExceeded,
+        Reason::TpdExceeded,
+        Reason::PromptTokensExceeded,
+        Reason::MaxTokensPerRequestExceeded,
+    ];
+
+    /// The value of the reason header and of the `reason` metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::TokenBucketExceeded => "token_bucket_exceeded",
+            Reason::BudgetExceeded => "budget_exceeded",
+            Reason::ConcurrencyExceeded => "concurrency_exceeded",
+            Reason::LoopDetected => "loop_detected",
+            Reason::CircuitBreakerOpen => "circuit_breaker_open",
+            Reason::KillSwitch => "kill_switch",
+            Reason::MissingDescriptor => "missing_descriptor",
+            Reason::CostExceedsLimit => "cost_exceeds_limit",
+            Reason::DuplicateHeader => "duplicate_header",
+            Reason::EncodedSlash => "encoded_slash",
+            Reason::TpmExceeded => "tpm_exceeded",
+            Reason::TpdExceeded => "tpd_exceeded",
+            Reason::PromptTokensExceeded => "prompt_tokens_exceeded",
+            Reason::MaxTokensPerRequestExceeded => "max_tokens_per_request_exceeded",
+        }
+    }
+
+    /// The HTTP status a refusal for this reason gets.
+    pub fn status(self) -> u16 {
+        match self {
+            Reason::TokenBucketExceeded
+            | Reason::BudgetExceeded
+            | Reason::ConcurrencyExceeded
+            | Reason::LoopDetected
+            | Reason::CircuitBreakerOpen
+            | Reason::KillSwitch
+            | Reason::CostExceedsLimit
+            | Reason::TpmExceeded
+            | Reason::TpdExceeded
+            | Reason::PromptTokensExceeded
+            | Reason::MaxTokensPerRequestExceeded => 429,
+            Reason::MissingDescriptor => 401,
+            Reason::DuplicateHeader | Reason::EncodedSlash => 400,
+        }
+    }
+
+    /// The body of a refusal for this reason.
+    pub fn body(self) -> &'static str {
+        match self {
+            Reason::TokenBucketExceeded | Reason::KillSwitch => "Too Many Requests",
+            Reason::ConcurrencyExceeded => {
+                "Too Many Requests: too many requests of yours are in progress; retry when one has finished"
+            }
+            Reason::LoopDetected => {
+                "Too Many Requests: the same request was repeated too often; this looks like a retry loop"
+            }
+            Reason::CircuitBreakerOpen => {
+                "Too Many Requests: spending went over its limit and the circuit breaker is open; it closes after its reset time"
+            }
+            Reason::BudgetExceeded => {
+                "Too Many Requests: the budget for this period is spent; it renews when the period ends"
+            }
+            Reason::CostExceedsLimit => {
+                "Too Many Requests: this request's cost exceeds what the rate limit can ever admit"
+            }
+            Reason::MissingDescriptor => {
+                "Unauthorized: this request lacks the credential or key a rate-limit rule requires"
+            }
+            Reason::DuplicateHeader => {
+                "Bad Request: a header this gateway limits on was sent more than once"
+            }
+            Reason::EncodedSlash => {
+                "Bad Request: encoded slashes (%2F, %5C) are not accepted in the path"
+            }
+            // OpenAI's error shape, so SDKs report it and back off as from the API itself.
+            Reason::TpmExceeded => {
+                r#"{"error":{"message":"Rate limit reached: tokens per minute. Retry after the time in the Retry-After header.","type":"rate_limit_exceeded","param":null,"code":"tpm_exceeded"}}"#
+            }
+            Reason::TpdExceeded => {
+                r#"{"error":{"message":"Rate limit reached: tokens per day. The budget renews at 00:00 UTC.","type":"rate_limit_exceeded","param":null,"code":"tpd_exceeded"}}"#
+            }
+            Reason::PromptTokensExceeded => {
+                r#"{"error":{"message":"The prompt is longer than this API key may send in one request.","type":"rate_limit_exceeded","param":"messages","code":"prompt_tokens_exceeded"}}"#
+            }
+            Reason::MaxTokensPerRequestExceeded => {
+                r#"{"error":{"message":"The prompt and max_tokens together ask for more tokens than one request may use; lower max_tokens or shorten the prompt.","type":"rate_limit_exceeded","param":"max_tokens","code":"max_tokens_per_request_exceeded"}}"#
+            }
+        }
+    }
+
+    /// The media type of [`Reason::body`]: JSON for the LLM reasons, text otherwise.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Reason::TpmExceeded
+            | Reason::TpdExceeded
+            | Reason::PromptTokensExceeded
+            | Reason::MaxTokensPerRequestExceeded => "application/json",
+            _ => "text/plain; charset=utf-8",
+        }
+    }
+}
+
+/// The overall answer, without details (tests, simulate, metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Allow,
+    Reject(Reason),
+    /// No valid bundle is loaded: the decision service answers 503, the proxy fails open.
+    NoPolicy,
+}
+
+/// What happened to one applicable rule.
+#[derive(Debug, Clone)]
+pub struct RuleOutcome<'b> {
+    /// The rule (its name, policy, mode, cost source...).
+    pub rule: &'b Rule,
+    /// The bucket's identity in the store (hash of `tb:<rule>:<key>`; the readable name is
+    /// rebuilt on demand by [`bucket_name`], so the hot path allocates no string).
+    pub key: BucketKey,
+    /// The quota applied (the rule's, or a per-ID override).
+    pub quota: Quota,
+    pub allowed: bool,
+    /// Tokens were spent from this bucket.
+    pub committed: bool,
+    /// The store could not hold the bucket: allowed untracked.
+    pub fail_open: bool,
+    /// The stated cost is above `max_cost` or the burst: refused, and never admissible.
+    pub cost_exceeds: bool,
+    /// Micro-tokens left (after spending when committed, before otherwise).
+    pub tokens: u64,
+    /// Seconds until the cost is affordable (0 when allowed or never affordable).
+    pub retry_after: u64,
+    /// Seconds until the bucket is full (for a budget: until its window ends, 0 when unused).
+    pub reset: u64,
+    /// For a `cost_based` rule, the µs left in the window counted; 0 for a token bucket (a
+    /// real window always has at least 1 µs left). One word, not the whole window: outcomes
+    /// are copied on every decision.
+    pub budget_ends_in_us: u64,
+}
+
+impl RuleOutcome<'_> {
+    pub fn mode(&self) -> Mode {
+        self.rule.mode
+    }
+
+    /// `(policy id, rule name)`.
+    pub fn names(&self) -> (&str, &str) {
+        (&self.rule.policy_id, &self.rule.name)
+    }
+
+    /// Tokens left as a number.
+    pub fn tokens_f64(&self) -> f64 {
+        micro_to_tokens(self.tokens)
+    }
+}
+
+/// The rules a request was checked against.
+#[derive(Debug, Clone)]
+pub struct Checked<'b> {
+    /// The bundle the decision was made with (for metrics tables built per bundle).
+    pub bundle: &'b Bundle,
+    /// Every applicable rule, enforced and shadow, in policy order.
+    pub rules: SmallVec<[RuleOutcome<'b>; 4]>,
+    /// A shadow rule that would have refused the request for a missing descriptor.
+    pub shadow_missing: Option<&'b Rule>,
+    /// The store failed and the request was allowed without limiting.
+    pub store_error: bool,
+    /// The strongest budget stage an enforced budget reached (throttle over warn, the longer
+    /// delay first); shadow budgets never throttle or warn the client.
+    pub stage: Option<Action>,
+    /// What an enforced `loop_detection` with action `warn` or `throttle` found (a loop whose
+    /// action is `reject` refuses instead).
+    pub loop_stage: Option<Action>,
+    /// Applicable `concurrency` rules, enforced and shadow, in policy order.
+    /// A `Vec`: empty (no allocation) for the requests without one, and it keeps the
+    /// decision small for every other request.
+    pub slots: Vec<SlotOutcome<'b>>,
+    /// The id the slots' leases were taken under (0: none taken).
+    pub lease_id: u64,
+    /// The reservations of `token_bucket_llm` rules (empty, without allocating, for every
+    /// other request): settled by the response's usage.
+    pub reserved: Vec<Reserved>,
+}
+
+/// One bucket a `token_bucket_llm` rule reserved tokens on.
+#[derive(Debug, Clone, Copy)]
+pub struct Reserved {
+    /// Index of its outcome in [`Checked::rules`].
+    pub outcome: usize,
+    pub key: BucketKey,
+    pub quota: Quota,
+    /// The UTC day's window id, for a `tokens_per_day` budget.
+    pub window_id: Option<u64>,
+    /// Micro-tokens reserved: the prompt estimate and the completion allowed.
+    pub cost: u64,
+    pub group: Group,
+    /// The prompt estimate, in tokens.
+    pub prompt_tokens: u64,
+}
+
+/// What happened to one applicable `concurrency` rule, `loop_detection` mark or circuit
+/// breaker (its open state).
+#[derive(Debug, Clone)]
+pub struct SlotOutcome<'b> {
+    pub rule: &'b Rule,
+    /// The lease set's identity in the store (hash of `cc:<rule>:<key>`, of `lp:<policy>:<key>`
+    /// and the fingerprint, or of `br:<policy>:<key>|open`).
+    pub key: BucketKey,
+    /// A slot was free; for a loop, fewer identical requests than the threshold; for a
+    /// breaker, it is closed.
+    pub allowed: bool,
+    /// The request holds a lease on this key (a slot to give back when it is done; a loop mark
+    /// that lives out its window).
+    pub committed: bool,
+    /// Live leases on the key before this request (requests in flight, identical requests in
+    /// the window, 1 for an open breaker).
+    pub in_flight: u32,
+    /// When not allowed: µs until the key's earliest lease ends (the next identical request
+    /// admitted, the breaker closing).
+    pub frees_in_us: u64,
+}
+
+impl<'b> SlotOutcome<'b> {
+    pub(crate) fn new(rule: &'b Rule, key: BucketKey) -> Self {
+        SlotOutcome {
+            rule,
+            key,
+            allowed: true,
+            committed: false,
+            in_flight: 0,
+            frees_in_us: 0,
+        }
+    }
+
+    /// The reason this slot refuses (or would, in shadow).
+    pub fn reason(&self) -> Reason {
+        match self.rule.guard {
+            Some(Guard::Loop(_)) => Reason::LoopDetected,
+            Some(Guard::Breaker(_)) => Reason::CircuitBreakerOpen,
+            None => Reason::ConcurrencyExceeded,
+        }
+    }
+}
+
+impl<'b> Checked<'b> {
+    pub(crate) fn new(bundle: &'b Bundle) -> Self {
+        Checked {
+            bundle,
+            rules: SmallVec::new(),
+            shadow_missing: None,
+            store_error: false,
+            stage: None,
+            loop_stage: None,
+            slots: Vec::new(),
+            lease_id: 0,
+            reserved: Vec::new(),
+        }
+    }
+
+    /// The concurrency slots this request holds, to give back when it is done.
+    pub fn held_leases(&self) -> SmallVec<[BucketKey; 2]> {
+        self.slots
+            .iter()
+            .filter(|s| s.committed && s.rule.concurrency.is_some())
+            .map(|s| s.key)
+            .collect()
+    }
+
+    /// An enforced rule other than a circuit breaker refused: a breaker refusing beside it has
+    /// not tripped (the request would spend nothing anyway).
+    pub fn refused_beside_breakers(&self) -> bool {
+        self.rules.iter().any(|o| {
+            o.rule.mode == Mode::Enforce
+                && !o.allowed
+                && !matches!(o.rule.guard, Some(Guard::Breaker(_)))
+        })
+    }
+
+    /// Every lease this request took (slots and loop marks): all given back when it is refused.
+    pub fn taken_leases(&self) -> SmallVec<[BucketKey; 2]> {
+        self.slots
+            .iter()
+            .filter(|s| s.committed)
+            .map(|s| s.key)
+            .collect()
+    }
+
+    /// The delay a throttle stage (a budget's or a loop's) asks for before the request goes on
+    /// (0: none); the longer of the two.
+    pub fn throttle_ms(&self) -> u64 {
+        let delay = |stage: Option<Action>| match stage {
+            Some(Action::Throttle { delay_ms }) => delay_ms,
+            _ => 0,
+        };
+        delay(self.stage).max(delay(self.loop_stage))
+    }
+
+    /// The warning header's value: a loop stage (`loop_warn` / `loop_throttle`), a budget stage
+    /// (`budget_warn` / `budget_throttle`, as Fairvisor's `X-Fairvisor-Warning`), or both.
+    pub fn warning(&self) -> Option<&'static str> {
+        let budget = match self.stage {
+            Some(Action::Warn) => Some("budget_warn"),
+            Some(Action::Throttle { .. }) => Some("budget_throttle"),
+            _ => None,
+        };
+        let looped = match self.loop_stage {
+            Some(Action::Warn) => Some("loop_warn"),
+            Some(Action::Throttle { .. }) => Some("loop_throttle"),
+            _ => None,
+        };
+        match (looped, budget) {
+            (None, b) => b,
+            (l, None) => l,
+            (Some("loop_warn"), Some("budget_warn")) => Some("loop_warn, budget_warn"),
+            (Some("loop_warn"), Some(_)) => Some("loop_warn, budget_throttle"),
+            (Some(_), Some("budget_warn")) => Some("loop_throttle, budget_warn"),
+            (Some(_), Some(_)) => Some("loop_throttle, budget_throttle"),
+        }
+    }
+}
+
+/// An allowed request's `token_bucket_llm` reservations, detached from the bundle: what to
+/// settle once the response's usage is known.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reservation {
+    /// Every bucket reserved on (committed).
+    pub ops: SmallVec<[ReservedOp; 2]>,
+    /// Each minute rule reserved on, for metrics.
+    pub rules: SmallVec<[ReservedRule; 1]>,
+}
+
+/// One bucket of a [`Reservation`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReservedOp {
+    pub key: BucketKey,
+    pub quota: Quota,
+    pub window_id: Option<u64>,
+    /// Micro-tokens reserved.
+    pub cost: u64,
+}
+
+/// A minute rule of a [`Reservation`] (metric labels are the policy and rule).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReservedRule {
+    pub policy: String,
+    pub rule: String,
+    pub mode: Mode,
+    /// Tokens reserved.
+    pub tokens: u64,
+    /// The prompt estimate, in tokens.
+    pub prompt_tokens: u64,
+    /// The rule's `streaming` cap, when it stops streams (never on a shadow rule: shadow mode
+    /// changes no response).
+    pub stream_cap: Option<crate::llm::StreamCap>,
+}
+
+/// What settling a reservation did, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Settled {
+    pub reserved: u64,
+    pub used: u64,
+    pub refunded: u64,
+    pub charged_over: u64,
+}
+
+impl Reservation {
+    /// What settling on `used` tokens does: the unused part refunded, an overrun charged
+    /// (`used` counts at most [`crate::llm::MAX_TOKENS`]).
+    pub fn settled(&self, used: u64) -> Settled {
+        let used = used.min(crate::llm::MAX_TOKENS);
+        let reserved = self.tokens();
+        Settled {
+            reserved,
+            used,
+            refunded: reserved.saturating_sub(used),
+            charged_over: used.saturating_sub(reserved),
+        }
+    }
+
+    /// The cap a streamed response is stopped at: the tightest of its enforced rules'.
+    pub fn stream_cap(&self) -> Option<crate::llm::StreamCap> {
+        crate::llm::StreamCap::tightest(self.rules.iter().filter_map(|r| r.stream_cap))
+    }
+
+    /// The prompt estimate the reservation was made on.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.rules.first().map_or(0, |r| r.prompt_tokens)
+    }
+
+    /// The tokens reserved (the largest reservation of its rules).
+    pub fn tokens(&self) -> u64 {
+        self.rules.iter().map(|r| r.tokens).max().unwrap_or(0)
+    }
+
+    /// The settlement once `used` tokens (at most [`crate::llm::MAX_TOKENS`]) were really
+    /// used: each bucket moves by `used` minus what it reserved (a refund when negative).
+    pub fn adjustments(&self, used: u64) -> SmallVec<[crate::store::AdjustOp; 2]> {
+        let used = used
+            .min(crate::llm::MAX_TOKENS)
+            .saturating_mul(crate::limiter::MICRO)
+            .min(i64::MAX as u64) as i64;
+        self.ops
+            .iter()
+            .map(|op| crate::store::AdjustOp {
+                key: op.key,
+                quota: op.quota,
+                window_id: op.window_id,
+                delta: used.saturating_sub(op.cost.min(i64::MAX as u64) as i64),
+            })
+            .filter(|op| op.delta != 0)
+            .collect()
+    }
+}
+
+/// What refused a request, beyond the buckets.
+#[derive(Debug, Clone, Copy)]
+pub enum Cause<'b> {
+    /// One or more enforced buckets (see the rule outcomes).
+    Buckets,
+    KillSwitch(&'b KillSwitch),
+    /// The rule whose descriptor was missing, or whose header was repeated.
+    Rule(&'b Rule),
+    /// The request itself, before any policy (an encoded slash).
+    Request,
+}
+
+/// A refusal.
+#[derive(Debug, Clone)]
+pub struct Refusal<'b> {
+    pub reason: Reason,
+    /// `B`, the seconds the client must wait (before jitter); 0 = nothing to wait for.
+    pub retry_after: u64,
+    /// `retry_after` is a budget window's end: jitter may only bring it earlier, never later.
+    pub retry_by_deadline: bool,
+    pub cause: Cause<'b>,
+    /// The rules checked (empty unless the buckets refused).
+    pub checked: Option<Checked<'b>>,
+}
+
+/// The engine's answer for one request.
+#[derive(Debug, Clone)]
+pub enum Decision<'b> {
+    /// No valid bundle is loaded.
+    NoPolicy,
+    Allow(Checked<'b>),
+    Refuse(Refusal<'b>),
+}
+
+impl<'b> Decision<'b> {
+    /// A refusal decided before any policy was looked at (a malformed request).
+    pub fn refused(reason: Reason) -> Self {
+        Decision::Refuse(Refusal {
+            reason,
+            retry_after: 0,
+            retry_by_deadline: false,
+            cause: Cause::Request,
+            checked: None,
+        })
+    }
+
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            Decision::NoPolicy => Outcome::NoPolicy,
+            Decision::Allow(_) => Outcome::Allow,
+            Decision::Refuse(r) => Outcome::Reject(r.reason),
+        }
+    }
+
+    pub fn is_allowed(&self) -> bool {
+        !matches!(self, Decision::Refuse(_))
+    }
+
+    /// The HTTP status: 200 allow (and no policy, for the proxy), 429/401/400 refuse.
+    pub fn status(&self) -> u16 {
+        match self {
+            Decision::NoPolicy | Decision::Allow(_) => 200,
+            Decision::Refuse(r) => r.reason.status(),
+        }
+    }
+
+    /// The rules checked, if any.
+    pub fn checked(&self) -> Option<&Checked<'b>> {
+        match self {
+            Decision::NoPolicy => None,
+            Decision::Allow(c) => Some(c),
+            Decision::Refuse(r) => r.checked.as_ref(),
+        }
+    }
+
+    /// Every applicable rule's outcome (empty when none was checked).
+    pub fn rules(&self) -> &[RuleOutcome<'b>] {
+        self.checked().map_or(&[], |c| c.rules.as_slice())
+    }
+
+    /// For a refusal, the seconds to wait before jitter (0: none).
+    pub fn retry_after(&self) -> u64 {
+        match self {
+            Decision::Refuse(r) => r.retry_after,
+            _ => 0,
+        }
+    }
+
+    /// The store failed and the request was allowed without limiting.
+    pub fn store_error(&self) -> bool {
+        self.checked().is_some_and(|c| c.store_error)
+    }
+
+    /// The enforced rule that refused the request with the longest wait (a never-admissible
+    /// cost first).
+    pub fn rejecting_rule(&self) -> Option<&RuleOutcome<'b>> {
+        self.rules()
+            .iter()
+            .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed)
+            .max_by_key(|r| (r.cost_exceeds, r.retry_after))
+    }
+
+    /// The circuit breakers this request tripped, each as the lease that opens it, with its
+    /// rule; the caller takes them after the decision. A breaker trips when its spend bucket
+    /// refused a request no other enforced rule refused: a request refused anyway spends
+    /// nothing, so it cannot run the spend rate up.
+    pub fn breaker_trips(&self) -> SmallVec<[(LeaseOp, &'b Rule); 1]> {
+        let mut trips = SmallVec::new();
+        let Some(checked) = self.checked() else {
+            return trips;
+        };
+        if checked.refused_beside_breakers() {
+            return trips;
+        }
+        for outcome in checked.rules.iter().filter(|o| !o.allowed) {
+            let Some(Guard::Breaker(breaker)) = outcome.rule.guard else {
+                continue;
+            };
+            let open = checked
+                .slots
+                .iter()
+                .find(|s| std::ptr::eq(s.rule, outcome.rule) && s.allowed);
+            if let Some(open) = open {
+                trips.push((
+                    LeaseOp {
+                        key: open.key,
+                        max: 1,
+                        group: Group::Enforce,
+                        ttl_us: breaker.open_us(),
+                        soft: false,
+                        held: false,
+                    },
+                    outcome.rule,
+                ));
+            }
+        }
+        trips
+    }
+
+    /// The reservations an allowed request holds on `token_bucket_llm` rules (`None`: none,
+    /// or the store failed and nothing was spent).
+    pub fn reservation(&self) -> Option<Reservation> {
+        let Decision::Allow(checked) = self else {
+            return None;
+        };
+        let mut reservation = Reservation::default();
+        for r in &checked.reserved {
+            let Some(outcome) = checked.rules.get(r.outcome) else {
+                continue;
+            };
+            if !outcome.committed || outcome.fail_open {
+                continue;
+            }
+            reservation.ops.push(ReservedOp {
+                key: r.key,
+                quota: r.quota,
+                window_id: r.window_id,
+                cost: r.cost,
+            });
+            if r.window_id.is_none() {
+                reservation.rules.push(ReservedRule {
+                    policy: outcome.rule.policy_id.clone(),
+                    rule: outcome.rule.name.clone(),
+                    mode: outcome.rule.mode,
+                    tokens: r.cost / crate::limiter::MICRO,
+                    prompt_tokens: r.prompt_tokens,
+                    stream_cap: outcome
+                        .rule
+                        .llm
+                        .and_then(|l| l.stream_cap)
+                        .filter(|_| outcome.rule.mode == crate::policy::Mode::Enforce),
+                });
+            }
+        }
+        (!reservation.ops.is_empty()).then_some(reservation)
+    }
+
+    /// Shadow rules that would have refused.
+    pub fn shadow_rejections(&self) -> impl Iterator<Item = &RuleOutcome<'b>> {
+        self.rules()
+            .iter()
+            .filter(|r| r.rule.mode == Mode::Shadow && !r.allowed)
+    }
+}
