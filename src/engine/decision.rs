@@ -356,16 +356,8 @@ impl<'b> Checked<'b> {
     /// The warning header's value: a loop stage (`loop_warn` / `loop_throttle`), a budget stage
     /// (`budget_warn` / `budget_throttle`, as Fairvisor's `X-Fairvisor-Warning`), or both.
     pub fn warning(&self) -> Option<&'static str> {
-        let budget = match self.stage {
-            Some(Action::Warn) => Some("budget_warn"),
-            Some(Action::Throttle { .. }) => Some("budget_throttle"),
-            _ => None,
-        };
-        let looped = match self.loop_stage {
-            Some(Action::Warn) => Some("loop_warn"),
-            Some(Action::Throttle { .. }) => Some("loop_throttle"),
-            _ => None,
-        };
+        let budget = crate::limits::budget::warning(self.stage);
+        let looped = crate::limits::guards::loop_warning(self.loop_stage);
         match (looped, budget) {
             (None, b) => b,
             (l, None) => l,

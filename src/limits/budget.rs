@@ -206,6 +206,16 @@ pub(crate) fn plan<'b>(
     super::token_bucket::plan(rule, bucket, facts, window, planning);
 }
 
+/// The warning header's word for an enforced budget's stage (Fairvisor's
+/// `X-Fairvisor-Warning` values).
+pub(crate) fn warning(stage: Option<Action>) -> Option<&'static str> {
+    match stage {
+        Some(Action::Warn) => Some("budget_warn"),
+        Some(Action::Throttle { .. }) => Some("budget_throttle"),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,6 +5,7 @@
 
 use super::token_bucket::{cost_of, planned_bucket, Cost};
 use super::{group_of, PlanContext, Planning};
+use crate::budget::Action;
 use crate::descriptor::Descriptor;
 use crate::descriptor::RequestFacts;
 use crate::engine::{write_bucket, SlotOutcome, KEY_BUFFER};
@@ -277,6 +278,16 @@ pub(crate) fn plan<'b>(
             planning.checked.rules.push(outcome);
         }
         None => {}
+    }
+}
+
+/// The warning header's word for what an enforced `loop_detection` with action `warn` or
+/// `throttle` found.
+pub(crate) fn loop_warning(stage: Option<Action>) -> Option<&'static str> {
+    match stage {
+        Some(Action::Warn) => Some("loop_warn"),
+        Some(Action::Throttle { .. }) => Some("loop_throttle"),
+        _ => None,
     }
 }
 
