@@ -47,11 +47,43 @@ pub(crate) const LLM_FIELDS: &[&str] = &[
 ];
 
 impl Compiler {
+    /// What a `token_bucket_llm` rule adds beside its bucket: the token-estimate header it
+    /// reads (`header_hint`) and its `tokens_per_day` rule, shaped by the minute rule (its
+    /// name, policy and mode; its keys, `match` and `on_missing`).
+    pub(crate) fn llm_companions(
+        &mut self,
+        (limit, tokens_per_day): (LlmLimit, Option<u64>),
+        (name, policy, mode): (&str, usize, Mode),
+        header_names: &mut Vec<String>,
+        (limit_keys, conditions, on_missing): (&[Descriptor], &[MatchCondition], OnMissing),
+    ) {
+        if limit.estimator == crate::llm::Estimator::HeaderHint {
+            header_names.push(crate::llm::TOKEN_ESTIMATE_HEADER.to_string());
+        }
+        let Some(tpd) = tokens_per_day else {
+            return;
+        };
+        let day = self.llm_day_rule(
+            name,
+            policy,
+            mode,
+            tpd,
+            LlmLimit {
+                part: LlmPart::Day,
+                ..limit
+            },
+            (limit_keys, conditions, on_missing, header_names),
+        );
+        if let Some(day) = day {
+            self.day_rules.push((self.rules.len(), day));
+        }
+    }
+
     /// The `tokens_per_day` rule of a `token_bucket_llm` rule: a one-day UTC budget named
     /// `<rule>:tpd` (with `@<policy id>` on a clash), keyed `tpd:<rule>:`, sharing the minute
     /// rule's keys.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn llm_day_rule(
+    fn llm_day_rule(
         &mut self,
         minute_name: &str,
         policy: usize,

@@ -102,6 +102,16 @@ impl LimitKind {
         self == LimitKind::TokenBucket
     }
 
+    /// The tag a rule's bucket keys start with (`tb:<name>:`): one namespace per kind.
+    pub(crate) fn key_tag(self) -> &'static str {
+        match self {
+            LimitKind::TokenBucket => "tb",
+            LimitKind::CostBased => "cb",
+            LimitKind::Concurrency => "cc",
+            LimitKind::Llm => "tpm",
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             LimitKind::TokenBucket => "token_bucket",

@@ -5,13 +5,17 @@
 
 use super::{group_of, Planning};
 use crate::descriptor::RequestFacts;
+use crate::descriptor::{Descriptor, IpNet};
 use crate::engine::RuleOutcome;
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, MICRO, US_PER_SEC};
-use crate::policy::compile::{Compiler, Shape};
+use crate::policy::canonical_id;
+use crate::policy::compile::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
 use crate::policy::{CostLimits, CostSource, Rule};
 use crate::store::{BucketKey, BucketOp};
+use ahash::AHashMap;
 use serde_json::{Map, Value};
+use std::net::IpAddr;
 
 impl Compiler {
     /// Burst and rate from a config (or an override, whose missing fields come from `base`).
@@ -203,6 +207,107 @@ impl Compiler {
             );
             None
         }
+    }
+}
+
+impl Compiler {
+    /// A rule's per-ID `overrides` (on the rule or in its `algorithm_config`), each a bucket
+    /// shape over `base`: on a rule keyed on the client address alone, per-network quotas
+    /// (most specific first, see `Rule::quota_for`); on any other, per-key-value quotas.
+    pub(crate) fn overrides(
+        &mut self,
+        (map, config): (&Map<String, Value>, &Map<String, Value>),
+        (path, config_path): (&str, &str),
+        base: Option<Shape>,
+        limit_keys: &[Descriptor],
+    ) -> (AHashMap<String, Quota>, Vec<(IpNet, Quota)>) {
+        let mut overrides = AHashMap::new();
+        let mut ip_overrides: Vec<(IpNet, Quota)> = Vec::new();
+        // `Some(explicit IPv6 prefix)` when the rule is keyed on the client address alone.
+        let ip_keyed = match limit_keys {
+            [Descriptor::Ip { v6_prefix }] => Some(*v6_prefix),
+            _ => None,
+        };
+        let override_value = match (map.get("overrides"), config.get("overrides")) {
+            (Some(_), Some(_)) => {
+                self.error(
+                    &join(path, "overrides"),
+                    "set overrides either on the rule or in algorithm_config, not both",
+                );
+                None
+            }
+            (Some(v), None) => Some((v, join(path, "overrides"))),
+            (None, Some(v)) => Some((v, join(config_path, "overrides"))),
+            (None, None) => None,
+        };
+        if let (Some((v, op)), Some(base)) = (override_value, base) {
+            if let Some(items) = self.array(v, &op) {
+                for (i, item) in items.iter().enumerate() {
+                    let ip = format!("{op}[{i}]");
+                    let mut allowed: Vec<&str> = CONFIG_FIELDS[..5].to_vec();
+                    allowed.push("ids");
+                    let Some(omap) = self.object(item, &ip, &allowed) else {
+                        continue;
+                    };
+                    let ids = match omap.get("ids") {
+                        Some(v) => self.string_list(v, &join(&ip, "ids")),
+                        None => {
+                            self.error(&join(&ip, "ids"), "is required");
+                            None
+                        }
+                    };
+                    if ids.as_ref().is_some_and(|ids| ids.is_empty()) {
+                        self.error(&join(&ip, "ids"), "must list at least one ID");
+                    }
+                    if let (Some(ids), Some(shape)) =
+                        (ids, self.bucket_shape(omap, &ip, Some(&base)))
+                    {
+                        for id in ids {
+                            let id = canonical_id(&id);
+                            match (ip_keyed, IpNet::parse(&id)) {
+                                // A network (or address) on a per-client-address rule: applies
+                                // to every client inside it (see `Rule::quota_for`).
+                                (Some(key_prefix), Some(net)) => {
+                                    if let (Some(p), IpAddr::V6(_)) = (key_prefix, net.addr()) {
+                                        if net.prefix() > p {
+                                            self.error(
+                                                &join(&ip, "ids"),
+                                                format!("ID '{id}' is narrower than this rule's /{p} IPv6 keys: it would apply to the whole /{p} network; list that network instead"),
+                                            );
+                                            continue;
+                                        }
+                                    }
+                                    if ip_overrides.iter().any(|(n, _)| *n == net) {
+                                        self.error(
+                                            &join(&ip, "ids"),
+                                            format!("ID '{id}' is overridden more than once"),
+                                        );
+                                    }
+                                    ip_overrides.push((net, shape.quota));
+                                }
+                                (Some(_), None) => {
+                                    self.warn(
+                                        &join(&ip, "ids"),
+                                        format!("ID '{id}' can never equal this rule's keys (client addresses and networks)"),
+                                    );
+                                }
+                                (None, _) => {
+                                    if overrides.insert(id.clone(), shape.quota).is_some() {
+                                        self.error(
+                                            &join(&ip, "ids"),
+                                            format!("ID '{id}' is overridden more than once"),
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Most specific first: a /64 override wins over the /48 around it.
+        ip_overrides.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix()));
+        (overrides, ip_overrides)
     }
 }
 

@@ -1,18 +1,17 @@
 //! Policy bundles: the validated, compiled form the engine runs on (SPEC §3).
 //!
-//! `compile` turns JSON into these structs once; nothing downstream re-checks a value. The
+//! `load` reads and parses bundle files, `compile` turns JSON into these structs once; nothing downstream re-checks a value. The
 //! runtime never sees JSON: rates are [`Quota`]s, descriptors are parsed, names are unique.
 
 pub(crate) mod compile;
 mod error;
 pub mod index;
 pub(crate) mod json;
+mod load;
 
-pub use compile::{
-    compile_bundle, compile_bundle_with, load_current, load_file, load_file_with, parse_bundle,
-    parse_bundle_with, CompileOptions,
-};
+pub use compile::{compile_bundle, compile_bundle_with, CompileOptions};
 pub use error::{FieldError, PolicyError};
+pub use load::{load_current, load_file, load_file_with, parse_bundle, parse_bundle_with};
 
 use crate::descriptor::{Descriptor, IpNet, RequestFacts};
 use crate::limiter::Quota;
