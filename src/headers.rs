@@ -3,7 +3,7 @@
 //! for the most restrictive rule, and on refusal the status, body, reason header and
 //! `Retry-After` with deterministic per-identity jitter.
 
-use crate::engine::{Decision, Reason, RuleOutcome};
+use crate::engine::{Decided, Decision, Reason, RequestView, RuleOutcome};
 use crate::limiter::MICRO;
 use crate::policy::Mode;
 use bytes::{BufMut, BytesMut};
@@ -15,47 +15,38 @@ use std::net::IpAddr;
 /// Default name of the reason header.
 pub const DEFAULT_REASON_HEADER: &str = "X-Tollgate-Reason";
 
-/// Who the client is, for the Retry-After jitter: the verified JWT `sub`, the client IP and the
-/// path. The same identity always gets the same offset.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct JitterIdentity<'a> {
-    pub sub: Option<&'a str>,
-    pub ip: Option<IpAddr>,
-    pub path: &'a str,
-}
-
-impl JitterIdentity<'_> {
-    fn hash(&self) -> u64 {
-        let mut h = twox_hash::XxHash64::with_seed(0x746f_6c6c_6761_7465);
-        use std::hash::Hasher;
-        h.write(self.sub.unwrap_or("").as_bytes());
-        h.write_u8(0);
-        match self.ip {
-            Some(IpAddr::V4(v4)) => h.write(&v4.octets()),
-            Some(IpAddr::V6(v6)) => h.write(&v6.octets()),
-            None => {}
-        }
-        h.write_u8(0);
-        h.write(self.path.as_bytes());
-        h.finish()
+/// The `Retry-After` jitter's identity: the request's verified JWT `sub`, client address and
+/// path, hashed. The same identity always gets the same offset.
+fn jitter_hash(request: &RequestView<'_>) -> u64 {
+    let mut h = twox_hash::XxHash64::with_seed(0x746f_6c6c_6761_7465);
+    use std::hash::Hasher;
+    h.write(request.sub.unwrap_or("").as_bytes());
+    h.write_u8(0);
+    match request.client_ip {
+        Some(IpAddr::V4(v4)) => h.write(&v4.octets()),
+        Some(IpAddr::V6(v6)) => h.write(&v6.octets()),
+        None => {}
     }
+    h.write_u8(0);
+    h.write(request.path.as_bytes());
+    h.finish()
 }
 
 /// `Retry-After` for a base wait `b`: uniform over `[b, ceil(1.5 b)]`, chosen by the identity's
 /// hash. Never shorter than `b`.
-pub fn retry_after_with_jitter(b: u64, identity: &JitterIdentity<'_>) -> u64 {
+pub fn retry_after_with_jitter(b: u64, request: &RequestView<'_>) -> u64 {
     let high = b.saturating_add(b.div_ceil(2));
     let span = high - b + 1;
-    b + identity.hash() % span
+    b + jitter_hash(request) % span
 }
 
 /// `Retry-After` for a wait `b` that ends at a deadline (a budget window's end): uniform over
 /// `[ceil(b / 2), b]`, so a spent budget's clients come back spread out, never after the window
 /// has renewed.
-pub fn retry_after_before_deadline(b: u64, identity: &JitterIdentity<'_>) -> u64 {
+pub fn retry_after_before_deadline(b: u64, request: &RequestView<'_>) -> u64 {
     let low = b.div_ceil(2);
     let span = b - low + 1;
-    (low + identity.hash() % span).max(1)
+    (low + jitter_hash(request) % span).max(1)
 }
 
 /// Headers for a response, in order: names parsed once at start-up, values slices of one
@@ -223,11 +214,8 @@ fn remaining(rule: &RuleOutcome<'_>) -> u64 {
 }
 
 /// Builds the response for a decision.
-pub fn build(
-    decision: &Decision<'_>,
-    identity: &JitterIdentity<'_>,
-    config: &HeaderConfig,
-) -> Response {
+pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
+    let decision = &decided.decision;
     let mut values = Values::new();
     // Enforced rules that tracked a bucket; shadow rules add nothing to the client response.
     let shown = || {
@@ -320,9 +308,9 @@ pub fn build(
     }
     if refusal.retry_after > 0 {
         let wait = if refusal.retry_by_deadline {
-            retry_after_before_deadline(refusal.retry_after, identity)
+            retry_after_before_deadline(refusal.retry_after, &decided.request)
         } else {
-            retry_after_with_jitter(refusal.retry_after, identity)
+            retry_after_with_jitter(refusal.retry_after, &decided.request)
         };
         values.number(&http::header::RETRY_AFTER, wait);
     }
@@ -405,10 +393,10 @@ mod tests {
             let high = (1.5 * b as f64).ceil() as u64;
             let mut seen = std::collections::HashSet::new();
             for i in 0..200u8 {
-                let id = JitterIdentity {
-                    sub: None,
-                    ip: Some(IpAddr::from([10, 0, 0, i])),
+                let id = RequestView {
+                    client_ip: Some(IpAddr::from([10, 0, 0, i])),
                     path: "/x",
+                    ..RequestView::default()
                 };
                 let v = retry_after_with_jitter(b, &id);
                 assert!((b..=high).contains(&v), "b={b} v={v}");
@@ -425,17 +413,17 @@ mod tests {
                 "b={b}: every value in range is used"
             );
         }
-        let a = JitterIdentity {
+        let a = RequestView {
             sub: Some("alice"),
-            ip: None,
             path: "/x",
+            ..RequestView::default()
         };
-        let c = JitterIdentity {
+        let c = RequestView {
             sub: Some("carol"),
-            ip: None,
             path: "/x",
+            ..RequestView::default()
         };
-        assert_ne!(a.hash(), c.hash());
+        assert_ne!(jitter_hash(&a), jitter_hash(&c));
     }
 
     #[test]
@@ -449,13 +437,17 @@ mod tests {
         let headers: Vec<(String, String)> = Vec::new();
         let ip: IpAddr = "203.0.113.7".parse().unwrap();
         let facts = RequestFacts::from_uri("GET", "/a", None, Some(ip), &headers);
-        let id = JitterIdentity {
-            sub: None,
-            ip: Some(ip),
+        let request = RequestView {
+            client_ip: Some(ip),
             path: "/a",
+            ..RequestView::default()
         };
         let cfg = HeaderConfig::default();
-        let r = build(&e.decide(&facts), &id, &cfg);
+        let decided = Decided {
+            decision: e.decide(&facts),
+            request,
+        };
+        let r = build(&decided, &cfg);
         assert_eq!(r.status, 200);
         assert_eq!(
             get(&r, "RateLimit-Policy"),
@@ -472,7 +464,11 @@ mod tests {
         for _ in 0..14 {
             e.decide(&facts);
         }
-        let r = build(&e.decide(&facts), &id, &cfg);
+        let decided = Decided {
+            decision: e.decide(&facts),
+            request,
+        };
+        let r = build(&decided, &cfg);
         assert_eq!(r.status, 429);
         assert_eq!(r.body, Some("Too Many Requests"));
         assert_eq!(get(&r, "RateLimit-Remaining"), Some("0"));
@@ -505,11 +501,11 @@ mod tests {
         let headers: Vec<(String, String)> = Vec::new();
         let ip: IpAddr = "10.0.0.5".parse().unwrap();
         let facts = RequestFacts::from_uri("GET", "/", None, Some(ip), &headers);
-        let r = build(
-            &e.decide(&facts),
-            &JitterIdentity::default(),
-            &HeaderConfig::default(),
-        );
+        let decided = Decided {
+            decision: e.decide(&facts),
+            request: RequestView::default(),
+        };
+        let r = build(&decided, &HeaderConfig::default());
         assert_eq!(get(&r, "RateLimit-Policy"), Some("\"per-ip\";q=50;w=10"));
         assert_eq!(get(&r, "RateLimit-Limit"), Some("50"));
         assert_eq!(get(&r, "RateLimit-Remaining"), Some("49"));

@@ -10,8 +10,11 @@ use crate::client_addr::{self, ForwardingHeaders};
 use crate::clock::{wall_unix_secs, Clock, SystemClock};
 use crate::config::{Config, StoreKind};
 use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
-use crate::engine::{self, Cause, Decision, EngineConfig, Plan, Reason, Reservation, Settled};
-use crate::headers::{self, HeaderConfig, JitterIdentity, Response};
+use crate::engine::{
+    self, Decided, Decision, EngineConfig, Plan, Reason, RefusedBy, RequestView, Reservation,
+    Settled,
+};
+use crate::headers::{self, HeaderConfig, Response};
 use crate::metrics::Metrics;
 use crate::policy::{Bundle, Mode, PolicyError};
 use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
@@ -782,14 +785,16 @@ impl Gateway {
         host: Option<&str>,
         raw_path: &str,
     ) -> Response {
-        let view = RequestView {
-            client_ip,
-            host: host.map(crate::descriptor::strip_port),
-            path: raw_path,
-            sub: None,
+        let decided = Decided {
+            decision: Decision::refused(reason),
+            request: RequestView {
+                client_ip,
+                host: host.map(crate::descriptor::strip_port),
+                path: raw_path,
+                ..RequestView::default()
+            },
         };
-        self.answer(&Decision::refused(reason), &view, Instant::now())
-            .response
+        self.answer(&decided, Instant::now()).response
     }
 
     /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
@@ -815,7 +820,6 @@ impl Gateway {
 
     async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
         let started = Instant::now();
-        let view = RequestView::of(facts);
         let unix_us = self.clock.unix_us();
         if let Backend::Memory(memory) = self.store.backend() {
             let guard = self.policy.load();
@@ -830,16 +834,18 @@ impl Gateway {
                     self.engine_config,
                 ),
             };
-            self.breakers_tripped(&decision);
-            self.note_limited(&decision, facts);
-            let mut answer = self.answer(&decision, &view, started);
-            self.compat_headers(&mut answer, &decision, facts);
-            answer.lease = held_lease(&decision);
-            answer.reservation = decision.reservation();
-            return answer;
+            let decided = Decided {
+                decision,
+                request: RequestView::of(facts),
+            };
+            return self.answer(&decided, started);
         }
         let Some(bundle) = self.policy.load_full() else {
-            return self.answer(&Decision::NoPolicy, &view, started);
+            let decided = Decided {
+                decision: Decision::NoPolicy,
+                request: RequestView::of(facts),
+            };
+            return self.answer(&decided, started);
         };
         let decision = match engine::plan(&bundle, facts, unix_us, self.engine_config) {
             Plan::Done(decision) => decision,
@@ -883,32 +889,30 @@ impl Gateway {
                 decision
             }
         };
-        self.breakers_tripped(&decision);
-        self.note_limited(&decision, facts);
-        let mut answer = self.answer(&decision, &view, started);
-        self.compat_headers(&mut answer, &decision, facts);
-        answer.lease = held_lease(&decision);
-        answer.reservation = decision.reservation();
-        answer
+        let decided = Decided {
+            decision,
+            request: RequestView::of(facts),
+        };
+        self.answer(&decided, started)
     }
 
     /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets
     /// Fairvisor's verbose headers.
-    fn compat_headers(
-        &self,
-        answer: &mut Answer,
-        decision: &Decision<'_>,
-        facts: &RequestFacts<'_>,
-    ) {
+    fn compat_headers(&self, response: &mut Response, decided: &Decided<'_>) {
+        // A request refused before the engine (no facts) keeps its reason header, as it always
+        // has: it carries no cookie to open a debug session with.
+        let Some(facts) = decided.request.facts else {
+            return;
+        };
         if self.config.compat != crate::compat::Compat::Fairvisor {
             return;
         }
-        let debug = self.debug_session_open(facts.headers.header("cookie"));
+        let cookie = facts.headers.header("cookie");
         crate::compat::finish_headers(
-            &mut answer.response.headers,
-            decision,
+            &mut response.headers,
+            &decided.decision,
             &self.header_config.reason_header,
-            debug,
+            self.debug_session_open(cookie),
         );
     }
 
@@ -954,35 +958,33 @@ impl Gateway {
         self.store.release(lease.id, &lease.keys).await;
     }
 
-    fn answer(&self, decision: &Decision<'_>, view: &RequestView<'_>, started: Instant) -> Answer {
+    /// The way back up, written from the decision and its request alone: breakers tripped,
+    /// the operator's list of limited clients, metrics, headers (and Fairvisor's under
+    /// `--compat fairvisor`), the `RATE_LIMIT` line, and what the front end acts on.
+    fn answer(&self, decided: &Decided<'_>, started: Instant) -> Answer {
+        let decision = &decided.decision;
+        self.breakers_tripped(decision);
+        self.note_limited(decided);
         self.metrics
             .record(decision, started.elapsed().as_secs_f64());
-        let identity = JitterIdentity {
-            sub: view.sub,
-            ip: view.client_ip,
-            path: view.path,
-        };
-        let response = headers::build(decision, &identity, &self.header_config);
-        log_decision(decision, view, response.status);
-        let (reason, rule) = match decision {
-            Decision::Refuse(refusal) => (
-                Some(refusal.reason),
-                match refusal.cause {
-                    Cause::Buckets => decision.rejecting_rule().map(|r| r.rule.name.clone()),
-                    Cause::Rule(rule) => Some(rule.name.clone()),
-                    Cause::KillSwitch(_) | Cause::Request => None,
-                },
-            ),
-            _ => (None, None),
-        };
+        let mut response = headers::build(decided, &self.header_config);
+        log_decision(decided, response.status);
+        self.compat_headers(&mut response, decided);
         Answer {
             allowed: decision.is_allowed(),
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
-            lease: None,
-            reservation: None,
+            lease: held_lease(decision),
+            reservation: decision.reservation(),
             no_policy: matches!(decision, Decision::NoPolicy),
-            reason,
-            rule,
+            reason: match decision {
+                Decision::Refuse(refusal) => Some(refusal.reason),
+                _ => None,
+            },
+            rule: match decision.refused_by() {
+                Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
+                _ => None,
+            },
+            verdict: decision.verdict(),
             response,
         }
     }
@@ -1005,6 +1007,7 @@ impl Gateway {
                     no_policy: false,
                     reason: Some(Reason::EncodedSlash),
                     rule: None,
+                    verdict: Reason::EncodedSlash.as_str(),
                     response: self.refuse_early(
                         Reason::EncodedSlash,
                         described.client_ip,
@@ -1114,21 +1117,20 @@ impl Gateway {
                 .find(|(k, _)| k == "remote_address")
                 .and_then(|(_, v)| v.parse::<IpAddr>().ok())
         });
-        let view = RequestView {
-            client_ip,
-            host: Some(&request.domain),
-            path: "/",
-            sub: None,
+        let over_limit = outcome.over_limit();
+        let decided = Decided {
+            decision: outcome.decision,
+            request: RequestView {
+                client_ip,
+                host: Some(&request.domain),
+                path: "/",
+                ..RequestView::default()
+            },
         };
-        let identity = JitterIdentity {
-            sub: None,
-            ip: client_ip,
-            path: "/",
-        };
-        let response = headers::build(&outcome.decision, &identity, &self.header_config);
-        log_decision(&outcome.decision, &view, response.status);
+        let response = headers::build(&decided, &self.header_config);
+        log_decision(&decided, response.status);
         Ok(RlsReply {
-            over_limit: outcome.over_limit(),
+            over_limit,
             statuses: outcome.statuses,
             response,
         })
@@ -1217,6 +1219,8 @@ pub struct Answer {
     pub reason: Option<Reason>,
     /// The rule that refused it (a refusal by buckets or by a rule's missing descriptor).
     pub rule: Option<String>,
+    /// The access log's verdict: `allow`, `no_policy`, or the refusal's reason.
+    pub verdict: &'static str,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
 }
@@ -1246,7 +1250,8 @@ fn held_lease(decision: &Decision<'_>) -> Option<Lease> {
 
 /// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
 /// Nothing for allowed requests.
-fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
+fn log_decision(decided: &Decided<'_>, status: u16) {
+    let (decision, request) = (&decided.decision, &decided.request);
     let shadow_missing = decision.checked().and_then(|c| c.shadow_missing);
     if decision.is_allowed()
         && shadow_missing.is_none()
@@ -1260,7 +1265,7 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
         return;
     }
     let mut ip_text = String::new();
-    let client_ip = match facts.client_ip {
+    let client_ip = match request.client_ip {
         Some(ip) => {
             crate::log_line::push_ip(&mut ip_text, ip);
             ip_text.as_str()
@@ -1269,8 +1274,8 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
     };
     let line = crate::log_line::RateLimit {
         client_ip,
-        host: facts.host.unwrap_or("-"),
-        path: facts.path,
+        host: request.host.unwrap_or("-"),
+        path: request.path,
         status,
         policy: "",
         rule: "",
@@ -1278,14 +1283,11 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
         mode: "enforce",
         detail: None,
     };
-    if let Decision::Refuse(refusal) = decision {
-        let (policy, rule, detail) = match refusal.cause {
-            Cause::Buckets => decision.rejecting_rule().map_or(("", "", ""), |r| {
-                (r.rule.policy_id.as_str(), r.rule.name.as_str(), "")
-            }),
-            Cause::Rule(rule) => (rule.policy_id.as_str(), rule.name.as_str(), ""),
-            Cause::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_ref()),
-            Cause::Request => ("", "", ""),
+    if let (Decision::Refuse(refusal), Some(by)) = (decision, decision.refused_by()) {
+        let (policy, rule, detail) = match by {
+            RefusedBy::Rule(rule) => (rule.policy_id.as_str(), rule.name.as_str(), ""),
+            RefusedBy::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_ref()),
+            RefusedBy::Request => ("", "", ""),
         };
         crate::log_line::RateLimit {
             policy,
@@ -1322,28 +1324,6 @@ fn log_decision(decision: &Decision<'_>, facts: &RequestView<'_>, status: u16) {
             ..line
         }
         .write();
-    }
-}
-
-/// What the answer needs to know about a request (jitter identity, log fields).
-pub struct RequestView<'a> {
-    pub client_ip: Option<IpAddr>,
-    pub host: Option<&'a str>,
-    pub path: &'a str,
-    pub sub: Option<&'a str>,
-}
-
-impl<'a> RequestView<'a> {
-    fn of(facts: &'a RequestFacts<'a>) -> Self {
-        RequestView {
-            client_ip: facts.client_ip,
-            host: facts.host_name(),
-            path: &facts.path,
-            sub: facts
-                .claims
-                .and_then(|c| c.get("sub"))
-                .and_then(|s| s.as_str()),
-        }
     }
 }
 

@@ -4,8 +4,8 @@
 
 use crate::clock::{Clock, ManualClock};
 use crate::descriptor::RequestFacts;
-use crate::engine::{self, Decision, EngineConfig};
-use crate::headers::{self, HeaderConfig, JitterIdentity};
+use crate::engine::{self, Decided, Decision, EngineConfig, RequestView};
+use crate::headers::{self, HeaderConfig};
 use crate::policy::Bundle;
 use crate::store::{MemoryStore, MemoryStoreConfig};
 use serde::Deserialize;
@@ -171,16 +171,12 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         replay.clock.unix_us(),
         replay.config,
     );
-    let identity = JitterIdentity {
-        sub: request
-            .claims
-            .as_ref()
-            .and_then(|c| c.get("sub"))
-            .and_then(|s| s.as_str()),
-        ip,
-        path: &facts.path,
+    let decided = Decided {
+        decision,
+        request: RequestView::of(&facts),
     };
-    let response = headers::build(&decision, &identity, header_config);
+    let response = headers::build(&decided, header_config);
+    let decision = decided.decision;
     let status = match decision {
         Decision::NoPolicy => 503,
         _ => response.status,

@@ -5,11 +5,13 @@
 //! that fired).
 
 use crate::budget::Action;
+use crate::descriptor::RequestFacts;
 use crate::limiter::{micro_to_tokens, Quota};
 use crate::policy::{Bundle, Guard, KillSwitch, Mode, Rule};
 use crate::store::lease::LeaseOp;
 use crate::store::{BucketKey, Group};
 use smallvec::SmallVec;
+use std::net::IpAddr;
 
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -474,6 +476,15 @@ pub enum Cause<'b> {
     Request,
 }
 
+/// Who refused a request ([`Decision::refused_by`]).
+#[derive(Debug, Clone, Copy)]
+pub enum RefusedBy<'b> {
+    Rule(&'b Rule),
+    KillSwitch(&'b KillSwitch),
+    /// The request itself (an encoded slash), before any policy.
+    Request,
+}
+
 /// A refusal.
 #[derive(Debug, Clone)]
 pub struct Refusal<'b> {
@@ -485,6 +496,44 @@ pub struct Refusal<'b> {
     pub cause: Cause<'b>,
     /// The rules checked (empty unless the buckets refused).
     pub checked: Option<Checked<'b>>,
+}
+
+/// The request a decision was made for, as its consumers name it: the client's address, the
+/// host (without its port) and the path, the verified JWT `sub` (with the address and path,
+/// the `Retry-After` jitter's identity), and the facts the engine decided on (absent for a
+/// request refused before it, and for an Envoy descriptor call), from which the operator's
+/// list of limited clients names their buckets.
+#[derive(Clone, Copy, Default)]
+pub struct RequestView<'r> {
+    pub client_ip: Option<IpAddr>,
+    pub host: Option<&'r str>,
+    pub path: &'r str,
+    pub sub: Option<&'r str>,
+    pub facts: Option<&'r RequestFacts<'r>>,
+}
+
+impl<'r> RequestView<'r> {
+    /// The view of a request the engine decides on.
+    pub fn of(facts: &'r RequestFacts<'r>) -> Self {
+        RequestView {
+            client_ip: facts.client_ip,
+            host: facts.host_name(),
+            path: &facts.path,
+            sub: facts
+                .claims
+                .and_then(|c| c.get("sub"))
+                .and_then(|s| s.as_str()),
+            facts: Some(facts),
+        }
+    }
+}
+
+/// A decision with the request it was made for: the response's headers, the `RATE_LIMIT` log
+/// line, the metrics, the operator's list of limited clients and the access log's verdict are
+/// each written from this alone, on the way back up.
+pub struct Decided<'d> {
+    pub decision: Decision<'d>,
+    pub request: RequestView<'d>,
 }
 
 /// The engine's answer for one request.
@@ -553,6 +602,31 @@ impl<'b> Decision<'b> {
     /// The store failed and the request was allowed without limiting.
     pub fn store_error(&self) -> bool {
         self.checked().is_some_and(|c| c.store_error)
+    }
+
+    /// Who refused the request: the rule whose buckets refused with the longest wait (or whose
+    /// descriptor was missing or header repeated), a kill switch, or the request itself.
+    pub fn refused_by(&self) -> Option<RefusedBy<'b>> {
+        let Decision::Refuse(refusal) = self else {
+            return None;
+        };
+        Some(match refusal.cause {
+            Cause::Buckets => self
+                .rejecting_rule()
+                .map_or(RefusedBy::Request, |r| RefusedBy::Rule(r.rule)),
+            Cause::Rule(rule) => RefusedBy::Rule(rule),
+            Cause::KillSwitch(ks) => RefusedBy::KillSwitch(ks),
+            Cause::Request => RefusedBy::Request,
+        })
+    }
+
+    /// The access log's `verdict`: `allow`, `no_policy`, or the refusal's reason.
+    pub fn verdict(&self) -> &'static str {
+        match self {
+            Decision::NoPolicy => "no_policy",
+            Decision::Allow(_) => "allow",
+            Decision::Refuse(r) => r.reason.as_str(),
+        }
     }
 
     /// The enforced rule that refused the request with the longest wait (a never-admissible

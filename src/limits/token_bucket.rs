@@ -484,7 +484,7 @@ mod tests {
         /// through a burst of 20; a cost above the burst got `Retry-After: 204065720593`.
         #[test]
         fn the_client_cannot_pick_its_own_price() {
-            use crate::headers::{build, HeaderConfig, JitterIdentity};
+            use crate::headers::{build, HeaderConfig};
             let (e, _) = engine(json!({"rules": [
                 {"name": "weighted", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
                  "algorithm_config": {"rps": 1, "burst": 20, "cost_source": "header:x-request-weight"}}
@@ -509,7 +509,11 @@ mod tests {
             assert_eq!(d.status(), 429);
             assert_eq!(d.retry_after(), 0);
             assert_eq!(d.rules()[0].tokens, 20 * MICRO);
-            let r = build(&d, &JitterIdentity::default(), &HeaderConfig::default());
+            let decided = Decided {
+                decision: d,
+                request: RequestView::default(),
+            };
+            let r = build(&decided, &HeaderConfig::default());
             assert!(
                 r.headers.iter().all(|(n, _)| n != "retry-after"),
                 "{:?}",

@@ -4,8 +4,7 @@
 
 use super::top::{Event, Label};
 use super::{BucketRef, LookupError};
-use crate::descriptor::RequestFacts;
-use crate::engine::Decision;
+use crate::engine::Decided;
 use crate::policy::{Bundle, Mode};
 use crate::service::{Described, Gateway};
 use serde_json::json;
@@ -137,7 +136,8 @@ impl Gateway {
     /// have, in shadow), and an enforced budget that warned or throttled it. Allowed requests
     /// without a stage or shadow refusal return at once; a bucket's name is built only when it
     /// enters the sketch.
-    pub(crate) fn note_limited(&self, decision: &Decision<'_>, facts: &RequestFacts<'_>) {
+    pub(crate) fn note_limited(&self, decided: &Decided<'_>) {
+        let decision = &decided.decision;
         let Some(checked) = decision.checked() else {
             return;
         };
@@ -151,7 +151,12 @@ impl Gateway {
         let mut note = |rule: &crate::policy::Rule, key: &crate::store::BucketKey, event| {
             let key = super::key_u128(key);
             top.record(key, event, unix_secs, || {
-                let name = crate::engine::bucket_name(rule, facts, config)
+                // Only a request refused before the engine lacks facts, and it has no
+                // buckets; were one to reach here, its rule alone would name it.
+                let name = decided
+                    .request
+                    .facts
+                    .and_then(|facts| crate::engine::bucket_name(rule, facts, config))
                     .map(|(name, _)| name)
                     .unwrap_or_else(|| rule.key_prefix.clone());
                 let shown = super::shown_name(rule, &name).into_owned();
