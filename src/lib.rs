@@ -13,9 +13,10 @@
 //!     service, import, routes,     `Gateway::decide` for the proxy, the decision service and
 //!     tls, access_log              ext_authz; envoyproxy/ratelimit import; the gateway file;
 //!                                  edge certificates (rustls only); access-log lines
-//! L2  engine, rls, headers,        pure engine: bundle + facts + time → plan; plan + store
-//!     metrics, auth                answer → Decision (an enum carrying names and quotas);
-//!                                  Decision → HTTP headers; counters; JWT
+//! L2  engine, limits, rls,         pure engine: bundle + facts + time → plan (each limit
+//!     headers, metrics, auth       kind plans its rules in its `limits` module); plan + store
+//!                                  answer → Decision (an enum carrying names and quotas);
+//!                                  Decided (decision + request) → HTTP headers; counters; JWT
 //! L1  store                        one `Store`: embedded (synchronous) or Redis / PostgreSQL
 //!                                  (awaited), with its own time base, stats and sweep
 //! L0  clock, policy, descriptor,   pure core: no network, no async (the policy loader reads
@@ -25,8 +26,9 @@
 //! ```
 //!
 //! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →
-//! `Store` → `engine::finish` → `headers::build` / `Metrics::record` / the log line → back to
-//! `proxy`, each step reading only what the previous one handed it.
+//! `Store` → `engine::finish` → `Gateway::answer` (`headers::build` / `Metrics::record` / the
+//! log line / the top list, all from one `Decided`) → back to `proxy`, each step reading only
+//! what the previous one handed it.
 
 pub mod access_log;
 pub mod auth;

@@ -1,11 +1,16 @@
 //! The decision engine, pure: a bundle, the request's facts and the wall-clock time give a
-//! [`Plan`] (kill switches, matching policies and rules, bucket keys and costs); the plan and
-//! the store's answer give a [`Decision`]. No store, no clock, no I/O inside: the caller owns
-//! the store call (synchronous for the embedded store, awaited for a shared one).
+//! [`Plan`]; the plan and the store's answer give a [`Decision`]. No store, no clock, no I/O
+//! inside: the caller owns the store call (synchronous for the embedded store, awaited for a
+//! shared one).
 //!
-//! A [`Decision`] borrows the bundle it was made with and carries everything headers, metrics
-//! and logs need (rule and policy names, quotas, the kill switch that fired), so none of them
-//! calls back into the engine.
+//! What every rule shares lives here: kill switches, selecting policies and rules (scanned or
+//! through the bundle's index), bucket keys, `on_missing`, repeated headers, and finishing
+//! (all-or-nothing per commit group, shadow beside enforce, failing open). What a rule's kind
+//! adds is planned by its module under [`crate::limits`], through [`LimitKind::plan`].
+//!
+//! A [`Decision`] (`decision.rs`) borrows the bundle it was made with and carries everything
+//! headers, metrics and logs need (rule and policy names, quotas, the kill switch that fired);
+//! with the request's view beside it ([`Decided`]) none of them calls back into the engine.
 
 mod decision;
 pub use decision::*;

@@ -1,0 +1,151 @@
+//! Logging: the tracing subscriber (text or JSON), Pingora's `log` records bridged into it
+//! through the redactor, and the `RATE_LIMIT` lines of a decision.
+
+use super::*;
+
+/// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
+/// Nothing for allowed requests.
+pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
+    let (decision, request) = (&decided.decision, &decided.request);
+    let shadow_missing = decision.checked().and_then(|c| c.shadow_missing);
+    if decision.is_allowed()
+        && shadow_missing.is_none()
+        && decision.shadow_rejections().next().is_none()
+    {
+        // The common case: nothing to say, and nothing formatted.
+        return;
+    }
+    // `RUST_LOG` decides, as for every other line (the callsite's interest is cached).
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let mut ip_text = String::new();
+    let client_ip = match request.client_ip {
+        Some(ip) => {
+            crate::log_line::push_ip(&mut ip_text, ip);
+            ip_text.as_str()
+        }
+        None => "-",
+    };
+    let line = crate::log_line::RateLimit {
+        client_ip,
+        host: request.host.unwrap_or("-"),
+        path: request.path,
+        status,
+        policy: "",
+        rule: "",
+        reason: "",
+        mode: "enforce",
+        detail: None,
+    };
+    if let (Decision::Refuse(refusal), Some(by)) = (decision, decision.refused_by()) {
+        let (policy, rule, detail) = match by {
+            RefusedBy::Rule(rule) => (rule.policy_id.as_str(), rule.name.as_str(), ""),
+            RefusedBy::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_ref()),
+            RefusedBy::Request => ("", "", ""),
+        };
+        crate::log_line::RateLimit {
+            policy,
+            rule,
+            reason: refusal.reason.as_str(),
+            detail: (!detail.is_empty()).then_some(detail),
+            ..line
+        }
+        .write();
+    }
+    if let Some(rule) = shadow_missing {
+        crate::log_line::RateLimit {
+            status: 401,
+            policy: &rule.policy_id,
+            rule: &rule.name,
+            reason: "missing_descriptor",
+            mode: "shadow",
+            ..line
+        }
+        .write();
+    }
+    for shadow in decision.shadow_rejections() {
+        let reason = if shadow.cost_exceeds {
+            Reason::CostExceedsLimit
+        } else {
+            Reason::TokenBucketExceeded
+        };
+        crate::log_line::RateLimit {
+            status: 429,
+            policy: &shadow.rule.policy_id,
+            rule: &shadow.rule.name,
+            reason: reason.as_str(),
+            mode: Mode::Shadow.as_str(),
+            ..line
+        }
+        .write();
+    }
+}
+
+/// Installs the tracing subscriber (text or JSON) and bridges Pingora's `log` records into it
+/// through the redactor (Pingora's debug records print whole request headers).
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let max_level = filter.max_level_hint();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    crate::log_line::set_json(format == LogFormat::Json);
+    let result = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+    if let Err(e) = result {
+        eprintln!("tollgate: logging already initialised: {e}");
+        return;
+    }
+    if log::set_logger(&REDACTING_LOG).is_ok() {
+        use tracing_subscriber::filter::LevelFilter;
+        log::set_max_level(match max_level {
+            Some(LevelFilter::OFF) => log::LevelFilter::Off,
+            Some(LevelFilter::ERROR) => log::LevelFilter::Error,
+            Some(LevelFilter::WARN) => log::LevelFilter::Warn,
+            Some(LevelFilter::INFO) => log::LevelFilter::Info,
+            Some(LevelFilter::DEBUG) => log::LevelFilter::Debug,
+            _ => log::LevelFilter::Trace,
+        });
+    }
+}
+
+/// Re-emits `log` records (Pingora's) as tracing events under the target `pingora`, with their
+/// text through [`crate::redact::text`].
+struct RedactingLog;
+
+static REDACTING_LOG: RedactingLog = RedactingLog;
+
+impl log::Log for RedactingLog {
+    fn enabled(&self, _metadata: &log::Metadata<'_>) -> bool {
+        // `log::max_level` already filters; the tracing filter decides the rest.
+        true
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        // Info records are shown at debug level (below): not formatted at all unless debug is on.
+        if record.level() == log::Level::Info
+            && !tracing::enabled!(target: "pingora", tracing::Level::DEBUG)
+        {
+            return;
+        }
+        let text = record.args().to_string();
+        let message = crate::redact::text(&text);
+        let origin = record.target();
+        match record.level() {
+            log::Level::Error => tracing::error!(target: "pingora", origin, "{message}"),
+            log::Level::Warn => tracing::warn!(target: "pingora", origin, "{message}"),
+            // Pingora's own start-up and shutdown chatter: debug, so a start-up error is not
+            // lost among ten lines of it.
+            log::Level::Info => tracing::debug!(target: "pingora", origin, "{message}"),
+            log::Level::Debug => tracing::debug!(target: "pingora", origin, "{message}"),
+            log::Level::Trace => tracing::trace!(target: "pingora", origin, "{message}"),
+        }
+    }
+
+    fn flush(&self) {}
+}

@@ -1,0 +1,649 @@
+//! The running gateway's state, independent of Pingora: the bundle in force, the store, metrics,
+//! and the one request path shared by the reverse proxy and the decision service:
+//! [`Gateway::decide`] plans with the pure engine, asks the store (synchronously for the
+//! embedded store, awaited in place for a shared one), finishes, and answers (counts, logs and
+//! builds the response from the [`Decided`] alone).
+//!
+//! Beside it: `reload` (the policy file, network databases, overrides, readiness), `tokens`
+//! (LLM reservations held and settled), `envoy_rls` (Envoy's `ShouldRateLimit`), `logging`
+//! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines).
+
+mod envoy_rls;
+mod logging;
+mod reload;
+mod tokens;
+
+pub use envoy_rls::{RlsFailure, RlsReply};
+pub use logging::init_logging;
+use logging::log_decision;
+use reload::FileSignature;
+pub use reload::LoadedPolicy;
+use tokens::state_reservation_key;
+
+use crate::auth::{AuthError, TokenOutcome, Verifier};
+use crate::cli::LogFormat;
+use crate::client_addr::{self, ForwardingHeaders};
+use crate::clock::{wall_unix_secs, Clock, SystemClock};
+use crate::config::{Config, StoreKind};
+use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
+use crate::engine::{
+    self, Decided, Decision, EngineConfig, Plan, Reason, RefusedBy, RequestView, Reservation,
+    Settled,
+};
+use crate::headers::{self, HeaderConfig, Response};
+use crate::metrics::Metrics;
+use crate::policy::{Bundle, Mode, PolicyError};
+use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
+use crate::store::lease::{next_lease_id, Lease, LeaseResults};
+use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
+use arc_swap::ArcSwapOption;
+use parking_lot::Mutex;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+/// Why a gateway cannot be built from a valid configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Jwt(#[from] AuthError),
+    #[error("--store: {0}")]
+    Store(StoreError),
+    #[error("--reason-header: not a valid HTTP header name")]
+    ReasonHeader,
+    #[error(transparent)]
+    State(#[from] crate::store::state_file::StateError),
+    #[error("{0}")]
+    Network(String),
+}
+
+/// `X-Forwarded-For` and `X-Real-IP`, parsed once (a name given as a string is parsed at every
+/// lookup).
+pub static X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+pub static X_REAL_IP: http::HeaderName = http::HeaderName::from_static("x-real-ip");
+
+/// Headers of an `http` request, for the engine.
+pub struct HttpHeaders<'a>(pub &'a http::HeaderMap);
+
+impl HeaderLookup for HttpHeaders<'_> {
+    fn header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
+        self.0.get(lower_name).map(http::HeaderValue::as_bytes)
+    }
+
+    fn is_repeated(&self, lower_name: &str) -> bool {
+        self.0.get_all(lower_name).iter().nth(1).is_some()
+    }
+
+    fn repeats_any(&self) -> bool {
+        // Every extra line of a name is one more value than there are names.
+        self.0.len() != self.0.keys_len()
+    }
+}
+
+/// The gateway.
+pub struct Gateway {
+    pub metrics: Metrics,
+    pub config: Config,
+    pub header_config: HeaderConfig,
+    pub verifier: Verifier,
+    /// Where buckets live: the embedded store, or one shared with other gateways.
+    pub store: Store,
+    pub(crate) engine_config: EngineConfig,
+    /// Wall-clock time for kill-switch expiry (the store keeps its own time base).
+    pub(crate) clock: Arc<dyn Clock>,
+    /// The bundle in force.
+    pub(crate) policy: ArcSwapOption<Bundle>,
+    pub(crate) loaded: ArcSwapOption<LoadedPolicy>,
+    /// The buckets limited most over the last minute (`/v1/top`, the status page).
+    pub(crate) top: Mutex<crate::operator::top::TopSketch>,
+    /// `--asn-type-map` and `--tor-exits` in force, and the files' signatures last read.
+    network: arc_swap::ArcSwap<crate::network::NetworkData>,
+    network_watch: Mutex<Vec<Option<FileSignature>>>,
+    /// Signature of the file last looked at, and the hash of the last rejected content (so a
+    /// broken file is reported once, not at every poll).
+    watch: Mutex<(Option<FileSignature>, Option<String>)>,
+    /// LLM reservations the decision service handed out, by token, until `POST /v1/usage`
+    /// settles them or they expire (wall-clock µs).
+    held: Mutex<ahash::AHashMap<String, (u64, Reservation)>>,
+    /// With `--reservation-secret`: reservations travel in tokens signed with this key
+    /// ([`crate::reservation_token`]) instead of being held here.
+    reservation_key: Option<ring::hmac::Key>,
+}
+
+impl Gateway {
+    /// # Errors
+    /// A configured JWT key file cannot be loaded, or the store URL is unusable.
+    pub fn new(config: Config) -> Result<Self, StartError> {
+        Self::with_clock(config, Arc::new(SystemClock::new()))
+    }
+
+    /// # Errors
+    /// A configured JWT key file cannot be loaded, or the store URL is unusable.
+    pub fn with_clock(config: Config, clock: Arc<dyn Clock>) -> Result<Self, StartError> {
+        let verifier = Verifier::new(config.jwt.clone())?;
+        // One store: under `--store redis://` no embedded store is built, swept or reported.
+        let store = match &config.store {
+            StoreKind::Memory => {
+                let memory = MemoryStoreConfig {
+                    max_buckets: config.max_buckets,
+                    ..MemoryStoreConfig::default()
+                };
+                match &config.state_dir {
+                    Some(state) => Store::memory_in_state_dir(memory, state, Arc::clone(&clock))?,
+                    None => Store::memory(memory, Arc::clone(&clock)),
+                }
+            }
+            StoreKind::Shared(url) => Store::open(url, config.store_timeout, Arc::clone(&clock))
+                .map_err(StartError::Store)?,
+        };
+        // Leaked once at start-up: the display name lives as long as the process.
+        let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
+        let mut header_config =
+            HeaderConfig::new(reason_header).map_err(|_| StartError::ReasonHeader)?;
+        if config.compat == crate::compat::Compat::Fairvisor {
+            header_config.warning_header = crate::compat::WARNING_HEADER.clone();
+        }
+        let gateway = Gateway {
+            metrics: Metrics::new(store.kind()),
+            header_config,
+            verifier,
+            store,
+            engine_config: EngineConfig {
+                ipv6_prefix: config.ipv6_prefix,
+            },
+            clock,
+            policy: ArcSwapOption::empty(),
+            loaded: ArcSwapOption::empty(),
+            top: Mutex::new(crate::operator::top::TopSketch::default()),
+            network: arc_swap::ArcSwap::from_pointee(crate::network::NetworkData::default()),
+            network_watch: Mutex::new(Vec::new()),
+            watch: Mutex::new((None, None)),
+            held: Mutex::new(ahash::AHashMap::new()),
+            reservation_key: match (&config.reservation_secret, &config.state_dir) {
+                (Some(secret), _) => Some(crate::reservation_token::key(&secret.0)),
+                // With a state dir, the decision service's reservations travel signed (with
+                // the directory's own key) so that a restart can still settle them.
+                (None, Some(state)) if matches!(config.store, StoreKind::Memory) => {
+                    state_reservation_key(&state.dir)
+                }
+                (None, _) => None,
+            },
+            config,
+        };
+        gateway
+            .load_network("startup")
+            .map_err(StartError::Network)?;
+        Ok(gateway)
+    }
+
+    /// The client's network facts, when the bundle in force reads them.
+    pub(crate) fn network_facts(
+        &self,
+        facts: &RequestFacts<'_>,
+    ) -> Option<crate::network::NetworkFacts> {
+        let uses = self
+            .policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.uses_network);
+        uses.then(|| {
+            self.network
+                .load()
+                .resolve(facts.client_ip, facts.headers, facts.trusted_peer)
+        })
+    }
+
+    /// The verified claims of the request's JWT, if it carries a valid one. Invalid tokens are
+    /// counted by reason and logged at debug level without their contents.
+    pub fn claims(&self, headers: &dyn HeaderLookup) -> Option<Arc<Claims>> {
+        if !self.verifier.enabled() {
+            return None;
+        }
+        match self.verifier.check(headers) {
+            TokenOutcome::Absent => None,
+            TokenOutcome::Valid(claims) => {
+                self.metrics.token(Ok(()));
+                Some(claims)
+            }
+            TokenOutcome::Invalid(reason) => {
+                self.metrics.token(Err(reason));
+                tracing::debug!(
+                    reason = reason.as_str(),
+                    "JWT refused; jwt: descriptors are missing"
+                );
+                None
+            }
+        }
+    }
+
+    /// The client address of a request from `peer` ([`client_addr::resolve`]): the peer, or
+    /// what `X-Forwarded-For` / `X-Real-IP` say when the peer is a `--trusted-proxy`. The
+    /// decision service passes `caller_is_gateway`: its caller describes the client by role.
+    pub fn client_ip(
+        &self,
+        peer: Option<IpAddr>,
+        headers: &http::HeaderMap,
+        caller_is_gateway: bool,
+    ) -> Option<IpAddr> {
+        let caller = peer.map(crate::descriptor::canonical_ip);
+        let peer_trusted = caller.is_some_and(|ip| self.is_trusted_proxy(ip));
+        self.client_ip_with(peer, peer_trusted || caller_is_gateway, headers)
+    }
+
+    /// Whether the bundle in force fingerprints request bodies (`loop_detection`): front ends
+    /// then hash the bodies they can read before deciding.
+    pub fn fingerprints_bodies(&self) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.fingerprints_bodies)
+    }
+
+    /// Whether `ip` is inside a `--trusted-proxy` network.
+    pub fn is_trusted_proxy(&self, ip: IpAddr) -> bool {
+        client_addr::in_any(&self.config.trusted_proxies, ip)
+    }
+
+    /// [`Gateway::client_ip`] with the peer's verdict already known (the proxy keeps it per
+    /// connection).
+    pub fn client_ip_with(
+        &self,
+        peer: Option<IpAddr>,
+        peer_trusted: bool,
+        headers: &http::HeaderMap,
+    ) -> Option<IpAddr> {
+        let caller = peer.map(crate::descriptor::canonical_ip);
+        client_addr::resolve(
+            peer,
+            ForwardingHeaders {
+                forwarded_for: headers
+                    .get_all(&X_FORWARDED_FOR)
+                    .iter()
+                    .map(http::HeaderValue::as_bytes),
+                real_ip: headers.get(&X_REAL_IP).map(http::HeaderValue::as_bytes),
+            },
+            |ip| {
+                if Some(ip) == caller {
+                    peer_trusted
+                } else {
+                    self.is_trusted_proxy(ip)
+                }
+            },
+        )
+    }
+
+    /// Answers a request refused before the engine could look at it (its path has an encoded
+    /// slash under `--encoded-slashes reject`): counted and logged like any refusal.
+    pub fn refuse_early(
+        &self,
+        reason: Reason,
+        client_ip: Option<IpAddr>,
+        host: Option<&str>,
+        raw_path: &str,
+    ) -> Response {
+        let decided = Decided {
+            decision: Decision::refused(reason),
+            request: RequestView {
+                client_ip,
+                host: host.map(crate::descriptor::strip_port),
+                path: raw_path,
+                ..RequestView::default()
+            },
+        };
+        self.answer(&decided, Instant::now()).response
+    }
+
+    /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
+    /// on this thread without suspending; a shared store is awaited here, with the bundle held
+    /// as an `Arc` (an `arc_swap` guard must not live across a network call).
+    pub async fn decide(&self, facts: &RequestFacts<'_>) -> Answer {
+        let network = self.network_facts(facts);
+        let with_network;
+        let facts = match &network {
+            Some(network) => {
+                with_network = facts.with_network(network);
+                &with_network
+            }
+            None => facts,
+        };
+        let answer = self.decide_now(facts).await;
+        // A budget's throttle stage: the request goes on, later (Fairvisor sleeps too).
+        if answer.throttle_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(answer.throttle_ms)).await;
+        }
+        answer
+    }
+
+    async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
+        let started = Instant::now();
+        let unix_us = self.clock.unix_us();
+        if let Backend::Memory(memory) = self.store.backend() {
+            let guard = self.policy.load();
+            let decision = match guard.as_deref() {
+                None => Decision::NoPolicy,
+                Some(bundle) => engine::decide_local(
+                    bundle,
+                    facts,
+                    memory,
+                    self.store.now_us(),
+                    unix_us,
+                    self.engine_config,
+                ),
+            };
+            let decided = Decided {
+                decision,
+                request: RequestView::of(facts),
+            };
+            return self.answer(&decided, started);
+        }
+        let Some(bundle) = self.policy.load_full() else {
+            let decided = Decided {
+                decision: Decision::NoPolicy,
+                request: RequestView::of(facts),
+            };
+            return self.answer(&decided, started);
+        };
+        let decision = match engine::plan(&bundle, facts, unix_us, self.engine_config) {
+            Plan::Done(decision) => decision,
+            Plan::Store(pending) => {
+                let now_us = self.store.now_us();
+                // Leases first: a request refused for a slot, a loop or an open breaker spends
+                // no tokens.
+                let pending = if pending.leases.is_empty() {
+                    Ok(pending)
+                } else {
+                    let id = next_lease_id();
+                    let mut taken = LeaseResults::new();
+                    let answer = self
+                        .store
+                        .acquire(now_us, id, &pending.leases, &mut taken)
+                        .await;
+                    pending.admit(id, answer.map(|()| &taken))
+                };
+                let decision = match pending {
+                    Err(refused) => refused,
+                    Ok(pending) => {
+                        let mut results = OpResults::new();
+                        let answer = self.store.apply(now_us, &pending.ops, &mut results).await;
+                        engine::finish(pending, answer.map(|()| &results))
+                    }
+                };
+                for (trip, _) in decision.breaker_trips() {
+                    let mut taken = LeaseResults::new();
+                    // Best effort: a store that cannot open it leaves the breaker closed
+                    // (failing open, as every store failure does).
+                    let _ = self
+                        .store
+                        .acquire(now_us, next_lease_id(), &[trip], &mut taken)
+                        .await;
+                }
+                if let (false, Some(checked)) = (decision.is_allowed(), decision.checked()) {
+                    self.store
+                        .release(checked.lease_id, &checked.taken_leases())
+                        .await;
+                }
+                decision
+            }
+        };
+        let decided = Decided {
+            decision,
+            request: RequestView::of(facts),
+        };
+        self.answer(&decided, started)
+    }
+
+    /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets
+    /// Fairvisor's verbose headers.
+    fn compat_headers(&self, response: &mut Response, decided: &Decided<'_>) {
+        // A request refused before the engine (no facts) keeps its reason header, as it always
+        // has: it carries no cookie to open a debug session with.
+        let Some(facts) = decided.request.facts else {
+            return;
+        };
+        if self.config.compat != crate::compat::Compat::Fairvisor {
+            return;
+        }
+        let cookie = facts.headers.header("cookie");
+        crate::compat::finish_headers(
+            &mut response.headers,
+            &decided.decision,
+            &self.header_config.reason_header,
+            self.debug_session_open(cookie),
+        );
+    }
+
+    /// Whether a `Cookie` header opens a debug session (`--compat fairvisor` with
+    /// `--debug-session-secret`).
+    pub fn debug_session_open(&self, cookie: Option<&str>) -> bool {
+        self.config
+            .debug_sessions
+            .as_ref()
+            .is_some_and(|d| d.is_open(cookie, self.clock.unix_secs().max(0) as u64))
+    }
+
+    /// `POST /v1/debug/session`: the `Set-Cookie` value of a new debug session, `Err(404)`
+    /// when debug sessions are off, `Err(403)` for a wrong secret.
+    pub fn open_debug_session(&self, secret: Option<&[u8]>) -> Result<String, u16> {
+        let sessions = self.config.debug_sessions.as_ref().ok_or(404u16)?;
+        match secret {
+            Some(s) if sessions.secret_matches(s) => {
+                Ok(sessions.open(self.clock.unix_secs().max(0) as u64))
+            }
+            _ => Err(403),
+        }
+    }
+
+    /// Logs and counts the circuit breakers a decision tripped (at error level for a breaker
+    /// with `alert: true`, so log-based alerting catches it).
+    fn breakers_tripped(&self, decision: &Decision<'_>) {
+        for (trip, rule) in decision.breaker_trips() {
+            self.metrics.breaker_tripped(rule);
+            let open_secs = trip.ttl_us / crate::limiter::US_PER_SEC;
+            let alert = matches!(rule.guard, Some(crate::policy::Guard::Breaker(b)) if b.alert);
+            if alert {
+                tracing::error!(policy = %rule.policy_id, rule = %rule.name, mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+            } else {
+                tracing::warn!(policy = %rule.policy_id, rule = %rule.name, mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+            }
+        }
+    }
+
+    /// Gives back the concurrency slots a request held, once it is done (the proxy, when the
+    /// response has been sent or the request failed; the decision service, on `/v1/release`).
+    pub async fn release(&self, lease: &Lease) {
+        self.store.release(lease.id, &lease.keys).await;
+    }
+
+    /// The way back up, written from the decision and its request alone: breakers tripped,
+    /// the operator's list of limited clients, metrics, headers (and Fairvisor's under
+    /// `--compat fairvisor`), the `RATE_LIMIT` line, and what the front end acts on.
+    fn answer(&self, decided: &Decided<'_>, started: Instant) -> Answer {
+        let decision = &decided.decision;
+        self.breakers_tripped(decision);
+        self.note_limited(decided);
+        self.metrics
+            .record(decision, started.elapsed().as_secs_f64());
+        let mut response = headers::build(decided, &self.header_config);
+        log_decision(decided, response.status);
+        self.compat_headers(&mut response, decided);
+        Answer {
+            allowed: decision.is_allowed(),
+            throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
+            lease: held_lease(decision),
+            reservation: decision.reservation(),
+            no_policy: matches!(decision, Decision::NoPolicy),
+            reason: match decision {
+                Decision::Refuse(refusal) => Some(refusal.reason),
+                _ => None,
+            },
+            rule: match decision.refused_by() {
+                Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
+                _ => None,
+            },
+            verdict: decision.verdict(),
+            response,
+        }
+    }
+
+    /// Decides an original request described by another gateway (the decision service, Envoy's
+    /// ext_authz): facts from the method, target and host, JWT claims from the headers, and a
+    /// path with an encoded slash under `--encoded-slashes reject` refused before the engine.
+    pub async fn decide_described(&self, described: &Described<'_>) -> Answer {
+        let lookup = HttpHeaders(described.headers);
+        let claims = self.claims(&lookup);
+        match self.described_facts(described, &lookup, claims.as_deref()) {
+            Ok(facts) => self.decide(&facts).await,
+            Err(_) => {
+                let (path, _) = crate::descriptor::split_uri(described.target);
+                Answer {
+                    allowed: false,
+                    throttle_ms: 0,
+                    lease: None,
+                    reservation: None,
+                    no_policy: false,
+                    reason: Some(Reason::EncodedSlash),
+                    rule: None,
+                    verdict: Reason::EncodedSlash.as_str(),
+                    response: self.refuse_early(
+                        Reason::EncodedSlash,
+                        described.client_ip,
+                        described.host,
+                        path,
+                    ),
+                }
+            }
+        }
+    }
+
+    /// The facts of a described request, with its verified claims.
+    ///
+    /// # Errors
+    /// Its path has an encoded slash and `--encoded-slashes reject` is set.
+    pub(crate) fn described_facts<'a>(
+        &self,
+        described: &'a Described<'a>,
+        lookup: &'a HttpHeaders<'a>,
+        claims: Option<&'a Claims>,
+    ) -> Result<RequestFacts<'a>, crate::descriptor::EncodedSlashError> {
+        Ok(RequestFacts::new(
+            described.method,
+            described.target,
+            described.host,
+            described.client_ip,
+            lookup,
+            self.config.encoded_slashes,
+        )?
+        .with_claims(claims)
+        .with_body_hash(described.body.hash)
+        .with_llm(described.body.llm)
+        // The caller is a gateway by role: its network headers are believed.
+        .with_trusted_peer(true))
+    }
+
+    /// Drops buckets that no longer matter (see [`Store::sweep`]) and LLM reservations nobody
+    /// reported in time.
+    pub async fn sweep(&self) -> u64 {
+        self.expire_reservations();
+        self.store.sweep().await
+    }
+
+    pub fn metrics_text(&self) -> String {
+        let bundle = self.policy.load();
+        self.metrics
+            .bundle_state(bundle.as_deref(), self.clock.unix_secs());
+        let mut text = self.metrics.render(self.store.stats());
+        if self.config.compat == crate::compat::Compat::Fairvisor {
+            let fairvisor =
+                crate::compat::fairvisor_metrics(&text, bundle.as_deref(), self.clock.unix_secs());
+            text.push_str(&fairvisor);
+        }
+        text
+    }
+}
+
+/// An original request another gateway describes (the decision service's `X-Original-*`
+/// headers, Envoy's ext_authz), as the engine is asked about it.
+#[derive(Clone, Copy)]
+pub struct Described<'a> {
+    pub method: &'a str,
+    /// Path and query.
+    pub target: &'a str,
+    pub host: Option<&'a str>,
+    pub client_ip: Option<IpAddr>,
+    pub headers: &'a http::HeaderMap,
+    pub body: DescribedBody<'a>,
+}
+
+/// What a described request's body contributes: its fingerprint (for `body_hash`
+/// descriptors) and, when a `token_bucket_llm` rule meters it, the parsed prompt.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DescribedBody<'a> {
+    pub hash: Option<u64>,
+    pub llm: Option<&'a crate::llm::LlmRequest>,
+}
+
+/// What a front end needs to answer a request.
+#[derive(Debug)]
+pub struct Answer {
+    /// Forward it (allowed, or no policy loaded: the proxy fails open).
+    pub allowed: bool,
+    /// A budget's throttle stage: milliseconds [`Gateway::decide`] waited before answering.
+    pub throttle_ms: u64,
+    /// The concurrency slots an allowed request holds: give them back with
+    /// [`Gateway::release`] when it is done (they expire otherwise).
+    pub lease: Option<Lease>,
+    /// The tokens an allowed request reserved on `token_bucket_llm` rules: settle them with
+    /// [`Gateway::settle`] once the response's usage is known.
+    pub reservation: Option<Reservation>,
+    /// No valid bundle is loaded (the decision service answers 503).
+    pub no_policy: bool,
+    /// Why it was refused.
+    pub reason: Option<Reason>,
+    /// The rule that refused it (a refusal by buckets or by a rule's missing descriptor).
+    pub rule: Option<String>,
+    /// The access log's verdict: `allow`, `no_policy`, or the refusal's reason.
+    pub verdict: &'static str,
+    /// Status, headers and body of a refusal; headers to add upstream on allow.
+    pub response: Response,
+}
+
+/// The lease an allowed decision holds: its committed concurrency slots, with the longest of
+/// their rules' lease TTLs (a refused decision's leases were given back already).
+fn held_lease(decision: &Decision<'_>) -> Option<Lease> {
+    let Decision::Allow(checked) = decision else {
+        return None;
+    };
+    let keys = checked.held_leases();
+    if keys.is_empty() {
+        return None;
+    }
+    let ttl_us = checked
+        .slots
+        .iter()
+        .filter_map(|s| s.rule.concurrency.map(|c| c.lease_ttl_us))
+        .max()
+        .unwrap_or(0);
+    Some(Lease {
+        id: checked.lease_id,
+        keys,
+        ttl_secs: ttl_us / crate::limiter::US_PER_SEC,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_header_map_repeating_a_name_says_so() {
+        let mut map = http::HeaderMap::new();
+        map.insert("x-tier", http::HeaderValue::from_static("a"));
+        map.insert("x-api-key", http::HeaderValue::from_static("k"));
+        assert!(!HttpHeaders(&map).repeats_any());
+        map.append("x-tier", http::HeaderValue::from_static("b"));
+        assert!(HttpHeaders(&map).repeats_any());
+        assert!(HttpHeaders(&map).is_repeated("x-tier"));
+        assert!(!HttpHeaders(&map).is_repeated("x-api-key"));
+    }
+}

@@ -1,0 +1,285 @@
+//! The bundle in force and what changes it: loading and reloading the policy file (the last good
+//! bundle stays on any error), the network databases, the runtime overrides, and readiness.
+
+use super::*;
+
+/// What `/readyz` reports about the bundle in force.
+#[derive(Debug, Clone)]
+pub struct LoadedPolicy {
+    pub version: String,
+    pub hash: String,
+    /// Unix seconds.
+    pub loaded_at: i64,
+}
+
+/// Cheap change detection for the policy file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct FileSignature {
+    modified: Option<SystemTime>,
+    len: u64,
+}
+
+pub(super) fn signature(path: &Path) -> Option<FileSignature> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some(FileSignature {
+        modified: meta.modified().ok(),
+        len: meta.len(),
+    })
+}
+
+impl Gateway {
+    /// Reads `--asn-type-map` and `--tor-exits` (when given) into the data `ip:type` and
+    /// `ip:tor` read. A file that cannot be read or parsed keeps the data in force.
+    ///
+    /// # Errors
+    /// The file and line that could not be read.
+    pub fn load_network(&self, trigger: &str) -> Result<(), String> {
+        let files = self.network_files();
+        if files.is_empty() {
+            return Ok(());
+        }
+        let signatures: Vec<Option<FileSignature>> = files.iter().map(|p| signature(p)).collect();
+        let read_text = |path: &Option<std::path::PathBuf>, flag: &str| {
+            path.as_ref()
+                .map(|p| {
+                    std::fs::read_to_string(p)
+                        .map_err(|e| format!("{flag} {}: cannot read it: {e}", p.display()))
+                })
+                .transpose()
+        };
+        let loaded = (|| {
+            let map = read_text(&self.config.asn_type_map, "--asn-type-map")?;
+            let tor = read_text(&self.config.tor_exits, "--tor-exits")?;
+            let mut geo = Vec::new();
+            for path in &self.config.geoip_db {
+                let bytes = std::fs::read(path)
+                    .map_err(|e| format!("--geoip-db {}: cannot read it: {e}", path.display()))?;
+                geo.push(
+                    crate::network::GeoDb::parse(bytes)
+                        .map_err(|e| format!("--geoip-db {}: {e}", path.display()))?,
+                );
+            }
+            crate::network::NetworkData::with_geo(map.as_deref(), tor.as_deref(), geo)
+        })();
+        *self.network_watch.lock() = signatures;
+        match loaded {
+            Ok(data) => {
+                let (types, exits) = data.sizes();
+                tracing::info!(
+                    trigger,
+                    asn_types = types,
+                    tor_exits = exits,
+                    geoip_dbs = self.config.geoip_db.len(),
+                    "network data loaded"
+                );
+                self.network.store(Arc::new(data));
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(
+                    trigger,
+                    "network data not reloaded, keeping the previous: {e}"
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// The files the network data is read from, in a fixed order.
+    pub(super) fn network_files(&self) -> Vec<&std::path::Path> {
+        self.config
+            .geoip_db
+            .iter()
+            .map(|p| p.as_path())
+            .chain(self.config.asn_type_map.as_deref())
+            .chain(self.config.tor_exits.as_deref())
+            .collect()
+    }
+
+    pub(super) fn install(&self, bundle: Bundle) {
+        let info = LoadedPolicy {
+            version: bundle.version.clone(),
+            hash: bundle.hash.clone(),
+            loaded_at: wall_unix_secs(),
+        };
+        for warning in &bundle.warnings {
+            tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}");
+        }
+        for skipped in &bundle.skipped {
+            for error in &skipped.errors {
+                tracing::error!(policy_file = %self.config.policy.display(), policy = %skipped.path, id = %skipped.id, "policy skipped (--skip-invalid-policies): {error}");
+            }
+        }
+        for (name, o) in [
+            ("global_shadow", &bundle.global_shadow),
+            ("kill_switch_override", &bundle.kill_switch_override),
+        ] {
+            if let Some(o) = o {
+                tracing::warn!(reason = %o.reason, expires_at = o.expires_at, "runtime override {name} enabled in the bundle");
+            }
+        }
+        // Buckets live in the store, not in the bundle: they survive the swap, and a lowered
+        // burst caps their tokens on the next request.
+        let bundle = Arc::new(bundle);
+        self.metrics.on_install(&bundle);
+        self.policy.store(Some(bundle));
+        self.loaded.store(Some(Arc::new(info)));
+    }
+
+    /// Loads the policy file now (start-up and SIGHUP). An invalid file leaves the bundle in
+    /// force untouched; the error names the file and every problem.
+    ///
+    /// # Errors
+    /// The file could not be read, parsed or validated.
+    pub fn load_policy(&self, trigger: &str) -> Result<(), PolicyError> {
+        if trigger != "startup" {
+            let _ = self.load_network(trigger);
+        }
+        if let Err(e) = self.verifier.reload_jwks() {
+            tracing::error!(
+                trigger,
+                "JWKS reload failed, keeping the previous keys: {e}"
+            );
+        }
+        let path = &self.config.policy;
+        let sig = signature(path);
+        let options = crate::policy::CompileOptions {
+            skip_invalid_policies: self.config.skip_invalid_policies,
+        };
+        match crate::policy::load_current(path, options, self.clock.unix_secs()) {
+            Ok(bundle) => {
+                let (version, hash) = (bundle.version.clone(), bundle.hash.clone());
+                let in_memory = matches!(self.config.store, StoreKind::Memory)
+                    && self.store.stats().state_fallback != Some(false);
+                if let Some(warning) = bundle.restart_warning().filter(|_| in_memory) {
+                    tracing::warn!(policy_file = %path.display(), "{warning}");
+                }
+                self.install(bundle);
+                crate::policy::release_parse_memory();
+                *self.watch.lock() = (sig, None);
+                self.metrics.reload(true);
+                tracing::info!(policy_file = %path.display(), version = %version, hash = %hash, trigger, "policy loaded");
+                Ok(())
+            }
+            Err(e) => {
+                crate::policy::release_parse_memory();
+                self.metrics.reload(false);
+                let kept = self.loaded.load().as_ref().map(|p| p.version.clone());
+                match kept {
+                    Some(v) => tracing::error!(
+                        trigger,
+                        "policy reload rejected, keeping bundle_version {v}: {e}"
+                    ),
+                    None => tracing::error!(
+                        trigger,
+                        "no valid policy loaded (decisions answer 503): {e}"
+                    ),
+                }
+                let mut watch = self.watch.lock();
+                watch.0 = sig;
+                watch.1 = std::fs::read(path)
+                    .ok()
+                    .map(|b| format!("{:016x}", twox_hash::XxHash3_64::oneshot(&b)));
+                Err(e)
+            }
+        }
+    }
+
+    /// Reloads when the policy file changed since it was last looked at (polling), and the
+    /// JWKS file when it changed on its own (key rotation).
+    pub fn reload_if_changed(&self) {
+        match self.verifier.reload_jwks_if_changed() {
+            Some(Ok(())) => tracing::info!("JWKS file changed: keys reloaded"),
+            Some(Err(e)) => {
+                tracing::error!("JWKS reload failed, keeping the previous keys: {e}")
+            }
+            None => {}
+        }
+        let files = self.network_files();
+        if !files.is_empty() {
+            let now: Vec<Option<FileSignature>> = files.iter().map(|p| signature(p)).collect();
+            if *self.network_watch.lock() != now {
+                let _ = self.load_network("file_change");
+            }
+        }
+        self.reload_policy_if_changed();
+    }
+
+    pub(super) fn reload_policy_if_changed(&self) {
+        let sig = signature(&self.config.policy);
+        {
+            let watch = self.watch.lock();
+            if watch.0 == sig {
+                return;
+            }
+        }
+        // Same content as the bundle in force or the last rejected file: remember and move on.
+        if let Ok(bytes) = std::fs::read(&self.config.policy) {
+            let hash = format!("{:016x}", twox_hash::XxHash3_64::oneshot(&bytes));
+            let current = self.loaded.load().as_ref().map(|p| p.hash.clone());
+            let mut watch = self.watch.lock();
+            if current.as_deref() == Some(hash.as_str())
+                || watch.1.as_deref() == Some(hash.as_str())
+            {
+                watch.0 = sig;
+                return;
+            }
+        }
+        let _ = self.load_policy("file_change");
+    }
+
+    /// The runtime overrides of the bundle in force, and whether each is active now.
+    pub(crate) fn runtime_overrides(&self) -> serde_json::Value {
+        let now = self.clock.unix_secs();
+        let guard = self.policy.load();
+        let Some(bundle) = guard.as_deref() else {
+            return serde_json::json!({});
+        };
+        let show = |o: &Option<crate::policy::RuntimeOverride>| match o {
+            Some(o) => serde_json::json!({
+                "active": o.active(now),
+                "reason": o.reason,
+                "expires_at": humantime::format_rfc3339_seconds(
+                    std::time::UNIX_EPOCH + std::time::Duration::from_secs(o.expires_at.max(0) as u64)
+                ).to_string(),
+            }),
+            None => serde_json::json!({"active": false}),
+        };
+        serde_json::json!({
+            "global_shadow": show(&bundle.global_shadow),
+            "kill_switch_override": show(&bundle.kill_switch_override),
+        })
+    }
+
+    /// `/readyz`: status code and JSON body.
+    pub fn readiness(&self) -> (u16, String) {
+        match self.loaded.load().as_ref() {
+            Some(p) => (
+                200,
+                serde_json::json!({
+                    "status": "ready",
+                    // Written as a number when it is one (Fairvisor bundles may use any text).
+                    "policy_version": p.version.parse::<u64>().map_or_else(
+                        |_| serde_json::Value::String(p.version.clone()),
+                        serde_json::Value::from,
+                    ),
+                    "skipped_policies": self.policy.load().as_deref().map_or_else(Vec::new, |b| {
+                        b.skipped.iter().map(|s| serde_json::json!({"path": s.path, "id": s.id, "errors": s.errors.iter().map(ToString::to_string).collect::<Vec<_>>()})).collect()
+                    }),
+                    "runtime_overrides": self.runtime_overrides(),
+                    "policy_hash": p.hash,
+                    "loaded_at": p.loaded_at,
+                    "store": self.store.kind(),
+                    // A degraded store fails open; it does not make the gateway unready.
+                    "store_status": if self.store.degraded() { "degraded" } else { "ok" },
+                })
+                .to_string(),
+            ),
+            None => (
+                503,
+                serde_json::json!({"status": "not_ready", "reason": "no_policy_loaded"})
+                    .to_string(),
+            ),
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! LLM token accounting on the gateway: which requests meter tokens, the reservations the
+//! decision service holds (in memory, or signed when a state dir or secret gives a key) until
+//! their usage is reported, settling them, and expiring the ones nobody reported.
+
+use super::*;
+
+/// The state dir's own reservation-signing key (`DIR/reservation.key`, 32 random bytes, made
+/// on first use, readable by the owner only). `None` (reservations held in memory, logged) when
+/// it cannot be read or made.
+pub(super) fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac::Key> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join("reservation.key");
+    let secret = match std::fs::read(&path) {
+        Ok(secret) if secret.len() >= 32 => secret,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut secret = vec![0u8; 32];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret).ok()?;
+            // Written whole under another name, then linked into place: a crash never leaves
+            // half a key, and a key another process made meanwhile is not replaced.
+            let fresh = dir.join(format!("reservation.key.{}", std::process::id()));
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&fresh)
+                .and_then(|mut f| f.write_all(&secret).and_then(|()| f.sync_all()))
+                .and_then(|()| std::fs::hard_link(&fresh, &path));
+            let _ = std::fs::remove_file(&fresh);
+            match written {
+                Ok(()) => secret,
+                // Made by the other process of an upgrade first: use that one.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    std::fs::read(&path).ok().filter(|s| s.len() >= 32)?
+                }
+                Err(e) => {
+                    tracing::error!(path = %path.display(), "state dir: cannot write the reservation key, LLM reservations of the decision service will not survive a restart: {e}");
+                    return None;
+                }
+            }
+        }
+        _ => {
+            // Unreadable or too short: never replaced (reservations signed with it would all
+            // turn invalid); reservations are held in memory instead.
+            tracing::error!(path = %path.display(), "state dir: the reservation key cannot be read; LLM reservations of the decision service will not survive a restart");
+            return None;
+        }
+    };
+    Some(crate::reservation_token::key(&secret))
+}
+
+/// How long past its expiry a signed reservation stays marked settled: gateways whose clocks
+/// disagree by up to this much still find the mark.
+const SETTLED_MARK_SLACK_US: u64 = 3_600 * 1_000_000;
+
+/// Most LLM reservations the decision service keeps waiting for their usage; past it, a new
+/// one is not kept and stays charged as reserved.
+const MAX_HELD_RESERVATIONS: usize = 100_000;
+
+impl Gateway {
+    /// The `tiktoken` encodings the bundle in force counts prompts in (see
+    /// [`crate::llm::LlmRequest::parse_with`]).
+    pub fn tiktoken_encodings(&self) -> u8 {
+        self.policy.load().as_deref().map_or(0, |b| b.tiktoken)
+    }
+
+    /// Whether the bundle in force has a `token_bucket_llm` rule (the decision service then
+    /// reads request bodies, bounded by `--max-body-bytes`).
+    pub fn meters_tokens(&self) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.meters_tokens)
+    }
+
+    /// Whether a `token_bucket_llm` rule of the bundle in force may apply to this request:
+    /// front ends then read its body (bounded by `--max-body-bytes`) before deciding, and meter
+    /// its response.
+    pub fn meters_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.meters_tokens_for(facts))
+    }
+
+    /// Whether an enforced `token_bucket_llm` rule may apply to this request: a body too large
+    /// to read is then refused (413); with shadow rules alone it goes through unread.
+    pub fn enforces_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
+        let now = self.clock.unix_secs();
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.enforces_tokens_for(facts, now))
+    }
+
+    /// Whether any enforced `token_bucket_llm` rule is in force (the decision service's
+    /// coarser question: it reads the body before it knows the request).
+    pub fn enforces_tokens(&self) -> bool {
+        let now = self.clock.unix_secs();
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.enforces_tokens(now))
+    }
+
+    /// Settles an LLM reservation once `used` tokens are known: every bucket it reserved on
+    /// moves by the difference (refund or further charge), counted under `source`. A store
+    /// failure leaves the reservation charged as reserved (logged by the store).
+    pub async fn settle(
+        &self,
+        reservation: &Reservation,
+        used: u64,
+        reported_prompt: Option<u64>,
+        source: &str,
+    ) -> Settled {
+        // A usage past any policy's reach (a hostile report) counts as the largest one.
+        let used = used.min(crate::llm::MAX_TOKENS);
+        let reported_prompt = reported_prompt.map(|p| p.min(crate::llm::MAX_TOKENS));
+        let adjustments = reservation.adjustments(used);
+        let _ = self.store.adjust(self.store.now_us(), &adjustments).await;
+        self.metrics
+            .llm_settled(reservation, used, reported_prompt, source);
+        reservation.settled(used)
+    }
+
+    /// Keeps a decision's reservation for `POST /v1/usage` and returns its token: with
+    /// `--reservation-secret`, the reservation signed into the token itself (any gateway of
+    /// the fleet settles it); else 32 random hex digits naming it here. Either way only the
+    /// caller that got it can settle it. `None` when too many are held here (it then stays
+    /// charged as reserved).
+    pub fn hold_reservation(&self, reservation: Reservation) -> Option<String> {
+        let mut bytes = [0u8; 16];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).ok()?;
+        let expires = self.clock.unix_us().saturating_add(
+            self.config
+                .reservation_ttl
+                .as_micros()
+                .min(u64::MAX as u128) as u64,
+        );
+        if let Some(key) = &self.reservation_key {
+            let mut id = [0u8; 8];
+            id.copy_from_slice(&bytes[..8]);
+            let token = crate::reservation_token::encode(
+                key,
+                u64::from_le_bytes(id),
+                expires,
+                &reservation,
+            );
+            // One that could never be read back is not handed out (it stays charged as
+            // reserved, like a reservation too many to hold).
+            if token.len() > crate::reservation_token::MAX_TOKEN_LEN {
+                tracing::warn!(
+                    len = token.len(),
+                    "LLM reservation too large for a signed token; kept as reserved"
+                );
+                return None;
+            }
+            return Some(token);
+        }
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let mut held = self.held.lock();
+        if held.len() >= MAX_HELD_RESERVATIONS {
+            return None;
+        }
+        held.insert(token.clone(), (expires, reservation));
+        Some(token)
+    }
+
+    /// Settles a reservation with the usage its caller reports; `None` when the token is
+    /// unknown, forged, already settled or expired (or, for a signed token, when the store
+    /// that marks it settled cannot answer: it then stays charged as reserved).
+    pub async fn report_usage(
+        &self,
+        token: &str,
+        used: u64,
+        reported_prompt: Option<u64>,
+    ) -> Option<Settled> {
+        let now = self.clock.unix_us();
+        let token = token.trim();
+        if crate::reservation_token::is_signed(token) {
+            let verified = crate::reservation_token::decode(self.reservation_key.as_ref()?, token)?;
+            if verified.expires_us <= now {
+                return None;
+            }
+            if !self
+                .mark_settled(verified.id, verified.expires_us - now)
+                .await
+            {
+                return None;
+            }
+            return Some(
+                self.settle(&verified.reservation, used, reported_prompt, "report")
+                    .await,
+            );
+        }
+        let (expires, reservation) = self.held.lock().remove(token)?;
+        if expires <= now {
+            self.metrics
+                .llm_settled(&reservation, reservation.tokens(), None, "expired");
+            return None;
+        }
+        Some(
+            self.settle(&reservation, used, reported_prompt, "report")
+                .await,
+        )
+    }
+
+    /// Marks signed reservation `id` settled for the `ttl_us` it can still be reported in (and
+    /// an hour more, for gateways whose clocks disagree): a lease on the shared store,
+    /// so only the first report anywhere settles it. `false` when it already was, or the
+    /// store cannot answer.
+    pub(super) async fn mark_settled(&self, id: u64, ttl_us: u64) -> bool {
+        let op = crate::store::lease::LeaseOp {
+            key: crate::store::BucketKey::of(&format!("rsv:{id:016x}")),
+            max: 1,
+            group: crate::store::Group::Enforce,
+            ttl_us: ttl_us.saturating_add(SETTLED_MARK_SLACK_US),
+            soft: false,
+            held: false,
+        };
+        let mut results = crate::store::lease::LeaseResults::new();
+        // A fresh lease id: a second report, even from this gateway, finds the key full.
+        let lease_id = crate::store::lease::next_lease_id();
+        self.store
+            .acquire(self.store.now_us(), lease_id, &[op], &mut results)
+            .await
+            .is_ok()
+            && results.first().is_some_and(|r| r.allowed && r.committed)
+    }
+
+    /// Drops the held reservations whose time is up: they stay charged as reserved.
+    pub(super) fn expire_reservations(&self) {
+        let now = self.clock.unix_us();
+        let mut expired = Vec::new();
+        self.held.lock().retain(|_, (expires, reservation)| {
+            let keep = *expires > now;
+            if !keep {
+                expired.push(std::mem::take(reservation));
+            }
+            keep
+        });
+        for reservation in expired {
+            self.metrics
+                .llm_settled(&reservation, reservation.tokens(), None, "expired");
+        }
+    }
+}
