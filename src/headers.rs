@@ -1,4 +1,4 @@
-//! The one place that turns a [`Decision`] into HTTP (SPEC §5): `RateLimit-Policy`,
+//! The one place that turns a decision ([`Decided`]) into HTTP (SPEC §5): `RateLimit-Policy`,
 //! `RateLimit` (one item per enforced rule), the legacy `RateLimit-Limit/Remaining/Reset` trio
 //! for the most restrictive rule, and on refusal the status, body, reason header and
 //! `Retry-After` with deterministic per-identity jitter.

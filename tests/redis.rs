@@ -413,7 +413,16 @@ fn two_gateways_share_one_limit_on_a_cluster() {
     );
     let addrs: Vec<_> = gateways.iter().map(|g| g.proxy).collect();
     let total = count_admitted(&addrs, 4, 120, |_, i| format!("c{}", i % 7));
-    assert_eq!(total, 300, "480 requests over two gateways, limit 300");
+    // Seen once (295, in a full suite run on 2 cores): the upstream's count and both
+    // gateways' logs say whether tokens went to requests that were not answered 200.
+    assert_eq!(
+        total,
+        300,
+        "480 requests over two gateways, limit 300; upstream saw {}; logs: {} / {}",
+        upstream.hits(),
+        gateways[0].log_text(),
+        gateways[1].log_text()
+    );
     assert_eq!(upstream.hits(), total);
     for gw in &gateways {
         assert_eq!(
