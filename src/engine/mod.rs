@@ -391,7 +391,7 @@ pub fn plan_with<'b>(
                 })
             });
             match found {
-                Some(bucket) => LimitKind::of(rule).plan(rule, bucket, facts, context, planning),
+                Some(bucket) => LimitKind::of(rule).plan((rule, bucket), facts, context, planning),
                 None if rule.on_missing == OnMissing::Reject => {
                     let slot = match rule.mode {
                         Mode::Enforce => &mut missing_enforce,

@@ -79,20 +79,20 @@ impl LimitKind {
         }
     }
 
-    /// Plans this request under `rule` (of this kind), whose bucket is `key` with `quota`.
+    /// Plans this request under `rule` (of this kind) in its bucket: the key and the quota
+    /// that applies to it.
     pub(crate) fn plan<'b>(
         self,
-        rule: &'b Rule,
-        (key, quota): (BucketKey, Quota),
+        (rule, bucket): (&'b Rule, (BucketKey, Quota)),
         facts: &RequestFacts<'_>,
         context: PlanContext<'b>,
         planning: &mut Planning<'b>,
     ) {
         match self {
-            LimitKind::TokenBucket => token_bucket::plan(rule, (key, quota), facts, None, planning),
-            LimitKind::CostBased => budget::plan(rule, (key, quota), facts, context, planning),
-            LimitKind::Concurrency => concurrency::plan(rule, key, planning),
-            LimitKind::Llm => llm::plan(rule, (key, quota), facts, context, planning),
+            LimitKind::TokenBucket => token_bucket::plan(rule, bucket, facts, None, planning),
+            LimitKind::CostBased => budget::plan(rule, bucket, facts, context, planning),
+            LimitKind::Concurrency => concurrency::plan(rule, bucket.0, planning),
+            LimitKind::Llm => llm::plan(rule, bucket, facts, context, planning),
         }
     }
 
