@@ -25,6 +25,10 @@
 //!                                  stages, the client address, redaction
 //! ```
 //!
+//! One exception, on purpose: a limit kind's module under `limits` holds both halves of its
+//! kind, the compiling half (an `impl` of `policy`'s compiler, L0 code that only reads JSON)
+//! and the planning half (L2), so that a kind is found, and added, in one file.
+//!
 //! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →
 //! `Store` → `engine::finish` → `Gateway::answer` (`headers::build` / `Metrics::record` / the
 //! log line / the top list, all from one `Decided`) → back to `proxy`, each step reading only

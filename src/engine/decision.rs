@@ -175,7 +175,7 @@ pub struct RuleOutcome<'b> {
     /// The rule (its name, policy, mode, cost source...).
     pub rule: &'b Rule,
     /// The bucket's identity in the store (hash of `tb:<rule>:<key>`; the readable name is
-    /// rebuilt on demand by [`bucket_name`], so the hot path allocates no string).
+    /// rebuilt on demand by [`crate::engine::bucket_name`], so the hot path allocates no string).
     pub key: BucketKey,
     /// The quota applied (the rule's, or a per-ID override).
     pub quota: Quota,

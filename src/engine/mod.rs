@@ -6,7 +6,8 @@
 //! What every rule shares lives here: kill switches, selecting policies and rules (scanned or
 //! through the bundle's index), bucket keys, `on_missing`, repeated headers, and finishing
 //! (all-or-nothing per commit group, shadow beside enforce, failing open). What a rule's kind
-//! adds is planned by its module under [`crate::limits`], through [`LimitKind::plan`].
+//! adds is planned by its module under [`crate::limits`], through `LimitKind::plan` (a
+//! policy's guards through `limits::guards::plan`, before its rules).
 //!
 //! A [`Decision`] (`decision.rs`) borrows the bundle it was made with and carries everything
 //! headers, metrics and logs need (rule and policy names, quotas, the kill switch that fired);

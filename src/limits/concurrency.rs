@@ -76,3 +76,71 @@ pub(crate) fn plan<'b>(rule: &'b Rule, key: BucketKey, planning: &mut Planning<'
         planning.checked.slots.push(SlotOutcome::new(rule, key));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::engine::tests::{ask, engine};
+    use crate::engine::{Outcome, Reason};
+    use crate::policy::compile::tests::errors_of;
+    use serde_json::{json, Value};
+
+    fn slots(config: Value) -> Value {
+        json!({"rules": [{"name": "conns", "limit_keys": ["ip:address"], "algorithm": "concurrency",
+                          "algorithm_config": config}]})
+    }
+
+    #[test]
+    fn concurrency_fields_are_checked() {
+        for (config, error) in [
+            (json!({}), "rules[0].algorithm_config.max_in_flight: is required"),
+            (
+                json!({"max_in_flight": 0}),
+                "rules[0].algorithm_config.max_in_flight: must be a whole number from 1 to 1000000",
+            ),
+            (
+                json!({"max_in_flight": 2.5}),
+                "rules[0].algorithm_config.max_in_flight: must be a whole number from 1 to 1000000",
+            ),
+            (
+                json!({"max_in_flight": 2, "lease_ttl_seconds": 86_401}),
+                "rules[0].algorithm_config.lease_ttl_seconds: must be a whole number of seconds from 1 to 86400",
+            ),
+            (
+                json!({"max_in_flight": 2, "burst": 5}),
+                "rules[0].algorithm_config.burst: unknown field (expected one of: max_in_flight, lease_ttl_seconds)",
+            ),
+        ] {
+            assert_eq!(errors_of(slots(config)), [error]);
+        }
+    }
+
+    /// A slot is a lease held until the request gives it back: two in flight, the third
+    /// refused, and one given back lets the next in. Another client has its own slots.
+    #[test]
+    fn slots_are_held_until_given_back() {
+        let (e, _clock) = engine(slots(json!({"max_in_flight": 2, "lease_ttl_seconds": 30})));
+        let first = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        let second = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(first.outcome(), Outcome::Allow);
+        assert_eq!(second.outcome(), Outcome::Allow);
+        let held = first.checked().unwrap();
+        assert_eq!(held.held_leases().len(), 1);
+        assert_eq!(held.slots[0].in_flight, 0);
+        assert_eq!(second.checked().unwrap().slots[0].in_flight, 1);
+        let third = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(
+            third.outcome(),
+            Outcome::Reject(Reason::ConcurrencyExceeded)
+        );
+        assert_eq!(third.status(), 429);
+        assert_eq!(
+            ask(&e, "GET", "/", "10.0.0.2", &[]).outcome(),
+            Outcome::Allow
+        );
+        e.store.leases().release(held.lease_id, &held.held_leases());
+        assert_eq!(
+            ask(&e, "GET", "/", "10.0.0.1", &[]).outcome(),
+            Outcome::Allow
+        );
+    }
+}

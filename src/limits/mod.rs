@@ -6,8 +6,8 @@
 //!
 //! [`LimitKind`] is the `algorithm` a rule names and what both sides dispatch on:
 //! `Compiler::kind_config` hands its `algorithm_config` to its module and gets back the parts a
-//! rule carries; [`LimitKind::plan`] hands a request's bucket under the rule to the same module,
-//! which adds its store operations and outcomes to the request's [`Planning`].
+//! rule carries; `LimitKind::plan` hands a request's bucket under the rule to the same module,
+//! which adds its store operations and outcomes to the request's `Planning`.
 //!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;
 //! - [`budget`]: `cost_based` budgets and their stages;
@@ -67,7 +67,7 @@ impl LimitKind {
 
     /// The kind of a compiled rule (a guard's rule, planned by [`guards`], is a plain bucket
     /// here).
-    pub fn of(rule: &Rule) -> LimitKind {
+    pub(crate) fn of(rule: &Rule) -> LimitKind {
         if rule.llm.is_some() {
             LimitKind::Llm
         } else if rule.concurrency.is_some() {
@@ -156,7 +156,7 @@ pub(crate) struct PlanContext<'b> {
 }
 
 /// The commit group of a rule's operations.
-pub(crate) fn group_of(mode: Mode) -> Group {
+fn group_of(mode: Mode) -> Group {
     match mode {
         Mode::Enforce => Group::Enforce,
         Mode::Shadow => Group::Shadow,

@@ -394,7 +394,8 @@ impl Gateway {
     }
 
     /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets
-    /// Fairvisor's verbose headers.
+    /// Fairvisor's verbose headers (on every decision the engine was asked for, a no-policy
+    /// one included, whichever the store).
     fn compat_headers(&self, response: &mut Response, decided: &Decided<'_>) {
         // A request refused before the engine (no facts) keeps its reason header, as it always
         // has: it carries no cookie to open a debug session with.

@@ -19,7 +19,7 @@ pub(super) struct FileSignature {
     len: u64,
 }
 
-pub(super) fn signature(path: &Path) -> Option<FileSignature> {
+fn signature(path: &Path) -> Option<FileSignature> {
     let meta = std::fs::metadata(path).ok()?;
     Some(FileSignature {
         modified: meta.modified().ok(),
@@ -86,7 +86,7 @@ impl Gateway {
     }
 
     /// The files the network data is read from, in a fixed order.
-    pub(super) fn network_files(&self) -> Vec<&std::path::Path> {
+    fn network_files(&self) -> Vec<&std::path::Path> {
         self.config
             .geoip_db
             .iter()
@@ -96,7 +96,7 @@ impl Gateway {
             .collect()
     }
 
-    pub(super) fn install(&self, bundle: Bundle) {
+    fn install(&self, bundle: Bundle) {
         let info = LoadedPolicy {
             version: bundle.version.clone(),
             hash: bundle.hash.clone(),
@@ -205,7 +205,7 @@ impl Gateway {
         self.reload_policy_if_changed();
     }
 
-    pub(super) fn reload_policy_if_changed(&self) {
+    fn reload_policy_if_changed(&self) {
         let sig = signature(&self.config.policy);
         {
             let watch = self.watch.lock();

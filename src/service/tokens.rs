@@ -209,7 +209,7 @@ impl Gateway {
     /// an hour more, for gateways whose clocks disagree): a lease on the shared store,
     /// so only the first report anywhere settles it. `false` when it already was, or the
     /// store cannot answer.
-    pub(super) async fn mark_settled(&self, id: u64, ttl_us: u64) -> bool {
+    async fn mark_settled(&self, id: u64, ttl_us: u64) -> bool {
         let op = crate::store::lease::LeaseOp {
             key: crate::store::BucketKey::of(&format!("rsv:{id:016x}")),
             max: 1,

@@ -695,7 +695,7 @@ impl Compiler {
 
     /// A rule's `match`: descriptor → expected value (an address or network for `ip:address`,
     /// the JSON text of a number or boolean).
-    pub(crate) fn conditions(&mut self, v: &Value, path: &str) -> Vec<MatchCondition> {
+    fn conditions(&mut self, v: &Value, path: &str) -> Vec<MatchCondition> {
         let mut conditions = Vec::new();
         if !v.is_object() {
             self.error(path, format!("must be an object, found {}", type_name(v)));
