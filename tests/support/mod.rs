@@ -13,12 +13,32 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// A free TCP port on 127.0.0.1 (bound then released).
+/// A free TCP port on 127.0.0.1 (bound then released) for a server a test starts.
+///
+/// Chosen below Linux's ephemeral range (32768-60999), never twice in one test binary: a port
+/// from `bind(":0")` comes from that range, where the kernel also picks the local ports of
+/// outgoing connections, so between the probe and the server's own bind a test's client
+/// connection could take it (seen once: a gateway's admin listener retrying for 20 s on a port
+/// a connection held).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    use std::collections::HashSet;
+    use std::hash::{BuildHasher, RandomState};
+    use std::sync::Mutex;
+    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
+    const LOW: u16 = 20_000;
+    const SPAN: u64 = 32_768 - LOW as u64;
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    let handed_out = handed_out.get_or_insert_with(HashSet::new);
+    // A per-process random start (std's hasher keys are random), then a walk over the range.
+    let start = RandomState::new().hash_one(std::process::id()) % SPAN;
+    for step in 0..SPAN {
+        let port = LOW + ((start + step * 7_919) % SPAN) as u16;
+        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            handed_out.insert(port);
+            return port;
+        }
+    }
+    panic!("no free loopback port from {LOW} to 32767");
 }
 
 /// A response as seen by the client.
