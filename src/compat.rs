@@ -8,7 +8,7 @@
 //!
 //! Pure: the caller passes the time, the headers and the decision.
 
-use crate::engine::{Cause, Decision};
+use crate::engine::{Decision, RefusedBy};
 use crate::headers::HeaderList;
 use crate::policy::Bundle;
 use base64::Engine as _;
@@ -118,14 +118,11 @@ fn action(decision: &Decision<'_>) -> &'static str {
 
 /// The policy and rule a decision names: the refusing rule, else the first rule that applied.
 fn policy_and_rule<'d>(decision: &'d Decision<'_>) -> (&'d str, &'d str, &'static str) {
-    let rule = match decision {
-        Decision::Refuse(refusal) => match refusal.cause {
-            Cause::Rule(rule) => Some(rule),
-            Cause::Buckets => decision.rejecting_rule().map(|r| r.rule),
-            Cause::KillSwitch(_) => return ("kill_switch", "", "enforce"),
-            Cause::Request => None,
-        },
-        _ => decision.rules().first().map(|r| r.rule),
+    let rule = match decision.refused_by() {
+        Some(RefusedBy::Rule(rule)) => Some(rule),
+        Some(RefusedBy::KillSwitch(_)) => return ("kill_switch", "", "enforce"),
+        Some(RefusedBy::Request) => None,
+        None => decision.rules().first().map(|r| r.rule),
     };
     rule.map_or(("", "", "enforce"), |r| {
         (r.policy_id.as_str(), r.name.as_str(), r.mode.as_str())

@@ -620,15 +620,6 @@ impl<'b> Decision<'b> {
         })
     }
 
-    /// The access log's `verdict`: `allow`, `no_policy`, or the refusal's reason.
-    pub fn verdict(&self) -> &'static str {
-        match self {
-            Decision::NoPolicy => "no_policy",
-            Decision::Allow(_) => "allow",
-            Decision::Refuse(r) => r.reason.as_str(),
-        }
-    }
-
     /// The enforced rule that refused the request with the longest wait (a never-admissible
     /// cost first).
     pub fn rejecting_rule(&self) -> Option<&RuleOutcome<'b>> {

@@ -414,7 +414,7 @@ impl ProxyHttp for Proxy {
                     let answer = self.gateway.decide(&facts).await;
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
-                        access.verdict = answer.verdict;
+                        access.verdict = answer.verdict();
                         access.rule = answer.rule.clone();
                     }
                     if answer.allowed {

@@ -482,7 +482,6 @@ impl Gateway {
                 Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
                 _ => None,
             },
-            verdict: decision.verdict(),
             response,
         }
     }
@@ -505,7 +504,6 @@ impl Gateway {
                     no_policy: false,
                     reason: Some(Reason::EncodedSlash),
                     rule: None,
-                    verdict: Reason::EncodedSlash.as_str(),
                     response: self.refuse_early(
                         Reason::EncodedSlash,
                         described.client_ip,
@@ -603,10 +601,19 @@ pub struct Answer {
     pub reason: Option<Reason>,
     /// The rule that refused it (a refusal by buckets or by a rule's missing descriptor).
     pub rule: Option<String>,
-    /// The access log's verdict: `allow`, `no_policy`, or the refusal's reason.
-    pub verdict: &'static str,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
+}
+
+impl Answer {
+    /// The access log's verdict: the refusal's reason, `no_policy` or `allow`.
+    pub fn verdict(&self) -> &'static str {
+        match self.reason {
+            Some(reason) => reason.as_str(),
+            None if self.no_policy => "no_policy",
+            None => "allow",
+        }
+    }
 }
 
 /// The lease an allowed decision holds: its committed concurrency slots, with the longest of
