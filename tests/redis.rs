@@ -8,8 +8,8 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::{
-    assert_all_or_nothing, assert_seed_vectors, bucket_op, count_admitted, free_port, shared_store,
-    start_fleet, Gateway, Upstream,
+    assert_all_or_nothing, assert_seed_vectors, bucket_op, count_admitted, free_cluster_port,
+    free_port, shared_store, start_fleet, Gateway, Upstream,
 };
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{Backend, BucketOp, Group, OpResults};
@@ -97,7 +97,7 @@ impl RedisCluster {
         let nodes: Vec<RedisServer> = (0..3)
             .map(|_| {
                 RedisServer::spawn(
-                    free_port(),
+                    free_cluster_port(),
                     &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
                 )
             })

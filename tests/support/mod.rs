@@ -21,24 +21,43 @@ use std::time::{Duration, Instant};
 /// connection could take it (seen once: a gateway's admin listener retrying for 20 s on a port
 /// a connection held).
 pub fn free_port() -> u16 {
+    free_ports_at(&[0])
+}
+
+/// A free port for a Redis Cluster node: the port and its cluster bus port (the port + 10000)
+/// both free, both below the ephemeral range.
+pub fn free_cluster_port() -> u16 {
+    free_ports_at(&[0, 10_000])
+}
+
+/// A port `p` from 20000 up such that every `p + offset` is below 32768, can be bound now, and
+/// was never handed out by this binary; all of them are marked handed out.
+fn free_ports_at(offsets: &[u16]) -> u16 {
     use std::collections::HashSet;
     use std::hash::{BuildHasher, RandomState};
     use std::sync::Mutex;
     static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
     const LOW: u16 = 20_000;
-    const SPAN: u64 = 32_768 - LOW as u64;
+    const EPHEMERAL: u16 = 32_768;
+    let widest = offsets.iter().copied().max().unwrap_or(0);
+    let span = u64::from(EPHEMERAL - LOW - widest);
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
     let handed_out = handed_out.get_or_insert_with(HashSet::new);
-    // A per-process random start (std's hasher keys are random), then a walk over the range.
-    let start = RandomState::new().hash_one(std::process::id()) % SPAN;
-    for step in 0..SPAN {
-        let port = LOW + ((start + step * 7_919) % SPAN) as u16;
-        if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            handed_out.insert(port);
+    // A random start (std's hasher keys are random), then a walk over the whole span (7919 is
+    // prime and divides no span here, so every port is visited once).
+    let start = RandomState::new().hash_one(std::process::id()) % span;
+    for step in 0..span {
+        let port = LOW + ((start + step * 7_919) % span) as u16;
+        let all_free = offsets.iter().all(|&offset| {
+            !handed_out.contains(&(port + offset))
+                && TcpListener::bind(("127.0.0.1", port + offset)).is_ok()
+        });
+        if all_free {
+            handed_out.extend(offsets.iter().map(|&offset| port + offset));
             return port;
         }
     }
-    panic!("no free loopback port from {LOW} to 32767");
+    panic!("no free loopback ports at {offsets:?} from {LOW} below {EPHEMERAL}");
 }
 
 /// A response as seen by the client.
