@@ -17,8 +17,9 @@
 //!     headers, metrics, auth       kind plans its rules in its `limits` module); plan + store
 //!                                  answer → Decision (an enum carrying names and quotas);
 //!                                  Decided (decision + request) → HTTP headers; counters; JWT
-//! L1  store                        one `Store`: embedded (synchronous) or Redis / PostgreSQL
-//!                                  (awaited), with its own time base, stats and sweep
+//! L1  store, fs_trust              one `Store`: embedded (synchronous) or Redis / PostgreSQL
+//!                                  (awaited), with its own time base, stats and sweep; who
+//!                                  may write the state dir and the upgrade socket's directory
 //! L0  clock, policy, descriptor,   pure core: no network, no async (the policy loader reads
 //!     limiter, budget,             its file) — time, compiled bundles, request facts and
 //!     client_addr, redact          keys, token-bucket and window maths, budget windows and
@@ -44,7 +45,9 @@ pub mod compat;
 pub mod config;
 pub mod descriptor;
 pub mod engine;
+pub mod fs_trust;
 pub mod grpc;
+pub mod handover;
 pub mod headers;
 pub mod import;
 pub mod limiter;

@@ -92,6 +92,7 @@ pub struct Metrics {
     /// Operator actions: bucket resets by the store's answer (`reset`: it held state, `full`:
     /// nothing to reset), admin requests refused for their token.
     admin_resets: IntCounterVec,
+    handover_failures: IntCounterVec,
     admin_refused: IntCounter,
     /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
     log_lines_dropped: IntCounter,
@@ -214,6 +215,23 @@ impl Metrics {
         ));
         for result in ["reset", "full"] {
             admin_resets.with_label_values(&[result]);
+        }
+        let handover_failures = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_upgrade_handover_failures_total",
+                "Zero-downtime upgrade hand-overs that did not happen, by reason (no_taker, stranger, unconfirmed, nothing_received, malformed, io); the old process keeps serving",
+            ),
+            &["reason"],
+        ));
+        for reason in [
+            "no_taker",
+            "stranger",
+            "unconfirmed",
+            "nothing_received",
+            "malformed",
+            "io",
+        ] {
+            handover_failures.with_label_values(&[reason]);
         }
         let log_lines_dropped = must(IntCounter::new(
             "tollgate_log_lines_dropped_total",
@@ -381,6 +399,7 @@ impl Metrics {
             Box::new(store_errors.clone()),
             Box::new(reloads.clone()),
             Box::new(admin_resets.clone()),
+            Box::new(handover_failures.clone()),
             Box::new(admin_refused.clone()),
             Box::new(log_lines_dropped.clone()),
             Box::new(policy_info.clone()),
@@ -432,6 +451,7 @@ impl Metrics {
             store_errors,
             reloads,
             admin_resets,
+            handover_failures,
             admin_refused,
             log_lines_dropped,
             policy_info,
@@ -541,6 +561,11 @@ impl Metrics {
         self.admin_resets
             .with_label_values(&[if held_state { "reset" } else { "full" }])
             .inc();
+    }
+
+    /// Counts a zero-downtime upgrade hand-over that did not happen, by its reason.
+    pub fn handover_failed(&self, reason: &str) {
+        self.handover_failures.with_label_values(&[reason]).inc();
     }
 
     /// Counts an operator endpoint request refused for its token.

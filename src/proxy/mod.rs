@@ -1,7 +1,9 @@
 //! Pingora glue: the only module that names Pingora types. It builds the server — the reverse
 //! proxy ([`gateway`]), the admin listener ([`admin`]) and background tasks (reload, sweep) — and
 //! runs it until SIGTERM/SIGINT, then drains; or, on SIGQUIT, hands its listening sockets over
-//! to the process started with `--upgrade` (Pingora's zero-downtime upgrade), then drains.
+//! to the process started with `--upgrade` ([`crate::handover`]), then drains once the new
+//! process says it serves. The new process takes the sockets it is handed into Pingora's
+//! bootstrap through a private relay socket of its own.
 
 pub mod admin;
 pub mod conn;
@@ -73,31 +75,55 @@ pub fn run(args: RunArgs) -> u8 {
         eprintln!("tollgate: {e}");
         return EXIT_INVALID;
     }
-    // An invalid policy is not fatal: decisions answer 503 until a valid bundle appears (the
-    // file watcher picks it up).
-    let _ = gateway.load_policy("startup");
-
-    if let Some(sock) = config.upgrade_sock.as_ref().filter(|sock| {
-        config.upgrade
-            && !sock
-                .parent()
-                .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
-    }) {
+    // An invalid policy is not fatal at a plain start: decisions answer 503 until a valid
+    // bundle appears (the file watcher picks it up). An upgrade is different: the running
+    // gateway enforces a bundle, and taking its listeners without one would switch limits off,
+    // so the new process stops here and the old one keeps serving.
+    let loaded = gateway.load_policy("startup");
+    if let (true, Err(e)) = (config.upgrade, &loaded) {
         let e = format!(
-            "--upgrade-sock {}: its directory does not exist",
-            sock.display()
+            "--upgrade: the policy does not load, so the running gateway keeps its listeners: {e}"
         );
         tracing::error!("{e}");
         eprintln!("tollgate: {e}");
         return EXIT_INVALID;
     }
+
+    // Whoever can put a socket where the upgrade socket goes is handed the listening sockets
+    // (or hands over their own): only a directory no other user can write is accepted.
+    if let Some(sock) = &config.upgrade_sock {
+        if let Err(reason) =
+            crate::handover::check_socket_dir(sock, crate::fs_trust::effective_uid())
+        {
+            let e = format!(
+                "--upgrade-sock {}: its directory is not trusted: {reason}",
+                sock.display()
+            );
+            tracing::error!("{e}");
+            eprintln!("tollgate: {e}");
+            return EXIT_INVALID;
+        }
+    }
+    // The upgrade's relay: the sockets the old process hands over (checked by `handover`)
+    // reach Pingora's bootstrap through a socket in a directory of this process's own.
+    let relay = match config.upgrade_sock.as_deref().filter(|_| config.upgrade) {
+        None => None,
+        Some(sock) => match Relay::make(sock) {
+            Ok(relay) => Some(relay),
+            Err(e) => {
+                tracing::error!("{e}");
+                eprintln!("tollgate: {e}");
+                return EXIT_INVALID;
+            }
+        },
+    };
     let conf = ServerConf {
         threads: config.threads,
-        // Without one, SIGQUIT drains instead (`DrainOnSignal`), so Pingora never uses this.
-        upgrade_sock: config
-            .upgrade_sock
+        // Only the relay: the old process's side of a hand-over is `handover::send`, never
+        // Pingora's (which checks nobody's credentials).
+        upgrade_sock: relay
             .as_ref()
-            .map_or_else(String::new, |sock| sock.display().to_string()),
+            .map_or_else(String::new, |relay| relay.sock.display().to_string()),
         work_stealing: false,
         upstream_keepalive_pool_size: UPSTREAM_KEEPALIVE_POOL,
         grace_period_seconds: Some(1),
@@ -292,19 +318,52 @@ pub fn run(args: RunArgs) -> u8 {
         ));
     }
 
-    // Last, once nothing else can fail: with --upgrade this waits (up to about 6 s) for the
+    // The table of listening sockets, for handing them over on SIGQUIT.
+    let listen_table = Arc::new(std::sync::OnceLock::new());
+    server.add_service(ListenTable {
+        table: Arc::clone(&listen_table),
+    });
+
+    // Last, once nothing else can fail: with --upgrade this waits (up to a minute) for the
     // running process, sent SIGQUIT, to hand its listening sockets over.
-    if config.upgrade {
-        let sock = config
-            .upgrade_sock
-            .as_deref()
-            .unwrap_or(std::path::Path::new(""));
+    if let (Some(relay), Some(sock)) = (&relay, &config.upgrade_sock) {
         tracing::info!(upgrade_sock = %sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
+        let metrics = &gateway.metrics;
+        let received = crate::handover::receive(
+            sock,
+            crate::fs_trust::effective_uid(),
+            crate::handover::RECEIVE_WAIT,
+            |refused| {
+                tracing::error!("upgrade: {refused}");
+                metrics.handover_failed(refused.reason());
+            },
+        );
+        let (listeners, confirmation) = match received {
+            Ok(received) => received,
+            Err(e) => {
+                gateway.metrics.handover_failed(e.reason());
+                tracing::error!("upgrade: {e}");
+                eprintln!("tollgate: {e}");
+                return EXIT_INVALID;
+            }
+        };
+        tracing::info!(
+            listeners = ?listeners.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>(),
+            "upgrade: the running gateway handed its listeners over"
+        );
+        relay.pass_on(listeners);
+        server.add_service(background_service(
+            "tollgate upgrade confirmation",
+            ConfirmUpgrade(parking_lot::Mutex::new(Some(confirmation))),
+        ));
     }
     server.bootstrap();
+    drop(relay);
     server.run(PingoraRunArgs {
         shutdown_signal: Box::new(DrainOnSignal {
-            can_hand_over: config.upgrade_sock.is_some(),
+            upgrade_sock: config.upgrade_sock.clone(),
+            listen_table,
+            gateway: Arc::clone(&gateway),
         }),
     });
     crate::log_line::flush();
@@ -336,11 +395,61 @@ fn ignore_sighup_until_ready() {
 }
 
 /// SIGTERM and SIGINT both drain gracefully: listeners close, in-flight requests finish.
-/// SIGQUIT first hands the listening sockets to the process started with `--upgrade`, then
-/// drains the same way.
+/// SIGQUIT hands the listening sockets to the process started with `--upgrade` and drains the
+/// same way once that process says it serves; when no such process takes them (none waits,
+/// a stranger answers, or it never confirms), this one keeps serving: an upgrade never turns
+/// into an outage.
 struct DrainOnSignal {
-    /// An upgrade socket is configured: SIGQUIT hands the listeners over through it.
-    can_hand_over: bool,
+    /// Where the new process waits; `None`: SIGQUIT cannot hand anything over.
+    upgrade_sock: Option<std::path::PathBuf>,
+    /// The listening sockets (Pingora's table, filled as the services bind).
+    listen_table: Arc<std::sync::OnceLock<pingora::server::ListenFds>>,
+    gateway: Arc<Gateway>,
+}
+
+impl DrainOnSignal {
+    /// Hands the listening sockets over; `true` when the new process took them and serves.
+    async fn hand_over(&self) -> bool {
+        let Some(sock) = self.upgrade_sock.clone() else {
+            tracing::error!("SIGQUIT: no upgrade socket (--upgrade-sock or --state-dir) to hand the listeners over through; still serving (SIGTERM stops the gateway)");
+            self.gateway.metrics.handover_failed("no_taker");
+            return false;
+        };
+        let listeners: Vec<(String, std::os::fd::RawFd)> = match self.listen_table.get() {
+            Some(table) => {
+                let (names, fds) = table.lock().serialize();
+                names.into_iter().zip(fds).collect()
+            }
+            None => Vec::new(),
+        };
+        tracing::info!(upgrade_sock = %sock.display(), "SIGQUIT: handing the listeners over to the new gateway");
+        let sent = tokio::task::spawn_blocking(move || {
+            crate::handover::send(
+                &sock,
+                &listeners,
+                crate::fs_trust::effective_uid(),
+                crate::handover::CONNECT_WAIT,
+                crate::handover::CONFIRM_WAIT,
+            )
+        })
+        .await;
+        match sent {
+            Ok(Ok(())) => {
+                tracing::info!("upgrade: the new gateway serves; draining");
+                true
+            }
+            Ok(Err(e)) => {
+                self.gateway.metrics.handover_failed(e.reason());
+                tracing::error!("upgrade failed, still serving: {e}");
+                false
+            }
+            Err(e) => {
+                self.gateway.metrics.handover_failed("io");
+                tracing::error!("upgrade failed, still serving: {e}");
+                false
+            }
+        }
+    }
 }
 
 #[async_trait]
@@ -355,19 +464,119 @@ impl ShutdownSignalWatch for DrainOnSignal {
             tracing::error!("cannot install signal handlers; shutting down");
             return ShutdownSignal::FastShutdown;
         };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: draining"),
-            _ = int.recv() => tracing::info!("SIGINT: draining"),
-            _ = quit.recv() => {
-                if !self.can_hand_over {
-                    tracing::warn!("SIGQUIT: no upgrade socket (--upgrade-sock or --state-dir): draining without handing the listeners over");
+        loop {
+            tokio::select! {
+                _ = term.recv() => {
+                    tracing::info!("SIGTERM: draining");
                     return ShutdownSignal::GracefulTerminate;
                 }
-                tracing::info!("SIGQUIT: handing the listeners over to the new gateway, then draining");
-                return ShutdownSignal::GracefulUpgrade;
+                _ = int.recv() => {
+                    tracing::info!("SIGINT: draining");
+                    return ShutdownSignal::GracefulTerminate;
+                }
+                _ = quit.recv() => {
+                    // The new process has the sockets and serves: this one stops accepting
+                    // and drains (no Pingora upgrade step: the hand-over is done).
+                    if self.hand_over().await {
+                        return ShutdownSignal::GracefulTerminate;
+                    }
+                }
             }
         }
-        ShutdownSignal::GracefulTerminate
+    }
+}
+
+/// Keeps Pingora's table of listening sockets (every service is handed it at start) for the
+/// hand-over on SIGQUIT.
+struct ListenTable {
+    table: Arc<std::sync::OnceLock<pingora::server::ListenFds>>,
+}
+
+#[async_trait]
+impl pingora::services::Service for ListenTable {
+    async fn start_service(
+        &mut self,
+        fds: Option<pingora::server::ListenFds>,
+        mut shutdown: ShutdownWatch,
+        _listeners_per_fd: usize,
+    ) {
+        if let Some(fds) = fds {
+            let _ = self.table.set(fds);
+        }
+        let _ = shutdown.changed().await;
+    }
+
+    fn name(&self) -> &str {
+        "tollgate listen table"
+    }
+
+    fn threads(&self) -> Option<usize> {
+        Some(1)
+    }
+}
+
+/// Tells the old process of an upgrade that this one serves, once its services run.
+struct ConfirmUpgrade(parking_lot::Mutex<Option<crate::handover::Confirmation>>);
+
+#[async_trait]
+impl BackgroundService for ConfirmUpgrade {
+    async fn start(&self, _shutdown: ShutdownWatch) {
+        if let Some(confirmation) = self.0.lock().take() {
+            confirmation.confirm();
+            tracing::info!("upgrade: serving; the old gateway drains");
+        }
+    }
+}
+
+/// The upgrade's relay into Pingora's bootstrap: a directory only this process's user can
+/// enter, beside the upgrade socket, holding the socket Pingora takes the listeners from.
+struct Relay {
+    dir: std::path::PathBuf,
+    sock: std::path::PathBuf,
+}
+
+impl Relay {
+    fn make(upgrade_sock: &std::path::Path) -> Result<Relay, String> {
+        let parent = upgrade_sock
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        let dir = parent.join(format!(".tollgate-relay-{}", std::process::id()));
+        // A leftover of an earlier process with this pid.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
+            .create(&dir)
+            .map_err(|e| format!("--upgrade-sock: cannot make {}: {e}", dir.display()))?;
+        let sock = dir.join("s");
+        Ok(Relay { dir, sock })
+    }
+
+    /// Passes the sockets the old process handed over to Pingora's bootstrap, which waits on
+    /// the relay socket (a thread: the bootstrap blocks this one).
+    fn pass_on(&self, listeners: Vec<(String, std::os::fd::OwnedFd)>) {
+        let sock = self.sock.clone();
+        std::thread::spawn(move || {
+            use std::os::fd::AsRawFd;
+            let raw: Vec<(String, std::os::fd::RawFd)> = listeners
+                .iter()
+                .map(|(name, fd)| (name.clone(), fd.as_raw_fd()))
+                .collect();
+            // Pingora's side reads and closes without confirming: that ends the wait.
+            let _ = crate::handover::send(
+                &sock,
+                &raw,
+                crate::fs_trust::effective_uid(),
+                crate::handover::CONNECT_WAIT,
+                Duration::from_secs(5),
+            );
+            drop(listeners);
+        });
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

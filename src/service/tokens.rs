@@ -11,7 +11,8 @@ pub(super) fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac:
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let path = dir.join("reservation.key");
-    let secret = match std::fs::read(&path) {
+    // Never through a symlink: the key is only ever a file of the state dir's own.
+    let secret = match crate::fs_trust::read_regular(&path) {
         Ok(secret) if secret.len() >= 32 => secret,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let mut secret = vec![0u8; 32];
@@ -19,7 +20,7 @@ pub(super) fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac:
             // Written whole under another name, then linked into place: a crash never leaves
             // half a key, and a key another process made meanwhile is not replaced.
             let fresh = dir.join(format!("reservation.key.{}", std::process::id()));
-            let written = std::fs::OpenOptions::new()
+            let written = crate::fs_trust::no_follow()
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
@@ -31,7 +32,9 @@ pub(super) fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac:
                 Ok(()) => secret,
                 // Made by the other process of an upgrade first: use that one.
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    std::fs::read(&path).ok().filter(|s| s.len() >= 32)?
+                    crate::fs_trust::read_regular(&path)
+                        .ok()
+                        .filter(|s| s.len() >= 32)?
                 }
                 Err(e) => {
                     tracing::error!(path = %path.display(), "state dir: cannot write the reservation key, LLM reservations of the decision service will not survive a restart: {e}");

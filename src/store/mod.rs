@@ -440,7 +440,10 @@ impl Store {
         let shown = state.dir.display().to_string();
         let lock = match state_file::lock_dir(&state.dir, state.upgrade) {
             Ok(lock) => Some(lock),
-            Err(e @ state_file::StateError::Held { .. }) => return Err(e),
+            Err(
+                e
+                @ (state_file::StateError::Held { .. } | state_file::StateError::Untrusted { .. }),
+            ) => return Err(e),
             Err(e) => {
                 tracing::error!(dir = %shown, "state dir unusable, buckets kept in process memory only: {e}");
                 None

@@ -20,9 +20,10 @@
 //! the mapping can never meet a full disk (which would kill the process with SIGBUS): a disk
 //! that is already full is found at start-up and the store falls back to process memory.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Read;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -98,6 +99,12 @@ pub struct Header {
 pub enum StateError {
     #[error("--state-dir {dir}: held by a running gateway{holder}; stop it first, or start this one with --upgrade to take over from it")]
     Held { dir: PathBuf, holder: String },
+    /// Another user could read, rename or replace the directory's files.
+    #[error("--state-dir {dir}: not trusted: {reason} (like sshd with its keys, tollgate keeps state only in a directory no other user can write)")]
+    Untrusted {
+        dir: PathBuf,
+        reason: crate::fs_trust::Untrusted,
+    },
     #[error("--state-dir {path}: {what}: {source}")]
     Io {
         path: PathBuf,
@@ -131,26 +138,35 @@ pub struct DirLock {
 /// exits after handing its listeners over), and until then the two share the files.
 ///
 /// # Errors
-/// The directory cannot be made or its lock file opened, or another gateway holds it.
+/// The directory cannot be made or its lock file opened, another user could write to it or
+/// replace it ([`StateError::Untrusted`]), or another gateway holds it.
 pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
     // Owner-only: the directory holds the upgrade socket, through which the listening sockets
     // are handed over, and the reservation-signing key.
     std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
         .create(dir)
         .map_err(io_error(dir, "cannot create the directory"))?;
-    // A directory that already existed keeps its mode: made owner-only here too.
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
-    }
+    trust_dir(dir)?;
     let path = dir.join(LOCK_NAME);
-    let mut file = OpenOptions::new()
+    let mut file = crate::fs_trust::no_follow()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o600)
         .open(&path)
         .map_err(io_error(&path, "cannot open the lock file"))?;
+    if !file
+        .metadata()
+        .map_err(io_error(&path, "cannot open the lock file"))?
+        .is_file()
+    {
+        return Err(StateError::Io {
+            path,
+            what: "cannot open the lock file",
+            source: std::io::Error::other("not a regular file"),
+        });
+    }
     if flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
         write_pid(&file);
         return Ok(DirLock {
@@ -196,6 +212,22 @@ pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
         sole_owner: false,
         became_owner,
     })
+}
+
+/// Refuses a directory another user owns or could write to (or replace, through a directory
+/// above it); one that passes and is ours is made owner-only (it may have been made readable by
+/// others, e.g. by a packaging tool).
+fn trust_dir(dir: &Path) -> Result<(), StateError> {
+    let me = crate::fs_trust::effective_uid();
+    crate::fs_trust::check_private_dir(dir, me).map_err(|reason| StateError::Untrusted {
+        dir: dir.to_path_buf(),
+        reason,
+    })?;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if std::fs::metadata(dir).is_ok_and(|m| m.uid() == me) {
+        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+    }
+    Ok(())
 }
 
 fn flock(file: &File, how: libc::c_int) -> bool {
@@ -289,11 +321,26 @@ impl StateFile {
     }
 }
 
-/// Why an existing file cannot be mapped with `geometry`, if it cannot.
-fn unusable(path: &Path, geometry: &Geometry) -> std::io::Result<Option<String>> {
-    let mut file = File::open(path)?;
+/// How far ahead of the wall clock the file's latest time may be: beyond it the file is not
+/// believed (a time near 2^64 would freeze time for the store: no bucket would ever refill).
+pub const TIME_AHEAD_LIMIT_US: u64 = 24 * 3600 * 1_000_000;
+/// The latest time the file's time base can hold (whole seconds in 30 bits: 2054).
+const TIME_BASE_END_US: u64 = (1 << 30) * 1_000_000;
+
+/// Why an existing file cannot be mapped with `geometry`, if it cannot; `now_unix_us` is the
+/// wall clock.
+fn unusable(path: &Path, geometry: &Geometry, now_unix_us: u64) -> std::io::Result<Option<String>> {
+    let kind = std::fs::symlink_metadata(path)?.file_type();
+    if !kind.is_file() {
+        return Ok(Some(if kind.is_symlink() {
+            "a symlink, not a regular file (never followed)".to_string()
+        } else {
+            "not a regular file".to_string()
+        }));
+    }
+    let mut file = crate::fs_trust::no_follow().read(true).open(path)?;
     let size = file.metadata()?.len();
-    let mut head = [0u8; 56];
+    let mut head = [0u8; 88];
     if size < HEADER_BYTES as u64 || file.read_exact(&mut head).is_err() {
         return Ok(Some(format!(
             "truncated: {size} bytes, shorter than its header"
@@ -332,7 +379,47 @@ fn unusable(path: &Path, geometry: &Geometry) -> std::io::Result<Option<String>>
             geometry.total_bytes()
         )));
     }
-    Ok(None)
+    Ok(header_out_of_bounds(
+        geometry,
+        [word(7), word(9), word(10)],
+        now_unix_us,
+    ))
+}
+
+/// Why the header's counts and time, `[len, lease_live, time_hwm]`, cannot be believed, if
+/// they cannot: a count above its table's capacity, or a latest time beyond the file's time
+/// base or more than [`TIME_AHEAD_LIMIT_US`] ahead of the wall clock (when the wall clock is
+/// set at all: one still at 1970 at boot says nothing).
+fn header_out_of_bounds(
+    g: &Geometry,
+    [len, leases, hwm]: [u64; 3],
+    now_unix_us: u64,
+) -> Option<String> {
+    let slots = (g.shard_count * g.shard_capacity) as u64;
+    if len > slots {
+        return Some(format!(
+            "header counts {len} entries, more than its {slots} slots"
+        ));
+    }
+    if leases > g.lease_capacity as u64 {
+        return Some(format!(
+            "header counts {leases} leases, more than its {} slots",
+            g.lease_capacity
+        ));
+    }
+    if hwm >= TIME_BASE_END_US {
+        return Some(format!(
+            "header time {hwm} µs lies beyond the file's time base (2054)"
+        ));
+    }
+    let now = now_unix_us.saturating_sub(EPOCH_US);
+    if now > 0 && hwm > now.saturating_add(TIME_AHEAD_LIMIT_US) {
+        return Some(format!(
+            "header time lies {} s ahead of the wall clock",
+            (hwm - now) / 1_000_000
+        ));
+    }
+    None
 }
 
 /// Opens (or makes) `DIR/buckets.state` for `geometry` and maps it. A file that cannot be used
@@ -346,8 +433,14 @@ pub fn open(dir: &Path, geometry: Geometry, sole_owner: bool) -> Result<Opened, 
     let path = dir.join(FILE_NAME);
     let mut moved_aside = None;
     let mut created = true;
-    if path.exists() {
-        match unusable(&path, &geometry).map_err(io_error(&path, "cannot read the state file"))? {
+    // `symlink_metadata`: a symlink there exists (and is moved aside), whatever it points to.
+    if std::fs::symlink_metadata(&path).is_ok() {
+        let now = u64::try_from(crate::clock::wall_unix_secs())
+            .unwrap_or(0)
+            .saturating_mul(1_000_000);
+        match unusable(&path, &geometry, now)
+            .map_err(io_error(&path, "cannot read the state file"))?
+        {
             None => created = false,
             // During an upgrade the running process still writes the file: never moved aside
             // from under it (this process keeps its buckets in memory instead).
@@ -373,13 +466,9 @@ pub fn open(dir: &Path, geometry: Geometry, sole_owner: bool) -> Result<Opened, 
     let file = if created {
         // Made under a temporary name and renamed into place once complete, so a crash while
         // making it never leaves a half-made file under the real name.
+        // Created exclusively after removing any leftover: never written through a link.
         let fresh = dir.join(format!("{FILE_NAME}.new"));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&fresh)
+        let file = crate::fs_trust::create_fresh(&fresh)
             .map_err(io_error(&fresh, "cannot create the state file"))?;
         file.set_len(total as u64)
             .map_err(io_error(&fresh, "cannot size the state file"))?;
@@ -399,10 +488,7 @@ pub fn open(dir: &Path, geometry: Geometry, sole_owner: bool) -> Result<Opened, 
         std::fs::rename(&fresh, &path).map_err(io_error(&path, "cannot create the state file"))?;
         file
     } else {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
+        crate::fs_trust::open_regular(&path)
             .map_err(io_error(&path, "cannot open the state file"))?
     };
     // SAFETY: a shared mapping of the whole file, which is `total` bytes long.
@@ -604,6 +690,85 @@ mod tests {
             why,
             "made for another --max-buckets (2 × 8 slots, now 2 × 16)"
         );
+    }
+
+    #[test]
+    fn header_counts_and_times_beyond_their_bounds_are_not_believed() {
+        let g = geometry();
+        let now = EPOCH_US + 1_000 * 1_000_000;
+        let rel = now - EPOCH_US;
+        assert_eq!(header_out_of_bounds(&g, [16, 4, rel], now), None);
+        assert_eq!(
+            header_out_of_bounds(&g, [17, 0, 0], now).unwrap(),
+            "header counts 17 entries, more than its 16 slots"
+        );
+        assert_eq!(
+            header_out_of_bounds(&g, [0, 17, 0], now).unwrap(),
+            "header counts 17 leases, more than its 16 slots"
+        );
+        assert_eq!(
+            header_out_of_bounds(&g, [0, 0, u64::MAX - 5], now).unwrap(),
+            format!(
+                "header time {} µs lies beyond the file's time base (2054)",
+                u64::MAX - 5
+            )
+        );
+        // A day ahead is believed (a clock stepped back by an NTP fix); past that, not.
+        assert_eq!(
+            header_out_of_bounds(&g, [0, 0, rel + TIME_AHEAD_LIMIT_US], now),
+            None
+        );
+        assert_eq!(
+            header_out_of_bounds(&g, [0, 0, rel + TIME_AHEAD_LIMIT_US + 1_000_000], now).unwrap(),
+            "header time lies 86401 s ahead of the wall clock"
+        );
+        // A wall clock still at 1970 (not yet set at boot) judges nothing.
+        assert_eq!(
+            header_out_of_bounds(&g, [0, 0, rel + 10 * TIME_AHEAD_LIMIT_US], 0),
+            None
+        );
+    }
+
+    #[test]
+    fn a_file_whose_header_time_is_near_2_pow_64_is_moved_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(open(dir.path(), geometry(), true).unwrap());
+        let path = dir.path().join(FILE_NAME);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[80..88].copy_from_slice(&(u64::MAX - 1).to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let opened = open(dir.path(), geometry(), true).unwrap();
+        let (aside, why) = opened.moved_aside.unwrap();
+        assert!(
+            why.starts_with("header time 18446744073709551614 µs lies beyond"),
+            "{why}"
+        );
+        assert_eq!(std::fs::read(aside).unwrap(), bytes);
+        assert_eq!(opened.file.header().time_hwm.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn symlinks_in_the_directory_are_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let precious = outside.path().join("precious");
+        std::fs::write(&precious, b"root only").unwrap();
+        std::os::unix::fs::symlink(&precious, dir.path().join(LOCK_NAME)).unwrap();
+        std::os::unix::fs::symlink(&precious, dir.path().join(format!("{FILE_NAME}.new"))).unwrap();
+        assert!(lock_dir(dir.path(), false).is_err());
+        let opened = open(dir.path(), geometry(), true).unwrap();
+        assert!(opened.created);
+        assert_eq!(std::fs::read(&precious).unwrap(), b"root only");
+        // The state file itself a symlink: moved aside (the link, not its target).
+        drop(opened);
+        std::fs::remove_file(dir.path().join(FILE_NAME)).unwrap();
+        std::os::unix::fs::symlink(&precious, dir.path().join(FILE_NAME)).unwrap();
+        let (_, why) = open(dir.path(), geometry(), true)
+            .unwrap()
+            .moved_aside
+            .unwrap();
+        assert_eq!(why, "a symlink, not a regular file (never followed)");
+        assert_eq!(std::fs::read(&precious).unwrap(), b"root only");
     }
 
     #[test]

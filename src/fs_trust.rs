@@ -1,0 +1,272 @@
+//! Who may write where the gateway keeps what it trusts: the checks the state directory
+//! (`--state-dir`) and the upgrade socket's directory (`--upgrade-sock`) share, in the way sshd
+//! checks the directories of its keys, and the one way files there are opened (never through
+//! a symlink).
+//!
+//! A directory is trusted when it is owned by this process's user or by root and neither group
+//! nor others may write to it. Every directory above it must be owned by this user or root too,
+//! and may be writable by others only with the sticky bit (as `/tmp` is): without it, whoever
+//! can write to a parent can rename the directory away and put one of their own in its place.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Why a directory is not trusted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Untrusted {
+    #[error("{dir} cannot be inspected: {reason}")]
+    Unreadable { dir: PathBuf, reason: String },
+    #[error("{dir} is not a directory")]
+    NotADirectory { dir: PathBuf },
+    #[error("{dir} is owned by uid {owner}, not by this user (uid {me}) or root")]
+    Owner { dir: PathBuf, owner: u32, me: u32 },
+    #[error("{dir} is writable by {who} (mode {mode:04o}); it must be writable by its owner only")]
+    Writable {
+        dir: PathBuf,
+        who: &'static str,
+        mode: u32,
+    },
+    #[error("{dir}, above it, is owned by uid {owner}, who could replace it (only this user, uid {me}, or root may own it)")]
+    ParentOwner { dir: PathBuf, owner: u32, me: u32 },
+    #[error("{dir}, above it, is writable by {who} without the sticky bit (mode {mode:04o}): they could rename it away and put their own in its place")]
+    ParentWritable {
+        dir: PathBuf,
+        who: &'static str,
+        mode: u32,
+    },
+}
+
+/// The effective user of this process.
+pub fn effective_uid() -> u32 {
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Who besides the owner may write, by the mode's bits.
+fn writers(mode: u32) -> Option<&'static str> {
+    match (mode & 0o020 != 0, mode & 0o002 != 0) {
+        (true, true) => Some("its group and others"),
+        (true, false) => Some("its group"),
+        (false, true) => Some("others"),
+        (false, false) => None,
+    }
+}
+
+/// Checks `dir` (which must exist) and every directory above it, for the user `me`: see the
+/// module's comment for the rules. Symlinks in the path are resolved first, so the directories
+/// checked are the ones really used.
+///
+/// # Errors
+/// The first directory that fails, and why.
+pub fn check_private_dir(dir: &Path, me: u32) -> Result<(), Untrusted> {
+    let real = dir.canonicalize().map_err(|e| Untrusted::Unreadable {
+        dir: dir.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let meta = std::fs::metadata(&real).map_err(|e| Untrusted::Unreadable {
+        dir: real.clone(),
+        reason: e.to_string(),
+    })?;
+    if !meta.is_dir() {
+        return Err(Untrusted::NotADirectory { dir: real });
+    }
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(Untrusted::Owner {
+            dir: real,
+            owner: meta.uid(),
+            me,
+        });
+    }
+    if let Some(who) = writers(meta.mode()) {
+        return Err(Untrusted::Writable {
+            dir: real,
+            who,
+            mode: meta.mode() & 0o7777,
+        });
+    }
+    for parent in real.ancestors().skip(1) {
+        let meta = std::fs::metadata(parent).map_err(|e| Untrusted::Unreadable {
+            dir: parent.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        if meta.uid() != me && meta.uid() != 0 {
+            return Err(Untrusted::ParentOwner {
+                dir: parent.to_path_buf(),
+                owner: meta.uid(),
+                me,
+            });
+        }
+        let sticky = meta.mode() & 0o1000 != 0;
+        if let (Some(who), false) = (writers(meta.mode()), sticky) {
+            return Err(Untrusted::ParentWritable {
+                dir: parent.to_path_buf(),
+                who,
+                mode: meta.mode() & 0o7777,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Options that never follow a symlink in the last component (`O_NOFOLLOW`): a link planted
+/// where a file of ours is expected fails to open instead of redirecting the write.
+pub fn no_follow() -> OpenOptions {
+    let mut options = OpenOptions::new();
+    options.custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    options
+}
+
+/// Opens an existing regular file for reading and writing, never through a symlink.
+///
+/// # Errors
+/// The open fails (a symlink fails with `ELOOP`), or what is there is not a regular file.
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    let file = no_follow().read(true).write(true).open(path)?;
+    regular(file)
+}
+
+/// Reads a whole regular file, never through a symlink.
+///
+/// # Errors
+/// The open or the read fails (a symlink fails with `ELOOP`), or it is not a regular file.
+pub fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut file = regular(no_follow().read(true).open(path)?)?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut file, &mut bytes)?;
+    Ok(bytes)
+}
+
+/// Creates `path` afresh for writing, owner-only (0600): whatever was there (a leftover, or a
+/// planted symlink) is removed first, and the new file is created exclusively (`O_EXCL`), so
+/// no existing file, and nothing a link points to, is ever written.
+///
+/// # Errors
+/// The old entry cannot be removed or the new one created.
+pub fn create_fresh(path: &Path) -> std::io::Result<File> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    no_follow()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+}
+
+/// `file`, when it is a regular file.
+fn regular(file: File) -> std::io::Result<File> {
+    if file.metadata()?.is_file() {
+        Ok(file)
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn chmod(path: &Path, mode: u32) {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn an_owner_only_directory_is_trusted_and_a_group_or_world_writable_one_is_not() {
+        let top = tempfile::tempdir().unwrap();
+        let dir = top.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        chmod(&dir, 0o700);
+        let me = effective_uid();
+        assert_eq!(check_private_dir(&dir, me), Ok(()));
+        chmod(&dir, 0o755);
+        assert_eq!(check_private_dir(&dir, me), Ok(()));
+        chmod(&dir, 0o770);
+        let err = check_private_dir(&dir, me).unwrap_err();
+        assert_eq!(
+            err,
+            Untrusted::Writable {
+                dir: dir.canonicalize().unwrap(),
+                who: "its group",
+                mode: 0o770
+            }
+        );
+        chmod(&dir, 0o1777);
+        assert!(matches!(
+            check_private_dir(&dir, me),
+            Err(Untrusted::Writable {
+                who: "its group and others",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_directory_of_another_user_or_under_a_replaceable_parent_is_not_trusted() {
+        let top = tempfile::tempdir().unwrap();
+        let dir = top.path().join("state");
+        std::fs::create_dir(&dir).unwrap();
+        chmod(&dir, 0o700);
+        let owner = std::fs::metadata(&dir).unwrap().uid();
+        // Owned by another user who is not root (nobody, 65534): needs root to hand it over.
+        if owner == 0 {
+            std::os::unix::fs::chown(&dir, Some(65534), None).unwrap();
+            assert_eq!(
+                check_private_dir(&dir, 0),
+                Err(Untrusted::Owner {
+                    dir: dir.canonicalize().unwrap(),
+                    owner: 65534,
+                    me: 0
+                })
+            );
+            std::os::unix::fs::chown(&dir, Some(0), None).unwrap();
+        }
+        // A parent anyone may write to, without the sticky bit.
+        chmod(top.path(), 0o777);
+        assert_eq!(
+            check_private_dir(&dir, owner),
+            Err(Untrusted::ParentWritable {
+                dir: top.path().canonicalize().unwrap(),
+                who: "its group and others",
+                mode: 0o777
+            })
+        );
+        // With the sticky bit (as /tmp), entries of others cannot be renamed: trusted.
+        chmod(top.path(), 0o1777);
+        assert_eq!(check_private_dir(&dir, owner), Ok(()));
+        chmod(top.path(), 0o700);
+    }
+
+    #[test]
+    fn a_symlink_is_never_followed_and_a_fresh_file_never_writes_through_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("precious");
+        std::fs::write(&target, b"keep").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = open_regular(&link).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ELOOP));
+        let mut fresh = create_fresh(&link).unwrap();
+        std::io::Write::write_all(&mut fresh, b"new").unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        assert_eq!(std::fs::read(&link).unwrap(), b"new");
+        assert!(!std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(
+            std::fs::metadata(&link).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        // A directory where a file is expected is refused.
+        std::fs::create_dir(dir.path().join("d")).unwrap();
+        assert!(open_regular(&dir.path().join("d")).is_err());
+    }
+}
