@@ -395,7 +395,8 @@ fn a_full_disk_falls_back_to_process_memory() {
     let setup = Setup::new(POLICY);
     std::fs::create_dir_all(setup.state()).unwrap();
     let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        // Owner-only (a tmpfs is world-writable by default, which a state dir may not be).
+        .args(["-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs"])
         .arg(setup.state())
         .stderr(Stdio::null())
         .status()

@@ -91,7 +91,15 @@ pub fn run(args: RunArgs) -> u8 {
 
     // Whoever can put a socket where the upgrade socket goes is handed the listening sockets
     // (or hands over their own): only a directory no other user can write is accepted.
-    if let Some(sock) = &config.upgrade_sock {
+    // (Checked when it matters or could: an upgrade, or a directory that exists. A state dir
+    // that is unusable leaves its default socket unchecked here; SIGQUIT then fails to hand over
+    // and the gateway keeps serving.)
+    if let Some(sock) = config.upgrade_sock.as_ref().filter(|sock| {
+        config.upgrade
+            || sock
+                .parent()
+                .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
+    }) {
         if let Err(reason) =
             crate::handover::check_socket_dir(sock, crate::fs_trust::effective_uid())
         {
@@ -415,6 +423,17 @@ impl DrainOnSignal {
             self.gateway.metrics.handover_failed("no_taker");
             return false;
         };
+        // Checked again now: the directory may have changed since start-up.
+        if let Err(reason) =
+            crate::handover::check_socket_dir(&sock, crate::fs_trust::effective_uid())
+        {
+            tracing::error!(
+                "upgrade refused, still serving: --upgrade-sock {}: its directory is not trusted: {reason}",
+                sock.display()
+            );
+            self.gateway.metrics.handover_failed("stranger");
+            return false;
+        }
         let listeners: Vec<(String, std::os::fd::RawFd)> = match self.listen_table.get() {
             Some(table) => {
                 let (names, fds) = table.lock().serialize();
