@@ -859,3 +859,218 @@ fn an_upgrade_hands_over_the_tls_and_grpc_listeners() {
         new.log_text()
     );
 }
+
+/// Issue rows "another local user binds the upgrade socket's path (under /tmp)" and "connects
+/// first to the waiting new process": a socket in a directory another user can write to is
+/// refused at start-up, naming the path and why; the default socket is owner-only in an
+/// owner-only directory, so another user (nobody, through `setpriv`) cannot even connect to the
+/// waiting process, and the real hand-over then goes through.
+#[test]
+fn the_upgrade_socket_trusts_only_this_user() {
+    let setup = Setup::new(POLICY);
+    let shared = format!("/tmp/tollgate-upgrade-{}.sock", std::process::id());
+    let mut node = setup.spawn("shared.log", &["--upgrade-sock", &shared]);
+    assert_eq!(node.wait_exit(Duration::from_secs(20)), Some(1));
+    let log = node.log_text();
+    assert!(
+        log.contains(&format!(
+            "--upgrade-sock {shared}: its directory is not trusted: /tmp is writable by its group and others (mode 1777); it must be writable by its owner only"
+        )),
+        "{log}"
+    );
+
+    let mut old = setup.start("old.log", &TRUST);
+    let new = setup.spawn("new.log", &["--upgrade", TRUST[0], TRUST[1]]);
+    let sock = setup.state().join("upgrade.sock");
+    let start = Instant::now();
+    while !sock.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{}",
+            new.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+    let stranger = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .args(["/usr/bin/python3", "-c"])
+        .arg(format!(
+            "import socket\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect({:?})\n print('connected')\nexcept OSError as e:\n print(type(e).__name__)\n",
+            sock.display().to_string()
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&stranger.stdout),
+        "PermissionError\n"
+    );
+    old.signal(libc::SIGQUIT);
+    assert_eq!(
+        old.wait_exit(Duration::from_secs(40)),
+        Some(0),
+        "{}",
+        old.log_text()
+    );
+    new.wait_ready();
+    assert_eq!(count(&new.statuses(6, "a", "10.0.0.1"), 200), 5);
+}
+
+/// Issue rows "SIGQUIT with no new process waiting (or one that failed to start)" and "upgrade
+/// to a process whose policy file is invalid": the new process exits 1 before asking for the
+/// listeners, and the old one, sent SIGQUIT with nobody to hand over to, logs an ERROR, counts
+/// it, and keeps serving and enforcing: a tenant refused before is refused after.
+#[test]
+fn a_failed_upgrade_keeps_the_old_gateway_serving_and_enforcing() {
+    let setup = Setup::new(POLICY);
+    let old = setup.start("old.log", &TRUST);
+    let before = node_statuses(&old, 12);
+    assert_eq!(count(&before, 200), 10);
+    std::fs::write(setup.dir.path().join("policy.json"), "{\"policies\": [").unwrap();
+    let mut new = setup.spawn("new.log", &["--upgrade", TRUST[0], TRUST[1]]);
+    assert_eq!(new.wait_exit(Duration::from_secs(20)), Some(1));
+    let log = new.log_text();
+    assert!(
+        log.contains(
+            "--upgrade: the policy does not load, so the running gateway keeps its listeners"
+        ),
+        "{log}"
+    );
+    assert!(!setup.state().join("upgrade.sock").exists());
+    let reached = setup.upstream.hits();
+    old.signal(libc::SIGQUIT);
+    let start = Instant::now();
+    while !old.log_text().contains("upgrade failed, still serving") {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "{}",
+            old.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = old.log_text();
+    assert!(
+        log.contains(&format!(
+            "ERROR tollgate::proxy: upgrade failed, still serving: --upgrade-sock {}: no new gateway took the listeners within 10s",
+            setup.state().join("upgrade.sock").display()
+        )),
+        "{log}"
+    );
+    assert_eq!(
+        old.metric("tollgate_upgrade_handover_failures_total{reason=\"no_taker\"}"),
+        1.0
+    );
+    // Still serving, still enforcing: the drained tenant is refused, nothing reaches upstream.
+    assert_eq!(node_statuses(&old, 20), [429; 20]);
+    assert_eq!(setup.upstream.hits(), reached);
+}
+
+/// Statuses of `n` requests of tenant `t` from ten client addresses (so the per-address bucket
+/// never refuses first).
+fn node_statuses(node: &Node, n: usize) -> Vec<u16> {
+    (0..n)
+        .flat_map(|i| node.statuses(1, "t", &format!("10.1.0.{}", i % 10 + 1)))
+        .collect()
+}
+
+/// Issue row "`--state-dir` names a directory another user owns (or one under a shared dir)":
+/// refused at start-up (exit 1) with the reason, whether the directory itself belongs to
+/// another user, a directory above it does, or one above it is writable by everyone without the
+/// sticky bit.
+#[test]
+fn a_state_dir_another_user_could_touch_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let setup = Setup::new(POLICY);
+    let state = setup.state();
+    std::fs::create_dir(&state).unwrap();
+    std::os::unix::fs::chown(&state, Some(65534), Some(65534)).unwrap();
+    let mut node = setup.spawn("owned.log", &TRUST);
+    assert_eq!(node.wait_exit(Duration::from_secs(20)), Some(1));
+    assert!(
+        node.log_text().contains(&format!(
+            "--state-dir {}: not trusted: {} is owned by uid 65534, not by this user (uid 0) or root",
+            state.display(),
+            state.display()
+        )),
+        "{}",
+        node.log_text()
+    );
+    std::os::unix::fs::chown(&state, Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut node = setup.spawn("mode.log", &TRUST);
+    assert_eq!(node.wait_exit(Duration::from_secs(20)), Some(1));
+    assert!(
+        node.log_text()
+            .contains("is writable by its group and others (mode 0777)"),
+        "{}",
+        node.log_text()
+    );
+    // Under a directory another user owns: they could rename it away and plant their own.
+    let shared = setup.dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::os::unix::fs::chown(&shared, Some(65534), Some(65534)).unwrap();
+    let mut node = setup.spawn_with(
+        "shared.log",
+        &[
+            "--state-dir",
+            shared.join("state").to_str().unwrap(),
+            TRUST[0],
+            TRUST[1],
+        ],
+        false,
+    );
+    assert_eq!(node.wait_exit(Duration::from_secs(20)), Some(1));
+    assert!(
+        node.log_text().contains(&format!(
+            "{}, above it, is owned by uid 65534, who could replace it",
+            shared.display()
+        )),
+        "{}",
+        node.log_text()
+    );
+}
+
+/// Issue rows "a planted `owner.lock` symlink made the gateway truncate a root-only file" and
+/// "a `buckets.state.new` symlink overwrote its target", and "a state file whose header carries
+/// a time near 2^64": links are never followed (their targets keep every byte) and the bad file
+/// is moved aside with its reason; the gateway serves and enforces.
+#[test]
+fn symlinks_and_impossible_headers_in_the_state_dir_are_never_believed() {
+    let setup = Setup::new(POLICY);
+    let precious = setup.dir.path().join("precious");
+    std::fs::write(&precious, b"root-only secret\n").unwrap();
+    std::fs::create_dir(setup.state()).unwrap();
+    std::os::unix::fs::symlink(&precious, setup.state().join("buckets.state.new")).unwrap();
+    let node = setup.start("first.log", &TRUST);
+    assert_eq!(std::fs::read(&precious).unwrap(), b"root-only secret\n");
+    assert_eq!(count(&node.statuses(6, "a", "10.0.0.1"), 200), 5);
+    drop(node);
+
+    // The header's latest time near 2^64: moved aside, not trusted to freeze time.
+    let file = setup.state().join("buckets.state");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[80..88].copy_from_slice(&(u64::MAX - 7).to_le_bytes());
+    std::fs::write(&file, &bytes).unwrap();
+    let node = setup.start("second.log", &TRUST);
+    let log = node.log_text();
+    assert!(
+        log.contains("state file unusable (header time 18446744073709551608 µs lies beyond the file's time base (2054)); moved aside"),
+        "{log}"
+    );
+    assert_eq!(count(&node.statuses(6, "a", "10.0.0.1"), 200), 5);
+    drop(node);
+
+    // A planted lock-file link: refused, its target untouched; buckets in process memory.
+    std::fs::remove_file(setup.state().join("owner.lock")).unwrap();
+    std::os::unix::fs::symlink(&precious, setup.state().join("owner.lock")).unwrap();
+    let node = setup.start("third.log", &TRUST);
+    assert_eq!(std::fs::read(&precious).unwrap(), b"root-only secret\n");
+    let log = node.log_text();
+    assert!(log.contains("cannot open the lock file"), "{log}");
+    assert_eq!(node.metric("tollgate_state_dir_fallback"), 1.0);
+}
