@@ -234,7 +234,8 @@ pub struct RunArgs {
     pub bucket_idle_secs: Option<u64>,
     /// Keep the embedded store's buckets, budgets, breakers, loop marks and reservations in
     /// files under DIR (mapped into memory): they survive a restart, a crash of the process and
-    /// an upgrade. One gateway per directory.
+    /// an upgrade. One gateway per directory. It must be owned by this user or root and
+    /// writable by nobody else (nor replaceable through a directory above it), or start-up stops.
     #[arg(help_heading = "Buckets and stores", long, env = "TOLLGATE_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
     /// With --state-dir: milliseconds between flushes of the state file to disk, the most a
@@ -248,12 +249,15 @@ pub struct RunArgs {
     pub state_sync_ms: u64,
     /// Take the listening sockets over from the running gateway (zero-downtime upgrade): start
     /// this process, then send the old one SIGQUIT; it hands its listeners over through
-    /// --upgrade-sock, finishes its requests in flight and exits.
+    /// --upgrade-sock and, once this one confirms it serves, finishes its requests in flight and
+    /// exits. This process loads everything first and exits 1 without taking the listeners if
+    /// anything (the policy included) fails to load.
     #[arg(help_heading = "Buckets and stores", long, env = "TOLLGATE_UPGRADE")]
     pub upgrade: bool,
     /// The Unix socket the listeners are handed over through (the old and the new process must
-    /// name the same one), in a directory only this user can write. Default: `upgrade.sock` in
-    /// --state-dir; without either, SIGQUIT drains without handing anything over.
+    /// name the same one), in a directory only this user (or root) owns and can write: another
+    /// is refused at start-up. Both ends accept only this user or root as the other. Default:
+    /// `upgrade.sock` in --state-dir; without either, SIGQUIT is logged and ignored.
     #[arg(
         help_heading = "Buckets and stores",
         long,
