@@ -93,6 +93,8 @@ pub struct Metrics {
     /// nothing to reset), admin requests refused for their token.
     admin_resets: IntCounterVec,
     admin_refused: IntCounter,
+    /// `POST /v1/debug/session` refusals by reason (`no_secret`, `wrong_secret`, `throttled`).
+    debug_session_failures: IntCounterVec,
     /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
     log_lines_dropped: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
@@ -223,6 +225,16 @@ impl Metrics {
             "tollgate_admin_unauthorized_total",
             "Operator endpoint requests refused for a missing or wrong admin token",
         ));
+        let debug_session_failures = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_debug_session_failures_total",
+                "Debug-session logins refused: no secret, a wrong one, or a client throttled after too many",
+            ),
+            &["reason"],
+        ));
+        for failure in crate::compat::Failure::ALL {
+            debug_session_failures.with_label_values(&[failure.as_str()]);
+        }
         let reloads = must(IntCounterVec::new(
             Opts::new("tollgate_policy_reloads_total", "Policy loads by result"),
             &["result"],
@@ -382,6 +394,7 @@ impl Metrics {
             Box::new(reloads.clone()),
             Box::new(admin_resets.clone()),
             Box::new(admin_refused.clone()),
+            Box::new(debug_session_failures.clone()),
             Box::new(log_lines_dropped.clone()),
             Box::new(policy_info.clone()),
             Box::new(runtime_overrides.clone()),
@@ -433,6 +446,7 @@ impl Metrics {
             reloads,
             admin_resets,
             admin_refused,
+            debug_session_failures,
             log_lines_dropped,
             policy_info,
             runtime_overrides,
@@ -546,6 +560,13 @@ impl Metrics {
     /// Counts an operator endpoint request refused for its token.
     pub fn admin_unauthorized(&self) {
         self.admin_refused.inc();
+    }
+
+    /// Counts a debug-session login refused.
+    pub fn debug_session_failure(&self, failure: crate::compat::Failure) {
+        self.debug_session_failures
+            .with_label_values(&[failure.as_str()])
+            .inc();
     }
 
     pub fn reload(&self, ok: bool) {
