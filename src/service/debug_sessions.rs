@@ -26,6 +26,10 @@ impl Gateway {
 
     /// Whether a `Cookie` header opens a debug session.
     pub fn debug_session_open(&self, cookie: Option<&str>) -> bool {
+        // Most decisions carry no session cookie: no lock for them.
+        if !cookie.is_some_and(|c| c.contains(crate::compat::COOKIE)) {
+            return false;
+        }
         self.debug_sessions.as_ref().is_some_and(|sessions| {
             sessions
                 .read()
