@@ -62,7 +62,7 @@ pub enum StartError {
     #[error("{0}")]
     Network(String),
     #[error("{0}")]
-    Random(#[from] fingerprint_key::KeyFileError),
+    FingerprintKey(#[from] fingerprint_key::KeyFileError),
 }
 
 /// `X-Forwarded-For` and `X-Real-IP`, parsed once (a name given as a string is parsed at every
