@@ -154,15 +154,25 @@ pub struct RunArgs {
     )]
     pub compat: CompatArg,
     /// With --compat fairvisor: the secret `POST /v1/debug/session` takes in
-    /// `X-Fairvisor-Debug-Secret` to open a debug session (a signed `fv_dbg` cookie, 15
-    /// minutes). Without it the debug endpoints answer 404.
+    /// `X-Fairvisor-Debug-Secret` to open a debug session (an `fv_dbg` cookie, 15 minutes,
+    /// ended by `POST /v1/debug/logout`). At least 16 printable characters; 5 failed attempts
+    /// from a client in 5 minutes make it wait (429). Without it the debug endpoints answer 404.
     #[arg(
         help_heading = "Policy",
         long,
         env = "TOLLGATE_DEBUG_SESSION_SECRET",
-        hide_env_values = true
+        hide_env_values = true,
+        conflicts_with = "debug_session_secret_file"
     )]
     pub debug_session_secret: Option<String>,
+    /// --debug-session-secret read from a file (its trailing newline dropped), so it never
+    /// shows in `ps`.
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_DEBUG_SESSION_SECRET_FILE"
+    )]
+    pub debug_session_secret_file: Option<PathBuf>,
     /// MaxMind-format database for `ip:country` (GeoLite2/GeoIP2 Country or City, DB-IP lite)
     /// or `ip:asn` (GeoLite2 ASN); repeat it for both. A database answers before the trusted
     /// headers. Verified whole at load; reloaded on SIGHUP and when it changes.

@@ -1,12 +1,14 @@
 //! `--compat fairvisor`: answering as Fairvisor Edge does where tollgate differs on purpose.
-//! The reason header is `X-Fairvisor-Reason` and is shown only to a debug session (a signed
-//! `fv_dbg` cookie from `POST /v1/debug/session` with `X-Fairvisor-Debug-Secret`), which also
+//! The reason header is `X-Fairvisor-Reason` and is shown only to a debug session (an `fv_dbg`
+//! cookie from `POST /v1/debug/session` with `X-Fairvisor-Debug-Secret`, see
+//! [`DebugSessions`]: failed attempts throttled per client, logout ending it), which also
 //! gets Fairvisor's verbose `X-Fairvisor-Debug-*` headers; the warning header is
 //! `X-Fairvisor-Warning`; `/metrics` adds Fairvisor's `fairvisor_*` families beside tollgate's;
 //! with `--jwt-unverified`, a token whose header segment is not JSON still gives its payload's
 //! claims (the last is in [`crate::auth`]).
 //!
-//! Pure: the caller passes the time, the headers and the decision.
+//! Pure: the caller passes the time, the headers, the decision and the random bytes a session
+//! needs.
 
 use crate::engine::{Decision, RefusedBy};
 use crate::headers::HeaderList;
@@ -31,15 +33,42 @@ pub const SECRET_HEADER: &str = "x-fairvisor-debug-secret";
 pub const COOKIE: &str = "fv_dbg";
 pub const SESSION_SECS: u64 = 900;
 
-/// `--debug-session-secret`: signs and checks debug-session cookies; never shown.
-pub struct DebugSessions {
-    key: ring::hmac::Key,
-    secret_digest: [u8; 32],
+/// The shortest debug-session secret taken: the admin token's rule, since a session reads what
+/// the operator endpoints would tell.
+pub const MIN_SECRET_CHARS: usize = 16;
+/// Failed attempts (no secret, or a wrong one) a client may make in [`ATTEMPT_WINDOW_SECS`];
+/// past them its attempts answer 429 until the window ends, the secret not even compared.
+pub const MAX_FAILED_ATTEMPTS: u32 = 5;
+/// The window failed attempts are counted in, from a client's first failure.
+pub const ATTEMPT_WINDOW_SECS: u64 = 300;
+/// Clients whose failures are remembered at once. When every entry is still in its window, a
+/// client not among them is throttled too (failing closed: a flood of addresses locks debug
+/// logins, never opens them).
+pub const MAX_TRACKED_CLIENTS: usize = 4096;
+/// Sessions open at once; opening one more ends the one closest to its expiry.
+pub const MAX_OPEN_SESSIONS: usize = 1024;
+/// Random bytes naming a session (its cookie carries them, signed).
+pub const SESSION_ID_BYTES: usize = 16;
+
+/// Why a debug-session secret is refused at start-up (the secret itself is never shown).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SecretError {
+    #[error("must be at least {MIN_SECRET_CHARS} characters (e.g. `openssl rand -hex 16`)")]
+    TooShort,
+    #[error("must be printable ASCII without spaces (it travels in the X-Fairvisor-Debug-Secret header)")]
+    NotPrintable,
 }
 
-impl std::fmt::Debug for DebugSessions {
+/// `--debug-session-secret` (or its file): kept as its SHA-256 digest only, compared in
+/// constant time; never shown.
+#[derive(Clone)]
+pub struct DebugSecret {
+    digest: [u8; 32],
+}
+
+impl std::fmt::Debug for DebugSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("DebugSessions(<redacted>)")
+        f.write_str("DebugSecret(<redacted>)")
     }
 }
 
@@ -50,57 +79,251 @@ fn sha256(bytes: &[u8]) -> [u8; 32] {
     out
 }
 
+impl DebugSecret {
+    /// # Errors
+    /// The secret is shorter than [`MIN_SECRET_CHARS`], or could not travel in a header.
+    pub fn new(secret: &str) -> Result<Self, SecretError> {
+        if secret.chars().count() < MIN_SECRET_CHARS {
+            return Err(SecretError::TooShort);
+        }
+        if !secret.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(SecretError::NotPrintable);
+        }
+        Ok(DebugSecret {
+            digest: sha256(secret.as_bytes()),
+        })
+    }
+
+    /// Whether `provided` is the secret (digests compared in constant time). An empty value
+    /// never is.
+    pub fn matches(&self, provided: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        !provided.is_empty() && bool::from(sha256(provided)[..].ct_eq(&self.digest[..]))
+    }
+}
+
+/// Why a login was refused (the label of `tollgate_debug_session_failures_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// No `X-Fairvisor-Debug-Secret`, or an empty one.
+    NoSecret,
+    WrongSecret,
+    /// Too many failures from this client: refused without looking at the secret.
+    Throttled,
+}
+
+impl Failure {
+    pub const ALL: [Failure; 3] = [Failure::NoSecret, Failure::WrongSecret, Failure::Throttled];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::NoSecret => "no_secret",
+            Failure::WrongSecret => "wrong_secret",
+            Failure::Throttled => "throttled",
+        }
+    }
+}
+
+/// The answer to `POST /v1/debug/session`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Login {
+    /// The `Set-Cookie` value of the new session.
+    Opened(String),
+    /// 403; `now_throttled` when this failure was the client's last allowed one.
+    Refused {
+        failure: Failure,
+        now_throttled: bool,
+    },
+    /// 429 with `Retry-After`.
+    Throttled { retry_after_secs: u64 },
+}
+
+/// A client's failed attempts in its current window.
+#[derive(Debug, Clone, Copy)]
+struct Attempts {
+    window_start: u64,
+    failures: u32,
+}
+
+impl Attempts {
+    fn window_end(&self) -> u64 {
+        self.window_start.saturating_add(ATTEMPT_WINDOW_SECS)
+    }
+}
+
+/// Debug sessions (`--debug-session-secret`): the secret, the sessions open, and the failed
+/// attempts per client.
+///
+/// A session is a random id the gateway registers when the secret is shown; its cookie carries
+/// the id and expiry signed with a key of this process (not derived from the secret), so no one
+/// can make a cookie offline, and logout removes the id: a cookie captured before it opens
+/// nothing after. A session lives in the process that opened it (a restart ends it).
+pub struct DebugSessions {
+    secret: DebugSecret,
+    cookie_key: ring::hmac::Key,
+    /// Open sessions: id → expiry (Unix seconds).
+    open: std::collections::HashMap<[u8; SESSION_ID_BYTES], u64>,
+    /// Failed attempts by client (its address, IPv6 reduced to the configured prefix).
+    attempts: std::collections::HashMap<std::net::IpAddr, Attempts>,
+}
+
+impl std::fmt::Debug for DebugSessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DebugSessions(<redacted>)")
+    }
+}
+
 impl DebugSessions {
-    pub fn new(secret: &[u8]) -> Self {
+    /// `cookie_key`: random bytes of this process (the caller draws them) that sign cookies.
+    pub fn new(secret: DebugSecret, cookie_key: &[u8]) -> Self {
         DebugSessions {
-            key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret),
-            secret_digest: sha256(secret),
+            secret,
+            cookie_key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, cookie_key),
+            open: std::collections::HashMap::new(),
+            attempts: std::collections::HashMap::new(),
         }
     }
 
-    /// Whether `provided` is the secret (digests compared in constant time).
-    pub fn secret_matches(&self, provided: &[u8]) -> bool {
-        use subtle::ConstantTimeEq;
-        bool::from(sha256(provided)[..].ct_eq(&self.secret_digest[..]))
+    /// `POST /v1/debug/session` from `client` showing `provided` at `unix_secs`; `id` is the
+    /// new session's random id (the caller draws it). A throttled client is answered before
+    /// the secret is looked at.
+    pub fn login(
+        &mut self,
+        client: std::net::IpAddr,
+        provided: Option<&[u8]>,
+        unix_secs: u64,
+        id: [u8; SESSION_ID_BYTES],
+    ) -> Login {
+        if let Some(retry_after_secs) = self.throttled(client, unix_secs) {
+            return Login::Throttled { retry_after_secs };
+        }
+        let provided = provided.filter(|p| !p.is_empty());
+        let failure = match provided {
+            None => Some(Failure::NoSecret),
+            Some(p) if !self.secret.matches(p) => Some(Failure::WrongSecret),
+            Some(_) => None,
+        };
+        if let Some(failure) = failure {
+            let now_throttled = self.fail(client, unix_secs);
+            return Login::Refused {
+                failure,
+                now_throttled,
+            };
+        }
+        self.attempts.remove(&client);
+        self.open.retain(|_, expires| *expires > unix_secs);
+        if self.open.len() >= MAX_OPEN_SESSIONS {
+            if let Some(oldest) = self
+                .open
+                .iter()
+                .min_by_key(|(_, expires)| **expires)
+                .map(|(id, _)| *id)
+            {
+                self.open.remove(&oldest);
+            }
+        }
+        let expires = unix_secs + SESSION_SECS;
+        self.open.insert(id, expires);
+        let payload = format!(
+            "{expires}.{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id)
+        );
+        Login::Opened(format!(
+            "{COOKIE}={payload}.{}; Path=/; Max-Age={SESSION_SECS}; HttpOnly; Secure; SameSite=Strict",
+            self.sign(&payload)
+        ))
+    }
+
+    /// Seconds until `client` may try again, when it may not now.
+    fn throttled(&mut self, client: std::net::IpAddr, unix_secs: u64) -> Option<u64> {
+        if let Some(attempts) = self.attempts.get(&client) {
+            let end = attempts.window_end();
+            return (attempts.failures >= MAX_FAILED_ATTEMPTS && unix_secs < end)
+                .then(|| end - unix_secs);
+        }
+        if self.attempts.len() < MAX_TRACKED_CLIENTS {
+            return None;
+        }
+        self.attempts.retain(|_, a| a.window_end() > unix_secs);
+        if self.attempts.len() < MAX_TRACKED_CLIENTS {
+            return None;
+        }
+        // Full of live windows: a new client waits until the first of them ends.
+        self.attempts
+            .values()
+            .map(|a| a.window_end().saturating_sub(unix_secs).max(1))
+            .min()
+    }
+
+    /// Counts a failure; whether it was the client's last allowed one.
+    fn fail(&mut self, client: std::net::IpAddr, unix_secs: u64) -> bool {
+        let attempts = self.attempts.entry(client).or_insert(Attempts {
+            window_start: unix_secs,
+            failures: 0,
+        });
+        if unix_secs >= attempts.window_end() {
+            *attempts = Attempts {
+                window_start: unix_secs,
+                failures: 0,
+            };
+        }
+        attempts.failures += 1;
+        attempts.failures == MAX_FAILED_ATTEMPTS
     }
 
     fn sign(&self, payload: &str) -> String {
-        let tag = ring::hmac::sign(&self.key, payload.as_bytes());
+        let tag = ring::hmac::sign(&self.cookie_key, payload.as_bytes());
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(tag.as_ref())
     }
 
-    /// The `Set-Cookie` value that opens a session until `now + SESSION_SECS`.
-    pub fn open(&self, unix_secs: u64) -> String {
-        let expires = unix_secs + SESSION_SECS;
-        format!(
-            "{COOKIE}={expires}.{}; Path=/; Max-Age={SESSION_SECS}; HttpOnly; Secure; SameSite=Strict",
-            self.sign(&expires.to_string())
-        )
+    /// The ids of the `fv_dbg` cookies of a `Cookie` header that are signed by this process and
+    /// not expired (whether still open or not).
+    fn signed_ids<'h>(
+        &'h self,
+        cookie_header: Option<&'h str>,
+        unix_secs: u64,
+    ) -> impl Iterator<Item = [u8; SESSION_ID_BYTES]> + 'h {
+        cookie_header
+            .into_iter()
+            .flat_map(|header| header.split(';'))
+            .filter_map(move |part| {
+                let (name, value) = part.split_once('=')?;
+                if name.trim() != COOKIE {
+                    return None;
+                }
+                let (payload, signature) = value.trim().rsplit_once('.')?;
+                let (expires, id) = payload.split_once('.')?;
+                if expires.parse::<u64>().ok()? <= unix_secs {
+                    return None;
+                }
+                let tag = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                    .decode(signature)
+                    .ok()?;
+                ring::hmac::verify(&self.cookie_key, payload.as_bytes(), &tag).ok()?;
+                let id = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                    .decode(id)
+                    .ok()?;
+                id.try_into().ok()
+            })
     }
 
-    /// Whether a `Cookie` header carries a session that is signed and not expired.
+    /// Whether a `Cookie` header carries a session that is open: signed here, not expired, not
+    /// ended by logout.
     pub fn is_open(&self, cookie_header: Option<&str>, unix_secs: u64) -> bool {
-        let Some(token) = cookie_header.and_then(|header| {
-            header.split(';').find_map(|part| {
-                let (name, value) = part.split_once('=')?;
-                (name.trim() == COOKIE).then(|| value.trim())
-            })
-        }) else {
-            return false;
-        };
-        let Some((expires, signature)) = token.split_once('.') else {
-            return false;
-        };
-        let Ok(expires_at) = expires.parse::<u64>() else {
-            return false;
-        };
-        if expires_at <= unix_secs {
-            return false;
-        }
-        let Ok(tag) = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(signature) else {
-            return false;
-        };
-        ring::hmac::verify(&self.key, expires.as_bytes(), &tag).is_ok()
+        self.signed_ids(cookie_header, unix_secs).any(|id| {
+            self.open
+                .get(&id)
+                .is_some_and(|expires| *expires > unix_secs)
+        })
+    }
+
+    /// `POST /v1/debug/logout`: ends the sessions the `Cookie` header carries. Returns how many
+    /// were open.
+    pub fn logout(&mut self, cookie_header: Option<&str>, unix_secs: u64) -> usize {
+        let ids: Vec<_> = self.signed_ids(cookie_header, unix_secs).collect();
+        ids.iter()
+            .filter(|id| self.open.remove(*id).is_some())
+            .count()
     }
 }
 
@@ -371,13 +594,55 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
 mod tests {
     use super::*;
 
+    const SECRET: &str = "e2e-debug-secret";
+    const KEY: [u8; 32] = [7; 32];
+
+    fn sessions() -> DebugSessions {
+        DebugSessions::new(DebugSecret::new(SECRET).unwrap(), &KEY)
+    }
+
+    fn client(last: u8) -> std::net::IpAddr {
+        std::net::IpAddr::from([10, 0, 0, last])
+    }
+
+    fn cookie_of(login: Login) -> String {
+        match login {
+            Login::Opened(set) => set.split(';').next().unwrap().to_string(),
+            other => panic!("not opened: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn secrets_must_be_as_strong_as_the_admin_token() {
+        assert_eq!(DebugSecret::new("").unwrap_err(), SecretError::TooShort);
+        assert_eq!(DebugSecret::new("x").unwrap_err(), SecretError::TooShort);
+        assert_eq!(
+            DebugSecret::new(&"a".repeat(15)).unwrap_err(),
+            SecretError::TooShort
+        );
+        assert_eq!(
+            DebugSecret::new("sixteen chars ok").unwrap_err(),
+            SecretError::NotPrintable
+        );
+        let secret = DebugSecret::new(SECRET).unwrap();
+        assert!(secret.matches(SECRET.as_bytes()));
+        assert!(!secret.matches(b"e2e-debug-secreT"));
+        assert!(!secret.matches(b""));
+        assert_eq!(format!("{secret:?}"), "DebugSecret(<redacted>)");
+        assert_eq!(format!("{:?}", sessions()), "DebugSessions(<redacted>)");
+    }
+
     #[test]
     fn sessions_are_signed_expire_and_refuse_forgeries() {
-        let sessions = DebugSessions::new(b"e2e-debug-secret");
-        assert!(sessions.secret_matches(b"e2e-debug-secret"));
-        assert!(!sessions.secret_matches(b"e2e-debug-secreT"));
-        let set = sessions.open(1_000);
-        assert!(set.starts_with("fv_dbg=1900."), "{set}");
+        let mut sessions = sessions();
+        let set = match sessions.login(client(1), Some(SECRET.as_bytes()), 1_000, [1; 16]) {
+            Login::Opened(set) => set,
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            set.starts_with("fv_dbg=1900.AQEBAQEBAQEBAQEBAQEBAQ."),
+            "{set}"
+        );
         assert!(set.ends_with("; Path=/; Max-Age=900; HttpOnly; Secure; SameSite=Strict"));
         let cookie = set.split(';').next().unwrap().to_string();
         assert!(sessions.is_open(Some(&cookie), 1_899));
@@ -385,11 +650,155 @@ mod tests {
         assert!(!sessions.is_open(Some(&cookie), 1_900), "expired");
         let forged = cookie.replace("1900.", "9999.");
         assert!(!sessions.is_open(Some(&forged), 1_000));
-        let other = DebugSessions::new(b"another secret").open(1_000);
-        assert!(!sessions.is_open(Some(other.split(';').next().unwrap()), 1_000));
+        // Signed with the secret (as a cookie made offline would be): nothing.
+        let payload = "1900.AQEBAQEBAQEBAQEBAQEBAQ";
+        let with_secret = ring::hmac::sign(
+            &ring::hmac::Key::new(ring::hmac::HMAC_SHA256, SECRET.as_bytes()),
+            payload.as_bytes(),
+        );
+        let offline = format!(
+            "fv_dbg={payload}.{}",
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(with_secret.as_ref())
+        );
+        assert!(!sessions.is_open(Some(&offline), 1_000));
+        // Another process's cookie (another key), even for a registered id: nothing.
+        let mut other = DebugSessions::new(DebugSecret::new(SECRET).unwrap(), &[8; 32]);
+        let foreign = cookie_of(other.login(client(1), Some(SECRET.as_bytes()), 1_000, [1; 16]));
+        assert_ne!(foreign, cookie);
+        assert!(!sessions.is_open(Some(&foreign), 1_000));
         assert!(!sessions.is_open(None, 1_000));
         assert!(!sessions.is_open(Some("fv_dbg=garbage"), 1_000));
-        assert_eq!(format!("{sessions:?}"), "DebugSessions(<redacted>)");
+        assert!(!sessions.is_open(Some("fv_dbg=1900.AQ.x"), 1_000));
+    }
+
+    #[test]
+    fn logout_ends_the_session_its_cookie_names_and_no_other() {
+        let mut sessions = sessions();
+        let a = cookie_of(sessions.login(client(1), Some(SECRET.as_bytes()), 1_000, [1; 16]));
+        let b = cookie_of(sessions.login(client(1), Some(SECRET.as_bytes()), 1_000, [2; 16]));
+        assert_eq!(sessions.logout(Some(&a), 1_010), 1);
+        assert!(
+            !sessions.is_open(Some(&a), 1_010),
+            "a captured cookie after logout"
+        );
+        assert!(sessions.is_open(Some(&b), 1_010));
+        assert_eq!(sessions.logout(Some(&a), 1_020), 0, "already ended");
+        assert_eq!(sessions.logout(Some("fv_dbg=junk"), 1_020), 0);
+        assert_eq!(sessions.logout(None, 1_020), 0);
+    }
+
+    #[test]
+    fn open_sessions_are_bounded_and_the_oldest_goes_first() {
+        let mut sessions = sessions();
+        let id = |i: usize| {
+            let mut id = [0u8; 16];
+            id[..8].copy_from_slice(&(i as u64).to_le_bytes());
+            id
+        };
+        let first = cookie_of(sessions.login(client(1), Some(SECRET.as_bytes()), 1_000, id(0)));
+        for i in 1..MAX_OPEN_SESSIONS {
+            let _ = sessions.login(client(1), Some(SECRET.as_bytes()), 1_001, id(i));
+        }
+        assert_eq!(sessions.open.len(), MAX_OPEN_SESSIONS);
+        assert!(sessions.is_open(Some(&first), 1_002));
+        let last = cookie_of(sessions.login(
+            client(1),
+            Some(SECRET.as_bytes()),
+            1_002,
+            id(MAX_OPEN_SESSIONS),
+        ));
+        assert_eq!(sessions.open.len(), MAX_OPEN_SESSIONS);
+        assert!(!sessions.is_open(Some(&first), 1_002), "the oldest ended");
+        assert!(sessions.is_open(Some(&last), 1_002));
+    }
+
+    #[test]
+    fn failed_attempts_throttle_their_client_for_the_rest_of_the_window() {
+        let mut sessions = sessions();
+        let right = Some(SECRET.as_bytes());
+        assert_eq!(
+            sessions.login(client(1), Some(b""), 1_000, [1; 16]),
+            Login::Refused {
+                failure: Failure::NoSecret,
+                now_throttled: false
+            }
+        );
+        assert_eq!(
+            sessions.login(client(1), None, 1_001, [1; 16]),
+            Login::Refused {
+                failure: Failure::NoSecret,
+                now_throttled: false
+            }
+        );
+        for t in 1_002..1_004 {
+            assert!(matches!(
+                sessions.login(client(1), Some(b"wrong"), t, [1; 16]),
+                Login::Refused {
+                    failure: Failure::WrongSecret,
+                    now_throttled: false
+                }
+            ));
+        }
+        assert_eq!(
+            sessions.login(client(1), Some(b"wrong"), 1_004, [1; 16]),
+            Login::Refused {
+                failure: Failure::WrongSecret,
+                now_throttled: true
+            }
+        );
+        // The window started at 1 000: until 1 300 even the right secret is not looked at.
+        assert_eq!(
+            sessions.login(client(1), right, 1_010, [1; 16]),
+            Login::Throttled {
+                retry_after_secs: 290
+            }
+        );
+        assert_eq!(
+            sessions.login(client(1), right, 1_299, [1; 16]),
+            Login::Throttled {
+                retry_after_secs: 1
+            }
+        );
+        // Another client is not affected.
+        assert!(matches!(
+            sessions.login(client(2), right, 1_010, [2; 16]),
+            Login::Opened(_)
+        ));
+        // After the window: a fresh count, and a success forgets the failures.
+        assert!(matches!(
+            sessions.login(client(1), Some(b"wrong"), 1_300, [1; 16]),
+            Login::Refused {
+                failure: Failure::WrongSecret,
+                now_throttled: false
+            }
+        ));
+        assert!(matches!(
+            sessions.login(client(1), right, 1_301, [3; 16]),
+            Login::Opened(_)
+        ));
+        assert!(!sessions.attempts.contains_key(&client(1)));
+    }
+
+    #[test]
+    fn a_full_table_of_failing_clients_throttles_newcomers_until_a_window_ends() {
+        let mut sessions = sessions();
+        for i in 0..MAX_TRACKED_CLIENTS as u32 {
+            let ip = std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+            let _ = sessions.login(ip, Some(b"wrong"), 1_000 + u64::from(i % 2), [0; 16]);
+        }
+        let newcomer = std::net::IpAddr::from([192, 0, 2, 1]);
+        assert_eq!(
+            sessions.login(newcomer, Some(SECRET.as_bytes()), 1_100, [0; 16]),
+            Login::Throttled {
+                retry_after_secs: 200
+            }
+        );
+        // Once the first windows end, their entries go and the newcomer is heard.
+        assert!(matches!(
+            sessions.login(newcomer, Some(SECRET.as_bytes()), 1_300, [0; 16]),
+            Login::Opened(_)
+        ));
+        assert_eq!(sessions.attempts.len(), MAX_TRACKED_CLIENTS / 2);
     }
 
     #[test]

@@ -41,6 +41,33 @@ fn admin_token(args: &RunArgs) -> Result<Option<crate::operator::AdminToken>, St
         .map_err(|e| format!("{source}: the token {e}"))
 }
 
+/// `--debug-session-secret`, or `--debug-session-secret-file`'s content without its trailing
+/// newline. The secret itself never appears in an error.
+fn debug_secret(args: &RunArgs) -> Result<Option<crate::compat::DebugSecret>, String> {
+    let (text, source) = match (&args.debug_session_secret, &args.debug_session_secret_file) {
+        (Some(secret), _) => (secret.clone(), "--debug-session-secret".to_string()),
+        (None, Some(file)) => {
+            let text = std::fs::read_to_string(file).map_err(|e| {
+                format!(
+                    "--debug-session-secret-file {}: cannot read it: {e}",
+                    file.display()
+                )
+            })?;
+            let secret = text
+                .strip_suffix('\n')
+                .map_or(text.as_str(), |t| t.strip_suffix('\r').unwrap_or(t));
+            (
+                secret.to_string(),
+                format!("--debug-session-secret-file {}", file.display()),
+            )
+        }
+        (None, None) => return Ok(None),
+    };
+    crate::compat::DebugSecret::new(&text)
+        .map(Some)
+        .map_err(|e| format!("{source}: the secret {e}"))
+}
+
 /// Everything `run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -99,9 +126,10 @@ pub struct Config {
     pub admin_token: Option<crate::operator::AdminToken>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
     pub wait_for_policy: bool,
-    /// `--compat`, and `--debug-session-secret` (its sessions' signing key).
+    /// `--compat`, and `--debug-session-secret` (or its file): the secret that opens debug
+    /// sessions.
     pub compat: crate::compat::Compat,
-    pub debug_sessions: Option<std::sync::Arc<crate::compat::DebugSessions>>,
+    pub debug_secret: Option<crate::compat::DebugSecret>,
     /// `--geoip-db`, `--asn-type-map` and `--tor-exits` ([`crate::network`]).
     pub geoip_db: Vec<PathBuf>,
     pub asn_type_map: Option<PathBuf>,
@@ -276,8 +304,16 @@ impl Config {
             crate::cli::CompatArg::None => crate::compat::Compat::Off,
             crate::cli::CompatArg::Fairvisor => crate::compat::Compat::Fairvisor,
         };
-        if args.debug_session_secret.is_some() && compat != crate::compat::Compat::Fairvisor {
-            errors.push("--debug-session-secret: needs --compat fairvisor".to_string());
+        let debug_secret = debug_secret(args).unwrap_or_else(|e| {
+            errors.push(e);
+            None
+        });
+        if compat != crate::compat::Compat::Fairvisor {
+            if args.debug_session_secret.is_some() {
+                errors.push("--debug-session-secret: needs --compat fairvisor".to_string());
+            } else if args.debug_session_secret_file.is_some() {
+                errors.push("--debug-session-secret-file: needs --compat fairvisor".to_string());
+            }
         }
         let admin_token = admin_token(args).unwrap_or_else(|e| {
             errors.push(e);
@@ -420,11 +456,7 @@ impl Config {
             admin_token,
             wait_for_policy: args.wait_for_policy,
             compat,
-            debug_sessions: args
-                .debug_session_secret
-                .as_ref()
-                .filter(|_| compat == crate::compat::Compat::Fairvisor)
-                .map(|s| std::sync::Arc::new(crate::compat::DebugSessions::new(s.as_bytes()))),
+            debug_secret: debug_secret.filter(|_| compat == crate::compat::Compat::Fairvisor),
             geoip_db: args.geoip_db.clone(),
             asn_type_map: args.asn_type_map.clone(),
             tor_exits: args.tor_exits.clone(),

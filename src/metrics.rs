@@ -94,6 +94,8 @@ pub struct Metrics {
     admin_resets: IntCounterVec,
     handover_failures: IntCounterVec,
     admin_refused: IntCounter,
+    /// `POST /v1/debug/session` refusals by reason (`no_secret`, `wrong_secret`, `throttled`).
+    debug_session_failures: IntCounterVec,
     /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
     log_lines_dropped: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
@@ -241,6 +243,16 @@ impl Metrics {
             "tollgate_admin_unauthorized_total",
             "Operator endpoint requests refused for a missing or wrong admin token",
         ));
+        let debug_session_failures = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_debug_session_failures_total",
+                "Debug-session logins refused: no secret, a wrong one, or a client throttled after too many",
+            ),
+            &["reason"],
+        ));
+        for failure in crate::compat::Failure::ALL {
+            debug_session_failures.with_label_values(&[failure.as_str()]);
+        }
         let reloads = must(IntCounterVec::new(
             Opts::new("tollgate_policy_reloads_total", "Policy loads by result"),
             &["result"],
@@ -401,6 +413,7 @@ impl Metrics {
             Box::new(admin_resets.clone()),
             Box::new(handover_failures.clone()),
             Box::new(admin_refused.clone()),
+            Box::new(debug_session_failures.clone()),
             Box::new(log_lines_dropped.clone()),
             Box::new(policy_info.clone()),
             Box::new(runtime_overrides.clone()),
@@ -453,6 +466,7 @@ impl Metrics {
             admin_resets,
             handover_failures,
             admin_refused,
+            debug_session_failures,
             log_lines_dropped,
             policy_info,
             runtime_overrides,
@@ -571,6 +585,13 @@ impl Metrics {
     /// Counts an operator endpoint request refused for its token.
     pub fn admin_unauthorized(&self) {
         self.admin_refused.inc();
+    }
+
+    /// Counts a debug-session login refused.
+    pub fn debug_session_failure(&self, failure: crate::compat::Failure) {
+        self.debug_session_failures
+            .with_label_values(&[failure.as_str()])
+            .inc();
     }
 
     pub fn reload(&self, ok: bool) {

@@ -7,13 +7,43 @@
 //!   its debug lines print whole request headers) loses the values of credential-like headers
 //!   (`Authorization`, `Cookie`, `X-Api-Key`, any name with `key`, `token`, `auth`, `secret`,
 //!   `password`, `session` or `cookie` in it), anything shaped like a JWT, and URL passwords.
+//! - [`FingerprintKey`]: the keyed fingerprint a masked value is shown with, so two values can
+//!   be told apart without the fingerprint letting anyone test guesses of a value.
 //!
-//! Pure string work, no I/O.
+//! Pure string work, no I/O: the fingerprint key is read (or drawn) by the caller.
 
 use std::borrow::Cow;
 
 /// What replaces a secret.
 pub const MASK: &str = "***";
+
+/// The per-deployment key of masked values' fingerprints: HMAC-SHA256, so that whoever reads a
+/// fingerprint (`/v1/top`, the status page, explain) cannot test guesses of a low-entropy key
+/// against it without this key too.
+pub struct FingerprintKey(ring::hmac::Key);
+
+impl std::fmt::Debug for FingerprintKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FingerprintKey(<redacted>)")
+    }
+}
+
+impl FingerprintKey {
+    /// The key's length: HMAC-SHA256's own.
+    pub const BYTES: usize = 32;
+
+    pub fn new(bytes: &[u8; Self::BYTES]) -> Self {
+        FingerprintKey(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, bytes))
+    }
+
+    /// The first 32 bits of HMAC-SHA256(key, value), enough to tell values apart on a page.
+    pub fn fingerprint(&self, value: &str) -> u32 {
+        let tag = ring::hmac::sign(&self.0, value.as_bytes());
+        let mut first = [0u8; 4];
+        first.copy_from_slice(&tag.as_ref()[..4]);
+        u32::from_be_bytes(first)
+    }
+}
 
 /// A URL (or a comma-separated list of them, as `redis+cluster://` takes) without passwords.
 pub fn url(url: &str) -> Cow<'_, str> {
@@ -308,6 +338,38 @@ mod tests {
         assert_eq!(text("host \u{fffd}://a:pw@b"), "host \u{fffd}://a:***@b");
         assert_eq!(text("é://x@y"), "é://x@y");
         assert!(matches!(text("nothing to see"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn fingerprints_are_keyed_stable_for_one_key_and_differ_between_keys() {
+        let a = FingerprintKey::new(&[1; 32]);
+        let b = FingerprintKey::new(&[2; 32]);
+        let value = "sk-live-5b8f0c1e9a7d4e2f";
+        assert_eq!(a.fingerprint(value), a.fingerprint(value));
+        assert_eq!(
+            a.fingerprint(value),
+            FingerprintKey::new(&[1; 32]).fingerprint(value)
+        );
+        assert_ne!(a.fingerprint(value), b.fingerprint(value));
+        assert_ne!(
+            a.fingerprint(value),
+            a.fingerprint("sk-live-5b8f0c1e9a7d4e2g")
+        );
+        // Exactly HMAC-SHA256's first four bytes, and not the unkeyed XXH3 shown before.
+        let tag = ring::hmac::sign(
+            &ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &[1; 32]),
+            value.as_bytes(),
+        );
+        let tag = tag.as_ref();
+        assert_eq!(
+            a.fingerprint(value),
+            u32::from_be_bytes([tag[0], tag[1], tag[2], tag[3]])
+        );
+        assert_ne!(
+            a.fingerprint(value),
+            twox_hash::XxHash3_64::oneshot(value.as_bytes()) as u32
+        );
+        assert_eq!(format!("{a:?}"), "FingerprintKey(<redacted>)");
     }
 
     proptest::proptest! {

@@ -2,7 +2,9 @@
 //! it (the tests are ours): the reason header hidden unless a debug session is open, the debug
 //! session round trip and its verbose headers, the warning header's name, the `fairvisor_*`
 //! metrics, unverified tokens with a header segment that is not JSON, and nothing of this
-//! without the switch.
+//! without the switch. Beyond Fairvisor: debug sessions as strong as the admin token (a secret
+//! of 16 characters or more, or its file; failed logins counted and throttled per client;
+//! cookies nobody can make offline; logout ending the session).
 
 mod support;
 
@@ -236,4 +238,313 @@ fn warnings_metrics_and_loose_tokens_speak_fairvisor() {
         );
         assert_eq!(r.header("X-Tollgate-Warning"), None);
     }
+}
+
+/// Runs `tollgate run --compat fairvisor EXTRA...` on a free admin port and waits at most 10 s
+/// for it to stop: its exit code and standard error, or `None` when it started (it is then
+/// killed).
+fn start_outcome(extra: &[&str]) -> Option<(i32, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("p.json");
+    std::fs::write(&policy, POLICY).unwrap();
+    let stderr_path = dir.path().join("stderr");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("run")
+        .arg("--policy")
+        .arg(&policy)
+        .args([
+            "--admin-listen",
+            &format!("127.0.0.1:{}", support::free_port()),
+        ])
+        .args(["--compat", "fairvisor"])
+        .args(extra)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .expect("spawn tollgate");
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_secs(10) {
+        if let Some(status) = child.try_wait().unwrap() {
+            let stderr = std::fs::read_to_string(&stderr_path).unwrap_or_default();
+            return Some((status.code().unwrap_or(-1), stderr));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// Issue 35: `--debug-session-secret ""` or one character started, and an empty
+/// `X-Fairvisor-Debug-Secret` then opened a session.
+#[test]
+fn a_short_or_empty_debug_secret_stops_start_up_without_showing_it() {
+    const FIFTEEN: &str = "fifteen-chars-1";
+    for secret in ["", "x", FIFTEEN] {
+        let outcome = start_outcome(&["--debug-session-secret", secret]);
+        let (code, stderr) = outcome.unwrap_or_else(|| panic!("{secret:?}: it started"));
+        assert_eq!(code, 1, "{secret:?}: {stderr}");
+        assert!(
+            stderr.contains("--debug-session-secret: the secret must be at least 16 characters"),
+            "{secret:?}: {stderr}"
+        );
+        assert!(!stderr.contains(FIFTEEN), "the secret was shown: {stderr}");
+    }
+    // The same rule for the file; its one trailing newline is not part of the secret.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("debug-secret");
+    for content in ["", "\n", "fifteen-chars-1\n", "fifteen-chars-1\r\n"] {
+        std::fs::write(&file, content).unwrap();
+        let outcome = start_outcome(&["--debug-session-secret-file", file.to_str().unwrap()]);
+        let (code, stderr) = outcome.unwrap_or_else(|| panic!("{content:?}: it started"));
+        assert_eq!(code, 1, "{content:?}: {stderr}");
+        let expected = format!(
+            "--debug-session-secret-file {}: the secret must be at least 16 characters",
+            file.display()
+        );
+        assert!(stderr.contains(&expected), "{content:?}: {stderr}");
+        assert!(!stderr.contains(FIFTEEN), "the secret was shown: {stderr}");
+    }
+    // A secret that could not travel in the header.
+    let (code, stderr) = start_outcome(&["--debug-session-secret", "sixteen chars ok"]).unwrap();
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("--debug-session-secret: the secret must be printable ASCII"));
+    // The flag and the file are one or the other.
+    std::fs::write(&file, format!("{SECRET}\n")).unwrap();
+    let (code, stderr) = start_outcome(&[
+        "--debug-session-secret",
+        SECRET,
+        "--debug-session-secret-file",
+        file.to_str().unwrap(),
+    ])
+    .expect("both flags started");
+    assert_ne!(code, 0, "{stderr}");
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+    assert!(!stderr.contains(SECRET), "the secret was shown: {stderr}");
+}
+
+#[test]
+fn a_debug_secret_file_opens_sessions_without_its_newline() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("debug-secret");
+    std::fs::write(&file, format!("{SECRET}\n")).unwrap();
+    let gw = compat(&["--debug-session-secret-file", file.to_str().unwrap()]);
+    let login = request(
+        gw.admin,
+        "POST",
+        "/v1/debug/session",
+        &[("X-Fairvisor-Debug-Secret", SECRET)],
+    );
+    assert_eq!(login.status, 204, "{login:?}");
+    let cookie = login
+        .header("Set-Cookie")
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap();
+    let r = exhaust(&gw, "from-file", Some(cookie));
+    assert_eq!(
+        r.header("X-Fairvisor-Reason"),
+        Some("token_bucket_exceeded")
+    );
+    // A secret file without the switch is refused like the flag.
+    let policy = dir.path().join("p.json");
+    std::fs::write(&policy, POLICY).unwrap();
+    let stderr = support::refused_start(
+        &policy,
+        &["--debug-session-secret-file", file.to_str().unwrap()],
+    );
+    assert!(
+        stderr.contains("--debug-session-secret-file: needs --compat fairvisor"),
+        "{stderr}"
+    );
+}
+
+fn login(gw: &Gateway, headers: &[(&str, &str)]) -> HttpResponse {
+    request(gw.admin, "POST", "/v1/debug/session", headers)
+}
+
+/// Issue 35: an empty `X-Fairvisor-Debug-Secret` counted as nothing, and no client was ever
+/// limited in how many secrets it tried.
+#[test]
+fn failed_logins_are_counted_and_throttle_their_client() {
+    // The admin listener's peer is trusted to name the client in X-Forwarded-For.
+    let gw = compat(&[
+        "--debug-session-secret",
+        SECRET,
+        "--trusted-proxy",
+        "127.0.0.1/32",
+    ]);
+    let failures = |reason: &str| {
+        gw.metric(&format!(
+            "tollgate_debug_session_failures_total{{reason=\"{reason}\"}}"
+        ))
+    };
+    let a = ("X-Forwarded-For", "203.0.113.1");
+    let empty = login(&gw, &[a, ("X-Fairvisor-Debug-Secret", "")]);
+    assert_eq!(empty.status, 403);
+    assert_eq!(empty.body, r#"{"error":"debug_secret_invalid"}"#);
+    assert_eq!(empty.header("Set-Cookie"), None);
+    assert_eq!(login(&gw, &[a]).status, 403);
+    assert_eq!(failures("no_secret"), 2.0);
+    for _ in 0..3 {
+        let wrong = login(
+            &gw,
+            &[a, ("X-Fairvisor-Debug-Secret", "not-the-secret-0000")],
+        );
+        assert_eq!(wrong.status, 403);
+    }
+    assert_eq!(failures("wrong_secret"), 3.0);
+    // Five failures in five minutes: even the right secret is not looked at.
+    let throttled = login(&gw, &[a, ("X-Fairvisor-Debug-Secret", SECRET)]);
+    assert_eq!(throttled.status, 429, "{throttled:?}");
+    assert_eq!(throttled.body, r#"{"error":"too_many_attempts"}"#);
+    assert_eq!(throttled.header("Set-Cookie"), None);
+    let retry_after: u64 = throttled
+        .header("Retry-After")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After");
+    assert!((280..=300).contains(&retry_after), "{retry_after}");
+    assert_eq!(failures("throttled"), 1.0);
+    assert_eq!(
+        failures("wrong_secret"),
+        3.0,
+        "a throttled attempt is no guess"
+    );
+    // Another client is not affected.
+    let b = login(
+        &gw,
+        &[
+            ("X-Forwarded-For", "203.0.113.2"),
+            ("X-Fairvisor-Debug-Secret", SECRET),
+        ],
+    );
+    assert_eq!(b.status, 204, "{b:?}");
+    let log = gw.log_text();
+    assert!(
+        log.contains("too many failed attempts") && log.contains("203.0.113.1"),
+        "{log}"
+    );
+    assert!(!log.contains(SECRET), "the secret reached the log");
+
+    // Without a trusted proxy, X-Forwarded-For is the client's own word: rotating it changes
+    // nothing, the peer is the client.
+    let direct = compat(&["--debug-session-secret", SECRET]);
+    for i in 0..5 {
+        let xff = format!("198.51.100.{i}");
+        let wrong = login(
+            &direct,
+            &[
+                ("X-Forwarded-For", &xff),
+                ("X-Fairvisor-Debug-Secret", "not-the-secret-0000"),
+            ],
+        );
+        assert_eq!(wrong.status, 403);
+    }
+    let rotated = login(
+        &direct,
+        &[
+            ("X-Forwarded-For", "198.51.100.99"),
+            ("X-Fairvisor-Debug-Secret", SECRET),
+        ],
+    );
+    assert_eq!(rotated.status, 429, "{rotated:?}");
+}
+
+fn open_session(gw: &Gateway) -> String {
+    let login = login(gw, &[("X-Fairvisor-Debug-Secret", SECRET)]);
+    assert_eq!(login.status, 204, "{login:?}");
+    login
+        .header("Set-Cookie")
+        .expect("a session cookie")
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// Issue 35: a cookie captured before logout still opened a session after it.
+#[test]
+fn logout_ends_the_session_of_a_captured_cookie() {
+    let gw = compat(&["--debug-session-secret", SECRET]);
+    let captured = open_session(&gw);
+    let other = open_session(&gw);
+    assert_ne!(captured, other);
+    let r = exhaust(&gw, "before-logout", Some(&captured));
+    assert_eq!(
+        r.header("X-Fairvisor-Reason"),
+        Some("token_bucket_exceeded")
+    );
+    let logout = request(
+        gw.admin,
+        "POST",
+        "/v1/debug/logout",
+        &[("Cookie", &captured)],
+    );
+    assert_eq!(logout.status, 204);
+    assert_eq!(
+        logout.header("Set-Cookie"),
+        Some("fv_dbg=; Path=/; Max-Age=0; HttpOnly; Secure; SameSite=Strict")
+    );
+    let r = exhaust(&gw, "after-logout", Some(&captured));
+    assert_eq!(r.header("X-Fairvisor-Reason"), None, "{r:?}");
+    assert_eq!(r.header("X-Fairvisor-Debug-Policy"), None);
+    // Only that session ended.
+    let r = exhaust(&gw, "the-other-session", Some(&other));
+    assert_eq!(r.header("X-Fairvisor-Debug-Rule"), Some("e2e-rule"));
+}
+
+fn hmac_b64(key: &[u8], payload: &str) -> String {
+    let tag = ring::hmac::sign(
+        &ring::hmac::Key::new(ring::hmac::HMAC_SHA256, key),
+        payload.as_bytes(),
+    );
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(tag.as_ref())
+}
+
+/// Issue 35: the cookie was the secret's HMAC of its expiry, so anyone could make one offline
+/// (with an empty secret, anyone at all).
+#[test]
+fn debug_cookies_cannot_be_made_offline() {
+    let gw = compat(&["--debug-session-secret", SECRET]);
+    let expires = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let real = open_session(&gw);
+    let (_, value) = real.split_once('=').unwrap();
+    let mut parts = value.split('.');
+    let (real_expires, real_id) = (parts.next().unwrap(), parts.next().unwrap());
+    let id = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode([0x5au8; 16]);
+    let made = [
+        // The old form, signed with the secret and with an empty key.
+        format!(
+            "fv_dbg={expires}.{}",
+            hmac_b64(SECRET.as_bytes(), &expires.to_string())
+        ),
+        format!("fv_dbg={expires}.{}", hmac_b64(b"", &expires.to_string())),
+        // Today's form, for an id never opened and for a real session's id, signed with the
+        // secret.
+        format!(
+            "fv_dbg={expires}.{id}.{}",
+            hmac_b64(SECRET.as_bytes(), &format!("{expires}.{id}"))
+        ),
+        format!(
+            "fv_dbg={real_expires}.{real_id}.{}",
+            hmac_b64(SECRET.as_bytes(), &format!("{real_expires}.{real_id}"))
+        ),
+        // A real session's cookie with a later expiry.
+        real.replacen(real_expires, &(expires + 10_000).to_string(), 1),
+    ];
+    for (i, cookie) in made.iter().enumerate() {
+        let r = exhaust(&gw, &format!("made-{i}"), Some(cookie));
+        assert_eq!(r.header("X-Fairvisor-Reason"), None, "{cookie}: {r:?}");
+    }
+    let r = exhaust(&gw, "real", Some(&real));
+    assert_eq!(
+        r.header("X-Fairvisor-Reason"),
+        Some("token_bucket_exceeded")
+    );
 }

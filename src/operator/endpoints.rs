@@ -159,7 +159,7 @@ impl Gateway {
                     .and_then(|facts| crate::engine::bucket_name(rule, facts, config))
                     .map(|(name, _)| name)
                     .unwrap_or_else(|| rule.key_prefix.clone());
-                let shown = super::shown_name(rule, &name).into_owned();
+                let shown = super::shown_name(rule, &name, &self.fingerprint_key).into_owned();
                 // A loop's marks are per request fingerprint: nothing to reset by name.
                 let reset_path = if super::Kind::of(rule) == super::Kind::Loop {
                     String::new()
@@ -294,7 +294,7 @@ impl Gateway {
                 }
                 drop(top);
                 self.metrics.admin_reset(held_state);
-                let shown = super::shown_name(bucket.rule, &bucket.name);
+                let shown = super::shown_name(bucket.rule, &bucket.name, &self.fingerprint_key);
                 let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
                 tracing::warn!(
                     bucket = %shown,
@@ -339,8 +339,15 @@ impl Gateway {
             None => &facts,
         };
         let unix_us = self.clock.unix_us();
-        let explained =
-            super::explain(&self.store, &bundle, facts, unix_us, self.engine_config).await;
+        let explained = super::explain(
+            &self.store,
+            &bundle,
+            facts,
+            unix_us,
+            self.engine_config,
+            &self.fingerprint_key,
+        )
+        .await;
         let mut explained = match explained {
             Ok(value) => value,
             Err(e) => return Reply::error(503, e),

@@ -13,6 +13,7 @@ pub mod top;
 use crate::engine::{self, Decision, Plan, RuleOutcome, SlotOutcome};
 use crate::limiter::{micro_to_tokens, BucketState, US_PER_SEC};
 use crate::policy::{Bundle, Guard, Mode, Rule};
+use crate::redact::FingerprintKey;
 use crate::store::lease::{judge, LeaseResults, Live};
 use crate::store::{BucketKey, BucketOp, OpResults, Store, StoreError};
 use serde_json::{json, Value};
@@ -371,11 +372,12 @@ fn looks_like_jwt(value: &str) -> bool {
 }
 
 /// A credential shown as a short prefix and a fingerprint: `sk-l…#3fa2c1d0` (at most 4
-/// characters, a quarter of the value; the fingerprint tells two values apart).
-pub fn mask(value: &str) -> String {
+/// characters, a quarter of the value; the fingerprint, keyed with the deployment's
+/// [`FingerprintKey`], tells two values apart).
+pub fn mask(value: &str, key: &FingerprintKey) -> String {
     let keep = (value.chars().count() / 4).min(4);
     let prefix: String = value.chars().take(keep).collect();
-    let fingerprint = twox_hash::XxHash3_64::oneshot(value.as_bytes()) as u32;
+    let fingerprint = key.fingerprint(value);
     format!("{prefix}…#{fingerprint:08x}")
 }
 
@@ -400,7 +402,7 @@ fn key_parts(key: &str) -> Vec<&str> {
 
 /// A bucket name as shown in `/v1/top`, the status page and `explain`: the key parts of
 /// credential-like descriptors (and anything shaped like a JWT) masked.
-pub fn shown_name<'n>(rule: &Rule, name: &'n str) -> Cow<'n, str> {
+pub fn shown_name<'n>(rule: &Rule, name: &'n str, fingerprints: &FingerprintKey) -> Cow<'n, str> {
     let Some(key) = name.get(rule.key_prefix.len()..) else {
         return Cow::Borrowed(name);
     };
@@ -418,7 +420,7 @@ pub fn shown_name<'n>(rule: &Rule, name: &'n str) -> Cow<'n, str> {
             out.push('|');
         }
         if masked(i, part) {
-            out.push_str(&mask(part));
+            out.push_str(&mask(part, fingerprints));
         } else {
             out.push_str(part);
         }
@@ -427,8 +429,8 @@ pub fn shown_name<'n>(rule: &Rule, name: &'n str) -> Cow<'n, str> {
 }
 
 /// Whether a bucket name has parts [`shown_name`] masks.
-pub fn is_masked(rule: &Rule, name: &str) -> bool {
-    matches!(shown_name(rule, name), Cow::Owned(_))
+pub fn is_masked(rule: &Rule, name: &str, key: &FingerprintKey) -> bool {
+    matches!(shown_name(rule, name, key), Cow::Owned(_))
 }
 
 /// `POST /v1/explain`: what every applicable rule would do to this request now, from the
@@ -442,9 +444,10 @@ pub async fn explain(
     facts: &crate::descriptor::RequestFacts<'_>,
     unix_us: u64,
     config: engine::EngineConfig,
+    key: &FingerprintKey,
 ) -> Result<Value, StoreError> {
     let pending = match engine::plan(bundle, facts, unix_us, config) {
-        Plan::Done(decision) => return Ok(describe(&decision, &[], &[], facts, config)),
+        Plan::Done(decision) => return Ok(describe(&decision, &[], &[], facts, config, key)),
         Plan::Store(pending) => pending,
     };
     let ops: Vec<BucketOp> = pending.ops.to_vec();
@@ -466,7 +469,7 @@ pub async fn explain(
             (decision, results)
         }
     };
-    Ok(describe(&decision, &ops, &results, facts, config))
+    Ok(describe(&decision, &ops, &results, facts, config, key))
 }
 
 fn describe(
@@ -475,10 +478,11 @@ fn describe(
     results: &[crate::store::OpResult],
     facts: &crate::descriptor::RequestFacts<'_>,
     config: engine::EngineConfig,
+    key: &FingerprintKey,
 ) -> Value {
     let name_of = |rule: &Rule| {
         engine::bucket_name(rule, facts, config)
-            .map(|(name, _)| shown_name(rule, &name).into_owned())
+            .map(|(name, _)| shown_name(rule, &name, key).into_owned())
     };
     let rules: Vec<Value> = decision
         .rules()
@@ -676,11 +680,20 @@ mod tests {
 
     #[test]
     fn masks_keep_a_short_prefix_and_tell_values_apart() {
-        let a = mask("sk-live-0123456789abcdef");
+        let key = FingerprintKey::new(&[3; 32]);
+        let a = mask("sk-live-0123456789abcdef", &key);
         assert!(a.starts_with("sk-l…#"), "{a}");
         assert_eq!(a.chars().count(), 4 + 2 + 8);
-        assert_ne!(a, mask("sk-live-0123456789abcdeg"));
-        assert_eq!(mask("ab").chars().next(), Some('…'));
+        assert_eq!(
+            a,
+            format!("sk-l…#{:08x}", key.fingerprint("sk-live-0123456789abcdef"))
+        );
+        assert_ne!(a, mask("sk-live-0123456789abcdeg", &key));
+        assert_ne!(
+            a,
+            mask("sk-live-0123456789abcdef", &FingerprintKey::new(&[4; 32]))
+        );
+        assert_eq!(mask("ab", &key).chars().next(), Some('…'));
     }
 
     #[test]

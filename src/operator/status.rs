@@ -8,6 +8,10 @@
 //! (`/status#token=...`, never sent to the server, so never in any log) or a form, keeps it in
 //! the tab's `sessionStorage`, fetches the page again with `Authorization: Bearer` and shows it.
 //! The reset buttons send `DELETE /v1/buckets/...` with the same header.
+//!
+//! Both documents carry their one script and one style inline and nothing else that runs
+//! (no event-handler or `style` attributes), so [`page_headers`]' Content-Security-Policy can
+//! allow exactly those two by hash.
 
 use super::top::Top;
 use crate::policy::Bundle;
@@ -95,6 +99,41 @@ const SCRIPT: &str = r#"(function () {
   });
   if (document.body.getAttribute('data-page') === 'signin') load();
 })();"#;
+
+/// `'sha256-<base64>'`: a CSP source that allows exactly this inline text.
+fn csp_hash(text: &str) -> String {
+    use base64::Engine as _;
+    let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
+    format!(
+        "'sha256-{}'",
+        base64::engine::general_purpose::STANDARD.encode(digest.as_ref())
+    )
+}
+
+/// The Content-Security-Policy of both documents: nothing but the page's own inline script and
+/// style (by hash: an injected script or style has another), fetches back to this origin (the
+/// page itself, the reset buttons' `DELETE`), no plugins, no `<base>`, no form sent anywhere,
+/// and no framing.
+pub fn content_security_policy() -> &'static str {
+    static CSP: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    CSP.get_or_init(|| {
+        format!(
+            "default-src 'none'; script-src {}; style-src {}; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+            csp_hash(SCRIPT),
+            csp_hash(STYLE)
+        )
+    })
+}
+
+/// The response headers both documents (the page and its sign-in) are sent with: never framed
+/// (no clickjacking of the reset buttons), never named in a `Referer`, and the policy above.
+pub fn page_headers() -> [(&'static str, &'static str); 3] {
+    [
+        ("x-frame-options", "DENY"),
+        ("content-security-policy", content_security_policy()),
+        ("referrer-policy", "no-referrer"),
+    ]
+}
 
 fn document(page: &str, title: &str, body: &str) -> String {
     format!(

@@ -190,7 +190,7 @@ impl Admin {
                 }
             }
             "/v1/usage" => reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n"),
-            "/v1/debug/session" | "/v1/debug/logout" => self.debug_session(req, path),
+            "/v1/debug/session" | "/v1/debug/logout" => self.debug_session(req, path, peer),
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
                 self.decision(req, peer, body_hash, None).await
             }
@@ -201,38 +201,56 @@ impl Admin {
 
 impl Admin {
     /// `POST /v1/debug/session` and `POST /v1/debug/logout` (`--compat fairvisor` with
-    /// `--debug-session-secret`; 404 otherwise, as Fairvisor answers).
-    fn debug_session(&self, req: &pingora::http::RequestHeader, path: &str) -> Response<Vec<u8>> {
-        if self.gateway.config.debug_sessions.is_none() {
+    /// `--debug-session-secret`; 404 otherwise, as Fairvisor answers). A client with too many
+    /// failed logins gets 429 with `Retry-After`; logout ends the session its cookie names.
+    fn debug_session(
+        &self,
+        req: &pingora::http::RequestHeader,
+        path: &str,
+        peer: Option<std::net::IpAddr>,
+    ) -> Response<Vec<u8>> {
+        use crate::service::DebugLogin;
+        if !self.gateway.debug_sessions_on() {
             return reply(404, TEXT, HeaderList::new(), "Not Found\n");
         }
         if req.method != http::Method::POST {
             return reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n");
         }
-        let cookie = if path == "/v1/debug/logout" {
-            Ok(crate::compat::CLOSE_COOKIE.to_string())
-        } else {
-            let secret = req
-                .headers
-                .get(crate::compat::SECRET_HEADER)
-                .map(|v| v.as_bytes());
-            self.gateway.open_debug_session(secret)
-        };
-        match cookie.map(|c| http::HeaderValue::from_str(&c)) {
-            Ok(Ok(value)) => reply(
+        let set_cookie = |value: &str| match http::HeaderValue::from_str(value) {
+            Ok(value) => reply(
                 204,
                 TEXT,
                 smallvec::smallvec![(http::header::SET_COOKIE, value)],
                 "",
             ),
-            Ok(Err(_)) => reply(500, TEXT, HeaderList::new(), "Internal Server Error\n"),
-            Err(403) => reply(
+            Err(_) => reply(500, TEXT, HeaderList::new(), "Internal Server Error\n"),
+        };
+        if path == "/v1/debug/logout" {
+            let cookie = req
+                .headers
+                .get(http::header::COOKIE)
+                .and_then(|v| v.to_str().ok());
+            self.gateway.debug_logout(cookie);
+            return set_cookie(crate::compat::CLOSE_COOKIE);
+        }
+        match self.gateway.debug_login(peer, &req.headers) {
+            DebugLogin::Opened(cookie) => set_cookie(&cookie),
+            DebugLogin::Refused => reply(
                 403,
                 JSON,
                 HeaderList::new(),
                 "{\"error\":\"debug_secret_invalid\"}",
             ),
-            Err(_) => reply(404, TEXT, HeaderList::new(), "Not Found\n"),
+            DebugLogin::Throttled { retry_after_secs } => reply(
+                429,
+                JSON,
+                smallvec::smallvec![(
+                    http::header::RETRY_AFTER,
+                    http::HeaderValue::from(retry_after_secs)
+                )],
+                "{\"error\":\"too_many_attempts\"}",
+            ),
+            DebugLogin::Off => reply(404, TEXT, HeaderList::new(), "Not Found\n"),
         }
     }
 }
@@ -478,6 +496,14 @@ fn operator_reply(reply: crate::operator::endpoints::Reply) -> Response<Vec<u8>>
         smallvec::smallvec![(http::header::CACHE_CONTROL, NO_STORE.clone())];
     if reply.status == 401 {
         headers.push((http::header::WWW_AUTHENTICATE, BEARER_CHALLENGE.clone()));
+    }
+    // The status page and its sign-in document: no framing, no referrer, only their own script.
+    if reply.content_type.starts_with("text/html") {
+        for (name, value) in crate::operator::status::page_headers() {
+            if let Ok(value) = http::HeaderValue::from_str(value) {
+                headers.push((http::HeaderName::from_static(name), value));
+            }
+        }
     }
     reply_with(reply.status, reply.content_type, headers, reply.body)
 }

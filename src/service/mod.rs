@@ -6,13 +6,18 @@
 //!
 //! Beside it: `reload` (the policy file, network databases, overrides, readiness), `tokens`
 //! (LLM reservations held and settled), `envoy_rls` (Envoy's `ShouldRateLimit`), `logging`
-//! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines).
+//! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines),
+//! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `fingerprint_key`
+//! (the key masked values are fingerprinted with).
 
+mod debug_sessions;
 mod envoy_rls;
+pub mod fingerprint_key;
 mod logging;
 mod reload;
 mod tokens;
 
+pub use debug_sessions::DebugLogin;
 pub use envoy_rls::{RlsFailure, RlsReply};
 pub use logging::init_logging;
 use logging::log_decision;
@@ -56,6 +61,8 @@ pub enum StartError {
     State(#[from] crate::store::state_file::StateError),
     #[error("{0}")]
     Network(String),
+    #[error("{0}")]
+    FingerprintKey(#[from] fingerprint_key::KeyFileError),
 }
 
 /// `X-Forwarded-For` and `X-Real-IP`, parsed once (a name given as a string is parsed at every
@@ -109,6 +116,11 @@ pub struct Gateway {
     /// With `--reservation-secret`: reservations travel in tokens signed with this key
     /// ([`crate::reservation_token`]) instead of being held here.
     reservation_key: Option<ring::hmac::Key>,
+    /// `--debug-session-secret` under `--compat fairvisor`: the sessions open and the failed
+    /// attempts by client.
+    debug_sessions: Option<parking_lot::RwLock<crate::compat::DebugSessions>>,
+    /// The key of masked values' fingerprints (`/v1/top`, the status page, explain).
+    pub(crate) fingerprint_key: crate::redact::FingerprintKey,
 }
 
 impl Gateway {
@@ -169,6 +181,16 @@ impl Gateway {
                 }
                 (None, _) => None,
             },
+            debug_sessions: match &config.debug_secret {
+                Some(secret) => Some(parking_lot::RwLock::new(crate::compat::DebugSessions::new(
+                    secret.clone(),
+                    &fingerprint_key::random_bytes::<32>()?,
+                ))),
+                None => None,
+            },
+            fingerprint_key: fingerprint_key::fingerprint_key(
+                config.state_dir.as_ref().map(|s| s.dir.as_path()),
+            )?,
             config,
         };
         gateway
@@ -412,27 +434,6 @@ impl Gateway {
             &self.header_config.reason_header,
             self.debug_session_open(cookie),
         );
-    }
-
-    /// Whether a `Cookie` header opens a debug session (`--compat fairvisor` with
-    /// `--debug-session-secret`).
-    pub fn debug_session_open(&self, cookie: Option<&str>) -> bool {
-        self.config
-            .debug_sessions
-            .as_ref()
-            .is_some_and(|d| d.is_open(cookie, self.clock.unix_secs().max(0) as u64))
-    }
-
-    /// `POST /v1/debug/session`: the `Set-Cookie` value of a new debug session, `Err(404)`
-    /// when debug sessions are off, `Err(403)` for a wrong secret.
-    pub fn open_debug_session(&self, secret: Option<&[u8]>) -> Result<String, u16> {
-        let sessions = self.config.debug_sessions.as_ref().ok_or(404u16)?;
-        match secret {
-            Some(s) if sessions.secret_matches(s) => {
-                Ok(sessions.open(self.clock.unix_secs().max(0) as u64))
-            }
-            _ => Err(403),
-        }
     }
 
     /// Logs and counts the circuit breakers a decision tripped (at error level for a breaker
