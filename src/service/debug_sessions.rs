@@ -54,7 +54,7 @@ impl Gateway {
                 }
                 v4 => v4,
             });
-        let Ok(id) = fingerprint_key::random_bytes() else {
+        let Ok(id) = state_key::random_bytes() else {
             tracing::error!("debug session: the operating system's random source failed");
             return DebugLogin::Refused;
         };

@@ -7,14 +7,14 @@
 //! Beside it: `reload` (the policy file, network databases, overrides, readiness), `tokens`
 //! (LLM reservations held and settled), `envoy_rls` (Envoy's `ShouldRateLimit`), `logging`
 //! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines),
-//! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `fingerprint_key`
-//! (the key masked values are fingerprinted with).
+//! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `state_key` (the
+//! state dir's own keys: masked values' fingerprints, reservation signing).
 
 mod debug_sessions;
 mod envoy_rls;
-pub mod fingerprint_key;
 mod logging;
 mod reload;
+pub mod state_key;
 mod tokens;
 
 pub use debug_sessions::DebugLogin;
@@ -62,7 +62,7 @@ pub enum StartError {
     #[error("{0}")]
     Network(String),
     #[error("{0}")]
-    FingerprintKey(#[from] fingerprint_key::KeyFileError),
+    FingerprintKey(#[from] state_key::KeyFileError),
 }
 
 /// `X-Forwarded-For` and `X-Real-IP`, parsed once (a name given as a string is parsed at every
@@ -184,11 +184,11 @@ impl Gateway {
             debug_sessions: match &config.debug_secret {
                 Some(secret) => Some(parking_lot::RwLock::new(crate::compat::DebugSessions::new(
                     secret.clone(),
-                    &fingerprint_key::random_bytes::<32>()?,
+                    &state_key::random_bytes::<32>()?,
                 ))),
                 None => None,
             },
-            fingerprint_key: fingerprint_key::fingerprint_key(
+            fingerprint_key: state_key::fingerprint_key(
                 config.state_dir.as_ref().map(|s| s.dir.as_path()),
             )?,
             config,

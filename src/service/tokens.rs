@@ -4,52 +4,18 @@
 
 use super::*;
 
-/// The state dir's own reservation-signing key (`DIR/reservation.key`, 32 random bytes, made
-/// on first use, readable by the owner only). `None` (reservations held in memory, logged) when
-/// it cannot be read or made.
+/// The state dir's own reservation-signing key (`DIR/reservation.key`, see [`state_key`]).
+/// `None` (reservations held in memory, logged) when it cannot be read or made.
 pub(super) fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac::Key> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join("reservation.key");
-    // Never through a symlink: the key is only ever a file of the state dir's own.
-    let secret = match crate::fs_trust::read_regular(&path) {
-        Ok(secret) if secret.len() >= 32 => secret,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let mut secret = vec![0u8; 32];
-            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret).ok()?;
-            // Written whole under another name, then linked into place: a crash never leaves
-            // half a key, and a key another process made meanwhile is not replaced.
-            let fresh = dir.join(format!("reservation.key.{}", std::process::id()));
-            let written = crate::fs_trust::no_follow()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&fresh)
-                .and_then(|mut f| f.write_all(&secret).and_then(|()| f.sync_all()))
-                .and_then(|()| std::fs::hard_link(&fresh, &path));
-            let _ = std::fs::remove_file(&fresh);
-            match written {
-                Ok(()) => secret,
-                // Made by the other process of an upgrade first: use that one.
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    crate::fs_trust::read_regular(&path)
-                        .ok()
-                        .filter(|s| s.len() >= 32)?
-                }
-                Err(e) => {
-                    tracing::error!(path = %path.display(), "state dir: cannot write the reservation key, LLM reservations of the decision service will not survive a restart: {e}");
-                    return None;
-                }
-            }
+    match state_key::load_or_create(dir, state_key::RESERVATION_FILE_NAME) {
+        Ok(secret) => Some(crate::reservation_token::key(&secret)),
+        Err(e) => {
+            // Never replaced (reservations signed with it would all turn invalid): held in
+            // memory instead.
+            tracing::error!("state dir: the reservation key cannot be used ({e}); LLM reservations of the decision service will not survive a restart");
+            None
         }
-        _ => {
-            // Unreadable or too short: never replaced (reservations signed with it would all
-            // turn invalid); reservations are held in memory instead.
-            tracing::error!(path = %path.display(), "state dir: the reservation key cannot be read; LLM reservations of the decision service will not survive a restart");
-            return None;
-        }
-    };
-    Some(crate::reservation_token::key(&secret))
+    }
 }
 
 /// How long past its expiry a signed reservation stays marked settled: gateways whose clocks

@@ -1,8 +1,10 @@
-//! The key that fingerprints of masked values are made with ([`crate::redact::FingerprintKey`]):
-//! `DIR/fingerprint.key` in the state dir (32 random bytes, owner-only), so a value keeps its
-//! fingerprint across restarts and upgrades; without a state dir, 32 bytes drawn at start.
+//! The state dir's own secret keys, 32 random bytes each, owner-only, made on first use:
+//! `DIR/fingerprint.key`, which fingerprints of masked values are made with
+//! ([`crate::redact::FingerprintKey`]), so a value keeps its fingerprint across restarts and
+//! upgrades (without a state dir, 32 bytes drawn at start); and `DIR/reservation.key`, which
+//! signs the decision service's LLM reservations so a restart can still settle them.
 //!
-//! The file is never followed through a symlink, never replaced, and made exclusively: written
+//! A key file is never followed through a symlink, never replaced, and made exclusively: written
 //! whole under a temporary name created with `O_EXCL|O_NOFOLLOW`, then linked into place (a
 //! link never overwrites). A file that is not a regular file of this user, readable by others, or
 //! not 32 bytes long is left alone: logged at error level, and this process uses a key of its
@@ -13,8 +15,10 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// The key file's name inside the state dir.
+/// The fingerprint key's file name inside the state dir.
 pub const FILE_NAME: &str = "fingerprint.key";
+/// The reservation-signing key's file name inside the state dir.
+pub const RESERVATION_FILE_NAME: &str = "reservation.key";
 
 /// Why the state dir's key could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -48,7 +52,7 @@ pub fn random_bytes<const N: usize>() -> Result<[u8; N], KeyFileError> {
 /// The random source failed.
 pub fn fingerprint_key(state_dir: Option<&Path>) -> Result<FingerprintKey, KeyFileError> {
     if let Some(dir) = state_dir {
-        match load_or_create(dir) {
+        match load_or_create(dir, FILE_NAME) {
             Ok(bytes) => return Ok(FingerprintKey::new(&bytes)),
             Err(KeyFileError::Random) => return Err(KeyFileError::Random),
             Err(e) => tracing::error!(
@@ -59,15 +63,18 @@ pub fn fingerprint_key(state_dir: Option<&Path>) -> Result<FingerprintKey, KeyFi
     Ok(FingerprintKey::new(&random_bytes()?))
 }
 
-/// Reads `DIR/fingerprint.key`, or makes it when there is none.
-fn load_or_create(dir: &Path) -> Result<[u8; FingerprintKey::BYTES], KeyFileError> {
-    let path = dir.join(FILE_NAME);
+/// Reads the key `DIR/NAME`, or makes it when there is none.
+///
+/// # Errors
+/// The file cannot be read or made, or is unfit (see the module's comment): it is left as it is.
+pub fn load_or_create(dir: &Path, name: &str) -> Result<[u8; FingerprintKey::BYTES], KeyFileError> {
+    let path = dir.join(name);
     match read(&path) {
         Err(KeyFileError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
         other => return other,
     }
     let bytes = random_bytes()?;
-    let fresh = dir.join(format!("{FILE_NAME}.{}.new", std::process::id()));
+    let fresh = dir.join(format!("{name}.{}.new", std::process::id()));
     let io = |what: &'static str, path: &Path| {
         let path = path.to_path_buf();
         move |source| KeyFileError::Io { path, what, source }
@@ -152,12 +159,16 @@ mod tests {
     #[test]
     fn the_key_is_made_once_owner_only_and_kept() {
         let dir = tempfile::tempdir().unwrap();
-        let first = load_or_create(dir.path()).unwrap();
+        let first = load_or_create(dir.path(), FILE_NAME).unwrap();
         let path = dir.path().join(FILE_NAME);
         let meta = std::fs::metadata(&path).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
         assert_eq!(std::fs::read(&path).unwrap(), first);
-        assert_eq!(load_or_create(dir.path()).unwrap(), first, "kept");
+        assert_eq!(
+            load_or_create(dir.path(), FILE_NAME).unwrap(),
+            first,
+            "kept"
+        );
         // No temporary file is left behind.
         let names: Vec<_> = std::fs::read_dir(dir.path())
             .unwrap()
@@ -175,7 +186,7 @@ mod tests {
         let path = dir.path().join(FILE_NAME);
         std::os::unix::fs::symlink(&target, &path).unwrap();
         assert!(
-            load_or_create(dir.path()).is_err(),
+            load_or_create(dir.path(), FILE_NAME).is_err(),
             "a symlink is not followed"
         );
         assert_eq!(
@@ -187,16 +198,16 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         std::fs::write(&path, [9u8; 32]).unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let e = load_or_create(dir.path()).unwrap_err();
+        let e = load_or_create(dir.path(), FILE_NAME).unwrap_err();
         assert!(
             e.to_string().contains("readable or writable by others"),
             "{e}"
         );
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
-        assert_eq!(load_or_create(dir.path()).unwrap(), [9u8; 32]);
+        assert_eq!(load_or_create(dir.path(), FILE_NAME).unwrap(), [9u8; 32]);
 
         std::fs::write(&path, [9u8; 31]).unwrap();
-        let e = load_or_create(dir.path()).unwrap_err();
+        let e = load_or_create(dir.path(), FILE_NAME).unwrap_err();
         assert!(e.to_string().contains("not 32 bytes"), "{e}");
         assert_eq!(std::fs::read(&path).unwrap(), [9u8; 31], "never replaced");
     }
