@@ -437,3 +437,53 @@ fn network_files_emptied_at_reload_keep_the_kill_switches_unless_forced() {
         0.0
     );
 }
+
+/// The reload guard for `--geoip-db`: a database rewritten with a small part of its networks
+/// (its search tree far smaller) is refused at reload and the one in force keeps answering;
+/// one of about the same size is taken.
+#[test]
+fn a_geoip_database_that_shrank_at_reload_keeps_the_one_in_force() {
+    use support::{mmdb, GeoRecord};
+    let dir = tempfile::tempdir().unwrap();
+    let country = dir.path().join("country.mmdb");
+    let networks: Vec<String> = (1..=64).map(|i| format!("{i}.0.0.0/24")).collect();
+    let db = |code: &'static str, count: usize| {
+        let records: Vec<(&str, GeoRecord<'_>)> = networks[..count]
+            .iter()
+            .map(|n| (n.as_str(), GeoRecord::Country(code)))
+            .collect();
+        mmdb("GeoLite2-Country", &records)
+    };
+    std::fs::write(&country, db("DE", 64)).unwrap();
+    let by_country = Gateway::start(
+        Some(&policy("ip:country")),
+        None,
+        &[
+            "--geoip-db",
+            country.to_str().unwrap(),
+            "--policy-poll-secs",
+            "0",
+        ],
+    );
+    assert_eq!(decide(&by_country, "1.0.0.1", &[]).0, 200);
+    assert_eq!(decide(&by_country, "2.0.0.1", &[]).0, 429, "DE's bucket");
+    // Rewritten with 2 of its 64 networks, now AT: refused, DE stays.
+    std::fs::write(&country, db("AT", 2)).unwrap();
+    by_country.signal(libc::SIGHUP);
+    by_country.wait_for_log("--geoip-db reload rejected");
+    assert!(by_country
+        .log_text()
+        .contains(&format!("file={}", country.display())));
+    assert_eq!(decide(&by_country, "1.0.0.2", &[]).0, 429, "still DE");
+    assert_eq!(
+        by_country.metric("tollgate_network_reloads_rejected_total{file=\"geoip_db\"}"),
+        1.0
+    );
+    // The same networks, now AT: taken.
+    std::fs::write(&country, db("AT", 64)).unwrap();
+    by_country.signal(libc::SIGHUP);
+    by_country.wait_until(Duration::from_secs(10), || {
+        decide(&by_country, "3.0.0.1", &[]).0 == 200
+    });
+    assert_eq!(decide(&by_country, "4.0.0.1", &[]).0, 429, "AT's bucket");
+}

@@ -75,7 +75,7 @@ impl HeaderLookup for HttpHeaders<'_> {
         self.0
             .get_all(lower_name)
             .iter()
-            .last()
+            .next_back()
             .map(http::HeaderValue::as_bytes)
     }
 

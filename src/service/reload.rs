@@ -77,9 +77,13 @@ impl Gateway {
                         file = %self.network_file_path(refused.file).display(),
                         entries_in_force = refused.in_force,
                         entries_read = refused.loaded,
-                        "{} reload rejected: it came back {} (fewer than half the entries in force), keeping the data in force; run with --network-allow-shrink to accept it",
+                        "{} reload rejected: it came back {}, keeping the data in force; run with --network-allow-shrink to accept it",
                         refused.file.flag(),
-                        if refused.loaded == 0 { "empty" } else { "much smaller" },
+                        if refused.loaded == 0 {
+                            "empty"
+                        } else {
+                            "with fewer than half the entries in force"
+                        },
                     );
                 }
                 if trigger == "startup" {
