@@ -196,6 +196,15 @@ pub struct RunArgs {
     /// lines `1.2.3.4 1;`). Reloaded on SIGHUP and when it changes.
     #[arg(help_heading = "Who the client is", long, env = "TOLLGATE_TOR_EXITS")]
     pub tor_exits: Option<PathBuf>,
+    /// Take a network file (--geoip-db, --asn-type-map, --tor-exits) that comes back empty, or
+    /// with fewer than half the entries in force, at a reload. Without it such a reload is
+    /// refused (ERROR log, tollgate_network_reloads_rejected_total) and the data in force kept.
+    #[arg(
+        help_heading = "Who the client is",
+        long,
+        env = "TOLLGATE_NETWORK_ALLOW_SHRINK"
+    )]
+    pub network_allow_shrink: bool,
     /// Start even when --policy does not exist yet (an orchestrator mounts it later): until a
     /// valid bundle appears, the proxy forwards everything unlimited and decisions answer 503.
     /// Without it, a missing policy file stops start-up with exit code 1.
@@ -282,7 +291,9 @@ pub struct RunArgs {
         default_value_t = 60
     )]
     pub sweep_interval_secs: u64,
-    /// CIDR whose peers may set X-Forwarded-For (repeatable or comma-separated).
+    /// CIDR whose peers may set X-Forwarded-For, and the network headers (X-Country-Code, X-ASN,
+    /// X-ASN-Type, X-Tor-Exit), on the proxy and the decision service (repeatable or
+    /// comma-separated).
     #[arg(
         help_heading = "Who the client is",
         long = "trusted-proxy",

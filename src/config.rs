@@ -134,6 +134,9 @@ pub struct Config {
     pub geoip_db: Vec<PathBuf>,
     pub asn_type_map: Option<PathBuf>,
     pub tor_exits: Option<PathBuf>,
+    /// `--network-allow-shrink`: a network file that comes back empty or with fewer than half
+    /// its entries at a reload is taken anyway.
+    pub network_allow_shrink: bool,
 }
 
 /// HTTPS on the proxy (`--tls-cert`/`--tls-key`, `--listen-tls`).
@@ -460,6 +463,7 @@ impl Config {
             geoip_db: args.geoip_db.clone(),
             asn_type_map: args.asn_type_map.clone(),
             tor_exits: args.tor_exits.clone(),
+            network_allow_shrink: args.network_allow_shrink,
             jwt: JwtConfig {
                 secret: args.jwt_secret.clone(),
                 public_keys: args.jwt_public_key.clone(),

@@ -466,6 +466,11 @@ impl Authorization for Authorizer {
         &self,
         request: Request<CheckRequest>,
     ) -> Result<Response<CheckResponse>, Status> {
+        // The gRPC connection's peer (Envoy itself): its network headers are believed only
+        // when the operator named it with --trusted-proxy.
+        let network_trusted = self
+            .gateway
+            .believes_network_headers(request.remote_addr().map(|a| a.ip()));
         let attributes = request.into_inner().attributes.unwrap_or_default();
         let peer = attributes
             .source
@@ -548,6 +553,7 @@ impl Authorization for Authorizer {
                     hash: body_hash,
                     llm: llm.as_ref(),
                 },
+                network_trusted,
             })
             .await;
         // The reservation's token goes to the upstream, which reports the usage on

@@ -70,6 +70,8 @@ pub struct Metrics {
     state_dir_fallback: Option<IntGauge>,
     store_errors: IntCounter,
     reloads: IntCounterVec,
+    /// Network-file reloads refused by the shrink guard, by file (`tor_exits`...).
+    network_reloads_rejected: IntCounterVec,
     policy_info: IntGaugeVec,
     runtime_overrides: IntGaugeVec,
     policies_skipped: IntGauge,
@@ -257,6 +259,16 @@ impl Metrics {
             Opts::new("tollgate_policy_reloads_total", "Policy loads by result"),
             &["result"],
         ));
+        let network_reloads_rejected = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_network_reloads_rejected_total",
+                "Network-file reloads refused because the file came back empty or with fewer than half the entries in force (the data in force kept), by file (geoip_db, asn_type_map, tor_exits)",
+            ),
+            &["file"],
+        ));
+        for file in crate::network::NetworkFile::METRIC_LABELS {
+            network_reloads_rejected.with_label_values(&[file]);
+        }
         let policy_info = must(IntGaugeVec::new(
             Opts::new(
                 "tollgate_policy_info",
@@ -410,6 +422,7 @@ impl Metrics {
             Box::new(store_info),
             Box::new(store_errors.clone()),
             Box::new(reloads.clone()),
+            Box::new(network_reloads_rejected.clone()),
             Box::new(admin_resets.clone()),
             Box::new(handover_failures.clone()),
             Box::new(admin_refused.clone()),
@@ -463,6 +476,7 @@ impl Metrics {
             state_dir_fallback,
             store_errors,
             reloads,
+            network_reloads_rejected,
             admin_resets,
             handover_failures,
             admin_refused,
@@ -597,6 +611,13 @@ impl Metrics {
     pub fn reload(&self, ok: bool) {
         self.reloads
             .with_label_values(&[if ok { "success" } else { "failure" }])
+            .inc();
+    }
+
+    /// Counts a network-file reload refused by the shrink guard (`file`: its metric label).
+    pub fn network_reload_rejected(&self, file: &str) {
+        self.network_reloads_rejected
+            .with_label_values(&[file])
             .inc();
     }
 

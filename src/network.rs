@@ -3,11 +3,15 @@
 //! `ip:asn`, `ip:type` and `ip:tor` descriptors, as Fairvisor Edge names them.
 //!
 //! The facts come from the trusted headers a proxy in front of tollgate sets (`X-Country-Code`,
-//! `X-ASN`, `X-ASN-Type`, `X-Tor-Exit`), read only when the request came through a
-//! `--trusted-proxy` (or is described by a gateway calling the decision service), from the
-//! `--asn-type-map` file (nginx `map` format, `72 business;`; `unknown` for an ASN it does not
-//! list), and from the `--tor-exits` list (one address or CIDR per line, or nginx `geo` lines
-//! `1.2.3.4 1;`). Pure: the files are read by the caller and parsed here.
+//! `X-ASN`, `X-ASN-Type`, `X-Tor-Exit`), read only when the request (or the decision-service
+//! call describing it) came from a `--trusted-proxy` peer, and then as the nearest hop set them
+//! (the last value); from the `--asn-type-map` file (nginx `map` format, `72 business;`;
+//! `unknown` for an ASN it does not list), and from the `--tor-exits` list (one address or CIDR
+//! per line, or nginx `geo` lines `1.2.3.4 1;`).
+//!
+//! Also here: the reload guard ([`NetworkData::guard_shrink`]), which keeps a file's data in
+//! force when a reload brings back an empty or much smaller file. Pure: the files are read by
+//! the caller (`service::reload`) and parsed and judged here.
 
 use crate::descriptor::{HeaderLookup, IpNet};
 use std::net::IpAddr;
@@ -116,6 +120,12 @@ impl GeoDb {
         Ok(GeoDb { reader, asn })
     }
 
+    /// The size the reload guard compares: the nodes of its search tree (an empty or cut-down
+    /// database has far fewer).
+    fn entries(&self) -> usize {
+        usize::try_from(self.reader.metadata().node_count).unwrap_or(usize::MAX)
+    }
+
     fn country(&self, ip: IpAddr) -> Option<String> {
         let record: maxminddb::geoip2::Country<'_> =
             self.reader.lookup(ip).ok()?.decode().ok()??;
@@ -138,6 +148,54 @@ impl GeoDb {
 pub struct LineError {
     pub line: usize,
     pub message: String,
+}
+
+/// One of the network files, as the reload guard names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NetworkFile {
+    /// The `--geoip-db` database at this place in the list.
+    GeoIpDb(usize),
+    AsnTypeMap,
+    TorExits,
+}
+
+impl NetworkFile {
+    /// Its flag, for log lines.
+    pub fn flag(self) -> &'static str {
+        match self {
+            NetworkFile::GeoIpDb(_) => "--geoip-db",
+            NetworkFile::AsnTypeMap => "--asn-type-map",
+            NetworkFile::TorExits => "--tor-exits",
+        }
+    }
+
+    /// The `file` label of `tollgate_network_reloads_rejected_total` (a bounded set: no paths).
+    pub fn metric_label(self) -> &'static str {
+        match self {
+            NetworkFile::GeoIpDb(_) => "geoip_db",
+            NetworkFile::AsnTypeMap => "asn_type_map",
+            NetworkFile::TorExits => "tor_exits",
+        }
+    }
+
+    /// Every label value, so each series exists from the start.
+    pub const METRIC_LABELS: [&'static str; 3] = ["geoip_db", "asn_type_map", "tor_exits"];
+}
+
+/// A file whose reload [`NetworkData::guard_shrink`] refused: its entries in force and in the
+/// file read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShrinkRefused {
+    pub file: NetworkFile,
+    pub in_force: usize,
+    pub loaded: usize,
+}
+
+/// Whether a reload that brings a file from `in_force` entries to `loaded` is refused: it
+/// comes back empty, or with fewer than half the entries in force. A file that had none may
+/// come back with any number; one that grows or loses less than half is taken as it is.
+pub fn shrink_refused(in_force: usize, loaded: usize) -> bool {
+    in_force > 0 && loaded.saturating_mul(2) < in_force
 }
 
 /// One request's network facts.
@@ -237,6 +295,16 @@ fn asn_number(text: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
+/// A network header's value as the nearest hop set it: its last line, and within that line its
+/// last comma-separated item. A proxy that appends its value to a client's copy, or that joins
+/// repeated lines with `,` (Envoy's ext_authz header map), leaves its own value last; none of
+/// these headers' values contains a comma. Empty: no value.
+fn nearest_value(headers: &dyn HeaderLookup, name: &str) -> Option<String> {
+    let line = String::from_utf8_lossy(headers.last_header_bytes(name)?);
+    let value = line.rsplit(',').next().unwrap_or("").trim();
+    (!value.is_empty()).then(|| value.to_string())
+}
+
 fn boolish(text: &str) -> Option<&'static str> {
     match text.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Some("true"),
@@ -291,6 +359,71 @@ impl NetworkData {
         )
     }
 
+    /// The entries of each file given, as the reload guard counts them: ASNs listed, Tor exits
+    /// (addresses and networks) listed, and each database's search-tree nodes (by its place in
+    /// `--geoip-db`).
+    pub fn entries(&self) -> Vec<(NetworkFile, usize)> {
+        let mut counts: Vec<(NetworkFile, usize)> = self
+            .geo
+            .iter()
+            .enumerate()
+            .map(|(i, db)| (NetworkFile::GeoIpDb(i), db.entries()))
+            .collect();
+        if let Some(map) = &self.asn_types {
+            counts.push((NetworkFile::AsnTypeMap, map.len()));
+        }
+        if let Some(exits) = &self.tor_exits {
+            counts.push((NetworkFile::TorExits, exits.len()));
+        }
+        counts
+    }
+
+    /// This data (just read at a reload), with each file that came back empty or with fewer
+    /// than half the entries of `in_force` ([`shrink_refused`]) replaced by the data in force,
+    /// unless `allow_shrink` (`--network-allow-shrink`). Returns the data to install and the
+    /// files refused, with their counts: a half-written Tor list or ASN map must not switch a
+    /// kill switch off.
+    pub fn guard_shrink(
+        mut self,
+        in_force: &NetworkData,
+        allow_shrink: bool,
+    ) -> (NetworkData, Vec<ShrinkRefused>) {
+        let mut refused = Vec::new();
+        if allow_shrink {
+            return (self, refused);
+        }
+        let mut judge = |file: NetworkFile, in_force: usize, loaded: usize| {
+            let keep = shrink_refused(in_force, loaded);
+            if keep {
+                refused.push(ShrinkRefused {
+                    file,
+                    in_force,
+                    loaded,
+                });
+            }
+            keep
+        };
+        for (i, db) in self.geo.iter_mut().enumerate() {
+            if let Some(old) = in_force.geo.get(i) {
+                if judge(NetworkFile::GeoIpDb(i), old.entries(), db.entries()) {
+                    *db = std::sync::Arc::clone(old);
+                }
+            }
+        }
+        if let (Some(old), Some(new)) = (&in_force.asn_types, &self.asn_types) {
+            if judge(NetworkFile::AsnTypeMap, old.len(), new.len()) {
+                self.asn_types = Some(old.clone());
+                self.default_type = in_force.default_type.clone();
+            }
+        }
+        if let (Some(old), Some(new)) = (&in_force.tor_exits, &self.tor_exits) {
+            if judge(NetworkFile::TorExits, old.len(), new.len()) {
+                self.tor_exits = Some(old.clone());
+            }
+        }
+        (self, refused)
+    }
+
     fn is_tor_exit(&self, ip: IpAddr) -> Option<bool> {
         Some(self.tor_exits.as_ref()?.contains(ip))
     }
@@ -303,13 +436,7 @@ impl NetworkData {
         headers: &dyn HeaderLookup,
         trusted: bool,
     ) -> NetworkFacts {
-        let header = |name: &str| {
-            trusted
-                .then(|| headers.header_text(name))
-                .flatten()
-                .map(|v| v.trim().to_string())
-                .filter(|v| !v.is_empty())
-        };
+        let header = |name: &str| trusted.then(|| nearest_value(headers, name)).flatten();
         // A database answers first (as nginx's GeoIP2 variables do for Fairvisor); the
         // trusted headers for what it does not know.
         let from_db = |asn: bool| {
@@ -356,6 +483,13 @@ mod tests {
             self.0
                 .iter()
                 .find(|(n, _)| *n == lower_name)
+                .map(|(_, v)| v.as_bytes())
+        }
+
+        fn last_header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
+            self.0
+                .iter()
+                .rfind(|(n, _)| *n == lower_name)
                 .map(|(_, v)| v.as_bytes())
         }
 
@@ -428,6 +562,141 @@ mod tests {
         assert_eq!(
             data.resolve(ip, &other, true).asn_type.as_deref(),
             Some("unknown")
+        );
+    }
+
+    #[test]
+    fn repeated_network_headers_take_the_nearest_hops_value() {
+        let bare = NetworkData::default();
+        let ip = Some("10.0.0.1".parse().unwrap());
+        // The client's line first, the trusted proxy's appended after it.
+        let lines = Headers(vec![
+            ("x-tor-exit", "0"),
+            ("x-country-code", "FR"),
+            ("x-tor-exit", "1"),
+            ("x-country-code", "de"),
+        ]);
+        let facts = bare.resolve(ip, &lines, true);
+        assert_eq!(facts.tor, Some("true"));
+        assert_eq!(facts.country.as_deref(), Some("DE"));
+        // One line, joined with commas (a proxy appending, Envoy's header map): the last item.
+        let joined = Headers(vec![
+            ("x-tor-exit", "0, 1"),
+            ("x-asn", "AS1,AS16509"),
+            ("x-asn-type", "isp ,hosting"),
+        ]);
+        let facts = bare.resolve(ip, &joined, true);
+        assert_eq!(facts.tor, Some("true"));
+        assert_eq!(facts.asn.as_deref(), Some("AS16509"));
+        assert_eq!(facts.asn_type.as_deref(), Some("hosting"));
+        // A trailing comma leaves the nearest hop's value empty: no value, not the client's.
+        let empty_last = Headers(vec![("x-country-code", "FR,")]);
+        assert_eq!(bare.resolve(ip, &empty_last, true).country, None);
+        // Untrusted: none of it.
+        assert_eq!(bare.resolve(ip, &lines, false), NetworkFacts::default());
+    }
+
+    #[test]
+    fn a_file_refused_at_reload_is_one_emptied_or_losing_more_than_half() {
+        for (in_force, loaded, refused) in [
+            (0, 0, false),
+            (0, 5, false),
+            (1, 0, true),
+            (10, 0, true),
+            (10, 4, true),
+            (10, 5, false),
+            (11, 5, true),
+            (11, 6, false),
+            (10, 10, false),
+            (10, 1_000, false),
+            (usize::MAX, usize::MAX, false),
+        ] {
+            assert_eq!(
+                shrink_refused(in_force, loaded),
+                refused,
+                "{in_force} -> {loaded}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_reload_guard_keeps_the_data_in_force_file_by_file() {
+        let in_force = NetworkData::parse(
+            Some(MAP),
+            Some(
+                "198.51.100.7
+203.0.113.0/24
+",
+            ),
+        )
+        .unwrap();
+        let tor = Some("198.51.100.7".parse().unwrap());
+        let no_headers = Headers(vec![]);
+        let asn72 = Headers(vec![("x-asn", "72")]);
+        // Both files emptied (a rewrite caught half-way): both kept, both reported.
+        let emptied = NetworkData::parse(Some(""), Some("")).unwrap();
+        let (kept, refused) = emptied.guard_shrink(&in_force, false);
+        assert_eq!(
+            refused,
+            vec![
+                ShrinkRefused {
+                    file: NetworkFile::AsnTypeMap,
+                    in_force: 2,
+                    loaded: 0
+                },
+                ShrinkRefused {
+                    file: NetworkFile::TorExits,
+                    in_force: 2,
+                    loaded: 0
+                },
+            ]
+        );
+        assert_eq!(kept.resolve(tor, &no_headers, false).tor, Some("true"));
+        assert_eq!(
+            kept.resolve(None, &asn72, true).asn_type.as_deref(),
+            Some("business")
+        );
+        assert_eq!(kept.sizes(), (2, 2));
+        // Forced: taken as it is.
+        let (forced, refused) = NetworkData::parse(Some(""), Some(""))
+            .unwrap()
+            .guard_shrink(&in_force, true);
+        assert!(refused.is_empty());
+        assert_eq!(forced.sizes(), (0, 0));
+        assert_eq!(forced.resolve(tor, &no_headers, false).tor, Some("false"));
+        // One file shrinking past the threshold does not hold the other back.
+        let (mixed, refused) = NetworkData::parse(
+            Some(
+                "72 hosting;
+",
+            ),
+            Some(""),
+        )
+        .unwrap()
+        .guard_shrink(&in_force, false);
+        assert_eq!(
+            refused,
+            vec![ShrinkRefused {
+                file: NetworkFile::TorExits,
+                in_force: 2,
+                loaded: 0
+            }]
+        );
+        assert_eq!(
+            mixed.resolve(None, &asn72, true).asn_type.as_deref(),
+            Some("hosting"),
+            "1 of 2 entries is not fewer than half: taken"
+        );
+        assert_eq!(mixed.resolve(tor, &no_headers, false).tor, Some("true"));
+        // Nothing in force (start-up): anything is taken.
+        let (first, refused) = NetworkData::parse(Some(""), Some(""))
+            .unwrap()
+            .guard_shrink(&NetworkData::default(), false);
+        assert!(refused.is_empty());
+        assert_eq!(first.sizes(), (0, 0));
+        assert_eq!(
+            first.entries(),
+            vec![(NetworkFile::AsnTypeMap, 0), (NetworkFile::TorExits, 0)]
         );
     }
 }

@@ -242,3 +242,44 @@ fn http_ext_authz_refuses_with_tollgates_429() {
     let envoy = Envoy::start("ext-authz-http.yaml", upstream.addr, gw.admin);
     assert_ext_authz(&envoy, &upstream);
 }
+
+/// Issue 35, through each shipped ext_authz example: a client's own network headers never
+/// reach tollgate (Envoy removes them before ext_authz), even with Envoy named in
+/// `--trusted-proxy`: eight rotating `X-Country-Code` values share the bucket of requests
+/// without a country (`on_missing: shared`, burst 2).
+#[test]
+fn ext_authz_examples_never_pass_a_clients_network_headers() {
+    let policy = r#"{"bundle_version": 1, "policies": [{"id": "geo", "spec": {"rules": [
+        {"name": "per-country", "limit_keys": ["ip:country"], "on_missing": "shared",
+         "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 2}}]}}]}"#;
+    for example in ["ext-authz-grpc.yaml", "ext-authz-http.yaml"] {
+        let upstream = Upstream::start();
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let gw = Gateway::start(
+            Some(policy),
+            None,
+            &[
+                "--grpc-listen",
+                &grpc.to_string(),
+                "--trusted-proxy",
+                "127.0.0.1/32",
+            ],
+        );
+        let tollgate = if example.contains("grpc") {
+            grpc
+        } else {
+            gw.admin
+        };
+        let envoy = Envoy::start(example, upstream.addr, tollgate);
+        let statuses: Vec<u16> = ["DE", "FR", "US", "JP", "BR", "IN", "CN", "GB"]
+            .iter()
+            .map(|country| envoy.get(&[("X-Country-Code", country)]).status)
+            .collect();
+        assert_eq!(
+            statuses,
+            [200, 200, 429, 429, 429, 429, 429, 429],
+            "{example}"
+        );
+        assert_eq!(upstream.hits(), 2, "{example}");
+    }
+}

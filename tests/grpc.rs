@@ -528,6 +528,45 @@ async fn ext_authz_check_allows_then_denies_with_429_and_headers() {
     assert_eq!(r.status.as_ref().map(|s| s.code), Some(0));
 }
 
+/// Issue 35: ext_authz believed the network headers of any caller. Now only when the gRPC
+/// connection's peer (Envoy) is in `--trusted-proxy`; Envoy's header map joins repeated lines
+/// with `,`, and the last item (the nearest hop's) counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext_authz_believes_network_headers_only_from_a_trusted_caller() {
+    let policy = r#"{"bundle_version": 1, "policies": [],
+        "kill_switches": [{"scope_key": "ip:tor", "scope_value": "true", "reason": "tor"}]}"#;
+    let mut codes = Vec::new();
+    for extra in [&[][..], &["--trusted-proxy", "127.0.0.1/32"][..]] {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let listen = grpc.to_string();
+        let args = [&["--grpc-listen", listen.as_str()][..], extra].concat();
+        let _gw = Gateway::start(Some(policy), None, &args);
+        let mut c = None;
+        for _ in 0..100 {
+            if let Ok(client) = AuthorizationClient::connect(format!("http://{grpc}")).await {
+                c = Some(client);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let mut c = c.expect("ext_authz listener");
+        for tor in ["1", "0,1", "1,0"] {
+            let r = c
+                .check(check_request("203.0.113.9", "/x", &[("x-tor-exit", tor)]))
+                .await
+                .unwrap()
+                .into_inner();
+            codes.push(r.status.map(|s| s.code));
+        }
+    }
+    // Untrusted: OK three times. Trusted: the kill switch (RESOURCE_EXHAUSTED), unless the
+    // nearest hop said 0.
+    assert_eq!(
+        codes,
+        [Some(0), Some(0), Some(0), Some(8), Some(8), Some(0)]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_health_reports_serving() {
     use tonic_health::pb::health_client::HealthClient;

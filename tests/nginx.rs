@@ -36,7 +36,22 @@ fn start_nginx(
     gw: &Gateway,
     upstream: &Upstream,
 ) -> (Nginx, std::net::SocketAddr, tempfile::TempDir) {
+    start_nginx_with_network(gw, upstream, "", "")
+}
+
+/// [`start_nginx`] with nginx's own network data: `geo` lines for the country and Tor-exit
+/// files the example includes.
+fn start_nginx_with_network(
+    gw: &Gateway,
+    upstream: &Upstream,
+    country_geo: &str,
+    tor_exits_geo: &str,
+) -> (Nginx, std::net::SocketAddr, tempfile::TempDir) {
     let prefix = tempfile::tempdir().unwrap();
+    let country = prefix.path().join("country.geo");
+    let tor_exits = prefix.path().join("tor-exits.geo");
+    std::fs::write(&country, country_geo).unwrap();
+    std::fs::write(&tor_exits, tor_exits_geo).unwrap();
     let listen = format!("127.0.0.1:{}", free_port());
     let template = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/nginx/auth-request.conf"),
@@ -53,7 +68,9 @@ fn start_nginx(
         .replace("__LISTEN__", &listen)
         .replace("__TOLLGATE_ADMIN__", &gw.admin.to_string())
         .replace("__UPSTREAM__", &upstream.addr.to_string())
-        .replace("__PREFIX__", &prefix.path().display().to_string());
+        .replace("__PREFIX__", &prefix.path().display().to_string())
+        .replace("__COUNTRY_GEO__", &country.display().to_string())
+        .replace("__TOR_EXITS_GEO__", &tor_exits.display().to_string());
     let conf_path = prefix.path().join("nginx.conf");
     std::fs::write(&conf_path, conf).unwrap();
     let child = Command::new(nginx_binary())
@@ -145,4 +162,61 @@ fn encoded_slashes_through_nginx_never_reach_a_killed_route() {
         assert_eq!(r.header("X-Tollgate-Reason"), Some("kill_switch"), "{path}");
     }
     assert_eq!(upstream.hits(), hits, "no spelling reached the upstream");
+}
+
+/// Issue 35: a client sending its own `X-Country-Code` through the shipped example had it
+/// forwarded by nginx and believed by the decision service (8 rotating values, 8 × 200 under a
+/// burst of 2). nginx now sets the header from its own `geo` data, and tollgate believes it
+/// only because nginx's address is its `--trusted-proxy`: one country, one bucket.
+#[test]
+fn a_client_behind_nginx_cannot_choose_its_country() {
+    let upstream = Upstream::start();
+    let policy = r#"{"bundle_version": 1, "policies": [{"id": "geo", "spec": {
+        "selector": {"pathPrefix": "/api"},
+        "rules": [{"name": "per-country", "limit_keys": ["ip:country"], "on_missing": "reject",
+                   "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 2}}]}}]}"#;
+    let gw = Gateway::start(Some(policy), None, &["--trusted-proxy", "127.0.0.1/32"]);
+    // nginx knows its clients on 127.0.0.1 as Dutch.
+    let (_nginx, addr, _prefix) = start_nginx_with_network(&gw, &upstream, "127.0.0.1 NL;\n", "");
+    let statuses: Vec<u16> = ["DE", "FR", "US", "JP", "BR", "IN", "CN", "GB"]
+        .iter()
+        .map(|country| request(addr, "GET", "/api/orders", &[("X-Country-Code", country)]).status)
+        .collect();
+    // A missing country would be refused with 401 (`on_missing: reject`): one country, NL.
+    assert_eq!(statuses, [200, 200, 429, 429, 429, 429, 429, 429]);
+    // Several copies, any case: still nginx's NL.
+    let r = request(
+        addr,
+        "GET",
+        "/api/orders",
+        &[("x-country-code", "SE"), ("X-COUNTRY-CODE", "NO")],
+    );
+    assert_eq!(r.status, 429);
+}
+
+/// Issue 35: a client's `X-Tor-Exit: 0` won over the trusted proxy's `X-Tor-Exit: 1`. Behind
+/// the shipped example nginx's own Tor list decides: a listed client is refused by the Tor kill
+/// switch whatever it sends.
+#[test]
+fn a_client_behind_nginx_cannot_deny_being_a_tor_exit() {
+    let upstream = Upstream::start();
+    let policy = r#"{"bundle_version": 1, "policies": [],
+        "kill_switches": [{"scope_key": "ip:tor", "scope_value": "true", "reason": "tor"}]}"#;
+    let gw = Gateway::start(Some(policy), None, &["--trusted-proxy", "127.0.0.1/32"]);
+    let (_nginx, addr, _prefix) = start_nginx_with_network(&gw, &upstream, "", "127.0.0.1 1;\n");
+    let hits = upstream.hits();
+    for headers in [
+        &[][..],
+        &[("X-Tor-Exit", "0")][..],
+        &[("X-Tor-Exit", "false"), ("X-Tor-Exit", "0")][..],
+    ] {
+        let r = request(addr, "GET", "/api/orders", headers);
+        assert_eq!(r.status, 429, "{headers:?}: {r:?}");
+        assert_eq!(
+            r.header("X-Tollgate-Reason"),
+            Some("kill_switch"),
+            "{headers:?}"
+        );
+    }
+    assert_eq!(upstream.hits(), hits, "no Tor client reached the upstream");
 }

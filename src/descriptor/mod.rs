@@ -13,6 +13,10 @@ pub trait HeaderLookup {
     /// The raw bytes of the first line of header `lower_name` (already lower-case), if present.
     fn header_bytes(&self, lower_name: &str) -> Option<&[u8]>;
 
+    /// The raw bytes of the last line of header `lower_name`: what the nearest hop added, for
+    /// headers a proxy in front sets (the network facts, [`crate::network`]).
+    fn last_header_bytes(&self, lower_name: &str) -> Option<&[u8]>;
+
     /// Whether header `lower_name` arrived on more than one line. Frameworks disagree on which
     /// line counts (many take the last), so a limit keyed on a repeated header could count one
     /// identity while the upstream serves another.
@@ -61,6 +65,12 @@ impl HeaderLookup for [(String, String)] {
             .map(|(_, value)| value.as_bytes())
     }
 
+    fn last_header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
+        self.iter()
+            .rfind(|(name, _)| is_header(name, lower_name))
+            .map(|(_, value)| value.as_bytes())
+    }
+
     fn is_repeated(&self, lower_name: &str) -> bool {
         self.iter()
             .filter(|(name, _)| is_header(name, lower_name))
@@ -90,6 +100,10 @@ impl HeaderLookup for [(String, String)] {
 impl HeaderLookup for Vec<(String, String)> {
     fn header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
         self.as_slice().header_bytes(lower_name)
+    }
+
+    fn last_header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
+        self.as_slice().last_header_bytes(lower_name)
     }
 
     fn is_repeated(&self, lower_name: &str) -> bool {
@@ -124,8 +138,8 @@ pub struct RequestFacts<'a> {
     pub body_hash: Option<u64>,
     /// What an LLM request body asks for, when the front end read it (`token_bucket_llm`).
     pub llm: Option<&'a crate::llm::LlmRequest>,
-    /// The request came from a `--trusted-proxy` (or is described by a gateway calling the
-    /// decision service): its network headers (`X-Country-Code`...) may be believed.
+    /// The request (or the decision-service call describing it) came from a `--trusted-proxy`
+    /// peer: its network headers (`X-Country-Code`...) may be believed.
     pub trusted_peer: bool,
     /// The client's network (`ip:country`, `ip:asn`, `ip:type`, `ip:tor`), when the bundle in
     /// force reads it ([`crate::network`]).

@@ -401,8 +401,10 @@ impl Admin {
             hash: body_hash,
             llm,
         };
+        // Its network headers only when the operator named the caller (--trusted-proxy).
+        let network_trusted = self.gateway.believes_network_headers(peer);
         self.gateway
-            .decide_described(&original.described(client_ip, &req.headers, body))
+            .decide_described(&original.described(client_ip, &req.headers, body, network_trusted))
             .await
     }
 }
@@ -421,6 +423,7 @@ impl<'r> Original<'r> {
         client_ip: Option<std::net::IpAddr>,
         headers: &'r http::HeaderMap,
         body: crate::service::DescribedBody<'r>,
+        network_trusted: bool,
     ) -> crate::service::Described<'r> {
         crate::service::Described {
             method: self.method,
@@ -429,6 +432,7 @@ impl<'r> Original<'r> {
             client_ip,
             headers,
             body,
+            network_trusted,
         }
     }
 
@@ -589,7 +593,9 @@ impl Admin {
                     hash: body_hash,
                     llm: llm.as_ref(),
                 };
-                let described = original.described(client_ip, &req.headers, body);
+                // The operator (holding the admin token) describes the request whole, its
+                // network headers included: explain answers for the client so described.
+                let described = original.described(client_ip, &req.headers, body, true);
                 operator_reply(self.gateway.explain_described(&described).await)
             }
         }

@@ -78,6 +78,14 @@ impl HeaderLookup for HttpHeaders<'_> {
         self.0.get(lower_name).map(http::HeaderValue::as_bytes)
     }
 
+    fn last_header_bytes(&self, lower_name: &str) -> Option<&[u8]> {
+        self.0
+            .get_all(lower_name)
+            .iter()
+            .next_back()
+            .map(http::HeaderValue::as_bytes)
+    }
+
     fn is_repeated(&self, lower_name: &str) -> bool {
         self.0.get_all(lower_name).iter().nth(1).is_some()
     }
@@ -260,6 +268,13 @@ impl Gateway {
             .load()
             .as_deref()
             .is_some_and(|b| b.fingerprints_bodies)
+    }
+
+    /// Whether the network headers of a decision-service call from `caller` (the TCP peer of
+    /// the HTTP call, the gRPC connection's peer) are believed: only from a `--trusted-proxy`
+    /// network, as on the proxy listener. A caller is not trusted for being a gateway.
+    pub fn believes_network_headers(&self, caller: Option<IpAddr>) -> bool {
+        caller.is_some_and(|ip| self.is_trusted_proxy(crate::descriptor::canonical_ip(ip)))
     }
 
     /// Whether `ip` is inside a `--trusted-proxy` network.
@@ -537,8 +552,8 @@ impl Gateway {
         .with_claims(claims)
         .with_body_hash(described.body.hash)
         .with_llm(described.body.llm)
-        // The caller is a gateway by role: its network headers are believed.
-        .with_trusted_peer(true))
+        // Its network headers are believed only from a caller the operator named.
+        .with_trusted_peer(described.network_trusted))
     }
 
     /// Drops buckets that no longer matter (see [`Store::sweep`]) and LLM reservations nobody
@@ -573,6 +588,10 @@ pub struct Described<'a> {
     pub client_ip: Option<IpAddr>,
     pub headers: &'a http::HeaderMap,
     pub body: DescribedBody<'a>,
+    /// Whether its network headers (`X-Country-Code`, `X-ASN`, `X-ASN-Type`, `X-Tor-Exit`)
+    /// are believed: the caller is a `--trusted-proxy` peer ([`Gateway::believes_network_headers`]),
+    /// or an operator asks `/v1/explain`.
+    pub network_trusted: bool,
 }
 
 /// What a described request's body contributes: its fingerprint (for `body_hash`

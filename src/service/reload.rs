@@ -28,8 +28,11 @@ fn signature(path: &Path) -> Option<FileSignature> {
 }
 
 impl Gateway {
-    /// Reads `--asn-type-map` and `--tor-exits` (when given) into the data `ip:type` and
-    /// `ip:tor` read. A file that cannot be read or parsed keeps the data in force.
+    /// Reads `--geoip-db`, `--asn-type-map` and `--tor-exits` (when given) into the data the
+    /// `ip:*` descriptors read. A file that cannot be read or parsed keeps the data in force; so
+    /// does one that comes back empty or with fewer than half its entries, unless
+    /// `--network-allow-shrink` (ERROR log naming it and both counts, and
+    /// `tollgate_network_reloads_rejected_total`).
     ///
     /// # Errors
     /// The file and line that could not be read.
@@ -64,12 +67,43 @@ impl Gateway {
         *self.network_watch.lock() = signatures;
         match loaded {
             Ok(data) => {
+                let (data, refused) =
+                    data.guard_shrink(&self.network.load(), self.config.network_allow_shrink);
+                for refused in &refused {
+                    self.metrics
+                        .network_reload_rejected(refused.file.metric_label());
+                    tracing::error!(
+                        trigger,
+                        file = %self.network_file_path(refused.file).display(),
+                        entries_in_force = refused.in_force,
+                        entries_read = refused.loaded,
+                        "{} reload rejected: it came back {}, keeping the data in force; run with --network-allow-shrink to accept it",
+                        refused.file.flag(),
+                        if refused.loaded == 0 {
+                            "empty"
+                        } else {
+                            "with fewer than half the entries in force"
+                        },
+                    );
+                }
+                if trigger == "startup" {
+                    for (file, entries) in data.entries() {
+                        if entries == 0 {
+                            tracing::warn!(
+                                file = %self.network_file_path(file).display(),
+                                "{} lists nothing: the descriptors it answers match no client",
+                                file.flag()
+                            );
+                        }
+                    }
+                }
                 let (types, exits) = data.sizes();
                 tracing::info!(
                     trigger,
                     asn_types = types,
                     tor_exits = exits,
                     geoip_dbs = self.config.geoip_db.len(),
+                    files_kept = refused.len(),
                     "network data loaded"
                 );
                 self.network.store(Arc::new(data));
@@ -83,6 +117,16 @@ impl Gateway {
                 Err(e)
             }
         }
+    }
+
+    /// The path behind a [`crate::network::NetworkFile`], for log lines.
+    fn network_file_path(&self, file: crate::network::NetworkFile) -> &Path {
+        let path = match file {
+            crate::network::NetworkFile::GeoIpDb(i) => self.config.geoip_db.get(i),
+            crate::network::NetworkFile::AsnTypeMap => self.config.asn_type_map.as_ref(),
+            crate::network::NetworkFile::TorExits => self.config.tor_exits.as_ref(),
+        };
+        path.map_or(Path::new(""), |p| p.as_path())
     }
 
     /// The files the network data is read from, in a fixed order.
