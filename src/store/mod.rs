@@ -452,7 +452,7 @@ impl Store {
         let opened = match &lock {
             Some(lock) => {
                 let geometry = MemoryStore::geometry(&config, true);
-                match state_file::open(&state.dir, geometry, lock.sole_owner) {
+                match state_file::open(&state.dir, geometry, lock.sole_owner, clock.unix_us()) {
                     Ok(opened) => Some((opened, lock.sole_owner)),
                     Err(e) => {
                         tracing::error!(dir = %shown, "state dir unusable, buckets kept in process memory only: {e}");

@@ -429,16 +429,18 @@ fn header_out_of_bounds(
 /// # Errors
 /// The file cannot be made, sized, allocated on disk or mapped: the caller falls back to process
 /// memory.
-pub fn open(dir: &Path, geometry: Geometry, sole_owner: bool) -> Result<Opened, StateError> {
+pub fn open(
+    dir: &Path,
+    geometry: Geometry,
+    sole_owner: bool,
+    now_unix_us: u64,
+) -> Result<Opened, StateError> {
     let path = dir.join(FILE_NAME);
     let mut moved_aside = None;
     let mut created = true;
     // `symlink_metadata`: a symlink there exists (and is moved aside), whatever it points to.
     if std::fs::symlink_metadata(&path).is_ok() {
-        let now = u64::try_from(crate::clock::wall_unix_secs())
-            .unwrap_or(0)
-            .saturating_mul(1_000_000);
-        match unusable(&path, &geometry, now)
+        match unusable(&path, &geometry, now_unix_us)
             .map_err(io_error(&path, "cannot read the state file"))?
         {
             None => created = false,
@@ -452,10 +454,7 @@ pub fn open(dir: &Path, geometry: Geometry, sole_owner: bool) -> Result<Opened, 
                 })
             }
             Some(reason) => {
-                let aside = dir.join(format!(
-                    "{FILE_NAME}.bad-{}",
-                    crate::clock::wall_unix_secs()
-                ));
+                let aside = dir.join(format!("{FILE_NAME}.bad-{}", now_unix_us / 1_000_000));
                 std::fs::rename(&path, &aside)
                     .map_err(io_error(&path, "cannot move the bad state file aside"))?;
                 moved_aside = Some((aside, reason));
@@ -625,6 +624,9 @@ pub fn sync_periodically(file: &std::sync::Arc<StateFile>, every: std::time::Dur
 mod tests {
     use super::*;
 
+    /// The wall clock the tests open files at (2026-11-26).
+    const NOW: u64 = 1_795_651_200 * 1_000_000;
+
     fn geometry() -> Geometry {
         Geometry {
             shard_count: 2,
@@ -638,11 +640,11 @@ mod tests {
     #[test]
     fn a_file_is_made_then_reopened_as_is() {
         let dir = tempfile::tempdir().unwrap();
-        let opened = open(dir.path(), geometry(), true).unwrap();
+        let opened = open(dir.path(), geometry(), true, NOW).unwrap();
         assert!(opened.created && opened.moved_aside.is_none());
         opened.file.header().len.store(7, Ordering::Relaxed);
         drop(opened);
-        let again = open(dir.path(), geometry(), true).unwrap();
+        let again = open(dir.path(), geometry(), true, NOW).unwrap();
         assert!(!again.created);
         assert_eq!(again.file.header().len.load(Ordering::Relaxed), 7);
         assert_eq!(
@@ -661,7 +663,7 @@ mod tests {
         for (bytes, reason) in cases {
             let dir = tempfile::tempdir().unwrap();
             std::fs::write(dir.path().join(FILE_NAME), bytes).unwrap();
-            let opened = open(dir.path(), geometry(), true).unwrap();
+            let opened = open(dir.path(), geometry(), true, NOW).unwrap();
             let (aside, why) = opened.moved_aside.unwrap();
             assert!(why.contains(reason), "{why}");
             assert_eq!(std::fs::read(aside).unwrap(), bytes, "kept as it was");
@@ -673,19 +675,22 @@ mod tests {
         bytes[..8].copy_from_slice(&MAGIC);
         bytes[8] = 9;
         std::fs::write(dir.path().join(FILE_NAME), &bytes).unwrap();
-        let (_, why) = open(dir.path(), geometry(), true)
+        let (_, why) = open(dir.path(), geometry(), true, NOW)
             .unwrap()
             .moved_aside
             .unwrap();
         assert_eq!(why, "layout version 9 (this build reads 1)");
         // Another geometry.
         let dir = tempfile::tempdir().unwrap();
-        drop(open(dir.path(), geometry(), true).unwrap());
+        drop(open(dir.path(), geometry(), true, NOW).unwrap());
         let bigger = Geometry {
             shard_capacity: 16,
             ..geometry()
         };
-        let (_, why) = open(dir.path(), bigger, true).unwrap().moved_aside.unwrap();
+        let (_, why) = open(dir.path(), bigger, true, NOW)
+            .unwrap()
+            .moved_aside
+            .unwrap();
         assert_eq!(
             why,
             "made for another --max-buckets (2 × 8 slots, now 2 × 16)"
@@ -732,12 +737,12 @@ mod tests {
     #[test]
     fn a_file_whose_header_time_is_near_2_pow_64_is_moved_aside() {
         let dir = tempfile::tempdir().unwrap();
-        drop(open(dir.path(), geometry(), true).unwrap());
+        drop(open(dir.path(), geometry(), true, NOW).unwrap());
         let path = dir.path().join(FILE_NAME);
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[80..88].copy_from_slice(&(u64::MAX - 1).to_le_bytes());
         std::fs::write(&path, &bytes).unwrap();
-        let opened = open(dir.path(), geometry(), true).unwrap();
+        let opened = open(dir.path(), geometry(), true, NOW).unwrap();
         let (aside, why) = opened.moved_aside.unwrap();
         assert!(
             why.starts_with("header time 18446744073709551614 µs lies beyond"),
@@ -756,14 +761,14 @@ mod tests {
         std::os::unix::fs::symlink(&precious, dir.path().join(LOCK_NAME)).unwrap();
         std::os::unix::fs::symlink(&precious, dir.path().join(format!("{FILE_NAME}.new"))).unwrap();
         assert!(lock_dir(dir.path(), false).is_err());
-        let opened = open(dir.path(), geometry(), true).unwrap();
+        let opened = open(dir.path(), geometry(), true, NOW).unwrap();
         assert!(opened.created);
         assert_eq!(std::fs::read(&precious).unwrap(), b"root only");
         // The state file itself a symlink: moved aside (the link, not its target).
         drop(opened);
         std::fs::remove_file(dir.path().join(FILE_NAME)).unwrap();
         std::os::unix::fs::symlink(&precious, dir.path().join(FILE_NAME)).unwrap();
-        let (_, why) = open(dir.path(), geometry(), true)
+        let (_, why) = open(dir.path(), geometry(), true, NOW)
             .unwrap()
             .moved_aside
             .unwrap();

@@ -376,7 +376,13 @@ fn a_full_store_purges_for_multi_bucket_requests_too() {
 
 /// Two mappings of one state file: what two processes of an upgrade share.
 fn mapped(dir: &std::path::Path, config: MemoryStoreConfig, sole_owner: bool) -> MemoryStore {
-    let opened = state_file::open(dir, MemoryStore::geometry(&config, true), sole_owner).unwrap();
+    let opened = state_file::open(
+        dir,
+        MemoryStore::geometry(&config, true),
+        sole_owner,
+        crate::clock::wall_unix_secs().max(0) as u64 * 1_000_000,
+    )
+    .unwrap();
     MemoryStore::in_state_file(config, Arc::new(opened.file), sole_owner, 0)
 }
 
