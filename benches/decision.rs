@@ -37,7 +37,8 @@ fn in_state_dir() -> (MemoryStore, tempfile::TempDir) {
     use tollgate::store::state_file;
     let dir = tempfile::tempdir().expect("temp dir");
     let config = MemoryStoreConfig::default();
-    let opened = state_file::open(dir.path(), MemoryStore::geometry(&config, true), true)
+    // A fresh file: the wall clock it is opened at judges nothing.
+    let opened = state_file::open(dir.path(), MemoryStore::geometry(&config, true), true, 0)
         .expect("state file");
     (
         MemoryStore::in_state_file(config, std::sync::Arc::new(opened.file), true, 0),
