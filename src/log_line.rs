@@ -144,6 +144,33 @@ pub fn set_json(json: bool) {
     FORMAT.store(u8::from(json), Ordering::Relaxed);
 }
 
+/// Whether lines are JSON (`--log-format json`).
+fn json() -> bool {
+    FORMAT.load(Ordering::Relaxed) == 1
+}
+
+/// A value for a `tracing` line (a field written with `%`, or part of its message) that a
+/// client, an upstream or a policy file could have chosen: in text lines escaped by
+/// [`crate::log_value`] (a value cannot end its line or forge another), in JSON lines as it
+/// is (the JSON encoder escapes it, and a reader gets the value back exactly).
+pub fn value(text: &str) -> Value<'_> {
+    Value(text)
+}
+
+/// See [`value`].
+#[derive(Debug, Clone, Copy)]
+pub struct Value<'a>(&'a str);
+
+impl std::fmt::Display for Value<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if json() {
+            f.write_str(self.0)
+        } else {
+            crate::log_value::write_escaped(f, self.0)
+        }
+    }
+}
+
 /// The fields of one `RATE_LIMIT` line.
 #[derive(Debug, Clone, Copy)]
 pub struct RateLimit<'a> {
@@ -164,7 +191,8 @@ const TARGET: &str = "tollgate::service";
 
 impl RateLimit<'_> {
     /// The whole line, newline included: `tracing`'s text layout
-    /// (`<time>  INFO tollgate::service: RATE_LIMIT client_ip=... mode=enforce`) or its JSON one.
+    /// (`<time>  INFO tollgate::service: RATE_LIMIT client_ip=... mode=enforce`, every value
+    /// escaped by [`crate::log_value`]) or its JSON one (values JSON-escaped).
     /// Written piece by piece (no `format!` machinery): this runs once per refusal.
     pub fn format(&self, unix_us: i64, json: bool) -> String {
         let mut line = String::with_capacity(224 + self.path.len());
@@ -205,11 +233,11 @@ impl RateLimit<'_> {
                 (" mode=", self.mode),
             ] {
                 line.push_str(name);
-                line.push_str(value);
+                crate::log_value::push_escaped(&mut line, value);
             }
             if let Some(detail) = self.detail {
                 line.push_str(" detail=");
-                line.push_str(detail);
+                crate::log_value::push_escaped(&mut line, detail);
             }
             line.push('\n');
         }
@@ -221,10 +249,7 @@ impl RateLimit<'_> {
         let unix_us = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros().min(i64::MAX as u128) as i64);
-        stderr(
-            self.format(unix_us, FORMAT.load(Ordering::Relaxed) == 1)
-                .as_bytes(),
-        );
+        stderr(self.format(unix_us, json()).as_bytes());
     }
 }
 
@@ -337,6 +362,29 @@ mod tests {
         assert!(killed
             .format(0, false)
             .ends_with(" mode=enforce detail=abuse\n"));
+    }
+
+    #[test]
+    fn text_lines_escape_every_value() {
+        let hostile = RateLimit {
+            host: "h\r\nforged",
+            path: "/w\x1b[31m",
+            policy: "p\"q",
+            rule: "r\\s",
+            detail: Some("line\nbreak"),
+            ..line()
+        };
+        assert_eq!(
+            hostile.format(1_795_000_000_123_456, false),
+            "2026-11-18T11:06:40.123456Z  INFO tollgate::service: RATE_LIMIT client_ip=203.0.113.50 host=h\\x0D\\x0Aforged path=/w\\x1B[31m status=429 policy=p\\x22q rule=r\\x5Cs reason=token_bucket_exceeded mode=enforce detail=line\\x0Abreak\n"
+        );
+    }
+
+    #[test]
+    fn tracing_values_are_escaped_in_text_lines() {
+        // The lib's tests never switch the log to JSON: text is in force.
+        assert_eq!(value("a\r\nb\u{1b}").to_string(), "a\\x0D\\x0Ab\\x1B");
+        assert_eq!(value("plain").to_string(), "plain");
     }
 
     #[test]
