@@ -829,7 +829,7 @@ impl ProxyHttp for Proxy {
             _ => None,
         };
         if let Some((what, body)) = page {
-            tracing::warn!(error = %e, "{what}");
+            tracing::warn!(error = %crate::log_line::value(&e.to_string()), "{what}");
             let _ = respond(session, code, request_id_header(ctx), body).await;
         } else if code > 0 {
             let _ = session.respond_error(code).await;
