@@ -174,14 +174,16 @@ impl std::fmt::Display for Value<'_> {
 /// The fields of one `RATE_LIMIT` line.
 #[derive(Debug, Clone, Copy)]
 pub struct RateLimit<'a> {
+    /// The client's address as [`push_ip`] writes it, or `-`: written as it is.
     pub client_ip: &'a str,
     pub host: &'a str,
     pub path: &'a str,
     pub status: u16,
     pub policy: &'a str,
     pub rule: &'a str,
-    pub reason: &'a str,
-    pub mode: &'a str,
+    /// Tollgate's own words (a `Reason` or a `Mode`, never request data): written as they are.
+    pub reason: &'static str,
+    pub mode: &'static str,
     /// A kill switch's reason (`detail=`), when it has one.
     pub detail: Option<&'a str>,
 }
@@ -222,19 +224,24 @@ impl RateLimit<'_> {
             line.push_str("  INFO ");
             line.push_str(TARGET);
             line.push_str(": RATE_LIMIT");
-            for (name, value) in [
-                (" client_ip=", self.client_ip),
-                (" host=", self.host),
-                (" path=", self.path),
-                (" status=", number.format(self.status)),
-                (" policy=", self.policy),
-                (" rule=", self.rule),
-                (" reason=", self.reason),
-                (" mode=", self.mode),
-            ] {
+            // What a client or a policy chose is escaped; the address, the status and
+            // tollgate's own words cannot hold anything to escape (and this runs per refusal).
+            line.push_str(" client_ip=");
+            line.push_str(self.client_ip);
+            for (name, value) in [(" host=", self.host), (" path=", self.path)] {
                 line.push_str(name);
                 crate::log_value::push_escaped(&mut line, value);
             }
+            line.push_str(" status=");
+            line.push_str(number.format(self.status));
+            for (name, value) in [(" policy=", self.policy), (" rule=", self.rule)] {
+                line.push_str(name);
+                crate::log_value::push_escaped(&mut line, value);
+            }
+            line.push_str(" reason=");
+            line.push_str(self.reason);
+            line.push_str(" mode=");
+            line.push_str(self.mode);
             if let Some(detail) = self.detail {
                 line.push_str(" detail=");
                 crate::log_value::push_escaped(&mut line, detail);
