@@ -20,7 +20,8 @@ use std::fmt;
 /// Whether a byte is written as it is (without branches: see [`all_plain`]).
 #[inline]
 fn is_plain(b: u8) -> bool {
-    (b >= 0x20) & (b <= 0x7e) & (b != b'"') & (b != b'\\')
+    // 0x20..=0x7e in one comparison.
+    (b.wrapping_sub(0x20) < 0x5f) & (b != b'"') & (b != b'\\')
 }
 
 /// Whether nothing in `text` needs escaping: the common case, checked over all the bytes
