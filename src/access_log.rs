@@ -5,8 +5,10 @@
 //! runs on the hot path unless `--access-log` asks for it.
 //!
 //! Secrets never reach a line: the target goes through [`crate::redact::text`] (credential-like
-//! query parameters and JWT-shaped tokens masked), and client-controlled text is escaped.
+//! query parameters and JWT-shaped tokens masked), and client-controlled text is escaped
+//! ([`crate::log_value`] in text lines, JSON's own escapes in JSON lines).
 
+use crate::log_value::Escaped;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -111,7 +113,11 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
         }
         AccessLogFormat::Text => {
             let mut line = String::with_capacity(256);
-            let dash = |v: Option<&str>| v.map_or_else(|| "-".to_string(), escape);
+            // Client-, upstream- and policy-chosen text through the one escaping point: a value
+            // can neither end its quoted field nor forge a line.
+            fn dash(v: Option<&str>) -> Escaped<'_> {
+                Escaped(v.unwrap_or("-"))
+            }
             let _ = write!(
                 line,
                 "{} - - [{}] \"{} {} {}\" {} {} \"{}\" \"{}\"",
@@ -119,8 +125,8 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                     .client_ip
                     .map_or_else(|| "-".to_string(), |ip| ip.to_string()),
                 nginx_time(record.unix_ms),
-                escape(record.method),
-                escape(&target),
+                Escaped(record.method),
+                Escaped(&target),
                 record.protocol,
                 record.status,
                 record.bytes,
@@ -138,9 +144,9 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                     .upstream_secs
                     .map_or_else(|| "-".to_string(), |s| format!("{s:.3}")),
                 record.total_secs,
-                record.verdict,
+                Escaped(record.verdict),
                 dash(record.rule),
-                escape(record.request_id),
+                Escaped(record.request_id),
             );
             line.push('\n');
             line
@@ -180,24 +186,6 @@ pub(crate) fn json_field(line: &mut String, name: &str, value: Option<&str>) {
 
 fn round_ms(secs: f64) -> f64 {
     (secs * 1000.0).round() / 1000.0
-}
-
-/// Client-controlled text in a text line: `"`, `\` and anything outside printable ASCII
-/// become `\xHH`, so a value can neither end its field nor forge a line.
-fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for b in text.bytes() {
-        match b {
-            b'"' | b'\\' => {
-                let _ = write!(out, "\\x{b:02X}");
-            }
-            0x20..=0x7e => out.push(b as char),
-            _ => {
-                let _ = write!(out, "\\x{b:02X}");
-            }
-        }
-    }
-    out
 }
 
 /// Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

@@ -22,8 +22,9 @@
 //!                                  may write the state dir and the upgrade socket's directory
 //! L0  clock, policy, descriptor,   pure core: no network, no async (the policy loader reads
 //!     limiter, budget,             its file) — time, compiled bundles, request facts and
-//!     client_addr, redact          keys, token-bucket and window maths, budget windows and
-//!                                  stages, the client address, redaction
+//!     client_addr, redact,         keys, token-bucket and window maths, budget windows and
+//!     log_value                    stages, the client address, redaction, the escaping of
+//!                                  values in text log lines
 //! ```
 //!
 //! One exception, on purpose: a limit kind's module under `limits` holds both halves of its
@@ -55,6 +56,7 @@ pub mod limits;
 pub mod llm;
 pub mod llm_encoding;
 pub mod log_line;
+pub mod log_value;
 pub mod metrics;
 pub mod network;
 pub mod operator;

@@ -144,17 +144,46 @@ pub fn set_json(json: bool) {
     FORMAT.store(u8::from(json), Ordering::Relaxed);
 }
 
+/// Whether lines are JSON (`--log-format json`).
+fn json() -> bool {
+    FORMAT.load(Ordering::Relaxed) == 1
+}
+
+/// A value for a `tracing` line (a field written with `%`, or part of its message) that a
+/// client, an upstream or a policy file could have chosen: in text lines escaped by
+/// [`crate::log_value`] (a value cannot end its line or forge another), in JSON lines as it
+/// is (the JSON encoder escapes it, and a reader gets the value back exactly).
+pub fn value(text: &str) -> Value<'_> {
+    Value(text)
+}
+
+/// See [`value`].
+#[derive(Debug, Clone, Copy)]
+pub struct Value<'a>(&'a str);
+
+impl std::fmt::Display for Value<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if json() {
+            f.write_str(self.0)
+        } else {
+            crate::log_value::write_escaped(f, self.0)
+        }
+    }
+}
+
 /// The fields of one `RATE_LIMIT` line.
 #[derive(Debug, Clone, Copy)]
 pub struct RateLimit<'a> {
+    /// The client's address as [`push_ip`] writes it, or `-`: written as it is.
     pub client_ip: &'a str,
     pub host: &'a str,
     pub path: &'a str,
     pub status: u16,
     pub policy: &'a str,
     pub rule: &'a str,
-    pub reason: &'a str,
-    pub mode: &'a str,
+    /// Tollgate's own words (a `Reason` or a `Mode`, never request data): written as they are.
+    pub reason: &'static str,
+    pub mode: &'static str,
     /// A kill switch's reason (`detail=`), when it has one.
     pub detail: Option<&'a str>,
 }
@@ -164,7 +193,8 @@ const TARGET: &str = "tollgate::service";
 
 impl RateLimit<'_> {
     /// The whole line, newline included: `tracing`'s text layout
-    /// (`<time>  INFO tollgate::service: RATE_LIMIT client_ip=... mode=enforce`) or its JSON one.
+    /// (`<time>  INFO tollgate::service: RATE_LIMIT client_ip=... mode=enforce`, every value
+    /// escaped by [`crate::log_value`]) or its JSON one (values JSON-escaped).
     /// Written piece by piece (no `format!` machinery): this runs once per refusal.
     pub fn format(&self, unix_us: i64, json: bool) -> String {
         let mut line = String::with_capacity(224 + self.path.len());
@@ -194,22 +224,27 @@ impl RateLimit<'_> {
             line.push_str("  INFO ");
             line.push_str(TARGET);
             line.push_str(": RATE_LIMIT");
-            for (name, value) in [
-                (" client_ip=", self.client_ip),
-                (" host=", self.host),
-                (" path=", self.path),
-                (" status=", number.format(self.status)),
-                (" policy=", self.policy),
-                (" rule=", self.rule),
-                (" reason=", self.reason),
-                (" mode=", self.mode),
-            ] {
+            // What a client or a policy chose is escaped; the address, the status and
+            // tollgate's own words cannot hold anything to escape (and this runs per refusal).
+            line.push_str(" client_ip=");
+            line.push_str(self.client_ip);
+            for (name, value) in [(" host=", self.host), (" path=", self.path)] {
                 line.push_str(name);
-                line.push_str(value);
+                crate::log_value::push_escaped(&mut line, value);
             }
+            line.push_str(" status=");
+            line.push_str(number.format(self.status));
+            for (name, value) in [(" policy=", self.policy), (" rule=", self.rule)] {
+                line.push_str(name);
+                crate::log_value::push_escaped(&mut line, value);
+            }
+            line.push_str(" reason=");
+            line.push_str(self.reason);
+            line.push_str(" mode=");
+            line.push_str(self.mode);
             if let Some(detail) = self.detail {
                 line.push_str(" detail=");
-                line.push_str(detail);
+                crate::log_value::push_escaped(&mut line, detail);
             }
             line.push('\n');
         }
@@ -221,10 +256,7 @@ impl RateLimit<'_> {
         let unix_us = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros().min(i64::MAX as u128) as i64);
-        stderr(
-            self.format(unix_us, FORMAT.load(Ordering::Relaxed) == 1)
-                .as_bytes(),
-        );
+        stderr(self.format(unix_us, json()).as_bytes());
     }
 }
 
@@ -337,6 +369,29 @@ mod tests {
         assert!(killed
             .format(0, false)
             .ends_with(" mode=enforce detail=abuse\n"));
+    }
+
+    #[test]
+    fn text_lines_escape_every_value() {
+        let hostile = RateLimit {
+            host: "h\r\nforged",
+            path: "/w\x1b[31m",
+            policy: "p\"q",
+            rule: "r\\s",
+            detail: Some("line\nbreak"),
+            ..line()
+        };
+        assert_eq!(
+            hostile.format(1_795_000_000_123_456, false),
+            "2026-11-18T11:06:40.123456Z  INFO tollgate::service: RATE_LIMIT client_ip=203.0.113.50 host=h\\x0D\\x0Aforged path=/w\\x1B[31m status=429 policy=p\\x22q rule=r\\x5Cs reason=token_bucket_exceeded mode=enforce detail=line\\x0Abreak\n"
+        );
+    }
+
+    #[test]
+    fn tracing_values_are_escaped_in_text_lines() {
+        // The lib's tests never switch the log to JSON: text is in force.
+        assert_eq!(value("a\r\nb\u{1b}").to_string(), "a\\x0D\\x0Ab\\x1B");
+        assert_eq!(value("plain").to_string(), "plain");
     }
 
     #[test]

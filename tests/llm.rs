@@ -36,6 +36,8 @@ struct FakeOpenAi {
     hits: Arc<AtomicUsize>,
     bodies: Arc<Mutex<Vec<Vec<u8>>>>,
     gate: Arc<(Mutex<bool>, Condvar)>,
+    /// Set when the gate opened and the stream's rest is about to be written (before it is:
+    /// a client that has read the rest always sees it set).
     stream_finished: Arc<AtomicBool>,
     long: Arc<LongStream>,
     /// The `Accept-Encoding` of every request, in order ("" when absent).
@@ -248,9 +250,10 @@ fn serve(
                 event(&format!(r#"{{"choices": [], "usage": {USAGE}}}"#)),
                 event("[DONE]"),
             );
-            let ok = ok && out.write_all(rest.as_bytes()).is_ok();
+            // Set before the rest is written, never after: once written, the client can read
+            // it (and look at this flag) before this thread runs again.
             stream_finished.store(true, Ordering::SeqCst);
-            ok
+            ok && out.write_all(rest.as_bytes()).is_ok()
         } else {
             let json = format!(
                 r#"{{"id": "c1", "object": "chat.completion", "choices": [{{"message": {{"role": "assistant", "content": "Hello"}}}}], "usage": {USAGE}}}"#

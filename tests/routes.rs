@@ -20,6 +20,8 @@ struct Server {
     addr: SocketAddr,
     hits: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
+    /// The listener and the connections still open: [`Server::kill`] waits for both to go.
+    alive: Arc<AtomicUsize>,
 }
 
 impl Server {
@@ -30,6 +32,7 @@ impl Server {
             addr,
             hits: Arc::new(AtomicUsize::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
+            alive: Arc::new(AtomicUsize::new(0)),
         };
         server.run();
         server
@@ -40,24 +43,43 @@ impl Server {
         let listener = TcpListener::bind(self.addr).expect("bind test server");
         listener.set_nonblocking(true).unwrap();
         let (name, hits, stop) = (self.name, Arc::clone(&self.hits), Arc::clone(&self.stop));
+        let alive = Arc::clone(&self.alive);
+        // Counted before `run` returns, so a `kill` right after waits for this listener too.
+        alive.fetch_add(1, Ordering::SeqCst);
         std::thread::spawn(move || {
             while !stop.load(Ordering::SeqCst) {
                 match listener.accept() {
                     Ok((conn, _)) => {
-                        let (hits, stop) = (Arc::clone(&hits), Arc::clone(&stop));
-                        std::thread::spawn(move || serve(conn, name, &hits, &stop));
+                        let (hits, stop, alive) =
+                            (Arc::clone(&hits), Arc::clone(&stop), Arc::clone(&alive));
+                        alive.fetch_add(1, Ordering::SeqCst);
+                        std::thread::spawn(move || {
+                            serve(conn, name, &hits, &stop);
+                            alive.fetch_sub(1, Ordering::SeqCst);
+                        });
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
-            // The listener is dropped here: connections are refused from now on.
+            // Connections are refused from now on.
+            drop(listener);
+            alive.fetch_sub(1, Ordering::SeqCst);
         });
     }
 
-    /// Stops accepting and closes every connection (within ~50 ms).
+    /// Stops accepting and closes every connection: returns once the listener and every
+    /// connection are closed (panics after 5 s).
     fn kill(&self) {
         self.stop.store(true, Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(100));
+        let start = std::time::Instant::now();
+        while self.alive.load(Ordering::SeqCst) > 0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "server {} still has its listener or a connection open",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     fn hits(&self) -> usize {

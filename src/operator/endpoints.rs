@@ -296,10 +296,13 @@ impl Gateway {
                 self.metrics.admin_reset(held_state);
                 let shown = super::shown_name(bucket.rule, &bucket.name, &self.fingerprint_key);
                 let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
+                // The name carries a client's key (any text, `%0d%0a` decoded included):
+                // escaped, as every value of a log line, so it cannot forge a line.
+                let value = crate::log_line::value;
                 tracing::warn!(
-                    bucket = %shown,
-                    policy = %bucket.rule.policy_id,
-                    rule = %bucket.rule.name,
+                    bucket = %value(&shown),
+                    policy = %value(&bucket.rule.policy_id),
+                    rule = %value(&bucket.rule.name),
                     who = %who,
                     held_state,
                     "ADMIN_RESET"

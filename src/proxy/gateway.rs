@@ -604,7 +604,7 @@ impl ProxyHttp for Proxy {
                 outcome.ejected,
             );
             tracing::warn!(
-                group = %group.spec.name,
+                group = %crate::log_line::value(&group.spec.name),
                 server = %addr,
                 kind = kind.as_str(),
                 attempt = ctx.connect_tries,
@@ -613,7 +613,7 @@ impl ProxyHttp for Proxy {
                 e.etype().as_str()
             );
             if outcome.ejected {
-                tracing::warn!(group = %group.spec.name, server = %addr, "upstream server ejected after consecutive connection failures");
+                tracing::warn!(group = %crate::log_line::value(&group.spec.name), server = %addr, "upstream server ejected after consecutive connection failures");
             }
         }
         e
@@ -744,7 +744,8 @@ impl ProxyHttp for Proxy {
                     .metrics
                     .llm_undecodable(encoding, reason.as_str());
                 tracing::warn!(
-                    encoding,
+                    // The upstream's `Content-Encoding`: escaped like every value of a line.
+                    encoding = %crate::log_line::value(encoding),
                     reason = reason.as_str(),
                     "LLM response body could not be decoded: the reservation stays charged as reserved"
                 );
@@ -794,7 +795,8 @@ impl ProxyHttp for Proxy {
             // The response is already under way: an error page now would be read as the rest
             // of its body. The connection is closed instead, so the client sees the body end
             // short of its length (or an HTTP/2 stream reset) and knows it is incomplete.
-            tracing::warn!(error = %e, "upstream failed mid-response: the client connection is closed");
+            // Pingora's error text may quote the upstream's or the client's bytes.
+            tracing::warn!(error = %crate::log_line::value(&e.to_string()), "upstream failed mid-response: the client connection is closed");
             return FailToProxy {
                 error_code: code,
                 can_reuse_downstream: false,
@@ -827,7 +829,7 @@ impl ProxyHttp for Proxy {
             _ => None,
         };
         if let Some((what, body)) = page {
-            tracing::warn!(error = %e, "{what}");
+            tracing::warn!(error = %crate::log_line::value(&e.to_string()), "{what}");
             let _ = respond(session, code, request_id_header(ctx), body).await;
         } else if code > 0 {
             let _ = session.respond_error(code).await;

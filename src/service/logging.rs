@@ -1,5 +1,5 @@
 //! Logging: the tracing subscriber (text or JSON), Pingora's `log` records bridged into it
-//! through the redactor, and the `RATE_LIMIT` lines of a decision.
+//! through the redactor and the log-value escaping, and the `RATE_LIMIT` lines of a decision.
 
 use super::*;
 
@@ -115,7 +115,7 @@ pub fn init_logging(format: LogFormat) {
 }
 
 /// Re-emits `log` records (Pingora's) as tracing events under the target `pingora`, with their
-/// text through [`crate::redact::text`].
+/// text through [`crate::redact::text`], then escaped ([`crate::log_line::value`]).
 struct RedactingLog;
 
 static REDACTING_LOG: RedactingLog = RedactingLog;
@@ -134,7 +134,10 @@ impl log::Log for RedactingLog {
             return;
         }
         let text = record.args().to_string();
-        let message = crate::redact::text(&text);
+        let redacted = crate::redact::text(&text);
+        // Pingora's messages carry request lines and header values (a `Host` may hold any
+        // byte but CR and LF, a C1 control included): escaped like every value of a line.
+        let message = crate::log_line::value(&redacted);
         let origin = record.target();
         match record.level() {
             log::Level::Error => tracing::error!(target: "pingora", origin, "{message}"),

@@ -458,10 +458,12 @@ impl Gateway {
             self.metrics.breaker_tripped(rule);
             let open_secs = trip.ttl_us / crate::limiter::US_PER_SEC;
             let alert = matches!(rule.guard, Some(crate::policy::Guard::Breaker(b)) if b.alert);
+            // Names from the policy file: escaped like every value of a line.
+            let value = crate::log_line::value;
             if alert {
-                tracing::error!(policy = %rule.policy_id, rule = %rule.name, mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+                tracing::error!(policy = %value(&rule.policy_id), rule = %value(&rule.name), mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
             } else {
-                tracing::warn!(policy = %rule.policy_id, rule = %rule.name, mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+                tracing::warn!(policy = %value(&rule.policy_id), rule = %value(&rule.name), mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
             }
         }
     }
