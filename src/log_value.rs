@@ -13,6 +13,11 @@
 //!
 //! Values that need nothing (nearly all of them) are written as they are, without allocating.
 //! Pure string work, no I/O.
+//!
+//! Behind it, a net for whole text lines ([`escape_line_controls`]): the log writer passes every
+//! formatted `tracing` line through it, so a value some line forgot to escape (an error's text
+//! quoting a file, say) still cannot end its line. It escapes control bytes only, the same way
+//! (`\xHH`), and so leaves lines already escaped as they are.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -94,9 +99,60 @@ impl fmt::Display for Escaped<'_> {
     }
 }
 
+/// One formatted text line (its final `\n` kept) with every other control byte (C0 and DEL)
+/// written `\xHH`: the net under every `tracing` line. Borrowed when there is none.
+pub fn escape_line_controls(line: &[u8]) -> Cow<'_, [u8]> {
+    let (body, end) = match line.split_last() {
+        Some((b'\n', body)) => (body, &b"\n"[..]),
+        _ => (line, &b""[..]),
+    };
+    let control = |b: u8| b < 0x20 || b == 0x7f;
+    if !body.iter().any(|&b| control(b)) {
+        return Cow::Borrowed(line);
+    }
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = Vec::with_capacity(line.len() + 16);
+    for &b in body {
+        if control(b) {
+            out.extend_from_slice(&[
+                b'\\',
+                b'x',
+                HEX[usize::from(b >> 4)],
+                HEX[usize::from(b & 0xf)],
+            ]);
+        } else {
+            out.push(b);
+        }
+    }
+    out.extend_from_slice(end);
+    Cow::Owned(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_line_net_escapes_controls_only_and_keeps_the_final_newline() {
+        assert!(matches!(
+            escape_line_controls(b"plain line\n"),
+            Cow::Borrowed(_)
+        ));
+        assert_eq!(
+            &*escape_line_controls(b"ERROR a\r\nforged \x1b[31m\t\x7f done\n"),
+            &b"ERROR a\\x0D\\x0Aforged \\x1B[31m\\x09\\x7F done\n"[..]
+        );
+        // A line already escaped is left as it is; non-ASCII text too.
+        let escaped = format!("bucket={} caf\u{e9}\n", escape("a\r\nb\\c"));
+        assert_eq!(
+            &*escape_line_controls(escaped.as_bytes()),
+            escaped.as_bytes()
+        );
+        assert_eq!(
+            &*escape_line_controls(b"no newline\x00"),
+            &b"no newline\\x00"[..]
+        );
+    }
 
     /// Reads an escaped value back (the inverse of [`escape`]); `None` when `text` is not
     /// something [`escape`] could have written.

@@ -88,14 +88,21 @@ pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let max_level = filter.max_level_hint();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+        .with_ansi(ansi);
     crate::log_line::set_json(format == LogFormat::Json);
     let result = match format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        // Text lines to a file, a pipe or journald go through the line net: one event, one
+        // line. (On a terminal the colours are control sequences of the formatter's own.)
+        LogFormat::Text if !ansi => builder.with_writer(|| LineNet).try_init(),
+        LogFormat::Text => builder.with_writer(std::io::stderr).try_init(),
+        LogFormat::Json => builder
+            .with_writer(std::io::stderr)
+            .json()
+            .flatten_event(true)
+            .try_init(),
     };
     if let Err(e) = result {
         eprintln!("tollgate: logging already initialised: {e}");
@@ -111,6 +118,28 @@ pub fn init_logging(format: LogFormat) {
             Some(LevelFilter::DEBUG) => log::LevelFilter::Debug,
             _ => log::LevelFilter::Trace,
         });
+    }
+}
+
+/// Standard error behind [`crate::log_value::escape_line_controls`]: the formatter writes one
+/// whole event per `write_all`, so every line is checked whole.
+struct LineNet;
+
+impl std::io::Write for LineNet {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_all(buf)?;
+        Ok(buf.len())
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        std::io::Write::write_all(
+            &mut std::io::stderr().lock(),
+            &crate::log_value::escape_line_controls(buf),
+        )
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::Write::flush(&mut std::io::stderr())
     }
 }
 
