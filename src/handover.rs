@@ -321,6 +321,25 @@ mod tests {
         crate::fs_trust::effective_uid()
     }
 
+    /// `send` on a thread of its own, as `uid` would, waiting 10 s for a taker and 10 s for
+    /// the confirmation.
+    fn send_in_background(
+        path: &Path,
+        listeners: Vec<(String, RawFd)>,
+        uid: u32,
+    ) -> std::thread::JoinHandle<Result<(), HandoverError>> {
+        let path = path.to_path_buf();
+        std::thread::spawn(move || {
+            send(
+                &path,
+                &listeners,
+                uid,
+                Duration::from_secs(10),
+                Duration::from_secs(10),
+            )
+        })
+    }
+
     #[test]
     fn listening_sockets_cross_and_the_sender_waits_for_the_confirmation() {
         let dir = tempfile::tempdir().unwrap();
@@ -332,22 +351,14 @@ mod tests {
             let path = path.clone();
             std::thread::spawn(move || receive(&path, me(), Duration::from_secs(10), |_| {}))
         };
-        let sent = {
-            let listeners = vec![
+        let sent = send_in_background(
+            &path,
+            vec![
                 (a_addr.to_string(), a.as_raw_fd()),
                 (b_addr.to_string(), b.as_raw_fd()),
-            ];
-            let path = path.clone();
-            std::thread::spawn(move || {
-                send(
-                    &path,
-                    &listeners,
-                    me(),
-                    Duration::from_secs(10),
-                    Duration::from_secs(10),
-                )
-            })
-        };
+            ],
+            me(),
+        );
         let (received, confirmation) = receiver.join().unwrap().unwrap();
         assert!(!path.exists(), "the socket's name is removed once used");
         let names: Vec<&str> = received.iter().map(|(n, _)| n.as_str()).collect();
@@ -380,19 +391,7 @@ mod tests {
             let path = path.clone();
             std::thread::spawn(move || receive(&path, me(), Duration::from_secs(10), |_| {}))
         };
-        let sender = {
-            let path = path.clone();
-            let listeners = listeners.clone();
-            std::thread::spawn(move || {
-                send(
-                    &path,
-                    &listeners,
-                    me(),
-                    Duration::from_secs(10),
-                    Duration::from_secs(10),
-                )
-            })
-        };
+        let sender = send_in_background(&path, listeners.to_vec(), me());
         let (_, confirmation) = receiver.join().unwrap().unwrap();
         drop(confirmation);
         assert_eq!(sender.join().unwrap().unwrap_err().reason(), "unconfirmed");
@@ -483,19 +482,7 @@ mod tests {
         assert!(status.success());
         let real = TcpListener::bind("127.0.0.1:0").unwrap();
         let real_addr = real.local_addr().unwrap().to_string();
-        let sender = {
-            let path = path.clone();
-            let listeners = vec![(real_addr.clone(), real.as_raw_fd())];
-            std::thread::spawn(move || {
-                send(
-                    &path,
-                    &listeners,
-                    0,
-                    Duration::from_secs(10),
-                    Duration::from_secs(10),
-                )
-            })
-        };
+        let sender = send_in_background(&path, vec![(real_addr.clone(), real.as_raw_fd())], 0);
         let (got, seen) = receiver.join().unwrap();
         let (received, confirmation) = got.unwrap();
         assert_eq!(seen, ["stranger"]);

@@ -123,6 +123,21 @@ impl Setup {
         node
     }
 
+    /// Waits until `new`, started with `--upgrade`, listens on the upgrade socket; its path.
+    fn wait_for_upgrade_sock(&self, new: &Node) -> PathBuf {
+        let sock = self.state().join("upgrade.sock");
+        let start = Instant::now();
+        while !sock.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "{}",
+                new.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        sock
+    }
+
     /// Upgrades `old` to a new process started with `--upgrade` and `extra` (its log
     /// `new.log`): the new one waits on the upgrade socket, the old one hands its listeners
     /// over on SIGQUIT and exits 0; the new one is ready when this returns.
@@ -130,16 +145,7 @@ impl Setup {
         let mut args = vec!["--upgrade"];
         args.extend(extra);
         let new = self.spawn("new.log", &args);
-        let sock = self.state().join("upgrade.sock");
-        let start = Instant::now();
-        while !sock.exists() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "{}",
-                new.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.wait_for_upgrade_sock(&new);
         old.signal(libc::SIGQUIT);
         assert_eq!(
             old.wait_exit(Duration::from_secs(40)),
@@ -881,16 +887,7 @@ fn the_upgrade_socket_trusts_only_this_user() {
 
     let mut old = setup.start("old.log", &TRUST);
     let new = setup.spawn("new.log", &["--upgrade", TRUST[0], TRUST[1]]);
-    let sock = setup.state().join("upgrade.sock");
-    let start = Instant::now();
-    while !sock.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "{}",
-            new.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let sock = setup.wait_for_upgrade_sock(&new);
     {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
