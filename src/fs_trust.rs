@@ -7,6 +7,9 @@
 //! nor others may write to it. Every directory above it must be owned by this user or root too,
 //! and may be writable by others only with the sticky bit (as `/tmp` is): without it, whoever
 //! can write to a parent can rename the directory away and put one of their own in its place.
+//! A symlink on the way (in the path as given) must be owned by this user or root too, and sit
+//! in a directory that passes the same rule: otherwise whoever owns it could point it elsewhere
+//! later, and every open through the path would follow.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -29,6 +32,8 @@ pub enum Untrusted {
     },
     #[error("{dir}, above it, is owned by uid {owner}, who could replace it (only this user, uid {me}, or root may own it)")]
     ParentOwner { dir: PathBuf, owner: u32, me: u32 },
+    #[error("{link}, a symlink on the way to it, is owned by uid {owner}, who could point it elsewhere (only this user, uid {me}, or root may own it)")]
+    LinkOwner { link: PathBuf, owner: u32, me: u32 },
     #[error("{dir}, above it, is writable by {who} without the sticky bit (mode {mode:04o}): they could rename it away and put their own in its place")]
     ParentWritable {
         dir: PathBuf,
@@ -54,12 +59,13 @@ fn writers(mode: u32) -> Option<&'static str> {
 }
 
 /// Checks `dir` (which must exist) and every directory above it, for the user `me`: see the
-/// module's comment for the rules. Symlinks in the path are resolved first, so the directories
-/// checked are the ones really used.
+/// module's comment for the rules. The directories checked are both those of the path as given
+/// (each symlink on it, and the directory holding it) and those it resolves to.
 ///
 /// # Errors
-/// The first directory that fails, and why.
+/// The first directory or link that fails, and why.
 pub fn check_private_dir(dir: &Path, me: u32) -> Result<(), Untrusted> {
+    check_links_on_the_way(dir, me)?;
     let real = dir.canonicalize().map_err(|e| Untrusted::Unreadable {
         dir: dir.to_path_buf(),
         reason: e.to_string(),
@@ -103,6 +109,59 @@ pub fn check_private_dir(dir: &Path, me: u32) -> Result<(), Untrusted> {
                 dir: parent.to_path_buf(),
                 who,
                 mode: meta.mode() & 0o7777,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The path as given, prefix by prefix: a symlink must be owned by `me` or root and its
+/// directory must pass the rule for directories above (checked through the real path it
+/// resolves to).
+fn check_links_on_the_way(dir: &Path, me: u32) -> Result<(), Untrusted> {
+    let unreadable = |p: &Path, e: std::io::Error| Untrusted::Unreadable {
+        dir: p.to_path_buf(),
+        reason: e.to_string(),
+    };
+    let absolute = if dir.is_absolute() {
+        dir.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map_err(|e| unreadable(dir, e))?
+            .join(dir)
+    };
+    for prefix in absolute.ancestors() {
+        let Ok(meta) = std::fs::symlink_metadata(prefix) else {
+            continue;
+        };
+        if !meta.file_type().is_symlink() {
+            continue;
+        }
+        if meta.uid() != me && meta.uid() != 0 {
+            return Err(Untrusted::LinkOwner {
+                link: prefix.to_path_buf(),
+                owner: meta.uid(),
+                me,
+            });
+        }
+        // Whoever may write the link's directory may replace the link.
+        let Some(holder) = prefix.parent() else {
+            continue;
+        };
+        let real = holder.canonicalize().map_err(|e| unreadable(holder, e))?;
+        let held = std::fs::metadata(&real).map_err(|e| unreadable(&real, e))?;
+        if held.uid() != me && held.uid() != 0 {
+            return Err(Untrusted::ParentOwner {
+                dir: real,
+                owner: held.uid(),
+                me,
+            });
+        }
+        if let (Some(who), false) = (writers(held.mode()), held.mode() & 0o1000 != 0) {
+            return Err(Untrusted::ParentWritable {
+                dir: real,
+                who,
+                mode: held.mode() & 0o7777,
             });
         }
     }
@@ -242,6 +301,50 @@ mod tests {
         chmod(top.path(), 0o1777);
         assert_eq!(check_private_dir(&dir, owner), Ok(()));
         chmod(top.path(), 0o700);
+    }
+
+    #[test]
+    fn a_symlink_on_the_way_must_be_as_trusted_as_a_directory() {
+        let top = tempfile::tempdir().unwrap();
+        let real = top.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        chmod(&real, 0o700);
+        let me = effective_uid();
+        // A link in a directory only we may write: fine.
+        let mine = top.path().join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        chmod(&mine, 0o755);
+        std::os::unix::fs::symlink(&real, mine.join("state")).unwrap();
+        assert_eq!(check_private_dir(&mine.join("state"), me), Ok(()));
+        // The same link in a directory anyone may write to (no sticky bit): they could
+        // re-point it, so it is refused although the directory it leads to is fine.
+        let shared = top.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        chmod(&shared, 0o777);
+        std::os::unix::fs::symlink(&real, shared.join("state")).unwrap();
+        assert_eq!(
+            check_private_dir(&shared.join("state"), me),
+            Err(Untrusted::ParentWritable {
+                dir: shared.canonicalize().unwrap(),
+                who: "its group and others",
+                mode: 0o777
+            })
+        );
+        chmod(&shared, 0o700);
+        // A link owned by another user (as root, handed to nobody).
+        if me == 0 {
+            let theirs = mine.join("theirs");
+            std::os::unix::fs::symlink(&real, &theirs).unwrap();
+            std::os::unix::fs::lchown(&theirs, Some(65534), None).unwrap();
+            assert_eq!(
+                check_private_dir(&theirs, 0),
+                Err(Untrusted::LinkOwner {
+                    link: theirs.clone(),
+                    owner: 65534,
+                    me: 0
+                })
+            );
+        }
     }
 
     #[test]

@@ -7,9 +7,13 @@
 //! Each end trusts only itself: the other end's credentials (`SO_PEERCRED`) must be this
 //! process's user or root, or the connection is refused and nothing is sent or taken. The socket
 //! is made owner-only, in a directory [`check_socket_dir`] trusts. The old process hands over,
-//! then waits for the new one to confirm that it serves (one byte, written once its services
-//! run): only then does it drain and exit. When nobody takes the sockets, a stranger is met, or
-//! no confirmation comes, the old process keeps serving.
+//! then waits for the new one to confirm that it serves (one byte, written once every listener
+//! is in place): only then does it drain and exit. When nobody takes the sockets, a stranger is
+//! met, or no confirmation comes, the old process keeps serving. It says it will wait for a
+//! confirmation by a first word, [`CONFIRMING`], before the addresses; a new process that was
+//! promised a confirmation and cannot deliver it (the old one gave up waiting) stops rather
+//! than serve beside it. (A sender from before confirmations sends only addresses and is not
+//! waited for.)
 
 use nix::sys::socket::{
     getsockopt, recvmsg, sendmsg, sockopt::PeerCredentials, ControlMessage, ControlMessageOwned,
@@ -27,6 +31,8 @@ pub const CONNECT_WAIT: Duration = Duration::from_secs(10);
 pub const CONFIRM_WAIT: Duration = Duration::from_secs(30);
 /// How long the new process waits for the old one to hand over.
 pub const RECEIVE_WAIT: Duration = Duration::from_secs(60);
+/// The first word of a hand-over whose sender waits for the confirmation (never an address).
+pub const CONFIRMING: &str = "tollgate-handover/confirm";
 /// Most listening sockets one hand-over carries.
 const MAX_SOCKETS: usize = 64;
 /// Longest address list one hand-over carries.
@@ -50,6 +56,11 @@ pub enum HandoverError {
     NothingReceived { path: PathBuf, wait: Duration },
     #[error("--upgrade-sock {path}: {what}")]
     Malformed { path: PathBuf, what: String },
+    #[error("--upgrade-sock {path}: its directory is not trusted: {reason}")]
+    UntrustedDir {
+        path: PathBuf,
+        reason: crate::fs_trust::Untrusted,
+    },
     #[error("--upgrade-sock {path}: {what}: {source}")]
     Io {
         path: PathBuf,
@@ -67,6 +78,7 @@ impl HandoverError {
             HandoverError::Unconfirmed { .. } => "unconfirmed",
             HandoverError::NothingReceived { .. } => "nothing_received",
             HandoverError::Malformed { .. } => "malformed",
+            HandoverError::UntrustedDir { .. } => "untrusted_dir",
             HandoverError::Io { .. } => "io",
         }
     }
@@ -120,8 +132,58 @@ pub fn send(
     connect_wait: Duration,
     confirm_wait: Duration,
 ) -> Result<(), HandoverError> {
+    check_socket_dir(path, me).map_err(|reason| HandoverError::UntrustedDir {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    let mut stream = connect_trusted(path, me, connect_wait)?;
+    write_sockets(path, &stream, listeners, true)?;
+    stream
+        .set_read_timeout(Some(confirm_wait))
+        .map_err(io_error(path, "cannot wait for the confirmation"))?;
+    let deadline = Instant::now() + confirm_wait;
+    let mut confirmation = [0u8; 1];
+    loop {
+        match stream.read(&mut confirmation) {
+            Ok(1) => return Ok(()),
+            // A signal (another SIGQUIT, a SIGHUP) interrupts the wait, not the hand-over.
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted && Instant::now() < deadline => {
+                continue
+            }
+            _ => {
+                return Err(HandoverError::Unconfirmed {
+                    path: path.to_path_buf(),
+                    wait: confirm_wait,
+                })
+            }
+        }
+    }
+}
+
+/// Passes `listeners` to a process of this user listening at `path` that does not confirm
+/// (Pingora's own bootstrap, through the upgrade's relay): the addresses only, as Pingora
+/// reads them.
+///
+/// # Errors
+/// Nobody listens there within `connect_wait`, or the sending fails.
+pub fn relay(
+    path: &Path,
+    listeners: &[(String, RawFd)],
+    me: u32,
+    connect_wait: Duration,
+) -> Result<(), HandoverError> {
+    let stream = connect_trusted(path, me, connect_wait)?;
+    write_sockets(path, &stream, listeners, false)
+}
+
+/// Connects to `path` (trying for `connect_wait`) and checks who listens there.
+fn connect_trusted(
+    path: &Path,
+    me: u32,
+    connect_wait: Duration,
+) -> Result<UnixStream, HandoverError> {
     let start = Instant::now();
-    let mut stream = loop {
+    let stream = loop {
         match UnixStream::connect(path) {
             Ok(stream) => break stream,
             Err(e)
@@ -149,9 +211,25 @@ pub fn send(
             me,
         });
     }
-    let names: Vec<&str> = listeners.iter().map(|(name, _)| name.as_str()).collect();
+    Ok(stream)
+}
+
+/// Writes one hand-over message: the addresses (after [`CONFIRMING`] when `confirming`) and
+/// their descriptors.
+fn write_sockets(
+    path: &Path,
+    stream: &UnixStream,
+    listeners: &[(String, RawFd)],
+    confirming: bool,
+) -> Result<(), HandoverError> {
+    let names = listeners.iter().map(|(name, _)| name.as_str());
+    let words: Vec<&str> = if confirming {
+        std::iter::once(CONFIRMING).chain(names).collect()
+    } else {
+        names.collect()
+    };
     let fds: Vec<RawFd> = listeners.iter().map(|(_, fd)| *fd).collect();
-    let message = names.join(" ");
+    let message = words.join(" ");
     let rights = [ControlMessage::ScmRights(&fds)];
     sendmsg::<()>(
         stream.as_raw_fd(),
@@ -161,27 +239,28 @@ pub fn send(
         None,
     )
     .map_err(|e| io_error(path, "cannot send the listening sockets")(e.into()))?;
-    stream
-        .set_read_timeout(Some(confirm_wait))
-        .map_err(io_error(path, "cannot wait for the confirmation"))?;
-    let mut confirmation = [0u8; 1];
-    match stream.read(&mut confirmation) {
-        Ok(1) => Ok(()),
-        _ => Err(HandoverError::Unconfirmed {
-            path: path.to_path_buf(),
-            wait: confirm_wait,
-        }),
-    }
+    Ok(())
 }
 
 /// The new process's promise to tell the old one that it serves.
-pub struct Confirmation(UnixStream);
+pub struct Confirmation {
+    stream: UnixStream,
+    /// The old process waits for it (it said [`CONFIRMING`]).
+    awaited: bool,
+}
 
 impl Confirmation {
-    /// Tells the old process this one serves: it drains and exits. (An old gateway from before
-    /// confirmations existed has already gone its way; the write then fails, harmlessly.)
-    pub fn confirm(mut self) {
-        let _ = self.0.write_all(b"1");
+    /// Tells the old process this one serves: it drains and exits.
+    ///
+    /// # Errors
+    /// The old process waited for it and is no longer listening (it gave up and keeps
+    /// serving): this process must not serve beside it. (A sender from before confirmations
+    /// does not wait; a failed write to it is no error.)
+    pub fn confirm(mut self) -> std::io::Result<()> {
+        match self.stream.write_all(b"1") {
+            Err(e) if self.awaited => Err(e),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -247,13 +326,17 @@ pub fn receive(
         }
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-        let listeners = take_sockets(path, &stream)?;
-        return Ok((listeners, Confirmation(stream)));
+        let (listeners, awaited) = take_sockets(path, &stream)?;
+        return Ok((listeners, Confirmation { stream, awaited }));
     }
 }
 
-/// Reads one hand-over message: the addresses and their descriptors.
-fn take_sockets(path: &Path, stream: &UnixStream) -> Result<Vec<(String, OwnedFd)>, HandoverError> {
+/// Reads one hand-over message: the addresses and their descriptors, and whether the sender
+/// waits for a confirmation.
+fn take_sockets(
+    path: &Path,
+    stream: &UnixStream,
+) -> Result<(Vec<(String, OwnedFd)>, bool), HandoverError> {
     let mut message = vec![0u8; MAX_MESSAGE];
     let mut space = nix::cmsg_space!([RawFd; MAX_SOCKETS]);
     let (bytes, fds) = {
@@ -282,7 +365,7 @@ fn take_sockets(path: &Path, stream: &UnixStream) -> Result<Vec<(String, OwnedFd
         }
         (received.bytes, fds)
     };
-    let names: Vec<String> = std::str::from_utf8(&message[..bytes])
+    let mut names: Vec<String> = std::str::from_utf8(&message[..bytes])
         .map_err(|_| HandoverError::Malformed {
             path: path.to_path_buf(),
             what: "the address list is not UTF-8".to_string(),
@@ -290,6 +373,10 @@ fn take_sockets(path: &Path, stream: &UnixStream) -> Result<Vec<(String, OwnedFd
         .split_ascii_whitespace()
         .map(str::to_string)
         .collect();
+    let awaited = names.first().is_some_and(|first| first == CONFIRMING);
+    if awaited {
+        names.remove(0);
+    }
     if names.len() != fds.len() || fds.is_empty() {
         return Err(HandoverError::Malformed {
             path: path.to_path_buf(),
@@ -300,7 +387,7 @@ fn take_sockets(path: &Path, stream: &UnixStream) -> Result<Vec<(String, OwnedFd
             ),
         });
     }
-    Ok(names.into_iter().zip(fds).collect())
+    Ok((names.into_iter().zip(fds).collect(), awaited))
 }
 
 /// Removes the socket's name when the wait ends, however it ends.
@@ -367,7 +454,7 @@ mod tests {
         let taken = TcpListener::from(received.into_iter().next().unwrap().1);
         assert_eq!(taken.local_addr().unwrap(), a_addr);
         assert!(!sent.is_finished(), "the sender waits for the confirmation");
-        confirmation.confirm();
+        confirmation.confirm().unwrap();
         assert!(sent.join().unwrap().is_ok());
     }
 
@@ -395,6 +482,64 @@ mod tests {
         let (_, confirmation) = receiver.join().unwrap().unwrap();
         drop(confirmation);
         assert_eq!(sender.join().unwrap().unwrap_err().reason(), "unconfirmed");
+
+        // A confirmation that comes after the sender gave up waiting: the new process learns it
+        // must not serve beside the old one.
+        let receiver = {
+            let path = path.clone();
+            std::thread::spawn(move || receive(&path, me(), Duration::from_secs(10), |_| {}))
+        };
+        let impatient = {
+            let path = path.clone();
+            let listeners = listeners.to_vec();
+            std::thread::spawn(move || {
+                send(
+                    &path,
+                    &listeners,
+                    me(),
+                    Duration::from_secs(10),
+                    Duration::from_millis(100),
+                )
+            })
+        };
+        let (_, confirmation) = receiver.join().unwrap().unwrap();
+        assert_eq!(
+            impatient.join().unwrap().unwrap_err().reason(),
+            "unconfirmed"
+        );
+        assert!(confirmation.confirm().is_err());
+    }
+
+    #[test]
+    fn a_sender_that_does_not_wait_is_not_confirmed_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrade.sock");
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let receiver = {
+            let path = path.clone();
+            std::thread::spawn(move || receive(&path, me(), Duration::from_secs(10), |_| {}))
+        };
+        relay(
+            &path,
+            &[("127.0.0.1:1".to_string(), l.as_raw_fd())],
+            me(),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let (received, confirmation) = receiver.join().unwrap().unwrap();
+        assert_eq!(received[0].0, "127.0.0.1:1");
+        // Its end is gone: no error, no stop.
+        assert!(confirmation.confirm().is_ok());
+    }
+
+    /// A child process killed when the value goes, however a test ends.
+    struct KillOnDrop(std::process::Child);
+
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
     }
 
     /// Runs `python3 -c script` as nobody (uid 65534); `None` when not root.
@@ -429,15 +574,18 @@ mod tests {
             "import socket,time\ns=socket.socket(socket.AF_UNIX)\ns.bind({:?})\ns.listen(1)\nc,_=s.accept()\ntime.sleep(2)\n",
             path.display().to_string()
         );
-        let Some(mut stranger) = as_nobody(&script) else {
+        let Some(stranger) = as_nobody(&script) else {
             return;
         };
+        // Killed however the test ends (it holds the test harness's inherited descriptors).
+        let stranger = KillOnDrop(stranger);
         let start = Instant::now();
         while !path.exists() {
             assert!(start.elapsed() < Duration::from_secs(10));
             std::thread::sleep(Duration::from_millis(20));
         }
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        // `send` does not even try in a directory others can write to...
         let err = send(
             &path,
             &[("x".to_string(), l.as_raw_fd())],
@@ -446,16 +594,18 @@ mod tests {
             Duration::from_secs(5),
         )
         .unwrap_err();
+        assert_eq!(err.reason(), "untrusted_dir");
+        // ...and behind that check, the other end's credentials refuse the stranger.
+        let err = connect_trusted(&path, 0, Duration::from_secs(5)).unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
                 "--upgrade-sock {}: refused the other end (uid 65534, pid {}): only this user (uid 0) or root may take part in a hand-over",
                 path.display(),
-                stranger.id()
+                stranger.0.id()
             )
         );
-        let _ = stranger.kill();
-        let _ = stranger.wait();
+        drop(stranger);
         std::fs::remove_file(&path).unwrap();
 
         // Another user connects first to the waiting new gateway (the socket's mode would stop
@@ -480,6 +630,8 @@ mod tests {
         );
         let status = as_nobody(&script).unwrap().wait().unwrap();
         assert!(status.success());
+        // The directory owner-only again, as the real sender requires.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
         let real = TcpListener::bind("127.0.0.1:0").unwrap();
         let real_addr = real.local_addr().unwrap().to_string();
         let sender = send_in_background(&path, vec![(real_addr.clone(), real.as_raw_fd())], 0);
@@ -488,7 +640,7 @@ mod tests {
         assert_eq!(seen, ["stranger"]);
         assert_eq!(received.len(), 1);
         assert_eq!(received[0].0, real_addr);
-        confirmation.confirm();
+        confirmation.confirm().unwrap();
         assert!(sender.join().unwrap().is_ok());
     }
 }

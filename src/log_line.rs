@@ -149,24 +149,34 @@ fn json() -> bool {
     FORMAT.load(Ordering::Relaxed) == 1
 }
 
-/// A value for a `tracing` line (a field written with `%`, or part of its message) that a
-/// client, an upstream or a policy file could have chosen: in text lines escaped by
-/// [`crate::log_value`] (a value cannot end its line or forge another), in JSON lines as it
-/// is (the JSON encoder escapes it, and a reader gets the value back exactly).
+/// A value for a `tracing` field (written with `%`) that a client, an upstream or a policy file
+/// could have chosen: in text lines escaped by [`crate::log_value`] and quoted when it holds a
+/// space (a value can neither end its line nor forge another field), in JSON lines as it is
+/// (the JSON encoder escapes it, and a reader gets the value back exactly).
 pub fn value(text: &str) -> Value<'_> {
-    Value(text)
+    Value { text, field: true }
+}
+
+/// Like [`value`], for a line's message (escaped, never quoted).
+pub fn message(text: &str) -> Value<'_> {
+    Value { text, field: false }
 }
 
 /// See [`value`].
 #[derive(Debug, Clone, Copy)]
-pub struct Value<'a>(&'a str);
+pub struct Value<'a> {
+    text: &'a str,
+    field: bool,
+}
 
 impl std::fmt::Display for Value<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if json() {
-            f.write_str(self.0)
+            f.write_str(self.text)
+        } else if self.field {
+            crate::log_value::write_field(f, self.text)
         } else {
-            crate::log_value::write_escaped(f, self.0)
+            crate::log_value::write_escaped(f, self.text)
         }
     }
 }
@@ -230,13 +240,13 @@ impl RateLimit<'_> {
             line.push_str(self.client_ip);
             for (name, value) in [(" host=", self.host), (" path=", self.path)] {
                 line.push_str(name);
-                crate::log_value::push_escaped(&mut line, value);
+                crate::log_value::push_field(&mut line, value);
             }
             line.push_str(" status=");
             line.push_str(number.format(self.status));
             for (name, value) in [(" policy=", self.policy), (" rule=", self.rule)] {
                 line.push_str(name);
-                crate::log_value::push_escaped(&mut line, value);
+                crate::log_value::push_field(&mut line, value);
             }
             line.push_str(" reason=");
             line.push_str(self.reason);
@@ -244,7 +254,7 @@ impl RateLimit<'_> {
             line.push_str(self.mode);
             if let Some(detail) = self.detail {
                 line.push_str(" detail=");
-                crate::log_value::push_escaped(&mut line, detail);
+                crate::log_value::push_field(&mut line, detail);
             }
             line.push('\n');
         }

@@ -71,6 +71,27 @@ pub fn write_escaped<W: fmt::Write + ?Sized>(out: &mut W, text: &str) -> fmt::Re
     Ok(())
 }
 
+/// Writes `text` as the value of an unquoted `key=value` field: escaped, and inside double
+/// quotes when it holds a space (logfmt's way), so a value such as `x policy=other` stays one
+/// field instead of forging another. (`"` itself is always escaped, so the quotes are
+/// unambiguous.)
+pub fn write_field<W: fmt::Write + ?Sized>(out: &mut W, text: &str) -> fmt::Result {
+    if text.as_bytes().contains(&b' ') {
+        out.write_char('"')?;
+        write_escaped(out, text)?;
+        out.write_char('"')
+    } else {
+        write_escaped(out, text)
+    }
+}
+
+/// Appends `text` as a field's value (see [`write_field`]) to a line being built.
+#[inline]
+pub fn push_field(out: &mut String, text: &str) {
+    // Writing into a `String` never fails.
+    let _ = write_field(out, text);
+}
+
 /// `text` escaped: borrowed as it is when nothing needs escaping.
 pub fn escape(text: &str) -> Cow<'_, str> {
     if all_plain(text) {
@@ -131,6 +152,19 @@ pub fn escape_line_controls(line: &[u8]) -> Cow<'_, [u8]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_field_value_with_a_space_is_quoted_so_it_cannot_forge_a_field() {
+        let mut line = String::from("bucket=");
+        push_field(&mut line, "tb:r:x policy=other who=1.2.3.4");
+        assert_eq!(line, "bucket=\"tb:r:x policy=other who=1.2.3.4\"");
+        let mut line = String::from("bucket=");
+        push_field(&mut line, "a \"b\" c");
+        assert_eq!(line, "bucket=\"a \\x22b\\x22 c\"");
+        let mut line = String::from("bucket=");
+        push_field(&mut line, "plain");
+        assert_eq!(line, "bucket=plain");
+    }
 
     #[test]
     fn the_line_net_escapes_controls_only_and_keeps_the_final_newline() {

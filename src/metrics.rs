@@ -223,7 +223,7 @@ impl Metrics {
         let handover_failures = must(IntCounterVec::new(
             Opts::new(
                 "tollgate_upgrade_handover_failures_total",
-                "Zero-downtime upgrade hand-overs that did not happen, by reason (no_taker, stranger, unconfirmed, nothing_received, malformed, io); the old process keeps serving",
+                "Zero-downtime upgrade hand-overs that did not happen, by reason (no_taker, stranger, unconfirmed, nothing_received, malformed, untrusted_dir, no_socket, io); the old process keeps serving",
             ),
             &["reason"],
         ));
@@ -233,6 +233,8 @@ impl Metrics {
             "unconfirmed",
             "nothing_received",
             "malformed",
+            "untrusted_dir",
+            "no_socket",
             "io",
         ] {
             handover_failures.with_label_values(&[reason]);

@@ -160,6 +160,24 @@ fn every_page_is_in_the_book() {
     }
 }
 
+/// A merge left half-done (conflict markers committed) shows two versions of a page at once.
+#[test]
+fn no_page_carries_merge_conflict_markers() {
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).expect("page");
+        for (n, line) in text.lines().enumerate() {
+            assert!(
+                !(line.starts_with("<<<<<<< ")
+                    || line.starts_with(">>>>>>> ")
+                    || line == "======="),
+                "{}:{}: a merge conflict marker",
+                page.display(),
+                n + 1
+            );
+        }
+    }
+}
+
 /// Splits a shell line into words: quotes removed, `$(...)`, `${...}` and `$NAME` kept as one
 /// word (they stand for a value the reader supplies).
 fn words(line: &str) -> Vec<String> {

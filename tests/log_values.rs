@@ -17,6 +17,7 @@ const POLICY: &str = r#"{"rules": [{"name": "per-user", "limit_keys": ["query:us
 const TARGET: &str = "/w?user=evil%0D%0A%1B%5B31mFORGED%20INFO%20line";
 const KEY: &str = "evil\r\n\u{1b}[31mFORGED INFO line";
 /// How a text line shows the key.
+/// In a `key=value` field the space keeps it quoted: `FORGED INFO` cannot become fields.
 const KEY_ESCAPED: &str = r"evil\x0D\x0A\x1B[31mFORGED INFO line";
 
 /// The refused request's `Host` (a TAB is all a `Host` the limiter reads can carry), and the
@@ -102,7 +103,7 @@ fn a_key_with_cr_lf_and_esc_gives_one_escaped_line_of_each_kind() {
     assert_eq!(
         the_line(&log, "ADMIN_RESET").split_once("ADMIN_RESET").unwrap().1,
         format!(
-            " bucket=tb:per-user:{KEY_ESCAPED} policy=policy rule=per-user who=127.0.0.1 held_state=true"
+            " bucket=\"tb:per-user:{KEY_ESCAPED}\" policy=policy rule=per-user who=127.0.0.1 held_state=true"
         )
     );
     assert_eq!(

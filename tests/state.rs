@@ -1071,3 +1071,51 @@ fn symlinks_and_impossible_headers_in_the_state_dir_are_never_believed() {
     assert!(log.contains("cannot open the lock file"), "{log}");
     assert_eq!(node.metric("tollgate_state_dir_fallback"), 1.0);
 }
+
+/// An upgrade whose new process cannot put every listener in place (here a `--grpc-listen`
+/// address added by the upgrade, whose port is taken) never confirms: it stops with exit 1, and
+/// the old gateway, which had handed its sockets over, keeps serving them.
+#[test]
+fn an_upgrade_missing_a_listener_never_confirms_and_the_old_gateway_keeps_serving() {
+    let setup = Setup::new(POLICY);
+    let old = setup.start("old.log", &TRUST);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let grpc = taken.local_addr().unwrap().to_string();
+    let mut new = setup.spawn(
+        "new.log",
+        &["--upgrade", TRUST[0], TRUST[1], "--grpc-listen", &grpc],
+    );
+    setup.wait_for_upgrade_sock(&new);
+    old.signal(libc::SIGQUIT);
+    assert_eq!(new.wait_exit(Duration::from_secs(40)), Some(1));
+    assert!(
+        new.log_text().contains(&format!(
+            "upgrade: not every listener is in place after 10s; not confirming, stopping (the old gateway keeps serving) missing=[\"{grpc}\"]"
+        )),
+        "{}",
+        new.log_text()
+    );
+    let start = Instant::now();
+    while !old.log_text().contains("upgrade failed, still serving") {
+        assert!(
+            start.elapsed() < Duration::from_secs(40),
+            "{}",
+            old.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        old.log_text().contains(
+            "the new gateway took the listeners but did not confirm that it serves within 30s"
+        ),
+        "{}",
+        old.log_text()
+    );
+    assert_eq!(
+        old.metric("tollgate_upgrade_handover_failures_total{reason=\"unconfirmed\"}"),
+        1.0
+    );
+    // The sockets it handed over are still its own: it serves and enforces on them.
+    assert_eq!(count(&old.statuses(6, "a", "10.0.0.1"), 200), 5);
+    drop(taken);
+}

@@ -185,6 +185,9 @@ pub fn run(args: RunArgs) -> u8 {
         }
     };
 
+    // Every address this process listens on (Pingora's table holds each once it is bound or
+    // taken over): an upgrade confirms only when all of them are in place.
+    let mut listen_addrs: Vec<String> = Vec::new();
     if let Some(upstreams) = &upstreams {
         let nofile = conn::raise_nofile_limit();
         let limits = conn::Limits {
@@ -224,6 +227,7 @@ pub fn run(args: RunArgs) -> u8 {
         let tls_on_listen = config.tls.as_ref().is_some_and(|t| t.listen.is_none());
         if !tls_on_listen {
             svc.add_listener(listener(&config.listen));
+            listen_addrs.push(config.listen.clone());
         }
         if let (Some(tls), Some(certs)) = (&config.tls, &certificates) {
             let addr = tls.listen.as_deref().unwrap_or(&config.listen);
@@ -239,6 +243,7 @@ pub fn run(args: RunArgs) -> u8 {
             // ALPN: h2 first, then http/1.1.
             settings.enable_h2();
             svc.add_listener(listener(addr).tls(settings));
+            listen_addrs.push(addr.to_string());
             tracing::info!(listen_tls = %addr, "HTTPS listener (HTTP/2 and HTTP/1.1 by ALPN)");
         }
         svc.threads = Some(config.threads);
@@ -269,6 +274,7 @@ pub fn run(args: RunArgs) -> u8 {
         conn::Guarded::new(admin::Admin::new(Arc::clone(&gateway)), admin_limits),
     );
     admin.add_tcp(&config.admin_listen);
+    listen_addrs.push(config.admin_listen.clone());
     // Decisions (nginx auth_request, Envoy ext_authz) use every worker, like the proxy.
     admin.threads = Some(config.threads);
     server.add_service(admin);
@@ -293,6 +299,7 @@ pub fn run(args: RunArgs) -> u8 {
         match crate::grpc::GrpcServer::start(Arc::clone(&gateway), grpc, config.threads, delivered)
         {
             Ok(running) => {
+                listen_addrs.push(grpc.listen.to_string());
                 server.add_service(GrpcListener {
                     key: grpc.listen.to_string(),
                     bound,
@@ -362,7 +369,11 @@ pub fn run(args: RunArgs) -> u8 {
         relay.pass_on(listeners);
         server.add_service(background_service(
             "tollgate upgrade confirmation",
-            ConfirmUpgrade(parking_lot::Mutex::new(Some(confirmation))),
+            ConfirmUpgrade {
+                confirmation: parking_lot::Mutex::new(Some(confirmation)),
+                listen_addrs,
+                listen_table: Arc::clone(&listen_table),
+            },
         ));
     }
     server.bootstrap();
@@ -420,20 +431,9 @@ impl DrainOnSignal {
     async fn hand_over(&self) -> bool {
         let Some(sock) = self.upgrade_sock.clone() else {
             tracing::error!("SIGQUIT: no upgrade socket (--upgrade-sock or --state-dir) to hand the listeners over through; still serving (SIGTERM stops the gateway)");
-            self.gateway.metrics.handover_failed("no_taker");
+            self.gateway.metrics.handover_failed("no_socket");
             return false;
         };
-        // Checked again now: the directory may have changed since start-up.
-        if let Err(reason) =
-            crate::handover::check_socket_dir(&sock, crate::fs_trust::effective_uid())
-        {
-            tracing::error!(
-                "upgrade refused, still serving: --upgrade-sock {}: its directory is not trusted: {reason}",
-                sock.display()
-            );
-            self.gateway.metrics.handover_failed("stranger");
-            return false;
-        }
         let listeners: Vec<(String, std::os::fd::RawFd)> = match self.listen_table.get() {
             Some(table) => {
                 let (names, fds) = table.lock().serialize();
@@ -495,9 +495,22 @@ impl ShutdownSignalWatch for DrainOnSignal {
                 }
                 _ = quit.recv() => {
                     // The new process has the sockets and serves: this one stops accepting
-                    // and drains (no Pingora upgrade step: the hand-over is done).
-                    if self.hand_over().await {
-                        return ShutdownSignal::GracefulTerminate;
+                    // and drains (no Pingora upgrade step: the hand-over is done). A stop asked
+                    // for meanwhile is not kept waiting for the hand-over.
+                    let hand_over = self.hand_over();
+                    tokio::pin!(hand_over);
+                    tokio::select! {
+                        served = &mut hand_over => if served {
+                            return ShutdownSignal::GracefulTerminate;
+                        },
+                        _ = term.recv() => {
+                            tracing::info!("SIGTERM during the hand-over: draining");
+                            return ShutdownSignal::GracefulTerminate;
+                        }
+                        _ = int.recv() => {
+                            tracing::info!("SIGINT during the hand-over: draining");
+                            return ShutdownSignal::GracefulTerminate;
+                        }
                     }
                 }
             }
@@ -534,15 +547,63 @@ impl pingora::services::Service for ListenTable {
     }
 }
 
-/// Tells the old process of an upgrade that this one serves, once its services run.
-struct ConfirmUpgrade(parking_lot::Mutex<Option<crate::handover::Confirmation>>);
+/// How long the new process of an upgrade waits for all its listeners to be in place.
+const LISTENERS_WAIT: Duration = Duration::from_secs(10);
+
+/// Tells the old process of an upgrade that this one serves, once every listener is in place
+/// (taken over, or bound anew). When one is not (an address added by this upgrade is taken),
+/// or the old process gave up waiting, this process stops: it must never serve beside the old
+/// one, nor take over without all its listeners.
+struct ConfirmUpgrade {
+    confirmation: parking_lot::Mutex<Option<crate::handover::Confirmation>>,
+    listen_addrs: Vec<String>,
+    listen_table: Arc<std::sync::OnceLock<pingora::server::ListenFds>>,
+}
+
+impl ConfirmUpgrade {
+    /// The listeners not yet in Pingora's table.
+    fn missing(&self) -> Vec<&str> {
+        let Some(table) = self.listen_table.get() else {
+            return self.listen_addrs.iter().map(String::as_str).collect();
+        };
+        let table = table.lock();
+        self.listen_addrs
+            .iter()
+            .filter(|addr| table.get(addr).is_none())
+            .map(String::as_str)
+            .collect()
+    }
+}
 
 #[async_trait]
 impl BackgroundService for ConfirmUpgrade {
     async fn start(&self, _shutdown: ShutdownWatch) {
-        if let Some(confirmation) = self.0.lock().take() {
-            confirmation.confirm();
-            tracing::info!("upgrade: serving; the old gateway drains");
+        let start = tokio::time::Instant::now();
+        loop {
+            let missing = self.missing();
+            if missing.is_empty() {
+                break;
+            }
+            if start.elapsed() >= LISTENERS_WAIT {
+                tracing::error!(
+                    missing = ?missing,
+                    "upgrade: not every listener is in place after {LISTENERS_WAIT:?}; not confirming, stopping (the old gateway keeps serving)"
+                );
+                crate::log_line::flush();
+                std::process::exit(i32::from(EXIT_INVALID));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let Some(confirmation) = self.confirmation.lock().take() else {
+            return;
+        };
+        match confirmation.confirm() {
+            Ok(()) => tracing::info!("upgrade: serving; the old gateway drains"),
+            Err(e) => {
+                tracing::error!("upgrade: the old gateway stopped waiting for this one ({e}) and keeps serving; stopping");
+                crate::log_line::flush();
+                std::process::exit(i32::from(EXIT_INVALID));
+            }
         }
     }
 }
@@ -561,6 +622,16 @@ impl Relay {
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(std::path::Path::new("."));
         let dir = parent.join(format!(".tollgate-relay-{}", std::process::id()));
+        // A Unix socket's path holds at most 107 bytes; Pingora's bootstrap cannot take one
+        // longer, so say so now, before anything is handed over.
+        let longest = dir.join("s").as_os_str().len();
+        if longest > 107 {
+            return Err(format!(
+                "--upgrade-sock {}: the upgrade needs a socket beside it at {} ({longest} bytes, more than the 107 a Unix socket path holds): use a shorter path",
+                upgrade_sock.display(),
+                dir.join("s").display()
+            ));
+        }
         // A leftover of an earlier process with this pid.
         let _ = std::fs::remove_dir_all(&dir);
         std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
@@ -580,14 +651,14 @@ impl Relay {
                 .iter()
                 .map(|(name, fd)| (name.clone(), fd.as_raw_fd()))
                 .collect();
-            // Pingora's side reads and closes without confirming: that ends the wait.
-            let _ = crate::handover::send(
+            if let Err(e) = crate::handover::relay(
                 &sock,
                 &raw,
                 crate::fs_trust::effective_uid(),
                 crate::handover::CONNECT_WAIT,
-                Duration::from_secs(5),
-            );
+            ) {
+                tracing::error!("upgrade: {e}");
+            }
             drop(listeners);
         });
     }

@@ -144,7 +144,7 @@ impl std::io::Write for LineNet {
 }
 
 /// Re-emits `log` records (Pingora's) as tracing events under the target `pingora`, with their
-/// text through [`crate::redact::text`], then escaped ([`crate::log_line::value`]).
+/// text through [`crate::redact::text`], then escaped ([`crate::log_line::message`]).
 struct RedactingLog;
 
 static REDACTING_LOG: RedactingLog = RedactingLog;
@@ -166,7 +166,7 @@ impl log::Log for RedactingLog {
         let redacted = crate::redact::text(&text);
         // Pingora's messages carry request lines and header values (a `Host` may hold any
         // byte but CR and LF, a C1 control included): escaped like every value of a line.
-        let message = crate::log_line::value(&redacted);
+        let message = crate::log_line::message(&redacted);
         let origin = record.target();
         match record.level() {
             log::Level::Error => tracing::error!(target: "pingora", origin, "{message}"),
