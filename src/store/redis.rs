@@ -9,7 +9,8 @@
 //! groups spent is given back by a refund script: the fleet never admits more than a limit
 //! allows; a concurrent request may briefly see the spent-then-refunded tokens missing.
 //!
-//! Failure: every call has a deadline; a timeout, refused connection or server error fails open
+//! Failure: every call has a deadline; a timeout, refused connection or server error (a full
+//! Redis under `noeviction` refusing writes with OOM among them) fails open
 //! (allowed, and on a single server nothing spent: the script carries the deadline in the
 //! server's own `TIME` and applies nothing past it), is counted, and is logged once per burst
 //! of errors. The connection
