@@ -584,6 +584,9 @@ fn a_key_flood_on_a_full_redis_evicts_and_never_switches_limiting_off() {
         &["--maxmemory", "3mb", "--maxmemory-policy", "volatile-ttl"],
     );
     let gw = decision_gateway_on(&redis, FLOOD_POLICY);
+    // The policy load warned about the budget on a key any client makes up.
+    let warning = "WARN tollgate::service::reload: policy warning: policies[0].spec.rules[2].limit_keys: rule 'monthly' (a budget) is keyed on header:x-api-key, which any client can make up: ";
+    assert!(gw.log_text().contains(warning), "{}", gw.log_text());
     let tenant_ip = |i: usize| format!("198.51.100.{i}");
     let tenant = |_: usize| "tenant".to_string();
     assert_eq!(decisions(gw.admin, 0..14, tenant_ip, tenant), [200; 14]);
