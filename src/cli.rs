@@ -661,6 +661,11 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
                 for warning in &bundle.warnings {
                     let _ = writeln!(out, "  warning: {warning}");
                 }
+                // `run`'s defaults: verified JWT claims, IPv6 clients keyed per /64.
+                let trust = crate::policy::key_origin::KeyTrust::default();
+                for warning in bundle.made_up_key_warnings(&trust) {
+                    let _ = writeln!(out, "  warning: {warning}");
+                }
                 if args.state_dir.is_none() && args.store == "memory" {
                     if let Some(warning) = bundle.restart_warning() {
                         let _ = writeln!(out, "  warning: {warning}");

@@ -174,6 +174,52 @@ fn validate_warns_about_state_a_restart_resets() {
     assert!(!out.contains("restart resets"), "{out}");
 }
 
+/// Issue 42: a budget keyed on a header any client can make up is warned about at its JSON
+/// path (validation still passes); the same budget on a verified JWT claim is not.
+#[test]
+fn validate_warns_about_budgets_on_keys_a_client_makes_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = |budget_key: &str| {
+        format!(
+            r#"{{"bundle_version": 1, "policies": [{{"id": "api", "spec": {{"rules": [
+            {{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {{"rps": 5, "burst": 10}}}},
+            {{"name": "per-key", "limit_keys": ["header:x-api-key"], "on_missing": "shared", "algorithm": "token_bucket", "algorithm_config": {{"rps": 50, "burst": 100}}}},
+            {{"name": "monthly", "limit_keys": ["{budget_key}"], "on_missing": "shared", "algorithm": "cost_based", "algorithm_config": {{"budget": 20, "period": "1M", "staged_actions": [{{"threshold_percent": 100, "action": "reject"}}]}}}}
+        ]}}}}]}}"#
+        )
+    };
+    let made_up = dir.path().join("made-up.json");
+    std::fs::write(&made_up, bundle("header:x-api-key")).unwrap();
+    let (code, out, err) = tollgate(
+        &[
+            "validate",
+            "--state-dir",
+            "/var/lib/tollgate",
+            made_up.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let warning = "  warning: policies[0].spec.rules[2].limit_keys: rule 'monthly' (a budget) is keyed on header:x-api-key, which any client can make up: every new value starts a fresh count and takes a store entry, so one client can spread its use over as many entries as it likes, and a flood of made-up values fills the store; key it on a verified JWT claim (jwt:sub, jwt:org_id...) instead";
+    let warnings: Vec<&str> = out.lines().filter(|l| l.contains("warning:")).collect();
+    assert_eq!(warnings, [warning], "{out}");
+
+    let verified = dir.path().join("verified.json");
+    std::fs::write(&verified, bundle("jwt:sub")).unwrap();
+    let (code, out, err) = tollgate(
+        &[
+            "validate",
+            "--state-dir",
+            "/var/lib/tollgate",
+            verified.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("verified.json: ok ("), "{out}");
+    assert!(!out.contains("warning:"), "{out}");
+}
+
 #[test]
 fn validate_lists_every_error_with_its_path() {
     let dir = tempfile::tempdir().unwrap();

@@ -283,3 +283,119 @@ async fn a_failing_request_fails_alone_in_its_batch() {
         .count();
     assert_eq!(allowed, 5, "{answers:?}");
 }
+
+/// Rows of `table` on `pg`.
+fn rows(pg: &PgServer, table: &str) -> u64 {
+    sql_number(pg, &format!("SELECT count(*) FROM {table}"))
+}
+
+/// The number one SQL query answers on `pg`.
+fn sql_number(pg: &PgServer, query: &str) -> u64 {
+    let out = Command::new(pg_bin("psql"))
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &pg.port.to_string(),
+            "-U",
+            "tollgate",
+        ])
+        .args(["-d", "postgres", "-tAc", query])
+        .output()
+        .expect("psql");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("psql: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// Issue 42 on PostgreSQL: PostgreSQL never evicts, so a flood of made-up keys never switches
+/// limiting off: the table grows by one row per made-up bucket, a new client is limited
+/// exactly, a tenant's spent budget stays spent, and the sweep deletes each row once its bucket
+/// is full again (a budget's at its window's end).
+#[tokio::test]
+async fn a_key_flood_on_postgres_grows_the_table_until_the_sweep_deletes_it() {
+    use tollgate::limiter::{Quota, Window, MICRO};
+    use tollgate::store::{BucketOp, Group, OpResults};
+    let pg = PgServer::start();
+    let store = shared_store(&pg.url()).await;
+    // Per client address: burst 10, one token back every 100 s. Per API key: a budget of 20 in
+    // a window ending an hour from `base`.
+    let per_ip = Quota::new(10 * MICRO, MICRO, 100 * US_PER_SEC).unwrap();
+    let budget = Quota::new(20 * MICRO, 20 * MICRO, 86_400 * US_PER_SEC).unwrap();
+    let base = 1_800_000_000 * US_PER_SEC;
+    let window = |now: u64| Window {
+        id: 1_799_996_400,
+        ends_in_us: base + 3_600 * US_PER_SEC - now,
+    };
+    let ip_op = |ip: &str| support::bucket_op(&format!("tb:per-ip:{ip}"), per_ip, Group::Enforce);
+    let budget_op = |key: &str, cost: u64, now: u64| BucketOp {
+        cost: cost * MICRO,
+        window: Some(window(now)),
+        ..support::bucket_op(&format!("cb:monthly:{key}"), budget, Group::Enforce)
+    };
+    let call = |ops: Vec<BucketOp>, now: u64| {
+        let store = &store;
+        async move {
+            let mut r = OpResults::new();
+            store.apply(now, &ops, &mut r).await.expect("store answers");
+            r[0].verdict.allowed && r.iter().all(|o| o.committed)
+        }
+    };
+    assert!(call(vec![budget_op("tenant", 14, base)], base).await);
+
+    const FLOOD: usize = 20_000;
+    let started = Instant::now();
+    for chunk in (0..FLOOD).collect::<Vec<_>>().chunks(500) {
+        let now = base + US_PER_SEC;
+        let calls = chunk.iter().map(|i| {
+            call(
+                vec![
+                    ip_op(&format!("10.0.{i}")),
+                    budget_op(&format!("made-up-{i}"), 1, now),
+                ],
+                now,
+            )
+        });
+        let allowed = futures::future::join_all(calls).await;
+        assert!(allowed.iter().all(|a| *a), "every made-up client is new");
+    }
+    let elapsed = started.elapsed();
+    let after_flood = rows(&pg, "tollgate_buckets");
+    let table_bytes = sql_number(&pg, "SELECT pg_total_relation_size('tollgate_buckets')");
+    assert_eq!(
+        after_flood,
+        2 * FLOOD as u64 + 1,
+        "a row per made-up bucket"
+    );
+
+    let now = base + 2 * US_PER_SEC;
+    let mut newcomer = Vec::new();
+    for _ in 0..11 {
+        newcomer.push(call(vec![ip_op("192.0.2.77")], now).await);
+    }
+    let mut expected = vec![true; 10];
+    expected.push(false);
+    assert_eq!(newcomer, expected, "burst 10: exactly 10 admitted");
+    assert!(call(vec![budget_op("tenant", 6, now)], now).await);
+    assert!(
+        !call(vec![budget_op("tenant", 1, now)], now).await,
+        "14 + 6 of 20: spent"
+    );
+
+    // 200 s on, every made-up address has its token back: the sweep deletes those rows; the
+    // budgets, the newcomer's address (10 tokens: 1 000 s) and the tenant stay.
+    let refilled = store.sweep_at(base + 200 * US_PER_SEC).await;
+    let after_refill = rows(&pg, "tollgate_buckets");
+    assert_eq!((refilled, after_refill), (FLOOD as u64, FLOOD as u64 + 2));
+    // Once the window has ended, nothing is left.
+    let ended = store.sweep_at(base + 3_601 * US_PER_SEC).await;
+    assert_eq!(
+        (ended, rows(&pg, "tollgate_buckets")),
+        (FLOOD as u64 + 2, 0)
+    );
+    eprintln!(
+        "postgres flood: {FLOOD} made-up clients ({} buckets) in {elapsed:?}; rows {after_flood} after the flood ({table_bytes} bytes with the index), {after_refill} after the sweep at +200 s, 0 after the window",
+        2 * FLOOD
+    );
+}

@@ -461,3 +461,225 @@ fn operator_endpoints_on_a_redis_cluster() {
     let cluster = RedisCluster::start();
     support::assert_operator_endpoints_across_a_fleet(&cluster.url());
 }
+
+/// The policy of issue 42's flood: a per-IP bucket (burst 10, refilling nothing during a
+/// test), a per-API-key bucket and a monthly budget of 20 per API key.
+const FLOOD_POLICY: &str = r#"{"bundle_version": 1, "policies": [{"id": "api", "spec": {"rules": [
+    {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 10}},
+    {"name": "per-key", "limit_keys": ["header:x-api-key"], "on_missing": "shared", "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 100}},
+    {"name": "monthly", "limit_keys": ["header:x-api-key"], "on_missing": "shared", "algorithm": "cost_based", "algorithm_config": {"budget": 20, "period": "1M", "staged_actions": [{"threshold_percent": 100, "action": "reject"}]}}
+]}}]}"#;
+
+/// Decision calls on one keep-alive connection to the decision service, call `i` of `calls`
+/// from client address `ip(i)` with API key `key(i)`; returns the statuses in order.
+fn decisions(
+    addr: std::net::SocketAddr,
+    calls: std::ops::Range<usize>,
+    ip: impl Fn(usize) -> String,
+    key: impl Fn(usize) -> String,
+) -> Vec<u16> {
+    use std::io::BufRead;
+    let mut stream = TcpStream::connect(addr).expect("connect to the decision service");
+    stream.set_nodelay(true).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+    let mut statuses = Vec::with_capacity(calls.len());
+    for i in calls {
+        write!(
+            stream,
+            "POST /v1/decision HTTP/1.1\r\nHost: gateway\r\nX-Original-URI: /api/x\r\nX-Forwarded-For: {}\r\nX-Api-Key: {}\r\nContent-Length: 0\r\n\r\n",
+            ip(i),
+            key(i)
+        )
+        .unwrap();
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("status line {line:?}"));
+        let mut length = 0usize;
+        loop {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            if line == "\r\n" || line.is_empty() {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse().unwrap();
+                }
+            }
+        }
+        let mut body = vec![0u8; length];
+        reader.read_exact(&mut body).unwrap();
+        statuses.push(status);
+    }
+    statuses
+}
+
+/// A made-up client of the flood: its own address and API key, never seen before.
+fn flood_ip(i: usize) -> String {
+    format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255)
+}
+
+fn flood_key(i: usize) -> String {
+    format!("made-up-{i}")
+}
+
+/// `calls` decisions from made-up clients, `i` counted from `first`, over two connections at
+/// once; every one is a new client, so every one is allowed.
+fn flood(addr: std::net::SocketAddr, first: usize, calls: usize) -> Vec<u16> {
+    let half = calls / 2;
+    let other = std::thread::spawn(move || {
+        decisions(addr, first + half..first + calls, flood_ip, flood_key)
+    });
+    let mut statuses = decisions(addr, first..first + half, flood_ip, flood_key);
+    statuses.extend(other.join().expect("flood thread"));
+    statuses
+}
+
+/// One field of `redis-cli INFO`.
+fn redis_info(redis: &RedisServer, field: &str) -> u64 {
+    let out = Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string(), "INFO"])
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in INFO"))
+}
+
+/// A gateway on `redis` answering decisions (no upstream), once its store answers.
+fn decision_gateway_on(redis: &RedisServer, policy: &str) -> Gateway {
+    let store = format!("--store={}", redis.url());
+    let gw = Gateway::start(
+        Some(policy),
+        None,
+        &[store.as_str(), "--store-timeout-ms", "500"],
+    );
+    gw.wait_until(Duration::from_secs(15), || {
+        gw.admin("GET", "/readyz", &[])
+            .body
+            .contains("\"store_status\":\"ok\"")
+    });
+    gw
+}
+
+/// Issue 42 on Redis: with a small `maxmemory` and the recommended `volatile-ttl` policy, a
+/// flood of made-up keys that fills Redis several times over makes it evict, never refuse: no
+/// decision fails open, a new client is limited exactly (burst 10: 10 × 200, then 429), and a
+/// tenant's budget spent before the flood (14 of 20) stays spent (6 more, then 429). Each key's
+/// TTL is what forgetting it gives away (a bucket's time to refill, a budget's window plus its
+/// spent share), so Redis forgets the flood's near-worthless entries first.
+#[test]
+fn a_key_flood_on_a_full_redis_evicts_and_never_switches_limiting_off() {
+    let redis = RedisServer::spawn(
+        free_port(),
+        &["--maxmemory", "3mb", "--maxmemory-policy", "volatile-ttl"],
+    );
+    let gw = decision_gateway_on(&redis, FLOOD_POLICY);
+    // The policy load warned about the budget on a key any client makes up.
+    let warning = "WARN tollgate::service::reload: policy warning: policies[0].spec.rules[2].limit_keys: rule 'monthly' (a budget) is keyed on header:x-api-key, which any client can make up: ";
+    assert!(gw.log_text().contains(warning), "{}", gw.log_text());
+    let tenant_ip = |i: usize| format!("198.51.100.{i}");
+    let tenant = |_: usize| "tenant".to_string();
+    assert_eq!(decisions(gw.admin, 0..14, tenant_ip, tenant), [200; 14]);
+
+    const FLOOD: usize = 40_000;
+    let started = Instant::now();
+    let statuses = flood(gw.admin, 0, FLOOD);
+    let elapsed = started.elapsed();
+    assert_eq!(statuses.len(), FLOOD);
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "every made-up client is new"
+    );
+    let evicted = redis_info(&redis, "evicted_keys");
+    let used = redis_info(&redis, "used_memory");
+    eprintln!(
+        "flood: {FLOOD} decisions in {elapsed:?} ({:.0}/s), {evicted} keys evicted, {} expired, used_memory {used}",
+        FLOOD as f64 / elapsed.as_secs_f64(),
+        redis_info(&redis, "expired_keys"),
+    );
+    // Three entries per made-up client: well past what 3 MB holds.
+    assert!(
+        evicted > 20_000,
+        "the flood filled Redis: {evicted} evicted"
+    );
+    assert!(used <= 3 * 1024 * 1024 + 256 * 1024, "used_memory {used}");
+    assert_eq!(
+        gw.metric("tollgate_store_errors_total"),
+        0.0,
+        "{}",
+        gw.log_text()
+    );
+
+    let newcomer_ip = |_: usize| "192.0.2.77".to_string();
+    let newcomer = |_: usize| "newcomer".to_string();
+    let mut expected = vec![200; 10];
+    expected.push(429);
+    assert_eq!(decisions(gw.admin, 0..11, newcomer_ip, newcomer), expected);
+    let mut expected = vec![200; 6];
+    expected.push(429);
+    assert_eq!(
+        decisions(gw.admin, 100..107, tenant_ip, tenant),
+        expected,
+        "the tenant's 14 of 20 stayed spent"
+    );
+    assert_eq!(gw.metric("tollgate_store_errors_total"), 0.0);
+}
+
+/// Issue 42 on Redis under `noeviction` (not recommended): once `maxmemory` is reached Redis
+/// refuses every write, so decisions fail open as on a dead Redis — never silently: each is
+/// counted in `tollgate_store_errors_total` and an ERROR line names Redis's OOM refusal.
+#[test]
+fn a_full_redis_under_noeviction_fails_open_loudly() {
+    let redis = RedisServer::spawn(
+        free_port(),
+        &["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"],
+    );
+    // Without the per-key bucket, whose keys expire within a second: what fills Redis stays.
+    let policy = FLOOD_POLICY.replace(
+        r#"{"name": "per-key", "limit_keys": ["header:x-api-key"], "on_missing": "shared", "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 100}},"#,
+        "",
+    );
+    assert!(!policy.contains("per-key"));
+    let gw = decision_gateway_on(&redis, &policy);
+    let mut sent = 0;
+    while gw.metric("tollgate_store_errors_total") == 0.0 {
+        assert!(
+            sent < 60_000,
+            "Redis never refused a write: {}",
+            gw.log_text()
+        );
+        let statuses = flood(gw.admin, sent, 2_000);
+        assert!(statuses.iter().all(|s| *s == 200));
+        sent += 2_000;
+    }
+    assert_eq!(redis_info(&redis, "evicted_keys"), 0);
+    // A known client past its burst is let through too: limiting is off while Redis is full.
+    let ip = |_: usize| "192.0.2.78".to_string();
+    let key = |_: usize| "late".to_string();
+    assert_eq!(decisions(gw.admin, 0..11, ip, key), [200; 11]);
+    let errors = gw.metric("tollgate_store_errors_total");
+    assert!(errors >= 11.0, "{errors}");
+    let log = gw.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("shared store failing open"))
+        .unwrap_or_else(|| panic!("no failing-open line in\n{log}"));
+    assert!(line.contains("ERROR"), "{line}");
+    assert!(
+        line.contains(
+            "shared store failing open: OOM: command not allowed when used memory > 'maxmemory'"
+        ),
+        "{line}"
+    );
+    eprintln!("noeviction: full after {sent} decisions; {errors} store errors; {line}");
+}

@@ -7,6 +7,7 @@ pub(crate) mod compile;
 mod error;
 pub mod index;
 pub(crate) mod json;
+pub mod key_origin;
 mod load;
 
 pub use compile::{compile_bundle, compile_bundle_with, CompileOptions};
@@ -34,6 +35,9 @@ pub struct Bundle {
     pub kill_switches: Vec<KillSwitch>,
     /// Non-fatal findings (e.g. `burst` below `tokens_per_second`).
     pub warnings: Vec<FieldError>,
+    /// The rules holding state for long ([`key_origin::long_lived`]: budgets, slow buckets),
+    /// each with the JSON path of its `limit_keys`, for [`Bundle::made_up_key_warnings`].
+    pub long_lived_keys: Vec<(usize, Box<str>)>,
     /// The rule an Envoy descriptor's own `limit` override is counted under when no rule of
     /// the bundle applies to the descriptor (envoyproxy/ratelimit honours such overrides too).
     pub envoy_override: Rule,
@@ -106,6 +110,7 @@ impl Bundle {
             rules: Vec::new(),
             kill_switches: Vec::new(),
             warnings: Vec::new(),
+            long_lived_keys: Vec::new(),
             envoy_override: Rule::envoy_override(),
             global_shadow: None,
             kill_switch_override: None,

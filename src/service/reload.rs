@@ -198,6 +198,13 @@ impl Gateway {
                 if let Some(warning) = bundle.restart_warning().filter(|_| in_memory) {
                     tracing::warn!(policy_file = %path.display(), "{warning}");
                 }
+                let trust = crate::policy::key_origin::KeyTrust {
+                    jwt_claims_verified: !self.verifier.unverified(),
+                    default_v6_prefix: self.config.ipv6_prefix,
+                };
+                for warning in bundle.made_up_key_warnings(&trust) {
+                    tracing::warn!(policy_file = %path.display(), "policy warning: {warning}");
+                }
                 self.install(bundle);
                 crate::policy::release_parse_memory();
                 *self.watch.lock() = (sig, None);

@@ -9,7 +9,8 @@
 //! groups spent is given back by a refund script: the fleet never admits more than a limit
 //! allows; a concurrent request may briefly see the spent-then-refunded tokens missing.
 //!
-//! Failure: every call has a deadline; a timeout, refused connection or server error fails open
+//! Failure: every call has a deadline; a timeout, refused connection or server error (a full
+//! Redis under `noeviction` refusing writes with OOM among them) fails open
 //! (allowed, and on a single server nothing spent: the script carries the deadline in the
 //! server's own `TIME` and applies nothing past it), is counted, and is logged once per burst
 //! of errors. The connection
@@ -36,7 +37,11 @@ use std::time::Duration;
 /// Returns {enforce_ok, shadow_ok, available_1, ..., available_n}, or {-1} when the script ran
 /// after its deadline (the gateway had already failed the request open): then nothing is
 /// applied, so a hung Redis that resumes never charges requests that were let through free.
-/// Keys are hashes `t` (µtokens at `l`) and `l` (µs), expiring when the bucket is full again.
+/// Keys are hashes `t` (µtokens at `l`) and `l` (µs), expiring when the bucket is full again:
+/// a key's TTL is what forgetting it would give away, in time, so Redis's `volatile-ttl`
+/// eviction forgets first what costs least. A budget's key outlives its window's end by its
+/// spent share of 1 % of the time left (a key of an ended window reads as full, so the extra
+/// time only orders evictions): among budgets of one window, the least spent goes first.
 /// All products stay below 2^53 for the quotas `compile` accepts with a reduced rate (see
 /// `RedisQuota`), so Lua's doubles compute exactly what the embedded store does.
 const SCRIPT: &str = r#"
@@ -79,7 +84,10 @@ for i = 1, n do
     local left = avail[i] - cost
     redis.call('HSET', KEYS[i], 't', left, 'l', last[i])
     local full_us = math.ceil((burst - left) * den / num)
-    if win > 0 then full_us = tonumber(ARGV[b + 6]) end
+    if win > 0 then
+      local ends = tonumber(ARGV[b + 6])
+      full_us = ends + math.floor(ends / 100 * (burst - left) / burst)
+    end
     redis.call('PEXPIRE', KEYS[i], math.floor(full_us / 1000) + 1)
   end
 end

@@ -92,6 +92,11 @@ pub(crate) struct Compiler {
     /// `tokens_per_day` rules of the policy being compiled, with the index of their minute
     /// rule: added after the policy's rules, outside its range.
     pub(crate) day_rules: Vec<(usize, Rule)>,
+    /// [`Bundle::long_lived_keys`] so far.
+    pub(crate) long_lived_keys: Vec<(usize, Box<str>)>,
+    /// The `limit_keys` path of each rule of the policy being compiled that has a
+    /// `tokens_per_day` rule (by the minute rule's index): that rule shares those keys.
+    pub(crate) day_rule_paths: Vec<(usize, Box<str>)>,
     pub(crate) policy_ids: AHashSet<String>,
 }
 
@@ -239,6 +244,7 @@ impl Compiler {
             rules: self.rules,
             kill_switches: self.kill_switches,
             warnings: self.warnings,
+            long_lived_keys: self.long_lived_keys,
             envoy_override: super::Rule::envoy_override(),
             global_shadow: self.global_shadow,
             kill_switch_override: self.kill_switch_override,
@@ -438,6 +444,7 @@ impl Compiler {
     ) {
         let errors = self.errors.split_off(errors_before);
         self.rules.truncate(rules_before);
+        self.long_lived_keys.retain(|(i, _)| *i < rules_before);
         self.policies.truncate(policies_before);
         let own = |p: &String| p == path || p.starts_with(&format!("{path}."));
         self.rule_names.retain(|_, p| !own(p));
@@ -562,10 +569,14 @@ impl Compiler {
         let enforces_tokens = self.rules[start..]
             .iter()
             .any(|r| r.llm.is_some() && r.mode == Mode::Enforce);
+        let day_rule_paths = std::mem::take(&mut self.day_rule_paths);
         for (minute, mut day) in std::mem::take(&mut self.day_rules) {
             day.index = self.rules.len();
             if let Some(llm) = self.rules[minute].llm.as_mut() {
                 llm.day_rule = Some(day.index);
+            }
+            if let Some((_, path)) = day_rule_paths.iter().find(|(m, _)| *m == minute) {
+                self.long_lived_keys.push((day.index, path.clone()));
             }
             self.rules.push(day);
         }
@@ -903,8 +914,18 @@ impl Compiler {
         let window_secs = budget
             .as_ref()
             .map_or(shape.quota.window_secs(), |b| b.period.nominal_secs());
+        let keys_path: Box<str> = join(path, "limit_keys").into();
+        if self
+            .day_rules
+            .last()
+            .is_some_and(|(m, _)| *m == self.rules.len())
+        {
+            self.day_rule_paths
+                .push((self.rules.len(), keys_path.clone()));
+        }
+        let index = self.rules.len();
         self.rules.push(Rule {
-            index: self.rules.len(),
+            index,
             limit_keys,
             conditions,
             cost,
@@ -918,6 +939,13 @@ impl Compiler {
             llm: llm.map(|(limit, _)| limit),
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
+        if self
+            .rules
+            .last()
+            .is_some_and(|r| crate::policy::key_origin::long_lived(r).is_some())
+        {
+            self.long_lived_keys.push((index, keys_path));
+        }
     }
 
     pub(crate) fn kill_switch(&mut self, v: &Value, path: &str) {
