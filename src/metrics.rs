@@ -830,7 +830,10 @@ impl Metrics {
         }
         if let Some(by_kind) = &self.store_evictions_by_kind {
             let e = stats.evicted;
-            for (kind, total) in EVICTION_KINDS.iter().zip([e.full_again, e.token_bucket, e.budget]) {
+            for (kind, total) in EVICTION_KINDS
+                .iter()
+                .zip([e.full_again, e.token_bucket, e.budget])
+            {
                 advance_to(&by_kind.with_label_values(&[kind]), total);
             }
         }
@@ -982,6 +985,10 @@ mod tests {
             "tollgate_requests_total{action=\"reject\",reason=\"token_bucket_exceeded\"} 2",
             "tollgate_decision_duration_seconds_count 3",
             "tollgate_store_entries 2",
+            "tollgate_store_evictions_by_kind_total{kind=\"budget\"} 0",
+            "tollgate_store_eviction_forgiven_tokens_bucket{le=\"1\"} 0",
+            "tollgate_store_eviction_forgiven_tokens_count 0",
+            "tollgate_store_fail_open_total 0",
             "tollgate_policy_info{hash=\"\",version=\"7\"} 1",
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");

@@ -603,7 +603,11 @@ impl EvictionCounters {
             token_bucket: self.token_bucket.load(Ordering::Relaxed),
             budget: self.budget.load(Ordering::Relaxed),
             forgiven_le,
-            forgiven_count: self.forgiven.iter().map(|n| n.load(Ordering::Relaxed)).sum(),
+            forgiven_count: self
+                .forgiven
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .sum(),
             forgiven_sum_micro: self.forgiven_sum_micro.load(Ordering::Relaxed),
         }
     }
@@ -629,7 +633,7 @@ pub struct MemoryStore {
     time_offset_us: u64,
     evictions: AtomicU64,
     /// Drops by kind and evictions for room by what they gave away (see [`EvictionStats`]).
-    evicted: EvictionCounters,
+    evicted: Box<EvictionCounters>,
     fail_open: AtomicU64,
     /// Leases (concurrency slots, loop marks, breaker states), beside the buckets.
     leases: super::lease::MemoryLeases,
@@ -804,7 +808,7 @@ impl MemoryStore {
             region,
             time_offset_us,
             evictions: AtomicU64::new(0),
-            evicted: EvictionCounters::default(),
+            evicted: Box::default(),
             fail_open: AtomicU64::new(0),
             leases,
         }
@@ -1255,7 +1259,9 @@ impl MemoryStore {
             loop {
                 if let Some((slot, meta)) = self.lock_existing(shard, key, guard) {
                     let meta = match op.settle(Some(slot.state()), now_us) {
-                        Some(next) => slot.commit(&settled(op, next), adjust_spend(op, next), now_us),
+                        Some(next) => {
+                            slot.commit(&settled(op, next), adjust_spend(op, next), now_us)
+                        }
                         None => meta,
                     };
                     slot.unlock(meta);

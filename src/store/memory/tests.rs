@@ -80,7 +80,10 @@ fn full_store_evicts_full_buckets_first_then_the_cheapest() {
     assert!(store.peek(&BucketKey::of("tb:r:a")).is_none());
     assert_eq!(store.peek(&BucketKey::of("tb:r:b")).unwrap().tokens, 0);
     let stats = store.stats();
-    assert_eq!((stats.fail_open, stats.evictions, stats.entries), (0, 1, Some(2)));
+    assert_eq!(
+        (stats.fail_open, stats.evictions, stats.entries),
+        (0, 1, Some(2))
+    );
     assert_eq!(stats.evicted.token_bucket, 1);
     assert_eq!(stats.evicted.forgiven_sum_micro, MICRO);
     // After 2 s b and c are full again: purged, and the new key is stored.
@@ -149,10 +152,16 @@ fn a_full_store_of_idle_unfull_buckets_evicts_the_cheapest_for_new_keys() {
     }
     // ...each new key took the place of a one-token entry.
     let stats = store.stats();
-    assert_eq!((stats.fail_open, stats.evictions, stats.entries), (0, 50, Some(4)));
+    assert_eq!(
+        (stats.fail_open, stats.evictions, stats.entries),
+        (0, 50, Some(4))
+    );
     assert_eq!(stats.evicted.token_bucket, 50);
     assert_eq!(stats.evicted.budget, 0);
-    assert_eq!(stats.evicted.forgiven_le[2], 50, "each gave away a token at most");
+    assert_eq!(
+        stats.evicted.forgiven_le[2], 50,
+        "each gave away a token at most"
+    );
     // The budget still holds its 3: a request for 4 is refused.
     let four = BucketOp {
         cost: 4 * MICRO,
@@ -388,7 +397,10 @@ fn a_full_store_makes_room_for_multi_bucket_requests_too() {
     assert!(store.peek(&BucketKey::of("tb:r:b")).is_none());
     assert!(store.peek(&BucketKey::of("tb:r:c")).is_some());
     let stats = store.stats();
-    assert_eq!((stats.fail_open, stats.evictions, stats.entries), (0, 1, Some(3)));
+    assert_eq!(
+        (stats.fail_open, stats.evictions, stats.entries),
+        (0, 1, Some(3))
+    );
     // A refused request gives the room it took back: the bound stays exact.
     let heavy = BucketOp {
         cost: 3 * MICRO,
@@ -603,7 +615,9 @@ fn the_victim_is_the_cheapest_of_the_sampled_entries() {
     let store = small(16);
     let q = quota(1, 10);
     // Key k spends k + 1 tokens (all at 0, monthly refill would be the same: spend ranks).
-    let keys: Vec<BucketKey> = (0..6).map(|k| BucketKey::of(&format!("tb:s:{k}"))).collect();
+    let keys: Vec<BucketKey> = (0..6)
+        .map(|k| BucketKey::of(&format!("tb:s:{k}")))
+        .collect();
     for (k, key) in keys.iter().enumerate() {
         let spend = BucketOp {
             cost: (k as u64 + 1) * MICRO,
@@ -620,8 +634,7 @@ fn the_victim_is_the_cheapest_of_the_sampled_entries() {
     assert_eq!((i, cost), (at(1), 2 * MICRO));
     // Key 1 excluded (the request's own): never it; the third walk goes on to another entry,
     // so at most key 3's 4 tokens are given away.
-    let (i, cost) =
-        choose_victim(table, [at(3), at(5), at(1)], 0, &[stored(&keys[1])]).unwrap();
+    let (i, cost) = choose_victim(table, [at(3), at(5), at(1)], 0, &[stored(&keys[1])]).unwrap();
     assert_ne!(i, at(1));
     assert!(cost <= 4 * MICRO && cost != 2 * MICRO, "{cost}");
     // Two starts on one entry sample two distinct entries: the second walks on.
@@ -631,7 +644,10 @@ fn the_victim_is_the_cheapest_of_the_sampled_entries() {
     let (i, cost) = choose_victim(table, [at(4); 8], 0, &[]).unwrap();
     assert_eq!((i, cost), (at(0), MICRO));
     // At 10 s everything is full again: the first sampled goes, giving nothing away.
-    assert_eq!(choose_victim(table, [at(2)], 10 * US_PER_SEC, &[]), Some((at(2), 0)));
+    assert_eq!(
+        choose_victim(table, [at(2)], 10 * US_PER_SEC, &[]),
+        Some((at(2), 0))
+    );
     // Nothing to sample.
     let all: Vec<(u64, u64)> = keys.iter().map(stored).collect();
     assert_eq!(choose_victim(table, [0, 1, 2], 0, &all), None);
@@ -696,7 +712,10 @@ fn a_key_flood_evicts_the_flood_and_limits_new_clients_exactly() {
         let stats = store.stats();
         assert_eq!(stats.fail_open, 0);
         assert_eq!(stats.entries, Some(200));
-        assert_eq!(stats.evicted.budget + stats.evicted.token_bucket, stats.evictions - stats.evicted.full_again);
+        assert_eq!(
+            stats.evicted.budget + stats.evicted.token_bucket,
+            stats.evictions - stats.evicted.full_again
+        );
         // No eviction gave away more than a token.
         assert_eq!(stats.evicted.forgiven_le[2], stats.evicted.forgiven_count);
         assert!(stats.evicted.forgiven_count > 10_000, "{stats:?}");
