@@ -7,7 +7,8 @@
 //! Then the embedded store under a sustained flood of new keys, on one thread: a store of
 //! 100 000 filled with slow-refilling buckets, then 500 000 decisions each for a key never seen
 //! (one rule: a bucket; two rules: a bucket and a monthly budget), 10 µs of clock apart. Every
-//! one needs room in a full store.
+//! one needs room in a full store. For reference, the same keys in a store with room for all of
+//! them.
 
 use std::time::{Duration, Instant};
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
@@ -129,9 +130,16 @@ fn flood() {
         }
         ops
     };
-    for rules in [1usize, 2] {
+    // A full store (every new key needs room), then, for reference, the same keys in a store
+    // with room for all of them (every new key is simply stored).
+    for (rules, bound) in [
+        (1usize, BOUND),
+        (2, BOUND),
+        (1, 10 * BOUND),
+        (2, 20 * BOUND),
+    ] {
         let memory = MemoryStore::new(MemoryStoreConfig {
-            max_buckets: BOUND,
+            max_buckets: bound,
             ..MemoryStoreConfig::default()
         });
         let mut results = OpResults::new();
@@ -155,7 +163,7 @@ fn flood() {
         let stats = memory.stats();
         report(
             &format!(
-                "embedded, key flood (entries {}, evictions {}, fail-open {})",
+                "embedded, key flood, bound {bound} (entries {}, evictions {}, fail-open {})",
                 stats.entries.unwrap_or(0),
                 stats.evictions,
                 stats.fail_open
