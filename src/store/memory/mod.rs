@@ -1,9 +1,10 @@
 //! The embedded store: a bounded map of buckets, read and updated without a shard lock.
 //!
 //! Each shard is an open-addressing table (linear probing) of 40-byte slots: a 16-byte key,
-//! micro-tokens, the last refill, and one word holding a per-bucket lock bit and two
-//! whole-second housekeeping times. Tables start small and double as keys arrive, so memory
-//! follows the live buckets (about 84 bytes each at 1 M keys, measured as process RSS).
+//! micro-tokens, the last refill, and one word holding a per-bucket lock bit, the whole second
+//! the bucket is full again and what it had spent at its last commit. Tables start small and
+//! double as keys arrive, so memory follows the live buckets (about 84 bytes each at 1 M keys,
+//! measured as process RSS).
 //!
 //! - **Hot path, existing bucket**: a lock-free probe (atomic loads of keys in the shard's
 //!   current table, under an epoch guard), then the bucket's own lock bit, the limiter maths,
@@ -16,18 +17,25 @@
 //!   (crossbeam's epochs). A probe that races a move or a growth retries; every miss is checked
 //!   again under the mutex before anything is inserted, so a key is never duplicated and no
 //!   update is lost. Requests with several buckets take their shards' mutexes (in order), make
-//!   room first, then take the buckets' locks (in address order) and commit all-or-nothing;
-//!   single-bucket updates never wait for a mutex while holding a bucket lock, so nothing can
-//!   deadlock.
+//!   room first (evictions included), then take the buckets' locks (in address order) and
+//!   commit all-or-nothing; single-bucket updates never wait for a mutex while holding a bucket
+//!   lock, so nothing can deadlock.
 //!
 //! What it loses, on purpose and nothing else:
 //! - entries whose bucket is full again: they are indistinguishable from absent ones (a new
-//!   bucket starts full), so dropping them loses nothing. They are evicted first.
+//!   bucket starts full), so dropping them loses nothing. The sweep drops them, and so does a
+//!   purge of the key's shard when the store is full (at most once per `purge_interval`).
 //!   A budget is full again when its window ends, so a spent budget is never dropped before.
-//! - when the store is full and nothing in the key's shard is full-again (or that shard was
-//!   purged less than `purge_interval` ago), a *new* key is not stored: its request is allowed
-//!   (fail-open) and counted. Entries that are not full yet are never evicted, however long they
-//!   sit idle, so a flood of fresh keys cannot reset anyone's limit or budget.
+//! - when a new key needs an entry and the store is at its bound (or the key's shard is 3/4
+//!   full at its largest), the entry that costs least to forget: [`choose_victim`] reads
+//!   [`EVICTION_SAMPLES`] entries from a pseudo-random position of the shard and evicts the one
+//!   whose loss gives away least ([`giveaway`]: a budget's spend until its window ends, a token
+//!   bucket's spend shrinking linearly to nothing as it refills). An evicted entry gives away at
+//!   most what the cheapest of the sampled entries held; a flood of made-up keys, whose entries
+//!   hold one request's spend each, evicts its own entries, not a tenant's spent budget. A new
+//!   key is never let through untracked for want of room (`fail_open` counts it if it ever is,
+//!   which only a table without a free slot could cause). Concurrency slots and breakers are in
+//!   the lease table, which this never touches.
 //!
 //! With a state dir ([`MemoryStore::in_state_file`]) the tables are not grown but made at their
 //! largest size in the state file, and the shard heads and the entry count live there too; the
