@@ -28,7 +28,8 @@
 //!   A budget is full again when its window ends, so a spent budget is never dropped before.
 //! - when a new key needs an entry and the store is at its bound (or the key's shard is 3/4
 //!   full at its largest), the entry that costs least to forget: [`choose_victim`] reads
-//!   [`EVICTION_SAMPLES`] entries from a pseudo-random position of the shard and evicts the one
+//!   [`EVICTION_SAMPLES`] entries, the next one after each of as many pseudo-random positions
+//!   of the shard, and evicts the one
 //!   whose loss gives away least ([`giveaway`]: a budget's spend until its window ends, a token
 //!   bucket's spend shrinking linearly to nothing as it refills). An evicted entry gives away at
 //!   most what the cheapest of the sampled entries held; a flood of made-up keys, whose entries
@@ -510,42 +511,44 @@ impl ShardState<'_> {
 /// away at most what the cheapest of them held.
 pub const EVICTION_SAMPLES: usize = 8;
 
-/// The entry to evict among [`EVICTION_SAMPLES`] live entries of `table`: the first ones in
-/// table order from `start` (a pseudo-random position), skipping those in `exclude` (the
-/// request's own keys). Keys sit in the table by their hash, so adjacent entries are unrelated
-/// keys, and one walk reads a few adjacent cache lines rather than one scattered line per entry
-/// (measured: that is most of an eviction's cost). Returns its index and what forgetting it
-/// gives away ([`giveaway`]), the least among the sampled (the first full-again one ends the
-/// search). The walk reads about `EVICTION_SAMPLES` / load slots (a table at the bound is at
-/// least 3/8 full), one pass at most. The shard's lock is held, so keys do not move (bucket
-/// states may change meanwhile: the reads are estimates).
+/// The entry to evict among [`EVICTION_SAMPLES`] distinct live entries of `table`: from each of
+/// `starts`, the first live slot at or after it not sampled yet and not in `exclude` (the
+/// request's own keys). Not the next entries after one position: keys made from similar values
+/// (consecutive client addresses) can sit next to each other, and a flood then evicted runs of
+/// drained clients' entries, each 8 in a row (measured through the binary). Returns its index and what forgetting it gives away ([`giveaway`]),
+/// the least among the sampled (the first full-again one ends the search). Each walk costs
+/// about 1 / load slot reads (a table at the bound is at least 3/8 full); a walk that meets
+/// no new entry in a whole pass ends the sampling. The shard's lock is held, so keys do not
+/// move (bucket states may change meanwhile: the reads are estimates).
 fn choose_victim(
     table: &Table,
-    start: usize,
+    starts: impl IntoIterator<Item = usize>,
     now_us: u64,
     exclude: &[(u64, u64)],
 ) -> Option<(usize, u64)> {
-    let mut sampled = 0;
+    let mut sampled: SmallVec<[usize; EVICTION_SAMPLES]> = SmallVec::new();
     let mut best: Option<(usize, u64)> = None;
-    let mut i = start & table.mask;
-    for _ in 0..table.capacity() {
-        let slot = table.slot(i);
-        let key = slot.key();
-        if !is_empty(key) && !exclude.contains(&key) {
-            let meta = slot.meta.load(Ordering::Relaxed);
-            let cost = giveaway(meta, slot.last_us.load(Ordering::Relaxed), now_us);
-            if cost == 0 {
-                return Some((i, 0));
+    'starts: for start in starts.into_iter().take(EVICTION_SAMPLES) {
+        let mut i = start & table.mask;
+        for _ in 0..table.capacity() {
+            let slot = table.slot(i);
+            let key = slot.key();
+            if !is_empty(key) && !sampled.contains(&i) && !exclude.contains(&key) {
+                sampled.push(i);
+                let meta = slot.meta.load(Ordering::Relaxed);
+                let cost = giveaway(meta, slot.last_us.load(Ordering::Relaxed), now_us);
+                if cost == 0 {
+                    return Some((i, 0));
+                }
+                if best.is_none_or(|(_, least)| cost < least) {
+                    best = Some((i, cost));
+                }
+                continue 'starts;
             }
-            if best.is_none_or(|(_, least)| cost < least) {
-                best = Some((i, cost));
-            }
-            sampled += 1;
-            if sampled == EVICTION_SAMPLES {
-                break;
-            }
+            i = (i + 1) & table.mask;
         }
-        i = (i + 1) & table.mask;
+        // A whole pass found nothing not sampled yet.
+        break;
     }
     best
 }
@@ -1044,8 +1047,8 @@ impl MemoryStore {
         true
     }
 
-    /// Evicts the cheapest of [`EVICTION_SAMPLES`] entries of `shard` sampled from a
-    /// pseudo-random position ([`choose_victim`]), keeping its place in the bound (the caller inserts in its stead). False when
+    /// Evicts the cheapest of [`EVICTION_SAMPLES`] entries of `shard` sampled at pseudo-random
+    /// positions, keeping its place in the bound (the caller inserts in its stead). False when
     /// the shard holds no entry outside `exclude`.
     fn evict_sampled(
         &self,
@@ -1056,8 +1059,11 @@ impl MemoryStore {
         guard: &Guard,
     ) -> bool {
         let table = Self::table(shard, guard);
-        let start = state.next_random() as usize;
-        let Some((i, _)) = choose_victim(table, start, now_us, exclude) else {
+        let mut starts = [0usize; EVICTION_SAMPLES];
+        for start in starts.iter_mut() {
+            *start = state.next_random() as usize;
+        }
+        let Some((i, _)) = choose_victim(table, starts, now_us, exclude) else {
             return false;
         };
         let slot = table.slot(i);

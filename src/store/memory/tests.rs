@@ -608,68 +608,49 @@ fn giveaway_follows_refill_for_buckets_and_stays_for_budgets() {
     assert_eq!(giveaway(budget | LOCKED | MOVED, 42, 99 * s), 7 * MICRO);
 }
 
-/// The sampling, with its position given: the next `EVICTION_SAMPLES` live entries in table
-/// order from it; the cheapest of those goes, never an excluded one; a full-again one at once.
+/// The sampling, with its positions given: from each start, the next live entry not sampled
+/// yet; the cheapest of those found goes, never an excluded one; a full-again entry at once.
 #[test]
 fn the_victim_is_the_cheapest_of_the_sampled_entries() {
-    let store = small(64);
-    let q = quota(1, 20);
-    // Key k spends k + 1 tokens.
-    let keys: Vec<BucketKey> = (0..12)
+    let store = small(16);
+    let q = quota(1, 10);
+    // Key k spends k + 1 tokens (all at 0, monthly refill would be the same: spend ranks).
+    let keys: Vec<BucketKey> = (0..6)
         .map(|k| BucketKey::of(&format!("tb:s:{k}")))
         .collect();
     for (k, key) in keys.iter().enumerate() {
         let spend = BucketOp {
-            key: *key,
             cost: (k as u64 + 1) * MICRO,
             ..op("x", q, Group::Enforce)
         };
-        run(&store, 0, &[spend]);
+        run(&store, 0, &[BucketOp { key: *key, ..spend }]);
     }
     let guard = &epoch::pin();
     let table = MemoryStore::table(&store.shards[0], guard);
-    // The entries in table order, with their spend.
-    let order: Vec<(usize, u64)> = (0..table.capacity())
-        .filter_map(|i| {
-            let key = table.slot(i).key();
-            let k = keys.iter().position(|k| stored(k) == key)?;
-            Some((i, (k as u64 + 1) * MICRO))
-        })
-        .collect();
-    assert_eq!(order.len(), 12);
-    for (n, &(start, _)) in order.iter().enumerate() {
-        // From each entry: the cheapest of it and the 7 after it (cyclically) goes.
-        let window: Vec<(usize, u64)> = (0..EVICTION_SAMPLES)
-            .map(|d| order[(n + d) % order.len()])
-            .collect();
-        let cheapest = *window.iter().min_by_key(|(_, spend)| *spend).unwrap();
-        assert_eq!(choose_victim(table, start, 0, &[]), Some(cheapest));
-        // That one excluded (a request's own key): the next cheapest of the window and the
-        // entry after it.
-        let excluded = [table.slot(cheapest.0).key()];
-        let mut rest: Vec<(usize, u64)> = window
-            .iter()
-            .copied()
-            .filter(|e| *e != cheapest)
-            .chain([order[(n + EVICTION_SAMPLES) % order.len()]])
-            .collect();
-        rest.sort_by_key(|(_, spend)| *spend);
-        assert_eq!(choose_victim(table, start, 0, &excluded), Some(rest[0]));
-    }
-    // A start on an empty slot walks to the next entry.
-    let empty = (0..table.capacity())
-        .find(|&i| is_empty(table.slot(i).key()))
-        .unwrap();
-    assert!(choose_victim(table, empty, 0, &[]).is_some());
-    // At 30 s everything is full again: the first entry from the start goes, giving nothing.
-    let (first, _) = order[3];
+    let index_of = |key: &BucketKey| table.find(stored(key)).unwrap();
+    let at = |k: usize| index_of(&keys[k]);
+    // Sampling exactly where keys 3, 5 and 1 sit: key 1 (2 tokens) goes.
+    let (i, cost) = choose_victim(table, [at(3), at(5), at(1)], 0, &[]).unwrap();
+    assert_eq!((i, cost), (at(1), 2 * MICRO));
+    // Key 1 excluded (the request's own): never it; the third walk goes on to another entry,
+    // so at most key 3's 4 tokens are given away.
+    let (i, cost) = choose_victim(table, [at(3), at(5), at(1)], 0, &[stored(&keys[1])]).unwrap();
+    assert_ne!(i, at(1));
+    assert!(cost <= 4 * MICRO && cost != 2 * MICRO, "{cost}");
+    // Two starts on one entry sample two distinct entries: the second walks on.
+    let (_, cost) = choose_victim(table, [at(5), at(5)], 0, &[]).unwrap();
+    assert!(cost < 6 * MICRO, "a second entry was sampled");
+    // Eight starts on one entry of six: all six sampled, key 0 (1 token) goes.
+    let (i, cost) = choose_victim(table, [at(4); 8], 0, &[]).unwrap();
+    assert_eq!((i, cost), (at(0), MICRO));
+    // At 10 s everything is full again: the first sampled goes, giving nothing away.
     assert_eq!(
-        choose_victim(table, first, 30 * US_PER_SEC, &[]),
-        Some((first, 0))
+        choose_victim(table, [at(2)], 10 * US_PER_SEC, &[]),
+        Some((at(2), 0))
     );
     // Nothing to sample.
     let all: Vec<(u64, u64)> = keys.iter().map(stored).collect();
-    assert_eq!(choose_victim(table, 0, 0, &all), None);
+    assert_eq!(choose_victim(table, [0, 1, 2], 0, &all), None);
 }
 
 /// An attacker's flood of made-up keys (each a one-unit monthly budget entry and a one-token
