@@ -91,26 +91,32 @@ pub fn check_private_dir(dir: &Path, me: u32) -> Result<(), Untrusted> {
             mode: meta.mode() & 0o7777,
         });
     }
-    for parent in real.ancestors().skip(1) {
-        let meta = std::fs::metadata(parent).map_err(|e| Untrusted::Unreadable {
-            dir: parent.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        if meta.uid() != me && meta.uid() != 0 {
-            return Err(Untrusted::ParentOwner {
-                dir: parent.to_path_buf(),
-                owner: meta.uid(),
-                me,
-            });
-        }
-        let sticky = meta.mode() & 0o1000 != 0;
-        if let (Some(who), false) = (writers(meta.mode()), sticky) {
-            return Err(Untrusted::ParentWritable {
-                dir: parent.to_path_buf(),
-                who,
-                mode: meta.mode() & 0o7777,
-            });
-        }
+    real.ancestors()
+        .skip(1)
+        .try_for_each(|parent| check_above(parent, me))
+}
+
+/// The rule for a directory above a trusted one (or holding a symlink on the way to it):
+/// owned by `me` or root, and writable by others only with the sticky bit.
+fn check_above(dir: &Path, me: u32) -> Result<(), Untrusted> {
+    let meta = std::fs::metadata(dir).map_err(|e| Untrusted::Unreadable {
+        dir: dir.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(Untrusted::ParentOwner {
+            dir: dir.to_path_buf(),
+            owner: meta.uid(),
+            me,
+        });
+    }
+    let sticky = meta.mode() & 0o1000 != 0;
+    if let (Some(who), false) = (writers(meta.mode()), sticky) {
+        return Err(Untrusted::ParentWritable {
+            dir: dir.to_path_buf(),
+            who,
+            mode: meta.mode() & 0o7777,
+        });
     }
     Ok(())
 }
@@ -149,21 +155,7 @@ fn check_links_on_the_way(dir: &Path, me: u32) -> Result<(), Untrusted> {
             continue;
         };
         let real = holder.canonicalize().map_err(|e| unreadable(holder, e))?;
-        let held = std::fs::metadata(&real).map_err(|e| unreadable(&real, e))?;
-        if held.uid() != me && held.uid() != 0 {
-            return Err(Untrusted::ParentOwner {
-                dir: real,
-                owner: held.uid(),
-                me,
-            });
-        }
-        if let (Some(who), false) = (writers(held.mode()), held.mode() & 0o1000 != 0) {
-            return Err(Untrusted::ParentWritable {
-                dir: real,
-                who,
-                mode: held.mode() & 0o7777,
-            });
-        }
+        check_above(&real, me)?;
     }
     Ok(())
 }
@@ -183,17 +175,6 @@ pub fn no_follow() -> OpenOptions {
 pub fn open_regular(path: &Path) -> std::io::Result<File> {
     let file = no_follow().read(true).write(true).open(path)?;
     regular(file)
-}
-
-/// Reads a whole regular file, never through a symlink.
-///
-/// # Errors
-/// The open or the read fails (a symlink fails with `ELOOP`), or it is not a regular file.
-pub fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
-    let mut file = regular(no_follow().read(true).open(path)?)?;
-    let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut file, &mut bytes)?;
-    Ok(bytes)
 }
 
 /// Creates `path` afresh for writing, owner-only (0600): whatever was there (a leftover, or a

@@ -101,11 +101,14 @@ fn io_error<'a>(
 /// # Errors
 /// The reason, naming the directory.
 pub fn check_socket_dir(sock: &Path, me: u32) -> Result<(), crate::fs_trust::Untrusted> {
-    let dir = match sock.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
-    };
-    crate::fs_trust::check_private_dir(dir, me)
+    crate::fs_trust::check_private_dir(socket_dir(sock), me)
+}
+
+/// The directory the socket `sock` is in (`.` for a bare name).
+pub fn socket_dir(sock: &Path) -> &Path {
+    sock.parent()
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 /// The other end of `stream`, when it is `me` or root; its `(uid, pid)` either way.

@@ -146,6 +146,13 @@ impl Setup {
         args.extend(extra);
         let new = self.spawn("new.log", &args);
         self.wait_for_upgrade_sock(&new);
+        Setup::hand_over(old, &new);
+        new
+    }
+
+    /// Sends `old` SIGQUIT: it hands its listeners to `new` (waiting on the upgrade socket) and
+    /// exits 0; `new` is ready when this returns.
+    fn hand_over(old: &mut Node, new: &Node) {
         old.signal(libc::SIGQUIT);
         assert_eq!(
             old.wait_exit(Duration::from_secs(40)),
@@ -154,7 +161,6 @@ impl Setup {
             old.log_text()
         );
         new.wait_ready();
-        new
     }
 }
 
@@ -906,14 +912,7 @@ fn the_upgrade_socket_trusts_only_this_user() {
         String::from_utf8_lossy(&stranger.stdout),
         "PermissionError\n"
     );
-    old.signal(libc::SIGQUIT);
-    assert_eq!(
-        old.wait_exit(Duration::from_secs(40)),
-        Some(0),
-        "{}",
-        old.log_text()
-    );
-    new.wait_ready();
+    Setup::hand_over(&mut old, &new);
     assert_eq!(count(&new.statuses(6, "a", "10.0.0.1"), 200), 5);
 }
 

@@ -617,11 +617,8 @@ struct Relay {
 
 impl Relay {
     fn make(upgrade_sock: &std::path::Path) -> Result<Relay, String> {
-        let parent = upgrade_sock
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."));
-        let dir = parent.join(format!(".tollgate-relay-{}", std::process::id()));
+        let dir = crate::handover::socket_dir(upgrade_sock)
+            .join(format!(".tollgate-relay-{}", std::process::id()));
         // A Unix socket's path holds at most 107 bytes; Pingora's bootstrap cannot take one
         // longer, so say so now, before anything is handed over.
         let longest = dir.join("s").as_os_str().len();

@@ -12,7 +12,7 @@
 
 use crate::redact::FingerprintKey;
 use std::io::{Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 /// The fingerprint key's file name inside the state dir.
@@ -79,14 +79,8 @@ pub fn load_or_create(dir: &Path, name: &str) -> Result<[u8; FingerprintKey::BYT
         let path = path.to_path_buf();
         move |source| KeyFileError::Io { path, what, source }
     };
-    // A leftover of a crashed process with the same pid (unlink never follows a symlink).
-    let _ = std::fs::remove_file(&fresh);
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&fresh)
+    // A leftover of a crashed process with the same pid is removed first (never followed).
+    let written = crate::fs_trust::create_fresh(&fresh)
         .and_then(|mut file| file.write_all(&bytes).and_then(|()| file.sync_all()))
         .map_err(io("cannot write a new key", &fresh));
     let linked = written.and_then(|()| {
@@ -108,9 +102,8 @@ pub fn load_or_create(dir: &Path, name: &str) -> Result<[u8; FingerprintKey::BYT
 /// The key in `path`: a regular file of this user, owner-only, exactly 32 bytes, opened
 /// without following a symlink.
 fn read(path: &Path) -> Result<[u8; FingerprintKey::BYTES], KeyFileError> {
-    let mut file = std::fs::OpenOptions::new()
+    let mut file = crate::fs_trust::no_follow()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .map_err(|source| KeyFileError::Io {
             path: path.to_path_buf(),
@@ -129,8 +122,7 @@ fn read(path: &Path) -> Result<[u8; FingerprintKey::BYTES], KeyFileError> {
     if !meta.file_type().is_file() {
         return Err(unfit("not a regular file"));
     }
-    // SAFETY: geteuid(2) has no preconditions and cannot fail.
-    if meta.uid() != unsafe { libc::geteuid() } {
+    if meta.uid() != crate::fs_trust::effective_uid() {
         return Err(unfit("owned by another user"));
     }
     if meta.mode() & 0o077 != 0 {
