@@ -1,0 +1,294 @@
+#!/usr/bin/env bash
+# Builds tollgate's container image here, without a registry, and checks it as a container
+# runtime would run it (scripts/test.sh runs this):
+#   1. a Debian bookworm root from debootstrap (cached in target/image-cache/), cut down to a
+#      distroless-like base (glibc, libgcc, CA certificates, passwd/group with nonroot = 65532;
+#      no shell, no package manager) and imported as localhost/tollgate-base:bookworm;
+#   2. the release binary (built if needed, or TOLLGATE_BINARY=path), stripped, in an image of
+#      its own, localhost/tollgate-binary:local;
+#   3. the Dockerfile's runtime stage built from those two (`podman build --target runtime`);
+#   4. the image's filesystem exported and its ENTRYPOINT/CMD started with its ENV, USER and
+#      WORKDIR in a chroot, in a network namespace of its own, with the VOLUME as a bind mount:
+#      /livez and /readyz answer, the shipped policy refuses the 21st decision for one client
+#      (429), the process has neither uid 0 nor a capability, the state dir is written by that
+#      user, a second container (a fresh export) on the same volume finds the buckets, and
+#      SIGTERM drains and exits 0.
+# Any failure stops it with "image.sh: FAILED: ..." and exit 1; nothing is skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+fail() {
+  echo "image.sh: FAILED: $*" >&2
+  exit 1
+}
+say() { echo "image.sh: $*" >&2; }
+
+started=$(date +%s)
+[ "$(id -u)" -eq 0 ] || fail "needs root (debootstrap, podman, chroot, network namespaces)"
+for tool in podman debootstrap setpriv unshare ip curl strip python3 tar; do
+  command -v "$tool" >/dev/null 2>&1 || fail "$tool is not installed (bash scripts/install-deps.sh installs it)"
+done
+
+CACHE=target/image-cache
+SUITE=bookworm
+ARCH=$(dpkg --print-architecture)
+BASE_IMAGE=localhost/tollgate-base:$SUITE
+BINARY_IMAGE=localhost/tollgate-binary:local
+IMAGE=${TOLLGATE_IMAGE:-localhost/tollgate:local}
+# Marks the images this script makes, so the ones a rebuild leaves untagged can be pruned.
+LABEL=org.tollgate.image-sh=1
+mkdir -p "$CACHE"
+CACHE=$(cd "$CACHE" && pwd)
+
+# --- 1. the base ----------------------------------------------------------------------------
+DEBOOTSTRAP_ROOT=$CACHE/debootstrap-$SUITE
+if [ ! -e "$DEBOOTSTRAP_ROOT/.complete" ]; then
+  say "debootstrap $SUITE into $DEBOOTSTRAP_ROOT (once; cached)"
+  rm -rf "$DEBOOTSTRAP_ROOT.partial"
+  debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$DEBOOTSTRAP_ROOT.partial" \
+    "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" >"$CACHE/debootstrap.log" 2>&1 \
+    || fail "debootstrap $SUITE failed (see $CACHE/debootstrap.log)"
+  rm -rf "$DEBOOTSTRAP_ROOT"
+  mv "$DEBOOTSTRAP_ROOT.partial" "$DEBOOTSTRAP_ROOT"
+  touch "$DEBOOTSTRAP_ROOT/.complete"
+fi
+
+# The runtime base: only what a dynamically linked Rust binary and TLS to upstreams need.
+BASE_ROOT=$CACHE/base-rootfs
+rm -rf "$BASE_ROOT"
+mkdir -p "$BASE_ROOT"/{usr/lib,usr/lib64,etc/ssl/certs,tmp,var/lib,proc,sys,dev,run}
+chmod 1777 "$BASE_ROOT/tmp"
+for link in bin lib lib64 sbin; do
+  if [ -L "$DEBOOTSTRAP_ROOT/$link" ]; then cp -a "$DEBOOTSTRAP_ROOT/$link" "$BASE_ROOT/$link"; fi
+done
+for pkg in libc6 libgcc-s1; do
+  list=$DEBOOTSTRAP_ROOT/var/lib/dpkg/info/$pkg:$ARCH.list
+  [ -f "$list" ] || fail "no file list for $pkg in the debootstrap root ($list)"
+  # Shared objects only: no gconv modules, programs, locales or docs.
+  grep -E '^/(usr/)?lib[^/]*/.*\.so(\.[0-9.]+)?$' "$list" | grep -v '/gconv/' \
+    | while read -r file; do (cd "$DEBOOTSTRAP_ROOT" && cp -a --parents ".$file" "$BASE_ROOT"); done \
+    || fail "copying $pkg's shared objects out of the debootstrap root failed"
+  mkdir -p "$BASE_ROOT/usr/share/doc/$pkg"
+  cp "$DEBOOTSTRAP_ROOT/usr/share/doc/$pkg/copyright" "$BASE_ROOT/usr/share/doc/$pkg/"
+done
+mkdir -p "$BASE_ROOT/usr/share/doc/ca-certificates"
+cp "$DEBOOTSTRAP_ROOT/usr/share/doc/ca-certificates/copyright" "$BASE_ROOT/usr/share/doc/ca-certificates/"
+cp -L "$DEBOOTSTRAP_ROOT/etc/ssl/certs/ca-certificates.crt" "$BASE_ROOT/etc/ssl/certs/"
+cp -L "$DEBOOTSTRAP_ROOT/etc/os-release" "$BASE_ROOT/etc/os-release"
+cat >"$BASE_ROOT/etc/passwd" <<'EOF'
+root:x:0:0:root:/root:/sbin/nologin
+nobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin
+nonroot:x:65532:65532:nonroot:/nonexistent:/sbin/nologin
+EOF
+cat >"$BASE_ROOT/etc/group" <<'EOF'
+root:x:0:
+nogroup:x:65534:
+nonroot:x:65532:
+EOF
+printf 'passwd: files\ngroup: files\nhosts: files dns\n' >"$BASE_ROOT/etc/nsswitch.conf"
+printf '127.0.0.1 localhost\n::1 localhost\n' >"$BASE_ROOT/etc/hosts"
+tar --numeric-owner --sort=name --mtime=@0 -C "$BASE_ROOT" -cf "$CACHE/base.tar" .
+podman import --quiet --change "LABEL $LABEL" "$CACHE/base.tar" "$BASE_IMAGE" >/dev/null \
+  || fail "podman import of the base failed"
+
+# --- 2. the binary --------------------------------------------------------------------------
+BINARY=${TOLLGATE_BINARY:-}
+if [ -z "$BINARY" ]; then
+  # Up to date already after a release build (CI's instruction gate reuses it afterwards).
+  cargo build --release --locked --quiet --bin tollgate || fail "cargo build --release failed"
+  BINARY=target/release/tollgate
+fi
+[ -x "$BINARY" ] || fail "no binary at $BINARY"
+BINARY_CONTEXT=$CACHE/binary-context
+rm -rf "$BINARY_CONTEXT"
+mkdir -p "$BINARY_CONTEXT/state"
+strip -o "$BINARY_CONTEXT/tollgate" "$BINARY"
+printf 'FROM scratch\nCOPY tollgate /out/tollgate\nCOPY state /out/state\n' >"$BINARY_CONTEXT/Containerfile"
+podman build --quiet --pull=never --label "$LABEL" -f "$BINARY_CONTEXT/Containerfile" -t "$BINARY_IMAGE" \
+  "$BINARY_CONTEXT" >/dev/null || fail "podman build of the binary image failed"
+
+# --- 3. the runtime stage of the Dockerfile -------------------------------------------------
+podman build --quiet --pull=never --label "$LABEL" --target runtime \
+  --build-arg RUNTIME_BASE="$BASE_IMAGE" --build-arg BINARY_FROM="$BINARY_IMAGE" \
+  -t "$IMAGE" . >/dev/null || fail "podman build --target runtime of the Dockerfile failed"
+podman image prune --force --filter "label=$LABEL" >/dev/null
+size_bytes=$(podman image inspect "$IMAGE" --format '{{.Size}}')
+say "built $IMAGE: $((size_bytes / 1024 / 1024)) MiB ($size_bytes bytes; base $(($(stat -c %s "$CACHE/base.tar") / 1024 / 1024)) MiB)"
+
+# --- 4. run it as a runtime would -----------------------------------------------------------
+# The image's configuration, one value per line: ENTRYPOINT and CMD words (NUL-separated),
+# ENV entries, USER, WORKDIR, volumes.
+podman image inspect "$IMAGE" --format '{{json .Config}}' >"$CACHE/config.json"
+config() { python3 - "$CACHE/config.json" "$1" <<'EOF'
+import json, sys
+config = json.load(open(sys.argv[1]))
+what = sys.argv[2]
+if what == "argv":
+    words = (config.get("Entrypoint") or []) + (config.get("Cmd") or [])
+    sys.stdout.write("\0".join(words) + "\0")
+elif what == "env":
+    sys.stdout.write("\0".join(config.get("Env") or []) + "\0")
+elif what == "volumes":
+    print("\n".join(sorted(config.get("Volumes") or {})))
+else:
+    print(config.get(what) or "")
+EOF
+}
+mapfile -d '' -t ARGV < <(config argv)
+mapfile -d '' -t ENVS < <(config env)
+USER_SPEC=$(config User)
+WORKDIR=$(config WorkingDir)
+VOLUME=$(config volumes)
+[ ${#ARGV[@]} -gt 0 ] || fail "the image has no ENTRYPOINT/CMD"
+[ -n "$USER_SPEC" ] || fail "the image has no USER: it would run as root"
+[ -n "$WORKDIR" ] || WORKDIR=/
+[ "$(printf '%s\n' "$VOLUME" | grep -c .)" -eq 1 ] || fail "expected one VOLUME, the image has: $VOLUME"
+state_dir=""
+for entry in "${ENVS[@]}"; do
+  case $entry in TOLLGATE_STATE_DIR=*) state_dir=${entry#*=} ;; esac
+done
+[ "$state_dir" = "$VOLUME" ] || fail "TOLLGATE_STATE_DIR ($state_dir) is not the image's VOLUME ($VOLUME)"
+
+RUN=$CACHE/run
+NS=tollgate-image-$$
+pid=""
+cleanup() {
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+  for root in "$RUN"/rootfs-*; do
+    if [ -n "$VOLUME" ] && mountpoint -q "$root$VOLUME" 2>/dev/null; then umount "$root$VOLUME" || true; fi
+  done
+  ip netns del "$NS" 2>/dev/null || true
+}
+trap cleanup EXIT
+for root in "$RUN"/rootfs-*; do
+  if [ -d "$root" ] && mountpoint -q "$root$VOLUME" 2>/dev/null; then umount "$root$VOLUME"; fi
+done
+rm -rf "$RUN"
+mkdir -p "$RUN/volume"
+ip netns add "$NS" || fail "cannot make a network namespace"
+ip -n "$NS" link set lo up
+
+# A fresh container: the image's filesystem exported, the volume mounted where VOLUME says,
+# seeded from the image (owner and mode) the first time, as a runtime's named volume is.
+export_rootfs() {
+  local root=$1 id
+  mkdir -p "$root"
+  id=$(podman create --pull=never "$IMAGE") || fail "podman create failed"
+  podman export "$id" | tar --numeric-owner -x -C "$root" || fail "podman export failed"
+  podman rm "$id" >/dev/null
+  if [ ! -e "$RUN/volume-seeded" ]; then
+    chown --reference="$root$VOLUME" "$RUN/volume"
+    chmod --reference="$root$VOLUME" "$RUN/volume"
+    touch "$RUN/volume-seeded"
+  fi
+  mount --bind "$RUN/volume" "$root$VOLUME" || fail "cannot bind-mount the volume"
+}
+
+# The user the image names, numeric or by name in its /etc/passwd.
+resolve_user() {
+  local root=$1 user=${USER_SPEC%%:*} group=${USER_SPEC#*:}
+  [ "$group" = "$USER_SPEC" ] && group=""
+  if ! [[ $user =~ ^[0-9]+$ ]]; then
+    user=$(awk -F: -v u="$user" '$1 == u { print $3 }' "$root/etc/passwd")
+  fi
+  if [ -z "$group" ]; then
+    group=$(awk -F: -v u="$user" '$3 == u { print $4 }' "$root/etc/passwd")
+  elif ! [[ $group =~ ^[0-9]+$ ]]; then
+    group=$(awk -F: -v g="$group" '$1 == g { print $3 }' "$root/etc/group")
+  fi
+  [ -n "$user" ] && [ -n "$group" ] || fail "USER $USER_SPEC does not resolve in the image"
+  echo "$user $group"
+}
+
+in_ns() { ip netns exec "$NS" "$@"; }
+http_code() { in_ns curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$@" || true; }
+
+# ENTRYPOINT + CMD with the image's ENV only, chrooted into the export at WORKDIR as USER (no
+# supplementary groups, no new privileges), in the network namespace; $pid is the gateway.
+start_container() {
+  local root=$1 log=$2 ids
+  ids=$(resolve_user "$root")
+  uid=${ids% *}
+  gid=${ids#* }
+  [ "$uid" -ne 0 ] || fail "the image's USER is root"
+  ip netns exec "$NS" env -i "${ENVS[@]}" \
+    "$(command -v setpriv)" --no-new-privs --inh-caps=-all \
+    "$(command -v unshare)" --root="$root" --wd="$WORKDIR" --setgid="$gid" --setuid="$uid" \
+    -- "${ARGV[@]}" >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do
+    [ "$(http_code http://127.0.0.1:9090/livez)" = 200 ] && return 0
+    kill -0 "$pid" 2>/dev/null || fail "the gateway exited at start-up:
+$(cat "$log")"
+    sleep 0.1
+  done
+  fail "/livez did not answer within 10 s:
+$(cat "$log")"
+}
+
+stop_container() {
+  local log=$1 status=0
+  kill -TERM "$pid"
+  wait "$pid" || status=$?
+  pid=""
+  [ "$status" -eq 0 ] || fail "SIGTERM: the gateway exited $status, not 0:
+$(cat "$log")"
+  grep -q 'SIGTERM: draining' "$log" || fail "SIGTERM: no 'SIGTERM: draining' in the log"
+  grep -q 'tollgate stopped' "$log" || fail "SIGTERM: no 'tollgate stopped' in the log"
+  [ "$(http_code http://127.0.0.1:9090/livez)" = 000 ] || fail "SIGTERM: the admin listener still answers"
+}
+
+# Nothing to run a shell or install a package with.
+export_rootfs "$RUN/rootfs-1"
+for path in bin/sh bin/bash usr/bin/sh usr/bin/bash bin/busybox usr/bin/apt usr/bin/apt-get usr/bin/dpkg; do
+  [ ! -e "$RUN/rootfs-1/$path" ] || fail "the image has /$path (no shell or package manager at run time)"
+done
+
+start_container "$RUN/rootfs-1" "$RUN/gateway-1.log"
+[ "$(http_code http://127.0.0.1:9090/readyz)" = 200 ] || fail "/readyz did not answer 200:
+$(cat "$RUN/gateway-1.log")"
+
+# Who the process is: not root, no capability, no supplementary group.
+status=/proc/$pid/status
+[ "$(cat "/proc/$pid/comm")" = tollgate ] || fail "pid $pid is $(cat "/proc/$pid/comm"), not tollgate"
+read -r _ ruid euid suid fsuid < <(grep '^Uid:' "$status")
+[ "$ruid $euid $suid $fsuid" = "$uid $uid $uid $uid" ] || fail "the gateway runs with uids $ruid $euid $suid $fsuid, not $uid"
+read -r _ rgid egid _ _ < <(grep '^Gid:' "$status")
+[ "$rgid $egid" = "$gid $gid" ] || fail "the gateway runs with gids $rgid $egid, not $gid"
+[ -z "$(grep '^Groups:' "$status" | cut -f2 | tr -d ' ')" ] || fail "the gateway has supplementary groups: $(grep '^Groups:' "$status")"
+for cap in CapEff CapPrm CapAmb; do
+  [ "$(awk -v c="$cap:" '$1 == c { print $2 }' "$status")" = 0000000000000000 ] || fail "the gateway holds capabilities ($(grep "^$cap" "$status"))"
+done
+[ "$(awk '$1 == "NoNewPrivs:" { print $2 }' "$status")" = 1 ] || fail "no_new_privs is not set"
+[ "$(readlink "/proc/$pid/cwd")" = "$(cd "$RUN/rootfs-1$WORKDIR" && pwd -P)" ] || fail "the gateway's working directory is not WORKDIR $WORKDIR"
+
+# The shipped policy (per-ip: burst 20, 10 a second): 20 decisions for one client pass, the
+# 21st is refused. One connection, so the burst takes milliseconds and nothing refills.
+urls=()
+for _ in $(seq 21); do urls+=(-o /dev/null http://127.0.0.1:9090/v1/decision); done
+codes=$(in_ns curl -s -X POST -H 'X-Forwarded-For: 203.0.113.7' -w '%{http_code} ' "${urls[@]}")
+expected="$(printf '200 %.0s' $(seq 20))429 "
+[ "$codes" = "$expected" ] || fail "the shipped policy: expected 20 × 200 then 429, got: $codes"
+
+# The state dir is the volume, written by the gateway's user.
+for file in buckets.state owner.lock; do
+  [ -f "$RUN/volume/$file" ] || fail "the state dir (volume) has no $file"
+  [ "$(stat -c %u "$RUN/volume/$file")" = "$uid" ] || fail "$file in the volume is not owned by uid $uid"
+done
+grep -q 'kept in its state file.*created=true' "$RUN/gateway-1.log" || fail "the first container did not make its state file:
+$(cat "$RUN/gateway-1.log")"
+stop_container "$RUN/gateway-1.log"
+umount "$RUN/rootfs-1$VOLUME"
+
+# A second container from a fresh export on the same volume continues the buckets.
+export_rootfs "$RUN/rootfs-2"
+start_container "$RUN/rootfs-2" "$RUN/gateway-2.log"
+grep -q 'kept in its state file.*entries=1 created=false' "$RUN/gateway-2.log" || fail "the restarted container did not find the bucket in the volume:
+$(cat "$RUN/gateway-2.log")"
+entries=$(in_ns curl -s http://127.0.0.1:9090/metrics | awk '$1 == "tollgate_store_entries" { print $2 }')
+[ "$entries" = 1 ] || fail "after the restart tollgate_store_entries is '$entries', not 1"
+[ -z "$(find "$RUN/volume" -name 'buckets.state.bad-*')" ] || fail "the restart moved the state file aside"
+stop_container "$RUN/gateway-2.log"
+
+say "checked: ENTRYPOINT [${ARGV[*]}] as uid $uid gid $gid in $WORKDIR (no capabilities, no shell in the image); /livez, /readyz; 20 × 200 then 429; state in VOLUME $VOLUME kept across a new container; SIGTERM drained, exit 0"
+say "image $IMAGE: $((size_bytes / 1024 / 1024)) MiB; done in $(($(date +%s) - started)) s"
