@@ -4,7 +4,9 @@
 # With a registry (the build stage compiles from source):
 #   docker build -t tollgate .            (or: podman build -t tollgate .)
 #   docker run -p 8080:8080 -p 9090:9090 -v tollgate-state:/var/lib/tollgate \
-#       tollgate --upstream host.docker.internal:3000
+#       tollgate --state-dir /var/lib/tollgate --upstream host.docker.internal:3000
+# Arguments given to `docker run` replace CMD (which is `--state-dir /var/lib/tollgate`): keep
+# --state-dir among them for buckets that survive a restart.
 #
 # Without one, the runtime stage alone, from a local base image and a binary built outside (an
 # image holding /out/tollgate and an empty /out/state directory); scripts/image.sh does this:
@@ -45,8 +47,11 @@ VOLUME ["/var/lib/tollgate"]
 EXPOSE 8080 9090
 ENV TOLLGATE_POLICY=/etc/tollgate/policy.json \
     TOLLGATE_LISTEN=0.0.0.0:8080 \
-    TOLLGATE_ADMIN_LISTEN=0.0.0.0:9090 \
-    TOLLGATE_STATE_DIR=/var/lib/tollgate
+    TOLLGATE_ADMIN_LISTEN=0.0.0.0:9090
 # SIGTERM drains: listeners close, requests in flight finish (1 s grace, then up to 10 s).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/tollgate", "run"]
+# A default argument rather than ENV, so a deployment that cannot give it a private volume (on
+# Kubernetes an emptyDir is world-writable, which --state-dir refuses) leaves it out by giving
+# its own arguments.
+CMD ["--state-dir", "/var/lib/tollgate"]

@@ -94,8 +94,10 @@ podman import --quiet --change "LABEL $LABEL" "$CACHE/base.tar" "$BASE_IMAGE" >/
 # --- 2. the binary --------------------------------------------------------------------------
 BINARY=${TOLLGATE_BINARY:-}
 if [ -z "$BINARY" ]; then
-  # Up to date already after a release build (CI's instruction gate reuses it afterwards).
-  cargo build --release --locked --quiet --bin tollgate || fail "cargo build --release failed"
+  # The release build CI's instruction gate makes too (same targets, so the same artifacts):
+  # whichever runs first builds it, the other finds it up to date.
+  cargo build --profile release --locked --quiet --bin tollgate --example bare_proxy \
+    || fail "cargo build --profile release failed"
   BINARY=target/release/tollgate
 fi
 [ -x "$BINARY" ] || fail "no binary at $BINARY"
@@ -144,10 +146,10 @@ VOLUME=$(config volumes)
 [ -n "$WORKDIR" ] || WORKDIR=/
 [ "$(printf '%s\n' "$VOLUME" | grep -c .)" -eq 1 ] || fail "expected one VOLUME, the image has: $VOLUME"
 state_dir=""
-for entry in "${ENVS[@]}"; do
-  case $entry in TOLLGATE_STATE_DIR=*) state_dir=${entry#*=} ;; esac
+for ((i = 0; i + 1 < ${#ARGV[@]}; i++)); do
+  if [ "${ARGV[i]}" = --state-dir ]; then state_dir=${ARGV[i + 1]}; fi
 done
-[ "$state_dir" = "$VOLUME" ] || fail "TOLLGATE_STATE_DIR ($state_dir) is not the image's VOLUME ($VOLUME)"
+[ "$state_dir" = "$VOLUME" ] || fail "ENTRYPOINT/CMD's --state-dir ($state_dir) is not the image's VOLUME ($VOLUME)"
 
 RUN=$CACHE/run
 NS=tollgate-image-$$

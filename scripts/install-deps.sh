@@ -12,6 +12,9 @@
 #   chromium - tests/operator.rs renders the /status page headless (and the manual's
 #          screenshot is taken that way)
 #   prometheus - its promtool checks monitoring/alerts.yml (tests/operator.rs)
+#   podman, debootstrap, iproute2 - scripts/image.sh builds the container image from a
+#          debootstrap'd base and runs it in a chroot in a network namespace of its own (ip netns)
+#   systemd - `systemd-analyze verify` checks deploy/systemd/tollgate.service (tests/deploy.rs)
 #   wrk, h2load (nghttp2-client), valgrind - the load harnesses (benches/), and the instruction
 #          gate CI runs (benches/instructions.sh --check: callgrind under wrk)
 set -euo pipefail
@@ -26,6 +29,11 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v curl >/dev/null 2>&1 || need+=(curl)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v podman >/dev/null 2>&1 || need+=(podman)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v strip >/dev/null 2>&1 || need+=(binutils)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
   command -v h2load >/dev/null 2>&1 || need+=(nghttp2-client)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what the tests need, then runs every unit, property,
-# integration, CLI and Envoy test (benches are compiled and run once in test mode), then builds
-# the manual.
+# integration, CLI and Envoy test (benches are compiled and run once in test mode), builds and
+# runs the container image, validates the Kubernetes manifests, then builds the manual.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -9,5 +9,9 @@ bash scripts/install-deps.sh
 TOLLGATE_ENVOY=$(bash scripts/install-envoy.sh)
 export TOLLGATE_ENVOY
 cargo test --all-targets "$@"
+# The container image built and run as a runtime would (a release build; the debootstrap'd
+# base is cached in target/image-cache/), and every Kubernetes manifest validated.
+bash scripts/image.sh
+bash scripts/validate-manifests.sh
 # The manual: built with mdBook (its links and commands are checked by tests/docs.rs above).
 bash scripts/book.sh
