@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds tollgate's container image here, without a registry, and checks it as a container
 # runtime would run it (scripts/test.sh runs this):
-#   1. a Debian bookworm root from debootstrap (cached in target/image-cache/), cut down to a
+#   1. a Debian bookworm root from debootstrap (cached in target/image-cache/, or
+#      $TOLLGATE_IMAGE_CACHE), cut down to a
 #      distroless-like base (glibc, libgcc, CA certificates, passwd/group with nonroot = 65532;
 #      no shell, no package manager) and imported as localhost/tollgate-base:bookworm;
 #   2. the release binary (built if needed, or TOLLGATE_BINARY=path), stripped, in an image of
@@ -29,7 +30,7 @@ for tool in podman debootstrap setpriv unshare ip curl strip python3 tar; do
   command -v "$tool" >/dev/null 2>&1 || fail "$tool is not installed (bash scripts/install-deps.sh installs it)"
 done
 
-CACHE=target/image-cache
+CACHE=${TOLLGATE_IMAGE_CACHE:-target/image-cache}
 SUITE=bookworm
 ARCH=$(dpkg --print-architecture)
 BASE_IMAGE=localhost/tollgate-base:$SUITE
