@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds tollgate's container image here, without a registry, and checks it as a container
 # runtime would run it (scripts/test.sh runs this):
-#   1. a Debian bookworm root from debootstrap (cached in target/image-cache/, or
-#      $TOLLGATE_IMAGE_CACHE), cut down to a
-#      distroless-like base (glibc, libgcc, CA certificates, passwd/group with nonroot = 65532;
-#      no shell, no package manager) and imported as localhost/tollgate-base:bookworm;
+#   1. a Debian bookworm root from debootstrap (cached in target/image-cache/, or in
+#      $TOLLGATE_IMAGE_CACHE), cut down to a distroless-like base (glibc, libgcc, CA
+#      certificates, passwd/group with nonroot = 65532; no shell, no package manager) and
+#      imported as localhost/tollgate-base:bookworm;
 #   2. the release binary (built if needed, or TOLLGATE_BINARY=path), stripped, in an image of
 #      its own, localhost/tollgate-binary:local;
 #   3. the Dockerfile's runtime stage built from those two (`podman build --target runtime`);
