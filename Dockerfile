@@ -8,17 +8,17 @@
 # Arguments given to `docker run` replace CMD (which is `--state-dir /var/lib/tollgate`): keep
 # --state-dir among them for buckets that survive a restart.
 #
-# Without one, the runtime stage alone, from a local base image and a binary built outside (an
-# image holding /out/tollgate and an empty /out/state directory); scripts/image.sh does this:
-#   podman build --pull=never --target runtime \
+# Without one, the same runtime from a local base image and a binary built outside it (an image
+# holding /out/tollgate and an empty /out/state directory); scripts/image.sh does this:
+#   podman build --pull=never --target runtime-prebuilt \
 #       --build-arg RUNTIME_BASE=localhost/tollgate-base:bookworm \
-#       --build-arg BINARY_FROM=localhost/tollgate-binary:local -t tollgate .
-# A stage nothing needs (here `build`) is skipped, so nothing is pulled.
+#       --build-arg BINARY_IMAGE=localhost/tollgate-binary:local -t tollgate .
+# A stage the target does not need (here `build`) is skipped, so nothing is pulled.
 
 # The runtime's base: distroless "cc" (glibc, libgcc, CA certificates; user nonroot = 65532).
 ARG RUNTIME_BASE=gcr.io/distroless/cc-debian12:nonroot
-# Where /out/tollgate comes from: the `build` stage, or an image built elsewhere.
-ARG BINARY_FROM=build
+# For the runtime-prebuilt target: the image holding /out/tollgate and /out/state.
+ARG BINARY_IMAGE=scratch
 
 FROM rust:1-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
@@ -30,17 +30,10 @@ RUN cargo build --profile perf --locked --bin tollgate \
     && mkdir -p /out/state \
     && strip -o /out/tollgate target/perf/tollgate
 
-FROM ${BINARY_FROM} AS binary
-
-FROM ${RUNTIME_BASE} AS runtime
-COPY --from=binary /out/tollgate /usr/local/bin/tollgate
+# The runtime, but its binary and state dir: the two targets below add them.
+FROM ${RUNTIME_BASE} AS runtime-config
 COPY policies/axum-per-ip.json /etc/tollgate/policy.json
-# The state dir (--state-dir): owned by the runtime user, writable by nobody else, as tollgate
-# requires. A named volume takes this owner on first use; a bind mount must be chowned to 65532.
-COPY --from=binary --chown=65532:65532 /out/state /var/lib/tollgate
 USER 65532:65532
-WORKDIR /var/lib/tollgate
-VOLUME ["/var/lib/tollgate"]
 # Proxy listener and admin listener (decision service, /livez, /readyz, /metrics). The admin
 # listener binds all interfaces inside the container so the port can be published; publish it
 # only to trusted networks.
@@ -55,3 +48,23 @@ ENTRYPOINT ["/usr/local/bin/tollgate", "run"]
 # Kubernetes an emptyDir is world-writable, which --state-dir refuses) leaves it out by giving
 # its own arguments.
 CMD ["--state-dir", "/var/lib/tollgate"]
+
+# The runtime from a binary built elsewhere (scripts/image.sh). The lines after FROM are the
+# same as the default target's below but for --from (tests/deploy.rs checks).
+FROM ${BINARY_IMAGE} AS prebuilt
+FROM runtime-config AS runtime-prebuilt
+COPY --from=prebuilt /out/tollgate /usr/local/bin/tollgate
+# The state dir (--state-dir): owned by the runtime user, writable by nobody else, as tollgate
+# requires. A named volume takes this owner on first use; a bind mount must be chowned to 65532.
+COPY --from=prebuilt --chown=65532:65532 /out/state /var/lib/tollgate
+WORKDIR /var/lib/tollgate
+VOLUME ["/var/lib/tollgate"]
+
+# The default target: the runtime with the binary built above.
+FROM runtime-config AS runtime
+COPY --from=build /out/tollgate /usr/local/bin/tollgate
+# The state dir (--state-dir): owned by the runtime user, writable by nobody else, as tollgate
+# requires. A named volume takes this owner on first use; a bind mount must be chowned to 65532.
+COPY --from=build --chown=65532:65532 /out/state /var/lib/tollgate
+WORKDIR /var/lib/tollgate
+VOLUME ["/var/lib/tollgate"]

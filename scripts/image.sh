@@ -7,7 +7,8 @@
 #      imported as localhost/tollgate-base:bookworm;
 #   2. the release binary (built if needed, or TOLLGATE_BINARY=path), stripped, in an image of
 #      its own, localhost/tollgate-binary:local;
-#   3. the Dockerfile's runtime stage built from those two (`podman build --target runtime`);
+#   3. the Dockerfile's runtime built from those two (`podman build --target runtime-prebuilt`,
+#      the default target's runtime with the binary taken from that image);
 #   4. the image's filesystem exported and its ENTRYPOINT/CMD started with its ENV, USER and
 #      WORKDIR in a chroot, in a network namespace of its own, with the VOLUME as a bind mount:
 #      /livez and /readyz answer, the shipped policy refuses the 21st decision for one client
@@ -110,10 +111,10 @@ printf 'FROM scratch\nCOPY tollgate /out/tollgate\nCOPY state /out/state\n' >"$B
 podman build --quiet --pull=never --label "$LABEL" -f "$BINARY_CONTEXT/Containerfile" -t "$BINARY_IMAGE" \
   "$BINARY_CONTEXT" >/dev/null || fail "podman build of the binary image failed"
 
-# --- 3. the runtime stage of the Dockerfile -------------------------------------------------
-podman build --quiet --pull=never --label "$LABEL" --target runtime \
-  --build-arg RUNTIME_BASE="$BASE_IMAGE" --build-arg BINARY_FROM="$BINARY_IMAGE" \
-  -t "$IMAGE" . >/dev/null || fail "podman build --target runtime of the Dockerfile failed"
+# --- 3. the runtime of the Dockerfile -------------------------------------------------
+podman build --quiet --pull=never --label "$LABEL" --target runtime-prebuilt \
+  --build-arg RUNTIME_BASE="$BASE_IMAGE" --build-arg BINARY_IMAGE="$BINARY_IMAGE" \
+  -t "$IMAGE" . >/dev/null || fail "podman build --target runtime-prebuilt of the Dockerfile failed"
 podman image prune --force --filter "label=$LABEL" >/dev/null
 size_bytes=$(podman image inspect "$IMAGE" --format '{{.Size}}')
 say "built $IMAGE: $((size_bytes / 1024 / 1024)) MiB ($size_bytes bytes; base $(($(stat -c %s "$CACHE/base.tar") / 1024 / 1024)) MiB)"

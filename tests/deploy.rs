@@ -3,7 +3,8 @@
 //! `tollgate run` has, and the Deployment's container, started as written (its volumes as
 //! directories, its ports on loopback), answers its probes, proxies and reads its admin token;
 //! the policy ConfigMap is the shipped policy, and a ConfigMap update (the kubelet's symlink
-//! swap) reloads it; the systemd unit passes `systemd-analyze verify`, and its `ExecStart=` and
+//! swap) reloads it; the systemd unit passes `systemd-analyze verify` with no warning and rates
+//! 2.0 or below in `systemd-analyze security`, and its `ExecStart=` and
 //! `ExecReload=` lines, run with the same arguments as a user of their own, start the gateway and
 //! upgrade it with no failed request, and refuse a reload whose policy is invalid.
 
@@ -222,18 +223,41 @@ fn the_kubernetes_manifests_name_what_the_binary_has() {
     assert!(parse_run(&[], &[("TOLLGATE_THREADS".into(), "many".into())]).is_err());
 }
 
-/// The image's ENV, ENTRYPOINT and CMD (Dockerfile) parse as `tollgate run` arguments.
+/// The Dockerfile's stages by name: (the image it starts from, its instructions, comments and
+/// blank lines left out, continuation lines joined).
+fn dockerfile_stages() -> BTreeMap<String, (String, Vec<String>)> {
+    let mut stages = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in read("Dockerfile").replace("\\\n", " ").lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("FROM ") {
+            let (from, name) = rest.split_once(" AS ").expect("FROM x AS name");
+            stages.insert(name.to_string(), (from.to_string(), Vec::new()));
+            current = Some(name.to_string());
+        } else if let Some(name) = &current {
+            stages
+                .get_mut(name)
+                .expect("stage")
+                .1
+                .push(line.split_whitespace().collect::<Vec<_>>().join(" "));
+        }
+    }
+    stages
+}
+
+/// The image's ENV, ENTRYPOINT and CMD parse as `tollgate run` arguments, and the target
+/// scripts/image.sh builds (a binary from another image) is the default target but for where
+/// the binary comes from.
 #[test]
 fn the_image_names_what_the_binary_has() {
-    let dockerfile = read("Dockerfile");
-    let runtime = dockerfile
-        .split("AS runtime")
-        .nth(1)
-        .expect("a runtime stage");
-    let joined = runtime.replace("\\\n", " ");
+    let stages = dockerfile_stages();
+    let (_, config) = &stages["runtime-config"];
     let mut env = Vec::new();
     let mut cmd = Vec::new();
-    for line in joined.lines() {
+    for line in config {
         if let Some(rest) = line.strip_prefix("ENV ") {
             for pair in rest.split_whitespace() {
                 let (k, v) = pair.split_once('=').expect("ENV k=v");
@@ -249,8 +273,29 @@ fn the_image_names_what_the_binary_has() {
         }
     }
     assert!(env.iter().any(|(k, _)| k == "TOLLGATE_POLICY"));
+    assert_eq!(cmd, ["--state-dir", "/var/lib/tollgate"]);
     parse_run(&cmd, &env).unwrap();
-    assert!(joined.contains("\nUSER 65532:65532\n"));
+    assert!(config.contains(&"USER 65532:65532".to_string()));
+
+    let (default_from, default) = &stages["runtime"];
+    let (prebuilt_from, prebuilt) = &stages["runtime-prebuilt"];
+    assert_eq!(
+        (default_from.as_str(), prebuilt_from.as_str()),
+        ("runtime-config", "runtime-config")
+    );
+    let as_default: Vec<String> = prebuilt
+        .iter()
+        .map(|l| l.replace("--from=prebuilt", "--from=build"))
+        .collect();
+    assert_eq!(&as_default, default);
+    assert!(default.contains(&"VOLUME [\"/var/lib/tollgate\"]".to_string()));
+    // The default target is the last stage (what `docker build .` makes).
+    let last = read("Dockerfile")
+        .lines()
+        .filter(|l| l.starts_with("FROM "))
+        .last()
+        .map(str::to_string);
+    assert_eq!(last.as_deref(), Some("FROM runtime-config AS runtime"));
 }
 
 /// The ConfigMap carries the shipped policy (`policies/axum-per-ip.json`), the one the image
@@ -614,6 +659,41 @@ fn the_systemd_unit_is_hardened_and_verifies() {
     // The check can fail.
     let (_, said) = verify(&unit.replace("ProtectSystem=strict", "ProtectSystm=strict"));
     assert!(said.contains("Unknown key"), "{said}");
+
+    // systemd's own rating of the sandbox: exposure 2.0 or below ("OK"); the same unit without
+    // its main restrictions rates above.
+    let exposure_ok = |unit: &str| {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("tollgate.service");
+        std::fs::write(&path, unit).unwrap();
+        Command::new("systemd-analyze")
+            .args(["security", "--offline=yes", "--threshold=20"])
+            .arg(&path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("systemd-analyze security")
+            .success()
+    };
+    assert!(
+        exposure_ok(&unit),
+        "systemd-analyze security rates the unit above 2.0"
+    );
+    let weakened: String = unit
+        .lines()
+        .filter(|l| {
+            ![
+                "NoNewPrivileges=",
+                "ProtectSystem=",
+                "CapabilityBoundingSet=",
+                "SystemCallFilter=",
+            ]
+            .iter()
+            .any(|k| l.starts_with(k))
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(!exposure_ok(&weakened));
 }
 
 /// Reaps orphans: the process an `ExecReload=` starts outlives the shell that started it, as
