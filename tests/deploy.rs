@@ -292,8 +292,7 @@ fn the_image_names_what_the_binary_has() {
     // The default target is the last stage (what `docker build .` makes).
     let last = read("Dockerfile")
         .lines()
-        .filter(|l| l.starts_with("FROM "))
-        .last()
+        .rfind(|l| l.starts_with("FROM "))
         .map(str::to_string);
     assert_eq!(last.as_deref(), Some("FROM runtime-config AS runtime"));
 }
