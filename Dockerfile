@@ -41,7 +41,8 @@ EXPOSE 8080 9090
 ENV TOLLGATE_POLICY=/etc/tollgate/policy.json \
     TOLLGATE_LISTEN=0.0.0.0:8080 \
     TOLLGATE_ADMIN_LISTEN=0.0.0.0:9090
-# SIGTERM drains: listeners close, requests in flight finish (1 s grace, then up to 10 s).
+# SIGTERM drains: listeners close, requests in flight get 1 s to finish (longer ones are cut),
+# and the process exits 0.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/tollgate", "run"]
 # A default argument rather than ENV, so a deployment that cannot give it a private volume (on

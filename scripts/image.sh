@@ -10,11 +10,12 @@
 #   3. the Dockerfile's runtime built from those two (`podman build --target runtime-prebuilt`,
 #      the default target's runtime with the binary taken from that image);
 #   4. the image's filesystem exported and its ENTRYPOINT/CMD started with its ENV, USER and
-#      WORKDIR in a chroot, in a network namespace of its own, with the VOLUME as a bind mount:
-#      /livez and /readyz answer, the shipped policy refuses the 21st decision for one client
-#      (429), the process has neither uid 0 nor a capability, the state dir is written by that
-#      user, a second container (a fresh export) on the same volume finds the buckets, and
-#      SIGTERM drains and exits 0.
+#      WORKDIR in a chroot, in a network namespace of its own (with an upstream there, named by
+#      TOLLGATE_UPSTREAM as `docker run -e` would), with the VOLUME as a bind mount: /livez and
+#      /readyz answer, the proxy forwards, the shipped policy refuses the 21st decision for one
+#      client (429), the process has neither uid 0 nor a capability, the state dir is written
+#      by that user, a second container (a fresh export) on the same volume finds the buckets,
+#      and SIGTERM with a request in flight lets it finish, then exits 0.
 # Any failure stops it with "image.sh: FAILED: ..." and exit 1; nothing is skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -156,8 +157,10 @@ done
 RUN=$CACHE/run
 NS=tollgate-image-$$
 pid=""
+upstream_pid=""
 cleanup() {
   if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+  if [ -n "$upstream_pid" ]; then kill "$upstream_pid" 2>/dev/null || true; fi
   for root in "$RUN"/rootfs-*; do
     if [ -n "$VOLUME" ] && mountpoint -q "$root$VOLUME" 2>/dev/null; then umount "$root$VOLUME" || true; fi
   done
@@ -171,6 +174,27 @@ rm -rf "$RUN"
 mkdir -p "$RUN/volume"
 ip netns add "$NS" || fail "cannot make a network namespace"
 ip -n "$NS" link set lo up
+
+# An upstream API in the namespace, on the host's python: `/slow` answers after 0.6 s.
+cat >"$RUN/upstream.py" <<'EOF'
+import http.server, time
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/slow":
+            time.sleep(0.6)
+        body = b"upstream ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 3000), Handler).serve_forever()
+EOF
+ip netns exec "$NS" python3 "$RUN/upstream.py" &
+upstream_pid=$!
+# The one setting a deployment adds to the image's (as `docker run -e` would): the upstream.
+RUN_ENVS=("${ENVS[@]}" TOLLGATE_UPSTREAM=127.0.0.1:3000)
 
 # A fresh container: the image's filesystem exported, the volume mounted where VOLUME says,
 # seeded from the image (owner and mode) the first time, as a runtime's named volume is.
@@ -207,7 +231,7 @@ resolve_user() {
 in_ns() { ip netns exec "$NS" "$@"; }
 http_code() { in_ns curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$@" || true; }
 
-# ENTRYPOINT + CMD with the image's ENV only, chrooted into the export at WORKDIR as USER (no
+# ENTRYPOINT + CMD with the image's ENV (and the upstream) only, chrooted into the export at WORKDIR as USER (no
 # supplementary groups, no new privileges), in the network namespace; $pid is the gateway.
 start_container() {
   local root=$1 log=$2 ids
@@ -215,26 +239,36 @@ start_container() {
   uid=${ids% *}
   gid=${ids#* }
   [ "$uid" -ne 0 ] || fail "the image's USER is root"
-  ip netns exec "$NS" env -i "${ENVS[@]}" \
+  ip netns exec "$NS" env -i "${RUN_ENVS[@]}" \
     "$(command -v setpriv)" --no-new-privs --inh-caps=-all \
     "$(command -v unshare)" --root="$root" --wd="$WORKDIR" --setgid="$gid" --setuid="$uid" \
     -- "${ARGV[@]}" >"$log" 2>&1 &
   pid=$!
   for _ in $(seq 100); do
-    [ "$(http_code http://127.0.0.1:9090/livez)" = 200 ] && return 0
+    if [ "$(http_code http://127.0.0.1:9090/livez)" = 200 ] \
+      && [ "$(in_ns curl -s --max-time 5 http://127.0.0.1:8080/ || true)" = "upstream ok" ]; then
+      return 0
+    fi
     kill -0 "$pid" 2>/dev/null || fail "the gateway exited at start-up:
 $(cat "$log")"
     sleep 0.1
   done
-  fail "/livez did not answer within 10 s:
+  fail "/livez and the proxy did not answer within 10 s:
 $(cat "$log")"
 }
 
+# SIGTERM while a request is in flight (the upstream takes 0.6 s; tollgate gives requests in
+# flight 1 s after SIGTERM): it is answered, then the gateway exits 0.
 stop_container() {
-  local log=$1 status=0
+  local log=$1 status=0 in_flight
+  in_ns curl -s -o /dev/null -w '%{http_code}' --max-time 15 http://127.0.0.1:8080/slow >"$RUN/in-flight" &
+  in_flight=$!
+  sleep 0.2
   kill -TERM "$pid"
   wait "$pid" || status=$?
   pid=""
+  wait "$in_flight" || true
+  [ "$(cat "$RUN/in-flight")" = 200 ] || fail "SIGTERM: the request in flight got '$(cat "$RUN/in-flight")', not 200"
   [ "$status" -eq 0 ] || fail "SIGTERM: the gateway exited $status, not 0:
 $(cat "$log")"
   grep -q 'SIGTERM: draining' "$log" || fail "SIGTERM: no 'SIGTERM: draining' in the log"
@@ -284,15 +318,16 @@ $(cat "$RUN/gateway-1.log")"
 stop_container "$RUN/gateway-1.log"
 umount "$RUN/rootfs-1$VOLUME"
 
-# A second container from a fresh export on the same volume continues the buckets.
+# A second container from a fresh export on the same volume continues the buckets: two clients'
+# (203.0.113.7's decisions, and 127.0.0.1's proxied requests).
 export_rootfs "$RUN/rootfs-2"
 start_container "$RUN/rootfs-2" "$RUN/gateway-2.log"
-grep -q 'kept in its state file.*entries=1 created=false' "$RUN/gateway-2.log" || fail "the restarted container did not find the bucket in the volume:
+grep -q 'kept in its state file.*entries=2 created=false' "$RUN/gateway-2.log" || fail "the restarted container did not find the bucket in the volume:
 $(cat "$RUN/gateway-2.log")"
 entries=$(in_ns curl -s http://127.0.0.1:9090/metrics | awk '$1 == "tollgate_store_entries" { print $2 }')
-[ "$entries" = 1 ] || fail "after the restart tollgate_store_entries is '$entries', not 1"
+[ "$entries" = 2 ] || fail "after the restart tollgate_store_entries is '$entries', not 2"
 [ -z "$(find "$RUN/volume" -name 'buckets.state.bad-*')" ] || fail "the restart moved the state file aside"
 stop_container "$RUN/gateway-2.log"
 
-say "checked: ENTRYPOINT [${ARGV[*]}] as uid $uid gid $gid in $WORKDIR (no capabilities, no shell in the image); /livez, /readyz; 20 × 200 then 429; state in VOLUME $VOLUME kept across a new container; SIGTERM drained, exit 0"
+say "checked: ENTRYPOINT [${ARGV[*]}] as uid $uid gid $gid in $WORKDIR (no capabilities, no shell in the image); /livez, /readyz, proxied; 20 × 200 then 429; state in VOLUME $VOLUME kept across a new container; SIGTERM answered the request in flight, exit 0"
 say "image $IMAGE: $((size_bytes / 1024 / 1024)) MiB; done in $(($(date +%s) - started)) s"

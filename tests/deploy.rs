@@ -151,7 +151,8 @@ fn the_kubernetes_manifests_name_what_the_binary_has() {
     assert_eq!(strings(&security["capabilities"]["drop"]), ["ALL"]);
     assert_eq!(pod["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
     assert_ne!(pod["securityContext"]["runAsUser"].as_u64(), Some(0));
-    // The preStop pause and tollgate's drain (1 s grace, then up to 10 s) fit in the grace period.
+    // The preStop pause and tollgate's exit after SIGTERM (1 s for requests in flight, 11 s at
+    // most in all) fit in the grace period.
     let pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         .as_u64()
         .expect("preStop sleep");
