@@ -841,6 +841,16 @@ fn the_systemd_units_start_and_reload_lines_start_and_upgrade_the_gateway() {
         "requests failed during the upgrade"
     );
     assert!(served.load(Ordering::SeqCst) > 10);
+    // What the manual says the journal shows.
+    let log = journal();
+    assert!(
+        log.contains("upgrade: the new gateway serves; draining"),
+        "{log}"
+    );
+    assert!(
+        log.contains("state dir: the old gateway let go; this one owns it now"),
+        "{log}"
+    );
     // The new process serves, and continues the buckets (the state dir's file).
     assert_eq!(readyz(admin)["status"], "ready");
     assert_eq!(decisions(admin, "203.0.113.7", 1), [429]);
