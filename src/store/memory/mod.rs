@@ -27,10 +27,10 @@
 //!   purge of the key's shard when the store is full (at most once per `purge_interval`).
 //!   A budget is full again when its window ends, so a spent budget is never dropped before.
 //! - when a new key needs an entry and the store is at its bound (or the key's shard is 3/4
-//!   full at its largest), the entry that costs least to forget: [`choose_victim`] reads
+//!   full at its largest), the entry that costs least to forget: `choose_victim` reads
 //!   [`EVICTION_SAMPLES`] entries, the next one after each of as many pseudo-random positions
 //!   of the shard, and evicts the one
-//!   whose loss gives away least ([`giveaway`]: a budget's spend until its window ends, a token
+//!   whose loss gives away least (`giveaway`: a budget's spend until its window ends, a token
 //!   bucket's spend shrinking linearly to nothing as it refills). An evicted entry gives away at
 //!   most what the cheapest of the sampled entries held; a flood of made-up keys, whose entries
 //!   hold one request's spend each, evicts its own entries, not a tenant's spent budget. A new
