@@ -66,7 +66,8 @@ pub struct Metrics {
     /// has no local entries to count, and must not show a gauge stuck at 0).
     store_entries: Option<IntGauge>,
     store_evictions: Option<IntCounter>,
-    /// The embedded store's drops by kind (`full_again`, `token_bucket`, `budget`), and its
+    /// The embedded store's drops by kind (`full_again`, `token_bucket`, `budget`,
+    /// `unknown_spend`), and its
     /// evictions for room by what they gave away.
     store_evictions_by_kind: Option<IntCounterVec>,
     store_forgiven: Option<ForgivenHistogram>,
@@ -197,7 +198,7 @@ impl Metrics {
             let vec = must(IntCounterVec::new(
                 Opts::new(
                     "tollgate_store_evictions_by_kind_total",
-                    "Buckets dropped by the embedded store, by kind: full_again (gave nothing away), token_bucket and budget (evicted for room while holding spend)",
+                    "Buckets dropped by the embedded store, by kind: full_again (gave nothing away), token_bucket and budget (evicted for room while holding spend), unknown_spend (written by an older build, spend not kept)",
                 ),
                 &["kind"],
             ));
@@ -832,9 +833,10 @@ impl Metrics {
         }
         if let Some(by_kind) = &self.store_evictions_by_kind {
             let e = stats.evicted;
-            for (kind, total) in EVICTION_KINDS
-                .iter()
-                .zip([e.full_again, e.token_bucket, e.budget])
+            for (kind, total) in
+                EVICTION_KINDS
+                    .iter()
+                    .zip([e.full_again, e.token_bucket, e.budget, e.unknown_spend])
             {
                 advance_to(&by_kind.with_label_values(&[kind]), total);
             }
@@ -864,7 +866,7 @@ impl Metrics {
 }
 
 /// The `kind` label values of `tollgate_store_evictions_by_kind_total`.
-const EVICTION_KINDS: [&str; 3] = ["full_again", "token_bucket", "budget"];
+const EVICTION_KINDS: [&str; 4] = ["full_again", "token_bucket", "budget", "unknown_spend"];
 
 /// `tollgate_store_eviction_forgiven_tokens`: the embedded store's evictions for room by the
 /// tokens the evicted entry still had spent (what its next request gets back). The store keeps
@@ -988,6 +990,7 @@ mod tests {
             "tollgate_decision_duration_seconds_count 3",
             "tollgate_store_entries 2",
             "tollgate_store_evictions_by_kind_total{kind=\"budget\"} 0",
+            "tollgate_store_evictions_by_kind_total{kind=\"unknown_spend\"} 0",
             "tollgate_store_eviction_forgiven_tokens_bucket{le=\"1\"} 0",
             "tollgate_store_eviction_forgiven_tokens_count 0",
             "tollgate_store_fail_open_total 0",

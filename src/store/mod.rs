@@ -181,6 +181,9 @@ pub struct EvictionStats {
     pub token_bucket: u64,
     /// Budgets with spend in their window, evicted for room.
     pub budget: u64,
+    /// Entries an older build wrote to the state file (their spend not kept), evicted for room
+    /// while not full again: only when every sampled entry was one. Not in the histogram.
+    pub unknown_spend: u64,
     /// Evictions for room that gave away at most each of [`FORGIVEN_BOUNDS_MICRO`]
     /// (cumulative, as Prometheus buckets).
     pub forgiven_le: [u64; FORGIVEN_BOUNDS_MICRO.len()],

@@ -83,17 +83,28 @@ impl Default for MemoryStoreConfig {
 /// into a grown table (probes that meet it retry there); bits 32..62 the second (since the
 /// time base's origin) the bucket is full again, rounded up; bit 31 set for a budget (its spend
 /// stays until that second), clear for a token bucket (its spend refills linearly until then);
-/// bits 0..31 the micro-tokens it had spent at its last commit ([`encode_spent`]): what
-/// forgetting it would give away, read by the eviction's sampling ([`giveaway`]).
+/// bit 30 ([`SPEND_KNOWN`]) set by every commit of this build; bits 0..30 the micro-tokens it
+/// had spent at its last commit ([`encode_spent`]): what forgetting it would give away, read by
+/// the eviction's sampling ([`giveaway`]).
+///
+/// Builds before this one kept the second a request last touched the bucket in bits 0..32,
+/// in state files too ([`state_file::SLOT_FORMAT_SPEND`]). Such a second (since 2020) stays
+/// below 2^30 until 2054, the end of the file's time base, so bit 30 tells the two apart slot
+/// by slot, even while an older process of an upgrade still writes the file: a slot without
+/// it holds a spend this build does not know ([`giveaway`] ranks it above every known one).
 const LOCKED: u64 = 1 << 63;
 const MOVED: u64 = 1 << 62;
 const FULL_AT_MAX: u64 = (1 << 30) - 1;
 const BUDGET: u64 = 1 << 31;
-const SPENT_MASK: u64 = BUDGET - 1;
+const SPEND_KNOWN: u64 = 1 << 30;
+const SPENT_MASK: u64 = SPEND_KNOWN - 1;
+/// What [`giveaway`] says of an entry whose spend is not known: more than any known spend.
+pub(super) const UNKNOWN_SPEND: u64 = u64::MAX;
 
 fn pack_meta(full_at_s: u64, spend: Spend) -> u64 {
     (full_at_s.min(FULL_AT_MAX) << 32)
         | if spend.budget { BUDGET } else { 0 }
+        | SPEND_KNOWN
         | encode_spent(spend.micro)
 }
 
@@ -101,28 +112,35 @@ fn meta_full_at_s(meta: u64) -> u64 {
     (meta & !(LOCKED | MOVED)) >> 32
 }
 
-/// Micro-tokens in 31 bits, a small float: a 26-bit mantissa and a 5-bit exponent, exact up to
-/// 2^26 (67 tokens), then within 2^-25 of the amount (rounded down), saturating at about
-/// 1.4 · 10^11 tokens. Monotonic, so encoded amounts compare as the amounts do.
+/// A slot written by an older build (see [`SPEND_KNOWN`]) as this build keeps it: its
+/// full-again second, its spend unknown (never decaying).
+fn legacy_as_unknown(meta: u64) -> u64 {
+    meta & !(SPEND_KNOWN | BUDGET | SPENT_MASK)
+}
+
+/// Bits of the kept spend's mantissa.
+const SPENT_MANTISSA: u32 = 25;
+
+/// Micro-tokens in 30 bits, a small float: a 25-bit mantissa and a 5-bit exponent, exact up to
+/// 2^25 (33 tokens), then within 2^-24 of the amount (rounded down), saturating at about
+/// 7 · 10^10 tokens. Monotonic, so encoded amounts compare as the amounts do.
 fn encode_spent(micro: u64) -> u64 {
-    const MANTISSA: u32 = 26;
     let bits = u64::BITS - micro.leading_zeros();
-    if bits <= MANTISSA {
+    if bits <= SPENT_MANTISSA {
         return micro;
     }
-    let exp = u64::from(bits - MANTISSA);
+    let exp = u64::from(bits - SPENT_MANTISSA);
     if exp > 31 {
         return SPENT_MASK;
     }
-    (exp << MANTISSA) | ((micro >> exp) & ((1 << MANTISSA) - 1))
+    (exp << SPENT_MANTISSA) | ((micro >> exp) & ((1 << SPENT_MANTISSA) - 1))
 }
 
 /// The amount [`encode_spent`] kept.
 fn decode_spent(encoded: u64) -> u64 {
-    const MANTISSA: u32 = 26;
     let encoded = encoded & SPENT_MASK;
-    let exp = encoded >> MANTISSA;
-    (encoded & ((1 << MANTISSA) - 1)) << exp
+    let exp = encoded >> SPENT_MANTISSA;
+    (encoded & ((1 << SPENT_MANTISSA) - 1)) << exp
 }
 
 /// What a committed state holds back from a fresh bucket (which starts full): the micro-tokens
@@ -155,9 +173,14 @@ fn full_again(meta: u64, now_us: u64) -> bool {
 /// token bucket's spend at its last commit, shrinking linearly to nothing at its full-again
 /// time, which is how a token bucket refills (exact but for the rounding of that time up to
 /// its second). `last_us` is the bucket's last refill time.
+/// [`UNKNOWN_SPEND`] for an entry an older build wrote ([`SPEND_KNOWN`] clear) until it is full
+/// again.
 fn giveaway(meta: u64, last_us: u64, now_us: u64) -> u64 {
     if full_again(meta, now_us) {
         return 0;
+    }
+    if meta & SPEND_KNOWN == 0 {
+        return UNKNOWN_SPEND;
     }
     let spent = decode_spent(meta);
     if meta & BUDGET != 0 {
@@ -172,6 +195,23 @@ fn giveaway(meta: u64, last_us: u64, now_us: u64) -> u64 {
     // In floating point: an estimate to rank entries by, and a 128-bit division is a slow
     // library call on the eviction's path.
     (spent as f64 * ((full_at_us - now_us) as f64 / span as f64)) as u64
+}
+
+/// How [`choose_victim`] orders entries that hold spend, the least first: by the whole units
+/// forgetting them gives away (`cost`, from [`giveaway`], rounded up: entries apart only by a
+/// fraction of a unit refilled since tie), then by age: a token bucket refilled (committed)
+/// longer ago before a more recent one, so a client in the middle of its requests is not the
+/// one evicted while equally cheap stale entries are sampled. A budget keeps no time of its last
+/// request and counts as the oldest of its units; entries of unknown spend come last, the one
+/// full again soonest first.
+fn victim_rank(meta: u64, last_us: u64, cost: u64) -> (u64, u64) {
+    if cost == UNKNOWN_SPEND {
+        (u64::MAX, meta_full_at_s(meta))
+    } else if meta & BUDGET != 0 {
+        (cost.div_ceil(crate::limiter::MICRO), 0)
+    } else {
+        (cost.div_ceil(crate::limiter::MICRO), last_us)
+    }
 }
 
 /// One bucket. All zeros is an empty slot (a real key of zero is stored as `(0, 1)`).
@@ -515,11 +555,12 @@ pub const EVICTION_SAMPLES: usize = 8;
 /// `starts`, the first live slot at or after it not sampled yet and not in `exclude` (the
 /// request's own keys). Not the next entries after one position: keys made from similar values
 /// (consecutive client addresses) can sit next to each other, and a flood then evicted runs of
-/// drained clients' entries, each 8 in a row (measured through the binary). Returns its index and what forgetting it gives away ([`giveaway`]),
-/// the least among the sampled (the first full-again one ends the search). Each walk costs
-/// about 1 / load slot reads (a table at the bound is at least 3/8 full); a walk that meets
-/// no new entry in a whole pass ends the sampling. The shard's lock is held, so keys do not
-/// move (bucket states may change meanwhile: the reads are estimates).
+/// drained clients' entries, each 8 in a row (measured through the binary). Returns its index
+/// and what forgetting it gives away ([`giveaway`]): the least ranked ([`victim_rank`]) of the
+/// sampled (the first full-again one ends the search). Each walk costs about 1 / load slot
+/// reads (a table at the bound is at least 3/8 full); a walk that meets no new entry in a whole
+/// pass ends the sampling. The shard's lock is held, so keys do not move (bucket states may
+/// change meanwhile: the reads are estimates).
 fn choose_victim(
     table: &Table,
     starts: impl IntoIterator<Item = usize>,
@@ -527,7 +568,7 @@ fn choose_victim(
     exclude: &[(u64, u64)],
 ) -> Option<(usize, u64)> {
     let mut sampled: SmallVec<[usize; EVICTION_SAMPLES]> = SmallVec::new();
-    let mut best: Option<(usize, u64)> = None;
+    let mut best: Option<(usize, u64, (u64, u64))> = None;
     'starts: for start in starts.into_iter().take(EVICTION_SAMPLES) {
         let mut i = start & table.mask;
         for _ in 0..table.capacity() {
@@ -536,12 +577,14 @@ fn choose_victim(
             if !is_empty(key) && !sampled.contains(&i) && !exclude.contains(&key) {
                 sampled.push(i);
                 let meta = slot.meta.load(Ordering::Relaxed);
-                let cost = giveaway(meta, slot.last_us.load(Ordering::Relaxed), now_us);
+                let last_us = slot.last_us.load(Ordering::Relaxed);
+                let cost = giveaway(meta, last_us, now_us);
                 if cost == 0 {
                     return Some((i, 0));
                 }
-                if best.is_none_or(|(_, least)| cost < least) {
-                    best = Some((i, cost));
+                let rank = victim_rank(meta, last_us, cost);
+                if best.is_none_or(|(_, _, least)| rank < least) {
+                    best = Some((i, cost, rank));
                 }
                 continue 'starts;
             }
@@ -550,7 +593,7 @@ fn choose_victim(
         // A whole pass found nothing not sampled yet.
         break;
     }
-    best
+    best.map(|(i, cost, _)| (i, cost))
 }
 
 /// One shard: its current table (its structure lives in its [`ShardHead`]).
@@ -580,6 +623,7 @@ struct EvictionCounters {
     full_again: AtomicU64,
     token_bucket: AtomicU64,
     budget: AtomicU64,
+    unknown_spend: AtomicU64,
     /// Evictions for room whose forgiven amount fell in each bound's interval, and above the
     /// last.
     forgiven: [AtomicU64; FORGIVEN_BOUNDS_MICRO.len() + 1],
@@ -589,6 +633,11 @@ struct EvictionCounters {
 impl EvictionCounters {
     /// One entry evicted for room, which had `forgiven` micro-tokens spent.
     fn for_room(&self, forgiven: u64, budget: bool) {
+        if forgiven == UNKNOWN_SPEND {
+            // Not in the histogram: what it gave away is not known.
+            self.unknown_spend.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let kind = match (forgiven, budget) {
             (0, _) => &self.full_again,
             (_, true) => &self.budget,
@@ -615,6 +664,7 @@ impl EvictionCounters {
             full_again: self.full_again.load(Ordering::Relaxed),
             token_bucket: self.token_bucket.load(Ordering::Relaxed),
             budget: self.budget.load(Ordering::Relaxed),
+            unknown_spend: self.unknown_spend.load(Ordering::Relaxed),
             forgiven_le,
             forgiven_count: self
                 .forgiven
@@ -756,13 +806,20 @@ impl MemoryStore {
             .collect();
         if sole_owner {
             let mut total = 0u64;
+            let mut migrated = 0u64;
             for (shard, head) in shards.iter().zip(heads) {
                 let guard = &epoch::pin();
                 let mut live = 0u64;
                 for slot in Self::table(shard, guard).slots() {
-                    let meta = slot.meta.load(Ordering::Relaxed) & !(LOCKED | MOVED);
+                    let mut meta = slot.meta.load(Ordering::Relaxed) & !(LOCKED | MOVED);
+                    let occupied = !is_empty(slot.key());
+                    if occupied && meta & SPEND_KNOWN == 0 && legacy_as_unknown(meta) != meta {
+                        // Written by an older build: its low half is a time, not a spend.
+                        meta = legacy_as_unknown(meta);
+                        migrated += 1;
+                    }
                     slot.meta.store(meta, Ordering::Relaxed);
-                    live += u64::from(!is_empty(slot.key()));
+                    live += u64::from(occupied);
                 }
                 head.lock.store(0, Ordering::Relaxed);
                 head.live.store(live, Ordering::Relaxed);
@@ -770,6 +827,15 @@ impl MemoryStore {
                 total += live;
             }
             file.header().len.store(total, Ordering::Relaxed);
+            file.header()
+                .slot_format
+                .store(state_file::SLOT_FORMAT_SPEND, Ordering::Relaxed);
+            if migrated > 0 {
+                tracing::info!(
+                    entries = migrated,
+                    "state file: entries an older build wrote are kept with their spend unknown (never evicted while entries of known spend can be) until their next request"
+                );
+            }
         }
         let leases = super::lease::MemoryLeases::in_state_file(&file, sole_owner, time_offset_us);
         Self::assemble(config, shards, Region::File(file), leases, time_offset_us)
@@ -1012,8 +1078,9 @@ impl MemoryStore {
     /// Room for one more entry in `shard`, of which `pending` are already taken by entries not
     /// inserted yet (the shard's lock is held, and no bucket lock in it). Within the bound when
     /// there is room; else the shard's full-again entries are purged (at most once per
-    /// `purge_interval`); else one sampled entry of the shard is evicted ([`choose_victim`],
-    /// never one of `exclude`), its room passing to the new entry. A store at its bound whose
+    /// `purge_interval`); else one sampled entry of the shard is evicted ([`choose_victim`]),
+    /// its room passing to the new entry. Neither ever removes one of `exclude` (the request's
+    /// own keys, which it is about to update). A store at its bound whose
     /// key's shard holds nothing to evict lets that shard hold one entry past the bound (its
     /// table already has the slots: no memory is added). False only when the shard is at its
     /// own bound and holds nothing evictable (all its entries are in `exclude`).
@@ -1031,7 +1098,7 @@ impl MemoryStore {
             return true;
         }
         if state.may_purge(now_us, self.config.purge_interval_us)
-            && self.purge(shard, state, now_us, guard) > 0
+            && self.purge(shard, state, now_us, exclude, guard) > 0
             && !Self::shard_full(shard, state, pending + 1, guard)
             && self.reserve()
         {
@@ -1154,7 +1221,7 @@ impl MemoryStore {
         shard: &Shard,
         state: &mut ShardState<'_>,
         guard: &Guard,
-        evict: impl Fn(u64) -> bool,
+        evict: impl Fn((u64, u64), u64) -> bool,
     ) -> usize {
         let table = Self::table(shard, guard);
         let mut removed = 0;
@@ -1166,7 +1233,8 @@ impl MemoryStore {
                 continue;
             }
             let meta = slot.lock();
-            if !is_empty(slot.key()) && evict(meta) {
+            let key = slot.key();
+            if !is_empty(key) && evict(key, meta) {
                 // The entry shifted into `i` (if any) is examined next.
                 Self::remove_at(table, i);
                 removed += 1;
@@ -1187,17 +1255,21 @@ impl MemoryStore {
         removed
     }
 
-    /// Removes the shard's full-again entries (the only ones indistinguishable from absent).
-    /// Returns how many went.
+    /// Removes the shard's full-again entries (the only ones indistinguishable from absent),
+    /// but for `exclude` (the request's own: it is about to update them, and would find them
+    /// gone with no room left for them). Returns how many went.
     fn purge(
         &self,
         shard: &Shard,
         state: &mut ShardState<'_>,
         now_us: u64,
+        exclude: &[(u64, u64)],
         guard: &Guard,
     ) -> usize {
         state.head.last_purge_us.store(now_us, Ordering::Relaxed);
-        self.evict_where(shard, state, guard, |meta| full_again(meta, now_us))
+        self.evict_where(shard, state, guard, |key, meta| {
+            full_again(meta, now_us) && !exclude.contains(&key)
+        })
     }
 
     /// One bucket: a lock-free probe and the bucket's own lock (the common case); the shard's
@@ -1231,12 +1303,18 @@ impl MemoryStore {
                 // A cost above the burst: refused whatever the bucket holds.
                 return result;
             }
+            let spend = op.spend(result.verdict);
+            if spend.micro == 0 {
+                // Nothing spent (a zero-cost look): the full bucket it was answered from needs
+                // no entry, and storing one would only take another's room.
+                result.committed = true;
+                return result;
+            }
             let mut state = self.structure(shard);
             if Self::table(shard, guard).find(key).is_some() {
                 // Inserted meanwhile, or missed while an entry moved: update it instead.
                 continue;
             }
-            let spend = op.spend(result.verdict);
             if self.take_room(shard, &mut state, 0, now_us, &[], guard)
                 && self.insert(shard, &mut state, key, &result, spend, now_us, true, guard)
             {
@@ -1349,7 +1427,9 @@ impl MemoryStore {
             let mut missing: SmallVec<[(u64, u64); 4]> = SmallVec::new();
             for op in ops {
                 let key = stored(&op.key);
-                if self.shard_index(&op.key) == *index
+                // A zero-cost op leaves an absent bucket full: it needs no entry.
+                if op.cost > 0
+                    && self.shard_index(&op.key) == *index
                     && !missing.contains(&key)
                     && table.find(key).is_none()
                 {
@@ -1416,6 +1496,12 @@ impl MemoryStore {
                         result.committed = true;
                     }
                     None => {
+                        let spend = op.spend(result.verdict);
+                        if spend.micro == 0 {
+                            // Answered from a full bucket and leaving it full: no entry.
+                            result.committed = true;
+                            continue;
+                        }
                         let index = self.shard_index(&op.key);
                         let shard = &self.shards[index];
                         let key = stored(&op.key);
@@ -1426,7 +1512,7 @@ impl MemoryStore {
                             // updaters never wait while holding a lock.
                             let existing = table.slot(i);
                             existing.lock();
-                            let meta = existing.commit(result, op.spend(result.verdict), now_us);
+                            let meta = existing.commit(result, spend, now_us);
                             existing.unlock(meta);
                             result.committed = true;
                             continue;
@@ -1435,7 +1521,6 @@ impl MemoryStore {
                         let (_, state, rooms) = &mut guards[g];
                         let had_room = *rooms > 0;
                         *rooms = rooms.saturating_sub(1);
-                        let spend = op.spend(result.verdict);
                         if had_room
                             && self.insert(shard, state, key, result, spend, now_us, false, guard)
                         {
@@ -1492,8 +1577,9 @@ impl MemoryStore {
         let mut removed = 0u64;
         for shard in self.shards.iter() {
             let mut state = self.structure(shard);
-            removed +=
-                self.evict_where(shard, &mut state, guard, |meta| full_again(meta, now_us)) as u64;
+            removed += self
+                .evict_where(shard, &mut state, guard, |_, meta| full_again(meta, now_us))
+                as u64;
         }
         removed
     }
