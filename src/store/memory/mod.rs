@@ -29,14 +29,17 @@
 //! - when a new key needs an entry and the store is at its bound (or the key's shard is 3/4
 //!   full at its largest), the entry that costs least to forget: `choose_victim` reads
 //!   [`EVICTION_SAMPLES`] entries, the next one after each of as many pseudo-random positions
-//!   of the shard, and evicts the one
-//!   whose loss gives away least (`giveaway`: a budget's spend until its window ends, a token
-//!   bucket's spend shrinking linearly to nothing as it refills). An evicted entry gives away at
-//!   most what the cheapest of the sampled entries held; a flood of made-up keys, whose entries
-//!   hold one request's spend each, evicts its own entries, not a tenant's spent budget. A new
-//!   key is never let through untracked for want of room (`fail_open` counts it if it ever is,
-//!   which only a table without a free slot could cause). Concurrency slots and breakers are in
-//!   the lease table, which this never touches.
+//!   of the shard, and evicts the one whose loss gives away least (`giveaway`: a budget's spend
+//!   until its window ends, a token bucket's spend shrinking linearly to nothing as it refills;
+//!   ranked in whole units, the least recently used first among equals: `victim_rank`). An
+//!   evicted entry gives away at most what the cheapest of the sampled entries held, rounded up
+//!   to a unit; a flood of made-up keys, whose entries hold one request's spend each, evicts its
+//!   own entries, not a tenant's spent budget nor a client early in its burst. Neither the purge
+//!   nor the eviction removes a key of the request making room. A new key is never let through
+//!   untracked for want of room (`fail_open` counts it if it ever is, which only a table
+//!   without a free slot could cause); a zero-cost look at an absent key needs no entry and
+//!   takes none. Concurrency slots and breakers are in the lease table, which this never
+//!   touches.
 //!
 //! With a state dir ([`MemoryStore::in_state_file`]) the tables are not grown but made at their
 //! largest size in the state file, and the shard heads and the entry count live there too; the
