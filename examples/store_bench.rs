@@ -3,6 +3,12 @@
 //! `redis://`, `redis+cluster://` or `postgres://` URLs). Without a URL only the embedded store
 //! is measured. Sequential calls from one task, on
 //! loopback: latency is a round trip plus the script; throughput scales with concurrency.
+//!
+//! Then the embedded store under a sustained flood of new keys, on one thread: a store of
+//! 100 000 filled with slow-refilling buckets, then 500 000 decisions each for a key never seen
+//! (one rule: a bucket; two rules: a bucket and a monthly budget), 10 µs of clock apart. Every
+//! one needs room in a full store. For reference, the same keys in a store with room for all of
+//! them.
 
 use std::time::{Duration, Instant};
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
@@ -53,6 +59,7 @@ async fn main() {
         }
         report("embedded", rules, latencies, wall.elapsed());
     }
+    flood();
     for url in std::env::args().skip(1) {
         let store = Store::open(
             &url,
@@ -90,5 +97,80 @@ async fn main() {
             }
             report(name, rules, latencies, wall.elapsed());
         }
+    }
+}
+
+/// The flood rows (see the module doc).
+fn flood() {
+    const BOUND: usize = 100_000;
+    const FLOOD: u64 = 500_000;
+    // Ten tokens, one an hour: nothing refills during the run.
+    let slow = Quota::new(10 * MICRO, MICRO, 3_600 * US_PER_SEC).expect("quota");
+    let month = 30 * 86_400 * US_PER_SEC;
+    let budget = Quota::new(20 * MICRO, 20 * MICRO, month).expect("quota");
+    let request = |rules: usize, i: u64| -> Vec<BucketOp> {
+        let mut ops = vec![BucketOp {
+            key: BucketKey::of(&format!("tb:ip:{i}")),
+            quota: slow,
+            cost: MICRO,
+            group: Group::Enforce,
+            window: None,
+        }];
+        if rules == 2 {
+            ops.push(BucketOp {
+                key: BucketKey::of(&format!("tb:monthly:{i}")),
+                quota: budget,
+                cost: MICRO,
+                group: Group::Enforce,
+                window: Some(tollgate::limiter::Window {
+                    id: 1_800_000_000,
+                    ends_in_us: month,
+                }),
+            });
+        }
+        ops
+    };
+    // A full store (every new key needs room), then, for reference, the same keys in a store
+    // with room for all of them (every new key is simply stored).
+    for (rules, bound) in [
+        (1usize, BOUND),
+        (2, BOUND),
+        (1, 10 * BOUND),
+        (2, 20 * BOUND),
+    ] {
+        let memory = MemoryStore::new(MemoryStoreConfig {
+            max_buckets: bound,
+            ..MemoryStoreConfig::default()
+        });
+        let mut results = OpResults::new();
+        let fill = BOUND as u64 / rules as u64;
+        for i in 0..fill {
+            memory
+                .apply(i * 10, &request(rules, i), &mut results)
+                .expect("memory store");
+        }
+        let batches: Vec<Vec<BucketOp>> = (fill..fill + FLOOD).map(|i| request(rules, i)).collect();
+        let mut latencies = Vec::with_capacity(FLOOD as usize);
+        let wall = Instant::now();
+        for (i, batch) in (fill..).zip(&batches) {
+            let t = Instant::now();
+            memory
+                .apply(i * 10, batch, &mut results)
+                .expect("memory store");
+            latencies.push(t.elapsed());
+        }
+        let wall = wall.elapsed();
+        let stats = memory.stats();
+        report(
+            &format!(
+                "embedded, key flood, bound {bound} (entries {}, evictions {}, fail-open {})",
+                stats.entries.unwrap_or(0),
+                stats.evictions,
+                stats.fail_open
+            ),
+            rules,
+            latencies,
+            wall,
+        );
     }
 }

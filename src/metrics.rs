@@ -66,6 +66,11 @@ pub struct Metrics {
     /// has no local entries to count, and must not show a gauge stuck at 0).
     store_entries: Option<IntGauge>,
     store_evictions: Option<IntCounter>,
+    /// The embedded store's drops by kind (`full_again`, `token_bucket`, `budget`,
+    /// `unknown_spend`), and its
+    /// evictions for room by what they gave away.
+    store_evictions_by_kind: Option<IntCounterVec>,
+    store_forgiven: Option<ForgivenHistogram>,
     store_fail_open: Option<IntCounter>,
     state_dir_fallback: Option<IntGauge>,
     store_errors: IntCounter,
@@ -189,10 +194,24 @@ impl Metrics {
                 "Buckets dropped by the store (full again: indistinguishable from fresh)",
             ))
         });
+        let store_evictions_by_kind = embedded.then(|| {
+            let vec = must(IntCounterVec::new(
+                Opts::new(
+                    "tollgate_store_evictions_by_kind_total",
+                    "Buckets dropped by the embedded store, by kind: full_again (gave nothing away), token_bucket and budget (evicted for room while holding spend), unknown_spend (written by an older build, spend not kept)",
+                ),
+                &["kind"],
+            ));
+            for kind in EVICTION_KINDS {
+                vec.with_label_values(&[kind]);
+            }
+            vec
+        });
+        let store_forgiven = embedded.then(ForgivenHistogram::new);
         let store_fail_open = embedded.then(|| {
             must(IntCounter::new(
                 "tollgate_store_fail_open_total",
-                "Requests allowed untracked because the store had no room",
+                "Requests allowed untracked because the embedded store had no room (stays 0: a full store evicts)",
             ))
         });
         let state_dir_fallback = embedded.then(|| {
@@ -452,6 +471,12 @@ impl Metrics {
             store_evictions
                 .clone()
                 .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            store_evictions_by_kind
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            store_forgiven
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
             store_fail_open
                 .clone()
                 .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
@@ -474,6 +499,8 @@ impl Metrics {
             latency,
             store_entries,
             store_evictions,
+            store_evictions_by_kind,
+            store_forgiven,
             store_fail_open,
             state_dir_fallback,
             store_errors,
@@ -804,6 +831,19 @@ impl Metrics {
         if let Some(counter) = &self.store_evictions {
             advance_to(counter, stats.evictions);
         }
+        if let Some(by_kind) = &self.store_evictions_by_kind {
+            let e = stats.evicted;
+            for (kind, total) in
+                EVICTION_KINDS
+                    .iter()
+                    .zip([e.full_again, e.token_bucket, e.budget, e.unknown_spend])
+            {
+                advance_to(&by_kind.with_label_values(&[kind]), total);
+            }
+        }
+        if let Some(histogram) = &self.store_forgiven {
+            *histogram.latest.lock() = stats.evicted;
+        }
         if let Some(counter) = &self.store_fail_open {
             advance_to(counter, stats.fail_open);
         }
@@ -822,6 +862,68 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// The `kind` label values of `tollgate_store_evictions_by_kind_total`.
+const EVICTION_KINDS: [&str; 4] = ["full_again", "token_bucket", "budget", "unknown_spend"];
+
+/// `tollgate_store_eviction_forgiven_tokens`: the embedded store's evictions for room by the
+/// tokens the evicted entry still had spent (what its next request gets back). The store keeps
+/// the running counts; each scrape shows the latest it handed to [`Metrics::render`].
+#[derive(Clone)]
+struct ForgivenHistogram {
+    desc: prometheus::core::Desc,
+    latest: Arc<parking_lot::Mutex<crate::store::EvictionStats>>,
+}
+
+impl ForgivenHistogram {
+    const NAME: &'static str = "tollgate_store_eviction_forgiven_tokens";
+
+    fn new() -> Self {
+        ForgivenHistogram {
+            desc: must(prometheus::core::Desc::new(
+                Self::NAME.to_string(),
+                "Evictions for room (a new key in a full store), by the tokens the evicted entry still had spent".to_string(),
+                Vec::new(),
+                std::collections::HashMap::new(),
+            )),
+            latest: Arc::default(),
+        }
+    }
+}
+
+impl prometheus::core::Collector for ForgivenHistogram {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        use prometheus::proto;
+        let stats = *self.latest.lock();
+        let micro = crate::limiter::MICRO as f64;
+        let buckets = crate::store::FORGIVEN_BOUNDS_MICRO
+            .iter()
+            .zip(stats.forgiven_le)
+            .map(|(&bound, count)| {
+                let mut b = proto::Bucket::default();
+                b.set_upper_bound(bound as f64 / micro);
+                b.set_cumulative_count(count);
+                b
+            })
+            .collect();
+        let mut histogram = proto::Histogram::default();
+        histogram.set_sample_count(stats.forgiven_count);
+        histogram.set_sample_sum(stats.forgiven_sum_micro as f64 / micro);
+        histogram.set_bucket(buckets);
+        let mut metric = proto::Metric::default();
+        metric.set_histogram(histogram);
+        let mut family = proto::MetricFamily::default();
+        family.set_name(Self::NAME.to_string());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(proto::MetricType::HISTOGRAM);
+        family.mut_metric().push(metric);
+        vec![family]
     }
 }
 
@@ -887,6 +989,11 @@ mod tests {
             "tollgate_requests_total{action=\"reject\",reason=\"token_bucket_exceeded\"} 2",
             "tollgate_decision_duration_seconds_count 3",
             "tollgate_store_entries 2",
+            "tollgate_store_evictions_by_kind_total{kind=\"budget\"} 0",
+            "tollgate_store_evictions_by_kind_total{kind=\"unknown_spend\"} 0",
+            "tollgate_store_eviction_forgiven_tokens_bucket{le=\"1\"} 0",
+            "tollgate_store_eviction_forgiven_tokens_count 0",
+            "tollgate_store_fail_open_total 0",
             "tollgate_policy_info{hash=\"\",version=\"7\"} 1",
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");

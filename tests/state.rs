@@ -581,8 +581,9 @@ fn a_pending_llm_reservation_settles_after_kill_9() {
 }
 
 /// The issue's key flood: a spent monthly budget, idle past the old idle timeout, then 3 000
-/// fresh client addresses against a store of 1 000: the budget is never evicted, so not one more
-/// request of that tenant is admitted. With and without a state dir.
+/// fresh client addresses against a store of 1 000: the budget is never evicted (the flood's
+/// own one-unit entries are), so not one more request of that tenant is admitted. With and
+/// without a state dir.
 #[test]
 fn a_key_flood_never_resets_a_spent_budget() {
     for state_dir in [true, false] {
@@ -639,7 +640,136 @@ fn a_key_flood_never_resets_a_spent_budget() {
         // The victim's budget is still spent, whatever address it comes from.
         let after = node.statuses(5, "victim", "10.9.9.8");
         assert_eq!(after, [429, 429, 429, 429, 429], "state dir: {state_dir}");
-        assert!(node.metric("tollgate_store_fail_open_total") > 0.0);
+        // The flood's new keys took the places of its own cheapest entries; none went
+        // untracked.
+        assert_eq!(node.metric("tollgate_store_fail_open_total"), 0.0);
+        assert!(node.metric("tollgate_store_evictions_total") >= 2000.0);
+    }
+}
+
+/// Keep-alive requests `GET /v1/x` with `headers` from `headers_of(i)` for each `i` of `range`
+/// (a connection the server closes is replaced); returns how many were answered 200.
+fn flood(
+    proxy: SocketAddr,
+    range: impl Iterator<Item = usize>,
+    headers_of: impl Fn(usize) -> String,
+) -> usize {
+    let mut admitted = 0;
+    let mut conn: Option<TcpStream> = None;
+    for i in range {
+        for _attempt in 0..3 {
+            let mut stream = match conn.take() {
+                Some(s) => s,
+                None => TcpStream::connect_timeout(&proxy, Duration::from_secs(5)).unwrap(),
+            };
+            stream
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let req = format!(
+                "GET /v1/x HTTP/1.1\r\nHost: api.example.com\r\n{}\r\n",
+                headers_of(i)
+            );
+            if stream.write_all(req.as_bytes()).is_err() {
+                continue;
+            }
+            if let Ok(Some((status, close))) = read_response(&mut stream) {
+                admitted += usize::from(status == 200);
+                if !close {
+                    conn = Some(stream);
+                }
+                break;
+            }
+        }
+    }
+    admitted
+}
+
+/// The issue's key flood, made to fill the store many times over: 16 000 requests from fresh
+/// client addresses (every fourth with a fresh tenant too, a one-unit budget entry) against
+/// `--max-buckets 2000`. Throughout the flood and after it each new client is limited to
+/// exactly its burst of 10 (ten 200s, then 429); a tenant with 14 of its 20 spent keeps them
+/// spent, no eviction gives back more than one token, and no request goes untracked for want of
+/// room. In process memory and with a state dir.
+#[test]
+fn a_key_flood_leaves_new_clients_limited_exactly() {
+    let policy = r#"{"bundle_version": "2026-11-25.1", "issued_at": "2026-11-25T00:00:00Z", "policies": [{"id": "api", "spec": {"selector": {"pathPrefix": "/"}, "rules": [
+        {"name": "monthly", "limit_keys": ["header:x-tenant"], "algorithm": "cost_based",
+         "algorithm_config": {"budget": 20, "period": "1M", "cost_key": "fixed", "fixed_cost": 1,
+           "staged_actions": [{"threshold_percent": 100, "action": "reject"}]}},
+        {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+         "algorithm_config": {"tokens_per_second": 0.001, "burst": 10}}]}}]}"#;
+    for state_dir in [false, true] {
+        let setup = Setup::new(policy);
+        let mut flags = vec!["--max-buckets", "2000"];
+        flags.extend(TRUST);
+        let node = setup.spawn_with("gw.log", &flags, state_dir);
+        node.wait_ready();
+        // The tenant spends 14 of its 20, from two addresses.
+        let mut spent = node.statuses(7, "tenant", "10.9.9.1");
+        spent.extend(node.statuses(7, "tenant", "10.9.9.2"));
+        assert_eq!(count(&spent, 200), 14, "{spent:?}");
+        let new_client = |n: usize| {
+            let ip = format!("10.8.0.{n}");
+            flood(node.proxy, 0..11, |_| format!("x-forwarded-for: {ip}\r\n"))
+        };
+        let (flooded, during) = std::thread::scope(|scope| {
+            let floods: Vec<_> = (0..3)
+                .map(|t| {
+                    let proxy = node.proxy;
+                    scope.spawn(move || {
+                        flood(proxy, (t..16_000).step_by(3), |i| {
+                            let ip =
+                                format!("10.{}.{}.{}", 100 + i / 65536, (i / 256) % 256, i % 256);
+                            let tenant = if i % 4 == 0 {
+                                format!("x-tenant: flood{i}\r\n")
+                            } else {
+                                String::new()
+                            };
+                            format!("x-forwarded-for: {ip}\r\n{tenant}")
+                        })
+                    })
+                })
+                .collect();
+            // New clients, one after another while the flood runs.
+            let mut during = Vec::new();
+            while !floods.iter().all(|f| f.is_finished()) && during.len() < 200 {
+                during.push(new_client(during.len() + 1));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let flooded: usize = floods.into_iter().map(|f| f.join().unwrap()).sum();
+            (flooded, during)
+        });
+        assert_eq!(
+            flooded, 16_000,
+            "every flood request is admitted and tracked"
+        );
+        assert!(during.len() >= 5, "clients during the flood: {during:?}");
+        // Each limited to exactly its burst: its entry, one token spent after its first request,
+        // is never the one evicted while the flood's equally cheap, older entries are sampled.
+        assert!(
+            during.iter().all(|&n| n == 10),
+            "state dir {state_dir}: {during:?}"
+        );
+        // After the flood: a new client, and the tenant from a fresh address.
+        assert_eq!(new_client(250), 10);
+        let tenant = node.statuses(7, "tenant", "10.9.9.3");
+        assert_eq!(count(&tenant, 200), 6, "state dir {state_dir}: {tenant:?}");
+        assert_eq!(tenant[6], 429);
+        assert_eq!(node.metric("tollgate_store_fail_open_total"), 0.0);
+        assert_eq!(node.metric("tollgate_store_entries"), 2000.0);
+        let evicted = node.metric("tollgate_store_evictions_by_kind_total{kind=\"token_bucket\"}")
+            + node.metric("tollgate_store_evictions_by_kind_total{kind=\"budget\"}");
+        assert!(evicted >= 16_000.0, "{evicted}");
+        // Each eviction gave back one token at most.
+        let forgiven_count = node.metric("tollgate_store_eviction_forgiven_tokens_count");
+        assert_eq!(
+            node.metric("tollgate_store_eviction_forgiven_tokens_bucket{le=\"1\"}"),
+            forgiven_count
+        );
+        eprintln!(
+            "state dir {state_dir}: {} new clients during the flood, each admitted exactly 10; {evicted} evictions",
+            during.len()
+        );
     }
 }
 

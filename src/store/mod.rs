@@ -148,11 +148,49 @@ pub struct StoreStats {
     pub entries: Option<u64>,
     /// Buckets dropped: evicted by the embedded store, deleted by the PostgreSQL sweep.
     pub evictions: u64,
-    /// Requests allowed untracked because the embedded store had no room.
+    /// The embedded store's drops by kind, and its evictions for room by what they gave away.
+    pub evicted: EvictionStats,
+    /// Requests allowed untracked because the embedded store had no room: none since a new
+    /// key in a full store evicts an entry (kept as a check that stays 0).
     pub fail_open: u64,
     /// With `--state-dir`: whether the tables are in process memory instead, because the state
     /// file could not be made or mapped (`None` without a state dir).
     pub state_fallback: Option<bool>,
+}
+
+/// Upper bounds (micro-tokens) of the buckets of the histogram of what evictions for room gave
+/// away: nothing, half a token, 1, 2, 5, 10, 100 and 1 000 tokens.
+pub const FORGIVEN_BOUNDS_MICRO: [u64; 8] = [
+    0,
+    500_000,
+    1_000_000,
+    2_000_000,
+    5_000_000,
+    10_000_000,
+    100_000_000,
+    1_000_000_000,
+];
+
+/// The embedded store's dropped entries: running totals (see `memory`'s module doc).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EvictionStats {
+    /// Entries dropped full again (sweep, purge, or a sampled entry that had refilled): they
+    /// gave nothing away.
+    pub full_again: u64,
+    /// Token buckets still refilling, evicted for room.
+    pub token_bucket: u64,
+    /// Budgets with spend in their window, evicted for room.
+    pub budget: u64,
+    /// Entries an older build wrote to the state file (their spend not kept), evicted for room
+    /// while not full again: only when every sampled entry was one. Not in the histogram.
+    pub unknown_spend: u64,
+    /// Evictions for room that gave away at most each of [`FORGIVEN_BOUNDS_MICRO`]
+    /// (cumulative, as Prometheus buckets).
+    pub forgiven_le: [u64; FORGIVEN_BOUNDS_MICRO.len()],
+    /// Evictions for room, all of them.
+    pub forgiven_count: u64,
+    /// Micro-tokens they gave away, in all.
+    pub forgiven_sum_micro: u64,
 }
 
 /// The name of a bucket in a shared store: its 128-bit hash, with its own Redis hash tag.
@@ -763,6 +801,7 @@ impl Store {
             Backend::Postgres(_) => StoreStats {
                 entries: None,
                 evictions: self.swept.load(Ordering::Relaxed),
+                evicted: EvictionStats::default(),
                 fail_open: 0,
                 state_fallback: None,
             },

@@ -10,7 +10,8 @@
 //! Layout of `DIR/buckets.state`, all little-endian, every region 64-byte aligned:
 //!
 //! ```text
-//! 0        header (4 KiB): magic, version, geometry, entry count, lease lock and count
+//! 0        header (4 KiB): magic, version, geometry, entry count, lease lock and count,
+//!          latest time, slot format
 //! 4096     shard heads: one 64-byte line per shard (structure lock, live entries, last purge)
 //! ...      bucket slots: shard_count × shard_capacity slots of 40 bytes
 //! ...      lease slots: lease_capacity slots of 32 bytes
@@ -34,6 +35,14 @@ pub const VERSION: u64 = 1;
 /// The state file's time base starts at 2020-01-01T00:00:00Z (Unix µs): whole seconds since
 /// then fit the store's 30-bit housekeeping fields until 2054.
 pub const EPOCH_US: u64 = 1_577_836_800 * 1_000_000;
+/// The header's slot format: what the low half of a bucket slot's meta word holds. 0 (files
+/// made by builds before this mark, which left the word zero): the second a request last
+/// touched the bucket. [`SLOT_FORMAT_SPEND`]: what the bucket had spent, for the eviction's
+/// choice. Not a new layout [`VERSION`]: an older build still opens the file (an upgrade shares
+/// it with one, a rollback reopens it), and the store tells the two kinds of slot apart one by
+/// one (`memory`'s meta word); this mark records that a sole owner of this build has turned the
+/// older slots into ones of unknown spend.
+pub const SLOT_FORMAT_SPEND: u64 = 1;
 /// The state file's name inside the directory.
 pub const FILE_NAME: &str = "buckets.state";
 /// The lock file's name inside the directory.
@@ -92,6 +101,8 @@ pub struct Header {
     /// The latest time (the file's time base) a sweep saw: a restart never starts before it,
     /// whatever the wall clock says then (a clock not yet set, or stepped back).
     pub time_hwm: AtomicU64,
+    /// The slot format ([`SLOT_FORMAT_SPEND`]; 0 in files of older builds).
+    pub slot_format: AtomicU64,
 }
 
 /// Why the state directory could not be used.
@@ -534,8 +545,13 @@ fn write_header(file: &File, g: &Geometry) -> std::io::Result<()> {
     ] {
         head.extend_from_slice(&word.to_le_bytes());
     }
-    file.write_all_at(&head, 0)
+    file.write_all_at(&head, 0)?;
+    // After the entry count, lease lock and count and latest time (zero in a new file).
+    file.write_all_at(&SLOT_FORMAT_SPEND.to_le_bytes(), SLOT_FORMAT_OFFSET)
 }
+
+/// Where [`Header::slot_format`] lies.
+const SLOT_FORMAT_OFFSET: u64 = 88;
 
 /// A lock word: 0 when free, else the holder's process id. It works across processes sharing
 /// the mapping; a holder that died with it (a crash during an upgrade's handover) is found by
@@ -647,6 +663,15 @@ mod tests {
         let again = open(dir.path(), geometry(), true, NOW).unwrap();
         assert!(!again.created);
         assert_eq!(again.file.header().len.load(Ordering::Relaxed), 7);
+        assert_eq!(
+            again.file.header().slot_format.load(Ordering::Relaxed),
+            SLOT_FORMAT_SPEND,
+            "a new file is made in the current slot format"
+        );
+        assert_eq!(
+            std::mem::offset_of!(Header, slot_format),
+            SLOT_FORMAT_OFFSET as usize
+        );
         assert_eq!(
             std::fs::metadata(dir.path().join(FILE_NAME)).unwrap().len(),
             geometry().total_bytes() as u64

@@ -1,9 +1,10 @@
 //! The embedded store: a bounded map of buckets, read and updated without a shard lock.
 //!
 //! Each shard is an open-addressing table (linear probing) of 40-byte slots: a 16-byte key,
-//! micro-tokens, the last refill, and one word holding a per-bucket lock bit and two
-//! whole-second housekeeping times. Tables start small and double as keys arrive, so memory
-//! follows the live buckets (about 84 bytes each at 1 M keys, measured as process RSS).
+//! micro-tokens, the last refill, and one word holding a per-bucket lock bit, the whole second
+//! the bucket is full again and what it had spent at its last commit. Tables start small and
+//! double as keys arrive, so memory follows the live buckets (about 84 bytes each at 1 M keys,
+//! measured as process RSS).
 //!
 //! - **Hot path, existing bucket**: a lock-free probe (atomic loads of keys in the shard's
 //!   current table, under an epoch guard), then the bucket's own lock bit, the limiter maths,
@@ -16,18 +17,29 @@
 //!   (crossbeam's epochs). A probe that races a move or a growth retries; every miss is checked
 //!   again under the mutex before anything is inserted, so a key is never duplicated and no
 //!   update is lost. Requests with several buckets take their shards' mutexes (in order), make
-//!   room first, then take the buckets' locks (in address order) and commit all-or-nothing;
-//!   single-bucket updates never wait for a mutex while holding a bucket lock, so nothing can
-//!   deadlock.
+//!   room first (evictions included), then take the buckets' locks (in address order) and
+//!   commit all-or-nothing; single-bucket updates never wait for a mutex while holding a bucket
+//!   lock, so nothing can deadlock.
 //!
 //! What it loses, on purpose and nothing else:
 //! - entries whose bucket is full again: they are indistinguishable from absent ones (a new
-//!   bucket starts full), so dropping them loses nothing. They are evicted first.
+//!   bucket starts full), so dropping them loses nothing. The sweep drops them, and so does a
+//!   purge of the key's shard when the store is full (at most once per `purge_interval`).
 //!   A budget is full again when its window ends, so a spent budget is never dropped before.
-//! - when the store is full and nothing in the key's shard is full-again (or that shard was
-//!   purged less than `purge_interval` ago), a *new* key is not stored: its request is allowed
-//!   (fail-open) and counted. Entries that are not full yet are never evicted, however long they
-//!   sit idle, so a flood of fresh keys cannot reset anyone's limit or budget.
+//! - when a new key needs an entry and the store is at its bound (or the key's shard is 3/4
+//!   full at its largest), the entry that costs least to forget: `choose_victim` reads
+//!   [`EVICTION_SAMPLES`] entries, the next one after each of as many pseudo-random positions
+//!   of the shard, and evicts the one whose loss gives away least (`giveaway`: a budget's spend
+//!   until its window ends, a token bucket's spend shrinking linearly to nothing as it refills;
+//!   ranked in whole units, the least recently used first among equals: `victim_rank`). An
+//!   evicted entry gives away at most what the cheapest of the sampled entries held, rounded up
+//!   to a unit; a flood of made-up keys, whose entries hold one request's spend each, evicts its
+//!   own entries, not a tenant's spent budget nor a client early in its burst. Neither the purge
+//!   nor the eviction removes a key of the request making room. A new key is never let through
+//!   untracked for want of room (`fail_open` counts it if it ever is, which only a table
+//!   without a free slot could cause); a zero-cost look at an absent key needs no entry and
+//!   takes none. Concurrency slots and breakers are in the lease table, which this never
+//!   touches.
 //!
 //! With a state dir ([`MemoryStore::in_state_file`]) the tables are not grown but made at their
 //! largest size in the state file, and the shard heads and the entry count live there too; the
@@ -41,7 +53,10 @@
 //! in `tests.rs`.
 
 use super::state_file::{self, Geometry, StateFile, WordGuard};
-use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError, StoreStats};
+use super::{
+    BucketKey, BucketOp, EvictionStats, Group, OpResult, OpResults, StoreError, StoreStats,
+    FORGIVEN_BOUNDS_MICRO,
+};
 use crate::limiter::{BucketState, US_PER_SEC};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
@@ -69,22 +84,85 @@ impl Default for MemoryStoreConfig {
 
 /// The `meta` word: bit 63 is the bucket's lock; bit 62 marks a slot whose entry was copied
 /// into a grown table (probes that meet it retry there); bits 32..62 the second (since the
-/// time base's origin) the bucket is full again, rounded up; bits 0..32 the second a request
-/// last touched it, refused ones included.
+/// time base's origin) the bucket is full again, rounded up; bit 31 set for a budget (its spend
+/// stays until that second), clear for a token bucket (its spend refills linearly until then);
+/// bit 30 ([`SPEND_KNOWN`]) set by every commit of this build; bits 0..30 the micro-tokens it
+/// had spent at its last commit ([`encode_spent`]): what forgetting it would give away, read by
+/// the eviction's sampling ([`giveaway`]).
+///
+/// Builds before this one kept the second a request last touched the bucket in bits 0..32,
+/// in state files too ([`state_file::SLOT_FORMAT_SPEND`]). Such a second (since 2020) stays
+/// below 2^30 until 2054, the end of the file's time base, so bit 30 tells the two apart slot
+/// by slot, even while an older process of an upgrade still writes the file: a slot without
+/// it holds a spend this build does not know ([`giveaway`] ranks it above every known one).
 const LOCKED: u64 = 1 << 63;
 const MOVED: u64 = 1 << 62;
 const FULL_AT_MAX: u64 = (1 << 30) - 1;
+const BUDGET: u64 = 1 << 31;
+const SPEND_KNOWN: u64 = 1 << 30;
+const SPENT_MASK: u64 = SPEND_KNOWN - 1;
+/// What [`giveaway`] says of an entry whose spend is not known: more than any known spend.
+pub(super) const UNKNOWN_SPEND: u64 = u64::MAX;
 
-fn pack_meta(full_at_s: u64, seen_s: u64) -> u64 {
-    (full_at_s.min(FULL_AT_MAX) << 32) | seen_s.min(u64::from(u32::MAX))
+fn pack_meta(full_at_s: u64, spend: Spend) -> u64 {
+    (full_at_s.min(FULL_AT_MAX) << 32)
+        | if spend.budget { BUDGET } else { 0 }
+        | SPEND_KNOWN
+        | encode_spent(spend.micro)
 }
 
 fn meta_full_at_s(meta: u64) -> u64 {
     (meta & !(LOCKED | MOVED)) >> 32
 }
 
-fn meta_seen_s(meta: u64) -> u64 {
-    meta & u64::from(u32::MAX)
+/// A slot written by an older build (see [`SPEND_KNOWN`]) as this build keeps it: its
+/// full-again second, its spend unknown (never decaying).
+fn legacy_as_unknown(meta: u64) -> u64 {
+    meta & !(SPEND_KNOWN | BUDGET | SPENT_MASK)
+}
+
+/// Bits of the kept spend's mantissa.
+const SPENT_MANTISSA: u32 = 25;
+
+/// Micro-tokens in 30 bits, a small float: a 25-bit mantissa and a 5-bit exponent, exact up to
+/// 2^25 (33 tokens), then within 2^-24 of the amount (rounded down), saturating at about
+/// 7 · 10^10 tokens. Monotonic, so encoded amounts compare as the amounts do.
+fn encode_spent(micro: u64) -> u64 {
+    let bits = u64::BITS - micro.leading_zeros();
+    if bits <= SPENT_MANTISSA {
+        return micro;
+    }
+    let exp = u64::from(bits - SPENT_MANTISSA);
+    if exp > 31 {
+        return SPENT_MASK;
+    }
+    (exp << SPENT_MANTISSA) | ((micro >> exp) & ((1 << SPENT_MANTISSA) - 1))
+}
+
+/// The amount [`encode_spent`] kept.
+fn decode_spent(encoded: u64) -> u64 {
+    let encoded = encoded & SPENT_MASK;
+    let exp = encoded >> SPENT_MANTISSA;
+    (encoded & ((1 << SPENT_MANTISSA) - 1)) << exp
+}
+
+/// What a committed state holds back from a fresh bucket (which starts full): the micro-tokens
+/// spent (burst minus what it holds), and whether they stay spent until the full-again second
+/// (a budget's window) or refill linearly until then (a token bucket).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Spend {
+    pub micro: u64,
+    pub budget: bool,
+}
+
+impl Spend {
+    /// The spend of a state a bucket of capacity `burst` will hold.
+    pub(super) fn of(burst: u64, next: BucketState, budget: bool) -> Spend {
+        Spend {
+            micro: burst.saturating_sub(next.tokens),
+            budget,
+        }
+    }
 }
 
 /// Whether the entry is full again at `now_us`: indistinguishable from an absent one (a new
@@ -93,10 +171,50 @@ fn full_again(meta: u64, now_us: u64) -> bool {
     meta_full_at_s(meta) * US_PER_SEC <= now_us
 }
 
-/// The meta word after a refusal: the bucket was asked about now.
-fn touched(meta: u64, now_us: u64) -> u64 {
-    let seen = meta_seen_s(meta).max(now_us / US_PER_SEC);
-    pack_meta(meta_full_at_s(meta), seen)
+/// Micro-tokens forgetting an entry gives away at `now_us` (its next request would find a full
+/// bucket instead): nothing once it is full again; a budget's spend until its window ends; a
+/// token bucket's spend at its last commit, shrinking linearly to nothing at its full-again
+/// time, which is how a token bucket refills (exact but for the rounding of that time up to
+/// its second). `last_us` is the bucket's last refill time.
+/// [`UNKNOWN_SPEND`] for an entry an older build wrote ([`SPEND_KNOWN`] clear) until it is full
+/// again.
+fn giveaway(meta: u64, last_us: u64, now_us: u64) -> u64 {
+    if full_again(meta, now_us) {
+        return 0;
+    }
+    if meta & SPEND_KNOWN == 0 {
+        return UNKNOWN_SPEND;
+    }
+    let spent = decode_spent(meta);
+    if meta & BUDGET != 0 {
+        return spent;
+    }
+    let full_at_us = meta_full_at_s(meta) * US_PER_SEC;
+    let span = full_at_us.saturating_sub(last_us);
+    if now_us <= last_us || span == 0 {
+        // In debt (refilling nothing until `last_us`), or a clock behind the bucket's.
+        return spent;
+    }
+    // In floating point: an estimate to rank entries by, and a 128-bit division is a slow
+    // library call on the eviction's path.
+    (spent as f64 * ((full_at_us - now_us) as f64 / span as f64)) as u64
+}
+
+/// How [`choose_victim`] orders entries that hold spend, the least first: by the whole units
+/// forgetting them gives away (`cost`, from [`giveaway`], rounded up: entries apart only by a
+/// fraction of a unit refilled since tie), then by age: a token bucket refilled (committed)
+/// longer ago before a more recent one, so a client in the middle of its requests is not the
+/// one evicted while equally cheap stale entries are sampled. A budget keeps no time of its last
+/// request and counts as the oldest of its units; entries of unknown spend come last, the one
+/// full again soonest first.
+fn victim_rank(meta: u64, last_us: u64, cost: u64) -> (u64, u64) {
+    if cost == UNKNOWN_SPEND {
+        (u64::MAX, meta_full_at_s(meta))
+    } else if meta & BUDGET != 0 {
+        (cost.div_ceil(crate::limiter::MICRO), 0)
+    } else {
+        (cost.div_ceil(crate::limiter::MICRO), last_us)
+    }
 }
 
 /// One bucket. All zeros is an empty slot (a real key of zero is stored as `(0, 1)`).
@@ -163,7 +281,7 @@ impl Slot {
     }
 
     /// Writes a committed verdict's state (under the lock) and returns the new meta word.
-    fn commit(&self, result: &OpResult, now_us: u64) -> u64 {
+    fn commit(&self, result: &OpResult, spend: Spend, now_us: u64) -> u64 {
         self.tokens
             .store(result.verdict.next.tokens, Ordering::Relaxed);
         self.last_us
@@ -171,7 +289,7 @@ impl Slot {
         let full_at_s = now_us
             .saturating_add(result.verdict.full_in_us)
             .div_ceil(US_PER_SEC);
-        pack_meta(full_at_s, now_us / US_PER_SEC)
+        pack_meta(full_at_s, spend)
     }
 
     /// Copies another slot's state (both locked).
@@ -337,6 +455,18 @@ impl Table {
     }
 }
 
+impl BucketOp {
+    /// What a state this op commits holds back from a fresh bucket.
+    fn spend(&self, verdict: crate::limiter::Verdict) -> Spend {
+        Spend::of(self.quota.burst(), verdict.next, self.window.is_some())
+    }
+}
+
+/// What a settled state holds back from a fresh bucket.
+fn adjust_spend(op: &super::AdjustOp, next: BucketState) -> Spend {
+    Spend::of(op.quota.burst(), next, op.window_id.is_some())
+}
+
 /// Whether `home` lies cyclically in `(hole, j]`: the entry at `j` must then stay after the
 /// hole (moving it before its home would hide it from probes).
 pub(super) fn stays(home: usize, hole: usize, j: usize) -> bool {
@@ -355,6 +485,8 @@ struct ShardHead {
     live: AtomicU64,
     /// µs of the last on-demand purge; `NEVER_PURGED` for none.
     last_purge_us: AtomicU64,
+    /// The eviction sampler's state (a SplitMix64 sequence), advanced under the shard's lock.
+    sampler: AtomicU64,
 }
 
 const NEVER_PURGED: u64 = u64::MAX;
@@ -401,6 +533,71 @@ impl ShardState<'_> {
         self.last_purge_us()
             .is_none_or(|at| now_us.saturating_sub(at) >= interval_us)
     }
+
+    /// The next pseudo-random word of the shard's sampler (SplitMix64: cheap, and every seed,
+    /// zero included, gives a full-period sequence).
+    fn next_random(&mut self) -> u64 {
+        let state = self
+            .head
+            .sampler
+            .load(Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        self.head.sampler.store(state, Ordering::Relaxed);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Entries each eviction for room compares (as Redis does by default): the evicted one gives
+/// away at most what the cheapest of them held. Measured with 8, an eviction cost about a
+/// third more than storing a key in a store with room; each sample is a cache miss.
+pub const EVICTION_SAMPLES: usize = 5;
+
+/// The entry to evict among [`EVICTION_SAMPLES`] distinct live entries of `table`: from each of
+/// `starts`, the first live slot at or after it not sampled yet and not in `exclude` (the
+/// request's own keys). Not the next entries after one position: keys made from similar values
+/// (consecutive client addresses) can sit next to each other, and a flood then evicted runs of
+/// drained clients' entries, each 8 in a row (measured through the binary). Returns its index
+/// and what forgetting it gives away ([`giveaway`]): the least ranked ([`victim_rank`]) of the
+/// sampled (the first full-again one ends the search). Each walk costs about 1 / load slot
+/// reads (a table at the bound is at least 3/8 full); a walk that meets no new entry in a whole
+/// pass ends the sampling. The shard's lock is held, so keys do not move (bucket states may
+/// change meanwhile: the reads are estimates).
+fn choose_victim(
+    table: &Table,
+    starts: impl IntoIterator<Item = usize>,
+    now_us: u64,
+    exclude: &[(u64, u64)],
+) -> Option<(usize, u64)> {
+    let mut sampled: SmallVec<[usize; EVICTION_SAMPLES]> = SmallVec::new();
+    let mut best: Option<(usize, u64, (u64, u64))> = None;
+    'starts: for start in starts.into_iter().take(EVICTION_SAMPLES) {
+        let mut i = start & table.mask;
+        for _ in 0..table.capacity() {
+            let slot = table.slot(i);
+            let key = slot.key();
+            if !is_empty(key) && !sampled.contains(&i) && !exclude.contains(&key) {
+                sampled.push(i);
+                let meta = slot.meta.load(Ordering::Relaxed);
+                let last_us = slot.last_us.load(Ordering::Relaxed);
+                let cost = giveaway(meta, last_us, now_us);
+                if cost == 0 {
+                    return Some((i, 0));
+                }
+                let rank = victim_rank(meta, last_us, cost);
+                if best.is_none_or(|(_, _, least)| rank < least) {
+                    best = Some((i, cost, rank));
+                }
+                continue 'starts;
+            }
+            i = (i + 1) & table.mask;
+        }
+        // A whole pass found nothing not sampled yet.
+        break;
+    }
+    best.map(|(i, cost, _)| (i, cost))
 }
 
 /// One shard: its current table (its structure lives in its [`ShardHead`]).
@@ -423,6 +620,66 @@ enum Region {
     File(Arc<StateFile>),
 }
 
+/// The running totals behind [`EvictionStats`]; the histogram's buckets are kept apart
+/// (made cumulative when read).
+#[derive(Default)]
+struct EvictionCounters {
+    full_again: AtomicU64,
+    token_bucket: AtomicU64,
+    budget: AtomicU64,
+    unknown_spend: AtomicU64,
+    /// Evictions for room whose forgiven amount fell in each bound's interval, and above the
+    /// last.
+    forgiven: [AtomicU64; FORGIVEN_BOUNDS_MICRO.len() + 1],
+    forgiven_sum_micro: AtomicU64,
+}
+
+impl EvictionCounters {
+    /// One entry evicted for room, which had `forgiven` micro-tokens spent.
+    fn for_room(&self, forgiven: u64, budget: bool) {
+        if forgiven == UNKNOWN_SPEND {
+            // Not in the histogram: what it gave away is not known.
+            self.unknown_spend.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let kind = match (forgiven, budget) {
+            (0, _) => &self.full_again,
+            (_, true) => &self.budget,
+            (_, false) => &self.token_bucket,
+        };
+        kind.fetch_add(1, Ordering::Relaxed);
+        let at = FORGIVEN_BOUNDS_MICRO
+            .iter()
+            .position(|&bound| forgiven <= bound)
+            .unwrap_or(FORGIVEN_BOUNDS_MICRO.len());
+        self.forgiven[at].fetch_add(1, Ordering::Relaxed);
+        self.forgiven_sum_micro
+            .fetch_add(forgiven, Ordering::Relaxed);
+    }
+
+    fn stats(&self) -> EvictionStats {
+        let mut forgiven_le = [0; FORGIVEN_BOUNDS_MICRO.len()];
+        let mut running = 0;
+        for (le, n) in forgiven_le.iter_mut().zip(&self.forgiven) {
+            running += n.load(Ordering::Relaxed);
+            *le = running;
+        }
+        EvictionStats {
+            full_again: self.full_again.load(Ordering::Relaxed),
+            token_bucket: self.token_bucket.load(Ordering::Relaxed),
+            budget: self.budget.load(Ordering::Relaxed),
+            unknown_spend: self.unknown_spend.load(Ordering::Relaxed),
+            forgiven_le,
+            forgiven_count: self
+                .forgiven
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .sum(),
+            forgiven_sum_micro: self.forgiven_sum_micro.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// Tables start at this many slots.
 const INITIAL_CAPACITY: usize = 8;
 
@@ -442,6 +699,8 @@ pub struct MemoryStore {
     /// time that means the same after a restart.
     time_offset_us: u64,
     evictions: AtomicU64,
+    /// Drops by kind and evictions for room by what they gave away (see [`EvictionStats`]).
+    evicted: Box<EvictionCounters>,
     fail_open: AtomicU64,
     /// Leases (concurrency slots, loop marks, breaker states), beside the buckets.
     leases: super::lease::MemoryLeases,
@@ -470,10 +729,11 @@ impl MemoryStore {
     pub fn new(config: MemoryStoreConfig) -> Self {
         let geometry = Self::geometry(&config, false);
         let heads = (0..geometry.shard_count)
-            .map(|_| ShardHead {
+            .map(|index| ShardHead {
                 lock: AtomicU64::new(0),
                 live: AtomicU64::new(0),
                 last_purge_us: AtomicU64::new(NEVER_PURGED),
+                sampler: AtomicU64::new(index as u64),
             })
             .collect();
         let shards = (0..geometry.shard_count)
@@ -550,13 +810,20 @@ impl MemoryStore {
             .collect();
         if sole_owner {
             let mut total = 0u64;
+            let mut migrated = 0u64;
             for (shard, head) in shards.iter().zip(heads) {
                 let guard = &epoch::pin();
                 let mut live = 0u64;
                 for slot in Self::table(shard, guard).slots() {
-                    let meta = slot.meta.load(Ordering::Relaxed) & !(LOCKED | MOVED);
+                    let mut meta = slot.meta.load(Ordering::Relaxed) & !(LOCKED | MOVED);
+                    let occupied = !is_empty(slot.key());
+                    if occupied && meta & SPEND_KNOWN == 0 && legacy_as_unknown(meta) != meta {
+                        // Written by an older build: its low half is a time, not a spend.
+                        meta = legacy_as_unknown(meta);
+                        migrated += 1;
+                    }
                     slot.meta.store(meta, Ordering::Relaxed);
-                    live += u64::from(!is_empty(slot.key()));
+                    live += u64::from(occupied);
                 }
                 head.lock.store(0, Ordering::Relaxed);
                 head.live.store(live, Ordering::Relaxed);
@@ -564,6 +831,15 @@ impl MemoryStore {
                 total += live;
             }
             file.header().len.store(total, Ordering::Relaxed);
+            file.header()
+                .slot_format
+                .store(state_file::SLOT_FORMAT_SPEND, Ordering::Relaxed);
+            if migrated > 0 {
+                tracing::info!(
+                    entries = migrated,
+                    "state file: entries an older build wrote are kept with their spend unknown (never evicted while entries of known spend can be) until their next request"
+                );
+            }
         }
         let leases = super::lease::MemoryLeases::in_state_file(&file, sole_owner, time_offset_us);
         Self::assemble(config, shards, Region::File(file), leases, time_offset_us)
@@ -615,6 +891,7 @@ impl MemoryStore {
             region,
             time_offset_us,
             evictions: AtomicU64::new(0),
+            evicted: Box::default(),
             fail_open: AtomicU64::new(0),
             leases,
         }
@@ -795,10 +1072,93 @@ impl MemoryStore {
         Self::table(shard, guard)
     }
 
-    /// Inserts a new entry with `result`'s state, within the bound (the shard's mutex is held,
-    /// the key is known absent). When the store is full, first purges this shard (full-again
-    /// entries, else idle ones; at most once per `purge_interval`), else refuses. `grow`:
-    /// whether the table may grow now (not while the caller holds bucket locks in it).
+    /// Whether `shard` is at its own bound: its table at its largest and `extra` more entries
+    /// would fill it past 3/4 (linear probing slows down beyond that).
+    fn shard_full(shard: &Shard, state: &ShardState<'_>, extra: usize, guard: &Guard) -> bool {
+        let capacity = Self::table(shard, guard).capacity();
+        capacity >= shard.max_capacity && (state.live() + extra) * 4 > capacity * 3
+    }
+
+    /// Room for one more entry in `shard`, of which `pending` are already taken by entries not
+    /// inserted yet (the shard's lock is held, and no bucket lock in it). Within the bound when
+    /// there is room; else the shard's full-again entries are purged (at most once per
+    /// `purge_interval`); else one sampled entry of the shard is evicted ([`choose_victim`]),
+    /// its room passing to the new entry. Neither ever removes one of `exclude` (the request's
+    /// own keys, which it is about to update). A store at its bound whose
+    /// key's shard holds nothing to evict lets that shard hold one entry past the bound (its
+    /// table already has the slots: no memory is added). False only when the shard is at its
+    /// own bound and holds nothing evictable (all its entries are in `exclude`).
+    #[allow(clippy::too_many_arguments)]
+    fn take_room(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState<'_>,
+        pending: usize,
+        now_us: u64,
+        exclude: &[(u64, u64)],
+        guard: &Guard,
+    ) -> bool {
+        if !Self::shard_full(shard, state, pending + 1, guard) && self.reserve() {
+            return true;
+        }
+        if state.may_purge(now_us, self.config.purge_interval_us)
+            && self.purge(shard, state, now_us, exclude, guard) > 0
+            && !Self::shard_full(shard, state, pending + 1, guard)
+            && self.reserve()
+        {
+            return true;
+        }
+        if self.evict_sampled(shard, state, now_us, exclude, guard) {
+            return true;
+        }
+        if Self::shard_full(shard, state, pending + 1, guard) {
+            return false;
+        }
+        self.len().fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Evicts the cheapest of [`EVICTION_SAMPLES`] entries of `shard` sampled at pseudo-random
+    /// positions, keeping its place in the bound (the caller inserts in its stead). False when
+    /// the shard holds no entry outside `exclude`.
+    fn evict_sampled(
+        &self,
+        shard: &Shard,
+        state: &mut ShardState<'_>,
+        now_us: u64,
+        exclude: &[(u64, u64)],
+        guard: &Guard,
+    ) -> bool {
+        let table = Self::table(shard, guard);
+        let mut starts = [0usize; EVICTION_SAMPLES];
+        for start in starts.iter_mut() {
+            *start = state.next_random() as usize;
+        }
+        // The samples' cache misses, all at once: loads with no branch between them overlap,
+        // where the walks (each branching on what it read) would take them one after another.
+        let mut warm = 0u64;
+        for &start in &starts {
+            warm ^= table.slot(start).meta.load(Ordering::Relaxed);
+        }
+        std::hint::black_box(warm);
+        let Some((i, _)) = choose_victim(table, starts, now_us, exclude) else {
+            return false;
+        };
+        let slot = table.slot(i);
+        let meta = slot.lock();
+        // What it gives away as it goes (its bucket may have been updated since it was sampled).
+        let forgiven = giveaway(meta, slot.last_us.load(Ordering::Relaxed), now_us);
+        Self::remove_at(table, i);
+        state.sub_live(1);
+        self.evictions.fetch_add(1, Ordering::Relaxed);
+        self.evicted.for_room(forgiven, meta & BUDGET != 0);
+        true
+    }
+
+    /// Inserts a new entry with `result`'s state (the shard's lock is held, the key is known
+    /// absent, its room taken by [`MemoryStore::take_room`]). `grow`: whether the table may
+    /// grow now (not while the caller holds bucket locks in it). False only if the table has
+    /// no free slot, which the shard's bound rules out; the room is given back.
     #[allow(clippy::too_many_arguments)]
     fn insert(
         &self,
@@ -806,30 +1166,24 @@ impl MemoryStore {
         state: &mut ShardState<'_>,
         key: (u64, u64),
         result: &OpResult,
+        spend: Spend,
         now_us: u64,
         grow: bool,
         guard: &Guard,
     ) -> bool {
-        if !self.reserve() {
-            let may_purge = grow && state.may_purge(now_us, self.config.purge_interval_us);
-            if !may_purge || self.purge(shard, state, now_us, guard) == 0 || !self.reserve() {
-                return false;
-            }
-        }
         let table = if grow {
             self.make_room(shard, state, 1, guard)
         } else {
             Self::table(shard, guard)
         };
         let Some(i) = table.free_slot(key) else {
-            // The shard is full of live keys (only with a very uneven spread): refuse.
             self.len().fetch_sub(1, Ordering::Relaxed);
             return false;
         };
         let slot = table.slot(i);
         // Only stale probes can hold an empty slot's lock, briefly.
         slot.lock();
-        let meta = slot.commit(result, now_us);
+        let meta = slot.commit(result, spend, now_us);
         slot.set_key(key);
         slot.unlock(meta);
         state.add_live(1);
@@ -878,7 +1232,7 @@ impl MemoryStore {
         shard: &Shard,
         state: &mut ShardState<'_>,
         guard: &Guard,
-        evict: impl Fn(u64) -> bool,
+        evict: impl Fn((u64, u64), u64) -> bool,
     ) -> usize {
         let table = Self::table(shard, guard);
         let mut removed = 0;
@@ -890,7 +1244,8 @@ impl MemoryStore {
                 continue;
             }
             let meta = slot.lock();
-            if !is_empty(slot.key()) && evict(meta) {
+            let key = slot.key();
+            if !is_empty(key) && evict(key, meta) {
                 // The entry shifted into `i` (if any) is examined next.
                 Self::remove_at(table, i);
                 removed += 1;
@@ -905,20 +1260,27 @@ impl MemoryStore {
             Some(n.saturating_sub(removed as u64))
         });
         self.evictions.fetch_add(removed as u64, Ordering::Relaxed);
+        self.evicted
+            .full_again
+            .fetch_add(removed as u64, Ordering::Relaxed);
         removed
     }
 
-    /// Removes the shard's full-again entries (the only ones indistinguishable from absent).
-    /// Returns how many went.
+    /// Removes the shard's full-again entries (the only ones indistinguishable from absent),
+    /// but for `exclude` (the request's own: it is about to update them, and would find them
+    /// gone with no room left for them). Returns how many went.
     fn purge(
         &self,
         shard: &Shard,
         state: &mut ShardState<'_>,
         now_us: u64,
+        exclude: &[(u64, u64)],
         guard: &Guard,
     ) -> usize {
         state.head.last_purge_us.store(now_us, Ordering::Relaxed);
-        self.evict_where(shard, state, guard, |meta| full_again(meta, now_us))
+        self.evict_where(shard, state, guard, |key, meta| {
+            full_again(meta, now_us) && !exclude.contains(&key)
+        })
     }
 
     /// One bucket: a lock-free probe and the bucket's own lock (the common case); the shard's
@@ -936,9 +1298,9 @@ impl MemoryStore {
                     fail_open: false,
                 };
                 let meta = if verdict.allowed {
-                    slot.commit(&result, now_us)
+                    slot.commit(&result, op.spend(verdict), now_us)
                 } else {
-                    touched(meta, now_us)
+                    meta
                 };
                 slot.unlock(meta);
                 return result;
@@ -952,12 +1314,21 @@ impl MemoryStore {
                 // A cost above the burst: refused whatever the bucket holds.
                 return result;
             }
+            let spend = op.spend(result.verdict);
+            if spend.micro == 0 {
+                // Nothing spent (a zero-cost look): the full bucket it was answered from needs
+                // no entry, and storing one would only take another's room.
+                result.committed = true;
+                return result;
+            }
             let mut state = self.structure(shard);
             if Self::table(shard, guard).find(key).is_some() {
                 // Inserted meanwhile, or missed while an entry moved: update it instead.
                 continue;
             }
-            if self.insert(shard, &mut state, key, &result, now_us, true, guard) {
+            if self.take_room(shard, &mut state, 0, now_us, &[], guard)
+                && self.insert(shard, &mut state, key, &result, spend, now_us, true, guard)
+            {
                 result.committed = true;
             } else {
                 result.fail_open = true;
@@ -990,7 +1361,9 @@ impl MemoryStore {
             loop {
                 if let Some((slot, meta)) = self.lock_existing(shard, key, guard) {
                     let meta = match op.settle(Some(slot.state()), now_us) {
-                        Some(next) => slot.commit(&settled(op, next), now_us),
+                        Some(next) => {
+                            slot.commit(&settled(op, next), adjust_spend(op, next), now_us)
+                        }
                         None => meta,
                     };
                     slot.unlock(meta);
@@ -1006,15 +1379,18 @@ impl MemoryStore {
                 if Self::table(shard, guard).find(key).is_some() {
                     continue;
                 }
-                if !self.insert(
-                    shard,
-                    &mut state,
-                    key,
-                    &settled(op, next),
-                    now_us,
-                    true,
-                    guard,
-                ) {
+                let stored = self.take_room(shard, &mut state, 0, now_us, &[], guard)
+                    && self.insert(
+                        shard,
+                        &mut state,
+                        key,
+                        &settled(op, next),
+                        adjust_spend(op, next),
+                        now_us,
+                        true,
+                        guard,
+                    );
+                if !stored {
                     self.fail_open.fetch_add(1, Ordering::Relaxed);
                 }
                 break;
@@ -1048,31 +1424,39 @@ impl MemoryStore {
             ops.iter().map(|op| self.shard_index(&op.key)).collect();
         wanted.sort_unstable();
         wanted.dedup();
-        let mut guards: SmallVec<[(usize, ShardState<'_>); 4]> = wanted
+        // Each shard's lock, with the rooms taken in it for keys not stored yet.
+        let mut guards: SmallVec<[(usize, ShardState<'_>, usize); 4]> = wanted
             .iter()
-            .map(|&i| (i, self.structure(&self.shards[i])))
+            .map(|&i| (i, self.structure(&self.shards[i]), 0))
             .collect();
-        // ...room for the request's new keys, before any bucket lock is taken: a purge when the
-        // store is at its bound (as for one bucket), and a bigger table when needed...
-        for (index, state) in guards.iter_mut() {
+        // ...room for the request's new keys, before any bucket lock is taken (an eviction
+        // moves entries): taken within the bound, by a purge or by an eviction, never one of
+        // the request's own buckets; then a bigger table when needed...
+        for (index, state, rooms) in guards.iter_mut() {
             let shard = &self.shards[*index];
             let table = Self::table(shard, guard);
-            let missing = ops
-                .iter()
-                .filter(|op| {
-                    self.shard_index(&op.key) == *index && table.find(stored(&op.key)).is_none()
-                })
-                .count();
-            if missing == 0 {
+            let mut missing: SmallVec<[(u64, u64); 4]> = SmallVec::new();
+            for op in ops {
+                let key = stored(&op.key);
+                // A zero-cost op leaves an absent bucket full: it needs no entry.
+                if op.cost > 0
+                    && self.shard_index(&op.key) == *index
+                    && !missing.contains(&key)
+                    && table.find(key).is_none()
+                {
+                    missing.push(key);
+                }
+            }
+            if missing.is_empty() {
                 continue;
             }
-            let at_bound =
-                self.len().load(Ordering::Relaxed) as usize + missing > self.config.max_buckets;
-            let may_purge = state.may_purge(now_us, self.config.purge_interval_us);
-            if at_bound && may_purge {
-                self.purge(shard, state, now_us, guard);
+            let own: SmallVec<[(u64, u64); 4]> = ops.iter().map(|op| stored(&op.key)).collect();
+            for _ in 0..missing.len() {
+                if self.take_room(shard, state, *rooms, now_us, &own, guard) {
+                    *rooms += 1;
+                }
             }
-            self.make_room(shard, state, missing, guard);
+            self.make_room(shard, state, *rooms, guard);
         }
         // ...then each existing bucket's lock, in address order.
         let mut located: SmallVec<[Option<&Slot>; 4]> = ops
@@ -1119,10 +1503,16 @@ impl MemoryStore {
                 match *slot {
                     Some(slot) => {
                         let m = meta_of(&metas, slot);
-                        metas[m].1 = slot.commit(result, now_us);
+                        metas[m].1 = slot.commit(result, op.spend(result.verdict), now_us);
                         result.committed = true;
                     }
                     None => {
+                        let spend = op.spend(result.verdict);
+                        if spend.micro == 0 {
+                            // Answered from a full bucket and leaving it full: no entry.
+                            result.committed = true;
+                            continue;
+                        }
                         let index = self.shard_index(&op.key);
                         let shard = &self.shards[index];
                         let key = stored(&op.key);
@@ -1133,13 +1523,18 @@ impl MemoryStore {
                             // updaters never wait while holding a lock.
                             let existing = table.slot(i);
                             existing.lock();
-                            let meta = existing.commit(result, now_us);
+                            let meta = existing.commit(result, spend, now_us);
                             existing.unlock(meta);
                             result.committed = true;
                             continue;
                         }
-                        let g = guards.iter().position(|(i, _)| *i == index).unwrap_or(0);
-                        if self.insert(shard, &mut guards[g].1, key, result, now_us, false, guard) {
+                        let g = guards.iter().position(|(i, ..)| *i == index).unwrap_or(0);
+                        let (_, state, rooms) = &mut guards[g];
+                        let had_room = *rooms > 0;
+                        *rooms = rooms.saturating_sub(1);
+                        if had_room
+                            && self.insert(shard, state, key, result, spend, now_us, false, guard)
+                        {
                             result.committed = true;
                         } else {
                             result.fail_open = true;
@@ -1149,33 +1544,33 @@ impl MemoryStore {
                 }
             }
         }
-        // Buckets of a refused request were still asked about: they are not idle.
-        for (slot, meta) in metas.iter_mut() {
-            let committed = results
-                .iter()
-                .zip(located.iter())
-                .any(|(r, s)| r.committed && s.is_some_and(|s| std::ptr::eq(s, *slot)));
-            if !committed {
-                *meta = touched(*meta, now_us);
-            }
-        }
         for (slot, meta) in metas {
             slot.unlock(meta);
+        }
+        // Rooms a refused request did not use go back to the bound.
+        let unused: usize = guards.iter().map(|(_, _, rooms)| rooms).sum();
+        if unused > 0 {
+            let _ = self
+                .len()
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_sub(unused as u64))
+                });
         }
         drop(guards);
         Ok(())
     }
 
-    /// Counters only: a scrape never takes a lock.
     /// The leases kept beside the buckets.
     pub fn leases(&self) -> &super::lease::MemoryLeases {
         &self.leases
     }
 
+    /// Counters only: a scrape never takes a lock.
     pub fn stats(&self) -> StoreStats {
         StoreStats {
             entries: Some(self.len().load(Ordering::Relaxed)),
             evictions: self.evictions.load(Ordering::Relaxed),
+            evicted: self.evicted.stats(),
             fail_open: self.fail_open.load(Ordering::Relaxed),
             state_fallback: None,
         }
@@ -1193,8 +1588,9 @@ impl MemoryStore {
         let mut removed = 0u64;
         for shard in self.shards.iter() {
             let mut state = self.structure(shard);
-            removed +=
-                self.evict_where(shard, &mut state, guard, |meta| full_again(meta, now_us)) as u64;
+            removed += self
+                .evict_where(shard, &mut state, guard, |_, meta| full_again(meta, now_us))
+                as u64;
         }
         removed
     }

@@ -64,23 +64,34 @@ fn shadow_and_enforce_groups_commit_independently() {
     assert_eq!(store.peek(&enforce.key).unwrap().tokens, 3 * MICRO);
 }
 
+/// A full store makes room for a new key: full-again entries are purged first; else the entry
+/// whose loss gives away least is evicted (here: a bucket missing 1 token rather than one
+/// missing 2). Nothing fails open.
 #[test]
-fn full_store_evicts_full_buckets_first_then_fails_open() {
+fn full_store_evicts_full_buckets_first_then_the_cheapest() {
     let store = small(2);
     let q = quota(1, 2);
-    // Two keys, both drained by one token; at t=0 neither is full.
     run(&store, 0, &[op("tb:r:a", q, Group::Enforce)]);
     run(&store, 0, &[op("tb:r:b", q, Group::Enforce)]);
-    // A third key cannot be stored: allowed, not committed, counted.
+    run(&store, 0, &[op("tb:r:b", q, Group::Enforce)]);
+    // A third key is stored in a's place: a held 1 token spent, b 2.
     let r = run(&store, 0, &[op("tb:r:c", q, Group::Enforce)]);
-    assert!(r[0].verdict.allowed && r[0].fail_open && !r[0].committed);
-    assert_eq!(store.stats().fail_open, 1);
-    assert_eq!(store.stats().entries, Some(2));
-    // After 1 s both are full again: they are evicted and the new key is stored.
-    let r = run(&store, US_PER_SEC, &[op("tb:r:c", q, Group::Enforce)]);
+    assert!(r[0].verdict.allowed && r[0].committed && !r[0].fail_open);
+    assert!(store.peek(&BucketKey::of("tb:r:a")).is_none());
+    assert_eq!(store.peek(&BucketKey::of("tb:r:b")).unwrap().tokens, 0);
+    let stats = store.stats();
+    assert_eq!(
+        (stats.fail_open, stats.evictions, stats.entries),
+        (0, 1, Some(2))
+    );
+    assert_eq!(stats.evicted.token_bucket, 1);
+    assert_eq!(stats.evicted.forgiven_sum_micro, MICRO);
+    // After 2 s b and c are full again: purged, and the new key is stored.
+    let r = run(&store, 2 * US_PER_SEC, &[op("tb:r:d", q, Group::Enforce)]);
     assert!(r[0].committed);
-    assert_eq!(store.stats().evictions, 2);
-    assert_eq!(store.stats().entries, Some(1));
+    let stats = store.stats();
+    assert_eq!((stats.evictions, stats.entries), (3, Some(1)));
+    assert_eq!(stats.evicted.full_again, 2);
 }
 
 #[test]
@@ -101,10 +112,11 @@ fn sweep_drops_full_buckets_and_keeps_idle_unfull_ones() {
     assert_eq!(store.stats().entries, Some(0));
 }
 
-/// Issue 21: a flood of fresh keys against a full store never evicts a bucket or budget
-/// that still holds state, however long it has been idle; the new keys fail open instead.
+/// A flood of fresh keys against a full store never evicts a budget or bucket holding more
+/// spend than the flood's own entries, however long it has been idle: each new key takes the
+/// place of the cheapest sampled entry (the flood's, one token each), and nothing fails open.
 #[test]
-fn a_full_store_of_idle_unfull_buckets_keeps_them_and_fails_new_keys_open() {
+fn a_full_store_of_idle_unfull_buckets_evicts_the_cheapest_for_new_keys() {
     let store = small(4);
     // One token a month: a spent token takes 30 days to come back.
     let slow = Quota::new(300 * MICRO, MICRO, 30 * 86_400 * US_PER_SEC).unwrap();
@@ -127,7 +139,7 @@ fn a_full_store_of_idle_unfull_buckets_keeps_them_and_fails_new_keys_open() {
         }),
     };
     assert!(run(&store, 0, &[budget])[0].committed);
-    // A week later, under a flood: nothing is full again, nothing goes.
+    // A week later, under a flood: nothing is full again, nothing is swept...
     let week = 7 * 86_400 * US_PER_SEC;
     assert_eq!(store.sweep(week), 0);
     for k in 0..50 {
@@ -136,10 +148,20 @@ fn a_full_store_of_idle_unfull_buckets_keeps_them_and_fails_new_keys_open() {
             week,
             &[op(&format!("tb:slow:new{k}"), slow, Group::Enforce)],
         );
-        assert!(r[0].verdict.allowed && r[0].fail_open && !r[0].committed);
+        assert!(r[0].verdict.allowed && r[0].committed && !r[0].fail_open);
     }
-    assert_eq!(store.stats().fail_open, 50);
-    assert_eq!(store.stats().evictions, 0);
+    // ...each new key took the place of a one-token entry.
+    let stats = store.stats();
+    assert_eq!(
+        (stats.fail_open, stats.evictions, stats.entries),
+        (0, 50, Some(4))
+    );
+    assert_eq!(stats.evicted.token_bucket, 50);
+    assert_eq!(stats.evicted.budget, 0);
+    assert_eq!(
+        stats.evicted.forgiven_le[2], 50,
+        "each gave away a token at most"
+    );
     // The budget still holds its 3: a request for 4 is refused.
     let four = BucketOp {
         cost: 4 * MICRO,
@@ -152,7 +174,7 @@ fn a_full_store_of_idle_unfull_buckets_keeps_them_and_fails_new_keys_open() {
     let r = run(&store, week, &[four]);
     assert!(!r[0].verdict.allowed);
     assert_eq!(r[0].verdict.available, 3 * MICRO);
-    // Once its window has ended it is full again, and only then can it go.
+    // Once its window has ended it is full again, and the sweep drops it.
     assert_eq!(store.sweep(20 * 86_400 * US_PER_SEC), 1);
 }
 
@@ -169,7 +191,8 @@ fn memory_is_bounded() {
     let stats = store.stats();
     // The bound is exact, however keys fall into shards.
     assert_eq!(stats.entries, Some(5_000), "{stats:?}");
-    assert_eq!(stats.fail_open, 15_000);
+    // Every key past the bound took an evicted entry's place.
+    assert_eq!((stats.fail_open, stats.evictions), (0, 15_000));
     let guard = &epoch::pin();
     let held: usize = store
         .shards
@@ -350,28 +373,42 @@ fn growth_under_load_loses_nothing() {
     assert!(store.allocated_bytes() >= 512 * 40, "the table grew");
 }
 
-/// A request with several buckets makes room in a full store as a single-bucket one does:
-/// full-again buckets are purged before its new keys are refused.
+/// A request with several buckets makes room in a full store as a single-bucket one does,
+/// but never by evicting one of its own buckets: here the cheapest entry is the request's own
+/// `a`, so `b` goes; `a` continues.
 #[test]
-fn a_full_store_purges_for_multi_bucket_requests_too() {
-    let store = small(2);
-    let q = quota(1, 2);
+fn a_full_store_makes_room_for_multi_bucket_requests_too() {
+    let store = small(3);
+    let q = quota(1, 4);
     run(&store, 0, &[op("tb:r:a", q, Group::Enforce)]);
-    run(&store, 0, &[op("tb:r:b", q, Group::Enforce)]);
-    // Full, nothing evictable at 0: both new keys fail open.
+    for _ in 0..2 {
+        run(&store, 0, &[op("tb:r:b", q, Group::Enforce)]);
+    }
+    for _ in 0..3 {
+        run(&store, 0, &[op("tb:r:c", q, Group::Enforce)]);
+    }
     let pair = [
-        op("tb:x:c", q, Group::Enforce),
-        op("tb:y:c", q, Group::Enforce),
+        op("tb:r:a", q, Group::Enforce),
+        op("tb:y:new", q, Group::Enforce),
     ];
     let r = run(&store, 0, &pair);
-    assert!(r
-        .iter()
-        .all(|r| r.verdict.allowed && r.fail_open && !r.committed));
-    // At 1 s a and b are full again: purged, and both new buckets are stored.
-    let r = run(&store, US_PER_SEC, &pair);
-    assert!(r.iter().all(|r| r.committed), "{r:?}");
+    assert!(r.iter().all(|r| r.committed && !r.fail_open), "{r:?}");
+    assert_eq!(r[0].verdict.remaining, 2 * MICRO, "a continued");
+    assert!(store.peek(&BucketKey::of("tb:r:b")).is_none());
+    assert!(store.peek(&BucketKey::of("tb:r:c")).is_some());
+    let stats = store.stats();
+    assert_eq!(
+        (stats.fail_open, stats.evictions, stats.entries),
+        (0, 1, Some(3))
+    );
+    // A refused request gives the room it took back: the bound stays exact.
+    let heavy = BucketOp {
+        cost: 3 * MICRO,
+        ..op("tb:r:c", q, Group::Enforce)
+    };
+    let r = run(&store, 0, &[heavy, op("tb:z:new", q, Group::Enforce)]);
+    assert!(!r[0].verdict.allowed && !r[1].committed);
     assert_eq!(store.stats().entries, Some(2));
-    assert_eq!(store.stats().evictions, 2);
 }
 
 /// Two mappings of one state file: what two processes of an upgrade share.
@@ -514,4 +551,427 @@ fn two_mappings_of_one_state_file_admit_exactly_the_burst() {
     }
     assert_eq!(first.stats().entries, Some(80));
     assert_eq!(second.stats().entries, Some(80));
+}
+
+proptest::proptest! {
+    /// The spend kept in the meta word is monotonic and within 2^-24 of the amount, below.
+    #[test]
+    fn kept_spend_is_close_and_ordered(a in proptest::num::u64::ANY, b in proptest::num::u64::ANY) {
+        let (lo, hi) = (a.min(b), a.max(b));
+        proptest::prop_assert!(encode_spent(lo) <= encode_spent(hi));
+        let kept = decode_spent(encode_spent(hi));
+        proptest::prop_assert!(encode_spent(hi) <= SPENT_MASK);
+        if hi < 1 << 56 {
+            proptest::prop_assert!(kept <= hi && hi - kept <= hi >> 24, "{hi} kept as {kept}");
+        }
+    }
+}
+
+#[test]
+fn kept_spend_is_exact_for_small_amounts() {
+    for micro in [0, 1, MICRO, 33 * MICRO, (1 << 25) - 1, 1 << 25] {
+        assert_eq!(decode_spent(encode_spent(micro)), micro);
+    }
+}
+
+/// What forgetting an entry gives away: a token bucket's spend shrinks as it refills (to
+/// nothing at its full-again second), a budget's stays until its window ends.
+#[test]
+fn giveaway_follows_refill_for_buckets_and_stays_for_budgets() {
+    let s = US_PER_SEC;
+    // 4 tokens spent at 10 s, full again at 14 s.
+    let bucket = pack_meta(
+        14,
+        Spend {
+            micro: 4 * MICRO,
+            budget: false,
+        },
+    );
+    assert_eq!(giveaway(bucket, 10 * s, 10 * s), 4 * MICRO);
+    assert_eq!(giveaway(bucket, 10 * s, 11 * s), 3 * MICRO);
+    assert_eq!(giveaway(bucket, 10 * s, 13 * s), MICRO);
+    assert_eq!(giveaway(bucket, 10 * s, 14 * s), 0);
+    // In debt until 12 s: all of it until then.
+    assert_eq!(giveaway(bucket, 12 * s, 11 * s), 4 * MICRO);
+    // 7 spent of a budget whose window ends at 100 s.
+    let budget = pack_meta(
+        100,
+        Spend {
+            micro: 7 * MICRO,
+            budget: true,
+        },
+    );
+    assert_eq!(giveaway(budget, 42, 10 * s), 7 * MICRO);
+    assert_eq!(giveaway(budget, 42, 99 * s), 7 * MICRO);
+    assert_eq!(giveaway(budget, 42, 100 * s), 0);
+    // The lock and moved bits do not count.
+    assert_eq!(giveaway(budget | LOCKED | MOVED, 42, 99 * s), 7 * MICRO);
+}
+
+/// The sampling, with its positions given: from each start, the next live entry not sampled
+/// yet; the cheapest of those found goes, never an excluded one; a full-again entry at once.
+#[test]
+fn the_victim_is_the_cheapest_of_the_sampled_entries() {
+    let store = small(16);
+    let q = quota(1, 10);
+    // Key k spends k + 1 tokens (all at 0, monthly refill would be the same: spend ranks).
+    let keys: Vec<BucketKey> = (0..6)
+        .map(|k| BucketKey::of(&format!("tb:s:{k}")))
+        .collect();
+    for (k, key) in keys.iter().enumerate() {
+        let spend = BucketOp {
+            cost: (k as u64 + 1) * MICRO,
+            ..op("x", q, Group::Enforce)
+        };
+        run(&store, 0, &[BucketOp { key: *key, ..spend }]);
+    }
+    let guard = &epoch::pin();
+    let table = MemoryStore::table(&store.shards[0], guard);
+    let index_of = |key: &BucketKey| table.find(stored(key)).unwrap();
+    let at = |k: usize| index_of(&keys[k]);
+    // Sampling exactly where keys 3, 5 and 1 sit: key 1 (2 tokens) goes.
+    let (i, cost) = choose_victim(table, [at(3), at(5), at(1)], 0, &[]).unwrap();
+    assert_eq!((i, cost), (at(1), 2 * MICRO));
+    // Key 1 excluded (the request's own): never it; the third walk goes on to another entry,
+    // so at most key 3's 4 tokens are given away.
+    let (i, cost) = choose_victim(table, [at(3), at(5), at(1)], 0, &[stored(&keys[1])]).unwrap();
+    assert_ne!(i, at(1));
+    assert!(cost <= 4 * MICRO && cost != 2 * MICRO, "{cost}");
+    // Two starts on one entry sample two distinct entries: the second walks on.
+    let (_, cost) = choose_victim(table, [at(5), at(5)], 0, &[]).unwrap();
+    assert!(cost < 6 * MICRO, "a second entry was sampled");
+    // As many starts as samples on one entry, key 5 excluded: the five others are all sampled,
+    // and key 0 (1 token) goes.
+    let (i, cost) =
+        choose_victim(table, [at(4); EVICTION_SAMPLES], 0, &[stored(&keys[5])]).unwrap();
+    assert_eq!((i, cost), (at(0), MICRO));
+    // At 10 s everything is full again: the first sampled goes, giving nothing away.
+    assert_eq!(
+        choose_victim(table, [at(2)], 10 * US_PER_SEC, &[]),
+        Some((at(2), 0))
+    );
+    // Nothing to sample.
+    let all: Vec<(u64, u64)> = keys.iter().map(stored).collect();
+    assert_eq!(choose_victim(table, [0, 1, 2], 0, &all), None);
+}
+
+/// An attacker's flood of made-up keys (each a one-unit monthly budget entry and a one-token
+/// bucket) through a store of 200: a tenant's heavily spent budget is never the one evicted,
+/// a new client is limited exactly (burst 10: 10 admitted, then refused) during the flood and
+/// after it, and nothing fails open. In process memory and in a state file.
+#[test]
+fn a_key_flood_evicts_the_flood_and_limits_new_clients_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = MemoryStoreConfig {
+        max_buckets: 200,
+        purge_interval_us: 1_000_000,
+    };
+    for store in [MemoryStore::new(config), mapped(dir.path(), config, true)] {
+        let month = 30 * 86_400 * US_PER_SEC;
+        let window = crate::limiter::Window {
+            id: 1_700_000_000,
+            ends_in_us: month,
+        };
+        let budget = |who: &str, cost: u64| BucketOp {
+            key: BucketKey::of(&format!("tb:budget:{who}")),
+            quota: Quota::new(20 * MICRO, 20 * MICRO, month).unwrap(),
+            cost: cost * MICRO,
+            group: Group::Enforce,
+            window: Some(window),
+        };
+        // Burst 10, one token a minute.
+        let per_ip = Quota::new(10 * MICRO, MICRO, 60 * US_PER_SEC).unwrap();
+        assert!(run(&store, 0, &[budget("tenant", 14)])[0].committed);
+        // Every request a microsecond after the one before.
+        let clock = std::cell::Cell::new(US_PER_SEC);
+        let tick = || {
+            clock.set(clock.get() + 1);
+            clock.get()
+        };
+        let flood = |store: &MemoryStore, n: usize, from: usize| {
+            for k in from..from + n {
+                let r = run(
+                    store,
+                    tick(),
+                    &[
+                        op(&format!("tb:ip:attacker{k}"), per_ip, Group::Enforce),
+                        budget(&format!("attacker{k}"), 1),
+                    ],
+                );
+                assert!(r.iter().all(|r| r.committed && !r.fail_open));
+            }
+        };
+        for round in 0..10 {
+            flood(&store, 500, round * 500);
+            // A new client amid the flood: exactly its burst.
+            let client = op(&format!("tb:ip:client{round}"), per_ip, Group::Enforce);
+            let admitted = (0..11)
+                .filter(|i| {
+                    if i % 3 == 0 {
+                        flood(&store, 20, 100_000 + round * 1000 + *i * 20);
+                    }
+                    run(&store, tick(), &[client])[0].committed
+                })
+                .count();
+            assert_eq!(admitted, 10, "round {round}");
+            clock.set(clock.get() + US_PER_SEC);
+        }
+        let now = clock.get();
+        let stats = store.stats();
+        assert_eq!(stats.fail_open, 0);
+        assert_eq!(stats.entries, Some(200));
+        assert_eq!(
+            stats.evicted.budget + stats.evicted.token_bucket,
+            stats.evictions - stats.evicted.full_again
+        );
+        // No eviction gave away more than a token.
+        assert_eq!(stats.evicted.forgiven_le[2], stats.evicted.forgiven_count);
+        assert!(stats.evicted.forgiven_count > 10_000, "{stats:?}");
+        // The tenant's budget kept its 14 spent: 6 left.
+        let r = run(&store, now, &[budget("tenant", 7)]);
+        assert!(!r[0].verdict.allowed);
+        assert_eq!(r[0].verdict.available, 6 * MICRO);
+    }
+}
+
+/// A request over several buckets in a full store keeps its own buckets, full again or not:
+/// the purge that makes room for its new keys removes only others' full-again entries, so
+/// each of its buckets is found or has a room, and nothing fails open.
+#[test]
+fn a_multi_bucket_request_never_purges_its_own_buckets() {
+    let store = small(3);
+    let q = quota(1, 2);
+    for key in ["tb:r:a", "tb:r:b", "tb:r:c"] {
+        run(&store, 0, &[op(key, q, Group::Enforce)]);
+    }
+    // At 1 s all three are full again; the request needs a and two new keys.
+    let r = run(
+        &store,
+        US_PER_SEC,
+        &[
+            op("tb:r:a", q, Group::Enforce),
+            op("tb:x:new", q, Group::Enforce),
+            op("tb:y:new", q, Group::Enforce),
+        ],
+    );
+    assert!(
+        r.iter()
+            .all(|r| r.verdict.allowed && r.committed && !r.fail_open),
+        "{r:?}"
+    );
+    assert!(r.iter().all(|r| r.verdict.remaining == MICRO), "{r:?}");
+    for kept in ["tb:r:a", "tb:x:new", "tb:y:new"] {
+        assert_eq!(store.peek(&BucketKey::of(kept)).unwrap().tokens, MICRO);
+    }
+    assert!(store.peek(&BucketKey::of("tb:r:b")).is_none());
+    assert!(store.peek(&BucketKey::of("tb:r:c")).is_none());
+    let stats = store.stats();
+    assert_eq!(
+        (stats.fail_open, stats.evictions, stats.entries),
+        (0, 2, Some(3))
+    );
+    assert_eq!(stats.evicted.full_again, 2);
+}
+
+/// A zero-cost look at a key the store does not hold is answered from a full bucket and
+/// stores nothing: in a full store it evicts nothing, alone or beside a charged bucket.
+#[test]
+fn a_zero_cost_look_at_an_absent_key_evicts_nothing() {
+    let store = small(2);
+    let q = quota(1, 2);
+    run(&store, 0, &[op("tb:r:a", q, Group::Enforce)]);
+    run(&store, 0, &[op("tb:r:b", q, Group::Enforce)]);
+    let look = BucketOp {
+        cost: 0,
+        ..op("tb:r:look", q, Group::Enforce)
+    };
+    let r = run(&store, 0, &[look]);
+    assert!(r[0].verdict.allowed && r[0].committed && !r[0].fail_open);
+    assert_eq!(r[0].verdict.remaining, 2 * MICRO);
+    let r = run(&store, 0, &[look, op("tb:r:a", q, Group::Enforce)]);
+    assert!(
+        r.iter()
+            .all(|r| r.verdict.allowed && r.committed && !r.fail_open),
+        "{r:?}"
+    );
+    assert_eq!(r[0].verdict.remaining, 2 * MICRO);
+    assert_eq!(r[1].verdict.remaining, 0);
+    assert!(store.peek(&look.key).is_none());
+    assert_eq!(store.peek(&BucketKey::of("tb:r:b")).unwrap().tokens, MICRO);
+    let stats = store.stats();
+    assert_eq!(
+        (stats.evictions, stats.fail_open, stats.entries),
+        (0, 0, Some(2))
+    );
+    assert_eq!(stats.evicted, EvictionStats::default());
+}
+
+/// Entries that give away the same whole units rank by age: the token bucket refilled longest
+/// ago goes before a client's that refills faster but was used just now, and a budget (which
+/// keeps no time of its last request) before either. Cheaper units still go first, and an
+/// entry of unknown spend last.
+#[test]
+fn equally_cheap_entries_go_least_recently_used_first() {
+    let store = small(16);
+    let s = US_PER_SEC;
+    // A stale flood entry: one token of a bucket refilling a token per 1 000 s, spent at 1 s.
+    let stale = Quota::new(10 * MICRO, MICRO, 1_000 * s).unwrap();
+    // A client's: one token of a bucket refilling a token per 10 s, spent at 5 s.
+    let quick = Quota::new(10 * MICRO, MICRO, 10 * s).unwrap();
+    let month = 30 * 86_400 * s;
+    run(&store, s, &[op("tb:ip:stale", stale, Group::Enforce)]);
+    run(&store, 5 * s, &[op("tb:ip:client", quick, Group::Enforce)]);
+    let budget = BucketOp {
+        key: BucketKey::of("tb:budget:flood"),
+        quota: Quota::new(20 * MICRO, 20 * MICRO, month).unwrap(),
+        cost: MICRO,
+        group: Group::Enforce,
+        window: Some(crate::limiter::Window {
+            id: 1_700_000_000,
+            ends_in_us: month,
+        }),
+    };
+    run(&store, 5 * s, &[budget]);
+    let guard = &epoch::pin();
+    let table = MemoryStore::table(&store.shards[0], guard);
+    let at = |key: &str| table.find(stored(&BucketKey::of(key))).unwrap();
+    let now = 6 * s;
+    // At 6 s the client's entry holds 0.9 token, the stale one 0.995, the budget 1: a ranking
+    // by micro-tokens alone evicted the client.
+    let (i, cost) =
+        choose_victim(table, [at("tb:ip:client"), at("tb:ip:stale")], now, &[]).unwrap();
+    assert_eq!(i, at("tb:ip:stale"));
+    assert!(cost > 990_000 && cost < MICRO, "{cost}");
+    let (i, _) = choose_victim(
+        table,
+        [at("tb:ip:client"), at("tb:ip:stale"), at("tb:budget:flood")],
+        now,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(i, at("tb:budget:flood"));
+    // Two tokens spent rank above one, however old.
+    run(&store, 5 * s, &[op("tb:ip:stale", stale, Group::Enforce)]);
+    let (i, _) = choose_victim(table, [at("tb:ip:stale"), at("tb:ip:client")], now, &[]).unwrap();
+    assert_eq!(i, at("tb:ip:client"));
+    // An entry an older build wrote (spend unknown) ranks above every known spend.
+    let slot = table.slot(at("tb:ip:client"));
+    let meta = slot.meta.load(Ordering::Relaxed);
+    slot.meta.store(legacy_as_unknown(meta), Ordering::Relaxed);
+    let (i, _) = choose_victim(table, [at("tb:ip:client"), at("tb:ip:stale")], now, &[]).unwrap();
+    assert_eq!(i, at("tb:ip:stale"));
+    assert_eq!(
+        choose_victim(
+            table,
+            [at("tb:ip:client")],
+            now,
+            &[at_key("tb:ip:stale"), at_key("tb:budget:flood")]
+        ),
+        Some((at("tb:ip:client"), UNKNOWN_SPEND))
+    );
+}
+
+fn at_key(key: &str) -> (u64, u64) {
+    stored(&BucketKey::of(key))
+}
+
+/// A state file an older build wrote keeps, in each slot's low half, the second the bucket was
+/// last touched, not its spend. Opened by this build, shared with the older process (its slots
+/// not rewritten) and then as the sole owner (migrated: spend unknown until the next
+/// request), it never lets a flood evict the tenant's drained budget: entries of unknown spend
+/// rank above the flood's. Read as a spend, that second (5) made the budget look the cheapest
+/// entry of the store.
+#[test]
+fn an_older_builds_state_file_keeps_its_drained_budget_through_a_flood() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = MemoryStoreConfig {
+        max_buckets: 64,
+        purge_interval_us: 1_000_000,
+    };
+    let s = US_PER_SEC;
+    let month = 30 * 86_400 * s;
+    let budget = |cost: u64| BucketOp {
+        key: BucketKey::of("tb:budget:tenant"),
+        quota: Quota::new(20 * MICRO, 20 * MICRO, month).unwrap(),
+        cost: cost * MICRO,
+        group: Group::Enforce,
+        window: Some(crate::limiter::Window {
+            id: 1_700_000_000,
+            ends_in_us: month,
+        }),
+    };
+    let per_ip = Quota::new(10 * MICRO, MICRO, 60 * s).unwrap();
+    {
+        // What the older build left at 5 s: the tenant's budget drained and 40 clients'
+        // buckets, each slot's low half the second it was last touched, no slot format.
+        let store = mapped(dir.path(), config, true);
+        assert!(run(&store, 5 * s, &[budget(20)])[0].committed);
+        for k in 0..40 {
+            run(
+                &store,
+                5 * s,
+                &[op(&format!("tb:ip:old{k}"), per_ip, Group::Enforce)],
+            );
+        }
+        let guard = &epoch::pin();
+        for slot in MemoryStore::table(&store.shards[0], guard).slots() {
+            if !is_empty(slot.key()) {
+                let meta = slot.meta.load(Ordering::Relaxed);
+                slot.meta
+                    .store((meta_full_at_s(meta) << 32) | 5, Ordering::Relaxed);
+            }
+        }
+        let Region::File(file) = &store.region else {
+            panic!("a state file")
+        };
+        file.header().slot_format.store(0, Ordering::Relaxed);
+    }
+    let drained = |store: &MemoryStore, now: u64| {
+        let r = run(store, now, &[budget(1)]);
+        assert!(!r[0].verdict.allowed, "the budget was reset: {r:?}");
+        assert_eq!(r[0].verdict.available, 0);
+        let stats = store.stats();
+        assert_eq!((stats.evicted.budget, stats.fail_open), (0, 0), "{stats:?}");
+    };
+    let flood = |store: &MemoryStore, now: u64, from: usize| {
+        for k in from..from + 300 {
+            let r = run(
+                store,
+                now + k as u64,
+                &[op(&format!("tb:ip:new{k}"), per_ip, Group::Enforce)],
+            );
+            assert!(r[0].committed && !r[0].fail_open);
+        }
+    };
+    // Shared with the older process: its slots are left as they are, and read as unknown.
+    let shared = mapped(dir.path(), config, false);
+    flood(&shared, 6 * s, 0);
+    drained(&shared, 7 * s);
+    let Region::File(file) = &shared.region else {
+        panic!("a state file")
+    };
+    assert_eq!(file.header().slot_format.load(Ordering::Relaxed), 0);
+    drop(shared);
+    // The sole owner: the older slots are migrated and the file marked.
+    let sole = mapped(dir.path(), config, true);
+    let Region::File(file) = &sole.region else {
+        panic!("a state file")
+    };
+    assert_eq!(
+        file.header().slot_format.load(Ordering::Relaxed),
+        state_file::SLOT_FORMAT_SPEND
+    );
+    let guard = &epoch::pin();
+    let table = MemoryStore::table(&sole.shards[0], guard);
+    let tenant = table.slot(table.find(at_key("tb:budget:tenant")).unwrap());
+    let meta = tenant.meta.load(Ordering::Relaxed);
+    assert_eq!(
+        meta & !(LOCKED | MOVED),
+        legacy_as_unknown(meta),
+        "migrated"
+    );
+    assert_eq!(giveaway(meta, 0, 8 * s), UNKNOWN_SPEND);
+    flood(&sole, 8 * s, 1_000);
+    drained(&sole, 9 * s);
+    assert_eq!(sole.stats().entries, Some(64));
 }
