@@ -46,6 +46,7 @@ pub mod compat;
 pub mod config;
 pub mod descriptor;
 pub mod engine;
+pub mod forwarding;
 pub mod fs_trust;
 pub mod grpc;
 pub mod handover;

@@ -170,7 +170,7 @@ impl ConnectorOptions {
 /// [TransportConnector] provides APIs to connect to servers via TCP or TLS with connection reuse
 pub struct TransportConnector {
     tls_ctx: tls::Connector,
-    connection_pool: Arc<ConnectionPool<Arc<Mutex<Stream>>>>,
+    connection_pool: Arc<ConnectionPool<Arc<Mutex<PooledStream>>>>,
     offload: Option<OffloadRuntime>,
     bind_to_v4: Vec<SocketAddr>,
     bind_to_v6: Vec<SocketAddr>,
@@ -182,6 +182,24 @@ pub struct TransportConnector {
 }
 
 const DEFAULT_POOL_SIZE: usize = 128;
+
+/// A stream kept in the connection pool. Whoever reuses it takes it out of the `Option` while
+/// holding the mutex, so taking it never races the idle poll's task dropping its reference.
+struct PooledStream(Option<Stream>);
+
+impl tokio::io::AsyncRead for PooledStream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut().0.as_mut() {
+            Some(stream) => std::pin::Pin::new(stream).poll_read(cx, buf),
+            // Already taken: nothing more to read.
+            None => std::task::Poll::Ready(Ok(())),
+        }
+    }
+}
 
 impl TransportConnector {
     /// Create a new [TransportConnector] with the given [ConnectorOptions]
@@ -252,12 +270,14 @@ impl TransportConnector {
         match self.connection_pool.get(&peer.reuse_hash()) {
             Some(s) => {
                 debug!("find reusable stream, trying to acquire it");
-                {
-                    let _ = s.lock().await;
-                } // wait for the idle poll to release it
-                match Arc::try_unwrap(s) {
-                    Ok(l) => {
-                        let mut stream = l.into_inner();
+                // Wait for the idle poll to release the lock, then take the stream out while
+                // holding it. Unlike `Arc::try_unwrap`, this does not depend on the idle poll's
+                // task having dropped its own `Arc` yet, which it may not have when it runs on
+                // another thread (cloudflare/pingora#998).
+                let taken = s.lock().await.0.take();
+                match taken {
+                    Some(stream) => {
+                        let mut stream = stream;
                         // test_reusable_stream: we assume server would never actively send data
                         // first on an idle stream.
                         #[cfg(unix)]
@@ -289,7 +309,7 @@ impl TransportConnector {
                             }
                         }
                     }
-                    Err(_) => {
+                    None => {
                         error!("failed to acquire reusable stream");
                         None
                     }
@@ -321,7 +341,7 @@ impl TransportConnector {
         let id = stream.id();
         let meta = ConnectionMeta::new(key, id);
         debug!("Try to keepalive client session");
-        let stream = Arc::new(Mutex::new(stream));
+        let stream = Arc::new(Mutex::new(PooledStream(Some(stream))));
         let locked_stream = stream.clone().try_lock_owned().unwrap(); // safe as we just created it
         let (notify_close, watch_use) = self.connection_pool.put(&meta, stream);
         let idle_meta = IdleConnection::new(meta);
