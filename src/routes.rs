@@ -10,11 +10,15 @@
 //!              "connect_timeout_ms": 5000, "read_timeout_ms": 30000, "idle_timeout_ms": 60000,
 //!              "tls": { "sni": "api.internal", "ca_file": "/etc/tollgate/ca.pem" },
 //!              "health_check": { "path": "/healthz", "interval_ms": 2000,
-//!                                "healthy_threshold": 2, "unhealthy_threshold": 2 } }
+//!                                "healthy_threshold": 2, "unhealthy_threshold": 2 },
+//!              "max_connections": 64, "queue_timeout_ms": 10000 }
 //!   },
-//!   "routes": [ { "host": "api.example.com", "path_prefix": "/v1", "upstream": "api" },
+//!   "routes": [ { "host": "api.example.com", "path_prefix": "/v1", "upstream": "api",
+//!                 "request_headers": { "set": { "X-Client-Ip": "${client_addr}" } },
+//!                 "response_headers": { "remove": ["Server"] } },
 //!               { "host": "*.example.com", "upstream": "api" } ],
-//!   "default_upstream": "api"
+//!   "default_upstream": "api",
+//!   "forwarded": true
 //! }
 //! ```
 

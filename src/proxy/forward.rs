@@ -18,10 +18,42 @@ use pingora::Result;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-static X_FORWARDED_PROTO: &str = "X-Forwarded-Proto";
-static X_FORWARDED_HOST: &str = "X-Forwarded-Host";
-static X_FORWARDED_PORT: &str = "X-Forwarded-Port";
+// Lower case, as HTTP/2 and Envoy send every name: parsing a lower-case name is a copy, a
+// mixed-case one a byte-by-byte conversion (on every request).
+static X_FORWARDED_PROTO: &str = "x-forwarded-proto";
+static X_FORWARDED_HOST: &str = "x-forwarded-host";
+static X_FORWARDED_PORT: &str = "x-forwarded-port";
 static FORWARDED: &str = "Forwarded";
+
+/// What the forwarding headers take from the connection alone, made once per connection (each
+/// header value is then a reference-count increment, not a format, an allocation and a check).
+#[derive(Clone, Default)]
+pub struct ConnectionValues {
+    /// The TCP peer as text: `X-Forwarded-For`'s last hop (and all of it when the client sent
+    /// none).
+    pub peer: Option<HeaderValue>,
+    /// `X-Forwarded-Port`: the port the client connected to.
+    pub port: Option<HeaderValue>,
+    /// The client connected over TLS.
+    pub tls: bool,
+}
+
+impl ConnectionValues {
+    /// Worked out from the session (on a connection's first request).
+    pub fn of(session: &Session, peer: Option<IpAddr>) -> ConnectionValues {
+        let peer = peer.and_then(|ip| {
+            let mut text = String::with_capacity(39);
+            crate::log_line::push_ip(&mut text, crate::descriptor::canonical_ip(ip));
+            HeaderValue::from_str(&text).ok()
+        });
+        let port = session
+            .server_addr()
+            .and_then(|a| a.as_inet())
+            .map(|local| HeaderValue::from(local.port()));
+        let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+        ConnectionValues { peer, port, tls }
+    }
+}
 
 /// What one request's forwarding needs, gathered in `request_filter`.
 #[derive(Default)]
@@ -44,19 +76,44 @@ fn host_of(req: &RequestHeader) -> Option<HeaderValue> {
     }
 }
 
-/// Sets the forwarding headers on the request to the upstream, then applies the route's
-/// `request_headers` rules. `peer`: the TCP peer; `client`: the address as resolved for
-/// limiting (what `${client_addr}` stands for); `access_id`: the access log's request ID.
-pub fn to_upstream(
-    session: &Session,
+/// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
+/// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
+/// as nginx's `$proxy_add_x_forwarded_for` does.
+fn forwarded_for_upstream(headers: &http::HeaderMap, peer: IpAddr) -> Vec<u8> {
+    let mut value = Vec::with_capacity(64);
+    for line in headers.get_all(&crate::service::X_FORWARDED_FOR) {
+        value.extend_from_slice(line.as_bytes());
+        value.extend_from_slice(b", ");
+    }
+    let mut peer_text = String::with_capacity(39);
+    crate::log_line::push_ip(&mut peer_text, peer);
+    value.extend_from_slice(peer_text.as_bytes());
+    value
+}
+
+/// Sets the forwarding headers (`X-Forwarded-For`, `-Proto`, `-Host`, `-Port`, and `Forwarded`
+/// when asked for) on the client's request header, which Pingora copies for each attempt to
+/// reach an upstream. `peer`: the TCP peer.
+pub fn to_request(
+    conn: &ConnectionValues,
     req: &mut RequestHeader,
     fwd: &Forwarding,
     peer: Option<IpAddr>,
-    client: Option<IpAddr>,
-    access_id: Option<&str>,
 ) -> Result<()> {
-    let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
-    let proto = if tls { "https" } else { "http" };
+    // Append the hop we saw (the TCP peer) to the chain; every earlier line is folded into
+    // one. Without a chain, the peer's text made once for the connection is the value.
+    if let Some(peer) = peer.map(crate::descriptor::canonical_ip) {
+        match &conn.peer {
+            Some(text) if !req.headers.contains_key(&crate::service::X_FORWARDED_FOR) => {
+                req.insert_header("X-Forwarded-For", text.clone())?;
+            }
+            _ => {
+                let value = forwarded_for_upstream(&req.headers, peer);
+                req.insert_header("X-Forwarded-For", value)?;
+            }
+        }
+    }
+    let proto = if conn.tls { "https" } else { "http" };
     let host = host_of(req);
     let keep = |req: &RequestHeader, name: &str| fwd.peer_trusted && req.headers.contains_key(name);
     if !keep(req, X_FORWARDED_PROTO) {
@@ -71,15 +128,8 @@ pub fn to_upstream(
         }
     }
     if !keep(req, X_FORWARDED_PORT) {
-        match session.server_addr().and_then(|a| a.as_inet()) {
-            Some(local) => {
-                let mut digits = itoa::Buffer::new();
-                req.insert_header(
-                    X_FORWARDED_PORT,
-                    HeaderValue::from_str(digits.format(local.port()))
-                        .unwrap_or(HeaderValue::from_static("0")),
-                )?;
-            }
+        match &conn.port {
+            Some(port) => req.insert_header(X_FORWARDED_PORT, port.clone())?,
             None => {
                 req.remove_header(X_FORWARDED_PORT);
             }
@@ -96,19 +146,32 @@ pub fn to_upstream(
         }
         value.extend_from_slice(element.as_bytes());
         req.insert_header(FORWARDED, value)?;
-    } else if !fwd.peer_trusted && req.headers.contains_key(FORWARDED) {
-        req.remove_header(FORWARDED);
-    }
-    if let Some(rules) = fwd.rules.as_deref().filter(|r| !r.request.is_empty()) {
-        let host_text = host.as_ref().and_then(|h| h.to_str().ok());
-        let vars = Variables {
-            client_addr: client.or(peer),
-            request_id: access_id.or(fwd.request_id.as_deref()),
-            host: host_text,
-        };
-        apply_to_request(req, &rules.request, &vars)?;
+    } else if !fwd.peer_trusted && req.headers.contains_key(http::header::FORWARDED) {
+        req.remove_header(&http::header::FORWARDED);
     }
     Ok(())
+}
+
+/// Applies the route's `request_headers` rules to the request to the upstream (after the
+/// forwarding headers, so a rule may replace or remove them). `client`: what `${client_addr}`
+/// stands for; `access_id`: the access log's request ID.
+pub fn apply_request_rules(
+    session: &Session,
+    req: &mut RequestHeader,
+    fwd: &Forwarding,
+    client: Option<IpAddr>,
+    access_id: Option<&str>,
+) -> Result<()> {
+    let Some(rules) = fwd.rules.as_deref().filter(|r| !r.request.is_empty()) else {
+        return Ok(());
+    };
+    let host = host_of(session.req_header());
+    let vars = Variables {
+        client_addr: client,
+        request_id: access_id.or(fwd.request_id.as_deref()),
+        host: host.as_ref().and_then(|h| h.to_str().ok()),
+    };
+    apply_to_request(req, &rules.request, &vars)
 }
 
 fn apply_to_request(req: &mut RequestHeader, rules: &HeaderRules, vars: &Variables) -> Result<()> {

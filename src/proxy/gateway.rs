@@ -202,21 +202,6 @@ fn http2_key(session: &Session) -> Option<usize> {
         .map(|digest| Arc::as_ptr(digest) as usize)
 }
 
-/// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
-/// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
-/// as nginx's `$proxy_add_x_forwarded_for` does.
-fn forwarded_for_upstream(headers: &http::HeaderMap, peer: std::net::IpAddr) -> Vec<u8> {
-    let mut value = Vec::with_capacity(64);
-    for line in headers.get_all(&crate::service::X_FORWARDED_FOR) {
-        value.extend_from_slice(line.as_bytes());
-        value.extend_from_slice(b", ");
-    }
-    let mut peer_text = String::with_capacity(39);
-    crate::log_line::push_ip(&mut peer_text, peer);
-    value.extend_from_slice(peer_text.as_bytes());
-    value
-}
-
 /// Writes a complete response from the gateway itself: built from `http` parts with names
 /// parsed once (Pingora's `insert_header` would parse and allocate each custom name again), with
 /// `Content-Length`, so header and body leave in one write and the connection stays open.
@@ -586,9 +571,21 @@ impl ProxyHttp for Proxy {
 
     async fn upstream_peer(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         ctx: &mut Self::CTX,
     ) -> Result<Box<HttpPeer>> {
+        // The forwarding headers go on the client's request header itself, once: Pingora copies
+        // it for every attempt, and it has room for them (a copy made first would grow).
+        if ctx.connect_tries == 0 && ctx.group.is_some() {
+            let (peer, forwarding) = (ctx.peer, &ctx.forwarding);
+            super::conn::with_forwarding_values(
+                session,
+                |session| super::forward::ConnectionValues::of(session, peer),
+                |session, conn| {
+                    super::forward::to_request(conn, session.req_header_mut(), forwarding, peer)
+                },
+            )?;
+        }
         // A retry gives back the slot it held at the server that failed first.
         ctx.slot = None;
         let Some(group) = ctx.group.as_ref() else {
@@ -690,23 +687,16 @@ impl ProxyHttp for Proxy {
         upstream_request: &mut RequestHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        // Append the hop we saw (the TCP peer) to the chain, as nginx's
-        // $proxy_add_x_forwarded_for does; every earlier line is folded into one.
-        if let Some(peer) = ctx.peer.map(crate::descriptor::canonical_ip) {
-            let value = forwarded_for_upstream(&upstream_request.headers, peer);
-            upstream_request.insert_header("X-Forwarded-For", value)?;
-        }
         if let Some(access) = ctx.access.as_deref() {
             if access.generated_id {
                 upstream_request.insert_header("X-Request-Id", access.request_id.as_str())?;
             }
         }
-        super::forward::to_upstream(
+        super::forward::apply_request_rules(
             session,
             upstream_request,
             &ctx.forwarding,
-            ctx.peer,
-            ctx.client_ip,
+            ctx.client_ip.or(ctx.peer),
             ctx.access.as_deref().map(|a| a.request_id.as_str()),
         )?;
         if let Some(metering) = ctx.metering.as_deref_mut() {

@@ -353,7 +353,10 @@ impl HttpSession {
                             req.method.unwrap_or(""),
                             // we path httparse to allow unsafe bytes in the str
                             req.path.unwrap_or("").as_bytes(),
-                            Some(req.headers.len()),
+                            // Room for the headers a proxy adds (X-Forwarded-*, a request ID):
+                            // sized to the parsed count alone, both header maps grow (and
+                            // rehash) on the first header added.
+                            Some(req.headers.len() + 8),
                         )?);
 
                         request_header.set_version(match req.version {
