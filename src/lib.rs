@@ -23,8 +23,9 @@
 //! L0  clock, policy, descriptor,   pure core: no network, no async (the policy loader reads
 //!     limiter, budget,             its file) — time, compiled bundles, request facts and
 //!     client_addr, redact,         keys, token-bucket and window maths, budget windows and
-//!     log_value                    stages, the client address, redaction, the escaping of
-//!                                  values in text log lines
+//!     log_value, forwarding        stages, the client address, redaction, the escaping of
+//!                                  values in text log lines, forwarding headers and a
+//!                                  route's header rules
 //! ```
 //!
 //! One exception, on purpose: a limit kind's module under `limits` holds both halves of its
@@ -46,6 +47,7 @@ pub mod compat;
 pub mod config;
 pub mod descriptor;
 pub mod engine;
+pub mod forwarding;
 pub mod fs_trust;
 pub mod grpc;
 pub mod handover;

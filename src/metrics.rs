@@ -53,6 +53,17 @@ impl BundleCounters {
     }
 }
 
+/// An upstream group's queue metrics (the per-server connection cap).
+#[derive(Clone)]
+pub struct QueueMetrics {
+    /// Requests waiting now.
+    pub waiting: IntGauge,
+    /// How long each request that had to wait waited (seconds).
+    pub waits: Histogram,
+    /// Requests answered 503 after waiting the whole queue timeout.
+    pub timeouts: IntCounter,
+}
+
 /// All gateway metrics.
 pub struct Metrics {
     registry: Registry,
@@ -95,6 +106,10 @@ pub struct Metrics {
     upstream_connect_failures: IntCounterVec,
     upstream_retries: IntCounterVec,
     upstream_ejections: IntCounterVec,
+    /// The per-server connection cap's queue, by group.
+    upstream_queue_waiting: IntGaugeVec,
+    upstream_queue_waits: prometheus::HistogramVec,
+    upstream_queue_timeouts: IntCounterVec,
     llm_undecodable: IntCounterVec,
     /// Operator actions: bucket resets by the store's answer (`reset`: it held state, `full`:
     /// nothing to reset), admin requests refused for their token.
@@ -404,6 +419,36 @@ impl Metrics {
             ),
             &["group"],
         ));
+        let upstream_queue_waiting = must(IntGaugeVec::new(
+            Opts::new(
+                "tollgate_upstream_queue_waiting",
+                "Requests waiting now for a free slot of an upstream server at its max_connections, by group",
+            ),
+            &["group"],
+        ));
+        let upstream_queue_waits = must(prometheus::HistogramVec::new(
+            HistogramOpts::new(
+                "tollgate_upstream_queue_wait_seconds",
+                "How long requests that had to wait for a free upstream slot waited, by group",
+            )
+            .buckets(vec![0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 10.0, 60.0]),
+            &["group"],
+        ));
+        let upstream_queue_timeouts = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_upstream_queue_timeouts_total",
+                "Requests answered 503 after waiting queue_timeout_ms for a free upstream slot, by group",
+            ),
+            &["group"],
+        ));
+        for c in [
+            Box::new(upstream_queue_waiting.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(upstream_queue_waits.clone()),
+            Box::new(upstream_queue_timeouts.clone()),
+        ] {
+            defined.extend(c.desc().iter().map(|d| d.fq_name.clone()));
+            must(registry.register(c));
+        }
         let llm_undecodable = must(IntCounterVec::new(
             Opts::new(
                 "tollgate_llm_undecodable_responses_total",
@@ -525,6 +570,9 @@ impl Metrics {
             upstream_connect_failures,
             upstream_retries,
             upstream_ejections,
+            upstream_queue_waiting,
+            upstream_queue_waits,
+            upstream_queue_timeouts,
             llm_undecodable,
             per_rule: ArcSwapOption::empty(),
             render_lock: parking_lot::Mutex::new(()),
@@ -587,6 +635,15 @@ impl Metrics {
         }
         if ejected {
             self.upstream_ejections.with_label_values(&[group]).inc();
+        }
+    }
+
+    /// The queue metrics of an upstream group (looked up only when a request has to wait).
+    pub fn upstream_queue(&self, group: &str) -> QueueMetrics {
+        QueueMetrics {
+            waiting: self.upstream_queue_waiting.with_label_values(&[group]),
+            waits: self.upstream_queue_waits.with_label_values(&[group]),
+            timeouts: self.upstream_queue_timeouts.with_label_values(&[group]),
         }
     }
 

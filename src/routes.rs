@@ -10,14 +10,19 @@
 //!              "connect_timeout_ms": 5000, "read_timeout_ms": 30000, "idle_timeout_ms": 60000,
 //!              "tls": { "sni": "api.internal", "ca_file": "/etc/tollgate/ca.pem" },
 //!              "health_check": { "path": "/healthz", "interval_ms": 2000,
-//!                                "healthy_threshold": 2, "unhealthy_threshold": 2 } }
+//!                                "healthy_threshold": 2, "unhealthy_threshold": 2 },
+//!              "max_connections": 64, "queue_timeout_ms": 10000 }
 //!   },
-//!   "routes": [ { "host": "api.example.com", "path_prefix": "/v1", "upstream": "api" },
+//!   "routes": [ { "host": "api.example.com", "path_prefix": "/v1", "upstream": "api",
+//!                 "request_headers": { "set": { "X-Client-Ip": "${client_addr}" } },
+//!                 "response_headers": { "remove": ["Server"] } },
 //!               { "host": "*.example.com", "upstream": "api" } ],
-//!   "default_upstream": "api"
+//!   "default_upstream": "api",
+//!   "forwarded": true
 //! }
 //! ```
 
+use crate::forwarding::RouteHeaders;
 use crate::policy::json::{self, join};
 use crate::policy::{path_has_prefix, FieldError};
 use serde_json::{Map, Value};
@@ -73,7 +78,15 @@ pub struct GroupSpec {
     /// `None`: until the server closes it or the pool (shared by every group, least recently
     /// used first out) needs its place.
     pub idle_timeout: Option<Duration>,
+    /// Requests in flight to each server of the group at most (`max_connections`); `None`: no
+    /// cap. Requests beyond it wait, first come first served, up to `queue_timeout`.
+    pub max_connections: Option<usize>,
+    /// How long a request waits for a free slot before it is answered 503 (`queue_timeout_ms`).
+    pub queue_timeout: Duration,
 }
+
+/// How long a request waits for a server's free slot by default (`queue_timeout_ms`).
+pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl GroupSpec {
     /// The single group behind `--upstream` (round-robin, no active checks).
@@ -87,6 +100,8 @@ impl GroupSpec {
             tls: None,
             health_check: None,
             idle_timeout: None,
+            max_connections: None,
+            queue_timeout: DEFAULT_QUEUE_TIMEOUT,
         }
     }
 
@@ -122,6 +137,8 @@ pub struct Route {
     path_prefix: String,
     /// Index into [`RouteTable::groups`].
     pub group: usize,
+    /// The route's `request_headers` and `response_headers` rules, if any.
+    pub headers: Option<std::sync::Arc<RouteHeaders>>,
 }
 
 /// The compiled gateway file.
@@ -133,6 +150,8 @@ pub struct RouteTable {
     routes: Vec<Route>,
     /// Group for requests no route matches.
     pub default: Option<usize>,
+    /// `"forwarded": true`: an RFC 7239 `Forwarded` header towards the upstreams.
+    pub forwarded: bool,
 }
 
 impl RouteTable {
@@ -142,6 +161,7 @@ impl RouteTable {
             groups: vec![group],
             routes: Vec::new(),
             default: Some(0),
+            forwarded: false,
         }
     }
 
@@ -152,6 +172,16 @@ impl RouteTable {
 
     /// The group for a request: `host` without port (any case), `path` normalised.
     pub fn pick(&self, host: Option<&str>, path: &str) -> Option<usize> {
+        self.pick_route(host, path).map(|(group, _)| group)
+    }
+
+    /// The group for a request and the header rules of the route that chose it (none for the
+    /// default upstream).
+    pub fn pick_route(
+        &self,
+        host: Option<&str>,
+        path: &str,
+    ) -> Option<(usize, Option<&std::sync::Arc<RouteHeaders>>)> {
         let host = host.map(|h| h.trim_end_matches('.'));
         self.routes
             .iter()
@@ -168,8 +198,8 @@ impl RouteTable {
                 };
                 host_ok && path_has_prefix(path, &r.path_prefix)
             })
-            .map(|r| r.group)
-            .or(self.default)
+            .map(|r| (r.group, r.headers.as_ref()))
+            .or(self.default.map(|group| (group, None)))
     }
 }
 
@@ -291,7 +321,11 @@ impl Compiler<'_> {
     }
 
     fn table(&mut self, root: &Value) -> Option<RouteTable> {
-        let map = self.object(root, "", &["upstreams", "routes", "default_upstream"])?;
+        let map = self.object(
+            root,
+            "",
+            &["upstreams", "routes", "default_upstream", "forwarded"],
+        )?;
         let mut groups = Vec::new();
         match map.get("upstreams").and_then(Value::as_object) {
             Some(upstreams) if !upstreams.is_empty() => {
@@ -358,10 +392,19 @@ impl Compiler<'_> {
             )
         };
         routes.sort_by_key(specificity);
+        let forwarded = match map.get("forwarded") {
+            None => false,
+            Some(Value::Bool(on)) => *on,
+            Some(_) => {
+                self.error("forwarded", "must be true or false");
+                false
+            }
+        };
         Some(RouteTable {
             groups,
             routes,
             default,
+            forwarded,
         })
     }
 
@@ -377,6 +420,8 @@ impl Compiler<'_> {
                 "idle_timeout_ms",
                 "tls",
                 "health_check",
+                "max_connections",
+                "queue_timeout_ms",
             ],
         )?;
         let mut servers = Vec::new();
@@ -419,7 +464,30 @@ impl Compiler<'_> {
         let health_check = map
             .get("health_check")
             .and_then(|v| self.health_check(v, &join(path, "health_check")));
+        // The per-server cap and its queue.
+        let max_connections = match map.get("max_connections") {
+            None => None,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=100_000).contains(&n) => Some(n as usize),
+                _ => {
+                    self.error(
+                        &join(path, "max_connections"),
+                        "must be a whole number from 1 to 100000 (requests in flight to each server)",
+                    );
+                    None
+                }
+            },
+        };
+        let queue_timeout = self.millis(map, path, "queue_timeout_ms", DEFAULT_QUEUE_TIMEOUT);
+        if map.contains_key("queue_timeout_ms") && !map.contains_key("max_connections") {
+            self.error(
+                &join(path, "queue_timeout_ms"),
+                "needs max_connections: without a cap nothing waits",
+            );
+        }
         Some(GroupSpec {
+            max_connections,
+            queue_timeout,
             name: name.to_string(),
             servers,
             balance,
@@ -529,7 +597,17 @@ impl Compiler<'_> {
         path: &str,
         index_of: &dyn Fn(&str) -> Option<usize>,
     ) -> Option<Route> {
-        let map = self.object(v, path, &["host", "path_prefix", "upstream"])?;
+        let map = self.object(
+            v,
+            path,
+            &[
+                "host",
+                "path_prefix",
+                "upstream",
+                "request_headers",
+                "response_headers",
+            ],
+        )?;
         let host = match map.get("host") {
             None => HostPattern::Any,
             Some(v) => {
@@ -588,10 +666,22 @@ impl Compiler<'_> {
                 }
             }
         };
+        let mut headers = RouteHeaders::default();
+        for (field, rules) in [
+            ("request_headers", &mut headers.request),
+            ("response_headers", &mut headers.response),
+        ] {
+            if let Some(v) = map.get(field) {
+                *rules = crate::forwarding::compile_rules(&mut self.errors, v, &join(path, field));
+            }
+        }
+        let headers = (!headers.request.is_empty() || !headers.response.is_empty())
+            .then(|| std::sync::Arc::new(headers));
         Some(Route {
             host,
             path_prefix,
             group,
+            headers,
         })
     }
 }
@@ -664,7 +754,7 @@ mod tests {
         assert_eq!(
             e,
             vec![
-                "extra: unknown field (expected one of: upstreams, routes, default_upstream)",
+                "extra: unknown field (expected one of: upstreams, routes, default_upstream, forwarded)",
                 "upstreams.api.servers: must be a non-empty array of HOST:PORT",
                 "upstreams.api.balance: must be \"round_robin\" or \"client_hash\"",
                 "upstreams.api.connect_timeout_ms: must be a whole number of milliseconds from 1 to 3600000",
@@ -672,7 +762,7 @@ mod tests {
                 "upstreams.tls.tls.sni: is required: the name to verify in the server's certificate",
                 "routes[0].host: a wildcard is only allowed as the first label (\"*.example.com\")",
                 "routes[1].upstream: no upstream group named \"missing\"",
-                "routes[2].weight: unknown field (expected one of: host, path_prefix, upstream)",
+                "routes[2].weight: unknown field (expected one of: host, path_prefix, upstream, request_headers, response_headers)",
                 "routes[2].path_prefix: must start with '/'",
                 "default_upstream: no upstream group named \"nope\"",
             ]

@@ -457,3 +457,224 @@ fn client_hash_keeps_each_client_on_one_server_and_spreads_clients() {
     }
     assert_eq!(used.len(), 2, "40 clients all on one server");
 }
+
+/// An upstream answering every request with the request's header lines as it received them
+/// (`name: value`, one a line, names lower-cased), plus `X-Upstream-Secret: 1` and
+/// `X-Upstream-Kept: 1` on the response.
+fn header_echo() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut writer = conn;
+                loop {
+                    let mut request_line = String::new();
+                    if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut body = String::new();
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        if let Some((name, value)) = line.split_once(':') {
+                            body.push_str(&format!(
+                                "{}: {}\n",
+                                name.to_ascii_lowercase(),
+                                value.trim()
+                            ));
+                        }
+                    }
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Upstream-Secret: 1\r\nX-Upstream-Kept: 1\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if writer.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The values of one header the upstream received (from [`header_echo`]'s body).
+fn received<'a>(body: &'a str, name: &str) -> Vec<&'a str> {
+    body.lines()
+        .filter_map(|l| l.split_once(": "))
+        .filter(|(n, _)| *n == name)
+        .map(|(_, v)| v)
+        .collect()
+}
+
+/// By default the upstream is told the scheme, host and port the client used; what a client
+/// claims under those names (and any `Forwarded` it sends) is replaced unless the client is a
+/// `--trusted-proxy`, whose values are kept.
+#[test]
+fn forwarding_headers_are_added_and_kept_only_from_trusted_proxies() {
+    let echo = header_echo();
+    let spoofed = [
+        ("Host", "shop.example.com"),
+        ("X-Forwarded-Proto", "https"),
+        ("X-Forwarded-Host", "admin.internal"),
+        ("X-Forwarded-Port", "443"),
+        ("Forwarded", "for=10.9.9.9;proto=https"),
+    ];
+    let gw = Gateway::start(Some(OPEN), Some(echo), &[]);
+    let r = support::request(gw.proxy, "GET", "/v1/x", &spoofed);
+    assert_eq!(r.status, 200);
+    let port = gw.proxy.port().to_string();
+    assert_eq!(
+        received(&r.body, "x-forwarded-proto"),
+        vec!["http"],
+        "{}",
+        r.body
+    );
+    assert_eq!(
+        received(&r.body, "x-forwarded-host"),
+        vec!["shop.example.com"]
+    );
+    assert_eq!(received(&r.body, "x-forwarded-port"), vec![port.as_str()]);
+    assert!(received(&r.body, "forwarded").is_empty(), "{}", r.body);
+    drop(gw);
+
+    let gw = Gateway::start(Some(OPEN), Some(echo), &["--trusted-proxy", "127.0.0.0/8"]);
+    let r = support::request(gw.proxy, "GET", "/v1/x", &spoofed);
+    assert_eq!(
+        received(&r.body, "x-forwarded-proto"),
+        vec!["https"],
+        "{}",
+        r.body
+    );
+    assert_eq!(
+        received(&r.body, "x-forwarded-host"),
+        vec!["admin.internal"]
+    );
+    assert_eq!(received(&r.body, "x-forwarded-port"), vec!["443"]);
+    assert_eq!(
+        received(&r.body, "forwarded"),
+        vec!["for=10.9.9.9;proto=https"]
+    );
+    // Without them, the trusted proxy's request gets the gateway's own.
+    let port = gw.proxy.port().to_string();
+    let r = support::request(gw.proxy, "GET", "/v1/x", &[]);
+    assert_eq!(received(&r.body, "x-forwarded-proto"), vec!["http"]);
+    assert_eq!(
+        received(&r.body, "x-forwarded-host"),
+        vec!["api.example.com"]
+    );
+    assert_eq!(received(&r.body, "x-forwarded-port"), vec![port.as_str()]);
+}
+
+/// A route's `request_headers` and `response_headers` rules (`set`, `add`, `remove`, with the
+/// `${client_addr}`, `${request_id}` and `${host}` variables), and RFC 7239 `Forwarded` with
+/// `"forwarded": true`: a trusted proxy's element is kept and ours appended; an untrusted
+/// client's is replaced.
+#[test]
+fn route_header_rules_and_forwarded_apply_per_route() {
+    let echo = header_echo();
+    let routes = format!(
+        r#"{{"upstreams": {{"echo": {{"servers": ["{echo}"]}}}},
+            "forwarded": true,
+            "routes": [
+              {{"path_prefix": "/rules", "upstream": "echo",
+                "request_headers": {{
+                  "set": {{"X-Env": "prod", "X-Client": "${{client_addr}}", "X-Host": "${{host}}"}},
+                  "add": {{"X-Trace": "${{request_id}}", "X-Env": "canary"}},
+                  "remove": ["X-Debug"]}},
+                "response_headers": {{
+                  "set": {{"X-Served-By": "tollgate"}},
+                  "add": {{"X-Request-Echo": "${{request_id}}"}},
+                  "remove": ["X-Upstream-Secret"]}}}},
+              {{"path_prefix": "/plain", "upstream": "echo"}}
+            ]}}"#
+    );
+    let gw = gateway_with_routes(&routes);
+    let sent = [
+        ("X-Debug", "1"),
+        ("X-Env", "dev"),
+        ("X-Request-Id", "req-42"),
+        ("Forwarded", "for=10.9.9.9"),
+    ];
+    let r = support::request(gw.proxy, "GET", "/rules/a", &sent);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(
+        received(&r.body, "x-env"),
+        vec!["prod", "canary"],
+        "{}",
+        r.body
+    );
+    assert_eq!(received(&r.body, "x-client"), vec!["127.0.0.1"]);
+    assert_eq!(received(&r.body, "x-host"), vec!["api.example.com"]);
+    assert_eq!(received(&r.body, "x-trace"), vec!["req-42"]);
+    assert!(received(&r.body, "x-debug").is_empty());
+    // Not a trusted proxy: its Forwarded is replaced by the gateway's element.
+    assert_eq!(
+        received(&r.body, "forwarded"),
+        vec!["for=127.0.0.1;host=api.example.com;proto=http"]
+    );
+    assert_eq!(r.header("X-Served-By"), Some("tollgate"));
+    assert_eq!(r.header("X-Request-Echo"), Some("req-42"));
+    assert_eq!(r.header("X-Upstream-Secret"), None);
+    assert_eq!(r.header("X-Upstream-Kept"), Some("1"));
+    // Another route: no rules, the headers pass as sent.
+    let r = support::request(gw.proxy, "GET", "/plain/a", &sent);
+    assert_eq!(received(&r.body, "x-env"), vec!["dev"]);
+    assert_eq!(received(&r.body, "x-debug"), vec!["1"]);
+    assert_eq!(r.header("X-Upstream-Secret"), Some("1"));
+    assert_eq!(r.header("X-Served-By"), None);
+}
+
+/// The same with the client a trusted proxy: the chain it sent is kept, the gateway's element
+/// appended.
+#[test]
+fn a_trusted_proxys_forwarded_chain_is_extended() {
+    let echo = header_echo();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("routes.json");
+    std::fs::write(
+        &file,
+        format!(
+            r#"{{"upstreams": {{"echo": {{"servers": ["{echo}"]}}}}, "forwarded": true, "default_upstream": "echo"}}"#
+        ),
+    )
+    .unwrap();
+    let gw = Gateway::start(
+        Some(OPEN),
+        None,
+        &[
+            "--routes",
+            file.to_str().unwrap(),
+            "--trusted-proxy",
+            "127.0.0.0/8",
+        ],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    let r = support::request(
+        gw.proxy,
+        "GET",
+        "/x",
+        &[
+            ("Host", "api.example.com:8443"),
+            ("Forwarded", "for=198.51.100.7;proto=https"),
+        ],
+    );
+    assert_eq!(
+        received(&r.body, "forwarded"),
+        vec![
+            "for=198.51.100.7;proto=https, for=127.0.0.1;host=\"api.example.com:8443\";proto=http"
+        ],
+        "{}",
+        r.body
+    );
+}

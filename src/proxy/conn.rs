@@ -34,6 +34,8 @@ pub struct Connection {
     clock: DeadlineClock,
     /// The peer address and whether it is a trusted proxy, worked out once per connection.
     peer: std::sync::OnceLock<(Option<std::net::IpAddr>, bool)>,
+    /// The forwarding headers' values that depend on the connection alone.
+    forwarding: std::sync::OnceLock<super::forward::ConnectionValues>,
     /// Requests being served (HTTP/2 streams run side by side): the idle deadline is armed
     /// only when the last one is done.
     active: AtomicUsize,
@@ -107,6 +109,26 @@ pub fn peer(
                 .get_or_init(|| work_out.take().map_or((None, false), |f| f()))
         })
         .unwrap_or_else(|_| work_out.take().map_or((None, false), |f| f()))
+}
+
+/// Runs `use_values` with the forwarding headers' per-connection values, made by `work_out` on
+/// the connection's first request and kept for the next ones (outside a guarded connection,
+/// made every time).
+pub fn with_forwarding_values<S, R>(
+    state: &mut S,
+    work_out: impl FnOnce(&S) -> super::forward::ConnectionValues,
+    use_values: impl FnOnce(&mut S, &super::forward::ConnectionValues) -> R,
+) -> R {
+    match CONNECTION.try_with(Arc::clone) {
+        Ok(connection) => {
+            let values = connection.forwarding.get_or_init(|| work_out(state));
+            use_values(state, values)
+        }
+        Err(_) => {
+            let values = work_out(state);
+            use_values(state, &values)
+        }
+    }
 }
 
 /// One connection's deadline, in milliseconds since accept (0 = disarmed).
@@ -332,6 +354,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
         let connection = Arc::new(Connection {
             clock: DeadlineClock::new(),
             peer: std::sync::OnceLock::new(),
+            forwarding: std::sync::OnceLock::new(),
             active: AtomicUsize::new(0),
         });
         connection.clock.arm(self.limits.header_timeout);

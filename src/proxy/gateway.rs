@@ -29,6 +29,11 @@ const NO_HEALTHY_UPSTREAM: pingora::ErrorType = pingora::ErrorType::Custom("no h
 const STREAM_STOPPED: pingora::ErrorType =
     pingora::ErrorType::Custom("stream stopped past max_completion_tokens");
 
+/// The chosen server stayed at its `max_connections` for the group's whole queue timeout: a 503
+/// with `Retry-After`. An outcome counted in the metrics, not logged per request.
+const QUEUE_TIMED_OUT: pingora::ErrorType =
+    pingora::ErrorType::Custom("upstream server queue timed out");
+
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
@@ -53,6 +58,11 @@ pub struct RequestCtx {
     forward_body: Option<Bytes>,
     /// An LLM reservation and the meter reading its response's usage (settled in `logging`).
     metering: Option<Box<Metering>>,
+    /// The slot held at a server of a group with `max_connections` (given back in `logging`,
+    /// or when a retry moves to another server).
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Forwarding headers and the route's header rules.
+    forwarding: super::forward::Forwarding,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
@@ -192,21 +202,6 @@ fn http2_key(session: &Session) -> Option<usize> {
         .map(|digest| Arc::as_ptr(digest) as usize)
 }
 
-/// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
-/// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
-/// as nginx's `$proxy_add_x_forwarded_for` does.
-fn forwarded_for_upstream(headers: &http::HeaderMap, peer: std::net::IpAddr) -> Vec<u8> {
-    let mut value = Vec::with_capacity(64);
-    for line in headers.get_all(&crate::service::X_FORWARDED_FOR) {
-        value.extend_from_slice(line.as_bytes());
-        value.extend_from_slice(b", ");
-    }
-    let mut peer_text = String::with_capacity(39);
-    crate::log_line::push_ip(&mut peer_text, peer);
-    value.extend_from_slice(peer_text.as_bytes());
-    value
-}
-
 /// Writes a complete response from the gateway itself: built from `http` parts with names
 /// parsed once (Pingora's `insert_header` would parse and allocate each custom name again), with
 /// `Content-Length`, so header and body leave in one write and the connection stays open.
@@ -339,6 +334,7 @@ impl ProxyHttp for Proxy {
             (peer, trusted)
         });
         ctx.peer = peer;
+        ctx.forwarding.peer_trusted = peer_trusted;
         // A `token_bucket_llm` rule needs the whole body (bounded) before deciding. With shadow
         // rules alone, a body that could be refused (too large, or chunked) is not read:
         // shadow mode refuses nothing, and the shadow rules count it without its prompt.
@@ -431,12 +427,28 @@ impl ProxyHttp for Proxy {
                             })
                         });
                         ctx.add_headers = answer.response.headers;
-                        ctx.group = self
-                            .upstreams
-                            .load()
-                            .route(facts.host_name(), &facts.path)
-                            .cloned();
-                        if ctx.group.is_some() {
+                        let upstreams = self.upstreams.load();
+                        if let Some((group, rules)) =
+                            upstreams.route_with_rules(facts.host_name(), &facts.path)
+                        {
+                            ctx.group = Some(Arc::clone(group));
+                            ctx.forwarding.forwarded = upstreams.table.forwarded;
+                            if let Some(rules) = rules {
+                                if rules.uses_request_id() && ctx.access.is_none() {
+                                    ctx.forwarding.request_id = Some(
+                                        req.headers
+                                            .get(&X_REQUEST_ID)
+                                            .and_then(|v| {
+                                                access_log::acceptable_request_id(v.as_bytes())
+                                            })
+                                            .map_or_else(
+                                                access_log::new_request_id,
+                                                str::to_string,
+                                            ),
+                                    );
+                                }
+                                ctx.forwarding.rules = Some(Arc::clone(rules));
+                            }
                             return Ok(false);
                         }
                         (
@@ -559,9 +571,23 @@ impl ProxyHttp for Proxy {
 
     async fn upstream_peer(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         ctx: &mut Self::CTX,
     ) -> Result<Box<HttpPeer>> {
+        // The forwarding headers go on the client's request header itself, once: Pingora copies
+        // it for every attempt, and it has room for them (a copy made first would grow).
+        if ctx.connect_tries == 0 && ctx.group.is_some() {
+            let (peer, forwarding) = (ctx.peer, &ctx.forwarding);
+            super::conn::with_forwarding_values(
+                session,
+                |session| super::forward::ConnectionValues::of(session, peer),
+                |session, conn| {
+                    super::forward::to_request(conn, session.req_header_mut(), forwarding, peer)
+                },
+            )?;
+        }
+        // A retry gives back the slot it held at the server that failed first.
+        ctx.slot = None;
         let Some(group) = ctx.group.as_ref() else {
             return Err(Error::explain(NO_HEALTHY_UPSTREAM, "no upstream group"));
         };
@@ -575,6 +601,25 @@ impl ProxyHttp for Proxy {
                 "every server of the upstream group is down",
             ));
         };
+        // The per-server cap: wait in line for a slot (none when the group has no cap).
+        let slot = match group.slots(addr) {
+            None => None,
+            Some(slots) => match slots
+                .acquire(group.spec.queue_timeout, || {
+                    self.gateway.metrics.upstream_queue(&group.spec.name)
+                })
+                .await
+            {
+                Ok(slot) => Some(slot),
+                Err(super::queue::QueueTimedOut) => {
+                    return Err(Error::explain(
+                        QUEUE_TIMED_OUT,
+                        "the upstream server stayed at max_connections for queue_timeout_ms",
+                    ))
+                }
+            },
+        };
+        ctx.slot = slot;
         ctx.server = Some(addr);
         ctx.connect_tries += 1;
         if let Some(access) = ctx.access.as_deref_mut() {
@@ -638,21 +683,22 @@ impl ProxyHttp for Proxy {
 
     async fn upstream_request_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_request: &mut RequestHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
-        // Append the hop we saw (the TCP peer) to the chain, as nginx's
-        // $proxy_add_x_forwarded_for does; every earlier line is folded into one.
-        if let Some(peer) = ctx.peer.map(crate::descriptor::canonical_ip) {
-            let value = forwarded_for_upstream(&upstream_request.headers, peer);
-            upstream_request.insert_header("X-Forwarded-For", value)?;
-        }
         if let Some(access) = ctx.access.as_deref() {
             if access.generated_id {
                 upstream_request.insert_header("X-Request-Id", access.request_id.as_str())?;
             }
         }
+        super::forward::apply_request_rules(
+            session,
+            upstream_request,
+            &ctx.forwarding,
+            ctx.client_ip.or(ctx.peer),
+            ctx.access.as_deref().map(|a| a.request_id.as_str()),
+        )?;
         if let Some(metering) = ctx.metering.as_deref_mut() {
             // The response's usage must be readable as it passes: uncompressed (SDKs ask
             // for gzip and br by default).
@@ -664,7 +710,7 @@ impl ProxyHttp for Proxy {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
@@ -723,6 +769,24 @@ impl ProxyHttp for Proxy {
         if !ctx.add_headers.is_empty() {
             add_response_headers(upstream_response, std::mem::take(&mut ctx.add_headers))?;
         }
+        if let Some(rules) = ctx
+            .forwarding
+            .rules
+            .as_deref()
+            .filter(|r| !r.response.is_empty())
+        {
+            let (host, _) = host_and_target(session.req_header());
+            let vars = crate::forwarding::Variables {
+                client_addr: ctx.client_ip.or(ctx.peer),
+                request_id: ctx
+                    .access
+                    .as_deref()
+                    .map(|a| a.request_id.as_str())
+                    .or(ctx.forwarding.request_id.as_deref()),
+                host,
+            };
+            super::forward::to_client(upstream_response, &rules.response, &vars)?;
+        }
         if let Some(stop) = ctx.metering.as_mut().and_then(|m| m.stop.as_mut()) {
             stop.header = Some(upstream_response.clone());
         }
@@ -730,7 +794,9 @@ impl ProxyHttp for Proxy {
     }
 
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
-        // The response is done: the connection may now idle until its next request.
+        // The response is done: the connection may now idle until its next request, and the
+        // server's slot (with `max_connections`) goes to the next in line.
+        ctx.slot = None;
         super::conn::request_done(http2_key(session), self.gateway.config.keepalive_timeout);
         // `take`: given back exactly once.
         if let Some(lease) = ctx.lease.take() {
@@ -761,7 +827,7 @@ impl ProxyHttp for Proxy {
     }
 
     fn suppress_error_log(&self, _session: &Session, _ctx: &Self::CTX, e: &Error) -> bool {
-        *e.etype() == STREAM_STOPPED
+        *e.etype() == STREAM_STOPPED || *e.etype() == QUEUE_TIMED_OUT
     }
 
     async fn fail_to_proxy(
@@ -799,6 +865,24 @@ impl ProxyHttp for Proxy {
             tracing::warn!(error = %crate::log_line::value(&e.to_string()), "upstream failed mid-response: the client connection is closed");
             return FailToProxy {
                 error_code: code,
+                can_reuse_downstream: false,
+            };
+        }
+        if *e.etype() == QUEUE_TIMED_OUT {
+            let mut headers = request_id_header(ctx);
+            headers.push((
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from(super::queue::RETRY_AFTER_SECS),
+            ));
+            let _ = respond(
+                session,
+                503,
+                headers,
+                "Service Unavailable: the upstream server is at its connection limit\n",
+            )
+            .await;
+            return FailToProxy {
+                error_code: 503,
                 can_reuse_downstream: false,
             };
         }

@@ -7,7 +7,9 @@
 
 pub mod admin;
 pub mod conn;
+pub mod forward;
 pub mod gateway;
+pub mod queue;
 pub mod upstreams;
 
 use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};

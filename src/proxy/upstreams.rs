@@ -53,6 +53,16 @@ impl Upstreams {
     pub fn route(&self, host: Option<&str>, path: &str) -> Option<&Arc<Group>> {
         self.table.pick(host, path).and_then(|i| self.groups.get(i))
     }
+
+    /// The group for a request and the header rules of the route that chose it.
+    pub fn route_with_rules(
+        &self,
+        host: Option<&str>,
+        path: &str,
+    ) -> Option<(&Arc<Group>, Option<&Arc<crate::forwarding::RouteHeaders>>)> {
+        let (group, rules) = self.table.pick_route(host, path)?;
+        self.groups.get(group).map(|g| (g, rules))
+    }
 }
 
 enum Balancer {
@@ -73,6 +83,8 @@ struct Server {
     /// TLS, and timeouts.
     failures_down: AtomicU32,
     failures_timeout: AtomicU32,
+    /// The group's `max_connections` for this server, if it has one.
+    slots: Option<super::queue::Slots>,
 }
 
 /// Most connection attempts per request.
@@ -281,6 +293,7 @@ impl Group {
                 ejected_until_ms: AtomicU64::new(0),
                 failures_down: AtomicU32::new(0),
                 failures_timeout: AtomicU32::new(0),
+                slots: spec.max_connections.map(super::queue::Slots::new),
             })
             .collect();
         Ok(Group {
@@ -359,6 +372,11 @@ impl Group {
             }
         }
         None
+    }
+
+    /// The slots of `addr` when the group caps requests in flight per server.
+    pub fn slots(&self, addr: SocketAddr) -> Option<&super::queue::Slots> {
+        self.server(addr).and_then(|s| s.slots.as_ref())
     }
 
     /// A connection to `addr` worked: its run of failures ends.

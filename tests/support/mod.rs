@@ -367,8 +367,13 @@ impl Gateway {
             .arg(proxy.to_string())
             .arg("--admin-listen")
             .arg(admin.to_string())
-            .arg("--threads")
-            .arg("1")
+            // One worker unless the test asks for more.
+            .args(
+                (!extra.contains(&"--threads"))
+                    .then_some(["--threads", "1"])
+                    .into_iter()
+                    .flatten(),
+            )
             .args(extra)
             .env_remove("RUST_LOG")
             .envs(env.iter().copied())

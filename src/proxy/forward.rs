@@ -1,0 +1,214 @@
+//! The forwarding headers on a proxied request and a route's header rules, applied to Pingora's
+//! headers (what they are and how rules compile: [`crate::forwarding`]).
+//!
+//! Towards the upstream, by default: `X-Forwarded-Proto` (`http` or `https`, as the client
+//! connected), `X-Forwarded-Host` (the host the client asked for) and `X-Forwarded-Port` (the
+//! port it connected to); with `"forwarded": true` in the gateway file, an RFC 7239 `Forwarded`
+//! element too. What a client sent under these names is kept only when it comes from a
+//! `--trusted-proxy` (the proxy in front said it); from anyone else it is replaced, and an
+//! incoming `Forwarded` is dropped, so an application never reads a scheme or host a client
+//! made up. Then the route's `request_headers` rules; its `response_headers` rules apply to
+//! the upstream's response.
+
+use crate::forwarding::{forwarded_element, HeaderRules, RouteHeaders, Variables};
+use http::HeaderValue;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::proxy::Session;
+use pingora::Result;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+// Lower case, as HTTP/2 and Envoy send every name: parsing a lower-case name is a copy, a
+// mixed-case one a byte-by-byte conversion (on every request).
+static X_FORWARDED_PROTO: &str = "x-forwarded-proto";
+static X_FORWARDED_HOST: &str = "x-forwarded-host";
+static X_FORWARDED_PORT: &str = "x-forwarded-port";
+static FORWARDED: &str = "Forwarded";
+
+/// What the forwarding headers take from the connection alone, made once per connection (each
+/// header value is then a reference-count increment, not a format, an allocation and a check).
+#[derive(Clone, Default)]
+pub struct ConnectionValues {
+    /// The TCP peer as text: `X-Forwarded-For`'s last hop (and all of it when the client sent
+    /// none).
+    pub peer: Option<HeaderValue>,
+    /// `X-Forwarded-Port`: the port the client connected to.
+    pub port: Option<HeaderValue>,
+    /// The client connected over TLS.
+    pub tls: bool,
+}
+
+impl ConnectionValues {
+    /// Worked out from the session (on a connection's first request).
+    pub fn of(session: &Session, peer: Option<IpAddr>) -> ConnectionValues {
+        let peer = peer.and_then(|ip| {
+            let mut text = String::with_capacity(39);
+            crate::log_line::push_ip(&mut text, crate::descriptor::canonical_ip(ip));
+            HeaderValue::from_str(&text).ok()
+        });
+        let port = session
+            .server_addr()
+            .and_then(|a| a.as_inet())
+            .map(|local| HeaderValue::from(local.port()));
+        let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+        ConnectionValues { peer, port, tls }
+    }
+}
+
+/// What one request's forwarding needs, gathered in `request_filter`.
+#[derive(Default)]
+pub struct Forwarding {
+    /// The TCP peer is a `--trusted-proxy`: its forwarding headers are kept.
+    pub peer_trusted: bool,
+    /// The gateway file asks for `Forwarded`.
+    pub forwarded: bool,
+    /// The rules of the route that chose the group.
+    pub rules: Option<Arc<RouteHeaders>>,
+    /// The request ID the rules' `${request_id}` stands for, when no access log made one.
+    pub request_id: Option<String>,
+}
+
+/// The client's host: an absolute target's authority, else `Host`.
+fn host_of(req: &RequestHeader) -> Option<HeaderValue> {
+    match req.uri.authority() {
+        Some(authority) => HeaderValue::from_str(authority.as_str()).ok(),
+        None => req.headers.get(http::header::HOST).cloned(),
+    }
+}
+
+/// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
+/// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
+/// as nginx's `$proxy_add_x_forwarded_for` does.
+fn forwarded_for_upstream(headers: &http::HeaderMap, peer: IpAddr) -> Vec<u8> {
+    let mut value = Vec::with_capacity(64);
+    for line in headers.get_all(&crate::service::X_FORWARDED_FOR) {
+        value.extend_from_slice(line.as_bytes());
+        value.extend_from_slice(b", ");
+    }
+    let mut peer_text = String::with_capacity(39);
+    crate::log_line::push_ip(&mut peer_text, peer);
+    value.extend_from_slice(peer_text.as_bytes());
+    value
+}
+
+/// Sets the forwarding headers (`X-Forwarded-For`, `-Proto`, `-Host`, `-Port`, and `Forwarded`
+/// when asked for) on the client's request header, which Pingora copies for each attempt to
+/// reach an upstream. `peer`: the TCP peer.
+pub fn to_request(
+    conn: &ConnectionValues,
+    req: &mut RequestHeader,
+    fwd: &Forwarding,
+    peer: Option<IpAddr>,
+) -> Result<()> {
+    // Append the hop we saw (the TCP peer) to the chain; every earlier line is folded into
+    // one. Without a chain, the peer's text made once for the connection is the value.
+    if let Some(peer) = peer.map(crate::descriptor::canonical_ip) {
+        match &conn.peer {
+            Some(text) if !req.headers.contains_key(&crate::service::X_FORWARDED_FOR) => {
+                req.insert_header("X-Forwarded-For", text.clone())?;
+            }
+            _ => {
+                let value = forwarded_for_upstream(&req.headers, peer);
+                req.insert_header("X-Forwarded-For", value)?;
+            }
+        }
+    }
+    let proto = if conn.tls { "https" } else { "http" };
+    let host = host_of(req);
+    let keep = |req: &RequestHeader, name: &str| fwd.peer_trusted && req.headers.contains_key(name);
+    if !keep(req, X_FORWARDED_PROTO) {
+        req.insert_header(X_FORWARDED_PROTO, HeaderValue::from_static(proto))?;
+    }
+    if !keep(req, X_FORWARDED_HOST) {
+        match &host {
+            Some(host) => req.insert_header(X_FORWARDED_HOST, host.clone())?,
+            None => {
+                req.remove_header(X_FORWARDED_HOST);
+            }
+        }
+    }
+    if !keep(req, X_FORWARDED_PORT) {
+        match &conn.port {
+            Some(port) => req.insert_header(X_FORWARDED_PORT, port.clone())?,
+            None => {
+                req.remove_header(X_FORWARDED_PORT);
+            }
+        }
+    }
+    if fwd.forwarded {
+        let element = forwarded_element(peer, host.as_ref().and_then(|h| h.to_str().ok()), proto);
+        let mut value = Vec::with_capacity(element.len() + 64);
+        if fwd.peer_trusted {
+            for line in req.headers.get_all(FORWARDED) {
+                value.extend_from_slice(line.as_bytes());
+                value.extend_from_slice(b", ");
+            }
+        }
+        value.extend_from_slice(element.as_bytes());
+        req.insert_header(FORWARDED, value)?;
+    } else if !fwd.peer_trusted && req.headers.contains_key(http::header::FORWARDED) {
+        req.remove_header(&http::header::FORWARDED);
+    }
+    Ok(())
+}
+
+/// Applies the route's `request_headers` rules to the request to the upstream (after the
+/// forwarding headers, so a rule may replace or remove them). `client`: what `${client_addr}`
+/// stands for; `access_id`: the access log's request ID.
+pub fn apply_request_rules(
+    session: &Session,
+    req: &mut RequestHeader,
+    fwd: &Forwarding,
+    client: Option<IpAddr>,
+    access_id: Option<&str>,
+) -> Result<()> {
+    let Some(rules) = fwd.rules.as_deref().filter(|r| !r.request.is_empty()) else {
+        return Ok(());
+    };
+    let host = host_of(session.req_header());
+    let vars = Variables {
+        client_addr: client,
+        request_id: access_id.or(fwd.request_id.as_deref()),
+        host: host.as_ref().and_then(|h| h.to_str().ok()),
+    };
+    apply_to_request(req, &rules.request, &vars)
+}
+
+fn apply_to_request(req: &mut RequestHeader, rules: &HeaderRules, vars: &Variables) -> Result<()> {
+    for name in &rules.remove {
+        req.remove_header(name);
+    }
+    for (name, value) in &rules.set {
+        if let Some(v) = value.resolve(vars) {
+            req.insert_header(name.clone(), v)?;
+        }
+    }
+    for (name, value) in &rules.add {
+        if let Some(v) = value.resolve(vars) {
+            req.append_header(name.clone(), v)?;
+        }
+    }
+    Ok(())
+}
+
+/// Applies the route's `response_headers` rules to the upstream's response.
+pub fn to_client(
+    resp: &mut ResponseHeader,
+    rules: &HeaderRules,
+    vars: &Variables<'_>,
+) -> Result<()> {
+    for name in &rules.remove {
+        resp.remove_header(name);
+    }
+    for (name, value) in &rules.set {
+        if let Some(v) = value.resolve(vars) {
+            resp.insert_header(name.clone(), v)?;
+        }
+    }
+    for (name, value) in &rules.add {
+        if let Some(v) = value.resolve(vars) {
+            resp.append_header(name.clone(), v)?;
+        }
+    }
+    Ok(())
+}
