@@ -242,6 +242,32 @@ async fn respond(
 }
 
 impl Proxy {
+    /// Answers a request whose header block passed `--max-request-header-bytes` or
+    /// `--max-request-headers` with 431 (counted by limit); it never reaches the limiter.
+    async fn refuse_header_block(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        limit: super::protocol::HeaderLimit,
+    ) -> Result<bool> {
+        self.gateway.metrics.request_headers_refused(limit.as_str());
+        if let Some(access) = ctx.access.as_deref_mut() {
+            access.verdict = "request_header_too_large";
+        }
+        super::protocol::keep_connection_for_small_body(
+            session,
+            self.gateway.config.header_timeout,
+        );
+        respond(
+            session,
+            431,
+            request_id_header(ctx),
+            super::protocol::HEADER_TOO_LARGE,
+        )
+        .await?;
+        Ok(true)
+    }
+
     /// The request's access-log line, from what the request gathered and what was sent.
     fn write_access_log(&self, session: &Session, access: &AccessCtx) {
         let req = session.req_header();
@@ -327,6 +353,11 @@ impl ProxyHttp for Proxy {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
+        // The gateway's own header limits, before anything reads the headers (or counts the
+        // request against a limit).
+        if let Some(limit) = self.gateway.config.header_limits.passed_by(session) {
+            return self.refuse_header_block(session, ctx, limit).await;
+        }
         // The peer and its trusted-proxy verdict are worked out once per connection.
         let (peer, peer_trusted) = super::conn::peer(|| {
             let peer = session
@@ -437,6 +468,8 @@ impl ProxyHttp for Proxy {
                             .route(facts.host_name(), &facts.path)
                             .cloned();
                         if ctx.group.is_some() {
+                            // Admitted: a client waiting for `100 Continue` gets it now.
+                            super::protocol::continue_if_expected(session).await?;
                             return Ok(false);
                         }
                         (
@@ -480,6 +513,10 @@ impl ProxyHttp for Proxy {
             http::header::CONTENT_TYPE,
             http::HeaderValue::from_static(content_type),
         ));
+        super::protocol::keep_connection_for_small_body(
+            session,
+            self.gateway.config.header_timeout,
+        );
         respond(
             session,
             response.status,
@@ -653,6 +690,14 @@ impl ProxyHttp for Proxy {
                 upstream_request.insert_header("X-Request-Id", access.request_id.as_str())?;
             }
         }
+        if let Some(server) = ctx.server {
+            let tls_name = ctx
+                .group
+                .as_ref()
+                .and_then(|g| g.spec.tls.as_ref())
+                .map(|t| t.sni.as_str());
+            super::protocol::host_for_upstream(upstream_request, tls_name, server)?;
+        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             // The response's usage must be readable as it passes: uncompressed (SDKs ask
             // for gzip and br by default).
@@ -664,7 +709,7 @@ impl ProxyHttp for Proxy {
 
     async fn response_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         upstream_response: &mut ResponseHeader,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
@@ -673,6 +718,7 @@ impl ProxyHttp for Proxy {
         if upstream_response.status.is_informational() {
             return Ok(());
         }
+        super::protocol::frame_for_client(session, upstream_response);
         if let Some(metering) = ctx.metering.as_deref_mut() {
             let content_type = upstream_response
                 .headers
@@ -936,6 +982,13 @@ async fn read_whole_body(
     if session.is_body_empty() {
         return Ok(Bytes::new());
     }
+    // The decision needs the body: a client waiting for `100 Continue` gets it first.
+    if super::protocol::continue_if_expected(session)
+        .await
+        .is_err()
+    {
+        return Err((400, BODY_BROKEN));
+    }
     let mut body = bytes::BytesMut::with_capacity(declared.unwrap_or(0));
     loop {
         if declared.is_none_or(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER_BYTES) {
@@ -970,6 +1023,8 @@ async fn read_small_body(session: &mut Session) -> Option<u64> {
     if length == 0 || length > FINGERPRINTED_BODY_BYTES {
         return None;
     }
+    // The decision needs the body: a client waiting for `100 Continue` gets it first.
+    super::protocol::continue_if_expected(session).await.ok()?;
     session.enable_retry_buffering();
     let mut hasher = crate::descriptor::BodyHasher::default();
     loop {

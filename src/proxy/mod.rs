@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod conn;
 pub mod gateway;
+pub mod protocol;
 pub mod upstreams;
 
 use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
