@@ -355,8 +355,12 @@ impl ProxyHttp for Proxy {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
         // The gateway's own header limits, before anything reads the headers (or counts the
         // request against a limit).
+        // Rare paths are awaited boxed, and bound first: inline (or as a temporary of the
+        // awaiting statement) their futures would grow this hook's future, which Pingora moves
+        // whole into a box on every request, by kilobytes.
         if let Some(limit) = self.gateway.config.header_limits.passed_by(session) {
-            return self.refuse_header_block(session, ctx, limit).await;
+            let refusal = Box::pin(self.refuse_header_block(session, ctx, limit));
+            return refusal.await;
         }
         // The peer and its trusted-proxy verdict are worked out once per connection.
         let (peer, peer_trusted) = super::conn::peer(|| {
@@ -392,7 +396,8 @@ impl ProxyHttp for Proxy {
             })
         };
         let (body_hash, llm) = if metered {
-            match read_whole_body(session, self.gateway.config.max_body_bytes).await {
+            let read = Box::pin(read_whole_body(session, self.gateway.config.max_body_bytes));
+            match read.await {
                 Ok(body) => {
                     let hash = crate::descriptor::body_hash(&body);
                     let llm = crate::llm::LlmRequest::parse_with(
@@ -410,12 +415,14 @@ impl ProxyHttp for Proxy {
                         http::header::CONTENT_TYPE,
                         http::HeaderValue::from_static("application/json"),
                     ));
-                    respond(session, status, headers, message).await?;
+                    let answer = Box::pin(respond(session, status, headers, message));
+                    answer.await?;
                     return Ok(true);
                 }
             }
         } else if self.gateway.fingerprints_bodies() {
-            (read_small_body(session).await, None)
+            let read = Box::pin(read_small_body(session));
+            (read.await, None)
         } else {
             (None, None)
         };
@@ -442,7 +449,8 @@ impl ProxyHttp for Proxy {
                         .with_body_hash(body_hash)
                         .with_llm(llm.as_ref())
                         .with_trusted_peer(peer_trusted);
-                    let answer = self.gateway.decide(&facts).await;
+                    let deciding = Box::pin(self.gateway.decide(&facts));
+                    let answer = deciding.await;
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
                         access.verdict = answer.verdict();
@@ -469,7 +477,11 @@ impl ProxyHttp for Proxy {
                             .cloned();
                         if ctx.group.is_some() {
                             // Admitted: a client waiting for `100 Continue` gets it now.
-                            super::protocol::continue_if_expected(session).await?;
+                            if super::protocol::expects_continue(session.req_header()) {
+                                let answer =
+                                    Box::pin(super::protocol::continue_if_expected(session));
+                                answer.await?;
+                            }
                             return Ok(false);
                         }
                         (
@@ -517,13 +529,13 @@ impl ProxyHttp for Proxy {
             session,
             self.gateway.config.header_timeout,
         );
-        respond(
+        let answer = Box::pin(respond(
             session,
             response.status,
             headers,
             response.body.unwrap_or("Too Many Requests"),
-        )
-        .await?;
+        ));
+        answer.await?;
         Ok(true)
     }
 
@@ -983,11 +995,11 @@ async fn read_whole_body(
         return Ok(Bytes::new());
     }
     // The decision needs the body: a client waiting for `100 Continue` gets it first.
-    if super::protocol::continue_if_expected(session)
-        .await
-        .is_err()
-    {
-        return Err((400, BODY_BROKEN));
+    if super::protocol::expects_continue(session.req_header()) {
+        let answer = Box::pin(super::protocol::continue_if_expected(session));
+        if answer.await.is_err() {
+            return Err((400, BODY_BROKEN));
+        }
     }
     let mut body = bytes::BytesMut::with_capacity(declared.unwrap_or(0));
     loop {
@@ -1024,7 +1036,10 @@ async fn read_small_body(session: &mut Session) -> Option<u64> {
         return None;
     }
     // The decision needs the body: a client waiting for `100 Continue` gets it first.
-    super::protocol::continue_if_expected(session).await.ok()?;
+    if super::protocol::expects_continue(session.req_header()) {
+        let answer = Box::pin(super::protocol::continue_if_expected(session));
+        answer.await.ok()?;
+    }
     session.enable_retry_buffering();
     let mut hasher = crate::descriptor::BodyHasher::default();
     loop {
