@@ -453,6 +453,24 @@ pub struct RunArgs {
         env = "TOLLGATE_MAX_CONNECTIONS_PER_IP"
     )]
     pub max_connections_per_ip: Option<usize>,
+    /// Largest request header block the proxy takes, in bytes (request line and every header
+    /// line); a larger one gets 431 (Envoy: 60 KiB, nginx: 32 KiB). From 1 to 1048575.
+    #[arg(
+        help_heading = "Connections",
+        long,
+        env = "TOLLGATE_MAX_REQUEST_HEADER_BYTES",
+        default_value_t = crate::proxy::protocol::DEFAULT_MAX_HEADER_BYTES
+    )]
+    pub max_request_header_bytes: usize,
+    /// Most header lines a request may carry on the proxy; more get 431 (Envoy's default: 100).
+    /// From 1 to 256 (Pingora's parser refuses more with 400 before the gateway sees them).
+    #[arg(
+        help_heading = "Connections",
+        long,
+        env = "TOLLGATE_MAX_REQUEST_HEADERS",
+        default_value_t = crate::proxy::protocol::DEFAULT_MAX_HEADER_LINES
+    )]
+    pub max_request_headers: usize,
     /// A TLS listener next to --listen (which stays cleartext). Without it, --tls-cert/--tls-key
     /// make --listen itself serve HTTPS.
     #[arg(

@@ -113,6 +113,8 @@ pub struct Config {
     pub max_connections: Option<usize>,
     /// `--max-connections-per-ip`.
     pub max_connections_per_ip: Option<usize>,
+    /// `--max-request-header-bytes` and `--max-request-headers`: past either, 431.
+    pub header_limits: crate::proxy::protocol::HeaderLimits,
     /// The gRPC listener for Envoy, if any.
     pub grpc: Option<GrpcConfig>,
     /// HTTPS on the proxy, if any.
@@ -281,6 +283,24 @@ impl Config {
         if args.max_body_bytes == 0 {
             errors.push("--max-body-bytes 0: must be at least 1".to_string());
         }
+        if !(1..=crate::proxy::protocol::MAX_HEADER_BYTES_PARSED)
+            .contains(&args.max_request_header_bytes)
+        {
+            errors.push(format!(
+                "--max-request-header-bytes {}: must be from 1 to {} (Pingora's own limit)",
+                args.max_request_header_bytes,
+                crate::proxy::protocol::MAX_HEADER_BYTES_PARSED
+            ));
+        }
+        if !(1..=crate::proxy::protocol::MAX_HEADER_LINES_PARSED)
+            .contains(&args.max_request_headers)
+        {
+            errors.push(format!(
+                "--max-request-headers {}: must be from 1 to {} (Pingora's own limit)",
+                args.max_request_headers,
+                crate::proxy::protocol::MAX_HEADER_LINES_PARSED
+            ));
+        }
         if args.reservation_ttl_secs == 0 {
             errors.push("--reservation-ttl-secs 0: must be at least 1".to_string());
         }
@@ -447,6 +467,10 @@ impl Config {
                 .map(|s| ReservationSecret(s.as_bytes().to_vec())),
             max_connections: args.max_connections,
             max_connections_per_ip: args.max_connections_per_ip,
+            header_limits: crate::proxy::protocol::HeaderLimits {
+                max_bytes: args.max_request_header_bytes,
+                max_lines: args.max_request_headers,
+            },
             grpc,
             tls,
             h2c: args.h2c,

@@ -92,6 +92,8 @@ pub struct Metrics {
     runtime_overrides: IntGaugeVec,
     policies_skipped: IntGauge,
     connections_refused: IntCounterVec,
+    /// Requests refused with 431 by the proxy's header limits, by limit (`bytes`, `lines`).
+    request_headers_refused: IntCounterVec,
     breaker_trips: IntCounterVec,
     /// `token_bucket_llm`: tokens reserved, really used, refunded and charged past the
     /// reservation, by policy and rule; settlements by how the usage was known; prompt estimates
@@ -330,6 +332,16 @@ impl Metrics {
             &["cap"],
         ));
         connections_refused.with_label_values(&["per_ip"]);
+        let request_headers_refused = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_request_headers_refused_total",
+                "Requests refused with 431 for a header block over --max-request-header-bytes (bytes) or --max-request-headers (lines)",
+            ),
+            &["limit"],
+        ));
+        for limit in ["bytes", "lines"] {
+            request_headers_refused.with_label_values(&[limit]);
+        }
         let breaker_trips = must(IntCounterVec::new(
             Opts::new(
                 "tollgate_circuit_breaker_trips_total",
@@ -498,6 +510,7 @@ impl Metrics {
             Box::new(runtime_overrides.clone()),
             Box::new(policies_skipped.clone()),
             Box::new(connections_refused.clone()),
+            Box::new(request_headers_refused.clone()),
             Box::new(breaker_trips.clone()),
             Box::new(llm_tokens[0].clone()),
             Box::new(llm_tokens[1].clone()),
@@ -560,6 +573,7 @@ impl Metrics {
             runtime_overrides,
             policies_skipped,
             connections_refused,
+            request_headers_refused,
             breaker_trips,
             llm_tokens,
             llm_settlements,
@@ -853,6 +867,13 @@ impl Metrics {
             self.llm_estimate_ratio
                 .observe(rule.prompt_tokens as f64 / actual as f64);
         }
+    }
+
+    /// A request refused with 431 for its header block (`limit`: `bytes` or `lines`).
+    pub fn request_headers_refused(&self, limit: &str) {
+        self.request_headers_refused
+            .with_label_values(&[limit])
+            .inc();
     }
 
     /// The counter of connections refused by `cap` (the proxy's connection guard counts them).

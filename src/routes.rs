@@ -68,9 +68,10 @@ pub struct GroupSpec {
     pub servers: Vec<SocketAddr>,
     pub balance: Balance,
     pub connect_timeout: Duration,
-    /// Longest wait for each read from a server; `None`: no limit (Pingora's default). Off by
-    /// default: Pingora's per-read timer costs about 2 300 instructions per request.
-    pub read_timeout: Option<Duration>,
+    /// Longest wait for each read from a server (the response header, then every piece of the
+    /// body: each event of a stream starts it again); past it, 504. Default
+    /// [`DEFAULT_READ_TIMEOUT`], as nginx's `proxy_read_timeout`.
+    pub read_timeout: Duration,
     pub tls: Option<UpstreamTls>,
     /// `GET <path>` must answer 200.
     pub health_check: Option<(String, HealthCheckSpec)>,
@@ -96,7 +97,7 @@ impl GroupSpec {
             servers,
             balance: Balance::RoundRobin,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            read_timeout: None,
+            read_timeout: DEFAULT_READ_TIMEOUT,
             tls: None,
             health_check: None,
             idle_timeout: None,
@@ -118,6 +119,11 @@ impl GroupSpec {
 /// server's full accept queue dropped is sent again and answered, instead of failing the
 /// request (Envoy's and HAProxy's usual 5 s).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the gateway waits for each read from an upstream server by default (nginx's
+/// `proxy_read_timeout`): an upstream that takes a request and falls silent costs the client a
+/// 504 after a minute, never an endless wait.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A host pattern.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -454,9 +460,7 @@ impl Compiler<'_> {
             }
         };
         let connect_timeout = self.millis(map, path, "connect_timeout_ms", DEFAULT_CONNECT_TIMEOUT);
-        let read_timeout = map
-            .contains_key("read_timeout_ms")
-            .then(|| self.millis(map, path, "read_timeout_ms", Duration::from_secs(60)));
+        let read_timeout = self.millis(map, path, "read_timeout_ms", DEFAULT_READ_TIMEOUT);
         let idle_timeout = map
             .contains_key("idle_timeout_ms")
             .then(|| self.millis(map, path, "idle_timeout_ms", Duration::from_secs(60)));
@@ -767,6 +771,29 @@ mod tests {
                 "default_upstream: no upstream group named \"nope\"",
             ]
         );
+    }
+
+    /// An upstream that falls silent costs a 504 after 60 s unless its group says otherwise
+    /// (`read_timeout_ms`), for a gateway-file group and for `--upstream` alike.
+    #[test]
+    fn the_read_timeout_is_60_s_unless_the_group_sets_one() {
+        let t = table(json!({
+            "upstreams": {
+                "plain": {"servers": ["127.0.0.1:1"]},
+                "llm": {"servers": ["127.0.0.1:2"], "read_timeout_ms": 300000}
+            },
+            "default_upstream": "plain"
+        }));
+        let timeout = |name: &str| {
+            t.groups
+                .iter()
+                .find(|g| g.name == name)
+                .map(|g| g.read_timeout)
+        };
+        assert_eq!(timeout("plain"), Some(Duration::from_secs(60)));
+        assert_eq!(timeout("llm"), Some(Duration::from_secs(300)));
+        let flag = GroupSpec::from_flag(vec!["127.0.0.1:1".parse().unwrap()]);
+        assert_eq!(flag.read_timeout, Duration::from_secs(60));
     }
 
     #[test]

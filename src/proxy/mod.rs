@@ -10,6 +10,7 @@ pub mod conn;
 pub mod forward;
 pub mod gateway;
 pub mod queue;
+pub mod protocol;
 pub mod upstreams;
 
 use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};

@@ -254,7 +254,7 @@ impl Group {
             let mut peer = HttpPeer::new(addr, tls, sni);
             peer.group_key = group_key;
             peer.options.connection_timeout = Some(spec.connect_timeout);
-            peer.options.read_timeout = spec.read_timeout;
+            peer.options.read_timeout = Some(spec.read_timeout);
             peer.options.idle_timeout = spec.idle_timeout;
             if let Some(ca) = &ca {
                 peer.options.ca = Some(Arc::clone(ca));
