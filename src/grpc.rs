@@ -554,6 +554,7 @@ impl Authorization for Authorizer {
                     llm: llm.as_ref(),
                 },
                 network_trusted,
+                trace: None,
             })
             .await;
         // The reservation's token goes to the upstream, which reports the usage on

@@ -152,24 +152,30 @@ impl RouteTable {
 
     /// The group for a request: `host` without port (any case), `path` normalised.
     pub fn pick(&self, host: Option<&str>, path: &str) -> Option<usize> {
+        self.matching(host, path).map(|r| r.group).or(self.default)
+    }
+
+    /// The path prefix of the route a request matches (a trace's `http.route`): `None` when
+    /// only the default group takes it.
+    pub fn matched_prefix(&self, host: Option<&str>, path: &str) -> Option<&str> {
+        self.matching(host, path).map(|r| r.path_prefix.as_str())
+    }
+
+    fn matching(&self, host: Option<&str>, path: &str) -> Option<&Route> {
         let host = host.map(|h| h.trim_end_matches('.'));
-        self.routes
-            .iter()
-            .find(|r| {
-                let host_ok = match (&r.host, host) {
-                    (HostPattern::Any, _) => true,
-                    (HostPattern::Exact(name), Some(h)) => h.eq_ignore_ascii_case(name),
-                    (HostPattern::Suffix(suffix), Some(h)) => {
-                        h.len() > suffix.len()
-                            && h.is_char_boundary(h.len() - suffix.len())
-                            && h[h.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
-                    }
-                    _ => false,
-                };
-                host_ok && path_has_prefix(path, &r.path_prefix)
-            })
-            .map(|r| r.group)
-            .or(self.default)
+        self.routes.iter().find(|r| {
+            let host_ok = match (&r.host, host) {
+                (HostPattern::Any, _) => true,
+                (HostPattern::Exact(name), Some(h)) => h.eq_ignore_ascii_case(name),
+                (HostPattern::Suffix(suffix), Some(h)) => {
+                    h.len() > suffix.len()
+                        && h.is_char_boundary(h.len() - suffix.len())
+                        && h[h.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+                }
+                _ => false,
+            };
+            host_ok && path_has_prefix(path, &r.path_prefix)
+        })
     }
 }
 

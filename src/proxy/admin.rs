@@ -433,6 +433,7 @@ impl<'r> Original<'r> {
             headers,
             body,
             network_trusted,
+            trace: None,
         }
     }
 

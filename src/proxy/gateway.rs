@@ -53,6 +53,8 @@ pub struct RequestCtx {
     forward_body: Option<Bytes>,
     /// An LLM reservation and the meter reading its response's usage (settled in `logging`).
     metering: Option<Box<Metering>>,
+    /// The request's spans, when traces are on (ended in `logging`).
+    trace: Option<Box<crate::telemetry::RequestSpan>>,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
@@ -181,6 +183,17 @@ fn request_id_header(ctx: &RequestCtx) -> HeaderList {
     headers
 }
 
+/// `network.protocol.version` of the client's request.
+fn protocol_version(session: &Session) -> &'static str {
+    if session.is_http2() {
+        "2"
+    } else if session.req_header().version == http::Version::HTTP_10 {
+        "1.0"
+    } else {
+        "1.1"
+    }
+}
+
 /// For an HTTP/2 stream, the key its connection is registered under (its socket digest).
 fn http2_key(session: &Session) -> Option<usize> {
     if !session.is_http2() {
@@ -243,7 +256,7 @@ async fn respond(
 
 impl Proxy {
     /// The request's access-log line, from what the request gathered and what was sent.
-    fn write_access_log(&self, session: &Session, access: &AccessCtx) {
+    fn write_access_log(&self, session: &Session, access: &AccessCtx, trace_id: Option<&str>) {
         let req = session.req_header();
         let header =
             |name: http::header::HeaderName| req.headers.get(name).and_then(|v| v.to_str().ok());
@@ -280,6 +293,7 @@ impl Proxy {
             verdict: access.verdict,
             rule: access.rule.as_deref(),
             request_id: &access.request_id,
+            trace_id,
         };
         access_log::write(access_log::format(&record, self.gateway.config.access_log));
     }
@@ -339,6 +353,18 @@ impl ProxyHttp for Proxy {
             (peer, trusted)
         });
         ctx.peer = peer;
+        if let Some(telemetry) = self.gateway.telemetry() {
+            let req = session.req_header();
+            let (host, _) = host_and_target(req);
+            ctx.trace = Some(Box::new(telemetry.http_request(
+                &req.headers,
+                peer_trusted,
+                req.method.as_str(),
+                req.uri.path(),
+                host,
+                protocol_version(session),
+            )));
+        }
         // A `token_bucket_llm` rule needs the whole body (bounded) before deciding. With shadow
         // rules alone, a body that could be refused (too large, or chunked) is not read:
         // shadow mode refuses nothing, and the shadow rules count it without its prompt.
@@ -410,8 +436,17 @@ impl ProxyHttp for Proxy {
                         .with_claims(claims.as_deref())
                         .with_body_hash(body_hash)
                         .with_llm(llm.as_ref())
-                        .with_trusted_peer(peer_trusted);
+                        .with_trusted_peer(peer_trusted)
+                        .with_trace(ctx.trace.as_deref().map(|t| t.facts()));
                     let answer = self.gateway.decide(&facts).await;
+                    if let Some(trace) = ctx.trace.as_deref_mut() {
+                        if let Some(ip) = client_ip {
+                            trace.client(ip);
+                        }
+                        if let Some(summary) = answer.summary.as_deref() {
+                            trace.decided(summary);
+                        }
+                    }
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
                         access.verdict = answer.verdict();
@@ -431,11 +466,16 @@ impl ProxyHttp for Proxy {
                             })
                         });
                         ctx.add_headers = answer.response.headers;
-                        ctx.group = self
-                            .upstreams
-                            .load()
-                            .route(facts.host_name(), &facts.path)
-                            .cloned();
+                        let upstreams = self.upstreams.load();
+                        ctx.group = upstreams.route(facts.host_name(), &facts.path).cloned();
+                        if let Some(trace) = ctx.trace.as_deref_mut() {
+                            if let Some(route) = upstreams
+                                .table
+                                .matched_prefix(facts.host_name(), &facts.path)
+                            {
+                                trace.route(route);
+                            }
+                        }
                         if ctx.group.is_some() {
                             return Ok(false);
                         }
@@ -562,6 +602,7 @@ impl ProxyHttp for Proxy {
         _session: &mut Session,
         ctx: &mut Self::CTX,
     ) -> Result<Box<HttpPeer>> {
+        let telemetry = self.gateway.telemetry();
         let Some(group) = ctx.group.as_ref() else {
             return Err(Error::explain(NO_HEALTHY_UPSTREAM, "no upstream group"));
         };
@@ -577,6 +618,16 @@ impl ProxyHttp for Proxy {
         };
         ctx.server = Some(addr);
         ctx.connect_tries += 1;
+        if let (Some(trace), Some(telemetry)) = (ctx.trace.as_deref_mut(), telemetry) {
+            if ctx.connect_tries == 1 {
+                trace.upstream_started(telemetry, &group.spec.name, addr);
+            } else {
+                trace.upstream_event(
+                    "retry",
+                    crate::telemetry::server_attributes(addr, ctx.connect_tries),
+                );
+            }
+        }
         if let Some(access) = ctx.access.as_deref_mut() {
             access.upstream = Some(addr);
             access.upstream_started = Some(std::time::Instant::now());
@@ -612,6 +663,20 @@ impl ProxyHttp for Proxy {
                 "upstream connection failed: {}",
                 e.etype().as_str()
             );
+            if let Some(trace) = ctx.trace.as_deref_mut() {
+                let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
+                attributes.push(crate::telemetry::attribute(
+                    "tollgate.connect_failure",
+                    kind.as_str(),
+                ));
+                trace.upstream_event("connect_failed", attributes);
+                if outcome.ejected {
+                    trace.upstream_event(
+                        "ejection",
+                        crate::telemetry::server_attributes(addr, ctx.connect_tries),
+                    );
+                }
+            }
             if outcome.ejected {
                 tracing::warn!(group = %crate::log_line::value(&group.spec.name), server = %addr, "upstream server ejected after consecutive connection failures");
             }
@@ -633,6 +698,14 @@ impl ProxyHttp for Proxy {
         if let (Some(group), Some(addr), false) = (ctx.group.as_ref(), ctx.server, reused) {
             group.connected(addr);
         }
+        if let (Some(trace), Some(addr)) = (ctx.trace.as_deref_mut(), ctx.server) {
+            let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
+            attributes.push(crate::telemetry::attribute(
+                "tollgate.connection_reused",
+                reused,
+            ));
+            trace.upstream_event("connect", attributes);
+        }
         Ok(())
     }
 
@@ -653,6 +726,18 @@ impl ProxyHttp for Proxy {
                 upstream_request.insert_header("X-Request-Id", access.request_id.as_str())?;
             }
         }
+        if let (Some(trace), Some(telemetry)) = (ctx.trace.as_deref(), self.gateway.telemetry()) {
+            // The upstream continues this trace: the client's own context (kept or not) is
+            // replaced by the upstream call's.
+            upstream_request.remove_header("tracestate");
+            let mut injected = Ok(());
+            trace.inject_upstream(telemetry, &mut |name, value| {
+                if injected.is_ok() {
+                    injected = upstream_request.insert_header(name, value).map(|_| ());
+                }
+            });
+            injected?;
+        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             // The response's usage must be readable as it passes: uncompressed (SDKs ask
             // for gzip and br by default).
@@ -672,6 +757,9 @@ impl ProxyHttp for Proxy {
         // and the access-log facts belong to the final response that follows it.
         if upstream_response.status.is_informational() {
             return Ok(());
+        }
+        if let Some(trace) = ctx.trace.as_deref_mut() {
+            trace.upstream_responded(upstream_response.status.as_u16());
         }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             let content_type = upstream_response
@@ -729,7 +817,7 @@ impl ProxyHttp for Proxy {
         Ok(())
     }
 
-    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request.
         super::conn::request_done(http2_key(session), self.gateway.config.keepalive_timeout);
         // `take`: given back exactly once.
@@ -755,8 +843,14 @@ impl ProxyHttp for Proxy {
                 .settle(&metering.reservation, used, reported_prompt, source)
                 .await;
         }
+        let trace = ctx.trace.take();
         if let Some(access) = ctx.access.take() {
-            self.write_access_log(session, &access);
+            let trace_id = trace.as_ref().map(|t| t.trace_id());
+            self.write_access_log(session, &access, trace_id.as_deref());
+        }
+        if let Some(trace) = trace {
+            let status = session.response_written().map_or(0, |r| r.status.as_u16());
+            trace.finish(status, e.map(|e| e.etype().as_str()));
         }
     }
 

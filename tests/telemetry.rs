@@ -1,0 +1,518 @@
+//! OpenTelemetry traces end to end: a real `tollgate run` exports to a receiver in this test
+//! that decodes OTLP with the official protobuf definitions (`opentelemetry-proto`), over gRPC
+//! (the collector's `TraceService`) and HTTP/protobuf (`POST /v1/traces`); an upstream here
+//! records the `traceparent` it is sent. Everything on 127.0.0.1, bounded waits.
+
+mod support;
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message as _;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{free_port, one_rule, Gateway};
+
+/// Everything a receiver decoded, and the service name each batch's resource carried.
+#[derive(Default, Clone)]
+struct Received {
+    spans: Arc<Mutex<Vec<Span>>>,
+    service_names: Arc<Mutex<Vec<String>>>,
+}
+
+impl Received {
+    fn keep(&self, request: ExportTraceServiceRequest) {
+        for resource_spans in request.resource_spans {
+            if let Some(resource) = &resource_spans.resource {
+                for kv in &resource.attributes {
+                    if kv.key == "service.name" {
+                        if let Some(Value::StringValue(s)) =
+                            kv.value.as_ref().and_then(|v| v.value.clone())
+                        {
+                            self.service_names.lock().unwrap().push(s);
+                        }
+                    }
+                }
+            }
+            for scope in resource_spans.scope_spans {
+                self.spans.lock().unwrap().extend(scope.spans);
+            }
+        }
+    }
+
+    /// Waits (at most 10 s) until `n` spans arrived; returns them.
+    fn wait_for(&self, n: usize) -> Vec<Span> {
+        let start = Instant::now();
+        loop {
+            let spans = self.spans.lock().unwrap().clone();
+            if spans.len() >= n {
+                return spans;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "only {} of {n} spans arrived",
+                spans.len()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+struct GrpcReceiver(Received);
+
+#[tonic::async_trait]
+impl TraceService for GrpcReceiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.0.keep(request.into_inner());
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+/// The collector's gRPC `TraceService` on a runtime of its own.
+fn grpc_receiver() -> (SocketAddr, Received) {
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let received = Received::default();
+    let service = TraceServiceServer::new(GrpcReceiver(received.clone()));
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve(addr)
+                .await
+                .unwrap();
+        });
+    });
+    let start = Instant::now();
+    while TcpStream::connect(addr).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(5), "receiver up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (addr, received)
+}
+
+/// OTLP/HTTP with protobuf bodies: `POST /v1/traces`, answered `200` with an empty
+/// `ExportTraceServiceResponse`.
+fn http_receiver() -> (SocketAddr, Received, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let received = Received::default();
+    let paths = Arc::new(Mutex::new(Vec::new()));
+    let (kept, seen) = (received.clone(), Arc::clone(&paths));
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let (kept, seen) = (kept.clone(), Arc::clone(&seen));
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut writer = conn;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let mut length = 0;
+                    let mut content_type = String::new();
+                    loop {
+                        let mut header = String::new();
+                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let header = header.trim_end();
+                        if header.is_empty() {
+                            break;
+                        }
+                        if let Some((n, v)) = header.split_once(':') {
+                            if n.eq_ignore_ascii_case("content-length") {
+                                length = v.trim().parse().unwrap_or(0);
+                            }
+                            if n.eq_ignore_ascii_case("content-type") {
+                                content_type = v.trim().to_string();
+                            }
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                    seen.lock().unwrap().push(format!("{path} {content_type}"));
+                    kept.keep(ExportTraceServiceRequest::decode(body.as_slice()).unwrap());
+                    let reply = ExportTraceServiceResponse {
+                        partial_success: None,
+                    }
+                    .encode_to_vec();
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: {}\r\n\r\n",
+                        reply.len()
+                    );
+                    if writer.write_all(head.as_bytes()).is_err()
+                        || writer.write_all(&reply).is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, received, paths)
+}
+
+/// An upstream that answers `200 ok` and records each request's `traceparent` and
+/// `tracestate` (`-` when absent).
+fn recording_upstream() -> (SocketAddr, Arc<Mutex<Vec<(String, String)>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = Arc::clone(&seen);
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            let record = Arc::clone(&record);
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut writer = conn;
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let (mut parent, mut state) = ("-".to_string(), "-".to_string());
+                    loop {
+                        let mut header = String::new();
+                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let header = header.trim_end();
+                        if header.is_empty() {
+                            break;
+                        }
+                        if let Some((n, v)) = header.split_once(':') {
+                            if n.eq_ignore_ascii_case("traceparent") {
+                                parent = v.trim().to_string();
+                            }
+                            if n.eq_ignore_ascii_case("tracestate") {
+                                state = v.trim().to_string();
+                            }
+                        }
+                    }
+                    record.lock().unwrap().push((parent, state));
+                    if writer
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn attr(span: &Span, key: &str) -> Option<Value> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key == key)
+        .and_then(|kv| kv.value.as_ref())
+        .and_then(|v| v.value.clone())
+}
+
+fn text(span: &Span, key: &str) -> String {
+    match attr(span, key) {
+        Some(Value::StringValue(s)) => s,
+        other => panic!("{key}: {other:?} on {span:?}"),
+    }
+}
+
+fn int(span: &Span, key: &str) -> i64 {
+    match attr(span, key) {
+        Some(Value::IntValue(n)) => n,
+        other => panic!("{key}: {other:?} on {span:?}"),
+    }
+}
+
+const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+
+fn traceparent() -> String {
+    format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
+}
+
+fn per_ip_policy() -> String {
+    one_rule("per-ip", r#"["ip:address"]"#, 0.001, 1.0)
+}
+
+#[test]
+fn grpc_export_carries_decisions_parentage_and_the_context_sent_upstream() {
+    let (collector, received) = grpc_receiver();
+    let (upstream, seen) = recording_upstream();
+    let endpoint = format!("http://{collector}");
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&per_ip_policy()),
+        Some(upstream),
+        &["--access-log", "text"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_SERVICE_NAME", "edge-under-test"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    let parent = traceparent();
+    let allowed = gw.get(
+        "/w?x=1",
+        &[("traceparent", parent.as_str()), ("tracestate", "vendor=1")],
+    );
+    assert_eq!(allowed.status, 200);
+    let refused = gw.get("/w", &[]);
+    assert_eq!(refused.status, 429);
+
+    // Request 1: SERVER span continuing the client's trace, CLIENT span under it; request 2:
+    // a SERVER span of a new trace.
+    let spans = received.wait_for(3);
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let server = spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Server as i32 && hex(&s.trace_id) == CLIENT_TRACE)
+        .expect("the allowed request's SERVER span");
+    let client = spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Client as i32)
+        .expect("the upstream call's CLIENT span");
+    let refused_span = spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Server as i32 && hex(&s.trace_id) != CLIENT_TRACE)
+        .expect("the refused request's SERVER span");
+
+    assert_eq!(hex(&server.parent_span_id), CLIENT_SPAN);
+    // `--upstream` alone has no routes: no `http.route`, and the name is the method.
+    assert_eq!(server.name, "GET");
+    assert!(attr(server, "http.route").is_none());
+    assert_eq!(text(server, "http.request.method"), "GET");
+    assert_eq!(text(server, "url.path"), "/w");
+    assert_eq!(int(server, "http.response.status_code"), 200);
+    assert_eq!(text(server, "client.address"), "127.0.0.1");
+    assert_eq!(text(server, "server.address"), "api.example.com");
+    assert_eq!(text(server, "network.protocol.version"), "1.1");
+    assert_eq!(text(server, "tollgate.decision"), "allow");
+    assert_eq!(text(server, "tollgate.rule"), "per-ip");
+    assert_eq!(int(server, "tollgate.remaining"), 0);
+    assert!(attr(server, "tollgate.reason").is_none());
+
+    assert_eq!(client.trace_id, server.trace_id);
+    assert_eq!(client.parent_span_id, server.span_id);
+    assert_eq!(text(client, "server.address"), "127.0.0.1");
+    assert_eq!(int(client, "server.port"), i64::from(upstream.port()));
+    assert_eq!(int(client, "http.response.status_code"), 200);
+    let connect = client
+        .events
+        .iter()
+        .find(|e| e.name == "connect")
+        .expect("a connect event");
+    assert!(connect
+        .attributes
+        .iter()
+        .any(|kv| kv.key == "tollgate.connection_reused"));
+
+    // The upstream continues the trace from the CLIENT span; the client's tracestate is kept.
+    let sent = seen.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+    assert_eq!(
+        sent[0].0,
+        format!("00-{CLIENT_TRACE}-{}-01", hex(&client.span_id))
+    );
+    assert_eq!(sent[0].1, "vendor=1");
+
+    assert_eq!(refused_span.parent_span_id, Vec::<u8>::new());
+    assert_eq!(text(refused_span, "tollgate.decision"), "refuse");
+    assert_eq!(
+        text(refused_span, "tollgate.reason"),
+        "token_bucket_exceeded"
+    );
+    assert_eq!(text(refused_span, "tollgate.rule"), "per-ip");
+    assert_eq!(int(refused_span, "http.response.status_code"), 429);
+    assert_eq!(int(refused_span, "tollgate.remaining"), 0);
+    let policy = text(refused_span, "tollgate.policy");
+
+    assert!(received
+        .service_names
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|name| name == "edge-under-test"));
+
+    // The trace ids in the access log and the RATE_LIMIT line.
+    let refused_trace = hex(&refused_span.trace_id);
+    gw.wait_until(Duration::from_secs(5), || {
+        gw.stdout_text().lines().count() >= 2
+    });
+    let access = gw.stdout_text();
+    assert!(
+        access.contains(&format!("trace_id={CLIENT_TRACE}\n")),
+        "{access}"
+    );
+    assert!(
+        access.contains(&format!("trace_id={refused_trace}\n")),
+        "{access}"
+    );
+    gw.wait_for_log("RATE_LIMIT");
+    let log = gw.log_text();
+    let line = log.lines().find(|l| l.contains("RATE_LIMIT")).unwrap();
+    assert!(
+        line.ends_with(&format!("trace_id={refused_trace}")),
+        "{line}"
+    );
+    assert!(line.contains(&format!("policy={policy} ")), "{line}");
+}
+
+#[test]
+fn http_protobuf_export_and_context_from_untrusted_peers_ignored() {
+    let (collector, received, paths) = http_receiver();
+    let (upstream, seen) = recording_upstream();
+    let endpoint = format!("http://{collector}");
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 100.0, 100.0)),
+        Some(upstream),
+        // No peer is a trusted proxy here: the client's context is not continued.
+        &["--trace-context", "trusted"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    let parent = traceparent();
+    let response = gw.get(
+        "/v1/orders",
+        &[("traceparent", parent.as_str()), ("tracestate", "vendor=1")],
+    );
+    assert_eq!(response.status, 200);
+    let spans = received.wait_for(2);
+    let server = spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Server as i32)
+        .unwrap();
+    assert_ne!(hex(&server.trace_id), CLIENT_TRACE);
+    assert_eq!(server.parent_span_id, Vec::<u8>::new());
+    assert_eq!(text(server, "url.path"), "/v1/orders");
+    assert_eq!(text(server, "tollgate.decision"), "allow");
+    assert_eq!(int(server, "tollgate.remaining"), 99);
+    let client = spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Client as i32)
+        .unwrap();
+    // The upstream gets the gateway's own trace, and no tracestate of the client's.
+    let sent = seen.lock().unwrap().clone();
+    assert_eq!(
+        sent,
+        vec![(
+            format!("00-{}-{}-01", hex(&server.trace_id), hex(&client.span_id)),
+            "-".to_string()
+        )]
+    );
+    assert!(received
+        .service_names
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|name| name == "tollgate"));
+    assert!(paths
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|p| p == "/v1/traces application/x-protobuf"));
+}
+
+#[test]
+fn a_collector_that_is_down_or_silent_fails_no_request_and_drops_are_counted() {
+    // Silent: accepts connections, never answers (an export hangs until its timeout).
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in silent.incoming().flatten() {
+            held.push(conn);
+        }
+    });
+    let (upstream, _) = recording_upstream();
+    let endpoint = format!("http://{silent_addr}");
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 1000.0, 1000.0)),
+        Some(upstream),
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_MAX_QUEUE_SIZE", "2"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "30000"),
+        ],
+    );
+    for _ in 0..10 {
+        assert_eq!(gw.get("/w", &[]).status, 200);
+    }
+    // 20 spans (a SERVER and a CLIENT span per request), at most 2 exporting and 2 queued.
+    let dropped = gw.metric("tollgate_trace_spans_dropped_total");
+    assert!((16.0..=18.0).contains(&dropped), "dropped {dropped}");
+
+    // Down: nothing listens on the endpoint.
+    let down = format!("http://127.0.0.1:{}", free_port());
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 1000.0, 1000.0)),
+        Some(upstream),
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", down.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "10"),
+        ],
+    );
+    for _ in 0..10 {
+        assert_eq!(gw.get("/w", &[]).status, 200);
+    }
+}
+
+#[test]
+fn off_without_an_endpoint_the_client_context_passes_untouched() {
+    let (upstream, seen) = recording_upstream();
+    let gw = Gateway::start(
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 100.0, 100.0)),
+        Some(upstream),
+        &["--access-log", "text"],
+    );
+    let parent = traceparent();
+    assert_eq!(
+        gw.get("/w", &[("traceparent", parent.as_str())]).status,
+        200
+    );
+    assert_eq!(
+        seen.lock().unwrap().clone(),
+        vec![(parent, "-".to_string())]
+    );
+    gw.wait_until(Duration::from_secs(5), || !gw.stdout_text().is_empty());
+    assert!(!gw.stdout_text().contains("trace_id"));
+    assert_eq!(gw.metric("tollgate_trace_spans_dropped_total"), 0.0);
+}
