@@ -324,6 +324,51 @@ impl Telemetry {
         )
     }
 
+    /// Starts the SERVER span of a decision-service call (`/v1/decision`: nginx's
+    /// `auth_request`, Envoy's HTTP ext_authz); the described request's attributes follow
+    /// ([`RequestSpan::described`]).
+    pub fn decision_call(&self, headers: &http::HeaderMap, peer_trusted: bool) -> RequestSpan {
+        let parent = self.parent(headers, peer_trusted);
+        let mut span = self.server_span(
+            DECISION_SPAN,
+            &parent,
+            vec![KeyValue::new("http.route", "/v1/decision")],
+        );
+        span.method = "HTTP";
+        span
+    }
+
+    /// Starts the SERVER span of a gRPC call from Envoy (`service`/`method`), continuing the
+    /// context in the call's metadata, else in `fallback` (ext_authz: the described request's
+    /// headers), as `--trace-context` allows for the calling peer.
+    pub fn grpc_call(
+        &self,
+        metadata: &dyn HeaderSource,
+        fallback: Option<&dyn HeaderSource>,
+        peer_trusted: bool,
+        name: &'static str,
+        service: &'static str,
+        method: &'static str,
+    ) -> RequestSpan {
+        let mut parent = self.parent(metadata, peer_trusted);
+        if !parent.has_active_span() {
+            if let Some(fallback) = fallback {
+                parent = self.parent(fallback, peer_trusted);
+            }
+        }
+        let mut span = self.server_span(
+            name,
+            &parent,
+            vec![
+                KeyValue::new("rpc.system", "grpc"),
+                KeyValue::new("rpc.service", service),
+                KeyValue::new("rpc.method", method),
+            ],
+        );
+        span.method = "HTTP";
+        span
+    }
+
     /// Writes `traceparent` (and `tracestate`) for `context` through `set`.
     fn inject(&self, context: &SpanContext, set: &mut dyn FnMut(&'static str, String)) {
         let cx = Context::new().with_remote_span_context(context.clone());
@@ -422,6 +467,60 @@ impl RequestSpan {
                 .set_attribute(KeyValue::new("http.route", route.to_string()));
             self.span.update_name(format!("{} {route}", self.method));
         }
+    }
+
+    /// The HTTP attributes of the request a decision call describes (ext_authz's original
+    /// request): method, path, host.
+    pub fn described(&mut self, method: &str, path: &str, host: Option<&str>) {
+        if !self.span.is_recording() {
+            return;
+        }
+        self.span.set_attribute(KeyValue::new(
+            "http.request.method",
+            method_name_or_other(method),
+        ));
+        self.span
+            .set_attribute(KeyValue::new("url.path", path.to_string()));
+        if let Some(host) = host.map(crate::descriptor::strip_port) {
+            self.span
+                .set_attribute(KeyValue::new("server.address", host.to_string()));
+        }
+    }
+
+    /// A rate-limit service answer: `tollgate.decision` (`refuse` when over the limit), the
+    /// rule over the limit (else the tightest), and the fewest requests left.
+    pub fn rls_answered(&mut self, over_limit: bool, rule: Option<&str>, remaining: Option<u64>) {
+        if !self.span.is_recording() {
+            return;
+        }
+        self.span.set_attribute(KeyValue::new(
+            "tollgate.decision",
+            if over_limit { "refuse" } else { "allow" },
+        ));
+        if over_limit {
+            self.span
+                .set_attribute(KeyValue::new("tollgate.reason", "over_limit"));
+        }
+        if let Some(rule) = rule {
+            self.span
+                .set_attribute(KeyValue::new("tollgate.rule", rule.to_string()));
+        }
+        if let Some(remaining) = remaining {
+            self.span.set_attribute(KeyValue::new(
+                "tollgate.remaining",
+                i64::try_from(remaining).unwrap_or(i64::MAX),
+            ));
+        }
+    }
+
+    /// Ends a gRPC call's span with its status code (0: OK); an error status when it is not OK.
+    pub fn finish_rpc(mut self, code: i32, message: &str) {
+        self.span
+            .set_attribute(KeyValue::new("rpc.grpc.status_code", i64::from(code)));
+        if code != 0 {
+            self.span.set_status(Status::error(message.to_string()));
+        }
+        self.span.end();
     }
 
     /// The upstream answered with `status`.
@@ -543,6 +642,9 @@ impl RequestSpan {
         self.span.end();
     }
 }
+
+/// The name of a decision-service call's span.
+pub const DECISION_SPAN: &str = "tollgate decision";
 
 /// The span name of an HTTP request: its method, or `HTTP` for one outside the well-known set
 /// (the conventions' rule: a name never holds request-chosen text).

@@ -21,6 +21,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{free_port, one_rule, Gateway};
 
+use envoy_types::pb::envoy::config::core::v3::{address, Address, SocketAddress};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::auth::v3::attribute_context::{
+    HttpRequest, Peer, Request as AttrRequest,
+};
+use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
+use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
 /// Everything a receiver decoded, and the service name each batch's resource carried.
 #[derive(Default, Clone)]
 struct Received {
@@ -174,9 +185,12 @@ fn http_receiver() -> (SocketAddr, Received, Arc<Mutex<Vec<String>>>) {
     (addr, received, paths)
 }
 
+/// The `traceparent` and `tracestate` each upstream request carried.
+type Seen = Arc<Mutex<Vec<(String, String)>>>;
+
 /// An upstream that answers `200 ok` and records each request's `traceparent` and
 /// `tracestate` (`-` when absent).
-fn recording_upstream() -> (SocketAddr, Arc<Mutex<Vec<(String, String)>>>) {
+fn recording_upstream() -> (SocketAddr, Seen) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -515,4 +529,177 @@ fn off_without_an_endpoint_the_client_context_passes_untouched() {
     gw.wait_until(Duration::from_secs(5), || !gw.stdout_text().is_empty());
     assert!(!gw.stdout_text().contains("trace_id"));
     assert_eq!(gw.metric("tollgate_trace_spans_dropped_total"), 0.0);
+}
+
+/// An ext_authz `Check` for `GET path` from `peer`, with the described request's headers.
+fn check_request(peer: &str, path: &str, headers: &[(&str, &str)]) -> CheckRequest {
+    CheckRequest {
+        attributes: Some(AttributeContext {
+            source: Some(Peer {
+                address: Some(Address {
+                    address: Some(address::Address::SocketAddress(SocketAddress {
+                        address: peer.to_string(),
+                        ..SocketAddress::default()
+                    })),
+                }),
+                ..Peer::default()
+            }),
+            request: Some(AttrRequest {
+                http: Some(HttpRequest {
+                    method: "GET".into(),
+                    path: path.into(),
+                    host: "api.example.com".into(),
+                    headers: headers
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                    ..HttpRequest::default()
+                }),
+                ..AttrRequest::default()
+            }),
+            ..AttributeContext::default()
+        }),
+    }
+}
+
+/// A gRPC request carrying `traceparent` in its metadata, as Envoy's gRPC clients send it.
+fn with_traceparent<T>(message: T, traceparent: Option<&str>) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(value) = traceparent {
+        request
+            .metadata_mut()
+            .insert("traceparent", value.parse().unwrap());
+    }
+    request
+}
+
+#[test]
+fn decision_service_ext_authz_and_rate_limit_service_calls_are_server_spans() {
+    let (collector, received) = grpc_receiver();
+    let endpoint = format!("http://{collector}");
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 0.001, 5.0)),
+        None,
+        &["--grpc-listen", &grpc.to_string()],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    // Envoy's span (metadata) and the client's (the described request's headers).
+    let envoy_span = "1111111111111111";
+    let envoy_parent = format!("00-{CLIENT_TRACE}-{envoy_span}-01");
+    let client_parent = traceparent();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let mut authz = None;
+        for _ in 0..100 {
+            if let Ok(client) = AuthorizationClient::connect(format!("http://{grpc}")).await {
+                authz = Some(client);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut authz = authz.expect("ext_authz listener");
+        let described = [("traceparent", client_parent.as_str())];
+        // With Envoy's context in the metadata, then with the described request's only.
+        authz
+            .check(with_traceparent(
+                check_request("203.0.113.9", "/api/x?y=1", &described),
+                Some(&envoy_parent),
+            ))
+            .await
+            .unwrap();
+        authz
+            .check(with_traceparent(
+                check_request("203.0.113.9", "/api/x", &described),
+                None,
+            ))
+            .await
+            .unwrap();
+        let mut rls = RateLimitServiceClient::connect(format!("http://{grpc}"))
+            .await
+            .unwrap();
+        rls.should_rate_limit(with_traceparent(
+            RateLimitRequest {
+                domain: "edge".into(),
+                descriptors: vec![RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: "remote_address".into(),
+                        value: "198.51.100.7".into(),
+                    }],
+                    ..RateLimitDescriptor::default()
+                }],
+                hits_addend: 0,
+            },
+            Some(&envoy_parent),
+        ))
+        .await
+        .unwrap();
+    });
+    let decided = gw.admin(
+        "POST",
+        "/v1/decision",
+        &[
+            ("x-original-uri", "/orders/7?q=1"),
+            ("x-forwarded-for", "192.0.2.44"),
+            ("traceparent", client_parent.as_str()),
+        ],
+    );
+    assert_eq!(decided.status, 200);
+
+    let spans = received.wait_for(4);
+    assert_eq!(spans.len(), 4, "{spans:#?}");
+    assert!(spans.iter().all(|s| s.kind == SpanKind::Server as i32));
+    assert!(spans.iter().all(|s| hex(&s.trace_id) == CLIENT_TRACE));
+    let checks: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.name == "envoy.service.auth.v3.Authorization/Check")
+        .collect();
+    assert_eq!(checks.len(), 2);
+    let parents: Vec<String> = checks.iter().map(|s| hex(&s.parent_span_id)).collect();
+    assert!(parents.contains(&envoy_span.to_string()), "{parents:?}");
+    assert!(parents.contains(&CLIENT_SPAN.to_string()), "{parents:?}");
+    for check in &checks {
+        assert_eq!(text(check, "rpc.system"), "grpc");
+        assert_eq!(text(check, "rpc.method"), "Check");
+        assert_eq!(int(check, "rpc.grpc.status_code"), 0);
+        assert_eq!(text(check, "url.path"), "/api/x");
+        assert_eq!(text(check, "client.address"), "203.0.113.9");
+        assert_eq!(text(check, "tollgate.decision"), "allow");
+        assert_eq!(text(check, "tollgate.rule"), "per-ip");
+    }
+    let remaining: Vec<i64> = checks
+        .iter()
+        .map(|s| int(s, "tollgate.remaining"))
+        .collect();
+    assert!(
+        remaining.contains(&4) && remaining.contains(&3),
+        "{remaining:?}"
+    );
+
+    let rls = spans
+        .iter()
+        .find(|s| s.name == "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit")
+        .expect("the ShouldRateLimit span");
+    assert_eq!(hex(&rls.parent_span_id), envoy_span);
+    assert_eq!(text(rls, "tollgate.decision"), "allow");
+    assert_eq!(text(rls, "tollgate.rule"), "per-ip");
+    assert_eq!(int(rls, "tollgate.remaining"), 4);
+    assert_eq!(int(rls, "rpc.grpc.status_code"), 0);
+
+    let decision = spans
+        .iter()
+        .find(|s| s.name == "tollgate decision")
+        .expect("the decision service's span");
+    assert_eq!(hex(&decision.parent_span_id), CLIENT_SPAN);
+    assert_eq!(text(decision, "http.route"), "/v1/decision");
+    assert_eq!(text(decision, "url.path"), "/orders/7");
+    assert_eq!(text(decision, "client.address"), "192.0.2.44");
+    assert_eq!(text(decision, "tollgate.decision"), "allow");
+    assert_eq!(int(decision, "tollgate.remaining"), 4);
+    assert_eq!(int(decision, "http.response.status_code"), 200);
 }
