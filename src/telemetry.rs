@@ -327,10 +327,20 @@ impl Telemetry {
     /// Starts the SERVER span of a decision-service call (`/v1/decision`: nginx's
     /// `auth_request`, Envoy's HTTP ext_authz); the described request's attributes follow
     /// ([`RequestSpan::described`]).
-    pub fn decision_call(&self, headers: &http::HeaderMap, peer_trusted: bool) -> RequestSpan {
+    pub fn decision_call(
+        &self,
+        headers: &http::HeaderMap,
+        peer_trusted: bool,
+        method: &str,
+    ) -> RequestSpan {
         let parent = self.parent(headers, peer_trusted);
+        let name = match method_name(method) {
+            "GET" => "GET /v1/decision",
+            "POST" => "POST /v1/decision",
+            _ => "HTTP /v1/decision",
+        };
         let mut span = self.server_span(
-            DECISION_SPAN,
+            name,
             &parent,
             vec![KeyValue::new("http.route", "/v1/decision")],
         );
@@ -643,9 +653,6 @@ impl RequestSpan {
     }
 }
 
-/// The name of a decision-service call's span.
-pub const DECISION_SPAN: &str = "tollgate decision";
-
 /// The span name of an HTTP request: its method, or `HTTP` for one outside the well-known set
 /// (the conventions' rule: a name never holds request-chosen text).
 pub fn method_name(method: &str) -> &'static str {
@@ -930,6 +937,37 @@ mod tests {
             ])),
             Err(TelemetryError::QueueSize(_))
         ));
+    }
+
+    #[test]
+    fn trace_context_is_continued_only_from_the_peers_the_operator_allows() {
+        let settings = EnvSettings {
+            protocol: Protocol::HttpProtobuf,
+            max_queue_size: 4,
+            default_service_name: true,
+        };
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            "traceparent",
+            http::HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            ),
+        );
+        let continued = |trust: TraceContextTrust, peer_trusted: bool| {
+            let counter = prometheus::IntCounter::new("d", "d").unwrap();
+            let telemetry = Telemetry::start(&settings, trust, counter).unwrap();
+            let cx = telemetry.parent(&headers, peer_trusted);
+            let id = cx
+                .has_active_span()
+                .then(|| cx.span().span_context().trace_id().to_string());
+            telemetry.shutdown(Duration::from_millis(100));
+            id
+        };
+        let client = Some("4bf92f3577b34da6a3ce929d0e0e4736".to_string());
+        assert_eq!(continued(TraceContextTrust::Accept, false), client);
+        assert_eq!(continued(TraceContextTrust::Trusted, true), client);
+        assert_eq!(continued(TraceContextTrust::Trusted, false), None);
+        assert_eq!(continued(TraceContextTrust::Ignore, true), None);
     }
 
     #[test]

