@@ -285,18 +285,24 @@ impl Telemetry {
 
     /// Starts a SERVER span (a proxied request, a decision-service, ext_authz or rate-limit
     /// service call) under `parent`.
+    /// The attributes are built only for a span that is recorded: an unsampled request
+    /// allocates none of them.
     pub fn server_span(
         &self,
         name: &'static str,
         parent: &Context,
-        attributes: Vec<KeyValue>,
+        attributes: impl FnOnce() -> Vec<KeyValue>,
     ) -> RequestSpan {
-        let span = self
+        let mut span = self
             .tracer
             .span_builder(name)
             .with_kind(SpanKind::Server)
-            .with_attributes(attributes)
             .start_with_context(&self.tracer, parent);
+        if span.is_recording() {
+            for attribute in attributes() {
+                span.set_attribute(attribute);
+            }
+        }
         RequestSpan {
             span,
             client: None,
@@ -317,11 +323,9 @@ impl Telemetry {
         protocol_version: &'static str,
     ) -> RequestSpan {
         let parent = self.parent(headers, peer_trusted);
-        self.server_span(
-            method_name(method),
-            &parent,
-            http_server_attributes(method, path, host, protocol_version),
-        )
+        self.server_span(method_name(method), &parent, || {
+            http_server_attributes(method, path, host, protocol_version)
+        })
     }
 
     /// Starts the SERVER span of a decision-service call (`/v1/decision`: nginx's
@@ -339,11 +343,9 @@ impl Telemetry {
             "POST" => "POST /v1/decision",
             _ => "HTTP /v1/decision",
         };
-        let mut span = self.server_span(
-            name,
-            &parent,
-            vec![KeyValue::new("http.route", "/v1/decision")],
-        );
+        let mut span = self.server_span(name, &parent, || {
+            vec![KeyValue::new("http.route", "/v1/decision")]
+        });
         span.method = "HTTP";
         span
     }
@@ -366,15 +368,13 @@ impl Telemetry {
                 parent = self.parent(fallback, peer_trusted);
             }
         }
-        let mut span = self.server_span(
-            name,
-            &parent,
+        let mut span = self.server_span(name, &parent, || {
             vec![
                 KeyValue::new("rpc.system", "grpc"),
                 KeyValue::new("rpc.service", service),
                 KeyValue::new("rpc.method", method),
-            ],
-        );
+            ]
+        });
         span.method = "HTTP";
         span
     }
@@ -525,6 +525,10 @@ impl RequestSpan {
 
     /// Ends a gRPC call's span with its status code (0: OK); an error status when it is not OK.
     pub fn finish_rpc(mut self, code: i32, message: &str) {
+        if !self.span.is_recording() {
+            self.span.end();
+            return;
+        }
         self.span
             .set_attribute(KeyValue::new("rpc.grpc.status_code", i64::from(code)));
         if code != 0 {
@@ -574,7 +578,9 @@ impl RequestSpan {
         group: &str,
         server: std::net::SocketAddr,
     ) {
-        if self.client.is_some() {
+        // An unsampled request gets no CLIENT span: the upstream continues the SERVER span's
+        // context (its `sampled` flag off), and nothing else would read the span.
+        if self.client.is_some() || !self.span.is_recording() {
             return;
         }
         let parent = Context::new().with_remote_span_context(self.span.span_context().clone());
@@ -638,6 +644,10 @@ impl RequestSpan {
                 }
             }
             client.end();
+        }
+        if !self.span.is_recording() {
+            self.span.end();
+            return;
         }
         if status > 0 {
             self.span.set_attribute(KeyValue::new(

@@ -953,3 +953,56 @@ fn a_real_envoy_sends_its_trace_context_to_ext_authz() {
     let _ = envoy.kill();
     let _ = envoy.wait();
 }
+
+#[test]
+fn an_unsampled_request_exports_nothing_and_still_carries_its_trace_upstream() {
+    let (collector, received) = grpc_receiver();
+    let (upstream, seen) = recording_upstream();
+    let endpoint = format!("http://{collector}");
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 100.0, 100.0)),
+        Some(upstream),
+        &["--access-log", "text"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    // The parent says "not sampled" (flags 00): parent-based sampling records nothing.
+    let unsampled = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00");
+    assert_eq!(
+        gw.get("/first", &[("traceparent", unsampled.as_str())])
+            .status,
+        200
+    );
+    // Then a sampled one, whose spans are all that arrives.
+    let sampled_trace = "0af7651916cd43dd8448eb211c80319c";
+    let sampled = format!("00-{sampled_trace}-b7ad6b7169203331-01");
+    assert_eq!(
+        gw.get("/second", &[("traceparent", sampled.as_str())])
+            .status,
+        200
+    );
+    let spans = received.wait_for(2);
+    assert!(
+        spans.iter().all(|s| hex(&s.trace_id) == sampled_trace),
+        "{spans:#?}"
+    );
+    let sent = seen.lock().unwrap().clone();
+    // The unsampled request's upstream continues its trace, from the gateway's own span
+    // (no CLIENT span is made for it), still unsampled.
+    assert!(
+        sent[0].0.starts_with(&format!("00-{CLIENT_TRACE}-")),
+        "{sent:?}"
+    );
+    assert!(sent[0].0.ends_with("-00"), "{sent:?}");
+    assert!(!sent[0].0.contains(CLIENT_SPAN), "{sent:?}");
+    gw.wait_until(Duration::from_secs(5), || {
+        gw.stdout_text().lines().count() >= 2
+    });
+    assert!(gw
+        .stdout_text()
+        .contains(&format!("trace_id={CLIENT_TRACE}\n")));
+}
