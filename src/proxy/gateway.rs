@@ -621,7 +621,7 @@ impl ProxyHttp for Proxy {
         if let (Some(trace), Some(telemetry)) = (ctx.trace.as_deref_mut(), telemetry) {
             if ctx.connect_tries == 1 {
                 trace.upstream_started(telemetry, &group.spec.name, addr);
-            } else {
+            } else if trace.upstream_recorded() {
                 trace.upstream_event(
                     "retry",
                     crate::telemetry::server_attributes(addr, ctx.connect_tries),
@@ -663,7 +663,7 @@ impl ProxyHttp for Proxy {
                 "upstream connection failed: {}",
                 e.etype().as_str()
             );
-            if let Some(trace) = ctx.trace.as_deref_mut() {
+            if let Some(trace) = ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()) {
                 let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
                 attributes.push(crate::telemetry::attribute(
                     "tollgate.connect_failure",
@@ -698,7 +698,10 @@ impl ProxyHttp for Proxy {
         if let (Some(group), Some(addr), false) = (ctx.group.as_ref(), ctx.server, reused) {
             group.connected(addr);
         }
-        if let (Some(trace), Some(addr)) = (ctx.trace.as_deref_mut(), ctx.server) {
+        if let (Some(trace), Some(addr)) = (
+            ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()),
+            ctx.server,
+        ) {
             let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
             attributes.push(crate::telemetry::attribute(
                 "tollgate.connection_reused",
