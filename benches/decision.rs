@@ -120,6 +120,7 @@ fn bench(c: &mut Criterion) {
                     llm: None,
                     trusted_peer: false,
                     network: None,
+                    trace: None,
                 };
                 black_box(decide(&policy, &store, &clock, &facts))
             })
@@ -159,6 +160,7 @@ fn llm(c: &mut Criterion) {
             llm: Some(prompt),
             trusted_peer: false,
             network: None,
+            trace: None,
         };
         let bundle = policy.load();
         let decision = decide_local(
@@ -426,6 +428,7 @@ fn scale(c: &mut Criterion) {
                         llm: None,
                         trusted_peer: false,
                         network: None,
+                        trace: None,
                     };
                     let allowed = decide(&policy, &store, &clock, &facts);
                     assert!(allowed);

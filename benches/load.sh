@@ -16,6 +16,11 @@
 #   tg-1           tollgate, 1 per-IP rule (5 RateLimit headers)
 #   tg-5           tollgate, 5 rules (IP, key, key+path, global, 1 shadow)
 #   tg-1-state     tg-1 with its buckets in a state dir (--state-dir): what surviving restarts costs
+#   tg-1-otel      tg-1 with traces on: OTEL_TRACES_SAMPLER=always_on, exporting over OTLP/HTTP to
+#                  a live receiver (examples/otlp_sink.rs, on core 0) that decodes every batch
+#   tg-1-otel-ratio  the same with parentbased_traceidratio at 0.01
+#   tg-1-otel-down tg-1-otel with its collector down (nothing listens); its resident memory, and
+#                  tg-1's, are printed after the table
 #   nginx-429      nginx limit_req refusing every request (limit_req_status 429)
 #   tg-429         tollgate refusing every request
 #   authreq        nginx auth_request → tollgate decision service (CPU: nginx + tollgate)
@@ -46,7 +51,7 @@ ROUNDS=${1:-3}; SECS=${2:-5}; CONNS=${3:-32}
 bash scripts/install-deps.sh --load
 # PROFILE=release skips the fat-LTO build (minutes) for a quick comparison between targets.
 PROFILE=${PROFILE:-perf}
-cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy
+cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy --example otlp_sink
 TG=target/$PROFILE/tollgate
 BARE=target/$PROFILE/examples/bare_proxy
 ENVOY=$(bash scripts/install-envoy.sh)
@@ -56,6 +61,7 @@ UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=1890
 BARE_429=18907
 TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914; ENVOY_RLS=18915; TG_GRPC=18916
 TG_1_STATE=18918; TG_1_BASE=18919; TG_429_BASE=18926
+TG_1_OTEL=18943; TG_1_OTEL_RATIO=18944; TG_1_OTEL_DOWN=18945; OTLP_PORT=18946; OTLP_DOWN=18947
 TG_REDIS=18931; TG_CLUSTER=18932; TG_PG=18933; REDIS_PORT=18960; CLUSTER_PORTS="18961 18962 18963"
 PG_PORT=18964
 
@@ -197,6 +203,21 @@ if [ -n "${TG_BASE:-}" ]; then
 fi
 TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-1-state tg-5 tg-redis nginx-429 bare-429 tg-429 authreq envoy-rls"}
 wants() { [[ " ${TARGETS:-} " == *" $1 "* ]]; }
+# Traced tollgates: OTLP/HTTP to the receiver on core 0 (or to a port nobody listens on).
+start_traced() { # port, admin port, OTLP port, sampler, sampler argument: sets LAST_PID
+  env OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$3" OTEL_TRACES_SAMPLER="$4" \
+    OTEL_TRACES_SAMPLER_ARG="$5" taskset -c 1 "$TG" run --policy "$WORK/one.json" \
+    --listen "127.0.0.1:$1" --upstream "127.0.0.1:$UP" --admin-listen "127.0.0.1:$2" --threads 1 \
+    2>"$WORK/tg-$1.log" >/dev/null &
+  LAST_PID=$!; PIDS+=("$LAST_PID")
+}
+if wants tg-1-otel || wants tg-1-otel-ratio; then
+  taskset -c 0 "target/$PROFILE/examples/otlp_sink" "127.0.0.1:$OTLP_PORT" 2>"$WORK/otlp.log" &
+  PIDS+=("$!")
+fi
+wants tg-1-otel && { start_traced $TG_1_OTEL 18948 $OTLP_PORT always_on 1; PID_TG_1_OTEL=$LAST_PID; }
+wants tg-1-otel-ratio && { start_traced $TG_1_OTEL_RATIO 18949 $OTLP_PORT parentbased_traceidratio 0.01; PID_TG_1_OTEL_RATIO=$LAST_PID; }
+wants tg-1-otel-down && { start_traced $TG_1_OTEL_DOWN 18952 $OTLP_DOWN always_on 1; PID_TG_1_OTEL_DOWN=$LAST_PID; }
 redis_on() { # port, extra flags...: a redis-server on core 0, without persistence
   mkdir -p "$WORK/redis-$1"
   taskset -c 0 redis-server --port "$1" --bind 127.0.0.1 --save '' --appendonly no \
@@ -269,6 +290,9 @@ for round in $(seq 1 "$ROUNDS"); do
       tg-1) port=$TG_1; pids=$PID_TG_1;;
       tg-5) port=$TG_5; pids=$PID_TG_5;;
       tg-1-state) port=$TG_1_STATE; pids=$PID_TG_1_STATE;;
+      tg-1-otel) port=$TG_1_OTEL; pids=$PID_TG_1_OTEL;;
+      tg-1-otel-ratio) port=$TG_1_OTEL_RATIO; pids=$PID_TG_1_OTEL_RATIO;;
+      tg-1-otel-down) port=$TG_1_OTEL_DOWN; pids=$PID_TG_1_OTEL_DOWN;;
       nginx-429) port=$NGX_429; pids=$NGX_WORKER;;
       bare-429) port=$BARE_429; pids=$PID_BARE_429;;
       tg-429) port=$TG_429; pids=$PID_TG_429;;
@@ -313,6 +337,9 @@ for t in $TARGETS; do
     tg-1) name="tollgate, 1 per-IP rule (5 RateLimit headers)";;
     tg-5) name="tollgate, 5 rules";;
     tg-1-state) name="tollgate, 1 rule, --state-dir";;
+    tg-1-otel) name="tollgate, 1 rule, traces always_on, live OTLP receiver";;
+    tg-1-otel-ratio) name="tollgate, 1 rule, traces parentbased_traceidratio 0.01";;
+    tg-1-otel-down) name="tollgate, 1 rule, traces always_on, collector down";;
     nginx-429) name="nginx limit_req, every request refused (429)";;
     bare-429) name="bare Pingora, every request refused (429, same headers)";;
     tg-429) name="tollgate, every request refused (429)";;
@@ -356,6 +383,19 @@ for t in tg-redis tg-cluster tg-pg; do
   errors=$(curl -s "127.0.0.1:$a/metrics" | awk '/^tollgate_store_errors_total/ {print $2}')
   echo "$t: store errors (requests failed open) during the run: ${errors:-0}"
 done
+line "traces always_on / off, 1 rule, CPU per request:" tg-1-otel tg-1 "(target ≤ 1.10)"
+line "traces ratio 0.01 / off, 1 rule, CPU per request:" tg-1-otel-ratio tg-1
+line "traces always_on, collector down / off, CPU per request:" tg-1-otel-down tg-1
+for t in tg-1 tg-1-otel tg-1-otel-down; do
+  case $t in tg-1) pid=$PID_TG_1;; tg-1-otel) pid=${PID_TG_1_OTEL:-};; tg-1-otel-down) pid=${PID_TG_1_OTEL_DOWN:-};; esac
+  wants "$t" && [ -n "$pid" ] && echo "$t: resident memory after the run: $(awk '/VmRSS/ {print $2, $3}' "/proc/$pid/status")"
+done
+if wants tg-1-otel-down; then
+  echo "tg-1-otel-down: spans dropped (queue full): $(curl -s 127.0.0.1:18952/metrics | awk '/^tollgate_trace_spans_dropped_total/ {print $2}')"
+fi
+if wants tg-1-otel; then
+  echo "tg-1-otel: spans dropped: $(curl -s 127.0.0.1:18948/metrics | awk '/^tollgate_trace_spans_dropped_total/ {print $2}'); $(tail -1 "$WORK/otlp.log")"
+fi
 line "this build / TG_BASE, Redis, CPU per request:" tg-redis tg-redis-base
 line "this build / TG_BASE, Redis Cluster, CPU per request:" tg-cluster tg-cluster-base
 line "this build / TG_BASE, PostgreSQL, CPU per request:" tg-pg tg-pg-base

@@ -52,6 +52,8 @@ pub struct AccessRecord<'a> {
     /// The rule that refused the request.
     pub rule: Option<&'a str>,
     pub request_id: &'a str,
+    /// The request's trace id (32 hex digits), when tracing is on: written last.
+    pub trace_id: Option<&'a str>,
 }
 
 /// Formats one line (with its newline).
@@ -108,6 +110,9 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
             json_field(&mut line, "verdict", Some(record.verdict));
             json_field(&mut line, "rule", record.rule);
             json_field(&mut line, "request_id", Some(record.request_id));
+            if let Some(trace_id) = record.trace_id {
+                json_field(&mut line, "trace_id", Some(trace_id));
+            }
             line.push_str("}\n");
             line
         }
@@ -148,6 +153,9 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                 dash(record.rule),
                 Escaped(record.request_id),
             );
+            if let Some(trace_id) = record.trace_id {
+                let _ = write!(line, " trace_id={}", Escaped(trace_id));
+            }
             line.push('\n');
             line
         }
@@ -285,7 +293,22 @@ mod tests {
             verdict: "token_bucket_exceeded",
             rule: Some("per-ip"),
             request_id: "abc-123",
+            trace_id: None,
         }
+    }
+
+    #[test]
+    fn a_traced_request_names_its_trace_last() {
+        let traced = AccessRecord {
+            trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736"),
+            ..record()
+        };
+        let text = format(&traced, AccessLogFormat::Text);
+        assert!(text.ends_with(" request_id=abc-123 trace_id=4bf92f3577b34da6a3ce929d0e0e4736\n"));
+        let json = format(&traced, AccessLogFormat::Json);
+        let v: serde_json::Value = serde_json::from_str(json.trim_end()).unwrap();
+        assert_eq!(v["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert!(!format(&record(), AccessLogFormat::Text).contains("trace_id"));
     }
 
     #[test]

@@ -515,6 +515,17 @@ pub struct RunArgs {
         default_value = "off"
     )]
     pub access_log: AccessLogArg,
+    /// Whose W3C trace context (traceparent, tracestate) a request continues when traces are
+    /// on (OTEL_EXPORTER_OTLP_ENDPOINT set): `accept` (any client's, default), `trusted`
+    /// (only --trusted-proxy peers'; others start a new trace) or `ignore` (always a new trace).
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_TRACE_CONTEXT",
+        value_enum,
+        default_value = "accept"
+    )]
+    pub trace_context: crate::telemetry::TraceContextTrust,
     /// gRPC listener for Envoy: `envoy.service.ratelimit.v3.RateLimitService`,
     /// `envoy.service.auth.v3.Authorization` and `grpc.health.v1.Health` (h2c, or TLS with
     /// --grpc-tls-cert/--grpc-tls-key). Off unless set.

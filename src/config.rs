@@ -124,6 +124,8 @@ pub struct Config {
     /// `--skip-invalid-policies`.
     pub skip_invalid_policies: bool,
     pub access_log: crate::access_log::AccessLogFormat,
+    /// `--trace-context`: whose W3C trace context a request continues (traces on).
+    pub trace_context: crate::telemetry::TraceContextTrust,
     /// `--admin-token` (or its file): the operator endpoints' bearer token.
     pub admin_token: Option<crate::operator::AdminToken>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
@@ -480,6 +482,7 @@ impl Config {
                 AccessLogArg::Text => crate::access_log::AccessLogFormat::Text,
                 AccessLogArg::Json => crate::access_log::AccessLogFormat::Json,
             },
+            trace_context: args.trace_context,
             admin_token,
             wait_for_policy: args.wait_for_policy,
             compat,

@@ -324,6 +324,45 @@ impl RateLimitService for RateLimiter {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let mut trace = self.gateway.telemetry().map(|telemetry| {
+            let trusted = self
+                .gateway
+                .believes_network_headers(request.remote_addr().map(|a| a.ip()));
+            telemetry.grpc_call(
+                &Metadata(request.metadata()),
+                None,
+                trusted,
+                "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                "envoy.service.ratelimit.v3.RateLimitService",
+                "ShouldRateLimit",
+            )
+        });
+        let answered = self.rate_limit(request, trace.as_mut()).await;
+        if let Some(trace) = trace {
+            match &answered {
+                Ok(_) => trace.finish_rpc(0, ""),
+                Err(status) => trace.finish_rpc(status.code() as i32, status.message()),
+            }
+        }
+        answered
+    }
+}
+
+/// Reads trace context from a gRPC call's metadata.
+struct Metadata<'a>(&'a tonic::metadata::MetadataMap);
+
+impl crate::telemetry::HeaderSource for Metadata<'_> {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.0.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+impl RateLimiter {
+    async fn rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+        trace: Option<&mut crate::telemetry::RequestSpan>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
         let request = rls_request(request.into_inner());
         let metrics = &self.gateway.metrics;
         let reply = self
@@ -348,6 +387,21 @@ impl RateLimitService for RateLimiter {
             "ratelimit",
             if reply.over_limit { "over_limit" } else { "ok" },
         );
+        if let Some(trace) = trace {
+            let limited = reply.statuses.iter().filter(|s| s.current_limit.is_some());
+            let named = reply
+                .statuses
+                .iter()
+                .find(|s| s.over_limit && s.current_limit.is_some())
+                .or_else(|| limited.clone().min_by_key(|s| s.limit_remaining));
+            trace.rls_answered(
+                reply.over_limit,
+                named
+                    .and_then(|s| s.current_limit.as_ref())
+                    .map(|l| l.name.as_str()),
+                limited.map(|s| u64::from(s.limit_remaining)).min(),
+            );
+        }
         let statuses = reply
             .statuses
             .iter()
@@ -466,11 +520,32 @@ impl Authorization for Authorizer {
         &self,
         request: Request<CheckRequest>,
     ) -> Result<Response<CheckResponse>, Status> {
+        let mut trace = None;
+        let answered = self.authorize(request, &mut trace).await;
+        if let Some(trace) = trace {
+            match &answered {
+                Ok(_) => trace.finish_rpc(0, ""),
+                Err(status) => trace.finish_rpc(status.code() as i32, status.message()),
+            }
+        }
+        answered
+    }
+}
+
+impl Authorizer {
+    /// `Check`; `trace` gets the call's span once the described request is known.
+    async fn authorize(
+        &self,
+        request: Request<CheckRequest>,
+        trace: &mut Option<crate::telemetry::RequestSpan>,
+    ) -> Result<Response<CheckResponse>, Status> {
         // The gRPC connection's peer (Envoy itself): its network headers are believed only
         // when the operator named it with --trusted-proxy.
         let network_trusted = self
             .gateway
             .believes_network_headers(request.remote_addr().map(|a| a.ip()));
+        // Envoy's own context (its ext_authz span) travels in the call's metadata.
+        let metadata = self.gateway.telemetry().map(|_| request.metadata().clone());
         let attributes = request.into_inner().attributes.unwrap_or_default();
         let peer = attributes
             .source
@@ -523,6 +598,22 @@ impl Authorization for Authorizer {
         };
         // The peer is the client unless it is a trusted proxy, as on the proxy listener.
         let client_ip = self.gateway.client_ip(peer, &headers, false);
+        if let (Some(telemetry), Some(metadata)) = (self.gateway.telemetry(), &metadata) {
+            // Without Envoy's context, the described request's own `traceparent`.
+            let mut span = telemetry.grpc_call(
+                &Metadata(metadata),
+                Some(&headers),
+                network_trusted,
+                "envoy.service.auth.v3.Authorization/Check",
+                "envoy.service.auth.v3.Authorization",
+                "Check",
+            );
+            span.described(&http.method, crate::descriptor::split_uri(target).0, host);
+            if let Some(ip) = client_ip {
+                span.client(ip);
+            }
+            *trace = Some(span);
+        }
         // With `with_request_body`, Envoy sends the body (bytes in `raw_body`, else text in
         // `body`): loop detection fingerprints it.
         let body_hash = if http.raw_body.is_empty() {
@@ -554,8 +645,12 @@ impl Authorization for Authorizer {
                     llm: llm.as_ref(),
                 },
                 network_trusted,
+                trace: trace.as_ref().map(|t| t.facts()),
             })
             .await;
+        if let (Some(trace), Some(summary)) = (trace.as_mut(), answer.summary.as_deref()) {
+            trace.decided(summary);
+        }
         // The reservation's token goes to the upstream, which reports the usage on
         // `POST /v1/usage` (or the reservation stays charged as reserved).
         let mut upstream_headers = Vec::new();

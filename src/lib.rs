@@ -11,8 +11,9 @@
 //!                                  gRPC code)
 //! L3  cli, config, simulate,       flags → Config; commands; the running gateway: one
 //!     service, import, routes,     `Gateway::decide` for the proxy, the decision service and
-//!     tls, access_log              ext_authz; envoyproxy/ratelimit import; the gateway file;
-//!                                  edge certificates (rustls only); access-log lines
+//!     tls, access_log, telemetry   ext_authz; envoyproxy/ratelimit import; the gateway file;
+//!                                  edge certificates (rustls only); access-log lines;
+//!                                  OpenTelemetry traces (the only `opentelemetry` code)
 //! L2  engine, limits, rls,         pure engine: bundle + facts + time → plan (each limit
 //!     headers, metrics, auth       kind plans its rules in its `limits` module); plan + store
 //!                                  answer → Decision (an enum carrying names and quotas);
@@ -71,4 +72,5 @@ pub mod routes;
 pub mod service;
 pub mod simulate;
 pub mod store;
+pub mod telemetry;
 pub mod tls;

@@ -122,6 +122,8 @@ pub struct Metrics {
     debug_session_failures: IntCounterVec,
     /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
     log_lines_dropped: IntCounter,
+    /// Finished spans a full OTLP export queue turned away (`src/telemetry.rs`).
+    trace_spans_dropped: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
     /// The name of every metric family registered, series or not.
     defined: Vec<String>,
@@ -148,6 +150,11 @@ fn must<T>(r: prometheus::Result<T>) -> T {
 }
 
 impl Metrics {
+    /// The counter of spans a full export queue dropped (handed to the telemetry's processor).
+    pub fn trace_spans_dropped(&self) -> prometheus::IntCounter {
+        self.trace_spans_dropped.clone()
+    }
+
     /// Metrics for a gateway whose store is of `store_kind` (`memory`, `redis`, `postgres`).
     pub fn new(store_kind: &str) -> Self {
         let registry = Registry::new();
@@ -278,6 +285,10 @@ impl Metrics {
         let log_lines_dropped = must(IntCounter::new(
             "tollgate_log_lines_dropped_total",
             "Access-log and RATE_LIMIT lines dropped because standard output or error was not read fast enough",
+        ));
+        let trace_spans_dropped = must(IntCounter::new(
+            "tollgate_trace_spans_dropped_total",
+            "Finished trace spans dropped because the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full",
         ));
         let admin_refused = must(IntCounter::new(
             "tollgate_admin_unauthorized_total",
@@ -506,6 +517,7 @@ impl Metrics {
             Box::new(admin_refused.clone()),
             Box::new(debug_session_failures.clone()),
             Box::new(log_lines_dropped.clone()),
+            Box::new(trace_spans_dropped.clone()),
             Box::new(policy_info.clone()),
             Box::new(runtime_overrides.clone()),
             Box::new(policies_skipped.clone()),
@@ -569,6 +581,7 @@ impl Metrics {
             admin_refused,
             debug_session_failures,
             log_lines_dropped,
+            trace_spans_dropped,
             policy_info,
             runtime_overrides,
             policies_skipped,

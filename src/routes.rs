@@ -188,24 +188,32 @@ impl RouteTable {
         host: Option<&str>,
         path: &str,
     ) -> Option<(usize, Option<&std::sync::Arc<RouteHeaders>>)> {
-        let host = host.map(|h| h.trim_end_matches('.'));
-        self.routes
-            .iter()
-            .find(|r| {
-                let host_ok = match (&r.host, host) {
-                    (HostPattern::Any, _) => true,
-                    (HostPattern::Exact(name), Some(h)) => h.eq_ignore_ascii_case(name),
-                    (HostPattern::Suffix(suffix), Some(h)) => {
-                        h.len() > suffix.len()
-                            && h.is_char_boundary(h.len() - suffix.len())
-                            && h[h.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
-                    }
-                    _ => false,
-                };
-                host_ok && path_has_prefix(path, &r.path_prefix)
-            })
+        self.matching(host, path)
             .map(|r| (r.group, r.headers.as_ref()))
             .or(self.default.map(|group| (group, None)))
+    }
+
+    /// The path prefix of the route a request matches (a trace's `http.route`): `None` when
+    /// only the default group takes it.
+    pub fn matched_prefix(&self, host: Option<&str>, path: &str) -> Option<&str> {
+        self.matching(host, path).map(|r| r.path_prefix.as_str())
+    }
+
+    fn matching(&self, host: Option<&str>, path: &str) -> Option<&Route> {
+        let host = host.map(|h| h.trim_end_matches('.'));
+        self.routes.iter().find(|r| {
+            let host_ok = match (&r.host, host) {
+                (HostPattern::Any, _) => true,
+                (HostPattern::Exact(name), Some(h)) => h.eq_ignore_ascii_case(name),
+                (HostPattern::Suffix(suffix), Some(h)) => {
+                    h.len() > suffix.len()
+                        && h.is_char_boundary(h.len() - suffix.len())
+                        && h[h.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+                }
+                _ => false,
+            };
+            host_ok && path_has_prefix(path, &r.path_prefix)
+        })
     }
 }
 

@@ -144,6 +144,30 @@ pub struct RequestFacts<'a> {
     /// The client's network (`ip:country`, `ip:asn`, `ip:type`, `ip:tor`), when the bundle in
     /// force reads it ([`crate::network`]).
     pub network: Option<&'a crate::network::NetworkFacts>,
+    /// The trace this request is part of, when tracing is on (for the `RATE_LIMIT` line's
+    /// `trace_id`, and to summarise a sampled request's decision for its span).
+    pub trace: Option<TraceFacts>,
+}
+
+/// A request's trace as the core sees it: plain data (the spans live in the telemetry glue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceFacts {
+    pub trace_id: [u8; 16],
+    /// The request's spans are recorded and exported.
+    pub sampled: bool,
+}
+
+impl TraceFacts {
+    /// The trace id as 32 lower-case hex digits (W3C `traceparent`'s form).
+    pub fn trace_id_hex(&self) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = String::with_capacity(32);
+        for byte in self.trace_id {
+            out.push(char::from(HEX[usize::from(byte >> 4)]));
+            out.push(char::from(HEX[usize::from(byte & 0xf)]));
+        }
+        out
+    }
 }
 
 /// One descriptor of an Envoy `ShouldRateLimit` call: its request's `domain` and its
@@ -238,6 +262,7 @@ impl<'a> RequestFacts<'a> {
             llm: None,
             trusted_peer: false,
             network: None,
+            trace: None,
         }
     }
 
@@ -295,6 +320,12 @@ impl<'a> RequestFacts<'a> {
         self
     }
 
+    /// The same facts, part of a trace (see [`RequestFacts::trace`]).
+    pub fn with_trace(mut self, trace: Option<TraceFacts>) -> Self {
+        self.trace = trace;
+        self
+    }
+
     /// A copy of these facts with the client's network facts.
     pub fn with_network<'n>(
         &'n self,
@@ -313,6 +344,7 @@ impl<'a> RequestFacts<'a> {
             llm: self.llm,
             trusted_peer: self.trusted_peer,
             network: Some(network),
+            trace: self.trace,
         }
     }
 

@@ -282,7 +282,31 @@ impl Admin {
         body_hash: Option<u64>,
         llm: Option<&crate::llm::LlmRequest>,
     ) -> Response<Vec<u8>> {
-        let answer = self.decide(req, peer, body_hash, llm).await;
+        let Some(telemetry) = self.gateway.telemetry() else {
+            return self.decision_traced(req, peer, body_hash, llm, None).await;
+        };
+        // The caller's context (nginx's subrequest and Envoy's HTTP ext_authz pass the
+        // client's headers on), as `--trace-context` allows for the calling peer.
+        let trusted = peer
+            .map(crate::descriptor::canonical_ip)
+            .is_some_and(|ip| self.gateway.is_trusted_proxy(ip));
+        let mut trace = telemetry.decision_call(&req.headers, trusted, req.method.as_str());
+        let response = self
+            .decision_traced(req, peer, body_hash, llm, Some(&mut trace))
+            .await;
+        trace.finish(response.status().as_u16(), None);
+        response
+    }
+
+    async fn decision_traced(
+        &self,
+        req: &pingora::http::RequestHeader,
+        peer: Option<std::net::IpAddr>,
+        body_hash: Option<u64>,
+        llm: Option<&crate::llm::LlmRequest>,
+        trace: Option<&mut crate::telemetry::RequestSpan>,
+    ) -> Response<Vec<u8>> {
+        let answer = self.decide(req, peer, body_hash, llm, trace).await;
         if answer.no_policy {
             return no_policy();
         }
@@ -392,20 +416,32 @@ impl Admin {
         peer: Option<std::net::IpAddr>,
         body_hash: Option<u64>,
         llm: Option<&crate::llm::LlmRequest>,
+        mut trace: Option<&mut crate::telemetry::RequestSpan>,
     ) -> Answer {
         let original = Original::of(req, "/v1/decision", req.method.as_str());
         // The caller is a gateway by role: the client is described by X-Forwarded-For (or,
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, &req.headers, true);
+        if let Some(trace) = trace.as_deref_mut() {
+            let (path, _) = crate::descriptor::split_uri(original.uri);
+            trace.described(original.method, path, original.host);
+            if let Some(ip) = client_ip {
+                trace.client(ip);
+            }
+        }
         let body = crate::service::DescribedBody {
             hash: body_hash,
             llm,
         };
         // Its network headers only when the operator named the caller (--trusted-proxy).
         let network_trusted = self.gateway.believes_network_headers(peer);
-        self.gateway
-            .decide_described(&original.described(client_ip, &req.headers, body, network_trusted))
-            .await
+        let mut described = original.described(client_ip, &req.headers, body, network_trusted);
+        described.trace = trace.as_deref().map(|t| t.facts());
+        let answer = self.gateway.decide_described(&described).await;
+        if let (Some(trace), Some(summary)) = (trace, answer.summary.as_deref()) {
+            trace.decided(summary);
+        }
+        answer
     }
 }
 
@@ -433,6 +469,7 @@ impl<'r> Original<'r> {
             headers,
             body,
             network_trusted,
+            trace: None,
         }
     }
 

@@ -63,6 +63,8 @@ pub struct RequestCtx {
     slot: Option<tokio::sync::OwnedSemaphorePermit>,
     /// Forwarding headers and the route's header rules.
     forwarding: super::forward::Forwarding,
+    /// The request's spans, when traces are on (ended in `logging`).
+    trace: Option<Box<crate::telemetry::RequestSpan>>,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
@@ -191,6 +193,17 @@ fn request_id_header(ctx: &RequestCtx) -> HeaderList {
     headers
 }
 
+/// `network.protocol.version` of the client's request.
+fn protocol_version(session: &Session) -> &'static str {
+    if session.is_http2() {
+        "2"
+    } else if session.req_header().version == http::Version::HTTP_10 {
+        "1.0"
+    } else {
+        "1.1"
+    }
+}
+
 /// For an HTTP/2 stream, the key its connection is registered under (its socket digest).
 fn http2_key(session: &Session) -> Option<usize> {
     if !session.is_http2() {
@@ -264,7 +277,7 @@ impl Proxy {
     }
 
     /// The request's access-log line, from what the request gathered and what was sent.
-    fn write_access_log(&self, session: &Session, access: &AccessCtx) {
+    fn write_access_log(&self, session: &Session, access: &AccessCtx, trace_id: Option<&str>) {
         let req = session.req_header();
         let header =
             |name: http::header::HeaderName| req.headers.get(name).and_then(|v| v.to_str().ok());
@@ -301,6 +314,7 @@ impl Proxy {
             verdict: access.verdict,
             rule: access.rule.as_deref(),
             request_id: &access.request_id,
+            trace_id,
         };
         access_log::write(access_log::format(&record, self.gateway.config.access_log));
     }
@@ -370,6 +384,18 @@ impl ProxyHttp for Proxy {
         });
         ctx.peer = peer;
         ctx.forwarding.peer_trusted = peer_trusted;
+        if let Some(telemetry) = self.gateway.telemetry() {
+            let req = session.req_header();
+            let (host, _) = host_and_target(req);
+            ctx.trace = Some(Box::new(telemetry.http_request(
+                &req.headers,
+                peer_trusted,
+                req.method.as_str(),
+                req.uri.path(),
+                host,
+                protocol_version(session),
+            )));
+        }
         // A `token_bucket_llm` rule needs the whole body (bounded) before deciding. With shadow
         // rules alone, a body that could be refused (too large, or chunked) is not read:
         // shadow mode refuses nothing, and the shadow rules count it without its prompt.
@@ -444,12 +470,21 @@ impl ProxyHttp for Proxy {
                         .with_claims(claims.as_deref())
                         .with_body_hash(body_hash)
                         .with_llm(llm.as_ref())
-                        .with_trusted_peer(peer_trusted);
+                        .with_trusted_peer(peer_trusted)
+                        .with_trace(ctx.trace.as_deref().map(|t| t.facts()));
                     // Boxed: inline, the decision's future (stores, leases) would grow this
                     // hook's future, which Pingora moves into a box on every request, past
                     // what a copy does cheaply (measured: +10 % instructions per request).
                     let deciding = Box::pin(self.gateway.decide(&facts));
                     let answer = deciding.await;
+                    if let Some(trace) = ctx.trace.as_deref_mut() {
+                        if let Some(ip) = client_ip {
+                            trace.client(ip);
+                        }
+                        if let Some(summary) = answer.summary.as_deref() {
+                            trace.decided(summary);
+                        }
+                    }
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
                         access.verdict = answer.verdict();
@@ -475,6 +510,14 @@ impl ProxyHttp for Proxy {
                                 Some((group, rules)) => {
                                     ctx.group = Some(Arc::clone(group));
                                     ctx.forwarding.forwarded = upstreams.table.forwarded;
+                                    if let Some(trace) = ctx.trace.as_deref_mut() {
+                                        if let Some(route) = upstreams
+                                            .table
+                                            .matched_prefix(facts.host_name(), &facts.path)
+                                        {
+                                            trace.route(route);
+                                        }
+                                    }
                                     if let Some(rules) = rules {
                                         if rules.uses_request_id() && ctx.access.is_none() {
                                             ctx.forwarding.request_id = Some(
@@ -648,6 +691,7 @@ impl ProxyHttp for Proxy {
         }
         // A retry gives back the slot it held at the server that failed first.
         ctx.slot = None;
+        let telemetry = self.gateway.telemetry();
         let Some(group) = ctx.group.as_ref() else {
             return Err(Error::explain(NO_HEALTHY_UPSTREAM, "no upstream group"));
         };
@@ -682,6 +726,16 @@ impl ProxyHttp for Proxy {
         ctx.slot = slot;
         ctx.server = Some(addr);
         ctx.connect_tries += 1;
+        if let (Some(trace), Some(telemetry)) = (ctx.trace.as_deref_mut(), telemetry) {
+            if ctx.connect_tries == 1 {
+                trace.upstream_started(telemetry, &group.spec.name, addr);
+            } else if trace.upstream_recorded() {
+                trace.upstream_event(
+                    "retry",
+                    crate::telemetry::server_attributes(addr, ctx.connect_tries),
+                );
+            }
+        }
         if let Some(access) = ctx.access.as_deref_mut() {
             access.upstream = Some(addr);
             access.upstream_started = Some(std::time::Instant::now());
@@ -717,6 +771,20 @@ impl ProxyHttp for Proxy {
                 "upstream connection failed: {}",
                 e.etype().as_str()
             );
+            if let Some(trace) = ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()) {
+                let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
+                attributes.push(crate::telemetry::attribute(
+                    "tollgate.connect_failure",
+                    kind.as_str(),
+                ));
+                trace.upstream_event("connect_failed", attributes);
+                if outcome.ejected {
+                    trace.upstream_event(
+                        "ejection",
+                        crate::telemetry::server_attributes(addr, ctx.connect_tries),
+                    );
+                }
+            }
             if outcome.ejected {
                 tracing::warn!(group = %crate::log_line::value(&group.spec.name), server = %addr, "upstream server ejected after consecutive connection failures");
             }
@@ -737,6 +805,17 @@ impl ProxyHttp for Proxy {
         // earlier, and could hide a server whose new connections now fail).
         if let (Some(group), Some(addr), false) = (ctx.group.as_ref(), ctx.server, reused) {
             group.connected(addr);
+        }
+        if let (Some(trace), Some(addr)) = (
+            ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()),
+            ctx.server,
+        ) {
+            let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
+            attributes.push(crate::telemetry::attribute(
+                "tollgate.connection_reused",
+                reused,
+            ));
+            trace.upstream_event("connect", attributes);
         }
         Ok(())
     }
@@ -770,6 +849,18 @@ impl ProxyHttp for Proxy {
             ctx.client_ip.or(ctx.peer),
             ctx.access.as_deref().map(|a| a.request_id.as_str()),
         )?;
+        if let (Some(trace), Some(telemetry)) = (ctx.trace.as_deref(), self.gateway.telemetry()) {
+            // The upstream continues this trace: the client's own context (kept or not) is
+            // replaced by the upstream call's.
+            upstream_request.remove_header("tracestate");
+            let mut injected = Ok(());
+            trace.inject_upstream(telemetry, &mut |name, value| {
+                if injected.is_ok() {
+                    injected = upstream_request.insert_header(name, value).map(|_| ());
+                }
+            });
+            injected?;
+        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             // The response's usage must be readable as it passes: uncompressed (SDKs ask
             // for gzip and br by default).
@@ -791,6 +882,9 @@ impl ProxyHttp for Proxy {
             return Ok(());
         }
         super::protocol::frame_for_client(session, upstream_response);
+        if let Some(trace) = ctx.trace.as_deref_mut() {
+            trace.upstream_responded(upstream_response.status.as_u16());
+        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             let content_type = upstream_response
                 .headers
@@ -865,7 +959,7 @@ impl ProxyHttp for Proxy {
         Ok(())
     }
 
-    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Self::CTX) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request, and the
         // server's slot (with `max_connections`) goes to the next in line.
         ctx.slot = None;
@@ -893,8 +987,14 @@ impl ProxyHttp for Proxy {
                 .settle(&metering.reservation, used, reported_prompt, source)
                 .await;
         }
+        let trace = ctx.trace.take();
         if let Some(access) = ctx.access.take() {
-            self.write_access_log(session, &access);
+            let trace_id = trace.as_ref().map(|t| t.trace_id());
+            self.write_access_log(session, &access, trace_id.as_deref());
+        }
+        if let Some(trace) = trace {
+            let status = session.response_written().map_or(0, |r| r.status.as_u16());
+            trace.finish(status, e.map(|e| e.etype().as_str()));
         }
     }
 

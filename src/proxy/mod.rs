@@ -9,8 +9,8 @@ pub mod admin;
 pub mod conn;
 pub mod forward;
 pub mod gateway;
-pub mod queue;
 pub mod protocol;
+pub mod queue;
 pub mod upstreams;
 
 use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
@@ -56,6 +56,12 @@ pub fn run(args: RunArgs) -> u8 {
             return EXIT_INVALID;
         }
     };
+    // Traces, when the OTEL_* environment asks for them (a setting it cannot use stops here).
+    if let Err(e) = crate::telemetry::start_for(&gateway) {
+        tracing::error!("{e}");
+        eprintln!("tollgate: {e}");
+        return EXIT_INVALID;
+    }
     if config.bucket_idle_given {
         tracing::warn!(
             "--bucket-idle-secs is ignored: a bucket that still holds state is never dropped for being idle (only full-again ones are)"
@@ -388,6 +394,11 @@ pub fn run(args: RunArgs) -> u8 {
             gateway: Arc::clone(&gateway),
         }),
     });
+    if let Some(telemetry) = gateway.telemetry() {
+        // The spans still queued, within a bound: a collector that is down delays the exit
+        // by at most this.
+        telemetry.shutdown(Duration::from_secs(2));
+    }
     crate::log_line::flush();
     tracing::info!("tollgate stopped");
     EXIT_OK

@@ -27,6 +27,10 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
         }
         None => "-",
     };
+    let trace_id = request
+        .facts
+        .and_then(|f| f.trace)
+        .map(|t| t.trace_id_hex());
     let line = crate::log_line::RateLimit {
         client_ip,
         host: request.host.unwrap_or("-"),
@@ -37,6 +41,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
         reason: "",
         mode: "enforce",
         detail: None,
+        trace_id: trace_id.as_deref(),
     };
     if let (Decision::Refuse(refusal), Some(by)) = (decision, decision.refused_by()) {
         let (policy, rule, detail) = match by {

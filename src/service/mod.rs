@@ -129,6 +129,8 @@ pub struct Gateway {
     debug_sessions: Option<parking_lot::RwLock<crate::compat::DebugSessions>>,
     /// The key of masked values' fingerprints (`/v1/top`, the status page, explain).
     pub(crate) fingerprint_key: crate::redact::FingerprintKey,
+    /// OpenTelemetry traces, when the `OTEL_*` environment asks for them (set once at start).
+    telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
 }
 
 impl Gateway {
@@ -199,12 +201,23 @@ impl Gateway {
             fingerprint_key: state_key::fingerprint_key(
                 config.state_dir.as_ref().map(|s| s.dir.as_path()),
             )?,
+            telemetry: std::sync::OnceLock::new(),
             config,
         };
         gateway
             .load_network("startup")
             .map_err(StartError::Network)?;
         Ok(gateway)
+    }
+
+    /// Tracing, when it is on (`None`: no span work anywhere).
+    pub fn telemetry(&self) -> Option<&crate::telemetry::Telemetry> {
+        self.telemetry.get()
+    }
+
+    /// Switches tracing on (once, at start).
+    pub fn set_telemetry(&self, telemetry: crate::telemetry::Telemetry) {
+        let _ = self.telemetry.set(telemetry);
     }
 
     /// The client's network facts, when the bundle in force reads them.
@@ -500,6 +513,13 @@ impl Gateway {
                 Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
                 _ => None,
             },
+            // Only for a request whose span is recorded: nothing is built otherwise.
+            summary: decided
+                .request
+                .facts
+                .and_then(|f| f.trace)
+                .filter(|t| t.sampled)
+                .map(|_| Box::new(DecisionSummary::of(decision))),
             response,
         }
     }
@@ -522,6 +542,10 @@ impl Gateway {
                     no_policy: false,
                     reason: Some(Reason::EncodedSlash),
                     rule: None,
+                    summary: described
+                        .trace
+                        .filter(|t| t.sampled)
+                        .map(|_| Box::new(DecisionSummary::refused(Reason::EncodedSlash))),
                     response: self.refuse_early(
                         Reason::EncodedSlash,
                         described.client_ip,
@@ -555,7 +579,8 @@ impl Gateway {
         .with_body_hash(described.body.hash)
         .with_llm(described.body.llm)
         // Its network headers are believed only from a caller the operator named.
-        .with_trusted_peer(described.network_trusted))
+        .with_trusted_peer(described.network_trusted)
+        .with_trace(described.trace))
     }
 
     /// Drops buckets that no longer matter (see [`Store::sweep`]) and LLM reservations nobody
@@ -594,6 +619,8 @@ pub struct Described<'a> {
     /// are believed: the caller is a `--trusted-proxy` peer ([`Gateway::believes_network_headers`]),
     /// or an operator asks `/v1/explain`.
     pub network_trusted: bool,
+    /// The trace of the call that describes it, when tracing is on.
+    pub trace: Option<crate::descriptor::TraceFacts>,
 }
 
 /// What a described request's body contributes: its fingerprint (for `body_hash`
@@ -625,6 +652,108 @@ pub struct Answer {
     pub rule: Option<String>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
+    /// What a trace's span says of the decision (only for a sampled request).
+    pub summary: Option<Box<DecisionSummary>>,
+}
+
+/// A decision as a span's attributes tell it (`tollgate.decision`, `tollgate.policy`,
+/// `tollgate.rule`, `tollgate.reason`, `tollgate.remaining`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionSummary {
+    /// `allow`, `refuse`, or `shadow_refuse` (allowed; a shadow rule would have refused it).
+    pub decision: &'static str,
+    pub policy: Option<String>,
+    pub rule: Option<String>,
+    /// The refusal's (or shadow refusal's) reason; `no_policy` when none is loaded.
+    pub reason: Option<&'static str>,
+    /// Requests left on the tightest enforced rule (`RateLimit-Remaining`'s value).
+    pub remaining: Option<u64>,
+}
+
+impl DecisionSummary {
+    fn refused(reason: Reason) -> DecisionSummary {
+        DecisionSummary {
+            decision: "refuse",
+            policy: None,
+            rule: None,
+            reason: Some(reason.as_str()),
+            remaining: None,
+        }
+    }
+
+    /// The summary of one decision.
+    pub fn of(decision: &Decision<'_>) -> DecisionSummary {
+        let enforced = || {
+            decision
+                .rules()
+                .iter()
+                .filter(|r| r.rule.mode == Mode::Enforce && !r.fail_open)
+        };
+        let tightest = enforced().min_by_key(|r| r.tokens);
+        let remaining = |r: &crate::engine::RuleOutcome<'_>| r.tokens / crate::limiter::MICRO;
+        match decision {
+            Decision::NoPolicy => DecisionSummary {
+                decision: "allow",
+                policy: None,
+                rule: None,
+                reason: Some("no_policy"),
+                remaining: None,
+            },
+            Decision::Refuse(refusal) => {
+                let (policy, rule) = match decision.refused_by() {
+                    Some(RefusedBy::Rule(rule)) => {
+                        (Some(rule.policy_id.clone()), Some(rule.name.clone()))
+                    }
+                    Some(RefusedBy::KillSwitch(_)) => (Some("kill_switch".to_string()), None),
+                    _ => (None, None),
+                };
+                DecisionSummary {
+                    decision: "refuse",
+                    policy,
+                    rule,
+                    reason: Some(refusal.reason.as_str()),
+                    remaining: decision
+                        .rejecting_rule()
+                        .filter(|r| r.cost_exceeds)
+                        .map_or(Some(0), |r| Some(remaining(r))),
+                }
+            }
+            Decision::Allow(checked) => {
+                let shadow = decision.shadow_rejections().next();
+                let shadow_missing = checked.shadow_missing;
+                let remaining = tightest.map(remaining);
+                if let Some(outcome) = shadow {
+                    DecisionSummary {
+                        decision: "shadow_refuse",
+                        policy: Some(outcome.rule.policy_id.clone()),
+                        rule: Some(outcome.rule.name.clone()),
+                        reason: Some(if outcome.cost_exceeds {
+                            Reason::CostExceedsLimit.as_str()
+                        } else {
+                            Reason::TokenBucketExceeded.as_str()
+                        }),
+                        remaining,
+                    }
+                } else if let Some(rule) = shadow_missing {
+                    DecisionSummary {
+                        decision: "shadow_refuse",
+                        policy: Some(rule.policy_id.clone()),
+                        rule: Some(rule.name.clone()),
+                        reason: Some("missing_descriptor"),
+                        remaining,
+                    }
+                } else {
+                    DecisionSummary {
+                        decision: "allow",
+                        policy: tightest.map(|r| r.rule.policy_id.clone()),
+                        rule: tightest.map(|r| r.rule.name.clone()),
+                        reason: None,
+                        remaining,
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl Answer {
