@@ -308,10 +308,13 @@ impl Proxy {
 
 #[async_trait]
 impl ProxyHttp for Proxy {
-    type CTX = RequestCtx;
+    // Boxed: the context lives in Pingora's per-request future, which Pingora moves (copies
+    // whole) twice per request; inline, its ~750 bytes were ~1 500 instructions of copying per
+    // request, against one allocation.
+    type CTX = Box<RequestCtx>;
 
     fn new_ctx(&self) -> Self::CTX {
-        RequestCtx::default()
+        Box::default()
     }
 
     /// No downstream modules: Pingora's default adds a disabled compression module whose
