@@ -358,35 +358,69 @@ impl Gateway {
             None => facts,
         };
         let answer = self.decide_now(facts).await;
-        // A budget's throttle stage: the request goes on, later (Fairvisor sleeps too).
+        Self::throttled(answer).await
+    }
+
+    /// [`Gateway::decide`] without a future, when the store is in memory (it decides without
+    /// waiting): the proxy's per-request path, which would otherwise box the whole decision
+    /// future. `None` with another store: call [`Gateway::decide`]. An answer with
+    /// `throttle_ms` still owes its wait: [`Gateway::throttled`].
+    pub fn decide_in_memory(&self, facts: &RequestFacts<'_>) -> Option<Answer> {
+        if !matches!(self.store.backend(), Backend::Memory(_)) {
+            return None;
+        }
+        let network = self.network_facts(facts);
+        let with_network;
+        let facts = match &network {
+            Some(network) => {
+                with_network = facts.with_network(network);
+                &with_network
+            }
+            None => facts,
+        };
+        self.decide_locally(facts)
+    }
+
+    /// A budget's throttle stage: the request goes on, later (Fairvisor sleeps too).
+    pub async fn throttled(answer: Answer) -> Answer {
         if answer.throttle_ms > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(answer.throttle_ms)).await;
         }
         answer
     }
 
-    async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
+    /// The in-memory store's decision (synchronous); `None` with another store.
+    fn decide_locally(&self, facts: &RequestFacts<'_>) -> Option<Answer> {
+        let Backend::Memory(memory) = self.store.backend() else {
+            return None;
+        };
         let started = Instant::now();
         let unix_us = self.clock.unix_us();
-        if let Backend::Memory(memory) = self.store.backend() {
-            let guard = self.policy.load();
-            let decision = match guard.as_deref() {
-                None => Decision::NoPolicy,
-                Some(bundle) => engine::decide_local(
-                    bundle,
-                    facts,
-                    memory,
-                    self.store.now_us(),
-                    unix_us,
-                    self.engine_config,
-                ),
-            };
-            let decided = Decided {
-                decision,
-                request: RequestView::of(facts),
-            };
-            return self.answer(&decided, started);
+        let guard = self.policy.load();
+        let decision = match guard.as_deref() {
+            None => Decision::NoPolicy,
+            Some(bundle) => engine::decide_local(
+                bundle,
+                facts,
+                memory,
+                self.store.now_us(),
+                unix_us,
+                self.engine_config,
+            ),
+        };
+        let decided = Decided {
+            decision,
+            request: RequestView::of(facts),
+        };
+        Some(self.answer(&decided, started))
+    }
+
+    async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
+        if let Some(answer) = self.decide_locally(facts) {
+            return answer;
         }
+        let started = Instant::now();
+        let unix_us = self.clock.unix_us();
         let Some(bundle) = self.policy.load_full() else {
             let decided = Decided {
                 decision: Decision::NoPolicy,
