@@ -9,8 +9,8 @@ pub mod admin;
 pub mod conn;
 pub mod forward;
 pub mod gateway;
-pub mod queue;
 pub mod protocol;
+pub mod queue;
 pub mod upstreams;
 
 use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
