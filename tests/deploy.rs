@@ -564,35 +564,6 @@ fn unit_value(settings: &[(String, String)], key: &str) -> String {
         .unwrap_or_else(|| panic!("no {key}= in the unit"))
 }
 
-/// A command line as systemd splits it: words, single and double quotes removed.
-fn unit_words(line: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut word = String::new();
-    let mut quote = None;
-    let mut started = false;
-    for c in line.chars() {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some(_), c) => word.push(c),
-            (None, '\'' | '"') => {
-                quote = Some(c);
-                started = true;
-            }
-            (None, c) if c.is_whitespace() => {
-                if started || !word.is_empty() {
-                    out.push(std::mem::take(&mut word));
-                    started = false;
-                }
-            }
-            (None, c) => word.push(c),
-        }
-    }
-    if started || !word.is_empty() {
-        out.push(word);
-    }
-    out
-}
-
 #[test]
 fn the_systemd_unit_is_hardened_and_verifies() {
     let settings = unit_settings();
@@ -620,7 +591,7 @@ fn the_systemd_unit_is_hardened_and_verifies() {
         .collect();
     assert!(env.contains(&("TOLLGATE_STATE_DIR".into(), "/var/lib/tollgate".into())));
     parse_run(&[], &env).unwrap();
-    let start = unit_words(&unit_value(&settings, "ExecStart"));
+    let start = support::shell_words(&unit_value(&settings, "ExecStart"));
     assert_eq!(start, ["/usr/local/bin/tollgate", "run"]);
 
     // systemd-analyze verify: exit 0 and not one warning (it warns but exits 0 on an unknown
@@ -766,7 +737,7 @@ fn the_systemd_units_start_and_reload_lines_start_and_upgrade_the_gateway() {
     ]);
     let log_path = tmp.path().join("journal.log");
     let command = |key: &str| {
-        let words: Vec<String> = unit_words(&unit_value(&settings, key))
+        let words: Vec<String> = support::shell_words(&unit_value(&settings, key))
             .iter()
             .map(|w| substitute(w))
             .collect();

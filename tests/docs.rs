@@ -5,6 +5,8 @@
 //! real command line (flags exist, values are valid), the files they name exist, scripts,
 //! benches and examples exist, and the endpoints `curl` is pointed at are served.
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -178,36 +180,6 @@ fn no_page_carries_merge_conflict_markers() {
     }
 }
 
-/// Splits a shell line into words: quotes removed, `$(...)`, `${...}` and `$NAME` kept as one
-/// word (they stand for a value the reader supplies).
-fn words(line: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut word = String::new();
-    let mut quote = None;
-    let mut started = false;
-    for c in line.chars() {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some(_), c) => word.push(c),
-            (None, '\'' | '"') => {
-                quote = Some(c);
-                started = true;
-            }
-            (None, c) if c.is_whitespace() => {
-                if started || !word.is_empty() {
-                    out.push(std::mem::take(&mut word));
-                    started = false;
-                }
-            }
-            (None, c) => word.push(c),
-        }
-    }
-    if started || !word.is_empty() {
-        out.push(word);
-    }
-    out
-}
-
 /// The commands a page shows: each line of a `sh` block (continuation lines joined, `&&`
 /// chains split), and inline code that starts with a command this project ships (read per
 /// paragraph: a span may wrap onto the next line).
@@ -270,7 +242,7 @@ thread_local! {
 
 /// What is wrong with one command, if anything.
 fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
-    let mut words = words(command);
+    let mut words = support::shell_words(command);
     // What a shell does with the output is not the command's.
     if let Some(at) = words.iter().position(|w| {
         matches!(
@@ -525,7 +497,7 @@ fn the_checks_catch_what_they_are_for() {
     );
     assert_eq!(links("see [a](b.md#c) and `[x](y)`"), ["b.md#c"]);
     assert_eq!(
-        words(r#"H="Authorization: Bearer $T" curl"#),
+        support::shell_words(r#"H="Authorization: Bearer $T" curl"#),
         ["H=Authorization: Bearer $T", "curl"]
     );
 }

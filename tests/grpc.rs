@@ -4,16 +4,12 @@
 
 mod support;
 
-use envoy_types::pb::envoy::config::core::v3::{address, Address, SocketAddress};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,
 };
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::service::auth::v3::attribute_context::{
-    HttpRequest, Peer, Request as AttrRequest,
-};
 use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
-use envoy_types::pb::envoy::service::auth::v3::{check_response, AttributeContext, CheckRequest};
+use envoy_types::pb::envoy::service::auth::v3::check_response;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{rate_limit::Unit, Code};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -425,36 +421,6 @@ async fn store_failures_fail_open_or_answer_unavailable() {
     assert_eq!(e.code(), tonic::Code::Unavailable);
 }
 
-fn check_request(peer: &str, path: &str, headers: &[(&str, &str)]) -> CheckRequest {
-    CheckRequest {
-        attributes: Some(AttributeContext {
-            source: Some(Peer {
-                address: Some(Address {
-                    address: Some(address::Address::SocketAddress(SocketAddress {
-                        address: peer.to_string(),
-                        ..SocketAddress::default()
-                    })),
-                }),
-                ..Peer::default()
-            }),
-            request: Some(AttrRequest {
-                http: Some(HttpRequest {
-                    method: "GET".into(),
-                    path: path.into(),
-                    host: "api.example.com".into(),
-                    headers: headers
-                        .iter()
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                        .collect(),
-                    ..HttpRequest::default()
-                }),
-                ..AttrRequest::default()
-            }),
-            ..AttributeContext::default()
-        }),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ext_authz_check_allows_then_denies_with_429_and_headers() {
     let policy = support::one_rule("per-ip", r#"["ip:address"]"#, 1.0, 2.0);
@@ -473,7 +439,11 @@ async fn ext_authz_check_allows_then_denies_with_429_and_headers() {
     let spoof = [("x-forwarded-for", "10.9.9.9")];
     for left in ["1", "0"] {
         let r = c
-            .check(check_request("203.0.113.9", "/api/x?y=1", &spoof))
+            .check(support::ext_authz::check_request(
+                "203.0.113.9",
+                "/api/x?y=1",
+                &spoof,
+            ))
             .await
             .unwrap()
             .into_inner();
@@ -495,7 +465,11 @@ async fn ext_authz_check_allows_then_denies_with_429_and_headers() {
         );
     }
     let r = c
-        .check(check_request("203.0.113.9", "/api/x", &spoof))
+        .check(support::ext_authz::check_request(
+            "203.0.113.9",
+            "/api/x",
+            &spoof,
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -521,7 +495,11 @@ async fn ext_authz_check_allows_then_denies_with_429_and_headers() {
     assert!(get("retry-after").is_some());
     // Another peer is another client.
     let r = c
-        .check(check_request("203.0.113.10", "/api/x", &spoof))
+        .check(support::ext_authz::check_request(
+            "203.0.113.10",
+            "/api/x",
+            &spoof,
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -552,7 +530,11 @@ async fn ext_authz_believes_network_headers_only_from_a_trusted_caller() {
         let mut c = c.expect("ext_authz listener");
         for tor in ["1", "0,1", "1,0"] {
             let r = c
-                .check(check_request("203.0.113.9", "/x", &[("x-tor-exit", tor)]))
+                .check(support::ext_authz::check_request(
+                    "203.0.113.9",
+                    "/x",
+                    &[("x-tor-exit", tor)],
+                ))
                 .await
                 .unwrap()
                 .into_inner();

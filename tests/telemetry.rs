@@ -21,14 +21,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::{free_port, one_rule, Gateway};
 
-use envoy_types::pb::envoy::config::core::v3::{address, Address, SocketAddress};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::service::auth::v3::attribute_context::{
-    HttpRequest, Peer, Request as AttrRequest,
-};
 use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
-use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 
@@ -542,37 +537,6 @@ fn off_without_an_endpoint_the_client_context_passes_untouched() {
     assert_eq!(gw.metric("tollgate_trace_spans_dropped_total"), 0.0);
 }
 
-/// An ext_authz `Check` for `GET path` from `peer`, with the described request's headers.
-fn check_request(peer: &str, path: &str, headers: &[(&str, &str)]) -> CheckRequest {
-    CheckRequest {
-        attributes: Some(AttributeContext {
-            source: Some(Peer {
-                address: Some(Address {
-                    address: Some(address::Address::SocketAddress(SocketAddress {
-                        address: peer.to_string(),
-                        ..SocketAddress::default()
-                    })),
-                }),
-                ..Peer::default()
-            }),
-            request: Some(AttrRequest {
-                http: Some(HttpRequest {
-                    method: "GET".into(),
-                    path: path.into(),
-                    host: "api.example.com".into(),
-                    headers: headers
-                        .iter()
-                        .map(|(k, v)| (k.to_string(), v.to_string()))
-                        .collect(),
-                    ..HttpRequest::default()
-                }),
-                ..AttrRequest::default()
-            }),
-            ..AttributeContext::default()
-        }),
-    }
-}
-
 /// A gRPC request carrying `traceparent` in its metadata, as Envoy's gRPC clients send it.
 fn with_traceparent<T>(message: T, traceparent: Option<&str>) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
@@ -619,14 +583,14 @@ fn decision_service_ext_authz_and_rate_limit_service_calls_are_server_spans() {
         // With Envoy's context in the metadata, then with the described request's only.
         authz
             .check(with_traceparent(
-                check_request("203.0.113.9", "/api/x?y=1", &described),
+                support::ext_authz::check_request("203.0.113.9", "/api/x?y=1", &described),
                 Some(&envoy_parent),
             ))
             .await
             .unwrap();
         authz
             .check(with_traceparent(
-                check_request("203.0.113.9", "/api/x", &described),
+                support::ext_authz::check_request("203.0.113.9", "/api/x", &described),
                 None,
             ))
             .await
