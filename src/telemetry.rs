@@ -181,6 +181,21 @@ impl std::fmt::Debug for Telemetry {
     }
 }
 
+/// The exporter's error as it may be shown: an endpoint it quotes (an invalid URL is quoted
+/// whole) with any password in it masked, as every store URL is (`var`: the environment).
+fn without_endpoints(message: &str, var: impl Fn(&str) -> Option<String>) -> String {
+    let mut message = message.to_string();
+    for name in [
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ] {
+        if let Some(endpoint) = var(name).filter(|e| !e.is_empty()) {
+            message = message.replace(&endpoint, &crate::redact::url(&endpoint));
+        }
+    }
+    message
+}
+
 impl Telemetry {
     /// Starts tracing when the environment asks for it; `Ok(None)` when it does not.
     /// `dropped` counts the spans a full export queue turned away.
@@ -224,7 +239,11 @@ impl Telemetry {
                         .build()
                 }
             }
-            .map_err(|e| TelemetryError::Exporter(e.to_string()))?
+            .map_err(|e| {
+                TelemetryError::Exporter(without_endpoints(&e.to_string(), |name| {
+                    std::env::var(name).ok()
+                }))
+            })?
         };
         let exporter = OnExportRuntime {
             inner: Arc::new(tokio::sync::Mutex::new(exporter)),
@@ -888,6 +907,20 @@ mod tests {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         move |name| map.get(name).cloned()
+    }
+
+    #[test]
+    fn an_exporter_error_never_shows_an_endpoints_password() {
+        let endpoint = "http://user:s3cret@collector:43 17";
+        let var =
+            |name: &str| (name == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| endpoint.to_string());
+        let shown = without_endpoints(&format!("invalid URI {endpoint}/v1/traces"), var);
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert_eq!(
+            shown,
+            format!("invalid URI {}/v1/traces", crate::redact::url(endpoint))
+        );
+        assert_eq!(without_endpoints("timed out", var), "timed out");
     }
 
     #[test]

@@ -45,11 +45,11 @@ impl Slots {
             return Ok(permit);
         }
         let metrics = metrics();
-        metrics.waiting.inc();
+        let waiting = Waiting::count(&metrics.waiting);
         let started = std::time::Instant::now();
         let waited =
             tokio::time::timeout(timeout, Arc::clone(&self.semaphore).acquire_owned()).await;
-        metrics.waiting.dec();
+        drop(waiting);
         match waited {
             Ok(Ok(permit)) => {
                 metrics.waits.observe(started.elapsed().as_secs_f64());
@@ -61,6 +61,23 @@ impl Slots {
                 Err(QueueTimedOut)
             }
         }
+    }
+}
+
+/// One request counted in the queue-length gauge while it waits: uncounted when it stops
+/// waiting, also when its client goes away and Pingora drops the waiting request.
+struct Waiting<'a>(&'a prometheus::IntGauge);
+
+impl<'a> Waiting<'a> {
+    fn count(gauge: &'a prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Waiting(gauge)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -131,5 +148,27 @@ mod tests {
         );
         assert_eq!(m.timeouts.get(), 1);
         assert_eq!(m.waiting.get(), 0);
+    }
+
+    /// A waiting request whose client went away (Pingora drops its future) leaves the
+    /// queue-length gauge as it found it.
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_dropped_while_waiting_is_no_longer_counted() {
+        let slots = Arc::new(Slots::new(1));
+        let m = metrics();
+        let _held = slots
+            .acquire(Duration::from_secs(1), || m.clone())
+            .await
+            .unwrap();
+        let waiter = {
+            let (slots, m) = (Arc::clone(&slots), m.clone());
+            tokio::spawn(async move { slots.acquire(Duration::from_secs(5), || m).await.is_ok() })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(m.waiting.get(), 1);
+        waiter.abort();
+        assert!(waiter.await.unwrap_err().is_cancelled());
+        assert_eq!(m.waiting.get(), 0);
+        assert_eq!(m.timeouts.get(), 0);
     }
 }
