@@ -688,7 +688,7 @@ fn flood(
 /// client addresses (every fourth with a fresh tenant too, a one-unit budget entry) against
 /// `--max-buckets 2000`. Throughout the flood and after it each new client is limited to
 /// exactly its burst of 10 (ten 200s, then 429); a tenant with 14 of its 20 spent keeps them
-/// spent, no eviction gives back more than one token, and no request goes untracked for want of
+/// spent, evictions give back one token each (but for the rare one whose 5 samples were all expensive), and no request goes untracked for want of
 /// room. In process memory and with a state dir.
 #[test]
 fn a_key_flood_leaves_new_clients_limited_exactly() {
@@ -760,11 +760,17 @@ fn a_key_flood_leaves_new_clients_limited_exactly() {
         let evicted = node.metric("tollgate_store_evictions_by_kind_total{kind=\"token_bucket\"}")
             + node.metric("tollgate_store_evictions_by_kind_total{kind=\"budget\"}");
         assert!(evicted >= 16_000.0, "{evicted}");
-        // Each eviction gave back one token at most.
+        // An eviction gives back what the cheapest of its 5 sampled entries held: one token
+        // (a flood entry) unless all 5 were drained clients or the tenant's. Those are about
+        // 200 of the 2000 entries at the flood's end (a tenth, and fewer before), so of ~18 000
+        // evictions about 18 000 × 0.1^5 ≈ 0.2 are expected to give back more, and 5 or more
+        // happen with a chance of about 3 in a million (Poisson, mean 0.2).
         let forgiven_count = node.metric("tollgate_store_eviction_forgiven_tokens_count");
-        assert_eq!(
-            node.metric("tollgate_store_eviction_forgiven_tokens_bucket{le=\"1\"}"),
-            forgiven_count
+        let forgave_more = forgiven_count
+            - node.metric("tollgate_store_eviction_forgiven_tokens_bucket{le=\"1\"}");
+        assert!(
+            forgave_more <= 4.0,
+            "state dir {state_dir}: {forgave_more} of {forgiven_count} evictions gave back more than one token"
         );
         eprintln!(
             "state dir {state_dir}: {} new clients during the flood, each admitted exactly 10; {evicted} evictions",
