@@ -7,9 +7,9 @@
 //! Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set: then
 //! [`Telemetry::from_env`] returns `None`, nothing here runs, and a request does no span work.
 //!
-//! Never in the way: a span ends into a bounded queue ([`DropCounting`]: a full queue drops the
+//! Never in the way: a span ends into a bounded queue (`DropCounting`: a full queue drops the
 //! span and counts it in `tollgate_trace_spans_dropped_total`), the batch processor's thread
-//! takes batches from it, and the export itself runs on a runtime of its own ([`ExportRuntime`]),
+//! takes batches from it, and the export itself runs on a runtime of its own (`ExportRuntime`),
 //! so a down, slow or refusing collector never blocks a request. The export headers
 //! (`OTEL_EXPORTER_OTLP_HEADERS`, often an API key) are handed to the exporter and never logged.
 
