@@ -48,6 +48,7 @@ pub mod compat;
 pub mod config;
 pub mod descriptor;
 pub mod engine;
+pub mod fleet;
 pub mod forwarding;
 pub mod fs_trust;
 pub mod grpc;
