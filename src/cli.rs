@@ -88,8 +88,46 @@ pub enum LogFormat {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Policy bundle (JSON). Reloaded on SIGHUP and when the file changes.
-    #[arg(help_heading = "Policy", long, env = "TOLLGATE_POLICY")]
-    pub policy: PathBuf,
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_POLICY",
+        required_unless_present = "policy_store",
+        conflicts_with = "policy_store"
+    )]
+    pub policy: Option<PathBuf>,
+    /// Follow the fleet's published bundle instead of a file: redis://, redis+cluster://,
+    /// postgres:// (as `tollgate publish` writes them) or an http(s):// URL serving one
+    /// envelope. The new version is served within about a second of its publication.
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_POLICY_STORE")]
+    pub policy_store: Option<String>,
+    /// Ed25519 public key (PEM, as `openssl pkey -pubout` writes it): with it, only bundles
+    /// signed by the matching `--sign-key` are put in force.
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_POLICY_VERIFY_KEY",
+        requires = "policy_store"
+    )]
+    pub policy_verify_key: Option<PathBuf>,
+    /// This gateway's name in the policy store's heartbeats (`tollgate fleet`); default: the
+    /// host name and the --listen port.
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_GATEWAY_ID",
+        requires = "policy_store"
+    )]
+    pub gateway_id: Option<String>,
+    /// Largest published bundle envelope read from --policy-store; a larger one is refused
+    /// and the bundle in force kept.
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_POLICY_STORE_MAX_BYTES",
+        default_value_t = crate::fleet::envelope::DEFAULT_MAX_BYTES
+    )]
+    pub policy_store_max_bytes: usize,
     /// Proxy listener address.
     #[arg(
         help_heading = "Listeners and upstreams",

@@ -68,10 +68,37 @@ fn debug_secret(args: &RunArgs) -> Result<Option<crate::compat::DebugSecret>, St
         .map_err(|e| format!("{source}: the secret {e}"))
 }
 
+/// `tollgate run --policy-store URL`: where the fleet's bundles are published and how this
+/// gateway follows them.
+#[derive(Debug, Clone)]
+pub struct PolicyStoreConfig {
+    pub url: String,
+    /// `--policy-verify-key`: read at start-up (a key that cannot be read stops it).
+    pub verify_key: Option<PathBuf>,
+    /// `--gateway-id`, or the host name and the `--listen` port.
+    pub gateway_id: String,
+    /// `--policy-store-max-bytes`.
+    pub max_bytes: usize,
+    /// `--state-dir`, where the last good bundle is kept for a start with the store down.
+    pub bundle_dir: Option<PathBuf>,
+}
+
+/// The host name (`/proc/sys/kernel/hostname`), or `gateway` when it cannot be read.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "gateway".to_string())
+}
+
 /// Everything `run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// `--policy` (empty under `--policy-store`).
     pub policy: PathBuf,
+    /// `--policy-store` and its companions: the fleet's published bundle, followed.
+    pub policy_store: Option<PolicyStoreConfig>,
     pub listen: String,
     pub upstreams: Vec<SocketAddr>,
     /// The gateway file (`--routes`), instead of `--upstream`.
@@ -244,11 +271,47 @@ impl Config {
         if args.state_sync_ms == 0 {
             errors.push("--state-sync-ms 0: must be at least 1".to_string());
         }
-        if args.state_dir.is_some() && !matches!(args.store.as_str(), "memory") {
+        if args.state_dir.is_some()
+            && !matches!(args.store.as_str(), "memory")
+            && args.policy_store.is_none()
+        {
             errors.push(
-                "--state-dir: keeps the embedded store's tables; a shared --store keeps its own"
+                "--state-dir: keeps the embedded store's tables; a shared --store keeps its own (with --policy-store, the state dir keeps the last good bundle)"
                     .to_string(),
             );
+        }
+        let policy_store = args.policy_store.as_ref().map(|url| PolicyStoreConfig {
+            url: url.clone(),
+            verify_key: args.policy_verify_key.clone(),
+            gateway_id: args.gateway_id.clone().unwrap_or_else(|| {
+                let port = args
+                    .listen
+                    .parse::<SocketAddr>()
+                    .map_or(0, |addr| addr.port());
+                format!("{}:{port}", host_name())
+            }),
+            max_bytes: args.policy_store_max_bytes,
+            bundle_dir: args.state_dir.clone(),
+        });
+        if let Some(url) = &args.policy_store {
+            let known = [
+                "redis://",
+                "rediss://",
+                "redis+cluster://",
+                "postgres://",
+                "postgresql://",
+                "http://",
+                "https://",
+            ];
+            if !known.iter().any(|scheme| url.starts_with(scheme)) {
+                errors.push(format!(
+                    "--policy-store {:?}: expected redis://, redis+cluster://, postgres:// or an http(s):// URL",
+                    crate::redact::url(url)
+                ));
+            }
+        }
+        if args.policy_store_max_bytes == 0 {
+            errors.push("--policy-store-max-bytes 0: must be at least 1".to_string());
         }
         if args.upgrade && upgrade_sock(args).is_none() {
             errors.push(
@@ -421,16 +484,19 @@ impl Config {
             return Err(ConfigError(errors));
         }
         Ok(Config {
-            policy: args.policy.clone(),
+            policy: args.policy.clone().unwrap_or_default(),
+            policy_store,
             listen: args.listen.clone(),
             upstreams,
             routes: args.routes.clone(),
             admin_listen: args.admin_listen.clone(),
             threads: args.threads,
             max_buckets: args.max_buckets,
+            // With a shared store, the state dir keeps only the last good bundle (above).
             state_dir: args
                 .state_dir
                 .as_ref()
+                .filter(|_| matches!(args.store.as_str(), "memory"))
                 .map(|dir| crate::store::StateDirConfig {
                     dir: dir.clone(),
                     sync_every: Duration::from_millis(args.state_sync_ms),

@@ -65,6 +65,62 @@ pub struct QueueMetrics {
 }
 
 /// All gateway metrics.
+/// The bundle in force and where it came from, and the policy-store follower's refusals.
+#[derive(Clone)]
+pub struct PolicySourceMetrics {
+    bundle_info: IntGaugeVec,
+    rejected: IntCounterVec,
+    up: IntGauge,
+}
+
+impl PolicySourceMetrics {
+    fn new(registry: &Registry) -> PolicySourceMetrics {
+        let bundle_info = must(IntGaugeVec::new(
+            Opts::new(
+                "tollgate_bundle_info",
+                "The bundle in force (value 1): its version (published, or its own bundle_version), SHA-256 and source (file, state_dir, redis, redis-cluster, postgres, http)",
+            ),
+            &["version", "hash", "source"],
+        ));
+        let rejected = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_policy_source_rejected_total",
+                "Published bundles --policy-store did not put in force (the last good one kept), by slot and reason",
+            ),
+            &["slot", "reason"],
+        ));
+        let up = must(IntGauge::new(
+            "tollgate_policy_source_up",
+            "1 while the --policy-store answers, 0 while it is unreachable",
+        ));
+        must(registry.register(Box::new(bundle_info.clone())));
+        must(registry.register(Box::new(rejected.clone())));
+        must(registry.register(Box::new(up.clone())));
+        PolicySourceMetrics {
+            bundle_info,
+            rejected,
+            up,
+        }
+    }
+
+    /// The bundle now in force.
+    pub fn bundle(&self, version: &str, sha256: &str, source: &str) {
+        self.bundle_info.reset();
+        self.bundle_info
+            .with_label_values(&[version, sha256, source])
+            .set(1);
+    }
+
+    /// A published bundle refused (`slot`: live or candidate; `reason`: the refusal's label).
+    pub fn rejected(&self, slot: &str, reason: &str) {
+        self.rejected.with_label_values(&[slot, reason]).inc();
+    }
+
+    pub fn set_up(&self, up: bool) {
+        self.up.set(i64::from(up));
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     decisions: IntCounterVec,
@@ -89,6 +145,8 @@ pub struct Metrics {
     /// Network-file reloads refused by the shrink guard, by file (`tor_exits`...).
     network_reloads_rejected: IntCounterVec,
     policy_info: IntGaugeVec,
+    /// `tollgate_bundle_info` and the `--policy-store` follower's counters.
+    pub policy_source: PolicySourceMetrics,
     runtime_overrides: IntGaugeVec,
     policies_skipped: IntGauge,
     connections_refused: IntCounterVec,
@@ -325,6 +383,7 @@ impl Metrics {
             ),
             &["version", "hash"],
         ));
+        let policy_source = PolicySourceMetrics::new(&registry);
         let runtime_overrides = must(IntGaugeVec::new(
             Opts::new(
                 "tollgate_runtime_override_active",
@@ -583,6 +642,7 @@ impl Metrics {
             log_lines_dropped,
             trace_spans_dropped,
             policy_info,
+            policy_source,
             runtime_overrides,
             policies_skipped,
             connections_refused,

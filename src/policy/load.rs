@@ -100,8 +100,23 @@ pub fn parse_bundle_with(
         }
     })?;
     bundle.hash = format!("{:016x}", twox_hash::XxHash3_64::oneshot(bytes));
+    bundle.sha256 = sha256_hex(bytes);
     if let Some(twin) = bundle.shadow_twin.as_mut() {
         twin.hash.clone_from(&bundle.hash);
+        twin.sha256.clone_from(&bundle.sha256);
     }
     Ok(bundle)
+}
+
+/// Lower-case hex SHA-256 of `bytes` (a bundle's fleet-wide hash).
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
+    digest
+        .as_ref()
+        .iter()
+        .fold(String::with_capacity(64), |mut hex, byte| {
+            let _ = write!(hex, "{byte:02x}");
+            hex
+        })
 }

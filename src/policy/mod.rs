@@ -12,7 +12,9 @@ mod load;
 
 pub use compile::{compile_bundle, compile_bundle_with, CompileOptions};
 pub use error::{FieldError, PolicyError};
-pub use load::{load_current, load_file, load_file_with, parse_bundle, parse_bundle_with};
+pub use load::{
+    load_current, load_file, load_file_with, parse_bundle, parse_bundle_with, sha256_hex,
+};
 
 use crate::descriptor::{Descriptor, IpNet, RequestFacts};
 use crate::limiter::Quota;
@@ -29,6 +31,9 @@ pub struct Bundle {
     pub expires_at: Option<i64>,
     /// Hex xxHash3-64 of the source bytes: tells two loads of the same file apart from a change.
     pub hash: String,
+    /// Lower-case hex SHA-256 of the source bytes: the bundle's hash a fleet compares
+    /// (`/readyz` `bundle_hash`, `tollgate_bundle_info`, a published envelope's `sha256`).
+    pub sha256: String,
     pub policies: Vec<Policy>,
     /// Every rule of every policy (fallbacks included), indexed by [`Policy::rules`].
     pub rules: Vec<Rule>,
@@ -106,6 +111,7 @@ impl Bundle {
             version: "0".to_string(),
             expires_at: None,
             hash: String::new(),
+            sha256: String::new(),
             policies: Vec::new(),
             rules: Vec::new(),
             kill_switches: Vec::new(),

@@ -75,7 +75,7 @@ pub fn run(args: RunArgs) -> u8 {
     }
     // A policy file that does not exist is most likely a typo: starting would proxy everything
     // unlimited. `--wait-for-policy` is for orchestrators that mount the file later.
-    if !config.wait_for_policy && !config.policy.exists() {
+    if config.policy_store.is_none() && !config.wait_for_policy && !config.policy.exists() {
         let e = format!(
             "--policy {}: no such file (start with --wait-for-policy to run unlimited until it appears)",
             config.policy.display()
@@ -89,6 +89,21 @@ pub fn run(args: RunArgs) -> u8 {
     // gateway enforces a bundle, and taking its listeners without one would switch limits off,
     // so the new process stops here and the old one keeps serving.
     let loaded = gateway.load_policy("startup");
+    let verify_key = match start_following(&gateway) {
+        Ok(key) => key,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("tollgate: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    let loaded = match (&config.policy_store, loaded) {
+        (Some(store), Ok(())) if gateway.loaded.load().is_none() => Err(format!(
+            "--policy-store {}: no bundle could be put in force (none published, none kept in --state-dir, or the store unreachable)",
+            crate::redact::url(&store.url)
+        )),
+        (_, loaded) => loaded.map_err(|e| e.to_string()),
+    };
     if let (true, Err(e)) = (config.upgrade, &loaded) {
         let e = format!(
             "--upgrade: the policy does not load, so the running gateway keeps its listeners: {e}"
@@ -328,6 +343,7 @@ pub fn run(args: RunArgs) -> u8 {
         "tollgate housekeeping",
         Housekeeping {
             gateway: Arc::clone(&gateway),
+            verify_key,
             certificates,
             upstreams: upstreams.clone(),
             routes_seen: parking_lot::Mutex::new(
@@ -755,9 +771,46 @@ impl pingora::services::Service for GrpcListener {
     }
 }
 
+/// Under `--policy-store`: reads the verify key, puts in force the bundle kept in `--state-dir`,
+/// then reads the store once (bounded by `--store-timeout`) so that a gateway starts with the
+/// newest published bundle when the store answers. Returns the key for the follower.
+fn start_following(
+    gateway: &Arc<Gateway>,
+) -> Result<Option<Arc<crate::fleet::envelope::VerifyKey>>, String> {
+    let Some(store) = &gateway.config.policy_store else {
+        return Ok(None);
+    };
+    let key = match &store.verify_key {
+        Some(path) => Some(Arc::new(
+            crate::fleet::envelope::VerifyKey::from_pem_file(path)
+                .map_err(|e| format!("--policy-verify-key {e}"))?,
+        )),
+        None => None,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("--policy-store: cannot start its first read: {e}"))?;
+    let timeout = gateway.config.store_timeout;
+    runtime.block_on(async {
+        // A source of its own: its connections belong to this short-lived runtime.
+        let source = crate::fleet::source::open(&store.url, timeout)
+            .map_err(|e| format!("--policy-store: {e}"))?;
+        let follower =
+            crate::service::follow::Follower::new(Arc::clone(gateway), source, key.clone());
+        follower.load_kept();
+        // The store's own timeout bounds each call; this bounds a slow connect as well.
+        let _ = tokio::time::timeout(timeout * 3, follower.poll_once("startup")).await;
+        Ok::<(), String>(())
+    })?;
+    Ok(key)
+}
+
 /// Reload on SIGHUP and on policy-file (and certificate-file) change; periodic bucket sweep.
 struct Housekeeping {
     gateway: Arc<Gateway>,
+    /// `--policy-verify-key`, read at start-up.
+    verify_key: Option<Arc<crate::fleet::envelope::VerifyKey>>,
     certificates: Option<Arc<crate::tls::Certificates>>,
     upstreams: Option<Arc<arc_swap::ArcSwap<upstreams::Upstreams>>>,
     /// The gateway file's signature at the last look.
@@ -843,6 +896,30 @@ impl BackgroundService for Housekeeping {
         };
         // A shared store connects in the background: the gateway serves (failing open) meanwhile.
         self.gateway.store.connect_in_background();
+        if let Some(store) = &self.gateway.config.policy_store {
+            match crate::fleet::source::open(&store.url, self.gateway.config.store_timeout) {
+                Ok(source) => {
+                    let poll = if source.kind() == "http" {
+                        self.gateway
+                            .config
+                            .policy_poll
+                            .unwrap_or(crate::service::follow::STORE_POLL)
+                    } else {
+                        crate::service::follow::STORE_POLL
+                    };
+                    let follower = crate::service::follow::Follower::new(
+                        Arc::clone(&self.gateway),
+                        source,
+                        self.verify_key.clone(),
+                    );
+                    let mut stop = shutdown.clone();
+                    tokio::spawn(follower.run(poll, async move {
+                        let _ = stop.changed().await;
+                    }));
+                }
+                Err(e) => tracing::error!("--policy-store: {e}"),
+            }
+        }
         let poll = self
             .gateway
             .config

@@ -12,6 +12,7 @@
 
 mod debug_sessions;
 mod envoy_rls;
+pub mod follow;
 mod logging;
 mod reload;
 pub mod state_key;
@@ -131,6 +132,8 @@ pub struct Gateway {
     pub(crate) fingerprint_key: crate::redact::FingerprintKey,
     /// OpenTelemetry traces, when the `OTEL_*` environment asks for them (set once at start).
     telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
+    /// `--policy-store`: what the follower knows ([`follow`]).
+    pub(crate) source_state: Mutex<follow::SourceState>,
 }
 
 impl Gateway {
@@ -202,6 +205,7 @@ impl Gateway {
                 config.state_dir.as_ref().map(|s| s.dir.as_path()),
             )?,
             telemetry: std::sync::OnceLock::new(),
+            source_state: follow::new_state(),
             config,
         };
         gateway

@@ -10,6 +10,21 @@ pub struct LoadedPolicy {
     pub hash: String,
     /// Unix seconds.
     pub loaded_at: i64,
+    /// Hex SHA-256 of the bundle's bytes (`bundle_hash`).
+    pub sha256: String,
+    /// The published version, for a bundle from `--policy-store` (`None`: from `--policy`).
+    pub published: Option<u64>,
+    /// Where it came from: `file`, `state_dir` (the last good published bundle kept there),
+    /// or the policy store's kind (`redis`, `redis-cluster`, `postgres`, `http`).
+    pub source: &'static str,
+}
+
+impl LoadedPolicy {
+    /// `bundle_version`: the published version, else the bundle's own `bundle_version`.
+    pub fn bundle_version(&self) -> String {
+        self.published
+            .map_or_else(|| self.version.clone(), |v| v.to_string())
+    }
 }
 
 /// Cheap change detection for the policy file.
@@ -140,11 +155,14 @@ impl Gateway {
             .collect()
     }
 
-    fn install(&self, bundle: Bundle) {
+    pub(super) fn install(&self, bundle: Bundle, published: Option<u64>, source: &'static str) {
         let info = LoadedPolicy {
             version: bundle.version.clone(),
             hash: bundle.hash.clone(),
             loaded_at: wall_unix_secs(),
+            sha256: bundle.sha256.clone(),
+            published,
+            source,
         };
         for warning in &bundle.warnings {
             tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}");
@@ -166,6 +184,9 @@ impl Gateway {
         // burst caps their tokens on the next request.
         let bundle = Arc::new(bundle);
         self.metrics.on_install(&bundle);
+        self.metrics
+            .policy_source
+            .bundle(&info.bundle_version(), &info.sha256, source);
         self.policy.store(Some(bundle));
         self.loaded.store(Some(Arc::new(info)));
     }
@@ -184,6 +205,10 @@ impl Gateway {
                 trigger,
                 "JWKS reload failed, keeping the previous keys: {e}"
             );
+        }
+        if self.config.policy_store.is_some() {
+            // The bundle comes from the policy store, which the follower watches.
+            return Ok(());
         }
         let path = &self.config.policy;
         let sig = signature(path);
@@ -205,7 +230,7 @@ impl Gateway {
                 for warning in bundle.made_up_key_warnings(&trust) {
                     tracing::warn!(policy_file = %path.display(), "policy warning: {warning}");
                 }
-                self.install(bundle);
+                self.install(bundle, None, "file");
                 crate::policy::release_parse_memory();
                 *self.watch.lock() = (sig, None);
                 self.metrics.reload(true);
@@ -257,6 +282,9 @@ impl Gateway {
     }
 
     fn reload_policy_if_changed(&self) {
+        if self.config.policy_store.is_some() {
+            return;
+        }
         let sig = signature(&self.config.policy);
         {
             let watch = self.watch.lock();
@@ -319,6 +347,16 @@ impl Gateway {
                     }),
                     "runtime_overrides": self.runtime_overrides(),
                     "policy_hash": p.hash,
+                    "bundle_version": p.published.map_or_else(
+                        || p.version.parse::<u64>().map_or_else(
+                            |_| serde_json::Value::String(p.version.clone()),
+                            serde_json::Value::from,
+                        ),
+                        serde_json::Value::from,
+                    ),
+                    "bundle_hash": p.sha256,
+                    "bundle_source": p.source,
+                    "policy_source": self.policy_source_json(),
                     "loaded_at": p.loaded_at,
                     "store": self.store.kind(),
                     // A degraded store fails open; it does not make the gateway unready.
@@ -328,8 +366,12 @@ impl Gateway {
             ),
             None => (
                 503,
-                serde_json::json!({"status": "not_ready", "reason": "no_policy_loaded"})
-                    .to_string(),
+                serde_json::json!({
+                    "status": "not_ready",
+                    "reason": "no_policy_loaded",
+                    "policy_source": self.policy_source_json(),
+                })
+                .to_string(),
             ),
         }
     }

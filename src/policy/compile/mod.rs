@@ -240,6 +240,7 @@ impl Compiler {
             version: self.version,
             expires_at: self.expires_at,
             hash: String::new(),
+            sha256: String::new(),
             policies: self.policies,
             rules: self.rules,
             kill_switches: self.kill_switches,

@@ -1,0 +1,953 @@
+//! Following a fleet's policy store (`tollgate run --policy-store URL`): reading the published
+//! live and candidate bundles, checking each (size, envelope, signature with
+//! `--policy-verify-key`, a version never below the one in force, the bundle itself) before it
+//! is put in force, keeping the last good live bundle in `--state-dir` for a start while the
+//! store is down, and the heartbeat `tollgate fleet` lists.
+//!
+//! A bundle that fails any check is refused once (an ERROR line naming the slot, the version
+//! and the reason, `tollgate_policy_source_rejected_total`, `/readyz`'s `last_refusal`) and the
+//! bundle in force stays; an empty or wiped store unloads nothing.
+
+use super::Gateway;
+use crate::fleet::envelope::{Envelope, EnvelopeError, Slot, VerifyKey};
+use crate::fleet::source::{Heartbeat, PolicySource, SourceError};
+use parking_lot::Mutex;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The file in `--state-dir` holding the last good live envelope.
+pub const KEPT_BUNDLE_FILE: &str = "policy-store-bundle.json";
+
+/// How often a gateway writes its heartbeat (and after every change it puts in force).
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// How often the store is read when no change notification arrives: the bound on how late a
+/// gateway whose notification channel is down serves a new version.
+pub const STORE_POLL: Duration = Duration::from_secs(1);
+
+/// Why a published bundle was not put in force.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error(transparent)]
+    Envelope(#[from] EnvelopeError),
+    #[error("version {found} is below version {in_force}, in force")]
+    Older { found: u64, in_force: u64 },
+    #[error("version {version} is in force with another bundle (sha256 {in_force}); refusing {found} under the same version")]
+    VersionConflict {
+        version: u64,
+        in_force: String,
+        found: String,
+    },
+    #[error("the bundle is invalid: {0}")]
+    Invalid(String),
+}
+
+impl Refusal {
+    /// The metric label and `/readyz` reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Refusal::Envelope(e) => e.reason(),
+            Refusal::Older { .. } => "older_version",
+            Refusal::VersionConflict { .. } => "version_conflict",
+            Refusal::Invalid(_) => "invalid_bundle",
+        }
+    }
+}
+
+/// The last refusal, as `/readyz` shows it.
+#[derive(Debug, Clone)]
+struct RefusalRecord {
+    at: i64,
+    slot: Slot,
+    version: Option<u64>,
+    reason: &'static str,
+    message: String,
+}
+
+/// What the follower knows, for `/readyz`, `/status` and the heartbeat.
+#[derive(Debug, Default)]
+pub(crate) struct SourceState {
+    /// The store's URL, password masked, and its kind.
+    url: String,
+    kind: &'static str,
+    /// `None` before the first read; then whether the last read answered.
+    reachable: Option<bool>,
+    unreachable_since: Option<i64>,
+    last_error: Option<String>,
+    last_refusal: Option<RefusalRecord>,
+    /// The live and candidate bundles in force from the store: version and SHA-256.
+    live: Option<(u64, String)>,
+    candidate: Option<(u64, String)>,
+    /// Hashes of the raw slots last looked at (live, candidate): an unchanged slot is not
+    /// parsed again, and a refused one is reported once.
+    seen: [Option<u64>; 2],
+    /// The store had no live bundle at the last read (logged once).
+    empty_reported: bool,
+}
+
+fn raw_hash(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
+}
+
+impl Gateway {
+    /// `/readyz`'s `policy_source`: `null` without `--policy-store`.
+    pub(crate) fn policy_source_json(&self) -> serde_json::Value {
+        if self.config.policy_store.is_none() {
+            return serde_json::Value::Null;
+        }
+        let state = self.source_state.lock();
+        let show = |b: &Option<(u64, String)>| match b {
+            Some((version, hash)) => serde_json::json!({"version": version, "hash": hash}),
+            None => serde_json::Value::Null,
+        };
+        serde_json::json!({
+            "url": state.url,
+            "kind": state.kind,
+            "state": source_state_name(state.reachable),
+            "unreachable_since": state.unreachable_since,
+            "last_error": state.last_error,
+            "live": show(&state.live),
+            "candidate": show(&state.candidate),
+            "last_refusal": state.last_refusal.as_ref().map(|r| serde_json::json!({
+                "at": r.at,
+                "slot": r.slot.as_str(),
+                "version": r.version,
+                "reason": r.reason,
+                "message": r.message,
+            })),
+        })
+    }
+
+    /// The candidate in force from the policy store (version, SHA-256).
+    pub fn published_candidate(&self) -> Option<(u64, String)> {
+        self.source_state.lock().candidate.clone()
+    }
+}
+
+fn source_state_name(reachable: Option<bool>) -> &'static str {
+    match reachable {
+        None => "starting",
+        Some(true) => "following",
+        Some(false) => "unreachable",
+    }
+}
+
+/// Follows one policy store for one gateway.
+pub struct Follower {
+    gateway: Arc<Gateway>,
+    source: Arc<dyn PolicySource>,
+    key: Option<Arc<VerifyKey>>,
+    max_bytes: usize,
+    gateway_id: String,
+    bundle_dir: Option<PathBuf>,
+}
+
+impl Follower {
+    /// # Panics
+    /// Never: the gateway must have been built with `--policy-store` (checked by the caller).
+    pub fn new(
+        gateway: Arc<Gateway>,
+        source: Arc<dyn PolicySource>,
+        key: Option<Arc<VerifyKey>>,
+    ) -> Follower {
+        let (max_bytes, gateway_id, bundle_dir) = match &gateway.config.policy_store {
+            Some(c) => (c.max_bytes, c.gateway_id.clone(), c.bundle_dir.clone()),
+            None => (
+                crate::fleet::envelope::DEFAULT_MAX_BYTES,
+                String::new(),
+                None,
+            ),
+        };
+        {
+            let mut state = gateway.source_state.lock();
+            state.url = source.display_url();
+            state.kind = source.kind();
+        }
+        Follower {
+            gateway,
+            source,
+            key,
+            max_bytes,
+            gateway_id,
+            bundle_dir,
+        }
+    }
+
+    /// At start-up: puts in force the last good live bundle kept in `--state-dir`, checked as
+    /// if it came from the store (a tampered file is refused like a tampered store). Returns
+    /// whether one was put in force.
+    pub fn load_kept(&self) -> bool {
+        let Some(path) = self.kept_path() else {
+            return false;
+        };
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return false,
+            Err(e) => {
+                tracing::error!(file = %path.display(), "cannot read the kept bundle: {e}");
+                return false;
+            }
+        };
+        match self.check(&bytes, Slot::Live) {
+            Ok((envelope, bundle)) => {
+                self.put_live(&envelope, bundle, "state_dir", "state_dir");
+                true
+            }
+            Err(refusal) => {
+                tracing::error!(file = %path.display(), reason = refusal.reason(), "kept bundle not loaded: {refusal}");
+                false
+            }
+        }
+    }
+
+    fn kept_path(&self) -> Option<PathBuf> {
+        self.bundle_dir.as_ref().map(|d| d.join(KEPT_BUNDLE_FILE))
+    }
+
+    /// Reads both slots and puts in force what changed and passes every check.
+    pub async fn poll_once(&self, trigger: &str) {
+        let slots = match self.source.read().await {
+            Ok(slots) => slots,
+            Err(e) => {
+                self.unreachable(&e);
+                return;
+            }
+        };
+        self.reachable();
+        match &slots.live {
+            None => {
+                let mut state = self.gateway.source_state.lock();
+                if !state.empty_reported {
+                    state.empty_reported = true;
+                    drop(state);
+                    match self.gateway.loaded.load().as_ref() {
+                        Some(p) => tracing::warn!(
+                            url = %self.source.display_url(),
+                            "the policy store has no live bundle: keeping bundle_version {}",
+                            p.bundle_version()
+                        ),
+                        None => tracing::warn!(
+                            url = %self.source.display_url(),
+                            "the policy store has no live bundle yet (decisions answer 503 until one is published)"
+                        ),
+                    }
+                }
+            }
+            Some(bytes) => {
+                self.gateway.source_state.lock().empty_reported = false;
+                self.follow_slot(bytes, Slot::Live, trigger);
+            }
+        }
+        match &slots.candidate {
+            None => {
+                let had = self.gateway.source_state.lock().candidate.take();
+                self.gateway.source_state.lock().seen[1] = None;
+                if let Some((version, _)) = had {
+                    self.gateway.set_published_candidate(None);
+                    tracing::info!(version, "candidate bundle withdrawn");
+                }
+            }
+            Some(bytes) => self.follow_slot(bytes, Slot::Candidate, trigger),
+        }
+    }
+
+    fn follow_slot(&self, bytes: &[u8], slot: Slot, trigger: &str) {
+        let index = usize::from(slot == Slot::Candidate);
+        let hash = raw_hash(bytes);
+        if self.gateway.source_state.lock().seen[index] == Some(hash) {
+            return;
+        }
+        let outcome = self.check(bytes, slot);
+        self.gateway.source_state.lock().seen[index] = Some(hash);
+        match outcome {
+            Ok((envelope, bundle)) => match slot {
+                Slot::Live => {
+                    let source = self.source.kind();
+                    self.put_live(&envelope, bundle, trigger, source);
+                    self.keep(bytes);
+                }
+                Slot::Candidate => self.put_candidate(&envelope, bundle),
+            },
+            Err(refusal) => self.refused(slot, bytes, &refusal),
+        }
+    }
+
+    /// Size, envelope, signature, version, then the bundle itself.
+    fn check(
+        &self,
+        bytes: &[u8],
+        slot: Slot,
+    ) -> Result<(Envelope, crate::policy::Bundle), Refusal> {
+        let envelope = Envelope::parse(bytes, slot, self.max_bytes)?;
+        envelope.verify(self.key.as_deref())?;
+        let in_force = match slot {
+            Slot::Live => self.gateway.source_state.lock().live.clone(),
+            Slot::Candidate => self.gateway.source_state.lock().candidate.clone(),
+        };
+        if let Some((version, sha256)) = in_force {
+            if envelope.version < version {
+                return Err(Refusal::Older {
+                    found: envelope.version,
+                    in_force: version,
+                });
+            }
+            if envelope.version == version && envelope.sha256 != sha256 {
+                return Err(Refusal::VersionConflict {
+                    version,
+                    in_force: sha256,
+                    found: envelope.sha256,
+                });
+            }
+        }
+        let options = crate::policy::CompileOptions {
+            skip_invalid_policies: self.gateway.config.skip_invalid_policies,
+            ..crate::policy::CompileOptions::default()
+        };
+        let bundle =
+            crate::policy::parse_bundle_with(envelope.policy.as_bytes(), "policy", options)
+                .and_then(|bundle| {
+                    bundle
+                        .check_current(self.gateway.clock.unix_secs())
+                        .map_err(|errors| crate::policy::PolicyError::Invalid {
+                            file: "<published>".into(),
+                            errors,
+                        })?;
+                    Ok(bundle)
+                });
+        crate::policy::release_parse_memory();
+        match bundle {
+            Ok(bundle) => Ok((envelope, bundle)),
+            Err(e) => Err(Refusal::Invalid(e.to_string())),
+        }
+    }
+
+    fn put_live(
+        &self,
+        envelope: &Envelope,
+        bundle: crate::policy::Bundle,
+        trigger: &str,
+        source: &'static str,
+    ) {
+        let same = self
+            .gateway
+            .source_state
+            .lock()
+            .live
+            .as_ref()
+            .map(|(v, _)| *v)
+            == Some(envelope.version);
+        if same {
+            // The version in force (e.g. the kept one, now read from the store): only where
+            // it is known from changes.
+            if let Some(loaded) = self.gateway.loaded.load_full() {
+                if loaded.source != source {
+                    let mut moved = (*loaded).clone();
+                    moved.source = source;
+                    self.gateway.metrics.policy_source.bundle(
+                        &moved.bundle_version(),
+                        &moved.sha256,
+                        source,
+                    );
+                    self.gateway.loaded.store(Some(Arc::new(moved)));
+                }
+            }
+            return;
+        }
+        for warning in &bundle.warnings {
+            tracing::warn!(version = envelope.version, "policy warning: {warning}");
+        }
+        self.gateway.install(bundle, Some(envelope.version), source);
+        self.gateway.source_state.lock().live = Some((envelope.version, envelope.sha256.clone()));
+        self.gateway.metrics.reload(true);
+        tracing::info!(
+            version = envelope.version,
+            hash = %envelope.sha256,
+            signed = envelope.signature.is_some(),
+            trigger,
+            source,
+            "policy loaded"
+        );
+    }
+
+    fn put_candidate(&self, envelope: &Envelope, bundle: crate::policy::Bundle) {
+        {
+            let state = self.gateway.source_state.lock();
+            if state.candidate.as_ref().map(|(v, _)| *v) == Some(envelope.version) {
+                return;
+            }
+        }
+        self.gateway.set_published_candidate(Some(bundle));
+        self.gateway.source_state.lock().candidate =
+            Some((envelope.version, envelope.sha256.clone()));
+        tracing::info!(
+            version = envelope.version,
+            hash = %envelope.sha256,
+            "candidate bundle loaded: every request is also decided under it, in shadow"
+        );
+    }
+
+    /// Writes the live envelope just put in force to `--state-dir` (owner-only, replaced
+    /// whole), for a start while the store is down.
+    fn keep(&self, bytes: &[u8]) {
+        let Some(path) = self.kept_path() else {
+            return;
+        };
+        if let Err(e) = write_private(&path, bytes) {
+            tracing::error!(file = %path.display(), "cannot keep the bundle in the state dir (a start with the store down will not have it): {e}");
+        }
+    }
+
+    fn refused(&self, slot: Slot, bytes: &[u8], refusal: &Refusal) {
+        let version = serde_json::from_slice::<serde_json::Value>(bytes)
+            .ok()
+            .and_then(|v| v.get("version").and_then(serde_json::Value::as_u64));
+        self.gateway
+            .metrics
+            .policy_source
+            .rejected(slot.as_str(), refusal.reason());
+        let kept = self
+            .gateway
+            .loaded
+            .load()
+            .as_ref()
+            .map(|p| p.bundle_version());
+        tracing::error!(
+            slot = slot.as_str(),
+            version,
+            reason = refusal.reason(),
+            url = %self.source.display_url(),
+            "published bundle refused, keeping {}: {refusal}",
+            match (&kept, slot) {
+                (_, Slot::Candidate) => "the candidate in force".to_string(),
+                (Some(v), Slot::Live) => format!("bundle_version {v}"),
+                (None, Slot::Live) => "no bundle (decisions answer 503)".to_string(),
+            }
+        );
+        self.gateway.source_state.lock().last_refusal = Some(RefusalRecord {
+            at: crate::clock::wall_unix_secs(),
+            slot,
+            version,
+            reason: refusal.reason(),
+            message: refusal.to_string(),
+        });
+    }
+
+    fn unreachable(&self, error: &SourceError) {
+        let message = crate::redact::text(&error.to_string()).into_owned();
+        let mut state = self.gateway.source_state.lock();
+        if state.reachable != Some(false) {
+            state.unreachable_since = Some(crate::clock::wall_unix_secs());
+            tracing::error!(url = %state.url, "policy store unreachable, keeping the bundle in force: {message}");
+        }
+        state.reachable = Some(false);
+        state.last_error = Some(message);
+        self.gateway.metrics.policy_source.set_up(false);
+    }
+
+    fn reachable(&self) {
+        let mut state = self.gateway.source_state.lock();
+        if state.reachable == Some(false) {
+            tracing::info!(url = %state.url, "policy store reachable again");
+        }
+        state.reachable = Some(true);
+        state.unreachable_since = None;
+        self.gateway.metrics.policy_source.set_up(true);
+    }
+
+    /// This gateway's heartbeat now.
+    pub fn heartbeat(&self) -> Heartbeat {
+        let state = self.gateway.source_state.lock();
+        Heartbeat {
+            id: self.gateway_id.clone(),
+            live_version: state.live.as_ref().map(|(v, _)| *v),
+            live_hash: state.live.as_ref().map(|(_, h)| h.clone()),
+            candidate_version: state.candidate.as_ref().map(|(v, _)| *v),
+            candidate_hash: state.candidate.as_ref().map(|(_, h)| h.clone()),
+            at: crate::clock::wall_unix_secs(),
+            candidate_refusals: self.gateway.published_candidate_refusals(),
+            source_state: source_state_name(state.reachable).to_string(),
+        }
+    }
+
+    async fn beat(&self) {
+        let beat = self.heartbeat();
+        if let Err(e) = self.source.heartbeat(&beat).await {
+            tracing::debug!("heartbeat not written: {e}");
+        }
+    }
+
+    /// Follows the store until `stop` resolves: reads at every change notification and at
+    /// least every [`STORE_POLL`] (an HTTP source: every `poll`), heartbeats every
+    /// [`HEARTBEAT_EVERY`] and after every change.
+    pub async fn run(self, poll: Duration, stop: impl std::future::Future<Output = ()>) {
+        tokio::pin!(stop);
+        let mut last_beat: Option<Instant> = None;
+        loop {
+            let before = self.versions();
+            self.poll_once("policy_store").await;
+            let changed = self.versions() != before;
+            if changed || last_beat.is_none_or(|at| at.elapsed() >= HEARTBEAT_EVERY) {
+                self.beat().await;
+                last_beat = Some(Instant::now());
+            }
+            let started = Instant::now();
+            let woke = tokio::select! {
+                () = &mut stop => return,
+                woke = self.source.changed(poll) => woke,
+            };
+            // A notification channel that is down answers at once: wait out the poll instead
+            // of spinning.
+            if !woke && started.elapsed() < poll {
+                tokio::select! {
+                    () = &mut stop => return,
+                    () = tokio::time::sleep(poll - started.elapsed()) => {}
+                }
+            }
+        }
+    }
+
+    fn versions(&self) -> (Option<u64>, Option<u64>) {
+        let state = self.gateway.source_state.lock();
+        (
+            state.live.as_ref().map(|(v, _)| *v),
+            state.candidate.as_ref().map(|(v, _)| *v),
+        )
+    }
+}
+
+/// Replaces `path` with `bytes`, readable by the owner only (the directory made if missing).
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("json.tmp");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    file.write_all(bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
+/// The state kept per gateway, built with it.
+pub(crate) fn new_state() -> Mutex<SourceState> {
+    Mutex::new(SourceState::default())
+}
+
+// Interim until the candidate evaluation lands: the candidate is tracked, not yet decided.
+impl Gateway {
+    pub(crate) fn set_published_candidate(&self, candidate: Option<crate::policy::Bundle>) {
+        drop(candidate);
+    }
+
+    pub(crate) fn published_candidate_refusals(&self) -> std::collections::BTreeMap<String, u64> {
+        std::collections::BTreeMap::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::envelope::SigningKey;
+    use crate::fleet::source::Slots;
+    use clap::Parser;
+
+    /// A policy store in memory: slots set by the test, and a switch that makes it unreachable.
+    #[derive(Default)]
+    struct FakeSource {
+        slots: Mutex<Slots>,
+        down: std::sync::atomic::AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl PolicySource for FakeSource {
+        fn display_url(&self) -> String {
+            "redis://:****@127.0.0.1:1".to_string()
+        }
+        fn kind(&self) -> &'static str {
+            "redis"
+        }
+        async fn read(&self) -> Result<Slots, SourceError> {
+            if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(SourceError::Unavailable("connection refused".into()));
+            }
+            Ok(self.slots.lock().clone())
+        }
+        async fn changed(&self, at_most: Duration) -> bool {
+            tokio::time::sleep(at_most).await;
+            false
+        }
+        async fn write(&self, envelope: &Envelope) -> Result<(), SourceError> {
+            let bytes = Some(envelope.to_json().into_bytes());
+            let mut slots = self.slots.lock();
+            match envelope.slot {
+                Slot::Live => slots.live = bytes,
+                Slot::Candidate => slots.candidate = bytes,
+            }
+            Ok(())
+        }
+        async fn clear_candidate(&self) -> Result<(), SourceError> {
+            self.slots.lock().candidate = None;
+            Ok(())
+        }
+        async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError> {
+            Ok(Vec::new())
+        }
+        async fn highest_version(&self) -> Result<u64, SourceError> {
+            Ok(0)
+        }
+        async fn heartbeat(&self, _beat: &Heartbeat) -> Result<(), SourceError> {
+            Ok(())
+        }
+        async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn gateway(state_dir: Option<&Path>) -> Arc<Gateway> {
+        let mut argv = vec![
+            "tollgate".to_string(),
+            "run".into(),
+            "--policy-store".into(),
+            "redis://127.0.0.1:1".into(),
+            "--gateway-id".into(),
+            "edge-1".into(),
+            "--store".into(),
+            "redis://127.0.0.1:1".into(),
+            "--policy-store-max-bytes".into(),
+            "4096".into(),
+        ];
+        if let Some(dir) = state_dir {
+            argv.push("--state-dir".into());
+            argv.push(dir.display().to_string());
+        }
+        let crate::cli::Command::Run(args) = crate::cli::Cli::parse_from(argv).command else {
+            unreachable!("parsed a run command")
+        };
+        let config = crate::config::Config::from_args(&args).expect("valid flags");
+        Arc::new(
+            Gateway::with_clock(
+                config,
+                Arc::new(crate::clock::ManualClock::new(1_764_000_000)),
+            )
+            .expect("gateway"),
+        )
+    }
+
+    const POLICY: &str = r#"{"bundle_version": 4, "policies": [{"id": "api", "spec": {"selector": {"pathPrefix": "/"}, "mode": "enforce", "rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"tokens_per_second": 10, "burst": 10}}]}}]}"#;
+
+    fn publish(
+        source: &FakeSource,
+        policy: &str,
+        slot: Slot,
+        version: u64,
+        key: Option<&SigningKey>,
+    ) {
+        let envelope = Envelope::seal(policy.to_string(), slot, version, 1_764_000_000, key);
+        let bytes = Some(envelope.to_json().into_bytes());
+        let mut slots = source.slots.lock();
+        match slot {
+            Slot::Live => slots.live = bytes,
+            Slot::Candidate => slots.candidate = bytes,
+        }
+    }
+
+    fn readyz(gateway: &Gateway) -> serde_json::Value {
+        serde_json::from_str(&gateway.readiness().1).expect("JSON")
+    }
+
+    fn follower(
+        gateway: &Arc<Gateway>,
+        source: &Arc<FakeSource>,
+        key: Option<VerifyKey>,
+    ) -> Follower {
+        Follower::new(
+            Arc::clone(gateway),
+            Arc::clone(source) as Arc<dyn PolicySource>,
+            key.map(Arc::new),
+        )
+    }
+
+    fn rejected(gateway: &Gateway, slot: &str, reason: &str) -> u64 {
+        gateway
+            .metrics_text()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "tollgate_policy_source_rejected_total{{reason=\"{reason}\",slot=\"{slot}\"}} "
+                ))
+                .map(|n| n.parse().unwrap_or(u64::MAX))
+            })
+            .unwrap_or(0)
+    }
+
+    fn keys(dir: &Path) -> (SigningKey, VerifyKey, VerifyKey) {
+        let run = |args: &[&str]| {
+            let status = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .status()
+                .expect("openssl runs");
+            assert!(status.success(), "openssl {args:?}");
+        };
+        run(&["genpkey", "-algorithm", "ed25519", "-out", "sign.pem"]);
+        run(&["pkey", "-in", "sign.pem", "-pubout", "-out", "verify.pem"]);
+        run(&["genpkey", "-algorithm", "ed25519", "-out", "other.pem"]);
+        run(&[
+            "pkey",
+            "-in",
+            "other.pem",
+            "-pubout",
+            "-out",
+            "other-verify.pem",
+        ]);
+        (
+            SigningKey::from_pem_file(&dir.join("sign.pem")).expect("signing key"),
+            VerifyKey::from_pem_file(&dir.join("verify.pem")).expect("verify key"),
+            VerifyKey::from_pem_file(&dir.join("other-verify.pem")).expect("other key"),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_published_bundle_is_put_in_force_and_readyz_names_it() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        assert_eq!(gateway.readiness().0, 503);
+        publish(&source, POLICY, Slot::Live, 1_764_000_000_500, None);
+        follower.poll_once("test").await;
+        let ready = readyz(&gateway);
+        assert_eq!(ready["status"], "ready");
+        assert_eq!(ready["bundle_version"], 1_764_000_000_500_u64);
+        assert_eq!(
+            ready["bundle_hash"],
+            crate::policy::sha256_hex(POLICY.as_bytes())
+        );
+        assert_eq!(ready["bundle_source"], "redis");
+        assert_eq!(ready["policy_version"], 4);
+        assert_eq!(ready["policy_source"]["state"], "following");
+        assert_eq!(ready["policy_source"]["url"], "redis://:****@127.0.0.1:1");
+        let metrics = gateway.metrics_text();
+        let info = format!(
+            "tollgate_bundle_info{{hash=\"{}\",source=\"redis\",version=\"1764000000500\"}} 1",
+            crate::policy::sha256_hex(POLICY.as_bytes())
+        );
+        assert!(metrics.contains(&info), "{metrics}");
+        assert!(metrics.contains("tollgate_policy_source_up 1"));
+        let beat = follower.heartbeat();
+        assert_eq!(beat.id, "edge-1");
+        assert_eq!(beat.live_version, Some(1_764_000_000_500));
+        assert_eq!(beat.source_state, "following");
+    }
+
+    #[tokio::test]
+    async fn an_older_version_or_a_second_bundle_under_the_same_version_is_refused_once() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        publish(&source, POLICY, Slot::Live, 20, None);
+        follower.poll_once("test").await;
+        let other = POLICY.replace("\"burst\": 10", "\"burst\": 30");
+        publish(&source, &other, Slot::Live, 19, None);
+        for _ in 0..3 {
+            follower.poll_once("test").await;
+        }
+        assert_eq!(rejected(&gateway, "live", "older_version"), 1);
+        assert_eq!(readyz(&gateway)["bundle_version"], 20);
+        let refusal = &readyz(&gateway)["policy_source"]["last_refusal"];
+        assert_eq!(refusal["reason"], "older_version");
+        assert_eq!(refusal["version"], 19);
+        assert_eq!(refusal["slot"], "live");
+        publish(&source, &other, Slot::Live, 20, None);
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "version_conflict"), 1);
+        assert_eq!(
+            readyz(&gateway)["bundle_hash"],
+            crate::policy::sha256_hex(POLICY.as_bytes())
+        );
+        publish(&source, &other, Slot::Live, 21, None);
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["bundle_version"], 21);
+        assert_eq!(
+            readyz(&gateway)["bundle_hash"],
+            crate::policy::sha256_hex(other.as_bytes())
+        );
+    }
+
+    #[tokio::test]
+    async fn with_a_verify_key_only_bundles_signed_by_its_key_are_put_in_force() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (sign, verify, _) = keys(dir.path());
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, Some(verify));
+        publish(&source, POLICY, Slot::Live, 10, None);
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "unsigned"), 1);
+        assert_eq!(gateway.readiness().0, 503);
+        let wrong = SigningKey::from_pem_file(&dir.path().join("other.pem")).expect("key");
+        publish(&source, POLICY, Slot::Live, 11, Some(&wrong));
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "bad_signature"), 1);
+        assert_eq!(gateway.readiness().0, 503);
+        // A signed envelope whose version was edited afterwards: the signature covers it.
+        publish(&source, POLICY, Slot::Live, 12, Some(&sign));
+        let edited = {
+            let slots = source.slots.lock();
+            String::from_utf8(slots.live.clone().expect("live"))
+                .expect("utf-8")
+                .replace("\"version\":12", "\"version\":13")
+        };
+        source.slots.lock().live = Some(edited.into_bytes());
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "bad_signature"), 2);
+        publish(&source, POLICY, Slot::Live, 14, Some(&sign));
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["bundle_version"], 14);
+    }
+
+    #[tokio::test]
+    async fn an_invalid_or_oversized_bundle_is_refused_and_the_last_good_one_kept() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        publish(&source, POLICY, Slot::Live, 10, None);
+        follower.poll_once("test").await;
+        let invalid = POLICY.replace("\"burst\": 10", "\"burst\": -1");
+        publish(&source, &invalid, Slot::Live, 11, None);
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "invalid_bundle"), 1);
+        let message = readyz(&gateway)["policy_source"]["last_refusal"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            message.contains("policies[0].spec.rules[0].algorithm_config.burst"),
+            "{message}"
+        );
+        // Slipped into the store by other means: not an envelope at all.
+        source.slots.lock().live = Some(b"{\"rules\": []}".to_vec());
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "malformed"), 1);
+        let padding = " ".repeat(5000);
+        publish(&source, &format!("{POLICY}{padding}"), Slot::Live, 12, None);
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "too_large"), 1);
+        assert_eq!(readyz(&gateway)["bundle_version"], 10);
+        assert_eq!(readyz(&gateway)["status"], "ready");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_or_wiped_store_unloads_nothing() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        publish(&source, POLICY, Slot::Live, 10, None);
+        follower.poll_once("test").await;
+        source
+            .down
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        follower.poll_once("test").await;
+        let ready = readyz(&gateway);
+        assert_eq!(ready["status"], "ready");
+        assert_eq!(ready["bundle_version"], 10);
+        assert_eq!(ready["policy_source"]["state"], "unreachable");
+        assert_eq!(
+            ready["policy_source"]["last_error"],
+            "policy store unavailable: connection refused"
+        );
+        assert!(ready["policy_source"]["unreachable_since"]
+            .as_i64()
+            .is_some());
+        assert!(gateway
+            .metrics_text()
+            .contains("tollgate_policy_source_up 0"));
+        source
+            .down
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        *source.slots.lock() = Slots::default();
+        follower.poll_once("test").await;
+        let ready = readyz(&gateway);
+        assert_eq!(ready["bundle_version"], 10);
+        assert_eq!(ready["policy_source"]["state"], "following");
+        assert_eq!(
+            ready["policy_source"]["unreachable_since"],
+            serde_json::Value::Null
+        );
+    }
+
+    #[tokio::test]
+    async fn the_last_good_bundle_is_kept_in_the_state_dir_and_checked_at_the_next_start() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (sign, verify, other) = keys(dir.path());
+        let state = dir.path().join("state");
+        let first = gateway(Some(&state));
+        let source = Arc::new(FakeSource::default());
+        follower(&first, &source, Some(verify))
+            .poll_once("test")
+            .await;
+        publish(&source, POLICY, Slot::Live, 30, Some(&sign));
+        follower(
+            &first,
+            &source,
+            VerifyKey::from_pem_file(&dir.path().join("verify.pem")).ok(),
+        )
+        .poll_once("test")
+        .await;
+        let kept = state.join(KEPT_BUNDLE_FILE);
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&kept).expect("kept").permissions().mode() & 0o777,
+            0o600
+        );
+        // The next start, with the store down: the kept bundle is in force.
+        let second = gateway(Some(&state));
+        let down = Arc::new(FakeSource::default());
+        down.down.store(true, std::sync::atomic::Ordering::Relaxed);
+        let key = VerifyKey::from_pem_file(&dir.path().join("verify.pem")).ok();
+        assert!(follower(&second, &down, key).load_kept());
+        let ready = readyz(&second);
+        assert_eq!(ready["bundle_version"], 30);
+        assert_eq!(ready["bundle_source"], "state_dir");
+        // A kept file checked against another key is refused like a store would be.
+        let third = gateway(Some(&state));
+        assert!(!follower(&third, &down, Some(other)).load_kept());
+        assert_eq!(third.readiness().0, 503);
+    }
+
+    #[tokio::test]
+    async fn a_candidate_is_tracked_until_withdrawn() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        publish(&source, POLICY, Slot::Live, 10, None);
+        let candidate = POLICY.replace("\"burst\": 10", "\"burst\": 5");
+        publish(&source, &candidate, Slot::Candidate, 11, None);
+        follower.poll_once("test").await;
+        assert_eq!(
+            gateway.published_candidate(),
+            Some((11, crate::policy::sha256_hex(candidate.as_bytes())))
+        );
+        assert_eq!(follower.heartbeat().candidate_version, Some(11));
+        assert_eq!(
+            readyz(&gateway)["policy_source"]["candidate"]["version"],
+            11
+        );
+        // A candidate envelope copied into the live slot is refused: it was sealed for the
+        // candidate slot.
+        let copied = source.slots.lock().candidate.clone();
+        source.slots.lock().live = copied;
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "wrong_slot"), 1);
+        source.slots.lock().candidate = None;
+        follower.poll_once("test").await;
+        assert_eq!(gateway.published_candidate(), None);
+        assert_eq!(follower.heartbeat().candidate_version, None);
+    }
+}
