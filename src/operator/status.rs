@@ -30,6 +30,8 @@ pub struct StatusView<'a> {
     /// `/readyz`'s `runtime_overrides` object.
     pub overrides: &'a serde_json::Value,
     pub top: &'a Top,
+    /// `/readyz`'s `policy_source` object (`null` without `--policy-store`).
+    pub policy_source: &'a serde_json::Value,
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -166,6 +168,50 @@ fn rfc3339(unix_secs: u64) -> String {
 }
 
 /// The page itself.
+/// The `--policy-store` being followed: its state, the versions in force, the last refusal.
+fn render_policy_source(body: &mut String, source: &serde_json::Value) {
+    if source.is_null() {
+        return;
+    }
+    let text = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => escape(s),
+        serde_json::Value::Null => "-".to_string(),
+        other => escape(&other.to_string()),
+    };
+    let state = source["state"].as_str().unwrap_or("starting");
+    let _ = write!(
+        body,
+        "<h2>Policy store</h2><table id=\"policy-source\"><tr><th>store</th><td><code>{}</code> ({})</td></tr>\
+<tr><th>state</th><td id=\"policy-source-state\" class=\"{}\">{}{}</td></tr>\
+<tr><th>live</th><td id=\"policy-source-live\">{} <code>{}</code></td></tr>\
+<tr><th>candidate</th><td id=\"policy-source-candidate\">{} <code>{}</code></td></tr>",
+        text(&source["url"]),
+        text(&source["kind"]),
+        if state == "following" { "ok" } else { "bad" },
+        escape(state),
+        source["unreachable_since"].as_u64().map_or_else(String::new, |since| format!(
+            " since {}",
+            rfc3339(since)
+        )),
+        text(&source["live"]["version"]),
+        text(&source["live"]["hash"]),
+        text(&source["candidate"]["version"]),
+        text(&source["candidate"]["hash"]),
+    );
+    if let Some(refusal) = source["last_refusal"].as_object() {
+        let _ = write!(
+            body,
+            "<tr><th>last refusal</th><td id=\"policy-source-refusal\">{} · {} version {} · {}: {}</td></tr>",
+            refusal.get("at").and_then(serde_json::Value::as_u64).map_or_else(String::new, rfc3339),
+            text(&refusal["slot"]),
+            text(&refusal["version"]),
+            text(&refusal["reason"]),
+            text(&refusal["message"]),
+        );
+    }
+    body.push_str("</table>");
+}
+
 pub fn render(view: &StatusView<'_>) -> String {
     let mut body = String::with_capacity(8 * 1024);
     let _ = write!(
@@ -175,6 +221,7 @@ pub fn render(view: &StatusView<'_>) -> String {
         rfc3339(view.unix_secs.max(0) as u64)
     );
 
+    render_policy_source(&mut body, view.policy_source);
     body.push_str("<h2>Bundle in force</h2>");
     match view.bundle {
         None => body.push_str("<p class=\"bad\" id=\"bundle\">No policy loaded: the proxy fails open and the decision service answers 503.</p>"),
@@ -368,9 +415,48 @@ mod tests {
             store_stats: StoreStats::default(),
             overrides: &overrides,
             top: &top,
+            policy_source: &serde_json::Value::Null,
         });
         assert!(page.contains("No policy loaded"));
         assert!(page.contains("id=\"top-empty\""));
         assert!(!page.contains("src="), "no external assets");
+        assert!(!page.contains("Policy store"));
+    }
+
+    #[test]
+    fn a_followed_policy_store_shows_its_state_versions_and_last_refusal() {
+        let overrides = serde_json::json!({});
+        let top = Top {
+            entries: Vec::new(),
+            events: 0,
+            error_bound: 0,
+        };
+        let source = serde_json::json!({
+            "url": "redis://:****@10.0.0.9:6379",
+            "kind": "redis",
+            "state": "unreachable",
+            "unreachable_since": 1_764_000_000,
+            "live": {"version": 1_764_000_000_123_u64, "hash": "ab12"},
+            "candidate": null,
+            "last_refusal": {"at": 1_764_000_010, "slot": "live", "version": 7, "reason": "older_version", "message": "version 7 is below <8>"},
+        });
+        let page = render(&StatusView {
+            bundle: None,
+            loaded_at: None,
+            unix_secs: 0,
+            store_kind: "redis",
+            store_degraded: false,
+            store_stats: StoreStats::default(),
+            overrides: &overrides,
+            top: &top,
+            policy_source: &source,
+        });
+        assert!(page.contains("<td id=\"policy-source-state\" class=\"bad\">unreachable since 2025-11-24T16:00:00Z</td>"), "{page}");
+        assert!(page.contains("<td id=\"policy-source-live\">1764000000123 <code>ab12</code></td>"));
+        assert!(page.contains("<td id=\"policy-source-candidate\">- <code>-</code></td>"));
+        assert!(page.contains("<code>redis://:****@10.0.0.9:6379</code> (redis)"));
+        assert!(page.contains(
+            "2025-11-24T16:00:10Z · live version 7 · older_version: version 7 is below &lt;8&gt;"
+        ));
     }
 }
