@@ -5,154 +5,15 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
+use support::servers::{RedisCluster, RedisServer};
 use support::{
-    assert_all_or_nothing, assert_seed_vectors, bucket_op, count_admitted, free_cluster_port,
-    free_port, shared_store, start_fleet, Gateway, Upstream,
+    assert_all_or_nothing, assert_seed_vectors, bucket_op, count_admitted, free_port, shared_store,
+    start_fleet, Gateway, Upstream,
 };
 use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{Backend, BucketOp, Group, OpResults};
-
-struct RedisServer {
-    child: Option<Child>,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl RedisServer {
-    fn start() -> RedisServer {
-        Self::start_on(free_port())
-    }
-
-    fn start_on(port: u16) -> RedisServer {
-        Self::spawn(port, &[])
-    }
-
-    /// `redis-server` on `port` with `extra` arguments, answering PING.
-    fn spawn(port: u16, extra: &[&str]) -> RedisServer {
-        let dir = tempfile::tempdir().unwrap();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(extra)
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is not installed: run `bash scripts/test.sh` (it installs it)");
-        let server = RedisServer {
-            child: Some(child),
-            port,
-            _dir: dir,
-        };
-        let start = Instant::now();
-        while !server.pong() {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "redis-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-
-    fn pong(&self) -> bool {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-        let mut buf = [0u8; 7];
-        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-/// A three-node Redis Cluster (no replicas) on free loopback ports.
-struct RedisCluster {
-    nodes: Vec<RedisServer>,
-}
-
-impl RedisCluster {
-    fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| {
-                RedisServer::spawn(
-                    free_cluster_port(),
-                    &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
-                )
-            })
-            .collect();
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let created = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .expect("redis-cli");
-        assert!(
-            created.status.success(),
-            "{}",
-            String::from_utf8_lossy(&created.stdout)
-        );
-        let start = Instant::now();
-        loop {
-            let ready = nodes.iter().all(|n| {
-                Command::new("redis-cli")
-                    .args(["-p", &n.port.to_string(), "cluster", "info"])
-                    .output()
-                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("cluster_state:ok"))
-            });
-            if ready {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "cluster did not converge"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        RedisCluster { nodes }
-    }
-
-    fn url(&self) -> String {
-        let nodes: Vec<String> = self
-            .nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        format!("redis+cluster://{}", nodes.join(","))
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 /// Seed 004 (Coinbase) on Redis: the same statuses and exact token counts as the embedded store;
 /// the second refusal comes from the local denied cache and agrees too.

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod ext_authz;
+pub mod servers;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -362,10 +363,12 @@ impl Gateway {
             .expect("admin addr");
         let log = dir.path().join("gateway.log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
-        cmd.arg("run")
-            .arg("--policy")
-            .arg(&policy_path)
-            .arg("--listen")
+        cmd.arg("run");
+        // A gateway following a policy store has no policy file.
+        if !extra.contains(&"--policy-store") {
+            cmd.arg("--policy").arg(&policy_path);
+        }
+        cmd.arg("--listen")
             .arg(proxy.to_string())
             .arg("--admin-listen")
             .arg(admin.to_string())
