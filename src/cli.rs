@@ -37,6 +37,19 @@ pub enum Command {
     /// could not be carried over exactly on stderr).
     #[command(subcommand, after_help = IMPORT_EXAMPLES)]
     Import(ImportCommand),
+    /// Validate a bundle, sign it and store it for the whole fleet (as live, or as the
+    /// candidate with --candidate); prints the new version.
+    #[command(after_help = crate::fleet::commands::PUBLISH_EXAMPLES)]
+    Publish(crate::fleet::commands::PublishArgs),
+    /// Make the store's candidate live, as a new version (re-signed); prints the version.
+    #[command(after_help = crate::fleet::commands::PROMOTE_EXAMPLES)]
+    Promote(crate::fleet::commands::PromoteArgs),
+    /// Publish the previous live bundle again as live, as a new version; prints the version.
+    #[command(after_help = crate::fleet::commands::ROLLBACK_EXAMPLES)]
+    Rollback(crate::fleet::commands::PromoteArgs),
+    /// Which gateway runs which bundle: one line per gateway from their heartbeats.
+    #[command(after_help = crate::fleet::commands::FLEET_EXAMPLES)]
+    Fleet(crate::fleet::commands::FleetArgs),
 }
 
 /// `tollgate help run`'s examples (each line after a comment is parsed by a unit test).

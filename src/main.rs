@@ -3,6 +3,7 @@
 use clap::Parser;
 use std::process::ExitCode;
 use tollgate::cli::{self, Cli, Command};
+use tollgate::fleet::commands as fleet;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -15,6 +16,10 @@ fn main() -> ExitCode {
         Command::Validate(args) => cli::validate(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Simulate(args) => cli::simulate(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Import(command) => cli::import(&command, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Publish(args) => fleet::publish(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Promote(args) => fleet::promote(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Rollback(args) => fleet::rollback(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Fleet(args) => fleet::fleet(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Run(args) => tollgate::proxy::run(*args),
     };
     ExitCode::from(code)

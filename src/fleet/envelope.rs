@@ -10,6 +10,10 @@
 //! copied into the live slot, nor an old bundle replayed under a new version, without the key.
 //! `signature` is absent when published without `--sign-key`.
 
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+use ring::digest;
+use ring::signature::{self, Ed25519KeyPair, KeyPair as _};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -94,24 +98,90 @@ pub struct KeyError {
     pub message: String,
 }
 
+/// The DER an Ed25519 `SubjectPublicKeyInfo` starts with (RFC 8410): SEQUENCE, the algorithm
+/// SEQUENCE holding OID 1.3.101.112 and no parameters, then a BIT STRING of 33 bytes (no unused
+/// bits, the 32-byte key).
+const ED25519_SPKI_PREFIX: [u8; 12] = [
+    0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
+];
+
 /// An Ed25519 private key (`--sign-key`: PKCS#8 PEM, as `openssl genpkey -algorithm ed25519`
 /// writes it).
 pub struct SigningKey {
-    _private: (),
+    pair: Ed25519KeyPair,
 }
 
 /// An Ed25519 public key (`--policy-verify-key`: SPKI PEM, as `openssl pkey -pubout` writes
 /// it).
+#[derive(Clone, PartialEq, Eq)]
 pub struct VerifyKey {
-    _private: (),
+    raw: [u8; 32],
+}
+
+impl std::fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the private key: only the public half identifies it.
+        write!(f, "SigningKey({})", self.verify_key().fingerprint())
+    }
+}
+
+impl std::fmt::Debug for VerifyKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "VerifyKey({})", self.fingerprint())
+    }
+}
+
+fn read_pem_items(path: &Path) -> Result<Vec<rustls_pemfile::Item>, KeyError> {
+    let bad = |message: String| KeyError {
+        file: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    rustls_pemfile::read_all(&mut text.as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(format!("not PEM: {e}")))
 }
 
 impl SigningKey {
     /// # Errors
     /// The file cannot be read or holds no Ed25519 private key.
     pub fn from_pem_file(path: &Path) -> Result<SigningKey, KeyError> {
-        let _ = path;
-        unimplemented!("interface: implemented by the fleet-store work")
+        let bad = |message: &str| KeyError {
+            file: path.to_path_buf(),
+            message: message.to_string(),
+        };
+        let items = read_pem_items(path)?;
+        let der = items
+            .iter()
+            .find_map(|item| match item {
+                rustls_pemfile::Item::Pkcs8Key(der) => Some(der.secret_pkcs8_der()),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                bad("holds no \"PRIVATE KEY\" block (make one with `openssl genpkey -algorithm ed25519 -out FILE`)")
+            })?;
+        Self::from_pkcs8(der).map_err(|()| bad("the private key is not an Ed25519 key"))
+    }
+
+    /// A key from PKCS#8 DER (v1, as OpenSSL writes it, or v2 with the public key).
+    ///
+    /// # Errors
+    /// Not an Ed25519 PKCS#8 document.
+    pub fn from_pkcs8(der: &[u8]) -> Result<SigningKey, ()> {
+        Ed25519KeyPair::from_pkcs8_maybe_unchecked(der)
+            .map(|pair| SigningKey { pair })
+            .map_err(|_| ())
+    }
+
+    /// The public half, to check a signature made with this key.
+    pub fn verify_key(&self) -> VerifyKey {
+        let mut raw = [0u8; 32];
+        raw.copy_from_slice(self.pair.public_key().as_ref());
+        VerifyKey { raw }
+    }
+
+    fn sign(&self, message: &[u8]) -> String {
+        BASE64.encode(self.pair.sign(message).as_ref())
     }
 }
 
@@ -119,8 +189,63 @@ impl VerifyKey {
     /// # Errors
     /// The file cannot be read or holds no Ed25519 public key.
     pub fn from_pem_file(path: &Path) -> Result<VerifyKey, KeyError> {
-        let _ = path;
-        unimplemented!("interface: implemented by the fleet-store work")
+        let bad = |message: &str| KeyError {
+            file: path.to_path_buf(),
+            message: message.to_string(),
+        };
+        let items = read_pem_items(path)?;
+        let der = items
+            .iter()
+            .find_map(|item| match item {
+                rustls_pemfile::Item::SubjectPublicKeyInfo(der) => Some(der.as_ref()),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                bad("holds no \"PUBLIC KEY\" block (make one with `openssl pkey -in PRIVATE.pem -pubout -out FILE`)")
+            })?;
+        Self::from_spki_der(der).ok_or_else(|| bad("the public key is not an Ed25519 key"))
+    }
+
+    /// A key from an Ed25519 `SubjectPublicKeyInfo` (DER); `None` for any other algorithm or
+    /// shape.
+    pub fn from_spki_der(der: &[u8]) -> Option<VerifyKey> {
+        let raw = der.strip_prefix(&ED25519_SPKI_PREFIX[..])?;
+        Some(VerifyKey {
+            raw: raw.try_into().ok()?,
+        })
+    }
+
+    /// The first 8 bytes of the key's SHA-256, in hex: names a key in messages.
+    pub fn fingerprint(&self) -> String {
+        hex(&digest::digest(&digest::SHA256, &self.raw).as_ref()[..8])
+    }
+}
+
+/// Lower-case hex of `bytes`.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(out, "{b:02x}");
+    }
+    out
+}
+
+/// Lower-case hex SHA-256 of `text`: an envelope's `sha256`.
+pub fn sha256_hex(text: &[u8]) -> String {
+    hex(digest::digest(&digest::SHA256, text).as_ref())
+}
+
+/// What a signature covers.
+fn signed_message(slot: Slot, version: u64, sha256: &str) -> String {
+    format!("{FORMAT}\n{}\n{version}\n{sha256}", slot.as_str())
+}
+
+/// At most `limit` characters of a value read from the store, for an error message.
+fn clipped(text: &str, limit: usize) -> String {
+    match text.char_indices().nth(limit) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text.to_string(),
     }
 }
 
@@ -133,8 +258,17 @@ impl Envelope {
         published_at: i64,
         key: Option<&SigningKey>,
     ) -> Envelope {
-        let _ = (policy, slot, version, published_at, key);
-        unimplemented!("interface: implemented by the fleet-store work")
+        let sha256 = sha256_hex(policy.as_bytes());
+        let signature = key.map(|key| key.sign(signed_message(slot, version, &sha256).as_bytes()));
+        Envelope {
+            format: FORMAT.to_string(),
+            version,
+            slot,
+            published_at,
+            sha256,
+            policy,
+            signature,
+        }
     }
 
     /// Parses an envelope read from `expected`'s slot: size first (before parsing), then the
@@ -147,8 +281,34 @@ impl Envelope {
         expected: Slot,
         max_bytes: usize,
     ) -> Result<Envelope, EnvelopeError> {
-        let _ = (bytes, expected, max_bytes);
-        unimplemented!("interface: implemented by the fleet-store work")
+        if bytes.len() > max_bytes {
+            return Err(EnvelopeError::TooLarge {
+                size: bytes.len(),
+                limit: max_bytes,
+            });
+        }
+        let envelope: Envelope = serde_json::from_slice(bytes)
+            .map_err(|e| EnvelopeError::Malformed(clipped(&e.to_string(), 200)))?;
+        if envelope.format != FORMAT {
+            return Err(EnvelopeError::Malformed(format!(
+                "format {:?}, expected {FORMAT:?}",
+                clipped(&envelope.format, 40)
+            )));
+        }
+        if envelope.slot != expected {
+            return Err(EnvelopeError::WrongSlot {
+                expected: expected.as_str(),
+                found: envelope.slot.as_str(),
+            });
+        }
+        let actual = sha256_hex(envelope.policy.as_bytes());
+        if !envelope.sha256.eq_ignore_ascii_case(&actual) {
+            return Err(EnvelopeError::HashMismatch {
+                claimed: clipped(&envelope.sha256, 64),
+                actual,
+            });
+        }
+        Ok(envelope)
     }
 
     /// With a key: the envelope must be signed, by that key. Without one: anything passes.
@@ -156,8 +316,30 @@ impl Envelope {
     /// # Errors
     /// Unsigned, or the signature does not verify.
     pub fn verify(&self, key: Option<&VerifyKey>) -> Result<(), EnvelopeError> {
-        let _ = key;
-        unimplemented!("interface: implemented by the fleet-store work")
+        let Some(key) = key else {
+            return Ok(());
+        };
+        let signature = self.signature.as_deref().ok_or(EnvelopeError::Unsigned)?;
+        let signature = BASE64
+            .decode(signature.trim())
+            .map_err(|_| EnvelopeError::BadSignature)?;
+        // The hash signed must be the policy's: `parse` checked it for stored envelopes; an
+        // envelope built some other way is checked here too.
+        if !self
+            .sha256
+            .eq_ignore_ascii_case(&sha256_hex(self.policy.as_bytes()))
+        {
+            return Err(EnvelopeError::BadSignature);
+        }
+        let message = signed_message(self.slot, self.version, &self.sha256.to_ascii_lowercase());
+        signature::UnparsedPublicKey::new(&signature::ED25519, &key.raw[..])
+            .verify(message.as_bytes(), &signature)
+            .map_err(|_| EnvelopeError::BadSignature)
+    }
+
+    /// The first 12 hex digits of the hash, as `tollgate fleet` shows it.
+    pub fn short_hash(&self) -> &str {
+        short_hash(&self.sha256)
     }
 
     /// The JSON text stored.
@@ -166,10 +348,261 @@ impl Envelope {
     }
 }
 
+/// The first 12 characters of a hash.
+pub fn short_hash(hash: &str) -> &str {
+    hash.get(..12).unwrap_or(hash)
+}
+
 /// A version above every one in `seen` and at least `now_ms` (Unix milliseconds), so that a
 /// version only grows, also across a store that lost its data.
 pub fn next_version(now_ms: u64, seen: impl IntoIterator<Item = u64>) -> u64 {
     seen.into_iter()
         .map(|v| v.saturating_add(1))
         .fold(now_ms, u64::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::process::Command;
+
+    const POLICY: &str = r#"{"bundle_version": 3, "policies": []}"#;
+
+    /// A key pair written by the real `openssl` binary: (private PEM, public PEM).
+    fn openssl_pair(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+        let private = dir.join(format!("{name}.pem"));
+        let public = dir.join(format!("{name}.pub.pem"));
+        let made = Command::new("openssl")
+            .args(["genpkey", "-algorithm", "ed25519", "-out"])
+            .arg(&private)
+            .status()
+            .expect("openssl is installed");
+        assert!(made.success());
+        let made = Command::new("openssl")
+            .args(["pkey", "-pubout", "-in"])
+            .arg(&private)
+            .arg("-out")
+            .arg(&public)
+            .status()
+            .expect("openssl is installed");
+        assert!(made.success());
+        (private, public)
+    }
+
+    fn keys(dir: &Path, name: &str) -> (SigningKey, VerifyKey) {
+        let (private, public) = openssl_pair(dir, name);
+        let signing = SigningKey::from_pem_file(&private).unwrap();
+        let verify = VerifyKey::from_pem_file(&public).unwrap();
+        assert_eq!(
+            signing.verify_key(),
+            verify,
+            "the public half matches openssl's"
+        );
+        (signing, verify)
+    }
+
+    fn reparse(envelope: &Envelope, slot: Slot) -> Result<Envelope, EnvelopeError> {
+        Envelope::parse(envelope.to_json().as_bytes(), slot, DEFAULT_MAX_BYTES)
+    }
+
+    #[test]
+    fn a_sealed_envelope_round_trips_and_verifies_with_openssl_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let (signing, verify) = keys(dir.path(), "a");
+        let sealed = Envelope::seal(POLICY.into(), Slot::Live, 42, 1_764_000_000, Some(&signing));
+        assert_eq!(sealed.sha256, sha256_hex(POLICY.as_bytes()));
+        assert_eq!(sealed.sha256.len(), 64);
+        let parsed = reparse(&sealed, Slot::Live).unwrap();
+        assert_eq!(parsed, sealed);
+        assert_eq!(parsed.verify(Some(&verify)), Ok(()));
+        assert_eq!(parsed.verify(None), Ok(()));
+        let json: serde_json::Value = serde_json::from_str(&sealed.to_json()).unwrap();
+        assert_eq!(json["format"], "tollgate-bundle/1");
+        assert_eq!(json["slot"], "live");
+        assert_eq!(json["version"], 42);
+        assert_eq!(json["policy"], POLICY);
+    }
+
+    #[test]
+    fn another_key_or_tampering_fails_verification() {
+        let dir = tempfile::tempdir().unwrap();
+        let (signing, verify) = keys(dir.path(), "a");
+        let (_, other) = keys(dir.path(), "b");
+        let sealed = Envelope::seal(POLICY.into(), Slot::Live, 42, 0, Some(&signing));
+        assert_eq!(
+            sealed.verify(Some(&other)),
+            Err(EnvelopeError::BadSignature)
+        );
+
+        // Another policy under the same signature: its hash no longer matches (parse), and
+        // with a recomputed hash the signature no longer does.
+        let mut policy = sealed.clone();
+        policy.policy = r#"{"bundle_version": 4, "policies": []}"#.into();
+        assert!(matches!(
+            reparse(&policy, Slot::Live),
+            Err(EnvelopeError::HashMismatch { .. })
+        ));
+        assert_eq!(
+            policy.verify(Some(&verify)),
+            Err(EnvelopeError::BadSignature)
+        );
+        policy.sha256 = sha256_hex(policy.policy.as_bytes());
+        let policy = reparse(&policy, Slot::Live).unwrap();
+        assert_eq!(
+            policy.verify(Some(&verify)),
+            Err(EnvelopeError::BadSignature)
+        );
+
+        // An old bundle replayed under a higher version.
+        let mut version = sealed.clone();
+        version.version = 43;
+        assert_eq!(
+            version.verify(Some(&verify)),
+            Err(EnvelopeError::BadSignature)
+        );
+
+        // A candidate copied into the live slot.
+        let candidate = Envelope::seal(POLICY.into(), Slot::Candidate, 42, 0, Some(&signing));
+        let mut moved = candidate.clone();
+        moved.slot = Slot::Live;
+        assert_eq!(
+            moved.verify(Some(&verify)),
+            Err(EnvelopeError::BadSignature)
+        );
+        assert_eq!(
+            reparse(&candidate, Slot::Live),
+            Err(EnvelopeError::WrongSlot {
+                expected: "live",
+                found: "candidate"
+            })
+        );
+
+        // A signature that is not base64.
+        let mut garbled = sealed.clone();
+        garbled.signature = Some("!!".into());
+        assert_eq!(
+            garbled.verify(Some(&verify)),
+            Err(EnvelopeError::BadSignature)
+        );
+    }
+
+    #[test]
+    fn unsigned_passes_only_without_a_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, verify) = keys(dir.path(), "a");
+        let unsigned = Envelope::seal(POLICY.into(), Slot::Candidate, 7, 0, None);
+        assert!(!unsigned.to_json().contains("signature"));
+        let parsed = reparse(&unsigned, Slot::Candidate).unwrap();
+        assert_eq!(parsed.verify(None), Ok(()));
+        assert_eq!(parsed.verify(Some(&verify)), Err(EnvelopeError::Unsigned));
+        assert_eq!(EnvelopeError::Unsigned.reason(), "unsigned");
+    }
+
+    #[test]
+    fn size_is_checked_before_parsing() {
+        let sealed = Envelope::seal(POLICY.into(), Slot::Live, 1, 0, None).to_json();
+        assert_eq!(
+            Envelope::parse(sealed.as_bytes(), Slot::Live, sealed.len() - 1),
+            Err(EnvelopeError::TooLarge {
+                size: sealed.len(),
+                limit: sealed.len() - 1
+            })
+        );
+        assert!(Envelope::parse(sealed.as_bytes(), Slot::Live, sealed.len()).is_ok());
+        // Too large even when it is not JSON at all: the size decides first.
+        let junk = vec![b'x'; 100];
+        assert_eq!(
+            Envelope::parse(&junk, Slot::Live, 99).unwrap_err().reason(),
+            "too_large"
+        );
+    }
+
+    #[test]
+    fn malformed_envelopes_are_refused() {
+        for bytes in [
+            &b"not json"[..],
+            br#"{"format": "tollgate-bundle/1"}"#,
+            br#"{"format": "tollgate-bundle/9", "version": 1, "slot": "live", "published_at": 0, "sha256": "", "policy": ""}"#,
+            br#"{"format": "tollgate-bundle/1", "version": 1, "slot": "staging", "published_at": 0, "sha256": "", "policy": ""}"#,
+            br#"{"format": "tollgate-bundle/1", "version": -1, "slot": "live", "published_at": 0, "sha256": "", "policy": ""}"#,
+        ] {
+            assert_eq!(
+                Envelope::parse(bytes, Slot::Live, DEFAULT_MAX_BYTES)
+                    .unwrap_err()
+                    .reason(),
+                "malformed",
+                "{}",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+    }
+
+    #[test]
+    fn keys_of_other_kinds_are_refused_with_the_file_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let rsa = dir.path().join("rsa.pem");
+        let made = Command::new("openssl")
+            .args([
+                "genpkey",
+                "-algorithm",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-out",
+            ])
+            .arg(&rsa)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let e = SigningKey::from_pem_file(&rsa).unwrap_err();
+        assert!(e.to_string().starts_with(&rsa.display().to_string()), "{e}");
+        let public = dir.path().join("ec.pub.pem");
+        let made = Command::new("openssl")
+            .args(["pkey", "-pubout", "-in"])
+            .arg(&rsa)
+            .arg("-out")
+            .arg(&public)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        assert_eq!(
+            VerifyKey::from_pem_file(&public).unwrap_err().message,
+            "the public key is not an Ed25519 key"
+        );
+        // A private key where a public one is expected, and the other way round.
+        let (private, public) = openssl_pair(dir.path(), "ed");
+        assert!(VerifyKey::from_pem_file(&private).is_err());
+        assert!(SigningKey::from_pem_file(&public).is_err());
+        assert!(SigningKey::from_pem_file(&dir.path().join("missing.pem")).is_err());
+        // The last 32 bytes alone are not taken: a prefix other than Ed25519's is refused.
+        let mut der = ED25519_SPKI_PREFIX.to_vec();
+        der.extend([7u8; 32]);
+        assert!(VerifyKey::from_spki_der(&der).is_some());
+        der[8] = 0x71; // OID 1.3.101.113: Ed448
+        assert!(VerifyKey::from_spki_der(&der).is_none());
+        assert!(VerifyKey::from_spki_der(&der[..40]).is_none());
+    }
+
+    #[test]
+    fn debug_never_shows_the_private_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let (signing, verify) = keys(dir.path(), "a");
+        let shown = format!("{signing:?}");
+        assert_eq!(shown, format!("SigningKey({})", verify.fingerprint()));
+    }
+
+    proptest! {
+        #[test]
+        fn next_version_exceeds_everything_seen(
+            now in 0u64..u64::MAX / 2,
+            seen in proptest::collection::vec(0u64..u64::MAX / 2, 0..8),
+        ) {
+            let next = next_version(now, seen.iter().copied());
+            prop_assert!(next >= now);
+            for v in &seen {
+                prop_assert!(next > *v);
+            }
+        }
+    }
 }

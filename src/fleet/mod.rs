@@ -12,6 +12,8 @@
 //!   (publishing), the previous live bundles (rollback), heartbeats, and change notification
 //!   (Redis pub/sub, PostgreSQL `LISTEN/NOTIFY`; HTTP sources are polled with
 //!   `If-None-Match`).
+//! - [`commands`]: `tollgate publish`, `promote`, `rollback` and `fleet`.
 
+pub mod commands;
 pub mod envelope;
 pub mod source;

@@ -6,16 +6,33 @@
 //! `{tollgate-bundle}:history` (a list of previous live envelopes, newest first, 20 kept),
 //! `{tollgate-bundle}:version` (the highest version issued), `{tollgate-bundle}:gateways` (a
 //! hash: gateway id → heartbeat JSON); every change is announced by `PUBLISH
-//! tollgate-bundle <version>`.
+//! tollgate-bundle <version>`. A write is one Lua script (the keys share a slot), so the
+//! history push, the slot and the version move together.
 //!
-//! PostgreSQL tables: `tollgate_bundle(slot text primary key, version bigint, envelope text)`,
-//! `tollgate_bundle_history(version bigint primary key, envelope text)`,
+//! PostgreSQL tables (created when missing): `tollgate_bundle(slot text primary key, version
+//! bigint, envelope text)` with the rows `live`, `candidate` and `issued` (the highest version
+//! issued; its envelope is empty), `tollgate_bundle_history(version bigint primary key,
+//! envelope text)` (20 kept; newest first is highest version first),
 //! `tollgate_gateways(id text primary key, heartbeat text, seen_at bigint)`; every change is
-//! announced by `NOTIFY tollgate_bundle, '<version>'`.
+//! announced by `NOTIFY tollgate_bundle, '<version>'` in the writing transaction.
+//!
+//! Rollback ([`PolicySource::roll_back`]) takes the history's head off the history and puts
+//! the envelope sealed from it in the live slot without pushing the live one: history is an
+//! undo stack, so two rollbacks go back two bundles, never back and forth between two.
+//!
+//! Every call is bounded by the timeout given to [`open`]; a connection that failed is made
+//! again by the next call.
 
-use super::envelope::{Envelope, Slot};
+mod http;
+mod postgres;
+mod redis;
+
+use super::envelope::Envelope;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
+
+/// How many previous live envelopes a store keeps for rollback.
+pub const HISTORY_KEPT: usize = 20;
 
 /// What a read of the source found: the raw envelopes (the follower parses, verifies and
 /// compiles them, so that one bad slot is reported and counted, never fatal).
@@ -54,6 +71,10 @@ pub enum SourceError {
     /// The URL names no supported source.
     #[error("{0}")]
     BadUrl(String),
+    /// The store changed under a read-modify-write (another publisher was quicker): nothing
+    /// was written.
+    #[error("{0}")]
+    Conflict(String),
 }
 
 /// A policy store a gateway follows and `tollgate publish` writes.
@@ -85,6 +106,15 @@ pub trait PolicySource: Send + Sync {
     /// Previous live envelopes, newest first.
     async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError>;
 
+    /// Rollback: removes `head` (the history's first entry, as [`PolicySource::history`]
+    /// returned it) from the history and stores `envelope` (sealed from it for the live slot)
+    /// as live, without pushing the live envelope onto the history; records the version;
+    /// announces it.
+    ///
+    /// # Errors
+    /// [`SourceError::Conflict`] when the history's head is no longer `head`.
+    async fn roll_back(&self, envelope: &Envelope, head: &[u8]) -> Result<(), SourceError>;
+
     /// The highest version the store has issued (0 when none or wiped).
     async fn highest_version(&self) -> Result<u64, SourceError>;
 
@@ -94,11 +124,157 @@ pub trait PolicySource: Send + Sync {
 }
 
 /// Opens the source a URL names: `redis://`, `rediss://`, `redis+cluster://`, `postgres://`,
-/// `postgresql://`, `http://`, `https://`; `timeout` bounds each call.
+/// `postgresql://`, `http://`, `https://`; `timeout` bounds each call. Nothing is connected yet:
+/// the first call connects.
 ///
 /// # Errors
 /// The URL names no supported source or cannot be parsed.
 pub fn open(url: &str, timeout: Duration) -> Result<std::sync::Arc<dyn PolicySource>, SourceError> {
-    let _ = (url, timeout, Slot::Live);
-    unimplemented!("interface: implemented by the fleet-store work")
+    let lower = url.to_ascii_lowercase();
+    if lower.starts_with("redis://")
+        || lower.starts_with("rediss://")
+        || lower.starts_with("redis+cluster://")
+    {
+        return Ok(std::sync::Arc::new(redis::RedisSource::new(url, timeout)?));
+    }
+    if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
+        return Ok(std::sync::Arc::new(postgres::PostgresSource::new(
+            url, timeout,
+        )?));
+    }
+    if lower.starts_with("http://") || lower.starts_with("https://") {
+        return Ok(std::sync::Arc::new(http::HttpSource::new(url, timeout)?));
+    }
+    Err(SourceError::BadUrl(format!(
+        "{}: not a policy store (redis://, rediss://, redis+cluster://, postgres://, \
+         postgresql://, http:// or https://)",
+        crate::redact::url(url)
+    )))
+}
+
+/// Parses a stored heartbeat; `None` for one that is not (another version's, or damaged).
+fn parse_heartbeat(bytes: &[u8]) -> Option<Heartbeat> {
+    serde_json::from_slice(bytes).ok()
+}
+
+/// A backend's change notifications as seen by [`PolicySource::changed`]: how many arrived
+/// and whether the channel is up. A notification that arrives between two calls is not lost:
+/// the next call returns `true` at once.
+struct Feed {
+    state: tokio::sync::watch::Sender<FeedState>,
+    /// The count the last `changed()` returned on.
+    seen: parking_lot::Mutex<u64>,
+    /// One reconnect at a time.
+    connecting: tokio::sync::Mutex<()>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct FeedState {
+    count: u64,
+    up: bool,
+}
+
+impl Feed {
+    fn new() -> Feed {
+        Feed {
+            state: tokio::sync::watch::Sender::new(FeedState::default()),
+            seen: parking_lot::Mutex::new(0),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn is_up(&self) -> bool {
+        self.state.borrow().up
+    }
+
+    fn notified(&self) {
+        self.state.send_modify(|s| s.count += 1);
+    }
+
+    fn set_up(&self, up: bool) {
+        self.state.send_modify(|s| s.up = up);
+    }
+
+    /// `true` once a notification arrives (or has arrived since the last call); `false` at
+    /// `at_most` or when the channel goes down.
+    async fn wait(&self, at_most: Duration) -> bool {
+        let mut rx = self.state.subscribe();
+        let deadline = tokio::time::Instant::now() + at_most;
+        loop {
+            let now = *rx.borrow_and_update();
+            {
+                let mut seen = self.seen.lock();
+                if now.count > *seen {
+                    *seen = now.count;
+                    return true;
+                }
+            }
+            if !now.up {
+                return false;
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return false,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_notification_between_calls_is_not_lost() {
+        let feed = Feed::new();
+        assert!(!feed.wait(Duration::from_millis(1)).await, "down");
+        feed.set_up(true);
+        feed.notified();
+        assert!(feed.wait(Duration::from_secs(5)).await);
+        assert!(!feed.wait(Duration::from_millis(10)).await, "seen once");
+        feed.set_up(false);
+        assert!(
+            !feed.wait(Duration::from_secs(5)).await,
+            "down returns at once"
+        );
+    }
+
+    #[test]
+    fn unknown_schemes_are_refused_with_the_password_masked() {
+        let Err(SourceError::BadUrl(e)) = open("ftp://u:secret@h/x", Duration::from_secs(1)) else {
+            panic!("ftp is no policy store");
+        };
+        assert!(!e.contains("secret"), "{e}");
+        assert!(e.starts_with("ftp://u:"), "{e}");
+    }
+
+    #[test]
+    fn display_urls_mask_passwords() {
+        for (url, kind, shown) in [
+            (
+                "redis://:hunter2@127.0.0.1:6379/0",
+                "redis",
+                "redis://:***@127.0.0.1:6379/0",
+            ),
+            (
+                "redis+cluster://:hunter2@127.0.0.1:7000,:hunter2@127.0.0.1:7001",
+                "redis-cluster",
+                "redis+cluster://:***@127.0.0.1:7000,:***@127.0.0.1:7001",
+            ),
+            (
+                "postgres://tg:hunter2@127.0.0.1/db",
+                "postgres",
+                "postgres://tg:***@127.0.0.1/db",
+            ),
+            (
+                "https://u:hunter2@example.com/b.json?token=hunter2",
+                "http",
+                "https://u:***@example.com/b.json?***",
+            ),
+        ] {
+            let source = open(url, Duration::from_secs(1)).unwrap();
+            assert_eq!(source.kind(), kind);
+            assert_eq!(source.display_url(), shown);
+        }
+    }
 }

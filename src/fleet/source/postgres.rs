@@ -1,0 +1,432 @@
+//! The policy store on PostgreSQL (tables: see [`super`]). Each write is one transaction
+//! serialised on an advisory lock, its `NOTIFY` sent at commit; the change feed is `LISTEN` on a
+//! connection of its own, whose notifications are read from the connection's message stream.
+
+use super::{parse_heartbeat, Feed, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT};
+use crate::fleet::envelope::{Envelope, Slot};
+use futures::StreamExt;
+use std::time::Duration;
+use tokio_postgres::{AsyncMessage, NoTls};
+
+/// The advisory lock every write holds (and the schema's creation): "tollgate" in ASCII.
+const LOCK: i64 = 0x746f_6c6c_6761_7465;
+
+const SCHEMA: &str = "
+BEGIN;
+SELECT pg_advisory_xact_lock(8390043843661231205);
+CREATE TABLE IF NOT EXISTS tollgate_bundle (
+    slot     text PRIMARY KEY,
+    version  bigint NOT NULL,
+    envelope text NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tollgate_bundle_history (
+    version  bigint PRIMARY KEY,
+    envelope text NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tollgate_gateways (
+    id        text PRIMARY KEY,
+    heartbeat text NOT NULL,
+    seen_at   bigint NOT NULL
+);
+COMMIT;
+";
+
+/// The channel changes are announced on.
+pub const CHANNEL: &str = "tollgate_bundle";
+
+pub(super) struct PostgresSource {
+    url: String,
+    display: String,
+    timeout: Duration,
+    /// The connection for reads and writes (held for a whole transaction).
+    client: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    feed: std::sync::Arc<Feed>,
+    /// The `LISTEN` connection's client: dropping it closes the connection.
+    listener: parking_lot::Mutex<Option<tokio_postgres::Client>>,
+}
+
+fn stored_version(version: u64) -> Result<i64, SourceError> {
+    i64::try_from(version).map_err(|_| {
+        SourceError::Unavailable(format!(
+            "version {version} is above what PostgreSQL's bigint holds"
+        ))
+    })
+}
+
+impl PostgresSource {
+    pub(super) fn new(url: &str, timeout: Duration) -> Result<PostgresSource, SourceError> {
+        let display = crate::redact::url(url).into_owned();
+        url.parse::<tokio_postgres::Config>().map_err(|e| {
+            SourceError::BadUrl(format!(
+                "{display}: {}",
+                crate::redact::text(&e.to_string())
+            ))
+        })?;
+        Ok(PostgresSource {
+            url: url.to_string(),
+            display,
+            timeout,
+            client: tokio::sync::Mutex::new(None),
+            feed: std::sync::Arc::new(Feed::new()),
+            listener: parking_lot::Mutex::new(None),
+        })
+    }
+
+    fn unavailable(&self, what: &str, e: &dyn std::fmt::Display) -> SourceError {
+        SourceError::Unavailable(format!(
+            "{}: {what}: {}",
+            self.display,
+            crate::redact::text(&e.to_string())
+        ))
+    }
+
+    /// A new connection, driven by a task; with `feed`, its notifications feed it (and its end
+    /// marks the feed down).
+    async fn connect(
+        &self,
+        feed: Option<std::sync::Arc<Feed>>,
+    ) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+        let (client, mut connection) = tokio_postgres::connect(&self.url, NoTls).await?;
+        tokio::spawn(async move {
+            let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+            while let Some(message) = messages.next().await {
+                match message {
+                    Ok(AsyncMessage::Notification(_)) => {
+                        if let Some(feed) = &feed {
+                            feed.notified();
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            if let Some(feed) = &feed {
+                feed.set_up(false);
+            }
+        });
+        Ok(client)
+    }
+
+    /// Runs `op` on the connection (made, with the tables, when there is none), bounded by the
+    /// timeout; a failure drops the connection so that the next call makes a new one.
+    async fn with_client<T, F>(&self, what: &str, op: F) -> Result<T, SourceError>
+    where
+        F: for<'c> FnOnce(
+            &'c mut tokio_postgres::Client,
+        ) -> futures::future::BoxFuture<'c, Result<T, SourceError>>,
+    {
+        let mut held = self.client.lock().await;
+        let attempt = async {
+            if held.as_ref().is_none_or(tokio_postgres::Client::is_closed) {
+                let client = self
+                    .connect(None)
+                    .await
+                    .map_err(|e| self.unavailable("connecting", &e))?;
+                client
+                    .batch_execute(SCHEMA)
+                    .await
+                    .map_err(|e| self.unavailable("creating the tables", &e))?;
+                *held = Some(client);
+            }
+            match held.as_mut() {
+                Some(client) => op(client).await,
+                None => Err(self.unavailable(what, &"not connected")),
+            }
+        };
+        let result = match tokio::time::timeout(self.timeout, attempt).await {
+            Ok(result) => result,
+            Err(_) => Err(self.unavailable(what, &"timed out")),
+        };
+        if matches!(result, Err(SourceError::Unavailable(_))) {
+            *held = None;
+        }
+        result
+    }
+
+    async fn listen(&self) -> Result<(), String> {
+        let _one = self.feed.connecting.lock().await;
+        if self.feed.is_up() {
+            return Ok(());
+        }
+        let feed = std::sync::Arc::clone(&self.feed);
+        let listening = tokio::time::timeout(self.timeout, async {
+            let client = self.connect(Some(feed)).await?;
+            client.batch_execute(&format!("LISTEN {CHANNEL}")).await?;
+            Ok::<_, tokio_postgres::Error>(client)
+        })
+        .await;
+        match listening {
+            Ok(Ok(client)) => {
+                self.feed.set_up(true);
+                *self.listener.lock() = Some(client);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(crate::redact::text(&e.to_string()).into_owned()),
+            Err(_) => Err("timed out".to_string()),
+        }
+    }
+}
+
+/// A database error as a [`SourceError`] naming what was being done.
+fn failed(display: &str, what: &str, e: &tokio_postgres::Error) -> SourceError {
+    SourceError::Unavailable(format!(
+        "{display}: {what}: {}",
+        crate::redact::text(&e.to_string())
+    ))
+}
+
+#[async_trait::async_trait]
+impl PolicySource for PostgresSource {
+    fn display_url(&self) -> String {
+        self.display.clone()
+    }
+
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn read(&self) -> Result<Slots, SourceError> {
+        let display = self.display.clone();
+        self.with_client("reading the bundles", |client| {
+            Box::pin(async move {
+                let rows = client
+                    .query(
+                        "SELECT slot, envelope FROM tollgate_bundle \
+                         WHERE slot IN ('live', 'candidate')",
+                        &[],
+                    )
+                    .await
+                    .map_err(|e| failed(&display, "reading the bundles", &e))?;
+                let mut slots = Slots::default();
+                for row in rows {
+                    let slot: String = row.get(0);
+                    let envelope: String = row.get(1);
+                    match slot.as_str() {
+                        "live" => slots.live = Some(envelope.into_bytes()),
+                        _ => slots.candidate = Some(envelope.into_bytes()),
+                    }
+                }
+                Ok(slots)
+            })
+        })
+        .await
+    }
+
+    async fn changed(&self, at_most: Duration) -> bool {
+        if !self.feed.is_up() && self.listen().await.is_err() {
+            return false;
+        }
+        self.feed.wait(at_most).await
+    }
+
+    async fn write(&self, envelope: &Envelope) -> Result<(), SourceError> {
+        let version = stored_version(envelope.version)?;
+        let json = envelope.to_json();
+        let slot = envelope.slot;
+        let display = self.display.clone();
+        self.with_client("publishing", |client| {
+            Box::pin(async move {
+                let fail = |e: tokio_postgres::Error| failed(&display, "publishing", &e);
+                let tx = client.transaction().await.map_err(fail)?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+                    .await
+                    .map_err(fail)?;
+                if slot == Slot::Live {
+                    tx.execute(
+                        "INSERT INTO tollgate_bundle_history (version, envelope) \
+                         SELECT version, envelope FROM tollgate_bundle WHERE slot = 'live' \
+                         ON CONFLICT (version) DO UPDATE SET envelope = EXCLUDED.envelope",
+                        &[],
+                    )
+                    .await
+                    .map_err(fail)?;
+                    tx.execute(
+                        "DELETE FROM tollgate_bundle_history WHERE version NOT IN \
+                         (SELECT version FROM tollgate_bundle_history \
+                          ORDER BY version DESC LIMIT $1)",
+                        &[&(HISTORY_KEPT as i64)],
+                    )
+                    .await
+                    .map_err(fail)?;
+                }
+                store_slot(&tx, slot.as_str(), version, &json)
+                    .await
+                    .map_err(fail)?;
+                tx.commit().await.map_err(fail)
+            })
+        })
+        .await
+    }
+
+    async fn clear_candidate(&self) -> Result<(), SourceError> {
+        let display = self.display.clone();
+        self.with_client("clearing the candidate", |client| {
+            Box::pin(async move {
+                let fail =
+                    |e: tokio_postgres::Error| failed(&display, "clearing the candidate", &e);
+                let tx = client.transaction().await.map_err(fail)?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+                    .await
+                    .map_err(fail)?;
+                tx.execute("DELETE FROM tollgate_bundle WHERE slot = 'candidate'", &[])
+                    .await
+                    .map_err(fail)?;
+                tx.execute(
+                    &format!("SELECT pg_notify('{CHANNEL}', 'candidate-cleared')"),
+                    &[],
+                )
+                .await
+                .map_err(fail)?;
+                tx.commit().await.map_err(fail)
+            })
+        })
+        .await
+    }
+
+    async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError> {
+        let display = self.display.clone();
+        self.with_client("reading the history", |client| {
+            Box::pin(async move {
+                let rows = client
+                    .query(
+                        "SELECT envelope FROM tollgate_bundle_history ORDER BY version DESC",
+                        &[],
+                    )
+                    .await
+                    .map_err(|e| failed(&display, "reading the history", &e))?;
+                Ok(rows
+                    .iter()
+                    .map(|row| row.get::<_, String>(0).into_bytes())
+                    .collect())
+            })
+        })
+        .await
+    }
+
+    async fn roll_back(&self, envelope: &Envelope, head: &[u8]) -> Result<(), SourceError> {
+        let version = stored_version(envelope.version)?;
+        let json = envelope.to_json();
+        let display = self.display.clone();
+        let head = String::from_utf8_lossy(head).into_owned();
+        self.with_client("rolling back", |client| {
+            Box::pin(async move {
+                let fail = |e: tokio_postgres::Error| failed(&display, "rolling back", &e);
+                let tx = client.transaction().await.map_err(fail)?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+                    .await
+                    .map_err(fail)?;
+                let first = tx
+                    .query_opt(
+                        "SELECT version, envelope FROM tollgate_bundle_history \
+                         ORDER BY version DESC LIMIT 1",
+                        &[],
+                    )
+                    .await
+                    .map_err(fail)?;
+                let Some(first) = first.filter(|row| row.get::<_, String>(1) == head) else {
+                    return Err(SourceError::Conflict(format!(
+                        "{display}: the history changed while rolling back; nothing was written"
+                    )));
+                };
+                let popped: i64 = first.get(0);
+                tx.execute(
+                    "DELETE FROM tollgate_bundle_history WHERE version = $1",
+                    &[&popped],
+                )
+                .await
+                .map_err(fail)?;
+                store_slot(&tx, "live", version, &json)
+                    .await
+                    .map_err(fail)?;
+                tx.commit().await.map_err(fail)
+            })
+        })
+        .await
+    }
+
+    async fn highest_version(&self) -> Result<u64, SourceError> {
+        let display = self.display.clone();
+        self.with_client("reading the version", |client| {
+            Box::pin(async move {
+                let row = client
+                    .query_opt(
+                        "SELECT version FROM tollgate_bundle WHERE slot = 'issued'",
+                        &[],
+                    )
+                    .await
+                    .map_err(|e| failed(&display, "reading the version", &e))?;
+                Ok(row
+                    .map(|row| u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
+                    .unwrap_or(0))
+            })
+        })
+        .await
+    }
+
+    async fn heartbeat(&self, beat: &Heartbeat) -> Result<(), SourceError> {
+        let json = serde_json::to_string(beat).unwrap_or_default();
+        let id = beat.id.clone();
+        let at = beat.at;
+        let display = self.display.clone();
+        self.with_client("heartbeat", |client| {
+            Box::pin(async move {
+                client
+                    .execute(
+                        "INSERT INTO tollgate_gateways (id, heartbeat, seen_at) \
+                         VALUES ($1, $2, $3) ON CONFLICT (id) DO UPDATE \
+                         SET heartbeat = EXCLUDED.heartbeat, seen_at = EXCLUDED.seen_at",
+                        &[&id, &json, &at],
+                    )
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| failed(&display, "heartbeat", &e))
+            })
+        })
+        .await
+    }
+
+    async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError> {
+        let display = self.display.clone();
+        self.with_client("reading the heartbeats", |client| {
+            Box::pin(async move {
+                let rows = client
+                    .query("SELECT heartbeat FROM tollgate_gateways ORDER BY id", &[])
+                    .await
+                    .map_err(|e| failed(&display, "reading the heartbeats", &e))?;
+                Ok(rows
+                    .iter()
+                    .filter_map(|row| parse_heartbeat(row.get::<_, String>(0).as_bytes()))
+                    .collect())
+            })
+        })
+        .await
+    }
+}
+
+/// Stores `json` in `slot`, records `version` as issued (never lowering it) and announces it,
+/// inside the caller's transaction.
+async fn store_slot(
+    tx: &tokio_postgres::Transaction<'_>,
+    slot: &str,
+    version: i64,
+    json: &str,
+) -> Result<(), tokio_postgres::Error> {
+    tx.execute(
+        "INSERT INTO tollgate_bundle (slot, version, envelope) VALUES ($1, $2, $3) \
+         ON CONFLICT (slot) DO UPDATE SET version = EXCLUDED.version, envelope = EXCLUDED.envelope",
+        &[&slot, &version, &json],
+    )
+    .await?;
+    tx.execute(
+        "INSERT INTO tollgate_bundle (slot, version, envelope) VALUES ('issued', $1, '') \
+         ON CONFLICT (slot) DO UPDATE SET version = greatest(tollgate_bundle.version, EXCLUDED.version)",
+        &[&version],
+    )
+    .await?;
+    tx.execute(
+        "SELECT pg_notify($1, $2)",
+        &[&CHANNEL, &version.to_string()],
+    )
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,404 @@
+//! The policy store on Redis or a Redis Cluster (key layout: see [`super`]). Writes are Lua
+//! scripts over keys of one hash tag, so a cluster runs each on the one node owning the tag;
+//! the change feed is a pub/sub subscription on one node (a cluster forwards `PUBLISH` to every
+//! node), made again by the next `changed()` after it drops.
+
+use super::{parse_heartbeat, Feed, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT};
+use crate::fleet::envelope::{Envelope, Slot};
+use futures::StreamExt;
+use redis::aio::MultiplexedConnection;
+use redis::AsyncConnectionConfig;
+use std::time::Duration;
+
+const LIVE: &str = "{tollgate-bundle}:live";
+const CANDIDATE: &str = "{tollgate-bundle}:candidate";
+const HISTORY: &str = "{tollgate-bundle}:history";
+const VERSION: &str = "{tollgate-bundle}:version";
+const GATEWAYS: &str = "{tollgate-bundle}:gateways";
+/// The pub/sub channel changes are announced on.
+pub const CHANNEL: &str = "tollgate-bundle";
+
+/// Versions are compared as decimal strings (no leading zeros): Lua's numbers are doubles,
+/// exact only below 2^53.
+const ABOVE: &str = r#"
+local function above(a, b)
+  if #a ~= #b then return #a > #b end
+  return a > b
+end
+local function record(version)
+  local issued = redis.call('GET', KEYS[3])
+  if not issued or above(version, issued) then redis.call('SET', KEYS[3], version) end
+end
+"#;
+
+/// KEYS: the slot's key, the live key, the version key, the history. ARGV: the envelope, its
+/// version, 1 when it is for the live slot, how many history entries to keep.
+const WRITE: &str = r#"
+if ARGV[3] == '1' then
+  local previous = redis.call('GET', KEYS[2])
+  if previous then
+    redis.call('LPUSH', KEYS[4], previous)
+    redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[4]) - 1)
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+record(ARGV[2])
+redis.call('PUBLISH', 'tollgate-bundle', ARGV[2])
+return 1
+"#;
+
+/// KEYS: the live key, the history, the version key. ARGV: the envelope, its version, the
+/// history head it was sealed from. Returns 0 (nothing done) when the head changed.
+const ROLL_BACK: &str = r#"
+local head = redis.call('LINDEX', KEYS[2], 0)
+if not head or head ~= ARGV[3] then return 0 end
+redis.call('LPOP', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1])
+record(ARGV[2])
+redis.call('PUBLISH', 'tollgate-bundle', ARGV[2])
+return 1
+"#;
+
+enum Client {
+    Single(redis::Client),
+    Cluster {
+        client: redis::cluster::ClusterClient,
+        /// Each node, for the subscription (tried in order).
+        nodes: Vec<redis::Client>,
+    },
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Conn {
+    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        match self {
+            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+
+    async fn invoke<T: redis::FromRedisValue>(
+        &mut self,
+        call: &redis::ScriptInvocation<'_>,
+    ) -> redis::RedisResult<T> {
+        match self {
+            Conn::Single(c) => call.invoke_async(c).await,
+            Conn::Cluster(c) => call.invoke_async(c).await,
+        }
+    }
+}
+
+pub(super) struct RedisSource {
+    display: String,
+    cluster: bool,
+    timeout: Duration,
+    client: Client,
+    conn: tokio::sync::Mutex<Option<Conn>>,
+    write: redis::Script,
+    roll_back: redis::Script,
+    feed: std::sync::Arc<Feed>,
+    /// The subscription's task, ended when the source is dropped.
+    listener: parking_lot::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for RedisSource {
+    fn drop(&mut self) {
+        if let Some(task) = self.listener.lock().take() {
+            task.abort();
+        }
+    }
+}
+
+impl RedisSource {
+    pub(super) fn new(url: &str, timeout: Duration) -> Result<RedisSource, SourceError> {
+        let display = crate::redact::url(url).into_owned();
+        let bad = |e: redis::RedisError| {
+            SourceError::BadUrl(format!(
+                "{display}: {}",
+                crate::redact::text(&e.to_string())
+            ))
+        };
+        let (client, cluster) = match url
+            .get(.."redis+cluster://".len())
+            .filter(|p| p.eq_ignore_ascii_case("redis+cluster://"))
+        {
+            Some(prefix) => {
+                let nodes: Vec<String> = url[prefix.len()..]
+                    .split(',')
+                    .filter(|n| !n.trim().is_empty())
+                    .map(|n| format!("redis://{}", n.trim()))
+                    .collect();
+                let clients = nodes
+                    .iter()
+                    .map(|n| redis::Client::open(n.as_str()))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(bad)?;
+                let client = redis::cluster::ClusterClient::builder(nodes)
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .retries(1)
+                    .build()
+                    .map_err(bad)?;
+                (
+                    Client::Cluster {
+                        client,
+                        nodes: clients,
+                    },
+                    true,
+                )
+            }
+            None => (
+                Client::Single(redis::Client::open(url).map_err(bad)?),
+                false,
+            ),
+        };
+        Ok(RedisSource {
+            display,
+            cluster,
+            timeout,
+            client,
+            conn: tokio::sync::Mutex::new(None),
+            write: redis::Script::new(&format!("{ABOVE}{WRITE}")),
+            roll_back: redis::Script::new(&format!("{ABOVE}{ROLL_BACK}")),
+            feed: std::sync::Arc::new(Feed::new()),
+            listener: parking_lot::Mutex::new(None),
+        })
+    }
+
+    fn unavailable(&self, what: &str, e: &dyn std::fmt::Display) -> SourceError {
+        SourceError::Unavailable(format!(
+            "{}: {what}: {}",
+            self.display,
+            crate::redact::text(&e.to_string())
+        ))
+    }
+
+    async fn connect(&self) -> redis::RedisResult<Conn> {
+        match &self.client {
+            Client::Single(client) => {
+                let config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(self.timeout)
+                    .set_response_timeout(self.timeout);
+                client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await
+                    .map(Conn::Single)
+            }
+            Client::Cluster { client, .. } => {
+                client.get_async_connection().await.map(Conn::Cluster)
+            }
+        }
+    }
+
+    /// Runs `op` on the connection (made when there is none), bounded by the timeout; a
+    /// failure drops the connection so that the next call makes a new one.
+    async fn with_conn<T, F, Fut>(&self, what: &str, op: F) -> Result<T, SourceError>
+    where
+        F: FnOnce(Conn) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let attempt = async {
+            let conn = {
+                let mut held = self.conn.lock().await;
+                match held.as_ref() {
+                    Some(conn) => conn.clone(),
+                    None => {
+                        let conn = self
+                            .connect()
+                            .await
+                            .map_err(|e| self.unavailable("connecting", &e))?;
+                        *held = Some(conn.clone());
+                        conn
+                    }
+                }
+            };
+            op(conn).await.map_err(|e| self.unavailable(what, &e))
+        };
+        let result = match tokio::time::timeout(self.timeout, attempt).await {
+            Ok(result) => result,
+            Err(_) => Err(self.unavailable(what, &"timed out")),
+        };
+        if result.is_err() {
+            *self.conn.lock().await = None;
+        }
+        result
+    }
+
+    /// Subscribes to [`CHANNEL`] on one node, with a task feeding [`Feed`].
+    async fn listen(&self) -> Result<(), String> {
+        let _one = self.feed.connecting.lock().await;
+        if self.feed.is_up() {
+            return Ok(());
+        }
+        let candidates: Vec<&redis::Client> = match &self.client {
+            Client::Single(client) => vec![client],
+            Client::Cluster { nodes, .. } => nodes.iter().collect(),
+        };
+        let mut last = String::from("no node");
+        for client in candidates {
+            let subscribed = tokio::time::timeout(self.timeout, async {
+                let mut pubsub = client.get_async_pubsub().await?;
+                pubsub.subscribe(CHANNEL).await?;
+                Ok::<_, redis::RedisError>(pubsub)
+            })
+            .await;
+            match subscribed {
+                Ok(Ok(pubsub)) => {
+                    let feed = std::sync::Arc::clone(&self.feed);
+                    feed.set_up(true);
+                    let task = tokio::spawn(async move {
+                        let mut messages = pubsub.into_on_message();
+                        while messages.next().await.is_some() {
+                            feed.notified();
+                        }
+                        feed.set_up(false);
+                    });
+                    if let Some(old) = self.listener.lock().replace(task) {
+                        old.abort();
+                    }
+                    return Ok(());
+                }
+                Ok(Err(e)) => last = crate::redact::text(&e.to_string()).into_owned(),
+                Err(_) => last = "timed out".to_string(),
+            }
+        }
+        Err(last)
+    }
+
+    fn slot_key(slot: Slot) -> &'static str {
+        match slot {
+            Slot::Live => LIVE,
+            Slot::Candidate => CANDIDATE,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl PolicySource for RedisSource {
+    fn display_url(&self) -> String {
+        self.display.clone()
+    }
+
+    fn kind(&self) -> &'static str {
+        if self.cluster {
+            "redis-cluster"
+        } else {
+            "redis"
+        }
+    }
+
+    async fn read(&self) -> Result<Slots, SourceError> {
+        let (live, candidate): (Option<Vec<u8>>, Option<Vec<u8>>) = self
+            .with_conn("reading the bundles", |mut conn| async move {
+                conn.query(redis::cmd("MGET").arg(LIVE).arg(CANDIDATE))
+                    .await
+            })
+            .await?;
+        Ok(Slots { live, candidate })
+    }
+
+    async fn changed(&self, at_most: Duration) -> bool {
+        if !self.feed.is_up() && self.listen().await.is_err() {
+            return false;
+        }
+        self.feed.wait(at_most).await
+    }
+
+    async fn write(&self, envelope: &Envelope) -> Result<(), SourceError> {
+        let json = envelope.to_json();
+        let version = envelope.version.to_string();
+        let live = if envelope.slot == Slot::Live {
+            "1"
+        } else {
+            "0"
+        };
+        let key = Self::slot_key(envelope.slot);
+        let script = &self.write;
+        self.with_conn("publishing", |mut conn| async move {
+            let mut call = script.prepare_invoke();
+            call.key(key).key(LIVE).key(VERSION).key(HISTORY);
+            call.arg(&json).arg(&version).arg(live).arg(HISTORY_KEPT);
+            conn.invoke::<i64>(&call).await.map(|_| ())
+        })
+        .await
+    }
+
+    async fn clear_candidate(&self) -> Result<(), SourceError> {
+        self.with_conn("clearing the candidate", |mut conn| async move {
+            conn.query::<i64>(redis::cmd("DEL").arg(CANDIDATE)).await?;
+            conn.query::<i64>(redis::cmd("PUBLISH").arg(CHANNEL).arg("candidate-cleared"))
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError> {
+        self.with_conn("reading the history", |mut conn| async move {
+            conn.query(redis::cmd("LRANGE").arg(HISTORY).arg(0).arg(-1))
+                .await
+        })
+        .await
+    }
+
+    async fn roll_back(&self, envelope: &Envelope, head: &[u8]) -> Result<(), SourceError> {
+        let json = envelope.to_json();
+        let version = envelope.version.to_string();
+        let script = &self.roll_back;
+        let done: i64 = self
+            .with_conn("rolling back", |mut conn| async move {
+                let mut call = script.prepare_invoke();
+                call.key(LIVE).key(HISTORY).key(VERSION);
+                call.arg(&json).arg(&version).arg(head);
+                conn.invoke(&call).await
+            })
+            .await?;
+        if done == 1 {
+            Ok(())
+        } else {
+            Err(SourceError::Conflict(format!(
+                "{}: the history changed while rolling back; nothing was written",
+                self.display
+            )))
+        }
+    }
+
+    async fn highest_version(&self) -> Result<u64, SourceError> {
+        let issued: Option<String> = self
+            .with_conn("reading the version", |mut conn| async move {
+                conn.query(redis::cmd("GET").arg(VERSION)).await
+            })
+            .await?;
+        Ok(issued.and_then(|v| v.parse().ok()).unwrap_or(0))
+    }
+
+    async fn heartbeat(&self, beat: &Heartbeat) -> Result<(), SourceError> {
+        let json = serde_json::to_string(beat).unwrap_or_default();
+        let id = beat.id.clone();
+        self.with_conn("heartbeat", |mut conn| async move {
+            conn.query::<i64>(redis::cmd("HSET").arg(GATEWAYS).arg(&id).arg(&json))
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError> {
+        let all: Vec<(String, Vec<u8>)> = self
+            .with_conn("reading the heartbeats", |mut conn| async move {
+                conn.query(redis::cmd("HGETALL").arg(GATEWAYS)).await
+            })
+            .await?;
+        let mut beats: Vec<Heartbeat> = all
+            .iter()
+            .filter_map(|(_, json)| parse_heartbeat(json))
+            .collect();
+        beats.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(beats)
+    }
+}
