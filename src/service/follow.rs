@@ -599,6 +599,9 @@ mod tests {
         async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError> {
             Ok(Vec::new())
         }
+        async fn roll_back(&self, envelope: &Envelope, _head: &[u8]) -> Result<(), SourceError> {
+            self.write(envelope).await
+        }
         async fn highest_version(&self) -> Result<u64, SourceError> {
             Ok(0)
         }
