@@ -14,7 +14,8 @@ use crate::fleet::source::{Heartbeat, PolicySource, SourceError};
 use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// The file in `--state-dir` holding the last good live envelope.
 pub const KEPT_BUNDLE_FILE: &str = "policy-store-bundle.json";
@@ -952,5 +953,29 @@ mod tests {
         follower.poll_once("test").await;
         assert_eq!(gateway.published_candidate(), None);
         assert_eq!(follower.heartbeat().candidate_version, None);
+    }
+
+    /// Without change notifications (the fake source never announces one), a publication is
+    /// served at the next poll: within one poll interval, on tokio's paused clock.
+    #[tokio::test(start_paused = true)]
+    async fn without_notifications_the_store_is_polled_every_interval() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        publish(&source, POLICY, Slot::Live, 10, None);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(
+            follower(&gateway, &source, None).run(STORE_POLL, async move {
+                let _ = stop_rx.await;
+            }),
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(readyz(&gateway)["bundle_version"], 10);
+        publish(&source, POLICY, Slot::Live, 11, None);
+        tokio::time::sleep(STORE_POLL - Duration::from_millis(10)).await;
+        assert_eq!(readyz(&gateway)["bundle_version"], 10);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(readyz(&gateway)["bundle_version"], 11);
+        let _ = stop_tx.send(());
+        task.await.expect("the follower stops");
     }
 }
