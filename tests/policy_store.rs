@@ -128,7 +128,10 @@ fn ten_gateways_serve_each_publication(store: &str, label: &str) {
             started
         };
         for gw in &fleet {
-            wait_version(gw, published);
+            // The line is written just after the bundle is in force.
+            gw.wait_until(Duration::from_secs(5), || {
+                loaded_at_ms(gw, published).is_some()
+            });
             let at = loaded_at_ms(gw, published).expect("a policy loaded line");
             delays.push(at.saturating_sub(origin));
         }
@@ -372,7 +375,8 @@ fn a_store_that_hangs_or_dies_keeps_the_bundle_and_a_restart_uses_the_kept_one()
     let pid = redis.child.as_ref().expect("running").id() as i32;
     // SAFETY: kill(2) on the redis-server this test started.
     unsafe { libc::kill(pid, libc::SIGSTOP) };
-    gw.wait_until(Duration::from_secs(5), || {
+    // Unreachable once a read outlives its 2 s deadline.
+    gw.wait_until(Duration::from_secs(10), || {
         readyz(&gw)["policy_source"]["state"] == "unreachable"
     });
     assert_eq!(readyz(&gw)["bundle_version"], version);

@@ -772,7 +772,7 @@ impl pingora::services::Service for GrpcListener {
 }
 
 /// Under `--policy-store`: reads the verify key, puts in force the bundle kept in `--state-dir`,
-/// then reads the store once (bounded by `--store-timeout`) so that a gateway starts with the
+/// then reads the store once (bounded by [`crate::service::follow::SOURCE_TIMEOUT`]) so that a gateway starts with the
 /// newest published bundle when the store answers. Returns the key for the follower.
 fn start_following(
     gateway: &Arc<Gateway>,
@@ -791,7 +791,7 @@ fn start_following(
         .enable_all()
         .build()
         .map_err(|e| format!("--policy-store: cannot start its first read: {e}"))?;
-    let timeout = gateway.config.store_timeout;
+    let timeout = crate::service::follow::SOURCE_TIMEOUT;
     runtime.block_on(async {
         // A source of its own: its connections belong to this short-lived runtime.
         let source = crate::fleet::source::open(&store.url, timeout)
@@ -799,8 +799,8 @@ fn start_following(
         let follower =
             crate::service::follow::Follower::new(Arc::clone(gateway), source, key.clone());
         follower.load_kept();
-        // The store's own timeout bounds each call; this bounds a slow connect as well.
-        let _ = tokio::time::timeout(timeout * 3, follower.poll_once("startup")).await;
+        // Each call has its deadline; this bounds the whole first read as well.
+        let _ = tokio::time::timeout(timeout * 2, follower.poll_once("startup")).await;
         Ok::<(), String>(())
     })?;
     Ok(key)
@@ -897,7 +897,7 @@ impl BackgroundService for Housekeeping {
         // A shared store connects in the background: the gateway serves (failing open) meanwhile.
         self.gateway.store.connect_in_background();
         if let Some(store) = &self.gateway.config.policy_store {
-            match crate::fleet::source::open(&store.url, self.gateway.config.store_timeout) {
+            match crate::fleet::source::open(&store.url, crate::service::follow::SOURCE_TIMEOUT) {
                 Ok(source) => {
                     let poll = if source.kind() == "http" {
                         self.gateway

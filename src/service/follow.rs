@@ -23,6 +23,11 @@ pub const KEPT_BUNDLE_FILE: &str = "policy-store-bundle.json";
 /// How often a gateway writes its heartbeat (and after every change it puts in force).
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
 
+/// The deadline of each call to the policy store (connect, read, heartbeat): a store that
+/// does not answer within it counts as unreachable. Longer than `--store-timeout-ms`, which is
+/// a request's budget: a bundle may be megabytes and is read off the request path.
+pub const SOURCE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How often the store is read when no change notification arrives: the bound on how late a
 /// gateway whose notification channel is down serves a new version.
 pub const STORE_POLL: Duration = Duration::from_secs(1);
