@@ -409,6 +409,7 @@ impl Gateway {
         let unix_secs = self.clock.unix_secs();
         let top = self.top.lock().top(20, None, unix_secs.max(0) as u64);
         let overrides = self.runtime_overrides();
+        let candidate = self.candidate_summary();
         let page = super::status::render(&super::status::StatusView {
             bundle: bundle.as_deref(),
             loaded_at: loaded.map(|l| l.loaded_at.max(0) as u64),
@@ -418,6 +419,7 @@ impl Gateway {
             store_stats: self.store.stats(),
             overrides: &overrides,
             top: &top,
+            candidate: candidate.as_ref(),
         });
         Reply {
             status: 200,

@@ -30,6 +30,8 @@ pub struct StatusView<'a> {
     /// `/readyz`'s `runtime_overrides` object.
     pub overrides: &'a serde_json::Value,
     pub top: &'a Top,
+    /// The candidate bundle decided in shadow, while one is set.
+    pub candidate: Option<&'a crate::service::CandidateSummary>,
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -231,6 +233,8 @@ pub fn render(view: &StatusView<'_>) -> String {
         }
     }
 
+    candidate_section(&mut body, view.candidate);
+
     body.push_str("<h2>Store</h2>");
     let _ = write!(
         body,
@@ -339,6 +343,45 @@ pub fn render(view: &StatusView<'_>) -> String {
     document("status", "tollgate status", &body)
 }
 
+/// The candidate bundle: its version and hash, what it decided, and what it would have
+/// refused by rule (the 200 rules refusing most).
+fn candidate_section(body: &mut String, candidate: Option<&crate::service::CandidateSummary>) {
+    body.push_str("<h2>Candidate bundle</h2>");
+    let Some(c) = candidate else {
+        body.push_str("<p id=\"candidate-none\" class=\"muted\">No candidate bundle.</p>");
+        return;
+    };
+    let _ = write!(
+        body,
+        "<table id=\"candidate\"><tr><th>version</th><td id=\"candidate-version\">{}</td></tr>\
+<tr><th>hash</th><td><code id=\"candidate-hash\">{}</code></td></tr>\
+<tr><th>set at</th><td>{}</td></tr>\
+<tr><th>requests decided under it</th><td id=\"candidate-decisions\">{}</td></tr>\
+<tr><th>skipped (shared store busy)</th><td>{}</td></tr>\
+<tr><th>rules unchanged from the bundle in force</th><td>{} of {}</td></tr></table>",
+        escape(&c.version),
+        escape(&c.hash),
+        rfc3339(c.set_at.max(0) as u64),
+        c.decisions,
+        c.skipped,
+        c.shared_rules,
+        c.rules,
+    );
+    if c.refusals.is_empty() {
+        body.push_str("<p id=\"candidate-refusals-none\">It would have refused nothing.</p>");
+        return;
+    }
+    let mut refusals: Vec<(&String, &u64)> = c.refusals.iter().collect();
+    refusals.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+    body.push_str(
+        "<table id=\"candidate-refusals\"><tr><th>policy/rule</th><th>would refuse</th></tr>",
+    );
+    for (rule, count) in refusals.iter().take(200) {
+        let _ = write!(body, "<tr><td>{}</td><td>{}</td></tr>", escape(rule), count);
+    }
+    body.push_str("</table>");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,8 +411,10 @@ mod tests {
             store_stats: StoreStats::default(),
             overrides: &overrides,
             top: &top,
+            candidate: None,
         });
         assert!(page.contains("No policy loaded"));
+        assert!(page.contains("No candidate bundle."));
         assert!(page.contains("id=\"top-empty\""));
         assert!(!page.contains("src="), "no external assets");
     }

@@ -8,8 +8,10 @@
 //! (LLM reservations held and settled), `envoy_rls` (Envoy's `ShouldRateLimit`), `logging`
 //! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines),
 //! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `state_key` (the
-//! state dir's own keys: masked values' fingerprints, reservation signing).
+//! state dir's own keys: masked values' fingerprints, reservation signing), `candidate` (the
+//! candidate bundle decided in shadow after every live decision).
 
+mod candidate;
 mod debug_sessions;
 mod envoy_rls;
 mod logging;
@@ -17,6 +19,7 @@ mod reload;
 pub mod state_key;
 mod tokens;
 
+pub use candidate::{CandidateSummary, MAX_CANDIDATE_PENDING};
 pub use debug_sessions::DebugLogin;
 pub use envoy_rls::{RlsFailure, RlsReply};
 pub use logging::init_logging;
@@ -102,8 +105,9 @@ pub struct Gateway {
     pub config: Config,
     pub header_config: HeaderConfig,
     pub verifier: Verifier,
-    /// Where buckets live: the embedded store, or one shared with other gateways.
-    pub store: Store,
+    /// Where buckets live: the embedded store, or one shared with other gateways (shared with
+    /// the candidate bundle's store calls, which run apart from the request on a shared store).
+    pub store: Arc<Store>,
     pub(crate) engine_config: EngineConfig,
     /// Wall-clock time for kill-switch expiry (the store keeps its own time base).
     pub(crate) clock: Arc<dyn Clock>,
@@ -131,6 +135,11 @@ pub struct Gateway {
     pub(crate) fingerprint_key: crate::redact::FingerprintKey,
     /// OpenTelemetry traces, when the `OTEL_*` environment asks for them (set once at start).
     telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
+    /// The candidate bundle decided in shadow ([`Gateway::set_candidate`]), whether one is set
+    /// (the request path's only look without one), and its shared-store calls outstanding.
+    candidate: ArcSwapOption<candidate::Candidate>,
+    candidate_on: std::sync::atomic::AtomicBool,
+    candidate_pending: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Gateway {
@@ -170,7 +179,7 @@ impl Gateway {
             metrics: Metrics::new(store.kind()),
             header_config,
             verifier,
-            store,
+            store: Arc::new(store),
             engine_config: EngineConfig {
                 ipv6_prefix: config.ipv6_prefix,
             },
@@ -202,6 +211,9 @@ impl Gateway {
                 config.state_dir.as_ref().map(|s| s.dir.as_path()),
             )?,
             telemetry: std::sync::OnceLock::new(),
+            candidate: ArcSwapOption::empty(),
+            candidate_on: std::sync::atomic::AtomicBool::new(false),
+            candidate_pending: Arc::default(),
             config,
         };
         gateway
@@ -396,23 +408,23 @@ impl Gateway {
         };
         let started = Instant::now();
         let unix_us = self.clock.unix_us();
+        let now_us = self.store.now_us();
         let guard = self.policy.load();
         let decision = match guard.as_deref() {
             None => Decision::NoPolicy,
-            Some(bundle) => engine::decide_local(
-                bundle,
-                facts,
-                memory,
-                self.store.now_us(),
-                unix_us,
-                self.engine_config,
-            ),
+            Some(bundle) => {
+                engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
+            }
         };
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
         };
-        Some(self.answer(&decided, started))
+        let answer = self.answer(&decided, started);
+        if self.has_candidate() {
+            self.candidate_local(&decided.decision, facts, memory, now_us, unix_us);
+        }
+        Some(answer)
     }
 
     async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
@@ -474,7 +486,11 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        self.answer(&decided, started)
+        let answer = self.answer(&decided, started);
+        if self.has_candidate() {
+            self.candidate_shared(&decided.decision, facts, unix_us);
+        }
+        answer
     }
 
     /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets
