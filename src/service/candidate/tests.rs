@@ -27,17 +27,26 @@ fn candidate(v: &serde_json::Value) -> Bundle {
 
 /// A gateway on the embedded store with `live` loaded from a file in `dir`.
 fn gateway(dir: &tempfile::TempDir, live: &serde_json::Value) -> (Gateway, ManualClock) {
+    gateway_with(dir, live, &[])
+}
+
+fn gateway_with(
+    dir: &tempfile::TempDir,
+    live: &serde_json::Value,
+    extra: &[&str],
+) -> (Gateway, ManualClock) {
     let policy = dir.path().join("policy.json");
     std::fs::write(&policy, live.to_string()).unwrap();
-    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from([
+    let mut argv = vec![
         "tollgate",
         "run",
         "--policy",
         policy.to_str().unwrap(),
         "--upstream",
         "127.0.0.1:9",
-    ])
-    .unwrap();
+    ];
+    argv.extend(extra);
+    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(argv).unwrap();
     let crate::cli::Command::Run(args) = cli.command else {
         unreachable!("a run command")
     };
@@ -220,4 +229,41 @@ async fn envoy_calls_are_decided_under_the_candidate_too() {
     // A bare bundle's policy is named after what it was compiled as.
     let expected: BTreeMap<String, u64> = [("candidate/per-ip".to_string(), 5)].into();
     assert_eq!(gw.candidate_refusals(), expected);
+}
+
+#[tokio::test]
+async fn with_a_shared_store_too_many_outstanding_candidate_calls_skip_and_count() {
+    let live = bundle(1, vec![rule(10)]);
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens there: the live decision fails open, and no candidate call is made.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let (gw, _clock) = gateway_with(&dir, &live, &["--store", &url]);
+    gw.set_candidate(Some(candidate(&bundle(2, vec![rule(5)]))));
+    gw.candidate_pending
+        .store(MAX_CANDIDATE_PENDING, Ordering::Release);
+    let headers: Vec<(String, String)> = Vec::new();
+    let facts = RequestFacts::from_uri(
+        "GET",
+        "/v1/orders",
+        Some("api.example.com"),
+        Some("10.0.0.6".parse().unwrap()),
+        &headers,
+    );
+    assert!(gw.decide(&facts).await.allowed);
+    let summary = gw.candidate_summary().unwrap();
+    assert_eq!((summary.skipped, summary.decisions), (1, 0));
+    assert_eq!(
+        gw.candidate_pending.load(Ordering::Acquire),
+        MAX_CANDIDATE_PENDING,
+        "the skipped request gave its slot back"
+    );
+    assert!(gw
+        .metrics_text()
+        .lines()
+        .any(|l| l == "tollgate_candidate_skipped_total 1"));
 }
