@@ -418,4 +418,47 @@ mod tests {
         assert!(page.contains("id=\"top-empty\""));
         assert!(!page.contains("src="), "no external assets");
     }
+
+    #[test]
+    fn a_candidate_shows_its_version_hash_counts_and_refusals_escaped() {
+        let overrides = serde_json::json!({});
+        let top = Top {
+            entries: Vec::new(),
+            events: 0,
+            error_bound: 0,
+        };
+        let candidate = crate::service::CandidateSummary {
+            version: "42".to_string(),
+            hash: "c0ffee".to_string(),
+            set_at: 1_800_000_000,
+            decisions: 10,
+            skipped: 0,
+            shared_rules: 3,
+            rules: 4,
+            refusals: [
+                ("api/<per-ip>".to_string(), 5),
+                ("api/global".to_string(), 7),
+            ]
+            .into(),
+        };
+        let page = render(&StatusView {
+            bundle: None,
+            loaded_at: None,
+            unix_secs: 0,
+            store_kind: "memory",
+            store_degraded: false,
+            store_stats: StoreStats::default(),
+            overrides: &overrides,
+            top: &top,
+            candidate: Some(&candidate),
+        });
+        assert!(page.contains("<td id=\"candidate-version\">42</td>"));
+        assert!(page.contains("<code id=\"candidate-hash\">c0ffee</code>"));
+        assert!(page.contains("<td id=\"candidate-decisions\">10</td>"));
+        assert!(page.contains("<td>3 of 4</td>"));
+        // The most refusals first, names escaped.
+        let global = page.find("<td>api/global</td><td>7</td>").unwrap();
+        let per_ip = page.find("<td>api/&lt;per-ip&gt;</td><td>5</td>").unwrap();
+        assert!(global < per_ip);
+    }
 }
