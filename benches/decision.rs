@@ -537,5 +537,116 @@ fn network(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench, rls, jwt, llm, llm_stream, scale, estimators, network);
+/// Issue 37: a decision with a candidate bundle decided in shadow beside the live one, the
+/// same size: none, one rule changed (the one the request reaches; for the 1 000 policies also
+/// one it does not reach), every rule changed. The 5-rule bundle of `decision/5_rules`, and
+/// 1 000 one-rule policies selected by path.
+fn candidate(c: &mut Criterion) {
+    const PER_KEY: &str = r#"{"name": "per-key", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1000000, "burst": 1000000}}"#;
+    assert!(FIVE_RULES.contains(PER_KEY));
+    use tollgate::engine::candidate::{decide_candidate_local, CandidateBundle};
+    use tollgate::policy::{parse_bundle_with, CompileOptions};
+    let headers: Vec<(String, String)> = vec![
+        ("host".into(), "api.example.com".into()),
+        ("x-api-key".into(), "key-123456".into()),
+        ("user-agent".into(), "bench".into()),
+    ];
+    let paths = scale_bundle("paths", 1_000);
+    let every = |text: &str| text.replace(r#""burst": 1000000"#, r#""burst": 999999"#);
+    let cases: [(&str, String, &str, Option<String>); 7] = [
+        ("5_rules/none", FIVE_RULES.to_string(), "/v1/orders", None),
+        (
+            "5_rules/one_changed",
+            FIVE_RULES.to_string(),
+            "/v1/orders",
+            Some(FIVE_RULES.replace(PER_KEY, &PER_KEY.replace("1000000}", "999999}"))),
+        ),
+        (
+            "5_rules/every_changed",
+            FIVE_RULES.to_string(),
+            "/v1/orders",
+            Some(every(FIVE_RULES)),
+        ),
+        ("paths_1000/none", paths.clone(), "/p0/orders", None),
+        (
+            "paths_1000/one_changed",
+            paths.clone(),
+            "/p0/orders",
+            Some(paths.replacen(r#""burst": 1000000"#, r#""burst": 999999"#, 1)),
+        ),
+        (
+            "paths_1000/one_changed_elsewhere",
+            paths.clone(),
+            "/p0/orders",
+            Some(
+                paths
+                    .rsplit_once(r#""burst": 1000000"#)
+                    .map(|(a, b)| format!(r#"{a}"burst": 999999{b}"#))
+                    .expect("a rule"),
+            ),
+        ),
+        (
+            "paths_1000/every_changed",
+            paths.clone(),
+            "/p0/orders",
+            Some(every(&paths)),
+        ),
+    ];
+    let options = CompileOptions {
+        candidate: true,
+        ..CompileOptions::default()
+    };
+    let mut group = c.benchmark_group("decision/candidate");
+    for (name, live, path, candidate) in cases {
+        let (policy, store, clock) = engine(&live);
+        let candidate = candidate.map(|text| {
+            let bundle = parse_bundle_with(text.as_bytes(), "bench", options).expect("candidate");
+            CandidateBundle::new(std::sync::Arc::new(bundle), Some(policy.load_full()))
+        });
+        if let Some(candidate) = &candidate {
+            let changed = candidate.bundle().rules.len() - candidate.shared_rules();
+            eprintln!(
+                "{name}: {changed} rules of {} changed",
+                candidate.bundle().rules.len()
+            );
+        }
+        let mut i = 0u32;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                i = i.wrapping_add(1);
+                clock.advance_us(1);
+                let facts = RequestFacts {
+                    method: "GET",
+                    path: std::borrow::Cow::Borrowed(path),
+                    query: Some("limit=10"),
+                    host: Some("api.example.com"),
+                    client_ip: Some(IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + (i & 1023)))),
+                    headers: &headers,
+                    claims: None,
+                    envoy: None,
+                    body_hash: None,
+                    llm: None,
+                    trusted_peer: false,
+                    network: None,
+                    trace: None,
+                };
+                let bundle = policy.load();
+                let (now_us, unix_us) = (clock.now_us(), clock.unix_us());
+                let config = EngineConfig::default();
+                let live =
+                    decide_local(&bundle, black_box(&facts), &store, now_us, unix_us, config);
+                if let Some(candidate) = &candidate {
+                    let refused = decide_candidate_local(
+                        candidate, &live, &facts, &store, now_us, unix_us, config,
+                    );
+                    black_box(refused);
+                }
+                black_box(live.is_allowed())
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, rls, jwt, llm, llm_stream, scale, estimators, network, candidate);
 criterion_main!(benches);

@@ -725,6 +725,7 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
         }
         let options = crate::policy::CompileOptions {
             skip_invalid_policies: args.skip_invalid_policies,
+            ..Default::default()
         };
         match crate::policy::load_current(file, options, crate::clock::wall_unix_secs()) {
             Ok(bundle) => {

@@ -183,6 +183,10 @@ pub struct Metrics {
     /// Finished spans a full OTLP export queue turned away (`src/telemetry.rs`).
     trace_spans_dropped: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
+    /// The candidate bundle decided in shadow (`src/service/candidate.rs`): what it would
+    /// refuse by policy and rule, the requests it decided, the decisions skipped, and its
+    /// version and hash while one is set.
+    pub(crate) candidate: CandidateMetrics,
     /// The name of every metric family registered, series or not.
     defined: Vec<String>,
     /// Serialises `render` so two scrapes cannot both advance the store counters.
@@ -559,6 +563,7 @@ impl Metrics {
                 grpc_calls.with_label_values(&[service, code]);
             }
         }
+        let candidate = CandidateMetrics::new();
         for c in [
             Box::new(grpc_calls.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(jwt_valid.clone()),
@@ -589,6 +594,10 @@ impl Metrics {
             Box::new(llm_tokens[3].clone()),
             Box::new(llm_settlements.clone()),
             Box::new(llm_estimate_ratio.clone()),
+            Box::new(candidate.would_refuse.clone()),
+            Box::new(candidate.decisions.clone()),
+            Box::new(candidate.skipped.clone()),
+            Box::new(candidate.info.clone()),
         ] {
             defined.extend(names_of(c.as_ref()));
             must(registry.register(c));
@@ -662,6 +671,7 @@ impl Metrics {
             upstream_queue_timeouts,
             llm_undecodable,
             per_rule: ArcSwapOption::empty(),
+            candidate,
             render_lock: parking_lot::Mutex::new(()),
         }
     }
@@ -1013,6 +1023,61 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// The candidate bundle's metrics. Cloned handles share their series: a candidate's own
+/// counters live with it, and a shared store's candidate calls count from their tasks.
+#[derive(Clone)]
+pub(crate) struct CandidateMetrics {
+    /// `tollgate_candidate_would_refuse_total{policy,rule}`.
+    pub(crate) would_refuse: IntCounterVec,
+    /// `tollgate_candidate_decisions_total`: requests decided under the candidate.
+    pub(crate) decisions: IntCounter,
+    /// `tollgate_candidate_skipped_total`: requests not decided under the candidate because too
+    /// many of its shared-store calls were outstanding (or no runtime could run one).
+    pub(crate) skipped: IntCounter,
+    /// `tollgate_candidate_info{version,hash}`: 1 while a candidate is set.
+    pub(crate) info: IntGaugeVec,
+}
+
+impl CandidateMetrics {
+    fn new() -> CandidateMetrics {
+        CandidateMetrics {
+            would_refuse: must(IntCounterVec::new(
+                Opts::new(
+                    "tollgate_candidate_would_refuse_total",
+                    "Requests the candidate bundle would have refused, by policy and rule (kill switches under policy kill_switch), since it was set",
+                ),
+                &["policy", "rule"],
+            )),
+            decisions: must(IntCounter::new(
+                "tollgate_candidate_decisions_total",
+                "Requests also decided under the candidate bundle since it was set",
+            )),
+            skipped: must(IntCounter::new(
+                "tollgate_candidate_skipped_total",
+                "Requests not decided under the candidate bundle: too many of its shared-store calls outstanding",
+            )),
+            info: must(IntGaugeVec::new(
+                Opts::new(
+                    "tollgate_candidate_info",
+                    "The candidate bundle decided in shadow (value 1 while one is set)",
+                ),
+                &["version", "hash"],
+            )),
+        }
+    }
+
+    /// A new candidate (or none): its counts start from zero.
+    pub(crate) fn set(&self, candidate: Option<(&str, &str)>) {
+        self.would_refuse.reset();
+        self.decisions.reset();
+        self.skipped.reset();
+        self.info.reset();
+        if let Some((version, hash)) = candidate {
+            self.info.with_label_values(&[version, hash]).set(1);
+        }
     }
 }
 

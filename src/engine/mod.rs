@@ -13,6 +13,7 @@
 //! headers, metrics and logs need (rule and policy names, quotas, the kill switch that fired);
 //! with the request's view beside it ([`Decided`]) none of them calls back into the engine.
 
+pub mod candidate;
 mod decision;
 pub use decision::*;
 
@@ -284,6 +285,21 @@ pub fn plan_with<'b>(
     config: EngineConfig,
     selection: Selection,
 ) -> Plan<'b> {
+    plan_reusing(bundle, facts, unix_us, config, selection, |_| false)
+}
+
+/// [`plan_with`], asking `reused` about every rule that applies before building its key: a
+/// rule it answers `true` for is left out of the plan (a candidate bundle's rule whose verdict
+/// the live decision already gave, see [`candidate`]). Monomorphised, so the live path's
+/// `|_| false` costs nothing.
+pub(crate) fn plan_reusing<'b>(
+    bundle: &'b Bundle,
+    facts: &RequestFacts<'_>,
+    unix_us: u64,
+    config: EngineConfig,
+    selection: Selection,
+    mut reused: impl FnMut(&'b Rule) -> bool,
+) -> Plan<'b> {
     let prefix = config.ipv6_prefix;
     let unix_secs = (unix_us / US_PER_SEC).min(i64::MAX as u64) as i64;
     let bundle = bundle.in_force(unix_secs);
@@ -377,11 +393,17 @@ pub fn plan_with<'b>(
                     repeated = Some(rule);
                     break 'policies;
                 }
+                if reused(rule) {
+                    continue;
+                }
                 crate::limits::guards::plan(rule, facts, context, &mut planning);
             }
         }
         let mut matched_conditional = false;
         let mut consider = |rule: &'b Rule, planning: &mut Planning<'b>| {
+            if reused(rule) {
+                return;
+            }
             // The key is built in a per-thread buffer: hashed, matched against overrides, and
             // never stored.
             let found = KEY_BUFFER.with(|buffer| {

@@ -410,6 +410,7 @@ impl Gateway {
         let top = self.top.lock().top(20, None, unix_secs.max(0) as u64);
         let overrides = self.runtime_overrides();
         let policy_source = self.policy_source_json();
+        let candidate = self.candidate_summary();
         let page = super::status::render(&super::status::StatusView {
             bundle: bundle.as_deref(),
             loaded_at: loaded.map(|l| l.loaded_at.max(0) as u64),
@@ -420,6 +421,7 @@ impl Gateway {
             overrides: &overrides,
             top: &top,
             policy_source: &policy_source,
+            candidate: candidate.as_ref(),
         });
         Reply {
             status: 200,

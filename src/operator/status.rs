@@ -32,6 +32,8 @@ pub struct StatusView<'a> {
     pub top: &'a Top,
     /// `/readyz`'s `policy_source` object (`null` without `--policy-store`).
     pub policy_source: &'a serde_json::Value,
+    /// The candidate bundle decided in shadow, while one is set.
+    pub candidate: Option<&'a crate::service::CandidateSummary>,
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -278,6 +280,8 @@ pub fn render(view: &StatusView<'_>) -> String {
         }
     }
 
+    candidate_section(&mut body, view.candidate);
+
     body.push_str("<h2>Store</h2>");
     let _ = write!(
         body,
@@ -386,6 +390,45 @@ pub fn render(view: &StatusView<'_>) -> String {
     document("status", "tollgate status", &body)
 }
 
+/// The candidate bundle: its version and hash, what it decided, and what it would have
+/// refused by rule (the 200 rules refusing most).
+fn candidate_section(body: &mut String, candidate: Option<&crate::service::CandidateSummary>) {
+    body.push_str("<h2>Candidate bundle</h2>");
+    let Some(c) = candidate else {
+        body.push_str("<p id=\"candidate-none\" class=\"muted\">No candidate bundle.</p>");
+        return;
+    };
+    let _ = write!(
+        body,
+        "<table id=\"candidate\"><tr><th>version</th><td id=\"candidate-version\">{}</td></tr>\
+<tr><th>hash</th><td><code id=\"candidate-hash\">{}</code></td></tr>\
+<tr><th>set at</th><td>{}</td></tr>\
+<tr><th>requests decided under it</th><td id=\"candidate-decisions\">{}</td></tr>\
+<tr><th>skipped (shared store busy)</th><td>{}</td></tr>\
+<tr><th>rules unchanged from the bundle in force</th><td>{} of {}</td></tr></table>",
+        escape(&c.version),
+        escape(&c.hash),
+        rfc3339(c.set_at.max(0) as u64),
+        c.decisions,
+        c.skipped,
+        c.shared_rules,
+        c.rules,
+    );
+    if c.refusals.is_empty() {
+        body.push_str("<p id=\"candidate-refusals-none\">It would have refused nothing.</p>");
+        return;
+    }
+    let mut refusals: Vec<(&String, &u64)> = c.refusals.iter().collect();
+    refusals.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+    body.push_str(
+        "<table id=\"candidate-refusals\"><tr><th>policy/rule</th><th>would refuse</th></tr>",
+    );
+    for (rule, count) in refusals.iter().take(200) {
+        let _ = write!(body, "<tr><td>{}</td><td>{}</td></tr>", escape(rule), count);
+    }
+    body.push_str("</table>");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -416,8 +459,10 @@ mod tests {
             overrides: &overrides,
             top: &top,
             policy_source: &serde_json::Value::Null,
+            candidate: None,
         });
         assert!(page.contains("No policy loaded"));
+        assert!(page.contains("No candidate bundle."));
         assert!(page.contains("id=\"top-empty\""));
         assert!(!page.contains("src="), "no external assets");
         assert!(!page.contains("Policy store"));
@@ -450,6 +495,7 @@ mod tests {
             overrides: &overrides,
             top: &top,
             policy_source: &source,
+            candidate: None,
         });
         assert!(page.contains("<td id=\"policy-source-state\" class=\"bad\">unreachable since 2025-11-24T16:00:00Z</td>"), "{page}");
         assert!(page.contains("<td id=\"policy-source-live\">1764000000123 <code>ab12</code></td>"));
@@ -458,5 +504,49 @@ mod tests {
         assert!(page.contains(
             "2025-11-24T16:00:10Z · live version 7 · older_version: version 7 is below &lt;8&gt;"
         ));
+    }
+
+    #[test]
+    fn a_candidate_shows_its_version_hash_counts_and_refusals_escaped() {
+        let overrides = serde_json::json!({});
+        let top = Top {
+            entries: Vec::new(),
+            events: 0,
+            error_bound: 0,
+        };
+        let candidate = crate::service::CandidateSummary {
+            version: "42".to_string(),
+            hash: "c0ffee".to_string(),
+            set_at: 1_800_000_000,
+            decisions: 10,
+            skipped: 0,
+            shared_rules: 3,
+            rules: 4,
+            refusals: [
+                ("api/<per-ip>".to_string(), 5),
+                ("api/global".to_string(), 7),
+            ]
+            .into(),
+        };
+        let page = render(&StatusView {
+            bundle: None,
+            loaded_at: None,
+            unix_secs: 0,
+            store_kind: "memory",
+            store_degraded: false,
+            store_stats: StoreStats::default(),
+            overrides: &overrides,
+            top: &top,
+            policy_source: &serde_json::Value::Null,
+            candidate: Some(&candidate),
+        });
+        assert!(page.contains("<td id=\"candidate-version\">42</td>"));
+        assert!(page.contains("<code id=\"candidate-hash\">c0ffee</code>"));
+        assert!(page.contains("<td id=\"candidate-decisions\">10</td>"));
+        assert!(page.contains("<td>3 of 4</td>"));
+        // The most refusals first, names escaped.
+        let global = page.find("<td>api/global</td><td>7</td>").unwrap();
+        let per_ip = page.find("<td>api/&lt;per-ip&gt;</td><td>5</td>").unwrap();
+        assert!(global < per_ip);
     }
 }

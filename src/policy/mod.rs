@@ -463,6 +463,12 @@ pub struct Rule {
     /// `Some` for a `token_bucket_llm` rule (its tokens-per-minute bucket) and for the rule
     /// counting its `tokens_per_day`.
     pub llm: Option<LlmLimit>,
+    /// Hash of what defines the rule: its JSON, and its policy's id, selector and mode (a
+    /// `tokens_per_day` rule shares its minute rule's). Two bundles' rules with the same
+    /// policy, name and definition count the same requests on the same keys: a candidate
+    /// bundle reads such a rule's verdict from the live decision ([`crate::engine::candidate`]).
+    /// 0 for the rules a policy block compiles to (guards), never shared.
+    pub definition: u64,
 }
 
 /// A `token_bucket_llm` rule (Fairvisor's fields). The rule is the tokens-per-minute bucket
@@ -605,6 +611,7 @@ impl Rule {
             concurrency: None,
             guard: None,
             llm: None,
+            definition: 0,
         }
     }
 

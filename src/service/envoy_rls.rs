@@ -89,6 +89,9 @@ impl Gateway {
             },
         };
         let outcome = plan.finish(answer, now_us);
+        if self.has_candidate() {
+            self.candidate_rls(request, unix_us);
+        }
         self.metrics
             .record(&outcome.decision, started.elapsed().as_secs_f64());
         if store_failed && !store_errors_fail_open {

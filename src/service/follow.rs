@@ -250,7 +250,7 @@ impl Follower {
                 let had = self.gateway.source_state.lock().candidate.take();
                 self.gateway.source_state.lock().seen[1] = None;
                 if let Some((version, _)) = had {
-                    self.gateway.set_published_candidate(None);
+                    self.gateway.set_candidate(None);
                     tracing::info!(version, "candidate bundle withdrawn");
                 }
             }
@@ -308,7 +308,8 @@ impl Follower {
         }
         let options = crate::policy::CompileOptions {
             skip_invalid_policies: self.gateway.config.skip_invalid_policies,
-            ..crate::policy::CompileOptions::default()
+            // A candidate's buckets are its own (named under `candidate:`).
+            candidate: slot == Slot::Candidate,
         };
         let bundle =
             crate::policy::parse_bundle_with(envelope.policy.as_bytes(), "policy", options)
@@ -376,14 +377,16 @@ impl Follower {
         );
     }
 
-    fn put_candidate(&self, envelope: &Envelope, bundle: crate::policy::Bundle) {
+    fn put_candidate(&self, envelope: &Envelope, mut bundle: crate::policy::Bundle) {
         {
             let state = self.gateway.source_state.lock();
             if state.candidate.as_ref().map(|(v, _)| *v) == Some(envelope.version) {
                 return;
             }
         }
-        self.gateway.set_published_candidate(Some(bundle));
+        // Shown (status page, `tollgate_candidate_info`) under its published version.
+        bundle.version = envelope.version.to_string();
+        self.gateway.set_candidate(Some(bundle));
         self.gateway.source_state.lock().candidate =
             Some((envelope.version, envelope.sha256.clone()));
         tracing::info!(
@@ -471,7 +474,7 @@ impl Follower {
             candidate_version: state.candidate.as_ref().map(|(v, _)| *v),
             candidate_hash: state.candidate.as_ref().map(|(_, h)| h.clone()),
             at: crate::clock::wall_unix_secs(),
-            candidate_refusals: self.gateway.published_candidate_refusals(),
+            candidate_refusals: self.gateway.candidate_refusals(),
             source_state: source_state_name(state.reachable).to_string(),
         }
     }
@@ -544,17 +547,6 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// The state kept per gateway, built with it.
 pub(crate) fn new_state() -> Mutex<SourceState> {
     Mutex::new(SourceState::default())
-}
-
-// Interim until the candidate evaluation lands: the candidate is tracked, not yet decided.
-impl Gateway {
-    pub(crate) fn set_published_candidate(&self, candidate: Option<crate::policy::Bundle>) {
-        drop(candidate);
-    }
-
-    pub(crate) fn published_candidate_refusals(&self) -> std::collections::BTreeMap<String, u64> {
-        std::collections::BTreeMap::new()
-    }
 }
 
 #[cfg(test)]

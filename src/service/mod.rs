@@ -8,8 +8,10 @@
 //! (LLM reservations held and settled), `envoy_rls` (Envoy's `ShouldRateLimit`), `logging`
 //! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines),
 //! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `state_key` (the
-//! state dir's own keys: masked values' fingerprints, reservation signing).
+//! state dir's own keys: masked values' fingerprints, reservation signing), `candidate` (the
+//! candidate bundle decided in shadow after every live decision).
 
+mod candidate;
 mod debug_sessions;
 mod envoy_rls;
 pub mod follow;
@@ -18,6 +20,7 @@ mod reload;
 pub mod state_key;
 mod tokens;
 
+pub use candidate::{CandidateSummary, MAX_CANDIDATE_PENDING};
 pub use debug_sessions::DebugLogin;
 pub use envoy_rls::{RlsFailure, RlsReply};
 pub use logging::init_logging;
@@ -103,8 +106,9 @@ pub struct Gateway {
     pub config: Config,
     pub header_config: HeaderConfig,
     pub verifier: Verifier,
-    /// Where buckets live: the embedded store, or one shared with other gateways.
-    pub store: Store,
+    /// Where buckets live: the embedded store, or one shared with other gateways (shared with
+    /// the candidate bundle's store calls, which run apart from the request on a shared store).
+    pub store: Arc<Store>,
     pub(crate) engine_config: EngineConfig,
     /// Wall-clock time for kill-switch expiry (the store keeps its own time base).
     pub(crate) clock: Arc<dyn Clock>,
@@ -134,6 +138,11 @@ pub struct Gateway {
     telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
     /// `--policy-store`: what the follower knows ([`follow`]).
     pub(crate) source_state: Mutex<follow::SourceState>,
+    /// The candidate bundle decided in shadow ([`Gateway::set_candidate`]), whether one is set
+    /// (the request path's only look without one), and its shared-store calls outstanding.
+    candidate: ArcSwapOption<candidate::Candidate>,
+    candidate_on: std::sync::atomic::AtomicBool,
+    candidate_pending: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Gateway {
@@ -173,7 +182,7 @@ impl Gateway {
             metrics: Metrics::new(store.kind()),
             header_config,
             verifier,
-            store,
+            store: Arc::new(store),
             engine_config: EngineConfig {
                 ipv6_prefix: config.ipv6_prefix,
             },
@@ -206,6 +215,9 @@ impl Gateway {
             )?,
             telemetry: std::sync::OnceLock::new(),
             source_state: follow::new_state(),
+            candidate: ArcSwapOption::empty(),
+            candidate_on: std::sync::atomic::AtomicBool::new(false),
+            candidate_pending: Arc::default(),
             config,
         };
         gateway
@@ -400,23 +412,23 @@ impl Gateway {
         };
         let started = Instant::now();
         let unix_us = self.clock.unix_us();
+        let now_us = self.store.now_us();
         let guard = self.policy.load();
         let decision = match guard.as_deref() {
             None => Decision::NoPolicy,
-            Some(bundle) => engine::decide_local(
-                bundle,
-                facts,
-                memory,
-                self.store.now_us(),
-                unix_us,
-                self.engine_config,
-            ),
+            Some(bundle) => {
+                engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
+            }
         };
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
         };
-        Some(self.answer(&decided, started))
+        let answer = self.answer(&decided, started);
+        if self.has_candidate() {
+            self.candidate_local(&decided.decision, facts, memory, now_us, unix_us);
+        }
+        Some(answer)
     }
 
     async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
@@ -478,7 +490,11 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        self.answer(&decided, started)
+        let answer = self.answer(&decided, started);
+        if self.has_candidate() {
+            self.candidate_shared(&decided.decision, facts, unix_us);
+        }
+        answer
     }
 
     /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets

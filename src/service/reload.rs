@@ -189,6 +189,7 @@ impl Gateway {
             .bundle(&info.bundle_version(), &info.sha256, source);
         self.policy.store(Some(bundle));
         self.loaded.store(Some(Arc::new(info)));
+        self.candidate_follows_live();
     }
 
     /// Loads the policy file now (start-up and SIGHUP). An invalid file leaves the bundle in
@@ -214,6 +215,7 @@ impl Gateway {
         let sig = signature(path);
         let options = crate::policy::CompileOptions {
             skip_invalid_policies: self.config.skip_invalid_policies,
+            ..Default::default()
         };
         match crate::policy::load_current(path, options, self.clock.unix_secs()) {
             Ok(bundle) => {

@@ -17,6 +17,9 @@ pub(crate) const MAX_AMOUNT: f64 = 1e9;
 /// Smallest accepted amount: one micro-token.
 pub(crate) const MIN_AMOUNT: f64 = 1e-6;
 
+/// What every key of a candidate bundle starts with ([`CompileOptions::candidate`]).
+pub const CANDIDATE_PREFIX: &str = "candidate:";
+
 /// Compiles a parsed bundle.
 ///
 /// # Errors
@@ -31,6 +34,9 @@ pub struct CompileOptions {
     /// Leave out a policy with errors (listed in [`Bundle::skipped`]) instead of refusing the
     /// bundle, as Fairvisor's loader does. Errors outside policies still refuse it.
     pub skip_invalid_policies: bool,
+    /// A candidate bundle, decided in shadow beside the live one: every bucket, slot and mark
+    /// of its rules is named under `candidate:`, so it never touches the live bundle's.
+    pub candidate: bool,
 }
 
 /// [`compile_bundle`] with options.
@@ -64,6 +70,20 @@ pub fn compile_bundle_with(
     };
     let mut bundle = c.finish();
     bundle.shadow_twin = shadow_twin;
+    if options.candidate {
+        for rule in bundle.rules.iter_mut().chain(
+            bundle
+                .shadow_twin
+                .iter_mut()
+                .flat_map(|twin| twin.rules.iter_mut()),
+        ) {
+            rule.key_prefix.insert_str(0, CANDIDATE_PREFIX);
+        }
+        bundle
+            .envoy_override
+            .key_prefix
+            .insert_str(0, CANDIDATE_PREFIX);
+    }
     Ok(bundle)
 }
 
@@ -80,6 +100,9 @@ pub(crate) struct Compiler {
     pub(crate) skipped: Vec<SkippedPolicy>,
     /// The id of the policy being compiled (names an unnamed fallback).
     pub(crate) current_policy_id: String,
+    /// Hash of the policy being compiled's id, selector and mode: part of each of its rules'
+    /// [`Rule::definition`].
+    pub(crate) current_policy_definition: u64,
     /// Compile every policy as shadow (the `global_shadow` twin).
     pub(crate) force_shadow: bool,
     pub(crate) global_shadow: Option<RuntimeOverride>,
@@ -185,7 +208,14 @@ pub(crate) fn plain_rule(
         concurrency: None,
         guard: None,
         llm: None,
+        definition: 0,
     }
+}
+
+/// The hash of a JSON value as written (two equal texts hash alike), seeded with `seed`.
+pub(crate) fn definition_hash(seed: u64, v: &Value) -> u64 {
+    let text = serde_json::to_vec(v).unwrap_or_default();
+    twox_hash::XxHash3_64::oneshot_with_seed(seed, &text)
 }
 
 pub(crate) fn policy_item(name: &str, quota: &Quota, window_secs: u64) -> (String, String) {
@@ -397,6 +427,8 @@ impl Compiler {
             } else {
                 Mode::Enforce
             };
+            self.current_policy_definition =
+                definition_hash(0, &serde_json::json!([default_id, self.force_shadow]));
             self.policy_body(map, "", default_id.to_string(), Selector::default(), mode);
             if let Some(v) = map.get("kill_switches") {
                 if let Some(items) = self.array(v, "kill_switches") {
@@ -527,6 +559,13 @@ impl Compiler {
                 }
             },
         };
+        let context = serde_json::json!([
+            map.get("id"),
+            spec.get("selector"),
+            spec.get("mode"),
+            self.force_shadow
+        ]);
+        self.current_policy_definition = definition_hash(0, &context);
         self.policy_body(spec, &spec_path, id.unwrap_or_default(), selector, mode);
     }
 
@@ -573,6 +612,7 @@ impl Compiler {
         let day_rule_paths = std::mem::take(&mut self.day_rule_paths);
         for (minute, mut day) in std::mem::take(&mut self.day_rules) {
             day.index = self.rules.len();
+            day.definition = self.rules[minute].definition;
             if let Some(llm) = self.rules[minute].llm.as_mut() {
                 llm.day_rule = Some(day.index);
             }
@@ -938,6 +978,7 @@ impl Compiler {
             budget,
             concurrency,
             llm: llm.map(|(limit, _)| limit),
+            definition: definition_hash(self.current_policy_definition, v),
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
         if self

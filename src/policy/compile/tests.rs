@@ -202,6 +202,7 @@ fn invalid_policies_can_be_skipped() {
     );
     let options = CompileOptions {
         skip_invalid_policies: true,
+        ..CompileOptions::default()
     };
     let b = compile_bundle_with(&bundle, "x", options).unwrap();
     assert_eq!(b.policies.len(), 1);

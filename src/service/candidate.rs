@@ -1,0 +1,378 @@
+//! The candidate bundle in shadow: set, replaced and cleared by whoever follows the policy
+//! store ([`Gateway::set_candidate`]), decided after every live decision of the proxy, the
+//! decision service, ext_authz and Envoy's RLS, and counted (`tollgate_candidate_*` in
+//! `/metrics`, the status page, [`Gateway::candidate_refusals`] for heartbeats). It never
+//! changes an answer, a header, a log line, the live metrics or the top list.
+//!
+//! With the embedded store the candidate is decided on the request's thread, synchronously,
+//! right after the live decision ([`crate::engine::candidate::decide_candidate_local`]). With a
+//! shared store the candidate is planned there (pure) and its store calls go to a task of
+//! their own: the request never waits for them. At most [`MAX_CANDIDATE_PENDING`] such calls
+//! are outstanding; past that a request is not decided under the candidate, and counted in
+//! `tollgate_candidate_skipped_total`.
+
+use super::*;
+use crate::engine::candidate::{
+    decide_candidate_local, plan_candidate, CandidateBundle, Refuser, Refusers,
+};
+use crate::metrics::CandidateMetrics;
+use prometheus::IntCounter;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+/// Most candidate store calls a shared store may have outstanding at once.
+pub const MAX_CANDIDATE_PENDING: usize = 1024;
+
+/// The candidate in force, with its counters.
+pub(crate) struct Candidate {
+    pub(crate) bundle: CandidateBundle,
+    /// Shared by this candidate's successive comparisons to the live bundle (a reload of the
+    /// live bundle keeps the candidate's counts).
+    counters: Arc<Counters>,
+}
+
+/// A candidate's would-refuse counters, resolved on first use (a candidate of 10 000 rules that
+/// mostly refuse nothing exports no 10 000 zero series).
+struct Counters {
+    metrics: CandidateMetrics,
+    rules: Vec<OnceLock<IntCounter>>,
+    kill_switches: Vec<OnceLock<IntCounter>>,
+    /// Unix seconds the candidate was set at.
+    set_at: i64,
+}
+
+/// What the status page and `/readyz` show of the candidate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CandidateSummary {
+    pub version: String,
+    pub hash: String,
+    /// Unix seconds it was set at.
+    pub set_at: i64,
+    /// Requests decided under it since.
+    pub decisions: u64,
+    /// Requests not decided under it (too many shared-store calls outstanding).
+    pub skipped: u64,
+    /// Its rules that read their verdict from the live decision (unchanged from the live
+    /// bundle), and its rules.
+    pub shared_rules: usize,
+    pub rules: usize,
+    /// What it would have refused, by `policy/rule`.
+    pub refusals: BTreeMap<String, u64>,
+}
+
+impl Candidate {
+    fn count(&self, refused: &[Refuser]) {
+        let counters = &*self.counters;
+        counters.metrics.decisions.inc();
+        let bundle = self.bundle.bundle();
+        for refuser in refused {
+            let counter = match *refuser {
+                Refuser::Rule(i) => bundle.rules.get(i as usize).and_then(|rule| {
+                    counters.rules.get(i as usize).map(|lazy| {
+                        lazy.get_or_init(|| {
+                            counters
+                                .metrics
+                                .would_refuse
+                                .with_label_values(&[&rule.policy_id, &rule.name])
+                        })
+                    })
+                }),
+                Refuser::KillSwitch(i) => counters.kill_switches.get(i as usize).map(|lazy| {
+                    lazy.get_or_init(|| {
+                        counters
+                            .metrics
+                            .would_refuse
+                            .with_label_values(&["kill_switch", &format!("kill_switches[{i}]")])
+                    })
+                }),
+            };
+            if let Some(counter) = counter {
+                counter.inc();
+            }
+        }
+    }
+
+    fn refusals(&self) -> BTreeMap<String, u64> {
+        let counters = &*self.counters;
+        let bundle = self.bundle.bundle();
+        let rules = counters
+            .rules
+            .iter()
+            .zip(&bundle.rules)
+            .filter_map(|(lazy, rule)| {
+                lazy.get()
+                    .map(|c| (format!("{}/{}", rule.policy_id, rule.name), c.get()))
+            });
+        let kill_switches = counters
+            .kill_switches
+            .iter()
+            .enumerate()
+            .filter_map(|(i, lazy)| {
+                lazy.get()
+                    .map(|c| (format!("kill_switch/kill_switches[{i}]"), c.get()))
+            });
+        rules.chain(kill_switches).collect()
+    }
+}
+
+/// Gives a slot back when a shared store's candidate call ends, however it ends.
+struct PendingSlot(Arc<AtomicUsize>);
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Gateway {
+    /// Sets the candidate bundle decided in shadow beside the live one (compiled with
+    /// [`crate::policy::CompileOptions::candidate`], so that its buckets are its own), replaces
+    /// it, or clears it (`None`). Its counts start from zero each time.
+    pub fn set_candidate(&self, candidate: Option<Bundle>) {
+        let Some(bundle) = candidate else {
+            self.candidate_on.store(false, Ordering::Release);
+            self.candidate.store(None);
+            self.metrics.candidate.set(None);
+            return;
+        };
+        self.metrics
+            .candidate
+            .set(Some((&bundle.version, &bundle.hash)));
+        let counters = Arc::new(Counters {
+            metrics: self.metrics.candidate.clone(),
+            rules: bundle.rules.iter().map(|_| OnceLock::new()).collect(),
+            kill_switches: bundle
+                .kill_switches
+                .iter()
+                .map(|_| OnceLock::new())
+                .collect(),
+            set_at: self.clock.unix_secs(),
+        });
+        let bundle = CandidateBundle::new(Arc::new(bundle), self.policy.load_full());
+        self.candidate
+            .store(Some(Arc::new(Candidate { bundle, counters })));
+        self.candidate_on.store(true, Ordering::Release);
+    }
+
+    /// Compares the candidate to the live bundle just installed (which of its rules read their
+    /// verdict from the live decision); its counts go on.
+    pub(crate) fn candidate_follows_live(&self) {
+        let Some(current) = self.candidate.load_full() else {
+            return;
+        };
+        let bundle = current.bundle.beside(self.policy.load_full());
+        self.candidate.store(Some(Arc::new(Candidate {
+            bundle,
+            counters: Arc::clone(&current.counters),
+        })));
+    }
+
+    /// What the candidate would have refused since it was set, by `policy/rule` (kill
+    /// switches as `kill_switch/kill_switches[i]`); empty without a candidate.
+    pub fn candidate_refusals(&self) -> BTreeMap<String, u64> {
+        self.candidate
+            .load()
+            .as_deref()
+            .map(Candidate::refusals)
+            .unwrap_or_default()
+    }
+
+    /// The candidate's version and hash, while one is set.
+    pub fn candidate_info(&self) -> Option<(String, String)> {
+        self.candidate.load().as_deref().map(|c| {
+            let bundle = c.bundle.bundle();
+            (bundle.version.clone(), bundle.hash.clone())
+        })
+    }
+
+    /// The candidate, its counts and what it would have refused, while one is set.
+    pub fn candidate_summary(&self) -> Option<CandidateSummary> {
+        let guard = self.candidate.load();
+        let candidate = guard.as_deref()?;
+        let bundle = candidate.bundle.bundle();
+        Some(CandidateSummary {
+            version: bundle.version.clone(),
+            hash: bundle.hash.clone(),
+            set_at: candidate.counters.set_at,
+            decisions: candidate.counters.metrics.decisions.get(),
+            skipped: candidate.counters.metrics.skipped.get(),
+            shared_rules: candidate.bundle.shared_rules(),
+            rules: bundle.rules.len(),
+            refusals: candidate.refusals(),
+        })
+    }
+
+    /// Whether a candidate is set (one atomic load: the request path's only cost without one).
+    #[inline]
+    pub(crate) fn has_candidate(&self) -> bool {
+        self.candidate_on.load(Ordering::Acquire)
+    }
+
+    /// After a live decision on the embedded store: the same request under the candidate, now.
+    pub(super) fn candidate_local(
+        &self,
+        live: &Decision<'_>,
+        facts: &RequestFacts<'_>,
+        memory: &crate::store::MemoryStore,
+        now_us: u64,
+        unix_us: u64,
+    ) {
+        let guard = self.candidate.load();
+        let Some(candidate) = guard.as_deref() else {
+            return;
+        };
+        let refused = decide_candidate_local(
+            &candidate.bundle,
+            live,
+            facts,
+            memory,
+            now_us,
+            unix_us,
+            self.engine_config,
+        );
+        candidate.count(&refused);
+    }
+
+    /// A bound on a shared store's outstanding candidate calls: a slot, or `None` (the request
+    /// is skipped, and counted).
+    fn candidate_slot(&self) -> Option<(PendingSlot, tokio::runtime::Handle)> {
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        let taken = self.candidate_pending.fetch_add(1, Ordering::AcqRel);
+        let slot = PendingSlot(Arc::clone(&self.candidate_pending));
+        match runtime {
+            Some(runtime) if taken < MAX_CANDIDATE_PENDING => Some((slot, runtime)),
+            _ => {
+                self.metrics.candidate.skipped.inc();
+                None
+            }
+        }
+    }
+
+    /// After a live decision on a shared store: the request planned under the candidate now
+    /// (pure), and its store calls sent to a task of their own.
+    pub(super) fn candidate_shared(
+        &self,
+        live: &Decision<'_>,
+        facts: &RequestFacts<'_>,
+        unix_us: u64,
+    ) {
+        let Some(candidate) = self.candidate.load_full() else {
+            return;
+        };
+        let mut probe = plan_candidate(&candidate.bundle, live, facts, unix_us, self.engine_config);
+        if probe.ops.is_empty() && probe.leases.is_empty() {
+            candidate.count(probe.refused());
+            return;
+        }
+        let Some((slot, runtime)) = self.candidate_slot() else {
+            return;
+        };
+        let store = Arc::clone(&self.store);
+        runtime.spawn(async move {
+            let _slot = slot;
+            let bundle = &**candidate.bundle.bundle();
+            let now_us = store.now_us();
+            let mut results = OpResults::new();
+            if probe.leases.is_empty() {
+                let answer = store.apply(now_us, &probe.ops, &mut results).await;
+                probe.finish(bundle, answer.ok().map(|()| &results));
+            } else {
+                let id = next_lease_id();
+                let mut taken = LeaseResults::new();
+                let acquired = store
+                    .acquire(now_us, id, &probe.leases, &mut taken)
+                    .await
+                    .is_ok();
+                if probe.admit(bundle, acquired.then_some(&taken)) && !probe.ops.is_empty() {
+                    let answer = store.apply(now_us, &probe.ops, &mut results).await;
+                    probe.finish(bundle, answer.ok().map(|()| &results));
+                }
+                if acquired {
+                    store.release(id, &probe.to_release(&taken)).await;
+                }
+            }
+            candidate.count(probe.refused());
+        });
+    }
+
+    /// After an Envoy `ShouldRateLimit` call: the same call under the candidate (its own
+    /// buckets, never a peek: what it would refuse is what it counts), synchronously on the
+    /// embedded store, in a task of its own on a shared one.
+    pub(super) fn candidate_rls(&self, request: &RlsRequest, unix_us: u64) {
+        let Some(candidate) = self.candidate.load_full() else {
+            return;
+        };
+        let config = self.engine_config;
+        if let Backend::Memory(_) = self.store.backend() {
+            let refused = rls_refusals(&candidate, &self.store, request, unix_us, config);
+            // The embedded store answers without suspending: the future is ready at once.
+            if let Some(refused) = futures::FutureExt::now_or_never(refused) {
+                candidate.count(&refused);
+            }
+            return;
+        }
+        let Some((slot, runtime)) = self.candidate_slot() else {
+            return;
+        };
+        let store = Arc::clone(&self.store);
+        let request = request.clone();
+        runtime.spawn(async move {
+            let _slot = slot;
+            let refused = rls_refusals(&candidate, &store, &request, unix_us, config).await;
+            candidate.count(&refused);
+        });
+    }
+}
+
+/// An Envoy call decided under the candidate: its refusals (none when it is malformed for the
+/// candidate too, or the store failed).
+async fn rls_refusals(
+    candidate: &Candidate,
+    store: &Store,
+    request: &RlsRequest,
+    unix_us: u64,
+    config: EngineConfig,
+) -> Refusers {
+    let bundle = &**candidate.bundle.bundle();
+    let Ok(plan) = rls::plan(bundle, request, unix_us, config) else {
+        return Refusers::new();
+    };
+    let now_us = store.now_us();
+    let mut peek = OpResults::new();
+    let mut results = OpResults::new();
+    // As the live call does: a peek first when a descriptor only checks or was refused before
+    // the store, then the spend unless the peek refused the call.
+    let ran = if plan.ops().is_empty() {
+        Some(false)
+    } else if plan.needs_peek() {
+        match store.apply(now_us, &plan.peek_ops(), &mut peek).await {
+            Err(_) => None,
+            Ok(()) if plan.refused_by_peek(&peek) || plan.spends_nothing() => Some(true),
+            Ok(()) => store
+                .apply(now_us, plan.ops(), &mut results)
+                .await
+                .ok()
+                .map(|()| false),
+        }
+    } else {
+        store
+            .apply(now_us, plan.ops(), &mut results)
+            .await
+            .ok()
+            .map(|()| false)
+    };
+    let peeked = plan.needs_peek().then_some(&peek);
+    let answer = match ran {
+        None => StoreAnswer::Failed,
+        Some(true) => StoreAnswer::PeekOnly(&peek),
+        Some(false) => StoreAnswer::Spent {
+            peek: peeked,
+            results: &results,
+        },
+    };
+    crate::engine::candidate::refusers_of(bundle, &plan.finish(answer, now_us).decision)
+}
+
+#[cfg(test)]
+mod tests;
