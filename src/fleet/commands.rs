@@ -28,11 +28,11 @@ pub const PUBLISH_EXAMPLES: &str = "Examples:
   #   openssl genpkey -algorithm ed25519 -out bundle-sign.pem
   #   openssl pkey -in bundle-sign.pem -pubout -out bundle-verify.pem
   # Publish a bundle as live for the whole fleet; the new version is printed:
-  tollgate publish policies/axum-per-ip.json --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
+  tollgate publish policies/coinbase.json --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
   # Publish it as the candidate the gateways evaluate in shadow beside the live one:
-  tollgate publish policies/axum-per-ip.json --store postgres://tollgate@10.0.0.9/tollgate --sign-key bundle-sign.pem --candidate
+  tollgate publish policies/coinbase.json --store postgres://tollgate@10.0.0.9/tollgate --sign-key bundle-sign.pem --candidate
   # Write the envelope to a file instead, for a static HTTP(S) server to serve:
-  tollgate publish policies/axum-per-ip.json --out /srv/www/bundle.json --sign-key bundle-sign.pem";
+  tollgate publish policies/coinbase.json --out /srv/www/bundle.json --sign-key bundle-sign.pem";
 
 /// `tollgate promote`'s examples.
 pub const PROMOTE_EXAMPLES: &str = "Examples:
