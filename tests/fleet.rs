@@ -735,8 +735,11 @@ fn fleet_shows_one_line_per_gateway_and_json() {
 /// request's `If-None-Match` and the status answered.
 struct StaticServer {
     port: u16,
-    seen: Arc<Mutex<Vec<(Option<String>, u16)>>>,
+    seen: Arc<Mutex<Vec<Exchange>>>,
 }
+
+/// A request's `If-None-Match` and the status answered.
+type Exchange = (Option<String>, u16);
 
 impl StaticServer {
     fn start(file: PathBuf, etag: &'static str) -> StaticServer {
@@ -753,12 +756,7 @@ impl StaticServer {
         StaticServer { port, seen }
     }
 
-    fn answer(
-        mut stream: TcpStream,
-        file: &Path,
-        etag: &str,
-        record: &Mutex<Vec<(Option<String>, u16)>>,
-    ) {
+    fn answer(mut stream: TcpStream, file: &Path, etag: &str, record: &Mutex<Vec<Exchange>>) {
         let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
         let mut reader = BufReader::new(stream.try_clone().unwrap());
         let mut if_none_match = None;
