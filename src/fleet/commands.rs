@@ -229,7 +229,7 @@ fn validate_bundle(file: &Path, bytes: &[u8], err: &mut dyn Write) -> Outcome<St
     if !full_form {
         return Err(invalid(format!(
             "{}: a bare rule list takes its policy id from its file name, which a published \
-             bundle does not carry: write it as {{\"policies\": [{{\"id\": \"{stem}\", \"rules\": [...]}}]}}",
+             bundle does not carry: write it as {{\"bundle_version\": 1, \"policies\": [{{\"id\": \"{stem}\", \"spec\": {{\"rules\": [...]}}}}]}}",
             file.display()
         )));
     }
