@@ -493,15 +493,16 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
     );
 
     // A wiped store (bundles, version and heartbeats gone): the clock keeps versions growing.
+    // The source in use reads the wiped store as empty at once (PostgreSQL: its tables are
+    // made again), never as an error.
     wipe();
-    let store = open(url);
+    assert_eq!(rt.block_on(store.read()).unwrap(), source::Slots::default());
     assert_eq!(rt.block_on(store.highest_version()).unwrap(), 0);
     let vw = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
     assert!(vw > vr2, "{vw} after a wipe is above {vr2}");
 
     // Wiped again, with a gateway reporting a version above the clock: the next is above it.
     wipe();
-    let store = open(url);
     let ahead = now_ms() + 1_000_000_000_000;
     let mut report = beat("edge-ahead", None, None, now_secs());
     report.live_version = Some(ahead);
@@ -856,4 +857,71 @@ fn the_http_source_reads_a_published_file_with_etags() {
         rt.block_on(closed.read()),
         Err(SourceError::Unavailable(_))
     ));
+}
+
+/// Over HTTPS: a server whose certificate no trusted authority signed is refused (the source
+/// is unavailable); with the test CA trusted through `SSL_CERT_FILE`, the envelope is read.
+#[test]
+fn the_https_source_verifies_the_server() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tls");
+    let certs: Vec<_> =
+        rustls_pemfile::certs(&mut std::fs::read(root.join("api.pem")).unwrap().as_slice())
+            .collect::<Result<_, _>>()
+            .unwrap();
+    let key =
+        rustls_pemfile::private_key(&mut std::fs::read(root.join("api.key")).unwrap().as_slice())
+            .unwrap()
+            .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let body = Envelope::seal(bundle("api", 10), Slot::Live, 7, now_secs(), None).to_json();
+    let rt = runtime();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(("127.0.0.1", free_port())))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let served = body.clone();
+    rt.spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let Ok(mut tls) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && tls.read(&mut byte).await.is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let response = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{served}",
+                served.len()
+            );
+            let _ = tls.write_all(response.as_bytes()).await;
+            let _ = tls.shutdown().await;
+        }
+    });
+    let url = format!("https://localhost:{port}/bundle.json");
+
+    std::env::remove_var("SSL_CERT_FILE");
+    let untrusted = open(&url);
+    match rt.block_on(untrusted.read()) {
+        Err(SourceError::Unavailable(e)) => assert!(e.contains("TLS"), "{e}"),
+        other => panic!("an unknown authority is refused: {other:?}"),
+    }
+
+    std::env::set_var("SSL_CERT_FILE", root.join("ca.pem"));
+    let trusted = open(&url);
+    std::env::remove_var("SSL_CERT_FILE");
+    let slots = rt.block_on(trusted.read()).unwrap();
+    assert_eq!(slots.live.as_deref(), Some(body.as_bytes()));
 }
