@@ -925,3 +925,43 @@ fn the_https_source_verifies_the_server() {
     let slots = rt.block_on(trusted.read()).unwrap();
     assert_eq!(slots.live.as_deref(), Some(body.as_bytes()));
 }
+
+/// `changed()` returns `false` soon after its notification channel drops (the caller polls
+/// meanwhile), subscribes again on the next call, and is woken by the next publish.
+fn assert_changed_reconnects(url: &str, drop_listener: &dyn Fn()) {
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let rt = runtime();
+    let store = open(url);
+    assert!(!rt.block_on(store.changed(Duration::from_millis(200))));
+    drop_listener();
+    let start = Instant::now();
+    assert!(!rt.block_on(store.changed(Duration::from_secs(60))));
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "a dropped channel ends the wait instead of running out the minute"
+    );
+    assert!(!rt.block_on(store.changed(Duration::from_millis(200))));
+    tollgate(&["publish", &a, "--store", url]).version();
+    assert!(rt.block_on(store.changed(Duration::from_secs(5))));
+}
+
+#[test]
+fn changed_reconnects_on_redis() {
+    let redis = RedisServer::start(free_port(), &[]);
+    assert_changed_reconnects(&redis.url(), &|| {
+        let killed = redis.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+        assert_eq!(killed.trim(), "1", "one subscriber");
+    });
+}
+
+#[test]
+fn changed_reconnects_on_postgres() {
+    let pg = PgServer::start();
+    assert_changed_reconnects(&pg.url(), &|| {
+        pg.sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE query = 'LISTEN tollgate_bundle'",
+        );
+    });
+}
