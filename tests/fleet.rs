@@ -965,3 +965,22 @@ fn changed_reconnects_on_postgres() {
         );
     });
 }
+
+/// The highest version is compared as a decimal string in Redis's Lua (whose numbers are
+/// doubles): versions above 2^53 stay exact and a lower write never lowers it.
+#[test]
+fn versions_above_lua_doubles_stay_exact_on_redis() {
+    let redis = RedisServer::start(free_port(), &[]);
+    let rt = runtime();
+    let store = open(&redis.url());
+    let high = (1u64 << 60) + 1;
+    for version in [high, high - 1, 99] {
+        let envelope = Envelope::seal(bundle("api", 10), Slot::Candidate, version, 0, None);
+        rt.block_on(store.write(&envelope)).unwrap();
+    }
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), high);
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let next = tollgate(&["publish", &a, "--store", &redis.url()]).version();
+    assert_eq!(next, high + 1);
+}

@@ -62,8 +62,8 @@ Examples:
 /// The store flag and its deadline, shared by the four commands.
 #[derive(Debug, Args)]
 pub struct StoreArgs {
-    /// Policy store: `redis://HOST:PORT[/DB]`, `rediss://...`, `redis+cluster://HOST:PORT[,...]`,
-    /// `postgres://...` (the URLs `run --store` takes).
+    /// Policy store: `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,...]` or
+    /// `postgres://...` (the URLs `run --store` takes). `publish` takes --out instead.
     #[arg(long, value_name = "URL")]
     pub store: Option<String>,
     /// Deadline of each call to the store, in milliseconds.
@@ -135,7 +135,10 @@ fn runtime() -> Outcome<tokio::runtime::Runtime> {
 
 fn open_store(args: &StoreArgs) -> Outcome<Arc<dyn PolicySource>> {
     let Some(url) = args.store.as_deref() else {
-        return Err(Failure(EXIT_FAILURE, "--store URL is required".to_string()));
+        return Err(Failure(
+            EXIT_FAILURE,
+            "--store URL is required (publish: or --out PATH)".to_string(),
+        ));
     };
     let store = source::open(url, Duration::from_millis(args.timeout_ms.max(1)))
         .map_err(|e| store_failure(&e))?;

@@ -123,7 +123,8 @@ pub trait PolicySource: Send + Sync {
     async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError>;
 }
 
-/// Opens the source a URL names: `redis://`, `rediss://`, `redis+cluster://`, `postgres://`,
+/// Opens the source a URL names: `redis://`, `rediss://` (when the Redis client is built with
+/// TLS; this build's is not, and says so), `redis+cluster://`, `postgres://`,
 /// `postgresql://`, `http://`, `https://`; `timeout` bounds each call. Nothing is connected yet:
 /// the first call connects.
 ///
