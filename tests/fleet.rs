@@ -436,6 +436,25 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
     assert_eq!(candidate.verify(Some(&verify)), Ok(()));
     assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
 
+    // A promote or rollback sealed from a candidate or history head that has changed since
+    // it was read writes nothing.
+    let stale = Envelope::seal(b_text.clone(), Slot::Live, vb + 1, now_secs(), None);
+    assert!(matches!(
+        rt.block_on(store.promote(&stale, b"an older candidate")),
+        Err(SourceError::Conflict(_))
+    ));
+    assert!(matches!(
+        rt.block_on(store.roll_back(&stale, b"an older live bundle")),
+        Err(SourceError::Conflict(_))
+    ));
+    assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
+    assert_eq!(
+        stored(&rt, store.as_ref(), Slot::Candidate)
+            .unwrap()
+            .version,
+        vb
+    );
+
     let vp = tollgate(&["promote", "--store", url, "--sign-key", &sign]).version();
     assert!(vp > vb);
     let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();

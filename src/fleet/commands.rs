@@ -487,9 +487,8 @@ fn promote_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             crate::clock::wall_unix_secs(),
             key.as_ref(),
         );
-        store.write(&live).await.map_err(|e| store_failure(&e))?;
         store
-            .clear_candidate()
+            .promote(&live, bytes)
             .await
             .map_err(|e| store_failure(&e))?;
         let _ = writeln!(

@@ -249,22 +249,43 @@ impl PolicySource for PostgresSource {
                 tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
                     .await?;
                 if slot == Slot::Live {
-                    tx.execute(
-                        "INSERT INTO tollgate_bundle_history (version, envelope) \
-                         SELECT version, envelope FROM tollgate_bundle WHERE slot = 'live' \
-                         ON CONFLICT (version) DO UPDATE SET envelope = EXCLUDED.envelope",
+                    push_live_to_history(&tx).await?;
+                }
+                store_slot(&tx, slot.as_str(), version, &json).await?;
+                Ok(tx.commit().await?)
+            })
+        })
+        .await
+    }
+
+    async fn promote(&self, envelope: &Envelope, candidate: &[u8]) -> Result<(), SourceError> {
+        let version = stored_version(envelope.version)?;
+        let json = envelope.to_json();
+        let candidate = String::from_utf8_lossy(candidate).into_owned();
+        let display = self.display.clone();
+        self.with_client("promoting", |client| {
+            let json = json.clone();
+            let candidate = candidate.clone();
+            let display = display.clone();
+            Box::pin(async move {
+                let tx = client.transaction().await?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+                    .await?;
+                let current = tx
+                    .query_opt(
+                        "SELECT envelope FROM tollgate_bundle WHERE slot = 'candidate'",
                         &[],
                     )
                     .await?;
-                    tx.execute(
-                        "DELETE FROM tollgate_bundle_history WHERE version NOT IN \
-                         (SELECT version FROM tollgate_bundle_history \
-                          ORDER BY version DESC LIMIT $1)",
-                        &[&(HISTORY_KEPT as i64)],
-                    )
-                    .await?;
+                if current.map(|row| row.get::<_, String>(0)) != Some(candidate) {
+                    return Err(PgError::Source(SourceError::Conflict(format!(
+                        "{display}: the candidate changed while promoting; nothing was written"
+                    ))));
                 }
-                store_slot(&tx, slot.as_str(), version, &json).await?;
+                push_live_to_history(&tx).await?;
+                tx.execute("DELETE FROM tollgate_bundle WHERE slot = 'candidate'", &[])
+                    .await?;
+                store_slot(&tx, "live", version, &json).await?;
                 Ok(tx.commit().await?)
             })
         })
@@ -400,6 +421,27 @@ impl PolicySource for PostgresSource {
         })
         .await
     }
+}
+
+/// Puts the live envelope (if any) at the head of the history and keeps the newest
+/// [`HISTORY_KEPT`], inside the caller's transaction.
+async fn push_live_to_history(
+    tx: &tokio_postgres::Transaction<'_>,
+) -> Result<(), tokio_postgres::Error> {
+    tx.execute(
+        "INSERT INTO tollgate_bundle_history (version, envelope) \
+         SELECT version, envelope FROM tollgate_bundle WHERE slot = 'live' \
+         ON CONFLICT (version) DO UPDATE SET envelope = EXCLUDED.envelope",
+        &[],
+    )
+    .await?;
+    tx.execute(
+        "DELETE FROM tollgate_bundle_history WHERE version NOT IN \
+         (SELECT version FROM tollgate_bundle_history ORDER BY version DESC LIMIT $1)",
+        &[&(HISTORY_KEPT as i64)],
+    )
+    .await?;
+    Ok(())
 }
 
 /// Stores `json` in `slot`, records `version` as issued (never lowering it) and announces it,
