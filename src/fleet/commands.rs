@@ -28,11 +28,11 @@ pub const PUBLISH_EXAMPLES: &str = "Examples:
   #   openssl genpkey -algorithm ed25519 -out bundle-sign.pem
   #   openssl pkey -in bundle-sign.pem -pubout -out bundle-verify.pem
   # Publish a bundle as live for the whole fleet; the new version is printed:
-  tollgate publish policies/axum-per-ip.json --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
+  tollgate publish policies/coinbase.json --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
   # Publish it as the candidate the gateways evaluate in shadow beside the live one:
-  tollgate publish policies/axum-per-ip.json --store postgres://tollgate@10.0.0.9/tollgate --sign-key bundle-sign.pem --candidate
+  tollgate publish policies/coinbase.json --store postgres://tollgate@10.0.0.9/tollgate --sign-key bundle-sign.pem --candidate
   # Write the envelope to a file instead, for a static HTTP(S) server to serve:
-  tollgate publish policies/axum-per-ip.json --out /srv/www/bundle.json --sign-key bundle-sign.pem";
+  tollgate publish policies/coinbase.json --out /srv/www/bundle.json --sign-key bundle-sign.pem";
 
 /// `tollgate promote`'s examples.
 pub const PROMOTE_EXAMPLES: &str = "Examples:
@@ -62,8 +62,8 @@ Examples:
 /// The store flag and its deadline, shared by the four commands.
 #[derive(Debug, Args)]
 pub struct StoreArgs {
-    /// Policy store: `redis://HOST:PORT[/DB]`, `rediss://...`, `redis+cluster://HOST:PORT[,...]`,
-    /// `postgres://...` (the URLs `run --store` takes).
+    /// Policy store: `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,...]` or
+    /// `postgres://...` (the URLs `run --store` takes). `publish` takes --out instead.
     #[arg(long, value_name = "URL")]
     pub store: Option<String>,
     /// Deadline of each call to the store, in milliseconds.
@@ -135,7 +135,10 @@ fn runtime() -> Outcome<tokio::runtime::Runtime> {
 
 fn open_store(args: &StoreArgs) -> Outcome<Arc<dyn PolicySource>> {
     let Some(url) = args.store.as_deref() else {
-        return Err(Failure(EXIT_FAILURE, "--store URL is required".to_string()));
+        return Err(Failure(
+            EXIT_FAILURE,
+            "--store URL is required (publish: or --out PATH)".to_string(),
+        ));
     };
     let store = source::open(url, Duration::from_millis(args.timeout_ms.max(1)))
         .map_err(|e| store_failure(&e))?;
@@ -229,7 +232,7 @@ fn validate_bundle(file: &Path, bytes: &[u8], err: &mut dyn Write) -> Outcome<St
     if !full_form {
         return Err(invalid(format!(
             "{}: a bare rule list takes its policy id from its file name, which a published \
-             bundle does not carry: write it as {{\"policies\": [{{\"id\": \"{stem}\", \"rules\": [...]}}]}}",
+             bundle does not carry: write it as {{\"bundle_version\": 1, \"policies\": [{{\"id\": \"{stem}\", \"spec\": {{\"rules\": [...]}}}}]}}",
             file.display()
         )));
     }
@@ -484,9 +487,8 @@ fn promote_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             crate::clock::wall_unix_secs(),
             key.as_ref(),
         );
-        store.write(&live).await.map_err(|e| store_failure(&e))?;
         store
-            .clear_candidate()
+            .promote(&live, bytes)
             .await
             .map_err(|e| store_failure(&e))?;
         let _ = writeln!(

@@ -160,17 +160,15 @@ impl SigningKey {
             .ok_or_else(|| {
                 bad("holds no \"PRIVATE KEY\" block (make one with `openssl genpkey -algorithm ed25519 -out FILE`)")
             })?;
-        Self::from_pkcs8(der).map_err(|()| bad("the private key is not an Ed25519 key"))
+        Self::from_pkcs8(der).ok_or_else(|| bad("the private key is not an Ed25519 key"))
     }
 
-    /// A key from PKCS#8 DER (v1, as OpenSSL writes it, or v2 with the public key).
-    ///
-    /// # Errors
-    /// Not an Ed25519 PKCS#8 document.
-    pub fn from_pkcs8(der: &[u8]) -> Result<SigningKey, ()> {
+    /// A key from PKCS#8 DER (v1, as OpenSSL writes it, or v2 with the public key); `None`
+    /// for anything else.
+    pub fn from_pkcs8(der: &[u8]) -> Option<SigningKey> {
         Ed25519KeyPair::from_pkcs8_maybe_unchecked(der)
+            .ok()
             .map(|pair| SigningKey { pair })
-            .map_err(|_| ())
     }
 
     /// The public half, to check a signature made with this key.

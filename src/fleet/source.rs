@@ -16,6 +16,9 @@
 //! `tollgate_gateways(id text primary key, heartbeat text, seen_at bigint)`; every change is
 //! announced by `NOTIFY tollgate_bundle, '<version>'` in the writing transaction.
 //!
+//! Promote ([`PolicySource::promote`]) is one step too: the live slot, the history and the
+//! candidate's removal move together, and only when the candidate is still the one read.
+//!
 //! Rollback ([`PolicySource::roll_back`]) takes the history's head off the history and puts
 //! the envelope sealed from it in the live slot without pushing the live one: history is an
 //! undo stack, so two rollbacks go back two bundles, never back and forth between two.
@@ -100,7 +103,16 @@ pub trait PolicySource: Send + Sync {
     /// onto the history; records the version as issued; announces it.
     async fn write(&self, envelope: &Envelope) -> Result<(), SourceError>;
 
-    /// Removes the candidate slot (after a promote) and announces it.
+    /// Promote: stores `envelope` (sealed for the live slot from the candidate) as live, pushing
+    /// the live envelope onto the history, and removes the candidate, in one step; records the
+    /// version; announces it.
+    ///
+    /// # Errors
+    /// [`SourceError::Conflict`] when the candidate is no longer `candidate` (the bytes
+    /// [`PolicySource::read`] returned): a newer one is never removed unseen.
+    async fn promote(&self, envelope: &Envelope, candidate: &[u8]) -> Result<(), SourceError>;
+
+    /// Removes the candidate slot and announces it.
     async fn clear_candidate(&self) -> Result<(), SourceError>;
 
     /// Previous live envelopes, newest first.
@@ -123,7 +135,8 @@ pub trait PolicySource: Send + Sync {
     async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError>;
 }
 
-/// Opens the source a URL names: `redis://`, `rediss://`, `redis+cluster://`, `postgres://`,
+/// Opens the source a URL names: `redis://`, `rediss://` (when the Redis client is built with
+/// TLS; this build's is not, and says so), `redis+cluster://`, `postgres://`,
 /// `postgresql://`, `http://`, `https://`; `timeout` bounds each call. Nothing is connected yet:
 /// the first call connects.
 ///

@@ -217,6 +217,10 @@ impl PolicySource for HttpSource {
         Err(self.read_only())
     }
 
+    async fn promote(&self, _envelope: &Envelope, _candidate: &[u8]) -> Result<(), SourceError> {
+        Err(self.read_only())
+    }
+
     async fn clear_candidate(&self) -> Result<(), SourceError> {
         Err(self.read_only())
     }

@@ -6,6 +6,7 @@ use super::{parse_heartbeat, Feed, Heartbeat, PolicySource, Slots, SourceError, 
 use crate::fleet::envelope::{Envelope, Slot};
 use futures::StreamExt;
 use std::time::Duration;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 /// The advisory lock every write holds (and the schema's creation): "tollgate" in ASCII.
@@ -108,12 +109,14 @@ impl PostgresSource {
     }
 
     /// Runs `op` on the connection (made, with the tables, when there is none), bounded by the
-    /// timeout; a failure drops the connection so that the next call makes a new one.
+    /// timeout; a failure drops the connection so that the next call makes a new one. Tables
+    /// dropped under a running connection (a wiped database) are made again and `op` retried
+    /// once.
     async fn with_client<T, F>(&self, what: &str, op: F) -> Result<T, SourceError>
     where
-        F: for<'c> FnOnce(
+        F: for<'c> Fn(
             &'c mut tokio_postgres::Client,
-        ) -> futures::future::BoxFuture<'c, Result<T, SourceError>>,
+        ) -> futures::future::BoxFuture<'c, Result<T, PgError>>,
     {
         let mut held = self.client.lock().await;
         let attempt = async {
@@ -121,20 +124,25 @@ impl PostgresSource {
                 let client = self
                     .connect(None)
                     .await
-                    .map_err(|e| self.unavailable("connecting", &e))?;
-                client
-                    .batch_execute(SCHEMA)
-                    .await
-                    .map_err(|e| self.unavailable("creating the tables", &e))?;
+                    .map_err(|e| PgError::Source(self.unavailable("connecting", &e)))?;
+                client.batch_execute(SCHEMA).await?;
                 *held = Some(client);
             }
-            match held.as_mut() {
-                Some(client) => op(client).await,
-                None => Err(self.unavailable(what, &"not connected")),
+            let Some(client) = held.as_mut() else {
+                return Err(PgError::Source(self.unavailable(what, &"not connected")));
+            };
+            match op(client).await {
+                Err(PgError::Db(e)) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => {
+                    client.batch_execute(SCHEMA).await?;
+                    op(client).await
+                }
+                other => other,
             }
         };
         let result = match tokio::time::timeout(self.timeout, attempt).await {
-            Ok(result) => result,
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(PgError::Db(e))) => Err(failed(&self.display, what, &e)),
+            Ok(Err(PgError::Source(e))) => Err(e),
             Err(_) => Err(self.unavailable(what, &"timed out")),
         };
         if matches!(result, Err(SourceError::Unavailable(_))) {
@@ -167,6 +175,19 @@ impl PostgresSource {
     }
 }
 
+/// What a database operation ran into: the database's error (mapped to a [`SourceError`]
+/// naming what was being done, after the retry a missing table gets), or a decided outcome.
+enum PgError {
+    Db(tokio_postgres::Error),
+    Source(SourceError),
+}
+
+impl From<tokio_postgres::Error> for PgError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        PgError::Db(e)
+    }
+}
+
 /// A database error as a [`SourceError`] naming what was being done.
 fn failed(display: &str, what: &str, e: &tokio_postgres::Error) -> SourceError {
     SourceError::Unavailable(format!(
@@ -186,7 +207,6 @@ impl PolicySource for PostgresSource {
     }
 
     async fn read(&self) -> Result<Slots, SourceError> {
-        let display = self.display.clone();
         self.with_client("reading the bundles", |client| {
             Box::pin(async move {
                 let rows = client
@@ -195,8 +215,7 @@ impl PolicySource for PostgresSource {
                          WHERE slot IN ('live', 'candidate')",
                         &[],
                     )
-                    .await
-                    .map_err(|e| failed(&display, "reading the bundles", &e))?;
+                    .await?;
                 let mut slots = Slots::default();
                 for row in rows {
                     let slot: String = row.get(0);
@@ -223,68 +242,76 @@ impl PolicySource for PostgresSource {
         let version = stored_version(envelope.version)?;
         let json = envelope.to_json();
         let slot = envelope.slot;
-        let display = self.display.clone();
         self.with_client("publishing", |client| {
+            let json = json.clone();
             Box::pin(async move {
-                let fail = |e: tokio_postgres::Error| failed(&display, "publishing", &e);
-                let tx = client.transaction().await.map_err(fail)?;
+                let tx = client.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
-                    .await
-                    .map_err(fail)?;
+                    .await?;
                 if slot == Slot::Live {
-                    tx.execute(
-                        "INSERT INTO tollgate_bundle_history (version, envelope) \
-                         SELECT version, envelope FROM tollgate_bundle WHERE slot = 'live' \
-                         ON CONFLICT (version) DO UPDATE SET envelope = EXCLUDED.envelope",
+                    push_live_to_history(&tx).await?;
+                }
+                store_slot(&tx, slot.as_str(), version, &json).await?;
+                Ok(tx.commit().await?)
+            })
+        })
+        .await
+    }
+
+    async fn promote(&self, envelope: &Envelope, candidate: &[u8]) -> Result<(), SourceError> {
+        let version = stored_version(envelope.version)?;
+        let json = envelope.to_json();
+        let candidate = String::from_utf8_lossy(candidate).into_owned();
+        let display = self.display.clone();
+        self.with_client("promoting", |client| {
+            let json = json.clone();
+            let candidate = candidate.clone();
+            let display = display.clone();
+            Box::pin(async move {
+                let tx = client.transaction().await?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+                    .await?;
+                let current = tx
+                    .query_opt(
+                        "SELECT envelope FROM tollgate_bundle WHERE slot = 'candidate'",
                         &[],
                     )
-                    .await
-                    .map_err(fail)?;
-                    tx.execute(
-                        "DELETE FROM tollgate_bundle_history WHERE version NOT IN \
-                         (SELECT version FROM tollgate_bundle_history \
-                          ORDER BY version DESC LIMIT $1)",
-                        &[&(HISTORY_KEPT as i64)],
-                    )
-                    .await
-                    .map_err(fail)?;
+                    .await?;
+                if current.map(|row| row.get::<_, String>(0)) != Some(candidate) {
+                    return Err(PgError::Source(SourceError::Conflict(format!(
+                        "{display}: the candidate changed while promoting; nothing was written"
+                    ))));
                 }
-                store_slot(&tx, slot.as_str(), version, &json)
-                    .await
-                    .map_err(fail)?;
-                tx.commit().await.map_err(fail)
+                push_live_to_history(&tx).await?;
+                tx.execute("DELETE FROM tollgate_bundle WHERE slot = 'candidate'", &[])
+                    .await?;
+                store_slot(&tx, "live", version, &json).await?;
+                Ok(tx.commit().await?)
             })
         })
         .await
     }
 
     async fn clear_candidate(&self) -> Result<(), SourceError> {
-        let display = self.display.clone();
         self.with_client("clearing the candidate", |client| {
             Box::pin(async move {
-                let fail =
-                    |e: tokio_postgres::Error| failed(&display, "clearing the candidate", &e);
-                let tx = client.transaction().await.map_err(fail)?;
+                let tx = client.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
-                    .await
-                    .map_err(fail)?;
+                    .await?;
                 tx.execute("DELETE FROM tollgate_bundle WHERE slot = 'candidate'", &[])
-                    .await
-                    .map_err(fail)?;
+                    .await?;
                 tx.execute(
                     &format!("SELECT pg_notify('{CHANNEL}', 'candidate-cleared')"),
                     &[],
                 )
-                .await
-                .map_err(fail)?;
-                tx.commit().await.map_err(fail)
+                .await?;
+                Ok(tx.commit().await?)
             })
         })
         .await
     }
 
     async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError> {
-        let display = self.display.clone();
         self.with_client("reading the history", |client| {
             Box::pin(async move {
                 let rows = client
@@ -292,8 +319,7 @@ impl PolicySource for PostgresSource {
                         "SELECT envelope FROM tollgate_bundle_history ORDER BY version DESC",
                         &[],
                     )
-                    .await
-                    .map_err(|e| failed(&display, "reading the history", &e))?;
+                    .await?;
                 Ok(rows
                     .iter()
                     .map(|row| row.get::<_, String>(0).into_bytes())
@@ -309,43 +335,39 @@ impl PolicySource for PostgresSource {
         let display = self.display.clone();
         let head = String::from_utf8_lossy(head).into_owned();
         self.with_client("rolling back", |client| {
+            let json = json.clone();
+            let head = head.clone();
+            let display = display.clone();
             Box::pin(async move {
-                let fail = |e: tokio_postgres::Error| failed(&display, "rolling back", &e);
-                let tx = client.transaction().await.map_err(fail)?;
+                let tx = client.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
-                    .await
-                    .map_err(fail)?;
+                    .await?;
                 let first = tx
                     .query_opt(
                         "SELECT version, envelope FROM tollgate_bundle_history \
                          ORDER BY version DESC LIMIT 1",
                         &[],
                     )
-                    .await
-                    .map_err(fail)?;
+                    .await?;
                 let Some(first) = first.filter(|row| row.get::<_, String>(1) == head) else {
-                    return Err(SourceError::Conflict(format!(
+                    return Err(PgError::Source(SourceError::Conflict(format!(
                         "{display}: the history changed while rolling back; nothing was written"
-                    )));
+                    ))));
                 };
                 let popped: i64 = first.get(0);
                 tx.execute(
                     "DELETE FROM tollgate_bundle_history WHERE version = $1",
                     &[&popped],
                 )
-                .await
-                .map_err(fail)?;
-                store_slot(&tx, "live", version, &json)
-                    .await
-                    .map_err(fail)?;
-                tx.commit().await.map_err(fail)
+                .await?;
+                store_slot(&tx, "live", version, &json).await?;
+                Ok(tx.commit().await?)
             })
         })
         .await
     }
 
     async fn highest_version(&self) -> Result<u64, SourceError> {
-        let display = self.display.clone();
         self.with_client("reading the version", |client| {
             Box::pin(async move {
                 let row = client
@@ -353,8 +375,7 @@ impl PolicySource for PostgresSource {
                         "SELECT version FROM tollgate_bundle WHERE slot = 'issued'",
                         &[],
                     )
-                    .await
-                    .map_err(|e| failed(&display, "reading the version", &e))?;
+                    .await?;
                 Ok(row
                     .map(|row| u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
                     .unwrap_or(0))
@@ -367,8 +388,9 @@ impl PolicySource for PostgresSource {
         let json = serde_json::to_string(beat).unwrap_or_default();
         let id = beat.id.clone();
         let at = beat.at;
-        let display = self.display.clone();
         self.with_client("heartbeat", |client| {
+            let json = json.clone();
+            let id = id.clone();
             Box::pin(async move {
                 client
                     .execute(
@@ -379,20 +401,18 @@ impl PolicySource for PostgresSource {
                     )
                     .await
                     .map(|_| ())
-                    .map_err(|e| failed(&display, "heartbeat", &e))
+                    .map_err(PgError::from)
             })
         })
         .await
     }
 
     async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError> {
-        let display = self.display.clone();
         self.with_client("reading the heartbeats", |client| {
             Box::pin(async move {
                 let rows = client
                     .query("SELECT heartbeat FROM tollgate_gateways ORDER BY id", &[])
-                    .await
-                    .map_err(|e| failed(&display, "reading the heartbeats", &e))?;
+                    .await?;
                 Ok(rows
                     .iter()
                     .filter_map(|row| parse_heartbeat(row.get::<_, String>(0).as_bytes()))
@@ -401,6 +421,27 @@ impl PolicySource for PostgresSource {
         })
         .await
     }
+}
+
+/// Puts the live envelope (if any) at the head of the history and keeps the newest
+/// [`HISTORY_KEPT`], inside the caller's transaction.
+async fn push_live_to_history(
+    tx: &tokio_postgres::Transaction<'_>,
+) -> Result<(), tokio_postgres::Error> {
+    tx.execute(
+        "INSERT INTO tollgate_bundle_history (version, envelope) \
+         SELECT version, envelope FROM tollgate_bundle WHERE slot = 'live' \
+         ON CONFLICT (version) DO UPDATE SET envelope = EXCLUDED.envelope",
+        &[],
+    )
+    .await?;
+    tx.execute(
+        "DELETE FROM tollgate_bundle_history WHERE version NOT IN \
+         (SELECT version FROM tollgate_bundle_history ORDER BY version DESC LIMIT $1)",
+        &[&(HISTORY_KEPT as i64)],
+    )
+    .await?;
+    Ok(())
 }
 
 /// Stores `json` in `slot`, records `version` as issued (never lowering it) and announces it,

@@ -47,6 +47,24 @@ redis.call('PUBLISH', 'tollgate-bundle', ARGV[2])
 return 1
 "#;
 
+/// KEYS: the live key, the history, the version key, the candidate key. ARGV: the envelope,
+/// its version, the candidate it was sealed from, how many history entries to keep. Returns 0
+/// (nothing done) when the candidate changed.
+const PROMOTE: &str = r#"
+local candidate = redis.call('GET', KEYS[4])
+if not candidate or candidate ~= ARGV[3] then return 0 end
+local previous = redis.call('GET', KEYS[1])
+if previous then
+  redis.call('LPUSH', KEYS[2], previous)
+  redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[4]) - 1)
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[4])
+record(ARGV[2])
+redis.call('PUBLISH', 'tollgate-bundle', ARGV[2])
+return 1
+"#;
+
 /// KEYS: the live key, the history, the version key. ARGV: the envelope, its version, the
 /// history head it was sealed from. Returns 0 (nothing done) when the head changed.
 const ROLL_BACK: &str = r#"
@@ -101,6 +119,7 @@ pub(super) struct RedisSource {
     conn: tokio::sync::Mutex<Option<Conn>>,
     write: redis::Script,
     roll_back: redis::Script,
+    promote: redis::Script,
     feed: std::sync::Arc<Feed>,
     /// The subscription's task, ended when the source is dropped.
     listener: parking_lot::Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -165,6 +184,7 @@ impl RedisSource {
             conn: tokio::sync::Mutex::new(None),
             write: redis::Script::new(&format!("{ABOVE}{WRITE}")),
             roll_back: redis::Script::new(&format!("{ABOVE}{ROLL_BACK}")),
+            promote: redis::Script::new(&format!("{ABOVE}{PROMOTE}")),
             feed: std::sync::Arc::new(Feed::new()),
             listener: parking_lot::Mutex::new(None),
         })
@@ -326,6 +346,31 @@ impl PolicySource for RedisSource {
             conn.invoke::<i64>(&call).await.map(|_| ())
         })
         .await
+    }
+
+    async fn promote(&self, envelope: &Envelope, candidate: &[u8]) -> Result<(), SourceError> {
+        let json = envelope.to_json();
+        let version = envelope.version.to_string();
+        let script = &self.promote;
+        let done: i64 = self
+            .with_conn("promoting", |mut conn| async move {
+                let mut call = script.prepare_invoke();
+                call.key(LIVE).key(HISTORY).key(VERSION).key(CANDIDATE);
+                call.arg(&json)
+                    .arg(&version)
+                    .arg(candidate)
+                    .arg(HISTORY_KEPT);
+                conn.invoke(&call).await
+            })
+            .await?;
+        if done == 1 {
+            Ok(())
+        } else {
+            Err(SourceError::Conflict(format!(
+                "{}: the candidate changed while promoting; nothing was written",
+                self.display
+            )))
+        }
     }
 
     async fn clear_candidate(&self) -> Result<(), SourceError> {

@@ -1,0 +1,1005 @@
+//! One bundle for a fleet: `tollgate publish`, `promote`, `rollback` and `fleet` (the real
+//! binary) against real `redis-server` (one server and a three-node cluster) and PostgreSQL,
+//! checked through the policy-source trait the gateways read with; the HTTP(S) source against
+//! a small local server honouring `ETag`. Keys are made by the real `openssl`.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{free_cluster_port, free_port};
+use tollgate::fleet::envelope::{sha256_hex, Envelope, Slot, VerifyKey, DEFAULT_MAX_BYTES};
+use tollgate::fleet::source::{self, Heartbeat, PolicySource, SourceError};
+
+// ---------------------------------------------------------------------------------------------
+// Servers
+
+struct RedisServer {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    fn start(port: u16, extra: &[&str]) -> RedisServer {
+        let dir = tempfile::tempdir().unwrap();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .args(extra)
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is not installed: run `bash scripts/test.sh` (it installs it)");
+        let server = RedisServer {
+            child,
+            port,
+            _dir: dir,
+        };
+        let start = Instant::now();
+        while !server.cli(&["PING"]).contains("PONG") {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A three-node Redis Cluster (no replicas).
+fn redis_cluster() -> Vec<RedisServer> {
+    let nodes: Vec<RedisServer> = (0..3)
+        .map(|_| {
+            RedisServer::start(
+                free_cluster_port(),
+                &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+            )
+        })
+        .collect();
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let created = Command::new("redis-cli")
+        .arg("--cluster")
+        .arg("create")
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .expect("redis-cli");
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stdout)
+    );
+    let start = Instant::now();
+    while !nodes
+        .iter()
+        .all(|n| n.cli(&["cluster", "info"]).contains("cluster_state:ok"))
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "cluster did not converge"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    nodes
+}
+
+fn cluster_url(nodes: &[RedisServer]) -> String {
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    format!("redis+cluster://{}", addrs.join(","))
+}
+
+fn pg_bin(name: &str) -> PathBuf {
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL is not installed: run `bash scripts/test.sh` (it installs it)")
+        .filter_map(|e| e.ok())
+        .map(|e| e.path().join("bin").join(name))
+        .filter(|p| p.exists())
+        .collect();
+    found.sort();
+    found.pop().expect("PostgreSQL server binaries")
+}
+
+fn as_postgres(program: PathBuf) -> Command {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+struct PgServer {
+    child: Option<Child>,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl PgServer {
+    fn start() -> PgServer {
+        let dir = tempfile::tempdir().unwrap();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            let chowned = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir.path())
+                .status()
+                .unwrap();
+            assert!(chowned.success());
+        }
+        let data = dir.path().join("data");
+        let init = as_postgres(pg_bin("initdb"))
+            .args(["-U", "tollgate", "--auth=trust", "-E", "UTF8", "-D"])
+            .arg(&data)
+            .output()
+            .expect("initdb");
+        assert!(
+            init.status.success(),
+            "{}",
+            String::from_utf8_lossy(&init.stderr)
+        );
+        let port = free_port();
+        let child = as_postgres(pg_bin("postgres"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-p", &port.to_string(), "-c", "listen_addresses=127.0.0.1"])
+            .args(["-c", "fsync=off", "-k"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("postgres");
+        let server = PgServer {
+            child: Some(child),
+            port,
+            dir,
+        };
+        let start = Instant::now();
+        while !Command::new(pg_bin("pg_isready"))
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "postgres did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://tollgate@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn sql(&self, statement: &str) {
+        let done = Command::new(pg_bin("psql"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "tollgate",
+            ])
+            .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-c", statement])
+            .output()
+            .expect("psql");
+        assert!(
+            done.status.success(),
+            "{}",
+            String::from_utf8_lossy(&done.stderr)
+        );
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = std::fs::read_to_string(self.dir.path().join("data/postmaster.pid"))
+                .ok()
+                .and_then(|t| t.lines().next().and_then(|l| l.trim().parse::<i32>().ok()));
+            // SAFETY: kill(2) on the server this test started.
+            unsafe {
+                match pid {
+                    Some(pid) => libc::kill(pid, libc::SIGINT),
+                    None => libc::kill(child.id() as i32, libc::SIGKILL),
+                };
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    /// The version a successful publish/promote/rollback printed: one number on one line.
+    fn version(&self) -> u64 {
+        assert_eq!(self.code, 0, "stderr: {}", self.stderr);
+        assert!(
+            self.stdout.ends_with('\n') && self.stdout.lines().count() == 1,
+            "one line on stdout: {:?}",
+            self.stdout
+        );
+        self.stdout.trim().parse().expect("a number on stdout")
+    }
+}
+
+fn tollgate(args: &[&str]) -> Run {
+    let output = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run tollgate");
+    Run {
+        code: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+fn bundle(id: &str, rate: u32) -> String {
+    format!(
+        r#"{{"bundle_version": 1, "policies": [{{"id": "{id}", "spec": {{"rules": [
+            {{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+              "algorithm_config": {{"tokens_per_second": {rate}, "burst": {rate}}}}}]}}}}]}}"#
+    )
+}
+
+/// An Ed25519 key pair made by `openssl`: (private PEM, public PEM).
+fn openssl_pair(dir: &Path, name: &str) -> (String, String) {
+    let private = dir.join(format!("{name}.pem"));
+    let public = dir.join(format!("{name}.pub.pem"));
+    assert!(Command::new("openssl")
+        .args(["genpkey", "-algorithm", "ed25519", "-out"])
+        .arg(&private)
+        .status()
+        .expect("openssl")
+        .success());
+    assert!(Command::new("openssl")
+        .args(["pkey", "-pubout", "-in"])
+        .arg(&private)
+        .arg("-out")
+        .arg(&public)
+        .status()
+        .expect("openssl")
+        .success());
+    (private.display().to_string(), public.display().to_string())
+}
+
+fn write_file(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn open(url: &str) -> Arc<dyn PolicySource> {
+    source::open(url, Duration::from_secs(5)).unwrap()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn now_secs() -> i64 {
+    (now_ms() / 1000) as i64
+}
+
+fn stored(rt: &tokio::runtime::Runtime, store: &dyn PolicySource, slot: Slot) -> Option<Envelope> {
+    let slots = rt.block_on(store.read()).unwrap();
+    let bytes = match slot {
+        Slot::Live => slots.live,
+        Slot::Candidate => slots.candidate,
+    }?;
+    Some(Envelope::parse(&bytes, slot, DEFAULT_MAX_BYTES).expect("a stored envelope parses"))
+}
+
+fn beat(id: &str, live: Option<&Envelope>, candidate: Option<&Envelope>, at: i64) -> Heartbeat {
+    Heartbeat {
+        id: id.to_string(),
+        live_version: live.map(|e| e.version),
+        live_hash: live.map(|e| e.sha256.clone()),
+        candidate_version: candidate.map(|e| e.version),
+        candidate_hash: candidate.map(|e| e.sha256.clone()),
+        at,
+        candidate_refusals: [("api/per-ip".to_string(), 2), ("api/burst".to_string(), 3)]
+            .into_iter()
+            .collect(),
+        source_state: "following".to_string(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scenario every writable store passes
+
+/// Publish (signed, verified through the trait), an invalid bundle refused with nothing
+/// stored, a candidate, promote, two rollbacks and a third with nothing left, a wiped store
+/// (versions still grow, from the clock, then from a heartbeat above the clock), and
+/// `changed()` woken by a write.
+fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
+    let dir = tempfile::tempdir().unwrap();
+    let (sign, verify) = openssl_pair(dir.path(), "fleet");
+    let verify = VerifyKey::from_pem_file(Path::new(&verify)).unwrap();
+    let (a_text, b_text, c_text) = (bundle("api", 10), bundle("api", 20), bundle("api", 30));
+    let a = write_file(dir.path(), "a.json", &a_text);
+    let b = write_file(dir.path(), "b.json", &b_text);
+    let c = write_file(dir.path(), "c.json", &c_text);
+    let rt = runtime();
+    let store = open(url);
+
+    // The subscription is made by the first call (which times out: nothing was written).
+    assert!(!rt.block_on(store.changed(Duration::from_millis(200))));
+    let before = now_ms();
+    let va = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
+    assert!(va >= before, "{va} is derived from the clock ({before})");
+    assert!(
+        rt.block_on(store.changed(Duration::from_secs(5))),
+        "a publish wakes changed() on {url}"
+    );
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    assert_eq!(live.version, va);
+    assert_eq!(live.policy, a_text);
+    assert_eq!(live.sha256, sha256_hex(a_text.as_bytes()));
+    assert_eq!(live.verify(Some(&verify)), Ok(()));
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), va);
+
+    // An invalid bundle: exit 1, the JSON path on stderr, nothing stored.
+    let slots_before = rt.block_on(store.read()).unwrap();
+    let bad = write_file(
+        dir.path(),
+        "bad.json",
+        r#"{"bundle_version": 1, "policies": [{"id": "api", "rules": []}]}"#,
+    );
+    let refused = tollgate(&["publish", &bad, "--store", url, "--sign-key", &sign]);
+    assert_eq!(refused.code, 1, "{}", refused.stderr);
+    assert!(refused.stdout.is_empty());
+    assert!(
+        refused.stderr.contains("policies[0].rules: unknown field"),
+        "{}",
+        refused.stderr
+    );
+    assert!(refused.stderr.contains("policies[0].spec: is required"));
+    assert_eq!(rt.block_on(store.read()).unwrap(), slots_before);
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), va);
+
+    // A candidate, then promote: a new version, re-signed for the live slot.
+    let vb = tollgate(&[
+        "publish",
+        &b,
+        "--store",
+        url,
+        "--sign-key",
+        &sign,
+        "--candidate",
+    ])
+    .version();
+    assert!(vb > va);
+    let candidate = stored(&rt, store.as_ref(), Slot::Candidate).unwrap();
+    assert_eq!(
+        (candidate.version, candidate.policy.as_str()),
+        (vb, b_text.as_str())
+    );
+    assert_eq!(candidate.verify(Some(&verify)), Ok(()));
+    assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
+
+    // A promote or rollback sealed from a candidate or history head that has changed since
+    // it was read writes nothing.
+    let stale = Envelope::seal(b_text.clone(), Slot::Live, vb + 1, now_secs(), None);
+    assert!(matches!(
+        rt.block_on(store.promote(&stale, b"an older candidate")),
+        Err(SourceError::Conflict(_))
+    ));
+    assert!(matches!(
+        rt.block_on(store.roll_back(&stale, b"an older live bundle")),
+        Err(SourceError::Conflict(_))
+    ));
+    assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
+    assert_eq!(
+        stored(&rt, store.as_ref(), Slot::Candidate)
+            .unwrap()
+            .version,
+        vb
+    );
+
+    let vp = tollgate(&["promote", "--store", url, "--sign-key", &sign]).version();
+    assert!(vp > vb);
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    assert_eq!(live.version, vp);
+    assert_eq!(live.sha256, sha256_hex(b_text.as_bytes()));
+    assert_eq!(live.verify(Some(&verify)), Ok(()));
+    assert!(stored(&rt, store.as_ref(), Slot::Candidate).is_none());
+    let again = tollgate(&["promote", "--store", url, "--sign-key", &sign]);
+    assert_eq!(again.code, 1);
+    assert!(
+        again.stderr.contains("no candidate to promote"),
+        "{}",
+        again.stderr
+    );
+    assert!(again.stdout.is_empty());
+
+    // C live: history is [B as promoted, A].
+    let vc = tollgate(&["publish", &c, "--store", url, "--sign-key", &sign]).version();
+    assert!(vc > vp);
+    let history: Vec<u64> = rt
+        .block_on(store.history())
+        .unwrap()
+        .iter()
+        .map(|h| {
+            Envelope::parse(h, Slot::Live, DEFAULT_MAX_BYTES)
+                .unwrap()
+                .version
+        })
+        .collect();
+    assert_eq!(history, vec![vp, va]);
+
+    // Two rollbacks go back two bundles (B, then A), each a new version; a third finds none.
+    let vr1 = tollgate(&["rollback", "--store", url, "--sign-key", &sign]).version();
+    assert!(vr1 > vc);
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    assert_eq!((live.version, live.policy.as_str()), (vr1, b_text.as_str()));
+    assert_eq!(live.verify(Some(&verify)), Ok(()));
+    let vr2 = tollgate(&["rollback", "--store", url, "--sign-key", &sign]).version();
+    assert!(vr2 > vr1);
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    assert_eq!((live.version, live.policy.as_str()), (vr2, a_text.as_str()));
+    assert_eq!(live.sha256, sha256_hex(a_text.as_bytes()));
+    assert!(rt.block_on(store.history()).unwrap().is_empty());
+    let none = tollgate(&["rollback", "--store", url, "--sign-key", &sign]);
+    assert_eq!(none.code, 1);
+    assert!(
+        none.stderr
+            .contains("no previous live bundle to roll back to"),
+        "{}",
+        none.stderr
+    );
+    assert_eq!(
+        stored(&rt, store.as_ref(), Slot::Live).unwrap().version,
+        vr2
+    );
+
+    // A wiped store (bundles, version and heartbeats gone): the clock keeps versions growing.
+    // The source in use reads the wiped store as empty at once (PostgreSQL: its tables are
+    // made again), never as an error.
+    wipe();
+    assert_eq!(rt.block_on(store.read()).unwrap(), source::Slots::default());
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), 0);
+    let vw = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
+    assert!(vw > vr2, "{vw} after a wipe is above {vr2}");
+
+    // Wiped again, with a gateway reporting a version above the clock: the next is above it.
+    wipe();
+    let ahead = now_ms() + 1_000_000_000_000;
+    let mut report = beat("edge-ahead", None, None, now_secs());
+    report.live_version = Some(ahead);
+    rt.block_on(store.heartbeat(&report)).unwrap();
+    let vh = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
+    assert_eq!(vh, ahead + 1);
+}
+
+#[test]
+fn publish_promote_rollback_on_redis() {
+    let redis = RedisServer::start(free_port(), &[]);
+    assert_publish_promote_rollback(&redis.url(), &|| {
+        assert!(redis.cli(&["FLUSHALL"]).contains("OK"));
+    });
+}
+
+#[test]
+fn publish_promote_rollback_on_a_redis_cluster() {
+    let nodes = redis_cluster();
+    assert_publish_promote_rollback(&cluster_url(&nodes), &|| {
+        for node in &nodes {
+            assert!(node.cli(&["FLUSHALL"]).contains("OK"));
+        }
+    });
+}
+
+#[test]
+fn publish_promote_rollback_on_postgres() {
+    let pg = PgServer::start();
+    assert_publish_promote_rollback(&pg.url(), &|| {
+        pg.sql("DROP TABLE tollgate_bundle, tollgate_bundle_history, tollgate_gateways");
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signing rules
+
+/// Unsigned over signed, another key, an unsigned candidate slipped into the store: refused
+/// (exit 2) with the store unchanged; `--allow-unsigned` is the one way to drop signing.
+#[test]
+fn signing_rules_protect_a_signed_fleet() {
+    let redis = RedisServer::start(free_port(), &[]);
+    let url = redis.url();
+    let dir = tempfile::tempdir().unwrap();
+    let (sign, verify) = openssl_pair(dir.path(), "one");
+    let (other, _) = openssl_pair(dir.path(), "two");
+    let verify = VerifyKey::from_pem_file(Path::new(&verify)).unwrap();
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let b = write_file(dir.path(), "b.json", &bundle("api", 20));
+    let rt = runtime();
+    let store = open(&url);
+
+    let va = tollgate(&["publish", &a, "--store", &url, "--sign-key", &sign]).version();
+
+    // Unsigned over a signed live bundle.
+    let unsigned = tollgate(&["publish", &b, "--store", &url]);
+    assert_eq!(unsigned.code, 2);
+    assert!(
+        unsigned.stderr.contains(&format!(
+            "the live bundle (version {va}) is signed and no --sign-key was given"
+        )),
+        "{}",
+        unsigned.stderr
+    );
+    assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
+
+    // A signed candidate promoted without the key, or with another key: refused.
+    let vb = tollgate(&[
+        "publish",
+        &b,
+        "--store",
+        &url,
+        "--sign-key",
+        &sign,
+        "--candidate",
+    ])
+    .version();
+    let keyless = tollgate(&["promote", "--store", &url]);
+    assert_eq!(keyless.code, 2);
+    assert!(keyless.stderr.contains(&format!(
+        "the candidate (version {vb}) is signed and no --sign-key was given"
+    )));
+    let wrong = tollgate(&["promote", "--store", &url, "--sign-key", &other]);
+    assert_eq!(wrong.code, 2);
+    assert!(
+        wrong.stderr.contains(&format!(
+            "the candidate (version {vb}) does not verify with --sign-key"
+        )),
+        "{}",
+        wrong.stderr
+    );
+    assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
+
+    // An unsigned candidate written by other means is never re-signed by promote.
+    let slipped = Envelope::seal(
+        bundle("api", 1000),
+        Slot::Candidate,
+        vb + 1,
+        now_secs(),
+        None,
+    );
+    rt.block_on(store.write(&slipped)).unwrap();
+    let laundered = tollgate(&["promote", "--store", &url, "--sign-key", &sign]);
+    assert_eq!(laundered.code, 2);
+    assert!(
+        laundered
+            .stderr
+            .contains("does not verify with --sign-key (bundle is unsigned"),
+        "{}",
+        laundered.stderr
+    );
+    assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
+
+    // A key file that is no Ed25519 private key: exit 2, the file named, nothing stored.
+    let ec = dir.path().join("ec.pem");
+    assert!(Command::new("openssl")
+        .args([
+            "genpkey",
+            "-algorithm",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-out"
+        ])
+        .arg(&ec)
+        .status()
+        .unwrap()
+        .success());
+    let ec = ec.display().to_string();
+    let bad_key = tollgate(&["publish", &b, "--store", &url, "--sign-key", &ec]);
+    assert_eq!(bad_key.code, 2);
+    assert!(bad_key.stderr.starts_with(&ec), "{}", bad_key.stderr);
+    assert_eq!(stored(&rt, store.as_ref(), Slot::Live).unwrap().version, va);
+
+    // Dropping signing on purpose.
+    let vu = tollgate(&["publish", &b, "--store", &url, "--allow-unsigned"]).version();
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    assert_eq!(live.version, vu);
+    assert!(live.signature.is_none());
+    assert_eq!(live.verify(Some(&verify)).unwrap_err().reason(), "unsigned");
+}
+
+// ---------------------------------------------------------------------------------------------
+// tollgate fleet
+
+#[test]
+fn fleet_shows_one_line_per_gateway_and_json() {
+    let redis = RedisServer::start(free_port(), &[]);
+    let url = redis.url();
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let b = write_file(dir.path(), "b.json", &bundle("api", 20));
+    let rt = runtime();
+    let store = open(&url);
+
+    let empty = tollgate(&["fleet", "--store", &url]);
+    assert_eq!(empty.code, 0, "{}", empty.stderr);
+    assert_eq!(
+        empty.stdout,
+        format!(
+            "store: {url}\nlive: none\ncandidate: none\nGATEWAY  LIVE  HASH  CANDIDATE  SEEN  \
+             WOULD-REFUSE  STATE\n(no gateway has sent a heartbeat)\n"
+        )
+    );
+
+    tollgate(&["publish", &a, "--store", &url]).version();
+    tollgate(&["publish", &b, "--store", &url, "--candidate"]).version();
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    let candidate = stored(&rt, store.as_ref(), Slot::Candidate).unwrap();
+    let hour_ago = now_secs() - 3600;
+    rt.block_on(store.heartbeat(&beat("edge-1", Some(&live), Some(&candidate), hour_ago)))
+        .unwrap();
+    rt.block_on(store.heartbeat(&beat("edge-2", Some(&live), None, hour_ago)))
+        .unwrap();
+
+    let shown = tollgate(&["fleet", "--store", &url]);
+    assert_eq!(shown.code, 0, "{}", shown.stderr);
+    let (lv, lh) = (live.version, &live.sha256[..12]);
+    let (cv, ch) = (candidate.version, &candidate.sha256[..12]);
+    assert_eq!(
+        shown.stdout,
+        format!(
+            "store: {url}\n\
+             live: {lv} (hash {lh}, unsigned)\n\
+             candidate: {cv} (hash {ch}, unsigned)\n\
+             GATEWAY  LIVE           HASH          CANDIDATE      SEEN    WOULD-REFUSE  STATE\n\
+             edge-1   {lv}  {lh}  {cv}  1h ago  5             following\n\
+             edge-2   {lv}  {lh}  -              1h ago  -             following\n"
+        )
+    );
+
+    let json = tollgate(&["fleet", "--store", &url, "--json"]);
+    assert_eq!(json.code, 0, "{}", json.stderr);
+    let doc: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+    assert_eq!(doc["store"], url.as_str());
+    assert_eq!(doc["live"]["version"], lv);
+    assert_eq!(doc["live"]["hash"], live.sha256.as_str());
+    assert_eq!(doc["candidate"]["version"], cv);
+    assert_eq!(doc["candidate"]["hash"], candidate.sha256.as_str());
+    let gateways = doc["gateways"].as_array().unwrap();
+    assert_eq!(gateways.len(), 2);
+    assert_eq!(gateways[0]["id"], "edge-1");
+    assert_eq!(gateways[0]["candidate_version"], cv);
+    assert_eq!(gateways[0]["candidate_refusals"]["api/per-ip"], 2);
+    assert_eq!(gateways[0]["at"], hour_ago);
+    assert_eq!(gateways[1]["id"], "edge-2");
+    assert_eq!(gateways[1]["candidate_version"], serde_json::Value::Null);
+
+    // A store that does not answer: exit 2, nothing on stdout.
+    let port = free_port();
+    let down = tollgate(&[
+        "fleet",
+        "--store",
+        &format!("redis://127.0.0.1:{port}"),
+        "--timeout-ms",
+        "500",
+    ]);
+    assert_eq!(down.code, 2);
+    assert!(down.stdout.is_empty());
+    assert!(
+        down.stderr.contains("policy store unavailable"),
+        "{}",
+        down.stderr
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The HTTP(S) source
+
+/// A file server for one path, answering `304` to a matching `If-None-Match`; records each
+/// request's `If-None-Match` and the status answered.
+struct StaticServer {
+    port: u16,
+    seen: Arc<Mutex<Vec<Exchange>>>,
+}
+
+/// A request's `If-None-Match` and the status answered.
+type Exchange = (Option<String>, u16);
+
+impl StaticServer {
+    fn start(file: PathBuf, etag: &'static str) -> StaticServer {
+        let listener = TcpListener::bind(("127.0.0.1", free_port())).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = Arc::clone(&seen);
+        std::thread::spawn(move || {
+            for stream in listener.incoming().take(16) {
+                let Ok(stream) = stream else { continue };
+                Self::answer(stream, &file, etag, &record);
+            }
+        });
+        StaticServer { port, seen }
+    }
+
+    fn answer(mut stream: TcpStream, file: &Path, etag: &str, record: &Mutex<Vec<Exchange>>) {
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let mut if_none_match = None;
+        let mut line = String::new();
+        while reader.read_line(&mut line).is_ok_and(|n| n > 0) {
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("if-none-match") {
+                    if_none_match = Some(value.trim().to_string());
+                }
+            }
+            line.clear();
+        }
+        let status = if if_none_match.as_deref() == Some(etag) {
+            304
+        } else {
+            200
+        };
+        record.lock().unwrap().push((if_none_match, status));
+        let response = if status == 304 {
+            format!("HTTP/1.1 304 Not Modified\r\nETag: {etag}\r\nConnection: close\r\n\r\n")
+                .into_bytes()
+        } else {
+            let mut body = Vec::new();
+            std::fs::File::open(file)
+                .unwrap()
+                .read_to_end(&mut body)
+                .unwrap();
+            let mut r = format!(
+                "HTTP/1.1 200 OK\r\nETag: {etag}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            r.extend(body);
+            r
+        };
+        let _ = stream.write_all(&response);
+    }
+}
+
+/// `publish --out` writes an envelope a static server serves; the HTTP source reads it, sends
+/// the ETag back in `If-None-Match`, gets 304 and returns the same bytes; it is read-only.
+#[test]
+fn the_http_source_reads_a_published_file_with_etags() {
+    let dir = tempfile::tempdir().unwrap();
+    let (sign, verify) = openssl_pair(dir.path(), "http");
+    let verify = VerifyKey::from_pem_file(Path::new(&verify)).unwrap();
+    let a_text = bundle("api", 10);
+    let a = write_file(dir.path(), "a.json", &a_text);
+    let out = dir.path().join("www").join("bundle.json");
+    std::fs::create_dir(dir.path().join("www")).unwrap();
+    let out_arg = out.display().to_string();
+    let v1 = tollgate(&["publish", &a, "--out", &out_arg, "--sign-key", &sign]).version();
+    let v2 = tollgate(&["publish", &a, "--out", &out_arg, "--sign-key", &sign]).version();
+    assert!(v2 > v1, "a file's version grows past its own");
+    let written = std::fs::read(&out).unwrap();
+
+    let server = StaticServer::start(out.clone(), "\"e-1\"");
+    let url = format!("http://127.0.0.1:{}/www/bundle.json", server.port);
+    let rt = runtime();
+    let store = open(&url);
+    assert_eq!(store.kind(), "http");
+    let first = rt.block_on(store.read()).unwrap();
+    assert_eq!(first.live.as_deref(), Some(written.as_slice()));
+    assert_eq!(first.candidate, None);
+    let second = rt.block_on(store.read()).unwrap();
+    assert_eq!(second, first, "a 304 returns the kept body");
+    assert_eq!(
+        *server.seen.lock().unwrap(),
+        vec![(None, 200), (Some("\"e-1\"".to_string()), 304)]
+    );
+    let envelope = Envelope::parse(&written, Slot::Live, DEFAULT_MAX_BYTES).unwrap();
+    assert_eq!(
+        (envelope.version, envelope.policy.as_str()),
+        (v2, a_text.as_str())
+    );
+    assert_eq!(envelope.verify(Some(&verify)), Ok(()));
+
+    assert!(matches!(
+        rt.block_on(store.write(&envelope)),
+        Err(SourceError::ReadOnly(_))
+    ));
+    let refused = tollgate(&["publish", &a, "--store", &url]);
+    assert_eq!(refused.code, 2);
+    assert!(refused.stderr.contains("read-only"), "{}", refused.stderr);
+
+    // A server that is gone: unavailable, bounded by the timeout.
+    drop(server);
+    let closed = source::open(
+        &format!("http://127.0.0.1:{}/x", free_port()),
+        Duration::from_secs(2),
+    )
+    .unwrap();
+    assert!(matches!(
+        rt.block_on(closed.read()),
+        Err(SourceError::Unavailable(_))
+    ));
+}
+
+/// Over HTTPS: a server whose certificate no trusted authority signed is refused (the source
+/// is unavailable); with the test CA trusted through `SSL_CERT_FILE`, the envelope is read.
+#[test]
+fn the_https_source_verifies_the_server() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tls");
+    let certs: Vec<_> =
+        rustls_pemfile::certs(&mut std::fs::read(root.join("api.pem")).unwrap().as_slice())
+            .collect::<Result<_, _>>()
+            .unwrap();
+    let key =
+        rustls_pemfile::private_key(&mut std::fs::read(root.join("api.key")).unwrap().as_slice())
+            .unwrap()
+            .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let body = Envelope::seal(bundle("api", 10), Slot::Live, 7, now_secs(), None).to_json();
+    let rt = runtime();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(("127.0.0.1", free_port())))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let served = body.clone();
+    rt.spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let Ok(mut tls) = acceptor.accept(tcp).await else {
+                continue;
+            };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && tls.read(&mut byte).await.is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let response = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{served}",
+                served.len()
+            );
+            let _ = tls.write_all(response.as_bytes()).await;
+            let _ = tls.shutdown().await;
+        }
+    });
+    let url = format!("https://localhost:{port}/bundle.json");
+
+    std::env::remove_var("SSL_CERT_FILE");
+    let untrusted = open(&url);
+    match rt.block_on(untrusted.read()) {
+        Err(SourceError::Unavailable(e)) => assert!(e.contains("TLS"), "{e}"),
+        other => panic!("an unknown authority is refused: {other:?}"),
+    }
+
+    std::env::set_var("SSL_CERT_FILE", root.join("ca.pem"));
+    let trusted = open(&url);
+    std::env::remove_var("SSL_CERT_FILE");
+    let slots = rt.block_on(trusted.read()).unwrap();
+    assert_eq!(slots.live.as_deref(), Some(body.as_bytes()));
+}
+
+/// `changed()` returns `false` soon after its notification channel drops (the caller polls
+/// meanwhile), subscribes again on the next call, and is woken by the next publish.
+fn assert_changed_reconnects(url: &str, drop_listener: &dyn Fn()) {
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let rt = runtime();
+    let store = open(url);
+    assert!(!rt.block_on(store.changed(Duration::from_millis(200))));
+    drop_listener();
+    let start = Instant::now();
+    assert!(!rt.block_on(store.changed(Duration::from_secs(60))));
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "a dropped channel ends the wait instead of running out the minute"
+    );
+    assert!(!rt.block_on(store.changed(Duration::from_millis(200))));
+    tollgate(&["publish", &a, "--store", url]).version();
+    assert!(rt.block_on(store.changed(Duration::from_secs(5))));
+}
+
+#[test]
+fn changed_reconnects_on_redis() {
+    let redis = RedisServer::start(free_port(), &[]);
+    assert_changed_reconnects(&redis.url(), &|| {
+        let killed = redis.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+        assert_eq!(killed.trim(), "1", "one subscriber");
+    });
+}
+
+#[test]
+fn changed_reconnects_on_postgres() {
+    let pg = PgServer::start();
+    assert_changed_reconnects(&pg.url(), &|| {
+        pg.sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE query = 'LISTEN tollgate_bundle'",
+        );
+    });
+}
+
+/// The highest version is compared as a decimal string in Redis's Lua (whose numbers are
+/// doubles): versions above 2^53 stay exact and a lower write never lowers it.
+#[test]
+fn versions_above_lua_doubles_stay_exact_on_redis() {
+    let redis = RedisServer::start(free_port(), &[]);
+    let rt = runtime();
+    let store = open(&redis.url());
+    let high = (1u64 << 60) + 1;
+    for version in [high, high - 1, 99] {
+        let envelope = Envelope::seal(bundle("api", 10), Slot::Candidate, version, 0, None);
+        rt.block_on(store.write(&envelope)).unwrap();
+    }
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), high);
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let next = tollgate(&["publish", &a, "--store", &redis.url()]).version();
+    assert_eq!(next, high + 1);
+}
