@@ -8,244 +8,13 @@ mod support;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::{free_cluster_port, free_port};
+use support::free_port;
+use support::servers::{PgServer, RedisCluster, RedisServer};
 use tollgate::fleet::envelope::{sha256_hex, Envelope, Slot, VerifyKey, DEFAULT_MAX_BYTES};
 use tollgate::fleet::source::{self, Heartbeat, PolicySource, SourceError};
-
-// ---------------------------------------------------------------------------------------------
-// Servers
-
-struct RedisServer {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl RedisServer {
-    fn start(port: u16, extra: &[&str]) -> RedisServer {
-        let dir = tempfile::tempdir().unwrap();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .args(extra)
-            .arg("--dir")
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is not installed: run `bash scripts/test.sh` (it installs it)");
-        let server = RedisServer {
-            child,
-            port,
-            _dir: dir,
-        };
-        let start = Instant::now();
-        while !server.cli(&["PING"]).contains("PONG") {
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "redis-server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-
-    fn cli(&self, args: &[&str]) -> String {
-        Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A three-node Redis Cluster (no replicas).
-fn redis_cluster() -> Vec<RedisServer> {
-    let nodes: Vec<RedisServer> = (0..3)
-        .map(|_| {
-            RedisServer::start(
-                free_cluster_port(),
-                &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
-            )
-        })
-        .collect();
-    let addrs: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    let created = Command::new("redis-cli")
-        .arg("--cluster")
-        .arg("create")
-        .args(&addrs)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .output()
-        .expect("redis-cli");
-    assert!(
-        created.status.success(),
-        "{}",
-        String::from_utf8_lossy(&created.stdout)
-    );
-    let start = Instant::now();
-    while !nodes
-        .iter()
-        .all(|n| n.cli(&["cluster", "info"]).contains("cluster_state:ok"))
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "cluster did not converge"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    nodes
-}
-
-fn cluster_url(nodes: &[RedisServer]) -> String {
-    let addrs: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    format!("redis+cluster://{}", addrs.join(","))
-}
-
-fn pg_bin(name: &str) -> PathBuf {
-    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL is not installed: run `bash scripts/test.sh` (it installs it)")
-        .filter_map(|e| e.ok())
-        .map(|e| e.path().join("bin").join(name))
-        .filter(|p| p.exists())
-        .collect();
-    found.sort();
-    found.pop().expect("PostgreSQL server binaries")
-}
-
-fn as_postgres(program: PathBuf) -> Command {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
-    }
-}
-
-struct PgServer {
-    child: Option<Child>,
-    port: u16,
-    dir: tempfile::TempDir,
-}
-
-impl PgServer {
-    fn start() -> PgServer {
-        let dir = tempfile::tempdir().unwrap();
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            let chowned = Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(dir.path())
-                .status()
-                .unwrap();
-            assert!(chowned.success());
-        }
-        let data = dir.path().join("data");
-        let init = as_postgres(pg_bin("initdb"))
-            .args(["-U", "tollgate", "--auth=trust", "-E", "UTF8", "-D"])
-            .arg(&data)
-            .output()
-            .expect("initdb");
-        assert!(
-            init.status.success(),
-            "{}",
-            String::from_utf8_lossy(&init.stderr)
-        );
-        let port = free_port();
-        let child = as_postgres(pg_bin("postgres"))
-            .arg("-D")
-            .arg(&data)
-            .args(["-p", &port.to_string(), "-c", "listen_addresses=127.0.0.1"])
-            .args(["-c", "fsync=off", "-k"])
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("postgres");
-        let server = PgServer {
-            child: Some(child),
-            port,
-            dir,
-        };
-        let start = Instant::now();
-        while !Command::new(pg_bin("pg_isready"))
-            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-            .output()
-            .is_ok_and(|o| o.status.success())
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "postgres did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://tollgate@127.0.0.1:{}/postgres", self.port)
-    }
-
-    fn sql(&self, statement: &str) {
-        let done = Command::new(pg_bin("psql"))
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-U",
-                "tollgate",
-            ])
-            .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-c", statement])
-            .output()
-            .expect("psql");
-        assert!(
-            done.status.success(),
-            "{}",
-            String::from_utf8_lossy(&done.stderr)
-        );
-    }
-}
-
-impl Drop for PgServer {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let pid = std::fs::read_to_string(self.dir.path().join("data/postmaster.pid"))
-                .ok()
-                .and_then(|t| t.lines().next().and_then(|l| l.trim().parse::<i32>().ok()));
-            // SAFETY: kill(2) on the server this test started.
-            unsafe {
-                match pid {
-                    Some(pid) => libc::kill(pid, libc::SIGINT),
-                    None => libc::kill(child.id() as i32, libc::SIGKILL),
-                };
-            }
-            let _ = child.wait();
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -532,7 +301,7 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
 
 #[test]
 fn publish_promote_rollback_on_redis() {
-    let redis = RedisServer::start(free_port(), &[]);
+    let redis = RedisServer::start();
     assert_publish_promote_rollback(&redis.url(), &|| {
         assert!(redis.cli(&["FLUSHALL"]).contains("OK"));
     });
@@ -540,9 +309,9 @@ fn publish_promote_rollback_on_redis() {
 
 #[test]
 fn publish_promote_rollback_on_a_redis_cluster() {
-    let nodes = redis_cluster();
-    assert_publish_promote_rollback(&cluster_url(&nodes), &|| {
-        for node in &nodes {
+    let cluster = RedisCluster::start();
+    assert_publish_promote_rollback(&cluster.url(), &|| {
+        for node in &cluster.nodes {
             assert!(node.cli(&["FLUSHALL"]).contains("OK"));
         }
     });
@@ -563,7 +332,7 @@ fn publish_promote_rollback_on_postgres() {
 /// (exit 2) with the store unchanged; `--allow-unsigned` is the one way to drop signing.
 #[test]
 fn signing_rules_protect_a_signed_fleet() {
-    let redis = RedisServer::start(free_port(), &[]);
+    let redis = RedisServer::start();
     let url = redis.url();
     let dir = tempfile::tempdir().unwrap();
     let (sign, verify) = openssl_pair(dir.path(), "one");
@@ -669,7 +438,7 @@ fn signing_rules_protect_a_signed_fleet() {
 
 #[test]
 fn fleet_shows_one_line_per_gateway_and_json() {
-    let redis = RedisServer::start(free_port(), &[]);
+    let redis = RedisServer::start();
     let url = redis.url();
     let dir = tempfile::tempdir().unwrap();
     let a = write_file(dir.path(), "a.json", &bundle("api", 10));
@@ -967,7 +736,7 @@ fn assert_changed_reconnects(url: &str, drop_listener: &dyn Fn()) {
 
 #[test]
 fn changed_reconnects_on_redis() {
-    let redis = RedisServer::start(free_port(), &[]);
+    let redis = RedisServer::start();
     assert_changed_reconnects(&redis.url(), &|| {
         let killed = redis.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
         assert_eq!(killed.trim(), "1", "one subscriber");
@@ -989,7 +758,7 @@ fn changed_reconnects_on_postgres() {
 /// doubles): versions above 2^53 stay exact and a lower write never lowers it.
 #[test]
 fn versions_above_lua_doubles_stay_exact_on_redis() {
-    let redis = RedisServer::start(free_port(), &[]);
+    let redis = RedisServer::start();
     let rt = runtime();
     let store = open(&redis.url());
     let high = (1u64 << 60) + 1;

@@ -247,15 +247,6 @@ fn openssl(dir: &Path, args: &[&str]) {
     assert!(status.success(), "openssl {args:?}");
 }
 
-fn redis_cli(redis: &RedisServer, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
-        .args(["-p", &redis.port.to_string()])
-        .args(args)
-        .output()
-        .expect("redis-cli");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
 /// Every way a bad bundle can reach the store leaves the last good one in force, with an ERROR
 /// line naming the reason and a count; the gateway keeps answering.
 #[test]
@@ -285,7 +276,7 @@ fn bad_bundles_in_the_store_are_refused_and_the_last_good_one_kept() {
         LIVE,
         &["--sign-key", sign.to_str().expect("path")],
     );
-    let kept_envelope = redis_cli(&redis, &["GET", "{tollgate-bundle}:live"]);
+    let kept_envelope = redis.cli(&["GET", "{tollgate-bundle}:live"]);
     let gw = follower(
         &store,
         "edge-a",
@@ -328,8 +319,8 @@ fn bad_bundles_in_the_store_are_refused_and_the_last_good_one_kept() {
     expect_refusal("bad_signature");
     // Invalid, slipped in by other means (correctly framed and signed is impossible without
     // the key: this one is just not an envelope).
-    redis_cli(&redis, &["SET", "{tollgate-bundle}:live", "{\"rules\":[]}"]);
-    redis_cli(&redis, &["PUBLISH", "tollgate-bundle", "0"]);
+    redis.cli(&["SET", "{tollgate-bundle}:live", "{\"rules\":[]}"]);
+    redis.cli(&["PUBLISH", "tollgate-bundle", "0"]);
     expect_refusal("malformed");
     // Too large.
     let big = format!("{}{}", with_burst(22), " ".repeat(5000));
@@ -348,12 +339,12 @@ fn bad_bundles_in_the_store_are_refused_and_the_last_good_one_kept() {
         &["--sign-key", sign.to_str().expect("path")],
     );
     wait_version(&gw, newer);
-    redis_cli(&redis, &["SET", "{tollgate-bundle}:live", &kept_envelope]);
-    redis_cli(&redis, &["PUBLISH", "tollgate-bundle", "0"]);
+    redis.cli(&["SET", "{tollgate-bundle}:live", &kept_envelope]);
+    redis.cli(&["PUBLISH", "tollgate-bundle", "0"]);
     gw.wait_until(Duration::from_secs(5), || refused("older_version") == 1.0);
     assert_eq!(readyz(&gw)["bundle_version"], newer);
     // A wiped store unloads nothing.
-    redis_cli(&redis, &["FLUSHALL"]);
+    redis.cli(&["FLUSHALL"]);
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(readyz(&gw)["bundle_version"], newer);
     assert_eq!(gw.get("/", &[]).status, 200);

@@ -600,6 +600,10 @@ mod tests {
         async fn roll_back(&self, envelope: &Envelope, _head: &[u8]) -> Result<(), SourceError> {
             self.write(envelope).await
         }
+        async fn promote(&self, envelope: &Envelope, _candidate: &[u8]) -> Result<(), SourceError> {
+            self.slots.lock().candidate = None;
+            self.write(envelope).await
+        }
         async fn highest_version(&self) -> Result<u64, SourceError> {
             Ok(0)
         }

@@ -74,6 +74,16 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
+    /// `redis-cli` against this server; its standard output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    }
+
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
@@ -252,6 +262,27 @@ impl PgServer {
 
     pub fn url(&self) -> String {
         format!("postgres://tollgate@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Runs one SQL statement with `psql`; panics with its error when it fails.
+    pub fn sql(&self, statement: &str) {
+        let done = Command::new(pg_bin("psql"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "tollgate",
+            ])
+            .args(["-d", "postgres", "-v", "ON_ERROR_STOP=1", "-c", statement])
+            .output()
+            .expect("psql");
+        assert!(
+            done.status.success(),
+            "{}",
+            String::from_utf8_lossy(&done.stderr)
+        );
     }
 
     /// Stops the server at once: SIGINT (fast shutdown) to the postmaster itself, whose pid is
