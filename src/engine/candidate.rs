@@ -8,7 +8,9 @@
 //! the live decision: only changed and new rules are planned, keyed under `candidate:` (their
 //! own buckets) and sent to the store. A rule the live decision has no verdict for (the live
 //! request was refused before its buckets, or the rule only applies under the candidate, as a
-//! fallback whose siblings changed) is planned on its own buckets too.
+//! fallback whose siblings changed) is planned on its own buckets too. A policy of the candidate
+//! that is the live one unchanged (every rule shared) is not even planned when the live
+//! decision reached its buckets: every verdict it has is in that decision.
 //!
 //! What the candidate does with the store: its buckets are spent like the live ones (its own
 //! enforced buckets all-or-nothing among themselves); its concurrency slots are taken and given
