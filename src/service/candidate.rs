@@ -126,16 +126,18 @@ impl Drop for PendingSlot {
 }
 
 impl Gateway {
-    /// Sets the candidate bundle decided in shadow beside the live one (compiled with
-    /// [`crate::policy::CompileOptions::candidate`], so that its buckets are its own), replaces
-    /// it, or clears it (`None`). Its counts start from zero each time.
+    /// Sets the candidate bundle decided in shadow beside the live one, replaces it, or clears
+    /// it (`None`). Its keys are named under `candidate:` (as
+    /// [`crate::policy::CompileOptions::candidate`] compiles them; a bundle compiled without it
+    /// is renamed here), so its buckets are its own. Its counts start from zero each time.
     pub fn set_candidate(&self, candidate: Option<Bundle>) {
-        let Some(bundle) = candidate else {
+        let Some(mut bundle) = candidate else {
             self.candidate_on.store(false, Ordering::Release);
             self.candidate.store(None);
             self.metrics.candidate.set(None);
             return;
         };
+        bundle.make_candidate();
         self.metrics
             .candidate
             .set(Some((&bundle.version, &bundle.hash)));

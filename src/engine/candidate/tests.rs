@@ -111,6 +111,17 @@ fn every_key_of_a_candidate_is_under_its_own_prefix() {
     let live = compile_bundle(&bundle(vec![rule("per-ip", 5)]), "live").unwrap();
     assert_eq!(live.rules[0].key_prefix, "tb:per-ip:");
     assert_eq!(live.rules[0].definition, candidate.rules[0].definition);
+    // Made a candidate after compiling: the same keys, once.
+    let mut late = compile_bundle(&bundle(vec![rule("per-ip", 5)]), "live").unwrap();
+    assert!(!late.is_candidate());
+    late.make_candidate();
+    late.make_candidate();
+    assert!(late.is_candidate());
+    assert_eq!(late.rules[0].key_prefix, "candidate:tb:per-ip:");
+    assert_eq!(
+        late.envoy_override.key_prefix,
+        "candidate:tb:envoy-limit-override:"
+    );
 }
 
 #[test]
