@@ -205,6 +205,15 @@ impl Gateway {
         })
     }
 
+    /// Whether the candidate reads the client's network (`ip:country`...): the request's
+    /// network facts are then resolved even when the bundle in force reads none.
+    pub(crate) fn candidate_uses_network(&self) -> bool {
+        self.candidate
+            .load()
+            .as_deref()
+            .is_some_and(|c| c.bundle.bundle().uses_network)
+    }
+
     /// Whether a candidate is set (one atomic load: the request path's only cost without one).
     #[inline]
     pub(crate) fn has_candidate(&self) -> bool {
