@@ -8,7 +8,9 @@
 //! the live decision: only changed and new rules are planned, keyed under `candidate:` (their
 //! own buckets) and sent to the store. A rule the live decision has no verdict for (the live
 //! request was refused before its buckets, or the rule only applies under the candidate, as a
-//! fallback whose siblings changed) is planned on its own buckets too.
+//! fallback whose siblings changed) is planned on its own buckets too. A policy of the candidate
+//! that is the live one unchanged (every rule shared) is not even planned when the live
+//! decision reached its buckets: every verdict it has is in that decision.
 //!
 //! What the candidate does with the store: its buckets are spent like the live ones (its own
 //! enforced buckets all-or-nothing among themselves); its concurrency slots are taken and given
@@ -46,6 +48,12 @@ pub struct CandidateBundle {
     live: Option<Arc<Bundle>>,
     /// By candidate rule index: the live rule with the same definition.
     shared: Vec<Option<u32>>,
+    /// By candidate policy index: the policy is the live one unchanged (every rule shared, as
+    /// many rules as the live policy of its id, no guard), so a live decision that reached its
+    /// buckets gave every verdict it has.
+    unchanged: Vec<bool>,
+    /// By live rule index: the candidate rule of an unchanged policy it is.
+    from_live: Vec<Option<u32>>,
 }
 
 impl CandidateBundle {
@@ -74,10 +82,13 @@ impl CandidateBundle {
             }
             _ => vec![None; bundle.rules.len()],
         };
+        let (unchanged, from_live) = unchanged_policies(&bundle, live.as_deref(), &shared);
         CandidateBundle {
             bundle,
             live,
             shared,
+            unchanged,
+            from_live,
         }
     }
 
@@ -95,10 +106,70 @@ impl CandidateBundle {
         self.shared.iter().filter(|s| s.is_some()).count()
     }
 
+    /// How many of its policies are the live ones unchanged.
+    pub fn unchanged_policies(&self) -> usize {
+        self.unchanged.iter().filter(|u| **u).count()
+    }
+
     /// Whether candidate rule `index` reads its verdict from the live decision.
     pub fn is_shared(&self, index: usize) -> bool {
         self.shared.get(index).is_some_and(Option::is_some)
     }
+}
+
+/// The policies of `bundle` that are `live`'s unchanged, and the candidate rule of each live
+/// rule of theirs.
+fn unchanged_policies(
+    bundle: &Bundle,
+    live: Option<&Bundle>,
+    shared: &[Option<u32>],
+) -> (Vec<bool>, Vec<Option<u32>>) {
+    let Some(live) = live else {
+        return (vec![false; bundle.policies.len()], Vec::new());
+    };
+    // How many rules each policy compiled to (regular, fallback, guards, `tokens_per_day`).
+    let counts = |b: &Bundle| {
+        let mut counts = vec![0usize; b.policies.len()];
+        for rule in &b.rules {
+            if let Some(count) = counts.get_mut(rule.policy) {
+                *count += 1;
+            }
+        }
+        counts
+    };
+    let live_policies: ahash::AHashMap<&str, usize> = live
+        .policies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.id.as_str(), i))
+        .collect();
+    // By candidate policy: the live policy of its id.
+    let twin: Vec<Option<usize>> = bundle
+        .policies
+        .iter()
+        .map(|p| live_policies.get(p.id.as_str()).copied())
+        .collect();
+    let (ours, theirs) = (counts(bundle), counts(live));
+    let mut unchanged: Vec<bool> = twin
+        .iter()
+        .zip(&ours)
+        .map(|(twin, count)| twin.is_some_and(|t| theirs.get(t) == Some(count)))
+        .collect();
+    for rule in &bundle.rules {
+        let same = shared[rule.index].is_some_and(|l| {
+            Some(live.rules[l as usize].policy) == twin.get(rule.policy).copied().flatten()
+        });
+        if let (false, Some(u)) = (same, unchanged.get_mut(rule.policy)) {
+            *u = false;
+        }
+    }
+    let mut from_live = vec![None; live.rules.len()];
+    for rule in &bundle.rules {
+        if let (Some(true), Some(l)) = (unchanged.get(rule.policy), shared[rule.index]) {
+            from_live[l as usize] = Some(rule.index as u32);
+        }
+    }
+    (unchanged, from_live)
 }
 
 /// A loop detection that only warns or throttles: a slot it cannot take refuses nothing.
@@ -137,6 +208,14 @@ pub fn plan_candidate(
             .as_deref()
             .is_some_and(|l| std::ptr::eq(l, c.bundle))
     });
+    // A live decision that reached its buckets (allowed, or refused by them) holds a verdict
+    // for every rule of the live bundle that applied: the candidate's unchanged policies are
+    // then read from it whole, without being planned again.
+    let complete = verdicts.filter(|c| match live {
+        Decision::Allow(_) => !c.store_error,
+        Decision::Refuse(refusal) => matches!(refusal.cause, Cause::Buckets),
+        Decision::NoPolicy => false,
+    });
     let mut refused = Refusers::new();
     let reused = |rule: &Rule| {
         let (Some(checked), Some(Some(live_index))) = (verdicts, candidate.shared.get(rule.index))
@@ -166,7 +245,30 @@ pub fn plan_candidate(
         config,
         Selection::Indexed,
         reused,
+        |policy| complete.is_some() && candidate.unchanged.get(policy) == Some(&true),
     );
+    let from_unchanged = |refused: &mut Refusers| {
+        let Some(checked) = complete else {
+            return;
+        };
+        let of = |rule: &Rule| candidate.from_live.get(rule.index).copied().flatten();
+        for outcome in &checked.rules {
+            if let (Some(index), Mode::Enforce, false) =
+                (of(outcome.rule), outcome.rule.mode, outcome.allowed)
+            {
+                refused.push(Refuser::Rule(index));
+            }
+        }
+        for slot in &checked.slots {
+            if let (Some(index), Mode::Enforce, false) = (
+                of(slot.rule),
+                slot.rule.mode,
+                slot.allowed || soft(slot.rule),
+            ) {
+                refused.push(Refuser::Rule(index));
+            }
+        }
+    };
     match plan {
         Plan::Done(Decision::Refuse(refusal)) => {
             // Refused before any bucket: that cause alone, as a decision would say it.
@@ -184,27 +286,33 @@ pub fn plan_candidate(
                 ..Probe::default()
             }
         }
-        Plan::Done(_) => Probe {
-            refused,
-            ..Probe::default()
-        },
-        Plan::Store(pending) => Probe {
-            op_rules: pending
-                .checked
-                .rules
-                .iter()
-                .map(|o| o.rule.index as u32)
-                .collect(),
-            lease_rules: pending
-                .checked
-                .slots
-                .iter()
-                .map(|s| s.rule.index as u32)
-                .collect(),
-            ops: pending.ops,
-            leases: pending.leases,
-            refused,
-        },
+        Plan::Done(_) => {
+            from_unchanged(&mut refused);
+            Probe {
+                refused,
+                ..Probe::default()
+            }
+        }
+        Plan::Store(pending) => {
+            from_unchanged(&mut refused);
+            Probe {
+                op_rules: pending
+                    .checked
+                    .rules
+                    .iter()
+                    .map(|o| o.rule.index as u32)
+                    .collect(),
+                lease_rules: pending
+                    .checked
+                    .slots
+                    .iter()
+                    .map(|s| s.rule.index as u32)
+                    .collect(),
+                ops: pending.ops,
+                leases: pending.leases,
+                refused,
+            }
+        }
     }
 }
 

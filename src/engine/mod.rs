@@ -285,13 +285,22 @@ pub fn plan_with<'b>(
     config: EngineConfig,
     selection: Selection,
 ) -> Plan<'b> {
-    plan_reusing(bundle, facts, unix_us, config, selection, |_| false)
+    plan_reusing(
+        bundle,
+        facts,
+        unix_us,
+        config,
+        selection,
+        |_| false,
+        |_| false,
+    )
 }
 
 /// [`plan_with`], asking `reused` about every rule that applies before building its key: a
 /// rule it answers `true` for is left out of the plan (a candidate bundle's rule whose verdict
-/// the live decision already gave, see [`candidate`]). Monomorphised, so the live path's
-/// `|_| false` costs nothing.
+/// the live decision already gave, see [`candidate`]); and leaving out every policy (by index)
+/// `skipped` answers `true` for (a candidate's policy whose every verdict the live decision
+/// gave). Monomorphised, so the live path's `|_| false` costs nothing.
 pub(crate) fn plan_reusing<'b>(
     bundle: &'b Bundle,
     facts: &RequestFacts<'_>,
@@ -299,6 +308,7 @@ pub(crate) fn plan_reusing<'b>(
     config: EngineConfig,
     selection: Selection,
     mut reused: impl FnMut(&'b Rule) -> bool,
+    skipped: impl Fn(usize) -> bool,
 ) -> Plan<'b> {
     let prefix = config.ipv6_prefix;
     let unix_secs = (unix_us / US_PER_SEC).min(i64::MAX as u64) as i64;
@@ -377,6 +387,9 @@ pub(crate) fn plan_reusing<'b>(
     }
     let mut rule_candidates = crate::policy::index::Candidates::new();
     'policies: for &policy_index in &selected {
+        if skipped(policy_index as usize) {
+            continue;
+        }
         let policy = &bundle.policies[policy_index as usize];
         if !policy.selector.matches(facts) {
             continue;

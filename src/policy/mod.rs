@@ -130,6 +130,34 @@ impl Bundle {
         }
     }
 
+    /// Names every key of this bundle under `candidate:` (once), so that decided as a candidate
+    /// beside the bundle in force it never touches that bundle's buckets
+    /// ([`CompileOptions::candidate`] compiles it so).
+    pub fn make_candidate(&mut self) {
+        if self.is_candidate() {
+            return;
+        }
+        let twin = self.shadow_twin.iter_mut().flat_map(|t| t.rules.iter_mut());
+        for rule in self.rules.iter_mut().chain(twin) {
+            rule.key_prefix.insert_str(0, compile::CANDIDATE_PREFIX);
+        }
+        if let Some(twin) = self.shadow_twin.as_mut() {
+            twin.envoy_override
+                .key_prefix
+                .insert_str(0, compile::CANDIDATE_PREFIX);
+        }
+        self.envoy_override
+            .key_prefix
+            .insert_str(0, compile::CANDIDATE_PREFIX);
+    }
+
+    /// Whether its keys are a candidate's ([`Bundle::make_candidate`]).
+    pub fn is_candidate(&self) -> bool {
+        self.envoy_override
+            .key_prefix
+            .starts_with(compile::CANDIDATE_PREFIX)
+    }
+
     /// The bundle requests are decided on at `unix_secs`: this one, or its all-shadow twin
     /// while `global_shadow` is in force.
     pub fn in_force(&self, unix_secs: i64) -> &Bundle {

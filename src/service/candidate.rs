@@ -116,6 +116,17 @@ impl Candidate {
     }
 }
 
+/// The hash a candidate is shown under: the SHA-256 of its text, as a published bundle is
+/// known everywhere else (`tollgate fleet`, `/readyz`), or its internal hash when it was not
+/// compiled from text.
+fn shown_hash(bundle: &Bundle) -> &str {
+    if bundle.sha256.is_empty() {
+        &bundle.hash
+    } else {
+        &bundle.sha256
+    }
+}
+
 /// Gives a slot back when a shared store's candidate call ends, however it ends.
 struct PendingSlot(Arc<AtomicUsize>);
 
@@ -126,19 +137,21 @@ impl Drop for PendingSlot {
 }
 
 impl Gateway {
-    /// Sets the candidate bundle decided in shadow beside the live one (compiled with
-    /// [`crate::policy::CompileOptions::candidate`], so that its buckets are its own), replaces
-    /// it, or clears it (`None`). Its counts start from zero each time.
+    /// Sets the candidate bundle decided in shadow beside the live one, replaces it, or clears
+    /// it (`None`). Its keys are named under `candidate:` (as
+    /// [`crate::policy::CompileOptions::candidate`] compiles them; a bundle compiled without it
+    /// is renamed here), so its buckets are its own. Its counts start from zero each time.
     pub fn set_candidate(&self, candidate: Option<Bundle>) {
-        let Some(bundle) = candidate else {
+        let Some(mut bundle) = candidate else {
             self.candidate_on.store(false, Ordering::Release);
             self.candidate.store(None);
             self.metrics.candidate.set(None);
             return;
         };
+        bundle.make_candidate();
         self.metrics
             .candidate
-            .set(Some((&bundle.version, &bundle.hash)));
+            .set(Some((&bundle.version, shown_hash(&bundle))));
         let counters = Arc::new(Counters {
             metrics: self.metrics.candidate.clone(),
             rules: bundle.rules.iter().map(|_| OnceLock::new()).collect(),
@@ -182,7 +195,7 @@ impl Gateway {
     pub fn candidate_info(&self) -> Option<(String, String)> {
         self.candidate.load().as_deref().map(|c| {
             let bundle = c.bundle.bundle();
-            (bundle.version.clone(), bundle.hash.clone())
+            (bundle.version.clone(), shown_hash(bundle).to_string())
         })
     }
 
@@ -193,7 +206,7 @@ impl Gateway {
         let bundle = candidate.bundle.bundle();
         Some(CandidateSummary {
             version: bundle.version.clone(),
-            hash: bundle.hash.clone(),
+            hash: shown_hash(bundle).to_string(),
             set_at: candidate.counters.set_at,
             decisions: candidate.counters.metrics.decisions.get(),
             skipped: candidate.counters.metrics.skipped.get(),
@@ -201,6 +214,15 @@ impl Gateway {
             rules: bundle.rules.len(),
             refusals: candidate.refusals(),
         })
+    }
+
+    /// Whether the candidate reads the client's network (`ip:country`...): the request's
+    /// network facts are then resolved even when the bundle in force reads none.
+    pub(crate) fn candidate_uses_network(&self) -> bool {
+        self.candidate
+            .load()
+            .as_deref()
+            .is_some_and(|c| c.bundle.bundle().uses_network)
     }
 
     /// Whether a candidate is set (one atomic load: the request path's only cost without one).

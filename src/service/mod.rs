@@ -245,7 +245,8 @@ impl Gateway {
             .policy
             .load()
             .as_deref()
-            .is_some_and(|b| b.uses_network);
+            .is_some_and(|b| b.uses_network)
+            || (self.has_candidate() && self.candidate_uses_network());
         uses.then(|| {
             self.network
                 .load()

@@ -46,7 +46,14 @@ impl Bench {
     /// One request from `ip`: whether the live bundle allowed it, and the candidate's refusals
     /// as `rule` names (kill switches as `kill_switch`).
     fn request(&self, ip: &str) -> (bool, Vec<String>) {
-        let headers: Vec<(String, String)> = Vec::new();
+        self.request_with(ip, &[])
+    }
+
+    fn request_with(&self, ip: &str, headers: &[(&str, &str)]) -> (bool, Vec<String>) {
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let facts = RequestFacts::from_uri(
             "GET",
             "/v1/orders",
@@ -104,6 +111,17 @@ fn every_key_of_a_candidate_is_under_its_own_prefix() {
     let live = compile_bundle(&bundle(vec![rule("per-ip", 5)]), "live").unwrap();
     assert_eq!(live.rules[0].key_prefix, "tb:per-ip:");
     assert_eq!(live.rules[0].definition, candidate.rules[0].definition);
+    // Made a candidate after compiling: the same keys, once.
+    let mut late = compile_bundle(&bundle(vec![rule("per-ip", 5)]), "live").unwrap();
+    assert!(!late.is_candidate());
+    late.make_candidate();
+    late.make_candidate();
+    assert!(late.is_candidate());
+    assert_eq!(late.rules[0].key_prefix, "candidate:tb:per-ip:");
+    assert_eq!(
+        late.envoy_override.key_prefix,
+        "candidate:tb:envoy-limit-override:"
+    );
 }
 
 #[test]
@@ -178,4 +196,54 @@ fn a_candidate_concurrency_slot_is_given_back_at_once() {
     for _ in 0..3 {
         assert_eq!(b.request("10.0.0.4"), (true, vec![]));
     }
+}
+
+#[test]
+fn an_unchanged_policy_is_read_whole_from_the_live_decision() {
+    let policies = |changed_burst: u64| {
+        json!({"bundle_version": 1, "policies": [
+            {"id": "same", "spec": {"rules": [rule("strict", 3)]}},
+            {"id": "changed", "spec": {"rules": [rule("loose", changed_burst)]}}
+        ]})
+    };
+    let b = Bench::new(&policies(100), &policies(4), true);
+    assert_eq!(b.candidate.unchanged_policies(), 1);
+    let (mut live_refused, mut strict, mut loose) = (0, 0, 0);
+    for _ in 0..7 {
+        let (allowed, names) = b.request("10.0.0.5");
+        live_refused += usize::from(!allowed);
+        strict += names.iter().filter(|n| *n == "strict").count();
+        loose += names.iter().filter(|n| *n == "loose").count();
+    }
+    assert_eq!(live_refused, 4);
+    assert_eq!(strict, live_refused);
+    // `loose` (burst 4) on its own bucket, spent by all 7.
+    assert_eq!(loose, 3);
+}
+
+#[test]
+fn a_fallback_that_applies_only_under_the_candidate_is_decided_on_its_own_bucket() {
+    let gold = json!({"name": "gold", "limit_keys": ["ip:address"], "match": {"header:x-tier": "gold"},
+        "algorithm": "token_bucket", "algorithm_config": {"tokens_per_second": 1, "burst": 100}});
+    let rest = json!({"name": "rest", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+        "algorithm_config": {"tokens_per_second": 1, "burst": 2}});
+    let live = json!({"bundle_version": 1, "policies": [
+        {"id": "p", "spec": {"rules": [gold], "fallback_limit": rest.clone()}}]});
+    let candidate = json!({"bundle_version": 1, "policies": [
+        {"id": "p", "spec": {"rules": [], "fallback_limit": rest}}]});
+    let b = Bench::new(&live, &candidate, true);
+    assert_eq!(b.candidate.shared_rules(), 1, "the fallback is unchanged");
+    assert_eq!(
+        b.candidate.unchanged_policies(),
+        0,
+        "the policy lost a rule"
+    );
+    let mut refused = 0;
+    for _ in 0..3 {
+        let (allowed, names) = b.request_with("10.0.0.6", &[("x-tier", "gold")]);
+        assert!(allowed);
+        refused += names.iter().filter(|n| *n == "rest").count();
+    }
+    // The live decision never reached `rest` (gold applied): its own bucket, burst 2.
+    assert_eq!(refused, 1);
 }

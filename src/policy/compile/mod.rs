@@ -71,18 +71,7 @@ pub fn compile_bundle_with(
     let mut bundle = c.finish();
     bundle.shadow_twin = shadow_twin;
     if options.candidate {
-        for rule in bundle.rules.iter_mut().chain(
-            bundle
-                .shadow_twin
-                .iter_mut()
-                .flat_map(|twin| twin.rules.iter_mut()),
-        ) {
-            rule.key_prefix.insert_str(0, CANDIDATE_PREFIX);
-        }
-        bundle
-            .envoy_override
-            .key_prefix
-            .insert_str(0, CANDIDATE_PREFIX);
+        bundle.make_candidate();
     }
     Ok(bundle)
 }
