@@ -106,7 +106,8 @@ async fn on_redis_the_candidate_counts_from_its_own_buckets_without_changing_an_
         ..CompileOptions::default()
     };
     let candidate = parse_bundle_with(bundle(2, 5).as_bytes(), "candidate", options).unwrap();
-    let hash = candidate.hash.clone();
+    // Shown under the SHA-256 of its text, as published bundles are.
+    let hash = candidate.sha256.clone();
     gw.set_candidate(Some(candidate));
     let headers: Vec<(String, String)> = Vec::new();
     for _ in 0..10 {

@@ -209,6 +209,11 @@ fn a_candidate_runs_in_shadow_across_the_fleet_then_promote_and_rollback() {
     };
     fleet[0].wait_until(Duration::from_secs(5), || would_refuse() >= 6.0);
     assert_eq!(would_refuse(), 6.0);
+    let info = format!(
+        "tollgate_candidate_info{{hash=\"{}\",version=\"{candidate}\"}}",
+        sha256_hex(with_burst(4).as_bytes())
+    );
+    assert_eq!(fleet[1].metric(&info), 1.0);
     // Promote: the candidate is live everywhere, with a new version; from now on its rule
     // spends the live rule's bucket, which the ten requests emptied.
     let promoted = version_of(&tollgate(&["promote", "--store", &store]));

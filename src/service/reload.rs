@@ -366,15 +366,15 @@ impl Gateway {
                 })
                 .to_string(),
             ),
-            None => (
-                503,
-                serde_json::json!({
-                    "status": "not_ready",
-                    "reason": "no_policy_loaded",
-                    "policy_source": self.policy_source_json(),
-                })
-                .to_string(),
-            ),
+            None => {
+                let mut body =
+                    serde_json::json!({"status": "not_ready", "reason": "no_policy_loaded"});
+                let source = self.policy_source_json();
+                if !source.is_null() {
+                    body["policy_source"] = source;
+                }
+                (503, body.to_string())
+            }
         }
     }
 }
