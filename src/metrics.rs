@@ -346,7 +346,7 @@ impl Metrics {
         ));
         let trace_spans_dropped = must(IntCounter::new(
             "tollgate_trace_spans_dropped_total",
-            "Finished trace spans dropped because the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full",
+            "Sampled trace spans not exported: the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full, their batch failed, or the export was backing off from a failing collector",
         ));
         let admin_refused = must(IntCounter::new(
             "tollgate_admin_unauthorized_total",
