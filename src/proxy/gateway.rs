@@ -480,7 +480,7 @@ impl ProxyHttp for Proxy {
                     // which Pingora moves into a box on every request, past what a copy does
                     // cheaply (measured: +10 % instructions per request); so is a throttled
                     // answer's wait.
-                    let answer = match self.gateway.decide_in_memory(&facts) {
+                    let mut answer = match self.gateway.decide_in_memory(&facts) {
                         Some(answer) if answer.throttle_ms == 0 => answer,
                         Some(answer) => Box::pin(Gateway::throttled(answer)).await,
                         None => Box::pin(self.gateway.decide(&facts)).await,
@@ -489,8 +489,8 @@ impl ProxyHttp for Proxy {
                         if let Some(ip) = client_ip {
                             trace.client(ip);
                         }
-                        if let Some(summary) = answer.summary.as_deref() {
-                            trace.decided(summary);
+                        if let Some(summary) = answer.summary.take() {
+                            trace.decided_owned(*summary);
                         }
                     }
                     if let Some(access) = ctx.access.as_deref_mut() {

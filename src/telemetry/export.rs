@@ -219,6 +219,29 @@ impl Queue {
         }
     }
 
+    /// Two finished spans (a CLIENT span and its SERVER span) under one lock.
+    pub fn push_pair(&self, first: SpanRecord, second: SpanRecord) {
+        let mut spans = self.spans.lock();
+        let room = self.capacity.saturating_sub(spans.len());
+        let before = spans.len();
+        match room {
+            0 => {}
+            1 => spans.push(first),
+            _ => {
+                spans.push(first);
+                spans.push(second);
+            }
+        }
+        let batch_full = before < self.batch_size && spans.len() >= self.batch_size;
+        drop(spans);
+        if room < 2 {
+            self.dropped.inc_by(2 - room as u64);
+        }
+        if batch_full {
+            self.wake.notify_one();
+        }
+    }
+
     /// Moves up to a batch of the oldest spans into `into` (empty); the number of spans left.
     fn take(&self, into: &mut Vec<SpanRecord>) -> usize {
         let mut spans = self.spans.lock();

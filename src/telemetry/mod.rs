@@ -742,6 +742,19 @@ impl RequestSpan {
         }
     }
 
+    /// [`RequestSpan::decided`], keeping the summary's strings rather than copying them.
+    pub fn decided_owned(&mut self, summary: DecisionSummary) {
+        if let Some(record) = self.server() {
+            record.decision = Some(summary.decision);
+            record.policy = summary.policy;
+            record.rule = summary.rule;
+            record.reason = summary.reason;
+            record.remaining = summary
+                .remaining
+                .map(|remaining| i64::try_from(remaining).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Starts the CLIENT span of the upstream call (once per request: a retry is an event on
     /// it). `server` is the server first chosen.
     pub fn upstream_started(
@@ -843,12 +856,14 @@ impl RequestSpan {
             queue,
         } = *recorded;
         let now = unix_nanos();
-        if let Some(mut client) = client {
-            client.end = now;
-            queue.push(client);
-        }
         server.end = now;
-        queue.push(server);
+        match client {
+            Some(mut client) => {
+                client.end = now;
+                queue.push_pair(client, server);
+            }
+            None => queue.push(server),
+        }
     }
 }
 
