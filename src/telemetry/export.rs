@@ -298,6 +298,7 @@ impl Exporter {
             queue: Arc::clone(&queue),
             accepting: Arc::clone(&accepting),
             encoder: Encoder::new(&config.resource),
+            spans_buf: Vec::new(),
             transport,
             config,
             backoff: FIRST_BACKOFF,
@@ -349,6 +350,8 @@ struct Worker {
     queue: Arc<Queue>,
     accepting: Arc<AtomicBool>,
     encoder: Encoder,
+    /// The encoder's scratch space for a batch's spans.
+    spans_buf: Vec<u8>,
     transport: Transport,
     config: Config,
     backoff: Duration,
@@ -402,7 +405,7 @@ impl Worker {
             batch.clear();
             return;
         }
-        self.encoder.encode(batch, body);
+        self.encoder.encode(batch, &mut self.spans_buf, body);
         batch.clear();
         let sent = tokio::time::timeout(timeout, self.transport.send(body))
             .await

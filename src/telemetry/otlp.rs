@@ -13,13 +13,49 @@ const FIXED64: u64 = 1;
 const LEN: u64 = 2;
 const FIXED32: u64 = 5;
 
-fn key(out: &mut Vec<u8>, field: u64, wire: u64) {
-    encode_varint(field << 3 | wire, out);
+/// A varint, without going through `BufMut` for the one-byte values most of ours are.
+#[inline]
+fn varint(out: &mut Vec<u8>, value: u64) {
+    if value < 0x80 {
+        out.push(value as u8);
+    } else {
+        encode_varint(value, out);
+    }
 }
 
+#[inline]
+fn key(out: &mut Vec<u8>, field: u64, wire: u64) {
+    varint(out, field << 3 | wire);
+}
+
+/// An IP address as text: IPv4 (nearly every address here) by hand, IPv6 through `Display`.
+fn ip_text(ip: std::net::IpAddr, text: &mut String) {
+    text.clear();
+    match ip {
+        std::net::IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().into_iter().enumerate() {
+                if i > 0 {
+                    text.push('.');
+                }
+                if octet >= 100 {
+                    text.push(char::from(b'0' + octet / 100));
+                }
+                if octet >= 10 {
+                    text.push(char::from(b'0' + octet / 10 % 10));
+                }
+                text.push(char::from(b'0' + octet % 10));
+            }
+        }
+        std::net::IpAddr::V6(v6) => {
+            let _ = write!(text, "{v6}");
+        }
+    }
+}
+
+#[inline]
 fn bytes_field(out: &mut Vec<u8>, field: u64, value: &[u8]) {
     key(out, field, LEN);
-    encode_varint(value.len() as u64, out);
+    varint(out, value.len() as u64);
     out.extend_from_slice(value);
 }
 
@@ -60,11 +96,12 @@ fn attribute(out: &mut Vec<u8>, field: u64, name: &str, value: Value<'_>) {
         + 1
         + encoded_len_varint(any_len as u64)
         + any_len;
+    out.reserve(kv_len + 4);
     key(out, field, LEN);
-    encode_varint(kv_len as u64, out);
+    varint(out, kv_len as u64);
     bytes_field(out, 1, name.as_bytes());
     key(out, 2, LEN);
-    encode_varint(any_len as u64, out);
+    varint(out, any_len as u64);
     match value {
         Value::Str(s) => bytes_field(out, 1, s.as_bytes()),
         Value::Bool(b) => {
@@ -73,7 +110,7 @@ fn attribute(out: &mut Vec<u8>, field: u64, name: &str, value: Value<'_>) {
         }
         Value::Int(n) => {
             key(out, 3, VARINT);
-            encode_varint(n as u64, out);
+            varint(out, n as u64);
         }
     }
 }
@@ -107,26 +144,29 @@ impl Encoder {
         }
     }
 
-    /// An `ExportTraceServiceRequest` of `spans`, into `out` (cleared first).
-    pub fn encode(&mut self, spans: &[SpanRecord], out: &mut Vec<u8>) {
+    /// An `ExportTraceServiceRequest` of `spans`, into `out` (cleared first). The spans are
+    /// written first, into `spans_buf`; the enclosing messages' lengths then follow from it,
+    /// so the batch is copied once rather than moved up at each level.
+    pub fn encode(&mut self, spans: &[SpanRecord], spans_buf: &mut Vec<u8>, out: &mut Vec<u8>) {
         out.clear();
-        let Encoder {
-            resource,
-            scope,
-            text,
-        } = self;
+        spans_buf.clear();
+        for span in spans {
+            // ScopeSpans.spans
+            nested(spans_buf, 2, |out| write_span(out, span, &mut self.text));
+        }
+        let len = |n: usize| n + 1 + encoded_len_varint(n as u64);
+        let scope_spans = self.scope.len() + spans_buf.len();
+        let resource_spans = self.resource.len() + len(scope_spans);
+        out.reserve(len(resource_spans));
         // ExportTraceServiceRequest.resource_spans
-        nested(out, 1, |out| {
-            out.extend_from_slice(resource);
-            // ResourceSpans.scope_spans
-            nested(out, 2, |out| {
-                out.extend_from_slice(scope);
-                for span in spans {
-                    // ScopeSpans.spans
-                    nested(out, 2, |out| write_span(out, span, text));
-                }
-            });
-        });
+        key(out, 1, LEN);
+        varint(out, resource_spans as u64);
+        out.extend_from_slice(&self.resource);
+        // ResourceSpans.scope_spans
+        key(out, 2, LEN);
+        varint(out, scope_spans as u64);
+        out.extend_from_slice(&self.scope);
+        out.extend_from_slice(spans_buf);
     }
 }
 
@@ -207,14 +247,12 @@ fn write_attributes(out: &mut Vec<u8>, span: &SpanRecord, text: &mut String) {
         attribute(out, A, "tollgate.upstream_group", Value::Str(group));
     }
     if let Some(server) = span.upstream {
-        text.clear();
-        let _ = write!(text, "{}", server.ip());
+        ip_text(server.ip(), text);
         attribute(out, A, "server.address", Value::Str(text));
         attribute(out, A, "server.port", Value::Int(i64::from(server.port())));
     }
     if let Some(ip) = span.client_address {
-        text.clear();
-        let _ = write!(text, "{ip}");
+        ip_text(ip, text);
         attribute(out, A, "client.address", Value::Str(text));
     }
     if let Some(decision) = span.decision {
@@ -250,8 +288,7 @@ fn write_event(out: &mut Vec<u8>, time: u64, event: &UpstreamEvent, text: &mut S
     out.extend_from_slice(&time.to_le_bytes());
     bytes_field(out, 2, event.name().as_bytes());
     let (server, attempt) = event.server();
-    text.clear();
-    let _ = write!(text, "{}", server.ip());
+    ip_text(server.ip(), text);
     attribute(out, 3, "server.address", Value::Str(text));
     attribute(out, 3, "server.port", Value::Int(i64::from(server.port())));
     attribute(
@@ -352,7 +389,7 @@ mod tests {
             ("deployment.environment".to_string(), "prod".to_string()),
         ]);
         let mut body = Vec::new();
-        encoder.encode(&[server_span(), client, root], &mut body);
+        encoder.encode(&[server_span(), client, root], &mut Vec::new(), &mut body);
         let request = ExportTraceServiceRequest::decode(body.as_slice()).unwrap();
         assert_eq!(request.resource_spans.len(), 1);
         let resource = request.resource_spans[0].resource.clone().unwrap();
@@ -470,11 +507,28 @@ mod tests {
     }
 
     #[test]
+    fn addresses_are_written_as_display_writes_them() {
+        let mut text = String::new();
+        for ip in [
+            "0.0.0.0",
+            "127.0.0.1",
+            "203.0.113.255",
+            "10.20.100.9",
+            "::1",
+            "2001:db8::7",
+        ] {
+            let ip: std::net::IpAddr = ip.parse().unwrap();
+            ip_text(ip, &mut text);
+            assert_eq!(text, ip.to_string());
+        }
+    }
+
+    #[test]
     fn a_long_span_gets_a_long_length_prefix() {
         let mut span = server_span();
         span.url_path = Some("/x".repeat(10_000));
         let mut body = Vec::new();
-        Encoder::new(&[]).encode(&[span.clone(), span], &mut body);
+        Encoder::new(&[]).encode(&[span.clone(), span], &mut Vec::new(), &mut body);
         let request = ExportTraceServiceRequest::decode(body.as_slice()).unwrap();
         let spans = &request.resource_spans[0].scope_spans[0].spans;
         assert_eq!(spans.len(), 2);
