@@ -180,7 +180,7 @@ pub struct Metrics {
     debug_session_failures: IntCounterVec,
     /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
     log_lines_dropped: IntCounter,
-    /// Finished spans a full OTLP export queue turned away (`src/telemetry.rs`).
+    /// Sampled spans not exported: a full queue, a failed batch, a back-off (`src/telemetry/`).
     trace_spans_dropped: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
     /// The name of every metric family registered, series or not.
