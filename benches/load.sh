@@ -391,7 +391,7 @@ for t in tg-1 tg-1-otel tg-1-otel-down; do
   wants "$t" && [ -n "$pid" ] && echo "$t: resident memory after the run: $(awk '/VmRSS/ {print $2, $3}' "/proc/$pid/status")"
 done
 if wants tg-1-otel-down; then
-  echo "tg-1-otel-down: spans dropped (queue full): $(curl -s 127.0.0.1:18952/metrics | awk '/^tollgate_trace_spans_dropped_total/ {print $2}')"
+  echo "tg-1-otel-down: spans not exported (dropped: queue full, failed batch or back-off): $(curl -s 127.0.0.1:18952/metrics | awk '/^tollgate_trace_spans_dropped_total/ {print $2}')"
 fi
 if wants tg-1-otel; then
   echo "tg-1-otel: spans dropped: $(curl -s 127.0.0.1:18948/metrics | awk '/^tollgate_trace_spans_dropped_total/ {print $2}'); $(tail -1 "$WORK/otlp.log")"

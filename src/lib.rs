@@ -8,12 +8,13 @@
 //!                                  health checks), connection guard, admin/decision listener,
 //!                                  server and background tasks (the only Pingora code)
 //!     grpc                         tonic glue: Envoy's RateLimitService and ext_authz (the only
-//!                                  gRPC code)
+//!                                  gRPC server code)
 //! L3  cli, config, simulate,       flags → Config; commands; the running gateway: one
 //!     service, import, routes,     `Gateway::decide` for the proxy, the decision service and
 //!     tls, access_log, telemetry   ext_authz; envoyproxy/ratelimit import; the gateway file;
 //!                                  edge certificates (rustls only); access-log lines;
-//!                                  OpenTelemetry traces (the only `opentelemetry` code)
+//!                                  OpenTelemetry traces (own span records, OTLP by hand,
+//!                                  exported over a tonic or hyper client)
 //! L2  engine, limits, rls,         pure engine: bundle + facts + time → plan (each limit
 //!     headers, metrics, auth       kind plans its rules in its `limits` module); plan + store
 //!                                  answer → Decision (an enum carrying names and quotas);

@@ -180,7 +180,7 @@ pub struct Metrics {
     debug_session_failures: IntCounterVec,
     /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
     log_lines_dropped: IntCounter,
-    /// Finished spans a full OTLP export queue turned away (`src/telemetry.rs`).
+    /// Sampled spans not exported: a full queue, a failed batch, a back-off (`src/telemetry/`).
     trace_spans_dropped: IntCounter,
     per_rule: ArcSwapOption<BundleCounters>,
     /// The candidate bundle decided in shadow (`src/service/candidate.rs`): what it would
@@ -350,7 +350,7 @@ impl Metrics {
         ));
         let trace_spans_dropped = must(IntCounter::new(
             "tollgate_trace_spans_dropped_total",
-            "Finished trace spans dropped because the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full",
+            "Sampled trace spans not exported: the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full, their batch failed, or the export was backing off from a failing collector",
         ));
         let admin_refused = must(IntCounter::new(
             "tollgate_admin_unauthorized_total",

@@ -89,7 +89,10 @@ impl TraceService for GrpcReceiver {
 
 /// The collector's gRPC `TraceService` on a runtime of its own.
 fn grpc_receiver() -> (SocketAddr, Received) {
-    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    grpc_receiver_on(format!("127.0.0.1:{}", free_port()).parse().unwrap())
+}
+
+fn grpc_receiver_on(addr: SocketAddr) -> (SocketAddr, Received) {
     let received = Received::default();
     let service = TraceServiceServer::new(GrpcReceiver(received.clone()));
     std::thread::spawn(move || {
@@ -969,4 +972,49 @@ fn an_unsampled_request_exports_nothing_and_still_carries_its_trace_upstream() {
     assert!(gw
         .stdout_text()
         .contains(&format!("trace_id={CLIENT_TRACE}\n")));
+}
+
+#[test]
+fn a_failed_export_is_counted_and_a_collector_that_comes_back_gets_spans_again() {
+    let (upstream, _) = recording_upstream();
+    let collector: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let endpoint = format!("http://{collector}");
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 1000.0, 1000.0)),
+        Some(upstream),
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "50"),
+        ],
+    );
+    // Nothing listens yet: the batch fails once and its spans (a SERVER and a CLIENT span per
+    // request) are counted; the export backs off and the requests go on.
+    for _ in 0..3 {
+        assert_eq!(gw.get("/w", &[]).status, 200);
+    }
+    gw.wait_until(Duration::from_secs(10), || {
+        gw.metric("tollgate_trace_spans_dropped_total") >= 6.0
+    });
+    assert!(gw.log_text().contains("traces: export failed"));
+    // The collector comes up: after the back-off, recording and export resume.
+    let (_, received) = grpc_receiver_on(collector);
+    let start = Instant::now();
+    while received.spans.lock().unwrap().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(40),
+            "no span after the collector came back"
+        );
+        assert_eq!(gw.get("/again", &[]).status, 200);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let spans = received.wait_for(2);
+    let server = spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Server as i32)
+        .expect("a SERVER span");
+    assert_eq!(text(server, "url.path"), "/again");
+    assert_eq!(text(server, "tollgate.decision"), "allow");
 }

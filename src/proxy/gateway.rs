@@ -480,7 +480,7 @@ impl ProxyHttp for Proxy {
                     // which Pingora moves into a box on every request, past what a copy does
                     // cheaply (measured: +10 % instructions per request); so is a throttled
                     // answer's wait.
-                    let answer = match self.gateway.decide_in_memory(&facts) {
+                    let mut answer = match self.gateway.decide_in_memory(&facts) {
                         Some(answer) if answer.throttle_ms == 0 => answer,
                         Some(answer) => Box::pin(Gateway::throttled(answer)).await,
                         None => Box::pin(self.gateway.decide(&facts)).await,
@@ -489,8 +489,8 @@ impl ProxyHttp for Proxy {
                         if let Some(ip) = client_ip {
                             trace.client(ip);
                         }
-                        if let Some(summary) = answer.summary.as_deref() {
-                            trace.decided(summary);
+                        if let Some(summary) = answer.summary.take() {
+                            trace.decided_owned(*summary);
                         }
                     }
                     if let Some(access) = ctx.access.as_deref_mut() {
@@ -738,10 +738,10 @@ impl ProxyHttp for Proxy {
             if ctx.connect_tries == 1 {
                 trace.upstream_started(telemetry, &group.spec.name, addr);
             } else if trace.upstream_recorded() {
-                trace.upstream_event(
-                    "retry",
-                    crate::telemetry::server_attributes(addr, ctx.connect_tries),
-                );
+                trace.upstream_event(crate::telemetry::UpstreamEvent::Retry {
+                    server: addr,
+                    attempt: ctx.connect_tries,
+                });
             }
         }
         if let Some(access) = ctx.access.as_deref_mut() {
@@ -780,17 +780,16 @@ impl ProxyHttp for Proxy {
                 e.etype().as_str()
             );
             if let Some(trace) = ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()) {
-                let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
-                attributes.push(crate::telemetry::attribute(
-                    "tollgate.connect_failure",
-                    kind.as_str(),
-                ));
-                trace.upstream_event("connect_failed", attributes);
+                trace.upstream_event(crate::telemetry::UpstreamEvent::ConnectFailed {
+                    server: addr,
+                    attempt: ctx.connect_tries,
+                    failure: kind.as_str(),
+                });
                 if outcome.ejected {
-                    trace.upstream_event(
-                        "ejection",
-                        crate::telemetry::server_attributes(addr, ctx.connect_tries),
-                    );
+                    trace.upstream_event(crate::telemetry::UpstreamEvent::Ejection {
+                        server: addr,
+                        attempt: ctx.connect_tries,
+                    });
                 }
             }
             if outcome.ejected {
@@ -818,12 +817,11 @@ impl ProxyHttp for Proxy {
             ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()),
             ctx.server,
         ) {
-            let mut attributes = crate::telemetry::server_attributes(addr, ctx.connect_tries);
-            attributes.push(crate::telemetry::attribute(
-                "tollgate.connection_reused",
+            trace.upstream_event(crate::telemetry::UpstreamEvent::Connect {
+                server: addr,
+                attempt: ctx.connect_tries,
                 reused,
-            ));
-            trace.upstream_event("connect", attributes);
+            });
         }
         Ok(())
     }
@@ -857,12 +855,12 @@ impl ProxyHttp for Proxy {
             ctx.client_ip.or(ctx.peer),
             ctx.access.as_deref().map(|a| a.request_id.as_str()),
         )?;
-        if let (Some(trace), Some(telemetry)) = (ctx.trace.as_deref(), self.gateway.telemetry()) {
+        if let Some(trace) = ctx.trace.as_deref() {
             // The upstream continues this trace: the client's own context (kept or not) is
             // replaced by the upstream call's.
             upstream_request.remove_header("tracestate");
             let mut injected = Ok(());
-            trace.inject_upstream(telemetry, &mut |name, value| {
+            trace.inject_upstream(&mut |name, value| {
                 if injected.is_ok() {
                     injected = upstream_request.insert_header(name, value).map(|_| ());
                 }

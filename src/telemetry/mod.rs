@@ -1,0 +1,1169 @@
+//! OpenTelemetry traces, recorded by tollgate itself: the standard `OTEL_*` variables read at
+//! start, W3C trace context in and out, the sampling decision, and the spans of a request (a
+//! SERVER span per proxied request or decision call, a CLIENT span per upstream call) kept as
+//! plain records ([`span::SpanRecord`]) with a fixed field per attribute. The records are
+//! encoded straight to OTLP protobuf (`otlp`) and exported off the request path (`export`).
+//! The core sees a trace only as [`TraceFacts`] (an id and a recorded flag) and hands back a
+//! [`DecisionSummary`].
+//!
+//! Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set: then
+//! [`Telemetry::from_env`] returns `None`, nothing here runs, and a request does no span work.
+//! An unsampled request costs two random ids and the `traceparent` sent upstream: no record,
+//! no attribute, no allocation of its own.
+//!
+//! Never in the way: a finished record goes into a bounded queue (a full queue drops it and
+//! counts it in `tollgate_trace_spans_dropped_total`); a runtime of its own, on its own thread,
+//! takes batches from the queue, encodes and sends them, so a down, slow or refusing collector
+//! never blocks a request. The export headers (`OTEL_EXPORTER_OTLP_HEADERS`, often an API key)
+//! are sent and never logged.
+
+mod export;
+mod otlp;
+mod span;
+
+use crate::descriptor::TraceFacts;
+use crate::service::DecisionSummary;
+pub use span::UpstreamEvent;
+use span::{Kind, SpanRecord};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `--trace-context`: whose W3C `traceparent`/`tracestate` a request continues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TraceContextTrust {
+    /// Any client's (the W3C default: a trace goes on through the gateway).
+    #[default]
+    Accept,
+    /// Only a `--trusted-proxy` peer's: anyone else's request starts a new trace (an untrusted
+    /// client can then neither join a trace nor force sampling with its `sampled` flag).
+    Trusted,
+    /// Nobody's: every request starts a new trace.
+    Ignore,
+}
+
+/// The OTLP transport (`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else `OTEL_EXPORTER_OTLP_PROTOCOL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    Grpc,
+    HttpProtobuf,
+}
+
+impl Protocol {
+    /// The protocol a variable's value names; the specification's default is `http/protobuf`.
+    ///
+    /// # Errors
+    /// A value other than `grpc` or `http/protobuf` (`http/json` is not built in).
+    pub fn parse(value: Option<&str>) -> Result<Protocol, TelemetryError> {
+        match value.map(str::trim) {
+            None | Some("") | Some("http/protobuf") => Ok(Protocol::HttpProtobuf),
+            Some("grpc") => Ok(Protocol::Grpc),
+            Some(other) => Err(TelemetryError::Protocol(other.to_string())),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Grpc => "grpc",
+            Protocol::HttpProtobuf => "http/protobuf",
+        }
+    }
+}
+
+/// Why tracing cannot start (a start-up error: the operator asked for traces).
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("OTEL_EXPORTER_OTLP_PROTOCOL: {0:?} is not supported (grpc or http/protobuf)")]
+    Protocol(String),
+    #[error("OTEL_BSP_MAX_QUEUE_SIZE: {0:?} is not a positive number")]
+    QueueSize(String),
+    /// The exporter's own error names the endpoint's problem, never the headers' values.
+    #[error("OTLP exporter: {0}")]
+    Exporter(String),
+    #[error("OTLP export runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// What an environment says about traces (read once at start).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvSettings {
+    pub protocol: Protocol,
+    pub max_queue_size: usize,
+    /// Neither `OTEL_SERVICE_NAME` nor `service.name` in `OTEL_RESOURCE_ATTRIBUTES`: the
+    /// resource says `tollgate`.
+    pub default_service_name: bool,
+}
+
+/// The export queue when `OTEL_BSP_MAX_QUEUE_SIZE` is unset (the specification's).
+const DEFAULT_MAX_QUEUE_SIZE: usize = 2048;
+
+impl EnvSettings {
+    /// `None`: tracing is off (no OTLP endpoint set, `OTEL_SDK_DISABLED=true`, or
+    /// `OTEL_TRACES_EXPORTER=none`).
+    ///
+    /// # Errors
+    /// A protocol or queue size that cannot be used.
+    pub fn read(
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<EnvSettings>, TelemetryError> {
+        let set = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        if set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_none()
+            && set("OTEL_EXPORTER_OTLP_ENDPOINT").is_none()
+        {
+            return Ok(None);
+        }
+        if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+            || set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim().eq_ignore_ascii_case("none"))
+        {
+            return Ok(None);
+        }
+        let protocol = Protocol::parse(
+            set("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                .or_else(|| set("OTEL_EXPORTER_OTLP_PROTOCOL"))
+                .as_deref(),
+        )?;
+        let max_queue_size = match set("OTEL_BSP_MAX_QUEUE_SIZE") {
+            None => DEFAULT_MAX_QUEUE_SIZE,
+            Some(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => return Err(TelemetryError::QueueSize(v)),
+            },
+        };
+        let default_service_name = set("OTEL_SERVICE_NAME").is_none()
+            && !set("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|attrs| {
+                attrs.split(',').any(|kv| {
+                    kv.split('=')
+                        .next()
+                        .is_some_and(|k| k.trim() == "service.name")
+                })
+            });
+        Ok(Some(EnvSettings {
+            protocol,
+            max_queue_size,
+            default_service_name,
+        }))
+    }
+}
+
+/// Starts tracing for a gateway when the environment asks for it (the proxy's start-up).
+///
+/// # Errors
+/// See [`Telemetry::from_env`].
+pub fn start_for(gateway: &crate::service::Gateway) -> Result<(), TelemetryError> {
+    if let Some(telemetry) = Telemetry::from_env(
+        gateway.config.trace_context,
+        gateway.metrics.trace_spans_dropped(),
+    )? {
+        gateway.set_telemetry(telemetry);
+    }
+    Ok(())
+}
+
+/// How the gateway samples (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`), with the
+/// SDKs' meaning of each value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Sampler {
+    AlwaysOn,
+    AlwaysOff,
+    /// A trace is sampled when the lower 63 bits of its id fall below `ratio × 2^63` (every
+    /// service sampling by trace id agrees on the same traces).
+    TraceIdRatio(f64),
+    /// A continued trace keeps its parent's decision; a new one asks the root sampler.
+    ParentBased(Root),
+}
+
+/// The root sampler of a parent-based one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Root {
+    AlwaysOn,
+    AlwaysOff,
+    TraceIdRatio(f64),
+}
+
+impl Sampler {
+    /// The sampler the variables name. The default, and the answer to a name this build does
+    /// not implement (`jaeger_remote`, `xray`...), is `parentbased_always_on`; a `*traceidratio`
+    /// without a readable ratio samples everything (as the SDKs do, with a warning).
+    pub fn from_env(name: Option<&str>, arg: Option<&str>) -> Sampler {
+        let ratio = || match arg.and_then(|a| a.trim().parse::<f64>().ok()) {
+            Some(ratio) => ratio,
+            None => {
+                tracing::warn!("traces: OTEL_TRACES_SAMPLER_ARG is missing or not a number: sampling every trace");
+                1.0
+            }
+        };
+        match name.map(str::trim) {
+            None | Some("") | Some("parentbased_always_on") => Sampler::ParentBased(Root::AlwaysOn),
+            Some("always_on") => Sampler::AlwaysOn,
+            Some("always_off") => Sampler::AlwaysOff,
+            Some("traceidratio") => Sampler::TraceIdRatio(ratio()),
+            Some("parentbased_always_off") => Sampler::ParentBased(Root::AlwaysOff),
+            Some("parentbased_traceidratio") => Sampler::ParentBased(Root::TraceIdRatio(ratio())),
+            Some(other) => {
+                tracing::warn!(
+                    sampler = %crate::log_line::value(other),
+                    "traces: OTEL_TRACES_SAMPLER is not one this build has: parentbased_always_on"
+                );
+                Sampler::ParentBased(Root::AlwaysOn)
+            }
+        }
+    }
+
+    /// Whether a span of `trace_id` is sampled, under `parent` (a continued trace) or none.
+    pub fn sampled(self, trace_id: &[u8; 16], parent: Option<&Parent>) -> bool {
+        match self {
+            Sampler::AlwaysOn => true,
+            Sampler::AlwaysOff => false,
+            Sampler::TraceIdRatio(ratio) => by_trace_id(ratio, trace_id),
+            Sampler::ParentBased(root) => match (parent, root) {
+                (Some(parent), _) => parent.sampled,
+                (None, Root::AlwaysOn) => true,
+                (None, Root::AlwaysOff) => false,
+                (None, Root::TraceIdRatio(ratio)) => by_trace_id(ratio, trace_id),
+            },
+        }
+    }
+}
+
+/// The trace-id ratio rule the OpenTelemetry SDKs share: the id's last 8 bytes, shifted right
+/// by one, against `ratio × 2^63`.
+fn by_trace_id(ratio: f64, trace_id: &[u8; 16]) -> bool {
+    if ratio >= 1.0 {
+        return true;
+    }
+    let mut low = [0u8; 8];
+    low.copy_from_slice(&trace_id[8..]);
+    // `as` saturates: a negative or NaN ratio samples nothing.
+    let bound = (ratio.max(0.0) * (1u64 << 63) as f64) as u64;
+    (u64::from_be_bytes(low) >> 1) < bound
+}
+
+/// The context a request continues: a valid W3C `traceparent` (and its `tracestate`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parent {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub sampled: bool,
+    /// The `tracestate` as it goes on (empty or invalid: none).
+    pub trace_state: Option<Arc<str>>,
+}
+
+impl Parent {
+    /// Reads `traceparent`/`tracestate` by the W3C propagator's rules: version `00` with
+    /// exactly four fields (a later version may have more), lower-case hex ids that are not all
+    /// zero, flags of which only `sampled` is kept. An invalid `tracestate` is dropped whole.
+    pub fn read(headers: &dyn HeaderSource) -> Option<Parent> {
+        let value = headers.header("traceparent")?.trim();
+        let mut parts = value.split_terminator('-');
+        let (version, trace, span, flags) =
+            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        let more = parts.next().is_some();
+        let version = u8::from_str_radix(version, 16).ok()?;
+        if version == 0xff || (version == 0 && more) {
+            return None;
+        }
+        if trace.bytes().any(|b| b.is_ascii_uppercase())
+            || span.bytes().any(|b| b.is_ascii_uppercase())
+        {
+            return None;
+        }
+        let trace_id = u128::from_str_radix(trace, 16).ok()?.to_be_bytes();
+        let span_id = u64::from_str_radix(span, 16).ok()?.to_be_bytes();
+        let flags = u8::from_str_radix(flags, 16).ok()?;
+        if (version == 0 && flags > 2) || trace_id == [0; 16] || span_id == [0; 8] {
+            return None;
+        }
+        let trace_state = headers
+            .header("tracestate")
+            .and_then(trace_state)
+            .map(Arc::from);
+        Some(Parent {
+            trace_id,
+            span_id,
+            sampled: flags & 1 == 1,
+            trace_state,
+        })
+    }
+}
+
+/// A `tracestate` as it is passed on: its `key=value` members joined by commas, or `None`
+/// when it is empty or any member is invalid (a key of lower-case letters, digits and
+/// `_-*/`, optionally `tenant@system`, up to 256 characters; a value without `,` or `=`).
+fn trace_state(header: &str) -> Option<String> {
+    let mut out = String::with_capacity(header.len());
+    for member in header.split_terminator(',') {
+        let (key, value) = member.split_once('=')?;
+        let value = value.trim_start_matches('=');
+        if !trace_state_key(key) || value.len() > 256 || value.contains('=') {
+            return None;
+        }
+        if !out.is_empty() {
+            out.push(',');
+        }
+        out.push_str(key);
+        out.push('=');
+        out.push_str(value);
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+fn trace_state_key(key: &str) -> bool {
+    let bytes = key.as_bytes();
+    if bytes.is_empty() || bytes.len() > 256 {
+        return false;
+    }
+    let allowed = |b: u8| {
+        b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-' | b'*' | b'/')
+    };
+    if !(bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit()) {
+        return false;
+    }
+    match key.split_once('@') {
+        None => bytes.iter().all(|&b| allowed(b)),
+        Some((tenant, system)) => {
+            // A system id of at most 14 characters, starting with a letter or digit.
+            tenant.bytes().all(allowed)
+                && !system.is_empty()
+                && system.len() <= 14
+                && system.bytes().all(allowed)
+                && system
+                    .bytes()
+                    .next()
+                    .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        }
+    }
+}
+
+/// Random trace and span ids: a per-thread wyrand generator seeded from the system's random
+/// source (ids must be unpredictable enough to be unique, and trace-id ratio sampling reads
+/// their bits; they guard nothing).
+fn random_u64() -> u64 {
+    use std::cell::Cell;
+    thread_local! {
+        static STATE: Cell<u64> = Cell::new(seed());
+    }
+    STATE.with(|state| {
+        let s = state.get().wrapping_add(0xa076_1d64_78bd_642f);
+        state.set(s);
+        let t = u128::from(s) * u128::from(s ^ 0xe703_7ed1_a0b4_28db);
+        ((t >> 64) as u64) ^ (t as u64)
+    })
+}
+
+fn seed() -> u64 {
+    let mut bytes = [0u8; 8];
+    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).is_err() {
+        // No system randomness: the clock and the thread, still distinct per thread.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let here = &bytes as *const _ as u64;
+        return now ^ here.rotate_left(32);
+    }
+    u64::from_le_bytes(bytes)
+}
+
+fn new_trace_id() -> [u8; 16] {
+    loop {
+        let id = (u128::from(random_u64()) << 64 | u128::from(random_u64())).to_be_bytes();
+        if id != [0; 16] {
+            return id;
+        }
+    }
+}
+
+fn new_span_id() -> [u8; 8] {
+    loop {
+        let id = random_u64();
+        if id != 0 {
+            return id.to_be_bytes();
+        }
+    }
+}
+
+/// Now, in nanoseconds since the Unix epoch (a span's start and end, as OTLP has them).
+fn unix_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// Tracing as started: the sampler, the trust in callers' context, and the export.
+pub struct Telemetry {
+    sampler: Sampler,
+    trust: TraceContextTrust,
+    export: export::Exporter,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("sampler", &self.sampler)
+            .field("trust", &self.trust)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The exporter's error as it may be shown: an endpoint it quotes (an invalid URL is quoted
+/// whole) with any password in it masked, as every store URL is (`var`: the environment).
+fn without_endpoints(message: &str, var: impl Fn(&str) -> Option<String>) -> String {
+    let mut message = message.to_string();
+    for name in [
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ] {
+        if let Some(endpoint) = var(name).filter(|e| !e.is_empty()) {
+            message = message.replace(&endpoint, &crate::redact::url(&endpoint));
+        }
+    }
+    message
+}
+
+impl Telemetry {
+    /// Starts tracing when the environment asks for it; `Ok(None)` when it does not.
+    /// `dropped` counts the spans that were not exported (a full queue, a failed export).
+    ///
+    /// # Errors
+    /// A setting that cannot be used, or an export runtime that cannot start.
+    pub fn from_env(
+        trust: TraceContextTrust,
+        dropped: prometheus::IntCounter,
+    ) -> Result<Option<Telemetry>, TelemetryError> {
+        let Some(settings) = EnvSettings::read(|name| std::env::var(name).ok())? else {
+            return Ok(None);
+        };
+        Telemetry::start(&settings, trust, dropped).map(Some)
+    }
+
+    fn start(
+        settings: &EnvSettings,
+        trust: TraceContextTrust,
+        dropped: prometheus::IntCounter,
+    ) -> Result<Telemetry, TelemetryError> {
+        let var = |name: &str| std::env::var(name).ok();
+        let sampler = Sampler::from_env(
+            var("OTEL_TRACES_SAMPLER").as_deref(),
+            var("OTEL_TRACES_SAMPLER_ARG").as_deref(),
+        );
+        let config = export::Config::read(settings, var)?;
+        let export = export::Exporter::start(config, dropped)?;
+        // The endpoint may carry credentials and the headers do: neither is logged.
+        tracing::info!(
+            protocol = settings.protocol.as_str(),
+            max_queue_size = settings.max_queue_size,
+            sampler = ?sampler,
+            trace_context = ?trust,
+            "traces: OTLP export on"
+        );
+        Ok(Telemetry {
+            sampler,
+            trust,
+            export,
+        })
+    }
+
+    /// The context a request continues: its `traceparent`/`tracestate` when `--trace-context`
+    /// lets this peer's count, else none (a new trace).
+    pub fn parent(&self, headers: &dyn HeaderSource, peer_trusted: bool) -> Option<Parent> {
+        let honoured = match self.trust {
+            TraceContextTrust::Accept => true,
+            TraceContextTrust::Trusted => peer_trusted,
+            TraceContextTrust::Ignore => false,
+        };
+        if !honoured {
+            return None;
+        }
+        Parent::read(headers)
+    }
+
+    /// Starts a SERVER span (a proxied request, a decision-service, ext_authz or rate-limit
+    /// service call) under `parent`: sampled or not here, once. A sampled span gets a record
+    /// while the export takes spans (not while it backs off from a failing collector: then the
+    /// span is counted as dropped and nothing is recorded).
+    fn server_span(&self, name: &'static str, parent: Option<Parent>) -> RequestSpan {
+        let trace_id = parent.as_ref().map_or_else(new_trace_id, |p| p.trace_id);
+        let span_id = new_span_id();
+        let sampled = self.sampler.sampled(&trace_id, parent.as_ref());
+        let (parent_span_id, trace_state) = match parent {
+            Some(p) => (p.span_id, p.trace_state),
+            None => ([0; 8], None),
+        };
+        let record = (sampled && self.export.accepting()).then(|| {
+            Box::new(Recorded {
+                server: SpanRecord::new(
+                    Kind::Server,
+                    name,
+                    trace_id,
+                    span_id,
+                    parent_span_id,
+                    trace_state.clone(),
+                ),
+                client: None,
+                queue: self.export.queue(),
+            })
+        });
+        if sampled && record.is_none() {
+            self.export.dropped(1);
+        }
+        RequestSpan {
+            trace_id,
+            span_id,
+            sampled,
+            trace_state,
+            record,
+            upstream_status: None,
+            method: name,
+        }
+    }
+
+    /// Starts a proxied request's SERVER span, continuing its trace context as
+    /// `--trace-context` allows.
+    pub fn http_request(
+        &self,
+        headers: &http::HeaderMap,
+        peer_trusted: bool,
+        method: &str,
+        path: &str,
+        host: Option<&str>,
+        protocol_version: &'static str,
+    ) -> RequestSpan {
+        let parent = self.parent(headers, peer_trusted);
+        let mut span = self.server_span(method_name(method), parent);
+        if let Some(record) = span.server() {
+            record.method = Some(method_name_or_other(method));
+            record.url_path = Some(path.to_string());
+            record.server_address = host.map(|h| crate::descriptor::strip_port(h).to_string());
+            record.protocol_version = Some(protocol_version);
+        }
+        span
+    }
+
+    /// Starts the SERVER span of a decision-service call (`/v1/decision`: nginx's
+    /// `auth_request`, Envoy's HTTP ext_authz); the described request's attributes follow
+    /// ([`RequestSpan::described`]).
+    pub fn decision_call(
+        &self,
+        headers: &http::HeaderMap,
+        peer_trusted: bool,
+        method: &str,
+    ) -> RequestSpan {
+        let parent = self.parent(headers, peer_trusted);
+        let name = match method_name(method) {
+            "GET" => "GET /v1/decision",
+            "POST" => "POST /v1/decision",
+            _ => "HTTP /v1/decision",
+        };
+        let mut span = self.server_span(name, parent);
+        if let Some(record) = span.server() {
+            record.route = Some(std::borrow::Cow::Borrowed("/v1/decision"));
+        }
+        span.method = "HTTP";
+        span
+    }
+
+    /// Starts the SERVER span of a gRPC call from Envoy (`service`/`method`), continuing the
+    /// context in the call's metadata, else in `fallback` (ext_authz: the described request's
+    /// headers), as `--trace-context` allows for the calling peer.
+    pub fn grpc_call(
+        &self,
+        metadata: &dyn HeaderSource,
+        fallback: Option<&dyn HeaderSource>,
+        peer_trusted: bool,
+        name: &'static str,
+        service: &'static str,
+        method: &'static str,
+    ) -> RequestSpan {
+        let parent = self
+            .parent(metadata, peer_trusted)
+            .or_else(|| fallback.and_then(|f| self.parent(f, peer_trusted)));
+        let mut span = self.server_span(name, parent);
+        if let Some(record) = span.server() {
+            record.rpc = Some((service, method));
+        }
+        span.method = "HTTP";
+        span
+    }
+
+    /// Exports what is queued and stops, within `timeout` (a collector that is down does not
+    /// hold the gateway's exit longer).
+    pub fn shutdown(&self, timeout: Duration) {
+        self.export.shutdown(timeout);
+    }
+}
+
+/// Where a request's headers are read from (Pingora's, tonic's metadata, a described request's).
+pub trait HeaderSource {
+    fn header(&self, name: &str) -> Option<&str>;
+}
+
+impl HeaderSource for http::HeaderMap {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// W3C `traceparent` (version 00): `00-<trace id>-<span id>-<flags>` (only the sampled bit).
+fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> String {
+    let mut out = String::with_capacity(55);
+    out.push_str("00-");
+    push_hex(&mut out, trace_id);
+    out.push('-');
+    push_hex(&mut out, span_id);
+    out.push_str(if sampled { "-01" } else { "-00" });
+    out
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for byte in bytes {
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0xf)]));
+    }
+}
+
+/// A sampled request's records (one allocation), and the queue they end into.
+struct Recorded {
+    server: SpanRecord,
+    client: Option<SpanRecord>,
+    queue: Arc<export::Queue>,
+}
+
+/// A request's SERVER span and, once the request goes upstream, its CLIENT span: the ids and
+/// sampling decision every request has, and the records only a recorded one has.
+pub struct RequestSpan {
+    trace_id: [u8; 16],
+    span_id: [u8; 8],
+    sampled: bool,
+    trace_state: Option<Arc<str>>,
+    record: Option<Box<Recorded>>,
+    /// The status the upstream answered with.
+    upstream_status: Option<u16>,
+    /// The request's method as a span name allows it (`GET`, ..., `HTTP`).
+    method: &'static str,
+}
+
+impl RequestSpan {
+    fn server(&mut self) -> Option<&mut SpanRecord> {
+        self.record.as_deref_mut().map(|r| &mut r.server)
+    }
+
+    /// The trace as the core sees it (the `RATE_LIMIT` line's `trace_id`, whether to summarise
+    /// the decision: only for a span that is recorded).
+    pub fn facts(&self) -> TraceFacts {
+        TraceFacts {
+            trace_id: self.trace_id,
+            sampled: self.record.is_some(),
+        }
+    }
+
+    /// The trace id as 32 lower-case hex digits (the access log's `trace_id`).
+    pub fn trace_id(&self) -> String {
+        self.facts().trace_id_hex()
+    }
+
+    /// `client.address`: the client as resolved for limiting (behind a trusted proxy, the
+    /// address it forwarded).
+    pub fn client(&mut self, ip: IpAddr) {
+        if let Some(record) = self.server() {
+            record.client_address = Some(ip);
+        }
+    }
+
+    /// `http.route`: the matched route's path prefix; the span is renamed `METHOD route`.
+    pub fn route(&mut self, route: &str) {
+        if let Some(record) = self.server() {
+            record.route = Some(std::borrow::Cow::Owned(route.to_string()));
+            record.name_has_route = true;
+        }
+    }
+
+    /// The HTTP attributes of the request a decision call describes (ext_authz's original
+    /// request): method, path, host.
+    pub fn described(&mut self, method: &str, path: &str, host: Option<&str>) {
+        if let Some(record) = self.server() {
+            record.method = Some(method_name_or_other(method));
+            record.url_path = Some(path.to_string());
+            if let Some(host) = host.map(crate::descriptor::strip_port) {
+                record.server_address = Some(host.to_string());
+            }
+        }
+    }
+
+    /// A rate-limit service answer: `tollgate.decision` (`refuse` when over the limit), the
+    /// rule over the limit (else the tightest), and the fewest requests left.
+    pub fn rls_answered(&mut self, over_limit: bool, rule: Option<&str>, remaining: Option<u64>) {
+        if let Some(record) = self.server() {
+            record.decision = Some(if over_limit { "refuse" } else { "allow" });
+            if over_limit {
+                record.reason = Some("over_limit");
+            }
+            if let Some(rule) = rule {
+                record.rule = Some(rule.to_string());
+            }
+            if let Some(remaining) = remaining {
+                record.remaining = Some(i64::try_from(remaining).unwrap_or(i64::MAX));
+            }
+        }
+    }
+
+    /// Ends a gRPC call's span with its status code (0: OK); an error status when it is not OK.
+    pub fn finish_rpc(mut self, code: i32, message: &str) {
+        if let Some(record) = self.server() {
+            record.grpc_status = Some(code);
+            if code != 0 {
+                record.error = Some(message.to_string());
+            }
+        }
+        self.end();
+    }
+
+    /// The upstream answered with `status`.
+    pub fn upstream_responded(&mut self, status: u16) {
+        self.upstream_status = Some(status);
+    }
+
+    /// The decision's attributes: `tollgate.decision`, `tollgate.policy`, `tollgate.rule`,
+    /// `tollgate.reason`, `tollgate.remaining`.
+    pub fn decided(&mut self, summary: &DecisionSummary) {
+        if let Some(record) = self.server() {
+            record.decision = Some(summary.decision);
+            if let Some(policy) = &summary.policy {
+                record.policy = Some(policy.clone());
+            }
+            if let Some(rule) = &summary.rule {
+                record.rule = Some(rule.clone());
+            }
+            if let Some(reason) = summary.reason {
+                record.reason = Some(reason);
+            }
+            if let Some(remaining) = summary.remaining {
+                record.remaining = Some(i64::try_from(remaining).unwrap_or(i64::MAX));
+            }
+        }
+    }
+
+    /// [`RequestSpan::decided`], keeping the summary's strings rather than copying them.
+    pub fn decided_owned(&mut self, summary: DecisionSummary) {
+        if let Some(record) = self.server() {
+            record.decision = Some(summary.decision);
+            record.policy = summary.policy;
+            record.rule = summary.rule;
+            record.reason = summary.reason;
+            record.remaining = summary
+                .remaining
+                .map(|remaining| i64::try_from(remaining).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Starts the CLIENT span of the upstream call (once per request: a retry is an event on
+    /// it). `server` is the server first chosen.
+    pub fn upstream_started(
+        &mut self,
+        telemetry: &Telemetry,
+        group: &str,
+        server: std::net::SocketAddr,
+    ) {
+        // An unsampled request gets no CLIENT span: the upstream continues the SERVER span's
+        // context (its `sampled` flag off), and nothing else would read the span. A sampled one
+        // not recorded (the export backing off) counts its CLIENT span as dropped.
+        let Some(recorded) = self.record.as_deref_mut() else {
+            if self.sampled {
+                telemetry.export.dropped(1);
+            }
+            return;
+        };
+        if recorded.client.is_some() {
+            return;
+        }
+        let mut client = SpanRecord::new(
+            Kind::Client,
+            self.method,
+            self.trace_id,
+            new_span_id(),
+            self.span_id,
+            self.trace_state.clone(),
+        );
+        client.method = Some(method_or_other(self.method));
+        client.upstream_group = Some(group.to_string());
+        client.upstream = Some(server);
+        recorded.client = Some(client);
+    }
+
+    /// The upstream call is recorded (worth telling its events).
+    pub fn upstream_recorded(&self) -> bool {
+        self.record.as_ref().is_some_and(|r| r.client.is_some())
+    }
+
+    /// An event on the upstream call (`connect`, `retry`, `ejection`, `connect_failed`).
+    pub fn upstream_event(&mut self, event: UpstreamEvent) {
+        if let Some(client) = self.record.as_deref_mut().and_then(|r| r.client.as_mut()) {
+            client.events.push((unix_nanos(), event));
+        }
+    }
+
+    /// The headers that carry the trace to the upstream: the CLIENT span's context (the SERVER
+    /// span's before one exists).
+    pub fn inject_upstream(&self, set: &mut dyn FnMut(&'static str, String)) {
+        let span_id = self
+            .record
+            .as_ref()
+            .and_then(|r| r.client.as_ref())
+            .map_or(&self.span_id, |c| &c.span_id);
+        set(
+            "traceparent",
+            traceparent(&self.trace_id, span_id, self.sampled),
+        );
+        if let Some(state) = &self.trace_state {
+            set("tracestate", state.to_string());
+        }
+    }
+
+    /// Ends both spans with the response's status (0: none was sent) and the error that ended
+    /// the request, if one did (Pingora's error kind: never request data). A 5xx, or no
+    /// response, marks a span as an error, as the HTTP conventions say.
+    pub fn finish(mut self, status: u16, error: Option<&str>) {
+        let upstream_status = self.upstream_status;
+        if let Some(client) = self.record.as_deref_mut().and_then(|r| r.client.as_mut()) {
+            match upstream_status {
+                Some(code) => {
+                    client.status_code = Some(code);
+                    if code >= 500 {
+                        client.error = Some(String::new());
+                    }
+                }
+                None => client.error = Some(error.unwrap_or("no response").to_string()),
+            }
+        }
+        if let Some(record) = self.server() {
+            if status > 0 {
+                record.status_code = Some(status);
+            }
+            if status >= 500 || (status == 0 && error.is_some()) {
+                record.error = Some(error.unwrap_or_default().to_string());
+            }
+        }
+        self.end();
+    }
+
+    /// Hands the records to the export queue (CLIENT first: it ends before its SERVER span).
+    fn end(self) {
+        let Some(recorded) = self.record else {
+            return;
+        };
+        let Recorded {
+            mut server,
+            client,
+            queue,
+        } = *recorded;
+        let now = unix_nanos();
+        server.end = now;
+        match client {
+            Some(mut client) => {
+                client.end = now;
+                queue.push_pair(client, server);
+            }
+            None => queue.push(server),
+        }
+    }
+}
+
+/// The span name of an HTTP request: its method, or `HTTP` for one outside the well-known set
+/// (the conventions' rule: a name never holds request-chosen text).
+pub fn method_name(method: &str) -> &'static str {
+    match method {
+        "GET" => "GET",
+        "HEAD" => "HEAD",
+        "POST" => "POST",
+        "PUT" => "PUT",
+        "DELETE" => "DELETE",
+        "CONNECT" => "CONNECT",
+        "OPTIONS" => "OPTIONS",
+        "TRACE" => "TRACE",
+        "PATCH" => "PATCH",
+        _ => "HTTP",
+    }
+}
+
+/// `http.request.method`: a well-known method, else `_OTHER` (the conventions' rule).
+fn method_name_or_other(method: &str) -> &'static str {
+    method_or_other(method_name(method))
+}
+
+fn method_or_other(name: &'static str) -> &'static str {
+    match name {
+        "HTTP" => "_OTHER",
+        known => known,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| map.get(name).cloned()
+    }
+
+    #[test]
+    fn an_exporter_error_never_shows_an_endpoints_password() {
+        let endpoint = "http://user:s3cret@collector:43 17";
+        let var =
+            |name: &str| (name == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| endpoint.to_string());
+        let shown = without_endpoints(&format!("invalid URI {endpoint}/v1/traces"), var);
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert_eq!(
+            shown,
+            format!("invalid URI {}/v1/traces", crate::redact::url(endpoint))
+        );
+        assert_eq!(without_endpoints("timed out", var), "timed out");
+    }
+
+    #[test]
+    fn off_unless_an_endpoint_is_set_and_not_disabled() {
+        assert_eq!(EnvSettings::read(env(&[])).unwrap(), None);
+        assert_eq!(
+            EnvSettings::read(env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", " ")])).unwrap(),
+            None
+        );
+        assert_eq!(
+            EnvSettings::read(env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+                ("OTEL_SDK_DISABLED", "TRUE"),
+            ]))
+            .unwrap(),
+            None
+        );
+        assert_eq!(
+            EnvSettings::read(env(&[
+                (
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "http://127.0.0.1:4318/v1/traces"
+                ),
+                ("OTEL_TRACES_EXPORTER", "none"),
+            ]))
+            .unwrap(),
+            None
+        );
+        let on = EnvSettings::read(env(&[(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "http://127.0.0.1:4318/v1/traces",
+        )]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            on,
+            EnvSettings {
+                protocol: Protocol::HttpProtobuf,
+                max_queue_size: 2048,
+                default_service_name: true,
+            }
+        );
+    }
+
+    #[test]
+    fn protocol_queue_and_service_name_come_from_the_standard_variables() {
+        let s = EnvSettings::read(env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+            ("OTEL_BSP_MAX_QUEUE_SIZE", "16"),
+            (
+                "OTEL_RESOURCE_ATTRIBUTES",
+                "deployment.environment=prod, service.name=edge",
+            ),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.protocol, Protocol::Grpc);
+        assert_eq!(s.max_queue_size, 16);
+        assert!(!s.default_service_name);
+        let named = EnvSettings::read(env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+            ("OTEL_SERVICE_NAME", "edge"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert!(!named.default_service_name);
+        assert!(matches!(
+            EnvSettings::read(env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+            ])),
+            Err(TelemetryError::Protocol(p)) if p == "http/json"
+        ));
+        assert!(matches!(
+            EnvSettings::read(env(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+                ("OTEL_BSP_MAX_QUEUE_SIZE", "0"),
+            ])),
+            Err(TelemetryError::QueueSize(_))
+        ));
+    }
+
+    #[test]
+    fn trace_context_is_continued_only_from_the_peers_the_operator_allows() {
+        let settings = EnvSettings {
+            protocol: Protocol::HttpProtobuf,
+            max_queue_size: 4,
+            default_service_name: true,
+        };
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            "traceparent",
+            http::HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            ),
+        );
+        let continued = |trust: TraceContextTrust, peer_trusted: bool| {
+            let counter = prometheus::IntCounter::new("d", "d").unwrap();
+            let telemetry = Telemetry::start(&settings, trust, counter).unwrap();
+            let id = telemetry.parent(&headers, peer_trusted).map(|parent| {
+                TraceFacts {
+                    trace_id: parent.trace_id,
+                    sampled: parent.sampled,
+                }
+                .trace_id_hex()
+            });
+            telemetry.shutdown(Duration::from_millis(100));
+            id
+        };
+        let client = Some("4bf92f3577b34da6a3ce929d0e0e4736".to_string());
+        assert_eq!(continued(TraceContextTrust::Accept, false), client);
+        assert_eq!(continued(TraceContextTrust::Trusted, true), client);
+        assert_eq!(continued(TraceContextTrust::Trusted, false), None);
+        assert_eq!(continued(TraceContextTrust::Ignore, true), None);
+    }
+
+    #[test]
+    fn traceparent_is_written_as_the_w3c_propagator_writes_it() {
+        let trace_id = 0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736_u128.to_be_bytes();
+        let span_id = 0x00f0_67aa_0ba9_02b7_u64.to_be_bytes();
+        assert_eq!(
+            traceparent(&trace_id, &span_id, true),
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        );
+        assert_eq!(
+            traceparent(&trace_id, &span_id, false),
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+        );
+    }
+
+    struct Headers(&'static [(&'static str, &'static str)]);
+
+    impl HeaderSource for Headers {
+        fn header(&self, name: &str) -> Option<&str> {
+            self.0.iter().find(|(k, _)| *k == name).map(|(_, v)| *v)
+        }
+    }
+
+    #[test]
+    fn traceparent_and_tracestate_are_read_by_the_w3c_rules() {
+        let read = |parent: &'static str, state: Option<&'static str>| {
+            let pairs: &'static [(&'static str, &'static str)] = match state {
+                None => Box::leak(Box::new([("traceparent", parent)])),
+                Some(state) => {
+                    Box::leak(Box::new([("traceparent", parent), ("tracestate", state)]))
+                }
+            };
+            Parent::read(&Headers(pairs))
+        };
+        let ok = read(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            Some("vendor=1,other@sys=x"),
+        )
+        .unwrap();
+        assert!(ok.sampled);
+        assert_eq!(ok.span_id, 0x00f0_67aa_0ba9_02b7_u64.to_be_bytes());
+        assert_eq!(ok.trace_state.as_deref(), Some("vendor=1,other@sys=x"));
+        let unsampled = read(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+            Some("Vendor=1"),
+        )
+        .unwrap();
+        assert!(!unsampled.sampled);
+        // An invalid tracestate is dropped whole; the trace goes on.
+        assert_eq!(unsampled.trace_state, None);
+        // A later version may add fields; version 00 may not. Upper-case hex, all-zero ids,
+        // version ff and unknown flags of version 00 are refused.
+        assert!(read(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            None
+        )
+        .is_some());
+        for bad in [
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-09",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "garbage",
+        ] {
+            assert_eq!(read(bad, None), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn samplers_decide_as_the_sdks_do() {
+        let low = |last: u8| {
+            let mut id = [0u8; 16];
+            id[15] = last;
+            id
+        };
+        let mut high = [0u8; 16];
+        high[8] = 0xff;
+        let ratio = Sampler::from_env(Some("traceidratio"), Some("0.5"));
+        assert_eq!(ratio, Sampler::TraceIdRatio(0.5));
+        assert!(ratio.sampled(&low(2), None));
+        assert!(!ratio.sampled(&high, None));
+        let parent = |sampled| Parent {
+            trace_id: high,
+            span_id: [1; 8],
+            sampled,
+            trace_state: None,
+        };
+        let based = Sampler::from_env(Some("parentbased_traceidratio"), Some("0.01"));
+        assert!(based.sampled(&high, Some(&parent(true))));
+        assert!(!based.sampled(&low(2), Some(&parent(false))));
+        assert!(based.sampled(&low(2), None));
+        assert!(!based.sampled(&high, None));
+        assert_eq!(
+            Sampler::from_env(None, None),
+            Sampler::ParentBased(Root::AlwaysOn)
+        );
+        assert_eq!(
+            Sampler::from_env(Some("xray"), None),
+            Sampler::ParentBased(Root::AlwaysOn)
+        );
+        assert_eq!(
+            Sampler::from_env(Some("traceidratio"), Some("x")),
+            Sampler::TraceIdRatio(1.0)
+        );
+        assert!(!Sampler::from_env(Some("always_off"), None).sampled(&low(1), Some(&parent(true))));
+        assert!(Sampler::from_env(Some("always_on"), None).sampled(&high, Some(&parent(false))));
+        assert!(!Sampler::TraceIdRatio(0.0).sampled(&low(0), None));
+    }
+
+    #[test]
+    fn ids_are_random_and_never_zero() {
+        let a = new_trace_id();
+        let b = new_trace_id();
+        assert_ne!(a, b);
+        assert_ne!(a, [0; 16]);
+        assert_ne!(new_span_id(), new_span_id());
+    }
+
+    #[test]
+    fn span_names_and_methods_never_carry_request_text() {
+        assert_eq!(method_name("GET"), "GET");
+        assert_eq!(method_name("BREW"), "HTTP");
+        assert_eq!(method_name_or_other("BREW"), "_OTHER");
+        assert_eq!(method_name_or_other("PATCH"), "PATCH");
+    }
+}
