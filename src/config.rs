@@ -306,7 +306,7 @@ impl Config {
             if !known.iter().any(|scheme| url.starts_with(scheme)) {
                 errors.push(format!(
                     "--policy-store {:?}: expected redis://, redis+cluster://, postgres:// or an http(s):// URL",
-                    crate::redact::url(url)
+                    crate::fleet::source::display_url(url)
                 ));
             }
         }

@@ -280,6 +280,18 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
         vr2
     );
 
+    // A publisher that chose its version before another published a newer one writes nothing
+    // (the fleet would refuse its bundle as older).
+    let late = Envelope::seal(bundle("api", 7), Slot::Live, vr2 - 1, now_secs(), None);
+    assert!(matches!(
+        rt.block_on(store.write(&late)),
+        Err(SourceError::Conflict(_))
+    ));
+    assert_eq!(
+        stored(&rt, store.as_ref(), Slot::Live).unwrap().version,
+        vr2
+    );
+
     // A wiped store (bundles, version and heartbeats gone): the clock keeps versions growing.
     // The source in use reads the wiped store as empty at once (PostgreSQL: its tables are
     // made again), never as an error.
@@ -762,11 +774,27 @@ fn versions_above_lua_doubles_stay_exact_on_redis() {
     let rt = runtime();
     let store = open(&redis.url());
     let high = (1u64 << 60) + 1;
-    for version in [high, high - 1, 99] {
+    let write = |version: u64| {
         let envelope = Envelope::seal(bundle("api", 10), Slot::Candidate, version, 0, None);
-        rt.block_on(store.write(&envelope)).unwrap();
+        rt.block_on(store.write(&envelope))
+    };
+    write(high - 1).unwrap();
+    // One above, though both are the same double: compared exactly, it is newer.
+    write(high).unwrap();
+    // At or below the highest issued: another publisher was first; nothing is written.
+    for stale in [high, high - 1, 99] {
+        assert!(
+            matches!(write(stale), Err(SourceError::Conflict(_))),
+            "{stale}"
+        );
     }
     assert_eq!(rt.block_on(store.highest_version()).unwrap(), high);
+    assert_eq!(
+        stored(&rt, store.as_ref(), Slot::Candidate)
+            .unwrap()
+            .version,
+        high
+    );
     let dir = tempfile::tempdir().unwrap();
     let a = write_file(dir.path(), "a.json", &bundle("api", 10));
     let next = tollgate(&["publish", &a, "--store", &redis.url()]).version();

@@ -530,6 +530,9 @@ fn rollback_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             )
         })?;
         check_resign(&previous, key.as_ref(), "previous live bundle")?;
+        // An old bundle may have expired since: the fleet would refuse it.
+        let label = PathBuf::from(format!("previous live bundle version {}", previous.version));
+        validate_bundle(&label, previous.policy.as_bytes(), err)?;
         let slots = store.read().await.map_err(|e| store_failure(&e))?;
         check_unsigned_replacement(
             slots.live.as_deref(),

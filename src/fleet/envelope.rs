@@ -299,8 +299,16 @@ impl Envelope {
                 found: envelope.slot.as_str(),
             });
         }
+        // Versions stay below 2^63 (PostgreSQL's bigint): a larger one would leave no room
+        // above it, and every later publication would be refused.
+        if envelope.version > MAX_VERSION {
+            return Err(EnvelopeError::Malformed(format!(
+                "version {} is above {MAX_VERSION}",
+                envelope.version
+            )));
+        }
         let actual = sha256_hex(envelope.policy.as_bytes());
-        if !envelope.sha256.eq_ignore_ascii_case(&actual) {
+        if envelope.sha256 != actual {
             return Err(EnvelopeError::HashMismatch {
                 claimed: clipped(&envelope.sha256, 64),
                 actual,
@@ -351,11 +359,17 @@ pub fn short_hash(hash: &str) -> &str {
     hash.get(..12).unwrap_or(hash)
 }
 
+/// The largest version a bundle may have: 2^63 - 1 (PostgreSQL's `bigint`).
+pub const MAX_VERSION: u64 = i64::MAX as u64;
+
 /// A version above every one in `seen` and at least `now_ms` (Unix milliseconds), so that a
-/// version only grows, also across a store that lost its data.
+/// version only grows, also across a store that lost its data. A seen value at or above
+/// [`MAX_VERSION`] (a heartbeat anyone who can write the store could forge) is ignored: it
+/// would leave no version above it.
 pub fn next_version(now_ms: u64, seen: impl IntoIterator<Item = u64>) -> u64 {
     seen.into_iter()
-        .map(|v| v.saturating_add(1))
+        .filter(|v| *v < MAX_VERSION)
+        .map(|v| v + 1)
         .fold(now_ms, u64::max)
 }
 
@@ -588,6 +602,24 @@ mod tests {
         let (signing, verify) = keys(dir.path(), "a");
         let shown = format!("{signing:?}");
         assert_eq!(shown, format!("SigningKey({})", verify.fingerprint()));
+    }
+
+    #[test]
+    fn a_version_past_two_to_the_63_is_refused_and_never_followed() {
+        // A forged heartbeat near u64::MAX leaves room: it is ignored.
+        assert_eq!(next_version(5, [u64::MAX - 1, MAX_VERSION, 7]), 8);
+        assert_eq!(next_version(5, [MAX_VERSION - 1]), MAX_VERSION);
+        let over = Envelope::seal("{}".to_string(), Slot::Live, MAX_VERSION + 1, 0, None);
+        assert!(matches!(
+            Envelope::parse(over.to_json().as_bytes(), Slot::Live, DEFAULT_MAX_BYTES),
+            Err(EnvelopeError::Malformed(m)) if m.contains("above 9223372036854775807")
+        ));
+        let mut upper = Envelope::seal("{}".to_string(), Slot::Live, 9, 0, None);
+        upper.sha256 = upper.sha256.to_ascii_uppercase();
+        assert!(matches!(
+            Envelope::parse(upper.to_json().as_bytes(), Slot::Live, DEFAULT_MAX_BYTES),
+            Err(EnvelopeError::HashMismatch { .. })
+        ));
     }
 
     proptest! {

@@ -135,6 +135,15 @@ pub trait PolicySource: Send + Sync {
     async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError>;
 }
 
+/// A policy-store URL as logs, errors and `/readyz` show it: the password masked, and the query
+/// (which may carry a token) never shown.
+pub fn display_url(url: &str) -> String {
+    match url.split_once('?') {
+        Some((base, _)) => format!("{}?***", crate::redact::url(base)),
+        None => crate::redact::url(url).into_owned(),
+    }
+}
+
 /// Opens the source a URL names: `redis://`, `rediss://` (when the Redis client is built with
 /// TLS; this build's is not, and says so), `redis+cluster://`, `postgres://`,
 /// `postgresql://`, `http://`, `https://`; `timeout` bounds each call. Nothing is connected yet:

@@ -100,7 +100,7 @@ pub fn run(args: RunArgs) -> u8 {
     let loaded = match (&config.policy_store, loaded) {
         (Some(store), Ok(())) if gateway.loaded.load().is_none() => Err(format!(
             "--policy-store {}: no bundle could be put in force (none published, none kept in --state-dir, or the store unreachable)",
-            crate::redact::url(&store.url)
+            crate::fleet::source::display_url(&store.url)
         )),
         (_, loaded) => loaded.map_err(|e| e.to_string()),
     };

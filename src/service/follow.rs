@@ -361,9 +361,6 @@ impl Follower {
             }
             return;
         }
-        for warning in &bundle.warnings {
-            tracing::warn!(version = envelope.version, "policy warning: {warning}");
-        }
         self.gateway.install(bundle, Some(envelope.version), source);
         self.gateway.source_state.lock().live = Some((envelope.version, envelope.sha256.clone()));
         self.gateway.metrics.reload(true);
@@ -532,7 +529,8 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = path.with_extension("json.tmp");
+    // Named per process: during an upgrade the old and the new gateway both keep bundles.
+    let tmp = path.with_extension(format!("json.{}.tmp", std::process::id()));
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)

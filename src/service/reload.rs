@@ -165,7 +165,12 @@ impl Gateway {
             source,
         };
         for warning in &bundle.warnings {
-            tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}");
+            match published {
+                Some(version) => tracing::warn!(version, "policy warning: {warning}"),
+                None => {
+                    tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}")
+                }
+            }
         }
         for skipped in &bundle.skipped {
             for error in &skipped.errors {

@@ -137,6 +137,11 @@ impl Config {
         if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
             return Err(invalid("not an http:// or https:// URL with a host"));
         }
+        if settings.protocol == Protocol::Grpc && uri.scheme_str() == Some("https") {
+            return Err(invalid(
+                "OTLP over gRPC is built without TLS here; use http/protobuf for an https:// collector, or a plain http:// gRPC endpoint",
+            ));
+        }
         let mut header_map = http::HeaderMap::new();
         headers(set("OTEL_EXPORTER_OTLP_HEADERS"), &mut header_map);
         headers(set("OTEL_EXPORTER_OTLP_TRACES_HEADERS"), &mut header_map);
@@ -818,6 +823,16 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(!secret.contains("s3cret"), "{secret}");
+        let grpc_tls = Config::read(
+            &settings(Protocol::Grpc),
+            env(vec![(
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "https://collector:4317",
+            )]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(grpc_tls.contains("built without TLS"), "{grpc_tls}");
         assert!(Config::read(
             &settings(Protocol::Grpc),
             env(vec![

@@ -255,21 +255,26 @@ impl Parent {
     pub fn read(headers: &dyn HeaderSource) -> Option<Parent> {
         let value = headers.header("traceparent")?.trim();
         let mut parts = value.split_terminator('-');
-        let (version, trace, span, flags) =
+        let (version_text, trace, span, flags_text) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
         let more = parts.next().is_some();
-        let version = u8::from_str_radix(version, 16).ok()?;
+        let version = u8::from_str_radix(version_text, 16).ok()?;
         if version == 0xff || (version == 0 && more) {
             return None;
         }
-        if trace.bytes().any(|b| b.is_ascii_uppercase())
-            || span.bytes().any(|b| b.is_ascii_uppercase())
-        {
+        // Exactly 2, 32, 16 and 2 lower-case hex digits (no sign, no shorter field).
+        let hex = |field: &str, len: usize| {
+            field.len() == len
+                && field
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        };
+        if !hex(version_text, 2) || !hex(trace, 32) || !hex(span, 16) || !hex(flags_text, 2) {
             return None;
         }
         let trace_id = u128::from_str_radix(trace, 16).ok()?.to_be_bytes();
         let span_id = u64::from_str_radix(span, 16).ok()?.to_be_bytes();
-        let flags = u8::from_str_radix(flags, 16).ok()?;
+        let flags = u8::from_str_radix(flags_text, 16).ok()?;
         if (version == 0 && flags > 2) || trace_id == [0; 16] || span_id == [0; 8] {
             return None;
         }
@@ -292,8 +297,12 @@ impl Parent {
 fn trace_state(header: &str) -> Option<String> {
     let mut out = String::with_capacity(header.len());
     for member in header.split_terminator(',') {
+        // Optional white space around a member (`a=1, b=2`); an empty member is skipped.
+        let member = member.trim_matches([' ', '\t']);
+        if member.is_empty() {
+            continue;
+        }
         let (key, value) = member.split_once('=')?;
-        let value = value.trim_start_matches('=');
         if !trace_state_key(key) || value.len() > 256 || value.contains('=') {
             return None;
         }
@@ -1104,9 +1113,27 @@ mod tests {
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-09",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
             "garbage",
+            // Fields of the wrong length, or a sign `from_str_radix` would take.
+            "00-1-1-01",
+            "0-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-+bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
         ] {
             assert_eq!(read(bad, None), None, "{bad}");
         }
+        // White space around tracestate members is allowed; `k==v` is not a member.
+        let spaced = read(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            Some("vendor=1 ,\tother@sys=x"),
+        )
+        .unwrap();
+        assert_eq!(spaced.trace_state.as_deref(), Some("vendor=1,other@sys=x"));
+        let doubled = read(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            Some("k==v"),
+        )
+        .unwrap();
+        assert_eq!(doubled.trace_state, None);
     }
 
     #[test]

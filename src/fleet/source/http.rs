@@ -34,11 +34,7 @@ pub(super) struct HttpSource {
 
 impl HttpSource {
     pub(super) fn new(url: &str, timeout: Duration) -> Result<HttpSource, SourceError> {
-        // The query may carry a token: never shown.
-        let display = match url.split_once('?') {
-            Some((base, _)) => format!("{}?***", crate::redact::url(base)),
-            None => crate::redact::url(url).into_owned(),
-        };
+        let display = super::display_url(url);
         let bad = |message: &str| SourceError::BadUrl(format!("{display}: {message}"));
         let uri: hyper::Uri = url.parse().map_err(|_| bad("not a URL"))?;
         let https = uri

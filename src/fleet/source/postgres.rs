@@ -242,12 +242,15 @@ impl PolicySource for PostgresSource {
         let version = stored_version(envelope.version)?;
         let json = envelope.to_json();
         let slot = envelope.slot;
+        let display = self.display.clone();
         self.with_client("publishing", |client| {
             let json = json.clone();
+            let display = display.clone();
             Box::pin(async move {
                 let tx = client.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
                     .await?;
+                refuse_stale(&tx, version, &display).await?;
                 if slot == Slot::Live {
                     push_live_to_history(&tx).await?;
                 }
@@ -271,6 +274,7 @@ impl PolicySource for PostgresSource {
                 let tx = client.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
                     .await?;
+                refuse_stale(&tx, version, &display).await?;
                 let current = tx
                     .query_opt(
                         "SELECT envelope FROM tollgate_bundle WHERE slot = 'candidate'",
@@ -342,6 +346,7 @@ impl PolicySource for PostgresSource {
                 let tx = client.transaction().await?;
                 tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
                     .await?;
+                refuse_stale(&tx, version, &display).await?;
                 let first = tx
                     .query_opt(
                         "SELECT version, envelope FROM tollgate_bundle_history \
@@ -442,6 +447,27 @@ async fn push_live_to_history(
     )
     .await?;
     Ok(())
+}
+
+/// Refuses (nothing written) a version at or below the highest issued: another publisher got a
+/// newer one in first, and the fleet would refuse this one as older.
+async fn refuse_stale(
+    tx: &tokio_postgres::Transaction<'_>,
+    version: i64,
+    display: &str,
+) -> Result<(), PgError> {
+    let issued = tx
+        .query_opt(
+            "SELECT version FROM tollgate_bundle WHERE slot = 'issued'",
+            &[],
+        )
+        .await?;
+    match issued.map(|row| row.get::<_, i64>(0)) {
+        Some(issued) if version <= issued => Err(PgError::Source(SourceError::Conflict(format!(
+            "{display}: a newer version was published meanwhile; nothing was written"
+        )))),
+        _ => Ok(()),
+    }
 }
 
 /// Stores `json` in `slot`, records `version` as issued (never lowering it) and announces it,

@@ -25,6 +25,11 @@ local function above(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
+-- A version at or below the highest issued: another publisher got a newer one in first.
+local function stale(version)
+  local issued = redis.call('GET', KEYS[3])
+  return issued and not above(version, issued)
+end
 local function record(version)
   local issued = redis.call('GET', KEYS[3])
   if not issued or above(version, issued) then redis.call('SET', KEYS[3], version) end
@@ -32,8 +37,10 @@ end
 "#;
 
 /// KEYS: the slot's key, the live key, the version key, the history. ARGV: the envelope, its
-/// version, 1 when it is for the live slot, how many history entries to keep.
+/// version, 1 when it is for the live slot, how many history entries to keep. Returns 2
+/// (nothing done) when the version is not above the highest issued.
 const WRITE: &str = r#"
+if stale(ARGV[2]) then return 2 end
 if ARGV[3] == '1' then
   local previous = redis.call('GET', KEYS[2])
   if previous then
@@ -49,8 +56,10 @@ return 1
 
 /// KEYS: the live key, the history, the version key, the candidate key. ARGV: the envelope,
 /// its version, the candidate it was sealed from, how many history entries to keep. Returns 0
-/// (nothing done) when the candidate changed.
+/// (nothing done) when the candidate changed, 2 when the version is not above the highest
+/// issued.
 const PROMOTE: &str = r#"
+if stale(ARGV[2]) then return 2 end
 local candidate = redis.call('GET', KEYS[4])
 if not candidate or candidate ~= ARGV[3] then return 0 end
 local previous = redis.call('GET', KEYS[1])
@@ -66,8 +75,10 @@ return 1
 "#;
 
 /// KEYS: the live key, the history, the version key. ARGV: the envelope, its version, the
-/// history head it was sealed from. Returns 0 (nothing done) when the head changed.
+/// history head it was sealed from. Returns 0 (nothing done) when the head changed, 2 when
+/// the version is not above the highest issued.
 const ROLL_BACK: &str = r#"
+if stale(ARGV[2]) then return 2 end
 local head = redis.call('LINDEX', KEYS[2], 0)
 if not head or head ~= ARGV[3] then return 0 end
 redis.call('LPOP', KEYS[2])
@@ -290,6 +301,23 @@ impl RedisSource {
         Err(last)
     }
 
+    /// A write script's answer: 1 done; 0 `what` changed since it was read; 2 another publisher
+    /// issued a version at or above this one meanwhile (the fleet would refuse this one as
+    /// older).
+    fn written(&self, done: i64, what: &str) -> Result<(), SourceError> {
+        match done {
+            1 => Ok(()),
+            2 => Err(SourceError::Conflict(format!(
+                "{}: a newer version was published meanwhile; nothing was written",
+                self.display
+            ))),
+            _ => Err(SourceError::Conflict(format!(
+                "{}: {what} changed meanwhile; nothing was written",
+                self.display
+            ))),
+        }
+    }
+
     fn slot_key(slot: Slot) -> &'static str {
         match slot {
             Slot::Live => LIVE,
@@ -343,9 +371,10 @@ impl PolicySource for RedisSource {
             let mut call = script.prepare_invoke();
             call.key(key).key(LIVE).key(VERSION).key(HISTORY);
             call.arg(&json).arg(&version).arg(live).arg(HISTORY_KEPT);
-            conn.invoke::<i64>(&call).await.map(|_| ())
+            conn.invoke::<i64>(&call).await
         })
         .await
+        .and_then(|done| self.written(done, "the candidate or history"))
     }
 
     async fn promote(&self, envelope: &Envelope, candidate: &[u8]) -> Result<(), SourceError> {
@@ -363,14 +392,7 @@ impl PolicySource for RedisSource {
                 conn.invoke(&call).await
             })
             .await?;
-        if done == 1 {
-            Ok(())
-        } else {
-            Err(SourceError::Conflict(format!(
-                "{}: the candidate changed while promoting; nothing was written",
-                self.display
-            )))
-        }
+        self.written(done, "the candidate")
     }
 
     async fn clear_candidate(&self) -> Result<(), SourceError> {
@@ -403,14 +425,7 @@ impl PolicySource for RedisSource {
                 conn.invoke(&call).await
             })
             .await?;
-        if done == 1 {
-            Ok(())
-        } else {
-            Err(SourceError::Conflict(format!(
-                "{}: the history changed while rolling back; nothing was written",
-                self.display
-            )))
-        }
+        self.written(done, "the history")
     }
 
     async fn highest_version(&self) -> Result<u64, SourceError> {
