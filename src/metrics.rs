@@ -74,7 +74,7 @@ pub struct PolicySourceMetrics {
 }
 
 impl PolicySourceMetrics {
-    fn new(registry: &Registry) -> PolicySourceMetrics {
+    fn new(registry: &Registry, defined: &mut Vec<String>) -> PolicySourceMetrics {
         let bundle_info = must(IntGaugeVec::new(
             Opts::new(
                 "tollgate_bundle_info",
@@ -93,6 +93,9 @@ impl PolicySourceMetrics {
             "tollgate_policy_source_up",
             "1 while the --policy-store answers, 0 while it is unreachable",
         ));
+        defined.extend(names_of(&bundle_info));
+        defined.extend(names_of(&rejected));
+        defined.extend(names_of(&up));
         must(registry.register(Box::new(bundle_info.clone())));
         must(registry.register(Box::new(rejected.clone())));
         must(registry.register(Box::new(up.clone())));
@@ -387,7 +390,7 @@ impl Metrics {
             ),
             &["version", "hash"],
         ));
-        let policy_source = PolicySourceMetrics::new(&registry);
+        let policy_source = PolicySourceMetrics::new(&registry, &mut defined);
         let runtime_overrides = must(IntGaugeVec::new(
             Opts::new(
                 "tollgate_runtime_override_active",
