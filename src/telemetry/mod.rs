@@ -1,7 +1,7 @@
 //! OpenTelemetry traces, recorded by tollgate itself: the standard `OTEL_*` variables read at
 //! start, W3C trace context in and out, the sampling decision, and the spans of a request (a
 //! SERVER span per proxied request or decision call, a CLIENT span per upstream call) kept as
-//! plain records ([`span::SpanRecord`]) with a fixed field per attribute. The records are
+//! plain records (`span::SpanRecord`) with a fixed field per attribute. The records are
 //! encoded straight to OTLP protobuf (`otlp`) and exported off the request path (`export`).
 //! The core sees a trace only as [`TraceFacts`] (an id and a recorded flag) and hands back a
 //! [`DecisionSummary`].
