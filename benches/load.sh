@@ -38,10 +38,14 @@
 #   tg-1-base, tg-429-base, tg-redis-base, tg-cluster-base, tg-pg-base
 #                  the same targets run by the binary TG_BASE names (an earlier build),
 #                  interleaved with this build's: what a change costs, in one run
+#   bare-base, bare-429-base
+#                  bare and bare-429 run by the bare_proxy binary BARE_BASE names (built from the
+#                  same earlier tree as TG_BASE), so that both ratios to bare Pingora are like-for-like
 # With LATENCY=1, each target is then also run at 1, 32 and 256 connections (wrk --latency),
 # and its p50 and p99 latencies printed.
 #
 # Usage: [TARGETS="tg-1 tg-1-state"] [PROFILE=perf] [TG_BASE=/path/to/old/tollgate]
+#        [BARE_BASE=/path/to/old/bare_proxy]
 #        bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +62,7 @@ ENVOY=$(bash scripts/install-envoy.sh)
 
 # Ports.
 UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
-BARE_429=18907
+BARE_429=18907; BARE_BASE_PORT=18908; BARE_429_BASE=18909
 TG_NONE=18910; TG_1=18911; TG_5=18912; TG_429=18913; TG_DEC=18914; ENVOY_RLS=18915; TG_GRPC=18916
 TG_1_STATE=18918; TG_1_BASE=18919; TG_429_BASE=18926
 TG_1_OTEL=18943; TG_1_OTEL_RATIO=18944; TG_1_OTEL_DOWN=18945; OTLP_PORT=18946; OTLP_DOWN=18947
@@ -274,6 +278,12 @@ taskset -c 1 $BARE "127.0.0.1:$BARE_PORT" "127.0.0.1:$UP" 2>/dev/null &
 PID_BARE=$!; PIDS+=("$PID_BARE")
 taskset -c 1 $BARE "127.0.0.1:$BARE_429" "127.0.0.1:$UP" --refuse 2>/dev/null &
 PID_BARE_429=$!; PIDS+=("$PID_BARE_429")
+if [ -n "${BARE_BASE:-}" ]; then
+  taskset -c 1 "$BARE_BASE" "127.0.0.1:$BARE_BASE_PORT" "127.0.0.1:$UP" 2>/dev/null &
+  PID_BARE_BASE=$!; PIDS+=("$PID_BARE_BASE")
+  taskset -c 1 "$BARE_BASE" "127.0.0.1:$BARE_429_BASE" "127.0.0.1:$UP" --refuse 2>/dev/null &
+  PID_BARE_429_BASE=$!; PIDS+=("$PID_BARE_429_BASE")
+fi
 sleep 2
 NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 
@@ -304,6 +314,8 @@ for round in $(seq 1 "$ROUNDS"); do
       tg-pg-base) port=18939; pids=$PID_TG_PG_BASE;;
       tg-1-base) port=$TG_1_BASE; pids=$PID_TG_1_BASE;;
       tg-429-base) port=$TG_429_BASE; pids=$PID_TG_429_BASE;;
+      bare-base) port=$BARE_BASE_PORT; pids=$PID_BARE_BASE;;
+      bare-429-base) port=$BARE_429_BASE; pids=$PID_BARE_429_BASE;;
       authreq) port=$AUTHREQ; pids="$NGX_WORKER $PID_TG_DEC";;
       envoy-rls) port=$ENVOY_RLS; pids="$PID_ENVOY_RLS $PID_TG_GRPC";;
     esac
@@ -342,6 +354,8 @@ for t in $TARGETS; do
     tg-1-otel-down) name="tollgate, 1 rule, traces always_on, collector down";;
     nginx-429) name="nginx limit_req, every request refused (429)";;
     bare-429) name="bare Pingora, every request refused (429, same headers)";;
+    bare-base) name="BARE_BASE, bare Pingora proxy";;
+    bare-429-base) name="BARE_BASE, every request refused (429)";;
     tg-429) name="tollgate, every request refused (429)";;
     tg-redis) name="tollgate, 1 rule, Redis store";;
     tg-cluster) name="tollgate, 1 rule, Redis Cluster (3 nodes)";;
@@ -401,6 +415,8 @@ line "this build / TG_BASE, Redis Cluster, CPU per request:" tg-cluster tg-clust
 line "this build / TG_BASE, PostgreSQL, CPU per request:" tg-pg tg-pg-base
 line "this build / TG_BASE, 1 rule, CPU per request:" tg-1 tg-1-base
 line "this build / TG_BASE, refusal, CPU per request:" tg-429 tg-429-base
+line "TG_BASE 1 rule / BARE_BASE, CPU per request:" tg-1-base bare-base
+line "TG_BASE 429 / BARE_BASE 429, CPU per refusal:" tg-429-base bare-429-base
 if [ -n "${LATENCY:-}" ]; then
   echo; echo "| target | connections | req/s | p50 | p99 |"; echo "|---|---|---|---|---|"
   for t in $TARGETS; do
