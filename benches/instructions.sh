@@ -5,8 +5,10 @@
 # are divided by the requests served. The kernel's share (about half of the CPU time, loopback
 # TCP) is not counted here: see benches/load.sh for CPU time.
 #
-# Usage: [PROFILE=perf] [KEEP=dir] bash benches/instructions.sh [seconds=8] [BINARY]
-#   (KEEP keeps each profile for `callgrind_annotate --inclusive=yes`.)
+# Usage: [PROFILE=perf] [KEEP=dir] [TRACES=1] bash benches/instructions.sh [seconds=8] [BINARY]
+#   (KEEP keeps each profile for `callgrind_annotate --inclusive=yes`; TRACES=1 adds the one-rule
+#   path with traces on, OTEL_TRACES_SAMPLER=always_on, exporting over OTLP/HTTP to
+#   examples/otlp_sink.rs, which decodes every batch outside valgrind.)
 # The gate CI runs (release build; tollgate's no-policy, one-rule and refusal paths against
 # benches/instructions-baseline.txt; exit 1 when one costs over 3 % more):
 #   bash benches/instructions.sh --check
@@ -28,9 +30,15 @@ TG=${2:-target/$PROFILE/tollgate}
 BARE=target/$PROFILE/examples/bare_proxy
 bash scripts/install-deps.sh --load
 [ "$TG" = "target/$PROFILE/tollgate" ] && cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy
+[ -n "${TRACES:-}" ] && cargo build --profile "$PROFILE" --quiet --example otlp_sink
 command -v valgrind >/dev/null || { echo "instructions.sh: needs valgrind" >&2; exit 1; }
 WORK=$(mktemp -d)
-cleanup() { [ -f "$WORK/up.pid" ] && kill "$(cat "$WORK/up.pid")" 2>/dev/null; rm -rf "$WORK"; }
+SINK_PID=""
+cleanup() {
+  [ -f "$WORK/up.pid" ] && kill "$(cat "$WORK/up.pid")" 2>/dev/null
+  [ -n "$SINK_PID" ] && kill "$SINK_PID" 2>/dev/null
+  rm -rf "$WORK"
+}
 trap cleanup EXIT
 USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
 cat > "$WORK/up.conf" <<NGINX
@@ -82,6 +90,15 @@ if [ "$MODE" = table ]; then
   measure bare429 "bare Pingora, 429 with the same headers" $BARE 127.0.0.1:18951 127.0.0.1:18950 --refuse
 fi
 measure refused "tollgate, every request refused" $TG run --policy "$WORK/deny.json" "${TG_ARGS[@]}"
+if [ "$MODE" = table ] && [ -n "${TRACES:-}" ]; then
+  "target/$PROFILE/examples/otlp_sink" 127.0.0.1:18953 2>"$WORK/sink.log" &
+  SINK_PID=$!
+  # (Set for the function, so valgrind itself starts tollgate with them: valgrind does not
+  # follow an exec through env.)
+  OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:18953 OTEL_TRACES_SAMPLER=always_on \
+    measure traced "tollgate, 1 per-IP rule, traces always_on" $TG run --policy "$WORK/one.json" "${TG_ARGS[@]}"
+  echo "OTLP receiver: $(tail -1 "$WORK/sink.log")"
+fi
 
 case $MODE in
   write)

@@ -115,6 +115,151 @@ fn attribute(out: &mut Vec<u8>, field: u64, name: &str, value: Value<'_>) {
     }
 }
 
+/// A span's bytes written into a slice sized beforehand ([`span_bound`]), so that no write
+/// checks a `Vec`'s capacity: about half the instructions of writing through `Vec::push`.
+struct Cursor<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    #[inline(always)]
+    fn byte(&mut self, b: u8) {
+        self.buf[self.at] = b;
+        self.at += 1;
+    }
+
+    #[inline(always)]
+    fn bytes(&mut self, bytes: &[u8]) {
+        self.buf[self.at..self.at + bytes.len()].copy_from_slice(bytes);
+        self.at += bytes.len();
+    }
+
+    #[inline(always)]
+    fn varint(&mut self, mut value: u64) {
+        while value >= 0x80 {
+            self.byte(value as u8 | 0x80);
+            value >>= 7;
+        }
+        self.byte(value as u8);
+    }
+
+    /// A field's tag (every field number here is below 16: one byte).
+    #[inline(always)]
+    fn key(&mut self, field: u64, wire: u64) {
+        self.byte((field << 3 | wire) as u8);
+    }
+
+    #[inline(always)]
+    fn bytes_field(&mut self, field: u64, value: &[u8]) {
+        self.key(field, LEN);
+        self.varint(value.len() as u64);
+        self.bytes(value);
+    }
+
+    /// A length-delimited message whose body `body` writes after `room` bytes kept for its
+    /// length (one for events and the status, two for a span: what nearly all of them need);
+    /// a body of another size is moved to fit its prefix (the bound leaves [`NESTED_SLACK`]
+    /// bytes per message for that).
+    fn nested(&mut self, field: u64, room: usize, body: impl FnOnce(&mut Self)) {
+        self.key(field, LEN);
+        let start = self.at;
+        self.at += room;
+        body(self);
+        let len = self.at - start - room;
+        let n = encoded_len_varint(len as u64);
+        if n != room {
+            self.buf.copy_within(start + room..self.at, start + n);
+        }
+        let end = start + n + len;
+        self.at = start;
+        self.varint(len as u64);
+        self.at = end;
+    }
+
+    /// A `KeyValue` as field `field` (a span's, an event's attributes).
+    #[inline]
+    fn attribute(&mut self, field: u64, name: &str, value: Value<'_>) {
+        debug_assert!(name.len() <= LONGEST_NAME);
+        let any_len = match value {
+            Value::Str(s) => 1 + encoded_len_varint(s.len() as u64) + s.len(),
+            Value::Int(n) => 1 + encoded_len_varint(n as u64),
+            Value::Bool(_) => 2,
+        };
+        let kv_len = 2 + name.len() + 1 + encoded_len_varint(any_len as u64) + any_len;
+        let tag = (field << 3 | LEN) as u8;
+        if let (Value::Str(s), true) = (&value, kv_len < 0x80) {
+            // Every length one byte (nearly every attribute): two 4-byte heads and two copies.
+            self.head([tag, kv_len as u8, 0x0a, name.len() as u8]);
+            self.bytes(name.as_bytes());
+            self.head([0x12, any_len as u8, 0x0a, s.len() as u8]);
+            self.bytes(s.as_bytes());
+            return;
+        }
+        self.byte(tag);
+        self.varint(kv_len as u64);
+        // Attribute names are short constants: their length is one byte.
+        self.key(1, LEN);
+        self.byte(name.len() as u8);
+        self.bytes(name.as_bytes());
+        self.key(2, LEN);
+        self.varint(any_len as u64);
+        match value {
+            Value::Str(s) => self.bytes_field(1, s.as_bytes()),
+            Value::Bool(b) => {
+                self.key(2, VARINT);
+                self.byte(u8::from(b));
+            }
+            Value::Int(n) => {
+                self.key(3, VARINT);
+                self.varint(n as u64);
+            }
+        }
+    }
+
+    /// Four bytes in one store.
+    #[inline(always)]
+    fn head(&mut self, bytes: [u8; 4]) {
+        self.buf[self.at..self.at + 4].copy_from_slice(&bytes);
+        self.at += 4;
+    }
+}
+
+/// Room a nested message may need beyond its one-byte length prefix.
+const NESTED_SLACK: usize = 9;
+/// The longest attribute name the spans carry; [`Cursor::attribute`] writes its length as one
+/// byte.
+const LONGEST_NAME: usize = 32;
+/// What one attribute costs beyond its name and string value: tags and length prefixes.
+const ATTRIBUTE_OVERHEAD: usize = 2 * 11 + 3 + 11 + 1;
+/// The most attributes a span or an event carries.
+const MOST_ATTRIBUTES: usize = 20;
+
+/// The most bytes `span` can take, its own length prefix included: the strings it holds, and
+/// a generous fixed part for everything of known size.
+fn span_bound(span: &SpanRecord) -> usize {
+    let strings = |s: Option<&str>| s.map_or(0, str::len);
+    let route = strings(span.route.as_deref());
+    let variable = span.name.len()
+        + 2 * route
+        + strings(span.trace_state.as_deref())
+        + strings(span.error.as_deref())
+        + strings(span.url_path.as_deref())
+        + strings(span.server_address.as_deref())
+        + strings(span.policy.as_deref())
+        + strings(span.rule.as_deref())
+        + strings(span.upstream_group.as_deref())
+        + span
+            .rpc
+            .map_or(0, |(service, method)| service.len() + method.len());
+    // Each attribute: its name, its overhead, a fixed-size value (static strings and
+    // addresses are under 64 bytes).
+    let per_attribute = LONGEST_NAME + ATTRIBUTE_OVERHEAD + 64;
+    let fixed = 128 + NESTED_SLACK * 4 + MOST_ATTRIBUTES * per_attribute;
+    let per_event = 64 + NESTED_SLACK + 5 * per_attribute;
+    variable + fixed + span.events.len() * per_event
+}
+
 /// Writes batches for one resource and scope.
 pub struct Encoder {
     /// `ResourceSpans.resource` and the start of nothing else: written before each batch's
@@ -146,14 +291,25 @@ impl Encoder {
 
     /// An `ExportTraceServiceRequest` of `spans`, into `out` (cleared first). The spans are
     /// written first, into `spans_buf`; the enclosing messages' lengths then follow from it,
-    /// so the batch is copied once rather than moved up at each level.
+    /// so the batch is copied once rather than moved up at each level. `spans_buf` is scratch
+    /// kept between batches: it only ever grows (to the largest bound seen), so it is zeroed
+    /// once rather than for every batch.
     pub fn encode(&mut self, spans: &[SpanRecord], spans_buf: &mut Vec<u8>, out: &mut Vec<u8>) {
         out.clear();
-        spans_buf.clear();
+        let bound: usize = spans.iter().map(span_bound).sum();
+        if spans_buf.len() < bound {
+            spans_buf.resize(bound, 0);
+        }
+        let mut cursor = Cursor {
+            buf: spans_buf.as_mut_slice(),
+            at: 0,
+        };
         for span in spans {
             // ScopeSpans.spans
-            nested(spans_buf, 2, |out| write_span(out, span, &mut self.text));
+            cursor.nested(2, 2, |c| write_span(c, span, &mut self.text));
         }
+        let written = cursor.at;
+        let spans_buf = &spans_buf[..written];
         let len = |n: usize| n + 1 + encoded_len_varint(n as u64);
         let scope_spans = self.scope.len() + spans_buf.len();
         let resource_spans = self.resource.len() + len(scope_spans);
@@ -170,144 +326,144 @@ impl Encoder {
     }
 }
 
-fn write_span(out: &mut Vec<u8>, span: &SpanRecord, text: &mut String) {
-    bytes_field(out, 1, &span.trace_id);
-    bytes_field(out, 2, &span.span_id);
+fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, text: &mut String) {
+    c.key(1, LEN);
+    c.byte(16);
+    c.bytes(&span.trace_id);
+    c.key(2, LEN);
+    c.byte(8);
+    c.bytes(&span.span_id);
     if let Some(state) = &span.trace_state {
-        bytes_field(out, 3, state.as_bytes());
+        c.bytes_field(3, state.as_bytes());
     }
     let has_parent = span.parent_span_id != [0; 8];
     if has_parent {
-        bytes_field(out, 4, &span.parent_span_id);
+        c.key(4, LEN);
+        c.byte(8);
+        c.bytes(&span.parent_span_id);
     }
     match (&span.route, span.name_has_route) {
         (Some(route), true) => {
-            key(out, 5, LEN);
-            encode_varint((span.name.len() + 1 + route.len()) as u64, out);
-            out.extend_from_slice(span.name.as_bytes());
-            out.push(b' ');
-            out.extend_from_slice(route.as_bytes());
+            c.key(5, LEN);
+            c.varint((span.name.len() + 1 + route.len()) as u64);
+            c.bytes(span.name.as_bytes());
+            c.byte(b' ');
+            c.bytes(route.as_bytes());
         }
-        _ => bytes_field(out, 5, span.name.as_bytes()),
+        _ => c.bytes_field(5, span.name.as_bytes()),
     }
-    key(out, 6, VARINT);
-    out.push(match span.kind {
+    c.key(6, VARINT);
+    c.byte(match span.kind {
         Kind::Server => 2,
         Kind::Client => 3,
     });
-    key(out, 7, FIXED64);
-    out.extend_from_slice(&span.start.to_le_bytes());
-    key(out, 8, FIXED64);
-    out.extend_from_slice(&span.end.to_le_bytes());
-    write_attributes(out, span, text);
+    c.key(7, FIXED64);
+    c.bytes(&span.start.to_le_bytes());
+    c.key(8, FIXED64);
+    c.bytes(&span.end.to_le_bytes());
+    write_attributes(c, span, text);
     for (time, event) in &span.events {
-        nested(out, 11, |out| write_event(out, *time, event, text));
+        c.nested(11, 1, |c| write_event(c, *time, event, text));
     }
     // Status: message (2) and code (3: 2 is ERROR); unset when there was no error.
-    nested(out, 15, |out| {
+    c.nested(15, 1, |c| {
         if let Some(message) = &span.error {
             if !message.is_empty() {
-                bytes_field(out, 2, message.as_bytes());
+                c.bytes_field(2, message.as_bytes());
             }
-            key(out, 3, VARINT);
-            out.push(2);
+            c.key(3, VARINT);
+            c.byte(2);
         }
     });
     // Flags: the sampled bit, and "the parent's remoteness is known" (0x100), remote (0x200)
     // when there is a parent: a SERVER span's comes from a caller, a CLIENT span's is the
     // SERVER span, handed over as a context.
     let flags: u32 = 0x101 | if has_parent { 0x200 } else { 0 };
-    key(out, 16, FIXED32);
-    out.extend_from_slice(&flags.to_le_bytes());
+    // (Field 16: its tag takes two bytes.)
+    c.varint(16 << 3 | FIXED32);
+    c.bytes(&flags.to_le_bytes());
 }
 
-fn write_attributes(out: &mut Vec<u8>, span: &SpanRecord, text: &mut String) {
+fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, text: &mut String) {
     const A: u64 = 9;
     if let Some(method) = span.method {
-        attribute(out, A, "http.request.method", Value::Str(method));
+        c.attribute(A, "http.request.method", Value::Str(method));
     }
     if let Some(path) = &span.url_path {
-        attribute(out, A, "url.path", Value::Str(path));
+        c.attribute(A, "url.path", Value::Str(path));
     }
     if let Some(route) = &span.route {
-        attribute(out, A, "http.route", Value::Str(route));
+        c.attribute(A, "http.route", Value::Str(route));
     }
     if let Some(host) = &span.server_address {
-        attribute(out, A, "server.address", Value::Str(host));
+        c.attribute(A, "server.address", Value::Str(host));
     }
     if let Some(version) = span.protocol_version {
-        attribute(out, A, "network.protocol.version", Value::Str(version));
+        c.attribute(A, "network.protocol.version", Value::Str(version));
     }
     if let Some((service, method)) = span.rpc {
-        attribute(out, A, "rpc.system", Value::Str("grpc"));
-        attribute(out, A, "rpc.service", Value::Str(service));
-        attribute(out, A, "rpc.method", Value::Str(method));
+        c.attribute(A, "rpc.system", Value::Str("grpc"));
+        c.attribute(A, "rpc.service", Value::Str(service));
+        c.attribute(A, "rpc.method", Value::Str(method));
     }
     if let Some(group) = &span.upstream_group {
-        attribute(out, A, "tollgate.upstream_group", Value::Str(group));
+        c.attribute(A, "tollgate.upstream_group", Value::Str(group));
     }
     if let Some(server) = span.upstream {
         ip_text(server.ip(), text);
-        attribute(out, A, "server.address", Value::Str(text));
-        attribute(out, A, "server.port", Value::Int(i64::from(server.port())));
+        c.attribute(A, "server.address", Value::Str(text));
+        c.attribute(A, "server.port", Value::Int(i64::from(server.port())));
     }
     if let Some(ip) = span.client_address {
         ip_text(ip, text);
-        attribute(out, A, "client.address", Value::Str(text));
+        c.attribute(A, "client.address", Value::Str(text));
     }
     if let Some(decision) = span.decision {
-        attribute(out, A, "tollgate.decision", Value::Str(decision));
+        c.attribute(A, "tollgate.decision", Value::Str(decision));
     }
     if let Some(policy) = &span.policy {
-        attribute(out, A, "tollgate.policy", Value::Str(policy));
+        c.attribute(A, "tollgate.policy", Value::Str(policy));
     }
     if let Some(rule) = &span.rule {
-        attribute(out, A, "tollgate.rule", Value::Str(rule));
+        c.attribute(A, "tollgate.rule", Value::Str(rule));
     }
     if let Some(reason) = span.reason {
-        attribute(out, A, "tollgate.reason", Value::Str(reason));
+        c.attribute(A, "tollgate.reason", Value::Str(reason));
     }
     if let Some(remaining) = span.remaining {
-        attribute(out, A, "tollgate.remaining", Value::Int(remaining));
+        c.attribute(A, "tollgate.remaining", Value::Int(remaining));
     }
     if let Some(code) = span.grpc_status {
-        attribute(out, A, "rpc.grpc.status_code", Value::Int(i64::from(code)));
+        c.attribute(A, "rpc.grpc.status_code", Value::Int(i64::from(code)));
     }
     if let Some(code) = span.status_code {
-        attribute(
-            out,
-            A,
-            "http.response.status_code",
-            Value::Int(i64::from(code)),
-        );
+        c.attribute(A, "http.response.status_code", Value::Int(i64::from(code)));
     }
 }
 
-fn write_event(out: &mut Vec<u8>, time: u64, event: &UpstreamEvent, text: &mut String) {
-    key(out, 1, FIXED64);
-    out.extend_from_slice(&time.to_le_bytes());
-    bytes_field(out, 2, event.name().as_bytes());
+fn write_event(c: &mut Cursor<'_>, time: u64, event: &UpstreamEvent, text: &mut String) {
+    c.key(1, FIXED64);
+    c.bytes(&time.to_le_bytes());
+    c.bytes_field(2, event.name().as_bytes());
     let (server, attempt) = event.server();
     ip_text(server.ip(), text);
-    attribute(out, 3, "server.address", Value::Str(text));
-    attribute(out, 3, "server.port", Value::Int(i64::from(server.port())));
-    attribute(
-        out,
+    c.attribute(3, "server.address", Value::Str(text));
+    c.attribute(3, "server.port", Value::Int(i64::from(server.port())));
+    c.attribute(
         3,
         "tollgate.attempt",
         Value::Int(i64::try_from(attempt).unwrap_or(i64::MAX)),
     );
     match *event {
         UpstreamEvent::Connect { reused, .. } => {
-            attribute(out, 3, "tollgate.connection_reused", Value::Bool(reused));
+            c.attribute(3, "tollgate.connection_reused", Value::Bool(reused));
         }
         UpstreamEvent::ConnectFailed { failure, .. } => {
-            attribute(out, 3, "tollgate.connect_failure", Value::Str(failure));
+            c.attribute(3, "tollgate.connect_failure", Value::Str(failure));
         }
         UpstreamEvent::Retry { .. } | UpstreamEvent::Ejection { .. } => {}
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,6 +660,65 @@ mod tests {
             find(&root.attributes, "rpc.grpc.status_code"),
             Some(Any::IntValue(0))
         );
+    }
+
+    #[test]
+    fn spans_of_every_size_decode_and_stay_within_their_bound() {
+        // A bare span (its body under 128 bytes: a one-byte length where two were kept), and
+        // spans whose strings grow past each length-prefix size, with many events.
+        let bare = SpanRecord::new(Kind::Client, "GET", [1; 16], [2; 8], [0; 8], None);
+        let mut spans = vec![bare];
+        for len in [0, 100, 127, 128, 200, 16_383, 16_384, 70_000] {
+            let mut span = server_span();
+            span.url_path = Some("p".repeat(len));
+            span.error = Some("e".repeat(len));
+            span.trace_state = Some(Arc::from("s".repeat(len)));
+            for attempt in 0..6 {
+                span.events.push((
+                    attempt,
+                    UpstreamEvent::ConnectFailed {
+                        server: "[2001:db8:ffff:ffff:ffff:ffff:ffff:ffff]:65535"
+                            .parse()
+                            .unwrap(),
+                        attempt: usize::MAX,
+                        failure: "refused",
+                    },
+                ));
+            }
+            spans.push(span);
+        }
+        let bound: usize = spans.iter().map(span_bound).sum();
+        let mut spans_buf = Vec::new();
+        let mut body = Vec::new();
+        Encoder::new(&[]).encode(&spans, &mut spans_buf, &mut body);
+        assert_eq!(spans_buf.len(), bound);
+        // Scratch already larger than this batch needs: the same bytes.
+        let mut again = Vec::new();
+        Encoder::new(&[]).encode(&spans[..3], &mut spans_buf, &mut again);
+        let mut fresh = Vec::new();
+        Encoder::new(&[]).encode(&spans[..3], &mut Vec::new(), &mut fresh);
+        assert_eq!(again, fresh);
+        let request = ExportTraceServiceRequest::decode(body.as_slice()).unwrap();
+        let decoded = &request.resource_spans[0].scope_spans[0].spans;
+        assert_eq!(decoded.len(), spans.len());
+        assert_eq!(decoded[0].name, "GET");
+        assert_eq!(decoded[0].span_id, vec![2; 8]);
+        for (span, len) in decoded[1..]
+            .iter()
+            .zip([0, 100, 127, 128, 200, 16_383, 16_384, 70_000])
+        {
+            assert_eq!(
+                find(&span.attributes, "url.path"),
+                Some(Any::StringValue("p".repeat(len)))
+            );
+            assert_eq!(span.trace_state, "s".repeat(len));
+            assert_eq!(span.events.len(), 6);
+            assert_eq!(
+                find(&span.events[5].attributes, "tollgate.attempt"),
+                Some(Any::IntValue(i64::MAX))
+            );
+            assert_eq!(span.flags, 0x301);
+        }
     }
 
     #[test]
