@@ -18,11 +18,23 @@ use pingora::Result;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-// Lower case, as HTTP/2 and Envoy send every name: parsing a lower-case name is a copy, a
-// mixed-case one a byte-by-byte conversion (on every request).
-static X_FORWARDED_PROTO: &str = "x-forwarded-proto";
-static X_FORWARDED_HOST: &str = "x-forwarded-host";
-static X_FORWARDED_PORT: &str = "x-forwarded-port";
+// Parsed once, each with the spelling it has on an HTTP/1 wire (lower case, as HTTP/2 and Envoy
+// send every name), and inserted through the carried pingora-http's `insert_header_parsed`:
+// Pingora's `insert_header` would parse the name and copy it to the heap on every request.
+static X_FORWARDED_FOR: (&http::HeaderName, &str) =
+    (&crate::service::X_FORWARDED_FOR, "X-Forwarded-For");
+static X_FORWARDED_PROTO: (http::HeaderName, &str) = (
+    http::HeaderName::from_static("x-forwarded-proto"),
+    "x-forwarded-proto",
+);
+static X_FORWARDED_HOST: (http::HeaderName, &str) = (
+    http::HeaderName::from_static("x-forwarded-host"),
+    "x-forwarded-host",
+);
+static X_FORWARDED_PORT: (http::HeaderName, &str) = (
+    http::HeaderName::from_static("x-forwarded-port"),
+    "x-forwarded-port",
+);
 static FORWARDED: &str = "Forwarded";
 
 /// What the forwarding headers take from the connection alone, made once per connection (each
@@ -104,8 +116,8 @@ pub fn to_request(
     // one. Without a chain, the peer's text made once for the connection is the value.
     if let Some(peer) = peer.map(crate::descriptor::canonical_ip) {
         match &conn.peer {
-            Some(text) if !req.headers.contains_key(&crate::service::X_FORWARDED_FOR) => {
-                req.insert_header("X-Forwarded-For", text.clone())?;
+            Some(text) if !req.headers.contains_key(X_FORWARDED_FOR.0) => {
+                req.insert_header_parsed(X_FORWARDED_FOR.0, X_FORWARDED_FOR.1, text.clone());
             }
             _ => {
                 let value = forwarded_for_upstream(&req.headers, peer);
@@ -115,23 +127,28 @@ pub fn to_request(
     }
     let proto = if conn.tls { "https" } else { "http" };
     let host = host_of(req);
-    let keep = |req: &RequestHeader, name: &str| fwd.peer_trusted && req.headers.contains_key(name);
-    if !keep(req, X_FORWARDED_PROTO) {
-        req.insert_header(X_FORWARDED_PROTO, HeaderValue::from_static(proto))?;
+    let keep = |req: &RequestHeader, name: &http::HeaderName| {
+        fwd.peer_trusted && req.headers.contains_key(name)
+    };
+    let (name, wire) = &X_FORWARDED_PROTO;
+    if !keep(req, name) {
+        req.insert_header_parsed(name, wire, HeaderValue::from_static(proto));
     }
-    if !keep(req, X_FORWARDED_HOST) {
+    let (name, wire) = &X_FORWARDED_HOST;
+    if !keep(req, name) {
         match &host {
-            Some(host) => req.insert_header(X_FORWARDED_HOST, host.clone())?,
+            Some(host) => req.insert_header_parsed(name, wire, host.clone()),
             None => {
-                req.remove_header(X_FORWARDED_HOST);
+                req.remove_header(name);
             }
         }
     }
-    if !keep(req, X_FORWARDED_PORT) {
+    let (name, wire) = &X_FORWARDED_PORT;
+    if !keep(req, name) {
         match &conn.port {
-            Some(port) => req.insert_header(X_FORWARDED_PORT, port.clone())?,
+            Some(port) => req.insert_header_parsed(name, wire, port.clone()),
             None => {
-                req.remove_header(X_FORWARDED_PORT);
+                req.remove_header(name);
             }
         }
     }
@@ -211,4 +228,36 @@ pub fn to_client(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The forwarding headers go out as they always did on an HTTP/1 wire, each once, whether a
+    /// client's copies were there or not (the carried pingora-http's `insert_header_parsed`
+    /// keeps the name map and the value map in step, as `insert_header` does).
+    #[test]
+    fn forwarding_headers_reach_the_wire_with_their_spelling() {
+        let mut req = RequestHeader::build("GET", b"/v1/orders", None).unwrap();
+        req.insert_header("Host", "api.example.com").unwrap();
+        req.insert_header("X-Forwarded-Proto", "gopher").unwrap();
+        let conn = ConnectionValues {
+            peer: Some(HeaderValue::from_static("203.0.113.7")),
+            port: Some(HeaderValue::from_static("8443")),
+            tls: true,
+        };
+        let peer: IpAddr = "203.0.113.7".parse().unwrap();
+        to_request(&conn, &mut req, &Forwarding::default(), Some(peer)).unwrap();
+        let mut wire = Vec::new();
+        req.header_to_h1_wire(&mut wire);
+        assert_eq!(
+            String::from_utf8(wire).unwrap(),
+            "Host: api.example.com\r\n\
+             x-forwarded-proto: https\r\n\
+             X-Forwarded-For: 203.0.113.7\r\n\
+             x-forwarded-host: api.example.com\r\n\
+             x-forwarded-port: 8443\r\n"
+        );
+    }
 }

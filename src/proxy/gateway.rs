@@ -834,7 +834,9 @@ impl ProxyHttp for Proxy {
     ) -> Result<()> {
         if let Some(access) = ctx.access.as_deref() {
             if access.generated_id {
-                upstream_request.insert_header("X-Request-Id", access.request_id.as_str())?;
+                if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
+                    upstream_request.insert_header_parsed(&X_REQUEST_ID, "X-Request-Id", id);
+                }
             }
         }
         // Only HTTP/1.0 may come without `Host` (Pingora's HTTP/2 side makes one from the
@@ -858,14 +860,10 @@ impl ProxyHttp for Proxy {
         if let Some(trace) = ctx.trace.as_deref() {
             // The upstream continues this trace: the client's own context (kept or not) is
             // replaced by the upstream call's.
-            upstream_request.remove_header("tracestate");
-            let mut injected = Ok(());
-            trace.inject_upstream(&mut |name, value| {
-                if injected.is_ok() {
-                    injected = upstream_request.insert_header(name, value).map(|_| ());
-                }
+            upstream_request.remove_header(&crate::telemetry::TRACESTATE.0);
+            trace.inject_upstream(&mut |name, wire, value| {
+                upstream_request.insert_header_parsed(name, wire, value);
             });
-            injected?;
         }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             // The response's usage must be readable as it passes: uncompressed (SDKs ask

@@ -612,23 +612,27 @@ impl HeaderSource for http::HeaderMap {
 }
 
 /// W3C `traceparent` (version 00): `00-<trace id>-<span id>-<flags>` (only the sampled bit).
-fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> String {
-    let mut out = String::with_capacity(55);
-    out.push_str("00-");
-    push_hex(&mut out, trace_id);
-    out.push('-');
-    push_hex(&mut out, span_id);
-    out.push_str(if sampled { "-01" } else { "-00" });
+/// `traceparent`'s value: `00-{trace id}-{span id}-{flags}`, always 55 bytes.
+fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> [u8; 55] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = *b"00-00000000000000000000000000000000-0000000000000000-00";
+    for (i, byte) in trace_id.iter().chain(span_id).enumerate() {
+        // The span id starts after the trace id's 32 digits and a dash.
+        let at = 3 + 2 * i + usize::from(i >= 16);
+        out[at] = HEX[usize::from(byte >> 4)];
+        out[at + 1] = HEX[usize::from(byte & 0xf)];
+    }
+    if sampled {
+        out[54] = b'1';
+    }
     out
 }
 
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for byte in bytes {
-        out.push(char::from(HEX[usize::from(byte >> 4)]));
-        out.push(char::from(HEX[usize::from(byte & 0xf)]));
-    }
-}
+/// The W3C trace-context headers, parsed once, with their spelling on an HTTP/1 wire.
+pub static TRACEPARENT: (http::HeaderName, &str) =
+    (http::HeaderName::from_static("traceparent"), "traceparent");
+pub static TRACESTATE: (http::HeaderName, &str) =
+    (http::HeaderName::from_static("tracestate"), "tracestate");
 
 /// A sampled request's records (one allocation), and the queue they end into.
 struct Recorded {
@@ -812,18 +816,23 @@ impl RequestSpan {
 
     /// The headers that carry the trace to the upstream: the CLIENT span's context (the SERVER
     /// span's before one exists).
-    pub fn inject_upstream(&self, set: &mut dyn FnMut(&'static str, String)) {
+    pub fn inject_upstream(
+        &self,
+        set: &mut dyn FnMut(&'static http::HeaderName, &'static str, http::HeaderValue),
+    ) {
         let span_id = self
             .record
             .as_ref()
             .and_then(|r| r.client.as_ref())
             .map_or(&self.span_id, |c| &c.span_id);
-        set(
-            "traceparent",
-            traceparent(&self.trace_id, span_id, self.sampled),
-        );
-        if let Some(state) = &self.trace_state {
-            set("tracestate", state.to_string());
+        let parent = traceparent(&self.trace_id, span_id, self.sampled);
+        // Hex digits and dashes: always a valid value.
+        if let Ok(value) = http::HeaderValue::from_bytes(&parent) {
+            set(&TRACEPARENT.0, TRACEPARENT.1, value);
+        }
+        // Read from a header value, checked member by member: valid too.
+        if let Some(Ok(value)) = self.trace_state.as_deref().map(http::HeaderValue::from_str) {
+            set(&TRACESTATE.0, TRACESTATE.1, value);
         }
     }
 
@@ -1053,12 +1062,12 @@ mod tests {
         let trace_id = 0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736_u128.to_be_bytes();
         let span_id = 0x00f0_67aa_0ba9_02b7_u64.to_be_bytes();
         assert_eq!(
-            traceparent(&trace_id, &span_id, true),
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            &traceparent(&trace_id, &span_id, true),
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
         );
         assert_eq!(
-            traceparent(&trace_id, &span_id, false),
-            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+            &traceparent(&trace_id, &span_id, false),
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
         );
     }
 

@@ -231,6 +231,24 @@ impl RequestHeader {
         )
     }
 
+    /// [Self::insert_header()] for a name parsed once beforehand (a `static` [HeaderName]):
+    /// no parsing and no allocation for the name. `wire_name` is how the name is written on an
+    /// HTTP/1 wire; it must be `name` up to ASCII case.
+    pub fn insert_header_parsed(
+        &mut self,
+        name: &HeaderName,
+        wire_name: &'static str,
+        value: HeaderValue,
+    ) {
+        insert_parsed_header_value(
+            self.header_name_map.as_mut(),
+            &mut self.base.headers,
+            name,
+            wire_name,
+            value,
+        )
+    }
+
     /// Remove all headers under the name
     pub fn remove_header<'a, N: ?Sized>(&mut self, name: &'a N) -> Option<HeaderValue>
     where
@@ -585,6 +603,24 @@ impl ResponseHeader {
         )
     }
 
+    /// [Self::insert_header()] for a name parsed once beforehand (a `static` [HeaderName]):
+    /// no parsing and no allocation for the name. `wire_name` is how the name is written on an
+    /// HTTP/1 wire; it must be `name` up to ASCII case.
+    pub fn insert_header_parsed(
+        &mut self,
+        name: &HeaderName,
+        wire_name: &'static str,
+        value: HeaderValue,
+    ) {
+        insert_parsed_header_value(
+            self.header_name_map.as_mut(),
+            &mut self.base.headers,
+            name,
+            wire_name,
+            value,
+        )
+    }
+
     /// Remove all headers under the name
     pub fn remove_header<'a, N: ?Sized>(&mut self, name: &'a N) -> Option<HeaderValue>
     where
@@ -892,6 +928,21 @@ fn insert_header_value<T>(
     }
     value_map.insert(header_name, value);
     Ok(())
+}
+
+fn insert_parsed_header_value<T>(
+    name_map: Option<&mut CaseMap>,
+    value_map: &mut HMap<T>,
+    name: &HeaderName,
+    wire_name: &'static str,
+    value: T,
+) {
+    debug_assert!(name.as_str().eq_ignore_ascii_case(wire_name));
+    if let Some(name_map) = name_map {
+        // store the original case in the map
+        name_map.insert(name.clone(), wire_name.into_case_header_name());
+    }
+    value_map.insert(name.clone(), value);
 }
 
 // the &N here is to avoid clone(). None Copy type like String can impl AsHeaderName
