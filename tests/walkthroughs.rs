@@ -275,9 +275,10 @@ fn page_logs(work: &Path) -> String {
     out
 }
 
-/// Runs a page's blocks (see the module comment); the error says which block failed or which
-/// output differs, with the block, what it printed and the diff.
-fn run_page(name: &str, page: &str) -> Result<(), String> {
+/// Runs a page's blocks (see the module comment) and answers how many outputs were compared;
+/// the error says which block failed or which output differs, with the block, what it printed
+/// and the diff.
+fn run_page(name: &str, page: &str) -> Result<usize, String> {
     let blocks = parse(page).map_err(|e| format!("{name}: {e}"))?;
     if !blocks.iter().any(|b| b.run) {
         return Err(format!("{name}: no shell block to run"));
@@ -347,7 +348,13 @@ fn run_page(name: &str, page: &str) -> Result<(), String> {
             let _ = child.try_wait();
             std::thread::sleep(Duration::from_millis(20));
         }
-        signal_group(pgid, libc::SIGKILL);
+        if signal_group(pgid, libc::SIGKILL) {
+            // Gone before the next page binds the same ports.
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while Instant::now() < deadline && signal_group(pgid, 0) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
     }
     let _ = child.wait();
     let mut session_stderr = String::new();
@@ -407,7 +414,7 @@ fn run_page(name: &str, page: &str) -> Result<(), String> {
         }
     }
     if differences.is_empty() {
-        Ok(())
+        Ok(blocks.iter().filter(|b| b.expected.is_some()).count())
     } else {
         Err(format!(
             "the output differs from what the page shows:\n{}",
@@ -427,8 +434,14 @@ fn walk(page: &str) {
     }
     let text = std::fs::read_to_string(root().join("docs/src").join(page))
         .unwrap_or_else(|e| panic!("{page}: {e}"));
-    if let Err(e) = run_page(page, &text) {
-        panic!("{page}: {e}");
+    match run_page(page, &text) {
+        // A walkthrough shows the reader what to expect: a page whose output blocks stopped
+        // being recognised would otherwise pass on its commands alone.
+        Ok(compared) => assert!(
+            compared >= 5,
+            "{page}: only {compared} outputs compared: are they marked `<!-- output -->`?"
+        ),
+        Err(e) => panic!("{page}: {e}"),
     }
 }
 
@@ -509,7 +522,7 @@ fn a_failing_command_or_a_different_output_fails_the_page() {
     assert!(err.contains("- c\n") && err.contains("+ b\n"), "{err}");
     let fine = "```sh\nprintf 'a\\nb\\nc\\n'\necho \"$(pwd)\" > where\n```\n<!-- output -->\n```text\na\n...\n```\n\
                 ```sh\ntest -e policies && test ! -e target && tollgate --version >/dev/null\n```\n";
-    run_page("fine.md", fine).unwrap();
+    assert_eq!(run_page("fine.md", fine), Ok(1));
 }
 
 #[test]
@@ -520,7 +533,7 @@ fn background_processes_of_a_page_are_stopped_at_its_end() {
         "```sh\nsleep 300 &\necho $! > '{}'\n```\n",
         pid_file.display()
     );
-    run_page("background.md", &page).unwrap();
+    assert_eq!(run_page("background.md", &page), Ok(0));
     let pid: i32 = std::fs::read_to_string(&pid_file)
         .unwrap()
         .trim()
