@@ -204,7 +204,8 @@ fn commands(text: &str) -> Vec<String> {
         if let Some(lang) = line.strip_prefix("```") {
             inside = match inside {
                 Some(_) => None,
-                None => Some(lang.trim().to_string()),
+                // `sh,norun` (shown, not run by tests/walkthroughs.rs) is still a `sh` block.
+                None => Some(lang.split(',').next().unwrap_or("").trim().to_string()),
             };
             continue;
         }

@@ -57,20 +57,23 @@ fn start_nginx_with_network(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/nginx/auth-request.conf"),
     )
     .unwrap();
-    // As root, nginx workers would run as `nobody` and could not use the temp directory.
+    // As root, nginx workers would run as `nobody` and could not use the temp directory: the
+    // example has no `user` directive (it works as shipped for a user other than root), so root
+    // adds one.
+    // SAFETY: geteuid(2) reads the process's credentials; it has no preconditions.
     let user = if unsafe { libc::geteuid() } == 0 {
-        "user root;"
+        "user root;\n"
     } else {
         ""
     };
-    let conf = template
-        .replace("__USER_DIRECTIVE__", user)
-        .replace("__LISTEN__", &listen)
-        .replace("__TOLLGATE_ADMIN__", &gw.admin.to_string())
-        .replace("__UPSTREAM__", &upstream.addr.to_string())
-        .replace("__PREFIX__", &prefix.path().display().to_string())
-        .replace("__COUNTRY_GEO__", &country.display().to_string())
-        .replace("__TOR_EXITS_GEO__", &tor_exits.display().to_string());
+    let conf = user.to_string()
+        + &template
+            .replace("__LISTEN__", &listen)
+            .replace("__TOLLGATE_ADMIN__", &gw.admin.to_string())
+            .replace("__UPSTREAM__", &upstream.addr.to_string())
+            .replace("__PREFIX__", &prefix.path().display().to_string())
+            .replace("__COUNTRY_GEO__", &country.display().to_string())
+            .replace("__TOR_EXITS_GEO__", &tor_exits.display().to_string());
     let conf_path = prefix.path().join("nginx.conf");
     std::fs::write(&conf_path, conf).unwrap();
     let child = Command::new(nginx_binary())
