@@ -367,7 +367,6 @@ struct Worker {
 impl Worker {
     async fn run(mut self, mut stop: tokio::sync::oneshot::Receiver<Stop>) {
         let mut batch = Vec::with_capacity(self.config.batch_size);
-        let mut body = Vec::new();
         loop {
             let wake_at = self
                 .resume_at
@@ -375,7 +374,7 @@ impl Worker {
             tokio::select! {
                 stopping = &mut stop => {
                     if let Ok(stopping) = stopping {
-                        self.flush(stopping.deadline, &mut batch, &mut body).await;
+                        self.flush(stopping.deadline, &mut batch).await;
                         let _ = stopping.done.send(());
                     }
                     return;
@@ -393,8 +392,7 @@ impl Worker {
                 if batch.is_empty() {
                     break;
                 }
-                self.export(&mut batch, &mut body, self.config.timeout)
-                    .await;
+                self.export(&mut batch, self.config.timeout).await;
                 if left < self.config.batch_size {
                     break;
                 }
@@ -403,14 +401,14 @@ impl Worker {
     }
 
     /// Sends one batch (or drops it while backing off); `batch` is left empty.
-    async fn export(&mut self, batch: &mut Vec<SpanRecord>, body: &mut Vec<u8>, timeout: Duration) {
+    async fn export(&mut self, batch: &mut Vec<SpanRecord>, timeout: Duration) {
         let spans = batch.len() as u64;
         if self.resume_at.is_some() {
             self.queue.dropped.inc_by(spans);
             batch.clear();
             return;
         }
-        self.encoder.encode(batch, &mut self.spans_buf, body);
+        let body = self.encoder.encode(batch, &mut self.spans_buf);
         batch.clear();
         let sent = tokio::time::timeout(timeout, self.transport.send(body))
             .await
@@ -455,7 +453,7 @@ impl Worker {
     }
 
     /// At shutdown: what is queued, in batches, until `deadline`.
-    async fn flush(&mut self, deadline: Instant, batch: &mut Vec<SpanRecord>, body: &mut Vec<u8>) {
+    async fn flush(&mut self, deadline: Instant, batch: &mut Vec<SpanRecord>) {
         loop {
             self.queue.take(batch);
             if batch.is_empty() {
@@ -467,8 +465,7 @@ impl Worker {
                 batch.clear();
                 continue;
             }
-            self.export(batch, body, left.min(self.config.timeout))
-                .await;
+            self.export(batch, left.min(self.config.timeout)).await;
         }
     }
 }

@@ -289,40 +289,50 @@ impl Encoder {
         }
     }
 
-    /// An `ExportTraceServiceRequest` of `spans`, into `out` (cleared first). The spans are
-    /// written first, into `spans_buf`; the enclosing messages' lengths then follow from it,
-    /// so the batch is copied once rather than moved up at each level. `spans_buf` is scratch
-    /// kept between batches: it only ever grows (to the largest bound seen), so it is zeroed
-    /// once rather than for every batch.
-    pub fn encode(&mut self, spans: &[SpanRecord], spans_buf: &mut Vec<u8>, out: &mut Vec<u8>) {
-        out.clear();
-        let bound: usize = spans.iter().map(span_bound).sum();
-        if spans_buf.len() < bound {
-            spans_buf.resize(bound, 0);
+    /// An `ExportTraceServiceRequest` of `spans`, written into `scratch` and returned as a
+    /// slice of it. The spans are written first, after room kept for what encloses them; the
+    /// enclosing messages' lengths then follow from theirs and are written just in front, so
+    /// no byte is copied twice. `scratch` is kept between batches: it only ever grows (to the
+    /// largest bound seen), so it is zeroed once rather than for every batch.
+    pub fn encode<'b>(&mut self, spans: &[SpanRecord], scratch: &'b mut Vec<u8>) -> &'b [u8] {
+        // The two enclosing tags and lengths (at most 11 bytes each), the resource, the scope.
+        let head_room = 2 * 11 + self.resource.len() + self.scope.len();
+        let bound = head_room + spans.iter().map(span_bound).sum::<usize>();
+        if scratch.len() < bound {
+            scratch.resize(bound, 0);
         }
         let mut cursor = Cursor {
-            buf: spans_buf.as_mut_slice(),
-            at: 0,
+            buf: scratch.as_mut_slice(),
+            at: head_room,
         };
         for span in spans {
             // ScopeSpans.spans
             cursor.nested(2, 2, |c| write_span(c, span, &mut self.text));
         }
-        let written = cursor.at;
-        let spans_buf = &spans_buf[..written];
-        let len = |n: usize| n + 1 + encoded_len_varint(n as u64);
-        let scope_spans = self.scope.len() + spans_buf.len();
-        let resource_spans = self.resource.len() + len(scope_spans);
-        out.reserve(len(resource_spans));
+        let end = cursor.at;
+        let scope_spans = self.scope.len() + (end - head_room);
+        let resource_spans =
+            self.resource.len() + 1 + encoded_len_varint(scope_spans as u64) + scope_spans;
+        let head_len = 1
+            + encoded_len_varint(resource_spans as u64)
+            + self.resource.len()
+            + 1
+            + encoded_len_varint(scope_spans as u64)
+            + self.scope.len();
+        let start = head_room - head_len;
+        let mut head = Cursor {
+            buf: &mut scratch[start..head_room],
+            at: 0,
+        };
         // ExportTraceServiceRequest.resource_spans
-        key(out, 1, LEN);
-        varint(out, resource_spans as u64);
-        out.extend_from_slice(&self.resource);
+        head.key(1, LEN);
+        head.varint(resource_spans as u64);
+        head.bytes(&self.resource);
         // ResourceSpans.scope_spans
-        key(out, 2, LEN);
-        varint(out, scope_spans as u64);
-        out.extend_from_slice(&self.scope);
-        out.extend_from_slice(spans_buf);
+        head.key(2, LEN);
+        head.varint(scope_spans as u64);
+        head.bytes(&self.scope);
+        &scratch[start..end]
     }
 }
 
@@ -544,9 +554,9 @@ mod tests {
             ("service.name".to_string(), "edge".to_string()),
             ("deployment.environment".to_string(), "prod".to_string()),
         ]);
-        let mut body = Vec::new();
-        encoder.encode(&[server_span(), client, root], &mut Vec::new(), &mut body);
-        let request = ExportTraceServiceRequest::decode(body.as_slice()).unwrap();
+        let mut scratch = Vec::new();
+        let body = encoder.encode(&[server_span(), client, root], &mut scratch);
+        let request = ExportTraceServiceRequest::decode(body).unwrap();
         assert_eq!(request.resource_spans.len(), 1);
         let resource = request.resource_spans[0].resource.clone().unwrap();
         assert_eq!(
@@ -688,15 +698,15 @@ mod tests {
             spans.push(span);
         }
         let bound: usize = spans.iter().map(span_bound).sum();
-        let mut spans_buf = Vec::new();
-        let mut body = Vec::new();
-        Encoder::new(&[]).encode(&spans, &mut spans_buf, &mut body);
-        assert_eq!(spans_buf.len(), bound);
+        let mut scratch = Vec::new();
+        let body = Encoder::new(&[]).encode(&spans, &mut scratch).to_vec();
+        // The head room: two tags and lengths, an empty resource and the scope's 12 bytes.
+        assert_eq!(scratch.len(), bound + 22 + 2 + 12);
         // Scratch already larger than this batch needs: the same bytes.
-        let mut again = Vec::new();
-        Encoder::new(&[]).encode(&spans[..3], &mut spans_buf, &mut again);
-        let mut fresh = Vec::new();
-        Encoder::new(&[]).encode(&spans[..3], &mut Vec::new(), &mut fresh);
+        let again = Encoder::new(&[]).encode(&spans[..3], &mut scratch).to_vec();
+        let fresh = Encoder::new(&[])
+            .encode(&spans[..3], &mut Vec::new())
+            .to_vec();
         assert_eq!(again, fresh);
         let request = ExportTraceServiceRequest::decode(body.as_slice()).unwrap();
         let decoded = &request.resource_spans[0].scope_spans[0].spans;
@@ -742,9 +752,9 @@ mod tests {
     fn a_long_span_gets_a_long_length_prefix() {
         let mut span = server_span();
         span.url_path = Some("/x".repeat(10_000));
-        let mut body = Vec::new();
-        Encoder::new(&[]).encode(&[span.clone(), span], &mut Vec::new(), &mut body);
-        let request = ExportTraceServiceRequest::decode(body.as_slice()).unwrap();
+        let mut scratch = Vec::new();
+        let body = Encoder::new(&[]).encode(&[span.clone(), span], &mut scratch);
+        let request = ExportTraceServiceRequest::decode(body).unwrap();
         let spans = &request.resource_spans[0].scope_spans[0].spans;
         assert_eq!(spans.len(), 2);
         assert_eq!(
