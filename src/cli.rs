@@ -75,7 +75,7 @@ const VALIDATE_EXAMPLES: &str = "Examples:
 
 const SIMULATE_EXAMPLES: &str = "Examples:
   # The Coinbase worked example, replayed to the digit:
-  tollgate simulate --policy policies/coinbase-worked-example.json --requests examples/seed-004-requests.jsonl
+  tollgate simulate --policy policies/coinbase-worked-example.json --requests examples/coinbase-worked-example-requests.jsonl
   # A recorded LLM conversation against the tiers (usage settled as it was reported):
   tollgate simulate --policy policies/llm-tiers.json --requests examples/llm-conversation.jsonl";
 

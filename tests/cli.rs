@@ -44,7 +44,7 @@ fn simulate_replays_the_seed_004_table_exactly() {
             "--policy",
             "policies/coinbase-worked-example.json",
             "--requests",
-            "examples/seed-004-requests.jsonl",
+            "examples/coinbase-worked-example-requests.jsonl",
         ],
         None,
     );
