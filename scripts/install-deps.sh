@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs the system packages the build and the tests need, when missing (Debian/Ubuntu):
-#   cmake  - pingora's zlib-ng build
+# Installs the system packages the build and the tests need, when missing (Debian/Ubuntu).
+# `--build` installs only what building the gateway needs (cmake, a C compiler, make): the
+# command a user runs to try it. Without it, everything the whole test suite needs:
+#   cmake  - pingora's zlib-ng build (gcc and make with it)
 #   nginx  - the auth_request integration test and the load harness (nginx-light has auth_request)
 #   redis-server, postgresql - the shared-store tests (tests/redis.rs and tests/postgres.rs
 #          start their own servers on free ports; PostgreSQL runs as the `postgres` user)
@@ -21,19 +23,25 @@ set -euo pipefail
 
 need=()
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
-command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
-command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
-ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
-python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
-command -v openssl >/dev/null 2>&1 || need+=(openssl)
-command -v curl >/dev/null 2>&1 || need+=(curl)
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
-command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-command -v podman >/dev/null 2>&1 || need+=(podman)
-command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
-command -v ip >/dev/null 2>&1 || need+=(iproute2)
-command -v strip >/dev/null 2>&1 || need+=(binutils)
-command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+command -v make >/dev/null 2>&1 || need+=(make)
+build_only=false
+[ "${1:-}" = "--build" ] && build_only=true
+if ! $build_only; then
+  command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+  command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
+  command -v openssl >/dev/null 2>&1 || need+=(openssl)
+  command -v curl >/dev/null 2>&1 || need+=(curl)
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+  command -v podman >/dev/null 2>&1 || need+=(podman)
+  command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+  command -v ip >/dev/null 2>&1 || need+=(iproute2)
+  command -v strip >/dev/null 2>&1 || need+=(binutils)
+  command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+fi
 if [ "${1:-}" = "--load" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
   command -v h2load >/dev/null 2>&1 || need+=(nghttp2-client)
@@ -53,6 +61,7 @@ if ! $sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; t
   $sudo apt-get update -qq
   $sudo apt-get install -y --no-install-recommends "${need[@]}" >/dev/null
 fi
+$build_only && exit 0
 # Debian starts nginx and redis as services on install; the tests start their own instances.
 $sudo service nginx stop >/dev/null 2>&1 || true
 $sudo service redis-server stop >/dev/null 2>&1 || true

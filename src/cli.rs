@@ -75,7 +75,7 @@ const VALIDATE_EXAMPLES: &str = "Examples:
 
 const SIMULATE_EXAMPLES: &str = "Examples:
   # The Coinbase worked example, replayed to the digit:
-  tollgate simulate --policy policies/coinbase-worked-example.json --requests examples/seed-004-requests.jsonl
+  tollgate simulate --policy policies/coinbase-worked-example.json --requests examples/coinbase-worked-example-requests.jsonl
   # A recorded LLM conversation against the tiers (usage settled as it was reported):
   tollgate simulate --policy policies/llm-tiers.json --requests examples/llm-conversation.jsonl";
 
@@ -261,6 +261,12 @@ pub struct RunArgs {
     /// Without it, a missing policy file stops start-up with exit code 1.
     #[arg(help_heading = "Policy", long, env = "TOLLGATE_WAIT_FOR_POLICY")]
     pub wait_for_policy: bool,
+    /// Accept a policy file that puts nothing in force (no policy and no kill switch: an empty
+    /// bundle, or every policy left out by --skip-invalid-policies), which proxies everything
+    /// unlimited. Without it such a file stops start-up with exit code 1, and a reload to it is
+    /// refused (the bundle in force is kept).
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_ALLOW_EMPTY_POLICY")]
+    pub allow_empty_policy: bool,
     /// Worker threads of the proxy service.
     #[arg(
         help_heading = "Listeners and upstreams",
@@ -735,12 +741,18 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
                     file.display(),
                     bundle.version,
                     bundle.policies.len(),
-                    bundle.rules.len(),
+                    bundle.written_rule_count(),
                     bundle.kill_switches.len(),
                     bundle.hash
                 );
                 for warning in &bundle.warnings {
                     let _ = writeln!(out, "  warning: {warning}");
+                }
+                if bundle.enforces_nothing() {
+                    let _ = writeln!(
+                        out,
+                        "  warning: no policy and no kill switch in force: `tollgate run` refuses this file unless --allow-empty-policy"
+                    );
                 }
                 // `run`'s defaults: verified JWT claims, IPv6 clients keyed per /64.
                 let trust = crate::policy::key_origin::KeyTrust::default();

@@ -397,6 +397,25 @@ fn samples<'t>(text: &'t str, name: &'t str) -> impl Iterator<Item = (&'t str, f
     })
 }
 
+/// The total of sample values, from +0: `Iterator::sum` over `f64` starts at −0 (IEEE 754's
+/// neutral element of addition), so an empty family would total −0 and print as `-0`.
+fn total(values: impl Iterator<Item = f64>) -> f64 {
+    values.fold(0.0, |sum, v| sum + v)
+}
+
+/// A sample's value as the exposition format writes it; −0 is written `0`.
+struct SampleValue(f64);
+
+impl std::fmt::Display for SampleValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0 == 0.0 {
+            f.write_str("0")
+        } else {
+            write!(f, "{}", self.0)
+        }
+    }
+}
+
 /// The `fairvisor_*` families a Fairvisor dashboard queries, from tollgate's own metrics text:
 /// decisions by action and policy, the decision latency histogram, LLM tokens, loop refusals,
 /// runtime overrides and the bundle; families tollgate has no counterpart for (the SaaS
@@ -438,7 +457,8 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
     for ((action, policy), value) in &decisions {
         let _ = writeln!(
             out,
-            "fairvisor_decisions_total{{action=\"{action}\",policy_id=\"{policy}\"}} {value}"
+            "fairvisor_decisions_total{{action=\"{action}\",policy_id=\"{policy}\"}} {}",
+            SampleValue(*value)
         );
     }
 
@@ -454,16 +474,18 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
         }
     }
 
-    let sum = |name: &str| samples(tollgate, name).map(|(_, v)| v).sum::<f64>();
-    let loops: f64 = samples(tollgate, "tollgate_decisions_total")
-        .filter(|(labels, _)| label(labels, "reason") == "loop_detected")
-        .map(|(_, v)| v)
-        .sum();
+    let sum = |name: &str| total(samples(tollgate, name).map(|(_, v)| v));
+    let loops = total(
+        samples(tollgate, "tollgate_decisions_total")
+            .filter(|(labels, _)| label(labels, "reason") == "loop_detected")
+            .map(|(_, v)| v),
+    );
     let active = |name: &str| {
-        samples(tollgate, "tollgate_runtime_override_active")
-            .filter(|(labels, _)| label(labels, "override") == name)
-            .map(|(_, v)| v)
-            .sum::<f64>()
+        total(
+            samples(tollgate, "tollgate_runtime_override_active")
+                .filter(|(labels, _)| label(labels, "override") == name)
+                .map(|(_, v)| v),
+        )
     };
     let in_force = bundle.map(|b| b.in_force(unix_secs));
     let kill_switches = in_force.map_or(0, |b| b.kill_switches.len());
@@ -560,7 +582,7 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
         ),
     ] {
         family(&mut out, name, kind, help);
-        let _ = writeln!(out, "{name} {value}");
+        let _ = writeln!(out, "{name} {}", SampleValue(value));
     }
     family(
         &mut out,
@@ -833,5 +855,26 @@ mod tests {
         ] {
             assert!(out.contains(&format!("# TYPE {name} ")), "{name}");
         }
+    }
+
+    /// Families with no tollgate sample to sum (no LLM tokens, no loop refusal, no breaker
+    /// trip yet) print `0`, never `-0` (an empty `f64` sum is −0).
+    #[test]
+    fn families_with_nothing_to_sum_print_0_not_minus_0() {
+        let out = fairvisor_metrics("", None, 0);
+        for name in [
+            "fairvisor_tokens_consumed_total",
+            "fairvisor_token_reservation_unused_total",
+            "fairvisor_loop_detected_total",
+            "fairvisor_circuit_state",
+            "fairvisor_global_shadow_active",
+            "fairvisor_kill_switch_override_active",
+        ] {
+            assert!(out.contains(&format!("\n{name} 0\n")), "{name}: {out}");
+        }
+        assert!(!out.contains(" -0"), "{out}");
+        assert_eq!(SampleValue(-0.0).to_string(), "0");
+        assert_eq!(SampleValue(2.5).to_string(), "2.5");
+        assert_eq!(SampleValue(-1.0).to_string(), "-1");
     }
 }

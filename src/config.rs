@@ -157,6 +157,8 @@ pub struct Config {
     pub admin_token: Option<crate::operator::AdminToken>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
     pub wait_for_policy: bool,
+    /// `--allow-empty-policy`: a policy file that puts nothing in force is loaded anyway.
+    pub allow_empty_policy: bool,
     /// `--compat`, and `--debug-session-secret` (or its file): the secret that opens debug
     /// sessions.
     pub compat: crate::compat::Compat,
@@ -551,6 +553,7 @@ impl Config {
             trace_context: args.trace_context,
             admin_token,
             wait_for_policy: args.wait_for_policy,
+            allow_empty_policy: args.allow_empty_policy,
             compat,
             debug_secret: debug_secret.filter(|_| compat == crate::compat::Compat::Fairvisor),
             geoip_db: args.geoip_db.clone(),

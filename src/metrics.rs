@@ -220,7 +220,8 @@ impl Metrics {
         self.trace_spans_dropped.clone()
     }
 
-    /// Metrics for a gateway whose store is of `store_kind` (`memory`, `redis`, `postgres`).
+    /// Metrics for a gateway whose store is of `store_kind` (`memory`, `state_dir`, `redis`,
+    /// `postgres`: [`crate::store::Store::kind`]).
     pub fn new(store_kind: &str) -> Self {
         let registry = Registry::new();
         let mut defined = Vec::new();
@@ -270,7 +271,7 @@ impl Metrics {
                 1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2,
             ]),
         ));
-        let embedded = store_kind == "memory";
+        let embedded = matches!(store_kind, "memory" | "state_dir");
         let store_entries = embedded.then(|| {
             must(IntGauge::new(
                 "tollgate_store_entries",

@@ -44,7 +44,7 @@ fn simulate_replays_the_seed_004_table_exactly() {
             "--policy",
             "policies/coinbase-worked-example.json",
             "--requests",
-            "examples/seed-004-requests.jsonl",
+            "examples/coinbase-worked-example-requests.jsonl",
         ],
         None,
     );
@@ -149,6 +149,21 @@ fn validate_accepts_every_shipped_policy() {
     assert_eq!(
         out.lines().filter(|l| l.contains(": ok (")).count(),
         files.len()
+    );
+}
+
+/// `validate` counts the rules as written: three `token_bucket_llm` rules (each with a
+/// `tokens_per_day` budget the gateway keeps as a rule of its own) and a fallback are 4 rules,
+/// not 7.
+#[test]
+fn validate_counts_the_rules_as_written() {
+    let (code, out, err) = tollgate(&["validate", "policies/llm-tiers.json"], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with(
+            "policies/llm-tiers.json: ok (bundle_version 1, 1 policies, 4 rules, 0 kill switches, hash "
+        ),
+        "{out}"
     );
 }
 

@@ -369,10 +369,89 @@ fn skip_invalid_policies_loads_the_rest_and_says_so() {
     assert_eq!(gw.get("/", &[]).status, 429);
 }
 
+/// Every policy of the bundle invalid.
+const ALL_BAD_POLICIES: &str = r#"{"bundle_version": 1, "policies": [
+  {"id": "broken", "spec": {"rules": [{"name": "x", "limit_keys": ["ip:address"], "algorithm": "sliding_log",
+                                       "algorithm_config": {"rps": 1, "burst": 1}}]}}]}"#;
+
+/// A policy file that puts nothing in force (every policy skipped, or none listed) would proxy
+/// everything unlimited: start-up stops with exit code 1 naming the file and why, unless
+/// `--allow-empty-policy`.
+#[test]
+fn a_policy_file_enforcing_nothing_stops_start_up_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let skipped = dir.path().join("skipped.json");
+    std::fs::write(&skipped, ALL_BAD_POLICIES).unwrap();
+    let stderr = support::refused_start(
+        &skipped,
+        &["--listen", "127.0.0.1:0", "--skip-invalid-policies"],
+    );
+    assert!(
+        stderr.contains(&format!(
+            "tollgate: {}: no policy and no kill switch to enforce (all 1 of its policies were left out by --skip-invalid-policies): every request would be proxied unlimited; fix the file, or run with --allow-empty-policy if that is meant",
+            skipped.display()
+        )),
+        "{stderr}"
+    );
+    let empty = dir.path().join("empty.json");
+    std::fs::write(&empty, r#"{"bundle_version": 1, "policies": []}"#).unwrap();
+    let stderr = support::refused_start(&empty, &["--listen", "127.0.0.1:0"]);
+    assert!(
+        stderr.contains(&format!(
+            "tollgate: {}: no policy and no kill switch to enforce (the bundle lists none)",
+            empty.display()
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("decisions answer 503"), "{stderr}");
+
+    // Told so, the gateway starts on it and proxies.
+    let upstream = Upstream::start();
+    let gw = Gateway::start(
+        Some(ALL_BAD_POLICIES),
+        Some(upstream.addr),
+        &["--skip-invalid-policies", "--allow-empty-policy"],
+    );
+    assert_eq!(gw.admin("GET", "/readyz", &[]).status, 200);
+    assert_eq!(gw.get("/", &[]).status, 200);
+    assert_eq!(gw.get("/", &[]).status, 200);
+}
+
+/// A reload to a file that puts nothing in force is refused: the last good bundle stays in
+/// force (still limiting), the reload is counted as failed and logged at error level.
+#[test]
+fn a_reload_to_a_policy_enforcing_nothing_keeps_the_last_good_one() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(
+        Some(ONE_BAD_POLICY),
+        Some(upstream.addr),
+        &["--skip-invalid-policies", "--policy-poll-secs", "1"],
+    );
+    assert_eq!(gw.get("/", &[]).status, 200);
+    gw.write_policy(&ALL_BAD_POLICIES.replace("\"bundle_version\": 1", "\"bundle_version\": 2"));
+    gw.wait_for_log("policy reload rejected, keeping bundle_version 1");
+    assert!(
+        gw.log_text()
+            .contains("no policy and no kill switch to enforce (all 1 of its policies were left out by --skip-invalid-policies)"),
+        "{}",
+        gw.log_text()
+    );
+    assert_eq!(
+        gw.metric("tollgate_policy_reloads_total{result=\"failure\"}"),
+        1.0
+    );
+    let ready: serde_json::Value =
+        serde_json::from_str(&gw.admin("GET", "/readyz", &[]).body).unwrap();
+    assert_eq!(ready["policy_version"], 1);
+    // The per-ip rule of bundle 1 still limits: its one token is spent.
+    assert_eq!(gw.get("/", &[]).status, 429);
+}
+
 #[test]
 fn an_expired_bundle_is_refused_with_a_clear_error() {
     let expired = r#"{"bundle_version": 1, "expires_at": "2020-01-01T00:00:00Z", "policies": []}"#;
-    let gw = Gateway::start(Some(expired), None, &[]);
+    // An empty bundle is accepted below only because the test says so.
+    let gw = Gateway::start(Some(expired), None, &["--allow-empty-policy"]);
     assert_eq!(gw.admin("GET", "/readyz", &[]).status, 503);
     assert!(
         gw.log_text()

@@ -1,7 +1,8 @@
 //! Gateways following a policy store (`tollgate run --policy-store`) against real
 //! `redis-server` and PostgreSQL, with bundles published by the real `tollgate publish`,
 //! `promote` and `rollback`: propagation to a fleet, a candidate decided in shadow on every
-//! gateway, and every kind of bad input leaving the last good bundle in force.
+//! gateway, and every kind of bad input (a bundle enforcing nothing included) leaving the last
+//! good bundle in force.
 
 mod support;
 
@@ -336,6 +337,20 @@ fn bad_bundles_in_the_store_are_refused_and_the_last_good_one_kept() {
         &["--sign-key", sign.to_str().expect("path")],
     );
     expect_refusal("too_large");
+    // Valid and signed, but putting nothing in force: it would switch every limit off.
+    publish(
+        dir.path(),
+        &store,
+        r#"{"bundle_version": 2, "policies": []}"#,
+        &["--sign-key", sign.to_str().expect("path")],
+    );
+    expect_refusal("invalid_bundle");
+    assert!(
+        gw.log_text()
+            .contains("no policy and no kill switch to enforce (the bundle lists none)"),
+        "{}",
+        gw.log_text()
+    );
     // An older version replayed: the first envelope, put back.
     let newer = publish(
         dir.path(),

@@ -229,6 +229,13 @@ impl Node {
             .collect()
     }
 
+    /// `/readyz`'s `store`: the store in use.
+    fn readyz_store(&self) -> String {
+        let ready = support::request(self.admin, "GET", "/readyz", &[]);
+        let body: serde_json::Value = serde_json::from_str(&ready.body).unwrap();
+        body["store"].as_str().unwrap_or_default().to_string()
+    }
+
     fn metric(&self, series: &str) -> f64 {
         support::request(self.admin, "GET", "/metrics", &[])
             .body
@@ -286,6 +293,9 @@ fn budgets_and_buckets_survive_kill_9_and_sigterm() {
     // Another tenant still has its whole budget.
     assert_eq!(count(&node.statuses(4, "b", "10.0.4.1"), 200), 4);
     assert_eq!(node.metric("tollgate_state_dir_fallback"), 0.0);
+    // The store in use is named for what it is: the embedded store in the state dir's file.
+    assert_eq!(node.readyz_store(), "state_dir");
+    assert_eq!(node.metric("tollgate_store_info{kind=\"state_dir\"}"), 1.0);
 }
 
 /// A second gateway on a state dir a running one holds exits 1 naming the directory.
@@ -361,6 +371,8 @@ fn an_unusable_state_dir_falls_back_to_process_memory() {
         "{log}"
     );
     assert_eq!(node.metric("tollgate_state_dir_fallback"), 1.0);
+    // The buckets are in process memory, and `/readyz` says so.
+    assert_eq!(node.readyz_store(), "memory");
     assert_eq!(
         node.statuses(6, "a", "10.0.0.1"),
         [200, 200, 200, 200, 200, 429]
@@ -927,6 +939,11 @@ fn an_upgrade_under_load_drops_nothing_and_counts_once() {
         "{}",
         new.log_text()
     );
+    // A hand-over that goes as it should logs nothing at error level, on either side.
+    for (who, log) in [("old", old.log_text()), ("new", new.log_text())] {
+        let errors: Vec<&str> = log.lines().filter(|l| l.contains(" ERROR ")).collect();
+        assert!(errors.is_empty(), "{who}: {errors:?}");
+    }
     // Still drained, and the new process owns the directory now.
     assert_eq!(new.statuses(2, "drained", "10.0.0.2"), [429, 429]);
     let mut third = setup.spawn("third.log", &[]);

@@ -38,6 +38,21 @@ pub enum PolicyError {
         file: PathBuf,
         errors: Vec<FieldError>,
     },
+    /// The bundle is valid but puts nothing in force: the gateway would proxy every request
+    /// unlimited. Refused unless `--allow-empty-policy`.
+    #[error(
+        "{file}: no policy and no kill switch to enforce ({}): every request would be proxied unlimited; fix the file, or run with --allow-empty-policy if that is meant",
+        if *.skipped == 0 {
+            "the bundle lists none".to_string()
+        } else {
+            format!("all {} of its policies were left out by --skip-invalid-policies", .skipped)
+        }
+    )]
+    Empty {
+        file: PathBuf,
+        /// Policies `--skip-invalid-policies` left out.
+        skipped: usize,
+    },
 }
 
 fn render(errors: &[FieldError]) -> String {

@@ -279,6 +279,28 @@ impl Bundle {
         ))
     }
 
+    /// No policy and no kill switch: the bundle limits nothing (an empty bundle, or one whose
+    /// every policy `--skip-invalid-policies` left out).
+    pub fn enforces_nothing(&self) -> bool {
+        self.policies.is_empty() && self.kill_switches.is_empty()
+    }
+
+    /// How many rules the bundle's author wrote: each policy's `rules` and `fallback_limit`.
+    /// [`Bundle::rules`] holds more: a `token_bucket_llm` rule's `tokens_per_day` budget is a
+    /// rule of its own, and so is what `loop_detection` or `circuit_breaker` compiled to.
+    pub fn written_rule_count(&self) -> usize {
+        self.rules
+            .iter()
+            .filter(|rule| {
+                rule.guard.is_none()
+                    && !rule
+                        .llm
+                        .as_ref()
+                        .is_some_and(|llm| llm.part == LlmPart::Day)
+            })
+            .count()
+    }
+
     /// Looks up a rule by name.
     pub fn rule(&self, name: &str) -> Option<&Rule> {
         self.rules.iter().find(|r| &*r.name == name)

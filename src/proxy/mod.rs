@@ -89,6 +89,13 @@ pub fn run(args: RunArgs) -> u8 {
     // gateway enforces a bundle, and taking its listeners without one would switch limits off,
     // so the new process stops here and the old one keeps serving.
     let loaded = gateway.load_policy("startup");
+    // A policy file that puts nothing in force would proxy everything unlimited (every policy
+    // skipped by --skip-invalid-policies, an empty bundle): stop, unless the operator means it.
+    if let Err(e @ crate::policy::PolicyError::Empty { .. }) = &loaded {
+        tracing::error!("{e}");
+        eprintln!("tollgate: {e}");
+        return EXIT_INVALID;
+    }
     let verify_key = match start_following(&gateway) {
         Ok(key) => key,
         Err(e) => {

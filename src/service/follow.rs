@@ -320,6 +320,17 @@ impl Follower {
                             file: "<published>".into(),
                             errors,
                         })?;
+                    // As for a policy file: a live bundle putting nothing in force would switch
+                    // every limit off, so the one in force stays (a candidate enforces nothing).
+                    if slot == Slot::Live
+                        && bundle.enforces_nothing()
+                        && !self.gateway.config.allow_empty_policy
+                    {
+                        return Err(crate::policy::PolicyError::Empty {
+                            file: "<published>".into(),
+                            skipped: bundle.skipped.len(),
+                        });
+                    }
                     Ok(bundle)
                 });
         crate::policy::release_parse_memory();

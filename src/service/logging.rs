@@ -148,6 +148,16 @@ impl std::io::Write for LineNet {
     }
 }
 
+/// Pingora's bootstrap, at an upgrade, waiting for the listeners on the relay socket: it binds
+/// the socket and looks for the relay's connection at once, before the relay (which can only
+/// connect once the socket exists) is there, so every hand-over has at least one such record,
+/// which Pingora logs at error level. It is the hand-over proceeding, shown at debug level; a
+/// hand-over that fails says so at error level (the relay's `upgrade: ...` line, Pingora's
+/// `Error accepting socket transfer`).
+fn is_handover_wait(origin: &str, text: &str) -> bool {
+    origin == "pingora_core::server::transfer_fd" && text.starts_with("No incoming socket transfer")
+}
+
 /// Re-emits `log` records (Pingora's) as tracing events under the target `pingora`, with their
 /// text through [`crate::redact::text`], then escaped ([`crate::log_line::message`]).
 struct RedactingLog;
@@ -174,6 +184,9 @@ impl log::Log for RedactingLog {
         let message = crate::log_line::message(&redacted);
         let origin = record.target();
         match record.level() {
+            log::Level::Error if is_handover_wait(origin, &text) => {
+                tracing::debug!(target: "pingora", origin, "{message}")
+            }
             log::Level::Error => tracing::error!(target: "pingora", origin, "{message}"),
             log::Level::Warn => tracing::warn!(target: "pingora", origin, "{message}"),
             // Pingora's own start-up and shutdown chatter: debug, so a start-up error is not
@@ -185,4 +198,25 @@ impl log::Log for RedactingLog {
     }
 
     fn flush(&self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_handover_wait;
+
+    #[test]
+    fn only_the_hand_over_wait_is_not_an_error() {
+        assert!(is_handover_wait(
+            "pingora_core::server::transfer_fd",
+            "No incoming socket transfer, sleep 1s and try again"
+        ));
+        assert!(!is_handover_wait(
+            "pingora_core::server::transfer_fd",
+            "Error accepting socket transfer: EBADF"
+        ));
+        assert!(!is_handover_wait(
+            "pingora_core::server",
+            "No incoming socket transfer, sleep 1s and try again"
+        ));
+    }
 }

@@ -222,7 +222,20 @@ impl Gateway {
             skip_invalid_policies: self.config.skip_invalid_policies,
             ..Default::default()
         };
-        match crate::policy::load_current(path, options, self.clock.unix_secs()) {
+        // A file that puts nothing in force would switch every limit off: refused like an
+        // invalid one (at start-up the gateway stops; at a reload the bundle in force stays).
+        let loaded =
+            crate::policy::load_current(path, options, self.clock.unix_secs()).and_then(|bundle| {
+                if bundle.enforces_nothing() && !self.config.allow_empty_policy {
+                    Err(PolicyError::Empty {
+                        file: path.clone(),
+                        skipped: bundle.skipped.len(),
+                    })
+                } else {
+                    Ok(bundle)
+                }
+            });
+        match loaded {
             Ok(bundle) => {
                 let (version, hash) = (bundle.version.clone(), bundle.hash.clone());
                 let in_memory = matches!(self.config.store, StoreKind::Memory)
@@ -253,6 +266,8 @@ impl Gateway {
                         trigger,
                         "policy reload rejected, keeping bundle_version {v}: {e}"
                     ),
+                    // Start-up stops on it, and says why.
+                    None if trigger == "startup" && matches!(e, PolicyError::Empty { .. }) => {}
                     None => tracing::error!(
                         trigger,
                         "no valid policy loaded (decisions answer 503): {e}"

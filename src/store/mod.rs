@@ -571,9 +571,12 @@ impl Store {
         &self.backend
     }
 
-    /// `memory`, `redis` or `postgres`.
+    /// `memory`, `state_dir` (the embedded store with its tables in a state dir's file),
+    /// `redis` or `postgres`. A state dir that could not be used leaves the buckets in process
+    /// memory: that store is `memory`.
     pub fn kind(&self) -> &'static str {
         match &self.backend {
+            Backend::Memory(_) if matches!(self.state_dir, Some((_, false))) => "state_dir",
             Backend::Memory(_) => "memory",
             Backend::Redis(_) => "redis",
             Backend::Postgres(_) => "postgres",
