@@ -460,6 +460,11 @@ fn walkthrough_migration_from_fairvisor() {
     walk("migration/fairvisor.md");
 }
 
+#[test]
+fn walkthrough_llm_gateway() {
+    walk("getting-started/llm-gateway.md");
+}
+
 // The runner itself can fail: a failing command, a wrong output and a left-over background
 // process are each caught.
 
