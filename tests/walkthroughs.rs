@@ -1,6 +1,6 @@
 //! The manual's walkthrough pages, run as a reader would run them: every shell block of a page,
 //! in order, in one bash session, against the binary cargo built for this test and real peers
-//! (Python's `http.server`, nginx), with the outputs the page shows compared to what the
+//! (Python's `http.server`, nginx, Envoy, Redis), with the outputs the page shows compared to what the
 //! commands print. A page whose commands stop working, or whose shown output no longer matches,
 //! fails here.
 //!
@@ -14,7 +14,10 @@
 //!   `target/release` on `PATH`) is replaced by a directory first on `PATH` holding a `tollgate`
 //!   symlink to the binary cargo built for this test (`CARGO_BIN_EXE_tollgate`); installing
 //!   packages (`bash scripts/install-deps.sh`, `apt-get install nginx-light`) is replaced by what
-//!   `scripts/test.sh` installs before it runs the tests.
+//!   `scripts/test.sh` installs before it runs the tests; installing Envoy into
+//!   `target/envoy-venv` (done by `scripts/test.sh` through `scripts/install-envoy.sh`) and
+//!   linking it onto `PATH` is replaced by an `envoy` symlink in that same directory, to the
+//!   binary `tests/envoy.rs` uses (`TOLLGATE_ENVOY`, else the one under `target/envoy-venv`).
 //! - `<!-- output -->` (an HTML comment: mdBook shows nothing) on its own line, then a
 //!   ```` ```text ```` block: the standard output of the nearest `sh` block above it (prose may
 //!   stand between them, another shell block may not), compared line by line (trailing white
@@ -37,7 +40,8 @@
 //! # Ports
 //!
 //! Pages use the manual's usual loopback ports: 3000 for the test upstream, 8080 for the proxy,
-//! 9090 for the admin listener, 8000 for nginx. No other test binds them (the others take ports
+//! 9090 for the admin listener, 8000 for nginx; 8081 and 9091 for a second gateway or tollgate's
+//! gRPC listener, 10000 for Envoy, 6379 for Redis. No other test binds them (the others take ports
 //! from 20000 up, see `tests/support`), cargo runs test binaries one at a time, and the pages
 //! of this file run one at a time (a lock): a port busy anyway fails the page, naming it.
 
@@ -50,13 +54,27 @@ use std::time::{Duration, Instant};
 const PAGE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The loopback ports the walkthroughs use (see the module comment).
-const PAGE_PORTS: [u16; 4] = [3000, 8000, 8080, 9090];
+const PAGE_PORTS: [u16; 8] = [3000, 6379, 8000, 8080, 8081, 9090, 9091, 10000];
 
 /// Pages run one at a time: they share the ports.
 static ONE_PAGE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The Envoy binary, found as `tests/envoy.rs` finds it: `TOLLGATE_ENVOY`, else the one
+/// `scripts/install-envoy.sh` installed under `target/envoy-venv`.
+fn envoy_binary() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("TOLLGATE_ENVOY") {
+        return Some(PathBuf::from(path));
+    }
+    let lib = root().join("target/envoy-venv/lib");
+    std::fs::read_dir(lib)
+        .ok()?
+        .flatten()
+        .map(|python| python.path().join("site-packages/envoy/_bin/envoy"))
+        .find(|candidate| candidate.is_file())
 }
 
 /// One fenced shell block of a page.
@@ -292,6 +310,9 @@ fn run_page(name: &str, page: &str) -> Result<usize, String> {
     }
     std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_tollgate"), bin.join("tollgate"))
         .map_err(|e| e.to_string())?;
+    if let Some(envoy) = envoy_binary() {
+        std::os::unix::fs::symlink(envoy, bin.join("envoy")).map_err(|e| e.to_string())?;
+    }
     for entry in std::fs::read_dir(root()).map_err(|e| e.to_string())? {
         let entry = entry.map_err(|e| e.to_string())?;
         let file_name = entry.file_name();
@@ -556,4 +577,18 @@ fn background_processes_of_a_page_are_stopped_at_its_end() {
         assert!(Instant::now() < deadline, "sleep {pid} still runs: {state}");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn walkthrough_envoy() {
+    assert!(
+        envoy_binary().is_some(),
+        "Envoy is not installed: run `bash scripts/test.sh` (it runs scripts/install-envoy.sh)"
+    );
+    walk("getting-started/envoy.md");
+}
+
+#[test]
+fn walkthrough_fleet() {
+    walk("getting-started/fleet.md");
 }
