@@ -800,3 +800,39 @@ fn versions_above_lua_doubles_stay_exact_on_redis() {
     let next = tollgate(&["publish", &a, "--store", &redis.url()]).version();
     assert_eq!(next, high + 1);
 }
+
+/// A bundle with no policy and no kill switch publishes (a gateway run with
+/// `--allow-empty-policy` takes it), but the publisher is warned that every other gateway will
+/// refuse it.
+#[test]
+fn publishing_a_bundle_that_enforces_nothing_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = write_file(
+        dir.path(),
+        "empty.json",
+        r#"{"bundle_version": 1, "policies": []}"#,
+    );
+    let out = dir.path().join("envelope.json");
+    let out_arg = out.display().to_string();
+    let run = tollgate(&["publish", &empty, "--out", &out_arg, "--allow-unsigned"]);
+    run.version();
+    assert_eq!(
+        run.stderr.lines().next(),
+        Some(
+            format!(
+                "{empty}: warning: no policy and no kill switch in force: a gateway refuses this bundle unless run with --allow-empty-policy"
+            )
+            .as_str()
+        ),
+        "{}",
+        run.stderr
+    );
+    let full = write_file(dir.path(), "full.json", &bundle("api", 5));
+    let run = tollgate(&["publish", &full, "--out", &out_arg, "--allow-unsigned"]);
+    run.version();
+    assert!(
+        !run.stderr.contains("no policy and no kill switch"),
+        "{}",
+        run.stderr
+    );
+}

@@ -67,7 +67,9 @@ fn root() -> PathBuf {
 /// `scripts/install-envoy.sh` installed under `target/envoy-venv`.
 fn envoy_binary() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("TOLLGATE_ENVOY") {
-        return Some(PathBuf::from(path));
+        // scripts/test.sh sets it relative to the repository (`target/envoy-venv/...`); the
+        // symlink on the pages' PATH lives elsewhere, so it must point at an absolute path.
+        return Some(root().join(path));
     }
     let lib = root().join("target/envoy-venv/lib");
     std::fs::read_dir(lib)

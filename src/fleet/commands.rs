@@ -236,6 +236,13 @@ fn validate_bundle(file: &Path, bytes: &[u8], err: &mut dyn Write) -> Outcome<St
             file.display()
         )));
     }
+    if bundle.enforces_nothing() {
+        let _ = writeln!(
+            err,
+            "{}: warning: no policy and no kill switch in force: a gateway refuses this bundle unless run with --allow-empty-policy",
+            file.display()
+        );
+    }
     for warning in &bundle.warnings {
         let _ = writeln!(err, "{}: warning: {warning}", file.display());
     }

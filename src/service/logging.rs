@@ -152,8 +152,8 @@ impl std::io::Write for LineNet {
 /// the socket and looks for the relay's connection at once, before the relay (which can only
 /// connect once the socket exists) is there, so every hand-over has at least one such record,
 /// which Pingora logs at error level. It is the hand-over proceeding, shown at debug level; a
-/// hand-over that fails says so at error level (the relay's `upgrade: ...` line, Pingora's
-/// `Error accepting socket transfer`).
+/// hand-over that fails says so at error level (the relay's `upgrade: ...` line, and Pingora's
+/// `Bootstrap failed on error: ... exiting.` once its retries run out).
 fn is_handover_wait(origin: &str, text: &str) -> bool {
     origin == "pingora_core::server::transfer_fd" && text.starts_with("No incoming socket transfer")
 }
