@@ -5,28 +5,13 @@
 //! with the official generated types.
 
 use super::span::{Kind, SpanRecord, UpstreamEvent};
-use prost::encoding::{encode_varint, encoded_len_varint};
+use prost::encoding::encoded_len_varint;
 use std::fmt::Write as _;
 
 const VARINT: u64 = 0;
 const FIXED64: u64 = 1;
 const LEN: u64 = 2;
 const FIXED32: u64 = 5;
-
-/// A varint, without going through `BufMut` for the one-byte values most of ours are.
-#[inline]
-fn varint(out: &mut Vec<u8>, value: u64) {
-    if value < 0x80 {
-        out.push(value as u8);
-    } else {
-        encode_varint(value, out);
-    }
-}
-
-#[inline]
-fn key(out: &mut Vec<u8>, field: u64, wire: u64) {
-    varint(out, field << 3 | wire);
-}
 
 /// An IP address as text: IPv4 (nearly every address here) by hand, IPv6 through `Display`.
 fn ip_text(ip: std::net::IpAddr, text: &mut String) {
@@ -52,67 +37,11 @@ fn ip_text(ip: std::net::IpAddr, text: &mut String) {
     }
 }
 
-#[inline]
-fn bytes_field(out: &mut Vec<u8>, field: u64, value: &[u8]) {
-    key(out, field, LEN);
-    varint(out, value.len() as u64);
-    out.extend_from_slice(value);
-}
-
-/// A length-delimited message `field` whose body `body` writes: the body goes after room for
-/// the longest length prefix, which is then written and the body moved up against it.
-fn nested(out: &mut Vec<u8>, field: u64, body: impl FnOnce(&mut Vec<u8>)) {
-    const ROOM: usize = 10;
-    key(out, field, LEN);
-    let start = out.len();
-    out.extend_from_slice(&[0; ROOM]);
-    body(out);
-    let len = out.len() - start - ROOM;
-    let n = encoded_len_varint(len as u64);
-    let mut prefix = [0u8; ROOM];
-    encode_varint(len as u64, &mut &mut prefix[..]);
-    out.copy_within(start + ROOM.., start + n);
-    out.truncate(out.len() - (ROOM - n));
-    out[start..start + n].copy_from_slice(&prefix[..n]);
-}
-
 /// The value of a `KeyValue` (an `AnyValue`).
 enum Value<'a> {
     Str(&'a str),
     Int(i64),
     Bool(bool),
-}
-
-/// A `KeyValue` as field `field` (a span's, an event's, a resource's attributes).
-fn attribute(out: &mut Vec<u8>, field: u64, name: &str, value: Value<'_>) {
-    let any_len = match value {
-        Value::Str(s) => 1 + encoded_len_varint(s.len() as u64) + s.len(),
-        Value::Int(n) => 1 + encoded_len_varint(n as u64),
-        Value::Bool(_) => 2,
-    };
-    let kv_len = 1
-        + encoded_len_varint(name.len() as u64)
-        + name.len()
-        + 1
-        + encoded_len_varint(any_len as u64)
-        + any_len;
-    out.reserve(kv_len + 4);
-    key(out, field, LEN);
-    varint(out, kv_len as u64);
-    bytes_field(out, 1, name.as_bytes());
-    key(out, 2, LEN);
-    varint(out, any_len as u64);
-    match value {
-        Value::Str(s) => bytes_field(out, 1, s.as_bytes()),
-        Value::Bool(b) => {
-            key(out, 2, VARINT);
-            out.push(u8::from(b));
-        }
-        Value::Int(n) => {
-            key(out, 3, VARINT);
-            varint(out, n as u64);
-        }
-    }
 }
 
 /// A span's bytes written into a slice sized beforehand ([`span_bound`]), so that no write
@@ -177,16 +106,20 @@ impl Cursor<'_> {
         self.at = end;
     }
 
-    /// A `KeyValue` as field `field` (a span's, an event's attributes).
+    /// A `KeyValue` as field `field` (a span's, an event's, the resource's attributes).
     #[inline]
     fn attribute(&mut self, field: u64, name: &str, value: Value<'_>) {
-        debug_assert!(name.len() <= LONGEST_NAME);
         let any_len = match value {
             Value::Str(s) => 1 + encoded_len_varint(s.len() as u64) + s.len(),
             Value::Int(n) => 1 + encoded_len_varint(n as u64),
             Value::Bool(_) => 2,
         };
-        let kv_len = 2 + name.len() + 1 + encoded_len_varint(any_len as u64) + any_len;
+        let kv_len = 1
+            + encoded_len_varint(name.len() as u64)
+            + name.len()
+            + 1
+            + encoded_len_varint(any_len as u64)
+            + any_len;
         let tag = (field << 3 | LEN) as u8;
         if let (Value::Str(s), true) = (&value, kv_len < 0x80) {
             // Every length one byte (nearly every attribute): two 4-byte heads and two copies.
@@ -198,10 +131,7 @@ impl Cursor<'_> {
         }
         self.byte(tag);
         self.varint(kv_len as u64);
-        // Attribute names are short constants: their length is one byte.
-        self.key(1, LEN);
-        self.byte(name.len() as u8);
-        self.bytes(name.as_bytes());
+        self.bytes_field(1, name.as_bytes());
         self.key(2, LEN);
         self.varint(any_len as u64);
         match value {
@@ -227,11 +157,11 @@ impl Cursor<'_> {
 
 /// Room a nested message may need beyond its one-byte length prefix.
 const NESTED_SLACK: usize = 9;
-/// The longest attribute name the spans carry; [`Cursor::attribute`] writes its length as one
-/// byte.
+/// The longest attribute name the spans carry.
 const LONGEST_NAME: usize = 32;
-/// What one attribute costs beyond its name and string value: tags and length prefixes.
-const ATTRIBUTE_OVERHEAD: usize = 2 * 11 + 3 + 11 + 1;
+/// What one attribute costs beyond its name and string value: four tags and four length
+/// prefixes of at most 10 bytes each.
+const ATTRIBUTE_OVERHEAD: usize = 4 + 4 * 10;
 /// The most attributes a span or an event carries.
 const MOST_ATTRIBUTES: usize = 20;
 
@@ -260,6 +190,19 @@ fn span_bound(span: &SpanRecord) -> usize {
     variable + fixed + span.events.len() * per_event
 }
 
+/// What `write` puts into a buffer of `bound` bytes, trimmed to it.
+fn written(bound: usize, write: impl FnOnce(&mut Cursor<'_>)) -> Vec<u8> {
+    let mut buf = vec![0; bound];
+    let mut cursor = Cursor {
+        buf: &mut buf,
+        at: 0,
+    };
+    write(&mut cursor);
+    let len = cursor.at;
+    buf.truncate(len);
+    buf
+}
+
 /// Writes batches for one resource and scope.
 pub struct Encoder {
     /// `ResourceSpans.resource` and the start of nothing else: written before each batch's
@@ -274,16 +217,22 @@ pub struct Encoder {
 impl Encoder {
     /// `resource`: the resource's attributes, in order.
     pub fn new(resource: &[(String, String)]) -> Encoder {
-        let mut resource_field = Vec::new();
-        nested(&mut resource_field, 1, |out| {
-            for (name, value) in resource {
-                attribute(out, 1, name, Value::Str(value));
-            }
+        let attributes: usize = resource
+            .iter()
+            .map(|(name, value)| name.len() + value.len() + ATTRIBUTE_OVERHEAD)
+            .sum();
+        // Resource.attributes
+        let resource = written(11 + NESTED_SLACK + attributes, |c| {
+            c.nested(1, 1, |c| {
+                for (name, value) in resource {
+                    c.attribute(1, name, Value::Str(value));
+                }
+            });
         });
-        let mut scope = Vec::new();
-        nested(&mut scope, 1, |out| bytes_field(out, 1, b"tollgate"));
+        // InstrumentationScope.name
+        let scope = written(32, |c| c.nested(1, 1, |c| c.bytes_field(1, b"tollgate")));
         Encoder {
-            resource: resource_field,
+            resource,
             scope,
             text: String::new(),
         }
@@ -729,6 +678,33 @@ mod tests {
             );
             assert_eq!(span.flags, 0x301);
         }
+    }
+
+    #[test]
+    fn resource_attributes_of_any_length_decode() {
+        // The operator's names and values (OTEL_RESOURCE_ATTRIBUTES): lengths past one byte.
+        let long_name = "n".repeat(300);
+        let resource = [
+            (long_name.clone(), "v".repeat(20_000)),
+            ("service.name".to_string(), "edge".to_string()),
+        ];
+        let mut scratch = Vec::new();
+        let body = Encoder::new(&resource).encode(&[server_span()], &mut scratch);
+        let request = ExportTraceServiceRequest::decode(body).unwrap();
+        let attributes = request.resource_spans[0]
+            .resource
+            .clone()
+            .unwrap()
+            .attributes;
+        assert_eq!(attributes.len(), 2);
+        assert_eq!(
+            find(&attributes, &long_name),
+            Some(Any::StringValue("v".repeat(20_000)))
+        );
+        assert_eq!(
+            find(&attributes, "service.name"),
+            Some(Any::StringValue("edge".into()))
+        );
     }
 
     #[test]
