@@ -134,6 +134,8 @@ def main():
         children = {m[len(here)] for m in modules if len(m) == len(here) + 1 and list(m[: len(here)]) == here}
         names = use_trees(code)
         names += re.findall(r"\b((?:crate|super|self|tollgate)(?:::\w+)+)", code)
+        for child in children:
+            names += re.findall(r"(?<![\w:])(" + child + r"(?:::\w+)+)", code)
         targets = set()
         for name in names:
             segments = [s for s in name.split("::") if s]
