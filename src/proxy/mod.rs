@@ -57,10 +57,17 @@ pub fn run(args: RunArgs) -> u8 {
         }
     };
     // Traces, when the OTEL_* environment asks for them (a setting it cannot use stops here).
-    if let Err(e) = crate::telemetry::start_for(&gateway) {
-        tracing::error!("{e}");
-        eprintln!("tollgate: {e}");
-        return EXIT_INVALID;
+    match crate::telemetry::Telemetry::from_env(
+        gateway.config.trace_context,
+        gateway.metrics.trace_spans_dropped(),
+    ) {
+        Ok(Some(telemetry)) => gateway.set_telemetry(telemetry),
+        Ok(None) => {}
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("tollgate: {e}");
+            return EXIT_INVALID;
+        }
     }
     if config.bucket_idle_given {
         tracing::warn!(

@@ -11,8 +11,8 @@
 //! when the back-off ends, a TCP connection to the collector is tried before recording resumes.
 
 use super::otlp::Encoder;
+use super::settings::{without_endpoints, EnvSettings, Protocol, TelemetryError};
 use super::span::SpanRecord;
-use super::{EnvSettings, Protocol, TelemetryError};
 use bytes::Bytes;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -128,7 +128,7 @@ impl Config {
             },
         };
         let invalid = |why: &str| {
-            TelemetryError::Exporter(super::without_endpoints(
+            TelemetryError::Exporter(without_endpoints(
                 &format!("invalid endpoint {endpoint}: {why}"),
                 &var,
             ))

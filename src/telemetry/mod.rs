@@ -19,383 +19,21 @@
 
 mod export;
 mod otlp;
+mod sampling;
+mod settings;
 mod span;
+mod summary;
 
 use crate::descriptor::TraceFacts;
-use crate::service::DecisionSummary;
+use sampling::{new_span_id, new_trace_id};
+pub use sampling::{HeaderSource, Parent, Root, Sampler};
+pub use settings::{EnvSettings, Protocol, TelemetryError, TraceContextTrust};
 pub use span::UpstreamEvent;
-use span::{Kind, SpanRecord};
+use span::{unix_nanos, Kind, SpanRecord};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// `--trace-context`: whose W3C `traceparent`/`tracestate` a request continues.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum TraceContextTrust {
-    /// Any client's (the W3C default: a trace goes on through the gateway).
-    #[default]
-    Accept,
-    /// Only a `--trusted-proxy` peer's: anyone else's request starts a new trace (an untrusted
-    /// client can then neither join a trace nor force sampling with its `sampled` flag).
-    Trusted,
-    /// Nobody's: every request starts a new trace.
-    Ignore,
-}
-
-/// The OTLP transport (`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else `OTEL_EXPORTER_OTLP_PROTOCOL`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocol {
-    Grpc,
-    HttpProtobuf,
-}
-
-impl Protocol {
-    /// The protocol a variable's value names; the specification's default is `http/protobuf`.
-    ///
-    /// # Errors
-    /// A value other than `grpc` or `http/protobuf` (`http/json` is not built in).
-    pub fn parse(value: Option<&str>) -> Result<Protocol, TelemetryError> {
-        match value.map(str::trim) {
-            None | Some("") | Some("http/protobuf") => Ok(Protocol::HttpProtobuf),
-            Some("grpc") => Ok(Protocol::Grpc),
-            Some(other) => Err(TelemetryError::Protocol(other.to_string())),
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Protocol::Grpc => "grpc",
-            Protocol::HttpProtobuf => "http/protobuf",
-        }
-    }
-}
-
-/// Why tracing cannot start (a start-up error: the operator asked for traces).
-#[derive(Debug, thiserror::Error)]
-pub enum TelemetryError {
-    #[error("OTEL_EXPORTER_OTLP_PROTOCOL: {0:?} is not supported (grpc or http/protobuf)")]
-    Protocol(String),
-    #[error("OTEL_BSP_MAX_QUEUE_SIZE: {0:?} is not a positive number")]
-    QueueSize(String),
-    /// The exporter's own error names the endpoint's problem, never the headers' values.
-    #[error("OTLP exporter: {0}")]
-    Exporter(String),
-    #[error("OTLP export runtime: {0}")]
-    Runtime(std::io::Error),
-}
-
-/// What an environment says about traces (read once at start).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EnvSettings {
-    pub protocol: Protocol,
-    pub max_queue_size: usize,
-    /// Neither `OTEL_SERVICE_NAME` nor `service.name` in `OTEL_RESOURCE_ATTRIBUTES`: the
-    /// resource says `tollgate`.
-    pub default_service_name: bool,
-}
-
-/// The export queue when `OTEL_BSP_MAX_QUEUE_SIZE` is unset (the specification's).
-const DEFAULT_MAX_QUEUE_SIZE: usize = 2048;
-
-impl EnvSettings {
-    /// `None`: tracing is off (no OTLP endpoint set, `OTEL_SDK_DISABLED=true`, or
-    /// `OTEL_TRACES_EXPORTER=none`).
-    ///
-    /// # Errors
-    /// A protocol or queue size that cannot be used.
-    pub fn read(
-        var: impl Fn(&str) -> Option<String>,
-    ) -> Result<Option<EnvSettings>, TelemetryError> {
-        let set = |name: &str| var(name).filter(|v| !v.trim().is_empty());
-        if set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_none()
-            && set("OTEL_EXPORTER_OTLP_ENDPOINT").is_none()
-        {
-            return Ok(None);
-        }
-        if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
-            || set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim().eq_ignore_ascii_case("none"))
-        {
-            return Ok(None);
-        }
-        let protocol = Protocol::parse(
-            set("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                .or_else(|| set("OTEL_EXPORTER_OTLP_PROTOCOL"))
-                .as_deref(),
-        )?;
-        let max_queue_size = match set("OTEL_BSP_MAX_QUEUE_SIZE") {
-            None => DEFAULT_MAX_QUEUE_SIZE,
-            Some(v) => match v.trim().parse::<usize>() {
-                Ok(n) if n > 0 => n,
-                _ => return Err(TelemetryError::QueueSize(v)),
-            },
-        };
-        let default_service_name = set("OTEL_SERVICE_NAME").is_none()
-            && !set("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|attrs| {
-                attrs.split(',').any(|kv| {
-                    kv.split('=')
-                        .next()
-                        .is_some_and(|k| k.trim() == "service.name")
-                })
-            });
-        Ok(Some(EnvSettings {
-            protocol,
-            max_queue_size,
-            default_service_name,
-        }))
-    }
-}
-
-/// Starts tracing for a gateway when the environment asks for it (the proxy's start-up).
-///
-/// # Errors
-/// See [`Telemetry::from_env`].
-pub fn start_for(gateway: &crate::service::Gateway) -> Result<(), TelemetryError> {
-    if let Some(telemetry) = Telemetry::from_env(
-        gateway.config.trace_context,
-        gateway.metrics.trace_spans_dropped(),
-    )? {
-        gateway.set_telemetry(telemetry);
-    }
-    Ok(())
-}
-
-/// How the gateway samples (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`), with the
-/// SDKs' meaning of each value.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Sampler {
-    AlwaysOn,
-    AlwaysOff,
-    /// A trace is sampled when the lower 63 bits of its id fall below `ratio × 2^63` (every
-    /// service sampling by trace id agrees on the same traces).
-    TraceIdRatio(f64),
-    /// A continued trace keeps its parent's decision; a new one asks the root sampler.
-    ParentBased(Root),
-}
-
-/// The root sampler of a parent-based one.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Root {
-    AlwaysOn,
-    AlwaysOff,
-    TraceIdRatio(f64),
-}
-
-impl Sampler {
-    /// The sampler the variables name. The default, and the answer to a name this build does
-    /// not implement (`jaeger_remote`, `xray`...), is `parentbased_always_on`; a `*traceidratio`
-    /// without a readable ratio samples everything (as the SDKs do, with a warning).
-    pub fn from_env(name: Option<&str>, arg: Option<&str>) -> Sampler {
-        let ratio = || match arg.and_then(|a| a.trim().parse::<f64>().ok()) {
-            Some(ratio) => ratio,
-            None => {
-                tracing::warn!("traces: OTEL_TRACES_SAMPLER_ARG is missing or not a number: sampling every trace");
-                1.0
-            }
-        };
-        match name.map(str::trim) {
-            None | Some("") | Some("parentbased_always_on") => Sampler::ParentBased(Root::AlwaysOn),
-            Some("always_on") => Sampler::AlwaysOn,
-            Some("always_off") => Sampler::AlwaysOff,
-            Some("traceidratio") => Sampler::TraceIdRatio(ratio()),
-            Some("parentbased_always_off") => Sampler::ParentBased(Root::AlwaysOff),
-            Some("parentbased_traceidratio") => Sampler::ParentBased(Root::TraceIdRatio(ratio())),
-            Some(other) => {
-                tracing::warn!(
-                    sampler = %crate::log_line::value(other),
-                    "traces: OTEL_TRACES_SAMPLER is not one this build has: parentbased_always_on"
-                );
-                Sampler::ParentBased(Root::AlwaysOn)
-            }
-        }
-    }
-
-    /// Whether a span of `trace_id` is sampled, under `parent` (a continued trace) or none.
-    pub fn sampled(self, trace_id: &[u8; 16], parent: Option<&Parent>) -> bool {
-        match self {
-            Sampler::AlwaysOn => true,
-            Sampler::AlwaysOff => false,
-            Sampler::TraceIdRatio(ratio) => by_trace_id(ratio, trace_id),
-            Sampler::ParentBased(root) => match (parent, root) {
-                (Some(parent), _) => parent.sampled,
-                (None, Root::AlwaysOn) => true,
-                (None, Root::AlwaysOff) => false,
-                (None, Root::TraceIdRatio(ratio)) => by_trace_id(ratio, trace_id),
-            },
-        }
-    }
-}
-
-/// The trace-id ratio rule the OpenTelemetry SDKs share: the id's last 8 bytes, shifted right
-/// by one, against `ratio × 2^63`.
-fn by_trace_id(ratio: f64, trace_id: &[u8; 16]) -> bool {
-    if ratio >= 1.0 {
-        return true;
-    }
-    let mut low = [0u8; 8];
-    low.copy_from_slice(&trace_id[8..]);
-    // `as` saturates: a negative or NaN ratio samples nothing.
-    let bound = (ratio.max(0.0) * (1u64 << 63) as f64) as u64;
-    (u64::from_be_bytes(low) >> 1) < bound
-}
-
-/// The context a request continues: a valid W3C `traceparent` (and its `tracestate`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Parent {
-    pub trace_id: [u8; 16],
-    pub span_id: [u8; 8],
-    pub sampled: bool,
-    /// The `tracestate` as it goes on (empty or invalid: none).
-    pub trace_state: Option<Arc<str>>,
-}
-
-impl Parent {
-    /// Reads `traceparent`/`tracestate` by the W3C propagator's rules: version `00` with
-    /// exactly four fields (a later version may have more), lower-case hex ids that are not all
-    /// zero, flags of which only `sampled` is kept. An invalid `tracestate` is dropped whole.
-    pub fn read(headers: &dyn HeaderSource) -> Option<Parent> {
-        let value = headers.header("traceparent")?.trim();
-        let mut parts = value.split_terminator('-');
-        let (version_text, trace, span, flags_text) =
-            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-        let more = parts.next().is_some();
-        let version = u8::from_str_radix(version_text, 16).ok()?;
-        if version == 0xff || (version == 0 && more) {
-            return None;
-        }
-        // Exactly 2, 32, 16 and 2 lower-case hex digits (no sign, no shorter field).
-        let hex = |field: &str, len: usize| {
-            field.len() == len
-                && field
-                    .bytes()
-                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        };
-        if !hex(version_text, 2) || !hex(trace, 32) || !hex(span, 16) || !hex(flags_text, 2) {
-            return None;
-        }
-        let trace_id = u128::from_str_radix(trace, 16).ok()?.to_be_bytes();
-        let span_id = u64::from_str_radix(span, 16).ok()?.to_be_bytes();
-        let flags = u8::from_str_radix(flags_text, 16).ok()?;
-        if (version == 0 && flags > 2) || trace_id == [0; 16] || span_id == [0; 8] {
-            return None;
-        }
-        let trace_state = headers
-            .header("tracestate")
-            .and_then(trace_state)
-            .map(Arc::from);
-        Some(Parent {
-            trace_id,
-            span_id,
-            sampled: flags & 1 == 1,
-            trace_state,
-        })
-    }
-}
-
-/// A `tracestate` as it is passed on: its `key=value` members joined by commas, or `None`
-/// when it is empty or any member is invalid (a key of lower-case letters, digits and
-/// `_-*/`, optionally `tenant@system`, up to 256 characters; a value without `,` or `=`).
-fn trace_state(header: &str) -> Option<String> {
-    let mut out = String::with_capacity(header.len());
-    for member in header.split_terminator(',') {
-        // Optional white space around a member (`a=1, b=2`); an empty member is skipped.
-        let member = member.trim_matches([' ', '\t']);
-        if member.is_empty() {
-            continue;
-        }
-        let (key, value) = member.split_once('=')?;
-        if !trace_state_key(key) || value.len() > 256 || value.contains('=') {
-            return None;
-        }
-        if !out.is_empty() {
-            out.push(',');
-        }
-        out.push_str(key);
-        out.push('=');
-        out.push_str(value);
-    }
-    (!out.is_empty()).then_some(out)
-}
-
-fn trace_state_key(key: &str) -> bool {
-    let bytes = key.as_bytes();
-    if bytes.is_empty() || bytes.len() > 256 {
-        return false;
-    }
-    let allowed = |b: u8| {
-        b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-' | b'*' | b'/')
-    };
-    if !(bytes[0].is_ascii_lowercase() || bytes[0].is_ascii_digit()) {
-        return false;
-    }
-    match key.split_once('@') {
-        None => bytes.iter().all(|&b| allowed(b)),
-        Some((tenant, system)) => {
-            // A system id of at most 14 characters, starting with a letter or digit.
-            tenant.bytes().all(allowed)
-                && !system.is_empty()
-                && system.len() <= 14
-                && system.bytes().all(allowed)
-                && system
-                    .bytes()
-                    .next()
-                    .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        }
-    }
-}
-
-/// Random trace and span ids: a per-thread wyrand generator seeded from the system's random
-/// source (ids must be unpredictable enough to be unique, and trace-id ratio sampling reads
-/// their bits; they guard nothing).
-fn random_u64() -> u64 {
-    use std::cell::Cell;
-    thread_local! {
-        static STATE: Cell<u64> = Cell::new(seed());
-    }
-    STATE.with(|state| {
-        let s = state.get().wrapping_add(0xa076_1d64_78bd_642f);
-        state.set(s);
-        let t = u128::from(s) * u128::from(s ^ 0xe703_7ed1_a0b4_28db);
-        ((t >> 64) as u64) ^ (t as u64)
-    })
-}
-
-fn seed() -> u64 {
-    let mut bytes = [0u8; 8];
-    if ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).is_err() {
-        // No system randomness: the clock and the thread, still distinct per thread.
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        let here = &bytes as *const _ as u64;
-        return now ^ here.rotate_left(32);
-    }
-    u64::from_le_bytes(bytes)
-}
-
-fn new_trace_id() -> [u8; 16] {
-    loop {
-        let id = (u128::from(random_u64()) << 64 | u128::from(random_u64())).to_be_bytes();
-        if id != [0; 16] {
-            return id;
-        }
-    }
-}
-
-fn new_span_id() -> [u8; 8] {
-    loop {
-        let id = random_u64();
-        if id != 0 {
-            return id.to_be_bytes();
-        }
-    }
-}
-
-/// Now, in nanoseconds since the Unix epoch (a span's start and end, as OTLP has them).
-fn unix_nanos() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-}
+pub use summary::DecisionSummary;
 
 /// Tracing as started: the sampler, the trust in callers' context, and the export.
 pub struct Telemetry {
@@ -411,21 +49,6 @@ impl std::fmt::Debug for Telemetry {
             .field("trust", &self.trust)
             .finish_non_exhaustive()
     }
-}
-
-/// The exporter's error as it may be shown: an endpoint it quotes (an invalid URL is quoted
-/// whole) with any password in it masked, as every store URL is (`var`: the environment).
-fn without_endpoints(message: &str, var: impl Fn(&str) -> Option<String>) -> String {
-    let mut message = message.to_string();
-    for name in [
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-    ] {
-        if let Some(endpoint) = var(name).filter(|e| !e.is_empty()) {
-            message = message.replace(&endpoint, &crate::redact::url(&endpoint));
-        }
-    }
-    message
 }
 
 impl Telemetry {
@@ -597,17 +220,6 @@ impl Telemetry {
     /// hold the gateway's exit longer).
     pub fn shutdown(&self, timeout: Duration) {
         self.export.shutdown(timeout);
-    }
-}
-
-/// Where a request's headers are read from (Pingora's, tonic's metadata, a described request's).
-pub trait HeaderSource {
-    fn header(&self, name: &str) -> Option<&str>;
-}
-
-impl HeaderSource for http::HeaderMap {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.get(name).and_then(|v| v.to_str().ok())
     }
 }
 
@@ -916,6 +528,8 @@ fn method_or_other(name: &'static str) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use super::sampling::*;
+    use super::settings::*;
     use super::*;
     use std::collections::HashMap;
 

@@ -8,6 +8,13 @@ use std::borrow::Cow;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
+/// Now, in nanoseconds since the Unix epoch (a span's start and end, as OTLP has them).
+pub(super) fn unix_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
 /// The span kinds the gateway makes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -128,7 +135,7 @@ impl SpanRecord {
             span_id,
             parent_span_id,
             trace_state,
-            start: super::unix_nanos(),
+            start: unix_nanos(),
             end: 0,
             error: None,
             method: None,
