@@ -13,7 +13,8 @@
 //! force when a reload brings back an empty or much smaller file. Pure: the files are read by
 //! the caller (`service::reload`) and parsed and judged here.
 
-use crate::descriptor::{HeaderLookup, IpNet};
+use crate::descriptor::header_lookup::HeaderLookup;
+use crate::descriptor::ip::{canonical_ip, IpNet};
 use std::net::IpAddr;
 
 /// The `--geoip-db`, `--asn-type-map` and `--tor-exits` contents in force.
@@ -39,7 +40,7 @@ struct TorExits {
 
 /// `ip` masked to `prefix` bits, with its family (`true`: IPv4).
 fn masked(ip: IpAddr, prefix: u8) -> (bool, u128) {
-    match crate::descriptor::canonical_ip(ip) {
+    match canonical_ip(ip) {
         IpAddr::V4(v4) => {
             let mask = if prefix == 0 {
                 0
@@ -79,7 +80,7 @@ impl TorExits {
     }
 
     fn contains(&self, ip: IpAddr) -> bool {
-        let ip = crate::descriptor::canonical_ip(ip);
+        let ip = canonical_ip(ip);
         self.addresses.contains(&ip)
             || self.networks.iter().any(|(v4, prefix, set)| {
                 *v4 == ip.is_ipv4() && set.contains(&masked(ip, *prefix).1)
@@ -280,7 +281,7 @@ fn parse_tor_exits(text: &str) -> Result<TorExits, LineError> {
             exits.add_network(IpNet::parse(target).ok_or_else(bad)?);
         } else {
             let ip: IpAddr = target.parse().map_err(|_| bad())?;
-            exits.addresses.insert(crate::descriptor::canonical_ip(ip));
+            exits.addresses.insert(canonical_ip(ip));
         }
     }
     Ok(exits)

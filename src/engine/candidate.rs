@@ -19,7 +19,8 @@
 //! one reads the live verdict); LLM rules charge the request-time estimate and are never
 //! settled; its circuit breakers count the requests that would trip them, and never open.
 
-use super::{plan_reusing, Cause, Decision, EngineConfig, Plan, Selection};
+use super::decision::{Cause, Decision};
+use super::{plan_reusing, EngineConfig, Plan, Selection};
 use crate::descriptor::RequestFacts;
 use crate::policy::{Bundle, Guard, KillSwitch, LoopAction, Mode, Rule};
 use crate::store::lease::{next_lease_id, LeaseOp, LeaseResults};

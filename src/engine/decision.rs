@@ -7,7 +7,8 @@
 use crate::budget::Action;
 use crate::descriptor::RequestFacts;
 use crate::limiter::{micro_to_tokens, Quota};
-use crate::policy::{Bundle, Guard, KillSwitch, Mode, Rule};
+use crate::policy::bundle::Bundle;
+use crate::policy::rule::{Guard, KillSwitch, Mode, Rule};
 use crate::store::lease::LeaseOp;
 use crate::store::{BucketKey, Group};
 use smallvec::SmallVec;
@@ -358,8 +359,8 @@ impl<'b> Checked<'b> {
     /// The warning header's value: a loop stage (`loop_warn` / `loop_throttle`), a budget stage
     /// (`budget_warn` / `budget_throttle`, as Fairvisor's `X-Fairvisor-Warning`), or both.
     pub fn warning(&self) -> Option<&'static str> {
-        let budget = crate::limits::budget::warning(self.stage);
-        let looped = crate::limits::guards::loop_warning(self.loop_stage);
+        let budget = budget_warning(self.stage);
+        let looped = loop_warning(self.loop_stage);
         match (looped, budget) {
             (None, b) => b,
             (l, None) => l,
@@ -368,6 +369,26 @@ impl<'b> Checked<'b> {
             (Some(_), Some("budget_warn")) => Some("loop_throttle, budget_warn"),
             (Some(_), Some(_)) => Some("loop_throttle, budget_throttle"),
         }
+    }
+}
+
+/// The warning header's word for an enforced budget's stage (Fairvisor's
+/// `X-Fairvisor-Warning` values).
+fn budget_warning(stage: Option<Action>) -> Option<&'static str> {
+    match stage {
+        Some(Action::Warn) => Some("budget_warn"),
+        Some(Action::Throttle { .. }) => Some("budget_throttle"),
+        _ => None,
+    }
+}
+
+/// The warning header's word for what an enforced `loop_detection` with action `warn` or
+/// `throttle` found.
+fn loop_warning(stage: Option<Action>) -> Option<&'static str> {
+    match stage {
+        Some(Action::Warn) => Some("loop_warn"),
+        Some(Action::Throttle { .. }) => Some("loop_throttle"),
+        _ => None,
     }
 }
 
@@ -697,7 +718,7 @@ impl<'b> Decision<'b> {
                         .rule
                         .llm
                         .and_then(|l| l.stream_cap)
-                        .filter(|_| outcome.rule.mode == crate::policy::Mode::Enforce),
+                        .filter(|_| outcome.rule.mode == Mode::Enforce),
                 });
             }
         }

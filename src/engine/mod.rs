@@ -9,35 +9,36 @@
 //! adds is planned by its module under [`crate::limits`], through `LimitKind::plan` (a
 //! policy's guards through `limits::guards::plan`, before its rules).
 //!
+//! The calls go down only: this file calls the kinds, and the kinds read only what sits below
+//! both, the planning vocabulary ([`planning`]: the bucket key writer, the plan being built) and
+//! the outcome and refusal types ([`decision`]); none of them calls back into this file.
+//!
 //! A [`Decision`] (`decision.rs`) borrows the bundle it was made with and carries everything
 //! headers, metrics and logs need (rule and policy names, quotas, the kill switch that fired);
 //! with the request's view beside it ([`Decided`]) none of them calls back into the engine.
 
 pub mod candidate;
-mod decision;
+pub(crate) mod decision;
+pub(crate) mod planning;
 pub use decision::*;
 
 use crate::budget::Action;
-use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
+use crate::descriptor::{Descriptor, RequestFacts};
 use crate::limiter::{Quota, US_PER_SEC};
 pub use crate::limits::llm::llm_reservation;
 use crate::limits::token_bucket::planned_bucket;
 pub use crate::limits::token_bucket::{cost_of, Cost};
-use crate::limits::{LimitKind, PlanContext, Planning};
+use crate::limits::LimitKind;
 use crate::policy::index::VERIFIED;
 use crate::policy::{Bundle, CostSource, Guard, LoopAction, Mode, OnMissing, Rule};
 use crate::store::lease::{next_lease_id, LeaseOp, LeaseResults};
 use crate::store::{BucketKey, BucketOp, MemoryStore, OpResults, StoreError};
+use planning::{write_bucket, PlanContext, Planning, KEY_BUFFER};
 use smallvec::SmallVec;
 
 /// `Retry-After` base for a kill switch without `expires_at`: it lasts until an operator lifts
 /// it, so clients are told to come back in a minute rather than hammer.
 pub const KILL_SWITCH_RETRY_SECS: u64 = 60;
-
-thread_local! {
-    /// Reused by every decision on this thread to build bucket names without allocating.
-    pub(crate) static KEY_BUFFER: std::cell::RefCell<String> = std::cell::RefCell::new(String::with_capacity(128));
-}
 
 /// Engine settings that are not part of the policy bundle.
 #[derive(Debug, Clone, Copy)]
@@ -713,43 +714,6 @@ pub fn bucket_name(
     let mut bucket = String::new();
     write_bucket(rule, facts, config.ipv6_prefix, &mut bucket)
         .then_some((bucket, rule.key_prefix.len()))
-}
-
-/// Writes `rule`'s bucket name for this request into `bucket` (cleared first); false when a
-/// descriptor is missing and the rule does not share a bucket for that case.
-pub(crate) fn write_bucket(
-    rule: &Rule,
-    facts: &RequestFacts<'_>,
-    default_v6_prefix: u8,
-    bucket: &mut String,
-) -> bool {
-    bucket.clear();
-    bucket.push_str(&rule.key_prefix);
-    for (i, descriptor) in rule.limit_keys.iter().enumerate() {
-        // The client address needs no escaping: write it straight into the key.
-        if let (Descriptor::Ip { v6_prefix }, Some(ip)) = (descriptor, facts.client_ip) {
-            if i > 0 {
-                bucket.push('|');
-            }
-            push_ip_key(bucket, ip, v6_prefix.unwrap_or(default_v6_prefix));
-            continue;
-        }
-        match descriptor.value(facts, default_v6_prefix) {
-            Some(value) => push_key_part(bucket, i == 0, &value),
-            None => match rule.on_missing {
-                // `\0` cannot come out of `push_key_part` (it only escapes `|` and `\`), so the
-                // shared "missing" bucket never collides with a real value.
-                OnMissing::Shared => {
-                    if i > 0 {
-                        bucket.push('|');
-                    }
-                    bucket.push_str("\\0");
-                }
-                OnMissing::Skip | OnMissing::Reject => return false,
-            },
-        }
-    }
-    true
 }
 
 /// Whether a rule reads a header that the request sent on more than one line.

@@ -2,13 +2,13 @@
 //! `period` and `staged_actions`, and plans a request's spend in the current window; the
 //! window and stage arithmetic is [`crate::budget`]'s.
 
-use super::{PlanContext, Planning};
 use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
 use crate::descriptor::RequestFacts;
+use crate::engine::planning::{PlanContext, Planning};
 use crate::limiter::{tokens_to_micro, Quota, US_PER_SEC};
-use crate::policy::compile::{Compiler, Shape};
+use crate::policy::compile::compiler::{Compiler, Shape};
 use crate::policy::json::join;
-use crate::policy::{CostSource, Rule};
+use crate::policy::rule::{CostSource, Rule};
 use crate::store::BucketKey;
 use serde_json::{Map, Value};
 
@@ -204,16 +204,6 @@ pub(crate) fn plan<'b>(
         .as_ref()
         .map(|b| b.period.window(context.unix_us));
     super::token_bucket::plan(rule, bucket, facts, window, planning);
-}
-
-/// The warning header's word for an enforced budget's stage (Fairvisor's
-/// `X-Fairvisor-Warning` values).
-pub(crate) fn warning(stage: Option<Action>) -> Option<&'static str> {
-    match stage {
-        Some(Action::Warn) => Some("budget_warn"),
-        Some(Action::Throttle { .. }) => Some("budget_throttle"),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

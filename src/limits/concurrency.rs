@@ -1,12 +1,12 @@
 //! `concurrency`: in-flight caps. Compiles `max_in_flight` and `lease_ttl_seconds` and plans a
 //! request's slot; the slots themselves are leases of the store ([`crate::store::lease`]).
 
-use super::{group_of, Planning};
-use crate::engine::SlotOutcome;
+use crate::engine::decision::SlotOutcome;
+use crate::engine::planning::{group_of, Planning};
 use crate::limiter::US_PER_SEC;
-use crate::policy::compile::Compiler;
+use crate::policy::compile::compiler::Compiler;
 use crate::policy::json::join;
-use crate::policy::{Concurrency, Rule};
+use crate::policy::rule::{Concurrency, Rule};
 use crate::store::lease::LeaseOp;
 use crate::store::BucketKey;
 use serde_json::{Map, Value};

@@ -4,15 +4,16 @@
 //! breaker's open-state read and its spend bucket.
 
 use super::token_bucket::{cost_of, planned_bucket, Cost};
-use super::{group_of, PlanContext, Planning};
-use crate::budget::Action;
 use crate::descriptor::Descriptor;
 use crate::descriptor::RequestFacts;
-use crate::engine::{write_bucket, SlotOutcome, KEY_BUFFER};
+use crate::engine::decision::SlotOutcome;
+use crate::engine::planning::{group_of, write_bucket, PlanContext, Planning, KEY_BUFFER};
 use crate::limiter::{tokens_to_micro, Quota, MICRO, US_PER_SEC};
-use crate::policy::compile::{headers_read, key_prefix, plain_rule, Compiler};
+use crate::policy::compile::compiler::{headers_read, key_prefix, plain_rule, Compiler};
 use crate::policy::json::join;
-use crate::policy::{Breaker, CostSource, Guard, LoopAction, LoopDetection, Mode, OnMissing, Rule};
+use crate::policy::rule::{
+    Breaker, CostSource, Guard, LoopAction, LoopDetection, Mode, OnMissing, Rule,
+};
 use crate::store::lease::LeaseOp;
 use crate::store::BucketKey;
 use serde_json::Value;
@@ -278,16 +279,6 @@ pub(crate) fn plan<'b>(
             planning.checked.rules.push(outcome);
         }
         None => {}
-    }
-}
-
-/// The warning header's word for what an enforced `loop_detection` with action `warn` or
-/// `throttle` found.
-pub(crate) fn loop_warning(stage: Option<Action>) -> Option<&'static str> {
-    match stage {
-        Some(Action::Warn) => Some("loop_warn"),
-        Some(Action::Throttle { .. }) => Some("loop_throttle"),
-        _ => None,
     }
 }
 

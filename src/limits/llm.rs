@@ -5,16 +5,16 @@
 //! response bodies is [`crate::llm`]'s; settling is the engine's [`crate::engine::Reservation`].
 
 use super::token_bucket::{planned_bucket, Cost};
-use super::{PlanContext, Planning};
 use crate::budget::{Action, Budget};
 use crate::descriptor::Descriptor;
 use crate::descriptor::RequestFacts;
-use crate::engine::{write_bucket, Reason, Reserved, KEY_BUFFER};
+use crate::engine::decision::{Reason, Reserved};
+use crate::engine::planning::{write_bucket, PlanContext, Planning, KEY_BUFFER};
 use crate::limiter::{Quota, MICRO, US_PER_SEC};
-use crate::policy::compile::{key_prefix, plain_rule, Compiler, Shape};
+use crate::policy::bundle::Bundle;
+use crate::policy::compile::compiler::{key_prefix, plain_rule, Compiler, Shape};
 use crate::policy::json::join;
-use crate::policy::Bundle;
-use crate::policy::{CostSource, LlmLimit, LlmPart, MatchCondition, Mode, OnMissing, Rule};
+use crate::policy::rule::{CostSource, LlmLimit, LlmPart, MatchCondition, Mode, OnMissing, Rule};
 use crate::store::BucketKey;
 use serde_json::{Map, Value};
 

@@ -9,6 +9,11 @@
 //! rule carries; `LimitKind::plan` hands a request's bucket under the rule to the same module,
 //! which adds its store operations and outcomes to the request's `Planning`.
 //!
+//! The calls only go down: this file and the engine call the kinds; a kind reads the planning
+//! vocabulary ([`crate::engine::planning`], [`crate::engine::decision`]) and the compiler's
+//! shared readers ([`crate::policy::compile::compiler`]), never this file, the engine's
+//! `mod.rs` or the compiler's.
+//!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;
 //! - [`budget`]: `cost_based` budgets and their stages;
 //! - [`concurrency`]: in-flight caps;
@@ -24,15 +29,13 @@ pub mod token_bucket;
 
 use crate::budget::Budget;
 use crate::descriptor::RequestFacts;
-use crate::engine::{Checked, Reason};
+use crate::engine::planning::{PlanContext, Planning};
 use crate::limiter::{Quota, MICRO};
-use crate::policy::compile::{Compiler, Shape, CONFIG_FIELDS};
+use crate::policy::compile::compiler::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
-use crate::policy::{Bundle, Concurrency, CostSource, LlmLimit, Mode, Rule};
-use crate::store::lease::LeaseOp;
-use crate::store::{BucketKey, BucketOp, Group};
+use crate::policy::rule::{Concurrency, CostSource, LlmLimit, Rule};
+use crate::store::BucketKey;
 use serde_json::{Map, Value};
-use smallvec::SmallVec;
 
 /// The `algorithm` of a rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,47 +122,6 @@ impl LimitKind {
             LimitKind::Concurrency => "concurrency",
             LimitKind::Llm => "token_bucket_llm",
         }
-    }
-}
-
-/// What planning one request gathers from the rules it falls under: the outcomes the store's
-/// answer fills in, the store operations (all-or-nothing within each commit group), and an
-/// enforced refusal found before the store.
-pub(crate) struct Planning<'b> {
-    /// Every applicable rule's outcome, slot, and reservation, in policy order.
-    pub(crate) checked: Checked<'b>,
-    pub(crate) ops: SmallVec<[BucketOp; 4]>,
-    /// Leases to take before the bucket operations (slots, loop marks, open breakers).
-    pub(crate) leases: SmallVec<[LeaseOp; 1]>,
-    /// An enforced `token_bucket_llm` rule the request is too large for.
-    pub(crate) refused: Option<(&'b Rule, Reason)>,
-}
-
-impl<'b> Planning<'b> {
-    pub(crate) fn new(bundle: &'b Bundle) -> Self {
-        Planning {
-            checked: Checked::new(bundle),
-            ops: SmallVec::new(),
-            leases: SmallVec::new(),
-            refused: None,
-        }
-    }
-}
-
-/// What every kind's planning may read besides the request: the bundle (a rule's companion
-/// rules, its hash), the wall clock (a budget's window) and the IPv6 key prefix.
-#[derive(Clone, Copy)]
-pub(crate) struct PlanContext<'b> {
-    pub(crate) bundle: &'b Bundle,
-    pub(crate) unix_us: u64,
-    pub(crate) ipv6_prefix: u8,
-}
-
-/// The commit group of a rule's operations.
-fn group_of(mode: Mode) -> Group {
-    match mode {
-        Mode::Enforce => Group::Enforce,
-        Mode::Shadow => Group::Shadow,
     }
 }
 

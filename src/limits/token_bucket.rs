@@ -3,15 +3,15 @@
 //! parameter, with its limits), and a request's bucket operation under a rule (what every
 //! bucketed kind plans through).
 
-use super::{group_of, Planning};
 use crate::descriptor::RequestFacts;
 use crate::descriptor::{Descriptor, IpNet};
-use crate::engine::RuleOutcome;
+use crate::engine::decision::RuleOutcome;
+use crate::engine::planning::{group_of, Planning};
 use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, MICRO, US_PER_SEC};
-use crate::policy::canonical_id;
-use crate::policy::compile::{Compiler, Shape, CONFIG_FIELDS};
+use crate::policy::compile::compiler::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
-use crate::policy::{CostLimits, CostSource, Rule};
+use crate::policy::rule::canonical_id;
+use crate::policy::rule::{CostLimits, CostSource, Rule};
 use crate::store::{BucketKey, BucketOp};
 use ahash::AHashMap;
 use serde_json::{Map, Value};

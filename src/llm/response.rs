@@ -3,7 +3,9 @@
 //! ([`ResponseMeter`]), and the `streaming` cap that stops a completion running past its rule
 //! ([`StreamCap`]).
 
-use super::*;
+use super::text_count::TextCount;
+use serde_json::Value;
+use std::borrow::Cow;
 
 /// Tokens a response reports in its `usage` object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

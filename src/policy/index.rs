@@ -12,7 +12,7 @@
 //! [`super::KillSwitch::hits`]) in bundle order, so answers are those of a plain scan (a
 //! differential property test in the engine runs random bundles and requests both ways).
 
-use super::{KillSwitch, MatchValue, Policy, Rule};
+use super::rule::{KillSwitch, MatchValue, Policy, Rule};
 use crate::descriptor::{Descriptor, IpNet, RequestFacts};
 use ahash::AHashMap;
 use smallvec::SmallVec;

@@ -3,7 +3,7 @@
 //! problem recorded as a [`FieldError`] at its path so every error of a file is reported at
 //! once.
 
-use super::FieldError;
+use super::error::FieldError;
 use serde_json::{Map, Value};
 
 /// `path.field` (or `field` at the root).

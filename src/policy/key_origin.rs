@@ -9,7 +9,9 @@
 //! again within the hour); a budget, or a bucket that takes hours to refill, keeps both for its
 //! whole window.
 
-use super::{Bundle, FieldError, LlmPart, MatchValue, Rule};
+use super::bundle::Bundle;
+use super::error::FieldError;
+use super::rule::{LlmPart, MatchValue, Rule};
 use crate::descriptor::Descriptor;
 
 /// A token bucket taking longer than this to refill from empty counts as long-window (seconds).

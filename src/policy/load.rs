@@ -3,8 +3,9 @@
 //! hashing the bytes (the bundle's identity in metrics and breakers), and the check that what
 //! the gateway puts in force has not expired.
 
+use super::bundle::Bundle;
 use super::compile::{compile_bundle_with, CompileOptions};
-use super::{Bundle, PolicyError};
+use super::error::PolicyError;
 use serde_json::Value;
 use std::path::Path;
 

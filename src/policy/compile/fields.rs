@@ -2,9 +2,9 @@
 //! allowed fields, strings, lists, amounts, flags, whole numbers, periods and times, each
 //! problem recorded at its path (the wording every `validate` error shares).
 
-use super::{Compiler, MAX_AMOUNT, MIN_AMOUNT};
+use super::compiler::{Compiler, MAX_AMOUNT, MIN_AMOUNT};
+use crate::policy::error::FieldError;
 use crate::policy::json::{self, join, type_name};
-use crate::policy::FieldError;
 use serde_json::{Map, Value};
 
 impl Compiler {

@@ -2,23 +2,19 @@
 //! that *every* problem is reported with its JSON path in one pass (serde stops at the first),
 //! and so that no input — wrong types, huge numbers, unknown fields — can panic.
 
-use super::{
-    Bundle, CostSource, FieldError, KillSwitch, MatchCondition, MatchValue, Mode, OnMissing,
-    Policy, Rule, RuntimeOverride, Selector, SkippedPolicy,
-};
+pub(crate) mod compiler;
+mod fields;
+
 use crate::descriptor::{Descriptor, IpNet};
-use crate::limiter::{Quota, MICRO};
-use ahash::{AHashMap, AHashSet};
+use crate::limits::{KindParts, LimitKind};
+use crate::policy::bundle::{Bundle, RuntimeOverride, SkippedPolicy};
+use crate::policy::error::FieldError;
+use crate::policy::json::{join, type_name};
+use crate::policy::rule::{
+    KillSwitch, MatchCondition, MatchValue, Mode, OnMissing, Policy, Rule, Selector,
+};
+use compiler::{headers_read, key_prefix, plain_rule, Compiler, CONFIG_FIELDS};
 use serde_json::{Map, Value};
-
-/// Largest accepted burst, rate or cost, in tokens: keeps every micro-token amount and product
-/// far inside 64-bit integers (and inside the 2^53 exact range of Lua and PostgreSQL doubles).
-pub(crate) const MAX_AMOUNT: f64 = 1e9;
-/// Smallest accepted amount: one micro-token.
-pub(crate) const MIN_AMOUNT: f64 = 1e-6;
-
-/// What every key of a candidate bundle starts with ([`CompileOptions::candidate`]).
-pub const CANDIDATE_PREFIX: &str = "candidate:";
 
 /// Compiles a parsed bundle.
 ///
@@ -76,161 +72,14 @@ pub fn compile_bundle_with(
     Ok(bundle)
 }
 
-/// The bundle compiler: walks the JSON once, collecting every error with its path. Each limit
-/// kind compiles its own fields in its module under [`crate::limits`].
-#[derive(Default)]
-pub(crate) struct Compiler {
-    pub(crate) errors: Vec<FieldError>,
-    pub(crate) warnings: Vec<FieldError>,
-    pub(crate) version: String,
-    pub(crate) expires_at: Option<i64>,
-    /// `--skip-invalid-policies`: a policy with errors is dropped instead of failing the bundle.
-    pub(crate) skip_invalid: bool,
-    pub(crate) skipped: Vec<SkippedPolicy>,
-    /// The id of the policy being compiled (names an unnamed fallback).
-    pub(crate) current_policy_id: String,
-    /// Hash of the policy being compiled's id, selector and mode: part of each of its rules'
-    /// [`Rule::definition`].
-    pub(crate) current_policy_definition: u64,
-    /// Compile every policy as shadow (the `global_shadow` twin).
-    pub(crate) force_shadow: bool,
-    pub(crate) global_shadow: Option<RuntimeOverride>,
-    pub(crate) kill_switch_override: Option<RuntimeOverride>,
-    pub(crate) policies: Vec<Policy>,
-    pub(crate) rules: Vec<Rule>,
-    pub(crate) kill_switches: Vec<KillSwitch>,
-    /// Rule name → path of its first definition.
-    pub(crate) rule_names: AHashMap<String, String>,
-    /// `tokens_per_day` rules of the policy being compiled, with the index of their minute
-    /// rule: added after the policy's rules, outside its range.
-    pub(crate) day_rules: Vec<(usize, Rule)>,
-    /// [`Bundle::long_lived_keys`] so far.
-    pub(crate) long_lived_keys: Vec<(usize, Box<str>)>,
-    /// The `limit_keys` path of each rule of the policy being compiled that has a
-    /// `tokens_per_day` rule (by the minute rule's index): that rule shares those keys.
-    pub(crate) day_rule_paths: Vec<(usize, Box<str>)>,
-    pub(crate) policy_ids: AHashSet<String>,
-}
-
-use super::json::{join, type_name};
-mod fields;
-use crate::limits::{KindParts, LimitKind};
-
-/// A name as a key segment: `:` and `\` escaped, so the name ends at the first unescaped `:`
-/// and rule `a` with key `b:c` can never share a bucket with rule `a:b` and key `c`.
-pub(crate) fn escape_name(name: &str) -> String {
-    let mut out = String::with_capacity(name.len());
-    for c in name.chars() {
-        if matches!(c, ':' | '\\') {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
-/// A rule's key prefix: `<kind>:<escaped name>:`, under `shadow:` for a shadow rule.
-pub(crate) fn key_prefix(kind: &str, name: &str, mode: Mode) -> String {
-    let escaped = escape_name(name);
-    match mode {
-        Mode::Enforce => format!("{kind}:{escaped}:"),
-        Mode::Shadow => format!("shadow:{kind}:{escaped}:"),
-    }
-}
-
-/// Lower-case names of the request headers a rule reads (its descriptors and its cost), once
-/// each: a request repeating one of them is refused rather than limited on a guess.
-pub(crate) fn headers_read<'d>(
-    descriptors: impl Iterator<Item = &'d Descriptor>,
-    cost: &CostSource,
-) -> Vec<String> {
-    let mut names: Vec<String> = Vec::new();
-    let read = descriptors
-        .filter_map(|d| match d {
-            Descriptor::Header(h) => Some(h.clone()),
-            _ => None,
-        })
-        .chain(match cost {
-            CostSource::Header { name, .. } => Some(name.clone()),
-            _ => None,
-        });
-    for h in read {
-        if !names.contains(&h) {
-            names.push(h);
-        }
-    }
-    names
-}
-
-/// A rule's name as a structured-field string, and its `RateLimit-Policy` item
-/// (`"name";q=<burst>;w=<window_secs>`), serialised once at load.
-/// A rule with its name, owner, mode and quota, and nothing else yet: no keys, conditions,
-/// overrides or kind-specific part. Each limit kind fills in what it has with struct update
-/// syntax (`Rule { guard: Some(..), ..plain_rule(..) }`). `window_secs` is what its
-/// `RateLimit-Policy` item states as the window.
-pub(crate) fn plain_rule(
-    name: String,
-    policy: usize,
-    mode: Mode,
-    quota: Quota,
-    window_secs: u64,
-) -> Rule {
-    let (sf_name, policy_item) = policy_item(&name, &quota, window_secs);
-    Rule {
-        index: 0,
-        sf_name,
-        policy_item,
-        name,
-        policy,
-        policy_id: String::new(),
-        mode,
-        limit_keys: Vec::new(),
-        conditions: Vec::new(),
-        quota,
-        cost: CostSource::Fixed(0),
-        overrides: AHashMap::new(),
-        ip_overrides: Vec::new(),
-        on_missing: OnMissing::Shared,
-        key_prefix: String::new(),
-        header_names: Vec::new(),
-        budget: None,
-        concurrency: None,
-        guard: None,
-        llm: None,
-        definition: 0,
-    }
-}
-
 /// The hash of a JSON value as written (two equal texts hash alike), seeded with `seed`.
 pub(crate) fn definition_hash(seed: u64, v: &Value) -> u64 {
     let text = serde_json::to_vec(v).unwrap_or_default();
     twox_hash::XxHash3_64::oneshot_with_seed(seed, &text)
 }
 
-pub(crate) fn policy_item(name: &str, quota: &Quota, window_secs: u64) -> (String, String) {
-    let mut sf_name = String::with_capacity(name.len() + 2);
-    super::push_sf_string(&mut sf_name, name);
-    let item = format!("{sf_name};q={};w={window_secs}", quota.burst() / MICRO);
-    (sf_name, item)
-}
-
 /// What an unnamed `fallback_limit` is called.
 const FALLBACK_NAME: &str = "fallback_limit";
-
-/// The fields allowed in an `algorithm_config` (and, minus `overrides`, in an override).
-pub(crate) const CONFIG_FIELDS: &[&str] = &[
-    "tokens_per_second",
-    "rps",
-    "burst",
-    "count",
-    "period",
-    "cost_source",
-    "fixed_cost",
-    "default_cost",
-    "min_cost",
-    "max_cost",
-    "overrides",
-];
 
 impl Compiler {
     /// The bundle of a compile that found no error.
@@ -253,8 +102,11 @@ impl Compiler {
                 _ => None,
             })
             .fold(0, |set, bit| set | bit);
-        let index =
-            super::index::BundleIndex::build(&self.policies, &self.rules, &self.kill_switches);
+        let index = crate::policy::index::BundleIndex::build(
+            &self.policies,
+            &self.rules,
+            &self.kill_switches,
+        );
         Bundle {
             version: self.version,
             expires_at: self.expires_at,
@@ -265,7 +117,7 @@ impl Compiler {
             kill_switches: self.kill_switches,
             warnings: self.warnings,
             long_lived_keys: self.long_lived_keys,
-            envoy_override: super::Rule::envoy_override(),
+            envoy_override: Rule::envoy_override(),
             global_shadow: self.global_shadow,
             kill_switch_override: self.kill_switch_override,
             shadow_twin: None,
@@ -709,16 +561,6 @@ impl Compiler {
         }
     }
 
-    /// `base`, or `base@<policy id>` when another policy's rule took `base` first (rule names
-    /// are bucket namespaces: an unnamed fallback, a guard).
-    pub(crate) fn unclaimed_name(&self, base: &str) -> String {
-        if self.rule_names.contains_key(base) {
-            format!("{base}@{}", self.current_policy_id)
-        } else {
-            base.to_string()
-        }
-    }
-
     /// A policy's `fallback_limit`. Its `name` may be left out, as Fairvisor allows: it is then
     /// called `fallback_limit`, or `fallback_limit@<policy id>` when another policy's unnamed
     /// fallback took that name first (rule names are bucket namespaces).
@@ -1062,14 +904,6 @@ impl Compiler {
             });
         }
     }
-}
-
-/// A bucket's shape as a rule wrote it: its quota, and the burst and rate in tokens.
-#[derive(Clone, Copy)]
-pub(crate) struct Shape {
-    pub(crate) quota: Quota,
-    pub(crate) burst: f64,
-    pub(crate) rate: f64,
 }
 
 #[cfg(test)]

@@ -2,9 +2,9 @@
 //! property tests that no input panics (the per-kind fields are tested in [`crate::limits`]).
 
 use super::*;
-use crate::limiter::US_PER_SEC;
-use crate::policy::CostLimits;
+use crate::limiter::{Quota, MICRO, US_PER_SEC};
 use crate::policy::{parse_bundle, PolicyError};
+use crate::policy::{CostLimits, CostSource};
 use serde_json::json;
 
 pub(crate) fn errors_of(v: Value) -> Vec<String> {

@@ -1,0 +1,493 @@
+//! A bundle's compiled parts: policies and their selectors, rules (keys, conditions, costs and
+//! each kind's part), guards and kill switches, with the predicates a request is matched by.
+
+use crate::descriptor::{Descriptor, IpNet, RequestFacts};
+use crate::limiter::Quota;
+use ahash::AHashMap;
+use std::net::IpAddr;
+use std::ops::Range;
+
+/// Enforce or shadow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Enforce,
+    Shadow,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        }
+    }
+}
+
+/// One policy: a selector, a mode and its rules.
+#[derive(Debug)]
+pub struct Policy {
+    pub id: String,
+    pub selector: Selector,
+    pub mode: Mode,
+    /// Indices into [`Bundle::rules`] of the regular rules.
+    pub rules: Range<usize>,
+    /// Index into [`Bundle::rules`] of `fallback_limit`, if any.
+    pub fallback: Option<usize>,
+    /// Index into [`Bundle::rules`] of the rule `loop_detection` compiled to, if enabled.
+    pub loop_detection: Option<usize>,
+    /// Index into [`Bundle::rules`] of the rule `circuit_breaker` compiled to, if enabled.
+    pub circuit_breaker: Option<usize>,
+    /// The policy has a `token_bucket_llm` rule (regular or fallback).
+    pub meters_tokens: bool,
+    /// An enforced (not shadow) `token_bucket_llm` rule: a body too large to read is then
+    /// refused; with shadow rules alone it is let through unread.
+    pub enforces_tokens: bool,
+}
+
+/// Which requests a policy applies to.
+#[derive(Debug, Default)]
+pub struct Selector {
+    /// Segment-wise prefix, stored without a trailing `/` (`/` itself matches everything).
+    pub path_prefix: Option<String>,
+    pub path_exact: Option<String>,
+    /// Upper-case methods; `None` = all.
+    pub methods: Option<Vec<String>>,
+    /// Lower-case host names without port; `None` = all.
+    pub hosts: Option<Vec<String>>,
+    /// Envoy rate-limit domains (any case); `None` = all. A policy with `domains` applies to
+    /// `ShouldRateLimit` calls only.
+    pub domains: Option<Vec<String>>,
+}
+
+impl Selector {
+    pub fn matches(&self, facts: &RequestFacts<'_>) -> bool {
+        if let Some(exact) = &self.path_exact {
+            if *facts.path != **exact {
+                return false;
+            }
+        }
+        if let Some(prefix) = &self.path_prefix {
+            if !path_has_prefix(&facts.path, prefix) {
+                return false;
+            }
+        }
+        if let Some(methods) = &self.methods {
+            if !methods.iter().any(|m| m.eq_ignore_ascii_case(facts.method)) {
+                return false;
+            }
+        }
+        if let Some(hosts) = &self.hosts {
+            match facts.host_name() {
+                Some(host) if hosts.iter().any(|h| h.eq_ignore_ascii_case(host)) => {}
+                _ => return false,
+            }
+        }
+        if let Some(domains) = &self.domains {
+            match facts.envoy {
+                Some(e) if domains.iter().any(|d| d.eq_ignore_ascii_case(e.domain)) => {}
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+/// Segment-wise prefix test: `/api` matches `/api` and `/api/x`, never `/apix`. `prefix` has no
+/// trailing slash, except the root `/`, which matches every path.
+pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
+    if prefix == "/" || prefix.is_empty() {
+        return true;
+    }
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// What to do when a rule's descriptor is missing from the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnMissing {
+    /// Skip the rule (fail-open; the default).
+    Skip,
+    /// All such requests share one bucket (the missing part is keyed as `\0missing`).
+    Shared,
+    /// Reject the request with 401.
+    Reject,
+}
+
+/// Where a request's cost comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CostSource {
+    /// A fixed cost in micro-tokens.
+    Fixed(u64),
+    /// A header (lower-case name), read as a number of tokens.
+    Header { name: String, limits: CostLimits },
+    /// A query parameter, read as a number of tokens.
+    Query { name: String, limits: CostLimits },
+}
+
+/// How a cost the client states is bounded (micro-tokens). The client may raise its price,
+/// never lower it below `min`; a cost above `max` (or above the bucket's burst, which it
+/// could never fit) is refused with `cost_exceeds_limit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CostLimits {
+    /// When the value is absent, empty, not a number, not finite or not positive.
+    pub default: u64,
+    /// Smaller stated costs are raised to this (default: `default`).
+    pub min: u64,
+    /// Larger stated costs are refused; `None` = the applied quota's burst.
+    pub max: Option<u64>,
+}
+
+/// One `match` condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatchCondition {
+    pub descriptor: Descriptor,
+    pub expected: MatchValue,
+}
+
+/// What a `match` value compares against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MatchValue {
+    /// Equal as strings (header values, claims, query params...).
+    Text(String),
+    /// For `ip:address`: the client address inside this network (or equal to this address).
+    Network(IpNet),
+}
+
+impl MatchCondition {
+    /// Whether the request satisfies this condition (a missing descriptor never does).
+    pub fn matches(&self, facts: &RequestFacts<'_>, default_v6_prefix: u8) -> bool {
+        match (&self.expected, &self.descriptor) {
+            (MatchValue::Network(net), _) => facts.client_ip.is_some_and(|ip| net.contains(ip)),
+            (MatchValue::Text(expected), Descriptor::Host) => facts
+                .host_name()
+                .is_some_and(|h| h.eq_ignore_ascii_case(expected)),
+            (MatchValue::Text(expected), Descriptor::Domain) => facts
+                .envoy
+                .is_some_and(|e| e.domain.eq_ignore_ascii_case(expected)),
+            (MatchValue::Text(expected), descriptor) => descriptor
+                .value(facts, default_v6_prefix)
+                .is_some_and(|v| v == expected.as_str()),
+        }
+    }
+}
+
+/// A compiled rule.
+#[derive(Debug)]
+pub struct Rule {
+    /// Position in [`Bundle::rules`].
+    pub index: usize,
+    pub name: String,
+    /// Index of the owning policy in [`Bundle::policies`].
+    pub policy: usize,
+    /// The owning policy's id.
+    pub policy_id: String,
+    pub mode: Mode,
+    pub limit_keys: Vec<Descriptor>,
+    pub conditions: Vec<MatchCondition>,
+    pub quota: Quota,
+    pub cost: CostSource,
+    /// Per-ID quotas, keyed by composite key value.
+    pub overrides: AHashMap<String, Quota>,
+    /// For a rule keyed on the client address alone: per-network quotas, most specific first.
+    /// A client inside a network gets its quota (see [`Rule::quota_for`]).
+    pub ip_overrides: Vec<(IpNet, Quota)>,
+    pub on_missing: OnMissing,
+    /// `tb:<name>:` or `shadow:tb:<name>:`.
+    pub key_prefix: String,
+    /// The name as a structured-field string (`"per-ip"`), serialised at load for the
+    /// `RateLimit` headers.
+    pub sf_name: String,
+    /// This rule's `RateLimit-Policy` item for its own quota (`"per-ip";q=15;w=2`).
+    pub policy_item: String,
+    /// Lower-case names of the request headers this rule reads (limit keys, `match`, cost):
+    /// a request repeating one of them is refused rather than limited on a guess.
+    pub header_names: Vec<String>,
+    /// `Some` for a `cost_based` rule: its window and stages (the budget is `quota.burst()`).
+    pub budget: Option<crate::budget::Budget>,
+    /// `Some` for a `concurrency` rule: slots instead of tokens.
+    pub concurrency: Option<Concurrency>,
+    /// `Some` for the rule a policy's `loop_detection` or `circuit_breaker` compiled to.
+    pub guard: Option<Guard>,
+    /// `Some` for a `token_bucket_llm` rule (its tokens-per-minute bucket) and for the rule
+    /// counting its `tokens_per_day`.
+    pub llm: Option<LlmLimit>,
+    /// Hash of what defines the rule: its JSON, and its policy's id, selector and mode (a
+    /// `tokens_per_day` rule shares its minute rule's). Two bundles' rules with the same
+    /// policy, name and definition count the same requests on the same keys: a candidate
+    /// bundle reads such a rule's verdict from the live decision ([`crate::engine::candidate`]).
+    /// 0 for the rules a policy block compiles to (guards), never shared.
+    pub definition: u64,
+}
+
+/// A `token_bucket_llm` rule (Fairvisor's fields). The rule is the tokens-per-minute bucket
+/// (`quota`: `burst_tokens`, refilled at `tokens_per_minute`); `tokens_per_day` compiles to a
+/// second rule, a one-day UTC budget named `<rule>:tpd`, outside the policy's rule range and
+/// always checked with its minute rule, all-or-nothing. A request costs its reservation: the
+/// prompt estimate plus the completion it may produce; the response's usage settles it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LlmLimit {
+    pub part: LlmPart,
+    /// On the minute rule: the index of its `tokens_per_day` rule.
+    pub day_rule: Option<usize>,
+    /// A prompt estimated above this is refused (`prompt_tokens_exceeded`).
+    pub max_prompt_tokens: Option<u64>,
+    /// A reservation above this is refused (`max_tokens_per_request_exceeded`).
+    pub max_tokens_per_request: Option<u64>,
+    /// The completion reserved is at most this (a larger `max_tokens` asks for more than the
+    /// rule grants).
+    pub max_completion_tokens: Option<u64>,
+    /// The completion reserved when the request names no `max_tokens`.
+    pub default_max_completion: u64,
+    pub estimator: crate::llm::Estimator,
+    /// `streaming`: a streamed completion past `max_completion_tokens` (and the buffer) is
+    /// stopped; `None` lets it run and charges the overrun.
+    pub stream_cap: Option<crate::llm::StreamCap>,
+}
+
+/// Which budget of a `token_bucket_llm` rule a rule counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LlmPart {
+    /// `tokens_per_minute` (and `burst_tokens`): a token bucket.
+    Minute,
+    /// `tokens_per_day`: a budget per UTC day.
+    Day,
+}
+
+/// A policy-level guard, compiled into a rule of its own outside the policy's rule range (so
+/// metrics, logs and headers name it like any rule: `loop_detection`, `circuit_breaker`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guard {
+    /// `loop_detection`: the rule's `limit_keys` are the policy's identity (every limit key of
+    /// its rules); a request is identical to another when identity, method, path, sorted query
+    /// and body hash agree.
+    Loop(LoopDetection),
+    /// `circuit_breaker`: the rule's quota is the spend-rate bucket (`threshold` per minute,
+    /// burst `threshold`), its cost the policy's first rule's, its `limit_keys` that rule's.
+    Breaker(Breaker),
+}
+
+/// A compiled `loop_detection` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoopDetection {
+    pub window_us: u64,
+    /// `threshold_identical_requests`: the request that makes this many identical ones within
+    /// the window is a loop (at least 2).
+    pub threshold: u32,
+    pub action: LoopAction,
+}
+
+/// What a detected loop does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopAction {
+    /// 429 `loop_detected`.
+    Reject,
+    /// Delays the request (100 ms per identical request, at most 30 s), then lets it go on.
+    Throttle,
+    /// Lets it go on with `X-Tollgate-Warning: loop_warn`.
+    Warn,
+}
+
+impl LoopDetection {
+    /// The throttle delay: Fairvisor's 100 ms per identical request counted (the threshold,
+    /// since counting stops there), at most 30 s.
+    pub fn throttle_ms(&self) -> u64 {
+        (u64::from(self.threshold) * 100).min(crate::budget::MAX_THROTTLE_MS)
+    }
+}
+
+/// A compiled `circuit_breaker` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Breaker {
+    /// How long the breaker stays open; `None` (`auto_reset_after_minutes: 0`) keeps it open
+    /// until the bundle changes (at most [`Breaker::MANUAL_OPEN_US`]).
+    pub reset_us: Option<u64>,
+    /// `alert`: a trip is logged at error level rather than warning.
+    pub alert: bool,
+}
+
+impl Breaker {
+    /// The longest a breaker without automatic reset stays open, so a forgotten one cannot pin
+    /// a key in a shared store forever: 30 days.
+    pub const MANUAL_OPEN_US: u64 = 30 * 86_400 * crate::limiter::US_PER_SEC;
+
+    /// How long a trip keeps the breaker open.
+    pub fn open_us(&self) -> u64 {
+        self.reset_us.unwrap_or(Self::MANUAL_OPEN_US)
+    }
+}
+
+/// A `concurrency` rule's cap: at most `max_in_flight` requests per key at once. A slot is a
+/// lease that ends when the response has been sent (or the decision service's caller gives it
+/// back), or at the latest `lease_ttl_us` after it was taken, so a gateway that dies never pins
+/// a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Concurrency {
+    pub max_in_flight: u32,
+    pub lease_ttl_us: u64,
+}
+
+/// Name of [`Bundle::envoy_override`]'s rule; bucket names start `tb:envoy-limit-override:`.
+pub const ENVOY_OVERRIDE_RULE: &str = "envoy-limit-override";
+
+impl Rule {
+    /// The rule behind [`Bundle::envoy_override`]: enforced, keyed by the whole descriptor (the
+    /// caller builds the key), its quota always the descriptor's override. It is outside
+    /// [`Bundle::rules`] (its `index` is `usize::MAX`), so per-rule metrics skip it.
+    pub fn envoy_override() -> Rule {
+        let quota = Quota::new(crate::limiter::MICRO, crate::limiter::MICRO, 1_000_000)
+            .unwrap_or_else(|_| unreachable!("a 1 r/s quota is valid"));
+        let mut sf_name = String::new();
+        push_sf_string(&mut sf_name, ENVOY_OVERRIDE_RULE);
+        Rule {
+            index: usize::MAX,
+            name: ENVOY_OVERRIDE_RULE.to_string(),
+            policy: usize::MAX,
+            policy_id: "envoy".to_string(),
+            mode: Mode::Enforce,
+            limit_keys: vec![Descriptor::Domain, Descriptor::EntryKeys],
+            conditions: Vec::new(),
+            quota,
+            cost: CostSource::Fixed(crate::limiter::MICRO),
+            overrides: AHashMap::new(),
+            ip_overrides: Vec::new(),
+            on_missing: OnMissing::Skip,
+            key_prefix: format!("tb:{ENVOY_OVERRIDE_RULE}:"),
+            policy_item: format!("{sf_name};q=1;w=1"),
+            sf_name,
+            header_names: Vec::new(),
+            budget: None,
+            concurrency: None,
+            guard: None,
+            llm: None,
+            definition: 0,
+        }
+    }
+
+    /// The quota for a composite key: its override, or the rule's default.
+    ///
+    /// For a rule keyed on the client address, the key is an IPv4 address or an IPv6 network
+    /// (`2001:db8:1:2::/64`), and an override network applies to every key inside it. An
+    /// override narrower than the key (a single IPv6 address under `/64` keys) applies to the
+    /// key that contains it, so every client sharing a bucket always gets the same quota.
+    pub fn quota_for(&self, key: &str) -> &Quota {
+        if !self.ip_overrides.is_empty() {
+            if let Some(key_net) = IpNet::parse(key) {
+                let found = self.ip_overrides.iter().find(|(net, _)| {
+                    if net.prefix() <= key_net.prefix() {
+                        net.contains(key_net.addr())
+                    } else {
+                        net.with_prefix(key_net.prefix()).contains(key_net.addr())
+                    }
+                });
+                if let Some((_, quota)) = found {
+                    return quota;
+                }
+            }
+        }
+        if self.overrides.is_empty() {
+            return &self.quota;
+        }
+        self.overrides.get(key).unwrap_or(&self.quota)
+    }
+}
+
+/// A kill switch: requests whose `scope` descriptor equals `value` (on `route`, if set) are
+/// refused with 429 `kill_switch` until `expires_at`.
+#[derive(Debug)]
+pub struct KillSwitch {
+    /// Shared by consecutive switches of the same scope.
+    pub scope: std::sync::Arc<Descriptor>,
+    pub value: Box<str>,
+    /// Segment-wise path prefix, no trailing slash.
+    pub route: Option<Box<str>>,
+    /// Shared by every switch of the bundle giving the same reason (a block list of 100 000
+    /// keys usually gives one).
+    pub reason: std::sync::Arc<str>,
+    /// Unix seconds; `None` = until removed.
+    pub expires_at: Option<i64>,
+}
+
+impl KillSwitch {
+    /// Whether this switch is in force for this request's route at `unix_secs` (whatever its
+    /// scope value).
+    pub fn in_force(&self, facts: &RequestFacts<'_>, unix_secs: i64) -> bool {
+        self.expires_at.is_none_or(|at| unix_secs < at)
+            && self
+                .route
+                .as_ref()
+                .is_none_or(|route| path_has_prefix(&facts.path, route))
+    }
+
+    /// Whether this switch stops the request at wall-clock time `unix_secs`.
+    pub fn hits(&self, facts: &RequestFacts<'_>, unix_secs: i64, default_v6_prefix: u8) -> bool {
+        if !self.in_force(facts, unix_secs) {
+            return false;
+        }
+        match (&*self.scope, facts.client_ip) {
+            // An IP scope may be a network: `10.0.0.0/8` stops the whole range.
+            (Descriptor::Ip { .. }, Some(ip)) => match IpNet::parse(&self.value) {
+                Some(net) => net.contains(ip),
+                None => self
+                    .scope
+                    .value(facts, default_v6_prefix)
+                    .is_some_and(|v| *v == *self.value),
+            },
+            _ => self
+                .scope
+                .value(facts, default_v6_prefix)
+                .is_some_and(|v| *v == *self.value),
+        }
+    }
+}
+
+/// Appends a rule name as a structured-field string (`"name"`): `"` and `\` escaped,
+/// non-printable characters dropped (names come from operators, but a header must stay valid
+/// whatever they are).
+pub fn push_sf_string(out: &mut String, name: &str) {
+    out.push('"');
+    for c in name.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => {}
+        }
+    }
+    out.push('"');
+}
+
+/// Whether an address text is an IP (used to canonicalise override IDs).
+pub(crate) fn canonical_id(id: &str) -> String {
+    if id.parse::<IpAddr>().is_ok() || id.contains('/') {
+        if let Some(net) = IpNet::parse(id) {
+            return net.canonical();
+        }
+    }
+    id.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_prefix_is_segment_wise() {
+        assert!(path_has_prefix("/api", "/api"));
+        assert!(path_has_prefix("/api/x", "/api"));
+        assert!(!path_has_prefix("/apix", "/api"));
+        assert!(path_has_prefix("/anything", "/"));
+        assert!(!path_has_prefix("/ap", "/api"));
+    }
+
+    #[test]
+    fn override_ids_are_canonical() {
+        assert_eq!(canonical_id("2001:0db8:0000::/48"), "2001:db8::/48");
+        assert_eq!(canonical_id("10.0.0.2"), "10.0.0.2");
+        assert_eq!(canonical_id("12345678"), "12345678");
+        assert_eq!(canonical_id("2001:0db8::0001"), "2001:db8::1");
+    }
+}
