@@ -352,8 +352,8 @@ impl RateLimitService for RateLimiter {
 struct Metadata<'a>(&'a tonic::metadata::MetadataMap);
 
 impl crate::telemetry::HeaderSource for Metadata<'_> {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.0.get(name).and_then(|v| v.to_str().ok())
+    fn header(&self, name: &http::HeaderName) -> Option<&str> {
+        self.0.get(name.as_str()).and_then(|v| v.to_str().ok())
     }
 }
 

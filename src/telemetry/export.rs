@@ -12,7 +12,7 @@
 
 use super::otlp::Encoder;
 use super::settings::{without_endpoints, EnvSettings, Protocol, TelemetryError};
-use super::span::SpanRecord;
+use super::span::Finished;
 use bytes::Bytes;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -197,9 +197,9 @@ pub fn resource(var: &impl Fn(&str) -> Option<String>) -> Vec<(String, String)> 
     attributes
 }
 
-/// Finished records waiting for export, at most `capacity` of them.
+/// Finished records waiting for export, at most `capacity` spans.
 pub struct Queue {
-    spans: parking_lot::Mutex<Vec<SpanRecord>>,
+    waiting: parking_lot::Mutex<Waiting>,
     capacity: usize,
     batch_size: usize,
     /// Wakes the export when a batch is full.
@@ -207,55 +207,56 @@ pub struct Queue {
     dropped: prometheus::IntCounter,
 }
 
+/// The queue's contents: requests' records, and how many spans they hold.
+#[derive(Default)]
+struct Waiting {
+    records: Vec<Box<Finished>>,
+    spans: usize,
+}
+
 impl Queue {
-    /// A finished span; dropped and counted when the queue is full.
-    pub fn push(&self, span: SpanRecord) {
-        let mut spans = self.spans.lock();
-        if spans.len() >= self.capacity {
-            drop(spans);
-            self.dropped.inc();
+    /// A request's finished records; dropped and counted when they do not fit.
+    pub fn push(&self, finished: Box<Finished>) {
+        let spans = finished.spans();
+        let mut waiting = self.waiting.lock();
+        let before = waiting.spans;
+        if before + spans > self.capacity {
+            drop(waiting);
+            // Freed here, outside the lock.
+            drop(finished);
+            self.dropped.inc_by(spans as u64);
             return;
         }
-        spans.push(span);
-        let batch_full = spans.len() == self.batch_size;
-        drop(spans);
+        waiting.records.push(finished);
+        waiting.spans = before + spans;
+        let batch_full = before < self.batch_size && before + spans >= self.batch_size;
+        drop(waiting);
         if batch_full {
             self.wake.notify_one();
         }
     }
 
-    /// Two finished spans (a CLIENT span and its SERVER span) under one lock.
-    pub fn push_pair(&self, first: SpanRecord, second: SpanRecord) {
-        let mut spans = self.spans.lock();
-        let room = self.capacity.saturating_sub(spans.len());
-        let before = spans.len();
-        match room {
-            0 => {}
-            1 => spans.push(first),
-            _ => {
-                spans.push(first);
-                spans.push(second);
+    /// Moves the oldest records, up to a batch of spans (at least one record), into `into`
+    /// (empty); returns the spans moved and the spans left.
+    fn take(&self, into: &mut Vec<Box<Finished>>) -> (usize, usize) {
+        let mut waiting = self.waiting.lock();
+        if waiting.spans <= self.batch_size {
+            std::mem::swap(&mut waiting.records, into);
+            let taken = std::mem::take(&mut waiting.spans);
+            return (taken, 0);
+        }
+        let mut taken = 0;
+        let mut count = 0;
+        for finished in &waiting.records {
+            if count > 0 && taken + finished.spans() > self.batch_size {
+                break;
             }
+            taken += finished.spans();
+            count += 1;
         }
-        let batch_full = before < self.batch_size && spans.len() >= self.batch_size;
-        drop(spans);
-        if room < 2 {
-            self.dropped.inc_by(2 - room as u64);
-        }
-        if batch_full {
-            self.wake.notify_one();
-        }
-    }
-
-    /// Moves up to a batch of the oldest spans into `into` (empty); the number of spans left.
-    fn take(&self, into: &mut Vec<SpanRecord>) -> usize {
-        let mut spans = self.spans.lock();
-        if spans.len() <= self.batch_size {
-            std::mem::swap(&mut *spans, into);
-        } else {
-            into.extend(spans.drain(..self.batch_size));
-        }
-        spans.len()
+        into.extend(waiting.records.drain(..count));
+        waiting.spans -= taken;
+        (taken, waiting.spans)
     }
 }
 
@@ -291,7 +292,10 @@ impl Exporter {
             Transport::new(&config)?
         };
         let queue = Arc::new(Queue {
-            spans: parking_lot::Mutex::new(Vec::with_capacity(config.batch_size)),
+            waiting: parking_lot::Mutex::new(Waiting {
+                records: Vec::with_capacity(config.batch_size),
+                spans: 0,
+            }),
             capacity: config.queue_size,
             batch_size: config.batch_size,
             wake: tokio::sync::Notify::new(),
@@ -303,7 +307,7 @@ impl Exporter {
             queue: Arc::clone(&queue),
             accepting: Arc::clone(&accepting),
             encoder: Encoder::new(&config.resource),
-            spans_buf: Vec::new(),
+            scratch: Arc::new(parking_lot::Mutex::new(Some(Vec::new()))),
             transport,
             config,
             backoff: FIRST_BACKOFF,
@@ -355,8 +359,8 @@ struct Worker {
     queue: Arc<Queue>,
     accepting: Arc<AtomicBool>,
     encoder: Encoder,
-    /// The encoder's scratch space for a batch's spans.
-    spans_buf: Vec<u8>,
+    /// The encoder's scratch space for a batch, while the transport does not hold it.
+    scratch: Arc<parking_lot::Mutex<Option<Vec<u8>>>>,
     transport: Transport,
     config: Config,
     backoff: Duration,
@@ -388,11 +392,11 @@ impl Worker {
                 }
             }
             loop {
-                let left = self.queue.take(&mut batch);
+                let (spans, left) = self.queue.take(&mut batch);
                 if batch.is_empty() {
                     break;
                 }
-                self.export(&mut batch, self.config.timeout).await;
+                self.export(&mut batch, spans, self.config.timeout).await;
                 if left < self.config.batch_size {
                     break;
                 }
@@ -400,15 +404,25 @@ impl Worker {
         }
     }
 
-    /// Sends one batch (or drops it while backing off); `batch` is left empty.
-    async fn export(&mut self, batch: &mut Vec<SpanRecord>, timeout: Duration) {
-        let spans = batch.len() as u64;
+    /// Sends one batch of `spans` spans (or drops it while backing off); `batch` is left empty.
+    async fn export(&mut self, batch: &mut Vec<Box<Finished>>, spans: usize, timeout: Duration) {
+        let spans = spans as u64;
         if self.resume_at.is_some() {
             self.queue.dropped.inc_by(spans);
             batch.clear();
             return;
         }
-        let body = self.encoder.encode(batch, &mut self.spans_buf);
+        // The last batch's body comes back when the transport drops it (after sending it);
+        // one it still holds is left to it.
+        let mut scratch = self.scratch.lock().take().unwrap_or_default();
+        let range = self
+            .encoder
+            .encode_range(batch.iter().flat_map(|f| f.in_order()), &mut scratch);
+        let body = Bytes::from_owner(Lent {
+            buf: scratch,
+            range,
+            home: Arc::clone(&self.scratch),
+        });
         batch.clear();
         let sent = tokio::time::timeout(timeout, self.transport.send(body))
             .await
@@ -453,20 +467,41 @@ impl Worker {
     }
 
     /// At shutdown: what is queued, in batches, until `deadline`.
-    async fn flush(&mut self, deadline: Instant, batch: &mut Vec<SpanRecord>) {
+    async fn flush(&mut self, deadline: Instant, batch: &mut Vec<Box<Finished>>) {
         loop {
-            self.queue.take(batch);
+            let (spans, _) = self.queue.take(batch);
             if batch.is_empty() {
                 return;
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                self.queue.dropped.inc_by(batch.len() as u64);
+                self.queue.dropped.inc_by(spans as u64);
                 batch.clear();
                 continue;
             }
-            self.export(batch, left.min(self.config.timeout)).await;
+            self.export(batch, spans, left.min(self.config.timeout))
+                .await;
         }
+    }
+}
+
+/// An encoded batch lent to the transport as its body, without a copy: the scratch space it
+/// was written in goes back to the worker when the transport drops it.
+struct Lent {
+    buf: Vec<u8>,
+    range: std::ops::Range<usize>,
+    home: Arc<parking_lot::Mutex<Option<Vec<u8>>>>,
+}
+
+impl AsRef<[u8]> for Lent {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[self.range.clone()]
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        *self.home.lock() = Some(std::mem::take(&mut self.buf));
     }
 }
 
@@ -528,7 +563,7 @@ impl Transport {
         })
     }
 
-    async fn send(&mut self, body: &[u8]) -> Result<(), String> {
+    async fn send(&mut self, body: Bytes) -> Result<(), String> {
         match self {
             Transport::Grpc(grpc) => grpc.send(body).await,
             Transport::Http(http) => http.send(body).await,
@@ -573,10 +608,10 @@ struct Grpc {
 }
 
 impl Grpc {
-    async fn send(&mut self, body: &[u8]) -> Result<(), String> {
+    async fn send(&mut self, body: Bytes) -> Result<(), String> {
         let mut client = tonic::client::Grpc::new(self.channel.clone());
         client.ready().await.map_err(|e| format!("gRPC: {e}"))?;
-        let mut request = tonic::Request::new(Bytes::copy_from_slice(body));
+        let mut request = tonic::Request::new(body);
         *request.metadata_mut() = self.metadata.clone();
         request.set_timeout(self.timeout);
         client
@@ -684,7 +719,7 @@ impl Http {
         Ok(sender)
     }
 
-    async fn send(&mut self, body: &[u8]) -> Result<(), String> {
+    async fn send(&mut self, body: Bytes) -> Result<(), String> {
         use http_body_util::BodyExt as _;
         let mut sender = match self.sender.take() {
             Some(sender) if !sender.is_closed() => sender,
@@ -698,7 +733,7 @@ impl Http {
                 http::header::USER_AGENT,
                 concat!("tollgate/", env!("CARGO_PKG_VERSION")),
             )
-            .body(http_body_util::Full::new(Bytes::copy_from_slice(body)))
+            .body(http_body_util::Full::new(body))
             .map_err(|e| format!("request: {e}"))?;
         for (name, value) in &self.headers {
             request.headers_mut().insert(name, value.clone());

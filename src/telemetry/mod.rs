@@ -26,10 +26,10 @@ mod summary;
 
 use crate::descriptor::TraceFacts;
 use sampling::{new_span_id, new_trace_id};
-pub use sampling::{HeaderSource, Parent, Root, Sampler};
+pub use sampling::{HeaderSource, Parent, Root, Sampler, TRACEPARENT, TRACESTATE};
 pub use settings::{EnvSettings, Protocol, TelemetryError, TraceContextTrust};
 pub use span::UpstreamEvent;
-use span::{unix_nanos, Kind, SpanRecord};
+use span::{unix_nanos, Finished, Kind, SpanRecord};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,7 +121,7 @@ impl Telemetry {
             None => ([0; 8], None),
         };
         let record = (sampled && self.export.accepting()).then(|| {
-            Box::new(Recorded {
+            Box::new(Finished {
                 server: SpanRecord::new(
                     Kind::Server,
                     name,
@@ -131,18 +131,19 @@ impl Telemetry {
                     trace_state.clone(),
                 ),
                 client: None,
-                queue: self.export.queue(),
             })
         });
         if sampled && record.is_none() {
             self.export.dropped(1);
         }
+        let queue = record.is_some().then(|| self.export.queue());
         RequestSpan {
             trace_id,
             span_id,
             sampled,
             trace_state,
             record,
+            queue,
             upstream_status: None,
             method: name,
         }
@@ -223,34 +224,34 @@ impl Telemetry {
     }
 }
 
-/// W3C `traceparent` (version 00): `00-<trace id>-<span id>-<flags>` (only the sampled bit).
-/// `traceparent`'s value: `00-{trace id}-{span id}-{flags}`, always 55 bytes.
+/// Each byte's two lower-case hex digits.
+const HEX_PAIRS: [[u8; 2]; 256] = {
+    let digits = b"0123456789abcdef";
+    let mut table = [[0; 2]; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        table[byte] = [digits[byte >> 4], digits[byte & 0xf]];
+        byte += 1;
+    }
+    table
+};
+
+/// W3C `traceparent` (version 00): `00-{trace id}-{span id}-{flags}`, always 55 bytes (only
+/// the sampled bit among the flags). Written on every proxied request, so a byte's two digits
+/// come from a table.
 fn traceparent(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> [u8; 55] {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut out = *b"00-00000000000000000000000000000000-0000000000000000-00";
-    for (i, byte) in trace_id.iter().chain(span_id).enumerate() {
-        // The span id starts after the trace id's 32 digits and a dash.
-        let at = 3 + 2 * i + usize::from(i >= 16);
-        out[at] = HEX[usize::from(byte >> 4)];
-        out[at + 1] = HEX[usize::from(byte & 0xf)];
+    for (i, byte) in trace_id.iter().enumerate() {
+        out[3 + 2 * i..5 + 2 * i].copy_from_slice(&HEX_PAIRS[usize::from(*byte)]);
+    }
+    // The span id starts after the trace id's 32 digits and a dash.
+    for (i, byte) in span_id.iter().enumerate() {
+        out[36 + 2 * i..38 + 2 * i].copy_from_slice(&HEX_PAIRS[usize::from(*byte)]);
     }
     if sampled {
         out[54] = b'1';
     }
     out
-}
-
-/// The W3C trace-context headers, parsed once, with their spelling on an HTTP/1 wire.
-pub static TRACEPARENT: (http::HeaderName, &str) =
-    (http::HeaderName::from_static("traceparent"), "traceparent");
-pub static TRACESTATE: (http::HeaderName, &str) =
-    (http::HeaderName::from_static("tracestate"), "tracestate");
-
-/// A sampled request's records (one allocation), and the queue they end into.
-struct Recorded {
-    server: SpanRecord,
-    client: Option<SpanRecord>,
-    queue: Arc<export::Queue>,
 }
 
 /// A request's SERVER span and, once the request goes upstream, its CLIENT span: the ids and
@@ -260,7 +261,10 @@ pub struct RequestSpan {
     span_id: [u8; 8],
     sampled: bool,
     trace_state: Option<Arc<str>>,
-    record: Option<Box<Recorded>>,
+    /// A sampled request's records (one allocation), while the export takes spans.
+    record: Option<Box<Finished>>,
+    /// The queue the records end into (with `record`).
+    queue: Option<Arc<export::Queue>>,
     /// The status the upstream answered with.
     upstream_status: Option<u16>,
     /// The request's method as a span name allows it (`GET`, ..., `HTTP`).
@@ -475,25 +479,17 @@ impl RequestSpan {
         self.end();
     }
 
-    /// Hands the records to the export queue (CLIENT first: it ends before its SERVER span).
+    /// Hands the records to the export queue.
     fn end(self) {
-        let Some(recorded) = self.record else {
+        let (Some(mut finished), Some(queue)) = (self.record, self.queue) else {
             return;
         };
-        let Recorded {
-            mut server,
-            client,
-            queue,
-        } = *recorded;
         let now = unix_nanos();
-        server.end = now;
-        match client {
-            Some(mut client) => {
-                client.end = now;
-                queue.push_pair(client, server);
-            }
-            None => queue.push(server),
+        finished.server.end = now;
+        if let Some(client) = &mut finished.client {
+            client.end = now;
         }
+        queue.push(finished);
     }
 }
 
@@ -688,8 +684,11 @@ mod tests {
     struct Headers(&'static [(&'static str, &'static str)]);
 
     impl HeaderSource for Headers {
-        fn header(&self, name: &str) -> Option<&str> {
-            self.0.iter().find(|(k, _)| *k == name).map(|(_, v)| *v)
+        fn header(&self, name: &http::HeaderName) -> Option<&str> {
+            self.0
+                .iter()
+                .find(|(k, _)| *k == name.as_str())
+                .map(|(_, v)| *v)
         }
     }
 

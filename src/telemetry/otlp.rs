@@ -37,6 +37,31 @@ fn ip_text(ip: std::net::IpAddr, text: &mut String) {
     }
 }
 
+/// An address's text, kept for the next span: most spans of a batch name the same upstream
+/// server, and often the same client.
+#[derive(Default)]
+struct AddressText {
+    ip: Option<std::net::IpAddr>,
+    text: String,
+}
+
+impl AddressText {
+    fn of(&mut self, ip: std::net::IpAddr) -> &str {
+        if self.ip != Some(ip) {
+            ip_text(ip, &mut self.text);
+            self.ip = Some(ip);
+        }
+        &self.text
+    }
+}
+
+/// The encoder's address texts: the clients', and the upstream servers'.
+#[derive(Default)]
+struct Texts {
+    client: AddressText,
+    server: AddressText,
+}
+
 /// The value of a `KeyValue` (an `AnyValue`).
 enum Value<'a> {
     Str(&'a str),
@@ -106,9 +131,27 @@ impl Cursor<'_> {
         self.at = end;
     }
 
-    /// A `KeyValue` as field `field` (a span's, an event's, the resource's attributes).
-    #[inline]
-    fn attribute(&mut self, field: u64, name: &str, value: Value<'_>) {
+    /// A `KeyValue` as field `field` (a span's or an event's attributes), its name known when
+    /// compiling, so that the name is copied as a fixed number of bytes.
+    #[inline(always)]
+    fn attribute<const N: usize>(&mut self, field: u64, name: &[u8; N], value: Value<'_>) {
+        match value {
+            Value::Str(s) if N + s.len() + 8 < 0x80 => {
+                // Every length one byte (nearly every attribute): two 4-byte heads, the name's
+                // fixed copy and the value's.
+                let any_len = 2 + s.len();
+                let kv_len = 2 + N + 2 + any_len;
+                self.head([(field << 3 | LEN) as u8, kv_len as u8, 0x0a, N as u8]);
+                self.fixed(name);
+                self.head([0x12, any_len as u8, 0x0a, s.len() as u8]);
+                self.bytes(s.as_bytes());
+            }
+            _ => self.attribute_of_any_size(field, name, value),
+        }
+    }
+
+    /// A `KeyValue` of any name and value (the resource's attributes are the operator's).
+    fn attribute_of_any_size(&mut self, field: u64, name: &[u8], value: Value<'_>) {
         let any_len = match value {
             Value::Str(s) => 1 + encoded_len_varint(s.len() as u64) + s.len(),
             Value::Int(n) => 1 + encoded_len_varint(n as u64),
@@ -120,18 +163,9 @@ impl Cursor<'_> {
             + 1
             + encoded_len_varint(any_len as u64)
             + any_len;
-        let tag = (field << 3 | LEN) as u8;
-        if let (Value::Str(s), true) = (&value, kv_len < 0x80) {
-            // Every length one byte (nearly every attribute): two 4-byte heads and two copies.
-            self.head([tag, kv_len as u8, 0x0a, name.len() as u8]);
-            self.bytes(name.as_bytes());
-            self.head([0x12, any_len as u8, 0x0a, s.len() as u8]);
-            self.bytes(s.as_bytes());
-            return;
-        }
-        self.byte(tag);
+        self.key(field, LEN);
         self.varint(kv_len as u64);
-        self.bytes_field(1, name.as_bytes());
+        self.bytes_field(1, name);
         self.key(2, LEN);
         self.varint(any_len as u64);
         match value {
@@ -145,6 +179,13 @@ impl Cursor<'_> {
                 self.varint(n as u64);
             }
         }
+    }
+
+    /// `N` bytes, `N` known when compiling: a few moves rather than a call to `memcpy`.
+    #[inline(always)]
+    fn fixed<const N: usize>(&mut self, bytes: &[u8; N]) {
+        self.buf[self.at..self.at + N].copy_from_slice(bytes);
+        self.at += N;
     }
 
     /// Four bytes in one store.
@@ -211,7 +252,7 @@ pub struct Encoder {
     /// `ScopeSpans.scope`.
     scope: Vec<u8>,
     /// Addresses as text.
-    text: String,
+    texts: Texts,
 }
 
 impl Encoder {
@@ -225,7 +266,7 @@ impl Encoder {
         let resource = written(11 + NESTED_SLACK + attributes, |c| {
             c.nested(1, 1, |c| {
                 for (name, value) in resource {
-                    c.attribute(1, name, Value::Str(value));
+                    c.attribute_of_any_size(1, name.as_bytes(), Value::Str(value));
                 }
             });
         });
@@ -234,19 +275,35 @@ impl Encoder {
         Encoder {
             resource,
             scope,
-            text: String::new(),
+            texts: Texts::default(),
         }
     }
 
     /// An `ExportTraceServiceRequest` of `spans`, written into `scratch` and returned as a
-    /// slice of it. The spans are written first, after room kept for what encloses them; the
+    /// slice of it ([`Encoder::encode_range`]).
+    #[cfg(test)]
+    pub fn encode<'s, 'b, I>(&mut self, spans: I, scratch: &'b mut Vec<u8>) -> &'b [u8]
+    where
+        I: IntoIterator<Item = &'s SpanRecord>,
+        I::IntoIter: Clone,
+    {
+        let range = self.encode_range(spans, scratch);
+        &scratch[range]
+    }
+
+    /// An `ExportTraceServiceRequest` of `spans`, written into `scratch`: where it is in it. The spans are written first, after room kept for what encloses them; the
     /// enclosing messages' lengths then follow from theirs and are written just in front, so
     /// no byte is copied twice. `scratch` is kept between batches: it only ever grows (to the
     /// largest bound seen), so it is zeroed once rather than for every batch.
-    pub fn encode<'b>(&mut self, spans: &[SpanRecord], scratch: &'b mut Vec<u8>) -> &'b [u8] {
+    pub fn encode_range<'s, I>(&mut self, spans: I, scratch: &mut Vec<u8>) -> std::ops::Range<usize>
+    where
+        I: IntoIterator<Item = &'s SpanRecord>,
+        I::IntoIter: Clone,
+    {
+        let spans = spans.into_iter();
         // The two enclosing tags and lengths (at most 11 bytes each), the resource, the scope.
         let head_room = 2 * 11 + self.resource.len() + self.scope.len();
-        let bound = head_room + spans.iter().map(span_bound).sum::<usize>();
+        let bound = head_room + spans.clone().map(span_bound).sum::<usize>();
         if scratch.len() < bound {
             scratch.resize(bound, 0);
         }
@@ -256,7 +313,7 @@ impl Encoder {
         };
         for span in spans {
             // ScopeSpans.spans
-            cursor.nested(2, 2, |c| write_span(c, span, &mut self.text));
+            cursor.nested(2, 2, |c| write_span(c, span, &mut self.texts));
         }
         let end = cursor.at;
         let scope_spans = self.scope.len() + (end - head_room);
@@ -281,17 +338,17 @@ impl Encoder {
         head.key(2, LEN);
         head.varint(scope_spans as u64);
         head.bytes(&self.scope);
-        &scratch[start..end]
+        start..end
     }
 }
 
-fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, text: &mut String) {
+fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
     c.key(1, LEN);
     c.byte(16);
-    c.bytes(&span.trace_id);
+    c.fixed(&span.trace_id);
     c.key(2, LEN);
     c.byte(8);
-    c.bytes(&span.span_id);
+    c.fixed(&span.span_id);
     if let Some(state) = &span.trace_state {
         c.bytes_field(3, state.as_bytes());
     }
@@ -299,7 +356,7 @@ fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, text: &mut String) {
     if has_parent {
         c.key(4, LEN);
         c.byte(8);
-        c.bytes(&span.parent_span_id);
+        c.fixed(&span.parent_span_id);
     }
     match (&span.route, span.name_has_route) {
         (Some(route), true) => {
@@ -317,12 +374,12 @@ fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, text: &mut String) {
         Kind::Client => 3,
     });
     c.key(7, FIXED64);
-    c.bytes(&span.start.to_le_bytes());
+    c.fixed(&span.start.to_le_bytes());
     c.key(8, FIXED64);
-    c.bytes(&span.end.to_le_bytes());
-    write_attributes(c, span, text);
+    c.fixed(&span.end.to_le_bytes());
+    write_attributes(c, span, texts);
     for (time, event) in &span.events {
-        c.nested(11, 1, |c| write_event(c, *time, event, text));
+        c.nested(11, 1, |c| write_event(c, *time, event, &mut texts.server));
     }
     // Status: message (2) and code (3: 2 is ERROR); unset when there was no error.
     c.nested(15, 1, |c| {
@@ -340,85 +397,86 @@ fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, text: &mut String) {
     let flags: u32 = 0x101 | if has_parent { 0x200 } else { 0 };
     // (Field 16: its tag takes two bytes.)
     c.varint(16 << 3 | FIXED32);
-    c.bytes(&flags.to_le_bytes());
+    c.fixed(&flags.to_le_bytes());
 }
 
-fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, text: &mut String) {
+fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
     const A: u64 = 9;
     if let Some(method) = span.method {
-        c.attribute(A, "http.request.method", Value::Str(method));
+        c.attribute(A, b"http.request.method", Value::Str(method));
     }
     if let Some(path) = &span.url_path {
-        c.attribute(A, "url.path", Value::Str(path));
+        c.attribute(A, b"url.path", Value::Str(path));
     }
     if let Some(route) = &span.route {
-        c.attribute(A, "http.route", Value::Str(route));
+        c.attribute(A, b"http.route", Value::Str(route));
     }
     if let Some(host) = &span.server_address {
-        c.attribute(A, "server.address", Value::Str(host));
+        c.attribute(A, b"server.address", Value::Str(host));
     }
     if let Some(version) = span.protocol_version {
-        c.attribute(A, "network.protocol.version", Value::Str(version));
+        c.attribute(A, b"network.protocol.version", Value::Str(version));
     }
     if let Some((service, method)) = span.rpc {
-        c.attribute(A, "rpc.system", Value::Str("grpc"));
-        c.attribute(A, "rpc.service", Value::Str(service));
-        c.attribute(A, "rpc.method", Value::Str(method));
+        c.attribute(A, b"rpc.system", Value::Str("grpc"));
+        c.attribute(A, b"rpc.service", Value::Str(service));
+        c.attribute(A, b"rpc.method", Value::Str(method));
     }
     if let Some(group) = &span.upstream_group {
-        c.attribute(A, "tollgate.upstream_group", Value::Str(group));
+        c.attribute(A, b"tollgate.upstream_group", Value::Str(group));
     }
     if let Some(server) = span.upstream {
-        ip_text(server.ip(), text);
-        c.attribute(A, "server.address", Value::Str(text));
-        c.attribute(A, "server.port", Value::Int(i64::from(server.port())));
+        c.attribute(
+            A,
+            b"server.address",
+            Value::Str(texts.server.of(server.ip())),
+        );
+        c.attribute(A, b"server.port", Value::Int(i64::from(server.port())));
     }
     if let Some(ip) = span.client_address {
-        ip_text(ip, text);
-        c.attribute(A, "client.address", Value::Str(text));
+        c.attribute(A, b"client.address", Value::Str(texts.client.of(ip)));
     }
     if let Some(decision) = span.decision {
-        c.attribute(A, "tollgate.decision", Value::Str(decision));
+        c.attribute(A, b"tollgate.decision", Value::Str(decision));
     }
     if let Some(policy) = &span.policy {
-        c.attribute(A, "tollgate.policy", Value::Str(policy));
+        c.attribute(A, b"tollgate.policy", Value::Str(policy));
     }
     if let Some(rule) = &span.rule {
-        c.attribute(A, "tollgate.rule", Value::Str(rule));
+        c.attribute(A, b"tollgate.rule", Value::Str(rule));
     }
     if let Some(reason) = span.reason {
-        c.attribute(A, "tollgate.reason", Value::Str(reason));
+        c.attribute(A, b"tollgate.reason", Value::Str(reason));
     }
     if let Some(remaining) = span.remaining {
-        c.attribute(A, "tollgate.remaining", Value::Int(remaining));
+        c.attribute(A, b"tollgate.remaining", Value::Int(remaining));
     }
     if let Some(code) = span.grpc_status {
-        c.attribute(A, "rpc.grpc.status_code", Value::Int(i64::from(code)));
+        c.attribute(A, b"rpc.grpc.status_code", Value::Int(i64::from(code)));
     }
     if let Some(code) = span.status_code {
-        c.attribute(A, "http.response.status_code", Value::Int(i64::from(code)));
+        c.attribute(A, b"http.response.status_code", Value::Int(i64::from(code)));
     }
 }
 
-fn write_event(c: &mut Cursor<'_>, time: u64, event: &UpstreamEvent, text: &mut String) {
+fn write_event(c: &mut Cursor<'_>, time: u64, event: &UpstreamEvent, text: &mut AddressText) {
     c.key(1, FIXED64);
-    c.bytes(&time.to_le_bytes());
+    c.fixed(&time.to_le_bytes());
     c.bytes_field(2, event.name().as_bytes());
     let (server, attempt) = event.server();
-    ip_text(server.ip(), text);
-    c.attribute(3, "server.address", Value::Str(text));
-    c.attribute(3, "server.port", Value::Int(i64::from(server.port())));
+    c.attribute(3, b"server.address", Value::Str(text.of(server.ip())));
+    c.attribute(3, b"server.port", Value::Int(i64::from(server.port())));
     c.attribute(
         3,
-        "tollgate.attempt",
+        b"tollgate.attempt",
         Value::Int(i64::try_from(attempt).unwrap_or(i64::MAX)),
     );
     match *event {
         UpstreamEvent::Connect { reused, .. } => {
-            c.attribute(3, "tollgate.connection_reused", Value::Bool(reused));
+            c.attribute(3, b"tollgate.connection_reused", Value::Bool(reused));
         }
         UpstreamEvent::ConnectFailed { failure, .. } => {
-            c.attribute(3, "tollgate.connect_failure", Value::Str(failure));
+            c.attribute(3, b"tollgate.connect_failure", Value::Str(failure));
         }
         UpstreamEvent::Retry { .. } | UpstreamEvent::Ejection { .. } => {}
     }

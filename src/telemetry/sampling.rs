@@ -4,6 +4,12 @@
 
 use std::sync::Arc;
 
+/// The W3C trace-context headers, parsed once, with their spelling on an HTTP/1 wire.
+pub static TRACEPARENT: (http::HeaderName, &str) =
+    (http::HeaderName::from_static("traceparent"), "traceparent");
+pub static TRACESTATE: (http::HeaderName, &str) =
+    (http::HeaderName::from_static("tracestate"), "tracestate");
+
 /// How the gateway samples (`OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`), with the
 /// SDKs' meaning of each value.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -98,7 +104,7 @@ impl Parent {
     /// exactly four fields (a later version may have more), lower-case hex ids that are not all
     /// zero, flags of which only `sampled` is kept. An invalid `tracestate` is dropped whole.
     pub fn read(headers: &dyn HeaderSource) -> Option<Parent> {
-        let value = headers.header("traceparent")?.trim();
+        let value = headers.header(&TRACEPARENT.0)?.trim();
         let mut parts = value.split_terminator('-');
         let (version_text, trace, span, flags_text) =
             (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
@@ -124,7 +130,7 @@ impl Parent {
             return None;
         }
         let trace_state = headers
-            .header("tracestate")
+            .header(&TRACESTATE.0)
             .and_then(trace_state)
             .map(Arc::from);
         Some(Parent {
@@ -237,11 +243,11 @@ pub(super) fn new_span_id() -> [u8; 8] {
 
 /// Where a request's headers are read from (Pingora's, tonic's metadata, a described request's).
 pub trait HeaderSource {
-    fn header(&self, name: &str) -> Option<&str>;
+    fn header(&self, name: &http::HeaderName) -> Option<&str>;
 }
 
 impl HeaderSource for http::HeaderMap {
-    fn header(&self, name: &str) -> Option<&str> {
+    fn header(&self, name: &http::HeaderName) -> Option<&str> {
         self.get(name).and_then(|v| v.to_str().ok())
     }
 }

@@ -158,3 +158,24 @@ impl SpanRecord {
         }
     }
 }
+
+/// A request's records as they travel to the export, in the one allocation made when the
+/// request was sampled: its SERVER span and, when it went upstream, its CLIENT span. The queue
+/// and the encoder move the box, never the records (each is several hundred bytes).
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub server: SpanRecord,
+    pub client: Option<SpanRecord>,
+}
+
+impl Finished {
+    /// How many spans it holds (the queue's and a batch's sizes count spans).
+    pub fn spans(&self) -> usize {
+        1 + usize::from(self.client.is_some())
+    }
+
+    /// Its spans in the order they ended: the CLIENT span before its SERVER span.
+    pub fn in_order(&self) -> impl Iterator<Item = &SpanRecord> + Clone {
+        self.client.iter().chain(std::iter::once(&self.server))
+    }
+}
