@@ -9,7 +9,11 @@
 //! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines),
 //! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `state_key` (the
 //! state dir's own keys: masked values' fingerprints, reservation signing), `candidate` (the
-//! candidate bundle decided in shadow after every live decision).
+//! candidate bundle decided in shadow after every live decision). Below them all: `gateway`
+//! (the [`Gateway`] value itself) and the state it holds, `loaded` (the bundle in force as
+//! `/readyz` reports it, watched files' signatures), `source_state` (what the policy-store
+//! follower knows) and `shadow` (the candidate in force and its counters). A child names the
+//! sibling that defines what it uses, never this file.
 
 mod candidate;
 mod debug_sessions;
