@@ -351,7 +351,8 @@ impl RedisStore {
     }
 
     /// The connection a request's calls go on: this thread's own once it has one (see
-    /// [`super::shared::thread_conn`]), the shared one until then; `None` while not connected at all.
+    /// [`super::shared::thread_conn`]), the shared one until then; `None` while not connected
+    /// at all.
     fn request_conn(self: &Arc<Self>) -> Option<Arc<Conn>> {
         let shared = self.conn.load_full()?;
         let store = Arc::clone(self);
