@@ -8,6 +8,7 @@
 //! query parameters and JWT-shaped tokens masked), and client-controlled text is escaped
 //! ([`crate::log_value`] in text lines, JSON's own escapes in JSON lines).
 
+use crate::log_line::{json_field, split_time};
 use crate::log_value::Escaped;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
@@ -168,54 +169,8 @@ pub fn write(line: String) {
     crate::log_line::stdout(line.as_bytes());
 }
 
-/// `,"name":"value"` (JSON-escaped) or `,"name":null`.
-pub(crate) fn json_field(line: &mut String, name: &str, value: Option<&str>) {
-    let _ = write!(line, ",\"{name}\":");
-    let Some(value) = value else {
-        line.push_str("null");
-        return;
-    };
-    line.push('"');
-    for c in value.chars() {
-        match c {
-            '"' => line.push_str("\\\""),
-            '\\' => line.push_str("\\\\"),
-            '\n' => line.push_str("\\n"),
-            '\r' => line.push_str("\\r"),
-            '\t' => line.push_str("\\t"),
-            c if (c as u32) < 0x20 || c == '\u{7f}' => {
-                let _ = write!(line, "\\u{:04x}", c as u32);
-            }
-            c => line.push(c),
-        }
-    }
-    line.push('"');
-}
-
 fn round_ms(secs: f64) -> f64 {
     (secs * 1000.0).round() / 1000.0
-}
-
-/// Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-fn civil(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-pub(crate) fn split_time(unix_ms: i64) -> (i64, u32, u32, i64, i64, i64, i64) {
-    let secs = unix_ms.div_euclid(1000);
-    let ms = unix_ms.rem_euclid(1000);
-    let (y, mo, d) = civil(secs.div_euclid(86_400));
-    let sod = secs.rem_euclid(86_400);
-    (y, mo, d, sod / 3600, sod % 3600 / 60, sod % 60, ms)
 }
 
 /// `2026-11-22T10:33:26.123Z`.

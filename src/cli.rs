@@ -1,6 +1,7 @@
 //! Command line (clap): every `run` flag can also come from a `TOLLGATE_*` environment
 //! variable. `validate` and `simulate` are implemented here; `run` hands a resolved
-//! configuration to the gateway.
+//! configuration to the gateway; `publish`, `promote`, `rollback` and `fleet` take their flags
+//! from here and run in [`crate::fleet::commands`].
 
 use crate::engine::EngineConfig;
 use crate::policy::{load_file, PolicyError};
@@ -39,17 +40,17 @@ pub enum Command {
     Import(ImportCommand),
     /// Validate a bundle, sign it and store it for the whole fleet (as live, or as the
     /// candidate with --candidate); prints the new version.
-    #[command(after_help = crate::fleet::commands::PUBLISH_EXAMPLES)]
-    Publish(crate::fleet::commands::PublishArgs),
+    #[command(after_help = PUBLISH_EXAMPLES)]
+    Publish(PublishArgs),
     /// Make the store's candidate live, as a new version (re-signed); prints the version.
-    #[command(after_help = crate::fleet::commands::PROMOTE_EXAMPLES)]
-    Promote(crate::fleet::commands::PromoteArgs),
+    #[command(after_help = PROMOTE_EXAMPLES)]
+    Promote(PromoteArgs),
     /// Publish the previous live bundle again as live, as a new version; prints the version.
-    #[command(after_help = crate::fleet::commands::ROLLBACK_EXAMPLES)]
-    Rollback(crate::fleet::commands::PromoteArgs),
+    #[command(after_help = ROLLBACK_EXAMPLES)]
+    Rollback(PromoteArgs),
     /// Which gateway runs which bundle: one line per gateway from their heartbeats.
-    #[command(after_help = crate::fleet::commands::FLEET_EXAMPLES)]
-    Fleet(crate::fleet::commands::FleetArgs),
+    #[command(after_help = FLEET_EXAMPLES)]
+    Fleet(FleetArgs),
 }
 
 /// `tollgate help run`'s examples (each line after a comment is parsed by a unit test).
@@ -82,6 +83,104 @@ const SIMULATE_EXAMPLES: &str = "Examples:
 const IMPORT_EXAMPLES: &str = "Examples:
   # An envoyproxy/ratelimit configuration, as a bundle for tollgate's gRPC service:
   tollgate import envoy-ratelimit examples/envoy/ratelimit-config.yaml";
+
+// `tollgate publish`, `promote`, `rollback` and `fleet` (run by [`crate::fleet::commands`]):
+// their flags and examples.
+
+/// `tollgate publish`'s examples (each line after a comment is parsed by a unit test).
+pub const PUBLISH_EXAMPLES: &str = "Examples:
+  # Make a signing key, once (give its public half to the gateways' --policy-verify-key):
+  #   openssl genpkey -algorithm ed25519 -out bundle-sign.pem
+  #   openssl pkey -in bundle-sign.pem -pubout -out bundle-verify.pem
+  # Publish a bundle as live for the whole fleet; the new version is printed:
+  tollgate publish policies/coinbase.json --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
+  # Publish it as the candidate the gateways evaluate in shadow beside the live one:
+  tollgate publish policies/coinbase.json --store postgres://tollgate@10.0.0.9/tollgate --sign-key bundle-sign.pem --candidate
+  # Write the envelope to a file instead, for a static HTTP(S) server to serve:
+  tollgate publish policies/coinbase.json --out /srv/www/bundle.json --sign-key bundle-sign.pem";
+
+/// `tollgate promote`'s examples.
+pub const PROMOTE_EXAMPLES: &str = "Examples:
+  # The candidate becomes live (a new version, re-signed); prints the version:
+  tollgate promote --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem";
+
+/// `tollgate rollback`'s examples.
+pub const ROLLBACK_EXAMPLES: &str = "Examples:
+  # The previous live bundle is published again as live, under a new version:
+  tollgate rollback --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
+  # Once more: the one before it (each rollback goes one bundle further back)
+  tollgate rollback --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem";
+
+/// `tollgate fleet`'s examples.
+pub const FLEET_EXAMPLES: &str =
+    "Columns: GATEWAY (--gateway-id), LIVE (its live version), HASH (the first 12 hex
+digits of that bundle's SHA-256), CANDIDATE (its candidate's version, or -), SEEN (age of
+its last heartbeat), WOULD-REFUSE (requests its candidate would have refused), STATE
+(following, unreachable or starting).
+
+Examples:
+  # Which gateway runs which bundle:
+  tollgate fleet --store redis://10.0.0.9:6379
+  # The same as one JSON document, for scripts:
+  tollgate fleet --store postgres://tollgate@10.0.0.9/tollgate --json";
+
+/// The store flag and its deadline, shared by the four commands.
+#[derive(Debug, Args)]
+pub struct StoreArgs {
+    /// Policy store: `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,...]` or
+    /// `postgres://...` (the URLs `run --store` takes). `publish` takes --out instead.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// Deadline of each call to the store, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct SigningArgs {
+    /// Ed25519 private key (PKCS#8 PEM, as `openssl genpkey -algorithm ed25519` writes it)
+    /// to sign the bundle with.
+    #[arg(long, value_name = "PEM")]
+    pub sign_key: Option<PathBuf>,
+    /// Without --sign-key: replace a signed live bundle (or promote a signed candidate) by an
+    /// unsigned one anyway. Gateways with --policy-verify-key refuse unsigned bundles.
+    #[arg(long)]
+    pub allow_unsigned: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PublishArgs {
+    /// The bundle file (validated as `tollgate validate` does).
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Write the envelope to this file instead of a store (for any static HTTP(S) server to
+    /// serve to `run --policy-store https://...`); its version grows past the file's own.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["store", "candidate"])]
+    pub out: Option<PathBuf>,
+    /// Publish as the candidate (evaluated in shadow by every gateway) instead of live.
+    #[arg(long)]
+    pub candidate: bool,
+    #[command(flatten)]
+    pub signing: SigningArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct PromoteArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub signing: SigningArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct FleetArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// One JSON document (the store's live and candidate, every heartbeat) instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
 
 #[derive(Debug, Subcommand)]
 pub enum ImportCommand {
@@ -516,7 +615,7 @@ pub struct RunArgs {
         help_heading = "Connections",
         long,
         env = "TOLLGATE_MAX_REQUEST_HEADER_BYTES",
-        default_value_t = crate::proxy::protocol::DEFAULT_MAX_HEADER_BYTES
+        default_value_t = DEFAULT_MAX_HEADER_BYTES
     )]
     pub max_request_header_bytes: usize,
     /// Most header lines a request may carry on the proxy; more get 431 (Envoy's default: 100).
@@ -525,7 +624,7 @@ pub struct RunArgs {
         help_heading = "Connections",
         long,
         env = "TOLLGATE_MAX_REQUEST_HEADERS",
-        default_value_t = crate::proxy::protocol::DEFAULT_MAX_HEADER_LINES
+        default_value_t = DEFAULT_MAX_HEADER_LINES
     )]
     pub max_request_headers: usize,
     /// A TLS listener next to --listen (which stays cleartext). Without it, --tls-cert/--tls-key
@@ -691,6 +790,13 @@ fn parse_start(text: &str) -> Result<i64, String> {
         .map(|d| d.as_secs() as i64)
         .map_err(|_| format!("{text:?} is before 1970"))
 }
+
+/// `--max-request-header-bytes`' default: the whole header block (request line included).
+/// Envoy's default is 60 KiB, nginx's 32 KiB (and 8 KiB a line); a 16 KiB cookie passes.
+pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// `--max-request-headers`' default: header lines per request (Envoy's default count).
+pub const DEFAULT_MAX_HEADER_LINES: usize = 100;
 
 /// Exit codes.
 pub const EXIT_OK: u8 = 0;

@@ -141,7 +141,7 @@ pub struct Config {
     /// `--max-connections-per-ip`.
     pub max_connections_per_ip: Option<usize>,
     /// `--max-request-header-bytes` and `--max-request-headers`: past either, 431.
-    pub header_limits: crate::proxy::protocol::HeaderLimits,
+    pub header_limits: HeaderLimits,
     /// The gRPC listener for Envoy, if any.
     pub grpc: Option<GrpcConfig>,
     /// HTTPS on the proxy, if any.
@@ -172,13 +172,66 @@ pub struct Config {
     pub network_allow_shrink: bool,
 }
 
+/// Pingora's own parser refuses a header block with more lines than this (400) before the
+/// gateway sees it: a higher `--max-request-headers` could never apply.
+pub const MAX_HEADER_LINES_PARSED: usize = 256;
+
+/// Pingora's own parser refuses a larger header block (400).
+pub const MAX_HEADER_BYTES_PARSED: usize = 1_048_575;
+
+/// The request-header limits in force.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeaderLimits {
+    /// The whole header block, in bytes.
+    pub max_bytes: usize,
+    /// Header lines.
+    pub max_lines: usize,
+}
+
+/// The limit a request's header block passed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderLimit {
+    Bytes,
+    Lines,
+}
+
+impl HeaderLimit {
+    /// The `limit` label of `tollgate_request_headers_refused_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HeaderLimit::Bytes => "bytes",
+            HeaderLimit::Lines => "lines",
+        }
+    }
+}
+
+impl HeaderLimits {
+    /// The limit a header block of `bytes` bytes and `lines` lines passes, if any.
+    pub fn passed(self, bytes: usize, lines: usize) -> Option<HeaderLimit> {
+        if lines > self.max_lines {
+            Some(HeaderLimit::Lines)
+        } else if bytes > self.max_bytes {
+            Some(HeaderLimit::Bytes)
+        } else {
+            None
+        }
+    }
+}
+
 /// HTTPS on the proxy (`--tls-cert`/`--tls-key`, `--listen-tls`).
 #[derive(Debug, Clone)]
 pub struct TlsConfig {
     /// The TLS listener; `None`: `--listen` itself serves HTTPS (no cleartext listener).
     pub listen: Option<String>,
     /// Certificate/key pairs, the first the default.
-    pub pairs: Vec<crate::tls::CertPair>,
+    pub pairs: Vec<CertPair>,
+}
+
+/// One `--tls-cert` / `--tls-key` pair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertPair {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 /// The gRPC listener (`--grpc-listen`).
@@ -350,22 +403,16 @@ impl Config {
         if args.max_body_bytes == 0 {
             errors.push("--max-body-bytes 0: must be at least 1".to_string());
         }
-        if !(1..=crate::proxy::protocol::MAX_HEADER_BYTES_PARSED)
-            .contains(&args.max_request_header_bytes)
-        {
+        if !(1..=MAX_HEADER_BYTES_PARSED).contains(&args.max_request_header_bytes) {
             errors.push(format!(
                 "--max-request-header-bytes {}: must be from 1 to {} (Pingora's own limit)",
-                args.max_request_header_bytes,
-                crate::proxy::protocol::MAX_HEADER_BYTES_PARSED
+                args.max_request_header_bytes, MAX_HEADER_BYTES_PARSED
             ));
         }
-        if !(1..=crate::proxy::protocol::MAX_HEADER_LINES_PARSED)
-            .contains(&args.max_request_headers)
-        {
+        if !(1..=MAX_HEADER_LINES_PARSED).contains(&args.max_request_headers) {
             errors.push(format!(
                 "--max-request-headers {}: must be from 1 to {} (Pingora's own limit)",
-                args.max_request_headers,
-                crate::proxy::protocol::MAX_HEADER_LINES_PARSED
+                args.max_request_headers, MAX_HEADER_LINES_PARSED
             ));
         }
         if args.reservation_ttl_secs == 0 {
@@ -471,7 +518,7 @@ impl Config {
                 .tls_cert
                 .iter()
                 .zip(&args.tls_key)
-                .map(|(cert, key)| crate::tls::CertPair {
+                .map(|(cert, key)| CertPair {
                     cert: cert.clone(),
                     key: key.clone(),
                 })
@@ -537,7 +584,7 @@ impl Config {
                 .map(|s| ReservationSecret(s.as_bytes().to_vec())),
             max_connections: args.max_connections,
             max_connections_per_ip: args.max_connections_per_ip,
-            header_limits: crate::proxy::protocol::HeaderLimits {
+            header_limits: HeaderLimits {
                 max_bytes: args.max_request_header_bytes,
                 max_lines: args.max_request_headers,
             },

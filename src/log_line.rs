@@ -215,7 +215,7 @@ impl RateLimit<'_> {
             line.push_str("{\"timestamp\":\"");
             push_rfc3339_us(&mut line, unix_us);
             line.push_str("\",\"level\":\"INFO\",\"message\":\"RATE_LIMIT\"");
-            let j = crate::access_log::json_field;
+            let j = json_field;
             j(&mut line, "client_ip", Some(self.client_ip));
             j(&mut line, "host", Some(self.host));
             j(&mut line, "path", Some(self.path));
@@ -292,7 +292,7 @@ fn push_rfc3339_us(out: &mut String, unix_us: i64) {
     SECOND.with(|cell| {
         let mut second = cell.borrow_mut();
         if second.0 != secs {
-            let (y, mo, d, h, mi, s, _) = crate::access_log::split_time(secs * 1000);
+            let (y, mo, d, h, mi, s, _) = split_time(secs * 1000);
             second.1.clear();
             let _ = write!(second.1, "{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}");
             second.0 = secs;
@@ -341,6 +341,52 @@ pub fn push_ip(out: &mut String, ip: std::net::IpAddr) {
             let _ = write!(out, "{v6}");
         }
     }
+}
+
+/// `,"name":"value"` (JSON-escaped) or `,"name":null`.
+pub(crate) fn json_field(line: &mut String, name: &str, value: Option<&str>) {
+    let _ = write!(line, ",\"{name}\":");
+    let Some(value) = value else {
+        line.push_str("null");
+        return;
+    };
+    line.push('"');
+    for c in value.chars() {
+        match c {
+            '"' => line.push_str("\\\""),
+            '\\' => line.push_str("\\\\"),
+            '\n' => line.push_str("\\n"),
+            '\r' => line.push_str("\\r"),
+            '\t' => line.push_str("\\t"),
+            c if (c as u32) < 0x20 || c == '\u{7f}' => {
+                let _ = write!(line, "\\u{:04x}", c as u32);
+            }
+            c => line.push(c),
+        }
+    }
+    line.push('"');
+}
+
+/// Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+pub(crate) fn split_time(unix_ms: i64) -> (i64, u32, u32, i64, i64, i64, i64) {
+    let secs = unix_ms.div_euclid(1000);
+    let ms = unix_ms.rem_euclid(1000);
+    let (y, mo, d) = civil(secs.div_euclid(86_400));
+    let sod = secs.rem_euclid(86_400);
+    (y, mo, d, sod / 3600, sod % 3600 / 60, sod % 60, ms)
 }
 
 #[cfg(test)]

@@ -4,22 +4,15 @@
 //! and reloaded on SIGHUP or file change without dropping a connection: a bad file is logged
 //! and the certificates in force stay. Names rustls types, never Pingora's.
 
-use crate::config::file_hash;
+use crate::config::{file_hash, CertPair};
 use ahash::AHashMap;
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-
-/// One `--tls-cert` / `--tls-key` pair.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CertPair {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-}
 
 /// Why a pair cannot be used. Every variant names the file.
 #[derive(Debug, thiserror::Error)]
@@ -279,6 +272,7 @@ impl ResolvesServerCert for Resolver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn fixture(name: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))

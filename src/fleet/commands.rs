@@ -15,107 +15,14 @@
 
 use super::envelope::{self, next_version, Envelope, SigningKey, Slot};
 use super::source::{self, Heartbeat, PolicySource, SourceError};
-use crate::cli::{EXIT_FAILURE, EXIT_INVALID, EXIT_OK};
-use clap::Args;
+use crate::cli::{
+    FleetArgs, PromoteArgs, PublishArgs, SigningArgs, StoreArgs, EXIT_FAILURE, EXIT_INVALID,
+    EXIT_OK,
+};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// `tollgate publish`'s examples (each line after a comment is parsed by a unit test).
-pub const PUBLISH_EXAMPLES: &str = "Examples:
-  # Make a signing key, once (give its public half to the gateways' --policy-verify-key):
-  #   openssl genpkey -algorithm ed25519 -out bundle-sign.pem
-  #   openssl pkey -in bundle-sign.pem -pubout -out bundle-verify.pem
-  # Publish a bundle as live for the whole fleet; the new version is printed:
-  tollgate publish policies/coinbase.json --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
-  # Publish it as the candidate the gateways evaluate in shadow beside the live one:
-  tollgate publish policies/coinbase.json --store postgres://tollgate@10.0.0.9/tollgate --sign-key bundle-sign.pem --candidate
-  # Write the envelope to a file instead, for a static HTTP(S) server to serve:
-  tollgate publish policies/coinbase.json --out /srv/www/bundle.json --sign-key bundle-sign.pem";
-
-/// `tollgate promote`'s examples.
-pub const PROMOTE_EXAMPLES: &str = "Examples:
-  # The candidate becomes live (a new version, re-signed); prints the version:
-  tollgate promote --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem";
-
-/// `tollgate rollback`'s examples.
-pub const ROLLBACK_EXAMPLES: &str = "Examples:
-  # The previous live bundle is published again as live, under a new version:
-  tollgate rollback --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
-  # Once more: the one before it (each rollback goes one bundle further back)
-  tollgate rollback --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem";
-
-/// `tollgate fleet`'s examples.
-pub const FLEET_EXAMPLES: &str =
-    "Columns: GATEWAY (--gateway-id), LIVE (its live version), HASH (the first 12 hex
-digits of that bundle's SHA-256), CANDIDATE (its candidate's version, or -), SEEN (age of
-its last heartbeat), WOULD-REFUSE (requests its candidate would have refused), STATE
-(following, unreachable or starting).
-
-Examples:
-  # Which gateway runs which bundle:
-  tollgate fleet --store redis://10.0.0.9:6379
-  # The same as one JSON document, for scripts:
-  tollgate fleet --store postgres://tollgate@10.0.0.9/tollgate --json";
-
-/// The store flag and its deadline, shared by the four commands.
-#[derive(Debug, Args)]
-pub struct StoreArgs {
-    /// Policy store: `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,...]` or
-    /// `postgres://...` (the URLs `run --store` takes). `publish` takes --out instead.
-    #[arg(long, value_name = "URL")]
-    pub store: Option<String>,
-    /// Deadline of each call to the store, in milliseconds.
-    #[arg(long, default_value_t = 5000)]
-    pub timeout_ms: u64,
-}
-
-#[derive(Debug, Args)]
-pub struct SigningArgs {
-    /// Ed25519 private key (PKCS#8 PEM, as `openssl genpkey -algorithm ed25519` writes it)
-    /// to sign the bundle with.
-    #[arg(long, value_name = "PEM")]
-    pub sign_key: Option<PathBuf>,
-    /// Without --sign-key: replace a signed live bundle (or promote a signed candidate) by an
-    /// unsigned one anyway. Gateways with --policy-verify-key refuse unsigned bundles.
-    #[arg(long)]
-    pub allow_unsigned: bool,
-}
-
-#[derive(Debug, Args)]
-pub struct PublishArgs {
-    /// The bundle file (validated as `tollgate validate` does).
-    pub file: PathBuf,
-    #[command(flatten)]
-    pub store: StoreArgs,
-    /// Write the envelope to this file instead of a store (for any static HTTP(S) server to
-    /// serve to `run --policy-store https://...`); its version grows past the file's own.
-    #[arg(long, value_name = "PATH", conflicts_with_all = ["store", "candidate"])]
-    pub out: Option<PathBuf>,
-    /// Publish as the candidate (evaluated in shadow by every gateway) instead of live.
-    #[arg(long)]
-    pub candidate: bool,
-    #[command(flatten)]
-    pub signing: SigningArgs,
-}
-
-#[derive(Debug, Args)]
-pub struct PromoteArgs {
-    #[command(flatten)]
-    pub store: StoreArgs,
-    #[command(flatten)]
-    pub signing: SigningArgs,
-}
-
-#[derive(Debug, Args)]
-pub struct FleetArgs {
-    #[command(flatten)]
-    pub store: StoreArgs,
-    /// One JSON document (the store's live and candidate, every heartbeat) instead of the table.
-    #[arg(long)]
-    pub json: bool,
-}
 
 /// A command's failure: its exit code and the message for standard error.
 struct Failure(u8, String);
@@ -720,6 +627,7 @@ pub fn fleet_table(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::{FLEET_EXAMPLES, PROMOTE_EXAMPLES, PUBLISH_EXAMPLES, ROLLBACK_EXAMPLES};
 
     #[test]
     fn ages_read_as_people_say_them() {

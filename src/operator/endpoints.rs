@@ -2,8 +2,8 @@
 //! them, `GET`/`DELETE /v1/buckets/{bucket}`, `POST /v1/explain`, `GET /v1/top`, `GET /status`,
 //! and the recording of every limited request into the top sketch.
 
+use super::buckets::{BucketRef, LookupError};
 use super::top::{Event, Label};
-use super::{BucketRef, LookupError};
 use crate::engine::Decided;
 use crate::policy::{Bundle, Mode};
 use crate::service::{Described, Gateway};
@@ -149,7 +149,7 @@ impl Gateway {
         let config = self.engine_config;
         let mut top = self.top.lock();
         let mut note = |rule: &crate::policy::Rule, key: &crate::store::BucketKey, event| {
-            let key = super::key_u128(key);
+            let key = super::buckets::key_u128(key);
             top.record(key, event, unix_secs, || {
                 // Only a request refused before the engine lacks facts, and it has no
                 // buckets; were one to reach here, its rule alone would name it.
@@ -159,9 +159,10 @@ impl Gateway {
                     .and_then(|facts| crate::engine::bucket_name(rule, facts, config))
                     .map(|(name, _)| name)
                     .unwrap_or_else(|| rule.key_prefix.clone());
-                let shown = super::shown_name(rule, &name, &self.fingerprint_key).into_owned();
+                let shown =
+                    super::buckets::shown_name(rule, &name, &self.fingerprint_key).into_owned();
                 // A loop's marks are per request fingerprint: nothing to reset by name.
-                let reset_path = if super::Kind::of(rule) == super::Kind::Loop {
+                let reset_path = if super::buckets::Kind::of(rule) == super::buckets::Kind::Loop {
                     String::new()
                 } else if shown == name {
                     format!("/v1/buckets/{}", encode_path(&name))
@@ -215,7 +216,7 @@ impl Gateway {
         bundle: &'b Bundle,
         rest: &str,
     ) -> Result<(BucketRef<'b>, String), Reply> {
-        if rest.len() > 3 * super::MAX_BUCKET_NAME_BYTES {
+        if rest.len() > 3 * super::buckets::MAX_BUCKET_NAME_BYTES {
             return Err(Reply::error(414, LookupError::TooLong));
         }
         let lookup = |e: LookupError| {
@@ -228,11 +229,11 @@ impl Gateway {
             Reply::error(status, e)
         };
         if let Some(hex) = rest.strip_prefix(BY_HASH) {
-            let key = super::parse_key_hex(hex).map_err(lookup)?;
+            let key = super::buckets::parse_key_hex(hex).map_err(lookup)?;
             let unix_secs = self.clock.unix_secs().max(0) as u64;
             let label = self.top.lock().label_of(key, unix_secs);
             let label = label.ok_or_else(|| lookup(LookupError::HashNotListed))?;
-            let bucket = super::resolve(bundle, &label.name).map_err(lookup)?;
+            let bucket = super::buckets::resolve(bundle, &label.name).map_err(lookup)?;
             return Ok((bucket, label.bucket.clone()));
         }
         let name = decode_path(rest)
@@ -243,7 +244,7 @@ impl Gateway {
                 "name the bucket: /v1/buckets/{bucket}, as `tollgate simulate` prints it",
             ));
         }
-        let bucket = super::resolve(bundle, &name).map_err(lookup)?;
+        let bucket = super::buckets::resolve(bundle, &name).map_err(lookup)?;
         // The caller knows the name it sent; it is shown as sent.
         Ok((bucket, name))
     }
@@ -258,7 +259,9 @@ impl Gateway {
             Ok(found) => found,
             Err(reply) => return reply,
         };
-        match super::inspect(&self.store, &bundle, &bucket, &shown, self.clock.unix_us()).await {
+        match super::buckets::inspect(&self.store, &bundle, &bucket, &shown, self.clock.unix_us())
+            .await
+        {
             Ok(Some(state)) => Reply::json(200, &state),
             Ok(None) => Reply::json(
                 404,
@@ -283,18 +286,19 @@ impl Gateway {
             Ok(found) => found,
             Err(reply) => return reply,
         };
-        match super::reset(&self.store, &bundle, &bucket).await {
+        match super::buckets::reset(&self.store, &bundle, &bucket).await {
             Ok(held_state) => {
                 // Every key the reset cleared leaves the list (a breaker is listed under its
                 // open state).
-                let (buckets, leases) = super::reset_keys(&bucket, &bundle.hash);
+                let (buckets, leases) = super::buckets::reset_keys(&bucket, &bundle.hash);
                 let mut top = self.top.lock();
                 for key in buckets.iter().chain(&leases) {
-                    top.forget(super::key_u128(key));
+                    top.forget(super::buckets::key_u128(key));
                 }
                 drop(top);
                 self.metrics.admin_reset(held_state);
-                let shown = super::shown_name(bucket.rule, &bucket.name, &self.fingerprint_key);
+                let shown =
+                    super::buckets::shown_name(bucket.rule, &bucket.name, &self.fingerprint_key);
                 let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
                 // The name carries a client's key (any text, `%0d%0a` decoded included):
                 // escaped, as every value of a log line, so it cannot forge a line.
@@ -342,7 +346,7 @@ impl Gateway {
             None => &facts,
         };
         let unix_us = self.clock.unix_us();
-        let explained = super::explain(
+        let explained = super::buckets::explain(
             &self.store,
             &bundle,
             facts,

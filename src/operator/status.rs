@@ -256,7 +256,7 @@ pub fn render(view: &StatusView<'_>) -> String {
                         format!(
                             "{} <span class=\"muted\">({}, {})</span>",
                             escape(&r.name),
-                            super::Kind::of(r).as_str(),
+                            super::buckets::Kind::of(r).as_str(),
                             r.mode.as_str()
                         )
                     })

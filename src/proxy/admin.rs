@@ -258,7 +258,7 @@ impl Admin {
 /// Reads a request body of at most `limit` bytes; `None` when it is larger (nothing more is
 /// read) or breaks off.
 async fn read_bounded(session: &mut ServerSession, limit: usize) -> Option<Vec<u8>> {
-    let declared = super::declared_length(session.req_header());
+    let declared = super::protocol::declared_length(session.req_header());
     if declared.is_some_and(|n| n > limit) {
         return None;
     }

@@ -256,7 +256,7 @@ impl Proxy {
         &self,
         session: &mut Session,
         ctx: &mut RequestCtx,
-        limit: super::protocol::HeaderLimit,
+        limit: crate::config::HeaderLimit,
     ) -> Result<bool> {
         self.gateway.metrics.request_headers_refused(limit.as_str());
         if let Some(access) = ctx.access.as_deref_mut() {
@@ -370,7 +370,9 @@ impl ProxyHttp for Proxy {
         // Rare paths are awaited boxed, and bound first: inline (or as a temporary of the
         // awaiting statement) their futures would grow this hook's future, which Pingora moves
         // whole into a box on every request, by kilobytes.
-        if let Some(limit) = self.gateway.config.header_limits.passed_by(session) {
+        if let Some(limit) =
+            super::protocol::limit_passed(self.gateway.config.header_limits, session)
+        {
             let refusal = Box::pin(self.refuse_header_block(session, ctx, limit));
             return refusal.await;
         }
@@ -416,7 +418,7 @@ impl ProxyHttp for Proxy {
             .is_ok_and(|facts| {
                 self.gateway.meters_tokens_for(&facts)
                     && (self.gateway.enforces_tokens_for(&facts)
-                        || super::declared_length(req)
+                        || super::protocol::declared_length(req)
                             .is_some_and(|n| n <= self.gateway.config.max_body_bytes))
             })
         };
@@ -1189,7 +1191,7 @@ async fn read_whole_body(
     session: &mut Session,
     limit: usize,
 ) -> std::result::Result<Bytes, (u16, &'static str)> {
-    let declared = super::declared_length(session.req_header());
+    let declared = super::protocol::declared_length(session.req_header());
     if declared.is_some_and(|n| n > limit) {
         return Err((413, crate::llm::BODY_TOO_LARGE));
     }

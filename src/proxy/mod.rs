@@ -441,15 +441,6 @@ pub fn run(args: RunArgs) -> u8 {
     EXIT_OK
 }
 
-/// A request body's declared `Content-Length`, when it has one (the proxy and the decision
-/// service bound the bodies they read by it before reading).
-fn declared_length(req: &pingora::http::RequestHeader) -> Option<usize> {
-    req.headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<usize>().ok())
-}
-
 /// SIGHUP's default action kills the process. The reload handler is installed only once the
 /// server runs, so ignore SIGHUP until then: a config-management tool that signals right after
 /// start must not take the gateway down. (The tokio handler installed later replaces this.)

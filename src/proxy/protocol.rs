@@ -7,24 +7,11 @@
 //! Each duty is one function the proxy's hooks call; the per-request work on the common path
 //! (a request with a `Host`, no `Expect`, admitted) is a few header-map lookups.
 
+use crate::config::{HeaderLimit, HeaderLimits};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::proxy::Session;
 use std::net::SocketAddr;
 use std::time::Duration;
-
-/// `--max-request-header-bytes`' default: the whole header block (request line included).
-/// Envoy's default is 60 KiB, nginx's 32 KiB (and 8 KiB a line); a 16 KiB cookie passes.
-pub const DEFAULT_MAX_HEADER_BYTES: usize = 64 * 1024;
-
-/// `--max-request-headers`' default: header lines per request (Envoy's default count).
-pub const DEFAULT_MAX_HEADER_LINES: usize = 100;
-
-/// Pingora's own parser refuses a header block with more lines than this (400) before the
-/// gateway sees it: a higher `--max-request-headers` could never apply.
-pub const MAX_HEADER_LINES_PARSED: usize = 256;
-
-/// Pingora's own parser refuses a larger header block (400).
-pub const MAX_HEADER_BYTES_PARSED: usize = 1_048_575;
 
 /// The body of the gateway's 431.
 pub const HEADER_TOO_LARGE: &str =
@@ -34,52 +21,14 @@ pub const HEADER_TOO_LARGE: &str =
 /// stays open (nginx does the same); a larger or chunked one closes the connection.
 pub const DISCARDED_BODY_BYTES: usize = 64 * 1024;
 
-/// The request-header limits in force.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeaderLimits {
-    /// The whole header block, in bytes.
-    pub max_bytes: usize,
-    /// Header lines.
-    pub max_lines: usize,
-}
-
-/// The limit a request's header block passed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HeaderLimit {
-    Bytes,
-    Lines,
-}
-
-impl HeaderLimit {
-    /// The `limit` label of `tollgate_request_headers_refused_total`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HeaderLimit::Bytes => "bytes",
-            HeaderLimit::Lines => "lines",
-        }
-    }
-}
-
-impl HeaderLimits {
-    /// The limit a header block of `bytes` bytes and `lines` lines passes, if any.
-    pub fn passed(self, bytes: usize, lines: usize) -> Option<HeaderLimit> {
-        if lines > self.max_lines {
-            Some(HeaderLimit::Lines)
-        } else if bytes > self.max_bytes {
-            Some(HeaderLimit::Bytes)
-        } else {
-            None
-        }
-    }
-
-    /// The limit the session's request passed, if any: its header block counted as HTTP/1.1
-    /// writes it (request line, `name: value` and line ends), whatever the protocol it came in
-    /// (HTTP/2 has no such block; on HTTP/1.x, optional spaces around values are not counted).
-    /// A walk over the header map: cheaper than taking a slice of Pingora's buffer.
-    pub fn passed_by(self, session: &Session) -> Option<HeaderLimit> {
-        let req = session.req_header();
-        self.passed(http1_size(req), req.headers.len())
-    }
+/// The limit the session's request passed, if any ([`HeaderLimits::passed`]): its header block
+/// counted as HTTP/1.1 writes it (request line, `name: value` and line ends), whatever the
+/// protocol it came in (HTTP/2 has no such block; on HTTP/1.x, optional spaces around values
+/// are not counted). A walk over the header map: cheaper than taking a slice of Pingora's
+/// buffer.
+pub fn limit_passed(limits: HeaderLimits, session: &Session) -> Option<HeaderLimit> {
+    let req = session.req_header();
+    limits.passed(http1_size(req), req.headers.len())
 }
 
 /// A request header's size written as HTTP/1.1: request line, then `name: value\r\n` per line,
@@ -95,6 +44,15 @@ fn http1_size(req: &RequestHeader) -> usize {
         .fold(request_line + 2, |n, (name, value)| {
             n + name.as_str().len() + 2 + value.len() + 2
         })
+}
+
+/// A request body's declared `Content-Length`, when it has one (the proxy and the decision
+/// service bound the bodies they read by it before reading).
+pub fn declared_length(req: &RequestHeader) -> Option<usize> {
+    req.headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok())
 }
 
 /// Whether the request carries `Expect: 100-continue` (checked before calling
@@ -138,7 +96,7 @@ pub fn keep_connection_for_small_body(session: &mut Session, drain: Duration) {
     }
     let req = session.req_header();
     // Most refused requests carry no body: one lookup decides.
-    match super::declared_length(req) {
+    match declared_length(req) {
         Some(n) if n > 0 && n <= DISCARDED_BODY_BYTES => {}
         _ => return,
     }
@@ -207,6 +165,7 @@ fn proxy_host(authority: Option<&str>, tls_name: Option<&str>, server: SocketAdd
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::{DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADER_LINES};
 
     #[test]
     fn the_line_limit_is_checked_before_the_byte_limit() {

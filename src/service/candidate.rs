@@ -11,36 +11,22 @@
 //! are outstanding; past that a request is not decided under the candidate, and counted in
 //! `tollgate_candidate_skipped_total`.
 
-use super::*;
-use crate::engine::candidate::{
-    decide_candidate_local, plan_candidate, CandidateBundle, Refuser, Refusers,
-};
-use crate::metrics::CandidateMetrics;
-use prometheus::IntCounter;
+use super::gateway::Gateway;
+use super::shadow::{Candidate, Counters};
+use crate::descriptor::RequestFacts;
+use crate::engine::candidate::{decide_candidate_local, plan_candidate, CandidateBundle, Refusers};
+use crate::engine::{Decision, EngineConfig};
+use crate::policy::Bundle;
+use crate::rls::{self, RlsRequest, StoreAnswer};
+use crate::store::lease::{next_lease_id, LeaseResults};
+use crate::store::{Backend, OpResults, Store};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::sync::OnceLock;
 
 /// Most candidate store calls a shared store may have outstanding at once.
 pub const MAX_CANDIDATE_PENDING: usize = 1024;
-
-/// The candidate in force, with its counters.
-pub(crate) struct Candidate {
-    pub(crate) bundle: CandidateBundle,
-    /// Shared by this candidate's successive comparisons to the live bundle (a reload of the
-    /// live bundle keeps the candidate's counts).
-    counters: Arc<Counters>,
-}
-
-/// A candidate's would-refuse counters, resolved on first use (a candidate of 10 000 rules that
-/// mostly refuse nothing exports no 10 000 zero series).
-struct Counters {
-    metrics: CandidateMetrics,
-    rules: Vec<OnceLock<IntCounter>>,
-    kill_switches: Vec<OnceLock<IntCounter>>,
-    /// Unix seconds the candidate was set at.
-    set_at: i64,
-}
 
 /// What the status page and `/readyz` show of the candidate.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,61 +45,6 @@ pub struct CandidateSummary {
     pub rules: usize,
     /// What it would have refused, by `policy/rule`.
     pub refusals: BTreeMap<String, u64>,
-}
-
-impl Candidate {
-    fn count(&self, refused: &[Refuser]) {
-        let counters = &*self.counters;
-        counters.metrics.decisions.inc();
-        let bundle = self.bundle.bundle();
-        for refuser in refused {
-            let counter = match *refuser {
-                Refuser::Rule(i) => bundle.rules.get(i as usize).and_then(|rule| {
-                    counters.rules.get(i as usize).map(|lazy| {
-                        lazy.get_or_init(|| {
-                            counters
-                                .metrics
-                                .would_refuse
-                                .with_label_values(&[&rule.policy_id, &rule.name])
-                        })
-                    })
-                }),
-                Refuser::KillSwitch(i) => counters.kill_switches.get(i as usize).map(|lazy| {
-                    lazy.get_or_init(|| {
-                        counters
-                            .metrics
-                            .would_refuse
-                            .with_label_values(&["kill_switch", &format!("kill_switches[{i}]")])
-                    })
-                }),
-            };
-            if let Some(counter) = counter {
-                counter.inc();
-            }
-        }
-    }
-
-    fn refusals(&self) -> BTreeMap<String, u64> {
-        let counters = &*self.counters;
-        let bundle = self.bundle.bundle();
-        let rules = counters
-            .rules
-            .iter()
-            .zip(&bundle.rules)
-            .filter_map(|(lazy, rule)| {
-                lazy.get()
-                    .map(|c| (format!("{}/{}", rule.policy_id, rule.name), c.get()))
-            });
-        let kill_switches = counters
-            .kill_switches
-            .iter()
-            .enumerate()
-            .filter_map(|(i, lazy)| {
-                lazy.get()
-                    .map(|c| (format!("kill_switch/kill_switches[{i}]"), c.get()))
-            });
-        rules.chain(kill_switches).collect()
-    }
 }
 
 /// The hash a candidate is shown under: the SHA-256 of its text, as a published bundle is

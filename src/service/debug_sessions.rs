@@ -2,8 +2,10 @@
 //! `--debug-session-secret`): who a login attempt comes from, the random bytes a session needs,
 //! counting and logging failures; the sessions themselves are [`crate::compat::DebugSessions`].
 
-use super::*;
+use super::gateway::Gateway;
+use super::state_key;
 use crate::compat::{Failure, Login};
+use std::net::IpAddr;
 
 /// The answer to `POST /v1/debug/session`.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,7 +2,14 @@
 //! [`crate::rls`], one store call (after a peek when a descriptor only checks), the merged
 //! decision counted, logged and turned into headers.
 
-use super::*;
+use super::gateway::Gateway;
+use super::logging::log_decision;
+use crate::engine::{Decided, RequestView};
+use crate::headers::{self, Response};
+use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
+use crate::store::OpResults;
+use std::net::IpAddr;
+use std::time::Instant;
 
 /// The answer to a `ShouldRateLimit` call.
 #[derive(Debug)]

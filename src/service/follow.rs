@@ -8,10 +8,10 @@
 //! and the reason, `tollgate_policy_source_rejected_total`, `/readyz`'s `last_refusal`) and the
 //! bundle in force stays; an empty or wiped store unloads nothing.
 
-use super::Gateway;
+use super::gateway::Gateway;
+use super::source_state::RefusalRecord;
 use crate::fleet::envelope::{Envelope, EnvelopeError, Slot, VerifyKey};
 use crate::fleet::source::{Heartbeat, PolicySource, SourceError};
-use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,37 +59,6 @@ impl Refusal {
             Refusal::Invalid(_) => "invalid_bundle",
         }
     }
-}
-
-/// The last refusal, as `/readyz` shows it.
-#[derive(Debug, Clone)]
-struct RefusalRecord {
-    at: i64,
-    slot: Slot,
-    version: Option<u64>,
-    reason: &'static str,
-    message: String,
-}
-
-/// What the follower knows, for `/readyz`, `/status` and the heartbeat.
-#[derive(Debug, Default)]
-pub(crate) struct SourceState {
-    /// The store's URL, password masked, and its kind.
-    url: String,
-    kind: &'static str,
-    /// `None` before the first read; then whether the last read answered.
-    reachable: Option<bool>,
-    unreachable_since: Option<i64>,
-    last_error: Option<String>,
-    last_refusal: Option<RefusalRecord>,
-    /// The live and candidate bundles in force from the store: version and SHA-256.
-    live: Option<(u64, String)>,
-    candidate: Option<(u64, String)>,
-    /// Hashes of the raw slots last looked at (live, candidate): an unchanged slot is not
-    /// parsed again, and a refused one is reported once.
-    seen: [Option<u64>; 2],
-    /// The store had no live bundle at the last read (logged once).
-    empty_reported: bool,
 }
 
 fn raw_hash(bytes: &[u8]) -> u64 {
@@ -553,17 +522,13 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// The state kept per gateway, built with it.
-pub(crate) fn new_state() -> Mutex<SourceState> {
-    Mutex::new(SourceState::default())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::fleet::envelope::SigningKey;
     use crate::fleet::source::Slots;
     use clap::Parser;
+    use parking_lot::Mutex;
 
     /// A policy store in memory: slots set by the test, and a switch that makes it unreachable.
     #[derive(Default)]

@@ -1,7 +1,9 @@
 //! Logging: the tracing subscriber (text or JSON), Pingora's `log` records bridged into it
 //! through the redactor and the log-value escaping, and the `RATE_LIMIT` lines of a decision.
 
-use super::*;
+use crate::cli::LogFormat;
+use crate::engine::{Decided, Decision, Reason, RefusedBy};
+use crate::policy::Mode;
 
 /// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
 /// Nothing for allowed requests.

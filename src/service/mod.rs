@@ -9,49 +9,53 @@
 //! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines),
 //! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `state_key` (the
 //! state dir's own keys: masked values' fingerprints, reservation signing), `candidate` (the
-//! candidate bundle decided in shadow after every live decision).
+//! candidate bundle decided in shadow after every live decision). Below them all: `gateway`
+//! (the [`Gateway`] value itself) and the state it holds, `loaded` (the bundle in force as
+//! `/readyz` reports it, watched files' signatures), `source_state` (what the policy-store
+//! follower knows) and `shadow` (the candidate in force and its counters). A child names the
+//! sibling that defines what it uses, never this file.
 
 mod candidate;
 mod debug_sessions;
 mod envoy_rls;
 pub mod follow;
+mod gateway;
+mod loaded;
 mod logging;
 mod reload;
+mod shadow;
+mod source_state;
 pub mod state_key;
 mod tokens;
 
 pub use candidate::{CandidateSummary, MAX_CANDIDATE_PENDING};
 pub use debug_sessions::DebugLogin;
 pub use envoy_rls::{RlsFailure, RlsReply};
+pub use gateway::Gateway;
+pub use loaded::LoadedPolicy;
 pub use logging::init_logging;
 use logging::log_decision;
-use reload::FileSignature;
-pub use reload::LoadedPolicy;
 use tokens::state_reservation_key;
 
 use crate::auth::{AuthError, TokenOutcome, Verifier};
-use crate::cli::LogFormat;
 use crate::client_addr::{self, ForwardingHeaders};
-use crate::clock::{wall_unix_secs, Clock, SystemClock};
+use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, StoreKind};
 use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
 use crate::engine::{
     self, Decided, Decision, EngineConfig, Plan, Reason, RefusedBy, RequestView, Reservation,
-    Settled,
 };
 use crate::headers::{self, HeaderConfig, Response};
 use crate::metrics::Metrics;
-use crate::policy::{Bundle, Mode, PolicyError};
-use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
+use crate::policy::Mode;
 use crate::store::lease::{next_lease_id, Lease, LeaseResults};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use crate::telemetry::DecisionSummary;
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use std::net::IpAddr;
-use std::path::Path;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 /// Why a gateway cannot be built from a valid configuration.
 #[derive(Debug, thiserror::Error)]
@@ -99,51 +103,6 @@ impl HeaderLookup for HttpHeaders<'_> {
         // Every extra line of a name is one more value than there are names.
         self.0.len() != self.0.keys_len()
     }
-}
-
-/// The gateway.
-pub struct Gateway {
-    pub metrics: Metrics,
-    pub config: Config,
-    pub header_config: HeaderConfig,
-    pub verifier: Verifier,
-    /// Where buckets live: the embedded store, or one shared with other gateways (shared with
-    /// the candidate bundle's store calls, which run apart from the request on a shared store).
-    pub store: Arc<Store>,
-    pub(crate) engine_config: EngineConfig,
-    /// Wall-clock time for kill-switch expiry (the store keeps its own time base).
-    pub(crate) clock: Arc<dyn Clock>,
-    /// The bundle in force.
-    pub(crate) policy: ArcSwapOption<Bundle>,
-    pub(crate) loaded: ArcSwapOption<LoadedPolicy>,
-    /// The buckets limited most over the last minute (`/v1/top`, the status page).
-    pub(crate) top: Mutex<crate::operator::top::TopSketch>,
-    /// `--asn-type-map` and `--tor-exits` in force, and the files' signatures last read.
-    network: arc_swap::ArcSwap<crate::network::NetworkData>,
-    network_watch: Mutex<Vec<Option<FileSignature>>>,
-    /// Signature of the file last looked at, and the hash of the last rejected content (so a
-    /// broken file is reported once, not at every poll).
-    watch: Mutex<(Option<FileSignature>, Option<String>)>,
-    /// LLM reservations the decision service handed out, by token, until `POST /v1/usage`
-    /// settles them or they expire (wall-clock µs).
-    held: Mutex<ahash::AHashMap<String, (u64, Reservation)>>,
-    /// With `--reservation-secret`: reservations travel in tokens signed with this key
-    /// ([`crate::reservation_token`]) instead of being held here.
-    reservation_key: Option<ring::hmac::Key>,
-    /// `--debug-session-secret` under `--compat fairvisor`: the sessions open and the failed
-    /// attempts by client.
-    debug_sessions: Option<parking_lot::RwLock<crate::compat::DebugSessions>>,
-    /// The key of masked values' fingerprints (`/v1/top`, the status page, explain).
-    pub(crate) fingerprint_key: crate::redact::FingerprintKey,
-    /// OpenTelemetry traces, when the `OTEL_*` environment asks for them (set once at start).
-    telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
-    /// `--policy-store`: what the follower knows ([`follow`]).
-    pub(crate) source_state: Mutex<follow::SourceState>,
-    /// The candidate bundle decided in shadow ([`Gateway::set_candidate`]), whether one is set
-    /// (the request path's only look without one), and its shared-store calls outstanding.
-    candidate: ArcSwapOption<candidate::Candidate>,
-    candidate_on: std::sync::atomic::AtomicBool,
-    candidate_pending: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Gateway {
@@ -215,7 +174,7 @@ impl Gateway {
                 config.state_dir.as_ref().map(|s| s.dir.as_path()),
             )?,
             telemetry: std::sync::OnceLock::new(),
-            source_state: follow::new_state(),
+            source_state: source_state::new_state(),
             candidate: ArcSwapOption::empty(),
             candidate_on: std::sync::atomic::AtomicBool::new(false),
             candidate_pending: Arc::default(),

@@ -1,46 +1,13 @@
 //! The bundle in force and what changes it: loading and reloading the policy file (the last good
 //! bundle stays on any error), the network databases, the runtime overrides, and readiness.
 
-use super::*;
-
-/// What `/readyz` reports about the bundle in force.
-#[derive(Debug, Clone)]
-pub struct LoadedPolicy {
-    pub version: String,
-    pub hash: String,
-    /// Unix seconds.
-    pub loaded_at: i64,
-    /// Hex SHA-256 of the bundle's bytes (`bundle_hash`).
-    pub sha256: String,
-    /// The published version, for a bundle from `--policy-store` (`None`: from `--policy`).
-    pub published: Option<u64>,
-    /// Where it came from: `file`, `state_dir` (the last good published bundle kept there),
-    /// or the policy store's kind (`redis`, `redis-cluster`, `postgres`, `http`).
-    pub source: &'static str,
-}
-
-impl LoadedPolicy {
-    /// `bundle_version`: the published version, else the bundle's own `bundle_version`.
-    pub fn bundle_version(&self) -> String {
-        self.published
-            .map_or_else(|| self.version.clone(), |v| v.to_string())
-    }
-}
-
-/// Cheap change detection for the policy file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct FileSignature {
-    modified: Option<SystemTime>,
-    len: u64,
-}
-
-fn signature(path: &Path) -> Option<FileSignature> {
-    let meta = std::fs::metadata(path).ok()?;
-    Some(FileSignature {
-        modified: meta.modified().ok(),
-        len: meta.len(),
-    })
-}
+use super::gateway::Gateway;
+use super::loaded::{signature, FileSignature, LoadedPolicy};
+use crate::clock::wall_unix_secs;
+use crate::config::StoreKind;
+use crate::policy::{Bundle, PolicyError};
+use std::path::Path;
+use std::sync::Arc;
 
 impl Gateway {
     /// Reads `--geoip-db`, `--asn-type-map` and `--tor-exits` (when given) into the data the

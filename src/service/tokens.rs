@@ -2,7 +2,10 @@
 //! decision service holds (in memory, or signed when a state dir or secret gives a key) until
 //! their usage is reported, settling them, and expiring the ones nobody reported.
 
-use super::*;
+use super::gateway::Gateway;
+use super::state_key;
+use crate::descriptor::RequestFacts;
+use crate::engine::{Reservation, Settled};
 
 /// The state dir's own reservation-signing key (`DIR/reservation.key`, see [`state_key`]).
 /// `None` (reservations held in memory, logged) when it cannot be read or made.

@@ -13,7 +13,7 @@
 //! the state file (`--state-dir`); Redis and PostgreSQL keep theirs server-side (see their
 //! modules).
 
-use super::{BucketKey, Group};
+use super::ops::{BucketKey, Group};
 use ahash::AHashMap;
 use parking_lot::Mutex;
 use smallvec::SmallVec;
@@ -491,7 +491,7 @@ impl MappedLeases {
             if k == (0, 0) {
                 break;
             }
-            if super::memory::stays((k.1 as usize) & mask, hole, j) {
+            if super::probe::stays((k.1 as usize) & mask, hole, j) {
                 continue;
             }
             let (from, to) = (&slots[j], &slots[hole]);

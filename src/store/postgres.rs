@@ -7,7 +7,8 @@
 //! needs no retry; YugabyteDB may report a serialization failure (SQLSTATE 40001), retried up
 //! to three times. Rows whose bucket is full again are deleted periodically.
 
-use super::{outcomes_from, BucketOp, Group, Health, OpResults, StoreError};
+use super::ops::{BucketOp, Group, OpResults, StoreError};
+use super::shared::{outcomes_from, Health};
 use arc_swap::ArcSwapOption;
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -223,7 +224,7 @@ pub struct PostgresStore {
     client: ArcSwapOption<PgConn>,
     connecting: AtomicBool,
     health: Health,
-    /// This store's identity among the thread's own connections ([`super::thread_conn`]).
+    /// This store's identity among the thread's own connections ([`super::shared::thread_conn`]).
     id: u64,
 }
 
@@ -280,9 +281,9 @@ fn batch_arrays(
     );
     for (r, ops) in requests.iter().enumerate() {
         for op in *ops {
-            let (num, den) = super::reduced_rate(&op.quota);
+            let (num, den) = super::shared::reduced_rate(&op.quota);
             arrays.0.push(r as i32 + 1);
-            arrays.1.push(super::shared_key(&op.key));
+            arrays.1.push(super::shared::shared_key(&op.key));
             arrays.2.push(op.quota.burst() as i64);
             arrays.3.push(num as i64);
             arrays.4.push(den as i64);
@@ -334,7 +335,7 @@ impl PostgresStore {
             client: ArcSwapOption::empty(),
             connecting: AtomicBool::new(false),
             health: Health::default(),
-            id: super::next_store_id(),
+            id: super::shared::next_store_id(),
         }))
     }
 
@@ -387,7 +388,7 @@ impl PostgresStore {
                 }
                 watcher.client.store(None);
             } else {
-                super::forget_thread_conn(watcher.id);
+                super::shared::forget_thread_conn(watcher.id);
             }
         });
         if shared {
@@ -403,16 +404,20 @@ impl PostgresStore {
     }
 
     /// The connection a request's statement goes on: this thread's own once it has one (see
-    /// [`super::thread_conn`]), the shared one until then; `None` while not connected.
+    /// [`super::shared::thread_conn`]), the shared one until then; `None` while not connected.
     fn request_conn(self: &Arc<Self>) -> Option<Arc<PgConn>> {
         let shared = self.client.load_full()?;
         let store = Arc::clone(self);
-        Some(super::thread_conn(self.id, shared, move || async move {
-            tokio::time::timeout(Duration::from_secs(2), store.open(false))
-                .await
-                .ok()?
-                .ok()
-        }))
+        Some(super::shared::thread_conn(
+            self.id,
+            shared,
+            move || async move {
+                tokio::time::timeout(Duration::from_secs(2), store.open(false))
+                    .await
+                    .ok()?
+                    .ok()
+            },
+        ))
     }
 
     /// Checks and spends every bucket of a request: in the next batch of its thread's
@@ -599,16 +604,23 @@ impl PostgresStore {
     ///
     /// # Errors
     /// PostgreSQL unreachable, too slow or failing.
-    pub async fn adjust(&self, now_us: u64, ops: &[super::AdjustOp]) -> Result<(), StoreError> {
+    pub async fn adjust(
+        &self,
+        now_us: u64,
+        ops: &[super::ops::AdjustOp],
+    ) -> Result<(), StoreError> {
         let Some(client) = self.client.load_full() else {
             self.health.failed(&redact(&self.url), "not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        let keys: Vec<String> = ops.iter().map(|op| super::shared_key(&op.key)).collect();
+        let keys: Vec<String> = ops
+            .iter()
+            .map(|op| super::shared::shared_key(&op.key))
+            .collect();
         let (mut bursts, mut nums, mut dens, mut deltas, mut windows) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for op in ops {
-            let (num, den) = super::reduced_rate(&op.quota);
+            let (num, den) = super::shared::reduced_rate(&op.quota);
             bursts.push(op.quota.burst() as i64);
             nums.push(num as i64);
             dens.push(den as i64);
@@ -672,7 +684,10 @@ impl PostgresStore {
             self.health.failed(&redact(&self.url), "not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        let keys: Vec<String> = ops.iter().map(|op| super::shared_key(&op.key)).collect();
+        let keys: Vec<String> = ops
+            .iter()
+            .map(|op| super::shared::shared_key(&op.key))
+            .collect();
         let maxes: Vec<i64> = ops.iter().map(|op| i64::from(op.max)).collect();
         let groups: Vec<i32> = ops
             .iter()
@@ -707,11 +722,11 @@ impl PostgresStore {
     }
 
     /// Gives lease `id` back on `keys`; a failure is logged (the lease then ends at its expiry).
-    pub async fn release(self: &Arc<Self>, id: u64, keys: &[super::BucketKey]) {
+    pub async fn release(self: &Arc<Self>, id: u64, keys: &[super::ops::BucketKey]) {
         let Some(client) = self.request_conn() else {
             return;
         };
-        let keys: Vec<String> = keys.iter().map(super::shared_key).collect();
+        let keys: Vec<String> = keys.iter().map(super::shared::shared_key).collect();
         let lease = id as i64;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&keys, &lease];
         let call = client.execute(
@@ -767,15 +782,15 @@ impl PostgresStore {
     async fn per_key<T>(
         &self,
         sql: &str,
-        keys: &[super::BucketKey],
+        keys: &[super::ops::BucketKey],
         now: Option<i64>,
         read: impl Fn(Option<&tokio_postgres::Row>) -> T,
     ) -> Result<Vec<T>, StoreError> {
         let client = self.connected_client()?;
-        let names: Vec<String> = keys.iter().map(super::shared_key).collect();
+        let names: Vec<String> = keys.iter().map(super::shared::shared_key).collect();
         let rows = match now {
-            Some(now) => super::operator_call(client.query(sql, &[&names, &now])).await?,
-            None => super::operator_call(client.query(sql, &[&names])).await?,
+            Some(now) => super::shared::operator_call(client.query(sql, &[&names, &now])).await?,
+            None => super::shared::operator_call(client.query(sql, &[&names])).await?,
         };
         Ok(names
             .iter()
@@ -789,7 +804,7 @@ impl PostgresStore {
     /// PostgreSQL unreachable, too slow or failing.
     pub async fn read_states(
         &self,
-        keys: &[super::BucketKey],
+        keys: &[super::ops::BucketKey],
     ) -> Result<Vec<Option<crate::limiter::BucketState>>, StoreError> {
         self.per_key(
             "SELECT key, tokens, last_us FROM tollgate_buckets WHERE key = ANY ($1)",
@@ -812,7 +827,7 @@ impl PostgresStore {
     pub async fn read_leases(
         &self,
         now_us: u64,
-        keys: &[super::BucketKey],
+        keys: &[super::ops::BucketKey],
     ) -> Result<Vec<super::lease::Live>, StoreError> {
         self.per_key(
             "SELECT key, count(*), min(expires_at_us) - $2 FROM tollgate_leases \
@@ -832,13 +847,13 @@ impl PostgresStore {
     ///
     /// # Errors
     /// PostgreSQL unreachable, too slow or failing.
-    pub async fn forget(&self, keys: &[super::BucketKey]) -> Result<u64, StoreError> {
+    pub async fn forget(&self, keys: &[super::ops::BucketKey]) -> Result<u64, StoreError> {
         let client = self.connected_client()?;
-        let names: Vec<String> = keys.iter().map(super::shared_key).collect();
+        let names: Vec<String> = keys.iter().map(super::shared::shared_key).collect();
         let mut removed = 0;
         for table in ["tollgate_buckets", "tollgate_leases"] {
             let sql = format!("DELETE FROM {table} WHERE key = ANY ($1)");
-            removed += super::operator_call(client.execute(&sql, &[&names])).await?;
+            removed += super::shared::operator_call(client.execute(&sql, &[&names])).await?;
         }
         Ok(removed)
     }

@@ -18,7 +18,7 @@
 //! their retry time without a Redis call.
 
 use super::lease::Live;
-use super::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
+use super::ops::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
 use crate::limiter::{self, BucketState};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -165,7 +165,7 @@ end
 return 1
 "#;
 
-use super::{reduced_rate as reduced, shared_key as redis_key, Health};
+use super::shared::{reduced_rate as reduced, shared_key as redis_key, Health};
 
 /// A bucket another request was refused on, answered locally until it could afford `cost`.
 #[derive(Clone, Copy)]
@@ -262,7 +262,7 @@ pub struct RedisStore {
     time_offset_us: AtomicI64,
     /// The origin of the monotonic clock the offset is measured against.
     origin: std::time::Instant,
-    /// This store's identity among the thread's own connections ([`super::thread_conn`]).
+    /// This store's identity among the thread's own connections ([`super::shared::thread_conn`]).
     id: u64,
 }
 
@@ -328,7 +328,7 @@ impl RedisStore {
             denied_hits: AtomicU64::new(0),
             time_offset_us: AtomicI64::new(TIME_UNKNOWN),
             origin: std::time::Instant::now(),
-            id: super::next_store_id(),
+            id: super::shared::next_store_id(),
         }))
     }
 
@@ -351,13 +351,16 @@ impl RedisStore {
     }
 
     /// The connection a request's calls go on: this thread's own once it has one (see
-    /// [`super::thread_conn`]), the shared one until then; `None` while not connected at all.
+    /// [`super::shared::thread_conn`]), the shared one until then; `None` while not connected
+    /// at all.
     fn request_conn(self: &Arc<Self>) -> Option<Arc<Conn>> {
         let shared = self.conn.load_full()?;
         let store = Arc::clone(self);
-        Some(super::thread_conn(self.id, shared, move || async move {
-            store.connect().await.ok()
-        }))
+        Some(super::shared::thread_conn(
+            self.id,
+            shared,
+            move || async move { store.connect().await.ok() },
+        ))
     }
 
     /// Connects (or reconnects) in the background; at most one attempt at a time.
@@ -604,7 +607,7 @@ impl RedisStore {
             return Err(StoreError::Unavailable(what));
         }
         self.health.ok(&self.config.url);
-        super::outcomes_from(now_us, ops, enforce_ok, shadow_ok, &available, results);
+        super::shared::outcomes_from(now_us, ops, enforce_ok, shadow_ok, &available, results);
         for (op, result) in ops.iter().zip(results.iter()) {
             if op.group == Group::Enforce && !result.verdict.allowed {
                 self.remember_denied(op, &result.verdict, now_us);
@@ -622,7 +625,7 @@ impl RedisStore {
     pub async fn adjust(
         self: &Arc<Self>,
         now_us: u64,
-        ops: &[super::AdjustOp],
+        ops: &[super::ops::AdjustOp],
     ) -> Result<(), StoreError> {
         {
             let mut cache = self.denied.lock();
@@ -860,7 +863,7 @@ impl RedisStore {
         }
         if let Some(what) = failure {
             // Whatever a group took is given back: nothing is held on a failed call.
-            let all: SmallVec<[super::BucketKey; 2]> = ops.iter().map(|op| op.key).collect();
+            let all: SmallVec<[super::ops::BucketKey; 2]> = ops.iter().map(|op| op.key).collect();
             self.release(id, &all).await;
             self.failed(&what);
             return Err(StoreError::Unavailable(what));
@@ -868,7 +871,7 @@ impl RedisStore {
         self.health.ok(&self.config.url);
         super::lease::judge(ops, &live, results);
         // A slot group judged alone may have taken leases the request as a whole does not keep.
-        let mut give_back: SmallVec<[super::BucketKey; 2]> = SmallVec::new();
+        let mut give_back: SmallVec<[super::ops::BucketKey; 2]> = SmallVec::new();
         for members in &groups {
             let local: SmallVec<[super::lease::LeaseOp; 2]> =
                 members.iter().map(|&i| ops[i]).collect();
@@ -888,7 +891,7 @@ impl RedisStore {
     }
 
     /// Gives lease `id` back on `keys`; a failure is logged (the lease then ends at its expiry).
-    pub async fn release(self: &Arc<Self>, id: u64, keys: &[super::BucketKey]) {
+    pub async fn release(self: &Arc<Self>, id: u64, keys: &[super::ops::BucketKey]) {
         let Some(conn) = self.request_conn() else {
             return;
         };
@@ -925,14 +928,15 @@ impl RedisStore {
     /// Redis unreachable, too slow or failing.
     pub async fn read_states(
         &self,
-        keys: &[super::BucketKey],
+        keys: &[super::ops::BucketKey],
     ) -> Result<Vec<Option<BucketState>>, StoreError> {
         let mut conn = self.connection()?;
         let mut states = Vec::with_capacity(keys.len());
         for key in keys {
             let mut cmd = redis::cmd("HMGET");
             cmd.arg(redis_key(key)).arg("t").arg("l");
-            let (t, l): (Option<f64>, Option<f64>) = super::operator_call(conn.query(&cmd)).await?;
+            let (t, l): (Option<f64>, Option<f64>) =
+                super::shared::operator_call(conn.query(&cmd)).await?;
             states.push(match (t, l) {
                 (Some(t), Some(l)) => Some(BucketState {
                     tokens: t.max(0.0) as u64,
@@ -951,7 +955,7 @@ impl RedisStore {
     pub async fn read_leases(
         &self,
         now_us: u64,
-        keys: &[super::BucketKey],
+        keys: &[super::ops::BucketKey],
     ) -> Result<Vec<super::lease::Live>, StoreError> {
         let mut conn = self.connection()?;
         let mut lives = Vec::with_capacity(keys.len());
@@ -960,7 +964,7 @@ impl RedisStore {
             let name = redis_key(key);
             let mut count = redis::cmd("ZCOUNT");
             count.arg(&name).arg(&after).arg("+inf");
-            let count: i64 = super::operator_call(conn.query(&count)).await?;
+            let count: i64 = super::shared::operator_call(conn.query(&count)).await?;
             let mut first = redis::cmd("ZRANGEBYSCORE");
             first
                 .arg(&name)
@@ -970,7 +974,8 @@ impl RedisStore {
                 .arg("LIMIT")
                 .arg(0)
                 .arg(1);
-            let first: Vec<(String, f64)> = super::operator_call(conn.query(&first)).await?;
+            let first: Vec<(String, f64)> =
+                super::shared::operator_call(conn.query(&first)).await?;
             let frees = first
                 .first()
                 .map_or(0, |(_, expires)| (*expires as i64) - now_us as i64);
@@ -984,7 +989,7 @@ impl RedisStore {
     ///
     /// # Errors
     /// Redis unreachable, too slow or failing.
-    pub async fn forget(&self, keys: &[super::BucketKey]) -> Result<u64, StoreError> {
+    pub async fn forget(&self, keys: &[super::ops::BucketKey]) -> Result<u64, StoreError> {
         {
             let mut denied = self.denied.lock();
             for key in keys {
@@ -996,7 +1001,7 @@ impl RedisStore {
         for key in keys {
             let mut del = redis::cmd("DEL");
             del.arg(redis_key(key));
-            removed += super::operator_call(conn.query::<u64>(&del)).await?;
+            removed += super::shared::operator_call(conn.query::<u64>(&del)).await?;
         }
         Ok(removed)
     }

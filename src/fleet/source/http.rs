@@ -4,7 +4,7 @@
 //! the body kept from the last `200`. HTTPS trusts the system's roots (and `SSL_CERT_FILE`,
 //! when set). A user and password in the URL are sent as HTTP Basic authentication.
 
-use super::{Heartbeat, PolicySource, Slots, SourceError};
+use super::policy_source::{display_url, Heartbeat, PolicySource, Slots, SourceError};
 use crate::fleet::envelope::{Envelope, DEFAULT_MAX_BYTES};
 use base64::Engine as _;
 use http_body_util::{BodyExt, Empty, Limited};
@@ -34,7 +34,7 @@ pub(super) struct HttpSource {
 
 impl HttpSource {
     pub(super) fn new(url: &str, timeout: Duration) -> Result<HttpSource, SourceError> {
-        let display = super::display_url(url);
+        let display = display_url(url);
         let bad = |message: &str| SourceError::BadUrl(format!("{display}: {message}"));
         let uri: hyper::Uri = url.parse().map_err(|_| bad("not a URL"))?;
         let https = uri

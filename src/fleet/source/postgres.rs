@@ -2,7 +2,10 @@
 //! serialised on an advisory lock, its `NOTIFY` sent at commit; the change feed is `LISTEN` on a
 //! connection of its own, whose notifications are read from the connection's message stream.
 
-use super::{parse_heartbeat, Feed, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT};
+use super::feed::Feed;
+use super::policy_source::{
+    parse_heartbeat, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT,
+};
 use crate::fleet::envelope::{Envelope, Slot};
 use futures::StreamExt;
 use std::time::Duration;

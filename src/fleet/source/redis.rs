@@ -3,7 +3,10 @@
 //! the change feed is a pub/sub subscription on one node (a cluster forwards `PUBLISH` to every
 //! node), made again by the next `changed()` after it drops.
 
-use super::{parse_heartbeat, Feed, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT};
+use super::feed::Feed;
+use super::policy_source::{
+    parse_heartbeat, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT,
+};
 use crate::fleet::envelope::{Envelope, Slot};
 use futures::StreamExt;
 use redis::aio::MultiplexedConnection;

@@ -3,7 +3,9 @@
 
 use super::*;
 use crate::clock::ManualClock;
+use crate::config::Config;
 use crate::policy::{compile_bundle_with, CompileOptions};
+use crate::service::Answer;
 use serde_json::json;
 
 fn rule(burst: u64) -> serde_json::Value {

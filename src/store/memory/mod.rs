@@ -52,11 +52,12 @@
 //! place; split up, each half would be safe only because of the other. Its tests are beside it
 //! in `tests.rs`.
 
-use super::state_file::{self, Geometry, StateFile, WordGuard};
-use super::{
+use super::ops::{
     BucketKey, BucketOp, EvictionStats, Group, OpResult, OpResults, StoreError, StoreStats,
     FORGIVEN_BOUNDS_MICRO,
 };
+use super::probe::stays;
+use super::state_file::{self, Geometry, StateFile, WordGuard};
 use crate::limiter::{BucketState, US_PER_SEC};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
@@ -463,18 +464,8 @@ impl BucketOp {
 }
 
 /// What a settled state holds back from a fresh bucket.
-fn adjust_spend(op: &super::AdjustOp, next: BucketState) -> Spend {
+fn adjust_spend(op: &super::ops::AdjustOp, next: BucketState) -> Spend {
     Spend::of(op.quota.burst(), next, op.window_id.is_some())
-}
-
-/// Whether `home` lies cyclically in `(hole, j]`: the entry at `j` must then stay after the
-/// hole (moving it before its home would hide it from probes).
-pub(super) fn stays(home: usize, hole: usize, j: usize) -> bool {
-    if hole <= j {
-        hole < home && home <= j
-    } else {
-        hole < home || home <= j
-    }
 }
 
 /// A shard's structure, shared by every process using the state file: its lock (see
@@ -1340,10 +1331,10 @@ impl MemoryStore {
 
     /// Settles reservations, each op on its bucket under the bucket's lock. A bucket that is
     /// gone (full again, swept) is full: a refund leaves it so, a charge stores it again.
-    pub fn adjust(&self, now_us: u64, ops: &[super::AdjustOp]) {
+    pub fn adjust(&self, now_us: u64, ops: &[super::ops::AdjustOp]) {
         let now_us = now_us.saturating_add(self.time_offset_us);
         let guard = &epoch::pin();
-        let settled = |op: &super::AdjustOp, next: BucketState| OpResult {
+        let settled = |op: &super::ops::AdjustOp, next: BucketState| OpResult {
             verdict: crate::limiter::Verdict {
                 allowed: true,
                 available: next.tokens,

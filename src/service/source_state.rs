@@ -1,0 +1,42 @@
+//! What the policy-store follower ([`super::follow`]) knows and keeps in the gateway, for
+//! `/readyz`, `/status` and the heartbeat: the store, whether it answers, the bundles in force
+//! from it, and the last refusal.
+
+use crate::fleet::envelope::Slot;
+use parking_lot::Mutex;
+
+/// The last refusal, as `/readyz` shows it.
+#[derive(Debug, Clone)]
+pub(super) struct RefusalRecord {
+    pub(super) at: i64,
+    pub(super) slot: Slot,
+    pub(super) version: Option<u64>,
+    pub(super) reason: &'static str,
+    pub(super) message: String,
+}
+
+/// What the follower knows, for `/readyz`, `/status` and the heartbeat.
+#[derive(Debug, Default)]
+pub(crate) struct SourceState {
+    /// The store's URL, password masked, and its kind.
+    pub(super) url: String,
+    pub(super) kind: &'static str,
+    /// `None` before the first read; then whether the last read answered.
+    pub(super) reachable: Option<bool>,
+    pub(super) unreachable_since: Option<i64>,
+    pub(super) last_error: Option<String>,
+    pub(super) last_refusal: Option<RefusalRecord>,
+    /// The live and candidate bundles in force from the store: version and SHA-256.
+    pub(super) live: Option<(u64, String)>,
+    pub(super) candidate: Option<(u64, String)>,
+    /// Hashes of the raw slots last looked at (live, candidate): an unchanged slot is not
+    /// parsed again, and a refused one is reported once.
+    pub(super) seen: [Option<u64>; 2],
+    /// The store had no live bundle at the last read (logged once).
+    pub(super) empty_reported: bool,
+}
+
+/// The state kept per gateway, built with it.
+pub(crate) fn new_state() -> Mutex<SourceState> {
+    Mutex::new(SourceState::default())
+}
