@@ -47,7 +47,6 @@ use crate::engine::{
 };
 use crate::headers::{self, HeaderConfig, Response};
 use crate::metrics::Metrics;
-use crate::policy::Mode;
 use crate::store::lease::{next_lease_id, Lease, LeaseResults};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use crate::telemetry::DecisionSummary;

@@ -10,6 +10,11 @@
 //! are counted as dropped at their start), so a collector that is down costs next to nothing;
 //! when the back-off ends, a TCP connection to the collector is tried before recording resumes.
 
+// A queued request's records stay in the box they were recorded in: moving the box moves a
+// pointer, where moving the records would copy several hundred bytes each (clippy's `vec_box`
+// assumes the opposite).
+#![allow(clippy::vec_box)]
+
 use super::otlp::Encoder;
 use super::settings::{without_endpoints, EnvSettings, Protocol, TelemetryError};
 use super::span::Finished;
