@@ -15,10 +15,10 @@ use criterion::{black_box, criterion_group, criterion_main, Criterion};
 #[path = "../tests/support/mod.rs"]
 mod support;
 use std::net::{IpAddr, Ipv4Addr};
-use tollgate::clock::{Clock, ManualClock};
-use tollgate::descriptor::RequestFacts;
 use tollgate::engine::{decide_local, EngineConfig};
+use tollgate::limits::clock::{Clock, ManualClock};
 use tollgate::policy::{parse_bundle, Bundle};
+use tollgate::request::descriptor::RequestFacts;
 use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
 /// A bundle held the way the gateway holds it (behind an `arc_swap`), an embedded store and a
@@ -146,7 +146,7 @@ fn llm(c: &mut Criterion) {
         .map(|i| vec![("x-api-key".to_string(), format!("tenant-{i}"))])
         .collect();
     // One decision on a chat body: its reservation, detached from the bundle.
-    let reserve = |prompt: &tollgate::llm::LlmRequest, headers: &Vec<(String, String)>| {
+    let reserve = |prompt: &tollgate::request::llm::LlmRequest, headers: &Vec<(String, String)>| {
         let facts = RequestFacts {
             method: "POST",
             path: std::borrow::Cow::Borrowed("/v1/chat/completions"),
@@ -178,7 +178,7 @@ fn llm(c: &mut Criterion) {
         b.iter(|| {
             i = i.wrapping_add(1);
             clock.advance_us(1);
-            let prompt = tollgate::llm::LlmRequest::parse(black_box(body.as_bytes()));
+            let prompt = tollgate::request::llm::LlmRequest::parse(black_box(body.as_bytes()));
             let reservation = reserve(&prompt, &keys[i & 1023]);
             if let Some(reservation) = &reservation {
                 store.adjust(clock.now_us(), &reservation.adjustments(300));
@@ -188,18 +188,18 @@ fn llm(c: &mut Criterion) {
     });
     // With --reservation-secret, the decision service signs each reservation into its token
     // and `POST /v1/usage` verifies it: one of each.
-    let prompt = tollgate::llm::LlmRequest::parse(body.as_bytes());
+    let prompt = tollgate::request::llm::LlmRequest::parse(body.as_bytes());
     let reservation = reserve(&prompt, &keys[0]).expect("a reservation");
-    let key = tollgate::reservation_token::key(b"0123456789abcdef0123456789abcdef");
+    let key = tollgate::engine::reservation_token::key(b"0123456789abcdef0123456789abcdef");
     c.bench_function("llm/signed_token_roundtrip", |b| {
         b.iter(|| {
-            let token = tollgate::reservation_token::encode(
+            let token = tollgate::engine::reservation_token::encode(
                 &key,
                 7,
                 1_800_000_000_000_000,
                 black_box(&reservation),
             );
-            black_box(tollgate::reservation_token::decode(&key, &token))
+            black_box(tollgate::engine::reservation_token::decode(&key, &token))
         })
     });
 }
@@ -208,7 +208,7 @@ fn llm(c: &mut Criterion) {
 /// completion) and a final usage chunk, fed in 16 network reads, without and with a
 /// `streaming` cap (one the stream never reaches, so both read every byte).
 fn llm_stream(c: &mut Criterion) {
-    use tollgate::llm::ResponseMeter;
+    use tollgate::request::llm::ResponseMeter;
     let mut stream: String = (0..200)
         .map(|i| {
             format!(
@@ -238,7 +238,7 @@ fn llm_stream(c: &mut Criterion) {
 /// `[remote_address]` and `[generic_key, api_key]`, planned, applied in one embedded-store
 /// call and turned into statuses.
 fn rls(c: &mut Criterion) {
-    use tollgate::rls::{plan, RlsDescriptor, RlsRequest};
+    use tollgate::engine::rls::{plan, RlsDescriptor, RlsRequest};
     use tollgate::store::OpResults;
     const BUNDLE: &str = r#"{"bundle_version": 1, "policies": [{"id": "edge", "spec": {"selector": {"domains": ["edge"]}, "rules": [
       {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1000000, "burst": 1000000}},
@@ -284,7 +284,7 @@ fn rls(c: &mut Criterion) {
             store
                 .apply(now, plan.ops(), &mut results)
                 .expect("embedded store");
-            let answer = tollgate::rls::StoreAnswer::Spent {
+            let answer = tollgate::engine::rls::StoreAnswer::Spent {
                 peek: None,
                 results: &results,
             };
@@ -297,7 +297,7 @@ fn rls(c: &mut Criterion) {
 /// Token verification, which runs before the decision when JWT keys are configured.
 fn jwt(c: &mut Criterion) {
     use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
-    use tollgate::auth::{JwtConfig, TokenOutcome, Verifier};
+    use tollgate::request::auth::{JwtConfig, TokenOutcome, Verifier};
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jwt");
     let read = |name: &str| std::fs::read(fixtures.join(name)).expect("fixture");
     let claims = serde_json::json!({"sub": "bench", "plan": "pro", "exp": jsonwebtoken::get_current_timestamp() + 3600});
@@ -460,7 +460,7 @@ const SAMPLE_PROMPTS: [(&str, &str); 4] = [
 /// Issue 27: what each prompt estimator costs per request body (one chat message holding a
 /// sample prompt, read whole), by sample; criterion reports the throughput in bytes.
 fn estimators(c: &mut Criterion) {
-    use tollgate::llm::{LlmRequest, TokenEncoding};
+    use tollgate::request::llm::{LlmRequest, TokenEncoding};
     let mut group = c.benchmark_group("estimator");
     for (name, text) in SAMPLE_PROMPTS {
         let body =
@@ -493,7 +493,7 @@ fn estimators(c: &mut Criterion) {
 /// headers, a 100 000-entry ASN map and 10 000 Tor exits (9 000 addresses, 1 000 networks),
 /// and with Country and ASN databases answering first.
 fn network(c: &mut Criterion) {
-    use tollgate::network::NetworkData;
+    use tollgate::request::network::NetworkData;
     let map: String = (1..=100_000)
         .map(|asn| format!("{asn} {};\n", ["isp", "hosting", "business"][asn % 3]))
         .collect();
@@ -521,9 +521,10 @@ fn network(c: &mut Criterion) {
         .map(|n| (n.as_str(), support::GeoRecord::Asn(16509, "Example")))
         .collect();
     let geo = vec![
-        tollgate::network::GeoDb::parse(support::mmdb("GeoLite2-Country", &countries))
+        tollgate::request::network::GeoDb::parse(support::mmdb("GeoLite2-Country", &countries))
             .expect("country db"),
-        tollgate::network::GeoDb::parse(support::mmdb("GeoLite2-ASN", &asns)).expect("asn db"),
+        tollgate::request::network::GeoDb::parse(support::mmdb("GeoLite2-ASN", &asns))
+            .expect("asn db"),
     ];
     let with_dbs = NetworkData::with_geo(Some(&map), Some(&exits), geo).expect("network data");
     let listed: std::net::IpAddr = "32.0.5.7".parse().unwrap();

@@ -9,7 +9,7 @@ use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use std::collections::HashMap;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
-use tollgate::limiter::{self, BucketState, Quota, MICRO, US_PER_SEC};
+use tollgate::limits::limiter::{self, BucketState, Quota, MICRO, US_PER_SEC};
 use tollgate::store::{BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults};
 
 /// Size of the key mix (default 65 536; `TOLLGATE_BENCH_KEYS` overrides).

@@ -11,9 +11,9 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::net::{IpAddr, Ipv4Addr};
-use tollgate::descriptor::RequestFacts;
 use tollgate::engine::{decide_local, EngineConfig};
 use tollgate::policy::compile_bundle;
+use tollgate::request::descriptor::RequestFacts;
 use tollgate::store::{MemoryStore, MemoryStoreConfig};
 
 #[path = "common/rss.rs"]

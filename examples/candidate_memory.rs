@@ -40,7 +40,7 @@ fn main() {
     let policy = dir.path().join("policy.json");
     std::fs::write(&policy, bundle(n, 20)).expect("policy file");
     let candidate_text = bundle(n, 5);
-    let cli = <tollgate::cli::Cli as clap::Parser>::try_parse_from([
+    let cli = <tollgate::config::cli::Cli as clap::Parser>::try_parse_from([
         "tollgate",
         "run",
         "--policy",
@@ -49,7 +49,7 @@ fn main() {
         "127.0.0.1:9",
     ])
     .expect("arguments");
-    let tollgate::cli::Command::Run(args) = cli.command else {
+    let tollgate::config::cli::Command::Run(args) = cli.command else {
         unreachable!("a run command")
     };
     let config = tollgate::config::Config::from_args(&args).expect("config");

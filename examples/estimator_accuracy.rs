@@ -6,7 +6,7 @@
 //! cargo run --release --example estimator_accuracy
 //! ```
 
-use tollgate::llm::{Estimator, LlmRequest, TokenEncoding};
+use tollgate::request::llm::{Estimator, LlmRequest, TokenEncoding};
 
 const SAMPLES: [(&str, &str); 4] = [
     ("English", include_str!("../benches/prompts/english.txt")),

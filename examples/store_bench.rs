@@ -11,7 +11,7 @@
 //! them.
 
 use std::time::{Duration, Instant};
-use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+use tollgate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{
     BucketKey, BucketOp, Group, MemoryStore, MemoryStoreConfig, OpResults, Store,
 };
@@ -64,7 +64,7 @@ async fn main() {
         let store = Store::open(
             &url,
             Duration::from_secs(1),
-            std::sync::Arc::new(tollgate::clock::SystemClock::new()),
+            std::sync::Arc::new(tollgate::limits::clock::SystemClock::new()),
         )
         .expect("store url");
         store.connect_in_background();
@@ -122,7 +122,7 @@ fn flood() {
                 quota: budget,
                 cost: MICRO,
                 group: Group::Enforce,
-                window: Some(tollgate::limiter::Window {
+                window: Some(tollgate::limits::limiter::Window {
                     id: 1_800_000_000,
                     ends_in_us: month,
                 }),

@@ -1,78 +1,50 @@
 //! tollgate: an edge API gateway that enforces rate limits, quotas and kill switches written as
 //! versioned JSON policy bundles.
 //!
-//! Layers, bottom up (a module uses only its own layer or lower ones):
+//! The source is one folder per concept. Layers, bottom up: a file uses only files of its own
+//! layer or lower ones, and no files import each other around a circle
+//! (`scripts/import-circles.py` counts the imports; the test suite runs it).
 //!
 //! ```text
-//! L4  proxy/                       Pingora glue: reverse proxy, upstream groups (balancers,
-//!                                  health checks), connection guard, admin/decision listener,
-//!                                  server and background tasks (the only Pingora code)
-//!     grpc                         tonic glue: Envoy's RateLimitService and ext_authz (the only
-//!                                  gRPC server code)
-//! L3  cli, config, simulate,       flags → Config; commands; the running gateway: one
-//!     service, import, routes,     `Gateway::decide` for the proxy, the decision service and
-//!     tls, access_log, telemetry   ext_authz; envoyproxy/ratelimit import; the gateway file;
-//!                                  edge certificates (rustls only); access-log lines;
-//!                                  OpenTelemetry traces (own span records, OTLP by hand,
-//!                                  exported over a tonic or hyper client)
-//! L2  engine, limits, rls,         pure engine: bundle + facts + time → plan (each limit
-//!     headers, metrics, auth       kind plans its rules in its `limits` module); plan + store
-//!                                  answer → Decision (an enum carrying names and quotas);
-//!                                  Decided (decision + request) → HTTP headers; counters; JWT
-//! L1  store, fs_trust              one `Store`: embedded (synchronous) or Redis / PostgreSQL
-//!                                  (awaited), with its own time base, stats and sweep; who
-//!                                  may write the state dir and the upgrade socket's directory
-//! L0  clock, policy, descriptor,   pure core: no network, no async (the policy loader reads
-//!     limiter, budget,             its file) — time, compiled bundles, request facts and
-//!     client_addr, redact,         keys, token-bucket and window maths, budget windows and
-//!     log_value, forwarding        stages, the client address, redaction, the escaping of
-//!                                  values in text log lines, forwarding headers and a
-//!                                  route's header rules
+//! request/    L0     what a request is: its facts and descriptors, the client's address
+//!                    behind trusted proxies, network facts (CIDR lists, ASN, country), the
+//!                    forwarding headers, JWT claims (auth), an LLM request's tokens
+//! policy/     L0     the bundle: JSON → compiled rules (each kind's compile half lives with
+//!                    its kind in limits/), the index, loading, the envoyproxy/ratelimit import
+//! limits/     L0-L2  time (clock), token-bucket and window maths (limiter), budget windows,
+//!                    and one module per limit kind: its compile half (L0, reads JSON) and its
+//!                    plan half (L2), so that a kind is found, and added, in one file
+//! store/      L1     one `Store`: embedded (synchronous) or Redis / PostgreSQL (awaited), with
+//!                    its own time base, stats and sweep; state files; who may write the state
+//!                    dir and the upgrade socket's directory (fs_trust)
+//! engine/     L2     bundle + facts + time → plan (planning vocabulary below the kinds); plan +
+//!                    store answer → Decision; Decided → HTTP headers; the rate-limit service's
+//!                    mapping; reservation tokens; Fairvisor compatibility; `simulate`
+//! telemetry/  L0-L3  metrics, the access log and log lines (values escaped, secrets redacted),
+//!                    OpenTelemetry traces (own span records, OTLP by hand)
+//! config/     L3     flags (cli) → Config; edge certificates (tls); the route file
+//! service/    L3     the running gateway: one `Gateway::decide` for the proxy, the decision
+//!                    service and ext_authz; reloads; following a fleet's store; candidates
+//! operator/   L3     the operator endpoints' work: admin token, buckets, status, top list
+//! fleet/      L3     publish, promote, rollback; policy sources and signed envelopes
+//! proxy/      L4     Pingora and tonic glue (the only code naming them): reverse proxy,
+//!                    upstream groups, connection guard, admin listener, Envoy's gRPC services
+//!                    (grpc), listener handover on upgrade (handover)
 //! ```
-//!
-//! One exception, on purpose: a limit kind's module under `limits` holds both halves of its
-//! kind, the compiling half (an `impl` of `policy`'s compiler, L0 code that only reads JSON)
-//! and the planning half (L2), so that a kind is found, and added, in one file.
 //!
 //! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →
 //! `Store` → `engine::finish` → `Gateway::answer` (`headers::build` / `Metrics::record` / the
 //! log line / the top list, all from one `Decided`) → back to `proxy`, each step reading only
 //! what the previous one handed it.
 
-pub mod access_log;
-pub mod auth;
-pub mod budget;
-pub mod cli;
-pub mod client_addr;
-pub mod clock;
-pub mod compat;
 pub mod config;
-pub mod descriptor;
 pub mod engine;
 pub mod fleet;
-pub mod forwarding;
-pub mod fs_trust;
-pub mod grpc;
-pub mod handover;
-pub mod headers;
-pub mod import;
-pub mod limiter;
 pub mod limits;
-pub mod llm;
-pub mod llm_encoding;
-pub mod log_line;
-pub mod log_value;
-pub mod metrics;
-pub mod network;
 pub mod operator;
 pub mod policy;
 pub mod proxy;
-pub mod redact;
-pub mod reservation_token;
-pub mod rls;
-pub mod routes;
+pub mod request;
 pub mod service;
-pub mod simulate;
 pub mod store;
 pub mod telemetry;
-pub mod tls;

@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use std::process::ExitCode;
-use tollgate::cli::{self, Cli, Command};
+use tollgate::config::cli::{self, Cli, Command};
 use tollgate::fleet::commands as fleet;
 
 #[global_allocator]

@@ -8,8 +8,8 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tollgate::descriptor::RequestFacts;
 use tollgate::policy::{parse_bundle_with, CompileOptions};
+use tollgate::request::descriptor::RequestFacts;
 use tollgate::service::Gateway;
 
 /// `redis-server` on a free loopback port, stopped when dropped.
@@ -66,7 +66,7 @@ fn bundle(version: u32, burst: u32) -> String {
 fn gateway(redis: &Redis, dir: &tempfile::TempDir) -> Arc<Gateway> {
     let policy = dir.path().join("policy.json");
     std::fs::write(&policy, bundle(1, 10)).unwrap();
-    let cli = <tollgate::cli::Cli as clap::Parser>::try_parse_from([
+    let cli = <tollgate::config::cli::Cli as clap::Parser>::try_parse_from([
         "tollgate",
         "run",
         "--policy",
@@ -80,7 +80,7 @@ fn gateway(redis: &Redis, dir: &tempfile::TempDir) -> Arc<Gateway> {
         "5000",
     ])
     .unwrap();
-    let tollgate::cli::Command::Run(args) = cli.command else {
+    let tollgate::config::cli::Command::Run(args) = cli.command else {
         unreachable!("a run command")
     };
     let config = tollgate::config::Config::from_args(&args).unwrap();

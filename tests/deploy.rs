@@ -51,7 +51,7 @@ fn text(v: &Value) -> &str {
 
 /// `tollgate run`'s arguments by environment variable: (long flag, takes a value).
 fn run_env() -> BTreeMap<String, (String, bool)> {
-    let cli = tollgate::cli::Cli::command();
+    let cli = tollgate::config::cli::Cli::command();
     let run = cli.find_subcommand("run").expect("tollgate run");
     run.get_arguments()
         .filter_map(|a| {
@@ -81,7 +81,7 @@ fn parse_run(args: &[String], env: &[(String, String)]) -> Result<(), String> {
             argv.push(value.clone());
         }
     }
-    tollgate::cli::Cli::try_parse_from(&argv)
+    tollgate::config::cli::Cli::try_parse_from(&argv)
         .map(|_| ())
         .map_err(|e| format!("{argv:?}: {e}"))
 }

@@ -365,7 +365,7 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
     }
     PARSED.with(|n| n.set(n.get() + 1));
     let argv = std::iter::once("tollgate".to_string()).chain(args.iter().cloned());
-    match tollgate::cli::Cli::try_parse_from(argv) {
+    match tollgate::config::cli::Cli::try_parse_from(argv) {
         Ok(_) => Ok(()),
         Err(e) => {
             use clap::error::ErrorKind as K;
@@ -387,7 +387,7 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
 /// every `--flag` they name is one that command has.
 fn synopsis_flags(text: &str) -> Vec<String> {
     use clap::CommandFactory;
-    let cli = tollgate::cli::Cli::command();
+    let cli = tollgate::config::cli::Cli::command();
     let mut out = Vec::new();
     let mut untagged = false;
     let mut inside = false;
@@ -504,5 +504,49 @@ fn the_checks_catch_what_they_are_for() {
     assert_eq!(
         support::shell_words(r#"H="Authorization: Bearer $T" curl"#),
         ["H=Authorization: Bearer $T", "curl"]
+    );
+}
+
+/// The `src/…` paths a text names (a file, or a folder with its trailing `/`), outside links.
+fn source_paths(text: &str) -> Vec<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(at) = text[from..].find("src/").map(|i| from + i) {
+        from = at + 4;
+        let before = at.checked_sub(1).map(|i| bytes[i]);
+        if before.is_some_and(|b| b.is_ascii_alphanumeric() || b == b'/' || b == b'_' || b == b'.')
+        {
+            continue;
+        }
+        let end = text[at..]
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || "_/.".contains(c)))
+            .map_or(text.len(), |i| at + i);
+        let path = text[at..end].trim_end_matches('.');
+        if path.len() > 4 {
+            out.push(path.to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn every_source_path_the_manual_names_exists() {
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    for page in pages() {
+        let text = std::fs::read_to_string(&page).expect("page");
+        for path in source_paths(&text) {
+            checked += 1;
+            if !root().join(&path).exists() {
+                missing.push(format!("{}: {path}", page.display()));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "no such source path:\n{}", missing.join("\n"));
+    assert!(checked > 30, "only {checked} source paths found: is the scan right?");
+    assert_eq!(
+        source_paths("see `src/engine/mod.rs`, src/proxy/ and docs/src/x.md; src/a.rs."),
+        ["src/engine/mod.rs", "src/proxy/", "src/a.rs"]
     );
 }

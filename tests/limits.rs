@@ -470,7 +470,7 @@ fn an_expired_bundle_is_refused_with_a_clear_error() {
 async fn budget_windows_and_leases_on_the_embedded_store() {
     let store = tollgate::store::Store::memory(
         tollgate::store::MemoryStoreConfig::default(),
-        std::sync::Arc::new(tollgate::clock::SystemClock::new()),
+        std::sync::Arc::new(tollgate::limits::clock::SystemClock::new()),
     );
     support::assert_budget_windows(&store, "memory").await;
     support::assert_settlements(&store, "memory").await;

@@ -365,7 +365,7 @@ fn shipped_monitoring_checks_out_against_the_binary() {
     // What the binary defines (a labelled family shows in /metrics once it has a series),
     // and what a running gateway shows.
     let mut exported: std::collections::BTreeSet<String> =
-        tollgate::metrics::Metrics::new("memory")
+        tollgate::telemetry::metrics::Metrics::new("memory")
             .defined_names()
             .iter()
             .cloned()

@@ -9,7 +9,7 @@ use support::servers::{pg_bin, PgServer};
 use support::{
     assert_all_or_nothing, assert_seed_vectors, count_admitted, shared_store, start_fleet, Upstream,
 };
-use tollgate::limiter::US_PER_SEC;
+use tollgate::limits::limiter::US_PER_SEC;
 
 /// Seed 004 and all-or-nothing on PostgreSQL: the same answers as the embedded store.
 #[tokio::test]
@@ -116,7 +116,7 @@ fn operator_endpoints_on_postgres() {
 /// overflows a bigint) fails alone, and the others of its batch are answered exactly.
 #[tokio::test]
 async fn a_failing_request_fails_alone_in_its_batch() {
-    use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+    use tollgate::limits::limiter::{Quota, MICRO, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
     let pg = PgServer::start();
     let store = shared_store(&pg.url()).await;
@@ -183,7 +183,7 @@ fn sql_number(pg: &PgServer, query: &str) -> u64 {
 /// is full again (a budget's at its window's end).
 #[tokio::test]
 async fn a_key_flood_on_postgres_grows_the_table_until_the_sweep_deletes_it() {
-    use tollgate::limiter::{Quota, Window, MICRO};
+    use tollgate::limits::limiter::{Quota, Window, MICRO};
     use tollgate::store::{BucketOp, Group, OpResults};
     let pg = PgServer::start();
     let store = shared_store(&pg.url()).await;

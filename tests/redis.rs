@@ -12,7 +12,7 @@ use support::{
     assert_all_or_nothing, assert_seed_vectors, bucket_op, count_admitted, free_port, shared_store,
     start_fleet, Gateway, Upstream,
 };
-use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+use tollgate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{Backend, BucketOp, Group, OpResults};
 
 /// Seed 004 (Coinbase) on Redis: the same statuses and exact token counts as the embedded store;

@@ -21,8 +21,8 @@
 
 use super::decision::{Cause, Decision};
 use super::{plan_reusing, EngineConfig, Plan, Selection};
-use crate::descriptor::RequestFacts;
 use crate::policy::{Bundle, Guard, KillSwitch, LoopAction, Mode, Rule};
+use crate::request::descriptor::RequestFacts;
 use crate::store::lease::{next_lease_id, LeaseOp, LeaseResults};
 use crate::store::{BucketKey, BucketOp, MemoryStore, OpResults};
 use smallvec::SmallVec;

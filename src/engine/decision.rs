@@ -4,11 +4,11 @@
 //! it was made with and carries everything its consumers need (names, quotas, the kill switch
 //! that fired).
 
-use crate::budget::Action;
-use crate::descriptor::RequestFacts;
-use crate::limiter::{micro_to_tokens, Quota};
+use crate::limits::budget_window::Action;
+use crate::limits::limiter::{micro_to_tokens, Quota};
 use crate::policy::bundle::Bundle;
 use crate::policy::rule::{Guard, KillSwitch, Mode, Rule};
+use crate::request::descriptor::RequestFacts;
 use crate::store::lease::LeaseOp;
 use crate::store::{BucketKey, Group};
 use smallvec::SmallVec;
@@ -424,7 +424,7 @@ pub struct ReservedRule {
     pub prompt_tokens: u64,
     /// The rule's `streaming` cap, when it stops streams (never on a shadow rule: shadow mode
     /// changes no response).
-    pub stream_cap: Option<crate::llm::StreamCap>,
+    pub stream_cap: Option<crate::request::llm::StreamCap>,
 }
 
 /// What settling a reservation did, in tokens.
@@ -438,9 +438,9 @@ pub struct Settled {
 
 impl Reservation {
     /// What settling on `used` tokens does: the unused part refunded, an overrun charged
-    /// (`used` counts at most [`crate::llm::MAX_TOKENS`]).
+    /// (`used` counts at most [`crate::request::llm::MAX_TOKENS`]).
     pub fn settled(&self, used: u64) -> Settled {
-        let used = used.min(crate::llm::MAX_TOKENS);
+        let used = used.min(crate::request::llm::MAX_TOKENS);
         let reserved = self.tokens();
         Settled {
             reserved,
@@ -451,8 +451,8 @@ impl Reservation {
     }
 
     /// The cap a streamed response is stopped at: the tightest of its enforced rules'.
-    pub fn stream_cap(&self) -> Option<crate::llm::StreamCap> {
-        crate::llm::StreamCap::tightest(self.rules.iter().filter_map(|r| r.stream_cap))
+    pub fn stream_cap(&self) -> Option<crate::request::llm::StreamCap> {
+        crate::request::llm::StreamCap::tightest(self.rules.iter().filter_map(|r| r.stream_cap))
     }
 
     /// The prompt estimate the reservation was made on.
@@ -465,12 +465,12 @@ impl Reservation {
         self.rules.iter().map(|r| r.tokens).max().unwrap_or(0)
     }
 
-    /// The settlement once `used` tokens (at most [`crate::llm::MAX_TOKENS`]) were really
+    /// The settlement once `used` tokens (at most [`crate::request::llm::MAX_TOKENS`]) were really
     /// used: each bucket moves by `used` minus what it reserved (a refund when negative).
     pub fn adjustments(&self, used: u64) -> SmallVec<[crate::store::AdjustOp; 2]> {
         let used = used
-            .min(crate::llm::MAX_TOKENS)
-            .saturating_mul(crate::limiter::MICRO)
+            .min(crate::request::llm::MAX_TOKENS)
+            .saturating_mul(crate::limits::limiter::MICRO)
             .min(i64::MAX as u64) as i64;
         self.ops
             .iter()
@@ -712,7 +712,7 @@ impl<'b> Decision<'b> {
                     policy: outcome.rule.policy_id.clone(),
                     rule: outcome.rule.name.clone(),
                     mode: outcome.rule.mode,
-                    tokens: r.cost / crate::limiter::MICRO,
+                    tokens: r.cost / crate::limits::limiter::MICRO,
                     prompt_tokens: r.prompt_tokens,
                     stream_cap: outcome
                         .rule

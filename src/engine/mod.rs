@@ -17,20 +17,26 @@
 //! headers, metrics and logs need (rule and policy names, quotas, the kill switch that fired);
 //! with the request's view beside it ([`Decided`]) none of them calls back into the engine.
 
+pub mod compat;
+pub mod headers;
+pub mod reservation_token;
+pub mod rls;
+pub mod simulate;
+
 pub mod candidate;
 pub(crate) mod decision;
 pub(crate) mod planning;
 pub use decision::*;
 
-use crate::budget::Action;
-use crate::descriptor::{Descriptor, RequestFacts};
-use crate::limiter::{Quota, US_PER_SEC};
+use crate::limits::budget_window::Action;
+use crate::limits::limiter::{Quota, US_PER_SEC};
 pub use crate::limits::llm::llm_reservation;
 use crate::limits::token_bucket::planned_bucket;
 pub use crate::limits::token_bucket::{cost_of, Cost};
 use crate::limits::LimitKind;
 use crate::policy::index::VERIFIED;
 use crate::policy::{Bundle, CostSource, Guard, LoopAction, Mode, OnMissing, Rule};
+use crate::request::descriptor::{Descriptor, RequestFacts};
 use crate::store::lease::{next_lease_id, LeaseOp, LeaseResults};
 use crate::store::{BucketKey, BucketOp, MemoryStore, OpResults, StoreError};
 use planning::{write_bucket, PlanContext, Planning, KEY_BUFFER};
@@ -130,7 +136,7 @@ impl<'b> Pending<'b> {
             }
             let retry_after = match slot.rule.guard {
                 Some(Guard::Loop(detection)) => match detection.action {
-                    LoopAction::Reject => crate::limiter::ceil_secs(r.frees_in_us).max(1),
+                    LoopAction::Reject => crate::limits::limiter::ceil_secs(r.frees_in_us).max(1),
                     LoopAction::Warn => {
                         loop_stage = stronger(loop_stage, Some(Action::Warn));
                         continue;
@@ -146,7 +152,7 @@ impl<'b> Pending<'b> {
                 Some(Guard::Breaker(breaker)) if breaker.reset_us.is_none() => {
                     KILL_SWITCH_RETRY_SECS
                 }
-                Some(Guard::Breaker(_)) => crate::limiter::ceil_secs(r.frees_in_us).max(1),
+                Some(Guard::Breaker(_)) => crate::limits::limiter::ceil_secs(r.frees_in_us).max(1),
                 None => 1,
             };
             refused.get_or_insert((slot.rule, slot.reason(), retry_after));
@@ -566,7 +572,7 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             ends if ends > 0 => 0,
             _ if r.committed => v.reset_secs(),
             // Nothing spent: report the bucket as it stands.
-            _ => crate::limiter::ceil_secs(
+            _ => crate::limits::limiter::ceil_secs(
                 outcome
                     .quota
                     .time_to_gain_us(outcome.quota.burst().saturating_sub(v.available)),

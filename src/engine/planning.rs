@@ -5,9 +5,9 @@
 //! kinds under [`crate::limits`], so neither calls back up into the other.
 
 use super::decision::{Checked, Reason};
-use crate::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
 use crate::policy::bundle::Bundle;
 use crate::policy::rule::{Mode, OnMissing, Rule};
+use crate::request::descriptor::{push_ip_key, push_key_part, Descriptor, RequestFacts};
 use crate::store::lease::LeaseOp;
 use crate::store::{BucketOp, Group};
 use smallvec::SmallVec;

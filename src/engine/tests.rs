@@ -1,8 +1,8 @@
 //! The engine's tests, and the helpers other modules' tests decide with ([`TestEngine`]).
 
 use super::*;
-use crate::clock::{Clock, ManualClock};
-use crate::limiter::MICRO;
+use crate::limits::clock::{Clock, ManualClock};
+use crate::limits::limiter::MICRO;
 use crate::policy::compile_bundle;
 use crate::store::{MemoryStore, MemoryStoreConfig};
 use serde_json::json;
@@ -256,7 +256,7 @@ pub(crate) fn ask_llm(e: &TestEngine, body: &str, headers: &[(&str, &str)]) -> D
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    let llm = crate::llm::LlmRequest::parse(body.as_bytes());
+    let llm = crate::request::llm::LlmRequest::parse(body.as_bytes());
     let facts = RequestFacts::from_uri(
         "POST",
         "/v1/chat/completions",

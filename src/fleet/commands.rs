@@ -15,7 +15,7 @@
 
 use super::envelope::{self, next_version, Envelope, SigningKey, Slot};
 use super::source::{self, Heartbeat, PolicySource, SourceError};
-use crate::cli::{
+use crate::config::cli::{
     FleetArgs, PromoteArgs, PublishArgs, SigningArgs, StoreArgs, EXIT_FAILURE, EXIT_INVALID,
     EXIT_OK,
 };
@@ -83,7 +83,7 @@ fn finish(result: Outcome<u64>, out: &mut dyn Write, err: &mut dyn Write) -> u8 
 }
 
 fn now_ms() -> u64 {
-    u64::try_from(crate::clock::wall_unix_ms()).unwrap_or(0)
+    u64::try_from(crate::limits::clock::wall_unix_ms()).unwrap_or(0)
 }
 
 /// Validates a bundle's text as `tollgate validate` validates its file (the same compiler, the
@@ -122,7 +122,7 @@ fn validate_bundle(file: &Path, bytes: &[u8], err: &mut dyn Write) -> Outcome<St
                 invalid(e.to_string())
             })?;
     bundle
-        .check_current(crate::clock::wall_unix_secs())
+        .check_current(crate::limits::clock::wall_unix_secs())
         .map_err(|errors| {
             invalid(
                 crate::policy::PolicyError::Invalid {
@@ -285,7 +285,7 @@ fn publish_inner(args: &PublishArgs, err: &mut dyn Write) -> Outcome<u64> {
             text,
             slot,
             version,
-            crate::clock::wall_unix_secs(),
+            crate::limits::clock::wall_unix_secs(),
             key.as_ref(),
         );
         store
@@ -316,7 +316,7 @@ fn publish_to_file(path: &Path, text: String, key: Option<&SigningKey>) -> Outco
         text,
         Slot::Live,
         version,
-        crate::clock::wall_unix_secs(),
+        crate::limits::clock::wall_unix_secs(),
         key,
     );
     let failed = |e: std::io::Error| {
@@ -398,7 +398,7 @@ fn promote_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             candidate.policy,
             Slot::Live,
             version,
-            crate::clock::wall_unix_secs(),
+            crate::limits::clock::wall_unix_secs(),
             key.as_ref(),
         );
         store
@@ -460,7 +460,7 @@ fn rollback_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             previous.policy,
             Slot::Live,
             version,
-            crate::clock::wall_unix_secs(),
+            crate::limits::clock::wall_unix_secs(),
             key.as_ref(),
         );
         store
@@ -527,7 +527,7 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                     live.as_ref(),
                     candidate.as_ref(),
                     &beats,
-                    crate::clock::wall_unix_secs(),
+                    crate::limits::clock::wall_unix_secs(),
                 )
             };
             let _ = writeln!(out, "{text}");
@@ -627,7 +627,9 @@ pub fn fleet_table(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::{FLEET_EXAMPLES, PROMOTE_EXAMPLES, PUBLISH_EXAMPLES, ROLLBACK_EXAMPLES};
+    use crate::config::cli::{
+        FLEET_EXAMPLES, PROMOTE_EXAMPLES, PUBLISH_EXAMPLES, ROLLBACK_EXAMPLES,
+    };
 
     #[test]
     fn ages_read_as_people_say_them() {
@@ -698,7 +700,7 @@ mod tests {
                 let argv: Vec<&str> = std::iter::once("tollgate")
                     .chain(args.split_whitespace())
                     .collect();
-                if let Err(e) = crate::cli::Cli::try_parse_from(&argv) {
+                if let Err(e) = crate::config::cli::Cli::try_parse_from(&argv) {
                     panic!("{line}: {e}");
                 }
                 for word in args.split_whitespace() {

@@ -61,7 +61,7 @@ pub fn open(url: &str, timeout: Duration) -> Result<std::sync::Arc<dyn PolicySou
     Err(SourceError::BadUrl(format!(
         "{}: not a policy store (redis://, rediss://, redis+cluster://, postgres://, \
          postgresql://, http:// or https://)",
-        crate::redact::url(url)
+        crate::telemetry::redact::url(url)
     )))
 }
 

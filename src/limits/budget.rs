@@ -1,14 +1,14 @@
 //! `cost_based`: budgets per period with warn / throttle / reject stages. Compiles `budget`,
 //! `period` and `staged_actions`, and plans a request's spend in the current window; the
-//! window and stage arithmetic is [`crate::budget`]'s.
+//! window and stage arithmetic is [`crate::limits::budget_window`]'s.
 
-use crate::budget::{Action, Budget, Stage, MAX_THROTTLE_MS};
-use crate::descriptor::RequestFacts;
 use crate::engine::planning::{PlanContext, Planning};
-use crate::limiter::{tokens_to_micro, Quota, US_PER_SEC};
+use crate::limits::budget_window::{Action, Budget, Stage, MAX_THROTTLE_MS};
+use crate::limits::limiter::{tokens_to_micro, Quota, US_PER_SEC};
 use crate::policy::compile::compiler::{Compiler, Shape};
 use crate::policy::json::join;
 use crate::policy::rule::{CostSource, Rule};
+use crate::request::descriptor::RequestFacts;
 use crate::store::BucketKey;
 use serde_json::{Map, Value};
 
@@ -45,7 +45,7 @@ impl Compiler {
             Some(v) => {
                 let p = join(path, "period");
                 let text = self.non_empty_string(v, &p);
-                let period = text.and_then(crate::budget::Period::parse);
+                let period = text.and_then(crate::limits::budget_window::Period::parse);
                 if text.is_some() && period.is_none() {
                     self.error(&p, "must be one of 5m, 1h, 1d, 7d, 1M (a calendar month)");
                 }
@@ -209,7 +209,7 @@ pub(crate) fn plan<'b>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::MICRO;
+    use crate::limits::limiter::MICRO;
     use crate::policy::compile::compile_bundle;
     use crate::policy::compile::tests::errors_of;
     use serde_json::json;
@@ -230,7 +230,10 @@ mod tests {
         assert_eq!(r.policy_item, "\"b\";q=5000;w=300");
         assert_eq!(r.cost, CostSource::Fixed(2 * MICRO));
         let budget = r.budget.as_ref().unwrap();
-        assert_eq!(budget.period, crate::budget::Period::FiveMinutes);
+        assert_eq!(
+            budget.period,
+            crate::limits::budget_window::Period::FiveMinutes
+        );
         let thresholds: Vec<f64> = budget.stages.iter().map(|s| s.threshold_percent).collect();
         assert_eq!(thresholds, [80.0, 95.0, 100.0]);
         assert_eq!(
@@ -256,7 +259,7 @@ mod tests {
     mod decided {
         use crate::engine::tests::*;
         use crate::engine::*;
-        use crate::limiter::{MICRO, US_PER_SEC};
+        use crate::limits::limiter::{MICRO, US_PER_SEC};
         use serde_json::json;
 
         #[test]

@@ -3,7 +3,7 @@
 
 use crate::engine::decision::SlotOutcome;
 use crate::engine::planning::{group_of, Planning};
-use crate::limiter::US_PER_SEC;
+use crate::limits::limiter::US_PER_SEC;
 use crate::policy::compile::compiler::Compiler;
 use crate::policy::json::join;
 use crate::policy::rule::{Concurrency, Rule};

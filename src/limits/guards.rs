@@ -4,16 +4,16 @@
 //! breaker's open-state read and its spend bucket.
 
 use super::token_bucket::{cost_of, planned_bucket, Cost};
-use crate::descriptor::Descriptor;
-use crate::descriptor::RequestFacts;
 use crate::engine::decision::SlotOutcome;
 use crate::engine::planning::{group_of, write_bucket, PlanContext, Planning, KEY_BUFFER};
-use crate::limiter::{tokens_to_micro, Quota, MICRO, US_PER_SEC};
+use crate::limits::limiter::{tokens_to_micro, Quota, MICRO, US_PER_SEC};
 use crate::policy::compile::compiler::{headers_read, key_prefix, plain_rule, Compiler};
 use crate::policy::json::join;
 use crate::policy::rule::{
     Breaker, CostSource, Guard, LoopAction, LoopDetection, Mode, OnMissing, Rule,
 };
+use crate::request::descriptor::Descriptor;
+use crate::request::descriptor::RequestFacts;
 use crate::store::lease::LeaseOp;
 use crate::store::BucketKey;
 use serde_json::Value;
@@ -392,9 +392,9 @@ mod tests {
 
     // The engine's view: requests decided under this kind's rules.
     mod decided {
-        use crate::descriptor::RequestFacts;
         use crate::engine::tests::*;
         use crate::policy::compile_bundle;
+        use crate::request::descriptor::RequestFacts;
         use serde_json::json;
 
         #[test]
@@ -447,7 +447,7 @@ mod tests {
                     Some("10.0.0.1".parse().unwrap()),
                     &headers,
                 )
-                .with_body_hash(crate::descriptor::body_hash(body));
+                .with_body_hash(crate::request::descriptor::body_hash(body));
                 e.decide(&facts)
             };
             assert!(post(b"{\"q\": 1}").is_allowed());

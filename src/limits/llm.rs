@@ -2,19 +2,19 @@
 //! `tokens_per_day` budget rule, the prompt and completion caps, the estimator, the `streaming`
 //! block) and plans a request under it: the reservation (prompt estimate + completion) taken
 //! from both buckets, all-or-nothing with the request's other rules. Reading request and
-//! response bodies is [`crate::llm`]'s; settling is the engine's [`crate::engine::Reservation`].
+//! response bodies is [`crate::request::llm`]'s; settling is the engine's [`crate::engine::Reservation`].
 
 use super::token_bucket::{planned_bucket, Cost};
-use crate::budget::{Action, Budget};
-use crate::descriptor::Descriptor;
-use crate::descriptor::RequestFacts;
 use crate::engine::decision::{Reason, Reserved};
 use crate::engine::planning::{write_bucket, PlanContext, Planning, KEY_BUFFER};
-use crate::limiter::{Quota, MICRO, US_PER_SEC};
+use crate::limits::budget_window::{Action, Budget};
+use crate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 use crate::policy::bundle::Bundle;
 use crate::policy::compile::compiler::{key_prefix, plain_rule, Compiler, Shape};
 use crate::policy::json::join;
 use crate::policy::rule::{CostSource, LlmLimit, LlmPart, MatchCondition, Mode, OnMissing, Rule};
+use crate::request::descriptor::Descriptor;
+use crate::request::descriptor::RequestFacts;
 use crate::store::BucketKey;
 use serde_json::{Map, Value};
 
@@ -57,8 +57,8 @@ impl Compiler {
         header_names: &mut Vec<String>,
         (limit_keys, conditions, on_missing): (&[Descriptor], &[MatchCondition], OnMissing),
     ) {
-        if limit.estimator == crate::llm::Estimator::HeaderHint {
-            header_names.push(crate::llm::TOKEN_ESTIMATE_HEADER.to_string());
+        if limit.estimator == crate::request::llm::Estimator::HeaderHint {
+            header_names.push(crate::request::llm::TOKEN_ESTIMATE_HEADER.to_string());
         }
         let Some(tpd) = tokens_per_day else {
             return;
@@ -100,7 +100,7 @@ impl Compiler {
         let name = self.unclaimed_name(&format!("{minute_name}:tpd"));
         self.rule_names
             .insert(name.clone(), format!("{minute_name}.tokens_per_day"));
-        let period = crate::budget::Period::Day;
+        let period = crate::limits::budget_window::Period::Day;
         let quota =
             Quota::new(tpd * MICRO, tpd * MICRO, period.nominal_secs() * US_PER_SEC).ok()?;
         Some(Rule {
@@ -112,7 +112,7 @@ impl Compiler {
             header_names: header_names.to_vec(),
             budget: Some(Budget {
                 period,
-                stages: vec![crate::budget::Stage {
+                stages: vec![crate::limits::budget_window::Stage {
                     threshold_percent: 100.0,
                     action: Action::Reject,
                 }],
@@ -134,7 +134,7 @@ impl Compiler {
         path: &str,
     ) -> Option<(Shape, LlmLimit, Option<u64>)> {
         let errors_before = self.errors.len();
-        let range = 1..=crate::llm::MAX_TOKENS;
+        let range = 1..=crate::request::llm::MAX_TOKENS;
         if !config.contains_key("tokens_per_minute") {
             self.error(&join(path, "tokens_per_minute"), "is required");
         }
@@ -154,14 +154,14 @@ impl Compiler {
             }
         }
         let estimator = match config.get("token_source") {
-            None => Some(crate::llm::Estimator::SimpleWord),
+            None => Some(crate::request::llm::Estimator::SimpleWord),
             Some(v) => {
                 let sp = join(path, "token_source");
                 self.object(v, &sp, &["estimator", "encoding"])
                     .and_then(|m| {
                         let encoding = match m.get("encoding").map(|e| e.as_str()) {
-                            None => Some(crate::llm::TokenEncoding::O200kBase),
-                            Some(Some(name)) => crate::llm::TokenEncoding::parse(name),
+                            None => Some(crate::request::llm::TokenEncoding::O200kBase),
+                            Some(Some(name)) => crate::request::llm::TokenEncoding::parse(name),
                             Some(None) => None,
                         };
                         let estimator = m.get("estimator").map(|e| e.as_str());
@@ -174,11 +174,15 @@ impl Compiler {
                         }
                         match estimator {
                             None | Some(Some("simple_word")) => {
-                                Some(crate::llm::Estimator::SimpleWord)
+                                Some(crate::request::llm::Estimator::SimpleWord)
                             }
-                            Some(Some("header_hint")) => Some(crate::llm::Estimator::HeaderHint),
+                            Some(Some("header_hint")) => {
+                                Some(crate::request::llm::Estimator::HeaderHint)
+                            }
                             Some(Some("tiktoken")) => match encoding {
-                                Some(encoding) => Some(crate::llm::Estimator::Tiktoken(encoding)),
+                                Some(encoding) => {
+                                    Some(crate::request::llm::Estimator::Tiktoken(encoding))
+                                }
                                 None => {
                                     self.error(
                                         &join(&sp, "encoding"),
@@ -245,7 +249,7 @@ impl Compiler {
         v: &Value,
         path: &str,
         max_completion: Result<u64, bool>,
-    ) -> Option<Option<crate::llm::StreamCap>> {
+    ) -> Option<Option<crate::request::llm::StreamCap>> {
         let map = self.object(v, path, LLM_STREAMING_FIELDS)?;
         let enabled = self.flag(map, path, "enabled", true);
         let enforce = self.flag(map, path, "enforce_mid_stream", true);
@@ -255,13 +259,15 @@ impl Compiler {
                 map,
                 path,
                 "buffer_tokens",
-                1..=crate::llm::MAX_TOKENS,
+                1..=crate::request::llm::MAX_TOKENS,
                 false,
             )
             .unwrap_or(DEFAULT_STREAM_BUFFER_TOKENS);
         let on_exceeded = match map.get("on_limit_exceeded").map(Value::as_str) {
-            None | Some(Some("graceful_close")) => Some(crate::llm::StreamCutStyle::GracefulClose),
-            Some(Some("error_chunk")) => Some(crate::llm::StreamCutStyle::ErrorChunk),
+            None | Some(Some("graceful_close")) => {
+                Some(crate::request::llm::StreamCutStyle::GracefulClose)
+            }
+            Some(Some("error_chunk")) => Some(crate::request::llm::StreamCutStyle::ErrorChunk),
             Some(_) => {
                 self.error(
                     &join(path, "on_limit_exceeded"),
@@ -287,7 +293,7 @@ impl Compiler {
                 return None;
             }
         };
-        Some(Some(crate::llm::StreamCap {
+        Some(Some(crate::request::llm::StreamCap {
             max_completion_tokens,
             buffer_tokens,
             on_exceeded,
@@ -313,9 +319,9 @@ pub fn llm_reservation(
     };
     let body = facts.llm.copied().unwrap_or_default();
     let prompt = match limit.estimator {
-        crate::llm::Estimator::HeaderHint => facts
+        crate::request::llm::Estimator::HeaderHint => facts
             .headers
-            .header_text(crate::llm::TOKEN_ESTIMATE_HEADER)
+            .header_text(crate::request::llm::TOKEN_ESTIMATE_HEADER)
             .and_then(|v| v.trim().parse::<u64>().ok())
             .unwrap_or(body.prompt_tokens),
         estimator => body.prompt_for(estimator),
@@ -332,7 +338,7 @@ pub fn llm_reservation(
         .day_rule
         .map_or(u64::MAX, |d| bundle.rules[d].quota.burst());
     let never_fits =
-        tokens.saturating_mul(crate::limiter::MICRO) > rule.quota.burst().min(day_budget);
+        tokens.saturating_mul(crate::limits::limiter::MICRO) > rule.quota.burst().min(day_budget);
     if never_fits || limit.max_tokens_per_request.is_some_and(|max| tokens > max) {
         return Err(Reason::MaxTokensPerRequestExceeded);
     }
@@ -356,7 +362,7 @@ pub(crate) fn plan<'b>(
         ipv6_prefix: prefix,
     } = context;
     let (cost, prompt_tokens) = match llm_reservation(rule, bundle, facts) {
-        Ok((tokens, prompt)) => (Cost::Fits(tokens * crate::limiter::MICRO), prompt),
+        Ok((tokens, prompt)) => (Cost::Fits(tokens * crate::limits::limiter::MICRO), prompt),
         Err(reason) if rule.mode == Mode::Enforce => {
             planning.refused.get_or_insert((rule, reason));
             return;
@@ -376,7 +382,7 @@ pub(crate) fn plan<'b>(
                 day,
                 k,
                 day.quota,
-                Some(crate::budget::Period::Day.window(unix_us)),
+                Some(crate::limits::budget_window::Period::Day.window(unix_us)),
             )
         }));
     for (rule, key, quota, window) in parts {
@@ -408,7 +414,7 @@ mod tests {
     /// its front ends must count.
     #[test]
     fn tiktoken_estimators_name_their_encoding() {
-        use crate::llm::{Estimator, TokenEncoding};
+        use crate::request::llm::{Estimator, TokenEncoding};
         let rule =
             |source: Value| llm_rule(json!({"tokens_per_minute": 600, "token_source": source}));
         let b = compile_bundle(
@@ -461,10 +467,10 @@ mod tests {
         assert_eq!(llm.default_max_completion, 300);
         assert_eq!(
             llm.stream_cap,
-            Some(crate::llm::StreamCap {
+            Some(crate::request::llm::StreamCap {
                 max_completion_tokens: 300,
                 buffer_tokens: 50,
-                on_exceeded: crate::llm::StreamCutStyle::ErrorChunk,
+                on_exceeded: crate::request::llm::StreamCutStyle::ErrorChunk,
                 include_partial_usage: false,
             })
         );
@@ -497,7 +503,11 @@ mod tests {
                 c.on_exceeded,
                 c.include_partial_usage
             )),
-            Some((400, crate::llm::StreamCutStyle::GracefulClose, true))
+            Some((
+                400,
+                crate::request::llm::StreamCutStyle::GracefulClose,
+                true
+            ))
         );
         assert_eq!(
             errors_of(llm_rule(json!({"tokens_per_minute": 600, "burst_tokens": 10,
@@ -525,10 +535,10 @@ mod tests {
 
     // The engine's view: requests decided under this kind's rules.
     mod decided {
-        use crate::clock::Clock;
         use crate::engine::tests::*;
         use crate::engine::*;
-        use crate::limiter::MICRO;
+        use crate::limits::clock::Clock;
+        use crate::limits::limiter::MICRO;
         use serde_json::json;
 
         #[test]
@@ -561,9 +571,12 @@ mod tests {
             let over = reservation.adjustments(u64::MAX);
             assert_eq!(
                 over[0].delta,
-                (crate::llm::MAX_TOKENS * MICRO - reservation.ops[0].cost) as i64
+                (crate::request::llm::MAX_TOKENS * MICRO - reservation.ops[0].cost) as i64
             );
-            assert_eq!(reservation.settled(u64::MAX).used, crate::llm::MAX_TOKENS);
+            assert_eq!(
+                reservation.settled(u64::MAX).used,
+                crate::request::llm::MAX_TOKENS
+            );
         }
 
         #[test]

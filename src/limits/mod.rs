@@ -21,19 +21,23 @@
 //! - [`guards`]: loop detection and circuit breakers (a policy's guards, planned before its
 //!   rules).
 
+pub mod budget_window;
+pub mod clock;
+pub mod limiter;
+
 pub mod budget;
 pub mod concurrency;
 pub mod guards;
 pub mod llm;
 pub mod token_bucket;
 
-use crate::budget::Budget;
-use crate::descriptor::RequestFacts;
 use crate::engine::planning::{PlanContext, Planning};
-use crate::limiter::{Quota, MICRO};
+use crate::limits::budget_window::Budget;
+use crate::limits::limiter::{Quota, MICRO};
 use crate::policy::compile::compiler::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
 use crate::policy::rule::{Concurrency, CostSource, LlmLimit, Rule};
+use crate::request::descriptor::RequestFacts;
 use crate::store::BucketKey;
 use serde_json::{Map, Value};
 

@@ -3,15 +3,15 @@
 //! parameter, with its limits), and a request's bucket operation under a rule (what every
 //! bucketed kind plans through).
 
-use crate::descriptor::RequestFacts;
-use crate::descriptor::{Descriptor, IpNet};
 use crate::engine::decision::RuleOutcome;
 use crate::engine::planning::{group_of, Planning};
-use crate::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, MICRO, US_PER_SEC};
+use crate::limits::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, MICRO, US_PER_SEC};
 use crate::policy::compile::compiler::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
 use crate::policy::rule::canonical_id;
 use crate::policy::rule::{CostLimits, CostSource, Rule};
+use crate::request::descriptor::RequestFacts;
+use crate::request::descriptor::{Descriptor, IpNet};
 use crate::store::{BucketKey, BucketOp};
 use ahash::AHashMap;
 use serde_json::{Map, Value};
@@ -192,7 +192,7 @@ impl Compiler {
         let named = |prefix: &str| source.strip_prefix(prefix).filter(|n| !n.is_empty());
         if let Some(name) = named("header:") {
             Some(CostSource::Header {
-                name: crate::descriptor::header_name(name),
+                name: crate::request::descriptor::header_name(name),
                 limits,
             })
         } else if let Some(name) = named("query:") {
@@ -445,7 +445,7 @@ mod tests {
     mod planning {
         use crate::engine::tests::*;
         use crate::engine::*;
-        use crate::limiter::MICRO;
+        use crate::limits::limiter::MICRO;
         use serde_json::json;
 
         #[test]
@@ -484,7 +484,7 @@ mod tests {
         /// through a burst of 20; a cost above the burst got `Retry-After: 204065720593`.
         #[test]
         fn the_client_cannot_pick_its_own_price() {
-            use crate::headers::{build, HeaderConfig};
+            use crate::engine::headers::{build, HeaderConfig};
             let (e, _) = engine(json!({"rules": [
                 {"name": "weighted", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
                  "algorithm_config": {"rps": 1, "burst": 20, "cost_source": "header:x-request-weight"}}

@@ -3,11 +3,11 @@
 //! spending nothing), and the masking of credential-like keys.
 
 use crate::engine::{self, Decision, Plan, RuleOutcome, SlotOutcome};
-use crate::limiter::{micro_to_tokens, BucketState, US_PER_SEC};
+use crate::limits::limiter::{micro_to_tokens, BucketState, US_PER_SEC};
 use crate::policy::{Bundle, Guard, Mode, Rule};
-use crate::redact::FingerprintKey;
 use crate::store::lease::{judge, LeaseResults, Live};
 use crate::store::{BucketKey, BucketOp, OpResults, Store, StoreError};
+use crate::telemetry::redact::FingerprintKey;
 use serde_json::{json, Value};
 use std::borrow::Cow;
 
@@ -225,7 +225,7 @@ pub async fn inspect(
     match &rule.budget {
         Some(budget) => {
             let window = budget.period.window(unix_us);
-            let verdict = crate::limiter::check_window(state, quota.burst(), window, 0);
+            let verdict = crate::limits::limiter::check_window(state, quota.burst(), window, 0);
             let spent = quota.burst().saturating_sub(verdict.available);
             out["tokens"] = json!(micro_to_tokens(verdict.available));
             out["spent"] = json!(micro_to_tokens(spent));
@@ -240,13 +240,13 @@ pub async fn inspect(
             });
             out["stage"] = json!(match budget.stage_for(quota.burst(), verdict.available) {
                 None => "none",
-                Some(crate::budget::Action::Warn) => "warn",
-                Some(crate::budget::Action::Throttle { .. }) => "throttle",
-                Some(crate::budget::Action::Reject) => "reject",
+                Some(crate::limits::budget_window::Action::Warn) => "warn",
+                Some(crate::limits::budget_window::Action::Throttle { .. }) => "throttle",
+                Some(crate::limits::budget_window::Action::Reject) => "reject",
             });
         }
         None => {
-            let verdict = crate::limiter::check(state, &quota, now_us, 0);
+            let verdict = crate::limits::limiter::check(state, &quota, now_us, 0);
             out["tokens"] = json!(micro_to_tokens(verdict.available));
             out["full_in_secs"] = json!(secs(verdict.full_in_us));
         }
@@ -274,13 +274,13 @@ pub async fn reset(
 
 /// Whether a descriptor's values are credentials (API keys, tokens, cookies, sessions): shown
 /// masked, never whole.
-fn is_credential(descriptor: &crate::descriptor::Descriptor) -> bool {
-    use crate::descriptor::Descriptor;
+fn is_credential(descriptor: &crate::request::descriptor::Descriptor) -> bool {
+    use crate::request::descriptor::Descriptor;
     match descriptor {
         Descriptor::Header(name)
         | Descriptor::Query(name)
         | Descriptor::Jwt(name)
-        | Descriptor::Entry(name) => crate::redact::is_secret_header(name),
+        | Descriptor::Entry(name) => crate::telemetry::redact::is_secret_header(name),
         _ => false,
     }
 }
@@ -368,7 +368,7 @@ pub fn is_masked(rule: &Rule, name: &str, key: &FingerprintKey) -> bool {
 pub async fn explain(
     store: &Store,
     bundle: &Bundle,
-    facts: &crate::descriptor::RequestFacts<'_>,
+    facts: &crate::request::descriptor::RequestFacts<'_>,
     unix_us: u64,
     config: engine::EngineConfig,
     key: &FingerprintKey,
@@ -403,7 +403,7 @@ fn describe(
     decision: &Decision<'_>,
     ops: &[BucketOp],
     results: &[crate::store::OpResult],
-    facts: &crate::descriptor::RequestFacts<'_>,
+    facts: &crate::request::descriptor::RequestFacts<'_>,
     config: engine::EngineConfig,
     key: &FingerprintKey,
 ) -> Value {

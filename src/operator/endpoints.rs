@@ -112,7 +112,7 @@ pub fn encode_path(name: &str) -> String {
 fn query_param<'q>(query: Option<&'q str>, name: &str) -> Option<std::borrow::Cow<'q, str>> {
     query?.split('&').find_map(|pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (k == name).then(|| crate::descriptor::percent_decode(v))
+        (k == name).then(|| crate::request::descriptor::percent_decode(v))
     })
 }
 
@@ -186,10 +186,10 @@ impl Gateway {
                 (&outcome.rule.budget, outcome.committed, outcome.rule.mode)
             {
                 match budget.stage_for(outcome.quota.burst(), outcome.tokens) {
-                    Some(crate::budget::Action::Warn) => {
+                    Some(crate::limits::budget_window::Action::Warn) => {
                         note(outcome.rule, &outcome.key, Event::Warned)
                     }
-                    Some(crate::budget::Action::Throttle { .. }) => {
+                    Some(crate::limits::budget_window::Action::Throttle { .. }) => {
                         note(outcome.rule, &outcome.key, Event::Throttled)
                     }
                     _ => {}
@@ -302,7 +302,7 @@ impl Gateway {
                 let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
                 // The name carries a client's key (any text, `%0d%0a` decoded included):
                 // escaped, as every value of a log line, so it cannot forge a line.
-                let value = crate::log_line::value;
+                let value = crate::telemetry::log_line::value;
                 tracing::warn!(
                     bucket = %value(&shown),
                     policy = %value(&bucket.rule.policy_id),

@@ -4,7 +4,7 @@
 use super::error::FieldError;
 use super::index;
 use super::rule::{Guard, KillSwitch, LlmPart, Policy, Rule};
-use crate::descriptor::RequestFacts;
+use crate::request::descriptor::RequestFacts;
 
 /// What every key of a candidate bundle starts with ([`super::CompileOptions::candidate`]).
 pub const CANDIDATE_PREFIX: &str = "candidate:";
@@ -54,7 +54,7 @@ pub struct Bundle {
     /// Policies, rules and kill switches by what selects them ([`index`]).
     pub index: index::BundleIndex,
     /// The `tiktoken` encodings its rules count prompts in (a set of
-    /// [`crate::llm::TokenEncoding::bit`]s): front ends count those too.
+    /// [`crate::request::llm::TokenEncoding::bit`]s): front ends count those too.
     pub tiktoken: u8,
 }
 

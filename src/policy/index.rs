@@ -13,7 +13,7 @@
 //! differential property test in the engine runs random bundles and requests both ways).
 
 use super::rule::{KillSwitch, MatchValue, Policy, Rule};
-use crate::descriptor::{Descriptor, IpNet, RequestFacts};
+use crate::request::descriptor::{Descriptor, IpNet, RequestFacts};
 use ahash::AHashMap;
 use smallvec::SmallVec;
 use std::net::IpAddr;

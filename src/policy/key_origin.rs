@@ -12,7 +12,7 @@
 use super::bundle::Bundle;
 use super::error::FieldError;
 use super::rule::{LlmPart, MatchValue, Rule};
-use crate::descriptor::Descriptor;
+use crate::request::descriptor::Descriptor;
 
 /// A token bucket taking longer than this to refill from empty counts as long-window (seconds).
 pub const LONG_WINDOW_SECS: u64 = 3_600;

@@ -3,6 +3,8 @@
 //! `load` reads and parses bundle files, `compile` turns JSON into these structs once; nothing downstream re-checks a value. The
 //! runtime never sees JSON: rates are [`Quota`]s, descriptors are parsed, names are unique.
 
+pub mod import;
+
 pub(crate) mod bundle;
 pub(crate) mod compile;
 pub(crate) mod error;

@@ -1,8 +1,8 @@
 //! A bundle's compiled parts: policies and their selectors, rules (keys, conditions, costs and
 //! each kind's part), guards and kill switches, with the predicates a request is matched by.
 
-use crate::descriptor::{Descriptor, IpNet, RequestFacts};
-use crate::limiter::Quota;
+use crate::limits::limiter::Quota;
+use crate::request::descriptor::{Descriptor, IpNet, RequestFacts};
 use ahash::AHashMap;
 use std::net::IpAddr;
 use std::ops::Range;
@@ -205,7 +205,7 @@ pub struct Rule {
     /// a request repeating one of them is refused rather than limited on a guess.
     pub header_names: Vec<String>,
     /// `Some` for a `cost_based` rule: its window and stages (the budget is `quota.burst()`).
-    pub budget: Option<crate::budget::Budget>,
+    pub budget: Option<crate::limits::budget_window::Budget>,
     /// `Some` for a `concurrency` rule: slots instead of tokens.
     pub concurrency: Option<Concurrency>,
     /// `Some` for the rule a policy's `loop_detection` or `circuit_breaker` compiled to.
@@ -240,10 +240,10 @@ pub struct LlmLimit {
     pub max_completion_tokens: Option<u64>,
     /// The completion reserved when the request names no `max_tokens`.
     pub default_max_completion: u64,
-    pub estimator: crate::llm::Estimator,
+    pub estimator: crate::request::llm::Estimator,
     /// `streaming`: a streamed completion past `max_completion_tokens` (and the buffer) is
     /// stopped; `None` lets it run and charges the overrun.
-    pub stream_cap: Option<crate::llm::StreamCap>,
+    pub stream_cap: Option<crate::request::llm::StreamCap>,
 }
 
 /// Which budget of a `token_bucket_llm` rule a rule counts.
@@ -293,7 +293,7 @@ impl LoopDetection {
     /// The throttle delay: Fairvisor's 100 ms per identical request counted (the threshold,
     /// since counting stops there), at most 30 s.
     pub fn throttle_ms(&self) -> u64 {
-        (u64::from(self.threshold) * 100).min(crate::budget::MAX_THROTTLE_MS)
+        (u64::from(self.threshold) * 100).min(crate::limits::budget_window::MAX_THROTTLE_MS)
     }
 }
 
@@ -310,7 +310,7 @@ pub struct Breaker {
 impl Breaker {
     /// The longest a breaker without automatic reset stays open, so a forgotten one cannot pin
     /// a key in a shared store forever: 30 days.
-    pub const MANUAL_OPEN_US: u64 = 30 * 86_400 * crate::limiter::US_PER_SEC;
+    pub const MANUAL_OPEN_US: u64 = 30 * 86_400 * crate::limits::limiter::US_PER_SEC;
 
     /// How long a trip keeps the breaker open.
     pub fn open_us(&self) -> u64 {
@@ -336,8 +336,12 @@ impl Rule {
     /// caller builds the key), its quota always the descriptor's override. It is outside
     /// [`Bundle::rules`] (its `index` is `usize::MAX`), so per-rule metrics skip it.
     pub fn envoy_override() -> Rule {
-        let quota = Quota::new(crate::limiter::MICRO, crate::limiter::MICRO, 1_000_000)
-            .unwrap_or_else(|_| unreachable!("a 1 r/s quota is valid"));
+        let quota = Quota::new(
+            crate::limits::limiter::MICRO,
+            crate::limits::limiter::MICRO,
+            1_000_000,
+        )
+        .unwrap_or_else(|_| unreachable!("a 1 r/s quota is valid"));
         let mut sf_name = String::new();
         push_sf_string(&mut sf_name, ENVOY_OVERRIDE_RULE);
         Rule {
@@ -349,7 +353,7 @@ impl Rule {
             limit_keys: vec![Descriptor::Domain, Descriptor::EntryKeys],
             conditions: Vec::new(),
             quota,
-            cost: CostSource::Fixed(crate::limiter::MICRO),
+            cost: CostSource::Fixed(crate::limits::limiter::MICRO),
             overrides: AHashMap::new(),
             ip_overrides: Vec::new(),
             on_missing: OnMissing::Skip,

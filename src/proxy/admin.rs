@@ -5,7 +5,7 @@
 //! operator endpoints behind `--admin-token` (`/v1/buckets/{bucket}`, `POST /v1/explain`,
 //! `/v1/top`, `/status`; see [`crate::operator`]).
 
-use crate::headers::HeaderList;
+use crate::engine::headers::HeaderList;
 use crate::service::{Answer, Gateway};
 use crate::store::lease::Lease;
 use async_trait::async_trait;
@@ -81,9 +81,9 @@ static LEASE_HEADER: http::HeaderName = http::HeaderName::from_static("x-tollgat
 static LEASE_TTL_HEADER: http::HeaderName = http::HeaderName::from_static("x-tollgate-lease-ttl");
 /// An LLM reservation's token, for `/v1/usage`, and the tokens it holds.
 static RESERVATION_HEADER: http::HeaderName =
-    http::HeaderName::from_static(crate::grpc::RESERVATION_HEADER);
+    http::HeaderName::from_static(crate::proxy::grpc::RESERVATION_HEADER);
 static RESERVED_TOKENS_HEADER: http::HeaderName =
-    http::HeaderName::from_static(crate::grpc::RESERVED_TOKENS_HEADER);
+    http::HeaderName::from_static(crate::proxy::grpc::RESERVED_TOKENS_HEADER);
 
 #[async_trait]
 impl ServeHttp for Admin {
@@ -118,7 +118,12 @@ impl Admin {
         if metered || usage {
             let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes).await else {
                 if usage || self.gateway.enforces_tokens() {
-                    return reply(413, JSON, HeaderList::new(), crate::llm::BODY_TOO_LARGE);
+                    return reply(
+                        413,
+                        JSON,
+                        HeaderList::new(),
+                        crate::request::llm::BODY_TOO_LARGE,
+                    );
                 }
                 // Shadow rules alone refuse nothing: the rest is read past (not kept) and
                 // the decision made without the prompt.
@@ -128,8 +133,11 @@ impl Admin {
             if usage {
                 return self.usage(session, &body).await;
             }
-            let body_hash = crate::descriptor::body_hash(&body);
-            let llm = crate::llm::LlmRequest::parse_with(&body, self.gateway.tiktoken_encodings());
+            let body_hash = crate::request::descriptor::body_hash(&body);
+            let llm = crate::request::llm::LlmRequest::parse_with(
+                &body,
+                self.gateway.tiktoken_encodings(),
+            );
             return self
                 .decision(session.req_header(), peer, body_hash, Some(&llm))
                 .await;
@@ -137,7 +145,7 @@ impl Admin {
         // Read any body so the connection can be reused; hashed when a policy fingerprints
         // bodies (Envoy's HTTP ext_authz sends the original body with `with_request_body`).
         let body_hash = if self.gateway.fingerprints_bodies() {
-            let mut hasher = crate::descriptor::BodyHasher::default();
+            let mut hasher = crate::request::descriptor::BodyHasher::default();
             while let Ok(Some(chunk)) = session.read_request_body().await {
                 hasher.update(&chunk);
             }
@@ -231,7 +239,7 @@ impl Admin {
                 .get(http::header::COOKIE)
                 .and_then(|v| v.to_str().ok());
             self.gateway.debug_logout(cookie);
-            return set_cookie(crate::compat::CLOSE_COOKIE);
+            return set_cookie(crate::engine::compat::CLOSE_COOKIE);
         }
         match self.gateway.debug_login(peer, &req.headers) {
             DebugLogin::Opened(cookie) => set_cookie(&cookie),
@@ -280,7 +288,7 @@ impl Admin {
         req: &pingora::http::RequestHeader,
         peer: Option<std::net::IpAddr>,
         body_hash: Option<u64>,
-        llm: Option<&crate::llm::LlmRequest>,
+        llm: Option<&crate::request::llm::LlmRequest>,
     ) -> Response<Vec<u8>> {
         let Some(telemetry) = self.gateway.telemetry() else {
             return self.decision_traced(req, peer, body_hash, llm, None).await;
@@ -288,7 +296,7 @@ impl Admin {
         // The caller's context (nginx's subrequest and Envoy's HTTP ext_authz pass the
         // client's headers on), as `--trace-context` allows for the calling peer.
         let trusted = peer
-            .map(crate::descriptor::canonical_ip)
+            .map(crate::request::descriptor::canonical_ip)
             .is_some_and(|ip| self.gateway.is_trusted_proxy(ip));
         let mut trace = telemetry.decision_call(&req.headers, trusted, req.method.as_str());
         let response = self
@@ -303,8 +311,8 @@ impl Admin {
         req: &pingora::http::RequestHeader,
         peer: Option<std::net::IpAddr>,
         body_hash: Option<u64>,
-        llm: Option<&crate::llm::LlmRequest>,
-        trace: Option<&mut crate::telemetry::RequestSpan>,
+        llm: Option<&crate::request::llm::LlmRequest>,
+        trace: Option<&mut crate::telemetry::traces::RequestSpan>,
     ) -> Response<Vec<u8>> {
         let answer = self.decide(req, peer, body_hash, llm, trace).await;
         if answer.no_policy {
@@ -381,7 +389,7 @@ impl Admin {
                 "name the reservation (\"reservation\" or the X-Tollgate-Reservation header)",
             );
         };
-        let Some(usage) = crate::llm::reported_usage(&json) else {
+        let Some(usage) = crate::request::llm::reported_usage(&json) else {
             return bad(
                 "report the tokens used: \"total_tokens\", or prompt_tokens and completion_tokens",
             );
@@ -415,15 +423,15 @@ impl Admin {
         req: &pingora::http::RequestHeader,
         peer: Option<std::net::IpAddr>,
         body_hash: Option<u64>,
-        llm: Option<&crate::llm::LlmRequest>,
-        mut trace: Option<&mut crate::telemetry::RequestSpan>,
+        llm: Option<&crate::request::llm::LlmRequest>,
+        mut trace: Option<&mut crate::telemetry::traces::RequestSpan>,
     ) -> Answer {
         let original = Original::of(req, "/v1/decision", req.method.as_str());
         // The caller is a gateway by role: the client is described by X-Forwarded-For (or,
         // without it, X-Real-IP), rightmost hop that is not a trusted proxy or the caller.
         let client_ip = self.gateway.client_ip(peer, &req.headers, true);
         if let Some(trace) = trace.as_deref_mut() {
-            let (path, _) = crate::descriptor::split_uri(original.uri);
+            let (path, _) = crate::request::descriptor::split_uri(original.uri);
             trace.described(original.method, path, original.host);
             if let Some(ip) = client_ip {
                 trace.client(ip);
@@ -613,16 +621,24 @@ impl Admin {
                 // fingerprint for `loop_detection`.
                 let body = read_bounded(session, self.gateway.config.max_body_bytes).await;
                 let Some(body) = body else {
-                    return reply(413, JSON, HeaderList::new(), crate::llm::BODY_TOO_LARGE);
+                    return reply(
+                        413,
+                        JSON,
+                        HeaderList::new(),
+                        crate::request::llm::BODY_TOO_LARGE,
+                    );
                 };
                 let req = session.req_header();
                 let body_hash = if self.gateway.fingerprints_bodies() {
-                    crate::descriptor::body_hash(&body)
+                    crate::request::descriptor::body_hash(&body)
                 } else {
                     None
                 };
                 let llm = self.gateway.meters_tokens().then(|| {
-                    crate::llm::LlmRequest::parse_with(&body, self.gateway.tiktoken_encodings())
+                    crate::request::llm::LlmRequest::parse_with(
+                        &body,
+                        self.gateway.tiktoken_encodings(),
+                    )
                 });
                 let original = Original::of(req, "/v1/explain", "GET");
                 let client_ip = self.gateway.client_ip(peer, &req.headers, true);

@@ -205,7 +205,7 @@ pub struct Limits {
 pub struct PerClient {
     max: usize,
     ipv6_prefix: u8,
-    trusted: Vec<crate::descriptor::IpNet>,
+    trusted: Vec<crate::request::descriptor::IpNet>,
     open: parking_lot::Mutex<ahash::AHashMap<std::net::IpAddr, usize>>,
     refused: prometheus::IntCounter,
     /// The whole refusal, built once (its reason header name is configurable).
@@ -216,7 +216,7 @@ impl PerClient {
     pub fn new(
         max: usize,
         ipv6_prefix: u8,
-        trusted: Vec<crate::descriptor::IpNet>,
+        trusted: Vec<crate::request::descriptor::IpNet>,
         reason_header: &str,
         refused: prometheus::IntCounter,
     ) -> Arc<Self> {
@@ -239,8 +239,8 @@ impl PerClient {
     /// Counts a new connection from `peer`: `Ok(None)` when it is not counted (a trusted
     /// proxy), `Err(())` when the address already holds its cap.
     fn enter(self: &Arc<Self>, peer: std::net::IpAddr) -> Result<Option<ClientSlot>, ()> {
-        let peer = crate::descriptor::canonical_ip(peer);
-        if crate::client_addr::in_any(&self.trusted, peer) {
+        let peer = crate::request::descriptor::canonical_ip(peer);
+        if crate::request::client_addr::in_any(&self.trusted, peer) {
             return Ok(None);
         }
         let key = match peer {

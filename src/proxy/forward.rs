@@ -1,5 +1,5 @@
 //! The forwarding headers on a proxied request and a route's header rules, applied to Pingora's
-//! headers (what they are and how rules compile: [`crate::forwarding`]).
+//! headers (what they are and how rules compile: [`crate::request::forwarding`]).
 //!
 //! Towards the upstream, by default: `X-Forwarded-Proto` (`http` or `https`, as the client
 //! connected), `X-Forwarded-Host` (the host the client asked for) and `X-Forwarded-Port` (the
@@ -10,7 +10,7 @@
 //! made up. Then the route's `request_headers` rules; its `response_headers` rules apply to
 //! the upstream's response.
 
-use crate::forwarding::{forwarded_element, HeaderRules, RouteHeaders, Variables};
+use crate::request::forwarding::{forwarded_element, HeaderRules, RouteHeaders, Variables};
 use http::HeaderValue;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::proxy::Session;
@@ -55,7 +55,10 @@ impl ConnectionValues {
     pub fn of(session: &Session, peer: Option<IpAddr>) -> ConnectionValues {
         let peer = peer.and_then(|ip| {
             let mut text = String::with_capacity(39);
-            crate::log_line::push_ip(&mut text, crate::descriptor::canonical_ip(ip));
+            crate::telemetry::log_line::push_ip(
+                &mut text,
+                crate::request::descriptor::canonical_ip(ip),
+            );
             HeaderValue::from_str(&text).ok()
         });
         let port = session
@@ -98,7 +101,7 @@ fn forwarded_for_upstream(headers: &http::HeaderMap, peer: IpAddr) -> Vec<u8> {
         value.extend_from_slice(b", ");
     }
     let mut peer_text = String::with_capacity(39);
-    crate::log_line::push_ip(&mut peer_text, peer);
+    crate::telemetry::log_line::push_ip(&mut peer_text, peer);
     value.extend_from_slice(peer_text.as_bytes());
     value
 }
@@ -114,7 +117,7 @@ pub fn to_request(
 ) -> Result<()> {
     // Append the hop we saw (the TCP peer) to the chain; every earlier line is folded into
     // one. Without a chain, the peer's text made once for the connection is the value.
-    if let Some(peer) = peer.map(crate::descriptor::canonical_ip) {
+    if let Some(peer) = peer.map(crate::request::descriptor::canonical_ip) {
         match &conn.peer {
             Some(text) if !req.headers.contains_key(X_FORWARDED_FOR.0) => {
                 req.insert_header_parsed(X_FORWARDED_FOR.0, X_FORWARDED_FOR.1, text.clone());

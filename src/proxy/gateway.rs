@@ -3,11 +3,11 @@
 //! the rate-limit headers are added to the upstream's response.
 
 use super::upstreams::{Group, Upstreams};
-use crate::access_log::{self, AccessLogFormat, AccessRecord};
-use crate::descriptor::RequestFacts;
+use crate::engine::headers::HeaderList;
 use crate::engine::Reason;
-use crate::headers::HeaderList;
+use crate::request::descriptor::RequestFacts;
 use crate::service::{Gateway, HttpHeaders};
+use crate::telemetry::access_log::{self, AccessLogFormat, AccessRecord};
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -64,14 +64,14 @@ pub struct RequestCtx {
     /// Forwarding headers and the route's header rules.
     forwarding: super::forward::Forwarding,
     /// The request's spans, when traces are on (ended in `logging`).
-    trace: Option<Box<crate::telemetry::RequestSpan>>,
+    trace: Option<Box<crate::telemetry::traces::RequestSpan>>,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
 struct Metering {
     reservation: crate::engine::Reservation,
     /// Made when the response header arrives.
-    meter: Option<crate::llm_encoding::BodyMeter>,
+    meter: Option<crate::request::llm_encoding::BodyMeter>,
     status: u16,
     /// The request went to the upstream (the model may have read the prompt).
     sent: bool,
@@ -84,7 +84,7 @@ struct Metering {
 /// client are kept until written (`body_bytes_sent` says how far it got), with the response
 /// header: stopping writes whatever of them the client has not had, then the closing events.
 struct StreamStop {
-    cap: crate::llm::StreamCap,
+    cap: crate::request::llm::StreamCap,
     /// The response header as sent (after `response_filter`). Upstreams speak HTTP/1.1 here
     /// (`upstreams.rs` peers offer no h2), so it is already in the form Pingora writes; an
     /// HTTP/2 upstream's header would first need Pingora's HTTP/1.1 conversion.
@@ -350,7 +350,7 @@ impl ProxyHttp for Proxy {
             let generated_id = sent.is_none();
             ctx.access = Some(Box::new(AccessCtx {
                 started: std::time::Instant::now(),
-                unix_ms: crate::clock::wall_unix_ms(),
+                unix_ms: crate::limits::clock::wall_unix_ms(),
                 request_id: sent.unwrap_or_else(access_log::new_request_id),
                 generated_id,
                 client_ip: None,
@@ -383,7 +383,7 @@ impl ProxyHttp for Proxy {
                 .and_then(|a| a.as_inet())
                 .map(|sa| sa.ip());
             let trusted = peer
-                .map(crate::descriptor::canonical_ip)
+                .map(crate::request::descriptor::canonical_ip)
                 .is_some_and(|ip| self.gateway.is_trusted_proxy(ip));
             (peer, trusted)
         });
@@ -426,8 +426,8 @@ impl ProxyHttp for Proxy {
             let read = Box::pin(read_whole_body(session, self.gateway.config.max_body_bytes));
             match read.await {
                 Ok(body) => {
-                    let hash = crate::descriptor::body_hash(&body);
-                    let llm = crate::llm::LlmRequest::parse_with(
+                    let hash = crate::request::descriptor::body_hash(&body);
+                    let llm = crate::request::llm::LlmRequest::parse_with(
                         &body,
                         self.gateway.tiktoken_encodings(),
                     );
@@ -561,7 +561,7 @@ impl ProxyHttp for Proxy {
                             return Ok(false);
                         }
                         (
-                            crate::headers::Response {
+                            crate::engine::headers::Response {
                                 status: 404,
                                 headers: std::mem::take(&mut ctx.add_headers),
                                 body: Some("Not Found: no route for this host and path\n"),
@@ -740,7 +740,7 @@ impl ProxyHttp for Proxy {
             if ctx.connect_tries == 1 {
                 trace.upstream_started(telemetry, &group.spec.name, addr);
             } else if trace.upstream_recorded() {
-                trace.upstream_event(crate::telemetry::UpstreamEvent::Retry {
+                trace.upstream_event(crate::telemetry::traces::UpstreamEvent::Retry {
                     server: addr,
                     attempt: ctx.connect_tries,
                 });
@@ -773,7 +773,7 @@ impl ProxyHttp for Proxy {
                 outcome.ejected,
             );
             tracing::warn!(
-                group = %crate::log_line::value(&group.spec.name),
+                group = %crate::telemetry::log_line::value(&group.spec.name),
                 server = %addr,
                 kind = kind.as_str(),
                 attempt = ctx.connect_tries,
@@ -782,20 +782,20 @@ impl ProxyHttp for Proxy {
                 e.etype().as_str()
             );
             if let Some(trace) = ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()) {
-                trace.upstream_event(crate::telemetry::UpstreamEvent::ConnectFailed {
+                trace.upstream_event(crate::telemetry::traces::UpstreamEvent::ConnectFailed {
                     server: addr,
                     attempt: ctx.connect_tries,
                     failure: kind.as_str(),
                 });
                 if outcome.ejected {
-                    trace.upstream_event(crate::telemetry::UpstreamEvent::Ejection {
+                    trace.upstream_event(crate::telemetry::traces::UpstreamEvent::Ejection {
                         server: addr,
                         attempt: ctx.connect_tries,
                     });
                 }
             }
             if outcome.ejected {
-                tracing::warn!(group = %crate::log_line::value(&group.spec.name), server = %addr, "upstream server ejected after consecutive connection failures");
+                tracing::warn!(group = %crate::telemetry::log_line::value(&group.spec.name), server = %addr, "upstream server ejected after consecutive connection failures");
             }
         }
         e
@@ -819,7 +819,7 @@ impl ProxyHttp for Proxy {
             ctx.trace.as_deref_mut().filter(|t| t.upstream_recorded()),
             ctx.server,
         ) {
-            trace.upstream_event(crate::telemetry::UpstreamEvent::Connect {
+            trace.upstream_event(crate::telemetry::traces::UpstreamEvent::Connect {
                 server: addr,
                 attempt: ctx.connect_tries,
                 reused,
@@ -862,7 +862,7 @@ impl ProxyHttp for Proxy {
         if let Some(trace) = ctx.trace.as_deref() {
             // The upstream continues this trace: the client's own context (kept or not) is
             // replaced by the upstream call's.
-            upstream_request.remove_header(&crate::telemetry::TRACESTATE.0);
+            upstream_request.remove_header(&crate::telemetry::traces::TRACESTATE.0);
             trace.inject_upstream(&mut |name, wire, value| {
                 upstream_request.insert_header_parsed(name, wire, value);
             });
@@ -903,7 +903,7 @@ impl ProxyHttp for Proxy {
                 .headers
                 .get(http::header::CONTENT_ENCODING)
                 .and_then(|v| v.to_str().ok());
-            let encoded = crate::llm_encoding::coding(encoding).is_some();
+            let encoded = crate::request::llm_encoding::coding(encoding).is_some();
             // A body framed by Content-Length cannot end early: it streams whole; an encoded
             // one does not split where its text does.
             let cap = metering.reservation.stream_cap().filter(|_| {
@@ -914,9 +914,11 @@ impl ProxyHttp for Proxy {
                         .get(http::header::CONTENT_LENGTH)
                         .is_none()
             });
-            let meter =
-                crate::llm::ResponseMeter::new(content_type, self.gateway.config.max_body_bytes)
-                    .with_cap(cap.map(|c| c.limit()));
+            let meter = crate::request::llm::ResponseMeter::new(
+                content_type,
+                self.gateway.config.max_body_bytes,
+            )
+            .with_cap(cap.map(|c| c.limit()));
             metering.stop = cap.filter(|_| meter.capped()).map(|cap| {
                 Box::new(StreamStop {
                     cap,
@@ -926,7 +928,7 @@ impl ProxyHttp for Proxy {
                     tail: None,
                 })
             });
-            metering.meter = Some(crate::llm_encoding::BodyMeter::new(
+            metering.meter = Some(crate::request::llm_encoding::BodyMeter::new(
                 meter,
                 encoding,
                 self.gateway.config.max_body_bytes,
@@ -948,7 +950,7 @@ impl ProxyHttp for Proxy {
             .filter(|r| !r.response.is_empty())
         {
             let (host, _) = host_and_target(session.req_header());
-            let vars = crate::forwarding::Variables {
+            let vars = crate::request::forwarding::Variables {
                 client_addr: ctx.client_ip.or(ctx.peer),
                 request_id: ctx
                     .access
@@ -983,7 +985,7 @@ impl ProxyHttp for Proxy {
                     .llm_undecodable(encoding, reason.as_str());
                 tracing::warn!(
                     // The upstream's `Content-Encoding`: escaped like every value of a line.
-                    encoding = %crate::log_line::value(encoding),
+                    encoding = %crate::telemetry::log_line::value(encoding),
                     reason = reason.as_str(),
                     "LLM response body could not be decoded: the reservation stays charged as reserved"
                 );
@@ -1040,7 +1042,7 @@ impl ProxyHttp for Proxy {
             // of its body. The connection is closed instead, so the client sees the body end
             // short of its length (or an HTTP/2 stream reset) and knows it is incomplete.
             // Pingora's error text may quote the upstream's or the client's bytes.
-            tracing::warn!(error = %crate::log_line::value(&e.to_string()), "upstream failed mid-response: the client connection is closed");
+            tracing::warn!(error = %crate::telemetry::log_line::value(&e.to_string()), "upstream failed mid-response: the client connection is closed");
             return FailToProxy {
                 error_code: code,
                 can_reuse_downstream: false,
@@ -1091,7 +1093,7 @@ impl ProxyHttp for Proxy {
             _ => None,
         };
         if let Some((what, body)) = page {
-            tracing::warn!(error = %crate::log_line::value(&e.to_string()), "{what}");
+            tracing::warn!(error = %crate::telemetry::log_line::value(&e.to_string()), "{what}");
             let _ = respond(session, code, request_id_header(ctx), body).await;
         } else if code > 0 {
             let _ = session.respond_error(code).await;
@@ -1193,7 +1195,7 @@ async fn read_whole_body(
 ) -> std::result::Result<Bytes, (u16, &'static str)> {
     let declared = super::protocol::declared_length(session.req_header());
     if declared.is_some_and(|n| n > limit) {
-        return Err((413, crate::llm::BODY_TOO_LARGE));
+        return Err((413, crate::request::llm::BODY_TOO_LARGE));
     }
     if session.is_body_empty() {
         return Ok(Bytes::new());
@@ -1212,13 +1214,13 @@ async fn read_whole_body(
         }
         match session.read_request_body().await {
             Ok(Some(chunk)) if body.len() + chunk.len() <= limit => body.extend_from_slice(&chunk),
-            Ok(Some(_)) => return Err((413, crate::llm::BODY_TOO_LARGE)),
+            Ok(Some(_)) => return Err((413, crate::request::llm::BODY_TOO_LARGE)),
             Ok(None) => break,
             Err(_) => return Err((400, BODY_BROKEN)),
         }
     }
     if body.len() > RETRY_BUFFER_BYTES && session.get_retry_buffer().is_none() {
-        return Err((411, crate::llm::LENGTH_REQUIRED));
+        return Err((411, crate::request::llm::LENGTH_REQUIRED));
     }
     Ok(body.freeze())
 }
@@ -1245,7 +1247,7 @@ async fn read_small_body(session: &mut Session) -> Option<u64> {
         answer.await.ok()?;
     }
     session.enable_retry_buffering();
-    let mut hasher = crate::descriptor::BodyHasher::default();
+    let mut hasher = crate::request::descriptor::BodyHasher::default();
     loop {
         match session.read_request_body().await {
             Ok(Some(chunk)) => hasher.update(&chunk),

@@ -1,9 +1,12 @@
 //! Pingora glue: the only module that names Pingora types. It builds the server — the reverse
 //! proxy ([`gateway`]), the admin listener ([`admin`]) and background tasks (reload, sweep) — and
 //! runs it until SIGTERM/SIGINT, then drains; or, on SIGQUIT, hands its listening sockets over
-//! to the process started with `--upgrade` ([`crate::handover`]), then drains once the new
+//! to the process started with `--upgrade` ([`crate::proxy::handover`]), then drains once the new
 //! process says it serves. The new process takes the sockets it is handed into Pingora's
 //! bootstrap through a private relay socket of its own.
+
+pub mod grpc;
+pub mod handover;
 
 pub mod admin;
 pub mod conn;
@@ -13,7 +16,7 @@ pub mod protocol;
 pub mod queue;
 pub mod upstreams;
 
-use crate::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
+use crate::config::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
 use crate::config::Config;
 use crate::service::{init_logging, Gateway};
 use async_trait::async_trait;
@@ -57,7 +60,7 @@ pub fn run(args: RunArgs) -> u8 {
         }
     };
     // Traces, when the OTEL_* environment asks for them (a setting it cannot use stops here).
-    match crate::telemetry::Telemetry::from_env(
+    match crate::telemetry::traces::Telemetry::from_env(
         gateway.config.trace_context,
         gateway.metrics.trace_spans_dropped(),
     ) {
@@ -139,7 +142,7 @@ pub fn run(args: RunArgs) -> u8 {
                 .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
     }) {
         if let Err(reason) =
-            crate::handover::check_socket_dir(sock, crate::fs_trust::effective_uid())
+            crate::proxy::handover::check_socket_dir(sock, crate::store::fs_trust::effective_uid())
         {
             let e = format!(
                 "--upgrade-sock {}: its directory is not trusted: {reason}",
@@ -179,7 +182,7 @@ pub fn run(args: RunArgs) -> u8 {
     // Certificates first: a bad one is a start-up error naming the file.
     let certificates = match &config.tls {
         None => None,
-        Some(tls) => match crate::tls::Certificates::load(tls.pairs.clone()) {
+        Some(tls) => match crate::config::tls::Certificates::load(tls.pairs.clone()) {
             Ok(certs) => {
                 tracing::info!(names = ?certs.current().names, "TLS certificates loaded");
                 Some(certs)
@@ -207,7 +210,7 @@ pub fn run(args: RunArgs) -> u8 {
 
     // Upstream groups and routes: the gateway file, or `--upstream` as one default group.
     let route_table = match &config.routes {
-        Some(file) => match crate::routes::load_file(file) {
+        Some(file) => match crate::config::routes::load_file(file) {
             Ok(table) => Some(table),
             Err(e) => {
                 tracing::error!("--routes: {e}");
@@ -216,8 +219,8 @@ pub fn run(args: RunArgs) -> u8 {
             }
         },
         None if config.upstreams.is_empty() => None,
-        None => Some(crate::routes::RouteTable::single(
-            crate::routes::GroupSpec::from_flag(config.upstreams.clone()),
+        None => Some(crate::config::routes::RouteTable::single(
+            crate::config::routes::GroupSpec::from_flag(config.upstreams.clone()),
         )),
     };
     let upstreams = match route_table.map(upstreams::Upstreams::build) {
@@ -331,7 +334,7 @@ pub fn run(args: RunArgs) -> u8 {
         let bound = if config.upgrade {
             None
         } else {
-            match crate::grpc::bind(grpc) {
+            match crate::proxy::grpc::bind(grpc) {
                 Ok(listener) => Some(listener),
                 Err(e) => {
                     tracing::error!("{e}");
@@ -341,8 +344,12 @@ pub fn run(args: RunArgs) -> u8 {
             }
         };
         let (deliver, delivered) = tokio::sync::oneshot::channel();
-        match crate::grpc::GrpcServer::start(Arc::clone(&gateway), grpc, config.threads, delivered)
-        {
+        match crate::proxy::grpc::GrpcServer::start(
+            Arc::clone(&gateway),
+            grpc,
+            config.threads,
+            delivered,
+        ) {
             Ok(running) => {
                 listen_addrs.push(grpc.listen.to_string());
                 server.add_service(GrpcListener {
@@ -390,10 +397,10 @@ pub fn run(args: RunArgs) -> u8 {
     if let (Some(relay), Some(sock)) = (&relay, &config.upgrade_sock) {
         tracing::info!(upgrade_sock = %sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
         let metrics = &gateway.metrics;
-        let received = crate::handover::receive(
+        let received = crate::proxy::handover::receive(
             sock,
-            crate::fs_trust::effective_uid(),
-            crate::handover::RECEIVE_WAIT,
+            crate::store::fs_trust::effective_uid(),
+            crate::proxy::handover::RECEIVE_WAIT,
             |refused| {
                 tracing::error!("upgrade: {refused}");
                 metrics.handover_failed(refused.reason());
@@ -436,7 +443,7 @@ pub fn run(args: RunArgs) -> u8 {
         // by at most this.
         telemetry.shutdown(Duration::from_secs(2));
     }
-    crate::log_line::flush();
+    crate::telemetry::log_line::flush();
     tracing::info!("tollgate stopped");
     EXIT_OK
 }
@@ -485,12 +492,12 @@ impl DrainOnSignal {
         };
         tracing::info!(upgrade_sock = %sock.display(), "SIGQUIT: handing the listeners over to the new gateway");
         let sent = tokio::task::spawn_blocking(move || {
-            crate::handover::send(
+            crate::proxy::handover::send(
                 &sock,
                 &listeners,
-                crate::fs_trust::effective_uid(),
-                crate::handover::CONNECT_WAIT,
-                crate::handover::CONFIRM_WAIT,
+                crate::store::fs_trust::effective_uid(),
+                crate::proxy::handover::CONNECT_WAIT,
+                crate::proxy::handover::CONFIRM_WAIT,
             )
         })
         .await;
@@ -597,7 +604,7 @@ const LISTENERS_WAIT: Duration = Duration::from_secs(10);
 /// or the old process gave up waiting, this process stops: it must never serve beside the old
 /// one, nor take over without all its listeners.
 struct ConfirmUpgrade {
-    confirmation: parking_lot::Mutex<Option<crate::handover::Confirmation>>,
+    confirmation: parking_lot::Mutex<Option<crate::proxy::handover::Confirmation>>,
     listen_addrs: Vec<String>,
     listen_table: Arc<std::sync::OnceLock<pingora::server::ListenFds>>,
 }
@@ -631,7 +638,7 @@ impl BackgroundService for ConfirmUpgrade {
                     missing = ?missing,
                     "upgrade: not every listener is in place after {LISTENERS_WAIT:?}; not confirming, stopping (the old gateway keeps serving)"
                 );
-                crate::log_line::flush();
+                crate::telemetry::log_line::flush();
                 std::process::exit(i32::from(EXIT_INVALID));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -643,7 +650,7 @@ impl BackgroundService for ConfirmUpgrade {
             Ok(()) => tracing::info!("upgrade: serving; the old gateway drains"),
             Err(e) => {
                 tracing::error!("upgrade: the old gateway stopped waiting for this one ({e}) and keeps serving; stopping");
-                crate::log_line::flush();
+                crate::telemetry::log_line::flush();
                 std::process::exit(i32::from(EXIT_INVALID));
             }
         }
@@ -659,7 +666,7 @@ struct Relay {
 
 impl Relay {
     fn make(upgrade_sock: &std::path::Path) -> Result<Relay, String> {
-        let dir = crate::handover::socket_dir(upgrade_sock)
+        let dir = crate::proxy::handover::socket_dir(upgrade_sock)
             .join(format!(".tollgate-relay-{}", std::process::id()));
         // A Unix socket's path holds at most 107 bytes; Pingora's bootstrap cannot take one
         // longer, so say so now, before anything is handed over.
@@ -690,11 +697,11 @@ impl Relay {
                 .iter()
                 .map(|(name, fd)| (name.clone(), fd.as_raw_fd()))
                 .collect();
-            if let Err(e) = crate::handover::relay(
+            if let Err(e) = crate::proxy::handover::relay(
                 &sock,
                 &raw,
-                crate::fs_trust::effective_uid(),
-                crate::handover::CONNECT_WAIT,
+                crate::store::fs_trust::effective_uid(),
+                crate::proxy::handover::CONNECT_WAIT,
             ) {
                 tracing::error!("upgrade: {e}");
             }
@@ -717,7 +724,7 @@ struct GrpcListener {
     key: String,
     bound: Option<std::net::TcpListener>,
     deliver: Option<tokio::sync::oneshot::Sender<std::net::TcpListener>>,
-    server: Option<crate::grpc::GrpcServer>,
+    server: Option<crate::proxy::grpc::GrpcServer>,
 }
 
 #[async_trait]
@@ -823,7 +830,7 @@ struct Housekeeping {
     gateway: Arc<Gateway>,
     /// `--policy-verify-key`, read at start-up.
     verify_key: Option<Arc<crate::fleet::envelope::VerifyKey>>,
-    certificates: Option<Arc<crate::tls::Certificates>>,
+    certificates: Option<Arc<crate::config::tls::Certificates>>,
     upstreams: Option<Arc<arc_swap::ArcSwap<upstreams::Upstreams>>>,
     /// The gateway file's signature at the last look.
     routes_seen: parking_lot::Mutex<Option<u64>>,
@@ -839,7 +846,7 @@ impl Housekeeping {
         *self.routes_seen.lock() = crate::config::file_hash(file);
         // Read and compiled once; unchanged (a SIGHUP for the certificates or the policy), the
         // groups stay, and with them what the health checks know.
-        let loaded = crate::routes::load_file(file).map_err(|e| e.to_string());
+        let loaded = crate::config::routes::load_file(file).map_err(|e| e.to_string());
         if loaded
             .as_ref()
             .is_ok_and(|table| *table == upstreams.load().table)

@@ -165,7 +165,7 @@ fn proxy_host(authority: Option<&str>, tls_name: Option<&str>, server: SocketAdd
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::{DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADER_LINES};
+    use crate::config::cli::{DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADER_LINES};
 
     #[test]
     fn the_line_limit_is_checked_before_the_byte_limit() {

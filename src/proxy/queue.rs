@@ -5,7 +5,7 @@
 //! choice of the server until the response is done, so the server never sees more requests, nor
 //! (with connection reuse) more connections, than its cap.
 
-pub use crate::metrics::QueueMetrics;
+pub use crate::telemetry::metrics::QueueMetrics;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};

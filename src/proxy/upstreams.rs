@@ -18,7 +18,7 @@
 //! The whole set is swapped on reload ([`Upstreams`] behind an `ArcSwap`): a request holds the
 //! group it was routed to, so nothing in flight is dropped.
 
-use crate::routes::{Balance, GroupSpec, RouteTable};
+use crate::config::routes::{Balance, GroupSpec, RouteTable};
 use parking_lot::Mutex;
 use pingora::lb::health_check::HttpHealthCheck;
 use pingora::lb::selection::{Consistent, RoundRobin};
@@ -59,7 +59,10 @@ impl Upstreams {
         &self,
         host: Option<&str>,
         path: &str,
-    ) -> Option<(&Arc<Group>, Option<&Arc<crate::forwarding::RouteHeaders>>)> {
+    ) -> Option<(
+        &Arc<Group>,
+        Option<&Arc<crate::request::forwarding::RouteHeaders>>,
+    )> {
         let (group, rules) = self.table.pick_route(host, path)?;
         self.groups.get(group).map(|g| (g, rules))
     }
@@ -342,7 +345,7 @@ impl Group {
                 |s: &Server| self.available(s, now_ms, ignore_ejection) && (!avoiding || other(s));
             let found = match &self.balancer {
                 Balancer::ClientHash(lb) => {
-                    let key = match client_ip.map(crate::descriptor::canonical_ip) {
+                    let key = match client_ip.map(crate::request::descriptor::canonical_ip) {
                         Some(std::net::IpAddr::V4(v4)) => v4.octets().to_vec(),
                         Some(std::net::IpAddr::V6(v6)) => v6.octets().to_vec(),
                         None => Vec::new(),

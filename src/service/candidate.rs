@@ -13,11 +13,11 @@
 
 use super::gateway::Gateway;
 use super::shadow::{Candidate, Counters};
-use crate::descriptor::RequestFacts;
 use crate::engine::candidate::{decide_candidate_local, plan_candidate, CandidateBundle, Refusers};
+use crate::engine::rls::{self, RlsRequest, StoreAnswer};
 use crate::engine::{Decision, EngineConfig};
 use crate::policy::Bundle;
-use crate::rls::{self, RlsRequest, StoreAnswer};
+use crate::request::descriptor::RequestFacts;
 use crate::store::lease::{next_lease_id, LeaseResults};
 use crate::store::{Backend, OpResults, Store};
 use std::collections::BTreeMap;

@@ -1,10 +1,10 @@
 //! Fairvisor's debug sessions on the running gateway (`--compat fairvisor` with
 //! `--debug-session-secret`): who a login attempt comes from, the random bytes a session needs,
-//! counting and logging failures; the sessions themselves are [`crate::compat::DebugSessions`].
+//! counting and logging failures; the sessions themselves are [`crate::engine::compat::DebugSessions`].
 
 use super::gateway::Gateway;
 use super::state_key;
-use crate::compat::{Failure, Login};
+use crate::engine::compat::{Failure, Login};
 use std::net::IpAddr;
 
 /// The answer to `POST /v1/debug/session`.
@@ -29,7 +29,7 @@ impl Gateway {
     /// Whether a `Cookie` header opens a debug session.
     pub fn debug_session_open(&self, cookie: Option<&str>) -> bool {
         // Most decisions carry no session cookie: no lock for them.
-        if !cookie.is_some_and(|c| c.contains(crate::compat::COOKIE)) {
+        if !cookie.is_some_and(|c| c.contains(crate::engine::compat::COOKIE)) {
             return false;
         }
         self.debug_sessions.as_ref().is_some_and(|sessions| {
@@ -49,11 +49,12 @@ impl Gateway {
         };
         let client = self
             .client_ip(peer, headers, false)
-            .map(crate::descriptor::canonical_ip)
+            .map(crate::request::descriptor::canonical_ip)
             .map_or(IpAddr::from([0, 0, 0, 0]), |ip| match ip {
-                IpAddr::V6(v6) => {
-                    IpAddr::V6(crate::descriptor::mask_v6(v6, self.config.ipv6_prefix))
-                }
+                IpAddr::V6(v6) => IpAddr::V6(crate::request::descriptor::mask_v6(
+                    v6,
+                    self.config.ipv6_prefix,
+                )),
                 v4 => v4,
             });
         let Ok(id) = state_key::random_bytes() else {
@@ -61,7 +62,7 @@ impl Gateway {
             return DebugLogin::Refused;
         };
         let provided = headers
-            .get(crate::compat::SECRET_HEADER)
+            .get(crate::engine::compat::SECRET_HEADER)
             .map(http::HeaderValue::as_bytes);
         let unix_secs = self.clock.unix_secs().max(0) as u64;
         let login = sessions.write().login(client, provided, unix_secs, id);
@@ -75,8 +76,8 @@ impl Gateway {
                 if now_throttled {
                     tracing::warn!(
                         client = %client,
-                        failures = crate::compat::MAX_FAILED_ATTEMPTS,
-                        window_secs = crate::compat::ATTEMPT_WINDOW_SECS,
+                        failures = crate::engine::compat::MAX_FAILED_ATTEMPTS,
+                        window_secs = crate::engine::compat::ATTEMPT_WINDOW_SECS,
                         "debug session: too many failed attempts, this client must wait"
                     );
                 }

@@ -1,12 +1,12 @@
 //! Envoy's RateLimitService on the gateway: a `ShouldRateLimit` call's descriptors planned by
-//! [`crate::rls`], one store call (after a peek when a descriptor only checks), the merged
+//! [`crate::engine::rls`], one store call (after a peek when a descriptor only checks), the merged
 //! decision counted, logged and turned into headers.
 
 use super::gateway::Gateway;
 use super::logging::log_decision;
+use crate::engine::headers::{self, Response};
+use crate::engine::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
 use crate::engine::{Decided, RequestView};
-use crate::headers::{self, Response};
-use crate::rls::{self, DescriptorStatus, RlsError, RlsRequest, StoreAnswer};
 use crate::store::OpResults;
 use std::net::IpAddr;
 use std::time::Instant;
@@ -34,7 +34,7 @@ pub enum RlsFailure {
 }
 
 impl Gateway {
-    /// Answers an Envoy `ShouldRateLimit` call ([`crate::rls`]): every descriptor's buckets in
+    /// Answers an Envoy `ShouldRateLimit` call ([`crate::engine::rls`]): every descriptor's buckets in
     /// one store call (after a peek when a descriptor only checks), one status per
     /// descriptor, the merged decision counted, logged and turned into headers. A store failure
     /// fails open (every descriptor OK, counted) unless `store_errors_fail_open` is false.

@@ -411,7 +411,7 @@ impl Follower {
             }
         );
         self.gateway.source_state.lock().last_refusal = Some(RefusalRecord {
-            at: crate::clock::wall_unix_secs(),
+            at: crate::limits::clock::wall_unix_secs(),
             slot,
             version,
             reason: refusal.reason(),
@@ -420,10 +420,10 @@ impl Follower {
     }
 
     fn unreachable(&self, error: &SourceError) {
-        let message = crate::redact::text(&error.to_string()).into_owned();
+        let message = crate::telemetry::redact::text(&error.to_string()).into_owned();
         let mut state = self.gateway.source_state.lock();
         if state.reachable != Some(false) {
-            state.unreachable_since = Some(crate::clock::wall_unix_secs());
+            state.unreachable_since = Some(crate::limits::clock::wall_unix_secs());
             tracing::error!(url = %state.url, "policy store unreachable, keeping the bundle in force: {message}");
         }
         state.reachable = Some(false);
@@ -450,7 +450,7 @@ impl Follower {
             live_hash: state.live.as_ref().map(|(_, h)| h.clone()),
             candidate_version: state.candidate.as_ref().map(|(v, _)| *v),
             candidate_hash: state.candidate.as_ref().map(|(_, h)| h.clone()),
-            at: crate::clock::wall_unix_secs(),
+            at: crate::limits::clock::wall_unix_secs(),
             candidate_refusals: self.gateway.candidate_refusals(),
             source_state: source_state_name(state.reachable).to_string(),
         }
@@ -606,14 +606,16 @@ mod tests {
             argv.push("--state-dir".into());
             argv.push(dir.display().to_string());
         }
-        let crate::cli::Command::Run(args) = crate::cli::Cli::parse_from(argv).command else {
+        let crate::config::cli::Command::Run(args) =
+            crate::config::cli::Cli::parse_from(argv).command
+        else {
             unreachable!("parsed a run command")
         };
         let config = crate::config::Config::from_args(&args).expect("valid flags");
         Arc::new(
             Gateway::with_clock(
                 config,
-                Arc::new(crate::clock::ManualClock::new(1_764_000_000)),
+                Arc::new(crate::limits::clock::ManualClock::new(1_764_000_000)),
             )
             .expect("gateway"),
         )

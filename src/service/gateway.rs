@@ -6,14 +6,14 @@
 use super::loaded::{FileSignature, LoadedPolicy};
 use super::shadow::Candidate;
 use super::source_state::SourceState;
-use crate::auth::Verifier;
-use crate::clock::Clock;
 use crate::config::Config;
+use crate::engine::headers::HeaderConfig;
 use crate::engine::{EngineConfig, Reservation};
-use crate::headers::HeaderConfig;
-use crate::metrics::Metrics;
+use crate::limits::clock::Clock;
 use crate::policy::Bundle;
+use crate::request::auth::Verifier;
 use crate::store::Store;
+use crate::telemetry::metrics::Metrics;
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -36,7 +36,7 @@ pub struct Gateway {
     /// The buckets limited most over the last minute (`/v1/top`, the status page).
     pub(crate) top: Mutex<crate::operator::top::TopSketch>,
     /// `--asn-type-map` and `--tor-exits` in force, and the files' signatures last read.
-    pub(super) network: arc_swap::ArcSwap<crate::network::NetworkData>,
+    pub(super) network: arc_swap::ArcSwap<crate::request::network::NetworkData>,
     pub(super) network_watch: Mutex<Vec<Option<FileSignature>>>,
     /// Signature of the file last looked at, and the hash of the last rejected content (so a
     /// broken file is reported once, not at every poll).
@@ -45,15 +45,15 @@ pub struct Gateway {
     /// settles them or they expire (wall-clock µs).
     pub(super) held: Mutex<ahash::AHashMap<String, (u64, Reservation)>>,
     /// With `--reservation-secret`: reservations travel in tokens signed with this key
-    /// ([`crate::reservation_token`]) instead of being held here.
+    /// ([`crate::engine::reservation_token`]) instead of being held here.
     pub(super) reservation_key: Option<ring::hmac::Key>,
     /// `--debug-session-secret` under `--compat fairvisor`: the sessions open and the failed
     /// attempts by client.
-    pub(super) debug_sessions: Option<parking_lot::RwLock<crate::compat::DebugSessions>>,
+    pub(super) debug_sessions: Option<parking_lot::RwLock<crate::engine::compat::DebugSessions>>,
     /// The key of masked values' fingerprints (`/v1/top`, the status page, explain).
-    pub(crate) fingerprint_key: crate::redact::FingerprintKey,
+    pub(crate) fingerprint_key: crate::telemetry::redact::FingerprintKey,
     /// OpenTelemetry traces, when the `OTEL_*` environment asks for them (set once at start).
-    pub(super) telemetry: std::sync::OnceLock<crate::telemetry::Telemetry>,
+    pub(super) telemetry: std::sync::OnceLock<crate::telemetry::traces::Telemetry>,
     /// `--policy-store`: what the follower knows ([`super::follow`]).
     pub(crate) source_state: Mutex<SourceState>,
     /// The candidate bundle decided in shadow ([`Gateway::set_candidate`]), whether one is set

@@ -1,7 +1,7 @@
 //! Logging: the tracing subscriber (text or JSON), Pingora's `log` records bridged into it
 //! through the redactor and the log-value escaping, and the `RATE_LIMIT` lines of a decision.
 
-use crate::cli::LogFormat;
+use crate::config::cli::LogFormat;
 use crate::engine::{Decided, Decision, Reason, RefusedBy};
 use crate::policy::Mode;
 
@@ -24,7 +24,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
     let mut ip_text = String::new();
     let client_ip = match request.client_ip {
         Some(ip) => {
-            crate::log_line::push_ip(&mut ip_text, ip);
+            crate::telemetry::log_line::push_ip(&mut ip_text, ip);
             ip_text.as_str()
         }
         None => "-",
@@ -33,7 +33,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
         .facts
         .and_then(|f| f.trace)
         .map(|t| t.trace_id_hex());
-    let line = crate::log_line::RateLimit {
+    let line = crate::telemetry::log_line::RateLimit {
         client_ip,
         host: request.host.unwrap_or("-"),
         path: request.path,
@@ -51,7 +51,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
             RefusedBy::KillSwitch(ks) => ("kill_switch", "", ks.reason.as_ref()),
             RefusedBy::Request => ("", "", ""),
         };
-        crate::log_line::RateLimit {
+        crate::telemetry::log_line::RateLimit {
             policy,
             rule,
             reason: refusal.reason.as_str(),
@@ -61,7 +61,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
         .write();
     }
     if let Some(rule) = shadow_missing {
-        crate::log_line::RateLimit {
+        crate::telemetry::log_line::RateLimit {
             status: 401,
             policy: &rule.policy_id,
             rule: &rule.name,
@@ -77,7 +77,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
         } else {
             Reason::TokenBucketExceeded
         };
-        crate::log_line::RateLimit {
+        crate::telemetry::log_line::RateLimit {
             status: 429,
             policy: &shadow.rule.policy_id,
             rule: &shadow.rule.name,
@@ -99,7 +99,7 @@ pub fn init_logging(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi);
-    crate::log_line::set_json(format == LogFormat::Json);
+    crate::telemetry::log_line::set_json(format == LogFormat::Json);
     let result = match format {
         // Text lines to a file, a pipe or journald go through the line net: one event, one
         // line. (On a terminal the colours are control sequences of the formatter's own.)
@@ -128,7 +128,7 @@ pub fn init_logging(format: LogFormat) {
     }
 }
 
-/// Standard error behind [`crate::log_value::escape_line_controls`]: the formatter writes one
+/// Standard error behind [`crate::telemetry::log_value::escape_line_controls`]: the formatter writes one
 /// whole event per `write_all`, so every line is checked whole.
 struct LineNet;
 
@@ -141,7 +141,7 @@ impl std::io::Write for LineNet {
     fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
         std::io::Write::write_all(
             &mut std::io::stderr().lock(),
-            &crate::log_value::escape_line_controls(buf),
+            &crate::telemetry::log_value::escape_line_controls(buf),
         )
     }
 
@@ -161,7 +161,7 @@ fn is_handover_wait(origin: &str, text: &str) -> bool {
 }
 
 /// Re-emits `log` records (Pingora's) as tracing events under the target `pingora`, with their
-/// text through [`crate::redact::text`], then escaped ([`crate::log_line::message`]).
+/// text through [`crate::telemetry::redact::text`], then escaped ([`crate::telemetry::log_line::message`]).
 struct RedactingLog;
 
 static REDACTING_LOG: RedactingLog = RedactingLog;
@@ -180,10 +180,10 @@ impl log::Log for RedactingLog {
             return;
         }
         let text = record.args().to_string();
-        let redacted = crate::redact::text(&text);
+        let redacted = crate::telemetry::redact::text(&text);
         // Pingora's messages carry request lines and header values (a `Host` may hold any
         // byte but CR and LF, a C1 control included): escaped like every value of a line.
-        let message = crate::log_line::message(&redacted);
+        let message = crate::telemetry::log_line::message(&redacted);
         let origin = record.target();
         match record.level() {
             log::Level::Error if is_handover_wait(origin, &text) => {

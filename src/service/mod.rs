@@ -37,19 +37,19 @@ pub use logging::init_logging;
 use logging::log_decision;
 use tokens::state_reservation_key;
 
-use crate::auth::{AuthError, TokenOutcome, Verifier};
-use crate::client_addr::{self, ForwardingHeaders};
-use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, StoreKind};
-use crate::descriptor::{Claims, HeaderLookup, RequestFacts};
+use crate::engine::headers::{self, HeaderConfig, Response};
 use crate::engine::{
     self, Decided, Decision, EngineConfig, Plan, Reason, RefusedBy, RequestView, Reservation,
 };
-use crate::headers::{self, HeaderConfig, Response};
-use crate::metrics::Metrics;
+use crate::limits::clock::{Clock, SystemClock};
+use crate::request::auth::{AuthError, TokenOutcome, Verifier};
+use crate::request::client_addr::{self, ForwardingHeaders};
+use crate::request::descriptor::{Claims, HeaderLookup, RequestFacts};
 use crate::store::lease::{next_lease_id, Lease, LeaseResults};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
-use crate::telemetry::DecisionSummary;
+use crate::telemetry::metrics::Metrics;
+use crate::telemetry::traces::DecisionSummary;
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use std::net::IpAddr;
@@ -134,8 +134,8 @@ impl Gateway {
         let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());
         let mut header_config =
             HeaderConfig::new(reason_header).map_err(|_| StartError::ReasonHeader)?;
-        if config.compat == crate::compat::Compat::Fairvisor {
-            header_config.warning_header = crate::compat::WARNING_HEADER.clone();
+        if config.compat == crate::engine::compat::Compat::Fairvisor {
+            header_config.warning_header = crate::engine::compat::WARNING_HEADER.clone();
         }
         let gateway = Gateway {
             metrics: Metrics::new(store.kind()),
@@ -149,12 +149,14 @@ impl Gateway {
             policy: ArcSwapOption::empty(),
             loaded: ArcSwapOption::empty(),
             top: Mutex::new(crate::operator::top::TopSketch::default()),
-            network: arc_swap::ArcSwap::from_pointee(crate::network::NetworkData::default()),
+            network: arc_swap::ArcSwap::from_pointee(
+                crate::request::network::NetworkData::default(),
+            ),
             network_watch: Mutex::new(Vec::new()),
             watch: Mutex::new((None, None)),
             held: Mutex::new(ahash::AHashMap::new()),
             reservation_key: match (&config.reservation_secret, &config.state_dir) {
-                (Some(secret), _) => Some(crate::reservation_token::key(&secret.0)),
+                (Some(secret), _) => Some(crate::engine::reservation_token::key(&secret.0)),
                 // With a state dir, the decision service's reservations travel signed (with
                 // the directory's own key) so that a restart can still settle them.
                 (None, Some(state)) if matches!(config.store, StoreKind::Memory) => {
@@ -163,10 +165,12 @@ impl Gateway {
                 (None, _) => None,
             },
             debug_sessions: match &config.debug_secret {
-                Some(secret) => Some(parking_lot::RwLock::new(crate::compat::DebugSessions::new(
-                    secret.clone(),
-                    &state_key::random_bytes::<32>()?,
-                ))),
+                Some(secret) => Some(parking_lot::RwLock::new(
+                    crate::engine::compat::DebugSessions::new(
+                        secret.clone(),
+                        &state_key::random_bytes::<32>()?,
+                    ),
+                )),
                 None => None,
             },
             fingerprint_key: state_key::fingerprint_key(
@@ -186,12 +190,12 @@ impl Gateway {
     }
 
     /// Tracing, when it is on (`None`: no span work anywhere).
-    pub fn telemetry(&self) -> Option<&crate::telemetry::Telemetry> {
+    pub fn telemetry(&self) -> Option<&crate::telemetry::traces::Telemetry> {
         self.telemetry.get()
     }
 
     /// Switches tracing on (once, at start).
-    pub fn set_telemetry(&self, telemetry: crate::telemetry::Telemetry) {
+    pub fn set_telemetry(&self, telemetry: crate::telemetry::traces::Telemetry) {
         let _ = self.telemetry.set(telemetry);
     }
 
@@ -199,7 +203,7 @@ impl Gateway {
     pub(crate) fn network_facts(
         &self,
         facts: &RequestFacts<'_>,
-    ) -> Option<crate::network::NetworkFacts> {
+    ) -> Option<crate::request::network::NetworkFacts> {
         let uses = self
             .policy
             .load()
@@ -245,7 +249,7 @@ impl Gateway {
         headers: &http::HeaderMap,
         caller_is_gateway: bool,
     ) -> Option<IpAddr> {
-        let caller = peer.map(crate::descriptor::canonical_ip);
+        let caller = peer.map(crate::request::descriptor::canonical_ip);
         let peer_trusted = caller.is_some_and(|ip| self.is_trusted_proxy(ip));
         self.client_ip_with(peer, peer_trusted || caller_is_gateway, headers)
     }
@@ -263,7 +267,7 @@ impl Gateway {
     /// the HTTP call, the gRPC connection's peer) are believed: only from a `--trusted-proxy`
     /// network, as on the proxy listener. A caller is not trusted for being a gateway.
     pub fn believes_network_headers(&self, caller: Option<IpAddr>) -> bool {
-        caller.is_some_and(|ip| self.is_trusted_proxy(crate::descriptor::canonical_ip(ip)))
+        caller.is_some_and(|ip| self.is_trusted_proxy(crate::request::descriptor::canonical_ip(ip)))
     }
 
     /// Whether `ip` is inside a `--trusted-proxy` network.
@@ -279,7 +283,7 @@ impl Gateway {
         peer_trusted: bool,
         headers: &http::HeaderMap,
     ) -> Option<IpAddr> {
-        let caller = peer.map(crate::descriptor::canonical_ip);
+        let caller = peer.map(crate::request::descriptor::canonical_ip);
         client_addr::resolve(
             peer,
             ForwardingHeaders {
@@ -312,7 +316,7 @@ impl Gateway {
             decision: Decision::refused(reason),
             request: RequestView {
                 client_ip,
-                host: host.map(crate::descriptor::strip_port),
+                host: host.map(crate::request::descriptor::strip_port),
                 path: raw_path,
                 ..RequestView::default()
             },
@@ -466,11 +470,11 @@ impl Gateway {
         let Some(facts) = decided.request.facts else {
             return;
         };
-        if self.config.compat != crate::compat::Compat::Fairvisor {
+        if self.config.compat != crate::engine::compat::Compat::Fairvisor {
             return;
         }
         let cookie = facts.headers.header("cookie");
-        crate::compat::finish_headers(
+        crate::engine::compat::finish_headers(
             &mut response.headers,
             &decided.decision,
             &self.header_config.reason_header,
@@ -483,10 +487,10 @@ impl Gateway {
     fn breakers_tripped(&self, decision: &Decision<'_>) {
         for (trip, rule) in decision.breaker_trips() {
             self.metrics.breaker_tripped(rule);
-            let open_secs = trip.ttl_us / crate::limiter::US_PER_SEC;
+            let open_secs = trip.ttl_us / crate::limits::limiter::US_PER_SEC;
             let alert = matches!(rule.guard, Some(crate::policy::Guard::Breaker(b)) if b.alert);
             // Names from the policy file: escaped like every value of a line.
-            let value = crate::log_line::value;
+            let value = crate::telemetry::log_line::value;
             if alert {
                 tracing::error!(policy = %value(&rule.policy_id), rule = %value(&rule.name), mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
             } else {
@@ -547,7 +551,7 @@ impl Gateway {
         match self.described_facts(described, &lookup, claims.as_deref()) {
             Ok(facts) => self.decide(&facts).await,
             Err(_) => {
-                let (path, _) = crate::descriptor::split_uri(described.target);
+                let (path, _) = crate::request::descriptor::split_uri(described.target);
                 Answer {
                     allowed: false,
                     throttle_ms: 0,
@@ -580,7 +584,7 @@ impl Gateway {
         described: &'a Described<'a>,
         lookup: &'a HttpHeaders<'a>,
         claims: Option<&'a Claims>,
-    ) -> Result<RequestFacts<'a>, crate::descriptor::EncodedSlashError> {
+    ) -> Result<RequestFacts<'a>, crate::request::descriptor::EncodedSlashError> {
         Ok(RequestFacts::new(
             described.method,
             described.target,
@@ -609,9 +613,12 @@ impl Gateway {
         self.metrics
             .bundle_state(bundle.as_deref(), self.clock.unix_secs());
         let mut text = self.metrics.render(self.store.stats());
-        if self.config.compat == crate::compat::Compat::Fairvisor {
-            let fairvisor =
-                crate::compat::fairvisor_metrics(&text, bundle.as_deref(), self.clock.unix_secs());
+        if self.config.compat == crate::engine::compat::Compat::Fairvisor {
+            let fairvisor = crate::engine::compat::fairvisor_metrics(
+                &text,
+                bundle.as_deref(),
+                self.clock.unix_secs(),
+            );
             text.push_str(&fairvisor);
         }
         text
@@ -634,7 +641,7 @@ pub struct Described<'a> {
     /// or an operator asks `/v1/explain`.
     pub network_trusted: bool,
     /// The trace of the call that describes it, when tracing is on.
-    pub trace: Option<crate::descriptor::TraceFacts>,
+    pub trace: Option<crate::request::descriptor::TraceFacts>,
 }
 
 /// What a described request's body contributes: its fingerprint (for `body_hash`
@@ -642,7 +649,7 @@ pub struct Described<'a> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DescribedBody<'a> {
     pub hash: Option<u64>,
-    pub llm: Option<&'a crate::llm::LlmRequest>,
+    pub llm: Option<&'a crate::request::llm::LlmRequest>,
 }
 
 /// What a front end needs to answer a request.
@@ -700,7 +707,7 @@ fn held_lease(decision: &Decision<'_>) -> Option<Lease> {
     Some(Lease {
         id: checked.lease_id,
         keys,
-        ttl_secs: ttl_us / crate::limiter::US_PER_SEC,
+        ttl_secs: ttl_us / crate::limits::limiter::US_PER_SEC,
     })
 }
 

@@ -3,8 +3,8 @@
 
 use super::gateway::Gateway;
 use super::loaded::{signature, FileSignature, LoadedPolicy};
-use crate::clock::wall_unix_secs;
 use crate::config::StoreKind;
+use crate::limits::clock::wall_unix_secs;
 use crate::policy::{Bundle, PolicyError};
 use std::path::Path;
 use std::sync::Arc;
@@ -40,11 +40,11 @@ impl Gateway {
                 let bytes = std::fs::read(path)
                     .map_err(|e| format!("--geoip-db {}: cannot read it: {e}", path.display()))?;
                 geo.push(
-                    crate::network::GeoDb::parse(bytes)
+                    crate::request::network::GeoDb::parse(bytes)
                         .map_err(|e| format!("--geoip-db {}: {e}", path.display()))?,
                 );
             }
-            crate::network::NetworkData::with_geo(map.as_deref(), tor.as_deref(), geo)
+            crate::request::network::NetworkData::with_geo(map.as_deref(), tor.as_deref(), geo)
         })();
         *self.network_watch.lock() = signatures;
         match loaded {
@@ -101,12 +101,12 @@ impl Gateway {
         }
     }
 
-    /// The path behind a [`crate::network::NetworkFile`], for log lines.
-    fn network_file_path(&self, file: crate::network::NetworkFile) -> &Path {
+    /// The path behind a [`crate::request::network::NetworkFile`], for log lines.
+    fn network_file_path(&self, file: crate::request::network::NetworkFile) -> &Path {
         let path = match file {
-            crate::network::NetworkFile::GeoIpDb(i) => self.config.geoip_db.get(i),
-            crate::network::NetworkFile::AsnTypeMap => self.config.asn_type_map.as_ref(),
-            crate::network::NetworkFile::TorExits => self.config.tor_exits.as_ref(),
+            crate::request::network::NetworkFile::GeoIpDb(i) => self.config.geoip_db.get(i),
+            crate::request::network::NetworkFile::AsnTypeMap => self.config.asn_type_map.as_ref(),
+            crate::request::network::NetworkFile::TorExits => self.config.tor_exits.as_ref(),
         };
         path.map_or(Path::new(""), |p| p.as_path())
     }

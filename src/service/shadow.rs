@@ -2,7 +2,7 @@
 //! compiled candidate and its would-refuse counters, shared by its successive comparisons.
 
 use crate::engine::candidate::{CandidateBundle, Refuser};
-use crate::metrics::CandidateMetrics;
+use crate::telemetry::metrics::CandidateMetrics;
 use prometheus::IntCounter;
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};

@@ -1,6 +1,6 @@
 //! The state dir's own secret keys, 32 random bytes each, owner-only, made on first use:
 //! `DIR/fingerprint.key`, which fingerprints of masked values are made with
-//! ([`crate::redact::FingerprintKey`]), so a value keeps its fingerprint across restarts and
+//! ([`crate::telemetry::redact::FingerprintKey`]), so a value keeps its fingerprint across restarts and
 //! upgrades (without a state dir, 32 bytes drawn at start); and `DIR/reservation.key`, which
 //! signs the decision service's LLM reservations so a restart can still settle them.
 //!
@@ -10,7 +10,7 @@
 //! not 32 bytes long is left alone: logged at error level, and this process uses a key of its
 //! own (fingerprints then change at the next start, nothing else).
 
-use crate::redact::FingerprintKey;
+use crate::telemetry::redact::FingerprintKey;
 use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -80,7 +80,7 @@ pub fn load_or_create(dir: &Path, name: &str) -> Result<[u8; FingerprintKey::BYT
         move |source| KeyFileError::Io { path, what, source }
     };
     // A leftover of a crashed process with the same pid is removed first (never followed).
-    let written = crate::fs_trust::create_fresh(&fresh)
+    let written = crate::store::fs_trust::create_fresh(&fresh)
         .and_then(|mut file| file.write_all(&bytes).and_then(|()| file.sync_all()))
         .map_err(io("cannot write a new key", &fresh));
     let linked = written.and_then(|()| {
@@ -102,7 +102,7 @@ pub fn load_or_create(dir: &Path, name: &str) -> Result<[u8; FingerprintKey::BYT
 /// The key in `path`: a regular file of this user, owner-only, exactly 32 bytes, opened
 /// without following a symlink.
 fn read(path: &Path) -> Result<[u8; FingerprintKey::BYTES], KeyFileError> {
-    let mut file = crate::fs_trust::no_follow()
+    let mut file = crate::store::fs_trust::no_follow()
         .read(true)
         .open(path)
         .map_err(|source| KeyFileError::Io {
@@ -122,7 +122,7 @@ fn read(path: &Path) -> Result<[u8; FingerprintKey::BYTES], KeyFileError> {
     if !meta.file_type().is_file() {
         return Err(unfit("not a regular file"));
     }
-    if meta.uid() != crate::fs_trust::effective_uid() {
+    if meta.uid() != crate::store::fs_trust::effective_uid() {
         return Err(unfit("owned by another user"));
     }
     if meta.mode() & 0o077 != 0 {

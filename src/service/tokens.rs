@@ -4,14 +4,14 @@
 
 use super::gateway::Gateway;
 use super::state_key;
-use crate::descriptor::RequestFacts;
 use crate::engine::{Reservation, Settled};
+use crate::request::descriptor::RequestFacts;
 
 /// The state dir's own reservation-signing key (`DIR/reservation.key`, see [`state_key`]).
 /// `None` (reservations held in memory, logged) when it cannot be read or made.
 pub(super) fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac::Key> {
     match state_key::load_or_create(dir, state_key::RESERVATION_FILE_NAME) {
-        Ok(secret) => Some(crate::reservation_token::key(&secret)),
+        Ok(secret) => Some(crate::engine::reservation_token::key(&secret)),
         Err(e) => {
             // Never replaced (reservations signed with it would all turn invalid): held in
             // memory instead.
@@ -31,7 +31,7 @@ const MAX_HELD_RESERVATIONS: usize = 100_000;
 
 impl Gateway {
     /// The `tiktoken` encodings the bundle in force counts prompts in (see
-    /// [`crate::llm::LlmRequest::parse_with`]).
+    /// [`crate::request::llm::LlmRequest::parse_with`]).
     pub fn tiktoken_encodings(&self) -> u8 {
         self.policy.load().as_deref().map_or(0, |b| b.tiktoken)
     }
@@ -86,8 +86,8 @@ impl Gateway {
         source: &str,
     ) -> Settled {
         // A usage past any policy's reach (a hostile report) counts as the largest one.
-        let used = used.min(crate::llm::MAX_TOKENS);
-        let reported_prompt = reported_prompt.map(|p| p.min(crate::llm::MAX_TOKENS));
+        let used = used.min(crate::request::llm::MAX_TOKENS);
+        let reported_prompt = reported_prompt.map(|p| p.min(crate::request::llm::MAX_TOKENS));
         let adjustments = reservation.adjustments(used);
         let _ = self.store.adjust(self.store.now_us(), &adjustments).await;
         self.metrics
@@ -112,7 +112,7 @@ impl Gateway {
         if let Some(key) = &self.reservation_key {
             let mut id = [0u8; 8];
             id.copy_from_slice(&bytes[..8]);
-            let token = crate::reservation_token::encode(
+            let token = crate::engine::reservation_token::encode(
                 key,
                 u64::from_le_bytes(id),
                 expires,
@@ -120,7 +120,7 @@ impl Gateway {
             );
             // One that could never be read back is not handed out (it stays charged as
             // reserved, like a reservation too many to hold).
-            if token.len() > crate::reservation_token::MAX_TOKEN_LEN {
+            if token.len() > crate::engine::reservation_token::MAX_TOKEN_LEN {
                 tracing::warn!(
                     len = token.len(),
                     "LLM reservation too large for a signed token; kept as reserved"
@@ -149,8 +149,9 @@ impl Gateway {
     ) -> Option<Settled> {
         let now = self.clock.unix_us();
         let token = token.trim();
-        if crate::reservation_token::is_signed(token) {
-            let verified = crate::reservation_token::decode(self.reservation_key.as_ref()?, token)?;
+        if crate::engine::reservation_token::is_signed(token) {
+            let verified =
+                crate::engine::reservation_token::decode(self.reservation_key.as_ref()?, token)?;
             if verified.expires_us <= now {
                 return None;
             }

@@ -1,11 +1,13 @@
 //! Bucket stores: where token-bucket state lives. A store applies the pure limiter maths
-//! ([`crate::limiter::check`]) to every bucket of one request atomically, with all-or-nothing
+//! ([`crate::limits::limiter::check`]) to every bucket of one request atomically, with all-or-nothing
 //! commit per [`Group`]: either every bucket of the group is spent, or none is.
 //!
 //! [`Store`] is the one store value the gateway holds: the embedded [`MemoryStore`] (default,
 //! answered synchronously on the request's thread) or a shared Redis / PostgreSQL store
 //! (awaited), with its own time base, statistics and sweep. Every backend keeps the same
 //! contract and the same integer maths.
+
+pub mod fs_trust;
 
 pub mod lease;
 pub mod memory;
@@ -24,8 +26,8 @@ pub use ops::{
     StoreStats, FORGIVEN_BOUNDS_MICRO,
 };
 
-use crate::clock::Clock;
-use crate::limiter::{BucketState, Verdict};
+use crate::limits::clock::Clock;
+use crate::limits::limiter::{BucketState, Verdict};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -497,8 +499,8 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
-    use crate::limiter::{Quota, MICRO, US_PER_SEC};
+    use crate::limits::clock::ManualClock;
+    use crate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 
     /// Time in a state file is wall-clock based: a restart whose wall clock stepped back an
     /// hour refills nothing (the buckets continue from the latest time the file saw, kept by

@@ -2,7 +2,7 @@
 //! for all-or-nothing commit) and their results, the store's errors and statistics. Every
 //! backend ([`super::memory`], [`super::redis`], [`super::postgres`]) speaks this vocabulary.
 
-use crate::limiter::{check_window, BucketState, Quota, Verdict, Window};
+use crate::limits::limiter::{check_window, BucketState, Quota, Verdict, Window};
 use smallvec::SmallVec;
 
 /// A bucket's identity: the 128-bit xxHash3 of its full key (`tb:<rule>:<key>`). 128 bits make
@@ -48,7 +48,7 @@ pub struct BucketOp {
     pub cost: u64,
     pub group: Group,
     /// `Some` for a `cost_based` budget: the bucket holds `quota.burst()` per window and never
-    /// refills inside one (see [`crate::limiter::check_window`]).
+    /// refills inside one (see [`crate::limits::limiter::check_window`]).
     pub window: Option<Window>,
 }
 
@@ -57,14 +57,14 @@ impl BucketOp {
     pub fn check(&self, state: Option<BucketState>, now_us: u64) -> Verdict {
         match self.window {
             Some(window) => check_window(state, self.quota.burst(), window, self.cost),
-            None => crate::limiter::check(state, &self.quota, now_us, self.cost),
+            None => crate::limits::limiter::check(state, &self.quota, now_us, self.cost),
         }
     }
 }
 
 /// Settles one reservation on a bucket (`token_bucket_llm`): `delta` more micro-tokens charged,
-/// or refunded when negative (see [`crate::limiter::settle`] and
-/// [`crate::limiter::settle_window`]).
+/// or refunded when negative (see [`crate::limits::limiter::settle`] and
+/// [`crate::limits::limiter::settle_window`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdjustOp {
     pub key: BucketKey,
@@ -79,8 +79,10 @@ impl AdjustOp {
     /// counts another window, or none).
     pub fn settle(&self, state: Option<BucketState>, now_us: u64) -> Option<BucketState> {
         match self.window_id {
-            Some(id) => crate::limiter::settle_window(state, self.quota.burst(), id, self.delta),
-            None => Some(crate::limiter::settle(
+            Some(id) => {
+                crate::limits::limiter::settle_window(state, self.quota.burst(), id, self.delta)
+            }
+            None => Some(crate::limits::limiter::settle(
                 state,
                 &self.quota,
                 now_us,

@@ -326,7 +326,7 @@ impl PostgresStore {
             StoreError::Unavailable(format!(
                 "{}: {}",
                 redact(&url),
-                crate::redact::text(&e.to_string())
+                crate::telemetry::redact::text(&e.to_string())
             ))
         })?;
         Ok(Arc::new(PostgresStore {
@@ -805,13 +805,13 @@ impl PostgresStore {
     pub async fn read_states(
         &self,
         keys: &[super::ops::BucketKey],
-    ) -> Result<Vec<Option<crate::limiter::BucketState>>, StoreError> {
+    ) -> Result<Vec<Option<crate::limits::limiter::BucketState>>, StoreError> {
         self.per_key(
             "SELECT key, tokens, last_us FROM tollgate_buckets WHERE key = ANY ($1)",
             keys,
             None,
             |row| {
-                row.map(|row| crate::limiter::BucketState {
+                row.map(|row| crate::limits::limiter::BucketState {
                     tokens: row.get::<_, i64>(1).max(0) as u64,
                     last_us: row.get::<_, i64>(2).max(0) as u64,
                 })
@@ -859,9 +859,9 @@ impl PostgresStore {
     }
 }
 
-/// The URL without its password, for logs (see [`crate::redact::url`]).
+/// The URL without its password, for logs (see [`crate::telemetry::redact::url`]).
 fn redact(url: &str) -> String {
-    crate::redact::url(url).into_owned()
+    crate::telemetry::redact::url(url).into_owned()
 }
 
 /// Runs a store statement again, up to 3 more times, on a serialization failure (SQLSTATE

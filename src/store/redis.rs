@@ -19,7 +19,7 @@
 
 use super::lease::Live;
 use super::ops::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
-use crate::limiter::{self, BucketState};
+use crate::limits::limiter::{self, BucketState};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -291,8 +291,8 @@ impl RedisStore {
         let bad = |e: redis::RedisError| {
             StoreError::Unavailable(format!(
                 "{}: {}",
-                crate::redact::url(&config.url),
-                crate::redact::text(&e.to_string())
+                crate::telemetry::redact::url(&config.url),
+                crate::telemetry::redact::text(&e.to_string())
             ))
         };
         let client = match config.url.strip_prefix("redis+cluster://") {
@@ -372,7 +372,7 @@ impl RedisStore {
         tokio::spawn(async move {
             match store.connect().await {
                 Ok(conn) => {
-                    tracing::info!(store = %crate::redact::url(&store.config.url), "connected to Redis");
+                    tracing::info!(store = %crate::telemetry::redact::url(&store.config.url), "connected to Redis");
                     store.measure_time_offset(&conn).await;
                     store.conn.store(Some(Arc::new(conn)));
                     store.health.ok(&store.config.url);
@@ -407,7 +407,7 @@ impl RedisStore {
                 if self.time_offset_us.load(Ordering::Relaxed) == TIME_UNKNOWN {
                     tracing::warn!(
                         "Redis refused TIME ({}): store calls carry no server-side deadline, so a call that outlives its timeout may still be applied",
-                        crate::redact::text(&e.to_string())
+                        crate::telemetry::redact::text(&e.to_string())
                     );
                 }
             }
@@ -723,7 +723,7 @@ impl RedisStore {
             tokio::time::timeout(self.config.timeout, call).await,
             Ok(Ok(_))
         ) {
-            tracing::warn!(store = %crate::redact::url(&self.config.url), "{failure}");
+            tracing::warn!(store = %crate::telemetry::redact::url(&self.config.url), "{failure}");
         }
     }
 
@@ -1010,7 +1010,7 @@ impl RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::{Quota, MICRO, US_PER_SEC};
+    use crate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 
     #[test]
     fn rates_are_reduced_to_small_fractions() {

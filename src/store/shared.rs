@@ -3,7 +3,7 @@
 //! or not), one connection per thread, and the operator's calls with their deadline.
 
 use super::ops::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
-use crate::limiter::{BucketState, Quota};
+use crate::limits::limiter::{BucketState, Quota};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -88,8 +88,8 @@ impl Health {
         let mut last = self.last_log.lock();
         if !was_degraded || last.is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(10))
         {
-            let store = crate::redact::url(store);
-            let what = crate::redact::text(what);
+            let store = crate::telemetry::redact::url(store);
+            let what = crate::telemetry::redact::text(what);
             tracing::error!(store = %store, errors, "shared store failing open: {what}");
             *last = Some(std::time::Instant::now());
         }
@@ -100,7 +100,7 @@ impl Health {
             .degraded
             .swap(false, std::sync::atomic::Ordering::Relaxed)
         {
-            tracing::info!(store = %crate::redact::url(store), "shared store answering again");
+            tracing::info!(store = %crate::telemetry::redact::url(store), "shared store answering again");
         }
     }
 }
@@ -205,7 +205,7 @@ pub(crate) async fn operator_call<T, E: std::fmt::Display>(
     match tokio::time::timeout(OPERATOR_TIMEOUT, call).await {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(e)) => Err(StoreError::Unavailable(
-            crate::redact::text(&e.to_string()).into_owned(),
+            crate::telemetry::redact::text(&e.to_string()).into_owned(),
         )),
         Err(_) => Err(StoreError::Unavailable(format!(
             "no answer within {OPERATOR_TIMEOUT:?}"

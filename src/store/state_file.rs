@@ -114,7 +114,7 @@ pub enum StateError {
     #[error("--state-dir {dir}: not trusted: {reason} (like sshd with its keys, tollgate keeps state only in a directory no other user can write)")]
     Untrusted {
         dir: PathBuf,
-        reason: crate::fs_trust::Untrusted,
+        reason: crate::store::fs_trust::Untrusted,
     },
     #[error("--state-dir {path}: {what}: {source}")]
     Io {
@@ -159,7 +159,7 @@ pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
         .map_err(io_error(dir, "cannot create the directory"))?;
     trust_dir(dir)?;
     let path = dir.join(LOCK_NAME);
-    let mut file = crate::fs_trust::no_follow()
+    let mut file = crate::store::fs_trust::no_follow()
         .read(true)
         .write(true)
         .create(true)
@@ -229,8 +229,8 @@ pub fn lock_dir(dir: &Path, upgrade: bool) -> Result<DirLock, StateError> {
 /// above it); one that passes and is ours is made owner-only (it may have been made readable by
 /// others, e.g. by a packaging tool).
 fn trust_dir(dir: &Path) -> Result<(), StateError> {
-    let me = crate::fs_trust::effective_uid();
-    crate::fs_trust::check_private_dir(dir, me).map_err(|reason| StateError::Untrusted {
+    let me = crate::store::fs_trust::effective_uid();
+    crate::store::fs_trust::check_private_dir(dir, me).map_err(|reason| StateError::Untrusted {
         dir: dir.to_path_buf(),
         reason,
     })?;
@@ -349,7 +349,7 @@ fn unusable(path: &Path, geometry: &Geometry, now_unix_us: u64) -> std::io::Resu
             "not a regular file".to_string()
         }));
     }
-    let mut file = crate::fs_trust::no_follow().read(true).open(path)?;
+    let mut file = crate::store::fs_trust::no_follow().read(true).open(path)?;
     let size = file.metadata()?.len();
     let mut head = [0u8; 88];
     if size < HEADER_BYTES as u64 || file.read_exact(&mut head).is_err() {
@@ -478,7 +478,7 @@ pub fn open(
         // making it never leaves a half-made file under the real name.
         // Created exclusively after removing any leftover: never written through a link.
         let fresh = dir.join(format!("{FILE_NAME}.new"));
-        let file = crate::fs_trust::create_fresh(&fresh)
+        let file = crate::store::fs_trust::create_fresh(&fresh)
             .map_err(io_error(&fresh, "cannot create the state file"))?;
         file.set_len(total as u64)
             .map_err(io_error(&fresh, "cannot size the state file"))?;
@@ -498,7 +498,7 @@ pub fn open(
         std::fs::rename(&fresh, &path).map_err(io_error(&path, "cannot create the state file"))?;
         file
     } else {
-        crate::fs_trust::open_regular(&path)
+        crate::store::fs_trust::open_regular(&path)
             .map_err(io_error(&path, "cannot open the state file"))?
     };
     // SAFETY: a shared mapping of the whole file, which is `total` bytes long.

@@ -550,7 +550,7 @@ pub async fn shared_store(url: &str) -> tollgate::store::Store {
     let store = tollgate::store::Store::open(
         url,
         Duration::from_secs(2),
-        std::sync::Arc::new(tollgate::clock::SystemClock::new()),
+        std::sync::Arc::new(tollgate::limits::clock::SystemClock::new()),
     )
     .expect("store url");
     store.connect_in_background();
@@ -570,7 +570,7 @@ pub async fn shared_store(url: &str) -> tollgate::store::Store {
 /// request leaves 19, the 21st inside 50 ms is refused, one every 50 ms is sustained).
 pub async fn assert_seed_vectors(store: &tollgate::store::Store, key: &str) {
     assert_seed_000(store, &format!("{key}:seed000")).await;
-    use tollgate::limiter::{micro_to_tokens, Quota, MICRO, SEED_004_TABLE, US_PER_SEC};
+    use tollgate::limits::limiter::{micro_to_tokens, Quota, MICRO, SEED_004_TABLE, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
     let quota = Quota::new(3 * MICRO, MICRO, US_PER_SEC).expect("quota");
     let op = bucket_op(key, quota, Group::Enforce);
@@ -592,7 +592,7 @@ pub async fn assert_seed_vectors(store: &tollgate::store::Store, key: &str) {
 }
 
 async fn assert_seed_000(store: &tollgate::store::Store, key: &str) {
-    use tollgate::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
+    use tollgate::limits::limiter::{micro_to_tokens, Quota, MICRO, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
     let quota = Quota::new(20 * MICRO, 20 * MICRO, US_PER_SEC).expect("quota");
     let op = bucket_op(key, quota, Group::Enforce);
@@ -632,13 +632,13 @@ async fn assert_seed_000(store: &tollgate::store::Store, key: &str) {
 /// One bucket operation of cost 1.
 pub fn bucket_op(
     key: &str,
-    quota: tollgate::limiter::Quota,
+    quota: tollgate::limits::limiter::Quota,
     group: tollgate::store::Group,
 ) -> tollgate::store::BucketOp {
     tollgate::store::BucketOp {
         key: tollgate::store::BucketKey::of(key),
         quota,
-        cost: tollgate::limiter::MICRO,
+        cost: tollgate::limits::limiter::MICRO,
         group,
         window: None,
     }
@@ -647,7 +647,7 @@ pub fn bucket_op(
 /// On `store`: a request refused by one bucket spends nothing, neither its other enforced
 /// buckets nor its shadow ones.
 pub async fn assert_all_or_nothing(store: &tollgate::store::Store, prefix: &str) {
-    use tollgate::limiter::{Quota, MICRO, US_PER_SEC};
+    use tollgate::limits::limiter::{Quota, MICRO, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
     let roomy = || Quota::new(10 * MICRO, MICRO, US_PER_SEC).expect("quota");
     let loose = bucket_op(&format!("tb:loose:{prefix}"), roomy(), Group::Enforce);
@@ -823,7 +823,7 @@ pub async fn assert_grpc_fleet_exact(store_url: &str) {
 /// a roomy token bucket beside it) spends nothing anywhere, and the next window starts whole.
 /// The same exact numbers on every store.
 pub async fn assert_budget_windows(store: &tollgate::store::Store, prefix: &str) {
-    use tollgate::limiter::{Quota, Window, MICRO, US_PER_SEC};
+    use tollgate::limits::limiter::{Quota, Window, MICRO, US_PER_SEC};
     use tollgate::store::{Group, OpResults};
     let budget = Quota::new(10 * MICRO, 10 * MICRO, 300 * US_PER_SEC).expect("quota");
     let first = Window {
@@ -885,7 +885,7 @@ pub async fn assert_budget_windows(store: &tollgate::store::Store, prefix: &str)
 /// Concurrency leases on `store`: at most `max` live per key, all-or-nothing across the keys of
 /// a request, given back once, and freed at their expiry when nobody gives them back.
 pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
-    use tollgate::limiter::US_PER_SEC;
+    use tollgate::limits::limiter::US_PER_SEC;
     use tollgate::store::lease::{LeaseOp, LeaseResults};
     use tollgate::store::{BucketKey, Group};
     let op = |name: &str, max: u32| LeaseOp {
@@ -1053,7 +1053,7 @@ pub fn assert_guards_across_a_fleet(store_url: &str) {
 /// first, and a settlement for another window that moves nothing. The embedded store's
 /// numbers on every store.
 pub async fn assert_settlements(store: &tollgate::store::Store, prefix: &str) {
-    use tollgate::limiter::{Quota, Window, MICRO, US_PER_SEC};
+    use tollgate::limits::limiter::{Quota, Window, MICRO, US_PER_SEC};
     use tollgate::store::{AdjustOp, BucketKey, BucketOp, Group, OpResults};
     let minute = Quota::new(2000 * MICRO, 1200 * MICRO, 60 * US_PER_SEC).expect("quota");
     let day = Quota::new(5000 * MICRO, 5000 * MICRO, 86_400 * US_PER_SEC).expect("quota");

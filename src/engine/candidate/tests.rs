@@ -1,8 +1,8 @@
 //! A candidate decided beside the live bundle on the embedded store, with a manual clock.
 
 use super::*;
-use crate::clock::{Clock, ManualClock};
 use crate::engine::decide_local;
+use crate::limits::clock::{Clock, ManualClock};
 use crate::policy::{compile_bundle, compile_bundle_with, CompileOptions};
 use crate::store::{MemoryStore, MemoryStoreConfig};
 use serde_json::json;

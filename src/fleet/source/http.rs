@@ -199,7 +199,7 @@ impl PolicySource for HttpSource {
                 live: Some(body),
                 candidate: None,
             }),
-            Ok(Err(e)) => Err(self.unavailable(&crate::redact::text(&e))),
+            Ok(Err(e)) => Err(self.unavailable(&crate::telemetry::redact::text(&e))),
             Err(_) => Err(self.unavailable("timed out")),
         }
     }

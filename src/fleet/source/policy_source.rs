@@ -110,8 +110,8 @@ pub trait PolicySource: Send + Sync {
 /// (which may carry a token) never shown.
 pub fn display_url(url: &str) -> String {
     match url.split_once('?') {
-        Some((base, _)) => format!("{}?***", crate::redact::url(base)),
-        None => crate::redact::url(url).into_owned(),
+        Some((base, _)) => format!("{}?***", crate::telemetry::redact::url(base)),
+        None => crate::telemetry::redact::url(url).into_owned(),
     }
 }
 

@@ -59,11 +59,11 @@ fn stored_version(version: u64) -> Result<i64, SourceError> {
 
 impl PostgresSource {
     pub(super) fn new(url: &str, timeout: Duration) -> Result<PostgresSource, SourceError> {
-        let display = crate::redact::url(url).into_owned();
+        let display = crate::telemetry::redact::url(url).into_owned();
         url.parse::<tokio_postgres::Config>().map_err(|e| {
             SourceError::BadUrl(format!(
                 "{display}: {}",
-                crate::redact::text(&e.to_string())
+                crate::telemetry::redact::text(&e.to_string())
             ))
         })?;
         Ok(PostgresSource {
@@ -80,7 +80,7 @@ impl PostgresSource {
         SourceError::Unavailable(format!(
             "{}: {what}: {}",
             self.display,
-            crate::redact::text(&e.to_string())
+            crate::telemetry::redact::text(&e.to_string())
         ))
     }
 
@@ -172,7 +172,7 @@ impl PostgresSource {
                 *self.listener.lock() = Some(client);
                 Ok(())
             }
-            Ok(Err(e)) => Err(crate::redact::text(&e.to_string()).into_owned()),
+            Ok(Err(e)) => Err(crate::telemetry::redact::text(&e.to_string()).into_owned()),
             Err(_) => Err("timed out".to_string()),
         }
     }
@@ -195,7 +195,7 @@ impl From<tokio_postgres::Error> for PgError {
 fn failed(display: &str, what: &str, e: &tokio_postgres::Error) -> SourceError {
     SourceError::Unavailable(format!(
         "{display}: {what}: {}",
-        crate::redact::text(&e.to_string())
+        crate::telemetry::redact::text(&e.to_string())
     ))
 }
 

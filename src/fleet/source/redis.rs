@@ -149,11 +149,11 @@ impl Drop for RedisSource {
 
 impl RedisSource {
     pub(super) fn new(url: &str, timeout: Duration) -> Result<RedisSource, SourceError> {
-        let display = crate::redact::url(url).into_owned();
+        let display = crate::telemetry::redact::url(url).into_owned();
         let bad = |e: redis::RedisError| {
             SourceError::BadUrl(format!(
                 "{display}: {}",
-                crate::redact::text(&e.to_string())
+                crate::telemetry::redact::text(&e.to_string())
             ))
         };
         let (client, cluster) = match url
@@ -208,7 +208,7 @@ impl RedisSource {
         SourceError::Unavailable(format!(
             "{}: {what}: {}",
             self.display,
-            crate::redact::text(&e.to_string())
+            crate::telemetry::redact::text(&e.to_string())
         ))
     }
 
@@ -297,7 +297,7 @@ impl RedisSource {
                     }
                     return Ok(());
                 }
-                Ok(Err(e)) => last = crate::redact::text(&e.to_string()).into_owned(),
+                Ok(Err(e)) => last = crate::telemetry::redact::text(&e.to_string()).into_owned(),
                 Err(_) => last = "timed out".to_string(),
             }
         }

@@ -2,11 +2,11 @@
 //! compile halves under [`crate::limits`] included: bucket shapes, key prefixes, the headers a
 //! rule reads, a plain rule to fill in, the amounts allowed, and unclaimed rule names.
 
-use crate::descriptor::Descriptor;
-use crate::limiter::{Quota, MICRO};
+use crate::limits::limiter::{Quota, MICRO};
 use crate::policy::bundle::{RuntimeOverride, SkippedPolicy};
 use crate::policy::error::FieldError;
 use crate::policy::rule::{push_sf_string, CostSource, KillSwitch, Mode, OnMissing, Policy, Rule};
+use crate::request::descriptor::Descriptor;
 use ahash::{AHashMap, AHashSet};
 
 /// Largest accepted burst, rate or cost, in tokens: keeps every micro-token amount and product

@@ -5,7 +5,6 @@
 pub(crate) mod compiler;
 mod fields;
 
-use crate::descriptor::{Descriptor, IpNet};
 use crate::limits::{KindParts, LimitKind};
 use crate::policy::bundle::{Bundle, RuntimeOverride, SkippedPolicy};
 use crate::policy::error::FieldError;
@@ -13,6 +12,7 @@ use crate::policy::json::{join, type_name};
 use crate::policy::rule::{
     KillSwitch, MatchCondition, MatchValue, Mode, OnMissing, Policy, Rule, Selector,
 };
+use crate::request::descriptor::{Descriptor, IpNet};
 use compiler::{headers_read, key_prefix, plain_rule, Compiler, CONFIG_FIELDS};
 use serde_json::{Map, Value};
 
@@ -98,7 +98,7 @@ impl Compiler {
             .rules
             .iter()
             .filter_map(|r| match r.llm.map(|l| l.estimator) {
-                Some(crate::llm::Estimator::Tiktoken(encoding)) => Some(encoding.bit()),
+                Some(crate::request::llm::Estimator::Tiktoken(encoding)) => Some(encoding.bit()),
                 _ => None,
             })
             .fold(0, |set, bit| set | bit);
@@ -533,7 +533,7 @@ impl Compiler {
                 }
                 selector.hosts = Some(
                     list.into_iter()
-                        .map(|h| crate::descriptor::strip_port(&h).to_ascii_lowercase())
+                        .map(|h| crate::request::descriptor::strip_port(&h).to_ascii_lowercase())
                         .collect(),
                 );
             }

@@ -2,7 +2,7 @@
 //! property tests that no input panics (the per-kind fields are tested in [`crate::limits`]).
 
 use super::*;
-use crate::limiter::{Quota, MICRO, US_PER_SEC};
+use crate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 use crate::policy::{parse_bundle, PolicyError};
 use crate::policy::{CostLimits, CostSource};
 use serde_json::json;

@@ -2,8 +2,8 @@
 //! on its own buckets, never changing an answer, a header, the live metrics or the top list.
 
 use super::*;
-use crate::clock::ManualClock;
 use crate::config::Config;
+use crate::limits::clock::ManualClock;
 use crate::policy::{compile_bundle_with, CompileOptions};
 use crate::service::Answer;
 use serde_json::json;
@@ -48,8 +48,8 @@ fn gateway_with(
         "127.0.0.1:9",
     ];
     argv.extend(extra);
-    let cli = <crate::cli::Cli as clap::Parser>::try_parse_from(argv).unwrap();
-    let crate::cli::Command::Run(args) = cli.command else {
+    let cli = <crate::config::cli::Cli as clap::Parser>::try_parse_from(argv).unwrap();
+    let crate::config::cli::Command::Run(args) = cli.command else {
         unreachable!("a run command")
     };
     let config = Config::from_args(&args).unwrap();
@@ -218,7 +218,7 @@ async fn envoy_calls_are_decided_under_the_candidate_too() {
     gw.set_candidate(Some(candidate(&next)));
     let request = RlsRequest {
         domain: "edge".into(),
-        descriptors: vec![crate::rls::RlsDescriptor {
+        descriptors: vec![crate::engine::rls::RlsDescriptor {
             entries: vec![("remote_address".into(), "10.0.0.5".into())],
             ..Default::default()
         }],

@@ -58,7 +58,7 @@ use super::ops::{
 };
 use super::probe::stays;
 use super::state_file::{self, Geometry, StateFile, WordGuard};
-use crate::limiter::{BucketState, US_PER_SEC};
+use crate::limits::limiter::{BucketState, US_PER_SEC};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -212,9 +212,9 @@ fn victim_rank(meta: u64, last_us: u64, cost: u64) -> (u64, u64) {
     if cost == UNKNOWN_SPEND {
         (u64::MAX, meta_full_at_s(meta))
     } else if meta & BUDGET != 0 {
-        (cost.div_ceil(crate::limiter::MICRO), 0)
+        (cost.div_ceil(crate::limits::limiter::MICRO), 0)
     } else {
-        (cost.div_ceil(crate::limiter::MICRO), last_us)
+        (cost.div_ceil(crate::limits::limiter::MICRO), last_us)
     }
 }
 
@@ -458,7 +458,7 @@ impl Table {
 
 impl BucketOp {
     /// What a state this op commits holds back from a fresh bucket.
-    fn spend(&self, verdict: crate::limiter::Verdict) -> Spend {
+    fn spend(&self, verdict: crate::limits::limiter::Verdict) -> Spend {
         Spend::of(self.quota.burst(), verdict.next, self.window.is_some())
     }
 }
@@ -1335,7 +1335,7 @@ impl MemoryStore {
         let now_us = now_us.saturating_add(self.time_offset_us);
         let guard = &epoch::pin();
         let settled = |op: &super::ops::AdjustOp, next: BucketState| OpResult {
-            verdict: crate::limiter::Verdict {
+            verdict: crate::limits::limiter::Verdict {
                 allowed: true,
                 available: next.tokens,
                 remaining: next.tokens,

@@ -2,7 +2,7 @@
 //! load, the lock-free probe against concurrent moves, and the state file.
 
 use super::*;
-use crate::limiter::{Quota, MICRO, US_PER_SEC};
+use crate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 
 /// `apply` returning its results, for tests.
 fn run(store: &MemoryStore, now: u64, ops: &[BucketOp]) -> OpResults {
@@ -133,7 +133,7 @@ fn a_full_store_of_idle_unfull_buckets_evicts_the_cheapest_for_new_keys() {
         quota: Quota::new(10 * MICRO, 10 * MICRO, 30 * 86_400 * US_PER_SEC).unwrap(),
         cost: 7 * MICRO,
         group: Group::Enforce,
-        window: Some(crate::limiter::Window {
+        window: Some(crate::limits::limiter::Window {
             id: 42,
             ends_in_us: 20 * 86_400 * US_PER_SEC,
         }),
@@ -165,7 +165,7 @@ fn a_full_store_of_idle_unfull_buckets_evicts_the_cheapest_for_new_keys() {
     // The budget still holds its 3: a request for 4 is refused.
     let four = BucketOp {
         cost: 4 * MICRO,
-        window: Some(crate::limiter::Window {
+        window: Some(crate::limits::limiter::Window {
             id: 42,
             ends_in_us: 13 * 86_400 * US_PER_SEC,
         }),
@@ -417,7 +417,7 @@ fn mapped(dir: &std::path::Path, config: MemoryStoreConfig, sole_owner: bool) ->
         dir,
         MemoryStore::geometry(&config, true),
         sole_owner,
-        crate::clock::wall_unix_secs().max(0) as u64 * 1_000_000,
+        crate::limits::clock::wall_unix_secs().max(0) as u64 * 1_000_000,
     )
     .unwrap();
     MemoryStore::in_state_file(config, Arc::new(opened.file), sole_owner, 0)
@@ -668,7 +668,7 @@ fn a_key_flood_evicts_the_flood_and_limits_new_clients_exactly() {
     };
     for store in [MemoryStore::new(config), mapped(dir.path(), config, true)] {
         let month = 30 * 86_400 * US_PER_SEC;
-        let window = crate::limiter::Window {
+        let window = crate::limits::limiter::Window {
             id: 1_700_000_000,
             ends_in_us: month,
         };
@@ -826,7 +826,7 @@ fn equally_cheap_entries_go_least_recently_used_first() {
         quota: Quota::new(20 * MICRO, 20 * MICRO, month).unwrap(),
         cost: MICRO,
         group: Group::Enforce,
-        window: Some(crate::limiter::Window {
+        window: Some(crate::limits::limiter::Window {
             id: 1_700_000_000,
             ends_in_us: month,
         }),
@@ -895,7 +895,7 @@ fn an_older_builds_state_file_keeps_its_drained_budget_through_a_flood() {
         quota: Quota::new(20 * MICRO, 20 * MICRO, month).unwrap(),
         cost: cost * MICRO,
         group: Group::Enforce,
-        window: Some(crate::limiter::Window {
+        window: Some(crate::limits::limiter::Window {
             id: 1_700_000_000,
             ends_in_us: month,
         }),

@@ -4,7 +4,7 @@
 //! `Retry-After` with deterministic per-identity jitter.
 
 use crate::engine::{Decided, Decision, Reason, RequestView, RuleOutcome};
-use crate::limiter::MICRO;
+use crate::limits::limiter::MICRO;
 use crate::policy::Mode;
 use bytes::{BufMut, BytesMut};
 use http::{HeaderName, HeaderValue};
@@ -365,9 +365,9 @@ mod tests {
         assert_eq!(names, ["ratelimit-remaining", "ratelimit"]);
         assert_eq!(list[1].1.as_bytes(), "tab\tand \u{e9}".as_bytes());
     }
-    use crate::descriptor::RequestFacts;
     use crate::engine::{decide_local, EngineConfig};
     use crate::policy::{compile_bundle, push_sf_string};
+    use crate::request::descriptor::RequestFacts;
     use crate::store::{MemoryStore, MemoryStoreConfig};
     use serde_json::json;
 

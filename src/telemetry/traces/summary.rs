@@ -39,7 +39,7 @@ impl DecisionSummary {
                 .filter(|r| r.rule.mode == Mode::Enforce && !r.fail_open)
         };
         let tightest = enforced().min_by_key(|r| r.tokens);
-        let remaining = |r: &RuleOutcome<'_>| r.tokens / crate::limiter::MICRO;
+        let remaining = |r: &RuleOutcome<'_>| r.tokens / crate::limits::limiter::MICRO;
         match decision {
             Decision::NoPolicy => DecisionSummary {
                 decision: "allow",

@@ -52,7 +52,7 @@ impl Sampler {
             Some("parentbased_traceidratio") => Sampler::ParentBased(Root::TraceIdRatio(ratio())),
             Some(other) => {
                 tracing::warn!(
-                    sampler = %crate::log_line::value(other),
+                    sampler = %crate::telemetry::log_line::value(other),
                     "traces: OTEL_TRACES_SAMPLER is not one this build has: parentbased_always_on"
                 );
                 Sampler::ParentBased(Root::AlwaysOn)

@@ -9,7 +9,7 @@
 //! Form: `v1.<payload>.<mac>`, both parts base64url without padding; the payload is JSON.
 
 use crate::engine::{Reservation, ReservedOp, ReservedRule};
-use crate::limiter::Quota;
+use crate::limits::limiter::Quota;
 use crate::policy::Mode;
 use crate::store::BucketKey;
 use base64::Engine as _;

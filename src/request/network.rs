@@ -13,8 +13,8 @@
 //! force when a reload brings back an empty or much smaller file. Pure: the files are read by
 //! the caller (`service::reload`) and parsed and judged here.
 
-use crate::descriptor::header_lookup::HeaderLookup;
-use crate::descriptor::ip::{canonical_ip, IpNet};
+use crate::request::descriptor::header_lookup::HeaderLookup;
+use crate::request::descriptor::ip::{canonical_ip, IpNet};
 use std::net::IpAddr;
 
 /// The `--geoip-db`, `--asn-type-map` and `--tor-exits` contents in force.

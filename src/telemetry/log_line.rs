@@ -150,7 +150,7 @@ fn json() -> bool {
 }
 
 /// A value for a `tracing` field (written with `%`) that a client, an upstream or a policy file
-/// could have chosen: in text lines escaped by [`crate::log_value`] and quoted when it holds a
+/// could have chosen: in text lines escaped by [`crate::telemetry::log_value`] and quoted when it holds a
 /// space (a value can neither end its line nor forge another field), in JSON lines as it is
 /// (the JSON encoder escapes it, and a reader gets the value back exactly).
 pub fn value(text: &str) -> Value<'_> {
@@ -174,9 +174,9 @@ impl std::fmt::Display for Value<'_> {
         if json() {
             f.write_str(self.text)
         } else if self.field {
-            crate::log_value::write_field(f, self.text)
+            crate::telemetry::log_value::write_field(f, self.text)
         } else {
-            crate::log_value::write_escaped(f, self.text)
+            crate::telemetry::log_value::write_escaped(f, self.text)
         }
     }
 }
@@ -206,7 +206,7 @@ const TARGET: &str = "tollgate::service";
 impl RateLimit<'_> {
     /// The whole line, newline included: `tracing`'s text layout
     /// (`<time>  INFO tollgate::service: RATE_LIMIT client_ip=... mode=enforce`, every value
-    /// escaped by [`crate::log_value`]) or its JSON one (values JSON-escaped).
+    /// escaped by [`crate::telemetry::log_value`]) or its JSON one (values JSON-escaped).
     /// Written piece by piece (no `format!` machinery): this runs once per refusal.
     pub fn format(&self, unix_us: i64, json: bool) -> String {
         let mut line = String::with_capacity(224 + self.path.len());
@@ -245,13 +245,13 @@ impl RateLimit<'_> {
             line.push_str(self.client_ip);
             for (name, value) in [(" host=", self.host), (" path=", self.path)] {
                 line.push_str(name);
-                crate::log_value::push_field(&mut line, value);
+                crate::telemetry::log_value::push_field(&mut line, value);
             }
             line.push_str(" status=");
             line.push_str(number.format(self.status));
             for (name, value) in [(" policy=", self.policy), (" rule=", self.rule)] {
                 line.push_str(name);
-                crate::log_value::push_field(&mut line, value);
+                crate::telemetry::log_value::push_field(&mut line, value);
             }
             line.push_str(" reason=");
             line.push_str(self.reason);
@@ -259,7 +259,7 @@ impl RateLimit<'_> {
             line.push_str(self.mode);
             if let Some(detail) = self.detail {
                 line.push_str(" detail=");
-                crate::log_value::push_field(&mut line, detail);
+                crate::telemetry::log_value::push_field(&mut line, detail);
             }
             if let Some(trace_id) = self.trace_id {
                 // Hex digits of tollgate's own formatting: nothing to escape.

@@ -22,9 +22,9 @@
 //! }
 //! ```
 
-use crate::forwarding::RouteHeaders;
 use crate::policy::json::{self, join};
 use crate::policy::{path_has_prefix, FieldError};
+use crate::request::forwarding::RouteHeaders;
 use serde_json::{Map, Value};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -624,7 +624,7 @@ impl Compiler<'_> {
             None => HostPattern::Any,
             Some(v) => {
                 let text = self.string(v, &join(path, "host"))?;
-                let name = crate::descriptor::strip_port(text).to_ascii_lowercase();
+                let name = crate::request::descriptor::strip_port(text).to_ascii_lowercase();
                 match name.strip_prefix("*.") {
                     Some(rest) if !rest.is_empty() && !rest.contains('*') => {
                         HostPattern::Suffix(format!(".{rest}"))
@@ -684,7 +684,11 @@ impl Compiler<'_> {
             ("response_headers", &mut headers.response),
         ] {
             if let Some(v) = map.get(field) {
-                *rules = crate::forwarding::compile_rules(&mut self.errors, v, &join(path, field));
+                *rules = crate::request::forwarding::compile_rules(
+                    &mut self.errors,
+                    v,
+                    &join(path, field),
+                );
             }
         }
         let headers = (!headers.request.is_empty() || !headers.response.is_empty())

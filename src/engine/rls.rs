@@ -9,10 +9,10 @@
 //! check: it spends nothing and is over the limit when one hit would not fit. Such a request is
 //! peeked first (every bucket at cost 0) and spent only when every check passes.
 
-use crate::descriptor::{EnvoyDescriptor, RequestFacts};
 use crate::engine::{self, Decision, EngineConfig, Pending, Plan};
-use crate::limiter::{BucketState, Quota, MICRO, US_PER_SEC};
+use crate::limits::limiter::{BucketState, Quota, MICRO, US_PER_SEC};
 use crate::policy::{Bundle, Mode};
+use crate::request::descriptor::{EnvoyDescriptor, RequestFacts};
 use crate::store::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
 use smallvec::SmallVec;
 
@@ -394,10 +394,14 @@ fn override_quota(index: usize, o: LimitOverride) -> Result<Quota, RlsError> {
 fn override_key(facts: &RequestFacts<'_>, key_prefix: &str) -> BucketKey {
     let mut name = key_prefix.to_string();
     if let Some(envoy) = facts.envoy {
-        crate::descriptor::push_key_part(&mut name, true, &envoy.domain.to_ascii_lowercase());
+        crate::request::descriptor::push_key_part(
+            &mut name,
+            true,
+            &envoy.domain.to_ascii_lowercase(),
+        );
         for (key, value) in envoy.entries {
-            crate::descriptor::push_key_part(&mut name, false, key);
-            crate::descriptor::push_key_part(&mut name, false, value);
+            crate::request::descriptor::push_key_part(&mut name, false, key);
+            crate::request::descriptor::push_key_part(&mut name, false, value);
         }
     }
     BucketKey::of(&name)

@@ -90,7 +90,7 @@ fn headers(value: Option<String>, into: &mut http::HeaderMap) {
                 into.insert(name, value);
             }
             _ => tracing::warn!(
-                header = %crate::log_line::value(name),
+                header = %crate::telemetry::log_line::value(name),
                 "traces: OTEL_EXPORTER_OTLP_HEADERS: not a valid header, skipped"
             ),
         }

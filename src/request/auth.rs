@@ -8,7 +8,7 @@
 //! defaults to the families of the configured keys; `none` is never accepted, and a key only
 //! verifies algorithms of its own family (no RS256-key-as-HMAC-secret confusion).
 
-use crate::descriptor::{Claims, HeaderLookup};
+use crate::request::descriptor::{Claims, HeaderLookup};
 use arc_swap::ArcSwap;
 use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::jwk::{AlgorithmParameters, JwkSet};

@@ -9,7 +9,7 @@
 //! decoded (unknown, several codings, corrupt data, too large) leaves the reservation to settle
 //! on its estimate.
 
-use crate::llm::ResponseMeter;
+use crate::request::llm::ResponseMeter;
 use std::io::Write;
 
 /// Decoded bytes of an event stream read at most, as a multiple of the meter's response limit

@@ -128,7 +128,7 @@ pub(super) fn without_endpoints(message: &str, var: impl Fn(&str) -> Option<Stri
         "OTEL_EXPORTER_OTLP_ENDPOINT",
     ] {
         if let Some(endpoint) = var(name).filter(|e| !e.is_empty()) {
-            message = message.replace(&endpoint, &crate::redact::url(&endpoint));
+            message = message.replace(&endpoint, &crate::telemetry::redact::url(&endpoint));
         }
     }
     message

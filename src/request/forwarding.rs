@@ -94,7 +94,8 @@ impl RuleValue {
         match self {
             RuleValue::Literal(v) => Some(v.clone()),
             RuleValue::ClientAddr => vars.client_addr.and_then(|ip| {
-                HeaderValue::from_str(&crate::descriptor::canonical_ip(ip).to_string()).ok()
+                HeaderValue::from_str(&crate::request::descriptor::canonical_ip(ip).to_string())
+                    .ok()
             }),
             RuleValue::RequestId => vars
                 .request_id
@@ -209,7 +210,7 @@ fn rule_value(errors: &mut Vec<FieldError>, text: &str, path: &str) -> Option<Ru
 pub fn forwarded_element(client: Option<IpAddr>, host: Option<&str>, proto: &str) -> String {
     let mut out = String::with_capacity(64);
     out.push_str("for=");
-    match client.map(crate::descriptor::canonical_ip) {
+    match client.map(crate::request::descriptor::canonical_ip) {
         Some(IpAddr::V4(v4)) => out.push_str(&v4.to_string()),
         Some(IpAddr::V6(v6)) => {
             out.push_str("\"[");

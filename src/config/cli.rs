@@ -461,7 +461,7 @@ pub struct RunArgs {
     #[arg(help_heading = "Who the client is", long, env = "TOLLGATE_IPV6_PREFIX", default_value_t = 64, value_parser = clap::value_parser!(u8).range(1..=128))]
     pub ipv6_prefix: u8,
     /// Name of the header carrying the refusal reason.
-    #[arg(help_heading = "Policy", long, env = "TOLLGATE_REASON_HEADER", default_value = crate::headers::DEFAULT_REASON_HEADER)]
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_REASON_HEADER", default_value = crate::engine::headers::DEFAULT_REASON_HEADER)]
     pub reason_header: String,
     /// Log format.
     #[arg(
@@ -681,7 +681,7 @@ pub struct RunArgs {
         value_enum,
         default_value = "accept"
     )]
-    pub trace_context: crate::telemetry::TraceContextTrust,
+    pub trace_context: crate::telemetry::traces::TraceContextTrust,
     /// gRPC listener for Envoy: `envoy.service.ratelimit.v3.RateLimitService`,
     /// `envoy.service.auth.v3.Authorization` and `grpc.health.v1.Health` (h2c, or TLS with
     /// --grpc-tls-cert/--grpc-tls-key). Off unless set.
@@ -812,9 +812,9 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
         let gateway_file = std::fs::read(file)
             .ok()
             .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
-            .is_some_and(|root| crate::routes::is_gateway_file(&root));
+            .is_some_and(|root| crate::config::routes::is_gateway_file(&root));
         if gateway_file {
-            match crate::routes::load_file(file) {
+            match crate::config::routes::load_file(file) {
                 Ok(table) => {
                     let _ = writeln!(
                         out,
@@ -839,7 +839,7 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
             skip_invalid_policies: args.skip_invalid_policies,
             ..Default::default()
         };
-        match crate::policy::load_current(file, options, crate::clock::wall_unix_secs()) {
+        match crate::policy::load_current(file, options, crate::limits::clock::wall_unix_secs()) {
             Ok(bundle) => {
                 let _ = writeln!(
                     out,
@@ -897,24 +897,26 @@ pub fn validate(args: &ValidateArgs, out: &mut dyn Write, err: &mut dyn Write) -
 /// `tollgate import`: the bundle on `out`, notes and errors on `err`; returns the exit code.
 pub fn import(command: &ImportCommand, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     match command {
-        ImportCommand::EnvoyRatelimit { file } => match crate::import::envoy_ratelimit_file(file) {
-            Ok(imported) => {
-                let text = serde_json::to_string_pretty(&imported.bundle)
-                    .unwrap_or_else(|_| "{}".to_string());
-                let _ = writeln!(out, "{text}");
-                for note in &imported.notes {
-                    let _ = writeln!(err, "not mapped exactly: {note}");
+        ImportCommand::EnvoyRatelimit { file } => {
+            match crate::policy::import::envoy_ratelimit_file(file) {
+                Ok(imported) => {
+                    let text = serde_json::to_string_pretty(&imported.bundle)
+                        .unwrap_or_else(|_| "{}".to_string());
+                    let _ = writeln!(out, "{text}");
+                    for note in &imported.notes {
+                        let _ = writeln!(err, "not mapped exactly: {note}");
+                    }
+                    EXIT_OK
                 }
-                EXIT_OK
-            }
-            Err(e) => {
-                let _ = writeln!(err, "{e}");
-                match e {
-                    crate::import::ImportError::Read { .. } => EXIT_FAILURE,
-                    _ => EXIT_INVALID,
+                Err(e) => {
+                    let _ = writeln!(err, "{e}");
+                    match e {
+                        crate::policy::import::ImportError::Read { .. } => EXIT_FAILURE,
+                        _ => EXIT_INVALID,
+                    }
                 }
             }
-        },
+        }
     }
 }
 
@@ -934,10 +936,12 @@ pub fn simulate(args: &SimulateArgs, out: &mut dyn Write, err: &mut dyn Write) -
         ipv6_prefix: args.ipv6_prefix,
     };
     let result = if args.requests.as_os_str() == "-" {
-        crate::simulate::replay(bundle, config, args.start, std::io::stdin().lock(), out)
+        crate::engine::simulate::replay(bundle, config, args.start, std::io::stdin().lock(), out)
     } else {
         match std::fs::File::open(&args.requests) {
-            Ok(f) => crate::simulate::replay(bundle, config, args.start, BufReader::new(f), out),
+            Ok(f) => {
+                crate::engine::simulate::replay(bundle, config, args.start, BufReader::new(f), out)
+            }
             Err(e) => {
                 let _ = writeln!(err, "{}: cannot read: {e}", args.requests.display());
                 return EXIT_FAILURE;

@@ -1,9 +1,9 @@
 //! Cost budgets (`"algorithm": "cost_based"`, Fairvisor's field names): a spend budget per fixed
 //! UTC window, and the staged actions taken as it fills. Pure: the window for a wall-clock
 //! instant, the stage for a usage level. The store counts the spend exactly (see
-//! [`crate::limiter::check_window`]); the engine picks the stage after the store answered.
+//! [`crate::limits::limiter::check_window`]); the engine picks the stage after the store answered.
 
-use crate::limiter::{Window, US_PER_SEC};
+use crate::limits::limiter::{Window, US_PER_SEC};
 
 /// The window a budget counts over. Windows are aligned on UTC, never on the first request: a
 /// budget of 1 000 per day is 1 000 between two UTC midnights, the same on every gateway.

@@ -1,15 +1,15 @@
 //! Access logs: one line per proxied request (allowed or refused), nginx-combined-like text or
-//! JSON, queued for standard output ([`crate::log_line`]: written in batches, off the request
+//! JSON, queued for standard output ([`crate::telemetry::log_line`]: written in batches, off the request
 //! path); and request IDs (`X-Request-Id`
 //! kept when the client sent a sane one, generated otherwise). Off by default: nothing here
 //! runs on the hot path unless `--access-log` asks for it.
 //!
-//! Secrets never reach a line: the target goes through [`crate::redact::text`] (credential-like
+//! Secrets never reach a line: the target goes through [`crate::telemetry::redact::text`] (credential-like
 //! query parameters and JWT-shaped tokens masked), and client-controlled text is escaped
-//! ([`crate::log_value`] in text lines, JSON's own escapes in JSON lines).
+//! ([`crate::telemetry::log_value`] in text lines, JSON's own escapes in JSON lines).
 
-use crate::log_line::{json_field, split_time};
-use crate::log_value::Escaped;
+use crate::telemetry::log_line::{json_field, split_time};
+use crate::telemetry::log_value::Escaped;
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -59,10 +59,10 @@ pub struct AccessRecord<'a> {
 
 /// Formats one line (with its newline).
 pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
-    let target = crate::redact::text(record.target);
+    let target = crate::telemetry::redact::text(record.target);
     // A referer carries other sites' query strings (reset tokens...); an absolute-form target
     // may carry `user:password@` in its authority.
-    let referer = record.referer.map(crate::redact::text);
+    let referer = record.referer.map(crate::telemetry::redact::text);
     let referer = referer.as_deref();
     let host = record
         .host
@@ -163,10 +163,10 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
     }
 }
 
-/// Queues a formatted line for standard output (see [`crate::log_line`]): a request never
+/// Queues a formatted line for standard output (see [`crate::telemetry::log_line`]): a request never
 /// waits on I/O.
 pub fn write(line: String) {
-    crate::log_line::stdout(line.as_bytes());
+    crate::telemetry::log_line::stdout(line.as_bytes());
 }
 
 fn round_ms(secs: f64) -> f64 {
@@ -310,7 +310,7 @@ mod tests {
             proptest::prop_assert_eq!(v["user_agent"].as_str(), Some(agent.as_str()));
             let shown = host.rsplit_once('@').map_or(host.as_str(), |(_, h)| h);
             proptest::prop_assert_eq!(v["host"].as_str(), Some(shown));
-            proptest::prop_assert_eq!(v["path"].as_str(), Some(&*crate::redact::text(&target)));
+            proptest::prop_assert_eq!(v["path"].as_str(), Some(&*crate::telemetry::redact::text(&target)));
         }
 
         /// A text line is one line, whatever the client sends.

@@ -367,7 +367,7 @@ impl Metrics {
             ),
             &["reason"],
         ));
-        for failure in crate::compat::Failure::ALL {
+        for failure in crate::engine::compat::Failure::ALL {
             debug_session_failures.with_label_values(&[failure.as_str()]);
         }
         let reloads = must(IntCounterVec::new(
@@ -381,7 +381,7 @@ impl Metrics {
             ),
             &["file"],
         ));
-        for file in crate::network::NetworkFile::METRIC_LABELS {
+        for file in crate::request::network::NetworkFile::METRIC_LABELS {
             network_reloads_rejected.with_label_values(&[file]);
         }
         let policy_info = must(IntGaugeVec::new(
@@ -485,7 +485,7 @@ impl Metrics {
             ),
             &["reason"],
         ));
-        for reason in crate::auth::InvalidToken::ALL {
+        for reason in crate::request::auth::InvalidToken::ALL {
             jwt_invalid.with_label_values(&[reason.as_str()]);
         }
         let upstream_connect_failures = must(IntCounterVec::new(
@@ -718,7 +718,7 @@ impl Metrics {
     }
 
     /// Counts a token check (nothing for requests without a token).
-    pub fn token(&self, outcome: Result<(), crate::auth::InvalidToken>) {
+    pub fn token(&self, outcome: Result<(), crate::request::auth::InvalidToken>) {
         match outcome {
             Ok(()) => self.jwt_valid.inc(),
             Err(reason) => self.jwt_invalid.with_label_values(&[reason.as_str()]).inc(),
@@ -789,7 +789,7 @@ impl Metrics {
     }
 
     /// Counts a debug-session login refused.
-    pub fn debug_session_failure(&self, failure: crate::compat::Failure) {
+    pub fn debug_session_failure(&self, failure: crate::engine::compat::Failure) {
         self.debug_session_failures
             .with_label_values(&[failure.as_str()])
             .inc();
@@ -1014,7 +1014,7 @@ impl Metrics {
         }
         advance_to(
             &self.log_lines_dropped,
-            crate::log_line::DROPPED.load(std::sync::atomic::Ordering::Relaxed),
+            crate::telemetry::log_line::DROPPED.load(std::sync::atomic::Ordering::Relaxed),
         );
         if let Some(gauge) = &self.state_dir_fallback {
             gauge.set(i64::from(stats.state_fallback == Some(true)));
@@ -1121,7 +1121,7 @@ impl prometheus::core::Collector for ForgivenHistogram {
     fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
         use prometheus::proto;
         let stats = *self.latest.lock();
-        let micro = crate::limiter::MICRO as f64;
+        let micro = crate::limits::limiter::MICRO as f64;
         let buckets = crate::store::FORGIVEN_BOUNDS_MICRO
             .iter()
             .zip(stats.forgiven_le)
@@ -1179,9 +1179,9 @@ impl Default for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::descriptor::RequestFacts;
     use crate::engine::{decide_local, EngineConfig};
     use crate::policy::compile_bundle;
+    use crate::request::descriptor::RequestFacts;
     use crate::store::{MemoryStore, MemoryStoreConfig};
     use serde_json::json;
 

@@ -9,7 +9,7 @@ pub trait HeaderLookup {
     fn header_bytes(&self, lower_name: &str) -> Option<&[u8]>;
 
     /// The raw bytes of the last line of header `lower_name`: what the nearest hop added, for
-    /// headers a proxy in front sets (the network facts, [`crate::network`]).
+    /// headers a proxy in front sets (the network facts, [`crate::request::network`]).
     fn last_header_bytes(&self, lower_name: &str) -> Option<&[u8]>;
 
     /// Whether header `lower_name` arrived on more than one line. Frameworks disagree on which

@@ -5,13 +5,13 @@
 //! gets Fairvisor's verbose `X-Fairvisor-Debug-*` headers; the warning header is
 //! `X-Fairvisor-Warning`; `/metrics` adds Fairvisor's `fairvisor_*` families beside tollgate's;
 //! with `--jwt-unverified`, a token whose header segment is not JSON still gives its payload's
-//! claims (the last is in [`crate::auth`]).
+//! claims (the last is in [`crate::request::auth`]).
 //!
 //! Pure: the caller passes the time, the headers, the decision and the random bytes a session
 //! needs.
 
+use crate::engine::headers::HeaderList;
 use crate::engine::{Decision, RefusedBy};
-use crate::headers::HeaderList;
 use crate::policy::Bundle;
 use base64::Engine as _;
 use http::{HeaderName, HeaderValue};

@@ -2,9 +2,13 @@
 //! validated [`Config`]: addresses parsed, CIDRs parsed, names checked. Every problem is
 //! reported at once, before anything listens.
 
-use crate::auth::{parse_algorithm, JwtConfig, TokenSource};
-use crate::cli::{AccessLogArg, EncodedSlashesArg, GrpcStoreErrors, LogFormat, RunArgs};
-use crate::descriptor::{EncodedSlashes, IpNet};
+pub mod cli;
+pub mod routes;
+pub mod tls;
+
+use crate::config::cli::{AccessLogArg, EncodedSlashesArg, GrpcStoreErrors, LogFormat, RunArgs};
+use crate::request::auth::{parse_algorithm, JwtConfig, TokenSource};
+use crate::request::descriptor::{EncodedSlashes, IpNet};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -43,7 +47,7 @@ fn admin_token(args: &RunArgs) -> Result<Option<crate::operator::AdminToken>, St
 
 /// `--debug-session-secret`, or `--debug-session-secret-file`'s content without its trailing
 /// newline. The secret itself never appears in an error.
-fn debug_secret(args: &RunArgs) -> Result<Option<crate::compat::DebugSecret>, String> {
+fn debug_secret(args: &RunArgs) -> Result<Option<crate::engine::compat::DebugSecret>, String> {
     let (text, source) = match (&args.debug_session_secret, &args.debug_session_secret_file) {
         (Some(secret), _) => (secret.clone(), "--debug-session-secret".to_string()),
         (None, Some(file)) => {
@@ -63,7 +67,7 @@ fn debug_secret(args: &RunArgs) -> Result<Option<crate::compat::DebugSecret>, St
         }
         (None, None) => return Ok(None),
     };
-    crate::compat::DebugSecret::new(&text)
+    crate::engine::compat::DebugSecret::new(&text)
         .map(Some)
         .map_err(|e| format!("{source}: the secret {e}"))
 }
@@ -150,9 +154,9 @@ pub struct Config {
     pub h2c: bool,
     /// `--skip-invalid-policies`.
     pub skip_invalid_policies: bool,
-    pub access_log: crate::access_log::AccessLogFormat,
+    pub access_log: crate::telemetry::access_log::AccessLogFormat,
     /// `--trace-context`: whose W3C trace context a request continues (traces on).
-    pub trace_context: crate::telemetry::TraceContextTrust,
+    pub trace_context: crate::telemetry::traces::TraceContextTrust,
     /// `--admin-token` (or its file): the operator endpoints' bearer token.
     pub admin_token: Option<crate::operator::AdminToken>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
@@ -161,9 +165,9 @@ pub struct Config {
     pub allow_empty_policy: bool,
     /// `--compat`, and `--debug-session-secret` (or its file): the secret that opens debug
     /// sessions.
-    pub compat: crate::compat::Compat,
-    pub debug_secret: Option<crate::compat::DebugSecret>,
-    /// `--geoip-db`, `--asn-type-map` and `--tor-exits` ([`crate::network`]).
+    pub compat: crate::engine::compat::Compat,
+    pub debug_secret: Option<crate::engine::compat::DebugSecret>,
+    /// `--geoip-db`, `--asn-type-map` and `--tor-exits` ([`crate::request::network`]).
     pub geoip_db: Vec<PathBuf>,
     pub asn_type_map: Option<PathBuf>,
     pub tor_exits: Option<PathBuf>,
@@ -438,14 +442,14 @@ impl Config {
             );
         }
         let compat = match args.compat {
-            crate::cli::CompatArg::None => crate::compat::Compat::Off,
-            crate::cli::CompatArg::Fairvisor => crate::compat::Compat::Fairvisor,
+            crate::config::cli::CompatArg::None => crate::engine::compat::Compat::Off,
+            crate::config::cli::CompatArg::Fairvisor => crate::engine::compat::Compat::Fairvisor,
         };
         let debug_secret = debug_secret(args).unwrap_or_else(|e| {
             errors.push(e);
             None
         });
-        if compat != crate::compat::Compat::Fairvisor {
+        if compat != crate::engine::compat::Compat::Fairvisor {
             if args.debug_session_secret.is_some() {
                 errors.push("--debug-session-secret: needs --compat fairvisor".to_string());
             } else if args.debug_session_secret_file.is_some() {
@@ -558,10 +562,10 @@ impl Config {
             trusted_proxies,
             ipv6_prefix: args.ipv6_prefix,
             // Fairvisor's name, unless the operator chose one.
-            reason_header: if compat == crate::compat::Compat::Fairvisor
-                && args.reason_header == crate::headers::DEFAULT_REASON_HEADER
+            reason_header: if compat == crate::engine::compat::Compat::Fairvisor
+                && args.reason_header == crate::engine::headers::DEFAULT_REASON_HEADER
             {
-                crate::compat::REASON_HEADER.to_string()
+                crate::engine::compat::REASON_HEADER.to_string()
             } else {
                 args.reason_header.clone()
             },
@@ -593,16 +597,17 @@ impl Config {
             h2c: args.h2c,
             skip_invalid_policies: args.skip_invalid_policies,
             access_log: match args.access_log {
-                AccessLogArg::Off => crate::access_log::AccessLogFormat::Off,
-                AccessLogArg::Text => crate::access_log::AccessLogFormat::Text,
-                AccessLogArg::Json => crate::access_log::AccessLogFormat::Json,
+                AccessLogArg::Off => crate::telemetry::access_log::AccessLogFormat::Off,
+                AccessLogArg::Text => crate::telemetry::access_log::AccessLogFormat::Text,
+                AccessLogArg::Json => crate::telemetry::access_log::AccessLogFormat::Json,
             },
             trace_context: args.trace_context,
             admin_token,
             wait_for_policy: args.wait_for_policy,
             allow_empty_policy: args.allow_empty_policy,
             compat,
-            debug_secret: debug_secret.filter(|_| compat == crate::compat::Compat::Fairvisor),
+            debug_secret: debug_secret
+                .filter(|_| compat == crate::engine::compat::Compat::Fairvisor),
             geoip_db: args.geoip_db.clone(),
             asn_type_map: args.asn_type_map.clone(),
             tor_exits: args.tor_exits.clone(),
@@ -617,7 +622,7 @@ impl Config {
                 audience: args.jwt_audience.clone(),
                 source,
                 unverified: args.jwt_unverified,
-                payload_only: compat == crate::compat::Compat::Fairvisor,
+                payload_only: compat == crate::engine::compat::Compat::Fairvisor,
             },
         })
     }

@@ -1,12 +1,12 @@
 //! gRPC glue for Envoy (the only module that names tonic and Envoy protobuf types): the
 //! `RateLimitService` v3 (`ShouldRateLimit`) and `Authorization` v3 (`Check`) on one listener,
 //! with `grpc.health.v1`, on their own multi-threaded runtime of `--threads` workers. Requests
-//! are translated into [`RlsRequest`] / [`RequestFacts`](crate::descriptor::RequestFacts) and answered by the [`Gateway`]; this
+//! are translated into [`RlsRequest`] / [`RequestFacts`](crate::request::descriptor::RequestFacts) and answered by the [`Gateway`]; this
 //! module only converts.
 
 use crate::config::GrpcConfig;
-use crate::headers::HeaderList;
-use crate::rls::{self, LimitOverride, RlsDescriptor, RlsRequest};
+use crate::engine::headers::HeaderList;
+use crate::engine::rls::{self, LimitOverride, RlsDescriptor, RlsRequest};
 use crate::service::{Gateway, RlsFailure};
 use envoy_types::pb::envoy::config::core::v3::{
     address, HeaderValue as PbHeaderValue, HeaderValueOption,
@@ -351,7 +351,7 @@ impl RateLimitService for RateLimiter {
 /// Reads trace context from a gRPC call's metadata.
 struct Metadata<'a>(&'a tonic::metadata::MetadataMap);
 
-impl crate::telemetry::HeaderSource for Metadata<'_> {
+impl crate::telemetry::traces::HeaderSource for Metadata<'_> {
     fn header(&self, name: &http::HeaderName) -> Option<&str> {
         self.0.get(name.as_str()).and_then(|v| v.to_str().ok())
     }
@@ -361,7 +361,7 @@ impl RateLimiter {
     async fn rate_limit(
         &self,
         request: Request<RateLimitRequest>,
-        trace: Option<&mut crate::telemetry::RequestSpan>,
+        trace: Option<&mut crate::telemetry::traces::RequestSpan>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let request = rls_request(request.into_inner());
         let metrics = &self.gateway.metrics;
@@ -537,7 +537,7 @@ impl Authorizer {
     async fn authorize(
         &self,
         request: Request<CheckRequest>,
-        trace: &mut Option<crate::telemetry::RequestSpan>,
+        trace: &mut Option<crate::telemetry::traces::RequestSpan>,
     ) -> Result<Response<CheckResponse>, Status> {
         // The gRPC connection's peer (Envoy itself): its network headers are believed only
         // when the operator named it with --trusted-proxy.
@@ -608,7 +608,11 @@ impl Authorizer {
                 "envoy.service.auth.v3.Authorization",
                 "Check",
             );
-            span.described(&http.method, crate::descriptor::split_uri(target).0, host);
+            span.described(
+                &http.method,
+                crate::request::descriptor::split_uri(target).0,
+                host,
+            );
             if let Some(ip) = client_ip {
                 span.client(ip);
             }
@@ -617,13 +621,13 @@ impl Authorizer {
         // With `with_request_body`, Envoy sends the body (bytes in `raw_body`, else text in
         // `body`): loop detection fingerprints it.
         let body_hash = if http.raw_body.is_empty() {
-            crate::descriptor::body_hash(http.body.as_bytes())
+            crate::request::descriptor::body_hash(http.body.as_bytes())
         } else {
-            crate::descriptor::body_hash(&http.raw_body)
+            crate::request::descriptor::body_hash(&http.raw_body)
         };
         // `token_bucket_llm`: the body Envoy sends (`with_request_body`) is the prompt.
         let llm = self.gateway.meters_tokens().then(|| {
-            crate::llm::LlmRequest::parse_with(
+            crate::request::llm::LlmRequest::parse_with(
                 if http.raw_body.is_empty() {
                     http.body.as_bytes()
                 } else {

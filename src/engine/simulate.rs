@@ -2,11 +2,11 @@
 //! and prints one JSON line per request — the status, the headers the gateway would add, and
 //! every evaluated rule with its exact token count. Deterministic: same input, same output.
 
-use crate::clock::{Clock, ManualClock};
-use crate::descriptor::RequestFacts;
+use crate::engine::headers::{self, HeaderConfig};
 use crate::engine::{self, Decided, Decision, EngineConfig, RequestView};
-use crate::headers::{self, HeaderConfig};
+use crate::limits::clock::{Clock, ManualClock};
 use crate::policy::Bundle;
+use crate::request::descriptor::RequestFacts;
 use crate::store::{MemoryStore, MemoryStoreConfig};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -29,7 +29,7 @@ struct SimRequest {
     #[serde(default)]
     headers: BTreeMap<String, String>,
     /// Claims of a token the gateway would have verified (`jwt:` descriptors, jitter `sub`).
-    claims: Option<crate::descriptor::Claims>,
+    claims: Option<crate::request::descriptor::Claims>,
     /// The request body (`token_bucket_llm` prompts, `body_hash`): a JSON value sent as its
     /// JSON text, or a string sent as is.
     body: Option<Value>,
@@ -137,7 +137,7 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
     let llm = body
         .as_deref()
         .filter(|_| replay.bundle.meters_tokens)
-        .map(|body| crate::llm::LlmRequest::parse_with(body, replay.bundle.tiktoken));
+        .map(|body| crate::request::llm::LlmRequest::parse_with(body, replay.bundle.tiktoken));
     let used = match &request.usage {
         None => None,
         Some(Value::Number(n)) => match n.as_u64() {
@@ -146,7 +146,7 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
                 return json!({"t": request.t, "error": "usage must be a whole number of tokens or a usage object"})
             }
         },
-        Some(object) => match crate::llm::reported_usage(object) {
+        Some(object) => match crate::request::llm::reported_usage(object) {
             Some(usage) => Some(usage.total_tokens),
             None => {
                 return json!({"t": request.t, "error": "usage names no tokens: total_tokens, or prompt_tokens and completion_tokens"})
@@ -161,7 +161,10 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         &headers,
     )
     .with_claims(request.claims.as_ref())
-    .with_body_hash(body.as_deref().and_then(crate::descriptor::body_hash))
+    .with_body_hash(
+        body.as_deref()
+            .and_then(crate::request::descriptor::body_hash),
+    )
     .with_llm(llm.as_ref());
     let decision = engine::decide_local(
         &replay.bundle,
@@ -371,7 +374,7 @@ mod tests {
     #[test]
     fn loops_and_breakers_replay_on_the_virtual_clock() {
         let bundle = crate::policy::parse_bundle(
-            include_bytes!("../policies/agent-guards.json"),
+            include_bytes!("../../policies/agent-guards.json"),
             "agent-guards",
         )
         .unwrap();

@@ -35,13 +35,13 @@ pub struct RequestFacts<'a> {
     /// xxHash3-64 of the request body, when the front end read it (for `loop_detection`).
     pub body_hash: Option<u64>,
     /// What an LLM request body asks for, when the front end read it (`token_bucket_llm`).
-    pub llm: Option<&'a crate::llm::LlmRequest>,
+    pub llm: Option<&'a crate::request::llm::LlmRequest>,
     /// The request (or the decision-service call describing it) came from a `--trusted-proxy`
     /// peer: its network headers (`X-Country-Code`...) may be believed.
     pub trusted_peer: bool,
     /// The client's network (`ip:country`, `ip:asn`, `ip:type`, `ip:tor`), when the bundle in
-    /// force reads it ([`crate::network`]).
-    pub network: Option<&'a crate::network::NetworkFacts>,
+    /// force reads it ([`crate::request::network`]).
+    pub network: Option<&'a crate::request::network::NetworkFacts>,
     /// The trace this request is part of, when tracing is on (for the `RATE_LIMIT` line's
     /// `trace_id`, and to summarise a sampled request's decision for its span).
     pub trace: Option<TraceFacts>,
@@ -207,7 +207,7 @@ impl<'a> RequestFacts<'a> {
         self
     }
 
-    pub fn with_llm(mut self, llm: Option<&'a crate::llm::LlmRequest>) -> Self {
+    pub fn with_llm(mut self, llm: Option<&'a crate::request::llm::LlmRequest>) -> Self {
         self.llm = llm;
         self
     }
@@ -227,7 +227,7 @@ impl<'a> RequestFacts<'a> {
     /// A copy of these facts with the client's network facts.
     pub fn with_network<'n>(
         &'n self,
-        network: &'n crate::network::NetworkFacts,
+        network: &'n crate::request::network::NetworkFacts,
     ) -> RequestFacts<'n> {
         RequestFacts {
             method: self.method,
@@ -569,7 +569,7 @@ pub enum Descriptor {
     Domain,
     /// `descriptor_keys`: an Envoy descriptor's entry keys in order, joined with `,`.
     EntryKeys,
-    /// `ip:country`, `ip:asn`, `ip:type`, `ip:tor`: the client's network ([`crate::network`]).
+    /// `ip:country`, `ip:asn`, `ip:type`, `ip:tor`: the client's network ([`crate::request::network`]).
     Network(NetworkKey),
 }
 

@@ -12,7 +12,7 @@
 //! would land in its proxy's shared bucket), and hops it adds on the left never change the
 //! answer.
 
-use crate::descriptor::{canonical_ip, IpNet};
+use crate::request::descriptor::{canonical_ip, IpNet};
 use std::net::{IpAddr, SocketAddr};
 
 /// The headers that can name the client, as raw bytes.

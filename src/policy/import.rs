@@ -448,9 +448,9 @@ fn default_name(domain: &str, path: &[(String, Option<String>)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::descriptor::{EnvoyDescriptor, RequestFacts};
     use crate::engine::{decide_local, EngineConfig};
     use crate::policy::compile_bundle;
+    use crate::request::descriptor::{EnvoyDescriptor, RequestFacts};
     use crate::store::{MemoryStore, MemoryStoreConfig};
 
     const CONFIG: &str = r#"

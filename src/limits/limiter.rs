@@ -359,7 +359,7 @@ mod tests {
     }
 
     fn secs(s: f64) -> u64 {
-        crate::clock::secs_to_us(s)
+        crate::limits::clock::secs_to_us(s)
     }
 
     /// Seed 004 (Coinbase): burst 3, rate 1; the worked table, statuses and token counts exact.

@@ -59,7 +59,7 @@ pub enum HandoverError {
     #[error("--upgrade-sock {path}: its directory is not trusted: {reason}")]
     UntrustedDir {
         path: PathBuf,
-        reason: crate::fs_trust::Untrusted,
+        reason: crate::store::fs_trust::Untrusted,
     },
     #[error("--upgrade-sock {path}: {what}: {source}")]
     Io {
@@ -100,8 +100,8 @@ fn io_error<'a>(
 ///
 /// # Errors
 /// The reason, naming the directory.
-pub fn check_socket_dir(sock: &Path, me: u32) -> Result<(), crate::fs_trust::Untrusted> {
-    crate::fs_trust::check_private_dir(socket_dir(sock), me)
+pub fn check_socket_dir(sock: &Path, me: u32) -> Result<(), crate::store::fs_trust::Untrusted> {
+    crate::store::fs_trust::check_private_dir(socket_dir(sock), me)
 }
 
 /// The directory the socket `sock` is in (`.` for a bare name).
@@ -408,7 +408,7 @@ mod tests {
     use std::net::TcpListener;
 
     fn me() -> u32 {
-        crate::fs_trust::effective_uid()
+        crate::store::fs_trust::effective_uid()
     }
 
     /// `send` on a thread of its own, as `uid` would, waiting 10 s for a taker and 10 s for
