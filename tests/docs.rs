@@ -543,8 +543,15 @@ fn every_source_path_the_manual_names_exists() {
             }
         }
     }
-    assert!(missing.is_empty(), "no such source path:\n{}", missing.join("\n"));
-    assert!(checked > 30, "only {checked} source paths found: is the scan right?");
+    assert!(
+        missing.is_empty(),
+        "no such source path:\n{}",
+        missing.join("\n")
+    );
+    assert!(
+        checked > 30,
+        "only {checked} source paths found: is the scan right?"
+    );
     assert_eq!(
         source_paths("see `src/engine/mod.rs`, src/proxy/ and docs/src/x.md; src/a.rs."),
         ["src/engine/mod.rs", "src/proxy/", "src/a.rs"]

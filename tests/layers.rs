@@ -58,13 +58,25 @@ fn the_circle_count_finds_each_way_of_closing_a_circle() {
     // Two files importing each other with `use`.
     let used = crate_of(&[
         ("lib.rs", "pub mod a;\npub mod b;\n"),
-        ("a.rs", "use crate::b::B;\npub struct A(pub Option<Box<B>>);\n"),
-        ("b.rs", "use crate::a::A;\npub struct B(pub Option<Box<A>>);\n"),
+        (
+            "a.rs",
+            "use crate::b::B;\npub struct A(pub Option<Box<B>>);\n",
+        ),
+        (
+            "b.rs",
+            "use crate::a::A;\npub struct B(pub Option<Box<A>>);\n",
+        ),
     ]);
     let (passed, out) = count_circles(&used.path().join("src"));
     assert!(!passed);
-    assert!(out.starts_with("3 files, 2 import edges, 1 circle(s)\n"), "{out}");
-    assert!(out.contains("circle of 2 files: src/a.rs, src/b.rs"), "{out}");
+    assert!(
+        out.starts_with("3 files, 2 import edges, 1 circle(s)\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("circle of 2 files: src/a.rs, src/b.rs"),
+        "{out}"
+    );
 
     // A child naming its parent's item while the parent names the child's, through paths in
     // code (no `use`); test code is left out.
@@ -102,7 +114,10 @@ fn the_circle_count_finds_each_way_of_closing_a_circle() {
     ]);
     let (passed, out) = count_circles(&fixed.path().join("src"));
     assert!(passed, "{out}");
-    assert!(out.starts_with("4 files, 2 import edges, 0 circle(s)"), "{out}");
+    assert!(
+        out.starts_with("4 files, 2 import edges, 0 circle(s)"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -120,7 +135,11 @@ fn src_lists_the_folders_the_crate_map_names() {
         })
         .collect();
     entries.sort();
-    assert!(entries.len() <= 13, "src/ lists {}: {entries:?}", entries.len());
+    assert!(
+        entries.len() <= 13,
+        "src/ lists {}: {entries:?}",
+        entries.len()
+    );
     let map = std::fs::read_to_string(root().join("src/lib.rs")).expect("lib.rs");
     let layout =
         std::fs::read_to_string(root().join("docs/src/development.md")).expect("development.md");

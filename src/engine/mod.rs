@@ -10,8 +10,8 @@
 //! policy's guards through `limits::guards::plan`, before its rules).
 //!
 //! The calls go down only: this file calls the kinds, and the kinds read only what sits below
-//! both, the planning vocabulary ([`planning`]: the bucket key writer, the plan being built) and
-//! the outcome and refusal types ([`decision`]); none of them calls back into this file.
+//! both, the planning vocabulary (`planning.rs`: the bucket key writer, the plan being built) and
+//! the outcome and refusal types (`decision.rs`); none of them calls back into this file.
 //!
 //! A [`Decision`] (`decision.rs`) borrows the bundle it was made with and carries everything
 //! headers, metrics and logs need (rule and policy names, quotas, the kill switch that fired);

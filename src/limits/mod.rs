@@ -10,8 +10,8 @@
 //! which adds its store operations and outcomes to the request's `Planning`.
 //!
 //! The calls only go down: this file and the engine call the kinds; a kind reads the planning
-//! vocabulary ([`crate::engine::planning`], [`crate::engine::decision`]) and the compiler's
-//! shared readers ([`crate::policy::compile::compiler`]), never this file, the engine's
+//! vocabulary (`engine/planning.rs`, `engine/decision.rs`) and the compiler's
+//! shared readers (`policy/compile/compiler.rs`), never this file, the engine's
 //! `mod.rs` or the compiler's.
 //!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;

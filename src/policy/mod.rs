@@ -1,7 +1,7 @@
-//! Policy bundles: the validated, compiled form the engine runs on (SPEC §3).
+//! Policy bundles: the validated, compiled form the engine runs on.
 //!
 //! `load` reads and parses bundle files, `compile` turns JSON into these structs once; nothing downstream re-checks a value. The
-//! runtime never sees JSON: rates are [`Quota`]s, descriptors are parsed, names are unique.
+//! runtime never sees JSON: rates are [`Quota`](crate::limits::limiter::Quota)s, descriptors are parsed, names are unique.
 
 pub mod import;
 

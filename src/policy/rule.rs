@@ -29,13 +29,13 @@ pub struct Policy {
     pub id: String,
     pub selector: Selector,
     pub mode: Mode,
-    /// Indices into [`Bundle::rules`] of the regular rules.
+    /// Indices into [`Bundle::rules`](crate::policy::Bundle::rules) of the regular rules.
     pub rules: Range<usize>,
-    /// Index into [`Bundle::rules`] of `fallback_limit`, if any.
+    /// Index into [`Bundle::rules`](crate::policy::Bundle::rules) of `fallback_limit`, if any.
     pub fallback: Option<usize>,
-    /// Index into [`Bundle::rules`] of the rule `loop_detection` compiled to, if enabled.
+    /// Index into [`Bundle::rules`](crate::policy::Bundle::rules) of the rule `loop_detection` compiled to, if enabled.
     pub loop_detection: Option<usize>,
-    /// Index into [`Bundle::rules`] of the rule `circuit_breaker` compiled to, if enabled.
+    /// Index into [`Bundle::rules`](crate::policy::Bundle::rules) of the rule `circuit_breaker` compiled to, if enabled.
     pub circuit_breaker: Option<usize>,
     /// The policy has a `token_bucket_llm` rule (regular or fallback).
     pub meters_tokens: bool,
@@ -176,10 +176,10 @@ impl MatchCondition {
 /// A compiled rule.
 #[derive(Debug)]
 pub struct Rule {
-    /// Position in [`Bundle::rules`].
+    /// Position in [`Bundle::rules`](crate::policy::Bundle::rules).
     pub index: usize,
     pub name: String,
-    /// Index of the owning policy in [`Bundle::policies`].
+    /// Index of the owning policy in [`Bundle::policies`](crate::policy::Bundle::policies).
     pub policy: usize,
     /// The owning policy's id.
     pub policy_id: String,
@@ -328,13 +328,13 @@ pub struct Concurrency {
     pub lease_ttl_us: u64,
 }
 
-/// Name of [`Bundle::envoy_override`]'s rule; bucket names start `tb:envoy-limit-override:`.
+/// Name of [`Bundle::envoy_override`](crate::policy::Bundle::envoy_override)'s rule; bucket names start `tb:envoy-limit-override:`.
 pub const ENVOY_OVERRIDE_RULE: &str = "envoy-limit-override";
 
 impl Rule {
-    /// The rule behind [`Bundle::envoy_override`]: enforced, keyed by the whole descriptor (the
+    /// The rule behind [`Bundle::envoy_override`](crate::policy::Bundle::envoy_override): enforced, keyed by the whole descriptor (the
     /// caller builds the key), its quota always the descriptor's override. It is outside
-    /// [`Bundle::rules`] (its `index` is `usize::MAX`), so per-rule metrics skip it.
+    /// [`Bundle::rules`](crate::policy::Bundle::rules) (its `index` is `usize::MAX`), so per-rule metrics skip it.
     pub fn envoy_override() -> Rule {
         let quota = Quota::new(
             crate::limits::limiter::MICRO,
