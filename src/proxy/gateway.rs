@@ -738,7 +738,7 @@ impl ProxyHttp for Proxy {
         ctx.connect_tries += 1;
         if let (Some(trace), Some(telemetry)) = (ctx.trace.as_deref_mut(), telemetry) {
             if ctx.connect_tries == 1 {
-                trace.upstream_started(telemetry, &group.spec.name, addr);
+                trace.upstream_started(telemetry, &group.name, addr);
             } else if trace.upstream_recorded() {
                 trace.upstream_event(crate::telemetry::traces::UpstreamEvent::Retry {
                     server: addr,

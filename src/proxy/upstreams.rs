@@ -196,6 +196,9 @@ struct RetryBudget {
 /// One upstream group, ready to serve.
 pub struct Group {
     pub spec: GroupSpec,
+    /// The group's name, shared with the traces' CLIENT spans (`tollgate.upstream_group`)
+    /// rather than copied into each.
+    pub name: Arc<str>,
     /// Pingora's balancer: the health checks and their thresholds, and the Ketama ring.
     balancer: Balancer,
     servers: Vec<Server>,
@@ -300,6 +303,7 @@ impl Group {
             })
             .collect();
         Ok(Group {
+            name: Arc::from(spec.name.as_str()),
             balancer,
             servers,
             next: AtomicUsize::new(0),

@@ -390,7 +390,7 @@ impl RequestSpan {
     pub fn upstream_started(
         &mut self,
         telemetry: &Telemetry,
-        group: &str,
+        group: &Arc<str>,
         server: std::net::SocketAddr,
     ) {
         // An unsampled request gets no CLIENT span: the upstream continues the SERVER span's
@@ -414,7 +414,7 @@ impl RequestSpan {
             self.trace_state.clone(),
         );
         client.method = Some(method_or_other(self.method));
-        client.upstream_group = Some(group.to_string());
+        client.upstream_group = Some(Arc::clone(group));
         client.upstream = Some(server);
         recorded.client = Some(client);
     }

@@ -530,7 +530,7 @@ mod tests {
         let mut client = SpanRecord::new(Kind::Client, "GET", [0x4b; 16], [8; 8], [7; 8], None);
         client.end = 5;
         client.upstream = Some("127.0.0.1:8080".parse().unwrap());
-        client.upstream_group = Some("api".to_string());
+        client.upstream_group = Some(Arc::from("api"));
         client.events.push((
             3,
             UpstreamEvent::ConnectFailed {

@@ -110,7 +110,7 @@ pub struct SpanRecord {
     pub reason: Option<&'static str>,
     pub remaining: Option<i64>,
     /// A CLIENT span's `tollgate.upstream_group`
-    pub upstream_group: Option<String>,
+    pub upstream_group: Option<Arc<str>>,
     /// A CLIENT span's `server.address` and `server.port` (the server first chosen)
     pub upstream: Option<SocketAddr>,
     /// A CLIENT span's events, with their Unix-nanosecond times.
