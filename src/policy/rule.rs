@@ -60,6 +60,7 @@ pub struct Selector {
 }
 
 impl Selector {
+    #[inline]
     pub fn matches(&self, facts: &RequestFacts<'_>) -> bool {
         if let Some(exact) = &self.path_exact {
             if *facts.path != **exact {
@@ -94,6 +95,7 @@ impl Selector {
 
 /// Segment-wise prefix test: `/api` matches `/api` and `/api/x`, never `/apix`. `prefix` has no
 /// trailing slash, except the root `/`, which matches every path.
+#[inline]
 pub fn path_has_prefix(path: &str, prefix: &str) -> bool {
     if prefix == "/" || prefix.is_empty() {
         return true;

@@ -15,6 +15,7 @@ pub struct BucketKey {
 
 impl BucketKey {
     /// The key of a full bucket name.
+    #[inline]
     pub fn of(full_key: &str) -> Self {
         let h = twox_hash::XxHash3_128::oneshot(full_key.as_bytes());
         BucketKey {

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// IPv4-mapped IPv6 (`::ffff:a.b.c.d`) becomes the IPv4 address; other addresses are unchanged.
+#[inline]
 pub fn canonical_ip(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
@@ -25,6 +26,7 @@ pub fn ip_key(ip: IpAddr, v6_prefix: u8) -> String {
 
 /// Appends [`ip_key`] to `out`. IPv4 (the hot case) is written digit by digit: `fmt`
 /// machinery costs more than the rest of a bucket lookup.
+#[inline]
 pub fn push_ip_key(out: &mut String, ip: IpAddr, v6_prefix: u8) {
     match canonical_ip(ip) {
         IpAddr::V4(v4) => {
