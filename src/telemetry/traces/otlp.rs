@@ -146,6 +146,21 @@ impl Cursor<'_> {
                 self.head([0x12, any_len as u8, 0x0a, s.len() as u8]);
                 self.bytes(s.as_bytes());
             }
+            Value::Int(n) if (0..0x20_0000).contains(&n) && N < 0x70 => {
+                // A port, a status code, an attempt, a remainder: at most three varint bytes.
+                let varint_len = 1 + usize::from(n >= 0x80) + usize::from(n >= 0x4000);
+                let any_len = 1 + varint_len;
+                let kv_len = 2 + N + 2 + any_len;
+                self.head([(field << 3 | LEN) as u8, kv_len as u8, 0x0a, N as u8]);
+                self.fixed(name);
+                self.fixed(&[0x12, any_len as u8, 0x18]);
+                self.varint(n as u64);
+            }
+            Value::Bool(b) if N < 0x70 => {
+                self.head([(field << 3 | LEN) as u8, (2 + N + 4) as u8, 0x0a, N as u8]);
+                self.fixed(name);
+                self.head([0x12, 2, 0x10, u8::from(b)]);
+            }
             _ => self.attribute_of_any_size(field, name, value),
         }
     }
@@ -795,5 +810,64 @@ mod tests {
             find(&spans[1].attributes, "url.path"),
             Some(Any::StringValue("/x".repeat(10_000)))
         );
+    }
+
+    #[test]
+    fn integers_and_booleans_decode_at_every_varint_width() {
+        // Each side of the fast path's one-, two- and three-byte varints, and the values it
+        // leaves to the general writer (negative, four bytes and more).
+        let values = [
+            0,
+            1,
+            0x7f,
+            0x80,
+            0x3fff,
+            0x4000,
+            0x1f_ffff,
+            0x20_0000,
+            -1,
+            i64::MAX,
+        ];
+        let spans: Vec<SpanRecord> = values
+            .iter()
+            .map(|&n| {
+                let mut span = SpanRecord::new(Kind::Client, "GET", [1; 16], [2; 8], [3; 8], None);
+                span.remaining = Some(n);
+                span.upstream = Some("127.0.0.1:65535".parse().unwrap());
+                span.events.push((
+                    9,
+                    UpstreamEvent::Connect {
+                        server: "127.0.0.1:65535".parse().unwrap(),
+                        attempt: usize::try_from(n).unwrap_or(0),
+                        reused: n % 2 == 1,
+                    },
+                ));
+                span
+            })
+            .collect();
+        let mut scratch = Vec::new();
+        let body = Encoder::new(&[]).encode(&spans, &mut scratch);
+        let request = ExportTraceServiceRequest::decode(body).unwrap();
+        let decoded = &request.resource_spans[0].scope_spans[0].spans;
+        assert_eq!(decoded.len(), values.len());
+        for (span, &n) in decoded.iter().zip(&values) {
+            assert_eq!(
+                find(&span.attributes, "tollgate.remaining"),
+                Some(Any::IntValue(n))
+            );
+            assert_eq!(
+                find(&span.attributes, "server.port"),
+                Some(Any::IntValue(65535))
+            );
+            let event = &span.events[0].attributes;
+            assert_eq!(
+                find(event, "tollgate.attempt"),
+                Some(Any::IntValue(n.max(0)))
+            );
+            assert_eq!(
+                find(event, "tollgate.connection_reused"),
+                Some(Any::BoolValue(n % 2 == 1))
+            );
+        }
     }
 }
