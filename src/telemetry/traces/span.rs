@@ -113,8 +113,10 @@ pub struct SpanRecord {
     pub upstream_group: Option<Arc<str>>,
     /// A CLIENT span's `server.address` and `server.port` (the server first chosen)
     pub upstream: Option<SocketAddr>,
-    /// A CLIENT span's events, with their Unix-nanosecond times.
-    pub events: SmallVec<[(u64, UpstreamEvent); 2]>,
+    /// A CLIENT span's events, with their Unix-nanosecond times: one inline (the connect of a
+    /// request that needed no retry), so that a record stays under 512 bytes and a request's
+    /// two fit the allocator's small-object size classes (at most 1 KiB).
+    pub events: SmallVec<[(u64, UpstreamEvent); 1]>,
 }
 
 impl SpanRecord {
@@ -177,5 +179,14 @@ impl Finished {
     /// Its spans in the order they ended: the CLIENT span before its SERVER span.
     pub fn in_order(&self) -> impl Iterator<Item = &SpanRecord> + Clone {
         self.client.iter().chain(std::iter::once(&self.server))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_request_s_records_fit_one_small_allocation() {
+        assert!(std::mem::size_of::<super::SpanRecord>() <= 512);
+        assert!(std::mem::size_of::<super::Finished>() <= 1024);
     }
 }
