@@ -976,6 +976,10 @@ mod tests {
             VALIDATE_EXAMPLES,
             SIMULATE_EXAMPLES,
             IMPORT_EXAMPLES,
+            PUBLISH_EXAMPLES,
+            PROMOTE_EXAMPLES,
+            ROLLBACK_EXAMPLES,
+            FLEET_EXAMPLES,
         ] {
             for line in examples.lines().map(str::trim) {
                 let Some(args) = line.strip_prefix("tollgate ") else {
@@ -995,6 +999,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(seen, 11);
+        assert_eq!(seen, 11 + 8);
     }
 }
