@@ -1,9 +1,11 @@
 //! tollgate: an edge API gateway that enforces rate limits, quotas and kill switches written as
 //! versioned JSON policy bundles.
 //!
-//! The source is one folder per concept. Layers, bottom up: a file uses only files of its own
-//! layer or lower ones, and no files import each other around a circle
-//! (`scripts/import-circles.py` counts the imports; the test suite runs it).
+//! The source is one folder per concept. Layers, bottom up: a folder's files use files of their
+//! own layer or lower ones (the one exception, on purpose: a limit kind's compile half, which
+//! `policy/compile` calls, lives with its plan half in `limits/`), and no files import each
+//! other around a circle (`scripts/import-circles.py` counts the imports; `tests/layers.rs`
+//! runs it).
 //!
 //! ```text
 //! request/    L0     what a request is: its facts and descriptors, the client's address

@@ -20,7 +20,7 @@ pub mod l4;
 mod tls;
 
 #[cfg(not(feature = "any_tls"))]
-use crate::config::tls::connectors as tls;
+use crate::tls::connectors as tls;
 
 use crate::protocols::l4::ext::attach_connect_local_addr;
 use crate::protocols::{GetSocketDigest, Stream};

@@ -72,7 +72,7 @@ impl ConnectionFilter for AcceptAllFilter {
 pub mod tls;
 
 #[cfg(not(feature = "any_tls"))]
-pub use crate::config::tls::listeners as tls;
+pub use crate::tls::listeners as tls;
 
 use crate::protocols::{l4::socket::SocketAddr, tls::TlsRef, Stream};
 

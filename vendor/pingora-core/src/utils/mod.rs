@@ -19,7 +19,7 @@
 pub mod tls;
 
 #[cfg(not(feature = "any_tls"))]
-pub use crate::config::tls::utils as tls;
+pub use crate::tls::utils as tls;
 
 use bytes::Bytes;
 

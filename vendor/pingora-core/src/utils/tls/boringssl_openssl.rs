@@ -12,7 +12,7 @@
 // See the License for the specific language governing permissions and
 // limitations under the License.
 
-use crate::config::tls::{nid::Nid, pkey::PKey, pkey::Private, x509::X509};
+use crate::tls::{nid::Nid, pkey::PKey, pkey::Private, x509::X509};
 use crate::Result;
 use pingora_error::{ErrorType::*, OrErr};
 use std::hash::{Hash, Hasher};

@@ -21,8 +21,8 @@ use crate::offload::OffloadRuntime;
 pub use crate::protocols::tls::ALPN;
 use crate::protocols::IO;
 use crate::server::configuration::ServerConf;
-use crate::config::tls::ssl::AlpnError;
-use crate::config::tls::ssl::{SslAcceptor, SslAcceptorBuilder, SslFiletype, SslMethod};
+use crate::tls::ssl::AlpnError;
+use crate::tls::ssl::{SslAcceptor, SslAcceptorBuilder, SslFiletype, SslMethod};
 use crate::{
     listeners::{SharedTlsAcceptCallbacks, TlsAcceptCallbacks},
     protocols::tls::{
@@ -205,7 +205,7 @@ impl Acceptor {
 
 mod alpn {
     use super::*;
-    use crate::config::tls::ssl::{select_next_proto, AlpnError, SslRef};
+    use crate::tls::ssl::{select_next_proto, AlpnError, SslRef};
 
     pub(super) fn valid_alpn(alpn_in: &[u8]) -> bool {
         if alpn_in.is_empty() {

@@ -19,7 +19,7 @@ use crate::protocols::tls::SslStream;
 use crate::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, SocketDigest, TimingDigest, IO,
 };
-use crate::config::tls::{ssl, ssl::ConnectConfiguration, ssl::SslRef, ssl_sys::X509_V_ERR_INVALID_CALL};
+use crate::tls::{ssl, ssl::ConnectConfiguration, ssl::SslRef, ssl_sys::X509_V_ERR_INVALID_CALL};
 
 use pingora_error::{Error, ErrorType::*, OrErr, Result};
 use std::any::Any;
@@ -58,7 +58,7 @@ pub async fn handshake<S: IO>(
                     #[cfg(not(feature = "boringssl"))]
                     fn verify_result<S>(stream: SslStream<S>) -> Result<(), i32> {
                         match stream.ssl().verify_result().as_raw() {
-                            crate::config::tls::ssl_sys::X509_V_OK => Ok(()),
+                            crate::tls::ssl_sys::X509_V_OK => Ok(()),
                             e => Err(e),
                         }
                     }

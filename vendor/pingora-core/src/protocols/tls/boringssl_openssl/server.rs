@@ -17,10 +17,10 @@
 use crate::listeners::TlsAccept;
 use crate::protocols::tls::SslStream;
 use crate::protocols::{Shutdown, IO};
-use crate::config::tls::ext;
-use crate::config::tls::ext::ssl_from_acceptor;
-use crate::config::tls::ssl;
-use crate::config::tls::ssl::SslAcceptor;
+use crate::tls::ext;
+use crate::tls::ext::ssl_from_acceptor;
+use crate::tls::ssl;
+use crate::tls::ssl::SslAcceptor;
 
 use async_trait::async_trait;
 use log::warn;
@@ -143,8 +143,8 @@ mod tests {
     use crate::listeners::{TlsAccept, TlsAcceptCallbacks};
     use crate::protocols::tls::SslStream;
     use crate::protocols::tls::TlsRef;
-    use crate::config::tls::ext;
-    use crate::config::tls::ssl;
+    use crate::tls::ext;
+    use crate::tls::ssl;
 
     use async_trait::async_trait;
     use std::pin::Pin;
@@ -184,10 +184,10 @@ mod tests {
                 let key = format!("{}/tests/keys/key.pem", env!("CARGO_MANIFEST_DIR"));
 
                 let cert_bytes = std::fs::read(cert).unwrap();
-                let cert = crate::config::tls::x509::X509::from_pem(&cert_bytes).unwrap();
+                let cert = crate::tls::x509::X509::from_pem(&cert_bytes).unwrap();
 
                 let key_bytes = std::fs::read(key).unwrap();
-                let key = crate::config::tls::pkey::PKey::private_key_from_pem(&key_bytes).unwrap();
+                let key = crate::tls::pkey::PKey::private_key_from_pem(&key_bytes).unwrap();
                 ext::ssl_use_certificate(ssl, &cert).unwrap();
                 ext::ssl_use_private_key(ssl, &key).unwrap();
             }
@@ -207,7 +207,7 @@ mod tests {
     #[tokio::test]
     #[cfg(feature = "openssl_derived")]
     async fn test_handshake_complete_callback() {
-        use crate::config::tls::ssl::SslFiletype;
+        use crate::tls::ssl::SslFiletype;
 
         let cert = format!("{}/tests/keys/server.crt", env!("CARGO_MANIFEST_DIR"));
         let key = format!("{}/tests/keys/key.pem", env!("CARGO_MANIFEST_DIR"));

@@ -15,7 +15,7 @@
 use crate::protocols::digest::TimingDigest;
 use crate::protocols::tls::{SslDigest, ALPN};
 use crate::protocols::{Peek, Ssl, UniqueID, UniqueIDType};
-use crate::config::tls::{self, ssl, tokio_ssl::SslStream as InnerSsl};
+use crate::tls::{self, ssl, tokio_ssl::SslStream as InnerSsl};
 use crate::utils::tls::{get_organization, get_serial};
 use log::warn;
 use pingora_error::{ErrorType::*, OrErr, Result};

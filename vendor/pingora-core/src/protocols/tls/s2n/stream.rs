@@ -19,7 +19,7 @@ use crate::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, UniqueID,
     UniqueIDType, ALPN,
 };
-use crate::config::tls::TlsStream as S2NTlsStream;
+use crate::tls::TlsStream as S2NTlsStream;
 use crate::utils::tls::get_organization_serial_bytes;
 use async_trait::async_trait;
 use log::debug;
