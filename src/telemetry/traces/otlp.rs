@@ -6,36 +6,11 @@
 
 use super::span::{Kind, SpanRecord, UpstreamEvent};
 use prost::encoding::encoded_len_varint;
-use std::fmt::Write as _;
 
 const VARINT: u64 = 0;
 const FIXED64: u64 = 1;
 const LEN: u64 = 2;
 const FIXED32: u64 = 5;
-
-/// An IP address as text: IPv4 (nearly every address here) by hand, IPv6 through `Display`.
-fn ip_text(ip: std::net::IpAddr, text: &mut String) {
-    text.clear();
-    match ip {
-        std::net::IpAddr::V4(v4) => {
-            for (i, octet) in v4.octets().into_iter().enumerate() {
-                if i > 0 {
-                    text.push('.');
-                }
-                if octet >= 100 {
-                    text.push(char::from(b'0' + octet / 100));
-                }
-                if octet >= 10 {
-                    text.push(char::from(b'0' + octet / 10 % 10));
-                }
-                text.push(char::from(b'0' + octet % 10));
-            }
-        }
-        std::net::IpAddr::V6(v6) => {
-            let _ = write!(text, "{v6}");
-        }
-    }
-}
 
 /// An address's text, kept for the next span: most spans of a batch name the same upstream
 /// server, and often the same client.
@@ -48,7 +23,9 @@ struct AddressText {
 impl AddressText {
     fn of(&mut self, ip: std::net::IpAddr) -> &str {
         if self.ip != Some(ip) {
-            ip_text(ip, &mut self.text);
+            // IPv4 (nearly every address here) by hand, IPv6 through `Display`.
+            self.text.clear();
+            crate::telemetry::log_line::push_ip(&mut self.text, ip);
             self.ip = Some(ip);
         }
         &self.text
@@ -782,7 +759,9 @@ mod tests {
 
     #[test]
     fn addresses_are_written_as_display_writes_them() {
-        let mut text = String::new();
+        // One text kept across addresses, each asked twice: the kept text is replaced, never
+        // appended to or left stale.
+        let mut text = AddressText::default();
         for ip in [
             "0.0.0.0",
             "127.0.0.1",
@@ -790,10 +769,11 @@ mod tests {
             "10.20.100.9",
             "::1",
             "2001:db8::7",
+            "127.0.0.1",
         ] {
             let ip: std::net::IpAddr = ip.parse().unwrap();
-            ip_text(ip, &mut text);
-            assert_eq!(text, ip.to_string());
+            assert_eq!(text.of(ip), ip.to_string());
+            assert_eq!(text.of(ip), ip.to_string());
         }
     }
 
