@@ -121,7 +121,7 @@ impl Telemetry {
             None => ([0; 8], None),
         };
         let record = (sampled && self.export.accepting()).then(|| {
-            Box::new(Finished {
+            let finished = Box::new(Finished {
                 server: SpanRecord::new(
                     Kind::Server,
                     name,
@@ -131,19 +131,18 @@ impl Telemetry {
                     trace_state.clone(),
                 ),
                 client: None,
-            })
+            });
+            (finished, self.export.queue())
         });
         if sampled && record.is_none() {
             self.export.dropped(1);
         }
-        let queue = record.is_some().then(|| self.export.queue());
         RequestSpan {
             trace_id,
             span_id,
             sampled,
             trace_state,
             record,
-            queue,
             upstream_status: None,
             method: name,
         }
@@ -262,10 +261,9 @@ pub struct RequestSpan {
     span_id: [u8; 8],
     sampled: bool,
     trace_state: Option<Arc<str>>,
-    /// A sampled request's records (one allocation), while the export takes spans.
-    record: Option<Box<Finished>>,
-    /// The queue the records end into (with `record`).
-    queue: Option<Arc<export::Queue>>,
+    /// A sampled request's records (one allocation) and the queue they end into, while the
+    /// export takes spans.
+    record: Option<(Box<Finished>, Arc<export::Queue>)>,
     /// The status the upstream answered with.
     upstream_status: Option<u16>,
     /// The request's method as a span name allows it (`GET`, ..., `HTTP`).
@@ -274,7 +272,7 @@ pub struct RequestSpan {
 
 impl RequestSpan {
     fn server(&mut self) -> Option<&mut SpanRecord> {
-        self.record.as_deref_mut().map(|r| &mut r.server)
+        self.record.as_mut().map(|(r, _)| &mut r.server)
     }
 
     /// The trace as the core sees it (the `RATE_LIMIT` line's `trace_id`, whether to summarise
@@ -396,7 +394,7 @@ impl RequestSpan {
         // An unsampled request gets no CLIENT span: the upstream continues the SERVER span's
         // context (its `sampled` flag off), and nothing else would read the span. A sampled one
         // not recorded (the export backing off) counts its CLIENT span as dropped.
-        let Some(recorded) = self.record.as_deref_mut() else {
+        let Some((recorded, _)) = self.record.as_mut() else {
             if self.sampled {
                 telemetry.export.dropped(1);
             }
@@ -421,12 +419,14 @@ impl RequestSpan {
 
     /// The upstream call is recorded (worth telling its events).
     pub fn upstream_recorded(&self) -> bool {
-        self.record.as_ref().is_some_and(|r| r.client.is_some())
+        self.record
+            .as_ref()
+            .is_some_and(|(r, _)| r.client.is_some())
     }
 
     /// An event on the upstream call (`connect`, `retry`, `ejection`, `connect_failed`).
     pub fn upstream_event(&mut self, event: UpstreamEvent) {
-        if let Some(client) = self.record.as_deref_mut().and_then(|r| r.client.as_mut()) {
+        if let Some(client) = self.record.as_mut().and_then(|(r, _)| r.client.as_mut()) {
             client.events.push((unix_nanos(), event));
         }
     }
@@ -440,7 +440,7 @@ impl RequestSpan {
         let span_id = self
             .record
             .as_ref()
-            .and_then(|r| r.client.as_ref())
+            .and_then(|(r, _)| r.client.as_ref())
             .map_or(&self.span_id, |c| &c.span_id);
         let parent = traceparent(&self.trace_id, span_id, self.sampled);
         // Hex digits and dashes: always a valid value.
@@ -458,7 +458,7 @@ impl RequestSpan {
     /// response, marks a span as an error, as the HTTP conventions say.
     pub fn finish(mut self, status: u16, error: Option<&str>) {
         let upstream_status = self.upstream_status;
-        if let Some(client) = self.record.as_deref_mut().and_then(|r| r.client.as_mut()) {
+        if let Some(client) = self.record.as_mut().and_then(|(r, _)| r.client.as_mut()) {
             match upstream_status {
                 Some(code) => {
                     client.status_code = Some(code);
@@ -482,7 +482,7 @@ impl RequestSpan {
 
     /// Hands the records to the export queue.
     fn end(self) {
-        let (Some(mut finished), Some(queue)) = (self.record, self.queue) else {
+        let Some((mut finished, queue)) = self.record else {
             return;
         };
         let now = unix_nanos();
