@@ -216,7 +216,7 @@ start_traced() { # port, admin port, OTLP port, sampler, sampler argument: sets 
   LAST_PID=$!; PIDS+=("$LAST_PID")
 }
 if wants tg-1-otel || wants tg-1-otel-ratio; then
-  taskset -c 0 "target/$PROFILE/examples/otlp_sink" "127.0.0.1:$OTLP_PORT" 2>"$WORK/otlp.log" &
+  taskset -c 0 "target/$PROFILE/examples/otlp_sink" "127.0.0.1:$OTLP_PORT" --decode-every "${OTLP_DECODE_EVERY:-16}" 2>"$WORK/otlp.log" &
   PIDS+=("$!")
 fi
 wants tg-1-otel && { start_traced $TG_1_OTEL 18948 $OTLP_PORT always_on 1; PID_TG_1_OTEL=$LAST_PID; }

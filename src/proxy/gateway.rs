@@ -492,7 +492,7 @@ impl ProxyHttp for Proxy {
                             trace.client(ip);
                         }
                         if let Some(summary) = answer.summary.take() {
-                            trace.decided_owned(*summary);
+                            trace.decided(&summary);
                         }
                     }
                     if let Some(access) = ctx.access.as_deref_mut() {

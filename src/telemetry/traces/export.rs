@@ -17,7 +17,7 @@
 
 use super::otlp::Encoder;
 use super::settings::{without_endpoints, EnvSettings, Protocol, TelemetryError};
-use super::span::Finished;
+use super::span::{Finished, SpanRecord};
 use bytes::Bytes;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -202,11 +202,15 @@ pub fn resource(var: &impl Fn(&str) -> Option<String>) -> Vec<(String, String)> 
     attributes
 }
 
-/// Finished records waiting for export, at most `capacity` spans.
+/// Finished records waiting for export, at most `capacity` spans; and the boxes of records
+/// already exported, handed back for later requests to reuse (at most `batch_size` of them).
 pub struct Queue {
     waiting: parking_lot::Mutex<Waiting>,
     capacity: usize,
     batch_size: usize,
+    /// Exported boxes, cleared ([`Finished::clear`]): a request takes one rather than
+    /// allocating, and the export thread frees none of the request threads' memory.
+    spare: parking_lot::Mutex<Vec<Box<Finished>>>,
     /// Wakes the export when a batch is full.
     wake: tokio::sync::Notify,
     dropped: prometheus::IntCounter,
@@ -220,6 +224,32 @@ struct Waiting {
 }
 
 impl Queue {
+    /// A box for a request's records, holding `server`: an exported one when there is one.
+    pub fn record(&self, server: SpanRecord) -> Box<Finished> {
+        let spare = self.spare.lock().pop();
+        match spare {
+            Some(mut finished) => {
+                finished.server = server;
+                finished
+            }
+            None => Box::new(Finished::new(server)),
+        }
+    }
+
+    /// Takes the exported boxes of `batch` back for reuse (as many as there is room for; the
+    /// rest are freed); `batch` is left empty.
+    fn recycle(&self, batch: &mut Vec<Box<Finished>>) {
+        for finished in batch.iter_mut() {
+            finished.clear();
+        }
+        let mut spare = self.spare.lock();
+        let kept = batch.len().min(self.batch_size.saturating_sub(spare.len()));
+        spare.extend(batch.drain(..kept));
+        drop(spare);
+        // Freed here, outside the lock.
+        batch.clear();
+    }
+
     /// A request's finished records; dropped and counted when they do not fit.
     pub fn push(&self, finished: Box<Finished>) {
         let spans = finished.spans();
@@ -304,6 +334,7 @@ impl Exporter {
             capacity: config.queue_size,
             batch_size: config.batch_size,
             wake: tokio::sync::Notify::new(),
+            spare: parking_lot::Mutex::new(Vec::new()),
             dropped,
         });
         let accepting = Arc::new(AtomicBool::new(true));
@@ -422,13 +453,13 @@ impl Worker {
         let mut scratch = self.scratch.lock().take().unwrap_or_default();
         let range = self
             .encoder
-            .encode_range(batch.iter().flat_map(|f| f.in_order()), &mut scratch);
+            .encode_range(batch.iter().map(|f| &**f), &mut scratch);
         let body = Bytes::from_owner(Lent {
             buf: scratch,
             range,
             home: Arc::clone(&self.scratch),
         });
-        batch.clear();
+        self.queue.recycle(batch);
         let sent = tokio::time::timeout(timeout, self.transport.send(body))
             .await
             .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())));
@@ -764,6 +795,56 @@ impl Http {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::traces::span::Kind;
+
+    fn queue(capacity: usize, batch_size: usize) -> Queue {
+        Queue {
+            waiting: parking_lot::Mutex::new(Waiting::default()),
+            capacity,
+            batch_size,
+            wake: tokio::sync::Notify::new(),
+            spare: parking_lot::Mutex::new(Vec::new()),
+            dropped: prometheus::IntCounter::new("dropped", "dropped").unwrap(),
+        }
+    }
+
+    fn server(span_id: u8) -> SpanRecord {
+        SpanRecord::new(Kind::Server, "GET", [1; 16], [span_id; 8], [0; 8], None)
+    }
+
+    #[test]
+    fn exported_boxes_are_reused_cleared_and_only_up_to_a_batch_of_them() {
+        let queue = queue(16, 2);
+        let mut boxes = Vec::new();
+        for span_id in 1..=3 {
+            let mut finished = queue.record(server(span_id));
+            finished.server.url_path = finished.put("/v1/orders");
+            finished.client = Some(server(9));
+            queue.push(finished);
+        }
+        // Requests of two spans each: a batch of two spans holds one of them.
+        let mut batch = Vec::new();
+        for left in [4, 2, 0] {
+            assert_eq!(queue.take(&mut batch), (2, left));
+            boxes.push(std::ptr::from_ref::<Finished>(&*batch[0]));
+            queue.recycle(&mut batch);
+            assert!(batch.is_empty());
+        }
+        // Three exported, two kept (the batch size), the newest last: taken first.
+        assert_eq!(queue.spare.lock().len(), 2);
+        let reused = queue.record(server(4));
+        assert_eq!(std::ptr::from_ref::<Finished>(&*reused), boxes[1]);
+        assert_eq!(
+            (reused.spans(), reused.text.as_str(), reused.server.span_id),
+            (1, "", [4; 8])
+        );
+        let second = queue.record(server(5));
+        assert_eq!(std::ptr::from_ref::<Finished>(&*second), boxes[0]);
+        // None left: the next request gets a new box.
+        assert!(queue.spare.lock().is_empty());
+        assert_eq!(queue.record(server(6)).server.span_id, [6; 8]);
+        assert_eq!(queue.dropped.get(), 0);
+    }
 
     #[test]
     fn header_values_are_url_decoded_and_bad_pairs_skipped() {

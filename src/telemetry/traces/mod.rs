@@ -121,18 +121,16 @@ impl Telemetry {
             None => ([0; 8], None),
         };
         let record = (sampled && self.export.accepting()).then(|| {
-            let finished = Box::new(Finished {
-                server: SpanRecord::new(
-                    Kind::Server,
-                    name,
-                    trace_id,
-                    span_id,
-                    parent_span_id,
-                    trace_state.clone(),
-                ),
-                client: None,
-            });
-            (finished, self.export.queue())
+            let queue = self.export.queue();
+            let finished = queue.record(SpanRecord::new(
+                Kind::Server,
+                name,
+                trace_id,
+                span_id,
+                parent_span_id,
+                trace_state.clone(),
+            ));
+            (finished, queue)
         });
         if sampled && record.is_none() {
             self.export.dropped(1);
@@ -161,11 +159,13 @@ impl Telemetry {
     ) -> RequestSpan {
         let parent = self.parent(headers, peer_trusted);
         let mut span = self.server_span(method_name(method), parent);
-        if let Some(record) = span.server() {
+        if let Some(request) = span.recorded() {
+            let path = request.put(path);
+            let host = host.and_then(|h| request.put(crate::request::descriptor::strip_port(h)));
+            let record = &mut request.server;
             record.method = Some(method_name_or_other(method));
-            record.url_path = Some(path.to_string());
-            record.server_address =
-                host.map(|h| crate::request::descriptor::strip_port(h).to_string());
+            record.url_path = path;
+            record.server_address = host;
             record.protocol_version = Some(protocol_version);
         }
         span
@@ -187,8 +187,8 @@ impl Telemetry {
             _ => "HTTP /v1/decision",
         };
         let mut span = self.server_span(name, parent);
-        if let Some(record) = span.server() {
-            record.route = Some(std::borrow::Cow::Borrowed("/v1/decision"));
+        if let Some(request) = span.recorded() {
+            request.server.route = request.put("/v1/decision");
         }
         span.method = "HTTP";
         span
@@ -261,8 +261,8 @@ pub struct RequestSpan {
     span_id: [u8; 8],
     sampled: bool,
     trace_state: Option<Arc<str>>,
-    /// A sampled request's records (one allocation) and the queue they end into, while the
-    /// export takes spans.
+    /// A sampled request's records (one box, reused from an earlier request when the export
+    /// has handed one back) and the queue they end into, while the export takes spans.
     record: Option<(Box<Finished>, Arc<export::Queue>)>,
     /// The status the upstream answered with.
     upstream_status: Option<u16>,
@@ -273,6 +273,10 @@ pub struct RequestSpan {
 impl RequestSpan {
     fn server(&mut self) -> Option<&mut SpanRecord> {
         self.record.as_mut().map(|(r, _)| &mut r.server)
+    }
+
+    fn recorded(&mut self) -> Option<&mut Finished> {
+        self.record.as_mut().map(|(r, _)| &mut **r)
     }
 
     /// The trace as the core sees it (the `RATE_LIMIT` line's `trace_id`, whether to summarise
@@ -299,20 +303,20 @@ impl RequestSpan {
 
     /// `http.route`: the matched route's path prefix; the span is renamed `METHOD route`.
     pub fn route(&mut self, route: &str) {
-        if let Some(record) = self.server() {
-            record.route = Some(std::borrow::Cow::Owned(route.to_string()));
-            record.name_has_route = true;
+        if let Some(request) = self.recorded() {
+            request.server.route = request.put(route);
+            request.server.name_has_route = true;
         }
     }
 
     /// The HTTP attributes of the request a decision call describes (ext_authz's original
     /// request): method, path, host.
     pub fn described(&mut self, method: &str, path: &str, host: Option<&str>) {
-        if let Some(record) = self.server() {
-            record.method = Some(method_name_or_other(method));
-            record.url_path = Some(path.to_string());
+        if let Some(request) = self.recorded() {
+            request.server.method = Some(method_name_or_other(method));
+            request.server.url_path = request.put(path);
             if let Some(host) = host.map(crate::request::descriptor::strip_port) {
-                record.server_address = Some(host.to_string());
+                request.server.server_address = request.put(host);
             }
         }
     }
@@ -320,13 +324,14 @@ impl RequestSpan {
     /// A rate-limit service answer: `tollgate.decision` (`refuse` when over the limit), the
     /// rule over the limit (else the tightest), and the fewest requests left.
     pub fn rls_answered(&mut self, over_limit: bool, rule: Option<&str>, remaining: Option<u64>) {
-        if let Some(record) = self.server() {
+        if let Some(request) = self.recorded() {
+            if let Some(rule) = rule {
+                request.server.rule = request.put(rule);
+            }
+            let record = &mut request.server;
             record.decision = Some(if over_limit { "refuse" } else { "allow" });
             if over_limit {
                 record.reason = Some("over_limit");
-            }
-            if let Some(rule) = rule {
-                record.rule = Some(rule.to_string());
             }
             if let Some(remaining) = remaining {
                 record.remaining = Some(i64::try_from(remaining).unwrap_or(i64::MAX));
@@ -336,10 +341,10 @@ impl RequestSpan {
 
     /// Ends a gRPC call's span with its status code (0: OK); an error status when it is not OK.
     pub fn finish_rpc(mut self, code: i32, message: &str) {
-        if let Some(record) = self.server() {
-            record.grpc_status = Some(code);
+        if let Some(request) = self.recorded() {
+            request.server.grpc_status = Some(code);
             if code != 0 {
-                record.error = Some(message.to_string());
+                request.server.error = request.put(message);
             }
         }
         self.end();
@@ -353,33 +358,21 @@ impl RequestSpan {
     /// The decision's attributes: `tollgate.decision`, `tollgate.policy`, `tollgate.rule`,
     /// `tollgate.reason`, `tollgate.remaining`.
     pub fn decided(&mut self, summary: &DecisionSummary) {
-        if let Some(record) = self.server() {
-            record.decision = Some(summary.decision);
+        if let Some(request) = self.recorded() {
             if let Some(policy) = &summary.policy {
-                record.policy = Some(policy.clone());
+                request.server.policy = request.put(policy);
             }
             if let Some(rule) = &summary.rule {
-                record.rule = Some(rule.clone());
+                request.server.rule = request.put(rule);
             }
+            let record = &mut request.server;
+            record.decision = Some(summary.decision);
             if let Some(reason) = summary.reason {
                 record.reason = Some(reason);
             }
             if let Some(remaining) = summary.remaining {
                 record.remaining = Some(i64::try_from(remaining).unwrap_or(i64::MAX));
             }
-        }
-    }
-
-    /// [`RequestSpan::decided`], keeping the summary's strings rather than copying them.
-    pub fn decided_owned(&mut self, summary: DecisionSummary) {
-        if let Some(record) = self.server() {
-            record.decision = Some(summary.decision);
-            record.policy = summary.policy;
-            record.rule = summary.rule;
-            record.reason = summary.reason;
-            record.remaining = summary
-                .remaining
-                .map(|remaining| i64::try_from(remaining).unwrap_or(i64::MAX));
         }
     }
 
@@ -458,24 +451,25 @@ impl RequestSpan {
     /// response, marks a span as an error, as the HTTP conventions say.
     pub fn finish(mut self, status: u16, error: Option<&str>) {
         let upstream_status = self.upstream_status;
-        if let Some(client) = self.record.as_mut().and_then(|(r, _)| r.client.as_mut()) {
-            match upstream_status {
-                Some(code) => {
-                    client.status_code = Some(code);
-                    if code >= 500 {
-                        client.error = Some(String::new());
-                    }
-                }
-                None => client.error = Some(error.unwrap_or("no response").to_string()),
+        let Some(request) = self.recorded() else {
+            return;
+        };
+        if request.client.is_some() {
+            let (code, client_error) = match upstream_status {
+                Some(code) => (Some(code), (code >= 500).then_some("")),
+                None => (None, Some(error.unwrap_or("no response"))),
+            };
+            let client_error = client_error.and_then(|e| request.put(e));
+            if let Some(client) = request.client.as_mut() {
+                client.status_code = code;
+                client.error = client_error;
             }
         }
-        if let Some(record) = self.server() {
-            if status > 0 {
-                record.status_code = Some(status);
-            }
-            if status >= 500 || (status == 0 && error.is_some()) {
-                record.error = Some(error.unwrap_or_default().to_string());
-            }
+        if status >= 500 || (status == 0 && error.is_some()) {
+            request.server.error = request.put(error.unwrap_or_default());
+        }
+        if status > 0 {
+            request.server.status_code = Some(status);
         }
         self.end();
     }

@@ -1,10 +1,10 @@
-//! OTLP/protobuf written by hand from [`SpanRecord`]s: one `ExportTraceServiceRequest` per
+//! OTLP/protobuf written by hand from requests' records ([`Finished`]): one `ExportTraceServiceRequest` per
 //! batch, its resource and instrumentation scope written once (precomputed at start), each span
 //! written field by field. Field numbers are those of `opentelemetry/proto/trace/v1/trace.proto`,
 //! `common/v1/common.proto` and `resource/v1/resource.proto`; the unit tests decode the output
 //! with the official generated types.
 
-use super::span::{Kind, SpanRecord, UpstreamEvent};
+use super::span::{Finished, Kind, SpanRecord, TextAt, UpstreamEvent};
 use prost::encoding::encoded_len_varint;
 
 const VARINT: u64 = 0;
@@ -201,17 +201,16 @@ const MOST_ATTRIBUTES: usize = 20;
 /// The most bytes `span` can take, its own length prefix included: the strings it holds, and
 /// a generous fixed part for everything of known size.
 fn span_bound(span: &SpanRecord) -> usize {
-    let strings = |s: Option<&str>| s.map_or(0, str::len);
-    let route = strings(span.route.as_deref());
+    let text = |t: Option<TextAt>| t.map_or(0, TextAt::len);
     let variable = span.name.len()
-        + 2 * route
-        + strings(span.trace_state.as_deref())
-        + strings(span.error.as_deref())
-        + strings(span.url_path.as_deref())
-        + strings(span.server_address.as_deref())
-        + strings(span.policy.as_deref())
-        + strings(span.rule.as_deref())
-        + strings(span.upstream_group.as_deref())
+        + 2 * text(span.route)
+        + span.trace_state.as_deref().map_or(0, str::len)
+        + text(span.error)
+        + text(span.url_path)
+        + text(span.server_address)
+        + text(span.policy)
+        + text(span.rule)
+        + span.upstream_group.as_deref().map_or(0, str::len)
         + span
             .rpc
             .map_or(0, |(service, method)| service.len() + method.len());
@@ -271,31 +270,41 @@ impl Encoder {
         }
     }
 
-    /// An `ExportTraceServiceRequest` of `spans`, written into `scratch` and returned as a
-    /// slice of it ([`Encoder::encode_range`]).
+    /// An `ExportTraceServiceRequest` of `requests`' spans, written into `scratch` and
+    /// returned as a slice of it ([`Encoder::encode_range`]).
     #[cfg(test)]
-    pub fn encode<'s, 'b, I>(&mut self, spans: I, scratch: &'b mut Vec<u8>) -> &'b [u8]
+    pub fn encode<'s, 'b, I>(&mut self, requests: I, scratch: &'b mut Vec<u8>) -> &'b [u8]
     where
-        I: IntoIterator<Item = &'s SpanRecord>,
+        I: IntoIterator<Item = &'s Finished>,
         I::IntoIter: Clone,
     {
-        let range = self.encode_range(spans, scratch);
+        let range = self.encode_range(requests, scratch);
         &scratch[range]
     }
 
-    /// An `ExportTraceServiceRequest` of `spans`, written into `scratch`: where it is in it. The spans are written first, after room kept for what encloses them; the
+    /// An `ExportTraceServiceRequest` of `requests`' spans, written into `scratch`: where it is
+    /// in it. The spans are written first, after room kept for what encloses them; the
     /// enclosing messages' lengths then follow from theirs and are written just in front, so
     /// no byte is copied twice. `scratch` is kept between batches: it only ever grows (to the
     /// largest bound seen), so it is zeroed once rather than for every batch.
-    pub fn encode_range<'s, I>(&mut self, spans: I, scratch: &mut Vec<u8>) -> std::ops::Range<usize>
+    pub fn encode_range<'s, I>(
+        &mut self,
+        requests: I,
+        scratch: &mut Vec<u8>,
+    ) -> std::ops::Range<usize>
     where
-        I: IntoIterator<Item = &'s SpanRecord>,
+        I: IntoIterator<Item = &'s Finished>,
         I::IntoIter: Clone,
     {
-        let spans = spans.into_iter();
+        let requests = requests.into_iter();
         // The two enclosing tags and lengths (at most 11 bytes each), the resource, the scope.
         let head_room = 2 * 11 + self.resource.len() + self.scope.len();
-        let bound = head_room + spans.clone().map(span_bound).sum::<usize>();
+        let bound = head_room
+            + requests
+                .clone()
+                .flat_map(Finished::in_order)
+                .map(span_bound)
+                .sum::<usize>();
         if scratch.len() < bound {
             scratch.resize(bound, 0);
         }
@@ -303,9 +312,13 @@ impl Encoder {
             buf: scratch.as_mut_slice(),
             at: head_room,
         };
-        for span in spans {
-            // ScopeSpans.spans
-            cursor.nested(2, 2, |c| write_span(c, span, &mut self.texts));
+        for request in requests {
+            for span in request.in_order() {
+                // ScopeSpans.spans
+                cursor.nested(2, 2, |c| {
+                    write_span(c, span, &request.text, &mut self.texts);
+                });
+            }
         }
         let end = cursor.at;
         let scope_spans = self.scope.len() + (end - head_room);
@@ -334,7 +347,7 @@ impl Encoder {
     }
 }
 
-fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
+fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, text: &str, texts: &mut Texts) {
     c.key(1, LEN);
     c.byte(16);
     c.fixed(&span.trace_id);
@@ -350,7 +363,7 @@ fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
         c.byte(8);
         c.fixed(&span.parent_span_id);
     }
-    match (&span.route, span.name_has_route) {
+    match (span.route.map(|r| r.of(text)), span.name_has_route) {
         (Some(route), true) => {
             c.key(5, LEN);
             c.varint((span.name.len() + 1 + route.len()) as u64);
@@ -369,13 +382,13 @@ fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
     c.fixed(&span.start.to_le_bytes());
     c.key(8, FIXED64);
     c.fixed(&span.end.to_le_bytes());
-    write_attributes(c, span, texts);
+    write_attributes(c, span, text, texts);
     for (time, event) in &span.events {
         c.nested(11, 1, |c| write_event(c, *time, event, &mut texts.server));
     }
     // Status: message (2) and code (3: 2 is ERROR); unset when there was no error.
     c.nested(15, 1, |c| {
-        if let Some(message) = &span.error {
+        if let Some(message) = span.error.map(|e| e.of(text)) {
             if !message.is_empty() {
                 c.bytes_field(2, message.as_bytes());
             }
@@ -392,18 +405,18 @@ fn write_span(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
     c.fixed(&flags.to_le_bytes());
 }
 
-fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
+fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, text: &str, texts: &mut Texts) {
     const A: u64 = 9;
     if let Some(method) = span.method {
         c.attribute(A, b"http.request.method", Value::Str(method));
     }
-    if let Some(path) = &span.url_path {
+    if let Some(path) = span.url_path.map(|t| t.of(text)) {
         c.attribute(A, b"url.path", Value::Str(path));
     }
-    if let Some(route) = &span.route {
+    if let Some(route) = span.route.map(|t| t.of(text)) {
         c.attribute(A, b"http.route", Value::Str(route));
     }
-    if let Some(host) = &span.server_address {
+    if let Some(host) = span.server_address.map(|t| t.of(text)) {
         c.attribute(A, b"server.address", Value::Str(host));
     }
     if let Some(version) = span.protocol_version {
@@ -431,10 +444,10 @@ fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, texts: &mut Texts) {
     if let Some(decision) = span.decision {
         c.attribute(A, b"tollgate.decision", Value::Str(decision));
     }
-    if let Some(policy) = &span.policy {
+    if let Some(policy) = span.policy.map(|t| t.of(text)) {
         c.attribute(A, b"tollgate.policy", Value::Str(policy));
     }
-    if let Some(rule) = &span.rule {
+    if let Some(rule) = span.rule.map(|t| t.of(text)) {
         c.attribute(A, b"tollgate.rule", Value::Str(rule));
     }
     if let Some(reason) = span.reason {
@@ -490,31 +503,39 @@ mod tests {
             .and_then(|v| v.value)
     }
 
-    fn server_span() -> SpanRecord {
-        let mut span = SpanRecord::new(
+    /// A request whose SERVER span carries every HTTP attribute.
+    fn server_span() -> Finished {
+        let mut request = Finished::new(SpanRecord::new(
             Kind::Server,
             "GET",
             [0x4b; 16],
             [7; 8],
             [9; 8],
             Some(Arc::from("vendor=1")),
-        );
+        ));
+        let route = request.put("/v1");
+        let path = request.put("/v1/orders");
+        let host = request.put("api.example.com");
+        let error = request.put("upstream");
+        let policy = request.put("p");
+        let rule = request.put("per-ip");
+        let span = &mut request.server;
         span.start = 1_700_000_000_000_000_001;
         span.end = 1_700_000_000_000_500_000;
         span.name_has_route = true;
-        span.route = Some("/v1".into());
+        span.route = route;
         span.method = Some("GET");
-        span.url_path = Some("/v1/orders".to_string());
-        span.server_address = Some("api.example.com".to_string());
+        span.url_path = path;
+        span.server_address = host;
         span.protocol_version = Some("1.1");
         span.client_address = Some("2001:db8::1".parse().unwrap());
         span.status_code = Some(503);
-        span.error = Some("upstream".to_string());
+        span.error = error;
         span.decision = Some("allow");
-        span.policy = Some("p".to_string());
-        span.rule = Some("per-ip".to_string());
+        span.policy = policy;
+        span.rule = rule;
         span.remaining = Some(-1);
-        span
+        request
     }
 
     #[test]
@@ -554,7 +575,10 @@ mod tests {
             ("deployment.environment".to_string(), "prod".to_string()),
         ]);
         let mut scratch = Vec::new();
-        let body = encoder.encode(&[server_span(), client, root], &mut scratch);
+        // A proxied request (its CLIENT span ends first) and a gRPC call.
+        let mut proxied = server_span();
+        proxied.client = Some(client);
+        let body = encoder.encode(&[proxied, Finished::new(root)], &mut scratch);
         let request = ExportTraceServiceRequest::decode(body).unwrap();
         assert_eq!(request.resource_spans.len(), 1);
         let resource = request.resource_spans[0].resource.clone().unwrap();
@@ -568,7 +592,7 @@ mod tests {
         let spans = &scope.spans;
         assert_eq!(spans.len(), 3);
 
-        let server = &spans[0];
+        let server = &spans[1];
         assert_eq!(server.trace_id, vec![0x4b; 16]);
         assert_eq!(server.span_id, vec![7; 8]);
         assert_eq!(server.parent_span_id, vec![9; 8]);
@@ -621,7 +645,7 @@ mod tests {
         assert_eq!(find(a, "tollgate.remaining"), Some(Any::IntValue(-1)));
         assert_eq!(a.len(), 11);
 
-        let client = &spans[1];
+        let client = &spans[0];
         assert_eq!(client.kind, 3);
         assert_eq!(client.name, "GET");
         assert_eq!(client.flags, 0x301);
@@ -676,14 +700,14 @@ mod tests {
         // A bare span (its body under 128 bytes: a one-byte length where two were kept), and
         // spans whose strings grow past each length-prefix size, with many events.
         let bare = SpanRecord::new(Kind::Client, "GET", [1; 16], [2; 8], [0; 8], None);
-        let mut spans = vec![bare];
+        let mut spans = vec![Finished::new(bare)];
         for len in [0, 100, 127, 128, 200, 16_383, 16_384, 70_000] {
-            let mut span = server_span();
-            span.url_path = Some("p".repeat(len));
-            span.error = Some("e".repeat(len));
-            span.trace_state = Some(Arc::from("s".repeat(len)));
+            let mut request = server_span();
+            request.server.url_path = request.put(&"p".repeat(len));
+            request.server.error = request.put(&"e".repeat(len));
+            request.server.trace_state = Some(Arc::from("s".repeat(len)));
             for attempt in 0..6 {
-                span.events.push((
+                request.server.events.push((
                     attempt,
                     UpstreamEvent::ConnectFailed {
                         server: "[2001:db8:ffff:ffff:ffff:ffff:ffff:ffff]:65535"
@@ -694,9 +718,13 @@ mod tests {
                     },
                 ));
             }
-            spans.push(span);
+            spans.push(request);
         }
-        let bound: usize = spans.iter().map(span_bound).sum();
+        let bound: usize = spans
+            .iter()
+            .flat_map(Finished::in_order)
+            .map(span_bound)
+            .sum();
         let mut scratch = Vec::new();
         let body = Encoder::new(&[]).encode(&spans, &mut scratch).to_vec();
         // The head room: two tags and lengths, an empty resource and the scope's 12 bytes.
@@ -779,10 +807,10 @@ mod tests {
 
     #[test]
     fn a_long_span_gets_a_long_length_prefix() {
-        let mut span = server_span();
-        span.url_path = Some("/x".repeat(10_000));
+        let mut request = server_span();
+        request.server.url_path = request.put(&"/x".repeat(10_000));
         let mut scratch = Vec::new();
-        let body = Encoder::new(&[]).encode(&[span.clone(), span], &mut scratch);
+        let body = Encoder::new(&[]).encode(&[request.clone(), request], &mut scratch);
         let request = ExportTraceServiceRequest::decode(body).unwrap();
         let spans = &request.resource_spans[0].scope_spans[0].spans;
         assert_eq!(spans.len(), 2);
@@ -808,7 +836,7 @@ mod tests {
             -1,
             i64::MAX,
         ];
-        let spans: Vec<SpanRecord> = values
+        let spans: Vec<Finished> = values
             .iter()
             .map(|&n| {
                 let mut span = SpanRecord::new(Kind::Client, "GET", [1; 16], [2; 8], [3; 8], None);
@@ -822,7 +850,7 @@ mod tests {
                         reused: n % 2 == 1,
                     },
                 ));
-                span
+                Finished::new(span)
             })
             .collect();
         let mut scratch = Vec::new();

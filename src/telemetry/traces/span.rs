@@ -1,10 +1,11 @@
 //! A finished span as tollgate keeps it until export: one field per attribute the gateway's
-//! spans can carry (a span is one of a few known shapes), strings only where the value is the
-//! request's own, addresses kept as addresses and written out as text by the encoder on the
-//! export thread. The upstream call's events are a small inline list.
+//! spans can carry (a span is one of a few known shapes), addresses kept as addresses and
+//! written out as text by the encoder on the export thread. The request's own text (its path,
+//! host, route, the rule's names, an error) sits in one buffer beside the records, which point
+//! into it: a box of records the export hands back is reused by a later request with no
+//! allocation. The upstream call's events are a small inline list.
 
 use smallvec::SmallVec;
-use std::borrow::Cow;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -84,15 +85,15 @@ pub struct SpanRecord {
     pub start: u64,
     pub end: u64,
     /// Status error, with its description (empty: none); `None`: status unset.
-    pub error: Option<String>,
+    pub error: Option<TextAt>,
     /// `http.request.method`
     pub method: Option<&'static str>,
     /// `url.path`
-    pub url_path: Option<String>,
+    pub url_path: Option<TextAt>,
     /// `http.route`
-    pub route: Option<Cow<'static, str>>,
+    pub route: Option<TextAt>,
     /// `server.address` of a SERVER span (the `Host`)
-    pub server_address: Option<String>,
+    pub server_address: Option<TextAt>,
     /// `network.protocol.version`
     pub protocol_version: Option<&'static str>,
     /// `client.address`
@@ -105,8 +106,8 @@ pub struct SpanRecord {
     pub status_code: Option<u16>,
     /// `tollgate.decision`, `.policy`, `.rule`, `.reason`, `.remaining`
     pub decision: Option<&'static str>,
-    pub policy: Option<String>,
-    pub rule: Option<String>,
+    pub policy: Option<TextAt>,
+    pub rule: Option<TextAt>,
     pub reason: Option<&'static str>,
     pub remaining: Option<i64>,
     /// A CLIENT span's `tollgate.upstream_group`
@@ -114,8 +115,7 @@ pub struct SpanRecord {
     /// A CLIENT span's `server.address` and `server.port` (the server first chosen)
     pub upstream: Option<SocketAddr>,
     /// A CLIENT span's events, with their Unix-nanosecond times: one inline (the connect of a
-    /// request that needed no retry), so that a record stays under 512 bytes and a request's
-    /// two fit the allocator's small-object size classes (at most 1 KiB).
+    /// request that needed no retry), so that a record stays small.
     pub events: SmallVec<[(u64, UpstreamEvent); 1]>,
 }
 
@@ -161,16 +161,60 @@ impl SpanRecord {
     }
 }
 
-/// A request's records as they travel to the export, in the one allocation made when the
-/// request was sampled: its SERVER span and, when it went upstream, its CLIENT span. The queue
-/// and the encoder move the box, never the records (each is several hundred bytes).
+/// Where a piece of a request's own text sits in its records' buffer ([`Finished::text`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextAt {
+    start: u32,
+    len: u32,
+}
+
+impl TextAt {
+    pub fn len(self) -> usize {
+        self.len as usize
+    }
+
+    /// The text, read from `text` (the buffer it was put in).
+    pub fn of(self, text: &str) -> &str {
+        let start = self.start as usize;
+        text.get(start..start + self.len as usize)
+            .unwrap_or_default()
+    }
+}
+
+/// A request's text buffer keeps its room for the next request up to this size (a longer path
+/// or error is rare: its buffer is let go).
+const TEXT_KEPT: usize = 1024;
+
+/// A request's records as they travel to the export, in one box: its SERVER span, its CLIENT
+/// span when it went upstream, and the text they point into. The queue and the encoder move
+/// the box, never the records; the export hands the box back to be reused ([`Finished::clear`]).
 #[derive(Debug, Clone)]
 pub struct Finished {
     pub server: SpanRecord,
     pub client: Option<SpanRecord>,
+    /// The request's own text the records' [`TextAt`]s point into.
+    pub text: String,
 }
 
 impl Finished {
+    pub fn new(server: SpanRecord) -> Finished {
+        Finished {
+            server,
+            client: None,
+            text: String::new(),
+        }
+    }
+
+    /// Appends `value` to the text; where it went (`None` past 4 GiB of text: the attribute is
+    /// left out).
+    pub fn put(&mut self, value: &str) -> Option<TextAt> {
+        let start = u32::try_from(self.text.len()).ok()?;
+        let len = u32::try_from(value.len()).ok()?;
+        start.checked_add(len)?;
+        self.text.push_str(value);
+        Some(TextAt { start, len })
+    }
+
     /// How many spans it holds (the queue's and a batch's sizes count spans).
     pub fn spans(&self) -> usize {
         1 + usize::from(self.client.is_some())
@@ -180,13 +224,57 @@ impl Finished {
     pub fn in_order(&self) -> impl Iterator<Item = &SpanRecord> + Clone {
         self.client.iter().chain(std::iter::once(&self.server))
     }
+
+    /// Ready to be reused: no CLIENT span, no text (the buffer's room kept up to
+    /// [`TEXT_KEPT`]), and nothing shared still held.
+    pub fn clear(&mut self) {
+        self.client = None;
+        self.server.trace_state = None;
+        self.server.upstream_group = None;
+        if self.text.capacity() > TEXT_KEPT {
+            self.text = String::new();
+        } else {
+            self.text.clear();
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
-    fn a_request_s_records_fit_one_small_allocation() {
-        assert!(std::mem::size_of::<super::SpanRecord>() <= 512);
-        assert!(std::mem::size_of::<super::Finished>() <= 1024);
+    fn text_is_put_and_read_back_and_a_cleared_box_keeps_a_small_buffer() {
+        let mut finished = Finished::new(SpanRecord::new(
+            Kind::Server,
+            "GET",
+            [1; 16],
+            [2; 8],
+            [0; 8],
+            Some(Arc::from("a=1")),
+        ));
+        let path = finished.put("/v1/orders");
+        let empty = finished.put("");
+        let host = finished.put("api.example.com");
+        assert_eq!(path.map(|t| t.of(&finished.text)), Some("/v1/orders"));
+        assert_eq!(
+            empty.map(|t| (t.of(&finished.text), t.len())),
+            Some(("", 0))
+        );
+        assert_eq!(host.map(|t| t.of(&finished.text)), Some("api.example.com"));
+        let room = finished.text.capacity();
+        finished.client = Some(finished.server.clone());
+        finished.clear();
+        assert_eq!(
+            (finished.text.as_str(), finished.text.capacity()),
+            ("", room)
+        );
+        assert_eq!(
+            (finished.spans(), finished.server.trace_state.clone()),
+            (1, None)
+        );
+        finished.put(&"p".repeat(TEXT_KEPT + 1));
+        finished.clear();
+        assert_eq!(finished.text.capacity(), 0);
     }
 }
