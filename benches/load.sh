@@ -17,7 +17,9 @@
 #   tg-5           tollgate, 5 rules (IP, key, key+path, global, 1 shadow)
 #   tg-1-state     tg-1 with its buckets in a state dir (--state-dir): what surviving restarts costs
 #   tg-1-otel      tg-1 with traces on: OTEL_TRACES_SAMPLER=always_on, exporting over OTLP/HTTP to
-#                  a live receiver (examples/otlp_sink.rs, on core 0) that decodes every batch
+#                  a live receiver (examples/otlp_sink.rs, on core 0) that counts every batch's
+#                  spans from its protobuf framing and decodes one batch in OTLP_DECODE_EVERY (16)
+#                  in full (its work on core 0 slows the proxy's core: see performance.md)
 #   tg-1-otel-ratio  the same with parentbased_traceidratio at 0.01
 #   tg-1-otel-down tg-1-otel with its collector down (nothing listens); its resident memory, and
 #                  tg-1's, are printed after the table

@@ -276,5 +276,7 @@ mod tests {
         finished.put(&"p".repeat(TEXT_KEPT + 1));
         finished.clear();
         assert_eq!(finished.text.capacity(), 0);
+        // A kept box, its text buffer included, stays under the 2 KiB the manual promises.
+        assert!(std::mem::size_of::<Finished>() + TEXT_KEPT < 2048);
     }
 }
