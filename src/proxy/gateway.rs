@@ -552,6 +552,19 @@ impl ProxyHttp for Proxy {
                             }
                         };
                         if routed {
+                            if let Some(trace) = ctx.trace.as_deref_mut() {
+                                // The upstream continues this trace: the client's own context
+                                // (kept or not) is replaced by the upstream call's. Written
+                                // into the client's request header, parsed with room for added
+                                // headers, rather than into Pingora's copy of it for the
+                                // upstream, which has none: a header added there grows both
+                                // of its maps (about 700 instructions a request).
+                                let req = session.req_header_mut();
+                                req.remove_header(&crate::telemetry::traces::TRACESTATE.0);
+                                trace.inject_upstream(&mut |name, wire, value| {
+                                    req.insert_header_parsed(name, wire, value);
+                                });
+                            }
                             // Admitted: a client waiting for `100 Continue` gets it now.
                             if super::protocol::expects_continue(session.req_header()) {
                                 let answer =
@@ -859,14 +872,6 @@ impl ProxyHttp for Proxy {
             ctx.client_ip.or(ctx.peer),
             ctx.access.as_deref().map(|a| a.request_id.as_str()),
         )?;
-        if let Some(trace) = ctx.trace.as_deref() {
-            // The upstream continues this trace: the client's own context (kept or not) is
-            // replaced by the upstream call's.
-            upstream_request.remove_header(&crate::telemetry::traces::TRACESTATE.0);
-            trace.inject_upstream(&mut |name, wire, value| {
-                upstream_request.insert_header_parsed(name, wire, value);
-            });
-        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             // The response's usage must be readable as it passes: uncompressed (SDKs ask
             // for gzip and br by default).

@@ -141,6 +141,7 @@ impl Telemetry {
             sampled,
             trace_state,
             record,
+            client_span_id: None,
             upstream_status: None,
             method: name,
         }
@@ -264,6 +265,9 @@ pub struct RequestSpan {
     /// A sampled request's records (one box, reused from an earlier request when the export
     /// has handed one back) and the queue they end into, while the export takes spans.
     record: Option<(Box<Finished>, Arc<export::Queue>)>,
+    /// A recorded request's CLIENT span id, chosen when the context for the upstream is
+    /// written (which may come before the CLIENT span starts).
+    client_span_id: Option<[u8; 8]>,
     /// The status the upstream answered with.
     upstream_status: Option<u16>,
     /// The request's method as a span name allows it (`GET`, ..., `HTTP`).
@@ -396,11 +400,12 @@ impl RequestSpan {
         if recorded.client.is_some() {
             return;
         }
+        let span_id = *self.client_span_id.get_or_insert_with(new_span_id);
         let mut client = SpanRecord::new(
             Kind::Client,
             self.method,
             self.trace_id,
-            new_span_id(),
+            span_id,
             self.span_id,
             self.trace_state.clone(),
         );
@@ -424,18 +429,18 @@ impl RequestSpan {
         }
     }
 
-    /// The headers that carry the trace to the upstream: the CLIENT span's context (the SERVER
-    /// span's before one exists).
+    /// The headers that carry the trace to the upstream: a recorded request's CLIENT span's
+    /// context (its id chosen here when the span has not started yet), else the SERVER span's.
     pub fn inject_upstream(
-        &self,
+        &mut self,
         set: &mut dyn FnMut(&'static http::HeaderName, &'static str, http::HeaderValue),
     ) {
-        let span_id = self
-            .record
-            .as_ref()
-            .and_then(|(r, _)| r.client.as_ref())
-            .map_or(&self.span_id, |c| &c.span_id);
-        let parent = traceparent(&self.trace_id, span_id, self.sampled);
+        let span_id = if self.record.is_some() {
+            *self.client_span_id.get_or_insert_with(new_span_id)
+        } else {
+            self.span_id
+        };
+        let parent = traceparent(&self.trace_id, &span_id, self.sampled);
         // Hex digits and dashes: always a valid value.
         if let Ok(value) = http::HeaderValue::from_bytes(&parent) {
             set(&TRACEPARENT.0, TRACEPARENT.1, value);
