@@ -291,8 +291,12 @@ NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 
 
 declare -A RPS CPU SHARE
+# Each round starts one target further along the list, so that no target always runs first or
+# last in its round (a target's place in a round moved its CPU per request by several per cent).
+read -r -a TARGET_LIST <<< "$TARGETS"
 for round in $(seq 1 "$ROUNDS"); do
-  for t in $TARGETS; do
+  shift_by=$(( (round - 1) % ${#TARGET_LIST[@]} ))
+  for t in "${TARGET_LIST[@]:$shift_by}" "${TARGET_LIST[@]:0:$shift_by}"; do
     case $t in
       nginx) port=$NGX; pids=$NGX_WORKER;;
       nginx-lr) port=$NGX_LR; pids=$NGX_WORKER;;
