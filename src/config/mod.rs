@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod routes;
 pub mod tls;
+pub mod tls_client;
 
 use crate::config::cli::{AccessLogArg, EncodedSlashesArg, GrpcStoreErrors, LogFormat, RunArgs};
 use crate::request::auth::{parse_algorithm, JwtConfig, TokenSource};

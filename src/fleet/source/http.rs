@@ -9,7 +9,6 @@ use crate::fleet::envelope::{Envelope, DEFAULT_MAX_BYTES};
 use base64::Engine as _;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper::body::Bytes;
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -54,18 +53,7 @@ impl HttpSource {
             )
         });
         let tls = if https {
-            let mut roots = rustls::RootCertStore::empty();
-            for cert in rustls_native_certs::load_native_certs().unwrap_or_default() {
-                let _ = roots.add(cert);
-            }
-            let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| bad(&e.to_string()))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-            Some(tokio_rustls::TlsConnector::from(Arc::new(config)))
+            Some(crate::config::tls_client::with_system_roots().map_err(|e| bad(&e.to_string()))?)
         } else {
             None
         };

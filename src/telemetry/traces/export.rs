@@ -590,7 +590,10 @@ impl Transport {
                             .to_string()
                     })
                     .unwrap_or_default(),
-                tls: https.then(tls_connector).transpose()?,
+                tls: https
+                    .then(crate::config::tls_client::with_system_roots)
+                    .transpose()
+                    .map_err(|e| TelemetryError::Exporter(format!("TLS: {e}")))?,
                 headers: config.headers.clone(),
                 host,
                 port,
@@ -617,21 +620,6 @@ impl Transport {
             .map(drop)
             .map_err(|e| format!("connecting: {e}"))
     }
-}
-
-fn tls_connector() -> Result<tokio_rustls::TlsConnector, TelemetryError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_native_certs::load_native_certs().unwrap_or_default() {
-        let _ = roots.add(cert);
-    }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| TelemetryError::Exporter(format!("TLS: {e}")))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
-    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
 }
 
 /// OTLP over gRPC: `TraceService/Export` on a channel that reconnects by itself.
