@@ -293,7 +293,8 @@ NGX_WORKER=$(pgrep -P "$(cat "$WORK/front.pid")" | head -1)
 declare -A RPS CPU SHARE
 # Each round starts one target further along the list, so that no target always runs first or
 # last in its round (a target's place in a round moved its CPU per request by several per cent).
-read -r -a TARGET_LIST <<< "$TARGETS"
+read -r -d '' -a TARGET_LIST <<< "$TARGETS" || true
+[ ${#TARGET_LIST[@]} -gt 0 ] || { echo "load.sh: TARGETS names no target" >&2; exit 1; }
 for round in $(seq 1 "$ROUNDS"); do
   shift_by=$(( (round - 1) % ${#TARGET_LIST[@]} ))
   for t in "${TARGET_LIST[@]:$shift_by}" "${TARGET_LIST[@]:0:$shift_by}"; do

@@ -81,8 +81,12 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let addr = args.next().unwrap_or_else(|| "127.0.0.1:4318".to_string());
     let decode_every: u64 = match (args.next().as_deref(), args.next()) {
-        (Some("--decode-every"), Some(n)) => n.parse().unwrap_or(1).max(1),
-        _ => 1,
+        (None, _) => 1,
+        (Some("--decode-every"), Some(n)) => match n.parse() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("--decode-every takes a positive whole number, not {n:?}"),
+        },
+        (Some(other), _) => panic!("usage: otlp_sink ADDR [--decode-every N]; not {other:?}"),
     };
     let batches = Arc::new(AtomicU64::new(0));
     let listener = TcpListener::bind(&addr).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
@@ -126,19 +130,21 @@ fn main() {
                 if reader.read_exact(&mut body).is_err() {
                     return;
                 }
-                let counted = count_spans(&body);
                 let in_full = batches.fetch_add(1, Ordering::Relaxed) % decode_every == 0;
-                let checked = if in_full {
-                    counted.filter(|&n| decoded_spans(&body) == Some(n))
-                } else {
-                    counted
-                };
-                let status = match checked {
-                    Some(n) => {
+                let status = match (count_spans(&body), in_full.then(|| decoded_spans(&body))) {
+                    (Some(n), None) => {
                         spans.fetch_add(n as u64, Ordering::Relaxed);
                         "200 OK"
                     }
-                    None => {
+                    (Some(n), Some(Some(decoded))) if decoded == n => {
+                        spans.fetch_add(n as u64, Ordering::Relaxed);
+                        "200 OK"
+                    }
+                    (Some(n), Some(Some(decoded))) => {
+                        eprintln!("otlp_sink: {n} spans in the framing, {decoded} decoded");
+                        "400 Bad Request"
+                    }
+                    _ => {
                         eprintln!("otlp_sink: a batch that does not decode ({length} bytes)");
                         "400 Bad Request"
                     }

