@@ -1177,8 +1177,6 @@ const RETRY_BUFFER_BYTES: usize = 64 * 1024;
 /// ones stream and have no hash).
 const FINGERPRINTED_BODY_BYTES: usize = RETRY_BUFFER_BYTES;
 
-/// The request's host (an absolute-form target's authority wins over the Host header, RFC 9112
-/// §3.2.2) and its target.
 /// The upstream continues this trace: the client's own context (kept or not) is replaced in
 /// `req` by the upstream call's.
 fn write_trace_context(trace: &mut crate::telemetry::traces::RequestSpan, req: &mut RequestHeader) {
@@ -1188,6 +1186,8 @@ fn write_trace_context(trace: &mut crate::telemetry::traces::RequestSpan, req: &
     });
 }
 
+/// The request's host (an absolute-form target's authority wins over the Host header, RFC 9112
+/// §3.2.2) and its target.
 fn host_and_target(req: &RequestHeader) -> (Option<&str>, &str) {
     let host = req.uri.authority().map(|a| a.as_str()).or_else(|| {
         req.headers
