@@ -275,12 +275,12 @@ pub struct RequestSpan {
 }
 
 impl RequestSpan {
-    fn server(&mut self) -> Option<&mut SpanRecord> {
-        self.record.as_mut().map(|(r, _)| &mut r.server)
-    }
-
     fn recorded(&mut self) -> Option<&mut Finished> {
         self.record.as_mut().map(|(r, _)| &mut **r)
+    }
+
+    fn server(&mut self) -> Option<&mut SpanRecord> {
+        self.recorded().map(|r| &mut r.server)
     }
 
     /// The trace as the core sees it (the `RATE_LIMIT` line's `trace_id`, whether to summarise

@@ -1,6 +1,6 @@
-//! OTLP/protobuf written by hand from requests' records ([`Finished`]): one `ExportTraceServiceRequest` per
-//! batch, its resource and instrumentation scope written once (precomputed at start), each span
-//! written field by field. Field numbers are those of `opentelemetry/proto/trace/v1/trace.proto`,
+//! OTLP/protobuf written by hand from requests' records ([`Finished`]): one
+//! `ExportTraceServiceRequest` per batch, its resource and instrumentation scope written once
+//! (precomputed at start), each span written field by field. Field numbers are those of `opentelemetry/proto/trace/v1/trace.proto`,
 //! `common/v1/common.proto` and `resource/v1/resource.proto`; the unit tests decode the output
 //! with the official generated types.
 
