@@ -645,7 +645,11 @@ fn h2c_gateway_with_group(group: &str) -> (Gateway, tempfile::TempDir) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_connections_queues_bursts_for_a_small_upstream() {
     let small = Small::start(Duration::from_millis(10));
-    let group = format!(r#"{{"servers": ["{}"], "max_connections": 4}}"#, small.addr);
+    // One client sends both bursts: its share is the whole cap here (by default it would be 3).
+    let group = format!(
+        r#"{{"servers": ["{}"], "max_connections": 4, "max_connections_per_client": 4}}"#,
+        small.addr
+    );
     let (gw, _dir) = h2c_gateway_with_group(&group);
     let mut statuses = Vec::new();
     for burst in 0..2 {
@@ -672,7 +676,11 @@ async fn max_connections_queues_bursts_for_a_small_upstream() {
     );
     eprintln!("queue: at most {in_flight} requests and {open} connections at once; {opened} connections opened");
     assert!(in_flight <= 4, "{in_flight} requests at once");
-    assert!(open <= 4, "{open} connections open at once\n{}", gw.log_text());
+    assert!(
+        open <= 4,
+        "{open} connections open at once\n{}",
+        gw.log_text()
+    );
     let metrics = gw.metrics();
     let waited = gw.metric(r#"tollgate_upstream_queue_wait_seconds_count{group="api"}"#);
     assert!(waited >= 100.0, "{waited} waits\n{metrics}");
@@ -712,4 +720,216 @@ fn a_request_past_the_queue_timeout_gets_503_with_retry_after() {
         gw.metric(r#"tollgate_upstream_queue_timeouts_total{group="api"}"#),
         1.0
     );
+}
+
+/// An upstream that answers every request at once with `body` bytes (HTTP/1.1, kept alive),
+/// counting the requests it was sent.
+struct Big {
+    addr: SocketAddr,
+    requests: Arc<AtomicUsize>,
+}
+
+impl Big {
+    fn start(body: usize) -> Big {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&requests);
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let counted = Arc::clone(&counted);
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(conn.try_clone().unwrap());
+                    let mut writer = conn;
+                    let payload = vec![b'x'; body];
+                    loop {
+                        loop {
+                            let mut line = String::new();
+                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                        }
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {body}\r\n\r\n");
+                        if writer.write_all(head.as_bytes()).is_err()
+                            || writer.write_all(&payload).is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Big { addr, requests }
+    }
+}
+
+/// Sends a GET for `target` as client `client` (`X-Forwarded-For`, the gateway trusts
+/// loopback) and reads nothing back: a slow reader.
+fn unread_request(proxy: SocketAddr, target: &str, client: &str) -> TcpStream {
+    let mut conn = TcpStream::connect(proxy).unwrap();
+    write!(
+        conn,
+        "GET {target} HTTP/1.1\r\nHost: api.example.com\r\nX-Forwarded-For: {client}\r\n\r\n"
+    )
+    .unwrap();
+    conn
+}
+
+/// The large answers of the slow readers in these tests: far more than loopback's socket
+/// buffers take, so the gateway's writes to such a client block.
+const LARGE_ANSWER: usize = 32 << 20;
+
+/// `max_connections: 2` and a client that sends two requests for 32 MB answers and never reads
+/// them: by default one client holds at most all but one of a server's slots, so its second
+/// request waits behind its own first, and another client is served at once. (Without the
+/// share, both slots stay taken and the other client gets 503 at the queue timeout.)
+#[test]
+fn a_slow_reader_cannot_hold_every_slot_of_a_server() {
+    let big = Big::start(LARGE_ANSWER);
+    let group = format!(
+        r#"{{"servers": ["{}"], "max_connections": 2, "queue_timeout_ms": 3000}}"#,
+        big.addr
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_routes(dir.path(), &group);
+    let gw = Gateway::start(
+        Some(OPEN),
+        None,
+        &[
+            "--routes",
+            routes.to_str().unwrap(),
+            "--trusted-proxy",
+            "127.0.0.0/8",
+        ],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    let _first = unread_request(gw.proxy, "/v1/big", "203.0.113.1");
+    gw.wait_until(Duration::from_secs(5), || {
+        big.requests.load(Ordering::SeqCst) == 1
+    });
+    let _second = unread_request(gw.proxy, "/v1/big", "203.0.113.1");
+    gw.wait_until(Duration::from_secs(5), || {
+        gw.metric(r#"tollgate_upstream_queue_waiting{group="api"}"#) == 1.0
+    });
+    let mut other = TcpStream::connect(gw.proxy).unwrap();
+    other
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        other,
+        "GET /v1/big HTTP/1.1\r\nHost: api.example.com\r\nX-Forwarded-For: 198.51.100.7\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = Vec::new();
+    other.read_to_end(&mut answer).unwrap();
+    let head = String::from_utf8_lossy(&answer[..answer.len().min(200)]).to_string();
+    assert!(
+        head.starts_with("HTTP/1.1 200 "),
+        "{head}\n{}",
+        gw.log_text()
+    );
+    let body_at = answer.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    assert_eq!(answer.len() - body_at, LARGE_ANSWER);
+    // The slow reader's second request is still waiting for its own share; the other client's
+    // was the second request the server saw.
+    assert_eq!(big.requests.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        gw.metric(r#"tollgate_upstream_queue_waiting{group="api"}"#),
+        1.0
+    );
+}
+
+/// `max_connections: 1` and a client that never reads its 32 MB answer: with
+/// `--send-timeout-secs 1` the gateway cuts it off once a write has waited a second, the slot
+/// goes to the next request in line, and that request is answered well within its queue
+/// timeout (without a send timeout it would wait the whole 10 s and get 503).
+#[test]
+fn a_client_that_stops_reading_is_cut_off_after_the_send_timeout() {
+    let big = Big::start(LARGE_ANSWER);
+    let group = format!(
+        r#"{{"servers": ["{}"], "max_connections": 1, "queue_timeout_ms": 10000}}"#,
+        big.addr
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let routes = write_routes(dir.path(), &group);
+    let gw = Gateway::start(
+        Some(OPEN),
+        None,
+        &[
+            "--routes",
+            routes.to_str().unwrap(),
+            "--send-timeout-secs",
+            "1",
+        ],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        TcpStream::connect(gw.proxy).is_ok()
+    });
+    let slow = unread_request(gw.proxy, "/v1/big", "203.0.113.1");
+    gw.wait_until(Duration::from_secs(5), || {
+        big.requests.load(Ordering::SeqCst) == 1
+    });
+    let waiting = std::thread::spawn({
+        let proxy = gw.proxy;
+        move || request(proxy, "GET", "/v1/next", &[])
+    });
+    let answer = waiting.join().unwrap();
+    assert_eq!(answer.status, 200, "{}", gw.log_text());
+    assert_eq!(answer.body.len(), LARGE_ANSWER);
+    assert_eq!(big.requests.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        gw.metric(r#"tollgate_upstream_queue_timeouts_total{group="api"}"#),
+        0.0
+    );
+    // The slow reader's connection was closed by the gateway: it reads the answer's start,
+    // then end-of-file well short of 32 MB.
+    let mut slow = slow;
+    slow.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = slow.read_to_end(&mut got);
+    assert!(got.len() < LARGE_ANSWER, "{} bytes", got.len());
+}
+
+/// A request waiting for the only slot whose client hangs up leaves the queue (counted) and is
+/// never sent upstream; the request holding the slot, and a later one, are served.
+#[test]
+fn a_queued_request_whose_client_left_is_never_sent() {
+    let upstream = Counting::start(128, Duration::from_millis(1500));
+    let group = format!(
+        r#"{{"servers": ["{}"], "max_connections": 1}}"#,
+        upstream.addr
+    );
+    let (gw, _dir) = gateway_with_group(PER_CLIENT_40, &group);
+    let proxy = gw.proxy;
+    let first = std::thread::spawn(move || request(proxy, "GET", "/v1/a", &[("x-client", "a")]));
+    gw.wait_until(Duration::from_secs(5), || {
+        upstream.requests.load(Ordering::SeqCst) == 1
+    });
+    let mut leaving = TcpStream::connect(gw.proxy).unwrap();
+    leaving
+        .write_all(b"GET /v1/b HTTP/1.1\r\nHost: api.example.com\r\nx-client: b\r\n\r\n")
+        .unwrap();
+    gw.wait_until(Duration::from_secs(5), || {
+        gw.metric(r#"tollgate_upstream_queue_waiting{group="api"}"#) == 1.0
+    });
+    drop(leaving);
+    gw.wait_until(Duration::from_secs(5), || {
+        gw.metric(r#"tollgate_upstream_queue_abandoned_total{group="api"}"#) == 1.0
+    });
+    assert_eq!(
+        gw.metric(r#"tollgate_upstream_queue_waiting{group="api"}"#),
+        0.0
+    );
+    assert_eq!(first.join().unwrap().status, 200);
+    let later = request(gw.proxy, "GET", "/v1/c", &[("x-client", "c")]);
+    assert_eq!(later.status, 200);
+    // a and c: the request whose client left never reached the server.
+    assert_eq!(upstream.requests.load(Ordering::SeqCst), 2);
 }

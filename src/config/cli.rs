@@ -571,6 +571,16 @@ pub struct RunArgs {
         default_value_t = 60
     )]
     pub keepalive_timeout_secs: u64,
+    /// Seconds a response may wait for the client to take the next piece of it (nginx's
+    /// `send_timeout`: between two successive writes, not for the whole response); a client
+    /// that reads nothing for that long is cut off, giving back its upstream slot.
+    #[arg(
+        help_heading = "Connections",
+        long,
+        env = "TOLLGATE_SEND_TIMEOUT_SECS",
+        default_value_t = 60
+    )]
+    pub send_timeout_secs: u64,
     /// Largest request body read before deciding a request under a `token_bucket_llm` rule (the
     /// proxy and the decision service): a larger one gets 413.
     #[arg(help_heading = "LLM token budgets", long, env = "TOLLGATE_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]

@@ -135,6 +135,8 @@ pub struct Config {
     pub header_timeout: Duration,
     /// Time a kept-alive connection has, after a response, to send its next request's headers.
     pub keepalive_timeout: Duration,
+    /// Time a response write may wait for the client to read (nginx's `send_timeout`).
+    pub send_timeout: Duration,
     /// Largest request body read for `token_bucket_llm` rules (larger: 413).
     pub max_body_bytes: usize,
     /// How long the decision service keeps an unreported LLM reservation.
@@ -405,6 +407,9 @@ impl Config {
         if args.keepalive_timeout_secs == 0 {
             errors.push("--keepalive-timeout-secs 0: must be at least 1".to_string());
         }
+        if args.send_timeout_secs == 0 {
+            errors.push("--send-timeout-secs 0: must be at least 1".to_string());
+        }
         if args.max_body_bytes == 0 {
             errors.push("--max-body-bytes 0: must be at least 1".to_string());
         }
@@ -581,6 +586,7 @@ impl Config {
             },
             header_timeout: Duration::from_secs(args.header_timeout_secs),
             keepalive_timeout: Duration::from_secs(args.keepalive_timeout_secs),
+            send_timeout: Duration::from_secs(args.send_timeout_secs),
             max_body_bytes: args.max_body_bytes,
             reservation_ttl: Duration::from_secs(args.reservation_ttl_secs),
             reservation_secret: args

@@ -82,8 +82,18 @@ pub struct GroupSpec {
     /// Requests in flight to each server of the group at most (`max_connections`); `None`: no
     /// cap. Requests beyond it wait, first come first served, up to `queue_timeout`.
     pub max_connections: Option<usize>,
+    /// Of those, the most one client address holds at once (`max_connections_per_client`;
+    /// by default one less than `max_connections`, at least 1), so that one client, say a slow
+    /// reader of large answers, can never hold every slot of a server.
+    pub max_connections_per_client: usize,
     /// How long a request waits for a free slot before it is answered 503 (`queue_timeout_ms`).
     pub queue_timeout: Duration,
+}
+
+/// A client's share of a server's `max_connections` when the group does not set
+/// `max_connections_per_client`: all but one slot, so another client always finds one.
+pub fn default_share_per_client(max_connections: usize) -> usize {
+    max_connections.saturating_sub(1).max(1)
 }
 
 /// How long a request waits for a server's free slot by default (`queue_timeout_ms`).
@@ -102,6 +112,7 @@ impl GroupSpec {
             health_check: None,
             idle_timeout: None,
             max_connections: None,
+            max_connections_per_client: 1,
             queue_timeout: DEFAULT_QUEUE_TIMEOUT,
         }
     }
@@ -435,6 +446,7 @@ impl Compiler<'_> {
                 "tls",
                 "health_check",
                 "max_connections",
+                "max_connections_per_client",
                 "queue_timeout_ms",
             ],
         )?;
@@ -490,6 +502,27 @@ impl Compiler<'_> {
                 }
             },
         };
+        let max_connections_per_client =
+            match (map.get("max_connections_per_client"), max_connections) {
+                (None, max) => default_share_per_client(max.unwrap_or(1)),
+                (Some(v), Some(max)) => match v.as_u64() {
+                    Some(n) if n >= 1 && n as usize <= max => n as usize,
+                    _ => {
+                        self.error(
+                            &join(path, "max_connections_per_client"),
+                            format!("must be a whole number from 1 to max_connections ({max})"),
+                        );
+                        default_share_per_client(max)
+                    }
+                },
+                (Some(_), None) => {
+                    self.error(
+                        &join(path, "max_connections_per_client"),
+                        "needs max_connections: it is a share of that cap",
+                    );
+                    1
+                }
+            };
         let queue_timeout = self.millis(map, path, "queue_timeout_ms", DEFAULT_QUEUE_TIMEOUT);
         if map.contains_key("queue_timeout_ms") && !map.contains_key("max_connections") {
             self.error(
@@ -499,6 +532,7 @@ impl Compiler<'_> {
         }
         Some(GroupSpec {
             max_connections,
+            max_connections_per_client,
             queue_timeout,
             name: name.to_string(),
             servers,
@@ -749,6 +783,42 @@ mod tests {
         assert_eq!(name(Some("example.com"), "/static/app.js"), Some("static"));
         assert_eq!(name(Some("other.test"), "/x"), Some("fallback"));
         assert_eq!(name(None, "/x"), Some("fallback"));
+    }
+
+    /// A client's share of a server's slots: all but one by default (at least 1), or as set
+    /// within 1..=max_connections; set without a cap, or out of range, it is an error.
+    #[test]
+    fn the_share_per_client_defaults_to_all_slots_but_one() {
+        let share = |group: Value| {
+            table(json!({"upstreams": {"api": group}, "default_upstream": "api"})).groups[0]
+                .max_connections_per_client
+        };
+        assert_eq!(
+            share(json!({"servers": ["127.0.0.1:1"], "max_connections": 4})),
+            3
+        );
+        assert_eq!(
+            share(json!({"servers": ["127.0.0.1:1"], "max_connections": 1})),
+            1
+        );
+        assert_eq!(
+            share(json!({"servers": ["127.0.0.1:1"], "max_connections": 4,
+                         "max_connections_per_client": 4})),
+            4
+        );
+        let e = errors(json!({"upstreams": {
+            "a": {"servers": ["127.0.0.1:1"], "max_connections": 4, "max_connections_per_client": 5},
+            "b": {"servers": ["127.0.0.1:1"], "max_connections_per_client": 1},
+            "c": {"servers": ["127.0.0.1:1"], "max_connections": 2, "max_connections_per_client": 0}
+        }, "default_upstream": "a"}));
+        assert_eq!(
+            e,
+            vec![
+                "upstreams.a.max_connections_per_client: must be a whole number from 1 to max_connections (4)",
+                "upstreams.b.max_connections_per_client: needs max_connections: it is a share of that cap",
+                "upstreams.c.max_connections_per_client: must be a whole number from 1 to max_connections (2)",
+            ]
+        );
     }
 
     #[test]

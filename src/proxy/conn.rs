@@ -405,6 +405,31 @@ async fn is_http2(stream: &mut Stream, h2c: bool) -> bool {
     matches!(stream.try_peek(&mut buf).await, Ok(true)) && buf == PREFACE
 }
 
+/// Whether the client of the connection on `fd` has gone: end-of-file (or an error such as a
+/// reset) is readable without blocking. A peek: nothing is consumed, so a pipelined request or
+/// a body still arriving is left for its reader.
+pub fn peer_closed(fd: i32) -> bool {
+    let mut byte = [0u8; 1];
+    // SAFETY: recv(2) with MSG_PEEK | MSG_DONTWAIT on the fd of a connection whose request is
+    // being served (so it stays open meanwhile), into a live one-byte buffer.
+    let read = unsafe {
+        libc::recv(
+            fd,
+            byte.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    match read {
+        0 => true,
+        n if n > 0 => false,
+        _ => !matches!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EAGAIN | libc::EINTR)
+        ),
+    }
+}
+
 /// Raises the soft open-file limit to the hard limit, and returns the soft limit in force.
 pub fn raise_nofile_limit() -> u64 {
     // SAFETY: getrlimit/setrlimit only read and write the struct we pass.

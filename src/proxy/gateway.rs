@@ -34,6 +34,38 @@ const STREAM_STOPPED: pingora::ErrorType =
 const QUEUE_TIMED_OUT: pingora::ErrorType =
     pingora::ErrorType::Custom("upstream server queue timed out");
 
+/// The client went away while its request waited in a server's queue: nothing was sent
+/// upstream and nobody is left to answer. Counted, not logged per request.
+const CLIENT_GONE_WHILE_QUEUED: pingora::ErrorType =
+    pingora::ErrorType::Custom("client went away while queued");
+
+/// How often a waiting HTTP/1 request looks whether its client closed the connection (an
+/// HTTP/2 stream's reset wakes its waiter at once).
+const CLIENT_GONE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Resolves once the client of `session` has gone: its HTTP/2 stream was reset or closed, or
+/// its HTTP/1 connection reads end-of-file or an error (as nginx's broken-connection check
+/// does). Pending for as long as the client is there.
+async fn client_gone(session: &mut Session) {
+    let downstream = session.as_downstream_mut();
+    if let Some(idle) = downstream.watch_h2_stream_close() {
+        let _ = idle.await;
+        return;
+    }
+    let fd = downstream
+        .stream()
+        .map(|s| pingora::protocols::UniqueID::id(s.as_ref()));
+    match fd {
+        Some(fd) if fd > 0 => loop {
+            tokio::time::sleep(CLIENT_GONE_POLL).await;
+            if super::conn::peer_closed(fd) {
+                return;
+            }
+        },
+        _ => std::future::pending().await,
+    }
+}
+
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
@@ -60,7 +92,7 @@ pub struct RequestCtx {
     metering: Option<Box<Metering>>,
     /// The slot held at a server of a group with `max_connections` (given back in `logging`,
     /// or when a retry moves to another server).
-    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    slot: Option<super::queue::Slot>,
     /// Forwarding headers and the route's header rules.
     forwarding: super::forward::Forwarding,
     /// The request's spans, when traces are on (ended in `logging`).
@@ -339,6 +371,11 @@ impl ProxyHttp for Proxy {
         // Requests pipelined behind this one are answered in order (Pingora drops them
         // otherwise); the flag carries over to the connection's next requests.
         session.set_pipelining_enabled(true);
+        // A client that stops reading its response is cut off after the send timeout (Pingora
+        // would wait for it forever), so it cannot hold an upstream slot.
+        session
+            .as_downstream_mut()
+            .set_write_timeout(Some(self.gateway.config.send_timeout));
         super::conn::request_started(http2_key(session));
         if self.gateway.config.access_log != AccessLogFormat::Off {
             let sent = session
@@ -722,24 +759,33 @@ impl ProxyHttp for Proxy {
                 "every server of the upstream group is down",
             ));
         };
-        // The per-server cap: wait in line for a slot (none when the group has no cap).
-        let slot = match group.slots(addr) {
-            None => None,
-            Some(slots) => match slots
-                .acquire(group.spec.queue_timeout, || {
-                    self.gateway.metrics.upstream_queue(&group.spec.name)
-                })
-                .await
-            {
-                Ok(slot) => Some(slot),
-                Err(super::queue::QueueTimedOut) => {
-                    return Err(Error::explain(
-                        QUEUE_TIMED_OUT,
-                        "the upstream server stayed at max_connections for queue_timeout_ms",
-                    ))
+        // The per-server cap: wait in line for a slot (none when the group has no cap), within
+        // the client's share, and only while the client is still there.
+        let slot =
+            match group.slots(addr) {
+                None => None,
+                Some(slots) => {
+                    match slots
+                        .acquire(
+                            ctx.client_ip.or(ctx.peer),
+                            group.spec.queue_timeout,
+                            || self.gateway.metrics.upstream_queue(&group.spec.name),
+                            client_gone(session),
+                        )
+                        .await
+                    {
+                        Ok(slot) => Some(slot),
+                        Err(super::queue::QueueError::TimedOut) => return Err(Error::explain(
+                            QUEUE_TIMED_OUT,
+                            "the upstream server stayed at max_connections for queue_timeout_ms",
+                        )),
+                        Err(super::queue::QueueError::ClientGone) => return Err(Error::explain(
+                            CLIENT_GONE_WHILE_QUEUED,
+                            "the client went away while its request waited for an upstream slot",
+                        )),
+                    }
                 }
-            },
-        };
+            };
         ctx.slot = slot;
         ctx.server = Some(addr);
         ctx.connect_tries += 1;
@@ -1018,7 +1064,9 @@ impl ProxyHttp for Proxy {
     }
 
     fn suppress_error_log(&self, _session: &Session, _ctx: &Self::CTX, e: &Error) -> bool {
-        *e.etype() == STREAM_STOPPED || *e.etype() == QUEUE_TIMED_OUT
+        *e.etype() == STREAM_STOPPED
+            || *e.etype() == QUEUE_TIMED_OUT
+            || *e.etype() == CLIENT_GONE_WHILE_QUEUED
     }
 
     async fn fail_to_proxy(
@@ -1029,6 +1077,13 @@ impl ProxyHttp for Proxy {
     ) -> FailToProxy {
         if *e.etype() == STREAM_STOPPED {
             return finish_stopped_stream(session, ctx).await;
+        }
+        if *e.etype() == CLIENT_GONE_WHILE_QUEUED {
+            // Nobody to answer: logged as nginx's 499 (client closed request).
+            return FailToProxy {
+                error_code: 499,
+                can_reuse_downstream: false,
+            };
         }
         let code = match e.etype() {
             pingora::ErrorType::HTTPStatus(code) => *code,

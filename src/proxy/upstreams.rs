@@ -87,7 +87,7 @@ struct Server {
     failures_down: AtomicU32,
     failures_timeout: AtomicU32,
     /// The group's `max_connections` for this server, if it has one.
-    slots: Option<super::queue::Slots>,
+    slots: Option<Arc<super::queue::Slots>>,
 }
 
 /// Most connection attempts per request.
@@ -299,7 +299,12 @@ impl Group {
                 ejected_until_ms: AtomicU64::new(0),
                 failures_down: AtomicU32::new(0),
                 failures_timeout: AtomicU32::new(0),
-                slots: spec.max_connections.map(super::queue::Slots::new),
+                slots: spec.max_connections.map(|max| {
+                    Arc::new(super::queue::Slots::new(
+                        max,
+                        spec.max_connections_per_client,
+                    ))
+                }),
             })
             .collect();
         Ok(Group {
@@ -382,7 +387,7 @@ impl Group {
     }
 
     /// The slots of `addr` when the group caps requests in flight per server.
-    pub fn slots(&self, addr: SocketAddr) -> Option<&super::queue::Slots> {
+    pub fn slots(&self, addr: SocketAddr) -> Option<&Arc<super::queue::Slots>> {
         self.server(addr).and_then(|s| s.slots.as_ref())
     }
 

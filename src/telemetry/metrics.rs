@@ -62,6 +62,8 @@ pub struct QueueMetrics {
     pub waits: Histogram,
     /// Requests answered 503 after waiting the whole queue timeout.
     pub timeouts: IntCounter,
+    /// Requests whose client went away while they waited: never sent upstream.
+    pub abandoned: IntCounter,
 }
 
 /// All gateway metrics.
@@ -173,6 +175,7 @@ pub struct Metrics {
     upstream_queue_waiting: IntGaugeVec,
     upstream_queue_waits: prometheus::HistogramVec,
     upstream_queue_timeouts: IntCounterVec,
+    upstream_queue_abandoned: IntCounterVec,
     llm_undecodable: IntCounterVec,
     /// Operator actions: bucket resets by the store's answer (`reset`: it held state, `full`:
     /// nothing to reset), admin requests refused for their token.
@@ -531,10 +534,18 @@ impl Metrics {
             ),
             &["group"],
         ));
+        let upstream_queue_abandoned = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_upstream_queue_abandoned_total",
+                "Requests that left the upstream queue because their client went away, never sent upstream, by group",
+            ),
+            &["group"],
+        ));
         for c in [
             Box::new(upstream_queue_waiting.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(upstream_queue_waits.clone()),
             Box::new(upstream_queue_timeouts.clone()),
+            Box::new(upstream_queue_abandoned.clone()),
         ] {
             defined.extend(c.desc().iter().map(|d| d.fq_name.clone()));
             must(registry.register(c));
@@ -673,6 +684,7 @@ impl Metrics {
             upstream_queue_waiting,
             upstream_queue_waits,
             upstream_queue_timeouts,
+            upstream_queue_abandoned,
             llm_undecodable,
             per_rule: ArcSwapOption::empty(),
             candidate,
@@ -745,6 +757,7 @@ impl Metrics {
             waiting: self.upstream_queue_waiting.with_label_values(&[group]),
             waits: self.upstream_queue_waits.with_label_values(&[group]),
             timeouts: self.upstream_queue_timeouts.with_label_values(&[group]),
+            abandoned: self.upstream_queue_abandoned.with_label_values(&[group]),
         }
     }
 
