@@ -3,8 +3,12 @@
 #
 # With a registry (the build stage compiles from source):
 #   docker build -t tollgate .            (or: podman build -t tollgate .)
-#   docker run -p 8080:8080 -p 9090:9090 -v tollgate-state:/var/lib/tollgate \
+#   docker run -p 8080:8080 -p 127.0.0.1:9090:9090 -v tollgate-state:/var/lib/tollgate \
+#       --add-host=host.docker.internal:host-gateway \
 #       tollgate --state-dir /var/lib/tollgate --upstream host.docker.internal:3000
+# (--add-host: Docker Engine on Linux does not define host.docker.internal, and an --upstream
+# that does not resolve stops start-up; the API must then listen on Docker's bridge address or
+# 0.0.0.0. The manual's "Deploying" page has the --network host form for an API on loopback.)
 # Arguments given to `docker run` replace CMD (which is `--state-dir /var/lib/tollgate`): keep
 # --state-dir among them for buckets that survive a restart.
 #

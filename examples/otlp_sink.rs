@@ -10,13 +10,17 @@
 //! loop taking 10 % of core 0 adds about 6 % to an untraced tollgate's CPU per request), so a
 //! receiver that decodes everything would charge the collector's cost to the gateway.
 //!
-//! Usage: `cargo run --release --example otlp_sink -- 127.0.0.1:4318 [--decode-every N]`
+//! Usage: `cargo run --release --example otlp_sink -- 127.0.0.1:4318 [--decode-every N] [--print]`
 //! (N = 1: every batch decoded in full; default 1). It prints the spans received every 5 s on
-//! standard error.
+//! standard error. With `--print` (every batch then decoded) it is also a collector to try
+//! traces with: each span on a line of standard output, its service, kind, name, trace and span
+//! ids, status, attributes and event names (the manual's observability page runs it so).
 
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
+use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, KeyValue};
+use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::encoding::decode_varint;
 use prost::Message as _;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -77,19 +81,119 @@ fn decoded_spans(body: &[u8]) -> Option<usize> {
     )
 }
 
+/// An attribute's value as text: strings as they are, arrays and maps in brackets.
+fn value_text(value: Option<&AnyValue>) -> String {
+    match value.and_then(|v| v.value.as_ref()) {
+        None => String::new(),
+        Some(any_value::Value::StringValue(s)) => s.clone(),
+        Some(any_value::Value::BoolValue(b)) => b.to_string(),
+        Some(any_value::Value::IntValue(i)) => i.to_string(),
+        Some(any_value::Value::DoubleValue(d)) => d.to_string(),
+        Some(any_value::Value::BytesValue(b)) => hex(b),
+        Some(any_value::Value::ArrayValue(a)) => format!(
+            "[{}]",
+            a.values
+                .iter()
+                .map(|v| value_text(Some(v)))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        Some(any_value::Value::KvlistValue(l)) => format!("{{{}}}", attributes_text(&l.values)),
+    }
+}
+
+fn attributes_text(attributes: &[KeyValue]) -> String {
+    attributes
+        .iter()
+        .map(|kv| format!("{}={}", kv.key, value_text(kv.value.as_ref())))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// One line for a span: `SERVICE KIND NAME trace=… span=… [parent=…] status=… attributes
+/// [events=a,b]`.
+fn span_line(service: &str, span: &Span) -> String {
+    let kind = match span.kind {
+        1 => "INTERNAL",
+        2 => "SERVER",
+        3 => "CLIENT",
+        4 => "PRODUCER",
+        5 => "CONSUMER",
+        _ => "UNSPECIFIED",
+    };
+    let status = match span.status.as_ref().map_or(0, |s| s.code) {
+        1 => "ok",
+        2 => "error",
+        _ => "unset",
+    };
+    let mut line = format!(
+        "{service} {kind} {:?} trace={} span={}",
+        span.name,
+        hex(&span.trace_id),
+        hex(&span.span_id)
+    );
+    if !span.parent_span_id.is_empty() {
+        line.push_str(&format!(" parent={}", hex(&span.parent_span_id)));
+    }
+    line.push_str(&format!(" status={status}"));
+    if !span.attributes.is_empty() {
+        line.push(' ');
+        line.push_str(&attributes_text(&span.attributes));
+    }
+    if !span.events.is_empty() {
+        let names: Vec<&str> = span.events.iter().map(|e| e.name.as_str()).collect();
+        line.push_str(&format!(" events={}", names.join(",")));
+    }
+    line
+}
+
+/// The lines `--print` writes for a batch: one per span, in order.
+fn batch_lines(request: &ExportTraceServiceRequest) -> Vec<String> {
+    let mut lines = Vec::new();
+    for resource_spans in &request.resource_spans {
+        let service = resource_spans
+            .resource
+            .as_ref()
+            .and_then(|r| r.attributes.iter().find(|kv| kv.key == "service.name"))
+            .map_or_else(|| "?".to_string(), |kv| value_text(kv.value.as_ref()));
+        for scope_spans in &resource_spans.scope_spans {
+            for span in &scope_spans.spans {
+                lines.push(span_line(&service, span));
+            }
+        }
+    }
+    lines
+}
+
 fn main() {
+    const USAGE: &str = "usage: otlp_sink ADDR [--decode-every N] [--print]";
     let mut args = std::env::args().skip(1);
     let addr = args.next().unwrap_or_else(|| "127.0.0.1:4318".to_string());
-    let decode_every: u64 = match (args.next().as_deref(), args.next()) {
-        (None, _) => 1,
-        (Some("--decode-every"), Some(n)) => match n.parse() {
-            Ok(n) if n > 0 => n,
-            _ => panic!("--decode-every takes a positive whole number, not {n:?}"),
-        },
-        (Some(other), _) => panic!("usage: otlp_sink ADDR [--decode-every N]; not {other:?}"),
-    };
+    let mut decode_every: u64 = 1;
+    let mut print = false;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--decode-every" => {
+                let n = args.next().unwrap_or_default();
+                decode_every = match n.parse() {
+                    Ok(n) if n > 0 => n,
+                    _ => panic!("--decode-every takes a positive whole number, not {n:?}"),
+                };
+            }
+            "--print" => print = true,
+            other => panic!("{USAGE}; not {other:?}"),
+        }
+    }
+    if print {
+        decode_every = 1;
+    }
     let batches = Arc::new(AtomicU64::new(0));
     let listener = TcpListener::bind(&addr).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+    eprintln!("otlp_sink: OTLP/HTTP traces on http://{addr}/v1/traces");
     let spans = Arc::new(AtomicU64::new(0));
     let report = Arc::clone(&spans);
     std::thread::spawn(move || loop {
@@ -131,6 +235,16 @@ fn main() {
                     return;
                 }
                 let in_full = batches.fetch_add(1, Ordering::Relaxed) % decode_every == 0;
+                if print {
+                    if let Ok(request) = ExportTraceServiceRequest::decode(&body[..]) {
+                        let out = std::io::stdout();
+                        let mut out = out.lock();
+                        for line in batch_lines(&request) {
+                            let _ = writeln!(out, "{line}");
+                        }
+                        let _ = out.flush();
+                    }
+                }
                 let status = match (count_spans(&body), in_full.then(|| decoded_spans(&body))) {
                     (Some(n), None) => {
                         spans.fetch_add(n as u64, Ordering::Relaxed);
@@ -209,5 +323,60 @@ mod tests {
         // Cut short, or an invalid wire type: not a message.
         assert_eq!(count_spans(&body[..body.len() - 1]), None);
         assert_eq!(count_spans(&[0x0f]), None);
+    }
+
+    #[test]
+    fn print_writes_one_line_per_span_with_its_attributes() {
+        use opentelemetry_proto::tonic::trace::v1::{span::Event, Status};
+        let text = |key: &str, value: &str| KeyValue {
+            key: key.to_string(),
+            value: Some(AnyValue {
+                value: Some(any_value::Value::StringValue(value.to_string())),
+            }),
+        };
+        let request = ExportTraceServiceRequest {
+            resource_spans: vec![ResourceSpans {
+                resource: Some(Resource {
+                    attributes: vec![text("service.name", "edge")],
+                    ..Resource::default()
+                }),
+                scope_spans: vec![ScopeSpans {
+                    spans: vec![Span {
+                        name: "GET".to_string(),
+                        kind: 2,
+                        trace_id: vec![0xab; 16],
+                        span_id: vec![0x01; 8],
+                        status: Some(Status {
+                            code: 2,
+                            ..Status::default()
+                        }),
+                        attributes: vec![
+                            text("tollgate.decision", "refuse"),
+                            KeyValue {
+                                key: "http.response.status_code".to_string(),
+                                value: Some(AnyValue {
+                                    value: Some(any_value::Value::IntValue(429)),
+                                }),
+                            },
+                        ],
+                        events: vec![Event {
+                            name: "connect".to_string(),
+                            ..Event::default()
+                        }],
+                        ..Span::default()
+                    }],
+                    ..ScopeSpans::default()
+                }],
+                schema_url: String::new(),
+            }],
+        };
+        assert_eq!(
+            batch_lines(&request),
+            [format!(
+                "edge SERVER \"GET\" trace={} span=0101010101010101 status=error \
+                 tollgate.decision=refuse http.response.status_code=429 events=connect",
+                "ab".repeat(16)
+            )]
+        );
     }
 }

@@ -16,7 +16,13 @@
 #      client (429), the process has neither uid 0 nor a capability, the state dir is written
 #      by that user, a second container (a fresh export) on the same volume finds the buckets,
 #      and SIGTERM with a request in flight lets it finish, then exits 0.
+#   5. what it measured (the image's size, its base's, how long the run took without the release
+#      build) written into the manual, between the image-facts markers of
+#      docs/src/operations/deploying.md: the page shows measured figures, never typed ones.
 # Any failure stops it with "image.sh: FAILED: ..." and exit 1; nothing is skipped.
+#
+# `bash scripts/image.sh --write-facts PAGE IMAGE_BYTES BASE_BYTES SECONDS first|later` does
+# step 5 alone on PAGE (tests/deploy.rs checks it so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +32,47 @@ fail() {
 }
 say() { echo "image.sh: $*" >&2; }
 
+FACTS_PAGE=docs/src/operations/deploying.md
+# Rewrites the lines between `<!-- image-facts -->` and `<!-- /image-facts -->` of PAGE with the
+# figures of this run. A first run (debootstrap made the base) and a later one (the base cached)
+# each have their own row; the row this run did not measure keeps its last value.
+write_facts() {
+  python3 - "$@" <<'EOF' || fail "cannot write the image figures into $1"
+import re, sys
+page, image_bytes, base_bytes, seconds, run, cores, day = sys.argv[1:8]
+if run not in ("first", "later"):
+    sys.exit(f"the run is 'first' or 'later', not {run!r}")
+text = open(page).read()
+begin, end = "<!-- image-facts -->\n", "<!-- /image-facts -->"
+start = text.find(begin)
+stop = text.find(end, start + 1) if start >= 0 else -1
+if start < 0 or stop < 0 or text.count(begin) != 1:
+    sys.exit(f"{page}: no single block between {begin.strip()} and {end}")
+rows = {}
+for line in text[start + len(begin):stop].splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 2:
+        rows[cells[0]] = cells[1]
+mib = lambda n: f"{int(n) // 1048576} MiB"  # as the run's own messages round
+first, later = "a first run (`debootstrap` builds the base)", "a later run (the base cached)"
+rows["the image"] = f"{mib(image_bytes)} ({int(image_bytes):,} bytes)".replace(",", " ")
+rows["its base (glibc, libgcc, CA certificates)"] = mib(base_bytes)
+rows[first if run == "first" else later] = f"{seconds} s, measured {day} on {cores} cores"
+body = "| measured by `scripts/image.sh` | |\n|---|---|\n"
+for key in ("the image", "its base (glibc, libgcc, CA certificates)", first, later):
+    body += f"| {key} | {rows.get(key, 'not measured yet')} |\n"
+open(page, "w").write(text[:start + len(begin)] + body + text[stop:])
+EOF
+}
+if [ "${1:-}" = --write-facts ]; then
+  [ $# -eq 6 ] || fail "usage: image.sh --write-facts PAGE IMAGE_BYTES BASE_BYTES SECONDS first|later"
+  write_facts "$2" "$3" "$4" "$5" "$6" "$(nproc)" "$(date -u +%Y-%m-%d)"
+  exit 0
+fi
+
 started=$(date +%s)
+build_secs=0
+first_run=later
 [ "$(id -u)" -eq 0 ] || fail "needs root (debootstrap, podman, chroot, network namespaces)"
 for tool in podman debootstrap setpriv unshare ip curl strip python3 tar; do
   command -v "$tool" >/dev/null 2>&1 || fail "$tool is not installed (bash scripts/install-deps.sh installs it)"
@@ -46,6 +92,7 @@ CACHE=$(cd "$CACHE" && pwd)
 # --- 1. the base ----------------------------------------------------------------------------
 DEBOOTSTRAP_ROOT=$CACHE/debootstrap-$SUITE
 if [ ! -e "$DEBOOTSTRAP_ROOT/.complete" ]; then
+  first_run=first
   say "debootstrap $SUITE into $DEBOOTSTRAP_ROOT (once; cached)"
   rm -rf "$DEBOOTSTRAP_ROOT.partial"
   debootstrap --variant=minbase --include=ca-certificates "$SUITE" "$DEBOOTSTRAP_ROOT.partial" \
@@ -99,8 +146,10 @@ BINARY=${TOLLGATE_BINARY:-}
 if [ -z "$BINARY" ]; then
   # The release build CI's instruction gate makes too (same targets, so the same artifacts):
   # whichever runs first builds it, the other finds it up to date.
+  build_started=$(date +%s)
   cargo build --profile release --locked --quiet --bin tollgate --example bare_proxy \
     || fail "cargo build --profile release failed"
+  build_secs=$(($(date +%s) - build_started))
   BINARY=target/release/tollgate
 fi
 [ -x "$BINARY" ] || fail "no binary at $BINARY"
@@ -330,4 +379,7 @@ entries=$(in_ns curl -s http://127.0.0.1:9090/metrics | awk '$1 == "tollgate_sto
 stop_container "$RUN/gateway-2.log"
 
 say "checked: ENTRYPOINT [${ARGV[*]}] as uid $uid gid $gid in $WORKDIR (no capabilities, no shell in the image); /livez, /readyz, proxied; 20 × 200 then 429; state in VOLUME $VOLUME kept across a new container; SIGTERM answered the request in flight, exit 0"
-say "image $IMAGE: $((size_bytes / 1024 / 1024)) MiB; done in $(($(date +%s) - started)) s"
+run_secs=$(($(date +%s) - started - build_secs))
+say "image $IMAGE: $((size_bytes / 1024 / 1024)) MiB; done in $run_secs s ($first_run run; the release build's $build_secs s not counted)"
+write_facts "$FACTS_PAGE" "$size_bytes" "$(stat -c %s "$CACHE/base.tar")" "$run_secs" "$first_run" "$(nproc)" "$(date -u +%Y-%m-%d)"
+say "figures written into $FACTS_PAGE (its image-facts block)"

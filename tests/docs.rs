@@ -296,8 +296,9 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
         }
         "bash" | "python3" => {
             let script = words.get(1).ok_or("no script")?;
-            // `python3 -m http.server`: a module of Python's own.
-            if words[0] == "python3" && script == "-m" {
+            // `python3 -m http.server`: a module of Python's own; `python3 - <<'EOF'` and
+            // `python3 -c '...'`: a program shown in the page itself.
+            if words[0] == "python3" && matches!(script.as_str(), "-m" | "-" | "-c") {
                 return Ok(());
             }
             return exists(script)
@@ -483,6 +484,8 @@ fn the_checks_catch_what_they_are_for() {
     assert!(check_command("tollgate run --threads lots", admin).is_err());
     assert!(check_command("tollgate validate policies/no-such.json", admin).is_err());
     assert!(check_command("bash scripts/no-such.sh", admin).is_err());
+    assert!(check_command("python3 no-such.py", admin).is_err());
+    assert!(check_command("python3 - bundle.json > shadow.json <<'EOF'", admin).is_ok());
     assert!(check_command("cargo bench --bench no_such", admin).is_err());
     assert!(check_command("curl -s localhost:9090/v1/buckets/x", admin).is_ok());
     assert!(check_command("curl -s localhost:9090/v1/nothing", admin).is_err());

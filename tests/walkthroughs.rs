@@ -488,6 +488,11 @@ fn walkthrough_llm_gateway() {
     walk("getting-started/llm-gateway.md");
 }
 
+#[test]
+fn walkthrough_operator() {
+    walk("operations/operator.md");
+}
+
 // The runner itself can fail: a failing command, a wrong output and a left-over background
 // process are each caught.
 
