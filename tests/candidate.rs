@@ -122,12 +122,16 @@ async fn on_redis_the_candidate_counts_from_its_own_buckets_without_changing_an_
         assert!(answer.allowed, "the live bundle (burst 10) allows all 10");
         assert_eq!(answer.reason, None);
     }
-    // The candidate's calls are not awaited by the requests: wait for their count.
+    // The candidate's calls are not awaited by the requests: wait for their count, and for
+    // the would-refuse counts (each call counts its decision first, then its refusals).
     let start = Instant::now();
-    while gw.candidate_summary().unwrap().decisions < 10 {
+    while gw.candidate_summary().unwrap().decisions < 10
+        || gw.candidate_refusals().get("api/per-ip") != Some(&5)
+    {
         assert!(
             start.elapsed() < Duration::from_secs(10),
-            "candidate calls never ended"
+            "candidate calls never ended: {:?}",
+            gw.candidate_summary().map(|s| (s.decisions, s.refusals))
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

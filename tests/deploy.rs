@@ -420,11 +420,15 @@ fn a_configmap_update_through_the_kubelets_symlink_swap_reloads_the_policy() {
     assert_eq!(decisions(admin, "203.0.113.1", 2), [200, 429]);
 
     volume.update(&one_rule(3));
+    // The bundle is put in force before its "policy loaded" line: wait for the line.
+    let log_path = tmp.path().join("gateway.log");
     wait_until(Duration::from_secs(15), "the reload", || {
-        readyz(admin)["policy_hash"] != before
+        std::fs::read_to_string(&log_path)
+            .is_ok_and(|log| log.matches("policy loaded").count() >= 2)
     });
+    assert_ne!(readyz(admin)["policy_hash"], before);
     assert_eq!(decisions(admin, "203.0.113.2", 4), [200, 200, 200, 429]);
-    let log = std::fs::read_to_string(tmp.path().join("gateway.log")).unwrap();
+    let log = std::fs::read_to_string(&log_path).unwrap();
     assert_eq!(log.matches("policy loaded").count(), 2, "{log}");
 
     // SAFETY: kill(2) on our own child.
@@ -848,4 +852,158 @@ fn the_systemd_units_start_and_reload_lines_start_and_upgrade_the_gateway() {
         journal()
     );
     reaper.0.clear();
+}
+
+/// The Deployment's `--upstream` is resolved once, at start: a name that does not resolve (its
+/// Service not created yet) stops the container with exit 1 and the message the "Deploying"
+/// page quotes, which is what makes the pod crash-loop until the Service exists. The manifest's
+/// arguments are used as written, the host moved under `.invalid` (which never resolves).
+#[test]
+fn the_deployments_upstream_must_resolve_at_start_as_the_page_says() {
+    let base = yaml_docs("deploy/kubernetes/deployment.yaml");
+    let container = deployment_container(&base);
+    let mut args = strings(&container["args"]);
+    let at = args
+        .iter()
+        .position(|a| a == "--upstream")
+        .expect("--upstream");
+    assert_eq!(args[at + 1], "backend:8080", "the page names backend:8080");
+    args[at + 1] = "backend.invalid:8080".to_string();
+    let tmp = tempfile::tempdir().expect("tmp");
+    let policy = tmp.path().join("policy.json");
+    std::fs::write(&policy, read("policies/axum-per-ip.json")).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .arg("run")
+        .args(&args)
+        .env("TOLLGATE_POLICY", &policy)
+        .env("TOLLGATE_LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env(
+            "TOLLGATE_ADMIN_LISTEN",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let _reaper = Reaper(vec![child.id()]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "still running after 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    let said = "invalid configuration:\n  --upstream \"backend.invalid:8080\": expected a resolvable HOST:PORT";
+    assert!(stderr.contains(said), "{stderr}");
+    let page = read("docs/src/operations/deploying.md");
+    assert!(
+        page.contains(&format!(
+            "```text\n{}\n```",
+            said.replace("backend.invalid", "backend")
+        )),
+        "deploying.md no longer quotes what the pod prints"
+    );
+    // The remedy the page gives: the API's Service before the Deployment. kustomize's default
+    // (legacy) order puts Services first, which the base must not switch off.
+    let kustomization: Value =
+        serde_yaml_ng::from_str(&read("deploy/kubernetes/kustomization.yaml")).unwrap();
+    assert!(
+        kustomization.get("sortOptions").is_none(),
+        "sortOptions would change the order the page relies on"
+    );
+}
+
+/// The block of `deploying.md` that `scripts/image.sh` writes, as (label, value) rows.
+fn image_facts(page: &str) -> Vec<(String, String)> {
+    let begin = "<!-- image-facts -->\n";
+    assert_eq!(page.matches(begin).count(), 1, "one image-facts block");
+    let start = page.find(begin).unwrap() + begin.len();
+    let stop = start
+        + page[start..]
+            .find("<!-- /image-facts -->")
+            .expect("its end");
+    page[start..stop]
+        .lines()
+        .skip(2)
+        .map(|line| {
+            let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+            assert_eq!(cells.len(), 2, "{line}");
+            (cells[0].to_string(), cells[1].to_string())
+        })
+        .collect()
+}
+
+const IMAGE_ROWS: [&str; 4] = [
+    "the image",
+    "its base (glibc, libgcc, CA certificates)",
+    "a first run (`debootstrap` builds the base)",
+    "a later run (the base cached)",
+];
+
+/// The image's size and build time on the "Deploying" page are what `scripts/image.sh` wrote
+/// (its `--write-facts` step, run here on a copy of the page): each run rewrites the sizes and
+/// its own kind of run's time and keeps the other's; the page shows no size outside that block.
+#[test]
+fn the_image_figures_on_the_page_are_written_by_image_sh() {
+    let page = read("docs/src/operations/deploying.md");
+    let rows = image_facts(&page);
+    let labels: Vec<&str> = rows.iter().map(|(l, _)| l.as_str()).collect();
+    assert_eq!(labels, IMAGE_ROWS);
+    // Outside the block, sizes and times of the image are placeholders, never figures.
+    let begin = page.find("<!-- image-facts -->").unwrap();
+    let end = page.find("<!-- /image-facts -->").unwrap();
+    let outside = format!("{}{}", &page[..begin], &page[end..]);
+    for line in outside.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        for pair in words.windows(2) {
+            assert!(
+                !(pair[1].starts_with("MiB") && pair[0].chars().all(|c| c.is_ascii_digit())),
+                "a typed image size in deploying.md: {line}"
+            );
+        }
+    }
+
+    let tmp = tempfile::tempdir().expect("tmp");
+    let copy = tmp.path().join("deploying.md");
+    std::fs::write(&copy, &page).unwrap();
+    let write = |args: &[&str]| {
+        Command::new("bash")
+            .arg(root().join("scripts/image.sh"))
+            .arg("--write-facts")
+            .arg(&copy)
+            .args(args)
+            .output()
+            .expect("bash")
+    };
+    let out = write(&["31457280", "4194304", "65", "first"]);
+    assert!(out.status.success(), "{out:?}");
+    let first = image_facts(&std::fs::read_to_string(&copy).unwrap());
+    assert_eq!(first[0].1, "30 MiB (31 457 280 bytes)");
+    assert_eq!(first[1].1, "4 MiB");
+    assert!(first[2].1.starts_with("65 s, measured "), "{first:?}");
+    assert_eq!(first[3], rows[3], "the later run's row is kept");
+    let out = write(&["30039152", "4194304", "7", "later"]);
+    assert!(out.status.success(), "{out:?}");
+    let later = std::fs::read_to_string(&copy).unwrap();
+    let second = image_facts(&later);
+    assert_eq!(second[0].1, "28 MiB (30 039 152 bytes)");
+    assert_eq!(second[2], first[2], "the first run's row is kept");
+    assert!(second[3].1.starts_with("7 s, measured "), "{second:?}");
+    // Only the block changed.
+    let block = |text: &str| {
+        let a = text.find("<!-- image-facts -->").unwrap();
+        let b = text.find("<!-- /image-facts -->").unwrap();
+        format!("{}{}", &text[..a], &text[b..])
+    };
+    assert_eq!(block(&later), block(&page));
+    // A page without the block, or a wrong kind of run, fails.
+    std::fs::write(&copy, "no block here\n").unwrap();
+    assert!(!write(&["1", "1", "1", "first"]).status.success());
+    std::fs::write(&copy, &page).unwrap();
+    assert!(!write(&["1", "1", "1", "sometimes"]).status.success());
 }

@@ -299,6 +299,8 @@ fn reload_valid_and_invalid_files_keeps_buckets() {
     gw.wait_until(Duration::from_secs(10), || {
         gw.metric("tollgate_policy_reloads_total{result=\"failure\"}") == 1.0
     });
+    // The failure is counted before its line is written.
+    gw.wait_for_log("policy reload rejected");
     let log = gw.log_text();
     assert!(log.contains("policy reload rejected"), "{log}");
     assert!(
@@ -319,9 +321,11 @@ fn reload_valid_and_invalid_files_keeps_buckets() {
     // Valid file with a lowered burst: state survives and is capped (1 left, burst now 3 → 1).
     gw.write_policy(&one_rule("per-ip", r#"["ip:address"]"#, SLOW, 3.0));
     gw.signal(libc::SIGHUP);
+    // The bundle is put in force before the reload is counted: wait for the count.
     gw.wait_until(Duration::from_secs(10), || {
-        gw.admin("GET", "/readyz", &[]).body != hash_before
+        gw.metric("tollgate_policy_reloads_total{result=\"success\"}") == 2.0
     });
+    assert_ne!(gw.admin("GET", "/readyz", &[]).body, hash_before);
     let r = gw.get("/", &[]);
     assert_eq!(r.status, 200);
     assert_eq!(r.header("RateLimit-Remaining"), Some("0"));
@@ -377,7 +381,9 @@ fn sigterm_drains_in_flight_requests() {
         &[],
     );
     let proxy = gw.proxy;
-    let in_flight = std::thread::spawn(move || request(proxy, "GET", "/slow", &[]));
+    // The upstream answers 400 ms after it has the request: SIGTERM arrives mid-request, and
+    // the answer comes well within the 1 s grace period.
+    let in_flight = std::thread::spawn(move || request(proxy, "GET", "/slow400", &[]));
     // Wait until the upstream has the request, then ask the gateway to stop.
     gw.wait_until(Duration::from_secs(10), || upstream.hits() == 1);
     gw.signal(libc::SIGTERM);

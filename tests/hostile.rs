@@ -236,8 +236,9 @@ fn idle_and_trickling_connections_are_cut_off_and_capped() {
         Some(&one_rule("per-ip", r#"["ip:address"]"#, 1000.0, 1000.0)),
         Some(upstream.addr),
         &[
+            // 2 s: the eight silent connections must outlast the ninth's refusal.
             "--header-timeout-secs",
-            "1",
+            "2",
             "--keepalive-timeout-secs",
             "1",
             "--max-connections",
@@ -260,7 +261,7 @@ fn idle_and_trickling_connections_are_cut_off_and_capped() {
     assert!(refused[0].body.contains("too many connections"));
     // ...while the admin listener still answers.
     assert_eq!(gw.admin("GET", "/livez", &[]).status, 200);
-    // Silent connections are cut at the header deadline (1 s), not never.
+    // Silent connections are cut at the header deadline (2 s), not never.
     for conn in &mut idle {
         let closed = closed_within(conn, Duration::from_secs(5));
         assert!(closed.is_some(), "an idle connection was never closed");

@@ -220,7 +220,12 @@ fn a_candidate_runs_in_shadow_across_the_fleet_then_promote_and_rollback() {
     let promoted = version_of(&tollgate(&["promote", "--store", &store]));
     assert!(promoted > candidate);
     for gw in &fleet {
-        wait_version(gw, promoted);
+        // One read of the store puts the live bundle in force, then withdraws the candidate.
+        gw.wait_until(Duration::from_secs(5), || {
+            let ready = readyz(gw);
+            ready["bundle_version"].as_u64() == Some(promoted)
+                && ready["policy_source"]["candidate"].is_null()
+        });
         assert_eq!(
             readyz(gw)["bundle_hash"],
             sha256_hex(with_burst(4).as_bytes())
@@ -301,7 +306,13 @@ fn bad_bundles_in_the_store_are_refused_and_the_last_good_one_kept() {
         ))
     };
     let expect_refusal = |reason: &str| {
-        gw.wait_until(Duration::from_secs(5), || refused(reason) == 1.0);
+        // Counted first, then logged, then shown in `/readyz`: wait for the count and
+        // `/readyz`, then for the line.
+        gw.wait_until(Duration::from_secs(5), || {
+            refused(reason) == 1.0
+                && readyz(&gw)["policy_source"]["last_refusal"]["reason"] == reason
+        });
+        gw.wait_for_log(&format!("\"reason\":\"{reason}\""));
         let ready = readyz(&gw);
         assert_eq!(ready["bundle_version"], good, "{ready}");
         assert_eq!(ready["policy_source"]["last_refusal"]["reason"], reason);
@@ -365,7 +376,9 @@ fn bad_bundles_in_the_store_are_refused_and_the_last_good_one_kept() {
     assert_eq!(readyz(&gw)["bundle_version"], newer);
     // A wiped store unloads nothing.
     redis.cli(&["FLUSHALL"]);
-    std::thread::sleep(Duration::from_millis(1500));
+    gw.wait_for_log(&format!(
+        "the policy store has no live bundle: keeping bundle_version {newer}"
+    ));
     assert_eq!(readyz(&gw)["bundle_version"], newer);
     assert_eq!(gw.get("/", &[]).status, 200);
 }

@@ -234,7 +234,13 @@ fn a_killed_server_loses_its_traffic_without_client_errors_and_gets_it_back() {
     // Both servers kill: a clear 502, at once.
     a.kill();
     b.kill();
-    std::thread::sleep(Duration::from_millis(600));
+    // Once the health checks have ejected both...
+    gw.wait_until(Duration::from_secs(10), || {
+        get(&gw, "x", "/")
+            .1
+            .starts_with("Bad Gateway: no healthy server")
+    });
+    // ...the next request is answered at once.
     let started = std::time::Instant::now();
     let (status, body) = get(&gw, "x", "/");
     assert_eq!(status, 502);

@@ -1019,6 +1019,8 @@ fn a_failed_export_is_counted_and_a_collector_that_comes_back_gets_spans_again()
     gw.wait_until(Duration::from_secs(10), || {
         gw.metric("tollgate_trace_spans_dropped_total") >= 6.0
     });
+    // The drop is counted before the line is written.
+    gw.wait_for_log("traces: export failed");
     assert!(gw.log_text().contains("traces: export failed"));
     // The collector comes up: after the back-off, recording and export resume.
     let (_, received) = grpc_receiver_on(collector);

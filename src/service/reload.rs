@@ -80,6 +80,8 @@ impl Gateway {
                     }
                 }
                 let (types, exits) = data.sizes();
+                // In force before the line says so: whoever reads the line finds it in force.
+                self.network.store(Arc::new(data));
                 tracing::info!(
                     trigger,
                     asn_types = types,
@@ -88,7 +90,6 @@ impl Gateway {
                     files_kept = refused.len(),
                     "network data loaded"
                 );
-                self.network.store(Arc::new(data));
                 Ok(())
             }
             Err(e) => {
