@@ -182,7 +182,7 @@ pub struct MemoryLeases {
     time_offset_us: u64,
     /// Loop marks, in their own bounded table (`None`: in `table`, as the leases of a store
     /// built without a bound, in tests).
-    marks: Option<Marks>,
+    marks: Option<Box<Marks>>,
     /// Leases not stored for want of room (a slot or a breaker not enforced): counted in the
     /// store's fail-open total.
     fail_open: AtomicU64,
@@ -220,7 +220,8 @@ impl MemoryLeases {
         let marks = match file.path().parent() {
             Some(dir) => Marks::in_dir(dir, max_marks, sole_owner),
             None => Marks::in_memory(max_marks),
-        };
+        }
+        .map(Box::new);
         MemoryLeases {
             table: LeaseBacking::File(leases),
             time_offset_us,
@@ -232,7 +233,7 @@ impl MemoryLeases {
     /// Leases in process memory, loop marks bounded to `max_marks`.
     pub fn bounded(max_marks: usize) -> Self {
         MemoryLeases {
-            marks: Marks::in_memory(max_marks),
+            marks: Marks::in_memory(max_marks).map(Box::new),
             ..MemoryLeases::default()
         }
     }
@@ -249,7 +250,7 @@ impl MemoryLeases {
 
     /// The marks table, when `op` is a mark and marks are kept apart.
     fn marks_of(&self, op: &LeaseOp) -> Option<&Marks> {
-        self.marks.as_ref().filter(|_| op.mark)
+        self.marks.as_deref().filter(|_| op.mark)
     }
 
     /// Takes a lease `id` on every op's key whose group is admitted, at `now_us`.
@@ -332,7 +333,7 @@ impl MemoryLeases {
     /// The marks' lock, when any of `ops` is a mark kept apart.
     fn lock_marks(&self, ops: &[LeaseOp]) -> Option<super::state_file::WordGuard<'_>> {
         self.marks
-            .as_ref()
+            .as_deref()
             .filter(|_| ops.iter().any(|op| op.mark))
             .map(Marks::lock)
     }

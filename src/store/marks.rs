@@ -154,9 +154,8 @@ impl Marks {
     /// held).
     pub fn count(&self, key: &BucketKey, now_us: u64) -> (u32, u64) {
         let key = stored(key);
-        let mut i = self.home(key);
         let (mut count, mut earliest) = (0u32, u64::MAX);
-        for _ in 0..self.capacity {
+        for i in (self.home(key)..).take(self.capacity) {
             let k = self.key_at(i);
             if k == (0, 0) {
                 break;
@@ -166,7 +165,6 @@ impl Marks {
                 count += 1;
                 earliest = earliest.min(expires - now_us);
             }
-            i += 1;
         }
         (count, if count > 0 { earliest } else { 0 })
     }
@@ -245,8 +243,7 @@ impl Marks {
     pub fn release(&self, id: u64, keys: &[BucketKey]) {
         for key in keys {
             let key = stored(key);
-            let mut i = self.home(key);
-            for _ in 0..self.capacity {
+            for i in (self.home(key)..).take(self.capacity) {
                 let k = self.key_at(i);
                 if k == (0, 0) {
                     break;
@@ -256,7 +253,6 @@ impl Marks {
                     self.sub_live(1);
                     break;
                 }
-                i += 1;
             }
         }
     }

@@ -717,10 +717,10 @@ pub struct MemoryStore {
     evicted: Box<EvictionCounters>,
     fail_open: AtomicU64,
     /// Leases (concurrency slots, loop marks, breaker states), beside the buckets.
-    leases: super::lease::MemoryLeases,
+    leases: Box<super::lease::MemoryLeases>,
     /// What entries evicted for room still held, for their keys to start from when they come
     /// back (`None`: no address space for it; evictions then forget).
-    record: Option<evicted::EvictedRecord>,
+    record: Option<Box<evicted::EvictedRecord>>,
 }
 
 impl Drop for MemoryStore {
@@ -929,8 +929,8 @@ impl MemoryStore {
             evictions: AtomicU64::new(0),
             evicted: Box::default(),
             fail_open: AtomicU64::new(0),
-            leases,
-            record,
+            leases: Box::new(leases),
+            record: record.map(Box::new),
         }
     }
 
