@@ -82,8 +82,14 @@ impl SideTable {
     /// No address space for it.
     pub fn anonymous(shape: [u64; 2], body_words: usize) -> std::io::Result<SideTable> {
         let words = HEADER_WORDS + body_words;
+        let ptr = map(words * 8, None)?;
+        // Huge pages where the kernel has them: lookups land on random cells of a table of
+        // megabytes, and with 4 KiB pages nearly every one is also a TLB miss. Advice only: its
+        // failure changes nothing.
+        // SAFETY: advice on the mapping just made, of exactly that length.
+        unsafe { libc::madvise(ptr.cast(), words * 8, libc::MADV_HUGEPAGE) };
         let table = SideTable {
-            ptr: map(words * 8, None)?,
+            ptr,
             words,
             path: None,
         };

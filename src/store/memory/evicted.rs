@@ -176,14 +176,31 @@ impl EvictedRecord {
             return;
         }
         let record = pack(until_s, spent.map_or(EVERYTHING, encode_up));
-        for cell in self.cells(key) {
-            let _ = cell.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-                Some(merge(c, record, now_us))
-            });
+        let cells = self.cells(key);
+        // Plain loads first, none depending on another, so their cache misses overlap; then a
+        // compare-and-swap only where the merge changes the cell (each one is a full barrier).
+        let seen = cells.map(|cell| cell.load(Ordering::Relaxed));
+        for (cell, mut current) in cells.into_iter().zip(seen) {
+            loop {
+                let merged = merge(current, record, now_us);
+                if merged == current {
+                    break;
+                }
+                match cell.compare_exchange_weak(
+                    current,
+                    merged,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => break,
+                    Err(now) => current = now,
+                }
+            }
         }
-        self.table
-            .word(LIVE_UNTIL_WORD)
-            .fetch_max(until_s, Ordering::Relaxed);
+        let live_until = self.table.word(LIVE_UNTIL_WORD);
+        if live_until.load(Ordering::Relaxed) < until_s {
+            live_until.fetch_max(until_s, Ordering::Relaxed);
+        }
     }
 
     /// The key's cells' records live at `now_us`: `None` when any cell holds none (the key
@@ -193,15 +210,12 @@ impl EvictedRecord {
         if self.table.word(LIVE_UNTIL_WORD).load(Ordering::Relaxed) * US_PER_SEC <= now_us {
             return None;
         }
-        let cells = self.cells(key);
-        let mut records = [0u64; ROWS];
-        for (record, cell) in records.iter_mut().zip(cells) {
-            *record = cell.load(Ordering::Relaxed);
-            if !live(*record, now_us) {
-                return None;
-            }
-        }
-        Some(records)
+        // All four loads before any test, so their cache misses overlap.
+        let records = self.cells(key).map(|cell| cell.load(Ordering::Relaxed));
+        records
+            .iter()
+            .all(|&record| live(record, now_us))
+            .then_some(records)
     }
 
     /// The state an absent key starts from at `now_us`: `None` (a full bucket) unless every
@@ -229,20 +243,15 @@ impl EvictedRecord {
                 })
             }
             None => {
-                // The earliest time each record lets the bucket be full again.
-                let full_at = records
-                    .iter()
-                    .map(|&r| {
-                        let end = until_us(r);
-                        match decode(code(r)) {
-                            Some(spent) => {
-                                end.min(now_us.saturating_add(quota.time_to_gain_us(spent)))
-                            }
-                            None => end,
-                        }
-                    })
-                    .min()
-                    .unwrap_or(now_us);
+                // The earliest time any record lets the bucket be full again: the least of the
+                // records' ends and of their amounts refilled from now (refill time grows with
+                // the amount, so the least amount is the one to refill: one division).
+                let end = records.iter().map(|&r| until_us(r)).min().unwrap_or(now_us);
+                let least = records.iter().filter_map(|&r| decode(code(r))).min();
+                let full_at = match least {
+                    Some(spent) => end.min(now_us.saturating_add(quota.time_to_gain_us(spent))),
+                    None => end,
+                };
                 if full_at <= now_us {
                     return None;
                 }
@@ -256,10 +265,15 @@ impl EvictedRecord {
                         last_us: full_at - refill_all,
                     });
                 }
-                // What `need_us` of refill is worth, rounded up.
-                let spent = (u128::from(need_us) * u128::from(quota.refill()))
-                    .div_ceil(u128::from(quota.period_us()))
-                    .min(u128::from(burst)) as u64;
+                // What `need_us` of refill is worth, rounded up (64-bit when it fits: a 128-bit
+                // division is a slow library call).
+                let spent = match need_us.checked_mul(quota.refill()) {
+                    Some(product) => product.div_ceil(quota.period_us()),
+                    None => (u128::from(need_us) * u128::from(quota.refill()))
+                        .div_ceil(u128::from(quota.period_us()))
+                        .min(u128::from(burst)) as u64,
+                }
+                .min(burst);
                 Some(BucketState {
                     tokens: burst - spent,
                     last_us: now_us,
