@@ -1,5 +1,6 @@
 //! The embedded store against a `Mutex<HashMap>` baseline, at 1 and 2 threads, on a mix of 64k
-//! keys; and 1 M distinct keys (insert cost and memory per live key, printed).
+//! keys; 1 M distinct keys (insert cost and memory per live key, printed); and a key flood
+//! against a full store (each new key evicting an entry).
 
 // Same allocator as the shipped binary.
 #[global_allocator]
@@ -178,5 +179,42 @@ fn bench(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, bench);
+/// A key flood against a full store: 100 000 entries each holding spend, then new keys, each
+/// evicting one (what an eviction costs: sampling, removal, the record of evicted spend) and
+/// each first looking the record up.
+fn flood(c: &mut Criterion) {
+    let mut group = c.benchmark_group("store_flood");
+    let slow = Quota::new(10 * MICRO, MICRO, 3_600 * US_PER_SEC).expect("quota");
+    let store = MemoryStore::new(MemoryStoreConfig {
+        max_buckets: 100_000,
+        ..MemoryStoreConfig::default()
+    });
+    let mut results = OpResults::new();
+    let op = |i: u64| BucketOp {
+        key: BucketKey::of(&format!("tb:flood:{i}")),
+        quota: slow,
+        cost: MICRO,
+        group: Group::Enforce,
+        window: None,
+    };
+    for i in 0..100_000 {
+        let _ = store.apply(0, &[op(i)], &mut results);
+    }
+    let fresh: Vec<BucketOp> = (100_000..1_100_000).map(op).collect();
+    let mut next = 0usize;
+    group.bench_function("evict_for_new_key_100k", |b| {
+        b.iter(|| {
+            let o = &fresh[next % fresh.len()];
+            next += 1;
+            black_box(
+                store
+                    .apply(1, std::slice::from_ref(o), &mut results)
+                    .is_ok(),
+            );
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench, flood);
 criterion_main!(benches);

@@ -398,6 +398,17 @@ pub struct RunArgs {
         default_value_t = 1_000_000
     )]
     pub max_buckets: usize,
+    /// Most loop-detection marks the embedded store holds (one per admitted request under
+    /// `loop_detection`, for its window), apart from its buckets, concurrency slots and breakers.
+    /// At the bound the mark expiring soonest of a few sampled is forgotten: one identical
+    /// request a loop count misses. About 43 bytes each (84 in the table's slots at most).
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_MAX_LOOP_MARKS",
+        default_value_t = crate::store::marks::DEFAULT_MAX_LOOP_MARKS
+    )]
+    pub max_loop_marks: usize,
     /// Accepted for compatibility and ignored: a bucket that is not full again is never dropped
     /// for being idle (a flood of fresh keys must not reset anyone's limit or budget).
     #[arg(

@@ -111,6 +111,8 @@ pub struct Config {
     pub admin_listen: String,
     pub threads: usize,
     pub max_buckets: usize,
+    /// `--max-loop-marks`.
+    pub max_loop_marks: usize,
     pub sweep_interval: Duration,
     /// `--state-dir`: where the embedded store keeps its tables (`None`: process memory).
     pub state_dir: Option<crate::store::StateDirConfig>,
@@ -329,6 +331,12 @@ impl Config {
         }
         if args.max_buckets == 0 {
             errors.push("--max-buckets 0: must be at least 1".to_string());
+        }
+        if args.max_loop_marks == 0 || args.max_loop_marks > 1 << 30 {
+            errors.push(format!(
+                "--max-loop-marks {}: expected 1 to 1073741824",
+                args.max_loop_marks
+            ));
         }
         if args.state_sync_ms == 0 {
             errors.push("--state-sync-ms 0: must be at least 1".to_string());
@@ -551,6 +559,7 @@ impl Config {
             admin_listen: args.admin_listen.clone(),
             threads: args.threads,
             max_buckets: args.max_buckets,
+            max_loop_marks: args.max_loop_marks,
             // With a shared store, the state dir keeps only the last good bundle (above).
             state_dir: args
                 .state_dir

@@ -679,6 +679,7 @@ impl<'b> Decision<'b> {
                         ttl_us: breaker.open_us(),
                         soft: false,
                         held: false,
+                        mark: false,
                     },
                     outcome.rule,
                 ));

@@ -72,6 +72,7 @@ pub(crate) fn plan<'b>(rule: &'b Rule, key: BucketKey, planning: &mut Planning<'
             ttl_us: c.lease_ttl_us,
             soft: false,
             held: true,
+            mark: false,
         });
         planning.checked.slots.push(SlotOutcome::new(rule, key));
     }

@@ -244,6 +244,7 @@ pub(crate) fn plan<'b>(
                 ttl_us: detection.window_us,
                 soft: detection.action != LoopAction::Reject,
                 held: false,
+                mark: true,
             });
             planning.checked.slots.push(SlotOutcome::new(rule, key));
         }
@@ -267,6 +268,7 @@ pub(crate) fn plan<'b>(
                 ttl_us: breaker.open_us(),
                 soft: true,
                 held: false,
+                mark: false,
             });
             planning.checked.slots.push(SlotOutcome::new(rule, open));
             // A spend the whole threshold cannot hold trips the breaker, like any spend over it.

@@ -120,6 +120,7 @@ impl Gateway {
             StoreKind::Memory => {
                 let memory = MemoryStoreConfig {
                     max_buckets: config.max_buckets,
+                    max_loop_marks: config.max_loop_marks,
                     ..MemoryStoreConfig::default()
                 };
                 match &config.state_dir {

@@ -190,6 +190,7 @@ impl Gateway {
             ttl_us: ttl_us.saturating_add(SETTLED_MARK_SLACK_US),
             soft: false,
             held: false,
+            mark: false,
         };
         let mut results = crate::store::lease::LeaseResults::new();
         // A fresh lease id: a second report, even from this gateway, finds the key full.

@@ -10,9 +10,10 @@
 //! and until when).
 //!
 //! This module holds the types and the embedded store's lease table, in process memory or in
-//! the state file (`--state-dir`); Redis and PostgreSQL keep theirs server-side (see their
-//! modules).
+//! the state file (`--state-dir`); loop marks sit beside it in their own bounded table
+//! ([`super::marks`]). Redis and PostgreSQL keep theirs server-side (see their modules).
 
+use super::marks::Marks;
 use super::ops::{BucketKey, Group};
 use ahash::AHashMap;
 use parking_lot::Mutex;
@@ -79,6 +80,10 @@ pub struct LeaseOp {
     /// breaker states and settlement marks are not held: they outlive the process in a state
     /// dir.
     pub held: bool,
+    /// A loop-detection mark: the embedded store keeps it in its own bounded table
+    /// ([`super::marks`]), where room is made by forgetting the soonest-expiring mark, so marks
+    /// never take a concurrency slot's or a breaker's room.
+    pub mark: bool,
 }
 
 /// The answer for one [`LeaseOp`].
@@ -175,6 +180,12 @@ pub fn judge(ops: &[LeaseOp], live: &[Live], results: &mut LeaseResults) -> (boo
 pub struct MemoryLeases {
     table: LeaseBacking,
     time_offset_us: u64,
+    /// Loop marks, in their own bounded table (`None`: in `table`, as the leases of a store
+    /// built without a bound, in tests).
+    marks: Option<Box<Marks>>,
+    /// Leases not stored for want of room (a slot or a breaker not enforced): counted in the
+    /// store's fail-open total.
+    fail_open: AtomicU64,
 }
 
 enum LeaseBacking {
@@ -200,32 +211,101 @@ impl MemoryLeases {
         file: &Arc<super::state_file::StateFile>,
         sole_owner: bool,
         time_offset_us: u64,
+        max_marks: usize,
     ) -> Self {
         let leases = MappedLeases::new(Arc::clone(file));
         if sole_owner {
             leases.recover();
         }
+        let marks = match file.path().parent() {
+            Some(dir) => Marks::in_dir(dir, max_marks, sole_owner),
+            None => Marks::in_memory(max_marks),
+        }
+        .map(Box::new);
         MemoryLeases {
             table: LeaseBacking::File(leases),
             time_offset_us,
+            marks,
+            fail_open: AtomicU64::new(0),
         }
+    }
+
+    /// Leases in process memory, loop marks bounded to `max_marks`.
+    pub fn bounded(max_marks: usize) -> Self {
+        MemoryLeases {
+            marks: Marks::in_memory(max_marks).map(Box::new),
+            ..MemoryLeases::default()
+        }
+    }
+
+    /// Leases not stored for want of room so far.
+    pub fn fail_open(&self) -> u64 {
+        self.fail_open.load(Ordering::Relaxed)
+    }
+
+    /// Loop marks held, and forgotten for room so far (`None`: marks are not kept apart).
+    pub fn marks_stats(&self) -> Option<(u64, u64)> {
+        self.marks.as_ref().map(|m| (m.held(), m.evicted()))
+    }
+
+    /// The marks table, when `op` is a mark and marks are kept apart.
+    fn marks_of(&self, op: &LeaseOp) -> Option<&Marks> {
+        self.marks.as_deref().filter(|_| op.mark)
     }
 
     /// Takes a lease `id` on every op's key whose group is admitted, at `now_us`.
     pub fn acquire(&self, now_us: u64, id: u64, ops: &[LeaseOp], results: &mut LeaseResults) {
         let now_us = now_us.saturating_add(self.time_offset_us);
-        let mut table = match &self.table {
-            LeaseBacking::File(file) => return file.acquire(now_us, id, ops, results),
+        // The main table's lock, then the marks' (the order every caller keeps).
+        let mut heap = match &self.table {
+            LeaseBacking::File(file) => {
+                let _lock = super::state_file::lock(&file.file.header().lease_lock);
+                let _marks = self.lock_marks(ops);
+                let mut live: SmallVec<[Live; 2]> = SmallVec::new();
+                for op in ops {
+                    let main = file.count(MappedLeases::stored(&op.key), now_us);
+                    live.push(self.with_marks(op, main, now_us));
+                }
+                judge(ops, &live, results);
+                for (op, result) in ops.iter().zip(results.iter_mut()) {
+                    if !result.committed {
+                        continue;
+                    }
+                    let expires = now_us.saturating_add(op.ttl_us);
+                    if let Some(marks) = self.marks_of(op) {
+                        marks.insert(&op.key, id, expires, now_us);
+                    } else if !file.insert(
+                        MappedLeases::stored(&op.key),
+                        id,
+                        expires.min(HELD - 1) | if op.held { HELD } else { 0 },
+                        now_us,
+                    ) {
+                        // No room: the lease is not held, and says so (a settlement mark that
+                        // could not be stored refuses the settlement rather than allowing a
+                        // second one; a slot not stored is not enforced).
+                        result.committed = false;
+                        let n = self.fail_open.fetch_add(1, Ordering::Relaxed) + 1;
+                        if n.is_power_of_two() {
+                            tracing::warn!(
+                                leases_not_stored = n,
+                                "state dir: the lease table is full; a concurrency slot or breaker was not stored (counted in tollgate_store_fail_open_total)"
+                            );
+                        }
+                    }
+                }
+                return;
+            }
             LeaseBacking::Heap(table) => table.lock(),
         };
+        let _marks = self.lock_marks(ops);
         let mut live: SmallVec<[Live; 2]> = SmallVec::new();
         for op in ops {
-            live.push(table.get_mut(&op.key).map_or(Live::default(), |leases| {
+            let main = heap.get_mut(&op.key).map_or(Live::default(), |leases| {
                 leases.retain(|(_, expires)| *expires > now_us);
                 let count = leases.len() as u32;
                 Live {
                     count,
-                    frees_in_us: if count >= op.max {
+                    frees_in_us: if count >= op.max || op.mark {
                         leases
                             .iter()
                             .map(|(_, expires)| expires - now_us)
@@ -235,44 +315,74 @@ impl MemoryLeases {
                         0
                     },
                 }
-            }));
+            });
+            live.push(self.with_marks(op, main, now_us));
         }
         judge(ops, &live, results);
         for (op, result) in ops.iter().zip(results.iter()) {
             if result.committed {
-                table
-                    .entry(op.key)
-                    .or_default()
-                    .push((id, now_us.saturating_add(op.ttl_us)));
+                let expires = now_us.saturating_add(op.ttl_us);
+                match self.marks_of(op) {
+                    Some(marks) => marks.insert(&op.key, id, expires, now_us),
+                    None => heap.entry(op.key).or_default().push((id, expires)),
+                }
             }
         }
+    }
+
+    /// The marks' lock, when any of `ops` is a mark kept apart.
+    fn lock_marks(&self, ops: &[LeaseOp]) -> Option<super::state_file::WordGuard<'_>> {
+        self.marks
+            .as_deref()
+            .filter(|_| ops.iter().any(|op| op.mark))
+            .map(Marks::lock)
+    }
+
+    /// `main` (what the lease table holds of `op`'s key) with its marks added, for a mark kept
+    /// apart (the marks' lock held). Marks an older build left in the lease table still count.
+    fn with_marks(&self, op: &LeaseOp, main: Live, now_us: u64) -> Live {
+        let Some(marks) = self.marks_of(op) else {
+            return main;
+        };
+        let (count, frees_in_us) = marks.count(&op.key, now_us);
+        combine(main, Live { count, frees_in_us })
     }
 
     /// Gives lease `id` back on `keys` (a lease already gone, expired or given back, is left
     /// alone: giving back twice frees one slot, once).
     pub fn release(&self, id: u64, keys: &[BucketKey]) {
-        let mut table = match &self.table {
-            LeaseBacking::File(file) => return file.release(id, keys),
-            LeaseBacking::Heap(table) => table.lock(),
-        };
-        for key in keys {
-            if let Some(leases) = table.get_mut(key) {
-                leases.retain(|(lease, _)| *lease != id);
-                if leases.is_empty() {
-                    table.remove(key);
+        match &self.table {
+            LeaseBacking::File(file) => file.release(id, keys),
+            LeaseBacking::Heap(table) => {
+                let mut table = table.lock();
+                for key in keys {
+                    if let Some(leases) = table.get_mut(key) {
+                        leases.retain(|(lease, _)| *lease != id);
+                        if leases.is_empty() {
+                            table.remove(key);
+                        }
+                    }
                 }
             }
+        }
+        if let Some(marks) = &self.marks {
+            let _lock = marks.lock();
+            marks.release(id, keys);
         }
     }
 
     /// Drops expired leases and empty keys; returns how many leases expired.
     pub fn sweep(&self, now_us: u64) -> u64 {
         let now_us = now_us.saturating_add(self.time_offset_us);
+        let marks = self.marks.as_ref().map_or(0, |marks| {
+            let _lock = marks.lock();
+            marks.sweep_locked(now_us)
+        });
         let mut table = match &self.table {
-            LeaseBacking::File(file) => return file.sweep(now_us),
+            LeaseBacking::File(file) => return file.sweep(now_us) + marks,
             LeaseBacking::Heap(table) => table.lock(),
         };
-        let mut expired = 0;
+        let mut expired = marks;
         table.retain(|_, leases| {
             let before = leases.len();
             leases.retain(|(_, expires)| *expires > now_us);
@@ -282,14 +392,24 @@ impl MemoryLeases {
         expired
     }
 
+    /// What the marks table holds of `key` (0 when marks are not kept apart).
+    fn marks_live(&self, key: &BucketKey, now_us: u64) -> Live {
+        self.marks.as_ref().map_or(Live::default(), |marks| {
+            let _lock = marks.lock();
+            let (count, frees_in_us) = marks.count(key, now_us);
+            Live { count, frees_in_us }
+        })
+    }
+
     /// Live leases on `key` at `now_us`, and µs until the earliest of them ends (what
     /// [`judge`] reads), without taking any.
     pub fn live(&self, key: &BucketKey, now_us: u64) -> Live {
         let now_us = now_us.saturating_add(self.time_offset_us);
+        let marks = self.marks_live(key, now_us);
         let table = match &self.table {
             LeaseBacking::File(file) => {
                 let _lock = super::state_file::lock(&file.file.header().lease_lock);
-                return file.count(MappedLeases::stored(key), now_us);
+                return combine(file.count(MappedLeases::stored(key), now_us), marks);
             }
             LeaseBacking::Heap(table) => table.lock(),
         };
@@ -303,37 +423,58 @@ impl MemoryLeases {
                 }
             }
         }
-        live
+        combine(live, marks)
     }
 
     /// Drops every lease on `keys` (an operator's reset: the slots are free, the marks gone);
     /// returns how many went.
     pub fn forget(&self, keys: &[BucketKey]) -> u64 {
+        let marks = self.marks.as_ref().map_or(0, |marks| {
+            let _lock = marks.lock();
+            marks.forget(keys)
+        });
         let mut table = match &self.table {
             LeaseBacking::File(file) => {
                 let _lock = super::state_file::lock(&file.file.header().lease_lock);
                 let stored: SmallVec<[(u64, u64); 2]> =
                     keys.iter().map(MappedLeases::stored).collect();
-                return file.remove_where(|k, _| stored.contains(&k));
+                return file.remove_where(|k, _| stored.contains(&k)) + marks;
             }
             LeaseBacking::Heap(table) => table.lock(),
         };
-        keys.iter()
-            .filter_map(|key| table.remove(key))
-            .map(|leases| leases.len() as u64)
-            .sum()
+        marks
+            + keys
+                .iter()
+                .filter_map(|key| table.remove(key))
+                .map(|leases| leases.len() as u64)
+                .sum::<u64>()
     }
 
     /// Live leases on `key` at `now_us` (tests and metrics).
     pub fn in_flight(&self, key: &BucketKey, now_us: u64) -> u32 {
         let now_us = now_us.saturating_add(self.time_offset_us);
+        let marks = self.marks_live(key, now_us).count;
         let table = match &self.table {
-            LeaseBacking::File(file) => return file.in_flight(key, now_us),
+            LeaseBacking::File(file) => return file.in_flight(key, now_us) + marks,
             LeaseBacking::Heap(table) => table.lock(),
         };
-        table.get(key).map_or(0, |leases| {
-            leases.iter().filter(|(_, e)| *e > now_us).count() as u32
-        })
+        marks
+            + table.get(key).map_or(0, |leases| {
+                leases.iter().filter(|(_, e)| *e > now_us).count() as u32
+            })
+    }
+}
+
+/// Two tables' live leases of one key as one: counts added, the earliest end kept.
+fn combine(a: Live, b: Live) -> Live {
+    let frees_in_us = match (a.count, b.count) {
+        (0, _) => b.frees_in_us,
+        (_, 0) => a.frees_in_us,
+        _ => a.frees_in_us.min(b.frees_in_us),
+    };
+    Live {
+        count: a.count + b.count,
+        frees_in_us,
     }
 }
 
@@ -509,28 +650,6 @@ impl MappedLeases {
         }
     }
 
-    fn acquire(&self, now_us: u64, id: u64, ops: &[LeaseOp], results: &mut LeaseResults) {
-        let _lock = super::state_file::lock(&self.file.header().lease_lock);
-        let live: SmallVec<[Live; 2]> = ops
-            .iter()
-            .map(|op| self.count(Self::stored(&op.key), now_us))
-            .collect();
-        judge(ops, &live, results);
-        for (op, result) in ops.iter().zip(results.iter_mut()) {
-            if result.committed {
-                let expires =
-                    now_us.saturating_add(op.ttl_us).min(HELD - 1) | if op.held { HELD } else { 0 };
-                if !self.insert(Self::stored(&op.key), id, expires, now_us) {
-                    // No room: the lease is not held, and says so (a settlement mark that
-                    // could not be stored refuses the settlement rather than allowing a
-                    // second one; a slot or a mark not stored is not enforced).
-                    result.committed = false;
-                    tracing::warn!("state dir: the lease table is full; a lease was not stored");
-                }
-            }
-        }
-    }
-
     fn release(&self, id: u64, keys: &[BucketKey]) {
         let _lock = super::state_file::lock(&self.file.header().lease_lock);
         let slots = self.slots();
@@ -577,6 +696,7 @@ mod tests {
             ttl_us: 10_000_000,
             soft: false,
             held: true,
+            mark: false,
         }
     }
 

@@ -10,12 +10,14 @@
 pub mod fs_trust;
 
 pub mod lease;
+pub mod marks;
 pub mod memory;
 pub mod ops;
 pub mod postgres;
 mod probe;
 pub mod redis;
 pub(crate) mod shared;
+pub mod side_table;
 pub mod state_file;
 
 pub use self::postgres::PostgresStore;
@@ -442,6 +444,8 @@ impl Store {
                 evicted: EvictionStats::default(),
                 fail_open: 0,
                 state_fallback: None,
+                loop_marks: None,
+                loop_marks_evicted: 0,
             },
         }
     }
@@ -516,6 +520,7 @@ mod tests {
         let config = MemoryStoreConfig {
             max_buckets: 1000,
             purge_interval_us: 0,
+            ..MemoryStoreConfig::default()
         };
         // 5 tokens, 1 a second.
         let op = BucketOp {

@@ -134,9 +134,15 @@ pub struct StoreStats {
     pub evictions: u64,
     /// The embedded store's drops by kind, and its evictions for room by what they gave away.
     pub evicted: EvictionStats,
-    /// Requests allowed untracked because the embedded store had no room: none since a new
-    /// key in a full store evicts an entry (kept as a check that stays 0).
+    /// Requests allowed untracked because the embedded store had no room: a new key with no
+    /// entry to evict (none since a new key in a full store evicts one), or a concurrency slot
+    /// or breaker state its lease table could not hold.
     pub fail_open: u64,
+    /// Loop-detection marks held by the embedded store (`None`: not kept apart, or a shared
+    /// store).
+    pub loop_marks: Option<u64>,
+    /// Loop marks forgotten for room (each one identical request a loop count missed).
+    pub loop_marks_evicted: u64,
     /// With `--state-dir`: whether the tables are in process memory instead, because the state
     /// file could not be made or mapped (`None` without a state dir).
     pub state_fallback: Option<bool>,

@@ -144,6 +144,9 @@ pub struct Metrics {
     store_evictions_by_kind: Option<IntCounterVec>,
     store_forgiven: Option<ForgivenHistogram>,
     store_fail_open: Option<IntCounter>,
+    /// Loop marks held by the embedded store, and forgotten for room.
+    loop_marks: Option<IntGauge>,
+    loop_marks_evicted: Option<IntCounter>,
     state_dir_fallback: Option<IntGauge>,
     store_errors: IntCounter,
     reloads: IntCounterVec,
@@ -304,7 +307,19 @@ impl Metrics {
         let store_fail_open = embedded.then(|| {
             must(IntCounter::new(
                 "tollgate_store_fail_open_total",
-                "Requests allowed untracked because the embedded store had no room (stays 0: a full store evicts)",
+                "Requests allowed untracked because the embedded store had no room: a new key with nothing to evict (stays 0: a full store evicts), or a concurrency slot or breaker its lease table could not hold",
+            ))
+        });
+        let loop_marks = embedded.then(|| {
+            must(IntGauge::new(
+                "tollgate_store_loop_marks",
+                "Loop-detection marks held by the embedded store (at most --max-loop-marks)",
+            ))
+        });
+        let loop_marks_evicted = embedded.then(|| {
+            must(IntCounter::new(
+                "tollgate_store_loop_marks_evicted_total",
+                "Loop-detection marks forgotten for room at --max-loop-marks (each one identical request a loop count missed)",
             ))
         });
         let state_dir_fallback = embedded.then(|| {
@@ -633,6 +648,12 @@ impl Metrics {
             store_fail_open
                 .clone()
                 .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            loop_marks
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            loop_marks_evicted
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
             state_dir_fallback
                 .clone()
                 .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
@@ -655,6 +676,8 @@ impl Metrics {
             store_evictions_by_kind,
             store_forgiven,
             store_fail_open,
+            loop_marks,
+            loop_marks_evicted,
             state_dir_fallback,
             store_errors,
             reloads,
@@ -1024,6 +1047,12 @@ impl Metrics {
         }
         if let Some(counter) = &self.store_fail_open {
             advance_to(counter, stats.fail_open);
+        }
+        if let (Some(gauge), Some(held)) = (&self.loop_marks, stats.loop_marks) {
+            gauge.set(held as i64);
+        }
+        if let Some(counter) = &self.loop_marks_evicted {
+            advance_to(counter, stats.loop_marks_evicted);
         }
         advance_to(
             &self.log_lines_dropped,

@@ -897,6 +897,7 @@ pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
         ttl_us: 10 * US_PER_SEC,
         soft: false,
         held: true,
+        mark: false,
     };
     let (two, one) = (op("two", 2), op("one", 1));
     let t0 = 1_800_000_000 * US_PER_SEC;

@@ -40,6 +40,11 @@
 //!   without a free slot could cause); a zero-cost look at an absent key needs no entry and
 //!   takes none. Concurrency slots and breakers are in the lease table, which this never
 //!   touches.
+//! - nothing of what an evicted entry held: its spend and full-again second go into the record
+//!   of evicted spend (`evicted`, a count-min sketch of fixed size), and a key the store does
+//!   not hold starts from what the record keeps for it, never from less. So no flood, whatever
+//!   its shape, gives an entry's owner anything back; a key never evicted starts charged only
+//!   when all its cells hold other keys' live records (the sketch's false refusals).
 //!
 //! With a state dir ([`MemoryStore::in_state_file`]) the tables are not grown but made at their
 //! largest size in the state file, and the shard heads and the entry count live there too; the
@@ -57,6 +62,8 @@ use super::ops::{
     FORGIVEN_BOUNDS_MICRO,
 };
 use super::probe::stays;
+
+mod evicted;
 use super::state_file::{self, Geometry, StateFile, WordGuard};
 use crate::limits::limiter::{BucketState, US_PER_SEC};
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
@@ -72,6 +79,9 @@ pub struct MemoryStoreConfig {
     /// Minimum spacing of on-demand purges of a full shard (microseconds), so a flood of new
     /// keys against a full store cannot turn every request into a shard scan.
     pub purge_interval_us: u64,
+    /// Most loop-detection marks held at once (`--max-loop-marks`): their own table, apart
+    /// from concurrency slots and breakers.
+    pub max_loop_marks: usize,
 }
 
 impl Default for MemoryStoreConfig {
@@ -79,6 +89,7 @@ impl Default for MemoryStoreConfig {
         MemoryStoreConfig {
             max_buckets: 1_000_000,
             purge_interval_us: 1_000_000,
+            max_loop_marks: super::marks::DEFAULT_MAX_LOOP_MARKS,
         }
     }
 }
@@ -199,6 +210,18 @@ fn giveaway(meta: u64, last_us: u64, now_us: u64) -> u64 {
     // In floating point: an estimate to rank entries by, and a 128-bit division is a slow
     // library call on the eviction's path.
     (spent as f64 * ((full_at_us - now_us) as f64 / span as f64)) as u64
+}
+
+/// What the record of evicted spend keeps of an entry evicted at `now_us`: its spend at its
+/// last commit, rounded up past the slot's encoding (which rounds down), or `None` (not known,
+/// or a token bucket in debt, which stays empty past its spend's refill).
+fn kept_spend(meta: u64, last_us: u64, now_us: u64) -> Option<u64> {
+    if meta & SPEND_KNOWN == 0 || (meta & BUDGET == 0 && last_us > now_us) {
+        return None;
+    }
+    let encoded = meta & SPENT_MASK;
+    let exp = encoded >> SPENT_MANTISSA;
+    Some(decode_spent(encoded) + (1u64 << exp) - 1)
 }
 
 /// How [`choose_victim`] orders entries that hold spend, the least first: by the whole units
@@ -694,7 +717,10 @@ pub struct MemoryStore {
     evicted: Box<EvictionCounters>,
     fail_open: AtomicU64,
     /// Leases (concurrency slots, loop marks, breaker states), beside the buckets.
-    leases: super::lease::MemoryLeases,
+    leases: Box<super::lease::MemoryLeases>,
+    /// What entries evicted for room still held, for their keys to start from when they come
+    /// back (`None`: no address space for it; evictions then forget).
+    record: Option<Box<evicted::EvictedRecord>>,
 }
 
 impl Drop for MemoryStore {
@@ -744,7 +770,8 @@ impl MemoryStore {
                     .map(|_| parking_lot::Mutex::new(()))
                     .collect(),
             },
-            super::lease::MemoryLeases::default(),
+            super::lease::MemoryLeases::bounded(config.max_loop_marks),
+            evicted::EvictedRecord::in_memory(),
             0,
         )
     }
@@ -832,8 +859,25 @@ impl MemoryStore {
                 );
             }
         }
-        let leases = super::lease::MemoryLeases::in_state_file(&file, sole_owner, time_offset_us);
-        Self::assemble(config, shards, Region::File(file), leases, time_offset_us)
+        let leases = super::lease::MemoryLeases::in_state_file(
+            &file,
+            sole_owner,
+            time_offset_us,
+            config.max_loop_marks,
+        );
+        let dir = file.path().parent().map(std::path::Path::to_path_buf);
+        let record = match dir {
+            Some(dir) => evicted::EvictedRecord::in_dir(&dir, sole_owner),
+            None => evicted::EvictedRecord::in_memory(),
+        };
+        Self::assemble(
+            config,
+            shards,
+            Region::File(file),
+            leases,
+            record,
+            time_offset_us,
+        )
     }
 
     /// After an upgrade's old process has exited (this one holds the directory's lock now): a
@@ -873,6 +917,7 @@ impl MemoryStore {
         shards: Box<[Shard]>,
         region: Region,
         leases: super::lease::MemoryLeases,
+        record: Option<evicted::EvictedRecord>,
         time_offset_us: u64,
     ) -> Self {
         MemoryStore {
@@ -884,7 +929,8 @@ impl MemoryStore {
             evictions: AtomicU64::new(0),
             evicted: Box::default(),
             fail_open: AtomicU64::new(0),
-            leases,
+            leases: Box::new(leases),
+            record: record.map(Box::new),
         }
     }
 
@@ -977,6 +1023,14 @@ impl MemoryStore {
         }
     }
 
+    /// The state a key the store does not hold starts from: what the record of evicted spend
+    /// keeps for it, or `None` (a full bucket).
+    fn absent_state(&self, key: (u64, u64), op: &BucketOp, now_us: u64) -> Option<BucketState> {
+        self.record
+            .as_ref()?
+            .restore(key, &op.quota, op.window.map(|w| w.id), now_us)
+    }
+
     /// Reads a bucket's stored state (tests and diagnostics).
     pub fn peek(&self, key: &BucketKey) -> Option<BucketState> {
         let guard = &epoch::pin();
@@ -996,6 +1050,9 @@ impl MemoryStore {
         // With it held the table neither grows nor moves entries.
         let mut state = self.structure(shard);
         let table = Self::table(shard, guard);
+        if let Some(record) = &self.record {
+            record.forget(stored_key);
+        }
         let Some(i) = table.find(stored_key) else {
             return false;
         };
@@ -1138,7 +1195,18 @@ impl MemoryStore {
         let slot = table.slot(i);
         let meta = slot.lock();
         // What it gives away as it goes (its bucket may have been updated since it was sampled).
-        let forgiven = giveaway(meta, slot.last_us.load(Ordering::Relaxed), now_us);
+        let last_us = slot.last_us.load(Ordering::Relaxed);
+        let forgiven = giveaway(meta, last_us, now_us);
+        if forgiven > 0 {
+            if let Some(record) = &self.record {
+                record.record(
+                    slot.key(),
+                    meta_full_at_s(meta),
+                    kept_spend(meta, last_us, now_us),
+                    now_us,
+                );
+            }
+        }
         Self::remove_at(table, i);
         state.sub_live(1);
         self.evictions.fetch_add(1, Ordering::Relaxed);
@@ -1297,18 +1365,19 @@ impl MemoryStore {
                 return result;
             }
             let mut result = OpResult {
-                verdict: op.check(None, now_us),
+                verdict: op.check(self.absent_state(key, op, now_us), now_us),
                 committed: false,
                 fail_open: false,
             };
             if !result.verdict.allowed {
-                // A cost above the burst: refused whatever the bucket holds.
+                // A cost above the burst, or what the key held when it was evicted.
                 return result;
             }
             let spend = op.spend(result.verdict);
-            if spend.micro == 0 {
-                // Nothing spent (a zero-cost look): the full bucket it was answered from needs
-                // no entry, and storing one would only take another's room.
+            if spend.micro == 0 || op.cost == 0 {
+                // Nothing spent (a zero-cost look): the bucket it was answered from (full, or
+                // as the record of evicted spend keeps it) needs no entry, and storing one
+                // would only take another's room.
                 result.committed = true;
                 return result;
             }
@@ -1360,7 +1429,11 @@ impl MemoryStore {
                     slot.unlock(meta);
                     break;
                 }
-                let Some(next) = op.settle(None, now_us) else {
+                let restored = self
+                    .record
+                    .as_ref()
+                    .and_then(|r| r.restore(key, &op.quota, op.window_id, now_us));
+                let Some(next) = op.settle(restored, now_us) else {
                     break;
                 };
                 if next.tokens >= op.quota.burst() {
@@ -1469,10 +1542,16 @@ impl MemoryStore {
         };
 
         // Verdicts; a key that appears twice sees its first op's state (as before).
-        results.extend(ops.iter().zip(located.iter()).map(|(op, slot)| OpResult {
-            verdict: op.check(slot.map(Slot::state), now_us),
-            committed: false,
-            fail_open: false,
+        results.extend(ops.iter().zip(located.iter()).map(|(op, slot)| {
+            let state = match slot {
+                Some(slot) => Some(slot.state()),
+                None => self.absent_state(stored(&op.key), op, now_us),
+            };
+            OpResult {
+                verdict: op.check(state, now_us),
+                committed: false,
+                fail_open: false,
+            }
         }));
         let group_allows = |group: Group, results: &OpResults| {
             ops.iter()
@@ -1499,8 +1578,9 @@ impl MemoryStore {
                     }
                     None => {
                         let spend = op.spend(result.verdict);
-                        if spend.micro == 0 {
-                            // Answered from a full bucket and leaving it full: no entry.
+                        if spend.micro == 0 || op.cost == 0 {
+                            // Answered from a full bucket and leaving it full (or from the
+                            // record of evicted spend, which keeps it): no entry.
                             result.committed = true;
                             continue;
                         }
@@ -1562,8 +1642,10 @@ impl MemoryStore {
             entries: Some(self.len().load(Ordering::Relaxed)),
             evictions: self.evictions.load(Ordering::Relaxed),
             evicted: self.evicted.stats(),
-            fail_open: self.fail_open.load(Ordering::Relaxed),
+            fail_open: self.fail_open.load(Ordering::Relaxed) + self.leases.fail_open(),
             state_fallback: None,
+            loop_marks: self.leases.marks_stats().map(|(held, _)| held),
+            loop_marks_evicted: self.leases.marks_stats().map_or(0, |(_, evicted)| evicted),
         }
     }
 

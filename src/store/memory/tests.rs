@@ -31,6 +31,7 @@ fn small(max: usize) -> MemoryStore {
     MemoryStore::new(MemoryStoreConfig {
         max_buckets: max,
         purge_interval_us: 0,
+        ..MemoryStoreConfig::default()
     })
 }
 
@@ -250,6 +251,7 @@ fn updates_stay_exact_while_entries_move() {
     let store = Arc::new(MemoryStore::new(MemoryStoreConfig {
         max_buckets: 500,
         purge_interval_us: 0,
+        ..MemoryStoreConfig::default()
     }));
     assert_eq!(
         store.shards.len(),
@@ -432,6 +434,7 @@ fn a_reopened_state_file_continues_where_it_was() {
     let config = MemoryStoreConfig {
         max_buckets: 1000,
         purge_interval_us: 0,
+        ..MemoryStoreConfig::default()
     };
     let q = quota(1, 10);
     let a = op("tb:r:a", q, Group::Enforce);
@@ -442,10 +445,12 @@ fn a_reopened_state_file_continues_where_it_was() {
         ttl_us: 60 * US_PER_SEC,
         soft: false,
         held: true,
+        mark: false,
     };
     let mark = LeaseOp {
         key: BucketKey::of("lp:l:a"),
         held: false,
+        mark: true,
         ..slot
     };
     {
@@ -491,6 +496,7 @@ fn bucket_locks_a_dead_process_left_are_released() {
     let config = MemoryStoreConfig {
         max_buckets: 100,
         purge_interval_us: 0,
+        ..MemoryStoreConfig::default()
     };
     let store = mapped(dir.path(), config, true);
     let a = op("tb:r:a", quota(1, 10), Group::Enforce);
@@ -519,6 +525,7 @@ fn two_mappings_of_one_state_file_admit_exactly_the_burst() {
     let config = MemoryStoreConfig {
         max_buckets: 256,
         purge_interval_us: 0,
+        ..MemoryStoreConfig::default()
     };
     let first = Arc::new(mapped(dir.path(), config, true));
     let second = Arc::new(mapped(dir.path(), config, false));
@@ -665,6 +672,7 @@ fn a_key_flood_evicts_the_flood_and_limits_new_clients_exactly() {
     let config = MemoryStoreConfig {
         max_buckets: 200,
         purge_interval_us: 1_000_000,
+        ..MemoryStoreConfig::default()
     };
     for store in [MemoryStore::new(config), mapped(dir.path(), config, true)] {
         let month = 30 * 86_400 * US_PER_SEC;
@@ -887,6 +895,7 @@ fn an_older_builds_state_file_keeps_its_drained_budget_through_a_flood() {
     let config = MemoryStoreConfig {
         max_buckets: 64,
         purge_interval_us: 1_000_000,
+        ..MemoryStoreConfig::default()
     };
     let s = US_PER_SEC;
     let month = 30 * 86_400 * s;
@@ -974,4 +983,167 @@ fn an_older_builds_state_file_keeps_its_drained_budget_through_a_flood() {
     flood(&sole, 8 * s, 1_000);
     drained(&sole, 9 * s);
     assert_eq!(sole.stats().entries, Some(64));
+}
+
+/// A flood shape of the eviction-gaming table: requests per made-up key, each one's cost,
+/// whether the rule is a budget, whether each request also carries a per-address bucket, and
+/// how long the real key pauses between its drains.
+#[derive(Debug, Clone, Copy)]
+struct Flood {
+    per_key: u64,
+    cost: u64,
+    budget: bool,
+    beside_ip: bool,
+    pause_s: u64,
+}
+
+/// One minute of the table at small scale: the attacker's real key (10 a minute, burst 10; or a
+/// budget of 10) drains (12 tries at once), pauses `pause_s` and drains again, while made-up
+/// keys of the same rule arrive at 1 500 a second against a store of 1 000. Returns how many of
+/// the real key's requests were admitted.
+fn replay(store: &MemoryStore, flood: Flood) -> usize {
+    let minute = Quota::new(10 * MICRO, 10 * MICRO, 60 * US_PER_SEC).unwrap();
+    let day = 86_400 * US_PER_SEC;
+    let rule = |who: &str, cost: u64, now: u64| BucketOp {
+        key: BucketKey::of(&format!("tb:rule:{who}")),
+        quota: minute,
+        cost: cost * MICRO,
+        group: Group::Enforce,
+        window: flood.budget.then_some(crate::limits::limiter::Window {
+            id: 1_000,
+            ends_in_us: day - now,
+        }),
+    };
+    let request = |who: &str, cost: u64, now: u64| -> bool {
+        let own = rule(who, cost, now);
+        let results = if flood.beside_ip {
+            let ip = op(&format!("tb:per-ip:{who}"), minute, Group::Enforce);
+            run(store, now, &[own, ip])
+        } else {
+            run(store, now, &[own])
+        };
+        results.iter().all(|r| r.committed && !r.fail_open)
+    };
+    let tick_us = 10_000;
+    let (mut admitted, mut fake, mut sent) = (0, 0u64, 0u64);
+    for t in 0..6_000u64 {
+        let now = t * tick_us;
+        if now % (flood.pause_s * US_PER_SEC) == 0 {
+            admitted += (0..12).filter(|_| request("real", 1, now)).count();
+        }
+        for _ in 0..15 {
+            request(&format!("fake{fake}"), flood.cost, now);
+            sent += 1;
+            if sent == flood.per_key {
+                (fake, sent) = (fake + 1, 0);
+            }
+        }
+    }
+    admitted
+}
+
+/// The eviction-gaming table, every row: whatever the made-up keys spend, the real key is
+/// admitted at most its limit in the minute (20 for the bucket: its burst and a minute's
+/// refill; 10 for the budget), plus 10 %. Before the record of evicted spend the same replay
+/// admitted up to 5 times the limit. In process memory and in a state file.
+#[test]
+fn no_flood_shape_resets_the_real_keys_limit() {
+    let rows = [
+        (1, 1, false, false, 5),
+        (10, 1, false, false, 5),
+        (1, 10, false, false, 5),
+        (1, 10, false, false, 1),
+        (10, 1, true, false, 5),
+        (1, 10, true, false, 5),
+        (1, 10, true, false, 1),
+        (10, 1, true, true, 5),
+    ];
+    let config = MemoryStoreConfig {
+        max_buckets: 1000,
+        ..MemoryStoreConfig::default()
+    };
+    for (per_key, cost, budget, beside_ip, pause_s) in rows {
+        let flood = Flood {
+            per_key,
+            cost,
+            budget,
+            beside_ip,
+            pause_s,
+        };
+        let limit = if budget { 10 } else { 20 };
+        let dir = tempfile::tempdir().unwrap();
+        for store in [MemoryStore::new(config), mapped(dir.path(), config, true)] {
+            let admitted = replay(&store, flood);
+            let stats = store.stats();
+            eprintln!(
+                "{flood:?} state file {}: {admitted} admitted (limit {limit}), {} evictions",
+                store.persistent(),
+                stats.evictions
+            );
+            assert!(
+                admitted * 10 <= limit * 11,
+                "{flood:?}: {admitted} admitted, limit {limit}"
+            );
+            assert!(admitted >= limit / 2, "{flood:?}: only {admitted} admitted");
+            assert!(stats.evictions > 5_000, "{flood:?}: {stats:?}");
+            assert_eq!(stats.fail_open, 0);
+        }
+    }
+}
+
+/// A key evicted drained comes back drained: it starts from what it held, refilled since as
+/// its bucket would have been, not full; a budget keeps its spend until its window ends. A key
+/// never evicted starts full. The record survives reopening the state file.
+#[test]
+fn an_evicted_key_starts_from_what_it_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = MemoryStoreConfig {
+        max_buckets: 4,
+        purge_interval_us: 1_000_000,
+        ..MemoryStoreConfig::default()
+    };
+    let minute = Quota::new(10 * MICRO, 10 * MICRO, 60 * US_PER_SEC).unwrap();
+    let victim = BucketOp {
+        cost: 10 * MICRO,
+        ..op("tb:r:victim", minute, Group::Enforce)
+    };
+    for persistent in [false, true] {
+        let store = if persistent {
+            mapped(dir.path(), config, true)
+        } else {
+            MemoryStore::new(config)
+        };
+        assert!(run(&store, 0, &[victim])[0].committed);
+        // Four drained keys evict it (it is the oldest of equal units).
+        for k in 0..4 {
+            let fake = BucketOp {
+                cost: 10 * MICRO,
+                ..op(&format!("tb:r:fake{k}"), minute, Group::Enforce)
+            };
+            assert!(run(&store, US_PER_SEC, &[fake])[0].committed);
+        }
+        assert!(store.peek(&victim.key).is_none(), "evicted");
+        if persistent {
+            drop(store);
+            let store = mapped(dir.path(), config, true);
+            // 30 s after it drained: 5 tokens back, as if it had never been evicted.
+            let one = op("tb:r:victim", minute, Group::Enforce);
+            let r = run(&store, 30 * US_PER_SEC, &[one]);
+            assert_eq!(r[0].verdict.available, 5 * MICRO, "after a restart");
+            continue;
+        }
+        let one = op("tb:r:victim", minute, Group::Enforce);
+        let r = run(&store, 30 * US_PER_SEC, &[one]);
+        assert_eq!(r[0].verdict.available, 5 * MICRO);
+        // A key never seen starts full.
+        let fresh = op("tb:r:fresh", minute, Group::Enforce);
+        assert_eq!(
+            run(&store, 30 * US_PER_SEC, &[fresh])[0].verdict.available,
+            10 * MICRO
+        );
+        // An operator's reset forgets the record too: the key starts full.
+        assert!(store.remove(&victim.key));
+        let r = run(&store, 30 * US_PER_SEC, &[one]);
+        assert_eq!(r[0].verdict.available, 10 * MICRO);
+    }
 }
