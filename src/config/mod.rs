@@ -109,6 +109,8 @@ pub struct Config {
     /// The gateway file (`--routes`), instead of `--upstream`.
     pub routes: Option<PathBuf>,
     pub admin_listen: String,
+    /// `--bind-retry`: an address in use at start-up is tried again (see `proxy::bind`).
+    pub bind_retry: bool,
     pub threads: usize,
     pub max_buckets: usize,
     pub sweep_interval: Duration,
@@ -544,6 +546,7 @@ impl Config {
             upstreams,
             routes: args.routes.clone(),
             admin_listen: args.admin_listen.clone(),
+            bind_retry: args.bind_retry,
             threads: args.threads,
             max_buckets: args.max_buckets,
             // With a shared store, the state dir keeps only the last good bundle (above).
