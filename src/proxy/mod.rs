@@ -3,7 +3,8 @@
 //! runs it until SIGTERM/SIGINT, then drains; or, on SIGQUIT, hands its listening sockets over
 //! to the process started with `--upgrade` ([`crate::proxy::handover`]), then drains once the new
 //! process says it serves. The new process takes the sockets it is handed into Pingora's
-//! bootstrap through a private relay socket of its own.
+//! bootstrap through a private relay socket of its own. Every other listening socket is bound by
+//! [`bind`] before Pingora starts, so start-up either serves on all of them or exits 1.
 
 pub mod bind;
 pub mod grpc;
