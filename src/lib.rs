@@ -31,7 +31,8 @@
 //! fleet/      L3     publish, promote, rollback; policy sources and signed envelopes
 //! proxy/      L4     Pingora and tonic glue (the only code naming them): reverse proxy,
 //!                    upstream groups, connection guard, admin listener, Envoy's gRPC services
-//!                    (grpc), listener handover on upgrade (handover)
+//!                    (grpc), every listener bound before start (bind), listener handover
+//!                    on upgrade (handover)
 //! ```
 //!
 //! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →

@@ -309,7 +309,7 @@ fn simulate_replays_jwt_tiers_from_claims() {
     assert_eq!(rules(0), vec!["plan-pro=u1", "org-ceiling=o1"]);
     assert_eq!(lines[2]["rules"][0]["tokens"].as_f64(), Some(197.0));
     // Without a token: the per-IP fallback; the org ceiling is skipped (no jwt:org.id).
-    assert_eq!(rules(3), vec!["no-valid-token=198.51.100.1"]);
+    assert_eq!(rules(3), vec!["no-matching-tier=198.51.100.1"]);
 }
 
 /// `tollgate import envoy-ratelimit`: a bundle that validates on stdout, what it could not map

@@ -129,6 +129,7 @@ fn beat(id: &str, live: Option<&Envelope>, candidate: Option<&Envelope>, at: i64
             .into_iter()
             .collect(),
         source_state: "following".to_string(),
+        refusals: Vec::new(),
     }
 }
 
@@ -527,6 +528,148 @@ fn fleet_shows_one_line_per_gateway_and_json() {
         "{}",
         down.stderr
     );
+}
+
+/// `tollgate fleet` tells the truth about a refused bundle: a gateway holding a verify key
+/// refuses an unsigned publish and keeps the signed bundle in force; the fleet table shows it
+/// `refused (unsigned)` (not `following`), a gateway on an older version for another reason
+/// `behind`, and the command exits 1 while any gateway is off the live version; `--json`,
+/// the gateway's `/readyz` and its `/status` page say the same. A signed publish the gateway
+/// takes puts it back on the live version.
+#[test]
+fn fleet_shows_a_refused_bundle_and_exits_non_zero() {
+    use support::{json_of, operator, Gateway, Upstream, ADMIN_TOKEN};
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let dir = tempfile::tempdir().unwrap();
+    let (sign, verify) = openssl_pair(dir.path(), "fleet");
+    let signed = write_file(dir.path(), "signed.json", &bundle("api", 10));
+    let unsigned = write_file(dir.path(), "unsigned.json", &bundle("api", 20));
+    let upstream = Upstream::start();
+    let rt = runtime();
+    let store = open(&url);
+
+    let v1 = tollgate(&["publish", &signed, "--store", &url, "--sign-key", &sign]).version();
+    let gw = Gateway::start(
+        None,
+        Some(upstream.addr),
+        &[
+            "--policy-store",
+            &url,
+            "--gateway-id",
+            "edge-a",
+            "--policy-verify-key",
+            &verify,
+            "--admin-token",
+            ADMIN_TOKEN,
+        ],
+    );
+    let readyz = || json_of(&gw.admin("GET", "/readyz", &[]));
+    gw.wait_until(Duration::from_secs(10), || {
+        readyz()["bundle_version"].as_u64() == Some(v1)
+    });
+    // A gateway that stopped at an older version (its heartbeat written as it would).
+    let first = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    let mut old = beat("edge-old", Some(&first), None, now_secs());
+    old.live_version = Some(v1 - 1);
+    rt.block_on(store.heartbeat(&old)).unwrap();
+
+    // Unsigned, on purpose: the gateway holds a verify key and refuses it.
+    let v2 = tollgate(&["publish", &unsigned, "--store", &url, "--allow-unsigned"]).version();
+    gw.wait_until(Duration::from_secs(10), || {
+        readyz()["policy_source"]["last_refusal"]["version"].as_u64() == Some(v2)
+    });
+    assert_eq!(readyz()["bundle_version"], v1);
+    assert_eq!(readyz()["policy_source"]["standing"], "refused (unsigned)");
+    // Its heartbeat carries the refusal (written at once, not at the next 5 s beat).
+    let mut shown = tollgate(&["fleet", "--store", &url]);
+    let start = Instant::now();
+    while !shown.stdout.contains("refused (unsigned)") {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{}",
+            shown.stdout
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        shown = tollgate(&["fleet", "--store", &url]);
+    }
+    assert_eq!(shown.code, 1, "{}", shown.stderr);
+    assert_eq!(
+        shown.stderr,
+        format!("2 of 2 gateway(s) not on the live version {v2}\n")
+    );
+    let state = |stdout: &str, id: &str| -> String {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{id} ")))
+            .unwrap_or_else(|| panic!("no line for {id}: {stdout}"));
+        let header = stdout.lines().find(|l| l.starts_with("GATEWAY")).unwrap();
+        line[header.find("STATE").unwrap()..].to_string()
+    };
+    assert_eq!(state(&shown.stdout, "edge-a"), "refused (unsigned)");
+    assert_eq!(state(&shown.stdout, "edge-old"), "behind");
+    assert!(
+        shown.stdout.contains(&format!("live: {v2} (hash ")),
+        "{}",
+        shown.stdout
+    );
+
+    let json = tollgate(&["fleet", "--store", &url, "--json"]);
+    assert_eq!(json.code, 1, "{}", json.stderr);
+    let doc: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+    assert_eq!(doc["all_on_live"], false);
+    let gateway = |id: &str| {
+        doc["gateways"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["id"] == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {id} in {doc}"))
+    };
+    let edge_a = gateway("edge-a");
+    assert_eq!(edge_a["standing"], "refused (unsigned)");
+    assert_eq!(edge_a["on_live"], false);
+    assert_eq!(edge_a["live_version"], v1);
+    assert_eq!(edge_a["refusals"][0]["slot"], "live");
+    assert_eq!(edge_a["refusals"][0]["version"], v2);
+    assert_eq!(edge_a["refusals"][0]["reason"], "unsigned");
+    assert_eq!(gateway("edge-old")["standing"], "behind");
+
+    // The gateway's own status page says the same.
+    let page = operator(&gw, "GET", "/status");
+    assert_eq!(page.status, 200);
+    assert!(
+        page.body
+            .contains("<td id=\"policy-source-state\" class=\"bad\">refused (unsigned)</td>"),
+        "{}",
+        page.body
+    );
+
+    // Signed again: the gateway takes it; only the stopped one is off the live version.
+    let v3 = tollgate(&["publish", &signed, "--store", &url, "--sign-key", &sign]).version();
+    gw.wait_until(Duration::from_secs(10), || {
+        readyz()["bundle_version"].as_u64() == Some(v3)
+    });
+    assert_eq!(readyz()["policy_source"]["standing"], "following");
+    let mut shown = tollgate(&["fleet", "--store", &url]);
+    let start = Instant::now();
+    while state(&shown.stdout, "edge-a") != "following" {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{}",
+            shown.stdout
+        );
+        std::thread::sleep(Duration::from_millis(100));
+        shown = tollgate(&["fleet", "--store", &url]);
+    }
+    assert_eq!(shown.code, 1);
+    assert_eq!(
+        shown.stderr,
+        format!("1 of 2 gateway(s) not on the live version {v3}\n")
+    );
+    assert_eq!(state(&shown.stdout, "edge-old"), "behind");
+    drop(gw);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ fn rsa_key(name: &str) -> EncodingKey {
 const TIERS: &str = r#"{"bundle_version": 1, "policies": [{"id": "plans", "spec": {
     "rules": [{"name": "enterprise", "limit_keys": ["jwt:sub"], "match": {"jwt:plan": "enterprise"},
                "algorithm": "token_bucket", "algorithm_config": {"rps": 0.001, "burst": 3}}],
-    "fallback_limit": {"name": "anonymous", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+    "fallback_limit": {"name": "no-matching-tier", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
                        "algorithm_config": {"rps": 0.001, "burst": 1}}}}]}"#;
 
 fn bearer(token: &str) -> String {
@@ -92,10 +92,10 @@ fn hs256_tiers_apply_and_forgeries_buy_nothing() {
     let bob = bearer(&hs("tier-secret", &claims("bob", "enterprise")));
     assert_eq!(gw.get("/", &[("Authorization", &bob)]).status, 200);
 
-    // Forgeries all land in the anonymous fallback (burst 1, shared by this IP).
+    // Forgeries all land in the no-matching-tier fallback (burst 1, shared by this IP).
     let wrong_key = bearer(&hs("not-the-secret", &claims("mallory", "enterprise")));
     let r = gw.get("/", &[("Authorization", &wrong_key)]);
-    assert_eq!((r.status, rule_of(&r).as_str()), (200, "anonymous"));
+    assert_eq!((r.status, rule_of(&r).as_str()), (200, "no-matching-tier"));
     let good = hs("tier-secret", &claims("mallory", "free"));
     let parts: Vec<&str> = good.split('.').collect();
     let upgraded = hs("x", &claims("mallory", "enterprise"));
@@ -124,8 +124,13 @@ fn hs256_tiers_apply_and_forgeries_buy_nothing() {
             r.status, 429,
             "a forged or expired token must not buy the enterprise tier"
         );
-        assert_eq!(rule_of(&r), "anonymous");
+        assert_eq!(rule_of(&r), "no-matching-tier");
     }
+    // A genuine token whose plan no rule names lands there too: the rule's name says no tier
+    // matched, not that the token was bad.
+    let unknown_plan = bearer(&hs("tier-secret", &claims("dave", "platinum")));
+    let r = gw.get("/", &[("Authorization", &unknown_plan)]);
+    assert_eq!((r.status, rule_of(&r).as_str()), (429, "no-matching-tier"));
     assert_eq!(
         gw.metric("tollgate_jwt_invalid_total{reason=\"bad_signature\"}"),
         3.0
@@ -138,7 +143,8 @@ fn hs256_tiers_apply_and_forgeries_buy_nothing() {
         gw.metric("tollgate_jwt_invalid_total{reason=\"expired\"}"),
         1.0
     );
-    assert_eq!(gw.metric("tollgate_jwt_valid_total"), 5.0);
+    // Five tier tokens and the unknown plan's: valid, and counted apart from the bad ones.
+    assert_eq!(gw.metric("tollgate_jwt_valid_total"), 6.0);
     // Never a 500, whatever the token bytes; and no token contents in the logs.
     for junk in [
         "Bearer",
@@ -229,11 +235,11 @@ fn rs256_es256_and_jwks_keys_verify() {
     ));
     assert_eq!(
         rule_of(&gw.get("/", &[("Authorization", &untrusted)])),
-        "anonymous"
+        "no-matching-tier"
     );
     assert_eq!(
         rule_of(&gw.get("/", &[("Authorization", &unknown_kid)])),
-        "anonymous"
+        "no-matching-tier"
     );
     // An HS256 token signed with the RSA public key as secret (algorithm confusion) is refused:
     // no HMAC key is configured, so HS256 is not even allowed.
@@ -243,7 +249,7 @@ fn rs256_es256_and_jwks_keys_verify() {
     ));
     assert_eq!(
         rule_of(&gw.get("/", &[("Authorization", &confused)])),
-        "anonymous"
+        "no-matching-tier"
     );
     assert_eq!(
         gw.metric("tollgate_jwt_invalid_total{reason=\"algorithm_not_allowed\"}"),
@@ -290,7 +296,7 @@ fn proxy_and_decision_service_agree_and_share_buckets() {
     );
     // The same token as a Bearer header is ignored when the cookie is the configured source.
     let r = request(gw.proxy, "GET", "/", &[("Authorization", &bearer(&token))]);
-    assert_eq!(rule_of(&r), "anonymous");
+    assert_eq!(rule_of(&r), "no-matching-tier");
 }
 
 #[test]
@@ -311,7 +317,7 @@ fn unverified_mode_trusts_claims_but_not_expiry() {
     ));
     assert_eq!(
         rule_of(&gw.get("/", &[("Authorization", &expired)])),
-        "anonymous"
+        "no-matching-tier"
     );
 }
 
@@ -371,7 +377,7 @@ fn jwks_is_reloaded_with_the_policy() {
     ));
     assert_eq!(
         rule_of(&gw.get("/", &[("Authorization", &token)])),
-        "anonymous"
+        "no-matching-tier"
     );
     assert_eq!(
         gw.metric("tollgate_jwt_invalid_total{reason=\"unknown_kid\"}"),
@@ -435,7 +441,7 @@ fn rotated_jwks_keys_take_effect_with_their_algorithms() {
     // Empty at start: tokens are looked at (and refused), not ignored.
     assert_eq!(
         rule_of(&gw.get("/", &[("Authorization", &es)])),
-        "anonymous"
+        "no-matching-tier"
     );
     assert_eq!(
         gw.metric("tollgate_jwt_invalid_total{reason=\"algorithm_not_allowed\"}"),
@@ -448,7 +454,7 @@ fn rotated_jwks_keys_take_effect_with_their_algorithms() {
     });
     assert_eq!(
         rule_of(&gw.get("/", &[("Authorization", &es)])),
-        "anonymous"
+        "no-matching-tier"
     );
     // Rotation adds an EC key: ES256 is allowed with it.
     std::fs::copy(fixture("jwks-rsa-ec.json"), &jwks).unwrap();

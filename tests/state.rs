@@ -1225,8 +1225,9 @@ fn symlinks_and_impossible_headers_in_the_state_dir_are_never_believed() {
 }
 
 /// An upgrade whose new process cannot put every listener in place (here a `--grpc-listen`
-/// address added by the upgrade, whose port is taken) never confirms: it stops with exit 1, and
-/// the old gateway, which had handed its sockets over, keeps serving them.
+/// address added by the upgrade, whose port is taken) never confirms: it binds what it was not
+/// handed before it starts serving, stops with exit 1 and one ERROR line naming the address,
+/// and the old gateway, which had handed its sockets over, keeps serving them.
 #[test]
 fn an_upgrade_missing_a_listener_never_confirms_and_the_old_gateway_keeps_serving() {
     let setup = Setup::new(POLICY);
@@ -1240,13 +1241,17 @@ fn an_upgrade_missing_a_listener_never_confirms_and_the_old_gateway_keeps_servin
     setup.wait_for_upgrade_sock(&new);
     old.signal(libc::SIGQUIT);
     assert_eq!(new.wait_exit(Duration::from_secs(40)), Some(1));
+    // It stops as soon as it finds the address taken, with one ERROR line naming it.
+    let log = new.log_text();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains(" ERROR ")).collect();
+    assert_eq!(errors.len(), 1, "{log}");
     assert!(
-        new.log_text().contains(&format!(
-            "upgrade: not every listener is in place after 10s; not confirming, stopping (the old gateway keeps serving) missing=[\"{grpc}\"]"
+        errors[0].ends_with(&format!(
+            "ERROR tollgate::proxy: --grpc-listen {grpc}: cannot listen: Address already in use (os error 98)"
         )),
-        "{}",
-        new.log_text()
+        "{log}"
     );
+    assert!(!log.contains("panicked"), "{log}");
     let start = Instant::now();
     while !old.log_text().contains("upgrade failed, still serving") {
         assert!(
@@ -1270,4 +1275,33 @@ fn an_upgrade_missing_a_listener_never_confirms_and_the_old_gateway_keeps_servin
     // The sockets it handed over are still its own: it serves and enforces on them.
     assert_eq!(count(&old.statuses(6, "a", "10.0.0.1"), 200), 5);
     drop(taken);
+}
+
+/// An upgrade that adds a listener the old gateway did not have (a free `--grpc-listen`
+/// address) binds it itself beside the sockets it is handed, and serves on all of them once the
+/// old process has exited.
+#[test]
+fn an_upgrade_adding_a_listener_binds_it_and_serves_on_every_one() {
+    let setup = Setup::new(POLICY);
+    let mut old = setup.start("old.log", &TRUST);
+    let grpc: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    assert_eq!(http2_first_frame_type(grpc), None);
+    let new = setup.upgrade(
+        &mut old,
+        &[TRUST[0], TRUST[1], "--grpc-listen", &grpc.to_string()],
+    );
+    assert_eq!(http2_first_frame_type(grpc), Some(4), "{}", new.log_text());
+    assert_eq!(
+        count(&new.statuses(6, "a", "10.0.0.1"), 200),
+        5,
+        "{}",
+        new.log_text()
+    );
+    assert!(
+        new.log_text().contains(&format!(
+            "INFO tollgate::proxy: listening flag=\"--grpc-listen\" addr={grpc}"
+        )),
+        "{}",
+        new.log_text()
+    );
 }

@@ -274,6 +274,15 @@ pub struct RunArgs {
         default_value = "127.0.0.1:9090"
     )]
     pub admin_listen: String,
+    /// When a listener's address is in use at start-up (or one an upgrade adds), try again once
+    /// a second, up to 30 times, before giving up. Without it, start-up stops at once with exit
+    /// code 1 and one line naming the address. Nothing is served while it waits.
+    #[arg(
+        help_heading = "Listeners and upstreams",
+        long,
+        env = "TOLLGATE_BIND_RETRY"
+    )]
+    pub bind_retry: bool,
     /// Turns the operator endpoints on: they answer requests sending
     /// `Authorization: Bearer TOKEN` (at least 16 characters; best from the environment or
     /// --admin-token-file). Without it they answer 403.

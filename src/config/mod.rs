@@ -109,6 +109,8 @@ pub struct Config {
     /// The gateway file (`--routes`), instead of `--upstream`.
     pub routes: Option<PathBuf>,
     pub admin_listen: String,
+    /// `--bind-retry`: an address in use at start-up is tried again (see `proxy::bind`).
+    pub bind_retry: bool,
     pub threads: usize,
     pub max_buckets: usize,
     /// `--max-loop-marks`.
@@ -557,6 +559,7 @@ impl Config {
             upstreams,
             routes: args.routes.clone(),
             admin_listen: args.admin_listen.clone(),
+            bind_retry: args.bind_retry,
             threads: args.threads,
             max_buckets: args.max_buckets,
             max_loop_marks: args.max_loop_marks,

@@ -3,7 +3,8 @@
 //! table or JSON) and everything else on standard error, and exits 0 when done, 1 when the
 //! input is the problem (an invalid bundle, no candidate to promote, nothing to roll back to)
 //! and 2 when the store or a key is (unreachable, refused, a key file that is no Ed25519 key,
-//! a signing rule that would make the gateways refuse the result).
+//! a signing rule that would make the gateways refuse the result). `fleet` exits 1 when a
+//! gateway that sent a heartbeat is not on the store's live version (refused it, or behind).
 //!
 //! Signing rules, the same for the three writing commands:
 //! - with `--sign-key`, `promote` and `rollback` re-sign only what verifies with that key:
@@ -15,6 +16,7 @@
 
 use super::envelope::{self, next_version, Envelope, SigningKey, Slot};
 use super::source::{self, Heartbeat, PolicySource, SourceError};
+use super::standing::{SlotId, Standing};
 use crate::config::cli::{
     FleetArgs, PromoteArgs, PublishArgs, SigningArgs, StoreArgs, EXIT_FAILURE, EXIT_INVALID,
     EXIT_OK,
@@ -496,48 +498,90 @@ fn summary(bytes: Option<&[u8]>) -> Option<SlotSummary> {
     })
 }
 
-/// `tollgate fleet`; returns the exit code.
+/// `tollgate fleet`; returns the exit code: 1 when a gateway is not on the store's live
+/// version.
 pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     let result = (|| {
         let store = open_store(&args.store)?;
         runtime()?.block_on(async {
             let slots = store.read().await.map_err(|e| store_failure(&e))?;
             let beats = store.gateways().await.map_err(|e| store_failure(&e))?;
-            Ok((
-                store.display_url(),
-                summary(slots.live.as_deref()),
-                summary(slots.candidate.as_deref()),
-                beats,
-            ))
+            Ok((store.display_url(), slots, beats))
         })
     })();
-    match result {
-        Ok((url, live, candidate, beats)) => {
-            let text = if args.json {
-                let document = serde_json::json!({
-                    "store": url,
-                    "live": live,
-                    "candidate": candidate,
-                    "gateways": beats,
-                });
-                serde_json::to_string_pretty(&document).unwrap_or_default()
-            } else {
-                fleet_table(
-                    &url,
-                    live.as_ref(),
-                    candidate.as_ref(),
-                    &beats,
-                    crate::limits::clock::wall_unix_secs(),
-                )
-            };
-            let _ = writeln!(out, "{text}");
-            EXIT_OK
-        }
+    let (url, slots, beats) = match result {
+        Ok(read) => read,
         Err(Failure(code, message)) => {
             let _ = writeln!(err, "{message}");
-            code
+            return code;
         }
+    };
+    let (live, candidate) = (
+        summary(slots.live.as_deref()),
+        summary(slots.candidate.as_deref()),
+    );
+    let (live_id, candidate_id) = (
+        slots.live.as_deref().map(SlotId::of),
+        slots.candidate.as_deref().map(SlotId::of),
+    );
+    let standings: Vec<Standing> = beats
+        .iter()
+        .map(|beat| {
+            Standing::of(
+                live_id.as_ref(),
+                candidate_id.as_ref(),
+                beat.live_version,
+                &beat.refusals,
+                &beat.source_state,
+            )
+        })
+        .collect();
+    let on_live: Vec<bool> = beats
+        .iter()
+        .map(|beat| Standing::on_live(live_id.as_ref(), beat.live_version))
+        .collect();
+    let text = if args.json {
+        let gateways: Vec<serde_json::Value> = beats
+            .iter()
+            .zip(&standings)
+            .zip(&on_live)
+            .map(|((beat, standing), on_live)| {
+                let mut entry = serde_json::to_value(beat).unwrap_or_default();
+                entry["standing"] = standing.to_string().into();
+                entry["on_live"] = (*on_live).into();
+                entry
+            })
+            .collect();
+        let document = serde_json::json!({
+            "store": url,
+            "live": live,
+            "candidate": candidate,
+            "all_on_live": on_live.iter().all(|on| *on),
+            "gateways": gateways,
+        });
+        serde_json::to_string_pretty(&document).unwrap_or_default()
+    } else {
+        fleet_table(
+            &url,
+            live.as_ref(),
+            candidate.as_ref(),
+            &beats,
+            &standings,
+            crate::limits::clock::wall_unix_secs(),
+        )
+    };
+    let _ = writeln!(out, "{text}");
+    let off = on_live.iter().filter(|on| !**on).count();
+    if off == 0 {
+        return EXIT_OK;
     }
+    let _ = writeln!(
+        err,
+        "{off} of {} gateway(s) not on the live version {}",
+        beats.len(),
+        live.as_ref().map_or(0, |l| l.version)
+    );
+    EXIT_INVALID
 }
 
 /// How long ago `at` was, as `fleet` shows it: `3s ago`, `5m ago`, `2h ago`, `4d ago`.
@@ -552,12 +596,14 @@ pub fn age(now: i64, at: i64) -> String {
 }
 
 /// The table `tollgate fleet` prints: the store, its live and candidate bundles, then one
-/// line per gateway under a header, columns padded to their widest cell.
+/// line per gateway under a header, columns padded to their widest cell; `standings` holds
+/// each gateway's STATE.
 pub fn fleet_table(
     url: &str,
     live: Option<&SlotSummary>,
     candidate: Option<&SlotSummary>,
     beats: &[Heartbeat],
+    standings: &[Standing],
     now: i64,
 ) -> String {
     let slot_line = |name: &str, slot: Option<&SlotSummary>| match slot {
@@ -583,7 +629,7 @@ pub fn fleet_table(
         "WOULD-REFUSE".into(),
         "STATE".into(),
     ]];
-    for beat in beats {
+    for (beat, standing) in beats.iter().zip(standings) {
         rows.push([
             beat.id.clone(),
             beat.live_version.map_or("-".into(), |v| v.to_string()),
@@ -597,7 +643,7 @@ pub fn fleet_table(
             } else {
                 "-".into()
             },
-            beat.source_state.clone(),
+            standing.to_string(),
         ]);
     }
     let mut widths = [0usize; 7];
@@ -650,6 +696,7 @@ mod tests {
                 .into_iter()
                 .collect(),
             source_state: "following".into(),
+            refusals: Vec::new(),
         };
         let live = SlotSummary {
             version: 1_764_000_000_000,
@@ -663,6 +710,15 @@ mod tests {
             &[
                 beat("edge-1", Some(1_764_000_000_500), 997),
                 beat("edge-2", None, 940),
+                beat("edge-3", None, 940),
+            ],
+            &[
+                Standing::Current("following".into()),
+                Standing::Refused {
+                    slot: "live".into(),
+                    reason: "unsigned".into(),
+                },
+                Standing::Behind,
             ],
             1000,
         );
@@ -673,7 +729,8 @@ mod tests {
              candidate: none\n\
              GATEWAY  LIVE           HASH          CANDIDATE      SEEN    WOULD-REFUSE  STATE\n\
              edge-1   1764000000000  3f2a9c1b7d4e  1764000000500  3s ago  12            following\n\
-             edge-2   1764000000000  3f2a9c1b7d4e  -              1m ago  -             following"
+             edge-2   1764000000000  3f2a9c1b7d4e  -              1m ago  -             refused (unsigned)\n\
+             edge-3   1764000000000  3f2a9c1b7d4e  -              1m ago  -             behind"
         );
     }
 }

@@ -12,8 +12,12 @@
 //!   (publishing), the previous live bundles (rollback), heartbeats, and change notification
 //!   (Redis pub/sub, PostgreSQL `LISTEN/NOTIFY`; HTTP sources are polled with
 //!   `If-None-Match`).
+//! - [`standing`]: where one gateway stands against the store's current bundles (on the live
+//!   one, `behind`, `refused (<reason>)`), the one rule `tollgate fleet`, `/readyz` and
+//!   `/status` share. Pure.
 //! - [`commands`]: `tollgate publish`, `promote`, `rollback` and `fleet`.
 
 pub mod commands;
 pub mod envelope;
 pub mod source;
+pub mod standing;

@@ -180,7 +180,12 @@ fn render_policy_source(body: &mut String, source: &serde_json::Value) {
         serde_json::Value::Null => "-".to_string(),
         other => escape(&other.to_string()),
     };
-    let state = source["state"].as_str().unwrap_or("starting");
+    // Where this gateway stands against the store's bundles (`refused (<reason>)`, `behind`),
+    // as `tollgate fleet` shows it; else the follower's state.
+    let state = source["standing"]
+        .as_str()
+        .or(source["state"].as_str())
+        .unwrap_or("starting");
     let _ = write!(
         body,
         "<h2>Policy store</h2><table id=\"policy-source\"><tr><th>store</th><td><code>{}</code> ({})</td></tr>\
@@ -191,10 +196,10 @@ fn render_policy_source(body: &mut String, source: &serde_json::Value) {
         text(&source["kind"]),
         if state == "following" { "ok" } else { "bad" },
         escape(state),
-        source["unreachable_since"].as_u64().map_or_else(String::new, |since| format!(
-            " since {}",
-            rfc3339(since)
-        )),
+        source["unreachable_since"]
+            .as_u64()
+            .filter(|_| state == "unreachable")
+            .map_or_else(String::new, |since| format!(" since {}", rfc3339(since))),
         text(&source["live"]["version"]),
         text(&source["live"]["hash"]),
         text(&source["candidate"]["version"]),
@@ -504,6 +509,42 @@ mod tests {
         assert!(page.contains(
             "2025-11-24T16:00:10Z · live version 7 · older_version: version 7 is below &lt;8&gt;"
         ));
+    }
+
+    #[test]
+    fn a_refused_live_bundle_is_the_policy_store_state() {
+        let overrides = serde_json::json!({});
+        let top = Top {
+            entries: Vec::new(),
+            events: 0,
+            error_bound: 0,
+        };
+        let source = serde_json::json!({
+            "url": "redis://10.0.0.9:6379",
+            "kind": "redis",
+            "state": "following",
+            "standing": "refused (unsigned)",
+            "unreachable_since": null,
+            "live": {"version": 7, "hash": "ab12"},
+            "candidate": null,
+            "last_refusal": {"at": 1_764_000_010, "slot": "live", "version": 8, "reason": "unsigned", "message": "the bundle is not signed"},
+        });
+        let page = render(&StatusView {
+            bundle: None,
+            loaded_at: None,
+            unix_secs: 0,
+            store_kind: "redis",
+            store_degraded: false,
+            store_stats: StoreStats::default(),
+            overrides: &overrides,
+            top: &top,
+            policy_source: &source,
+            candidate: None,
+        });
+        assert!(
+            page.contains("<td id=\"policy-source-state\" class=\"bad\">refused (unsigned)</td>"),
+            "{page}"
+        );
     }
 
     #[test]

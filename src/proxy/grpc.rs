@@ -50,11 +50,6 @@ const RPC_UNAUTHENTICATED: i32 = 16;
 /// Why the gRPC listener cannot start.
 #[derive(Debug, thiserror::Error)]
 pub enum GrpcStartError {
-    #[error("--grpc-listen {addr}: cannot listen: {source}")]
-    Bind {
-        addr: std::net::SocketAddr,
-        source: std::io::Error,
-    },
     #[error("{flag} {path}: cannot read: {source}")]
     Read {
         flag: &'static str,
@@ -73,25 +68,9 @@ pub struct GrpcServer {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// Binds the gRPC listener now, so a bad address stops start-up.
-///
-/// # Errors
-/// The address cannot be bound.
-pub fn bind(config: &GrpcConfig) -> Result<std::net::TcpListener, GrpcStartError> {
-    let listener =
-        std::net::TcpListener::bind(config.listen).map_err(|source| GrpcStartError::Bind {
-            addr: config.listen,
-            source,
-        })?;
-    listener
-        .set_nonblocking(true)
-        .map_err(GrpcStartError::Runtime)?;
-    Ok(listener)
-}
-
 impl GrpcServer {
     /// Serves on a runtime of `threads` workers in its own thread, on the listener `listener`
-    /// delivers: bound by [`bind`] at start-up, or handed over by the process this one upgrades
+    /// delivers: bound by [`crate::proxy::bind`] at start-up, or handed over by the process this one upgrades
     /// (a bad certificate stops start-up either way).
     ///
     /// # Errors

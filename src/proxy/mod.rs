@@ -3,8 +3,10 @@
 //! runs it until SIGTERM/SIGINT, then drains; or, on SIGQUIT, hands its listening sockets over
 //! to the process started with `--upgrade` ([`crate::proxy::handover`]), then drains once the new
 //! process says it serves. The new process takes the sockets it is handed into Pingora's
-//! bootstrap through a private relay socket of its own.
+//! bootstrap through a private relay socket of its own. Every other listening socket is bound by
+//! [`bind`] before Pingora starts, so start-up either serves on all of them or exits 1.
 
+pub mod bind;
 pub mod grpc;
 pub mod handover;
 
@@ -233,9 +235,17 @@ pub fn run(args: RunArgs) -> u8 {
         }
     };
 
-    // Every address this process listens on (Pingora's table holds each once it is bound or
-    // taken over): an upgrade confirms only when all of them are in place.
-    let mut listen_addrs: Vec<String> = Vec::new();
+    // Every address this process listens on, with the flag that asked for it: bound by
+    // `bind::bind_all` (or taken over) before Pingora starts, admin last. An upgrade confirms only
+    // when all of them are in Pingora's table.
+    let mut wanted: Vec<bind::Wanted> = Vec::new();
+    let want = |addr: &str, flag: &'static str| bind::Wanted {
+        addr: addr.to_string(),
+        flag,
+    };
+    // The services that take a socket from the table: each starts only once the table holds
+    // the sockets bound here.
+    let mut listening: Vec<pingora::services::ServiceHandle> = Vec::new();
     if let Some(upstreams) = &upstreams {
         let nofile = conn::raise_nofile_limit();
         let limits = conn::Limits {
@@ -275,7 +285,7 @@ pub fn run(args: RunArgs) -> u8 {
         let tls_on_listen = config.tls.as_ref().is_some_and(|t| t.listen.is_none());
         if !tls_on_listen {
             svc.add_listener(listener(&config.listen));
-            listen_addrs.push(config.listen.clone());
+            wanted.push(want(&config.listen, "--listen"));
         }
         if let (Some(tls), Some(certs)) = (&config.tls, &certificates) {
             let addr = tls.listen.as_deref().unwrap_or(&config.listen);
@@ -291,17 +301,24 @@ pub fn run(args: RunArgs) -> u8 {
             // ALPN: h2 first, then http/1.1.
             settings.enable_h2();
             svc.add_listener(listener(addr).tls(settings));
-            listen_addrs.push(addr.to_string());
+            wanted.push(want(
+                addr,
+                if tls.listen.is_some() {
+                    "--listen-tls"
+                } else {
+                    "--listen"
+                },
+            ));
             tracing::info!(listen_tls = %addr, "HTTPS listener (HTTP/2 and HTTP/1.1 by ALPN)");
         }
         svc.threads = Some(config.threads);
-        server.add_service(svc);
+        listening.push(server.add_service(svc));
         tracing::info!(
             listen = %config.listen,
             groups = ?upstreams.load().groups.iter().map(|g| g.spec.name.clone()).collect::<Vec<_>>(),
             max_connections = limits.max_connections,
             open_files = nofile,
-            "reverse proxy listening"
+            "reverse proxy"
         );
     }
 
@@ -322,27 +339,12 @@ pub fn run(args: RunArgs) -> u8 {
         conn::Guarded::new(admin::Admin::new(Arc::clone(&gateway)), admin_limits),
     );
     admin.add_tcp(&config.admin_listen);
-    listen_addrs.push(config.admin_listen.clone());
     // Decisions (nginx auth_request, Envoy ext_authz) use every worker, like the proxy.
     admin.threads = Some(config.threads);
-    server.add_service(admin);
+    let admin_handle = server.add_service(admin);
     tracing::info!(admin_listen = %config.admin_listen, "admin listener (decision service, health, metrics)");
 
     if let Some(grpc) = &config.grpc {
-        // Bound now (a bad address stops start-up), unless an upgrade takes the running
-        // process's socket over.
-        let bound = if config.upgrade {
-            None
-        } else {
-            match crate::proxy::grpc::bind(grpc) {
-                Ok(listener) => Some(listener),
-                Err(e) => {
-                    tracing::error!("{e}");
-                    eprintln!("tollgate: {e}");
-                    return EXIT_INVALID;
-                }
-            }
-        };
         let (deliver, delivered) = tokio::sync::oneshot::channel();
         match crate::proxy::grpc::GrpcServer::start(
             Arc::clone(&gateway),
@@ -351,13 +353,12 @@ pub fn run(args: RunArgs) -> u8 {
             delivered,
         ) {
             Ok(running) => {
-                listen_addrs.push(grpc.listen.to_string());
-                server.add_service(GrpcListener {
+                wanted.push(want(&grpc.listen.to_string(), "--grpc-listen"));
+                listening.push(server.add_service(GrpcListener {
                     key: grpc.listen.to_string(),
-                    bound,
                     deliver: Some(deliver),
                     server: Some(running),
-                });
+                }));
             }
             Err(e) => {
                 tracing::error!("{e}");
@@ -386,14 +387,14 @@ pub fn run(args: RunArgs) -> u8 {
         ));
     }
 
-    // The table of listening sockets, for handing them over on SIGQUIT.
-    let listen_table = Arc::new(std::sync::OnceLock::new());
-    server.add_service(ListenTable {
-        table: Arc::clone(&listen_table),
-    });
+    // The admin listener last: `/readyz` cannot be reached before every other one is bound.
+    wanted.push(want(&config.admin_listen, "--admin-listen"));
+    listening.push(admin_handle);
 
     // Last, once nothing else can fail: with --upgrade this waits (up to a minute) for the
     // running process, sent SIGQUIT, to hand its listening sockets over.
+    let mut handed_over: Vec<String> = Vec::new();
+    let mut confirmation = None;
     if let (Some(relay), Some(sock)) = (&relay, &config.upgrade_sock) {
         tracing::info!(upgrade_sock = %sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
         let metrics = &gateway.metrics;
@@ -406,7 +407,7 @@ pub fn run(args: RunArgs) -> u8 {
                 metrics.handover_failed(refused.reason());
             },
         );
-        let (listeners, confirmation) = match received {
+        let (listeners, confirm) = match received {
             Ok(received) => received,
             Err(e) => {
                 gateway.metrics.handover_failed(e.reason());
@@ -419,12 +420,51 @@ pub fn run(args: RunArgs) -> u8 {
             listeners = ?listeners.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>(),
             "upgrade: the running gateway handed its listeners over"
         );
+        handed_over = listeners.iter().map(|(name, _)| name.clone()).collect();
         relay.pass_on(listeners);
+        confirmation = Some(confirm);
+    }
+
+    // Every listener not handed over is bound now, before Pingora starts (see `bind`): one that
+    // cannot be bound stops start-up here, with one line naming it. (On an upgrade, the old
+    // process is not told this one serves, so it keeps serving.)
+    let to_bind: Vec<bind::Wanted> = wanted
+        .iter()
+        .filter(|w| !handed_over.contains(&w.addr))
+        .cloned()
+        .collect();
+    let prebound = match bind::bind_all(
+        &to_bind,
+        bind::Retry::from_flag(config.bind_retry),
+        std::thread::sleep,
+    ) {
+        Ok(bound) => bound,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("tollgate: {e}");
+            return EXIT_INVALID;
+        }
+    };
+    for w in &to_bind {
+        tracing::info!(flag = w.flag, addr = %w.addr, "listening");
+    }
+
+    // The table of listening sockets: the bound ones go in before any listening service starts;
+    // kept for handing them over on SIGQUIT.
+    let listen_table = Arc::new(std::sync::OnceLock::new());
+    let table_handle = server.add_service(ListenTable {
+        table: Arc::clone(&listen_table),
+        prebound,
+    });
+    for handle in &listening {
+        handle.add_dependency(&table_handle);
+    }
+    if let Some(confirmation) = confirmation {
         server.add_service(background_service(
             "tollgate upgrade confirmation",
             ConfirmUpgrade {
                 confirmation: parking_lot::Mutex::new(Some(confirmation)),
-                listen_addrs,
+                listen_addrs: wanted.iter().map(|w| w.addr.clone()).collect(),
                 listen_table: Arc::clone(&listen_table),
             },
         ));
@@ -567,23 +607,38 @@ impl ShutdownSignalWatch for DrainOnSignal {
     }
 }
 
-/// Keeps Pingora's table of listening sockets (every service is handed it at start) for the
-/// hand-over on SIGQUIT.
+/// Puts the sockets `bind` bound into Pingora's table of listening sockets (every service is
+/// handed the table at start), then lets the listening services start (they depend on this one
+/// and find their sockets there); keeps the table for the hand-over on SIGQUIT.
 struct ListenTable {
     table: Arc<std::sync::OnceLock<pingora::server::ListenFds>>,
+    prebound: Vec<(String, std::os::fd::OwnedFd)>,
 }
 
 #[async_trait]
-impl pingora::services::Service for ListenTable {
+impl pingora::services::ServiceWithDependents for ListenTable {
     async fn start_service(
         &mut self,
         fds: Option<pingora::server::ListenFds>,
         mut shutdown: ShutdownWatch,
         _listeners_per_fd: usize,
+        ready: pingora::services::ServiceReadyNotifier,
     ) {
+        use std::os::fd::IntoRawFd;
         if let Some(fds) = fds {
+            {
+                let mut table = fds.lock();
+                for (addr, fd) in self.prebound.drain(..) {
+                    // Never twice: an address already there (handed over) keeps that socket.
+                    if table.get(&addr).is_none() {
+                        // The listening service that takes it owns it from then on.
+                        table.add(addr, fd.into_raw_fd());
+                    }
+                }
+            }
             let _ = self.table.set(fds);
         }
+        ready.notify_ready();
         let _ = shutdown.changed().await;
     }
 
@@ -716,13 +771,12 @@ impl Drop for Relay {
     }
 }
 
-/// The gRPC listener's place among Pingora's services: it finds its socket in the table of
-/// listening sockets an upgrade hands over (by address, like Pingora's own listeners) or puts the
-/// one bound at start-up there so the next upgrade hands it on; it gives the socket to the gRPC
-/// server (its own runtime) and drains that when the server shuts down.
+/// The gRPC listener's place among Pingora's services: it takes its socket from the table of
+/// listening sockets (bound at start-up by [`bind`], or handed over by an upgrade, by address
+/// like Pingora's own listeners), so the next upgrade hands it on; it gives the socket to the
+/// gRPC server (its own runtime) and drains that when the server shuts down.
 struct GrpcListener {
     key: String,
-    bound: Option<std::net::TcpListener>,
     deliver: Option<tokio::sync::oneshot::Sender<std::net::TcpListener>>,
     server: Option<crate::proxy::grpc::GrpcServer>,
 }
@@ -735,38 +789,21 @@ impl pingora::services::Service for GrpcListener {
         mut shutdown: ShutdownWatch,
         _listeners_per_fd: usize,
     ) {
-        use std::os::fd::{AsRawFd, FromRawFd};
-        let inherited = fds
-            .as_ref()
-            .and_then(|fds| fds.lock().get(&self.key).copied());
-        let listener = match (inherited, self.bound.take()) {
-            (Some(fd), _) => {
-                tracing::info!(grpc_listen = %self.key, "gRPC listener taken over from the previous gateway");
-                // SAFETY: the descriptor came over the upgrade socket as this address's listening
-                // socket, and nothing else in this process owns it.
+        use std::os::fd::FromRawFd;
+        match fds.and_then(|fds| fds.lock().get(&self.key).copied()) {
+            Some(fd) => {
+                // SAFETY: the descriptor is this address's listening socket, bound at start-up
+                // or handed over, put in the table for this service alone (it starts after the
+                // table is filled); nothing else in this process owns it.
                 let listener = unsafe { std::net::TcpListener::from_raw_fd(fd) };
                 let _ = listener.set_nonblocking(true);
-                Some(listener)
-            }
-            (None, Some(bound)) => Some(bound),
-            // An upgrade from a gateway that had no gRPC listener: bind now.
-            (None, None) => match std::net::TcpListener::bind(&self.key) {
-                Ok(l) => {
-                    let _ = l.set_nonblocking(true);
-                    Some(l)
+                if let Some(deliver) = self.deliver.take() {
+                    let _ = deliver.send(listener);
                 }
-                Err(e) => {
-                    tracing::error!(grpc_listen = %self.key, "gRPC listener: cannot bind: {e}");
-                    None
-                }
-            },
-        };
-        if let Some(listener) = listener {
-            if let (Some(fds), None) = (&fds, inherited) {
-                fds.lock().add(self.key.clone(), listener.as_raw_fd());
             }
-            if let Some(deliver) = self.deliver.take() {
-                let _ = deliver.send(listener);
+            // Cannot happen: start-up stops when the address cannot be bound.
+            None => {
+                tracing::error!(grpc_listen = %self.key, "gRPC listener: no socket in the table")
             }
         }
         let _ = shutdown.changed().await;

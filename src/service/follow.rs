@@ -9,9 +9,10 @@
 //! bundle in force stays; an empty or wiped store unloads nothing.
 
 use super::gateway::Gateway;
-use super::source_state::RefusalRecord;
+use super::source_state::{RefusalRecord, SourceState};
 use crate::fleet::envelope::{Envelope, EnvelopeError, Slot, VerifyKey};
-use crate::fleet::source::{Heartbeat, PolicySource, SourceError};
+use crate::fleet::source::{Heartbeat, PolicySource, SlotRefusal, SourceError};
+use crate::fleet::standing::{SlotId, Standing};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -84,6 +85,9 @@ impl Gateway {
             "last_error": state.last_error,
             "live": show(&state.live),
             "candidate": show(&state.candidate),
+            // Where this gateway stands against what the store holds, as `tollgate fleet`
+            // shows it: `following`, `behind`, `refused (<reason>)`...
+            "standing": standing(&state).to_string(),
             "last_refusal": state.last_refusal.as_ref().map(|r| serde_json::json!({
                 "at": r.at,
                 "slot": r.slot.as_str(),
@@ -98,6 +102,32 @@ impl Gateway {
     pub fn published_candidate(&self) -> Option<(u64, String)> {
         self.source_state.lock().candidate.clone()
     }
+}
+
+/// The heartbeat's form of the last refusal from each slot.
+fn slot_refusals(state: &SourceState) -> Vec<SlotRefusal> {
+    state
+        .refused
+        .iter()
+        .flatten()
+        .map(|r| SlotRefusal {
+            slot: r.slot.as_str().to_string(),
+            version: r.version,
+            hash: r.hash.clone(),
+            reason: r.reason.to_string(),
+        })
+        .collect()
+}
+
+/// Where this gateway stands against the slots it last read.
+fn standing(state: &SourceState) -> Standing {
+    Standing::of(
+        state.store_slots[0].as_ref(),
+        state.store_slots[1].as_ref(),
+        state.live.as_ref().map(|(v, _)| *v),
+        &slot_refusals(state),
+        source_state_name(state.reachable),
+    )
 }
 
 fn source_state_name(reachable: Option<bool>) -> &'static str {
@@ -193,6 +223,7 @@ impl Follower {
         match &slots.live {
             None => {
                 let mut state = self.gateway.source_state.lock();
+                state.store_slots[0] = None;
                 if !state.empty_reported {
                     state.empty_reported = true;
                     drop(state);
@@ -217,7 +248,11 @@ impl Follower {
         match &slots.candidate {
             None => {
                 let had = self.gateway.source_state.lock().candidate.take();
-                self.gateway.source_state.lock().seen[1] = None;
+                {
+                    let mut state = self.gateway.source_state.lock();
+                    state.seen[1] = None;
+                    state.store_slots[1] = None;
+                }
                 if let Some((version, _)) = had {
                     self.gateway.set_candidate(None);
                     tracing::info!(version, "candidate bundle withdrawn");
@@ -234,7 +269,14 @@ impl Follower {
             return;
         }
         let outcome = self.check(bytes, slot);
-        self.gateway.source_state.lock().seen[index] = Some(hash);
+        {
+            let mut state = self.gateway.source_state.lock();
+            state.seen[index] = Some(hash);
+            state.store_slots[index] = Some(SlotId::of(bytes));
+            if outcome.is_ok() {
+                state.refused[index] = None;
+            }
+        }
         match outcome {
             Ok((envelope, bundle)) => match slot {
                 Slot::Live => {
@@ -385,9 +427,7 @@ impl Follower {
     }
 
     fn refused(&self, slot: Slot, bytes: &[u8], refusal: &Refusal) {
-        let version = serde_json::from_slice::<serde_json::Value>(bytes)
-            .ok()
-            .and_then(|v| v.get("version").and_then(serde_json::Value::as_u64));
+        let SlotId { version, hash } = SlotId::of(bytes);
         self.gateway
             .metrics
             .policy_source
@@ -410,13 +450,18 @@ impl Follower {
                 (None, Slot::Live) => "no bundle (decisions answer 503)".to_string(),
             }
         );
-        self.gateway.source_state.lock().last_refusal = Some(RefusalRecord {
+        let record = RefusalRecord {
             at: crate::limits::clock::wall_unix_secs(),
             slot,
             version,
+            hash,
             reason: refusal.reason(),
             message: refusal.to_string(),
-        });
+        };
+        let mut state = self.gateway.source_state.lock();
+        state.refused[usize::from(slot == Slot::Candidate)] = Some(record.clone());
+        state.refusals += 1;
+        state.last_refusal = Some(record);
     }
 
     fn unreachable(&self, error: &SourceError) {
@@ -453,6 +498,7 @@ impl Follower {
             at: crate::limits::clock::wall_unix_secs(),
             candidate_refusals: self.gateway.candidate_refusals(),
             source_state: source_state_name(state.reachable).to_string(),
+            refusals: slot_refusals(&state),
         }
     }
 
@@ -493,11 +539,14 @@ impl Follower {
         }
     }
 
-    fn versions(&self) -> (Option<u64>, Option<u64>) {
+    /// The versions in force and the number of refusals: a change to any of them is
+    /// heartbeaten at once (`tollgate fleet` shows a refusal without waiting for the next beat).
+    fn versions(&self) -> (Option<u64>, Option<u64>, u64) {
         let state = self.gateway.source_state.lock();
         (
             state.live.as_ref().map(|(v, _)| *v),
             state.candidate.as_ref().map(|(v, _)| *v),
+            state.refusals,
         )
     }
 }

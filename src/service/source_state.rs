@@ -11,6 +11,8 @@ pub(super) struct RefusalRecord {
     pub(super) at: i64,
     pub(super) slot: Slot,
     pub(super) version: Option<u64>,
+    /// The refused envelope's SHA-256, when it had one.
+    pub(super) hash: Option<String>,
     pub(super) reason: &'static str,
     pub(super) message: String,
 }
@@ -26,6 +28,12 @@ pub(crate) struct SourceState {
     pub(super) unreachable_since: Option<i64>,
     pub(super) last_error: Option<String>,
     pub(super) last_refusal: Option<RefusalRecord>,
+    /// The last refusal from each slot (live, candidate), for the heartbeat and the standing.
+    pub(super) refused: [Option<RefusalRecord>; 2],
+    /// Refusals since start (a change is heartbeaten at once).
+    pub(super) refusals: u64,
+    /// What the store's live and candidate slots held at the last read (`None`: empty).
+    pub(super) store_slots: [Option<crate::fleet::standing::SlotId>; 2],
     /// The live and candidate bundles in force from the store: version and SHA-256.
     pub(super) live: Option<(u64, String)>,
     pub(super) candidate: Option<(u64, String)>,

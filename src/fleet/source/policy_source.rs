@@ -32,6 +32,22 @@ pub struct Heartbeat {
     pub candidate_refusals: std::collections::BTreeMap<String, u64>,
     /// `following`, `unreachable`, or `starting`.
     pub source_state: String,
+    /// The last bundle refused from each slot (at most one per slot), so `tollgate fleet` can
+    /// say that a gateway refused what the store holds now. Absent from older gateways.
+    #[serde(default)]
+    pub refusals: Vec<SlotRefusal>,
+}
+
+/// A bundle a gateway refused, as its heartbeat reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotRefusal {
+    /// `live` or `candidate`.
+    pub slot: String,
+    /// The refused envelope's version and SHA-256, when it had them.
+    pub version: Option<u64>,
+    pub hash: Option<String>,
+    /// The reason, as `/readyz`'s `last_refusal` and the metric name it (`unsigned`...).
+    pub reason: String,
 }
 
 #[derive(Debug, thiserror::Error)]

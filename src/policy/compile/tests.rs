@@ -37,7 +37,7 @@ fn full_bundle_compiles() {
                     {"name": "enterprise", "limit_keys": ["header:x-api-key"], "match": {"jwt:plan": "enterprise", "jwt:tier": 3},
                      "algorithm": "token_bucket", "algorithm_config": {"rps": 1000, "burst": 2000, "cost_source": "header:X-Weight", "default_cost": 2}}
                 ],
-                "fallback_limit": {"name": "anonymous", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                "fallback_limit": {"name": "no-matching-tier", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
                                    "algorithm_config": {"rps": 1, "burst": 5}}
             }
         }],
