@@ -207,7 +207,14 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
 
     // A promote or rollback sealed from a candidate or history head that has changed since
     // it was read writes nothing.
-    let stale = Envelope::seal(b_text.clone(), Slot::Live, vb + 1, now_secs(), None);
+    let stale = Envelope::seal(
+        b_text.clone(),
+        Slot::Live,
+        vb + 1,
+        now_secs(),
+        Some(now_secs() + 86_400),
+        None,
+    );
     assert!(matches!(
         rt.block_on(store.promote(&stale, b"an older candidate")),
         Err(SourceError::Conflict(_))
@@ -282,7 +289,14 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
 
     // A publisher that chose its version before another published a newer one writes nothing
     // (the fleet would refuse its bundle as older).
-    let late = Envelope::seal(bundle("api", 7), Slot::Live, vr2 - 1, now_secs(), None);
+    let late = Envelope::seal(
+        bundle("api", 7),
+        Slot::Live,
+        vr2 - 1,
+        now_secs(),
+        Some(now_secs() + 86_400),
+        None,
+    );
     assert!(matches!(
         rt.block_on(store.write(&late)),
         Err(SourceError::Conflict(_))
@@ -402,6 +416,7 @@ fn signing_rules_protect_a_signed_fleet() {
         Slot::Candidate,
         vb + 1,
         now_secs(),
+        Some(now_secs() + 86_400),
         None,
     );
     rt.block_on(store.write(&slipped)).unwrap();
@@ -681,7 +696,15 @@ fn the_https_source_verifies_the_server() {
     .with_single_cert(certs, key)
     .unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let body = Envelope::seal(bundle("api", 10), Slot::Live, 7, now_secs(), None).to_json();
+    let body = Envelope::seal(
+        bundle("api", 10),
+        Slot::Live,
+        7,
+        now_secs(),
+        Some(now_secs() + 86_400),
+        None,
+    )
+    .to_json();
     let rt = runtime();
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(("127.0.0.1", free_port())))
@@ -775,7 +798,14 @@ fn versions_above_lua_doubles_stay_exact_on_redis() {
     let store = open(&redis.url());
     let high = (1u64 << 60) + 1;
     let write = |version: u64| {
-        let envelope = Envelope::seal(bundle("api", 10), Slot::Candidate, version, 0, None);
+        let envelope = Envelope::seal(
+            bundle("api", 10),
+            Slot::Candidate,
+            version,
+            0,
+            Some(now_secs() + 86_400),
+            None,
+        );
         rt.block_on(store.write(&envelope))
     };
     write(high - 1).unwrap();

@@ -32,7 +32,9 @@ mod policy_source;
 mod postgres;
 mod redis;
 
-pub use policy_source::{display_url, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT};
+pub use policy_source::{
+    display_url, Bounded, BoundedSlots, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT,
+};
 use std::time::Duration;
 
 /// Opens the source a URL names: `redis://`, `rediss://` (when the Redis client is built with
