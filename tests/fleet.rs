@@ -315,12 +315,17 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
     let vw = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
     assert!(vw > vr2, "{vw} after a wipe is above {vr2}");
 
-    // Wiped again, with a gateway reporting a version above the clock: the next is above it.
+    // Wiped again, with a gateway reporting a version above the clock (an hour, within the
+    // day believed): the next is above it. One reporting a version beyond the day is not
+    // believed (a forged heartbeat would push every version out of reach).
     wipe();
-    let ahead = now_ms() + 1_000_000_000_000;
+    let ahead = now_ms() + 3_600_000;
     let mut report = beat("edge-ahead", None, None, now_secs());
     report.live_version = Some(ahead);
     rt.block_on(store.heartbeat(&report)).unwrap();
+    let mut forged = beat("edge-forged", None, None, now_secs());
+    forged.live_version = Some(now_ms() + 2 * 86_400_000);
+    rt.block_on(store.heartbeat(&forged)).unwrap();
     let vh = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
     assert_eq!(vh, ahead + 1);
 }
@@ -790,13 +795,15 @@ fn changed_reconnects_on_postgres() {
 }
 
 /// The highest version is compared as a decimal string in Redis's Lua (whose numbers are
-/// doubles): versions above 2^53 stay exact and a lower write never lowers it.
+/// doubles): a lower write never lowers it, and one a millisecond above is newer. A record
+/// above the store's clock plus a day (2^60 here, or 20 digits) is not believed: it blocks no
+/// write, and the next write replaces it.
 #[test]
-fn versions_above_lua_doubles_stay_exact_on_redis() {
+fn versions_compare_exactly_and_a_record_from_the_future_is_not_believed_on_redis() {
     let redis = RedisServer::start();
     let rt = runtime();
     let store = open(&redis.url());
-    let high = (1u64 << 60) + 1;
+    let base = now_ms();
     let write = |version: u64| {
         let envelope = Envelope::seal(
             bundle("api", 10),
@@ -808,27 +815,28 @@ fn versions_above_lua_doubles_stay_exact_on_redis() {
         );
         rt.block_on(store.write(&envelope))
     };
-    write(high - 1).unwrap();
-    // One above, though both are the same double: compared exactly, it is newer.
-    write(high).unwrap();
+    write(base).unwrap();
+    write(base + 1).unwrap();
     // At or below the highest issued: another publisher was first; nothing is written.
-    for stale in [high, high - 1, 99] {
+    for stale in [base + 1, base, 99] {
         assert!(
             matches!(write(stale), Err(SourceError::Conflict(_))),
             "{stale}"
         );
     }
-    assert_eq!(rt.block_on(store.highest_version()).unwrap(), high);
-    assert_eq!(
-        stored(&rt, store.as_ref(), Slot::Candidate)
-            .unwrap()
-            .version,
-        high
-    );
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), base + 1);
+    for forged in [(1u64 << 60).to_string(), "99999999999999999999".to_string()] {
+        redis.cli(&["SET", "{tollgate-bundle}:version", &forged]);
+        let v = now_ms() + 10;
+        write(v).unwrap();
+        assert_eq!(rt.block_on(store.highest_version()).unwrap(), v, "{forged}");
+    }
     let dir = tempfile::tempdir().unwrap();
     let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let issued = rt.block_on(store.highest_version()).unwrap();
     let next = tollgate(&["publish", &a, "--store", &redis.url()]).version();
-    assert_eq!(next, high + 1);
+    assert!(next > issued, "{next} {issued}");
+    assert!(next <= now_ms() + 1000, "{next}");
 }
 
 /// A bundle with no policy and no kill switch publishes (a gateway run with
@@ -864,5 +872,78 @@ fn publishing_a_bundle_that_enforces_nothing_warns() {
         !run.stderr.contains("no policy and no kill switch"),
         "{}",
         run.stderr
+    );
+}
+
+/// PostgreSQL: a forged version record (2^63 - 1, the most a `bigint` holds) and a heartbeat
+/// from the future block nothing; `refresh` seals the live bundle again without touching the
+/// history; `repair` sets the record back and removes the heartbeat; a slot above the
+/// gateway's limit is reported by its size, not read.
+#[test]
+fn a_forged_record_blocks_nothing_and_refresh_and_repair_work_on_postgres() {
+    let pg = PgServer::start();
+    let url = pg.url();
+    let rt = runtime();
+    let store = open(&url);
+    let dir = tempfile::tempdir().unwrap();
+    let (sign, _) = openssl_pair(dir.path(), "sign");
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let b = write_file(dir.path(), "b.json", &bundle("api", 20));
+    let first = tollgate(&["publish", &a, "--store", &url, "--sign-key", &sign]).version();
+    pg.sql("UPDATE tollgate_bundle SET version = 9223372036854775807 WHERE slot = 'issued'");
+    let mut forged = beat("forged", None, None, now_secs() + 7_200);
+    forged.live_version = Some(9_223_372_036_854_775_806);
+    rt.block_on(store.heartbeat(&forged)).unwrap();
+    let run = tollgate(&["publish", &b, "--store", &url, "--sign-key", &sign]);
+    let second = run.version();
+    assert!(second > first && second <= now_ms(), "{second}");
+    assert!(
+        run.stderr
+            .contains("warning: version 9223372036854775807 in the version record"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), second);
+    // Refresh: a new version and expiry for the same bundle; the history keeps `a` alone.
+    let run = tollgate(&[
+        "refresh",
+        "--store",
+        &url,
+        "--sign-key",
+        &sign,
+        "--valid-for",
+        "2d",
+    ]);
+    let refreshed = run.version();
+    assert!(refreshed > second);
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    assert_eq!(live.version, refreshed);
+    assert_eq!(live.sha256, sha256_hex(bundle("api", 20).as_bytes()));
+    let expires_at = live.expires_at.expect("an expiry");
+    assert!(
+        (expires_at - (now_secs() + 2 * 86_400)).abs() < 60,
+        "{expires_at}"
+    );
+    assert_eq!(rt.block_on(store.history()).unwrap().len(), 1);
+    // Repair: the record poisoned again, the heartbeat from the future removed.
+    pg.sql("UPDATE tollgate_bundle SET version = 9223372036854775807 WHERE slot = 'issued'");
+    let run = tollgate(&["repair", "--store", &url]);
+    assert_eq!(run.version(), refreshed, "{}", run.stderr);
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), refreshed);
+    let ids: Vec<String> = rt
+        .block_on(store.gateways())
+        .unwrap()
+        .into_iter()
+        .map(|b| b.id)
+        .collect();
+    assert!(!ids.contains(&"forged".to_string()), "{ids:?}");
+    // The size first: a slot above the limit is reported by its size.
+    let bounded = rt.block_on(store.read_bounded(100)).unwrap();
+    let size = live.to_json().len() as u64;
+    assert_eq!(bounded.live, Some(source::Bounded::TooLarge(size)));
+    let whole = rt.block_on(store.read_bounded(DEFAULT_MAX_BYTES)).unwrap();
+    assert_eq!(
+        whole.live,
+        Some(source::Bounded::Bytes(live.to_json().into_bytes()))
     );
 }

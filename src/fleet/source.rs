@@ -87,6 +87,24 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn a_flood_of_notifications_turns_the_channel_off_for_a_while() {
+        let feed = Feed::new();
+        feed.set_up(true);
+        for _ in 0..feed::FLOOD_LIMIT {
+            assert!(feed.notified());
+        }
+        assert!(!feed.quiet());
+        // Within the same window (FLOOD_LIMIT fast calls take far less than 100 ms).
+        assert!(
+            !feed.notified(),
+            "flooded: the caller drops its subscription"
+        );
+        assert!(feed.quiet());
+        // What arrived is still seen once.
+        assert!(feed.wait(Duration::from_millis(1)).await);
+    }
+
     #[test]
     fn unknown_schemes_are_refused_with_the_password_masked() {
         let Err(SourceError::BadUrl(e)) = open("ftp://u:secret@h/x", Duration::from_secs(1)) else {

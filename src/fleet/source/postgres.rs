@@ -103,8 +103,9 @@ impl PostgresSource {
             while let Some(message) = messages.next().await {
                 match message {
                     Ok(AsyncMessage::Notification(_)) => {
-                        if let Some(feed) = &feed {
-                            feed.notified();
+                        // A flood: the connection is dropped (its end marks the feed down).
+                        if feed.as_ref().is_some_and(|feed| !feed.notified()) {
+                            break;
                         }
                     }
                     Ok(_) => {}
@@ -250,7 +251,7 @@ impl PolicySource for PostgresSource {
                 let rows = client
                     .query(
                         "SELECT slot, octet_length(envelope)::bigint, \
-                         CASE WHEN octet_length(envelope) <= $1 THEN envelope END \
+                         CASE WHEN octet_length(envelope) <= $1::bigint THEN envelope END \
                          FROM tollgate_bundle WHERE slot IN ('live', 'candidate')",
                         &[&limit],
                     )
@@ -349,7 +350,7 @@ impl PolicySource for PostgresSource {
     }
 
     async fn changed(&self, at_most: Duration) -> bool {
-        if !self.feed.is_up() && self.listen().await.is_err() {
+        if !self.feed.is_up() && (self.feed.quiet() || self.listen().await.is_err()) {
             return false;
         }
         self.feed.wait(at_most).await

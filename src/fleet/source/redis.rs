@@ -349,7 +349,9 @@ impl RedisSource {
                     let task = tokio::spawn(async move {
                         let mut messages = pubsub.into_on_message();
                         while messages.next().await.is_some() {
-                            feed.notified();
+                            if !feed.notified() {
+                                break;
+                            }
                         }
                         feed.set_up(false);
                     });
@@ -480,7 +482,7 @@ impl PolicySource for RedisSource {
     }
 
     async fn changed(&self, at_most: Duration) -> bool {
-        if !self.feed.is_up() && self.listen().await.is_err() {
+        if !self.feed.is_up() && (self.feed.quiet() || self.listen().await.is_err()) {
             return false;
         }
         self.feed.wait(at_most).await
@@ -563,7 +565,15 @@ impl PolicySource for RedisSource {
                 conn.query(redis::cmd("GET").arg(VERSION)).await
             })
             .await?;
-        Ok(issued.and_then(|v| v.parse().ok()).unwrap_or(0))
+        // A record too large for a u64 (20 digits and more) was never issued: it reads as the
+        // largest one, which nobody believes (see `envelope::believable`).
+        Ok(issued
+            .and_then(|v| {
+                v.parse().ok().or_else(|| {
+                    (!v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())).then_some(u64::MAX)
+                })
+            })
+            .unwrap_or(0))
     }
 
     async fn heartbeat(&self, beat: &Heartbeat) -> Result<(), SourceError> {
