@@ -502,12 +502,19 @@ fn fleet_shows_one_line_per_gateway_and_json() {
     assert_eq!(shown.code, 0, "{}", shown.stderr);
     let (lv, lh) = (live.version, &live.sha256[..12]);
     let (cv, ch) = (candidate.version, &candidate.sha256[..12]);
+    let until = |e: &Envelope| {
+        humantime::format_rfc3339_seconds(
+            std::time::UNIX_EPOCH + Duration::from_secs(e.expires_at.expect("an expiry") as u64),
+        )
+        .to_string()
+    };
+    let (lu, cu) = (until(&live), until(&candidate));
     assert_eq!(
         shown.stdout,
         format!(
             "store: {url}\n\
-             live: {lv} (hash {lh}, unsigned)\n\
-             candidate: {cv} (hash {ch}, unsigned)\n\
+             live: {lv} (hash {lh}, unsigned, valid until {lu})\n\
+             candidate: {cv} (hash {ch}, unsigned, valid until {cu})\n\
              GATEWAY  LIVE           HASH          CANDIDATE      SEEN    WOULD-REFUSE  STATE\n\
              edge-1   {lv}  {lh}  {cv}  1h ago  5             following\n\
              edge-2   {lv}  {lh}  -              1h ago  -             following\n"
@@ -528,6 +535,11 @@ fn fleet_shows_one_line_per_gateway_and_json() {
     assert_eq!(gateways[0]["candidate_version"], cv);
     assert_eq!(gateways[0]["candidate_refusals"]["api/per-ip"], 2);
     assert_eq!(gateways[0]["at"], hour_ago);
+    assert_eq!(gateways[0]["suspect"], serde_json::Value::Null);
+    assert_eq!(
+        doc["live"]["expires_at"],
+        live.expires_at.expect("an expiry")
+    );
     assert_eq!(gateways[1]["id"], "edge-2");
     assert_eq!(gateways[1]["candidate_version"], serde_json::Value::Null);
 

@@ -771,6 +771,8 @@ pub struct SlotSummary {
     pub version: u64,
     pub hash: String,
     pub signed: bool,
+    /// Unix seconds; `None` for an envelope from before expiries.
+    pub expires_at: Option<i64>,
 }
 
 fn summary(bytes: Option<&[u8]>) -> Option<SlotSummary> {
@@ -779,6 +781,7 @@ fn summary(bytes: Option<&[u8]>) -> Option<SlotSummary> {
         version: envelope.version,
         hash: envelope.sha256,
         signed: envelope.signature.is_some(),
+        expires_at: envelope.expires_at,
     })
 }
 
@@ -866,10 +869,15 @@ pub fn fleet_table(
     let now = i64::try_from(now_ms / 1000).unwrap_or(i64::MAX);
     let slot_line = |name: &str, slot: Option<&SlotSummary>| match slot {
         Some(s) => format!(
-            "{name}: {} (hash {}{})",
+            "{name}: {} (hash {}{}, {})",
             s.version,
             envelope::short_hash(&s.hash),
-            if s.signed { ", signed" } else { ", unsigned" }
+            if s.signed { ", signed" } else { ", unsigned" },
+            match s.expires_at {
+                Some(at) if at <= now => format!("EXPIRED {}", expiry_text(at)),
+                Some(at) => format!("valid until {}", expiry_text(at)),
+                None => "no expiry".to_string(),
+            }
         ),
         None => format!("{name}: none"),
     };
@@ -971,6 +979,7 @@ mod tests {
             version: 1_764_000_000_000,
             hash: "3f2a9c1b7d4e00112233".into(),
             signed: true,
+            expires_at: Some(1_766_592_000),
         };
         let table = fleet_table(
             "redis://127.0.0.1:6379",
@@ -985,7 +994,7 @@ mod tests {
         assert_eq!(
             table,
             "store: redis://127.0.0.1:6379\n\
-             live: 1764000000000 (hash 3f2a9c1b7d4e, signed)\n\
+             live: 1764000000000 (hash 3f2a9c1b7d4e, signed, valid until 2025-12-24T16:00:00Z)\n\
              candidate: none\n\
              GATEWAY  LIVE           HASH          CANDIDATE      SEEN    WOULD-REFUSE  STATE\n\
              edge-1   1764000000000  3f2a9c1b7d4e  1764000000500  3s ago  12            following\n\
