@@ -19,6 +19,8 @@ fn main() -> ExitCode {
         Command::Publish(args) => fleet::publish(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Promote(args) => fleet::promote(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Rollback(args) => fleet::rollback(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Refresh(args) => fleet::refresh(&args, &mut stdout.lock(), &mut stderr.lock()),
+        Command::Repair(args) => fleet::repair(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Fleet(args) => fleet::fleet(&args, &mut stdout.lock(), &mut stderr.lock()),
         Command::Run(args) => tollgate::proxy::run(*args),
     };

@@ -208,7 +208,14 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
 
     // A promote or rollback sealed from a candidate or history head that has changed since
     // it was read writes nothing.
-    let stale = Envelope::seal(b_text.clone(), Slot::Live, vb + 1, now_secs(), None);
+    let stale = Envelope::seal(
+        b_text.clone(),
+        Slot::Live,
+        vb + 1,
+        now_secs(),
+        Some(now_secs() + 86_400),
+        None,
+    );
     assert!(matches!(
         rt.block_on(store.promote(&stale, b"an older candidate")),
         Err(SourceError::Conflict(_))
@@ -283,7 +290,14 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
 
     // A publisher that chose its version before another published a newer one writes nothing
     // (the fleet would refuse its bundle as older).
-    let late = Envelope::seal(bundle("api", 7), Slot::Live, vr2 - 1, now_secs(), None);
+    let late = Envelope::seal(
+        bundle("api", 7),
+        Slot::Live,
+        vr2 - 1,
+        now_secs(),
+        Some(now_secs() + 86_400),
+        None,
+    );
     assert!(matches!(
         rt.block_on(store.write(&late)),
         Err(SourceError::Conflict(_))
@@ -302,12 +316,17 @@ fn assert_publish_promote_rollback(url: &str, wipe: &dyn Fn()) {
     let vw = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
     assert!(vw > vr2, "{vw} after a wipe is above {vr2}");
 
-    // Wiped again, with a gateway reporting a version above the clock: the next is above it.
+    // Wiped again, with a gateway reporting a version above the clock (an hour, within the
+    // day believed): the next is above it. One reporting a version beyond the day is not
+    // believed (a forged heartbeat would push every version out of reach).
     wipe();
-    let ahead = now_ms() + 1_000_000_000_000;
+    let ahead = now_ms() + 3_600_000;
     let mut report = beat("edge-ahead", None, None, now_secs());
     report.live_version = Some(ahead);
     rt.block_on(store.heartbeat(&report)).unwrap();
+    let mut forged = beat("edge-forged", None, None, now_secs());
+    forged.live_version = Some(now_ms() + 2 * 86_400_000);
+    rt.block_on(store.heartbeat(&forged)).unwrap();
     let vh = tollgate(&["publish", &a, "--store", url, "--sign-key", &sign]).version();
     assert_eq!(vh, ahead + 1);
 }
@@ -403,6 +422,7 @@ fn signing_rules_protect_a_signed_fleet() {
         Slot::Candidate,
         vb + 1,
         now_secs(),
+        Some(now_secs() + 86_400),
         None,
     );
     rt.block_on(store.write(&slipped)).unwrap();
@@ -483,12 +503,19 @@ fn fleet_shows_one_line_per_gateway_and_json() {
     assert_eq!(shown.code, 0, "{}", shown.stderr);
     let (lv, lh) = (live.version, &live.sha256[..12]);
     let (cv, ch) = (candidate.version, &candidate.sha256[..12]);
+    let until = |e: &Envelope| {
+        humantime::format_rfc3339_seconds(
+            std::time::UNIX_EPOCH + Duration::from_secs(e.expires_at.expect("an expiry") as u64),
+        )
+        .to_string()
+    };
+    let (lu, cu) = (until(&live), until(&candidate));
     assert_eq!(
         shown.stdout,
         format!(
             "store: {url}\n\
-             live: {lv} (hash {lh}, unsigned)\n\
-             candidate: {cv} (hash {ch}, unsigned)\n\
+             live: {lv} (hash {lh}, unsigned, valid until {lu})\n\
+             candidate: {cv} (hash {ch}, unsigned, valid until {cu})\n\
              GATEWAY  LIVE           HASH          CANDIDATE      SEEN    WOULD-REFUSE  STATE\n\
              edge-1   {lv}  {lh}  {cv}  1h ago  5             following\n\
              edge-2   {lv}  {lh}  -              1h ago  -             following\n"
@@ -509,6 +536,11 @@ fn fleet_shows_one_line_per_gateway_and_json() {
     assert_eq!(gateways[0]["candidate_version"], cv);
     assert_eq!(gateways[0]["candidate_refusals"]["api/per-ip"], 2);
     assert_eq!(gateways[0]["at"], hour_ago);
+    assert_eq!(gateways[0]["suspect"], serde_json::Value::Null);
+    assert_eq!(
+        doc["live"]["expires_at"],
+        live.expires_at.expect("an expiry")
+    );
     assert_eq!(gateways[1]["id"], "edge-2");
     assert_eq!(gateways[1]["candidate_version"], serde_json::Value::Null);
 
@@ -824,7 +856,15 @@ fn the_https_source_verifies_the_server() {
     .with_single_cert(certs, key)
     .unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-    let body = Envelope::seal(bundle("api", 10), Slot::Live, 7, now_secs(), None).to_json();
+    let body = Envelope::seal(
+        bundle("api", 10),
+        Slot::Live,
+        7,
+        now_secs(),
+        Some(now_secs() + 86_400),
+        None,
+    )
+    .to_json();
     let rt = runtime();
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(("127.0.0.1", free_port())))
@@ -910,38 +950,48 @@ fn changed_reconnects_on_postgres() {
 }
 
 /// The highest version is compared as a decimal string in Redis's Lua (whose numbers are
-/// doubles): versions above 2^53 stay exact and a lower write never lowers it.
+/// doubles): a lower write never lowers it, and one a millisecond above is newer. A record
+/// above the store's clock plus a day (2^60 here, or 20 digits) is not believed: it blocks no
+/// write, and the next write replaces it.
 #[test]
-fn versions_above_lua_doubles_stay_exact_on_redis() {
+fn versions_compare_exactly_and_a_record_from_the_future_is_not_believed_on_redis() {
     let redis = RedisServer::start();
     let rt = runtime();
     let store = open(&redis.url());
-    let high = (1u64 << 60) + 1;
+    let base = now_ms();
     let write = |version: u64| {
-        let envelope = Envelope::seal(bundle("api", 10), Slot::Candidate, version, 0, None);
+        let envelope = Envelope::seal(
+            bundle("api", 10),
+            Slot::Candidate,
+            version,
+            0,
+            Some(now_secs() + 86_400),
+            None,
+        );
         rt.block_on(store.write(&envelope))
     };
-    write(high - 1).unwrap();
-    // One above, though both are the same double: compared exactly, it is newer.
-    write(high).unwrap();
+    write(base).unwrap();
+    write(base + 1).unwrap();
     // At or below the highest issued: another publisher was first; nothing is written.
-    for stale in [high, high - 1, 99] {
+    for stale in [base + 1, base, 99] {
         assert!(
             matches!(write(stale), Err(SourceError::Conflict(_))),
             "{stale}"
         );
     }
-    assert_eq!(rt.block_on(store.highest_version()).unwrap(), high);
-    assert_eq!(
-        stored(&rt, store.as_ref(), Slot::Candidate)
-            .unwrap()
-            .version,
-        high
-    );
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), base + 1);
+    for forged in [(1u64 << 60).to_string(), "99999999999999999999".to_string()] {
+        redis.cli(&["SET", "{tollgate-bundle}:version", &forged]);
+        let v = now_ms() + 10;
+        write(v).unwrap();
+        assert_eq!(rt.block_on(store.highest_version()).unwrap(), v, "{forged}");
+    }
     let dir = tempfile::tempdir().unwrap();
     let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let issued = rt.block_on(store.highest_version()).unwrap();
     let next = tollgate(&["publish", &a, "--store", &redis.url()]).version();
-    assert_eq!(next, high + 1);
+    assert!(next > issued, "{next} {issued}");
+    assert!(next <= now_ms() + 1000, "{next}");
 }
 
 /// A bundle with no policy and no kill switch publishes (a gateway run with
@@ -977,5 +1027,78 @@ fn publishing_a_bundle_that_enforces_nothing_warns() {
         !run.stderr.contains("no policy and no kill switch"),
         "{}",
         run.stderr
+    );
+}
+
+/// PostgreSQL: a forged version record (2^63 - 1, the most a `bigint` holds) and a heartbeat
+/// from the future block nothing; `refresh` seals the live bundle again without touching the
+/// history; `repair` sets the record back and removes the heartbeat; a slot above the
+/// gateway's limit is reported by its size, not read.
+#[test]
+fn a_forged_record_blocks_nothing_and_refresh_and_repair_work_on_postgres() {
+    let pg = PgServer::start();
+    let url = pg.url();
+    let rt = runtime();
+    let store = open(&url);
+    let dir = tempfile::tempdir().unwrap();
+    let (sign, _) = openssl_pair(dir.path(), "sign");
+    let a = write_file(dir.path(), "a.json", &bundle("api", 10));
+    let b = write_file(dir.path(), "b.json", &bundle("api", 20));
+    let first = tollgate(&["publish", &a, "--store", &url, "--sign-key", &sign]).version();
+    pg.sql("UPDATE tollgate_bundle SET version = 9223372036854775807 WHERE slot = 'issued'");
+    let mut forged = beat("forged", None, None, now_secs() + 7_200);
+    forged.live_version = Some(9_223_372_036_854_775_806);
+    rt.block_on(store.heartbeat(&forged)).unwrap();
+    let run = tollgate(&["publish", &b, "--store", &url, "--sign-key", &sign]);
+    let second = run.version();
+    assert!(second > first && second <= now_ms(), "{second}");
+    assert!(
+        run.stderr
+            .contains("warning: version 9223372036854775807 in the version record"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), second);
+    // Refresh: a new version and expiry for the same bundle; the history keeps `a` alone.
+    let run = tollgate(&[
+        "refresh",
+        "--store",
+        &url,
+        "--sign-key",
+        &sign,
+        "--valid-for",
+        "2d",
+    ]);
+    let refreshed = run.version();
+    assert!(refreshed > second);
+    let live = stored(&rt, store.as_ref(), Slot::Live).unwrap();
+    assert_eq!(live.version, refreshed);
+    assert_eq!(live.sha256, sha256_hex(bundle("api", 20).as_bytes()));
+    let expires_at = live.expires_at.expect("an expiry");
+    assert!(
+        (expires_at - (now_secs() + 2 * 86_400)).abs() < 60,
+        "{expires_at}"
+    );
+    assert_eq!(rt.block_on(store.history()).unwrap().len(), 1);
+    // Repair: the record poisoned again, the heartbeat from the future removed.
+    pg.sql("UPDATE tollgate_bundle SET version = 9223372036854775807 WHERE slot = 'issued'");
+    let run = tollgate(&["repair", "--store", &url]);
+    assert_eq!(run.version(), refreshed, "{}", run.stderr);
+    assert_eq!(rt.block_on(store.highest_version()).unwrap(), refreshed);
+    let ids: Vec<String> = rt
+        .block_on(store.gateways())
+        .unwrap()
+        .into_iter()
+        .map(|b| b.id)
+        .collect();
+    assert!(!ids.contains(&"forged".to_string()), "{ids:?}");
+    // The size first: a slot above the limit is reported by its size.
+    let bounded = rt.block_on(store.read_bounded(100)).unwrap();
+    let size = live.to_json().len() as u64;
+    assert_eq!(bounded.live, Some(source::Bounded::TooLarge(size)));
+    let whole = rt.block_on(store.read_bounded(DEFAULT_MAX_BYTES)).unwrap();
+    assert_eq!(
+        whole.live,
+        Some(source::Bounded::Bytes(live.to_json().into_bytes()))
     );
 }

@@ -68,6 +68,10 @@ fn follower(store: &str, id: &str, upstream: &Upstream, extra: &[&str]) -> Gatew
         "--log-format",
         "json",
     ];
+    // These tests follow unsigned bundles unless they give a verify key.
+    if !extra.contains(&"--policy-verify-key") {
+        flags.push("--allow-unsigned-bundles");
+    }
     flags.extend_from_slice(extra);
     Gateway::start(None, Some(upstream.addr), &flags)
 }
@@ -504,7 +508,13 @@ fn an_http_source_is_polled_with_etags_and_a_dropped_read_keeps_the_bundle() {
     let gw = Gateway::start(
         None,
         Some(upstream.addr),
-        &["--policy-store", &url, "--policy-poll-secs", "1"],
+        &[
+            "--policy-store",
+            &url,
+            "--policy-poll-secs",
+            "1",
+            "--allow-unsigned-bundles",
+        ],
     );
     wait_version(&gw, first);
     gw.wait_until(Duration::from_secs(5), || {
@@ -560,4 +570,598 @@ fn postgres_carries_publications_candidates_and_heartbeats() {
     assert_eq!(beat["candidate_version"], candidate);
     assert_eq!(beat["candidate_refusals"]["api/per-ip"], 3);
     assert_eq!(beat["source_state"], "following");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Someone who can write to the store, but holds no signing key
+
+/// A signing key pair made by the real `openssl` in `dir`: the private and the public PEM.
+fn key_pair(dir: &Path) -> (String, String) {
+    openssl(
+        dir,
+        &["genpkey", "-algorithm", "ed25519", "-out", "sign.pem"],
+    );
+    openssl(
+        dir,
+        &["pkey", "-in", "sign.pem", "-pubout", "-out", "verify.pem"],
+    );
+    let path = |name: &str| dir.join(name).to_str().expect("utf-8 path").to_string();
+    (path("sign.pem"), path("verify.pem"))
+}
+
+fn now_secs() -> i64 {
+    (now_ms() / 1000) as i64
+}
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The live bundle of [`LIVE`] with a kill switch on the header `x-tenant: evil`.
+fn with_kill_switch() -> String {
+    LIVE.replace(
+        "]}}]}",
+        r#"]}}], "kill_switches": [{"scope_key": "header:x-tenant", "scope_value": "evil", "reason": "incident 7"}]}"#,
+    )
+}
+
+fn rejected(gw: &Gateway, slot: &str, reason: &str) -> f64 {
+    gw.metric(&format!(
+        "tollgate_policy_source_rejected_total{{reason=\"{reason}\",slot=\"{slot}\"}}"
+    ))
+}
+
+/// A field of `/proc/PID/status` in kB (`VmHWM`: the peak resident set).
+fn proc_status_kb(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("proc status")
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("the field")
+}
+
+/// User plus system CPU time of a process, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("proc stat");
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}
+
+/// A forged heartbeat claiming version 2^63 - 2 (stamped three hours ahead) and a 20-digit
+/// version record, as the attacker writes them: publish, promote and rollback go on under
+/// versions from the store's clock; `fleet` marks the heartbeat; `repair` clears both.
+#[test]
+fn a_forged_heartbeat_or_version_record_neither_freezes_publishing_nor_shows_fresh() {
+    let redis = RedisServer::start();
+    let store = redis.url();
+    let upstream = Upstream::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (sign, verify) = key_pair(dir.path());
+    let first = publish(dir.path(), &store, LIVE, &["--sign-key", &sign]);
+    let gw = follower(
+        &store,
+        "edge-a",
+        &upstream,
+        &["--policy-verify-key", &verify],
+    );
+    wait_version(&gw, first);
+
+    let forged = serde_json::json!({
+        "id": "forged", "live_version": (1u64 << 63) - 2, "live_hash": "00",
+        "candidate_version": null, "candidate_hash": null,
+        "at": now_secs() + 3 * 3600 + 600, "source_state": "following",
+    })
+    .to_string();
+    redis.cli(&["HSET", "{tollgate-bundle}:gateways", "forged", &forged]);
+    let twenty_digits = "99999999999999999999";
+    redis.cli(&["SET", "{tollgate-bundle}:version", twenty_digits]);
+
+    let file = dir.path().join("second.json");
+    std::fs::write(&file, with_burst(11)).expect("write");
+    let out = tollgate(&[
+        "publish",
+        file.to_str().expect("path"),
+        "--store",
+        &store,
+        "--sign-key",
+        &sign,
+    ]);
+    let second = version_of(&out);
+    let stderr = stderr_of(&out);
+    assert!(
+        stderr.contains(
+            "warning: version 9223372036854775806 in the heartbeat of gateway \"forged\" is above the store's clock plus a day: not believed"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("warning: version 18446744073709551615 in the version record"),
+        "{stderr}"
+    );
+    assert!(second > first && second <= now_ms(), "{second}");
+    wait_version(&gw, second);
+    assert_eq!(
+        redis.cli(&["GET", "{tollgate-bundle}:version"]).trim(),
+        second.to_string(),
+        "the forged record is replaced by the version written"
+    );
+    // Promote and rollback go on too.
+    let candidate = publish(
+        dir.path(),
+        &store,
+        &with_burst(4),
+        &["--sign-key", &sign, "--candidate"],
+    );
+    let promoted = version_of(&tollgate(&[
+        "promote",
+        "--store",
+        &store,
+        "--sign-key",
+        &sign,
+    ]));
+    let rolled = version_of(&tollgate(&[
+        "rollback",
+        "--store",
+        &store,
+        "--sign-key",
+        &sign,
+    ]));
+    assert!(second < candidate && candidate < promoted && promoted < rolled);
+    assert!(rolled <= now_ms(), "{rolled}");
+    wait_version(&gw, rolled);
+    assert_eq!(
+        readyz(&gw)["bundle_hash"],
+        sha256_hex(with_burst(11).as_bytes())
+    );
+
+    // `fleet` marks the forged heartbeat instead of showing it fresh.
+    let out = tollgate(&["fleet", "--store", &store]);
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = |id: &str| {
+        table
+            .lines()
+            .find(|l| l.starts_with(&format!("{id} ")))
+            .unwrap_or_else(|| panic!("no line for {id}:\n{table}"))
+            .to_string()
+    };
+    assert!(line("forged").contains(" FUTURE+3h "), "{table}");
+    assert!(!line("forged").contains(" ago "), "{table}");
+    assert!(line("edge-a").contains("s ago "), "{table}");
+    assert!(
+        table.contains(
+            "! forged: not believed: stamped 3h ahead of the store's clock (more than 60s of skew)"
+        ),
+        "{table}"
+    );
+    let out = tollgate(&["fleet", "--store", &store, "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    let suspect = |id: &str| {
+        listed["gateways"]
+            .as_array()
+            .expect("gateways")
+            .iter()
+            .find(|g| g["id"] == id)
+            .map(|g| g["suspect"].clone())
+            .expect("listed")
+    };
+    assert_eq!(suspect("edge-a"), serde_json::Value::Null);
+    assert!(suspect("forged")
+        .as_str()
+        .is_some_and(|s| s.starts_with("stamped 3h ahead")));
+
+    // One command repairs the store: the record poisoned again, the heartbeat still there.
+    redis.cli(&["SET", "{tollgate-bundle}:version", twenty_digits]);
+    let out = tollgate(&["repair", "--store", &store]);
+    assert_eq!(version_of(&out), rolled, "{}", stderr_of(&out));
+    let stderr = stderr_of(&out);
+    assert!(
+        stderr.contains(&format!(
+            "the version record was 18446744073709551615; set to {rolled}"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("removed the heartbeat of gateway \"forged\""),
+        "{stderr}"
+    );
+    assert_eq!(
+        redis.cli(&["GET", "{tollgate-bundle}:version"]).trim(),
+        rolled.to_string()
+    );
+    assert_eq!(
+        redis
+            .cli(&["HEXISTS", "{tollgate-bundle}:gateways", "forged"])
+            .trim(),
+        "0"
+    );
+    assert_eq!(
+        redis
+            .cli(&["HEXISTS", "{tollgate-bundle}:gateways", "edge-a"])
+            .trim(),
+        "1"
+    );
+}
+
+/// Following a store without a verify key has to be asked for; then a version from the
+/// future, written unsigned by anyone, is refused, and the next publication is followed.
+#[test]
+fn unsigned_following_must_be_asked_for_and_a_version_from_the_future_is_refused() {
+    let redis = RedisServer::start();
+    let store = redis.url();
+    let upstream = Upstream::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let refused = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["run", "--policy-store", &store])
+        .args(["--admin-listen", "127.0.0.1:0", "--listen", "127.0.0.1:0"])
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run tollgate");
+    assert_eq!(refused.status.code(), Some(1), "{}", stderr_of(&refused));
+    assert!(
+        stderr_of(&refused).contains(
+            "--policy-store: without --policy-verify-key every bundle is taken unsigned, from anyone who can write the store: give --policy-verify-key PEM (the public half of publish's --sign-key), or --allow-unsigned-bundles to accept that"
+        ),
+        "{}",
+        stderr_of(&refused)
+    );
+
+    let first = publish(dir.path(), &store, LIVE, &[]);
+    let gw = follower(&store, "edge-u", &upstream, &[]);
+    wait_version(&gw, first);
+    assert!(
+        gw.log_text().contains(
+            "--allow-unsigned-bundles: following the policy store without --policy-verify-key"
+        ),
+        "{}",
+        gw.log_text()
+    );
+    let now = now_secs();
+    let forged = tollgate::fleet::envelope::Envelope::seal(
+        with_burst(1000),
+        tollgate::fleet::envelope::Slot::Live,
+        (1u64 << 63) - 2,
+        now,
+        Some(now + 86_400),
+        None,
+    )
+    .to_json();
+    redis.cli(&["SET", "{tollgate-bundle}:live", &forged]);
+    redis.cli(&["PUBLISH", "tollgate-bundle", "0"]);
+    gw.wait_until(Duration::from_secs(5), || {
+        rejected(&gw, "live", "future_version") == 1.0
+    });
+    assert_eq!(readyz(&gw)["bundle_version"], first);
+    // The publisher does not believe the forged slot either: the next version is the clock's.
+    let next = publish(dir.path(), &store, &with_burst(20), &[]);
+    assert!(next > first && next <= now_ms(), "{next}");
+    wait_version(&gw, next);
+}
+
+/// An old signed envelope put back in the live slot is refused by a new gateway (an empty
+/// state dir) once it has expired, and so is one written before expiries existed; `refresh`
+/// renews the live bundle, refuses to renew one put back, and the expiry is warned a week
+/// ahead.
+#[test]
+fn an_old_signed_bundle_put_back_is_refused_past_its_expiry_and_refresh_renews_the_live_one() {
+    use tollgate::fleet::envelope::{Envelope, SigningKey, Slot};
+    let redis = RedisServer::start();
+    let store = redis.url();
+    let upstream = Upstream::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (sign, verify) = key_pair(dir.path());
+    let key = SigningKey::from_pem_file(Path::new(&sign)).expect("key");
+    // Published a month ago with the default 30 days, and once before expiries existed:
+    // sealed here as `publish` sealed them then.
+    let month_ago = now_secs() - 31 * 86_400;
+    let expired = Envelope::seal(
+        LIVE.to_string(),
+        Slot::Live,
+        month_ago as u64 * 1000,
+        month_ago,
+        Some(month_ago + 30 * 86_400),
+        Some(&key),
+    )
+    .to_json();
+    let legacy = Envelope::seal(
+        LIVE.to_string(),
+        Slot::Live,
+        month_ago as u64 * 1000 + 1,
+        month_ago,
+        None,
+        Some(&key),
+    )
+    .to_json();
+    // Yesterday's bundle, still valid; today's adds a kill switch.
+    let older = publish(dir.path(), &store, LIVE, &["--sign-key", &sign]);
+    let older_envelope = redis.cli(&["GET", "{tollgate-bundle}:live"]);
+    let current = publish(
+        dir.path(),
+        &store,
+        &with_kill_switch(),
+        &["--sign-key", &sign],
+    );
+    assert!(current > older);
+    let current_envelope = redis.cli(&["GET", "{tollgate-bundle}:live"]);
+
+    // A new pod: an empty state dir, the expired bundle put back.
+    redis.cli(&["SET", "{tollgate-bundle}:live", expired.trim()]);
+    let state = dir.path().join("state");
+    let state_flag = state.to_str().expect("path").to_string();
+    let fresh = follower(
+        &store,
+        "new-pod",
+        &upstream,
+        &["--policy-verify-key", &verify, "--state-dir", &state_flag],
+    );
+    fresh.wait_until(Duration::from_secs(5), || {
+        rejected(&fresh, "live", "expired") == 1.0
+    });
+    let ready = readyz(&fresh);
+    assert_eq!(ready["status"], "not_ready", "{ready}");
+    assert_eq!(ready["policy_source"]["last_refusal"]["reason"], "expired");
+    // Written before expiries existed: refused under a verify key.
+    redis.cli(&["SET", "{tollgate-bundle}:live", legacy.trim()]);
+    redis.cli(&["PUBLISH", "tollgate-bundle", "0"]);
+    fresh.wait_until(Duration::from_secs(5), || {
+        rejected(&fresh, "live", "no_expiry") == 1.0
+    });
+    assert_eq!(readyz(&fresh)["status"], "not_ready");
+    // Today's put back: in force, the kill switch with it.
+    redis.cli(&["SET", "{tollgate-bundle}:live", current_envelope.trim()]);
+    redis.cli(&["PUBLISH", "tollgate-bundle", "0"]);
+    wait_version(&fresh, current);
+    assert_eq!(fresh.get("/", &[("x-tenant", "evil")]).status, 429);
+    assert_eq!(fresh.get("/", &[]).status, 200);
+
+    // `refresh` does not renew a bundle put back (still valid, but older than the version
+    // the store issued and the gateway reports).
+    redis.cli(&["SET", "{tollgate-bundle}:live", older_envelope.trim()]);
+    let out = tollgate(&["refresh", "--store", &store, "--sign-key", &sign]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains(&format!(
+            "the live bundle (version {older}) is older than version {current}, seen in the store"
+        )),
+        "{}",
+        stderr_of(&out)
+    );
+    redis.cli(&["SET", "{tollgate-bundle}:live", current_envelope.trim()]);
+    // Refreshed for three days: a new version of the same bundle, warned about at once.
+    let refreshed = version_of(&tollgate(&[
+        "refresh",
+        "--store",
+        &store,
+        "--sign-key",
+        &sign,
+        "--valid-for",
+        "3d",
+    ]));
+    assert!(refreshed > current);
+    wait_version(&fresh, refreshed);
+    let ready = readyz(&fresh);
+    assert_eq!(
+        ready["bundle_hash"],
+        sha256_hex(with_kill_switch().as_bytes())
+    );
+    let expires_at = ready["policy_source"]["live"]["expires_at"]
+        .as_i64()
+        .expect("an expiry");
+    assert!(
+        (expires_at - (now_secs() + 3 * 86_400)).abs() < 60,
+        "{expires_at}"
+    );
+    assert_eq!(ready["policy_source"]["expires_soon"], true);
+    assert_eq!(
+        fresh.metric("tollgate_bundle_expiry_timestamp_seconds"),
+        expires_at as f64
+    );
+    fresh.wait_for_log("the live bundle in force expires in 7");
+    // The refresh went to the live slot only: the history still rolls back to `older`.
+    let rolled = version_of(&tollgate(&[
+        "rollback",
+        "--store",
+        &store,
+        "--sign-key",
+        &sign,
+    ]));
+    wait_version(&fresh, rolled);
+    assert_eq!(readyz(&fresh)["bundle_hash"], sha256_hex(LIVE.as_bytes()));
+}
+
+/// A 150 MB envelope written into the live slot is refused by its size, never read: the
+/// gateway's peak memory does not grow by the envelope.
+#[test]
+fn a_150_mb_envelope_is_refused_by_its_size_without_being_read() {
+    let redis = RedisServer::start();
+    let store = redis.url();
+    let upstream = Upstream::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let first = publish(dir.path(), &store, LIVE, &[]);
+    let gw = follower(&store, "edge-big", &upstream, &[]);
+    wait_version(&gw, first);
+    let pid = gw.pid().expect("running");
+    let peak_before = proc_status_kb(pid, "VmHWM");
+    // 150 MB (157 286 400 bytes) in one step, on the server.
+    redis.cli(&["SETRANGE", "{tollgate-bundle}:live", "157286399", "x"]);
+    redis.cli(&["PUBLISH", "tollgate-bundle", "0"]);
+    gw.wait_until(Duration::from_secs(10), || {
+        rejected(&gw, "live", "too_large") == 1.0
+    });
+    let ready = readyz(&gw);
+    assert_eq!(
+        ready["policy_source"]["last_refusal"]["message"],
+        "bundle is 157286400 bytes, above the limit of 16777216"
+    );
+    assert_eq!(ready["bundle_version"], first);
+    let peak_after = proc_status_kb(pid, "VmHWM");
+    println!("gateway peak RSS: {peak_before} kB before, {peak_after} kB after the 150 MB slot");
+    assert!(
+        peak_after < peak_before + 16 * 1024,
+        "peak RSS grew from {peak_before} kB to {peak_after} kB"
+    );
+}
+
+/// A flood of `PUBLISH tollgate-bundle` from anyone who can reach the store: the gateway
+/// reads the store at most once per 100 ms (counted by Redis itself), stops listening for a
+/// while (polling instead), and still serves a publication made meanwhile.
+#[test]
+fn a_publish_flood_costs_at_most_one_read_per_100_ms() {
+    let redis = RedisServer::start();
+    let store = redis.url();
+    let upstream = Upstream::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let first = publish(dir.path(), &store, LIVE, &[]);
+    // The embedded bucket store: every script (and GET) Redis runs is the follower's read.
+    let gw = Gateway::start(
+        None,
+        Some(upstream.addr),
+        &[
+            "--policy-store",
+            &store,
+            "--allow-unsigned-bundles",
+            "--gateway-id",
+            "edge-flood",
+        ],
+    );
+    wait_version(&gw, first);
+    let reads = || -> u64 {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .filter(|l| {
+                [
+                    "cmdstat_evalsha:",
+                    "cmdstat_eval:",
+                    "cmdstat_mget:",
+                    "cmdstat_get:",
+                ]
+                .iter()
+                .any(|c| l.starts_with(c))
+            })
+            .filter_map(|l| {
+                l.split(['=', ','])
+                    .nth(1)
+                    .and_then(|calls| calls.parse::<u64>().ok())
+            })
+            .sum()
+    };
+    let pid = gw.pid().expect("running");
+    let (reads_before, cpu_before) = (reads(), cpu_ticks(pid));
+    let started = Instant::now();
+    let mut writer = std::net::TcpStream::connect(("127.0.0.1", redis.port)).expect("connect");
+    let mut reader = writer.try_clone().expect("clone");
+    let drained = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 1 << 16];
+        let mut lines = 0u64;
+        while let Ok(n) = reader.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            lines += buf[..n].iter().filter(|b| **b == b'\n').count() as u64;
+        }
+        lines
+    });
+    let command = b"*3\r\n$7\r\nPUBLISH\r\n$15\r\ntollgate-bundle\r\n$1\r\n0\r\n";
+    let batch: Vec<u8> = command.repeat(5_000);
+    let mut sent = 0u64;
+    while started.elapsed() < Duration::from_secs(2) {
+        writer.write_all(&batch).expect("flood");
+        sent += 5_000;
+    }
+    writer.write_all(b"*1\r\n$4\r\nQUIT\r\n").expect("quit");
+    let answered = drained.join().expect("reader");
+    let elapsed = started.elapsed();
+    let (reads_after, cpu_after) = (reads(), cpu_ticks(pid));
+    let during = reads_after - reads_before;
+    let ticks = cpu_after - cpu_before;
+    println!(
+        "{sent} notifications in {} ms: {during} reads; gateway CPU {} ms ({:.0} % of a core)",
+        elapsed.as_millis(),
+        ticks * 10,
+        ticks as f64 * 10.0 / elapsed.as_millis() as f64 * 100.0
+    );
+    assert_eq!(answered, sent + 1, "every PUBLISH answered, and the QUIT");
+    assert!(sent >= 10_000, "a flood: {sent}");
+    assert!(during >= 1, "the flood was read at least once");
+    let bound = elapsed.as_millis() as u64 / 100 + 2;
+    assert!(
+        during <= bound,
+        "{during} reads in {elapsed:?}: more than {bound}"
+    );
+    assert_eq!(readyz(&gw)["bundle_version"], first);
+    assert!(
+        gw.log_text()
+            .contains("change notifications within 100 ms: not listening for 10 s"),
+        "{}",
+        gw.log_text()
+    );
+    // A publication during the quiet time is read by the poll.
+    let next = publish(dir.path(), &store, &with_burst(12), &[]);
+    wait_version(&gw, next);
+}
+
+/// A candidate withdrawn (here by promote) and put back into the candidate slot is not taken
+/// back; a newer candidate is.
+#[test]
+fn a_withdrawn_candidate_put_back_is_not_taken_back() {
+    let redis = RedisServer::start();
+    let store = redis.url();
+    let upstream = Upstream::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (sign, verify) = key_pair(dir.path());
+    let live = publish(dir.path(), &store, LIVE, &["--sign-key", &sign]);
+    let gw = follower(
+        &store,
+        "edge-c",
+        &upstream,
+        &["--policy-verify-key", &verify],
+    );
+    wait_version(&gw, live);
+    let candidate_of = |gw: &Gateway| readyz(gw)["policy_source"]["candidate"]["version"].as_u64();
+    let candidate = publish(
+        dir.path(),
+        &store,
+        &with_burst(4),
+        &["--sign-key", &sign, "--candidate"],
+    );
+    gw.wait_until(Duration::from_secs(5), || {
+        candidate_of(&gw) == Some(candidate)
+    });
+    let withdrawn = redis.cli(&["GET", "{tollgate-bundle}:candidate"]);
+    let promoted = version_of(&tollgate(&[
+        "promote",
+        "--store",
+        &store,
+        "--sign-key",
+        &sign,
+    ]));
+    wait_version(&gw, promoted);
+    assert_eq!(candidate_of(&gw), None);
+    redis.cli(&["SET", "{tollgate-bundle}:candidate", withdrawn.trim()]);
+    redis.cli(&["PUBLISH", "tollgate-bundle", "0"]);
+    gw.wait_until(Duration::from_secs(5), || {
+        rejected(&gw, "candidate", "older_version") == 1.0
+    });
+    assert_eq!(candidate_of(&gw), None);
+    let refusal = &readyz(&gw)["policy_source"]["last_refusal"];
+    assert_eq!(refusal["slot"], "candidate");
+    assert_eq!(refusal["version"], candidate);
+    assert_eq!(
+        refusal["message"],
+        format!(
+            "version {candidate} is not above version {candidate}, a candidate withdrawn: a withdrawn candidate does not come back"
+        )
+    );
+    let newer = publish(
+        dir.path(),
+        &store,
+        &with_burst(3),
+        &["--sign-key", &sign, "--candidate"],
+    );
+    gw.wait_until(Duration::from_secs(5), || candidate_of(&gw) == Some(newer));
 }

@@ -48,9 +48,17 @@ pub enum Command {
     /// Publish the previous live bundle again as live, as a new version; prints the version.
     #[command(after_help = ROLLBACK_EXAMPLES)]
     Rollback(PromoteArgs),
+    /// Seal the live bundle again under a new version with a new expiry (--valid-for),
+    /// re-signed; prints the version. Run it before the live bundle expires.
+    #[command(after_help = REFRESH_EXAMPLES)]
+    Refresh(PromoteArgs),
     /// Which gateway runs which bundle: one line per gateway from their heartbeats.
     #[command(after_help = FLEET_EXAMPLES)]
     Fleet(FleetArgs),
+    /// Repair a policy store written by someone without the signing key: the version record
+    /// set back to the highest believable version, heartbeats from the future removed.
+    #[command(after_help = REPAIR_EXAMPLES)]
+    Repair(RepairArgs),
 }
 
 /// `tollgate help run`'s examples (each line after a comment is parsed by a unit test).
@@ -111,6 +119,18 @@ pub const ROLLBACK_EXAMPLES: &str = "Examples:
   # Once more: the one before it (each rollback goes one bundle further back)
   tollgate rollback --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem";
 
+/// `tollgate refresh`'s examples.
+pub const REFRESH_EXAMPLES: &str = "Examples:
+  # The live bundle sealed again, valid for another 30 days (daily from cron keeps it valid):
+  tollgate refresh --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem
+  # A shorter validity narrows how long an old bundle could be put back:
+  tollgate refresh --store redis://10.0.0.9:6379 --sign-key bundle-sign.pem --valid-for 2d";
+
+/// `tollgate repair`'s examples.
+pub const REPAIR_EXAMPLES: &str = "Examples:
+  # Set the version record back and drop heartbeats from the future; prints the record:
+  tollgate repair --store redis://10.0.0.9:6379";
+
 /// `tollgate fleet`'s examples.
 pub const FLEET_EXAMPLES: &str =
     "Columns: GATEWAY (--gateway-id), LIVE (its live version), HASH (the first 12 hex
@@ -146,6 +166,10 @@ pub struct SigningArgs {
     /// unsigned one anyway. Gateways with --policy-verify-key refuse unsigned bundles.
     #[arg(long)]
     pub allow_unsigned: bool,
+    /// How long the sealed envelope is valid (covered by the signature): gateways refuse it
+    /// after that, and warn a week ahead. `tollgate refresh` seals it again.
+    #[arg(long, value_name = "DURATION", default_value = "30d")]
+    pub valid_for: humantime::Duration,
 }
 
 #[derive(Debug, Args)]
@@ -171,6 +195,12 @@ pub struct PromoteArgs {
     pub store: StoreArgs,
     #[command(flatten)]
     pub signing: SigningArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct RepairArgs {
+    #[command(flatten)]
+    pub store: StoreArgs,
 }
 
 #[derive(Debug, Args)]
@@ -222,6 +252,16 @@ pub struct RunArgs {
         requires = "policy_store"
     )]
     pub policy_verify_key: Option<PathBuf>,
+    /// Follow --policy-store without --policy-verify-key: put in force unsigned bundles that
+    /// anyone able to write the store could have written (start-up warns). Without a verify
+    /// key and without this flag, start-up fails.
+    #[arg(
+        help_heading = "Policy",
+        long,
+        env = "TOLLGATE_ALLOW_UNSIGNED_BUNDLES",
+        requires = "policy_store"
+    )]
+    pub allow_unsigned_bundles: bool,
     /// This gateway's name in the policy store's heartbeats (`tollgate fleet`); default: the
     /// host name and the --listen port.
     #[arg(
@@ -1009,7 +1049,9 @@ mod tests {
             PUBLISH_EXAMPLES,
             PROMOTE_EXAMPLES,
             ROLLBACK_EXAMPLES,
+            REFRESH_EXAMPLES,
             FLEET_EXAMPLES,
+            REPAIR_EXAMPLES,
         ] {
             for line in examples.lines().map(str::trim) {
                 let Some(args) = line.strip_prefix("tollgate ") else {
@@ -1029,6 +1071,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(seen, 11 + 8);
+        assert_eq!(seen, 11 + 8 + 3);
     }
 }

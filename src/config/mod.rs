@@ -80,6 +80,9 @@ pub struct PolicyStoreConfig {
     pub url: String,
     /// `--policy-verify-key`: read at start-up (a key that cannot be read stops it).
     pub verify_key: Option<PathBuf>,
+    /// `--allow-unsigned-bundles`: without a verify key, put unsigned bundles in force (never
+    /// the default: without a key, anyone who can write the store chooses the policy).
+    pub allow_unsigned: bool,
     /// `--gateway-id`, or the host name and the `--listen` port.
     pub gateway_id: String,
     /// `--policy-store-max-bytes`.
@@ -355,6 +358,7 @@ impl Config {
         let policy_store = args.policy_store.as_ref().map(|url| PolicyStoreConfig {
             url: url.clone(),
             verify_key: args.policy_verify_key.clone(),
+            allow_unsigned: args.allow_unsigned_bundles,
             gateway_id: args.gateway_id.clone().unwrap_or_else(|| {
                 let port = args
                     .listen
@@ -381,6 +385,15 @@ impl Config {
                     crate::fleet::source::display_url(url)
                 ));
             }
+        }
+        if args.policy_store.is_some()
+            && args.policy_verify_key.is_none()
+            && !args.allow_unsigned_bundles
+        {
+            errors.push(
+                "--policy-store: without --policy-verify-key every bundle is taken unsigned, from anyone who can write the store: give --policy-verify-key PEM (the public half of publish's --sign-key), or --allow-unsigned-bundles to accept that"
+                    .to_string(),
+            );
         }
         if args.policy_store_max_bytes == 0 {
             errors.push("--policy-store-max-bytes 0: must be at least 1".to_string());

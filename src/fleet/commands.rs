@@ -1,5 +1,5 @@
-//! `tollgate publish`, `promote`, `rollback` and `fleet`: the operator's side of a policy
-//! store. Each prints what scripts capture on standard output (a new version, or the fleet
+//! `tollgate publish`, `promote`, `rollback`, `refresh`, `fleet` and `repair`: the operator's
+//! side of a policy store. Each prints what scripts capture on standard output (a new version, or the fleet
 //! table or JSON) and everything else on standard error, and exits 0 when done, 1 when the
 //! input is the problem (an invalid bundle, no candidate to promote, nothing to roll back to)
 //! and 2 when the store or a key is (unreachable, refused, a key file that is no Ed25519 key,
@@ -13,13 +13,17 @@
 //! - without `--sign-key`, the three refuse to replace a signed live bundle (or promote a
 //!   signed candidate) by an unsigned one, which gateways holding a verify key would refuse,
 //!   unless `--allow-unsigned` says that is meant.
+//!
+//! Versions and expiries are taken from the store's clock. A version seen in the store above
+//! that clock plus a day (a forged heartbeat or version record) is not believed: publishing
+//! goes on past it with a warning, and `tollgate repair` clears it.
 
-use super::envelope::{self, next_version, Envelope, SigningKey, Slot};
+use super::envelope::{self, believable, next_version, Envelope, SigningKey, Slot};
 use super::source::{self, Heartbeat, PolicySource, SourceError};
 use super::standing::{SlotId, Standing};
 use crate::config::cli::{
-    FleetArgs, PromoteArgs, PublishArgs, SigningArgs, StoreArgs, EXIT_FAILURE, EXIT_INVALID,
-    EXIT_OK,
+    FleetArgs, PromoteArgs, PublishArgs, RepairArgs, SigningArgs, StoreArgs, EXIT_FAILURE,
+    EXIT_INVALID, EXIT_OK,
 };
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -169,21 +173,102 @@ fn stored_version(bytes: &[u8]) -> Option<u64> {
         .as_u64()
 }
 
-/// Every version the store and the fleet have seen: the store's highest, both slots', and
-/// every heartbeat's.
-async fn seen_versions(store: &dyn PolicySource) -> Outcome<Vec<u64>> {
-    let mut seen = vec![store
-        .highest_version()
-        .await
-        .map_err(|e| store_failure(&e))?];
+/// How far ahead of the store's clock a heartbeat's `at` may be before `fleet` marks it and
+/// `repair` removes it: clocks that disagree by more were set wrong, or the heartbeat forged.
+pub const HEARTBEAT_SKEW_SECS: i64 = 60;
+
+/// The store's clock (Unix milliseconds), what versions and expiries are taken from.
+async fn store_clock(store: &dyn PolicySource) -> Outcome<u64> {
+    store.clock_ms().await.map_err(|e| store_failure(&e))
+}
+
+/// Every version the store and the fleet have seen, with where each was seen: the version
+/// record, both slots', the history's and every heartbeat's.
+async fn versions_seen(store: &dyn PolicySource) -> Outcome<Vec<(u64, String)>> {
+    let mut seen = vec![(
+        store
+            .highest_version()
+            .await
+            .map_err(|e| store_failure(&e))?,
+        "the version record".to_string(),
+    )];
     let slots = store.read().await.map_err(|e| store_failure(&e))?;
-    seen.extend(slots.live.as_deref().and_then(stored_version));
-    seen.extend(slots.candidate.as_deref().and_then(stored_version));
+    seen.extend(
+        slots
+            .live
+            .as_deref()
+            .and_then(stored_version)
+            .map(|v| (v, "the live slot".to_string())),
+    );
+    seen.extend(
+        slots
+            .candidate
+            .as_deref()
+            .and_then(stored_version)
+            .map(|v| (v, "the candidate slot".to_string())),
+    );
     for beat in store.gateways().await.map_err(|e| store_failure(&e))? {
-        seen.extend(beat.live_version);
-        seen.extend(beat.candidate_version);
+        for v in [beat.live_version, beat.candidate_version]
+            .into_iter()
+            .flatten()
+        {
+            seen.push((v, format!("the heartbeat of gateway {:?}", beat.id)));
+        }
     }
     Ok(seen)
+}
+
+/// The versions seen that are believed at `now_ms`; each one that is not is named on `err`.
+async fn seen_versions(
+    store: &dyn PolicySource,
+    now_ms: u64,
+    err: &mut dyn Write,
+) -> Outcome<Vec<u64>> {
+    let mut believed = Vec::new();
+    for (version, place) in versions_seen(store).await? {
+        if believable(version, now_ms) {
+            believed.push(version);
+        } else {
+            let _ = writeln!(
+                err,
+                "warning: version {version} in {place} is above the store's clock plus a day: \
+                 not believed (written by someone without the signing key, or a clock far \
+                 ahead); `tollgate repair --store {}` clears it",
+                store.display_url()
+            );
+        }
+    }
+    Ok(believed)
+}
+
+/// The expiry of an envelope sealed at `now_ms` (Unix seconds).
+fn expiry(now_ms: u64, signing: &SigningArgs) -> Outcome<i64> {
+    let valid_for = signing.valid_for.as_secs();
+    if valid_for == 0 {
+        return Err(Failure(
+            EXIT_FAILURE,
+            "--valid-for: must be at least 1s".to_string(),
+        ));
+    }
+    i64::try_from(now_ms / 1000)
+        .ok()
+        .and_then(|now| now.checked_add(i64::try_from(valid_for).ok()?))
+        .ok_or_else(|| {
+            Failure(
+                EXIT_FAILURE,
+                format!("--valid-for {}: too long", signing.valid_for),
+            )
+        })
+}
+
+/// `expires_at` as people read it: the UTC time.
+fn expiry_text(expires_at: i64) -> String {
+    u64::try_from(expires_at)
+        .map(|secs| {
+            humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(secs))
+                .to_string()
+        })
+        .unwrap_or_else(|_| expires_at.to_string())
 }
 
 /// The signing rule for replacing `current` (the store's live or candidate envelope) by a
@@ -261,7 +346,7 @@ fn publish_inner(args: &PublishArgs, err: &mut dyn Write) -> Outcome<u64> {
     })?;
     let text = validate_bundle(&args.file, &bytes, err)?;
     if let Some(path) = &args.out {
-        return publish_to_file(path, text, key.as_ref());
+        return publish_to_file(path, text, key.as_ref(), &args.signing);
     }
     let store = open_store(&args.store)?;
     let slot = if args.candidate {
@@ -282,12 +367,15 @@ fn publish_inner(args: &PublishArgs, err: &mut dyn Write) -> Outcome<u64> {
             slots.live.as_deref()
         };
         check_unsigned_replacement(current, key.as_ref(), &args.signing, what, err)?;
-        let version = next_version(now_ms(), seen_versions(store.as_ref()).await?);
+        let now = store_clock(store.as_ref()).await?;
+        let expires_at = expiry(now, &args.signing)?;
+        let version = next_version(now, seen_versions(store.as_ref(), now, err).await?);
         let envelope = Envelope::seal(
             text,
             slot,
             version,
             crate::limits::clock::wall_unix_secs(),
+            Some(expires_at),
             key.as_ref(),
         );
         store
@@ -296,11 +384,12 @@ fn publish_inner(args: &PublishArgs, err: &mut dyn Write) -> Outcome<u64> {
             .map_err(|e| store_failure(&e))?;
         let _ = writeln!(
             err,
-            "published {} as the {} bundle, version {version}, sha256 {}{}, on {}",
+            "published {} as the {} bundle, version {version}, sha256 {}{}, valid until {}, on {}",
             args.file.display(),
             slot.as_str(),
             envelope.sha256,
             if key.is_some() { ", signed" } else { "" },
+            expiry_text(expires_at),
             store.display_url()
         );
         Ok(version)
@@ -309,16 +398,23 @@ fn publish_inner(args: &PublishArgs, err: &mut dyn Write) -> Outcome<u64> {
 
 /// `publish --out`: the envelope written to a file (replaced atomically), its version above
 /// the one the file held.
-fn publish_to_file(path: &Path, text: String, key: Option<&SigningKey>) -> Outcome<u64> {
+fn publish_to_file(
+    path: &Path,
+    text: String,
+    key: Option<&SigningKey>,
+    signing: &SigningArgs,
+) -> Outcome<u64> {
     let previous = std::fs::read(path)
         .ok()
         .and_then(|bytes| stored_version(&bytes));
-    let version = next_version(now_ms(), previous);
+    let now = now_ms();
+    let version = next_version(now, previous);
     let envelope = Envelope::seal(
         text,
         Slot::Live,
         version,
         crate::limits::clock::wall_unix_secs(),
+        Some(expiry(now, signing)?),
         key,
     );
     let failed = |e: std::io::Error| {
@@ -395,12 +491,15 @@ fn promote_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             "live bundle",
             err,
         )?;
-        let version = next_version(now_ms(), seen_versions(store.as_ref()).await?);
+        let now = store_clock(store.as_ref()).await?;
+        let expires_at = expiry(now, &args.signing)?;
+        let version = next_version(now, seen_versions(store.as_ref(), now, err).await?);
         let live = Envelope::seal(
             candidate.policy,
             Slot::Live,
             version,
             crate::limits::clock::wall_unix_secs(),
+            Some(expires_at),
             key.as_ref(),
         );
         store
@@ -457,12 +556,15 @@ fn rollback_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             "live bundle",
             err,
         )?;
-        let version = next_version(now_ms(), seen_versions(store.as_ref()).await?);
+        let now = store_clock(store.as_ref()).await?;
+        let expires_at = expiry(now, &args.signing)?;
+        let version = next_version(now, seen_versions(store.as_ref(), now, err).await?);
         let live = Envelope::seal(
             previous.policy,
             Slot::Live,
             version,
             crate::limits::clock::wall_unix_secs(),
+            Some(expires_at),
             key.as_ref(),
         );
         store
@@ -481,12 +583,198 @@ fn rollback_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
     })
 }
 
+/// `tollgate refresh`; returns the exit code.
+pub fn refresh(args: &PromoteArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let result = refresh_inner(args, err);
+    finish(result, out, err)
+}
+
+/// Seals the live bundle again (a new version, a new expiry), after checking it is the one the
+/// fleet should run: signed by `--sign-key` (never laundering an envelope slipped in), not
+/// expired, and no newer version anywhere in the store (a bundle put back in the live slot
+/// is not given a new life).
+fn refresh_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
+    let key = signing_key(&args.signing)?;
+    let store = open_store(&args.store)?;
+    runtime()?.block_on(async {
+        let slots = store.read().await.map_err(|e| store_failure(&e))?;
+        let Some(bytes) = slots.live.as_deref() else {
+            return Err(Failure(
+                EXIT_INVALID,
+                format!("no live bundle to refresh on {}", store.display_url()),
+            ));
+        };
+        let live = Envelope::parse(bytes, Slot::Live, usize::MAX).map_err(|e| {
+            Failure(
+                EXIT_INVALID,
+                format!(
+                    "the live bundle on {} is not usable: {e}",
+                    store.display_url()
+                ),
+            )
+        })?;
+        check_resign(&live, key.as_ref(), "live bundle")?;
+        check_unsigned_replacement(Some(bytes), key.as_ref(), &args.signing, "live bundle", err)?;
+        let now = store_clock(store.as_ref()).await?;
+        let now_secs = i64::try_from(now / 1000).unwrap_or(i64::MAX);
+        let put_back = |why: String| {
+            Failure(
+                EXIT_INVALID,
+                format!(
+                    "the live bundle (version {}) {why}: it is not refreshed; publish the bundle \
+                     the fleet should run from its file",
+                    live.version
+                ),
+            )
+        };
+        if let Err(e) = live.check_expiry(now_secs, false) {
+            return Err(put_back(format!("cannot be refreshed: {e}")));
+        }
+        if let Err(e) = live.check_version(now) {
+            return Err(put_back(e.to_string()));
+        }
+        let seen = seen_versions(store.as_ref(), now, err).await?;
+        let history = store.history().await.map_err(|e| store_failure(&e))?;
+        let newest = seen
+            .into_iter()
+            .chain(history.iter().filter_map(|h| stored_version(h)))
+            .filter(|v| believable(*v, now))
+            .max()
+            .unwrap_or(0);
+        if newest > live.version {
+            return Err(put_back(format!(
+                "is older than version {newest}, seen in the store (the version record, the \
+                 candidate, the history or a gateway's heartbeat): it may have been put back"
+            )));
+        }
+        let label = PathBuf::from(format!("live bundle version {}", live.version));
+        validate_bundle(&label, live.policy.as_bytes(), err)?;
+        let expires_at = expiry(now, &args.signing)?;
+        let version = next_version(now, [newest]);
+        let refreshed = Envelope::seal(
+            live.policy,
+            Slot::Live,
+            version,
+            crate::limits::clock::wall_unix_secs(),
+            Some(expires_at),
+            key.as_ref(),
+        );
+        store
+            .refresh(&refreshed, bytes)
+            .await
+            .map_err(|e| store_failure(&e))?;
+        let _ = writeln!(
+            err,
+            "refreshed live version {} as version {version}, sha256 {}, valid until {}",
+            live.version,
+            refreshed.sha256,
+            expiry_text(expires_at)
+        );
+        Ok(version)
+    })
+}
+
+/// `tollgate repair`; returns the exit code.
+pub fn repair(args: &RepairArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let result = repair_inner(args, err);
+    finish(result, out, err)
+}
+
+/// Sets the version record to the highest believable version seen (the record, the slots, the
+/// history, the heartbeats), and removes the heartbeats [`suspect`] finds. Prints the record.
+fn repair_inner(args: &RepairArgs, err: &mut dyn Write) -> Outcome<u64> {
+    let store = open_store(&args.store)?;
+    runtime()?.block_on(async {
+        let now = store_clock(store.as_ref()).await?;
+        let record = store
+            .highest_version()
+            .await
+            .map_err(|e| store_failure(&e))?;
+        let slots = store.read().await.map_err(|e| store_failure(&e))?;
+        let history = store.history().await.map_err(|e| store_failure(&e))?;
+        let beats = store.gateways().await.map_err(|e| store_failure(&e))?;
+        let suspects: Vec<&Heartbeat> = beats
+            .iter()
+            .filter(|beat| suspect(beat, now).is_some())
+            .collect();
+        let mut versions = vec![record];
+        versions.extend(slots.live.as_deref().and_then(stored_version));
+        versions.extend(slots.candidate.as_deref().and_then(stored_version));
+        versions.extend(history.iter().filter_map(|h| stored_version(h)));
+        for beat in beats.iter().filter(|b| suspect(b, now).is_none()) {
+            versions.extend(beat.live_version);
+            versions.extend(beat.candidate_version);
+        }
+        let issued = versions
+            .into_iter()
+            .filter(|v| believable(*v, now))
+            .max()
+            .unwrap_or(0);
+        let ids: Vec<String> = suspects.iter().map(|b| b.id.clone()).collect();
+        store
+            .repair(issued, &ids)
+            .await
+            .map_err(|e| store_failure(&e))?;
+        if record == issued {
+            let _ = writeln!(err, "the version record {record} is believable: kept");
+        } else {
+            let _ = writeln!(
+                err,
+                "the version record was {record}; set to {issued}, the highest believable \
+                 version in the store"
+            );
+        }
+        for beat in &suspects {
+            let _ = writeln!(
+                err,
+                "removed the heartbeat of gateway {:?}: {}",
+                beat.id,
+                suspect(beat, now).unwrap_or_default()
+            );
+        }
+        for (name, bytes) in [("live", &slots.live), ("candidate", &slots.candidate)] {
+            if let Some(v) = bytes
+                .as_deref()
+                .and_then(stored_version)
+                .filter(|v| !believable(*v, now))
+            {
+                let _ = writeln!(
+                    err,
+                    "warning: the {name} slot holds version {v}, above the store's clock plus a \
+                     day: gateways refuse it; publish the bundle meant"
+                );
+            }
+        }
+        Ok(issued)
+    })
+}
+
+/// Why a heartbeat is not to be believed at `now_ms` (the store's clock), if it is not: sent
+/// from the future (beyond [`HEARTBEAT_SKEW_SECS`]), or naming a version above the clock plus
+/// a day.
+pub fn suspect(beat: &Heartbeat, now_ms: u64) -> Option<String> {
+    let now = i64::try_from(now_ms / 1000).unwrap_or(i64::MAX);
+    if beat.at > now.saturating_add(HEARTBEAT_SKEW_SECS) {
+        return Some(format!(
+            "stamped {} ahead of the store's clock (more than {HEARTBEAT_SKEW_SECS}s of skew)",
+            span(beat.at.saturating_sub(now))
+        ));
+    }
+    [beat.live_version, beat.candidate_version]
+        .into_iter()
+        .flatten()
+        .find(|v| !believable(*v, now_ms))
+        .map(|v| format!("names version {v}, above the store's clock plus a day"))
+}
+
 /// What `tollgate fleet` shows of a stored slot.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct SlotSummary {
     pub version: u64,
     pub hash: String,
     pub signed: bool,
+    /// Unix seconds; `None` for an envelope from before expiries.
+    pub expires_at: Option<i64>,
 }
 
 fn summary(bytes: Option<&[u8]>) -> Option<SlotSummary> {
@@ -495,6 +783,7 @@ fn summary(bytes: Option<&[u8]>) -> Option<SlotSummary> {
         version: envelope.version,
         hash: envelope.sha256,
         signed: envelope.signature.is_some(),
+        expires_at: envelope.expires_at,
     })
 }
 
@@ -506,10 +795,11 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         runtime()?.block_on(async {
             let slots = store.read().await.map_err(|e| store_failure(&e))?;
             let beats = store.gateways().await.map_err(|e| store_failure(&e))?;
-            Ok((store.display_url(), slots, beats))
+            let now = store_clock(store.as_ref()).await?;
+            Ok((store.display_url(), slots, beats, now))
         })
     })();
-    let (url, slots, beats) = match result {
+    let (url, slots, beats, now_ms) = match result {
         Ok(read) => read,
         Err(Failure(code, message)) => {
             let _ = writeln!(err, "{message}");
@@ -549,6 +839,7 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 let mut entry = serde_json::to_value(beat).unwrap_or_default();
                 entry["standing"] = standing.to_string().into();
                 entry["on_live"] = (*on_live).into();
+                entry["suspect"] = suspect(beat, now_ms).into();
                 entry
             })
             .collect();
@@ -567,7 +858,7 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             candidate.as_ref(),
             &beats,
             &standings,
-            crate::limits::clock::wall_unix_secs(),
+            now_ms,
         )
     };
     let _ = writeln!(out, "{text}");
@@ -584,34 +875,51 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     EXIT_INVALID
 }
 
-/// How long ago `at` was, as `fleet` shows it: `3s ago`, `5m ago`, `2h ago`, `4d ago`.
-pub fn age(now: i64, at: i64) -> String {
-    let secs = (now - at).max(0);
+/// A number of seconds as `fleet` shows it: `3s`, `5m`, `2h`, `4d`.
+fn span(secs: i64) -> String {
+    let secs = secs.max(0);
     match secs {
-        0..60 => format!("{secs}s ago"),
-        60..3600 => format!("{}m ago", secs / 60),
-        3600..86400 => format!("{}h ago", secs / 3600),
-        _ => format!("{}d ago", secs / 86400),
+        0..60 => format!("{secs}s"),
+        60..3600 => format!("{}m", secs / 60),
+        3600..86400 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86400),
     }
 }
 
+/// How long ago `at` was, as `fleet` shows it: `3s ago`, `5m ago`, `2h ago`, `4d ago`; a
+/// heartbeat stamped further ahead than [`HEARTBEAT_SKEW_SECS`] shows as `FUTURE+2h`, never as
+/// fresh.
+pub fn age(now: i64, at: i64) -> String {
+    if at > now.saturating_add(HEARTBEAT_SKEW_SECS) {
+        return format!("FUTURE+{}", span(at.saturating_sub(now)));
+    }
+    format!("{} ago", span(now.saturating_sub(at)))
+}
+
 /// The table `tollgate fleet` prints: the store, its live and candidate bundles, then one
-/// line per gateway under a header, columns padded to their widest cell; `standings` holds
-/// each gateway's STATE.
+/// line per gateway under a header, columns padded to their widest cell, then a line for each
+/// heartbeat not to be believed ([`suspect`]); `standings` holds each gateway's STATE and
+/// `now_ms` is the store's clock.
 pub fn fleet_table(
     url: &str,
     live: Option<&SlotSummary>,
     candidate: Option<&SlotSummary>,
     beats: &[Heartbeat],
     standings: &[Standing],
-    now: i64,
+    now_ms: u64,
 ) -> String {
+    let now = i64::try_from(now_ms / 1000).unwrap_or(i64::MAX);
     let slot_line = |name: &str, slot: Option<&SlotSummary>| match slot {
         Some(s) => format!(
-            "{name}: {} (hash {}{})",
+            "{name}: {} (hash {}{}, {})",
             s.version,
             envelope::short_hash(&s.hash),
-            if s.signed { ", signed" } else { ", unsigned" }
+            if s.signed { ", signed" } else { ", unsigned" },
+            match s.expires_at {
+                Some(at) if at <= now => format!("EXPIRED {}", expiry_text(at)),
+                Some(at) => format!("valid until {}", expiry_text(at)),
+                None => "no expiry".to_string(),
+            }
         ),
         None => format!("{name}: none"),
     };
@@ -667,6 +975,15 @@ pub fn fleet_table(
     if beats.is_empty() {
         text.push_str("(no gateway has sent a heartbeat)\n");
     }
+    for beat in beats {
+        if let Some(why) = suspect(beat, now_ms) {
+            text.push_str(&format!(
+                "! {}: not believed: {why}; forged by someone who can write the store, or a \
+                 clock set wrong (`tollgate repair` removes it)\n",
+                beat.id
+            ));
+        }
+    }
     text.trim_end().to_string()
 }
 
@@ -677,7 +994,10 @@ mod tests {
     #[test]
     fn ages_read_as_people_say_them() {
         assert_eq!(age(100, 97), "3s ago");
-        assert_eq!(age(100, 200), "0s ago", "a gateway's clock ahead");
+        assert_eq!(age(100, 130), "0s ago", "a gateway's clock a little ahead");
+        assert_eq!(age(100, 160), "0s ago");
+        assert_eq!(age(100, 161), "FUTURE+1m", "beyond the skew bound");
+        assert_eq!(age(100, 100 + 7_300), "FUTURE+2h");
         assert_eq!(age(10_000, 10_000 - 150), "2m ago");
         assert_eq!(age(100_000, 100_000 - 7_300), "2h ago");
         assert_eq!(age(1_000_000, 1_000_000 - 3 * 86_400), "3d ago");
@@ -702,15 +1022,16 @@ mod tests {
             version: 1_764_000_000_000,
             hash: "3f2a9c1b7d4e00112233".into(),
             signed: true,
+            expires_at: Some(1_766_592_000),
         };
         let table = fleet_table(
             "redis://127.0.0.1:6379",
             Some(&live),
             None,
             &[
-                beat("edge-1", Some(1_764_000_000_500), 997),
-                beat("edge-2", None, 940),
-                beat("edge-3", None, 940),
+                beat("edge-1", Some(1_764_000_000_500), 1_764_000_000 - 3),
+                beat("edge-2", None, 1_764_000_000 - 60),
+                beat("edge-3", None, 1_764_000_000 - 60),
             ],
             &[
                 Standing::Current("following".into()),
@@ -720,17 +1041,68 @@ mod tests {
                 },
                 Standing::Behind,
             ],
-            1000,
+            1_764_000_000_000,
         );
         assert_eq!(
             table,
             "store: redis://127.0.0.1:6379\n\
-             live: 1764000000000 (hash 3f2a9c1b7d4e, signed)\n\
+             live: 1764000000000 (hash 3f2a9c1b7d4e, signed, valid until 2025-12-24T16:00:00Z)\n\
              candidate: none\n\
              GATEWAY  LIVE           HASH          CANDIDATE      SEEN    WOULD-REFUSE  STATE\n\
              edge-1   1764000000000  3f2a9c1b7d4e  1764000000500  3s ago  12            following\n\
              edge-2   1764000000000  3f2a9c1b7d4e  -              1m ago  -             refused (unsigned)\n\
              edge-3   1764000000000  3f2a9c1b7d4e  -              1m ago  -             behind"
         );
+    }
+
+    #[test]
+    fn heartbeats_from_the_future_are_marked_not_shown_fresh() {
+        let now_ms = 1_764_000_000_000u64;
+        let beat = |id: &str, version: u64, at: i64| Heartbeat {
+            id: id.into(),
+            live_version: Some(version),
+            live_hash: Some("3f2a9c1b7d4e00112233".into()),
+            candidate_version: None,
+            candidate_hash: None,
+            at,
+            candidate_refusals: Default::default(),
+            source_state: "following".into(),
+            refusals: Vec::new(),
+        };
+        let honest = beat("edge-1", now_ms - 10, 1_764_000_000 - 2);
+        let ahead = beat("forged-1", now_ms - 10, 1_764_000_000 + 3 * 3600);
+        let version = beat("forged-2", (1 << 63) - 2, 1_764_000_000 - 1);
+        assert_eq!(suspect(&honest, now_ms), None);
+        assert_eq!(
+            suspect(&ahead, now_ms).as_deref(),
+            Some("stamped 3h ahead of the store's clock (more than 60s of skew)")
+        );
+        assert_eq!(
+            suspect(&version, now_ms).as_deref(),
+            Some("names version 9223372036854775806, above the store's clock plus a day")
+        );
+        let following = || Standing::Current("following".into());
+        let table = fleet_table(
+            "redis://x",
+            None,
+            None,
+            &[honest, ahead, version],
+            &[following(), following(), following()],
+            now_ms,
+        );
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[4].starts_with("edge-1 "), "{table}");
+        assert!(lines[4].contains(" 2s ago "), "{table}");
+        assert!(lines[5].contains(" FUTURE+3h "), "{table}");
+        assert!(!lines[5].contains(" ago "), "{table}");
+        assert!(
+            lines[7].starts_with("! forged-1: not believed: stamped 3h ahead"),
+            "{table}"
+        );
+        assert!(
+            lines[8].starts_with("! forged-2: not believed: names version"),
+            "{table}"
+        );
+        assert_eq!(lines.len(), 9, "{table}");
     }
 }

@@ -33,7 +33,8 @@ mod postgres;
 mod redis;
 
 pub use policy_source::{
-    display_url, Heartbeat, PolicySource, SlotRefusal, Slots, SourceError, HISTORY_KEPT,
+    display_url, Bounded, BoundedSlots, Heartbeat, PolicySource, SlotRefusal, Slots, SourceError,
+    HISTORY_KEPT,
 };
 use std::time::Duration;
 
@@ -85,6 +86,24 @@ mod tests {
             !feed.wait(Duration::from_secs(5)).await,
             "down returns at once"
         );
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_notifications_turns_the_channel_off_for_a_while() {
+        let feed = Feed::new();
+        feed.set_up(true);
+        for _ in 0..feed::FLOOD_LIMIT {
+            assert!(feed.notified());
+        }
+        assert!(!feed.quiet());
+        // Within the same window (FLOOD_LIMIT fast calls take far less than 100 ms).
+        assert!(
+            !feed.notified(),
+            "flooded: the caller drops its subscription"
+        );
+        assert!(feed.quiet());
+        // What arrived is still seen once.
+        assert!(feed.wait(Duration::from_millis(1)).await);
     }
 
     #[test]

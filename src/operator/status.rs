@@ -190,7 +190,7 @@ fn render_policy_source(body: &mut String, source: &serde_json::Value) {
         body,
         "<h2>Policy store</h2><table id=\"policy-source\"><tr><th>store</th><td><code>{}</code> ({})</td></tr>\
 <tr><th>state</th><td id=\"policy-source-state\" class=\"{}\">{}{}</td></tr>\
-<tr><th>live</th><td id=\"policy-source-live\">{} <code>{}</code></td></tr>\
+<tr><th>live</th><td id=\"policy-source-live\">{} <code>{}</code>{}</td></tr>\
 <tr><th>candidate</th><td id=\"policy-source-candidate\">{} <code>{}</code></td></tr>",
         text(&source["url"]),
         text(&source["kind"]),
@@ -202,6 +202,11 @@ fn render_policy_source(body: &mut String, source: &serde_json::Value) {
             .map_or_else(String::new, |since| format!(" since {}", rfc3339(since))),
         text(&source["live"]["version"]),
         text(&source["live"]["hash"]),
+        source["live"]["expires_at"].as_u64().map_or_else(String::new, |at| format!(
+            " · <span class=\"{}\">valid until {}</span>",
+            if source["expires_soon"] == true { "bad" } else { "ok" },
+            rfc3339(at)
+        )),
         text(&source["candidate"]["version"]),
         text(&source["candidate"]["hash"]),
     );
@@ -486,7 +491,8 @@ mod tests {
             "kind": "redis",
             "state": "unreachable",
             "unreachable_since": 1_764_000_000,
-            "live": {"version": 1_764_000_000_123_u64, "hash": "ab12"},
+            "live": {"version": 1_764_000_000_123_u64, "hash": "ab12", "expires_at": 1_764_086_400},
+            "expires_soon": true,
             "candidate": null,
             "last_refusal": {"at": 1_764_000_010, "slot": "live", "version": 7, "reason": "older_version", "message": "version 7 is below <8>"},
         });
@@ -503,7 +509,7 @@ mod tests {
             candidate: None,
         });
         assert!(page.contains("<td id=\"policy-source-state\" class=\"bad\">unreachable since 2025-11-24T16:00:00Z</td>"), "{page}");
-        assert!(page.contains("<td id=\"policy-source-live\">1764000000123 <code>ab12</code></td>"));
+        assert!(page.contains("<td id=\"policy-source-live\">1764000000123 <code>ab12</code> · <span class=\"bad\">valid until 2025-11-25T16:00:00Z</span></td>"), "{page}");
         assert!(page.contains("<td id=\"policy-source-candidate\">- <code>-</code></td>"));
         assert!(page.contains("<code>redis://:****@10.0.0.9:6379</code> (redis)"));
         assert!(page.contains(

@@ -841,7 +841,14 @@ fn start_following(
             crate::fleet::envelope::VerifyKey::from_pem_file(path)
                 .map_err(|e| format!("--policy-verify-key {e}"))?,
         )),
-        None => None,
+        None => {
+            // Config refuses this without --allow-unsigned-bundles.
+            tracing::warn!(
+                url = %crate::fleet::source::display_url(&store.url),
+                "--allow-unsigned-bundles: following the policy store without --policy-verify-key: any bundle in it is put in force, unsigned, from anyone who can write to the store"
+            );
+            None
+        }
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -7,11 +7,18 @@
 //! A bundle that fails any check is refused once (an ERROR line naming the slot, the version
 //! and the reason, `tollgate_policy_source_rejected_total`, `/readyz`'s `last_refusal`) and the
 //! bundle in force stays; an empty or wiped store unloads nothing.
+//!
+//! Against someone who can write the store but holds no signing key: a slot's size is asked
+//! before it is read; an envelope past its expiry (or, with a verify key, without one) is
+//! refused, and the expiry of the live bundle in force is warned about a week ahead; a version
+//! above this gateway's clock plus a day is not believed; a candidate, once withdrawn, never
+//! comes back under its version or an older one; and a flood of change notifications costs at
+//! most one read every [`MIN_READ_GAP`].
 
 use super::gateway::Gateway;
 use super::source_state::{RefusalRecord, SourceState};
 use crate::fleet::envelope::{Envelope, EnvelopeError, Slot, VerifyKey};
-use crate::fleet::source::{Heartbeat, PolicySource, SlotRefusal, SourceError};
+use crate::fleet::source::{Bounded, Heartbeat, PolicySource, SlotRefusal, SourceError};
 use crate::fleet::standing::{SlotId, Standing};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,6 +40,14 @@ pub const SOURCE_TIMEOUT: Duration = Duration::from_secs(2);
 /// gateway whose notification channel is down serves a new version.
 pub const STORE_POLL: Duration = Duration::from_secs(1);
 
+/// The shortest time between two reads of the store: change notifications arriving faster
+/// (a `PUBLISH` flood from anyone who can reach the store) are coalesced into one read.
+pub const MIN_READ_GAP: Duration = Duration::from_millis(100);
+
+/// How long before the live bundle in force expires the gateway starts warning (a WARN line,
+/// `/readyz` `policy_source.expires_soon`, `tollgate_bundle_expiry_timestamp_seconds`).
+pub const EXPIRY_WARNING_SECS: i64 = 7 * 24 * 3600;
+
 /// Why a published bundle was not put in force.
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {
@@ -46,6 +61,8 @@ pub enum Refusal {
         in_force: String,
         found: String,
     },
+    #[error("version {found} is not above version {withdrawn}, a candidate withdrawn: a withdrawn candidate does not come back")]
+    Withdrawn { found: u64, withdrawn: u64 },
     #[error("the bundle is invalid: {0}")]
     Invalid(String),
 }
@@ -55,7 +72,7 @@ impl Refusal {
     pub fn reason(&self) -> &'static str {
         match self {
             Refusal::Envelope(e) => e.reason(),
-            Refusal::Older { .. } => "older_version",
+            Refusal::Older { .. } | Refusal::Withdrawn { .. } => "older_version",
             Refusal::VersionConflict { .. } => "version_conflict",
             Refusal::Invalid(_) => "invalid_bundle",
         }
@@ -73,18 +90,24 @@ impl Gateway {
             return serde_json::Value::Null;
         }
         let state = self.source_state.lock();
-        let show = |b: &Option<(u64, String)>| match b {
-            Some((version, hash)) => serde_json::json!({"version": version, "hash": hash}),
+        let show = |b: &Option<(u64, String)>, expires_at: Option<i64>| match b {
+            Some((version, hash)) => {
+                serde_json::json!({"version": version, "hash": hash, "expires_at": expires_at})
+            }
             None => serde_json::Value::Null,
         };
+        let expires_soon = state
+            .live_expires_at
+            .is_some_and(|at| at.saturating_sub(self.clock.unix_secs()) <= EXPIRY_WARNING_SECS);
         serde_json::json!({
             "url": state.url,
             "kind": state.kind,
             "state": source_state_name(state.reachable),
             "unreachable_since": state.unreachable_since,
             "last_error": state.last_error,
-            "live": show(&state.live),
-            "candidate": show(&state.candidate),
+            "live": show(&state.live, state.live_expires_at),
+            "candidate": show(&state.candidate, state.candidate_expires_at),
+            "expires_soon": expires_soon,
             // Where this gateway stands against what the store holds, as `tollgate fleet`
             // shows it: `following`, `behind`, `refused (<reason>)`...
             "standing": standing(&state).to_string(),
@@ -212,7 +235,7 @@ impl Follower {
 
     /// Reads both slots and puts in force what changed and passes every check.
     pub async fn poll_once(&self, trigger: &str) {
-        let slots = match self.source.read().await {
+        let slots = match self.source.read_bounded(self.max_bytes).await {
             Ok(slots) => slots,
             Err(e) => {
                 self.unreachable(&e);
@@ -247,12 +270,19 @@ impl Follower {
         }
         match &slots.candidate {
             None => {
-                let had = self.gateway.source_state.lock().candidate.take();
-                {
+                let had = {
                     let mut state = self.gateway.source_state.lock();
                     state.seen[1] = None;
                     state.store_slots[1] = None;
-                }
+                    state.candidate_expires_at = None;
+                    let had = state.candidate.take();
+                    if let Some((version, _)) = &had {
+                        // Withdrawn: neither it nor an older one is taken back.
+                        state.candidate_withdrawn =
+                            Some(state.candidate_withdrawn.unwrap_or(0).max(*version));
+                    }
+                    had
+                };
                 if let Some((version, _)) = had {
                     self.gateway.set_candidate(None);
                     tracing::info!(version, "candidate bundle withdrawn");
@@ -260,14 +290,36 @@ impl Follower {
             }
             Some(bytes) => self.follow_slot(bytes, Slot::Candidate, trigger),
         }
+        self.warn_expiry();
     }
 
-    fn follow_slot(&self, bytes: &[u8], slot: Slot, trigger: &str) {
+    fn follow_slot(&self, read: &Bounded, slot: Slot, trigger: &str) {
         let index = usize::from(slot == Slot::Candidate);
-        let hash = raw_hash(bytes);
+        let hash = match read {
+            Bounded::Bytes(bytes) => raw_hash(bytes),
+            // Not read: its size stands for it (refused once, as long as the size stays).
+            Bounded::TooLarge(size) => raw_hash(&size.to_le_bytes()) ^ 1,
+        };
         if self.gateway.source_state.lock().seen[index] == Some(hash) {
             return;
         }
+        let bytes = match read {
+            Bounded::Bytes(bytes) => bytes,
+            Bounded::TooLarge(size) => {
+                {
+                    let mut state = self.gateway.source_state.lock();
+                    state.seen[index] = Some(hash);
+                    // Unread: no version or hash to name it by.
+                    state.store_slots[index] = Some(SlotId::default());
+                }
+                let refusal = Refusal::Envelope(EnvelopeError::TooLarge {
+                    size: usize::try_from(*size).unwrap_or(usize::MAX),
+                    limit: self.max_bytes,
+                });
+                self.refused(slot, SlotId::default(), &refusal);
+                return;
+            }
+        };
         let outcome = self.check(bytes, slot);
         {
             let mut state = self.gateway.source_state.lock();
@@ -286,7 +338,46 @@ impl Follower {
                 }
                 Slot::Candidate => self.put_candidate(&envelope, bundle),
             },
-            Err(refusal) => self.refused(slot, bytes, &refusal),
+            Err(refusal) => self.refused(slot, SlotId::of(bytes), &refusal),
+        }
+    }
+
+    /// Warns, once per live version, when the live bundle in force expires within
+    /// [`EXPIRY_WARNING_SECS`] or has expired (it stays in force: nothing unloads a bundle; a
+    /// gateway starting without it would refuse it).
+    fn warn_expiry(&self) {
+        let now = self.gateway.clock.unix_secs();
+        let mut state = self.gateway.source_state.lock();
+        let (Some(expires_at), Some((version, _))) = (state.live_expires_at, state.live.clone())
+        else {
+            return;
+        };
+        let left = expires_at.saturating_sub(now);
+        let stage = if left <= 0 {
+            2
+        } else if left <= EXPIRY_WARNING_SECS {
+            1
+        } else {
+            0
+        };
+        if stage == 0 || state.expiry_warned >= Some((version, stage)) {
+            return;
+        }
+        state.expiry_warned = Some((version, stage));
+        drop(state);
+        if stage == 2 {
+            tracing::error!(
+                version,
+                expires_at,
+                "the live bundle in force has expired: it stays in force here, but a gateway starting without it refuses it; run `tollgate refresh` (or publish again)"
+            );
+        } else {
+            tracing::warn!(
+                version,
+                expires_at,
+                "the live bundle in force expires in {}h: run `tollgate refresh` (or publish again) before then, or gateways starting after it refuse it",
+                left / 3600
+            );
         }
     }
 
@@ -298,10 +389,22 @@ impl Follower {
     ) -> Result<(Envelope, crate::policy::Bundle), Refusal> {
         let envelope = Envelope::parse(bytes, slot, self.max_bytes)?;
         envelope.verify(self.key.as_deref())?;
-        let in_force = match slot {
-            Slot::Live => self.gateway.source_state.lock().live.clone(),
-            Slot::Candidate => self.gateway.source_state.lock().candidate.clone(),
+        let clock = &self.gateway.clock;
+        envelope.check_expiry(clock.unix_secs(), self.key.is_some())?;
+        envelope.check_version(clock.unix_us() / 1000)?;
+        let (in_force, withdrawn) = {
+            let state = self.gateway.source_state.lock();
+            match slot {
+                Slot::Live => (state.live.clone(), None),
+                Slot::Candidate => (state.candidate.clone(), state.candidate_withdrawn),
+            }
         };
+        if let Some(withdrawn) = withdrawn.filter(|w| envelope.version <= *w) {
+            return Err(Refusal::Withdrawn {
+                found: envelope.version,
+                withdrawn,
+            });
+        }
         if let Some((version, sha256)) = in_force {
             if envelope.version < version {
                 return Err(Refusal::Older {
@@ -368,7 +471,7 @@ impl Follower {
             == Some(envelope.version);
         if same {
             // The version in force (e.g. the kept one, now read from the store): only where
-            // it is known from changes.
+            // it is known from changes. (The same version has the same expiry: it is signed.)
             if let Some(loaded) = self.gateway.loaded.load_full() {
                 if loaded.source != source {
                     let mut moved = (*loaded).clone();
@@ -384,7 +487,15 @@ impl Follower {
             return;
         }
         self.gateway.install(bundle, Some(envelope.version), source);
-        self.gateway.source_state.lock().live = Some((envelope.version, envelope.sha256.clone()));
+        {
+            let mut state = self.gateway.source_state.lock();
+            state.live = Some((envelope.version, envelope.sha256.clone()));
+            state.live_expires_at = envelope.expires_at;
+        }
+        self.gateway
+            .metrics
+            .policy_source
+            .set_expiry(envelope.expires_at);
         self.gateway.metrics.reload(true);
         tracing::info!(
             version = envelope.version,
@@ -406,8 +517,11 @@ impl Follower {
         // Shown (status page, `tollgate_candidate_info`) under its published version.
         bundle.version = envelope.version.to_string();
         self.gateway.set_candidate(Some(bundle));
-        self.gateway.source_state.lock().candidate =
-            Some((envelope.version, envelope.sha256.clone()));
+        {
+            let mut state = self.gateway.source_state.lock();
+            state.candidate = Some((envelope.version, envelope.sha256.clone()));
+            state.candidate_expires_at = envelope.expires_at;
+        }
         tracing::info!(
             version = envelope.version,
             hash = %envelope.sha256,
@@ -426,8 +540,8 @@ impl Follower {
         }
     }
 
-    fn refused(&self, slot: Slot, bytes: &[u8], refusal: &Refusal) {
-        let SlotId { version, hash } = SlotId::of(bytes);
+    fn refused(&self, slot: Slot, id: SlotId, refusal: &Refusal) {
+        let SlotId { version, hash } = id;
         self.gateway
             .metrics
             .policy_source
@@ -509,13 +623,23 @@ impl Follower {
         }
     }
 
-    /// Follows the store until `stop` resolves: reads at every change notification and at
-    /// least every [`STORE_POLL`] (an HTTP source: every `poll`), heartbeats every
-    /// [`HEARTBEAT_EVERY`] and after every change.
+    /// Follows the store until `stop` resolves: reads at every change notification (at most
+    /// one read per [`MIN_READ_GAP`]) and at least every [`STORE_POLL`] (an HTTP source: every
+    /// `poll`), heartbeats every [`HEARTBEAT_EVERY`] and after every change.
     pub async fn run(self, poll: Duration, stop: impl std::future::Future<Output = ()>) {
         tokio::pin!(stop);
         let mut last_beat: Option<Instant> = None;
+        let mut last_read: Option<Instant> = None;
         loop {
+            // Notifications arriving faster than one per MIN_READ_GAP wait here; the feed
+            // folds every one that arrives meanwhile into the read that follows.
+            if let Some(gap) = last_read.and_then(|at| MIN_READ_GAP.checked_sub(at.elapsed())) {
+                tokio::select! {
+                    () = &mut stop => return,
+                    () = tokio::time::sleep(gap) => {}
+                }
+            }
+            last_read = Some(Instant::now());
             let before = self.versions();
             self.poll_once("policy_store").await;
             let changed = self.versions() != before;
@@ -617,6 +741,12 @@ mod tests {
             self.slots.lock().candidate = None;
             Ok(())
         }
+        async fn refresh(&self, envelope: &Envelope, _live: &[u8]) -> Result<(), SourceError> {
+            self.write(envelope).await
+        }
+        async fn repair(&self, _issued: u64, _gateways: &[String]) -> Result<(), SourceError> {
+            Ok(())
+        }
         async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError> {
             Ok(Vec::new())
         }
@@ -639,6 +769,13 @@ mod tests {
     }
 
     fn gateway(state_dir: Option<&Path>) -> Arc<Gateway> {
+        gateway_with_clock(state_dir).0
+    }
+
+    /// A gateway at Unix second 1_764_000_000 on a clock the test moves.
+    fn gateway_with_clock(
+        state_dir: Option<&Path>,
+    ) -> (Arc<Gateway>, Arc<crate::limits::clock::ManualClock>) {
         let mut argv = vec![
             "tollgate".to_string(),
             "run".into(),
@@ -650,6 +787,8 @@ mod tests {
             "redis://127.0.0.1:1".into(),
             "--policy-store-max-bytes".into(),
             "4096".into(),
+            // The tests hand the follower its verify key themselves.
+            "--allow-unsigned-bundles".into(),
         ];
         if let Some(dir) = state_dir {
             argv.push("--state-dir".into());
@@ -661,13 +800,13 @@ mod tests {
             unreachable!("parsed a run command")
         };
         let config = crate::config::Config::from_args(&args).expect("valid flags");
-        Arc::new(
-            Gateway::with_clock(
-                config,
-                Arc::new(crate::limits::clock::ManualClock::new(1_764_000_000)),
-            )
-            .expect("gateway"),
+        let clock = Arc::new(crate::limits::clock::ManualClock::new(1_764_000_000));
+        let gateway = Gateway::with_clock(
+            config,
+            Arc::clone(&clock) as Arc<dyn crate::limits::clock::Clock>,
         )
+        .expect("gateway");
+        (Arc::new(gateway), clock)
     }
 
     const POLICY: &str = r#"{"bundle_version": 4, "policies": [{"id": "api", "spec": {"selector": {"pathPrefix": "/"}, "mode": "enforce", "rules": [{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"tokens_per_second": 10, "burst": 10}}]}}]}"#;
@@ -679,7 +818,26 @@ mod tests {
         version: u64,
         key: Option<&SigningKey>,
     ) {
-        let envelope = Envelope::seal(policy.to_string(), slot, version, 1_764_000_000, key);
+        let expires_at = Some(1_764_000_000 + 30 * 86_400);
+        publish_until(source, policy, slot, version, expires_at, key);
+    }
+
+    fn publish_until(
+        source: &FakeSource,
+        policy: &str,
+        slot: Slot,
+        version: u64,
+        expires_at: Option<i64>,
+        key: Option<&SigningKey>,
+    ) {
+        let envelope = Envelope::seal(
+            policy.to_string(),
+            slot,
+            version,
+            1_764_000_000,
+            expires_at,
+            key,
+        );
         let bytes = Some(envelope.to_json().into_bytes());
         let mut slots = source.slots.lock();
         match slot {
@@ -1003,5 +1161,97 @@ mod tests {
         assert_eq!(readyz(&gateway)["bundle_version"], 11);
         let _ = stop_tx.send(());
         task.await.expect("the follower stops");
+    }
+
+    #[tokio::test]
+    async fn expired_or_expiry_less_envelopes_are_refused_and_the_expiry_is_warned_a_week_ahead() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (sign, verify, _) = keys(dir.path());
+        let (gateway, clock) = gateway_with_clock(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, Some(verify));
+        let now = 1_764_000_000;
+        // Expired a second ago.
+        publish_until(&source, POLICY, Slot::Live, 10, Some(now), Some(&sign));
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "expired"), 1);
+        assert_eq!(gateway.readiness().0, 503);
+        // Signed before expiries existed: no expiry, refused under a verify key.
+        publish_until(&source, POLICY, Slot::Live, 11, None, Some(&sign));
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "no_expiry"), 1);
+        let refusal = &readyz(&gateway)["policy_source"]["last_refusal"];
+        assert_eq!(refusal["reason"], "no_expiry");
+        assert_eq!(refusal["version"], 11);
+        // Valid for eight days: in force, no warning yet.
+        let expires_at = now + 8 * 86_400;
+        publish_until(
+            &source,
+            POLICY,
+            Slot::Live,
+            12,
+            Some(expires_at),
+            Some(&sign),
+        );
+        follower.poll_once("test").await;
+        let ready = readyz(&gateway);
+        assert_eq!(ready["bundle_version"], 12);
+        assert_eq!(ready["policy_source"]["live"]["expires_at"], expires_at);
+        assert_eq!(ready["policy_source"]["expires_soon"], false);
+        let gauge = format!("tollgate_bundle_expiry_timestamp_seconds {expires_at}");
+        assert!(gateway.metrics_text().contains(&gauge));
+        // A day later, a week is left: warned.
+        clock.advance_us(86_400 * 1_000_000);
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["policy_source"]["expires_soon"], true);
+        assert_eq!(
+            gateway.source_state.lock().expiry_warned,
+            Some((12, 1)),
+            "warned once for version 12"
+        );
+        // Past the expiry: the bundle stays in force (nothing unloads one), and it is said.
+        clock.advance_us(7 * 86_400 * 1_000_000);
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["bundle_version"], 12);
+        assert_eq!(gateway.source_state.lock().expiry_warned, Some((12, 2)));
+    }
+
+    #[tokio::test]
+    async fn versions_from_the_future_and_withdrawn_candidates_are_refused() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        let now_ms = 1_764_000_000_000u64;
+        publish(&source, POLICY, Slot::Live, now_ms, None);
+        follower.poll_once("test").await;
+        // Two to the 63 minus two: above the clock plus a day, not believed.
+        publish(&source, POLICY, Slot::Live, (1 << 63) - 2, None);
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "future_version"), 1);
+        assert_eq!(readyz(&gateway)["bundle_version"], now_ms);
+        // At the ceiling: believed.
+        let day = crate::fleet::envelope::MAX_AHEAD_MS;
+        publish(&source, POLICY, Slot::Live, now_ms + day, None);
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["bundle_version"], now_ms + day);
+        // Candidates 5 then 7; 7 withdrawn; neither 5 nor 7 comes back, 8 does.
+        let candidate = POLICY.replace("\"burst\": 10", "\"burst\": 5");
+        publish(&source, &candidate, Slot::Candidate, 5, None);
+        follower.poll_once("test").await;
+        publish(&source, &candidate, Slot::Candidate, 7, None);
+        follower.poll_once("test").await;
+        assert_eq!(gateway.published_candidate().map(|c| c.0), Some(7));
+        source.slots.lock().candidate = None;
+        follower.poll_once("test").await;
+        assert_eq!(gateway.published_candidate(), None);
+        for (older, refusals) in [(5, 1), (7, 2)] {
+            publish(&source, &candidate, Slot::Candidate, older, None);
+            follower.poll_once("test").await;
+            assert_eq!(gateway.published_candidate(), None);
+            assert_eq!(rejected(&gateway, "candidate", "older_version"), refusals);
+        }
+        publish(&source, &candidate, Slot::Candidate, 8, None);
+        follower.poll_once("test").await;
+        assert_eq!(gateway.published_candidate().map(|c| c.0), Some(8));
     }
 }

@@ -37,6 +37,15 @@ pub(crate) struct SourceState {
     /// The live and candidate bundles in force from the store: version and SHA-256.
     pub(super) live: Option<(u64, String)>,
     pub(super) candidate: Option<(u64, String)>,
+    /// When the live and candidate bundles in force expire (Unix seconds; `None`: an envelope
+    /// from before expiries, taken without a verify key).
+    pub(super) live_expires_at: Option<i64>,
+    pub(super) candidate_expires_at: Option<i64>,
+    /// The highest candidate version withdrawn: a candidate at or below it is refused.
+    pub(super) candidate_withdrawn: Option<u64>,
+    /// The last expiry warning logged: the live version and its stage (1 within a week, 2
+    /// expired), so each is logged once.
+    pub(super) expiry_warned: Option<(u64, u8)>,
     /// Hashes of the raw slots last looked at (live, candidate): an unchanged slot is not
     /// parsed again, and a refused one is reported once.
     pub(super) seen: [Option<u64>; 2],

@@ -73,6 +73,7 @@ pub struct PolicySourceMetrics {
     bundle_info: IntGaugeVec,
     rejected: IntCounterVec,
     up: IntGauge,
+    expiry: IntGauge,
 }
 
 impl PolicySourceMetrics {
@@ -95,17 +96,29 @@ impl PolicySourceMetrics {
             "tollgate_policy_source_up",
             "1 while the --policy-store answers, 0 while it is unreachable",
         ));
+        let expiry = must(IntGauge::new(
+            "tollgate_bundle_expiry_timestamp_seconds",
+            "When the live bundle in force from --policy-store expires (Unix seconds; 0 without an expiry): alert when it is less than a week away",
+        ));
         defined.extend(names_of(&bundle_info));
         defined.extend(names_of(&rejected));
         defined.extend(names_of(&up));
+        defined.extend(names_of(&expiry));
         must(registry.register(Box::new(bundle_info.clone())));
         must(registry.register(Box::new(rejected.clone())));
         must(registry.register(Box::new(up.clone())));
+        must(registry.register(Box::new(expiry.clone())));
         PolicySourceMetrics {
             bundle_info,
             rejected,
             up,
+            expiry,
         }
+    }
+
+    /// The expiry of the live bundle now in force (Unix seconds), `None` for none.
+    pub fn set_expiry(&self, expires_at: Option<i64>) {
+        self.expiry.set(expires_at.unwrap_or(0));
     }
 
     /// The bundle now in force.

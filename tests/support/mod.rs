@@ -411,6 +411,11 @@ impl Gateway {
         gw
     }
 
+    /// The gateway process's id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Polls `ready` every 50 ms until it holds; panics after `limit` with the gateway log.
     pub fn wait_until(&self, limit: Duration, mut ready: impl FnMut() -> bool) {
         let start = Instant::now();

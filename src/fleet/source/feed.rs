@@ -1,7 +1,21 @@
 //! Change notifications of the stores that announce changes (Redis pub/sub, PostgreSQL
 //! `LISTEN/NOTIFY`), as [`super::PolicySource::changed`] waits for them.
+//!
+//! A channel anyone who can reach the store can publish on is flooded cheaply (a client
+//! pipelining `PUBLISH` sends millions a second; receiving each costs the gateway about a third
+//! of a microsecond). Past [`FLOOD_LIMIT`] notifications within [`FLOOD_WINDOW`], the backend
+//! drops its subscription and the follower polls (once a second) for [`FLOOD_QUIET`] before
+//! subscribing again: a flood then costs a burst of [`FLOOD_LIMIT`] messages every
+//! [`FLOOD_QUIET`], and a publication meanwhile is served within a poll.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// Notifications within [`FLOOD_WINDOW`] above which the channel counts as flooded: far above
+/// any fleet's publications (each is one notification).
+pub(super) const FLOOD_LIMIT: u32 = 200;
+pub(super) const FLOOD_WINDOW: Duration = Duration::from_millis(100);
+/// How long a flooded channel stays unsubscribed (the store is polled meanwhile).
+pub(super) const FLOOD_QUIET: Duration = Duration::from_secs(10);
 
 /// A backend's change notifications as seen by [`PolicySource::changed`]: how many arrived
 /// and whether the channel is up. A notification that arrives between two calls is not lost:
@@ -12,6 +26,10 @@ pub(super) struct Feed {
     seen: parking_lot::Mutex<u64>,
     /// One reconnect at a time.
     pub(super) connecting: tokio::sync::Mutex<()>,
+    /// The start of the current counting window and the notifications in it.
+    window: parking_lot::Mutex<(Instant, u32)>,
+    /// Until when a flooded channel stays unsubscribed.
+    quiet_until: parking_lot::Mutex<Option<Instant>>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -26,15 +44,43 @@ impl Feed {
             state: tokio::sync::watch::Sender::new(FeedState::default()),
             seen: parking_lot::Mutex::new(0),
             connecting: tokio::sync::Mutex::new(()),
+            window: parking_lot::Mutex::new((Instant::now(), 0)),
+            quiet_until: parking_lot::Mutex::new(None),
         }
+    }
+
+    /// Whether a flood keeps the channel unsubscribed now (the caller polls instead).
+    pub(super) fn quiet(&self) -> bool {
+        self.quiet_until
+            .lock()
+            .is_some_and(|until| Instant::now() < until)
     }
 
     pub(super) fn is_up(&self) -> bool {
         self.state.borrow().up
     }
 
-    pub(super) fn notified(&self) {
+    /// Counts a notification. Returns `false` when the channel is flooded: the caller drops
+    /// its subscription (and marks the feed down); [`Feed::quiet`] holds for [`FLOOD_QUIET`].
+    pub(super) fn notified(&self) -> bool {
         self.state.send_modify(|s| s.count += 1);
+        let now = Instant::now();
+        let mut window = self.window.lock();
+        if now.duration_since(window.0) >= FLOOD_WINDOW {
+            *window = (now, 0);
+        }
+        window.1 += 1;
+        if window.1 <= FLOOD_LIMIT {
+            return true;
+        }
+        *window = (now, 0);
+        *self.quiet_until.lock() = Some(now + FLOOD_QUIET);
+        tracing::warn!(
+            "more than {FLOOD_LIMIT} change notifications within {} ms: not listening for {} s (the store is polled meanwhile)",
+            FLOOD_WINDOW.as_millis(),
+            FLOOD_QUIET.as_secs()
+        );
+        false
     }
 
     pub(super) fn set_up(&self, up: bool) {

@@ -209,6 +209,14 @@ impl PolicySource for HttpSource {
         Err(self.read_only())
     }
 
+    async fn refresh(&self, _envelope: &Envelope, _live: &[u8]) -> Result<(), SourceError> {
+        Err(self.read_only())
+    }
+
+    async fn repair(&self, _issued: u64, _gateways: &[String]) -> Result<(), SourceError> {
+        Err(self.read_only())
+    }
+
     async fn history(&self) -> Result<Vec<Vec<u8>>, SourceError> {
         Err(self.read_only())
     }

@@ -16,6 +16,32 @@ pub struct Slots {
     pub candidate: Option<Vec<u8>>,
 }
 
+/// One slot as a gateway reads it: its size is asked first, and a slot above the gateway's
+/// limit is never read (an envelope of 150 MB costs the gateway nothing but its size).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bounded {
+    Bytes(Vec<u8>),
+    /// The slot holds this many bytes, above the limit: not read.
+    TooLarge(u64),
+}
+
+impl Bounded {
+    fn of(bytes: Vec<u8>, max_bytes: usize) -> Bounded {
+        if bytes.len() > max_bytes {
+            Bounded::TooLarge(bytes.len() as u64)
+        } else {
+            Bounded::Bytes(bytes)
+        }
+    }
+}
+
+/// Both slots as [`PolicySource::read_bounded`] found them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BoundedSlots {
+    pub live: Option<Bounded>,
+    pub candidate: Option<Bounded>,
+}
+
 /// One gateway's heartbeat (JSON in the store), as `tollgate fleet` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Heartbeat {
@@ -81,6 +107,36 @@ pub trait PolicySource: Send + Sync {
     /// previous `ETag` in `If-None-Match` and, on `304 Not Modified`, returns the body it
     /// kept, so a caller sees the same bytes.
     async fn read(&self) -> Result<Slots, SourceError>;
+
+    /// Both slots, each only when it holds at most `max_bytes` (its size asked first, in the
+    /// same step as the read); a larger one is reported by its size. The default reads whole
+    /// (a source that bounds its reads itself, as the HTTP source does).
+    async fn read_bounded(&self, max_bytes: usize) -> Result<BoundedSlots, SourceError> {
+        let slots = self.read().await?;
+        Ok(BoundedSlots {
+            live: slots.live.map(|b| Bounded::of(b, max_bytes)),
+            candidate: slots.candidate.map(|b| Bounded::of(b, max_bytes)),
+        })
+    }
+
+    /// The store's own clock, in Unix milliseconds (Redis `TIME`, PostgreSQL
+    /// `clock_timestamp()`): what versions above which are not believed are measured against.
+    /// The default is this machine's clock.
+    async fn clock_ms(&self) -> Result<u64, SourceError> {
+        Ok(u64::try_from(crate::limits::clock::wall_unix_ms()).unwrap_or(0))
+    }
+
+    /// Refresh: replaces the live envelope by `envelope` (the same bundle sealed again under a
+    /// new version and expiry), without pushing it onto the history (which keeps bundles to go
+    /// back to, not their refreshes); records the version; announces it.
+    ///
+    /// # Errors
+    /// [`SourceError::Conflict`] when the live envelope is no longer `live`.
+    async fn refresh(&self, envelope: &Envelope, live: &[u8]) -> Result<(), SourceError>;
+
+    /// Repair: sets the record of the highest version issued to `issued` (also lower: a
+    /// forged record above the clock is replaced) and removes the heartbeats of `gateways`.
+    async fn repair(&self, issued: u64, gateways: &[String]) -> Result<(), SourceError>;
 
     /// Waits until the source announces a change or `at_most` passes (HTTP: just waits).
     /// Returns early with `false` when the notification channel is down (the caller polls).

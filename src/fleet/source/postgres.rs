@@ -4,9 +4,10 @@
 
 use super::feed::Feed;
 use super::policy_source::{
-    parse_heartbeat, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT,
+    parse_heartbeat, Bounded, BoundedSlots, Heartbeat, PolicySource, Slots, SourceError,
+    HISTORY_KEPT,
 };
-use crate::fleet::envelope::{Envelope, Slot};
+use crate::fleet::envelope::{Envelope, Slot, MAX_AHEAD_MS};
 use futures::StreamExt;
 use std::time::Duration;
 use tokio_postgres::error::SqlState;
@@ -34,6 +35,12 @@ CREATE TABLE IF NOT EXISTS tollgate_gateways (
 );
 COMMIT;
 ";
+
+/// The store's clock plus [`MAX_AHEAD_MS`], in Unix milliseconds, as an SQL expression: a
+/// version record above it was not issued by a publisher and is not believed.
+fn ceiling_sql() -> String {
+    format!("((extract(epoch from clock_timestamp()) * 1000)::bigint + {MAX_AHEAD_MS})")
+}
 
 /// The channel changes are announced on.
 pub const CHANNEL: &str = "tollgate_bundle";
@@ -96,8 +103,9 @@ impl PostgresSource {
             while let Some(message) = messages.next().await {
                 match message {
                     Ok(AsyncMessage::Notification(_)) => {
-                        if let Some(feed) = &feed {
-                            feed.notified();
+                        // A flood: the connection is dropped (its end marks the feed down).
+                        if feed.as_ref().is_some_and(|feed| !feed.notified()) {
+                            break;
                         }
                     }
                     Ok(_) => {}
@@ -234,8 +242,115 @@ impl PolicySource for PostgresSource {
         .await
     }
 
+    async fn read_bounded(&self, max_bytes: usize) -> Result<BoundedSlots, SourceError> {
+        let limit = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+        self.with_client("reading the bundles", |client| {
+            Box::pin(async move {
+                // octet_length reads a stored value's size from its header: a value above the
+                // limit is never fetched.
+                let rows = client
+                    .query(
+                        "SELECT slot, octet_length(envelope)::bigint, \
+                         CASE WHEN octet_length(envelope) <= $1::bigint THEN envelope END \
+                         FROM tollgate_bundle WHERE slot IN ('live', 'candidate')",
+                        &[&limit],
+                    )
+                    .await?;
+                let mut slots = BoundedSlots::default();
+                for row in rows {
+                    let slot: String = row.get(0);
+                    let size: i64 = row.get(1);
+                    let envelope: Option<String> = row.get(2);
+                    let read = match envelope {
+                        Some(text) => Bounded::Bytes(text.into_bytes()),
+                        None => Bounded::TooLarge(size.unsigned_abs()),
+                    };
+                    match slot.as_str() {
+                        "live" => slots.live = Some(read),
+                        _ => slots.candidate = Some(read),
+                    }
+                }
+                Ok(slots)
+            })
+        })
+        .await
+    }
+
+    async fn clock_ms(&self) -> Result<u64, SourceError> {
+        self.with_client("reading the clock", |client| {
+            Box::pin(async move {
+                let row = client
+                    .query_one(
+                        "SELECT (extract(epoch from clock_timestamp()) * 1000)::bigint",
+                        &[],
+                    )
+                    .await?;
+                Ok(row.get::<_, i64>(0).unsigned_abs())
+            })
+        })
+        .await
+    }
+
+    async fn refresh(&self, envelope: &Envelope, live: &[u8]) -> Result<(), SourceError> {
+        let version = stored_version(envelope.version)?;
+        let json = envelope.to_json();
+        let live = String::from_utf8_lossy(live).into_owned();
+        let display = self.display.clone();
+        self.with_client("refreshing", |client| {
+            let json = json.clone();
+            let live = live.clone();
+            let display = display.clone();
+            Box::pin(async move {
+                let tx = client.transaction().await?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+                    .await?;
+                refuse_stale(&tx, version, &display).await?;
+                let current = tx
+                    .query_opt(
+                        "SELECT envelope FROM tollgate_bundle WHERE slot = 'live'",
+                        &[],
+                    )
+                    .await?;
+                if current.map(|row| row.get::<_, String>(0)) != Some(live) {
+                    return Err(PgError::Source(SourceError::Conflict(format!(
+                        "{display}: the live bundle changed while refreshing; nothing was written"
+                    ))));
+                }
+                store_slot(&tx, "live", version, &json).await?;
+                Ok(tx.commit().await?)
+            })
+        })
+        .await
+    }
+
+    async fn repair(&self, issued: u64, gateways: &[String]) -> Result<(), SourceError> {
+        let issued = stored_version(issued)?;
+        let gateways = gateways.to_vec();
+        self.with_client("repairing", |client| {
+            let gateways = gateways.clone();
+            Box::pin(async move {
+                let tx = client.transaction().await?;
+                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+                    .await?;
+                tx.execute(
+                    "INSERT INTO tollgate_bundle (slot, version, envelope) VALUES ('issued', $1, '') \
+                     ON CONFLICT (slot) DO UPDATE SET version = EXCLUDED.version",
+                    &[&issued],
+                )
+                .await?;
+                tx.execute(
+                    "DELETE FROM tollgate_gateways WHERE id = ANY($1)",
+                    &[&gateways],
+                )
+                .await?;
+                Ok(tx.commit().await?)
+            })
+        })
+        .await
+    }
+
     async fn changed(&self, at_most: Duration) -> bool {
-        if !self.feed.is_up() && self.listen().await.is_err() {
+        if !self.feed.is_up() && (self.feed.quiet() || self.listen().await.is_err()) {
             return false;
         }
         self.feed.wait(at_most).await
@@ -453,7 +568,8 @@ async fn push_live_to_history(
 }
 
 /// Refuses (nothing written) a version at or below the highest issued: another publisher got a
-/// newer one in first, and the fleet would refuse this one as older.
+/// newer one in first, and the fleet would refuse this one as older. A record above the
+/// store's clock plus a day is not believed (nobody who publishes wrote it).
 async fn refuse_stale(
     tx: &tokio_postgres::Transaction<'_>,
     version: i64,
@@ -461,7 +577,10 @@ async fn refuse_stale(
 ) -> Result<(), PgError> {
     let issued = tx
         .query_opt(
-            "SELECT version FROM tollgate_bundle WHERE slot = 'issued'",
+            &format!(
+                "SELECT version FROM tollgate_bundle WHERE slot = 'issued' AND version <= {}",
+                ceiling_sql()
+            ),
             &[],
         )
         .await?;
@@ -487,9 +606,15 @@ async fn store_slot(
         &[&slot, &version, &json],
     )
     .await?;
+    // A record above the store's clock plus a day (forged) is replaced, not kept.
     tx.execute(
-        "INSERT INTO tollgate_bundle (slot, version, envelope) VALUES ('issued', $1, '') \
-         ON CONFLICT (slot) DO UPDATE SET version = greatest(tollgate_bundle.version, EXCLUDED.version)",
+        &format!(
+            "INSERT INTO tollgate_bundle (slot, version, envelope) VALUES ('issued', $1, '') \
+             ON CONFLICT (slot) DO UPDATE SET version = CASE \
+             WHEN tollgate_bundle.version > {} THEN EXCLUDED.version \
+             ELSE greatest(tollgate_bundle.version, EXCLUDED.version) END",
+            ceiling_sql()
+        ),
         &[&version],
     )
     .await?;

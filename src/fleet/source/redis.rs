@@ -5,9 +5,10 @@
 
 use super::feed::Feed;
 use super::policy_source::{
-    parse_heartbeat, Heartbeat, PolicySource, Slots, SourceError, HISTORY_KEPT,
+    parse_heartbeat, Bounded, BoundedSlots, Heartbeat, PolicySource, Slots, SourceError,
+    HISTORY_KEPT,
 };
-use crate::fleet::envelope::{Envelope, Slot};
+use crate::fleet::envelope::{Envelope, Slot, MAX_AHEAD_MS};
 use futures::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::AsyncConnectionConfig;
@@ -22,21 +23,62 @@ const GATEWAYS: &str = "{tollgate-bundle}:gateways";
 pub const CHANNEL: &str = "tollgate-bundle";
 
 /// Versions are compared as decimal strings (no leading zeros): Lua's numbers are doubles,
-/// exact only below 2^53.
+/// exact only below 2^53. A version record above the store's clock (`TIME`) plus
+/// `AHEAD_SECS` was not issued by a publisher (versions are Unix milliseconds): it is not
+/// believed, so it neither blocks a write as stale nor survives the next one.
 const ABOVE: &str = r#"
 local function above(a, b)
   if #a ~= #b then return #a > #b end
   return a > b
 end
+local function ceiling()
+  local t = redis.call('TIME')
+  return string.format('%.0f', (tonumber(t[1]) + AHEAD_SECS) * 1000)
+end
+local function issued_believed()
+  local issued = redis.call('GET', KEYS[3])
+  if issued and above(issued, ceiling()) then return nil end
+  return issued
+end
 -- A version at or below the highest issued: another publisher got a newer one in first.
 local function stale(version)
-  local issued = redis.call('GET', KEYS[3])
+  local issued = issued_believed()
   return issued and not above(version, issued)
 end
 local function record(version)
-  local issued = redis.call('GET', KEYS[3])
+  local issued = issued_believed()
   if not issued or above(version, issued) then redis.call('SET', KEYS[3], version) end
 end
+"#;
+
+/// KEYS: the live key, the history (unused), the version key. ARGV: the envelope, its
+/// version, the live envelope it was sealed from. Returns 0 (nothing done) when the live
+/// envelope changed, 2 when the version is not above the highest issued.
+const REFRESH: &str = r#"
+if stale(ARGV[2]) then return 2 end
+local live = redis.call('GET', KEYS[1])
+if not live or live ~= ARGV[3] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+record(ARGV[2])
+redis.call('PUBLISH', 'tollgate-bundle', ARGV[2])
+return 1
+"#;
+
+/// A gateway's read. KEYS: the slots. ARGV: the largest envelope read, in bytes. For each
+/// slot: nil when it holds no string, its size when above the limit (the value is not read),
+/// else the envelope. The size is asked first, in the same atomic step as the read: a slot
+/// that grows in between cannot be read whole.
+const READ: &str = r#"
+local out = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('TYPE', key).ok ~= 'string' then
+    out[i] = false
+  else
+    local size = redis.call('STRLEN', key)
+    if size > tonumber(ARGV[1]) then out[i] = size else out[i] = redis.call('GET', key) end
+  end
+end
+return out
 "#;
 
 /// KEYS: the slot's key, the live key, the version key, the history. ARGV: the envelope, its
@@ -91,6 +133,21 @@ redis.call('PUBLISH', 'tollgate-bundle', ARGV[2])
 return 1
 "#;
 
+/// A write script with the version helpers in front, the bound of [`MAX_AHEAD_MS`] written in.
+fn with_helpers(script: &str) -> String {
+    let ahead = ABOVE.replace("AHEAD_SECS", &(MAX_AHEAD_MS / 1000).to_string());
+    format!("{ahead}{script}")
+}
+
+/// One slot of [`READ`]'s answer.
+fn bounded(value: redis::Value) -> Option<Bounded> {
+    match value {
+        redis::Value::BulkString(bytes) => Some(Bounded::Bytes(bytes)),
+        redis::Value::Int(size) => Some(Bounded::TooLarge(size.unsigned_abs())),
+        _ => None,
+    }
+}
+
 enum Client {
     Single(redis::Client),
     Cluster {
@@ -134,6 +191,8 @@ pub(super) struct RedisSource {
     write: redis::Script,
     roll_back: redis::Script,
     promote: redis::Script,
+    refresh: redis::Script,
+    read: redis::Script,
     feed: std::sync::Arc<Feed>,
     /// The subscription's task, ended when the source is dropped.
     listener: parking_lot::Mutex<Option<tokio::task::JoinHandle<()>>>,
@@ -196,9 +255,11 @@ impl RedisSource {
             timeout,
             client,
             conn: tokio::sync::Mutex::new(None),
-            write: redis::Script::new(&format!("{ABOVE}{WRITE}")),
-            roll_back: redis::Script::new(&format!("{ABOVE}{ROLL_BACK}")),
-            promote: redis::Script::new(&format!("{ABOVE}{PROMOTE}")),
+            write: redis::Script::new(&with_helpers(WRITE)),
+            roll_back: redis::Script::new(&with_helpers(ROLL_BACK)),
+            promote: redis::Script::new(&with_helpers(PROMOTE)),
+            refresh: redis::Script::new(&with_helpers(REFRESH)),
+            read: redis::Script::new(READ),
             feed: std::sync::Arc::new(Feed::new()),
             listener: parking_lot::Mutex::new(None),
         })
@@ -288,7 +349,9 @@ impl RedisSource {
                     let task = tokio::spawn(async move {
                         let mut messages = pubsub.into_on_message();
                         while messages.next().await.is_some() {
-                            feed.notified();
+                            if !feed.notified() {
+                                break;
+                            }
                         }
                         feed.set_up(false);
                     });
@@ -353,8 +416,73 @@ impl PolicySource for RedisSource {
         Ok(Slots { live, candidate })
     }
 
+    async fn read_bounded(&self, max_bytes: usize) -> Result<BoundedSlots, SourceError> {
+        let script = &self.read;
+        let limit = max_bytes.to_string();
+        let values: Vec<redis::Value> = self
+            .with_conn("reading the bundles", |mut conn| async move {
+                let mut call = script.prepare_invoke();
+                call.key(LIVE).key(CANDIDATE).arg(&limit);
+                conn.invoke(&call).await
+            })
+            .await?;
+        let mut values = values.into_iter();
+        Ok(BoundedSlots {
+            live: values.next().and_then(bounded),
+            candidate: values.next().and_then(bounded),
+        })
+    }
+
+    async fn clock_ms(&self) -> Result<u64, SourceError> {
+        let (secs, micros): (u64, u64) = self
+            .with_conn("reading the clock", |mut conn| async move {
+                conn.query(&redis::cmd("TIME")).await
+            })
+            .await?;
+        Ok(secs.saturating_mul(1000).saturating_add(micros / 1000))
+    }
+
+    async fn refresh(&self, envelope: &Envelope, live: &[u8]) -> Result<(), SourceError> {
+        let json = envelope.to_json();
+        let version = envelope.version.to_string();
+        let script = &self.refresh;
+        let done: i64 = self
+            .with_conn("refreshing", |mut conn| async move {
+                let mut call = script.prepare_invoke();
+                call.key(LIVE).key(HISTORY).key(VERSION);
+                call.arg(&json).arg(&version).arg(live);
+                conn.invoke(&call).await
+            })
+            .await?;
+        self.written(done, "the live bundle")
+    }
+
+    async fn repair(&self, issued: u64, gateways: &[String]) -> Result<(), SourceError> {
+        let gateways = gateways.to_vec();
+        self.with_conn("repairing", |mut conn| async move {
+            let mut pipe = redis::pipe();
+            pipe.atomic();
+            if issued == 0 {
+                pipe.cmd("DEL").arg(VERSION).ignore();
+            } else {
+                pipe.cmd("SET")
+                    .arg(VERSION)
+                    .arg(issued.to_string())
+                    .ignore();
+            }
+            if !gateways.is_empty() {
+                pipe.cmd("HDEL").arg(GATEWAYS).arg(&gateways).ignore();
+            }
+            match &mut conn {
+                Conn::Single(c) => pipe.query_async::<()>(c).await,
+                Conn::Cluster(c) => pipe.query_async::<()>(c).await,
+            }
+        })
+        .await
+    }
+
     async fn changed(&self, at_most: Duration) -> bool {
-        if !self.feed.is_up() && self.listen().await.is_err() {
+        if !self.feed.is_up() && (self.feed.quiet() || self.listen().await.is_err()) {
             return false;
         }
         self.feed.wait(at_most).await
@@ -437,7 +565,15 @@ impl PolicySource for RedisSource {
                 conn.query(redis::cmd("GET").arg(VERSION)).await
             })
             .await?;
-        Ok(issued.and_then(|v| v.parse().ok()).unwrap_or(0))
+        // A record too large for a u64 (20 digits and more) was never issued: it reads as the
+        // largest one, which nobody believes (see `envelope::believable`).
+        Ok(issued
+            .and_then(|v| {
+                v.parse().ok().or_else(|| {
+                    (!v.is_empty() && v.bytes().all(|b| b.is_ascii_digit())).then_some(u64::MAX)
+                })
+            })
+            .unwrap_or(0))
     }
 
     async fn heartbeat(&self, beat: &Heartbeat) -> Result<(), SourceError> {
