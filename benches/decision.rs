@@ -658,7 +658,10 @@ fn facts(c: &mut Criterion) {
     for (name, target) in [
         ("plain", "/v1/orders/1234?limit=10"),
         ("normalised", "/v1//orders/./1234?limit=10"),
-        ("path_parameters", "/v1/orders;jsessionid=0123/1234?limit=10"),
+        (
+            "path_parameters",
+            "/v1/orders;jsessionid=0123/1234?limit=10",
+        ),
     ] {
         group.bench_function(name, |b| {
             b.iter(|| {
@@ -677,5 +680,7 @@ fn facts(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, rls, jwt, llm, llm_stream, scale, estimators, network, candidate, facts);
+criterion_group!(
+    benches, bench, rls, jwt, llm, llm_stream, scale, estimators, network, candidate, facts
+);
 criterion_main!(benches);

@@ -325,9 +325,9 @@ impl Proxy {
         malformed: crate::request::syntax::Malformed,
     ) -> Result<bool> {
         let req = session.req_header();
-        let client_ip = self
-            .gateway
-            .client_ip_with(ctx.peer, ctx.forwarding.peer_trusted, &req.headers);
+        let client_ip =
+            self.gateway
+                .client_ip_with(ctx.peer, ctx.forwarding.peer_trusted, &req.headers);
         if let Some(access) = ctx.access.as_deref_mut() {
             access.client_ip = client_ip;
             access.verdict = Reason::MalformedRequest.as_str();
@@ -1258,7 +1258,6 @@ fn write_trace_context(trace: &mut crate::telemetry::traces::RequestSpan, req: &
         req.insert_header_parsed(name, wire, value);
     });
 }
-
 
 /// Reads a whole request body of at most `limit` bytes before deciding, so that Pingora can
 /// still send it upstream: its retry buffer (64 KiB) is switched on for the last 64 KiB of a

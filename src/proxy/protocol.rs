@@ -43,11 +43,15 @@ pub fn limit_passed(limits: HeaderLimits, session: &Session) -> Option<HeaderLim
 /// What is wrong with the request.
 pub fn well_formed(req: &RequestHeader) -> Result<(), Malformed> {
     let target = req.raw_path();
-    let authority = req.uri.authority().map(|a| a.as_str().as_bytes()).or_else(|| {
-        (target.first() != Some(&b'/'))
-            .then(|| raw_target_authority(target).authority())
-            .flatten()
-    });
+    let authority = req
+        .uri
+        .authority()
+        .map(|a| a.as_str().as_bytes())
+        .or_else(|| {
+            (target.first() != Some(&b'/'))
+                .then(|| raw_target_authority(target).authority())
+                .flatten()
+        });
     syntax::check(
         RequestLine {
             method: req.method.as_str().as_bytes(),

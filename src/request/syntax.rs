@@ -22,7 +22,9 @@
 pub enum Malformed {
     #[error("the method is not an upper-case token")]
     Method,
-    #[error("the request target does not start with `/` (nor is it absolute-form, or `*` for OPTIONS)")]
+    #[error(
+        "the request target does not start with `/` (nor is it absolute-form, or `*` for OPTIONS)"
+    )]
     Target,
     #[error("the Host is not host[:port]")]
     Host,
@@ -197,7 +199,10 @@ mod tests {
             ("GET", "ht_tp://a/x"),
             ("CONNECT", "api.example.com:443"),
         ] {
-            assert!(!target_ok(method.as_bytes(), bad.as_bytes()), "{method} {bad}");
+            assert!(
+                !target_ok(method.as_bytes(), bad.as_bytes()),
+                "{method} {bad}"
+            );
         }
     }
 
@@ -261,7 +266,10 @@ mod tests {
             check(line("GET", "/x"), hosts(&["ok.example", "a b"])),
             Err(Malformed::Host)
         );
-        assert_eq!(check(line("GET", "/x"), hosts(&[])), Err(Malformed::MissingHost));
+        assert_eq!(
+            check(line("GET", "/x"), hosts(&[])),
+            Err(Malformed::MissingHost)
+        );
         // An absolute-form target names its host; HTTP/1.0 needs none.
         assert_eq!(check(line("GET", "http://a.example/x"), hosts(&[])), Ok(()));
         let http10 = RequestLine {
@@ -276,7 +284,10 @@ mod tests {
             ..line("GET", "/x")
         };
         assert_eq!(check(h2("a.example:443"), hosts(&[])), Ok(()));
-        assert_eq!(check(h2("a.example,b.example"), hosts(&[])), Err(Malformed::Host));
+        assert_eq!(
+            check(h2("a.example,b.example"), hosts(&[])),
+            Err(Malformed::Host)
+        );
     }
 
     proptest::proptest! {
