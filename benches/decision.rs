@@ -651,7 +651,7 @@ fn candidate(c: &mut Criterion) {
 
 /// A request's facts as the proxy builds them from its request line and `Host` (target split,
 /// path normalised): a plain target, one the normalisation rewrites, and one with path
-/// parameters.
+/// parameters; and the request line's shape check that comes first.
 fn facts(c: &mut Criterion) {
     let headers: Vec<(String, String)> = vec![("host".into(), "api.example.com".into())];
     let mut group = c.benchmark_group("request/facts");
@@ -678,6 +678,19 @@ fn facts(c: &mut Criterion) {
         });
     }
     group.finish();
+    // The request line's and Host's shape, checked before the facts are built.
+    use tollgate::request::syntax::{check, RequestLine};
+    c.bench_function("request/syntax", |b| {
+        b.iter(|| {
+            let line = RequestLine {
+                method: black_box(b"GET"),
+                target: black_box(b"/v1/orders/1234?limit=10"),
+                http11: true,
+                authority: None,
+            };
+            black_box(check(line, [black_box(&b"api.example.com"[..])]))
+        })
+    });
 }
 
 criterion_group!(
