@@ -649,5 +649,51 @@ fn candidate(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, rls, jwt, llm, llm_stream, scale, estimators, network, candidate);
+/// A request's facts as the proxy builds them from its request line and `Host` (target split,
+/// path normalised): a plain target, one the normalisation rewrites, and one with path
+/// parameters; and the request line's shape check that comes first.
+fn facts(c: &mut Criterion) {
+    let headers: Vec<(String, String)> = vec![("host".into(), "api.example.com".into())];
+    let mut group = c.benchmark_group("request/facts");
+    for (name, target) in [
+        ("plain", "/v1/orders/1234?limit=10"),
+        ("normalised", "/v1//orders/./1234?limit=10"),
+        (
+            "path_parameters",
+            "/v1/orders;jsessionid=0123/1234?limit=10",
+        ),
+    ] {
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let facts = RequestFacts::new(
+                    black_box("GET"),
+                    black_box(target),
+                    Some(black_box("api.example.com")),
+                    None,
+                    &headers,
+                    tollgate::request::descriptor::EncodedSlashes::Decode,
+                );
+                black_box(facts.map(|f| f.path.len()).unwrap_or(0))
+            })
+        });
+    }
+    group.finish();
+    // The request line's and Host's shape, checked before the facts are built.
+    use tollgate::request::syntax::{check, RequestLine};
+    c.bench_function("request/syntax", |b| {
+        b.iter(|| {
+            let line = RequestLine {
+                method: black_box(b"GET"),
+                target: black_box(b"/v1/orders/1234?limit=10"),
+                http11: true,
+                authority: None,
+            };
+            black_box(check(line, [black_box(&b"api.example.com"[..])]))
+        })
+    });
+}
+
+criterion_group!(
+    benches, bench, rls, jwt, llm, llm_stream, scale, estimators, network, candidate, facts
+);
 criterion_main!(benches);

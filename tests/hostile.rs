@@ -89,10 +89,17 @@ fn the_client_cannot_pick_its_own_price() {
 }
 
 #[test]
-fn a_host_with_a_bad_port_is_still_limited_and_repeated_key_headers_are_refused() {
+fn a_host_with_a_bad_port_is_refused_and_repeated_key_headers_are_refused() {
     let upstream = Upstream::start();
     let gw = Gateway::start(Some(API), Some(upstream.addr), &[]);
+    // A port that is not a number is not `host[:port]`: refused before any matching, so it
+    // cannot dodge the host selector (tests/edge.rs compares every such case with nginx).
     let r = gw.get("/v1/x", &[("Host", "api.example.com:abc")]);
+    assert_eq!(r.status, 400);
+    assert_eq!(r.header("X-Tollgate-Reason"), Some("malformed_request"));
+    assert_eq!(upstream.hits(), 0);
+    // A port that is one is ignored by the selector.
+    let r = gw.get("/v1/x", &[("Host", "api.example.com:8443")]);
     assert_eq!(r.status, 200);
     assert!(
         r.header("RateLimit-Policy")

@@ -100,12 +100,38 @@ fn asn_types_come_from_the_map_and_tor_exits_from_the_list() {
     )
     .unwrap();
     gw.signal(libc::SIGHUP);
-    gw.wait_for_log("--tor-exits: line 2: 'not-an-address' is not an IP address or network");
+    gw.wait_for_log(&format!(
+        "--tor-exits {exits}: line 2: 'not-an-address' is not an IP address or network"
+    ));
     assert_eq!(
         decide(&gw, "192.0.2.50", &[("X-ASN", "4")]).1.as_deref(),
         Some("kill_switch"),
         "the last good list stays in force"
     );
+
+    // A network line cut short (`198.51.100.0/24` → `/2`) has host bits set: masked, it would
+    // list a quarter of IPv4. Refused naming the file and line; the last good list stays.
+    std::fs::write(
+        dir.path().join("tor_exits.txt"),
+        "192.0.2.50\n203.0.113.0/24\n198.51.100.0/2\n",
+    )
+    .unwrap();
+    gw.signal(libc::SIGHUP);
+    gw.wait_for_log(&format!(
+        "--tor-exits {exits}: line 3: '198.51.100.0/2' has host bits set past its /2 prefix"
+    ));
+    for (ip, listed) in [
+        ("192.0.2.50", true),
+        ("203.0.113.9", false),
+        ("192.0.0.1", false),
+        ("198.51.100.7", false),
+    ] {
+        assert_eq!(
+            decide(&gw, ip, &[("X-ASN", "5")]).1.as_deref() == Some("kill_switch"),
+            listed,
+            "{ip}"
+        );
+    }
 }
 
 #[test]
@@ -157,7 +183,10 @@ fn a_bad_network_file_at_start_up_is_refused_naming_it() {
     std::fs::write(&map, "72 business;\nseventy-two hosting;\n").unwrap();
     let stderr = support::refused_start(&policy_file, &["--asn-type-map", map.to_str().unwrap()]);
     assert!(
-        stderr.contains("--asn-type-map: line 2: the ASN must be a number"),
+        stderr.contains(&format!(
+            "--asn-type-map {}: line 2: the ASN must be a number",
+            map.display()
+        )),
         "{stderr}"
     );
 }

@@ -410,6 +410,53 @@ fn grpc_export_carries_decisions_parentage_and_the_context_sent_upstream() {
     assert!(line.contains(&format!("policy={policy} ")), "{line}");
 }
 
+/// A client's 60 KB `tracestate` (250 members of 240 bytes) is continued cut as W3C Trace
+/// Context cuts a list: the upstream gets the first members that fit in 512 bytes (two here),
+/// and so does every span the gateway holds for export.
+#[test]
+fn an_oversized_tracestate_is_forwarded_cut_to_512_bytes() {
+    let (collector, received) = grpc_receiver();
+    let (upstream, seen) = recording_upstream();
+    let endpoint = format!("http://{collector}");
+    let gw = Gateway::start_with_env(
+        "127.0.0.1",
+        Some(&one_rule("per-ip", r#"["ip:address"]"#, 100.0, 100.0)),
+        Some(upstream),
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    );
+    let value = "x".repeat(240);
+    let members: Vec<String> = (0..250).map(|i| format!("m{i:03}={value}")).collect();
+    let huge = members.join(",");
+    assert!(huge.len() > 60_000);
+    let parent = traceparent();
+    let response = gw.get(
+        "/v1/orders",
+        &[
+            ("traceparent", parent.as_str()),
+            ("tracestate", huge.as_str()),
+        ],
+    );
+    assert_eq!(response.status, 200);
+    let sent = seen.lock().unwrap().clone();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].1, format!("m000={value},m001={value}"));
+    assert!(sent[0].1.len() <= 512);
+    // The spans exported carry the cut state too.
+    let spans = received.wait_for(2);
+    for span in &spans {
+        assert_eq!(
+            span.trace_state,
+            format!("m000={value},m001={value}"),
+            "{span:?}"
+        );
+    }
+}
+
 #[test]
 fn http_protobuf_export_and_context_from_untrusted_peers_ignored() {
     let (collector, received, paths) = http_receiver();

@@ -36,6 +36,9 @@ pub enum Reason {
     DuplicateHeader,
     /// The path has `%2F` / `%5C` and the gateway refuses encoded slashes.
     EncodedSlash,
+    /// The method, the request target or the `Host` is not of a shape every upstream reads
+    /// the same way ([`crate::request::syntax`]).
+    MalformedRequest,
     /// A `token_bucket_llm` rule's tokens-per-minute bucket cannot hold the reservation now.
     TpmExceeded,
     /// A `token_bucket_llm` rule's `tokens_per_day` is spent for this UTC day.
@@ -49,7 +52,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 14] = [
+    pub const ALL: [Reason; 15] = [
         Reason::TokenBucketExceeded,
         Reason::BudgetExceeded,
         Reason::ConcurrencyExceeded,
@@ -60,6 +63,7 @@ impl Reason {
         Reason::CostExceedsLimit,
         Reason::DuplicateHeader,
         Reason::EncodedSlash,
+        Reason::MalformedRequest,
         Reason::TpmExceeded,
         Reason::TpdExceeded,
         Reason::PromptTokensExceeded,
@@ -79,6 +83,7 @@ impl Reason {
             Reason::CostExceedsLimit => "cost_exceeds_limit",
             Reason::DuplicateHeader => "duplicate_header",
             Reason::EncodedSlash => "encoded_slash",
+            Reason::MalformedRequest => "malformed_request",
             Reason::TpmExceeded => "tpm_exceeded",
             Reason::TpdExceeded => "tpd_exceeded",
             Reason::PromptTokensExceeded => "prompt_tokens_exceeded",
@@ -101,7 +106,7 @@ impl Reason {
             | Reason::PromptTokensExceeded
             | Reason::MaxTokensPerRequestExceeded => 429,
             Reason::MissingDescriptor => 401,
-            Reason::DuplicateHeader | Reason::EncodedSlash => 400,
+            Reason::DuplicateHeader | Reason::EncodedSlash | Reason::MalformedRequest => 400,
         }
     }
 
@@ -132,6 +137,9 @@ impl Reason {
             }
             Reason::EncodedSlash => {
                 "Bad Request: encoded slashes (%2F, %5C) are not accepted in the path"
+            }
+            Reason::MalformedRequest => {
+                "Bad Request: the method must be an upper-case token, the target start with /, and the Host be host[:port]"
             }
             // OpenAI's error shape, so SDKs report it and back off as from the API itself.
             Reason::TpmExceeded => {

@@ -66,6 +66,13 @@ async fn client_gone(session: &mut Session) {
     }
 }
 
+/// The client's chunked request body is malformed (a bad chunk size, a chunk not ended by
+/// CRLF, a bad end of trailers): Pingora's `InvalidChunk`/`InvalidTrailerEnd` (defined in its
+/// crate-private `protocols::http::v1::body`). Answered 400, as nginx does, when no response
+/// has started.
+const INVALID_CHUNK: pingora::ErrorType = pingora::ErrorType::Custom("InvalidChunk");
+const INVALID_TRAILER_END: pingora::ErrorType = pingora::ErrorType::Custom("InvalidTrailerEnd");
+
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
@@ -308,6 +315,64 @@ impl Proxy {
         Ok(true)
     }
 
+    /// Writes the gateway's own answer to a request it does not forward (a refusal or a 404),
+    /// with the request's ID; a small unread body is drained so the connection stays open.
+    async fn write_refusal(
+        &self,
+        session: &mut Session,
+        ctx: &RequestCtx,
+        response: crate::engine::headers::Response,
+        content_type: &'static str,
+    ) -> Result<()> {
+        let mut headers = response.headers;
+        if let Some(access) = ctx.access.as_deref() {
+            if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
+                headers.push((X_REQUEST_ID.clone(), id));
+            }
+        }
+        headers.push((
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static(content_type),
+        ));
+        super::protocol::keep_connection_for_small_body(
+            session,
+            self.gateway.config.header_timeout,
+        );
+        respond(
+            session,
+            response.status,
+            headers,
+            response.body.unwrap_or("Too Many Requests"),
+        )
+        .await
+    }
+
+    /// Answers a request whose method, target or Host is malformed
+    /// ([`crate::request::syntax`]) with 400 `malformed_request`, counted and logged like any
+    /// refusal; nothing is matched and nothing reaches the upstream.
+    async fn refuse_malformed(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        malformed: crate::request::syntax::Malformed,
+    ) -> Result<bool> {
+        let req = session.req_header();
+        let client_ip =
+            self.gateway
+                .client_ip_with(ctx.peer, ctx.forwarding.peer_trusted, &req.headers);
+        if let Some(access) = ctx.access.as_deref_mut() {
+            access.client_ip = client_ip;
+            access.verdict = Reason::MalformedRequest.as_str();
+        }
+        tracing::debug!(client = ?client_ip, "malformed request refused: {malformed}");
+        let (host, _) = super::protocol::host_and_target(req);
+        let response =
+            self.gateway
+                .refuse_early(Reason::MalformedRequest, client_ip, host, req.uri.path());
+        self.write_refusal(session, ctx, response, TEXT).await?;
+        Ok(true)
+    }
+
     /// The request's access-log line, from what the request gathered and what was sent.
     fn write_access_log(&self, session: &Session, access: &AccessCtx, trace_id: Option<&str>) {
         let req = session.req_header();
@@ -426,9 +491,14 @@ impl ProxyHttp for Proxy {
         });
         ctx.peer = peer;
         ctx.forwarding.peer_trusted = peer_trusted;
+        // A method, target or Host an upstream could read differently from the match below.
+        if let Err(malformed) = super::protocol::well_formed(session.req_header()) {
+            let refusal = Box::pin(self.refuse_malformed(session, ctx, malformed));
+            return refusal.await;
+        }
         if let Some(telemetry) = self.gateway.telemetry() {
             let req = session.req_header();
-            let (host, _) = host_and_target(req);
+            let (host, _) = super::protocol::host_and_target(req);
             ctx.trace = Some(Box::new(telemetry.http_request(
                 &req.headers,
                 peer_trusted,
@@ -443,7 +513,7 @@ impl ProxyHttp for Proxy {
         // shadow mode refuses nothing, and the shadow rules count it without its prompt.
         let metered = self.gateway.meters_tokens() && {
             let req = session.req_header();
-            let (host, target) = host_and_target(req);
+            let (host, target) = super::protocol::host_and_target(req);
             RequestFacts::new(
                 req.method.as_str(),
                 target,
@@ -497,7 +567,7 @@ impl ProxyHttp for Proxy {
                 .gateway
                 .client_ip_with(peer, peer_trusted, &req.headers);
             ctx.client_ip = client_ip;
-            let (host, target) = host_and_target(req);
+            let (host, target) = super::protocol::host_and_target(req);
             match RequestFacts::new(
                 req.method.as_str(),
                 target,
@@ -635,26 +705,7 @@ impl ProxyHttp for Proxy {
                 }
             }
         };
-        let mut headers = response.headers;
-        if let Some(access) = ctx.access.as_deref() {
-            if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
-                headers.push((X_REQUEST_ID.clone(), id));
-            }
-        }
-        headers.push((
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static(content_type),
-        ));
-        super::protocol::keep_connection_for_small_body(
-            session,
-            self.gateway.config.header_timeout,
-        );
-        let answer = Box::pin(respond(
-            session,
-            response.status,
-            headers,
-            response.body.unwrap_or("Too Many Requests"),
-        ));
+        let answer = Box::pin(self.write_refusal(session, ctx, response, content_type));
         answer.await?;
         Ok(true)
     }
@@ -1006,7 +1057,7 @@ impl ProxyHttp for Proxy {
             .as_deref()
             .filter(|r| !r.response.is_empty())
         {
-            let (host, _) = host_and_target(session.req_header());
+            let (host, _) = super::protocol::host_and_target(session.req_header());
             let vars = crate::request::forwarding::Variables {
                 client_addr: ctx.client_ip.or(ctx.peer),
                 request_id: ctx
@@ -1064,9 +1115,13 @@ impl ProxyHttp for Proxy {
     }
 
     fn suppress_error_log(&self, _session: &Session, _ctx: &Self::CTX, e: &Error) -> bool {
+        // A client's malformed chunked body is the client's error, answered 400: not logged
+        // per request (a client could fill the log with them).
         *e.etype() == STREAM_STOPPED
             || *e.etype() == QUEUE_TIMED_OUT
             || *e.etype() == CLIENT_GONE_WHILE_QUEUED
+            || *e.etype() == INVALID_CHUNK
+            || *e.etype() == INVALID_TRAILER_END
     }
 
     async fn fail_to_proxy(
@@ -1114,6 +1169,22 @@ impl ProxyHttp for Proxy {
                 can_reuse_downstream: false,
             };
         }
+        if (*e.etype() == INVALID_CHUNK || *e.etype() == INVALID_TRAILER_END)
+            && e.esource() == &pingora::ErrorSource::Downstream
+        {
+            // The client's own framing error: no upstream is at fault, nothing to warn about.
+            let _ = respond(
+                session,
+                400,
+                request_id_header(ctx),
+                "Bad Request: the request body's chunked framing is invalid\n",
+            )
+            .await;
+            return FailToProxy {
+                error_code: 400,
+                can_reuse_downstream: false,
+            };
+        }
         if *e.etype() == QUEUE_TIMED_OUT {
             let mut headers = request_id_header(ctx);
             headers.push((
@@ -1156,6 +1227,7 @@ impl ProxyHttp for Proxy {
                 "upstream unavailable",
                 "Bad Gateway: the upstream is unavailable\n",
             )),
+
             _ => None,
         };
         if let Some((what, body)) = page {
@@ -1239,21 +1311,6 @@ fn write_trace_context(trace: &mut crate::telemetry::traces::RequestSpan, req: &
     trace.inject_upstream(&mut |name, wire, value| {
         req.insert_header_parsed(name, wire, value);
     });
-}
-
-/// The request's host (an absolute-form target's authority wins over the Host header, RFC 9112
-/// §3.2.2) and its target.
-fn host_and_target(req: &RequestHeader) -> (Option<&str>, &str) {
-    let host = req.uri.authority().map(|a| a.as_str()).or_else(|| {
-        req.headers
-            .get(http::header::HOST)
-            .and_then(|v| v.to_str().ok())
-    });
-    let target = req
-        .uri
-        .path_and_query()
-        .map_or_else(|| req.uri.path(), |pq| pq.as_str());
-    (host, target)
 }
 
 /// Reads a whole request body of at most `limit` bytes before deciding, so that Pingora can

@@ -1,6 +1,8 @@
 //! HTTP duties of the proxy that Pingora 0.9 leaves to the application: the gateway's own
-//! request-header limits (431 past them), `Expect: 100-continue` answered here once a request
-//! is admitted (the upstream gets the request without it), HTTP/1.0 clients (never a
+//! request-header limits (431 past them), the request line's and `Host`'s shape
+//! ([`well_formed`]: 400 for what an upstream could read differently), the host and target a
+//! request is matched by ([`host_and_target`]), `Expect: 100-continue` answered here once a
+//! request is admitted (the upstream gets the request without it), HTTP/1.0 clients (never a
 //! `Transfer-Encoding` towards them; a `Host` for the upstream when they sent none), and a
 //! refused request's small unread body read and discarded so its connection stays open.
 //!
@@ -8,6 +10,8 @@
 //! (a request with a `Host`, no `Expect`, admitted) is a few header-map lookups.
 
 use crate::config::{HeaderLimit, HeaderLimits};
+use crate::request::syntax::{self, Malformed, RequestLine};
+use pingora::http::authority::raw_target_authority;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::proxy::Session;
 use std::net::SocketAddr;
@@ -29,6 +33,63 @@ pub const DISCARDED_BODY_BYTES: usize = 64 * 1024;
 pub fn limit_passed(limits: HeaderLimits, session: &Session) -> Option<HeaderLimit> {
     let req = session.req_header();
     limits.passed(http1_size(req), req.headers.len())
+}
+
+/// Whether the request's method, target and `Host` (or `:authority`) are of the shapes
+/// [`crate::request::syntax`] accepts. Origin-form targets (nearly all) cost a first-byte
+/// test; only another form is parsed for its authority.
+///
+/// # Errors
+/// What is wrong with the request.
+pub fn well_formed(req: &RequestHeader) -> Result<(), Malformed> {
+    let target = req.raw_path();
+    let authority = req
+        .uri
+        .authority()
+        .map(|a| a.as_str().as_bytes())
+        .or_else(|| {
+            (target.first() != Some(&b'/'))
+                .then(|| raw_target_authority(target).authority())
+                .flatten()
+        });
+    syntax::check(
+        RequestLine {
+            method: req.method.as_str().as_bytes(),
+            target,
+            http11: req.version == http::Version::HTTP_11,
+            authority,
+        },
+        req.headers
+            .get_all(http::header::HOST)
+            .iter()
+            .map(http::HeaderValue::as_bytes),
+    )
+}
+
+/// The request's host (an HTTP/2 `:authority` first, then the `Host` header, then an
+/// absolute-form target's authority, which Pingora has checked equals `Host` when both are
+/// sent) and its target as matched (the path and query; for an absolute-form target, the part
+/// after its authority).
+pub fn host_and_target(req: &RequestHeader) -> (Option<&str>, &str) {
+    let host = req
+        .uri
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| {
+            req.headers
+                .get(http::header::HOST)
+                .and_then(|v| v.to_str().ok())
+        })
+        .or_else(|| {
+            raw_target_authority(req.raw_path())
+                .authority()
+                .and_then(|a| std::str::from_utf8(a).ok())
+        });
+    let target = req
+        .uri
+        .path_and_query()
+        .map_or_else(|| req.uri.path(), |pq| pq.as_str());
+    (host, target)
 }
 
 /// A request header's size written as HTTP/1.1: request line, then `name: value\r\n` per line,

@@ -1,7 +1,8 @@
 //! What a request is, as the gateway reads it: its facts and descriptors (`descriptor`), the
 //! client's address behind trusted proxies (`client_addr`), the network facts of an address
 //! (`network`: CIDR lists, ASN and country files), the forwarding headers sent upstream
-//! (`forwarding`), JWT claims (`auth`), and an LLM request's tokens (`llm`, `llm_encoding`).
+//! (`forwarding`), JWT claims (`auth`), an LLM request's tokens (`llm`, `llm_encoding`), and
+//! the request-line and `Host` shapes refused before any matching (`syntax`).
 
 pub mod auth;
 pub mod client_addr;
@@ -10,3 +11,4 @@ pub mod forwarding;
 pub mod llm;
 pub mod llm_encoding;
 pub mod network;
+pub mod syntax;

@@ -151,6 +151,14 @@ pub struct LineError {
     pub message: String,
 }
 
+/// A network file that could not be read: which one, and its line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {error}", file.flag())]
+pub struct NetworkFileError {
+    pub file: NetworkFile,
+    pub error: LineError,
+}
+
 /// One of the network files, as the reload guard names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NetworkFile {
@@ -278,7 +286,19 @@ fn parse_tor_exits(text: &str) -> Result<TorExits, LineError> {
             message: format!("'{target}' is not an IP address or network"),
         };
         if target.contains('/') {
-            exits.add_network(IpNet::parse(target).ok_or_else(bad)?);
+            let net = IpNet::parse(target).ok_or_else(bad)?;
+            if net.host_bits_set() {
+                return Err(LineError {
+                    line: i + 1,
+                    message: format!(
+                        "'{target}' has host bits set past its /{} prefix (as written it would \
+                         list {}): write the network's own address, or the address alone",
+                        net.prefix(),
+                        net.canonical()
+                    ),
+                });
+            }
+            exits.add_network(net);
         } else {
             let ip: IpAddr = target.parse().map_err(|_| bad())?;
             exits.addresses.insert(canonical_ip(ip));
@@ -318,24 +338,30 @@ impl NetworkData {
     /// From the files' texts (`None`: the flag is not given).
     ///
     /// # Errors
-    /// A line of either file that cannot be read, naming the file's flag.
-    pub fn parse(asn_type_map: Option<&str>, tor_exits: Option<&str>) -> Result<Self, String> {
+    /// A line of either file that cannot be read, with the file it is in.
+    pub fn parse(
+        asn_type_map: Option<&str>,
+        tor_exits: Option<&str>,
+    ) -> Result<Self, NetworkFileError> {
         Self::with_geo(asn_type_map, tor_exits, Vec::new())
     }
 
     /// [`NetworkData::parse`] with `--geoip-db` databases.
     ///
     /// # Errors
-    /// A line of either text file that cannot be read, naming the file's flag.
+    /// A line of either text file that cannot be read, with the file it is in.
     pub fn with_geo(
         asn_type_map: Option<&str>,
         tor_exits: Option<&str>,
         geo: Vec<GeoDb>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, NetworkFileError> {
         let (asn_types, default_type) = match asn_type_map {
             Some(text) => {
                 let (map, default) =
-                    parse_asn_type_map(text).map_err(|e| format!("--asn-type-map: {e}"))?;
+                    parse_asn_type_map(text).map_err(|error| NetworkFileError {
+                        file: NetworkFile::AsnTypeMap,
+                        error,
+                    })?;
                 (Some(map), default)
             }
             None => (None, "unknown".into()),
@@ -343,7 +369,10 @@ impl NetworkData {
         let tor_exits = tor_exits
             .map(parse_tor_exits)
             .transpose()
-            .map_err(|e| format!("--tor-exits: {e}"))?;
+            .map_err(|error| NetworkFileError {
+                file: NetworkFile::TorExits,
+                error,
+            })?;
         Ok(NetworkData {
             geo: geo.into_iter().map(std::sync::Arc::new).collect(),
             asn_types,
@@ -531,6 +560,30 @@ mod tests {
         assert_eq!(tor("2001:db8::7"), Some(true));
         assert_eq!(tor("10.0.0.1"), Some(false));
         assert_eq!(parse_tor_exits("ok\n").unwrap_err().line, 1);
+        // A network with host bits set is refused, naming its line, whatever the family; a
+        // network written with its own address, and a /0, are taken.
+        for (text, line) in [
+            ("198.51.100.7\n198.51.100.0/2\n", 2),
+            ("# cut\n\n10.0.0.1/8\n", 3),
+            ("2001:db8::1/64\n", 1),
+            ("203.0.113.0/24 1;\n203.0.113.128/24 1;\n", 2),
+        ] {
+            let err = parse_tor_exits(text).unwrap_err();
+            assert_eq!(err.line, line, "{text:?}");
+            assert!(err.message.contains("host bits set"), "{err}");
+        }
+        let err = NetworkData::parse(None, Some("192.0.2.0/24\n198.51.100.0/2\n")).unwrap_err();
+        assert_eq!(err.file, NetworkFile::TorExits);
+        assert_eq!(
+            err.to_string(),
+            "--tor-exits: line 2: '198.51.100.0/2' has host bits set past its /2 prefix (as \
+             written it would list 192.0.0.0/2): write the network's own address, or the \
+             address alone"
+        );
+        let taken = parse_tor_exits(
+            "198.51.100.0/24\n192.0.0.0/2\n0.0.0.0/0\n2001:db8::/32\n10.0.0.1/32\n",
+        );
+        assert_eq!(taken.map(|t| t.len()), Ok(5));
     }
 
     #[test]

@@ -17,7 +17,7 @@ impl Gateway {
     /// `tollgate_network_reloads_rejected_total`).
     ///
     /// # Errors
-    /// The file and line that could not be read.
+    /// The file (its flag and path) and line that could not be read.
     pub fn load_network(&self, trigger: &str) -> Result<(), String> {
         let files = self.network_files();
         if files.is_empty() {
@@ -45,6 +45,14 @@ impl Gateway {
                 );
             }
             crate::request::network::NetworkData::with_geo(map.as_deref(), tor.as_deref(), geo)
+                .map_err(|e| {
+                    format!(
+                        "{} {}: {}",
+                        e.file.flag(),
+                        self.network_file_path(e.file).display(),
+                        e.error
+                    )
+                })
         })();
         *self.network_watch.lock() = signatures;
         match loaded {

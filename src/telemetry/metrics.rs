@@ -272,6 +272,7 @@ impl Metrics {
             ("reject", Reason::ALL[11].as_str()),
             ("reject", Reason::ALL[12].as_str()),
             ("reject", Reason::ALL[13].as_str()),
+            ("reject", Reason::ALL[14].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(

@@ -95,6 +95,22 @@ impl IpNet {
         self.prefix
     }
 
+    /// Whether the address as written has bits set past its prefix (`198.51.100.0/2`): a
+    /// network written that way is usually a typo or a cut line, not the network its mask
+    /// makes of it (`192.0.0.0/2`, a quarter of IPv4).
+    pub fn host_bits_set(&self) -> bool {
+        match self.addr {
+            IpAddr::V4(v4) => {
+                let host = u32::MAX.checked_shr(u32::from(self.prefix)).unwrap_or(0);
+                u32::from(v4) & host != 0
+            }
+            IpAddr::V6(v6) => {
+                let host = u128::MAX.checked_shr(u32::from(self.prefix)).unwrap_or(0);
+                u128::from(v6) & host != 0
+            }
+        }
+    }
+
     /// The same address under another prefix length (clamped to the family's maximum).
     pub fn with_prefix(&self, prefix: u8) -> IpNet {
         let max = if self.addr.is_ipv4() { 32 } else { 128 };

@@ -391,12 +391,19 @@ fn normalize_until_stable(
 }
 
 /// The path as the upstream will most likely route it, for matching selectors, routes and the
-/// `path` descriptor: percent-escapes of unreserved characters and of `/` and `\` decoded
-/// (`/%61pi` → `/api`, `/api%2Fllm` → `/api/llm`), `\` read as `/` (as Windows servers and
-/// many frameworks do), repeated slashes merged, `.` and `..` segments resolved (never above
-/// the root). Without this, `//api/x`, `/api%2Fx` or `/v1/./inference` would walk past a
-/// `pathPrefix` or a kill switch's `route`. Paths that need nothing are returned as they are,
-/// without allocating.
+/// `path` descriptor (the one place the match path is made: [`RequestFacts::new`] and every
+/// front end go through it): path parameters cut from each segment (`/a;p=1/b` → `/a/b`,
+/// `/orders;jsessionid=0123` → `/orders`, as servlet containers do before routing), then
+/// percent-escapes of unreserved characters and of `/` and `\` decoded (`/%61pi` → `/api`,
+/// `/api%2Fllm` → `/api/llm`), `\` read as `/` (as Windows servers and many frameworks do),
+/// repeated slashes merged, `.` and `..` segments resolved (never above the root; `..;x` is
+/// `..` once its parameter is cut, as Tomcat reads it). Without this, `//api/x`, `/api%2Fx`,
+/// `/v1/./inference` or `/api;x` would walk past a `pathPrefix` or a kill switch's `route`.
+///
+/// A parameter is cut at the raw `;` only, up to the next raw `/`: an encoded `%3B` is data
+/// (servlet containers split parameters before decoding, so `/api%3Bx` names a resource
+/// `api;x`, never `/api`), and stays escaped. Paths that need nothing are returned as they
+/// are, without allocating.
 pub fn normalize_path(path: &str) -> Cow<'_, str> {
     match normalize_until_stable(path, false) {
         Ok(normal) => normal,
@@ -405,14 +412,14 @@ pub fn normalize_path(path: &str) -> Cow<'_, str> {
     }
 }
 
-/// Whether a normalisation pass could change `path`: a `%` or `\\`, or a `/` followed by `/`,
+/// Whether a normalisation pass could change `path`: a `%`, `\\` or `;`, or a `/` followed by `/`,
 /// `.` (ending the path or followed by `/`) or `..` (likewise). One pass over the bytes: seven
 /// substring searches cost more than the rest of a request's facts.
 fn needs_normalizing(path: &str) -> bool {
     let b = path.as_bytes();
     let ends_segment = |at: usize| matches!(b.get(at), None | Some(b'/'));
     b.iter().enumerate().any(|(i, &c)| match c {
-        b'%' | b'\\' => true,
+        b'%' | b'\\' | b';' => true,
         b'/' => match b.get(i + 1) {
             Some(b'/') => true,
             Some(b'.') => {
@@ -435,6 +442,11 @@ fn normalize_once(path: &str) -> Cow<'_, str> {
     let mut decoded = String::with_capacity(path.len());
     let mut i = 0;
     while i < bytes.len() {
+        if bytes[i] == b';' {
+            // A path parameter: dropped up to the segment's end (the next raw `/`).
+            i = memchr::memchr(b'/', &bytes[i..]).map_or(bytes.len(), |end| i + end);
+            continue;
+        }
         if bytes[i] == b'\\' {
             decoded.push('/');
             i += 1;

@@ -166,8 +166,9 @@ proptest::proptest! {
     /// The one-pass test for whether a path needs normalising answers as the plain
     /// substring searches it replaces.
     #[test]
-    fn needs_normalizing_is_the_substring_test(raw in "[a-z%./\\\\]{0,12}") {
+    fn needs_normalizing_is_the_substring_test(raw in "[a-z%./;\\\\]{0,12}") {
         let searched = raw.contains("//")
+            || raw.contains(';')
             || raw.contains("/./")
             || raw.contains("/../")
             || raw.ends_with("/.")
@@ -196,9 +197,10 @@ proptest::proptest! {
     /// Normalising never panics, always yields an absolute path without `//`, `/./` or
     /// `/../`, and is idempotent.
     #[test]
-    fn normalize_path_is_total_and_idempotent(raw in "/[a-zA-Z0-9%./_~\\\\-]{0,40}") {
+    fn normalize_path_is_total_and_idempotent(raw in "/[a-zA-Z0-9%./;=_~\\\\-]{0,40}") {
         let once = normalize_path(&raw).into_owned();
         proptest::prop_assert!(once.starts_with('/'));
+        proptest::prop_assert!(!once.contains(';'), "{:?} -> {:?}", raw, once);
         proptest::prop_assert!(!once.contains("//") && !once.contains("/./") && !once.contains("/../"));
         let twice = normalize_path(&once).into_owned();
         // Decoding may reveal new `%` sequences only from `%25`, which is not unreserved.
@@ -228,6 +230,26 @@ proptest::proptest! {
         let mut more = pairs.clone();
         more.push(format!("{}=", encode(&extra)));
         proptest::prop_assert_ne!(&forward, &fingerprint(&more.join("&")));
+    }
+
+    /// A path parameter added to any segment (`;` and text up to that segment's end) never
+    /// changes the match path: `/a/b`, `/a;x/b`, `/a/b;jsessionid=1` and `/a;p=1/b;q` are one
+    /// path to every selector, route and kill switch, as they are to a servlet container.
+    #[test]
+    fn path_parameters_never_change_the_match_path(
+        segments in proptest::collection::vec("[a-zA-Z0-9%._~-]{0,6}", 1..6),
+        params in proptest::collection::vec(proptest::option::of("[a-zA-Z0-9%.=;_~-]{0,8}"), 6),
+    ) {
+        let plain: String = segments.iter().map(|s| format!("/{s}")).collect();
+        let with_params: String = segments
+            .iter()
+            .zip(&params)
+            .map(|(s, p)| match p {
+                Some(p) => format!("/{s};{p}"),
+                None => format!("/{s}"),
+            })
+            .collect();
+        proptest::prop_assert_eq!(normalize_path(&with_params), normalize_path(&plain), "{:?}", with_params);
     }
 
     #[test]
@@ -260,6 +282,21 @@ fn paths_are_normalized_before_matching() {
         ("/caf\u{e9}//x", "/caf\u{e9}/x"),
         ("/%zz", "/%zz"),
         ("/%", "/%"),
+        // Path parameters are cut from each segment, as servlet containers route.
+        ("/smuggled;x", "/smuggled"),
+        ("/smuggled;jsessionid=0123", "/smuggled"),
+        ("/a;p=1/b", "/a/b"),
+        ("/a;p=1;q=2/b;", "/a/b"),
+        ("/;x/smuggled", "/smuggled"),
+        ("/smuggled;x/", "/smuggled/"),
+        // `..;` is `..` once cut (Tomcat's reading), so it cannot hide a climb.
+        ("/public/..;x/admin", "/admin"),
+        ("/public/.;x/admin", "/public/admin"),
+        // The parameter runs to the raw `/`: an escaped slash inside it is part of it.
+        ("/a;x%2Fb/c", "/a/c"),
+        // An encoded `;` is data, kept escaped.
+        ("/smuggled%3Bx", "/smuggled%3Bx"),
+        ("/smuggled%3bx", "/smuggled%3bx"),
     ] {
         assert_eq!(normalize_path(raw), normal, "{raw}");
     }

@@ -761,6 +761,68 @@ mod tests {
         assert_eq!(doubled.trace_state, None);
     }
 
+    /// A client's `tracestate` is cut as W3C Trace Context cuts a list: the first 32 members
+    /// at most, then long members (over 128 bytes) and then members from the end dropped until
+    /// the rest is at most 512 bytes. A 60 KB header keeps 512 bytes or less.
+    #[test]
+    fn tracestate_is_bounded_to_32_members_and_512_bytes() {
+        const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let state_of = |state: String| {
+            let pairs: &'static [(&'static str, &'static str)] = Box::leak(Box::new([
+                ("traceparent", PARENT),
+                ("tracestate", Box::leak(state.into_boxed_str())),
+            ]));
+            Parent::read(&Headers(pairs))
+                .unwrap()
+                .trace_state
+                .map(|s| s.to_string())
+        };
+        // 40 short members: the first 32 are kept, in order.
+        let forty: Vec<String> = (0..40).map(|i| format!("k{i}=v")).collect();
+        let kept = state_of(forty.join(",")).unwrap();
+        assert_eq!(kept, forty[..32].join(","));
+        // A 60 KB header of 240-byte members: two fit in 512 bytes (483 with the comma).
+        let value = "x".repeat(240);
+        let huge: Vec<String> = (0..250).map(|i| format!("m{i:03}={value}")).collect();
+        let huge = huge.join(",");
+        assert!(huge.len() > 60_000);
+        let kept = state_of(huge).unwrap();
+        assert_eq!(kept, format!("m000={value},m001={value}"));
+        assert!(kept.len() <= 512);
+        // Long members go before short ones, whatever their place.
+        let long = format!("long={}", "y".repeat(200));
+        let mut mixed: Vec<String> = (0..20)
+            .map(|i| format!("s{i:02}={}", "z".repeat(20)))
+            .collect();
+        mixed.insert(1, long.clone());
+        mixed.insert(5, long.clone());
+        let kept = state_of(mixed.join(",")).unwrap();
+        assert!(!kept.contains("long="), "{kept}");
+        assert_eq!(
+            kept.split(',').count(),
+            20,
+            "the 20 short members fit: {kept}"
+        );
+        assert_eq!(kept.len(), 20 * 25 - 1);
+        // Then from the end: 30 members of 24 bytes keep the first 20 (21 × 25 − 1 = 524 is
+        // over, 20 × 25 − 1 = 499 fits).
+        let thirty: Vec<String> = (0..30)
+            .map(|i| format!("t{i:02}={}", "w".repeat(20)))
+            .collect();
+        assert_eq!(state_of(thirty.join(",")).unwrap(), thirty[..20].join(","));
+        // Exactly 512 bytes stays whole.
+        let exact = format!("a={}", "b".repeat(254)) + "," + &format!("c={}", "d".repeat(253));
+        assert_eq!(exact.len(), 512);
+        assert_eq!(state_of(exact.clone()).unwrap(), exact);
+        // An invalid member among the first 32 still drops the header whole; past the 32nd it
+        // is never read.
+        assert_eq!(state_of(format!("{},Bad=1", forty[..10].join(","))), None);
+        assert_eq!(
+            state_of(format!("{},Bad=1", forty.join(","))).unwrap(),
+            forty[..32].join(",")
+        );
+    }
+
     #[test]
     fn samplers_decide_as_the_sdks_do() {
         let low = |last: u8| {

@@ -142,29 +142,63 @@ impl Parent {
     }
 }
 
+/// Most `tracestate` members passed on (W3C Trace Context: a list has at most 32).
+pub const TRACE_STATE_MEMBERS: usize = 32;
+
+/// Most bytes of `tracestate` passed on (W3C Trace Context asks a vendor to propagate at least
+/// 512 characters of the combined header, and says how to cut a longer one).
+pub const TRACE_STATE_BYTES: usize = 512;
+
+/// Members longer than this go first when a `tracestate` must be cut (W3C Trace Context).
+const LONG_MEMBER_BYTES: usize = 128;
+
 /// A `tracestate` as it is passed on: its `key=value` members joined by commas, or `None`
-/// when it is empty or any member is invalid (a key of lower-case letters, digits and
+/// when it is empty or any member read is invalid (a key of lower-case letters, digits and
 /// `_-*/`, optionally `tenant@system`, up to 256 characters; a value without `,` or `=`).
+///
+/// Bounded as W3C Trace Context cuts a list: only the first [`TRACE_STATE_MEMBERS`] members
+/// are read (the rest are dropped unread), and when those come to more than
+/// [`TRACE_STATE_BYTES`] bytes joined, members over 128 bytes are dropped first, then members
+/// from the end, until the rest fits. A client's 60 KB header costs at most 512 bytes per
+/// trace held (and one pass over the first 32 members).
 fn trace_state(header: &str) -> Option<String> {
-    let mut out = String::with_capacity(header.len());
+    let mut members: smallvec::SmallVec<[&str; TRACE_STATE_MEMBERS]> = smallvec::SmallVec::new();
     for member in header.split_terminator(',') {
         // Optional white space around a member (`a=1, b=2`); an empty member is skipped.
         let member = member.trim_matches([' ', '\t']);
         if member.is_empty() {
             continue;
         }
+        if members.len() == TRACE_STATE_MEMBERS {
+            break;
+        }
         let (key, value) = member.split_once('=')?;
         if !trace_state_key(key) || value.len() > 256 || value.contains('=') {
             return None;
         }
-        if !out.is_empty() {
-            out.push(',');
-        }
-        out.push_str(key);
-        out.push('=');
-        out.push_str(value);
+        members.push(member);
     }
-    (!out.is_empty()).then_some(out)
+    let joined = |members: &[&str]| {
+        members
+            .iter()
+            .map(|m| m.len() + 1)
+            .sum::<usize>()
+            .saturating_sub(1)
+    };
+    let mut size = joined(&members);
+    // Long members go first, the last of them first; then members from the end.
+    while size > TRACE_STATE_BYTES {
+        let Some(at) = members.iter().rposition(|m| m.len() > LONG_MEMBER_BYTES) else {
+            break;
+        };
+        members.remove(at);
+        size = joined(&members);
+    }
+    while size > TRACE_STATE_BYTES {
+        members.pop();
+        size = joined(&members);
+    }
+    (!members.is_empty()).then(|| members.join(","))
 }
 
 fn trace_state_key(key: &str) -> bool {

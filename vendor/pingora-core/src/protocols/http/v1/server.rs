@@ -437,6 +437,22 @@ impl HttpSession {
                         break; /* continue the read loop */
                     }
                     HeaderParseState::Invalid(e) => match e {
+                        // A request line with a space or a control byte inside its target
+                        // (`GET  /x`, `GET /a /x`, `GET /x  HTTP/1.1`) is refused, as nginx
+                        // refuses it, rather than rewritten with the bytes percent-encoded: the
+                        // rewritten target is one the client never sent, matched and routed
+                        // differently from what it meant. (tollgate carries this as a patch.)
+                        httparse::Error::Token | httparse::Error::Version
+                            if REFUSE_ILLEGAL_REQUEST_LINE =>
+                        {
+                            debug!("Invalid request line from {:?}", self.underlying_stream);
+                            buf.truncate(MAX_ERR_BUF_LEN);
+                            return Error::e_because(
+                                InvalidHTTPHeader,
+                                format!("buf: {}", buf.escape_ascii()),
+                                e,
+                            );
+                        }
                         httparse::Error::Token | httparse::Error::Version => {
                             // URI escaping rebuilds the current header. Detach any request body or
                             // pipelined suffix first so normalization never copies queued requests.
@@ -1756,6 +1772,10 @@ impl HttpSession {
         self.underlying_stream
     }
 }
+
+// Refuse (400) a request line httparse cannot read instead of percent-encoding its target and
+// reading it again (the fallback below, kept for an embedder that sets this to false).
+const REFUSE_ILLEGAL_REQUEST_LINE: bool = true;
 
 // Regex to parse request line that has illegal chars in it
 static REQUEST_LINE_REGEX: Lazy<Regex> =

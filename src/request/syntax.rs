@@ -1,0 +1,339 @@
+//! What a request's method, target and `Host` must look like before anything matches on them:
+//! the shapes an upstream could read differently from the gateway are refused (400) at the
+//! edge, as nginx refuses them, instead of being matched one way and routed another.
+//!
+//! - **Method**: upper-case letters, `_` and `-` only (nginx's rule). `get` or `GeT` would
+//!   pass a selector or kill switch written for `GET` and still be served as a GET by many
+//!   frameworks, which compare methods without case.
+//! - **Target**: origin-form (starts with `/`), absolute-form (`scheme://authority...`, which
+//!   HTTP/1.1 lets a client send to any server), or `*` for `OPTIONS`. `GET smuggled` is
+//!   matched as `/` but served by some frameworks as `/smuggled`.
+//! - **Host** (and HTTP/2's `:authority`): `host[:port]`, where host is a DNS-style name
+//!   (letters, digits, `-`, `_`, `~`, dots between non-empty labels, one trailing dot) or a
+//!   bracketed IPv6 literal, and port at most five digits. `blocked.example/x`,
+//!   `blocked.example x` or `blocked.example,ok.example` would otherwise match no host rule
+//!   while an upstream reads a host out of them. An HTTP/1.1 request without any `Host` is
+//!   refused too (RFC 9112 §3.2 asks for a 400).
+//!
+//! Pure: the proxy hands in the request line's pieces and its `Host` values.
+
+/// Why a request is refused before it is matched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Malformed {
+    #[error("the method is not an upper-case token")]
+    Method,
+    #[error(
+        "the request target does not start with `/` (nor is it absolute-form, or `*` for OPTIONS)"
+    )]
+    Target,
+    #[error("the Host is not host[:port]")]
+    Host,
+    #[error("an HTTP/1.1 request without a Host")]
+    MissingHost,
+}
+
+/// A method nginx would take: one or more of `A`–`Z`, `_` and `-`.
+pub fn method_ok(method: &[u8]) -> bool {
+    !method.is_empty()
+        && method
+            .iter()
+            .all(|&b| b.is_ascii_uppercase() || b == b'_' || b == b'-')
+}
+
+/// A request target in origin-form (`/...`), absolute-form (`scheme://...`, the scheme a
+/// letter then letters, digits, `+`, `-` or `.`; its authority is checked by the caller's
+/// HTTP layer against `Host`), or `*` with `OPTIONS`.
+pub fn target_ok(method: &[u8], target: &[u8]) -> bool {
+    match target.first() {
+        Some(b'/') => true,
+        Some(b'*') => target.len() == 1 && method == b"OPTIONS",
+        Some(first) if first.is_ascii_alphabetic() => {
+            let Some(colon) = memchr::memchr(b':', target) else {
+                return false;
+            };
+            target[1..colon]
+                .iter()
+                .all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+                && target[colon..].starts_with(b"://")
+        }
+        _ => false,
+    }
+}
+
+/// A `Host` (or `:authority`) value of the form `host[:port]` (see the module's opening for
+/// the characters a host may have). Empty is not a host.
+pub fn host_ok(value: &[u8]) -> bool {
+    let (host, port) = if value.first() == Some(&b'[') {
+        let Some(end) = memchr::memchr(b']', value) else {
+            return false;
+        };
+        let literal = &value[1..end];
+        if literal.is_empty()
+            || !literal
+                .iter()
+                .all(|&b| b.is_ascii_hexdigit() || b == b':' || b == b'.')
+        {
+            return false;
+        }
+        match &value[end + 1..] {
+            [] => return true,
+            [b':', port @ ..] => (None, port),
+            _ => return false,
+        }
+    } else {
+        match memchr::memchr(b':', value) {
+            Some(colon) => (Some(&value[..colon]), &value[colon + 1..]),
+            None => (Some(value), &b""[..]),
+        }
+    };
+    if port.len() > 5 || !port.iter().all(u8::is_ascii_digit) {
+        return false;
+    }
+    match host {
+        None => true,
+        Some(name) => name_ok(name),
+    }
+}
+
+/// The bytes a name's labels may have: letters, digits, `-`, `_` and `~`.
+const NAME_BYTES: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric() || c == b'-' || c == b'_' || c == b'~';
+        b += 1;
+    }
+    table
+};
+
+/// A DNS-style name: labels of letters, digits, `-`, `_` and `~`, none empty, with at most
+/// one trailing dot. One pass with a table lookup per byte (this runs on every request).
+fn name_ok(name: &[u8]) -> bool {
+    let name = name.strip_suffix(b".").unwrap_or(name);
+    // `true` at the start too: a leading dot is an empty first label.
+    let mut after_dot = true;
+    for &b in name {
+        if b == b'.' {
+            if after_dot {
+                return false;
+            }
+            after_dot = true;
+        } else if NAME_BYTES[usize::from(b)] {
+            after_dot = false;
+        } else {
+            return false;
+        }
+    }
+    !after_dot
+}
+
+/// A request's line and `Host` as the proxy has them.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLine<'a> {
+    pub method: &'a [u8],
+    /// The target as sent (absolute-form kept whole).
+    pub target: &'a [u8],
+    /// An HTTP/1.1 request (which must carry a `Host`, RFC 9112 §3.2).
+    pub http11: bool,
+    /// The target's (HTTP/2 `:authority`'s) authority, when the HTTP layer split one out.
+    pub authority: Option<&'a [u8]>,
+}
+
+/// Checks a request line and its `Host` values (every `Host` line sent).
+///
+/// # Errors
+/// The first of [`Malformed`] the request is.
+pub fn check<'h>(
+    line: RequestLine<'_>,
+    hosts: impl IntoIterator<Item = &'h [u8]>,
+) -> Result<(), Malformed> {
+    if !method_ok(line.method) {
+        return Err(Malformed::Method);
+    }
+    if !target_ok(line.method, line.target) {
+        return Err(Malformed::Target);
+    }
+    if line.authority.is_some_and(|a| !host_ok(a)) {
+        return Err(Malformed::Host);
+    }
+    let mut any_host = false;
+    for host in hosts {
+        if !host_ok(host) {
+            return Err(Malformed::Host);
+        }
+        any_host = true;
+    }
+    let absolute = line.target.first().is_some_and(u8::is_ascii_alphabetic);
+    if line.http11 && !any_host && line.authority.is_none() && !absolute {
+        return Err(Malformed::MissingHost);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line<'a>(method: &'a str, target: &'a str) -> RequestLine<'a> {
+        RequestLine {
+            method: method.as_bytes(),
+            target: target.as_bytes(),
+            http11: true,
+            authority: None,
+        }
+    }
+
+    #[test]
+    fn methods_are_upper_case_tokens_as_nginx_reads_them() {
+        for ok in ["GET", "POST", "M-SEARCH", "MY_METHOD", "PROPFIND"] {
+            assert!(method_ok(ok.as_bytes()), "{ok}");
+        }
+        for bad in ["get", "GeT", "post", "GET1", "GE T", "", "G\u{e9}T", "GET/"] {
+            assert!(!method_ok(bad.as_bytes()), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn targets_start_with_a_slash_or_are_absolute_or_an_options_star() {
+        for (method, ok) in [
+            ("GET", "/"),
+            ("GET", "/smuggled;x"),
+            ("GET", "http://api.example.com/x"),
+            ("GET", "https://api.example.com"),
+            ("GET", "foo+bar.v1-x://a/x"),
+            ("OPTIONS", "*"),
+        ] {
+            assert!(target_ok(method.as_bytes(), ok.as_bytes()), "{method} {ok}");
+        }
+        for (method, bad) in [
+            ("GET", "smuggled"),
+            ("GET", "smuggled/x"),
+            ("GET", "*"),
+            ("OPTIONS", "*x"),
+            ("GET", "%2Fsmuggled"),
+            ("GET", "?a=1"),
+            ("GET", ""),
+            ("GET", "1http://a/x"),
+            ("GET", "http:/a/x"),
+            ("GET", "ht_tp://a/x"),
+            ("CONNECT", "api.example.com:443"),
+        ] {
+            assert!(
+                !target_ok(method.as_bytes(), bad.as_bytes()),
+                "{method} {bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn hosts_are_host_and_optional_port() {
+        for ok in [
+            "api.example.com",
+            "API.Example.com.",
+            "api.example.com:8080",
+            "api.example.com:",
+            "a_b.example",
+            "localhost",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:8080",
+            "[2001:db8::7]:443",
+            "[::ffff:192.0.2.1]",
+            "xn--bcher-kva.example",
+        ] {
+            assert!(host_ok(ok.as_bytes()), "{ok}");
+        }
+        for bad in [
+            "",
+            ".",
+            "blocked.example/x",
+            "blocked.example x",
+            "blocked.example,ok.example",
+            "blocked.example\\x",
+            "blocked..example",
+            ".blocked.example",
+            "blocked.example:abc",
+            "blocked.example:80:81",
+            "blocked.example:123456",
+            "user@blocked.example",
+            "blocked.example;x",
+            "blocked%2Eexample",
+            "[::1",
+            "[]",
+            "[::1]x",
+            "[::1]:8x",
+            "[fe80::1%25eth0]",
+            "bl\u{f6}cked.example",
+        ] {
+            assert!(!host_ok(bad.as_bytes()), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn check_reports_the_first_problem() {
+        let hosts = |h: &'static [&'static str]| h.iter().map(|h| h.as_bytes());
+        assert_eq!(check(line("GET", "/x"), hosts(&["a.example"])), Ok(()));
+        assert_eq!(
+            check(line("get", "x"), hosts(&["a b"])),
+            Err(Malformed::Method)
+        );
+        assert_eq!(
+            check(line("GET", "x"), hosts(&["a b"])),
+            Err(Malformed::Target)
+        );
+        assert_eq!(
+            check(line("GET", "/x"), hosts(&["ok.example", "a b"])),
+            Err(Malformed::Host)
+        );
+        assert_eq!(
+            check(line("GET", "/x"), hosts(&[])),
+            Err(Malformed::MissingHost)
+        );
+        // An absolute-form target names its host; HTTP/1.0 needs none.
+        assert_eq!(check(line("GET", "http://a.example/x"), hosts(&[])), Ok(()));
+        let http10 = RequestLine {
+            http11: false,
+            ..line("GET", "/x")
+        };
+        assert_eq!(check(http10, hosts(&[])), Ok(()));
+        // HTTP/2's :authority is a Host, and is checked as one.
+        let h2 = |authority: &'static str| RequestLine {
+            authority: Some(authority.as_bytes()),
+            http11: false,
+            ..line("GET", "/x")
+        };
+        assert_eq!(check(h2("a.example:443"), hosts(&[])), Ok(()));
+        assert_eq!(
+            check(h2("a.example,b.example"), hosts(&[])),
+            Err(Malformed::Host)
+        );
+    }
+
+    proptest::proptest! {
+        /// The checks never panic on any bytes.
+        #[test]
+        fn checks_are_total(
+            method in proptest::collection::vec(proptest::num::u8::ANY, 0..8),
+            target in proptest::collection::vec(proptest::num::u8::ANY, 0..24),
+            host in proptest::collection::vec(proptest::num::u8::ANY, 0..24),
+        ) {
+            let line = RequestLine { method: &method, target: &target, http11: true, authority: Some(&host) };
+            let _ = check(line, [host.as_slice()]);
+        }
+
+        /// Every name made of valid labels, with any port of up to five digits, is a host.
+        #[test]
+        fn names_with_ports_are_hosts(
+            labels in proptest::collection::vec("[a-zA-Z0-9_~-]{1,8}", 1..5),
+            port in proptest::option::of("[0-9]{0,5}"),
+        ) {
+            let mut host = labels.join(".");
+            if let Some(port) = port {
+                host.push(':');
+                host.push_str(&port);
+            }
+            proptest::prop_assert!(host_ok(host.as_bytes()), "{}", host);
+        }
+    }
+}
