@@ -925,12 +925,21 @@ fn an_old_signed_bundle_put_back_is_refused_past_its_expiry_and_refresh_renews_t
     assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
     assert!(
         stderr_of(&out).contains(&format!(
-            "the live bundle (version {older}) is older than version {current}, seen in the store"
+            "the live bundle (version {older}) is older than live version {current}, seen in the store"
         )),
         "{}",
         stderr_of(&out)
     );
     redis.cli(&["SET", "{tollgate-bundle}:live", current_envelope.trim()]);
+    // A candidate published meanwhile (a version above the live one, in the slot and in the
+    // version record) is no sign of a put-back live bundle: the refresh goes ahead.
+    let candidate = publish(
+        dir.path(),
+        &store,
+        LIVE,
+        &["--sign-key", &sign, "--candidate"],
+    );
+    assert!(candidate > current);
     // Refreshed for three days: a new version of the same bundle, warned about at once.
     let refreshed = version_of(&tollgate(&[
         "refresh",

@@ -241,6 +241,9 @@ async fn seen_versions(
     Ok(believed)
 }
 
+/// The longest `--valid-for`: ten years.
+const MAX_VALID_FOR_SECS: u64 = 10 * 365 * 86_400;
+
 /// The expiry of an envelope sealed at `now_ms` (Unix seconds).
 fn expiry(now_ms: u64, signing: &SigningArgs) -> Outcome<i64> {
     let valid_for = signing.valid_for.as_secs();
@@ -248,6 +251,16 @@ fn expiry(now_ms: u64, signing: &SigningArgs) -> Outcome<i64> {
         return Err(Failure(
             EXIT_FAILURE,
             "--valid-for: must be at least 1s".to_string(),
+        ));
+    }
+    if valid_for > MAX_VALID_FOR_SECS {
+        return Err(Failure(
+            EXIT_FAILURE,
+            format!(
+                "--valid-for {}: at most 10 years (an envelope valid longer is a rollback \
+                 waiting to happen)",
+                signing.valid_for
+            ),
         ));
     }
     i64::try_from(now_ms / 1000)
@@ -261,14 +274,13 @@ fn expiry(now_ms: u64, signing: &SigningArgs) -> Outcome<i64> {
         })
 }
 
-/// `expires_at` as people read it: the UTC time.
+/// `expires_at` as people read it: the UTC time (the number itself when it is no date
+/// `humantime` can write, as an envelope written by anyone may say).
 fn expiry_text(expires_at: i64) -> String {
     u64::try_from(expires_at)
-        .map(|secs| {
-            humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_secs(secs))
-                .to_string()
-        })
-        .unwrap_or_else(|_| expires_at.to_string())
+        .ok()
+        .and_then(crate::limits::clock::rfc3339_seconds)
+        .unwrap_or_else(|| expires_at.to_string())
 }
 
 /// The signing rule for replacing `current` (the store's live or candidate envelope) by a
@@ -635,18 +647,29 @@ fn refresh_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
         }
         let seen = seen_versions(store.as_ref(), now, err).await?;
         let history = store.history().await.map_err(|e| store_failure(&e))?;
+        let beats = store.gateways().await.map_err(|e| store_failure(&e))?;
+        // Put back? Only a newer *live* bundle says so: the history of live bundles, or one a
+        // gateway runs. A candidate, and the version record a candidate raised, are newer than
+        // the live bundle as a matter of course.
+        let newest_live = history
+            .iter()
+            .filter_map(|h| stored_version(h))
+            .chain(beats.iter().filter_map(|b| b.live_version))
+            .filter(|v| believable(*v, now))
+            .max()
+            .unwrap_or(0);
+        if newest_live > live.version {
+            return Err(put_back(format!(
+                "is older than live version {newest_live}, seen in the store (the history or a \
+                 gateway's heartbeat): it may have been put back"
+            )));
+        }
         let newest = seen
             .into_iter()
             .chain(history.iter().filter_map(|h| stored_version(h)))
             .filter(|v| believable(*v, now))
             .max()
             .unwrap_or(0);
-        if newest > live.version {
-            return Err(put_back(format!(
-                "is older than version {newest}, seen in the store (the version record, the \
-                 candidate, the history or a gateway's heartbeat): it may have been put back"
-            )));
-        }
         let label = PathBuf::from(format!("live bundle version {}", live.version));
         validate_bundle(&label, live.policy.as_bytes(), err)?;
         let expires_at = expiry(now, &args.signing)?;
@@ -826,9 +849,15 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             )
         })
         .collect();
+    // On the live version, and not refusing what the live slot holds now (a forged envelope
+    // under the version in force, or one that is not an envelope at all, has no other sign).
     let on_live: Vec<bool> = beats
         .iter()
-        .map(|beat| Standing::on_live(live_id.as_ref(), beat.live_version))
+        .zip(&standings)
+        .map(|(beat, standing)| {
+            Standing::on_live(live_id.as_ref(), beat.live_version)
+                && !matches!(standing, Standing::Refused { slot, .. } if slot == "live")
+        })
         .collect();
     let text = if args.json {
         let gateways: Vec<serde_json::Value> = beats

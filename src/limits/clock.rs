@@ -58,6 +58,17 @@ impl Clock for SystemClock {
 }
 
 /// The current wall-clock time in Unix seconds (0 if the system clock is before 1970).
+/// `unix_secs` as an RFC 3339 UTC time to the second (`2026-11-28T06:00:00Z`); `None` past
+/// what `SystemTime` or the format can hold (after year 9999), so a time anyone wrote can be
+/// shown without a panic.
+pub fn rfc3339_seconds(unix_secs: u64) -> Option<String> {
+    use std::fmt::Write;
+    let at = UNIX_EPOCH.checked_add(std::time::Duration::from_secs(unix_secs))?;
+    let mut text = String::new();
+    write!(text, "{}", humantime::format_rfc3339_seconds(at)).ok()?;
+    Some(text)
+}
+
 pub fn wall_unix_secs() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -134,6 +145,22 @@ pub fn secs_to_us(secs: f64) -> u64 {
 
 #[cfg(test)]
 mod tests {
+
+    /// Times up to year 9999 are written; later ones (an envelope may say anything) are not,
+    /// and nothing panics.
+    #[test]
+    fn rfc3339_seconds_writes_what_it_can_and_never_panics() {
+        assert_eq!(
+            rfc3339_seconds(1_766_592_000).as_deref(),
+            Some("2025-12-24T16:00:00Z")
+        );
+        assert_eq!(
+            rfc3339_seconds(253_402_300_799).as_deref(),
+            Some("9999-12-31T23:59:59Z")
+        );
+        assert_eq!(rfc3339_seconds(253_402_300_800), None);
+        assert_eq!(rfc3339_seconds(u64::MAX), None);
+    }
     use super::*;
 
     #[test]

@@ -163,10 +163,7 @@ autocomplete=\"off\" size=\"40\"> <button type=\"submit\">Sign in</button></form
 }
 
 fn rfc3339(unix_secs: u64) -> String {
-    humantime::format_rfc3339_seconds(
-        std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix_secs),
-    )
-    .to_string()
+    crate::limits::clock::rfc3339_seconds(unix_secs).unwrap_or_else(|| unix_secs.to_string())
 }
 
 /// The page itself.

@@ -243,19 +243,7 @@ impl PerClient {
         if crate::request::client_addr::in_any(&self.trusted, peer) {
             return Ok(None);
         }
-        let key = match peer {
-            std::net::IpAddr::V6(v6) => {
-                let bits = u128::from(v6);
-                let keep = u32::from(self.ipv6_prefix.min(128));
-                let mask = if keep == 0 {
-                    0
-                } else {
-                    u128::MAX << (128 - keep)
-                };
-                std::net::IpAddr::V6((bits & mask).into())
-            }
-            v4 => v4,
-        };
+        let key = crate::request::descriptor::client_net(peer, self.ipv6_prefix);
         let mut open = self.open.lock();
         let count = open.entry(key).or_insert(0);
         if *count >= self.max {

@@ -818,7 +818,14 @@ impl ProxyHttp for Proxy {
                 Some(slots) => {
                     match slots
                         .acquire(
-                            ctx.client_ip.or(ctx.peer),
+                            // One client: an IPv6 client's whole /64 (`--ipv6-prefix`), as
+                            // it is to the limits, so rotating addresses buys no more slots.
+                            ctx.client_ip.or(ctx.peer).map(|ip| {
+                                crate::request::descriptor::client_net(
+                                    ip,
+                                    self.gateway.config.ipv6_prefix,
+                                )
+                            }),
                             group.spec.queue_timeout,
                             || self.gateway.metrics.upstream_queue(&group.spec.name),
                             client_gone(session),

@@ -15,6 +15,12 @@
 //!   while an upstream reads a host out of them. An HTTP/1.1 request without any `Host` is
 //!   refused too (RFC 9112 §3.2 asks for a 400).
 //!
+//! - **Path parameters** (`;`): matching cuts them from each segment, as servlet containers
+//!   do. A parameter on an empty, `.` or `..` segment (`/admin/..;/x`, `/admin/%2e%2e;/x`), or
+//!   one that runs over an encoded or backslash separator (`/pub;x%2F..%2Fadmin`), is refused:
+//!   a servlet container and every other server (nginx, Envoy, Go... for which `;` is data)
+//!   read such a path as two different places, so no one match path can stand for both.
+//!
 //! Pure: the proxy hands in the request line's pieces and its `Host` values.
 
 /// Why a request is refused before it is matched.
@@ -45,7 +51,7 @@ pub fn method_ok(method: &[u8]) -> bool {
 /// HTTP layer against `Host`), or `*` with `OPTIONS`.
 pub fn target_ok(method: &[u8], target: &[u8]) -> bool {
     match target.first() {
-        Some(b'/') => true,
+        Some(b'/') => path_parameters_ok(target),
         Some(b'*') => target.len() == 1 && method == b"OPTIONS",
         Some(first) if first.is_ascii_alphabetic() => {
             let Some(colon) = memchr::memchr(b':', target) else {
@@ -58,6 +64,88 @@ pub fn target_ok(method: &[u8], target: &[u8]) -> bool {
         }
         _ => false,
     }
+}
+
+/// Whether every `;` path parameter of `target` (origin-form, query and all) can be cut the
+/// same way by every reader: not on a `.` or `..` segment (escaped dots included), not on an
+/// empty segment when a dot segment follows (`/admin/;/..`: cut, the climb leaves `/admin`),
+/// and not running over a `\\`, `%2F` or `%5C` (which some servers read as a separator).
+pub fn path_parameters_ok(target: &[u8]) -> bool {
+    let path = match memchr::memchr(b'?', target) {
+        Some(end) => &target[..end],
+        None => target,
+    };
+    if memchr::memchr(b';', path).is_none() {
+        return true;
+    }
+    let escaped_separator = |at: &[u8]| {
+        at.len() >= 3
+            && at[0] == b'%'
+            && ((at[1] == b'2' && at[2] | 0x20 == b'f') || (at[1] == b'5' && at[2] | 0x20 == b'c'))
+    };
+    let mut segment_start = 0;
+    let mut empty_segment_parameter = false;
+    let mut i = 0;
+    while i < path.len() {
+        match path[i] {
+            b'/' | b'\\' => {
+                if empty_segment_parameter
+                    && i > segment_start
+                    && dot_or_empty(&path[segment_start..i])
+                {
+                    return false;
+                }
+                segment_start = i + 1;
+                i += 1;
+            }
+            b'%' if escaped_separator(&path[i..]) => {
+                segment_start = i + 3;
+                i += 3;
+            }
+            b';' => {
+                let segment = &path[segment_start..i];
+                if segment.is_empty() {
+                    empty_segment_parameter = true;
+                } else if dot_or_empty(segment) {
+                    return false;
+                }
+                // The parameter runs to the next raw `/`: it must not swallow a separator
+                // another server would see.
+                let end = memchr::memchr(b'/', &path[i..]).map_or(path.len(), |e| i + e);
+                let parameter = &path[i..end];
+                if parameter.contains(&b'\\')
+                    || (0..parameter.len()).any(|k| escaped_separator(&parameter[k..]))
+                {
+                    return false;
+                }
+                i = end;
+            }
+            _ => i += 1,
+        }
+    }
+    // A last segment that is a dot segment, after a parameter on an empty one.
+    !(empty_segment_parameter && segment_start < path.len() && dot_or_empty(&path[segment_start..]))
+}
+
+/// An empty segment, or one that is `.` or `..` once `%2e` is read as a dot.
+fn dot_or_empty(segment: &[u8]) -> bool {
+    let mut dots = 0;
+    let mut i = 0;
+    while i < segment.len() {
+        if segment[i] == b'.' {
+            i += 1;
+        } else if segment.len() >= i + 3
+            && segment[i] == b'%'
+            && segment[i + 1] == b'2'
+            && segment[i + 2] | 0x20 == b'e'
+        {
+            i += 3;
+        } else {
+            return false;
+        }
+        dots += 1;
+    }
+    dots <= 2
 }
 
 /// A `Host` (or `:authority`) value of the form `host[:port]` (see the module's opening for
@@ -169,6 +257,43 @@ pub fn check<'h>(
         return Err(Malformed::MissingHost);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod path_parameter_tests {
+    use super::*;
+
+    /// Parameters that every reader cuts alike pass; those on a dot or empty segment, or over
+    /// an encoded or backslash separator, are refused.
+    #[test]
+    fn ambiguous_path_parameters_are_refused() {
+        for fine in [
+            "/smuggled;jsessionid=0123",
+            "/a;p=1/b",
+            "/x?q=;..",
+            "/plain",
+            "/a/b;c=d/e;f",
+            "/;x/smuggled",
+        ] {
+            assert!(path_parameters_ok(fine.as_bytes()), "{fine}");
+            assert!(target_ok(b"GET", fine.as_bytes()), "{fine}");
+        }
+        for bad in [
+            "/admin/..;/x",
+            "/admin/%2e%2e;/x",
+            "/admin/%2E.;x/y",
+            "/admin/;/..",
+            "/admin/.;x",
+            "/admin/;/../x",
+            "/pub;x%2F..%2Fadmin",
+            "/pub;x%5c..",
+            "/pub;\\..\\admin",
+            "/admin%2F..;/x",
+        ] {
+            assert!(!path_parameters_ok(bad.as_bytes()), "{bad}");
+            assert!(!target_ok(b"GET", bad.as_bytes()), "{bad}");
+        }
+    }
 }
 
 #[cfg(test)]

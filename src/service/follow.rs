@@ -48,6 +48,9 @@ pub const MIN_READ_GAP: Duration = Duration::from_millis(100);
 /// `/readyz` `policy_source.expires_soon`, `tollgate_bundle_expiry_timestamp_seconds`).
 pub const EXPIRY_WARNING_SECS: i64 = 7 * 24 * 3600;
 
+/// How long a slot refused as from the future waits before it is looked at again.
+const FUTURE_RECHECK_SECS: i64 = 60;
+
 /// Why a published bundle was not put in force.
 #[derive(Debug, thiserror::Error)]
 pub enum Refusal {
@@ -217,7 +220,9 @@ impl Follower {
                 return false;
             }
         };
-        match self.check(&bytes, Slot::Live) {
+        // The state dir is this gateway's own: a bundle it kept from before expiries (no
+        // `expires_at`) still starts it, so upgrading a gateway never leaves it without one.
+        match self.check_envelope(&bytes, Slot::Live, true) {
             Ok((envelope, bundle)) => {
                 self.put_live(&envelope, bundle, "state_dir", "state_dir");
                 true
@@ -300,8 +305,14 @@ impl Follower {
             // Not read: its size stands for it (refused once, as long as the size stays).
             Bounded::TooLarge(size) => raw_hash(&size.to_le_bytes()) ^ 1,
         };
-        if self.gateway.source_state.lock().seen[index] == Some(hash) {
-            return;
+        {
+            let mut state = self.gateway.source_state.lock();
+            let recheck = state.future_recheck_at[index]
+                .is_some_and(|at| self.gateway.clock.unix_secs() >= at);
+            if state.seen[index] == Some(hash) && !recheck {
+                return;
+            }
+            state.future_recheck_at[index] = None;
         }
         let bytes = match read {
             Bounded::Bytes(bytes) => bytes,
@@ -324,6 +335,13 @@ impl Follower {
         {
             let mut state = self.gateway.source_state.lock();
             state.seen[index] = Some(hash);
+            if matches!(
+                outcome,
+                Err(Refusal::Envelope(EnvelopeError::FutureVersion { .. }))
+            ) {
+                state.future_recheck_at[index] =
+                    Some(self.gateway.clock.unix_secs() + FUTURE_RECHECK_SECS);
+            }
             state.store_slots[index] = Some(SlotId::of(bytes));
             if outcome.is_ok() {
                 state.refused[index] = None;
@@ -387,11 +405,19 @@ impl Follower {
         bytes: &[u8],
         slot: Slot,
     ) -> Result<(Envelope, crate::policy::Bundle), Refusal> {
+        self.check_envelope(bytes, slot, false)
+    }
+
+    /// [`Follower::check`]; `own_kept`: the bytes are the bundle this gateway kept in its state
+    /// dir, which needs no expiry.
+    fn check_envelope(
+        &self,
+        bytes: &[u8],
+        slot: Slot,
+        own_kept: bool,
+    ) -> Result<(Envelope, crate::policy::Bundle), Refusal> {
         let envelope = Envelope::parse(bytes, slot, self.max_bytes)?;
         envelope.verify(self.key.as_deref())?;
-        let clock = &self.gateway.clock;
-        envelope.check_expiry(clock.unix_secs(), self.key.is_some())?;
-        envelope.check_version(clock.unix_us() / 1000)?;
         let (in_force, withdrawn) = {
             let state = self.gateway.source_state.lock();
             match slot {
@@ -399,6 +425,18 @@ impl Follower {
                 Slot::Candidate => (state.candidate.clone(), state.candidate_withdrawn),
             }
         };
+        // An envelope without an expiry is refused under a verify key (it could be put back
+        // at any time), except the very bundle this gateway already runs (same version and
+        // hash) or kept: refusing that would only take away what is in force after an upgrade.
+        let already_runs = in_force.as_ref().is_some_and(|(version, sha256)| {
+            *version == envelope.version && *sha256 == envelope.sha256
+        });
+        let clock = &self.gateway.clock;
+        envelope.check_expiry(
+            clock.unix_secs(),
+            self.key.is_some() && !already_runs && !own_kept,
+        )?;
+        envelope.check_version(clock.unix_us() / 1000)?;
         if let Some(withdrawn) = withdrawn.filter(|w| envelope.version <= *w) {
             return Err(Refusal::Withdrawn {
                 found: envelope.version,
@@ -1163,6 +1201,41 @@ mod tests {
         task.await.expect("the follower stops");
     }
 
+    /// Upgrading a gateway under a verify key: the bundle it kept in its state dir from before
+    /// expiries still starts it, and the store's same envelope (same version and hash) is not
+    /// refused; another envelope without an expiry still is.
+    #[tokio::test]
+    async fn an_upgraded_gateway_keeps_running_its_bundle_from_before_expiries() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (sign, verify, _) = keys(dir.path());
+        let state = tempfile::tempdir().expect("state dir");
+        let (gateway, _clock) = gateway_with_clock(Some(state.path()));
+        let source = Arc::new(FakeSource::default());
+        let old = Envelope::seal(
+            POLICY.to_string(),
+            Slot::Live,
+            10,
+            1_764_000_000,
+            None,
+            Some(&sign),
+        )
+        .to_json();
+        std::fs::write(state.path().join(KEPT_BUNDLE_FILE), &old).expect("kept bundle");
+        source.slots.lock().live = Some(old.into_bytes());
+        let follower = follower(&gateway, &source, Some(verify));
+        assert!(follower.load_kept());
+        assert_eq!(readyz(&gateway)["bundle_version"], 10);
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["bundle_version"], 10);
+        assert_eq!(rejected(&gateway, "live", "no_expiry"), 0);
+        assert_eq!(readyz(&gateway)["policy_source"]["standing"], "following");
+        // A newer envelope without an expiry: refused, the old one stays.
+        publish_until(&source, POLICY, Slot::Live, 11, None, Some(&sign));
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "no_expiry"), 1);
+        assert_eq!(readyz(&gateway)["bundle_version"], 10);
+    }
+
     #[tokio::test]
     async fn expired_or_expiry_less_envelopes_are_refused_and_the_expiry_is_warned_a_week_ahead() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1214,6 +1287,35 @@ mod tests {
         follower.poll_once("test").await;
         assert_eq!(readyz(&gateway)["bundle_version"], 12);
         assert_eq!(gateway.source_state.lock().expiry_warned, Some((12, 2)));
+    }
+
+    /// A gateway whose clock is behind refuses a version as from the future, then takes the
+    /// same unchanged slot once its clock has caught up: the refusal is looked at again a
+    /// minute later, not cached for as long as the slot stays the same.
+    #[tokio::test]
+    async fn a_future_version_is_looked_at_again_once_the_clock_catches_up() {
+        let (gateway, clock) = gateway_with_clock(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        let now_ms = 1_764_000_000_000u64;
+        publish(&source, POLICY, Slot::Live, now_ms, None);
+        follower.poll_once("test").await;
+        let day = crate::fleet::envelope::MAX_AHEAD_MS;
+        // Two hours above the ceiling of this gateway's (slow) clock.
+        let ahead = now_ms + day + 2 * 3_600_000;
+        publish(&source, POLICY, Slot::Live, ahead, None);
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "live", "future_version"), 1);
+        // Within the minute the unchanged slot is not looked at again (nor refused again).
+        clock.advance_us(30 * 1_000_000);
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["bundle_version"], now_ms);
+        assert_eq!(rejected(&gateway, "live", "future_version"), 1);
+        // The clock catches up by three hours: the same slot is taken.
+        clock.advance_us(3 * 3_600 * 1_000_000);
+        follower.poll_once("test").await;
+        assert_eq!(readyz(&gateway)["bundle_version"], ahead);
+        assert_eq!(rejected(&gateway, "live", "future_version"), 1);
     }
 
     #[tokio::test]

@@ -547,32 +547,35 @@ impl Gateway {
     /// ext_authz): facts from the method, target and host, JWT claims from the headers, and a
     /// path with an encoded slash under `--encoded-slashes reject` refused before the engine.
     pub async fn decide_described(&self, described: &Described<'_>) -> Answer {
+        // A path whose `;` parameters servers read as different places is refused here too, as
+        // the proxy refuses it: no one match path stands for both readings.
+        if !crate::request::syntax::path_parameters_ok(described.target.as_bytes()) {
+            return self.refused_described(described, Reason::MalformedRequest);
+        }
         let lookup = HttpHeaders(described.headers);
         let claims = self.claims(&lookup);
         match self.described_facts(described, &lookup, claims.as_deref()) {
             Ok(facts) => self.decide(&facts).await,
-            Err(_) => {
-                let (path, _) = crate::request::descriptor::split_uri(described.target);
-                Answer {
-                    allowed: false,
-                    throttle_ms: 0,
-                    lease: None,
-                    reservation: None,
-                    no_policy: false,
-                    reason: Some(Reason::EncodedSlash),
-                    rule: None,
-                    summary: described
-                        .trace
-                        .filter(|t| t.sampled)
-                        .map(|_| Box::new(DecisionSummary::refused(Reason::EncodedSlash))),
-                    response: self.refuse_early(
-                        Reason::EncodedSlash,
-                        described.client_ip,
-                        described.host,
-                        path,
-                    ),
-                }
-            }
+            Err(_) => self.refused_described(described, Reason::EncodedSlash),
+        }
+    }
+
+    /// A described request refused before any matching, for `reason`.
+    fn refused_described(&self, described: &Described<'_>, reason: Reason) -> Answer {
+        let (path, _) = crate::request::descriptor::split_uri(described.target);
+        Answer {
+            allowed: false,
+            throttle_ms: 0,
+            lease: None,
+            reservation: None,
+            no_policy: false,
+            reason: Some(reason),
+            rule: None,
+            summary: described
+                .trace
+                .filter(|t| t.sampled)
+                .map(|_| Box::new(DecisionSummary::refused(reason))),
+            response: self.refuse_early(reason, described.client_ip, described.host, path),
         }
     }
 

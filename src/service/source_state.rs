@@ -49,6 +49,9 @@ pub(crate) struct SourceState {
     /// Hashes of the raw slots last looked at (live, candidate): an unchanged slot is not
     /// parsed again, and a refused one is reported once.
     pub(super) seen: [Option<u64>; 2],
+    /// A slot refused as from the future is looked at again from this time (Unix seconds):
+    /// this gateway's clock may have been behind, and time may make the version believable.
+    pub(super) future_recheck_at: [Option<i64>; 2],
     /// The store had no live bundle at the last read (logged once).
     pub(super) empty_reported: bool,
 }

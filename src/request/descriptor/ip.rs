@@ -16,6 +16,15 @@ pub fn canonical_ip(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// A client address as one client: IPv4 as is (a mapped IPv6 address as its IPv4), IPv6 cut
+/// to its `/v6_prefix` network (a client holds a whole /64 and can rotate through it).
+pub fn client_net(ip: IpAddr, v6_prefix: u8) -> IpAddr {
+    match canonical_ip(ip) {
+        IpAddr::V6(v6) => IpAddr::V6(mask_v6(v6, v6_prefix)),
+        v4 => v4,
+    }
+}
+
 /// The bucket identity of a client address: IPv4 as is; IPv6 reduced to its `/prefix` network,
 /// written `2001:db8:1:2::/64` (so it reads like Boulder's `/48` IDs).
 pub fn ip_key(ip: IpAddr, v6_prefix: u8) -> String {

@@ -8,7 +8,7 @@ pub(crate) mod header_lookup;
 pub(crate) mod ip;
 
 pub use header_lookup::HeaderLookup;
-pub use ip::{canonical_ip, ip_key, mask_v6, push_ip_key, IpNet};
+pub use ip::{canonical_ip, client_net, ip_key, mask_v6, push_ip_key, IpNet};
 
 use std::borrow::Cow;
 use std::net::{IpAddr, Ipv6Addr};
@@ -431,6 +431,20 @@ fn needs_normalizing(path: &str) -> bool {
     })
 }
 
+/// Where a path parameter (`bytes` starts at its `;`) ends: at the next `/`, `\\`, `%2F` or
+/// `%5C`, the separators [`normalize_once`] reads.
+fn parameter_end(bytes: &[u8]) -> Option<usize> {
+    (0..bytes.len()).find(|&k| match bytes[k] {
+        b'/' | b'\\' => true,
+        b'%' => {
+            bytes.len() >= k + 3
+                && ((bytes[k + 1] == b'2' && bytes[k + 2] | 0x20 == b'f')
+                    || (bytes[k + 1] == b'5' && bytes[k + 2] | 0x20 == b'c'))
+        }
+        _ => false,
+    })
+}
+
 /// One normalisation pass (see [`normalize_path`]).
 fn normalize_once(path: &str) -> Cow<'_, str> {
     if !needs_normalizing(path) {
@@ -443,8 +457,17 @@ fn normalize_once(path: &str) -> Cow<'_, str> {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b';' {
-            // A path parameter: dropped up to the segment's end (the next raw `/`).
-            i = memchr::memchr(b'/', &bytes[i..]).map_or(bytes.len(), |end| i + end);
+            // A path parameter: dropped up to the segment's end (the next `/`, `\`, `%2F` or
+            // `%5C`: never over a separator this normaliser reads). On a `.` or `..` segment
+            // it is kept as written, so the cut never makes a dot segment: servers for which
+            // `;` is data read such a path under the segments before it, and so does matching
+            // (the proxy and the decision service refuse these targets with 400 anyway).
+            let end = parameter_end(&bytes[i..]).map_or(bytes.len(), |end| i + end);
+            let segment = decoded.rsplit('/').next().unwrap_or("");
+            if matches!(segment, "." | "..") {
+                decoded.push_str(&path[i..end]);
+            }
+            i = end;
             continue;
         }
         if bytes[i] == b'\\' {
