@@ -605,6 +605,11 @@ fn fleet_shows_a_refused_bundle_and_exits_non_zero() {
     let mut old = beat("edge-old", Some(&first), None, now_secs());
     old.live_version = Some(v1 - 1);
     rt.block_on(store.heartbeat(&old)).unwrap();
+    // And one not heard from for two minutes (a replaced pod): shown, but not counted in the
+    // exit code's "not on the live version".
+    let mut gone = beat("edge-gone", Some(&first), None, now_secs() - 120);
+    gone.live_version = Some(v1 - 1);
+    rt.block_on(store.heartbeat(&gone)).unwrap();
 
     // Unsigned, on purpose: the gateway holds a verify key and refuses it.
     let v2 = tollgate(&["publish", &unsigned, "--store", &url, "--allow-unsigned"]).version();
@@ -630,6 +635,7 @@ fn fleet_shows_a_refused_bundle_and_exits_non_zero() {
         shown.stderr,
         format!("2 of 2 gateway(s) not on the live version {v2}\n")
     );
+    assert!(shown.stdout.contains("\nedge-gone "), "{}", shown.stdout);
     let state = |stdout: &str, id: &str| -> String {
         let line = stdout
             .lines()

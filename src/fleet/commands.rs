@@ -177,6 +177,10 @@ fn stored_version(bytes: &[u8]) -> Option<u64> {
 /// `repair` removes it: clocks that disagree by more were set wrong, or the heartbeat forged.
 pub const HEARTBEAT_SKEW_SECS: i64 = 60;
 
+/// A gateway whose last heartbeat is older than this has stopped, for `fleet`'s exit code
+/// (gateways beat every 5 s).
+pub const STOPPED_AFTER_SECS: i64 = 60;
+
 /// The store's clock (Unix milliseconds), what versions and expiries are taken from.
 async fn store_clock(store: &dyn PolicySource) -> Outcome<u64> {
     store.clock_ms().await.map_err(|e| store_failure(&e))
@@ -891,14 +895,25 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         )
     };
     let _ = writeln!(out, "{text}");
-    let off = on_live.iter().filter(|on| !**on).count();
+    // A gateway not heard from for a while has stopped (a replaced pod leaves its heartbeat
+    // behind): it shows in the table, but does not hold a deploy script back for ever.
+    let now_secs = i64::try_from(now_ms / 1000).unwrap_or(i64::MAX);
+    let running: Vec<bool> = beats
+        .iter()
+        .map(|beat| now_secs.saturating_sub(beat.at) <= STOPPED_AFTER_SECS)
+        .collect();
+    let off = on_live
+        .iter()
+        .zip(&running)
+        .filter(|(on, running)| !**on && **running)
+        .count();
     if off == 0 {
         return EXIT_OK;
     }
     let _ = writeln!(
         err,
         "{off} of {} gateway(s) not on the live version {}",
-        beats.len(),
+        running.iter().filter(|r| **r).count(),
         live.as_ref().map_or(0, |l| l.version)
     );
     EXIT_INVALID

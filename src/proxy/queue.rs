@@ -21,6 +21,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// One server's slots, and each client's share of them.
 pub struct Slots {
     semaphore: Arc<Semaphore>,
+    max: usize,
     share: usize,
     /// The clients holding or waiting for a slot, each with its share. An entry goes when its
     /// client holds and awaits nothing, so the map is never larger than the requests at hand.
@@ -94,6 +95,7 @@ impl Slots {
     pub fn new(max: usize, share: usize) -> Slots {
         Slots {
             semaphore: Arc::new(Semaphore::new(max)),
+            max,
             share: share.clamp(1, max.max(1)),
             clients: parking_lot::Mutex::new(ahash::AHashMap::new()),
         }
@@ -114,6 +116,8 @@ impl Slots {
     ) -> Result<Slot, QueueError> {
         // The client's own share, then the server's slot; no waiter ahead and both free: no
         // queue, no timer, no metric.
+        // A share of the whole cap limits nothing: no client is tracked.
+        let client = client.filter(|_| self.share < self.max);
         // Held for the whole call, also when the request is dropped while it waits (its client
         // went away and Pingora dropped its future): the entry goes with the last reference.
         let share = client.map(|ip| ShareRef {
@@ -359,10 +363,14 @@ mod tests {
     /// served, timed out or abandoned.
     #[tokio::test(start_paused = true)]
     async fn client_entries_go_when_their_requests_are_done() {
-        let slots = Arc::new(Slots::new(1, 1));
+        let slots = Arc::new(Slots::new(2, 1));
         let m = metrics();
         let held = slots
             .acquire(ip(1), Duration::from_secs(1), || m.clone(), stays())
+            .await
+            .unwrap();
+        let also_held = slots
+            .acquire(ip(4), Duration::from_secs(1), || m.clone(), stays())
             .await
             .unwrap();
         assert_eq!(
@@ -379,8 +387,25 @@ mod tests {
                 .err(),
             Some(QueueError::ClientGone)
         );
-        assert_eq!(slots.clients_tracked(), 1);
+        assert_eq!(slots.clients_tracked(), 2);
         drop(held);
+        drop(also_held);
+        assert_eq!(slots.clients_tracked(), 0);
+    }
+
+    /// A share of the whole cap limits nothing: no client is tracked at all.
+    #[tokio::test(start_paused = true)]
+    async fn a_share_of_the_whole_cap_tracks_no_client() {
+        let slots = Arc::new(Slots::new(2, 2));
+        let m = metrics();
+        let _a = slots
+            .acquire(ip(1), Duration::from_secs(1), || m.clone(), stays())
+            .await
+            .unwrap();
+        let _b = slots
+            .acquire(ip(1), Duration::from_secs(1), || m.clone(), stays())
+            .await
+            .unwrap();
         assert_eq!(slots.clients_tracked(), 0);
     }
 
@@ -432,10 +457,14 @@ mod tests {
     /// queue-length gauge as it found it.
     #[tokio::test(start_paused = true)]
     async fn a_waiter_dropped_while_waiting_is_no_longer_counted() {
-        let slots = Arc::new(Slots::new(1, 1));
+        let slots = Arc::new(Slots::new(2, 1));
         let m = metrics();
         let _held = slots
-            .acquire(None, Duration::from_secs(1), || m.clone(), stays())
+            .acquire(ip(5), Duration::from_secs(1), || m.clone(), stays())
+            .await
+            .unwrap();
+        let _also_held = slots
+            .acquire(ip(6), Duration::from_secs(1), || m.clone(), stays())
             .await
             .unwrap();
         let waiter = {
@@ -449,10 +478,12 @@ mod tests {
         };
         tokio::task::yield_now().await;
         assert_eq!(m.waiting.get(), 1);
+        assert_eq!(slots.clients_tracked(), 3);
         waiter.abort();
         assert!(waiter.await.unwrap_err().is_cancelled());
         assert_eq!(m.waiting.get(), 0);
         assert_eq!(m.timeouts.get(), 0);
-        assert_eq!(slots.clients_tracked(), 0);
+        // The dropped waiter's client is forgotten; the two holding slots are not.
+        assert_eq!(slots.clients_tracked(), 2);
     }
 }
