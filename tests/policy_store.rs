@@ -931,6 +931,25 @@ fn an_old_signed_bundle_put_back_is_refused_past_its_expiry_and_refresh_renews_t
         stderr_of(&out)
     );
     redis.cli(&["SET", "{tollgate-bundle}:live", current_envelope.trim()]);
+    // An expired candidate put back in its slot is not promoted (a promotion would re-sign
+    // it with a fresh expiry).
+    let expired_candidate = Envelope::seal(
+        LIVE.to_string(),
+        Slot::Candidate,
+        month_ago as u64 * 1000 + 2,
+        month_ago,
+        Some(month_ago + 30 * 86_400),
+        Some(&key),
+    )
+    .to_json();
+    redis.cli(&["SET", "{tollgate-bundle}:candidate", &expired_candidate]);
+    let out = tollgate(&["promote", "--store", &store, "--sign-key", &sign]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("is not promoted: the envelope expired"),
+        "{}",
+        stderr_of(&out)
+    );
     // A candidate published meanwhile (a version above the live one, in the slot and in the
     // version record) is no sign of a put-back live bundle: the refresh goes ahead.
     let candidate = publish(

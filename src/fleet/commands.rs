@@ -508,6 +508,19 @@ fn promote_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
             err,
         )?;
         let now = store_clock(store.as_ref()).await?;
+        // A candidate past its expiry is no candidate any more (it may have been put back in
+        // the slot): promoting would re-sign it with a fresh expiry.
+        if let Err(e) = candidate.check_expiry(i64::try_from(now / 1000).unwrap_or(i64::MAX), false)
+        {
+            return Err(Failure(
+                EXIT_INVALID,
+                format!(
+                    "the candidate (version {}) is not promoted: {e}; publish the candidate \
+                     again from its file",
+                    candidate.version
+                ),
+            ));
+        }
         let expires_at = expiry(now, &args.signing)?;
         let version = next_version(now, seen_versions(store.as_ref(), now, err).await?);
         let live = Envelope::seal(
