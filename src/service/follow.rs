@@ -279,6 +279,8 @@ impl Follower {
                     let mut state = self.gateway.source_state.lock();
                     state.seen[1] = None;
                     state.store_slots[1] = None;
+                    // A refused candidate gone from the store is no longer refused.
+                    state.refused[1] = None;
                     state.candidate_expires_at = None;
                     let had = state.candidate.take();
                     if let Some((version, _)) = &had {
@@ -310,6 +312,14 @@ impl Follower {
             let recheck = state.future_recheck_at[index]
                 .is_some_and(|at| self.gateway.clock.unix_secs() >= at);
             if state.seen[index] == Some(hash) && !recheck {
+                // Unchanged since it was last looked at; but if the slot was empty in between
+                // (the key deleted and put back), what the store holds is known again.
+                if state.store_slots[index].is_none() {
+                    state.store_slots[index] = Some(match read {
+                        Bounded::Bytes(bytes) => SlotId::of(bytes),
+                        Bounded::TooLarge(_) => SlotId::default(),
+                    });
+                }
                 return;
             }
             state.future_recheck_at[index] = None;
@@ -1199,6 +1209,40 @@ mod tests {
         assert_eq!(readyz(&gateway)["bundle_version"], 11);
         let _ = stop_tx.send(());
         task.await.expect("the follower stops");
+    }
+
+    /// A refused live bundle whose key is deleted and put back unchanged is still shown as
+    /// refused (the slot is known again without being refused twice); a refused candidate that
+    /// is withdrawn is no longer reported.
+    #[tokio::test]
+    async fn the_standing_survives_a_slot_that_disappears_and_comes_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (sign, verify, _) = keys(dir.path());
+        let (gateway, _clock) = gateway_with_clock(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, Some(verify));
+        publish(&source, POLICY, Slot::Live, 10, Some(&sign));
+        follower.poll_once("test").await;
+        publish(&source, POLICY, Slot::Live, 11, None);
+        follower.poll_once("test").await;
+        let standing = |g: &Gateway| readyz(g)["policy_source"]["standing"].clone();
+        assert_eq!(standing(&gateway), "refused (unsigned)");
+        let unsigned = source.slots.lock().live.take();
+        follower.poll_once("test").await;
+        source.slots.lock().live = unsigned;
+        follower.poll_once("test").await;
+        assert_eq!(standing(&gateway), "refused (unsigned)");
+        assert_eq!(rejected(&gateway, "live", "unsigned"), 1);
+        // A refused candidate, then withdrawn.
+        publish(&source, POLICY, Slot::Live, 12, Some(&sign));
+        publish(&source, POLICY, Slot::Candidate, 13, None);
+        follower.poll_once("test").await;
+        assert_eq!(rejected(&gateway, "candidate", "unsigned"), 1);
+        assert_eq!(follower.heartbeat().refusals.len(), 1);
+        source.slots.lock().candidate = None;
+        follower.poll_once("test").await;
+        assert!(follower.heartbeat().refusals.is_empty());
+        assert_eq!(standing(&gateway), "following");
     }
 
     /// Upgrading a gateway under a verify key: the bundle it kept in its state dir from before

@@ -204,6 +204,15 @@ impl Default for LeaseBacking {
 /// Key → its live leases as (lease id, expiry µs).
 type LeaseTable = AHashMap<BucketKey, SmallVec<[(u64, u64); 4]>>;
 
+/// The loop marks' own table could not be allocated: said once, loudly, since marks then share
+/// the lease table (as before they had a table of their own) and can take its room.
+fn marks_unavailable(max_marks: usize) {
+    tracing::error!(
+        max_loop_marks = max_marks,
+        "loop marks: their own table could not be allocated; marks share the lease table with concurrency slots and breakers (lower --max-loop-marks)"
+    );
+}
+
 impl MemoryLeases {
     /// The lease table of a state file; `sole_owner` drops the concurrency slots a previous
     /// process left (and the lock it may have died holding).
@@ -222,6 +231,9 @@ impl MemoryLeases {
             None => Marks::in_memory(max_marks),
         }
         .map(Box::new);
+        if marks.is_none() {
+            marks_unavailable(max_marks);
+        }
         MemoryLeases {
             table: LeaseBacking::File(leases),
             time_offset_us,
@@ -232,8 +244,12 @@ impl MemoryLeases {
 
     /// Leases in process memory, loop marks bounded to `max_marks`.
     pub fn bounded(max_marks: usize) -> Self {
+        let marks = Marks::in_memory(max_marks).map(Box::new);
+        if marks.is_none() {
+            marks_unavailable(max_marks);
+        }
         MemoryLeases {
-            marks: Marks::in_memory(max_marks).map(Box::new),
+            marks,
             ..MemoryLeases::default()
         }
     }
