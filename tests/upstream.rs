@@ -205,9 +205,20 @@ fn write_routes(gw_dir: &std::path::Path, group: &str) -> std::path::PathBuf {
 
 /// A gateway with a gateway file whose one group is `group` (JSON).
 fn gateway_with_group(policy: &str, group: &str) -> (Gateway, tempfile::TempDir) {
+    gateway_with_group_and(policy, group, &[])
+}
+
+/// [`gateway_with_group`] with `extra` flags, once its proxy listener accepts.
+fn gateway_with_group_and(
+    policy: &str,
+    group: &str,
+    extra: &[&str],
+) -> (Gateway, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let routes = write_routes(dir.path(), group);
-    let gw = Gateway::start(Some(policy), None, &["--routes", routes.to_str().unwrap()]);
+    let mut flags = vec!["--routes", routes.to_str().unwrap()];
+    flags.extend_from_slice(extra);
+    let gw = Gateway::start(Some(policy), None, &flags);
     gw.wait_until(Duration::from_secs(20), || {
         TcpStream::connect(gw.proxy).is_ok()
     });
@@ -620,23 +631,7 @@ impl Small {
 
 /// A gateway (HTTP/2 cleartext, two worker threads) whose one group is `group` (JSON).
 fn h2c_gateway_with_group(group: &str) -> (Gateway, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let routes = write_routes(dir.path(), group);
-    let gw = Gateway::start(
-        Some(OPEN),
-        None,
-        &[
-            "--routes",
-            routes.to_str().unwrap(),
-            "--h2c",
-            "--threads",
-            "2",
-        ],
-    );
-    gw.wait_until(Duration::from_secs(20), || {
-        TcpStream::connect(gw.proxy).is_ok()
-    });
-    (gw, dir)
+    gateway_with_group_and(OPEN, group, &["--h2c", "--threads", "2"])
 }
 
 /// `max_connections: 4`: two bursts of 100 HTTP/2 streams against an upstream with a listen
@@ -794,21 +789,7 @@ fn a_slow_reader_cannot_hold_every_slot_of_a_server() {
         r#"{{"servers": ["{}"], "max_connections": 2, "queue_timeout_ms": 3000}}"#,
         big.addr
     );
-    let dir = tempfile::tempdir().unwrap();
-    let routes = write_routes(dir.path(), &group);
-    let gw = Gateway::start(
-        Some(OPEN),
-        None,
-        &[
-            "--routes",
-            routes.to_str().unwrap(),
-            "--trusted-proxy",
-            "127.0.0.0/8",
-        ],
-    );
-    gw.wait_until(Duration::from_secs(20), || {
-        TcpStream::connect(gw.proxy).is_ok()
-    });
+    let (gw, _dir) = gateway_with_group_and(OPEN, &group, &["--trusted-proxy", "127.0.0.0/8"]);
     let _first = unread_request(gw.proxy, "/v1/big", "203.0.113.1");
     gw.wait_until(Duration::from_secs(5), || {
         big.requests.load(Ordering::SeqCst) == 1
@@ -856,21 +837,7 @@ fn a_client_that_stops_reading_is_cut_off_after_the_send_timeout() {
         r#"{{"servers": ["{}"], "max_connections": 1, "queue_timeout_ms": 10000}}"#,
         big.addr
     );
-    let dir = tempfile::tempdir().unwrap();
-    let routes = write_routes(dir.path(), &group);
-    let gw = Gateway::start(
-        Some(OPEN),
-        None,
-        &[
-            "--routes",
-            routes.to_str().unwrap(),
-            "--send-timeout-secs",
-            "1",
-        ],
-    );
-    gw.wait_until(Duration::from_secs(20), || {
-        TcpStream::connect(gw.proxy).is_ok()
-    });
+    let (gw, _dir) = gateway_with_group_and(OPEN, &group, &["--send-timeout-secs", "1"]);
     let slow = unread_request(gw.proxy, "/v1/big", "203.0.113.1");
     gw.wait_until(Duration::from_secs(5), || {
         big.requests.load(Ordering::SeqCst) == 1

@@ -302,20 +302,16 @@ impl PolicySource for PostgresSource {
             let display = display.clone();
             Box::pin(async move {
                 let tx = client.transaction().await?;
-                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
-                    .await?;
-                refuse_stale(&tx, version, &display).await?;
-                let current = tx
-                    .query_opt(
-                        "SELECT envelope FROM tollgate_bundle WHERE slot = 'live'",
-                        &[],
-                    )
-                    .await?;
-                if current.map(|row| row.get::<_, String>(0)) != Some(live) {
-                    return Err(PgError::Source(SourceError::Conflict(format!(
-                        "{display}: the live bundle changed while refreshing; nothing was written"
-                    ))));
-                }
+                lock_expecting(
+                    &tx,
+                    version,
+                    &display,
+                    "live",
+                    &live,
+                    "the live bundle",
+                    "refreshing",
+                )
+                .await?;
                 store_slot(&tx, "live", version, &json).await?;
                 Ok(tx.commit().await?)
             })
@@ -390,20 +386,16 @@ impl PolicySource for PostgresSource {
             let display = display.clone();
             Box::pin(async move {
                 let tx = client.transaction().await?;
-                tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
-                    .await?;
-                refuse_stale(&tx, version, &display).await?;
-                let current = tx
-                    .query_opt(
-                        "SELECT envelope FROM tollgate_bundle WHERE slot = 'candidate'",
-                        &[],
-                    )
-                    .await?;
-                if current.map(|row| row.get::<_, String>(0)) != Some(candidate) {
-                    return Err(PgError::Source(SourceError::Conflict(format!(
-                        "{display}: the candidate changed while promoting; nothing was written"
-                    ))));
-                }
+                lock_expecting(
+                    &tx,
+                    version,
+                    &display,
+                    "candidate",
+                    &candidate,
+                    "the candidate",
+                    "promoting",
+                )
+                .await?;
                 push_live_to_history(&tx).await?;
                 tx.execute("DELETE FROM tollgate_bundle WHERE slot = 'candidate'", &[])
                     .await?;
@@ -564,6 +556,35 @@ async fn push_live_to_history(
         &[&(HISTORY_KEPT as i64)],
     )
     .await?;
+    Ok(())
+}
+
+/// Takes the publishing lock, refuses a stale `version` ([`refuse_stale`]), and refuses
+/// (nothing written) when `slot` no longer holds `expected`, the envelope the caller read
+/// (`what` changed while `doing`).
+async fn lock_expecting(
+    tx: &tokio_postgres::Transaction<'_>,
+    version: i64,
+    display: &str,
+    slot: &str,
+    expected: &str,
+    what: &str,
+    doing: &str,
+) -> Result<(), PgError> {
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK])
+        .await?;
+    refuse_stale(tx, version, display).await?;
+    let current = tx
+        .query_opt(
+            "SELECT envelope FROM tollgate_bundle WHERE slot = $1",
+            &[&slot],
+        )
+        .await?;
+    if current.map(|row| row.get::<_, String>(0)).as_deref() != Some(expected) {
+        return Err(PgError::Source(SourceError::Conflict(format!(
+            "{display}: {what} changed while {doing}; nothing was written"
+        ))));
+    }
     Ok(())
 }
 
