@@ -171,7 +171,7 @@ impl Store {
             dir = %shown,
             entries = memory.stats().entries.unwrap_or(0),
             created = opened.created,
-            "state dir: buckets, budgets, breakers and loop marks kept in its state file"
+            "state dir: buckets, budgets, breakers, loop marks and evicted spend kept in its files"
         );
         let mut store = Store::with_backend(Backend::Memory(memory), clock);
         store.state_dir = Some((lock, false));
