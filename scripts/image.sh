@@ -362,7 +362,7 @@ for file in buckets.state owner.lock; do
   [ -f "$RUN/volume/$file" ] || fail "the state dir (volume) has no $file"
   [ "$(stat -c %u "$RUN/volume/$file")" = "$uid" ] || fail "$file in the volume is not owned by uid $uid"
 done
-grep -q 'kept in its state file.*created=true' "$RUN/gateway-1.log" || fail "the first container did not make its state file:
+grep -q 'kept in its files.*created=true' "$RUN/gateway-1.log" || fail "the first container did not make its state file:
 $(cat "$RUN/gateway-1.log")"
 stop_container "$RUN/gateway-1.log"
 umount "$RUN/rootfs-1$VOLUME"
@@ -371,7 +371,7 @@ umount "$RUN/rootfs-1$VOLUME"
 # (203.0.113.7's decisions, and 127.0.0.1's proxied requests).
 export_rootfs "$RUN/rootfs-2"
 start_container "$RUN/rootfs-2" "$RUN/gateway-2.log"
-grep -q 'kept in its state file.*entries=2 created=false' "$RUN/gateway-2.log" || fail "the restarted container did not find the bucket in the volume:
+grep -q 'kept in its files.*entries=2 created=false' "$RUN/gateway-2.log" || fail "the restarted container did not find the bucket in the volume:
 $(cat "$RUN/gateway-2.log")"
 entries=$(in_ns curl -s http://127.0.0.1:9090/metrics | awk '$1 == "tollgate_store_entries" { print $2 }')
 [ "$entries" = 2 ] || fail "after the restart tollgate_store_entries is '$entries', not 2"
