@@ -105,6 +105,7 @@ fn bench(c: &mut Criterion) {
                         cost: MICRO,
                         group: Group::Enforce,
                         window: None,
+                        on_store_error: None,
                     }],
                     &mut results,
                 );
@@ -150,6 +151,7 @@ fn bench(c: &mut Criterion) {
                 cost: MICRO,
                 group: Group::Enforce,
                 window: None,
+                on_store_error: None,
             };
             let _ = store.apply(0, &[op], &mut results);
         }
@@ -196,6 +198,7 @@ fn flood(c: &mut Criterion) {
         cost: MICRO,
         group: Group::Enforce,
         window: None,
+        on_store_error: None,
     };
     for i in 0..100_000 {
         let _ = store.apply(0, &[op(i)], &mut results);

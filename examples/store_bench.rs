@@ -25,6 +25,7 @@ fn ops(rules: usize, client: u64) -> Vec<BucketOp> {
             cost: MICRO,
             group: Group::Enforce,
             window: None,
+            on_store_error: None,
         })
         .collect()
 }
@@ -115,6 +116,7 @@ fn flood() {
             cost: MICRO,
             group: Group::Enforce,
             window: None,
+            on_store_error: None,
         }];
         if rules == 2 {
             ops.push(BucketOp {
@@ -126,6 +128,7 @@ fn flood() {
                     id: 1_800_000_000,
                     ends_in_us: month,
                 }),
+                on_store_error: None,
             });
         }
         ops

@@ -262,14 +262,9 @@ pub struct RunArgs {
         requires = "policy_store"
     )]
     pub allow_unsigned_bundles: bool,
-    /// This gateway's name in the policy store's heartbeats (`tollgate fleet`); default: the
-    /// host name and the --listen port.
-    #[arg(
-        help_heading = "Policy",
-        long,
-        env = "TOLLGATE_GATEWAY_ID",
-        requires = "policy_store"
-    )]
+    /// This gateway's name in the policy store's heartbeats (`tollgate fleet`) and in a shared
+    /// --store's list of gateways present; default: the host name and the --listen port.
+    #[arg(help_heading = "Policy", long, env = "TOLLGATE_GATEWAY_ID")]
     pub gateway_id: Option<String>,
     /// Largest published bundle envelope read from --policy-store; a larger one is refused
     /// and the bundle in force kept.
@@ -431,7 +426,8 @@ pub struct RunArgs {
         default_value = "memory"
     )]
     pub store: String,
-    /// Deadline of one call to a networked store, in milliseconds; past it the request fails open.
+    /// Deadline of one call to a networked store, in milliseconds; past it the request is
+    /// decided by its rule's `on_store_error` (see --on-store-error).
     #[arg(
         help_heading = "Buckets and stores",
         long,
@@ -439,6 +435,26 @@ pub struct RunArgs {
         default_value_t = 5
     )]
     pub store_timeout_ms: u64,
+    /// What a rule without its own `on_store_error` does while a shared --store does not
+    /// answer: `local` (decide from this gateway's share of the limit, charge the store later),
+    /// `open` (admit, spend nothing) or `closed` (refuse with 503).
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_ON_STORE_ERROR",
+        default_value = "local",
+        value_parser = ["local", "open", "closed"]
+    )]
+    pub on_store_error: String,
+    /// Most buckets a shared --store's local mirror holds (this gateway's shares, used while
+    /// the store does not answer).
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_LOCAL_MAX_BUCKETS",
+        default_value_t = 100_000
+    )]
+    pub local_max_buckets: usize,
     /// Most buckets the embedded store holds.
     #[arg(
         help_heading = "Buckets and stores",

@@ -100,6 +100,17 @@ fn host_name() -> String {
         .unwrap_or_else(|| "gateway".to_string())
 }
 
+/// This gateway's name: `--gateway-id`, or the host name and the `--listen` port.
+fn gateway_id(args: &RunArgs) -> String {
+    args.gateway_id.clone().unwrap_or_else(|| {
+        let port = args
+            .listen
+            .parse::<SocketAddr>()
+            .map_or(0, |addr| addr.port());
+        format!("{}:{port}", host_name())
+    })
+}
+
 /// Everything `run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -137,6 +148,9 @@ pub struct Config {
     pub store: StoreKind,
     /// Deadline of one networked-store call.
     pub store_timeout: Duration,
+    /// A shared store's local mode: the default `on_store_error`, the mirror's bound, this
+    /// gateway's name and where the write-back journal is kept.
+    pub local: crate::store::local::LocalConfig,
     pub encoded_slashes: EncodedSlashes,
     /// Total time a new connection has to send its first request's headers.
     pub header_timeout: Duration,
@@ -346,26 +360,14 @@ impl Config {
         if args.state_sync_ms == 0 {
             errors.push("--state-sync-ms 0: must be at least 1".to_string());
         }
-        if args.state_dir.is_some()
-            && !matches!(args.store.as_str(), "memory")
-            && args.policy_store.is_none()
-        {
-            errors.push(
-                "--state-dir: keeps the embedded store's tables; a shared --store keeps its own (with --policy-store, the state dir keeps the last good bundle)"
-                    .to_string(),
-            );
+        if args.local_max_buckets == 0 {
+            errors.push("--local-max-buckets 0: must be at least 1".to_string());
         }
         let policy_store = args.policy_store.as_ref().map(|url| PolicyStoreConfig {
             url: url.clone(),
             verify_key: args.policy_verify_key.clone(),
             allow_unsigned: args.allow_unsigned_bundles,
-            gateway_id: args.gateway_id.clone().unwrap_or_else(|| {
-                let port = args
-                    .listen
-                    .parse::<SocketAddr>()
-                    .map_or(0, |addr| addr.port());
-                format!("{}:{port}", host_name())
-            }),
+            gateway_id: gateway_id(args),
             max_bytes: args.policy_store_max_bytes,
             bundle_dir: args.state_dir.clone(),
         });
@@ -605,6 +607,17 @@ impl Config {
                 .then(|| Duration::from_secs(args.policy_poll_secs)),
             store,
             store_timeout: Duration::from_millis(args.store_timeout_ms),
+            local: crate::store::local::LocalConfig {
+                default_mode: crate::policy::OnStoreError::parse(&args.on_store_error)
+                    .unwrap_or_default(),
+                max_buckets: args.local_max_buckets,
+                gateway_id: gateway_id(args),
+                journal: args
+                    .state_dir
+                    .as_ref()
+                    .filter(|_| !matches!(args.store.as_str(), "memory"))
+                    .map(|dir| dir.join(crate::store::local::JOURNAL_FILE)),
+            },
             encoded_slashes: match args.encoded_slashes {
                 EncodedSlashesArg::Decode => EncodedSlashes::Decode,
                 EncodedSlashesArg::Reject => EncodedSlashes::Reject,

@@ -48,11 +48,14 @@ pub enum Reason {
     /// The reservation (prompt and completion) is above `max_tokens_per_request`, or above
     /// what the rule's budgets can ever hold.
     MaxTokensPerRequestExceeded,
+    /// A rule with `on_store_error: closed` could not be checked: the shared store did not
+    /// answer.
+    StoreUnavailable,
 }
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 16] = [
         Reason::TokenBucketExceeded,
         Reason::BudgetExceeded,
         Reason::ConcurrencyExceeded,
@@ -68,6 +71,7 @@ impl Reason {
         Reason::TpdExceeded,
         Reason::PromptTokensExceeded,
         Reason::MaxTokensPerRequestExceeded,
+        Reason::StoreUnavailable,
     ];
 
     /// The value of the reason header and of the `reason` metric label.
@@ -88,6 +92,7 @@ impl Reason {
             Reason::TpdExceeded => "tpd_exceeded",
             Reason::PromptTokensExceeded => "prompt_tokens_exceeded",
             Reason::MaxTokensPerRequestExceeded => "max_tokens_per_request_exceeded",
+            Reason::StoreUnavailable => "store_unavailable",
         }
     }
 
@@ -107,6 +112,7 @@ impl Reason {
             | Reason::MaxTokensPerRequestExceeded => 429,
             Reason::MissingDescriptor => 401,
             Reason::DuplicateHeader | Reason::EncodedSlash | Reason::MalformedRequest => 400,
+            Reason::StoreUnavailable => 503,
         }
     }
 
@@ -140,6 +146,9 @@ impl Reason {
             }
             Reason::MalformedRequest => {
                 "Bad Request: the method must be an upper-case token, the target start with /, and the Host be host[:port]"
+            }
+            Reason::StoreUnavailable => {
+                "Service Unavailable: the rate-limit store is not answering and this limit admits nothing without it; retry shortly"
             }
             // OpenAI's error shape, so SDKs report it and back off as from the API itself.
             Reason::TpmExceeded => {
@@ -193,6 +202,9 @@ pub struct RuleOutcome<'b> {
     pub committed: bool,
     /// The store could not hold the bucket: allowed untracked.
     pub fail_open: bool,
+    /// `Some` when the shared store did not answer and the rule's `on_store_error` decided
+    /// instead (`Local`: from this gateway's share).
+    pub away: Option<crate::policy::OnStoreError>,
     /// The stated cost is above `max_cost` or the burst: refused, and never admissible.
     pub cost_exceeds: bool,
     /// Micro-tokens left (after spending when committed, before otherwise).
@@ -287,6 +299,8 @@ pub struct SlotOutcome<'b> {
     /// When not allowed: µs until the key's earliest lease ends (the next identical request
     /// admitted, the breaker closing).
     pub frees_in_us: u64,
+    /// `Some` when the shared store did not answer and the rule's `on_store_error` decided.
+    pub away: Option<crate::policy::OnStoreError>,
 }
 
 impl<'b> SlotOutcome<'b> {
@@ -298,6 +312,7 @@ impl<'b> SlotOutcome<'b> {
             committed: false,
             in_flight: 0,
             frees_in_us: 0,
+            away: None,
         }
     }
 
@@ -688,6 +703,7 @@ impl<'b> Decision<'b> {
                         soft: false,
                         held: false,
                         mark: false,
+                        on_store_error: None,
                     },
                     outcome.rule,
                 ));

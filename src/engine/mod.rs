@@ -123,6 +123,18 @@ impl<'b> Pending<'b> {
         let mut refused: Option<(&'b Rule, Reason, u64)> = None;
         let mut loop_stage = None;
         for (slot, r) in self.checked.slots.iter_mut().zip(results.iter()) {
+            slot.away = r.away;
+            if r.away == Some(crate::policy::OnStoreError::Closed)
+                && slot.rule.mode == Mode::Enforce
+            {
+                slot.allowed = false;
+                refused.get_or_insert((
+                    slot.rule,
+                    Reason::StoreUnavailable,
+                    crate::store::local::CLOSED_RETRY_SECS,
+                ));
+                continue;
+            }
             // A breaker's open state is read, never taken: open while it has a lease.
             slot.allowed = match slot.rule.guard {
                 Some(Guard::Breaker(_)) => r.in_flight == 0,
@@ -544,8 +556,14 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
     };
     let mut rejected = false;
     let mut never_admissible = false;
+    let mut store_closed: Option<&'b Rule> = None;
     for (outcome, r) in checked.rules.iter_mut().zip(results.iter()) {
         let v = r.verdict;
+        outcome.away = r.away;
+        if r.away == Some(crate::policy::OnStoreError::Closed) && outcome.rule.mode == Mode::Enforce
+        {
+            store_closed.get_or_insert(outcome.rule);
+        }
         if outcome.rule.mode == Mode::Enforce && !v.allowed {
             rejected = true;
             never_admissible |= outcome.cost_exceeds;
@@ -578,6 +596,15 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
                     .time_to_gain_us(outcome.quota.burst().saturating_sub(v.available)),
             ),
         };
+    }
+    if let Some(rule) = store_closed {
+        return Decision::Refuse(Refusal {
+            reason: Reason::StoreUnavailable,
+            retry_after: crate::store::local::CLOSED_RETRY_SECS,
+            retry_by_deadline: false,
+            cause: Cause::Rule(rule),
+            checked: Some(checked),
+        });
     }
     if never_admissible {
         return Decision::Refuse(Refusal {

@@ -497,6 +497,7 @@ impl<'b> RlsPlan<'b> {
                                 verdict: BucketOp { cost: 0, ..*op }.check(None, now_us),
                                 committed: false,
                                 fail_open: true,
+                                away: None,
                             });
                             if as_it_stands {
                                 as_check(result, op, now_us)
@@ -540,6 +541,7 @@ fn as_check(result: OpResult, op: &BucketOp, now_us: u64) -> OpResult {
         verdict: op.check(Some(state), now_us),
         committed: false,
         fail_open: result.fail_open,
+        away: None,
     }
 }
 

@@ -73,6 +73,7 @@ pub(crate) fn plan<'b>(rule: &'b Rule, key: BucketKey, planning: &mut Planning<'
             soft: false,
             held: true,
             mark: false,
+            on_store_error: rule.on_store_error,
         });
         planning.checked.slots.push(SlotOutcome::new(rule, key));
     }

@@ -204,6 +204,7 @@ impl Compiler {
             limit_keys,
             cost,
             on_missing: OnMissing::Shared,
+            on_store_error: None,
             key_prefix,
             header_names,
             guard: Some(guard),
@@ -245,6 +246,7 @@ pub(crate) fn plan<'b>(
                 soft: detection.action != LoopAction::Reject,
                 held: false,
                 mark: true,
+                on_store_error: None,
             });
             planning.checked.slots.push(SlotOutcome::new(rule, key));
         }
@@ -269,6 +271,7 @@ pub(crate) fn plan<'b>(
                 soft: true,
                 held: false,
                 mark: false,
+                on_store_error: None,
             });
             planning.checked.slots.push(SlotOutcome::new(rule, open));
             // A spend the whole threshold cannot hold trips the breaker, like any spend over it.

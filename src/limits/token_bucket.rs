@@ -346,6 +346,7 @@ pub(crate) fn planned_bucket(
         cost,
         group: group_of(rule.mode),
         window,
+        on_store_error: rule.on_store_error,
     };
     let outcome = RuleOutcome {
         rule,
@@ -359,6 +360,7 @@ pub(crate) fn planned_bucket(
         retry_after: 0,
         reset: 0,
         budget_ends_in_us: window.map_or(0, |w| w.ends_in_us),
+        away: None,
     };
     (op, outcome)
 }

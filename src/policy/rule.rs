@@ -117,6 +117,41 @@ pub enum OnMissing {
     Reject,
 }
 
+/// What a rule does while the shared store it counts in does not answer in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnStoreError {
+    /// Each gateway decides from its own memory with its share of the limit (the rate and
+    /// burst divided by the gateways alive), and charges the store what it spent once the
+    /// store answers again (the default).
+    #[default]
+    Local,
+    /// Admitted, nothing spent (no limit while the store is away).
+    Open,
+    /// Refused with 503 and `Retry-After`; nothing is forwarded.
+    Closed,
+}
+
+impl OnStoreError {
+    /// The name in a policy and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnStoreError::Local => "local",
+            OnStoreError::Open => "open",
+            OnStoreError::Closed => "closed",
+        }
+    }
+
+    /// The mode a name stands for.
+    pub fn parse(name: &str) -> Option<OnStoreError> {
+        match name {
+            "local" => Some(OnStoreError::Local),
+            "open" => Some(OnStoreError::Open),
+            "closed" => Some(OnStoreError::Closed),
+            _ => None,
+        }
+    }
+}
+
 /// Where a request's cost comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CostSource {
@@ -196,6 +231,9 @@ pub struct Rule {
     /// A client inside a network gets its quota (see [`Rule::quota_for`]).
     pub ip_overrides: Vec<(IpNet, Quota)>,
     pub on_missing: OnMissing,
+    /// What this rule does while a shared store is away; `None`: the gateway's
+    /// `--on-store-error`.
+    pub on_store_error: Option<OnStoreError>,
     /// `tb:<name>:` or `shadow:tb:<name>:`.
     pub key_prefix: String,
     /// The name as a structured-field string (`"per-ip"`), serialised at load for the
@@ -359,6 +397,7 @@ impl Rule {
             overrides: AHashMap::new(),
             ip_overrides: Vec::new(),
             on_missing: OnMissing::Skip,
+            on_store_error: None,
             key_prefix: format!("tb:{ENVOY_OVERRIDE_RULE}:"),
             policy_item: format!("{sf_name};q=1;w=1"),
             sf_name,

@@ -992,8 +992,19 @@ impl BackgroundService for Housekeeping {
         let mut sweep_tick = tokio::time::interval(self.gateway.config.sweep_interval);
         poll_tick.tick().await;
         sweep_tick.tick().await;
+        // A shared store's presence and local mode (see `store::local`): first once the store
+        // has had a second to connect.
+        let mut presence_tick = tokio::time::interval_at(
+            tokio::time::Instant::now() + Duration::from_secs(1),
+            crate::store::local::PRESENCE_EVERY,
+        );
+        presence_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let shared_store = self.gateway.store.local().is_some();
         loop {
             tokio::select! {
+                _ = presence_tick.tick(), if shared_store => {
+                    self.gateway.store.heartbeat().await;
+                }
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                     let _ = self.gateway.load_policy("sighup");

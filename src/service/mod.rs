@@ -129,7 +129,8 @@ impl Gateway {
                 }
             }
             StoreKind::Shared(url) => Store::open(url, config.store_timeout, Arc::clone(&clock))
-                .map_err(StartError::Store)?,
+                .map_err(StartError::Store)?
+                .with_local(config.local.clone()),
         };
         // Leaked once at start-up: the display name lives as long as the process.
         let reason_header: &'static str = Box::leak(config.reason_header.clone().into_boxed_str());

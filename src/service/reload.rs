@@ -359,18 +359,34 @@ impl Gateway {
                     "store": self.store.kind(),
                     // A degraded store fails open; it does not make the gateway unready.
                     "store_status": if self.store.degraded() { "degraded" } else { "ok" },
+                    "store_mode": self.store_mode_json(),
+                    "fleet_gateways": self.store.local().map(|l| l.gateways()),
                 })
                 .to_string(),
             ),
             None => {
                 let mut body =
                     serde_json::json!({"status": "not_ready", "reason": "no_policy_loaded"});
+                if let Some(local) = self.store.local() {
+                    body["store_mode"] = self.store_mode_json();
+                    body["fleet_gateways"] = local.gateways().into();
+                }
                 let source = self.policy_source_json();
                 if !source.is_null() {
                     body["policy_source"] = source;
                 }
                 (503, body.to_string())
             }
+        }
+    }
+
+    /// `store_mode` in `/readyz`: `shared` (the store decides), `local` (this gateway decides
+    /// from its share while the store does not answer), or `embedded` (no shared store).
+    fn store_mode_json(&self) -> serde_json::Value {
+        match self.store.local() {
+            None => "embedded".into(),
+            Some(local) if local.is_local() => "local".into(),
+            Some(_) => "shared".into(),
         }
     }
 }

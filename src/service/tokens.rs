@@ -191,6 +191,7 @@ impl Gateway {
             soft: false,
             held: false,
             mark: false,
+            on_store_error: None,
         };
         let mut results = crate::store::lease::LeaseResults::new();
         // A fresh lease id: a second report, even from this gateway, finds the key full.

@@ -84,6 +84,9 @@ pub struct LeaseOp {
     /// ([`super::marks`]), where room is made by forgetting the soonest-expiring mark, so marks
     /// never take a concurrency slot's or a breaker's room.
     pub mark: bool,
+    /// What the slot's rule does while a shared store is away (`None`: the gateway's
+    /// default).
+    pub on_store_error: Option<crate::policy::OnStoreError>,
 }
 
 /// The answer for one [`LeaseOp`].
@@ -98,6 +101,9 @@ pub struct LeaseResult {
     /// When the key was full: µs until its earliest live lease expires (the first slot to free
     /// by itself). 0 when the key had room.
     pub frees_in_us: u64,
+    /// `Some` when a shared store did not answer and the slot was judged by its rule's
+    /// `on_store_error` instead (see [`crate::store::OpResult::away`]).
+    pub away: Option<crate::policy::OnStoreError>,
 }
 
 /// What a store read on one key before judging: live leases, and µs until the earliest of
@@ -169,6 +175,7 @@ pub fn judge(ops: &[LeaseOp], live: &[Live], results: &mut LeaseResults) -> (boo
             in_flight: l.count,
             committed: group_taken && (allowed || !op.soft),
             frees_in_us: if allowed { 0 } else { l.frees_in_us },
+            away: None,
         });
     }
     (enforce, shadow)
@@ -713,6 +720,7 @@ mod tests {
             soft: false,
             held: true,
             mark: false,
+            on_store_error: None,
         }
     }
 

@@ -10,6 +10,7 @@
 pub mod fs_trust;
 
 pub mod lease;
+pub mod local;
 pub mod marks;
 pub mod memory;
 pub mod ops;
@@ -24,8 +25,8 @@ pub use self::postgres::PostgresStore;
 pub use self::redis::{RedisConfig, RedisStore};
 pub use memory::{MemoryStore, MemoryStoreConfig};
 pub use ops::{
-    AdjustOp, BucketKey, BucketOp, EvictionStats, Group, OpResult, OpResults, StoreError,
-    StoreStats, FORGIVEN_BOUNDS_MICRO,
+    AdjustOp, BucketKey, BucketOp, EvictionStats, Group, LocalStats, OnStoreError, OpResult,
+    OpResults, StoreError, StoreStats, FORGIVEN_BOUNDS_MICRO,
 };
 
 use crate::limits::clock::Clock;
@@ -54,6 +55,8 @@ pub struct Store {
     /// The state dir's lock (held while the store lives), and whether the store fell back to
     /// process memory.
     state_dir: Option<(Option<state_file::DirLock>, bool)>,
+    /// A shared store's local mode (see [`local`]); `None`: a failed call fails open.
+    local: Option<Arc<local::LocalMode>>,
 }
 
 /// During an upgrade: once the old process has exited (this one got the directory's lock),
@@ -201,7 +204,127 @@ impl Store {
             clock,
             swept: AtomicU64::new(0),
             state_dir: None,
+            local: None,
         }
+    }
+
+    /// A shared store that decides locally while it does not answer (see [`local`]); the
+    /// embedded store is returned as is.
+    pub fn with_local(mut self, config: local::LocalConfig) -> Store {
+        if !matches!(self.backend, Backend::Memory(_)) {
+            self.local = Some(Arc::new(local::LocalMode::new(config)));
+        }
+        self
+    }
+
+    /// A shared store's local mode.
+    pub fn local(&self) -> Option<&Arc<local::LocalMode>> {
+        self.local.as_ref()
+    }
+
+    fn url(&self) -> &str {
+        match &self.backend {
+            Backend::Memory(_) => "memory",
+            Backend::Redis(s) => s.url(),
+            Backend::Postgres(s) => s.url(),
+        }
+    }
+
+    /// In local mode: whether the store is reached again now (a due try at it, one caller
+    /// at a time, sends what was spent locally first). Out of local mode: true.
+    async fn reached_again(&self, local: &local::LocalMode, now_us: u64) -> bool {
+        if !local.is_local() {
+            return true;
+        }
+        if !local.probe_due(now_us) {
+            return false;
+        }
+        match self.write_back(local).await {
+            Ok(outcome) => {
+                local.leave(self.clock.unix_us(), self.url(), outcome);
+                true
+            }
+            Err(_) => {
+                local.probe_failed();
+                false
+            }
+        }
+    }
+
+    /// Charges the store what was spent locally (the journal's batch), each charge at most
+    /// once.
+    ///
+    /// # Errors
+    /// The store did not confirm the batch; it stays in the journal.
+    async fn write_back(
+        &self,
+        local: &local::LocalMode,
+    ) -> Result<local::WriteBackOutcome, StoreError> {
+        let now_us = self.now_us();
+        let Some(batch) = local.batch_to_send(now_us) else {
+            // Nothing spent meanwhile: one round trip says whether the store answers.
+            return self
+                .ping()
+                .await
+                .map(|()| local::WriteBackOutcome::default());
+        };
+        let answer = match &self.backend {
+            Backend::Memory(_) => Ok(local::WriteBackOutcome::default()),
+            Backend::Redis(s) => s.write_back(now_us, &batch).await,
+            Backend::Postgres(s) => s.write_back(now_us, &batch).await,
+        };
+        match answer {
+            Ok(outcome) => {
+                local.batch_sent(&batch.id, outcome);
+                Ok(outcome)
+            }
+            Err(e) => {
+                local.batch_failed();
+                Err(e)
+            }
+        }
+    }
+
+    /// One round trip to a shared store.
+    async fn ping(&self) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(()),
+            Backend::Redis(s) => s.ping().await,
+            Backend::Postgres(s) => s.ping().await,
+        }
+    }
+
+    /// Renews this gateway's presence in a shared store and reads N, the gateways alive (every
+    /// [`local::PRESENCE_EVERY`]); in local mode, tries the store again; writes the write-back
+    /// journal. A store that does not answer starts local mode.
+    pub async fn heartbeat(&self) {
+        let Some(local) = &self.local else {
+            return;
+        };
+        let now_us = self.now_us();
+        if local.is_local() {
+            let _ = self.reached_again(local, now_us).await;
+        }
+        let answer = match &self.backend {
+            Backend::Memory(_) => return,
+            Backend::Redis(s) => {
+                s.presence(&local.config().gateway_id, now_us, local::PRESENCE_TTL)
+                    .await
+            }
+            Backend::Postgres(s) => {
+                s.presence(&local.config().gateway_id, now_us, local::PRESENCE_TTL)
+                    .await
+            }
+        };
+        match answer {
+            Ok(n) => local.set_gateways(n),
+            // Never connected yet (starting): requests find out for themselves.
+            Err(_) if !self.connected() => self.connect_in_background(),
+            Err(e) => {
+                local.enter(self.clock.unix_us(), self.url(), &e.to_string());
+            }
+        }
+        local.persist();
     }
 
     pub fn backend(&self) -> &Backend {
@@ -259,15 +382,35 @@ impl Store {
             results.clear();
             return Ok(());
         }
+        if let Backend::Memory(m) = &self.backend {
+            return m.apply(now_us, ops, results);
+        }
+        if let Some(local) = &self.local {
+            if !self.reached_again(local, now_us).await {
+                local.decide(now_us, ops, results);
+                return Ok(());
+            }
+        }
         let answer = match &self.backend {
-            Backend::Memory(m) => return m.apply(now_us, ops, results),
+            Backend::Memory(m) => m.apply(now_us, ops, results),
             Backend::Redis(s) => s.apply(now_us, ops, results).await,
             Backend::Postgres(s) => s.apply(now_us, ops, results).await,
         };
         if answer.is_err() && !self.connected() {
             self.connect_in_background();
         }
-        answer
+        match (answer, &self.local) {
+            (Ok(()), Some(local)) => {
+                local.remember(now_us, ops, results);
+                Ok(())
+            }
+            (Err(e), Some(local)) => {
+                local.enter(self.clock.unix_us(), self.url(), &e.to_string());
+                local.decide(now_us, ops, results);
+                Ok(())
+            }
+            (answer, None) => answer,
+        }
     }
 
     /// Settles reservations: each op applied atomically on its bucket.
@@ -283,8 +426,27 @@ impl Store {
                 m.adjust(now_us, ops);
                 Ok(())
             }
-            Backend::Redis(s) => s.adjust(now_us, ops).await,
-            Backend::Postgres(s) => s.adjust(now_us, ops).await,
+            _ => {
+                if let Some(local) = &self.local {
+                    if !self.reached_again(local, now_us).await {
+                        local.adjust(now_us, ops);
+                        return Ok(());
+                    }
+                }
+                let answer = match &self.backend {
+                    Backend::Memory(_) => Ok(()),
+                    Backend::Redis(s) => s.adjust(now_us, ops).await,
+                    Backend::Postgres(s) => s.adjust(now_us, ops).await,
+                };
+                match (answer, &self.local) {
+                    (Err(e), Some(local)) => {
+                        local.enter(self.clock.unix_us(), self.url(), &e.to_string());
+                        local.adjust(now_us, ops);
+                        Ok(())
+                    }
+                    (answer, _) => answer,
+                }
+            }
         }
     }
 
@@ -305,8 +467,27 @@ impl Store {
                 m.leases().acquire(now_us, id, ops, results);
                 Ok(())
             }
-            Backend::Redis(s) => s.acquire(now_us, id, ops, results).await,
-            Backend::Postgres(s) => s.acquire(now_us, id, ops, results).await,
+            _ => {
+                if let Some(local) = &self.local {
+                    if !self.reached_again(local, now_us).await {
+                        local.acquire(now_us, id, ops, results);
+                        return Ok(());
+                    }
+                }
+                let answer = match &self.backend {
+                    Backend::Memory(_) => Ok(()),
+                    Backend::Redis(s) => s.acquire(now_us, id, ops, results).await,
+                    Backend::Postgres(s) => s.acquire(now_us, id, ops, results).await,
+                };
+                match (answer, &self.local) {
+                    (Err(e), Some(local)) => {
+                        local.enter(self.clock.unix_us(), self.url(), &e.to_string());
+                        local.acquire(now_us, id, ops, results);
+                        Ok(())
+                    }
+                    (answer, _) => answer,
+                }
+            }
         }
     }
 
@@ -314,8 +495,24 @@ impl Store {
     pub async fn release(&self, id: u64, keys: &[BucketKey]) {
         match &self.backend {
             Backend::Memory(m) => m.leases().release(id, keys),
-            Backend::Redis(s) => s.release(id, keys).await,
-            Backend::Postgres(s) => s.release(id, keys).await,
+            Backend::Redis(s) => {
+                if let Some(local) = &self.local {
+                    local.release(id, keys);
+                    if local.is_local() {
+                        return;
+                    }
+                }
+                s.release(id, keys).await
+            }
+            Backend::Postgres(s) => {
+                if let Some(local) = &self.local {
+                    local.release(id, keys);
+                    if local.is_local() {
+                        return;
+                    }
+                }
+                s.release(id, keys).await
+            }
         }
     }
 
@@ -396,6 +593,7 @@ impl Store {
                     Group::Shadow => shadow_ok,
                 },
                 fail_open: false,
+                away: None,
             });
         }
         Ok(())
@@ -437,8 +635,12 @@ impl Store {
                 state_fallback: self.state_dir.as_ref().map(|(_, fallback)| *fallback),
                 ..m.stats()
             },
-            Backend::Redis(_) => StoreStats::default(),
+            Backend::Redis(_) => StoreStats {
+                local: self.local.as_ref().map(|l| l.stats()),
+                ..StoreStats::default()
+            },
             Backend::Postgres(_) => StoreStats {
+                local: self.local.as_ref().map(|l| l.stats()),
                 entries: None,
                 evictions: self.swept.load(Ordering::Relaxed),
                 evicted: EvictionStats::default(),
@@ -462,10 +664,16 @@ impl Store {
         match &self.backend {
             Backend::Memory(m) => m.sweep(now_us) + m.leases().sweep(now_us),
             Backend::Redis(s) => {
+                if let Some(local) = &self.local {
+                    local.sweep(now_us);
+                }
                 s.refresh_time_offset().await;
                 0
             }
             Backend::Postgres(s) => {
+                if let Some(local) = &self.local {
+                    local.sweep(now_us);
+                }
                 let removed = s.sweep(now_us).await;
                 self.swept.fetch_add(removed, Ordering::Relaxed);
                 removed
@@ -529,6 +737,7 @@ mod tests {
             cost: MICRO,
             group: Group::Enforce,
             window: None,
+            on_store_error: None,
         };
         let open = |wall_secs: i64| {
             let clock = Arc::new(ManualClock::new(wall_secs));

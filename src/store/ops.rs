@@ -3,6 +3,7 @@
 //! backend ([`super::memory`], [`super::redis`], [`super::postgres`]) speaks this vocabulary.
 
 use crate::limits::limiter::{check_window, BucketState, Quota, Verdict, Window};
+pub use crate::policy::OnStoreError;
 use smallvec::SmallVec;
 
 /// A bucket's identity: the 128-bit xxHash3 of its full key (`tb:<rule>:<key>`). 128 bits make
@@ -51,6 +52,8 @@ pub struct BucketOp {
     /// `Some` for a `cost_based` budget: the bucket holds `quota.burst()` per window and never
     /// refills inside one (see [`crate::limits::limiter::check_window`]).
     pub window: Option<Window>,
+    /// What the op's rule does while a shared store is away (`None`: the gateway's default).
+    pub on_store_error: Option<OnStoreError>,
 }
 
 impl BucketOp {
@@ -112,6 +115,10 @@ pub struct OpResult {
     pub committed: bool,
     /// The bucket could not be stored (store full): the request was allowed without tracking.
     pub fail_open: bool,
+    /// `Some` when a shared store did not answer and the op was decided by its rule's
+    /// `on_store_error` instead: from this gateway's share (`Local`), admitted unspent
+    /// (`Open`) or refused (`Closed`).
+    pub away: Option<OnStoreError>,
 }
 
 /// Results, one per op, in op order.
@@ -146,6 +153,23 @@ pub struct StoreStats {
     /// With `--state-dir`: whether the tables are in process memory instead, because the state
     /// file could not be made or mapped (`None` without a state dir).
     pub state_fallback: Option<bool>,
+    /// A shared store's local mode (`None` for the embedded store).
+    pub local: Option<LocalStats>,
+}
+
+/// A shared store's local mode, for `/metrics`, `/readyz` and the status page.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LocalStats {
+    /// Requests are decided locally now.
+    pub local_mode: bool,
+    /// N: gateways present when the store was last reached.
+    pub gateways: u64,
+    /// Write-backs applied, duplicate, failed (running totals).
+    pub write_backs: [u64; 3],
+    /// Buckets with local spend not yet charged.
+    pub pending: u64,
+    /// Wall-clock µs local mode began, while in it.
+    pub since_us: Option<u64>,
 }
 
 /// Upper bounds (micro-tokens) of the buckets of the histogram of what evictions for room gave

@@ -215,6 +215,42 @@ BEGIN
 END $$;
 "#;
 
+/// Local mode's tables (see [`super::local`]): the gateways present (N) and the marks of
+/// applied write-backs, with the function that charges a batch at most once.
+const LOCAL_SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS tollgate_gateways (
+    id            text PRIMARY KEY,
+    expires_at_us bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tollgate_write_backs (
+    id            text PRIMARY KEY,
+    expires_at_us bigint NOT NULL
+);
+CREATE OR REPLACE FUNCTION tollgate_presence(gateway text, expires_us bigint, now_us bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    n bigint;
+BEGIN
+    INSERT INTO tollgate_gateways VALUES (gateway, expires_us)
+        ON CONFLICT (id) DO UPDATE SET expires_at_us = EXCLUDED.expires_at_us;
+    DELETE FROM tollgate_gateways WHERE expires_at_us <= now_us;
+    SELECT count(*) INTO n FROM tollgate_gateways;
+    RETURN n;
+END $$;
+CREATE OR REPLACE FUNCTION tollgate_write_back(
+    batch text, keep_until_us bigint, keys text[], bursts bigint[], nums bigint[],
+    dens bigint[], deltas bigint[], wins bigint[], now_us bigint
+) RETURNS int LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO tollgate_write_backs VALUES (batch, keep_until_us) ON CONFLICT (id) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    PERFORM tollgate_settle(keys, bursts, nums, dens, deltas, wins, now_us);
+    RETURN 1;
+END $$;
+"#;
+
 const TAKE: &str = "SELECT tollgate_take_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
 /// The PostgreSQL store.
@@ -394,6 +430,7 @@ impl PostgresStore {
         if shared {
             client.batch_execute(SCHEMA).await?;
             client.batch_execute(LEASE_SCHEMA).await?;
+            client.batch_execute(LOCAL_SCHEMA).await?;
         }
         let take = client.prepare(TAKE).await?;
         Ok(PgConn {
@@ -751,6 +788,12 @@ impl PostgresStore {
                 &[&now],
             )
             .await;
+        let _ = client
+            .execute(
+                "DELETE FROM tollgate_write_backs WHERE expires_at_us <= $1",
+                &[&now],
+            )
+            .await;
         match client
             .execute(
                 "DELETE FROM tollgate_buckets WHERE full_at_us <= $1",
@@ -764,6 +807,123 @@ impl PostgresStore {
                     .failed(&redact(&self.url), &format!("sweep: {e}"));
                 0
             }
+        }
+    }
+}
+
+/// Local mode's calls (see [`super::local`]).
+impl PostgresStore {
+    /// The store's URL (as configured; redact before showing it).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// One round trip, within the store timeout.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let Some(client) = self.client.load_full() else {
+            self.health.failed(&redact(&self.url), "not connected");
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let call = async {
+            client
+                .client
+                .query_one("SELECT 1", &[])
+                .await
+                .map(|_| vec![1])
+        };
+        self.answer(call, 1).await.map(|_| ())
+    }
+
+    /// Renews gateway `id`'s presence until `now + ttl` and returns how many gateways are
+    /// present (at least this one).
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn presence(&self, id: &str, now_us: u64, ttl: Duration) -> Result<u64, StoreError> {
+        let Some(client) = self.client.load_full() else {
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let now = now_us.min(i64::MAX as u64 / 2) as i64;
+        let expires = now + ttl.as_micros().min(i64::MAX as u128 / 4) as i64;
+        let call = async {
+            client
+                .client
+                .query_one(
+                    "SELECT tollgate_presence($1, $2, $3)",
+                    &[&id, &expires, &now],
+                )
+                .await
+                .map(|row| row.get::<_, i64>(0))
+        };
+        match tokio::time::timeout(self.timeout.max(Duration::from_millis(100)), call).await {
+            Ok(Ok(n)) => Ok(n.max(1) as u64),
+            Ok(Err(e)) => Err(StoreError::Unavailable(redact(&e.to_string()))),
+            Err(_) => Err(StoreError::Unavailable("timeout".into())),
+        }
+    }
+
+    /// Charges a write-back batch in one transaction, at most once (its id is marked).
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing: the batch is sent again later.
+    pub async fn write_back(
+        &self,
+        now_us: u64,
+        batch: &super::local::Batch,
+    ) -> Result<super::local::WriteBackOutcome, StoreError> {
+        let Some(client) = self.client.load_full() else {
+            return Err(StoreError::Unavailable("not connected".into()));
+        };
+        let (mut keys, mut bursts, mut nums, mut dens, mut deltas, mut windows) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        for op in batch
+            .charges
+            .iter()
+            .filter_map(super::local::Charge::adjust_op)
+        {
+            let (num, den) = super::shared::reduced_rate(&op.quota);
+            keys.push(super::shared::shared_key(&op.key));
+            bursts.push(op.quota.burst() as i64);
+            nums.push(num as i64);
+            dens.push(den as i64);
+            deltas.push(op.delta);
+            windows.push(op.window_id.map_or(0, |id| id.min(i64::MAX as u64) as i64));
+        }
+        let now = now_us.min(i64::MAX as u64 / 2) as i64;
+        let keep = now + super::local::WRITE_BACK_MARK_TTL.as_micros() as i64;
+        let id = batch.id.as_str();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
+            &id, &keep, &keys, &bursts, &nums, &dens, &deltas, &windows, &now,
+        ];
+        let call = async {
+            client
+                .client
+                .query_one(
+                    "SELECT tollgate_write_back($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                    &params,
+                )
+                .await
+                .map(|row| row.get::<_, i32>(0))
+        };
+        let charges = keys.len() as u64;
+        match super::shared::operator_call(call).await? {
+            1 => Ok(super::local::WriteBackOutcome {
+                applied: charges,
+                duplicate: 0,
+            }),
+            _ => Ok(super::local::WriteBackOutcome {
+                applied: 0,
+                duplicate: charges,
+            }),
         }
     }
 }

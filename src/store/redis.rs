@@ -492,6 +492,7 @@ impl RedisStore {
                 committed: false,
                 // Buckets not asked about: no numbers to show for them.
                 fail_open: i != index,
+                away: None,
             });
         }
         self.denied_hits.fetch_add(1, Ordering::Relaxed);
@@ -750,6 +751,150 @@ impl RedisStore {
                 at_us: now_us,
             },
         );
+    }
+}
+
+/// Renews one gateway's presence and counts the live ones. KEYS[1]: the presence set (member
+/// = gateway id, score = expiry µs); ARGV: id, expiry, now (µs), the set's own TTL (ms).
+const PRESENCE: &str = r#"
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return redis.call('ZCARD', KEYS[1])
+"#;
+
+/// The presence set's key (one slot of its own on a cluster).
+const PRESENCE_KEY: &str = "tollgate:{presence}:gateways";
+
+/// A write-back charge applied at most once: KEYS[1] is the batch's mark beside the bucket
+/// (same hash slot), KEYS[2] the bucket; ARGV[1] the mark's TTL (ms), then [`ADJUST`]'s
+/// arguments for one key. Returns 1 when charged, 0 when the mark was already there.
+fn write_back_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| {
+        redis::Script::new(&format!(
+            "if not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return 0 end\n\
+             local KEYS = {{KEYS[2]}}\n\
+             local ARGV = {{ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]}}\n{ADJUST}"
+        ))
+    })
+}
+
+impl RedisStore {
+    /// The store's URL (as configured; redact before showing it).
+    pub fn url(&self) -> &str {
+        &self.config.url
+    }
+
+    /// One `PING`, within the store timeout.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.connection()?;
+        let cmd = redis::cmd("PING");
+        match tokio::time::timeout(self.config.timeout, conn.query::<String>(&cmd)).await {
+            Ok(Ok(_)) => {
+                self.health.ok(&self.config.url);
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                let what = crate::telemetry::redact::text(&e.to_string()).into_owned();
+                self.failed(&what);
+                Err(StoreError::Unavailable(what))
+            }
+            Err(_) => {
+                self.failed(&format!("no answer within {:?}", self.config.timeout));
+                Err(StoreError::Unavailable("timeout".into()))
+            }
+        }
+    }
+
+    /// Renews gateway `id`'s presence until `now + ttl` and returns how many gateways are
+    /// present (at least this one).
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn presence(&self, id: &str, now_us: u64, ttl: Duration) -> Result<u64, StoreError> {
+        let mut conn = self.connection()?;
+        let script = redis::Script::new(PRESENCE);
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key(PRESENCE_KEY)
+            .arg(id)
+            .arg(now_us.saturating_add(ttl.as_micros() as u64))
+            .arg(now_us)
+            .arg(ttl.as_millis() as u64 * 4);
+        match tokio::time::timeout(
+            self.config.timeout.max(Duration::from_millis(100)),
+            conn.invoke::<u64>(&invocation),
+        )
+        .await
+        {
+            Ok(Ok(n)) => Ok(n.max(1)),
+            Ok(Err(e)) => Err(StoreError::Unavailable(
+                crate::telemetry::redact::text(&e.to_string()).into_owned(),
+            )),
+            Err(_) => Err(StoreError::Unavailable("timeout".into())),
+        }
+    }
+
+    /// Charges a write-back batch, each charge at most once (a mark of the batch's id beside
+    /// each bucket).
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing: the batch is sent again later (charges already
+    /// applied are then found marked).
+    pub async fn write_back(
+        &self,
+        now_us: u64,
+        batch: &super::local::Batch,
+    ) -> Result<super::local::WriteBackOutcome, StoreError> {
+        let conn = self.connection()?;
+        {
+            let mut cache = self.denied.lock();
+            for charge in &batch.charges {
+                cache.remove(&(u128::from(charge.hi) << 64 | u128::from(charge.lo)));
+            }
+        }
+        let mark_ttl_ms = super::local::WRITE_BACK_MARK_TTL.as_millis() as u64;
+        let mut outcome = super::local::WriteBackOutcome::default();
+        for chunk in batch.charges.chunks(64) {
+            let calls = chunk.iter().filter_map(|charge| {
+                let op = charge.adjust_op()?;
+                let bucket = redis_key(&op.key);
+                let mark = format!("{bucket}:wb:{}", batch.id);
+                let (num, den) = reduced(&op.quota);
+                let mut invocation = write_back_script().prepare_invoke();
+                invocation
+                    .key(mark)
+                    .key(bucket)
+                    .arg(mark_ttl_ms)
+                    .arg(now_us)
+                    .arg(op.quota.burst())
+                    .arg(num)
+                    .arg(den)
+                    .arg(op.delta)
+                    .arg(op.window_id.unwrap_or(0));
+                let mut conn = conn.clone();
+                Some(async move { conn.invoke::<i64>(&invocation).await })
+            });
+            let replies = super::shared::operator_call(async {
+                let replies = futures::future::join_all(calls).await;
+                replies
+                    .into_iter()
+                    .collect::<redis::RedisResult<Vec<i64>>>()
+            })
+            .await?;
+            for reply in replies {
+                if reply == 1 {
+                    outcome.applied += 1;
+                } else {
+                    outcome.duplicate += 1;
+                }
+            }
+        }
+        Ok(outcome)
     }
 }
 

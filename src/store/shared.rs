@@ -63,6 +63,7 @@ pub(crate) fn outcomes_from(
             verdict,
             committed,
             fail_open: false,
+            away: None,
         });
     }
 }

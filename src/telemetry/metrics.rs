@@ -161,6 +161,8 @@ pub struct Metrics {
     loop_marks: Option<IntGauge>,
     loop_marks_evicted: Option<IntCounter>,
     state_dir_fallback: Option<IntGauge>,
+    /// A shared store's local mode (`None` for the embedded store).
+    local: Option<LocalMetrics>,
     store_errors: IntCounter,
     reloads: IntCounterVec,
     /// Network-file reloads refused by the shrink guard, by file (`tor_exits`...).
@@ -273,6 +275,7 @@ impl Metrics {
             ("reject", Reason::ALL[12].as_str()),
             ("reject", Reason::ALL[13].as_str()),
             ("reject", Reason::ALL[14].as_str()),
+            ("reject", Reason::ALL[15].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         let shadow_would_reject = must(IntCounterVec::new(
@@ -678,6 +681,7 @@ impl Metrics {
             defined.extend(names_of(c.as_ref()));
             must(registry.register(c));
         }
+        let local = (!embedded).then(|| LocalMetrics::new(&registry, &mut defined));
         Metrics {
             registry,
             defined,
@@ -693,6 +697,7 @@ impl Metrics {
             loop_marks,
             loop_marks_evicted,
             state_dir_fallback,
+            local,
             store_errors,
             reloads,
             network_reloads_rejected,
@@ -874,6 +879,9 @@ impl Metrics {
         };
         if checked.store_error {
             self.store_errors.inc();
+        }
+        if let Some(local) = &self.local {
+            local.record(checked);
         }
         if let Some(rule) = checked.shadow_missing {
             self.decisions
@@ -1075,6 +1083,9 @@ impl Metrics {
         if let Some(gauge) = &self.state_dir_fallback {
             gauge.set(i64::from(stats.state_fallback == Some(true)));
         }
+        if let (Some(metrics), Some(local)) = (&self.local, stats.local) {
+            metrics.render(local);
+        }
         let mut buf = Vec::new();
         if TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
@@ -1083,6 +1094,98 @@ impl Metrics {
             return String::new();
         }
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// A shared store's local mode (see [`crate::store::local`]): whether this gateway decides
+/// locally now, N, the decisions made so by rule and outcome, and the write-backs.
+struct LocalMetrics {
+    mode: IntGauge,
+    gateways: IntGauge,
+    decisions: IntCounterVec,
+    write_backs: IntCounterVec,
+    pending: IntGauge,
+}
+
+impl LocalMetrics {
+    fn new(registry: &Registry, defined: &mut Vec<String>) -> LocalMetrics {
+        let mode = must(IntGauge::new(
+            "tollgate_store_local_mode",
+            "1 while this gateway decides from its own memory because the shared store does not answer",
+        ));
+        let gateways = must(IntGauge::new(
+            "tollgate_fleet_gateways",
+            "Gateways present in the shared store when it was last reached (N: local mode gives each 1/N of every limit)",
+        ));
+        let decisions = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_store_local_decisions_total",
+                "Rule checks decided without the shared store, by the rule's on_store_error outcome (allowed, rejected, closed, open)",
+            ),
+            &["policy", "rule", "outcome"],
+        ));
+        let write_backs = must(IntCounterVec::new(
+            Opts::new(
+                "tollgate_store_writebacks_total",
+                "Local spend charged to the shared store once it answered again: applied, duplicate (already charged), failed (sending a batch failed; it is sent again)",
+            ),
+            &["outcome"],
+        ));
+        let pending = must(IntGauge::new(
+            "tollgate_store_writeback_pending",
+            "Buckets with local spend not yet charged to the shared store",
+        ));
+        for c in [
+            Box::new(mode.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(gateways.clone()),
+            Box::new(decisions.clone()),
+            Box::new(write_backs.clone()),
+            Box::new(pending.clone()),
+        ] {
+            defined.extend(names_of(c.as_ref()));
+            must(registry.register(c));
+        }
+        for outcome in ["applied", "duplicate", "failed"] {
+            write_backs.with_label_values(&[outcome]);
+        }
+        LocalMetrics {
+            mode,
+            gateways,
+            decisions,
+            write_backs,
+            pending,
+        }
+    }
+
+    /// Counts a decision's rule checks made without the store.
+    fn record(&self, checked: &crate::engine::Checked<'_>) {
+        use crate::policy::OnStoreError;
+        for outcome in &checked.rules {
+            let Some(away) = outcome.away else {
+                continue;
+            };
+            let label = match away {
+                OnStoreError::Local if outcome.allowed => "allowed",
+                OnStoreError::Local => "rejected",
+                OnStoreError::Open => "open",
+                OnStoreError::Closed => "closed",
+            };
+            self.decisions
+                .with_label_values(&[&outcome.rule.policy_id, &outcome.rule.name, label])
+                .inc();
+        }
+    }
+
+    fn render(&self, local: crate::store::LocalStats) {
+        self.mode.set(i64::from(local.local_mode));
+        self.gateways.set(local.gateways as i64);
+        self.pending.set(local.pending as i64);
+        for (outcome, total) in ["applied", "duplicate", "failed"]
+            .into_iter()
+            .zip(local.write_backs)
+        {
+            advance_to(&self.write_backs.with_label_values(&[outcome]), total);
+        }
     }
 }
 

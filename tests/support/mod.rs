@@ -648,6 +648,7 @@ pub fn bucket_op(
         cost: tollgate::limits::limiter::MICRO,
         group,
         window: None,
+        on_store_error: None,
     }
 }
 
@@ -903,6 +904,7 @@ pub async fn assert_leases(store: &tollgate::store::Store, prefix: &str) {
         soft: false,
         held: true,
         mark: false,
+        on_store_error: None,
     };
     let (two, one) = (op("two", 2), op("one", 1));
     let t0 = 1_800_000_000 * US_PER_SEC;
@@ -1081,6 +1083,7 @@ pub async fn assert_settlements(store: &tollgate::store::Store, prefix: &str) {
                 cost: tokens * MICRO,
                 group: Group::Enforce,
                 window: None,
+                on_store_error: None,
             },
             BucketOp {
                 key: budget_key,
@@ -1088,6 +1091,7 @@ pub async fn assert_settlements(store: &tollgate::store::Store, prefix: &str) {
                 cost: tokens * MICRO,
                 group: Group::Enforce,
                 window: Some(today),
+                on_store_error: None,
             },
         ]
     };

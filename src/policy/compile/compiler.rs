@@ -126,6 +126,7 @@ pub(crate) fn plain_rule(
         overrides: AHashMap::new(),
         ip_overrides: Vec::new(),
         on_missing: OnMissing::Shared,
+        on_store_error: None,
         key_prefix: String::new(),
         header_names: Vec::new(),
         budget: None,

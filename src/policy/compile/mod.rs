@@ -10,7 +10,7 @@ use crate::policy::bundle::{Bundle, RuntimeOverride, SkippedPolicy};
 use crate::policy::error::FieldError;
 use crate::policy::json::{join, type_name};
 use crate::policy::rule::{
-    KillSwitch, MatchCondition, MatchValue, Mode, OnMissing, Policy, Rule, Selector,
+    KillSwitch, MatchCondition, MatchValue, Mode, OnMissing, OnStoreError, Policy, Rule, Selector,
 };
 use crate::request::descriptor::{Descriptor, IpNet};
 use compiler::{headers_read, key_prefix, plain_rule, Compiler, CONFIG_FIELDS};
@@ -641,6 +641,7 @@ impl Compiler {
                 "algorithm_config",
                 "match",
                 "on_missing",
+                "on_store_error",
                 "overrides",
                 "description",
             ],
@@ -699,6 +700,19 @@ impl Compiler {
                         "must be \"skip\", \"shared\" or \"reject\"",
                     );
                     OnMissing::Skip
+                }
+            },
+        };
+        let on_store_error = match map.get("on_store_error") {
+            None => None,
+            Some(v) => match v.as_str().and_then(OnStoreError::parse) {
+                Some(mode) => Some(mode),
+                None => {
+                    self.error(
+                        &join(path, "on_store_error"),
+                        "must be \"local\", \"open\" or \"closed\"",
+                    );
+                    None
                 }
             },
         };
@@ -804,6 +818,7 @@ impl Compiler {
             overrides,
             ip_overrides,
             on_missing,
+            on_store_error,
             key_prefix,
             header_names,
             budget,

@@ -1355,6 +1355,7 @@ impl MemoryStore {
                     verdict,
                     committed: verdict.allowed,
                     fail_open: false,
+                    away: None,
                 };
                 let meta = if verdict.allowed {
                     slot.commit(&result, op.spend(verdict), now_us)
@@ -1368,6 +1369,7 @@ impl MemoryStore {
                 verdict: op.check(self.absent_state(key, op, now_us), now_us),
                 committed: false,
                 fail_open: false,
+                away: None,
             };
             if !result.verdict.allowed {
                 // A cost above the burst, or what the key held when it was evicted.
@@ -1414,6 +1416,7 @@ impl MemoryStore {
             },
             committed: true,
             fail_open: false,
+            away: None,
         };
         for op in ops {
             let shard = self.shard_of(&op.key);
@@ -1551,6 +1554,7 @@ impl MemoryStore {
                 verdict: op.check(state, now_us),
                 committed: false,
                 fail_open: false,
+                away: None,
             }
         }));
         let group_allows = |group: Group, results: &OpResults| {
@@ -1644,6 +1648,7 @@ impl MemoryStore {
             evicted: self.evicted.stats(),
             fail_open: self.fail_open.load(Ordering::Relaxed) + self.leases.fail_open(),
             state_fallback: None,
+            local: None,
             loop_marks: self.leases.marks_stats().map(|(held, _)| held),
             loop_marks_evicted: self.leases.marks_stats().map_or(0, |(_, evicted)| evicted),
         }

@@ -24,6 +24,7 @@ fn op(key: &str, q: Quota, group: Group) -> BucketOp {
         cost: MICRO,
         group,
         window: None,
+        on_store_error: None,
     }
 }
 
@@ -138,6 +139,7 @@ fn a_full_store_of_idle_unfull_buckets_evicts_the_cheapest_for_new_keys() {
             id: 42,
             ends_in_us: 20 * 86_400 * US_PER_SEC,
         }),
+        on_store_error: None,
     };
     assert!(run(&store, 0, &[budget])[0].committed);
     // A week later, under a flood: nothing is full again, nothing is swept...
@@ -446,6 +448,7 @@ fn a_reopened_state_file_continues_where_it_was() {
         soft: false,
         held: true,
         mark: false,
+        on_store_error: None,
     };
     let mark = LeaseOp {
         key: BucketKey::of("lp:l:a"),
@@ -686,6 +689,7 @@ fn a_key_flood_evicts_the_flood_and_limits_new_clients_exactly() {
             cost: cost * MICRO,
             group: Group::Enforce,
             window: Some(window),
+            on_store_error: None,
         };
         // Burst 10, one token a minute.
         let per_ip = Quota::new(10 * MICRO, MICRO, 60 * US_PER_SEC).unwrap();
@@ -838,6 +842,7 @@ fn equally_cheap_entries_go_least_recently_used_first() {
             id: 1_700_000_000,
             ends_in_us: month,
         }),
+        on_store_error: None,
     };
     run(&store, 5 * s, &[budget]);
     let guard = &epoch::pin();
@@ -908,6 +913,7 @@ fn an_older_builds_state_file_keeps_its_drained_budget_through_a_flood() {
             id: 1_700_000_000,
             ends_in_us: month,
         }),
+        on_store_error: None,
     };
     let per_ip = Quota::new(10 * MICRO, MICRO, 60 * s).unwrap();
     {
@@ -1013,6 +1019,7 @@ fn replay(store: &MemoryStore, flood: Flood) -> usize {
             id: 1_000,
             ends_in_us: day - now,
         }),
+        on_store_error: None,
     };
     let request = |who: &str, cost: u64, now: u64| -> bool {
         let own = rule(who, cost, now);
