@@ -361,7 +361,7 @@ fn secrets_never_reach_the_logs() {
         );
     }
     gw.wait_until(Duration::from_secs(10), || {
-        gw.log_text().contains("shared store failing open")
+        gw.log_text().contains("shared store not answering")
     });
     let log = gw.log_text();
     assert!(

@@ -96,12 +96,20 @@ fn two_gateways_share_one_limit() {
 
 /// A gateway on `redis` with a 50 ms store deadline, once its store answers.
 fn gateway_on(redis: &RedisServer, policy: &str, upstream: &Upstream) -> Gateway {
+    gateway_on_with(redis, policy, upstream, &[])
+}
+
+/// [`gateway_on`] with `extra` flags.
+fn gateway_on_with(
+    redis: &RedisServer,
+    policy: &str,
+    upstream: &Upstream,
+    extra: &[&str],
+) -> Gateway {
     let store = format!("--store={}", redis.url());
-    let gw = Gateway::start(
-        Some(policy),
-        Some(upstream.addr),
-        &[store.as_str(), "--store-timeout-ms", "50"],
-    );
+    let mut flags = vec![store.as_str(), "--store-timeout-ms", "50"];
+    flags.extend_from_slice(extra);
+    let gw = Gateway::start(Some(policy), Some(upstream.addr), &flags);
     gw.wait_until(Duration::from_secs(15), || {
         gw.admin("GET", "/readyz", &[])
             .body
@@ -150,7 +158,7 @@ fn a_dead_redis_fails_open_and_limiting_resumes() {
     let log = gw.log_text();
     let error_lines = log
         .lines()
-        .filter(|l| l.contains("shared store failing open"))
+        .filter(|l| l.contains("shared store not answering"))
         .count();
     assert!(
         (1..=3).contains(&error_lines),
@@ -158,14 +166,22 @@ fn a_dead_redis_fails_open_and_limiting_resumes() {
     );
 
     let _back = RedisServer::start_on(port);
+    // Traffic keeps trying the store (and the presence tick does without it): back to shared
+    // decisions once Redis answers.
     gw.wait_until(Duration::from_secs(20), || {
-        let c = "c";
-        as_client(c) == 429
+        as_client("probe");
+        let ready = gw.admin("GET", "/readyz", &[]).body;
+        ready.contains("\"store_mode\":\"shared\"") && ready.contains("\"store_status\":\"ok\"")
     });
-    assert!(gw
-        .admin("GET", "/readyz", &[])
-        .body
-        .contains("\"store_status\":\"ok\""));
+    assert_eq!(
+        [as_client("c"), as_client("c"), as_client("c")],
+        [200, 200, 429]
+    );
+    assert!(
+        gw.log_text().contains("local mode ended"),
+        "{}",
+        gw.log_text()
+    );
 }
 
 /// Issue 13, attack 8: a hung Redis executes the queued scripts when it resumes, charging
@@ -177,7 +193,8 @@ fn requests_that_failed_open_on_a_hung_redis_are_never_charged() {
     let upstream = Upstream::start();
     let policy = r#"{"rules": [{"name": "per-client", "limit_keys": ["header:x-client"], "algorithm": "token_bucket",
         "algorithm_config": {"rps": 0.001, "burst": 8}}]}"#;
-    let gw = gateway_on(&redis, policy, &upstream);
+    // `open`: admitted and untracked while Redis hangs (local mode is tested below).
+    let gw = gateway_on_with(&redis, policy, &upstream, &["--on-store-error", "open"]);
     let remaining = |c: &str| {
         let r = gw.get("/", &[("X-Client", c)]);
         assert_eq!(r.status, 200);
@@ -520,8 +537,9 @@ fn a_key_flood_on_a_full_redis_evicts_and_never_switches_limiting_off() {
 }
 
 /// Issue 42 on Redis under `noeviction` (not recommended): once `maxmemory` is reached Redis
-/// refuses every write, so decisions fail open as on a dead Redis — never silently: each is
-/// counted in `tollgate_store_errors_total` and an ERROR line names Redis's OOM refusal.
+/// refuses every write, so decisions are made locally as on a dead Redis — never silently:
+/// each is counted in `tollgate_store_errors_total` and an ERROR line names Redis's OOM
+/// refusal.
 #[test]
 fn a_full_redis_under_noeviction_fails_open_loudly() {
     let redis = RedisServer::spawn(
@@ -547,21 +565,24 @@ fn a_full_redis_under_noeviction_fails_open_loudly() {
         sent += 2_000;
     }
     assert_eq!(redis_info(&redis, "evicted_keys"), 0);
-    // A known client past its burst is let through too: limiting is off while Redis is full.
+    // Limiting goes on from the gateway's own share while Redis refuses writes (local mode;
+    // one gateway: the whole quota): a new client gets its 10, not 11.
     let ip = |_: usize| "192.0.2.78".to_string();
     let key = |_: usize| "late".to_string();
-    assert_eq!(decisions(gw.admin, 0..11, ip, key), [200; 11]);
+    let mut limited = vec![200; 10];
+    limited.push(429);
+    assert_eq!(decisions(gw.admin, 0..11, ip, key), limited);
     let errors = gw.metric("tollgate_store_errors_total");
     assert!(errors >= 11.0, "{errors}");
     let log = gw.log_text();
     let line = log
         .lines()
-        .find(|l| l.contains("shared store failing open"))
+        .find(|l| l.contains("shared store not answering"))
         .unwrap_or_else(|| panic!("no failing-open line in\n{log}"));
     assert!(line.contains("ERROR"), "{line}");
     assert!(
         line.contains(
-            "shared store failing open: OOM: command not allowed when used memory > 'maxmemory'"
+            "shared store not answering: OOM: command not allowed when used memory > 'maxmemory'"
         ),
         "{line}"
     );

@@ -560,6 +560,8 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
     for (outcome, r) in checked.rules.iter_mut().zip(results.iter()) {
         let v = r.verdict;
         outcome.away = r.away;
+        // Decided without the store: counted as a store error, as a failed call always was.
+        checked.store_error |= r.away.is_some();
         if r.away == Some(crate::policy::OnStoreError::Closed) && outcome.rule.mode == Mode::Enforce
         {
             store_closed.get_or_insert(outcome.rule);

@@ -144,6 +144,8 @@ pub struct LocalMode {
     next_probe_us: AtomicU64,
     /// Tries in a row that failed (the backoff's exponent).
     failed_probes: AtomicU32,
+    /// When local mode's ERROR line was last written (µs, 0: never).
+    last_error_log_us: AtomicU64,
     journal: Mutex<Journal>,
     pub counters: LocalCounters,
 }
@@ -258,6 +260,7 @@ impl LocalMode {
             since_us: AtomicU64::new(0),
             next_probe_us: AtomicU64::new(0),
             failed_probes: AtomicU32::new(0),
+            last_error_log_us: AtomicU64::new(0),
             journal: Mutex::new(journal),
             counters: LocalCounters::default(),
         }
@@ -304,6 +307,15 @@ impl LocalMode {
         self.failed_probes.store(0, Ordering::Relaxed);
         self.next_probe_us
             .store(now_us.saturating_add(PROBE_FIRST_US), Ordering::Relaxed);
+        // A store that answers a ping but refuses writes (full) could flap: one ERROR line
+        // every 10 s at most.
+        let last = self.last_error_log_us.load(Ordering::Relaxed);
+        if last != 0 && now_us.saturating_sub(last) < 10 * limiter::US_PER_SEC {
+            tracing::debug!("shared store not answering again: local mode");
+            return true;
+        }
+        self.last_error_log_us
+            .store(now_us.max(1), Ordering::Relaxed);
         tracing::error!(
             store = %crate::telemetry::redact::url(store),
             gateways = self.gateways(),

@@ -260,29 +260,34 @@ impl Store {
         &self,
         local: &local::LocalMode,
     ) -> Result<local::WriteBackOutcome, StoreError> {
-        let now_us = self.now_us();
-        let Some(batch) = local.batch_to_send(now_us) else {
-            // Nothing spent meanwhile: one round trip says whether the store answers.
-            return self
-                .ping()
-                .await
-                .map(|()| local::WriteBackOutcome::default());
-        };
-        let answer = match &self.backend {
-            Backend::Memory(_) => Ok(local::WriteBackOutcome::default()),
-            Backend::Redis(s) => s.write_back(now_us, &batch).await,
-            Backend::Postgres(s) => s.write_back(now_us, &batch).await,
-        };
-        match answer {
-            Ok(outcome) => {
-                local.batch_sent(&batch.id, outcome);
-                Ok(outcome)
-            }
-            Err(e) => {
-                local.batch_failed();
-                Err(e)
+        // One round trip first: a store still away costs one deadline, not a batch's.
+        self.ping().await?;
+        let mut total = local::WriteBackOutcome::default();
+        // A batch frozen by an earlier failed try, then what was spent since: both before the
+        // store decides again.
+        for _ in 0..4 {
+            let now_us = self.now_us();
+            let Some(batch) = local.batch_to_send(now_us) else {
+                break;
+            };
+            let answer = match &self.backend {
+                Backend::Memory(_) => Ok(local::WriteBackOutcome::default()),
+                Backend::Redis(s) => s.write_back(now_us, &batch).await,
+                Backend::Postgres(s) => s.write_back(now_us, &batch).await,
+            };
+            match answer {
+                Ok(outcome) => {
+                    local.batch_sent(&batch.id, outcome);
+                    total.applied += outcome.applied;
+                    total.duplicate += outcome.duplicate;
+                }
+                Err(e) => {
+                    local.batch_failed();
+                    return Err(e);
+                }
             }
         }
+        Ok(total)
     }
 
     /// One round trip to a shared store.
@@ -304,6 +309,9 @@ impl Store {
         let now_us = self.now_us();
         if local.is_local() {
             let _ = self.reached_again(local, now_us).await;
+        } else if local.pending_charges() > 0 && self.connected() {
+            // Spend a previous run journaled (or a batch whose answer was lost).
+            let _ = self.write_back(local).await;
         }
         let answer = match &self.backend {
             Backend::Memory(_) => return,

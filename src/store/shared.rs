@@ -91,7 +91,7 @@ impl Health {
         {
             let store = crate::telemetry::redact::url(store);
             let what = crate::telemetry::redact::text(what);
-            tracing::error!(store = %store, errors, "shared store failing open: {what}");
+            tracing::error!(store = %store, errors, "shared store not answering: {what}");
             *last = Some(std::time::Instant::now());
         }
     }
