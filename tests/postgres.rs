@@ -28,7 +28,8 @@ async fn seed_004_and_all_or_nothing_on_postgres() {
 }
 
 /// Two gateways on one PostgreSQL enforce one limit together; with PostgreSQL stopped they keep
-/// answering (fail-open) within their deadline, and limit again once it is back.
+/// answering within their deadline from their own memory (local mode: the drained limit stays
+/// drained), and PostgreSQL decides again once it is back.
 #[test]
 fn two_gateways_share_one_limit_on_postgres_and_survive_its_death() {
     let mut pg = PgServer::start();
@@ -61,21 +62,29 @@ fn two_gateways_share_one_limit_on_postgres_and_survive_its_death() {
     for i in 0..10 {
         let started = Instant::now();
         let r = gw.get("/", &[("X-Client", &format!("down-{i}"))]);
-        assert_eq!(r.status, 200, "fail-open while PostgreSQL is down");
+        // Local mode: the fleet's bucket is still known drained (the last state PostgreSQL
+        // returned), so it stays refused, from the gateway's own memory.
+        assert_eq!(
+            r.status, 429,
+            "the drained fleet limit holds while PostgreSQL is down"
+        );
         assert!(
             started.elapsed() < Duration::from_secs(3),
             "bounded latency: {:?}",
             started.elapsed()
         );
     }
-    assert!(gw
-        .admin("GET", "/readyz", &[])
-        .body
-        .contains("\"store_status\":\"degraded\""));
+    let ready = gw.admin("GET", "/readyz", &[]).body;
+    assert!(ready.contains("\"store_status\":\"degraded\""), "{ready}");
+    assert!(ready.contains("\"store_mode\":\"local\""), "{ready}");
     pg.run();
     // Back: the fleet bucket is still spent (state lives in the table), so requests are refused.
     gw.wait_until(Duration::from_secs(30), || {
         gw.get("/", &[("X-Client", "after")]).status == 429
+            && gw
+                .admin("GET", "/readyz", &[])
+                .body
+                .contains("\"store_mode\":\"shared\"")
     });
     assert!(gw
         .admin("GET", "/readyz", &[])

@@ -295,9 +295,26 @@ pub fn render(view: &StatusView<'_>) -> String {
         "<table id=\"store\"><tr><th>kind</th><td>{}</td></tr><tr><th>status</th><td id=\"store-status\" class=\"{}\">{}</td></tr>",
         escape(view.store_kind),
         if view.store_degraded { "bad" } else { "ok" },
-        if view.store_degraded { "degraded: failing open" } else { "ok" }
+        if view.store_degraded { "degraded: not answering" } else { "ok" }
     );
     let stats = view.store_stats;
+    if let Some(local) = stats.local {
+        let _ = write!(
+            body,
+            "<tr><th>mode</th><td id=\"store-mode\" class=\"{}\">{}</td></tr><tr><th>gateways sharing it (N)</th><td id=\"fleet-gateways\">{}</td></tr><tr><th>write-backs applied / duplicate / failed</th><td>{} / {} / {}</td></tr><tr><th>buckets with spend to write back</th><td>{}</td></tr>",
+            if local.local_mode { "bad" } else { "ok" },
+            if local.local_mode {
+                "local: deciding from this gateway's share (1/N of each limit) until the store answers"
+            } else {
+                "shared: the store decides"
+            },
+            local.gateways,
+            local.write_backs[0],
+            local.write_backs[1],
+            local.write_backs[2],
+            local.pending
+        );
+    }
     if let Some(entries) = stats.entries {
         let _ = write!(body, "<tr><th>buckets held</th><td>{entries}</td></tr>");
     }
@@ -473,6 +490,44 @@ mod tests {
         assert!(page.contains("id=\"top-empty\""));
         assert!(!page.contains("src="), "no external assets");
         assert!(!page.contains("Policy store"));
+    }
+
+    #[test]
+    fn a_shared_store_in_local_mode_shows_the_mode_and_n() {
+        let overrides = serde_json::json!({});
+        let top = Top {
+            entries: Vec::new(),
+            events: 0,
+            error_bound: 0,
+        };
+        let page = render(&StatusView {
+            bundle: None,
+            loaded_at: None,
+            unix_secs: 0,
+            store_kind: "redis",
+            store_degraded: true,
+            store_stats: StoreStats {
+                local: Some(crate::store::LocalStats {
+                    local_mode: true,
+                    gateways: 3,
+                    write_backs: [4, 1, 2],
+                    pending: 7,
+                    since_us: Some(1),
+                }),
+                ..StoreStats::default()
+            },
+            overrides: &overrides,
+            top: &top,
+            policy_source: &serde_json::Value::Null,
+            candidate: None,
+        });
+        assert!(
+            page.contains("<td id=\"store-mode\" class=\"bad\">local: deciding"),
+            "{page}"
+        );
+        assert!(page.contains("<td id=\"fleet-gateways\">3</td>"), "{page}");
+        assert!(page.contains("<td>4 / 1 / 2</td>"), "{page}");
+        assert!(page.contains("degraded: not answering"), "{page}");
     }
 
     #[test]
