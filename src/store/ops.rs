@@ -146,6 +146,10 @@ pub struct StoreStats {
     /// With `--state-dir`: whether the tables are in process memory instead, because the state
     /// file could not be made or mapped (`None` without a state dir).
     pub state_fallback: Option<bool>,
+    /// A shared store: the gateway's wall clock minus the store's clock, in µs, at the last
+    /// measurement (each sweep; positive when the gateway is ahead). `None` for the embedded
+    /// store, and before a shared store's first measurement.
+    pub clock_skew_us: Option<i64>,
 }
 
 /// Upper bounds (micro-tokens) of the buckets of the histogram of what evictions for room gave

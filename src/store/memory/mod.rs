@@ -1646,6 +1646,7 @@ impl MemoryStore {
             state_fallback: None,
             loop_marks: self.leases.marks_stats().map(|(held, _)| held),
             loop_marks_evicted: self.leases.marks_stats().map_or(0, |(_, evicted)| evicted),
+            clock_skew_us: None,
         }
     }
 
