@@ -342,8 +342,57 @@ fn headless_chromium_renders_the_status_page_with_the_token() {
     }
 }
 
+/// Metrics the alerts and the dashboard already query for local mode (a shared store that does
+/// not answer) before the binary exports them. Each entry must not be exported yet: once it is,
+/// the check below fails until the entry is removed here.
+const ANNOUNCED: [&str; 4] = [
+    "tollgate_store_local_mode",
+    "tollgate_store_writebacks_total",
+    "tollgate_fleet_gateways",
+    "tollgate_store_local_decisions_total",
+];
+
+/// The shipped alerting rules pass their `promtool test rules` cases (monitoring/alerts.test.yml:
+/// exact alerts, labels and annotations at given times).
+#[test]
+fn shipped_alert_rules_pass_their_promtool_tests() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new("promtool")
+        .arg("test")
+        .arg("rules")
+        .arg("alerts.test.yml")
+        .current_dir(root.join("monitoring"))
+        .output()
+        .expect("promtool (scripts/install-deps.sh installs Debian's prometheus)");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("SUCCESS"), "{said}");
+    // Every alert of the rules file has a case.
+    let rules = std::fs::read_to_string(root.join("monitoring/alerts.yml")).unwrap();
+    let cases = std::fs::read_to_string(root.join("monitoring/alerts.test.yml")).unwrap();
+    let tested: Vec<&str> = [
+        "TollgateStoreClockSkew",
+        "TollgateStoreLocalMode",
+        "TollgateStoreWritebackFailing",
+        "TollgateFleetUndercounted",
+        "TollgateLocalModeRefusing",
+    ]
+    .into_iter()
+    .filter(|name| {
+        rules.contains(&format!("alert: {name}\n"))
+            && cases.contains(&format!("alertname: {name}\n"))
+    })
+    .collect();
+    assert_eq!(tested.len(), 5, "{tested:?}");
+}
+
 /// The shipped alerting rules pass `promtool check rules`, and every metric the dashboard and
-/// the rules query is one the binary exports.
+/// the rules query is one the binary exports (for some store: a shared store's gauges are
+/// not defined for the embedded one).
 #[test]
 fn shipped_monitoring_checks_out_against_the_binary() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -365,11 +414,22 @@ fn shipped_monitoring_checks_out_against_the_binary() {
     // What the binary defines (a labelled family shows in /metrics once it has a series),
     // and what a running gateway shows.
     let mut exported: std::collections::BTreeSet<String> =
-        tollgate::telemetry::metrics::Metrics::new("memory")
-            .defined_names()
-            .iter()
-            .cloned()
+        ["memory", "state_dir", "redis", "postgres"]
+            .into_iter()
+            .flat_map(|kind| {
+                tollgate::telemetry::metrics::Metrics::new(kind)
+                    .defined_names()
+                    .to_vec()
+            })
             .collect();
+    let early: Vec<&&str> = ANNOUNCED
+        .iter()
+        .filter(|name| exported.contains(**name))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "now exported: remove {early:?} from ANNOUNCED"
+    );
     let gw = Gateway::start(Some(OPERATOR_POLICY), None, &[]);
     support::api_decision(&gw, "10.0.0.1");
     let live: Vec<String> = gw
@@ -404,6 +464,7 @@ fn shipped_monitoring_checks_out_against_the_binary() {
     let missing: Vec<&String> = queried
         .iter()
         .filter(|q| !exported.contains(*q) && !exported.contains(&base(q)))
+        .filter(|q| !ANNOUNCED.contains(&q.as_str()))
         .collect();
     assert!(queried.len() >= 10, "the dashboard queries {queried:?}");
     assert!(
