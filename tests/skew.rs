@@ -30,10 +30,15 @@ fn libfaketime() -> PathBuf {
     )
 }
 
-/// A gateway on `store_url`, sweeping every second, with its wall clock `ahead` (libfaketime's
-/// `+3s` syntax) or on the true time (`None`).
-fn gateway(store_url: &str, upstream: &Upstream, ahead: Option<&str>) -> Gateway {
-    let policy = support::one_rule("per-client", r#"["header:x-client"]"#, 0.001, 2.0);
+/// A gateway on `store_url` with a per-client rule of `rps` and `burst`, sweeping every second,
+/// with its wall clock `ahead` (libfaketime's `+3s` syntax) or on the true time (`None`).
+fn gateway(
+    store_url: &str,
+    upstream: &Upstream,
+    ahead: Option<&str>,
+    (rps, burst): (f64, f64),
+) -> Gateway {
+    let policy = support::one_rule("per-client", r#"["header:x-client"]"#, rps, burst);
     let store = format!("--store={store_url}");
     let flags = [
         store.as_str(),
@@ -79,8 +84,8 @@ fn skew(gw: &Gateway) -> f64 {
 /// decide exactly (the per-client burst of 2, nothing refilling within the test).
 fn assert_skews_on(store_url: &str) {
     let upstream = Upstream::start();
-    let ahead = gateway(store_url, &upstream, Some("+3s"));
-    let on_time = gateway(store_url, &upstream, None);
+    let ahead = gateway(store_url, &upstream, Some("+3s"), (0.001, 2.0));
+    let on_time = gateway(store_url, &upstream, None, (0.001, 2.0));
     let ahead_skew = skew(&ahead);
     let on_time_skew = skew(&on_time);
     eprintln!("{store_url}: skew {ahead_skew} s (3 s ahead), {on_time_skew} s (on time)");
@@ -125,6 +130,41 @@ fn redis_clock_skew_reads_3_s_under_libfaketime_and_0_without() {
 fn postgres_clock_skew_reads_3_s_under_libfaketime_and_0_without() {
     let pg = PgServer::start();
     assert_skews_on(&pg.url());
+}
+
+/// What the alert warns of, on Redis: a gateway 100 s ahead that takes over a drained key
+/// grants the 100 s of refill it believes passed (3 tokens at 0.03 a second: the whole burst
+/// again). The gateway on time then reads a last spend 100 s in its future, which refills
+/// nothing (and wraps into no huge refill either). A key kept on the gateway on time gets
+/// nothing back. Nothing refills for real within the test (a token takes 33 s), so every count
+/// is exact.
+#[test]
+fn a_gateway_ahead_grants_refill_that_never_happened() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start();
+    let quota = (0.03, 3.0);
+    let ahead = gateway(&redis.url(), &upstream, Some("+100s"), quota);
+    let on_time = gateway(&redis.url(), &upstream, None, quota);
+    let gauge = skew(&ahead);
+    assert!((gauge - 100.0).abs() < TOLERANCE_SECS, "{gauge}");
+    let moved = |_: usize, _: usize| "moved".to_string();
+    let kept = |_: usize, _: usize| "kept".to_string();
+    // Exactly the burst, no refusal yet: no gateway has the key in its cache of refusals, so
+    // every answer below comes from Redis.
+    assert_eq!(count_admitted(&[on_time.proxy], 1, 3, moved), 3);
+    assert_eq!(
+        count_admitted(&[ahead.proxy], 1, 4, moved),
+        3,
+        "100 s of refill granted"
+    );
+    assert_eq!(
+        count_admitted(&[on_time.proxy], 1, 2, moved),
+        0,
+        "a last spend in the future refills nothing"
+    );
+    // The same on one clock: drained stays drained.
+    assert_eq!(count_admitted(&[on_time.proxy], 1, 3, kept), 3);
+    assert_eq!(count_admitted(&[on_time.proxy], 1, 4, kept), 0);
 }
 
 /// The embedded store has no other clock to compare with: no gauge at all.
