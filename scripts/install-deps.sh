@@ -13,7 +13,10 @@
 #   curl   - HTTP/2 and HTTPS requests in tests/tls.rs (Debian's curl speaks HTTP/2)
 #   chromium - tests/operator.rs renders the /status page headless (and the manual's
 #          screenshot is taken that way)
-#   prometheus - its promtool checks monitoring/alerts.yml (tests/operator.rs)
+#   prometheus - its promtool checks monitoring/alerts.yml and runs its rule tests
+#          (tests/operator.rs)
+#   faketime - libfaketime runs a gateway with its wall clock shifted (tests/skew.rs: the
+#          store clock skew gauge)
 #   podman, debootstrap, iproute2 - scripts/image.sh builds the container image from a
 #          debootstrap'd base and runs it in a chroot in a network namespace of its own (ip netns)
 #   systemd - `systemd-analyze verify` checks deploy/systemd/tollgate.service (tests/deploy.rs)
@@ -36,6 +39,7 @@ if ! $build_only; then
   command -v curl >/dev/null 2>&1 || need+=(curl)
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
   command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+  command -v faketime >/dev/null 2>&1 || need+=(faketime)
   command -v podman >/dev/null 2>&1 || need+=(podman)
   command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
   command -v ip >/dev/null 2>&1 || need+=(iproute2)

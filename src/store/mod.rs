@@ -32,7 +32,7 @@ pub use ops::{
 use crate::limits::clock::Clock;
 use crate::limits::limiter::{BucketState, Verdict};
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,11 +52,26 @@ pub struct Store {
     clock: Arc<dyn Clock>,
     /// Rows deleted by the PostgreSQL sweep.
     swept: AtomicU64,
+    /// A shared store: the gateway's wall clock minus the store's, in µs, at the last sweep
+    /// that could read the store's clock ([`SKEW_UNKNOWN`] before).
+    clock_skew_us: AtomicI64,
     /// The state dir's lock (held while the store lives), and whether the store fell back to
     /// process memory.
     state_dir: Option<(Option<state_file::DirLock>, bool)>,
     /// A shared store's local mode (see [`local`]); `None`: a failed call fails open.
     local: Option<Arc<local::LocalMode>>,
+}
+
+/// `Store::clock_skew_us` before the first measurement.
+const SKEW_UNKNOWN: i64 = i64::MIN;
+
+/// The gateway's wall clock minus the store's, in µs, from a reading of the store's clock
+/// (`store_us`) taken between two readings of the gateway's (`sent_us`, `received_us`, Unix
+/// µs): the store's reading is placed at the middle of the round trip, so the error is at
+/// most half the round trip (the split of the trip between the two ways is not known).
+fn skew_us(sent_us: u64, store_us: i64, received_us: u64) -> i64 {
+    let middle = sent_us / 2 + received_us / 2 + (sent_us % 2 + received_us % 2) / 2;
+    (middle.min(i64::MAX as u64) as i64).saturating_sub(store_us)
 }
 
 /// During an upgrade: once the old process has exited (this one got the directory's lock),
@@ -203,6 +218,7 @@ impl Store {
             backend,
             clock,
             swept: AtomicU64::new(0),
+            clock_skew_us: AtomicI64::new(SKEW_UNKNOWN),
             state_dir: None,
             local: None,
         }
@@ -645,6 +661,7 @@ impl Store {
             },
             Backend::Redis(_) => StoreStats {
                 local: self.local.as_ref().map(|l| l.stats()),
+                clock_skew_us: self.clock_skew(),
                 ..StoreStats::default()
             },
             Backend::Postgres(_) => StoreStats {
@@ -656,13 +673,37 @@ impl Store {
                 state_fallback: None,
                 loop_marks: None,
                 loop_marks_evicted: 0,
+                clock_skew_us: self.clock_skew(),
             },
+        }
+    }
+
+    /// The gateway's wall clock minus the shared store's, in µs, at the last measurement
+    /// (positive: the gateway is ahead). `None` for the embedded store and before the first
+    /// measurement; a sweep that cannot read the store's clock keeps the last one.
+    pub fn clock_skew(&self) -> Option<i64> {
+        match self.clock_skew_us.load(Ordering::Relaxed) {
+            SKEW_UNKNOWN => None,
+            skew => Some(skew),
+        }
+    }
+
+    /// Reads the shared store's clock between two readings of the gateway's wall clock and
+    /// keeps the skew; a store that did not answer leaves the last measurement.
+    fn record_skew(&self, sent_us: u64, store_us: Option<i64>) {
+        let received_us = self.clock.unix_us();
+        if let Some(store_us) = store_us {
+            let skew = skew_us(sent_us, store_us, received_us);
+            // SKEW_UNKNOWN itself (a store clock at the far end of time) reads as unknown.
+            self.clock_skew_us
+                .store(skew.max(SKEW_UNKNOWN + 1), Ordering::Relaxed);
         }
     }
 
     /// Periodic clean-up: the embedded store drops full-again (and, under memory pressure,
     /// idle) buckets; PostgreSQL deletes full-again rows; Redis expires its own keys, and the
-    /// tick refreshes its clock offset. Returns how many buckets went.
+    /// tick refreshes its clock offset. A shared store's clock is read at every sweep, for the
+    /// clock skew ([`Store::clock_skew`]). Returns how many buckets went.
     pub async fn sweep(&self) -> u64 {
         self.sweep_at(self.now_us()).await
     }
@@ -675,13 +716,18 @@ impl Store {
                 if let Some(local) = &self.local {
                     local.sweep(now_us);
                 }
-                s.refresh_time_offset().await;
+                let sent_us = self.clock.unix_us();
+                let store_us = s.refresh_time_offset().await;
+                self.record_skew(sent_us, store_us);
                 0
             }
             Backend::Postgres(s) => {
                 if let Some(local) = &self.local {
                     local.sweep(now_us);
                 }
+                let sent_us = self.clock.unix_us();
+                let store_us = s.clock_us().await;
+                self.record_skew(sent_us, store_us);
                 let removed = s.sweep(now_us).await;
                 self.swept.fetch_add(removed, Ordering::Relaxed);
                 removed
@@ -721,6 +767,48 @@ mod tests {
     use super::*;
     use crate::limits::clock::ManualClock;
     use crate::limits::limiter::{Quota, MICRO, US_PER_SEC};
+
+    /// The store's reading is placed at the middle of the round trip: a gateway 3 s ahead
+    /// whose call took 2 ms, the store reading 1 ms after the send on its own clock (3 s
+    /// behind), reads exactly 3 s; the sign says who is ahead.
+    #[test]
+    fn skew_is_the_gateway_clock_at_the_round_trips_middle_minus_the_stores() {
+        let sent = 1_800_000_000 * US_PER_SEC;
+        let store = (sent - 3 * US_PER_SEC + 1_000) as i64;
+        assert_eq!(skew_us(sent, store, sent + 2_000), 3_000_000);
+        // The gateway 250 ms behind.
+        let store = (sent + 250_000 + 1_000) as i64;
+        assert_eq!(skew_us(sent, store, sent + 2_000), -250_000);
+        // A round trip of 3 µs: its middle, 2.5 µs after `sent`, counts to the µs below.
+        assert_eq!(skew_us(sent + 1, sent as i64, sent + 4), 2);
+        assert_eq!(skew_us(sent + 1, sent as i64, sent + 3), 2);
+        // Readings at the ends of the range saturate instead of overflowing.
+        assert_eq!(skew_us(u64::MAX, i64::MIN, u64::MAX), i64::MAX);
+        assert_eq!(skew_us(0, i64::MAX, 0), -i64::MAX);
+    }
+
+    /// The embedded store has no other clock: no skew. A shared store has none before it was
+    /// reached: a sweep while Redis is not connected measures nothing.
+    #[test]
+    fn no_skew_for_the_embedded_store_nor_before_a_shared_store_answers() {
+        let clock = Arc::new(ManualClock::new(1_800_000_000));
+        let memory = Store::memory(MemoryStoreConfig::default(), clock.clone());
+        futures::executor::block_on(memory.sweep_at(0));
+        assert_eq!(memory.clock_skew(), None);
+        assert_eq!(memory.stats().clock_skew_us, None);
+        let redis = Store::open("redis://127.0.0.1:1", Duration::from_millis(5), clock).unwrap();
+        futures::executor::block_on(redis.sweep_at(0));
+        assert_eq!(redis.clock_skew(), None);
+        assert_eq!(redis.stats().clock_skew_us, None);
+        // What a sweep that read the store's clock keeps, and a later failed read leaves.
+        redis.record_skew(
+            1_800_000_000 * US_PER_SEC,
+            Some(1_799_999_997 * US_PER_SEC as i64),
+        );
+        assert_eq!(redis.stats().clock_skew_us, Some(3_000_000));
+        redis.record_skew(0, None);
+        assert_eq!(redis.stats().clock_skew_us, Some(3_000_000));
+    }
 
     /// Time in a state file is wall-clock based: a restart whose wall clock stepped back an
     /// hour refills nothing (the buckets continue from the latest time the file saw, kept by

@@ -155,6 +155,10 @@ pub struct StoreStats {
     pub state_fallback: Option<bool>,
     /// A shared store's local mode (`None` for the embedded store).
     pub local: Option<LocalStats>,
+    /// A shared store: the gateway's wall clock minus the store's clock, in µs, at the last
+    /// measurement (each sweep; positive when the gateway is ahead). `None` for the embedded
+    /// store, and before a shared store's first measurement.
+    pub clock_skew_us: Option<i64>,
 }
 
 /// A shared store's local mode, for `/metrics`, `/readyz` and the status page.

@@ -383,10 +383,12 @@ impl RedisStore {
         });
     }
 
-    /// Measures the offset between the server's `TIME` and the gateway's wall clock (at the
-    /// middle of the round trip). Called at connect and at every sweep interval. A server that
-    /// refuses `TIME` leaves scripts without a deadline (logged once).
-    async fn measure_time_offset(&self, conn: &Conn) {
+    /// Measures the offset between the server's `TIME` and the gateway's monotonic clock (at
+    /// the middle of the round trip). Called at connect and at every sweep interval. A server
+    /// that refuses `TIME` leaves scripts without a deadline (logged once). Returns the
+    /// server's `TIME` in µs, when it answered within 500 ms (the sweep brackets this call with
+    /// the gateway's wall clock to measure the clock skew: see [`super::Store::sweep_at`]).
+    async fn measure_time_offset(&self, conn: &Conn) -> Option<i64> {
         let mut conn = conn.clone();
         let sent = self.mono_us();
         let call = async {
@@ -402,6 +404,7 @@ impl RedisStore {
                 let server = secs.saturating_mul(1_000_000).saturating_add(micros);
                 let offset = server - (sent / 2 + received / 2);
                 self.time_offset_us.store(offset, Ordering::Relaxed);
+                Some(server)
             }
             Ok(Err(e)) => {
                 if self.time_offset_us.load(Ordering::Relaxed) == TIME_UNKNOWN {
@@ -410,16 +413,17 @@ impl RedisStore {
                         crate::telemetry::redact::text(&e.to_string())
                     );
                 }
+                None
             }
-            Err(_) => {}
+            Err(_) => None,
         }
     }
 
-    /// Refreshes the clock offset (the gateway's sweep tick).
-    pub async fn refresh_time_offset(&self) {
-        if let Some(conn) = self.conn.load_full() {
-            self.measure_time_offset(&conn).await;
-        }
+    /// Refreshes the clock offset (the gateway's sweep tick); returns the server's `TIME` in
+    /// µs when it answered (`None`: not connected, refused or too slow).
+    pub async fn refresh_time_offset(&self) -> Option<i64> {
+        let conn = self.conn.load_full()?;
+        self.measure_time_offset(&conn).await
     }
 
     /// The deadline to give a script sent now, in the server's `TIME` µs (0 = none). None on

@@ -163,6 +163,8 @@ pub struct Metrics {
     state_dir_fallback: Option<IntGauge>,
     /// A shared store's local mode (`None` for the embedded store).
     local: Option<LocalMetrics>,
+    /// A shared store's clock skew (absent before its first measurement).
+    store_clock_skew: Option<ClockSkewGauge>,
     store_errors: IntCounter,
     reloads: IntCounterVec,
     /// Network-file reloads refused by the shrink guard, by file (`tor_exits`...).
@@ -345,6 +347,7 @@ impl Metrics {
                 "1 when --state-dir was given but the buckets are in process memory (the state file could not be made or mapped)",
             ))
         });
+        let store_clock_skew = matches!(store_kind, "redis" | "postgres").then(ClockSkewGauge::new);
         let store_info = must(IntGaugeVec::new(
             Opts::new("tollgate_store_info", "The store in use (value 1)"),
             &["kind"],
@@ -674,6 +677,9 @@ impl Metrics {
             state_dir_fallback
                 .clone()
                 .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
+            store_clock_skew
+                .clone()
+                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
         ]
         .into_iter()
         .flatten()
@@ -698,6 +704,7 @@ impl Metrics {
             loop_marks_evicted,
             state_dir_fallback,
             local,
+            store_clock_skew,
             store_errors,
             reloads,
             network_reloads_rejected,
@@ -1086,6 +1093,9 @@ impl Metrics {
         if let (Some(metrics), Some(local)) = (&self.local, stats.local) {
             metrics.render(local);
         }
+        if let Some(gauge) = &self.store_clock_skew {
+            *gauge.latest.lock() = stats.clock_skew_us;
+        }
         let mut buf = Vec::new();
         if TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
@@ -1306,6 +1316,54 @@ impl prometheus::core::Collector for ForgivenHistogram {
     }
 }
 
+/// `tollgate_store_clock_skew_seconds`: the gateway's wall clock minus the shared store's, as
+/// last measured ([`StoreStats::clock_skew_us`]). No series until a first measurement: a 0
+/// would claim clocks in step that nobody compared.
+#[derive(Clone)]
+struct ClockSkewGauge {
+    desc: prometheus::core::Desc,
+    latest: Arc<parking_lot::Mutex<Option<i64>>>,
+}
+
+impl ClockSkewGauge {
+    const NAME: &'static str = "tollgate_store_clock_skew_seconds";
+
+    fn new() -> Self {
+        ClockSkewGauge {
+            desc: must(prometheus::core::Desc::new(
+                Self::NAME.to_string(),
+                "The gateway's wall clock minus the shared store's clock (Redis TIME, PostgreSQL clock_timestamp()), in seconds, measured at every sweep; positive when the gateway is ahead".to_string(),
+                Vec::new(),
+                std::collections::HashMap::new(),
+            )),
+            latest: Arc::default(),
+        }
+    }
+}
+
+impl prometheus::core::Collector for ClockSkewGauge {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        vec![&self.desc]
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        use prometheus::proto;
+        let Some(skew_us) = *self.latest.lock() else {
+            return Vec::new();
+        };
+        let mut gauge = proto::Gauge::default();
+        gauge.set_value(skew_us as f64 / 1e6);
+        let mut metric = proto::Metric::default();
+        metric.set_gauge(gauge);
+        let mut family = proto::MetricFamily::default();
+        family.set_name(Self::NAME.to_string());
+        family.set_help(self.desc.help.clone());
+        family.set_field_type(proto::MetricType::GAUGE);
+        family.mut_metric().push(metric);
+        vec![family]
+    }
+}
+
 fn names_of(collector: &dyn prometheus::core::Collector) -> Vec<String> {
     collector.desc().iter().map(|d| d.fq_name.clone()).collect()
 }
@@ -1376,6 +1434,43 @@ mod tests {
             "tollgate_policy_info{hash=\"\",version=\"7\"} 1",
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");
+        }
+        assert!(
+            !text.contains("tollgate_store_clock_skew_seconds"),
+            "{text}"
+        );
+    }
+
+    /// The clock skew gauge: a shared store's only, absent until measured, then in seconds
+    /// with its sign (and it stays at the last measurement the store reports).
+    #[test]
+    fn clock_skew_shows_once_measured_in_seconds() {
+        let name = "tollgate_store_clock_skew_seconds";
+        assert!(!Metrics::new("memory")
+            .defined_names()
+            .contains(&name.to_string()));
+        for kind in ["redis", "postgres"] {
+            let metrics = Metrics::new(kind);
+            assert!(metrics.defined_names().contains(&name.to_string()));
+            assert!(!metrics.render(StoreStats::default()).contains(name));
+            let at = |skew_us| StoreStats {
+                clock_skew_us: Some(skew_us),
+                ..StoreStats::default()
+            };
+            let text = metrics.render(at(3_000_250));
+            assert!(
+                text.contains("\ntollgate_store_clock_skew_seconds 3.00025\n"),
+                "{text}"
+            );
+            assert!(
+                text.contains("# TYPE tollgate_store_clock_skew_seconds gauge"),
+                "{text}"
+            );
+            let text = metrics.render(at(-1_500_000));
+            assert!(
+                text.contains("\ntollgate_store_clock_skew_seconds -1.5\n"),
+                "{text}"
+            );
         }
     }
 }

@@ -1651,6 +1651,7 @@ impl MemoryStore {
             local: None,
             loop_marks: self.leases.marks_stats().map(|(held, _)| held),
             loop_marks_evicted: self.leases.marks_stats().map_or(0, |(_, evicted)| evicted),
+            clock_skew_us: None,
         }
     }
 
