@@ -370,6 +370,11 @@ impl Conn {
     }
 }
 
+/// Whether the server refused a write as a replica (`READONLY`, also inside a script's error).
+fn read_only(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::ReadOnly || e.to_string().contains("READONLY")
+}
+
 /// Whether an error means the connection leads nowhere useful any more: it broke, or the
 /// server turned into a replica (`READONLY`, also when a script's write hit it). A timeout is
 /// not one (a slow or hung server keeps its connection).
@@ -377,11 +382,7 @@ fn connection_lost(e: &redis::RedisError) -> bool {
     if e.is_timeout() {
         return false;
     }
-    e.kind() == redis::ErrorKind::ReadOnly
-        || e.to_string().contains("READONLY")
-        || e.is_connection_dropped()
-        || e.is_connection_refusal()
-        || e.is_io_error()
+    read_only(e) || e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error()
 }
 
 /// Indices of a request's keys, grouped by hash slot (one group on a single server): each
@@ -469,14 +470,14 @@ impl RedisStore {
             ))
         };
         let client = match config.url.strip_prefix("redis+cluster://") {
-            None if config.url.starts_with("redis+sentinel://") => Client::Sentinel(
-                SentinelTarget::parse(&config.url).map_err(|e| {
+            None if config.url.starts_with("redis+sentinel://") => {
+                Client::Sentinel(SentinelTarget::parse(&config.url).map_err(|e| {
                     StoreError::Unavailable(format!(
                         "{}: {e}",
                         crate::telemetry::redact::url(&config.url)
                     ))
-                })?,
-            ),
+                })?)
+            }
             Some(nodes) => {
                 let nodes: Vec<String> = nodes
                     .split(',')
@@ -571,18 +572,16 @@ impl RedisStore {
             let mut conn = redis::Client::open(info)?
                 .get_multiplexed_async_connection_with_config(&self.node_config())
                 .await?;
-            let role: Vec<redis::Value> = tokio::time::timeout(
-                CONNECT_TIMEOUT,
-                redis::cmd("ROLE").query_async(&mut conn),
-            )
-            .await
-            .map_err(|_| {
-                redis::RedisError::from((
-                    redis::ErrorKind::IoError,
-                    "ROLE",
-                    format!("{master_host}:{master_port} did not answer ROLE"),
-                ))
-            })??;
+            let role: Vec<redis::Value> =
+                tokio::time::timeout(CONNECT_TIMEOUT, redis::cmd("ROLE").query_async(&mut conn))
+                    .await
+                    .map_err(|_| {
+                        redis::RedisError::from((
+                            redis::ErrorKind::IoError,
+                            "ROLE",
+                            format!("{master_host}:{master_port} did not answer ROLE"),
+                        ))
+                    })??;
             let is_master = matches!(
                 role.first(),
                 Some(redis::Value::BulkString(b)) if b.as_slice() == b"master"
@@ -710,11 +709,11 @@ impl RedisStore {
         if conn.is_cluster() || !connection_lost(e) {
             return;
         }
-        self.lost(conn, &e.to_string());
+        self.lost(conn, &e.to_string(), read_only(e));
     }
 
     /// See [`RedisStore::note_error`].
-    fn lost(self: &Arc<Self>, conn: &Conn, what: &str) {
+    fn lost(self: &Arc<Self>, conn: &Conn, what: &str, read_only: bool) {
         if self
             .epoch
             .compare_exchange(
@@ -728,14 +727,13 @@ impl RedisStore {
             return;
         }
         self.conn.store(None);
-        let readonly = what.contains("READONLY");
         tracing::warn!(
             store = %crate::telemetry::redact::url(&self.config.url),
-            "Redis connection given up ({}); reconnecting{}",
+            "Redis connection given up{} ({}); reconnecting{}",
+            if read_only { ": the server is a read-only replica now" } else { "" },
             crate::telemetry::redact::text(what),
-            match (&self.client, readonly) {
-                (Client::Sentinel(_), _) => ", asking the sentinels for the master",
-                (_, true) => " (the server is a read-only replica now)",
+            match &self.client {
+                Client::Sentinel(_) => ", asking the sentinels for the master",
                 _ => "",
             }
         );
@@ -1484,7 +1482,11 @@ mod tests {
                 .to_string()
         ))));
         for other in [
-            RedisError::from((ErrorKind::ResponseError, "OOM", "command not allowed".into())),
+            RedisError::from((
+                ErrorKind::ResponseError,
+                "OOM",
+                "command not allowed".into(),
+            )),
             RedisError::from((ErrorKind::ClusterDown, "CLUSTERDOWN", "".into())),
             RedisError::from((ErrorKind::BusyLoadingError, "LOADING", "".into())),
         ] {

@@ -310,7 +310,11 @@ mod tests {
         let mut top = Vec::new();
         for _ in 0..10 {
             top.push(backoff.delay(|n| n).as_millis() as u64);
-            assert_eq!(backoff.delay(|_| 0), Duration::ZERO, "full jitter reaches zero");
+            assert_eq!(
+                backoff.delay(|_| 0),
+                Duration::ZERO,
+                "full jitter reaches zero"
+            );
             backoff.failed();
         }
         assert_eq!(
