@@ -20,8 +20,8 @@
 //! of errors. On a single server or behind sentinels, a broken connection or a `READONLY`
 //! reply (the server is a replica now) gives that connection up: every connection made before
 //! is dropped, and one new connection is made in the background (behind sentinels: to the
-//! master they name then), retried with exponential backoff and full jitter
-//! ([`super::shared::Backoff`]); calls fail at once meanwhile. A cluster connection follows
+//! master they name then), retried with exponential backoff and full jitter (waits drawn up
+//! to 100 ms, doubling per failure up to 5 s); calls fail at once meanwhile. A cluster connection follows
 //! `MOVED`/`ASK` and refreshes its slot map by itself. A local cache of denied buckets answers
 //! repeat offenders until their retry time without a Redis call.
 
@@ -660,7 +660,8 @@ impl RedisStore {
 
     /// Connects (or reconnects) in the background, until a connection is made; at most one
     /// such task at a time. The first connection is tried at once; after a loss, and between
-    /// failed attempts, it waits as [`Backoff`] says.
+    /// failed attempts, it waits a random time up to a ceiling that starts at 100 ms and
+    /// doubles per failure, at most 5 s (full jitter).
     pub fn connect_in_background(self: &Arc<Self>) {
         if self.connecting.swap(true, Ordering::AcqRel) {
             return;
