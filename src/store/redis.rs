@@ -791,7 +791,7 @@ impl RedisStore {
         }
     }
 
-    /// Whether a connection exists (it reconnects by itself once made).
+    /// Whether a connection exists (one given up is made again in the background).
     pub fn connected(&self) -> bool {
         self.conn.load().is_some()
     }
