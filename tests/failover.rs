@@ -1,5 +1,5 @@
 //! The shared store changing under traffic, against real servers on loopback: a Redis Sentinel
-//! failover, a former master turning read-only, a Redis Cluster resharded, and a cluster node
+//! failover, a master killed and back as a replica, a former master turning read-only, a Redis Cluster resharded, and a cluster node
 //! killed and replaced. In every case no request gets a 5xx, and once the store answers again a
 //! limit is exact again. What is admitted while the store is away is not asserted here.
 
@@ -200,6 +200,46 @@ fn a_sentinel_failover_under_traffic_keeps_limits_exact() {
             && masters.iter().any(|l| l.contains(&format!(":{new}"))),
         "{log}"
     );
+}
+
+/// The master killed: the sentinels promote its replica (after 1 s without an answer) and the
+/// gateway follows; the former master restarted in its place comes back as a master of its own
+/// until the sentinels turn it into a replica. No 5xx throughout, exact after each step.
+#[test]
+fn a_killed_master_is_replaced_by_its_replica_and_rejoins_as_one() {
+    let mut group = RedisSentinels::start();
+    let upstream = Upstream::start();
+    let gw = gateway(&group.url(), &upstream);
+    assert_exact(&gw, "before");
+    let (old, new) = (group.master().port, group.replica().port);
+
+    let traffic = Traffic::start(gw.proxy, "during");
+    std::thread::sleep(Duration::from_millis(300));
+    let index = group.data.iter().position(|d| d.port == old).unwrap();
+    group.data[index].kill();
+    group.wait(
+        Duration::from_secs(30),
+        "the sentinels promoting the replica",
+        |g| (0..3).all(|i| g.master_port(i) == Some(new)),
+    );
+    wait_answering(&gw);
+    assert_exact(&gw, "after-kill");
+
+    group.data[index].restart();
+    group.wait(
+        Duration::from_secs(40),
+        "the former master rejoining as a replica",
+        |g| {
+            g.server(old)
+                .cli(&["info", "replication"])
+                .contains("master_link_status:up")
+        },
+    );
+    wait_answering(&gw);
+    traffic.stop("master killed, then back as a replica");
+    report_errors(&gw, "master killed, then back as a replica");
+    assert_exact(&gw, "after-rejoin");
+    assert!(group.server(new).cli(&["role"]).starts_with("master"));
 }
 
 /// The server the gateway writes to turns into a replica while its connection stays open (no
