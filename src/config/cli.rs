@@ -418,7 +418,8 @@ pub struct RunArgs {
         default_value_t = 2
     )]
     pub threads: usize,
-    /// Bucket store: `memory` (embedded, default) or `redis://HOST:PORT[/DB]` (shared by a fleet).
+    /// Bucket store: `memory` (embedded, default), or one shared by a fleet: `redis://HOST:PORT[/DB]`,
+    /// `redis+cluster://HOST:PORT,...`, `redis+sentinel://HOST:PORT,.../SERVICE` or `postgres://...`.
     #[arg(
         help_heading = "Buckets and stores",
         long,

@@ -411,6 +411,18 @@ impl Config {
         }
         let store = match args.store.as_str() {
             "memory" => StoreKind::Memory,
+            url if url.starts_with("redis+sentinel://") => {
+                match crate::store::redis::SentinelTarget::parse(url) {
+                    Ok(_) => StoreKind::Shared(url.to_string()),
+                    Err(e) => {
+                        errors.push(format!(
+                            "--store {:?}: {e}",
+                            crate::telemetry::redact::url(url)
+                        ));
+                        StoreKind::Memory
+                    }
+                }
+            }
             url if url.starts_with("redis://")
                 || url.starts_with("rediss://")
                 || url.starts_with("redis+cluster://")
@@ -421,7 +433,7 @@ impl Config {
             }
             other => {
                 errors.push(format!(
-                    "--store {other:?}: expected \"memory\", redis://HOST:PORT[/DB], redis+cluster://HOST:PORT[,HOST:PORT...] or postgres://USER@HOST:PORT/DB"
+                    "--store {:?}: expected \"memory\", redis://HOST:PORT[/DB], redis+cluster://HOST:PORT[,HOST:PORT...], redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE or postgres://USER@HOST:PORT/DB", crate::telemetry::redact::url(other)
                 ));
                 StoreKind::Memory
             }

@@ -9,23 +9,31 @@
 //! groups spent is given back by a refund script: the fleet never admits more than a limit
 //! allows; a concurrent request may briefly see the spent-then-refunded tokens missing.
 //!
+//! Behind Redis Sentinel (`redis+sentinel://`), the master is whichever server the sentinels
+//! name for the service (asked here, with `SENTINEL get-master-addr-by-name`, then confirmed
+//! with `ROLE`); otherwise it is used as a single server.
+//!
 //! Failure: every call has a deadline; a timeout, refused connection or server error (a full
 //! Redis under `noeviction` refusing writes with OOM among them) fails open
 //! (allowed, and on a single server nothing spent: the script carries the deadline in the
 //! server's own `TIME` and applies nothing past it), is counted, and is logged once per burst
-//! of errors. The connection
-//! manager reconnects by itself. A local cache of denied buckets answers repeat offenders until
-//! their retry time without a Redis call.
+//! of errors. On a single server or behind sentinels, a broken connection or a `READONLY`
+//! reply (the server is a replica now) gives that connection up: every connection made before
+//! is dropped, and one new connection is made in the background (behind sentinels: to the
+//! master they name then), retried with exponential backoff and full jitter (waits drawn up
+//! to 100 ms, doubling per failure up to 5 s); calls fail at once meanwhile. A cluster connection follows
+//! `MOVED`/`ASK` and refreshes its slot map by itself. A local cache of denied buckets answers
+//! repeat offenders until their retry time without a Redis call.
 
 use super::lease::Live;
 use super::ops::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
 use crate::limits::limiter::{self, BucketState};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::MultiplexedConnection;
 use smallvec::SmallVec;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -165,7 +173,7 @@ end
 return 1
 "#;
 
-use super::shared::{reduced_rate as reduced, shared_key as redis_key, Health};
+use super::shared::{reduced_rate as reduced, shared_key as redis_key, Backoff, Health};
 
 /// A bucket another request was refused on, answered locally until it could afford `cost`.
 #[derive(Clone, Copy)]
@@ -179,24 +187,160 @@ struct Denied {
 /// Redis store settings.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
-    /// `redis://HOST:PORT[/DB]`, or `redis+cluster://HOST:PORT[,HOST:PORT...]` for a cluster.
+    /// `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,HOST:PORT...]` for a cluster, or
+    /// `redis+sentinel://[USER:PASS@]HOST:PORT[,HOST:PORT...]/SERVICE[?db=N]` for the master
+    /// of a service watched by Redis Sentinel.
     pub url: String,
     /// Deadline of one store call.
     pub timeout: Duration,
 }
 
+/// A `redis+sentinel://` URL that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SentinelUrlError {
+    #[error("names no sentinel (expected redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE)")]
+    NoSentinel,
+    #[error("sentinel address {0:?} is not HOST:PORT")]
+    BadAddress(String),
+    #[error("names no service (expected redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE)")]
+    NoService,
+    #[error("unknown parameter {0:?} (only db=N is understood)")]
+    UnknownParameter(String),
+    #[error("db {0:?} is not a database number")]
+    BadDb(String),
+    #[error("credentials are not usable: {0}")]
+    BadCredentials(String),
+}
+
+/// Where a `redis+sentinel://` URL points: the sentinels to ask, the service they watch, and
+/// how to log in to the master they name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentinelTarget {
+    /// Sentinels, in the URL's order (`HOST`, `PORT`).
+    pub sentinels: Vec<(String, u16)>,
+    /// The master's name in the sentinels' configuration.
+    pub service: String,
+    /// Database number on the master.
+    pub db: i64,
+    pub username: Option<String>,
+    pub password: Option<String>,
+}
+
+impl SentinelTarget {
+    /// Parses `redis+sentinel://[USER:PASS@]HOST:PORT[,HOST:PORT...]/SERVICE[?db=N]`. The
+    /// credentials (percent-encoded, as in a `redis://` URL) are the master's; the sentinels
+    /// are asked without them unless they demand them.
+    ///
+    /// # Errors
+    /// A part is missing or malformed (the error never repeats the credentials).
+    pub fn parse(url: &str) -> Result<SentinelTarget, SentinelUrlError> {
+        let rest = url
+            .get(.."redis+sentinel://".len())
+            .filter(|p| p.eq_ignore_ascii_case("redis+sentinel://"))
+            .map_or(url, |_| &url["redis+sentinel://".len()..]);
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (userinfo, hosts) = match authority.rfind('@') {
+            Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
+            None => (None, authority),
+        };
+        let mut sentinels = Vec::new();
+        for host in hosts.split(',').map(str::trim).filter(|h| !h.is_empty()) {
+            let bad = || SentinelUrlError::BadAddress(host.to_string());
+            let (name, port) = host.rsplit_once(':').ok_or_else(bad)?;
+            let name = name
+                .strip_prefix('[')
+                .and_then(|n| n.strip_suffix(']'))
+                .unwrap_or(name);
+            let port: u16 = port.parse().map_err(|_| bad())?;
+            if name.is_empty() || port == 0 {
+                return Err(bad());
+            }
+            sentinels.push((name.to_string(), port));
+        }
+        if sentinels.is_empty() {
+            return Err(SentinelUrlError::NoSentinel);
+        }
+        let (service, query) = path.split_once('?').unwrap_or((path, ""));
+        let service = service.trim_end_matches('/');
+        if service.is_empty() || service.contains('/') {
+            return Err(SentinelUrlError::NoService);
+        }
+        let mut db = 0;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("db", value)) => {
+                    db = value
+                        .parse::<i64>()
+                        .ok()
+                        .filter(|n| *n >= 0)
+                        .ok_or_else(|| SentinelUrlError::BadDb(value.to_string()))?;
+                }
+                _ => {
+                    let name = pair.split_once('=').map_or(pair, |(name, _)| name);
+                    return Err(SentinelUrlError::UnknownParameter(name.to_string()));
+                }
+            }
+        }
+        // The redis crate decodes the credentials as it does a `redis://` URL's.
+        let (username, password) = match userinfo {
+            None => (None, None),
+            Some(userinfo) => {
+                use redis::IntoConnectionInfo;
+                let info = format!("redis://{userinfo}@localhost/")
+                    .into_connection_info()
+                    .map_err(|e| {
+                        SentinelUrlError::BadCredentials(
+                            crate::telemetry::redact::text(&e.to_string()).into_owned(),
+                        )
+                    })?;
+                (info.redis.username, info.redis.password)
+            }
+        };
+        Ok(SentinelTarget {
+            sentinels,
+            service: service.to_string(),
+            db,
+            username,
+            password,
+        })
+    }
+
+    /// How to reach `host:port` with this URL's credentials (and database, for the master).
+    fn node(&self, host: &str, port: u16, credentials: bool, db: i64) -> redis::ConnectionInfo {
+        redis::ConnectionInfo {
+            addr: redis::ConnectionAddr::Tcp(host.to_string(), port),
+            redis: redis::RedisConnectionInfo {
+                db,
+                username: self.username.clone().filter(|_| credentials),
+                password: self.password.clone().filter(|_| credentials),
+                ..Default::default()
+            },
+        }
+    }
+}
+
 /// How to reach Redis.
 enum Client {
     Single(redis::Client),
+    Sentinel(SentinelTarget),
     Cluster(redis::cluster::ClusterClient),
 }
 
-/// A live connection; both kinds reconnect by themselves once made, and clone cheaply.
+/// A live connection, and the store's connection epoch it was made in (a connection of an
+/// older epoch was given up: it may lead to a former master).
+#[derive(Clone)]
+struct Conn {
+    link: Link,
+    epoch: u64,
+}
+
+/// A connection of either kind; both clone cheaply. A single server's does not reconnect by
+/// itself ([`RedisStore::lost`] replaces it); a cluster's does.
 // Held in an `Arc` and cloned per call: boxing the larger variant would allocate per call.
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
-enum Conn {
-    Single(ConnectionManager),
+enum Link {
+    Single(MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
@@ -204,9 +348,9 @@ impl Conn {
     /// Runs one command on whichever kind of connection this is (a cluster routes it by its
     /// key).
     async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        match self {
-            Conn::Single(c) => cmd.query_async(c).await,
-            Conn::Cluster(c) => cmd.query_async(c).await,
+        match &mut self.link {
+            Link::Single(c) => cmd.query_async(c).await,
+            Link::Cluster(c) => cmd.query_async(c).await,
         }
     }
 
@@ -215,11 +359,30 @@ impl Conn {
         &mut self,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> redis::RedisResult<T> {
-        match self {
-            Conn::Single(c) => invocation.invoke_async(c).await,
-            Conn::Cluster(c) => invocation.invoke_async(c).await,
+        match &mut self.link {
+            Link::Single(c) => invocation.invoke_async(c).await,
+            Link::Cluster(c) => invocation.invoke_async(c).await,
         }
     }
+
+    fn is_cluster(&self) -> bool {
+        matches!(self.link, Link::Cluster(_))
+    }
+}
+
+/// Whether the server refused a write as a replica (`READONLY`, also inside a script's error).
+fn read_only(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::ReadOnly || e.to_string().contains("READONLY")
+}
+
+/// Whether an error means the connection leads nowhere useful any more: it broke, or the
+/// server turned into a replica (`READONLY`, also when a script's write hit it). A timeout is
+/// not one (a slow or hung server keeps its connection).
+fn connection_lost(e: &redis::RedisError) -> bool {
+    if e.is_timeout() {
+        return false;
+    }
+    read_only(e) || e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error()
 }
 
 /// Indices of a request's keys, grouped by hash slot (one group on a single server): each
@@ -228,10 +391,11 @@ type SlotGroups = SmallVec<[SmallVec<[usize; 4]>; 4]>;
 
 fn slot_groups(conn: &Conn, keys: &[String]) -> SlotGroups {
     let mut groups: SmallVec<[(u16, SmallVec<[usize; 4]>); 4]> = SmallVec::new();
+    let cluster = conn.is_cluster();
     for (i, key) in keys.iter().enumerate() {
-        let slot = match conn {
-            Conn::Single(_) => 0,
-            Conn::Cluster(_) => redis::cluster_routing::get_slot(key.as_bytes()),
+        let slot = match cluster {
+            false => 0,
+            true => redis::cluster_routing::get_slot(key.as_bytes()),
         };
         match groups.iter_mut().find(|(s, _)| *s == slot) {
             Some((_, members)) => members.push(i),
@@ -254,6 +418,13 @@ pub struct RedisStore {
     release_script: redis::Script,
     denied: Mutex<HashMap<u128, Denied>>,
     connecting: AtomicBool,
+    /// Bumped when a connection is given up ([`RedisStore::lost`]): connections of an older
+    /// epoch are dropped, not used.
+    epoch: AtomicU64,
+    /// Whether a connection was ever made (the first attempt is not delayed).
+    ever_connected: AtomicBool,
+    /// Behind sentinels: the one to ask first (the last that answered).
+    sentinel_first: AtomicUsize,
     health: Health,
     denied_hits: AtomicU64,
     /// The server's `TIME` minus this store's monotonic clock (`origin`), in µs, when measured
@@ -278,6 +449,9 @@ impl RedisStore {
 
 const DENIED_CACHE_MAX: usize = 100_000;
 
+/// Longest wait for a TCP connection (and, behind sentinels, each sentinel's answer).
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
 /// Longest a refusal is answered from the local cache before Redis is asked again.
 const DENIED_CACHE_US: u64 = 5 * 1_000_000;
 
@@ -296,6 +470,14 @@ impl RedisStore {
             ))
         };
         let client = match config.url.strip_prefix("redis+cluster://") {
+            None if config.url.starts_with("redis+sentinel://") => {
+                Client::Sentinel(SentinelTarget::parse(&config.url).map_err(|e| {
+                    StoreError::Unavailable(format!(
+                        "{}: {e}",
+                        crate::telemetry::redact::url(&config.url)
+                    ))
+                })?)
+            }
             Some(nodes) => {
                 let nodes: Vec<String> = nodes
                     .split(',')
@@ -324,6 +506,9 @@ impl RedisStore {
             release_script: redis::Script::new(RELEASE),
             denied: Mutex::new(HashMap::new()),
             connecting: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            ever_connected: AtomicBool::new(false),
+            sentinel_first: AtomicUsize::new(0),
             health: Health::default(),
             denied_hits: AtomicU64::new(0),
             time_offset_us: AtomicI64::new(TIME_UNKNOWN),
@@ -332,55 +517,228 @@ impl RedisStore {
         }))
     }
 
-    /// A new connection (a reconnecting manager on one server, a cluster connection), driven
-    /// by a task on the runtime this is called on.
+    /// How a connection to one server is made: a response deadline (so a hung server's
+    /// pending calls do not pile up), and a bounded time to connect.
+    fn node_config(&self) -> redis::AsyncConnectionConfig {
+        redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(CONNECT_TIMEOUT)
+            .set_response_timeout(self.config.timeout.max(Duration::from_millis(1)))
+    }
+
+    /// A new connection (to the server, to the master the sentinels name, or to the cluster),
+    /// driven by a task on the runtime this is called on, tagged with the current epoch.
     async fn connect(&self) -> redis::RedisResult<Conn> {
-        match &self.client {
-            Client::Single(client) => {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Duration::from_millis(500))
-                    .set_response_timeout(self.config.timeout.max(Duration::from_millis(1)))
-                    .set_number_of_retries(2)
-                    .set_max_delay(200);
-                ConnectionManager::new_with_config(client.clone(), config)
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let link = match &self.client {
+            Client::Single(client) => Link::Single(
+                client
+                    .get_multiplexed_async_connection_with_config(&self.node_config())
+                    .await?,
+            ),
+            Client::Sentinel(target) => Link::Single(self.connect_to_master(target).await?),
+            Client::Cluster(client) => Link::Cluster(client.get_async_connection().await?),
+        };
+        Ok(Conn { link, epoch })
+    }
+
+    /// Asks the sentinels, in turn from the last one that answered, which server is the
+    /// service's master; connects to it and checks with `ROLE` that it is one (a sentinel that
+    /// has not seen a failover yet may still name the former master).
+    async fn connect_to_master(
+        &self,
+        target: &SentinelTarget,
+    ) -> redis::RedisResult<MultiplexedConnection> {
+        let count = target.sentinels.len();
+        let first = self.sentinel_first.load(Ordering::Relaxed) % count.max(1);
+        let mut failures: Vec<String> = Vec::new();
+        for i in (0..count).map(|k| (first + k) % count) {
+            let (host, port) = &target.sentinels[i];
+            let (master_host, master_port) = match self.ask_sentinel(target, host, *port).await {
+                Ok(Some(master)) => master,
+                Ok(None) => {
+                    failures.push(format!(
+                        "sentinel {host}:{port} knows no master named {:?}",
+                        target.service
+                    ));
+                    continue;
+                }
+                Err(e) => {
+                    failures.push(format!("sentinel {host}:{port}: {e}"));
+                    continue;
+                }
+            };
+            self.sentinel_first.store(i, Ordering::Relaxed);
+            let info = target.node(&master_host, master_port, true, target.db);
+            let mut conn = redis::Client::open(info)?
+                .get_multiplexed_async_connection_with_config(&self.node_config())
+                .await?;
+            let role: Vec<redis::Value> =
+                tokio::time::timeout(CONNECT_TIMEOUT, redis::cmd("ROLE").query_async(&mut conn))
                     .await
-                    .map(Conn::Single)
+                    .map_err(|_| {
+                        redis::RedisError::from((
+                            redis::ErrorKind::IoError,
+                            "ROLE",
+                            format!("{master_host}:{master_port} did not answer ROLE"),
+                        ))
+                    })??;
+            let is_master = matches!(
+                role.first(),
+                Some(redis::Value::BulkString(b)) if b.as_slice() == b"master"
+            ) || matches!(role.first(), Some(redis::Value::SimpleString(s)) if s == "master");
+            if !is_master {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::ReadOnly,
+                    "not the master yet",
+                    format!(
+                        "sentinel {host}:{port} names {master_host}:{master_port}, which is not a master (yet)"
+                    ),
+                )));
             }
-            Client::Cluster(client) => client.get_async_connection().await.map(Conn::Cluster),
+            tracing::info!(
+                service = %target.service,
+                master = %format!("{master_host}:{master_port}"),
+                sentinel = %format!("{host}:{port}"),
+                "Redis Sentinel: connected to the service's master"
+            );
+            return Ok(conn);
+        }
+        Err(redis::RedisError::from((
+            redis::ErrorKind::IoError,
+            "no sentinel named a master",
+            failures.join("; "),
+        )))
+    }
+
+    /// One sentinel's answer to `SENTINEL get-master-addr-by-name`: asked without credentials,
+    /// and again with the URL's when the sentinel demands them.
+    async fn ask_sentinel(
+        &self,
+        target: &SentinelTarget,
+        host: &str,
+        port: u16,
+    ) -> redis::RedisResult<Option<(String, u16)>> {
+        let ask = |credentials: bool| async move {
+            let info = target.node(host, port, credentials, 0);
+            let mut conn = redis::Client::open(info)?
+                .get_multiplexed_async_connection_with_config(
+                    &redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(CONNECT_TIMEOUT)
+                        .set_response_timeout(CONNECT_TIMEOUT),
+                )
+                .await?;
+            let mut cmd = redis::cmd("SENTINEL");
+            cmd.arg("get-master-addr-by-name").arg(&target.service);
+            cmd.query_async::<Option<(String, u16)>>(&mut conn).await
+        };
+        match ask(false).await {
+            Err(e)
+                if target.password.is_some()
+                    && (e.kind() == redis::ErrorKind::AuthenticationFailed
+                        || e.to_string().contains("NOAUTH")) =>
+            {
+                ask(true).await
+            }
+            answer => answer,
         }
     }
 
     /// The connection a request's calls go on: this thread's own once it has one (see
     /// [`super::shared::thread_conn`]), the shared one until then; `None` while not connected
-    /// at all.
+    /// at all. A thread's connection of an older epoch is replaced.
     fn request_conn(self: &Arc<Self>) -> Option<Arc<Conn>> {
         let shared = self.conn.load_full()?;
+        let epoch = shared.epoch;
         let store = Arc::clone(self);
-        Some(super::shared::thread_conn(
+        Some(super::shared::thread_conn_checked(
             self.id,
             shared,
+            move |conn: &Conn| conn.epoch == epoch,
             move || async move { store.connect().await.ok() },
         ))
     }
 
-    /// Connects (or reconnects) in the background; at most one attempt at a time.
+    /// Connects (or reconnects) in the background, until a connection is made; at most one
+    /// such task at a time. The first connection is tried at once; after a loss, and between
+    /// failed attempts, it waits a random time up to a ceiling that starts at 100 ms and
+    /// doubles per failure, at most 5 s (full jitter).
     pub fn connect_in_background(self: &Arc<Self>) {
         if self.connecting.swap(true, Ordering::AcqRel) {
             return;
         }
-        let store = Arc::clone(self);
+        let mut backoff = Backoff::default();
+        let mut wait = match self.ever_connected.load(Ordering::Relaxed) {
+            false => Duration::ZERO,
+            true => backoff.delay(super::shared::jitter),
+        };
+        // The task holds the store weakly: a store dropped (a test's, a replaced one) stops it.
+        let weak = Arc::downgrade(self);
         tokio::spawn(async move {
-            match store.connect().await {
-                Ok(conn) => {
-                    tracing::info!(store = %crate::telemetry::redact::url(&store.config.url), "connected to Redis");
-                    store.measure_time_offset(&conn).await;
-                    store.conn.store(Some(Arc::new(conn)));
-                    store.health.ok(&store.config.url);
+            loop {
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
                 }
-                Err(e) => store.failed(&format!("connecting: {e}")),
+                let Some(store) = weak.upgrade() else {
+                    return;
+                };
+                match store.connect().await {
+                    Ok(mut conn) => {
+                        tracing::info!(store = %crate::telemetry::redact::url(&store.config.url), "connected to Redis");
+                        store.measure_time_offset(&conn).await;
+                        // Newer than any loss seen while connecting.
+                        conn.epoch = store.epoch.load(Ordering::Acquire);
+                        store.conn.store(Some(Arc::new(conn)));
+                        store.ever_connected.store(true, Ordering::Relaxed);
+                        store.health.ok(&store.config.url);
+                        store.connecting.store(false, Ordering::Release);
+                        return;
+                    }
+                    Err(e) => {
+                        backoff.failed();
+                        store.failed(&format!("connecting: {e}"));
+                        wait = backoff.delay(super::shared::jitter);
+                    }
+                }
             }
-            store.connecting.store(false, Ordering::Release);
         });
+    }
+
+    /// Gives `conn` up when `e` says it leads nowhere useful ([`connection_lost`]), once per
+    /// epoch: every connection made so far is dropped (they all lead to the same server) and
+    /// a new one is made in the background. A cluster connection keeps itself.
+    fn note_error(self: &Arc<Self>, conn: &Conn, e: &redis::RedisError) {
+        if conn.is_cluster() || !connection_lost(e) {
+            return;
+        }
+        self.lost(conn, &e.to_string(), read_only(e));
+    }
+
+    /// See [`RedisStore::note_error`].
+    fn lost(self: &Arc<Self>, conn: &Conn, what: &str, read_only: bool) {
+        if self
+            .epoch
+            .compare_exchange(
+                conn.epoch,
+                conn.epoch.wrapping_add(1),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_err()
+        {
+            return;
+        }
+        self.conn.store(None);
+        tracing::warn!(
+            store = %crate::telemetry::redact::url(&self.config.url),
+            "Redis connection given up{} ({}); reconnecting{}",
+            if read_only { ": the server is a read-only replica now" } else { "" },
+            crate::telemetry::redact::text(what),
+            match &self.client {
+                Client::Sentinel(_) => ", asking the sentinels for the master",
+                _ => "",
+            }
+        );
+        self.connect_in_background();
     }
 
     /// Measures the offset between the server's `TIME` and the gateway's monotonic clock (at
@@ -391,13 +749,7 @@ impl RedisStore {
     async fn measure_time_offset(&self, conn: &Conn) -> Option<i64> {
         let mut conn = conn.clone();
         let sent = self.mono_us();
-        let call = async {
-            let cmd = redis::cmd("TIME");
-            match &mut conn {
-                Conn::Single(c) => cmd.query_async::<(i64, i64)>(c).await,
-                Conn::Cluster(c) => cmd.query_async::<(i64, i64)>(c).await,
-            }
-        };
+        let call = async { conn.query::<(i64, i64)>(&redis::cmd("TIME")).await };
         match tokio::time::timeout(Duration::from_millis(500), call).await {
             Ok(Ok((secs, micros))) => {
                 let received = self.mono_us();
@@ -443,7 +795,7 @@ impl RedisStore {
         }
     }
 
-    /// Whether a connection exists (it reconnects by itself once made).
+    /// Whether a connection exists (one given up is made again in the background).
     pub fn connected(&self) -> bool {
         self.conn.load().is_some()
     }
@@ -579,6 +931,7 @@ impl RedisStore {
                     group_ok.push((false, false));
                 }
                 Err(e) => {
+                    self.note_error(&conn, &e);
                     failure.get_or_insert(e.to_string());
                     group_ok.push((false, false));
                 }
@@ -672,7 +1025,10 @@ impl RedisStore {
                     self.health.ok(&self.config.url);
                     return Ok(());
                 }
-                Some(e) => e.to_string(),
+                Some(e) => {
+                    self.note_error(&conn, &e);
+                    e.to_string()
+                }
             },
         };
         self.failed(&what);
@@ -1006,6 +1362,7 @@ impl RedisStore {
                     failure.get_or_insert(format!("unexpected reply of {} values", counts.len()));
                 }
                 Err(e) => {
+                    self.note_error(&conn, &e);
                     failure.get_or_insert(e.to_string());
                 }
             }
@@ -1170,6 +1527,121 @@ mod tests {
             reduced(&q(MICRO, 300 * MICRO, 10_800 * US_PER_SEC)),
             (1, 36)
         );
+    }
+
+    #[test]
+    fn sentinel_urls_name_sentinels_service_db_and_credentials() {
+        let t = SentinelTarget::parse(
+            "redis+sentinel://app:p%40ss@10.0.0.1:26379, 10.0.0.2:26380,[::1]:26381/cache?db=3",
+        )
+        .unwrap();
+        assert_eq!(
+            t,
+            SentinelTarget {
+                sentinels: vec![
+                    ("10.0.0.1".into(), 26379),
+                    ("10.0.0.2".into(), 26380),
+                    ("::1".into(), 26381)
+                ],
+                service: "cache".into(),
+                db: 3,
+                username: Some("app".into()),
+                password: Some("p@ss".into()),
+            }
+        );
+        let bare = SentinelTarget::parse("redis+sentinel://s:26379/mymaster").unwrap();
+        assert_eq!((bare.db, bare.username, bare.password), (0, None, None));
+        let only_password = SentinelTarget::parse("redis+sentinel://:pw@s:1/m/").unwrap();
+        assert_eq!(
+            (only_password.username, only_password.password.as_deref()),
+            (None, Some("pw"))
+        );
+        // The master gets the credentials and the database; a sentinel is asked with neither
+        // unless it demands them.
+        let master = t.node("10.0.0.9", 6379, true, t.db);
+        assert_eq!(
+            (master.redis.db, master.redis.password.as_deref()),
+            (3, Some("p@ss"))
+        );
+        assert_eq!(t.node("10.0.0.1", 26379, false, 0).redis.password, None);
+    }
+
+    #[test]
+    fn bad_sentinel_urls_are_refused_without_echoing_secrets() {
+        let err = |url: &str| SentinelTarget::parse(url).unwrap_err();
+        assert_eq!(err("redis+sentinel:///m"), SentinelUrlError::NoSentinel);
+        assert_eq!(err("redis+sentinel://:pw@/m"), SentinelUrlError::NoSentinel);
+        assert_eq!(err("redis+sentinel://s:1"), SentinelUrlError::NoService);
+        assert_eq!(err("redis+sentinel://s:1/"), SentinelUrlError::NoService);
+        assert_eq!(err("redis+sentinel://s:1/a/b"), SentinelUrlError::NoService);
+        assert_eq!(
+            err("redis+sentinel://s/m"),
+            SentinelUrlError::BadAddress("s".into())
+        );
+        assert_eq!(
+            err("redis+sentinel://s:0/m"),
+            SentinelUrlError::BadAddress("s:0".into())
+        );
+        assert_eq!(
+            err("redis+sentinel://s:99999/m"),
+            SentinelUrlError::BadAddress("s:99999".into())
+        );
+        assert_eq!(
+            err("redis+sentinel://s:1/m?db=x"),
+            SentinelUrlError::BadDb("x".into())
+        );
+        assert_eq!(
+            err("redis+sentinel://s:1/m?db=-1"),
+            SentinelUrlError::BadDb("-1".into())
+        );
+        assert_eq!(
+            err("redis+sentinel://s:1/m?password=secret"),
+            SentinelUrlError::UnknownParameter("password".into())
+        );
+        for e in [
+            err("redis+sentinel://u:secret@s/m"),
+            err("redis+sentinel://u:secret@s:1/m?password=secret"),
+        ] {
+            assert!(!e.to_string().contains("secret"), "{e}");
+        }
+        // What the gateway logs of such a URL.
+        assert_eq!(
+            crate::telemetry::redact::url("redis+sentinel://app:secret@a:1,b:2/cache"),
+            "redis+sentinel://app:***@a:1,b:2/cache"
+        );
+    }
+
+    #[test]
+    fn a_broken_connection_or_a_replica_is_given_up_a_slow_server_is_not() {
+        use redis::{ErrorKind, RedisError};
+        let io = |kind| RedisError::from(std::io::Error::from(kind));
+        assert!(connection_lost(&io(std::io::ErrorKind::BrokenPipe)));
+        assert!(connection_lost(&io(std::io::ErrorKind::ConnectionReset)));
+        assert!(connection_lost(&io(std::io::ErrorKind::ConnectionRefused)));
+        assert!(!connection_lost(&io(std::io::ErrorKind::TimedOut)));
+        assert!(connection_lost(&RedisError::from((
+            ErrorKind::ReadOnly,
+            "READONLY",
+            "You can't write against a read only replica.".to_string()
+        ))));
+        // A script's write refused on a replica comes back as the script's error.
+        assert!(connection_lost(&RedisError::from((
+            ErrorKind::ResponseError,
+            "script error",
+            "Error running script: -READONLY You can't write against a read only replica."
+                .to_string()
+        ))));
+        for other in [
+            RedisError::from((
+                ErrorKind::ResponseError,
+                "OOM",
+                "command not allowed".into(),
+            )),
+            RedisError::from((ErrorKind::ClusterDown, "CLUSTERDOWN", "".into())),
+            RedisError::from((ErrorKind::BusyLoadingError, "LOADING", "".into())),
+        ] {
+            assert!(!connection_lost(&other), "{other}");
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! What the stores shared by a fleet ([`super::redis`], [`super::postgres`]) have in common: a
 //! bucket's name there, the reduced refill rate, turning replies into outcomes, health (degraded
-//! or not), one connection per thread, and the operator's calls with their deadline.
+//! or not), one connection per thread, reconnecting with backoff ([`Backoff`]), and the
+//! operator's calls with their deadline.
 
 use super::ops::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
 use crate::limits::limiter::{BucketState, Quota};
@@ -123,6 +124,64 @@ struct ThreadConn {
     conn: Option<Arc<dyn std::any::Any + Send + Sync>>,
     connecting: bool,
     next_attempt: std::time::Instant,
+    /// Failed attempts since the last success: the next one waits [`Backoff::delay`].
+    backoff: Backoff,
+}
+
+/// Reconnection schedule: after `failures` failed attempts in a row, the next attempt waits a
+/// random time between zero and `min(BACKOFF_CAP, BACKOFF_BASE × 2^failures)` ("full jitter"):
+/// gateways that lost their store at the same instant (a restart, a failover) spread their
+/// attempts instead of arriving together, and a store that stays away is asked at most about
+/// once per [`BACKOFF_CAP`] by each connection.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Backoff {
+    failures: u32,
+}
+
+/// The ceiling of the first wait.
+pub(crate) const BACKOFF_BASE: Duration = Duration::from_millis(100);
+/// The largest ceiling of a wait.
+pub(crate) const BACKOFF_CAP: Duration = Duration::from_secs(5);
+
+impl Backoff {
+    /// The ceiling of the next wait: [`BACKOFF_BASE`] doubled per failure, at most
+    /// [`BACKOFF_CAP`].
+    pub(crate) fn ceiling(&self) -> Duration {
+        let doubled = BACKOFF_BASE
+            .as_millis()
+            .saturating_mul(1u128 << self.failures.min(32));
+        Duration::from_millis(doubled.min(BACKOFF_CAP.as_millis()) as u64)
+    }
+
+    /// The wait before the next attempt, drawn by `random(n)`, a uniform integer in `0..=n`
+    /// (milliseconds): injected, so tests fix it.
+    pub(crate) fn delay(&self, random: impl FnOnce(u64) -> u64) -> Duration {
+        let ceiling = self.ceiling().as_millis() as u64;
+        Duration::from_millis(random(ceiling).min(ceiling))
+    }
+
+    /// An attempt failed: the next wait's ceiling doubles.
+    pub(crate) fn failed(&mut self) {
+        self.failures = self.failures.saturating_add(1);
+    }
+
+    /// An attempt succeeded: the next loss starts from the first ceiling again.
+    pub(crate) fn succeeded(&mut self) {
+        self.failures = 0;
+    }
+}
+
+/// A uniform integer in `0..=n` for [`Backoff::delay`]: jitter, not secrets (std's per-process
+/// random hash keys, stirred by a counter).
+pub(crate) fn jitter(n: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static DRAWS: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(DRAWS.fetch_add(1, Ordering::Relaxed));
+    match n.checked_add(1) {
+        Some(range) => hasher.finish() % range,
+        None => hasher.finish(),
+    }
 }
 
 /// A new shared store's identity in [`THREAD_CONNS`].
@@ -133,9 +192,25 @@ pub(crate) fn next_store_id() -> u64 {
 
 /// The connection a request's call goes on: this thread's own to store `store` once it has
 /// one, `shared` until then. On a current-thread runtime (Pingora's workers), the first call
-/// starts making this thread's connection with `connect` (again at most once a second after a
-/// failure); elsewhere `shared` is used.
+/// starts making this thread's connection with `connect` (after a failure, again once the
+/// thread's [`Backoff`] delay has passed); elsewhere `shared` is used.
 pub(crate) fn thread_conn<T, F>(store: u64, shared: Arc<T>, connect: impl FnOnce() -> F) -> Arc<T>
+where
+    T: Send + Sync + 'static,
+    F: std::future::Future<Output = Option<T>> + Send + 'static,
+{
+    thread_conn_checked(store, shared, |_| true, connect)
+}
+
+/// [`thread_conn`], where a thread's connection that `current` rejects (it belongs to a
+/// connection the store has since given up, e.g. to a former master) is dropped and another
+/// made, keeping the thread's backoff.
+pub(crate) fn thread_conn_checked<T, F>(
+    store: u64,
+    shared: Arc<T>,
+    current: impl Fn(&T) -> bool,
+    connect: impl FnOnce() -> F,
+) -> Arc<T>
 where
     T: Send + Sync + 'static,
     F: std::future::Future<Output = Option<T>> + Send + 'static,
@@ -156,13 +231,17 @@ where
                     conn: None,
                     connecting: false,
                     next_attempt: now,
+                    backoff: Backoff::default(),
                 });
                 conns.len() - 1
             }
         };
         let entry = &mut conns[i];
         if let Some(conn) = entry.conn.clone().and_then(|c| c.downcast::<T>().ok()) {
-            return conn;
+            if current(&conn) {
+                return conn;
+            }
+            entry.conn = None;
         }
         if !entry.connecting && now >= entry.next_attempt {
             entry.connecting = true;
@@ -175,7 +254,13 @@ where
                 THREAD_CONNS.with(|cell| {
                     if let Some(c) = cell.borrow_mut().iter_mut().find(|c| c.store == store) {
                         c.connecting = false;
-                        c.next_attempt = std::time::Instant::now() + Duration::from_secs(1);
+                        if made.is_some() {
+                            c.backoff.succeeded();
+                            c.next_attempt = std::time::Instant::now();
+                        } else {
+                            c.next_attempt = std::time::Instant::now() + c.backoff.delay(jitter);
+                            c.backoff.failed();
+                        }
                         c.conn = made;
                     }
                 });
@@ -211,5 +296,52 @@ pub(crate) async fn operator_call<T, E: std::fmt::Display>(
         Err(_) => Err(StoreError::Unavailable(format!(
             "no answer within {OPERATOR_TIMEOUT:?}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The schedule with the random draw pinned at its top and at zero: ceilings of 100, 200,
+    /// 400 ms... doubling up to 5 s and staying there; a success starts it again.
+    #[test]
+    fn reconnects_back_off_exponentially_with_full_jitter() {
+        let mut backoff = Backoff::default();
+        let mut top = Vec::new();
+        for _ in 0..10 {
+            top.push(backoff.delay(|n| n).as_millis() as u64);
+            assert_eq!(
+                backoff.delay(|_| 0),
+                Duration::ZERO,
+                "full jitter reaches zero"
+            );
+            backoff.failed();
+        }
+        assert_eq!(
+            top,
+            [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000, 5000]
+        );
+        // A draw is uniform over 0..=ceiling, and one out of range is clamped.
+        assert_eq!(backoff.delay(|n| n / 2), Duration::from_millis(2500));
+        assert_eq!(backoff.delay(|_| u64::MAX), Duration::from_secs(5));
+        // Thousands of failures never overflow.
+        for _ in 0..10_000 {
+            backoff.failed();
+        }
+        assert_eq!(backoff.ceiling(), BACKOFF_CAP);
+        backoff.succeeded();
+        assert_eq!(backoff, Backoff::default());
+        assert_eq!(backoff.delay(|n| n), Duration::from_millis(100));
+    }
+
+    /// The real jitter stays within its range and is not constant.
+    #[test]
+    fn jitter_draws_within_its_range() {
+        let draws: Vec<u64> = (0..200).map(|_| jitter(100)).collect();
+        assert!(draws.iter().all(|&d| d <= 100));
+        assert!(draws.iter().any(|&d| d != draws[0]));
+        assert_eq!(jitter(0), 0);
+        let _ = jitter(u64::MAX);
     }
 }

@@ -1,5 +1,5 @@
-//! Real store servers for integration tests: `redis-server` (one node or a three-node
-//! cluster) and PostgreSQL (as the non-root `postgres` user), on free loopback ports, installed by
+//! Real store servers for integration tests: `redis-server` (one node, a three-node cluster, or
+//! a master and a replica watched by three sentinels) and PostgreSQL (as the non-root `postgres` user), on free loopback ports, installed by
 //! `scripts/install-deps.sh`, stopped when dropped.
 
 use super::{free_cluster_port, free_port};
@@ -13,6 +13,8 @@ pub struct RedisServer {
     pub child: Option<Child>,
     pub port: u16,
     pub _dir: tempfile::TempDir,
+    /// The arguments it was started with (a restart in place reuses them).
+    args: Vec<String>,
 }
 
 impl RedisServer {
@@ -27,38 +29,77 @@ impl RedisServer {
     /// `redis-server` on `port` with `extra` arguments, answering PING.
     pub fn spawn(port: u16, extra: &[&str]) -> RedisServer {
         let dir = tempfile::tempdir().unwrap();
+        let mut args: Vec<String> = [
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|a| a.to_string())
+        .collect();
+        args.push("--dir".into());
+        args.push(dir.path().display().to_string());
+        Self::run(port, dir, args)
+    }
+
+    /// `redis-server` with `args`, answering PING.
+    fn run(port: u16, dir: tempfile::TempDir, args: Vec<String>) -> RedisServer {
+        let mut server = RedisServer {
+            child: None,
+            port,
+            _dir: dir,
+            args,
+        };
+        server.restart();
+        server
+    }
+
+    /// Starts the server again (killed first if it runs), on its port, with its arguments and
+    /// its directory (a cluster node keeps its `nodes.conf`, a sentinel its configuration).
+    pub fn restart(&mut self) {
+        self.kill();
         let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(extra)
-            .arg("--dir")
-            .arg(dir.path())
+            .args(&self.args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server is not installed: run `bash scripts/test.sh` (it installs it)");
-        let server = RedisServer {
-            child: Some(child),
-            port,
-            _dir: dir,
-        };
+        self.child = Some(child);
         let start = Instant::now();
-        while !server.pong() {
+        while !self.pong() {
             assert!(
                 start.elapsed() < Duration::from_secs(10),
                 "redis-server did not start"
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        server
+    }
+
+    /// `redis-server --sentinel` on `port`, watching the master on `master_port` as `service`
+    /// (quorum 2, a master unanswering for 1 s is down).
+    pub fn sentinel(port: u16, service: &str, master_port: u16) -> RedisServer {
+        let dir = tempfile::tempdir().unwrap();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor {service} 127.0.0.1 {master_port} 2\n\
+                 sentinel down-after-milliseconds {service} 1000\n\
+                 sentinel failover-timeout {service} 10000\n\
+                 sentinel parallel-syncs {service} 1\n",
+                dir = dir.path().display()
+            ),
+        )
+        .unwrap();
+        let args = vec![conf.display().to_string(), "--sentinel".to_string()];
+        Self::run(port, dir, args)
     }
 
     pub fn pong(&self) -> bool {
@@ -141,6 +182,56 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(100));
         }
         RedisCluster { nodes }
+    }
+
+    /// `redis-cli --cluster reshard`: moves `slots` hash slots, with their keys, from node
+    /// `from` to node `to`; panics with its output when it fails.
+    pub fn reshard(&self, from: usize, to: usize, slots: u32) {
+        let id = |i: usize| self.nodes[i].cli(&["cluster", "myid"]).trim().to_string();
+        let done = Command::new("redis-cli")
+            .args(["--cluster", "reshard"])
+            .arg(format!("127.0.0.1:{}", self.nodes[0].port))
+            .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .args(["--cluster-pipeline", "100"])
+            .output()
+            .expect("redis-cli");
+        assert!(
+            done.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&done.stdout),
+            String::from_utf8_lossy(&done.stderr)
+        );
+    }
+
+    /// Whether every running node says `cluster_state:ok` and agrees on one slot map.
+    pub fn converged(&self) -> bool {
+        let maps: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| {
+                let info = n.cli(&["cluster", "info"]);
+                if !info.contains("cluster_state:ok") {
+                    return String::new();
+                }
+                let mut shards: Vec<String> = n
+                    .cli(&["cluster", "nodes"])
+                    .lines()
+                    .filter(|l| l.contains("master") && !l.contains("fail"))
+                    .map(|l| {
+                        let f: Vec<&str> = l.split_whitespace().collect();
+                        format!(
+                            "{} {}",
+                            f.get(1).unwrap_or(&""),
+                            f[8.min(f.len())..].join(" ")
+                        )
+                    })
+                    .collect();
+                shards.sort();
+                shards.join("\n")
+            })
+            .collect();
+        !maps[0].is_empty() && maps.iter().all(|m| *m == maps[0])
     }
 
     pub fn url(&self) -> String {
@@ -308,5 +399,121 @@ impl PgServer {
 impl Drop for PgServer {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// A master and one replica watched by three sentinels (quorum 2) as service `tollgate`.
+pub struct RedisSentinels {
+    /// The two data servers; which one is the master changes with a failover.
+    pub data: Vec<RedisServer>,
+    pub sentinels: Vec<RedisServer>,
+}
+
+impl RedisSentinels {
+    pub const SERVICE: &'static str = "tollgate";
+
+    /// Starts them; returns once the replica is in sync and every sentinel knows it (a failover
+    /// needs a replica to promote).
+    pub fn start() -> RedisSentinels {
+        let master = RedisServer::start();
+        let replica = RedisServer::spawn(
+            super::free_port(),
+            &["--replicaof", "127.0.0.1", &master.port.to_string()],
+        );
+        let sentinels: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::sentinel(super::free_port(), Self::SERVICE, master.port))
+            .collect();
+        let group = RedisSentinels {
+            data: vec![master, replica],
+            sentinels,
+        };
+        group.wait(
+            Duration::from_secs(30),
+            "the replica in sync, known to every sentinel",
+            |g| {
+                g.data[1]
+                    .cli(&["info", "replication"])
+                    .contains("master_link_status:up")
+                    && g.sentinels.iter().all(|s| {
+                        s.cli(&["sentinel", "replicas", Self::SERVICE])
+                            .lines()
+                            .any(|l| l.trim() == g.data[1].port.to_string())
+                            && s.cli(&["sentinel", "sentinels", Self::SERVICE])
+                                .lines()
+                                .filter(|l| l.trim() == "runid")
+                                .count()
+                                == 2
+                    })
+            },
+        );
+        group
+    }
+
+    /// `redis+sentinel://` naming the three sentinels.
+    pub fn url(&self) -> String {
+        let sentinels: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        format!("redis+sentinel://{}/{}", sentinels.join(","), Self::SERVICE)
+    }
+
+    /// The master's port as sentinel `i` names it.
+    pub fn master_port(&self, i: usize) -> Option<u16> {
+        self.sentinels[i]
+            .cli(&["sentinel", "get-master-addr-by-name", Self::SERVICE])
+            .lines()
+            .nth(1)
+            .and_then(|p| p.trim().parse().ok())
+    }
+
+    /// The data server that is master now (per the first sentinel).
+    pub fn master(&self) -> &RedisServer {
+        let port = self.master_port(0).expect("a master");
+        self.data
+            .iter()
+            .find(|d| d.port == port)
+            .expect("a known server")
+    }
+
+    /// The other data server.
+    pub fn replica(&self) -> &RedisServer {
+        let port = self.master_port(0).expect("a master");
+        self.data
+            .iter()
+            .find(|d| d.port != port)
+            .expect("a known server")
+    }
+
+    /// `SENTINEL FAILOVER`, then waits until every sentinel names the former replica, which
+    /// says it is a master, and the former master replicates from it.
+    pub fn failover(&self) {
+        let (old, new) = (self.master().port, self.replica().port);
+        let answer = self.sentinels[0].cli(&["sentinel", "failover", Self::SERVICE]);
+        assert!(answer.contains("OK"), "SENTINEL FAILOVER: {answer}");
+        self.wait(Duration::from_secs(30), "the failover", |g| {
+            (0..3).all(|i| g.master_port(i) == Some(new))
+                && g.server(new).cli(&["role"]).starts_with("master")
+                && g.server(old)
+                    .cli(&["info", "replication"])
+                    .contains("master_link_status:up")
+        });
+    }
+
+    pub fn server(&self, port: u16) -> &RedisServer {
+        self.data
+            .iter()
+            .find(|d| d.port == port)
+            .expect("a known server")
+    }
+
+    /// Polls `ready` every 50 ms; panics after `limit`, naming `what`.
+    pub fn wait(&self, limit: Duration, what: &str, ready: impl Fn(&RedisSentinels) -> bool) {
+        let start = Instant::now();
+        while !ready(self) {
+            assert!(start.elapsed() < limit, "not within {limit:?}: {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
