@@ -541,7 +541,7 @@ fn as_check(result: OpResult, op: &BucketOp, now_us: u64) -> OpResult {
         verdict: op.check(Some(state), now_us),
         committed: false,
         fail_open: result.fail_open,
-        away: None,
+        away: result.away,
     }
 }
 

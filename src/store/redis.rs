@@ -1141,6 +1141,14 @@ fn write_back_script() -> &'static redis::Script {
 }
 
 impl RedisStore {
+    /// The connection local mode's calls go on: the one requests use on this thread (the
+    /// shared one elsewhere), so a probe finds the store answering exactly when a request
+    /// would.
+    fn probe_conn(self: &Arc<Self>) -> Result<Arc<Conn>, StoreError> {
+        self.request_conn()
+            .ok_or_else(|| StoreError::Unavailable("not connected".into()))
+    }
+
     /// The store's URL (as configured; redact before showing it).
     pub fn url(&self) -> &str {
         &self.config.url
@@ -1150,15 +1158,17 @@ impl RedisStore {
     ///
     /// # Errors
     /// Redis unreachable, too slow or failing.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.connection()?;
+    pub async fn ping(self: &Arc<Self>) -> Result<(), StoreError> {
+        let conn = self.probe_conn()?;
+        let mut call = (*conn).clone();
         let cmd = redis::cmd("PING");
-        match tokio::time::timeout(self.config.timeout, conn.query::<String>(&cmd)).await {
+        match tokio::time::timeout(self.config.timeout, call.query::<String>(&cmd)).await {
             Ok(Ok(_)) => {
                 self.health.ok(&self.config.url);
                 Ok(())
             }
             Ok(Err(e)) => {
+                self.note_error(&conn, &e);
                 let what = crate::telemetry::redact::text(&e.to_string()).into_owned();
                 self.failed(&what);
                 Err(StoreError::Unavailable(what))
@@ -1175,8 +1185,14 @@ impl RedisStore {
     ///
     /// # Errors
     /// Redis unreachable, too slow or failing.
-    pub async fn presence(&self, id: &str, now_us: u64, ttl: Duration) -> Result<u64, StoreError> {
-        let mut conn = self.connection()?;
+    pub async fn presence(
+        self: &Arc<Self>,
+        id: &str,
+        now_us: u64,
+        ttl: Duration,
+    ) -> Result<u64, StoreError> {
+        let shared = self.probe_conn()?;
+        let mut conn = (*shared).clone();
         let script = redis::Script::new(PRESENCE);
         let mut invocation = script.prepare_invoke();
         invocation
@@ -1192,9 +1208,10 @@ impl RedisStore {
         .await
         {
             Ok(Ok(n)) => Ok(n.max(1)),
-            Ok(Err(e)) => Err(StoreError::Unavailable(
-                crate::telemetry::redact::text(&e.to_string()).into_owned(),
-            )),
+            Ok(Err(e)) => Err({
+                self.note_error(&shared, &e);
+                StoreError::Unavailable(crate::telemetry::redact::text(&e.to_string()).into_owned())
+            }),
             Err(_) => Err(StoreError::Unavailable("timeout".into())),
         }
     }
@@ -1206,11 +1223,12 @@ impl RedisStore {
     /// Redis unreachable, too slow or failing: the batch is sent again later (charges already
     /// applied are then found marked).
     pub async fn write_back(
-        &self,
+        self: &Arc<Self>,
         now_us: u64,
         batch: &super::local::Batch,
     ) -> Result<super::local::WriteBackOutcome, StoreError> {
-        let conn = self.connection()?;
+        let shared = self.probe_conn()?;
+        let conn = (*shared).clone();
         {
             let mut cache = self.denied.lock();
             for charge in &batch.charges {
