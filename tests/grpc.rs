@@ -400,7 +400,8 @@ async fn malformed_calls_are_invalid_arguments() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_failures_fail_open_or_answer_unavailable() {
     let dead_store = format!("redis://127.0.0.1:{}", free_port());
-    let (gw, addr) = start(&["--store", &dead_store]);
+    // `open`: admitted uncounted while the store is away (local mode is tested in outage.rs).
+    let (gw, addr) = start(&["--store", &dead_store, "--on-store-error", "open"]);
     let mut c = client(addr).await;
     for _ in 0..5 {
         let r = ask(&mut c, call("edge", vec![ip("192.0.2.1")])).await;

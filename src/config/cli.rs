@@ -794,8 +794,9 @@ pub struct RunArgs {
         requires = "grpc_tls_cert"
     )]
     pub grpc_tls_key: Option<PathBuf>,
-    /// A store failure during a gRPC call: `allow` (fail open, counted, as everywhere else) or
-    /// `unavailable` (gRPC UNAVAILABLE, so Envoy's `failure_mode_deny` decides).
+    /// A shared store that does not answer during a gRPC call: `allow` (each rule's
+    /// `on_store_error` decides, counted, as everywhere else) or `unavailable` (gRPC
+    /// UNAVAILABLE, so Envoy's `failure_mode_deny` decides).
     #[arg(
         help_heading = "Listeners and upstreams",
         long,

@@ -36,8 +36,10 @@ pub enum RlsFailure {
 impl Gateway {
     /// Answers an Envoy `ShouldRateLimit` call ([`crate::engine::rls`]): every descriptor's buckets in
     /// one store call (after a peek when a descriptor only checks), one status per
-    /// descriptor, the merged decision counted, logged and turned into headers. A store failure
-    /// fails open (every descriptor OK, counted) unless `store_errors_fail_open` is false.
+    /// descriptor, the merged decision counted, logged and turned into headers. A store that
+    /// does not answer leaves each rule to its `on_store_error` (counted), unless
+    /// `store_errors_fail_open` is false: then the call is answered `UNAVAILABLE`, for Envoy's
+    /// own `failure_mode_deny` to decide.
     ///
     /// # Errors
     /// A malformed call, no policy loaded, or (when not failing open) a store failure.
@@ -82,7 +84,7 @@ impl Gateway {
                 Err(_) => Ran::Failed,
             }
         };
-        let store_failed = matches!(ran, Ran::Failed);
+        let call_failed = matches!(ran, Ran::Failed);
         let answer = match ran {
             Ran::Failed => StoreAnswer::Failed,
             Ran::PeekOnly => StoreAnswer::PeekOnly(&peek),
@@ -96,6 +98,8 @@ impl Gateway {
             },
         };
         let outcome = plan.finish(answer, now_us);
+        // Decided without the store (its call failed, or a rule's `on_store_error` decided).
+        let store_failed = call_failed || outcome.decision.store_error();
         if self.has_candidate() {
             self.candidate_rls(request, unix_us);
         }
