@@ -204,7 +204,7 @@ pub struct RuleOutcome<'b> {
     pub fail_open: bool,
     /// `Some` when the shared store did not answer and the rule's `on_store_error` decided
     /// instead (`Local`: from this gateway's share).
-    pub away: Option<crate::policy::OnStoreError>,
+    pub away: Option<crate::policy::rule::OnStoreError>,
     /// The stated cost is above `max_cost` or the burst: refused, and never admissible.
     pub cost_exceeds: bool,
     /// Micro-tokens left (after spending when committed, before otherwise).
@@ -300,7 +300,7 @@ pub struct SlotOutcome<'b> {
     /// admitted, the breaker closing).
     pub frees_in_us: u64,
     /// `Some` when the shared store did not answer and the rule's `on_store_error` decided.
-    pub away: Option<crate::policy::OnStoreError>,
+    pub away: Option<crate::policy::rule::OnStoreError>,
 }
 
 impl<'b> SlotOutcome<'b> {

@@ -86,7 +86,7 @@ pub struct LeaseOp {
     pub mark: bool,
     /// What the slot's rule does while a shared store is away (`None`: the gateway's
     /// default).
-    pub on_store_error: Option<crate::policy::OnStoreError>,
+    pub on_store_error: Option<super::ops::OnStoreError>,
 }
 
 /// The answer for one [`LeaseOp`].
@@ -103,7 +103,7 @@ pub struct LeaseResult {
     pub frees_in_us: u64,
     /// `Some` when a shared store did not answer and the slot was judged by its rule's
     /// `on_store_error` instead (see [`crate::store::OpResult::away`]).
-    pub away: Option<crate::policy::OnStoreError>,
+    pub away: Option<super::ops::OnStoreError>,
 }
 
 /// What a store read on one key before judging: live leases, and µs until the earliest of

@@ -3,7 +3,7 @@
 //! backend ([`super::memory`], [`super::redis`], [`super::postgres`]) speaks this vocabulary.
 
 use crate::limits::limiter::{check_window, BucketState, Quota, Verdict, Window};
-pub use crate::policy::OnStoreError;
+pub use crate::policy::rule::OnStoreError;
 use smallvec::SmallVec;
 
 /// A bucket's identity: the 128-bit xxHash3 of its full key (`tb:<rule>:<key>`). 128 bits make
