@@ -759,3 +759,65 @@ mod differential {
         }
     }
 }
+
+/// A store that does not answer, decided by each rule's `on_store_error`: a `closed` rule
+/// refuses with 503 `store_unavailable` (nothing spent on the others), an `open` one admits
+/// uncounted, a `local` one spends this gateway's share.
+#[test]
+fn on_store_error_decides_while_the_store_is_away() {
+    use crate::store::local::{LocalConfig, LocalMode};
+    let rule = |name: &str, header: &str, mode: &str| {
+        json!({"name": name, "limit_keys": [format!("header:{header}")], "on_store_error": mode,
+               "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 4}})
+    };
+    let (e, clock) = engine(json!({"rules": [
+        rule("strict", "x-strict", "closed"),
+        rule("loose", "x-loose", "open"),
+        rule("shared", "x-key", "local"),
+    ]}));
+    let local = LocalMode::new(LocalConfig {
+        default_mode: crate::policy::OnStoreError::Local,
+        max_buckets: 100,
+        gateway_id: "gw".into(),
+        journal: None,
+    });
+    local.set_gateways(2);
+    let bundle = e.bundle.get().unwrap();
+    let decide = |headers: &[(&str, &str)]| {
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let facts = RequestFacts::from_uri(
+            "GET",
+            "/",
+            Some("h"),
+            Some("10.0.0.1".parse().unwrap()),
+            &headers,
+        );
+        let Plan::Store(pending) = plan(bundle, &facts, clock.unix_us(), EngineConfig::default())
+        else {
+            panic!("the rules need the store");
+        };
+        let mut results = OpResults::new();
+        local.decide(clock.unix_us(), &pending.ops, &mut results);
+        finish(pending, Ok(&results))
+    };
+    let refused = decide(&[("x-strict", "a"), ("x-key", "k")]);
+    assert_eq!(refused.outcome(), Outcome::Reject(Reason::StoreUnavailable));
+    assert_eq!(Reason::StoreUnavailable.status(), 503);
+    assert_eq!(refused.retry_after(), 1);
+    assert!(refused.store_error());
+    // The local rule was not spent by the refused request: its share (2 of 4) is whole.
+    let shares: Vec<bool> = (0..3)
+        .map(|_| decide(&[("x-key", "k")]).is_allowed())
+        .collect();
+    assert_eq!(shares, [true, true, false]);
+    let open = decide(&[("x-loose", "b")]);
+    assert!(open.is_allowed());
+    assert!(open.rules()[0].fail_open);
+    assert_eq!(
+        open.rules()[0].away,
+        Some(crate::policy::OnStoreError::Open)
+    );
+}

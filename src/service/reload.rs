@@ -333,7 +333,7 @@ impl Gateway {
         match self.loaded.load().as_ref() {
             Some(p) => (
                 200,
-                serde_json::json!({
+                self.with_fleet_size(serde_json::json!({
                     "status": "ready",
                     // Written as a number when it is one (Fairvisor bundles may use any text).
                     "policy_version": p.version.parse::<u64>().map_or_else(
@@ -360,16 +360,15 @@ impl Gateway {
                     // A degraded store fails open; it does not make the gateway unready.
                     "store_status": if self.store.degraded() { "degraded" } else { "ok" },
                     "store_mode": self.store_mode_json(),
-                    "fleet_gateways": self.store.local().map(|l| l.gateways()),
-                })
+                }))
                 .to_string(),
             ),
             None => {
                 let mut body =
                     serde_json::json!({"status": "not_ready", "reason": "no_policy_loaded"});
-                if let Some(local) = self.store.local() {
+                if self.store.local().is_some() {
                     body["store_mode"] = self.store_mode_json();
-                    body["fleet_gateways"] = local.gateways().into();
+                    body = self.with_fleet_size(body);
                 }
                 let source = self.policy_source_json();
                 if !source.is_null() {
@@ -378,6 +377,14 @@ impl Gateway {
                 (503, body.to_string())
             }
         }
+    }
+
+    /// `body` with `fleet_gateways` (N) when the store is shared.
+    fn with_fleet_size(&self, mut body: serde_json::Value) -> serde_json::Value {
+        if let Some(local) = self.store.local() {
+            body["fleet_gateways"] = local.gateways().into();
+        }
+        body
     }
 
     /// `store_mode` in `/readyz`: `shared` (the store decides), `local` (this gateway decides

@@ -581,6 +581,13 @@ impl LocalMode {
         }
     }
 
+    /// Forgets this gateway's shares of `keys` (an operator reset them in the store).
+    pub fn forget(&self, keys: &[BucketKey]) {
+        for key in keys {
+            self.mirror.remove(key);
+        }
+    }
+
     /// Gives back slots taken locally (a no-op for slots the store holds).
     pub fn release(&self, id: u64, keys: &[BucketKey]) {
         self.mirror.leases().release(id, keys);

@@ -642,10 +642,16 @@ impl Store {
                 Ok(m.leases().forget(leases) > 0 || found)
             }
             Backend::Redis(s) => {
+                if let Some(local) = &self.local {
+                    local.forget(buckets);
+                }
                 let all: Vec<BucketKey> = buckets.iter().chain(leases).copied().collect();
                 Ok(s.forget(&all).await? > 0)
             }
             Backend::Postgres(s) => {
+                if let Some(local) = &self.local {
+                    local.forget(buckets);
+                }
                 let all: Vec<BucketKey> = buckets.iter().chain(leases).copied().collect();
                 Ok(s.forget(&all).await? > 0)
             }
