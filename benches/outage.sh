@@ -35,6 +35,7 @@ class H(http.server.BaseHTTPRequestHandler):
         self.send_response(200); self.send_header("Content-Length", "3"); self.end_headers(); self.wfile.write(b"ok\n")
     def log_message(self, *a): pass
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()' $UP &
+until curl -s -o /dev/null 127.0.0.1:$UP/; do sleep 0.1; done
 
 cat > "$WORK/policy.json" <<'JSON'
 {"rules": [{"name": "per-key", "limit_keys": ["header:x-api-key"],
