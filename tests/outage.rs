@@ -284,3 +284,51 @@ fn local_spend_survives_a_restart_and_is_charged_once() {
             .is_ok_and(|j| j.contains("\"open\":[]") && j.contains("\"sending\":null"))
     });
 }
+
+/// A Redis that restarts empty learns what the gateways spent while it was away: a budget and
+/// a token bucket spent locally are charged to the new, empty server (the budget's window row
+/// made again), so neither starts full.
+#[test]
+fn a_redis_restarted_empty_learns_the_spend_made_while_it_was_away() {
+    let mut redis = RedisServer::start();
+    let port = redis.port;
+    let upstream = Upstream::start();
+    let policy = r#"{"rules": [
+        {"name": "daily", "limit_keys": ["header:x-api-key"], "algorithm": "cost_based",
+         "algorithm_config": {"budget": 20, "period": "1d",
+           "staged_actions": [{"threshold_percent": 100, "action": "reject"}]}},
+        {"name": "per-key", "limit_keys": ["header:x-api-key"], "algorithm": "token_bucket",
+         "algorithm_config": {"rps": 0.001, "burst": 30}}]}"#;
+    let store = format!("--store={}", redis.url());
+    let gw = Gateway::start(
+        Some(policy),
+        Some(upstream.addr),
+        &[store.as_str(), "--store-timeout-ms", "50"],
+    );
+    gw.wait_until(Duration::from_secs(20), || {
+        readyz(&gw)["fleet_gateways"] == 1 && readyz(&gw)["store_status"] == "ok"
+    });
+    redis.kill();
+    for _ in 0..5 {
+        assert_eq!(status(&gw, "tenant"), 200);
+    }
+    assert_eq!(readyz(&gw)["store_mode"], "local");
+    let _empty = RedisServer::start_on(port);
+    gw.wait_until(Duration::from_secs(20), || {
+        readyz(&gw)["store_mode"] == "shared"
+    });
+    assert_eq!(
+        gw.metric("tollgate_store_writebacks_total{outcome=\"applied\"}"),
+        2.0,
+        "one charge per bucket"
+    );
+    // The store decides: 20 - 5 - 1 left of the budget (the lowest of the two rules).
+    let r = gw.get("/", &[("X-Api-Key", "tenant")]);
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("RateLimit-Remaining"),
+        Some("14"),
+        "{}",
+        gw.log_text()
+    );
+}

@@ -40,6 +40,10 @@ pub const JOURNAL_FILE: &str = "writeback.json";
 /// away.
 pub const CLOSED_RETRY_SECS: u64 = 1;
 
+/// Write-backs in a row that may fail, on a store that takes this gateway's presence, before
+/// the store decides again anyway (the charges stay in the journal and are sent again).
+pub const WRITE_BACK_TRIES: u32 = 5;
+
 /// First and longest wait between two tries at reaching the store again (doubling, with full
 /// jitter: a fleet that lost its store together does not come back in step).
 const PROBE_FIRST_US: u64 = 100_000;
@@ -103,11 +107,17 @@ struct JournalFile {
     sending: Option<Batch>,
     /// Spend not yet in a batch.
     open: Vec<Charge>,
+    /// N when last written: a gateway restarted while the store is away starts from it, not
+    /// from a whole limit of its own.
+    #[serde(default)]
+    gateways: u64,
 }
 
 #[derive(Default)]
 struct Journal {
     sending: Option<Batch>,
+    /// N, as last written.
+    gateways: u64,
     open: HashMap<(u128, u64), Charge>,
     /// Changed since last written to its file.
     dirty: bool,
@@ -146,7 +156,15 @@ pub struct LocalMode {
     failed_probes: AtomicU32,
     /// When local mode's ERROR line was last written (µs, 0: never).
     last_error_log_us: AtomicU64,
+    /// This stretch of local mode was logged at error level (so its end is logged too).
+    episode_logged: AtomicBool,
+    /// When local mode last ended (µs, 0: never).
+    last_leave_us: AtomicU64,
+    /// Write-backs in a row that failed while the store took this gateway's presence.
+    write_back_failures: AtomicU32,
     journal: Mutex<Journal>,
+    /// Held while the journal's file is written.
+    writing: Mutex<()>,
     pub counters: LocalCounters,
 }
 
@@ -230,6 +248,7 @@ impl LocalMode {
                             );
                         }
                         journal.sending = file.sending;
+                        journal.gateways = file.gateways;
                         for charge in file.open {
                             journal.open.insert(
                                 (
@@ -252,16 +271,21 @@ impl LocalMode {
                 ),
             }
         }
+        let gateways = journal.gateways.max(1);
         LocalMode {
             config,
             mirror,
-            gateways: AtomicU64::new(1),
+            gateways: AtomicU64::new(gateways),
             local: AtomicBool::new(false),
             since_us: AtomicU64::new(0),
             next_probe_us: AtomicU64::new(0),
             failed_probes: AtomicU32::new(0),
             last_error_log_us: AtomicU64::new(0),
+            episode_logged: AtomicBool::new(false),
+            last_leave_us: AtomicU64::new(0),
+            write_back_failures: AtomicU32::new(0),
             journal: Mutex::new(journal),
+            writing: Mutex::new(()),
             counters: LocalCounters::default(),
         }
     }
@@ -277,7 +301,12 @@ impl LocalMode {
 
     /// Sets N (read from the store's presence set).
     pub fn set_gateways(&self, n: u64) {
-        self.gateways.store(n.max(1), Ordering::Relaxed);
+        let n = n.max(1);
+        if self.gateways.swap(n, Ordering::Relaxed) != n && self.config.journal.is_some() {
+            let mut journal = self.journal.lock();
+            journal.gateways = n;
+            journal.dirty = true;
+        }
     }
 
     /// Whether requests are decided locally now.
@@ -304,7 +333,12 @@ impl LocalMode {
             return false;
         }
         self.since_us.store(now_us.max(1), Ordering::Relaxed);
-        self.failed_probes.store(0, Ordering::Relaxed);
+        // Back within 10 s of leaving (a store that flaps): the tries keep their backoff.
+        let left = self.last_leave_us.load(Ordering::Relaxed);
+        if left == 0 || now_us.saturating_sub(left) >= 10 * limiter::US_PER_SEC {
+            self.failed_probes.store(0, Ordering::Relaxed);
+        }
+        self.write_back_failures.store(0, Ordering::Relaxed);
         self.next_probe_us
             .store(now_us.saturating_add(PROBE_FIRST_US), Ordering::Relaxed);
         // A store that answers a ping but refuses writes (full) could flap: one ERROR line
@@ -312,10 +346,12 @@ impl LocalMode {
         let last = self.last_error_log_us.load(Ordering::Relaxed);
         if last != 0 && now_us.saturating_sub(last) < 10 * limiter::US_PER_SEC {
             tracing::debug!("shared store not answering again: local mode");
+            self.episode_logged.store(false, Ordering::Relaxed);
             return true;
         }
         self.last_error_log_us
             .store(now_us.max(1), Ordering::Relaxed);
+        self.episode_logged.store(true, Ordering::Relaxed);
         tracing::error!(
             store = %crate::telemetry::redact::url(store),
             gateways = self.gateways(),
@@ -333,7 +369,12 @@ impl LocalMode {
             return;
         }
         let since = self.since_us.swap(0, Ordering::Relaxed);
+        self.last_leave_us.store(now_us.max(1), Ordering::Relaxed);
         let lasted_ms = now_us.saturating_sub(since) / 1000;
+        if !self.episode_logged.swap(false, Ordering::Relaxed) {
+            tracing::debug!(lasted_ms, "shared store answering again: local mode ended");
+            return;
+        }
         tracing::info!(
             store = %crate::telemetry::redact::url(store),
             lasted_ms,
@@ -368,6 +409,12 @@ impl LocalMode {
         self.failed_probes.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A write-back failed while the store answered otherwise; true once that has happened
+    /// [`WRITE_BACK_TRIES`] times in a row (the store then decides again, the charges kept).
+    pub fn write_back_stuck(&self) -> bool {
+        self.write_back_failures.fetch_add(1, Ordering::Relaxed) + 1 >= WRITE_BACK_TRIES
+    }
+
     /// Records what the store just answered (the healthy path): each bucket's share of its
     /// state, where local mode would start from.
     pub fn remember(&self, now_us: u64, ops: &[BucketOp], results: &OpResults) {
@@ -394,6 +441,24 @@ impl LocalMode {
                 continue;
             }
             let delta = now_share as i64 - target as i64;
+            if let (Some(window), true) = (op.window, delta > 0) {
+                if stored.filter(|s| s.last_us == window.id).is_none() {
+                    // No entry of this window to settle: spend the difference from a full
+                    // share, which makes one.
+                    let mut spent = OpResults::new();
+                    let _ = self.mirror.apply(
+                        now_us,
+                        &[BucketOp {
+                            quota: share,
+                            cost: delta as u64,
+                            group: Group::Enforce,
+                            ..*op
+                        }],
+                        &mut spent,
+                    );
+                    continue;
+                }
+            }
             self.mirror.adjust(
                 now_us,
                 &[AdjustOp {
@@ -525,6 +590,12 @@ impl LocalMode {
             }
             None => {
                 journal.dropped = journal.dropped.saturating_add(1);
+                if journal.dropped.is_power_of_two() {
+                    tracing::warn!(
+                        dropped = journal.dropped,
+                        "write-back journal full (--local-max-buckets): spend on further buckets is not charged to the store"
+                    );
+                }
                 return;
             }
         }
@@ -586,6 +657,14 @@ impl LocalMode {
         for key in keys {
             self.mirror.remove(key);
         }
+        let mut journal = self.journal.lock();
+        let before = journal.open.len();
+        journal
+            .open
+            .retain(|(k, _), _| !keys.iter().any(|key| key128(key) == *k));
+        if journal.open.len() != before {
+            journal.dirty = true;
+        }
     }
 
     /// Gives back slots taken locally (a no-op for slots the store holds).
@@ -597,22 +676,25 @@ impl LocalMode {
     /// new id (written to the journal's file first, so a crash mid-send sends it again under
     /// the same id). `None`: nothing to charge.
     pub fn batch_to_send(&self, now_us: u64) -> Option<Batch> {
-        let mut journal = self.journal.lock();
-        if journal.sending.is_none() && !journal.open.is_empty() {
-            let charges: Vec<Charge> = journal.open.drain().map(|(_, c)| c).collect();
-            journal.sending = Some(Batch {
-                id: format!("{}:{now_us}", self.config.gateway_id),
-                charges,
-            });
-            journal.dirty = true;
-        }
-        let batch = journal.sending.clone();
-        self.write_journal(&mut journal);
+        let (batch, snapshot) = {
+            let mut journal = self.journal.lock();
+            if journal.sending.is_none() && !journal.open.is_empty() {
+                let charges: Vec<Charge> = journal.open.drain().map(|(_, c)| c).collect();
+                journal.sending = Some(Batch {
+                    id: format!("{}:{now_us}", self.config.gateway_id),
+                    charges,
+                });
+                journal.dirty = true;
+            }
+            (journal.sending.clone(), self.snapshot(&mut journal))
+        };
+        self.write_snapshot(snapshot);
         batch
     }
 
     /// The store confirmed batch `id`.
     pub fn batch_sent(&self, id: &str, outcome: WriteBackOutcome) {
+        self.write_back_failures.store(0, Ordering::Relaxed);
         let mut journal = self.journal.lock();
         if journal.sending.as_ref().is_some_and(|b| b.id == id) {
             journal.sending = None;
@@ -624,7 +706,9 @@ impl LocalMode {
         self.counters
             .write_backs_duplicate
             .fetch_add(outcome.duplicate, Ordering::Relaxed);
-        self.write_journal(&mut journal);
+        let snapshot = self.snapshot(&mut journal);
+        drop(journal);
+        self.write_snapshot(snapshot);
     }
 
     /// Sending a batch failed (it is sent again later).
@@ -643,37 +727,47 @@ impl LocalMode {
     /// Writes the journal to its file if it changed (the presence tick, and around every
     /// batch): a crash loses at most the spend of one tick.
     pub fn persist(&self) {
-        let mut journal = self.journal.lock();
-        self.write_journal(&mut journal);
+        let snapshot = self.snapshot(&mut self.journal.lock());
+        self.write_snapshot(snapshot);
     }
 
-    fn write_journal(&self, journal: &mut Journal) {
-        let Some(path) = &self.config.journal else {
-            return;
-        };
+    /// The journal's file contents if it changed since last written (taken under its lock;
+    /// written outside it, so local decisions never wait on the disk).
+    fn snapshot(&self, journal: &mut Journal) -> Option<Vec<u8>> {
+        self.config.journal.as_ref()?;
         if !journal.dirty {
-            return;
+            return None;
         }
+        journal.dirty = false;
         let file = JournalFile {
             sending: journal.sending.clone(),
             open: journal.open.values().copied().collect(),
+            gateways: journal.gateways,
         };
-        let written = serde_json::to_vec(&file)
-            .map_err(std::io::Error::other)
-            .and_then(|bytes| {
-                if let Some(dir) = path.parent() {
-                    std::fs::create_dir_all(dir)?;
-                }
-                let tmp = path.with_extension("json.tmp");
-                std::fs::write(&tmp, bytes)?;
-                std::fs::rename(&tmp, path)
-            });
-        match written {
-            Ok(()) => journal.dirty = false,
-            Err(e) => tracing::error!(
+        serde_json::to_vec(&file).ok()
+    }
+
+    fn write_snapshot(&self, snapshot: Option<Vec<u8>>) {
+        let (Some(path), Some(bytes)) = (&self.config.journal, snapshot) else {
+            return;
+        };
+        // One writer at a time.
+        let _writing = self.writing.lock();
+        let written = (|| {
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            let tmp = path.with_extension("json.tmp");
+            std::fs::write(&tmp, bytes)?;
+            std::fs::rename(&tmp, path)
+        })();
+        if let Err(e) = written {
+            // Written again at the next change or tick.
+            self.journal.lock().dirty = true;
+            tracing::error!(
                 file = %path.display(),
                 "write-back journal not written (a restart now would forget local spend): {e}"
-            ),
+            );
         }
     }
 

@@ -246,8 +246,11 @@ impl Store {
         }
     }
 
-    /// In local mode: whether the store is reached again now (a due try at it, one caller
-    /// at a time, sends what was spent locally first). Out of local mode: true.
+    /// In local mode: whether the store decides again now. A due try (one caller at a time,
+    /// bounded by the store timeout) renews this gateway's presence, a real write: a store that
+    /// answers a ping but refuses writes is still away. When it answers and nothing spent
+    /// locally waits to be charged, the store decides again at once; otherwise the presence
+    /// tick writes the spend back first ([`Store::heartbeat`]), off the request path.
     async fn reached_again(&self, local: &local::LocalMode, now_us: u64) -> bool {
         if !local.is_local() {
             return true;
@@ -255,10 +258,18 @@ impl Store {
         if !local.probe_due(now_us) {
             return false;
         }
-        match self.write_back(local).await {
-            Ok(outcome) => {
-                local.leave(self.clock.unix_us(), self.url(), outcome);
-                true
+        match self.presence(local, now_us, self.timeout()).await {
+            Ok(n) => {
+                local.set_gateways(n);
+                if local.pending_charges() == 0 {
+                    local.leave(
+                        self.clock.unix_us(),
+                        self.url(),
+                        local::WriteBackOutcome::default(),
+                    );
+                    return true;
+                }
+                false
             }
             Err(_) => {
                 local.probe_failed();
@@ -267,20 +278,41 @@ impl Store {
         }
     }
 
-    /// Charges the store what was spent locally (the journal's batch), each charge at most
+    /// The deadline of one decision's call to a shared store.
+    fn timeout(&self) -> Duration {
+        match &self.backend {
+            Backend::Memory(_) => Duration::ZERO,
+            Backend::Redis(s) => s.timeout(),
+            Backend::Postgres(s) => s.timeout(),
+        }
+    }
+
+    /// Renews this gateway's presence (within `timeout`) and returns N.
+    async fn presence(
+        &self,
+        local: &local::LocalMode,
+        now_us: u64,
+        timeout: Duration,
+    ) -> Result<u64, StoreError> {
+        let id = &local.config().gateway_id;
+        match &self.backend {
+            Backend::Memory(_) => Ok(1),
+            Backend::Redis(s) => s.presence(id, now_us, local::PRESENCE_TTL, timeout).await,
+            Backend::Postgres(s) => s.presence(id, now_us, local::PRESENCE_TTL, timeout).await,
+        }
+    }
+
+    /// Charges the store what was spent locally (the journal's batches), each charge at most
     /// once.
     ///
     /// # Errors
-    /// The store did not confirm the batch; it stays in the journal.
+    /// The store did not confirm a batch; it stays in the journal.
     async fn write_back(
         &self,
         local: &local::LocalMode,
     ) -> Result<local::WriteBackOutcome, StoreError> {
-        // One round trip first: a store still away costs one deadline, not a batch's.
-        self.ping().await?;
         let mut total = local::WriteBackOutcome::default();
-        // A batch frozen by an earlier failed try, then what was spent since: both before the
-        // store decides again.
+        // A batch frozen by an earlier failed try, then what was spent since.
         for _ in 0..4 {
             let now_us = self.now_us();
             let Some(batch) = local.batch_to_send(now_us) else {
@@ -306,47 +338,54 @@ impl Store {
         Ok(total)
     }
 
-    /// One round trip to a shared store.
-    async fn ping(&self) -> Result<(), StoreError> {
-        match &self.backend {
-            Backend::Memory(_) => Ok(()),
-            Backend::Redis(s) => s.ping().await,
-            Backend::Postgres(s) => s.ping().await,
-        }
-    }
-
-    /// Renews this gateway's presence in a shared store and reads N, the gateways alive (every
-    /// [`local::PRESENCE_EVERY`]); in local mode, tries the store again; writes the write-back
-    /// journal. A store that does not answer starts local mode.
+    /// Every [`local::PRESENCE_EVERY`], off the request path: renews this gateway's presence
+    /// in a shared store and reads N, the gateways present; charges the store what was spent
+    /// locally once it answers (and then, in local mode, lets it decide again); writes the
+    /// write-back journal.
     pub async fn heartbeat(&self) {
         let Some(local) = &self.local else {
             return;
         };
-        let now_us = self.now_us();
-        if local.is_local() {
-            let _ = self.reached_again(local, now_us).await;
-        } else if local.pending_charges() > 0 && self.connected() {
-            // Spend a previous run journaled (or a batch whose answer was lost).
-            let _ = self.write_back(local).await;
+        if matches!(self.backend, Backend::Memory(_)) {
+            return;
         }
-        let answer = match &self.backend {
-            Backend::Memory(_) => return,
-            Backend::Redis(s) => {
-                s.presence(&local.config().gateway_id, now_us, local::PRESENCE_TTL)
-                    .await
+        let now_us = self.now_us();
+        // A tick is not a request: a slow answer here does not start local mode (requests
+        // find out for themselves), so it may take longer than a decision's deadline.
+        let timeout = self.timeout().max(Duration::from_millis(100));
+        match self.presence(local, now_us, timeout).await {
+            Ok(n) => {
+                local.set_gateways(n);
+                if local.pending_charges() > 0 {
+                    match self.write_back(local).await {
+                        Ok(outcome) => local.leave(self.clock.unix_us(), self.url(), outcome),
+                        // A store that takes the presence but keeps refusing the charges
+                        // decides again after a few ticks; the charges are sent again.
+                        Err(e) if local.write_back_stuck() => {
+                            tracing::error!(
+                                store = %crate::telemetry::redact::url(self.url()),
+                                pending = local.pending_charges(),
+                                "write-back keeps failing ({}): the store decides again, the local spend stays in the journal and is sent again",
+                                crate::telemetry::redact::text(&e.to_string())
+                            );
+                            local.leave(
+                                self.clock.unix_us(),
+                                self.url(),
+                                local::WriteBackOutcome::default(),
+                            );
+                        }
+                        Err(_) => {}
+                    }
+                } else {
+                    local.leave(
+                        self.clock.unix_us(),
+                        self.url(),
+                        local::WriteBackOutcome::default(),
+                    );
+                }
             }
-            Backend::Postgres(s) => {
-                s.presence(&local.config().gateway_id, now_us, local::PRESENCE_TTL)
-                    .await
-            }
-        };
-        match answer {
-            Ok(n) => local.set_gateways(n),
-            // Never connected yet (starting): requests find out for themselves.
             Err(_) if !self.connected() => self.connect_in_background(),
-            Err(e) => {
-                local.enter(self.clock.unix_us(), self.url(), &e.to_string());
-            }
+            Err(_) => {}
         }
         local.persist();
     }

@@ -246,6 +246,18 @@ BEGIN
     IF NOT FOUND THEN
         RETURN 0;
     END IF;
+    -- A budget's row of the charged window, full, where the store lost it (or holds an older
+    -- window): the charge then spends it. Kept for 32 days (a month's window at most).
+    FOR i IN 1..coalesce(array_length(keys, 1), 0) LOOP
+        IF wins[i] > 0 THEN
+            INSERT INTO tollgate_buckets (key, tokens, last_us, full_at_us)
+                VALUES (keys[i], bursts[i], wins[i], now_us + 2764800000000)
+                ON CONFLICT (key) DO UPDATE
+                    SET tokens = EXCLUDED.tokens, last_us = EXCLUDED.last_us,
+                        full_at_us = greatest(tollgate_buckets.full_at_us, EXCLUDED.full_at_us)
+                    WHERE tollgate_buckets.last_us < EXCLUDED.last_us;
+        END IF;
+    END LOOP;
     PERFORM tollgate_settle(keys, bursts, nums, dens, deltas, wins, now_us);
     RETURN 1;
 END $$;
@@ -837,23 +849,9 @@ impl PostgresStore {
         &self.url
     }
 
-    /// One round trip, within the store timeout.
-    ///
-    /// # Errors
-    /// PostgreSQL unreachable, too slow or failing.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        let Some(client) = self.client.load_full() else {
-            self.health.failed(&redact(&self.url), "not connected");
-            return Err(StoreError::Unavailable("not connected".into()));
-        };
-        let call = async {
-            client
-                .client
-                .query_one("SELECT 1", &[])
-                .await
-                .map(|_| vec![1])
-        };
-        self.answer(call, 1).await.map(|_| ())
+    /// The deadline of one decision's call.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Renews gateway `id`'s presence until `now + ttl` and returns how many gateways are
@@ -861,7 +859,13 @@ impl PostgresStore {
     ///
     /// # Errors
     /// PostgreSQL unreachable, too slow or failing.
-    pub async fn presence(&self, id: &str, now_us: u64, ttl: Duration) -> Result<u64, StoreError> {
+    pub async fn presence(
+        &self,
+        id: &str,
+        now_us: u64,
+        ttl: Duration,
+        timeout: Duration,
+    ) -> Result<u64, StoreError> {
         let Some(client) = self.client.load_full() else {
             return Err(StoreError::Unavailable("not connected".into()));
         };
@@ -877,7 +881,7 @@ impl PostgresStore {
                 .await
                 .map(|row| row.get::<_, i64>(0))
         };
-        match tokio::time::timeout(self.timeout.max(Duration::from_millis(100)), call).await {
+        match tokio::time::timeout(timeout, call).await {
             Ok(Ok(n)) => Ok(n.max(1) as u64),
             Ok(Err(e)) => Err(StoreError::Unavailable(redact(&e.to_string()))),
             Err(_) => Err(StoreError::Unavailable("timeout".into())),

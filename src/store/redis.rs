@@ -1123,17 +1123,31 @@ redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return redis.call('ZCARD', KEYS[1])
 "#;
 
+/// How long a budget's row made by a write-back lives (a month's window at most; a row of an
+/// ended window reads as full, so longer only costs memory).
+const BUDGET_ROW_TTL_MS: u64 = 32 * 86_400 * 1000;
+
 /// The presence set's key (one slot of its own on a cluster).
 const PRESENCE_KEY: &str = "tollgate:{presence}:gateways";
 
 /// A write-back charge applied at most once: KEYS[1] is the batch's mark beside the bucket
 /// (same hash slot), KEYS[2] the bucket; ARGV[1] the mark's TTL (ms), then [`ADJUST`]'s
-/// arguments for one key. Returns 1 when charged, 0 when the mark was already there.
+/// arguments for one key, then the TTL (ms) of a budget's row made for the charge: a store
+/// that lost the window's row (restarted empty) gets it back, full less the charge. Returns 1
+/// when charged, 0 when the mark was already there.
 fn write_back_script() -> &'static redis::Script {
     static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
     SCRIPT.get_or_init(|| {
         redis::Script::new(&format!(
             "if not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return 0 end\n\
+             local win = tonumber(ARGV[7])\n\
+             if win > 0 then\n\
+               local l = redis.call('HGET', KEYS[2], 'l')\n\
+               if not l or tonumber(l) < win then\n\
+                 redis.call('HSET', KEYS[2], 't', ARGV[3], 'l', win)\n\
+                 redis.call('PEXPIRE', KEYS[2], ARGV[8])\n\
+               end\n\
+             end\n\
              local KEYS = {{KEYS[2]}}\n\
              local ARGV = {{ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]}}\n{ADJUST}"
         ))
@@ -1154,30 +1168,9 @@ impl RedisStore {
         &self.config.url
     }
 
-    /// One `PING`, within the store timeout.
-    ///
-    /// # Errors
-    /// Redis unreachable, too slow or failing.
-    pub async fn ping(self: &Arc<Self>) -> Result<(), StoreError> {
-        let conn = self.probe_conn()?;
-        let mut call = (*conn).clone();
-        let cmd = redis::cmd("PING");
-        match tokio::time::timeout(self.config.timeout, call.query::<String>(&cmd)).await {
-            Ok(Ok(_)) => {
-                self.health.ok(&self.config.url);
-                Ok(())
-            }
-            Ok(Err(e)) => {
-                self.note_error(&conn, &e);
-                let what = crate::telemetry::redact::text(&e.to_string()).into_owned();
-                self.failed(&what);
-                Err(StoreError::Unavailable(what))
-            }
-            Err(_) => {
-                self.failed(&format!("no answer within {:?}", self.config.timeout));
-                Err(StoreError::Unavailable("timeout".into()))
-            }
-        }
+    /// The deadline of one decision's call.
+    pub fn timeout(&self) -> Duration {
+        self.config.timeout
     }
 
     /// Renews gateway `id`'s presence until `now + ttl` and returns how many gateways are
@@ -1190,6 +1183,7 @@ impl RedisStore {
         id: &str,
         now_us: u64,
         ttl: Duration,
+        timeout: Duration,
     ) -> Result<u64, StoreError> {
         let shared = self.probe_conn()?;
         let mut conn = (*shared).clone();
@@ -1201,12 +1195,7 @@ impl RedisStore {
             .arg(now_us.saturating_add(ttl.as_micros() as u64))
             .arg(now_us)
             .arg(ttl.as_millis() as u64 * 4);
-        match tokio::time::timeout(
-            self.config.timeout.max(Duration::from_millis(100)),
-            conn.invoke::<u64>(&invocation),
-        )
-        .await
-        {
+        match tokio::time::timeout(timeout, conn.invoke::<u64>(&invocation)).await {
             Ok(Ok(n)) => Ok(n.max(1)),
             Ok(Err(e)) => Err({
                 self.note_error(&shared, &e);
@@ -1253,7 +1242,8 @@ impl RedisStore {
                     .arg(num)
                     .arg(den)
                     .arg(op.delta)
-                    .arg(op.window_id.unwrap_or(0));
+                    .arg(op.window_id.unwrap_or(0))
+                    .arg(BUDGET_ROW_TTL_MS);
                 let mut conn = conn.clone();
                 Some(async move { conn.invoke::<i64>(&invocation).await })
             });

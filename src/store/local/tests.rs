@@ -200,3 +200,48 @@ fn entering_and_leaving_local_mode_is_reported_once() {
     assert!(!local.is_local());
     assert_eq!(local.local_since_us(), None);
 }
+
+/// A budget (a window, no refill) the store says is 12 spent of 20 gives each of two gateways
+/// 4 for the rest of the window, even when the mirror had no entry of that window yet.
+#[test]
+fn a_budget_starts_from_its_share_of_what_is_left_in_its_window() {
+    use crate::limits::limiter::Window;
+    let local = LocalMode::new(config(None));
+    local.set_gateways(2);
+    let o = BucketOp {
+        window: Some(Window {
+            id: 1_800_000_000,
+            ends_in_us: 3_600 * US_PER_SEC,
+        }),
+        ..op("budget", None)
+    };
+    let answered: OpResults = smallvec::smallvec![OpResult {
+        verdict: Verdict {
+            allowed: true,
+            available: 9 * MICRO,
+            remaining: 8 * MICRO,
+            next: BucketState {
+                tokens: 8 * MICRO,
+                last_us: 1_800_000_000,
+            },
+            retry_after_secs: 0,
+            full_in_us: 0,
+        },
+        committed: true,
+        fail_open: false,
+        away: None,
+    }];
+    local.remember(T0, &[o], &answered);
+    assert_eq!(admitted(&local, &o, T0 + 10 * US_PER_SEC, 10), 4);
+}
+
+#[test]
+fn n_is_kept_in_the_journal_for_a_restart_during_an_outage() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(JOURNAL_FILE);
+    let local = LocalMode::new(config(Some(path.clone())));
+    local.set_gateways(3);
+    local.persist();
+    drop(local);
+    assert_eq!(LocalMode::new(config(Some(path))).gateways(), 3);
+}
