@@ -258,7 +258,7 @@ impl Store {
         if !local.probe_due(now_us) {
             return false;
         }
-        match self.presence(local, now_us, self.timeout()).await {
+        match self.presence(local, now_us, self.timeout(), false).await {
             Ok(n) => {
                 local.set_gateways(n);
                 if local.pending_charges() == 0 {
@@ -271,7 +271,8 @@ impl Store {
                 }
                 false
             }
-            Err(_) => {
+            Err(e) => {
+                tracing::debug!("shared store still away: {e}");
                 local.probe_failed();
                 false
             }
@@ -287,18 +288,21 @@ impl Store {
         }
     }
 
-    /// Renews this gateway's presence (within `timeout`) and returns N.
+    /// Renews this gateway's presence (within `timeout`) and returns N; `tick`: from the
+    /// presence tick (on its own connection), not a request.
     async fn presence(
         &self,
         local: &local::LocalMode,
         now_us: u64,
         timeout: Duration,
+        tick: bool,
     ) -> Result<u64, StoreError> {
         let id = &local.config().gateway_id;
+        let ttl = local::PRESENCE_TTL;
         match &self.backend {
             Backend::Memory(_) => Ok(1),
-            Backend::Redis(s) => s.presence(id, now_us, local::PRESENCE_TTL, timeout).await,
-            Backend::Postgres(s) => s.presence(id, now_us, local::PRESENCE_TTL, timeout).await,
+            Backend::Redis(s) => s.presence(id, now_us, ttl, timeout, tick).await,
+            Backend::Postgres(s) => s.presence(id, now_us, ttl, timeout, tick).await,
         }
     }
 
@@ -353,7 +357,7 @@ impl Store {
         // A tick is not a request: a slow answer here does not start local mode (requests
         // find out for themselves), so it may take longer than a decision's deadline.
         let timeout = self.timeout().max(Duration::from_millis(100));
-        match self.presence(local, now_us, timeout).await {
+        match self.presence(local, now_us, timeout, true).await {
             Ok(n) => {
                 local.set_gateways(n);
                 if local.pending_charges() > 0 {
@@ -385,7 +389,7 @@ impl Store {
                 }
             }
             Err(_) if !self.connected() => self.connect_in_background(),
-            Err(_) => {}
+            Err(e) => tracing::debug!("presence not renewed: {e}"),
         }
         local.persist();
     }

@@ -865,6 +865,7 @@ impl PostgresStore {
         now_us: u64,
         ttl: Duration,
         timeout: Duration,
+        _tick: bool,
     ) -> Result<u64, StoreError> {
         let Some(client) = self.client.load_full() else {
             return Err(StoreError::Unavailable("not connected".into()));

@@ -435,6 +435,10 @@ pub struct RedisStore {
     origin: std::time::Instant,
     /// This store's identity among the thread's own connections ([`super::shared::thread_conn`]).
     id: u64,
+    /// The presence tick's own connection (local mode's write-back goes on it), made on the
+    /// tick's runtime and dropped after a failed call: a connection a replaced cluster node
+    /// left stuck is not kept.
+    maintenance: Mutex<Option<Conn>>,
 }
 
 /// `time_offset_us` before the first measurement.
@@ -514,6 +518,7 @@ impl RedisStore {
             time_offset_us: AtomicI64::new(TIME_UNKNOWN),
             origin: std::time::Instant::now(),
             id: super::shared::next_store_id(),
+            maintenance: Mutex::new(None),
         }))
     }
 
@@ -1163,6 +1168,24 @@ impl RedisStore {
             .ok_or_else(|| StoreError::Unavailable("not connected".into()))
     }
 
+    /// The presence tick's connection: kept while it works, made again (within a second)
+    /// after a failed call.
+    async fn maintenance_conn(self: &Arc<Self>) -> Result<Conn, StoreError> {
+        if let Some(conn) = self.maintenance.lock().clone() {
+            return Ok(conn);
+        }
+        match tokio::time::timeout(Duration::from_secs(1), self.connect()).await {
+            Ok(Ok(conn)) => {
+                *self.maintenance.lock() = Some(conn.clone());
+                Ok(conn)
+            }
+            Ok(Err(e)) => Err(StoreError::Unavailable(
+                crate::telemetry::redact::text(&e.to_string()).into_owned(),
+            )),
+            Err(_) => Err(StoreError::Unavailable("connecting: timeout".into())),
+        }
+    }
+
     /// The store's URL (as configured; redact before showing it).
     pub fn url(&self) -> &str {
         &self.config.url
@@ -1184,8 +1207,12 @@ impl RedisStore {
         now_us: u64,
         ttl: Duration,
         timeout: Duration,
+        maintenance: bool,
     ) -> Result<u64, StoreError> {
-        let shared = self.probe_conn()?;
+        let shared = match maintenance {
+            true => Arc::new(self.maintenance_conn().await?),
+            false => self.probe_conn()?,
+        };
         let mut conn = (*shared).clone();
         let script = redis::Script::new(PRESENCE);
         let mut invocation = script.prepare_invoke();
@@ -1195,7 +1222,11 @@ impl RedisStore {
             .arg(now_us.saturating_add(ttl.as_micros() as u64))
             .arg(now_us)
             .arg(ttl.as_millis() as u64 * 4);
-        match tokio::time::timeout(timeout, conn.invoke::<u64>(&invocation)).await {
+        let answer = tokio::time::timeout(timeout, conn.invoke::<u64>(&invocation)).await;
+        if maintenance && !matches!(answer, Ok(Ok(_))) {
+            *self.maintenance.lock() = None;
+        }
+        match answer {
             Ok(Ok(n)) => Ok(n.max(1)),
             Ok(Err(e)) => Err({
                 self.note_error(&shared, &e);
@@ -1216,8 +1247,7 @@ impl RedisStore {
         now_us: u64,
         batch: &super::local::Batch,
     ) -> Result<super::local::WriteBackOutcome, StoreError> {
-        let shared = self.probe_conn()?;
-        let conn = (*shared).clone();
+        let conn = self.maintenance_conn().await?;
         {
             let mut cache = self.denied.lock();
             for charge in &batch.charges {
@@ -1253,7 +1283,8 @@ impl RedisStore {
                     .into_iter()
                     .collect::<redis::RedisResult<Vec<i64>>>()
             })
-            .await?;
+            .await
+            .inspect_err(|_| *self.maintenance.lock() = None)?;
             for reply in replies {
                 if reply == 1 {
                     outcome.applied += 1;
