@@ -200,8 +200,10 @@ pub struct RedisConfig {
 pub enum SentinelUrlError {
     #[error("names no sentinel (expected redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE)")]
     NoSentinel,
-    #[error("sentinel address {0:?} is not HOST:PORT")]
-    BadAddress(String),
+    /// The sentinel address at this position (from 1) is not `HOST:PORT`. Its text is not
+    /// repeated: a password holding an unencoded `/` or `@` ends up in it.
+    #[error("sentinel address {0} (counting from 1) is not HOST:PORT")]
+    BadAddress(usize),
     #[error("names no service (expected redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE)")]
     NoService,
     #[error("unknown parameter {0:?} (only db=N is understood)")]
@@ -244,8 +246,13 @@ impl SentinelTarget {
             None => (None, authority),
         };
         let mut sentinels = Vec::new();
-        for host in hosts.split(',').map(str::trim).filter(|h| !h.is_empty()) {
-            let bad = || SentinelUrlError::BadAddress(host.to_string());
+        for (position, host) in hosts
+            .split(',')
+            .map(str::trim)
+            .filter(|h| !h.is_empty())
+            .enumerate()
+        {
+            let bad = || SentinelUrlError::BadAddress(position + 1);
             let (name, port) = host.rsplit_once(':').ok_or_else(bad)?;
             let name = name
                 .strip_prefix('[')
@@ -1613,18 +1620,19 @@ mod tests {
         assert_eq!(err("redis+sentinel://s:1"), SentinelUrlError::NoService);
         assert_eq!(err("redis+sentinel://s:1/"), SentinelUrlError::NoService);
         assert_eq!(err("redis+sentinel://s:1/a/b"), SentinelUrlError::NoService);
-        assert_eq!(
-            err("redis+sentinel://s/m"),
-            SentinelUrlError::BadAddress("s".into())
-        );
+        assert_eq!(err("redis+sentinel://s/m"), SentinelUrlError::BadAddress(1));
         assert_eq!(
             err("redis+sentinel://s:0/m"),
-            SentinelUrlError::BadAddress("s:0".into())
+            SentinelUrlError::BadAddress(1)
         );
         assert_eq!(
             err("redis+sentinel://s:99999/m"),
-            SentinelUrlError::BadAddress("s:99999".into())
+            SentinelUrlError::BadAddress(1)
         );
+        // A password with an unencoded `/` reads as a host: its text is not repeated.
+        let e = err("redis+sentinel://app:hunt/er2@s:1/m");
+        assert_eq!(e, SentinelUrlError::BadAddress(1));
+        assert!(!e.to_string().contains("hunt"), "{e}");
         assert_eq!(
             err("redis+sentinel://s:1/m?db=x"),
             SentinelUrlError::BadDb("x".into())
