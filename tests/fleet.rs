@@ -543,6 +543,34 @@ fn fleet_shows_one_line_per_gateway_and_json() {
     );
     assert_eq!(gateways[1]["id"], "edge-2");
     assert_eq!(gateways[1]["candidate_version"], serde_json::Value::Null);
+    assert_eq!(doc["present_gateways"], serde_json::json!([]));
+
+    // Gateways sharing their buckets in this store: N, and who (an expired entry not counted).
+    let until_us = ((now_secs() + 60) * 1_000_000).to_string();
+    redis.cli(&[
+        "ZADD",
+        "tollgate:{presence}:gateways",
+        &until_us,
+        "edge-2",
+        &until_us,
+        "edge-1",
+        "1",
+        "gone",
+    ]);
+    let shown = tollgate(&["fleet", "--store", &url]);
+    assert!(
+        shown.stdout.ends_with(
+            "following\nsharing the buckets here: 2 gateway(s) present (N): edge-1, edge-2\n"
+        ),
+        "{}",
+        shown.stdout
+    );
+    let json = tollgate(&["fleet", "--store", &url, "--json"]);
+    let doc: serde_json::Value = serde_json::from_str(&json.stdout).unwrap();
+    assert_eq!(
+        doc["present_gateways"],
+        serde_json::json!(["edge-1", "edge-2"])
+    );
 
     // A store that does not answer: exit 2, nothing on stdout.
     let port = free_port();

@@ -570,6 +570,15 @@ fn postgres_carries_publications_candidates_and_heartbeats() {
     assert_eq!(beat["candidate_version"], candidate);
     assert_eq!(beat["candidate_refusals"]["api/per-ip"], 3);
     assert_eq!(beat["source_state"], "following");
+    // One database for the bundles and the buckets: the buckets' list of gateways present
+    // (local mode's N) lives beside the heartbeats, in a table of its own.
+    gw.wait_until(Duration::from_secs(10), || {
+        let out = tollgate(&["fleet", "--store", &store, "--json"]);
+        let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        listed["present_gateways"] == serde_json::json!(["edge-pg"])
+            && listed["gateways"][0]["id"] == "edge-pg"
+    });
+    assert_eq!(readyz(&gw)["fleet_gateways"], 1);
 }
 
 // ---------------------------------------------------------------------------------------------

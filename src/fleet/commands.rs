@@ -836,10 +836,16 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             let slots = store.read().await.map_err(|e| store_failure(&e))?;
             let beats = store.gateways().await.map_err(|e| store_failure(&e))?;
             let now = store_clock(store.as_ref()).await?;
-            Ok((store.display_url(), slots, beats, now))
+            // Informational: a store that cannot list them shows none.
+            let present = store
+                .present_gateways(now.saturating_mul(1000))
+                .await
+                .ok()
+                .flatten();
+            Ok((store.display_url(), slots, beats, now, present))
         })
     })();
-    let (url, slots, beats, now_ms) = match result {
+    let (url, slots, beats, now_ms, present) = match result {
         Ok(read) => read,
         Err(Failure(code, message)) => {
             let _ = writeln!(err, "{message}");
@@ -895,6 +901,7 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             "candidate": candidate,
             "all_on_live": on_live.iter().all(|on| *on),
             "gateways": gateways,
+            "present_gateways": present,
         });
         serde_json::to_string_pretty(&document).unwrap_or_default()
     } else {
@@ -905,7 +912,7 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             &beats,
             &standings,
             now_ms,
-        )
+        ) + &present_line(present.as_deref())
     };
     let _ = writeln!(out, "{text}");
     // A gateway not heard from for a while has stopped (a replaced pod leaves its heartbeat
@@ -930,6 +937,19 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         live.as_ref().map_or(0, |l| l.version)
     );
     EXIT_INVALID
+}
+
+/// The table's last line when gateways share their buckets in this store: how many are present
+/// (the N each one's local mode divides limits by while the store is away), and which.
+fn present_line(present: Option<&[String]>) -> String {
+    match present {
+        Some(ids) if !ids.is_empty() => format!(
+            "\nsharing the buckets here: {} gateway(s) present (N): {}",
+            ids.len(),
+            ids.join(", ")
+        ),
+        _ => String::new(),
+    }
 }
 
 /// A number of seconds as `fleet` shows it: `3s`, `5m`, `2h`, `4d`.

@@ -215,10 +215,13 @@ BEGIN
 END $$;
 "#;
 
+/// The table of gateways present (local mode's N), read by `tollgate fleet`.
+pub(crate) const PRESENCE_TABLE: &str = "tollgate_presence_set";
+
 /// Local mode's tables (see [`super::local`]): the gateways present (N) and the marks of
 /// applied write-backs, with the function that charges a batch at most once.
 const LOCAL_SCHEMA: &str = r#"
-CREATE TABLE IF NOT EXISTS tollgate_gateways (
+CREATE TABLE IF NOT EXISTS tollgate_presence_set (
     id            text PRIMARY KEY,
     expires_at_us bigint NOT NULL
 );
@@ -231,10 +234,10 @@ RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
     n bigint;
 BEGIN
-    INSERT INTO tollgate_gateways VALUES (gateway, expires_us)
+    INSERT INTO tollgate_presence_set VALUES (gateway, expires_us)
         ON CONFLICT (id) DO UPDATE SET expires_at_us = EXCLUDED.expires_at_us;
-    DELETE FROM tollgate_gateways WHERE expires_at_us <= now_us;
-    SELECT count(*) INTO n FROM tollgate_gateways;
+    DELETE FROM tollgate_presence_set WHERE expires_at_us <= now_us;
+    SELECT count(*) INTO n FROM tollgate_presence_set;
     RETURN n;
 END $$;
 CREATE OR REPLACE FUNCTION tollgate_write_back(

@@ -1140,7 +1140,7 @@ return redis.call('ZCARD', KEYS[1])
 const BUDGET_ROW_TTL_MS: u64 = 32 * 86_400 * 1000;
 
 /// The presence set's key (one slot of its own on a cluster).
-const PRESENCE_KEY: &str = "tollgate:{presence}:gateways";
+pub(crate) const PRESENCE_KEY: &str = "tollgate:{presence}:gateways";
 
 /// A write-back charge applied at most once: KEYS[1] is the batch's mark beside the bucket
 /// (same hash slot), KEYS[2] the bucket; ARGV[1] the mark's TTL (ms), then [`ADJUST`]'s

@@ -176,6 +176,14 @@ pub trait PolicySource: Send + Sync {
     async fn heartbeat(&self, beat: &Heartbeat) -> Result<(), SourceError>;
 
     async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError>;
+
+    /// The gateways present, at `now_us`, in the bucket store at this same URL (the N a
+    /// shared store's local mode divides limits by, see [`crate::store::local`]), sorted;
+    /// `None` where this kind of store keeps no such list.
+    async fn present_gateways(&self, now_us: u64) -> Result<Option<Vec<String>>, SourceError> {
+        let _ = now_us;
+        Ok(None)
+    }
 }
 
 /// A policy-store URL as logs, errors and `/readyz` show it: the password masked, and the query

@@ -522,6 +522,31 @@ impl PolicySource for PostgresSource {
         .await
     }
 
+    async fn present_gateways(&self, now_us: u64) -> Result<Option<Vec<String>>, SourceError> {
+        let now = now_us.min(i64::MAX as u64) as i64;
+        self.with_client("reading the gateways present", move |client| {
+            Box::pin(async move {
+                let query = format!(
+                    "SELECT id FROM {} WHERE expires_at_us > $1 ORDER BY id",
+                    crate::store::postgres::PRESENCE_TABLE
+                );
+                match client.query(query.as_str(), &[&now]).await {
+                    Ok(rows) => Ok(Some(
+                        rows.iter().map(|row| row.get::<_, String>(0)).collect(),
+                    )),
+                    // No gateway ever used this database for its buckets.
+                    Err(e)
+                        if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) =>
+                    {
+                        Ok(None)
+                    }
+                    Err(e) => Err(PgError::Db(e)),
+                }
+            })
+        })
+        .await
+    }
+
     async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError> {
         self.with_client("reading the heartbeats", |client| {
             Box::pin(async move {

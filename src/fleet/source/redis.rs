@@ -587,6 +587,22 @@ impl PolicySource for RedisSource {
         .await
     }
 
+    async fn present_gateways(&self, now_us: u64) -> Result<Option<Vec<String>>, SourceError> {
+        let mut present: Vec<String> = self
+            .with_conn("reading the gateways present", |mut conn| async move {
+                conn.query(
+                    redis::cmd("ZRANGEBYSCORE")
+                        .arg(crate::store::redis::PRESENCE_KEY)
+                        .arg(format!("({now_us}"))
+                        .arg("+inf"),
+                )
+                .await
+            })
+            .await?;
+        present.sort();
+        Ok(Some(present))
+    }
+
     async fn gateways(&self) -> Result<Vec<Heartbeat>, SourceError> {
         let all: Vec<(String, Vec<u8>)> = self
             .with_conn("reading the heartbeats", |mut conn| async move {
