@@ -542,8 +542,12 @@ pub(crate) fn plan_reusing<'b>(
     })
 }
 
-/// Completes a planned decision with the store's answer (one result per op, in order). A
-/// store error fails open: the request is allowed, nothing was spent anywhere.
+/// Completes a planned decision with the store's answer (one result per op, in order). Ops a
+/// shared store's local mode decided carry their rule's `on_store_error` ([`OpResult::away`]:
+/// an enforced `closed` one refuses with 503 `store_unavailable`); a store error that no local
+/// mode answered fails open: the request is allowed, nothing was spent anywhere.
+///
+/// [`OpResult::away`]: crate::store::OpResult::away
 pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) -> Decision<'b> {
     let mut checked = pending.checked;
     let results = match answer {

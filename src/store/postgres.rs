@@ -477,7 +477,8 @@ impl PostgresStore {
     /// request that arrived meanwhile in one statement (see `tollgate_take_batch`).
     ///
     /// # Errors
-    /// PostgreSQL unreachable, too slow or failing: the request fails open.
+    /// PostgreSQL unreachable, too slow or failing: nothing was spent (the caller decides by
+    /// the rules' `on_store_error`).
     pub async fn apply(
         self: &Arc<Self>,
         now_us: u64,

@@ -14,10 +14,10 @@
 //! with `ROLE`); otherwise it is used as a single server.
 //!
 //! Failure: every call has a deadline; a timeout, refused connection or server error (a full
-//! Redis under `noeviction` refusing writes with OOM among them) fails open
-//! (allowed, and on a single server nothing spent: the script carries the deadline in the
-//! server's own `TIME` and applies nothing past it), is counted, and is logged once per burst
-//! of errors. On a single server or behind sentinels, a broken connection or a `READONLY`
+//! Redis under `noeviction` refusing writes with OOM among them) spends nothing here (on a
+//! single server the script carries the deadline in the server's own `TIME` and applies
+//! nothing past it) and leaves the request to the rules' `on_store_error` ([`super::local`]),
+//! is counted, and is logged once per burst of errors. On a single server or behind sentinels, a broken connection or a `READONLY`
 //! reply (the server is a replica now) gives that connection up: every connection made before
 //! is dropped, and one new connection is made in the background (behind sentinels: to the
 //! master they name then), retried with exponential backoff and full jitter (waits drawn up
