@@ -159,12 +159,7 @@ fn wait(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) {
 /// in between: no request waited for a failed store, none was let through uncounted).
 fn report_errors(gw: &Gateway, what: &str) {
     let errors = gw.metric("tollgate_store_errors_total");
-    let local: f64 = gw
-        .metrics()
-        .lines()
-        .filter(|l| l.starts_with("tollgate_store_local_decisions_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let local = gw.metric_sum("tollgate_store_local_decisions_total", &[]);
     eprintln!("{what}: {errors} store errors, {local} rule checks decided locally");
     assert!(
         local >= errors,

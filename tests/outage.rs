@@ -49,15 +49,13 @@ fn fleet(redis: &RedisServer, upstream: &Upstream, n: usize, extra: &[&str]) -> 
 
 /// `tollgate_store_local_decisions_total` for one rule and outcome (whatever the policy id).
 fn local_decisions(gw: &Gateway, rule: &str, outcome: &str) -> f64 {
-    gw.metrics()
-        .lines()
-        .filter(|l| {
-            l.starts_with("tollgate_store_local_decisions_total{")
-                && l.contains(&format!("outcome=\"{outcome}\""))
-                && l.contains(&format!("rule=\"{rule}\""))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    gw.metric_sum(
+        "tollgate_store_local_decisions_total",
+        &[
+            &format!("outcome=\"{outcome}\""),
+            &format!("rule=\"{rule}\""),
+        ],
+    )
 }
 
 fn status(gw: &Gateway, key: &str) -> u16 {

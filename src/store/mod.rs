@@ -560,26 +560,18 @@ impl Store {
 
     /// Gives lease `id` back on `keys`.
     pub async fn release(&self, id: u64, keys: &[BucketKey]) {
+        // A shared store's slots may have been taken locally (only a shared store has a
+        // local mode); while local, the store is not asked.
+        if let Some(local) = &self.local {
+            local.release(id, keys);
+            if local.is_local() {
+                return;
+            }
+        }
         match &self.backend {
             Backend::Memory(m) => m.leases().release(id, keys),
-            Backend::Redis(s) => {
-                if let Some(local) = &self.local {
-                    local.release(id, keys);
-                    if local.is_local() {
-                        return;
-                    }
-                }
-                s.release(id, keys).await
-            }
-            Backend::Postgres(s) => {
-                if let Some(local) = &self.local {
-                    local.release(id, keys);
-                    if local.is_local() {
-                        return;
-                    }
-                }
-                s.release(id, keys).await
-            }
+            Backend::Redis(s) => s.release(id, keys).await,
+            Backend::Postgres(s) => s.release(id, keys).await,
         }
     }
 
@@ -676,6 +668,9 @@ impl Store {
         buckets: &[BucketKey],
         leases: &[BucketKey],
     ) -> Result<bool, StoreError> {
+        if let Some(local) = &self.local {
+            local.forget(buckets);
+        }
         match &self.backend {
             Backend::Memory(m) => {
                 let mut found = false;
@@ -685,16 +680,10 @@ impl Store {
                 Ok(m.leases().forget(leases) > 0 || found)
             }
             Backend::Redis(s) => {
-                if let Some(local) = &self.local {
-                    local.forget(buckets);
-                }
                 let all: Vec<BucketKey> = buckets.iter().chain(leases).copied().collect();
                 Ok(s.forget(&all).await? > 0)
             }
             Backend::Postgres(s) => {
-                if let Some(local) = &self.local {
-                    local.forget(buckets);
-                }
                 let all: Vec<BucketKey> = buckets.iter().chain(leases).copied().collect();
                 Ok(s.forget(&all).await? > 0)
             }
@@ -759,21 +748,18 @@ impl Store {
 
     /// [`Store::sweep`] at `now_us` in this store's time base (tests replay virtual time).
     pub async fn sweep_at(&self, now_us: u64) -> u64 {
+        if let Some(local) = &self.local {
+            local.sweep(now_us);
+        }
         match &self.backend {
             Backend::Memory(m) => m.sweep(now_us) + m.leases().sweep(now_us),
             Backend::Redis(s) => {
-                if let Some(local) = &self.local {
-                    local.sweep(now_us);
-                }
                 let sent_us = self.clock.unix_us();
                 let store_us = s.refresh_time_offset().await;
                 self.record_skew(sent_us, store_us);
                 0
             }
             Backend::Postgres(s) => {
-                if let Some(local) = &self.local {
-                    local.sweep(now_us);
-                }
                 let sent_us = self.clock.unix_us();
                 let store_us = s.clock_us().await;
                 self.record_skew(sent_us, store_us);

@@ -666,20 +666,14 @@ impl PostgresStore {
             self.health.failed(&redact(&self.url), "not connected");
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        let keys: Vec<String> = ops
-            .iter()
-            .map(|op| super::shared::shared_key(&op.key))
-            .collect();
-        let (mut bursts, mut nums, mut dens, mut deltas, mut windows) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for op in ops {
-            let (num, den) = super::shared::reduced_rate(&op.quota);
-            bursts.push(op.quota.burst() as i64);
-            nums.push(num as i64);
-            dens.push(den as i64);
-            deltas.push(op.delta);
-            windows.push(op.window_id.map_or(0, |id| id.min(i64::MAX as u64) as i64));
-        }
+        let SettleArgs {
+            keys,
+            bursts,
+            nums,
+            dens,
+            deltas,
+            windows,
+        } = SettleArgs::of(ops.iter().copied());
         let now = now_us.min(i64::MAX as u64) as i64;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
             [&keys, &bursts, &nums, &dens, &deltas, &windows, &now];
@@ -846,6 +840,41 @@ impl PostgresStore {
     }
 }
 
+/// `tollgate_settle`'s arrays, one entry per settlement (a reservation settled, a write-back
+/// charge).
+struct SettleArgs {
+    keys: Vec<String>,
+    bursts: Vec<i64>,
+    nums: Vec<i64>,
+    dens: Vec<i64>,
+    deltas: Vec<i64>,
+    windows: Vec<i64>,
+}
+
+impl SettleArgs {
+    fn of(ops: impl Iterator<Item = super::ops::AdjustOp>) -> SettleArgs {
+        let mut args = SettleArgs {
+            keys: Vec::new(),
+            bursts: Vec::new(),
+            nums: Vec::new(),
+            dens: Vec::new(),
+            deltas: Vec::new(),
+            windows: Vec::new(),
+        };
+        for op in ops {
+            let (num, den) = super::shared::reduced_rate(&op.quota);
+            args.keys.push(super::shared::shared_key(&op.key));
+            args.bursts.push(op.quota.burst() as i64);
+            args.nums.push(num as i64);
+            args.dens.push(den as i64);
+            args.deltas.push(op.delta);
+            args.windows
+                .push(op.window_id.map_or(0, |id| id.min(i64::MAX as u64) as i64));
+        }
+        args
+    }
+}
+
 /// Local mode's calls (see [`super::local`]).
 impl PostgresStore {
     /// The store's URL (as configured; redact before showing it).
@@ -905,27 +934,19 @@ impl PostgresStore {
         let Some(client) = self.client.load_full() else {
             return Err(StoreError::Unavailable("not connected".into()));
         };
-        let (mut keys, mut bursts, mut nums, mut dens, mut deltas, mut windows) = (
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
+        let SettleArgs {
+            keys,
+            bursts,
+            nums,
+            dens,
+            deltas,
+            windows,
+        } = SettleArgs::of(
+            batch
+                .charges
+                .iter()
+                .filter_map(super::local::Charge::adjust_op),
         );
-        for op in batch
-            .charges
-            .iter()
-            .filter_map(super::local::Charge::adjust_op)
-        {
-            let (num, den) = super::shared::reduced_rate(&op.quota);
-            keys.push(super::shared::shared_key(&op.key));
-            bursts.push(op.quota.burst() as i64);
-            nums.push(num as i64);
-            dens.push(den as i64);
-            deltas.push(op.delta);
-            windows.push(op.window_id.map_or(0, |id| id.min(i64::MAX as u64) as i64));
-        }
         let now = now_us.min(i64::MAX as u64 / 2) as i64;
         let keep = now + super::local::WRITE_BACK_MARK_TTL.as_micros() as i64;
         let id = batch.id.as_str();

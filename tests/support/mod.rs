@@ -468,6 +468,17 @@ impl Gateway {
             .unwrap_or(0.0)
     }
 
+    /// The sum of every series of metric `name` whose labels include each of `labels`
+    /// (`outcome="allowed"`...): a family summed over the labels left out.
+    pub fn metric_sum(&self, name: &str, labels: &[&str]) -> f64 {
+        let prefix = format!("{name}{{");
+        self.metrics()
+            .lines()
+            .filter(|l| l.starts_with(&prefix) && labels.iter().all(|label| l.contains(label)))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     pub fn signal(&self, sig: i32) {
         if let Some(child) = &self.child {
             // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
