@@ -4,6 +4,9 @@
 //! reservation settled. The `*_state_dir` variants keep the store in a state file
 //! (`--state-dir`), to show what surviving restarts costs.
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 // Same allocator as the shipped binary.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

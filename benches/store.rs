@@ -2,6 +2,9 @@
 //! keys; 1 M distinct keys (insert cost and memory per live key, printed); and a key flood
 //! against a full store (each new key evicting an entry).
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 // Same allocator as the shipped binary.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -6,6 +6,9 @@
 //!
 //! `cargo run --profile perf --example bare_proxy -- LISTEN UPSTREAM [--refuse]`
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -6,6 +6,9 @@
 //! cargo run --release --example bucket_memory -- 1000000
 //! ```
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 // The shipped binary's allocator: RSS depends on it.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -7,6 +7,9 @@
 //! cargo run --release --example candidate_memory -- 10000
 //! ```
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "common/counting.rs"]
 mod counting;
 use counting::LIVE;

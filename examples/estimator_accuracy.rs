@@ -6,6 +6,9 @@
 //! cargo run --release --example estimator_accuracy
 //! ```
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use tollgate::request::llm::{Estimator, LlmRequest, TokenEncoding};
 
 const SAMPLES: [(&str, &str); 4] = [

@@ -16,6 +16,9 @@
 //! traces with: each span on a line of standard output, its service, kind, name, trace and span
 //! ids, status, attributes and event names (the manual's observability page runs it so).
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };

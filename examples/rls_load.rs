@@ -6,6 +6,9 @@
 //! cargo run --profile perf --example rls_load -- 127.0.0.1:8081 16 10 [PID]
 //! (benches/grpc.sh runs it against a pinned tollgate.)
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;

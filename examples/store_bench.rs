@@ -10,6 +10,9 @@
 //! one needs room in a full store. For reference, the same keys in a store with room for all of
 //! them.
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::{Duration, Instant};
 use tollgate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 use tollgate::store::{

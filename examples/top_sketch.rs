@@ -8,6 +8,9 @@
 //! cargo run --release --example top_sketch
 //! ```
 
+// A measuring tool: a panic is how it reports a broken setup.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "common/counting.rs"]
 mod counting;
 use counting::LIVE;

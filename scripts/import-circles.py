@@ -7,7 +7,16 @@ module's `child::y`). Test code is left out (`#[cfg(test)] mod ...` to the end o
 `tests.rs` files): a test may look anywhere. A file naming its own module is no edge.
 
 A circle is a strongly connected component of two or more files; each is printed with the
-edges that tie it. `--check` exits 1 when there is one. Usage:
+edges that tie it.
+
+It also checks the layers. `src/lib.rs`'s map names each folder's layer (`engine/  L2`) or range
+of layers (`limits/  L0-L2`). A file in a one-layer folder is at that layer; a file in a ranged
+folder is at the highest layer of what it imports (at least the range's bottom, at most its top).
+An import from one folder into another that names a file of a higher layer climbs, and so does a
+ranged file whose imports put it over its folder's top. The few climbs made on purpose are listed,
+each with its reason, in EXCEPTIONS below.
+
+`--check` exits 1 when there is a circle or a climb that is not an exception. Usage:
 
     python3 scripts/import-circles.py [--check] [--edges] [SRC_DIR]
 """
@@ -15,6 +24,17 @@ edges that tie it. `--check` exits 1 when there is one. Usage:
 import os
 import re
 import sys
+
+# Imports that climb a layer on purpose: (importing folder or file, imported folder or file,
+# why). Paths are relative to src/; a folder ends with "/".
+EXCEPTIONS = [
+    (
+        "policy/compile/",
+        "limits/",
+        "a limit kind keeps its compile half (L0, reads JSON) in one file with its plan half (L2), "
+        "so that a kind is read and added in one place; the compiler calls only the compile half",
+    ),
+]
 
 
 def module_path(src, path):
@@ -203,8 +223,73 @@ def main():
         for v in circle:
             for w in sorted(edges[v] & members):
                 print(f"    {rel(v)} -> {rel(w)}")
-    if check and circles:
+    climbs = layer_climbs(src, edges)
+    used = [(what, why) for what, why in climbs if why]
+    wrong = [what for what, why in climbs if why is None]
+    print(f"{len(wrong)} upward import(s), {len(used)} listed exception(s)")
+    for what in wrong:
+        print(f"climbs a layer: {what}")
+    if show_edges:
+        for what, why in used:
+            print(f"  exception: {what} ({why})")
+    if check and (circles or wrong):
         sys.exit(1)
+
+
+def folder_layers(src):
+    """{folder: (lowest, highest)} from the layer map in src/lib.rs's doc comment."""
+    try:
+        with open(os.path.join(src, "lib.rs"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    found = re.finditer(r"^//! (\w+)/\s+L(\d)(?:-L(\d))?\b", text, re.M)
+    return {m.group(1): (int(m.group(2)), int(m.group(3) or m.group(2))) for m in found}
+
+
+def layer_climbs(src, edges):
+    """[(description, None | exception's reason)] for every import that climbs a layer."""
+    layers = folder_layers(src)
+    rel = lambda p: os.path.relpath(p, src).replace(os.sep, "/")
+
+    def folder(path):
+        parts = rel(path).split("/")
+        return parts[0] if len(parts) > 1 and parts[0] in layers else None
+
+    inferred = {}
+
+    def layer(path):
+        top = folder(path)
+        if top is None:
+            return None
+        low, high = layers[top]
+        if low == high:
+            return low
+        if path not in inferred:
+            inferred[path] = low  # no circles (checked above), so this is never read early
+            inferred[path] = max([low] + [l for l in map(layer, edges[path]) if l is not None])
+        return inferred[path]
+
+    def exception(a, b):
+        for here, there, why in EXCEPTIONS:
+            if rel(a).startswith(here) and rel(b).startswith(there):
+                return why
+        return None
+
+    climbs = []
+    for a in sorted(edges):
+        if folder(a) is None:
+            continue
+        here = layer(a)
+        high = layers[folder(a)][1]
+        for b in sorted(edges[a]):
+            if folder(b) in (None, folder(a)) or layer(b) <= here:
+                continue
+            climbs.append((f"{rel(a)} (L{here}) -> {rel(b)} (L{layer(b)})", exception(a, b)))
+        if here > high:
+            over = [rel(b) for b in sorted(edges[a]) if (layer(b) or 0) > high]
+            climbs.append((f"{rel(a)} is L{here}, over its folder's L{high}: imports {', '.join(over)}", None))
+    return climbs
 
 
 if __name__ == "__main__":

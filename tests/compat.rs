@@ -6,7 +6,7 @@
 //! of 16 characters or more, or its file; failed logins counted and throttled per client;
 //! cookies nobody can make offline; logout ending the session).
 
-mod support;
+use crate::support;
 
 use base64::Engine as _;
 use support::{request, Gateway, HttpResponse};

@@ -8,7 +8,7 @@
 //! `ExecReload=` lines, run with the same arguments as a user of their own, start the gateway and
 //! upgrade it with no failed request, and refuse a reload whose policy is invalid.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;

@@ -5,7 +5,7 @@
 //! real command line (flags exist, values are valid), the files they name exist, scripts,
 //! benches and examples exist, and the endpoints `curl` is pointed at are served.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -286,6 +286,22 @@ fn check_command(command: &str, admin_paths: &str) -> Result<(), String> {
             }
         }
         "cargo" => {
+            if let Some(at) = words.iter().position(|w| w == "--test") {
+                // The integration tests are one binary; a filter `module::` names a file of it.
+                let test = words.get(at + 1).ok_or("--test without a name")?;
+                if test != "integration" {
+                    return Err(format!(
+                        "no test binary {test}: the integration tests are `--test integration`"
+                    ));
+                }
+                let filter = words.get(at + 2).filter(|w| !w.starts_with('-'));
+                if let Some((module, _)) = filter.and_then(|f| f.split_once("::")) {
+                    return exists(&format!("tests/{module}.rs"))
+                        .then_some(())
+                        .ok_or(format!("no test module {module}"));
+                }
+                return Ok(());
+            }
             if let Some(at) = words.iter().position(|w| w == "--bench") {
                 let bench = words.get(at + 1).ok_or("--bench without a name")?;
                 return exists(&format!("benches/{bench}.rs"))
@@ -471,7 +487,7 @@ fn every_command_shown_works() {
 }
 
 /// The checks themselves can fail: a flag that does not exist, a value that does not parse, a
-/// missing policy file, a missing script and a broken anchor are each caught.
+/// missing policy file, a missing script or test module and a broken anchor are each caught.
 #[test]
 fn the_checks_catch_what_they_are_for() {
     let admin = "\"/v1/buckets\"";
@@ -487,6 +503,9 @@ fn the_checks_catch_what_they_are_for() {
     assert!(check_command("python3 no-such.py", admin).is_err());
     assert!(check_command("python3 - bundle.json > shadow.json <<'EOF'", admin).is_ok());
     assert!(check_command("cargo bench --bench no_such", admin).is_err());
+    assert!(check_command("cargo test --test integration gateway::", admin).is_ok());
+    assert!(check_command("cargo test --test integration no_such::x", admin).is_err());
+    assert!(check_command("cargo test --test gateway", admin).is_err());
     assert!(check_command("curl -s localhost:9090/v1/buckets/x", admin).is_ok());
     assert!(check_command("curl -s localhost:9090/v1/nothing", admin).is_err());
     assert!(check_command("curl -s localhost:8080/v1/orders", admin).is_ok());

@@ -5,7 +5,7 @@
 //! as nginx refuses them (each deliberate difference named in its row), and a chunked body
 //! with a bad chunk size is answered 400, as nginx answers it.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::path::Path;

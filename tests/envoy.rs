@@ -3,7 +3,7 @@
 //! rate-limit filter (gRPC RateLimitService), gRPC `ext_authz` and HTTP `ext_authz`. The
 //! example files are used as shipped, with only their ports replaced.
 
-mod support;
+use crate::support;
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;

@@ -3,7 +3,7 @@
 //! killed and replaced. In every case no request gets a 5xx, and once the store answers again a
 //! limit is exact again. What is admitted while the store is away is not asserted here.
 
-mod support;
+use crate::support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

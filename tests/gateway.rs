@@ -1,6 +1,6 @@
 //! The real `tollgate run` binary in front of a real upstream, over loopback HTTP.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 use support::{one_rule, request, Gateway, Upstream};

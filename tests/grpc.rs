@@ -2,7 +2,7 @@
 //! `ShouldRateLimit` edge cases (all-or-nothing across descriptors, `hits_addend`, checks,
 //! overrides, invalid calls, store failures), `Check` (ext_authz) and `grpc.health.v1`.
 
-mod support;
+use crate::support;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
     Entry, RateLimitOverride,

@@ -1,7 +1,7 @@
 //! Issue 13's attacks, replayed from the outside against the real binary: each test sends what
 //! an attacker sent and asserts what the gateway does now.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

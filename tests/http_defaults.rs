@@ -4,7 +4,7 @@
 //! the upstream read timeout and streams, `Expect: 100-continue`, and a refused request's small
 //! body read and discarded so its connection stays open.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -1,7 +1,7 @@
 //! Verified identity end to end: real tokens signed in the test (HS256, RS256, ES256, JWKS),
 //! through the real binary's proxy and decision service.
 
-mod support;
+use crate::support;
 
 use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
 use serde_json::json;

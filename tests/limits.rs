@@ -2,7 +2,7 @@
 //! decision service), loop detection and circuit breakers, runtime overrides, and Fairvisor
 //! bundles (skipped policies, expiry).
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use support::{request_with_body, Gateway, Upstream};

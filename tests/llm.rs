@@ -5,7 +5,7 @@
 //! The daily budget (`tokens_per_day`) never refills within a test, so its `RateLimit` item
 //! shows exactly what each request was charged.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -5,7 +5,7 @@
 //! resets that client's bucket — give exactly one line each, with every value escaped
 //! (`\xHH`) in text lines and carried back exactly in JSON lines.
 
-mod support;
+use crate::support;
 
 use support::{request, Gateway, ADMIN_TOKEN};
 

@@ -5,7 +5,7 @@
 //! one, an emptied or much smaller file refused at reload (unless `--network-allow-shrink`),
 //! and a bad file at start-up refused.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 use support::{request, Gateway, Upstream};

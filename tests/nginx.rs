@@ -2,7 +2,7 @@
 //! configuration `examples/nginx/auth-request.conf`. nginx comes from the Debian package that
 //! `scripts/install-deps.sh` installs.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Child, Command};

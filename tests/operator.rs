@@ -4,7 +4,7 @@
 //! input to each, the status page rendered by headless Chromium, the shipped alerting rules
 //! checked by `promtool`, and the dashboard's metrics exported by the binary.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use support::{

@@ -2,7 +2,7 @@
 //! mode keeps every limit within its stated bound, writes back what was spent, keeps the
 //! write-back journal across a restart, and the `open` and `closed` modes do what they say.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 use support::servers::RedisServer;

@@ -4,7 +4,7 @@
 //! gateway, and every kind of bad input (a bundle enforcing nothing included) leaving the last
 //! good bundle in force.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;

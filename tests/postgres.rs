@@ -1,7 +1,7 @@
 //! The shared PostgreSQL store against a real server (Debian's `postgresql`, installed by
 //! `scripts/install-deps.sh`), started here as the non-root `postgres` user on a free port.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -1,7 +1,7 @@
 //! The shared Redis store against a real `redis-server` (Debian's, installed by
 //! `scripts/install-deps.sh`), started here on free loopback ports.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -212,6 +212,7 @@ fn requests_that_failed_open_on_a_hung_redis_are_never_charged() {
         assert_eq!(remaining("h"), None);
     }
     std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: signalling our own child process.
     unsafe { libc::kill(pid, libc::SIGCONT) };
     gw.wait_until(Duration::from_secs(15), || {
         gw.get("/", &[("X-Client", "probe")])

@@ -3,7 +3,7 @@
 //! returns, a 502 with a clear body when a whole group is down, HTTPS upstreams verified against
 //! a CA file (and refused when untrusted), gateway-file errors and reloads.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

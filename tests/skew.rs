@@ -7,7 +7,7 @@
 //! NTP is off. The tolerance: the store's clock is read in one round trip bounded by 500 ms and
 //! placed at its middle, so a reading is at most 250 ms off, whatever the machine's load.
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::time::Duration;

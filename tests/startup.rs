@@ -4,7 +4,7 @@
 //! flag, the address and the system's reason, with no panic; `--bind-retry` waits instead,
 //! serves once the port is free, and `/readyz` cannot be reached while it waits.
 
-mod support;
+use crate::support;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};

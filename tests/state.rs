@@ -3,7 +3,7 @@
 //! a state dir that cannot be used falling back to process memory, a key flood against a spent
 //! budget, and a zero-downtime upgrade (`--upgrade`, SIGQUIT) under a client that never stops.
 
-mod support;
+use crate::support;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};

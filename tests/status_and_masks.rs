@@ -3,7 +3,7 @@
 //! script and style; masked credentials carry a fingerprint keyed per deployment (the state
 //! dir's `fingerprint.key`, or a key drawn at start), so it cannot be used to test guesses.
 
-mod support;
+use crate::support;
 
 use base64::Engine as _;
 use support::{

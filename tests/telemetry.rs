@@ -3,7 +3,7 @@
 //! (the collector's `TraceService`) and HTTP/protobuf (`POST /v1/traces`); an upstream here
 //! records the `traceparent` it is sent. Everything on 127.0.0.1, bounded waits.
 
-mod support;
+use crate::support;
 
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,

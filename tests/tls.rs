@@ -4,7 +4,7 @@
 //! 100 concurrent streams on one HTTP/2 connection counted exactly, and access-log lines.
 //! Certificates: `tests/fixtures/tls` (a test CA and leaves it signed).
 
-mod support;
+use crate::support;
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};

@@ -5,7 +5,7 @@
 //! black-holed (its SYNs dropped) — each with the exact statuses the client gets and what the
 //! metrics say.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

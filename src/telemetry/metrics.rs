@@ -231,6 +231,7 @@ pub const GRPC_CODES: &[(&str, &[&str])] = &[
     ),
 ];
 
+#[allow(clippy::expect_used)]
 fn must<T>(r: prometheus::Result<T>) -> T {
     // Metric definitions are fixed at compile time; a failure here is a programming error
     // caught by the unit test below, never user input.

@@ -1776,3 +1776,28 @@ pub fn shell_words(line: &str) -> Vec<String> {
     }
     out
 }
+
+/// For a test that changes the process environment, which every other test's threads share in
+/// the one test binary: on the first call, runs this same test again in a child process of its
+/// own (the test binary filtered to exactly `test`, one thread), asserts that it ran once and
+/// passed, and returns false, and the caller returns. In that child it returns true, and the
+/// caller goes on to do its work there alone.
+pub fn in_own_process(test: &str) -> bool {
+    const CHILD: &str = "TOLLGATE_TEST_OWN_PROCESS";
+    if std::env::var_os(CHILD).is_some() {
+        return true;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = Command::new(exe)
+        .args([test, "--exact", "--test-threads=1", "--nocapture"])
+        .env(CHILD, "1")
+        .output()
+        .expect("the test binary runs again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("test result: ok. 1 passed"),
+        "{test} in its own process:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    false
+}
