@@ -67,17 +67,29 @@ fn the_layer_check_finds_an_import_that_climbs() {
     let down = crate_of(&[
         ("lib.rs", MAP),
         ("low/mod.rs", "pub struct L;\n"),
-        ("mid/mod.rs", "pub fn m() -> crate::low::L { crate::low::L }\n"),
-        ("high/mod.rs", "pub fn h() -> crate::low::L { crate::mid::m() }\n"),
+        (
+            "mid/mod.rs",
+            "pub fn m() -> crate::low::L { crate::low::L }\n",
+        ),
+        (
+            "high/mod.rs",
+            "pub fn h() -> crate::low::L { crate::mid::m() }\n",
+        ),
     ]);
     let (passed, out) = count_circles(&down.path().join("src"));
     assert!(passed, "{out}");
-    assert!(out.contains("\n0 upward import(s), 0 listed exception(s)"), "{out}");
+    assert!(
+        out.contains("\n0 upward import(s), 0 listed exception(s)"),
+        "{out}"
+    );
 
     // The bottom folder naming the top one climbs two layers.
     let up = crate_of(&[
         ("lib.rs", MAP),
-        ("low/mod.rs", "pub struct L;\npub fn l() { crate::high::h() }\n"),
+        (
+            "low/mod.rs",
+            "pub struct L;\npub fn l() { crate::high::h() }\n",
+        ),
         ("mid/mod.rs", "pub struct M;\n"),
         ("high/mod.rs", "pub fn h() {}\n"),
     ]);
@@ -99,7 +111,9 @@ fn the_layer_check_finds_an_import_that_climbs() {
     let (passed, out) = count_circles(&over.path().join("src"));
     assert!(!passed);
     assert!(
-        out.contains("climbs a layer: mid/mod.rs is L2, over its folder's L1: imports high/mod.rs\n"),
+        out.contains(
+            "climbs a layer: mid/mod.rs is L2, over its folder's L1: imports high/mod.rs\n"
+        ),
         "{out}"
     );
 }
@@ -137,7 +151,9 @@ fn the_length_count_reads_bodies_not_braces_in_text() {
     let (passed, out) = measure_functions(&long.path().join("src"));
     assert!(!passed);
     assert!(
-        out.starts_with("2 functions; longest 153 lines\n  153  long  src/lib.rs:2\n    1  short  src/lib.rs:"),
+        out.starts_with(
+            "2 functions; longest 153 lines\n  153  long  src/lib.rs:2\n    1  short  src/lib.rs:"
+        ),
         "{out}"
     );
     assert!(out.ends_with("1 function(s) over 150 lines\n"), "{out}");
