@@ -1,25 +1,27 @@
-//! The running gateway's state, independent of Pingora: the bundle in force, the store, metrics,
-//! and the one request path shared by the reverse proxy and the decision service:
+//! The running gateway, independent of Pingora: [`Gateway`], its state and its own methods
+//! (here), and its components, each a type of its own in its own file. The gateway's methods
+//! are the one request path shared by the reverse proxy and the decision service:
 //! [`Gateway::decide`] plans with the pure engine, asks the store (synchronously for the
 //! embedded store, awaited in place for a shared one), finishes, and answers (counts, logs and
-//! builds the response from the [`Decided`] alone).
+//! builds the response from the [`Decided`] alone); Envoy's `ShouldRateLimit`
+//! ([`Gateway::should_rate_limit`]); and the questions about the bundle in force (`/readyz`,
+//! which requests meter LLM tokens...).
 //!
-//! Beside it: `reload` (the policy file, network databases, overrides, readiness), `tokens`
-//! (LLM reservations held and settled), `envoy_rls` (Envoy's `ShouldRateLimit`), `logging`
-//! (the subscriber, the redacting bridge for Pingora's records, the `RATE_LIMIT` lines),
-//! `debug_sessions` (Fairvisor's debug sessions: login, logout, throttling), `state_key` (the
-//! state dir's own keys: masked values' fingerprints, reservation signing), `candidate` (the
-//! candidate bundle decided in shadow after every live decision). Below them all: `gateway`
-//! (the [`Gateway`] value itself) and the state it holds, `loaded` (the bundle in force as
-//! `/readyz` reports it, watched files' signatures), `source_state` (what the policy-store
-//! follower knows) and `shadow` (the candidate in force and its counters). A child names the
-//! sibling that defines what it uses, never this file.
+//! The components: `reload` ([`Reload`]: the policy file, network databases, JWKS, by
+//! [`Trigger`]), `source_state` ([`FollowState`]: what the policy-store follower of `follow`
+//! knows), `tokens` ([`Tokens`]: LLM reservations held and settled), `debug_sessions`
+//! ([`DebugSessionDesk`]: Fairvisor's debug sessions) and `candidate` ([`CandidateShadow`]:
+//! the candidate bundle decided in shadow after every live decision). Beside them:
+//! `envoy_rls` (a `ShouldRateLimit` call's store calls and answer), `logging` (the subscriber,
+//! the redacting bridge for Pingora's records, the `RATE_LIMIT` lines), `state_key` (the state
+//! dir's own keys: masked values' fingerprints, reservation signing), `loaded` (the bundle in
+//! force as `/readyz` reports it, watched files' signatures) and `shadow` (the candidate in
+//! force and its counters). A child names the sibling that defines what it uses.
 
 mod candidate;
 mod debug_sessions;
 mod envoy_rls;
 pub mod follow;
-mod gateway;
 mod loaded;
 mod logging;
 mod reload;
@@ -28,21 +30,24 @@ mod source_state;
 pub mod state_key;
 mod tokens;
 
-pub use candidate::{CandidateSummary, MAX_CANDIDATE_PENDING};
-pub use debug_sessions::DebugLogin;
+pub use candidate::{CandidateShadow, CandidateSummary, MAX_CANDIDATE_PENDING};
+pub use debug_sessions::{DebugLogin, DebugSessionDesk};
 pub use envoy_rls::{RlsFailure, RlsReply};
-pub use gateway::Gateway;
 pub use loaded::LoadedPolicy;
 pub use logging::init_logging;
 use logging::log_decision;
-use tokens::state_reservation_key;
+pub use reload::{NetworkLoadError, Reload, ReloadState, Trigger};
+pub use source_state::FollowState;
+pub use tokens::Tokens;
 
 use crate::config::{Config, StoreKind};
 use crate::engine::headers::{self, HeaderConfig, Response};
+use crate::engine::rls::{self, RlsRequest};
 use crate::engine::{
     self, Decided, Decision, EngineConfig, Plan, Reason, RefusedBy, RequestView, Reservation,
 };
-use crate::limits::clock::{Clock, SystemClock};
+use crate::limits::clock::{wall_unix_secs, Clock, SystemClock};
+use crate::policy::Bundle;
 use crate::request::auth::{AuthError, TokenOutcome, Verifier};
 use crate::request::client_addr::{self, ForwardingHeaders};
 use crate::request::descriptor::{Claims, HeaderLookup, RequestFacts};
@@ -67,8 +72,8 @@ pub enum StartError {
     ReasonHeader,
     #[error(transparent)]
     State(#[from] crate::store::state_file::StateError),
-    #[error("{0}")]
-    Network(String),
+    #[error(transparent)]
+    Network(#[from] NetworkLoadError),
     #[error("{0}")]
     FingerprintKey(#[from] state_key::KeyFileError),
 }
@@ -102,6 +107,46 @@ impl HeaderLookup for HttpHeaders<'_> {
         // Every extra line of a name is one more value than there are names.
         self.0.len() != self.0.keys_len()
     }
+}
+
+/// The gateway: one value holding the configuration, the store, the metrics, the bundle in
+/// force, and its components, each in its own file: [`Reload`] (what changes the bundle in
+/// force: `reload`), [`FollowState`] (what the policy-store follower knows: `source_state`),
+/// [`Tokens`] (LLM reservations: `tokens`), [`DebugSessionDesk`] (Fairvisor's debug sessions:
+/// `debug_sessions`) and [`CandidateShadow`] (the candidate bundle in shadow: `candidate`).
+/// Its own methods, below, are the request path and the questions about the bundle in force.
+/// The operator's endpoints ([`crate::operator`]) read it; they add nothing to it.
+pub struct Gateway {
+    pub metrics: Arc<Metrics>,
+    pub config: Config,
+    pub header_config: HeaderConfig,
+    pub verifier: Verifier,
+    /// Where buckets live: the embedded store, or one shared with other gateways (shared with
+    /// the candidate bundle's store calls, which run apart from the request on a shared store).
+    pub store: Arc<Store>,
+    pub(crate) engine_config: EngineConfig,
+    /// Wall-clock time for kill-switch expiry (the store keeps its own time base).
+    pub(crate) clock: Arc<dyn Clock>,
+    /// The bundle in force.
+    pub(crate) policy: ArcSwapOption<Bundle>,
+    pub(crate) loaded: ArcSwapOption<LoadedPolicy>,
+    /// The buckets limited most over the last minute (`/v1/top`, the status page).
+    pub(crate) top: Mutex<crate::operator::top::TopSketch>,
+    /// The key of masked values' fingerprints (`/v1/top`, the status page, explain).
+    pub(crate) fingerprint_key: crate::telemetry::redact::FingerprintKey,
+    /// OpenTelemetry traces, when the `OTEL_*` environment asks for them (set once at start).
+    telemetry: std::sync::OnceLock<crate::telemetry::traces::Telemetry>,
+    /// What reloads keep: the network data in force, the watched files' signatures
+    /// ([`Gateway::reload`]).
+    pub(crate) reloads: ReloadState,
+    /// `--policy-store`: what the follower knows ([`follow`]).
+    pub follow: FollowState,
+    /// LLM reservations held until their usage is reported.
+    pub tokens: Tokens,
+    /// `--debug-session-secret` under `--compat fairvisor`.
+    pub debug_sessions: DebugSessionDesk,
+    /// The candidate bundle decided in shadow.
+    pub candidate: CandidateShadow,
 }
 
 impl Gateway {
@@ -139,56 +184,59 @@ impl Gateway {
         if config.compat == crate::engine::compat::Compat::Fairvisor {
             header_config.warning_header = crate::engine::compat::WARNING_HEADER.clone();
         }
+        let metrics = Arc::new(Metrics::new(store.kind()));
+        let store = Arc::new(store);
+        let engine_config = EngineConfig {
+            ipv6_prefix: config.ipv6_prefix,
+        };
         let gateway = Gateway {
-            metrics: Metrics::new(store.kind()),
             header_config,
             verifier,
-            store: Arc::new(store),
-            engine_config: EngineConfig {
-                ipv6_prefix: config.ipv6_prefix,
-            },
-            clock,
+            engine_config,
             policy: ArcSwapOption::empty(),
             loaded: ArcSwapOption::empty(),
             top: Mutex::new(crate::operator::top::TopSketch::default()),
-            network: arc_swap::ArcSwap::from_pointee(
-                crate::request::network::NetworkData::default(),
-            ),
-            network_watch: Mutex::new(Vec::new()),
-            watch: Mutex::new((None, None)),
-            held: Mutex::new(ahash::AHashMap::new()),
-            reservation_key: match (&config.reservation_secret, &config.state_dir) {
-                (Some(secret), _) => Some(crate::engine::reservation_token::key(&secret.0)),
-                // With a state dir, the decision service's reservations travel signed (with
-                // the directory's own key) so that a restart can still settle them.
-                (None, Some(state)) if matches!(config.store, StoreKind::Memory) => {
-                    state_reservation_key(&state.dir)
-                }
-                (None, _) => None,
-            },
-            debug_sessions: match &config.debug_secret {
-                Some(secret) => Some(parking_lot::RwLock::new(
-                    crate::engine::compat::DebugSessions::new(
-                        secret.clone(),
-                        &state_key::random_bytes::<32>()?,
-                    ),
-                )),
-                None => None,
-            },
             fingerprint_key: state_key::fingerprint_key(
                 config.state_dir.as_ref().map(|s| s.dir.as_path()),
             )?,
             telemetry: std::sync::OnceLock::new(),
-            source_state: source_state::new_state(),
-            candidate: ArcSwapOption::empty(),
-            candidate_on: std::sync::atomic::AtomicBool::new(false),
-            candidate_pending: Arc::default(),
+            reloads: ReloadState::new(),
+            follow: FollowState::new(config.policy_store.is_some(), Arc::clone(&clock)),
+            tokens: Tokens::new(
+                &config,
+                Arc::clone(&store),
+                Arc::clone(&clock),
+                Arc::clone(&metrics),
+            ),
+            debug_sessions: DebugSessionDesk::new(
+                &config,
+                Arc::clone(&clock),
+                Arc::clone(&metrics),
+            )?,
+            candidate: CandidateShadow::new(
+                metrics.candidate.clone(),
+                Arc::clone(&store),
+                Arc::clone(&clock),
+                engine_config,
+            ),
+            metrics,
+            store,
+            clock,
             config,
         };
-        gateway
-            .load_network("startup")
-            .map_err(StartError::Network)?;
+        gateway.reload().load_network(Trigger::Startup)?;
         Ok(gateway)
+    }
+
+    /// The gateway's reloads: the policy file, the network databases, the JWKS file.
+    pub fn reload(&self) -> Reload<'_> {
+        Reload { gateway: self }
+    }
+
+    /// Sets the candidate bundle decided in shadow beside the bundle in force, replaces it, or
+    /// clears it (`None`): see [`CandidateShadow`].
+    pub fn set_candidate(&self, candidate: Option<Bundle>) {
+        self.candidate.set(candidate, self.policy.load_full());
     }
 
     /// Tracing, when it is on (`None`: no span work anywhere).
@@ -211,9 +259,10 @@ impl Gateway {
             .load()
             .as_deref()
             .is_some_and(|b| b.uses_network)
-            || (self.has_candidate() && self.candidate_uses_network());
+            || (self.candidate.is_set() && self.candidate.uses_network());
         uses.then(|| {
-            self.network
+            self.reloads
+                .network
                 .load()
                 .resolve(facts.client_ip, facts.headers, facts.trusted_peer)
         })
@@ -391,8 +440,9 @@ impl Gateway {
             request: RequestView::of(facts),
         };
         let answer = self.answer(&decided, started);
-        if self.has_candidate() {
-            self.candidate_local(&decided.decision, facts, memory, now_us, unix_us);
+        if self.candidate.is_set() {
+            self.candidate
+                .after_local(&decided.decision, facts, memory, now_us, unix_us);
         }
         Some(answer)
     }
@@ -457,8 +507,9 @@ impl Gateway {
             request: RequestView::of(facts),
         };
         let answer = self.answer(&decided, started);
-        if self.has_candidate() {
-            self.candidate_shared(&decided.decision, facts, unix_us);
+        if self.candidate.is_set() {
+            self.candidate
+                .after_shared(&decided.decision, facts, unix_us);
         }
         answer
     }
@@ -480,7 +531,7 @@ impl Gateway {
             &mut response.headers,
             &decided.decision,
             &self.header_config.reason_header,
-            self.debug_session_open(cookie),
+            self.debug_sessions.is_open(cookie),
         );
     }
 
@@ -513,7 +564,7 @@ impl Gateway {
     fn answer(&self, decided: &Decided<'_>, started: Instant) -> Answer {
         let decision = &decided.decision;
         self.breakers_tripped(decision);
-        self.note_limited(decided);
+        crate::operator::endpoints::note_limited(self, decided);
         self.metrics
             .record(decision, started.elapsed().as_secs_f64());
         let mut response = headers::build(decided, &self.header_config);
@@ -609,7 +660,7 @@ impl Gateway {
     /// Drops buckets that no longer matter (see [`Store::sweep`]) and LLM reservations nobody
     /// reported in time.
     pub async fn sweep(&self) -> u64 {
-        self.expire_reservations();
+        self.tokens.expire();
         self.store.sweep().await
     }
 
@@ -627,6 +678,246 @@ impl Gateway {
             text.push_str(&fairvisor);
         }
         text
+    }
+
+    /// The `tiktoken` encodings the bundle in force counts prompts in (see
+    /// [`crate::request::llm::LlmRequest::parse_with`]).
+    pub fn tiktoken_encodings(&self) -> u8 {
+        self.policy.load().as_deref().map_or(0, |b| b.tiktoken)
+    }
+
+    /// Whether the bundle in force has a `token_bucket_llm` rule (the decision service then
+    /// reads request bodies, bounded by `--max-body-bytes`).
+    pub fn meters_tokens(&self) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.meters_tokens)
+    }
+
+    /// Whether a `token_bucket_llm` rule of the bundle in force may apply to this request:
+    /// front ends then read its body (bounded by `--max-body-bytes`) before deciding, and meter
+    /// its response.
+    pub fn meters_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.meters_tokens_for(facts))
+    }
+
+    /// Whether an enforced `token_bucket_llm` rule may apply to this request: a body too large
+    /// to read is then refused (413); with shadow rules alone it goes through unread.
+    pub fn enforces_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
+        let now = self.clock.unix_secs();
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.enforces_tokens_for(facts, now))
+    }
+
+    /// Whether any enforced `token_bucket_llm` rule is in force (the decision service's
+    /// coarser question: it reads the body before it knows the request).
+    pub fn enforces_tokens(&self) -> bool {
+        let now = self.clock.unix_secs();
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.enforces_tokens(now))
+    }
+
+    /// Answers an Envoy `ShouldRateLimit` call ([`crate::engine::rls`]): every descriptor's buckets in
+    /// one store call (after a peek when a descriptor only checks), one status per
+    /// descriptor, the merged decision counted, logged and turned into headers. A store that
+    /// does not answer leaves each rule to its `on_store_error` (counted), unless
+    /// `store_errors_fail_open` is false: then the call is answered `UNAVAILABLE`, for Envoy's
+    /// own `failure_mode_deny` to decide.
+    ///
+    /// # Errors
+    /// A malformed call, no policy loaded, or (when not failing open) a store failure.
+    pub async fn should_rate_limit(
+        &self,
+        request: &RlsRequest,
+        store_errors_fail_open: bool,
+    ) -> Result<RlsReply, RlsFailure> {
+        let started = Instant::now();
+        let Some(bundle) = self.policy.load_full() else {
+            return Err(RlsFailure::NoPolicy);
+        };
+        let unix_us = self.clock.unix_us();
+        let plan = rls::plan(&bundle, request, unix_us, self.engine_config)
+            .map_err(RlsFailure::Invalid)?;
+        let now_us = self.store.now_us();
+        let ran = envoy_rls::StoreRun::run(&self.store, &plan, now_us).await;
+        let outcome = plan.finish(ran.answer(), now_us);
+        // Decided without the store (its call failed, or a rule's `on_store_error` decided).
+        let store_failed = ran.failed() || outcome.decision.store_error();
+        if self.candidate.is_set() {
+            self.candidate.after_rls(request, unix_us);
+        }
+        self.metrics
+            .record(&outcome.decision, started.elapsed().as_secs_f64());
+        if store_failed && !store_errors_fail_open {
+            return Err(RlsFailure::StoreUnavailable);
+        }
+        let client_ip = request.descriptors.iter().find_map(|d| {
+            d.entries
+                .iter()
+                .find(|(k, _)| k == "remote_address")
+                .and_then(|(_, v)| v.parse::<IpAddr>().ok())
+        });
+        let over_limit = outcome.over_limit();
+        let decided = Decided {
+            decision: outcome.decision,
+            request: RequestView {
+                client_ip,
+                host: Some(&request.domain),
+                path: "/",
+                ..RequestView::default()
+            },
+        };
+        let response = headers::build(&decided, &self.header_config);
+        log_decision(&decided, response.status);
+        Ok(RlsReply {
+            over_limit,
+            statuses: outcome.statuses,
+            response,
+        })
+    }
+
+    /// Puts `bundle` in force (from the policy file, or version `published` of the policy
+    /// store), logging its warnings and skipped policies.
+    pub(super) fn install(&self, bundle: Bundle, published: Option<u64>, source: &'static str) {
+        let info = LoadedPolicy {
+            version: bundle.version.clone(),
+            hash: bundle.hash.clone(),
+            loaded_at: wall_unix_secs(),
+            sha256: bundle.sha256.clone(),
+            published,
+            source,
+        };
+        for warning in &bundle.warnings {
+            match published {
+                Some(version) => tracing::warn!(version, "policy warning: {warning}"),
+                None => {
+                    tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}")
+                }
+            }
+        }
+        for skipped in &bundle.skipped {
+            for error in &skipped.errors {
+                tracing::error!(policy_file = %self.config.policy.display(), policy = %skipped.path, id = %skipped.id, "policy skipped (--skip-invalid-policies): {error}");
+            }
+        }
+        for (name, o) in [
+            ("global_shadow", &bundle.global_shadow),
+            ("kill_switch_override", &bundle.kill_switch_override),
+        ] {
+            if let Some(o) = o {
+                tracing::warn!(reason = %o.reason, expires_at = o.expires_at, "runtime override {name} enabled in the bundle");
+            }
+        }
+        // Buckets live in the store, not in the bundle: they survive the swap, and a lowered
+        // burst caps their tokens on the next request.
+        let bundle = Arc::new(bundle);
+        self.metrics.on_install(&bundle);
+        self.metrics
+            .policy_source
+            .bundle(&info.bundle_version(), &info.sha256, source);
+        self.policy.store(Some(bundle));
+        self.loaded.store(Some(Arc::new(info)));
+        self.candidate.follow_live(self.policy.load_full());
+    }
+
+    /// The runtime overrides of the bundle in force, and whether each is active now.
+    pub(crate) fn runtime_overrides(&self) -> serde_json::Value {
+        let now = self.clock.unix_secs();
+        let guard = self.policy.load();
+        let Some(bundle) = guard.as_deref() else {
+            return serde_json::json!({});
+        };
+        let show = |o: &Option<crate::policy::RuntimeOverride>| match o {
+            Some(o) => serde_json::json!({
+                "active": o.active(now),
+                "reason": o.reason,
+                "expires_at": humantime::format_rfc3339_seconds(
+                    std::time::UNIX_EPOCH + std::time::Duration::from_secs(o.expires_at.max(0) as u64)
+                ).to_string(),
+            }),
+            None => serde_json::json!({"active": false}),
+        };
+        serde_json::json!({
+            "global_shadow": show(&bundle.global_shadow),
+            "kill_switch_override": show(&bundle.kill_switch_override),
+        })
+    }
+
+    /// `/readyz`: status code and JSON body.
+    pub fn readiness(&self) -> (u16, String) {
+        match self.loaded.load().as_ref() {
+            Some(p) => (
+                200,
+                self.with_fleet_size(serde_json::json!({
+                    "status": "ready",
+                    // Written as a number when it is one (Fairvisor bundles may use any text).
+                    "policy_version": p.version.parse::<u64>().map_or_else(
+                        |_| serde_json::Value::String(p.version.clone()),
+                        serde_json::Value::from,
+                    ),
+                    "skipped_policies": self.policy.load().as_deref().map_or_else(Vec::new, |b| {
+                        b.skipped.iter().map(|s| serde_json::json!({"path": s.path, "id": s.id, "errors": s.errors.iter().map(ToString::to_string).collect::<Vec<_>>()})).collect()
+                    }),
+                    "runtime_overrides": self.runtime_overrides(),
+                    "policy_hash": p.hash,
+                    "bundle_version": p.published.map_or_else(
+                        || p.version.parse::<u64>().map_or_else(
+                            |_| serde_json::Value::String(p.version.clone()),
+                            serde_json::Value::from,
+                        ),
+                        serde_json::Value::from,
+                    ),
+                    "bundle_hash": p.sha256,
+                    "bundle_source": p.source,
+                    "policy_source": self.follow.policy_source_json(),
+                    "loaded_at": p.loaded_at,
+                    "store": self.store.kind(),
+                    // A degraded store fails open; it does not make the gateway unready.
+                    "store_status": if self.store.degraded() { "degraded" } else { "ok" },
+                    "store_mode": self.store_mode_json(),
+                }))
+                .to_string(),
+            ),
+            None => {
+                let mut body =
+                    serde_json::json!({"status": "not_ready", "reason": "no_policy_loaded"});
+                if self.store.local().is_some() {
+                    body["store_mode"] = self.store_mode_json();
+                    body = self.with_fleet_size(body);
+                }
+                let source = self.follow.policy_source_json();
+                if !source.is_null() {
+                    body["policy_source"] = source;
+                }
+                (503, body.to_string())
+            }
+        }
+    }
+
+    /// `body` with `fleet_gateways` (N) when the store is shared.
+    fn with_fleet_size(&self, mut body: serde_json::Value) -> serde_json::Value {
+        if let Some(local) = self.store.local() {
+            body["fleet_gateways"] = local.gateways().into();
+        }
+        body
+    }
+
+    /// `store_mode` in `/readyz`: `shared` (the store decides), `local` (this gateway decides
+    /// from its share while the store does not answer), or `embedded` (no shared store).
+    fn store_mode_json(&self) -> serde_json::Value {
+        match self.store.local() {
+            None => "embedded".into(),
+            Some(local) if local.is_local() => "local".into(),
+            Some(_) => "shared".into(),
+        }
     }
 }
 
