@@ -76,6 +76,8 @@ pub enum StartError {
     Network(#[from] NetworkLoadError),
     #[error("{0}")]
     FingerprintKey(#[from] state_key::KeyFileError),
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
 }
 
 /// `X-Forwarded-For` and `X-Real-IP`, parsed once (a name given as a string is parsed at every
@@ -184,7 +186,7 @@ impl Gateway {
         if config.compat == crate::engine::compat::Compat::Fairvisor {
             header_config.warning_header = crate::engine::compat::WARNING_HEADER.clone();
         }
-        let metrics = Arc::new(Metrics::new(store.kind()));
+        let metrics = Arc::new(Metrics::new(store.kind())?);
         let store = Arc::new(store);
         let engine_config = EngineConfig {
             ipv6_prefix: config.ipv6_prefix,
