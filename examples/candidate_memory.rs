@@ -58,7 +58,6 @@ fn main() {
     let heap = || LIVE.load(Ordering::Relaxed) as u64;
     let (rss_start, heap_start) = (rss_bytes(), heap());
     gateway
-        .reload()
         .load_policy(tollgate::service::Trigger::Startup)
         .expect("live bundle");
     tollgate::policy::release_parse_memory();

@@ -85,7 +85,7 @@ fn gateway(redis: &Redis, dir: &tempfile::TempDir) -> Arc<Gateway> {
     };
     let config = tollgate::config::Config::from_args(&args).unwrap();
     let gateway = Arc::new(Gateway::new(config).unwrap());
-    gateway.reload().load_policy(Trigger::Sighup).unwrap();
+    gateway.load_policy(Trigger::Sighup).unwrap();
     gateway
 }
 

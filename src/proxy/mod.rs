@@ -100,7 +100,7 @@ pub fn run(args: RunArgs) -> u8 {
     // bundle appears (the file watcher picks it up). An upgrade is different: the running
     // gateway enforces a bundle, and taking its listeners without one would switch limits off,
     // so the new process stops here and the old one keeps serving.
-    let loaded = gateway.reload().load_policy(Trigger::Startup);
+    let loaded = gateway.load_policy(Trigger::Startup);
     // A policy file that puts nothing in force would proxy everything unlimited (every policy
     // skipped by --skip-invalid-policies, an empty bundle): stop, unless the operator means it.
     if let Err(e @ crate::policy::PolicyError::Empty { .. }) = &loaded {
@@ -1007,14 +1007,14 @@ impl BackgroundService for Housekeeping {
                 }
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
-                    let _ = self.gateway.reload().load_policy(Trigger::Sighup);
+                    let _ = self.gateway.load_policy(Trigger::Sighup);
                     if let Some(certs) = &self.certificates {
                         let _ = certs.reload("sighup");
                     }
                     self.reload_routes("sighup");
                 }
                 _ = poll_tick.tick(), if self.gateway.config.policy_poll.is_some() => {
-                    self.gateway.reload().reload_if_changed();
+                    self.gateway.reload_if_changed();
                     if let Some(certs) = &self.certificates {
                         certs.reload_if_changed();
                     }

@@ -1,5 +1,5 @@
 //! The gateway's candidate component ([`CandidateShadow`]): the candidate bundle in shadow,
-//! set, replaced and cleared by whoever follows the policy store ([`Gateway::set_candidate`]),
+//! set, replaced and cleared by whoever follows the policy store ([`crate::service::Gateway::set_candidate`]),
 //! decided after every live decision of the proxy, the decision service, ext_authz and Envoy's
 //! RLS, and counted (`tollgate_candidate_*` in `/metrics`, the status page,
 //! [`CandidateShadow::refusals`] for heartbeats). It never changes an answer, a header, a log
@@ -13,8 +13,6 @@
 //! `tollgate_candidate_skipped_total`.
 
 use super::shadow::{Candidate, Counters};
-#[cfg(doc)]
-use super::Gateway;
 use crate::engine::candidate::{decide_candidate_local, plan_candidate, CandidateBundle, Refusers};
 use crate::engine::rls::{self, RlsRequest, StoreAnswer};
 use crate::engine::{Decision, EngineConfig};

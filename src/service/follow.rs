@@ -15,9 +15,9 @@
 //! comes back under its version or an older one; and a flood of change notifications costs at
 //! most one read every [`MIN_READ_GAP`].
 
+use super::gateway::Gateway;
 use super::reload::Trigger;
 use super::source_state::RefusalRecord;
-use super::Gateway;
 use crate::fleet::envelope::{Envelope, EnvelopeError, Slot, VerifyKey};
 use crate::fleet::source::{Bounded, Heartbeat, PolicySource, SourceError};
 use crate::fleet::standing::SlotId;
@@ -45,9 +45,7 @@ pub const STORE_POLL: Duration = Duration::from_secs(1);
 /// (a `PUBLISH` flood from anyone who can reach the store) are coalesced into one read.
 pub const MIN_READ_GAP: Duration = Duration::from_millis(100);
 
-/// How long before the live bundle in force expires the gateway starts warning (a WARN line,
-/// `/readyz` `policy_source.expires_soon`, `tollgate_bundle_expiry_timestamp_seconds`).
-pub const EXPIRY_WARNING_SECS: i64 = 7 * 24 * 3600;
+pub use super::source_state::EXPIRY_WARNING_SECS;
 
 /// How long a slot refused as from the future waits before it is looked at again.
 const FUTURE_RECHECK_SECS: i64 = 60;

@@ -3,13 +3,16 @@
 //! heartbeat: the store, whether it answers, the bundles in force from it, and the last
 //! refusal.
 
-use super::follow::EXPIRY_WARNING_SECS;
 use crate::fleet::envelope::Slot;
 use crate::fleet::source::SlotRefusal;
 use crate::fleet::standing::Standing;
 use crate::limits::clock::Clock;
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::Arc;
+
+/// How long before the live bundle in force expires the gateway starts warning (a WARN line,
+/// `/readyz` `policy_source.expires_soon`, `tollgate_bundle_expiry_timestamp_seconds`).
+pub const EXPIRY_WARNING_SECS: i64 = 7 * 24 * 3600;
 
 /// The last refusal, as `/readyz` shows it.
 #[derive(Debug, Clone)]

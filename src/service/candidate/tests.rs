@@ -55,7 +55,7 @@ fn gateway_with(
     let config = Config::from_args(&args).unwrap();
     let clock = ManualClock::new(1_800_000_000);
     let gateway = Gateway::with_clock(config, Arc::new(clock.clone())).unwrap();
-    gateway.reload().load_policy(Trigger::Sighup).unwrap();
+    gateway.load_policy(Trigger::Sighup).unwrap();
     (gateway, clock)
 }
 
@@ -167,7 +167,7 @@ fn replacing_or_clearing_the_candidate_starts_its_counts_again() {
         bundle(4, vec![rule(10)]).to_string(),
     )
     .unwrap();
-    gw.reload().load_policy(Trigger::Sighup).unwrap();
+    gw.load_policy(Trigger::Sighup).unwrap();
     assert_eq!(gw.candidate.summary().unwrap().decisions, 1);
     gw.set_candidate(None);
     assert_eq!(gw.candidate.info(), None);
