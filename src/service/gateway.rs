@@ -59,9 +59,9 @@ pub enum StartError {
 /// The gateway: one value holding the configuration, the store, the metrics, the bundle in
 /// force, and its components, each in its own file: [`Reload`] (the watched files and the
 /// network data they give: `reload`), [`FollowState`] (what the policy-store follower knows:
-/// `source_state`),
-/// [`Tokens`] (LLM reservations: `tokens`), [`DebugSessionDesk`] (Fairvisor's debug sessions:
-/// `debug_sessions`) and [`CandidateShadow`] (the candidate bundle in shadow: `candidate`).
+/// `source_state`), [`Tokens`] (LLM reservations: `tokens`), [`DebugSessionDesk`] (Fairvisor's
+/// debug sessions: `debug_sessions`) and [`CandidateShadow`] (the candidate bundle in shadow:
+/// `candidate`).
 /// Its own methods, below, are the request path and the questions about the bundle in force.
 /// The operator's endpoints ([`crate::operator`]) read it; they add nothing to it.
 pub struct Gateway {
@@ -86,7 +86,7 @@ pub struct Gateway {
     telemetry: std::sync::OnceLock<crate::telemetry::traces::Telemetry>,
     /// The network data in force and the watched files' signatures.
     pub reload: Reload,
-    /// `--policy-store`: what the follower knows ([`follow`]).
+    /// `--policy-store`: what the follower ([`super::follow`]) knows.
     pub follow: FollowState,
     /// LLM reservations held until their usage is reported.
     pub tokens: Tokens,
@@ -143,9 +143,6 @@ impl Gateway {
             policy: ArcSwapOption::empty(),
             loaded: ArcSwapOption::empty(),
             top: Mutex::new(crate::operator::top::TopSketch::default()),
-            fingerprint_key: state_key::fingerprint_key(
-                config.state_dir.as_ref().map(|s| s.dir.as_path()),
-            )?,
             telemetry: std::sync::OnceLock::new(),
             reload: Reload::new(),
             follow: FollowState::new(config.policy_store.is_some(), Arc::clone(&clock)),
@@ -159,6 +156,9 @@ impl Gateway {
                 &config,
                 Arc::clone(&clock),
                 Arc::clone(&metrics),
+            )?,
+            fingerprint_key: state_key::fingerprint_key(
+                config.state_dir.as_ref().map(|s| s.dir.as_path()),
             )?,
             candidate: CandidateShadow::new(
                 metrics.candidate.clone(),
