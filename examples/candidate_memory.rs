@@ -60,7 +60,9 @@ fn main() {
 
     let heap = || LIVE.load(Ordering::Relaxed) as u64;
     let (rss_start, heap_start) = (rss_bytes(), heap());
-    gateway.load_policy("start").expect("live bundle");
+    gateway
+        .load_policy(tollgate::service::Trigger::Startup)
+        .expect("live bundle");
     tollgate::policy::release_parse_memory();
     let (rss_live, heap_live) = (rss_bytes(), heap());
 
@@ -76,7 +78,7 @@ fn main() {
     let (rss_candidate, heap_candidate) = (rss_bytes(), heap());
     // The candidate's source text lived through both measurements: it counts in neither.
     drop(candidate_text);
-    let summary = gateway.candidate_summary().expect("a candidate");
+    let summary = gateway.candidate.summary().expect("a candidate");
     let mb = |b: u64| b as f64 / 1e6;
     println!(
         "{n} policies: live bundle {:.1} MB heap, RSS {:.1} -> {:.1} MB; candidate ({} of {} rules unchanged) {:.1} MB heap ({} bytes per policy), RSS {:.1} MB (+{:.1})",

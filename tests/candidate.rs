@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tollgate::policy::{parse_bundle_with, CompileOptions};
 use tollgate::request::descriptor::RequestFacts;
-use tollgate::service::Gateway;
+use tollgate::service::{Gateway, Trigger};
 
 /// `redis-server` on a free loopback port, stopped when dropped.
 struct Redis(Child, u16, #[allow(dead_code)] tempfile::TempDir);
@@ -85,7 +85,7 @@ fn gateway(redis: &Redis, dir: &tempfile::TempDir) -> Arc<Gateway> {
     };
     let config = tollgate::config::Config::from_args(&args).unwrap();
     let gateway = Arc::new(Gateway::new(config).unwrap());
-    gateway.load_policy("test").unwrap();
+    gateway.load_policy(Trigger::Sighup).unwrap();
     gateway
 }
 
@@ -125,19 +125,19 @@ async fn on_redis_the_candidate_counts_from_its_own_buckets_without_changing_an_
     // The candidate's calls are not awaited by the requests: wait for their count, and for
     // the would-refuse counts (each call counts its decision first, then its refusals).
     let start = Instant::now();
-    while gw.candidate_summary().unwrap().decisions < 10
-        || gw.candidate_refusals().get("api/per-ip") != Some(&5)
+    while gw.candidate.summary().unwrap().decisions < 10
+        || gw.candidate.refusals().get("api/per-ip") != Some(&5)
     {
         assert!(
             start.elapsed() < Duration::from_secs(10),
             "candidate calls never ended: {:?}",
-            gw.candidate_summary().map(|s| (s.decisions, s.refusals))
+            gw.candidate.summary().map(|s| (s.decisions, s.refusals))
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let refusals = gw.candidate_refusals();
+    let refusals = gw.candidate.refusals();
     assert_eq!(refusals.get("api/per-ip"), Some(&5), "{refusals:?}");
-    assert_eq!(gw.candidate_info(), Some(("2".to_string(), hash.clone())));
+    assert_eq!(gw.candidate.info(), Some(("2".to_string(), hash.clone())));
     let text = gw.metrics_text();
     for line in [
         "tollgate_candidate_would_refuse_total{policy=\"api\",rule=\"per-ip\"} 5".to_string(),

@@ -422,165 +422,10 @@ impl std::fmt::Display for SampleValue {
 /// connection, per-request remaining tokens) are exported at 0 so every name exists.
 pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64) -> String {
     let mut out = String::with_capacity(4096);
-    let label = |labels: &str, key: &str| -> String {
-        labels
-            .split("\",")
-            .find_map(|pair| {
-                let (k, v) = pair.split_once("=\"")?;
-                (k.trim_start_matches(',') == key).then(|| v.trim_end_matches('"').to_string())
-            })
-            .unwrap_or_default()
-    };
-    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    };
-
-    family(
-        &mut out,
-        "fairvisor_decisions_total",
-        "counter",
-        "Decisions by action and policy (tollgate_decisions_total)",
-    );
-    let mut decisions: std::collections::BTreeMap<(String, String), f64> = Default::default();
-    for (labels, value) in samples(tollgate, "tollgate_decisions_total") {
-        let action = match label(labels, "action").as_str() {
-            "allow" => "allow",
-            "reject" => "reject",
-            "would_reject" => "shadow_reject",
-            _ => continue,
-        }
-        .to_string();
-        *decisions
-            .entry((action, label(labels, "policy")))
-            .or_default() += value;
-    }
-    for ((action, policy), value) in &decisions {
-        let _ = writeln!(
-            out,
-            "fairvisor_decisions_total{{action=\"{action}\",policy_id=\"{policy}\"}} {}",
-            SampleValue(*value)
-        );
-    }
-
-    family(
-        &mut out,
-        "fairvisor_decision_duration_seconds",
-        "histogram",
-        "Decision latency (tollgate_decision_duration_seconds)",
-    );
-    for line in tollgate.lines() {
-        if let Some(rest) = line.strip_prefix("tollgate_decision_duration_seconds") {
-            let _ = writeln!(out, "fairvisor_decision_duration_seconds{rest}");
-        }
-    }
-
-    let sum = |name: &str| total(samples(tollgate, name).map(|(_, v)| v));
-    let loops = total(
-        samples(tollgate, "tollgate_decisions_total")
-            .filter(|(labels, _)| label(labels, "reason") == "loop_detected")
-            .map(|(_, v)| v),
-    );
-    let active = |name: &str| {
-        total(
-            samples(tollgate, "tollgate_runtime_override_active")
-                .filter(|(labels, _)| label(labels, "override") == name)
-                .map(|(_, v)| v),
-        )
-    };
-    let in_force = bundle.map(|b| b.in_force(unix_secs));
-    let kill_switches = in_force.map_or(0, |b| b.kill_switches.len());
-    let shadow_policies = in_force.map_or(0, |b| {
-        b.policies
-            .iter()
-            .filter(|p| p.mode == crate::policy::Mode::Shadow)
-            .count()
-    });
-    for (name, kind, help, value) in [
-        (
-            "fairvisor_ratelimit_remaining",
-            "gauge",
-            "Not tracked by tollgate (see the RateLimit headers)",
-            0.0,
-        ),
-        (
-            "fairvisor_tokens_consumed_total",
-            "counter",
-            "LLM tokens used (tollgate_llm_tokens_used_total)",
-            sum("tollgate_llm_tokens_used_total"),
-        ),
-        (
-            "fairvisor_tokens_remaining",
-            "gauge",
-            "Not tracked by tollgate (GET /v1/buckets shows a bucket)",
-            0.0,
-        ),
-        (
-            "fairvisor_token_estimation_accuracy_ratio",
-            "gauge",
-            "Not tracked as a gauge (tollgate_llm_prompt_estimate_ratio)",
-            0.0,
-        ),
-        (
-            "fairvisor_token_reservation_unused_total",
-            "counter",
-            "LLM tokens refunded (tollgate_llm_tokens_refunded_total)",
-            sum("tollgate_llm_tokens_refunded_total"),
-        ),
-        (
-            "fairvisor_loop_detected_total",
-            "counter",
-            "Requests refused as loops",
-            loops,
-        ),
-        (
-            "fairvisor_circuit_state",
-            "gauge",
-            "Breaker trips (tollgate_circuit_breaker_trips_total)",
-            sum("tollgate_circuit_breaker_trips_total"),
-        ),
-        (
-            "fairvisor_kill_switch_active",
-            "gauge",
-            "Kill switches in the bundle in force",
-            kill_switches as f64,
-        ),
-        (
-            "fairvisor_shadow_mode_active",
-            "gauge",
-            "Policies in shadow mode",
-            shadow_policies as f64,
-        ),
-        (
-            "fairvisor_global_shadow_active",
-            "gauge",
-            "global_shadow in force",
-            active("global_shadow"),
-        ),
-        (
-            "fairvisor_kill_switch_override_active",
-            "gauge",
-            "kill_switch_override in force",
-            active("kill_switch_override"),
-        ),
-        (
-            "fairvisor_saas_reachable",
-            "gauge",
-            "tollgate has no SaaS connection",
-            0.0,
-        ),
-        (
-            "fairvisor_saas_calls_total",
-            "counter",
-            "tollgate has no SaaS connection",
-            0.0,
-        ),
-        (
-            "fairvisor_events_sent_total",
-            "counter",
-            "tollgate has no SaaS connection",
-            0.0,
-        ),
-    ] {
+    write_decisions(&mut out, tollgate);
+    write_latency(&mut out, tollgate);
+    let totals = Totals::of(tollgate, bundle, unix_secs);
+    for (name, kind, help, value) in totals.single_values() {
         family(&mut out, name, kind, help);
         let _ = writeln!(out, "{name} {}", SampleValue(value));
     }
@@ -610,6 +455,189 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
         env!("CARGO_PKG_VERSION")
     );
     out
+}
+
+/// The value of label `key` in a sample's `labels` (empty when it has none).
+fn label(labels: &str, key: &str) -> String {
+    labels
+        .split("\",")
+        .find_map(|pair| {
+            let (k, v) = pair.split_once("=\"")?;
+            (k.trim_start_matches(',') == key).then(|| v.trim_end_matches('"').to_string())
+        })
+        .unwrap_or_default()
+}
+
+/// A family's `# HELP` and `# TYPE` lines.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// `fairvisor_decisions_total`: tollgate's decisions summed by action and policy.
+fn write_decisions(out: &mut String, tollgate: &str) {
+    family(
+        out,
+        "fairvisor_decisions_total",
+        "counter",
+        "Decisions by action and policy (tollgate_decisions_total)",
+    );
+    let mut decisions: std::collections::BTreeMap<(String, String), f64> = Default::default();
+    for (labels, value) in samples(tollgate, "tollgate_decisions_total") {
+        let action = match label(labels, "action").as_str() {
+            "allow" => "allow",
+            "reject" => "reject",
+            "would_reject" => "shadow_reject",
+            _ => continue,
+        }
+        .to_string();
+        *decisions
+            .entry((action, label(labels, "policy")))
+            .or_default() += value;
+    }
+    for ((action, policy), value) in &decisions {
+        let _ = writeln!(
+            out,
+            "fairvisor_decisions_total{{action=\"{action}\",policy_id=\"{policy}\"}} {}",
+            SampleValue(*value)
+        );
+    }
+}
+
+/// `fairvisor_decision_duration_seconds`: tollgate's decision latency histogram, renamed.
+fn write_latency(out: &mut String, tollgate: &str) {
+    family(
+        out,
+        "fairvisor_decision_duration_seconds",
+        "histogram",
+        "Decision latency (tollgate_decision_duration_seconds)",
+    );
+    for line in tollgate.lines() {
+        if let Some(rest) = line.strip_prefix("tollgate_decision_duration_seconds") {
+            let _ = writeln!(out, "fairvisor_decision_duration_seconds{rest}");
+        }
+    }
+}
+
+/// What the single-sample `fairvisor_*` families are read from: tollgate's totals and the
+/// bundle in force.
+struct Totals {
+    tokens_used: f64,
+    tokens_refunded: f64,
+    loops: f64,
+    breaker_trips: f64,
+    kill_switches: usize,
+    shadow_policies: usize,
+    global_shadow: f64,
+    kill_switch_override: f64,
+}
+
+impl Totals {
+    fn of(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64) -> Totals {
+        let sum = |name: &str| total(samples(tollgate, name).map(|(_, v)| v));
+        let active = |name: &str| {
+            total(
+                samples(tollgate, "tollgate_runtime_override_active")
+                    .filter(|(labels, _)| label(labels, "override") == name)
+                    .map(|(_, v)| v),
+            )
+        };
+        let in_force = bundle.map(|b| b.in_force(unix_secs));
+        Totals {
+            tokens_used: sum("tollgate_llm_tokens_used_total"),
+            tokens_refunded: sum("tollgate_llm_tokens_refunded_total"),
+            loops: total(
+                samples(tollgate, "tollgate_decisions_total")
+                    .filter(|(labels, _)| label(labels, "reason") == "loop_detected")
+                    .map(|(_, v)| v),
+            ),
+            breaker_trips: sum("tollgate_circuit_breaker_trips_total"),
+            kill_switches: in_force.map_or(0, |b| b.kill_switches.len()),
+            shadow_policies: in_force.map_or(0, |b| {
+                b.policies
+                    .iter()
+                    .filter(|p| p.mode == crate::policy::Mode::Shadow)
+                    .count()
+            }),
+            global_shadow: active("global_shadow"),
+            kill_switch_override: active("kill_switch_override"),
+        }
+    }
+
+    /// The single-sample families, in the order they are written: name, type, help, value.
+    fn single_values(&self) -> [(&'static str, &'static str, &'static str, f64); 14] {
+        const NO_SAAS: &str = "tollgate has no SaaS connection";
+        [
+            (
+                "fairvisor_ratelimit_remaining",
+                "gauge",
+                "Not tracked by tollgate (see the RateLimit headers)",
+                0.0,
+            ),
+            (
+                "fairvisor_tokens_consumed_total",
+                "counter",
+                "LLM tokens used (tollgate_llm_tokens_used_total)",
+                self.tokens_used,
+            ),
+            (
+                "fairvisor_tokens_remaining",
+                "gauge",
+                "Not tracked by tollgate (GET /v1/buckets shows a bucket)",
+                0.0,
+            ),
+            (
+                "fairvisor_token_estimation_accuracy_ratio",
+                "gauge",
+                "Not tracked as a gauge (tollgate_llm_prompt_estimate_ratio)",
+                0.0,
+            ),
+            (
+                "fairvisor_token_reservation_unused_total",
+                "counter",
+                "LLM tokens refunded (tollgate_llm_tokens_refunded_total)",
+                self.tokens_refunded,
+            ),
+            (
+                "fairvisor_loop_detected_total",
+                "counter",
+                "Requests refused as loops",
+                self.loops,
+            ),
+            (
+                "fairvisor_circuit_state",
+                "gauge",
+                "Breaker trips (tollgate_circuit_breaker_trips_total)",
+                self.breaker_trips,
+            ),
+            (
+                "fairvisor_kill_switch_active",
+                "gauge",
+                "Kill switches in the bundle in force",
+                self.kill_switches as f64,
+            ),
+            (
+                "fairvisor_shadow_mode_active",
+                "gauge",
+                "Policies in shadow mode",
+                self.shadow_policies as f64,
+            ),
+            (
+                "fairvisor_global_shadow_active",
+                "gauge",
+                "global_shadow in force",
+                self.global_shadow,
+            ),
+            (
+                "fairvisor_kill_switch_override_active",
+                "gauge",
+                "kill_switch_override in force",
+                self.kill_switch_override,
+            ),
+            ("fairvisor_saas_reachable", "gauge", NO_SAAS, 0.0),
+            ("fairvisor_saas_calls_total", "counter", NO_SAAS, 0.0),
+            ("fairvisor_events_sent_total", "counter", NO_SAAS, 0.0),
+        ]
+    }
 }
 
 #[cfg(test)]

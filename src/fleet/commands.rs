@@ -458,50 +458,131 @@ fn publish_to_file(
 
 /// `tollgate promote`; returns the exit code.
 pub fn promote(args: &PromoteArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let result = promote_inner(args, err);
+    let result = relive(Relive::Candidate, args, err);
     finish(result, out, err)
 }
 
-fn promote_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
+/// `tollgate rollback`; returns the exit code.
+pub fn rollback(args: &PromoteArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let result = relive(Relive::Previous, args, err);
+    finish(result, out, err)
+}
+
+/// What `promote` and `rollback` seal again as a new live version: the candidate, or the
+/// previous live bundle (the head of the live history).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Relive {
+    Candidate,
+    Previous,
+}
+
+/// The bundle to seal again, as read from the store.
+struct Found {
+    bytes: Vec<u8>,
+    /// The live slot, when it was read with the bundle (the candidate comes with it).
+    live: Option<Option<Vec<u8>>>,
+    /// Older bundles left in the live history (a rollback's).
+    left: usize,
+}
+
+impl Relive {
+    /// How messages name it.
+    fn name(self) -> &'static str {
+        match self {
+            Relive::Candidate => "candidate",
+            Relive::Previous => "previous live bundle",
+        }
+    }
+
+    /// The slot its envelope was sealed for.
+    fn slot(self) -> Slot {
+        match self {
+            Relive::Candidate => Slot::Candidate,
+            Relive::Previous => Slot::Live,
+        }
+    }
+
+    /// Reads it from `store`.
+    async fn find(self, store: &dyn PolicySource) -> Outcome<Found> {
+        let none = |message: String| Failure(EXIT_INVALID, message);
+        match self {
+            Relive::Candidate => {
+                let slots = store.read().await.map_err(|e| store_failure(&e))?;
+                let bytes = slots.candidate.ok_or_else(|| {
+                    none(format!(
+                        "no candidate to promote on {} (publish one with `tollgate publish FILE \
+                         --candidate`)",
+                        store.display_url()
+                    ))
+                })?;
+                Ok(Found {
+                    bytes,
+                    live: Some(slots.live),
+                    left: 0,
+                })
+            }
+            Relive::Previous => {
+                let mut history = store.history().await.map_err(|e| store_failure(&e))?;
+                if history.is_empty() {
+                    return Err(none(format!(
+                        "no previous live bundle to roll back to on {}",
+                        store.display_url()
+                    )));
+                }
+                let left = history.len() - 1;
+                Ok(Found {
+                    bytes: history.swap_remove(0),
+                    live: None,
+                    left,
+                })
+            }
+        }
+    }
+}
+
+/// Seals `what` again as the next live version (re-signed with `--sign-key`, with a fresh
+/// expiry), after the checks a publish makes; a signed candidate is not promoted unsigned, nor
+/// an expired one.
+fn relive(what: Relive, args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
     let key = signing_key(&args.signing)?;
     let store = open_store(&args.store)?;
     runtime()?.block_on(async {
-        let slots = store.read().await.map_err(|e| store_failure(&e))?;
-        let Some(bytes) = slots.candidate.as_deref() else {
-            return Err(Failure(
-                EXIT_INVALID,
-                format!(
-                    "no candidate to promote on {} (publish one with `tollgate publish FILE \
-                     --candidate`)",
-                    store.display_url()
-                ),
-            ));
-        };
-        let candidate = Envelope::parse(bytes, Slot::Candidate, usize::MAX).map_err(|e| {
+        let found = what.find(store.as_ref()).await?;
+        let source = Envelope::parse(&found.bytes, what.slot(), usize::MAX).map_err(|e| {
             Failure(
                 EXIT_INVALID,
                 format!(
-                    "the candidate on {} is not usable: {e}",
+                    "the {} on {} is not usable: {e}",
+                    what.name(),
                     store.display_url()
                 ),
             )
         })?;
-        check_resign(&candidate, key.as_ref(), "candidate")?;
-        let label = PathBuf::from(format!("candidate version {}", candidate.version));
-        validate_bundle(&label, candidate.policy.as_bytes(), err)?;
-        if key.is_none() && candidate.signature.is_some() && !args.signing.allow_unsigned {
+        check_resign(&source, key.as_ref(), what.name())?;
+        // An old bundle may have expired since: the fleet would refuse it.
+        let label = PathBuf::from(format!("{} version {}", what.name(), source.version));
+        validate_bundle(&label, source.policy.as_bytes(), err)?;
+        if what == Relive::Candidate
+            && key.is_none()
+            && source.signature.is_some()
+            && !args.signing.allow_unsigned
+        {
             return Err(Failure(
                 EXIT_FAILURE,
                 format!(
                     "the candidate (version {}) is signed and no --sign-key was given: gateways \
                      with --policy-verify-key would refuse it promoted unsigned \
                      (--allow-unsigned promotes it anyway)",
-                    candidate.version
+                    source.version
                 ),
             ));
         }
+        let live_slot = match found.live {
+            Some(live) => live,
+            None => store.read().await.map_err(|e| store_failure(&e))?.live,
+        };
         check_unsigned_replacement(
-            slots.live.as_deref(),
+            live_slot.as_deref(),
             key.as_ref(),
             &args.signing,
             "live bundle",
@@ -510,104 +591,48 @@ fn promote_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
         let now = store_clock(store.as_ref()).await?;
         // A candidate past its expiry is no candidate any more (it may have been put back in
         // the slot): promoting would re-sign it with a fresh expiry.
-        if let Err(e) = candidate.check_expiry(i64::try_from(now / 1000).unwrap_or(i64::MAX), false)
-        {
-            return Err(Failure(
-                EXIT_INVALID,
-                format!(
-                    "the candidate (version {}) is not promoted: {e}; publish the candidate \
-                     again from its file",
-                    candidate.version
-                ),
-            ));
+        if what == Relive::Candidate {
+            if let Err(e) =
+                source.check_expiry(i64::try_from(now / 1000).unwrap_or(i64::MAX), false)
+            {
+                return Err(Failure(
+                    EXIT_INVALID,
+                    format!(
+                        "the candidate (version {}) is not promoted: {e}; publish the candidate \
+                         again from its file",
+                        source.version
+                    ),
+                ));
+            }
         }
         let expires_at = expiry(now, &args.signing)?;
         let version = next_version(now, seen_versions(store.as_ref(), now, err).await?);
         let live = Envelope::seal(
-            candidate.policy,
+            source.policy,
             Slot::Live,
             version,
             crate::limits::clock::wall_unix_secs(),
             Some(expires_at),
             key.as_ref(),
         );
-        store
-            .promote(&live, bytes)
-            .await
-            .map_err(|e| store_failure(&e))?;
-        let _ = writeln!(
-            err,
-            "promoted candidate version {} as live version {version}, sha256 {}",
-            candidate.version, live.sha256
-        );
-        Ok(version)
-    })
-}
-
-/// `tollgate rollback`; returns the exit code.
-pub fn rollback(args: &PromoteArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let result = rollback_inner(args, err);
-    finish(result, out, err)
-}
-
-fn rollback_inner(args: &PromoteArgs, err: &mut dyn Write) -> Outcome<u64> {
-    let key = signing_key(&args.signing)?;
-    let store = open_store(&args.store)?;
-    runtime()?.block_on(async {
-        let history = store.history().await.map_err(|e| store_failure(&e))?;
-        let Some(head) = history.first() else {
-            return Err(Failure(
-                EXIT_INVALID,
-                format!(
-                    "no previous live bundle to roll back to on {}",
-                    store.display_url()
-                ),
-            ));
+        match what {
+            Relive::Candidate => store.promote(&live, &found.bytes).await,
+            Relive::Previous => store.roll_back(&live, &found.bytes).await,
+        }
+        .map_err(|e| store_failure(&e))?;
+        let _ = match what {
+            Relive::Candidate => writeln!(
+                err,
+                "promoted candidate version {} as live version {version}, sha256 {}",
+                source.version, live.sha256
+            ),
+            Relive::Previous => writeln!(
+                err,
+                "rolled back to the bundle of version {} as live version {version}, sha256 {} \
+                 ({} older bundle(s) left to roll back to)",
+                source.version, live.sha256, found.left
+            ),
         };
-        let previous = Envelope::parse(head, Slot::Live, usize::MAX).map_err(|e| {
-            Failure(
-                EXIT_INVALID,
-                format!(
-                    "the previous live bundle on {} is not usable: {e}",
-                    store.display_url()
-                ),
-            )
-        })?;
-        check_resign(&previous, key.as_ref(), "previous live bundle")?;
-        // An old bundle may have expired since: the fleet would refuse it.
-        let label = PathBuf::from(format!("previous live bundle version {}", previous.version));
-        validate_bundle(&label, previous.policy.as_bytes(), err)?;
-        let slots = store.read().await.map_err(|e| store_failure(&e))?;
-        check_unsigned_replacement(
-            slots.live.as_deref(),
-            key.as_ref(),
-            &args.signing,
-            "live bundle",
-            err,
-        )?;
-        let now = store_clock(store.as_ref()).await?;
-        let expires_at = expiry(now, &args.signing)?;
-        let version = next_version(now, seen_versions(store.as_ref(), now, err).await?);
-        let live = Envelope::seal(
-            previous.policy,
-            Slot::Live,
-            version,
-            crate::limits::clock::wall_unix_secs(),
-            Some(expires_at),
-            key.as_ref(),
-        );
-        store
-            .roll_back(&live, head)
-            .await
-            .map_err(|e| store_failure(&e))?;
-        let _ = writeln!(
-            err,
-            "rolled back to the bundle of version {} as live version {version}, sha256 {} \
-             ({} older bundle(s) left to roll back to)",
-            previous.version,
-            live.sha256,
-            history.len() - 1
-        );
         Ok(version)
     })
 }

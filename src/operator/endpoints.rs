@@ -1,11 +1,11 @@
 //! The operator endpoints on the running gateway, independent of HTTP framing: who may call
 //! them, `GET`/`DELETE /v1/buckets/{bucket}`, `POST /v1/explain`, `GET /v1/top`, `GET /status`,
-//! and the recording of every limited request into the top sketch.
+//! each a function of the [`Gateway`] it reads: the operator adds nothing to the gateway.
 
 use super::buckets::{BucketRef, LookupError};
-use super::top::{Event, Label};
-use crate::engine::Decided;
-use crate::policy::{Bundle, Mode};
+pub use super::limited::encode_path;
+use super::limited::BY_HASH;
+use crate::policy::Bundle;
 use crate::service::{Described, Gateway};
 use serde_json::json;
 use std::net::IpAddr;
@@ -95,19 +95,6 @@ pub fn decode_path(raw: &str) -> Result<String, &'static str> {
     String::from_utf8(out).map_err(|_| "escapes that are not UTF-8")
 }
 
-/// Encodes a bucket name for a path segment (everything but unreserved characters and `:`).
-pub fn encode_path(name: &str) -> String {
-    let mut out = String::with_capacity(name.len());
-    for b in name.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b':') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// The value of query parameter `name`, percent-decoded.
 fn query_param<'q>(query: Option<&'q str>, name: &str) -> Option<std::borrow::Cow<'q, str>> {
     query?.split('&').find_map(|pair| {
@@ -116,322 +103,253 @@ fn query_param<'q>(query: Option<&'q str>, name: &str) -> Option<std::borrow::Co
     })
 }
 
-/// Where a masked bucket is addressed: by the hash `/v1/top` shows.
-const BY_HASH: &str = "by-hash/";
-
-impl Gateway {
-    /// Whether `Authorization` grants the operator endpoints (a refusal is counted).
-    pub fn admin_access(&self, authorization: Option<&[u8]>) -> Access {
-        match &self.config.admin_token {
-            None => Access::NotEnabled,
-            Some(token) if token.accepts(authorization) => Access::Granted,
-            Some(_) => {
-                self.metrics.admin_unauthorized();
-                Access::Unauthorized
-            }
+/// Whether `Authorization` grants the operator endpoints (a refusal is counted).
+pub fn admin_access(gateway: &Gateway, authorization: Option<&[u8]>) -> Access {
+    match &gateway.config.admin_token {
+        None => Access::NotEnabled,
+        Some(token) if token.accepts(authorization) => Access::Granted,
+        Some(_) => {
+            gateway.metrics.admin_unauthorized();
+            Access::Unauthorized
         }
     }
+}
 
-    /// Counts a decided request in the top sketch: the buckets that refused it (or would
-    /// have, in shadow), and an enforced budget that warned or throttled it. Allowed requests
-    /// without a stage or shadow refusal return at once; a bucket's name is built only when it
-    /// enters the sketch.
-    pub(crate) fn note_limited(&self, decided: &Decided<'_>) {
-        let decision = &decided.decision;
-        let Some(checked) = decision.checked() else {
-            return;
-        };
-        let refused = !decision.is_allowed();
-        if !refused && checked.stage.is_none() && decision.shadow_rejections().next().is_none() {
-            return;
-        }
-        let unix_secs = self.clock.unix_secs().max(0) as u64;
-        let config = self.engine_config;
-        let mut top = self.top.lock();
-        let mut note = |rule: &crate::policy::Rule, key: &crate::store::BucketKey, event| {
-            let key = super::buckets::key_u128(key);
-            top.record(key, event, unix_secs, || {
-                // Only a request refused before the engine lacks facts, and it has no
-                // buckets; were one to reach here, its rule alone would name it.
-                let name = decided
-                    .request
-                    .facts
-                    .and_then(|facts| crate::engine::bucket_name(rule, facts, config))
-                    .map(|(name, _)| name)
-                    .unwrap_or_else(|| rule.key_prefix.clone());
-                let shown =
-                    super::buckets::shown_name(rule, &name, &self.fingerprint_key).into_owned();
-                // A loop's marks are per request fingerprint: nothing to reset by name.
-                let reset_path = if super::buckets::Kind::of(rule) == super::buckets::Kind::Loop {
-                    String::new()
-                } else if shown == name {
-                    format!("/v1/buckets/{}", encode_path(&name))
-                } else {
-                    format!("/v1/buckets/{BY_HASH}{key:032x}")
-                };
-                Label {
-                    bucket: shown,
-                    name,
-                    rule: rule.name.clone(),
-                    policy: rule.policy_id.clone(),
-                    mode: rule.mode.as_str(),
-                    reset_path,
-                }
-            });
-        };
-        for outcome in &checked.rules {
-            if !outcome.allowed && (refused || outcome.rule.mode == Mode::Shadow) {
-                note(outcome.rule, &outcome.key, Event::Refused);
-            } else if let (Some(budget), true, Mode::Enforce) =
-                (&outcome.rule.budget, outcome.committed, outcome.rule.mode)
-            {
-                match budget.stage_for(outcome.quota.burst(), outcome.tokens) {
-                    Some(crate::limits::budget_window::Action::Warn) => {
-                        note(outcome.rule, &outcome.key, Event::Warned)
-                    }
-                    Some(crate::limits::budget_window::Action::Throttle { .. }) => {
-                        note(outcome.rule, &outcome.key, Event::Throttled)
-                    }
-                    _ => {}
-                }
-            }
-        }
-        for slot in &checked.slots {
-            if !slot.allowed {
-                note(slot.rule, &slot.key, Event::Refused);
-            }
-        }
+/// The bundle in force, or the 503 to answer without one.
+fn bundle_or_503(gateway: &Gateway) -> Result<Arc<Bundle>, Reply> {
+    gateway
+        .policy
+        .load_full()
+        .ok_or_else(|| Reply::error(503, LookupError::NoPolicy))
+}
+
+/// Reads `/v1/buckets/<rest>` into a bucket of `bundle`, and the name to show for it.
+fn bucket_of<'b>(
+    gateway: &Gateway,
+    bundle: &'b Bundle,
+    rest: &str,
+) -> Result<(BucketRef<'b>, String), Reply> {
+    if rest.len() > 3 * super::buckets::MAX_BUCKET_NAME_BYTES {
+        return Err(Reply::error(414, LookupError::TooLong));
     }
-
-    /// The bundle in force, or the 503 to answer without one.
-    fn bundle_or_503(&self) -> Result<Arc<Bundle>, Reply> {
-        self.policy
-            .load_full()
-            .ok_or_else(|| Reply::error(503, LookupError::NoPolicy))
+    let lookup = |e: LookupError| {
+        let status = match e {
+            LookupError::TooLong => 414,
+            LookupError::NoRule | LookupError::HashNotListed => 404,
+            LookupError::NoPolicy => 503,
+            LookupError::Loop | LookupError::BadHash => 400,
+        };
+        Reply::error(status, e)
+    };
+    if let Some(hex) = rest.strip_prefix(BY_HASH) {
+        let key = super::buckets::parse_key_hex(hex).map_err(lookup)?;
+        let unix_secs = gateway.clock.unix_secs().max(0) as u64;
+        let label = gateway.top.lock().label_of(key, unix_secs);
+        let label = label.ok_or_else(|| lookup(LookupError::HashNotListed))?;
+        let bucket = super::buckets::resolve(bundle, &label.name).map_err(lookup)?;
+        return Ok((bucket, label.bucket.clone()));
     }
-
-    /// Reads `/v1/buckets/<rest>` into a bucket of `bundle`, and the name to show for it.
-    fn bucket_of<'b>(
-        &self,
-        bundle: &'b Bundle,
-        rest: &str,
-    ) -> Result<(BucketRef<'b>, String), Reply> {
-        if rest.len() > 3 * super::buckets::MAX_BUCKET_NAME_BYTES {
-            return Err(Reply::error(414, LookupError::TooLong));
-        }
-        let lookup = |e: LookupError| {
-            let status = match e {
-                LookupError::TooLong => 414,
-                LookupError::NoRule | LookupError::HashNotListed => 404,
-                LookupError::NoPolicy => 503,
-                LookupError::Loop | LookupError::BadHash => 400,
-            };
-            Reply::error(status, e)
-        };
-        if let Some(hex) = rest.strip_prefix(BY_HASH) {
-            let key = super::buckets::parse_key_hex(hex).map_err(lookup)?;
-            let unix_secs = self.clock.unix_secs().max(0) as u64;
-            let label = self.top.lock().label_of(key, unix_secs);
-            let label = label.ok_or_else(|| lookup(LookupError::HashNotListed))?;
-            let bucket = super::buckets::resolve(bundle, &label.name).map_err(lookup)?;
-            return Ok((bucket, label.bucket.clone()));
-        }
-        let name = decode_path(rest)
-            .map_err(|what| Reply::error(400, format!("the bucket name has {what}")))?;
-        if name.is_empty() {
-            return Err(Reply::error(
-                400,
-                "name the bucket: /v1/buckets/{bucket}, as `tollgate simulate` prints it",
-            ));
-        }
-        let bucket = super::buckets::resolve(bundle, &name).map_err(lookup)?;
-        // The caller knows the name it sent; it is shown as sent.
-        Ok((bucket, name))
+    let name = decode_path(rest)
+        .map_err(|what| Reply::error(400, format!("the bucket name has {what}")))?;
+    if name.is_empty() {
+        return Err(Reply::error(
+            400,
+            "name the bucket: /v1/buckets/{bucket}, as `tollgate simulate` prints it",
+        ));
     }
+    let bucket = super::buckets::resolve(bundle, &name).map_err(lookup)?;
+    // The caller knows the name it sent; it is shown as sent.
+    Ok((bucket, name))
+}
 
-    /// `GET /v1/buckets/{bucket}`.
-    pub async fn inspect_bucket(&self, rest: &str) -> Reply {
-        let bundle = match self.bundle_or_503() {
-            Ok(b) => b,
-            Err(reply) => return reply,
-        };
-        let (bucket, shown) = match self.bucket_of(&bundle, rest) {
-            Ok(found) => found,
-            Err(reply) => return reply,
-        };
-        match super::buckets::inspect(&self.store, &bundle, &bucket, &shown, self.clock.unix_us())
-            .await
-        {
-            Ok(Some(state)) => Reply::json(200, &state),
-            Ok(None) => Reply::json(
-                404,
-                &json!({
-                    "error": "the store holds no entry for this bucket: it is full (a budget unspent, no slot taken)",
-                    "bucket": shown,
-                    "rule": bucket.rule.name,
-                }),
-            ),
-            Err(e) => Reply::error(503, e),
-        }
-    }
-
-    /// `DELETE /v1/buckets/{bucket}`: 204 once the bucket is full again; logged as
-    /// `ADMIN_RESET` (the name masked where it carries a credential) and counted.
-    pub async fn reset_bucket(&self, rest: &str, who: Option<IpAddr>) -> Reply {
-        let bundle = match self.bundle_or_503() {
-            Ok(b) => b,
-            Err(reply) => return reply,
-        };
-        let (bucket, _) = match self.bucket_of(&bundle, rest) {
-            Ok(found) => found,
-            Err(reply) => return reply,
-        };
-        match super::buckets::reset(&self.store, &bundle, &bucket).await {
-            Ok(held_state) => {
-                // Every key the reset cleared leaves the list (a breaker is listed under its
-                // open state).
-                let (buckets, leases) = super::buckets::reset_keys(&bucket, &bundle.hash);
-                let mut top = self.top.lock();
-                for key in buckets.iter().chain(&leases) {
-                    top.forget(super::buckets::key_u128(key));
-                }
-                drop(top);
-                self.metrics.admin_reset(held_state);
-                let shown =
-                    super::buckets::shown_name(bucket.rule, &bucket.name, &self.fingerprint_key);
-                let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
-                // The name carries a client's key (any text, `%0d%0a` decoded included):
-                // escaped, as every value of a log line, so it cannot forge a line.
-                let value = crate::telemetry::log_line::value;
-                tracing::warn!(
-                    bucket = %value(&shown),
-                    policy = %value(&bucket.rule.policy_id),
-                    rule = %value(&bucket.rule.name),
-                    who = %who,
-                    held_state,
-                    "ADMIN_RESET"
-                );
-                Reply {
-                    status: 204,
-                    content_type: TEXT,
-                    body: Vec::new(),
-                }
-            }
-            Err(e) => Reply::error(503, e),
-        }
-    }
-
-    /// `POST /v1/explain`: the request described as for `/v1/decision`, decided against the
-    /// store as it is, spending nothing.
-    pub async fn explain_described(&self, described: &Described<'_>) -> Reply {
-        let bundle = match self.bundle_or_503() {
-            Ok(b) => b,
-            Err(reply) => return reply,
-        };
-        let lookup = crate::service::HttpHeaders(described.headers);
-        let claims = self.claims(&lookup);
-        let Ok(facts) = self.described_facts(described, &lookup, claims.as_deref()) else {
-            return Reply::json(
-                200,
-                &json!({"decision": "refuse", "status": 400, "reason": "encoded_slash", "spent": false, "rules": [], "slots": []}),
-            );
-        };
-        let network = self.network_facts(&facts);
-        let with_network;
-        let facts = match &network {
-            Some(network) => {
-                with_network = facts.with_network(network);
-                &with_network
-            }
-            None => &facts,
-        };
-        let unix_us = self.clock.unix_us();
-        let explained = super::buckets::explain(
-            &self.store,
-            &bundle,
-            facts,
-            unix_us,
-            self.engine_config,
-            &self.fingerprint_key,
-        )
-        .await;
-        let mut explained = match explained {
-            Ok(value) => value,
-            Err(e) => return Reply::error(503, e),
-        };
-        explained["client_ip"] = json!(described.client_ip.map(|ip| ip.to_string()));
-        explained["bundle_version"] = json!(bundle.version);
-        Reply::json(200, &explained)
-    }
-
-    /// `GET /v1/top?n=N[&rule=NAME]`.
-    pub fn top_reply(&self, query: Option<&str>) -> Reply {
-        let n = match query_param(query, "n") {
-            None => 10,
-            Some(n) => match n.parse::<usize>() {
-                Ok(n) if (1..=1000).contains(&n) => n,
-                _ => return Reply::error(400, "n must be a whole number from 1 to 1000"),
-            },
-        };
-        let rule = query_param(query, "rule");
-        let unix_secs = self.clock.unix_secs().max(0) as u64;
-        let top = self.top.lock().top(n, rule.as_deref(), unix_secs);
-        let capacity = self.top.lock().capacity();
-        let entries: Vec<serde_json::Value> = top
-            .entries
-            .iter()
-            .map(|e| {
-                json!({
-                    "bucket": e.label.bucket,
-                    "rule": e.label.rule,
-                    "policy": e.label.policy,
-                    "mode": e.label.mode,
-                    "refused": e.refused,
-                    "throttled": e.throttled,
-                    "warned": e.warned,
-                    "max_overcount": e.overcount,
-                    "reset": (!e.label.reset_path.is_empty()).then_some(&e.label.reset_path),
-                })
-            })
-            .collect();
-        Reply::json(
-            200,
+/// `GET /v1/buckets/{bucket}`.
+pub async fn inspect_bucket(gateway: &Gateway, rest: &str) -> Reply {
+    let bundle = match bundle_or_503(gateway) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let (bucket, shown) = match bucket_of(gateway, &bundle, rest) {
+        Ok(found) => found,
+        Err(reply) => return reply,
+    };
+    match super::buckets::inspect(
+        &gateway.store,
+        &bundle,
+        &bucket,
+        &shown,
+        gateway.clock.unix_us(),
+    )
+    .await
+    {
+        Ok(Some(state)) => Reply::json(200, &state),
+        Ok(None) => Reply::json(
+            404,
             &json!({
-                "window_secs": super::top::SLOT_SECS * super::top::SLOTS as u64,
-                "events": top.events,
-                "error_bound": top.error_bound,
-                "sketch_capacity": capacity,
-                "buckets": entries,
+                "error": "the store holds no entry for this bucket: it is full (a budget unspent, no slot taken)",
+                "bucket": shown,
+                "rule": bucket.rule.name,
             }),
-        )
+        ),
+        Err(e) => Reply::error(503, e),
     }
+}
 
-    /// `GET /status` (with the token).
-    pub fn status_reply(&self) -> Reply {
-        let bundle = self.policy.load_full();
-        let loaded = self.loaded.load_full();
-        let unix_secs = self.clock.unix_secs();
-        let top = self.top.lock().top(20, None, unix_secs.max(0) as u64);
-        let overrides = self.runtime_overrides();
-        let policy_source = self.policy_source_json();
-        let candidate = self.candidate_summary();
-        let page = super::status::render(&super::status::StatusView {
-            bundle: bundle.as_deref(),
-            loaded_at: loaded.map(|l| l.loaded_at.max(0) as u64),
-            unix_secs,
-            store_kind: self.store.kind(),
-            store_degraded: self.store.degraded(),
-            store_stats: self.store.stats(),
-            overrides: &overrides,
-            top: &top,
-            policy_source: &policy_source,
-            candidate: candidate.as_ref(),
-        });
-        Reply {
-            status: 200,
-            content_type: HTML,
-            body: page.into_bytes(),
+/// `DELETE /v1/buckets/{bucket}`: 204 once the bucket is full again; logged as
+/// `ADMIN_RESET` (the name masked where it carries a credential) and counted.
+pub async fn reset_bucket(gateway: &Gateway, rest: &str, who: Option<IpAddr>) -> Reply {
+    let bundle = match bundle_or_503(gateway) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let (bucket, _) = match bucket_of(gateway, &bundle, rest) {
+        Ok(found) => found,
+        Err(reply) => return reply,
+    };
+    match super::buckets::reset(&gateway.store, &bundle, &bucket).await {
+        Ok(held_state) => {
+            // Every key the reset cleared leaves the list (a breaker is listed under its
+            // open state).
+            let (buckets, leases) = super::buckets::reset_keys(&bucket, &bundle.hash);
+            let mut top = gateway.top.lock();
+            for key in buckets.iter().chain(&leases) {
+                top.forget(super::buckets::key_u128(key));
+            }
+            drop(top);
+            gateway.metrics.admin_reset(held_state);
+            let shown =
+                super::buckets::shown_name(bucket.rule, &bucket.name, &gateway.fingerprint_key);
+            let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
+            // The name carries a client's key (any text, `%0d%0a` decoded included):
+            // escaped, as every value of a log line, so it cannot forge a line.
+            let value = crate::telemetry::log_line::value;
+            tracing::warn!(
+                bucket = %value(&shown),
+                policy = %value(&bucket.rule.policy_id),
+                rule = %value(&bucket.rule.name),
+                who = %who,
+                held_state,
+                "ADMIN_RESET"
+            );
+            Reply {
+                status: 204,
+                content_type: TEXT,
+                body: Vec::new(),
+            }
         }
+        Err(e) => Reply::error(503, e),
+    }
+}
+
+/// `POST /v1/explain`: the request described as for `/v1/decision`, decided against the
+/// store as it is, spending nothing.
+pub async fn explain_described(gateway: &Gateway, described: &Described<'_>) -> Reply {
+    let bundle = match bundle_or_503(gateway) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let lookup = crate::service::HttpHeaders(described.headers);
+    let claims = gateway.claims(&lookup);
+    let Ok(facts) = gateway.described_facts(described, &lookup, claims.as_deref()) else {
+        return Reply::json(
+            200,
+            &json!({"decision": "refuse", "status": 400, "reason": "encoded_slash", "spent": false, "rules": [], "slots": []}),
+        );
+    };
+    let network = gateway.network_facts(&facts);
+    let with_network;
+    let facts = match &network {
+        Some(network) => {
+            with_network = facts.with_network(network);
+            &with_network
+        }
+        None => &facts,
+    };
+    let unix_us = gateway.clock.unix_us();
+    let explained = super::buckets::explain(
+        &gateway.store,
+        &bundle,
+        facts,
+        unix_us,
+        gateway.engine_config,
+        &gateway.fingerprint_key,
+    )
+    .await;
+    let mut explained = match explained {
+        Ok(value) => value,
+        Err(e) => return Reply::error(503, e),
+    };
+    explained["client_ip"] = json!(described.client_ip.map(|ip| ip.to_string()));
+    explained["bundle_version"] = json!(bundle.version);
+    Reply::json(200, &explained)
+}
+
+/// `GET /v1/top?n=N[&rule=NAME]`.
+pub fn top_reply(gateway: &Gateway, query: Option<&str>) -> Reply {
+    let n = match query_param(query, "n") {
+        None => 10,
+        Some(n) => match n.parse::<usize>() {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => return Reply::error(400, "n must be a whole number from 1 to 1000"),
+        },
+    };
+    let rule = query_param(query, "rule");
+    let unix_secs = gateway.clock.unix_secs().max(0) as u64;
+    let top = gateway.top.lock().top(n, rule.as_deref(), unix_secs);
+    let capacity = gateway.top.lock().capacity();
+    let entries: Vec<serde_json::Value> = top
+        .entries
+        .iter()
+        .map(|e| {
+            json!({
+                "bucket": e.label.bucket,
+                "rule": e.label.rule,
+                "policy": e.label.policy,
+                "mode": e.label.mode,
+                "refused": e.refused,
+                "throttled": e.throttled,
+                "warned": e.warned,
+                "max_overcount": e.overcount,
+                "reset": (!e.label.reset_path.is_empty()).then_some(&e.label.reset_path),
+            })
+        })
+        .collect();
+    Reply::json(
+        200,
+        &json!({
+            "window_secs": super::top::SLOT_SECS * super::top::SLOTS as u64,
+            "events": top.events,
+            "error_bound": top.error_bound,
+            "sketch_capacity": capacity,
+            "buckets": entries,
+        }),
+    )
+}
+
+/// `GET /status` (with the token).
+pub fn status_reply(gateway: &Gateway) -> Reply {
+    let bundle = gateway.policy.load_full();
+    let loaded = gateway.loaded.load_full();
+    let unix_secs = gateway.clock.unix_secs();
+    let top = gateway.top.lock().top(20, None, unix_secs.max(0) as u64);
+    let overrides = gateway.runtime_overrides();
+    let policy_source = gateway.follow.policy_source_json();
+    let candidate = gateway.candidate.summary();
+    let page = super::status::render(&super::status::StatusView {
+        bundle: bundle.as_deref(),
+        loaded_at: loaded.map(|l| l.loaded_at.max(0) as u64),
+        unix_secs,
+        store_kind: gateway.store.kind(),
+        store_degraded: gateway.store.degraded(),
+        store_stats: gateway.store.stats(),
+        overrides: &overrides,
+        top: &top,
+        policy_source: &policy_source,
+        candidate: candidate.as_ref(),
+    });
+    Reply {
+        status: 200,
+        content_type: HTML,
+        body: page.into_bytes(),
     }
 }
 

@@ -9,6 +9,7 @@
 mod admin_token;
 mod buckets;
 pub mod endpoints;
+pub(crate) mod limited;
 pub mod status;
 pub mod top;
 

@@ -166,7 +166,6 @@ fn rfc3339(unix_secs: u64) -> String {
     crate::limits::clock::rfc3339_seconds(unix_secs).unwrap_or_else(|| unix_secs.to_string())
 }
 
-/// The page itself.
 /// The `--policy-store` being followed: its state, the versions in force, the last refusal.
 fn render_policy_source(body: &mut String, source: &serde_json::Value) {
     if source.is_null() {
@@ -221,6 +220,7 @@ fn render_policy_source(body: &mut String, source: &serde_json::Value) {
     body.push_str("</table>");
 }
 
+/// The page itself: who made it and when, then one section per concern.
 pub fn render(view: &StatusView<'_>) -> String {
     let mut body = String::with_capacity(8 * 1024);
     let _ = write!(
@@ -229,10 +229,20 @@ pub fn render(view: &StatusView<'_>) -> String {
         env!("CARGO_PKG_VERSION"),
         rfc3339(view.unix_secs.max(0) as u64)
     );
-
     render_policy_source(&mut body, view.policy_source);
+    bundle_section(&mut body, view.bundle, view.loaded_at);
+    candidate_section(&mut body, view.candidate);
+    store_section(&mut body, view);
+    overrides_section(&mut body, view.overrides);
+    top_section(&mut body, view.top);
+    body.push_str(LINKS);
+    document("status", "tollgate status", &body)
+}
+
+/// The bundle in force and its policies (the first 200).
+fn bundle_section(body: &mut String, bundle: Option<&Bundle>, loaded_at: Option<u64>) {
     body.push_str("<h2>Bundle in force</h2>");
-    match view.bundle {
+    match bundle {
         None => body.push_str("<p class=\"bad\" id=\"bundle\">No policy loaded: the proxy fails open and the decision service answers 503.</p>"),
         Some(bundle) => {
             let _ = write!(
@@ -244,7 +254,7 @@ pub fn render(view: &StatusView<'_>) -> String {
 <tr><th>kill switches</th><td>{}</td></tr><tr><th>policies skipped</th><td>{}</td></tr></table>",
                 escape(&bundle.version),
                 escape(&bundle.hash),
-                view.loaded_at.map_or_else(String::new, rfc3339),
+                loaded_at.map_or_else(String::new, rfc3339),
                 bundle.policies.len(),
                 bundle.rules.len(),
                 bundle.kill_switches.len(),
@@ -286,9 +296,10 @@ pub fn render(view: &StatusView<'_>) -> String {
             body.push_str("</table>");
         }
     }
+}
 
-    candidate_section(&mut body, view.candidate);
-
+/// The store: its kind and state, a shared store's local mode, the embedded store's counts.
+fn store_section(body: &mut String, view: &StatusView<'_>) {
     body.push_str("<h2>Store</h2>");
     let _ = write!(
         body,
@@ -336,9 +347,12 @@ pub fn render(view: &StatusView<'_>) -> String {
         );
     }
     body.push_str("</table>");
+}
 
+/// The bundle's runtime overrides, and whether each is active.
+fn overrides_section(body: &mut String, overrides: &serde_json::Value) {
     body.push_str("<h2>Runtime overrides</h2><table id=\"overrides\">");
-    if let Some(overrides) = view.overrides.as_object() {
+    if let Some(overrides) = overrides.as_object() {
         for (name, o) in overrides {
             let active = o.get("active").and_then(|a| a.as_bool()).unwrap_or(false);
             let detail = match (o.get("reason"), o.get("expires_at")) {
@@ -363,17 +377,20 @@ pub fn render(view: &StatusView<'_>) -> String {
         }
     }
     body.push_str("</table>");
+}
 
+/// The buckets limited most in the last minute, each with its reset button.
+fn top_section(body: &mut String, top: &Top) {
     let _ = write!(
         body,
         "<h2>Limited most in the last minute</h2><p class=\"muted\">{} refusals, throttles and warnings counted; a count may be over by at most {} (see <a href=\"/v1/top?n=100\">/v1/top</a>).</p>",
-        view.top.events, view.top.error_bound
+        top.events, top.error_bound
     );
-    if view.top.entries.is_empty() {
+    if top.entries.is_empty() {
         body.push_str("<p id=\"top-empty\">Nobody was limited in the last minute.</p>");
     } else {
         body.push_str("<table id=\"top\"><tr><th>bucket</th><th>rule</th><th>policy</th><th>refused</th><th>throttled</th><th>warned</th><th></th></tr>");
-        for entry in &view.top.entries {
+        for entry in &top.entries {
             let label = &entry.label;
             let _ = write!(
                 body,
@@ -402,17 +419,15 @@ pub fn render(view: &StatusView<'_>) -> String {
         }
         body.push_str("</table>");
     }
+}
 
-    body.push_str(
-        "<h2>JSON endpoints</h2><ul id=\"links\">\
+/// The JSON endpoints the page links to.
+const LINKS: &str = "<h2>JSON endpoints</h2><ul id=\"links\">\
 <li><a href=\"/readyz\">/readyz</a>: readiness, bundle version and hash</li>\
 <li><a href=\"/metrics\">/metrics</a>: Prometheus metrics</li>\
 <li><a href=\"/v1/top?n=20\">/v1/top?n=20</a>: the buckets limited most (token needed)</li>\
 <li><code>GET /v1/buckets/{bucket}</code> and <code>DELETE /v1/buckets/{bucket}</code>: a bucket's state, and its reset</li>\
-<li><code>POST /v1/explain</code>: what every rule would do to a request, spending nothing</li></ul>",
-    );
-    document("status", "tollgate status", &body)
-}
+<li><code>POST /v1/explain</code>: what every rule would do to a request, spending nothing</li></ul>";
 
 /// The candidate bundle: its version and hash, what it decided, and what it would have
 /// refused by rule (the 200 rules refusing most).

@@ -218,7 +218,7 @@ impl Admin {
         peer: Option<std::net::IpAddr>,
     ) -> Response<Vec<u8>> {
         use crate::service::DebugLogin;
-        if !self.gateway.debug_sessions_on() {
+        if !self.gateway.debug_sessions.on() {
             return reply(404, TEXT, HeaderList::new(), "Not Found\n");
         }
         if req.method != http::Method::POST {
@@ -238,10 +238,13 @@ impl Admin {
                 .headers
                 .get(http::header::COOKIE)
                 .and_then(|v| v.to_str().ok());
-            self.gateway.debug_logout(cookie);
+            self.gateway.debug_sessions.logout(cookie);
             return set_cookie(crate::engine::compat::CLOSE_COOKIE);
         }
-        match self.gateway.debug_login(peer, &req.headers) {
+        match self.gateway.debug_sessions.login(
+            self.gateway.client_ip(peer, &req.headers, false),
+            &req.headers,
+        ) {
             DebugLogin::Opened(cookie) => set_cookie(&cookie),
             DebugLogin::Refused => reply(
                 403,
@@ -335,7 +338,7 @@ impl Admin {
         // charged as reserved after --reservation-ttl-secs.
         if let Some(reservation) = answer.reservation {
             let tokens = reservation.tokens();
-            if let Some(token) = self.gateway.hold_reservation(reservation) {
+            if let Some(token) = self.gateway.tokens.hold(reservation) {
                 for (name, value) in [
                     (&RESERVATION_HEADER, token),
                     (&RESERVED_TOKENS_HEADER, tokens.to_string()),
@@ -396,6 +399,7 @@ impl Admin {
         };
         match self
             .gateway
+            .tokens
             .report_usage(
                 &token,
                 usage.total_tokens,
@@ -565,13 +569,13 @@ impl Admin {
         session: &mut ServerSession,
         route: OperatorRoute,
     ) -> Response<Vec<u8>> {
-        use crate::operator::endpoints::{Access, Reply};
+        use crate::operator::endpoints::{self, Access, Reply};
         let authorization = session
             .req_header()
             .headers
             .get(http::header::AUTHORIZATION)
             .map(|v| v.as_bytes());
-        match self.gateway.admin_access(authorization) {
+        match endpoints::admin_access(&self.gateway, authorization) {
             Access::Granted => {}
             denied => {
                 let _ = session.drain_request_body().await;
@@ -595,11 +599,14 @@ impl Admin {
         match route {
             OperatorRoute::Top => {
                 let _ = session.drain_request_body().await;
-                operator_reply(self.gateway.top_reply(session.req_header().uri.query()))
+                operator_reply(endpoints::top_reply(
+                    &self.gateway,
+                    session.req_header().uri.query(),
+                ))
             }
             OperatorRoute::Status => {
                 let _ = session.drain_request_body().await;
-                operator_reply(self.gateway.status_reply())
+                operator_reply(endpoints::status_reply(&self.gateway))
             }
             OperatorRoute::Buckets => {
                 let _ = session.drain_request_body().await;
@@ -611,9 +618,9 @@ impl Admin {
                     .map_or("", |r| r.trim_start_matches('/'))
                     .to_string();
                 operator_reply(if method == http::Method::DELETE {
-                    self.gateway.reset_bucket(&rest, peer).await
+                    endpoints::reset_bucket(&self.gateway, &rest, peer).await
                 } else {
-                    self.gateway.inspect_bucket(&rest).await
+                    endpoints::inspect_bucket(&self.gateway, &rest).await
                 })
             }
             OperatorRoute::Explain => {
@@ -649,7 +656,7 @@ impl Admin {
                 // The operator (holding the admin token) describes the request whole, its
                 // network headers included: explain answers for the client so described.
                 let described = original.described(client_ip, &req.headers, body, true);
-                operator_reply(self.gateway.explain_described(&described).await)
+                operator_reply(endpoints::explain_described(&self.gateway, &described).await)
             }
         }
     }

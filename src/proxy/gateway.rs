@@ -1107,6 +1107,7 @@ impl ProxyHttp for Proxy {
             }
             let (used, reported_prompt, source) = metering.used();
             self.gateway
+                .tokens
                 .settle(&metering.reservation, used, reported_prompt, source)
                 .await;
         }

@@ -639,7 +639,7 @@ impl Authorizer {
         let mut upstream_headers = Vec::new();
         if let Some(reservation) = answer.reservation.take() {
             let tokens = reservation.tokens();
-            if let Some(token) = self.gateway.hold_reservation(reservation) {
+            if let Some(token) = self.gateway.tokens.hold(reservation) {
                 for (key, value) in [
                     (RESERVATION_HEADER, token),
                     (RESERVED_TOKENS_HEADER, tokens.to_string()),

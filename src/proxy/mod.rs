@@ -20,7 +20,7 @@ pub mod upstreams;
 
 use crate::config::cli::{RunArgs, EXIT_INVALID, EXIT_OK};
 use crate::config::Config;
-use crate::service::{init_logging, Gateway};
+use crate::service::{init_logging, Gateway, Trigger};
 use async_trait::async_trait;
 use pingora::apps::HttpServerOptions;
 use pingora::listeners::tls::TlsSettings;
@@ -100,7 +100,7 @@ pub fn run(args: RunArgs) -> u8 {
     // bundle appears (the file watcher picks it up). An upgrade is different: the running
     // gateway enforces a bundle, and taking its listeners without one would switch limits off,
     // so the new process stops here and the old one keeps serving.
-    let loaded = gateway.load_policy("startup");
+    let loaded = gateway.load_policy(Trigger::Startup);
     // A policy file that puts nothing in force would proxy everything unlimited (every policy
     // skipped by --skip-invalid-policies, an empty bundle): stop, unless the operator means it.
     if let Err(e @ crate::policy::PolicyError::Empty { .. }) = &loaded {
@@ -863,7 +863,7 @@ fn start_following(
             crate::service::follow::Follower::new(Arc::clone(gateway), source, key.clone());
         follower.load_kept();
         // Each call has its deadline; this bounds the whole first read as well.
-        let _ = tokio::time::timeout(timeout * 2, follower.poll_once("startup")).await;
+        let _ = tokio::time::timeout(timeout * 2, follower.poll_once(Trigger::Startup)).await;
         Ok::<(), String>(())
     })?;
     Ok(key)
@@ -1007,7 +1007,7 @@ impl BackgroundService for Housekeeping {
                 }
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
-                    let _ = self.gateway.load_policy("sighup");
+                    let _ = self.gateway.load_policy(Trigger::Sighup);
                     if let Some(certs) = &self.certificates {
                         let _ = certs.reload("sighup");
                     }

@@ -1,8 +1,9 @@
-//! The candidate bundle in shadow: set, replaced and cleared by whoever follows the policy
-//! store ([`Gateway::set_candidate`]), decided after every live decision of the proxy, the
-//! decision service, ext_authz and Envoy's RLS, and counted (`tollgate_candidate_*` in
-//! `/metrics`, the status page, [`Gateway::candidate_refusals`] for heartbeats). It never
-//! changes an answer, a header, a log line, the live metrics or the top list.
+//! The gateway's candidate component ([`CandidateShadow`]): the candidate bundle in shadow,
+//! set, replaced and cleared by whoever follows the policy store ([`crate::service::Gateway::set_candidate`]),
+//! decided after every live decision of the proxy, the decision service, ext_authz and Envoy's
+//! RLS, and counted (`tollgate_candidate_*` in `/metrics`, the status page,
+//! [`CandidateShadow::refusals`] for heartbeats). It never changes an answer, a header, a log
+//! line, the live metrics or the top list.
 //!
 //! With the embedded store the candidate is decided on the request's thread, synchronously,
 //! right after the live decision ([`crate::engine::candidate::decide_candidate_local`]). With a
@@ -11,17 +12,19 @@
 //! are outstanding; past that a request is not decided under the candidate, and counted in
 //! `tollgate_candidate_skipped_total`.
 
-use super::gateway::Gateway;
 use super::shadow::{Candidate, Counters};
 use crate::engine::candidate::{decide_candidate_local, plan_candidate, CandidateBundle, Refusers};
 use crate::engine::rls::{self, RlsRequest, StoreAnswer};
 use crate::engine::{Decision, EngineConfig};
+use crate::limits::clock::Clock;
 use crate::policy::Bundle;
 use crate::request::descriptor::RequestFacts;
 use crate::store::lease::{next_lease_id, LeaseResults};
 use crate::store::{Backend, OpResults, Store};
+use crate::telemetry::metrics::CandidateMetrics;
+use arc_swap::ArcSwapOption;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::sync::OnceLock;
 
@@ -67,24 +70,55 @@ impl Drop for PendingSlot {
     }
 }
 
-impl Gateway {
-    /// Sets the candidate bundle decided in shadow beside the live one, replaces it, or clears
-    /// it (`None`). Its keys are named under `candidate:` (as
+/// The gateway's candidate component: the candidate in force (if any), whether one is set
+/// (the request path's only look without one), its shared-store calls outstanding, and the
+/// store, clock and counters it decides and counts with.
+pub struct CandidateShadow {
+    current: ArcSwapOption<Candidate>,
+    on: AtomicBool,
+    pending: Arc<AtomicUsize>,
+    metrics: CandidateMetrics,
+    store: Arc<Store>,
+    clock: Arc<dyn Clock>,
+    engine_config: EngineConfig,
+}
+
+impl CandidateShadow {
+    /// No candidate, deciding (once one is set) on `store` with `engine_config`, counted in
+    /// `metrics`.
+    pub(super) fn new(
+        metrics: CandidateMetrics,
+        store: Arc<Store>,
+        clock: Arc<dyn Clock>,
+        engine_config: EngineConfig,
+    ) -> CandidateShadow {
+        CandidateShadow {
+            current: ArcSwapOption::empty(),
+            on: AtomicBool::new(false),
+            pending: Arc::default(),
+            metrics,
+            store,
+            clock,
+            engine_config,
+        }
+    }
+
+    /// Sets the candidate bundle decided in shadow beside `live` (the bundle in force), replaces
+    /// it, or clears it (`None`). Its keys are named under `candidate:` (as
     /// [`crate::policy::CompileOptions::candidate`] compiles them; a bundle compiled without it
     /// is renamed here), so its buckets are its own. Its counts start from zero each time.
-    pub fn set_candidate(&self, candidate: Option<Bundle>) {
+    pub(super) fn set(&self, candidate: Option<Bundle>, live: Option<Arc<Bundle>>) {
         let Some(mut bundle) = candidate else {
-            self.candidate_on.store(false, Ordering::Release);
-            self.candidate.store(None);
-            self.metrics.candidate.set(None);
+            self.on.store(false, Ordering::Release);
+            self.current.store(None);
+            self.metrics.set(None);
             return;
         };
         bundle.make_candidate();
         self.metrics
-            .candidate
             .set(Some((&bundle.version, shown_hash(&bundle))));
         let counters = Arc::new(Counters {
-            metrics: self.metrics.candidate.clone(),
+            metrics: self.metrics.clone(),
             rules: bundle.rules.iter().map(|_| OnceLock::new()).collect(),
             kill_switches: bundle
                 .kill_switches
@@ -93,20 +127,20 @@ impl Gateway {
                 .collect(),
             set_at: self.clock.unix_secs(),
         });
-        let bundle = CandidateBundle::new(Arc::new(bundle), self.policy.load_full());
-        self.candidate
+        let bundle = CandidateBundle::new(Arc::new(bundle), live);
+        self.current
             .store(Some(Arc::new(Candidate { bundle, counters })));
-        self.candidate_on.store(true, Ordering::Release);
+        self.on.store(true, Ordering::Release);
     }
 
-    /// Compares the candidate to the live bundle just installed (which of its rules read their
-    /// verdict from the live decision); its counts go on.
-    pub(crate) fn candidate_follows_live(&self) {
-        let Some(current) = self.candidate.load_full() else {
+    /// Compares the candidate to `live`, the bundle just installed (which of its rules read
+    /// their verdict from the live decision); its counts go on.
+    pub(super) fn follow_live(&self, live: Option<Arc<Bundle>>) {
+        let Some(current) = self.current.load_full() else {
             return;
         };
-        let bundle = current.bundle.beside(self.policy.load_full());
-        self.candidate.store(Some(Arc::new(Candidate {
+        let bundle = current.bundle.beside(live);
+        self.current.store(Some(Arc::new(Candidate {
             bundle,
             counters: Arc::clone(&current.counters),
         })));
@@ -114,8 +148,8 @@ impl Gateway {
 
     /// What the candidate would have refused since it was set, by `policy/rule` (kill
     /// switches as `kill_switch/kill_switches[i]`); empty without a candidate.
-    pub fn candidate_refusals(&self) -> BTreeMap<String, u64> {
-        self.candidate
+    pub fn refusals(&self) -> BTreeMap<String, u64> {
+        self.current
             .load()
             .as_deref()
             .map(Candidate::refusals)
@@ -123,16 +157,16 @@ impl Gateway {
     }
 
     /// The candidate's version and hash, while one is set.
-    pub fn candidate_info(&self) -> Option<(String, String)> {
-        self.candidate.load().as_deref().map(|c| {
+    pub fn info(&self) -> Option<(String, String)> {
+        self.current.load().as_deref().map(|c| {
             let bundle = c.bundle.bundle();
             (bundle.version.clone(), shown_hash(bundle).to_string())
         })
     }
 
     /// The candidate, its counts and what it would have refused, while one is set.
-    pub fn candidate_summary(&self) -> Option<CandidateSummary> {
-        let guard = self.candidate.load();
+    pub fn summary(&self) -> Option<CandidateSummary> {
+        let guard = self.current.load();
         let candidate = guard.as_deref()?;
         let bundle = candidate.bundle.bundle();
         Some(CandidateSummary {
@@ -149,8 +183,8 @@ impl Gateway {
 
     /// Whether the candidate reads the client's network (`ip:country`...): the request's
     /// network facts are then resolved even when the bundle in force reads none.
-    pub(crate) fn candidate_uses_network(&self) -> bool {
-        self.candidate
+    pub(crate) fn uses_network(&self) -> bool {
+        self.current
             .load()
             .as_deref()
             .is_some_and(|c| c.bundle.bundle().uses_network)
@@ -158,12 +192,12 @@ impl Gateway {
 
     /// Whether a candidate is set (one atomic load: the request path's only cost without one).
     #[inline]
-    pub(crate) fn has_candidate(&self) -> bool {
-        self.candidate_on.load(Ordering::Acquire)
+    pub(crate) fn is_set(&self) -> bool {
+        self.on.load(Ordering::Acquire)
     }
 
     /// After a live decision on the embedded store: the same request under the candidate, now.
-    pub(super) fn candidate_local(
+    pub(super) fn after_local(
         &self,
         live: &Decision<'_>,
         facts: &RequestFacts<'_>,
@@ -171,7 +205,7 @@ impl Gateway {
         now_us: u64,
         unix_us: u64,
     ) {
-        let guard = self.candidate.load();
+        let guard = self.current.load();
         let Some(candidate) = guard.as_deref() else {
             return;
         };
@@ -189,14 +223,14 @@ impl Gateway {
 
     /// A bound on a shared store's outstanding candidate calls: a slot, or `None` (the request
     /// is skipped, and counted).
-    fn candidate_slot(&self) -> Option<(PendingSlot, tokio::runtime::Handle)> {
+    fn slot(&self) -> Option<(PendingSlot, tokio::runtime::Handle)> {
         let runtime = tokio::runtime::Handle::try_current().ok();
-        let taken = self.candidate_pending.fetch_add(1, Ordering::AcqRel);
-        let slot = PendingSlot(Arc::clone(&self.candidate_pending));
+        let taken = self.pending.fetch_add(1, Ordering::AcqRel);
+        let slot = PendingSlot(Arc::clone(&self.pending));
         match runtime {
             Some(runtime) if taken < MAX_CANDIDATE_PENDING => Some((slot, runtime)),
             _ => {
-                self.metrics.candidate.skipped.inc();
+                self.metrics.skipped.inc();
                 None
             }
         }
@@ -204,13 +238,8 @@ impl Gateway {
 
     /// After a live decision on a shared store: the request planned under the candidate now
     /// (pure), and its store calls sent to a task of their own.
-    pub(super) fn candidate_shared(
-        &self,
-        live: &Decision<'_>,
-        facts: &RequestFacts<'_>,
-        unix_us: u64,
-    ) {
-        let Some(candidate) = self.candidate.load_full() else {
+    pub(super) fn after_shared(&self, live: &Decision<'_>, facts: &RequestFacts<'_>, unix_us: u64) {
+        let Some(candidate) = self.current.load_full() else {
             return;
         };
         let mut probe = plan_candidate(&candidate.bundle, live, facts, unix_us, self.engine_config);
@@ -218,7 +247,7 @@ impl Gateway {
             candidate.count(probe.refused());
             return;
         }
-        let Some((slot, runtime)) = self.candidate_slot() else {
+        let Some((slot, runtime)) = self.slot() else {
             return;
         };
         let store = Arc::clone(&self.store);
@@ -252,8 +281,8 @@ impl Gateway {
     /// After an Envoy `ShouldRateLimit` call: the same call under the candidate (its own
     /// buckets, never a peek: what it would refuse is what it counts), synchronously on the
     /// embedded store, in a task of its own on a shared one.
-    pub(super) fn candidate_rls(&self, request: &RlsRequest, unix_us: u64) {
-        let Some(candidate) = self.candidate.load_full() else {
+    pub(super) fn after_rls(&self, request: &RlsRequest, unix_us: u64) {
+        let Some(candidate) = self.current.load_full() else {
             return;
         };
         let config = self.engine_config;
@@ -265,7 +294,7 @@ impl Gateway {
             }
             return;
         }
-        let Some((slot, runtime)) = self.candidate_slot() else {
+        let Some((slot, runtime)) = self.slot() else {
             return;
         };
         let store = Arc::clone(&self.store);

@@ -1,11 +1,16 @@
-//! Fairvisor's debug sessions on the running gateway (`--compat fairvisor` with
-//! `--debug-session-secret`): who a login attempt comes from, the random bytes a session needs,
-//! counting and logging failures; the sessions themselves are [`crate::engine::compat::DebugSessions`].
+//! The gateway's debug-session component ([`DebugSessionDesk`]): Fairvisor's debug sessions on
+//! the running gateway (`--compat fairvisor` with `--debug-session-secret`): who a login
+//! attempt counts as, the random bytes a session needs, counting and logging failures; the
+//! sessions themselves are [`crate::engine::compat::DebugSessions`].
 
-use super::gateway::Gateway;
 use super::state_key;
-use crate::engine::compat::{Failure, Login};
+use crate::config::Config;
+use crate::engine::compat::{DebugSessions, Failure, Login};
+use crate::limits::clock::Clock;
+use crate::telemetry::metrics::Metrics;
+use parking_lot::RwLock;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 /// The answer to `POST /v1/debug/session`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,43 +25,77 @@ pub enum DebugLogin {
     Throttled { retry_after_secs: u64 },
 }
 
-impl Gateway {
+/// The gateway's debug-session component: the sessions open and the failed attempts by client
+/// (`None`: debug sessions are off), and the clock and metrics they are kept with.
+pub struct DebugSessionDesk {
+    sessions: Option<RwLock<DebugSessions>>,
+    /// `--ipv6-prefix`: an IPv6 client's failures count by its network.
+    ipv6_prefix: u8,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+}
+
+impl DebugSessionDesk {
+    /// On when `config` has `--debug-session-secret`.
+    ///
+    /// # Errors
+    /// The operating system's random source failed.
+    pub(super) fn new(
+        config: &Config,
+        clock: Arc<dyn Clock>,
+        metrics: Arc<Metrics>,
+    ) -> Result<DebugSessionDesk, state_key::KeyFileError> {
+        let sessions = match &config.debug_secret {
+            Some(secret) => Some(RwLock::new(DebugSessions::new(
+                secret.clone(),
+                &state_key::random_bytes::<32>()?,
+            ))),
+            None => None,
+        };
+        Ok(DebugSessionDesk {
+            sessions,
+            ipv6_prefix: config.ipv6_prefix,
+            clock,
+            metrics,
+        })
+    }
+
     /// Whether debug sessions are on.
-    pub fn debug_sessions_on(&self) -> bool {
-        self.debug_sessions.is_some()
+    pub fn on(&self) -> bool {
+        self.sessions.is_some()
     }
 
     /// Whether a `Cookie` header opens a debug session.
-    pub fn debug_session_open(&self, cookie: Option<&str>) -> bool {
+    pub fn is_open(&self, cookie: Option<&str>) -> bool {
         // Most decisions carry no session cookie: no lock for them.
         if !cookie.is_some_and(|c| c.contains(crate::engine::compat::COOKIE)) {
             return false;
         }
-        self.debug_sessions.as_ref().is_some_and(|sessions| {
+        self.sessions.as_ref().is_some_and(|sessions| {
             sessions
                 .read()
                 .is_open(cookie, self.clock.unix_secs().max(0) as u64)
         })
     }
 
-    /// `POST /v1/debug/session` from `peer` with these headers. The client is the one a
+    /// `POST /v1/debug/session` from `client` with these headers. `client` must be the one a
     /// decision would see without trusting the caller (`X-Forwarded-For` only from a
-    /// `--trusted-proxy`), so a client cannot rotate forwarding headers to escape its count;
-    /// an IPv6 client counts by its `--ipv6-prefix` network.
-    pub fn debug_login(&self, peer: Option<IpAddr>, headers: &http::HeaderMap) -> DebugLogin {
-        let Some(sessions) = &self.debug_sessions else {
+    /// `--trusted-proxy`: [`super::Gateway::client_ip`] with `caller_is_gateway` false), so a
+    /// client cannot rotate forwarding headers to escape its count; an IPv6 client counts by
+    /// its `--ipv6-prefix` network.
+    pub fn login(&self, client: Option<IpAddr>, headers: &http::HeaderMap) -> DebugLogin {
+        let Some(sessions) = &self.sessions else {
             return DebugLogin::Off;
         };
-        let client = self
-            .client_ip(peer, headers, false)
-            .map(crate::request::descriptor::canonical_ip)
-            .map_or(IpAddr::from([0, 0, 0, 0]), |ip| match ip {
-                IpAddr::V6(v6) => IpAddr::V6(crate::request::descriptor::mask_v6(
-                    v6,
-                    self.config.ipv6_prefix,
-                )),
+        let client = client.map(crate::request::descriptor::canonical_ip).map_or(
+            IpAddr::from([0, 0, 0, 0]),
+            |ip| match ip {
+                IpAddr::V6(v6) => {
+                    IpAddr::V6(crate::request::descriptor::mask_v6(v6, self.ipv6_prefix))
+                }
                 v4 => v4,
-            });
+            },
+        );
         let Ok(id) = state_key::random_bytes() else {
             tracing::error!("debug session: the operating system's random source failed");
             return DebugLogin::Refused;
@@ -92,8 +131,8 @@ impl Gateway {
 
     /// `POST /v1/debug/logout`: ends the sessions the `Cookie` header carries. `false` when
     /// debug sessions are off.
-    pub fn debug_logout(&self, cookie: Option<&str>) -> bool {
-        let Some(sessions) = &self.debug_sessions else {
+    pub fn logout(&self, cookie: Option<&str>) -> bool {
+        let Some(sessions) = &self.sessions else {
             return false;
         };
         let unix_secs = self.clock.unix_secs().max(0) as u64;

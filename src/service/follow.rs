@@ -16,10 +16,11 @@
 //! most one read every [`MIN_READ_GAP`].
 
 use super::gateway::Gateway;
-use super::source_state::{RefusalRecord, SourceState};
+use super::reload::Trigger;
+use super::source_state::RefusalRecord;
 use crate::fleet::envelope::{Envelope, EnvelopeError, Slot, VerifyKey};
-use crate::fleet::source::{Bounded, Heartbeat, PolicySource, SlotRefusal, SourceError};
-use crate::fleet::standing::{SlotId, Standing};
+use crate::fleet::source::{Bounded, Heartbeat, PolicySource, SourceError};
+use crate::fleet::standing::SlotId;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,9 +45,7 @@ pub const STORE_POLL: Duration = Duration::from_secs(1);
 /// (a `PUBLISH` flood from anyone who can reach the store) are coalesced into one read.
 pub const MIN_READ_GAP: Duration = Duration::from_millis(100);
 
-/// How long before the live bundle in force expires the gateway starts warning (a WARN line,
-/// `/readyz` `policy_source.expires_soon`, `tollgate_bundle_expiry_timestamp_seconds`).
-pub const EXPIRY_WARNING_SECS: i64 = 7 * 24 * 3600;
+pub use super::source_state::EXPIRY_WARNING_SECS;
 
 /// How long a slot refused as from the future waits before it is looked at again.
 const FUTURE_RECHECK_SECS: i64 = 60;
@@ -86,84 +85,6 @@ fn raw_hash(bytes: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot(bytes)
 }
 
-impl Gateway {
-    /// `/readyz`'s `policy_source`: `null` without `--policy-store`.
-    pub(crate) fn policy_source_json(&self) -> serde_json::Value {
-        if self.config.policy_store.is_none() {
-            return serde_json::Value::Null;
-        }
-        let state = self.source_state.lock();
-        let show = |b: &Option<(u64, String)>, expires_at: Option<i64>| match b {
-            Some((version, hash)) => {
-                serde_json::json!({"version": version, "hash": hash, "expires_at": expires_at})
-            }
-            None => serde_json::Value::Null,
-        };
-        let expires_soon = state
-            .live_expires_at
-            .is_some_and(|at| at.saturating_sub(self.clock.unix_secs()) <= EXPIRY_WARNING_SECS);
-        serde_json::json!({
-            "url": state.url,
-            "kind": state.kind,
-            "state": source_state_name(state.reachable),
-            "unreachable_since": state.unreachable_since,
-            "last_error": state.last_error,
-            "live": show(&state.live, state.live_expires_at),
-            "candidate": show(&state.candidate, state.candidate_expires_at),
-            "expires_soon": expires_soon,
-            // Where this gateway stands against what the store holds, as `tollgate fleet`
-            // shows it: `following`, `behind`, `refused (<reason>)`...
-            "standing": standing(&state).to_string(),
-            "last_refusal": state.last_refusal.as_ref().map(|r| serde_json::json!({
-                "at": r.at,
-                "slot": r.slot.as_str(),
-                "version": r.version,
-                "reason": r.reason,
-                "message": r.message,
-            })),
-        })
-    }
-
-    /// The candidate in force from the policy store (version, SHA-256).
-    pub fn published_candidate(&self) -> Option<(u64, String)> {
-        self.source_state.lock().candidate.clone()
-    }
-}
-
-/// The heartbeat's form of the last refusal from each slot.
-fn slot_refusals(state: &SourceState) -> Vec<SlotRefusal> {
-    state
-        .refused
-        .iter()
-        .flatten()
-        .map(|r| SlotRefusal {
-            slot: r.slot.as_str().to_string(),
-            version: r.version,
-            hash: r.hash.clone(),
-            reason: r.reason.to_string(),
-        })
-        .collect()
-}
-
-/// Where this gateway stands against the slots it last read.
-fn standing(state: &SourceState) -> Standing {
-    Standing::of(
-        state.store_slots[0].as_ref(),
-        state.store_slots[1].as_ref(),
-        state.live.as_ref().map(|(v, _)| *v),
-        &slot_refusals(state),
-        source_state_name(state.reachable),
-    )
-}
-
-fn source_state_name(reachable: Option<bool>) -> &'static str {
-    match reachable {
-        None => "starting",
-        Some(true) => "following",
-        Some(false) => "unreachable",
-    }
-}
-
 /// Follows one policy store for one gateway.
 pub struct Follower {
     gateway: Arc<Gateway>,
@@ -191,7 +112,7 @@ impl Follower {
             ),
         };
         {
-            let mut state = gateway.source_state.lock();
+            let mut state = gateway.follow.lock();
             state.url = source.display_url();
             state.kind = source.kind();
         }
@@ -224,7 +145,7 @@ impl Follower {
         // `expires_at`) still starts it, so upgrading a gateway never leaves it without one.
         match self.check_envelope(&bytes, Slot::Live, true) {
             Ok((envelope, bundle)) => {
-                self.put_live(&envelope, bundle, "state_dir", "state_dir");
+                self.put_live(&envelope, bundle, Trigger::StateDir, "state_dir");
                 true
             }
             Err(refusal) => {
@@ -239,7 +160,7 @@ impl Follower {
     }
 
     /// Reads both slots and puts in force what changed and passes every check.
-    pub async fn poll_once(&self, trigger: &str) {
+    pub async fn poll_once(&self, trigger: Trigger) {
         let slots = match self.source.read_bounded(self.max_bytes).await {
             Ok(slots) => slots,
             Err(e) => {
@@ -250,7 +171,7 @@ impl Follower {
         self.reachable();
         match &slots.live {
             None => {
-                let mut state = self.gateway.source_state.lock();
+                let mut state = self.gateway.follow.lock();
                 state.store_slots[0] = None;
                 if !state.empty_reported {
                     state.empty_reported = true;
@@ -269,14 +190,14 @@ impl Follower {
                 }
             }
             Some(bytes) => {
-                self.gateway.source_state.lock().empty_reported = false;
+                self.gateway.follow.lock().empty_reported = false;
                 self.follow_slot(bytes, Slot::Live, trigger);
             }
         }
         match &slots.candidate {
             None => {
                 let had = {
-                    let mut state = self.gateway.source_state.lock();
+                    let mut state = self.gateway.follow.lock();
                     state.seen[1] = None;
                     state.store_slots[1] = None;
                     // A refused candidate gone from the store is no longer refused.
@@ -300,7 +221,7 @@ impl Follower {
         self.warn_expiry();
     }
 
-    fn follow_slot(&self, read: &Bounded, slot: Slot, trigger: &str) {
+    fn follow_slot(&self, read: &Bounded, slot: Slot, trigger: Trigger) {
         let index = usize::from(slot == Slot::Candidate);
         let hash = match read {
             Bounded::Bytes(bytes) => raw_hash(bytes),
@@ -308,7 +229,7 @@ impl Follower {
             Bounded::TooLarge(size) => raw_hash(&size.to_le_bytes()) ^ 1,
         };
         {
-            let mut state = self.gateway.source_state.lock();
+            let mut state = self.gateway.follow.lock();
             let recheck = state.future_recheck_at[index]
                 .is_some_and(|at| self.gateway.clock.unix_secs() >= at);
             if state.seen[index] == Some(hash) && !recheck {
@@ -328,7 +249,7 @@ impl Follower {
             Bounded::Bytes(bytes) => bytes,
             Bounded::TooLarge(size) => {
                 {
-                    let mut state = self.gateway.source_state.lock();
+                    let mut state = self.gateway.follow.lock();
                     state.seen[index] = Some(hash);
                     // Unread: no version or hash to name it by.
                     state.store_slots[index] = Some(SlotId::default());
@@ -343,7 +264,7 @@ impl Follower {
         };
         let outcome = self.check(bytes, slot);
         {
-            let mut state = self.gateway.source_state.lock();
+            let mut state = self.gateway.follow.lock();
             state.seen[index] = Some(hash);
             if matches!(
                 outcome,
@@ -375,7 +296,7 @@ impl Follower {
     /// gateway starting without it would refuse it).
     fn warn_expiry(&self) {
         let now = self.gateway.clock.unix_secs();
-        let mut state = self.gateway.source_state.lock();
+        let mut state = self.gateway.follow.lock();
         let (Some(expires_at), Some((version, _))) = (state.live_expires_at, state.live.clone())
         else {
             return;
@@ -429,7 +350,7 @@ impl Follower {
         let envelope = Envelope::parse(bytes, slot, self.max_bytes)?;
         envelope.verify(self.key.as_deref())?;
         let (in_force, withdrawn) = {
-            let state = self.gateway.source_state.lock();
+            let state = self.gateway.follow.lock();
             match slot {
                 Slot::Live => (state.live.clone(), None),
                 Slot::Candidate => (state.candidate.clone(), state.candidate_withdrawn),
@@ -506,17 +427,11 @@ impl Follower {
         &self,
         envelope: &Envelope,
         bundle: crate::policy::Bundle,
-        trigger: &str,
+        trigger: Trigger,
         source: &'static str,
     ) {
-        let same = self
-            .gateway
-            .source_state
-            .lock()
-            .live
-            .as_ref()
-            .map(|(v, _)| *v)
-            == Some(envelope.version);
+        let same =
+            self.gateway.follow.lock().live.as_ref().map(|(v, _)| *v) == Some(envelope.version);
         if same {
             // The version in force (e.g. the kept one, now read from the store): only where
             // it is known from changes. (The same version has the same expiry: it is signed.)
@@ -536,7 +451,7 @@ impl Follower {
         }
         self.gateway.install(bundle, Some(envelope.version), source);
         {
-            let mut state = self.gateway.source_state.lock();
+            let mut state = self.gateway.follow.lock();
             state.live = Some((envelope.version, envelope.sha256.clone()));
             state.live_expires_at = envelope.expires_at;
         }
@@ -549,7 +464,7 @@ impl Follower {
             version = envelope.version,
             hash = %envelope.sha256,
             signed = envelope.signature.is_some(),
-            trigger,
+            trigger = trigger.as_str(),
             source,
             "policy loaded"
         );
@@ -557,7 +472,7 @@ impl Follower {
 
     fn put_candidate(&self, envelope: &Envelope, mut bundle: crate::policy::Bundle) {
         {
-            let state = self.gateway.source_state.lock();
+            let state = self.gateway.follow.lock();
             if state.candidate.as_ref().map(|(v, _)| *v) == Some(envelope.version) {
                 return;
             }
@@ -566,7 +481,7 @@ impl Follower {
         bundle.version = envelope.version.to_string();
         self.gateway.set_candidate(Some(bundle));
         {
-            let mut state = self.gateway.source_state.lock();
+            let mut state = self.gateway.follow.lock();
             state.candidate = Some((envelope.version, envelope.sha256.clone()));
             state.candidate_expires_at = envelope.expires_at;
         }
@@ -620,7 +535,7 @@ impl Follower {
             reason: refusal.reason(),
             message: refusal.to_string(),
         };
-        let mut state = self.gateway.source_state.lock();
+        let mut state = self.gateway.follow.lock();
         state.refused[usize::from(slot == Slot::Candidate)] = Some(record.clone());
         state.refusals += 1;
         state.last_refusal = Some(record);
@@ -628,7 +543,7 @@ impl Follower {
 
     fn unreachable(&self, error: &SourceError) {
         let message = crate::telemetry::redact::text(&error.to_string()).into_owned();
-        let mut state = self.gateway.source_state.lock();
+        let mut state = self.gateway.follow.lock();
         if state.reachable != Some(false) {
             state.unreachable_since = Some(crate::limits::clock::wall_unix_secs());
             tracing::error!(url = %state.url, "policy store unreachable, keeping the bundle in force: {message}");
@@ -639,7 +554,7 @@ impl Follower {
     }
 
     fn reachable(&self) {
-        let mut state = self.gateway.source_state.lock();
+        let mut state = self.gateway.follow.lock();
         if state.reachable == Some(false) {
             tracing::info!(url = %state.url, "policy store reachable again");
         }
@@ -650,7 +565,7 @@ impl Follower {
 
     /// This gateway's heartbeat now.
     pub fn heartbeat(&self) -> Heartbeat {
-        let state = self.gateway.source_state.lock();
+        let state = self.gateway.follow.lock();
         Heartbeat {
             id: self.gateway_id.clone(),
             live_version: state.live.as_ref().map(|(v, _)| *v),
@@ -658,9 +573,9 @@ impl Follower {
             candidate_version: state.candidate.as_ref().map(|(v, _)| *v),
             candidate_hash: state.candidate.as_ref().map(|(_, h)| h.clone()),
             at: crate::limits::clock::wall_unix_secs(),
-            candidate_refusals: self.gateway.candidate_refusals(),
-            source_state: source_state_name(state.reachable).to_string(),
-            refusals: slot_refusals(&state),
+            candidate_refusals: self.gateway.candidate.refusals(),
+            source_state: state.state_name().to_string(),
+            refusals: state.slot_refusals(),
         }
     }
 
@@ -689,7 +604,7 @@ impl Follower {
             }
             last_read = Some(Instant::now());
             let before = self.versions();
-            self.poll_once("policy_store").await;
+            self.poll_once(Trigger::PolicyStore).await;
             let changed = self.versions() != before;
             if changed || last_beat.is_none_or(|at| at.elapsed() >= HEARTBEAT_EVERY) {
                 self.beat().await;
@@ -714,7 +629,7 @@ impl Follower {
     /// The versions in force and the number of refusals: a change to any of them is
     /// heartbeaten at once (`tollgate fleet` shows a refusal without waiting for the next beat).
     fn versions(&self) -> (Option<u64>, Option<u64>, u64) {
-        let state = self.gateway.source_state.lock();
+        let state = self.gateway.follow.lock();
         (
             state.live.as_ref().map(|(v, _)| *v),
             state.candidate.as_ref().map(|(v, _)| *v),
@@ -957,7 +872,7 @@ mod tests {
         let follower = follower(&gateway, &source, None);
         assert_eq!(gateway.readiness().0, 503);
         publish(&source, POLICY, Slot::Live, 1_764_000_000_500, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let ready = readyz(&gateway);
         assert_eq!(ready["status"], "ready");
         assert_eq!(ready["bundle_version"], 1_764_000_000_500_u64);
@@ -988,11 +903,11 @@ mod tests {
         let source = Arc::new(FakeSource::default());
         let follower = follower(&gateway, &source, None);
         publish(&source, POLICY, Slot::Live, 20, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let other = POLICY.replace("\"burst\": 10", "\"burst\": 30");
         publish(&source, &other, Slot::Live, 19, None);
         for _ in 0..3 {
-            follower.poll_once("test").await;
+            follower.poll_once(Trigger::PolicyStore).await;
         }
         assert_eq!(rejected(&gateway, "live", "older_version"), 1);
         assert_eq!(readyz(&gateway)["bundle_version"], 20);
@@ -1001,14 +916,14 @@ mod tests {
         assert_eq!(refusal["version"], 19);
         assert_eq!(refusal["slot"], "live");
         publish(&source, &other, Slot::Live, 20, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "version_conflict"), 1);
         assert_eq!(
             readyz(&gateway)["bundle_hash"],
             crate::policy::sha256_hex(POLICY.as_bytes())
         );
         publish(&source, &other, Slot::Live, 21, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["bundle_version"], 21);
         assert_eq!(
             readyz(&gateway)["bundle_hash"],
@@ -1024,12 +939,12 @@ mod tests {
         let source = Arc::new(FakeSource::default());
         let follower = follower(&gateway, &source, Some(verify));
         publish(&source, POLICY, Slot::Live, 10, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "unsigned"), 1);
         assert_eq!(gateway.readiness().0, 503);
         let wrong = SigningKey::from_pem_file(&dir.path().join("other.pem")).expect("key");
         publish(&source, POLICY, Slot::Live, 11, Some(&wrong));
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "bad_signature"), 1);
         assert_eq!(gateway.readiness().0, 503);
         // A signed envelope whose version was edited afterwards: the signature covers it.
@@ -1041,10 +956,10 @@ mod tests {
                 .replace("\"version\":12", "\"version\":13")
         };
         source.slots.lock().live = Some(edited.into_bytes());
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "bad_signature"), 2);
         publish(&source, POLICY, Slot::Live, 14, Some(&sign));
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["bundle_version"], 14);
     }
 
@@ -1054,10 +969,10 @@ mod tests {
         let source = Arc::new(FakeSource::default());
         let follower = follower(&gateway, &source, None);
         publish(&source, POLICY, Slot::Live, 10, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let invalid = POLICY.replace("\"burst\": 10", "\"burst\": -1");
         publish(&source, &invalid, Slot::Live, 11, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "invalid_bundle"), 1);
         let message = readyz(&gateway)["policy_source"]["last_refusal"]["message"]
             .as_str()
@@ -1069,11 +984,11 @@ mod tests {
         );
         // Slipped into the store by other means: not an envelope at all.
         source.slots.lock().live = Some(b"{\"rules\": []}".to_vec());
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "malformed"), 1);
         let padding = " ".repeat(5000);
         publish(&source, &format!("{POLICY}{padding}"), Slot::Live, 12, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "too_large"), 1);
         assert_eq!(readyz(&gateway)["bundle_version"], 10);
         assert_eq!(readyz(&gateway)["status"], "ready");
@@ -1085,11 +1000,11 @@ mod tests {
         let source = Arc::new(FakeSource::default());
         let follower = follower(&gateway, &source, None);
         publish(&source, POLICY, Slot::Live, 10, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         source
             .down
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let ready = readyz(&gateway);
         assert_eq!(ready["status"], "ready");
         assert_eq!(ready["bundle_version"], 10);
@@ -1108,7 +1023,7 @@ mod tests {
             .down
             .store(false, std::sync::atomic::Ordering::Relaxed);
         *source.slots.lock() = Slots::default();
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let ready = readyz(&gateway);
         assert_eq!(ready["bundle_version"], 10);
         assert_eq!(ready["policy_source"]["state"], "following");
@@ -1126,7 +1041,7 @@ mod tests {
         let first = gateway(Some(&state));
         let source = Arc::new(FakeSource::default());
         follower(&first, &source, Some(verify))
-            .poll_once("test")
+            .poll_once(Trigger::PolicyStore)
             .await;
         publish(&source, POLICY, Slot::Live, 30, Some(&sign));
         follower(
@@ -1134,7 +1049,7 @@ mod tests {
             &source,
             VerifyKey::from_pem_file(&dir.path().join("verify.pem")).ok(),
         )
-        .poll_once("test")
+        .poll_once(Trigger::PolicyStore)
         .await;
         let kept = state.join(KEPT_BUNDLE_FILE);
         use std::os::unix::fs::PermissionsExt;
@@ -1165,9 +1080,9 @@ mod tests {
         publish(&source, POLICY, Slot::Live, 10, None);
         let candidate = POLICY.replace("\"burst\": 10", "\"burst\": 5");
         publish(&source, &candidate, Slot::Candidate, 11, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(
-            gateway.published_candidate(),
+            gateway.follow.published_candidate(),
             Some((11, crate::policy::sha256_hex(candidate.as_bytes())))
         );
         assert_eq!(follower.heartbeat().candidate_version, Some(11));
@@ -1179,11 +1094,11 @@ mod tests {
         // candidate slot.
         let copied = source.slots.lock().candidate.clone();
         source.slots.lock().live = copied;
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "wrong_slot"), 1);
         source.slots.lock().candidate = None;
-        follower.poll_once("test").await;
-        assert_eq!(gateway.published_candidate(), None);
+        follower.poll_once(Trigger::PolicyStore).await;
+        assert_eq!(gateway.follow.published_candidate(), None);
         assert_eq!(follower.heartbeat().candidate_version, None);
     }
 
@@ -1222,25 +1137,25 @@ mod tests {
         let source = Arc::new(FakeSource::default());
         let follower = follower(&gateway, &source, Some(verify));
         publish(&source, POLICY, Slot::Live, 10, Some(&sign));
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         publish(&source, POLICY, Slot::Live, 11, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let standing = |g: &Gateway| readyz(g)["policy_source"]["standing"].clone();
         assert_eq!(standing(&gateway), "refused (unsigned)");
         let unsigned = source.slots.lock().live.take();
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         source.slots.lock().live = unsigned;
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(standing(&gateway), "refused (unsigned)");
         assert_eq!(rejected(&gateway, "live", "unsigned"), 1);
         // A refused candidate, then withdrawn.
         publish(&source, POLICY, Slot::Live, 12, Some(&sign));
         publish(&source, POLICY, Slot::Candidate, 13, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "candidate", "unsigned"), 1);
         assert_eq!(follower.heartbeat().refusals.len(), 1);
         source.slots.lock().candidate = None;
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert!(follower.heartbeat().refusals.is_empty());
         assert_eq!(standing(&gateway), "following");
     }
@@ -1269,13 +1184,13 @@ mod tests {
         let follower = follower(&gateway, &source, Some(verify));
         assert!(follower.load_kept());
         assert_eq!(readyz(&gateway)["bundle_version"], 10);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["bundle_version"], 10);
         assert_eq!(rejected(&gateway, "live", "no_expiry"), 0);
         assert_eq!(readyz(&gateway)["policy_source"]["standing"], "following");
         // A newer envelope without an expiry: refused, the old one stays.
         publish_until(&source, POLICY, Slot::Live, 11, None, Some(&sign));
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "no_expiry"), 1);
         assert_eq!(readyz(&gateway)["bundle_version"], 10);
     }
@@ -1290,12 +1205,12 @@ mod tests {
         let now = 1_764_000_000;
         // Expired a second ago.
         publish_until(&source, POLICY, Slot::Live, 10, Some(now), Some(&sign));
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "expired"), 1);
         assert_eq!(gateway.readiness().0, 503);
         // Signed before expiries existed: no expiry, refused under a verify key.
         publish_until(&source, POLICY, Slot::Live, 11, None, Some(&sign));
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "no_expiry"), 1);
         let refusal = &readyz(&gateway)["policy_source"]["last_refusal"];
         assert_eq!(refusal["reason"], "no_expiry");
@@ -1310,7 +1225,7 @@ mod tests {
             Some(expires_at),
             Some(&sign),
         );
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let ready = readyz(&gateway);
         assert_eq!(ready["bundle_version"], 12);
         assert_eq!(ready["policy_source"]["live"]["expires_at"], expires_at);
@@ -1319,18 +1234,18 @@ mod tests {
         assert!(gateway.metrics_text().contains(&gauge));
         // A day later, a week is left: warned.
         clock.advance_us(86_400 * 1_000_000);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["policy_source"]["expires_soon"], true);
         assert_eq!(
-            gateway.source_state.lock().expiry_warned,
+            gateway.follow.lock().expiry_warned,
             Some((12, 1)),
             "warned once for version 12"
         );
         // Past the expiry: the bundle stays in force (nothing unloads one), and it is said.
         clock.advance_us(7 * 86_400 * 1_000_000);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["bundle_version"], 12);
-        assert_eq!(gateway.source_state.lock().expiry_warned, Some((12, 2)));
+        assert_eq!(gateway.follow.lock().expiry_warned, Some((12, 2)));
     }
 
     /// A gateway whose clock is behind refuses a version as from the future, then takes the
@@ -1343,21 +1258,21 @@ mod tests {
         let follower = follower(&gateway, &source, None);
         let now_ms = 1_764_000_000_000u64;
         publish(&source, POLICY, Slot::Live, now_ms, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         let day = crate::fleet::envelope::MAX_AHEAD_MS;
         // Two hours above the ceiling of this gateway's (slow) clock.
         let ahead = now_ms + day + 2 * 3_600_000;
         publish(&source, POLICY, Slot::Live, ahead, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "future_version"), 1);
         // Within the minute the unchanged slot is not looked at again (nor refused again).
         clock.advance_us(30 * 1_000_000);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["bundle_version"], now_ms);
         assert_eq!(rejected(&gateway, "live", "future_version"), 1);
         // The clock catches up by three hours: the same slot is taken.
         clock.advance_us(3 * 3_600 * 1_000_000);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["bundle_version"], ahead);
         assert_eq!(rejected(&gateway, "live", "future_version"), 1);
     }
@@ -1369,35 +1284,35 @@ mod tests {
         let follower = follower(&gateway, &source, None);
         let now_ms = 1_764_000_000_000u64;
         publish(&source, POLICY, Slot::Live, now_ms, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         // Two to the 63 minus two: above the clock plus a day, not believed.
         publish(&source, POLICY, Slot::Live, (1 << 63) - 2, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(rejected(&gateway, "live", "future_version"), 1);
         assert_eq!(readyz(&gateway)["bundle_version"], now_ms);
         // At the ceiling: believed.
         let day = crate::fleet::envelope::MAX_AHEAD_MS;
         publish(&source, POLICY, Slot::Live, now_ms + day, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(readyz(&gateway)["bundle_version"], now_ms + day);
         // Candidates 5 then 7; 7 withdrawn; neither 5 nor 7 comes back, 8 does.
         let candidate = POLICY.replace("\"burst\": 10", "\"burst\": 5");
         publish(&source, &candidate, Slot::Candidate, 5, None);
-        follower.poll_once("test").await;
+        follower.poll_once(Trigger::PolicyStore).await;
         publish(&source, &candidate, Slot::Candidate, 7, None);
-        follower.poll_once("test").await;
-        assert_eq!(gateway.published_candidate().map(|c| c.0), Some(7));
+        follower.poll_once(Trigger::PolicyStore).await;
+        assert_eq!(gateway.follow.published_candidate().map(|c| c.0), Some(7));
         source.slots.lock().candidate = None;
-        follower.poll_once("test").await;
-        assert_eq!(gateway.published_candidate(), None);
+        follower.poll_once(Trigger::PolicyStore).await;
+        assert_eq!(gateway.follow.published_candidate(), None);
         for (older, refusals) in [(5, 1), (7, 2)] {
             publish(&source, &candidate, Slot::Candidate, older, None);
-            follower.poll_once("test").await;
-            assert_eq!(gateway.published_candidate(), None);
+            follower.poll_once(Trigger::PolicyStore).await;
+            assert_eq!(gateway.follow.published_candidate(), None);
             assert_eq!(rejected(&gateway, "candidate", "older_version"), refusals);
         }
         publish(&source, &candidate, Slot::Candidate, 8, None);
-        follower.poll_once("test").await;
-        assert_eq!(gateway.published_candidate().map(|c| c.0), Some(8));
+        follower.poll_once(Trigger::PolicyStore).await;
+        assert_eq!(gateway.follow.published_candidate().map(|c| c.0), Some(8));
     }
 }

@@ -1,9 +1,18 @@
-//! What the policy-store follower ([`super::follow`]) knows and keeps in the gateway, for
-//! `/readyz`, `/status` and the heartbeat: the store, whether it answers, the bundles in force
-//! from it, and the last refusal.
+//! The gateway's follow component ([`FollowState`]): what the policy-store follower
+//! ([`super::follow`]) knows and keeps in the gateway, for `/readyz`, `/status` and the
+//! heartbeat: the store, whether it answers, the bundles in force from it, and the last
+//! refusal.
 
 use crate::fleet::envelope::Slot;
-use parking_lot::Mutex;
+use crate::fleet::source::SlotRefusal;
+use crate::fleet::standing::Standing;
+use crate::limits::clock::Clock;
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::Arc;
+
+/// How long before the live bundle in force expires the gateway starts warning (a WARN line,
+/// `/readyz` `policy_source.expires_soon`, `tollgate_bundle_expiry_timestamp_seconds`).
+pub const EXPIRY_WARNING_SECS: i64 = 7 * 24 * 3600;
 
 /// The last refusal, as `/readyz` shows it.
 #[derive(Debug, Clone)]
@@ -56,7 +65,104 @@ pub(crate) struct SourceState {
     pub(super) empty_reported: bool,
 }
 
-/// The state kept per gateway, built with it.
-pub(crate) fn new_state() -> Mutex<SourceState> {
-    Mutex::new(SourceState::default())
+impl SourceState {
+    /// The heartbeat's form of the last refusal from each slot.
+    pub(super) fn slot_refusals(&self) -> Vec<SlotRefusal> {
+        self.refused
+            .iter()
+            .flatten()
+            .map(|r| SlotRefusal {
+                slot: r.slot.as_str().to_string(),
+                version: r.version,
+                hash: r.hash.clone(),
+                reason: r.reason.to_string(),
+            })
+            .collect()
+    }
+
+    /// Where this gateway stands against the slots it last read.
+    fn standing(&self) -> Standing {
+        Standing::of(
+            self.store_slots[0].as_ref(),
+            self.store_slots[1].as_ref(),
+            self.live.as_ref().map(|(v, _)| *v),
+            &self.slot_refusals(),
+            self.state_name(),
+        )
+    }
+
+    /// `starting` (not read yet), `following` or `unreachable`.
+    pub(super) fn state_name(&self) -> &'static str {
+        match self.reachable {
+            None => "starting",
+            Some(true) => "following",
+            Some(false) => "unreachable",
+        }
+    }
+}
+
+/// The gateway's follow component: whether it follows a policy store (`--policy-store`), and
+/// what its follower knows.
+pub struct FollowState {
+    on: bool,
+    state: Mutex<SourceState>,
+    clock: Arc<dyn Clock>,
+}
+
+impl FollowState {
+    /// Nothing known yet; `on` with `--policy-store`.
+    pub(super) fn new(on: bool, clock: Arc<dyn Clock>) -> FollowState {
+        FollowState {
+            on,
+            state: Mutex::new(SourceState::default()),
+            clock,
+        }
+    }
+
+    /// What the follower knows, to read or change.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, SourceState> {
+        self.state.lock()
+    }
+
+    /// `/readyz`'s `policy_source`: `null` without `--policy-store`.
+    pub(crate) fn policy_source_json(&self) -> serde_json::Value {
+        if !self.on {
+            return serde_json::Value::Null;
+        }
+        let state = self.state.lock();
+        let show = |b: &Option<(u64, String)>, expires_at: Option<i64>| match b {
+            Some((version, hash)) => {
+                serde_json::json!({"version": version, "hash": hash, "expires_at": expires_at})
+            }
+            None => serde_json::Value::Null,
+        };
+        let expires_soon = state
+            .live_expires_at
+            .is_some_and(|at| at.saturating_sub(self.clock.unix_secs()) <= EXPIRY_WARNING_SECS);
+        serde_json::json!({
+            "url": state.url,
+            "kind": state.kind,
+            "state": state.state_name(),
+            "unreachable_since": state.unreachable_since,
+            "last_error": state.last_error,
+            "live": show(&state.live, state.live_expires_at),
+            "candidate": show(&state.candidate, state.candidate_expires_at),
+            "expires_soon": expires_soon,
+            // Where this gateway stands against what the store holds, as `tollgate fleet`
+            // shows it: `following`, `behind`, `refused (<reason>)`...
+            "standing": state.standing().to_string(),
+            "last_refusal": state.last_refusal.as_ref().map(|r| serde_json::json!({
+                "at": r.at,
+                "slot": r.slot.as_str(),
+                "version": r.version,
+                "reason": r.reason,
+                "message": r.message,
+            })),
+        })
+    }
+
+    /// The candidate in force from the policy store (version, SHA-256).
+    pub fn published_candidate(&self) -> Option<(u64, String)> {
+        self.state.lock().candidate.clone()
+    }
 }

@@ -1,15 +1,21 @@
-//! LLM token accounting on the gateway: which requests meter tokens, the reservations the
-//! decision service holds (in memory, or signed when a state dir or secret gives a key) until
-//! their usage is reported, settling them, and expiring the ones nobody reported.
+//! The gateway's token component ([`Tokens`]): LLM token accounting after a decision, the
+//! reservations the decision service holds (in memory, or signed when a state dir or secret
+//! gives a key) until their usage is reported, settling them, and expiring the ones nobody
+//! reported. Which requests meter tokens is a question about the bundle in force, answered by
+//! the gateway itself ([`super::Gateway::meters_tokens`]).
 
-use super::gateway::Gateway;
 use super::state_key;
+use crate::config::{Config, StoreKind};
 use crate::engine::{Reservation, Settled};
-use crate::request::descriptor::RequestFacts;
+use crate::limits::clock::Clock;
+use crate::store::Store;
+use crate::telemetry::metrics::Metrics;
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 /// The state dir's own reservation-signing key (`DIR/reservation.key`, see [`state_key`]).
 /// `None` (reservations held in memory, logged) when it cannot be read or made.
-pub(super) fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac::Key> {
+fn state_reservation_key(dir: &std::path::Path) -> Option<ring::hmac::Key> {
     match state_key::load_or_create(dir, state_key::RESERVATION_FILE_NAME) {
         Ok(secret) => Some(crate::engine::reservation_token::key(&secret)),
         Err(e) => {
@@ -29,50 +35,48 @@ const SETTLED_MARK_SLACK_US: u64 = 3_600 * 1_000_000;
 /// one is not kept and stays charged as reserved.
 const MAX_HELD_RESERVATIONS: usize = 100_000;
 
-impl Gateway {
-    /// The `tiktoken` encodings the bundle in force counts prompts in (see
-    /// [`crate::request::llm::LlmRequest::parse_with`]).
-    pub fn tiktoken_encodings(&self) -> u8 {
-        self.policy.load().as_deref().map_or(0, |b| b.tiktoken)
-    }
+/// The gateway's token component: the reservations held here (or the key they travel signed
+/// with), and the store, clock and metrics settling them needs.
+pub struct Tokens {
+    /// LLM reservations the decision service handed out, by token, until `POST /v1/usage`
+    /// settles them or they expire (wall-clock µs).
+    held: Mutex<ahash::AHashMap<String, (u64, Reservation)>>,
+    /// With `--reservation-secret`: reservations travel in tokens signed with this key
+    /// ([`crate::engine::reservation_token`]) instead of being held here.
+    key: Option<ring::hmac::Key>,
+    /// `--reservation-ttl`, in µs.
+    ttl_us: u64,
+    store: Arc<Store>,
+    clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
+}
 
-    /// Whether the bundle in force has a `token_bucket_llm` rule (the decision service then
-    /// reads request bodies, bounded by `--max-body-bytes`).
-    pub fn meters_tokens(&self) -> bool {
-        self.policy
-            .load()
-            .as_deref()
-            .is_some_and(|b| b.meters_tokens)
-    }
-
-    /// Whether a `token_bucket_llm` rule of the bundle in force may apply to this request:
-    /// front ends then read its body (bounded by `--max-body-bytes`) before deciding, and meter
-    /// its response.
-    pub fn meters_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
-        self.policy
-            .load()
-            .as_deref()
-            .is_some_and(|b| b.meters_tokens_for(facts))
-    }
-
-    /// Whether an enforced `token_bucket_llm` rule may apply to this request: a body too large
-    /// to read is then refused (413); with shadow rules alone it goes through unread.
-    pub fn enforces_tokens_for(&self, facts: &RequestFacts<'_>) -> bool {
-        let now = self.clock.unix_secs();
-        self.policy
-            .load()
-            .as_deref()
-            .is_some_and(|b| b.enforces_tokens_for(facts, now))
-    }
-
-    /// Whether any enforced `token_bucket_llm` rule is in force (the decision service's
-    /// coarser question: it reads the body before it knows the request).
-    pub fn enforces_tokens(&self) -> bool {
-        let now = self.clock.unix_secs();
-        self.policy
-            .load()
-            .as_deref()
-            .is_some_and(|b| b.enforces_tokens(now))
+impl Tokens {
+    /// Reservations as `config` asks: signed with `--reservation-secret`, or with the state
+    /// dir's own key (so that a restart can still settle them), else held here.
+    pub(super) fn new(
+        config: &Config,
+        store: Arc<Store>,
+        clock: Arc<dyn Clock>,
+        metrics: Arc<Metrics>,
+    ) -> Tokens {
+        let key = match (&config.reservation_secret, &config.state_dir) {
+            (Some(secret), _) => Some(crate::engine::reservation_token::key(&secret.0)),
+            // With a state dir, the decision service's reservations travel signed (with
+            // the directory's own key) so that a restart can still settle them.
+            (None, Some(state)) if matches!(config.store, StoreKind::Memory) => {
+                state_reservation_key(&state.dir)
+            }
+            (None, _) => None,
+        };
+        Tokens {
+            held: Mutex::new(ahash::AHashMap::new()),
+            key,
+            ttl_us: config.reservation_ttl.as_micros().min(u64::MAX as u128) as u64,
+            store,
+            clock,
+            metrics,
+        }
     }
 
     /// Settles an LLM reservation once `used` tokens are known: every bucket it reserved on
@@ -100,16 +104,11 @@ impl Gateway {
     /// the fleet settles it); else 32 random hex digits naming it here. Either way only the
     /// caller that got it can settle it. `None` when too many are held here (it then stays
     /// charged as reserved).
-    pub fn hold_reservation(&self, reservation: Reservation) -> Option<String> {
+    pub fn hold(&self, reservation: Reservation) -> Option<String> {
         let mut bytes = [0u8; 16];
         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes).ok()?;
-        let expires = self.clock.unix_us().saturating_add(
-            self.config
-                .reservation_ttl
-                .as_micros()
-                .min(u64::MAX as u128) as u64,
-        );
-        if let Some(key) = &self.reservation_key {
+        let expires = self.clock.unix_us().saturating_add(self.ttl_us);
+        if let Some(key) = &self.key {
             let mut id = [0u8; 8];
             id.copy_from_slice(&bytes[..8]);
             let token = crate::engine::reservation_token::encode(
@@ -150,8 +149,7 @@ impl Gateway {
         let now = self.clock.unix_us();
         let token = token.trim();
         if crate::engine::reservation_token::is_signed(token) {
-            let verified =
-                crate::engine::reservation_token::decode(self.reservation_key.as_ref()?, token)?;
+            let verified = crate::engine::reservation_token::decode(self.key.as_ref()?, token)?;
             if verified.expires_us <= now {
                 return None;
             }
@@ -204,7 +202,7 @@ impl Gateway {
     }
 
     /// Drops the held reservations whose time is up: they stay charged as reserved.
-    pub(super) fn expire_reservations(&self) {
+    pub(super) fn expire(&self) {
         let now = self.clock.unix_us();
         let mut expired = Vec::new();
         self.held.lock().retain(|_, (expires, reservation)| {

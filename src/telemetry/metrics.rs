@@ -9,8 +9,8 @@ use crate::policy::{Bundle, Mode};
 use crate::store::StoreStats;
 use arc_swap::ArcSwapOption;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use std::sync::Arc;
 
@@ -77,42 +77,12 @@ pub struct PolicySourceMetrics {
 }
 
 impl PolicySourceMetrics {
-    fn new(registry: &Registry, defined: &mut Vec<String>) -> PolicySourceMetrics {
-        let bundle_info = must(IntGaugeVec::new(
-            Opts::new(
-                "tollgate_bundle_info",
-                "The bundle in force (value 1): its version (published, or its own bundle_version), SHA-256 and source (file, state_dir, redis, redis-cluster, postgres, http)",
-            ),
-            &["version", "hash", "source"],
-        ));
-        let rejected = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_policy_source_rejected_total",
-                "Published bundles --policy-store did not put in force (the last good one kept), by slot and reason",
-            ),
-            &["slot", "reason"],
-        ));
-        let up = must(IntGauge::new(
-            "tollgate_policy_source_up",
-            "1 while the --policy-store answers, 0 while it is unreachable",
-        ));
-        let expiry = must(IntGauge::new(
-            "tollgate_bundle_expiry_timestamp_seconds",
-            "When the live bundle in force from --policy-store expires (Unix seconds; 0 without an expiry): alert when it is less than a week away",
-        ));
-        defined.extend(names_of(&bundle_info));
-        defined.extend(names_of(&rejected));
-        defined.extend(names_of(&up));
-        defined.extend(names_of(&expiry));
-        must(registry.register(Box::new(bundle_info.clone())));
-        must(registry.register(Box::new(rejected.clone())));
-        must(registry.register(Box::new(up.clone())));
-        must(registry.register(Box::new(expiry.clone())));
+    fn of(families: &Families) -> PolicySourceMetrics {
         PolicySourceMetrics {
-            bundle_info,
-            rejected,
-            up,
-            expiry,
+            bundle_info: families.bundle_info.clone(),
+            rejected: families.policy_source_rejected.clone(),
+            up: families.policy_source_up.clone(),
+            expiry: families.bundle_expiry.clone(),
         }
     }
 
@@ -141,83 +111,428 @@ impl PolicySourceMetrics {
 
 pub struct Metrics {
     registry: Registry,
-    decisions: IntCounterVec,
+    /// Every family of [`METRICS`] this gateway defines.
+    families: Families,
     /// `tollgate_requests_total` resolved once per (action, reason): a labelled lookup hashes the labels and
     /// takes the vector's read lock, shared by every core, on each request.
     request_counters: [IntCounter; 2 + Reason::ALL.len()],
-    shadow_would_reject: IntCounterVec,
-    latency: Histogram,
-    /// Registered only for a store that reports them (`None` otherwise: a fleet's shared store
-    /// has no local entries to count, and must not show a gauge stuck at 0).
-    store_entries: Option<IntGauge>,
-    store_evictions: Option<IntCounter>,
-    /// The embedded store's drops by kind (`full_again`, `token_bucket`, `budget`,
-    /// `unknown_spend`), and its
-    /// evictions for room by what they gave away.
-    store_evictions_by_kind: Option<IntCounterVec>,
-    store_forgiven: Option<ForgivenHistogram>,
-    store_fail_open: Option<IntCounter>,
-    /// Loop marks held by the embedded store, and forgotten for room.
-    loop_marks: Option<IntGauge>,
-    loop_marks_evicted: Option<IntCounter>,
-    state_dir_fallback: Option<IntGauge>,
-    /// A shared store's local mode (`None` for the embedded store).
-    local: Option<LocalMetrics>,
-    /// A shared store's clock skew (absent before its first measurement).
-    store_clock_skew: Option<ClockSkewGauge>,
-    store_errors: IntCounter,
-    reloads: IntCounterVec,
-    /// Network-file reloads refused by the shrink guard, by file (`tor_exits`...).
-    network_reloads_rejected: IntCounterVec,
-    policy_info: IntGaugeVec,
+    /// `token_bucket_llm`: tokens reserved, really used, refunded and charged past the
+    /// reservation, by policy and rule.
+    llm_tokens: [IntCounterVec; 4],
     /// `tollgate_bundle_info` and the `--policy-store` follower's counters.
     pub policy_source: PolicySourceMetrics,
-    runtime_overrides: IntGaugeVec,
-    policies_skipped: IntGauge,
-    connections_refused: IntCounterVec,
-    /// Requests refused with 431 by the proxy's header limits, by limit (`bytes`, `lines`).
-    request_headers_refused: IntCounterVec,
-    breaker_trips: IntCounterVec,
-    /// `token_bucket_llm`: tokens reserved, really used, refunded and charged past the
-    /// reservation, by policy and rule; settlements by how the usage was known; prompt estimates
-    /// over the prompt tokens the response reported.
-    llm_tokens: [IntCounterVec; 4],
-    llm_settlements: IntCounterVec,
-    llm_estimate_ratio: Histogram,
-    jwt_valid: IntCounter,
-    jwt_invalid: IntCounterVec,
-    grpc_calls: IntCounterVec,
-    /// Upstream connection failures by group and kind, retries and ejections by group.
-    upstream_connect_failures: IntCounterVec,
-    upstream_retries: IntCounterVec,
-    upstream_ejections: IntCounterVec,
-    /// The per-server connection cap's queue, by group.
-    upstream_queue_waiting: IntGaugeVec,
-    upstream_queue_waits: prometheus::HistogramVec,
-    upstream_queue_timeouts: IntCounterVec,
-    upstream_queue_abandoned: IntCounterVec,
-    llm_undecodable: IntCounterVec,
-    /// Operator actions: bucket resets by the store's answer (`reset`: it held state, `full`:
-    /// nothing to reset), admin requests refused for their token.
-    admin_resets: IntCounterVec,
-    handover_failures: IntCounterVec,
-    admin_refused: IntCounter,
-    /// `POST /v1/debug/session` refusals by reason (`no_secret`, `wrong_secret`, `throttled`).
-    debug_session_failures: IntCounterVec,
-    /// Per-request log lines (access log, RATE_LIMIT) dropped because their reader fell behind.
-    log_lines_dropped: IntCounter,
-    /// Sampled spans not exported: a full queue, a failed batch, a back-off (`src/telemetry/`).
-    trace_spans_dropped: IntCounter,
+    /// A shared store's local mode (`None` for the embedded store).
+    local: Option<LocalMetrics>,
     per_rule: ArcSwapOption<BundleCounters>,
     /// The candidate bundle decided in shadow (`src/service/candidate.rs`): what it would
     /// refuse by policy and rule, the requests it decided, the decisions skipped, and its
     /// version and hash while one is set.
     pub(crate) candidate: CandidateMetrics,
     /// The name of every metric family registered, series or not.
-    defined: Vec<String>,
+    defined: Vec<&'static str>,
     /// Serialises `render` so two scrapes cannot both advance the store counters.
     render_lock: parking_lot::Mutex<()>,
 }
+
+/// What a metric family holds, as `# TYPE` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Which gateways define a family, by their store ([`crate::store::Store::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Every gateway.
+    All,
+    /// The embedded store (`memory`, `state_dir`).
+    Embedded,
+    /// The embedded store and PostgreSQL (the stores that report evictions).
+    EmbeddedOrPostgres,
+    /// A shared store (its local mode).
+    Shared,
+    /// A shared store whose clock the gateway measures (`redis`, `postgres`).
+    MeasuredClock,
+}
+
+impl Scope {
+    /// Whether a gateway whose store is of `store_kind` defines the family.
+    pub fn includes(self, store_kind: &str) -> bool {
+        let embedded = matches!(store_kind, "memory" | "state_dir");
+        match self {
+            Scope::All => true,
+            Scope::Embedded => embedded,
+            Scope::EmbeddedOrPostgres => embedded || store_kind == "postgres",
+            Scope::Shared => !embedded,
+            Scope::MeasuredClock => matches!(store_kind, "redis" | "postgres"),
+        }
+    }
+}
+
+/// One metric family: a row of [`METRICS`].
+#[derive(Debug, Clone, Copy)]
+pub struct MetricSpec {
+    pub name: &'static str,
+    pub help: &'static str,
+    pub labels: &'static [&'static str],
+    pub kind: MetricKind,
+    pub scope: Scope,
+    /// A histogram's bucket bounds (empty otherwise, and for a histogram whose buckets the
+    /// store hands over).
+    pub buckets: &'static [f64],
+}
+
+/// Declares the metric table: [`METRICS`] (what `/metrics` can show: name, help, labels, kind,
+/// and which gateways define it) and, from the same rows, `Families`, one field per row,
+/// registered in the table's order by `Families::new`. A row is
+/// `field: Type = Kind Scope "name" [labels] "help" [buckets];`; a row of a scope other than
+/// `All` has an `Option` field (`None` for a store that does not define it).
+macro_rules! metric_table {
+    ($($field:ident: $ty:ty = $kind:ident $scope:ident $name:literal [$($label:literal),*] $help:literal [$($bucket:expr),*];)*) => {
+        /// Every metric family a gateway may define, in registration order: the table
+        /// `/metrics`, the shipped dashboard and the alerting rules are checked against.
+        pub const METRICS: &[MetricSpec] = &[$(MetricSpec {
+            name: $name,
+            help: $help,
+            labels: &[$($label),*],
+            kind: MetricKind::$kind,
+            scope: Scope::$scope,
+            buckets: &[$($bucket),*],
+        }),*];
+
+        /// The registered families, one field per row of [`METRICS`].
+        struct Families {
+            $($field: $ty,)*
+        }
+
+        impl Families {
+            /// Every row that a gateway with a store of `store_kind` defines, registered in
+            /// `registry`, in the table's order; their names pushed to `defined`.
+            fn new(
+                registry: &Registry,
+                store_kind: &str,
+                defined: &mut Vec<&'static str>,
+            ) -> prometheus::Result<Families> {
+                let mut rows = METRICS.iter();
+                Ok(Families {
+                    $($field: Row::register(rows.next(), registry, store_kind, defined)?,)*
+                })
+            }
+        }
+    };
+}
+
+metric_table! {
+    decisions: IntCounterVec = Counter All "tollgate_decisions_total"
+        ["policy", "rule", "action", "reason", "mode"] "Rule evaluations by outcome" [];
+    requests: IntCounterVec = Counter All "tollgate_requests_total"
+        ["action", "reason"] "Requests decided, by overall action and reason" [];
+    shadow_would_reject: IntCounterVec = Counter All "tollgate_shadow_would_reject_total"
+        ["policy", "rule"] "Shadow-mode rules that would have rejected" [];
+    latency: Histogram = Histogram All "tollgate_decision_duration_seconds"
+        [] "Time to decide one request"
+        [1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2];
+    store_entries: Option<IntGauge> = Gauge Embedded "tollgate_store_entries"
+        [] "Buckets held by the embedded store" [];
+    store_evictions: Option<IntCounter> = Counter EmbeddedOrPostgres "tollgate_store_evictions_total"
+        [] "Buckets dropped by the store (full again: indistinguishable from fresh)" [];
+    store_evictions_by_kind: Option<IntCounterVec> = Counter Embedded "tollgate_store_evictions_by_kind_total"
+        ["kind"] "Buckets dropped by the embedded store, by kind: full_again (gave nothing away), token_bucket and budget (evicted for room while holding spend), unknown_spend (written by an older build, spend not kept)" [];
+    store_forgiven: Option<ForgivenHistogram> = Histogram Embedded "tollgate_store_eviction_forgiven_tokens"
+        [] "Evictions for room (a new key in a full store), by the tokens the evicted entry still had spent" [];
+    store_fail_open: Option<IntCounter> = Counter Embedded "tollgate_store_fail_open_total"
+        [] "Requests allowed untracked because the embedded store had no room: a new key with nothing to evict (stays 0: a full store evicts), or a concurrency slot or breaker its lease table could not hold" [];
+    loop_marks: Option<IntGauge> = Gauge Embedded "tollgate_store_loop_marks"
+        [] "Loop-detection marks held by the embedded store (at most --max-loop-marks)" [];
+    loop_marks_evicted: Option<IntCounter> = Counter Embedded "tollgate_store_loop_marks_evicted_total"
+        [] "Loop-detection marks forgotten for room at --max-loop-marks (each one identical request a loop count missed)" [];
+    state_dir_fallback: Option<IntGauge> = Gauge Embedded "tollgate_state_dir_fallback"
+        [] "1 when --state-dir was given but the buckets are in process memory (the state file could not be made or mapped)" [];
+    store_clock_skew: Option<ClockSkewGauge> = Gauge MeasuredClock "tollgate_store_clock_skew_seconds"
+        [] "The gateway's wall clock minus the shared store's clock (Redis TIME, PostgreSQL clock_timestamp()), in seconds, measured at every sweep; positive when the gateway is ahead" [];
+    store_info: IntGaugeVec = Gauge All "tollgate_store_info"
+        ["kind"] "The store in use (value 1)" [];
+    store_errors: IntCounter = Counter All "tollgate_store_errors_total"
+        [] "Requests allowed because the store failed (fail-open)" [];
+    admin_resets: IntCounterVec = Counter All "tollgate_admin_resets_total"
+        ["result"] "Buckets reset by an operator (DELETE /v1/buckets), by whether the store held state for them" [];
+    handover_failures: IntCounterVec = Counter All "tollgate_upgrade_handover_failures_total"
+        ["reason"] "Zero-downtime upgrade hand-overs that did not happen, by reason (no_taker, stranger, unconfirmed, nothing_received, malformed, untrusted_dir, no_socket, io); the old process keeps serving" [];
+    log_lines_dropped: IntCounter = Counter All "tollgate_log_lines_dropped_total"
+        [] "Access-log and RATE_LIMIT lines dropped because standard output or error was not read fast enough" [];
+    trace_spans_dropped: IntCounter = Counter All "tollgate_trace_spans_dropped_total"
+        [] "Sampled trace spans not exported: the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full, their batch failed, or the export was backing off from a failing collector" [];
+    admin_refused: IntCounter = Counter All "tollgate_admin_unauthorized_total"
+        [] "Operator endpoint requests refused for a missing or wrong admin token" [];
+    debug_session_failures: IntCounterVec = Counter All "tollgate_debug_session_failures_total"
+        ["reason"] "Debug-session logins refused: no secret, a wrong one, or a client throttled after too many" [];
+    reloads: IntCounterVec = Counter All "tollgate_policy_reloads_total"
+        ["result"] "Policy loads by result" [];
+    network_reloads_rejected: IntCounterVec = Counter All "tollgate_network_reloads_rejected_total"
+        ["file"] "Network-file reloads refused because the file came back empty or with fewer than half the entries in force (the data in force kept), by file (geoip_db, asn_type_map, tor_exits)" [];
+    policy_info: IntGaugeVec = Gauge All "tollgate_policy_info"
+        ["version", "hash"] "The policy bundle in force (value 1)" [];
+    bundle_info: IntGaugeVec = Gauge All "tollgate_bundle_info"
+        ["version", "hash", "source"] "The bundle in force (value 1): its version (published, or its own bundle_version), SHA-256 and source (file, state_dir, redis, redis-cluster, postgres, http)" [];
+    policy_source_rejected: IntCounterVec = Counter All "tollgate_policy_source_rejected_total"
+        ["slot", "reason"] "Published bundles --policy-store did not put in force (the last good one kept), by slot and reason" [];
+    policy_source_up: IntGauge = Gauge All "tollgate_policy_source_up"
+        [] "1 while the --policy-store answers, 0 while it is unreachable" [];
+    bundle_expiry: IntGauge = Gauge All "tollgate_bundle_expiry_timestamp_seconds"
+        [] "When the live bundle in force from --policy-store expires (Unix seconds; 0 without an expiry): alert when it is less than a week away" [];
+    runtime_overrides: IntGaugeVec = Gauge All "tollgate_runtime_override_active"
+        ["override"] "Runtime overrides of the bundle in force: 1 while active (global_shadow, kill_switch_override)" [];
+    connections_refused: IntCounterVec = Counter All "tollgate_connections_refused_total"
+        ["cap"] "Client connections refused at accept, by cap (per_ip)" [];
+    request_headers_refused: IntCounterVec = Counter All "tollgate_request_headers_refused_total"
+        ["limit"] "Requests refused with 431 for a header block over --max-request-header-bytes (bytes) or --max-request-headers (lines)" [];
+    breaker_trips: IntCounterVec = Counter All "tollgate_circuit_breaker_trips_total"
+        ["policy", "mode"] "Circuit breakers opened by a request's spend, by policy and mode" [];
+    llm_tokens_reserved: IntCounterVec = Counter All "tollgate_llm_tokens_reserved_total"
+        ["policy", "rule"] "Tokens reserved by token_bucket_llm rules before the upstream answered" [];
+    llm_tokens_used: IntCounterVec = Counter All "tollgate_llm_tokens_used_total"
+        ["policy", "rule"] "Tokens the upstream's responses really used, as settled" [];
+    llm_tokens_refunded: IntCounterVec = Counter All "tollgate_llm_tokens_refunded_total"
+        ["policy", "rule"] "Reserved tokens given back because the response used fewer" [];
+    llm_tokens_overrun: IntCounterVec = Counter All "tollgate_llm_tokens_overrun_total"
+        ["policy", "rule"] "Tokens charged beyond the reservation because the response used more" [];
+    llm_settlements: IntCounterVec = Counter All "tollgate_llm_settlements_total"
+        ["source"] "LLM reservations settled, by where the usage came from (usage: the response's usage object; estimate: counted from the text streamed; stopped: a stream stopped past max_completion_tokens, counted from the text let through; unused: nothing came back, all refunded; report: POST /v1/usage; expired: never reported, kept as reserved)" [];
+    llm_estimate_ratio: Histogram = Histogram All "tollgate_llm_prompt_estimate_ratio"
+        [] "Prompt token estimates divided by the prompt tokens the upstream reported (1 = exact)"
+        [0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0];
+    policies_skipped: IntGauge = Gauge All "tollgate_policies_skipped"
+        [] "Policies of the bundle in force left out by --skip-invalid-policies" [];
+    jwt_valid: IntCounter = Counter All "tollgate_jwt_valid_total"
+        [] "Requests with a verified JWT" [];
+    jwt_invalid: IntCounterVec = Counter All "tollgate_jwt_invalid_total"
+        ["reason"] "Requests whose JWT was refused, by reason" [];
+    upstream_connect_failures: IntCounterVec = Counter All "tollgate_upstream_connect_failures_total"
+        ["group", "kind"] "Failed connections to upstream servers, by group and kind (refused, timeout, unreachable, reset, tls, other)" [];
+    upstream_retries: IntCounterVec = Counter All "tollgate_upstream_retries_total"
+        ["group"] "Requests tried again after a failed connection, by group" [];
+    upstream_ejections: IntCounterVec = Counter All "tollgate_upstream_ejections_total"
+        ["group"] "Servers taken out of their group after consecutive connection failures" [];
+    upstream_queue_waiting: IntGaugeVec = Gauge All "tollgate_upstream_queue_waiting"
+        ["group"] "Requests waiting now for a free slot of an upstream server at its max_connections, by group" [];
+    upstream_queue_waits: HistogramVec = Histogram All "tollgate_upstream_queue_wait_seconds"
+        ["group"] "How long requests that had to wait for a free upstream slot waited, by group"
+        [0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 10.0, 60.0];
+    upstream_queue_timeouts: IntCounterVec = Counter All "tollgate_upstream_queue_timeouts_total"
+        ["group"] "Requests answered 503 after waiting queue_timeout_ms for a free upstream slot, by group" [];
+    upstream_queue_abandoned: IntCounterVec = Counter All "tollgate_upstream_queue_abandoned_total"
+        ["group"] "Requests that left the upstream queue because their client went away, never sent upstream, by group" [];
+    llm_undecodable: IntCounterVec = Counter All "tollgate_llm_undecodable_responses_total"
+        ["encoding", "reason"] "LLM responses whose Content-Encoding could not be decoded to read their usage (settled as reserved), by encoding and reason" [];
+    grpc_calls: IntCounterVec = Counter All "tollgate_grpc_calls_total"
+        ["service", "code"] "gRPC calls from Envoy, by service (ratelimit, authz) and answer" [];
+    candidate_would_refuse: IntCounterVec = Counter All "tollgate_candidate_would_refuse_total"
+        ["policy", "rule"] "Requests the candidate bundle would have refused, by policy and rule (kill switches under policy kill_switch), since it was set" [];
+    candidate_decisions: IntCounter = Counter All "tollgate_candidate_decisions_total"
+        [] "Requests also decided under the candidate bundle since it was set" [];
+    candidate_skipped: IntCounter = Counter All "tollgate_candidate_skipped_total"
+        [] "Requests not decided under the candidate bundle: too many of its shared-store calls outstanding" [];
+    candidate_info: IntGaugeVec = Gauge All "tollgate_candidate_info"
+        ["version", "hash"] "The candidate bundle decided in shadow (value 1 while one is set)" [];
+    local_mode: Option<IntGauge> = Gauge Shared "tollgate_store_local_mode"
+        [] "1 while this gateway decides from its own memory because the shared store does not answer" [];
+    fleet_gateways: Option<IntGauge> = Gauge Shared "tollgate_fleet_gateways"
+        [] "Gateways present in the shared store when it was last reached (N: local mode gives each 1/N of every limit)" [];
+    local_decisions: Option<IntCounterVec> = Counter Shared "tollgate_store_local_decisions_total"
+        ["policy", "rule", "outcome"] "Rule checks decided without the shared store, by the rule's on_store_error outcome (allowed, rejected, closed, open)" [];
+    write_backs: Option<IntCounterVec> = Counter Shared "tollgate_store_writebacks_total"
+        ["outcome"] "Local spend charged to the shared store once it answered again: applied, duplicate (already charged), failed (sending a batch failed; it is sent again)" [];
+    write_back_pending: Option<IntGauge> = Gauge Shared "tollgate_store_writeback_pending"
+        [] "Buckets with local spend not yet charged to the shared store" [];
+}
+
+/// A family built from its row.
+trait Family: prometheus::core::Collector + Clone + Sized + 'static {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self>;
+}
+
+impl Family for IntCounter {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        IntCounter::new(spec.name, spec.help)
+    }
+}
+
+impl Family for IntGauge {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        IntGauge::new(spec.name, spec.help)
+    }
+}
+
+impl Family for IntCounterVec {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        IntCounterVec::new(Opts::new(spec.name, spec.help), spec.labels)
+    }
+}
+
+impl Family for IntGaugeVec {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        IntGaugeVec::new(Opts::new(spec.name, spec.help), spec.labels)
+    }
+}
+
+impl Family for Histogram {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        Histogram::with_opts(
+            HistogramOpts::new(spec.name, spec.help).buckets(spec.buckets.to_vec()),
+        )
+    }
+}
+
+impl Family for HistogramVec {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        HistogramVec::new(
+            HistogramOpts::new(spec.name, spec.help).buckets(spec.buckets.to_vec()),
+            spec.labels,
+        )
+    }
+}
+
+impl Family for ForgivenHistogram {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        ForgivenHistogram::new(spec)
+    }
+}
+
+impl Family for ClockSkewGauge {
+    fn of(spec: &MetricSpec) -> prometheus::Result<Self> {
+        ClockSkewGauge::new(spec)
+    }
+}
+
+/// A field of `Families`: a family (every gateway defines it) or an optional one (`None` for
+/// a store outside its row's [`Scope`]).
+trait Row: Sized {
+    fn register(
+        spec: Option<&MetricSpec>,
+        registry: &Registry,
+        store_kind: &str,
+        defined: &mut Vec<&'static str>,
+    ) -> prometheus::Result<Self>;
+}
+
+/// Builds `spec`'s family and registers it.
+fn register<F: Family>(
+    spec: Option<&MetricSpec>,
+    registry: &Registry,
+    defined: &mut Vec<&'static str>,
+) -> prometheus::Result<F> {
+    // One row per field, by construction of `metric_table!`.
+    let spec = spec.ok_or_else(|| prometheus::Error::Msg("a field without its row".into()))?;
+    let family = F::of(spec)?;
+    registry.register(Box::new(family.clone()))?;
+    defined.push(spec.name);
+    Ok(family)
+}
+
+macro_rules! rows {
+    ($($family:ty),*) => {$(
+        impl Row for $family {
+            fn register(
+                spec: Option<&MetricSpec>,
+                registry: &Registry,
+                _: &str,
+                defined: &mut Vec<&'static str>,
+            ) -> prometheus::Result<Self> {
+                register(spec, registry, defined)
+            }
+        }
+
+        impl Row for Option<$family> {
+            fn register(
+                spec: Option<&MetricSpec>,
+                registry: &Registry,
+                store_kind: &str,
+                defined: &mut Vec<&'static str>,
+            ) -> prometheus::Result<Self> {
+                match spec {
+                    Some(row) if !row.scope.includes(store_kind) => Ok(None),
+                    _ => register(spec, registry, defined).map(Some),
+                }
+            }
+        }
+    )*};
+}
+
+rows!(
+    IntCounter,
+    IntGauge,
+    IntCounterVec,
+    IntGaugeVec,
+    Histogram,
+    HistogramVec,
+    ForgivenHistogram,
+    ClockSkewGauge
+);
+
+impl Families {
+    /// The series every gateway shows from the start (each label value a family is known to
+    /// take, at zero), and the store in use.
+    fn start_series(&self, store_kind: &str) {
+        self.store_info.with_label_values(&[store_kind]).set(1);
+        let start = |family: &IntCounterVec, values: &[&str]| {
+            for value in values {
+                family.with_label_values(&[value]);
+            }
+        };
+        if let Some(by_kind) = &self.store_evictions_by_kind {
+            start(by_kind, &EVICTION_KINDS);
+        }
+        start(&self.admin_resets, &["reset", "full"]);
+        start(
+            &self.handover_failures,
+            &[
+                "no_taker",
+                "stranger",
+                "unconfirmed",
+                "nothing_received",
+                "malformed",
+                "untrusted_dir",
+                "no_socket",
+                "io",
+            ],
+        );
+        for failure in crate::engine::compat::Failure::ALL {
+            self.debug_session_failures
+                .with_label_values(&[failure.as_str()]);
+        }
+        start(
+            &self.network_reloads_rejected,
+            &crate::request::network::NetworkFile::METRIC_LABELS,
+        );
+        for name in ["global_shadow", "kill_switch_override"] {
+            self.runtime_overrides.with_label_values(&[name]);
+        }
+        start(&self.connections_refused, &["per_ip"]);
+        start(&self.request_headers_refused, &["bytes", "lines"]);
+        start(
+            &self.llm_settlements,
+            &[
+                "usage", "estimate", "stopped", "unused", "report", "expired",
+            ],
+        );
+        for reason in crate::request::auth::InvalidToken::ALL {
+            self.jwt_invalid.with_label_values(&[reason.as_str()]);
+        }
+        for (service, codes) in GRPC_CODES {
+            for code in *codes {
+                self.grpc_calls.with_label_values(&[service, code]);
+            }
+        }
+        if let Some(write_backs) = &self.write_backs {
+            start(write_backs, &WRITE_BACK_OUTCOMES);
+        }
+    }
+}
+
+/// The `outcome` label values of `tollgate_store_writebacks_total`.
+const WRITE_BACK_OUTCOMES: [&str; 3] = ["applied", "duplicate", "failed"];
 
 /// The label values of `tollgate_grpc_calls_total`, created at start so every series exists.
 pub const GRPC_CODES: &[(&str, &[&str])] = &[
@@ -231,35 +546,24 @@ pub const GRPC_CODES: &[(&str, &[&str])] = &[
     ),
 ];
 
-#[allow(clippy::expect_used)]
-fn must<T>(r: prometheus::Result<T>) -> T {
-    // Metric definitions are fixed at compile time; a failure here is a programming error
-    // caught by the unit test below, never user input.
-    r.expect("static metric definition")
-}
-
 impl Metrics {
     /// The counter of spans a full export queue dropped (handed to the telemetry's processor).
     pub fn trace_spans_dropped(&self) -> prometheus::IntCounter {
-        self.trace_spans_dropped.clone()
+        self.families.trace_spans_dropped.clone()
     }
 
     /// Metrics for a gateway whose store is of `store_kind` (`memory`, `state_dir`, `redis`,
-    /// `postgres`: [`crate::store::Store::kind`]).
-    pub fn new(store_kind: &str) -> Self {
+    /// `postgres`: [`crate::store::Store::kind`]): the rows of [`METRICS`] it defines.
+    ///
+    /// # Errors
+    /// A row the registry refuses (a name or label that is not Prometheus's, a name twice): a
+    /// mistake in the table, which the unit tests catch.
+    pub fn new(store_kind: &str) -> prometheus::Result<Self> {
         let registry = Registry::new();
         let mut defined = Vec::new();
-        let decisions = must(IntCounterVec::new(
-            Opts::new("tollgate_decisions_total", "Rule evaluations by outcome"),
-            &["policy", "rule", "action", "reason", "mode"],
-        ));
-        let requests = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_requests_total",
-                "Requests decided, by overall action and reason",
-            ),
-            &["action", "reason"],
-        ));
+        let families = Families::new(&registry, store_kind, &mut defined)?;
+        families.start_series(store_kind);
+        let requests = &families.requests;
         let request_counters = [
             ("allow", ""),
             ("allow", "no_policy"),
@@ -281,465 +585,23 @@ impl Metrics {
             ("reject", Reason::ALL[15].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
-        let shadow_would_reject = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_shadow_would_reject_total",
-                "Shadow-mode rules that would have rejected",
-            ),
-            &["policy", "rule"],
-        ));
-        let latency = must(Histogram::with_opts(
-            HistogramOpts::new(
-                "tollgate_decision_duration_seconds",
-                "Time to decide one request",
-            )
-            .buckets(vec![
-                1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 5e-3, 2.5e-2,
-            ]),
-        ));
-        let embedded = matches!(store_kind, "memory" | "state_dir");
-        let store_entries = embedded.then(|| {
-            must(IntGauge::new(
-                "tollgate_store_entries",
-                "Buckets held by the embedded store",
-            ))
-        });
-        let store_evictions = (embedded || store_kind == "postgres").then(|| {
-            must(IntCounter::new(
-                "tollgate_store_evictions_total",
-                "Buckets dropped by the store (full again: indistinguishable from fresh)",
-            ))
-        });
-        let store_evictions_by_kind = embedded.then(|| {
-            let vec = must(IntCounterVec::new(
-                Opts::new(
-                    "tollgate_store_evictions_by_kind_total",
-                    "Buckets dropped by the embedded store, by kind: full_again (gave nothing away), token_bucket and budget (evicted for room while holding spend), unknown_spend (written by an older build, spend not kept)",
-                ),
-                &["kind"],
-            ));
-            for kind in EVICTION_KINDS {
-                vec.with_label_values(&[kind]);
-            }
-            vec
-        });
-        let store_forgiven = embedded.then(ForgivenHistogram::new);
-        let store_fail_open = embedded.then(|| {
-            must(IntCounter::new(
-                "tollgate_store_fail_open_total",
-                "Requests allowed untracked because the embedded store had no room: a new key with nothing to evict (stays 0: a full store evicts), or a concurrency slot or breaker its lease table could not hold",
-            ))
-        });
-        let loop_marks = embedded.then(|| {
-            must(IntGauge::new(
-                "tollgate_store_loop_marks",
-                "Loop-detection marks held by the embedded store (at most --max-loop-marks)",
-            ))
-        });
-        let loop_marks_evicted = embedded.then(|| {
-            must(IntCounter::new(
-                "tollgate_store_loop_marks_evicted_total",
-                "Loop-detection marks forgotten for room at --max-loop-marks (each one identical request a loop count missed)",
-            ))
-        });
-        let state_dir_fallback = embedded.then(|| {
-            must(IntGauge::new(
-                "tollgate_state_dir_fallback",
-                "1 when --state-dir was given but the buckets are in process memory (the state file could not be made or mapped)",
-            ))
-        });
-        let store_clock_skew = matches!(store_kind, "redis" | "postgres").then(ClockSkewGauge::new);
-        let store_info = must(IntGaugeVec::new(
-            Opts::new("tollgate_store_info", "The store in use (value 1)"),
-            &["kind"],
-        ));
-        store_info.with_label_values(&[store_kind]).set(1);
-        let store_errors = must(IntCounter::new(
-            "tollgate_store_errors_total",
-            "Requests allowed because the store failed (fail-open)",
-        ));
-        let admin_resets = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_admin_resets_total",
-                "Buckets reset by an operator (DELETE /v1/buckets), by whether the store held state for them",
-            ),
-            &["result"],
-        ));
-        for result in ["reset", "full"] {
-            admin_resets.with_label_values(&[result]);
-        }
-        let handover_failures = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_upgrade_handover_failures_total",
-                "Zero-downtime upgrade hand-overs that did not happen, by reason (no_taker, stranger, unconfirmed, nothing_received, malformed, untrusted_dir, no_socket, io); the old process keeps serving",
-            ),
-            &["reason"],
-        ));
-        for reason in [
-            "no_taker",
-            "stranger",
-            "unconfirmed",
-            "nothing_received",
-            "malformed",
-            "untrusted_dir",
-            "no_socket",
-            "io",
-        ] {
-            handover_failures.with_label_values(&[reason]);
-        }
-        let log_lines_dropped = must(IntCounter::new(
-            "tollgate_log_lines_dropped_total",
-            "Access-log and RATE_LIMIT lines dropped because standard output or error was not read fast enough",
-        ));
-        let trace_spans_dropped = must(IntCounter::new(
-            "tollgate_trace_spans_dropped_total",
-            "Sampled trace spans not exported: the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full, their batch failed, or the export was backing off from a failing collector",
-        ));
-        let admin_refused = must(IntCounter::new(
-            "tollgate_admin_unauthorized_total",
-            "Operator endpoint requests refused for a missing or wrong admin token",
-        ));
-        let debug_session_failures = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_debug_session_failures_total",
-                "Debug-session logins refused: no secret, a wrong one, or a client throttled after too many",
-            ),
-            &["reason"],
-        ));
-        for failure in crate::engine::compat::Failure::ALL {
-            debug_session_failures.with_label_values(&[failure.as_str()]);
-        }
-        let reloads = must(IntCounterVec::new(
-            Opts::new("tollgate_policy_reloads_total", "Policy loads by result"),
-            &["result"],
-        ));
-        let network_reloads_rejected = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_network_reloads_rejected_total",
-                "Network-file reloads refused because the file came back empty or with fewer than half the entries in force (the data in force kept), by file (geoip_db, asn_type_map, tor_exits)",
-            ),
-            &["file"],
-        ));
-        for file in crate::request::network::NetworkFile::METRIC_LABELS {
-            network_reloads_rejected.with_label_values(&[file]);
-        }
-        let policy_info = must(IntGaugeVec::new(
-            Opts::new(
-                "tollgate_policy_info",
-                "The policy bundle in force (value 1)",
-            ),
-            &["version", "hash"],
-        ));
-        let policy_source = PolicySourceMetrics::new(&registry, &mut defined);
-        let runtime_overrides = must(IntGaugeVec::new(
-            Opts::new(
-                "tollgate_runtime_override_active",
-                "Runtime overrides of the bundle in force: 1 while active (global_shadow, kill_switch_override)",
-            ),
-            &["override"],
-        ));
-        for name in ["global_shadow", "kill_switch_override"] {
-            runtime_overrides.with_label_values(&[name]);
-        }
-        let connections_refused = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_connections_refused_total",
-                "Client connections refused at accept, by cap (per_ip)",
-            ),
-            &["cap"],
-        ));
-        connections_refused.with_label_values(&["per_ip"]);
-        let request_headers_refused = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_request_headers_refused_total",
-                "Requests refused with 431 for a header block over --max-request-header-bytes (bytes) or --max-request-headers (lines)",
-            ),
-            &["limit"],
-        ));
-        for limit in ["bytes", "lines"] {
-            request_headers_refused.with_label_values(&[limit]);
-        }
-        let breaker_trips = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_circuit_breaker_trips_total",
-                "Circuit breakers opened by a request's spend, by policy and mode",
-            ),
-            &["policy", "mode"],
-        ));
-        let llm_tokens = [
-            (
-                "reserved",
-                "Tokens reserved by token_bucket_llm rules before the upstream answered",
-            ),
-            (
-                "used",
-                "Tokens the upstream's responses really used, as settled",
-            ),
-            (
-                "refunded",
-                "Reserved tokens given back because the response used fewer",
-            ),
-            (
-                "overrun",
-                "Tokens charged beyond the reservation because the response used more",
-            ),
-        ]
-        .map(|(kind, help)| {
-            must(IntCounterVec::new(
-                Opts::new(format!("tollgate_llm_tokens_{kind}_total"), help),
-                &["policy", "rule"],
-            ))
-        });
-        let llm_settlements = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_llm_settlements_total",
-                "LLM reservations settled, by where the usage came from (usage: the response's usage object; estimate: counted from the text streamed; stopped: a stream stopped past max_completion_tokens, counted from the text let through; unused: nothing came back, all refunded; report: POST /v1/usage; expired: never reported, kept as reserved)",
-            ),
-            &["source"],
-        ));
-        for source in [
-            "usage", "estimate", "stopped", "unused", "report", "expired",
-        ] {
-            llm_settlements.with_label_values(&[source]);
-        }
-        let llm_estimate_ratio = must(Histogram::with_opts(
-            HistogramOpts::new(
-                "tollgate_llm_prompt_estimate_ratio",
-                "Prompt token estimates divided by the prompt tokens the upstream reported (1 = exact)",
-            )
-            .buckets(vec![0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0]),
-        ));
-        let policies_skipped = must(IntGauge::new(
-            "tollgate_policies_skipped",
-            "Policies of the bundle in force left out by --skip-invalid-policies",
-        ));
-        let jwt_valid = must(IntCounter::new(
-            "tollgate_jwt_valid_total",
-            "Requests with a verified JWT",
-        ));
-        let jwt_invalid = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_jwt_invalid_total",
-                "Requests whose JWT was refused, by reason",
-            ),
-            &["reason"],
-        ));
-        for reason in crate::request::auth::InvalidToken::ALL {
-            jwt_invalid.with_label_values(&[reason.as_str()]);
-        }
-        let upstream_connect_failures = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_upstream_connect_failures_total",
-                "Failed connections to upstream servers, by group and kind (refused, timeout, unreachable, reset, tls, other)",
-            ),
-            &["group", "kind"],
-        ));
-        let upstream_retries = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_upstream_retries_total",
-                "Requests tried again after a failed connection, by group",
-            ),
-            &["group"],
-        ));
-        let upstream_ejections = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_upstream_ejections_total",
-                "Servers taken out of their group after consecutive connection failures",
-            ),
-            &["group"],
-        ));
-        let upstream_queue_waiting = must(IntGaugeVec::new(
-            Opts::new(
-                "tollgate_upstream_queue_waiting",
-                "Requests waiting now for a free slot of an upstream server at its max_connections, by group",
-            ),
-            &["group"],
-        ));
-        let upstream_queue_waits = must(prometheus::HistogramVec::new(
-            HistogramOpts::new(
-                "tollgate_upstream_queue_wait_seconds",
-                "How long requests that had to wait for a free upstream slot waited, by group",
-            )
-            .buckets(vec![0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 10.0, 60.0]),
-            &["group"],
-        ));
-        let upstream_queue_timeouts = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_upstream_queue_timeouts_total",
-                "Requests answered 503 after waiting queue_timeout_ms for a free upstream slot, by group",
-            ),
-            &["group"],
-        ));
-        let upstream_queue_abandoned = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_upstream_queue_abandoned_total",
-                "Requests that left the upstream queue because their client went away, never sent upstream, by group",
-            ),
-            &["group"],
-        ));
-        for c in [
-            Box::new(upstream_queue_waiting.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(upstream_queue_waits.clone()),
-            Box::new(upstream_queue_timeouts.clone()),
-            Box::new(upstream_queue_abandoned.clone()),
-        ] {
-            defined.extend(c.desc().iter().map(|d| d.fq_name.clone()));
-            must(registry.register(c));
-        }
-        let llm_undecodable = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_llm_undecodable_responses_total",
-                "LLM responses whose Content-Encoding could not be decoded to read their usage (settled as reserved), by encoding and reason",
-            ),
-            &["encoding", "reason"],
-        ));
-        for c in [
-            &upstream_connect_failures,
-            &upstream_retries,
-            &upstream_ejections,
-            &llm_undecodable,
-        ] {
-            defined.extend(names_of(c));
-            must(registry.register(Box::new(c.clone())));
-        }
-        let grpc_calls = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_grpc_calls_total",
-                "gRPC calls from Envoy, by service (ratelimit, authz) and answer",
-            ),
-            &["service", "code"],
-        ));
-        for (service, codes) in GRPC_CODES {
-            for code in *codes {
-                grpc_calls.with_label_values(&[service, code]);
-            }
-        }
-        let candidate = CandidateMetrics::new();
-        for c in [
-            Box::new(grpc_calls.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(jwt_valid.clone()),
-            Box::new(jwt_invalid.clone()),
-            Box::new(decisions.clone()),
-            Box::new(requests.clone()),
-            Box::new(shadow_would_reject.clone()),
-            Box::new(latency.clone()),
-            Box::new(store_info),
-            Box::new(store_errors.clone()),
-            Box::new(reloads.clone()),
-            Box::new(network_reloads_rejected.clone()),
-            Box::new(admin_resets.clone()),
-            Box::new(handover_failures.clone()),
-            Box::new(admin_refused.clone()),
-            Box::new(debug_session_failures.clone()),
-            Box::new(log_lines_dropped.clone()),
-            Box::new(trace_spans_dropped.clone()),
-            Box::new(policy_info.clone()),
-            Box::new(runtime_overrides.clone()),
-            Box::new(policies_skipped.clone()),
-            Box::new(connections_refused.clone()),
-            Box::new(request_headers_refused.clone()),
-            Box::new(breaker_trips.clone()),
-            Box::new(llm_tokens[0].clone()),
-            Box::new(llm_tokens[1].clone()),
-            Box::new(llm_tokens[2].clone()),
-            Box::new(llm_tokens[3].clone()),
-            Box::new(llm_settlements.clone()),
-            Box::new(llm_estimate_ratio.clone()),
-            Box::new(candidate.would_refuse.clone()),
-            Box::new(candidate.decisions.clone()),
-            Box::new(candidate.skipped.clone()),
-            Box::new(candidate.info.clone()),
-        ] {
-            defined.extend(names_of(c.as_ref()));
-            must(registry.register(c));
-        }
-        for c in [
-            store_entries
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            store_evictions
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            store_evictions_by_kind
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            store_forgiven
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            store_fail_open
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            loop_marks
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            loop_marks_evicted
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            state_dir_fallback
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-            store_clock_skew
-                .clone()
-                .map(|c| Box::new(c) as Box<dyn prometheus::core::Collector>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            defined.extend(names_of(c.as_ref()));
-            must(registry.register(c));
-        }
-        let local = (!embedded).then(|| LocalMetrics::new(&registry, &mut defined));
-        Metrics {
-            registry,
-            defined,
-            decisions,
+        Ok(Metrics {
+            llm_tokens: [
+                families.llm_tokens_reserved.clone(),
+                families.llm_tokens_used.clone(),
+                families.llm_tokens_refunded.clone(),
+                families.llm_tokens_overrun.clone(),
+            ],
+            policy_source: PolicySourceMetrics::of(&families),
+            local: LocalMetrics::of(&families),
+            candidate: CandidateMetrics::of(&families),
             request_counters,
-            shadow_would_reject,
-            latency,
-            store_entries,
-            store_evictions,
-            store_evictions_by_kind,
-            store_forgiven,
-            store_fail_open,
-            loop_marks,
-            loop_marks_evicted,
-            state_dir_fallback,
-            local,
-            store_clock_skew,
-            store_errors,
-            reloads,
-            network_reloads_rejected,
-            admin_resets,
-            handover_failures,
-            admin_refused,
-            debug_session_failures,
-            log_lines_dropped,
-            trace_spans_dropped,
-            policy_info,
-            policy_source,
-            runtime_overrides,
-            policies_skipped,
-            connections_refused,
-            request_headers_refused,
-            breaker_trips,
-            llm_tokens,
-            llm_settlements,
-            llm_estimate_ratio,
-            jwt_valid,
-            jwt_invalid,
-            grpc_calls,
-            upstream_connect_failures,
-            upstream_retries,
-            upstream_ejections,
-            upstream_queue_waiting,
-            upstream_queue_waits,
-            upstream_queue_timeouts,
-            upstream_queue_abandoned,
-            llm_undecodable,
+            registry,
+            families,
+            defined,
             per_rule: ArcSwapOption::empty(),
-            candidate,
             render_lock: parking_lot::Mutex::new(()),
-        }
+        })
     }
 
     /// Resolves per-rule counters for a newly installed bundle and updates the info gauge.
@@ -754,8 +616,9 @@ impl Metrics {
                 )
             }),
         })));
-        self.policy_info.reset();
-        self.policy_info
+        self.families.policy_info.reset();
+        self.families
+            .policy_info
             .with_label_values(&[&bundle.version.to_string(), &bundle.hash])
             .set(1);
     }
@@ -764,7 +627,8 @@ impl Metrics {
         let policy = rule.policy_id.as_str();
         let name = rule.name.as_str();
         let c = |action: &str, reason: &str, mode: &str| {
-            self.decisions
+            self.families
+                .decisions
                 .with_label_values(&[policy, name, action, reason, mode])
         };
         let exceeded = exceeded_reason(rule);
@@ -775,39 +639,65 @@ impl Metrics {
             shadow_allow: c("allow", "", "shadow"),
             refunded: c("refunded", "", "enforce"),
             shadow_would_reject: c("would_reject", exceeded, "shadow"),
-            shadow_would_reject_total: self.shadow_would_reject.with_label_values(&[policy, name]),
+            shadow_would_reject_total: self
+                .families
+                .shadow_would_reject
+                .with_label_values(&[policy, name]),
         }
     }
 
     /// Counts a token check (nothing for requests without a token).
     pub fn token(&self, outcome: Result<(), crate::request::auth::InvalidToken>) {
         match outcome {
-            Ok(()) => self.jwt_valid.inc(),
-            Err(reason) => self.jwt_invalid.with_label_values(&[reason.as_str()]).inc(),
+            Ok(()) => self.families.jwt_valid.inc(),
+            Err(reason) => self
+                .families
+                .jwt_invalid
+                .with_label_values(&[reason.as_str()])
+                .inc(),
         }
     }
 
     /// Counts a failed upstream connection (and whether the request tries again, and whether the
     /// server was ejected). Group names come from the gateway file: a bounded set.
     pub fn upstream_connect_failed(&self, group: &str, kind: &str, retried: bool, ejected: bool) {
-        self.upstream_connect_failures
+        self.families
+            .upstream_connect_failures
             .with_label_values(&[group, kind])
             .inc();
         if retried {
-            self.upstream_retries.with_label_values(&[group]).inc();
+            self.families
+                .upstream_retries
+                .with_label_values(&[group])
+                .inc();
         }
         if ejected {
-            self.upstream_ejections.with_label_values(&[group]).inc();
+            self.families
+                .upstream_ejections
+                .with_label_values(&[group])
+                .inc();
         }
     }
 
     /// The queue metrics of an upstream group (looked up only when a request has to wait).
     pub fn upstream_queue(&self, group: &str) -> QueueMetrics {
         QueueMetrics {
-            waiting: self.upstream_queue_waiting.with_label_values(&[group]),
-            waits: self.upstream_queue_waits.with_label_values(&[group]),
-            timeouts: self.upstream_queue_timeouts.with_label_values(&[group]),
-            abandoned: self.upstream_queue_abandoned.with_label_values(&[group]),
+            waiting: self
+                .families
+                .upstream_queue_waiting
+                .with_label_values(&[group]),
+            waits: self
+                .families
+                .upstream_queue_waits
+                .with_label_values(&[group]),
+            timeouts: self
+                .families
+                .upstream_queue_timeouts
+                .with_label_values(&[group]),
+            abandoned: self
+                .families
+                .upstream_queue_abandoned
+                .with_label_values(&[group]),
         }
     }
 
@@ -818,62 +708,73 @@ impl Metrics {
             "gzip" | "deflate" | "br" | "zstd" => encoding,
             _ => "other",
         };
-        self.llm_undecodable
+        self.families
+            .llm_undecodable
             .with_label_values(&[encoding, reason])
             .inc();
     }
 
     /// Counts one gRPC call: `service` and `code` from [`GRPC_CODES`].
     pub fn grpc_call(&self, service: &str, code: &str) {
-        self.grpc_calls.with_label_values(&[service, code]).inc();
+        self.families
+            .grpc_calls
+            .with_label_values(&[service, code])
+            .inc();
     }
 
     /// Every metric family this gateway exports (a labelled family appears in `/metrics` once
     /// it has a series): what the shipped dashboard and alerts may query.
-    pub fn defined_names(&self) -> &[String] {
+    pub fn defined_names(&self) -> &[&'static str] {
         &self.defined
     }
 
     /// Counts an operator's bucket reset.
     pub fn admin_reset(&self, held_state: bool) {
-        self.admin_resets
+        self.families
+            .admin_resets
             .with_label_values(&[if held_state { "reset" } else { "full" }])
             .inc();
     }
 
     /// Counts a zero-downtime upgrade hand-over that did not happen, by its reason.
     pub fn handover_failed(&self, reason: &str) {
-        self.handover_failures.with_label_values(&[reason]).inc();
+        self.families
+            .handover_failures
+            .with_label_values(&[reason])
+            .inc();
     }
 
     /// Counts an operator endpoint request refused for its token.
     pub fn admin_unauthorized(&self) {
-        self.admin_refused.inc();
+        self.families.admin_refused.inc();
     }
 
     /// Counts a debug-session login refused.
     pub fn debug_session_failure(&self, failure: crate::engine::compat::Failure) {
-        self.debug_session_failures
+        self.families
+            .debug_session_failures
             .with_label_values(&[failure.as_str()])
             .inc();
     }
 
     pub fn reload(&self, ok: bool) {
-        self.reloads
+        self.families
+            .reloads
             .with_label_values(&[if ok { "success" } else { "failure" }])
             .inc();
     }
 
     /// Counts a network-file reload refused by the shrink guard (`file`: its metric label).
     pub fn network_reload_rejected(&self, file: &str) {
-        self.network_reloads_rejected
+        self.families
+            .network_reloads_rejected
             .with_label_values(&[file])
             .inc();
     }
 
     /// Records one decision and how long it took.
     pub fn record(&self, decision: &Decision<'_>, seconds: f64) {
-        self.latency.observe(seconds);
+        self.families.latency.observe(seconds);
         let index = match decision.outcome() {
             Outcome::Allow => 0,
             Outcome::NoPolicy => 1,
@@ -886,29 +787,45 @@ impl Metrics {
             return;
         };
         if checked.store_error {
-            self.store_errors.inc();
+            self.families.store_errors.inc();
         }
         if let Some(local) = &self.local {
             local.record(checked);
         }
         if let Some(rule) = checked.shadow_missing {
-            self.decisions
-                .with_label_values(&[
-                    &rule.policy_id,
-                    &rule.name,
-                    "would_reject",
-                    "missing_descriptor",
-                    "shadow",
-                ])
-                .inc();
-            self.shadow_would_reject
-                .with_label_values(&[&rule.policy_id, &rule.name])
-                .inc();
+            self.labelled(
+                rule,
+                "would_reject",
+                "missing_descriptor",
+                Mode::Shadow.as_str(),
+            );
         }
         let table = self.per_rule.load();
+        self.record_slots(decision, checked);
+        let table = table.as_ref().and_then(|t| t.of(checked.bundle));
+        self.record_rules(checked, table, decision.is_allowed());
+    }
+
+    /// One rule's decision counted under labels (`tollgate_decisions_total`, and
+    /// `tollgate_shadow_would_reject_total` for a shadow rule's refusal).
+    fn labelled(&self, rule: &crate::policy::Rule, action: &str, reason: &str, mode: &str) {
+        let (policy, name) = (&rule.policy_id, &rule.name);
+        self.families
+            .decisions
+            .with_label_values(&[policy, name, action, reason, mode])
+            .inc();
+        if action == "would_reject" {
+            self.families
+                .shadow_would_reject
+                .with_label_values(&[policy, name])
+                .inc();
+        }
+    }
+
+    /// Concurrency rules and guards, counted by label (they are few, and not per token). A
+    /// loop that only warns or throttles is counted as such.
+    fn record_slots(&self, decision: &Decision<'_>, checked: &crate::engine::Checked<'_>) {
         for slot in &checked.slots {
-            // Concurrency rules and guards are counted by label (they are few, and not per
-            // token). A loop that only warns or throttles is counted as such.
             let soft = match slot.rule.guard {
                 Some(crate::policy::Guard::Loop(d)) => match d.action {
                     crate::policy::LoopAction::Warn => Some("warn"),
@@ -925,18 +842,18 @@ impl Metrics {
                 (Mode::Shadow, true, _) => ("allow", ""),
                 (Mode::Shadow, false, _) => ("would_reject", slot.reason().as_str()),
             };
-            let (policy, name) = (&slot.rule.policy_id, &slot.rule.name);
-            self.decisions
-                .with_label_values(&[policy, name, action, reason, slot.rule.mode.as_str()])
-                .inc();
-            if action == "would_reject" {
-                self.shadow_would_reject
-                    .with_label_values(&[policy, name])
-                    .inc();
-            }
+            self.labelled(slot.rule, action, reason, slot.rule.mode.as_str());
         }
-        let table = table.as_ref().and_then(|t| t.of(checked.bundle));
-        let allowed = decision.is_allowed();
+    }
+
+    /// Token-bucket and budget rules, on the counters resolved for the bundle in force
+    /// (`table`); under labels when a reload raced the request.
+    fn record_rules(
+        &self,
+        checked: &crate::engine::Checked<'_>,
+        table: Option<&[LazyCounters]>,
+        allowed: bool,
+    ) {
         for outcome in &checked.rules {
             let rule = outcome.rule;
             let counters = table
@@ -952,20 +869,7 @@ impl Metrics {
                     (Mode::Enforce, false) => ("reject", exceeded_reason(rule)),
                     (Mode::Shadow, false) => ("would_reject", exceeded_reason(rule)),
                 };
-                self.decisions
-                    .with_label_values(&[
-                        &rule.policy_id,
-                        &rule.name,
-                        action,
-                        reason,
-                        rule.mode.as_str(),
-                    ])
-                    .inc();
-                if action == "would_reject" {
-                    self.shadow_would_reject
-                        .with_label_values(&[&rule.policy_id, &rule.name])
-                        .inc();
-                }
+                self.labelled(rule, action, reason, rule.mode.as_str());
                 continue;
             };
             match (rule.mode, outcome.allowed) {
@@ -985,7 +889,8 @@ impl Metrics {
 
     /// Counts a circuit breaker tripped by a request (`rule` is the breaker's).
     pub fn breaker_tripped(&self, rule: &crate::policy::Rule) {
-        self.breaker_trips
+        self.families
+            .breaker_trips
             .with_label_values(&[&rule.policy_id, rule.mode.as_str()])
             .inc();
     }
@@ -1000,7 +905,10 @@ impl Metrics {
         reported_prompt: Option<u64>,
         source: &str,
     ) {
-        self.llm_settlements.with_label_values(&[source]).inc();
+        self.families
+            .llm_settlements
+            .with_label_values(&[source])
+            .inc();
         for rule in &reservation.rules {
             let labels = [rule.policy.as_str(), rule.rule.as_str()];
             let [reserved, used_total, refunded, overrun] = &self.llm_tokens;
@@ -1017,52 +925,57 @@ impl Metrics {
             reported_prompt.filter(|p| *p > 0),
             reservation.rules.first(),
         ) {
-            self.llm_estimate_ratio
+            self.families
+                .llm_estimate_ratio
                 .observe(rule.prompt_tokens as f64 / actual as f64);
         }
     }
 
     /// A request refused with 431 for its header block (`limit`: `bytes` or `lines`).
     pub fn request_headers_refused(&self, limit: &str) {
-        self.request_headers_refused
+        self.families
+            .request_headers_refused
             .with_label_values(&[limit])
             .inc();
     }
 
     /// The counter of connections refused by `cap` (the proxy's connection guard counts them).
     pub fn connections_refused(&self, cap: &str) -> IntCounter {
-        self.connections_refused.with_label_values(&[cap])
+        self.families.connections_refused.with_label_values(&[cap])
     }
 
     /// Sets the gauges that follow the bundle in force and the time: runtime overrides active
     /// at `unix_secs`, policies skipped.
     pub fn bundle_state(&self, bundle: Option<&Bundle>, unix_secs: i64) {
         let active = |on: bool| i64::from(on);
-        self.runtime_overrides
+        self.families
+            .runtime_overrides
             .with_label_values(&["global_shadow"])
             .set(active(
                 bundle.is_some_and(|b| b.global_shadow_active(unix_secs)),
             ));
-        self.runtime_overrides
+        self.families
+            .runtime_overrides
             .with_label_values(&["kill_switch_override"])
             .set(active(
                 bundle.is_some_and(|b| b.kill_switch_override_active(unix_secs)),
             ));
-        self.policies_skipped
+        self.families
+            .policies_skipped
             .set(bundle.map_or(0, |b| b.skipped.len() as i64));
     }
 
     /// Prometheus text, with store gauges refreshed from `stats`.
     pub fn render(&self, stats: StoreStats) -> String {
         let _serialised = self.render_lock.lock();
-        if let (Some(gauge), Some(entries)) = (&self.store_entries, stats.entries) {
+        if let (Some(gauge), Some(entries)) = (&self.families.store_entries, stats.entries) {
             gauge.set(entries as i64);
         }
         // The store keeps the running totals; counters only move forward to meet them.
-        if let Some(counter) = &self.store_evictions {
+        if let Some(counter) = &self.families.store_evictions {
             advance_to(counter, stats.evictions);
         }
-        if let Some(by_kind) = &self.store_evictions_by_kind {
+        if let Some(by_kind) = &self.families.store_evictions_by_kind {
             let e = stats.evicted;
             for (kind, total) in
                 EVICTION_KINDS
@@ -1072,29 +985,29 @@ impl Metrics {
                 advance_to(&by_kind.with_label_values(&[kind]), total);
             }
         }
-        if let Some(histogram) = &self.store_forgiven {
+        if let Some(histogram) = &self.families.store_forgiven {
             *histogram.latest.lock() = stats.evicted;
         }
-        if let Some(counter) = &self.store_fail_open {
+        if let Some(counter) = &self.families.store_fail_open {
             advance_to(counter, stats.fail_open);
         }
-        if let (Some(gauge), Some(held)) = (&self.loop_marks, stats.loop_marks) {
+        if let (Some(gauge), Some(held)) = (&self.families.loop_marks, stats.loop_marks) {
             gauge.set(held as i64);
         }
-        if let Some(counter) = &self.loop_marks_evicted {
+        if let Some(counter) = &self.families.loop_marks_evicted {
             advance_to(counter, stats.loop_marks_evicted);
         }
         advance_to(
-            &self.log_lines_dropped,
+            &self.families.log_lines_dropped,
             crate::telemetry::log_line::DROPPED.load(std::sync::atomic::Ordering::Relaxed),
         );
-        if let Some(gauge) = &self.state_dir_fallback {
+        if let Some(gauge) = &self.families.state_dir_fallback {
             gauge.set(i64::from(stats.state_fallback == Some(true)));
         }
         if let (Some(metrics), Some(local)) = (&self.local, stats.local) {
             metrics.render(local);
         }
-        if let Some(gauge) = &self.store_clock_skew {
+        if let Some(gauge) = &self.families.store_clock_skew {
             *gauge.latest.lock() = stats.clock_skew_us;
         }
         let mut buf = Vec::new();
@@ -1119,53 +1032,15 @@ struct LocalMetrics {
 }
 
 impl LocalMetrics {
-    fn new(registry: &Registry, defined: &mut Vec<String>) -> LocalMetrics {
-        let mode = must(IntGauge::new(
-            "tollgate_store_local_mode",
-            "1 while this gateway decides from its own memory because the shared store does not answer",
-        ));
-        let gateways = must(IntGauge::new(
-            "tollgate_fleet_gateways",
-            "Gateways present in the shared store when it was last reached (N: local mode gives each 1/N of every limit)",
-        ));
-        let decisions = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_store_local_decisions_total",
-                "Rule checks decided without the shared store, by the rule's on_store_error outcome (allowed, rejected, closed, open)",
-            ),
-            &["policy", "rule", "outcome"],
-        ));
-        let write_backs = must(IntCounterVec::new(
-            Opts::new(
-                "tollgate_store_writebacks_total",
-                "Local spend charged to the shared store once it answered again: applied, duplicate (already charged), failed (sending a batch failed; it is sent again)",
-            ),
-            &["outcome"],
-        ));
-        let pending = must(IntGauge::new(
-            "tollgate_store_writeback_pending",
-            "Buckets with local spend not yet charged to the shared store",
-        ));
-        for c in [
-            Box::new(mode.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(gateways.clone()),
-            Box::new(decisions.clone()),
-            Box::new(write_backs.clone()),
-            Box::new(pending.clone()),
-        ] {
-            defined.extend(names_of(c.as_ref()));
-            must(registry.register(c));
-        }
-        for outcome in ["applied", "duplicate", "failed"] {
-            write_backs.with_label_values(&[outcome]);
-        }
-        LocalMetrics {
-            mode,
-            gateways,
-            decisions,
-            write_backs,
-            pending,
-        }
+    /// The local mode's families, when the store is a shared one.
+    fn of(families: &Families) -> Option<LocalMetrics> {
+        Some(LocalMetrics {
+            mode: families.local_mode.clone()?,
+            gateways: families.fleet_gateways.clone()?,
+            decisions: families.local_decisions.clone()?,
+            write_backs: families.write_backs.clone()?,
+            pending: families.write_back_pending.clone()?,
+        })
     }
 
     /// Counts a decision's rule checks made without the store.
@@ -1191,10 +1066,7 @@ impl LocalMetrics {
         self.mode.set(i64::from(local.local_mode));
         self.gateways.set(local.gateways as i64);
         self.pending.set(local.pending as i64);
-        for (outcome, total) in ["applied", "duplicate", "failed"]
-            .into_iter()
-            .zip(local.write_backs)
-        {
+        for (outcome, total) in WRITE_BACK_OUTCOMES.into_iter().zip(local.write_backs) {
             advance_to(&self.write_backs.with_label_values(&[outcome]), total);
         }
     }
@@ -1216,30 +1088,12 @@ pub(crate) struct CandidateMetrics {
 }
 
 impl CandidateMetrics {
-    fn new() -> CandidateMetrics {
+    fn of(families: &Families) -> CandidateMetrics {
         CandidateMetrics {
-            would_refuse: must(IntCounterVec::new(
-                Opts::new(
-                    "tollgate_candidate_would_refuse_total",
-                    "Requests the candidate bundle would have refused, by policy and rule (kill switches under policy kill_switch), since it was set",
-                ),
-                &["policy", "rule"],
-            )),
-            decisions: must(IntCounter::new(
-                "tollgate_candidate_decisions_total",
-                "Requests also decided under the candidate bundle since it was set",
-            )),
-            skipped: must(IntCounter::new(
-                "tollgate_candidate_skipped_total",
-                "Requests not decided under the candidate bundle: too many of its shared-store calls outstanding",
-            )),
-            info: must(IntGaugeVec::new(
-                Opts::new(
-                    "tollgate_candidate_info",
-                    "The candidate bundle decided in shadow (value 1 while one is set)",
-                ),
-                &["version", "hash"],
-            )),
+            would_refuse: families.candidate_would_refuse.clone(),
+            decisions: families.candidate_decisions.clone(),
+            skipped: families.candidate_skipped.clone(),
+            info: families.candidate_info.clone(),
         }
     }
 
@@ -1268,18 +1122,16 @@ struct ForgivenHistogram {
 }
 
 impl ForgivenHistogram {
-    const NAME: &'static str = "tollgate_store_eviction_forgiven_tokens";
-
-    fn new() -> Self {
-        ForgivenHistogram {
-            desc: must(prometheus::core::Desc::new(
-                Self::NAME.to_string(),
-                "Evictions for room (a new key in a full store), by the tokens the evicted entry still had spent".to_string(),
+    fn new(spec: &MetricSpec) -> prometheus::Result<Self> {
+        Ok(ForgivenHistogram {
+            desc: prometheus::core::Desc::new(
+                spec.name.to_string(),
+                spec.help.to_string(),
                 Vec::new(),
                 std::collections::HashMap::new(),
-            )),
+            )?,
             latest: Arc::default(),
-        }
+        })
     }
 }
 
@@ -1309,7 +1161,7 @@ impl prometheus::core::Collector for ForgivenHistogram {
         let mut metric = proto::Metric::default();
         metric.set_histogram(histogram);
         let mut family = proto::MetricFamily::default();
-        family.set_name(Self::NAME.to_string());
+        family.set_name(self.desc.fq_name.clone());
         family.set_help(self.desc.help.clone());
         family.set_field_type(proto::MetricType::HISTOGRAM);
         family.mut_metric().push(metric);
@@ -1327,18 +1179,16 @@ struct ClockSkewGauge {
 }
 
 impl ClockSkewGauge {
-    const NAME: &'static str = "tollgate_store_clock_skew_seconds";
-
-    fn new() -> Self {
-        ClockSkewGauge {
-            desc: must(prometheus::core::Desc::new(
-                Self::NAME.to_string(),
-                "The gateway's wall clock minus the shared store's clock (Redis TIME, PostgreSQL clock_timestamp()), in seconds, measured at every sweep; positive when the gateway is ahead".to_string(),
+    fn new(spec: &MetricSpec) -> prometheus::Result<Self> {
+        Ok(ClockSkewGauge {
+            desc: prometheus::core::Desc::new(
+                spec.name.to_string(),
+                spec.help.to_string(),
                 Vec::new(),
                 std::collections::HashMap::new(),
-            )),
+            )?,
             latest: Arc::default(),
-        }
+        })
     }
 }
 
@@ -1357,16 +1207,12 @@ impl prometheus::core::Collector for ClockSkewGauge {
         let mut metric = proto::Metric::default();
         metric.set_gauge(gauge);
         let mut family = proto::MetricFamily::default();
-        family.set_name(Self::NAME.to_string());
+        family.set_name(self.desc.fq_name.clone());
         family.set_help(self.desc.help.clone());
         family.set_field_type(proto::MetricType::GAUGE);
         family.mut_metric().push(metric);
         vec![family]
     }
-}
-
-fn names_of(collector: &dyn prometheus::core::Collector) -> Vec<String> {
-    collector.desc().iter().map(|d| d.fq_name.clone()).collect()
 }
 
 /// The `reason` label of a rule refusing for want of tokens: its budget or its bucket.
@@ -1387,13 +1233,6 @@ fn advance_to(counter: &IntCounter, total: u64) {
     }
 }
 
-impl Default for Metrics {
-    /// Metrics for the embedded store.
-    fn default() -> Self {
-        Self::new("memory")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1405,7 +1244,7 @@ mod tests {
 
     #[test]
     fn counters_move_with_decisions() {
-        let metrics = Metrics::new("memory");
+        let metrics = Metrics::new("memory").unwrap();
         let store = MemoryStore::new(MemoryStoreConfig::default());
         let bundle = Arc::new(compile_bundle(&json!({"bundle_version": 7, "policies": [
             {"id": "p", "spec": {"rules": [{"name": "r", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 1}}]}},
@@ -1448,11 +1287,12 @@ mod tests {
     fn clock_skew_shows_once_measured_in_seconds() {
         let name = "tollgate_store_clock_skew_seconds";
         assert!(!Metrics::new("memory")
+            .unwrap()
             .defined_names()
-            .contains(&name.to_string()));
+            .contains(&name));
         for kind in ["redis", "postgres"] {
-            let metrics = Metrics::new(kind);
-            assert!(metrics.defined_names().contains(&name.to_string()));
+            let metrics = Metrics::new(kind).unwrap();
+            assert!(metrics.defined_names().contains(&name));
             assert!(!metrics.render(StoreStats::default()).contains(name));
             let at = |skew_us| StoreStats {
                 clock_skew_us: Some(skew_us),
@@ -1473,5 +1313,46 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    /// The table is what is registered: for each store, exactly its rows, in its order, and
+    /// every family `/metrics` shows is one of them (with the help and type of its row).
+    #[test]
+    fn every_store_registers_exactly_its_rows_of_the_table() {
+        for kind in ["memory", "state_dir", "redis", "postgres"] {
+            let metrics = Metrics::new(kind).unwrap();
+            let rows: Vec<&str> = METRICS
+                .iter()
+                .filter(|m| m.scope.includes(kind))
+                .map(|m| m.name)
+                .collect();
+            assert_eq!(metrics.defined_names(), rows.as_slice(), "{kind}");
+            let text = metrics.render(StoreStats {
+                clock_skew_us: Some(1),
+                ..StoreStats::default()
+            });
+            for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+                let mut words = line.split_whitespace().skip(2);
+                let (Some(name), Some(kind)) = (words.next(), words.next()) else {
+                    panic!("{line}");
+                };
+                let row = METRICS.iter().find(|m| m.name == name);
+                let Some(row) = row else {
+                    panic!("{name} is not in the table");
+                };
+                let expected = match row.kind {
+                    MetricKind::Counter => "counter",
+                    MetricKind::Gauge => "gauge",
+                    MetricKind::Histogram => "histogram",
+                };
+                assert_eq!(kind, expected, "{name}");
+                assert!(
+                    text.contains(&format!("# HELP {name} {}\n", row.help)),
+                    "{name}"
+                );
+            }
+        }
+        let names: std::collections::BTreeSet<&str> = METRICS.iter().map(|m| m.name).collect();
+        assert_eq!(names.len(), METRICS.len(), "a name twice");
     }
 }

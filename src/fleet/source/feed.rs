@@ -17,6 +17,19 @@ pub(super) const FLOOD_WINDOW: Duration = Duration::from_millis(100);
 /// How long a flooded channel stays unsubscribed (the store is polled meanwhile).
 pub(super) const FLOOD_QUIET: Duration = Duration::from_secs(10);
 
+/// Why the change-notification channel could not be opened (the caller then polls).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ListenError {
+    /// A cluster with no node to subscribe on.
+    #[error("no node")]
+    NoNode,
+    #[error("timed out")]
+    TimedOut,
+    /// The store's own words, with any credential masked.
+    #[error("{0}")]
+    Store(String),
+}
+
 /// A backend's change notifications as seen by [`PolicySource::changed`]: how many arrived
 /// and whether the channel is up. A notification that arrives between two calls is not lost:
 /// the next call returns `true` at once.

@@ -2,7 +2,7 @@
 //! serialised on an advisory lock, its `NOTIFY` sent at commit; the change feed is `LISTEN` on a
 //! connection of its own, whose notifications are read from the connection's message stream.
 
-use super::feed::Feed;
+use super::feed::{Feed, ListenError};
 use super::policy_source::{
     parse_heartbeat, Bounded, BoundedSlots, Heartbeat, PolicySource, Slots, SourceError,
     HISTORY_KEPT,
@@ -162,7 +162,7 @@ impl PostgresSource {
         result
     }
 
-    async fn listen(&self) -> Result<(), String> {
+    async fn listen(&self) -> Result<(), ListenError> {
         let _one = self.feed.connecting.lock().await;
         if self.feed.is_up() {
             return Ok(());
@@ -180,8 +180,10 @@ impl PostgresSource {
                 *self.listener.lock() = Some(client);
                 Ok(())
             }
-            Ok(Err(e)) => Err(crate::telemetry::redact::text(&e.to_string()).into_owned()),
-            Err(_) => Err("timed out".to_string()),
+            Ok(Err(e)) => Err(ListenError::Store(
+                crate::telemetry::redact::text(&e.to_string()).into_owned(),
+            )),
+            Err(_) => Err(ListenError::TimedOut),
         }
     }
 }

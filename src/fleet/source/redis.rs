@@ -3,7 +3,7 @@
 //! the change feed is a pub/sub subscription on one node (a cluster forwards `PUBLISH` to every
 //! node), made again by the next `changed()` after it drops.
 
-use super::feed::Feed;
+use super::feed::{Feed, ListenError};
 use super::policy_source::{
     parse_heartbeat, Bounded, BoundedSlots, Heartbeat, PolicySource, Slots, SourceError,
     HISTORY_KEPT,
@@ -325,7 +325,7 @@ impl RedisSource {
     }
 
     /// Subscribes to [`CHANNEL`] on one node, with a task feeding [`Feed`].
-    async fn listen(&self) -> Result<(), String> {
+    async fn listen(&self) -> Result<(), ListenError> {
         let _one = self.feed.connecting.lock().await;
         if self.feed.is_up() {
             return Ok(());
@@ -334,7 +334,7 @@ impl RedisSource {
             Client::Single(client) => vec![client],
             Client::Cluster { nodes, .. } => nodes.iter().collect(),
         };
-        let mut last = String::from("no node");
+        let mut last = ListenError::NoNode;
         for client in candidates {
             let subscribed = tokio::time::timeout(self.timeout, async {
                 let mut pubsub = client.get_async_pubsub().await?;
@@ -360,8 +360,12 @@ impl RedisSource {
                     }
                     return Ok(());
                 }
-                Ok(Err(e)) => last = crate::telemetry::redact::text(&e.to_string()).into_owned(),
-                Err(_) => last = "timed out".to_string(),
+                Ok(Err(e)) => {
+                    last = ListenError::Store(
+                        crate::telemetry::redact::text(&e.to_string()).into_owned(),
+                    )
+                }
+                Err(_) => last = ListenError::TimedOut,
             }
         }
         Err(last)

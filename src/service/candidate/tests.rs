@@ -5,7 +5,7 @@ use super::*;
 use crate::config::Config;
 use crate::limits::clock::ManualClock;
 use crate::policy::{compile_bundle_with, CompileOptions};
-use crate::service::Answer;
+use crate::service::{Answer, Gateway, Trigger};
 use serde_json::json;
 
 fn rule(burst: u64) -> serde_json::Value {
@@ -55,7 +55,7 @@ fn gateway_with(
     let config = Config::from_args(&args).unwrap();
     let clock = ManualClock::new(1_800_000_000);
     let gateway = Gateway::with_clock(config, Arc::new(clock.clone())).unwrap();
-    gateway.load_policy("test").unwrap();
+    gateway.load_policy(Trigger::Sighup).unwrap();
     (gateway, clock)
 }
 
@@ -94,7 +94,7 @@ fn a_candidate_with_half_the_burst_would_refuse_exactly_five_of_ten_and_changes_
     let (plain, _plain_clock) = gateway(&plain_dir, &live);
     gw.set_candidate(Some(candidate(&bundle(2, vec![rule(5)]))));
     assert_eq!(
-        gw.candidate_info(),
+        gw.candidate.info(),
         Some(("2".to_string(), "c0ffee".to_string()))
     );
     for _ in 0..10 {
@@ -108,7 +108,7 @@ fn a_candidate_with_half_the_burst_would_refuse_exactly_five_of_ten_and_changes_
         );
     }
     let expected: BTreeMap<String, u64> = [("p/per-ip".to_string(), 5)].into();
-    assert_eq!(gw.candidate_refusals(), expected);
+    assert_eq!(gw.candidate.refusals(), expected);
     let text = gw.metrics_text();
     for line in [
         "tollgate_candidate_would_refuse_total{policy=\"p\",rule=\"per-ip\"} 5",
@@ -134,7 +134,7 @@ fn a_candidate_with_half_the_burst_would_refuse_exactly_five_of_ten_and_changes_
         decide(&gw, "10.0.0.1").allowed,
         decide(&plain, "10.0.0.1").allowed
     );
-    let summary = gw.candidate_summary().unwrap();
+    let summary = gw.candidate.summary().unwrap();
     assert_eq!(
         (summary.decisions, summary.shared_rules, summary.rules),
         (11, 0, 1)
@@ -150,28 +150,28 @@ fn replacing_or_clearing_the_candidate_starts_its_counts_again() {
     for _ in 0..3 {
         decide(&gw, "10.0.0.2");
     }
-    assert_eq!(gw.candidate_refusals().get("p/per-ip"), Some(&2));
+    assert_eq!(gw.candidate.refusals().get("p/per-ip"), Some(&2));
     // Replaced: counts from zero (its buckets are the same `candidate:` keys, whose history
     // the new candidate inherits, as the live bundle's do across a reload).
     gw.set_candidate(Some(candidate(&bundle(3, vec![rule(2)]))));
-    assert!(gw.candidate_refusals().is_empty());
+    assert!(gw.candidate.refusals().is_empty());
     assert!(gw
         .metrics_text()
         .contains("tollgate_candidate_info{hash=\"c0ffee\",version=\"3\"} 1"));
     assert!(!gw.metrics_text().contains("version=\"2\""));
     decide(&gw, "10.0.0.3");
-    assert_eq!(gw.candidate_summary().unwrap().decisions, 1);
+    assert_eq!(gw.candidate.summary().unwrap().decisions, 1);
     // A reload of the live bundle keeps the candidate and its counts.
     std::fs::write(
         dir.path().join("policy.json"),
         bundle(4, vec![rule(10)]).to_string(),
     )
     .unwrap();
-    gw.load_policy("test").unwrap();
-    assert_eq!(gw.candidate_summary().unwrap().decisions, 1);
+    gw.load_policy(Trigger::Sighup).unwrap();
+    assert_eq!(gw.candidate.summary().unwrap().decisions, 1);
     gw.set_candidate(None);
-    assert_eq!(gw.candidate_info(), None);
-    assert!(gw.candidate_refusals().is_empty());
+    assert_eq!(gw.candidate.info(), None);
+    assert!(gw.candidate.refusals().is_empty());
     let text = gw.metrics_text();
     assert!(text
         .lines()
@@ -192,7 +192,7 @@ fn an_unchanged_rule_beside_a_changed_one_reports_the_live_refusals() {
     let dir = tempfile::tempdir().unwrap();
     let (gw, _clock) = gateway(&dir, &live);
     gw.set_candidate(Some(candidate(&bundle(2, vec![rule(3), strict]))));
-    assert_eq!(gw.candidate_summary().unwrap().shared_rules, 1);
+    assert_eq!(gw.candidate.summary().unwrap().shared_rules, 1);
     let mut live_refused = 0;
     for _ in 0..6 {
         live_refused += u64::from(!decide(&gw, "10.0.0.4").allowed);
@@ -204,7 +204,7 @@ fn an_unchanged_rule_beside_a_changed_one_reports_the_live_refusals() {
         ("p/per-ip".to_string(), 3),
     ]
     .into();
-    assert_eq!(gw.candidate_refusals(), expected);
+    assert_eq!(gw.candidate.refusals(), expected);
 }
 
 #[tokio::test]
@@ -230,7 +230,7 @@ async fn envoy_calls_are_decided_under_the_candidate_too() {
     }
     // A bare bundle's policy is named after what it was compiled as.
     let expected: BTreeMap<String, u64> = [("candidate/per-ip".to_string(), 5)].into();
-    assert_eq!(gw.candidate_refusals(), expected);
+    assert_eq!(gw.candidate.refusals(), expected);
 }
 
 #[tokio::test]
@@ -246,7 +246,8 @@ async fn with_a_shared_store_too_many_outstanding_candidate_calls_skip_and_count
     let url = format!("redis://127.0.0.1:{port}/0");
     let (gw, _clock) = gateway_with(&dir, &live, &["--store", &url]);
     gw.set_candidate(Some(candidate(&bundle(2, vec![rule(5)]))));
-    gw.candidate_pending
+    gw.candidate
+        .pending
         .store(MAX_CANDIDATE_PENDING, Ordering::Release);
     let headers: Vec<(String, String)> = Vec::new();
     let facts = RequestFacts::from_uri(
@@ -257,10 +258,10 @@ async fn with_a_shared_store_too_many_outstanding_candidate_calls_skip_and_count
         &headers,
     );
     assert!(gw.decide(&facts).await.allowed);
-    let summary = gw.candidate_summary().unwrap();
+    let summary = gw.candidate.summary().unwrap();
     assert_eq!((summary.skipped, summary.decisions), (1, 0));
     assert_eq!(
-        gw.candidate_pending.load(Ordering::Acquire),
+        gw.candidate.pending.load(Ordering::Acquire),
         MAX_CANDIDATE_PENDING,
         "the skipped request gave its slot back"
     );

@@ -463,7 +463,7 @@ impl Worker {
         self.queue.recycle(batch);
         let sent = tokio::time::timeout(timeout, self.transport.send(body))
             .await
-            .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())));
+            .unwrap_or_else(|_| Err(ExportError::NoAnswer(timeout)));
         match sent {
             Ok(()) => self.backoff = FIRST_BACKOFF,
             Err(e) => {
@@ -473,7 +473,7 @@ impl Worker {
         }
     }
 
-    fn back_off(&mut self, error: &str) {
+    fn back_off(&mut self, error: &ExportError) {
         // The collector's and the transport's words: never the export headers.
         if self.backoff == FIRST_BACKOFF {
             tracing::warn!(
@@ -499,7 +499,7 @@ impl Worker {
                 self.accepting.store(true, Ordering::Relaxed);
             }
             Ok(Err(e)) => self.back_off(&e),
-            Err(_) => self.back_off("connecting timed out"),
+            Err(_) => self.back_off(&ExportError::ConnectTimeout),
         }
     }
 
@@ -603,7 +603,7 @@ impl Transport {
         })
     }
 
-    async fn send(&mut self, body: Bytes) -> Result<(), String> {
+    async fn send(&mut self, body: Bytes) -> Result<(), ExportError> {
         match self {
             Transport::Grpc(grpc) => grpc.send(body).await,
             Transport::Http(http) => http.send(body).await,
@@ -611,7 +611,7 @@ impl Transport {
     }
 
     /// Whether the collector takes a TCP connection.
-    async fn reachable(&self) -> Result<(), String> {
+    async fn reachable(&self) -> Result<(), ExportError> {
         let (host, port) = match self {
             Transport::Grpc(g) => (g.host.as_str(), g.port),
             Transport::Http(h) => (h.host.as_str(), h.port),
@@ -619,8 +619,36 @@ impl Transport {
         tokio::net::TcpStream::connect((host, port))
             .await
             .map(drop)
-            .map_err(|e| format!("connecting: {e}"))
+            .map_err(ExportError::Connect)
     }
+}
+
+/// Why an export, or the probe after a back-off, failed: the collector's and the transport's
+/// words (never the export headers).
+#[derive(Debug, thiserror::Error)]
+enum ExportError {
+    #[error("connecting: {0}")]
+    Connect(std::io::Error),
+    #[error("connecting timed out")]
+    ConnectTimeout,
+    #[error("no answer within {} ms", .0.as_millis())]
+    NoAnswer(Duration),
+    #[error("server name: {0}")]
+    ServerName(rustls::pki_types::InvalidDnsNameError),
+    #[error("TLS: {0}")]
+    Tls(std::io::Error),
+    #[error("HTTP: {0}")]
+    Http(hyper::Error),
+    #[error("request: {0}")]
+    Request(http::Error),
+    #[error("reading the answer: {0}")]
+    Answer(Box<dyn std::error::Error + Send + Sync>),
+    #[error("the collector answered {0}")]
+    Status(http::StatusCode),
+    #[error("gRPC: {0}")]
+    GrpcChannel(tonic::transport::Error),
+    #[error("gRPC {:?}: {}", .0.code(), .0.message())]
+    Grpc(Box<tonic::Status>),
 }
 
 /// OTLP over gRPC: `TraceService/Export` on a channel that reconnects by itself.
@@ -633,9 +661,9 @@ struct Grpc {
 }
 
 impl Grpc {
-    async fn send(&mut self, body: Bytes) -> Result<(), String> {
+    async fn send(&mut self, body: Bytes) -> Result<(), ExportError> {
         let mut client = tonic::client::Grpc::new(self.channel.clone());
-        client.ready().await.map_err(|e| format!("gRPC: {e}"))?;
+        client.ready().await.map_err(ExportError::GrpcChannel)?;
         let mut request = tonic::Request::new(body);
         *request.metadata_mut() = self.metadata.clone();
         request.set_timeout(self.timeout);
@@ -647,7 +675,7 @@ impl Grpc {
             )
             .await
             .map(drop)
-            .map_err(|status| format!("gRPC {:?}: {}", status.code(), status.message()))
+            .map_err(|status| ExportError::Grpc(Box::new(status)))
     }
 }
 
@@ -717,40 +745,37 @@ impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Stream for 
 impl Http {
     async fn connect(
         &self,
-    ) -> Result<hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>, String> {
+    ) -> Result<hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>, ExportError>
+    {
         let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
             .await
-            .map_err(|e| format!("connecting: {e}"))?;
+            .map_err(ExportError::Connect)?;
         let _ = tcp.set_nodelay(true);
         let stream: Box<dyn Stream> = match &self.tls {
             None => Box::new(tcp),
             Some(tls) => {
                 let name = rustls::pki_types::ServerName::try_from(self.host.clone())
-                    .map_err(|e| format!("server name: {e}"))?;
-                Box::new(
-                    tls.connect(name, tcp)
-                        .await
-                        .map_err(|e| format!("TLS: {e}"))?,
-                )
+                    .map_err(ExportError::ServerName)?;
+                Box::new(tls.connect(name, tcp).await.map_err(ExportError::Tls)?)
             }
         };
         let (sender, connection) =
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                 .await
-                .map_err(|e| format!("HTTP: {e}"))?;
+                .map_err(ExportError::Http)?;
         tokio::spawn(async move {
             let _ = connection.await;
         });
         Ok(sender)
     }
 
-    async fn send(&mut self, body: Bytes) -> Result<(), String> {
+    async fn send(&mut self, body: Bytes) -> Result<(), ExportError> {
         use http_body_util::BodyExt as _;
         let mut sender = match self.sender.take() {
             Some(sender) if !sender.is_closed() => sender,
             _ => self.connect().await?,
         };
-        sender.ready().await.map_err(|e| format!("HTTP: {e}"))?;
+        sender.ready().await.map_err(ExportError::Http)?;
         let mut request = http::Request::post(self.target.as_str())
             .header(http::header::HOST, self.authority.as_str())
             .header(http::header::CONTENT_TYPE, "application/x-protobuf")
@@ -759,22 +784,22 @@ impl Http {
                 concat!("tollgate/", env!("CARGO_PKG_VERSION")),
             )
             .body(http_body_util::Full::new(body))
-            .map_err(|e| format!("request: {e}"))?;
+            .map_err(ExportError::Request)?;
         for (name, value) in &self.headers {
             request.headers_mut().insert(name, value.clone());
         }
         let response = sender
             .send_request(request)
             .await
-            .map_err(|e| format!("HTTP: {e}"))?;
+            .map_err(ExportError::Http)?;
         let status = response.status();
         // Read to its end (at most 64 KiB), so the connection can carry the next export.
         http_body_util::Limited::new(response.into_body(), 64 * 1024)
             .collect()
             .await
-            .map_err(|e| format!("reading the answer: {e}"))?;
+            .map_err(ExportError::Answer)?;
         if !status.is_success() {
-            return Err(format!("the collector answered {status}"));
+            return Err(ExportError::Status(status));
         }
         self.sender = Some(sender);
         Ok(())
