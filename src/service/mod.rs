@@ -490,7 +490,7 @@ impl Gateway {
         for (trip, rule) in decision.breaker_trips() {
             self.metrics.breaker_tripped(rule);
             let open_secs = trip.ttl_us / crate::limits::limiter::US_PER_SEC;
-            let alert = matches!(rule.guard, Some(crate::policy::Guard::Breaker(b)) if b.alert);
+            let alert = matches!(rule.guard(), Some(crate::policy::Guard::Breaker(b)) if b.alert);
             // Names from the policy file: escaped like every value of a line.
             let value = crate::telemetry::log_line::value;
             if alert {
@@ -706,7 +706,7 @@ fn held_lease(decision: &Decision<'_>) -> Option<Lease> {
     let ttl_us = checked
         .slots
         .iter()
-        .filter_map(|s| s.rule.concurrency.map(|c| c.lease_ttl_us))
+        .filter_map(|s| s.rule.concurrency().map(|c| c.lease_ttl_us))
         .max()
         .unwrap_or(0);
     Some(Lease {

@@ -908,7 +908,7 @@ impl Metrics {
         for slot in &checked.slots {
             // Concurrency rules and guards are counted by label (they are few, and not per
             // token). A loop that only warns or throttles is counted as such.
-            let soft = match slot.rule.guard {
+            let soft = match slot.rule.guard() {
                 Some(crate::policy::Guard::Loop(d)) => match d.action {
                     crate::policy::LoopAction::Warn => Some("warn"),
                     crate::policy::LoopAction::Throttle => Some("throttle"),
@@ -1370,9 +1370,9 @@ fn names_of(collector: &dyn prometheus::core::Collector) -> Vec<String> {
 
 /// The `reason` label of a rule refusing for want of tokens: its budget or its bucket.
 fn exceeded_reason(rule: &crate::policy::Rule) -> &'static str {
-    if matches!(rule.guard, Some(crate::policy::Guard::Breaker(_))) {
+    if matches!(rule.guard(), Some(crate::policy::Guard::Breaker(_))) {
         Reason::CircuitBreakerOpen.as_str()
-    } else if rule.budget.is_some() {
+    } else if rule.budget().is_some() {
         Reason::BudgetExceeded.as_str()
     } else {
         Reason::TokenBucketExceeded.as_str()
