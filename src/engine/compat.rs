@@ -422,21 +422,46 @@ impl std::fmt::Display for SampleValue {
 /// connection, per-request remaining tokens) are exported at 0 so every name exists.
 pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64) -> String {
     let mut out = String::with_capacity(4096);
-    let label = |labels: &str, key: &str| -> String {
-        labels
-            .split("\",")
-            .find_map(|pair| {
-                let (k, v) = pair.split_once("=\"")?;
-                (k.trim_start_matches(',') == key).then(|| v.trim_end_matches('"').to_string())
-            })
-            .unwrap_or_default()
-    };
-    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    };
-
+    decisions_family(&mut out, tollgate);
     family(
         &mut out,
+        "fairvisor_decision_duration_seconds",
+        "histogram",
+        "Decision latency (tollgate_decision_duration_seconds)",
+    );
+    for line in tollgate.lines() {
+        if let Some(rest) = line.strip_prefix("tollgate_decision_duration_seconds") {
+            let _ = writeln!(out, "fairvisor_decision_duration_seconds{rest}");
+        }
+    }
+    for (name, kind, help, value) in single_samples(tollgate, bundle, unix_secs) {
+        family(&mut out, name, kind, help);
+        let _ = writeln!(out, "{name} {}", SampleValue(value));
+    }
+    info_families(&mut out, bundle);
+    out
+}
+
+/// A family's `# HELP` and `# TYPE` lines.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// The value of label `key` in a sample's label text (empty when it has none).
+fn label(labels: &str, key: &str) -> String {
+    labels
+        .split("\",")
+        .find_map(|pair| {
+            let (k, v) = pair.split_once("=\"")?;
+            (k.trim_start_matches(',') == key).then(|| v.trim_end_matches('"').to_string())
+        })
+        .unwrap_or_default()
+}
+
+/// `fairvisor_decisions_total` by action and policy, summed from `tollgate_decisions_total`.
+fn decisions_family(out: &mut String, tollgate: &str) {
+    family(
+        out,
         "fairvisor_decisions_total",
         "counter",
         "Decisions by action and policy (tollgate_decisions_total)",
@@ -461,19 +486,14 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
             SampleValue(*value)
         );
     }
+}
 
-    family(
-        &mut out,
-        "fairvisor_decision_duration_seconds",
-        "histogram",
-        "Decision latency (tollgate_decision_duration_seconds)",
-    );
-    for line in tollgate.lines() {
-        if let Some(rest) = line.strip_prefix("tollgate_decision_duration_seconds") {
-            let _ = writeln!(out, "fairvisor_decision_duration_seconds{rest}");
-        }
-    }
-
+/// The families of one unlabelled sample each: name, type, help and value.
+fn single_samples(
+    tollgate: &str,
+    bundle: Option<&Bundle>,
+    unix_secs: i64,
+) -> [(&'static str, &'static str, &'static str, f64); 14] {
     let sum = |name: &str| total(samples(tollgate, name).map(|(_, v)| v));
     let loops = total(
         samples(tollgate, "tollgate_decisions_total")
@@ -495,7 +515,7 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
             .filter(|p| p.mode == crate::policy::Mode::Shadow)
             .count()
     });
-    for (name, kind, help, value) in [
+    [
         (
             "fairvisor_ratelimit_remaining",
             "gauge",
@@ -580,12 +600,13 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
             "tollgate has no SaaS connection",
             0.0,
         ),
-    ] {
-        family(&mut out, name, kind, help);
-        let _ = writeln!(out, "{name} {}", SampleValue(value));
-    }
+    ]
+}
+
+/// `fairvisor_config_info` (the bundle in force, if any) and `fairvisor_build_info`.
+fn info_families(out: &mut String, bundle: Option<&Bundle>) {
     family(
-        &mut out,
+        out,
         "fairvisor_config_info",
         "gauge",
         "The bundle in force (value 1)",
@@ -599,7 +620,7 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
         );
     }
     family(
-        &mut out,
+        out,
         "fairvisor_build_info",
         "gauge",
         "The gateway's build (value 1)",
@@ -609,7 +630,6 @@ pub fn fairvisor_metrics(tollgate: &str, bundle: Option<&Bundle>, unix_secs: i64
         "fairvisor_build_info{{version=\"{}\",implementation=\"tollgate\"}} 1",
         env!("CARGO_PKG_VERSION")
     );
-    out
 }
 
 #[cfg(test)]
