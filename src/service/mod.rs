@@ -520,19 +520,20 @@ impl Gateway {
         log_decision(decided, response.status);
         self.compat_headers(&mut response, decided);
         Answer {
-            allowed: decision.is_allowed(),
+            verdict: match decision {
+                Decision::Allow(_) => Verdict::Allowed,
+                Decision::NoPolicy => Verdict::NoPolicy,
+                Decision::Refuse(refusal) => Verdict::Refused {
+                    reason: refusal.reason,
+                    rule: match decision.refused_by() {
+                        Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
+                        _ => None,
+                    },
+                },
+            },
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
             lease: held_lease(decision),
             reservation: decision.reservation(),
-            no_policy: matches!(decision, Decision::NoPolicy),
-            reason: match decision {
-                Decision::Refuse(refusal) => Some(refusal.reason),
-                _ => None,
-            },
-            rule: match decision.refused_by() {
-                Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
-                _ => None,
-            },
             // Only for a request whose span is recorded: nothing is built otherwise.
             summary: decided
                 .request
@@ -565,13 +566,10 @@ impl Gateway {
     fn refused_described(&self, described: &Described<'_>, reason: Reason) -> Answer {
         let (path, _) = crate::request::descriptor::split_uri(described.target);
         Answer {
-            allowed: false,
+            verdict: Verdict::Refused { reason, rule: None },
             throttle_ms: 0,
             lease: None,
             reservation: None,
-            no_policy: false,
-            reason: Some(reason),
-            rule: None,
             summary: described
                 .trace
                 .filter(|t| t.sampled)
@@ -660,8 +658,8 @@ pub struct DescribedBody<'a> {
 /// What a front end needs to answer a request.
 #[derive(Debug)]
 pub struct Answer {
-    /// Forward it (allowed, or no policy loaded: the proxy fails open).
-    pub allowed: bool,
+    /// Allowed, refused, or not decided for want of a policy.
+    pub verdict: Verdict,
     /// A budget's throttle stage: milliseconds [`Gateway::decide`] waited before answering.
     pub throttle_ms: u64,
     /// The concurrency slots an allowed request holds: give them back with
@@ -670,25 +668,59 @@ pub struct Answer {
     /// The tokens an allowed request reserved on `token_bucket_llm` rules: settle them with
     /// [`Gateway::settle`] once the response's usage is known.
     pub reservation: Option<Reservation>,
-    /// No valid bundle is loaded (the decision service answers 503).
-    pub no_policy: bool,
-    /// Why it was refused.
-    pub reason: Option<Reason>,
-    /// The rule that refused it (a refusal by buckets or by a rule's missing descriptor).
-    pub rule: Option<String>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
     /// What a trace's span says of the decision (only for a sampled request).
     pub summary: Option<Box<DecisionSummary>>,
 }
 
-impl Answer {
+/// What an answer is: exactly one of allowed, refused (with its reason) or no policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Forward it.
+    Allowed,
+    /// No valid bundle is loaded: the proxy forwards it (failing open), the decision service
+    /// answers 503.
+    NoPolicy,
+    /// Refused: why, and the rule that refused it (a refusal by buckets or by a rule's missing
+    /// descriptor; `None` otherwise).
+    Refused {
+        reason: Reason,
+        rule: Option<String>,
+    },
+}
+
+impl Verdict {
+    /// Whether the request goes on to its upstream: allowed, or no policy loaded (the proxy
+    /// fails open).
+    #[inline]
+    pub fn forwards(&self) -> bool {
+        !matches!(self, Verdict::Refused { .. })
+    }
+
+    /// Why it was refused (`None` when it was not).
+    #[inline]
+    pub fn reason(&self) -> Option<Reason> {
+        match self {
+            Verdict::Refused { reason, .. } => Some(*reason),
+            Verdict::Allowed | Verdict::NoPolicy => None,
+        }
+    }
+
+    /// The rule that refused it, when one did.
+    pub fn rule(&self) -> Option<&str> {
+        match self {
+            Verdict::Refused { rule, .. } => rule.as_deref(),
+            Verdict::Allowed | Verdict::NoPolicy => None,
+        }
+    }
+
     /// The access log's verdict: the refusal's reason, `no_policy` or `allow`.
-    pub fn verdict(&self) -> &'static str {
-        match self.reason {
-            Some(reason) => reason.as_str(),
-            None if self.no_policy => "no_policy",
-            None => "allow",
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Verdict::Refused { reason, .. } => reason.as_str(),
+            Verdict::NoPolicy => "no_policy",
+            Verdict::Allowed => "allow",
         }
     }
 }
