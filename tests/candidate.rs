@@ -119,8 +119,11 @@ async fn on_redis_the_candidate_counts_from_its_own_buckets_without_changing_an_
             &headers,
         );
         let answer = gw.decide(&facts).await;
-        assert!(answer.allowed, "the live bundle (burst 10) allows all 10");
-        assert_eq!(answer.reason, None);
+        assert!(
+            answer.verdict.forwards(),
+            "the live bundle (burst 10) allows all 10"
+        );
+        assert_eq!(answer.verdict.reason(), None);
     }
     // The candidate's calls are not awaited by the requests: wait for their count, and for
     // the would-refuse counts (each call counts its decision first, then its refusals).
@@ -156,5 +159,5 @@ async fn on_redis_the_candidate_counts_from_its_own_buckets_without_changing_an_
         Some("10.0.0.1".parse().unwrap()),
         &headers,
     );
-    assert!(!gw.decide(&facts).await.allowed);
+    assert!(!gw.decide(&facts).await.verdict.forwards());
 }

@@ -175,7 +175,7 @@ fn unchanged_policies(
 
 /// A loop detection that only warns or throttles: a slot it cannot take refuses nothing.
 fn soft(rule: &Rule) -> bool {
-    matches!(rule.guard, Some(Guard::Loop(d)) if d.action != LoopAction::Reject)
+    matches!(rule.guard(), Some(Guard::Loop(d)) if d.action != LoopAction::Reject)
 }
 
 /// What a request needs from the store under the candidate, owned (a shared store's call runs
@@ -383,7 +383,7 @@ impl Probe {
             let Some(rule) = bundle.rules.get(index as usize) else {
                 continue;
             };
-            let allowed = match rule.guard {
+            let allowed = match rule.guard() {
                 // A breaker's open state is read: open while it has a lease.
                 Some(Guard::Breaker(_)) => r.in_flight == 0,
                 _ => r.allowed,

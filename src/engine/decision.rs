@@ -7,7 +7,7 @@
 use crate::limits::budget_window::Action;
 use crate::limits::limiter::{micro_to_tokens, Quota};
 use crate::policy::bundle::Bundle;
-use crate::policy::rule::{Guard, KillSwitch, Mode, Rule};
+use crate::policy::rule::{Guard, KillSwitch, Mode, Rule, RuleKind};
 use crate::request::descriptor::RequestFacts;
 use crate::store::lease::LeaseOp;
 use crate::store::{BucketKey, Group};
@@ -318,7 +318,7 @@ impl<'b> SlotOutcome<'b> {
 
     /// The reason this slot refuses (or would, in shadow).
     pub fn reason(&self) -> Reason {
-        match self.rule.guard {
+        match self.rule.guard() {
             Some(Guard::Loop(_)) => Reason::LoopDetected,
             Some(Guard::Breaker(_)) => Reason::CircuitBreakerOpen,
             None => Reason::ConcurrencyExceeded,
@@ -345,7 +345,7 @@ impl<'b> Checked<'b> {
     pub fn held_leases(&self) -> SmallVec<[BucketKey; 2]> {
         self.slots
             .iter()
-            .filter(|s| s.committed && s.rule.concurrency.is_some())
+            .filter(|s| s.committed && matches!(s.rule.kind, RuleKind::Concurrency(_)))
             .map(|s| s.key)
             .collect()
     }
@@ -356,7 +356,7 @@ impl<'b> Checked<'b> {
         self.rules.iter().any(|o| {
             o.rule.mode == Mode::Enforce
                 && !o.allowed
-                && !matches!(o.rule.guard, Some(Guard::Breaker(_)))
+                && !matches!(o.rule.kind, RuleKind::Guard(Guard::Breaker(_)))
         })
     }
 
@@ -686,7 +686,7 @@ impl<'b> Decision<'b> {
             return trips;
         }
         for outcome in checked.rules.iter().filter(|o| !o.allowed) {
-            let Some(Guard::Breaker(breaker)) = outcome.rule.guard else {
+            let RuleKind::Guard(Guard::Breaker(breaker)) = outcome.rule.kind else {
                 continue;
             };
             let open = checked
@@ -741,7 +741,7 @@ impl<'b> Decision<'b> {
                     prompt_tokens: r.prompt_tokens,
                     stream_cap: outcome
                         .rule
-                        .llm
+                        .llm()
                         .and_then(|l| l.stream_cap)
                         .filter(|_| outcome.rule.mode == Mode::Enforce),
                 });

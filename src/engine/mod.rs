@@ -6,7 +6,7 @@
 //! What every rule shares lives here: kill switches, selecting policies and rules (scanned or
 //! through the bundle's index), bucket keys, `on_missing`, repeated headers, and finishing
 //! (all-or-nothing per commit group, shadow beside enforce, failing open). What a rule's kind
-//! adds is planned by its module under [`crate::limits`], through `LimitKind::plan` (a
+//! adds is planned by its module under [`crate::limits`], through `limits::plan` (a
 //! policy's guards through `limits::guards::plan`, before its rules).
 //!
 //! The calls go down only: this file calls the kinds, and the kinds read only what sits below
@@ -33,14 +33,16 @@ use crate::limits::limiter::{Quota, US_PER_SEC};
 pub use crate::limits::llm::llm_reservation;
 use crate::limits::token_bucket::planned_bucket;
 pub use crate::limits::token_bucket::{cost_of, Cost};
-use crate::limits::LimitKind;
 use crate::policy::index::VERIFIED;
-use crate::policy::{Bundle, CostSource, Guard, LoopAction, Mode, OnMissing, Rule};
+use crate::policy::{
+    Bundle, CostSource, Guard, LoopAction, Mode, OnMissing, Policy, Rule, RuleKind,
+};
 use crate::request::descriptor::{Descriptor, RequestFacts};
 use crate::store::lease::{next_lease_id, LeaseOp, LeaseResults};
 use crate::store::{BucketKey, BucketOp, MemoryStore, OpResults, StoreError};
 use planning::{write_bucket, PlanContext, Planning, KEY_BUFFER};
 use smallvec::SmallVec;
+use std::ops::ControlFlow;
 
 /// `Retry-After` base for a kill switch without `expires_at`: it lasts until an operator lifts
 /// it, so clients are told to come back in a minute rather than hammer.
@@ -136,7 +138,7 @@ impl<'b> Pending<'b> {
                 continue;
             }
             // A breaker's open state is read, never taken: open while it has a lease.
-            slot.allowed = match slot.rule.guard {
+            slot.allowed = match slot.rule.guard() {
                 Some(Guard::Breaker(_)) => r.in_flight == 0,
                 _ => r.allowed,
             };
@@ -146,7 +148,7 @@ impl<'b> Pending<'b> {
             if slot.allowed || slot.rule.mode == Mode::Shadow {
                 continue;
             }
-            let retry_after = match slot.rule.guard {
+            let retry_after = match slot.rule.guard() {
                 Some(Guard::Loop(detection)) => match detection.action {
                     LoopAction::Reject => crate::limits::limiter::ceil_secs(r.frees_in_us).max(1),
                     LoopAction::Warn => {
@@ -332,72 +334,15 @@ pub(crate) fn plan_reusing<'b>(
     let prefix = config.ipv6_prefix;
     let unix_secs = (unix_us / US_PER_SEC).min(i64::MAX as u64) as i64;
     let bundle = bundle.in_force(unix_secs);
-    let mut candidates = crate::policy::index::Candidates::new();
-    if !bundle.kill_switches.is_empty() && !bundle.kill_switch_override_active(unix_secs) {
-        // A kill switch on a header must see the same value the upstream will (only switches
-        // in force on this route: an expired one must not turn repeats into 400s).
-        let indexed = selection.indexes(bundle.kill_switches.len());
-        let repeated = if indexed {
-            bundle
-                .index
-                .kill_switches_on_repeated_headers(facts, &mut candidates);
-            candidates
-                .iter()
-                .map(|&i| &bundle.kill_switches[i as usize])
-                .find(|ks| ks.in_force(facts, unix_secs))
-        } else {
-            bundle.kill_switches.iter().find(|ks| {
-                matches!(&*ks.scope, Descriptor::Header(h) if facts.headers.repeats_any() && facts.headers.is_repeated(h))
-                    && ks.in_force(facts, unix_secs)
-            })
-        };
-        if let Some(ks) = repeated {
-            return Plan::Done(Decision::Refuse(Refusal {
-                reason: Reason::DuplicateHeader,
-                retry_after: 0,
-                retry_by_deadline: false,
-                cause: Cause::KillSwitch(ks),
-                checked: None,
-            }));
-        }
-        let hit = if indexed {
-            bundle.index.kill_switches(facts, prefix, &mut candidates);
-            candidates
-                .iter()
-                .map(|&i| &bundle.kill_switches[i as usize])
-                .find(|ks| ks.hits(facts, unix_secs, prefix))
-        } else {
-            bundle
-                .kill_switches
-                .iter()
-                .find(|ks| ks.hits(facts, unix_secs, prefix))
-        };
-        if let Some(ks) = hit {
-            let wait = ks
-                .expires_at
-                .map_or(KILL_SWITCH_RETRY_SECS, |at| (at - unix_secs).max(1) as u64);
-            return Plan::Done(Decision::Refuse(Refusal {
-                reason: Reason::KillSwitch,
-                retry_after: wait,
-                retry_by_deadline: false,
-                cause: Cause::KillSwitch(ks),
-                checked: None,
-            }));
-        }
+    if let Some(refusal) = kill_switch_refusal(bundle, facts, unix_secs, prefix, selection) {
+        return Plan::Done(Decision::Refuse(refusal));
     }
-
     // Applicable rules become outcomes right away; the store fills in the verdicts.
-    let mut planning = Planning::new(bundle);
-    let context = PlanContext {
+    let mut walk = Walk::new(PlanContext {
         bundle,
         unix_us,
         ipv6_prefix: prefix,
-    };
-    // Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
-    let mut missing_enforce: Option<&'b Rule> = None;
-    let mut missing_shadow: Option<&'b Rule> = None;
-    // A rule reading a header the request repeats.
-    let mut repeated: Option<&'b Rule> = None;
+    });
     let mut selected = crate::policy::index::Candidates::new();
     if selection.indexes(bundle.policies.len()) {
         bundle.index.policies(facts, &mut selected);
@@ -405,141 +350,285 @@ pub(crate) fn plan_reusing<'b>(
         selected.extend(0..bundle.policies.len() as u32);
     }
     let mut rule_candidates = crate::policy::index::Candidates::new();
-    'policies: for &policy_index in &selected {
-        if skipped(policy_index as usize) {
+    for &policy_index in &selected {
+        let policy_index = policy_index as usize;
+        if skipped(policy_index) {
             continue;
         }
-        let policy = &bundle.policies[policy_index as usize];
+        let policy = &bundle.policies[policy_index];
         if !policy.selector.matches(facts) {
             continue;
         }
         // A policy's guards come first; Envoy descriptors have no request to fingerprint or
         // spend to measure, so they only apply to HTTP requests.
-        if facts.envoy.is_none() {
-            for rule in [policy.loop_detection, policy.circuit_breaker]
-                .into_iter()
-                .flatten()
-                .map(|i| &bundle.rules[i])
-            {
-                if repeats_header(rule, facts) {
-                    repeated = Some(rule);
-                    break 'policies;
-                }
-                if reused(rule) {
-                    continue;
-                }
-                crate::limits::guards::plan(rule, facts, context, &mut planning);
-            }
+        if facts.envoy.is_none() && walk.guards(policy, facts, &mut reused).is_break() {
+            break;
         }
-        let mut matched_conditional = false;
-        let mut consider = |rule: &'b Rule, planning: &mut Planning<'b>| {
+        let rules = (policy_index, selection, &mut rule_candidates);
+        if walk.rules(policy, rules, facts, &mut reused).is_break() {
+            break;
+        }
+    }
+    walk.into_plan()
+}
+
+/// The kill switch that stops this request, as a refusal: one on a header the request repeats
+/// (a switch on a header must see the same value the upstream will), or one whose scope value
+/// the request has. Only switches in force on this route count (an expired one must not turn
+/// repeats into 400s), and none while a runtime override lifts them all.
+#[inline]
+fn kill_switch_refusal<'b>(
+    bundle: &'b Bundle,
+    facts: &RequestFacts<'_>,
+    unix_secs: i64,
+    prefix: u8,
+    selection: Selection,
+) -> Option<Refusal<'b>> {
+    if bundle.kill_switches.is_empty() || bundle.kill_switch_override_active(unix_secs) {
+        return None;
+    }
+    let mut candidates = crate::policy::index::Candidates::new();
+    let indexed = selection.indexes(bundle.kill_switches.len());
+    let repeated = if indexed {
+        bundle
+            .index
+            .kill_switches_on_repeated_headers(facts, &mut candidates);
+        candidates
+            .iter()
+            .map(|&i| &bundle.kill_switches[i as usize])
+            .find(|ks| ks.in_force(facts, unix_secs))
+    } else {
+        bundle.kill_switches.iter().find(|ks| {
+            matches!(&*ks.scope, Descriptor::Header(h) if facts.headers.repeats_any() && facts.headers.is_repeated(h))
+                && ks.in_force(facts, unix_secs)
+        })
+    };
+    if let Some(ks) = repeated {
+        return Some(Refusal {
+            reason: Reason::DuplicateHeader,
+            retry_after: 0,
+            retry_by_deadline: false,
+            cause: Cause::KillSwitch(ks),
+            checked: None,
+        });
+    }
+    let hit = if indexed {
+        bundle.index.kill_switches(facts, prefix, &mut candidates);
+        candidates
+            .iter()
+            .map(|&i| &bundle.kill_switches[i as usize])
+            .find(|ks| ks.hits(facts, unix_secs, prefix))
+    } else {
+        bundle
+            .kill_switches
+            .iter()
+            .find(|ks| ks.hits(facts, unix_secs, prefix))
+    }?;
+    let wait = hit
+        .expires_at
+        .map_or(KILL_SWITCH_RETRY_SECS, |at| (at - unix_secs).max(1) as u64);
+    Some(Refusal {
+        reason: Reason::KillSwitch,
+        retry_after: wait,
+        retry_by_deadline: false,
+        cause: Cause::KillSwitch(hit),
+        checked: None,
+    })
+}
+
+/// One request's walk through the policies that select it: the plan being built, and what
+/// refuses it before the store (a rule reading a header the request repeats, a rule with
+/// `on_missing: reject` whose descriptor is missing).
+struct Walk<'b> {
+    context: PlanContext<'b>,
+    planning: Planning<'b>,
+    /// Rules with `on_missing: reject` whose descriptor is missing, enforced and shadow.
+    missing_enforce: Option<&'b Rule>,
+    missing_shadow: Option<&'b Rule>,
+    /// A rule reading a header the request repeats: it ends the walk.
+    repeated: Option<&'b Rule>,
+}
+
+impl<'b> Walk<'b> {
+    #[inline]
+    fn new(context: PlanContext<'b>) -> Self {
+        Walk {
+            context,
+            planning: Planning::new(context.bundle),
+            missing_enforce: None,
+            missing_shadow: None,
+            repeated: None,
+        }
+    }
+
+    /// Stops the walk at a rule reading a header the request repeats.
+    #[inline]
+    fn stops_at(&mut self, rule: &'b Rule, facts: &RequestFacts<'_>) -> ControlFlow<()> {
+        if repeats_header(rule, facts) {
+            self.repeated = Some(rule);
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Plans a policy's `loop_detection` and `circuit_breaker` rules.
+    #[inline]
+    fn guards(
+        &mut self,
+        policy: &Policy,
+        facts: &RequestFacts<'_>,
+        reused: &mut impl FnMut(&'b Rule) -> bool,
+    ) -> ControlFlow<()> {
+        let bundle = self.context.bundle;
+        for rule in [policy.loop_detection, policy.circuit_breaker]
+            .into_iter()
+            .flatten()
+            .map(|i| &bundle.rules[i])
+        {
+            self.stops_at(rule, facts)?;
             if reused(rule) {
-                return;
+                continue;
             }
-            // The key is built in a per-thread buffer: hashed, matched against overrides, and
-            // never stored.
-            let found = KEY_BUFFER.with(|buffer| {
-                let mut bucket = buffer.borrow_mut();
-                write_bucket(rule, facts, prefix, &mut bucket).then(|| {
-                    let quota = *rule.quota_for(&bucket[rule.key_prefix.len()..]);
-                    (BucketKey::of(&bucket), quota)
-                })
-            });
-            match found {
-                Some(bucket) => LimitKind::of(rule).plan((rule, bucket), facts, context, planning),
-                None if rule.on_missing == OnMissing::Reject => {
-                    let slot = match rule.mode {
-                        Mode::Enforce => &mut missing_enforce,
-                        Mode::Shadow => &mut missing_shadow,
-                    };
-                    slot.get_or_insert(rule);
-                }
-                None => {}
-            }
-        };
+            crate::limits::guards::plan(rule, facts, self.context, &mut self.planning);
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Plans a policy's rules whose `match` the request satisfies (candidates from the index
+    /// when the policy is long enough, else every rule), then its `fallback_limit` when no
+    /// conditional rule matched.
+    #[inline]
+    fn rules(
+        &mut self,
+        policy: &Policy,
+        (policy_index, selection, candidates): (
+            usize,
+            Selection,
+            &mut crate::policy::index::Candidates,
+        ),
+        facts: &RequestFacts<'_>,
+        reused: &mut impl FnMut(&'b Rule) -> bool,
+    ) -> ControlFlow<()> {
+        let bundle = self.context.bundle;
+        let prefix = self.context.ipv6_prefix;
         let scanned = !selection.indexes(policy.rules.len())
             || bundle
                 .index
-                .rules(
-                    &bundle.rules,
-                    policy_index as usize,
-                    facts,
-                    prefix,
-                    &mut rule_candidates,
-                )
+                .rules(&bundle.rules, policy_index, facts, prefix, candidates)
                 .is_none();
         if scanned {
-            rule_candidates.clear();
-            rule_candidates.extend(policy.rules.clone().map(|i| i as u32));
+            candidates.clear();
+            candidates.extend(policy.rules.clone().map(|i| i as u32));
         }
-        for &candidate in &rule_candidates {
+        let mut matched_conditional = false;
+        for &candidate in candidates.iter() {
             let rule = &bundle.rules[(candidate & !VERIFIED) as usize];
-            if repeats_header(rule, facts) {
-                repeated = Some(rule);
-                break 'policies;
-            }
+            self.stops_at(rule, facts)?;
             if !rule.conditions.is_empty() {
-                // The condition the index compared is not asked again.
-                let compared = (candidate & VERIFIED != 0)
-                    .then(|| crate::policy::index::indexed_condition(rule).map(|(k, _)| k))
-                    .flatten();
-                if !rule
-                    .conditions
-                    .iter()
-                    .enumerate()
-                    .all(|(k, c)| Some(k) == compared || c.matches(facts, prefix))
-                {
+                if !conditions_hold(rule, candidate, facts, prefix) {
                     continue;
                 }
                 matched_conditional = true;
             }
-            consider(rule, &mut planning);
+            self.consider(rule, facts, reused);
         }
         if let Some(fallback) = policy.fallback {
             let rule = &bundle.rules[fallback];
-            if repeats_header(rule, facts) {
-                repeated = Some(rule);
-                break 'policies;
-            }
+            self.stops_at(rule, facts)?;
             if !matched_conditional && rule.conditions.iter().all(|c| c.matches(facts, prefix)) {
-                consider(rule, &mut planning);
+                self.consider(rule, facts, reused);
             }
         }
+        ControlFlow::Continue(())
     }
-    let Planning {
-        mut checked,
-        ops,
-        leases,
-        refused: llm_refused,
-    } = planning;
-    checked.shadow_missing = missing_shadow;
 
-    let refuse_for = |reason: Reason, rule: &'b Rule| {
-        Plan::Done(Decision::Refuse(Refusal {
-            reason,
-            retry_after: 0,
-            retry_by_deadline: false,
-            cause: Cause::Rule(rule),
-            checked: None,
-        }))
-    };
-    if let Some(rule) = repeated {
-        return refuse_for(Reason::DuplicateHeader, rule);
+    /// Plans an applicable rule by its kind, unless its verdict is `reused`; a rule whose
+    /// descriptor is missing is skipped, or noted when it rejects such requests.
+    #[inline]
+    fn consider(
+        &mut self,
+        rule: &'b Rule,
+        facts: &RequestFacts<'_>,
+        reused: &mut impl FnMut(&'b Rule) -> bool,
+    ) {
+        if reused(rule) {
+            return;
+        }
+        let prefix = self.context.ipv6_prefix;
+        // The key is built in a per-thread buffer: hashed, matched against overrides, and
+        // never stored.
+        let found = KEY_BUFFER.with(|buffer| {
+            let mut bucket = buffer.borrow_mut();
+            write_bucket(rule, facts, prefix, &mut bucket).then(|| {
+                let quota = *rule.quota_for(&bucket[rule.key_prefix.len()..]);
+                (BucketKey::of(&bucket), quota)
+            })
+        });
+        match found {
+            Some(bucket) => {
+                crate::limits::plan((rule, bucket), facts, self.context, &mut self.planning);
+            }
+            None if rule.on_missing == OnMissing::Reject => {
+                let slot = match rule.mode {
+                    Mode::Enforce => &mut self.missing_enforce,
+                    Mode::Shadow => &mut self.missing_shadow,
+                };
+                slot.get_or_insert(rule);
+            }
+            None => {}
+        }
     }
-    if let Some(rule) = missing_enforce {
-        return refuse_for(Reason::MissingDescriptor, rule);
+
+    /// The plan: refused before the store (a repeated header, a missing descriptor an
+    /// enforced rule rejects, an LLM request too large), decided (nothing to count), or the
+    /// store operations to run.
+    #[inline]
+    fn into_plan(self) -> Plan<'b> {
+        let Planning {
+            mut checked,
+            ops,
+            leases,
+            refused: llm_refused,
+        } = self.planning;
+        checked.shadow_missing = self.missing_shadow;
+        let refused = self
+            .repeated
+            .map(|rule| (Reason::DuplicateHeader, rule))
+            .or(self
+                .missing_enforce
+                .map(|rule| (Reason::MissingDescriptor, rule)))
+            .or(llm_refused.map(|(rule, reason)| (reason, rule)));
+        if let Some((reason, rule)) = refused {
+            return Plan::Done(Decision::Refuse(Refusal {
+                reason,
+                retry_after: 0,
+                retry_by_deadline: false,
+                cause: Cause::Rule(rule),
+                checked: None,
+            }));
+        }
+        if ops.is_empty() && leases.is_empty() {
+            return Plan::Done(Decision::Allow(checked));
+        }
+        Plan::Store(Pending {
+            ops,
+            leases,
+            checked,
+        })
     }
-    if let Some((rule, reason)) = llm_refused {
-        return refuse_for(reason, rule);
-    }
-    if ops.is_empty() && leases.is_empty() {
-        return Plan::Done(Decision::Allow(checked));
-    }
-    Plan::Store(Pending {
-        ops,
-        leases,
-        checked,
-    })
+}
+
+/// Whether a conditional rule's `match` holds for the request (the condition the index
+/// compared for a `VERIFIED` candidate is not asked again).
+#[inline]
+fn conditions_hold(rule: &Rule, candidate: u32, facts: &RequestFacts<'_>, prefix: u8) -> bool {
+    let compared = (candidate & VERIFIED != 0)
+        .then(|| crate::policy::index::indexed_condition(rule).map(|(k, _)| k))
+        .flatten();
+    rule.conditions
+        .iter()
+        .enumerate()
+        .all(|(k, c)| Some(k) == compared || c.matches(facts, prefix))
 }
 
 /// Completes a planned decision with the store's answer (one result per op, in order). Ops a
@@ -558,9 +647,58 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             return Decision::Allow(checked);
         }
     };
-    let mut rejected = false;
-    let mut never_admissible = false;
-    let mut store_closed: Option<&'b Rule> = None;
+    let filled = fill_outcomes(&mut checked, results);
+    if let Some(rule) = filled.store_closed {
+        return Decision::Refuse(Refusal {
+            reason: Reason::StoreUnavailable,
+            retry_after: crate::store::local::CLOSED_RETRY_SECS,
+            retry_by_deadline: false,
+            cause: Cause::Rule(rule),
+            checked: Some(checked),
+        });
+    }
+    if filled.never_admissible {
+        return Decision::Refuse(Refusal {
+            reason: Reason::CostExceedsLimit,
+            retry_after: 0,
+            retry_by_deadline: false,
+            cause: Cause::Buckets,
+            checked: Some(checked),
+        });
+    }
+    if filled.rejected {
+        return Decision::Refuse(refused_by_buckets(checked));
+    }
+    for outcome in &checked.rules {
+        if let (Some(budget), Mode::Enforce, true) =
+            (outcome.rule.budget(), outcome.rule.mode, outcome.committed)
+        {
+            let stage = budget.stage_for(outcome.quota.burst(), outcome.tokens);
+            checked.stage = stronger(checked.stage, stage);
+        }
+    }
+    Decision::Allow(checked)
+}
+
+/// What the store's answer said of a request's enforced rules.
+struct Filled<'b> {
+    /// An enforced rule refused.
+    rejected: bool,
+    /// An enforced rule refused a cost it can never hold.
+    never_admissible: bool,
+    /// The first enforced rule whose `on_store_error: closed` refuses while the store is away.
+    store_closed: Option<&'b Rule>,
+}
+
+/// Fills each rule outcome in from its op's result: verdict, tokens left, when to retry and
+/// when the bucket is full again.
+#[inline]
+fn fill_outcomes<'b>(checked: &mut Checked<'b>, results: &OpResults) -> Filled<'b> {
+    let mut filled = Filled {
+        rejected: false,
+        never_admissible: false,
+        store_closed: None,
+    };
     for (outcome, r) in checked.rules.iter_mut().zip(results.iter()) {
         let v = r.verdict;
         outcome.away = r.away;
@@ -568,11 +706,11 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
         checked.store_error |= r.away.is_some();
         if r.away == Some(crate::policy::OnStoreError::Closed) && outcome.rule.mode == Mode::Enforce
         {
-            store_closed.get_or_insert(outcome.rule);
+            filled.store_closed.get_or_insert(outcome.rule);
         }
         if outcome.rule.mode == Mode::Enforce && !v.allowed {
-            rejected = true;
-            never_admissible |= outcome.cost_exceeds;
+            filled.rejected = true;
+            filled.never_admissible |= outcome.cost_exceeds;
         }
         outcome.allowed = v.allowed;
         outcome.committed = r.committed;
@@ -603,79 +741,60 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             ),
         };
     }
-    if let Some(rule) = store_closed {
-        return Decision::Refuse(Refusal {
-            reason: Reason::StoreUnavailable,
-            retry_after: crate::store::local::CLOSED_RETRY_SECS,
+    filled
+}
+
+/// The refusal of a request an enforced bucket refused: a tripped breaker's (it alone refused)
+/// for as long as it stays open, else the longest wait's, a budget's (its window's end) or a
+/// bucket's, with that rule's reason.
+#[inline]
+fn refused_by_buckets(checked: Checked<'_>) -> Refusal<'_> {
+    let tripped = checked
+        .rules
+        .iter()
+        .find_map(|r| match r.rule.kind {
+            RuleKind::Guard(Guard::Breaker(breaker))
+                if r.rule.mode == Mode::Enforce && !r.allowed =>
+            {
+                Some((r.rule, breaker))
+            }
+            _ => None,
+        })
+        .filter(|_| !checked.refused_beside_breakers());
+    if let Some((rule, breaker)) = tripped {
+        return Refusal {
+            reason: Reason::CircuitBreakerOpen,
+            retry_after: breaker
+                .reset_us
+                .map_or(KILL_SWITCH_RETRY_SECS, |us| us / US_PER_SEC),
             retry_by_deadline: false,
             cause: Cause::Rule(rule),
             checked: Some(checked),
-        });
+        };
     }
-    if never_admissible {
-        return Decision::Refuse(Refusal {
-            reason: Reason::CostExceedsLimit,
-            retry_after: 0,
-            retry_by_deadline: false,
-            cause: Cause::Buckets,
-            checked: Some(checked),
-        });
+    // (A breaker refusing beside another rule has not tripped: it does not speak.)
+    let longest = checked
+        .rules
+        .iter()
+        .filter(|r| {
+            r.rule.mode == Mode::Enforce && !r.allowed && !matches!(r.rule.kind, RuleKind::Guard(_))
+        })
+        .max_by_key(|r| (r.retry_after, r.budget_ends_in_us > 0));
+    let (retry_after, budget, llm) = longest.map_or((1, false, None), |r| {
+        (r.retry_after, r.budget_ends_in_us > 0, r.rule.llm())
+    });
+    Refusal {
+        reason: match (llm, budget) {
+            (Some(l), _) if matches!(l.part, crate::policy::LlmPart::Minute) => Reason::TpmExceeded,
+            (Some(_), _) => Reason::TpdExceeded,
+            (None, true) => Reason::BudgetExceeded,
+            (None, false) => Reason::TokenBucketExceeded,
+        },
+        retry_after,
+        retry_by_deadline: budget,
+        cause: Cause::Buckets,
+        checked: Some(checked),
     }
-    if rejected {
-        // A breaker tripped (it alone refused) refuses for as long as it stays open.
-        let tripped = checked
-            .rules
-            .iter()
-            .find_map(|r| match r.rule.guard {
-                Some(Guard::Breaker(breaker)) if r.rule.mode == Mode::Enforce && !r.allowed => {
-                    Some((r.rule, breaker))
-                }
-                _ => None,
-            })
-            .filter(|_| !checked.refused_beside_breakers());
-        if let Some((rule, breaker)) = tripped {
-            return Decision::Refuse(Refusal {
-                reason: Reason::CircuitBreakerOpen,
-                retry_after: breaker
-                    .reset_us
-                    .map_or(KILL_SWITCH_RETRY_SECS, |us| us / US_PER_SEC),
-                retry_by_deadline: false,
-                cause: Cause::Rule(rule),
-                checked: Some(checked),
-            });
-        }
-        // The longest wait decides: a budget's (its window's end) or a bucket's.
-        // (A breaker refusing beside another rule has not tripped: it does not speak.)
-        let longest = checked
-            .rules
-            .iter()
-            .filter(|r| r.rule.mode == Mode::Enforce && !r.allowed && r.rule.guard.is_none())
-            .max_by_key(|r| (r.retry_after, r.budget_ends_in_us > 0));
-        let (retry_after, budget, llm) = longest.map_or((1, false, None), |r| {
-            (r.retry_after, r.budget_ends_in_us > 0, r.rule.llm)
-        });
-        return Decision::Refuse(Refusal {
-            reason: match (llm, budget) {
-                (Some(l), _) if l.part == crate::policy::LlmPart::Minute => Reason::TpmExceeded,
-                (Some(_), _) => Reason::TpdExceeded,
-                (None, true) => Reason::BudgetExceeded,
-                (None, false) => Reason::TokenBucketExceeded,
-            },
-            retry_after,
-            retry_by_deadline: budget,
-            cause: Cause::Buckets,
-            checked: Some(checked),
-        });
-    }
-    for outcome in &checked.rules {
-        if let (Some(budget), Mode::Enforce, true) =
-            (&outcome.rule.budget, outcome.rule.mode, outcome.committed)
-        {
-            let stage = budget.stage_for(outcome.quota.burst(), outcome.tokens);
-            checked.stage = stronger(checked.stage, stage);
-        }
-    }
-    Decision::Allow(checked)
 }
 
 /// The stronger of two budget stages: a throttle over a warning, the longer throttle of two.

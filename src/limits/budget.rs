@@ -194,16 +194,14 @@ impl Compiler {
 /// starts full).
 pub(crate) fn plan<'b>(
     rule: &'b Rule,
+    budget: &Budget,
     bucket: (BucketKey, Quota),
     facts: &RequestFacts<'_>,
     context: PlanContext<'b>,
     planning: &mut Planning<'b>,
 ) {
-    let window = rule
-        .budget
-        .as_ref()
-        .map(|b| b.period.window(context.unix_us));
-    super::token_bucket::plan(rule, bucket, facts, window, planning);
+    let window = budget.period.window(context.unix_us);
+    super::token_bucket::plan(rule, bucket, facts, Some(window), planning);
 }
 
 #[cfg(test)]
@@ -229,7 +227,7 @@ mod tests {
         assert_eq!(r.key_prefix, "cb:b:");
         assert_eq!(r.policy_item, "\"b\";q=5000;w=300");
         assert_eq!(r.cost, CostSource::Fixed(2 * MICRO));
-        let budget = r.budget.as_ref().unwrap();
+        let budget = r.budget().unwrap();
         assert_eq!(
             budget.period,
             crate::limits::budget_window::Period::FiveMinutes

@@ -63,20 +63,23 @@ impl Compiler {
 
 /// Plans a slot: a lease on the key, held until the request is done (given back then, or by
 /// its TTL if the gateway never says).
-pub(crate) fn plan<'b>(rule: &'b Rule, key: BucketKey, planning: &mut Planning<'b>) {
-    if let Some(c) = rule.concurrency {
-        planning.leases.push(LeaseOp {
-            key,
-            max: c.max_in_flight,
-            group: group_of(rule.mode),
-            ttl_us: c.lease_ttl_us,
-            soft: false,
-            held: true,
-            mark: false,
-            on_store_error: rule.on_store_error,
-        });
-        planning.checked.slots.push(SlotOutcome::new(rule, key));
-    }
+pub(crate) fn plan<'b>(
+    rule: &'b Rule,
+    c: Concurrency,
+    key: BucketKey,
+    planning: &mut Planning<'b>,
+) {
+    planning.leases.push(LeaseOp {
+        key,
+        max: c.max_in_flight,
+        group: group_of(rule.mode),
+        ttl_us: c.lease_ttl_us,
+        soft: false,
+        held: true,
+        mark: false,
+        on_store_error: rule.on_store_error,
+    });
+    planning.checked.slots.push(SlotOutcome::new(rule, key));
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use crate::limits::limiter::{tokens_to_micro, Quota, MICRO, US_PER_SEC};
 use crate::policy::compile::compiler::{headers_read, key_prefix, plain_rule, Compiler};
 use crate::policy::json::join;
 use crate::policy::rule::{
-    Breaker, CostSource, Guard, LoopAction, LoopDetection, Mode, OnMissing, Rule,
+    Breaker, CostSource, Guard, LoopAction, LoopDetection, Mode, OnMissing, Rule, RuleKind,
 };
 use crate::request::descriptor::Descriptor;
 use crate::request::descriptor::RequestFacts;
@@ -165,7 +165,7 @@ impl Compiler {
             .find(|r| !r.limit_keys.is_empty());
         let limit_keys = keyed.map(|r| r.limit_keys.clone()).unwrap_or_default();
         let cost = first
-            .filter(|r| r.concurrency.is_none())
+            .filter(|r| !matches!(r.kind, RuleKind::Concurrency(_)))
             .map_or(CostSource::Fixed(MICRO), |r| r.cost.clone());
         self.guard_rule(
             "circuit_breaker",
@@ -207,7 +207,7 @@ impl Compiler {
             on_store_error: None,
             key_prefix,
             header_names,
-            guard: Some(guard),
+            kind: RuleKind::Guard(guard),
             ..plain_rule(name, policy, mode, quota, quota.window_secs())
         });
         Some(index)
@@ -227,7 +227,7 @@ pub(crate) fn plan<'b>(
         ipv6_prefix: prefix,
         ..
     } = context;
-    match rule.guard {
+    match rule.guard() {
         Some(Guard::Loop(detection)) => {
             let key = KEY_BUFFER.with(|buffer| {
                 let mut bucket = buffer.borrow_mut();
@@ -350,7 +350,7 @@ mod tests {
             (0..1, Some(1), Some(2))
         );
         assert_eq!(
-            b.rules[1].guard,
+            b.rules[1].guard(),
             Some(Guard::Loop(LoopDetection {
                 window_us: 60 * US_PER_SEC,
                 threshold: 10,
@@ -360,7 +360,7 @@ mod tests {
         assert_eq!(b.rules[1].key_prefix, "lp:a:");
         let breaker = &b.rules[2];
         assert_eq!(
-            breaker.guard,
+            breaker.guard(),
             Some(Guard::Breaker(Breaker {
                 reset_us: Some(300 * US_PER_SEC),
                 alert: true
@@ -386,7 +386,7 @@ mod tests {
         assert_eq!(b.policies[0].loop_detection, None);
         assert!(!b.fingerprints_bodies);
         assert_eq!(
-            b.rules[0].guard,
+            b.rules[0].guard(),
             Some(Guard::Breaker(Breaker {
                 reset_us: None,
                 alert: false

@@ -12,7 +12,9 @@ use crate::limits::limiter::{Quota, MICRO, US_PER_SEC};
 use crate::policy::bundle::Bundle;
 use crate::policy::compile::compiler::{key_prefix, plain_rule, Compiler, Shape};
 use crate::policy::json::join;
-use crate::policy::rule::{CostSource, LlmLimit, LlmPart, MatchCondition, Mode, OnMissing, Rule};
+use crate::policy::rule::{
+    CostSource, LlmLimit, LlmPart, MatchCondition, Mode, OnMissing, Rule, RuleKind,
+};
 use crate::request::descriptor::Descriptor;
 use crate::request::descriptor::RequestFacts;
 use crate::store::BucketKey;
@@ -52,7 +54,7 @@ impl Compiler {
     /// name, policy and mode; its keys, `match` and `on_missing`).
     pub(crate) fn llm_companions(
         &mut self,
-        (limit, tokens_per_day): (LlmLimit, Option<u64>),
+        (limit, tokens_per_day): (&LlmLimit, Option<u64>),
         (name, policy, mode): (&str, usize, Mode),
         header_names: &mut Vec<String>,
         (limit_keys, conditions, on_missing): (&[Descriptor], &[MatchCondition], OnMissing),
@@ -68,10 +70,7 @@ impl Compiler {
             policy,
             mode,
             tpd,
-            LlmLimit {
-                part: LlmPart::Day,
-                ..limit
-            },
+            limit,
             (limit_keys, conditions, on_missing, header_names),
         );
         if let Some(day) = day {
@@ -81,7 +80,7 @@ impl Compiler {
 
     /// The `tokens_per_day` rule of a `token_bucket_llm` rule: a one-day UTC budget named
     /// `<rule>:tpd` (with `@<policy id>` on a clash), keyed `tpd:<rule>:`, sharing the minute
-    /// rule's keys.
+    /// rule's keys and limits (`minute`).
     #[allow(clippy::too_many_arguments)]
     fn llm_day_rule(
         &mut self,
@@ -89,7 +88,7 @@ impl Compiler {
         policy: usize,
         mode: Mode,
         tpd: u64,
-        limit: LlmLimit,
+        minute: &LlmLimit,
         (limit_keys, conditions, on_missing, header_names): (
             &[Descriptor],
             &[MatchCondition],
@@ -110,14 +109,16 @@ impl Compiler {
             on_missing,
             key_prefix: key_prefix("tpd", minute_name, mode),
             header_names: header_names.to_vec(),
-            budget: Some(Budget {
-                period,
-                stages: vec![crate::limits::budget_window::Stage {
-                    threshold_percent: 100.0,
-                    action: Action::Reject,
-                }],
+            kind: RuleKind::Llm(LlmLimit {
+                part: LlmPart::Day(Budget {
+                    period,
+                    stages: vec![crate::limits::budget_window::Stage {
+                        threshold_percent: 100.0,
+                        action: Action::Reject,
+                    }],
+                }),
+                ..minute.clone()
             }),
-            llm: Some(limit),
             ..plain_rule(name, policy, mode, quota, period.nominal_secs())
         })
     }
@@ -314,7 +315,7 @@ pub fn llm_reservation(
     bundle: &Bundle,
     facts: &RequestFacts<'_>,
 ) -> Result<(u64, u64), Reason> {
-    let Some(limit) = rule.llm else {
+    let Some(limit) = rule.llm() else {
         return Ok((0, 0));
     };
     let body = facts.llm.copied().unwrap_or_default();
@@ -351,6 +352,7 @@ pub fn llm_reservation(
 /// would-refusal that cannot fit).
 pub(crate) fn plan<'b>(
     rule: &'b Rule,
+    limit: &LlmLimit,
     (key, quota): (BucketKey, Quota),
     facts: &RequestFacts<'_>,
     context: PlanContext<'b>,
@@ -369,7 +371,7 @@ pub(crate) fn plan<'b>(
         }
         Err(_) => (Cost::Exceeds, 0),
     };
-    let day = rule.llm.and_then(|l| l.day_rule).map(|d| &bundle.rules[d]);
+    let day = limit.day_rule.map(|d| &bundle.rules[d]);
     let day_key = day.and_then(|day| {
         KEY_BUFFER.with(|buffer| {
             let mut bucket = buffer.borrow_mut();
@@ -423,7 +425,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            b.rules[0].llm.unwrap().estimator,
+            b.rules[0].llm().unwrap().estimator,
             Estimator::Tiktoken(TokenEncoding::Cl100kBase)
         );
         assert_eq!(b.tiktoken, TokenEncoding::Cl100kBase.bit());
@@ -461,8 +463,8 @@ mod tests {
             "t",
         )
         .unwrap();
-        let llm = b.rules[0].llm.unwrap();
-        assert_eq!((llm.part, llm.day_rule), (LlmPart::Minute, Some(1)));
+        let llm = b.rules[0].llm().unwrap();
+        assert_eq!((&llm.part, llm.day_rule), (&LlmPart::Minute, Some(1)));
         // The default completion never asks for more than the cap.
         assert_eq!(llm.default_max_completion, 300);
         assert_eq!(
@@ -475,7 +477,10 @@ mod tests {
             })
         );
         assert_eq!(b.rules[1].name, "chat:tpd");
-        assert_eq!(b.rules[1].llm.map(|l| l.part), Some(LlmPart::Day));
+        assert!(matches!(
+            b.rules[1].llm().map(|l| &l.part),
+            Some(LlmPart::Day(_))
+        ));
         // No `streaming` block, or one turned off: streams run to their end.
         for streaming in [
             None,
@@ -487,7 +492,7 @@ mod tests {
                 config["streaming"] = s;
             }
             let b = compile_bundle(&llm_rule(config), "t").unwrap();
-            assert_eq!(b.rules[0].llm.unwrap().stream_cap, None);
+            assert_eq!(b.rules[0].llm().unwrap().stream_cap, None);
         }
         // Written with only Fairvisor's defaults: graceful close, 100 tokens of buffer.
         let b = compile_bundle(
@@ -498,7 +503,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            b.rules[0].llm.unwrap().stream_cap.map(|c| (
+            b.rules[0].llm().unwrap().stream_cap.map(|c| (
                 c.limit(),
                 c.on_exceeded,
                 c.include_partial_usage

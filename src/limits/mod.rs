@@ -4,10 +4,11 @@
 //! ([`crate::engine`] keeps what is common: selection, keys, kill switches, all-or-nothing
 //! commit, shadow).
 //!
-//! [`LimitKind`] is the `algorithm` a rule names and what both sides dispatch on:
-//! `Compiler::kind_config` hands its `algorithm_config` to its module and gets back the parts a
-//! rule carries; `LimitKind::plan` hands a request's bucket under the rule to the same module,
-//! which adds its store operations and outcomes to the request's `Planning`.
+//! [`LimitKind`] is the `algorithm` a rule names: `Compiler::kind_config` hands its
+//! `algorithm_config` to its module and gets back the rule's [`RuleKind`] (the kind with its
+//! part, built once); `limits::plan` matches on that kind and hands a request's bucket under
+//! the rule to the same module, which adds its store operations and outcomes to the request's
+//! `Planning`.
 //!
 //! The calls only go down: this file and the engine call the kinds; a kind reads the planning
 //! vocabulary (`engine/planning.rs`, `engine/decision.rs`) and the compiler's
@@ -32,11 +33,10 @@ pub mod llm;
 pub mod token_bucket;
 
 use crate::engine::planning::{PlanContext, Planning};
-use crate::limits::budget_window::Budget;
 use crate::limits::limiter::{Quota, MICRO};
 use crate::policy::compile::compiler::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
-use crate::policy::rule::{Concurrency, CostSource, LlmLimit, Rule};
+use crate::policy::rule::{CostSource, Rule, RuleKind};
 use crate::request::descriptor::RequestFacts;
 use crate::store::BucketKey;
 use serde_json::{Map, Value};
@@ -72,37 +72,6 @@ impl LimitKind {
         }
     }
 
-    /// The kind of a compiled rule (a guard's rule, planned by [`guards`], is a plain bucket
-    /// here).
-    pub(crate) fn of(rule: &Rule) -> LimitKind {
-        if rule.llm.is_some() {
-            LimitKind::Llm
-        } else if rule.concurrency.is_some() {
-            LimitKind::Concurrency
-        } else if rule.budget.is_some() {
-            LimitKind::CostBased
-        } else {
-            LimitKind::TokenBucket
-        }
-    }
-
-    /// Plans this request under `rule` (of this kind) in its bucket: the key and the quota
-    /// that applies to it.
-    pub(crate) fn plan<'b>(
-        self,
-        (rule, bucket): (&'b Rule, (BucketKey, Quota)),
-        facts: &RequestFacts<'_>,
-        context: PlanContext<'b>,
-        planning: &mut Planning<'b>,
-    ) {
-        match self {
-            LimitKind::TokenBucket => token_bucket::plan(rule, bucket, facts, None, planning),
-            LimitKind::CostBased => budget::plan(rule, bucket, facts, context, planning),
-            LimitKind::Concurrency => concurrency::plan(rule, bucket.0, planning),
-            LimitKind::Llm => llm::plan(rule, bucket, facts, context, planning),
-        }
-    }
-
     /// Whether a rule of this kind may carry per-ID `overrides` (the others write one rule per
     /// tier with `match`).
     fn takes_overrides(self) -> bool {
@@ -129,16 +98,46 @@ impl LimitKind {
     }
 }
 
+/// Plans this request under `rule` in its bucket (the key and the quota that applies to it),
+/// by the rule's kind: the one classification of a compiled rule ([`RuleKind`]), matched here
+/// once per rule. A guard's rule is planned by [`guards`] before the policy's rules and never
+/// comes here; were it to, it would be a plain bucket.
+#[inline]
+pub(crate) fn plan<'b>(
+    (rule, bucket): (&'b Rule, (BucketKey, Quota)),
+    facts: &RequestFacts<'_>,
+    context: PlanContext<'b>,
+    planning: &mut Planning<'b>,
+) {
+    match &rule.kind {
+        RuleKind::TokenBucket | RuleKind::Guard(_) => {
+            token_bucket::plan(rule, bucket, facts, None, planning);
+        }
+        RuleKind::Budget(budget) => budget::plan(rule, budget, bucket, facts, context, planning),
+        RuleKind::Concurrency(c) => concurrency::plan(rule, *c, bucket.0, planning),
+        RuleKind::Llm(limit) => llm::plan(rule, limit, bucket, facts, context, planning),
+    }
+}
+
 /// What a rule's `algorithm_config` compiled to: its bucket's shape and cost (`None` after an
-/// error), and the part of its kind.
-#[derive(Default)]
+/// error), and its kind with that kind's part.
 pub(crate) struct KindParts {
     pub(crate) shape: Option<Shape>,
     pub(crate) cost: Option<CostSource>,
-    pub(crate) budget: Option<Budget>,
-    pub(crate) concurrency: Option<Concurrency>,
-    /// The token limits and the `tokens_per_day` budget of a `token_bucket_llm` rule.
-    pub(crate) llm: Option<(LlmLimit, Option<u64>)>,
+    pub(crate) kind: RuleKind,
+    /// A `token_bucket_llm` rule's `tokens_per_day` (its own budget rule, added beside it).
+    pub(crate) tokens_per_day: Option<u64>,
+}
+
+impl Default for KindParts {
+    fn default() -> Self {
+        KindParts {
+            shape: None,
+            cost: None,
+            kind: RuleKind::TokenBucket,
+            tokens_per_day: None,
+        }
+    }
 }
 
 impl Compiler {
@@ -170,14 +169,13 @@ impl Compiler {
                 Some((shape, cost, budget)) => KindParts {
                     shape: Some(shape),
                     cost: Some(cost),
-                    budget: Some(budget),
+                    kind: RuleKind::Budget(budget),
                     ..KindParts::default()
                 },
                 None => KindParts::default(),
             },
             LimitKind::Concurrency => {
-                let concurrency = self.concurrency(config, &path);
-                let Some(c) = concurrency else {
+                let Some(c) = self.concurrency(config, &path) else {
                     return KindParts::default();
                 };
                 // A slot is a bucket of `max_in_flight` tokens that never refills: leases give
@@ -192,7 +190,7 @@ impl Compiler {
                             rate: 0.0,
                         }),
                     cost: Some(CostSource::Fixed(MICRO)),
-                    concurrency,
+                    kind: RuleKind::Concurrency(c),
                     ..KindParts::default()
                 }
             }
@@ -200,8 +198,8 @@ impl Compiler {
                 Some((shape, limit, tpd)) => KindParts {
                     shape: Some(shape),
                     cost: Some(CostSource::Fixed(0)),
-                    llm: Some((limit, tpd)),
-                    ..KindParts::default()
+                    kind: RuleKind::Llm(limit),
+                    tokens_per_day: tpd,
                 },
                 None => KindParts::default(),
             },

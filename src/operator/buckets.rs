@@ -4,7 +4,7 @@
 
 use crate::engine::{self, Decision, Plan, RuleOutcome, SlotOutcome};
 use crate::limits::limiter::{micro_to_tokens, BucketState, US_PER_SEC};
-use crate::policy::{Bundle, Guard, Mode, Rule};
+use crate::policy::{Bundle, Guard, LlmLimit, LlmPart, Mode, Rule, RuleKind};
 use crate::store::lease::{judge, LeaseResults, Live};
 use crate::store::{BucketKey, BucketOp, OpResults, Store, StoreError};
 use crate::telemetry::redact::FingerprintKey;
@@ -15,7 +15,9 @@ use std::borrow::Cow;
 /// refused before any work).
 pub const MAX_BUCKET_NAME_BYTES: usize = 4096;
 
-/// What a bucket is, by its rule.
+/// What a bucket is, by its rule: its rule's [`RuleKind`] as the store holds it (a
+/// `token_bucket_llm` rule's minute bucket is a token bucket, its `tokens_per_day` rule's a
+/// budget).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     TokenBucket,
@@ -27,12 +29,16 @@ pub enum Kind {
 
 impl Kind {
     pub fn of(rule: &Rule) -> Kind {
-        match (&rule.guard, &rule.concurrency, &rule.budget) {
-            (Some(Guard::Loop(_)), _, _) => Kind::Loop,
-            (Some(Guard::Breaker(_)), _, _) => Kind::Breaker,
-            (None, Some(_), _) => Kind::Concurrency,
-            (None, None, Some(_)) => Kind::Budget,
-            (None, None, None) => Kind::TokenBucket,
+        match &rule.kind {
+            RuleKind::Guard(Guard::Loop(_)) => Kind::Loop,
+            RuleKind::Guard(Guard::Breaker(_)) => Kind::Breaker,
+            RuleKind::Concurrency(_) => Kind::Concurrency,
+            RuleKind::Budget(_)
+            | RuleKind::Llm(LlmLimit {
+                part: LlmPart::Day(_),
+                ..
+            }) => Kind::Budget,
+            RuleKind::TokenBucket | RuleKind::Llm(_) => Kind::TokenBucket,
         }
     }
 
@@ -134,11 +140,11 @@ pub(crate) fn reset_keys(
     bucket: &BucketRef<'_>,
     bundle_hash: &str,
 ) -> (Vec<BucketKey>, Vec<BucketKey>) {
-    match (bucket.kind, bucket.rule.guard) {
-        (Kind::Concurrency, _) => (Vec::new(), vec![bucket.key]),
-        (Kind::Breaker, Some(Guard::Breaker(breaker))) => (
+    match &bucket.rule.kind {
+        RuleKind::Concurrency(_) => (Vec::new(), vec![bucket.key]),
+        RuleKind::Guard(Guard::Breaker(breaker)) => (
             vec![bucket.key],
-            vec![breaker_open_key(&bucket.name, breaker, bundle_hash)],
+            vec![breaker_open_key(&bucket.name, *breaker, bundle_hash)],
         ),
         _ => (vec![bucket.key], Vec::new()),
     }
@@ -191,10 +197,10 @@ pub async fn inspect(
         "mode": rule.mode.as_str(),
         "kind": bucket.kind.as_str(),
     });
-    let (leases, open) = match (bucket.kind, rule.guard) {
-        (Kind::Concurrency, _) => (vec![bucket.key], None),
-        (Kind::Breaker, Some(Guard::Breaker(b))) => {
-            let open = breaker_open_key(&bucket.name, b, &bundle.hash);
+    let (leases, open) = match &rule.kind {
+        RuleKind::Concurrency(_) => (vec![bucket.key], None),
+        RuleKind::Guard(Guard::Breaker(b)) => {
+            let open = breaker_open_key(&bucket.name, *b, &bundle.hash);
             (vec![open], Some(open))
         }
         _ => (Vec::new(), None),
@@ -204,12 +210,12 @@ pub async fn inspect(
     } else {
         store.read_leases(&leases).await?
     };
-    if bucket.kind == Kind::Concurrency {
+    if let RuleKind::Concurrency(c) = rule.kind {
         let live = live.first().copied().unwrap_or_default();
         if live.count == 0 {
             return Ok(None);
         }
-        let max = rule.concurrency.map_or(0, |c| c.max_in_flight);
+        let max = c.max_in_flight;
         out["in_use"] = json!(live.count);
         out["max_in_flight"] = json!(max);
         out["earliest_lease_ends_in_secs"] = json!(secs(live.frees_in_us));
@@ -222,7 +228,7 @@ pub async fn inspect(
         return Ok(None);
     }
     out["capacity"] = json!(micro_to_tokens(quota.burst()));
-    match &rule.budget {
+    match rule.budget() {
         Some(budget) => {
             let window = budget.period.window(unix_us);
             let verdict = crate::limits::limiter::check_window(state, quota.burst(), window, 0);
@@ -527,7 +533,7 @@ fn rule_line(
 fn slot_line(slot: &SlotOutcome<'_>, bucket: Option<String>) -> Value {
     let rule = slot.rule;
     let kind = Kind::of(rule);
-    let (max, why) = match rule.guard {
+    let (max, why) = match rule.guard() {
         Some(Guard::Loop(detection)) => (
             detection.threshold,
             format!(
@@ -547,7 +553,7 @@ fn slot_line(slot: &SlotOutcome<'_>, bucket: Option<String>) -> Value {
             },
         ),
         None => {
-            let max = rule.concurrency.map_or(0, |c| c.max_in_flight);
+            let max = rule.concurrency().map_or(0, |c| c.max_in_flight);
             (max, format!("{} of {max} slots in use", slot.in_flight))
         }
     };
@@ -567,6 +573,82 @@ fn slot_line(slot: &SlotOutcome<'_>, bucket: Option<String>) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every compiled rule has one kind, built by the compiler; the operator names its bucket
+    /// from it: a `token_bucket_llm` rule's minute bucket is a token bucket, its
+    /// `tokens_per_day` rule's a budget.
+    #[test]
+    fn each_rule_has_one_kind_and_its_bucket_name() {
+        let rule = |name: &str, algorithm: &str, config: Value| {
+            json!({"name": name, "limit_keys": ["ip:address"], "algorithm": algorithm,
+                   "algorithm_config": config})
+        };
+        let bundle = crate::policy::compile_bundle(
+            &json!({"bundle_version": 1, "policies": [{"id": "p", "spec": {
+                "rules": [
+                    rule("tb", "token_bucket", json!({"rps": 1, "burst": 1})),
+                    rule("cb", "cost_based", json!({"budget": 10, "period": "1h", "cost_key": "fixed",
+                        "fixed_cost": 1, "staged_actions": [{"threshold_percent": 100, "action": "reject"}]})),
+                    rule("cc", "concurrency", json!({"max_in_flight": 2})),
+                    rule("chat", "token_bucket_llm", json!({"tokens_per_minute": 600, "tokens_per_day": 6000})),
+                ],
+                "loop_detection": {"enabled": true, "window_seconds": 60,
+                                   "threshold_identical_requests": 10, "action": "reject"},
+                "circuit_breaker": {"enabled": true, "spend_rate_threshold_per_minute": 100,
+                                    "action": "reject"},
+            }}]}),
+            "x",
+        )
+        .unwrap();
+        let kinds: Vec<(&str, &str, &str)> = bundle
+            .rules
+            .iter()
+            .map(|r| {
+                let kind = match &r.kind {
+                    RuleKind::TokenBucket => "token_bucket",
+                    RuleKind::Budget(_) => "cost_based",
+                    RuleKind::Concurrency(_) => "concurrency",
+                    RuleKind::Llm(LlmLimit {
+                        part: LlmPart::Minute,
+                        ..
+                    }) => "llm_minute",
+                    RuleKind::Llm(_) => "llm_day",
+                    RuleKind::Guard(_) => "guard",
+                };
+                (r.name.as_str(), kind, Kind::of(r).as_str())
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("tb", "token_bucket", "token_bucket"),
+                ("cb", "cost_based", "budget"),
+                ("cc", "concurrency", "concurrency"),
+                ("chat", "llm_minute", "token_bucket"),
+                ("loop_detection", "guard", "loop_detection"),
+                ("circuit_breaker", "guard", "circuit_breaker"),
+                ("chat:tpd", "llm_day", "budget"),
+            ]
+        );
+        // Only the day rule and the cost_based rule count against a budget.
+        let budgets: Vec<&str> = bundle
+            .rules
+            .iter()
+            .filter(|r| r.budget().is_some())
+            .map(|r| r.name.as_str())
+            .collect();
+        assert_eq!(budgets, ["cb", "chat:tpd"]);
+        assert_eq!(bundle.written_rule_count(), 4);
+        assert_eq!(
+            bundle.state_a_restart_resets(),
+            [
+                ("cb", "budget"),
+                ("loop_detection", "loop marks"),
+                ("circuit_breaker", "circuit breaker"),
+                ("chat:tpd", "budget"),
+            ]
+        );
+    }
 
     #[test]
     fn key_parts_respect_escapes() {

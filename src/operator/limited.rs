@@ -79,7 +79,7 @@ pub(crate) fn note_limited(
         if !outcome.allowed && (refused || outcome.rule.mode == Mode::Shadow) {
             note(outcome.rule, &outcome.key, Event::Refused);
         } else if let (Some(budget), true, Mode::Enforce) =
-            (&outcome.rule.budget, outcome.committed, outcome.rule.mode)
+            (outcome.rule.budget(), outcome.committed, outcome.rule.mode)
         {
             match budget.stage_for(outcome.quota.burst(), outcome.tokens) {
                 Some(crate::limits::budget_window::Action::Warn) => {

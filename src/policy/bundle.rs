@@ -3,7 +3,7 @@
 
 use super::error::FieldError;
 use super::index;
-use super::rule::{Guard, KillSwitch, LlmPart, Policy, Rule};
+use super::rule::{Guard, KillSwitch, LlmLimit, LlmPart, Policy, Rule, RuleKind};
 use crate::request::descriptor::RequestFacts;
 
 /// What every key of a candidate bundle starts with ([`super::CompileOptions::candidate`]).
@@ -236,11 +236,17 @@ impl Bundle {
         self.rules
             .iter()
             .filter_map(|rule| {
-                let what = match (&rule.budget, &rule.guard) {
-                    (Some(_), _) => "budget",
-                    (None, Some(Guard::Breaker(_))) => "circuit breaker",
-                    (None, Some(Guard::Loop(_))) => "loop marks",
-                    (None, None) => return None,
+                let what = match &rule.kind {
+                    RuleKind::Budget(_)
+                    | RuleKind::Llm(LlmLimit {
+                        part: LlmPart::Day(_),
+                        ..
+                    }) => "budget",
+                    RuleKind::Guard(Guard::Breaker(_)) => "circuit breaker",
+                    RuleKind::Guard(Guard::Loop(_)) => "loop marks",
+                    RuleKind::TokenBucket | RuleKind::Concurrency(_) | RuleKind::Llm(_) => {
+                        return None
+                    }
                 };
                 Some((&*rule.name, what))
             })
@@ -276,12 +282,10 @@ impl Bundle {
     pub fn written_rule_count(&self) -> usize {
         self.rules
             .iter()
-            .filter(|rule| {
-                rule.guard.is_none()
-                    && !rule
-                        .llm
-                        .as_ref()
-                        .is_some_and(|llm| llm.part == LlmPart::Day)
+            .filter(|rule| match &rule.kind {
+                RuleKind::Guard(_) => false,
+                RuleKind::Llm(llm) => matches!(llm.part, LlmPart::Minute),
+                RuleKind::TokenBucket | RuleKind::Budget(_) | RuleKind::Concurrency(_) => true,
             })
             .count()
     }

@@ -151,19 +151,156 @@ pub fn envoy_ratelimit(config: &RatelimitConfig) -> Result<Imported, ()> {
             &mut notes,
         );
     }
-    let mut names = Vec::new();
-    let mut rule_of = |limit: &Limit, notes: &mut Vec<String>| -> Map<String, Value> {
+    let mut conversion = Conversion {
+        domain: &config.domain,
+        names: Vec::new(),
+        notes,
+    };
+    let mut used = vec![false; limits.len()];
+    let mut policies = conversion.sibling_policies(&limits, &mut used);
+    for shadow in [false, true] {
+        policies.extend(conversion.mode_policy(&limits, &used, shadow));
+    }
+    Ok(Imported {
+        bundle: json!({ "bundle_version": 1, "policies": policies }),
+        notes: conversion.notes,
+    })
+}
+
+/// The policies of one imported domain being written: the rule names taken so far and the
+/// notes on what did not map one to one.
+struct Conversion<'c> {
+    domain: &'c str,
+    names: Vec<String>,
+    notes: Vec<String>,
+}
+
+impl Conversion<'_> {
+    /// Sibling groups at the last level with a wildcard and valued entries: one policy each,
+    /// the wildcard as the fallback. Marks the limits it places in `used`.
+    fn sibling_policies(&mut self, limits: &[Limit], used: &mut [bool]) -> Vec<Value> {
+        let mut policies = Vec::new();
+        for (i, wildcard) in limits.iter().enumerate() {
+            let is_wildcard = wildcard.path.last().is_some_and(|(_, v)| v.is_none());
+            if !is_wildcard || wildcard.quota.is_none() {
+                continue;
+            }
+            let group = sibling_group(wildcard);
+            let valued: Vec<usize> = limits
+                .iter()
+                .enumerate()
+                .filter(|(j, l)| {
+                    *j != i
+                        && !used[*j]
+                        && l.path.last().is_some_and(|(_, v)| v.is_some())
+                        && sibling_group(l) == group
+                })
+                .map(|(j, _)| j)
+                .collect();
+            if valued.is_empty() {
+                continue;
+            }
+            used[i] = true;
+            let mut rules = Vec::new();
+            for &j in &valued {
+                if limits[j].shadow == wildcard.shadow {
+                    used[j] = true;
+                    rules.push(Value::Object(self.rule(&limits[j])));
+                } else {
+                    let keeper = self.precedence_keeper(&limits[j], wildcard);
+                    rules.push(Value::Object(self.rule(&keeper)));
+                }
+            }
+            let fallback = self.rule(wildcard);
+            policies.push(json!({
+                "id": fallback["name"].clone(),
+                "spec": {
+                    "selector": { "domains": [self.domain] },
+                    "mode": if wildcard.shadow { "shadow" } else { "enforce" },
+                    "rules": rules,
+                    "fallback_limit": Value::Object(fallback),
+                }
+            }));
+        }
+        policies
+    }
+
+    /// A valued limit whose `shadow_mode` differs from its wildcard sibling's: its own limit
+    /// runs in the other mode's policy; in the wildcard's, an unlimited rule keeps the
+    /// wildcard's limit off this value, as envoyproxy/ratelimit's lookup does.
+    fn precedence_keeper(&mut self, valued: &Limit, wildcard: &Limit) -> Limit {
+        let mode = if valued.shadow { "shadow" } else { "enforce" };
+        self.notes.push(format!(
+            "{}: shadow_mode differs from its wildcard sibling {}: its limit runs in the {mode} policy, and a rule of 1000000000 per second keeps the wildcard's limit off it",
+            valued.at, wildcard.at
+        ));
+        Limit {
+            path: valued.path.clone(),
+            quota: None,
+            name: Some(format!(
+                "{}-precedence",
+                valued
+                    .name
+                    .clone()
+                    .unwrap_or_else(|| default_name(self.domain, &valued.path))
+            )),
+            shadow: wildcard.shadow,
+            implicit: false,
+            at: String::new(),
+        }
+    }
+
+    /// The policy (enforced or shadow) holding the limits no sibling group took; `None` when
+    /// there are none.
+    fn mode_policy(&mut self, limits: &[Limit], used: &[bool], shadow: bool) -> Option<Value> {
+        let mut rules = Vec::new();
+        for (i, limit) in limits.iter().enumerate() {
+            if used[i] || limit.shadow != shadow {
+                continue;
+            }
+            if limit.quota.is_none() {
+                if !limit.implicit {
+                    self.notes.push(format!(
+                        "{}: unlimited with no wildcard sibling to take precedence over: no rule needed",
+                        limit.at
+                    ));
+                }
+                continue;
+            }
+            rules.push(Value::Object(self.rule(limit)));
+        }
+        if rules.is_empty() {
+            return None;
+        }
+        let id = if shadow {
+            format!("{}-shadow", self.domain)
+        } else {
+            self.domain.to_string()
+        };
+        Some(json!({
+            "id": id,
+            "spec": {
+                "selector": { "domains": [self.domain] },
+                "mode": if shadow { "shadow" } else { "enforce" },
+                "rules": rules,
+            }
+        }))
+    }
+
+    /// A limit as a `token_bucket` rule: named uniquely, its valued descriptor entries as
+    /// `match`, its wildcard ones as `limit_keys`; an unlimited one as 1000000000 per second.
+    fn rule(&mut self, limit: &Limit) -> Map<String, Value> {
         let base = limit
             .name
             .clone()
-            .unwrap_or_else(|| default_name(&config.domain, &limit.path));
+            .unwrap_or_else(|| default_name(self.domain, &limit.path));
         let mut name = base.clone();
         let mut n = 2;
-        while names.contains(&name) {
+        while self.names.contains(&name) {
             name = format!("{base}-{n}");
             n += 1;
         }
-        names.push(name.clone());
+        self.names.push(name.clone());
         let keys: Vec<&str> = limit.path.iter().map(|(k, _)| k.as_str()).collect();
         let mut matches = Map::new();
         matches.insert("descriptor_keys".into(), json!(keys.join(",")));
@@ -180,7 +317,7 @@ pub fn envoy_ratelimit(config: &RatelimitConfig) -> Result<Imported, ()> {
             Some(q) => q,
             None => {
                 if !limit.at.is_empty() && !limit.implicit {
-                    notes.push(format!(
+                    self.notes.push(format!(
                         "{}: unlimited, mapped to a rule of 1000000000 per second so that it takes precedence over its wildcard sibling",
                         limit.at
                     ));
@@ -198,123 +335,16 @@ pub fn envoy_ratelimit(config: &RatelimitConfig) -> Result<Imported, ()> {
             json!({ "count": count, "period": period, "burst": count }),
         );
         rule
-    };
+    }
+}
 
-    // Sibling groups at the last level with a wildcard and valued entries: one policy each,
-    // the wildcard as the fallback.
-    let group_of = |limit: &Limit| -> (Vec<(String, Option<String>)>, String) {
-        let (last, parent) = limit.path.split_last().map_or_else(
-            || (String::new(), Vec::new()),
-            |(last, parent)| (last.0.clone(), parent.to_vec()),
-        );
-        (parent, last)
-    };
-    let mut policies: Vec<Value> = Vec::new();
-    let mut used = vec![false; limits.len()];
-    for (i, wildcard) in limits.iter().enumerate() {
-        let is_wildcard = wildcard.path.last().is_some_and(|(_, v)| v.is_none());
-        if !is_wildcard || wildcard.quota.is_none() {
-            continue;
-        }
-        let group = group_of(wildcard);
-        let valued: Vec<usize> = limits
-            .iter()
-            .enumerate()
-            .filter(|(j, l)| {
-                *j != i
-                    && !used[*j]
-                    && l.path.last().is_some_and(|(_, v)| v.is_some())
-                    && group_of(l) == group
-            })
-            .map(|(j, _)| j)
-            .collect();
-        if valued.is_empty() {
-            continue;
-        }
-        used[i] = true;
-        let mut rules = Vec::new();
-        for &j in &valued {
-            if limits[j].shadow == wildcard.shadow {
-                used[j] = true;
-                rules.push(Value::Object(rule_of(&limits[j], &mut notes)));
-                continue;
-            }
-            // Its own limit runs in the other mode's policy; here an unlimited rule keeps
-            // the wildcard's limit off this value, as envoyproxy/ratelimit's lookup does.
-            let mode = if limits[j].shadow {
-                "shadow"
-            } else {
-                "enforce"
-            };
-            notes.push(format!(
-                "{}: shadow_mode differs from its wildcard sibling {}: its limit runs in the {mode} policy, and a rule of 1000000000 per second keeps the wildcard's limit off it",
-                limits[j].at, wildcard.at
-            ));
-            let keeper = Limit {
-                path: limits[j].path.clone(),
-                quota: None,
-                name: Some(format!(
-                    "{}-precedence",
-                    limits[j]
-                        .name
-                        .clone()
-                        .unwrap_or_else(|| default_name(&config.domain, &limits[j].path))
-                )),
-                shadow: wildcard.shadow,
-                implicit: false,
-                at: String::new(),
-            };
-            rules.push(Value::Object(rule_of(&keeper, &mut notes)));
-        }
-        let fallback = rule_of(wildcard, &mut notes);
-        policies.push(json!({
-            "id": fallback["name"].clone(),
-            "spec": {
-                "selector": { "domains": [config.domain] },
-                "mode": if wildcard.shadow { "shadow" } else { "enforce" },
-                "rules": rules,
-                "fallback_limit": Value::Object(fallback),
-            }
-        }));
-    }
-    for shadow in [false, true] {
-        let mut rules = Vec::new();
-        for (i, limit) in limits.iter().enumerate() {
-            if used[i] || limit.shadow != shadow {
-                continue;
-            }
-            if limit.quota.is_none() {
-                if !limit.implicit {
-                    notes.push(format!(
-                        "{}: unlimited with no wildcard sibling to take precedence over: no rule needed",
-                        limit.at
-                    ));
-                }
-                continue;
-            }
-            rules.push(Value::Object(rule_of(limit, &mut notes)));
-        }
-        if rules.is_empty() {
-            continue;
-        }
-        let id = if shadow {
-            format!("{}-shadow", config.domain)
-        } else {
-            config.domain.clone()
-        };
-        policies.push(json!({
-            "id": id,
-            "spec": {
-                "selector": { "domains": [config.domain] },
-                "mode": if shadow { "shadow" } else { "enforce" },
-                "rules": rules,
-            }
-        }));
-    }
-    Ok(Imported {
-        bundle: json!({ "bundle_version": 1, "policies": policies }),
-        notes,
-    })
+/// A limit's sibling group: the path above its last entry, and that entry's key.
+fn sibling_group(limit: &Limit) -> (Vec<(String, Option<String>)>, String) {
+    let (last, parent) = limit.path.split_last().map_or_else(
+        || (String::new(), Vec::new()),
+        |(last, parent)| (last.0.clone(), parent.to_vec()),
+    );
+    (parent, last)
 }
 
 fn walk(

@@ -11,7 +11,7 @@
 
 use super::bundle::Bundle;
 use super::error::FieldError;
-use super::rule::{LlmPart, MatchValue, Rule};
+use super::rule::{LlmLimit, LlmPart, MatchValue, Rule, RuleKind};
 use crate::request::descriptor::Descriptor;
 
 /// A token bucket taking longer than this to refill from empty counts as long-window (seconds).
@@ -73,18 +73,19 @@ pub fn made_up_by_client(descriptor: &Descriptor, trust: &KeyTrust) -> bool {
 /// for short token buckets, concurrency slots (leases end with their requests) and the policy
 /// guards (loop marks and breakers key on the policy's own rules).
 pub fn long_lived(rule: &Rule) -> Option<String> {
-    if rule.concurrency.is_some() || rule.guard.is_some() {
-        return None;
+    match &rule.kind {
+        RuleKind::Concurrency(_) | RuleKind::Guard(_) => None,
+        RuleKind::Budget(_) => Some("a budget".to_string()),
+        RuleKind::Llm(LlmLimit {
+            part: LlmPart::Day(_),
+            ..
+        }) => Some("a tokens_per_day budget".to_string()),
+        RuleKind::TokenBucket | RuleKind::Llm(_) => {
+            let refill_secs = rule.quota.window_secs();
+            (refill_secs > LONG_WINDOW_SECS)
+                .then(|| format!("a token bucket taking {refill_secs} s to refill"))
+        }
     }
-    if rule.budget.is_some() {
-        return Some(match rule.llm.map(|l| l.part) {
-            Some(LlmPart::Day) => "a tokens_per_day budget".to_string(),
-            _ => "a budget".to_string(),
-        });
-    }
-    let refill_secs = rule.quota.window_secs();
-    (refill_secs > LONG_WINDOW_SECS)
-        .then(|| format!("a token bucket taking {refill_secs} s to refill"))
 }
 
 impl Bundle {

@@ -23,5 +23,5 @@ pub use load::{
 pub use rule::{
     path_has_prefix, push_sf_string, Breaker, Concurrency, CostLimits, CostSource, Guard,
     KillSwitch, LlmLimit, LlmPart, LoopAction, LoopDetection, MatchCondition, MatchValue, Mode,
-    OnMissing, OnStoreError, Policy, Rule, Selector, ENVOY_OVERRIDE_RULE,
+    OnMissing, OnStoreError, Policy, Rule, RuleKind, Selector, ENVOY_OVERRIDE_RULE,
 };

@@ -244,15 +244,8 @@ pub struct Rule {
     /// Lower-case names of the request headers this rule reads (limit keys, `match`, cost):
     /// a request repeating one of them is refused rather than limited on a guess.
     pub header_names: Vec<String>,
-    /// `Some` for a `cost_based` rule: its window and stages (the budget is `quota.burst()`).
-    pub budget: Option<crate::limits::budget_window::Budget>,
-    /// `Some` for a `concurrency` rule: slots instead of tokens.
-    pub concurrency: Option<Concurrency>,
-    /// `Some` for the rule a policy's `loop_detection` or `circuit_breaker` compiled to.
-    pub guard: Option<Guard>,
-    /// `Some` for a `token_bucket_llm` rule (its tokens-per-minute bucket) and for the rule
-    /// counting its `tokens_per_day`.
-    pub llm: Option<LlmLimit>,
+    /// What kind of limit the rule is, with that kind's part: one kind, fixed by the compiler.
+    pub kind: RuleKind,
     /// Hash of what defines the rule: its JSON, and its policy's id, selector and mode (a
     /// `tokens_per_day` rule shares its minute rule's). Two bundles' rules with the same
     /// policy, name and definition count the same requests on the same keys: a candidate
@@ -261,12 +254,30 @@ pub struct Rule {
     pub definition: u64,
 }
 
+/// What kind of limit a rule is, with the part only that kind has. The compiler builds it once;
+/// every reader matches on it (the engine to plan, headers and metrics to describe, the
+/// operator's endpoints to name a bucket's kind).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RuleKind {
+    /// `token_bucket` (and Envoy's override rule): the quota's bucket, nothing more.
+    TokenBucket,
+    /// `cost_based`: its window and stages (the budget is `quota.burst()`).
+    Budget(crate::limits::budget_window::Budget),
+    /// `concurrency`: slots instead of tokens.
+    Concurrency(Concurrency),
+    /// `token_bucket_llm`: its tokens-per-minute bucket, or the rule counting its
+    /// `tokens_per_day` (see [`LlmPart`]).
+    Llm(LlmLimit),
+    /// The rule a policy's `loop_detection` or `circuit_breaker` compiled to.
+    Guard(Guard),
+}
+
 /// A `token_bucket_llm` rule (Fairvisor's fields). The rule is the tokens-per-minute bucket
 /// (`quota`: `burst_tokens`, refilled at `tokens_per_minute`); `tokens_per_day` compiles to a
 /// second rule, a one-day UTC budget named `<rule>:tpd`, outside the policy's rule range and
 /// always checked with its minute rule, all-or-nothing. A request costs its reservation: the
 /// prompt estimate plus the completion it may produce; the response's usage settles it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LlmLimit {
     pub part: LlmPart,
     /// On the minute rule: the index of its `tokens_per_day` rule.
@@ -287,12 +298,12 @@ pub struct LlmLimit {
 }
 
 /// Which budget of a `token_bucket_llm` rule a rule counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum LlmPart {
     /// `tokens_per_minute` (and `burst_tokens`): a token bucket.
     Minute,
-    /// `tokens_per_day`: a budget per UTC day.
-    Day,
+    /// `tokens_per_day`: a budget per UTC day (one window, a single reject stage at 100 %).
+    Day(crate::limits::budget_window::Budget),
 }
 
 /// A policy-level guard, compiled into a rule of its own outside the policy's rule range (so
@@ -402,11 +413,49 @@ impl Rule {
             policy_item: format!("{sf_name};q=1;w=1"),
             sf_name,
             header_names: Vec::new(),
-            budget: None,
-            concurrency: None,
-            guard: None,
-            llm: None,
+            kind: RuleKind::TokenBucket,
             definition: 0,
+        }
+    }
+
+    /// The budget a rule counts against: a `cost_based` rule's, or a `tokens_per_day` rule's
+    /// (`None` for every other kind).
+    #[inline]
+    pub fn budget(&self) -> Option<&crate::limits::budget_window::Budget> {
+        match &self.kind {
+            RuleKind::Budget(budget)
+            | RuleKind::Llm(LlmLimit {
+                part: LlmPart::Day(budget),
+                ..
+            }) => Some(budget),
+            _ => None,
+        }
+    }
+
+    /// A `concurrency` rule's cap.
+    #[inline]
+    pub fn concurrency(&self) -> Option<Concurrency> {
+        match self.kind {
+            RuleKind::Concurrency(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// The guard a policy's `loop_detection` or `circuit_breaker` compiled to.
+    #[inline]
+    pub fn guard(&self) -> Option<Guard> {
+        match self.kind {
+            RuleKind::Guard(guard) => Some(guard),
+            _ => None,
+        }
+    }
+
+    /// A `token_bucket_llm` rule's limits (on its minute rule and on its `tokens_per_day` rule).
+    #[inline]
+    pub fn llm(&self) -> Option<&LlmLimit> {
+        match &self.kind {
+            RuleKind::Llm(limit) => Some(limit),
+            _ => None,
         }
     }
 

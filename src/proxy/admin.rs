@@ -318,7 +318,7 @@ impl Admin {
         trace: Option<&mut crate::telemetry::traces::RequestSpan>,
     ) -> Response<Vec<u8>> {
         let answer = self.decide(req, peer, body_hash, llm, trace).await;
-        if answer.no_policy {
+        if answer.verdict == crate::service::Verdict::NoPolicy {
             return no_policy();
         }
         let mut response = answer.response;
@@ -353,7 +353,7 @@ impl Admin {
         // subrequest's body, and reuses the connection to tollgate only when there is
         // none (with "OK" every decision cost a new TCP connection).
         let body = response.body.unwrap_or("");
-        let content_type = answer.reason.map_or(TEXT, |r| r.content_type());
+        let content_type = answer.verdict.reason().map_or(TEXT, |r| r.content_type());
         reply(response.status, content_type, response.headers, body)
     }
 

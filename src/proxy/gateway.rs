@@ -604,10 +604,10 @@ impl ProxyHttp for Proxy {
                     }
                     if let Some(access) = ctx.access.as_deref_mut() {
                         access.client_ip = client_ip;
-                        access.verdict = answer.verdict();
-                        access.rule = answer.rule.clone();
+                        access.verdict = answer.verdict.as_str();
+                        access.rule = answer.verdict.rule().map(str::to_string);
                     }
-                    if answer.allowed {
+                    if answer.verdict.forwards() {
                         // No policy loaded: the proxy fails open (the decision service
                         // answers 503).
                         ctx.lease = answer.lease;
@@ -684,7 +684,8 @@ impl ProxyHttp for Proxy {
                         )
                     } else {
                         // OpenAI-style JSON for the LLM reasons, text otherwise.
-                        let content_type = answer.reason.map_or(TEXT, |r| r.content_type());
+                        let content_type =
+                            answer.verdict.reason().map_or(TEXT, |r| r.content_type());
                         (answer.response, content_type)
                     }
                 }

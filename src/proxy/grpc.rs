@@ -655,15 +655,16 @@ impl Authorizer {
                 }
             }
         }
-        if answer.no_policy {
+        if answer.verdict == crate::service::Verdict::NoPolicy {
             self.gateway.metrics.grpc_call("authz", "unavailable");
             return Err(Status::unavailable("no policy loaded"));
         }
+        let allowed = answer.verdict.forwards();
         self.gateway
             .metrics
-            .grpc_call("authz", if answer.allowed { "ok" } else { "denied" });
+            .grpc_call("authz", if allowed { "ok" } else { "denied" });
         let response = answer.response;
-        let check = if answer.allowed {
+        let check = if allowed {
             CheckResponse {
                 status: Some(RpcStatus {
                     code: RPC_OK,

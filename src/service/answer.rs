@@ -8,8 +8,8 @@ use crate::telemetry::traces::DecisionSummary;
 /// What a front end needs to answer a request.
 #[derive(Debug)]
 pub struct Answer {
-    /// Forward it (allowed, or no policy loaded: the proxy fails open).
-    pub allowed: bool,
+    /// Allowed, refused, or not decided for want of a policy.
+    pub verdict: Verdict,
     /// A budget's throttle stage: milliseconds [`crate::service::Gateway::decide`] waited before answering.
     pub throttle_ms: u64,
     /// The concurrency slots an allowed request holds: give them back with
@@ -18,25 +18,59 @@ pub struct Answer {
     /// The tokens an allowed request reserved on `token_bucket_llm` rules: settle them with
     /// [`crate::service::Tokens::settle`] once the response's usage is known.
     pub reservation: Option<Reservation>,
-    /// No valid bundle is loaded (the decision service answers 503).
-    pub no_policy: bool,
-    /// Why it was refused.
-    pub reason: Option<Reason>,
-    /// The rule that refused it (a refusal by buckets or by a rule's missing descriptor).
-    pub rule: Option<String>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
     /// What a trace's span says of the decision (only for a sampled request).
     pub summary: Option<Box<DecisionSummary>>,
 }
 
-impl Answer {
+/// What an answer is: exactly one of allowed, refused (with its reason) or no policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Forward it.
+    Allowed,
+    /// No valid bundle is loaded: the proxy forwards it (failing open), the decision service
+    /// answers 503.
+    NoPolicy,
+    /// Refused: why, and the rule that refused it (a refusal by buckets or by a rule's missing
+    /// descriptor; `None` otherwise).
+    Refused {
+        reason: Reason,
+        rule: Option<String>,
+    },
+}
+
+impl Verdict {
+    /// Whether the request goes on to its upstream: allowed, or no policy loaded (the proxy
+    /// fails open).
+    #[inline]
+    pub fn forwards(&self) -> bool {
+        !matches!(self, Verdict::Refused { .. })
+    }
+
+    /// Why it was refused (`None` when it was not).
+    #[inline]
+    pub fn reason(&self) -> Option<Reason> {
+        match self {
+            Verdict::Refused { reason, .. } => Some(*reason),
+            Verdict::Allowed | Verdict::NoPolicy => None,
+        }
+    }
+
+    /// The rule that refused it, when one did.
+    pub fn rule(&self) -> Option<&str> {
+        match self {
+            Verdict::Refused { rule, .. } => rule.as_deref(),
+            Verdict::Allowed | Verdict::NoPolicy => None,
+        }
+    }
+
     /// The access log's verdict: the refusal's reason, `no_policy` or `allow`.
-    pub fn verdict(&self) -> &'static str {
-        match self.reason {
-            Some(reason) => reason.as_str(),
-            None if self.no_policy => "no_policy",
-            None => "allow",
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Verdict::Refused { reason, .. } => reason.as_str(),
+            Verdict::NoPolicy => "no_policy",
+            Verdict::Allowed => "allow",
         }
     }
 }
@@ -54,7 +88,7 @@ pub(super) fn held_lease(decision: &Decision<'_>) -> Option<Lease> {
     let ttl_us = checked
         .slots
         .iter()
-        .filter_map(|s| s.rule.concurrency.map(|c| c.lease_ttl_us))
+        .filter_map(|s| s.rule.concurrency().map(|c| c.lease_ttl_us))
         .max()
         .unwrap_or(0);
     Some(Lease {

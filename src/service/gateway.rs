@@ -7,7 +7,7 @@
 //! `/readyz`, and the questions about the bundle in force. Its components are each a type in a
 //! sibling file, below this one.
 
-use super::answer::{held_lease, Answer};
+use super::answer::{held_lease, Answer, Verdict};
 use super::candidate::CandidateShadow;
 use super::debug_sessions::DebugSessionDesk;
 use super::described::{Described, HttpHeaders, X_FORWARDED_FOR, X_REAL_IP};
@@ -485,7 +485,7 @@ impl Gateway {
         for (trip, rule) in decision.breaker_trips() {
             self.metrics.breaker_tripped(rule);
             let open_secs = trip.ttl_us / crate::limits::limiter::US_PER_SEC;
-            let alert = matches!(rule.guard, Some(crate::policy::Guard::Breaker(b)) if b.alert);
+            let alert = matches!(rule.guard(), Some(crate::policy::Guard::Breaker(b)) if b.alert);
             // Names from the policy file: escaped like every value of a line.
             let value = crate::telemetry::log_line::value;
             if alert {
@@ -521,19 +521,20 @@ impl Gateway {
         log_decision(decided, response.status);
         self.compat_headers(&mut response, decided);
         Answer {
-            allowed: decision.is_allowed(),
+            verdict: match decision {
+                Decision::Allow(_) => Verdict::Allowed,
+                Decision::NoPolicy => Verdict::NoPolicy,
+                Decision::Refuse(refusal) => Verdict::Refused {
+                    reason: refusal.reason,
+                    rule: match decision.refused_by() {
+                        Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
+                        _ => None,
+                    },
+                },
+            },
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
             lease: held_lease(decision),
             reservation: decision.reservation(),
-            no_policy: matches!(decision, Decision::NoPolicy),
-            reason: match decision {
-                Decision::Refuse(refusal) => Some(refusal.reason),
-                _ => None,
-            },
-            rule: match decision.refused_by() {
-                Some(RefusedBy::Rule(rule)) => Some(rule.name.clone()),
-                _ => None,
-            },
             // Only for a request whose span is recorded: nothing is built otherwise.
             summary: decided
                 .request
@@ -566,13 +567,10 @@ impl Gateway {
     fn refused_described(&self, described: &Described<'_>, reason: Reason) -> Answer {
         let (path, _) = crate::request::descriptor::split_uri(described.target);
         Answer {
-            allowed: false,
+            verdict: Verdict::Refused { reason, rule: None },
             throttle_ms: 0,
             lease: None,
             reservation: None,
-            no_policy: false,
-            reason: Some(reason),
-            rule: None,
             summary: described
                 .trace
                 .filter(|t| t.sampled)

@@ -31,7 +31,7 @@ mod source_state;
 pub mod state_key;
 mod tokens;
 
-pub use answer::Answer;
+pub use answer::{Answer, Verdict};
 pub use candidate::{CandidateShadow, CandidateSummary, MAX_CANDIDATE_PENDING};
 pub use debug_sessions::{DebugLogin, DebugSessionDesk};
 pub use described::{Described, DescribedBody, HttpHeaders, X_FORWARDED_FOR, X_REAL_IP};

@@ -826,7 +826,7 @@ impl Metrics {
     /// loop that only warns or throttles is counted as such.
     fn record_slots(&self, decision: &Decision<'_>, checked: &crate::engine::Checked<'_>) {
         for slot in &checked.slots {
-            let soft = match slot.rule.guard {
+            let soft = match slot.rule.guard() {
                 Some(crate::policy::Guard::Loop(d)) => match d.action {
                     crate::policy::LoopAction::Warn => Some("warn"),
                     crate::policy::LoopAction::Throttle => Some("throttle"),
@@ -1217,9 +1217,9 @@ impl prometheus::core::Collector for ClockSkewGauge {
 
 /// The `reason` label of a rule refusing for want of tokens: its budget or its bucket.
 fn exceeded_reason(rule: &crate::policy::Rule) -> &'static str {
-    if matches!(rule.guard, Some(crate::policy::Guard::Breaker(_))) {
+    if matches!(rule.guard(), Some(crate::policy::Guard::Breaker(_))) {
         Reason::CircuitBreakerOpen.as_str()
-    } else if rule.budget.is_some() {
+    } else if rule.budget().is_some() {
         Reason::BudgetExceeded.as_str()
     } else {
         Reason::TokenBucketExceeded.as_str()

@@ -5,7 +5,9 @@
 use crate::limits::limiter::{Quota, MICRO};
 use crate::policy::bundle::{RuntimeOverride, SkippedPolicy};
 use crate::policy::error::FieldError;
-use crate::policy::rule::{push_sf_string, CostSource, KillSwitch, Mode, OnMissing, Policy, Rule};
+use crate::policy::rule::{
+    push_sf_string, CostSource, KillSwitch, Mode, OnMissing, Policy, Rule, RuleKind,
+};
 use crate::request::descriptor::Descriptor;
 use ahash::{AHashMap, AHashSet};
 
@@ -101,7 +103,7 @@ pub(crate) fn headers_read<'d>(
 /// (`"name";q=<burst>;w=<window_secs>`), serialised once at load.
 /// A rule with its name, owner, mode and quota, and nothing else yet: no keys, conditions,
 /// overrides or kind-specific part. Each limit kind fills in what it has with struct update
-/// syntax (`Rule { guard: Some(..), ..plain_rule(..) }`). `window_secs` is what its
+/// syntax (`Rule { kind: RuleKind::Guard(..), ..plain_rule(..) }`). `window_secs` is what its
 /// `RateLimit-Policy` item states as the window.
 pub(crate) fn plain_rule(
     name: String,
@@ -129,10 +131,7 @@ pub(crate) fn plain_rule(
         on_store_error: None,
         key_prefix: String::new(),
         header_names: Vec::new(),
-        budget: None,
-        concurrency: None,
-        guard: None,
-        llm: None,
+        kind: RuleKind::TokenBucket,
         definition: 0,
     }
 }

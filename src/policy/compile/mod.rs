@@ -5,12 +5,13 @@
 pub(crate) mod compiler;
 mod fields;
 
-use crate::limits::{KindParts, LimitKind};
+use crate::limits::LimitKind;
 use crate::policy::bundle::{Bundle, RuntimeOverride, SkippedPolicy};
 use crate::policy::error::FieldError;
 use crate::policy::json::{join, type_name};
 use crate::policy::rule::{
-    KillSwitch, MatchCondition, MatchValue, Mode, OnMissing, OnStoreError, Policy, Rule, Selector,
+    KillSwitch, MatchCondition, MatchValue, Mode, OnMissing, OnStoreError, Policy, Rule, RuleKind,
+    Selector,
 };
 use crate::request::descriptor::{Descriptor, IpNet};
 use compiler::{headers_read, key_prefix, plain_rule, Compiler, CONFIG_FIELDS};
@@ -81,6 +82,19 @@ pub(crate) fn definition_hash(seed: u64, v: &Value) -> u64 {
 /// What an unnamed `fallback_limit` is called.
 const FALLBACK_NAME: &str = "fallback_limit";
 
+/// The fields of a rule.
+const RULE_FIELDS: &[&str] = &[
+    "name",
+    "limit_keys",
+    "algorithm",
+    "algorithm_config",
+    "match",
+    "on_missing",
+    "on_store_error",
+    "overrides",
+    "description",
+];
+
 impl Compiler {
     /// The bundle of a compile that found no error.
     pub(crate) fn finish(mut self) -> Bundle {
@@ -97,7 +111,7 @@ impl Compiler {
         let tiktoken = self
             .rules
             .iter()
-            .filter_map(|r| match r.llm.map(|l| l.estimator) {
+            .filter_map(|r| match r.llm().map(|l| l.estimator) {
                 Some(crate::request::llm::Estimator::Tiktoken(encoding)) => Some(encoding.bit()),
                 _ => None,
             })
@@ -446,15 +460,15 @@ impl Compiler {
         let circuit_breaker = spec.get("circuit_breaker").and_then(|v| {
             self.circuit_breaker(v, &join(path, "circuit_breaker"), policy_index, mode, start)
         });
-        let meters_tokens = self.rules[start..].iter().any(|r| r.llm.is_some());
+        let meters_tokens = self.rules[start..].iter().any(|r| r.llm().is_some());
         let enforces_tokens = self.rules[start..]
             .iter()
-            .any(|r| r.llm.is_some() && r.mode == Mode::Enforce);
+            .any(|r| r.llm().is_some() && r.mode == Mode::Enforce);
         let day_rule_paths = std::mem::take(&mut self.day_rule_paths);
         for (minute, mut day) in std::mem::take(&mut self.day_rules) {
             day.index = self.rules.len();
             day.definition = self.rules[minute].definition;
-            if let Some(llm) = self.rules[minute].llm.as_mut() {
+            if let RuleKind::Llm(llm) = &mut self.rules[minute].kind {
                 llm.day_rule = Some(day.index);
             }
             if let Some((_, path)) = day_rule_paths.iter().find(|(m, _)| *m == minute) {
@@ -629,113 +643,21 @@ impl Compiler {
     }
 
     /// One rule: what every kind shares (name, `limit_keys`, `match`, `on_missing`, overrides,
-    /// the headers it reads) here, its `algorithm_config` by its kind's module.
+    /// the headers it reads) here, its `algorithm_config` by its kind's module. Every problem
+    /// is reported in one pass, in the order of the fields below.
     pub(crate) fn rule(&mut self, v: &Value, path: &str, policy: usize, mode: Mode) {
-        let Some(map) = self.object(
-            v,
-            path,
-            &[
-                "name",
-                "limit_keys",
-                "algorithm",
-                "algorithm_config",
-                "match",
-                "on_missing",
-                "on_store_error",
-                "overrides",
-                "description",
-            ],
-        ) else {
+        let Some(map) = self.object(v, path, RULE_FIELDS) else {
             return;
         };
         let errors_before = self.errors.len();
-        let name = match map.get("name") {
-            Some(v) => self
-                .non_empty_string(v, &join(path, "name"))
-                .map(str::to_string),
-            None => {
-                self.error(&join(path, "name"), "is required");
-                None
-            }
-        };
-        if let Some(name) = &name {
-            if let Some(first) = self.rule_names.get(name).cloned() {
-                self.error(
-                    &join(path, "name"),
-                    format!("duplicate rule name '{name}' (first defined at {first}); rule names are bucket namespaces and must be unique across the bundle"),
-                );
-            } else {
-                self.rule_names.insert(name.clone(), join(path, "name"));
-            }
-        }
-        let mut limit_keys = Vec::new();
-        match map.get("limit_keys") {
-            Some(v) => {
-                let p = join(path, "limit_keys");
-                if let Some(items) = self.array(v, &p) {
-                    for (i, item) in items.iter().enumerate() {
-                        if let Some(d) = self.descriptor(item, &format!("{p}[{i}]")) {
-                            limit_keys.push(d);
-                        }
-                    }
-                }
-            }
-            None => self.error(
-                &join(path, "limit_keys"),
-                "is required (use [] for one global bucket)",
-            ),
-        }
+        let name = self.rule_name(map, path);
+        let limit_keys = self.limit_keys(map, path);
         let conditions = map
             .get("match")
             .map_or_else(Vec::new, |v| self.conditions(v, &join(path, "match")));
-        let on_missing = match map.get("on_missing") {
-            None => OnMissing::Skip,
-            Some(v) => match v.as_str() {
-                Some("skip") => OnMissing::Skip,
-                Some("shared") => OnMissing::Shared,
-                Some("reject") => OnMissing::Reject,
-                _ => {
-                    self.error(
-                        &join(path, "on_missing"),
-                        "must be \"skip\", \"shared\" or \"reject\"",
-                    );
-                    OnMissing::Skip
-                }
-            },
-        };
-        let on_store_error = match map.get("on_store_error") {
-            None => None,
-            Some(v) => match v.as_str().and_then(OnStoreError::parse) {
-                Some(mode) => Some(mode),
-                None => {
-                    self.error(
-                        &join(path, "on_store_error"),
-                        "must be \"local\", \"open\" or \"closed\"",
-                    );
-                    None
-                }
-            },
-        };
-        let algorithm = match map.get("algorithm") {
-            Some(v) => match self.string(v, &join(path, "algorithm")) {
-                Some(a) if LimitKind::named(a).is_some() => LimitKind::named(a),
-                Some(a) => {
-                    self.error(
-                        &join(path, "algorithm"),
-                        format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)"),
-                    );
-                    None
-                }
-                None => None,
-            },
-            None => {
-                self.error(
-                    &join(path, "algorithm"),
-                    "is required (\"token_bucket\" or \"cost_based\")",
-                );
-                None
-            }
-        };
+        let on_missing = self.on_missing(map, path);
+        let on_store_error = self.on_store_error(map, path);
+        let algorithm = self.algorithm(map, path);
         let config_path = join(path, "algorithm_config");
         let allowed = algorithm.map_or(CONFIG_FIELDS, LimitKind::config_fields);
         let config = match map.get("algorithm_config") {
@@ -750,38 +672,22 @@ impl Compiler {
         };
         // An unknown algorithm is an error already; its config is still checked as a token
         // bucket's, so every other problem is reported in the same pass.
-        let KindParts {
-            shape,
-            cost,
-            budget,
-            concurrency,
-            llm,
-        } = self.kind_config(
-            algorithm.unwrap_or(LimitKind::TokenBucket),
-            config,
-            path,
-            map.contains_key("overrides"),
+        let kind = algorithm.unwrap_or(LimitKind::TokenBucket);
+        let parts = self.kind_config(kind, config, path, map.contains_key("overrides"));
+        let (overrides, ip_overrides) = self.overrides(
+            (map, config),
+            (path, &config_path),
+            parts.shape,
+            &limit_keys,
         );
-        let (overrides, ip_overrides) =
-            self.overrides((map, config), (path, &config_path), shape, &limit_keys);
         if self.errors.len() > errors_before {
             return;
         }
-        let (Some(name), Some(shape), Some(cost)) = (name, shape, cost) else {
+        let (Some(name), Some(shape), Some(cost)) = (name, parts.shape, parts.cost) else {
             return;
         };
-        let kind = algorithm.unwrap_or(LimitKind::TokenBucket);
-        let key_prefix = key_prefix(kind.key_tag(), &name, mode);
         if on_missing == OnMissing::Skip {
-            if let Some(header) = limit_keys.iter().find_map(|d| match d {
-                Descriptor::Header(h) => Some(h),
-                _ => None,
-            }) {
-                self.warn(
-                    &join(path, "on_missing"),
-                    format!("rule '{name}' is keyed on the client-supplied header '{header}' with on_missing \"skip\": a client that leaves the header out is not limited by this rule at all; use \"shared\" (one bucket for every request without it) or \"reject\" (401)"),
-                );
-            }
+            self.warn_header_skipped(&name, &limit_keys, path);
         }
         let mut header_names = headers_read(
             limit_keys
@@ -789,17 +695,18 @@ impl Compiler {
                 .chain(conditions.iter().map(|c| &c.descriptor)),
             &cost,
         );
-        if let Some(llm) = llm {
+        if let RuleKind::Llm(limit) = &parts.kind {
             self.llm_companions(
-                llm,
+                (limit, parts.tokens_per_day),
                 (&name, policy, mode),
                 &mut header_names,
                 (&limit_keys, &conditions, on_missing),
             );
         }
-        let window_secs = budget
-            .as_ref()
-            .map_or(shape.quota.window_secs(), |b| b.period.nominal_secs());
+        let window_secs = match &parts.kind {
+            RuleKind::Budget(b) => b.period.nominal_secs(),
+            _ => shape.quota.window_secs(),
+        };
         let keys_path: Box<str> = join(path, "limit_keys").into();
         if self
             .day_rules
@@ -819,11 +726,9 @@ impl Compiler {
             ip_overrides,
             on_missing,
             on_store_error,
-            key_prefix,
+            key_prefix: key_prefix(kind.key_tag(), &name, mode),
             header_names,
-            budget,
-            concurrency,
-            llm: llm.map(|(limit, _)| limit),
+            kind: parts.kind,
             definition: definition_hash(self.current_policy_definition, v),
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
@@ -833,6 +738,116 @@ impl Compiler {
             .is_some_and(|r| crate::policy::key_origin::long_lived(r).is_some())
         {
             self.long_lived_keys.push((index, keys_path));
+        }
+    }
+
+    /// A rule's `name`: required, non-empty, unique across the bundle (it is the namespace of
+    /// its buckets).
+    fn rule_name(&mut self, map: &Map<String, Value>, path: &str) -> Option<String> {
+        let name = match map.get("name") {
+            Some(v) => self
+                .non_empty_string(v, &join(path, "name"))
+                .map(str::to_string),
+            None => {
+                self.error(&join(path, "name"), "is required");
+                None
+            }
+        };
+        if let Some(name) = &name {
+            if let Some(first) = self.rule_names.get(name).cloned() {
+                self.error(
+                    &join(path, "name"),
+                    format!("duplicate rule name '{name}' (first defined at {first}); rule names are bucket namespaces and must be unique across the bundle"),
+                );
+            } else {
+                self.rule_names.insert(name.clone(), join(path, "name"));
+            }
+        }
+        name
+    }
+
+    /// A rule's `limit_keys` (required; `[]` for one global bucket).
+    fn limit_keys(&mut self, map: &Map<String, Value>, path: &str) -> Vec<Descriptor> {
+        let mut limit_keys = Vec::new();
+        let p = join(path, "limit_keys");
+        match map.get("limit_keys") {
+            Some(v) => {
+                if let Some(items) = self.array(v, &p) {
+                    for (i, item) in items.iter().enumerate() {
+                        if let Some(d) = self.descriptor(item, &format!("{p}[{i}]")) {
+                            limit_keys.push(d);
+                        }
+                    }
+                }
+            }
+            None => self.error(&p, "is required (use [] for one global bucket)"),
+        }
+        limit_keys
+    }
+
+    /// A rule's `on_missing` (default `skip`).
+    fn on_missing(&mut self, map: &Map<String, Value>, path: &str) -> OnMissing {
+        let Some(v) = map.get("on_missing") else {
+            return OnMissing::Skip;
+        };
+        match v.as_str() {
+            Some("skip") => OnMissing::Skip,
+            Some("shared") => OnMissing::Shared,
+            Some("reject") => OnMissing::Reject,
+            _ => {
+                self.error(
+                    &join(path, "on_missing"),
+                    "must be \"skip\", \"shared\" or \"reject\"",
+                );
+                OnMissing::Skip
+            }
+        }
+    }
+
+    /// A rule's `on_store_error` (`None`: the gateway's `--on-store-error`).
+    fn on_store_error(&mut self, map: &Map<String, Value>, path: &str) -> Option<OnStoreError> {
+        let v = map.get("on_store_error")?;
+        let mode = v.as_str().and_then(OnStoreError::parse);
+        if mode.is_none() {
+            self.error(
+                &join(path, "on_store_error"),
+                "must be \"local\", \"open\" or \"closed\"",
+            );
+        }
+        mode
+    }
+
+    /// A rule's `algorithm`: the kind of limit it is (required).
+    fn algorithm(&mut self, map: &Map<String, Value>, path: &str) -> Option<LimitKind> {
+        let Some(v) = map.get("algorithm") else {
+            self.error(
+                &join(path, "algorithm"),
+                "is required (\"token_bucket\" or \"cost_based\")",
+            );
+            return None;
+        };
+        let a = self.string(v, &join(path, "algorithm"))?;
+        let kind = LimitKind::named(a);
+        if kind.is_none() {
+            self.error(
+                &join(path, "algorithm"),
+                format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)"),
+            );
+        }
+        kind
+    }
+
+    /// Warns of a rule keyed on a client-supplied header with `on_missing: skip`: leaving the
+    /// header out escapes the rule.
+    fn warn_header_skipped(&mut self, name: &str, limit_keys: &[Descriptor], path: &str) {
+        if let Some(header) = limit_keys.iter().find_map(|d| match d {
+            Descriptor::Header(h) => Some(h),
+            _ => None,
+        }) {
+            self.warn(
+                &join(path, "on_missing"),
+                format!("rule '{name}' is keyed on the client-supplied header '{header}' with on_missing \"skip\": a client that leaves the header out is not limited by this rule at all; use \"shared\" (one bucket for every request without it) or \"reject\" (401)"),
+            );
         }
     }
 

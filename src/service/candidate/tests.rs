@@ -99,8 +99,8 @@ fn a_candidate_with_half_the_burst_would_refuse_exactly_five_of_ten_and_changes_
     );
     for _ in 0..10 {
         let (with, without) = (decide(&gw, "10.0.0.1"), decide(&plain, "10.0.0.1"));
-        assert!(with.allowed);
-        assert_eq!(with.verdict(), without.verdict());
+        assert!(with.verdict.forwards());
+        assert_eq!(with.verdict.as_str(), without.verdict.as_str());
         assert_eq!(
             format!("{:?}", with.response),
             format!("{:?}", without.response),
@@ -131,8 +131,8 @@ fn a_candidate_with_half_the_burst_would_refuse_exactly_five_of_ten_and_changes_
     // The live bucket is untouched by the candidate's spending: its 11th request is its first
     // refusal, as on the gateway without a candidate.
     assert_eq!(
-        decide(&gw, "10.0.0.1").allowed,
-        decide(&plain, "10.0.0.1").allowed
+        decide(&gw, "10.0.0.1").verdict.forwards(),
+        decide(&plain, "10.0.0.1").verdict.forwards()
     );
     let summary = gw.candidate.summary().unwrap();
     assert_eq!(
@@ -195,7 +195,7 @@ fn an_unchanged_rule_beside_a_changed_one_reports_the_live_refusals() {
     assert_eq!(gw.candidate.summary().unwrap().shared_rules, 1);
     let mut live_refused = 0;
     for _ in 0..6 {
-        live_refused += u64::from(!decide(&gw, "10.0.0.4").allowed);
+        live_refused += u64::from(!decide(&gw, "10.0.0.4").verdict.forwards());
     }
     assert_eq!(live_refused, 4);
     let expected: BTreeMap<String, u64> = [
@@ -257,7 +257,7 @@ async fn with_a_shared_store_too_many_outstanding_candidate_calls_skip_and_count
         Some("10.0.0.6".parse().unwrap()),
         &headers,
     );
-    assert!(gw.decide(&facts).await.allowed);
+    assert!(gw.decide(&facts).await.verdict.forwards());
     let summary = gw.candidate.summary().unwrap();
     assert_eq!((summary.skipped, summary.decisions), (1, 0));
     assert_eq!(

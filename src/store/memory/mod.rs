@@ -505,6 +505,63 @@ struct ShardHead {
 
 const NEVER_PURGED: u64 = u64::MAX;
 
+/// The structure locks a request holding several buckets takes, in shard index order: the
+/// shard's index, its lock, and the rooms taken in it for keys not stored yet.
+type LockedShards<'s> = SmallVec<[(usize, ShardState<'s>, usize); 4]>;
+
+/// The bucket locks a request holding several buckets takes: each op's slot (`None`: not
+/// stored yet), and every distinct slot locked, in address order, with its meta word.
+struct LockedBuckets<'g> {
+    located: SmallVec<[Option<&'g Slot>; 4]>,
+    metas: SmallVec<[(&'g Slot, u64); 4]>,
+}
+
+impl<'g> LockedBuckets<'g> {
+    /// Locks each existing bucket of the ops, in address order (the shards' structure locks
+    /// are held: no entry can move meanwhile).
+    #[inline]
+    fn lock(store: &MemoryStore, ops: &[BucketOp], guard: &'g Guard) -> Self {
+        let located: SmallVec<[Option<&Slot>; 4]> = ops
+            .iter()
+            .map(|op| {
+                let table = MemoryStore::table(store.shard_of(&op.key), guard);
+                table.find(stored(&op.key)).map(|i| table.slot(i))
+            })
+            .collect();
+        let mut order: SmallVec<[&Slot; 4]> = located.iter().flatten().copied().collect();
+        order.sort_unstable_by_key(|s| *s as *const Slot as usize);
+        order.dedup_by_key(|s| *s as *const Slot as usize);
+        let metas = order.iter().map(|s| (*s, s.lock())).collect();
+        LockedBuckets { located, metas }
+    }
+
+    /// Lets every bucket go, with the meta word its commit left.
+    #[inline]
+    fn unlock(self) {
+        for (slot, meta) in self.metas {
+            slot.unlock(meta);
+        }
+    }
+}
+
+/// Where `slot`'s meta word is kept among the locked buckets'.
+#[inline]
+fn meta_of(metas: &[(&Slot, u64)], slot: &Slot) -> usize {
+    metas
+        .iter()
+        .position(|(s, _)| std::ptr::eq(*s, slot))
+        .unwrap_or(0)
+}
+
+/// Whether every op of `group` is allowed.
+#[inline]
+fn group_allows(ops: &[BucketOp], results: &OpResults, group: Group) -> bool {
+    ops.iter()
+        .zip(results.iter())
+        .filter(|(op, _)| op.group == group)
+        .all(|(_, r)| r.verdict.allowed)
+}
+
 /// A shard's structure, locked (inserts, growth and deletions happen under it).
 struct ShardState<'a> {
     head: &'a ShardHead,
@@ -1484,22 +1541,83 @@ impl MemoryStore {
             results.push(self.apply_one(now_us, op));
             return Ok(());
         }
+        self.apply_together(now_us, ops, results);
+        Ok(())
+    }
+
+    /// Several buckets, all-or-nothing: the shards' mutexes in index order (no new key can
+    /// appear, no entry can move, no table can grow meanwhile), room for the request's new
+    /// keys, then each existing bucket's lock in address order; the verdicts; each group
+    /// committed when it and the enforced group allow; the locks let go and the rooms not used
+    /// given back.
+    #[inline]
+    fn apply_together(&self, now_us: u64, ops: &[BucketOp], results: &mut OpResults) {
         let guard = &epoch::pin();
-        // Several buckets, all-or-nothing: the shards' mutexes in index order (no new key can
-        // appear, no entry can move, no table can grow meanwhile)...
+        let mut shards = self.lock_shards(ops);
+        self.reserve_rooms(&mut shards, ops, now_us, guard);
+        let mut buckets = LockedBuckets::lock(self, ops, guard);
+        // Verdicts; a key that appears twice sees its first op's state (as before).
+        results.extend(ops.iter().zip(buckets.located.iter()).map(|(op, slot)| {
+            let state = match slot {
+                Some(slot) => Some(slot.state()),
+                None => self.absent_state(stored(&op.key), op, now_us),
+            };
+            OpResult {
+                verdict: op.check(state, now_us),
+                committed: false,
+                fail_open: false,
+                away: None,
+            }
+        }));
+        let enforce_allows = group_allows(ops, results, Group::Enforce);
+        for group in [Group::Enforce, Group::Shadow] {
+            // A refused request spends nothing anywhere, shadow buckets included: shadow
+            // counts then describe the traffic that would really have reached the upstream.
+            if !enforce_allows || !group_allows(ops, results, group) {
+                continue;
+            }
+            let work = (group, ops, &mut *results);
+            self.commit_group(work, &mut buckets, &mut shards, now_us, guard);
+        }
+        buckets.unlock();
+        // Rooms a refused request did not use go back to the bound.
+        let unused: usize = shards.iter().map(|(_, _, rooms)| rooms).sum();
+        if unused > 0 {
+            let _ = self
+                .len()
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_sub(unused as u64))
+                });
+        }
+        drop(shards);
+    }
+
+    /// The structure locks of every shard the ops fall in, in index order, each with no room
+    /// taken yet.
+    #[inline]
+    fn lock_shards(&self, ops: &[BucketOp]) -> LockedShards<'_> {
         let mut wanted: SmallVec<[usize; 4]> =
             ops.iter().map(|op| self.shard_index(&op.key)).collect();
         wanted.sort_unstable();
         wanted.dedup();
-        // Each shard's lock, with the rooms taken in it for keys not stored yet.
-        let mut guards: SmallVec<[(usize, ShardState<'_>, usize); 4]> = wanted
+        wanted
             .iter()
             .map(|&i| (i, self.structure(&self.shards[i]), 0))
-            .collect();
-        // ...room for the request's new keys, before any bucket lock is taken (an eviction
-        // moves entries): taken within the bound, by a purge or by an eviction, never one of
-        // the request's own buckets; then a bigger table when needed...
-        for (index, state, rooms) in guards.iter_mut() {
+            .collect()
+    }
+
+    /// Room for the request's new keys, before any bucket lock is taken (an eviction moves
+    /// entries): taken within the bound, by a purge or by an eviction, never one of the
+    /// request's own buckets; then a bigger table when needed.
+    #[inline]
+    fn reserve_rooms(
+        &self,
+        shards: &mut LockedShards<'_>,
+        ops: &[BucketOp],
+        now_us: u64,
+        guard: &Guard,
+    ) {
+        for (index, state, rooms) in shards.iter_mut() {
             let shard = &self.shards[*index];
             let table = Self::table(shard, guard);
             let mut missing: SmallVec<[(u64, u64); 4]> = SmallVec::new();
@@ -1525,114 +1643,77 @@ impl MemoryStore {
             }
             self.make_room(shard, state, *rooms, guard);
         }
-        // ...then each existing bucket's lock, in address order.
-        let mut located: SmallVec<[Option<&Slot>; 4]> = ops
-            .iter()
-            .map(|op| {
-                let table = Self::table(self.shard_of(&op.key), guard);
-                table.find(stored(&op.key)).map(|i| table.slot(i))
-            })
-            .collect();
-        let mut order: SmallVec<[&Slot; 4]> = located.iter().flatten().copied().collect();
-        order.sort_unstable_by_key(|s| *s as *const Slot as usize);
-        order.dedup_by_key(|s| *s as *const Slot as usize);
-        let mut metas: SmallVec<[(&Slot, u64); 4]> = order.iter().map(|s| (*s, s.lock())).collect();
-        let meta_of = |metas: &SmallVec<[(&Slot, u64); 4]>, slot: &Slot| {
-            metas
-                .iter()
-                .position(|(s, _)| std::ptr::eq(*s, slot))
-                .unwrap_or(0)
-        };
+    }
 
-        // Verdicts; a key that appears twice sees its first op's state (as before).
-        results.extend(ops.iter().zip(located.iter()).map(|(op, slot)| {
-            let state = match slot {
-                Some(slot) => Some(slot.state()),
-                None => self.absent_state(stored(&op.key), op, now_us),
-            };
-            OpResult {
-                verdict: op.check(state, now_us),
-                committed: false,
-                fail_open: false,
-                away: None,
-            }
-        }));
-        let group_allows = |group: Group, results: &OpResults| {
-            ops.iter()
-                .zip(results.iter())
-                .filter(|(op, _)| op.group == group)
-                .all(|(_, r)| r.verdict.allowed)
-        };
-        let enforce_allows = group_allows(Group::Enforce, results);
-        for group in [Group::Enforce, Group::Shadow] {
-            // A refused request spends nothing anywhere, shadow buckets included: shadow
-            // counts then describe the traffic that would really have reached the upstream.
-            if !enforce_allows || !group_allows(group, results) {
+    /// Commits the ops of one group: spends from each locked bucket, and stores the buckets
+    /// not held yet in the rooms taken for them (or fails open without one).
+    #[inline]
+    fn commit_group(
+        &self,
+        (group, ops, results): (Group, &[BucketOp], &mut OpResults),
+        buckets: &mut LockedBuckets<'_>,
+        shards: &mut LockedShards<'_>,
+        now_us: u64,
+        guard: &Guard,
+    ) {
+        let LockedBuckets { located, metas } = buckets;
+        for ((op, result), slot) in ops.iter().zip(results.iter_mut()).zip(located.iter()) {
+            if op.group != group {
                 continue;
             }
-            for ((op, result), slot) in ops.iter().zip(results.iter_mut()).zip(located.iter_mut()) {
-                if op.group != group {
-                    continue;
+            match *slot {
+                Some(slot) => {
+                    let m = meta_of(metas, slot);
+                    metas[m].1 = slot.commit(result, op.spend(result.verdict), now_us);
+                    result.committed = true;
                 }
-                match *slot {
-                    Some(slot) => {
-                        let m = meta_of(&metas, slot);
-                        metas[m].1 = slot.commit(result, op.spend(result.verdict), now_us);
-                        result.committed = true;
-                    }
-                    None => {
-                        let spend = op.spend(result.verdict);
-                        if spend.micro == 0 || op.cost == 0 {
-                            // Answered from a full bucket and leaving it full (or from the
-                            // record of evicted spend, which keeps it): no entry.
-                            result.committed = true;
-                            continue;
-                        }
-                        let index = self.shard_index(&op.key);
-                        let shard = &self.shards[index];
-                        let key = stored(&op.key);
-                        let table = Self::table(shard, guard);
-                        if let Some(i) = table.find(key) {
-                            // Inserted by an earlier op of this request (the same key twice).
-                            // Safe out of order: this shard's mutex is ours, and single-bucket
-                            // updaters never wait while holding a lock.
-                            let existing = table.slot(i);
-                            existing.lock();
-                            let meta = existing.commit(result, spend, now_us);
-                            existing.unlock(meta);
-                            result.committed = true;
-                            continue;
-                        }
-                        let g = guards.iter().position(|(i, ..)| *i == index).unwrap_or(0);
-                        let (_, state, rooms) = &mut guards[g];
-                        let had_room = *rooms > 0;
-                        *rooms = rooms.saturating_sub(1);
-                        if had_room
-                            && self.insert(shard, state, key, result, spend, now_us, false, guard)
-                        {
-                            result.committed = true;
-                        } else {
-                            result.fail_open = true;
-                            self.fail_open.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
+                None => self.commit_absent(op, result, shards, now_us, guard),
             }
         }
-        for (slot, meta) in metas {
-            slot.unlock(meta);
+    }
+
+    /// Commits an op whose bucket was not held when the locks were taken.
+    #[inline]
+    fn commit_absent(
+        &self,
+        op: &BucketOp,
+        result: &mut OpResult,
+        shards: &mut LockedShards<'_>,
+        now_us: u64,
+        guard: &Guard,
+    ) {
+        let spend = op.spend(result.verdict);
+        if spend.micro == 0 || op.cost == 0 {
+            // Answered from a full bucket and leaving it full (or from the record of evicted
+            // spend, which keeps it): no entry.
+            result.committed = true;
+            return;
         }
-        // Rooms a refused request did not use go back to the bound.
-        let unused: usize = guards.iter().map(|(_, _, rooms)| rooms).sum();
-        if unused > 0 {
-            let _ = self
-                .len()
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                    Some(n.saturating_sub(unused as u64))
-                });
+        let index = self.shard_index(&op.key);
+        let shard = &self.shards[index];
+        let key = stored(&op.key);
+        let table = Self::table(shard, guard);
+        if let Some(i) = table.find(key) {
+            // Inserted by an earlier op of this request (the same key twice). Safe out of
+            // order: this shard's mutex is ours, and single-bucket updaters never wait while
+            // holding a lock.
+            let existing = table.slot(i);
+            existing.lock();
+            let meta = existing.commit(result, spend, now_us);
+            existing.unlock(meta);
+            result.committed = true;
+            return;
         }
-        drop(guards);
-        Ok(())
+        let g = shards.iter().position(|(i, ..)| *i == index).unwrap_or(0);
+        let (_, state, rooms) = &mut shards[g];
+        let had_room = *rooms > 0;
+        *rooms = rooms.saturating_sub(1);
+        if had_room && self.insert(shard, state, key, result, spend, now_us, false, guard) {
+            result.committed = true;
+        } else {
+            result.fail_open = true;
+            self.fail_open.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// The leases kept beside the buckets.
