@@ -27,6 +27,8 @@
 
 use super::lease::Live;
 use super::ops::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
+use super::redis_conn::RedisConn;
+use super::url::RedisUrl;
 use crate::limits::limiter::{self, BucketState};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -187,10 +189,8 @@ struct Denied {
 /// Redis store settings.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
-    /// `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,HOST:PORT...]` for a cluster, or
-    /// `redis+sentinel://[USER:PASS@]HOST:PORT[,HOST:PORT...]/SERVICE[?db=N]` for the master
-    /// of a service watched by Redis Sentinel.
-    pub url: String,
+    /// One server, a cluster, or the master of a service watched by Redis Sentinel.
+    pub url: RedisUrl,
     /// Deadline of one store call.
     pub timeout: Duration,
 }
@@ -337,43 +337,30 @@ enum Client {
 /// older epoch was given up: it may lead to a former master).
 #[derive(Clone)]
 struct Conn {
-    link: Link,
+    link: RedisConn,
     epoch: u64,
-}
-
-/// A connection of either kind; both clone cheaply. A single server's does not reconnect by
-/// itself ([`RedisStore::lost`] replaces it); a cluster's does.
-// Held in an `Arc` and cloned per call: boxing the larger variant would allocate per call.
-#[allow(clippy::large_enum_variant)]
-#[derive(Clone)]
-enum Link {
-    Single(MultiplexedConnection),
-    Cluster(redis::cluster_async::ClusterConnection),
 }
 
 impl Conn {
     /// Runs one command on whichever kind of connection this is (a cluster routes it by its
     /// key).
-    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        match &mut self.link {
-            Link::Single(c) => cmd.query_async(c).await,
-            Link::Cluster(c) => cmd.query_async(c).await,
-        }
+    fn query<'a, T: redis::FromRedisValue + 'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> impl std::future::Future<Output = redis::RedisResult<T>> + 'a {
+        self.link.query(cmd)
     }
 
     /// Runs a script invocation on whichever kind of connection this is.
-    async fn invoke<T: redis::FromRedisValue>(
-        &mut self,
-        invocation: &redis::ScriptInvocation<'_>,
-    ) -> redis::RedisResult<T> {
-        match &mut self.link {
-            Link::Single(c) => invocation.invoke_async(c).await,
-            Link::Cluster(c) => invocation.invoke_async(c).await,
-        }
+    fn invoke<'a, T: redis::FromRedisValue + 'a>(
+        &'a mut self,
+        invocation: &'a redis::ScriptInvocation<'_>,
+    ) -> impl std::future::Future<Output = redis::RedisResult<T>> + 'a {
+        self.link.invoke(invocation)
     }
 
     fn is_cluster(&self) -> bool {
-        matches!(self.link, Link::Cluster(_))
+        self.link.is_cluster()
     }
 }
 
@@ -476,35 +463,23 @@ impl RedisStore {
         let bad = |e: redis::RedisError| {
             StoreError::Unavailable(format!(
                 "{}: {}",
-                crate::telemetry::redact::url(&config.url),
+                crate::telemetry::redact::url(config.url.as_str()),
                 crate::telemetry::redact::text(&e.to_string())
             ))
         };
-        let client = match config.url.strip_prefix("redis+cluster://") {
-            None if config.url.starts_with("redis+sentinel://") => {
-                Client::Sentinel(SentinelTarget::parse(&config.url).map_err(|e| {
-                    StoreError::Unavailable(format!(
-                        "{}: {e}",
-                        crate::telemetry::redact::url(&config.url)
-                    ))
-                })?)
+        let client = match &config.url {
+            RedisUrl::Single(url) => {
+                Client::Single(redis::Client::open(url.as_str()).map_err(bad)?)
             }
-            Some(nodes) => {
-                let nodes: Vec<String> = nodes
-                    .split(',')
-                    .filter(|n| !n.trim().is_empty())
-                    .map(|n| format!("redis://{}", n.trim()))
-                    .collect();
-                Client::Cluster(
-                    redis::cluster::ClusterClient::builder(nodes)
-                        .connection_timeout(Duration::from_millis(500))
-                        .response_timeout(config.timeout.max(Duration::from_millis(1)))
-                        .retries(1)
-                        .build()
-                        .map_err(bad)?,
-                )
-            }
-            None => Client::Single(redis::Client::open(config.url.as_str()).map_err(bad)?),
+            RedisUrl::Cluster { nodes, .. } => Client::Cluster(
+                redis::cluster::ClusterClient::builder(nodes.clone())
+                    .connection_timeout(Duration::from_millis(500))
+                    .response_timeout(config.timeout.max(Duration::from_millis(1)))
+                    .retries(1)
+                    .build()
+                    .map_err(bad)?,
+            ),
+            RedisUrl::Sentinel { target, .. } => Client::Sentinel(target.clone()),
         };
         Ok(Arc::new(RedisStore {
             config,
@@ -542,13 +517,13 @@ impl RedisStore {
     async fn connect(&self) -> redis::RedisResult<Conn> {
         let epoch = self.epoch.load(Ordering::Acquire);
         let link = match &self.client {
-            Client::Single(client) => Link::Single(
+            Client::Single(client) => RedisConn::Single(
                 client
                     .get_multiplexed_async_connection_with_config(&self.node_config())
                     .await?,
             ),
-            Client::Sentinel(target) => Link::Single(self.connect_to_master(target).await?),
-            Client::Cluster(client) => Link::Cluster(client.get_async_connection().await?),
+            Client::Sentinel(target) => RedisConn::Single(self.connect_to_master(target).await?),
+            Client::Cluster(client) => RedisConn::Cluster(client.get_async_connection().await?),
         };
         Ok(Conn { link, epoch })
     }
@@ -695,13 +670,13 @@ impl RedisStore {
                 };
                 match store.connect().await {
                     Ok(mut conn) => {
-                        tracing::info!(store = %crate::telemetry::redact::url(&store.config.url), "connected to Redis");
+                        tracing::info!(store = %crate::telemetry::redact::url(store.config.url.as_str()), "connected to Redis");
                         store.measure_time_offset(&conn).await;
                         // Newer than any loss seen while connecting.
                         conn.epoch = store.epoch.load(Ordering::Acquire);
                         store.conn.store(Some(Arc::new(conn)));
                         store.ever_connected.store(true, Ordering::Relaxed);
-                        store.health.ok(&store.config.url);
+                        store.health.ok(store.config.url.as_str());
                         store.connecting.store(false, Ordering::Release);
                         return;
                     }
@@ -741,7 +716,7 @@ impl RedisStore {
         }
         self.conn.store(None);
         tracing::warn!(
-            store = %crate::telemetry::redact::url(&self.config.url),
+            store = %crate::telemetry::redact::url(self.config.url.as_str()),
             "Redis connection given up{} ({}); reconnecting{}",
             if read_only { ": the server is a read-only replica now" } else { "" },
             crate::telemetry::redact::text(what),
@@ -824,7 +799,7 @@ impl RedisStore {
     }
 
     fn failed(&self, what: &str) {
-        self.health.failed(&self.config.url, what);
+        self.health.failed(self.config.url.as_str(), what);
     }
 
     /// A refusal answered from the denied cache, if an enforced bucket of this request is known
@@ -976,7 +951,7 @@ impl RedisStore {
             self.failed(&what);
             return Err(StoreError::Unavailable(what));
         }
-        self.health.ok(&self.config.url);
+        self.health.ok(self.config.url.as_str());
         super::shared::outcomes_from(now_us, ops, enforce_ok, shadow_ok, &available, results);
         for (op, result) in ops.iter().zip(results.iter()) {
             if op.group == Group::Enforce && !result.verdict.allowed {
@@ -1034,7 +1009,7 @@ impl RedisStore {
             Err(_) => format!("no answer within {:?}", self.config.timeout),
             Ok(replies) => match replies.into_iter().find_map(Result::err) {
                 None => {
-                    self.health.ok(&self.config.url);
+                    self.health.ok(self.config.url.as_str());
                     return Ok(());
                 }
                 Some(e) => {
@@ -1096,7 +1071,7 @@ impl RedisStore {
             tokio::time::timeout(self.config.timeout, call).await,
             Ok(Ok(_))
         ) {
-            tracing::warn!(store = %crate::telemetry::redact::url(&self.config.url), "{failure}");
+            tracing::warn!(store = %crate::telemetry::redact::url(self.config.url.as_str()), "{failure}");
         }
     }
 
@@ -1195,7 +1170,7 @@ impl RedisStore {
 
     /// The store's URL (as configured; redact before showing it).
     pub fn url(&self) -> &str {
-        &self.config.url
+        self.config.url.as_str()
     }
 
     /// The deadline of one decision's call.
@@ -1420,7 +1395,7 @@ impl RedisStore {
             self.failed(&what);
             return Err(StoreError::Unavailable(what));
         }
-        self.health.ok(&self.config.url);
+        self.health.ok(self.config.url.as_str());
         super::lease::judge(ops, &live, results);
         // A slot group judged alone may have taken leases the request as a whole does not keep.
         let mut give_back: SmallVec<[super::ops::BucketKey; 2]> = SmallVec::new();
