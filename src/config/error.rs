@@ -5,7 +5,7 @@
 use crate::engine::compat::SecretError;
 use crate::operator::TokenError;
 use crate::request::auth::UnknownAlgorithm;
-use crate::store::redis::SentinelUrlError;
+use crate::store::url::SentinelUrlError;
 use std::path::{Path, PathBuf};
 
 /// The shortest `--reservation-secret` taken: 32 bytes, HMAC-SHA256's own key size.

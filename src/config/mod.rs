@@ -14,7 +14,7 @@ pub mod tls_client;
 
 pub use error::{ConfigError, ConfigErrors, MIN_RESERVATION_SECRET_BYTES};
 
-use crate::config::cli::{LogFormat, RunArgs};
+use crate::config::cli::LogFormat;
 use crate::request::auth::JwtConfig;
 use crate::request::descriptor::{EncodedSlashes, IpNet};
 use std::net::SocketAddr;
@@ -50,7 +50,8 @@ pub struct PolicyStoreConfig {
     pub bundle_dir: Option<PathBuf>,
 }
 
-/// Everything `run` needs, validated.
+/// Everything `run` needs, validated: built once from the flags by [`Config::from_args`]
+/// (with its steps, in `config/resolve.rs`).
 #[derive(Debug, Clone)]
 pub struct Config {
     /// `--policy` (empty under `--policy-store`).
@@ -227,14 +228,4 @@ pub enum StoreKind {
 pub fn file_hash(path: &Path) -> Option<u64> {
     let bytes = std::fs::read(path).ok()?;
     Some(twox_hash::XxHash3_64::oneshot(&bytes))
-}
-
-impl Config {
-    /// Validates the flags and resolves them into one configuration (see [`resolve`]).
-    ///
-    /// # Errors
-    /// Every invalid flag, each naming the flag and the value.
-    pub fn from_args(args: &RunArgs) -> Result<Config, ConfigErrors> {
-        resolve::resolve(args)
-    }
 }

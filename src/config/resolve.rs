@@ -28,11 +28,18 @@ const MAX_THREADS: usize = 256;
 /// Most `--max-loop-marks`.
 const MAX_LOOP_MARKS: usize = 1 << 30;
 
-/// Validates the flags and resolves them into a [`Config`].
-///
-/// # Errors
-/// Every invalid flag, each naming the flag and the value.
-pub(super) fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
+impl Config {
+    /// Validates `tollgate run`'s flags and resolves them into one configuration.
+    ///
+    /// # Errors
+    /// Every invalid flag, each naming the flag and the value.
+    pub fn from_args(args: &RunArgs) -> Result<Config, ConfigErrors> {
+        resolve(args)
+    }
+}
+
+/// The steps of [`Config::from_args`], each run, then the parts assembled.
+fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
     let mut r = Resolver {
         args,
         errors: Vec::new(),
