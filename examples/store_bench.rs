@@ -66,7 +66,7 @@ async fn main() {
     flood();
     for url in std::env::args().skip(1) {
         let store = Store::open(
-            &url,
+            &url.parse().expect("store url"),
             Duration::from_secs(1),
             std::sync::Arc::new(tollgate::limits::clock::SystemClock::new()),
         )

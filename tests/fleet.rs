@@ -94,7 +94,7 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 fn open(url: &str) -> Arc<dyn PolicySource> {
-    source::open(url, Duration::from_secs(5)).unwrap()
+    source::open(&url.parse().unwrap(), Duration::from_secs(5)).unwrap()
 }
 
 fn now_ms() -> u64 {
@@ -858,7 +858,9 @@ fn the_http_source_reads_a_published_file_with_etags() {
     // A server that is gone: unavailable, bounded by the timeout.
     drop(server);
     let closed = source::open(
-        &format!("http://127.0.0.1:{}/x", free_port()),
+        &format!("http://127.0.0.1:{}/x", free_port())
+            .parse()
+            .unwrap(),
         Duration::from_secs(2),
     )
     .unwrap();

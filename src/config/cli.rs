@@ -871,12 +871,27 @@ pub struct SimulateArgs {
     pub start: i64,
 }
 
-fn parse_start(text: &str) -> Result<i64, String> {
+/// A `simulate --start` that is not a time it can start at.
+#[derive(Debug, thiserror::Error)]
+pub enum StartTimeError {
+    #[error("{text:?}: {error} (expected e.g. 2026-01-01T00:00:00Z)")]
+    NotRfc3339 {
+        text: String,
+        error: humantime::TimestampError,
+    },
+    #[error("{0:?} is before 1970")]
+    Before1970(String),
+}
+
+fn parse_start(text: &str) -> Result<i64, StartTimeError> {
     humantime::parse_rfc3339_weak(text)
-        .map_err(|e| format!("{text:?}: {e} (expected e.g. 2026-01-01T00:00:00Z)"))?
+        .map_err(|error| StartTimeError::NotRfc3339 {
+            text: text.to_string(),
+            error,
+        })?
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
-        .map_err(|_| format!("{text:?} is before 1970"))
+        .map_err(|_| StartTimeError::Before1970(text.to_string()))
 }
 
 /// `--max-request-header-bytes`' default: the whole header block (request line included).

@@ -129,9 +129,9 @@ fn load_pair(pair: &CertPair) -> Result<(CertifiedKey, Vec<String>), CertError> 
     let Some(leaf) = chain.first() else {
         return Err(CertError::NoCertificate { file: cert_file });
     };
-    let names = dns_names(leaf).map_err(|reason| CertError::BadCertificate {
+    let names = dns_names(leaf).map_err(|e| CertError::BadCertificate {
         file: cert_file.clone(),
-        reason,
+        reason: e.to_string(),
     })?;
     let key_pem = read(&pair.key)?;
     let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut key_pem.as_slice())
@@ -158,8 +158,10 @@ fn load_pair(pair: &CertPair) -> Result<(CertifiedKey, Vec<String>), CertError> 
 }
 
 /// The leaf's DNS names: its subjectAltName DNS entries, or its common name without them.
-fn dns_names(leaf: &CertificateDer<'_>) -> Result<Vec<String>, String> {
-    let (_, cert) = x509_parser::parse_x509_certificate(leaf).map_err(|e| e.to_string())?;
+fn dns_names(
+    leaf: &CertificateDer<'_>,
+) -> Result<Vec<String>, x509_parser::nom::Err<x509_parser::error::X509Error>> {
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf)?;
     let mut names = Vec::new();
     if let Ok(Some(san)) = cert.subject_alternative_name() {
         for name in &san.value.general_names {

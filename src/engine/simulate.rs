@@ -56,16 +56,26 @@ pub enum SimulateError {
     Write(#[source] std::io::Error),
 }
 
+/// An input line that is not a request (it becomes an `error` object in the output).
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    /// Not JSON, or not the fields of a request.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error("t must be a non-negative number of seconds")]
+    BadTime,
+}
+
+/// Default wall-clock time of `t = 0` (2026-01-01T00:00:00Z): fixed, so a replay gives the same
+/// answer on any day (kill-switch expiry is the only thing that reads the wall clock).
+pub const DEFAULT_START_UNIX: i64 = 1_767_225_600;
+
 /// Replays `input` against `bundle`. Lines that are not valid requests produce an `error`
 /// object in the output (naming the line) and do not stop the replay; the count of such lines
 /// is returned.
 ///
 /// # Errors
 /// Reading the input or writing the output failed.
-/// Default wall-clock time of `t = 0` (2026-01-01T00:00:00Z): fixed, so a replay gives the same
-/// answer on any day (kill-switch expiry is the only thing that reads the wall clock).
-pub const DEFAULT_START_UNIX: i64 = 1_767_225_600;
-
 pub fn replay(
     bundle: Bundle,
     config: EngineConfig,
@@ -92,9 +102,9 @@ pub fn replay(
                 clock.set_secs(request.t);
                 evaluate(&replay, &request, &header_config)
             }
-            Err(message) => {
+            Err(error) => {
                 bad_lines += 1;
-                json!({"line": index + 1, "error": message})
+                json!({"line": index + 1, "error": error.to_string()})
             }
         };
         writeln!(output, "{result}").map_err(SimulateError::Write)?;
@@ -103,10 +113,10 @@ pub fn replay(
     Ok(bad_lines)
 }
 
-fn parse_line(line: &str) -> Result<SimRequest, String> {
-    let request: SimRequest = serde_json::from_str(line).map_err(|e| e.to_string())?;
+fn parse_line(line: &str) -> Result<SimRequest, LineError> {
+    let request: SimRequest = serde_json::from_str(line)?;
     if !request.t.is_finite() || request.t < 0.0 {
-        return Err("t must be a non-negative number of seconds".to_string());
+        return Err(LineError::BadTime);
     }
     Ok(request)
 }

@@ -777,7 +777,7 @@ fn on_store_error_decides_while_the_store_is_away() {
     ]}));
     let local = LocalMode::new(LocalConfig {
         default_mode: crate::policy::OnStoreError::Local,
-        max_buckets: 100,
+        max_buckets: std::num::NonZeroUsize::new(100).unwrap(),
         gateway_id: "gw".into(),
         journal: None,
     });

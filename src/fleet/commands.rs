@@ -53,7 +53,8 @@ fn open_store(args: &StoreArgs) -> Outcome<Arc<dyn PolicySource>> {
             "--store URL is required (publish: or --out PATH)".to_string(),
         ));
     };
-    let store = source::open(url, Duration::from_millis(args.timeout_ms.max(1)))
+    let store = source::SourceUrl::parse(url)
+        .and_then(|url| source::open(&url, Duration::from_millis(args.timeout_ms.max(1))))
         .map_err(|e| store_failure(&e))?;
     if store.kind() == "http" {
         return Err(Failure(

@@ -32,40 +32,94 @@ mod policy_source;
 mod postgres;
 mod redis;
 
+use crate::store::{RedisUrl, StoreUrl};
 pub use policy_source::{
     display_url, Bounded, BoundedSlots, Heartbeat, PolicySource, SlotRefusal, Slots, SourceError,
     HISTORY_KEPT,
 };
 use std::time::Duration;
 
-/// Opens the source a URL names: `redis://`, `rediss://` (when the Redis client is built with
-/// TLS; this build's is not, and says so), `redis+cluster://`, `postgres://`,
-/// `postgresql://`, `http://`, `https://`; `timeout` bounds each call. Nothing is connected yet:
-/// the first call connects.
+/// A policy store's URL, read once from its scheme (in any case).
+#[derive(Clone, PartialEq, Eq)]
+pub enum SourceUrl {
+    /// `redis://`, `rediss://` (when the Redis client is built with TLS; this build's is not,
+    /// and says so) or `redis+cluster://`. A `redis+sentinel://` URL is no policy store.
+    Redis(RedisUrl),
+    /// `postgres://` or `postgresql://`.
+    Postgres(String),
+    /// `http://` or `https://`: read-only, one envelope served.
+    Http(String),
+}
+
+impl SourceUrl {
+    /// Reads a policy store's URL.
+    ///
+    /// # Errors
+    /// [`SourceError::BadUrl`]: the URL names no supported source (its password masked).
+    pub fn parse(url: &str) -> Result<SourceUrl, SourceError> {
+        let http = url.split_once("://").is_some_and(|(scheme, _)| {
+            matches!(scheme.to_ascii_lowercase().as_str(), "http" | "https")
+        });
+        match StoreUrl::parse(url) {
+            _ if http => Ok(SourceUrl::Http(url.to_string())),
+            Ok(StoreUrl::Redis(RedisUrl::Sentinel { .. })) | Err(_) => {
+                Err(SourceError::BadUrl(format!(
+                    "{}: not a policy store (redis://, rediss://, redis+cluster://, postgres://, \
+                 postgresql://, http:// or https://)",
+                    crate::telemetry::redact::url(url)
+                )))
+            }
+            Ok(StoreUrl::Redis(redis)) => Ok(SourceUrl::Redis(redis)),
+            Ok(StoreUrl::Postgres(url)) => Ok(SourceUrl::Postgres(url)),
+        }
+    }
+
+    /// The URL as given.
+    pub fn as_str(&self) -> &str {
+        match self {
+            SourceUrl::Redis(url) => url.as_str(),
+            SourceUrl::Postgres(url) | SourceUrl::Http(url) => url,
+        }
+    }
+}
+
+impl AsRef<str> for SourceUrl {
+    fn as_ref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl std::str::FromStr for SourceUrl {
+    type Err = SourceError;
+
+    fn from_str(url: &str) -> Result<SourceUrl, SourceError> {
+        SourceUrl::parse(url)
+    }
+}
+
+// The URL may carry a password: `Debug` shows it masked.
+impl std::fmt::Debug for SourceUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SourceUrl({})", display_url(self.as_str()))
+    }
+}
+
+/// Opens the source a URL names; `timeout` bounds each call. Nothing is connected yet: the
+/// first call connects.
 ///
 /// # Errors
-/// The URL names no supported source or cannot be parsed.
-pub fn open(url: &str, timeout: Duration) -> Result<std::sync::Arc<dyn PolicySource>, SourceError> {
-    let lower = url.to_ascii_lowercase();
-    if lower.starts_with("redis://")
-        || lower.starts_with("rediss://")
-        || lower.starts_with("redis+cluster://")
-    {
-        return Ok(std::sync::Arc::new(redis::RedisSource::new(url, timeout)?));
-    }
-    if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
-        return Ok(std::sync::Arc::new(postgres::PostgresSource::new(
-            url, timeout,
-        )?));
-    }
-    if lower.starts_with("http://") || lower.starts_with("https://") {
-        return Ok(std::sync::Arc::new(http::HttpSource::new(url, timeout)?));
-    }
-    Err(SourceError::BadUrl(format!(
-        "{}: not a policy store (redis://, rediss://, redis+cluster://, postgres://, \
-         postgresql://, http:// or https://)",
-        crate::telemetry::redact::url(url)
-    )))
+/// The URL cannot be parsed by its backend.
+pub fn open(
+    url: &SourceUrl,
+    timeout: Duration,
+) -> Result<std::sync::Arc<dyn PolicySource>, SourceError> {
+    Ok(match url {
+        SourceUrl::Redis(url) => std::sync::Arc::new(redis::RedisSource::new(url, timeout)?),
+        SourceUrl::Postgres(url) => {
+            std::sync::Arc::new(postgres::PostgresSource::new(url, timeout)?)
+        }
+        SourceUrl::Http(url) => std::sync::Arc::new(http::HttpSource::new(url, timeout)?),
+    })
 }
 
 #[cfg(test)]
@@ -108,7 +162,7 @@ mod tests {
 
     #[test]
     fn unknown_schemes_are_refused_with_the_password_masked() {
-        let Err(SourceError::BadUrl(e)) = open("ftp://u:secret@h/x", Duration::from_secs(1)) else {
+        let Err(SourceError::BadUrl(e)) = SourceUrl::parse("ftp://u:secret@h/x") else {
             panic!("ftp is no policy store");
         };
         assert!(!e.contains("secret"), "{e}");
@@ -139,7 +193,7 @@ mod tests {
                 "https://u:***@example.com/b.json?***",
             ),
         ] {
-            let source = open(url, Duration::from_secs(1)).unwrap();
+            let source = open(&url.parse().unwrap(), Duration::from_secs(1)).unwrap();
             assert_eq!(source.kind(), kind);
             assert_eq!(source.display_url(), shown);
         }

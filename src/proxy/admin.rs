@@ -116,7 +116,8 @@ impl Admin {
             .and_then(|a| a.as_inet())
             .map(|sa| sa.ip());
         if metered || usage {
-            let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes).await else {
+            let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes.get()).await
+            else {
                 if usage || self.gateway.enforces_tokens() {
                     return reply(
                         413,
@@ -626,7 +627,7 @@ impl Admin {
             OperatorRoute::Explain => {
                 // The body as /v1/decision reads it: a prompt for `token_bucket_llm` rules, a
                 // fingerprint for `loop_detection`.
-                let body = read_bounded(session, self.gateway.config.max_body_bytes).await;
+                let body = read_bounded(session, self.gateway.config.max_body_bytes.get()).await;
                 let Some(body) = body else {
                     return reply(
                         413,

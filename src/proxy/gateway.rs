@@ -526,11 +526,14 @@ impl ProxyHttp for Proxy {
                 self.gateway.meters_tokens_for(&facts)
                     && (self.gateway.enforces_tokens_for(&facts)
                         || super::protocol::declared_length(req)
-                            .is_some_and(|n| n <= self.gateway.config.max_body_bytes))
+                            .is_some_and(|n| n <= self.gateway.config.max_body_bytes.get()))
             })
         };
         let (body_hash, llm) = if metered {
-            let read = Box::pin(read_whole_body(session, self.gateway.config.max_body_bytes));
+            let read = Box::pin(read_whole_body(
+                session,
+                self.gateway.config.max_body_bytes.get(),
+            ));
             match read.await {
                 Ok(body) => {
                     let hash = crate::request::descriptor::body_hash(&body);
@@ -1032,7 +1035,7 @@ impl ProxyHttp for Proxy {
             });
             let meter = crate::request::llm::ResponseMeter::new(
                 content_type,
-                self.gateway.config.max_body_bytes,
+                self.gateway.config.max_body_bytes.get(),
             )
             .with_cap(cap.map(|c| c.limit()));
             metering.stop = cap.filter(|_| meter.capped()).map(|cap| {
@@ -1047,7 +1050,7 @@ impl ProxyHttp for Proxy {
             metering.meter = Some(crate::request::llm_encoding::BodyMeter::new(
                 meter,
                 encoding,
-                self.gateway.config.max_body_bytes,
+                self.gateway.config.max_body_bytes.get(),
             ));
         }
         if let Some(access) = ctx.access.as_deref_mut() {

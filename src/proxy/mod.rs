@@ -169,7 +169,7 @@ pub fn run(args: RunArgs) -> u8 {
         },
     };
     let conf = ServerConf {
-        threads: config.threads,
+        threads: config.threads.get(),
         // Only the relay: the old process's side of a hand-over is `handover::send`, never
         // Pingora's (which checks nobody's credentials).
         upgrade_sock: relay
@@ -251,12 +251,13 @@ pub fn run(args: RunArgs) -> u8 {
         let limits = conn::Limits {
             max_connections: config
                 .max_connections
+                .map(std::num::NonZeroUsize::get)
                 .unwrap_or_else(|| conn::default_max_connections(nofile, UPSTREAM_KEEPALIVE_POOL)),
             header_timeout: config.header_timeout,
             h2c: config.h2c,
             per_client: config.max_connections_per_ip.map(|max| {
                 conn::PerClient::new(
-                    max,
+                    max.get(),
                     config.ipv6_prefix,
                     config.trusted_proxies.clone(),
                     &config.reason_header,
@@ -311,7 +312,7 @@ pub fn run(args: RunArgs) -> u8 {
             ));
             tracing::info!(listen_tls = %addr, "HTTPS listener (HTTP/2 and HTTP/1.1 by ALPN)");
         }
-        svc.threads = Some(config.threads);
+        svc.threads = Some(config.threads.get());
         listening.push(server.add_service(svc));
         tracing::info!(
             listen = %config.listen,
@@ -328,7 +329,10 @@ pub fn run(args: RunArgs) -> u8 {
     let admin_limits = conn::Limits {
         max_connections: config
             .max_connections
-            .unwrap_or(conn::DEFAULT_MAX_CONNECTIONS_CEILING)
+            .map_or(
+                conn::DEFAULT_MAX_CONNECTIONS_CEILING,
+                std::num::NonZeroUsize::get,
+            )
             .min(ADMIN_MAX_CONNECTIONS),
         header_timeout: config.header_timeout,
         h2c: false,
@@ -340,7 +344,7 @@ pub fn run(args: RunArgs) -> u8 {
     );
     admin.add_tcp(&config.admin_listen);
     // Decisions (nginx auth_request, Envoy ext_authz) use every worker, like the proxy.
-    admin.threads = Some(config.threads);
+    admin.threads = Some(config.threads.get());
     let admin_handle = server.add_service(admin);
     tracing::info!(admin_listen = %config.admin_listen, "admin listener (decision service, health, metrics)");
 
@@ -349,7 +353,7 @@ pub fn run(args: RunArgs) -> u8 {
         match crate::proxy::grpc::GrpcServer::start(
             Arc::clone(&gateway),
             grpc,
-            config.threads,
+            config.threads.get(),
             delivered,
         ) {
             Ok(running) => {

@@ -231,8 +231,8 @@ mod tests {
     #[test]
     fn the_line_limit_is_checked_before_the_byte_limit() {
         let limits = HeaderLimits {
-            max_bytes: 100,
-            max_lines: 3,
+            max_bytes: std::num::NonZeroUsize::new(100).unwrap(),
+            max_lines: std::num::NonZeroUsize::new(3).unwrap(),
         };
         assert_eq!(limits.passed(100, 3), None);
         assert_eq!(limits.passed(101, 3), Some(HeaderLimit::Bytes));
@@ -258,8 +258,8 @@ mod tests {
                 + 2
         );
         let defaults = HeaderLimits {
-            max_bytes: DEFAULT_MAX_HEADER_BYTES,
-            max_lines: DEFAULT_MAX_HEADER_LINES,
+            max_bytes: std::num::NonZeroUsize::new(DEFAULT_MAX_HEADER_BYTES).unwrap(),
+            max_lines: std::num::NonZeroUsize::new(DEFAULT_MAX_HEADER_LINES).unwrap(),
         };
         assert_eq!(defaults.passed(size, req.headers.len()), None);
     }

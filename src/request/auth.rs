@@ -608,14 +608,21 @@ fn classify(kind: &ErrorKind) -> InvalidToken {
     }
 }
 
+/// A JWT algorithm name that names none (`--jwt-algorithms`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown JWT algorithm {0:?} (HS256/384/512, RS256/384/512, PS256/384/512, ES256/384, EdDSA)"
+)]
+pub struct UnknownAlgorithm(pub String);
+
 /// Parses `HS256,RS256,...` (for the CLI).
 ///
 /// # Errors
 /// An unknown algorithm name (`none` is unknown on purpose).
-pub fn parse_algorithm(name: &str) -> Result<Algorithm, String> {
+pub fn parse_algorithm(name: &str) -> Result<Algorithm, UnknownAlgorithm> {
     name.trim()
         .parse::<Algorithm>()
-        .map_err(|_| format!("unknown JWT algorithm {name:?} (HS256/384/512, RS256/384/512, PS256/384/512, ES256/384, EdDSA)"))
+        .map_err(|_| UnknownAlgorithm(name.to_string()))
 }
 
 #[cfg(test)]

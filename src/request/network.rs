@@ -101,6 +101,11 @@ pub struct GeoDb {
     asn: bool,
 }
 
+/// A `--geoip-db` file that is not a sound MaxMind-format database (the reader's own words).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct GeoDbError(#[from] maxminddb::MaxMindDbError);
+
 impl std::fmt::Debug for GeoDb {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "GeoDb({})", self.reader.metadata().database_type)
@@ -110,9 +115,9 @@ impl std::fmt::Debug for GeoDb {
 impl GeoDb {
     /// # Errors
     /// The bytes are not a sound MaxMind-format database.
-    pub fn parse(bytes: Vec<u8>) -> Result<GeoDb, String> {
-        let reader = maxminddb::Reader::from_source(bytes).map_err(|e| e.to_string())?;
-        reader.verify().map_err(|e| e.to_string())?;
+    pub fn parse(bytes: Vec<u8>) -> Result<GeoDb, GeoDbError> {
+        let reader = maxminddb::Reader::from_source(bytes)?;
+        reader.verify()?;
         let asn = reader
             .metadata()
             .database_type

@@ -104,7 +104,11 @@ impl Follower {
         key: Option<Arc<VerifyKey>>,
     ) -> Follower {
         let (max_bytes, gateway_id, bundle_dir) = match &gateway.config.policy_store {
-            Some(c) => (c.max_bytes, c.gateway_id.clone(), c.bundle_dir.clone()),
+            Some(c) => (
+                c.max_bytes.get(),
+                c.gateway_id.clone(),
+                c.bundle_dir.clone(),
+            ),
             None => (
                 crate::fleet::envelope::DEFAULT_MAX_BYTES,
                 String::new(),

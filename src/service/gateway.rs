@@ -111,8 +111,8 @@ impl Gateway {
         let store = match &config.store {
             StoreKind::Memory => {
                 let memory = MemoryStoreConfig {
-                    max_buckets: config.max_buckets,
-                    max_loop_marks: config.max_loop_marks,
+                    max_buckets: config.max_buckets.get(),
+                    max_loop_marks: config.max_loop_marks.get(),
                     ..MemoryStoreConfig::default()
                 };
                 match &config.state_dir {

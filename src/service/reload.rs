@@ -237,15 +237,13 @@ fn read_network(config: &Config) -> Result<NetworkData, NetworkLoadError> {
             path: path.clone(),
             source,
         })?;
-        geo.push(
-            crate::request::network::GeoDb::parse(bytes).map_err(|message| {
-                NetworkLoadError::Parse {
-                    flag,
-                    path: path.clone(),
-                    message,
-                }
-            })?,
-        );
+        geo.push(crate::request::network::GeoDb::parse(bytes).map_err(|e| {
+            NetworkLoadError::Parse {
+                flag,
+                path: path.clone(),
+                message: e.to_string(),
+            }
+        })?);
     }
     NetworkData::with_geo(map.as_deref(), tor.as_deref(), geo).map_err(|e| {
         NetworkLoadError::Parse {

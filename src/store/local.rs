@@ -55,7 +55,7 @@ pub struct LocalConfig {
     /// The mode of rules that do not say (`--on-store-error`).
     pub default_mode: OnStoreError,
     /// Most buckets the mirror holds (`--local-max-buckets`).
-    pub max_buckets: usize,
+    pub max_buckets: std::num::NonZeroUsize,
     /// This gateway's name in the store's presence set.
     pub gateway_id: String,
     /// Where the journal is kept (`--state-dir`), if anywhere.
@@ -230,7 +230,7 @@ impl LocalMode {
     /// spend is charged once the store answers).
     pub fn new(config: LocalConfig) -> LocalMode {
         let mirror = MemoryStore::new(MemoryStoreConfig {
-            max_buckets: config.max_buckets.max(1),
+            max_buckets: config.max_buckets.get(),
             ..MemoryStoreConfig::default()
         });
         let mut journal = Journal::default();
@@ -571,7 +571,7 @@ impl LocalMode {
             return;
         }
         let slot = (key128(&key), window_id.unwrap_or(0));
-        let room = journal.open.len() < self.config.max_buckets.max(1);
+        let room = journal.open.len() < self.config.max_buckets.get();
         match journal.open.get_mut(&slot) {
             Some(charge) => charge.delta = charge.delta.saturating_add(delta),
             None if room => {

@@ -17,12 +17,16 @@ pub mod ops;
 pub mod postgres;
 mod probe;
 pub mod redis;
+pub mod redis_conn;
 pub(crate) mod shared;
 pub mod side_table;
 pub mod state_file;
+pub mod url;
 
 pub use self::postgres::PostgresStore;
 pub use self::redis::{RedisConfig, RedisStore};
+pub use self::redis_conn::RedisConn;
+pub use self::url::{RedisUrl, StoreUrl, StoreUrlError};
 pub use memory::{MemoryStore, MemoryStoreConfig};
 pub use ops::{
     AdjustOp, BucketKey, BucketOp, EvictionStats, Group, LocalStats, OnStoreError, OpResult,
@@ -196,19 +200,22 @@ impl Store {
         Ok(store)
     }
 
-    /// A shared store from its URL: `redis://`, `redis+cluster://`, `postgres://` or
-    /// `postgresql://`. It connects in the background ([`Store::connect_in_background`]).
+    /// A shared store from its URL ([`StoreUrl`]). It connects in the background
+    /// ([`Store::connect_in_background`]).
     ///
     /// # Errors
     /// The URL is not usable.
-    pub fn open(url: &str, timeout: Duration, clock: Arc<dyn Clock>) -> Result<Store, StoreError> {
-        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Backend::Postgres(PostgresStore::new(url.to_string(), timeout)?)
-        } else {
-            Backend::Redis(RedisStore::new(RedisConfig {
-                url: url.to_string(),
+    pub fn open(
+        url: &StoreUrl,
+        timeout: Duration,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Store, StoreError> {
+        let backend = match url {
+            StoreUrl::Postgres(url) => Backend::Postgres(PostgresStore::new(url.clone(), timeout)?),
+            StoreUrl::Redis(url) => Backend::Redis(RedisStore::new(RedisConfig {
+                url: url.clone(),
                 timeout,
-            })?)
+            })?),
         };
         Ok(Store::with_backend(backend, clock))
     }
@@ -831,7 +838,12 @@ mod tests {
         futures::executor::block_on(memory.sweep_at(0));
         assert_eq!(memory.clock_skew(), None);
         assert_eq!(memory.stats().clock_skew_us, None);
-        let redis = Store::open("redis://127.0.0.1:1", Duration::from_millis(5), clock).unwrap();
+        let redis = Store::open(
+            &"redis://127.0.0.1:1".parse().unwrap(),
+            Duration::from_millis(5),
+            clock,
+        )
+        .unwrap();
         futures::executor::block_on(redis.sweep_at(0));
         assert_eq!(redis.clock_skew(), None);
         assert_eq!(redis.stats().clock_skew_us, None);

@@ -27,6 +27,8 @@
 
 use super::lease::Live;
 use super::ops::{BucketKey, BucketOp, Group, OpResult, OpResults, StoreError};
+use super::redis_conn::RedisConn;
+use super::url::{RedisUrl, SentinelTarget};
 use crate::limits::limiter::{self, BucketState};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -187,143 +189,10 @@ struct Denied {
 /// Redis store settings.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
-    /// `redis://HOST:PORT[/DB]`, `redis+cluster://HOST:PORT[,HOST:PORT...]` for a cluster, or
-    /// `redis+sentinel://[USER:PASS@]HOST:PORT[,HOST:PORT...]/SERVICE[?db=N]` for the master
-    /// of a service watched by Redis Sentinel.
-    pub url: String,
+    /// One server, a cluster, or the master of a service watched by Redis Sentinel.
+    pub url: RedisUrl,
     /// Deadline of one store call.
     pub timeout: Duration,
-}
-
-/// A `redis+sentinel://` URL that cannot be used.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SentinelUrlError {
-    #[error("names no sentinel (expected redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE)")]
-    NoSentinel,
-    /// The sentinel address at this position (from 1) is not `HOST:PORT`. Its text is not
-    /// repeated: a password holding an unencoded `/` or `@` ends up in it.
-    #[error("sentinel address {0} (counting from 1) is not HOST:PORT")]
-    BadAddress(usize),
-    #[error("names no service (expected redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE)")]
-    NoService,
-    #[error("unknown parameter {0:?} (only db=N is understood)")]
-    UnknownParameter(String),
-    #[error("db {0:?} is not a database number")]
-    BadDb(String),
-    #[error("credentials are not usable: {0}")]
-    BadCredentials(String),
-}
-
-/// Where a `redis+sentinel://` URL points: the sentinels to ask, the service they watch, and
-/// how to log in to the master they name.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SentinelTarget {
-    /// Sentinels, in the URL's order (`HOST`, `PORT`).
-    pub sentinels: Vec<(String, u16)>,
-    /// The master's name in the sentinels' configuration.
-    pub service: String,
-    /// Database number on the master.
-    pub db: i64,
-    pub username: Option<String>,
-    pub password: Option<String>,
-}
-
-impl SentinelTarget {
-    /// Parses `redis+sentinel://[USER:PASS@]HOST:PORT[,HOST:PORT...]/SERVICE[?db=N]`. The
-    /// credentials (percent-encoded, as in a `redis://` URL) are the master's; the sentinels
-    /// are asked without them unless they demand them.
-    ///
-    /// # Errors
-    /// A part is missing or malformed (the error never repeats the credentials).
-    pub fn parse(url: &str) -> Result<SentinelTarget, SentinelUrlError> {
-        let rest = url
-            .get(.."redis+sentinel://".len())
-            .filter(|p| p.eq_ignore_ascii_case("redis+sentinel://"))
-            .map_or(url, |_| &url["redis+sentinel://".len()..]);
-        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-        let (userinfo, hosts) = match authority.rfind('@') {
-            Some(at) => (Some(&authority[..at]), &authority[at + 1..]),
-            None => (None, authority),
-        };
-        let mut sentinels = Vec::new();
-        for (position, host) in hosts
-            .split(',')
-            .map(str::trim)
-            .filter(|h| !h.is_empty())
-            .enumerate()
-        {
-            let bad = || SentinelUrlError::BadAddress(position + 1);
-            let (name, port) = host.rsplit_once(':').ok_or_else(bad)?;
-            let name = name
-                .strip_prefix('[')
-                .and_then(|n| n.strip_suffix(']'))
-                .unwrap_or(name);
-            let port: u16 = port.parse().map_err(|_| bad())?;
-            if name.is_empty() || port == 0 {
-                return Err(bad());
-            }
-            sentinels.push((name.to_string(), port));
-        }
-        if sentinels.is_empty() {
-            return Err(SentinelUrlError::NoSentinel);
-        }
-        let (service, query) = path.split_once('?').unwrap_or((path, ""));
-        let service = service.trim_end_matches('/');
-        if service.is_empty() || service.contains('/') {
-            return Err(SentinelUrlError::NoService);
-        }
-        let mut db = 0;
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            match pair.split_once('=') {
-                Some(("db", value)) => {
-                    db = value
-                        .parse::<i64>()
-                        .ok()
-                        .filter(|n| *n >= 0)
-                        .ok_or_else(|| SentinelUrlError::BadDb(value.to_string()))?;
-                }
-                _ => {
-                    let name = pair.split_once('=').map_or(pair, |(name, _)| name);
-                    return Err(SentinelUrlError::UnknownParameter(name.to_string()));
-                }
-            }
-        }
-        // The redis crate decodes the credentials as it does a `redis://` URL's.
-        let (username, password) = match userinfo {
-            None => (None, None),
-            Some(userinfo) => {
-                use redis::IntoConnectionInfo;
-                let info = format!("redis://{userinfo}@localhost/")
-                    .into_connection_info()
-                    .map_err(|e| {
-                        SentinelUrlError::BadCredentials(
-                            crate::telemetry::redact::text(&e.to_string()).into_owned(),
-                        )
-                    })?;
-                (info.redis.username, info.redis.password)
-            }
-        };
-        Ok(SentinelTarget {
-            sentinels,
-            service: service.to_string(),
-            db,
-            username,
-            password,
-        })
-    }
-
-    /// How to reach `host:port` with this URL's credentials (and database, for the master).
-    fn node(&self, host: &str, port: u16, credentials: bool, db: i64) -> redis::ConnectionInfo {
-        redis::ConnectionInfo {
-            addr: redis::ConnectionAddr::Tcp(host.to_string(), port),
-            redis: redis::RedisConnectionInfo {
-                db,
-                username: self.username.clone().filter(|_| credentials),
-                password: self.password.clone().filter(|_| credentials),
-                ..Default::default()
-            },
-        }
-    }
 }
 
 /// How to reach Redis.
@@ -337,43 +206,30 @@ enum Client {
 /// older epoch was given up: it may lead to a former master).
 #[derive(Clone)]
 struct Conn {
-    link: Link,
+    link: RedisConn,
     epoch: u64,
-}
-
-/// A connection of either kind; both clone cheaply. A single server's does not reconnect by
-/// itself ([`RedisStore::lost`] replaces it); a cluster's does.
-// Held in an `Arc` and cloned per call: boxing the larger variant would allocate per call.
-#[allow(clippy::large_enum_variant)]
-#[derive(Clone)]
-enum Link {
-    Single(MultiplexedConnection),
-    Cluster(redis::cluster_async::ClusterConnection),
 }
 
 impl Conn {
     /// Runs one command on whichever kind of connection this is (a cluster routes it by its
     /// key).
-    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        match &mut self.link {
-            Link::Single(c) => cmd.query_async(c).await,
-            Link::Cluster(c) => cmd.query_async(c).await,
-        }
+    fn query<'a, T: redis::FromRedisValue + 'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> impl std::future::Future<Output = redis::RedisResult<T>> + 'a {
+        self.link.query(cmd)
     }
 
     /// Runs a script invocation on whichever kind of connection this is.
-    async fn invoke<T: redis::FromRedisValue>(
-        &mut self,
-        invocation: &redis::ScriptInvocation<'_>,
-    ) -> redis::RedisResult<T> {
-        match &mut self.link {
-            Link::Single(c) => invocation.invoke_async(c).await,
-            Link::Cluster(c) => invocation.invoke_async(c).await,
-        }
+    fn invoke<'a, T: redis::FromRedisValue + 'a>(
+        &'a mut self,
+        invocation: &'a redis::ScriptInvocation<'_>,
+    ) -> impl std::future::Future<Output = redis::RedisResult<T>> + 'a {
+        self.link.invoke(invocation)
     }
 
     fn is_cluster(&self) -> bool {
-        matches!(self.link, Link::Cluster(_))
+        self.link.is_cluster()
     }
 }
 
@@ -476,35 +332,23 @@ impl RedisStore {
         let bad = |e: redis::RedisError| {
             StoreError::Unavailable(format!(
                 "{}: {}",
-                crate::telemetry::redact::url(&config.url),
+                crate::telemetry::redact::url(config.url.as_str()),
                 crate::telemetry::redact::text(&e.to_string())
             ))
         };
-        let client = match config.url.strip_prefix("redis+cluster://") {
-            None if config.url.starts_with("redis+sentinel://") => {
-                Client::Sentinel(SentinelTarget::parse(&config.url).map_err(|e| {
-                    StoreError::Unavailable(format!(
-                        "{}: {e}",
-                        crate::telemetry::redact::url(&config.url)
-                    ))
-                })?)
+        let client = match &config.url {
+            RedisUrl::Single(url) => {
+                Client::Single(redis::Client::open(url.as_str()).map_err(bad)?)
             }
-            Some(nodes) => {
-                let nodes: Vec<String> = nodes
-                    .split(',')
-                    .filter(|n| !n.trim().is_empty())
-                    .map(|n| format!("redis://{}", n.trim()))
-                    .collect();
-                Client::Cluster(
-                    redis::cluster::ClusterClient::builder(nodes)
-                        .connection_timeout(Duration::from_millis(500))
-                        .response_timeout(config.timeout.max(Duration::from_millis(1)))
-                        .retries(1)
-                        .build()
-                        .map_err(bad)?,
-                )
-            }
-            None => Client::Single(redis::Client::open(config.url.as_str()).map_err(bad)?),
+            RedisUrl::Cluster { nodes, .. } => Client::Cluster(
+                redis::cluster::ClusterClient::builder(nodes.clone())
+                    .connection_timeout(Duration::from_millis(500))
+                    .response_timeout(config.timeout.max(Duration::from_millis(1)))
+                    .retries(1)
+                    .build()
+                    .map_err(bad)?,
+            ),
+            RedisUrl::Sentinel { target, .. } => Client::Sentinel(target.clone()),
         };
         Ok(Arc::new(RedisStore {
             config,
@@ -542,13 +386,13 @@ impl RedisStore {
     async fn connect(&self) -> redis::RedisResult<Conn> {
         let epoch = self.epoch.load(Ordering::Acquire);
         let link = match &self.client {
-            Client::Single(client) => Link::Single(
+            Client::Single(client) => RedisConn::Single(
                 client
                     .get_multiplexed_async_connection_with_config(&self.node_config())
                     .await?,
             ),
-            Client::Sentinel(target) => Link::Single(self.connect_to_master(target).await?),
-            Client::Cluster(client) => Link::Cluster(client.get_async_connection().await?),
+            Client::Sentinel(target) => RedisConn::Single(self.connect_to_master(target).await?),
+            Client::Cluster(client) => RedisConn::Cluster(client.get_async_connection().await?),
         };
         Ok(Conn { link, epoch })
     }
@@ -695,13 +539,13 @@ impl RedisStore {
                 };
                 match store.connect().await {
                     Ok(mut conn) => {
-                        tracing::info!(store = %crate::telemetry::redact::url(&store.config.url), "connected to Redis");
+                        tracing::info!(store = %crate::telemetry::redact::url(store.config.url.as_str()), "connected to Redis");
                         store.measure_time_offset(&conn).await;
                         // Newer than any loss seen while connecting.
                         conn.epoch = store.epoch.load(Ordering::Acquire);
                         store.conn.store(Some(Arc::new(conn)));
                         store.ever_connected.store(true, Ordering::Relaxed);
-                        store.health.ok(&store.config.url);
+                        store.health.ok(store.config.url.as_str());
                         store.connecting.store(false, Ordering::Release);
                         return;
                     }
@@ -741,7 +585,7 @@ impl RedisStore {
         }
         self.conn.store(None);
         tracing::warn!(
-            store = %crate::telemetry::redact::url(&self.config.url),
+            store = %crate::telemetry::redact::url(self.config.url.as_str()),
             "Redis connection given up{} ({}); reconnecting{}",
             if read_only { ": the server is a read-only replica now" } else { "" },
             crate::telemetry::redact::text(what),
@@ -824,7 +668,7 @@ impl RedisStore {
     }
 
     fn failed(&self, what: &str) {
-        self.health.failed(&self.config.url, what);
+        self.health.failed(self.config.url.as_str(), what);
     }
 
     /// A refusal answered from the denied cache, if an enforced bucket of this request is known
@@ -976,7 +820,7 @@ impl RedisStore {
             self.failed(&what);
             return Err(StoreError::Unavailable(what));
         }
-        self.health.ok(&self.config.url);
+        self.health.ok(self.config.url.as_str());
         super::shared::outcomes_from(now_us, ops, enforce_ok, shadow_ok, &available, results);
         for (op, result) in ops.iter().zip(results.iter()) {
             if op.group == Group::Enforce && !result.verdict.allowed {
@@ -1034,7 +878,7 @@ impl RedisStore {
             Err(_) => format!("no answer within {:?}", self.config.timeout),
             Ok(replies) => match replies.into_iter().find_map(Result::err) {
                 None => {
-                    self.health.ok(&self.config.url);
+                    self.health.ok(self.config.url.as_str());
                     return Ok(());
                 }
                 Some(e) => {
@@ -1096,7 +940,7 @@ impl RedisStore {
             tokio::time::timeout(self.config.timeout, call).await,
             Ok(Ok(_))
         ) {
-            tracing::warn!(store = %crate::telemetry::redact::url(&self.config.url), "{failure}");
+            tracing::warn!(store = %crate::telemetry::redact::url(self.config.url.as_str()), "{failure}");
         }
     }
 
@@ -1195,7 +1039,7 @@ impl RedisStore {
 
     /// The store's URL (as configured; redact before showing it).
     pub fn url(&self) -> &str {
-        &self.config.url
+        self.config.url.as_str()
     }
 
     /// The deadline of one decision's call.
@@ -1420,7 +1264,7 @@ impl RedisStore {
             self.failed(&what);
             return Err(StoreError::Unavailable(what));
         }
-        self.health.ok(&self.config.url);
+        self.health.ok(self.config.url.as_str());
         super::lease::judge(ops, &live, results);
         // A slot group judged alone may have taken leases the request as a whole does not keep.
         let mut give_back: SmallVec<[super::ops::BucketKey; 2]> = SmallVec::new();
@@ -1572,89 +1416,6 @@ mod tests {
         assert_eq!(
             reduced(&q(MICRO, 300 * MICRO, 10_800 * US_PER_SEC)),
             (1, 36)
-        );
-    }
-
-    #[test]
-    fn sentinel_urls_name_sentinels_service_db_and_credentials() {
-        let t = SentinelTarget::parse(
-            "redis+sentinel://app:p%40ss@10.0.0.1:26379, 10.0.0.2:26380,[::1]:26381/cache?db=3",
-        )
-        .unwrap();
-        assert_eq!(
-            t,
-            SentinelTarget {
-                sentinels: vec![
-                    ("10.0.0.1".into(), 26379),
-                    ("10.0.0.2".into(), 26380),
-                    ("::1".into(), 26381)
-                ],
-                service: "cache".into(),
-                db: 3,
-                username: Some("app".into()),
-                password: Some("p@ss".into()),
-            }
-        );
-        let bare = SentinelTarget::parse("redis+sentinel://s:26379/mymaster").unwrap();
-        assert_eq!((bare.db, bare.username, bare.password), (0, None, None));
-        let only_password = SentinelTarget::parse("redis+sentinel://:pw@s:1/m/").unwrap();
-        assert_eq!(
-            (only_password.username, only_password.password.as_deref()),
-            (None, Some("pw"))
-        );
-        // The master gets the credentials and the database; a sentinel is asked with neither
-        // unless it demands them.
-        let master = t.node("10.0.0.9", 6379, true, t.db);
-        assert_eq!(
-            (master.redis.db, master.redis.password.as_deref()),
-            (3, Some("p@ss"))
-        );
-        assert_eq!(t.node("10.0.0.1", 26379, false, 0).redis.password, None);
-    }
-
-    #[test]
-    fn bad_sentinel_urls_are_refused_without_echoing_secrets() {
-        let err = |url: &str| SentinelTarget::parse(url).unwrap_err();
-        assert_eq!(err("redis+sentinel:///m"), SentinelUrlError::NoSentinel);
-        assert_eq!(err("redis+sentinel://:pw@/m"), SentinelUrlError::NoSentinel);
-        assert_eq!(err("redis+sentinel://s:1"), SentinelUrlError::NoService);
-        assert_eq!(err("redis+sentinel://s:1/"), SentinelUrlError::NoService);
-        assert_eq!(err("redis+sentinel://s:1/a/b"), SentinelUrlError::NoService);
-        assert_eq!(err("redis+sentinel://s/m"), SentinelUrlError::BadAddress(1));
-        assert_eq!(
-            err("redis+sentinel://s:0/m"),
-            SentinelUrlError::BadAddress(1)
-        );
-        assert_eq!(
-            err("redis+sentinel://s:99999/m"),
-            SentinelUrlError::BadAddress(1)
-        );
-        // A password with an unencoded `/` reads as a host: its text is not repeated.
-        let e = err("redis+sentinel://app:hunt/er2@s:1/m");
-        assert_eq!(e, SentinelUrlError::BadAddress(1));
-        assert!(!e.to_string().contains("hunt"), "{e}");
-        assert_eq!(
-            err("redis+sentinel://s:1/m?db=x"),
-            SentinelUrlError::BadDb("x".into())
-        );
-        assert_eq!(
-            err("redis+sentinel://s:1/m?db=-1"),
-            SentinelUrlError::BadDb("-1".into())
-        );
-        assert_eq!(
-            err("redis+sentinel://s:1/m?password=secret"),
-            SentinelUrlError::UnknownParameter("password".into())
-        );
-        for e in [
-            err("redis+sentinel://u:secret@s/m"),
-            err("redis+sentinel://u:secret@s:1/m?password=secret"),
-        ] {
-            assert!(!e.to_string().contains("secret"), "{e}");
-        }
-        // What the gateway logs of such a URL.
-        assert_eq!(
-            crate::telemetry::redact::url("redis+sentinel://app:secret@a:1,b:2/cache"),
-            "redis+sentinel://app:***@a:1,b:2/cache"
         );
     }
 

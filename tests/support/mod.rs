@@ -566,7 +566,7 @@ pub fn count_admitted(
 /// A shared store, connected.
 pub async fn shared_store(url: &str) -> tollgate::store::Store {
     let store = tollgate::store::Store::open(
-        url,
+        &url.parse().expect("store url"),
         Duration::from_secs(2),
         std::sync::Arc::new(tollgate::limits::clock::SystemClock::new()),
     )

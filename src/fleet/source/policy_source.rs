@@ -188,7 +188,8 @@ pub trait PolicySource: Send + Sync {
 
 /// A policy-store URL as logs, errors and `/readyz` show it: the password masked, and the query
 /// (which may carry a token) never shown.
-pub fn display_url(url: &str) -> String {
+pub fn display_url(url: &(impl AsRef<str> + ?Sized)) -> String {
+    let url = url.as_ref();
     match url.split_once('?') {
         Some((base, _)) => format!("{}?***", crate::telemetry::redact::url(base)),
         None => crate::telemetry::redact::url(url).into_owned(),

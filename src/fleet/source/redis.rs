@@ -9,8 +9,8 @@ use super::policy_source::{
     HISTORY_KEPT,
 };
 use crate::fleet::envelope::{Envelope, Slot, MAX_AHEAD_MS};
+use crate::store::{RedisConn, RedisUrl};
 use futures::StreamExt;
-use redis::aio::MultiplexedConnection;
 use redis::AsyncConnectionConfig;
 use std::time::Duration;
 
@@ -157,37 +157,12 @@ enum Client {
     },
 }
 
-#[derive(Clone)]
-enum Conn {
-    Single(MultiplexedConnection),
-    Cluster(redis::cluster_async::ClusterConnection),
-}
-
-impl Conn {
-    async fn query<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-        match self {
-            Conn::Single(c) => cmd.query_async(c).await,
-            Conn::Cluster(c) => cmd.query_async(c).await,
-        }
-    }
-
-    async fn invoke<T: redis::FromRedisValue>(
-        &mut self,
-        call: &redis::ScriptInvocation<'_>,
-    ) -> redis::RedisResult<T> {
-        match self {
-            Conn::Single(c) => call.invoke_async(c).await,
-            Conn::Cluster(c) => call.invoke_async(c).await,
-        }
-    }
-}
-
 pub(super) struct RedisSource {
     display: String,
     cluster: bool,
     timeout: Duration,
     client: Client,
-    conn: tokio::sync::Mutex<Option<Conn>>,
+    conn: tokio::sync::Mutex<Option<RedisConn>>,
     write: redis::Script,
     roll_back: redis::Script,
     promote: redis::Script,
@@ -207,30 +182,22 @@ impl Drop for RedisSource {
 }
 
 impl RedisSource {
-    pub(super) fn new(url: &str, timeout: Duration) -> Result<RedisSource, SourceError> {
-        let display = crate::telemetry::redact::url(url).into_owned();
+    pub(super) fn new(url: &RedisUrl, timeout: Duration) -> Result<RedisSource, SourceError> {
+        let display = crate::telemetry::redact::url(url.as_str()).into_owned();
         let bad = |e: redis::RedisError| {
             SourceError::BadUrl(format!(
                 "{display}: {}",
                 crate::telemetry::redact::text(&e.to_string())
             ))
         };
-        let (client, cluster) = match url
-            .get(.."redis+cluster://".len())
-            .filter(|p| p.eq_ignore_ascii_case("redis+cluster://"))
-        {
-            Some(prefix) => {
-                let nodes: Vec<String> = url[prefix.len()..]
-                    .split(',')
-                    .filter(|n| !n.trim().is_empty())
-                    .map(|n| format!("redis://{}", n.trim()))
-                    .collect();
+        let (client, cluster) = match url {
+            RedisUrl::Cluster { nodes, .. } => {
                 let clients = nodes
                     .iter()
                     .map(|n| redis::Client::open(n.as_str()))
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(bad)?;
-                let client = redis::cluster::ClusterClient::builder(nodes)
+                let client = redis::cluster::ClusterClient::builder(nodes.clone())
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
                     .retries(1)
@@ -244,10 +211,16 @@ impl RedisSource {
                     true,
                 )
             }
-            None => (
-                Client::Single(redis::Client::open(url).map_err(bad)?),
+            RedisUrl::Single(url) => (
+                Client::Single(redis::Client::open(url.as_str()).map_err(bad)?),
                 false,
             ),
+            // `SourceUrl::parse` refuses these.
+            RedisUrl::Sentinel { .. } => {
+                return Err(SourceError::BadUrl(format!(
+                    "{display}: a Redis Sentinel URL is no policy store"
+                )))
+            }
         };
         Ok(RedisSource {
             display,
@@ -273,7 +246,7 @@ impl RedisSource {
         ))
     }
 
-    async fn connect(&self) -> redis::RedisResult<Conn> {
+    async fn connect(&self) -> redis::RedisResult<RedisConn> {
         match &self.client {
             Client::Single(client) => {
                 let config = AsyncConnectionConfig::new()
@@ -282,10 +255,10 @@ impl RedisSource {
                 client
                     .get_multiplexed_async_connection_with_config(&config)
                     .await
-                    .map(Conn::Single)
+                    .map(RedisConn::Single)
             }
             Client::Cluster { client, .. } => {
-                client.get_async_connection().await.map(Conn::Cluster)
+                client.get_async_connection().await.map(RedisConn::Cluster)
             }
         }
     }
@@ -294,7 +267,7 @@ impl RedisSource {
     /// failure drops the connection so that the next call makes a new one.
     async fn with_conn<T, F, Fut>(&self, what: &str, op: F) -> Result<T, SourceError>
     where
-        F: FnOnce(Conn) -> Fut,
+        F: FnOnce(RedisConn) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         let attempt = async {
@@ -477,10 +450,7 @@ impl PolicySource for RedisSource {
             if !gateways.is_empty() {
                 pipe.cmd("HDEL").arg(GATEWAYS).arg(&gateways).ignore();
             }
-            match &mut conn {
-                Conn::Single(c) => pipe.query_async::<()>(c).await,
-                Conn::Cluster(c) => pipe.query_async::<()>(c).await,
-            }
+            conn.pipe::<()>(&pipe).await
         })
         .await
     }

@@ -9,7 +9,7 @@ const T0: u64 = 1_800_000_000 * US_PER_SEC;
 fn config(journal: Option<PathBuf>) -> LocalConfig {
     LocalConfig {
         default_mode: OnStoreError::Local,
-        max_buckets: 1000,
+        max_buckets: std::num::NonZeroUsize::new(1000).unwrap(),
         gateway_id: "gw-a".into(),
         journal,
     }
