@@ -3,6 +3,7 @@
 //! reported at once, before anything listens.
 
 pub mod cli;
+pub mod pem;
 pub mod routes;
 pub mod tls;
 pub mod tls_client;
