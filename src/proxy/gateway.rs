@@ -564,16 +564,7 @@ impl Proxy {
             return false;
         }
         let headers = HttpHeaders(&req.headers);
-        let (host, target) = super::protocol::host_and_target(req);
-        RequestFacts::new(
-            req.method.as_str(),
-            target,
-            host,
-            None,
-            &headers,
-            self.gateway.config.encoded_slashes,
-        )
-        .is_ok_and(|facts| {
+        self.new_facts(req, &headers, None).is_ok_and(|facts| {
             self.gateway.meters_tokens_for(&facts)
                 && (self.gateway.enforces_tokens_for(&facts)
                     || super::protocol::declared_length(req)
@@ -593,17 +584,10 @@ impl Proxy {
             self.gateway
                 .client_ip_with(ctx.peer, ctx.forwarding.peer_trusted, &req.headers);
         ctx.client_ip = client_ip;
-        let (host, target) = super::protocol::host_and_target(req);
-        match RequestFacts::new(
-            req.method.as_str(),
-            target,
-            host,
-            client_ip,
-            headers,
-            self.gateway.config.encoded_slashes,
-        ) {
+        match self.new_facts(req, headers, client_ip) {
             Ok(facts) => ControlFlow::Continue(facts),
             Err(_) => {
+                let (host, _) = super::protocol::host_and_target(req);
                 if let Some(access) = ctx.access.as_deref_mut() {
                     access.client_ip = client_ip;
                     access.verdict = Reason::EncodedSlash.as_str();
@@ -617,6 +601,25 @@ impl Proxy {
                 ControlFlow::Break(Reply::Refusal(response, TEXT))
             }
         }
+    }
+
+    /// The one place the proxy makes a request's facts: its method, target and `Host`, the
+    /// path normalised as `--encoded-slashes` says.
+    fn new_facts<'a>(
+        &self,
+        req: &'a RequestHeader,
+        headers: &'a HttpHeaders<'a>,
+        client_ip: Option<IpAddr>,
+    ) -> std::result::Result<RequestFacts<'a>, crate::request::descriptor::EncodedSlashError> {
+        let (host, target) = super::protocol::host_and_target(req);
+        RequestFacts::new(
+            req.method.as_str(),
+            target,
+            host,
+            client_ip,
+            headers,
+            self.gateway.config.encoded_slashes,
+        )
     }
 
     /// The facts with what the earlier stages learned: the verified JWT's claims, the body,
