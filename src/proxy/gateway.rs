@@ -77,7 +77,8 @@ const INVALID_TRAILER_END: pingora::ErrorType = pingora::ErrorType::Custom("Inva
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
-    /// Headers to add to the upstream's response.
+    /// Headers to add to the upstream's response (or to the gateway's own refusal, until it
+    /// is written).
     add_headers: HeaderList,
     /// The TCP peer, appended to `X-Forwarded-For` towards the upstream.
     peer: Option<IpAddr>,
@@ -417,9 +418,7 @@ impl Proxy {
 }
 
 /// What the gateway answers itself when a stage of the request path ends the request
-/// ([`Proxy::answer`] writes it). Large (a refusal's headers live inline): it is moved once, never
-/// stored, and boxing it would cost every refusal an allocation.
-#[allow(clippy::large_enum_variant)]
+/// ([`Proxy::answer`] writes it).
 enum Reply {
     /// The header block passed `--max-request-header-bytes` or `--max-request-headers`: 431.
     HeaderBlock(crate::config::HeaderLimit),
@@ -427,8 +426,30 @@ enum Reply {
     Malformed(crate::request::syntax::Malformed),
     /// The body the decision needs could not be read: the status and its JSON body.
     BodyUnread(u16, &'static str),
-    /// A refusal (the decision's, an encoded slash's, or no route's 404) and its content type.
-    Refusal(crate::engine::headers::Response, &'static str),
+    /// A refusal (the decision's, an encoded slash's, or no route's 404). Its headers wait in
+    /// [`RequestCtx::add_headers`], which lives on the heap: a refusal is not copied around
+    /// with them.
+    Refusal {
+        status: u16,
+        body: Option<&'static str>,
+        content_type: &'static str,
+    },
+}
+
+impl Reply {
+    /// The refusal `response`, its headers put in `ctx` until it is written.
+    fn refusal(
+        response: crate::engine::headers::Response,
+        content_type: &'static str,
+        ctx: &mut RequestCtx,
+    ) -> Reply {
+        ctx.add_headers = response.headers;
+        Reply::Refusal {
+            status: response.status,
+            body: response.body,
+            content_type,
+        }
+    }
 }
 
 /// What the body stage read for the decision.
@@ -598,7 +619,7 @@ impl Proxy {
                     host,
                     req.uri.path(),
                 );
-                ControlFlow::Break(Reply::Refusal(response, TEXT))
+                ControlFlow::Break(Reply::refusal(response, TEXT, ctx))
             }
         }
     }
@@ -672,7 +693,7 @@ impl Proxy {
         if !answer.allowed {
             // OpenAI-style JSON for the LLM reasons, text otherwise.
             let content_type = answer.reason.map_or(TEXT, |r| r.content_type());
-            return ControlFlow::Break(Reply::Refusal(answer.response, content_type));
+            return ControlFlow::Break(Reply::refusal(answer.response, content_type, ctx));
         }
         ctx.lease = answer.lease;
         ctx.metering = answer.reservation.map(|reservation| {
@@ -699,14 +720,12 @@ impl Proxy {
         let upstreams = self.upstreams.load();
         let Some((group, rules)) = upstreams.route_with_rules(facts.host_name(), &facts.path)
         else {
-            return ControlFlow::Break(Reply::Refusal(
-                crate::engine::headers::Response {
-                    status: 404,
-                    headers: std::mem::take(&mut ctx.add_headers),
-                    body: Some("Not Found: no route for this host and path\n"),
-                },
-                TEXT,
-            ));
+            // The allowed answer's headers, already in `ctx`, go with the 404.
+            return ControlFlow::Break(Reply::Refusal {
+                status: 404,
+                body: Some("Not Found: no route for this host and path\n"),
+                content_type: TEXT,
+            });
         };
         ctx.group = Some(Arc::clone(group));
         ctx.forwarding.forwarded = upstreams.table.forwarded;
@@ -766,7 +785,16 @@ impl Proxy {
                 ));
                 respond(session, status, headers, message).await
             }
-            Reply::Refusal(response, content_type) => {
+            Reply::Refusal {
+                status,
+                body,
+                content_type,
+            } => {
+                let response = crate::engine::headers::Response {
+                    status,
+                    headers: std::mem::take(&mut ctx.add_headers),
+                    body,
+                };
                 self.write_refusal(session, ctx, response, content_type)
                     .await
             }
