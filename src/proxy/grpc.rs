@@ -57,8 +57,22 @@ pub enum GrpcStartError {
         path: String,
         source: std::io::Error,
     },
-    #[error("--grpc-tls-cert/--grpc-tls-key: {0}")]
-    Tls(String),
+    #[error("--grpc-tls-cert/--grpc-tls-key: {}: no PEM certificate in the file", .file.display())]
+    NoCertificate { file: std::path::PathBuf },
+    #[error("--grpc-tls-cert/--grpc-tls-key: {}: no PEM private key in the file", .file.display())]
+    NoKey { file: std::path::PathBuf },
+    #[error("--grpc-tls-cert/--grpc-tls-key: {}: unusable private key: {source}", .file.display())]
+    BadKey {
+        file: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    /// The pair as tonic refused it, with the whole chain of causes.
+    #[error("--grpc-tls-cert/--grpc-tls-key: {} and {}: {causes}", .cert.display(), .key.display())]
+    Refused {
+        cert: std::path::PathBuf,
+        key: std::path::PathBuf,
+        causes: String,
+    },
     #[error("gRPC runtime: {0}")]
     Runtime(std::io::Error),
 }
@@ -102,13 +116,17 @@ impl GrpcServer {
             .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
         if let (Some(tls), Some((cert, key))) = (tls, &config.tls) {
             builder = builder.tls_config(tls).map_err(|e| {
-                let mut text = format!("{} and {}: {e}", cert.display(), key.display());
+                let mut causes = e.to_string();
                 let mut source = std::error::Error::source(&e);
                 while let Some(cause) = source {
-                    text.push_str(&format!(": {cause}"));
+                    causes.push_str(&format!(": {cause}"));
                     source = cause.source();
                 }
-                GrpcStartError::Tls(text)
+                GrpcStartError::Refused {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    causes,
+                }
             })?;
         }
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -277,24 +295,22 @@ fn tls_config(
     let cert_pem = read("--grpc-tls-cert", cert)?;
     let key_pem = read("--grpc-tls-key", key)?;
     if !String::from_utf8_lossy(&cert_pem).contains("-----BEGIN CERTIFICATE-----") {
-        return Err(GrpcStartError::Tls(format!(
-            "{}: no PEM certificate in the file",
-            cert.display()
-        )));
+        return Err(GrpcStartError::NoCertificate {
+            file: cert.to_path_buf(),
+        });
     }
     match crate::config::pem::private_key(&key_pem) {
         Ok(_) => {}
         Err(crate::config::pem::PemKeyError::NoKey) => {
-            return Err(GrpcStartError::Tls(format!(
-                "{}: no PEM private key in the file",
-                key.display()
-            )))
+            return Err(GrpcStartError::NoKey {
+                file: key.to_path_buf(),
+            })
         }
-        Err(crate::config::pem::PemKeyError::NotPem(e)) => {
-            return Err(GrpcStartError::Tls(format!(
-                "{}: unusable private key: {e}",
-                key.display()
-            )))
+        Err(crate::config::pem::PemKeyError::NotPem(source)) => {
+            return Err(GrpcStartError::BadKey {
+                file: key.to_path_buf(),
+                source,
+            })
         }
     }
     let identity = tonic::transport::Identity::from_pem(cert_pem, key_pem);
