@@ -1231,3 +1231,59 @@ impl BackgroundService for Housekeeping {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_start_up_error_names_its_flag_and_exits_invalid() {
+        let e = StartupError::NoPolicyFile(PathBuf::from("/etc/tollgate/p.json"));
+        assert_eq!(
+            e.to_string(),
+            "--policy /etc/tollgate/p.json: no such file (start with --wait-for-policy to run unlimited until it appears)"
+        );
+        assert_eq!(e.log_line(), e.to_string());
+        assert_eq!(e.exit_code(), EXIT_INVALID);
+        let e = StartupError::UpgradeWithoutPolicy(NotInForce::NoBundle {
+            url: "redis://store:6379/".to_string(),
+        });
+        assert_eq!(
+            e.to_string(),
+            "--upgrade: the policy does not load, so the running gateway keeps its listeners: --policy-store redis://store:6379/: no bundle could be put in force (none published, none kept in --state-dir, or the store unreachable)"
+        );
+    }
+
+    #[test]
+    fn a_failed_hand_over_is_logged_as_the_upgrade_step_it_is() {
+        let e = StartupError::Handover(handover::HandoverError::NoTaker {
+            path: PathBuf::from("/run/tollgate/upgrade.sock"),
+            wait: Duration::from_secs(60),
+        });
+        assert!(
+            e.to_string()
+                .starts_with("--upgrade-sock /run/tollgate/upgrade.sock: "),
+            "{e}"
+        );
+        assert_eq!(e.log_line(), format!("upgrade: {e}"));
+    }
+
+    #[test]
+    fn a_relay_path_too_long_for_a_unix_socket_is_refused_before_anything_is_made() {
+        let dir = format!("/{}", "d".repeat(100));
+        let sock = PathBuf::from(format!("{dir}/upgrade.sock"));
+        let Err(e) = Relay::make(&sock) else {
+            panic!("a relay beside {} was made", sock.display());
+        };
+        let relay = format!("{dir}/.tollgate-relay-{}/s", std::process::id());
+        assert_eq!(
+            StartupError::from(e).to_string(),
+            format!(
+                "--upgrade-sock {}: the upgrade needs a socket beside it at {relay} ({} bytes, more than the 107 a Unix socket path holds): use a shorter path",
+                sock.display(),
+                relay.len()
+            )
+        );
+        assert!(!std::path::Path::new(&dir).exists());
+    }
+}
