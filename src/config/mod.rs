@@ -7,6 +7,7 @@
 
 pub mod cli;
 mod error;
+pub mod pem;
 mod resolve;
 pub mod routes;
 pub mod tls;

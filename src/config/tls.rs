@@ -4,6 +4,7 @@
 //! and reloaded on SIGHUP or file change without dropping a connection: a bad file is logged
 //! and the certificates in force stay. Names rustls types, never Pingora's.
 
+use crate::config::pem::PemKeyError;
 use crate::config::{file_hash, CertPair};
 use ahash::AHashMap;
 use arc_swap::ArcSwap;
@@ -134,13 +135,15 @@ fn load_pair(pair: &CertPair) -> Result<(CertifiedKey, Vec<String>), CertError> 
         reason: e.to_string(),
     })?;
     let key_pem = read(&pair.key)?;
-    let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut key_pem.as_slice())
-        .map_err(|e| CertError::BadKey {
-            file: key_file.clone(),
-            reason: e.to_string(),
-        })?
-        .ok_or_else(|| CertError::NoKey {
-            file: key_file.clone(),
+    let key: PrivateKeyDer<'static> =
+        crate::config::pem::private_key(&key_pem).map_err(|e| match e {
+            PemKeyError::NotPem(e) => CertError::BadKey {
+                file: key_file.clone(),
+                reason: e.to_string(),
+            },
+            PemKeyError::NoKey => CertError::NoKey {
+                file: key_file.clone(),
+            },
         })?;
     let signing =
         rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| CertError::BadKey {

@@ -17,6 +17,7 @@
 //! version anyone who can write the store could forge (a heartbeat, the version record) from
 //! pushing them out of reach: nothing above the store's clock plus [`MAX_AHEAD_MS`] is believed.
 
+use crate::config::pem::PemKeyError;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
 use ring::digest;
@@ -166,21 +167,20 @@ impl SigningKey {
     /// # Errors
     /// The file cannot be read or holds no Ed25519 private key.
     pub fn from_pem_file(path: &Path) -> Result<SigningKey, KeyError> {
-        let bad = |message: &str| KeyError {
+        let bad = |message: String| KeyError {
             file: path.to_path_buf(),
-            message: message.to_string(),
+            message,
         };
-        let items = read_pem_items(path)?;
-        let der = items
-            .iter()
-            .find_map(|item| match item {
-                rustls_pemfile::Item::Pkcs8Key(der) => Some(der.secret_pkcs8_der()),
-                _ => None,
-            })
-            .ok_or_else(|| {
-                bad("holds no \"PRIVATE KEY\" block (make one with `openssl genpkey -algorithm ed25519 -out FILE`)")
-            })?;
-        Self::from_pkcs8(der).ok_or_else(|| bad("the private key is not an Ed25519 key"))
+        let text = std::fs::read(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let der = match crate::config::pem::private_key(&text) {
+            Ok(rustls::pki_types::PrivateKeyDer::Pkcs8(der)) => der,
+            Err(PemKeyError::NotPem(e)) => return Err(bad(format!("not PEM: {e}"))),
+            Ok(_) | Err(PemKeyError::NoKey) => {
+                return Err(bad("holds no \"PRIVATE KEY\" block (make one with `openssl genpkey -algorithm ed25519 -out FILE`)".to_string()))
+            }
+        };
+        Self::from_pkcs8(der.secret_pkcs8_der())
+            .ok_or_else(|| bad("the private key is not an Ed25519 key".to_string()))
     }
 
     /// A key from PKCS#8 DER (v1, as OpenSSL writes it, or v2 with the public key); `None`

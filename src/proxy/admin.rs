@@ -98,6 +98,9 @@ impl ServeHttp for Admin {
 }
 
 impl Admin {
+    /// One request: an operator endpoint, a decision whose body an LLM rule reads (or a usage
+    /// report), or anything else with its body read past (and fingerprinted when a policy
+    /// asks).
     async fn answer(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         // Requests pipelined behind this one are answered in order.
         session.set_pipelining_enabled(true);
@@ -116,36 +119,49 @@ impl Admin {
             .and_then(|a| a.as_inet())
             .map(|sa| sa.ip());
         if metered || usage {
-            let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes.get()).await
-            else {
-                if usage || self.gateway.enforces_tokens() {
-                    return reply(
-                        413,
-                        JSON,
-                        HeaderList::new(),
-                        crate::request::llm::BODY_TOO_LARGE,
-                    );
-                }
-                // Shadow rules alone refuse nothing: the rest is read past (not kept) and
-                // the decision made without the prompt.
-                let _ = session.drain_request_body().await;
-                return self.decision(session.req_header(), peer, None, None).await;
-            };
-            if usage {
-                return self.usage(session, &body).await;
-            }
-            let body_hash = crate::request::descriptor::body_hash(&body);
-            let llm = crate::request::llm::LlmRequest::parse_with(
-                &body,
-                self.gateway.tiktoken_encodings(),
-            );
-            return self
-                .decision(session.req_header(), peer, body_hash, Some(&llm))
-                .await;
+            return self.answer_with_body(session, peer, usage).await;
         }
-        // Read any body so the connection can be reused; hashed when a policy fingerprints
-        // bodies (Envoy's HTTP ext_authz sends the original body with `with_request_body`).
-        let body_hash = if self.gateway.fingerprints_bodies() {
+        let body_hash = self.read_past_body(session).await;
+        self.route(session.req_header(), peer, body_hash).await
+    }
+
+    /// A usage report, or a decision an LLM rule needs the body of: the body read whole,
+    /// bounded by `--max-body-bytes`.
+    async fn answer_with_body(
+        &self,
+        session: &mut ServerSession,
+        peer: Option<std::net::IpAddr>,
+        usage: bool,
+    ) -> Response<Vec<u8>> {
+        let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes.get()).await
+        else {
+            if usage || self.gateway.enforces_tokens() {
+                return reply(
+                    413,
+                    JSON,
+                    HeaderList::new(),
+                    crate::request::llm::BODY_TOO_LARGE,
+                );
+            }
+            // Shadow rules alone refuse nothing: the rest is read past (not kept) and
+            // the decision made without the prompt.
+            let _ = session.drain_request_body().await;
+            return self.decision(session.req_header(), peer, None, None).await;
+        };
+        if usage {
+            return self.usage(session, &body).await;
+        }
+        let body_hash = crate::request::descriptor::body_hash(&body);
+        let llm =
+            crate::request::llm::LlmRequest::parse_with(&body, self.gateway.tiktoken_encodings());
+        self.decision(session.req_header(), peer, body_hash, Some(&llm))
+            .await
+    }
+
+    /// Reads any body so the connection can be reused; hashed when a policy fingerprints
+    /// bodies (Envoy's HTTP ext_authz sends the original body with `with_request_body`).
+    async fn read_past_body(&self, session: &mut ServerSession) -> Option<u64> {
+        if self.gateway.fingerprints_bodies() {
             let mut hasher = crate::request::descriptor::BodyHasher::default();
             while let Ok(Some(chunk)) = session.read_request_body().await {
                 hasher.update(&chunk);
@@ -154,8 +170,16 @@ impl Admin {
         } else {
             let _ = session.drain_request_body().await;
             None
-        };
-        let req = session.req_header();
+        }
+    }
+
+    /// The endpoint for the request's method and path (its body already read).
+    async fn route(
+        &self,
+        req: &pingora::http::RequestHeader,
+        peer: Option<std::net::IpAddr>,
+        body_hash: Option<u64>,
+    ) -> Response<Vec<u8>> {
         let method = req.method.as_str();
         let path = req.uri.path();
         match path {
@@ -179,31 +203,34 @@ impl Admin {
             "/v1/release" if method != "POST" => {
                 reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n")
             }
-            "/v1/release" => {
-                let token = req
-                    .headers
-                    .get(&LEASE_HEADER)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(Lease::from_token);
-                match token {
-                    Some(lease) => {
-                        self.gateway.release(&lease).await;
-                        reply(204, TEXT, HeaderList::new(), "")
-                    }
-                    None => reply(
-                        400,
-                        TEXT,
-                        HeaderList::new(),
-                        "Bad Request: send the X-Tollgate-Lease header of the decision to release\n",
-                    ),
-                }
-            }
+            "/v1/release" => self.release(req).await,
             "/v1/usage" => reply(405, TEXT, allow("POST"), "Method Not Allowed: use POST\n"),
             "/v1/debug/session" | "/v1/debug/logout" => self.debug_session(req, path, peer),
             _ if path == "/v1/decision" || path.starts_with("/v1/decision/") => {
                 self.decision(req, peer, body_hash, None).await
             }
             _ => reply(404, TEXT, HeaderList::new(), "Not Found\n"),
+        }
+    }
+
+    /// `POST /v1/release`: gives back the concurrency slots of the lease its header names.
+    async fn release(&self, req: &pingora::http::RequestHeader) -> Response<Vec<u8>> {
+        let token = req
+            .headers
+            .get(&LEASE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(Lease::from_token);
+        match token {
+            Some(lease) => {
+                self.gateway.release(&lease).await;
+                reply(204, TEXT, HeaderList::new(), "")
+            }
+            None => reply(
+                400,
+                TEXT,
+                HeaderList::new(),
+                "Bad Request: send the X-Tollgate-Lease header of the decision to release\n",
+            ),
         }
     }
 }

@@ -6,7 +6,7 @@ use super::upstreams::{Group, Upstreams};
 use crate::engine::headers::HeaderList;
 use crate::engine::Reason;
 use crate::request::descriptor::RequestFacts;
-use crate::service::{Gateway, HttpHeaders};
+use crate::service::{Answer, Gateway, HttpHeaders};
 use crate::telemetry::access_log::{self, AccessLogFormat, AccessRecord};
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
@@ -17,6 +17,7 @@ use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::{Error, Result};
 use std::net::IpAddr;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 /// Every server of the request's upstream group is down (or ejected): a 502 with a clear body,
@@ -76,7 +77,8 @@ const INVALID_TRAILER_END: pingora::ErrorType = pingora::ErrorType::Custom("Inva
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
-    /// Headers to add to the upstream's response.
+    /// Headers to add to the upstream's response (or to the gateway's own refusal, until it
+    /// is written).
     add_headers: HeaderList,
     /// The TCP peer, appended to `X-Forwarded-For` towards the upstream.
     peer: Option<IpAddr>,
@@ -296,7 +298,7 @@ impl Proxy {
         session: &mut Session,
         ctx: &mut RequestCtx,
         limit: crate::config::HeaderLimit,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         self.gateway.metrics.request_headers_refused(limit.as_str());
         if let Some(access) = ctx.access.as_deref_mut() {
             access.verdict = "request_header_too_large";
@@ -311,8 +313,7 @@ impl Proxy {
             request_id_header(ctx),
             super::protocol::HEADER_TOO_LARGE,
         )
-        .await?;
-        Ok(true)
+        .await
     }
 
     /// Writes the gateway's own answer to a request it does not forward (a refusal or a 404),
@@ -355,7 +356,7 @@ impl Proxy {
         session: &mut Session,
         ctx: &mut RequestCtx,
         malformed: crate::request::syntax::Malformed,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let req = session.req_header();
         let client_ip =
             self.gateway
@@ -369,8 +370,7 @@ impl Proxy {
         let response =
             self.gateway
                 .refuse_early(Reason::MalformedRequest, client_ip, host, req.uri.path());
-        self.write_refusal(session, ctx, response, TEXT).await?;
-        Ok(true)
+        self.write_refusal(session, ctx, response, TEXT).await
     }
 
     /// The request's access-log line, from what the request gathered and what was sent.
@@ -414,6 +414,394 @@ impl Proxy {
             trace_id,
         };
         access_log::write(access_log::format(&record, self.gateway.config.access_log));
+    }
+}
+
+/// What the gateway answers itself when a stage of the request path ends the request
+/// ([`Proxy::answer`] writes it).
+enum Reply {
+    /// The header block passed `--max-request-header-bytes` or `--max-request-headers`: 431.
+    HeaderBlock(crate::config::HeaderLimit),
+    /// The method, target or Host is malformed: 400 `malformed_request`.
+    Malformed(crate::request::syntax::Malformed),
+    /// The body the decision needs could not be read: the status and its JSON body.
+    BodyUnread(u16, &'static str),
+    /// A refusal (the decision's, an encoded slash's, or no route's 404). Its headers wait in
+    /// [`RequestCtx::add_headers`], which lives on the heap: a refusal is not copied around
+    /// with them.
+    Refusal {
+        status: u16,
+        body: Option<&'static str>,
+        content_type: &'static str,
+    },
+}
+
+impl Reply {
+    /// The refusal `response`, its headers put in `ctx` until it is written.
+    fn refusal(
+        response: crate::engine::headers::Response,
+        content_type: &'static str,
+        ctx: &mut RequestCtx,
+    ) -> Reply {
+        ctx.add_headers = response.headers;
+        Reply::Refusal {
+            status: response.status,
+            body: response.body,
+            content_type,
+        }
+    }
+}
+
+/// What the body stage read for the decision.
+#[derive(Default)]
+struct BodyFacts {
+    /// The body's fingerprint (`loop_detection`).
+    hash: Option<u64>,
+    /// What an LLM request's body asks for (`token_bucket_llm`).
+    llm: Option<crate::request::llm::LlmRequest>,
+}
+
+// === The request path's stages ===
+//
+// Each stage is a method that either lets the request go on (`Continue`) or ends it with the
+// gateway's own answer (`Break`). Nothing here allocates on the way through; the stages that
+// wait (the body, a shared store, a throttle) box their futures, which stay out of the hook's.
+
+impl Proxy {
+    /// The request path, in order: header limits → peer → syntax → trace → body → facts →
+    /// decide → verdict → route. `Continue`: the request goes to its upstream group.
+    async fn admit(&self, session: &mut Session, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
+        self.header_limits(session)?;
+        self.peer(session, ctx);
+        Self::syntax(session)?;
+        self.trace(session, ctx);
+        let body = self.body(session, ctx).await?;
+        let req = session.req_header();
+        let headers = HttpHeaders(&req.headers);
+        let facts = self.facts(req, &headers, ctx)?;
+        let claims = self.gateway.claims(&headers);
+        let facts = Self::describe(facts, claims.as_deref(), &body, ctx);
+        let answer = self.decide(&facts, ctx).await;
+        Self::verdict(answer, ctx)?;
+        self.route(req, &facts, ctx)
+    }
+
+    /// The gateway's own header limits, before anything reads the headers (or counts the
+    /// request against a limit).
+    fn header_limits(&self, session: &Session) -> ControlFlow<Reply> {
+        match super::protocol::limit_passed(self.gateway.config.header_limits, session) {
+            Some(limit) => ControlFlow::Break(Reply::HeaderBlock(limit)),
+            None => ControlFlow::Continue(()),
+        }
+    }
+
+    /// The peer and its trusted-proxy verdict, worked out once per connection.
+    fn peer(&self, session: &Session, ctx: &mut RequestCtx) {
+        let (peer, peer_trusted) = super::conn::peer(|| {
+            let peer = session
+                .client_addr()
+                .and_then(|a| a.as_inet())
+                .map(|sa| sa.ip());
+            let trusted = peer
+                .map(crate::request::descriptor::canonical_ip)
+                .is_some_and(|ip| self.gateway.is_trusted_proxy(ip));
+            (peer, trusted)
+        });
+        ctx.peer = peer;
+        ctx.forwarding.peer_trusted = peer_trusted;
+    }
+
+    /// A method, target or Host an upstream could read differently from the match the
+    /// decision makes.
+    fn syntax(session: &Session) -> ControlFlow<Reply> {
+        match super::protocol::well_formed(session.req_header()) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(malformed) => ControlFlow::Break(Reply::Malformed(malformed)),
+        }
+    }
+
+    /// The request's spans, when traces are on.
+    fn trace(&self, session: &Session, ctx: &mut RequestCtx) {
+        if let Some(telemetry) = self.gateway.telemetry() {
+            let req = session.req_header();
+            let (host, _) = super::protocol::host_and_target(req);
+            ctx.trace = Some(Box::new(telemetry.http_request(
+                &req.headers,
+                ctx.forwarding.peer_trusted,
+                req.method.as_str(),
+                req.uri.path(),
+                host,
+                protocol_version(session),
+            )));
+        }
+    }
+
+    /// The body, when the decision needs it: read whole (bounded) for a `token_bucket_llm`
+    /// rule that may apply, read and hashed when small for `loop_detection` fingerprints, else
+    /// left to stream to the upstream.
+    async fn body(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> ControlFlow<Reply, BodyFacts> {
+        if self.reads_whole_body(session.req_header()) {
+            let read = Box::pin(read_whole_body(
+                session,
+                self.gateway.config.max_body_bytes.get(),
+            ));
+            return match read.await {
+                Ok(body) => {
+                    let hash = crate::request::descriptor::body_hash(&body);
+                    let llm = crate::request::llm::LlmRequest::parse_with(
+                        &body,
+                        self.gateway.tiktoken_encodings(),
+                    );
+                    if body.len() > RETRY_BUFFER_BYTES {
+                        ctx.forward_body = Some(body);
+                    }
+                    ControlFlow::Continue(BodyFacts {
+                        hash,
+                        llm: Some(llm),
+                    })
+                }
+                Err((status, message)) => ControlFlow::Break(Reply::BodyUnread(status, message)),
+            };
+        }
+        if self.gateway.fingerprints_bodies() {
+            let read = Box::pin(read_small_body(session));
+            return ControlFlow::Continue(BodyFacts {
+                hash: read.await,
+                llm: None,
+            });
+        }
+        ControlFlow::Continue(BodyFacts::default())
+    }
+
+    /// Whether a `token_bucket_llm` rule needs the whole body before deciding. With shadow
+    /// rules alone, a body that could be refused (too large, or chunked) is not read: shadow
+    /// mode refuses nothing, and the shadow rules count it without its prompt. (Asked of facts
+    /// made for this question alone, only when such rules are in force: the body is read
+    /// through the session those facts borrow from, so the decision's own facts, with the
+    /// client's address and the body, are made after the read.)
+    fn reads_whole_body(&self, req: &RequestHeader) -> bool {
+        if !self.gateway.meters_tokens() {
+            return false;
+        }
+        let headers = HttpHeaders(&req.headers);
+        self.new_facts(req, &headers, None).is_ok_and(|facts| {
+            self.gateway.meters_tokens_for(&facts)
+                && (self.gateway.enforces_tokens_for(&facts)
+                    || super::protocol::declared_length(req)
+                        .is_some_and(|n| n <= self.gateway.config.max_body_bytes.get()))
+        })
+    }
+
+    /// The request's facts, with the client's address as resolved for limiting; a path with
+    /// an encoded slash the gateway refuses (`--encoded-slashes`) ends the request here.
+    fn facts<'a>(
+        &self,
+        req: &'a RequestHeader,
+        headers: &'a HttpHeaders<'a>,
+        ctx: &mut RequestCtx,
+    ) -> ControlFlow<Reply, RequestFacts<'a>> {
+        let client_ip =
+            self.gateway
+                .client_ip_with(ctx.peer, ctx.forwarding.peer_trusted, &req.headers);
+        ctx.client_ip = client_ip;
+        match self.new_facts(req, headers, client_ip) {
+            Ok(facts) => ControlFlow::Continue(facts),
+            Err(_) => {
+                let (host, _) = super::protocol::host_and_target(req);
+                if let Some(access) = ctx.access.as_deref_mut() {
+                    access.client_ip = client_ip;
+                    access.verdict = Reason::EncodedSlash.as_str();
+                }
+                let response = self.gateway.refuse_early(
+                    Reason::EncodedSlash,
+                    client_ip,
+                    host,
+                    req.uri.path(),
+                );
+                ControlFlow::Break(Reply::refusal(response, TEXT, ctx))
+            }
+        }
+    }
+
+    /// The one place the proxy makes a request's facts: its method, target and `Host`, the
+    /// path normalised as `--encoded-slashes` says.
+    fn new_facts<'a>(
+        &self,
+        req: &'a RequestHeader,
+        headers: &'a HttpHeaders<'a>,
+        client_ip: Option<IpAddr>,
+    ) -> std::result::Result<RequestFacts<'a>, crate::request::descriptor::EncodedSlashError> {
+        let (host, target) = super::protocol::host_and_target(req);
+        RequestFacts::new(
+            req.method.as_str(),
+            target,
+            host,
+            client_ip,
+            headers,
+            self.gateway.config.encoded_slashes,
+        )
+    }
+
+    /// The facts with what the earlier stages learned: the verified JWT's claims, the body,
+    /// the peer's trust and the trace.
+    fn describe<'a>(
+        facts: RequestFacts<'a>,
+        claims: Option<&'a crate::request::descriptor::Claims>,
+        body: &'a BodyFacts,
+        ctx: &RequestCtx,
+    ) -> RequestFacts<'a> {
+        facts
+            .with_claims(claims)
+            .with_body_hash(body.hash)
+            .with_llm(body.llm.as_ref())
+            .with_trusted_peer(ctx.forwarding.peer_trusted)
+            .with_trace(ctx.trace.as_deref().map(|t| t.facts()))
+    }
+
+    /// The decision, noted in the trace and the access log. The in-memory store decides
+    /// without a future. Otherwise boxed: inline, the decision's future (stores, leases) would
+    /// grow this hook's future, which Pingora moves into a box on every request, past what a
+    /// copy does cheaply (measured: +10 % instructions per request); so is a throttled
+    /// answer's wait.
+    async fn decide(&self, facts: &RequestFacts<'_>, ctx: &mut RequestCtx) -> Answer {
+        let answer = match self.gateway.decide_in_memory(facts) {
+            Some(answer) if answer.throttle_ms == 0 => answer,
+            Some(answer) => Box::pin(Gateway::throttled(answer)).await,
+            None => Box::pin(self.gateway.decide(facts)).await,
+        };
+        if let Some(trace) = ctx.trace.as_deref_mut() {
+            if let Some(ip) = ctx.client_ip {
+                trace.client(ip);
+            }
+            if let Some(summary) = answer.summary.as_deref() {
+                trace.decided(summary);
+            }
+        }
+        if let Some(access) = ctx.access.as_deref_mut() {
+            access.client_ip = ctx.client_ip;
+            access.verdict = answer.verdict.as_str();
+            access.rule = answer.verdict.rule().map(str::to_string);
+        }
+        answer
+    }
+
+    /// A refusal ends the request here. An allowed request (or any, with no policy loaded: the
+    /// proxy fails open, where the decision service answers 503) keeps its lease, its LLM
+    /// reservation and the headers for its response.
+    fn verdict(answer: Answer, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
+        if !answer.verdict.forwards() {
+            // OpenAI-style JSON for the LLM reasons, text otherwise.
+            let content_type = answer.verdict.reason().map_or(TEXT, |r| r.content_type());
+            return ControlFlow::Break(Reply::refusal(answer.response, content_type, ctx));
+        }
+        ctx.lease = answer.lease;
+        ctx.metering = answer.reservation.map(|reservation| {
+            Box::new(Metering {
+                reservation,
+                meter: None,
+                status: 0,
+                sent: false,
+                stop: None,
+            })
+        });
+        ctx.add_headers = answer.response.headers;
+        ControlFlow::Continue(())
+    }
+
+    /// The upstream group for the request's host and path, with the route's header rules; no
+    /// route: 404.
+    fn route(
+        &self,
+        req: &RequestHeader,
+        facts: &RequestFacts<'_>,
+        ctx: &mut RequestCtx,
+    ) -> ControlFlow<Reply> {
+        let upstreams = self.upstreams.load();
+        let Some((group, rules)) = upstreams.route_with_rules(facts.host_name(), &facts.path)
+        else {
+            // The allowed answer's headers, already in `ctx`, go with the 404.
+            return ControlFlow::Break(Reply::Refusal {
+                status: 404,
+                body: Some("Not Found: no route for this host and path\n"),
+                content_type: TEXT,
+            });
+        };
+        ctx.group = Some(Arc::clone(group));
+        ctx.forwarding.forwarded = upstreams.table.forwarded;
+        if let Some(trace) = ctx.trace.as_deref_mut() {
+            if let Some(route) = upstreams
+                .table
+                .matched_prefix(facts.host_name(), &facts.path)
+            {
+                trace.route(route);
+            }
+        }
+        if let Some(rules) = rules {
+            if rules.uses_request_id() && ctx.access.is_none() {
+                ctx.forwarding.request_id = Some(
+                    req.headers
+                        .get(&X_REQUEST_ID)
+                        .and_then(|v| access_log::acceptable_request_id(v.as_bytes()))
+                        .map_or_else(access_log::new_request_id, str::to_string),
+                );
+            }
+            ctx.forwarding.rules = Some(Arc::clone(rules));
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// The admitted request goes on: its upstream continues its trace, and a client waiting
+    /// for `100 Continue` gets it now.
+    async fn forward(session: &mut Session, ctx: &mut RequestCtx) -> Result<()> {
+        if let Some(trace) = ctx.trace.as_deref_mut() {
+            // Written into the client's request header, parsed with room for added headers,
+            // rather than into Pingora's copy of it for the upstream, which has none: a header
+            // added there grows both of its maps (about 1 300 instructions a request).
+            write_trace_context(trace, session.req_header_mut());
+        }
+        if super::protocol::expects_continue(session.req_header()) {
+            let answer = Box::pin(super::protocol::continue_if_expected(session));
+            answer.await?;
+        }
+        Ok(())
+    }
+
+    /// Writes the answer a stage ended the request with.
+    async fn answer(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        reply: Reply,
+    ) -> Result<()> {
+        match reply {
+            Reply::HeaderBlock(limit) => self.refuse_header_block(session, ctx, limit).await,
+            Reply::Malformed(malformed) => self.refuse_malformed(session, ctx, malformed).await,
+            Reply::BodyUnread(status, message) => {
+                let mut headers = request_id_header(ctx);
+                headers.push((
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/json"),
+                ));
+                respond(session, status, headers, message).await
+            }
+            Reply::Refusal {
+                status,
+                body,
+                content_type,
+            } => {
+                let response = crate::engine::headers::Response {
+                    status,
+                    headers: std::mem::take(&mut ctx.add_headers),
+                    body,
+                };
+                self.write_refusal(session, ctx, response, content_type)
+                    .await
+            }
+        }
     }
 }
 
@@ -467,251 +855,22 @@ impl ProxyHttp for Proxy {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
-        // The gateway's own header limits, before anything reads the headers (or counts the
-        // request against a limit).
-        // Rare paths are awaited boxed, and bound first: inline (or as a temporary of the
-        // awaiting statement) their futures would grow this hook's future, which Pingora moves
-        // whole into a box on every request, by kilobytes.
-        if let Some(limit) =
-            super::protocol::limit_passed(self.gateway.config.header_limits, session)
-        {
-            let refusal = Box::pin(self.refuse_header_block(session, ctx, limit));
-            return refusal.await;
-        }
-        // The peer and its trusted-proxy verdict are worked out once per connection.
-        let (peer, peer_trusted) = super::conn::peer(|| {
-            let peer = session
-                .client_addr()
-                .and_then(|a| a.as_inet())
-                .map(|sa| sa.ip());
-            let trusted = peer
-                .map(crate::request::descriptor::canonical_ip)
-                .is_some_and(|ip| self.gateway.is_trusted_proxy(ip));
-            (peer, trusted)
-        });
-        ctx.peer = peer;
-        ctx.forwarding.peer_trusted = peer_trusted;
-        // A method, target or Host an upstream could read differently from the match below.
-        if let Err(malformed) = super::protocol::well_formed(session.req_header()) {
-            let refusal = Box::pin(self.refuse_malformed(session, ctx, malformed));
-            return refusal.await;
-        }
-        if let Some(telemetry) = self.gateway.telemetry() {
-            let req = session.req_header();
-            let (host, _) = super::protocol::host_and_target(req);
-            ctx.trace = Some(Box::new(telemetry.http_request(
-                &req.headers,
-                peer_trusted,
-                req.method.as_str(),
-                req.uri.path(),
-                host,
-                protocol_version(session),
-            )));
-        }
-        // A `token_bucket_llm` rule needs the whole body (bounded) before deciding. With shadow
-        // rules alone, a body that could be refused (too large, or chunked) is not read:
-        // shadow mode refuses nothing, and the shadow rules count it without its prompt.
-        let metered = self.gateway.meters_tokens() && {
-            let req = session.req_header();
-            let (host, target) = super::protocol::host_and_target(req);
-            RequestFacts::new(
-                req.method.as_str(),
-                target,
-                host,
-                None,
-                &HttpHeaders(&req.headers),
-                self.gateway.config.encoded_slashes,
-            )
-            .is_ok_and(|facts| {
-                self.gateway.meters_tokens_for(&facts)
-                    && (self.gateway.enforces_tokens_for(&facts)
-                        || super::protocol::declared_length(req)
-                            .is_some_and(|n| n <= self.gateway.config.max_body_bytes.get()))
-            })
-        };
-        let (body_hash, llm) = if metered {
-            let read = Box::pin(read_whole_body(
-                session,
-                self.gateway.config.max_body_bytes.get(),
-            ));
-            match read.await {
-                Ok(body) => {
-                    let hash = crate::request::descriptor::body_hash(&body);
-                    let llm = crate::request::llm::LlmRequest::parse_with(
-                        &body,
-                        self.gateway.tiktoken_encodings(),
-                    );
-                    if body.len() > RETRY_BUFFER_BYTES {
-                        ctx.forward_body = Some(body);
-                    }
-                    (hash, Some(llm))
-                }
-                Err((status, message)) => {
-                    let mut headers = request_id_header(ctx);
-                    headers.push((
-                        http::header::CONTENT_TYPE,
-                        http::HeaderValue::from_static("application/json"),
-                    ));
-                    let answer = Box::pin(respond(session, status, headers, message));
-                    answer.await?;
-                    return Ok(true);
-                }
+        // The stages ([`Proxy::admit`]) either let the request go on to its upstream or end it
+        // with what the gateway answers itself.
+        match self.admit(session, ctx).await {
+            ControlFlow::Continue(()) => {
+                Self::forward(session, ctx).await?;
+                Ok(false)
             }
-        } else if self.gateway.fingerprints_bodies() {
-            let read = Box::pin(read_small_body(session));
-            (read.await, None)
-        } else {
-            (None, None)
-        };
-        let (response, content_type) = {
-            let req = session.req_header();
-            let headers = HttpHeaders(&req.headers);
-            let client_ip = self
-                .gateway
-                .client_ip_with(peer, peer_trusted, &req.headers);
-            ctx.client_ip = client_ip;
-            let (host, target) = super::protocol::host_and_target(req);
-            match RequestFacts::new(
-                req.method.as_str(),
-                target,
-                host,
-                client_ip,
-                &headers,
-                self.gateway.config.encoded_slashes,
-            ) {
-                Ok(facts) => {
-                    let claims = self.gateway.claims(&headers);
-                    let facts = facts
-                        .with_claims(claims.as_deref())
-                        .with_body_hash(body_hash)
-                        .with_llm(llm.as_ref())
-                        .with_trusted_peer(peer_trusted)
-                        .with_trace(ctx.trace.as_deref().map(|t| t.facts()));
-                    // The in-memory store decides without a future. Otherwise boxed: inline,
-                    // the decision's future (stores, leases) would grow this hook's future,
-                    // which Pingora moves into a box on every request, past what a copy does
-                    // cheaply (measured: +10 % instructions per request); so is a throttled
-                    // answer's wait.
-                    let answer = match self.gateway.decide_in_memory(&facts) {
-                        Some(answer) if answer.throttle_ms == 0 => answer,
-                        Some(answer) => Box::pin(Gateway::throttled(answer)).await,
-                        None => Box::pin(self.gateway.decide(&facts)).await,
-                    };
-                    if let Some(trace) = ctx.trace.as_deref_mut() {
-                        if let Some(ip) = client_ip {
-                            trace.client(ip);
-                        }
-                        if let Some(summary) = answer.summary.as_deref() {
-                            trace.decided(summary);
-                        }
-                    }
-                    if let Some(access) = ctx.access.as_deref_mut() {
-                        access.client_ip = client_ip;
-                        access.verdict = answer.verdict.as_str();
-                        access.rule = answer.verdict.rule().map(str::to_string);
-                    }
-                    if answer.verdict.forwards() {
-                        // No policy loaded: the proxy fails open (the decision service
-                        // answers 503).
-                        ctx.lease = answer.lease;
-                        ctx.metering = answer.reservation.map(|reservation| {
-                            Box::new(Metering {
-                                reservation,
-                                meter: None,
-                                status: 0,
-                                sent: false,
-                                stop: None,
-                            })
-                        });
-                        ctx.add_headers = answer.response.headers;
-                        let routed = {
-                            let upstreams = self.upstreams.load();
-                            match upstreams.route_with_rules(facts.host_name(), &facts.path) {
-                                Some((group, rules)) => {
-                                    ctx.group = Some(Arc::clone(group));
-                                    ctx.forwarding.forwarded = upstreams.table.forwarded;
-                                    if let Some(trace) = ctx.trace.as_deref_mut() {
-                                        if let Some(route) = upstreams
-                                            .table
-                                            .matched_prefix(facts.host_name(), &facts.path)
-                                        {
-                                            trace.route(route);
-                                        }
-                                    }
-                                    if let Some(rules) = rules {
-                                        if rules.uses_request_id() && ctx.access.is_none() {
-                                            ctx.forwarding.request_id = Some(
-                                                req.headers
-                                                    .get(&X_REQUEST_ID)
-                                                    .and_then(|v| {
-                                                        access_log::acceptable_request_id(
-                                                            v.as_bytes(),
-                                                        )
-                                                    })
-                                                    .map_or_else(
-                                                        access_log::new_request_id,
-                                                        str::to_string,
-                                                    ),
-                                            );
-                                        }
-                                        ctx.forwarding.rules = Some(Arc::clone(rules));
-                                    }
-                                    true
-                                }
-                                None => false,
-                            }
-                        };
-                        if routed {
-                            if let Some(trace) = ctx.trace.as_deref_mut() {
-                                // Written into the client's request header, parsed with room
-                                // for added headers, rather than into Pingora's copy of it for
-                                // the upstream, which has none: a header added there grows
-                                // both of its maps (about 1 300 instructions a request).
-                                write_trace_context(trace, session.req_header_mut());
-                            }
-                            // Admitted: a client waiting for `100 Continue` gets it now.
-                            if super::protocol::expects_continue(session.req_header()) {
-                                let answer =
-                                    Box::pin(super::protocol::continue_if_expected(session));
-                                answer.await?;
-                            }
-                            return Ok(false);
-                        }
-                        (
-                            crate::engine::headers::Response {
-                                status: 404,
-                                headers: std::mem::take(&mut ctx.add_headers),
-                                body: Some("Not Found: no route for this host and path\n"),
-                            },
-                            TEXT,
-                        )
-                    } else {
-                        // OpenAI-style JSON for the LLM reasons, text otherwise.
-                        let content_type =
-                            answer.verdict.reason().map_or(TEXT, |r| r.content_type());
-                        (answer.response, content_type)
-                    }
-                }
-                Err(_) => {
-                    if let Some(access) = ctx.access.as_deref_mut() {
-                        access.client_ip = client_ip;
-                        access.verdict = Reason::EncodedSlash.as_str();
-                    }
-                    (
-                        self.gateway.refuse_early(
-                            Reason::EncodedSlash,
-                            client_ip,
-                            host,
-                            req.uri.path(),
-                        ),
-                        TEXT,
-                    )
-                }
+            ControlFlow::Break(reply) => {
+                // Rare paths are awaited boxed, and bound first: inline (or as a temporary of
+                // the awaiting statement) their futures would grow this hook's future, which
+                // Pingora moves whole into a box on every request, by kilobytes.
+                let answer = Box::pin(self.answer(session, ctx, reply));
+                answer.await?;
+                Ok(true)
             }
-        };
-        let answer = Box::pin(self.write_refusal(session, ctx, response, content_type));
-        answer.await?;
-        Ok(true)
+        }
     }
 
     async fn request_body_filter(
@@ -1145,114 +1304,126 @@ impl ProxyHttp for Proxy {
         if *e.etype() == STREAM_STOPPED {
             return finish_stopped_stream(session, ctx).await;
         }
-        if *e.etype() == CLIENT_GONE_WHILE_QUEUED {
-            // Nobody to answer: logged as nginx's 499 (client closed request).
-            return FailToProxy {
-                error_code: 499,
-                can_reuse_downstream: false,
-            };
-        }
-        let code = match e.etype() {
-            pingora::ErrorType::HTTPStatus(code) => *code,
-            // The upstream took the request and did not answer within its read timeout: a
-            // gateway timeout (nginx's and Envoy's answer too), not an unavailable upstream.
-            pingora::ErrorType::ReadTimedout if e.esource() == &pingora::ErrorSource::Upstream => {
-                504
-            }
-            _ => match e.esource() {
-                pingora::ErrorSource::Upstream => 502,
-                pingora::ErrorSource::Downstream => 0,
-                _ => 500,
-            },
-        };
         // A 1xx (100 Continue, 103 Early Hints) is not the response: the error page still goes.
         let final_written = session
             .as_downstream()
             .response_written()
             .is_some_and(|h| !h.status.is_informational() || h.status.as_u16() == 101);
-        if final_written {
-            // The response is already under way: an error page now would be read as the rest
-            // of its body. The connection is closed instead, so the client sees the body end
-            // short of its length (or an HTTP/2 stream reset) and knows it is incomplete.
-            // Pingora's error text may quote the upstream's or the client's bytes.
-            tracing::warn!(error = %crate::telemetry::log_line::value(&e.to_string()), "upstream failed mid-response: the client connection is closed");
-            return FailToProxy {
-                error_code: code,
-                can_reuse_downstream: false,
-            };
-        }
-        if (*e.etype() == INVALID_CHUNK || *e.etype() == INVALID_TRAILER_END)
-            && e.esource() == &pingora::ErrorSource::Downstream
-        {
-            // The client's own framing error: no upstream is at fault, nothing to warn about.
-            let _ = respond(
-                session,
-                400,
-                request_id_header(ctx),
-                "Bad Request: the request body's chunked framing is invalid\n",
-            )
-            .await;
-            return FailToProxy {
-                error_code: 400,
-                can_reuse_downstream: false,
-            };
-        }
-        if *e.etype() == QUEUE_TIMED_OUT {
-            let mut headers = request_id_header(ctx);
-            headers.push((
-                http::header::RETRY_AFTER,
-                http::HeaderValue::from(super::queue::RETRY_AFTER_SECS),
-            ));
-            let _ = respond(
-                session,
-                503,
+        let error_code = match failure_page(e, ctx, final_written) {
+            FailurePage::Closed(code) => code,
+            FailurePage::Own {
+                status,
                 headers,
-                "Service Unavailable: the upstream server is at its connection limit\n",
-            )
-            .await;
-            return FailToProxy {
-                error_code: 503,
-                can_reuse_downstream: false,
-            };
-        }
-        if *e.etype() == NO_HEALTHY_UPSTREAM {
-            let group = ctx.group.as_ref().map_or("", |g| g.spec.name.as_str());
-            tracing::warn!(group, "no healthy server in the upstream group");
-            let _ = respond(
-                session,
-                502,
-                request_id_header(ctx),
-                "Bad Gateway: no healthy server in this route's upstream group\n",
-            )
-            .await;
-            return FailToProxy {
-                error_code: 502,
-                can_reuse_downstream: false,
-            };
-        }
-        let page = match code {
-            504 => Some((
-                "upstream timed out",
-                "Gateway Timeout: the upstream did not answer in time\n",
-            )),
-            502 => Some((
-                "upstream unavailable",
-                "Bad Gateway: the upstream is unavailable\n",
-            )),
-
-            _ => None,
+                body,
+            } => {
+                let _ = respond(session, status, headers, body).await;
+                status
+            }
+            FailurePage::Pingora(code) => {
+                let _ = session.respond_error(code).await;
+                code
+            }
         };
-        if let Some((what, body)) = page {
-            tracing::warn!(error = %crate::telemetry::log_line::value(&e.to_string()), "{what}");
-            let _ = respond(session, code, request_id_header(ctx), body).await;
-        } else if code > 0 {
-            let _ = session.respond_error(code).await;
-        }
         FailToProxy {
-            error_code: code,
+            error_code,
             can_reuse_downstream: false,
         }
     }
+}
+
+/// What the client gets when proxying fails (the connection is closed after it either way).
+/// Returned once, never stored: its page's headers stay inline.
+#[allow(clippy::large_enum_variant)]
+enum FailurePage {
+    /// Nothing more: nobody is left to answer, or the response is already under way. The
+    /// status is the one logged.
+    Closed(u16),
+    /// The gateway's own page.
+    Own {
+        status: u16,
+        headers: HeaderList,
+        body: &'static str,
+    },
+    /// Pingora's error page for the status.
+    Pingora(u16),
+}
+
+/// The page for a failure `e`, when the final response header was (`final_written`) or was not
+/// yet written; warns of the upstream's failures.
+fn failure_page(e: &Error, ctx: &RequestCtx, final_written: bool) -> FailurePage {
+    if *e.etype() == CLIENT_GONE_WHILE_QUEUED {
+        // Nobody to answer: logged as nginx's 499 (client closed request).
+        return FailurePage::Closed(499);
+    }
+    let code = match e.etype() {
+        pingora::ErrorType::HTTPStatus(code) => *code,
+        // The upstream took the request and did not answer within its read timeout: a
+        // gateway timeout (nginx's and Envoy's answer too), not an unavailable upstream.
+        pingora::ErrorType::ReadTimedout if e.esource() == &pingora::ErrorSource::Upstream => 504,
+        _ => match e.esource() {
+            pingora::ErrorSource::Upstream => 502,
+            pingora::ErrorSource::Downstream => 0,
+            _ => 500,
+        },
+    };
+    if final_written {
+        // The response is already under way: an error page now would be read as the rest
+        // of its body. The connection is closed instead, so the client sees the body end
+        // short of its length (or an HTTP/2 stream reset) and knows it is incomplete.
+        // Pingora's error text may quote the upstream's or the client's bytes.
+        tracing::warn!(error = %crate::telemetry::log_line::value(&e.to_string()), "upstream failed mid-response: the client connection is closed");
+        return FailurePage::Closed(code);
+    }
+    let own = |status, headers, body| FailurePage::Own {
+        status,
+        headers,
+        body,
+    };
+    if (*e.etype() == INVALID_CHUNK || *e.etype() == INVALID_TRAILER_END)
+        && e.esource() == &pingora::ErrorSource::Downstream
+    {
+        // The client's own framing error: no upstream is at fault, nothing to warn about.
+        return own(
+            400,
+            request_id_header(ctx),
+            "Bad Request: the request body's chunked framing is invalid\n",
+        );
+    }
+    if *e.etype() == QUEUE_TIMED_OUT {
+        let mut headers = request_id_header(ctx);
+        headers.push((
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from(super::queue::RETRY_AFTER_SECS),
+        ));
+        return own(
+            503,
+            headers,
+            "Service Unavailable: the upstream server is at its connection limit\n",
+        );
+    }
+    if *e.etype() == NO_HEALTHY_UPSTREAM {
+        let group = ctx.group.as_ref().map_or("", |g| g.spec.name.as_str());
+        tracing::warn!(group, "no healthy server in the upstream group");
+        return own(
+            502,
+            request_id_header(ctx),
+            "Bad Gateway: no healthy server in this route's upstream group\n",
+        );
+    }
+    let (what, body) = match code {
+        0 => return FailurePage::Closed(0),
+        504 => (
+            "upstream timed out",
+            "Gateway Timeout: the upstream did not answer in time\n",
+        ),
+        502 => (
+            "upstream unavailable",
+            "Bad Gateway: the upstream is unavailable\n",
+        ),
+        _ => return FailurePage::Pingora(code),
+    };
+    tracing::warn!(error = %crate::telemetry::log_line::value(&e.to_string()), "{what}");
+    own(code, request_id_header(ctx), body)
 }
 
 /// Adds the gateway's headers to the upstream's response. Rebuilt from its parts: inserting

@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::config::core::v3::{
 };
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::r#type::v3::{HttpStatus, RateLimitUnit};
+use envoy_types::pb::envoy::service::auth::v3::attribute_context::HttpRequest;
 use envoy_types::pb::envoy::service::auth::v3::authorization_server::{
     Authorization, AuthorizationServer,
 };
@@ -56,8 +57,22 @@ pub enum GrpcStartError {
         path: String,
         source: std::io::Error,
     },
-    #[error("--grpc-tls-cert/--grpc-tls-key: {0}")]
-    Tls(String),
+    #[error("--grpc-tls-cert/--grpc-tls-key: {}: no PEM certificate in the file", .file.display())]
+    NoCertificate { file: std::path::PathBuf },
+    #[error("--grpc-tls-cert/--grpc-tls-key: {}: no PEM private key in the file", .file.display())]
+    NoKey { file: std::path::PathBuf },
+    #[error("--grpc-tls-cert/--grpc-tls-key: {}: unusable private key: {source}", .file.display())]
+    BadKey {
+        file: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    /// The pair as tonic refused it, with the whole chain of causes.
+    #[error("--grpc-tls-cert/--grpc-tls-key: {} and {}: {causes}", .cert.display(), .key.display())]
+    Refused {
+        cert: std::path::PathBuf,
+        key: std::path::PathBuf,
+        causes: String,
+    },
     #[error("gRPC runtime: {0}")]
     Runtime(std::io::Error),
 }
@@ -101,13 +116,17 @@ impl GrpcServer {
             .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)));
         if let (Some(tls), Some((cert, key))) = (tls, &config.tls) {
             builder = builder.tls_config(tls).map_err(|e| {
-                let mut text = format!("{} and {}: {e}", cert.display(), key.display());
+                let mut causes = e.to_string();
                 let mut source = std::error::Error::source(&e);
                 while let Some(cause) = source {
-                    text.push_str(&format!(": {cause}"));
+                    causes.push_str(&format!(": {cause}"));
                     source = cause.source();
                 }
-                GrpcStartError::Tls(text)
+                GrpcStartError::Refused {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    causes,
+                }
             })?;
         }
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -276,16 +295,23 @@ fn tls_config(
     let cert_pem = read("--grpc-tls-cert", cert)?;
     let key_pem = read("--grpc-tls-key", key)?;
     if !String::from_utf8_lossy(&cert_pem).contains("-----BEGIN CERTIFICATE-----") {
-        return Err(GrpcStartError::Tls(format!(
-            "{}: no PEM certificate in the file",
-            cert.display()
-        )));
+        return Err(GrpcStartError::NoCertificate {
+            file: cert.to_path_buf(),
+        });
     }
-    if !String::from_utf8_lossy(&key_pem).contains("PRIVATE KEY-----") {
-        return Err(GrpcStartError::Tls(format!(
-            "{}: no PEM private key in the file",
-            key.display()
-        )));
+    match crate::config::pem::private_key(&key_pem) {
+        Ok(_) => {}
+        Err(crate::config::pem::PemKeyError::NoKey) => {
+            return Err(GrpcStartError::NoKey {
+                file: key.to_path_buf(),
+            })
+        }
+        Err(crate::config::pem::PemKeyError::NotPem(source)) => {
+            return Err(GrpcStartError::BadKey {
+                file: key.to_path_buf(),
+                source,
+            })
+        }
     }
     let identity = tonic::transport::Identity::from_pem(cert_pem, key_pem);
     Ok(tonic::transport::ServerTlsConfig::new().identity(identity))
@@ -512,12 +538,60 @@ impl Authorization for Authorizer {
 }
 
 impl Authorizer {
-    /// `Check`; `trace` gets the call's span once the described request is known.
+    /// `Check`: the described request read from the call, its trace started, decided, and the
+    /// answer turned into Envoy's; `trace` gets the call's span once the described request is
+    /// known.
     async fn authorize(
         &self,
         request: Request<CheckRequest>,
         trace: &mut Option<crate::telemetry::traces::RequestSpan>,
     ) -> Result<Response<CheckResponse>, Status> {
+        let call = self.read_call(request)?;
+        let http = &call.http;
+        let host = (!http.host.is_empty()).then_some(http.host.as_str());
+        let target = if http.path.is_empty() {
+            "/"
+        } else {
+            http.path.as_str()
+        };
+        // The peer is the client unless it is a trusted proxy, as on the proxy listener.
+        let client_ip = self.gateway.client_ip(call.peer, &call.headers, false);
+        *trace = self.start_trace(&call, host, target, client_ip);
+        // `token_bucket_llm`: the body Envoy sends (`with_request_body`) is the prompt.
+        let llm = self.gateway.meters_tokens().then(|| {
+            crate::request::llm::LlmRequest::parse_with(
+                call.body(),
+                self.gateway.tiktoken_encodings(),
+            )
+        });
+        let mut answer = self
+            .gateway
+            .decide_described(&crate::service::Described {
+                method: &http.method,
+                target,
+                host,
+                client_ip,
+                headers: &call.headers,
+                body: crate::service::DescribedBody {
+                    // With `with_request_body`, loop detection fingerprints the body.
+                    hash: crate::request::descriptor::body_hash(call.body()),
+                    llm: llm.as_ref(),
+                },
+                network_trusted: call.network_trusted,
+                trace: trace.as_ref().map(|t| t.facts()),
+            })
+            .await;
+        if let (Some(trace), Some(summary)) = (trace.as_mut(), answer.summary.as_deref()) {
+            trace.decided(summary);
+        }
+        let upstream_headers = self.reservation_headers(&mut answer);
+        self.check_response(answer, upstream_headers)
+            .map(Response::new)
+    }
+
+    /// The HTTP request a call describes, with its headers as a map; a call without one, or
+    /// whose host or path holds control characters, is refused `INVALID_ARGUMENT`.
+    fn read_call(&self, request: Request<CheckRequest>) -> Result<CheckCall, Status> {
         // The gRPC connection's peer (Envoy itself): its network headers are believed only
         // when the operator named it with --trusted-proxy.
         let network_trusted = self
@@ -538,30 +612,7 @@ impl Authorizer {
             self.gateway.metrics.grpc_call("authz", "invalid_argument");
             Status::invalid_argument("attributes.request.http is missing")
         })?;
-        let mut headers = http::HeaderMap::with_capacity(http.headers.len());
-        let mut add = |name: &str, value: &[u8]| {
-            // Pseudo-headers (`:path`...) are not headers; the request line comes from the
-            // message's own fields.
-            if let (Ok(name), Ok(value)) = (
-                http::HeaderName::from_bytes(name.as_bytes()),
-                http::HeaderValue::from_bytes(value),
-            ) {
-                headers.append(name, value);
-            }
-        };
-        for (name, value) in &http.headers {
-            add(name, value.as_bytes());
-        }
-        if let Some(map) = &http.header_map {
-            for h in &map.headers {
-                let value = if h.raw_value.is_empty() {
-                    h.value.as_bytes()
-                } else {
-                    &h.raw_value
-                };
-                add(&h.key, value);
-            }
-        }
+        let headers = header_map(&http);
         // These are logged with a refusal: no control characters (no forged log lines).
         if http.host.chars().any(char::is_control) || http.path.chars().any(char::is_control) {
             self.gateway.metrics.grpc_call("authz", "invalid_argument");
@@ -569,92 +620,79 @@ impl Authorizer {
                 "attributes.request.http: control characters in host or path",
             ));
         }
-        let host = (!http.host.is_empty()).then_some(http.host.as_str());
-        let target = if http.path.is_empty() {
-            "/"
-        } else {
-            http.path.as_str()
+        Ok(CheckCall {
+            network_trusted,
+            metadata,
+            peer,
+            http,
+            headers,
+        })
+    }
+
+    /// The call's span, when traces are on: Envoy's context, else the described request's own
+    /// `traceparent`.
+    fn start_trace(
+        &self,
+        call: &CheckCall,
+        host: Option<&str>,
+        target: &str,
+        client_ip: Option<IpAddr>,
+    ) -> Option<crate::telemetry::traces::RequestSpan> {
+        let (Some(telemetry), Some(metadata)) = (self.gateway.telemetry(), &call.metadata) else {
+            return None;
         };
-        // The peer is the client unless it is a trusted proxy, as on the proxy listener.
-        let client_ip = self.gateway.client_ip(peer, &headers, false);
-        if let (Some(telemetry), Some(metadata)) = (self.gateway.telemetry(), &metadata) {
-            // Without Envoy's context, the described request's own `traceparent`.
-            let mut span = telemetry.grpc_call(
-                &Metadata(metadata),
-                Some(&headers),
-                network_trusted,
-                "envoy.service.auth.v3.Authorization/Check",
-                "envoy.service.auth.v3.Authorization",
-                "Check",
-            );
-            span.described(
-                &http.method,
-                crate::request::descriptor::split_uri(target).0,
-                host,
-            );
-            if let Some(ip) = client_ip {
-                span.client(ip);
-            }
-            *trace = Some(span);
+        let mut span = telemetry.grpc_call(
+            &Metadata(metadata),
+            Some(&call.headers),
+            call.network_trusted,
+            "envoy.service.auth.v3.Authorization/Check",
+            "envoy.service.auth.v3.Authorization",
+            "Check",
+        );
+        span.described(
+            &call.http.method,
+            crate::request::descriptor::split_uri(target).0,
+            host,
+        );
+        if let Some(ip) = client_ip {
+            span.client(ip);
         }
-        // With `with_request_body`, Envoy sends the body (bytes in `raw_body`, else text in
-        // `body`): loop detection fingerprints it.
-        let body_hash = if http.raw_body.is_empty() {
-            crate::request::descriptor::body_hash(http.body.as_bytes())
-        } else {
-            crate::request::descriptor::body_hash(&http.raw_body)
-        };
-        // `token_bucket_llm`: the body Envoy sends (`with_request_body`) is the prompt.
-        let llm = self.gateway.meters_tokens().then(|| {
-            crate::request::llm::LlmRequest::parse_with(
-                if http.raw_body.is_empty() {
-                    http.body.as_bytes()
-                } else {
-                    &http.raw_body
-                },
-                self.gateway.tiktoken_encodings(),
-            )
-        });
-        let mut answer = self
-            .gateway
-            .decide_described(&crate::service::Described {
-                method: &http.method,
-                target,
-                host,
-                client_ip,
-                headers: &headers,
-                body: crate::service::DescribedBody {
-                    hash: body_hash,
-                    llm: llm.as_ref(),
-                },
-                network_trusted,
-                trace: trace.as_ref().map(|t| t.facts()),
-            })
-            .await;
-        if let (Some(trace), Some(summary)) = (trace.as_mut(), answer.summary.as_deref()) {
-            trace.decided(summary);
-        }
-        // The reservation's token goes to the upstream, which reports the usage on
-        // `POST /v1/usage` (or the reservation stays charged as reserved).
+        Some(span)
+    }
+
+    /// The reservation's token and tokens, for the upstream, which reports the usage on
+    /// `POST /v1/usage` (or the reservation stays charged as reserved).
+    fn reservation_headers(&self, answer: &mut crate::service::Answer) -> Vec<HeaderValueOption> {
         let mut upstream_headers = Vec::new();
-        if let Some(reservation) = answer.reservation.take() {
-            let tokens = reservation.tokens();
-            if let Some(token) = self.gateway.tokens.hold(reservation) {
-                for (key, value) in [
-                    (RESERVATION_HEADER, token),
-                    (RESERVED_TOKENS_HEADER, tokens.to_string()),
-                ] {
-                    upstream_headers.push(HeaderValueOption {
-                        header: Some(PbHeaderValue {
-                            key: key.to_string(),
-                            value,
-                            ..Default::default()
-                        }),
-                        ..HeaderValueOption::default()
-                    });
-                }
+        let Some(reservation) = answer.reservation.take() else {
+            return upstream_headers;
+        };
+        let tokens = reservation.tokens();
+        if let Some(token) = self.gateway.tokens.hold(reservation) {
+            for (key, value) in [
+                (RESERVATION_HEADER, token),
+                (RESERVED_TOKENS_HEADER, tokens.to_string()),
+            ] {
+                upstream_headers.push(HeaderValueOption {
+                    header: Some(PbHeaderValue {
+                        key: key.to_string(),
+                        value,
+                        ..Default::default()
+                    }),
+                    ..HeaderValueOption::default()
+                });
             }
         }
+        upstream_headers
+    }
+
+    /// Envoy's answer (counted): OK with the headers for the upstream and the client, or
+    /// denied with the refusal's status, headers and body; `UNAVAILABLE` with no policy loaded.
+    fn check_response(
+        &self,
+        answer: crate::service::Answer,
+        upstream_headers: Vec<HeaderValueOption>,
+    ) -> Result<CheckResponse, Status> {
         if answer.verdict == crate::service::Verdict::NoPolicy {
             self.gateway.metrics.grpc_call("authz", "unavailable");
             return Err(Status::unavailable("no policy loaded"));
@@ -664,8 +702,8 @@ impl Authorizer {
             .metrics
             .grpc_call("authz", if allowed { "ok" } else { "denied" });
         let response = answer.response;
-        let check = if allowed {
-            CheckResponse {
+        if allowed {
+            return Ok(CheckResponse {
                 status: Some(RpcStatus {
                     code: RPC_OK,
                     ..RpcStatus::default()
@@ -676,31 +714,81 @@ impl Authorizer {
                     ..OkHttpResponse::default()
                 })),
                 ..CheckResponse::default()
-            }
-        } else {
-            let code = match response.status {
-                429 => RPC_RESOURCE_EXHAUSTED,
-                401 => RPC_UNAUTHENTICATED,
-                _ => RPC_INVALID_ARGUMENT,
-            };
-            CheckResponse {
-                status: Some(RpcStatus {
-                    code,
-                    message: response.body.unwrap_or("").to_string(),
-                    ..RpcStatus::default()
-                }),
-                http_response: Some(check_response::HttpResponse::DeniedResponse(
-                    DeniedHttpResponse {
-                        status: Some(HttpStatus {
-                            code: i32::from(response.status),
-                        }),
-                        headers: header_options(&response.headers),
-                        body: response.body.unwrap_or("").to_string(),
-                    },
-                )),
-                ..CheckResponse::default()
-            }
+            });
+        }
+        let code = match response.status {
+            429 => RPC_RESOURCE_EXHAUSTED,
+            401 => RPC_UNAUTHENTICATED,
+            _ => RPC_INVALID_ARGUMENT,
         };
-        Ok(Response::new(check))
+        Ok(CheckResponse {
+            status: Some(RpcStatus {
+                code,
+                message: response.body.unwrap_or("").to_string(),
+                ..RpcStatus::default()
+            }),
+            http_response: Some(check_response::HttpResponse::DeniedResponse(
+                DeniedHttpResponse {
+                    status: Some(HttpStatus {
+                        code: i32::from(response.status),
+                    }),
+                    headers: header_options(&response.headers),
+                    body: response.body.unwrap_or("").to_string(),
+                },
+            )),
+            ..CheckResponse::default()
+        })
     }
+}
+
+/// What a `Check` call describes, read from its message.
+struct CheckCall {
+    /// The call's peer is a `--trusted-proxy`: the described request's network headers are
+    /// believed.
+    network_trusted: bool,
+    /// The call's metadata, when traces are on (Envoy's trace context).
+    metadata: Option<tonic::metadata::MetadataMap>,
+    /// The described request's client, as Envoy saw it.
+    peer: Option<IpAddr>,
+    http: HttpRequest,
+    headers: http::HeaderMap,
+}
+
+impl CheckCall {
+    /// The body Envoy sends with `with_request_body`: bytes in `raw_body`, else text in `body`.
+    fn body(&self) -> &[u8] {
+        if self.http.raw_body.is_empty() {
+            self.http.body.as_bytes()
+        } else {
+            &self.http.raw_body
+        }
+    }
+}
+
+/// The described request's headers (both of Envoy's forms) as a map. Pseudo-headers
+/// (`:path`...) are not headers; the request line comes from the message's own fields.
+fn header_map(http: &HttpRequest) -> http::HeaderMap {
+    let mut headers = http::HeaderMap::with_capacity(http.headers.len());
+    let mut add = |name: &str, value: &[u8]| {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(name.as_bytes()),
+            http::HeaderValue::from_bytes(value),
+        ) {
+            headers.append(name, value);
+        }
+    };
+    for (name, value) in &http.headers {
+        add(name, value.as_bytes());
+    }
+    if let Some(map) = &http.header_map {
+        for h in &map.headers {
+            let value = if h.raw_value.is_empty() {
+                h.value.as_bytes()
+            } else {
+                &h.raw_value
+            };
+            add(&h.key, value);
+        }
+    }
+    headers
 }

@@ -31,6 +31,7 @@ use pingora::server::{
 };
 use pingora::services::background::{background_service, BackgroundService};
 use pingora::services::listening::Service;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,38 +42,201 @@ const UPSTREAM_KEEPALIVE_POOL: usize = 256;
 /// keep pools of a few hundred at most).
 const ADMIN_MAX_CONNECTIONS: usize = 4096;
 
-/// `tollgate run`: returns the process exit code.
+/// Why `tollgate run` cannot start. Each names what it is about: the flag, file or listener.
+/// [`run`] reports it, once.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    /// The flags do not make a valid configuration.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigErrors),
+    /// The gateway cannot be built from the configuration (its JWT keys, its store).
+    #[error(transparent)]
+    Gateway(#[from] crate::service::StartError),
+    /// The `OTEL_*` environment asks for traces in a way that cannot work.
+    #[error(transparent)]
+    Traces(#[from] crate::telemetry::traces::TelemetryError),
+    /// `--policy` names no file (and `--wait-for-policy` is not given).
+    #[error("--policy {}: no such file (start with --wait-for-policy to run unlimited until it appears)", .0.display())]
+    NoPolicyFile(PathBuf),
+    /// The policy file puts nothing in force.
+    #[error(transparent)]
+    EmptyPolicy(crate::policy::PolicyError),
+    /// `--policy-verify-key` cannot be read or holds no Ed25519 public key.
+    #[error("--policy-verify-key {0}")]
+    VerifyKey(crate::fleet::envelope::KeyError),
+    /// The runtime of the policy store's first read cannot start.
+    #[error("--policy-store: cannot start its first read: {0}")]
+    FirstRead(std::io::Error),
+    /// `--policy-store` cannot be opened.
+    #[error("--policy-store: {0}")]
+    PolicyStore(crate::fleet::source::SourceError),
+    /// `--upgrade` without a policy in force: the running gateway keeps its listeners.
+    #[error(
+        "--upgrade: the policy does not load, so the running gateway keeps its listeners: {0}"
+    )]
+    UpgradeWithoutPolicy(NotInForce),
+    /// Whoever can write the upgrade socket's directory could take the listening sockets.
+    #[error("--upgrade-sock {}: its directory is not trusted: {reason}", .sock.display())]
+    UntrustedSocketDir {
+        sock: PathBuf,
+        reason: crate::store::fs_trust::Untrusted,
+    },
+    /// The upgrade's relay socket cannot be made.
+    #[error(transparent)]
+    Relay(#[from] RelayError),
+    /// `--tls-cert` / `--tls-key`: a pair that cannot be used.
+    #[error("--tls-cert/--tls-key: {0}")]
+    Certificates(crate::config::tls::CertError),
+    /// The HTTPS listener's settings cannot be made.
+    #[error("TLS listener {addr}: {source}")]
+    TlsListener {
+        addr: String,
+        source: Box<pingora::Error>,
+    },
+    /// `--routes`: the gateway file cannot be used.
+    #[error("--routes: {0}")]
+    Routes(crate::config::routes::RoutesError),
+    /// An upstream group cannot be built.
+    #[error(transparent)]
+    Upstreams(#[from] upstreams::UpstreamsError),
+    /// The gRPC listener cannot start.
+    #[error(transparent)]
+    Grpc(#[from] grpc::GrpcStartError),
+    /// `--upgrade`: the running gateway did not hand its listeners over.
+    #[error("{0}")]
+    Handover(handover::HandoverError),
+    /// A listening address cannot be bound.
+    #[error(transparent)]
+    Bind(#[from] bind::BindError),
+}
+
+impl StartupError {
+    /// The log's ERROR line: the message, with the step of an upgrade it failed in.
+    pub fn log_line(&self) -> String {
+        match self {
+            StartupError::Handover(e) => format!("upgrade: {e}"),
+            e => e.to_string(),
+        }
+    }
+
+    /// The process's exit code: every start-up error is an invalid invocation or setting.
+    pub fn exit_code(&self) -> u8 {
+        EXIT_INVALID
+    }
+}
+
+/// Why no policy is in force at start-up: refused on an upgrade (a plain start answers 503
+/// from the decision service until a valid bundle appears).
+#[derive(Debug, thiserror::Error)]
+pub enum NotInForce {
+    #[error(transparent)]
+    Policy(crate::policy::PolicyError),
+    #[error("--policy-store {url}: no bundle could be put in force (none published, none kept in --state-dir, or the store unreachable)")]
+    NoBundle { url: String },
+}
+
+/// `tollgate run`: starts, then serves until stopped. The one place a start-up error is
+/// reported (the log's ERROR line, then `tollgate: ...` on stderr) and its exit code chosen.
 pub fn run(args: RunArgs) -> u8 {
+    match start(args) {
+        Ok(running) => running.serve(),
+        Err(e) => {
+            tracing::error!("{}", e.log_line());
+            eprintln!("tollgate: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// A gateway ready to serve: every listener bound or handed over, Pingora bootstrapped.
+pub struct Running {
+    server: Server,
+    gateway: Arc<Gateway>,
+    shutdown: DrainOnSignal,
+}
+
+impl Running {
+    /// Serves until SIGTERM or SIGINT (or a hand-over on SIGQUIT), then drains; the exit code.
+    pub fn serve(self) -> u8 {
+        self.server.run(PingoraRunArgs {
+            shutdown_signal: Box::new(self.shutdown),
+        });
+        if let Some(telemetry) = self.gateway.telemetry() {
+            // The spans still queued, within a bound: a collector that is down delays the exit
+            // by at most this.
+            telemetry.shutdown(Duration::from_secs(2));
+        }
+        crate::telemetry::log_line::flush();
+        tracing::info!("tollgate stopped");
+        EXIT_OK
+    }
+}
+
+/// `tollgate run` up to serving, step by step: the gateway, its policy, the upgrade's
+/// sockets, certificates, routes, the services, then every listener (taken over from the
+/// running gateway on `--upgrade`, else bound here) before Pingora starts.
+///
+/// # Errors
+/// The first step that fails ([`StartupError`], naming its flag, file or listener).
+pub fn start(args: RunArgs) -> Result<Running, StartupError> {
     ignore_sighup_until_ready();
     init_logging(args.log_format);
-    let config = match Config::from_args(&args) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("tollgate: {e}");
-            return EXIT_INVALID;
-        }
-    };
-    let gateway = match Gateway::new(config.clone()) {
-        Ok(g) => Arc::new(g),
-        Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("tollgate: {e}");
-            return EXIT_INVALID;
-        }
-    };
-    // Traces, when the OTEL_* environment asks for them (a setting it cannot use stops here).
-    match crate::telemetry::traces::Telemetry::from_env(
+    let (config, gateway) = build_gateway(&args)?;
+    let verify_key = load_policy(&config, &gateway)?;
+    let relay = prepare_upgrade(&config)?;
+    let certificates = load_certificates(&config)?;
+    let mut server = new_server(&config, relay.as_ref());
+    let upstreams = load_upstreams(&config)?;
+    let mut listeners = Listeners::default();
+    if let Some(upstreams) = &upstreams {
+        let proxy = ProxyParts {
+            config: &config,
+            gateway: &gateway,
+            upstreams,
+            certificates: certificates.as_ref(),
+        };
+        proxy.add_to(&mut server, &mut listeners)?;
+    }
+    let admin = add_admin(&mut server, &config, &gateway);
+    if let Some(grpc) = &config.grpc {
+        add_grpc(&mut server, &mut listeners, grpc, &config, &gateway)?;
+    }
+    add_background(
+        &mut server,
+        &config,
+        &gateway,
+        verify_key,
+        certificates,
+        upstreams,
+    );
+    // The admin listener last: `/readyz` cannot be reached before every other one is bound.
+    listeners.add(admin, &config.admin_listen, "--admin-listen");
+    let (handed_over, confirmation) = take_over(relay.as_ref(), &config, &gateway)?;
+    let prebound = bind_the_rest(&listeners, &handed_over, &config)?;
+    let listen_table = add_listen_table(&mut server, listeners, prebound, confirmation);
+    server.bootstrap();
+    drop(relay);
+    Ok(Running {
+        server,
+        shutdown: DrainOnSignal {
+            upgrade_sock: config.upgrade_sock.clone(),
+            listen_table,
+            gateway: Arc::clone(&gateway),
+        },
+        gateway,
+    })
+}
+
+/// The configuration and the gateway built from it, with traces when the `OTEL_*`
+/// environment asks for them; warns of flags that weaken it.
+fn build_gateway(args: &RunArgs) -> Result<(Config, Arc<Gateway>), StartupError> {
+    let config = Config::from_args(args)?;
+    let gateway = Arc::new(Gateway::new(config.clone())?);
+    if let Some(telemetry) = crate::telemetry::traces::Telemetry::from_env(
         gateway.config.trace_context,
         gateway.metrics.trace_spans_dropped(),
-    ) {
-        Ok(Some(telemetry)) => gateway.set_telemetry(telemetry),
-        Ok(None) => {}
-        Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("tollgate: {e}");
-            return EXIT_INVALID;
-        }
+    )? {
+        gateway.set_telemetry(telemetry);
     }
     if config.bucket_idle_given {
         tracing::warn!(
@@ -85,16 +249,19 @@ pub fn run(args: RunArgs) -> u8 {
              jwt: descriptors unless a layer in front of tollgate verifies every token."
         );
     }
+    Ok((config, gateway))
+}
+
+/// Puts the policy in force: the file, or under `--policy-store` the bundle kept in
+/// `--state-dir` and the store's newest. Returns `--policy-verify-key`, for the follower.
+fn load_policy(
+    config: &Config,
+    gateway: &Arc<Gateway>,
+) -> Result<Option<Arc<crate::fleet::envelope::VerifyKey>>, StartupError> {
     // A policy file that does not exist is most likely a typo: starting would proxy everything
     // unlimited. `--wait-for-policy` is for orchestrators that mount the file later.
     if config.policy_store.is_none() && !config.wait_for_policy && !config.policy.exists() {
-        let e = format!(
-            "--policy {}: no such file (start with --wait-for-policy to run unlimited until it appears)",
-            config.policy.display()
-        );
-        tracing::error!("{e}");
-        eprintln!("tollgate: {e}");
-        return EXIT_INVALID;
+        return Err(StartupError::NoPolicyFile(config.policy.clone()));
     }
     // An invalid policy is not fatal at a plain start: decisions answer 503 until a valid
     // bundle appears (the file watcher picks it up). An upgrade is different: the running
@@ -103,35 +270,28 @@ pub fn run(args: RunArgs) -> u8 {
     let loaded = gateway.load_policy(Trigger::Startup);
     // A policy file that puts nothing in force would proxy everything unlimited (every policy
     // skipped by --skip-invalid-policies, an empty bundle): stop, unless the operator means it.
-    if let Err(e @ crate::policy::PolicyError::Empty { .. }) = &loaded {
-        tracing::error!("{e}");
-        eprintln!("tollgate: {e}");
-        return EXIT_INVALID;
-    }
-    let verify_key = match start_following(&gateway) {
-        Ok(key) => key,
-        Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("tollgate: {e}");
-            return EXIT_INVALID;
+    let loaded = match loaded {
+        Err(e @ crate::policy::PolicyError::Empty { .. }) => {
+            return Err(StartupError::EmptyPolicy(e))
         }
+        loaded => loaded,
     };
+    let verify_key = start_following(gateway)?;
     let loaded = match (&config.policy_store, loaded) {
-        (Some(store), Ok(())) if gateway.loaded.load().is_none() => Err(format!(
-            "--policy-store {}: no bundle could be put in force (none published, none kept in --state-dir, or the store unreachable)",
-            crate::fleet::source::display_url(&store.url)
-        )),
-        (_, loaded) => loaded.map_err(|e| e.to_string()),
+        (Some(store), Ok(())) if gateway.loaded.load().is_none() => Err(NotInForce::NoBundle {
+            url: crate::fleet::source::display_url(&store.url),
+        }),
+        (_, loaded) => loaded.map_err(NotInForce::Policy),
     };
-    if let (true, Err(e)) = (config.upgrade, &loaded) {
-        let e = format!(
-            "--upgrade: the policy does not load, so the running gateway keeps its listeners: {e}"
-        );
-        tracing::error!("{e}");
-        eprintln!("tollgate: {e}");
-        return EXIT_INVALID;
+    match loaded {
+        Err(e) if config.upgrade => Err(StartupError::UpgradeWithoutPolicy(e)),
+        _ => Ok(verify_key),
     }
+}
 
+/// Checks the upgrade socket's directory and, with `--upgrade`, makes the relay the sockets
+/// handed over reach Pingora's bootstrap through.
+fn prepare_upgrade(config: &Config) -> Result<Option<Relay>, StartupError> {
     // Whoever can put a socket where the upgrade socket goes is handed the listening sockets
     // (or hands over their own): only a directory no other user can write is accepted.
     // (Checked when it matters or could: an upgrade, or a directory that exists. A state dir
@@ -143,65 +303,52 @@ pub fn run(args: RunArgs) -> u8 {
                 .parent()
                 .is_some_and(|dir| dir.as_os_str().is_empty() || dir.is_dir())
     }) {
-        if let Err(reason) =
-            crate::proxy::handover::check_socket_dir(sock, crate::store::fs_trust::effective_uid())
-        {
-            let e = format!(
-                "--upgrade-sock {}: its directory is not trusted: {reason}",
-                sock.display()
-            );
-            tracing::error!("{e}");
-            eprintln!("tollgate: {e}");
-            return EXIT_INVALID;
-        }
+        crate::proxy::handover::check_socket_dir(sock, crate::store::fs_trust::effective_uid())
+            .map_err(|reason| StartupError::UntrustedSocketDir {
+                sock: sock.clone(),
+                reason,
+            })?;
     }
     // The upgrade's relay: the sockets the old process hands over (checked by `handover`)
     // reach Pingora's bootstrap through a socket in a directory of this process's own.
-    let relay = match config.upgrade_sock.as_deref().filter(|_| config.upgrade) {
-        None => None,
-        Some(sock) => match Relay::make(sock) {
-            Ok(relay) => Some(relay),
-            Err(e) => {
-                tracing::error!("{e}");
-                eprintln!("tollgate: {e}");
-                return EXIT_INVALID;
-            }
-        },
+    match config.upgrade_sock.as_deref().filter(|_| config.upgrade) {
+        None => Ok(None),
+        Some(sock) => Ok(Some(Relay::make(sock)?)),
+    }
+}
+
+/// The edge listener's certificates: a bad one is a start-up error naming the file.
+fn load_certificates(
+    config: &Config,
+) -> Result<Option<Arc<crate::config::tls::Certificates>>, StartupError> {
+    let Some(tls) = &config.tls else {
+        return Ok(None);
     };
+    let certs = crate::config::tls::Certificates::load(tls.pairs.clone())
+        .map_err(StartupError::Certificates)?;
+    tracing::info!(names = ?certs.current().names, "TLS certificates loaded");
+    Ok(Some(certs))
+}
+
+/// Pingora's server, with options built here: Pingora must not parse our argv (its own flags
+/// clash with ours).
+fn new_server(config: &Config, relay: Option<&Relay>) -> Server {
     let conf = ServerConf {
         threads: config.threads.get(),
         // Only the relay: the old process's side of a hand-over is `handover::send`, never
         // Pingora's (which checks nobody's credentials).
-        upgrade_sock: relay
-            .as_ref()
-            .map_or_else(String::new, |relay| relay.sock.display().to_string()),
+        upgrade_sock: relay.map_or_else(String::new, |relay| relay.sock.display().to_string()),
         work_stealing: false,
         upstream_keepalive_pool_size: UPSTREAM_KEEPALIVE_POOL,
         grace_period_seconds: Some(1),
         graceful_shutdown_timeout_seconds: Some(10),
         ..ServerConf::default()
     };
-    // Certificates first: a bad one is a start-up error naming the file.
-    let certificates = match &config.tls {
-        None => None,
-        Some(tls) => match crate::config::tls::Certificates::load(tls.pairs.clone()) {
-            Ok(certs) => {
-                tracing::info!(names = ?certs.current().names, "TLS certificates loaded");
-                Some(certs)
-            }
-            Err(e) => {
-                tracing::error!("--tls-cert/--tls-key: {e}");
-                eprintln!("tollgate: --tls-cert/--tls-key: {e}");
-                return EXIT_INVALID;
-            }
-        },
-    };
-    // Options built here: Pingora must not parse our argv (its own flags clash with ours).
     let options = pingora::server::configuration::Opt {
         upgrade: config.upgrade,
         ..Default::default()
     };
-    let mut server = Server::new_with_opt_and_conf(options, conf);
+    let server = Server::new_with_opt_and_conf(options, conf);
     // Pingora's own timer keeps every timeout it registers until its deadline, even when the
     // read it guarded finished long before: with the 60 s upstream read timeout, one per read,
     // that was measured at 6-8 % of a proxied request's CPU. Tokio's timer cancels on drop;
@@ -209,63 +356,67 @@ pub fn run(args: RunArgs) -> u8 {
     pingora::prelude::fast_timeout::set_fast_timeout_to_tokio_threshold(Some(
         std::time::Duration::from_secs(10),
     ));
+    server
+}
 
-    // Upstream groups and routes: the gateway file, or `--upstream` as one default group.
-    let route_table = match &config.routes {
-        Some(file) => match crate::config::routes::load_file(file) {
-            Ok(table) => Some(table),
-            Err(e) => {
-                tracing::error!("--routes: {e}");
-                eprintln!("tollgate: --routes: {e}");
-                return EXIT_INVALID;
-            }
-        },
-        None if config.upstreams.is_empty() => None,
-        None => Some(crate::config::routes::RouteTable::single(
+/// Upstream groups and routes: the gateway file, or `--upstream` as one default group; none
+/// (no reverse proxy) without either.
+fn load_upstreams(config: &Config) -> Result<Option<SharedUpstreams>, StartupError> {
+    let table = match &config.routes {
+        Some(file) => crate::config::routes::load_file(file).map_err(StartupError::Routes)?,
+        None if config.upstreams.is_empty() => return Ok(None),
+        None => crate::config::routes::RouteTable::single(
             crate::config::routes::GroupSpec::from_flag(config.upstreams.clone()),
-        )),
+        ),
     };
-    let upstreams = match route_table.map(upstreams::Upstreams::build) {
-        None => None,
-        Some(Ok(built)) => Some(Arc::new(arc_swap::ArcSwap::from_pointee(built))),
-        Some(Err(e)) => {
-            tracing::error!("{e}");
-            eprintln!("tollgate: {e}");
-            return EXIT_INVALID;
-        }
-    };
+    let built = upstreams::Upstreams::build(table)?;
+    Ok(Some(Arc::new(arc_swap::ArcSwap::from_pointee(built))))
+}
 
-    // Every address this process listens on, with the flag that asked for it: bound by
-    // `bind::bind_all` (or taken over) before Pingora starts, admin last. An upgrade confirms only
-    // when all of them are in Pingora's table.
-    let mut wanted: Vec<bind::Wanted> = Vec::new();
-    let want = |addr: &str, flag: &'static str| bind::Wanted {
-        addr: addr.to_string(),
-        flag,
-    };
-    // The services that take a socket from the table: each starts only once the table holds
-    // the sockets bound here.
-    let mut listening: Vec<pingora::services::ServiceHandle> = Vec::new();
-    if let Some(upstreams) = &upstreams {
+/// The upstream groups in force, swapped whole on reload.
+type SharedUpstreams = Arc<arc_swap::ArcSwap<upstreams::Upstreams>>;
+
+/// Every address this process listens on, with the flag that asked for it (bound by
+/// `bind::bind_all`, or taken over, before Pingora starts; an upgrade confirms only when all of
+/// them are in Pingora's table), and the services that take a socket from the table: each
+/// starts only once the table holds the sockets bound here.
+#[derive(Default)]
+struct Listeners {
+    wanted: Vec<bind::Wanted>,
+    services: Vec<pingora::services::ServiceHandle>,
+}
+
+impl Listeners {
+    fn want(&mut self, addr: &str, flag: &'static str) {
+        self.wanted.push(bind::Wanted {
+            addr: addr.to_string(),
+            flag,
+        });
+    }
+
+    /// A service listening on `addr` alone.
+    fn add(&mut self, service: pingora::services::ServiceHandle, addr: &str, flag: &'static str) {
+        self.want(addr, flag);
+        self.services.push(service);
+    }
+}
+
+/// What the reverse proxy's service is made of.
+struct ProxyParts<'a> {
+    config: &'a Config,
+    gateway: &'a Arc<Gateway>,
+    upstreams: &'a SharedUpstreams,
+    certificates: Option<&'a Arc<crate::config::tls::Certificates>>,
+}
+
+impl ProxyParts<'_> {
+    /// The reverse proxy, behind the connection guard, on `--listen` and (with certificates)
+    /// HTTPS on `--listen-tls` or in place of `--listen`.
+    fn add_to(&self, server: &mut Server, listeners: &mut Listeners) -> Result<(), StartupError> {
+        let config = self.config;
         let nofile = conn::raise_nofile_limit();
-        let limits = conn::Limits {
-            max_connections: config
-                .max_connections
-                .map(std::num::NonZeroUsize::get)
-                .unwrap_or_else(|| conn::default_max_connections(nofile, UPSTREAM_KEEPALIVE_POOL)),
-            header_timeout: config.header_timeout,
-            h2c: config.h2c,
-            per_client: config.max_connections_per_ip.map(|max| {
-                conn::PerClient::new(
-                    max.get(),
-                    config.ipv6_prefix,
-                    config.trusted_proxies.clone(),
-                    &config.reason_header,
-                    gateway.metrics.connections_refused("per_ip"),
-                )
-            }),
-        };
-        let proxy = gateway::Proxy::new(Arc::clone(&gateway), Arc::clone(upstreams));
+        let limits = self.limits(nofile);
+        let proxy = gateway::Proxy::new(Arc::clone(self.gateway), Arc::clone(self.upstreams));
         let mut app = pingora::proxy::http_proxy(&server.configuration, proxy);
         // HTTP/2: h2c with prior knowledge when asked; an idle HTTP/2 connection is closed
         // after the keep-alive timeout, as an idle HTTP/1.1 one is by the connection guard.
@@ -277,55 +428,83 @@ pub fn run(args: RunArgs) -> u8 {
             "tollgate proxy".to_string(),
             conn::Guarded::new(app, limits.clone()),
         );
-        // A 4 KiB read buffer per connection instead of Pingora's 64 KiB: an idle connection
-        // costs a fraction of the memory, and reads larger than the buffer bypass it anyway.
-        let listener = |addr: &str| {
-            ListenerConfig::tcp(addr.to_string())
-                .l4_buffer(L4BufferSettings::new(4096, DEFAULT_L4_WRITE_BUFFER_SIZE))
-        };
         let tls_on_listen = config.tls.as_ref().is_some_and(|t| t.listen.is_none());
         if !tls_on_listen {
             svc.add_listener(listener(&config.listen));
-            wanted.push(want(&config.listen, "--listen"));
+            listeners.want(&config.listen, "--listen");
         }
-        if let (Some(tls), Some(certs)) = (&config.tls, &certificates) {
+        if let (Some(tls), Some(certs)) = (&config.tls, self.certificates) {
             let addr = tls.listen.as_deref().unwrap_or(&config.listen);
             // Paths unused: the resolver picks a pair per handshake from the set in force.
-            let mut settings = match TlsSettings::intermediate("", "") {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!("TLS listener {addr}: {e}");
-                    return EXIT_INVALID;
-                }
-            };
+            let mut settings =
+                TlsSettings::intermediate("", "").map_err(|source| StartupError::TlsListener {
+                    addr: addr.to_string(),
+                    source,
+                })?;
             settings.set_cert_resolver(certs.resolver());
             // ALPN: h2 first, then http/1.1.
             settings.enable_h2();
             svc.add_listener(listener(addr).tls(settings));
-            wanted.push(want(
-                addr,
-                if tls.listen.is_some() {
-                    "--listen-tls"
-                } else {
-                    "--listen"
-                },
-            ));
+            let flag = if tls.listen.is_some() {
+                "--listen-tls"
+            } else {
+                "--listen"
+            };
+            listeners.want(addr, flag);
             tracing::info!(listen_tls = %addr, "HTTPS listener (HTTP/2 and HTTP/1.1 by ALPN)");
         }
         svc.threads = Some(config.threads.get());
-        listening.push(server.add_service(svc));
+        listeners.services.push(server.add_service(svc));
         tracing::info!(
             listen = %config.listen,
-            groups = ?upstreams.load().groups.iter().map(|g| g.spec.name.clone()).collect::<Vec<_>>(),
+            groups = ?self.upstreams.load().groups.iter().map(|g| g.spec.name.clone()).collect::<Vec<_>>(),
             max_connections = limits.max_connections,
             open_files = nofile,
             "reverse proxy"
         );
+        Ok(())
     }
 
-    // The admin listener gets the same guard: a slow or silent client must not hold its
-    // sockets (it is what `/livez` answers on). Its cap is separate from the proxy's, so a
-    // full proxy never starves it.
+    /// The proxy's connection guard: its cap (from the open-files limit unless
+    /// `--max-connections`), header timeout and per-client cap.
+    fn limits(&self, nofile: u64) -> conn::Limits {
+        let config = self.config;
+        conn::Limits {
+            max_connections: config.max_connections.map_or_else(
+                || conn::default_max_connections(nofile, UPSTREAM_KEEPALIVE_POOL),
+                std::num::NonZeroUsize::get,
+            ),
+            header_timeout: config.header_timeout,
+            h2c: config.h2c,
+            per_client: config.max_connections_per_ip.map(|max| {
+                conn::PerClient::new(
+                    max.get(),
+                    config.ipv6_prefix,
+                    config.trusted_proxies.clone(),
+                    &config.reason_header,
+                    self.gateway.metrics.connections_refused("per_ip"),
+                )
+            }),
+        }
+    }
+}
+
+/// A proxy listener on `addr`: a 4 KiB read buffer per connection instead of Pingora's
+/// 64 KiB, so an idle connection costs a fraction of the memory (reads larger than the buffer
+/// bypass it anyway).
+fn listener(addr: &str) -> ListenerConfig {
+    ListenerConfig::tcp(addr.to_string())
+        .l4_buffer(L4BufferSettings::new(4096, DEFAULT_L4_WRITE_BUFFER_SIZE))
+}
+
+/// The admin listener (decision service, health, metrics). It gets the same guard as the
+/// proxy: a slow or silent client must not hold its sockets (it is what `/livez` answers on).
+/// Its cap is separate from the proxy's, so a full proxy never starves it.
+fn add_admin(
+    server: &mut Server,
+    config: &Config,
+    gateway: &Arc<Gateway>,
+) -> pingora::services::ServiceHandle {
     let admin_limits = conn::Limits {
         max_connections: config
             .max_connections
@@ -340,42 +519,55 @@ pub fn run(args: RunArgs) -> u8 {
     };
     let mut admin = Service::new(
         "tollgate admin".to_string(),
-        conn::Guarded::new(admin::Admin::new(Arc::clone(&gateway)), admin_limits),
+        conn::Guarded::new(admin::Admin::new(Arc::clone(gateway)), admin_limits),
     );
     admin.add_tcp(&config.admin_listen);
     // Decisions (nginx auth_request, Envoy ext_authz) use every worker, like the proxy.
     admin.threads = Some(config.threads.get());
-    let admin_handle = server.add_service(admin);
+    let handle = server.add_service(admin);
     tracing::info!(admin_listen = %config.admin_listen, "admin listener (decision service, health, metrics)");
+    handle
+}
 
-    if let Some(grpc) = &config.grpc {
-        let (deliver, delivered) = tokio::sync::oneshot::channel();
-        match crate::proxy::grpc::GrpcServer::start(
-            Arc::clone(&gateway),
-            grpc,
-            config.threads.get(),
-            delivered,
-        ) {
-            Ok(running) => {
-                wanted.push(want(&grpc.listen.to_string(), "--grpc-listen"));
-                listening.push(server.add_service(GrpcListener {
-                    key: grpc.listen.to_string(),
-                    deliver: Some(deliver),
-                    server: Some(running),
-                }));
-            }
-            Err(e) => {
-                tracing::error!("{e}");
-                eprintln!("tollgate: {e}");
-                return EXIT_INVALID;
-            }
-        }
-    }
+/// Envoy's gRPC services on `--grpc-listen`: the server starts on its own runtime now (a bad
+/// certificate stops start-up) and takes its socket from the table once Pingora runs.
+fn add_grpc(
+    server: &mut Server,
+    listeners: &mut Listeners,
+    grpc: &crate::config::GrpcConfig,
+    config: &Config,
+    gateway: &Arc<Gateway>,
+) -> Result<(), StartupError> {
+    let (deliver, delivered) = tokio::sync::oneshot::channel();
+    let running = crate::proxy::grpc::GrpcServer::start(
+        Arc::clone(gateway),
+        grpc,
+        config.threads.get(),
+        delivered,
+    )?;
+    let key = grpc.listen.to_string();
+    let handle = server.add_service(GrpcListener {
+        key: key.clone(),
+        deliver: Some(deliver),
+        server: Some(running),
+    });
+    listeners.add(handle, &key, "--grpc-listen");
+    Ok(())
+}
 
+/// Reloads, sweeps and the policy store's follower; the upstream groups' health checks.
+fn add_background(
+    server: &mut Server,
+    config: &Config,
+    gateway: &Arc<Gateway>,
+    verify_key: Option<Arc<crate::fleet::envelope::VerifyKey>>,
+    certificates: Option<Arc<crate::config::tls::Certificates>>,
+    upstreams: Option<SharedUpstreams>,
+) {
     server.add_service(background_service(
         "tollgate housekeeping",
         Housekeeping {
-            gateway: Arc::clone(&gateway),
+            gateway: Arc::clone(gateway),
             verify_key,
             certificates,
             upstreams: upstreams.clone(),
@@ -390,77 +582,84 @@ pub fn run(args: RunArgs) -> u8 {
             HealthChecks { upstreams },
         ));
     }
+}
 
-    // The admin listener last: `/readyz` cannot be reached before every other one is bound.
-    wanted.push(want(&config.admin_listen, "--admin-listen"));
-    listening.push(admin_handle);
+/// With `--upgrade`, last, once nothing else can fail: waits (up to a minute) for the running
+/// process, sent SIGQUIT, to hand its listening sockets over, and passes them to Pingora's
+/// bootstrap. Returns the addresses handed over and what confirms the upgrade to the old
+/// process.
+fn take_over(
+    relay: Option<&Relay>,
+    config: &Config,
+    gateway: &Gateway,
+) -> Result<(Vec<String>, Option<crate::proxy::handover::Confirmation>), StartupError> {
+    let (Some(relay), Some(sock)) = (relay, &config.upgrade_sock) else {
+        return Ok((Vec::new(), None));
+    };
+    tracing::info!(upgrade_sock = %sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
+    let metrics = &gateway.metrics;
+    let (listeners, confirm) = crate::proxy::handover::receive(
+        sock,
+        crate::store::fs_trust::effective_uid(),
+        crate::proxy::handover::RECEIVE_WAIT,
+        |refused| {
+            tracing::error!("upgrade: {refused}");
+            metrics.handover_failed(refused.reason());
+        },
+    )
+    .map_err(|e| {
+        metrics.handover_failed(e.reason());
+        StartupError::Handover(e)
+    })?;
+    tracing::info!(
+        listeners = ?listeners.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>(),
+        "upgrade: the running gateway handed its listeners over"
+    );
+    let handed_over: Vec<String> = listeners.iter().map(|(name, _)| name.clone()).collect();
+    relay.pass_on(listeners);
+    Ok((handed_over, Some(confirm)))
+}
 
-    // Last, once nothing else can fail: with --upgrade this waits (up to a minute) for the
-    // running process, sent SIGQUIT, to hand its listening sockets over.
-    let mut handed_over: Vec<String> = Vec::new();
-    let mut confirmation = None;
-    if let (Some(relay), Some(sock)) = (&relay, &config.upgrade_sock) {
-        tracing::info!(upgrade_sock = %sock.display(), "upgrade: waiting for the running gateway's listeners (send it SIGQUIT)");
-        let metrics = &gateway.metrics;
-        let received = crate::proxy::handover::receive(
-            sock,
-            crate::store::fs_trust::effective_uid(),
-            crate::proxy::handover::RECEIVE_WAIT,
-            |refused| {
-                tracing::error!("upgrade: {refused}");
-                metrics.handover_failed(refused.reason());
-            },
-        );
-        let (listeners, confirm) = match received {
-            Ok(received) => received,
-            Err(e) => {
-                gateway.metrics.handover_failed(e.reason());
-                tracing::error!("upgrade: {e}");
-                eprintln!("tollgate: {e}");
-                return EXIT_INVALID;
-            }
-        };
-        tracing::info!(
-            listeners = ?listeners.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>(),
-            "upgrade: the running gateway handed its listeners over"
-        );
-        handed_over = listeners.iter().map(|(name, _)| name.clone()).collect();
-        relay.pass_on(listeners);
-        confirmation = Some(confirm);
-    }
-
-    // Every listener not handed over is bound now, before Pingora starts (see `bind`): one that
-    // cannot be bound stops start-up here, with one line naming it. (On an upgrade, the old
-    // process is not told this one serves, so it keeps serving.)
-    let to_bind: Vec<bind::Wanted> = wanted
+/// Binds every listener not handed over, before Pingora starts (see `bind`): one that cannot
+/// be bound stops start-up here, with one line naming it. (On an upgrade, the old process is
+/// not told this one serves, so it keeps serving.)
+fn bind_the_rest(
+    listeners: &Listeners,
+    handed_over: &[String],
+    config: &Config,
+) -> Result<Vec<(String, std::os::fd::OwnedFd)>, StartupError> {
+    let to_bind: Vec<bind::Wanted> = listeners
+        .wanted
         .iter()
         .filter(|w| !handed_over.contains(&w.addr))
         .cloned()
         .collect();
-    let prebound = match bind::bind_all(
+    let prebound = bind::bind_all(
         &to_bind,
         bind::Retry::from_flag(config.bind_retry),
         std::thread::sleep,
-    ) {
-        Ok(bound) => bound,
-        Err(e) => {
-            tracing::error!("{e}");
-            eprintln!("tollgate: {e}");
-            return EXIT_INVALID;
-        }
-    };
+    )?;
     for w in &to_bind {
         tracing::info!(flag = w.flag, addr = %w.addr, "listening");
     }
+    Ok(prebound)
+}
 
-    // The table of listening sockets: the bound ones go in before any listening service starts;
-    // kept for handing them over on SIGQUIT.
+/// The table of listening sockets: the bound ones go in before any listening service starts;
+/// kept for handing them over on SIGQUIT. On an upgrade, the old process is told this one
+/// serves once every listener is in it.
+fn add_listen_table(
+    server: &mut Server,
+    listeners: Listeners,
+    prebound: Vec<(String, std::os::fd::OwnedFd)>,
+    confirmation: Option<crate::proxy::handover::Confirmation>,
+) -> Arc<std::sync::OnceLock<pingora::server::ListenFds>> {
     let listen_table = Arc::new(std::sync::OnceLock::new());
     let table_handle = server.add_service(ListenTable {
         table: Arc::clone(&listen_table),
         prebound,
     });
-    for handle in &listening {
+    for handle in &listeners.services {
         handle.add_dependency(&table_handle);
     }
     if let Some(confirmation) = confirmation {
@@ -468,28 +667,12 @@ pub fn run(args: RunArgs) -> u8 {
             "tollgate upgrade confirmation",
             ConfirmUpgrade {
                 confirmation: parking_lot::Mutex::new(Some(confirmation)),
-                listen_addrs: wanted.iter().map(|w| w.addr.clone()).collect(),
+                listen_addrs: listeners.wanted.into_iter().map(|w| w.addr).collect(),
                 listen_table: Arc::clone(&listen_table),
             },
         ));
     }
-    server.bootstrap();
-    drop(relay);
-    server.run(PingoraRunArgs {
-        shutdown_signal: Box::new(DrainOnSignal {
-            upgrade_sock: config.upgrade_sock.clone(),
-            listen_table,
-            gateway: Arc::clone(&gateway),
-        }),
-    });
-    if let Some(telemetry) = gateway.telemetry() {
-        // The spans still queued, within a bound: a collector that is down delays the exit
-        // by at most this.
-        telemetry.shutdown(Duration::from_secs(2));
-    }
-    crate::telemetry::log_line::flush();
-    tracing::info!("tollgate stopped");
-    EXIT_OK
+    listen_table
 }
 
 /// SIGHUP's default action kills the process. The reload handler is installed only once the
@@ -716,6 +899,22 @@ impl BackgroundService for ConfirmUpgrade {
     }
 }
 
+/// Why the upgrade's relay cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("--upgrade-sock {}: the upgrade needs a socket beside it at {} ({bytes} bytes, more than the 107 a Unix socket path holds): use a shorter path", .upgrade_sock.display(), .sock.display())]
+    TooLong {
+        upgrade_sock: PathBuf,
+        sock: PathBuf,
+        bytes: usize,
+    },
+    #[error("--upgrade-sock: cannot make {}: {source}", .dir.display())]
+    Dir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+}
+
 /// The upgrade's relay into Pingora's bootstrap: a directory only this process's user can
 /// enter, beside the upgrade socket, holding the socket Pingora takes the listeners from.
 struct Relay {
@@ -724,25 +923,28 @@ struct Relay {
 }
 
 impl Relay {
-    fn make(upgrade_sock: &std::path::Path) -> Result<Relay, String> {
+    fn make(upgrade_sock: &std::path::Path) -> Result<Relay, RelayError> {
         let dir = crate::proxy::handover::socket_dir(upgrade_sock)
             .join(format!(".tollgate-relay-{}", std::process::id()));
         // A Unix socket's path holds at most 107 bytes; Pingora's bootstrap cannot take one
         // longer, so say so now, before anything is handed over.
-        let longest = dir.join("s").as_os_str().len();
-        if longest > 107 {
-            return Err(format!(
-                "--upgrade-sock {}: the upgrade needs a socket beside it at {} ({longest} bytes, more than the 107 a Unix socket path holds): use a shorter path",
-                upgrade_sock.display(),
-                dir.join("s").display()
-            ));
+        let sock = dir.join("s");
+        let bytes = sock.as_os_str().len();
+        if bytes > 107 {
+            return Err(RelayError::TooLong {
+                upgrade_sock: upgrade_sock.to_path_buf(),
+                sock,
+                bytes,
+            });
         }
         // A leftover of an earlier process with this pid.
         let _ = std::fs::remove_dir_all(&dir);
         std::os::unix::fs::DirBuilderExt::mode(&mut std::fs::DirBuilder::new(), 0o700)
             .create(&dir)
-            .map_err(|e| format!("--upgrade-sock: cannot make {}: {e}", dir.display()))?;
-        let sock = dir.join("s");
+            .map_err(|source| RelayError::Dir {
+                dir: dir.clone(),
+                source,
+            })?;
         Ok(Relay { dir, sock })
     }
 
@@ -836,14 +1038,14 @@ impl pingora::services::Service for GrpcListener {
 /// newest published bundle when the store answers. Returns the key for the follower.
 fn start_following(
     gateway: &Arc<Gateway>,
-) -> Result<Option<Arc<crate::fleet::envelope::VerifyKey>>, String> {
+) -> Result<Option<Arc<crate::fleet::envelope::VerifyKey>>, StartupError> {
     let Some(store) = &gateway.config.policy_store else {
         return Ok(None);
     };
     let key = match &store.verify_key {
         Some(path) => Some(Arc::new(
             crate::fleet::envelope::VerifyKey::from_pem_file(path)
-                .map_err(|e| format!("--policy-verify-key {e}"))?,
+                .map_err(StartupError::VerifyKey)?,
         )),
         None => {
             // Config refuses this without --allow-unsigned-bundles.
@@ -857,18 +1059,18 @@ fn start_following(
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("--policy-store: cannot start its first read: {e}"))?;
+        .map_err(StartupError::FirstRead)?;
     let timeout = crate::service::follow::SOURCE_TIMEOUT;
     runtime.block_on(async {
         // A source of its own: its connections belong to this short-lived runtime.
-        let source = crate::fleet::source::open(&store.url, timeout)
-            .map_err(|e| format!("--policy-store: {e}"))?;
+        let source =
+            crate::fleet::source::open(&store.url, timeout).map_err(StartupError::PolicyStore)?;
         let follower =
             crate::service::follow::Follower::new(Arc::clone(gateway), source, key.clone());
         follower.load_kept();
         // Each call has its deadline; this bounds the whole first read as well.
         let _ = tokio::time::timeout(timeout * 2, follower.poll_once(Trigger::Startup)).await;
-        Ok::<(), String>(())
+        Ok::<(), StartupError>(())
     })?;
     Ok(key)
 }
@@ -894,23 +1096,24 @@ impl Housekeeping {
         *self.routes_seen.lock() = crate::config::file_hash(file);
         // Read and compiled once; unchanged (a SIGHUP for the certificates or the policy), the
         // groups stay, and with them what the health checks know.
-        let loaded = crate::config::routes::load_file(file).map_err(|e| e.to_string());
-        if loaded
-            .as_ref()
-            .is_ok_and(|table| *table == upstreams.load().table)
-        {
-            return;
-        }
-        match loaded.and_then(upstreams::Upstreams::build) {
+        let rejected = |e: &dyn std::fmt::Display| {
+            tracing::error!(
+                trigger,
+                "routes reload rejected, keeping the routes in force: {e}"
+            );
+        };
+        let table = match crate::config::routes::load_file(file) {
+            Ok(table) if table == upstreams.load().table => return,
+            Ok(table) => table,
+            Err(e) => return rejected(&e),
+        };
+        match upstreams::Upstreams::build(table) {
             Ok(built) => {
                 let names: Vec<String> = built.groups.iter().map(|g| g.spec.name.clone()).collect();
                 upstreams.store(Arc::new(built));
                 tracing::info!(trigger, groups = ?names, "routes loaded");
             }
-            Err(e) => tracing::error!(
-                trigger,
-                "routes reload rejected, keeping the routes in force: {e}"
-            ),
+            Err(e) => rejected(&e),
         }
     }
 
@@ -1030,5 +1233,61 @@ impl BackgroundService for Housekeeping {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_start_up_error_names_its_flag_and_exits_invalid() {
+        let e = StartupError::NoPolicyFile(PathBuf::from("/etc/tollgate/p.json"));
+        assert_eq!(
+            e.to_string(),
+            "--policy /etc/tollgate/p.json: no such file (start with --wait-for-policy to run unlimited until it appears)"
+        );
+        assert_eq!(e.log_line(), e.to_string());
+        assert_eq!(e.exit_code(), EXIT_INVALID);
+        let e = StartupError::UpgradeWithoutPolicy(NotInForce::NoBundle {
+            url: "redis://store:6379/".to_string(),
+        });
+        assert_eq!(
+            e.to_string(),
+            "--upgrade: the policy does not load, so the running gateway keeps its listeners: --policy-store redis://store:6379/: no bundle could be put in force (none published, none kept in --state-dir, or the store unreachable)"
+        );
+    }
+
+    #[test]
+    fn a_failed_hand_over_is_logged_as_the_upgrade_step_it_is() {
+        let e = StartupError::Handover(handover::HandoverError::NoTaker {
+            path: PathBuf::from("/run/tollgate/upgrade.sock"),
+            wait: Duration::from_secs(60),
+        });
+        assert!(
+            e.to_string()
+                .starts_with("--upgrade-sock /run/tollgate/upgrade.sock: "),
+            "{e}"
+        );
+        assert_eq!(e.log_line(), format!("upgrade: {e}"));
+    }
+
+    #[test]
+    fn a_relay_path_too_long_for_a_unix_socket_is_refused_before_anything_is_made() {
+        let dir = format!("/{}", "d".repeat(100));
+        let sock = PathBuf::from(format!("{dir}/upgrade.sock"));
+        let Err(e) = Relay::make(&sock) else {
+            panic!("a relay beside {} was made", sock.display());
+        };
+        let relay = format!("{dir}/.tollgate-relay-{}/s", std::process::id());
+        assert_eq!(
+            StartupError::from(e).to_string(),
+            format!(
+                "--upgrade-sock {}: the upgrade needs a socket beside it at {relay} ({} bytes, more than the 107 a Unix socket path holds): use a shorter path",
+                sock.display(),
+                relay.len()
+            )
+        );
+        assert!(!std::path::Path::new(&dir).exists());
     }
 }

@@ -29,6 +29,23 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Why an upstream group cannot be built. Each names the group.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamsError {
+    /// Its balancer cannot be made from its servers.
+    #[error("upstream group {group:?}: {source}")]
+    Balancer {
+        group: String,
+        source: std::io::Error,
+    },
+    /// Its health check's request cannot be made.
+    #[error("upstream group {group:?}: health check: {source}")]
+    HealthCheck {
+        group: String,
+        source: Box<pingora::Error>,
+    },
+}
+
 /// The groups and the routes of one gateway file (or of `--upstream`).
 pub struct Upstreams {
     pub table: RouteTable,
@@ -40,7 +57,7 @@ impl Upstreams {
     ///
     /// # Errors
     /// A group whose balancer cannot be built (names the group).
-    pub fn build(table: RouteTable) -> Result<Upstreams, String> {
+    pub fn build(table: RouteTable) -> Result<Upstreams, UpstreamsError> {
         let groups = table
             .groups
             .iter()
@@ -71,6 +88,119 @@ impl Upstreams {
 enum Balancer {
     RoundRobin(LoadBalancer<RoundRobin>),
     ClientHash(LoadBalancer<Consistent>),
+}
+
+impl Balancer {
+    /// Round-robin or consistent hashing over the group's servers.
+    fn build(spec: &GroupSpec) -> Result<Balancer, UpstreamsError> {
+        let addrs: Vec<String> = spec.servers.iter().map(ToString::to_string).collect();
+        let fail = |source| UpstreamsError::Balancer {
+            group: spec.name.clone(),
+            source,
+        };
+        Ok(match spec.balance {
+            Balance::RoundRobin => {
+                Balancer::RoundRobin(LoadBalancer::try_from_iter(addrs.iter()).map_err(fail)?)
+            }
+            Balance::ClientHash => {
+                Balancer::ClientHash(LoadBalancer::try_from_iter(addrs.iter()).map_err(fail)?)
+            }
+        })
+    }
+}
+
+/// What every peer of a group shares: TLS and its name, the CA, the pool key and timeouts.
+struct Peers<'a> {
+    spec: &'a GroupSpec,
+    ca: Option<Arc<[pingora::utils::tls::WrappedX509]>>,
+    group_key: u64,
+}
+
+impl<'a> Peers<'a> {
+    fn of(spec: &'a GroupSpec) -> Peers<'a> {
+        let ca = spec.tls.as_ref().and_then(|tls| {
+            (!tls.ca_der.is_empty()).then(|| {
+                let certs: Vec<pingora::utils::tls::WrappedX509> = tls
+                    .ca_der
+                    .iter()
+                    .map(|der| {
+                        pingora::utils::tls::WrappedX509::new(
+                            der.clone(),
+                            pingora::utils::tls::parse_x509,
+                        )
+                    })
+                    .collect();
+                Arc::<[pingora::utils::tls::WrappedX509]>::from(certs)
+            })
+        });
+        // Pooled connections are shared only within a group: Pingora's reuse key covers the
+        // address and SNI but not the CA, so without this a connection verified by one group's
+        // CA could serve a group that trusts another (or only the system's roots).
+        let group_key = {
+            let mut h = twox_hash::XxHash64::with_seed(0x67726f7570);
+            use std::hash::Hasher;
+            h.write(spec.name.as_bytes());
+            if let Some(tls) = &spec.tls {
+                h.write(tls.sni.as_bytes());
+                for der in &tls.ca_der {
+                    h.write(der);
+                }
+            }
+            h.finish()
+        };
+        Peers {
+            spec,
+            ca,
+            group_key,
+        }
+    }
+
+    /// The prepared peer for `addr`.
+    fn peer(&self, addr: SocketAddr) -> HttpPeer {
+        let spec = self.spec;
+        let (tls, sni) = match &spec.tls {
+            Some(t) => (true, t.sni.clone()),
+            None => (false, String::new()),
+        };
+        let mut peer = HttpPeer::new(addr, tls, sni);
+        peer.group_key = self.group_key;
+        peer.options.connection_timeout = Some(spec.connect_timeout);
+        peer.options.read_timeout = Some(spec.read_timeout);
+        peer.options.idle_timeout = spec.idle_timeout;
+        if let Some(ca) = &self.ca {
+            peer.options.ca = Some(Arc::clone(ca));
+        }
+        peer
+    }
+}
+
+/// The group's active health check: `GET path` with the group's TLS name (or `localhost`) as
+/// `Host`, within its own timeout.
+fn health_check(
+    spec: &GroupSpec,
+    peers: &Peers<'_>,
+    path: &str,
+    hc: &crate::config::routes::HealthCheckSpec,
+) -> Result<Box<HttpHealthCheck>, UpstreamsError> {
+    let host = spec
+        .tls
+        .as_ref()
+        .map_or_else(|| "localhost".to_string(), |t| t.sni.clone());
+    let mut check = HttpHealthCheck::new(&host, spec.tls.is_some());
+    check.consecutive_success = hc.healthy_threshold;
+    check.consecutive_failure = hc.unhealthy_threshold;
+    check.peer_template = peers.peer(SocketAddr::from(([0, 0, 0, 0], 1)));
+    check.peer_template.options.connection_timeout = Some(hc.timeout);
+    check.peer_template.options.read_timeout = Some(hc.timeout);
+    let fail = |source| UpstreamsError::HealthCheck {
+        group: spec.name.clone(),
+        source,
+    };
+    let mut req =
+        pingora::http::RequestHeader::build("GET", path.as_bytes(), None).map_err(fail)?;
+    req.append_header("Host", host.as_str()).map_err(fail)?;
+    check.req = req;
+    Ok(Box::new(check))
 }
 
 /// One server of a group, with what selection reads on every request: atomics only.
@@ -211,79 +341,12 @@ pub struct Group {
 }
 
 impl Group {
-    fn build(spec: GroupSpec) -> Result<Group, String> {
-        let addrs: Vec<String> = spec.servers.iter().map(ToString::to_string).collect();
-        let fail = |e: std::io::Error| format!("upstream group {:?}: {e}", spec.name);
-        let mut balancer = match spec.balance {
-            Balance::RoundRobin => {
-                Balancer::RoundRobin(LoadBalancer::try_from_iter(addrs.iter()).map_err(fail)?)
-            }
-            Balance::ClientHash => {
-                Balancer::ClientHash(LoadBalancer::try_from_iter(addrs.iter()).map_err(fail)?)
-            }
-        };
-        let ca = spec.tls.as_ref().and_then(|tls| {
-            (!tls.ca_der.is_empty()).then(|| {
-                let certs: Vec<pingora::utils::tls::WrappedX509> = tls
-                    .ca_der
-                    .iter()
-                    .map(|der| {
-                        pingora::utils::tls::WrappedX509::new(
-                            der.clone(),
-                            pingora::utils::tls::parse_x509,
-                        )
-                    })
-                    .collect();
-                Arc::<[pingora::utils::tls::WrappedX509]>::from(certs)
-            })
-        });
-        // Pooled connections are shared only within a group: Pingora's reuse key covers the
-        // address and SNI but not the CA, so without this a connection verified by one group's
-        // CA could serve a group that trusts another (or only the system's roots).
-        let group_key = {
-            let mut h = twox_hash::XxHash64::with_seed(0x67726f7570);
-            use std::hash::Hasher;
-            h.write(spec.name.as_bytes());
-            if let Some(tls) = &spec.tls {
-                h.write(tls.sni.as_bytes());
-                for der in &tls.ca_der {
-                    h.write(der);
-                }
-            }
-            h.finish()
-        };
-        let peer_for = |addr: SocketAddr| {
-            let (tls, sni) = match &spec.tls {
-                Some(t) => (true, t.sni.clone()),
-                None => (false, String::new()),
-            };
-            let mut peer = HttpPeer::new(addr, tls, sni);
-            peer.group_key = group_key;
-            peer.options.connection_timeout = Some(spec.connect_timeout);
-            peer.options.read_timeout = Some(spec.read_timeout);
-            peer.options.idle_timeout = spec.idle_timeout;
-            if let Some(ca) = &ca {
-                peer.options.ca = Some(Arc::clone(ca));
-            }
-            peer
-        };
+    /// The group's balancer, its servers' prepared peers and its health check.
+    fn build(spec: GroupSpec) -> Result<Group, UpstreamsError> {
+        let mut balancer = Balancer::build(&spec)?;
+        let peers = Peers::of(&spec);
         if let Some((path, hc)) = &spec.health_check {
-            let host = spec
-                .tls
-                .as_ref()
-                .map_or_else(|| "localhost".to_string(), |t| t.sni.clone());
-            let mut check = HttpHealthCheck::new(&host, spec.tls.is_some());
-            check.consecutive_success = hc.healthy_threshold;
-            check.consecutive_failure = hc.unhealthy_threshold;
-            check.peer_template = peer_for(SocketAddr::from(([0, 0, 0, 0], 1)));
-            check.peer_template.options.connection_timeout = Some(hc.timeout);
-            check.peer_template.options.read_timeout = Some(hc.timeout);
-            let mut req = pingora::http::RequestHeader::build("GET", path.as_bytes(), None)
-                .map_err(|e| format!("upstream group {:?}: health check: {e}", spec.name))?;
-            req.append_header("Host", host.as_str())
-                .map_err(|e| format!("upstream group {:?}: health check: {e}", spec.name))?;
-            check.req = req;
-            let check = Box::new(check);
+            let check = health_check(&spec, &peers, path, hc)?;
             match &mut balancer {
                 Balancer::RoundRobin(lb) => lb.set_health_check(check),
                 Balancer::ClientHash(lb) => lb.set_health_check(check),
@@ -294,7 +357,7 @@ impl Group {
             .iter()
             .map(|addr| Server {
                 addr: *addr,
-                peer: peer_for(*addr),
+                peer: peers.peer(*addr),
                 healthy: AtomicBool::new(true),
                 ejected_until_ms: AtomicU64::new(0),
                 failures_down: AtomicU32::new(0),

@@ -148,11 +148,7 @@ impl SentinelTarget {
             .enumerate()
         {
             let bad = || SentinelUrlError::BadAddress(position + 1);
-            let (name, port) = host.rsplit_once(':').ok_or_else(bad)?;
-            let name = name
-                .strip_prefix('[')
-                .and_then(|n| n.strip_suffix(']'))
-                .unwrap_or(name);
+            let (name, port) = crate::request::authority::split_host_port(host).ok_or_else(bad)?;
             let port: u16 = port.parse().map_err(|_| bad())?;
             if name.is_empty() || port == 0 {
                 return Err(bad());

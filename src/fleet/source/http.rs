@@ -40,11 +40,7 @@ impl HttpSource {
             .scheme_str()
             .is_some_and(|s| s.eq_ignore_ascii_case("https"));
         let authority = uri.authority().ok_or_else(|| bad("no host"))?;
-        let host = authority
-            .host()
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
+        let host = crate::request::authority::unbracket(authority.host()).to_string();
         let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
         let authorization = authority.as_str().rsplit_once('@').map(|(userinfo, _)| {
             format!(

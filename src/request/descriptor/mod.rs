@@ -11,7 +11,7 @@ pub use header_lookup::HeaderLookup;
 pub use ip::{canonical_ip, client_net, ip_key, mask_v6, push_ip_key, IpNet};
 
 use std::borrow::Cow;
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::IpAddr;
 
 /// Claims of a verified token: a JSON object.
 pub type Claims = serde_json::Map<String, serde_json::Value>;
@@ -519,28 +519,7 @@ fn normalize_once(path: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
-/// The host name of a `Host` value: `example.com:8080` → `example.com`; `[::1]:8080` →
-/// `[::1]`; a bare IPv6 literal as is. Whatever follows the first `:` of a name is dropped,
-/// valid port or not: `api.example.com:abc` is still `api.example.com` to matching, as it is to
-/// the upstreams that serve it.
-pub fn strip_port(host: &str) -> &str {
-    if host.starts_with('[') {
-        return match host.find(']') {
-            Some(end) => &host[..=end],
-            None => host,
-        };
-    }
-    // One colon (the usual `name:port`) needs no address parse; an unbracketed IPv6 address
-    // has several. Two `memchr` scans instead of counting every byte and splitting again
-    // (this runs on every request).
-    let bytes = host.as_bytes();
-    match memchr::memchr(b':', bytes) {
-        None => host,
-        Some(first) if memchr::memchr(b':', &bytes[first + 1..]).is_none() => &host[..first],
-        Some(_) if host.parse::<Ipv6Addr>().is_ok() => host,
-        Some(first) => &host[..first],
-    }
-}
+pub use crate::request::authority::strip_port;
 
 /// Decodes `%XX` escapes and `+` (as space); invalid escapes are kept as written.
 pub fn percent_decode(input: &str) -> Cow<'_, str> {

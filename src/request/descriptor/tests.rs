@@ -1,6 +1,7 @@
 //! Descriptor tests: parsing, request facts, path normalisation, keys and networks.
 
 use super::*;
+use std::net::Ipv6Addr;
 
 #[test]
 fn a_repeated_header_is_seen_in_any_case_and_spelling() {

@@ -550,12 +550,7 @@ enum Transport {
 
 impl Transport {
     fn new(config: &Config) -> Result<Transport, TelemetryError> {
-        let host = config
-            .endpoint
-            .host()
-            .unwrap_or_default()
-            .trim_start_matches('[')
-            .trim_end_matches(']')
+        let host = crate::request::authority::unbracket(config.endpoint.host().unwrap_or_default())
             .to_string();
         let https = config.endpoint.scheme_str() == Some("https");
         let port = config
