@@ -853,25 +853,44 @@ fn summary(bytes: Option<&[u8]>) -> Option<SlotSummary> {
     })
 }
 
+/// What `tollgate fleet` reads from the store.
+struct FleetRead {
+    url: String,
+    slots: source::Slots,
+    beats: Vec<Heartbeat>,
+    /// The store's clock (ms).
+    now_ms: u64,
+    /// The gateways present in the bucket store at the same URL, when it can list them.
+    present: Option<Vec<String>>,
+}
+
+/// Reads the slots, the heartbeats, the store's clock and the gateways present.
+fn read_fleet(args: &StoreArgs) -> Outcome<FleetRead> {
+    let store = open_store(args)?;
+    runtime()?.block_on(async {
+        let slots = store.read().await.map_err(|e| store_failure(&e))?;
+        let beats = store.gateways().await.map_err(|e| store_failure(&e))?;
+        let now = store_clock(store.as_ref()).await?;
+        // Informational: a store that cannot list them shows none.
+        let present = store
+            .present_gateways(now.saturating_mul(1000))
+            .await
+            .ok()
+            .flatten();
+        Ok(FleetRead {
+            url: store.display_url(),
+            slots,
+            beats,
+            now_ms: now,
+            present,
+        })
+    })
+}
+
 /// `tollgate fleet`; returns the exit code: 1 when a gateway is not on the store's live
 /// version.
 pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let result = (|| {
-        let store = open_store(&args.store)?;
-        runtime()?.block_on(async {
-            let slots = store.read().await.map_err(|e| store_failure(&e))?;
-            let beats = store.gateways().await.map_err(|e| store_failure(&e))?;
-            let now = store_clock(store.as_ref()).await?;
-            // Informational: a store that cannot list them shows none.
-            let present = store
-                .present_gateways(now.saturating_mul(1000))
-                .await
-                .ok()
-                .flatten();
-            Ok((store.display_url(), slots, beats, now, present))
-        })
-    })();
-    let (url, slots, beats, now_ms, present) = match result {
+    let read = match read_fleet(&args.store) {
         Ok(read) => read,
         Err(Failure(code, message)) => {
             let _ = writeln!(err, "{message}");
@@ -879,14 +898,15 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         }
     };
     let (live, candidate) = (
-        summary(slots.live.as_deref()),
-        summary(slots.candidate.as_deref()),
+        summary(read.slots.live.as_deref()),
+        summary(read.slots.candidate.as_deref()),
     );
     let (live_id, candidate_id) = (
-        slots.live.as_deref().map(SlotId::of),
-        slots.candidate.as_deref().map(SlotId::of),
+        read.slots.live.as_deref().map(SlotId::of),
+        read.slots.candidate.as_deref().map(SlotId::of),
     );
-    let standings: Vec<Standing> = beats
+    let standings: Vec<Standing> = read
+        .beats
         .iter()
         .map(|beat| {
             Standing::of(
@@ -900,7 +920,8 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         .collect();
     // On the live version, and not refusing what the live slot holds now (a forged envelope
     // under the version in force, or one that is not an envelope at all, has no other sign).
-    let on_live: Vec<bool> = beats
+    let on_live: Vec<bool> = read
+        .beats
         .iter()
         .zip(&standings)
         .map(|(beat, standing)| {
@@ -909,42 +930,29 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         })
         .collect();
     let text = if args.json {
-        let gateways: Vec<serde_json::Value> = beats
-            .iter()
-            .zip(&standings)
-            .zip(&on_live)
-            .map(|((beat, standing), on_live)| {
-                let mut entry = serde_json::to_value(beat).unwrap_or_default();
-                entry["standing"] = standing.to_string().into();
-                entry["on_live"] = (*on_live).into();
-                entry["suspect"] = suspect(beat, now_ms).into();
-                entry
-            })
-            .collect();
-        let document = serde_json::json!({
-            "store": url,
-            "live": live,
-            "candidate": candidate,
-            "all_on_live": on_live.iter().all(|on| *on),
-            "gateways": gateways,
-            "present_gateways": present,
-        });
-        serde_json::to_string_pretty(&document).unwrap_or_default()
-    } else {
-        fleet_table(
-            &url,
+        fleet_json(
+            &read,
             live.as_ref(),
             candidate.as_ref(),
-            &beats,
             &standings,
-            now_ms,
-        ) + &present_line(present.as_deref())
+            &on_live,
+        )
+    } else {
+        fleet_table(
+            &read.url,
+            live.as_ref(),
+            candidate.as_ref(),
+            &read.beats,
+            &standings,
+            read.now_ms,
+        ) + &present_line(read.present.as_deref())
     };
     let _ = writeln!(out, "{text}");
     // A gateway not heard from for a while has stopped (a replaced pod leaves its heartbeat
     // behind): it shows in the table, but does not hold a deploy script back for ever.
-    let now_secs = i64::try_from(now_ms / 1000).unwrap_or(i64::MAX);
-    let running: Vec<bool> = beats
+    let now_secs = i64::try_from(read.now_ms / 1000).unwrap_or(i64::MAX);
+    let running: Vec<bool> = read
+        .beats
         .iter()
         .map(|beat| now_secs.saturating_sub(beat.at) <= STOPPED_AFTER_SECS)
         .collect();
@@ -963,6 +971,38 @@ pub fn fleet(args: &FleetArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
         live.as_ref().map_or(0, |l| l.version)
     );
     EXIT_INVALID
+}
+
+/// `tollgate fleet --json`: the store, its slots, and each gateway with its standing.
+fn fleet_json(
+    read: &FleetRead,
+    live: Option<&SlotSummary>,
+    candidate: Option<&SlotSummary>,
+    standings: &[Standing],
+    on_live: &[bool],
+) -> String {
+    let gateways: Vec<serde_json::Value> = read
+        .beats
+        .iter()
+        .zip(standings)
+        .zip(on_live)
+        .map(|((beat, standing), on_live)| {
+            let mut entry = serde_json::to_value(beat).unwrap_or_default();
+            entry["standing"] = standing.to_string().into();
+            entry["on_live"] = (*on_live).into();
+            entry["suspect"] = suspect(beat, read.now_ms).into();
+            entry
+        })
+        .collect();
+    let document = serde_json::json!({
+        "store": read.url,
+        "live": live,
+        "candidate": candidate,
+        "all_on_live": on_live.iter().all(|on| *on),
+        "gateways": gateways,
+        "present_gateways": read.present,
+    });
+    serde_json::to_string_pretty(&document).unwrap_or_default()
 }
 
 /// The table's last line when gateways share their buckets in this store: how many are present
