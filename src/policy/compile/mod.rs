@@ -659,15 +659,7 @@ impl Compiler {
         let on_store_error = self.on_store_error(map, path);
         let algorithm = self.algorithm(map, path);
         let config_path = join(path, "algorithm_config");
-        let allowed = algorithm.map_or(CONFIG_FIELDS, LimitKind::config_fields);
-        let config = match map.get("algorithm_config") {
-            Some(v) => self.object(v, &config_path, allowed),
-            None => {
-                self.error(&config_path, "is required");
-                None
-            }
-        };
-        let Some(config) = config else {
+        let Some(config) = self.algorithm_config(map, &config_path, algorithm) else {
             return;
         };
         // An unknown algorithm is an error already; its config is still checked as a token
@@ -835,6 +827,24 @@ impl Compiler {
             );
         }
         kind
+    }
+
+    /// A rule's `algorithm_config` (required), with the fields its kind allows (a token
+    /// bucket's when the algorithm is unknown).
+    fn algorithm_config<'v>(
+        &mut self,
+        map: &'v Map<String, Value>,
+        config_path: &str,
+        algorithm: Option<LimitKind>,
+    ) -> Option<&'v Map<String, Value>> {
+        let allowed = algorithm.map_or(CONFIG_FIELDS, LimitKind::config_fields);
+        match map.get("algorithm_config") {
+            Some(v) => self.object(v, config_path, allowed),
+            None => {
+                self.error(config_path, "is required");
+                None
+            }
+        }
     }
 
     /// Warns of a rule keyed on a client-supplied header with `on_missing: skip`: leaving the
