@@ -4,8 +4,9 @@
 //! The source is one folder per concept. Layers, bottom up: a folder's files use files of their
 //! own layer or lower ones (the one exception, on purpose: a limit kind's compile half, which
 //! `policy/compile` calls, lives with its plan half in `limits/`), and no files import each
-//! other around a circle (`scripts/import-circles.py` counts the imports; `tests/layers.rs`
-//! runs it).
+//! other around a circle. `scripts/import-circles.py` reads the map below (folder → layer) and
+//! counts the imports: it fails on a circle and on an import that climbs a layer, save the
+//! exceptions it lists with their reasons; `tests/layers.rs` runs it.
 //!
 //! ```text
 //! request/    L0     what a request is: its facts and descriptors, the client's address
@@ -24,9 +25,11 @@
 //!                    mapping; reservation tokens; Fairvisor compatibility; `simulate`
 //! telemetry/  L0-L3  metrics, the access log and log lines (values escaped, secrets redacted),
 //!                    OpenTelemetry traces (own span records, OTLP by hand)
-//! config/     L3     flags (cli) → Config; edge certificates (tls); the route file
-//! service/    L3     the running gateway: one `Gateway::decide` for the proxy, the decision
-//!                    service and ext_authz; reloads; following a fleet's store; candidates
+//! config/     L3     flags (cli) → Config, resolved in one place (resolve) with typed
+//!                    errors naming their flags; edge certificates (tls); the route file
+//! service/    L3     the running gateway: `Gateway` and its one `decide` for the proxy, the
+//!                    decision service and ext_authz; its components (reload, follow state,
+//!                    tokens, debug sessions, candidate), each a type of its own
 //! operator/   L3     the operator endpoints' work: admin token, buckets, status, top list
 //! fleet/      L3     publish, promote, rollback; policy sources and signed envelopes
 //! proxy/      L4     Pingora and tonic glue (the only code naming them): reverse proxy,
