@@ -37,6 +37,13 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The log targets these lines had before `Gateway` had a file of its own (the request path's
+/// lines were `tollgate::service`'s, putting a bundle in force was `tollgate::service::reload`'s).
+/// Users filter and alert on targets (`RUST_LOG=tollgate::service::reload=warn`), so moving the
+/// code does not rename them.
+const SERVICE_LOG_TARGET: &str = "tollgate::service";
+const RELOAD_LOG_TARGET: &str = "tollgate::service::reload";
+
 /// Why a gateway cannot be built from a valid configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -227,6 +234,7 @@ impl Gateway {
             TokenOutcome::Invalid(reason) => {
                 self.metrics.token(Err(reason));
                 tracing::debug!(
+                    target: SERVICE_LOG_TARGET,
                     reason = reason.as_str(),
                     "JWT refused; jwt: descriptors are missing"
                 );
@@ -489,9 +497,9 @@ impl Gateway {
             // Names from the policy file: escaped like every value of a line.
             let value = crate::telemetry::log_line::value;
             if alert {
-                tracing::error!(policy = %value(&rule.policy_id), rule = %value(&rule.name), mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+                tracing::error!(target: SERVICE_LOG_TARGET, policy = %value(&rule.policy_id), rule = %value(&rule.name), mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
             } else {
-                tracing::warn!(policy = %value(&rule.policy_id), rule = %value(&rule.name), mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
+                tracing::warn!(target: SERVICE_LOG_TARGET, policy = %value(&rule.policy_id), rule = %value(&rule.name), mode = %rule.mode.as_str(), open_secs, "CIRCUIT_BREAKER_OPEN");
             }
         }
     }
@@ -745,6 +753,7 @@ impl Gateway {
         }
         if let Err(e) = self.verifier.reload_jwks() {
             tracing::error!(
+                target: RELOAD_LOG_TARGET,
                 trigger = trigger.as_str(),
                 "JWKS reload failed, keeping the previous keys: {e}"
             );
@@ -778,20 +787,20 @@ impl Gateway {
                 let in_memory = matches!(self.config.store, StoreKind::Memory)
                     && self.store.stats().state_fallback != Some(false);
                 if let Some(warning) = bundle.restart_warning().filter(|_| in_memory) {
-                    tracing::warn!(policy_file = %path.display(), "{warning}");
+                    tracing::warn!(target: RELOAD_LOG_TARGET, policy_file = %path.display(), "{warning}");
                 }
                 let trust = crate::policy::key_origin::KeyTrust {
                     jwt_claims_verified: !self.verifier.unverified(),
                     default_v6_prefix: self.config.ipv6_prefix,
                 };
                 for warning in bundle.made_up_key_warnings(&trust) {
-                    tracing::warn!(policy_file = %path.display(), "policy warning: {warning}");
+                    tracing::warn!(target: RELOAD_LOG_TARGET, policy_file = %path.display(), "policy warning: {warning}");
                 }
                 self.install(bundle, None, "file");
                 crate::policy::release_parse_memory();
                 self.reload.policy_loaded(sig);
                 self.metrics.reload(true);
-                tracing::info!(policy_file = %path.display(), version = %version, hash = %hash, trigger = trigger.as_str(), "policy loaded");
+                tracing::info!(target: RELOAD_LOG_TARGET, policy_file = %path.display(), version = %version, hash = %hash, trigger = trigger.as_str(), "policy loaded");
                 Ok(())
             }
             Err(e) => {
@@ -800,6 +809,7 @@ impl Gateway {
                 let kept = self.loaded.load().as_ref().map(|p| p.version.clone());
                 match kept {
                     Some(v) => tracing::error!(
+                        target: RELOAD_LOG_TARGET,
                         trigger = trigger.as_str(),
                         "policy reload rejected, keeping bundle_version {v}: {e}"
                     ),
@@ -807,6 +817,7 @@ impl Gateway {
                     None if trigger == Trigger::Startup
                         && matches!(e, PolicyError::Empty { .. }) => {}
                     None => tracing::error!(
+                        target: RELOAD_LOG_TARGET,
                         trigger = trigger.as_str(),
                         "no valid policy loaded (decisions answer 503): {e}"
                     ),
@@ -821,9 +832,11 @@ impl Gateway {
     /// JWKS file when it changed on its own (key rotation).
     pub fn reload_if_changed(&self) {
         match self.verifier.reload_jwks_if_changed() {
-            Some(Ok(())) => tracing::info!("JWKS file changed: keys reloaded"),
+            Some(Ok(())) => {
+                tracing::info!(target: RELOAD_LOG_TARGET, "JWKS file changed: keys reloaded")
+            }
             Some(Err(e)) => {
-                tracing::error!("JWKS reload failed, keeping the previous keys: {e}")
+                tracing::error!(target: RELOAD_LOG_TARGET, "JWKS reload failed, keeping the previous keys: {e}")
             }
             None => {}
         }
@@ -854,15 +867,17 @@ impl Gateway {
         };
         for warning in &bundle.warnings {
             match published {
-                Some(version) => tracing::warn!(version, "policy warning: {warning}"),
+                Some(version) => {
+                    tracing::warn!(target: RELOAD_LOG_TARGET, version, "policy warning: {warning}")
+                }
                 None => {
-                    tracing::warn!(policy_file = %self.config.policy.display(), "policy warning: {warning}")
+                    tracing::warn!(target: RELOAD_LOG_TARGET, policy_file = %self.config.policy.display(), "policy warning: {warning}")
                 }
             }
         }
         for skipped in &bundle.skipped {
             for error in &skipped.errors {
-                tracing::error!(policy_file = %self.config.policy.display(), policy = %skipped.path, id = %skipped.id, "policy skipped (--skip-invalid-policies): {error}");
+                tracing::error!(target: RELOAD_LOG_TARGET, policy_file = %self.config.policy.display(), policy = %skipped.path, id = %skipped.id, "policy skipped (--skip-invalid-policies): {error}");
             }
         }
         for (name, o) in [
@@ -870,7 +885,7 @@ impl Gateway {
             ("kill_switch_override", &bundle.kill_switch_override),
         ] {
             if let Some(o) = o {
-                tracing::warn!(reason = %o.reason, expires_at = o.expires_at, "runtime override {name} enabled in the bundle");
+                tracing::warn!(target: RELOAD_LOG_TARGET, reason = %o.reason, expires_at = o.expires_at, "runtime override {name} enabled in the bundle");
             }
         }
         // Buckets live in the store, not in the bundle: they survive the swap, and a lowered
