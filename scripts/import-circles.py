@@ -25,6 +25,8 @@ import os
 import re
 import sys
 
+from rust_source import blank
+
 # Imports that climb a layer on purpose: (importing folder or file, imported folder or file,
 # why). Paths are relative to src/; a folder ends with "/".
 EXCEPTIONS = [
@@ -46,44 +48,12 @@ def module_path(src, path):
 
 
 def strip_code(text):
-    """The file without comments, string literals and test modules."""
+    """The file without comments, string literals and test modules (from the first
+    `#[cfg(test)] mod` to the end of the file)."""
     test = re.search(r"#\[cfg\(test\)\]\s*(pub(\([^)]*\))?\s+)?mod\s", text)
     if test:
         text = text[: test.start()]
-    out = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-        elif text.startswith("/*", i):
-            depth, i = 1, i + 2
-            while i < n and depth:
-                if text.startswith("/*", i):
-                    depth, i = depth + 1, i + 2
-                elif text.startswith("*/", i):
-                    depth, i = depth - 1, i + 2
-                else:
-                    i += 1
-        elif c == "r" and re.match(r'r#*"', text[i:]) and not re.match(r"\w", text[i - 1] if i else " "):
-            m = re.match(r'r(#*)"', text[i:])
-            end = '"' + m.group(1)
-            j = text.find(end, i + len(m.group(0)))
-            i = n if j < 0 else j + len(end)
-            out.append('""')
-        elif c == '"':
-            i += 1
-            while i < n and text[i] != '"':
-                i += 2 if text[i] == "\\" else 1
-            i += 1
-            out.append('""')
-        elif c == "'" and re.match(r"'(\\.|[^\\'])'", text[i:]):
-            i += len(re.match(r"'(\\.[^']*|[^\\'])'", text[i:]).group(0))
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+    return blank(text)
 
 
 def use_trees(code):
