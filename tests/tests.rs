@@ -33,6 +33,7 @@ mod outage;
 mod policy_store;
 mod postgres;
 mod redis;
+mod response_rules;
 mod routes;
 mod skew;
 mod startup;

@@ -37,6 +37,19 @@ struct SimRequest {
     /// tokens or an OpenAI `usage` object. Settled at the request's `t`; without it the
     /// reservation stays charged as reserved.
     usage: Option<Value>,
+    /// What the upstream answered, for rules that read the response (`count_when`, a
+    /// response-priced cost): settled at the request's `t`. Without it nothing is charged
+    /// for `count_when` and a response-priced cost stays at its `default_cost`.
+    response: Option<SimResponse>,
+}
+
+/// The upstream's response to a recorded request.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SimResponse {
+    status: u16,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
 }
 
 fn default_method() -> String {
@@ -235,6 +248,25 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         "headers": header_map,
         "rules": rules,
     });
+    let now_us = replay.clock.now_us();
+    let counts = decision.penalty_counts();
+    let mut blocked = engine::charges::count_in_memory(&replay.store, now_us, &counts)
+        .contains(&engine::charges::Counted::Blocked);
+    if let (Some(charges), Some(answered)) = (decision.response_charges(), &request.response) {
+        let headers: Vec<(String, String)> = answered
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let settlement = charges.settle(answered.status, &headers);
+        replay.store.adjust(now_us, &settlement.adjust);
+        blocked |= engine::charges::count_in_memory(&replay.store, now_us, &settlement.counted)
+            .contains(&engine::charges::Counted::Blocked);
+        result["charged"] = json!(crate::limits::limiter::micro_to_tokens(settlement.charged));
+    }
+    if blocked {
+        result["penalty_block"] = json!(true);
+    }
     if let Some(reservation) = decision.reservation() {
         result["reserved"] = json!(reservation.tokens());
         if let Some(used) = used {

@@ -22,6 +22,8 @@ pub(crate) const COST_BASED_FIELDS: &[&str] = &[
     "min_cost",
     "max_cost",
     "staged_actions",
+    "count_when",
+    "penalty",
 ];
 
 impl Compiler {

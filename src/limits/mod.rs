@@ -20,7 +20,9 @@
 //! - [`concurrency`]: in-flight caps;
 //! - [`llm`]: `token_bucket_llm` token budgets;
 //! - [`guards`]: loop detection and circuit breakers (a policy's guards, planned before its
-//!   rules).
+//!   rules);
+//! - [`response`]: what a counting rule reads from the response (`count_when`, a
+//!   response-priced cost, the penalty box).
 
 pub mod budget_window;
 pub mod clock;
@@ -30,6 +32,7 @@ pub mod budget;
 pub mod concurrency;
 pub mod guards;
 pub mod llm;
+pub mod response;
 pub mod token_bucket;
 
 use crate::engine::planning::{PlanContext, Planning};
@@ -127,6 +130,8 @@ pub(crate) struct KindParts {
     pub(crate) kind: RuleKind,
     /// A `token_bucket_llm` rule's `tokens_per_day` (its own budget rule, added beside it).
     pub(crate) tokens_per_day: Option<u64>,
+    /// A counting rule's `count_when` and `penalty` ([`response`]).
+    pub(crate) after_response: Option<Box<crate::policy::rule::AfterResponse>>,
 }
 
 impl Default for KindParts {
@@ -136,6 +141,7 @@ impl Default for KindParts {
             cost: None,
             kind: RuleKind::TokenBucket,
             tokens_per_day: None,
+            after_response: None,
         }
     }
 }
@@ -163,6 +169,7 @@ impl Compiler {
             LimitKind::TokenBucket => KindParts {
                 shape: self.bucket_shape(config, &path, None),
                 cost: self.cost_source(config, &path),
+                after_response: self.after_response(config, &path),
                 ..KindParts::default()
             },
             LimitKind::CostBased => match self.budget(config, &path) {
@@ -170,6 +177,7 @@ impl Compiler {
                     shape: Some(shape),
                     cost: Some(cost),
                     kind: RuleKind::Budget(budget),
+                    after_response: self.after_response(config, &path),
                     ..KindParts::default()
                 },
                 None => KindParts::default(),
@@ -200,6 +208,7 @@ impl Compiler {
                     cost: Some(CostSource::Fixed(0)),
                     kind: RuleKind::Llm(limit),
                     tokens_per_day: tpd,
+                    after_response: None,
                 },
                 None => KindParts::default(),
             },

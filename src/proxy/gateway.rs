@@ -99,6 +99,10 @@ pub struct RequestCtx {
     forward_body: Option<Bytes>,
     /// An LLM reservation and the meter reading its response's usage (settled in `logging`).
     metering: Option<Box<Metering>>,
+    /// What rules reading the response are owed (`count_when`, a response-priced cost):
+    /// settled in `response_filter` from the upstream's status and headers, before the client
+    /// has the response; in `logging` from what was written, when no upstream answered.
+    charges: Option<Box<crate::engine::charges::ResponseCharges>>,
     /// The slot held at a server of a group with `max_connections` (given back in `logging`,
     /// or when a retry moves to another server).
     slot: Option<super::queue::Slot>,
@@ -699,6 +703,7 @@ impl Proxy {
             return ControlFlow::Break(Reply::refusal(answer.response, content_type, ctx));
         }
         ctx.lease = answer.lease;
+        ctx.charges = answer.charges.map(Box::new);
         ctx.metering = answer.reservation.map(|reservation| {
             Box::new(Metering {
                 reservation,
@@ -1169,6 +1174,14 @@ impl ProxyHttp for Proxy {
         if let Some(trace) = ctx.trace.as_deref_mut() {
             trace.upstream_responded(upstream_response.status.as_u16());
         }
+        // `take`: settled exactly once, before the client can send its next attempt.
+        if let Some(charges) = ctx.charges.take() {
+            let settlement = charges.settle(
+                upstream_response.status.as_u16(),
+                &crate::service::HttpHeaders(&upstream_response.headers),
+            );
+            self.gateway.penalties.apply(&settlement).await;
+        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             let content_type = upstream_response
                 .headers
@@ -1253,6 +1266,12 @@ impl ProxyHttp for Proxy {
         // `take`: given back exactly once.
         if let Some(lease) = ctx.lease.take() {
             self.gateway.release(&lease).await;
+        }
+        // No upstream answered (the gateway's own 502 or 504): settled on what was written.
+        if let Some(charges) = ctx.charges.take() {
+            let status = session.response_written().map_or(0, |r| r.status.as_u16());
+            let settlement = charges.settle(status, &Vec::<(String, String)>::new());
+            self.gateway.penalties.apply(&settlement).await;
         }
         // Settled exactly once, whatever happened to the response.
         if let Some(metering) = ctx.metering.take() {

@@ -18,6 +18,10 @@ pub struct Answer {
     /// The tokens an allowed request reserved on `token_bucket_llm` rules: settle them with
     /// [`crate::service::Tokens::settle`] once the response's usage is known.
     pub reservation: Option<Reservation>,
+    /// What an allowed request owes rules that read its response (`count_when`, a
+    /// response-priced cost): settle it on the response's status and headers, and apply that
+    /// with [`crate::service::Penalties::apply`].
+    pub charges: Option<crate::engine::charges::ResponseCharges>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
     /// What a trace's span says of the decision (only for a sampled request).

@@ -17,6 +17,7 @@ use super::logging::log_decision;
 use super::reload::{NetworkLoadError, Reload, Trigger};
 use super::source_state::FollowState;
 use super::state_key;
+use super::penalties::Penalties;
 use super::tokens::Tokens;
 use crate::config::{Config, StoreKind};
 use crate::engine::headers::{self, HeaderConfig, Response};
@@ -66,7 +67,8 @@ pub enum StartError {
 /// The gateway: one value holding the configuration, the store, the metrics, the bundle in
 /// force, and its components, each in its own file: [`Reload`] (the watched files and the
 /// network data they give: `reload`), [`FollowState`] (what the policy-store follower knows:
-/// `source_state`), [`Tokens`] (LLM reservations: `tokens`), [`DebugSessionDesk`] (Fairvisor's
+/// `source_state`), [`Tokens`] (LLM reservations: `tokens`), [`Penalties`] (response charges
+/// and penalty boxes: `penalties`), [`DebugSessionDesk`] (Fairvisor's
 /// debug sessions: `debug_sessions`) and [`CandidateShadow`] (the candidate bundle in shadow:
 /// `candidate`).
 /// Its own methods, below, are the request path and the questions about the bundle in force.
@@ -97,6 +99,8 @@ pub struct Gateway {
     pub follow: FollowState,
     /// LLM reservations held until their usage is reported.
     pub tokens: Tokens,
+    /// Response charges and penalty boxes.
+    pub penalties: Penalties,
     /// `--debug-session-secret` under `--compat fairvisor`.
     pub debug_sessions: DebugSessionDesk,
     /// The candidate bundle decided in shadow.
@@ -159,6 +163,7 @@ impl Gateway {
                 Arc::clone(&clock),
                 Arc::clone(&metrics),
             ),
+            penalties: Penalties::new(Arc::clone(&store)),
             debug_sessions: DebugSessionDesk::new(
                 &config,
                 Arc::clone(&clock),
@@ -387,6 +392,10 @@ impl Gateway {
                 engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
             }
         };
+        let counts = decision.penalty_counts();
+        if !counts.is_empty() {
+            self.penalties.count_now(&counts);
+        }
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
@@ -450,6 +459,10 @@ impl Gateway {
                     self.store
                         .release(checked.lease_id, &checked.taken_leases())
                         .await;
+                }
+                let counts = decision.penalty_counts();
+                if !counts.is_empty() {
+                    self.penalties.count(&counts).await;
                 }
                 decision
             }
@@ -543,6 +556,7 @@ impl Gateway {
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
             lease: held_lease(decision),
             reservation: decision.reservation(),
+            charges: decision.response_charges(),
             // Only for a request whose span is recorded: nothing is built otherwise.
             summary: decided
                 .request
@@ -579,6 +593,7 @@ impl Gateway {
             throttle_ms: 0,
             lease: None,
             reservation: None,
+            charges: None,
             summary: described
                 .trace
                 .filter(|t| t.sampled)

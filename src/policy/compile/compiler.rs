@@ -133,6 +133,7 @@ pub(crate) fn plain_rule(
         header_names: Vec::new(),
         kind: RuleKind::TokenBucket,
         definition: 0,
+        after_response: None,
     }
 }
 
@@ -156,6 +157,8 @@ pub(crate) const CONFIG_FIELDS: &[&str] = &[
     "min_cost",
     "max_cost",
     "overrides",
+    "count_when",
+    "penalty",
 ];
 
 impl Compiler {
