@@ -317,7 +317,7 @@ mod tests {
                 "rules[0].algorithm_config.count_when.status: must be a status (100 to 599), a list of statuses such as [401, 403], or a class such as \"5xx\"",
                 "rules[0].algorithm_config.penalty.block_for: is required",
                 "rules[0].algorithm_config.penalty.after: must be a whole number from 1 to 1000",
-                "rules[0].algorithm_config.penalty.within: not a duration like \"1s\", \"180m\" or \"1h\": unknown time unit \"soon\"",
+                "rules[0].algorithm_config.penalty.within: not a duration like \"1s\", \"180m\" or \"1h\": expected number at 0",
             ]
         );
         assert_eq!(
