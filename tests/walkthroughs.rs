@@ -489,6 +489,11 @@ fn walkthrough_llm_gateway() {
 }
 
 #[test]
+fn walkthrough_login() {
+    walk("getting-started/login.md");
+}
+
+#[test]
 fn walkthrough_operator() {
     walk("operations/operator.md");
 }
