@@ -714,7 +714,10 @@ fn response(c: &mut Criterion) {
     let mut group = c.benchmark_group("decision/response");
     for (name, bundle) in [
         ("plain", rule("")),
-        ("count_when", rule(r#", "count_when": {"status": [401, 403]}"#)),
+        (
+            "count_when",
+            rule(r#", "count_when": {"status": [401, 403]}"#),
+        ),
         (
             "count_when_penalty",
             rule(

@@ -213,11 +213,15 @@ fn trip_the_box(gateways: &[&Gateway], origin: &Origin, block_secs: u64) -> Inst
 /// after.
 fn assert_lifted_on_time(gw: &Gateway, tripped: Instant, block_secs: u64) {
     let block = Duration::from_secs(block_secs);
-    std::thread::sleep((tripped + block - Duration::from_millis(700)).saturating_duration_since(Instant::now()));
+    std::thread::sleep(
+        (tripped + block - Duration::from_millis(700)).saturating_duration_since(Instant::now()),
+    );
     let r = post(gw.proxy, "/login?ok");
     assert_eq!(reason(&r), Some("penalty"), "{r:?}");
     assert_eq!(r.header("Retry-After"), Some("1"));
-    std::thread::sleep((tripped + block + Duration::from_millis(1000)).saturating_duration_since(Instant::now()));
+    std::thread::sleep(
+        (tripped + block + Duration::from_millis(1000)).saturating_duration_since(Instant::now()),
+    );
     let r = post(gw.proxy, "/login?ok");
     assert_eq!(r.status, 200, "{r:?}");
 }
@@ -236,7 +240,10 @@ fn the_penalty_box_holds_on_two_gateways_on_redis_and_ends_on_time() {
     );
     let tripped = trip_the_box(&[&fleet[0], &fleet[1]], &origin, 6);
     assert_lifted_on_time(&fleet[1], tripped, 6);
-    assert!(fleet[0].log_text().contains("PENALTY_BLOCK") || fleet[1].log_text().contains("PENALTY_BLOCK"));
+    assert!(
+        fleet[0].log_text().contains("PENALTY_BLOCK")
+            || fleet[1].log_text().contains("PENALTY_BLOCK")
+    );
 }
 
 #[test]
@@ -258,7 +265,11 @@ fn the_penalty_box_survives_a_restart_with_a_state_dir_and_an_operator_lifts_it(
     let mut first = start();
     let tripped = trip_the_box(&[&first], &origin, 8);
     let shown = bucket(&first, "tb:failed-logins:127.0.0.1");
-    assert_eq!(shown["penalty"]["blocked"], serde_json::json!(true), "{shown}");
+    assert_eq!(
+        shown["penalty"]["blocked"],
+        serde_json::json!(true),
+        "{shown}"
+    );
     assert_eq!(shown["penalty"]["after"], serde_json::json!(3), "{shown}");
     first.signal(libc::SIGTERM);
     assert!(first.wait_exit(Duration::from_secs(20)));
@@ -309,7 +320,10 @@ fn a_response_header_cost_is_settled_exactly_clamped_and_defaulted() {
         let r = post(gw.proxy, target);
         assert_eq!(r.status, 200, "{r:?}");
         // The reservation of the default before the origin answered.
-        assert_eq!(r.header("RateLimit-Remaining").map(str::to_string), Some(format!("{}", left as u64 - 5)));
+        assert_eq!(
+            r.header("RateLimit-Remaining").map(str::to_string),
+            Some(format!("{}", left as u64 - 5))
+        );
         left -= charged;
         // A tenth of a token refills every 3.6 s: within one, exact.
         let now = tokens();

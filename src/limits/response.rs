@@ -20,7 +20,9 @@ use crate::engine::planning::{group_of, Planning};
 use crate::limits::limiter::{tokens_to_micro, Quota};
 use crate::policy::compile::compiler::Compiler;
 use crate::policy::json::join;
-use crate::policy::rule::{AfterResponse, CostLimits, CostSource, CountWhen, Penalty, Rule, StatusSet};
+use crate::policy::rule::{
+    AfterResponse, CostLimits, CostSource, CountWhen, Penalty, Rule, StatusSet,
+};
 use crate::request::descriptor::HeaderLookup;
 use crate::store::lease::LeaseOp;
 use crate::store::{BucketKey, Group};
@@ -265,9 +267,9 @@ pub(crate) fn plan<'b>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limits::limiter::{MICRO, US_PER_SEC};
     use crate::policy::compile::compile_bundle;
     use crate::policy::compile::tests::{errors_of, rule};
-    use crate::limits::limiter::{MICRO, US_PER_SEC};
     use serde_json::json;
 
     #[test]
@@ -300,7 +302,12 @@ mod tests {
             "x",
         )
         .unwrap();
-        let when = b.rules[0].after_response.as_deref().unwrap().count_when.clone();
+        let when = b.rules[0]
+            .after_response
+            .as_deref()
+            .unwrap()
+            .count_when
+            .clone();
         assert_eq!(when.and_then(|w| w.status), Some(StatusSet::Class(5)));
         // A plain rule has no part read from the response.
         let b = compile_bundle(&rule(json!({"rps": 1, "burst": 5})), "x").unwrap();
@@ -333,8 +340,10 @@ mod tests {
     #[test]
     fn response_costs_are_bounded_and_default_when_missing() {
         let b = compile_bundle(
-            &rule(json!({"rps": 1, "burst": 100, "cost_source": "response_header:X-Complexity",
-                "default_cost": 2, "max_cost": 50})),
+            &rule(
+                json!({"rps": 1, "burst": 100, "cost_source": "response_header:X-Complexity",
+                "default_cost": 2, "max_cost": 50}),
+            ),
             "x",
         )
         .unwrap();
@@ -354,7 +363,14 @@ mod tests {
         assert_eq!(priced(Some("17")), 17 * MICRO);
         assert_eq!(priced(Some(" 2.5 ")), 2_500_000);
         assert_eq!(priced(Some("900")), 50 * MICRO);
-        for garbled in [None, Some(""), Some("lots"), Some("-3"), Some("NaN"), Some("0")] {
+        for garbled in [
+            None,
+            Some(""),
+            Some("lots"),
+            Some("-3"),
+            Some("NaN"),
+            Some("0"),
+        ] {
             assert_eq!(priced(garbled), 2 * MICRO, "{garbled:?}");
         }
     }
@@ -406,10 +422,15 @@ mod tests {
         use crate::limits::limiter::MICRO;
         use serde_json::json;
 
-        fn login(config: serde_json::Value, mode: &str) -> (TestEngine, crate::limits::clock::ManualClock) {
-            engine(json!({"bundle_version": 1, "policies": [{"id": "p", "spec": {"mode": mode,
+        fn login(
+            config: serde_json::Value,
+            mode: &str,
+        ) -> (TestEngine, crate::limits::clock::ManualClock) {
+            engine(
+                json!({"bundle_version": 1, "policies": [{"id": "p", "spec": {"mode": mode,
                 "rules": [{"name": "login", "limit_keys": ["ip:address"],
-                           "algorithm": "token_bucket", "algorithm_config": config}]}}]}))
+                           "algorithm": "token_bucket", "algorithm_config": config}]}}]}),
+            )
         }
 
         /// One login attempt answered `status`: the decision, then the response settled.
@@ -441,7 +462,10 @@ mod tests {
             }
             for left in (0..5).rev() {
                 assert!(attempt(&e, 401).is_allowed());
-                assert_eq!(ask(&e, "GET", "/", "10.0.0.1", &[]).rules()[0].tokens, left * MICRO);
+                assert_eq!(
+                    ask(&e, "GET", "/", "10.0.0.1", &[]).rules()[0].tokens,
+                    left * MICRO
+                );
             }
             let d = attempt(&e, 200);
             assert_eq!(d.outcome(), Outcome::Reject(Reason::TokenBucketExceeded));
@@ -531,12 +555,19 @@ mod tests {
 
         #[test]
         fn a_response_priced_cost_reserves_its_default_and_settles_to_the_header() {
-            let (e, _clock) = engine(json!({"rules": [{"name": "graphql", "limit_keys": ["ip:address"],
+            let (e, _clock) = engine(
+                json!({"rules": [{"name": "graphql", "limit_keys": ["ip:address"],
                 "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 100,
-                "cost_source": "response_header:X-Complexity", "default_cost": 2, "max_cost": 30}}]}));
+                "cost_source": "response_header:X-Complexity", "default_cost": 2, "max_cost": 30}}]}),
+            );
             // Reserved 2 before; settled exactly, clamped at max_cost, 2 when missing or garbled.
             let mut left = 100 * MICRO;
-            for (value, charged) in [(Some("17"), 17), (Some("500"), 30), (None, 2), (Some("a lot"), 2)] {
+            for (value, charged) in [
+                (Some("17"), 17),
+                (Some("500"), 30),
+                (None, 2),
+                (Some("a lot"), 2),
+            ] {
                 let d = ask(&e, "POST", "/graphql", "10.0.0.1", &[]);
                 assert_eq!(d.rules()[0].tokens, left - 2 * MICRO);
                 let headers: Vec<(String, String)> = value

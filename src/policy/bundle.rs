@@ -245,7 +245,10 @@ impl Bundle {
                     RuleKind::Guard(Guard::Breaker(_)) => "circuit breaker",
                     RuleKind::Guard(Guard::Loop(_)) => "loop marks",
                     RuleKind::TokenBucket
-                        if rule.after_response.as_deref().is_some_and(|a| a.penalty.is_some()) =>
+                        if rule
+                            .after_response
+                            .as_deref()
+                            .is_some_and(|a| a.penalty.is_some()) =>
                     {
                         "penalty box"
                     }

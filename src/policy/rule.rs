@@ -417,7 +417,11 @@ impl StatusSet {
 
 impl CountWhen {
     /// Whether a response with `status` and `headers` is counted.
-    pub fn matches(&self, status: u16, headers: &dyn crate::request::descriptor::HeaderLookup) -> bool {
+    pub fn matches(
+        &self,
+        status: u16,
+        headers: &dyn crate::request::descriptor::HeaderLookup,
+    ) -> bool {
         self.status.as_ref().is_none_or(|s| s.contains(status))
             && self
                 .header

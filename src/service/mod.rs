@@ -41,7 +41,7 @@ pub use envoy_rls::{RlsFailure, RlsReply};
 pub use gateway::{Gateway, StartError};
 pub use loaded::LoadedPolicy;
 pub use logging::init_logging;
+pub use penalties::Penalties;
 pub use reload::{NetworkLoadError, Reload, Trigger};
 pub use source_state::FollowState;
-pub use penalties::Penalties;
 pub use tokens::Tokens;

@@ -5,9 +5,9 @@
 //! `block_for` and clears the log. Every step is one atomic store call, so a fleet sharing
 //! a store counts and blocks as one gateway would.
 
-use crate::engine::charges::{count_in_memory, Counted, PenaltyCount, Settlement};
 #[cfg(doc)]
 use crate::engine::charges::ResponseCharges;
+use crate::engine::charges::{count_in_memory, Counted, PenaltyCount, Settlement};
 use crate::limits::response::{block_lease, count_mark, trips};
 use crate::store::lease::{next_lease_id, LeaseResults};
 use crate::store::Store;

@@ -87,7 +87,12 @@ impl BucketOp {
 /// A probe's verdict: as checked, but an allowed one leaves the bucket as it found it
 /// (refilled to now), full again when it would have been without the request.
 #[cold]
-fn spend_nothing(mut verdict: Verdict, quota: &Quota, window: Option<Window>, now_us: u64) -> Verdict {
+fn spend_nothing(
+    mut verdict: Verdict,
+    quota: &Quota,
+    window: Option<Window>,
+    now_us: u64,
+) -> Verdict {
     if !verdict.allowed {
         return verdict;
     }

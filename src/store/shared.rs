@@ -356,4 +356,3 @@ mod tests {
         let _ = jitter(u64::MAX);
     }
 }
-
