@@ -318,6 +318,56 @@ mod tests {
         assert_eq!(lines[4]["headers"]["RateLimit-Remaining"], json!("0"));
     }
 
+    /// Issue 55: a recorded request carries its response; `count_when` charges the failures,
+    /// the penalty box blocks on the second, and a response-priced cost settles to its header.
+    #[test]
+    fn recorded_responses_settle_counted_rules_and_penalty_boxes() {
+        let bundle = compile_bundle(
+            &json!({"rules": [
+                {"name": "logins", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                 "algorithm_config": {"count": 5, "period": "10m", "burst": 5,
+                   "count_when": {"status": [401]},
+                   "penalty": {"after": 2, "within": "10m", "block_for": "1m"}}},
+                {"name": "priced", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                 "algorithm_config": {"rps": 1, "burst": 100,
+                   "cost_source": "response_header:x-cost", "default_cost": 2, "max_cost": 50}}]}),
+            "sim",
+        )
+        .unwrap();
+        let input = [
+            r#"{"t": 0, "ip": "10.0.0.1", "response": {"status": 200, "headers": {"X-Cost": "7"}}}"#,
+            r#"{"t": 1, "ip": "10.0.0.1", "response": {"status": 401}}"#,
+            r#"{"t": 2, "ip": "10.0.0.1", "response": {"status": 401, "headers": {"x-cost": "900"}}}"#,
+            r#"{"t": 3, "ip": "10.0.0.1", "response": {"status": 200}}"#,
+            r#"{"t": 63, "ip": "10.0.0.1"}"#,
+        ]
+        .join("\n");
+        let mut out = Vec::new();
+        replay(
+            bundle,
+            EngineConfig::default(),
+            DEFAULT_START_UNIX,
+            input.as_bytes(),
+            &mut out,
+        )
+        .unwrap();
+        let lines: Vec<Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        // 7 for the price; 1 failure and the default price; 1 failure and 50 (clamped).
+        assert_eq!(lines[0]["charged"], json!(7.0));
+        assert_eq!(lines[1]["charged"], json!(3.0));
+        assert_eq!(lines[1].get("penalty_block"), None);
+        assert_eq!(lines[2]["charged"], json!(51.0));
+        assert_eq!(lines[2]["penalty_block"], json!(true));
+        assert_eq!(lines[3]["status"], json!(429));
+        assert_eq!(lines[3]["reason"], json!("penalty"));
+        assert_eq!(lines[3]["headers"]["Retry-After"], json!("59"));
+        assert_eq!(lines[4]["status"], json!(200));
+    }
+
     #[test]
     fn conversation_logs_replay_with_their_real_usage() {
         // 1 200 tokens a minute (20 a second), 2 000 of burst, 5 000 a UTC day.
