@@ -8,7 +8,8 @@
 use crate::engine::decision::{Checked, Decision};
 use crate::limits::limiter::Quota;
 use crate::limits::response::{penalty_keys, response_cost};
-use crate::policy::rule::{CostLimits, CostSource, CountWhen, Mode, Penalty, Rule};
+use crate::policy::rule::{AfterResponse, CostLimits, CostSource, CountWhen, Penalty, Rule};
+use std::sync::Arc;
 use crate::request::descriptor::HeaderLookup;
 use crate::store::{AdjustOp, BucketKey, Group};
 use smallvec::SmallVec;
@@ -29,15 +30,19 @@ pub struct ChargeOp {
     pub reserved: u64,
     /// Micro-tokens a counted response is charged when the cost is not the response's.
     pub cost: u64,
-    /// `None`: every response is charged.
-    pub count_when: Option<CountWhen>,
+    /// The rule's `count_when` and `penalty` (shared with the bundle: no copy per request).
+    pub after: Option<Arc<AfterResponse>>,
     /// A response-priced cost: the header and its bounds.
     pub priced: Option<(String, CostLimits)>,
     /// The rule's penalty box, when a counted response counts toward it.
     pub penalty: Option<PenaltyCount>,
-    /// `(policy id, rule name)`, for logs.
-    pub names: (String, String),
-    pub mode: Mode,
+}
+
+impl ChargeOp {
+    /// `None`: every response is charged.
+    pub fn count_when(&self) -> Option<&CountWhen> {
+        self.after.as_deref().and_then(|a| a.count_when.as_ref())
+    }
 }
 
 /// One counted event for a key's penalty box: where its sliding log and its block live.
@@ -81,10 +86,8 @@ impl ResponseCharges {
     pub fn settle(&self, status: u16, headers: &dyn HeaderLookup) -> Settlement {
         let mut out = Settlement::default();
         for op in &self.ops {
-            let matched = op
-                .count_when
-                .as_ref()
-                .is_none_or(|when| when.matches(status, headers));
+            let when = op.count_when();
+            let matched = when.is_none_or(|when| when.matches(status, headers));
             let due = match (&op.priced, matched) {
                 (_, false) => 0,
                 (Some((name, limits)), true) => {
@@ -103,7 +106,7 @@ impl ResponseCharges {
                     delta,
                 });
             }
-            if let (true, true, Some(count)) = (matched, op.count_when.is_some(), op.penalty) {
+            if let (true, true, Some(count)) = (matched, when.is_some(), op.penalty) {
                 out.counted.push(count);
             }
         }
@@ -153,26 +156,22 @@ fn charges_of(checked: &Checked<'_>) -> Option<ResponseCharges> {
             continue;
         }
         let rule = outcome.rule;
-        let count_when = rule
-            .after_response
-            .as_deref()
-            .and_then(|a| a.count_when.clone());
+        let after = rule.after_response.clone();
+        let counted = after.as_deref().is_some_and(|a| a.count_when.is_some());
         charges.ops.push(ChargeOp {
             key: owed.key,
             quota: owed.quota,
             window_id: owed.window_id,
             reserved: owed.reserved,
             cost: owed.cost,
-            penalty: count_when
-                .as_ref()
-                .and_then(|_| PenaltyCount::of(rule, owed.key)),
-            count_when,
+            penalty: counted
+                .then(|| PenaltyCount::of(rule, owed.key))
+                .flatten(),
+            after,
             priced: match &rule.cost {
                 CostSource::Response { name, limits } => Some((name.clone(), *limits)),
                 _ => None,
             },
-            names: (rule.policy_id.clone(), rule.name.clone()),
-            mode: rule.mode,
         });
     }
     (!charges.ops.is_empty()).then_some(charges)

@@ -131,7 +131,7 @@ pub(crate) struct KindParts {
     /// A `token_bucket_llm` rule's `tokens_per_day` (its own budget rule, added beside it).
     pub(crate) tokens_per_day: Option<u64>,
     /// A counting rule's `count_when` and `penalty` ([`response`]).
-    pub(crate) after_response: Option<Box<crate::policy::rule::AfterResponse>>,
+    pub(crate) after_response: Option<std::sync::Arc<crate::policy::rule::AfterResponse>>,
 }
 
 impl Default for KindParts {

@@ -45,7 +45,7 @@ impl Compiler {
         &mut self,
         config: &Map<String, Value>,
         path: &str,
-    ) -> Option<Box<AfterResponse>> {
+    ) -> Option<std::sync::Arc<AfterResponse>> {
         let count_when = config
             .get("count_when")
             .and_then(|v| self.count_when(v, &join(path, "count_when")));
@@ -53,7 +53,7 @@ impl Compiler {
             .get("penalty")
             .and_then(|v| self.penalty(v, &join(path, "penalty")));
         (count_when.is_some() || penalty.is_some()).then(|| {
-            Box::new(AfterResponse {
+            std::sync::Arc::new(AfterResponse {
                 count_when,
                 penalty,
             })

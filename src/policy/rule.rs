@@ -258,7 +258,7 @@ pub struct Rule {
     pub definition: u64,
     /// What a counting rule reads from the response: `count_when` and `penalty`
     /// ([`crate::limits::response`]); `None` for every rule without them.
-    pub after_response: Option<Box<AfterResponse>>,
+    pub after_response: Option<std::sync::Arc<AfterResponse>>,
 }
 
 /// What kind of limit a rule is, with the part only that kind has. The compiler builds it once;
