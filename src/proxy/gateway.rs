@@ -703,7 +703,7 @@ impl Proxy {
             return ControlFlow::Break(Reply::refusal(answer.response, content_type, ctx));
         }
         ctx.lease = answer.lease;
-        ctx.charges = answer.charges.map(Box::new);
+        ctx.charges = answer.charges;
         ctx.metering = answer.reservation.map(|reservation| {
             Box::new(Metering {
                 reservation,

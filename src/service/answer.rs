@@ -21,7 +21,8 @@ pub struct Answer {
     /// What an allowed request owes rules that read its response (`count_when`, a
     /// response-priced cost): settle it on the response's status and headers, and apply that
     /// with [`crate::service::Penalties::apply`].
-    pub charges: Option<crate::engine::charges::ResponseCharges>,
+    /// Boxed: an answer is moved on every request, and most carry none.
+    pub charges: Option<Box<crate::engine::charges::ResponseCharges>>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
     /// What a trace's span says of the decision (only for a sampled request).

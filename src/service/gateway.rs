@@ -556,7 +556,7 @@ impl Gateway {
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
             lease: held_lease(decision),
             reservation: decision.reservation(),
-            charges: decision.response_charges(),
+            charges: decision.response_charges().map(Box::new),
             // Only for a request whose span is recorded: nothing is built otherwise.
             summary: decided
                 .request
