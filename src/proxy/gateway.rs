@@ -693,6 +693,15 @@ impl Proxy {
         answer
     }
 
+    /// Applies what a response settled, in a future of its own: the store calls' state stays
+    /// out of the filters' futures, which every request builds, charged or not.
+    fn settle(
+        &self,
+        settlement: crate::engine::charges::Settlement,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async move { self.gateway.penalties.apply(&settlement).await })
+    }
+
     /// A refusal ends the request here. An allowed request (or any, with no policy loaded: the
     /// proxy fails open, where the decision service answers 503) keeps its lease, its LLM
     /// reservation and the headers for its response.
@@ -1180,7 +1189,7 @@ impl ProxyHttp for Proxy {
                 upstream_response.status.as_u16(),
                 &crate::service::HttpHeaders(&upstream_response.headers),
             );
-            self.gateway.penalties.apply(&settlement).await;
+            self.settle(settlement).await;
         }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             let content_type = upstream_response
@@ -1271,7 +1280,7 @@ impl ProxyHttp for Proxy {
         if let Some(charges) = ctx.charges.take() {
             let status = session.response_written().map_or(0, |r| r.status.as_u16());
             let settlement = charges.settle(status, &Vec::<(String, String)>::new());
-            self.gateway.penalties.apply(&settlement).await;
+            self.settle(settlement).await;
         }
         // Settled exactly once, whatever happened to the response.
         if let Some(metering) = ctx.metering.take() {

@@ -462,7 +462,8 @@ impl Gateway {
                 }
                 let counts = decision.penalty_counts();
                 if !counts.is_empty() {
-                    self.penalties.count(&counts).await;
+                    // Boxed: its store calls' state stays out of every decision's future.
+                    Box::pin(self.penalties.count(&counts)).await;
                 }
                 decision
             }
