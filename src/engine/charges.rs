@@ -9,10 +9,10 @@ use crate::engine::decision::{Checked, Decision};
 use crate::limits::limiter::Quota;
 use crate::limits::response::{penalty_keys, response_cost};
 use crate::policy::rule::{AfterResponse, CostLimits, CostSource, CountWhen, Penalty, Rule};
-use std::sync::Arc;
 use crate::request::descriptor::HeaderLookup;
 use crate::store::{AdjustOp, BucketKey, Group};
 use smallvec::SmallVec;
+use std::sync::Arc;
 
 /// The buckets an allowed request owes a charge on, settled by its response.
 #[derive(Debug, Clone, Default)]
@@ -164,9 +164,7 @@ fn charges_of(checked: &Checked<'_>) -> Option<ResponseCharges> {
             window_id: owed.window_id,
             reserved: owed.reserved,
             cost: owed.cost,
-            penalty: counted
-                .then(|| PenaltyCount::of(rule, owed.key))
-                .flatten(),
+            penalty: counted.then(|| PenaltyCount::of(rule, owed.key)).flatten(),
             after,
             priced: match &rule.cost {
                 CostSource::Response { name, limits } => Some((name.clone(), *limits)),
