@@ -158,35 +158,31 @@ fn failures_are_counted_and_successes_never_on_the_embedded_store() {
     assert!(state["tokens"].as_f64().unwrap() < 0.01, "{state}");
 }
 
-#[test]
-fn failures_are_counted_across_two_gateways_on_redis() {
-    let redis = RedisServer::start();
+/// Two gateways sharing the store at `store_url` count as one.
+fn assert_failures_counted_on_a_fleet(store_url: &str) {
     let origin = Origin::start();
     let policy = login_policy(None);
     let fleet = start_fleet(
         &policy,
         origin.addr,
-        &redis.url(),
+        store_url,
         "1000",
         Duration::from_secs(20),
     );
     assert_failures_counted(&[&fleet[0], &fleet[1]], &origin);
 }
 
+#[test]
+fn failures_are_counted_across_two_gateways_on_redis() {
+    let redis = RedisServer::start();
+    assert_failures_counted_on_a_fleet(&redis.url());
+}
+
 /// The probe and the charge on PostgreSQL: the same counts as on the embedded store.
 #[test]
 fn failures_are_counted_across_two_gateways_on_postgres() {
     let pg = PgServer::start();
-    let origin = Origin::start();
-    let policy = login_policy(None);
-    let fleet = start_fleet(
-        &policy,
-        origin.addr,
-        &pg.url(),
-        "1000",
-        Duration::from_secs(20),
-    );
-    assert_failures_counted(&[&fleet[0], &fleet[1]], &origin);
+    assert_failures_counted_on_a_fleet(&pg.url());
 }
 
 /// Three failures through alternating gateways put the client in the box on both: 429
