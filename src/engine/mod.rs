@@ -18,6 +18,7 @@
 //! with the request's view beside it ([`Decided`]) none of them calls back into the engine.
 
 pub mod compat;
+pub mod grpc_status;
 pub mod headers;
 pub mod reservation_token;
 pub mod rls;

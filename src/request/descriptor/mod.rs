@@ -288,6 +288,13 @@ impl<'a> RequestFacts<'a> {
         })
     }
 
+    /// Whether the request is a gRPC call: its content type is gRPC's (or gRPC-Web's).
+    pub fn is_grpc(&self) -> bool {
+        self.headers
+            .header_bytes("content-type")
+            .is_some_and(crate::request::grpc::is_grpc_content_type)
+    }
+
     /// The first value of query parameter `name`, percent-decoded.
     pub fn query_param(&self, name: &str) -> Option<Cow<'a, str>> {
         let query = self.query?;
@@ -585,6 +592,16 @@ pub enum Descriptor {
     EntryKeys,
     /// `ip:country`, `ip:asn`, `ip:type`, `ip:tor`: the client's network ([`crate::request::network`]).
     Network(NetworkKey),
+    /// `grpc:service`, `grpc:method`: a gRPC call's `package.Service` and `Method`, from its
+    /// path `/package.Service/Method` ([`crate::request::grpc`]); absent on other requests.
+    Grpc(GrpcPart),
+}
+
+/// Which part of a gRPC call's path a `Descriptor::Grpc` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GrpcPart {
+    Service,
+    Method,
 }
 
 /// Which network fact a `Descriptor::Network` reads.
@@ -599,7 +616,7 @@ pub enum NetworkKey {
 /// Why a descriptor string is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
-    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, descriptor:<key>, domain or descriptor_keys)")]
+    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, grpc:service, grpc:method, descriptor:<key>, domain or descriptor_keys)")]
     Unknown(String),
     #[error("descriptor '{0}' needs a name after the colon")]
     EmptyName(String),
@@ -632,6 +649,8 @@ impl Descriptor {
             "ip:asn" => return Ok(Descriptor::Network(NetworkKey::Asn)),
             "ip:type" => return Ok(Descriptor::Network(NetworkKey::Type)),
             "ip:tor" => return Ok(Descriptor::Network(NetworkKey::Tor)),
+            "grpc:service" => return Ok(Descriptor::Grpc(GrpcPart::Service)),
+            "grpc:method" => return Ok(Descriptor::Grpc(GrpcPart::Method)),
             _ => {}
         }
         if let Some(bits) = text.strip_prefix("ip:address/") {
@@ -688,6 +707,22 @@ impl Descriptor {
                     NetworkKey::Tor => network.tor.map(Cow::Borrowed),
                 }
             }
+            Descriptor::Grpc(part) => {
+                if !facts.is_grpc() {
+                    return None;
+                }
+                let pick = |(service, method): (&'_ str, &'_ str)| match part {
+                    GrpcPart::Service => service,
+                    GrpcPart::Method => method,
+                };
+                match &facts.path {
+                    Cow::Borrowed(path) => {
+                        crate::request::grpc::service_and_method(path).map(|c| Cow::Borrowed(pick(c)))
+                    }
+                    Cow::Owned(path) => crate::request::grpc::service_and_method(path)
+                        .map(|c| Cow::Owned(pick(c).to_string())),
+                }
+            }
         }
     }
 }
@@ -710,6 +745,8 @@ impl std::fmt::Display for Descriptor {
             Descriptor::Network(NetworkKey::Asn) => f.write_str("ip:asn"),
             Descriptor::Network(NetworkKey::Type) => f.write_str("ip:type"),
             Descriptor::Network(NetworkKey::Tor) => f.write_str("ip:tor"),
+            Descriptor::Grpc(GrpcPart::Service) => f.write_str("grpc:service"),
+            Descriptor::Grpc(GrpcPart::Method) => f.write_str("grpc:method"),
         }
     }
 }
