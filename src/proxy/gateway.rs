@@ -2,6 +2,7 @@
 //! answered here and never reaches the upstream; an allowed request is proxied round-robin and
 //! the rate-limit headers are added to the upstream's response.
 
+use super::grpc_call::{Gate, GrpcCall};
 use super::upstreams::{Group, Upstreams};
 use crate::engine::headers::HeaderList;
 use crate::engine::Reason;
@@ -74,6 +75,12 @@ async fn client_gone(session: &mut Session) {
 const INVALID_CHUNK: pingora::ErrorType = pingora::ErrorType::Custom("InvalidChunk");
 const INVALID_TRAILER_END: pingora::ErrorType = pingora::ErrorType::Custom("InvalidTrailerEnd");
 
+/// A gRPC call's request message was refused (`grpc:message` rules): nothing more of the call
+/// goes upstream, and `fail_to_proxy` ends it with `RESOURCE_EXHAUSTED` in its trailers. An
+/// outcome, not a failure: never logged as an error.
+const GRPC_CALL_CUT: pingora::ErrorType =
+    pingora::ErrorType::Custom("gRPC call cut at a refused request message");
+
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
@@ -106,6 +113,8 @@ pub struct RequestCtx {
     forwarding: super::forward::Forwarding,
     /// The request's spans, when traces are on (ended in `logging`).
     trace: Option<Box<crate::telemetry::traces::RequestSpan>>,
+    /// The gRPC call the request is, if it is one.
+    grpc: Option<Box<GrpcCall>>,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
@@ -290,6 +299,25 @@ async fn respond(
         .await
 }
 
+/// [`respond`], or for a gRPC call its trailers-only gRPC answer.
+async fn respond_to(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    status: u16,
+    headers: HeaderList,
+    body: &'static str,
+) -> Result<()> {
+    match ctx.grpc.as_deref_mut() {
+        Some(call) => {
+            let answer = call.own_answer(status, headers, Some(body));
+            session
+                .write_response_header(Box::new(answer), true)
+                .await
+        }
+        None => respond(session, status, headers, body).await,
+    }
+}
+
 impl Proxy {
     /// Answers a request whose header block passed `--max-request-header-bytes` or
     /// `--max-request-headers` with 431 (counted by limit); it never reaches the limiter.
@@ -307,8 +335,9 @@ impl Proxy {
             session,
             self.gateway.config.header_timeout,
         );
-        respond(
+        respond_to(
             session,
+            ctx,
             431,
             request_id_header(ctx),
             super::protocol::HEADER_TOO_LARGE,
@@ -321,7 +350,7 @@ impl Proxy {
     async fn write_refusal(
         &self,
         session: &mut Session,
-        ctx: &RequestCtx,
+        ctx: &mut RequestCtx,
         response: crate::engine::headers::Response,
         content_type: &'static str,
     ) -> Result<()> {
@@ -330,6 +359,16 @@ impl Proxy {
             if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
                 headers.push((X_REQUEST_ID.clone(), id));
             }
+        }
+        if let Some(call) = ctx.grpc.as_deref_mut() {
+            super::protocol::keep_connection_for_small_body(
+                session,
+                self.gateway.config.header_timeout,
+            );
+            let answer = call.own_answer(response.status, headers, response.body);
+            return session
+                .write_response_header(Box::new(answer), true)
+                .await;
         }
         headers.push((
             http::header::CONTENT_TYPE,
@@ -471,6 +510,7 @@ impl Proxy {
     /// The request path, in order: header limits → peer → syntax → trace → body → facts →
     /// decide → verdict → route. `Continue`: the request goes to its upstream group.
     async fn admit(&self, session: &mut Session, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
+        self.grpc_call(session, ctx);
         self.header_limits(session)?;
         self.peer(session, ctx);
         Self::syntax(session)?;
@@ -484,6 +524,17 @@ impl Proxy {
         let answer = self.decide(&facts, ctx).await;
         Self::verdict(answer, ctx)?;
         self.route(req, &facts, ctx)
+    }
+
+    /// Whether the request is a gRPC call: a POST with gRPC's content type (other requests
+    /// pay one comparison of their method).
+    fn grpc_call(&self, session: &Session, ctx: &mut RequestCtx) {
+        let req = session.req_header();
+        if req.method == http::Method::POST {
+            ctx.grpc = GrpcCall::of(req, !session.is_http2(), || {
+                self.gateway.counts_grpc_messages()
+            });
+        }
     }
 
     /// The gateway's own header limits, before anything reads the headers (or counts the
@@ -694,6 +745,12 @@ impl Proxy {
     /// reservation and the headers for its response.
     fn verdict(answer: Answer, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
         if !answer.verdict.forwards() {
+            if let Some(call) = ctx.grpc.as_deref_mut() {
+                call.refused = answer
+                    .verdict
+                    .reason()
+                    .map(|r| (r, answer.verdict.rule().map(str::to_string)));
+            }
             // OpenAI-style JSON for the LLM reasons, text otherwise.
             let content_type = answer.verdict.reason().map_or(TEXT, |r| r.content_type());
             return ControlFlow::Break(Reply::refusal(answer.response, content_type, ctx));
@@ -782,11 +839,13 @@ impl Proxy {
             Reply::Malformed(malformed) => self.refuse_malformed(session, ctx, malformed).await,
             Reply::BodyUnread(status, message) => {
                 let mut headers = request_id_header(ctx);
-                headers.push((
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static("application/json"),
-                ));
-                respond(session, status, headers, message).await
+                if ctx.grpc.is_none() {
+                    headers.push((
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    ));
+                }
+                respond_to(session, ctx, status, headers, message).await
             }
             Reply::Refusal {
                 status,
@@ -803,6 +862,137 @@ impl Proxy {
             }
         }
     }
+}
+
+impl Proxy {
+    /// Passes a piece of a gRPC call's request body through its message gate: each message
+    /// that begins in it is decided (`grpc:message` rules) before any of its bytes go on. At
+    /// the first refused one, the messages before it go on and the call is cut (at once, or at
+    /// the next piece when some of this one's messages go on first).
+    async fn gate_messages(
+        &self,
+        session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let client_ip = ctx.client_ip;
+        let Some(call) = ctx.grpc.as_deref_mut() else {
+            return Ok(());
+        };
+        if call.cut.is_some() {
+            *body = None;
+            return Error::e_explain(GRPC_CALL_CUT, "a request message was refused");
+        }
+        let Some(gate) = call.gate.as_mut() else {
+            return Ok(());
+        };
+        let piece = body.take().unwrap_or_default();
+        let req = session.req_header();
+        let gateway = &*self.gateway;
+        let out = gate
+            .pass(&piece, end_of_stream, || {
+                message_refusal(gateway, req, client_ip)
+            })
+            .await;
+        match out {
+            Gate::Pass(pass) => {
+                *body = (!pass.is_empty() || !end_of_stream).then_some(pass);
+                Ok(())
+            }
+            Gate::Cut(pass, refusal) => {
+                call.cut = Some(refusal);
+                if pass.is_empty() {
+                    return Error::e_explain(GRPC_CALL_CUT, "a request message was refused");
+                }
+                *body = Some(pass);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The decision on one request message of a gRPC call: `None` when it may go upstream.
+async fn message_refusal(
+    gateway: &Gateway,
+    req: &RequestHeader,
+    client_ip: Option<IpAddr>,
+) -> Option<Box<super::grpc_call::CutRefusal>> {
+    let headers = HttpHeaders(&req.headers);
+    let (host, target) = super::protocol::host_and_target(req);
+    let facts = RequestFacts::new(
+        req.method.as_str(),
+        target,
+        host,
+        client_ip,
+        &headers,
+        gateway.config.encoded_slashes,
+    )
+    .ok()?;
+    let claims = gateway.claims(&headers);
+    let facts = facts.with_claims(claims.as_deref()).with_grpc_message();
+    let answer = match gateway.decide_in_memory(&facts) {
+        Some(answer) if answer.throttle_ms == 0 => answer,
+        Some(answer) => Box::pin(Gateway::throttled(answer)).await,
+        None => Box::pin(gateway.decide(&facts)).await,
+    };
+    if let Some(lease) = &answer.lease {
+        gateway.release(lease).await;
+    }
+    match answer.verdict {
+        crate::service::Verdict::Refused { reason, rule } => {
+            Some(Box::new(super::grpc_call::CutRefusal {
+                reason,
+                rule,
+                headers: answer.response.headers,
+                body: answer.response.body,
+            }))
+        }
+        _ => None,
+    }
+}
+
+/// Ends a gRPC call cut at a refused request message: `RESOURCE_EXHAUSTED` (with the
+/// refusal's delay and rule) in the trailers when the response has begun, else a
+/// trailers-only answer. The upstream's stream is reset by Pingora (the messages before the
+/// refused one reached it, once).
+async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToProxy {
+    let fail = FailToProxy {
+        error_code: 200,
+        can_reuse_downstream: false,
+    };
+    let Some(call) = ctx.grpc.as_deref_mut() else {
+        return fail;
+    };
+    let Some(cut) = call.cut.take() else {
+        return fail;
+    };
+    let cut = *cut;
+    call.refused = Some((cut.reason, cut.rule));
+    if let Some(access) = ctx.access.as_deref_mut() {
+        access.verdict = cut.reason.as_str();
+        access.rule = call.refused.as_ref().and_then(|(_, rule)| rule.clone());
+    }
+    let started = session
+        .as_downstream()
+        .response_written()
+        .is_some_and(|h| !h.status.is_informational());
+    if !started {
+        let answer = call.own_answer(429, cut.headers, cut.body);
+        let _ = session.write_response_header(Box::new(answer), true).await;
+        return fail;
+    }
+    let trailers = call.cut_trailers(cut.headers, cut.body);
+    if call.is_http1() {
+        let frame = GrpcCall::web_trailer_frame(&trailers);
+        let _ = session.write_response_body(Some(frame), true).await;
+    } else {
+        let _ = session
+            .as_downstream_mut()
+            .write_response_trailers(trailers)
+            .await;
+    }
+    fail
 }
 
 #[async_trait]
@@ -875,11 +1065,15 @@ impl ProxyHttp for Proxy {
 
     async fn request_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        if ctx.grpc.as_deref().is_some_and(|c| c.gate.is_some()) {
+            let gated = Box::pin(self.gate_messages(session, body, end_of_stream, ctx));
+            return gated.await;
+        }
         // The body was read whole before deciding, past what Pingora's retry buffer replays:
         // the upstream gets all of it, byte for byte (again on a retry to another server).
         if let (Some(whole), true) = (&ctx.forward_body, end_of_stream) {
@@ -1115,6 +1309,15 @@ impl ProxyHttp for Proxy {
                 }
             }
         }
+        // gRPC servers expect `TE: trailers`, which Pingora strips as hop-by-hop.
+        if ctx.grpc.is_some()
+            && ctx
+                .group
+                .as_ref()
+                .is_some_and(|g| g.spec.protocol.is_http2())
+        {
+            upstream_request.insert_header(http::header::TE, "trailers")?;
+        }
         // Only HTTP/1.0 may come without `Host` (Pingora's HTTP/2 side makes one from the
         // authority): a version check spares every other request a header lookup.
         let client_version = session.req_header().version;
@@ -1166,6 +1369,9 @@ impl ProxyHttp for Proxy {
             return Ok(());
         }
         super::protocol::frame_for_client(session, upstream_response);
+        if let Some(call) = ctx.grpc.as_deref_mut() {
+            call.upstream_ended(&upstream_response.headers);
+        }
         if let Some(trace) = ctx.trace.as_deref_mut() {
             trace.upstream_responded(upstream_response.status.as_u16());
         }
@@ -1245,6 +1451,19 @@ impl ProxyHttp for Proxy {
         Ok(())
     }
 
+    async fn response_trailer_filter(
+        &self,
+        _session: &mut Session,
+        upstream_trailers: &mut http::HeaderMap,
+        ctx: &mut Self::CTX,
+    ) -> Result<Option<Bytes>> {
+        // Relayed as they came; a gRPC call's status is noted for its log line and metrics.
+        if let Some(call) = ctx.grpc.as_deref_mut() {
+            call.upstream_ended(upstream_trailers);
+        }
+        Ok(None)
+    }
+
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request, and the
         // server's slot (with `max_connections`) goes to the next in line.
@@ -1289,6 +1508,7 @@ impl ProxyHttp for Proxy {
         // A client's malformed chunked body is the client's error, answered 400: not logged
         // per request (a client could fill the log with them).
         *e.etype() == STREAM_STOPPED
+            || *e.etype() == GRPC_CALL_CUT
             || *e.etype() == QUEUE_TIMED_OUT
             || *e.etype() == CLIENT_GONE_WHILE_QUEUED
             || *e.etype() == INVALID_CHUNK
@@ -1303,6 +1523,10 @@ impl ProxyHttp for Proxy {
     ) -> FailToProxy {
         if *e.etype() == STREAM_STOPPED {
             return finish_stopped_stream(session, ctx).await;
+        }
+        if *e.etype() == GRPC_CALL_CUT {
+            let end = Box::pin(finish_cut_call(session, ctx));
+            return end.await;
         }
         // A 1xx (100 Continue, 103 Early Hints) is not the response: the error page still goes.
         let final_written = session

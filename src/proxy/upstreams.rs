@@ -18,7 +18,7 @@
 //! The whole set is swapped on reload ([`Upstreams`] behind an `ArcSwap`): a request holds the
 //! group it was routed to, so nothing in flight is dropped.
 
-use crate::config::routes::{Balance, GroupSpec, HealthProtocol, RouteTable, UpstreamProtocol};
+use crate::config::routes::{Balance, GroupSpec, HealthProtocol, RouteTable};
 use parking_lot::Mutex;
 use pingora::lb::health_check::HttpHealthCheck;
 use pingora::lb::selection::{Consistent, RoundRobin};

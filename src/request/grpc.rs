@@ -1,7 +1,7 @@
 //! What a gRPC request is, read from its HTTP shape: whether a content type is gRPC's (also
 //! `+proto`, `+json` and gRPC-Web's), the service and method its path names
-//! (`/package.Service/Method`), and where its length-prefixed messages end in a request body
-//! read piece by piece ([`MessageFrames`]), so that a stream can be limited per message. Pure:
+//! (`/package.Service/Method`), and where its length-prefixed messages begin in a request body
+//! read piece by piece ([`MessageStarts`]), so that a stream can be limited per message. Pure:
 //! no I/O.
 
 /// Whether `content_type` is gRPC's: `application/grpc` with or without a `+codec` suffix or
@@ -47,58 +47,69 @@ pub fn service_and_method(path: &str) -> Option<(&str, &str)> {
 /// Bytes of a gRPC message's prefix: a compressed flag and a 4-byte big-endian length.
 pub const FRAME_PREFIX: usize = 5;
 
-/// Finds where the length-prefixed messages of a gRPC request body end, however the body is
-/// cut into pieces: [`MessageFrames::feed`] takes each piece in order and reports the offsets,
-/// within that piece, just past each message that completes in it.
+/// Finds where the length-prefixed messages of a gRPC request body begin, however the body is
+/// cut into pieces, so that each message can be decided before any byte of it is passed on.
+/// A message's start is known once its whole 5-byte prefix has arrived: the bytes of a prefix
+/// cut by a piece's end are held back ([`MessageStarts::join`] puts them before the next
+/// piece), so that everything before a start can be passed on and nothing from it on.
 #[derive(Debug, Default, Clone)]
-pub struct MessageFrames {
-    /// Prefix bytes of the current message seen so far (0 to 5).
-    prefix: [u8; FRAME_PREFIX],
-    prefix_len: usize,
-    /// Payload bytes of the current message still to come (once its prefix is whole).
+pub struct MessageStarts {
+    /// Payload bytes of the current message still to come.
     remaining: u64,
-    /// Whole messages seen.
+    /// The first bytes of a prefix cut by the last piece's end (at most 4).
+    held: Vec<u8>,
+    /// Messages begun so far.
     pub messages: u64,
 }
 
-impl MessageFrames {
-    /// Feeds the next piece of the body; `ends` receives, in order, the offset just past each
-    /// message that completes in `piece`.
-    pub fn feed(&mut self, piece: &[u8], ends: &mut Vec<usize>) {
-        let mut at = 0;
-        while at < piece.len() {
-            if self.prefix_len < FRAME_PREFIX {
-                let take = (FRAME_PREFIX - self.prefix_len).min(piece.len() - at);
-                self.prefix[self.prefix_len..self.prefix_len + take]
-                    .copy_from_slice(&piece[at..at + take]);
-                self.prefix_len += take;
-                at += take;
-                if self.prefix_len < FRAME_PREFIX {
-                    break;
-                }
-                let len = u32::from_be_bytes([
-                    self.prefix[1],
-                    self.prefix[2],
-                    self.prefix[3],
-                    self.prefix[4],
-                ]);
-                self.remaining = u64::from(len);
-            }
-            let left = (piece.len() - at) as u64;
-            let take = self.remaining.min(left);
-            at += take as usize;
-            self.remaining -= take;
-            if self.remaining == 0 {
-                self.prefix_len = 0;
-                self.messages += 1;
-                ends.push(at);
-            }
-        }
+/// What [`MessageStarts::step`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// A message begins at this offset (its prefix is whole in the data).
+    Message { start: usize },
+    /// No further start in the data: the bytes before this offset may be passed on, those
+    /// after it (part of a prefix) are held back.
+    End { pass_to: usize },
+}
+
+impl MessageStarts {
+    /// The data to scan: the bytes held back from the last piece, then `piece`.
+    pub fn join(&mut self, piece: &[u8]) -> Vec<u8> {
+        let mut data = std::mem::take(&mut self.held);
+        data.extend_from_slice(piece);
+        data
     }
 
-    /// Whether the body so far ends exactly between two messages.
-    pub fn at_boundary(&self) -> bool {
-        self.prefix_len == 0
+    /// Whether bytes of a cut prefix are held back (a body ending now ends mid-prefix).
+    pub fn holds(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    /// The next message start in `data` from `*at` on (moving `*at` past its prefix), or the
+    /// end of what may be passed on.
+    pub fn step(&mut self, data: &[u8], at: &mut usize) -> Step {
+        let left = (data.len() - *at) as u64;
+        let take = self.remaining.min(left);
+        *at += take as usize;
+        self.remaining -= take;
+        if self.remaining > 0 {
+            return Step::End { pass_to: data.len() };
+        }
+        if data.len() - *at < FRAME_PREFIX {
+            self.held = data[*at..].to_vec();
+            return Step::End { pass_to: *at };
+        }
+        let start = *at;
+        let len = u32::from_be_bytes([
+            data[start + 1],
+            data[start + 2],
+            data[start + 3],
+            data[start + 4],
+        ]);
+        self.remaining = u64::from(len);
+        *at += FRAME_PREFIX;
+        self.messages += 1;
+        Step::Message { start }
     }
 }
 
@@ -153,29 +164,43 @@ mod tests {
         out
     }
 
-    /// However a body of three messages is cut, the ends found are the messages' ends.
+    /// However a body of three messages is cut, the starts found are the messages' starts,
+    /// and the bytes passed on are the body, each once and in order.
     #[test]
-    fn message_ends_are_found_across_any_cut() {
+    fn message_starts_are_found_across_any_cut() {
         let body: Vec<u8> = [frame(b"abc"), frame(b""), frame(&[7; 300])].concat();
-        let expected = vec![8, 13, 318];
+        let expected = vec![0, 8, 13];
         for size in 1..=body.len() {
-            let mut frames = MessageFrames::default();
+            let mut starts = MessageStarts::default();
             let mut found = Vec::new();
-            let mut offset = 0;
+            let mut passed: Vec<u8> = Vec::new();
             for piece in body.chunks(size) {
-                let mut ends = Vec::new();
-                frames.feed(piece, &mut ends);
-                found.extend(ends.iter().map(|e| e + offset));
-                offset += piece.len();
+                let data = starts.join(piece);
+                // Offsets in `data` are offsets in the body from what was passed on.
+                let base = passed.len();
+                let mut at = 0;
+                loop {
+                    match starts.step(&data, &mut at) {
+                        Step::Message { start } => found.push(base + start),
+                        Step::End { pass_to } => {
+                            passed.extend_from_slice(&data[..pass_to]);
+                            break;
+                        }
+                    }
+                }
             }
             assert_eq!(found, expected, "pieces of {size}");
-            assert_eq!(frames.messages, 3);
-            assert!(frames.at_boundary());
+            assert_eq!(passed, body, "pieces of {size}");
+            assert_eq!(starts.messages, 3);
+            assert!(!starts.holds());
         }
-        let mut frames = MessageFrames::default();
-        let mut ends = Vec::new();
-        frames.feed(&body[..10], &mut ends);
-        assert_eq!(ends, vec![8]);
-        assert!(!frames.at_boundary());
+        // A prefix cut after 3 bytes is held back.
+        let mut starts = MessageStarts::default();
+        let data = starts.join(&body[..11]);
+        let mut at = 0;
+        assert_eq!(starts.step(&data, &mut at), Step::Message { start: 0 });
+        assert_eq!(starts.step(&data, &mut at), Step::End { pass_to: 8 });
+        assert!(starts.holds());
+        assert_eq!(starts.join(&body[11..13]), body[8..13].to_vec());
     }
 }
