@@ -867,8 +867,12 @@ impl Proxy {
 impl Proxy {
     /// Passes a piece of a gRPC call's request body through its message gate: each message
     /// that begins in it is decided (`grpc:message` rules) before any of its bytes go on. At
-    /// the first refused one, the messages before it go on and the call is cut (at once, or at
-    /// the next piece when some of this one's messages go on first).
+    /// the first refused one, the messages before it go on and the request stream to the
+    /// upstream ends there (`END_STREAM`: at once, or with the next piece when some of this
+    /// piece's messages go on first), so the upstream reads exactly the admitted messages, each
+    /// once, and answers; nothing more of the client's stream goes on, and the upstream's
+    /// final status is replaced by the refusal's (`response_trailer_filter`). When the client
+    /// ends its side after that, the call ends (`fail_to_proxy`).
     async fn gate_messages(
         &self,
         session: &mut Session,
@@ -880,13 +884,22 @@ impl Proxy {
         let Some(call) = ctx.grpc.as_deref_mut() else {
             return Ok(());
         };
-        if call.cut.is_some() {
-            *body = None;
-            return Error::e_explain(GRPC_CALL_CUT, "a request message was refused");
-        }
         let Some(gate) = call.gate.as_mut() else {
             return Ok(());
         };
+        if gate.cut {
+            if !gate.closed {
+                // The request stream to the upstream ends here.
+                gate.closed = true;
+                *body = None;
+                return Ok(());
+            }
+            if end_of_stream {
+                return Err(call_cut());
+            }
+            *body = Some(Bytes::new());
+            return Ok(());
+        }
         let piece = body.take().unwrap_or_default();
         let req = session.req_header();
         let gateway = &*self.gateway;
@@ -898,18 +911,27 @@ impl Proxy {
         match out {
             Gate::Pass(pass) => {
                 *body = (!pass.is_empty() || !end_of_stream).then_some(pass);
-                Ok(())
             }
             Gate::Cut(pass, refusal) => {
+                tracing::debug!(
+                    reason = refusal.reason.as_str(),
+                    "gRPC request message refused: the call is cut"
+                );
                 call.cut = Some(refusal);
-                if pass.is_empty() {
-                    return Error::e_explain(GRPC_CALL_CUT, "a request message was refused");
-                }
-                *body = Some(pass);
-                Ok(())
+                // An empty piece with the end flag, or none, ends the upstream's stream.
+                gate.closed = pass.is_empty() || end_of_stream;
+                *body = (!pass.is_empty()).then_some(pass);
             }
         }
+        Ok(())
     }
+}
+
+/// The error that ends a cut gRPC call when its client ends its side. Filed as the client's
+/// side's, so that Pingora stops at once (resetting the upstream's stream if it is still
+/// answering) rather than write a second end of stream to the upstream.
+fn call_cut() -> Box<Error> {
+    Error::explain(GRPC_CALL_CUT, "a request message was refused").into_down()
 }
 
 /// The decision on one request message of a gRPC call: `None` when it may go upstream.
@@ -952,10 +974,9 @@ async fn message_refusal(
     }
 }
 
-/// Ends a gRPC call cut at a refused request message: `RESOURCE_EXHAUSTED` (with the
-/// refusal's delay and rule) in the trailers when the response has begun, else a
-/// trailers-only answer. The upstream's stream is reset by Pingora (the messages before the
-/// refused one reached it, once).
+/// Ends a gRPC call cut at a refused request message whose upstream has not ended it yet:
+/// `RESOURCE_EXHAUSTED` (with the refusal's delay and rule) in the trailers when the response
+/// has begun, else a trailers-only answer.
 async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToProxy {
     let fail = FailToProxy {
         error_code: 200,
@@ -964,26 +985,23 @@ async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToP
     let Some(call) = ctx.grpc.as_deref_mut() else {
         return fail;
     };
+    // Already ended in the upstream's trailers.
     let Some(cut) = call.cut.take() else {
         return fail;
     };
-    let cut = *cut;
-    call.refused = Some((cut.reason, cut.rule));
-    if let Some(access) = ctx.access.as_deref_mut() {
-        access.verdict = cut.reason.as_str();
-        access.rule = call.refused.as_ref().and_then(|(_, rule)| rule.clone());
-    }
     let started = session
         .as_downstream()
         .response_written()
         .is_some_and(|h| !h.status.is_informational());
-    if !started {
-        let answer = call.own_answer(429, cut.headers, cut.body);
-        let _ = session.write_response_header(Box::new(answer), true).await;
-        return fail;
+    let mut trailers = http::HeaderMap::new();
+    call.end_cut(*cut, &mut trailers);
+    if let Some(access) = ctx.access.as_deref_mut() {
+        note_cut(access, call);
     }
-    let trailers = call.cut_trailers(cut.headers, cut.body);
-    if call.is_http1() {
+    if !started {
+        let answer = call.own_answer_with(trailers);
+        let _ = session.write_response_header(Box::new(answer), true).await;
+    } else if call.is_http1() {
         let frame = GrpcCall::web_trailer_frame(&trailers);
         let _ = session.write_response_body(Some(frame), true).await;
     } else {
@@ -993,6 +1011,14 @@ async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToP
             .await;
     }
     fail
+}
+
+/// The access log's verdict and rule of a call cut at a refused message.
+fn note_cut(access: &mut AccessCtx, call: &GrpcCall) {
+    if let Some((reason, rule)) = &call.refused {
+        access.verdict = reason.as_str();
+        access.rule = rule.clone();
+    }
 }
 
 #[async_trait]
@@ -1457,9 +1483,16 @@ impl ProxyHttp for Proxy {
         upstream_trailers: &mut http::HeaderMap,
         ctx: &mut Self::CTX,
     ) -> Result<Option<Bytes>> {
-        // Relayed as they came; a gRPC call's status is noted for its log line and metrics.
+        // Relayed as they came; a gRPC call's status is noted for its log line and metrics. A
+        // call cut at a refused message ends with the refusal's status instead.
         if let Some(call) = ctx.grpc.as_deref_mut() {
             call.upstream_ended(upstream_trailers);
+            if let Some(cut) = call.cut.take() {
+                call.end_cut(*cut, upstream_trailers);
+                if let Some(access) = ctx.access.as_deref_mut() {
+                    note_cut(access, call);
+                }
+            }
         }
         Ok(None)
     }

@@ -110,12 +110,29 @@ impl GrpcCall {
         }
     }
 
-    /// The trailers ending a call cut by a refused message, with the refusal's headers.
-    pub fn cut_trailers(&mut self, headers: HeaderList, body: Option<&str>) -> http::HeaderMap {
-        let refusal = self.refusal(429, &headers, body);
-        let mut trailers = http::HeaderMap::with_capacity(3);
-        write_status(&mut trailers, &refusal);
-        trailers
+    /// Ends a call cut by the refused message `cut`: its status, message and details go in
+    /// `trailers` (the upstream's, replacing its own status, or new ones).
+    pub fn end_cut(&mut self, cut: CutRefusal, trailers: &mut http::HeaderMap) {
+        self.refused = Some((cut.reason, cut.rule));
+        let refusal = self.refusal(429, &cut.headers, cut.body);
+        trailers.remove(&GRPC_STATUS_DETAILS);
+        trailers.remove(&GRPC_MESSAGE);
+        write_status(trailers, &refusal);
+    }
+
+    /// A trailers-only answer carrying `trailers` (a call cut before any response).
+    pub fn own_answer_with(&self, trailers: http::HeaderMap) -> ResponseHeader {
+        let (mut parts, ()) = http::Response::new(()).into_parts();
+        parts.headers = trailers;
+        parts
+            .headers
+            .insert(http::header::CONTENT_TYPE, self.content_type.clone());
+        if self.http1 {
+            parts
+                .headers
+                .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(0));
+        }
+        ResponseHeader::from(parts)
     }
 
     /// The trailers of a cut call as gRPC-Web writes them over HTTP/1.1: a body frame flagged
@@ -189,6 +206,8 @@ pub struct MessageGate {
     starts: MessageStarts,
     /// A message was refused: nothing more goes upstream.
     pub cut: bool,
+    /// The request stream to the upstream was ended after the cut.
+    pub closed: bool,
 }
 
 /// What to do with a piece of the request body.
