@@ -277,10 +277,11 @@ mod tests {
     fn a_refusal_is_a_trailers_only_answer() {
         let mut c = call("application/grpc", false);
         c.refused = Some((Reason::TokenBucketExceeded, Some("per-method".into())));
-        let headers: HeaderList = vec![(
+        let mut headers = HeaderList::new();
+        headers.push((
             http::header::RETRY_AFTER,
             http::HeaderValue::from_static("3"),
-        )];
+        ));
         let answer = c.own_answer(429, headers, Some("Too Many Requests"));
         assert_eq!(answer.status, 200);
         assert_eq!(answer.headers["grpc-status"], "8");
