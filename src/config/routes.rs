@@ -558,9 +558,11 @@ impl Compiler<'_> {
             .and_then(|v| self.health_check(v, &join(path, "health_check"), health));
         // `"health": "grpc"` alone checks at the defaults.
         let health_check = match (health, health_check, map.contains_key("health_check")) {
-            (HealthProtocol::Grpc, None, false) => {
-                self.health_check(&Value::Object(Map::new()), &join(path, "health_check"), health)
-            }
+            (HealthProtocol::Grpc, None, false) => self.health_check(
+                &Value::Object(Map::new()),
+                &join(path, "health_check"),
+                health,
+            ),
             (_, check, _) => check,
         };
         // The per-server cap and its queue.
@@ -629,7 +631,10 @@ impl Compiler<'_> {
             None | Some(Some("http1")) => UpstreamProtocol::Http1,
             Some(Some("h2")) => {
                 if !tls {
-                    self.error(&p, "\"h2\" is HTTP/2 over TLS: it needs \"tls\" (cleartext HTTP/2 is \"h2c\")");
+                    self.error(
+                        &p,
+                        "\"h2\" is HTTP/2 over TLS: it needs \"tls\" (cleartext HTTP/2 is \"h2c\")",
+                    );
                 }
                 UpstreamProtocol::H2
             }

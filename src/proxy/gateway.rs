@@ -310,9 +310,7 @@ async fn respond_to(
     match ctx.grpc.as_deref_mut() {
         Some(call) => {
             let answer = call.own_answer(status, headers, Some(body));
-            session
-                .write_response_header(Box::new(answer), true)
-                .await
+            session.write_response_header(Box::new(answer), true).await
         }
         None => respond(session, status, headers, body).await,
     }
@@ -366,9 +364,7 @@ impl Proxy {
                 self.gateway.config.header_timeout,
             );
             let answer = call.own_answer(response.status, headers, response.body);
-            return session
-                .write_response_header(Box::new(answer), true)
-                .await;
+            return session.write_response_header(Box::new(answer), true).await;
         }
         headers.push((
             http::header::CONTENT_TYPE,

@@ -223,7 +223,12 @@ impl MessageGate {
     /// (in order; `None`: the message may go upstream, else why not). At the end of the body,
     /// bytes held back from a cut prefix go on as they are (the upstream reads a truncated
     /// message as the client sent it).
-    pub async fn pass<R, F, Fut>(&mut self, piece: &[u8], end_of_body: bool, mut refuse: F) -> Gate<R>
+    pub async fn pass<R, F, Fut>(
+        &mut self,
+        piece: &[u8],
+        end_of_body: bool,
+        mut refuse: F,
+    ) -> Gate<R>
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Option<R>>,

@@ -93,7 +93,9 @@ impl MessageStarts {
         *at += take as usize;
         self.remaining -= take;
         if self.remaining > 0 {
-            return Step::End { pass_to: data.len() };
+            return Step::End {
+                pass_to: data.len(),
+            };
         }
         if data.len() - *at < FRAME_PREFIX {
             self.held = data[*at..].to_vec();

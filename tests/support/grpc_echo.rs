@@ -205,14 +205,14 @@ where
         let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<Note, Note>::default());
         match req.uri().path() {
             SAY => Box::pin(async move { Ok(grpc.unary(SaySvc(server), req).await) }),
-            COUNT => Box::pin(async move { Ok(grpc.server_streaming(CountSvc(server), req).await) }),
+            COUNT => {
+                Box::pin(async move { Ok(grpc.server_streaming(CountSvc(server), req).await) })
+            }
             COLLECT => {
                 Box::pin(async move { Ok(grpc.client_streaming(CollectSvc(server), req).await) })
             }
             CHAT => Box::pin(async move { Ok(grpc.streaming(ChatSvc(server), req).await) }),
-            _ => Box::pin(async move {
-                Ok(Status::unimplemented("no such method").into_http())
-            }),
+            _ => Box::pin(async move { Ok(Status::unimplemented("no such method").into_http()) }),
         }
     }
 }
@@ -271,14 +271,21 @@ impl EchoClient {
         &mut self,
         text: &str,
         n: u32,
-    ) -> (Vec<Note>, Result<Option<tonic::metadata::MetadataMap>, Status>) {
+    ) -> (
+        Vec<Note>,
+        Result<Option<tonic::metadata::MetadataMap>, Status>,
+    ) {
         self.grpc.ready().await.unwrap();
         let path = http::uri::PathAndQuery::from_static(COUNT);
         let request = Request::new(Note {
             text: text.to_string(),
             n,
         });
-        let mut stream = match self.grpc.server_streaming(request, path, Self::codec()).await {
+        let mut stream = match self
+            .grpc
+            .server_streaming(request, path, Self::codec())
+            .await
+        {
             Ok(response) => response.into_inner(),
             Err(status) => return (Vec::new(), Err(status)),
         };
@@ -317,7 +324,11 @@ impl EchoClient {
         if let Some(first) = texts.next() {
             tx.unbounded_send(note(first)).unwrap();
         }
-        let mut stream = match self.grpc.streaming(Request::new(rx), path, Self::codec()).await {
+        let mut stream = match self
+            .grpc
+            .streaming(Request::new(rx), path, Self::codec())
+            .await
+        {
             Ok(response) => response.into_inner(),
             Err(status) => return (echoed, Err(status)),
         };
