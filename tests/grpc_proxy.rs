@@ -292,3 +292,42 @@ async fn the_grpc_health_check_takes_a_not_serving_server_out() {
     assert_eq!(serving.received().len(), taken_by_serving + 6);
     assert_eq!(not_serving.received().len(), taken_by_other);
 }
+
+/// The decision service, asked about a gRPC call: its refusal stays a 429 (its callers read any
+/// 2xx as "forward it") and carries `grpc-status: 8`, `grpc-message` and the details, for the
+/// gateway in front to answer its client with.
+#[test]
+fn the_decision_service_says_what_a_grpc_client_should_read() {
+    use base64::Engine as _;
+    let gw = Gateway::start(Some(LIMITS), None, &[]);
+    let ask = || {
+        support::request(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-URI", "/echo.v1.Echo/Say"),
+                ("X-Original-Method", "POST"),
+                ("Content-Type", "application/grpc"),
+            ],
+        )
+    };
+    for _ in 0..3 {
+        let allowed = ask();
+        assert_eq!(allowed.status, 200);
+        assert_eq!(allowed.header("grpc-status"), None);
+    }
+    let refused = ask();
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.header("grpc-status"), Some("8"));
+    assert_eq!(refused.header("grpc-message"), Some("Too Many Requests"));
+    let bin = refused.header("grpc-status-details-bin").unwrap();
+    let bytes = base64::engine::general_purpose::STANDARD_NO_PAD
+        .decode(bin)
+        .unwrap();
+    let status = tonic::Status::with_details(Code::ResourceExhausted, "", bytes.into());
+    let retry_after: i64 = refused.header("retry-after").unwrap().parse().unwrap();
+    let (code, delay, subjects) = details(&status);
+    assert_eq!((code, delay), (8, Some(retry_after)));
+    assert_eq!(subjects, ["rule:say-per-method"]);
+}

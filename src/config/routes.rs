@@ -877,6 +877,61 @@ mod tests {
             .collect()
     }
 
+    /// `protocol` and `health`: the defaults, h2c, gRPC health (checked at the defaults when
+    /// `health_check` is absent, with its `service`), and each mistake named at its path.
+    #[test]
+    fn groups_speak_http1_h2_or_h2c() {
+        let t = table(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"]}},
+                             "default_upstream": "a"}));
+        assert_eq!(t.groups[0].protocol, UpstreamProtocol::Http1);
+        assert_eq!(t.groups[0].health, HealthProtocol::Http);
+        let t = table(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"],
+                             "protocol": "h2c", "health": "grpc"}}, "default_upstream": "a"}));
+        assert_eq!(t.groups[0].protocol, UpstreamProtocol::H2c);
+        assert_eq!(t.groups[0].health, HealthProtocol::Grpc);
+        let (service, hc) = t.groups[0].health_check.clone().unwrap();
+        assert_eq!(
+            (service.as_str(), hc.interval),
+            ("", Duration::from_secs(5))
+        );
+        let t = table(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"],
+                             "protocol": "h2c", "health": "grpc",
+                             "health_check": {"service": "echo.v1.Echo", "interval_ms": 100}}},
+                             "default_upstream": "a"}));
+        let (service, hc) = t.groups[0].health_check.clone().unwrap();
+        assert_eq!(
+            (service.as_str(), hc.interval),
+            ("echo.v1.Echo", Duration::from_millis(100))
+        );
+        assert_eq!(
+            errors(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "protocol": "h2"}},
+                          "default_upstream": "a"})),
+            ["upstreams.a.protocol: \"h2\" is HTTP/2 over TLS: it needs \"tls\" (cleartext HTTP/2 is \"h2c\")"]
+        );
+        assert_eq!(
+            errors(
+                json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "protocol": "h3"}},
+                          "default_upstream": "a"})
+            ),
+            ["upstreams.a.protocol: must be \"http1\", \"h2\" or \"h2c\""]
+        );
+        assert_eq!(
+            errors(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "health": "grpc"}},
+                          "default_upstream": "a"})),
+            ["upstreams.a.health: \"grpc\" needs \"protocol\": \"h2\" or \"h2c\" (gRPC is HTTP/2)"]
+        );
+        // A gRPC check names a service, not a path.
+        assert_eq!(
+            errors(
+                json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "protocol": "h2c",
+                          "health": "grpc", "health_check": {"path": "/healthz"}}},
+                          "default_upstream": "a"})
+            )
+            .len(),
+            1
+        );
+    }
+
     #[test]
     fn the_most_specific_route_wins() {
         let t = table(json!({

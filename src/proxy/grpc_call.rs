@@ -177,6 +177,36 @@ impl GrpcCall {
     }
 }
 
+/// For the decision service: a refusal of a described gRPC call keeps its HTTP status (its
+/// callers read any 2xx as "forward it") and carries, for the gateway in front to answer the
+/// client with, `grpc-status`, `grpc-message` and `grpc-status-details-bin`, as the proxy's own
+/// trailers-only answer would.
+pub fn add_refusal_fields(
+    headers: &mut HeaderList,
+    status: u16,
+    reason: Reason,
+    rule: Option<&str>,
+    body: Option<&str>,
+) {
+    let mut call = GrpcCall {
+        content_type: http::HeaderValue::from_static("application/grpc"),
+        http1: false,
+        refused: Some((reason, rule.map(str::to_string))),
+        gate: None,
+        cut: None,
+        status: None,
+        upstream_status: None,
+    };
+    let refusal = call.refusal(status, headers, body);
+    let mut fields = http::HeaderMap::with_capacity(3);
+    write_status(&mut fields, &refusal);
+    for (name, value) in fields {
+        if let Some(name) = name {
+            headers.push((name, value));
+        }
+    }
+}
+
 /// The decision that refused a request message: what ends the call.
 pub struct CutRefusal {
     pub reason: Reason,
