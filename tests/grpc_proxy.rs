@@ -68,7 +68,13 @@ fn h2c_gateway(policy: &str, upstream: SocketAddr, dir: &Path) -> Gateway {
     Gateway::start(
         Some(policy),
         None,
-        &["--routes", routes.to_str().unwrap(), "--h2c"],
+        &[
+            "--routes",
+            routes.to_str().unwrap(),
+            "--h2c",
+            "--access-log",
+            "json",
+        ],
     )
 }
 
@@ -206,7 +212,7 @@ async fn a_refused_call_reads_resource_exhausted_with_its_retry_delay() {
     let (notes, end) = client.count("c", 2).await;
     assert_eq!((notes.len(), end.is_ok()), (2, true));
     assert_eq!(server.received(), ["s0", "s1", "s2", "c"]);
-    // The refusal counted, by reason.
+    // The refusal counted, by reason; the calls by method and status.
     assert_eq!(
         gw.metric_sum(
             "tollgate_requests_total",
@@ -214,6 +220,39 @@ async fn a_refused_call_reads_resource_exhausted_with_its_retry_delay() {
         ),
         1.0
     );
+    let calls = |method: &str, code: &str| {
+        gw.metric_sum(
+            "tollgate_proxied_grpc_calls_total",
+            &[
+                "rpc_service=\"echo.v1.Echo\"",
+                &format!("rpc_method=\"{method}\""),
+                &format!("rpc_grpc_status_code=\"{code}\""),
+            ],
+        )
+    };
+    assert_eq!(
+        (calls("Say", "0"), calls("Say", "8"), calls("Count", "0")),
+        (3.0, 1.0, 1.0)
+    );
+    // The access log names the method and the status of each call.
+    gw.wait_until(std::time::Duration::from_secs(5), || {
+        gw.stdout_text().lines().count() == 5
+    });
+    let lines: Vec<serde_json::Value> = gw
+        .stdout_text()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Each line is written when its call ends: found by content, not by position.
+    let refused = lines.iter().find(|l| l["verdict"] != "allow").unwrap();
+    assert_eq!(refused["status"], 200);
+    assert_eq!(refused["verdict"], "token_bucket_exceeded");
+    assert_eq!(refused["rule"], "say-per-method");
+    assert_eq!(refused["rpc.service"], "echo.v1.Echo");
+    assert_eq!(refused["rpc.method"], "Say");
+    assert_eq!(refused["rpc.grpc.status_code"], 8);
+    let count = lines.iter().find(|l| l["rpc.method"] == "Count").unwrap();
+    assert_eq!(count["rpc.grpc.status_code"], 0);
 }
 
 /// Per-message limits: a bidirectional call is cut at its fourth request message, with

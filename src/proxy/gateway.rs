@@ -409,7 +409,13 @@ impl Proxy {
     }
 
     /// The request's access-log line, from what the request gathered and what was sent.
-    fn write_access_log(&self, session: &Session, access: &AccessCtx, trace_id: Option<&str>) {
+    fn write_access_log(
+        &self,
+        session: &Session,
+        access: &AccessCtx,
+        trace_id: Option<&str>,
+        grpc_status: Option<Option<u16>>,
+    ) {
         let req = session.req_header();
         let header =
             |name: http::header::HeaderName| req.headers.get(name).and_then(|v| v.to_str().ok());
@@ -446,6 +452,10 @@ impl Proxy {
             verdict: access.verdict,
             rule: access.rule.as_deref(),
             request_id: &access.request_id,
+            rpc: grpc_status.and_then(|status| {
+                let (service, method) = crate::request::grpc::service_and_method(req.uri.path())?;
+                Some((service, method, status))
+            }),
             trace_id,
         };
         access_log::write(access_log::format(&record, self.gateway.config.access_log));
@@ -580,6 +590,13 @@ impl Proxy {
                 host,
                 protocol_version(session),
             )));
+            if let (Some(trace), Some(_)) = (ctx.trace.as_deref_mut(), ctx.grpc.as_deref()) {
+                if let Some((service, method)) =
+                    crate::request::grpc::service_and_method(req.uri.path())
+                {
+                    trace.grpc_call(service, method);
+                }
+            }
         }
     }
 
@@ -1522,10 +1539,23 @@ impl ProxyHttp for Proxy {
                 .settle(&metering.reservation, used, reported_prompt, source)
                 .await;
         }
-        let trace = ctx.trace.take();
+        let mut trace = ctx.trace.take();
+        let grpc_status = ctx.grpc.as_deref().map(GrpcCall::status_number);
+        if let Some(status) = grpc_status {
+            if let Some((service, method)) =
+                crate::request::grpc::service_and_method(session.req_header().uri.path())
+            {
+                self.gateway
+                    .metrics
+                    .proxied_grpc_call(service, method, status);
+            }
+            if let (Some(trace), Some(code)) = (trace.as_deref_mut(), status) {
+                trace.grpc_status(code);
+            }
+        }
         if let Some(access) = ctx.access.take() {
             let trace_id = trace.as_ref().map(|t| t.trace_id());
-            self.write_access_log(session, &access, trace_id.as_deref());
+            self.write_access_log(session, &access, trace_id.as_deref(), grpc_status);
         }
         if let Some(trace) = trace {
             let status = session.response_written().map_or(0, |r| r.status.as_u16());
