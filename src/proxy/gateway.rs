@@ -135,9 +135,9 @@ struct Metering {
 /// header: stopping writes whatever of them the client has not had, then the closing events.
 struct StreamStop {
     cap: crate::request::llm::StreamCap,
-    /// The response header as sent (after `response_filter`). Upstreams speak HTTP/1.1 here
-    /// (`upstreams.rs` peers offer no h2), so it is already in the form Pingora writes; an
-    /// HTTP/2 upstream's header would first need Pingora's HTTP/1.1 conversion.
+    /// The response header as sent (after `response_filter`). From an `http1` group it is
+    /// already in the form Pingora writes; from an `h2`/`h2c` group (untested with stream
+    /// caps) it would first need Pingora's HTTP/1.1 conversion.
     header: Option<ResponseHeader>,
     /// Body pieces passed on, oldest first, from body byte `unsent_from` on, not yet known
     /// to be written to the client.
