@@ -299,6 +299,18 @@ async fn respond(
         .await
 }
 
+/// Writes a gRPC call's trailers-only answer: over HTTP/2, one header block that ends the stream.
+/// (Pingora's `write_response_header` leaves an HTTP/2 stream open whatever it is told, and
+/// ends it later with an empty DATA frame: gRPC's C core, behind grpcio and others, then waits
+/// for trailers and reports `UNKNOWN` instead of the status.) Over HTTP/1.1 (gRPC-Web) the
+/// header carries `Content-Length: 0`.
+async fn write_trailers_only(session: &mut Session, answer: ResponseHeader) -> Result<()> {
+    if let pingora::protocols::http::ServerSession::H2(h2) = session.as_downstream_mut() {
+        return h2.write_response_header(Box::new(answer), true);
+    }
+    session.write_response_header(Box::new(answer), true).await
+}
+
 /// [`respond`], or for a gRPC call its trailers-only gRPC answer.
 async fn respond_to(
     session: &mut Session,
@@ -310,7 +322,7 @@ async fn respond_to(
     match ctx.grpc.as_deref_mut() {
         Some(call) => {
             let answer = call.own_answer(status, headers, Some(body));
-            session.write_response_header(Box::new(answer), true).await
+            write_trailers_only(session, answer).await
         }
         None => respond(session, status, headers, body).await,
     }
@@ -364,7 +376,7 @@ impl Proxy {
                 self.gateway.config.header_timeout,
             );
             let answer = call.own_answer(response.status, headers, response.body);
-            return session.write_response_header(Box::new(answer), true).await;
+            return write_trailers_only(session, answer).await;
         }
         headers.push((
             http::header::CONTENT_TYPE,
@@ -1013,7 +1025,7 @@ async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToP
     }
     if !started {
         let answer = call.own_answer_with(trailers);
-        let _ = session.write_response_header(Box::new(answer), true).await;
+        let _ = write_trailers_only(session, answer).await;
     } else if call.is_http1() {
         let frame = GrpcCall::web_trailer_frame(&trailers);
         let _ = session.write_response_body(Some(frame), true).await;
@@ -1024,6 +1036,14 @@ async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToP
             .await;
     }
     fail
+}
+
+/// Whether the request is a gRPC call cut at a refused message: how it ends is an outcome.
+fn call_was_cut(ctx: &RequestCtx) -> bool {
+    ctx.grpc
+        .as_deref()
+        .and_then(|c| c.gate.as_ref())
+        .is_some_and(|g| g.cut)
 }
 
 /// The access log's verdict and rule of a call cut at a refused message.
@@ -1410,6 +1430,27 @@ impl ProxyHttp for Proxy {
         super::protocol::frame_for_client(session, upstream_response);
         if let Some(call) = ctx.grpc.as_deref_mut() {
             call.upstream_ended(&upstream_response.headers);
+            // A cut call the upstream answers trailers-only (its status in this header) ends
+            // with the refusal's status here.
+            if upstream_response
+                .headers
+                .contains_key(&super::grpc_call::GRPC_STATUS)
+            {
+                if let Some(cut) = call.cut.take() {
+                    let mut fields = http::HeaderMap::new();
+                    call.end_cut(*cut, &mut fields);
+                    upstream_response.remove_header(&super::grpc_call::GRPC_MESSAGE);
+                    upstream_response.remove_header(&super::grpc_call::GRPC_STATUS_DETAILS);
+                    for (name, value) in fields {
+                        if let Some(name) = name {
+                            upstream_response.insert_header(name, value)?;
+                        }
+                    }
+                    if let Some(access) = ctx.access.as_deref_mut() {
+                        note_cut(access, call);
+                    }
+                }
+            }
         }
         if let Some(trace) = ctx.trace.as_deref_mut() {
             trace.upstream_responded(upstream_response.status.as_u16());
@@ -1563,7 +1604,10 @@ impl ProxyHttp for Proxy {
         }
     }
 
-    fn suppress_error_log(&self, _session: &Session, _ctx: &Self::CTX, e: &Error) -> bool {
+    fn suppress_error_log(&self, _session: &Session, ctx: &Self::CTX, e: &Error) -> bool {
+        if call_was_cut(ctx) {
+            return true;
+        }
         // A client's malformed chunked body is the client's error, answered 400: not logged
         // per request (a client could fill the log with them).
         *e.etype() == STREAM_STOPPED
@@ -1583,7 +1627,9 @@ impl ProxyHttp for Proxy {
         if *e.etype() == STREAM_STOPPED {
             return finish_stopped_stream(session, ctx).await;
         }
-        if *e.etype() == GRPC_CALL_CUT {
+        // A cut call ends with the refusal's status, whatever ended the proxying (the cut
+        // itself, or the client resetting its side once it read the status).
+        if *e.etype() == GRPC_CALL_CUT || call_was_cut(ctx) {
             let end = Box::pin(finish_cut_call(session, ctx));
             return end.await;
         }
