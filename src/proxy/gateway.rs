@@ -890,6 +890,29 @@ impl Proxy {
 }
 
 impl Proxy {
+    /// A gRPC call is over: counted by method and status, its status on its trace; the status
+    /// for its log line. Out of line: HTTP requests only test that they are not a call.
+    #[inline(never)]
+    fn grpc_call_done(
+        &self,
+        session: &Session,
+        call: &GrpcCall,
+        trace: Option<&mut crate::telemetry::traces::RequestSpan>,
+    ) -> Option<u16> {
+        let status = call.status_number();
+        if let Some((service, method)) =
+            crate::request::grpc::service_and_method(session.req_header().uri.path())
+        {
+            self.gateway
+                .metrics
+                .proxied_grpc_call(service, method, status);
+        }
+        if let (Some(trace), Some(code)) = (trace, status) {
+            trace.grpc_status(code);
+        }
+        status
+    }
+
     /// Passes a piece of a gRPC call's request body through its message gate: each message
     /// that begins in it is decided (`grpc:message` rules) before any of its bytes go on. At
     /// the first refused one, the messages before it go on and the request stream to the
@@ -1036,6 +1059,41 @@ async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToP
             .await;
     }
     fail
+}
+
+/// A gRPC call's response header: its status noted when the upstream answered trailers-only,
+/// and a cut call so answered ends with the refusal's status instead. Out of line: HTTP
+/// requests only test that they are not a call.
+#[inline(never)]
+fn grpc_response_header(
+    upstream_response: &mut ResponseHeader,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
+    let Some(call) = ctx.grpc.as_deref_mut() else {
+        return Ok(());
+    };
+    call.upstream_ended(&upstream_response.headers);
+    if !upstream_response
+        .headers
+        .contains_key(&super::grpc_call::GRPC_STATUS)
+    {
+        return Ok(());
+    }
+    if let Some(cut) = call.cut.take() {
+        let mut fields = http::HeaderMap::new();
+        call.end_cut(*cut, &mut fields);
+        upstream_response.remove_header(&super::grpc_call::GRPC_MESSAGE);
+        upstream_response.remove_header(&super::grpc_call::GRPC_STATUS_DETAILS);
+        for (name, value) in fields {
+            if let Some(name) = name {
+                upstream_response.insert_header(name, value)?;
+            }
+        }
+        if let Some(access) = ctx.access.as_deref_mut() {
+            note_cut(access, call);
+        }
+    }
+    Ok(())
 }
 
 /// Whether the request is a gRPC call cut at a refused message: how it ends is an outcome.
@@ -1428,29 +1486,8 @@ impl ProxyHttp for Proxy {
             return Ok(());
         }
         super::protocol::frame_for_client(session, upstream_response);
-        if let Some(call) = ctx.grpc.as_deref_mut() {
-            call.upstream_ended(&upstream_response.headers);
-            // A cut call the upstream answers trailers-only (its status in this header) ends
-            // with the refusal's status here.
-            if upstream_response
-                .headers
-                .contains_key(&super::grpc_call::GRPC_STATUS)
-            {
-                if let Some(cut) = call.cut.take() {
-                    let mut fields = http::HeaderMap::new();
-                    call.end_cut(*cut, &mut fields);
-                    upstream_response.remove_header(&super::grpc_call::GRPC_MESSAGE);
-                    upstream_response.remove_header(&super::grpc_call::GRPC_STATUS_DETAILS);
-                    for (name, value) in fields {
-                        if let Some(name) = name {
-                            upstream_response.insert_header(name, value)?;
-                        }
-                    }
-                    if let Some(access) = ctx.access.as_deref_mut() {
-                        note_cut(access, call);
-                    }
-                }
-            }
+        if ctx.grpc.is_some() {
+            grpc_response_header(upstream_response, ctx)?;
         }
         if let Some(trace) = ctx.trace.as_deref_mut() {
             trace.upstream_responded(upstream_response.status.as_u16());
@@ -1581,19 +1618,10 @@ impl ProxyHttp for Proxy {
                 .await;
         }
         let mut trace = ctx.trace.take();
-        let grpc_status = ctx.grpc.as_deref().map(GrpcCall::status_number);
-        if let Some(status) = grpc_status {
-            if let Some((service, method)) =
-                crate::request::grpc::service_and_method(session.req_header().uri.path())
-            {
-                self.gateway
-                    .metrics
-                    .proxied_grpc_call(service, method, status);
-            }
-            if let (Some(trace), Some(code)) = (trace.as_deref_mut(), status) {
-                trace.grpc_status(code);
-            }
-        }
+        let grpc_status = match ctx.grpc.as_deref() {
+            Some(call) => Some(self.grpc_call_done(session, call, trace.as_deref_mut())),
+            None => None,
+        };
         if let Some(access) = ctx.access.take() {
             let trace_id = trace.as_ref().map(|t| t.trace_id());
             self.write_access_log(session, &access, trace_id.as_deref(), grpc_status);
