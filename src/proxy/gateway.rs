@@ -1618,10 +1618,10 @@ impl ProxyHttp for Proxy {
                 .await;
         }
         let mut trace = ctx.trace.take();
-        let grpc_status = match ctx.grpc.as_deref() {
-            Some(call) => Some(self.grpc_call_done(session, call, trace.as_deref_mut())),
-            None => None,
-        };
+        let grpc_status = ctx
+            .grpc
+            .as_deref()
+            .map(|call| self.grpc_call_done(session, call, trace.as_deref_mut()));
         if let Some(access) = ctx.access.take() {
             let trace_id = trace.as_ref().map(|t| t.trace_id());
             self.write_access_log(session, &access, trace_id.as_deref(), grpc_status);
