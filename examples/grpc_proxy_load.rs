@@ -3,7 +3,7 @@
 //! (`tests/support/grpc_echo.rs`, tonic); `load ADDR CONCURRENCY SECONDS [PID]` keeps
 //! `CONCURRENCY` unary `Say` calls in flight on one HTTP/2 (h2c) connection for `SECONDS`, then
 //! prints calls/s, latency percentiles and, given the proxy's PID, its CPU µs per call from
-//! /proc/PID/stat.
+//! /proc/PID/stat (`common/load_report.rs`).
 //!
 //! cargo run --profile perf --example grpc_proxy_load -- serve 127.0.0.1:50051
 //! cargo run --profile perf --example grpc_proxy_load -- load 127.0.0.1:8080 16 10 PID
@@ -15,16 +15,12 @@
 #[allow(dead_code)]
 mod grpc_echo;
 
-use grpc_echo::{EchoClient, EchoServer};
-use std::time::{Duration, Instant};
+#[path = "common/load_report.rs"]
+mod load_report;
 
-fn cpu_ticks(pid: &str) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let rest = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
-}
+use grpc_echo::{EchoClient, EchoServer};
+use load_report::cpu_ticks;
+use std::time::{Duration, Instant};
 
 async fn load(addr: std::net::SocketAddr, concurrency: usize, seconds: u64, pid: Option<String>) {
     let client = EchoClient::h2c(addr).await;
@@ -56,26 +52,7 @@ async fn load(addr: std::net::SocketAddr, concurrency: usize, seconds: u64, pid:
     }
     let elapsed = started.elapsed().as_secs_f64();
     let after = pid.as_deref().and_then(cpu_ticks);
-    all.sort_unstable();
-    let pct = |p: f64| all[((all.len() as f64 * p) as usize).min(all.len() - 1)] as f64 / 1e3;
-    print!(
-        "calls {} calls/s {:.0} p50 {:.0} µs p99 {:.0} µs",
-        all.len(),
-        all.len() as f64 / elapsed,
-        pct(0.50),
-        pct(0.99),
-    );
-    if let (Some(b), Some(a)) = (before, after) {
-        // SAFETY: sysconf has no preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-        let cpu_s = (a - b) as f64 / hz;
-        print!(
-            " proxy CPU µs/call {:.2} proxy cores busy {:.2}",
-            cpu_s * 1e6 / all.len() as f64,
-            cpu_s / elapsed
-        );
-    }
-    println!();
+    load_report::print(all, elapsed, (before, after), "proxy");
 }
 
 fn main() {
