@@ -124,6 +124,7 @@ fn bench(c: &mut Criterion) {
                     trusted_peer: false,
                     network: None,
                     trace: None,
+                    grpc_message: false,
                 };
                 black_box(decide(&policy, &store, &clock, &facts))
             })
@@ -164,6 +165,7 @@ fn llm(c: &mut Criterion) {
             trusted_peer: false,
             network: None,
             trace: None,
+            grpc_message: false,
         };
         let bundle = policy.load();
         let decision = decide_local(
@@ -432,6 +434,7 @@ fn scale(c: &mut Criterion) {
                         trusted_peer: false,
                         network: None,
                         trace: None,
+                        grpc_message: false,
                     };
                     let allowed = decide(&policy, &store, &clock, &facts);
                     assert!(allowed);
@@ -633,6 +636,7 @@ fn candidate(c: &mut Criterion) {
                     trusted_peer: false,
                     network: None,
                     trace: None,
+                    grpc_message: false,
                 };
                 let bundle = policy.load();
                 let (now_us, unix_us) = (clock.now_us(), clock.unix_us());

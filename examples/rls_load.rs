@@ -15,13 +15,9 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use std::time::{Duration, Instant};
 
-fn cpu_ticks(pid: &str) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let rest = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
-}
+#[path = "common/load_report.rs"]
+mod load_report;
+use load_report::cpu_ticks;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -83,26 +79,6 @@ fn main() {
         }
         let elapsed = started.elapsed().as_secs_f64();
         let after = pid.as_deref().and_then(cpu_ticks);
-        all.sort_unstable();
-        let pct = |p: f64| all[((all.len() as f64 * p) as usize).min(all.len() - 1)] as f64 / 1e3;
-        print!(
-            "calls {} calls/s {:.0} p50 {:.0} µs p99 {:.0} µs p99.9 {:.0} µs",
-            all.len(),
-            all.len() as f64 / elapsed,
-            pct(0.50),
-            pct(0.99),
-            pct(0.999)
-        );
-        if let (Some(b), Some(a)) = (before, after) {
-            // SAFETY: sysconf has no preconditions.
-            let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-            let cpu_s = (a - b) as f64 / hz;
-            print!(
-                " server CPU µs/call {:.2} server cores busy {:.2}",
-                cpu_s * 1e6 / all.len() as f64,
-                cpu_s / elapsed
-            );
-        }
-        println!();
+        load_report::print(all, elapsed, (before, after), "server");
     });
 }

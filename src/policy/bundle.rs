@@ -51,6 +51,9 @@ pub struct Bundle {
     /// A policy has a `token_bucket_llm` rule: front ends read the bodies of the requests it
     /// selects ([`Bundle::meters_tokens`]).
     pub meters_tokens: bool,
+    /// A rule counts gRPC request messages (`grpc:message`): the proxy then decides each
+    /// message of a gRPC call's request stream.
+    pub counts_grpc_messages: bool,
     /// Policies, rules and kill switches by what selects them ([`index`]).
     pub index: index::BundleIndex,
     /// The `tiktoken` encodings its rules count prompts in (a set of
@@ -112,6 +115,7 @@ impl Bundle {
             fingerprints_bodies: false,
             uses_network: false,
             meters_tokens: false,
+            counts_grpc_messages: false,
             index: index::BundleIndex::default(),
             tiktoken: 0,
         }

@@ -57,7 +57,8 @@ pub fn made_up_by_client(descriptor: &Descriptor, trust: &KeyTrust) -> bool {
         | Descriptor::Query(_)
         | Descriptor::Path
         | Descriptor::Host
-        | Descriptor::Method => true,
+        | Descriptor::Method
+        | Descriptor::Grpc(_) => true,
         Descriptor::Jwt(_) => !trust.jwt_claims_verified,
         Descriptor::Ip { v6_prefix } => {
             v6_prefix.unwrap_or(trust.default_v6_prefix) > HOST_V6_PREFIX

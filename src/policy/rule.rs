@@ -453,6 +453,16 @@ pub struct Concurrency {
 pub const ENVOY_OVERRIDE_RULE: &str = "envoy-limit-override";
 
 impl Rule {
+    /// Whether the rule counts a gRPC call's request messages (it reads `grpc:message` in its
+    /// `limit_keys` or `match`): such a rule applies to each message, and to nothing else.
+    pub fn counts_grpc_messages(&self) -> bool {
+        self.limit_keys.iter().any(Descriptor::reads_grpc_messages)
+            || self
+                .conditions
+                .iter()
+                .any(|c| c.descriptor.reads_grpc_messages())
+    }
+
     /// The rule behind [`Bundle::envoy_override`](crate::policy::Bundle::envoy_override): enforced, keyed by the whole descriptor (the
     /// caller builds the key), its quota always the descriptor's override. It is outside
     /// [`Bundle::rules`](crate::policy::Bundle::rules) (its `index` is `usize::MAX`), so per-rule metrics skip it.

@@ -350,6 +350,22 @@ impl Admin {
             return no_policy();
         }
         let mut response = answer.response;
+        // A described gRPC call's refusal also says what its client should read.
+        if let Some(reason) = answer.verdict.reason() {
+            let grpc = req
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .is_some_and(|v| crate::request::grpc::is_grpc_content_type(v.as_bytes()));
+            if grpc {
+                super::grpc_call::add_refusal_fields(
+                    &mut response.headers,
+                    response.status,
+                    reason,
+                    answer.verdict.rule(),
+                    response.body,
+                );
+            }
+        }
         // Concurrency slots: the caller gives them back on /v1/release when the
         // request is done, or they free themselves after the TTL.
         if let Some(lease) = &answer.lease {

@@ -2,6 +2,7 @@
 //! answered here and never reaches the upstream; an allowed request is proxied round-robin and
 //! the rate-limit headers are added to the upstream's response.
 
+use super::grpc_call::{Gate, GrpcCall};
 use super::upstreams::{Group, Upstreams};
 use crate::engine::headers::HeaderList;
 use crate::engine::Reason;
@@ -74,6 +75,12 @@ async fn client_gone(session: &mut Session) {
 const INVALID_CHUNK: pingora::ErrorType = pingora::ErrorType::Custom("InvalidChunk");
 const INVALID_TRAILER_END: pingora::ErrorType = pingora::ErrorType::Custom("InvalidTrailerEnd");
 
+/// A gRPC call's request message was refused (`grpc:message` rules): nothing more of the call
+/// goes upstream, and `fail_to_proxy` ends it with `RESOURCE_EXHAUSTED` in its trailers. An
+/// outcome, not a failure: never logged as an error.
+const GRPC_CALL_CUT: pingora::ErrorType =
+    pingora::ErrorType::Custom("gRPC call cut at a refused request message");
+
 /// Per-request state.
 #[derive(Default)]
 pub struct RequestCtx {
@@ -110,6 +117,8 @@ pub struct RequestCtx {
     forwarding: super::forward::Forwarding,
     /// The request's spans, when traces are on (ended in `logging`).
     trace: Option<Box<crate::telemetry::traces::RequestSpan>>,
+    /// The gRPC call the request is, if it is one.
+    grpc: Option<Box<GrpcCall>>,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
@@ -130,9 +139,9 @@ struct Metering {
 /// header: stopping writes whatever of them the client has not had, then the closing events.
 struct StreamStop {
     cap: crate::request::llm::StreamCap,
-    /// The response header as sent (after `response_filter`). Upstreams speak HTTP/1.1 here
-    /// (`upstreams.rs` peers offer no h2), so it is already in the form Pingora writes; an
-    /// HTTP/2 upstream's header would first need Pingora's HTTP/1.1 conversion.
+    /// The response header as sent (after `response_filter`). From an `http1` group it is
+    /// already in the form Pingora writes; from an `h2`/`h2c` group (untested with stream
+    /// caps) it would first need Pingora's HTTP/1.1 conversion.
     header: Option<ResponseHeader>,
     /// Body pieces passed on, oldest first, from body byte `unsent_from` on, not yet known
     /// to be written to the client.
@@ -294,6 +303,35 @@ async fn respond(
         .await
 }
 
+/// Writes a gRPC call's trailers-only answer: over HTTP/2, one header block that ends the stream.
+/// (Pingora's `write_response_header` leaves an HTTP/2 stream open whatever it is told, and
+/// ends it later with an empty DATA frame: gRPC's C core, behind grpcio and others, then waits
+/// for trailers and reports `UNKNOWN` instead of the status.) Over HTTP/1.1 (gRPC-Web) the
+/// header carries `Content-Length: 0`.
+async fn write_trailers_only(session: &mut Session, answer: ResponseHeader) -> Result<()> {
+    if let pingora::protocols::http::ServerSession::H2(h2) = session.as_downstream_mut() {
+        return h2.write_response_header(Box::new(answer), true);
+    }
+    session.write_response_header(Box::new(answer), true).await
+}
+
+/// [`respond`], or for a gRPC call its trailers-only gRPC answer.
+async fn respond_to(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    status: u16,
+    headers: HeaderList,
+    body: &'static str,
+) -> Result<()> {
+    match ctx.grpc.as_deref_mut() {
+        Some(call) => {
+            let answer = call.own_answer(status, headers, Some(body));
+            write_trailers_only(session, answer).await
+        }
+        None => respond(session, status, headers, body).await,
+    }
+}
+
 impl Proxy {
     /// Answers a request whose header block passed `--max-request-header-bytes` or
     /// `--max-request-headers` with 431 (counted by limit); it never reaches the limiter.
@@ -311,8 +349,9 @@ impl Proxy {
             session,
             self.gateway.config.header_timeout,
         );
-        respond(
+        respond_to(
             session,
+            ctx,
             431,
             request_id_header(ctx),
             super::protocol::HEADER_TOO_LARGE,
@@ -325,7 +364,7 @@ impl Proxy {
     async fn write_refusal(
         &self,
         session: &mut Session,
-        ctx: &RequestCtx,
+        ctx: &mut RequestCtx,
         response: crate::engine::headers::Response,
         content_type: &'static str,
     ) -> Result<()> {
@@ -334,6 +373,14 @@ impl Proxy {
             if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
                 headers.push((X_REQUEST_ID.clone(), id));
             }
+        }
+        if let Some(call) = ctx.grpc.as_deref_mut() {
+            super::protocol::keep_connection_for_small_body(
+                session,
+                self.gateway.config.header_timeout,
+            );
+            let answer = call.own_answer(response.status, headers, response.body);
+            return write_trailers_only(session, answer).await;
         }
         headers.push((
             http::header::CONTENT_TYPE,
@@ -378,7 +425,13 @@ impl Proxy {
     }
 
     /// The request's access-log line, from what the request gathered and what was sent.
-    fn write_access_log(&self, session: &Session, access: &AccessCtx, trace_id: Option<&str>) {
+    fn write_access_log(
+        &self,
+        session: &Session,
+        access: &AccessCtx,
+        trace_id: Option<&str>,
+        grpc_status: Option<Option<u16>>,
+    ) {
         let req = session.req_header();
         let header =
             |name: http::header::HeaderName| req.headers.get(name).and_then(|v| v.to_str().ok());
@@ -415,6 +468,10 @@ impl Proxy {
             verdict: access.verdict,
             rule: access.rule.as_deref(),
             request_id: &access.request_id,
+            rpc: grpc_status.and_then(|status| {
+                let (service, method) = crate::request::grpc::service_and_method(req.uri.path())?;
+                Some((service, method, status))
+            }),
             trace_id,
         };
         access_log::write(access_log::format(&record, self.gateway.config.access_log));
@@ -475,6 +532,7 @@ impl Proxy {
     /// The request path, in order: header limits → peer → syntax → trace → body → facts →
     /// decide → verdict → route. `Continue`: the request goes to its upstream group.
     async fn admit(&self, session: &mut Session, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
+        self.grpc_call(session, ctx);
         self.header_limits(session)?;
         self.peer(session, ctx);
         Self::syntax(session)?;
@@ -488,6 +546,17 @@ impl Proxy {
         let answer = self.decide(&facts, ctx).await;
         Self::verdict(answer, ctx)?;
         self.route(req, &facts, ctx)
+    }
+
+    /// Whether the request is a gRPC call: a POST with gRPC's content type (other requests
+    /// pay one comparison of their method).
+    fn grpc_call(&self, session: &Session, ctx: &mut RequestCtx) {
+        let req = session.req_header();
+        if req.method == http::Method::POST {
+            ctx.grpc = GrpcCall::of(req, !session.is_http2(), || {
+                self.gateway.counts_grpc_messages()
+            });
+        }
     }
 
     /// The gateway's own header limits, before anything reads the headers (or counts the
@@ -537,6 +606,13 @@ impl Proxy {
                 host,
                 protocol_version(session),
             )));
+            if let (Some(trace), Some(_)) = (ctx.trace.as_deref_mut(), ctx.grpc.as_deref()) {
+                if let Some((service, method)) =
+                    crate::request::grpc::service_and_method(req.uri.path())
+                {
+                    trace.grpc_call(service, method);
+                }
+            }
         }
     }
 
@@ -707,6 +783,12 @@ impl Proxy {
     /// reservation and the headers for its response.
     fn verdict(answer: Answer, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
         if !answer.verdict.forwards() {
+            if let Some(call) = ctx.grpc.as_deref_mut() {
+                call.refused = answer
+                    .verdict
+                    .reason()
+                    .map(|r| (r, answer.verdict.rule().map(str::to_string)));
+            }
             // OpenAI-style JSON for the LLM reasons, text otherwise.
             let content_type = answer.verdict.reason().map_or(TEXT, |r| r.content_type());
             return ControlFlow::Break(Reply::refusal(answer.response, content_type, ctx));
@@ -796,11 +878,13 @@ impl Proxy {
             Reply::Malformed(malformed) => self.refuse_malformed(session, ctx, malformed).await,
             Reply::BodyUnread(status, message) => {
                 let mut headers = request_id_header(ctx);
-                headers.push((
-                    http::header::CONTENT_TYPE,
-                    http::HeaderValue::from_static("application/json"),
-                ));
-                respond(session, status, headers, message).await
+                if ctx.grpc.is_none() {
+                    headers.push((
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    ));
+                }
+                respond_to(session, ctx, status, headers, message).await
             }
             Reply::Refusal {
                 status,
@@ -816,6 +900,229 @@ impl Proxy {
                     .await
             }
         }
+    }
+}
+
+impl Proxy {
+    /// A gRPC call is over: counted by method and status, its status on its trace; the status
+    /// for its log line. Out of line: HTTP requests only test that they are not a call.
+    #[inline(never)]
+    fn grpc_call_done(
+        &self,
+        session: &Session,
+        call: &GrpcCall,
+        trace: Option<&mut crate::telemetry::traces::RequestSpan>,
+    ) -> Option<u16> {
+        let status = call.status_number();
+        if let Some((service, method)) =
+            crate::request::grpc::service_and_method(session.req_header().uri.path())
+        {
+            self.gateway
+                .metrics
+                .proxied_grpc_call(service, method, status);
+        }
+        if let (Some(trace), Some(code)) = (trace, status) {
+            trace.grpc_status(code);
+        }
+        status
+    }
+
+    /// Passes a piece of a gRPC call's request body through its message gate: each message
+    /// that begins in it is decided (`grpc:message` rules) before any of its bytes go on. At
+    /// the first refused one, the messages before it go on and the request stream to the
+    /// upstream ends there (`END_STREAM`: at once, or with the next piece when some of this
+    /// piece's messages go on first), so the upstream reads exactly the admitted messages, each
+    /// once, and answers; nothing more of the client's stream goes on, and the upstream's
+    /// final status is replaced by the refusal's (`response_trailer_filter`). When the client
+    /// ends its side after that, the call ends (`fail_to_proxy`).
+    async fn gate_messages(
+        &self,
+        session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let client_ip = ctx.client_ip;
+        let Some(call) = ctx.grpc.as_deref_mut() else {
+            return Ok(());
+        };
+        let Some(gate) = call.gate.as_mut() else {
+            return Ok(());
+        };
+        if gate.cut {
+            if !gate.closed {
+                // The request stream to the upstream ends here.
+                gate.closed = true;
+                *body = None;
+                return Ok(());
+            }
+            if end_of_stream {
+                return Err(call_cut());
+            }
+            *body = Some(Bytes::new());
+            return Ok(());
+        }
+        let piece = body.take().unwrap_or_default();
+        let req = session.req_header();
+        let gateway = &*self.gateway;
+        let out = gate
+            .pass(&piece, end_of_stream, || {
+                message_refusal(gateway, req, client_ip)
+            })
+            .await;
+        match out {
+            Gate::Pass(pass) => {
+                *body = (!pass.is_empty() || !end_of_stream).then_some(pass);
+            }
+            Gate::Cut(pass, refusal) => {
+                tracing::debug!(
+                    reason = refusal.reason.as_str(),
+                    "gRPC request message refused: the call is cut"
+                );
+                call.cut = Some(refusal);
+                // An empty piece with the end flag, or none, ends the upstream's stream.
+                gate.closed = pass.is_empty() || end_of_stream;
+                *body = (!pass.is_empty()).then_some(pass);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The error that ends a cut gRPC call when its client ends its side. Filed as the client's
+/// side's, so that Pingora stops at once (resetting the upstream's stream if it is still
+/// answering) rather than write a second end of stream to the upstream.
+fn call_cut() -> Box<Error> {
+    Error::explain(GRPC_CALL_CUT, "a request message was refused").into_down()
+}
+
+/// The decision on one request message of a gRPC call: `None` when it may go upstream.
+async fn message_refusal(
+    gateway: &Gateway,
+    req: &RequestHeader,
+    client_ip: Option<IpAddr>,
+) -> Option<Box<super::grpc_call::CutRefusal>> {
+    let headers = HttpHeaders(&req.headers);
+    let (host, target) = super::protocol::host_and_target(req);
+    let facts = RequestFacts::new(
+        req.method.as_str(),
+        target,
+        host,
+        client_ip,
+        &headers,
+        gateway.config.encoded_slashes,
+    )
+    .ok()?;
+    let claims = gateway.claims(&headers);
+    let facts = facts.with_claims(claims.as_deref()).with_grpc_message();
+    let answer = match gateway.decide_in_memory(&facts) {
+        Some(answer) if answer.throttle_ms == 0 => answer,
+        Some(answer) => Box::pin(Gateway::throttled(answer)).await,
+        None => Box::pin(gateway.decide(&facts)).await,
+    };
+    if let Some(lease) = &answer.lease {
+        gateway.release(lease).await;
+    }
+    match answer.verdict {
+        crate::service::Verdict::Refused { reason, rule } => {
+            Some(Box::new(super::grpc_call::CutRefusal {
+                reason,
+                rule,
+                headers: answer.response.headers,
+                body: answer.response.body,
+            }))
+        }
+        _ => None,
+    }
+}
+
+/// Ends a gRPC call cut at a refused request message whose upstream has not ended it yet:
+/// `RESOURCE_EXHAUSTED` (with the refusal's delay and rule) in the trailers when the response
+/// has begun, else a trailers-only answer.
+async fn finish_cut_call(session: &mut Session, ctx: &mut RequestCtx) -> FailToProxy {
+    let fail = FailToProxy {
+        error_code: 200,
+        can_reuse_downstream: false,
+    };
+    let Some(call) = ctx.grpc.as_deref_mut() else {
+        return fail;
+    };
+    // Already ended in the upstream's trailers.
+    let Some(cut) = call.cut.take() else {
+        return fail;
+    };
+    let started = session
+        .as_downstream()
+        .response_written()
+        .is_some_and(|h| !h.status.is_informational());
+    let mut trailers = http::HeaderMap::new();
+    call.end_cut(*cut, &mut trailers);
+    if let Some(access) = ctx.access.as_deref_mut() {
+        note_cut(access, call);
+    }
+    if !started {
+        let answer = call.own_answer_with(trailers);
+        let _ = write_trailers_only(session, answer).await;
+    } else if call.is_http1() {
+        let frame = GrpcCall::web_trailer_frame(&trailers);
+        let _ = session.write_response_body(Some(frame), true).await;
+    } else {
+        let _ = session
+            .as_downstream_mut()
+            .write_response_trailers(trailers)
+            .await;
+    }
+    fail
+}
+
+/// A gRPC call's response header: its status noted when the upstream answered trailers-only,
+/// and a cut call so answered ends with the refusal's status instead. Out of line: HTTP
+/// requests only test that they are not a call.
+#[inline(never)]
+fn grpc_response_header(
+    upstream_response: &mut ResponseHeader,
+    ctx: &mut RequestCtx,
+) -> Result<()> {
+    let Some(call) = ctx.grpc.as_deref_mut() else {
+        return Ok(());
+    };
+    call.upstream_ended(&upstream_response.headers);
+    if !upstream_response
+        .headers
+        .contains_key(&super::grpc_call::GRPC_STATUS)
+    {
+        return Ok(());
+    }
+    if let Some(cut) = call.cut.take() {
+        let mut fields = http::HeaderMap::new();
+        call.end_cut(*cut, &mut fields);
+        upstream_response.remove_header(&super::grpc_call::GRPC_MESSAGE);
+        upstream_response.remove_header(&super::grpc_call::GRPC_STATUS_DETAILS);
+        for (name, value) in fields {
+            if let Some(name) = name {
+                upstream_response.insert_header(name, value)?;
+            }
+        }
+        if let Some(access) = ctx.access.as_deref_mut() {
+            note_cut(access, call);
+        }
+    }
+    Ok(())
+}
+
+/// Whether the request is a gRPC call cut at a refused message: how it ends is an outcome.
+fn call_was_cut(ctx: &RequestCtx) -> bool {
+    ctx.grpc
+        .as_deref()
+        .and_then(|c| c.gate.as_ref())
+        .is_some_and(|g| g.cut)
+}
+
+/// The access log's verdict and rule of a call cut at a refused message.
+fn note_cut(access: &mut AccessCtx, call: &GrpcCall) {
+    if let Some((reason, rule)) = &call.refused {
+        access.verdict = reason.as_str();
+        access.rule = rule.clone();
     }
 }
 
@@ -889,11 +1196,15 @@ impl ProxyHttp for Proxy {
 
     async fn request_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
         ctx: &mut Self::CTX,
     ) -> Result<()> {
+        if ctx.grpc.as_deref().is_some_and(|c| c.gate.is_some()) {
+            let gated = Box::pin(self.gate_messages(session, body, end_of_stream, ctx));
+            return gated.await;
+        }
         // The body was read whole before deciding, past what Pingora's retry buffer replays:
         // the upstream gets all of it, byte for byte (again on a retry to another server).
         if let (Some(whole), true) = (&ctx.forward_body, end_of_stream) {
@@ -1129,6 +1440,15 @@ impl ProxyHttp for Proxy {
                 }
             }
         }
+        // gRPC servers expect `TE: trailers`, which Pingora strips as hop-by-hop.
+        if ctx.grpc.is_some()
+            && ctx
+                .group
+                .as_ref()
+                .is_some_and(|g| g.spec.protocol.is_http2())
+        {
+            upstream_request.insert_header(http::header::TE, "trailers")?;
+        }
         // Only HTTP/1.0 may come without `Host` (Pingora's HTTP/2 side makes one from the
         // authority): a version check spares every other request a header lookup.
         let client_version = session.req_header().version;
@@ -1180,6 +1500,9 @@ impl ProxyHttp for Proxy {
             return Ok(());
         }
         super::protocol::frame_for_client(session, upstream_response);
+        if ctx.grpc.is_some() {
+            grpc_response_header(upstream_response, ctx)?;
+        }
         if let Some(trace) = ctx.trace.as_deref_mut() {
             trace.upstream_responded(upstream_response.status.as_u16());
         }
@@ -1267,6 +1590,26 @@ impl ProxyHttp for Proxy {
         Ok(())
     }
 
+    async fn response_trailer_filter(
+        &self,
+        _session: &mut Session,
+        upstream_trailers: &mut http::HeaderMap,
+        ctx: &mut Self::CTX,
+    ) -> Result<Option<Bytes>> {
+        // Relayed as they came; a gRPC call's status is noted for its log line and metrics. A
+        // call cut at a refused message ends with the refusal's status instead.
+        if let Some(call) = ctx.grpc.as_deref_mut() {
+            call.upstream_ended(upstream_trailers);
+            if let Some(cut) = call.cut.take() {
+                call.end_cut(*cut, upstream_trailers);
+                if let Some(access) = ctx.access.as_deref_mut() {
+                    note_cut(access, call);
+                }
+            }
+        }
+        Ok(None)
+    }
+
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         // The response is done: the connection may now idle until its next request, and the
         // server's slot (with `max_connections`) goes to the next in line.
@@ -1302,10 +1645,14 @@ impl ProxyHttp for Proxy {
                 .settle(&metering.reservation, used, reported_prompt, source)
                 .await;
         }
-        let trace = ctx.trace.take();
+        let mut trace = ctx.trace.take();
+        let grpc_status = ctx
+            .grpc
+            .as_deref()
+            .map(|call| self.grpc_call_done(session, call, trace.as_deref_mut()));
         if let Some(access) = ctx.access.take() {
             let trace_id = trace.as_ref().map(|t| t.trace_id());
-            self.write_access_log(session, &access, trace_id.as_deref());
+            self.write_access_log(session, &access, trace_id.as_deref(), grpc_status);
         }
         if let Some(trace) = trace {
             let status = session.response_written().map_or(0, |r| r.status.as_u16());
@@ -1313,10 +1660,14 @@ impl ProxyHttp for Proxy {
         }
     }
 
-    fn suppress_error_log(&self, _session: &Session, _ctx: &Self::CTX, e: &Error) -> bool {
+    fn suppress_error_log(&self, _session: &Session, ctx: &Self::CTX, e: &Error) -> bool {
+        if call_was_cut(ctx) {
+            return true;
+        }
         // A client's malformed chunked body is the client's error, answered 400: not logged
         // per request (a client could fill the log with them).
         *e.etype() == STREAM_STOPPED
+            || *e.etype() == GRPC_CALL_CUT
             || *e.etype() == QUEUE_TIMED_OUT
             || *e.etype() == CLIENT_GONE_WHILE_QUEUED
             || *e.etype() == INVALID_CHUNK
@@ -1331,6 +1682,12 @@ impl ProxyHttp for Proxy {
     ) -> FailToProxy {
         if *e.etype() == STREAM_STOPPED {
             return finish_stopped_stream(session, ctx).await;
+        }
+        // A cut call ends with the refusal's status, whatever ended the proxying (the cut
+        // itself, or the client resetting its side once it read the status).
+        if *e.etype() == GRPC_CALL_CUT || call_was_cut(ctx) {
+            let end = Box::pin(finish_cut_call(session, ctx));
+            return end.await;
         }
         // A 1xx (100 Continue, 103 Early Hints) is not the response: the error page still goes.
         let final_written = session

@@ -14,6 +14,8 @@ pub mod admin;
 pub mod conn;
 pub mod forward;
 pub mod gateway;
+pub mod grpc_call;
+pub mod grpc_health;
 pub mod protocol;
 pub mod queue;
 pub mod upstreams;

@@ -18,7 +18,7 @@
 //! The whole set is swapped on reload ([`Upstreams`] behind an `ArcSwap`): a request holds the
 //! group it was routed to, so nothing in flight is dropped.
 
-use crate::config::routes::{Balance, GroupSpec, RouteTable};
+use crate::config::routes::{Balance, GroupSpec, HealthProtocol, RouteTable};
 use parking_lot::Mutex;
 use pingora::lb::health_check::HttpHealthCheck;
 use pingora::lb::selection::{Consistent, RoundRobin};
@@ -167,6 +167,13 @@ impl<'a> Peers<'a> {
         peer.options.connection_timeout = Some(spec.connect_timeout);
         peer.options.read_timeout = Some(spec.read_timeout);
         peer.options.idle_timeout = spec.idle_timeout;
+        if spec.protocol.is_http2() {
+            // HTTP/2 only: ALPN `h2` over TLS; in cleartext, prior knowledge (Pingora speaks
+            // h2c to a plain peer whose lowest version is 2). Each connection carries up to
+            // this many streams at once before another is opened.
+            peer.options.set_http_version(2, 2);
+            peer.options.max_h2_streams = H2_STREAMS_PER_CONNECTION;
+        }
         if let Some(ca) = &self.ca {
             peer.options.ca = Some(Arc::clone(ca));
         }
@@ -174,24 +181,52 @@ impl<'a> Peers<'a> {
     }
 }
 
-/// The group's active health check: `GET path` with the group's TLS name (or `localhost`) as
-/// `Host`, within its own timeout.
+/// Streams one HTTP/2 connection to a server carries at once (Pingora's default is 1): 100, the
+/// lowest `SETTINGS_MAX_CONCURRENT_STREAMS` RFC 9113 asks servers to allow. A request beyond
+/// it opens another connection.
+pub const H2_STREAMS_PER_CONNECTION: usize = 100;
+
+/// The group's active health check: over the group's protocol, an HTTP `GET path` or a gRPC
+/// health check ([`super::grpc_health`]).
 fn health_check(
     spec: &GroupSpec,
     peers: &Peers<'_>,
     path: &str,
     hc: &crate::config::routes::HealthCheckSpec,
-) -> Result<Box<HttpHealthCheck>, UpstreamsError> {
-    let host = spec
-        .tls
+) -> Result<Box<dyn pingora::lb::health_check::HealthCheck + Send + Sync>, UpstreamsError> {
+    let mut template = peers.peer(SocketAddr::from(([0, 0, 0, 0], 1)));
+    template.options.connection_timeout = Some(hc.timeout);
+    template.options.read_timeout = Some(hc.timeout);
+    match spec.health {
+        HealthProtocol::Grpc => Ok(Box::new(super::grpc_health::GrpcHealthCheck::new(
+            template,
+            authority(spec),
+            path,
+            hc,
+        ))),
+        HealthProtocol::Http => http_health_check(spec, template, path, hc),
+    }
+}
+
+/// What a health check sends as `Host` (`:authority`): the group's TLS name, or `localhost`.
+fn authority(spec: &GroupSpec) -> String {
+    spec.tls
         .as_ref()
-        .map_or_else(|| "localhost".to_string(), |t| t.sni.clone());
+        .map_or_else(|| "localhost".to_string(), |t| t.sni.clone())
+}
+
+/// `GET path` with the group's TLS name (or `localhost`) as `Host`, within its own timeout.
+fn http_health_check(
+    spec: &GroupSpec,
+    template: HttpPeer,
+    path: &str,
+    hc: &crate::config::routes::HealthCheckSpec,
+) -> Result<Box<dyn pingora::lb::health_check::HealthCheck + Send + Sync>, UpstreamsError> {
+    let host = authority(spec);
     let mut check = HttpHealthCheck::new(&host, spec.tls.is_some());
     check.consecutive_success = hc.healthy_threshold;
     check.consecutive_failure = hc.unhealthy_threshold;
-    check.peer_template = peers.peer(SocketAddr::from(([0, 0, 0, 0], 1)));
-    check.peer_template.options.connection_timeout = Some(hc.timeout);
-    check.peer_template.options.read_timeout = Some(hc.timeout);
+    check.peer_template = template;
     let fail = |source| UpstreamsError::HealthCheck {
         group: spec.name.clone(),
         source,

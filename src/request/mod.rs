@@ -10,6 +10,7 @@ pub mod authority;
 pub mod client_addr;
 pub mod descriptor;
 pub mod forwarding;
+pub mod grpc;
 pub mod llm;
 pub mod llm_encoding;
 pub mod network;

@@ -271,6 +271,15 @@ impl Gateway {
             .is_some_and(|b| b.fingerprints_bodies)
     }
 
+    /// Whether the bundle in force counts gRPC request messages (`grpc:message`): the proxy
+    /// then decides each message of a gRPC call's request stream.
+    pub fn counts_grpc_messages(&self) -> bool {
+        self.policy
+            .load()
+            .as_deref()
+            .is_some_and(|b| b.counts_grpc_messages)
+    }
+
     /// Whether the network headers of a decision-service call from `caller` (the TCP peer of
     /// the HTTP call, the gRPC connection's peer) are believed: only from a `--trusted-proxy`
     /// network, as on the proxy listener. A caller is not trusted for being a gateway.

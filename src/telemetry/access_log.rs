@@ -53,6 +53,9 @@ pub struct AccessRecord<'a> {
     /// The rule that refused the request.
     pub rule: Option<&'a str>,
     pub request_id: &'a str,
+    /// A gRPC call's `rpc.service`, `rpc.method` and `rpc.grpc.status_code` (the status it
+    /// ended with, when it ended with one): written after the request ID, only for calls.
+    pub rpc: Option<(&'a str, &'a str, Option<u16>)>,
     /// The request's trace id (32 hex digits), when tracing is on: written last.
     pub trace_id: Option<&'a str>,
 }
@@ -111,6 +114,17 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
             json_field(&mut line, "verdict", Some(record.verdict));
             json_field(&mut line, "rule", record.rule);
             json_field(&mut line, "request_id", Some(record.request_id));
+            if let Some((service, method, status)) = record.rpc {
+                json_field(&mut line, "rpc.service", Some(service));
+                json_field(&mut line, "rpc.method", Some(method));
+                line.push_str(",\"rpc.grpc.status_code\":");
+                match status {
+                    Some(code) => {
+                        let _ = write!(line, "{code}");
+                    }
+                    None => line.push_str("null"),
+                }
+            }
             if let Some(trace_id) = record.trace_id {
                 json_field(&mut line, "trace_id", Some(trace_id));
             }
@@ -154,6 +168,15 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                 dash(record.rule),
                 Escaped(record.request_id),
             );
+            if let Some((service, method, status)) = record.rpc {
+                let _ = write!(
+                    line,
+                    " rpc.service={} rpc.method={} rpc.grpc.status_code={}",
+                    Escaped(service),
+                    Escaped(method),
+                    status.map_or_else(|| "-".to_string(), |c| c.to_string()),
+                );
+            }
             if let Some(trace_id) = record.trace_id {
                 let _ = write!(line, " trace_id={}", Escaped(trace_id));
             }
@@ -248,6 +271,7 @@ mod tests {
             verdict: "token_bucket_exceeded",
             rule: Some("per-ip"),
             request_id: "abc-123",
+            rpc: None,
             trace_id: None,
         }
     }

@@ -132,7 +132,14 @@ pub struct Metrics {
     defined: Vec<&'static str>,
     /// Serialises `render` so two scrapes cannot both advance the store counters.
     render_lock: parking_lot::Mutex<()>,
+    /// The `service/method` pairs `tollgate_proxied_grpc_calls_total` names (at most
+    /// [`MAX_GRPC_METHOD_LABELS`]): a client choosing paths cannot grow the label set.
+    grpc_methods: parking_lot::Mutex<ahash::AHashSet<Box<str>>>,
 }
+
+/// The most `service/method` pairs `tollgate_proxied_grpc_calls_total` names; calls of any
+/// other are counted as `other`.
+pub const MAX_GRPC_METHOD_LABELS: usize = 100;
 
 /// What a metric family holds, as `# TYPE` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -326,6 +333,8 @@ metric_table! {
         ["group"] "Requests that left the upstream queue because their client went away, never sent upstream, by group" [];
     llm_undecodable: IntCounterVec = Counter All "tollgate_llm_undecodable_responses_total"
         ["encoding", "reason"] "LLM responses whose Content-Encoding could not be decoded to read their usage (settled as reserved), by encoding and reason" [];
+    proxied_grpc_calls: IntCounterVec = Counter All "tollgate_proxied_grpc_calls_total"
+        ["rpc_service", "rpc_method", "rpc_grpc_status_code"] "gRPC calls through the reverse proxy, by service, method (the first 100 service and method pairs seen, later ones as other) and the status code they ended with (none: no status)" [];
     grpc_calls: IntCounterVec = Counter All "tollgate_grpc_calls_total"
         ["service", "code"] "gRPC calls from Envoy, by service (ratelimit, authz) and answer" [];
     candidate_would_refuse: IntCounterVec = Counter All "tollgate_candidate_would_refuse_total"
@@ -601,6 +610,7 @@ impl Metrics {
             families,
             defined,
             per_rule: ArcSwapOption::empty(),
+            grpc_methods: parking_lot::Mutex::default(),
             render_lock: parking_lot::Mutex::new(()),
         })
     }
@@ -720,6 +730,34 @@ impl Metrics {
         self.families
             .grpc_calls
             .with_label_values(&[service, code])
+            .inc();
+    }
+
+    /// A gRPC call through the proxy ended with `status` (`None`: without one). The service
+    /// and method are labels while fewer than [`MAX_GRPC_METHOD_LABELS`] pairs were seen.
+    pub fn proxied_grpc_call(&self, service: &str, method: &str, status: Option<u16>) {
+        const CODES: [&str; 17] = [
+            "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15",
+            "16",
+        ];
+        let code = match status {
+            Some(n) => CODES.get(usize::from(n)).copied().unwrap_or("other"),
+            None => "none",
+        };
+        let named = {
+            let key = format!("{service}/{method}");
+            let mut seen = self.grpc_methods.lock();
+            seen.contains(key.as_str())
+                || (seen.len() < MAX_GRPC_METHOD_LABELS && seen.insert(key.into_boxed_str()))
+        };
+        let (service, method) = if named {
+            (service, method)
+        } else {
+            ("other", "other")
+        };
+        self.families
+            .proxied_grpc_calls
+            .with_label_values(&[service, method, code])
             .inc();
     }
 

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod ext_authz;
+pub mod grpc_echo;
 pub mod servers;
 
 use std::io::{BufRead, BufReader, Read, Write};

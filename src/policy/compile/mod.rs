@@ -108,6 +108,7 @@ impl Compiler {
             r.limit_keys.iter().any(network) || r.conditions.iter().any(|c| network(&c.descriptor))
         }) || self.kill_switches.iter().any(|k| network(&k.scope));
         let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
+        let counts_grpc_messages = self.rules.iter().any(Rule::counts_grpc_messages);
         let tiktoken = self
             .rules
             .iter()
@@ -138,6 +139,7 @@ impl Compiler {
             fingerprints_bodies,
             uses_network,
             meters_tokens,
+            counts_grpc_messages,
             skipped: self.skipped,
             index,
             tiktoken,

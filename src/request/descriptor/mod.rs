@@ -45,6 +45,9 @@ pub struct RequestFacts<'a> {
     /// The trace this request is part of, when tracing is on (for the `RATE_LIMIT` line's
     /// `trace_id`, and to summarise a sampled request's decision for its span).
     pub trace: Option<TraceFacts>,
+    /// These facts stand for one request message of a gRPC call, not for the call: only the
+    /// rules reading `grpc:message` apply ([`Descriptor::reads_grpc_messages`]).
+    pub grpc_message: bool,
 }
 
 /// A request's trace as the core sees it: plain data (the spans live in the telemetry glue).
@@ -161,6 +164,7 @@ impl<'a> RequestFacts<'a> {
             trusted_peer: false,
             network: None,
             trace: None,
+            grpc_message: false,
         }
     }
 
@@ -224,6 +228,12 @@ impl<'a> RequestFacts<'a> {
         self
     }
 
+    /// These facts for one request message of their gRPC call (`grpc:message`).
+    pub fn with_grpc_message(mut self) -> Self {
+        self.grpc_message = true;
+        self
+    }
+
     /// A copy of these facts with the client's network facts.
     pub fn with_network<'n>(
         &'n self,
@@ -243,6 +253,7 @@ impl<'a> RequestFacts<'a> {
             trusted_peer: self.trusted_peer,
             network: Some(network),
             trace: self.trace,
+            grpc_message: self.grpc_message,
         }
     }
 
@@ -286,6 +297,13 @@ impl<'a> RequestFacts<'a> {
             let name = strip_port(h);
             name.strip_suffix('.').unwrap_or(name)
         })
+    }
+
+    /// Whether the request is a gRPC call: its content type is gRPC's (or gRPC-Web's).
+    pub fn is_grpc(&self) -> bool {
+        self.headers
+            .header_bytes("content-type")
+            .is_some_and(crate::request::grpc::is_grpc_content_type)
     }
 
     /// The first value of query parameter `name`, percent-decoded.
@@ -585,6 +603,19 @@ pub enum Descriptor {
     EntryKeys,
     /// `ip:country`, `ip:asn`, `ip:type`, `ip:tor`: the client's network ([`crate::request::network`]).
     Network(NetworkKey),
+    /// `grpc:service`, `grpc:method`: a gRPC call's `package.Service` and `Method`, from its
+    /// path `/package.Service/Method` ([`crate::request::grpc`]); absent on other requests.
+    Grpc(GrpcPart),
+}
+
+/// Which part of a gRPC call's path a `Descriptor::Grpc` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GrpcPart {
+    Service,
+    Method,
+    /// `grpc:message`: `package.Service/Method`, present only when the facts stand for one
+    /// request message of the call: a rule reading it counts messages, not calls.
+    Message,
 }
 
 /// Which network fact a `Descriptor::Network` reads.
@@ -599,7 +630,7 @@ pub enum NetworkKey {
 /// Why a descriptor string is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
-    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, descriptor:<key>, domain or descriptor_keys)")]
+    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, grpc:service, grpc:method, grpc:message, descriptor:<key>, domain or descriptor_keys)")]
     Unknown(String),
     #[error("descriptor '{0}' needs a name after the colon")]
     EmptyName(String),
@@ -632,6 +663,9 @@ impl Descriptor {
             "ip:asn" => return Ok(Descriptor::Network(NetworkKey::Asn)),
             "ip:type" => return Ok(Descriptor::Network(NetworkKey::Type)),
             "ip:tor" => return Ok(Descriptor::Network(NetworkKey::Tor)),
+            "grpc:service" => return Ok(Descriptor::Grpc(GrpcPart::Service)),
+            "grpc:method" => return Ok(Descriptor::Grpc(GrpcPart::Method)),
+            "grpc:message" => return Ok(Descriptor::Grpc(GrpcPart::Message)),
             _ => {}
         }
         if let Some(bits) = text.strip_prefix("ip:address/") {
@@ -653,6 +687,12 @@ impl Descriptor {
             return Ok(Descriptor::Entry(name));
         }
         Err(DescriptorError::Unknown(text.to_string()))
+    }
+
+    /// Whether this is `grpc:message`: a rule reading it counts a gRPC call's request
+    /// messages, and only them.
+    pub fn reads_grpc_messages(&self) -> bool {
+        matches!(self, Descriptor::Grpc(GrpcPart::Message))
     }
 
     /// This descriptor's value for a request, or `None` when the request does not carry it.
@@ -688,6 +728,31 @@ impl Descriptor {
                     NetworkKey::Tor => network.tor.map(Cow::Borrowed),
                 }
             }
+            Descriptor::Grpc(part) => {
+                if (*part == GrpcPart::Message && !facts.grpc_message) || !facts.is_grpc() {
+                    return None;
+                }
+                // `service/method` without its leading `/`, or one of its parts.
+                let pick = |path: &'a str| -> Option<&'a str> {
+                    let (service, method) = crate::request::grpc::service_and_method(path)?;
+                    Some(match part {
+                        GrpcPart::Service => service,
+                        GrpcPart::Method => method,
+                        GrpcPart::Message => &path[1..],
+                    })
+                };
+                match &facts.path {
+                    Cow::Borrowed(path) => pick(path).map(Cow::Borrowed),
+                    Cow::Owned(path) => {
+                        let (service, method) = crate::request::grpc::service_and_method(path)?;
+                        Some(Cow::Owned(match part {
+                            GrpcPart::Service => service.to_string(),
+                            GrpcPart::Method => method.to_string(),
+                            GrpcPart::Message => format!("{service}/{method}"),
+                        }))
+                    }
+                }
+            }
         }
     }
 }
@@ -710,6 +775,9 @@ impl std::fmt::Display for Descriptor {
             Descriptor::Network(NetworkKey::Asn) => f.write_str("ip:asn"),
             Descriptor::Network(NetworkKey::Type) => f.write_str("ip:type"),
             Descriptor::Network(NetworkKey::Tor) => f.write_str("ip:tor"),
+            Descriptor::Grpc(GrpcPart::Service) => f.write_str("grpc:service"),
+            Descriptor::Grpc(GrpcPart::Method) => f.write_str("grpc:method"),
+            Descriptor::Grpc(GrpcPart::Message) => f.write_str("grpc:message"),
         }
     }
 }

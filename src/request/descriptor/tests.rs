@@ -359,3 +359,41 @@ fn a_client_net_is_an_ipv4_address_or_an_ipv6_network() {
     assert_eq!(net("2001:db8:1:2:aaaa::1", 128), "2001:db8:1:2:aaaa::1");
     assert_eq!(net("2001:db8:1:2:aaaa::1", 48), "2001:db8:1::");
 }
+
+/// `grpc:service` and `grpc:method` read a gRPC call's path; `grpc:message` only facts that
+/// stand for one of its messages; none of them a request that is not a gRPC call.
+#[test]
+fn grpc_descriptors_read_the_call_path() {
+    let grpc: Vec<(String, String)> =
+        vec![("Content-Type".into(), "application/grpc+proto".into())];
+    let json: Vec<(String, String)> = vec![("Content-Type".into(), "application/json".into())];
+    let value = |d: &str, facts: &RequestFacts<'_>| {
+        Descriptor::parse(d)
+            .unwrap()
+            .value(facts, 64)
+            .map(|v| v.into_owned())
+    };
+    let call = RequestFacts::from_uri("POST", "/echo.v1.Echo/Say", None, None, &grpc);
+    assert_eq!(
+        value("grpc:service", &call).as_deref(),
+        Some("echo.v1.Echo")
+    );
+    assert_eq!(value("grpc:method", &call).as_deref(), Some("Say"));
+    assert_eq!(value("grpc:message", &call), None);
+    let message =
+        RequestFacts::from_uri("POST", "/echo.v1.Echo/Say", None, None, &grpc).with_grpc_message();
+    assert_eq!(
+        value("grpc:message", &message).as_deref(),
+        Some("echo.v1.Echo/Say")
+    );
+    let plain = RequestFacts::from_uri("POST", "/echo.v1.Echo/Say", None, None, &json);
+    assert_eq!(value("grpc:method", &plain), None);
+    let odd = RequestFacts::from_uri("POST", "/a/b/c", None, None, &grpc);
+    assert_eq!(value("grpc:service", &odd), None);
+    for d in ["grpc:service", "grpc:method", "grpc:message"] {
+        assert_eq!(Descriptor::parse(d).unwrap().to_string(), d);
+    }
+    assert!(Descriptor::parse("grpc:message")
+        .unwrap()
+        .reads_grpc_messages());
+}

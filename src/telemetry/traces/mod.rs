@@ -305,6 +305,22 @@ impl RequestSpan {
         }
     }
 
+    /// `rpc.system`, `rpc.service` and `rpc.method` of a proxied gRPC call.
+    pub fn grpc_call(&mut self, service: &str, method: &str) {
+        if let Some(request) = self.recorded() {
+            if let (Some(service), Some(method)) = (request.put(service), request.put(method)) {
+                request.server.proxied_rpc = Some((service, method));
+            }
+        }
+    }
+
+    /// `rpc.grpc.status_code` of a proxied gRPC call: the status it ended with.
+    pub fn grpc_status(&mut self, code: u16) {
+        if let Some(request) = self.recorded() {
+            request.server.grpc_status = Some(i32::from(code));
+        }
+    }
+
     /// `http.route`: the matched route's path prefix; the span is renamed `METHOD route`.
     pub fn route(&mut self, route: &str) {
         if let Some(request) = self.recorded() {

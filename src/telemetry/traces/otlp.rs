@@ -427,6 +427,11 @@ fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, text: &str, texts: &m
         c.attribute(A, b"rpc.service", Value::Str(service));
         c.attribute(A, b"rpc.method", Value::Str(method));
     }
+    if let Some((service, method)) = span.proxied_rpc {
+        c.attribute(A, b"rpc.system", Value::Str("grpc"));
+        c.attribute(A, b"rpc.service", Value::Str(service.of(text)));
+        c.attribute(A, b"rpc.method", Value::Str(method.of(text)));
+    }
     if let Some(group) = &span.upstream_group {
         c.attribute(A, b"tollgate.upstream_group", Value::Str(group));
     }

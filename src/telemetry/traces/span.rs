@@ -102,6 +102,9 @@ pub struct SpanRecord {
     pub rpc: Option<(&'static str, &'static str)>,
     /// `rpc.grpc.status_code`
     pub grpc_status: Option<i32>,
+    /// `rpc.system` (`grpc`), `rpc.service`, `rpc.method` of a gRPC call proxied (its names
+    /// come from the request).
+    pub proxied_rpc: Option<(TextAt, TextAt)>,
     /// `http.response.status_code`
     pub status_code: Option<u16>,
     /// `tollgate.decision`, `.policy`, `.rule`, `.reason`, `.remaining`
@@ -148,6 +151,7 @@ impl SpanRecord {
             client_address: None,
             rpc: None,
             grpc_status: None,
+            proxied_rpc: None,
             status_code: None,
             decision: None,
             policy: None,
