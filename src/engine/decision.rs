@@ -261,6 +261,9 @@ pub struct Checked<'b> {
     /// The reservations of `token_bucket_llm` rules (empty, without allocating, for every
     /// other request): settled by the response's usage.
     pub reserved: Vec<Reserved>,
+    /// A paced request's wait and spent tokens (`delay` rules; `None`, without allocating, for
+    /// every other request). On a refusal: the tokens to give back.
+    pub paced: Option<Box<crate::engine::pacing::Paced>>,
 }
 
 /// One bucket a `token_bucket_llm` rule reserved tokens on.
@@ -338,6 +341,7 @@ impl<'b> Checked<'b> {
             slots: Vec::new(),
             lease_id: 0,
             reserved: Vec::new(),
+            paced: None,
         }
     }
 

@@ -19,6 +19,7 @@
 
 pub mod compat;
 pub mod headers;
+pub mod pacing;
 pub mod reservation_token;
 pub mod rls;
 pub mod simulate;
@@ -676,6 +677,9 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
             let stage = budget.stage_for(outcome.quota.burst(), outcome.tokens);
             checked.stage = stronger(checked.stage, stage);
         }
+    }
+    if checked.bundle.paces {
+        return pacing::paced(checked, &pending.ops, results);
     }
     Decision::Allow(checked)
 }

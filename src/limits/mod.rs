@@ -16,6 +16,7 @@
 //! `mod.rs` or the compiler's.
 //!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;
+//! - [`pacing`]: a token bucket's `delay` (paced bursts, as nginx `limit_req`);
 //! - [`budget`]: `cost_based` budgets and their stages;
 //! - [`concurrency`]: in-flight caps;
 //! - [`llm`]: `token_bucket_llm` token budgets;
@@ -30,6 +31,7 @@ pub mod budget;
 pub mod concurrency;
 pub mod guards;
 pub mod llm;
+pub mod pacing;
 pub mod token_bucket;
 
 use crate::engine::planning::{PlanContext, Planning};
@@ -127,6 +129,8 @@ pub(crate) struct KindParts {
     pub(crate) kind: RuleKind,
     /// A `token_bucket_llm` rule's `tokens_per_day` (its own budget rule, added beside it).
     pub(crate) tokens_per_day: Option<u64>,
+    /// A `token_bucket` rule's `delay`.
+    pub(crate) pacing: Option<pacing::Pacing>,
 }
 
 impl Default for KindParts {
@@ -136,6 +140,7 @@ impl Default for KindParts {
             cost: None,
             kind: RuleKind::TokenBucket,
             tokens_per_day: None,
+            pacing: None,
         }
     }
 }
@@ -160,11 +165,15 @@ impl Compiler {
             );
         }
         match kind {
-            LimitKind::TokenBucket => KindParts {
-                shape: self.bucket_shape(config, &path, None),
-                cost: self.cost_source(config, &path),
-                ..KindParts::default()
-            },
+            LimitKind::TokenBucket => {
+                let shape = self.bucket_shape(config, &path, None);
+                KindParts {
+                    pacing: self.pacing(config, &path, shape.as_ref()),
+                    shape,
+                    cost: self.cost_source(config, &path),
+                    ..KindParts::default()
+                }
+            }
             LimitKind::CostBased => match self.budget(config, &path) {
                 Some((shape, cost, budget)) => KindParts {
                     shape: Some(shape),
@@ -200,6 +209,7 @@ impl Compiler {
                     cost: Some(CostSource::Fixed(0)),
                     kind: RuleKind::Llm(limit),
                     tokens_per_day: tpd,
+                    pacing: None,
                 },
                 None => KindParts::default(),
             },

@@ -51,6 +51,8 @@ pub struct Bundle {
     /// A policy has a `token_bucket_llm` rule: front ends read the bodies of the requests it
     /// selects ([`Bundle::meters_tokens`]).
     pub meters_tokens: bool,
+    /// A rule has a `delay` (paces bursts): the engine works out each admitted request's wait.
+    pub paces: bool,
     /// Policies, rules and kill switches by what selects them ([`index`]).
     pub index: index::BundleIndex,
     /// The `tiktoken` encodings its rules count prompts in (a set of
@@ -112,6 +114,7 @@ impl Bundle {
             fingerprints_bodies: false,
             uses_network: false,
             meters_tokens: false,
+            paces: false,
             index: index::BundleIndex::default(),
             tiktoken: 0,
         }

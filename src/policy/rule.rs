@@ -246,6 +246,8 @@ pub struct Rule {
     pub header_names: Vec<String>,
     /// What kind of limit the rule is, with that kind's part: one kind, fixed by the compiler.
     pub kind: RuleKind,
+    /// A `token_bucket` rule's `delay`: a burst is paced instead of refused.
+    pub pacing: Option<crate::limits::pacing::Pacing>,
     /// Hash of what defines the rule: its JSON, and its policy's id, selector and mode (a
     /// `tokens_per_day` rule shares its minute rule's). Two bundles' rules with the same
     /// policy, name and definition count the same requests on the same keys: a candidate
@@ -414,6 +416,7 @@ impl Rule {
             sf_name,
             header_names: Vec::new(),
             kind: RuleKind::TokenBucket,
+            pacing: None,
             definition: 0,
         }
     }

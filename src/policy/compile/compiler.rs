@@ -132,6 +132,7 @@ pub(crate) fn plain_rule(
         key_prefix: String::new(),
         header_names: Vec::new(),
         kind: RuleKind::TokenBucket,
+        pacing: None,
         definition: 0,
     }
 }
@@ -156,6 +157,7 @@ pub(crate) const CONFIG_FIELDS: &[&str] = &[
     "min_cost",
     "max_cost",
     "overrides",
+    "delay",
 ];
 
 impl Compiler {

@@ -108,6 +108,7 @@ impl Compiler {
             r.limit_keys.iter().any(network) || r.conditions.iter().any(|c| network(&c.descriptor))
         }) || self.kill_switches.iter().any(|k| network(&k.scope));
         let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
+        let paces = self.rules.iter().any(|r| r.pacing.is_some());
         let tiktoken = self
             .rules
             .iter()
@@ -138,6 +139,7 @@ impl Compiler {
             fingerprints_bodies,
             uses_network,
             meters_tokens,
+            paces,
             skipped: self.skipped,
             index,
             tiktoken,
@@ -721,6 +723,7 @@ impl Compiler {
             key_prefix: key_prefix(kind.key_tag(), &name, mode),
             header_names,
             kind: parts.kind,
+            pacing: parts.pacing,
             definition: definition_hash(self.current_policy_definition, v),
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });

@@ -456,6 +456,9 @@ fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, text: &str, texts: &m
     if let Some(remaining) = span.remaining {
         c.attribute(A, b"tollgate.remaining", Value::Int(remaining));
     }
+    if let Some(ms) = span.paced_wait_ms {
+        c.attribute(A, b"tollgate.paced_wait_ms", Value::Int(ms));
+    }
     if let Some(code) = span.grpc_status {
         c.attribute(A, b"rpc.grpc.status_code", Value::Int(i64::from(code)));
     }
@@ -535,6 +538,7 @@ mod tests {
         span.policy = policy;
         span.rule = rule;
         span.remaining = Some(-1);
+        span.paced_wait_ms = Some(250);
         request
     }
 
@@ -643,6 +647,7 @@ mod tests {
             Some(Any::StringValue("per-ip".into()))
         );
         assert_eq!(find(a, "tollgate.remaining"), Some(Any::IntValue(-1)));
+        assert_eq!(find(a, "tollgate.paced_wait_ms"), Some(Any::IntValue(250)));
         assert_eq!(a.len(), 11);
 
         let client = &spans[0];
