@@ -133,3 +133,88 @@ pub fn wait_us(decision: &Decision<'_>) -> u64 {
         _ => 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::tests::{ask, engine};
+    use crate::engine::{Outcome, Reason};
+    use crate::limits::limiter::MICRO;
+    use serde_json::json;
+
+    fn waits(d: &Decision<'_>) -> Option<u64> {
+        d.is_allowed().then(|| wait_us(d) / 1_000)
+    }
+
+    /// nginx `rate=10r/s burst=3` (no `nodelay`): burst 4, one at once, then 100 ms apart;
+    /// the fifth refused; once time passes, the line moves up.
+    #[test]
+    fn a_burst_is_paced_at_the_rate_and_refused_past_it() {
+        let (e, clock) = engine(json!({"rules": [
+            {"name": "paced", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 10, "burst": 4, "delay": {}}}
+        ]}));
+        let got: Vec<Option<u64>> = (0..5)
+            .map(|_| waits(&ask(&e, "GET", "/", "10.0.0.1", &[])))
+            .collect();
+        assert_eq!(got, [Some(0), Some(100), Some(200), Some(300), None]);
+        let refused = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(refused.outcome(), Outcome::Reject(Reason::TokenBucketExceeded));
+        assert!(refused.checked().unwrap().paced.is_none());
+        // 150 ms later one and a half tokens are back: the next waits 250 ms, behind the
+        // two still waiting (until 200 and 300 ms).
+        clock.advance_us(150_000);
+        assert_eq!(waits(&ask(&e, "GET", "/", "10.0.0.1", &[])), Some(250));
+        // Another client has a bucket of its own.
+        assert_eq!(waits(&ask(&e, "GET", "/", "10.0.0.2", &[])), Some(0));
+    }
+
+    /// The paced request's refund names every enforced bucket it spent on, and a shadow
+    /// paced rule never makes anyone wait.
+    #[test]
+    fn the_refund_covers_every_enforced_bucket_and_shadow_never_waits() {
+        let (e, _) = engine(json!({"bundle_version": 1, "policies": [
+            {"id": "live", "spec": {"rules": [
+                {"name": "paced", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                 "algorithm_config": {"rps": 1, "burst": 3, "delay": {"immediate": 1}}},
+                {"name": "plain", "limit_keys": [], "algorithm": "token_bucket",
+                 "algorithm_config": {"rps": 100, "burst": 100, "fixed_cost": 2}}
+            ]}},
+            {"id": "trial", "spec": {"mode": "shadow", "rules": [
+                {"name": "shadow-paced", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                 "algorithm_config": {"rps": 1, "burst": 10, "delay": {"immediate": 0}}}
+            ]}}
+        ]}));
+        assert_eq!(waits(&ask(&e, "GET", "/", "10.0.0.1", &[])), Some(0));
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        let paced = d.checked().unwrap().paced.as_deref().unwrap();
+        assert_eq!(paced.wait_us, 1_000_000);
+        assert_eq!(d.rules()[paced.rule].rule.name, "paced");
+        let refund: Vec<(usize, i64)> = paced.refund.iter().map(|(i, op)| (*i, op.delta)).collect();
+        assert_eq!(refund, [(0, -(MICRO as i64)), (1, -2 * MICRO as i64)]);
+    }
+
+    /// A wait past `max_wait_ms` is refused, with its spend handed back for the caller to give
+    /// back and every bucket reported as before the request.
+    #[test]
+    fn a_wait_past_max_wait_is_refused_with_its_spend_to_give_back() {
+        let (e, _) = engine(json!({"rules": [
+            {"name": "paced", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+             "algorithm_config": {"rps": 2, "burst": 10, "delay": {"immediate": 2, "max_wait_ms": 1000}}}
+        ]}));
+        let got: Vec<Option<u64>> = (0..4)
+            .map(|_| waits(&ask(&e, "GET", "/", "10.0.0.1", &[])))
+            .collect();
+        assert_eq!(got, [Some(0), Some(0), Some(500), Some(1000)]);
+        let d = ask(&e, "GET", "/", "10.0.0.1", &[]);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::TokenBucketExceeded));
+        assert_eq!(d.retry_after(), 1);
+        let outcome = &d.rules()[0];
+        assert!(!outcome.allowed && !outcome.committed);
+        // Four spent before it; its own token reads as unspent.
+        assert_eq!(outcome.tokens, 6 * MICRO);
+        let paced = d.checked().unwrap().paced.as_deref().unwrap();
+        assert_eq!(paced.refund_ops().len(), 1);
+        assert_eq!(paced.refund_ops()[0].delta, -(MICRO as i64));
+    }
+}

@@ -239,7 +239,7 @@ mod tests {
         );
         assert_eq!(
             errors_of(rule(json!({"rps": 2, "burst": 10, "delay": true}))),
-            ["rules[0].algorithm_config.delay: must be an object, found boolean"]
+            ["rules[0].algorithm_config.delay: must be an object, found a boolean"]
         );
     }
 }

@@ -648,7 +648,7 @@ mod tests {
         );
         assert_eq!(find(a, "tollgate.remaining"), Some(Any::IntValue(-1)));
         assert_eq!(find(a, "tollgate.paced_wait_ms"), Some(Any::IntValue(250)));
-        assert_eq!(a.len(), 11);
+        assert_eq!(a.len(), 12);
 
         let client = &spans[0];
         assert_eq!(client.kind, 3);
