@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::time::Duration;
 use support::{free_port, one_rule, request, Gateway, Upstream};
 
-struct Nginx(Child);
+pub(crate) struct Nginx(pub(crate) Child);
 
 impl Drop for Nginx {
     fn drop(&mut self) {
@@ -22,7 +22,7 @@ impl Drop for Nginx {
     }
 }
 
-fn nginx_binary() -> &'static str {
+pub(crate) fn nginx_binary() -> &'static str {
     for candidate in ["/usr/sbin/nginx", "/usr/bin/nginx"] {
         if Path::new(candidate).exists() {
             return candidate;
