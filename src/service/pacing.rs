@@ -17,9 +17,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long after a shutdown starts the waiting requests may still be served: those whose
-/// turn comes later are refused at once (with their tokens given back and a `Retry-After`),
-/// well inside the drain's 10 s.
-pub const DRAIN_SERVE_WITHIN: Duration = Duration::from_secs(5);
+/// turn comes later are refused at once (with their tokens given back and a `Retry-After`).
+/// Half the proxy's one-second grace period, so that a request served at the end of it still
+/// has the other half to reach its upstream before the drain ends.
+pub const DRAIN_SERVE_WITHIN: Duration = Duration::from_millis(500);
 
 /// The paced requests of one gateway.
 pub struct Pacer {
