@@ -180,7 +180,10 @@ fn nginx_limit_req(combo: &Combo, upstream: SocketAddr) -> (Nginx, SocketAddr, t
 
 /// nginx asking tollgate's decision service (`auth_request`) before `upstream`, with a read
 /// timeout above the longest wait.
-fn nginx_auth_request(admin: SocketAddr, upstream: SocketAddr) -> (Nginx, SocketAddr, tempfile::TempDir) {
+fn nginx_auth_request(
+    admin: SocketAddr,
+    upstream: SocketAddr,
+) -> (Nginx, SocketAddr, tempfile::TempDir) {
     start_nginx(&format!(
         "{NGINX_HTTP}
     server {{
@@ -232,7 +235,10 @@ fn compare(combo: &Combo, label: &str, nginx: &[(u16, u64)], tollgate: &[(u16, u
             t.1
         );
         if n.0 != t.0 || delta.abs() > 20 {
-            problems.push(format!("request {} (sent at {at} ms): nginx {n:?}, tollgate {t:?}", i + 1));
+            problems.push(format!(
+                "request {} (sent at {at} ms): nginx {n:?}, tollgate {t:?}",
+                i + 1
+            ));
         }
     }
     assert!(
@@ -272,8 +278,16 @@ fn the_decision_service_answers_when_the_wait_is_over() {
         let gw = Gateway::start(Some(&combo.policy()), None, &[]);
         let (_auth, addr, _dir) = nginx_auth_request(gw.admin, upstream.addr);
         let decided = run(addr, &combo.at_ms);
-        compare(&combo, "(decision service behind auth_request)", &nginx, &decided);
-        let served = decided.iter().filter(|(s, ms)| *s == 200 && *ms >= 90).count() as f64;
+        compare(
+            &combo,
+            "(decision service behind auth_request)",
+            &nginx,
+            &decided,
+        );
+        let served = decided
+            .iter()
+            .filter(|(s, ms)| *s == 200 && *ms >= 90)
+            .count() as f64;
         assert_eq!(
             gw.metric(r#"tollgate_paced_requests_total{outcome="served"}"#),
             served
@@ -315,7 +329,11 @@ fn a_client_that_leaves_gives_its_turn_back() {
         waited < Duration::from_millis(900),
         "waited {waited:?}: the leaver's token was not given back"
     );
-    assert_eq!(upstream.hits(), 2, "the leaver's request never went upstream");
+    assert_eq!(
+        upstream.hits(),
+        2,
+        "the leaver's request never went upstream"
+    );
     let line = || {
         gw.stdout_text()
             .lines()
@@ -350,8 +368,16 @@ fn past_the_cap_on_waiting_requests_a_request_is_refused() {
     let refused = request(gw.proxy, "GET", "/", &[]);
     assert_eq!(refused.status, 429, "{refused:?}");
     assert!(sent.elapsed() < Duration::from_millis(500));
-    assert_eq!(refused.header("X-Tollgate-Reason"), Some("token_bucket_exceeded"));
-    assert_eq!(refused.header("Retry-After").map(|s| s.parse::<u64>().unwrap() >= 1), Some(true));
+    assert_eq!(
+        refused.header("X-Tollgate-Reason"),
+        Some("token_bucket_exceeded")
+    );
+    assert_eq!(
+        refused
+            .header("Retry-After")
+            .map(|s| s.parse::<u64>().unwrap() >= 1),
+        Some(true)
+    );
     assert_eq!(
         gw.metric(r#"tollgate_paced_requests_total{outcome="full"}"#),
         1.0
@@ -385,7 +411,10 @@ fn a_shutdown_serves_or_refuses_every_waiting_request() {
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(10 * i));
                 let r = support::try_request(proxy, "GET", "/", &[]);
-                (r.map(|r| (r.status, r.header("Retry-After").map(str::to_string))), started.elapsed())
+                (
+                    r.map(|r| (r.status, r.header("Retry-After").map(str::to_string))),
+                    started.elapsed(),
+                )
             })
         })
         .collect();
@@ -406,7 +435,9 @@ fn a_shutdown_serves_or_refuses_every_waiting_request() {
         .map(|(r, _)| r.as_ref().unwrap().1.as_deref())
         .collect();
     assert_eq!(retry, [Some("1"), Some("2")], "{answers:?}");
-    assert!(answers[2..].iter().all(|(_, at)| *at < Duration::from_millis(350)));
+    assert!(answers[2..]
+        .iter()
+        .all(|(_, at)| *at < Duration::from_millis(350)));
     // The one served last waited its whole turn, inside the drain.
     assert!(answers[1].1 >= Duration::from_millis(380), "{answers:?}");
     assert!(gw.wait_exit(Duration::from_secs(15)));

@@ -3,31 +3,11 @@
 //! tokens it spent, and the refusal of one that would wait past its rule's `max_wait_ms` or
 //! that finds no room to wait.
 
-use crate::engine::decision::{Cause, Checked, Decision, Reason, Refusal};
+use crate::engine::decision::{Cause, Checked, Decision, Paced, Reason, Refusal};
 use crate::limits::limiter::ceil_secs;
 use crate::policy::rule::Mode;
 use crate::store::{AdjustOp, BucketOp, Group, OpResults};
 use smallvec::SmallVec;
-
-/// An admitted request's wait, and the tokens it holds meanwhile.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Paced {
-    /// Microseconds to wait before going on: the longest of its paced rules' waits.
-    pub wait_us: u64,
-    /// Index (in [`Checked::rules`]) of the rule with that wait.
-    pub rule: usize,
-    /// Every enforced bucket the request spent on, with the index of its outcome: refunded
-    /// together when the request is refused after all or its client goes away while waiting
-    /// (all or nothing, as it was spent).
-    pub refund: SmallVec<[(usize, AdjustOp); 2]>,
-}
-
-impl Paced {
-    /// The store operations giving the tokens back.
-    pub fn refund_ops(&self) -> SmallVec<[AdjustOp; 2]> {
-        self.refund.iter().map(|(_, op)| *op).collect()
-    }
-}
 
 /// The decision of a request the store admitted, under a bundle with paced rules: allowed at
 /// once, allowed with a wait ([`Checked::paced`]), or refused because a rule's wait is longer
@@ -159,7 +139,10 @@ mod tests {
             .collect();
         assert_eq!(got, [Some(0), Some(100), Some(200), Some(300), None]);
         let refused = ask(&e, "GET", "/", "10.0.0.1", &[]);
-        assert_eq!(refused.outcome(), Outcome::Reject(Reason::TokenBucketExceeded));
+        assert_eq!(
+            refused.outcome(),
+            Outcome::Reject(Reason::TokenBucketExceeded)
+        );
         assert!(refused.checked().unwrap().paced.is_none());
         // 150 ms later one and a half tokens are back: the next waits 250 ms, behind the
         // two still waiting (until 200 and 300 ms).

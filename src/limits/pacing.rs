@@ -15,6 +15,7 @@
 use crate::limits::limiter::{Quota, MICRO};
 use crate::policy::compile::compiler::{Compiler, Shape};
 use crate::policy::json::{join, type_name};
+pub use crate::policy::rule::Pacing;
 use serde_json::{Map, Value};
 
 /// The fields of `algorithm_config.delay`.
@@ -22,16 +23,6 @@ pub(crate) const DELAY_FIELDS: &[&str] = &["immediate", "max_wait_ms"];
 
 /// Longest `max_wait_ms` a rule may state: one hour (a request held longer is a hung request).
 pub const MAX_WAIT_MS: u64 = 3_600_000;
-
-/// A rule's `delay`: how a burst is paced instead of refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pacing {
-    /// Of a full bucket's requests, how many (in micro-tokens of cost) go through at once.
-    pub immediate: u64,
-    /// A request that would wait longer is refused (`None`: the time the whole burst takes to
-    /// refill, which no admitted request ever waits).
-    pub max_wait_us: Option<u64>,
-}
 
 impl Pacing {
     /// Microseconds a request waits that left `remaining` micro-tokens in a bucket of `quota`
@@ -197,11 +188,7 @@ mod tests {
 
     #[test]
     fn delay_compiles_with_defaults_and_is_checked() {
-        let b = compile_bundle(
-            &rule(json!({"rps": 2, "burst": 10, "delay": {}})),
-            "x",
-        )
-        .unwrap();
+        let b = compile_bundle(&rule(json!({"rps": 2, "burst": 10, "delay": {}})), "x").unwrap();
         assert_eq!(
             b.rules[0].pacing,
             Some(Pacing {

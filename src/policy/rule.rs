@@ -247,13 +247,24 @@ pub struct Rule {
     /// What kind of limit the rule is, with that kind's part: one kind, fixed by the compiler.
     pub kind: RuleKind,
     /// A `token_bucket` rule's `delay`: a burst is paced instead of refused.
-    pub pacing: Option<crate::limits::pacing::Pacing>,
+    pub pacing: Option<Pacing>,
     /// Hash of what defines the rule: its JSON, and its policy's id, selector and mode (a
     /// `tokens_per_day` rule shares its minute rule's). Two bundles' rules with the same
     /// policy, name and definition count the same requests on the same keys: a candidate
     /// bundle reads such a rule's verdict from the live decision ([`crate::engine::candidate`]).
     /// 0 for the rules a policy block compiles to (guards), never shared.
     pub definition: u64,
+}
+
+/// A `token_bucket` rule's `delay`: how a burst is paced instead of refused (its schedule
+/// and compile half: [`crate::limits::pacing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// Of a full bucket's requests, how many (in micro-tokens of cost) go through at once.
+    pub immediate: u64,
+    /// A request that would wait longer is refused (`None`: the time the whole burst takes to
+    /// refill, which no admitted request ever waits).
+    pub max_wait_us: Option<u64>,
 }
 
 /// What kind of limit a rule is, with the part only that kind has. The compiler builds it once;

@@ -15,7 +15,7 @@ pub struct Answer {
     /// A request paced by a `delay` rule: its place in line, to wait for its turn
     /// ([`crate::service::Pace::wait`]) before it goes on. Taken (and waited for) by
     /// [`crate::service::Gateway::decide`]; the proxy waits itself.
-    pub pace: Option<crate::service::Pace>,
+    pub pace: Option<super::pacing::Pace>,
     /// How long the request waited for its turn under a `delay` rule (0: it did not).
     pub waited_us: u64,
     /// The rule that made it wait (with `pace`).

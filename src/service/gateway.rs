@@ -14,10 +14,10 @@ use super::described::{Described, HttpHeaders, X_FORWARDED_FOR, X_REAL_IP};
 use super::envoy_rls::{self, RlsFailure, RlsReply};
 use super::loaded::{signature, LoadedPolicy};
 use super::logging::log_decision;
+use super::pacing::{Pace, Pacer, Waited};
 use super::reload::{NetworkLoadError, Reload, Trigger};
 use super::source_state::FollowState;
 use super::state_key;
-use super::pacing::{Pace, Pacer, Waited};
 use super::tokens::Tokens;
 use crate::config::{Config, StoreKind};
 use crate::engine::headers::{self, HeaderConfig, Response};
@@ -593,7 +593,7 @@ impl Gateway {
     /// caller to give back, as does the spend of one refused for a wait past `max_wait_ms`.
     #[inline]
     fn pace(&self, decision: &mut Decision<'_>) -> Option<Box<PaceStep>> {
-        if !decision.checked().is_some_and(|c| c.paced.is_some()) {
+        if decision.checked().is_none_or(|c| c.paced.is_none()) {
             return None;
         }
         self.pace_slow(decision)

@@ -8,7 +8,7 @@
 //! away (the front end drops the `Pace`, or says so) or that a shutdown refuses gives them back
 //! to the store, so the next request in line gets that turn.
 
-use crate::engine::pacing::Paced;
+use crate::engine::Paced;
 use crate::store::{AdjustOp, Store};
 use crate::telemetry::metrics::Metrics;
 use smallvec::SmallVec;
