@@ -544,7 +544,7 @@ impl Gateway {
                     Ok(pending) => {
                         let mut results = OpResults::new();
                         let answer = self.store.apply(now_us, &pending.ops, &mut results).await;
-                        engine::finish(pending, answer.map(|()| &results))
+                        engine::finish_paced(pending, answer.map(|()| &results))
                     }
                 };
                 for (trip, _) in decision.breaker_trips() {
