@@ -135,7 +135,7 @@ impl Admin {
         tokio::pin!(answer);
         tokio::select! {
             response = &mut answer => response,
-            () = super::conn::gone(fd, super::gateway::CLIENT_GONE_POLL) => {
+            () = super::conn::gone(fd, super::gateway::PACED_GONE_POLL) => {
                 reply(499, TEXT, HeaderList::new(), "Client Closed Request\n")
             }
         }

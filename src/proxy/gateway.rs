@@ -47,12 +47,23 @@ const CLIENT_GONE_WHILE_PACED: pingora::ErrorType =
 
 /// How often a waiting HTTP/1 request looks whether its client closed the connection (an
 /// HTTP/2 stream's reset wakes its waiter at once).
-pub(super) const CLIENT_GONE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+const CLIENT_GONE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How often a request waiting for its turn under a `delay` rule looks whether its HTTP/1
+/// client closed the connection: less often than a queued request, since up to
+/// `--max-delayed-requests` (10 000) may wait at once (each look is a wake-up and a syscall);
+/// a leaver's token comes back within this.
+pub(super) const PACED_GONE_POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Resolves once the client of `session` has gone: its HTTP/2 stream was reset or closed, or
 /// its HTTP/1 connection reads end-of-file or an error (as nginx's broken-connection check
 /// does). Pending for as long as the client is there.
 async fn client_gone(session: &mut Session) {
+    client_gone_within(session, CLIENT_GONE_POLL).await;
+}
+
+/// [`client_gone`], an HTTP/1 connection looked at every `poll`.
+async fn client_gone_within(session: &mut Session, poll: std::time::Duration) {
     let downstream = session.as_downstream_mut();
     if let Some(idle) = downstream.watch_h2_stream_close() {
         let _ = idle.await;
@@ -62,7 +73,7 @@ async fn client_gone(session: &mut Session) {
         .stream()
         .map(|s| pingora::protocols::UniqueID::id(s.as_ref()));
     match fd {
-        Some(fd) if fd > 0 => super::conn::gone(fd, CLIENT_GONE_POLL).await,
+        Some(fd) if fd > 0 => super::conn::gone(fd, poll).await,
         _ => std::future::pending().await,
     }
 }
@@ -509,7 +520,7 @@ impl Proxy {
             tokio::pin!(wait);
             tokio::select! {
                 waited = &mut wait => Some(waited),
-                () = client_gone(session) => None,
+                () = client_gone_within(session, PACED_GONE_POLL) => None,
             }
         };
         match waited {
