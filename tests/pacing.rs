@@ -5,11 +5,10 @@
 //! gateway's cap on waiting requests, and a shutdown that serves or refuses every waiting
 //! request before it ends.
 
-use crate::nginx::{nginx_binary, Nginx};
+use crate::nginx::{run_nginx, Nginx};
 use crate::support;
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::time::{Duration, Instant};
 use support::{free_port, request, Gateway, Upstream};
 
@@ -119,23 +118,7 @@ fn start_nginx(conf: &str) -> (Nginx, SocketAddr, tempfile::TempDir) {
         + &conf
             .replace("__PREFIX__", &prefix.path().display().to_string())
             .replace("__LISTEN__", &listen.to_string());
-    let conf_path = prefix.path().join("nginx.conf");
-    std::fs::write(&conf_path, conf).unwrap();
-    let child = Command::new(nginx_binary())
-        .args([
-            "-p",
-            &prefix.path().display().to_string(),
-            "-c",
-            &conf_path.display().to_string(),
-            "-g",
-            "daemon off;",
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start nginx");
-    let nginx = Nginx(child);
+    let nginx = run_nginx(prefix.path(), &conf);
     let deadline = Instant::now() + Duration::from_secs(15);
     while support::try_request(listen, "GET", "/probe", &[]).map_or(true, |r| r.status != 200) {
         assert!(Instant::now() < deadline, "nginx did not start");
