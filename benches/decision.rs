@@ -751,6 +751,7 @@ fn response(c: &mut Criterion) {
                     trusted_peer: false,
                     network: None,
                     trace: None,
+                    grpc_message: false,
                 };
                 let bundle = policy.load();
                 let now = clock.now_us();

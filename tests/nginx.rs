@@ -9,7 +9,7 @@ use std::process::{Child, Command};
 use std::time::Duration;
 use support::{free_port, one_rule, request, Gateway, Upstream};
 
-struct Nginx(Child);
+pub(crate) struct Nginx(Child);
 
 impl Drop for Nginx {
     fn drop(&mut self) {
@@ -29,6 +29,28 @@ fn nginx_binary() -> &'static str {
         }
     }
     panic!("nginx is not installed: run `bash scripts/test.sh` (it installs nginx-light)");
+}
+
+/// nginx in the foreground with `conf` as `prefix/nginx.conf` (the caller adds `user root;`
+/// when it runs as root).
+pub(crate) fn run_nginx(prefix: &Path, conf: &str) -> Nginx {
+    let conf_path = prefix.join("nginx.conf");
+    std::fs::write(&conf_path, conf).unwrap();
+    let child = Command::new(nginx_binary())
+        .args([
+            "-p",
+            &prefix.display().to_string(),
+            "-c",
+            &conf_path.display().to_string(),
+            "-g",
+            "daemon off;",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start nginx");
+    Nginx(child)
 }
 
 /// nginx with the shipped `auth_request` example in front of `upstream`, asking `gw`.
@@ -74,23 +96,7 @@ fn start_nginx_with_network(
             .replace("__PREFIX__", &prefix.path().display().to_string())
             .replace("__COUNTRY_GEO__", &country.display().to_string())
             .replace("__TOR_EXITS_GEO__", &tor_exits.display().to_string());
-    let conf_path = prefix.path().join("nginx.conf");
-    std::fs::write(&conf_path, conf).unwrap();
-    let child = Command::new(nginx_binary())
-        .args([
-            "-p",
-            &prefix.path().display().to_string(),
-            "-c",
-            &conf_path.display().to_string(),
-            "-g",
-            "daemon off;",
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start nginx");
-    let nginx = Nginx(child);
+    let nginx = run_nginx(prefix.path(), &conf);
     let addr = listen.parse().unwrap();
     gw.wait_until(Duration::from_secs(15), || {
         support::try_request(addr, "GET", "/", &[("X-Probe", "1")]).is_ok()

@@ -31,6 +31,7 @@ mod network;
 mod nginx;
 mod operator;
 mod outage;
+mod pacing;
 mod policy_store;
 mod postgres;
 mod redis;

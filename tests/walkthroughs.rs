@@ -507,6 +507,11 @@ fn walkthrough_migration_from_fairvisor() {
 }
 
 #[test]
+fn walkthrough_migration_from_nginx_limit_req() {
+    walk("migration/nginx.md");
+}
+
+#[test]
 fn walkthrough_llm_gateway() {
     walk("getting-started/llm-gateway.md");
 }

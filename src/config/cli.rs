@@ -475,6 +475,16 @@ pub struct RunArgs {
         default_value_t = crate::store::marks::DEFAULT_MAX_LOOP_MARKS
     )]
     pub max_loop_marks: usize,
+    /// Most requests waiting at once for their turn under token-bucket rules' `delay`, on this
+    /// gateway (each key's own bound is its rule's burst). A request that would wait beyond it
+    /// is refused, as a request past the burst is.
+    #[arg(
+        help_heading = "Buckets and stores",
+        long,
+        env = "TOLLGATE_MAX_DELAYED_REQUESTS",
+        default_value_t = 10_000
+    )]
+    pub max_delayed_requests: usize,
     /// Accepted for compatibility and ignored: a bucket that is not full again is never dropped
     /// for being idle (a flood of fresh keys must not reset anyone's limit or budget).
     #[arg(

@@ -70,6 +70,8 @@ pub struct Config {
     pub max_buckets: NonZeroUsize,
     /// `--max-loop-marks`.
     pub max_loop_marks: NonZeroUsize,
+    /// `--max-delayed-requests`: the most requests waiting at once under `delay` rules.
+    pub max_delayed_requests: usize,
     pub sweep_interval: Duration,
     /// `--state-dir`: where the embedded store keeps its tables (`None`: process memory).
     pub state_dir: Option<crate::store::StateDirConfig>,

@@ -28,6 +28,9 @@ const MAX_THREADS: usize = 256;
 /// Most `--max-loop-marks`.
 const MAX_LOOP_MARKS: usize = 1 << 30;
 
+/// Most `--max-delayed-requests`.
+const MAX_DELAYED_REQUESTS: usize = 1 << 24;
+
 impl Config {
     /// Validates `tollgate run`'s flags and resolves them into one configuration.
     ///
@@ -110,6 +113,7 @@ struct Capacity {
     threads: NonZeroUsize,
     max_buckets: NonZeroUsize,
     max_loop_marks: NonZeroUsize,
+    max_delayed_requests: NonZeroUsize,
     state_sync: Duration,
     local_max_buckets: NonZeroUsize,
 }
@@ -244,19 +248,25 @@ impl Resolver<'_> {
         nets
     }
 
-    /// `--threads`, `--max-buckets`, `--max-loop-marks`, `--state-sync-ms`,
-    /// `--local-max-buckets`.
+    /// `--threads`, `--max-buckets`, `--max-loop-marks`, `--max-delayed-requests`,
+    /// `--state-sync-ms`, `--local-max-buckets`.
     fn capacity(&mut self) -> Option<Capacity> {
         let args = self.args;
         let threads = self.up_to("threads", args.threads, MAX_THREADS);
         let max_buckets = self.at_least_one("max-buckets", args.max_buckets);
         let max_loop_marks = self.up_to("max-loop-marks", args.max_loop_marks, MAX_LOOP_MARKS);
+        let max_delayed_requests = self.up_to(
+            "max-delayed-requests",
+            args.max_delayed_requests,
+            MAX_DELAYED_REQUESTS,
+        );
         let state_sync = self.millis("state-sync-ms", args.state_sync_ms);
         let local_max_buckets = self.at_least_one("local-max-buckets", args.local_max_buckets);
         Some(Capacity {
             threads: threads?,
             max_buckets: max_buckets?,
             max_loop_marks: max_loop_marks?,
+            max_delayed_requests: max_delayed_requests?,
             state_sync: state_sync?,
             local_max_buckets: local_max_buckets?,
         })
@@ -594,6 +604,7 @@ impl Resolved {
             threads: capacity.threads,
             max_buckets: capacity.max_buckets,
             max_loop_marks: capacity.max_loop_marks,
+            max_delayed_requests: capacity.max_delayed_requests.get(),
             // With a shared store, the state dir keeps only the last good bundle and the
             // local mode's journal ([`local_mode`]).
             state_dir: args.state_dir.as_ref().filter(|_| embedded).map(|dir| {
@@ -727,6 +738,7 @@ mod tests {
             "--threads",
             "--max-buckets",
             "--max-loop-marks",
+            "--max-delayed-requests",
             "--state-sync-ms",
             "--local-max-buckets",
             "--policy-store-max-bytes",
@@ -749,6 +761,7 @@ mod tests {
                 "--threads 0: expected 1 to 256",
                 "--max-buckets 0: must be at least 1",
                 "--max-loop-marks 0: expected 1 to 1073741824",
+                "--max-delayed-requests 0: expected 1 to 16777216",
                 "--state-sync-ms 0: must be at least 1",
                 "--local-max-buckets 0: must be at least 1",
                 "--policy-store-max-bytes 0: must be at least 1",

@@ -273,6 +273,9 @@ pub struct Checked<'b> {
     /// What rules reading the response (`count_when`, a response-priced cost) are owed once
     /// it is known (empty, without allocating, for every other request).
     pub owed: Vec<Owed>,
+    /// A paced request's wait and spent tokens (`delay` rules; `None`, without allocating, for
+    /// every other request). On a refusal: the tokens to give back.
+    pub paced: Option<Box<Paced>>,
 }
 
 /// One bucket of a rule that reads the response ([`crate::limits::response`]): what was
@@ -291,6 +294,26 @@ pub struct Owed {
     /// Micro-tokens the request costs (the probe's, or the reservation's).
     pub cost: u64,
     pub group: Group,
+}
+
+/// A paced request's wait (a `delay` rule, see [`crate::engine::pacing`]), and the tokens it holds meanwhile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Paced {
+    /// Microseconds to wait before going on: the longest of its paced rules' waits.
+    pub wait_us: u64,
+    /// Index (in [`Checked::rules`]) of the rule with that wait.
+    pub rule: usize,
+    /// Every enforced bucket the request spent on, with the index of its outcome: refunded
+    /// together when the request is refused after all or its client goes away while waiting
+    /// (all or nothing, as it was spent).
+    pub refund: SmallVec<[(usize, crate::store::AdjustOp); 2]>,
+}
+
+impl Paced {
+    /// The store operations giving the tokens back.
+    pub fn refund_ops(&self) -> SmallVec<[crate::store::AdjustOp; 2]> {
+        self.refund.iter().map(|(_, op)| *op).collect()
+    }
 }
 
 /// One bucket a `token_bucket_llm` rule reserved tokens on.
@@ -375,6 +398,7 @@ impl<'b> Checked<'b> {
             lease_id: 0,
             reserved: Vec::new(),
             owed: Vec::new(),
+            paced: None,
         }
     }
 

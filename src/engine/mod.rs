@@ -20,6 +20,7 @@
 pub mod compat;
 pub mod grpc_status;
 pub mod headers;
+pub mod pacing;
 pub mod reservation_token;
 pub mod rls;
 pub mod simulate;
@@ -695,6 +696,27 @@ pub fn finish<'b>(pending: Pending<'b>, answer: Result<&OpResults, StoreError>) 
     Decision::Allow(checked)
 }
 
+/// [`finish`] for a front end that can hold a request until its turn (the proxy, the decision
+/// service, ext_authz): under a bundle with `delay` rules, an admitted request carries its wait
+/// ([`pacing`]). Envoy's rate-limit service has no answer that waits and finishes without it:
+/// there a `delay` rule admits what its bucket holds at once, as nginx's `nodelay` does.
+#[inline]
+pub fn finish_paced<'b>(
+    pending: Pending<'b>,
+    answer: Result<&OpResults, StoreError>,
+) -> Decision<'b> {
+    match answer {
+        Ok(results) if pending.checked.bundle.paces => {
+            let ops = pending.ops.clone();
+            match finish(pending, Ok(results)) {
+                Decision::Allow(checked) => pacing::paced(checked, &ops, results),
+                refused => refused,
+            }
+        }
+        answer => finish(pending, answer),
+    }
+}
+
 /// What the store's answer said of a request's enforced rules.
 struct Filled<'b> {
     /// An enforced rule refused.
@@ -847,7 +869,7 @@ pub fn decide_local<'b>(
     }
     let mut results = OpResults::new();
     let answer = store.apply(now_us, &pending.ops, &mut results);
-    finish(pending, answer.map(|()| &results))
+    finish_paced(pending, answer.map(|()| &results))
 }
 
 /// [`decide_local`] for a request with leases to take (kept out of line: most requests have
@@ -863,7 +885,7 @@ fn decide_with_leases<'b>(pending: Pending<'b>, store: &MemoryStore, now_us: u64
         Ok(pending) => {
             let mut results = OpResults::new();
             let answer = store.apply(now_us, &pending.ops, &mut results);
-            finish(pending, answer.map(|()| &results))
+            finish_paced(pending, answer.map(|()| &results))
         }
     };
     // A breaker always reads its open state, so trips only come from this path.

@@ -16,6 +16,7 @@
 //! `mod.rs` or the compiler's.
 //!
 //! - [`token_bucket`]: bucket shapes and request costs, shared by every bucketed kind;
+//! - [`pacing`]: a token bucket's `delay` (paced bursts, as nginx `limit_req`);
 //! - [`budget`]: `cost_based` budgets and their stages;
 //! - [`concurrency`]: in-flight caps;
 //! - [`llm`]: `token_bucket_llm` token budgets;
@@ -33,6 +34,7 @@ pub mod concurrency;
 pub mod guards;
 pub mod llm;
 pub mod response;
+pub mod pacing;
 pub mod token_bucket;
 
 use crate::engine::planning::{PlanContext, Planning};
@@ -132,6 +134,8 @@ pub(crate) struct KindParts {
     pub(crate) tokens_per_day: Option<u64>,
     /// A counting rule's `count_when` and `penalty` ([`response`]).
     pub(crate) after_response: Option<std::sync::Arc<crate::policy::rule::AfterResponse>>,
+    /// A `token_bucket` rule's `delay`.
+    pub(crate) pacing: Option<pacing::Pacing>,
 }
 
 impl Default for KindParts {
@@ -142,6 +146,7 @@ impl Default for KindParts {
             kind: RuleKind::TokenBucket,
             tokens_per_day: None,
             after_response: None,
+            pacing: None,
         }
     }
 }
@@ -166,12 +171,16 @@ impl Compiler {
             );
         }
         match kind {
-            LimitKind::TokenBucket => KindParts {
-                shape: self.bucket_shape(config, &path, None),
-                cost: self.cost_source(config, &path),
-                after_response: self.after_response(config, &path),
-                ..KindParts::default()
-            },
+            LimitKind::TokenBucket => {
+                let shape = self.bucket_shape(config, &path, None);
+                KindParts {
+                    pacing: self.pacing(config, &path, shape.as_ref()),
+                    shape,
+                    cost: self.cost_source(config, &path),
+                    after_response: self.after_response(config, &path),
+                    ..KindParts::default()
+                }
+            }
             LimitKind::CostBased => match self.budget(config, &path) {
                 Some((shape, cost, budget)) => KindParts {
                     shape: Some(shape),
@@ -209,6 +218,7 @@ impl Compiler {
                     kind: RuleKind::Llm(limit),
                     tokens_per_day: tpd,
                     after_response: None,
+                    pacing: None,
                 },
                 None => KindParts::default(),
             },

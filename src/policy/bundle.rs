@@ -54,6 +54,8 @@ pub struct Bundle {
     /// A rule counts gRPC request messages (`grpc:message`): the proxy then decides each
     /// message of a gRPC call's request stream.
     pub counts_grpc_messages: bool,
+    /// A rule has a `delay` (paces bursts): the engine works out each admitted request's wait.
+    pub paces: bool,
     /// Policies, rules and kill switches by what selects them ([`index`]).
     pub index: index::BundleIndex,
     /// The `tiktoken` encodings its rules count prompts in (a set of
@@ -116,6 +118,7 @@ impl Bundle {
             uses_network: false,
             meters_tokens: false,
             counts_grpc_messages: false,
+            paces: false,
             index: index::BundleIndex::default(),
             tiktoken: 0,
         }

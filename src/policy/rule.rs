@@ -250,6 +250,8 @@ pub struct Rule {
     pub header_names: Vec<String>,
     /// What kind of limit the rule is, with that kind's part: one kind, fixed by the compiler.
     pub kind: RuleKind,
+    /// A `token_bucket` rule's `delay`: a burst is paced instead of refused.
+    pub pacing: Option<Pacing>,
     /// Hash of what defines the rule: its JSON, and its policy's id, selector and mode (a
     /// `tokens_per_day` rule shares its minute rule's). Two bundles' rules with the same
     /// policy, name and definition count the same requests on the same keys: a candidate
@@ -259,6 +261,17 @@ pub struct Rule {
     /// What a counting rule reads from the response: `count_when` and `penalty`
     /// ([`crate::limits::response`]); `None` for every rule without them.
     pub after_response: Option<std::sync::Arc<AfterResponse>>,
+}
+
+/// A `token_bucket` rule's `delay`: how a burst is paced instead of refused (its schedule
+/// and compile half: [`crate::limits::pacing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pacing {
+    /// Of a full bucket's requests, how many (in micro-tokens of cost) go through at once.
+    pub immediate: u64,
+    /// A request that would wait longer is refused (`None`: the time the whole burst takes to
+    /// refill, which no admitted request ever waits).
+    pub max_wait_us: Option<u64>,
 }
 
 /// What kind of limit a rule is, with the part only that kind has. The compiler builds it once;
@@ -494,6 +507,7 @@ impl Rule {
             sf_name,
             header_names: Vec::new(),
             kind: RuleKind::TokenBucket,
+            pacing: None,
             definition: 0,
             after_response: None,
         }

@@ -122,7 +122,23 @@ impl Admin {
             return self.answer_with_body(session, peer, usage).await;
         }
         let body_hash = self.read_past_body(session).await;
-        self.route(session.req_header(), peer, body_hash).await
+        // Under a bundle that paces, a decision may wait for its turn: a caller that hangs up
+        // meanwhile (its own timeout, its client gone) gives the request's tokens back.
+        let fd = session
+            .stream()
+            .map(|s| pingora::protocols::UniqueID::id(s.as_ref()))
+            .filter(|fd| *fd > 0 && self.gateway.paces());
+        let answer = self.route(session.req_header(), peer, body_hash);
+        let Some(fd) = fd else {
+            return answer.await;
+        };
+        tokio::pin!(answer);
+        tokio::select! {
+            response = &mut answer => response,
+            () = super::conn::gone(fd, super::gateway::PACED_GONE_POLL) => {
+                reply(499, TEXT, HeaderList::new(), "Client Closed Request\n")
+            }
+        }
     }
 
     /// A usage report, or a decision an LLM rule needs the body of: the body read whole,

@@ -393,6 +393,17 @@ async fn is_http2(stream: &mut Stream, h2c: bool) -> bool {
     matches!(stream.try_peek(&mut buf).await, Ok(true)) && buf == PREFACE
 }
 
+/// Resolves once the client of the connection on `fd` has gone ([`peer_closed`], looked at
+/// every `every`); pending for as long as it is there.
+pub async fn gone(fd: i32, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        if peer_closed(fd) {
+            return;
+        }
+    }
+}
+
 /// Whether the client of the connection on `fd` has gone: end-of-file (or an error such as a
 /// reset) is readable without blocking. A peek: nothing is consumed, so a pipelined request or
 /// a body still arriving is left for its reader.

@@ -41,14 +41,30 @@ const QUEUE_TIMED_OUT: pingora::ErrorType =
 const CLIENT_GONE_WHILE_QUEUED: pingora::ErrorType =
     pingora::ErrorType::Custom("client went away while queued");
 
+/// The client went away while its request waited for its turn under a `delay` rule: its tokens
+/// were given back, nothing was sent upstream. Counted, not logged per request.
+const CLIENT_GONE_WHILE_PACED: pingora::ErrorType =
+    pingora::ErrorType::Custom("client went away while paced");
+
 /// How often a waiting HTTP/1 request looks whether its client closed the connection (an
 /// HTTP/2 stream's reset wakes its waiter at once).
 const CLIENT_GONE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How often a request waiting for its turn under a `delay` rule looks whether its HTTP/1
+/// client closed the connection: less often than a queued request, since up to
+/// `--max-delayed-requests` (10 000) may wait at once (each look is a wake-up and a syscall);
+/// a leaver's token comes back within this.
+pub(super) const PACED_GONE_POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Resolves once the client of `session` has gone: its HTTP/2 stream was reset or closed, or
 /// its HTTP/1 connection reads end-of-file or an error (as nginx's broken-connection check
 /// does). Pending for as long as the client is there.
 async fn client_gone(session: &mut Session) {
+    client_gone_within(session, CLIENT_GONE_POLL).await;
+}
+
+/// [`client_gone`], an HTTP/1 connection looked at every `poll`.
+async fn client_gone_within(session: &mut Session, poll: std::time::Duration) {
     let downstream = session.as_downstream_mut();
     if let Some(idle) = downstream.watch_h2_stream_close() {
         let _ = idle.await;
@@ -58,12 +74,7 @@ async fn client_gone(session: &mut Session) {
         .stream()
         .map(|s| pingora::protocols::UniqueID::id(s.as_ref()));
     match fd {
-        Some(fd) if fd > 0 => loop {
-            tokio::time::sleep(CLIENT_GONE_POLL).await;
-            if super::conn::peer_closed(fd) {
-                return;
-            }
-        },
+        Some(fd) if fd > 0 => super::conn::gone(fd, poll).await,
         _ => std::future::pending().await,
     }
 }
@@ -119,6 +130,8 @@ pub struct RequestCtx {
     trace: Option<Box<crate::telemetry::traces::RequestSpan>>,
     /// The gRPC call the request is, if it is one.
     grpc: Option<Box<GrpcCall>>,
+    /// A request paced by a `delay` rule: its place in line until its turn comes.
+    pace: Option<crate::service::Pace>,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
@@ -217,6 +230,8 @@ struct AccessCtx {
     upstream: Option<std::net::SocketAddr>,
     upstream_started: Option<std::time::Instant>,
     upstream_secs: Option<f64>,
+    /// How long a paced request waited for its turn.
+    paced_wait_secs: Option<f64>,
 }
 
 static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
@@ -467,6 +482,7 @@ impl Proxy {
             total_secs: access.started.elapsed().as_secs_f64(),
             verdict: access.verdict,
             rule: access.rule.as_deref(),
+            paced_wait_secs: access.paced_wait_secs,
             request_id: &access.request_id,
             rpc: grpc_status.and_then(|status| {
                 let (service, method) = crate::request::grpc::service_and_method(req.uri.path())?;
@@ -495,6 +511,8 @@ enum Reply {
         body: Option<&'static str>,
         content_type: &'static str,
     },
+    /// The client went away while its request waited for its turn: nobody to answer.
+    ClientGone,
 }
 
 impl Reply {
@@ -545,7 +563,53 @@ impl Proxy {
         let facts = Self::describe(facts, claims.as_deref(), &body, ctx);
         let answer = self.decide(&facts, ctx).await;
         Self::verdict(answer, ctx)?;
-        self.route(req, &facts, ctx)
+        self.route(req, &facts, ctx)?;
+        if ctx.pace.is_some() {
+            Box::pin(self.wait_turn(session, ctx)).await?;
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// A paced request waits for its turn here, while its client is there: one that leaves
+    /// gives its tokens back (dropping its place does), one whose turn comes after a
+    /// shutdown's drain is refused 429 with `Retry-After`.
+    async fn wait_turn(&self, session: &mut Session, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
+        let Some(pace) = ctx.pace.take() else {
+            return ControlFlow::Continue(());
+        };
+        let waited = {
+            let wait = pace.wait();
+            tokio::pin!(wait);
+            tokio::select! {
+                waited = &mut wait => Some(waited),
+                () = client_gone_within(session, PACED_GONE_POLL) => None,
+            }
+        };
+        match waited {
+            Some(crate::service::Waited::Served(waited)) => {
+                let waited_us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
+                if let Some(trace) = ctx.trace.as_deref_mut() {
+                    trace.paced(waited_us);
+                }
+                if let Some(access) = ctx.access.as_deref_mut() {
+                    access.paced_wait_secs = Some(waited.as_secs_f64());
+                }
+                ControlFlow::Continue(())
+            }
+            Some(crate::service::Waited::Drained { retry_after }) => {
+                // Its tokens (an LLM reservation's with them) were given back.
+                ctx.metering = None;
+                if let Some(access) = ctx.access.as_deref_mut() {
+                    access.verdict = Reason::TokenBucketExceeded.as_str();
+                }
+                let response = self.gateway.drained_response(retry_after);
+                ControlFlow::Break(Reply::refusal(response, TEXT, ctx))
+            }
+            None => {
+                ctx.metering = None;
+                ControlFlow::Break(Reply::ClientGone)
+            }
+        }
     }
 
     /// Whether the request is a gRPC call: a POST with gRPC's content type (other requests
@@ -751,7 +815,7 @@ impl Proxy {
         let answer = match self.gateway.decide_in_memory(facts) {
             Some(answer) if answer.throttle_ms == 0 => answer,
             Some(answer) => Box::pin(Gateway::throttled(answer)).await,
-            None => Box::pin(self.gateway.decide(facts)).await,
+            None => Box::pin(self.gateway.decide_unwaited(facts)).await,
         };
         if let Some(trace) = ctx.trace.as_deref_mut() {
             if let Some(ip) = ctx.client_ip {
@@ -782,6 +846,7 @@ impl Proxy {
     /// proxy fails open, where the decision service answers 503) keeps its lease, its LLM
     /// reservation and the headers for its response.
     fn verdict(answer: Answer, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
+        ctx.pace = answer.pace;
         if !answer.verdict.forwards() {
             if let Some(call) = ctx.grpc.as_deref_mut() {
                 call.refused = answer
@@ -899,6 +964,10 @@ impl Proxy {
                 self.write_refusal(session, ctx, response, content_type)
                     .await
             }
+            Reply::ClientGone => Err(Error::explain(
+                CLIENT_GONE_WHILE_PACED,
+                "the client went away while its request waited for its turn under a delay rule",
+            )),
         }
     }
 }
@@ -1170,6 +1239,7 @@ impl ProxyHttp for Proxy {
                 upstream: None,
                 upstream_started: None,
                 upstream_secs: None,
+                paced_wait_secs: None,
             }));
         }
         Ok(())
@@ -1670,6 +1740,7 @@ impl ProxyHttp for Proxy {
             || *e.etype() == GRPC_CALL_CUT
             || *e.etype() == QUEUE_TIMED_OUT
             || *e.etype() == CLIENT_GONE_WHILE_QUEUED
+            || *e.etype() == CLIENT_GONE_WHILE_PACED
             || *e.etype() == INVALID_CHUNK
             || *e.etype() == INVALID_TRAILER_END
     }
@@ -1736,7 +1807,7 @@ enum FailurePage {
 /// The page for a failure `e`, when the final response header was (`final_written`) or was not
 /// yet written; warns of the upstream's failures.
 fn failure_page(e: &Error, ctx: &RequestCtx, final_written: bool) -> FailurePage {
-    if *e.etype() == CLIENT_GONE_WHILE_QUEUED {
+    if *e.etype() == CLIENT_GONE_WHILE_QUEUED || *e.etype() == CLIENT_GONE_WHILE_PACED {
         // Nobody to answer: logged as nginx's 499 (client closed request).
         return FailurePage::Closed(499);
     }

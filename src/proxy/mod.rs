@@ -705,6 +705,13 @@ struct DrainOnSignal {
 }
 
 impl DrainOnSignal {
+    /// A drain starts: requests waiting for their turn under `delay` rules are served within
+    /// the drain or refused now (their tokens given back), never dropped when it ends.
+    fn draining(&self) -> ShutdownSignal {
+        self.gateway.pacer.drain();
+        ShutdownSignal::GracefulTerminate
+    }
+
     /// Hands the listening sockets over; `true` when the new process took them and serves.
     async fn hand_over(&self) -> bool {
         let Some(sock) = self.upgrade_sock.clone() else {
@@ -765,11 +772,11 @@ impl ShutdownSignalWatch for DrainOnSignal {
             tokio::select! {
                 _ = term.recv() => {
                     tracing::info!("SIGTERM: draining");
-                    return ShutdownSignal::GracefulTerminate;
+                    return self.draining();
                 }
                 _ = int.recv() => {
                     tracing::info!("SIGINT: draining");
-                    return ShutdownSignal::GracefulTerminate;
+                    return self.draining();
                 }
                 _ = quit.recv() => {
                     // The new process has the sockets and serves: this one stops accepting
@@ -779,15 +786,15 @@ impl ShutdownSignalWatch for DrainOnSignal {
                     tokio::pin!(hand_over);
                     tokio::select! {
                         served = &mut hand_over => if served {
-                            return ShutdownSignal::GracefulTerminate;
+                            return self.draining();
                         },
                         _ = term.recv() => {
                             tracing::info!("SIGTERM during the hand-over: draining");
-                            return ShutdownSignal::GracefulTerminate;
+                            return self.draining();
                         }
                         _ = int.recv() => {
                             tracing::info!("SIGINT during the hand-over: draining");
-                            return ShutdownSignal::GracefulTerminate;
+                            return self.draining();
                         }
                     }
                 }

@@ -12,6 +12,14 @@ pub struct Answer {
     pub verdict: Verdict,
     /// A budget's throttle stage: milliseconds [`crate::service::Gateway::decide`] waited before answering.
     pub throttle_ms: u64,
+    /// A request paced by a `delay` rule: its place in line, to wait for its turn
+    /// ([`crate::service::Pace::wait`]) before it goes on. Taken (and waited for) by
+    /// [`crate::service::Gateway::decide`]; the proxy waits itself.
+    pub pace: Option<super::pacing::Pace>,
+    /// How long the request waited for its turn under a `delay` rule (0: it did not).
+    pub waited_us: u64,
+    /// The rule that made it wait (with `pace`).
+    pub paced_by: Option<String>,
     /// The concurrency slots an allowed request holds: give them back with
     /// [`crate::service::Gateway::release`] when it is done (they expire otherwise).
     pub lease: Option<Lease>,

@@ -15,6 +15,7 @@ use super::envoy_rls::{self, RlsFailure, RlsReply};
 use super::loaded::{signature, LoadedPolicy};
 use super::logging::log_decision;
 use super::penalties::Penalties;
+use super::pacing::{Pace, Pacer, Waited};
 use super::reload::{NetworkLoadError, Reload, Trigger};
 use super::source_state::FollowState;
 use super::state_key;
@@ -34,9 +35,29 @@ use crate::telemetry::metrics::Metrics;
 use crate::telemetry::traces::DecisionSummary;
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// What pacing a decision gave: the request's place in line (with the rule that paced it), or
+/// what a refusal after the store's answer must give back.
+struct PaceStep {
+    place: Option<(Pace, Option<String>)>,
+    refund: SmallVec<[crate::store::AdjustOp; 2]>,
+    /// The slots a request refused here had taken: `(lease id, keys)`.
+    leases: Option<(u64, SmallVec<[crate::store::BucketKey; 2]>)>,
+}
+
+impl PaceStep {
+    /// Puts the place in line in the answer.
+    fn place_in(self, answer: &mut Answer) {
+        if let Some((pace, rule)) = self.place {
+            answer.pace = Some(pace);
+            answer.paced_by = rule;
+        }
+    }
+}
 
 /// The log targets these lines had before `Gateway` had a file of its own (the request path's
 /// lines were `tollgate::service`'s, putting a bundle in force was `tollgate::service::reload`'s).
@@ -105,6 +126,8 @@ pub struct Gateway {
     pub debug_sessions: DebugSessionDesk,
     /// The candidate bundle decided in shadow.
     pub candidate: CandidateShadow,
+    /// The requests `delay` rules make wait.
+    pub pacer: Pacer,
 }
 
 impl Gateway {
@@ -177,6 +200,11 @@ impl Gateway {
                 Arc::clone(&store),
                 Arc::clone(&clock),
                 engine_config,
+            ),
+            pacer: Pacer::new(
+                config.max_delayed_requests,
+                Arc::clone(&store),
+                Arc::clone(&metrics),
             ),
             metrics,
             store,
@@ -262,6 +290,11 @@ impl Gateway {
         self.client_ip_with(peer, peer_trusted || caller_is_gateway, headers)
     }
 
+    /// Whether the bundle in force has `delay` rules (a decision may wait for its turn).
+    pub fn paces(&self) -> bool {
+        self.policy.load().as_deref().is_some_and(|b| b.paces)
+    }
+
     /// Whether the bundle in force fingerprints request bodies (`loop_detection`): front ends
     /// then hash the bodies they can read before deciding.
     pub fn fingerprints_bodies(&self) -> bool {
@@ -343,8 +376,16 @@ impl Gateway {
 
     /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
     /// on this thread without suspending; a shared store is awaited here, with the bundle held
-    /// as an `Arc` (an `arc_swap` guard must not live across a network call).
+    /// as an `Arc` (an `arc_swap` guard must not live across a network call). A request a
+    /// `delay` rule paces is answered when its turn comes.
     pub async fn decide(&self, facts: &RequestFacts<'_>) -> Answer {
+        let answer = self.decide_unwaited(facts).await;
+        self.paced(answer).await
+    }
+
+    /// [`Gateway::decide`] for a front end that waits a paced answer's turn itself (the
+    /// proxy, which notices its client leaving): the answer keeps its [`Answer::pace`].
+    pub async fn decide_unwaited(&self, facts: &RequestFacts<'_>) -> Answer {
         let network = self.network_facts(facts);
         let with_network;
         let facts = match &network {
@@ -356,6 +397,67 @@ impl Gateway {
         };
         let answer = self.decide_now(facts).await;
         Self::throttled(answer).await
+    }
+
+    /// A paced answer waits for its turn here (the decision service, ext_authz); one whose
+    /// turn comes after a shutdown's drain is refused instead, its tokens given back.
+    pub async fn paced(&self, mut answer: Answer) -> Answer {
+        let Some(pace) = answer.pace.take() else {
+            return answer;
+        };
+        match pace.wait().await {
+            Waited::Served(waited) => {
+                answer.waited_us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
+                answer
+            }
+            Waited::Drained { retry_after } => self.drained(answer, retry_after).await,
+        }
+    }
+
+    /// The refusal of a paced request whose turn came after a shutdown's drain: 429 with
+    /// `Retry-After`, by the rule that paced it.
+    async fn drained(&self, answer: Answer, retry_after: u64) -> Answer {
+        if let Some(lease) = &answer.lease {
+            self.release(lease).await;
+        }
+        let reason = Reason::TokenBucketExceeded;
+        Answer {
+            verdict: Verdict::Refused {
+                reason,
+                rule: answer.paced_by,
+            },
+            throttle_ms: 0,
+            pace: None,
+            waited_us: 0,
+            paced_by: None,
+            lease: None,
+            // Its tokens, the reservation's with them, were given back.
+            reservation: None,
+            // Nothing was spent for the response to settle.
+            charges: None,
+            response: self.drained_response(retry_after),
+            summary: answer.summary,
+        }
+    }
+
+    /// The response to a paced request whose turn comes after a shutdown's drain: 429
+    /// `token_bucket_exceeded`, with the time its turn would have come as `Retry-After`.
+    pub fn drained_response(&self, retry_after: u64) -> Response {
+        let reason = Reason::TokenBucketExceeded;
+        let mut headers = crate::engine::headers::HeaderList::new();
+        if let Ok(v) = http::HeaderValue::from_str(&retry_after.to_string()) {
+            headers.push((http::header::RETRY_AFTER, v));
+        }
+        headers.push((
+            self.header_config.reason_header.clone(),
+            http::HeaderValue::from_static(reason.as_str()),
+        ));
+        tracing::info!(target: SERVICE_LOG_TARGET, retry_after, "paced request refused: the gateway is shutting down and its turn comes after the drain");
+        Response {
+            status: reason.status(),
+            headers,
+            body: Some(reason.body()),
+        }
     }
 
     /// [`Gateway::decide`] without a future, when the store is in memory (it decides without
@@ -395,7 +497,7 @@ impl Gateway {
         let unix_us = self.clock.unix_us();
         let now_us = self.store.now_us();
         let guard = self.policy.load();
-        let decision = match guard.as_deref() {
+        let mut decision = match guard.as_deref() {
             None => Decision::NoPolicy,
             Some(bundle) => {
                 engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
@@ -405,11 +507,21 @@ impl Gateway {
         if !counts.is_empty() {
             self.penalties.count_now(&counts);
         }
+        let step = self.pace(&mut decision);
+        if let Some(step) = &step {
+            memory.adjust(now_us, &step.refund);
+            if let Some((id, keys)) = &step.leases {
+                memory.leases().release(*id, keys);
+            }
+        }
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
         };
-        let answer = self.answer(&decided, started);
+        let mut answer = self.answer(&decided, started);
+        if let Some(step) = step {
+            step.place_in(&mut answer);
+        }
         if self.candidate.is_set() {
             self.candidate
                 .after_local(&decided.decision, facts, memory, now_us, unix_us);
@@ -452,7 +564,7 @@ impl Gateway {
                     Ok(pending) => {
                         let mut results = OpResults::new();
                         let answer = self.store.apply(now_us, &pending.ops, &mut results).await;
-                        engine::finish(pending, answer.map(|()| &results))
+                        engine::finish_paced(pending, answer.map(|()| &results))
                     }
                 };
                 for (trip, _) in decision.breaker_trips() {
@@ -477,16 +589,73 @@ impl Gateway {
                 decision
             }
         };
+        let mut decision = decision;
+        let step = self.pace(&mut decision);
+        if let Some(step) = &step {
+            let _ = self.store.adjust(self.store.now_us(), &step.refund).await;
+            if let Some((id, keys)) = &step.leases {
+                self.store.release(*id, keys).await;
+            }
+        }
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
         };
-        let answer = self.answer(&decided, started);
+        let mut answer = self.answer(&decided, started);
+        if let Some(step) = step {
+            step.place_in(&mut answer);
+        }
         if self.candidate.is_set() {
             self.candidate
                 .after_shared(&decided.decision, facts, unix_us);
         }
         answer
+    }
+
+    /// A paced decision (a `delay` rule made it wait): its place in line; or, when
+    /// `--max-delayed-requests` already wait (or a shutdown's drain ends before its turn), its
+    /// refusal instead. What a refusal spent (tokens, slots) comes back in the step for the
+    /// caller to give back, as does the spend of one refused for a wait past `max_wait_ms`.
+    #[inline]
+    fn pace(&self, decision: &mut Decision<'_>) -> Option<Box<PaceStep>> {
+        if decision.checked().is_none_or(|c| c.paced.is_none()) {
+            return None;
+        }
+        self.pace_slow(decision)
+    }
+
+    #[inline(never)]
+    fn pace_slow(&self, decision: &mut Decision<'_>) -> Option<Box<PaceStep>> {
+        let checked = decision.checked()?;
+        let paced = checked.paced.as_deref()?;
+        let refund = paced.refund_ops();
+        if !decision.is_allowed() {
+            return Some(Box::new(PaceStep {
+                place: None,
+                refund,
+                leases: None,
+            }));
+        }
+        let rule = checked.rules.get(paced.rule).map(|o| o.rule.name.clone());
+        if let Some(place) = self.pacer.place(paced) {
+            return Some(Box::new(PaceStep {
+                place: Some((place, rule)),
+                refund: SmallVec::new(),
+                leases: None,
+            }));
+        }
+        let wait_us = paced.wait_us;
+        let taken = checked.taken_leases();
+        let leases = (!taken.is_empty()).then_some((checked.lease_id, taken));
+        match std::mem::replace(decision, Decision::NoPolicy) {
+            Decision::Allow(checked) => *decision = engine::pacing::refuse(checked, wait_us),
+            other => *decision = other,
+        }
+        Some(Box::new(PaceStep {
+            place: None,
+            refund,
+            leases,
+        }))
     }
 
     /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets
@@ -564,6 +733,9 @@ impl Gateway {
                 },
             },
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
+            pace: None,
+            waited_us: 0,
+            paced_by: None,
             lease: held_lease(decision),
             reservation: decision.reservation(),
             charges: decision.response_charges().map(Box::new),
@@ -601,6 +773,9 @@ impl Gateway {
         Answer {
             verdict: Verdict::Refused { reason, rule: None },
             throttle_ms: 0,
+            pace: None,
+            waited_us: 0,
+            paced_by: None,
             lease: None,
             reservation: None,
             charges: None,

@@ -7,6 +7,9 @@
 //! `penalties` ([`Penalties`]: response charges settled, penalty boxes counted),
 //! `debug_sessions` ([`DebugSessionDesk`]: Fairvisor's debug sessions) and `candidate`
 //! ([`CandidateShadow`]: the candidate bundle decided in shadow after every live decision).
+//! `debug_sessions` ([`DebugSessionDesk`]: Fairvisor's debug sessions), `candidate`
+//! ([`CandidateShadow`]: the candidate bundle decided in shadow after every live decision) and
+//! `pacing` ([`Pacer`]: the requests a `delay` rule makes wait, and their tokens).
 //!
 //! Beside them: `answer` (what a front end acts on), `described` (a request another gateway
 //! describes), `envoy_rls` (a `ShouldRateLimit` call's store calls and answer), `logging` (the
@@ -27,6 +30,7 @@ mod gateway;
 mod loaded;
 mod logging;
 mod penalties;
+mod pacing;
 mod reload;
 mod shadow;
 mod source_state;
@@ -42,6 +46,7 @@ pub use gateway::{Gateway, StartError};
 pub use loaded::LoadedPolicy;
 pub use logging::init_logging;
 pub use penalties::Penalties;
+pub use pacing::{Pace, Pacer, Waited, DRAIN_SERVE_WITHIN};
 pub use reload::{NetworkLoadError, Reload, Trigger};
 pub use source_state::FollowState;
 pub use tokens::Tokens;

@@ -52,6 +52,9 @@ pub struct AccessRecord<'a> {
     pub verdict: &'a str,
     /// The rule that refused the request.
     pub rule: Option<&'a str>,
+    /// Seconds the request waited for its turn under a token-bucket rule's `delay` (`None`:
+    /// it was not paced; the field is then left out).
+    pub paced_wait_secs: Option<f64>,
     pub request_id: &'a str,
     /// A gRPC call's `rpc.service`, `rpc.method` and `rpc.grpc.status_code` (the status it
     /// ended with, when it ended with one): written after the request ID, only for calls.
@@ -113,6 +116,9 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
             let _ = write!(line, ",\"request_time\":{}", round_ms(record.total_secs));
             json_field(&mut line, "verdict", Some(record.verdict));
             json_field(&mut line, "rule", record.rule);
+            if let Some(secs) = record.paced_wait_secs {
+                let _ = write!(line, ",\"paced_wait\":{}", round_ms(secs));
+            }
             json_field(&mut line, "request_id", Some(record.request_id));
             if let Some((service, method, status)) = record.rpc {
                 json_field(&mut line, "rpc.service", Some(service));
@@ -155,7 +161,7 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
             );
             let _ = write!(
                 line,
-                " host={} upstream={} upstream_time={} request_time={:.3} verdict={} rule={} request_id={}",
+                " host={} upstream={} upstream_time={} request_time={:.3} verdict={} rule={}",
                 dash(host),
                 record
                     .upstream
@@ -166,7 +172,6 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                 record.total_secs,
                 Escaped(record.verdict),
                 dash(record.rule),
-                Escaped(record.request_id),
             );
             if let Some((service, method, status)) = record.rpc {
                 let _ = write!(
@@ -177,6 +182,10 @@ pub fn format(record: &AccessRecord<'_>, format: AccessLogFormat) -> String {
                     status.map_or_else(|| "-".to_string(), |c| c.to_string()),
                 );
             }
+            if let Some(secs) = record.paced_wait_secs {
+                let _ = write!(line, " paced_wait={secs:.3}");
+            }
+            let _ = write!(line, " request_id={}", Escaped(record.request_id));
             if let Some(trace_id) = record.trace_id {
                 let _ = write!(line, " trace_id={}", Escaped(trace_id));
             }
@@ -273,7 +282,29 @@ mod tests {
             request_id: "abc-123",
             rpc: None,
             trace_id: None,
+            paced_wait_secs: None,
         }
+    }
+
+    #[test]
+    fn a_paced_request_states_its_wait() {
+        let paced = AccessRecord {
+            status: 200,
+            verdict: "allow",
+            rule: Some("paced"),
+            paced_wait_secs: Some(0.2504),
+            ..record()
+        };
+        let text = format(&paced, AccessLogFormat::Text);
+        assert!(
+            text.ends_with(" verdict=allow rule=paced paced_wait=0.250 request_id=abc-123\n"),
+            "{text}"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(format(&paced, AccessLogFormat::Json).trim_end()).unwrap();
+        assert_eq!(v["paced_wait"], 0.25);
+        assert!(!format(&record(), AccessLogFormat::Json).contains("paced_wait"));
+        assert!(!format(&record(), AccessLogFormat::Text).contains("paced_wait"));
     }
 
     #[test]

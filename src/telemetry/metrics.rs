@@ -322,6 +322,13 @@ metric_table! {
         ["group"] "Requests tried again after a failed connection, by group" [];
     upstream_ejections: IntCounterVec = Counter All "tollgate_upstream_ejections_total"
         ["group"] "Servers taken out of their group after consecutive connection failures" [];
+    paced_waiting: IntGauge = Gauge All "tollgate_paced_waiting"
+        [] "Requests waiting now for their turn under a token-bucket rule's delay (at most --max-delayed-requests)" [];
+    paced_waits: Histogram = Histogram All "tollgate_paced_wait_seconds"
+        [] "How long requests paced by a token-bucket rule's delay waited before going on (served ones only)"
+        [0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+    paced: IntCounterVec = Counter All "tollgate_paced_requests_total"
+        ["outcome"] "Requests a token-bucket rule's delay made wait, by outcome (served: went on after its wait; client_gone: the client left while waiting, its tokens given back; drained: refused at shutdown, its tokens given back; full: refused because --max-delayed-requests were already waiting)" [];
     upstream_queue_waiting: IntGaugeVec = Gauge All "tollgate_upstream_queue_waiting"
         ["group"] "Requests waiting now for a free slot of an upstream server at its max_connections, by group" [];
     upstream_queue_waits: HistogramVec = Histogram All "tollgate_upstream_queue_wait_seconds"
@@ -967,6 +974,24 @@ impl Metrics {
             self.families
                 .llm_estimate_ratio
                 .observe(rule.prompt_tokens as f64 / actual as f64);
+        }
+    }
+
+    /// A paced request starts waiting (`true`) or stops (`false`).
+    pub fn paced_waiting(&self, started: bool) {
+        if started {
+            self.families.paced_waiting.inc();
+        } else {
+            self.families.paced_waiting.dec();
+        }
+    }
+
+    /// How a paced request's wait ended (`served`, `client_gone`, `drained`, `full`), and
+    /// for a served one how long it waited.
+    pub fn paced(&self, outcome: &'static str, waited: Option<std::time::Duration>) {
+        self.families.paced.with_label_values(&[outcome]).inc();
+        if let Some(waited) = waited {
+            self.families.paced_waits.observe(waited.as_secs_f64());
         }
     }
 

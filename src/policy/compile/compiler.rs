@@ -132,6 +132,7 @@ pub(crate) fn plain_rule(
         key_prefix: String::new(),
         header_names: Vec::new(),
         kind: RuleKind::TokenBucket,
+        pacing: None,
         definition: 0,
         after_response: None,
     }
@@ -159,6 +160,7 @@ pub(crate) const CONFIG_FIELDS: &[&str] = &[
     "overrides",
     "count_when",
     "penalty",
+    "delay",
 ];
 
 impl Compiler {

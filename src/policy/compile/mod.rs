@@ -109,6 +109,7 @@ impl Compiler {
         }) || self.kill_switches.iter().any(|k| network(&k.scope));
         let meters_tokens = self.policies.iter().any(|p| p.meters_tokens);
         let counts_grpc_messages = self.rules.iter().any(Rule::counts_grpc_messages);
+        let paces = self.rules.iter().any(|r| r.pacing.is_some());
         let tiktoken = self
             .rules
             .iter()
@@ -140,6 +141,7 @@ impl Compiler {
             uses_network,
             meters_tokens,
             counts_grpc_messages,
+            paces,
             skipped: self.skipped,
             index,
             tiktoken,
@@ -723,6 +725,7 @@ impl Compiler {
             key_prefix: key_prefix(kind.key_tag(), &name, mode),
             header_names,
             kind: parts.kind,
+            pacing: parts.pacing,
             definition: definition_hash(self.current_policy_definition, v),
             after_response: parts.after_response,
             ..plain_rule(name, policy, mode, shape.quota, window_secs)

@@ -396,6 +396,14 @@ impl RequestSpan {
         }
     }
 
+    /// `tollgate.paced_wait_ms`: how long the request waited for its turn under a token-bucket
+    /// rule's `delay`.
+    pub fn paced(&mut self, waited_us: u64) {
+        if let Some(record) = self.server() {
+            record.paced_wait_ms = Some(i64::try_from(waited_us / 1_000).unwrap_or(i64::MAX));
+        }
+    }
+
     /// Starts the CLIENT span of the upstream call (once per request: a retry is an event on
     /// it). `server` is the server first chosen.
     pub fn upstream_started(

@@ -461,6 +461,9 @@ fn write_attributes(c: &mut Cursor<'_>, span: &SpanRecord, text: &str, texts: &m
     if let Some(remaining) = span.remaining {
         c.attribute(A, b"tollgate.remaining", Value::Int(remaining));
     }
+    if let Some(ms) = span.paced_wait_ms {
+        c.attribute(A, b"tollgate.paced_wait_ms", Value::Int(ms));
+    }
     if let Some(code) = span.grpc_status {
         c.attribute(A, b"rpc.grpc.status_code", Value::Int(i64::from(code)));
     }
@@ -540,6 +543,7 @@ mod tests {
         span.policy = policy;
         span.rule = rule;
         span.remaining = Some(-1);
+        span.paced_wait_ms = Some(250);
         request
     }
 
@@ -648,7 +652,8 @@ mod tests {
             Some(Any::StringValue("per-ip".into()))
         );
         assert_eq!(find(a, "tollgate.remaining"), Some(Any::IntValue(-1)));
-        assert_eq!(a.len(), 11);
+        assert_eq!(find(a, "tollgate.paced_wait_ms"), Some(Any::IntValue(250)));
+        assert_eq!(a.len(), 12);
 
         let client = &spans[0];
         assert_eq!(client.kind, 3);

@@ -113,6 +113,8 @@ pub struct SpanRecord {
     pub rule: Option<TextAt>,
     pub reason: Option<&'static str>,
     pub remaining: Option<i64>,
+    /// `tollgate.paced_wait_ms`: how long a paced request waited for its turn.
+    pub paced_wait_ms: Option<i64>,
     /// A CLIENT span's `tollgate.upstream_group`
     pub upstream_group: Option<Arc<str>>,
     /// A CLIENT span's `server.address` and `server.port` (the server first chosen)
@@ -158,6 +160,7 @@ impl SpanRecord {
             rule: None,
             reason: None,
             remaining: None,
+            paced_wait_ms: None,
             upstream_group: None,
             upstream: None,
             events: SmallVec::new(),
