@@ -20,11 +20,15 @@ pub enum Period {
     Week,
     /// `1M` / `month`: the calendar month, UTC (28 to 31 days).
     Month,
+    /// `1w` (`llm_spend` rules): the ISO week, Monday 00:00 to the next Monday 00:00.
+    IsoWeek,
 }
 
 const DAY: u64 = 86_400;
 /// 1970-01-04, the first Sunday after the epoch.
 const WEEK_ORIGIN: u64 = 3 * DAY;
+/// 1970-01-05, the first Monday after the epoch.
+const ISO_WEEK_ORIGIN: u64 = 4 * DAY;
 
 impl Period {
     /// The period as a policy writes it.
@@ -35,6 +39,18 @@ impl Period {
             Period::Day => "1d",
             Period::Week => "7d",
             Period::Month => "1M",
+            Period::IsoWeek => "1w",
+        }
+    }
+
+    /// Parses an `llm_spend` rule's `period`: `1h`, `1d`, `1w` (Monday to Monday) or `1M`.
+    pub fn parse_spend(text: &str) -> Option<Period> {
+        match text {
+            "1h" => Some(Period::Hour),
+            "1d" => Some(Period::Day),
+            "1w" => Some(Period::IsoWeek),
+            "1M" => Some(Period::Month),
+            _ => None,
         }
     }
 
@@ -58,6 +74,7 @@ impl Period {
             Period::Day => DAY,
             Period::Week => 7 * DAY,
             Period::Month => 30 * DAY,
+            Period::IsoWeek => 7 * DAY,
         }
     }
 
@@ -75,6 +92,7 @@ impl Period {
             Period::Hour => fixed(3_600, 0),
             Period::Day => fixed(DAY, 0),
             Period::Week => fixed(7 * DAY, WEEK_ORIGIN),
+            Period::IsoWeek => fixed(7 * DAY, ISO_WEEK_ORIGIN),
             Period::Month => {
                 let (year, month, _) = civil_from_days(unix_secs / DAY);
                 let start = days_from_civil(year, month, 1) * DAY;
@@ -101,6 +119,113 @@ impl Period {
                 .max(1),
         }
     }
+}
+
+/// The clock a budget's windows follow: UTC, or an IANA time zone (`llm_spend` rules'
+/// `timezone`), whose days are 23 or 25 hours long when daylight saving time starts or ends.
+#[derive(Debug, Clone, Default)]
+pub enum Zone {
+    #[default]
+    Utc,
+    /// A named zone from the IANA database built into the binary (no system files read).
+    Named(std::sync::Arc<NamedZone>),
+}
+
+/// An IANA time zone with the name it was written as.
+#[derive(Debug)]
+pub struct NamedZone {
+    pub name: String,
+    tz: jiff::tz::TimeZone,
+}
+
+impl PartialEq for Zone {
+    fn eq(&self, other: &Zone) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl Zone {
+    /// The zone an IANA name (`America/New_York`, `UTC`, `Etc/GMT+5`) stands for; `None` when
+    /// the database has no such zone.
+    pub fn named(name: &str) -> Option<Zone> {
+        if name == "UTC" {
+            return Some(Zone::Utc);
+        }
+        let tz = jiff::tz::TimeZone::get(name).ok()?;
+        Some(Zone::Named(std::sync::Arc::new(NamedZone {
+            name: name.to_string(),
+            tz,
+        })))
+    }
+
+    /// The name as written (`UTC` for the default).
+    pub fn name(&self) -> &str {
+        match self {
+            Zone::Utc => "UTC",
+            Zone::Named(zone) => &zone.name,
+        }
+    }
+
+    /// `[start, end)` in Unix seconds of the `period` holding `unix_secs`, on this zone's
+    /// calendar: hours on the local hour, days from local midnight to the next, weeks from
+    /// Monday, months from the 1st. A bound the zone cannot place (outside the years the
+    /// database covers) falls back to UTC's.
+    pub fn bounds(&self, period: Period, unix_secs: u64) -> (u64, u64) {
+        match self {
+            Zone::Utc => period.bounds(unix_secs),
+            Zone::Named(zone) => {
+                zoned_bounds(&zone.tz, period, unix_secs).unwrap_or_else(|| period.bounds(unix_secs))
+            }
+        }
+    }
+
+    /// The store's view of the window holding `unix_us` (see [`Period::window`]).
+    pub fn window(&self, period: Period, unix_us: u64) -> Window {
+        let (start, end) = self.bounds(period, unix_us / US_PER_SEC);
+        Window {
+            id: start.max(1),
+            ends_in_us: end
+                .saturating_mul(US_PER_SEC)
+                .saturating_sub(unix_us)
+                .max(1),
+        }
+    }
+}
+
+/// [`Zone::bounds`] in a named zone.
+fn zoned_bounds(tz: &jiff::tz::TimeZone, period: Period, unix_secs: u64) -> Option<(u64, u64)> {
+    let second = i64::try_from(unix_secs).ok()?;
+    let now = jiff::Timestamp::from_second(second).ok()?;
+    let seconds = |date: jiff::civil::Date| -> Option<u64> {
+        let start = date.to_zoned(tz.clone()).ok()?;
+        u64::try_from(start.timestamp().as_second()).ok()
+    };
+    let date = now.to_zoned(tz.clone()).date();
+    let (first, next) = match period {
+        // Local hours start where the offset puts them (a half-hour zone's hours at :30 UTC);
+        // every hour is 3 600 s, the hour a clock change repeats or skips included.
+        Period::Hour | Period::FiveMinutes => {
+            let len: i64 = if period == Period::Hour { 3_600 } else { 300 };
+            let offset = i64::from(tz.to_offset(now).seconds());
+            let start = second - (second + offset).rem_euclid(len);
+            return Some((u64::try_from(start).ok()?, u64::try_from(start + len).ok()?));
+        }
+        Period::Day => (date, date.tomorrow().ok()?),
+        Period::Week | Period::IsoWeek => {
+            let back = if period == Period::Week {
+                date.weekday().to_sunday_zero_offset()
+            } else {
+                date.weekday().to_monday_zero_offset()
+            };
+            let first = date.checked_sub(jiff::Span::new().days(back)).ok()?;
+            (first, first.checked_add(jiff::Span::new().days(7)).ok()?)
+        }
+        Period::Month => {
+            let first = date.first_of_month();
+            (first, first.checked_add(jiff::Span::new().months(1)).ok()?)
+        }
+    };
+    Some((seconds(first)?, seconds(next)?))
 }
 
 /// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (H. Hinnant's algorithm,
@@ -159,9 +284,16 @@ pub struct Budget {
     pub period: Period,
     /// Strictly ascending thresholds, ending with a reject at 100.
     pub stages: Vec<Stage>,
+    /// The calendar its windows follow (UTC but for `llm_spend` rules with a `timezone`).
+    pub zone: Zone,
 }
 
 impl Budget {
+    /// The store's view of the window holding `unix_us`, on the budget's calendar.
+    pub fn window(&self, unix_us: u64) -> Window {
+        self.zone.window(self.period, unix_us)
+    }
+
     /// The warn or throttle stage an allowed request lands in, from the budget left after it:
     /// the highest threshold at or below the usage (a reject stage never applies to an allowed
     /// request).
@@ -239,6 +371,7 @@ mod tests {
                     action: Action::Reject,
                 },
             ],
+            zone: Zone::Utc,
         };
         assert_eq!(budget.stage_for(100, 21), None);
         assert_eq!(budget.stage_for(100, 20), Some(Action::Warn));

@@ -19,6 +19,7 @@
 //! - [`budget`]: `cost_based` budgets and their stages;
 //! - [`concurrency`]: in-flight caps;
 //! - [`llm`]: `token_bucket_llm` token budgets;
+//! - [`spend`]: `llm_spend` budgets in money, priced by [`prices`];
 //! - [`guards`]: loop detection and circuit breakers (a policy's guards, planned before its
 //!   rules).
 
@@ -30,6 +31,8 @@ pub mod budget;
 pub mod concurrency;
 pub mod guards;
 pub mod llm;
+pub mod prices;
+pub mod spend;
 pub mod token_bucket;
 
 use crate::engine::planning::{PlanContext, Planning};
@@ -48,6 +51,7 @@ pub enum LimitKind {
     CostBased,
     Concurrency,
     Llm,
+    Spend,
 }
 
 impl LimitKind {
@@ -58,6 +62,7 @@ impl LimitKind {
             "cost_based" => Some(LimitKind::CostBased),
             "concurrency" => Some(LimitKind::Concurrency),
             "token_bucket_llm" => Some(LimitKind::Llm),
+            "llm_spend" => Some(LimitKind::Spend),
             _ => None,
         }
     }
@@ -69,6 +74,7 @@ impl LimitKind {
             LimitKind::CostBased => budget::COST_BASED_FIELDS,
             LimitKind::Concurrency => concurrency::CONCURRENCY_FIELDS,
             LimitKind::Llm => llm::LLM_FIELDS,
+            LimitKind::Spend => spend::SPEND_FIELDS,
         }
     }
 
@@ -85,6 +91,7 @@ impl LimitKind {
             LimitKind::CostBased => "cb",
             LimitKind::Concurrency => "cc",
             LimitKind::Llm => "tpm",
+            LimitKind::Spend => "sp",
         }
     }
 
@@ -94,6 +101,7 @@ impl LimitKind {
             LimitKind::CostBased => "cost_based",
             LimitKind::Concurrency => "concurrency",
             LimitKind::Llm => "token_bucket_llm",
+            LimitKind::Spend => "llm_spend",
         }
     }
 }
@@ -116,6 +124,7 @@ pub(crate) fn plan<'b>(
         RuleKind::Budget(budget) => budget::plan(rule, budget, bucket, facts, context, planning),
         RuleKind::Concurrency(c) => concurrency::plan(rule, *c, bucket.0, planning),
         RuleKind::Llm(limit) => llm::plan(rule, limit, bucket, facts, context, planning),
+        RuleKind::Spend(limit) => spend::plan(rule, limit, bucket, facts, context, planning),
     }
 }
 
@@ -200,6 +209,15 @@ impl Compiler {
                     cost: Some(CostSource::Fixed(0)),
                     kind: RuleKind::Llm(limit),
                     tokens_per_day: tpd,
+                },
+                None => KindParts::default(),
+            },
+            LimitKind::Spend => match self.spend(config, &path) {
+                Some((shape, limit)) => KindParts {
+                    shape: Some(shape),
+                    cost: Some(CostSource::Fixed(0)),
+                    kind: RuleKind::Spend(limit),
+                    ..KindParts::default()
                 },
                 None => KindParts::default(),
             },

@@ -34,6 +34,7 @@ impl Kind {
             RuleKind::Guard(Guard::Breaker(_)) => Kind::Breaker,
             RuleKind::Concurrency(_) => Kind::Concurrency,
             RuleKind::Budget(_)
+            | RuleKind::Spend(_)
             | RuleKind::Llm(LlmLimit {
                 part: LlmPart::Day(_),
                 ..
@@ -230,7 +231,7 @@ pub async fn inspect(
     out["capacity"] = json!(micro_to_tokens(quota.burst()));
     match rule.budget() {
         Some(budget) => {
-            let window = budget.period.window(unix_us);
+            let window = budget.window(unix_us);
             let verdict = crate::limits::limiter::check_window(state, quota.burst(), window, 0);
             let spent = quota.burst().saturating_sub(verdict.available);
             out["tokens"] = json!(micro_to_tokens(verdict.available));

@@ -57,7 +57,8 @@ pub fn made_up_by_client(descriptor: &Descriptor, trust: &KeyTrust) -> bool {
         | Descriptor::Query(_)
         | Descriptor::Path
         | Descriptor::Host
-        | Descriptor::Method => true,
+        | Descriptor::Method
+        | Descriptor::LlmModel => true,
         Descriptor::Jwt(_) => !trust.jwt_claims_verified,
         Descriptor::Ip { v6_prefix } => {
             v6_prefix.unwrap_or(trust.default_v6_prefix) > HOST_V6_PREFIX
@@ -65,6 +66,7 @@ pub fn made_up_by_client(descriptor: &Descriptor, trust: &KeyTrust) -> bool {
         Descriptor::Network(_)
         | Descriptor::Domain
         | Descriptor::EntryKeys
+        | Descriptor::LlmProvider
         | Descriptor::Entry(_) => false,
     }
 }
@@ -76,6 +78,7 @@ pub fn long_lived(rule: &Rule) -> Option<String> {
     match &rule.kind {
         RuleKind::Concurrency(_) | RuleKind::Guard(_) => None,
         RuleKind::Budget(_) => Some("a budget".to_string()),
+        RuleKind::Spend(_) => Some("a spend budget".to_string()),
         RuleKind::Llm(LlmLimit {
             part: LlmPart::Day(_),
             ..

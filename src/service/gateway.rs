@@ -381,17 +381,36 @@ impl Gateway {
         let unix_us = self.clock.unix_us();
         let now_us = self.store.now_us();
         let guard = self.policy.load();
-        let decision = match guard.as_deref() {
-            None => Decision::NoPolicy,
-            Some(bundle) => {
-                engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
-            }
+        let Some(bundle) = guard.as_deref() else {
+            let decided = Decided {
+                decision: Decision::NoPolicy,
+                request: RequestView::of(facts),
+            };
+            return Some(self.answer(&decided, started));
         };
+        let decide = |facts: &RequestFacts<'_>| {
+            engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
+        };
+        // A spend budget that refused may admit the request on its cheaper fallback model.
+        let fallback_facts;
+        let decision = decide(facts);
+        let (decision, facts, model) =
+            match decision.spend_fallback(facts.llm_model().as_deref()) {
+                Some(model) => {
+                    fallback_facts = facts.for_model(model);
+                    match decide(&fallback_facts) {
+                        retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
+                        _ => (decision, facts, None),
+                    }
+                }
+                None => (decision, facts, None),
+            };
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
         };
-        let answer = self.answer(&decided, started);
+        let mut answer = self.answer(&decided, started);
+        answer.model = model.map(str::to_string);
         if self.candidate.is_set() {
             self.candidate
                 .after_local(&decided.decision, facts, memory, now_us, unix_us);
@@ -412,7 +431,41 @@ impl Gateway {
             };
             return self.answer(&decided, started);
         };
-        let decision = match engine::plan(&bundle, facts, unix_us, self.engine_config) {
+        let fallback_facts;
+        let decision = self.decide_shared(&bundle, facts, unix_us).await;
+        let (decision, facts, model) =
+            match decision.spend_fallback(facts.llm_model().as_deref()) {
+                Some(model) => {
+                    fallback_facts = facts.for_model(model);
+                    match self.decide_shared(&bundle, &fallback_facts, unix_us).await {
+                        retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
+                        _ => (decision, facts, None),
+                    }
+                }
+                None => (decision, facts, None),
+            };
+        let decided = Decided {
+            decision,
+            request: RequestView::of(facts),
+        };
+        let mut answer = self.answer(&decided, started);
+        answer.model = model.map(str::to_string);
+        if self.candidate.is_set() {
+            self.candidate
+                .after_shared(&decided.decision, facts, unix_us);
+        }
+        answer
+    }
+
+    /// One decision against a shared store: leases, then buckets, then the breakers it
+    /// tripped; a refused request's leases are given back.
+    async fn decide_shared<'b>(
+        &self,
+        bundle: &'b crate::policy::Bundle,
+        facts: &RequestFacts<'_>,
+        unix_us: u64,
+    ) -> Decision<'b> {
+        match engine::plan(bundle, facts, unix_us, self.engine_config) {
             Plan::Done(decision) => decision,
             Plan::Store(pending) => {
                 let now_us = self.store.now_us();
@@ -453,17 +506,7 @@ impl Gateway {
                 }
                 decision
             }
-        };
-        let decided = Decided {
-            decision,
-            request: RequestView::of(facts),
-        };
-        let answer = self.answer(&decided, started);
-        if self.candidate.is_set() {
-            self.candidate
-                .after_shared(&decided.decision, facts, unix_us);
         }
-        answer
     }
 
     /// Under `--compat fairvisor`: the reason header only for a debug session, which also gets
@@ -543,6 +586,7 @@ impl Gateway {
             throttle_ms: decision.checked().map_or(0, |c| c.throttle_ms()),
             lease: held_lease(decision),
             reservation: decision.reservation(),
+            model: None,
             // Only for a request whose span is recorded: nothing is built otherwise.
             summary: decided
                 .request
@@ -579,6 +623,7 @@ impl Gateway {
             throttle_ms: 0,
             lease: None,
             reservation: None,
+            model: None,
             summary: described
                 .trace
                 .filter(|t| t.sampled)

@@ -111,7 +111,7 @@ impl Compiler {
         let tiktoken = self
             .rules
             .iter()
-            .filter_map(|r| match r.llm().map(|l| l.estimator) {
+            .filter_map(|r| match r.llm().map(|l| l.estimator).or(r.spend().map(|s| s.estimator)) {
                 Some(crate::request::llm::Estimator::Tiktoken(encoding)) => Some(encoding.bit()),
                 _ => None,
             })
@@ -141,6 +141,7 @@ impl Compiler {
             skipped: self.skipped,
             index,
             tiktoken,
+            llm_prices: self.llm_prices.map(std::sync::Arc::new),
         }
     }
 
@@ -209,10 +210,16 @@ impl Compiler {
                     "defaults",
                     "global_shadow",
                     "kill_switch_override",
+                    "llm_prices",
                 ],
             ) else {
                 return;
             };
+            // Before the policies: their `llm_spend` rules are checked against it.
+            if let Some(v) = map.get("llm_prices") {
+                self.llm_prices = self.llm_prices(v, "llm_prices");
+                self.llm_prices_written = true;
+            }
             match map.get("bundle_version") {
                 Some(v) => self.bundle_version(v),
                 None => self.error("bundle_version", "is required"),
@@ -460,10 +467,11 @@ impl Compiler {
         let circuit_breaker = spec.get("circuit_breaker").and_then(|v| {
             self.circuit_breaker(v, &join(path, "circuit_breaker"), policy_index, mode, start)
         });
-        let meters_tokens = self.rules[start..].iter().any(|r| r.llm().is_some());
+        let metered = |r: &Rule| r.llm().is_some() || r.spend().is_some();
+        let meters_tokens = self.rules[start..].iter().any(metered);
         let enforces_tokens = self.rules[start..]
             .iter()
-            .any(|r| r.llm().is_some() && r.mode == Mode::Enforce);
+            .any(|r| metered(r) && r.mode == Mode::Enforce);
         let day_rule_paths = std::mem::take(&mut self.day_rule_paths);
         for (minute, mut day) in std::mem::take(&mut self.day_rules) {
             day.index = self.rules.len();
@@ -631,6 +639,7 @@ impl Compiler {
                             continue;
                         }
                     },
+                    Descriptor::LlmModel if text.contains('*') => MatchValue::Pattern(text),
                     _ => MatchValue::Text(text),
                 };
                 conditions.push(MatchCondition {
@@ -696,7 +705,9 @@ impl Compiler {
             );
         }
         let window_secs = match &parts.kind {
-            RuleKind::Budget(b) => b.period.nominal_secs(),
+            RuleKind::Budget(b) | RuleKind::Spend(crate::policy::rule::SpendLimit { budget: b, .. }) => {
+                b.period.nominal_secs()
+            }
             _ => shape.quota.window_secs(),
         };
         let keys_path: Box<str> = join(path, "limit_keys").into();
@@ -823,7 +834,7 @@ impl Compiler {
         if kind.is_none() {
             self.error(
                 &join(path, "algorithm"),
-                format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)"),
+                format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency, token_bucket_llm, llm_spend)"),
             );
         }
         kind

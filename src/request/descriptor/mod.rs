@@ -36,6 +36,11 @@ pub struct RequestFacts<'a> {
     pub body_hash: Option<u64>,
     /// What an LLM request body asks for, when the front end read it (`token_bucket_llm`).
     pub llm: Option<&'a crate::request::llm::LlmRequest>,
+    /// The model the request is decided for instead of the one it names: an `llm_spend`
+    /// rule's fallback, which the request is rewritten to.
+    pub model_override: Option<&'a str>,
+    /// The upstream group the request's route sends it to (`llm:provider`), when known.
+    pub llm_provider: Option<&'a str>,
     /// The request (or the decision-service call describing it) came from a `--trusted-proxy`
     /// peer: its network headers (`X-Country-Code`...) may be believed.
     pub trusted_peer: bool,
@@ -158,6 +163,8 @@ impl<'a> RequestFacts<'a> {
             envoy: None,
             body_hash: None,
             llm: None,
+            model_override: None,
+            llm_provider: None,
             trusted_peer: false,
             network: None,
             trace: None,
@@ -212,6 +219,35 @@ impl<'a> RequestFacts<'a> {
         self
     }
 
+    /// The same facts, sent to upstream group `provider` (`llm:provider`).
+    pub fn with_llm_provider(mut self, provider: Option<&'a str>) -> Self {
+        self.llm_provider = provider;
+        self
+    }
+
+    /// The same facts, decided as if the request named `model` (an `llm_spend` fallback).
+    pub fn with_model_override(mut self, model: Option<&'a str>) -> Self {
+        self.model_override = model;
+        self
+    }
+
+    /// The model the request names (`llm:model`): a fallback it is rewritten to, else its
+    /// body's `model`, else Gemini's model in the path.
+    pub fn llm_model(&self) -> Option<Cow<'a, str>> {
+        let named = self
+            .model_override
+            .or_else(|| self.llm.and_then(|l| l.model.as_deref()));
+        if let Some(model) = named {
+            return Some(Cow::Borrowed(model));
+        }
+        match &self.path {
+            Cow::Borrowed(path) => crate::request::llm::gemini_model(path).map(Cow::Borrowed),
+            Cow::Owned(path) => {
+                crate::request::llm::gemini_model(path).map(|m| Cow::Owned(m.to_string()))
+            }
+        }
+    }
+
     /// The same facts, from a trusted peer or not (see [`RequestFacts::trusted_peer`]).
     pub fn with_trusted_peer(mut self, trusted: bool) -> Self {
         self.trusted_peer = trusted;
@@ -240,8 +276,32 @@ impl<'a> RequestFacts<'a> {
             envoy: self.envoy,
             body_hash: self.body_hash,
             llm: self.llm,
+            model_override: self.model_override,
+            llm_provider: self.llm_provider,
             trusted_peer: self.trusted_peer,
             network: Some(network),
+            trace: self.trace,
+        }
+    }
+
+    /// A copy of these facts decided as if the request named `model` (an `llm_spend` rule's
+    /// fallback, which the request is then rewritten to).
+    pub fn for_model<'n>(&'n self, model: &'n str) -> RequestFacts<'n> {
+        RequestFacts {
+            method: self.method,
+            path: Cow::Borrowed(&self.path),
+            query: self.query,
+            host: self.host,
+            client_ip: self.client_ip,
+            headers: self.headers,
+            claims: self.claims,
+            envoy: self.envoy,
+            body_hash: self.body_hash,
+            llm: self.llm,
+            model_override: Some(model),
+            llm_provider: self.llm_provider,
+            trusted_peer: self.trusted_peer,
+            network: self.network,
             trace: self.trace,
         }
     }
@@ -585,6 +645,10 @@ pub enum Descriptor {
     EntryKeys,
     /// `ip:country`, `ip:asn`, `ip:type`, `ip:tor`: the client's network ([`crate::request::network`]).
     Network(NetworkKey),
+    /// `llm:model`: the model an LLM request names ([`RequestFacts::llm_model`]).
+    LlmModel,
+    /// `llm:provider`: the upstream group the request's route sends it to.
+    LlmProvider,
 }
 
 /// Which network fact a `Descriptor::Network` reads.
@@ -599,7 +663,7 @@ pub enum NetworkKey {
 /// Why a descriptor string is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
-    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, descriptor:<key>, domain or descriptor_keys)")]
+    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, descriptor:<key>, domain, descriptor_keys, llm:model or llm:provider)")]
     Unknown(String),
     #[error("descriptor '{0}' needs a name after the colon")]
     EmptyName(String),
@@ -632,6 +696,8 @@ impl Descriptor {
             "ip:asn" => return Ok(Descriptor::Network(NetworkKey::Asn)),
             "ip:type" => return Ok(Descriptor::Network(NetworkKey::Type)),
             "ip:tor" => return Ok(Descriptor::Network(NetworkKey::Tor)),
+            "llm:model" => return Ok(Descriptor::LlmModel),
+            "llm:provider" => return Ok(Descriptor::LlmProvider),
             _ => {}
         }
         if let Some(bits) = text.strip_prefix("ip:address/") {
@@ -679,6 +745,8 @@ impl Descriptor {
                 .envoy
                 .map(|e| Cow::Owned(e.domain.to_ascii_lowercase())),
             Descriptor::EntryKeys => facts.envoy.map(|e| Cow::Owned(e.keys())),
+            Descriptor::LlmModel => facts.llm_model(),
+            Descriptor::LlmProvider => facts.llm_provider.map(Cow::Borrowed),
             Descriptor::Network(key) => {
                 let network = facts.network?;
                 match key {
@@ -710,6 +778,8 @@ impl std::fmt::Display for Descriptor {
             Descriptor::Network(NetworkKey::Asn) => f.write_str("ip:asn"),
             Descriptor::Network(NetworkKey::Type) => f.write_str("ip:type"),
             Descriptor::Network(NetworkKey::Tor) => f.write_str("ip:tor"),
+            Descriptor::LlmModel => f.write_str("llm:model"),
+            Descriptor::LlmProvider => f.write_str("llm:provider"),
         }
     }
 }
