@@ -875,8 +875,10 @@ impl<'b> Decision<'b> {
     }
 
     /// The model a request refused by an `llm_spend` budget may go to instead: the refusing
-    /// rule's `on_exhausted.fallback_model`, unless the request already names it.
+    /// rule's `on_exhausted.fallback_model`, when the request names a model the front end can
+    /// replace (`named`) and not that one already.
     pub fn spend_fallback(&self, named: Option<&str>) -> Option<&'b str> {
+        named?;
         let Decision::Refuse(refusal) = self else {
             return None;
         };

@@ -395,7 +395,7 @@ impl Gateway {
         let fallback_facts;
         let decision = decide(facts);
         let (decision, facts, model) =
-            match decision.spend_fallback(facts.llm_model().as_deref()) {
+            match decision.spend_fallback(facts.replaceable_model()) {
                 Some(model) => {
                     fallback_facts = facts.for_model(model);
                     match decide(&fallback_facts) {
@@ -434,7 +434,7 @@ impl Gateway {
         let fallback_facts;
         let decision = self.decide_shared(&bundle, facts, unix_us).await;
         let (decision, facts, model) =
-            match decision.spend_fallback(facts.llm_model().as_deref()) {
+            match decision.spend_fallback(facts.replaceable_model()) {
                 Some(model) => {
                     fallback_facts = facts.for_model(model);
                     match self.decide_shared(&bundle, &fallback_facts, unix_us).await {

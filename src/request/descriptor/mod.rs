@@ -41,6 +41,9 @@ pub struct RequestFacts<'a> {
     pub model_override: Option<&'a str>,
     /// The upstream group the request's route sends it to (`llm:provider`), when known.
     pub llm_provider: Option<&'a str>,
+    /// The front end can rewrite the body's `model` (the proxy, holding the body it read): an
+    /// `llm_spend` rule's fallback model is tried only then.
+    pub model_rewritable: bool,
     /// The request (or the decision-service call describing it) came from a `--trusted-proxy`
     /// peer: its network headers (`X-Country-Code`...) may be believed.
     pub trusted_peer: bool,
@@ -165,6 +168,7 @@ impl<'a> RequestFacts<'a> {
             llm: None,
             model_override: None,
             llm_provider: None,
+            model_rewritable: false,
             trusted_peer: false,
             network: None,
             trace: None,
@@ -225,10 +229,19 @@ impl<'a> RequestFacts<'a> {
         self
     }
 
-    /// The same facts, decided as if the request named `model` (an `llm_spend` fallback).
-    pub fn with_model_override(mut self, model: Option<&'a str>) -> Self {
-        self.model_override = model;
+    /// The same facts, from a front end that can rewrite the body's `model` (or not).
+    pub fn with_model_rewritable(mut self, rewritable: bool) -> Self {
+        self.model_rewritable = rewritable;
         self
+    }
+
+    /// The model an `llm_spend` fallback may replace: the body's `model`, when the front end
+    /// can rewrite it (a model named in the path, or a body another gateway holds, cannot be).
+    pub fn replaceable_model(&self) -> Option<&'a str> {
+        if !self.model_rewritable {
+            return None;
+        }
+        self.llm.and_then(|l| l.model.as_deref())
     }
 
     /// The model the request names (`llm:model`): a fallback it is rewritten to, else its
@@ -278,6 +291,7 @@ impl<'a> RequestFacts<'a> {
             llm: self.llm,
             model_override: self.model_override,
             llm_provider: self.llm_provider,
+            model_rewritable: self.model_rewritable,
             trusted_peer: self.trusted_peer,
             network: Some(network),
             trace: self.trace,
@@ -300,6 +314,7 @@ impl<'a> RequestFacts<'a> {
             llm: self.llm,
             model_override: Some(model),
             llm_provider: self.llm_provider,
+            model_rewritable: self.model_rewritable,
             trusted_peer: self.trusted_peer,
             network: self.network,
             trace: self.trace,

@@ -36,6 +36,23 @@ impl Usage {
         let usage = json.get("usage").filter(|u| u.is_object())?;
         UsageFields::of(usage).usage()
     }
+
+    /// The tokens to price: [`Usage::billed`], with tokens named only in the total (a report
+    /// of `total_tokens` alone) charged as completion tokens.
+    pub fn priced(&self) -> BilledTokens {
+        let b = self.billed;
+        let named = b
+            .input
+            .saturating_add(b.cached)
+            .saturating_add(b.cache_write)
+            .saturating_add(b.output);
+        BilledTokens {
+            output: b
+                .output
+                .saturating_add(self.total_tokens.saturating_sub(named)),
+            ..b
+        }
+    }
 }
 /// What a `token_bucket_llm` rule's `streaming` block does with a streamed completion that runs
 /// past `max_completion_tokens` (Fairvisor's field names): the gateway stops the stream once the
