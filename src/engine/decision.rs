@@ -882,7 +882,10 @@ impl<'b> Decision<'b> {
         let Decision::Refuse(refusal) = self else {
             return None;
         };
-        if refusal.reason != Reason::SpendExceeded {
+        if !matches!(
+            refusal.reason,
+            Reason::SpendExceeded | Reason::CostExceedsLimit
+        ) {
             return None;
         }
         let fallback = self

@@ -346,6 +346,43 @@ mod tests {
         assert_eq!(Period::Month.bounds(1_798_761_600).0, 1_798_761_600);
     }
 
+    /// Issue 54: calendar windows in an IANA zone, daylight-saving days included.
+    #[test]
+    fn zoned_windows_follow_the_local_calendar() {
+        let ny = Zone::named("America/New_York").unwrap();
+        // 2026-03-08 starts daylight saving time in New York: 23 hours.
+        let (s, e) = ny.bounds(Period::Day, 1_772_946_000 + 3_600);
+        assert_eq!((s, e), (1_772_946_000, 1_773_028_800));
+        assert_eq!(e - s, 23 * 3_600);
+        // 2026-11-01 ends it: 25 hours.
+        let (s, e) = ny.bounds(Period::Day, 1_793_505_600 + 20 * 3_600);
+        assert_eq!((s, e), (1_793_505_600, 1_793_595_600));
+        assert_eq!(e - s, 25 * 3_600);
+        // 2027-01-15T08:00:00Z is 03:00 in New York: its day began at 05:00 UTC.
+        let t = 1_800_000_000;
+        assert_eq!(ny.bounds(Period::Day, t), (1_799_989_200, 1_800_075_600));
+        // Its ISO week began on Monday the 11th, its month on the 1st, both at local midnight.
+        assert_eq!(ny.bounds(Period::IsoWeek, t), (1_799_643_600, 1_800_248_400));
+        assert_eq!(ny.bounds(Period::Month, t), (1_798_779_600, 1_801_458_000));
+        // The last second of January is still January in New York (February in UTC).
+        assert_eq!(ny.bounds(Period::Month, 1_801_458_000 - 1).1, 1_801_458_000);
+        assert_eq!(ny.bounds(Period::Month, 1_801_458_000).0, 1_801_458_000);
+        // Hours follow the offset: Kolkata (+05:30) is at 13:30, its hour began at 13:00.
+        let kolkata = Zone::named("Asia/Kolkata").unwrap();
+        assert_eq!(
+            kolkata.bounds(Period::Hour, t),
+            (1_799_998_200, 1_800_001_800)
+        );
+        // The store's window: its id the start, counting down to the local midnight.
+        let w = ny.window(Period::Day, t * US_PER_SEC);
+        assert_eq!((w.id, w.ends_in_us), (1_799_989_200, 75_600 * US_PER_SEC));
+        assert_eq!(Zone::named("UTC"), Some(Zone::Utc));
+        assert_eq!(Zone::named("Mars/Olympus"), None);
+        assert_eq!(Zone::Utc.bounds(Period::Day, t), Period::Day.bounds(t));
+        // UTC's ISO weeks start on Monday too.
+        assert_eq!(Period::IsoWeek.bounds(t).0, 1_799_625_600);
+    }
+
     #[test]
     fn the_store_window_counts_down_to_its_end() {
         let w = Period::Hour.window(T * US_PER_SEC + 250_000);
@@ -389,7 +426,7 @@ mod tests {
     proptest! {
         #[test]
         fn every_instant_lies_in_its_window(t in 0u64..4_102_444_800) {
-            for period in [Period::FiveMinutes, Period::Hour, Period::Day, Period::Week, Period::Month] {
+            for period in [Period::FiveMinutes, Period::Hour, Period::Day, Period::Week, Period::Month, Period::IsoWeek] {
                 let (start, end) = period.bounds(t);
                 prop_assert!(start <= t && t < end);
                 // The next window starts where this one ends.
@@ -400,6 +437,18 @@ mod tests {
                     prop_assert_eq!(day, 1);
                 }
             }
+        }
+
+        #[test]
+        fn every_instant_lies_in_its_zoned_window(t in 0u64..4_102_444_800) {
+            let zone = Zone::named("America/New_York").unwrap();
+            for period in [Period::Hour, Period::Day, Period::IsoWeek, Period::Month] {
+                let (start, end) = zone.bounds(period, t);
+                prop_assert!(start <= t && t < end);
+                prop_assert_eq!(zone.bounds(period, end).0, end);
+            }
+            let (start, end) = zone.bounds(Period::Day, t);
+            prop_assert!([23 * 3_600, 24 * 3_600, 25 * 3_600].contains(&(end - start)));
         }
 
         #[test]

@@ -339,3 +339,204 @@ pub(crate) fn plan<'b>(
     planning.ops.push(op);
     planning.checked.rules.push(outcome);
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::engine::tests::*;
+    use crate::engine::*;
+    use crate::limits::clock::Clock;
+    use crate::policy::compile::compile_bundle;
+    use serde_json::{json, Value};
+
+    /// A bundle pricing gpt-4o ($2.50 in, $1.25 cached, $10 out per million tokens), gpt-4o-mini
+    /// and `claude-*`, with one `llm_spend` rule per team.
+    fn bundle(config: Value, unknown: Value) -> Value {
+        json!({"bundle_version": 1,
+            "llm_prices": {"currency": "USD", "unknown_model": unknown, "models": {
+                "gpt-4o": {"input_per_mtok": 2.5, "cached_input_per_mtok": 1.25, "output_per_mtok": 10},
+                "gpt-4o-mini": {"input_per_mtok": 0.15, "output_per_mtok": 0.6},
+                "claude-*": {"input_per_mtok": 3, "cache_write_per_mtok": 3.75,
+                             "cached_input_per_mtok": 0.3, "output_per_mtok": 15}}},
+            "policies": [{"id": "llm", "spec": {"rules": [{"name": "team-day",
+                "limit_keys": ["header:x-team"], "on_missing": "reject", "algorithm": "llm_spend",
+                "algorithm_config": config}]}}]})
+    }
+
+    fn errors(bundle: Value) -> Vec<String> {
+        compile_bundle(&bundle, "t")
+            .unwrap_err()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    #[test]
+    fn price_tables_and_spend_rules_are_checked_at_their_paths() {
+        let b = compile_bundle(
+            &bundle(
+                json!({"budget": 25.00, "period": "1d", "timezone": "America/New_York",
+                       "on_exhausted": {"fallback_model": "gpt-4o-mini"}}),
+                json!("refuse"),
+            ),
+            "t",
+        )
+        .unwrap();
+        let rule = &b.rules[0];
+        assert_eq!(rule.quota.burst(), 25_000_000);
+        assert_eq!(rule.key_prefix, "sp:team-day:");
+        assert_eq!(rule.policy_item, "\"team-day\";q=25;w=86400");
+        let spend = rule.spend().unwrap();
+        assert_eq!(spend.budget.zone.name(), "America/New_York");
+        assert_eq!(spend.fallback_model.as_deref(), Some("gpt-4o-mini"));
+        let prices = b.llm_prices.as_deref().unwrap();
+        let names: Vec<&str> = prices.models.iter().map(|e| e.pattern.as_str()).collect();
+        assert_eq!(names, ["gpt-4o-mini", "gpt-4o", "claude-*"]);
+        assert_eq!(prices.unknown, None);
+        assert!(b.policies[0].meters_tokens && b.policies[0].enforces_tokens);
+        assert_eq!(
+            errors(bundle(
+                json!({"budget": -1, "period": "2d", "timezone": "Mars/Olympus",
+                       "on_exhausted": {"fallback_model": "llama"}}),
+                json!({"input_per_mtok": 0.0000001, "output_per_mtok": "x"})
+            )),
+            [
+                "llm_prices.unknown_model.input_per_mtok: has more than 6 decimals (amounts are held in millionths)",
+                "llm_prices.unknown_model.output_per_mtok: must be a number (or a string holding one)",
+                "policies[0].spec.rules[0].algorithm_config.budget: must not be negative",
+                "policies[0].spec.rules[0].algorithm_config.period: must be \"1h\", \"1d\", \"1w\" or \"1M\"",
+                "policies[0].spec.rules[0].algorithm_config.timezone: must be an IANA time zone name (\"America/New_York\", \"Europe/Paris\", \"UTC\")",
+            ]
+        );
+        let mut no_table = bundle(json!({"budget": 1}), json!("refuse"));
+        no_table.as_object_mut().unwrap().remove("llm_prices");
+        assert_eq!(
+            errors(no_table),
+            ["policies[0].spec.rules[0].algorithm_config: an llm_spend rule prices requests with the bundle's llm_prices, which this bundle does not have"]
+        );
+        assert_eq!(
+            errors(bundle(
+                json!({"budget": 1, "on_exhausted": {"fallback_model": "llama"}}),
+                json!("refuse")
+            )),
+            ["policies[0].spec.rules[0].algorithm_config.on_exhausted.fallback_model: 'llama' has no entry in llm_prices.models"]
+        );
+        let mut negative = bundle(json!({"budget": 1}), json!("refuse"));
+        negative["llm_prices"]["models"]["gpt-4o"]["output_per_mtok"] = json!(-10);
+        assert_eq!(
+            errors(negative),
+            ["llm_prices.models.gpt-4o.output_per_mtok: must not be negative"]
+        );
+        // Overlapping patterns are warnings naming the winner.
+        let mut overlapping = bundle(json!({"budget": 1}), json!("refuse"));
+        overlapping["llm_prices"]["models"]["claude-3*"] =
+            json!({"input_per_mtok": 1, "output_per_mtok": 1});
+        let b = compile_bundle(&overlapping, "t").unwrap();
+        let warned: Vec<String> = b.warnings.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            warned,
+            ["llm_prices.models.claude-*: overlaps \"claude-3*\": a model both match is priced by \"claude-3*\" (exact names first, then the pattern with more literal characters)"]
+        );
+    }
+
+    fn body(model: &str, max_tokens: u64) -> String {
+        format!(
+            r#"{{"model": "{model}", "max_tokens": {max_tokens}, "messages": [{{"role": "user", "content": "one two three"}}]}}"#
+        )
+    }
+
+    #[test]
+    fn spend_is_reserved_at_the_model_price_and_settled_on_usage() {
+        // $0.005 a New York day: 5 000 millionths. The clock is 2027-01-15T08:00:00Z, 03:00
+        // in New York, 21 hours before its midnight.
+        let (e, clock) = engine(bundle(
+            json!({"budget": 0.005, "period": "1d", "timezone": "America/New_York",
+                   "on_exhausted": {"fallback_model": "gpt-4o-mini"}}),
+            json!("refuse"),
+        ));
+        let team = [("X-Team", "blue")];
+        // "one two three": 4 prompt tokens at $2.50 and 100 completion tokens at $10 per
+        // million: 10 + 1 000 millionths reserved.
+        let d = ask_llm(&e, &body("gpt-4o", 100), &team);
+        let reservation = d.reservation().unwrap();
+        assert_eq!(reservation.spend.len(), 1);
+        assert_eq!(reservation.spend[0].cost, 1_010);
+        assert_eq!(reservation.spend[0].model, "gpt-4o");
+        assert_eq!(d.rules()[0].tokens, 5_000 - 1_010);
+        // It used 800 cached and 200 fresh prompt tokens and 50 of completion: 500 + 1 000
+        // + 500 = 2 000 millionths, 990 more than reserved.
+        let spent = Spent::Tokens(crate::request::llm::BilledTokens {
+            input: 200,
+            cached: 800,
+            cache_write: 0,
+            output: 50,
+        });
+        let settled = reservation.spend_settled(spent);
+        assert_eq!((settled[0].reserved, settled[0].charged), (1_010, 2_000));
+        e.store
+            .adjust(clock.now_us(), &reservation.spend_adjustments(spent));
+        // 3 000 left: two reservations of 1 010 fit, the third does not.
+        for _ in 0..2 {
+            assert!(ask_llm(&e, &body("gpt-4o", 100), &team).is_allowed());
+        }
+        let d = ask_llm(&e, &body("gpt-4o", 100), &team);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::SpendExceeded));
+        assert_eq!(d.status(), 429);
+        assert_eq!(Reason::SpendExceeded.as_str(), "budget_exceeded");
+        assert!(Reason::SpendExceeded.body().contains("\"code\":\"budget_exceeded\""));
+        // Until midnight in New York.
+        assert_eq!(d.retry_after(), 21 * 3_600);
+        // The front end may send it to the fallback model instead, which costs 1 millionth
+        // for the prompt and 60 for the completion.
+        assert_eq!(d.spend_fallback(Some("gpt-4o")), Some("gpt-4o-mini"));
+        assert_eq!(d.spend_fallback(Some("gpt-4o-mini")), None);
+        assert_eq!(d.spend_fallback(None), None);
+        let mini = ask_llm(&e, &body("gpt-4o-mini", 100), &team);
+        assert_eq!(mini.reservation().unwrap().spend[0].cost, 61);
+        // A model the table does not price is refused before the store.
+        let d = ask_llm(&e, &body("llama-3", 100), &team);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::UnknownModel));
+        assert!(Reason::UnknownModel.body().contains("\"code\":\"unknown_model\""));
+        // Another team has its own budget; a call dearer than the whole budget never fits
+        // (its fallback may).
+        let red = [("X-Team", "red")];
+        assert!(ask_llm(&e, &body("gpt-4o", 100), &red).is_allowed());
+        let d = ask_llm(&e, &body("gpt-4o", 1_000), &red);
+        assert_eq!(d.outcome(), Outcome::Reject(Reason::CostExceedsLimit));
+        assert_eq!(d.spend_fallback(Some("gpt-4o")), Some("gpt-4o-mini"));
+        // New York's midnight renews the budget.
+        clock.set_secs(21.0 * 3_600.0);
+        assert!(ask_llm(&e, &body("gpt-4o", 100), &team).is_allowed());
+    }
+
+    #[test]
+    fn unknown_models_may_have_a_price_and_models_match_patterns() {
+        let mut b = bundle(
+            json!({"budget": 1}),
+            json!({"input_per_mtok": 100, "output_per_mtok": 100}),
+        );
+        b["policies"][0]["spec"]["rules"][0]["match"] = json!({"llm:model": "claude-*"});
+        b["policies"][0]["spec"]["rules"][0]["limit_keys"] = json!(["header:x-team", "llm:model"]);
+        let (e, _) = engine(b);
+        let team = [("X-Team", "blue")];
+        // Only Claude models are under the rule; keyed per model.
+        let d = ask_llm(&e, &body("claude-3-5-sonnet", 10), &team);
+        let reservation = d.reservation().unwrap();
+        // 4 prompt tokens at the cache-write price (3.75) and 10 at 15: 15 + 150.
+        assert_eq!(reservation.spend[0].cost, 165);
+        assert_eq!(reservation.spend[0].model, "claude-*");
+        assert_eq!(d.rules()[0].tokens, 1_000_000 - 165);
+        // Keyed per model: another Claude model has the whole budget.
+        let d = ask_llm(&e, &body("claude-3-haiku", 10), &team);
+        assert_eq!(d.rules()[0].tokens, 1_000_000 - 165);
+        assert!(ask_llm(&e, &body("gpt-4o", 10), &team).reservation().is_none());
+        let mut other = bundle(
+            json!({"budget": 1}),
+            json!({"input_per_mtok": 100, "output_per_mtok": 100}),
+        );
+        other["policies"][0]["spec"]["rules"][0]["limit_keys"] = json!(["llm:model"]);
+        let (e, _) = engine(other);
+        let d = ask_llm(&e, &body("llama-3", 10), &team);
+        assert_eq!(d.reservation().unwrap().spend[0].model, "other");
+        assert_eq!(d.reservation().unwrap().spend[0].cost, 1_400);
+    }
+}

@@ -615,6 +615,7 @@ mod tests {
                     }) => "llm_minute",
                     RuleKind::Llm(_) => "llm_day",
                     RuleKind::Guard(_) => "guard",
+                    RuleKind::Spend(_) => "llm_spend",
                 };
                 (r.name.as_str(), kind, Kind::of(r).as_str())
             })

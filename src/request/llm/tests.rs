@@ -17,6 +17,7 @@ fn prompts_are_estimated_from_every_openai_shape() {
     assert_eq!(
         LlmRequest::parse(chat),
         LlmRequest {
+            model: Some("m".to_string()),
             prompt_tokens: 7 + IMAGE_TOKENS,
             max_completion: Some(800),
             exact_prompt_tokens: [None; 2],
@@ -26,6 +27,7 @@ fn prompts_are_estimated_from_every_openai_shape() {
     assert_eq!(
         LlmRequest::parse(completion),
         LlmRequest {
+            model: None,
             prompt_tokens: 4,
             max_completion: Some(5),
             exact_prompt_tokens: [None; 2],
@@ -582,6 +584,7 @@ fn request_edge_cases_read_like_documents() {
     assert_eq!(
         LlmRequest::parse(bodies[2]),
         LlmRequest {
+            model: None,
             prompt_tokens: 4,
             max_completion: Some(7),
             exact_prompt_tokens: [None; 2],
