@@ -148,16 +148,28 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         .as_deref()
         .filter(|_| replay.bundle.meters_tokens)
         .map(|body| crate::request::llm::LlmRequest::parse_with(body, replay.bundle.tiktoken));
+    // What `llm_spend` rules charge: the usage object's tokens by price, or a bare count of
+    // tokens at the output price.
+    let mut spent = None;
     let used = match &request.usage {
         None => None,
         Some(Value::Number(n)) => match n.as_u64() {
-            Some(tokens) => Some(tokens),
+            Some(tokens) => {
+                spent = Some(crate::engine::Spent::Tokens(crate::request::llm::BilledTokens {
+                    output: tokens,
+                    ..Default::default()
+                }));
+                Some(tokens)
+            }
             None => {
                 return json!({"t": request.t, "error": "usage must be a whole number of tokens or a usage object"})
             }
         },
         Some(object) => match crate::request::llm::reported_usage(object) {
-            Some(usage) => Some(usage.total_tokens),
+            Some(usage) => {
+                spent = Some(crate::engine::Spent::Tokens(usage.priced()));
+                Some(usage.total_tokens)
+            }
             None => {
                 return json!({"t": request.t, "error": "usage names no tokens: total_tokens, or prompt_tokens and completion_tokens"})
             }
@@ -242,6 +254,20 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
                 .store
                 .adjust(replay.clock.now_us(), &reservation.adjustments(used));
             result["settled"] = json!(reservation.settled(used));
+        }
+        if !reservation.spend.is_empty() {
+            let reserved: Vec<Value> = reservation
+                .spend
+                .iter()
+                .map(|op| json!({"rule": op.rule, "model": op.model, "reserved": op.cost}))
+                .collect();
+            result["spend"] = Value::Array(reserved);
+            if let Some(spent) = spent {
+                replay
+                    .store
+                    .adjust(replay.clock.now_us(), &reservation.spend_adjustments(spent));
+                result["spend_settled"] = json!(reservation.spend_settled(spent).as_slice());
+            }
         }
     }
     result

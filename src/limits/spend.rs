@@ -384,7 +384,7 @@ mod tests {
         let rule = &b.rules[0];
         assert_eq!(rule.quota.burst(), 25_000_000);
         assert_eq!(rule.key_prefix, "sp:team-day:");
-        assert_eq!(rule.policy_item, "\"team-day\";q=25;w=86400");
+        assert_eq!(rule.policy_item, "\"team-day\";q=25000000;w=86400");
         let spend = rule.spend().unwrap();
         assert_eq!(spend.budget.zone.name(), "America/New_York");
         assert_eq!(spend.fallback_model.as_deref(), Some("gpt-4o-mini"));

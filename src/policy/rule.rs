@@ -458,6 +458,17 @@ impl Rule {
         }
     }
 
+    /// What one unit of this rule's `RateLimit` items (`q`, `r`) is worth in the quota's
+    /// micro-units: a token (a million), or for an `llm_spend` rule a millionth of the
+    /// currency (1: money is shown exactly).
+    #[inline]
+    pub fn header_unit(&self) -> u64 {
+        match self.kind {
+            RuleKind::Spend(_) => 1,
+            _ => crate::limits::limiter::MICRO,
+        }
+    }
+
     /// An `llm_spend` rule's part.
     #[inline]
     pub fn spend(&self) -> Option<&SpendLimit> {

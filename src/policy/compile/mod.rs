@@ -79,6 +79,14 @@ pub(crate) fn definition_hash(seed: u64, v: &Value) -> u64 {
     twox_hash::XxHash3_64::oneshot_with_seed(seed, &text)
 }
 
+/// An `llm_spend` rule's `RateLimit-Policy` item up to its window: `q` in millionths of the
+/// currency, exactly.
+fn spend_quota_item(name: &str, quota: &crate::limits::limiter::Quota) -> String {
+    let mut item = String::new();
+    crate::policy::rule::push_sf_string(&mut item, name);
+    format!("{item};q={}", quota.burst())
+}
+
 /// What an unnamed `fallback_limit` is called.
 const FALLBACK_NAME: &str = "fallback_limit";
 
@@ -720,6 +728,8 @@ impl Compiler {
                 .push((self.rules.len(), keys_path.clone()));
         }
         let index = self.rules.len();
+        let spend_item = matches!(parts.kind, RuleKind::Spend(_))
+            .then(|| format!("{};w={window_secs}", spend_quota_item(&name, &shape.quota)));
         self.rules.push(Rule {
             index,
             limit_keys,
@@ -735,6 +745,9 @@ impl Compiler {
             definition: definition_hash(self.current_policy_definition, v),
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
+        if let (Some(item), Some(rule)) = (spend_item, self.rules.last_mut()) {
+            rule.policy_item = item;
+        }
         if self
             .rules
             .last()
