@@ -489,6 +489,11 @@ fn walkthrough_llm_gateway() {
 }
 
 #[test]
+fn walkthrough_llm_budgets() {
+    walk("getting-started/llm-budgets.md");
+}
+
+#[test]
 fn walkthrough_operator() {
     walk("operations/operator.md");
 }
