@@ -199,7 +199,12 @@ fn assert_exact_under_50_at_once(gateways: &[&Gateway]) {
         .map(|i| {
             let addr = addrs[i % addrs.len()];
             std::thread::spawn(move || {
-                let r = post(addr, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 100, false));
+                let r = post(
+                    addr,
+                    "/v1/chat/completions",
+                    "blue",
+                    &chat_body("gpt-4o", 100, false),
+                );
                 (r.status, r.header("x-tollgate-reason").map(str::to_string))
             })
         })
@@ -226,7 +231,12 @@ fn assert_exact_under_50_at_once(gateways: &[&Gateway]) {
     assert_eq!(total, 20.0 * 1_010.0);
     // Spent to the millionth: even the cheapest call no longer fits anywhere.
     for gw in gateways {
-        let r = post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o-mini", 1, false));
+        let r = post(
+            gw.proxy,
+            "/v1/chat/completions",
+            "blue",
+            &chat_body("gpt-4o-mini", 1, false),
+        );
         assert_eq!(r.status, 429, "{r:?}");
     }
 }
@@ -234,11 +244,20 @@ fn assert_exact_under_50_at_once(gateways: &[&Gateway]) {
 #[test]
 fn a_budget_is_never_overspent_by_50_concurrent_requests() {
     let model = FakeModel::start(AS_RESERVED);
-    let gw = Gateway::start(Some(&policy("0.0202", "")), Some(model.addr), &["--threads", "4"]);
+    let gw = Gateway::start(
+        Some(&policy("0.0202", "")),
+        Some(model.addr),
+        &["--threads", "4"],
+    );
     assert_exact_under_50_at_once(&[&gw]);
     assert_eq!(model.models().len(), 20);
     // The refusal: OpenAI's error shape, its code, and a wait until New York's midnight.
-    let r = post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 100, false));
+    let r = post(
+        gw.proxy,
+        "/v1/chat/completions",
+        "blue",
+        &chat_body("gpt-4o", 100, false),
+    );
     assert_eq!(r.status, 429);
     assert_eq!(r.header("content-type"), Some("application/json"));
     let error: serde_json::Value = serde_json::from_str(&r.body).unwrap();
@@ -247,7 +266,12 @@ fn a_budget_is_never_overspent_by_50_concurrent_requests() {
     let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
     assert!((1..=25 * 3_600).contains(&retry), "{retry}");
     // A model the table does not price is refused before the upstream.
-    let r = post(gw.proxy, "/v1/chat/completions", "red", &chat_body("llama-3", 100, false));
+    let r = post(
+        gw.proxy,
+        "/v1/chat/completions",
+        "red",
+        &chat_body("llama-3", 100, false),
+    );
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-tollgate-reason"), Some("unknown_model"));
     assert_eq!(model.models().len(), 20);
@@ -281,17 +305,32 @@ fn cached_tokens_are_charged_at_their_own_prices_in_both_api_shapes() {
     let model = FakeModel::start(used);
     let gw = Gateway::start(Some(&policy("25.00", "")), Some(model.addr), &[]);
     // OpenAI (no cache writes there): 200 × 2.5 + 800 × 1.25 + 50 × 10 = 2 000 millionths.
-    let r = post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 500, false));
+    let r = post(
+        gw.proxy,
+        "/v1/chat/completions",
+        "blue",
+        &chat_body("gpt-4o", 500, false),
+    );
     assert_eq!(r.status, 200, "{r:?}");
     wait_settled(&gw, 1);
     assert_eq!(spent(&gw, "gpt-4o"), 2_000.0);
     // Anthropic: 200 × 3 + 800 × 0.3 + 70 × 3.75 + 50 × 15 = 600 + 240 + 262.5 + 750, rounded
     // up to 1 853; as JSON, then streamed.
-    let r = post(gw.proxy, "/v1/messages", "blue", &chat_body("claude-3-5-sonnet", 500, false));
+    let r = post(
+        gw.proxy,
+        "/v1/messages",
+        "blue",
+        &chat_body("claude-3-5-sonnet", 500, false),
+    );
     assert_eq!(r.status, 200, "{r:?}");
     wait_settled(&gw, 2);
     assert_eq!(spent(&gw, "claude-*"), 1_853.0);
-    let r = post(gw.proxy, "/v1/messages", "blue", &chat_body("claude-3-5-sonnet", 500, true));
+    let r = post(
+        gw.proxy,
+        "/v1/messages",
+        "blue",
+        &chat_body("claude-3-5-sonnet", 500, true),
+    );
     assert_eq!(r.status, 200, "{r:?}");
     assert!(r.body.contains("message_delta"), "{}", r.body);
     wait_settled(&gw, 3);
@@ -304,12 +343,22 @@ fn a_spent_budget_sends_the_request_to_its_fallback_model() {
     let fallback = r#", "on_exhausted": {"fallback_model": "gpt-4o-mini"}"#;
     // 1 500 millionths: one gpt-4o call (1 010), then gpt-4o-mini's at 61 each.
     let gw = Gateway::start(Some(&policy("0.0015", fallback)), Some(model.addr), &[]);
-    let r = post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 100, false));
+    let r = post(
+        gw.proxy,
+        "/v1/chat/completions",
+        "blue",
+        &chat_body("gpt-4o", 100, false),
+    );
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-tollgate-model"), None);
     wait_settled(&gw, 1);
     // 490 left: gpt-4o no longer fits, gpt-4o-mini (0.6 + 60, rounded up) does.
-    let r = post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 100, false));
+    let r = post(
+        gw.proxy,
+        "/v1/chat/completions",
+        "blue",
+        &chat_body("gpt-4o", 100, false),
+    );
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(r.header("x-tollgate-model"), Some("gpt-4o-mini"));
     assert!(r.body.contains("\"model\":\"gpt-4o-mini\""), "{}", r.body);
@@ -319,11 +368,25 @@ fn a_spent_budget_sends_the_request_to_its_fallback_model() {
     assert_eq!(spent(&gw, "gpt-4o-mini"), 61.0);
     // 429 left: seven more fallbacks fit (427), then nothing does.
     for n in 0..7 {
-        let r = post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 100, false));
-        assert_eq!(r.header("x-tollgate-model"), Some("gpt-4o-mini"), "call {n}");
+        let r = post(
+            gw.proxy,
+            "/v1/chat/completions",
+            "blue",
+            &chat_body("gpt-4o", 100, false),
+        );
+        assert_eq!(
+            r.header("x-tollgate-model"),
+            Some("gpt-4o-mini"),
+            "call {n}"
+        );
         wait_settled(&gw, 3 + n);
     }
-    let r = post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 100, false));
+    let r = post(
+        gw.proxy,
+        "/v1/chat/completions",
+        "blue",
+        &chat_body("gpt-4o", 100, false),
+    );
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-tollgate-reason"), Some("budget_exceeded"));
     assert_eq!(spent(&gw, "gpt-4o-mini"), 8.0 * 61.0);
@@ -365,7 +428,14 @@ fn a_day_budget_renews_at_midnight_in_its_time_zone() {
         &[],
         &env,
     );
-    let call = || post(gw.proxy, "/v1/chat/completions", "blue", &chat_body("gpt-4o", 100, false));
+    let call = || {
+        post(
+            gw.proxy,
+            "/v1/chat/completions",
+            "blue",
+            &chat_body("gpt-4o", 100, false),
+        )
+    };
     assert_eq!(call().status, 200);
     wait_settled(&gw, 1);
     let r = call();

@@ -276,7 +276,10 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
             shown().min_by(|a, b| remaining(a).cmp(&remaining(b)).then(b.reset.cmp(&a.reset)))
         };
         if let Some(rule) = legacy {
-            values.number(&RATELIMIT_LIMIT, rule.quota.burst() / rule.rule.header_unit());
+            values.number(
+                &RATELIMIT_LIMIT,
+                rule.quota.burst() / rule.rule.header_unit(),
+            );
             if rule.cost_exceeds {
                 values.number(&RATELIMIT_REMAINING, remaining(rule));
                 values.number(&RATELIMIT_RESET, rule.reset);

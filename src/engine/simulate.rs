@@ -155,10 +155,12 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         None => None,
         Some(Value::Number(n)) => match n.as_u64() {
             Some(tokens) => {
-                spent = Some(crate::engine::Spent::Tokens(crate::request::llm::BilledTokens {
-                    output: tokens,
-                    ..Default::default()
-                }));
+                spent = Some(crate::engine::Spent::Tokens(
+                    crate::request::llm::BilledTokens {
+                        output: tokens,
+                        ..Default::default()
+                    },
+                ));
                 Some(tokens)
             }
             None => {

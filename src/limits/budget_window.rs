@@ -173,9 +173,8 @@ impl Zone {
     pub fn bounds(&self, period: Period, unix_secs: u64) -> (u64, u64) {
         match self {
             Zone::Utc => period.bounds(unix_secs),
-            Zone::Named(zone) => {
-                zoned_bounds(&zone.tz, period, unix_secs).unwrap_or_else(|| period.bounds(unix_secs))
-            }
+            Zone::Named(zone) => zoned_bounds(&zone.tz, period, unix_secs)
+                .unwrap_or_else(|| period.bounds(unix_secs)),
         }
     }
 
@@ -362,7 +361,10 @@ mod tests {
         let t = 1_800_000_000;
         assert_eq!(ny.bounds(Period::Day, t), (1_799_989_200, 1_800_075_600));
         // Its ISO week began on Monday the 11th, its month on the 1st, both at local midnight.
-        assert_eq!(ny.bounds(Period::IsoWeek, t), (1_799_643_600, 1_800_248_400));
+        assert_eq!(
+            ny.bounds(Period::IsoWeek, t),
+            (1_799_643_600, 1_800_248_400)
+        );
         assert_eq!(ny.bounds(Period::Month, t), (1_798_779_600, 1_801_458_000));
         // The last second of January is still January in New York (February in UTC).
         assert_eq!(ny.bounds(Period::Month, 1_801_458_000 - 1).1, 1_801_458_000);

@@ -194,7 +194,10 @@ impl PriceTable {
                 .position(|e| glob_match(&e.pattern, model))
         });
         match found {
-            Some(i) => Some((PriceLabel::try_from(i).unwrap_or(Self::OTHER), self.models[i].price)),
+            Some(i) => Some((
+                PriceLabel::try_from(i).unwrap_or(Self::OTHER),
+                self.models[i].price,
+            )),
             None => self.unknown.map(|p| (Self::OTHER, p)),
         }
     }
@@ -376,7 +379,9 @@ mod tests {
             ..table.clone()
         };
         assert_eq!(
-            with_other.lookup(Some("llama")).map(|(l, _)| with_other.label(l)),
+            with_other
+                .lookup(Some("llama"))
+                .map(|(l, _)| with_other.label(l)),
             Some("other")
         );
     }

@@ -482,7 +482,9 @@ mod tests {
         assert_eq!(d.outcome(), Outcome::Reject(Reason::SpendExceeded));
         assert_eq!(d.status(), 429);
         assert_eq!(Reason::SpendExceeded.as_str(), "budget_exceeded");
-        assert!(Reason::SpendExceeded.body().contains("\"code\":\"budget_exceeded\""));
+        assert!(Reason::SpendExceeded
+            .body()
+            .contains("\"code\":\"budget_exceeded\""));
         // Until midnight in New York.
         assert_eq!(d.retry_after(), 21 * 3_600);
         // The front end may send it to the fallback model instead, which costs 1 millionth
@@ -495,7 +497,9 @@ mod tests {
         // A model the table does not price is refused before the store.
         let d = ask_llm(&e, &body("llama-3", 100), &team);
         assert_eq!(d.outcome(), Outcome::Reject(Reason::UnknownModel));
-        assert!(Reason::UnknownModel.body().contains("\"code\":\"unknown_model\""));
+        assert!(Reason::UnknownModel
+            .body()
+            .contains("\"code\":\"unknown_model\""));
         // Another team has its own budget; a call dearer than the whole budget never fits
         // (its fallback may).
         let red = [("X-Team", "red")];
@@ -528,7 +532,9 @@ mod tests {
         // Keyed per model: another Claude model has the whole budget.
         let d = ask_llm(&e, &body("claude-3-haiku", 10), &team);
         assert_eq!(d.rules()[0].tokens, 1_000_000 - 165);
-        assert!(ask_llm(&e, &body("gpt-4o", 10), &team).reservation().is_none());
+        assert!(ask_llm(&e, &body("gpt-4o", 10), &team)
+            .reservation()
+            .is_none());
         let mut other = bundle(
             json!({"budget": 1}),
             json!({"input_per_mtok": 100, "output_per_mtok": 100}),

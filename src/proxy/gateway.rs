@@ -1355,7 +1355,12 @@ impl ProxyHttp for Proxy {
             let spent = metering.spent();
             self.gateway
                 .tokens
-                .settle(&metering.reservation, (used, spent), reported_prompt, source)
+                .settle(
+                    &metering.reservation,
+                    (used, spent),
+                    reported_prompt,
+                    source,
+                )
                 .await;
         }
         let trace = ctx.trace.take();

@@ -394,17 +394,16 @@ impl Gateway {
         // A spend budget that refused may admit the request on its cheaper fallback model.
         let fallback_facts;
         let decision = decide(facts);
-        let (decision, facts, model) =
-            match decision.spend_fallback(facts.replaceable_model()) {
-                Some(model) => {
-                    fallback_facts = facts.for_model(model);
-                    match decide(&fallback_facts) {
-                        retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
-                        _ => (decision, facts, None),
-                    }
+        let (decision, facts, model) = match decision.spend_fallback(facts.replaceable_model()) {
+            Some(model) => {
+                fallback_facts = facts.for_model(model);
+                match decide(&fallback_facts) {
+                    retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
+                    _ => (decision, facts, None),
                 }
-                None => (decision, facts, None),
-            };
+            }
+            None => (decision, facts, None),
+        };
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
@@ -433,17 +432,16 @@ impl Gateway {
         };
         let fallback_facts;
         let decision = self.decide_shared(&bundle, facts, unix_us).await;
-        let (decision, facts, model) =
-            match decision.spend_fallback(facts.replaceable_model()) {
-                Some(model) => {
-                    fallback_facts = facts.for_model(model);
-                    match self.decide_shared(&bundle, &fallback_facts, unix_us).await {
-                        retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
-                        _ => (decision, facts, None),
-                    }
+        let (decision, facts, model) = match decision.spend_fallback(facts.replaceable_model()) {
+            Some(model) => {
+                fallback_facts = facts.for_model(model);
+                match self.decide_shared(&bundle, &fallback_facts, unix_us).await {
+                    retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
+                    _ => (decision, facts, None),
                 }
-                None => (decision, facts, None),
-            };
+            }
+            None => (decision, facts, None),
+        };
         let decided = Decided {
             decision,
             request: RequestView::of(facts),

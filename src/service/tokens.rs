@@ -107,10 +107,8 @@ impl Tokens {
     fn expired(&self, reservation: &Reservation) {
         self.metrics
             .llm_settled(reservation, reservation.tokens(), None, "expired");
-        self.metrics.llm_spent(
-            reservation,
-            &reservation.spend_settled(Spent::AsReserved),
-        );
+        self.metrics
+            .llm_spent(reservation, &reservation.spend_settled(Spent::AsReserved));
     }
 
     /// Keeps a decision's reservation for `POST /v1/usage` and returns its token: with

@@ -119,9 +119,17 @@ impl Compiler {
         let tiktoken = self
             .rules
             .iter()
-            .filter_map(|r| match r.llm().map(|l| l.estimator).or(r.spend().map(|s| s.estimator)) {
-                Some(crate::request::llm::Estimator::Tiktoken(encoding)) => Some(encoding.bit()),
-                _ => None,
+            .filter_map(|r| {
+                match r
+                    .llm()
+                    .map(|l| l.estimator)
+                    .or(r.spend().map(|s| s.estimator))
+                {
+                    Some(crate::request::llm::Estimator::Tiktoken(encoding)) => {
+                        Some(encoding.bit())
+                    }
+                    _ => None,
+                }
             })
             .fold(0, |set, bit| set | bit);
         let index = crate::policy::index::BundleIndex::build(
@@ -713,7 +721,8 @@ impl Compiler {
             );
         }
         let window_secs = match &parts.kind {
-            RuleKind::Budget(b) | RuleKind::Spend(crate::policy::rule::SpendLimit { budget: b, .. }) => {
+            RuleKind::Budget(b)
+            | RuleKind::Spend(crate::policy::rule::SpendLimit { budget: b, .. }) => {
                 b.period.nominal_secs()
             }
             _ => shape.quota.window_secs(),

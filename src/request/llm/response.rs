@@ -312,7 +312,11 @@ impl UsageFields {
                 .get(name)
                 .and_then(|d| d.get("cached_tokens"))
                 .and_then(Value::as_u64);
-            cached_tokens.map(|c| Object(CachedDetails { cached_tokens: Some(c) }))
+            cached_tokens.map(|c| {
+                Object(CachedDetails {
+                    cached_tokens: Some(c),
+                })
+            })
         };
         UsageFields {
             prompt_tokens: n("prompt_tokens"),
