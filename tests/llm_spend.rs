@@ -13,7 +13,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use support::servers::RedisServer;
+use support::servers::{PgServer, RedisServer};
 use support::{request_with_body, Gateway, HttpResponse};
 
 /// What the fake model reports using: fresh input, cache reads, cache writes, output.
@@ -287,6 +287,22 @@ fn a_budget_is_never_overspent_across_two_gateways_on_redis() {
         &redis.url(),
         "1000",
         Duration::from_secs(20),
+        &["--threads", "4"],
+    );
+    assert_exact_under_50_at_once(&[&fleet[0], &fleet[1]]);
+    assert_eq!(model.models().len(), 20);
+}
+
+#[test]
+fn a_budget_is_never_overspent_across_two_gateways_on_postgres() {
+    let pg = PgServer::start();
+    let model = FakeModel::start(AS_RESERVED);
+    let fleet = support::start_fleet_with(
+        &policy("0.0202", ""),
+        model.addr,
+        &pg.url(),
+        "2000",
+        Duration::from_secs(30),
         &["--threads", "4"],
     );
     assert_exact_under_50_at_once(&[&fleet[0], &fleet[1]]);

@@ -488,8 +488,9 @@ pub struct Reservation {
     pub ops: SmallVec<[ReservedOp; 2]>,
     /// Each minute rule reserved on, for metrics.
     pub rules: SmallVec<[ReservedRule; 1]>,
-    /// Every `llm_spend` budget reserved on (committed).
-    pub spend: SmallVec<[SpendOp; 1]>,
+    /// Every `llm_spend` budget reserved on (committed). A `Vec`: empty, it allocates nothing
+    /// and keeps every answer small (answers are moved on every request).
+    pub spend: Vec<SpendOp>,
     /// The prompt estimate, in tokens, when no `token_bucket_llm` rule reserved (an
     /// `llm_spend` rule alone).
     pub spend_prompt_tokens: u64,

@@ -109,15 +109,7 @@ impl Period {
     /// The store's view of the window holding `unix_us`: its id (start second, never 0) and
     /// the microseconds left in it.
     pub fn window(self, unix_us: u64) -> Window {
-        let (start, end) = self.bounds(unix_us / US_PER_SEC);
-        Window {
-            // The window starting at the epoch itself still needs a non-zero id.
-            id: start.max(1),
-            ends_in_us: end
-                .saturating_mul(US_PER_SEC)
-                .saturating_sub(unix_us)
-                .max(1),
-        }
+        window_of(self.bounds(unix_us / US_PER_SEC), unix_us)
     }
 }
 
@@ -180,14 +172,19 @@ impl Zone {
 
     /// The store's view of the window holding `unix_us` (see [`Period::window`]).
     pub fn window(&self, period: Period, unix_us: u64) -> Window {
-        let (start, end) = self.bounds(period, unix_us / US_PER_SEC);
-        Window {
-            id: start.max(1),
-            ends_in_us: end
-                .saturating_mul(US_PER_SEC)
-                .saturating_sub(unix_us)
-                .max(1),
-        }
+        window_of(self.bounds(period, unix_us / US_PER_SEC), unix_us)
+    }
+}
+
+/// The store's window for `[start, end)` (Unix seconds) seen at `unix_us`.
+fn window_of((start, end): (u64, u64), unix_us: u64) -> Window {
+    Window {
+        // The window starting at the epoch itself still needs a non-zero id.
+        id: start.max(1),
+        ends_in_us: end
+            .saturating_mul(US_PER_SEC)
+            .saturating_sub(unix_us)
+            .max(1),
     }
 }
 

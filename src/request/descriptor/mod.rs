@@ -279,28 +279,22 @@ impl<'a> RequestFacts<'a> {
         network: &'n crate::request::network::NetworkFacts,
     ) -> RequestFacts<'n> {
         RequestFacts {
-            method: self.method,
-            path: Cow::Borrowed(&self.path),
-            query: self.query,
-            host: self.host,
-            client_ip: self.client_ip,
-            headers: self.headers,
-            claims: self.claims,
-            envoy: self.envoy,
-            body_hash: self.body_hash,
-            llm: self.llm,
-            model_override: self.model_override,
-            llm_provider: self.llm_provider,
-            model_rewritable: self.model_rewritable,
-            trusted_peer: self.trusted_peer,
             network: Some(network),
-            trace: self.trace,
+            ..self.reborrowed()
         }
     }
 
     /// A copy of these facts decided as if the request named `model` (an `llm_spend` rule's
     /// fallback, which the request is then rewritten to).
     pub fn for_model<'n>(&'n self, model: &'n str) -> RequestFacts<'n> {
+        RequestFacts {
+            model_override: Some(model),
+            ..self.reborrowed()
+        }
+    }
+
+    /// The same facts, borrowing these (the path included).
+    fn reborrowed(&self) -> RequestFacts<'_> {
         RequestFacts {
             method: self.method,
             path: Cow::Borrowed(&self.path),
@@ -312,7 +306,7 @@ impl<'a> RequestFacts<'a> {
             envoy: self.envoy,
             body_hash: self.body_hash,
             llm: self.llm,
-            model_override: Some(model),
+            model_override: self.model_override,
             llm_provider: self.llm_provider,
             model_rewritable: self.model_rewritable,
             trusted_peer: self.trusted_peer,
