@@ -466,3 +466,66 @@ fn a_day_budget_renews_at_midnight_in_its_time_zone() {
     });
     assert_eq!(model.models().len(), 2);
 }
+
+/// The decision service reserves money on one gateway and `POST /v1/usage` settles it on
+/// another: the signed reservation token carries the spend budget's prices and period.
+#[test]
+fn the_decision_service_settles_money_on_any_gateway_of_the_fleet() {
+    let redis = RedisServer::start();
+    let model = FakeModel::start(AS_RESERVED);
+    let fleet = support::start_fleet_with(
+        &policy("0.0202", ""),
+        model.addr,
+        &redis.url(),
+        "1000",
+        Duration::from_secs(20),
+        &[
+            "--reservation-secret",
+            "0123456789abcdef0123456789abcdef-fleet",
+        ],
+    );
+    let decide = |gw: &Gateway| {
+        request_with_body(
+            gw.admin,
+            "POST",
+            "/v1/decision",
+            &[
+                ("X-Original-Method", "POST"),
+                ("X-Original-URI", "/v1/chat/completions"),
+                ("X-Team", "blue"),
+            ],
+            chat_body("gpt-4o", 500, false).as_bytes(),
+        )
+    };
+    // 10 + 5 000 millionths reserved of 20 200.
+    let r = decide(&fleet[0]);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        r.header("ratelimit")
+            .unwrap()
+            .contains("\"team-day\";r=15190;"),
+        "{r:?}"
+    );
+    let token = r.header("x-tollgate-reservation").unwrap().to_string();
+    assert!(token.starts_with("v1."), "{token}");
+    // The model read 800 cached and 200 fresh prompt tokens and wrote 50: 2 000 millionths.
+    let usage = r#"{"prompt_tokens": 1000, "completion_tokens": 50, "total_tokens": 1050,
+                    "prompt_tokens_details": {"cached_tokens": 800}}"#;
+    let settled = request_with_body(
+        fleet[1].admin,
+        "POST",
+        "/v1/usage",
+        &[("Content-Type", "application/json")],
+        format!(r#"{{"reservation": "{token}", "usage": {usage}}}"#).as_bytes(),
+    );
+    assert_eq!(settled.status, 200, "{settled:?}");
+    assert_eq!(spent(&fleet[1], "gpt-4o"), 2_000.0);
+    // 2 000 spent: the next reservation sees 20 200 − 2 000 − 5 010 left.
+    let r = decide(&fleet[1]);
+    assert!(
+        r.header("ratelimit")
+            .unwrap()
+            .contains("\"team-day\";r=13190;"),
+        "{r:?}"
+    );
+}
