@@ -772,8 +772,86 @@ fn facts(c: &mut Criterion) {
     });
 }
 
+/// A rule counted after the response (`count_when`, with and without a penalty box) against
+/// the same rule counted before it: one decision, then (for the counted rules) the response
+/// settled, every other response a 401 that is charged. The penalty box's window (1 ms of the
+/// manual clock, about 2 of its client's failures apart) keeps its log at one mark: the cost of
+/// reading the block and counting an event, never of a block.
+fn response(c: &mut Criterion) {
+    let rule = |extra: &str| {
+        format!(
+            r#"{{"rules": [{{"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+            "algorithm_config": {{"rps": 1000000, "burst": 1000000{extra}}}}}]}}"#
+        )
+    };
+    let headers: Vec<(String, String)> = vec![("host".into(), "api.example.com".into())];
+    let none: Vec<(String, String)> = Vec::new();
+    let ips: Vec<IpAddr> = (0..1024u32)
+        .map(|i| IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)))
+        .collect();
+    let mut group = c.benchmark_group("decision/response");
+    for (name, bundle) in [
+        ("plain", rule("")),
+        (
+            "count_when",
+            rule(r#", "count_when": {"status": [401, 403]}"#),
+        ),
+        (
+            "count_when_penalty",
+            rule(
+                r#", "count_when": {"status": [401, 403]}, "penalty": {"after": 5, "within": "1ms", "block_for": "1s"}"#,
+            ),
+        ),
+    ] {
+        let (policy, store, clock) = engine(&bundle);
+        let mut i = 0usize;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                i = i.wrapping_add(1);
+                clock.advance_us(1);
+                let facts = RequestFacts {
+                    method: "POST",
+                    path: std::borrow::Cow::Borrowed("/login"),
+                    query: None,
+                    host: Some("api.example.com"),
+                    client_ip: Some(ips[i & 1023]),
+                    headers: &headers,
+                    claims: None,
+                    envoy: None,
+                    body_hash: None,
+                    llm: None,
+                    model_override: None,
+                    llm_provider: None,
+                    model_rewritable: false,
+                    trusted_peer: false,
+                    network: None,
+                    trace: None,
+                };
+                let bundle = policy.load();
+                let now = clock.now_us();
+                let decision = decide_local(
+                    &bundle,
+                    black_box(&facts),
+                    &store,
+                    now,
+                    clock.unix_us(),
+                    EngineConfig::default(),
+                );
+                if let Some(charges) = decision.response_charges() {
+                    let status = if i & 1 == 0 { 401 } else { 200 };
+                    let settled = charges.settle(status, &none);
+                    store.adjust(now, &settled.adjust);
+                    tollgate::engine::charges::count_in_memory(&store, now, &settled.counted);
+                }
+                black_box(decision.is_allowed())
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group!(
     benches, bench, rls, jwt, llm, llm_spend, llm_stream, scale, estimators, network, candidate,
-    facts
+    facts, response
 );
 criterion_main!(benches);

@@ -109,6 +109,7 @@ fn bench(c: &mut Criterion) {
                         group: Group::Enforce,
                         window: None,
                         on_store_error: None,
+                        probe: false,
                     }],
                     &mut results,
                 );
@@ -155,6 +156,7 @@ fn bench(c: &mut Criterion) {
                 group: Group::Enforce,
                 window: None,
                 on_store_error: None,
+                probe: false,
             };
             let _ = store.apply(0, &[op], &mut results);
         }
@@ -202,6 +204,7 @@ fn flood(c: &mut Criterion) {
         group: Group::Enforce,
         window: None,
         on_store_error: None,
+        probe: false,
     };
     for i in 0..100_000 {
         let _ = store.apply(0, &[op(i)], &mut results);

@@ -29,6 +29,7 @@ fn ops(rules: usize, client: u64) -> Vec<BucketOp> {
             group: Group::Enforce,
             window: None,
             on_store_error: None,
+            probe: false,
         })
         .collect()
 }
@@ -120,6 +121,7 @@ fn flood() {
             group: Group::Enforce,
             window: None,
             on_store_error: None,
+            probe: false,
         }];
         if rules == 2 {
             ops.push(BucketOp {
@@ -132,6 +134,7 @@ fn flood() {
                     ends_in_us: month,
                 }),
                 on_store_error: None,
+                probe: false,
             });
         }
         ops

@@ -34,6 +34,7 @@ mod outage;
 mod policy_store;
 mod postgres;
 mod redis;
+mod response_rules;
 mod routes;
 mod skew;
 mod startup;

@@ -494,6 +494,11 @@ fn walkthrough_llm_budgets() {
 }
 
 #[test]
+fn walkthrough_login() {
+    walk("getting-started/login.md");
+}
+
+#[test]
 fn walkthrough_operator() {
     walk("operations/operator.md");
 }

@@ -57,11 +57,14 @@ pub enum Reason {
     /// An `llm_spend` rule found the request's model in no entry of the price table, which
     /// refuses unknown models.
     UnknownModel,
+    /// The key is in a rule's penalty box: it gathered the rule's `penalty.after` counted
+    /// events within `penalty.within`, and stays refused until `block_for` has passed.
+    Penalty,
 }
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 19] = [
         Reason::TokenBucketExceeded,
         Reason::BudgetExceeded,
         Reason::ConcurrencyExceeded,
@@ -80,6 +83,7 @@ impl Reason {
         Reason::StoreUnavailable,
         Reason::SpendExceeded,
         Reason::UnknownModel,
+        Reason::Penalty,
     ];
 
     /// The value of the reason header and of the `reason` metric label.
@@ -103,6 +107,7 @@ impl Reason {
             Reason::StoreUnavailable => "store_unavailable",
             Reason::SpendExceeded => "budget_exceeded",
             Reason::UnknownModel => "unknown_model",
+            Reason::Penalty => "penalty",
         }
     }
 
@@ -122,6 +127,7 @@ impl Reason {
             | Reason::MaxTokensPerRequestExceeded
             | Reason::SpendExceeded
             | Reason::UnknownModel => 429,
+            Reason::Penalty => 429,
             Reason::MissingDescriptor => 401,
             Reason::DuplicateHeader | Reason::EncodedSlash | Reason::MalformedRequest => 400,
             Reason::StoreUnavailable => 503,
@@ -158,6 +164,9 @@ impl Reason {
             }
             Reason::MalformedRequest => {
                 "Bad Request: the method must be an upper-case token, the target start with /, and the Host be host[:port]"
+            }
+            Reason::Penalty => {
+                "Too Many Requests: this client is blocked for a while after too many counted attempts; retry after the time in the Retry-After header"
             }
             Reason::StoreUnavailable => {
                 "Service Unavailable: the rate-limit store is not answering and this limit admits nothing without it; retry shortly"
@@ -281,6 +290,27 @@ pub struct Checked<'b> {
     /// The reservations of `token_bucket_llm` rules (empty, without allocating, for every
     /// other request): settled by the response's usage.
     pub reserved: Vec<Reserved>,
+    /// What rules reading the response (`count_when`, a response-priced cost) are owed once
+    /// it is known (empty, without allocating, for every other request).
+    pub owed: Vec<Owed>,
+}
+
+/// One bucket of a rule that reads the response ([`crate::limits::response`]): what was
+/// reserved before the upstream, and the request's cost a matching response is charged.
+#[derive(Debug, Clone, Copy)]
+pub struct Owed {
+    /// Index of its outcome in [`Checked::rules`].
+    pub outcome: usize,
+    pub key: BucketKey,
+    pub quota: Quota,
+    /// The window id, for a `cost_based` budget.
+    pub window_id: Option<u64>,
+    /// Micro-tokens spent before the upstream: 0 for `count_when` (a probe), `default_cost`
+    /// for a response-priced cost.
+    pub reserved: u64,
+    /// Micro-tokens the request costs (the probe's, or the reservation's).
+    pub cost: u64,
+    pub group: Group,
 }
 
 /// One bucket a `token_bucket_llm` rule reserved tokens on.
@@ -381,11 +411,17 @@ impl<'b> SlotOutcome<'b> {
         }
     }
 
+    /// A penalty box's block, read before the rule's bucket.
+    pub fn is_penalty(&self) -> bool {
+        matches!(self.rule.kind, RuleKind::TokenBucket | RuleKind::Budget(_))
+    }
+
     /// The reason this slot refuses (or would, in shadow).
     pub fn reason(&self) -> Reason {
         match self.rule.guard() {
             Some(Guard::Loop(_)) => Reason::LoopDetected,
             Some(Guard::Breaker(_)) => Reason::CircuitBreakerOpen,
+            None if self.is_penalty() => Reason::Penalty,
             None => Reason::ConcurrencyExceeded,
         }
     }
@@ -403,6 +439,7 @@ impl<'b> Checked<'b> {
             slots: Vec::new(),
             lease_id: 0,
             reserved: Vec::new(),
+            owed: Vec::new(),
         }
     }
 

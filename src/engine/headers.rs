@@ -309,7 +309,11 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
         values.number(&RATELIMIT_RESET, refusal.retry_after.max(1));
     }
     if refusal.retry_after > 0 {
-        let wait = if refusal.retry_by_deadline {
+        // A penalty block ends at a known instant for one key: its wait counts down to it,
+        // exactly.
+        let wait = if refusal.reason == Reason::Penalty {
+            refusal.retry_after
+        } else if refusal.retry_by_deadline {
             retry_after_before_deadline(refusal.retry_after, &decided.request)
         } else {
             retry_after_with_jitter(refusal.retry_after, &decided.request)

@@ -24,6 +24,7 @@ pub mod rls;
 pub mod simulate;
 
 pub mod candidate;
+pub mod charges;
 pub(crate) mod decision;
 pub(crate) mod planning;
 pub use decision::*;
@@ -137,9 +138,11 @@ impl<'b> Pending<'b> {
                 ));
                 continue;
             }
-            // A breaker's open state is read, never taken: open while it has a lease.
+            // A breaker's open state and a penalty block are read, never taken: in force while
+            // they have a lease.
             slot.allowed = match slot.rule.guard() {
                 Some(Guard::Breaker(_)) => r.in_flight == 0,
+                None if slot.is_penalty() => r.in_flight == 0,
                 _ => r.allowed,
             };
             slot.committed = r.committed;
@@ -167,6 +170,9 @@ impl<'b> Pending<'b> {
                     KILL_SWITCH_RETRY_SECS
                 }
                 Some(Guard::Breaker(_)) => crate::limits::limiter::ceil_secs(r.frees_in_us).max(1),
+                None if slot.is_penalty() => {
+                    crate::limits::limiter::ceil_secs(r.frees_in_us).max(1)
+                }
                 None => 1,
             };
             refused.get_or_insert((slot.rule, slot.reason(), retry_after));

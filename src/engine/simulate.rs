@@ -37,6 +37,19 @@ struct SimRequest {
     /// tokens or an OpenAI `usage` object. Settled at the request's `t`; without it the
     /// reservation stays charged as reserved.
     usage: Option<Value>,
+    /// What the upstream answered, for rules that read the response (`count_when`, a
+    /// response-priced cost): settled at the request's `t`. Without it nothing is charged
+    /// for `count_when` and a response-priced cost stays at its `default_cost`.
+    response: Option<SimResponse>,
+}
+
+/// The upstream's response to a recorded request.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SimResponse {
+    status: u16,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
 }
 
 fn default_method() -> String {
@@ -249,6 +262,25 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         "headers": header_map,
         "rules": rules,
     });
+    let now_us = replay.clock.now_us();
+    let counts = decision.penalty_counts();
+    let mut blocked = engine::charges::count_in_memory(&replay.store, now_us, &counts)
+        .contains(&engine::charges::Counted::Blocked);
+    if let (Some(charges), Some(answered)) = (decision.response_charges(), &request.response) {
+        let headers: Vec<(String, String)> = answered
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let settlement = charges.settle(answered.status, &headers);
+        replay.store.adjust(now_us, &settlement.adjust);
+        blocked |= engine::charges::count_in_memory(&replay.store, now_us, &settlement.counted)
+            .contains(&engine::charges::Counted::Blocked);
+        result["charged"] = json!(crate::limits::limiter::micro_to_tokens(settlement.charged));
+    }
+    if blocked {
+        result["penalty_block"] = json!(true);
+    }
     if let Some(reservation) = decision.reservation() {
         result["reserved"] = json!(reservation.tokens());
         if let Some(used) = used {
@@ -312,6 +344,56 @@ mod tests {
         assert_eq!(lines[4]["status"], json!(429));
         assert_eq!(lines[4]["rules"][0]["tokens"], json!(0.5));
         assert_eq!(lines[4]["headers"]["RateLimit-Remaining"], json!("0"));
+    }
+
+    /// Issue 55: a recorded request carries its response; `count_when` charges the failures,
+    /// the penalty box blocks on the second, and a response-priced cost settles to its header.
+    #[test]
+    fn recorded_responses_settle_counted_rules_and_penalty_boxes() {
+        let bundle = compile_bundle(
+            &json!({"rules": [
+                {"name": "logins", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                 "algorithm_config": {"count": 5, "period": "10m", "burst": 5,
+                   "count_when": {"status": [401]},
+                   "penalty": {"after": 2, "within": "10m", "block_for": "1m"}}},
+                {"name": "priced", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
+                 "algorithm_config": {"rps": 1, "burst": 100,
+                   "cost_source": "response_header:x-cost", "default_cost": 2, "max_cost": 50}}]}),
+            "sim",
+        )
+        .unwrap();
+        let input = [
+            r#"{"t": 0, "ip": "10.0.0.1", "response": {"status": 200, "headers": {"X-Cost": "7"}}}"#,
+            r#"{"t": 1, "ip": "10.0.0.1", "response": {"status": 401}}"#,
+            r#"{"t": 2, "ip": "10.0.0.1", "response": {"status": 401, "headers": {"x-cost": "900"}}}"#,
+            r#"{"t": 3, "ip": "10.0.0.1", "response": {"status": 200}}"#,
+            r#"{"t": 63, "ip": "10.0.0.1"}"#,
+        ]
+        .join("\n");
+        let mut out = Vec::new();
+        replay(
+            bundle,
+            EngineConfig::default(),
+            DEFAULT_START_UNIX,
+            input.as_bytes(),
+            &mut out,
+        )
+        .unwrap();
+        let lines: Vec<Value> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        // 7 for the price; 1 failure and the default price; 1 failure and 50 (clamped).
+        assert_eq!(lines[0]["charged"], json!(7.0));
+        assert_eq!(lines[1]["charged"], json!(3.0));
+        assert_eq!(lines[1].get("penalty_block"), None);
+        assert_eq!(lines[2]["charged"], json!(51.0));
+        assert_eq!(lines[2]["penalty_block"], json!(true));
+        assert_eq!(lines[3]["status"], json!(429));
+        assert_eq!(lines[3]["reason"], json!("penalty"));
+        assert_eq!(lines[3]["headers"]["Retry-After"], json!("59"));
+        assert_eq!(lines[4]["status"], json!(200));
     }
 
     #[test]

@@ -22,6 +22,8 @@ pub(crate) const COST_BASED_FIELDS: &[&str] = &[
     "min_cost",
     "max_cost",
     "staged_actions",
+    "count_when",
+    "penalty",
 ];
 
 impl Compiler {
@@ -245,7 +247,7 @@ mod tests {
             [
                 "rules[0].algorithm_config.budget: must be > 0",
                 "rules[0].algorithm_config.period: must be one of 5m, 1h, 1d, 7d, 1M (a calendar month)",
-                "rules[0].algorithm_config.cost_key: 'cookie:x' is not \"fixed\", \"header:<name>\" or \"query:<name>\"",
+                "rules[0].algorithm_config.cost_key: 'cookie:x' is not \"fixed\", \"header:<name>\", \"query:<name>\" or \"response_header:<name>\"",
                 "rules[0].algorithm_config.staged_actions[0].delay_ms: is required for a throttle stage",
                 "rules[0].algorithm_config.staged_actions[1].threshold_percent: must be a number from 0 to 100",
             ]

@@ -21,7 +21,9 @@
 //! - [`llm`]: `token_bucket_llm` token budgets;
 //! - [`spend`]: `llm_spend` budgets in money, priced by [`prices`];
 //! - [`guards`]: loop detection and circuit breakers (a policy's guards, planned before its
-//!   rules).
+//!   rules);
+//! - [`response`]: what a counting rule reads from the response (`count_when`, a
+//!   response-priced cost, the penalty box).
 
 pub mod budget_window;
 pub mod clock;
@@ -32,6 +34,7 @@ pub mod concurrency;
 pub mod guards;
 pub mod llm;
 pub mod prices;
+pub mod response;
 pub mod spend;
 pub mod token_bucket;
 
@@ -136,6 +139,8 @@ pub(crate) struct KindParts {
     pub(crate) kind: RuleKind,
     /// A `token_bucket_llm` rule's `tokens_per_day` (its own budget rule, added beside it).
     pub(crate) tokens_per_day: Option<u64>,
+    /// A counting rule's `count_when` and `penalty` ([`response`]).
+    pub(crate) after_response: Option<std::sync::Arc<crate::policy::rule::AfterResponse>>,
 }
 
 impl Default for KindParts {
@@ -145,6 +150,7 @@ impl Default for KindParts {
             cost: None,
             kind: RuleKind::TokenBucket,
             tokens_per_day: None,
+            after_response: None,
         }
     }
 }
@@ -172,6 +178,7 @@ impl Compiler {
             LimitKind::TokenBucket => KindParts {
                 shape: self.bucket_shape(config, &path, None),
                 cost: self.cost_source(config, &path),
+                after_response: self.after_response(config, &path),
                 ..KindParts::default()
             },
             LimitKind::CostBased => match self.budget(config, &path) {
@@ -179,6 +186,7 @@ impl Compiler {
                     shape: Some(shape),
                     cost: Some(cost),
                     kind: RuleKind::Budget(budget),
+                    after_response: self.after_response(config, &path),
                     ..KindParts::default()
                 },
                 None => KindParts::default(),
@@ -209,6 +217,7 @@ impl Compiler {
                     cost: Some(CostSource::Fixed(0)),
                     kind: RuleKind::Llm(limit),
                     tokens_per_day: tpd,
+                    after_response: None,
                 },
                 None => KindParts::default(),
             },

@@ -200,10 +200,15 @@ impl Compiler {
                 name: name.to_string(),
                 limits,
             })
+        } else if let Some(name) = named("response_header:") {
+            Some(CostSource::Response {
+                name: crate::request::descriptor::header_name(name),
+                limits,
+            })
         } else {
             self.error(
                 &join(path, field_name),
-                format!("'{source}' is not \"fixed\", \"header:<name>\" or \"query:<name>\""),
+                format!("'{source}' is not \"fixed\", \"header:<name>\", \"query:<name>\" or \"response_header:<name>\""),
             );
             None
         }
@@ -324,6 +329,10 @@ pub(crate) fn plan<'b>(
     let (op, outcome) = planned_bucket(rule, key, quota, cost, window);
     planning.ops.push(op);
     planning.checked.rules.push(outcome);
+    if rule.after_response.is_some() || matches!(rule.cost, CostSource::Response { .. }) {
+        let at = planning.ops.len() - 1;
+        super::response::plan(rule, (key, quota, window.map(|w| w.id)), at, planning);
+    }
 }
 
 /// A rule's bucket for the store and the outcome the store's answer fills in. A cost that
@@ -347,6 +356,7 @@ pub(crate) fn planned_bucket(
         group: group_of(rule.mode),
         window,
         on_store_error: rule.on_store_error,
+        probe: false,
     };
     let outcome = RuleOutcome {
         rule,
@@ -388,6 +398,8 @@ pub fn cost_of(source: &CostSource, facts: &RequestFacts<'_>, quota: &Quota) -> 
         }
         CostSource::Header { name, limits } => (facts.headers.header_text(name), limits),
         CostSource::Query { name, limits } => (facts.query_param(name), limits),
+        // Priced by the response: its default is reserved now.
+        CostSource::Response { limits, .. } => (None, limits),
     };
     let cost = raw
         .and_then(|text| text.trim().parse::<f64>().ok())

@@ -136,7 +136,7 @@ pub fn key_u128(key: &BucketKey) -> u128 {
 }
 
 /// The keys a reset removes: the bucket (a breaker's spend bucket), and the lease set of a
-/// concurrency rule or a breaker's open state.
+/// concurrency rule, a breaker's open state, or a penalty box's log and block.
 pub(crate) fn reset_keys(
     bucket: &BucketRef<'_>,
     bundle_hash: &str,
@@ -147,8 +147,42 @@ pub(crate) fn reset_keys(
             vec![bucket.key],
             vec![breaker_open_key(&bucket.name, *breaker, bundle_hash)],
         ),
-        _ => (vec![bucket.key], Vec::new()),
+        _ => match penalty_of(bucket.rule) {
+            Some(_) => {
+                let (count, block) = crate::limits::response::penalty_keys(bucket.key);
+                (vec![bucket.key], vec![count, block])
+            }
+            None => (vec![bucket.key], Vec::new()),
+        },
     }
+}
+
+/// A rule's penalty box, if it has one.
+fn penalty_of(rule: &Rule) -> Option<crate::policy::rule::Penalty> {
+    rule.after_response.as_deref().and_then(|a| a.penalty)
+}
+
+/// A bucket's penalty box as `/v1/buckets` shows it: the events counted in the window, how
+/// many trip it, and whether the key is blocked and for how long yet. `None` when the rule has
+/// no box, or the box holds nothing for the key.
+async fn penalty_state(store: &Store, bucket: &BucketRef<'_>) -> Result<Option<Value>, StoreError> {
+    let Some(penalty) = penalty_of(bucket.rule) else {
+        return Ok(None);
+    };
+    let (count, block) = crate::limits::response::penalty_keys(bucket.key);
+    let live = store.read_leases(&[count, block]).await?;
+    let counted = live.first().copied().unwrap_or_default();
+    let blocked = live.get(1).copied().unwrap_or_default();
+    if counted.count == 0 && blocked.count == 0 {
+        return Ok(None);
+    }
+    Ok(Some(json!({
+        "counted": counted.count,
+        "after": penalty.after,
+        "within_secs": secs(penalty.within_us),
+        "blocked": blocked.count > 0,
+        "unblocks_in_secs": if blocked.count > 0 { secs(blocked.frees_in_us) } else { 0.0 },
+    })))
 }
 
 /// A breaker's open-state key: its spend bucket's name with `|open` (and, without automatic
@@ -225,8 +259,12 @@ pub async fn inspect(
     let (now_us, states) = store.read_states(&[bucket.key]).await?;
     let state: Option<BucketState> = states.first().copied().flatten();
     let open_live = open.and(live.first().copied()).filter(|l| l.count > 0);
-    if state.is_none() && open_live.is_none() {
+    let penalty = penalty_state(store, bucket).await?;
+    if state.is_none() && open_live.is_none() && penalty.is_none() {
         return Ok(None);
+    }
+    if let Some(penalty) = penalty {
+        out["penalty"] = penalty;
     }
     out["capacity"] = json!(micro_to_tokens(quota.burst()));
     match rule.budget() {
@@ -513,6 +551,12 @@ fn rule_line(
             micro_to_tokens(cost),
             micro_to_tokens(available)
         )
+    } else if outcome.committed && op.is_some_and(|o| o.probe) {
+        format!(
+            "allows: {} tokens left cover its cost of {}, charged only if the response matches count_when",
+            micro_to_tokens(available),
+            micro_to_tokens(cost)
+        )
     } else if outcome.committed {
         format!(
             "allows: costs {} tokens of {} left",
@@ -530,7 +574,7 @@ fn rule_line(
         "bucket": bucket,
         "cost": micro_to_tokens(cost),
         "tokens": micro_to_tokens(available),
-        "tokens_after": micro_to_tokens(if outcome.committed { available.saturating_sub(cost) } else { available }),
+        "tokens_after": micro_to_tokens(if outcome.committed { available.saturating_sub(op.map_or(0, BucketOp::spent)) } else { available }),
         "capacity": micro_to_tokens(burst),
         "allowed": outcome.allowed,
         "would_spend": outcome.committed,
@@ -552,7 +596,11 @@ fn rule_line(
 
 fn slot_line(slot: &SlotOutcome<'_>, bucket: Option<String>) -> Value {
     let rule = slot.rule;
-    let kind = Kind::of(rule);
+    let kind = if slot.is_penalty() {
+        "penalty"
+    } else {
+        Kind::of(rule).as_str()
+    };
     let (max, why) = match rule.guard() {
         Some(Guard::Loop(detection)) => (
             detection.threshold,
@@ -572,6 +620,17 @@ fn slot_line(slot: &SlotOutcome<'_>, bucket: Option<String>) -> Value {
                 )
             },
         ),
+        None if slot.is_penalty() => (
+            0,
+            if slot.allowed {
+                "not in the penalty box".to_string()
+            } else {
+                format!(
+                    "in the penalty box: unblocked in {} s",
+                    slot.frees_in_us.div_ceil(US_PER_SEC)
+                )
+            },
+        ),
         None => {
             let max = rule.concurrency().map_or(0, |c| c.max_in_flight);
             (max, format!("{} of {max} slots in use", slot.in_flight))
@@ -581,7 +640,7 @@ fn slot_line(slot: &SlotOutcome<'_>, bucket: Option<String>) -> Value {
         "policy": rule.policy_id,
         "rule": rule.name,
         "mode": rule.mode.as_str(),
-        "kind": kind.as_str(),
+        "kind": kind,
         "bucket": bucket,
         "in_use": slot.in_flight,
         "max": max,

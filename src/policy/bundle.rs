@@ -248,6 +248,14 @@ impl Bundle {
                     }) => "budget",
                     RuleKind::Guard(Guard::Breaker(_)) => "circuit breaker",
                     RuleKind::Guard(Guard::Loop(_)) => "loop marks",
+                    RuleKind::TokenBucket
+                        if rule
+                            .after_response
+                            .as_deref()
+                            .is_some_and(|a| a.penalty.is_some()) =>
+                    {
+                        "penalty box"
+                    }
                     RuleKind::TokenBucket | RuleKind::Concurrency(_) | RuleKind::Llm(_) => {
                         return None
                     }

@@ -161,6 +161,10 @@ pub enum CostSource {
     Header { name: String, limits: CostLimits },
     /// A query parameter, read as a number of tokens.
     Query { name: String, limits: CostLimits },
+    /// A header of the upstream's response (lower-case name), read as a number of tokens:
+    /// `limits.default` is reserved before the request and settled to the header's value
+    /// after it ([`crate::limits::response`]).
+    Response { name: String, limits: CostLimits },
 }
 
 /// How a cost the client states is bounded (micro-tokens). The client may raise its price,
@@ -257,6 +261,9 @@ pub struct Rule {
     /// bundle reads such a rule's verdict from the live decision ([`crate::engine::candidate`]).
     /// 0 for the rules a policy block compiles to (guards), never shared.
     pub definition: u64,
+    /// What a counting rule reads from the response: `count_when` and `penalty`
+    /// ([`crate::limits::response`]); `None` for every rule without them.
+    pub after_response: Option<std::sync::Arc<AfterResponse>>,
 }
 
 /// What kind of limit a rule is, with the part only that kind has. The compiler builds it once;
@@ -394,6 +401,69 @@ impl Breaker {
     }
 }
 
+/// What a counting rule (token bucket, `cost_based`) reads from the upstream's response
+/// ([`crate::limits::response`] compiles it and settles by it).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AfterResponse {
+    /// `count_when`: the request is checked against its cost before the upstream, spending
+    /// nothing, and charged once its response matches.
+    pub count_when: Option<CountWhen>,
+    /// `penalty`: the key is blocked once it gathers enough counted events.
+    pub penalty: Option<Penalty>,
+}
+
+/// Which responses a `count_when` rule charges: every condition given must hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CountWhen {
+    /// `status`: the statuses that count (`None`: any).
+    pub status: Option<StatusSet>,
+    /// `response_header`: a header (lower-case name) the response must carry, any value.
+    pub header: Option<String>,
+}
+
+/// A `count_when` status condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StatusSet {
+    /// These statuses (`[401, 403]`).
+    List(Vec<u16>),
+    /// A class: `4` for `"4xx"`.
+    Class(u16),
+}
+
+impl StatusSet {
+    /// Whether `status` is in the set.
+    pub fn contains(&self, status: u16) -> bool {
+        match self {
+            StatusSet::List(list) => list.contains(&status),
+            StatusSet::Class(class) => status / 100 == *class,
+        }
+    }
+}
+
+impl CountWhen {
+    /// Whether a response with `status` and `headers` is counted.
+    pub fn matches(
+        &self,
+        status: u16,
+        headers: &dyn crate::request::descriptor::HeaderLookup,
+    ) -> bool {
+        self.status.as_ref().is_none_or(|s| s.contains(status))
+            && self
+                .header
+                .as_ref()
+                .is_none_or(|name| headers.header_bytes(name).is_some())
+    }
+}
+
+/// A rule's `penalty` box: a key that gathers `after` counted events (refusals by the rule, or
+/// responses its `count_when` charged) within `within_us` is refused for `block_for_us`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Penalty {
+    pub after: u32,
+    pub within_us: u64,
+    pub block_for_us: u64,
+}
+
 /// A `concurrency` rule's cap: at most `max_in_flight` requests per key at once. A slot is a
 /// lease that ends when the response has been sent (or the decision service's caller gives it
 /// back), or at the latest `lease_ttl_us` after it was taken, so a gateway that dies never pins
@@ -440,6 +510,7 @@ impl Rule {
             header_names: Vec::new(),
             kind: RuleKind::TokenBucket,
             definition: 0,
+            after_response: None,
         }
     }
 

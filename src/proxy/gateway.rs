@@ -102,6 +102,10 @@ pub struct RequestCtx {
     model_rewritten: bool,
     /// An LLM reservation and the meter reading its response's usage (settled in `logging`).
     metering: Option<Box<Metering>>,
+    /// What rules reading the response are owed (`count_when`, a response-priced cost):
+    /// settled in `response_filter` from the upstream's status and headers, before the client
+    /// has the response; in `logging` from what was written, when no upstream answered.
+    charges: Option<Box<crate::engine::charges::ResponseCharges>>,
     /// The slot held at a server of a group with `max_connections` (given back in `logging`,
     /// or when a retry moves to another server).
     slot: Option<super::queue::Slot>,
@@ -764,6 +768,15 @@ impl Proxy {
         answer
     }
 
+    /// Applies what a response settled, in a future of its own: the store calls' state stays
+    /// out of the filters' futures, which every request builds, charged or not.
+    fn settle(
+        &self,
+        settlement: crate::engine::charges::Settlement,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(async move { self.gateway.penalties.apply(&settlement).await })
+    }
+
     /// A refusal ends the request here. An allowed request (or any, with no policy loaded: the
     /// proxy fails open, where the decision service answers 503) keeps its lease, its LLM
     /// reservation and the headers for its response.
@@ -774,6 +787,7 @@ impl Proxy {
             return ControlFlow::Break(Reply::refusal(answer.response, content_type, ctx));
         }
         ctx.lease = answer.lease;
+        ctx.charges = answer.charges;
         ctx.metering = answer.reservation.map(|reservation| {
             Box::new(Metering {
                 reservation,
@@ -1252,6 +1266,14 @@ impl ProxyHttp for Proxy {
         if let Some(trace) = ctx.trace.as_deref_mut() {
             trace.upstream_responded(upstream_response.status.as_u16());
         }
+        // `take`: settled exactly once, before the client can send its next attempt.
+        if let Some(charges) = ctx.charges.take() {
+            let settlement = charges.settle(
+                upstream_response.status.as_u16(),
+                &crate::service::HttpHeaders(&upstream_response.headers),
+            );
+            self.settle(settlement).await;
+        }
         if let Some(metering) = ctx.metering.as_deref_mut() {
             let content_type = upstream_response
                 .headers
@@ -1336,6 +1358,12 @@ impl ProxyHttp for Proxy {
         // `take`: given back exactly once.
         if let Some(lease) = ctx.lease.take() {
             self.gateway.release(&lease).await;
+        }
+        // No upstream answered (the gateway's own 502 or 504): settled on what was written.
+        if let Some(charges) = ctx.charges.take() {
+            let status = session.response_written().map_or(0, |r| r.status.as_u16());
+            let settlement = charges.settle(status, &Vec::<(String, String)>::new());
+            self.settle(settlement).await;
         }
         // Settled exactly once, whatever happened to the response.
         if let Some(metering) = ctx.metering.take() {

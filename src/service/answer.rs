@@ -18,6 +18,11 @@ pub struct Answer {
     /// The tokens an allowed request reserved on `token_bucket_llm` rules: settle them with
     /// [`crate::service::Tokens::settle`] once the response's usage is known.
     pub reservation: Option<Reservation>,
+    /// What an allowed request owes rules that read its response (`count_when`, a
+    /// response-priced cost): settle it on the response's status and headers, and apply that
+    /// with [`crate::service::Penalties::apply`].
+    /// Boxed: an answer is moved on every request, and most carry none.
+    pub charges: Option<Box<crate::engine::charges::ResponseCharges>>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
     pub response: Response,
     /// What a trace's span says of the decision (only for a sampled request).

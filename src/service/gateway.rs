@@ -14,6 +14,7 @@ use super::described::{Described, HttpHeaders, X_FORWARDED_FOR, X_REAL_IP};
 use super::envoy_rls::{self, RlsFailure, RlsReply};
 use super::loaded::{signature, LoadedPolicy};
 use super::logging::log_decision;
+use super::penalties::Penalties;
 use super::reload::{NetworkLoadError, Reload, Trigger};
 use super::source_state::FollowState;
 use super::state_key;
@@ -66,7 +67,8 @@ pub enum StartError {
 /// The gateway: one value holding the configuration, the store, the metrics, the bundle in
 /// force, and its components, each in its own file: [`Reload`] (the watched files and the
 /// network data they give: `reload`), [`FollowState`] (what the policy-store follower knows:
-/// `source_state`), [`Tokens`] (LLM reservations: `tokens`), [`DebugSessionDesk`] (Fairvisor's
+/// `source_state`), [`Tokens`] (LLM reservations: `tokens`), [`Penalties`] (response charges
+/// and penalty boxes: `penalties`), [`DebugSessionDesk`] (Fairvisor's
 /// debug sessions: `debug_sessions`) and [`CandidateShadow`] (the candidate bundle in shadow:
 /// `candidate`).
 /// Its own methods, below, are the request path and the questions about the bundle in force.
@@ -97,6 +99,8 @@ pub struct Gateway {
     pub follow: FollowState,
     /// LLM reservations held until their usage is reported.
     pub tokens: Tokens,
+    /// Response charges and penalty boxes.
+    pub penalties: Penalties,
     /// `--debug-session-secret` under `--compat fairvisor`.
     pub debug_sessions: DebugSessionDesk,
     /// The candidate bundle decided in shadow.
@@ -159,6 +163,7 @@ impl Gateway {
                 Arc::clone(&clock),
                 Arc::clone(&metrics),
             ),
+            penalties: Penalties::new(Arc::clone(&store)),
             debug_sessions: DebugSessionDesk::new(
                 &config,
                 Arc::clone(&clock),
@@ -404,6 +409,10 @@ impl Gateway {
             }
             None => (decision, facts, None),
         };
+        let counts = decision.penalty_counts();
+        if !counts.is_empty() {
+            self.penalties.count_now(&counts);
+        }
         let decided = Decided {
             decision,
             request: RequestView::of(facts),
@@ -502,6 +511,11 @@ impl Gateway {
                         .release(checked.lease_id, &checked.taken_leases())
                         .await;
                 }
+                let counts = decision.penalty_counts();
+                if !counts.is_empty() {
+                    // Boxed: its store calls' state stays out of every decision's future.
+                    Box::pin(self.penalties.count(&counts)).await;
+                }
                 decision
             }
         }
@@ -585,6 +599,7 @@ impl Gateway {
             lease: held_lease(decision),
             reservation: decision.reservation(),
             model: None,
+            charges: decision.response_charges().map(Box::new),
             // Only for a request whose span is recorded: nothing is built otherwise.
             summary: decided
                 .request
@@ -622,6 +637,7 @@ impl Gateway {
             lease: None,
             reservation: None,
             model: None,
+            charges: None,
             summary: described
                 .trace
                 .filter(|t| t.sampled)

@@ -4,6 +4,7 @@
 //! type of its own in its own file: `reload` ([`Reload`]: the watched files and the network
 //! data they give, by [`Trigger`]), `source_state` ([`FollowState`]: what the policy-store
 //! follower of `follow` knows), `tokens` ([`Tokens`]: LLM reservations held and settled),
+//! `penalties` ([`Penalties`]: response charges settled, penalty boxes counted),
 //! `debug_sessions` ([`DebugSessionDesk`]: Fairvisor's debug sessions) and `candidate`
 //! ([`CandidateShadow`]: the candidate bundle decided in shadow after every live decision).
 //!
@@ -25,6 +26,7 @@ pub mod follow;
 mod gateway;
 mod loaded;
 mod logging;
+mod penalties;
 mod reload;
 mod shadow;
 mod source_state;
@@ -39,6 +41,7 @@ pub use envoy_rls::{RlsFailure, RlsReply};
 pub use gateway::{Gateway, StartError};
 pub use loaded::LoadedPolicy;
 pub use logging::init_logging;
+pub use penalties::Penalties;
 pub use reload::{NetworkLoadError, Reload, Trigger};
 pub use source_state::FollowState;
 pub use tokens::Tokens;

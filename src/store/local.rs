@@ -536,7 +536,7 @@ impl LocalMode {
                     op.key,
                     &op.quota,
                     op.window.map(|w| w.id),
-                    op.cost as i64,
+                    op.spent() as i64,
                 );
             }
         }

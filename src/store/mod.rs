@@ -881,6 +881,7 @@ mod tests {
             group: Group::Enforce,
             window: None,
             on_store_error: None,
+            probe: false,
         };
         let open = |wall_secs: i64| {
             let clock = Arc::new(ManualClock::new(wall_secs));

@@ -54,16 +54,60 @@ pub struct BucketOp {
     pub window: Option<Window>,
     /// What the op's rule does while a shared store is away (`None`: the gateway's default).
     pub on_store_error: Option<OnStoreError>,
+    /// A probe (a `count_when` rule): allowed when the bucket holds `cost`, and spends
+    /// nothing; the response's charge is settled later ([`AdjustOp`]).
+    pub probe: bool,
 }
 
 impl BucketOp {
     /// This op's verdict on a bucket state at `now_us` (the store's time base).
     pub fn check(&self, state: Option<BucketState>, now_us: u64) -> Verdict {
-        match self.window {
+        let verdict = match self.window {
             Some(window) => check_window(state, self.quota.burst(), window, self.cost),
             None => crate::limits::limiter::check(state, &self.quota, now_us, self.cost),
+        };
+        if self.probe {
+            spend_nothing(verdict, &self.quota, self.window, now_us)
+        } else {
+            verdict
         }
     }
+
+    /// Micro-tokens the op spends when committed (a probe's `cost` is only checked).
+    #[inline]
+    pub fn spent(&self) -> u64 {
+        if self.probe {
+            0
+        } else {
+            self.cost
+        }
+    }
+}
+
+/// A probe's verdict: as checked, but an allowed one leaves the bucket as it found it
+/// (refilled to now), full again when it would have been without the request.
+#[cold]
+fn spend_nothing(
+    mut verdict: Verdict,
+    quota: &Quota,
+    window: Option<Window>,
+    now_us: u64,
+) -> Verdict {
+    if !verdict.allowed {
+        return verdict;
+    }
+    verdict.remaining = verdict.available;
+    verdict.next.tokens = verdict.available;
+    verdict.full_in_us = match window {
+        Some(w) if verdict.available < quota.burst() => w.ends_in_us,
+        Some(_) => 0,
+        None => verdict
+            .next
+            .last_us
+            .saturating_sub(now_us)
+            .saturating_add(quota.time_to_gain_us(quota.burst() - verdict.available)),
+    };
+    verdict
 }
 
 /// Settles one reservation on a bucket (`token_bucket_llm`): `delta` more micro-tokens charged,

@@ -64,13 +64,14 @@ BEGIN
             END IF;
             avail := avail || a;
             lasts := lasts || CASE WHEN wins[i] > 0 THEN l ELSE greatest(l, now_us) END;
-            IF a < costs[i] THEN
+            -- A negative cost is a probe: checked at its size, nothing spent.
+            IF a < abs(costs[i]) THEN
                 IF grps[i] = 0 THEN ok_e := false; ELSE ok_s := false; END IF;
             END IF;
         END LOOP;
         FOR i IN first..stop LOOP
             IF (grps[i] = 0 AND ok_e) OR (grps[i] = 1 AND ok_e AND ok_s) THEN
-                spent := avail[i - first + 1] - costs[i];
+                spent := avail[i - first + 1] - greatest(costs[i], 0);
                 UPDATE tollgate_buckets
                    SET tokens = spent, last_us = lasts[i - first + 1],
                        full_at_us = now_us + CASE WHEN wins[i] > 0 THEN wends[i]
@@ -338,7 +339,7 @@ fn batch_arrays(
             arrays.2.push(op.quota.burst() as i64);
             arrays.3.push(num as i64);
             arrays.4.push(den as i64);
-            arrays.5.push(op.cost.min(i64::MAX as u64) as i64);
+            arrays.5.push(super::shared::signed_cost(op));
             arrays.6.push(i32::from(op.group == Group::Shadow));
             arrays
                 .7

@@ -41,7 +41,8 @@ use std::time::Duration;
 
 /// KEYS: bucket keys. ARGV[1] = now (µs); ARGV[2] = deadline in the server's own `TIME` (µs),
 /// 0 = none; then per key: burst (µtokens), rate numerator and denominator (µtokens per µs,
-/// reduced), cost (µtokens), group (0 enforce, 1 shadow), budget window id (0 for a token
+/// reduced), cost (µtokens; negative for a probe, checked at its size and spending nothing),
+/// group (0 enforce, 1 shadow), budget window id (0 for a token
 /// bucket) and the µs until that window ends. A budget bucket's `l` holds its window id: a
 /// bucket of another window reads as full, and nothing refills inside one.
 /// Returns {enforce_ok, shadow_ok, available_1, ..., available_n}, or {-1} when the script ran
@@ -83,7 +84,7 @@ for i = 1, n do
     if l < now then l = now end
   end
   avail[i], last[i] = a, l
-  if a < cost then ok[group + 1] = 0 end
+  if a < math.abs(cost) then ok[group + 1] = 0 end
 end
 local commit = {ok[1] == 1, ok[1] == 1 and ok[2] == 1}
 for i = 1, n do
@@ -91,7 +92,7 @@ for i = 1, n do
   local burst, num, den = tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   local cost, group, win = tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5])
   if commit[group + 1] then
-    local left = avail[i] - cost
+    local left = avail[i] - math.max(cost, 0)
     redis.call('HSET', KEYS[i], 't', left, 'l', last[i])
     local full_us = math.ceil((burst - left) * den / num)
     if win > 0 then
@@ -749,7 +750,7 @@ impl RedisStore {
                         .arg(op.quota.burst())
                         .arg(num)
                         .arg(den)
-                        .arg(op.cost)
+                        .arg(super::shared::signed_cost(op))
                         .arg(u8::from(op.group == Group::Shadow))
                         .arg(op.window.map_or(0, |w| w.id))
                         .arg(op.window.map_or(0, |w| w.ends_in_us));
@@ -915,7 +916,7 @@ impl RedisStore {
                 invocation.key(&keys[i]);
             }
             for &i in &members {
-                invocation.arg(ops[i].quota.burst()).arg(ops[i].cost);
+                invocation.arg(ops[i].quota.burst()).arg(ops[i].spent());
             }
             self.best_effort(
                 conn,

@@ -299,6 +299,17 @@ pub(crate) async fn operator_call<T, E: std::fmt::Display>(
     }
 }
 
+/// An op's cost as the shared stores' scripts take it: negative for a probe (checked at its
+/// size, nothing spent).
+pub(crate) fn signed_cost(op: &super::ops::BucketOp) -> i64 {
+    let cost = op.cost.min(i64::MAX as u64) as i64;
+    if op.probe {
+        -cost
+    } else {
+        cost
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -587,6 +587,7 @@ impl Metrics {
             ("reject", Reason::ALL[15].as_str()),
             ("reject", Reason::ALL[16].as_str()),
             ("reject", Reason::ALL[17].as_str()),
+            ("reject", Reason::ALL[18].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         Ok(Metrics {

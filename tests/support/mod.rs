@@ -660,6 +660,7 @@ pub fn bucket_op(
         group,
         window: None,
         on_store_error: None,
+        probe: false,
     }
 }
 
@@ -1095,6 +1096,7 @@ pub async fn assert_settlements(store: &tollgate::store::Store, prefix: &str) {
                 group: Group::Enforce,
                 window: None,
                 on_store_error: None,
+                probe: false,
             },
             BucketOp {
                 key: budget_key,
@@ -1103,6 +1105,7 @@ pub async fn assert_settlements(store: &tollgate::store::Store, prefix: &str) {
                 group: Group::Enforce,
                 window: Some(today),
                 on_store_error: None,
+                probe: false,
             },
         ]
     };

@@ -137,6 +137,7 @@ pub(crate) fn plain_rule(
         header_names: Vec::new(),
         kind: RuleKind::TokenBucket,
         definition: 0,
+        after_response: None,
     }
 }
 
@@ -160,6 +161,8 @@ pub(crate) const CONFIG_FIELDS: &[&str] = &[
     "min_cost",
     "max_cost",
     "overrides",
+    "count_when",
+    "penalty",
 ];
 
 impl Compiler {

@@ -752,6 +752,7 @@ impl Compiler {
             header_names,
             kind: parts.kind,
             definition: definition_hash(self.current_policy_definition, v),
+            after_response: parts.after_response,
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
         if let (Some(item), Some(rule)) = (spend_item, self.rules.last_mut()) {

@@ -28,6 +28,7 @@ fn op(key: &str, mode: Option<OnStoreError>) -> BucketOp {
         group: Group::Enforce,
         window: None,
         on_store_error: mode,
+        probe: false,
     }
 }
 

@@ -1433,7 +1433,7 @@ impl MemoryStore {
                 return result;
             }
             let spend = op.spend(result.verdict);
-            if spend.micro == 0 || op.cost == 0 {
+            if spend.micro == 0 || op.spent() == 0 {
                 // Nothing spent (a zero-cost look): the bucket it was answered from (full, or
                 // as the record of evicted spend keeps it) needs no entry, and storing one
                 // would only take another's room.
@@ -1624,7 +1624,7 @@ impl MemoryStore {
             for op in ops {
                 let key = stored(&op.key);
                 // A zero-cost op leaves an absent bucket full: it needs no entry.
-                if op.cost > 0
+                if op.spent() > 0
                     && self.shard_index(&op.key) == *index
                     && !missing.contains(&key)
                     && table.find(key).is_none()
@@ -1683,7 +1683,7 @@ impl MemoryStore {
         guard: &Guard,
     ) {
         let spend = op.spend(result.verdict);
-        if spend.micro == 0 || op.cost == 0 {
+        if spend.micro == 0 || op.spent() == 0 {
             // Answered from a full bucket and leaving it full (or from the record of evicted
             // spend, which keeps it): no entry.
             result.committed = true;

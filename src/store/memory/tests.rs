@@ -25,6 +25,7 @@ fn op(key: &str, q: Quota, group: Group) -> BucketOp {
         group,
         window: None,
         on_store_error: None,
+        probe: false,
     }
 }
 
@@ -140,6 +141,7 @@ fn a_full_store_of_idle_unfull_buckets_evicts_the_cheapest_for_new_keys() {
             ends_in_us: 20 * 86_400 * US_PER_SEC,
         }),
         on_store_error: None,
+        probe: false,
     };
     assert!(run(&store, 0, &[budget])[0].committed);
     // A week later, under a flood: nothing is full again, nothing is swept...
@@ -690,6 +692,7 @@ fn a_key_flood_evicts_the_flood_and_limits_new_clients_exactly() {
             group: Group::Enforce,
             window: Some(window),
             on_store_error: None,
+            probe: false,
         };
         // Burst 10, one token a minute.
         let per_ip = Quota::new(10 * MICRO, MICRO, 60 * US_PER_SEC).unwrap();
@@ -843,6 +846,7 @@ fn equally_cheap_entries_go_least_recently_used_first() {
             ends_in_us: month,
         }),
         on_store_error: None,
+        probe: false,
     };
     run(&store, 5 * s, &[budget]);
     let guard = &epoch::pin();
@@ -914,6 +918,7 @@ fn an_older_builds_state_file_keeps_its_drained_budget_through_a_flood() {
             ends_in_us: month,
         }),
         on_store_error: None,
+        probe: false,
     };
     let per_ip = Quota::new(10 * MICRO, MICRO, 60 * s).unwrap();
     {
@@ -1020,6 +1025,7 @@ fn replay(store: &MemoryStore, flood: Flood) -> usize {
             ends_in_us: day - now,
         }),
         on_store_error: None,
+        probe: false,
     };
     let request = |who: &str, cost: u64, now: u64| -> bool {
         let own = rule(who, cost, now);
