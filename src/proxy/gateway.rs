@@ -731,14 +731,18 @@ impl Proxy {
         body: &'a BodyFacts,
         ctx: &RequestCtx,
     ) -> RequestFacts<'a> {
-        facts
+        let mut facts = facts
             .with_claims(claims)
             .with_body_hash(body.hash)
             .with_llm(body.llm.as_ref())
-            .with_llm_provider(body.provider.as_deref())
-            .with_model_rewritable(body.whole.is_some())
             .with_trusted_peer(ctx.forwarding.peer_trusted)
-            .with_trace(ctx.trace.as_deref().map(|t| t.facts()))
+            .with_trace(ctx.trace.as_deref().map(|t| t.facts()));
+        // Set in place, for LLM requests only: every other request's facts move no further.
+        if body.llm.is_some() {
+            facts.llm_provider = body.provider.as_deref();
+            facts.model_rewritable = body.whole.is_some();
+        }
+        facts
     }
 
     /// The decision, noted in the trace and the access log. The in-memory store decides

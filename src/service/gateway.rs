@@ -418,7 +418,7 @@ impl Gateway {
             request: RequestView::of(facts),
         };
         let mut answer = self.answer(&decided, started);
-        answer.model = model.map(str::to_string);
+        answer.model = model.map(Box::from);
         if self.candidate.is_set() {
             self.candidate
                 .after_local(&decided.decision, facts, memory, now_us, unix_us);
@@ -456,7 +456,7 @@ impl Gateway {
             request: RequestView::of(facts),
         };
         let mut answer = self.answer(&decided, started);
-        answer.model = model.map(str::to_string);
+        answer.model = model.map(Box::from);
         if self.candidate.is_set() {
             self.candidate
                 .after_shared(&decided.decision, facts, unix_us);
