@@ -121,6 +121,9 @@ fn bench(c: &mut Criterion) {
                     envoy: None,
                     body_hash: None,
                     llm: None,
+                    model_override: None,
+                    llm_provider: None,
+                    model_rewritable: false,
                     trusted_peer: false,
                     network: None,
                     trace: None,
@@ -162,6 +165,9 @@ fn llm(c: &mut Criterion) {
             envoy: None,
             body_hash: None,
             llm: Some(prompt),
+            model_override: None,
+            llm_provider: None,
+            model_rewritable: false,
             trusted_peer: false,
             network: None,
             trace: None,
@@ -207,6 +213,70 @@ fn llm(c: &mut Criterion) {
             black_box(tollgate::engine::reservation_token::decode(&key, &token))
         })
     });
+}
+
+/// An `llm_spend` request end to end without the network: a 1 KiB chat body parsed (its model
+/// and prompt), the reservation priced at the model's prices and taken from the key's budget for
+/// the period (a UTC day, or a New York day: the zone's calendar), then settled on the usage's
+/// tokens by price (one store adjustment).
+fn llm_spend(c: &mut Criterion) {
+    let text =
+        "Summarise the quarterly report for the board in three short bullet points. ".repeat(12);
+    let body = format!(
+        r#"{{"model": "gpt-4o-mini", "max_tokens": 800, "messages": [{{"role": "system", "content": "You are concise."}}, {{"role": "user", "content": "{text}"}}]}}"#
+    );
+    let keys: Vec<Vec<(String, String)>> = (0..1024)
+        .map(|i| vec![("x-team".to_string(), format!("team-{i}"))])
+        .collect();
+    let used = tollgate::engine::Spent::Tokens(tollgate::request::llm::BilledTokens {
+        input: 100,
+        cached: 60,
+        cache_write: 0,
+        output: 300,
+    });
+    for (name, zone) in [
+        ("llm/spend_reserve_and_settle", "UTC"),
+        ("llm/spend_reserve_and_settle_new_york", "America/New_York"),
+    ] {
+        let (policy, store, clock) = engine(&format!(
+            r#"{{"bundle_version": 1, "llm_prices": {{"currency": "USD", "models": {{
+                "gpt-4o-mini": {{"input_per_mtok": 0.15, "cached_input_per_mtok": 0.075, "output_per_mtok": 0.6}},
+                "claude-*": {{"input_per_mtok": 3, "output_per_mtok": 15}}}}}},
+              "policies": [{{"id": "teams", "spec": {{"rules": [{{"name": "team-day",
+                "limit_keys": ["header:x-team"], "on_missing": "reject", "algorithm": "llm_spend",
+                "algorithm_config": {{"budget": 1000000, "period": "1d", "timezone": "{zone}"}}}}]}}}}]}}"#
+        ));
+        let mut i = 0usize;
+        c.bench_function(name, |b| {
+            b.iter(|| {
+                i = i.wrapping_add(1);
+                clock.advance_us(1);
+                let prompt = tollgate::request::llm::LlmRequest::parse(black_box(body.as_bytes()));
+                let facts = RequestFacts::from_uri(
+                    "POST",
+                    "/v1/chat/completions",
+                    Some("api.example.com"),
+                    None,
+                    &keys[i & 1023],
+                )
+                .with_llm(Some(&prompt));
+                let bundle = policy.load();
+                let decision = decide_local(
+                    &bundle,
+                    &facts,
+                    &store,
+                    clock.now_us(),
+                    clock.unix_us(),
+                    EngineConfig::default(),
+                );
+                let reservation = decision.reservation();
+                if let Some(reservation) = &reservation {
+                    store.adjust(clock.now_us(), &reservation.spend_adjustments(used));
+                }
+                black_box(reservation.is_some())
+            })
+        });
+    }
 }
 
 /// Metering a streamed answer as it passes the proxy: 200 SSE delta events (a 1 000-word
@@ -431,6 +501,9 @@ fn scale(c: &mut Criterion) {
                         envoy: None,
                         body_hash: None,
                         llm: None,
+                        model_override: None,
+                        llm_provider: None,
+                        model_rewritable: false,
                         trusted_peer: false,
                         network: None,
                         trace: None,
@@ -633,6 +706,9 @@ fn candidate(c: &mut Criterion) {
                     envoy: None,
                     body_hash: None,
                     llm: None,
+                    model_override: None,
+                    llm_provider: None,
+                    model_rewritable: false,
                     trusted_peer: false,
                     network: None,
                     trace: None,
@@ -748,6 +824,9 @@ fn response(c: &mut Criterion) {
                     envoy: None,
                     body_hash: None,
                     llm: None,
+                    model_override: None,
+                    llm_provider: None,
+                    model_rewritable: false,
                     trusted_peer: false,
                     network: None,
                     trace: None,
@@ -777,7 +856,7 @@ fn response(c: &mut Criterion) {
 }
 
 criterion_group!(
-    benches, bench, rls, jwt, llm, llm_stream, scale, estimators, network, candidate, facts,
-    response
+    benches, bench, rls, jwt, llm, llm_spend, llm_stream, scale, estimators, network, candidate,
+    facts, response
 );
 criterion_main!(benches);

@@ -266,7 +266,7 @@ fn validate_lists_every_error_with_its_path() {
         "policies[0].spec.rules[0].algorithm_config.burst: must be > 0",
         "policies[0].spec.rules[1].name: duplicate rule name 'r'",
         "policies[0].spec.rules[1].limit_keys[0]: unknown descriptor 'cookie:x'",
-        "policies[0].spec.rules[1].algorithm: unknown algorithm 'sliding_window' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)",
+        "policies[0].spec.rules[1].algorithm: unknown algorithm 'sliding_window' (supported: token_bucket, cost_based, concurrency, token_bucket_llm, llm_spend)",
         "broken.json: not valid JSON at line 1, column 11",
     ] {
         assert!(err.contains(expected), "{expected:?} missing from:\n{err}");

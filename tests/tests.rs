@@ -26,6 +26,7 @@ mod jwt;
 mod layers;
 mod limits;
 mod llm;
+mod llm_spend;
 mod log_values;
 mod network;
 mod nginx;

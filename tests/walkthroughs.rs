@@ -517,6 +517,11 @@ fn walkthrough_llm_gateway() {
 }
 
 #[test]
+fn walkthrough_llm_budgets() {
+    walk("getting-started/llm-budgets.md");
+}
+
+#[test]
 fn walkthrough_login() {
     walk("getting-started/login.md");
 }

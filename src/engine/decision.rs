@@ -51,6 +51,12 @@ pub enum Reason {
     /// A rule with `on_store_error: closed` could not be checked: the shared store did not
     /// answer.
     StoreUnavailable,
+    /// An `llm_spend` rule's budget for this period cannot hold the call's reservation (its
+    /// label is `budget_exceeded`, as a `cost_based` budget's; its body OpenAI's error shape).
+    SpendExceeded,
+    /// An `llm_spend` rule found the request's model in no entry of the price table, which
+    /// refuses unknown models.
+    UnknownModel,
     /// The key is in a rule's penalty box: it gathered the rule's `penalty.after` counted
     /// events within `penalty.within`, and stays refused until `block_for` has passed.
     Penalty,
@@ -58,7 +64,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for pre-resolved metric counters.
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 19] = [
         Reason::TokenBucketExceeded,
         Reason::BudgetExceeded,
         Reason::ConcurrencyExceeded,
@@ -75,6 +81,8 @@ impl Reason {
         Reason::PromptTokensExceeded,
         Reason::MaxTokensPerRequestExceeded,
         Reason::StoreUnavailable,
+        Reason::SpendExceeded,
+        Reason::UnknownModel,
         Reason::Penalty,
     ];
 
@@ -97,6 +105,8 @@ impl Reason {
             Reason::PromptTokensExceeded => "prompt_tokens_exceeded",
             Reason::MaxTokensPerRequestExceeded => "max_tokens_per_request_exceeded",
             Reason::StoreUnavailable => "store_unavailable",
+            Reason::SpendExceeded => "budget_exceeded",
+            Reason::UnknownModel => "unknown_model",
             Reason::Penalty => "penalty",
         }
     }
@@ -115,7 +125,9 @@ impl Reason {
             | Reason::TpdExceeded
             | Reason::PromptTokensExceeded
             | Reason::MaxTokensPerRequestExceeded
-            | Reason::Penalty => 429,
+            | Reason::SpendExceeded
+            | Reason::UnknownModel => 429,
+            Reason::Penalty => 429,
             Reason::MissingDescriptor => 401,
             Reason::DuplicateHeader | Reason::EncodedSlash | Reason::MalformedRequest => 400,
             Reason::StoreUnavailable => 503,
@@ -172,6 +184,12 @@ impl Reason {
             Reason::MaxTokensPerRequestExceeded => {
                 r#"{"error":{"message":"The prompt and max_tokens together ask for more tokens than one request may use; lower max_tokens or shorten the prompt.","type":"rate_limit_exceeded","param":"max_tokens","code":"max_tokens_per_request_exceeded"}}"#
             }
+            Reason::SpendExceeded => {
+                r#"{"error":{"message":"The spending budget for this period cannot cover this request. It renews at the time in the Retry-After header.","type":"rate_limit_exceeded","param":null,"code":"budget_exceeded"}}"#
+            }
+            Reason::UnknownModel => {
+                r#"{"error":{"message":"This gateway has no price for the model this request names, and refuses models it cannot price.","type":"invalid_request_error","param":"model","code":"unknown_model"}}"#
+            }
         }
     }
 
@@ -181,7 +199,9 @@ impl Reason {
             Reason::TpmExceeded
             | Reason::TpdExceeded
             | Reason::PromptTokensExceeded
-            | Reason::MaxTokensPerRequestExceeded => "application/json",
+            | Reason::MaxTokensPerRequestExceeded
+            | Reason::SpendExceeded
+            | Reason::UnknownModel => "application/json",
             _ => "text/plain; charset=utf-8",
         }
     }
@@ -330,6 +350,51 @@ pub struct Reserved {
     pub group: Group,
     /// The prompt estimate, in tokens.
     pub prompt_tokens: u64,
+    /// For an `llm_spend` rule: the money reserved (`cost`, in millionths) is for this model's
+    /// prices.
+    pub spend: Option<SpendPrice>,
+}
+
+/// The prices an `llm_spend` reservation was made at: the model's, with its label in the price
+/// table (bounded metric labels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpendPrice {
+    pub price: crate::limits::prices::Price,
+    pub label: crate::limits::prices::PriceLabel,
+}
+
+/// What a call really used, for settling `llm_spend` reservations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spent {
+    /// Not known (a body that could not be read, a reservation nobody settled): the
+    /// reservation stays charged whole.
+    AsReserved,
+    /// These tokens, at the reservation's prices (an error status or a request that never
+    /// left: none).
+    Tokens(crate::request::llm::BilledTokens),
+}
+
+/// One `llm_spend` budget of a [`Reservation`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpendOp {
+    pub key: BucketKey,
+    pub quota: Quota,
+    pub window_id: u64,
+    /// Millionths reserved.
+    pub cost: u64,
+    pub price: SpendPrice,
+    pub policy: String,
+    pub rule: String,
+    /// The priced model's label (the price table entry's pattern, or `other`).
+    pub model: String,
+    pub mode: Mode,
+}
+
+/// What one `llm_spend` budget was charged once settled, in millionths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct SpendSettled {
+    pub reserved: u64,
+    pub charged: u64,
 }
 
 /// What happened to one applicable `concurrency` rule, `loop_detection` mark or circuit
@@ -484,6 +549,12 @@ pub struct Reservation {
     pub ops: SmallVec<[ReservedOp; 2]>,
     /// Each minute rule reserved on, for metrics.
     pub rules: SmallVec<[ReservedRule; 1]>,
+    /// Every `llm_spend` budget reserved on (committed). A `Vec`: empty, it allocates nothing
+    /// and keeps every answer small (answers are moved on every request).
+    pub spend: Vec<SpendOp>,
+    /// The prompt estimate, in tokens, when no `token_bucket_llm` rule reserved (an
+    /// `llm_spend` rule alone).
+    pub spend_prompt_tokens: u64,
 }
 
 /// One bucket of a [`Reservation`].
@@ -541,7 +612,41 @@ impl Reservation {
 
     /// The prompt estimate the reservation was made on.
     pub fn prompt_tokens(&self) -> u64 {
-        self.rules.first().map_or(0, |r| r.prompt_tokens)
+        self.rules
+            .first()
+            .map_or(self.spend_prompt_tokens, |r| r.prompt_tokens)
+    }
+
+    /// What each `llm_spend` budget is charged once the call used `spent` (a cost past the
+    /// reservation is charged too: the budget then admits nothing more until it renews).
+    pub fn spend_settled(&self, spent: Spent) -> SmallVec<[SpendSettled; 1]> {
+        self.spend
+            .iter()
+            .map(|op| SpendSettled {
+                reserved: op.cost,
+                charged: match spent {
+                    Spent::AsReserved => op.cost,
+                    Spent::Tokens(tokens) => op.price.price.cost(&tokens),
+                },
+            })
+            .collect()
+    }
+
+    /// The settlement of the `llm_spend` budgets once the call used `spent`: each moves by
+    /// its charge minus its reservation.
+    pub fn spend_adjustments(&self, spent: Spent) -> SmallVec<[crate::store::AdjustOp; 1]> {
+        self.spend
+            .iter()
+            .zip(self.spend_settled(spent))
+            .map(|(op, settled)| crate::store::AdjustOp {
+                key: op.key,
+                quota: op.quota,
+                window_id: Some(op.window_id),
+                delta: (settled.charged.min(i64::MAX as u64) as i64)
+                    .saturating_sub(settled.reserved.min(i64::MAX as u64) as i64),
+            })
+            .filter(|op| op.delta != 0)
+            .collect()
     }
 
     /// The tokens reserved (the largest reservation of its rules).
@@ -787,6 +892,26 @@ impl<'b> Decision<'b> {
             if !outcome.committed || outcome.fail_open {
                 continue;
             }
+            if let Some(price) = r.spend {
+                reservation.spend_prompt_tokens = r.prompt_tokens;
+                reservation.spend.push(SpendOp {
+                    key: r.key,
+                    quota: r.quota,
+                    window_id: r.window_id.unwrap_or(1),
+                    cost: r.cost,
+                    price,
+                    policy: outcome.rule.policy_id.clone(),
+                    rule: outcome.rule.name.clone(),
+                    model: checked
+                        .bundle
+                        .llm_prices
+                        .as_deref()
+                        .map_or("other", |t| t.label(price.label))
+                        .to_string(),
+                    mode: outcome.rule.mode,
+                });
+                continue;
+            }
             reservation.ops.push(ReservedOp {
                 key: r.key,
                 quota: r.quota,
@@ -808,7 +933,30 @@ impl<'b> Decision<'b> {
                 });
             }
         }
-        (!reservation.ops.is_empty()).then_some(reservation)
+        (!reservation.ops.is_empty() || !reservation.spend.is_empty()).then_some(reservation)
+    }
+
+    /// The model a request refused by an `llm_spend` budget may go to instead: the refusing
+    /// rule's `on_exhausted.fallback_model`, when the request names a model the front end can
+    /// replace (`named`) and not that one already.
+    pub fn spend_fallback(&self, named: Option<&str>) -> Option<&'b str> {
+        named?;
+        let Decision::Refuse(refusal) = self else {
+            return None;
+        };
+        if !matches!(
+            refusal.reason,
+            Reason::SpendExceeded | Reason::CostExceedsLimit
+        ) {
+            return None;
+        }
+        let fallback = self
+            .rejecting_rule()?
+            .rule
+            .spend()?
+            .fallback_model
+            .as_deref()?;
+        (named != Some(fallback)).then_some(fallback)
     }
 
     /// Shadow rules that would have refused.

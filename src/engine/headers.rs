@@ -4,7 +4,6 @@
 //! `Retry-After` with deterministic per-identity jitter.
 
 use crate::engine::{Decided, Decision, Reason, RequestView, RuleOutcome};
-use crate::limits::limiter::MICRO;
 use crate::policy::Mode;
 use bytes::{BufMut, BytesMut};
 use http::{HeaderName, HeaderValue};
@@ -210,7 +209,7 @@ impl Default for HeaderConfig {
 }
 
 fn remaining(rule: &RuleOutcome<'_>) -> u64 {
-    rule.tokens / MICRO
+    rule.tokens / rule.rule.header_unit()
 }
 
 /// Builds the response for a decision.
@@ -244,7 +243,7 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
                     let _ = write!(
                         buf,
                         ";q={};w={}",
-                        rule.quota.burst() / MICRO,
+                        rule.quota.burst() / rule.rule.header_unit(),
                         rule.quota.window_secs()
                     );
                 }
@@ -277,7 +276,10 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
             shown().min_by(|a, b| remaining(a).cmp(&remaining(b)).then(b.reset.cmp(&a.reset)))
         };
         if let Some(rule) = legacy {
-            values.number(&RATELIMIT_LIMIT, rule.quota.burst() / MICRO);
+            values.number(
+                &RATELIMIT_LIMIT,
+                rule.quota.burst() / rule.rule.header_unit(),
+            );
             if rule.cost_exceeds {
                 values.number(&RATELIMIT_REMAINING, remaining(rule));
                 values.number(&RATELIMIT_RESET, rule.reset);

@@ -820,8 +820,10 @@ fn refused_by_buckets(checked: Checked<'_>) -> Refusal<'_> {
     let (retry_after, budget, llm) = longest.map_or((1, false, None), |r| {
         (r.retry_after, r.budget_ends_in_us > 0, r.rule.llm())
     });
+    let spend = longest.is_some_and(|r| r.rule.spend().is_some());
     Refusal {
         reason: match (llm, budget) {
+            _ if spend => Reason::SpendExceeded,
             (Some(l), _) if matches!(l.part, crate::policy::LlmPart::Minute) => Reason::TpmExceeded,
             (Some(_), _) => Reason::TpdExceeded,
             (None, true) => Reason::BudgetExceeded,

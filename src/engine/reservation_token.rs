@@ -8,8 +8,9 @@
 //!
 //! Form: `v1.<payload>.<mac>`, both parts base64url without padding; the payload is JSON.
 
-use crate::engine::{Reservation, ReservedOp, ReservedRule};
+use crate::engine::{Reservation, ReservedOp, ReservedRule, SpendOp, SpendPrice};
 use crate::limits::limiter::Quota;
+use crate::limits::prices::Price;
 use crate::policy::Mode;
 use crate::store::BucketKey;
 use base64::Engine as _;
@@ -33,6 +34,72 @@ struct Payload {
     ops: Vec<[u64; 7]>,
     /// Per minute rule: policy, rule, shadow, tokens reserved, prompt estimate.
     rules: Vec<(String, String, bool, u64, u64)>,
+    /// Per `llm_spend` budget: key hi, key lo, burst, refill, period (µs), window id, cost
+    /// (millionths), the four prices (input, cached input, cache write, output) and the price
+    /// label; then policy, rule, model label and shadow. Absent when there is none (the token
+    /// of a token-only reservation is unchanged).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    spend: Vec<SpendEntry>,
+    /// The prompt estimate of a reservation by `llm_spend` rules alone.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    spend_prompt: u64,
+}
+
+/// One `llm_spend` budget as a token carries it (see [`Payload::spend`]).
+type SpendEntry = ([u64; 12], String, String, String, bool);
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// A spend budget as the token carries it.
+fn spend_entry(op: &SpendOp) -> SpendEntry {
+    let p = op.price.price;
+    (
+        [
+            op.key.hi,
+            op.key.lo,
+            op.quota.burst(),
+            op.quota.refill(),
+            op.quota.period_us(),
+            op.window_id,
+            op.cost,
+            p.input,
+            p.cached_input,
+            p.cache_write,
+            p.output,
+            u64::from(op.price.label),
+        ],
+        op.policy.clone(),
+        op.rule.clone(),
+        op.model.clone(),
+        op.mode == Mode::Shadow,
+    )
+}
+
+/// The spend budget a token's entry stands for (`None`: malformed).
+fn spend_op((numbers, policy, rule, model, shadow): SpendEntry) -> Option<SpendOp> {
+    let [hi, lo, burst, refill, period_us, window_id, cost, input, cached_input, cache_write, output, label] =
+        numbers;
+    Some(SpendOp {
+        key: BucketKey { hi, lo },
+        quota: Quota::new(burst, refill, period_us).ok()?,
+        window_id,
+        cost,
+        price: SpendPrice {
+            price: Price {
+                input,
+                cached_input,
+                cache_write,
+                output,
+            },
+            label: u16::try_from(label).ok()?,
+        },
+        policy,
+        rule,
+        model,
+        mode: if shadow { Mode::Shadow } else { Mode::Enforce },
+    })
 }
 
 /// What a verified token says.
@@ -83,6 +150,8 @@ pub fn encode(key: &hmac::Key, id: u64, expires_us: u64, reservation: &Reservati
                 )
             })
             .collect(),
+        spend: reservation.spend.iter().map(spend_entry).collect(),
+        spend_prompt: reservation.spend_prompt_tokens,
     };
     // Serialising plain numbers and strings cannot fail.
     let json = serde_json::to_vec(&payload).unwrap_or_default();
@@ -129,6 +198,10 @@ pub fn decode(key: &hmac::Key, token: &str) -> Option<Verified> {
             stream_cap: None,
         });
     }
+    for entry in payload.spend {
+        reservation.spend.push(spend_op(entry)?);
+    }
+    reservation.spend_prompt_tokens = payload.spend_prompt;
     Some(Verified {
         id: payload.id,
         expires_us: payload.exp,
@@ -166,6 +239,43 @@ mod tests {
             stream_cap: None,
         });
         r
+    }
+
+    /// Issue 54: an `llm_spend` budget travels in the token too (prices, label, window), so
+    /// any gateway settles its money; a token-only reservation's payload has no `spend` field.
+    #[test]
+    fn a_token_carries_spend_budgets() {
+        let k = key(b"fleet secret");
+        let plain = encode(&k, 1, 1_800_000_000_000_000, &reservation());
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let payload = |token: &str| {
+            let body = token.rsplit_once('.').unwrap().0;
+            String::from_utf8(b64.decode(body.strip_prefix(PREFIX).unwrap()).unwrap()).unwrap()
+        };
+        assert!(!payload(&plain).contains("spend"), "{}", payload(&plain));
+        let mut with_spend = reservation();
+        with_spend.spend.push(SpendOp {
+            key: BucketKey { hi: 3, lo: 4 },
+            quota: Quota::new(25_000_000, 25_000_000, 86_400_000_000).unwrap(),
+            window_id: 1_799_989_200,
+            cost: 1_010,
+            price: SpendPrice {
+                price: Price {
+                    input: 2_500_000,
+                    cached_input: 1_250_000,
+                    cache_write: 2_500_000,
+                    output: 10_000_000,
+                },
+                label: 1,
+            },
+            policy: "teams".into(),
+            rule: "team-day".into(),
+            model: "gpt-4o".into(),
+            mode: Mode::Enforce,
+        });
+        with_spend.spend_prompt_tokens = 4;
+        let token = encode(&k, 2, 1_800_000_000_000_000, &with_spend);
+        assert_eq!(decode(&k, &token).unwrap().reservation, with_spend);
     }
 
     #[test]

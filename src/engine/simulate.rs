@@ -161,20 +161,9 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
         .as_deref()
         .filter(|_| replay.bundle.meters_tokens)
         .map(|body| crate::request::llm::LlmRequest::parse_with(body, replay.bundle.tiktoken));
-    let used = match &request.usage {
-        None => None,
-        Some(Value::Number(n)) => match n.as_u64() {
-            Some(tokens) => Some(tokens),
-            None => {
-                return json!({"t": request.t, "error": "usage must be a whole number of tokens or a usage object"})
-            }
-        },
-        Some(object) => match crate::request::llm::reported_usage(object) {
-            Some(usage) => Some(usage.total_tokens),
-            None => {
-                return json!({"t": request.t, "error": "usage names no tokens: total_tokens, or prompt_tokens and completion_tokens"})
-            }
-        },
+    let (used, spent) = match reported(request) {
+        Ok(reported) => reported,
+        Err(error) => return error,
     };
     let facts = RequestFacts::from_uri(
         &request.method,
@@ -275,8 +264,65 @@ fn evaluate(replay: &Replay, request: &SimRequest, header_config: &HeaderConfig)
                 .adjust(replay.clock.now_us(), &reservation.adjustments(used));
             result["settled"] = json!(reservation.settled(used));
         }
+        settle_spend(&mut result, &reservation, spent, replay);
     }
     result
+}
+
+/// The tokens a line's `usage` reports, and what `llm_spend` rules charge for them (the usage
+/// object's tokens by price, or a bare count of tokens at the output price); the line's error
+/// when its usage names no tokens.
+fn reported(request: &SimRequest) -> Result<(Option<u64>, Option<crate::engine::Spent>), Value> {
+    use crate::engine::Spent;
+    match &request.usage {
+        None => Ok((None, None)),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(tokens) => Ok((
+                Some(tokens),
+                Some(Spent::Tokens(crate::request::llm::BilledTokens {
+                    output: tokens,
+                    ..Default::default()
+                })),
+            )),
+            None => Err(
+                json!({"t": request.t, "error": "usage must be a whole number of tokens or a usage object"}),
+            ),
+        },
+        Some(object) => match crate::request::llm::reported_usage(object) {
+            Some(usage) => Ok((
+                Some(usage.total_tokens),
+                Some(Spent::Tokens(usage.priced())),
+            )),
+            None => Err(
+                json!({"t": request.t, "error": "usage names no tokens: total_tokens, or prompt_tokens and completion_tokens"}),
+            ),
+        },
+    }
+}
+
+/// A line's `llm_spend` money: what was reserved (`spend`) and, with the line's usage, what it
+/// was charged (`spend_settled`), settled in the replay's store.
+fn settle_spend(
+    result: &mut Value,
+    reservation: &crate::engine::Reservation,
+    spent: Option<crate::engine::Spent>,
+    replay: &Replay,
+) {
+    if reservation.spend.is_empty() {
+        return;
+    }
+    let reserved: Vec<Value> = reservation
+        .spend
+        .iter()
+        .map(|op| json!({"rule": op.rule, "model": op.model, "reserved": op.cost}))
+        .collect();
+    result["spend"] = Value::Array(reserved);
+    if let Some(spent) = spent {
+        replay
+            .store
+            .adjust(replay.clock.now_us(), &reservation.spend_adjustments(spent));
+        result["spend_settled"] = json!(reservation.spend_settled(spent).as_slice());
+    }
 }
 
 #[cfg(test)]

@@ -128,7 +128,11 @@ impl Compiler {
                 rate: amount / period.nominal_secs() as f64,
             },
             cost,
-            Budget { period, stages },
+            Budget {
+                period,
+                stages,
+                zone: crate::limits::budget_window::Zone::Utc,
+            },
         ))
     }
 
@@ -202,7 +206,7 @@ pub(crate) fn plan<'b>(
     context: PlanContext<'b>,
     planning: &mut Planning<'b>,
 ) {
-    let window = budget.period.window(context.unix_us);
+    let window = budget.window(context.unix_us);
     super::token_bucket::plan(rule, bucket, facts, Some(window), planning);
 }
 

@@ -20,11 +20,15 @@ pub enum Period {
     Week,
     /// `1M` / `month`: the calendar month, UTC (28 to 31 days).
     Month,
+    /// `1w` (`llm_spend` rules): the ISO week, Monday 00:00 to the next Monday 00:00.
+    IsoWeek,
 }
 
 const DAY: u64 = 86_400;
 /// 1970-01-04, the first Sunday after the epoch.
 const WEEK_ORIGIN: u64 = 3 * DAY;
+/// 1970-01-05, the first Monday after the epoch.
+const ISO_WEEK_ORIGIN: u64 = 4 * DAY;
 
 impl Period {
     /// The period as a policy writes it.
@@ -35,6 +39,18 @@ impl Period {
             Period::Day => "1d",
             Period::Week => "7d",
             Period::Month => "1M",
+            Period::IsoWeek => "1w",
+        }
+    }
+
+    /// Parses an `llm_spend` rule's `period`: `1h`, `1d`, `1w` (Monday to Monday) or `1M`.
+    pub fn parse_spend(text: &str) -> Option<Period> {
+        match text {
+            "1h" => Some(Period::Hour),
+            "1d" => Some(Period::Day),
+            "1w" => Some(Period::IsoWeek),
+            "1M" => Some(Period::Month),
+            _ => None,
         }
     }
 
@@ -58,6 +74,7 @@ impl Period {
             Period::Day => DAY,
             Period::Week => 7 * DAY,
             Period::Month => 30 * DAY,
+            Period::IsoWeek => 7 * DAY,
         }
     }
 
@@ -75,6 +92,7 @@ impl Period {
             Period::Hour => fixed(3_600, 0),
             Period::Day => fixed(DAY, 0),
             Period::Week => fixed(7 * DAY, WEEK_ORIGIN),
+            Period::IsoWeek => fixed(7 * DAY, ISO_WEEK_ORIGIN),
             Period::Month => {
                 let (year, month, _) = civil_from_days(unix_secs / DAY);
                 let start = days_from_civil(year, month, 1) * DAY;
@@ -91,16 +109,119 @@ impl Period {
     /// The store's view of the window holding `unix_us`: its id (start second, never 0) and
     /// the microseconds left in it.
     pub fn window(self, unix_us: u64) -> Window {
-        let (start, end) = self.bounds(unix_us / US_PER_SEC);
-        Window {
-            // The window starting at the epoch itself still needs a non-zero id.
-            id: start.max(1),
-            ends_in_us: end
-                .saturating_mul(US_PER_SEC)
-                .saturating_sub(unix_us)
-                .max(1),
+        window_of(self.bounds(unix_us / US_PER_SEC), unix_us)
+    }
+}
+
+/// The clock a budget's windows follow: UTC, or an IANA time zone (`llm_spend` rules'
+/// `timezone`), whose days are 23 or 25 hours long when daylight saving time starts or ends.
+#[derive(Debug, Clone, Default)]
+pub enum Zone {
+    #[default]
+    Utc,
+    /// A named zone from the IANA database built into the binary (no system files read).
+    Named(std::sync::Arc<NamedZone>),
+}
+
+/// An IANA time zone with the name it was written as.
+#[derive(Debug)]
+pub struct NamedZone {
+    pub name: String,
+    tz: jiff::tz::TimeZone,
+}
+
+impl PartialEq for Zone {
+    fn eq(&self, other: &Zone) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl Zone {
+    /// The zone an IANA name (`America/New_York`, `UTC`, `Etc/GMT+5`) stands for; `None` when
+    /// the database has no such zone.
+    pub fn named(name: &str) -> Option<Zone> {
+        if name == "UTC" {
+            return Some(Zone::Utc);
+        }
+        let tz = jiff::tz::TimeZone::get(name).ok()?;
+        Some(Zone::Named(std::sync::Arc::new(NamedZone {
+            name: name.to_string(),
+            tz,
+        })))
+    }
+
+    /// The name as written (`UTC` for the default).
+    pub fn name(&self) -> &str {
+        match self {
+            Zone::Utc => "UTC",
+            Zone::Named(zone) => &zone.name,
         }
     }
+
+    /// `[start, end)` in Unix seconds of the `period` holding `unix_secs`, on this zone's
+    /// calendar: hours on the local hour, days from local midnight to the next, weeks from
+    /// Monday, months from the 1st. A bound the zone cannot place (outside the years the
+    /// database covers) falls back to UTC's.
+    pub fn bounds(&self, period: Period, unix_secs: u64) -> (u64, u64) {
+        match self {
+            Zone::Utc => period.bounds(unix_secs),
+            Zone::Named(zone) => zoned_bounds(&zone.tz, period, unix_secs)
+                .unwrap_or_else(|| period.bounds(unix_secs)),
+        }
+    }
+
+    /// The store's view of the window holding `unix_us` (see [`Period::window`]).
+    pub fn window(&self, period: Period, unix_us: u64) -> Window {
+        window_of(self.bounds(period, unix_us / US_PER_SEC), unix_us)
+    }
+}
+
+/// The store's window for `[start, end)` (Unix seconds) seen at `unix_us`.
+fn window_of((start, end): (u64, u64), unix_us: u64) -> Window {
+    Window {
+        // The window starting at the epoch itself still needs a non-zero id.
+        id: start.max(1),
+        ends_in_us: end
+            .saturating_mul(US_PER_SEC)
+            .saturating_sub(unix_us)
+            .max(1),
+    }
+}
+
+/// [`Zone::bounds`] in a named zone.
+fn zoned_bounds(tz: &jiff::tz::TimeZone, period: Period, unix_secs: u64) -> Option<(u64, u64)> {
+    let second = i64::try_from(unix_secs).ok()?;
+    let now = jiff::Timestamp::from_second(second).ok()?;
+    let seconds = |date: jiff::civil::Date| -> Option<u64> {
+        let start = date.to_zoned(tz.clone()).ok()?;
+        u64::try_from(start.timestamp().as_second()).ok()
+    };
+    let date = now.to_zoned(tz.clone()).date();
+    let (first, next) = match period {
+        // Local hours start where the offset puts them (a half-hour zone's hours at :30 UTC);
+        // every hour is 3 600 s, the hour a clock change repeats or skips included.
+        Period::Hour | Period::FiveMinutes => {
+            let len: i64 = if period == Period::Hour { 3_600 } else { 300 };
+            let offset = i64::from(tz.to_offset(now).seconds());
+            let start = second - (second + offset).rem_euclid(len);
+            return Some((u64::try_from(start).ok()?, u64::try_from(start + len).ok()?));
+        }
+        Period::Day => (date, date.tomorrow().ok()?),
+        Period::Week | Period::IsoWeek => {
+            let back = if period == Period::Week {
+                date.weekday().to_sunday_zero_offset()
+            } else {
+                date.weekday().to_monday_zero_offset()
+            };
+            let first = date.checked_sub(jiff::Span::new().days(back)).ok()?;
+            (first, first.checked_add(jiff::Span::new().days(7)).ok()?)
+        }
+        Period::Month => {
+            let first = date.first_of_month();
+            (first, first.checked_add(jiff::Span::new().months(1)).ok()?)
+        }
+    };
+    Some((seconds(first)?, seconds(next)?))
 }
 
 /// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (H. Hinnant's algorithm,
@@ -159,9 +280,16 @@ pub struct Budget {
     pub period: Period,
     /// Strictly ascending thresholds, ending with a reject at 100.
     pub stages: Vec<Stage>,
+    /// The calendar its windows follow (UTC but for `llm_spend` rules with a `timezone`).
+    pub zone: Zone,
 }
 
 impl Budget {
+    /// The store's view of the window holding `unix_us`, on the budget's calendar.
+    pub fn window(&self, unix_us: u64) -> Window {
+        self.zone.window(self.period, unix_us)
+    }
+
     /// The warn or throttle stage an allowed request lands in, from the budget left after it:
     /// the highest threshold at or below the usage (a reject stage never applies to an allowed
     /// request).
@@ -214,6 +342,46 @@ mod tests {
         assert_eq!(Period::Month.bounds(1_798_761_600).0, 1_798_761_600);
     }
 
+    /// Issue 54: calendar windows in an IANA zone, daylight-saving days included.
+    #[test]
+    fn zoned_windows_follow_the_local_calendar() {
+        let ny = Zone::named("America/New_York").unwrap();
+        // 2026-03-08 starts daylight saving time in New York: 23 hours.
+        let (s, e) = ny.bounds(Period::Day, 1_772_946_000 + 3_600);
+        assert_eq!((s, e), (1_772_946_000, 1_773_028_800));
+        assert_eq!(e - s, 23 * 3_600);
+        // 2026-11-01 ends it: 25 hours.
+        let (s, e) = ny.bounds(Period::Day, 1_793_505_600 + 20 * 3_600);
+        assert_eq!((s, e), (1_793_505_600, 1_793_595_600));
+        assert_eq!(e - s, 25 * 3_600);
+        // 2027-01-15T08:00:00Z is 03:00 in New York: its day began at 05:00 UTC.
+        let t = 1_800_000_000;
+        assert_eq!(ny.bounds(Period::Day, t), (1_799_989_200, 1_800_075_600));
+        // Its ISO week began on Monday the 11th, its month on the 1st, both at local midnight.
+        assert_eq!(
+            ny.bounds(Period::IsoWeek, t),
+            (1_799_643_600, 1_800_248_400)
+        );
+        assert_eq!(ny.bounds(Period::Month, t), (1_798_779_600, 1_801_458_000));
+        // The last second of January is still January in New York (February in UTC).
+        assert_eq!(ny.bounds(Period::Month, 1_801_458_000 - 1).1, 1_801_458_000);
+        assert_eq!(ny.bounds(Period::Month, 1_801_458_000).0, 1_801_458_000);
+        // Hours follow the offset: Kolkata (+05:30) is at 13:30, its hour began at 13:00.
+        let kolkata = Zone::named("Asia/Kolkata").unwrap();
+        assert_eq!(
+            kolkata.bounds(Period::Hour, t),
+            (1_799_998_200, 1_800_001_800)
+        );
+        // The store's window: its id the start, counting down to the local midnight.
+        let w = ny.window(Period::Day, t * US_PER_SEC);
+        assert_eq!((w.id, w.ends_in_us), (1_799_989_200, 75_600 * US_PER_SEC));
+        assert_eq!(Zone::named("UTC"), Some(Zone::Utc));
+        assert_eq!(Zone::named("Mars/Olympus"), None);
+        assert_eq!(Zone::Utc.bounds(Period::Day, t), Period::Day.bounds(t));
+        // UTC's ISO weeks start on Monday too.
+        assert_eq!(Period::IsoWeek.bounds(t).0, 1_799_625_600);
+    }
+
     #[test]
     fn the_store_window_counts_down_to_its_end() {
         let w = Period::Hour.window(T * US_PER_SEC + 250_000);
@@ -239,6 +407,7 @@ mod tests {
                     action: Action::Reject,
                 },
             ],
+            zone: Zone::Utc,
         };
         assert_eq!(budget.stage_for(100, 21), None);
         assert_eq!(budget.stage_for(100, 20), Some(Action::Warn));
@@ -256,7 +425,7 @@ mod tests {
     proptest! {
         #[test]
         fn every_instant_lies_in_its_window(t in 0u64..4_102_444_800) {
-            for period in [Period::FiveMinutes, Period::Hour, Period::Day, Period::Week, Period::Month] {
+            for period in [Period::FiveMinutes, Period::Hour, Period::Day, Period::Week, Period::Month, Period::IsoWeek] {
                 let (start, end) = period.bounds(t);
                 prop_assert!(start <= t && t < end);
                 // The next window starts where this one ends.
@@ -267,6 +436,18 @@ mod tests {
                     prop_assert_eq!(day, 1);
                 }
             }
+        }
+
+        #[test]
+        fn every_instant_lies_in_its_zoned_window(t in 0u64..4_102_444_800) {
+            let zone = Zone::named("America/New_York").unwrap();
+            for period in [Period::Hour, Period::Day, Period::IsoWeek, Period::Month] {
+                let (start, end) = zone.bounds(period, t);
+                prop_assert!(start <= t && t < end);
+                prop_assert_eq!(zone.bounds(period, end).0, end);
+            }
+            let (start, end) = zone.bounds(Period::Day, t);
+            prop_assert!([23 * 3_600, 24 * 3_600, 25 * 3_600].contains(&(end - start)));
         }
 
         #[test]

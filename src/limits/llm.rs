@@ -116,6 +116,7 @@ impl Compiler {
                         threshold_percent: 100.0,
                         action: Action::Reject,
                     }],
+                    zone: crate::limits::budget_window::Zone::Utc,
                 }),
                 ..minute.clone()
             }),
@@ -154,7 +155,51 @@ impl Compiler {
                 self.error(&join(path, "burst_tokens"), "must be >= tokens_per_minute");
             }
         }
-        let estimator = match config.get("token_source") {
+        let estimator = self.llm_estimator(config, path);
+        let stream_cap = match config.get("streaming") {
+            None => Some(None),
+            // An invalid `max_completion_tokens` is reported once, at its own path.
+            Some(v) => self.llm_streaming(
+                v,
+                &join(path, "streaming"),
+                max_completion.ok_or(config.contains_key("max_completion_tokens")),
+            ),
+        };
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        let (tpm, estimator, stream_cap) = (tpm?, estimator?, stream_cap?);
+        let burst = burst.unwrap_or(tpm);
+        let quota = Quota::new(burst * MICRO, tpm * MICRO, 60 * US_PER_SEC).ok()?;
+        Some((
+            Shape {
+                quota,
+                burst: burst as f64,
+                rate: tpm as f64 / 60.0,
+            },
+            LlmLimit {
+                part: LlmPart::Minute,
+                day_rule: None,
+                max_prompt_tokens: max_prompt,
+                max_tokens_per_request: max_request,
+                max_completion_tokens: max_completion,
+                default_max_completion: max_completion
+                    .map_or(default_completion, |max| default_completion.min(max)),
+                estimator,
+                stream_cap,
+            },
+            tpd,
+        ))
+    }
+
+    /// A rule's `token_source` (`token_bucket_llm` and `llm_spend`): `estimator` is
+    /// `simple_word` (the default), `header_hint` or `tiktoken` (with its `encoding`).
+    pub(crate) fn llm_estimator(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+    ) -> Option<crate::request::llm::Estimator> {
+        match config.get("token_source") {
             None => Some(crate::request::llm::Estimator::SimpleWord),
             Some(v) => {
                 let sp = join(path, "token_source");
@@ -202,41 +247,7 @@ impl Compiler {
                         }
                     })
             }
-        };
-        let stream_cap = match config.get("streaming") {
-            None => Some(None),
-            // An invalid `max_completion_tokens` is reported once, at its own path.
-            Some(v) => self.llm_streaming(
-                v,
-                &join(path, "streaming"),
-                max_completion.ok_or(config.contains_key("max_completion_tokens")),
-            ),
-        };
-        if self.errors.len() > errors_before {
-            return None;
         }
-        let (tpm, estimator, stream_cap) = (tpm?, estimator?, stream_cap?);
-        let burst = burst.unwrap_or(tpm);
-        let quota = Quota::new(burst * MICRO, tpm * MICRO, 60 * US_PER_SEC).ok()?;
-        Some((
-            Shape {
-                quota,
-                burst: burst as f64,
-                rate: tpm as f64 / 60.0,
-            },
-            LlmLimit {
-                part: LlmPart::Minute,
-                day_rule: None,
-                max_prompt_tokens: max_prompt,
-                max_tokens_per_request: max_request,
-                max_completion_tokens: max_completion,
-                default_max_completion: max_completion
-                    .map_or(default_completion, |max| default_completion.min(max)),
-                estimator,
-                stream_cap,
-            },
-            tpd,
-        ))
     }
 
     /// A `token_bucket_llm` rule's `streaming` block (Fairvisor's fields and defaults once the
@@ -303,6 +314,30 @@ impl Compiler {
     }
 }
 
+/// What a request asks of the model, as a rule counts it: the prompt (by its `estimator`: the
+/// `X-Token-Estimate` hint, the body's estimate or its exact count) and the completion it may
+/// produce (`max_tokens`, at most `max_completion`, else `default_completion`).
+pub(crate) fn asked_tokens(
+    facts: &RequestFacts<'_>,
+    estimator: crate::request::llm::Estimator,
+    default_completion: u64,
+    max_completion: Option<u64>,
+) -> (u64, u64) {
+    let unread = crate::request::llm::LlmRequest::default();
+    let body = facts.llm.unwrap_or(&unread);
+    let prompt = match estimator {
+        crate::request::llm::Estimator::HeaderHint => facts
+            .headers
+            .header_text(crate::request::llm::TOKEN_ESTIMATE_HEADER)
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(body.prompt_tokens),
+        estimator => body.prompt_for(estimator),
+    };
+    let completion = body.max_completion.unwrap_or(default_completion);
+    let completion = max_completion.map_or(completion, |max| completion.min(max));
+    (prompt, completion)
+}
+
 /// The tokens a `token_bucket_llm` rule reserves for this request: the prompt estimate and the
 /// completion it may produce (`max_tokens`, at most `max_completion_tokens`, else the rule's
 /// default), with the prompt estimate alone; or why the request can never be admitted.
@@ -318,19 +353,12 @@ pub fn llm_reservation(
     let Some(limit) = rule.llm() else {
         return Ok((0, 0));
     };
-    let body = facts.llm.copied().unwrap_or_default();
-    let prompt = match limit.estimator {
-        crate::request::llm::Estimator::HeaderHint => facts
-            .headers
-            .header_text(crate::request::llm::TOKEN_ESTIMATE_HEADER)
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or(body.prompt_tokens),
-        estimator => body.prompt_for(estimator),
-    };
-    let completion = body.max_completion.unwrap_or(limit.default_max_completion);
-    let completion = limit
-        .max_completion_tokens
-        .map_or(completion, |max| completion.min(max));
+    let (prompt, completion) = asked_tokens(
+        facts,
+        limit.estimator,
+        limit.default_max_completion,
+        limit.max_completion_tokens,
+    );
     if limit.max_prompt_tokens.is_some_and(|max| prompt > max) {
         return Err(Reason::PromptTokensExceeded);
     }
@@ -398,6 +426,7 @@ pub(crate) fn plan<'b>(
                 cost,
                 group: op.group,
                 prompt_tokens,
+                spend: None,
             });
         }
         planning.ops.push(op);

@@ -20,6 +20,7 @@
 //! - [`budget`]: `cost_based` budgets and their stages;
 //! - [`concurrency`]: in-flight caps;
 //! - [`llm`]: `token_bucket_llm` token budgets;
+//! - [`spend`]: `llm_spend` budgets in money, priced by [`prices`];
 //! - [`guards`]: loop detection and circuit breakers (a policy's guards, planned before its
 //!   rules);
 //! - [`response`]: what a counting rule reads from the response (`count_when`, a
@@ -33,8 +34,10 @@ pub mod budget;
 pub mod concurrency;
 pub mod guards;
 pub mod llm;
-pub mod response;
 pub mod pacing;
+pub mod prices;
+pub mod response;
+pub mod spend;
 pub mod token_bucket;
 
 use crate::engine::planning::{PlanContext, Planning};
@@ -53,6 +56,7 @@ pub enum LimitKind {
     CostBased,
     Concurrency,
     Llm,
+    Spend,
 }
 
 impl LimitKind {
@@ -63,6 +67,7 @@ impl LimitKind {
             "cost_based" => Some(LimitKind::CostBased),
             "concurrency" => Some(LimitKind::Concurrency),
             "token_bucket_llm" => Some(LimitKind::Llm),
+            "llm_spend" => Some(LimitKind::Spend),
             _ => None,
         }
     }
@@ -74,6 +79,7 @@ impl LimitKind {
             LimitKind::CostBased => budget::COST_BASED_FIELDS,
             LimitKind::Concurrency => concurrency::CONCURRENCY_FIELDS,
             LimitKind::Llm => llm::LLM_FIELDS,
+            LimitKind::Spend => spend::SPEND_FIELDS,
         }
     }
 
@@ -90,6 +96,7 @@ impl LimitKind {
             LimitKind::CostBased => "cb",
             LimitKind::Concurrency => "cc",
             LimitKind::Llm => "tpm",
+            LimitKind::Spend => "sp",
         }
     }
 
@@ -99,6 +106,7 @@ impl LimitKind {
             LimitKind::CostBased => "cost_based",
             LimitKind::Concurrency => "concurrency",
             LimitKind::Llm => "token_bucket_llm",
+            LimitKind::Spend => "llm_spend",
         }
     }
 }
@@ -121,6 +129,7 @@ pub(crate) fn plan<'b>(
         RuleKind::Budget(budget) => budget::plan(rule, budget, bucket, facts, context, planning),
         RuleKind::Concurrency(c) => concurrency::plan(rule, *c, bucket.0, planning),
         RuleKind::Llm(limit) => llm::plan(rule, limit, bucket, facts, context, planning),
+        RuleKind::Spend(limit) => spend::plan(rule, limit, bucket, facts, context, planning),
     }
 }
 
@@ -219,6 +228,15 @@ impl Compiler {
                     tokens_per_day: tpd,
                     after_response: None,
                     pacing: None,
+                },
+                None => KindParts::default(),
+            },
+            LimitKind::Spend => match self.spend(config, &path) {
+                Some((shape, limit)) => KindParts {
+                    shape: Some(shape),
+                    cost: Some(CostSource::Fixed(0)),
+                    kind: RuleKind::Spend(limit),
+                    ..KindParts::default()
                 },
                 None => KindParts::default(),
             },

@@ -34,6 +34,7 @@ impl Kind {
             RuleKind::Guard(Guard::Breaker(_)) => Kind::Breaker,
             RuleKind::Concurrency(_) => Kind::Concurrency,
             RuleKind::Budget(_)
+            | RuleKind::Spend(_)
             | RuleKind::Llm(LlmLimit {
                 part: LlmPart::Day(_),
                 ..
@@ -268,13 +269,21 @@ pub async fn inspect(
     out["capacity"] = json!(micro_to_tokens(quota.burst()));
     match rule.budget() {
         Some(budget) => {
-            let window = budget.period.window(unix_us);
+            let window = budget.window(unix_us);
             let verdict = crate::limits::limiter::check_window(state, quota.burst(), window, 0);
             let spent = quota.burst().saturating_sub(verdict.available);
             out["tokens"] = json!(micro_to_tokens(verdict.available));
             out["spent"] = json!(micro_to_tokens(spent));
             out["budget"] = json!(micro_to_tokens(quota.burst()));
             out["period"] = json!(budget.period.as_str());
+            if rule.spend().is_some() {
+                // Money: `spent` and `budget` in the price table's currency, exactly in
+                // millionths beside them; `spent` includes what calls in flight reserved.
+                out["currency"] = json!(bundle.llm_prices.as_deref().map(|t| t.currency.as_str()));
+                out["timezone"] = json!(budget.zone.name());
+                out["spent_millionths"] = json!(spent);
+                out["budget_millionths"] = json!(quota.burst());
+            }
             out["window_ends_at"] = json!(rfc3339(unix_us.saturating_add(window.ends_in_us)));
             out["window_ends_in_secs"] = json!(secs(window.ends_in_us));
             out["full_in_secs"] = json!(if spent == 0 {
@@ -557,7 +566,7 @@ fn rule_line(
     } else {
         "allows, but nothing would be spent: another rule of its group refuses".to_string()
     };
-    json!({
+    let mut line = json!({
         "policy": rule.policy_id,
         "rule": rule.name,
         "mode": rule.mode.as_str(),
@@ -571,7 +580,18 @@ fn rule_line(
         "would_spend": outcome.committed,
         "retry_after": outcome.retry_after,
         "why": why,
-    })
+    });
+    // An `llm_spend` rule's amounts are money (the fields above in currency units): exactly,
+    // in millionths, what the period has spent (settled calls and those in flight), what is
+    // left, and what this request would reserve.
+    if rule.spend().is_some() {
+        line["money_millionths"] = json!({
+            "spent": burst.saturating_sub(available),
+            "left": available,
+            "would_reserve": cost,
+        });
+    }
+    line
 }
 
 fn slot_line(slot: &SlotOutcome<'_>, bucket: Option<String>) -> Value {
@@ -673,6 +693,7 @@ mod tests {
                     }) => "llm_minute",
                     RuleKind::Llm(_) => "llm_day",
                     RuleKind::Guard(_) => "guard",
+                    RuleKind::Spend(_) => "llm_spend",
                 };
                 (r.name.as_str(), kind, Kind::of(r).as_str())
             })

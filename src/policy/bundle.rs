@@ -61,6 +61,8 @@ pub struct Bundle {
     /// The `tiktoken` encodings its rules count prompts in (a set of
     /// [`crate::request::llm::TokenEncoding::bit`]s): front ends count those too.
     pub tiktoken: u8,
+    /// `llm_prices`: what each model's tokens cost (`llm_spend` rules).
+    pub llm_prices: Option<std::sync::Arc<crate::limits::prices::PriceTable>>,
 }
 
 /// Gives the memory a bundle's parse used (its JSON tree, the source text) back to the operating
@@ -121,6 +123,7 @@ impl Bundle {
             paces: false,
             index: index::BundleIndex::default(),
             tiktoken: 0,
+            llm_prices: None,
         }
     }
 
@@ -245,6 +248,7 @@ impl Bundle {
             .filter_map(|rule| {
                 let what = match &rule.kind {
                     RuleKind::Budget(_)
+                    | RuleKind::Spend(_)
                     | RuleKind::Llm(LlmLimit {
                         part: LlmPart::Day(_),
                         ..
@@ -300,7 +304,10 @@ impl Bundle {
             .filter(|rule| match &rule.kind {
                 RuleKind::Guard(_) => false,
                 RuleKind::Llm(llm) => matches!(llm.part, LlmPart::Minute),
-                RuleKind::TokenBucket | RuleKind::Budget(_) | RuleKind::Concurrency(_) => true,
+                RuleKind::TokenBucket
+                | RuleKind::Budget(_)
+                | RuleKind::Concurrency(_)
+                | RuleKind::Spend(_) => true,
             })
             .count()
     }

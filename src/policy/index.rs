@@ -342,7 +342,8 @@ struct RuleIndex {
 /// domains compare in any case: left to the scan).
 fn indexable<'r>(descriptor: &Descriptor, expected: &'r MatchValue) -> Option<&'r str> {
     match (descriptor, expected) {
-        (Descriptor::Host | Descriptor::Domain, _) | (_, MatchValue::Network(_)) => None,
+        (Descriptor::Host | Descriptor::Domain, _)
+        | (_, MatchValue::Network(_) | MatchValue::Pattern(_)) => None,
         (_, MatchValue::Text(value)) => Some(value),
     }
 }

@@ -59,6 +59,7 @@ pub fn made_up_by_client(descriptor: &Descriptor, trust: &KeyTrust) -> bool {
         | Descriptor::Host
         | Descriptor::Method
         | Descriptor::Grpc(_) => true,
+        Descriptor::LlmModel => true,
         Descriptor::Jwt(_) => !trust.jwt_claims_verified,
         Descriptor::Ip { v6_prefix } => {
             v6_prefix.unwrap_or(trust.default_v6_prefix) > HOST_V6_PREFIX
@@ -66,6 +67,7 @@ pub fn made_up_by_client(descriptor: &Descriptor, trust: &KeyTrust) -> bool {
         Descriptor::Network(_)
         | Descriptor::Domain
         | Descriptor::EntryKeys
+        | Descriptor::LlmProvider
         | Descriptor::Entry(_) => false,
     }
 }
@@ -77,6 +79,7 @@ pub fn long_lived(rule: &Rule) -> Option<String> {
     match &rule.kind {
         RuleKind::Concurrency(_) | RuleKind::Guard(_) => None,
         RuleKind::Budget(_) => Some("a budget".to_string()),
+        RuleKind::Spend(_) => Some("a spend budget".to_string()),
         RuleKind::Llm(LlmLimit {
             part: LlmPart::Day(_),
             ..

@@ -194,6 +194,8 @@ pub enum MatchValue {
     Text(String),
     /// For `ip:address`: the client address inside this network (or equal to this address).
     Network(IpNet),
+    /// For `llm:model`: a name with `*` standing for any run of characters.
+    Pattern(String),
 }
 
 impl MatchCondition {
@@ -201,6 +203,9 @@ impl MatchCondition {
     pub fn matches(&self, facts: &RequestFacts<'_>, default_v6_prefix: u8) -> bool {
         match (&self.expected, &self.descriptor) {
             (MatchValue::Network(net), _) => facts.client_ip.is_some_and(|ip| net.contains(ip)),
+            (MatchValue::Pattern(pattern), descriptor) => descriptor
+                .value(facts, default_v6_prefix)
+                .is_some_and(|v| crate::limits::prices::glob_match(pattern, &v)),
             (MatchValue::Text(expected), Descriptor::Host) => facts
                 .host_name()
                 .is_some_and(|h| h.eq_ignore_ascii_case(expected)),
@@ -290,6 +295,26 @@ pub enum RuleKind {
     Llm(LlmLimit),
     /// The rule a policy's `loop_detection` or `circuit_breaker` compiled to.
     Guard(Guard),
+    /// `llm_spend`: a budget in money (the quota's burst, in millionths of the price table's
+    /// currency) per calendar period, reserved at the model's prices.
+    Spend(SpendLimit),
+}
+
+/// An `llm_spend` rule: a request reserves the most its call can cost at its model's prices
+/// (the bundle's `llm_prices`) against the budget of the period (`budget`, on the calendar of
+/// its time zone), all-or-nothing with its other rules; the response's usage settles it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpendLimit {
+    /// The period and its calendar (one reject stage at 100 %).
+    pub budget: crate::limits::budget_window::Budget,
+    /// `on_exhausted.fallback_model`: the cheaper model a request is sent to when its own
+    /// reservation does not fit and the fallback's does.
+    pub fallback_model: Option<String>,
+    /// The completion reserved is at most this.
+    pub max_completion_tokens: Option<u64>,
+    /// The completion reserved when the request names no `max_tokens`.
+    pub default_max_completion: u64,
+    pub estimator: crate::request::llm::Estimator,
 }
 
 /// A `token_bucket_llm` rule (Fairvisor's fields). The rule is the tokens-per-minute bucket
@@ -519,10 +544,31 @@ impl Rule {
     pub fn budget(&self) -> Option<&crate::limits::budget_window::Budget> {
         match &self.kind {
             RuleKind::Budget(budget)
+            | RuleKind::Spend(SpendLimit { budget, .. })
             | RuleKind::Llm(LlmLimit {
                 part: LlmPart::Day(budget),
                 ..
             }) => Some(budget),
+            _ => None,
+        }
+    }
+
+    /// What one unit of this rule's `RateLimit` items (`q`, `r`) is worth in the quota's
+    /// micro-units: a token (a million), or for an `llm_spend` rule a millionth of the
+    /// currency (1: money is shown exactly).
+    #[inline]
+    pub fn header_unit(&self) -> u64 {
+        match self.kind {
+            RuleKind::Spend(_) => 1,
+            _ => crate::limits::limiter::MICRO,
+        }
+    }
+
+    /// An `llm_spend` rule's part.
+    #[inline]
+    pub fn spend(&self) -> Option<&SpendLimit> {
+        match &self.kind {
+            RuleKind::Spend(limit) => Some(limit),
             _ => None,
         }
     }

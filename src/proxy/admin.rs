@@ -462,7 +462,10 @@ impl Admin {
             .tokens
             .report_usage(
                 &token,
-                usage.total_tokens,
+                (
+                    usage.total_tokens,
+                    crate::engine::Spent::Tokens(usage.priced()),
+                ),
                 Some(usage.prompt_tokens).filter(|p| *p > 0),
             )
             .await

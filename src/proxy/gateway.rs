@@ -115,6 +115,9 @@ pub struct RequestCtx {
     /// A request body larger than Pingora's 64 KiB retry buffer, read whole before deciding:
     /// Pingora replays only its last piece, and `request_body_filter` sends this instead.
     forward_body: Option<Bytes>,
+    /// `forward_body` is the body with its `model` rewritten (an `llm_spend` fallback): its
+    /// length replaces the client's `Content-Length`.
+    model_rewritten: bool,
     /// An LLM reservation and the meter reading its response's usage (settled in `logging`).
     metering: Option<Box<Metering>>,
     /// What rules reading the response are owed (`count_when`, a response-priced cost):
@@ -215,6 +218,34 @@ impl Metering {
             None => (0, None, "unused"),
         }
     }
+
+    /// What the call cost by price, for the `llm_spend` budgets, read as [`Metering::used`]
+    /// reads the tokens: the response's usage (cached and cache-write tokens apart); else the
+    /// prompt estimate and the completion text seen; the whole reservation for a 2xx body that
+    /// could not be decoded; nothing for an error status or a request that never left.
+    fn spent(&self) -> crate::engine::Spent {
+        use crate::engine::Spent;
+        use crate::request::llm::BilledTokens;
+        let prompt = self.reservation.prompt_tokens();
+        let ok = (200..300).contains(&self.status);
+        match &self.meter {
+            Some(body) if !body.readable() && ok => Spent::AsReserved,
+            Some(body) => match body.meter().usage() {
+                Some(usage) => Spent::Tokens(usage.priced()),
+                None if ok => Spent::Tokens(BilledTokens {
+                    input: prompt,
+                    output: body.meter().completion_estimate(),
+                    ..BilledTokens::default()
+                }),
+                None => Spent::Tokens(BilledTokens::default()),
+            },
+            None if self.sent => Spent::Tokens(BilledTokens {
+                input: prompt,
+                ..BilledTokens::default()
+            }),
+            None => Spent::Tokens(BilledTokens::default()),
+        }
+    }
 }
 
 /// One request's access-log facts, gathered along the way.
@@ -235,6 +266,8 @@ struct AccessCtx {
 }
 
 static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+/// The model that answered, when an `llm_spend` fallback replaced the one the client named.
+static X_TOLLGATE_MODEL: http::HeaderName = http::HeaderName::from_static("x-tollgate-model");
 
 /// The proxy service.
 pub struct Proxy {
@@ -536,8 +569,14 @@ impl Reply {
 struct BodyFacts {
     /// The body's fingerprint (`loop_detection`).
     hash: Option<u64>,
-    /// What an LLM request's body asks for (`token_bucket_llm`).
+    /// What an LLM request's body asks for (`token_bucket_llm`, `llm_spend`).
     llm: Option<crate::request::llm::LlmRequest>,
+    /// The body itself, when read whole for an LLM rule (an `llm_spend` fallback rewrites its
+    /// `model`).
+    whole: Option<Bytes>,
+    /// The upstream group the request's route sends it to (`llm:provider`), looked up for an
+    /// LLM request only.
+    provider: Option<Arc<str>>,
 }
 
 // === The request path's stages ===
@@ -555,14 +594,25 @@ impl Proxy {
         self.peer(session, ctx);
         Self::syntax(session)?;
         self.trace(session, ctx);
-        let body = self.body(session, ctx).await?;
+        let mut body = self.body(session, ctx).await?;
         let req = session.req_header();
         let headers = HttpHeaders(&req.headers);
         let facts = self.facts(req, &headers, ctx)?;
+        if body.llm.is_some() {
+            body.provider = self
+                .upstreams
+                .load()
+                .route(facts.host_name(), &facts.path)
+                .map(|group| Arc::clone(&group.name));
+        }
         let claims = self.gateway.claims(&headers);
         let facts = Self::describe(facts, claims.as_deref(), &body, ctx);
-        let answer = self.decide(&facts, ctx).await;
+        let mut answer = self.decide(&facts, ctx).await;
+        let model = answer.model.take();
         Self::verdict(answer, ctx)?;
+        if let Some(model) = model {
+            Self::rewrite_model(&body, &model, ctx);
+        }
         self.route(req, &facts, ctx)?;
         if ctx.pace.is_some() {
             Box::pin(self.wait_turn(session, ctx)).await?;
@@ -620,6 +670,27 @@ impl Proxy {
             ctx.grpc = GrpcCall::of(req, !session.is_http2(), || {
                 self.gateway.counts_grpc_messages()
             });
+        }
+    }
+
+    /// Sends an admitted request to the `llm_spend` fallback model it was admitted with: the
+    /// body's `model` replaced (forwarded instead of the body read), and `X-Tollgate-Model`
+    /// on the response telling the client which model answered.
+    fn rewrite_model(body: &BodyFacts, model: &str, ctx: &mut RequestCtx) {
+        let rewritten = body
+            .whole
+            .as_deref()
+            .and_then(|whole| serde_json::from_slice::<serde_json::Value>(whole).ok())
+            .and_then(|mut json| {
+                *json.as_object_mut()?.get_mut("model")? = serde_json::Value::from(model);
+                serde_json::to_vec(&json).ok()
+            });
+        if let Some(rewritten) = rewritten {
+            ctx.forward_body = Some(Bytes::from(rewritten));
+            ctx.model_rewritten = true;
+        }
+        if let Ok(value) = http::HeaderValue::from_str(model) {
+            ctx.add_headers.push((X_TOLLGATE_MODEL.clone(), value));
         }
     }
 
@@ -701,11 +772,13 @@ impl Proxy {
                         self.gateway.tiktoken_encodings(),
                     );
                     if body.len() > RETRY_BUFFER_BYTES {
-                        ctx.forward_body = Some(body);
+                        ctx.forward_body = Some(body.clone());
                     }
                     ControlFlow::Continue(BodyFacts {
                         hash,
                         llm: Some(llm),
+                        whole: Some(body),
+                        provider: None,
                     })
                 }
                 Err((status, message)) => ControlFlow::Break(Reply::BodyUnread(status, message)),
@@ -715,7 +788,7 @@ impl Proxy {
             let read = Box::pin(read_small_body(session));
             return ControlFlow::Continue(BodyFacts {
                 hash: read.await,
-                llm: None,
+                ..BodyFacts::default()
             });
         }
         ControlFlow::Continue(BodyFacts::default())
@@ -798,12 +871,18 @@ impl Proxy {
         body: &'a BodyFacts,
         ctx: &RequestCtx,
     ) -> RequestFacts<'a> {
-        facts
+        let mut facts = facts
             .with_claims(claims)
             .with_body_hash(body.hash)
             .with_llm(body.llm.as_ref())
             .with_trusted_peer(ctx.forwarding.peer_trusted)
-            .with_trace(ctx.trace.as_deref().map(|t| t.facts()))
+            .with_trace(ctx.trace.as_deref().map(|t| t.facts()));
+        // Set in place, for LLM requests only: every other request's facts move no further.
+        if body.llm.is_some() {
+            facts.llm_provider = body.provider.as_deref();
+            facts.model_rewritable = body.whole.is_some();
+        }
+        facts
     }
 
     /// The decision, noted in the trace and the access log. The in-memory store decides
@@ -1530,6 +1609,14 @@ impl ProxyHttp for Proxy {
                 .map(|t| t.sni.as_str());
             super::protocol::host_for_upstream(upstream_request, tls_name, server)?;
         }
+        if let (true, Some(body)) = (ctx.model_rewritten, &ctx.forward_body) {
+            if upstream_request
+                .headers
+                .contains_key(http::header::CONTENT_LENGTH)
+            {
+                upstream_request.insert_header(http::header::CONTENT_LENGTH, body.len())?;
+            }
+        }
         super::forward::apply_request_rules(
             session,
             upstream_request,
@@ -1710,9 +1797,15 @@ impl ProxyHttp for Proxy {
                 );
             }
             let (used, reported_prompt, source) = metering.used();
+            let spent = metering.spent();
             self.gateway
                 .tokens
-                .settle(&metering.reservation, used, reported_prompt, source)
+                .settle(
+                    &metering.reservation,
+                    (used, spent),
+                    reported_prompt,
+                    source,
+                )
                 .await;
         }
         let mut trace = ctx.trace.take();

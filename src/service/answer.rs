@@ -35,6 +35,9 @@ pub struct Answer {
     pub response: Response,
     /// What a trace's span says of the decision (only for a sampled request).
     pub summary: Option<Box<DecisionSummary>>,
+    /// The model an `llm_spend` rule's fallback admitted the request with instead of the one
+    /// it named: the front end rewrites the request's `model` to it.
+    pub model: Option<Box<str>>,
 }
 
 /// What an answer is: exactly one of allowed, refused (with its reason) or no policy.

@@ -14,8 +14,8 @@ use super::described::{Described, HttpHeaders, X_FORWARDED_FOR, X_REAL_IP};
 use super::envoy_rls::{self, RlsFailure, RlsReply};
 use super::loaded::{signature, LoadedPolicy};
 use super::logging::log_decision;
-use super::penalties::Penalties;
 use super::pacing::{Pace, Pacer, Waited};
+use super::penalties::Penalties;
 use super::reload::{NetworkLoadError, Reload, Trigger};
 use super::source_state::FollowState;
 use super::state_key;
@@ -435,6 +435,7 @@ impl Gateway {
             reservation: None,
             // Nothing was spent for the response to settle.
             charges: None,
+            model: None,
             response: self.drained_response(retry_after),
             summary: answer.summary,
         }
@@ -497,11 +498,29 @@ impl Gateway {
         let unix_us = self.clock.unix_us();
         let now_us = self.store.now_us();
         let guard = self.policy.load();
-        let mut decision = match guard.as_deref() {
-            None => Decision::NoPolicy,
-            Some(bundle) => {
-                engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
+        let Some(bundle) = guard.as_deref() else {
+            let decided = Decided {
+                decision: Decision::NoPolicy,
+                request: RequestView::of(facts),
+            };
+            return Some(self.answer(&decided, started));
+        };
+        let decide = |facts: &RequestFacts<'_>| {
+            engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
+        };
+        // A spend budget that refused may admit the request on its cheaper fallback model.
+        let fallback_facts;
+        let decision = decide(facts);
+        let (mut decision, facts, model) = match decision.spend_fallback(facts.replaceable_model())
+        {
+            Some(model) => {
+                fallback_facts = facts.for_model(model);
+                match decide(&fallback_facts) {
+                    retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
+                    _ => (decision, facts, None),
+                }
             }
+            None => (decision, facts, None),
         };
         let counts = decision.penalty_counts();
         if !counts.is_empty() {
@@ -522,6 +541,7 @@ impl Gateway {
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
+        answer.model = model.map(Box::from);
         if self.candidate.is_set() {
             self.candidate
                 .after_local(&decided.decision, facts, memory, now_us, unix_us);
@@ -542,7 +562,51 @@ impl Gateway {
             };
             return self.answer(&decided, started);
         };
-        let decision = match engine::plan(&bundle, facts, unix_us, self.engine_config) {
+        let fallback_facts;
+        let decision = self.decide_shared(&bundle, facts, unix_us).await;
+        let (mut decision, facts, model) = match decision.spend_fallback(facts.replaceable_model())
+        {
+            Some(model) => {
+                fallback_facts = facts.for_model(model);
+                match self.decide_shared(&bundle, &fallback_facts, unix_us).await {
+                    retry @ Decision::Allow(_) => (retry, &fallback_facts, Some(model)),
+                    _ => (decision, facts, None),
+                }
+            }
+            None => (decision, facts, None),
+        };
+        let step = self.pace(&mut decision);
+        if let Some(step) = &step {
+            let _ = self.store.adjust(self.store.now_us(), &step.refund).await;
+            if let Some((id, keys)) = &step.leases {
+                self.store.release(*id, keys).await;
+            }
+        }
+        let decided = Decided {
+            decision,
+            request: RequestView::of(facts),
+        };
+        let mut answer = self.answer(&decided, started);
+        if let Some(step) = step {
+            step.place_in(&mut answer);
+        }
+        answer.model = model.map(Box::from);
+        if self.candidate.is_set() {
+            self.candidate
+                .after_shared(&decided.decision, facts, unix_us);
+        }
+        answer
+    }
+
+    /// One decision against a shared store: leases, then buckets, then the breakers it
+    /// tripped; a refused request's leases are given back.
+    async fn decide_shared<'b>(
+        &self,
+        bundle: &'b crate::policy::Bundle,
+        facts: &RequestFacts<'_>,
+        unix_us: u64,
+    ) -> Decision<'b> {
+        match engine::plan(bundle, facts, unix_us, self.engine_config) {
             Plan::Done(decision) => decision,
             Plan::Store(pending) => {
                 let now_us = self.store.now_us();
@@ -588,28 +652,7 @@ impl Gateway {
                 }
                 decision
             }
-        };
-        let mut decision = decision;
-        let step = self.pace(&mut decision);
-        if let Some(step) = &step {
-            let _ = self.store.adjust(self.store.now_us(), &step.refund).await;
-            if let Some((id, keys)) = &step.leases {
-                self.store.release(*id, keys).await;
-            }
         }
-        let decided = Decided {
-            decision,
-            request: RequestView::of(facts),
-        };
-        let mut answer = self.answer(&decided, started);
-        if let Some(step) = step {
-            step.place_in(&mut answer);
-        }
-        if self.candidate.is_set() {
-            self.candidate
-                .after_shared(&decided.decision, facts, unix_us);
-        }
-        answer
     }
 
     /// A paced decision (a `delay` rule made it wait): its place in line; or, when
@@ -738,6 +781,7 @@ impl Gateway {
             paced_by: None,
             lease: held_lease(decision),
             reservation: decision.reservation(),
+            model: None,
             charges: decision.response_charges().map(Box::new),
             // Only for a request whose span is recorded: nothing is built otherwise.
             summary: decided
@@ -778,6 +822,7 @@ impl Gateway {
             paced_by: None,
             lease: None,
             reservation: None,
+            model: None,
             charges: None,
             summary: described
                 .trace

@@ -6,6 +6,7 @@
 
 use super::state_key;
 use crate::config::{Config, StoreKind};
+use crate::engine::decision::Spent;
 use crate::engine::{Reservation, Settled};
 use crate::limits::clock::Clock;
 use crate::store::Store;
@@ -85,18 +86,29 @@ impl Tokens {
     pub async fn settle(
         &self,
         reservation: &Reservation,
-        used: u64,
+        (used, spent): (u64, Spent),
         reported_prompt: Option<u64>,
         source: &str,
     ) -> Settled {
         // A usage past any policy's reach (a hostile report) counts as the largest one.
         let used = used.min(crate::request::llm::MAX_TOKENS);
         let reported_prompt = reported_prompt.map(|p| p.min(crate::request::llm::MAX_TOKENS));
-        let adjustments = reservation.adjustments(used);
+        let mut adjustments = reservation.adjustments(used);
+        adjustments.extend(reservation.spend_adjustments(spent));
         let _ = self.store.adjust(self.store.now_us(), &adjustments).await;
         self.metrics
             .llm_settled(reservation, used, reported_prompt, source);
+        self.metrics
+            .llm_spent(reservation, &reservation.spend_settled(spent));
         reservation.settled(used)
+    }
+
+    /// Counts a reservation nobody settled: it stays charged as reserved.
+    fn expired(&self, reservation: &Reservation) {
+        self.metrics
+            .llm_settled(reservation, reservation.tokens(), None, "expired");
+        self.metrics
+            .llm_spent(reservation, &reservation.spend_settled(Spent::AsReserved));
     }
 
     /// Keeps a decision's reservation for `POST /v1/usage` and returns its token: with
@@ -143,7 +155,7 @@ impl Tokens {
     pub async fn report_usage(
         &self,
         token: &str,
-        used: u64,
+        usage: (u64, Spent),
         reported_prompt: Option<u64>,
     ) -> Option<Settled> {
         let now = self.clock.unix_us();
@@ -160,18 +172,17 @@ impl Tokens {
                 return None;
             }
             return Some(
-                self.settle(&verified.reservation, used, reported_prompt, "report")
+                self.settle(&verified.reservation, usage, reported_prompt, "report")
                     .await,
             );
         }
         let (expires, reservation) = self.held.lock().remove(token)?;
         if expires <= now {
-            self.metrics
-                .llm_settled(&reservation, reservation.tokens(), None, "expired");
+            self.expired(&reservation);
             return None;
         }
         Some(
-            self.settle(&reservation, used, reported_prompt, "report")
+            self.settle(&reservation, usage, reported_prompt, "report")
                 .await,
         )
     }
@@ -213,8 +224,7 @@ impl Tokens {
             keep
         });
         for reservation in expired {
-            self.metrics
-                .llm_settled(&reservation, reservation.tokens(), None, "expired");
+            self.expired(&reservation);
         }
     }
 }

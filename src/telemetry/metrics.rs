@@ -305,6 +305,8 @@ metric_table! {
         ["policy", "rule"] "Reserved tokens given back because the response used fewer" [];
     llm_tokens_overrun: IntCounterVec = Counter All "tollgate_llm_tokens_overrun_total"
         ["policy", "rule"] "Tokens charged beyond the reservation because the response used more" [];
+    llm_spend: IntCounterVec = Counter All "tollgate_llm_spend_total"
+        ["policy", "rule", "model"] "Money llm_spend rules charged once settled, in millionths of the price table's currency, by the price table entry that priced the model (other: the unknown_model price)" [];
     llm_settlements: IntCounterVec = Counter All "tollgate_llm_settlements_total"
         ["source"] "LLM reservations settled, by where the usage came from (usage: the response's usage object; estimate: counted from the text streamed; stopped: a stream stopped past max_completion_tokens, counted from the text let through; unused: nothing came back, all refunded; report: POST /v1/usage; expired: never reported, kept as reserved)" [];
     llm_estimate_ratio: Histogram = Histogram All "tollgate_llm_prompt_estimate_ratio"
@@ -600,6 +602,8 @@ impl Metrics {
             ("reject", Reason::ALL[14].as_str()),
             ("reject", Reason::ALL[15].as_str()),
             ("reject", Reason::ALL[16].as_str()),
+            ("reject", Reason::ALL[17].as_str()),
+            ("reject", Reason::ALL[18].as_str()),
         ]
         .map(|(action, reason)| requests.with_label_values(&[action, reason]));
         Ok(Metrics {
@@ -992,6 +996,20 @@ impl Metrics {
         self.families.paced.with_label_values(&[outcome]).inc();
         if let Some(waited) = waited {
             self.families.paced_waits.observe(waited.as_secs_f64());
+        }
+    }
+
+    /// What `llm_spend` budgets were charged once a reservation settled (in millionths).
+    pub fn llm_spent(
+        &self,
+        reservation: &crate::engine::Reservation,
+        settled: &[crate::engine::decision::SpendSettled],
+    ) {
+        for (op, settled) in reservation.spend.iter().zip(settled) {
+            self.families
+                .llm_spend
+                .with_label_values(&[op.policy.as_str(), op.rule.as_str(), op.model.as_str()])
+                .inc_by(settled.charged);
         }
     }
 

@@ -51,6 +51,10 @@ pub(crate) struct Compiler {
     /// `tokens_per_day` rule (by the minute rule's index): that rule shares those keys.
     pub(crate) day_rule_paths: Vec<(usize, Box<str>)>,
     pub(crate) policy_ids: AHashSet<String>,
+    /// The bundle's `llm_prices`, compiled before its policies (`None` also when invalid).
+    pub(crate) llm_prices: Option<crate::limits::prices::PriceTable>,
+    /// The bundle has an `llm_prices` block (valid or not: an invalid one is reported once).
+    pub(crate) llm_prices_written: bool,
 }
 
 /// A name as a key segment: `:` and `\` escaped, so the name ends at the first unescaped `:`

@@ -79,6 +79,14 @@ pub(crate) fn definition_hash(seed: u64, v: &Value) -> u64 {
     twox_hash::XxHash3_64::oneshot_with_seed(seed, &text)
 }
 
+/// An `llm_spend` rule's `RateLimit-Policy` item up to its window: `q` in millionths of the
+/// currency, exactly.
+fn spend_quota_item(name: &str, quota: &crate::limits::limiter::Quota) -> String {
+    let mut item = String::new();
+    crate::policy::rule::push_sf_string(&mut item, name);
+    format!("{item};q={}", quota.burst())
+}
+
 /// What an unnamed `fallback_limit` is called.
 const FALLBACK_NAME: &str = "fallback_limit";
 
@@ -113,9 +121,17 @@ impl Compiler {
         let tiktoken = self
             .rules
             .iter()
-            .filter_map(|r| match r.llm().map(|l| l.estimator) {
-                Some(crate::request::llm::Estimator::Tiktoken(encoding)) => Some(encoding.bit()),
-                _ => None,
+            .filter_map(|r| {
+                match r
+                    .llm()
+                    .map(|l| l.estimator)
+                    .or(r.spend().map(|s| s.estimator))
+                {
+                    Some(crate::request::llm::Estimator::Tiktoken(encoding)) => {
+                        Some(encoding.bit())
+                    }
+                    _ => None,
+                }
             })
             .fold(0, |set, bit| set | bit);
         let index = crate::policy::index::BundleIndex::build(
@@ -145,6 +161,7 @@ impl Compiler {
             skipped: self.skipped,
             index,
             tiktoken,
+            llm_prices: self.llm_prices.map(std::sync::Arc::new),
         }
     }
 
@@ -213,10 +230,16 @@ impl Compiler {
                     "defaults",
                     "global_shadow",
                     "kill_switch_override",
+                    "llm_prices",
                 ],
             ) else {
                 return;
             };
+            // Before the policies: their `llm_spend` rules are checked against it.
+            if let Some(v) = map.get("llm_prices") {
+                self.llm_prices = self.llm_prices(v, "llm_prices");
+                self.llm_prices_written = true;
+            }
             match map.get("bundle_version") {
                 Some(v) => self.bundle_version(v),
                 None => self.error("bundle_version", "is required"),
@@ -464,10 +487,11 @@ impl Compiler {
         let circuit_breaker = spec.get("circuit_breaker").and_then(|v| {
             self.circuit_breaker(v, &join(path, "circuit_breaker"), policy_index, mode, start)
         });
-        let meters_tokens = self.rules[start..].iter().any(|r| r.llm().is_some());
+        let metered = |r: &Rule| r.llm().is_some() || r.spend().is_some();
+        let meters_tokens = self.rules[start..].iter().any(metered);
         let enforces_tokens = self.rules[start..]
             .iter()
-            .any(|r| r.llm().is_some() && r.mode == Mode::Enforce);
+            .any(|r| metered(r) && r.mode == Mode::Enforce);
         let day_rule_paths = std::mem::take(&mut self.day_rule_paths);
         for (minute, mut day) in std::mem::take(&mut self.day_rules) {
             day.index = self.rules.len();
@@ -635,6 +659,7 @@ impl Compiler {
                             continue;
                         }
                     },
+                    Descriptor::LlmModel if text.contains('*') => MatchValue::Pattern(text),
                     _ => MatchValue::Text(text),
                 };
                 conditions.push(MatchCondition {
@@ -700,7 +725,10 @@ impl Compiler {
             );
         }
         let window_secs = match &parts.kind {
-            RuleKind::Budget(b) => b.period.nominal_secs(),
+            RuleKind::Budget(b)
+            | RuleKind::Spend(crate::policy::rule::SpendLimit { budget: b, .. }) => {
+                b.period.nominal_secs()
+            }
             _ => shape.quota.window_secs(),
         };
         let keys_path: Box<str> = join(path, "limit_keys").into();
@@ -713,6 +741,8 @@ impl Compiler {
                 .push((self.rules.len(), keys_path.clone()));
         }
         let index = self.rules.len();
+        let spend_item = matches!(parts.kind, RuleKind::Spend(_))
+            .then(|| format!("{};w={window_secs}", spend_quota_item(&name, &shape.quota)));
         self.rules.push(Rule {
             index,
             limit_keys,
@@ -730,6 +760,9 @@ impl Compiler {
             after_response: parts.after_response,
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
+        if let (Some(item), Some(rule)) = (spend_item, self.rules.last_mut()) {
+            rule.policy_item = item;
+        }
         if self
             .rules
             .last()
@@ -829,7 +862,7 @@ impl Compiler {
         if kind.is_none() {
             self.error(
                 &join(path, "algorithm"),
-                format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)"),
+                format!("unknown algorithm '{a}' (supported: token_bucket, cost_based, concurrency, token_bucket_llm, llm_spend)"),
             );
         }
         kind

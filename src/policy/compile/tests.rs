@@ -196,7 +196,7 @@ fn invalid_policies_can_be_skipped() {
     assert_eq!(
         errors,
         [
-            "policies[0].spec.rules[0].algorithm: unknown algorithm 'leaky_bucket' (supported: token_bucket, cost_based, concurrency, token_bucket_llm)",
+            "policies[0].spec.rules[0].algorithm: unknown algorithm 'leaky_bucket' (supported: token_bucket, cost_based, concurrency, token_bucket_llm, llm_spend)",
             "policies[1].spec.rules[0].name: duplicate rule name 'shared-name' (first defined at policies[0].spec.rules[0].name); rule names are bucket namespaces and must be unique across the bundle",
         ]
     );

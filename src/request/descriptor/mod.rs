@@ -36,6 +36,14 @@ pub struct RequestFacts<'a> {
     pub body_hash: Option<u64>,
     /// What an LLM request body asks for, when the front end read it (`token_bucket_llm`).
     pub llm: Option<&'a crate::request::llm::LlmRequest>,
+    /// The model the request is decided for instead of the one it names: an `llm_spend`
+    /// rule's fallback, which the request is rewritten to.
+    pub model_override: Option<&'a str>,
+    /// The upstream group the request's route sends it to (`llm:provider`), when known.
+    pub llm_provider: Option<&'a str>,
+    /// The front end can rewrite the body's `model` (the proxy, holding the body it read): an
+    /// `llm_spend` rule's fallback model is tried only then.
+    pub model_rewritable: bool,
     /// The request (or the decision-service call describing it) came from a `--trusted-proxy`
     /// peer: its network headers (`X-Country-Code`...) may be believed.
     pub trusted_peer: bool,
@@ -161,6 +169,9 @@ impl<'a> RequestFacts<'a> {
             envoy: None,
             body_hash: None,
             llm: None,
+            model_override: None,
+            llm_provider: None,
+            model_rewritable: false,
             trusted_peer: false,
             network: None,
             trace: None,
@@ -216,6 +227,44 @@ impl<'a> RequestFacts<'a> {
         self
     }
 
+    /// The same facts, sent to upstream group `provider` (`llm:provider`).
+    pub fn with_llm_provider(mut self, provider: Option<&'a str>) -> Self {
+        self.llm_provider = provider;
+        self
+    }
+
+    /// The same facts, from a front end that can rewrite the body's `model` (or not).
+    pub fn with_model_rewritable(mut self, rewritable: bool) -> Self {
+        self.model_rewritable = rewritable;
+        self
+    }
+
+    /// The model an `llm_spend` fallback may replace: the body's `model`, when the front end
+    /// can rewrite it (a model named in the path, or a body another gateway holds, cannot be).
+    pub fn replaceable_model(&self) -> Option<&'a str> {
+        if !self.model_rewritable {
+            return None;
+        }
+        self.llm.and_then(|l| l.model.as_deref())
+    }
+
+    /// The model the request names (`llm:model`): a fallback it is rewritten to, else its
+    /// body's `model`, else Gemini's model in the path.
+    pub fn llm_model(&self) -> Option<Cow<'a, str>> {
+        let named = self
+            .model_override
+            .or_else(|| self.llm.and_then(|l| l.model.as_deref()));
+        if let Some(model) = named {
+            return Some(Cow::Borrowed(model));
+        }
+        match &self.path {
+            Cow::Borrowed(path) => crate::request::llm::gemini_model(path).map(Cow::Borrowed),
+            Cow::Owned(path) => {
+                crate::request::llm::gemini_model(path).map(|m| Cow::Owned(m.to_string()))
+            }
+        }
+    }
+
     /// The same facts, from a trusted peer or not (see [`RequestFacts::trusted_peer`]).
     pub fn with_trusted_peer(mut self, trusted: bool) -> Self {
         self.trusted_peer = trusted;
@@ -240,6 +289,23 @@ impl<'a> RequestFacts<'a> {
         network: &'n crate::request::network::NetworkFacts,
     ) -> RequestFacts<'n> {
         RequestFacts {
+            network: Some(network),
+            ..self.reborrowed()
+        }
+    }
+
+    /// A copy of these facts decided as if the request named `model` (an `llm_spend` rule's
+    /// fallback, which the request is then rewritten to).
+    pub fn for_model<'n>(&'n self, model: &'n str) -> RequestFacts<'n> {
+        RequestFacts {
+            model_override: Some(model),
+            ..self.reborrowed()
+        }
+    }
+
+    /// The same facts, borrowing these (the path included).
+    fn reborrowed(&self) -> RequestFacts<'_> {
+        RequestFacts {
             method: self.method,
             path: Cow::Borrowed(&self.path),
             query: self.query,
@@ -250,8 +316,11 @@ impl<'a> RequestFacts<'a> {
             envoy: self.envoy,
             body_hash: self.body_hash,
             llm: self.llm,
+            model_override: self.model_override,
+            llm_provider: self.llm_provider,
+            model_rewritable: self.model_rewritable,
             trusted_peer: self.trusted_peer,
-            network: Some(network),
+            network: self.network,
             trace: self.trace,
             grpc_message: self.grpc_message,
         }
@@ -606,6 +675,10 @@ pub enum Descriptor {
     /// `grpc:service`, `grpc:method`: a gRPC call's `package.Service` and `Method`, from its
     /// path `/package.Service/Method` ([`crate::request::grpc`]); absent on other requests.
     Grpc(GrpcPart),
+    /// `llm:model`: the model an LLM request names ([`RequestFacts::llm_model`]).
+    LlmModel,
+    /// `llm:provider`: the upstream group the request's route sends it to.
+    LlmProvider,
 }
 
 /// Which part of a gRPC call's path a `Descriptor::Grpc` reads.
@@ -630,7 +703,7 @@ pub enum NetworkKey {
 /// Why a descriptor string is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DescriptorError {
-    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, grpc:service, grpc:method, grpc:message, descriptor:<key>, domain or descriptor_keys)")]
+    #[error("unknown descriptor '{0}' (expected ip:address, ip:country, ip:asn, ip:type, ip:tor, header:<name>, query:<name>, jwt:<claim>, method, path, host, grpc:service, grpc:method, grpc:message, descriptor:<key>, domain, descriptor_keys, llm:model or llm:provider)")]
     Unknown(String),
     #[error("descriptor '{0}' needs a name after the colon")]
     EmptyName(String),
@@ -666,6 +739,8 @@ impl Descriptor {
             "grpc:service" => return Ok(Descriptor::Grpc(GrpcPart::Service)),
             "grpc:method" => return Ok(Descriptor::Grpc(GrpcPart::Method)),
             "grpc:message" => return Ok(Descriptor::Grpc(GrpcPart::Message)),
+            "llm:model" => return Ok(Descriptor::LlmModel),
+            "llm:provider" => return Ok(Descriptor::LlmProvider),
             _ => {}
         }
         if let Some(bits) = text.strip_prefix("ip:address/") {
@@ -719,6 +794,8 @@ impl Descriptor {
                 .envoy
                 .map(|e| Cow::Owned(e.domain.to_ascii_lowercase())),
             Descriptor::EntryKeys => facts.envoy.map(|e| Cow::Owned(e.keys())),
+            Descriptor::LlmModel => facts.llm_model(),
+            Descriptor::LlmProvider => facts.llm_provider.map(Cow::Borrowed),
             Descriptor::Network(key) => {
                 let network = facts.network?;
                 match key {
@@ -778,6 +855,8 @@ impl std::fmt::Display for Descriptor {
             Descriptor::Grpc(GrpcPart::Service) => f.write_str("grpc:service"),
             Descriptor::Grpc(GrpcPart::Method) => f.write_str("grpc:method"),
             Descriptor::Grpc(GrpcPart::Message) => f.write_str("grpc:message"),
+            Descriptor::LlmModel => f.write_str("llm:model"),
+            Descriptor::LlmProvider => f.write_str("llm:provider"),
         }
     }
 }

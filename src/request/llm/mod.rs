@@ -138,9 +138,30 @@ pub fn estimate_text(text: &str) -> u64 {
     count.tokens()
 }
 
+/// The longest model name read from a request (a longer one is no model the price table can
+/// name, and is not kept).
+pub const MAX_MODEL_LEN: usize = 256;
+
+/// Gemini's model in a request path (`/v1beta/models/gemini-1.5-pro:generateContent` →
+/// `gemini-1.5-pro`); OpenAI and Anthropic name theirs in the body's `model`.
+pub fn gemini_model(path: &str) -> Option<&str> {
+    let (_, rest) = path.split_once("/models/")?;
+    let name = rest.split([':', '/']).next()?;
+    (!name.is_empty() && name.len() <= MAX_MODEL_LEN).then_some(name)
+}
+
+/// A body's `model` value, when a string of at most [`MAX_MODEL_LEN`] bytes.
+fn model_of(v: &Value) -> Option<String> {
+    v.as_str()
+        .filter(|m| !m.is_empty() && m.len() <= MAX_MODEL_LEN)
+        .map(str::to_string)
+}
+
 /// What an LLM request asks for, read once from its body.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LlmRequest {
+    /// The top-level `model`, when a non-empty string of at most [`MAX_MODEL_LEN`] bytes.
+    pub model: Option<String>,
     /// The `simple_word` estimate of the prompt: every text the model reads (see
     /// [`field`]: every string of the body but known metadata, tool and response schemas as
     /// their JSON text) plus a fixed estimate per image or audio part (`media_tokens`). A body
@@ -221,6 +242,7 @@ impl LlmRequest {
             .iter()
             .find_map(|f| json.get(*f).and_then(Value::as_u64));
         LlmRequest {
+            model: json.get("model").and_then(model_of),
             prompt_tokens: count.tokens(),
             max_completion,
             exact_prompt_tokens: [None; 2],
@@ -604,8 +626,10 @@ impl<'de> serde::de::Visitor<'de> for RequestSeed {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<LlmRequest, A::Error> {
         let mut count = Prompt::default();
         let mut completion = [None; 3];
+        let mut model = None;
         while let Some(key) = map.next_key::<RequestKey>()? {
             match key {
+                RequestKey::Model => model = model_of(&map.next_value::<Value>()?),
                 RequestKey::Completion(i) => {
                     completion[i] = map.next_value::<Value>()?.as_u64();
                 }
@@ -617,6 +641,7 @@ impl<'de> serde::de::Visitor<'de> for RequestSeed {
             }
         }
         Ok(LlmRequest {
+            model,
             prompt_tokens: count.tokens(),
             max_completion: completion.into_iter().flatten().next(),
             exact_prompt_tokens: [None; 2],
@@ -626,12 +651,16 @@ impl<'de> serde::de::Visitor<'de> for RequestSeed {
 
 /// A request body's top-level field, as [`RequestSeed`] reads it.
 enum RequestKey {
+    Model,
     Completion(usize),
     Field(Field),
 }
 
 impl RequestKey {
     fn of(key: &str) -> RequestKey {
+        if key == "model" {
+            return RequestKey::Model;
+        }
         match COMPLETION_FIELDS.iter().position(|f| *f == key) {
             Some(i) => RequestKey::Completion(i),
             None => RequestKey::Field(top_level_field(key)),

@@ -13,34 +13,47 @@ pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub total_tokens: u64,
+    /// The same tokens as each is priced (`llm_spend` rules).
+    pub billed: BilledTokens,
+}
+
+/// A response's tokens by price: prompt tokens read fresh, read from the provider's cache,
+/// written to its cache, and completion tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BilledTokens {
+    pub input: u64,
+    pub cached: u64,
+    pub cache_write: u64,
+    pub output: u64,
 }
 
 impl Usage {
-    /// OpenAI's `{prompt_tokens, completion_tokens, total_tokens}` or the Responses API's
-    /// `{input_tokens, output_tokens, total_tokens}`; `None` when absent or `null`. A missing
-    /// total is the sum of the two.
+    /// OpenAI's `{prompt_tokens, completion_tokens, total_tokens}`, the Responses API's
+    /// `{input_tokens, output_tokens, total_tokens}` or Anthropic's `{input_tokens,
+    /// output_tokens, cache_read_input_tokens, cache_creation_input_tokens}`; `None` when
+    /// absent or `null`. A missing total is the sum of the two.
     pub fn of(json: &Value) -> Option<Usage> {
         let usage = json.get("usage").filter(|u| u.is_object())?;
-        let field = |names: [&str; 2]| {
-            names
-                .iter()
-                .find_map(|n| usage.get(*n).and_then(Value::as_u64))
-        };
-        let prompt = field(["prompt_tokens", "input_tokens"]);
-        let completion = field(["completion_tokens", "output_tokens"]);
-        let total = usage.get("total_tokens").and_then(Value::as_u64);
-        if prompt.is_none() && completion.is_none() && total.is_none() {
-            return None;
+        UsageFields::of(usage).usage()
+    }
+
+    /// The tokens to price: [`Usage::billed`], with tokens named only in the total (a report
+    /// of `total_tokens` alone) charged as completion tokens.
+    pub fn priced(&self) -> BilledTokens {
+        let b = self.billed;
+        let named = b
+            .input
+            .saturating_add(b.cached)
+            .saturating_add(b.cache_write)
+            .saturating_add(b.output);
+        BilledTokens {
+            output: b
+                .output
+                .saturating_add(self.total_tokens.saturating_sub(named)),
+            ..b
         }
-        let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
-        Some(Usage {
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-            total_tokens: total.unwrap_or(prompt.saturating_add(completion)),
-        })
     }
 }
-
 /// What a `token_bucket_llm` rule's `streaming` block does with a streamed completion that runs
 /// past `max_completion_tokens` (Fairvisor's field names): the gateway stops the stream once the
 /// estimate of the text streamed passes `max_completion_tokens + buffer_tokens`, ends it with a
@@ -148,6 +161,9 @@ struct StreamChunk<'a> {
     usage: Option<Object<UsageFields>>,
     #[serde(default)]
     response: Option<Object<ResponseEvent>>,
+    /// Anthropic's `message_start`: the message with its input usage.
+    #[serde(default)]
+    message: Option<Object<ResponseEvent>>,
     /// Responses API text deltas (`response.output_text.delta`).
     #[serde(borrow, default)]
     delta: Option<Text<'a>>,
@@ -224,6 +240,7 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for Text<'a> {
 
 /// `T` read from a JSON object only: serde's derived structs also accept an array of their
 /// fields, which the document reader never reads as one.
+#[derive(Debug, Clone, Copy)]
 struct Object<T>(T);
 
 impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Object<T> {
@@ -258,17 +275,84 @@ struct ResponseEvent {
     usage: Option<Object<UsageFields>>,
 }
 
-/// A `usage` object's token counts, under OpenAI's or the Responses API's names.
-#[derive(serde::Deserialize)]
+/// A `usage` object's token counts, under OpenAI's, the Responses API's or Anthropic's names.
+/// A stream may report them over several events (Anthropic's `message_start` has the input,
+/// `message_delta` the output): each event's counts replace those it names ([`UsageFields::merge`]).
+#[derive(serde::Deserialize, Debug, Clone, Copy, Default)]
 struct UsageFields {
     prompt_tokens: Option<u64>,
     input_tokens: Option<u64>,
     completion_tokens: Option<u64>,
     output_tokens: Option<u64>,
     total_tokens: Option<u64>,
+    /// Anthropic: read from the cache, beside `input_tokens`.
+    cache_read_input_tokens: Option<u64>,
+    /// Anthropic: written to the cache, beside `input_tokens`.
+    cache_creation_input_tokens: Option<u64>,
+    /// OpenAI: `prompt_tokens_details.cached_tokens` (part of `prompt_tokens`).
+    #[serde(default)]
+    prompt_tokens_details: Option<Object<CachedDetails>>,
+    /// Responses API: `input_tokens_details.cached_tokens` (part of `input_tokens`).
+    #[serde(default)]
+    input_tokens_details: Option<Object<CachedDetails>>,
+}
+
+#[derive(serde::Deserialize, Debug, Clone, Copy, Default)]
+struct CachedDetails {
+    cached_tokens: Option<u64>,
 }
 
 impl UsageFields {
+    /// The counts of a `usage` object read as a document (a field that is not a whole number
+    /// is absent).
+    fn of(usage: &Value) -> UsageFields {
+        let n = |name: &str| usage.get(name).and_then(Value::as_u64);
+        let cached = |name: &str| {
+            let cached_tokens = usage
+                .get(name)
+                .and_then(|d| d.get("cached_tokens"))
+                .and_then(Value::as_u64);
+            cached_tokens.map(|c| {
+                Object(CachedDetails {
+                    cached_tokens: Some(c),
+                })
+            })
+        };
+        UsageFields {
+            prompt_tokens: n("prompt_tokens"),
+            input_tokens: n("input_tokens"),
+            completion_tokens: n("completion_tokens"),
+            output_tokens: n("output_tokens"),
+            total_tokens: n("total_tokens"),
+            cache_read_input_tokens: n("cache_read_input_tokens"),
+            cache_creation_input_tokens: n("cache_creation_input_tokens"),
+            prompt_tokens_details: cached("prompt_tokens_details"),
+            input_tokens_details: cached("input_tokens_details"),
+        }
+    }
+
+    /// These counts, with those a later event names replacing them.
+    fn merge(&mut self, later: UsageFields) {
+        macro_rules! take {
+            ($($field:ident),*) => { $(if later.$field.is_some() { self.$field = later.$field; })* };
+        }
+        take!(
+            prompt_tokens,
+            input_tokens,
+            completion_tokens,
+            output_tokens,
+            total_tokens,
+            cache_read_input_tokens,
+            cache_creation_input_tokens
+        );
+        if later.prompt_tokens_details.is_some() {
+            self.prompt_tokens_details = later.prompt_tokens_details;
+        }
+        if later.input_tokens_details.is_some() {
+            self.input_tokens_details = later.input_tokens_details;
+        }
+    }
+
     /// As [`Usage::of`]: `None` without any count; a missing total is the sum.
     fn usage(self) -> Option<Usage> {
         let prompt = self.prompt_tokens.or(self.input_tokens);
@@ -277,12 +361,25 @@ impl UsageFields {
             return None;
         }
         let (prompt, completion) = (prompt.unwrap_or(0), completion.unwrap_or(0));
+        let details = |d: Option<Object<CachedDetails>>| d.and_then(|Object(d)| d.cached_tokens);
+        // OpenAI counts cached tokens inside the prompt; Anthropic beside it.
+        let cached_inside = details(self.prompt_tokens_details)
+            .or(details(self.input_tokens_details))
+            .unwrap_or(0)
+            .min(prompt);
+        let billed = BilledTokens {
+            input: prompt - cached_inside,
+            cached: cached_inside.saturating_add(self.cache_read_input_tokens.unwrap_or(0)),
+            cache_write: self.cache_creation_input_tokens.unwrap_or(0),
+            output: completion,
+        };
         Some(Usage {
             prompt_tokens: prompt,
             completion_tokens: completion,
             total_tokens: self
                 .total_tokens
                 .unwrap_or(prompt.saturating_add(completion)),
+            billed,
         })
     }
 }
@@ -302,7 +399,8 @@ enum Format {
 pub struct ResponseMeter {
     format: Format,
     limit: usize,
-    usage: Option<Usage>,
+    /// The usage counts read so far (merged event by event), if any.
+    usage: Option<UsageFields>,
     /// The completion text seen (streamed deltas, or a JSON body's choices).
     completion: TextCount,
     /// Body bytes seen.
@@ -477,16 +575,16 @@ impl ResponseMeter {
             self.remember_stream(id, chunk.created, chunk.model.as_deref());
         }
         if let Some(Object(usage)) = chunk.usage {
-            if let Some(usage) = usage.usage() {
-                self.usage = Some(usage);
-            }
+            self.add_usage(usage);
         }
-        if let Some(Object(ResponseEvent {
-            usage: Some(Object(usage)),
-        })) = chunk.response
-        {
-            if let Some(usage) = usage.usage() {
-                self.usage = Some(usage);
+        // Responses API events carry it in `response.usage`, Anthropic's `message_start` in
+        // `message.usage`.
+        for event in [chunk.response, chunk.message].into_iter().flatten() {
+            if let Object(ResponseEvent {
+                usage: Some(Object(usage)),
+            }) = event
+            {
+                self.add_usage(usage);
             }
         }
         for Object(choice) in &chunk.choices {
@@ -509,12 +607,15 @@ impl ResponseMeter {
             let created = json.get("created").and_then(Value::as_u64);
             self.remember_stream(id, created, json.get("model").and_then(Value::as_str));
         }
-        if let Some(usage) = Usage::of(json) {
-            self.usage = Some(usage);
-        }
-        // Responses API events carry their usage in `response.usage`.
-        if let Some(usage) = json.get("response").and_then(Usage::of) {
-            self.usage = Some(usage);
+        // The response's own `usage`; Responses API events carry theirs in `response.usage`,
+        // Anthropic's `message_start` in `message.usage`.
+        for holder in [Some(json), json.get("response"), json.get("message")]
+            .into_iter()
+            .flatten()
+        {
+            if let Some(usage) = holder.get("usage").filter(|u| u.is_object()) {
+                self.add_usage(UsageFields::of(usage));
+            }
         }
         let texts = json
             .get("choices")
@@ -559,9 +660,17 @@ impl ResponseMeter {
         }
     }
 
+    /// Counts a usage object read from the response: merged into those read before.
+    fn add_usage(&mut self, usage: UsageFields) {
+        match &mut self.usage {
+            Some(seen) => seen.merge(usage),
+            None => self.usage = Some(usage),
+        }
+    }
+
     /// The usage the response reported, if it did.
     pub fn usage(&self) -> Option<Usage> {
-        self.usage
+        self.usage.and_then(UsageFields::usage)
     }
 
     /// The `simple_word` estimate of the completion text seen so far.

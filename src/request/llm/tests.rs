@@ -17,6 +17,7 @@ fn prompts_are_estimated_from_every_openai_shape() {
     assert_eq!(
         LlmRequest::parse(chat),
         LlmRequest {
+            model: Some("m".to_string()),
             prompt_tokens: 7 + IMAGE_TOKENS,
             max_completion: Some(800),
             exact_prompt_tokens: [None; 2],
@@ -26,6 +27,7 @@ fn prompts_are_estimated_from_every_openai_shape() {
     assert_eq!(
         LlmRequest::parse(completion),
         LlmRequest {
+            model: None,
             prompt_tokens: 4,
             max_completion: Some(5),
             exact_prompt_tokens: [None; 2],
@@ -171,7 +173,12 @@ fn json_usage_is_read_at_the_end_of_the_body() {
         Some(Usage {
             prompt_tokens: 12,
             completion_tokens: 288,
-            total_tokens: 300
+            total_tokens: 300,
+            billed: BilledTokens {
+                input: 12,
+                output: 288,
+                ..BilledTokens::default()
+            }
         })
     );
     assert_eq!(meter.completion_estimate(), 3);
@@ -223,6 +230,52 @@ fn responses_api_usage_and_null_usage() {
     assert_eq!(meter.usage().map(|u| u.total_tokens), Some(11));
     let null: Value = serde_json::from_str(r#"{"usage":null}"#).unwrap();
     assert_eq!(Usage::of(&null), None);
+}
+
+/// Issue 54: cached and cache-write tokens, each API's way. OpenAI counts cached tokens inside
+/// `prompt_tokens`; Anthropic beside `input_tokens`, and streams the input in `message_start`
+/// and the output in `message_delta`.
+#[test]
+fn cached_tokens_are_told_apart_in_both_api_shapes() {
+    let openai = br#"{"usage":{"prompt_tokens":1000,"completion_tokens":50,"total_tokens":1050,"prompt_tokens_details":{"cached_tokens":800}}}"#;
+    let mut meter = ResponseMeter::new("application/json", 1 << 16);
+    meter.feed(openai);
+    meter.finish();
+    let billed = |input, cached, cache_write, output| BilledTokens {
+        input,
+        cached,
+        cache_write,
+        output,
+    };
+    assert_eq!(meter.usage().unwrap().billed, billed(200, 800, 0, 50));
+    let anthropic = br#"{"type":"message","usage":{"input_tokens":30,"cache_read_input_tokens":900,"cache_creation_input_tokens":70,"output_tokens":40}}"#;
+    let mut meter = ResponseMeter::new("application/json", 1 << 16);
+    meter.feed(anthropic);
+    meter.finish();
+    let usage = meter.usage().unwrap();
+    assert_eq!(usage.billed, billed(30, 900, 70, 40));
+    assert_eq!(usage.total_tokens, 70);
+    let stream = concat!(
+        "event: message_start\n",
+        "data: {\"type\":\"message_start\",\"message\":{\"id\":\"m1\",\"model\":\"claude-x\",\"usage\":{\"input_tokens\":30,\"cache_read_input_tokens\":900,\"cache_creation_input_tokens\":70,\"output_tokens\":1}}}\n\n",
+        "event: content_block_delta\n",
+        "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n",
+        "event: message_delta\n",
+        "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":40}}\n\n",
+    );
+    let mut meter = ResponseMeter::new("text/event-stream", 1 << 16);
+    for piece in stream.as_bytes().chunks(5) {
+        meter.feed(piece);
+    }
+    assert_eq!(meter.usage().unwrap().billed, billed(30, 900, 70, 40));
+    // The Responses API's cached input, inside `input_tokens`.
+    let v: Value = serde_json::from_str(
+        r#"{"type":"response.completed","response":{"usage":{"input_tokens":50,"input_tokens_details":{"cached_tokens":20},"output_tokens":6}}}"#,
+    )
+    .unwrap();
+    let mut meter = ResponseMeter::new("text/event-stream", 1024);
+    meter.read_document(&v, true);
+    assert_eq!(meter.usage().unwrap().billed, billed(30, 20, 0, 6));
 }
 
 fn cap(max: u64, buffer: u64, on_exceeded: StreamCutStyle) -> StreamCap {
@@ -531,6 +584,7 @@ fn request_edge_cases_read_like_documents() {
     assert_eq!(
         LlmRequest::parse(bodies[2]),
         LlmRequest {
+            model: None,
             prompt_tokens: 4,
             max_completion: Some(7),
             exact_prompt_tokens: [None; 2],
