@@ -366,7 +366,15 @@ mod tests {
             let state = record.restore((k, k * 7), &quota, None, 0).unwrap();
             assert!(state.tokens <= 10 * MICRO - (k % 10 + 1) * MICRO, "key {k}");
         }
-        // A record that has ended is replaced, not merged.
+    }
+
+    #[test]
+    fn a_record_that_has_ended_is_replaced_not_merged() {
+        // A table of its own: in a full one, the key's cells may all be shared with records
+        // still running (the seed is random), which is the merge the test above is about.
+        let record = EvictedRecord::in_memory().unwrap();
+        let quota = quota_per_min(10);
+        record.record((1, 7), 61, Some(5 * MICRO), 0);
         record.record((1, 7), 100, Some(MICRO), 70 * US_PER_SEC);
         let state = record
             .restore((1, 7), &quota, None, 70 * US_PER_SEC)
