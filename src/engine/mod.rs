@@ -576,7 +576,16 @@ impl<'b> Walk<'b> {
         let found = KEY_BUFFER.with(|buffer| {
             let mut bucket = buffer.borrow_mut();
             write_bucket(rule, facts, prefix, &mut bucket).then(|| {
-                let quota = *rule.quota_for(&bucket[rule.key_prefix.len()..]);
+                let key = &bucket[rule.key_prefix.len()..];
+                // An override set at runtime beats the bundle's own quotas for its key.
+                let quota = match self.context.bundle.key_quotas.get(
+                    rule.index,
+                    key,
+                    self.context.unix_us,
+                ) {
+                    Some(quota) => quota,
+                    None => rule.quota_for_request(key, facts),
+                };
                 (BucketKey::of(&bucket), quota)
             })
         });

@@ -4,6 +4,7 @@
 
 pub(crate) mod compiler;
 mod fields;
+pub mod key_override;
 
 use crate::limits::LimitKind;
 use crate::policy::bundle::{Bundle, RuntimeOverride, SkippedPolicy};
@@ -66,7 +67,10 @@ pub fn compile_bundle_with(
         None => None,
     };
     let mut bundle = c.finish();
-    bundle.shadow_twin = shadow_twin;
+    bundle.shadow_twin = shadow_twin.map(|mut twin| {
+        twin.key_quotas = std::sync::Arc::clone(&bundle.key_quotas);
+        twin
+    });
     if options.candidate {
         bundle.make_candidate();
     }
@@ -162,6 +166,7 @@ impl Compiler {
             index,
             tiktoken,
             llm_prices: self.llm_prices.map(std::sync::Arc::new),
+            key_quotas: std::sync::Arc::default(),
         }
     }
 
@@ -758,6 +763,7 @@ impl Compiler {
             pacing: parts.pacing,
             definition: definition_hash(self.current_policy_definition, v),
             after_response: parts.after_response,
+            burst_from: parts.burst_from,
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
         if let (Some(item), Some(rule)) = (spend_item, self.rules.last_mut()) {
