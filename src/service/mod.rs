@@ -29,6 +29,7 @@ pub mod follow;
 mod gateway;
 mod loaded;
 mod logging;
+mod overrides;
 mod pacing;
 mod penalties;
 mod reload;
@@ -44,6 +45,7 @@ pub use described::{Described, DescribedBody, HttpHeaders, X_FORWARDED_FOR, X_RE
 pub use envoy_rls::{RlsFailure, RlsReply};
 pub use gateway::{Gateway, StartError};
 pub use loaded::LoadedPolicy;
+pub use overrides::{OverrideChange, OverrideError, Overrides, REFRESH_EVERY};
 pub use logging::init_logging;
 pub use pacing::{Pace, Pacer, Waited, DRAIN_SERVE_WITHIN};
 pub use penalties::Penalties;
