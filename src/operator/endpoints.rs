@@ -411,6 +411,45 @@ fn override_error(e: &OverrideError) -> Reply {
     }
 }
 
+/// The per-key overrides as the status page lists them: keys masked as bucket names are (an
+/// orphaned override's key wholly, its rule no longer saying what it holds).
+fn key_override_rows(
+    gateway: &Gateway,
+    bundle: Option<&Bundle>,
+) -> Vec<super::status::KeyOverrideRow> {
+    let fingerprints = &gateway.fingerprint_key;
+    gateway
+        .overrides
+        .snapshot(bundle)
+        .into_iter()
+        .map(|(o, orphaned)| {
+            let rule = bundle.and_then(|b| crate::policy::rule_of(b, &o.policy, &o.rule).ok());
+            let key = match rule {
+                Some(rule) => {
+                    let name = format!("{}{}", rule.key_prefix, o.key);
+                    let shown = super::buckets::shown_name(rule, &name, fingerprints);
+                    shown[rule.key_prefix.len()..].to_string()
+                }
+                None => super::buckets::mask(&o.key, fingerprints),
+            };
+            let quota = o
+                .fields
+                .iter()
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            super::status::KeyOverrideRow {
+                policy: o.policy,
+                rule: o.rule,
+                key,
+                quota,
+                expires_at: o.expires_at.map(crate::policy::key_overrides::rfc3339),
+                orphaned,
+            }
+        })
+        .collect()
+}
+
 /// `GET /status` (with the token).
 pub fn status_reply(gateway: &Gateway) -> Reply {
     let bundle = gateway.policy.load_full();
@@ -428,6 +467,7 @@ pub fn status_reply(gateway: &Gateway) -> Reply {
         store_degraded: gateway.store.degraded(),
         store_stats: gateway.store.stats(),
         overrides: &overrides,
+        key_overrides: &key_override_rows(gateway, bundle.as_deref()),
         top: &top,
         policy_source: &policy_source,
         candidate: candidate.as_ref(),

@@ -316,4 +316,95 @@ mod tests {
         assert_eq!(orphaned, [0]);
         assert_eq!(table.get(0, "acme", 0).map(|q| q.burst()), Some(50 * MICRO));
     }
+
+    /// Decided through the engine: an override set at runtime beats the bundle's own for its
+    /// key, until it expires; `burst_from` reads a verified claim, bounded.
+    mod deciding {
+        use super::*;
+        use crate::engine::tests::{ask, engine};
+
+        #[test]
+        fn a_runtime_override_beats_the_bundles_until_it_expires() {
+            let (e, clock) = engine(json!({"bundle_version": 1, "policies": [{"id": "api", "spec": {"rules": [
+                {"name": "per-tenant", "limit_keys": ["header:x-tenant"], "algorithm": "token_bucket",
+                 "algorithm_config": {"count": 2, "period": "1h", "burst": 2,
+                                      "overrides": [{"ids": ["acme"], "burst": 4}]}}
+            ]}}]}));
+            let b = e.bundle.get().unwrap();
+            let o = read_key_override(&json!({"policy": "api", "rule": "per-tenant", "key": "acme",
+                "burst": 6, "expires_at": "2027-01-15T08:10:00Z"}))
+            .unwrap();
+            b.key_quotas.set(key_quota_table(b, [&o]).0);
+            let admitted = |tenant: &str, n: usize| {
+                (0..n)
+                    .filter(|_| ask(&e, "GET", "/", "10.0.0.1", &[("X-Tenant", tenant)]).is_allowed())
+                    .count()
+            };
+            assert_eq!(admitted("acme", 10), 6);
+            assert_eq!(admitted("globex", 10), 2);
+            // Expired (2027-01-15T08:10:00Z is 600 s after the test clock's origin): the
+            // bundle's own override applies to a fresh key again.
+            clock.set_secs(600.0);
+            let o2 = KeyOverride { key: "initech".into(), ..o };
+            b.key_quotas.set(key_quota_table(b, [&o2]).0);
+            assert_eq!(admitted("initech", 10), 2);
+        }
+
+        #[test]
+        fn burst_from_reads_a_verified_claim_within_its_bound() {
+            let (e, _) = engine(json!({"rules": [
+                {"name": "plan", "limit_keys": ["jwt:sub"], "algorithm": "token_bucket",
+                 "algorithm_config": {"count": 1, "period": "1h", "burst": 2,
+                                      "burst_from": "jwt:limits.burst", "max_burst": 5}}
+            ]}));
+            let headers: Vec<(String, String)> = Vec::new();
+            let admitted = |claims: Value| {
+                let claims = claims.as_object().cloned().unwrap();
+                (0..10)
+                    .filter(|_| {
+                        let facts = crate::request::descriptor::RequestFacts::from_uri(
+                            "GET",
+                            "/",
+                            None,
+                            Some("10.0.0.1".parse().unwrap()),
+                            &headers,
+                        )
+                        .with_claims(Some(&claims));
+                        e.decide(&facts).is_allowed()
+                    })
+                    .count()
+            };
+            assert_eq!(admitted(json!({"sub": "a", "limits": {"burst": 4}})), 4);
+            assert_eq!(admitted(json!({"sub": "b", "limits": {"burst": 100}})), 5);
+            assert_eq!(admitted(json!({"sub": "c", "limits": {"burst": "lots"}})), 2);
+            assert_eq!(admitted(json!({"sub": "d"})), 2);
+            assert_eq!(admitted(json!({"sub": "e", "limits": {"burst": "3"}})), 3);
+        }
+
+        #[test]
+        fn burst_from_is_checked_at_compile_time() {
+            let errors = |config: Value| {
+                crate::policy::compile::tests::errors_of(json!({"rules": [
+                    {"name": "plan", "limit_keys": ["jwt:sub"], "algorithm": "token_bucket",
+                     "algorithm_config": config}
+                ]}))
+            };
+            assert_eq!(
+                errors(json!({"rps": 1, "burst": 2, "burst_from": "header:x-burst"})),
+                ["rules[0].algorithm_config.burst_from: 'header:x-burst' is not \"jwt:<claim>\" (a dotted path for a nested claim: jwt:limits.burst)"]
+            );
+            assert_eq!(
+                errors(json!({"rps": 1, "burst": 2, "burst_from": "jwt:a..b"})),
+                ["rules[0].algorithm_config.burst_from: 'jwt:a..b' is not \"jwt:<claim>\" (a dotted path for a nested claim: jwt:limits.burst)"]
+            );
+            assert_eq!(
+                errors(json!({"rps": 1, "burst": 2, "burst_from": "jwt:b", "max_burst": 1})),
+                ["rules[0].algorithm_config.max_burst: max_burst 1 is below burst 2: the claim's bound must be at least the rule's own burst"]
+            );
+            assert_eq!(
+                errors(json!({"rps": 1, "burst": 2, "max_burst": 10})),
+                ["rules[0].algorithm_config.max_burst: is only read with burst_from"]
+            );
+        }
+    }
 }
