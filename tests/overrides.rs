@@ -117,13 +117,23 @@ fn overrides_reach_a_fleet_on_redis_within_a_second_and_outlive_restarts_and_rel
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(decide(&b, "acme").1, "\"per-tenant\";r=4;t=1800");
-    assert_eq!(admitted(&b, "acme", 10), (4, "\"per-tenant\";q=5;w=9000".into()));
+    assert_eq!(
+        admitted(&b, "acme", 10),
+        (4, "\"per-tenant\";q=5;w=9000".into())
+    );
     // Another tenant keeps the bundle's burst of 2.
-    assert_eq!(admitted(&b, "globex", 5), (2, "\"per-tenant\";q=2;w=3600".into()));
+    assert_eq!(
+        admitted(&b, "globex", 5),
+        (2, "\"per-tenant\";q=2;w=3600".into())
+    );
 
     // A restart of B reads the table back from the store.
     assert_eq!(
-        put(&a, r#"{"policy": "api", "rule": "per-tenant", "key": "initech", "burst": 3}"#).status,
+        put(
+            &a,
+            r#"{"policy": "api", "rule": "per-tenant", "key": "initech", "burst": 3}"#
+        )
+        .status,
         200
     );
     let flags = [format!("--store={}", redis.url()), token.clone()];
@@ -133,24 +143,38 @@ fn overrides_reach_a_fleet_on_redis_within_a_second_and_outlive_restarts_and_rel
     b.wait_until(Duration::from_secs(10), || {
         listed_key(&b, "initech") == Some(false)
     });
-    assert_eq!(admitted(&b, "initech", 6), (3, "\"per-tenant\";q=3;w=5400".into()));
+    assert_eq!(
+        admitted(&b, "initech", 6),
+        (3, "\"per-tenant\";q=3;w=5400".into())
+    );
 
     // A reload keeps the overrides; one removing the rule leaves them orphaned.
     assert_eq!(
-        put(&a, r#"{"policy": "api", "rule": "per-tenant", "key": "hooli", "burst": 4}"#).status,
+        put(
+            &a,
+            r#"{"policy": "api", "rule": "per-tenant", "key": "hooli", "burst": 4}"#
+        )
+        .status,
         200
     );
     support::write_atomically(&a.policy, POLICY_V2);
     a.signal(libc::SIGHUP);
     a.wait_until(Duration::from_secs(5), || {
-        a.admin("GET", "/readyz", &[]).body.contains("\"policy_version\":2")
+        a.admin("GET", "/readyz", &[])
+            .body
+            .contains("\"policy_version\":2")
     });
     assert_eq!(listed_key(&a, "hooli"), Some(false));
-    assert_eq!(admitted(&a, "hooli", 6), (4, "\"per-tenant\";q=4;w=7200".into()));
+    assert_eq!(
+        admitted(&a, "hooli", 6),
+        (4, "\"per-tenant\";q=4;w=7200".into())
+    );
     support::write_atomically(&a.policy, POLICY_V3);
     a.signal(libc::SIGHUP);
     a.wait_until(Duration::from_secs(5), || {
-        a.admin("GET", "/readyz", &[]).body.contains("\"policy_version\":3")
+        a.admin("GET", "/readyz", &[])
+            .body
+            .contains("\"policy_version\":3")
     });
     assert_eq!(listed_key(&a, "hooli"), Some(true));
     assert_eq!(listed(&a)["overrides"].as_array().map(Vec::len), Some(3));
@@ -159,7 +183,11 @@ fn overrides_reach_a_fleet_on_redis_within_a_second_and_outlive_restarts_and_rel
 
     // DELETE on B: the bundle's quota applies on A again within 1 s.
     assert_eq!(
-        put(&b, r#"{"policy": "api", "rule": "per-tenant", "key": "umbrella", "burst": 6}"#).status,
+        put(
+            &b,
+            r#"{"policy": "api", "rule": "per-tenant", "key": "umbrella", "burst": 6}"#
+        )
+        .status,
         200
     );
     let r = support::operator(
@@ -211,11 +239,18 @@ fn the_state_dir_keeps_overrides_through_a_restart() {
         serde_json::json!({"overrides": [{"policy": "api", "rule": "per-tenant", "key": "acme",
             "burst": 4, "expires_at": "2100-01-01T00:00:00Z", "orphaned": false}]})
     );
-    assert_eq!(admitted(&gw, "acme", 6), (4, "\"per-tenant\";q=4;w=7200".into()));
+    assert_eq!(
+        admitted(&gw, "acme", 6),
+        (4, "\"per-tenant\";q=4;w=7200".into())
+    );
     // DELETE: the bundle's burst of 2 caps the bucket again (it holds none now).
     assert_eq!(
-        support::operator(&gw, "DELETE", "/v1/overrides?policy=api&rule=per-tenant&key=acme")
-            .status,
+        support::operator(
+            &gw,
+            "DELETE",
+            "/v1/overrides?policy=api&rule=per-tenant&key=acme"
+        )
+        .status,
         200
     );
     assert_eq!(admitted(&gw, "fresh", 3).0, 2);
@@ -248,7 +283,9 @@ fn invalid_overrides_are_refused_with_the_bundles_error_paths() {
         )
     );
     assert_eq!(
-        refused(r#"{"policy": "api", "rule": "per-tenant", "key": "acme", "burst": 3, "budget": 9}"#),
+        refused(
+            r#"{"policy": "api", "rule": "per-tenant", "key": "acme", "burst": 3, "budget": 9}"#
+        ),
         (
             400,
             serde_json::json!({"error": "invalid override",
@@ -281,8 +318,5 @@ fn invalid_overrides_are_refused_with_the_bundles_error_paths() {
         support::request(gw.admin, "GET", "/v1/overrides", &[]).status,
         401
     );
-    assert_eq!(
-        support::operator(&gw, "POST", "/v1/overrides").status,
-        405
-    );
+    assert_eq!(support::operator(&gw, "POST", "/v1/overrides").status, 405);
 }

@@ -739,8 +739,7 @@ impl Admin {
     ) -> Response<Vec<u8>> {
         use crate::operator::endpoints;
         if *method == http::Method::PUT {
-            let Some(body) =
-                read_bounded(session, self.gateway.config.max_body_bytes.get()).await
+            let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes.get()).await
             else {
                 return reply(
                     413,

@@ -45,8 +45,8 @@ pub use described::{Described, DescribedBody, HttpHeaders, X_FORWARDED_FOR, X_RE
 pub use envoy_rls::{RlsFailure, RlsReply};
 pub use gateway::{Gateway, StartError};
 pub use loaded::LoadedPolicy;
-pub use overrides::{OverrideChange, OverrideError, Overrides, REFRESH_EVERY};
 pub use logging::init_logging;
+pub use overrides::{OverrideChange, OverrideError, Overrides, REFRESH_EVERY};
 pub use pacing::{Pace, Pacer, Waited, DRAIN_SERVE_WITHIN};
 pub use penalties::Penalties;
 pub use reload::{NetworkLoadError, Reload, Trigger};

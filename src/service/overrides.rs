@@ -265,7 +265,12 @@ impl Overrides {
             return;
         };
         let _writing = self.writing.lock();
-        let list: Vec<Value> = self.entries.lock().values().map(KeyOverride::to_json).collect();
+        let list: Vec<Value> = self
+            .entries
+            .lock()
+            .values()
+            .map(KeyOverride::to_json)
+            .collect();
         let bytes = json!({ "overrides": list }).to_string();
         let written = (|| {
             use std::io::Write;
@@ -347,7 +352,10 @@ mod tests {
         let change = block_on(table.put(&store, Some(&b), &body)).unwrap();
         assert_eq!(change.before, None);
         assert_eq!(change.after, Some(body.clone()));
-        assert_eq!(b.key_quotas.get(0, "acme", 0).map(|q| q.burst()), Some(50 * MICRO));
+        assert_eq!(
+            b.key_quotas.get(0, "acme", 0).map(|q| q.burst()),
+            Some(50 * MICRO)
+        );
         let body2 = json!({"policy": "api", "rule": "per-tenant", "key": "acme", "burst": 60});
         let change = block_on(table.put(&store, Some(&b), &body2)).unwrap();
         assert_eq!(change.before, Some(body));
@@ -374,7 +382,10 @@ mod tests {
         let path = dir.path().join(FILE_NAME);
         let (store, b) = (store(), bundle("per-tenant"));
         let table = Overrides::new(Some(path.clone()));
-        for (key, expires) in [("acme", "2030-01-01T00:00:00Z"), ("globex", "2031-01-01T00:00:00Z")] {
+        for (key, expires) in [
+            ("acme", "2030-01-01T00:00:00Z"),
+            ("globex", "2031-01-01T00:00:00Z"),
+        ] {
             let body = json!({"policy": "api", "rule": "per-tenant", "key": key, "burst": 50,
                               "expires_at": expires});
             block_on(table.put(&store, Some(&b), &body)).unwrap();

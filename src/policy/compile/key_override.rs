@@ -86,7 +86,11 @@ pub fn read_key_override(body: &Value) -> Result<KeyOverride, Vec<FieldError>> {
 ///
 /// # Errors
 /// No such policy, or no such rule in it.
-pub fn rule_of<'b>(bundle: &'b Bundle, policy: &str, rule: &str) -> Result<&'b Rule, OverrideRefused> {
+pub fn rule_of<'b>(
+    bundle: &'b Bundle,
+    policy: &str,
+    rule: &str,
+) -> Result<&'b Rule, OverrideRefused> {
     if !bundle.policies.iter().any(|p| p.id == policy) {
         return Err(OverrideRefused::NoPolicy(policy.to_string()));
     }
@@ -228,8 +232,10 @@ mod tests {
     #[test]
     fn an_override_compiles_over_its_rules_quota() {
         let b = bundle();
-        let o = read_key_override(&json!({"policy": "api", "rule": "per-tenant", "key": "acme",
-                                         "burst": 50, "expires_at": "2030-01-01T00:00:00Z"}))
+        let o = read_key_override(
+            &json!({"policy": "api", "rule": "per-tenant", "key": "acme",
+                                         "burst": 50, "expires_at": "2030-01-01T00:00:00Z"}),
+        )
         .unwrap();
         assert_eq!(o.expires_at, Some(1_893_456_000));
         let (rule, quota) = compile_key_override(&b, &o).unwrap();
@@ -325,19 +331,25 @@ mod tests {
 
         #[test]
         fn a_runtime_override_beats_the_bundles_until_it_expires() {
-            let (e, clock) = engine(json!({"bundle_version": 1, "policies": [{"id": "api", "spec": {"rules": [
-                {"name": "per-tenant", "limit_keys": ["header:x-tenant"], "algorithm": "token_bucket",
-                 "algorithm_config": {"count": 2, "period": "1h", "burst": 2,
-                                      "overrides": [{"ids": ["acme"], "burst": 4}]}}
-            ]}}]}));
+            let (e, clock) = engine(
+                json!({"bundle_version": 1, "policies": [{"id": "api", "spec": {"rules": [
+                    {"name": "per-tenant", "limit_keys": ["header:x-tenant"], "algorithm": "token_bucket",
+                     "algorithm_config": {"count": 2, "period": "1h", "burst": 2,
+                                          "overrides": [{"ids": ["acme"], "burst": 4}]}}
+                ]}}]}),
+            );
             let b = e.bundle.get().unwrap();
-            let o = read_key_override(&json!({"policy": "api", "rule": "per-tenant", "key": "acme",
-                "burst": 6, "expires_at": "2027-01-15T08:10:00Z"}))
+            let o = read_key_override(
+                &json!({"policy": "api", "rule": "per-tenant", "key": "acme",
+                "burst": 6, "expires_at": "2027-01-15T08:10:00Z"}),
+            )
             .unwrap();
             b.key_quotas.set(key_quota_table(b, [&o]).0);
             let admitted = |tenant: &str, n: usize| {
                 (0..n)
-                    .filter(|_| ask(&e, "GET", "/", "10.0.0.1", &[("X-Tenant", tenant)]).is_allowed())
+                    .filter(|_| {
+                        ask(&e, "GET", "/", "10.0.0.1", &[("X-Tenant", tenant)]).is_allowed()
+                    })
                     .count()
             };
             assert_eq!(admitted("acme", 10), 6);
@@ -345,7 +357,10 @@ mod tests {
             // Expired (2027-01-15T08:10:00Z is 600 s after the test clock's origin): the
             // bundle's own override applies to a fresh key again.
             clock.set_secs(600.0);
-            let o2 = KeyOverride { key: "initech".into(), ..o };
+            let o2 = KeyOverride {
+                key: "initech".into(),
+                ..o
+            };
             b.key_quotas.set(key_quota_table(b, [&o2]).0);
             assert_eq!(admitted("initech", 10), 2);
         }
@@ -376,7 +391,10 @@ mod tests {
             };
             assert_eq!(admitted(json!({"sub": "a", "limits": {"burst": 4}})), 4);
             assert_eq!(admitted(json!({"sub": "b", "limits": {"burst": 100}})), 5);
-            assert_eq!(admitted(json!({"sub": "c", "limits": {"burst": "lots"}})), 2);
+            assert_eq!(
+                admitted(json!({"sub": "c", "limits": {"burst": "lots"}})),
+                2
+            );
             assert_eq!(admitted(json!({"sub": "d"})), 2);
             assert_eq!(admitted(json!({"sub": "e", "limits": {"burst": "3"}})), 3);
         }
