@@ -246,3 +246,27 @@ impl Compiler {
         }
     }
 }
+
+/// The quota fields a runtime override of `rule` may set (`None`: its kind takes none): a
+/// `token_bucket` rule's are those of the bundle's `overrides`, a `cost_based` rule's its
+/// `budget`.
+pub(crate) fn key_override_fields(rule: &Rule) -> Option<&'static [&'static str]> {
+    match rule.kind {
+        RuleKind::TokenBucket => Some(&CONFIG_FIELDS[..5]),
+        RuleKind::Budget(_) => Some(budget::KEY_OVERRIDE_FIELDS),
+        _ => None,
+    }
+}
+
+/// A runtime override's quota over `rule`'s own, by the rule's kind (one that
+/// [`key_override_fields`] names fields for).
+pub(crate) fn key_override_quota(
+    compiler: &mut Compiler,
+    fields: &Map<String, Value>,
+    rule: &Rule,
+) -> Option<Quota> {
+    match rule.kind {
+        RuleKind::Budget(_) => compiler.key_override_budget(fields, rule),
+        _ => compiler.key_override_bucket(fields, rule),
+    }
+}

@@ -385,12 +385,6 @@ impl Compiler {
     }
 }
 
-/// The quota fields a runtime override of a `token_bucket` rule may set (those of the bundle's
-/// `overrides`).
-pub(crate) fn key_override_fields() -> &'static [&'static str] {
-    &CONFIG_FIELDS[..5]
-}
-
 /// Plans a plain bucket: the request's cost under the applied quota, spent in `window` (a
 /// budget's) or in the bucket alone.
 pub(crate) fn plan<'b>(

@@ -113,15 +113,11 @@ pub fn compile_key_override(
     o: &KeyOverride,
 ) -> Result<(usize, Quota), OverrideRefused> {
     let rule = rule_of(bundle, &o.policy, &o.rule)?;
-    let kind_fields = match &rule.kind {
-        RuleKind::TokenBucket => crate::limits::token_bucket::key_override_fields(),
-        RuleKind::Budget(_) => crate::limits::budget::KEY_OVERRIDE_FIELDS,
-        other => {
-            return Err(OverrideRefused::Unsupported {
-                rule: rule.name.clone(),
-                kind: kind_name(other),
-            })
-        }
+    let Some(kind_fields) = super::key_override_fields(rule) else {
+        return Err(OverrideRefused::Unsupported {
+            rule: rule.name.clone(),
+            kind: kind_name(&rule.kind),
+        });
     };
     let mut c = Compiler::default();
     let allowed: Vec<&str> = META_FIELDS.iter().chain(kind_fields).copied().collect();
@@ -145,10 +141,7 @@ pub fn compile_key_override(
     if !c.errors.is_empty() {
         return Err(OverrideRefused::Invalid(c.errors));
     }
-    let quota = match &rule.kind {
-        RuleKind::Budget(_) => c.key_override_budget(&o.fields, rule),
-        _ => c.key_override_bucket(&o.fields, rule),
-    };
+    let quota = c.key_override_quota(&o.fields, rule);
     match quota {
         Some(quota) if c.errors.is_empty() => Ok((rule.index, quota)),
         _ => Err(OverrideRefused::Invalid(c.errors)),

@@ -77,6 +77,24 @@ pub fn compile_bundle_with(
     Ok(bundle)
 }
 
+/// The quota fields a runtime override of `rule` may set, by its kind (`None`: its kind takes
+/// no override): the kinds' compile halves answer, through this file as every other call of
+/// the compiler into them.
+pub(crate) fn key_override_fields(rule: &Rule) -> Option<&'static [&'static str]> {
+    crate::limits::key_override_fields(rule)
+}
+
+impl Compiler {
+    /// A runtime override's quota over `rule`'s own, compiled by the rule's kind.
+    pub(crate) fn key_override_quota(
+        &mut self,
+        fields: &Map<String, Value>,
+        rule: &Rule,
+    ) -> Option<crate::limits::limiter::Quota> {
+        crate::limits::key_override_quota(self, fields, rule)
+    }
+}
+
 /// The hash of a JSON value as written (two equal texts hash alike), seeded with `seed`.
 pub(crate) fn definition_hash(seed: u64, v: &Value) -> u64 {
     let text = serde_json::to_vec(v).unwrap_or_default();
