@@ -32,6 +32,7 @@ mod network;
 mod nginx;
 mod operator;
 mod outage;
+mod overrides;
 mod pacing;
 mod policy_store;
 mod postgres;

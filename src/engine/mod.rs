@@ -573,13 +573,23 @@ impl<'b> Walk<'b> {
         let prefix = self.context.ipv6_prefix;
         // The key is built in a per-thread buffer: hashed, matched against overrides, and
         // never stored.
-        let found = KEY_BUFFER.with(|buffer| {
-            let mut bucket = buffer.borrow_mut();
-            write_bucket(rule, facts, prefix, &mut bucket).then(|| {
-                let quota = *rule.quota_for(&bucket[rule.key_prefix.len()..]);
-                (BucketKey::of(&bucket), quota)
-            })
-        });
+        let found =
+            KEY_BUFFER.with(|buffer| {
+                let mut bucket = buffer.borrow_mut();
+                write_bucket(rule, facts, prefix, &mut bucket).then(|| {
+                    let key = &bucket[rule.key_prefix.len()..];
+                    // An override set at runtime beats the bundle's own quotas for its key.
+                    let quota = match self.context.bundle.key_quotas.get(
+                        rule.index,
+                        key,
+                        self.context.unix_us,
+                    ) {
+                        Some(quota) => quota,
+                        None => rule.quota_for_request(key, facts),
+                    };
+                    (BucketKey::of(&bucket), quota)
+                })
+            });
         match found {
             Some(bucket) => {
                 crate::limits::plan((rule, bucket), facts, self.context, &mut self.planning);

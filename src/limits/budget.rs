@@ -26,6 +26,35 @@ pub(crate) const COST_BASED_FIELDS: &[&str] = &[
     "penalty",
 ];
 
+/// The quota field a runtime override of a `cost_based` rule may set.
+pub(crate) const KEY_OVERRIDE_FIELDS: &[&str] = &["budget"];
+
+impl Compiler {
+    /// A runtime override's `budget` over a `cost_based` rule's own window (its period and
+    /// stages stay the rule's), checked as the rule's own `budget` is.
+    pub(crate) fn key_override_budget(
+        &mut self,
+        fields: &Map<String, Value>,
+        rule: &Rule,
+    ) -> Option<Quota> {
+        let amount = match fields.get("budget") {
+            Some(v) => self.amount(v, "budget")?,
+            None => {
+                self.error("budget", "is required");
+                return None;
+            }
+        };
+        let budget_micro = tokens_to_micro(amount);
+        match Quota::new(budget_micro, budget_micro, rule.quota.period_us()) {
+            Ok(quota) => Some(quota),
+            Err(e) => {
+                self.error("budget", e.to_string());
+                None
+            }
+        }
+    }
+}
+
 impl Compiler {
     /// A `cost_based` rule's budget, cost and stages (Fairvisor's fields: `budget`, `period`,
     /// `cost_key`, `fixed_cost`, `default_cost`, `staged_actions`; tollgate adds `min_cost`,

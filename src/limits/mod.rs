@@ -145,6 +145,8 @@ pub(crate) struct KindParts {
     pub(crate) after_response: Option<std::sync::Arc<crate::policy::rule::AfterResponse>>,
     /// A `token_bucket` rule's `delay`.
     pub(crate) pacing: Option<pacing::Pacing>,
+    /// A `token_bucket` rule's `burst_from`.
+    pub(crate) burst_from: Option<Box<crate::policy::rule::BurstFrom>>,
 }
 
 impl Default for KindParts {
@@ -156,6 +158,7 @@ impl Default for KindParts {
             tokens_per_day: None,
             after_response: None,
             pacing: None,
+            burst_from: None,
         }
     }
 }
@@ -184,6 +187,7 @@ impl Compiler {
                 let shape = self.bucket_shape(config, &path, None);
                 KindParts {
                     pacing: self.pacing(config, &path, shape.as_ref()),
+                    burst_from: self.burst_from(config, &path, shape.as_ref()),
                     shape,
                     cost: self.cost_source(config, &path),
                     after_response: self.after_response(config, &path),
@@ -226,8 +230,7 @@ impl Compiler {
                     cost: Some(CostSource::Fixed(0)),
                     kind: RuleKind::Llm(limit),
                     tokens_per_day: tpd,
-                    after_response: None,
-                    pacing: None,
+                    ..KindParts::default()
                 },
                 None => KindParts::default(),
             },
@@ -241,5 +244,29 @@ impl Compiler {
                 None => KindParts::default(),
             },
         }
+    }
+}
+
+/// The quota fields a runtime override of `rule` may set (`None`: its kind takes none): a
+/// `token_bucket` rule's are those of the bundle's `overrides`, a `cost_based` rule's its
+/// `budget`.
+pub(crate) fn key_override_fields(rule: &Rule) -> Option<&'static [&'static str]> {
+    match rule.kind {
+        RuleKind::TokenBucket => Some(&CONFIG_FIELDS[..5]),
+        RuleKind::Budget(_) => Some(budget::KEY_OVERRIDE_FIELDS),
+        _ => None,
+    }
+}
+
+/// A runtime override's quota over `rule`'s own, by the rule's kind (one that
+/// [`key_override_fields`] names fields for).
+pub(crate) fn key_override_quota(
+    compiler: &mut Compiler,
+    fields: &Map<String, Value>,
+    rule: &Rule,
+) -> Option<Quota> {
+    match rule.kind {
+        RuleKind::Budget(_) => compiler.key_override_budget(fields, rule),
+        _ => compiler.key_override_bucket(fields, rule),
     }
 }

@@ -9,7 +9,7 @@ use crate::limits::limiter::{micro_to_tokens, tokens_to_micro, Quota, Window, MI
 use crate::policy::compile::compiler::{Compiler, Shape, CONFIG_FIELDS};
 use crate::policy::json::join;
 use crate::policy::rule::canonical_id;
-use crate::policy::rule::{CostLimits, CostSource, Rule};
+use crate::policy::rule::{BurstFrom, CostLimits, CostSource, Rule};
 use crate::request::descriptor::RequestFacts;
 use crate::request::descriptor::{Descriptor, IpNet};
 use crate::store::{BucketKey, BucketOp};
@@ -313,6 +313,75 @@ impl Compiler {
         // Most specific first: a /64 override wins over the /48 around it.
         ip_overrides.sort_by_key(|(net, _)| std::cmp::Reverse(net.prefix()));
         (overrides, ip_overrides)
+    }
+}
+
+impl Compiler {
+    /// `burst_from` (`"jwt:<claim>"`) and its bound `max_burst` (at least the rule's `burst`,
+    /// which it defaults to).
+    pub(crate) fn burst_from(
+        &mut self,
+        config: &Map<String, Value>,
+        path: &str,
+        shape: Option<&Shape>,
+    ) -> Option<Box<BurstFrom>> {
+        let max = config.get("max_burst");
+        let Some(v) = config.get("burst_from") else {
+            if max.is_some() {
+                self.error(&join(path, "max_burst"), "is only read with burst_from");
+            }
+            return None;
+        };
+        let from_path = join(path, "burst_from");
+        let text = self.non_empty_string(v, &from_path)?;
+        let claim = text
+            .strip_prefix("jwt:")
+            .filter(|c| !c.is_empty() && c.split('.').all(|part| !part.is_empty()));
+        let Some(claim) = claim else {
+            self.error(
+                &from_path,
+                format!("'{text}' is not \"jwt:<claim>\" (a dotted path for a nested claim: jwt:limits.burst)"),
+            );
+            return None;
+        };
+        let shape = shape?;
+        let max_burst = match max {
+            None => shape.quota.burst(),
+            Some(v) => {
+                let max_path = join(path, "max_burst");
+                let m = self.amount(v, &max_path)?;
+                if m < shape.burst {
+                    self.error(
+                        &max_path,
+                        format!("max_burst {m} is below burst {}: the claim's bound must be at least the rule's own burst", shape.burst),
+                    );
+                    return None;
+                }
+                tokens_to_micro(m)
+            }
+        };
+        Some(Box::new(BurstFrom {
+            claim: claim.to_string(),
+            max_burst,
+        }))
+    }
+
+    /// A runtime override's quota fields (`burst`, `tokens_per_second`/`rps`, `count` +
+    /// `period`) over a `token_bucket` rule's own quota, checked as the bundle's `overrides`
+    /// are: the same fields, the same code, the same messages.
+    pub(crate) fn key_override_bucket(
+        &mut self,
+        fields: &Map<String, Value>,
+        rule: &Rule,
+    ) -> Option<Quota> {
+        let base = Shape {
+            quota: rule.quota,
+            burst: micro_to_tokens(rule.quota.burst()),
+            rate: micro_to_tokens(rule.quota.refill()) * US_PER_SEC as f64
+                / rule.quota.period_us() as f64,
+        };
+        self.bucket_shape(fields, "", Some(&base))
+            .map(|shape| shape.quota)
     }
 }
 

@@ -220,7 +220,10 @@ pub async fn inspect(
     unix_us: u64,
 ) -> Result<Option<Value>, StoreError> {
     let rule = bucket.rule;
-    let quota = *rule.quota_for(&bucket.key_text);
+    let quota = bundle
+        .key_quotas
+        .get(rule.index, &bucket.key_text, unix_us)
+        .unwrap_or(*rule.quota_for(&bucket.key_text));
     let policy = bundle
         .policies
         .get(rule.policy)

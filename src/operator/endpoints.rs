@@ -1,12 +1,13 @@
 //! The operator endpoints on the running gateway, independent of HTTP framing: who may call
 //! them, `GET`/`DELETE /v1/buckets/{bucket}`, `POST /v1/explain`, `GET /v1/top`, `GET /status`,
+//! `GET`/`PUT`/`DELETE /v1/overrides`,
 //! each a function of the [`Gateway`] it reads: the operator adds nothing to the gateway.
 
 use super::buckets::{BucketRef, LookupError};
 pub use super::limited::encode_path;
 use super::limited::BY_HASH;
 use crate::policy::Bundle;
-use crate::service::{Described, Gateway};
+use crate::service::{Described, Gateway, OverrideChange, OverrideError};
 use serde_json::json;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -325,6 +326,130 @@ pub fn top_reply(gateway: &Gateway, query: Option<&str>) -> Reply {
     )
 }
 
+/// `GET /v1/overrides`: every runtime override, each with `orphaned`.
+pub fn list_overrides(gateway: &Gateway) -> Reply {
+    let bundle = gateway.policy.load_full();
+    Reply::json(200, &gateway.overrides.list(bundle.as_deref()))
+}
+
+/// `PUT /v1/overrides`: sets (or replaces) one override from the body; with what it replaced
+/// and what it is now, for the caller's record.
+pub async fn put_override(gateway: &Gateway, body: &[u8]) -> (Reply, Option<OverrideChange>) {
+    let Ok(body) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return (
+            Reply::error(
+                400,
+                "the body must be JSON: {\"policy\": P, \"rule\": R, \"key\": K, <quota fields>, \"expires_at\": optional RFC 3339}",
+            ),
+            None,
+        );
+    };
+    let bundle = gateway.policy.load_full();
+    match gateway
+        .overrides
+        .put(&gateway.store, bundle.as_deref(), &body)
+        .await
+    {
+        Ok(change) => (
+            Reply::json(
+                200,
+                &json!({"override": change.after, "replaced": change.before}),
+            ),
+            Some(change),
+        ),
+        Err(e) => (override_error(&e), None),
+    }
+}
+
+/// `DELETE /v1/overrides?policy=P&rule=R&key=K`: the bundle's quota applies to the key again.
+pub async fn delete_override(
+    gateway: &Gateway,
+    query: Option<&str>,
+) -> (Reply, Option<OverrideChange>) {
+    let (Some(policy), Some(rule), Some(key)) = (
+        query_param(query, "policy"),
+        query_param(query, "rule"),
+        query_param(query, "key"),
+    ) else {
+        return (
+            Reply::error(
+                400,
+                "name the override: DELETE /v1/overrides?policy=P&rule=R&key=K",
+            ),
+            None,
+        );
+    };
+    let bundle = gateway.policy.load_full();
+    match gateway
+        .overrides
+        .delete(&gateway.store, bundle.as_deref(), (&policy, &rule, &key))
+        .await
+    {
+        Ok(change) => (
+            Reply::json(200, &json!({"deleted": change.before})),
+            Some(change),
+        ),
+        Err(e) => (override_error(&e), None),
+    }
+}
+
+/// A refused override write's answer.
+fn override_error(e: &OverrideError) -> Reply {
+    use crate::policy::OverrideRefused;
+    match e {
+        OverrideError::Refused(OverrideRefused::Invalid(errors)) => Reply::json(
+            400,
+            &json!({
+                "error": "invalid override",
+                "errors": errors.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            }),
+        ),
+        OverrideError::Refused(OverrideRefused::Unsupported { .. }) => Reply::error(400, e),
+        OverrideError::Refused(_) | OverrideError::NotFound { .. } => Reply::error(404, e),
+        OverrideError::Full => Reply::error(409, e),
+        OverrideError::NoPolicy | OverrideError::Store(_) => Reply::error(503, e),
+    }
+}
+
+/// The per-key overrides as the status page lists them: keys masked as bucket names are (an
+/// orphaned override's key wholly, its rule no longer saying what it holds).
+fn key_override_rows(
+    gateway: &Gateway,
+    bundle: Option<&Bundle>,
+) -> Vec<super::status::KeyOverrideRow> {
+    let fingerprints = &gateway.fingerprint_key;
+    gateway
+        .overrides
+        .snapshot(bundle)
+        .into_iter()
+        .map(|(o, orphaned)| {
+            let rule = bundle.and_then(|b| crate::policy::rule_of(b, &o.policy, &o.rule).ok());
+            let key = match rule {
+                Some(rule) => {
+                    let name = format!("{}{}", rule.key_prefix, o.key);
+                    let shown = super::buckets::shown_name(rule, &name, fingerprints);
+                    shown[rule.key_prefix.len()..].to_string()
+                }
+                None => super::buckets::mask(&o.key, fingerprints),
+            };
+            let quota = o
+                .fields
+                .iter()
+                .map(|(name, value)| format!("{name}={value}"))
+                .collect::<Vec<_>>()
+                .join(" ");
+            super::status::KeyOverrideRow {
+                policy: o.policy,
+                rule: o.rule,
+                key,
+                quota,
+                expires_at: o.expires_at.map(crate::policy::key_overrides::rfc3339),
+                orphaned,
+            }
+        })
+        .collect()
+}
+
 /// `GET /status` (with the token).
 pub fn status_reply(gateway: &Gateway) -> Reply {
     let bundle = gateway.policy.load_full();
@@ -342,6 +467,7 @@ pub fn status_reply(gateway: &Gateway) -> Reply {
         store_degraded: gateway.store.degraded(),
         store_stats: gateway.store.stats(),
         overrides: &overrides,
+        key_overrides: &key_override_rows(gateway, bundle.as_deref()),
         top: &top,
         policy_source: &policy_source,
         candidate: candidate.as_ref(),

@@ -29,11 +29,28 @@ pub struct StatusView<'a> {
     pub store_stats: StoreStats,
     /// `/readyz`'s `runtime_overrides` object.
     pub overrides: &'a serde_json::Value,
+    /// The per-key overrides set at runtime (`/v1/overrides`), keys masked as bucket names are.
+    pub key_overrides: &'a [KeyOverrideRow],
     pub top: &'a Top,
     /// `/readyz`'s `policy_source` object (`null` without `--policy-store`).
     pub policy_source: &'a serde_json::Value,
     /// The candidate bundle decided in shadow, while one is set.
     pub candidate: Option<&'a crate::service::CandidateSummary>,
+}
+
+/// One per-key override as the page lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyOverrideRow {
+    pub policy: String,
+    pub rule: String,
+    /// The key, credential-like parts masked.
+    pub key: String,
+    /// Its quota fields as set (`burst=50 tokens_per_second=2`).
+    pub quota: String,
+    /// RFC 3339, if it expires.
+    pub expires_at: Option<String>,
+    /// No rule of the bundle in force fits it.
+    pub orphaned: bool,
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -234,6 +251,7 @@ pub fn render(view: &StatusView<'_>) -> String {
     candidate_section(&mut body, view.candidate);
     store_section(&mut body, view);
     overrides_section(&mut body, view.overrides);
+    key_overrides_section(&mut body, view.key_overrides);
     top_section(&mut body, view.top);
     body.push_str(LINKS);
     document("status", "tollgate status", &body)
@@ -343,6 +361,32 @@ fn store_section(body: &mut String, view: &StatusView<'_>) {
                 "unusable: buckets in process memory only"
             } else {
                 "in use"
+            }
+        );
+    }
+    body.push_str("</table>");
+}
+
+/// The per-key overrides set at runtime (the first 200).
+fn key_overrides_section(body: &mut String, rows: &[KeyOverrideRow]) {
+    let _ = write!(
+        body,
+        "<h2>Per-key overrides ({})</h2><table id=\"key-overrides\"><tr><th>policy</th><th>rule</th><th>key</th><th>quota</th><th>expires</th><th>state</th></tr>",
+        rows.len()
+    );
+    for row in rows.iter().take(200) {
+        let _ = write!(
+            body,
+            "<tr><td>{}</td><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            escape(&row.policy),
+            escape(&row.rule),
+            escape(&row.key),
+            escape(&row.quota),
+            escape(row.expires_at.as_deref().unwrap_or("never")),
+            if row.orphaned {
+                "<span class=\"bad\">orphaned</span>"
+            } else {
+                "applied"
             }
         );
     }
@@ -496,6 +540,7 @@ mod tests {
             store_degraded: false,
             store_stats: StoreStats::default(),
             overrides: &overrides,
+            key_overrides: &[],
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: None,
@@ -532,6 +577,7 @@ mod tests {
                 ..StoreStats::default()
             },
             overrides: &overrides,
+            key_overrides: &[],
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: None,
@@ -571,6 +617,7 @@ mod tests {
             store_degraded: false,
             store_stats: StoreStats::default(),
             overrides: &overrides,
+            key_overrides: &[],
             top: &top,
             policy_source: &source,
             candidate: None,
@@ -610,6 +657,7 @@ mod tests {
             store_degraded: false,
             store_stats: StoreStats::default(),
             overrides: &overrides,
+            key_overrides: &[],
             top: &top,
             policy_source: &source,
             candidate: None,
@@ -650,6 +698,7 @@ mod tests {
             store_degraded: false,
             store_stats: StoreStats::default(),
             overrides: &overrides,
+            key_overrides: &[],
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: Some(&candidate),

@@ -63,6 +63,9 @@ pub struct Bundle {
     pub tiktoken: u8,
     /// `llm_prices`: what each model's tokens cost (`llm_spend` rules).
     pub llm_prices: Option<std::sync::Arc<crate::limits::prices::PriceTable>>,
+    /// The per-key overrides set at runtime, compiled against this bundle (shared with its
+    /// all-shadow twin, whose rules have the same indexes); the gateway fills it in.
+    pub key_quotas: std::sync::Arc<super::key_overrides::KeyQuotas>,
 }
 
 /// Gives the memory a bundle's parse used (its JSON tree, the source text) back to the operating
@@ -124,6 +127,7 @@ impl Bundle {
             index: index::BundleIndex::default(),
             tiktoken: 0,
             llm_prices: None,
+            key_quotas: std::sync::Arc::default(),
         }
     }
 

@@ -11,10 +11,14 @@ pub(crate) mod error;
 pub mod index;
 pub(crate) mod json;
 pub mod key_origin;
+pub mod key_overrides;
 mod load;
 pub(crate) mod rule;
 
 pub use bundle::{release_parse_memory, Bundle, RuntimeOverride, SkippedPolicy};
+pub use compile::key_override::{
+    compile_key_override, key_quota_table, read_key_override, rule_of, OverrideRefused,
+};
 pub use compile::{compile_bundle, compile_bundle_with, CompileOptions};
 pub use error::{FieldError, PolicyError};
 pub use load::{

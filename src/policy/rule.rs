@@ -266,6 +266,19 @@ pub struct Rule {
     /// What a counting rule reads from the response: `count_when` and `penalty`
     /// ([`crate::limits::response`]); `None` for every rule without them.
     pub after_response: Option<std::sync::Arc<AfterResponse>>,
+    /// A `token_bucket` rule's `burst_from`: the burst read from a verified JWT claim.
+    pub burst_from: Option<Box<BurstFrom>>,
+}
+
+/// `burst_from: "jwt:<claim>"`: a request's bucket holds the burst its verified JWT claim
+/// states, at most `max_burst` (the rule's `max_burst`, else its `burst`); a request without
+/// the claim, or with one that is not a number of at least 1, gets the rule's own quota.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BurstFrom {
+    /// The claim's name (dotted for a nested claim: `limits.burst`).
+    pub claim: String,
+    /// The most a claim may give, in micro-tokens.
+    pub max_burst: u64,
 }
 
 /// A `token_bucket` rule's `delay`: how a burst is paced instead of refused (its schedule
@@ -535,6 +548,7 @@ impl Rule {
             pacing: None,
             definition: 0,
             after_response: None,
+            burst_from: None,
         }
     }
 
@@ -600,6 +614,19 @@ impl Rule {
         }
     }
 
+    /// The quota for a composite key under this request: the bundle's override for the key;
+    /// else, under `burst_from`, the burst the request's verified claim states (bounded);
+    /// else the rule's default.
+    #[inline]
+    pub fn quota_for_request(&self, key: &str, facts: &RequestFacts<'_>) -> Quota {
+        let quota = self.quota_for(key);
+        match &self.burst_from {
+            // No override of the bundle's names this key.
+            Some(from) if std::ptr::eq(quota, &self.quota) => from.quota(*quota, facts),
+            _ => *quota,
+        }
+    }
+
     /// The quota for a composite key: its override, or the rule's default.
     ///
     /// For a rule keyed on the client address, the key is an IPv4 address or an IPv6 network
@@ -625,6 +652,22 @@ impl Rule {
             return &self.quota;
         }
         self.overrides.get(key).unwrap_or(&self.quota)
+    }
+}
+
+impl BurstFrom {
+    /// `quota` with the burst the request's claim states, when it states a usable one.
+    fn quota(&self, quota: Quota, facts: &RequestFacts<'_>) -> Quota {
+        let claimed = facts
+            .claims
+            .and_then(|_| facts.claim(&self.claim))
+            .and_then(|text| text.parse::<f64>().ok())
+            .filter(|burst| burst.is_finite() && *burst >= 1.0);
+        let Some(burst) = claimed else {
+            return quota;
+        };
+        let burst = crate::limits::limiter::tokens_to_micro(burst).min(self.max_burst);
+        Quota::new(burst, quota.refill(), quota.period_us()).unwrap_or(quota)
     }
 }
 

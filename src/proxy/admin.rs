@@ -3,7 +3,7 @@
 //! `ext_authz` (method and path are the original ones), `POST /v1/release` (concurrency slots),
 //! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`, and the
 //! operator endpoints behind `--admin-token` (`/v1/buckets/{bucket}`, `POST /v1/explain`,
-//! `/v1/top`, `/status`; see [`crate::operator`]).
+//! `/v1/top`, `/status`, `/v1/overrides`; see [`crate::operator`]).
 
 use crate::engine::headers::HeaderList;
 use crate::service::{Answer, Gateway};
@@ -575,6 +575,7 @@ enum OperatorRoute {
     Explain,
     Top,
     Status,
+    Overrides,
 }
 
 impl OperatorRoute {
@@ -582,6 +583,7 @@ impl OperatorRoute {
         match path {
             "/v1/top" => Some(OperatorRoute::Top),
             "/status" => Some(OperatorRoute::Status),
+            "/v1/overrides" => Some(OperatorRoute::Overrides),
             "/v1/explain" => Some(OperatorRoute::Explain),
             p if p.starts_with("/v1/explain/") => Some(OperatorRoute::Explain),
             p if p == "/v1/buckets" || p.starts_with("/v1/buckets/") => {
@@ -597,6 +599,7 @@ impl OperatorRoute {
             OperatorRoute::Buckets => "GET, DELETE",
             OperatorRoute::Explain => "POST",
             OperatorRoute::Top | OperatorRoute::Status => "GET",
+            OperatorRoute::Overrides => "GET, PUT, DELETE",
         }
     }
 }
@@ -686,6 +689,7 @@ impl Admin {
                     endpoints::inspect_bucket(&self.gateway, &rest).await
                 })
             }
+            OperatorRoute::Overrides => self.overrides(session, &method).await,
             OperatorRoute::Explain => {
                 // The body as /v1/decision reads it: a prompt for `token_bucket_llm` rules, a
                 // fingerprint for `loop_detection`.
@@ -722,5 +726,37 @@ impl Admin {
                 operator_reply(endpoints::explain_described(&self.gateway, &described).await)
             }
         }
+    }
+}
+
+impl Admin {
+    /// `/v1/overrides`: `GET` lists, `PUT` sets one from the body (bounded by
+    /// `--max-body-bytes`), `DELETE` removes the one its query names.
+    async fn overrides(
+        &self,
+        session: &mut ServerSession,
+        method: &http::Method,
+    ) -> Response<Vec<u8>> {
+        use crate::operator::endpoints;
+        if *method == http::Method::PUT {
+            let Some(body) = read_bounded(session, self.gateway.config.max_body_bytes.get()).await
+            else {
+                return reply(
+                    413,
+                    TEXT,
+                    HeaderList::new(),
+                    "Payload Too Large: see --max-body-bytes\n",
+                );
+            };
+            let (answer, _change) = endpoints::put_override(&self.gateway, &body).await;
+            return operator_reply(answer);
+        }
+        let _ = session.drain_request_body().await;
+        if *method == http::Method::DELETE {
+            let query = session.req_header().uri.query();
+            let (answer, _change) = endpoints::delete_override(&self.gateway, query).await;
+            return operator_reply(answer);
+        }
+        operator_reply(endpoints::list_overrides(&self.gateway))
     }
 }

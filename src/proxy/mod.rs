@@ -1216,8 +1216,14 @@ impl BackgroundService for Housekeeping {
         );
         presence_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let shared_store = self.gateway.store.local().is_some();
+        // The runtime override table: a shared store's changes read, expired overrides dropped.
+        let mut overrides_tick = tokio::time::interval(crate::service::REFRESH_EVERY);
+        overrides_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                _ = overrides_tick.tick() => {
+                    self.gateway.refresh_overrides().await;
+                }
                 _ = presence_tick.tick(), if shared_store => {
                     self.gateway.store.heartbeat().await;
                 }

@@ -14,6 +14,7 @@ use super::described::{Described, HttpHeaders, X_FORWARDED_FOR, X_REAL_IP};
 use super::envoy_rls::{self, RlsFailure, RlsReply};
 use super::loaded::{signature, LoadedPolicy};
 use super::logging::log_decision;
+use super::overrides::Overrides;
 use super::pacing::{Pace, Pacer, Waited};
 use super::penalties::Penalties;
 use super::reload::{NetworkLoadError, Reload, Trigger};
@@ -128,6 +129,8 @@ pub struct Gateway {
     pub candidate: CandidateShadow,
     /// The requests `delay` rules make wait.
     pub pacer: Pacer,
+    /// The per-key overrides set at runtime (`/v1/overrides`).
+    pub overrides: Overrides,
 }
 
 impl Gateway {
@@ -205,6 +208,12 @@ impl Gateway {
                 config.max_delayed_requests,
                 Arc::clone(&store),
                 Arc::clone(&metrics),
+            ),
+            overrides: Overrides::new(
+                config
+                    .state_dir
+                    .as_ref()
+                    .map(|s| s.dir.join(super::overrides::FILE_NAME)),
             ),
             metrics,
             store,
@@ -1140,9 +1149,25 @@ impl Gateway {
         self.metrics
             .policy_source
             .bundle(&info.bundle_version(), &info.sha256, source);
-        self.policy.store(Some(bundle));
+        // The runtime overrides are compiled against the new bundle before it is in force.
+        self.overrides
+            .install_with(&bundle, || self.policy.store(Some(Arc::clone(&bundle))));
         self.loaded.store(Some(Arc::new(info)));
         self.candidate.follow_live(self.policy.load_full());
+    }
+
+    /// The periodic step of the runtime override table ([`Overrides::refresh`]): a change is
+    /// put in force on the bundle in force.
+    pub async fn refresh_overrides(&self) {
+        if self
+            .overrides
+            .refresh(&self.store, self.clock.unix_us())
+            .await
+        {
+            if let Some(bundle) = self.policy.load_full() {
+                self.overrides.changed(&bundle);
+            }
+        }
     }
 
     /// The runtime overrides of the bundle in force, and whether each is active now.

@@ -697,6 +697,50 @@ impl Store {
         }
     }
 
+    /// Whether runtime overrides travel through this store (Redis, PostgreSQL): then every
+    /// gateway sharing it reads the same table.
+    pub fn carries_overrides(&self) -> bool {
+        !matches!(self.backend, Backend::Memory(_))
+    }
+
+    /// The version of the runtime override table in a shared store (0 before any write; the
+    /// embedded store carries none, and answers 0).
+    ///
+    /// # Errors
+    /// The shared store could not answer.
+    pub async fn override_version(&self) -> Result<u64, StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(0),
+            Backend::Redis(s) => s.override_version().await,
+            Backend::Postgres(s) => s.override_version().await,
+        }
+    }
+
+    /// Every runtime override a shared store holds, as (id, entry) texts.
+    ///
+    /// # Errors
+    /// The shared store could not answer.
+    pub async fn override_entries(&self) -> Result<Vec<(String, String)>, StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(Vec::new()),
+            Backend::Redis(s) => s.override_entries().await,
+            Backend::Postgres(s) => s.override_entries().await,
+        }
+    }
+
+    /// Writes (`Some`) or deletes (`None`) runtime override `id` in a shared store, and bumps
+    /// its table's version.
+    ///
+    /// # Errors
+    /// The shared store could not answer: nothing, or not all of it, was written.
+    pub async fn override_write(&self, id: &str, entry: Option<&str>) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(()),
+            Backend::Redis(s) => s.override_write(id, entry).await,
+            Backend::Postgres(s) => s.override_write(id, entry).await,
+        }
+    }
+
     /// Counters for `/metrics`.
     pub fn stats(&self) -> StoreStats {
         match &self.backend {

@@ -267,6 +267,16 @@ BEGIN
 END $$;
 "#;
 
+/// The runtime override table: entries by id, and a sequence every write advances (its
+/// version, read without touching the table).
+const OVERRIDES_SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS tollgate_overrides (
+    id    text PRIMARY KEY,
+    entry text NOT NULL
+);
+CREATE SEQUENCE IF NOT EXISTS tollgate_overrides_version;
+"#;
+
 const TAKE: &str = "SELECT tollgate_take_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
 /// The PostgreSQL store.
@@ -447,6 +457,7 @@ impl PostgresStore {
             client.batch_execute(SCHEMA).await?;
             client.batch_execute(LEASE_SCHEMA).await?;
             client.batch_execute(LOCAL_SCHEMA).await?;
+            client.batch_execute(OVERRIDES_SCHEMA).await?;
         }
         let take = client.prepare(TAKE).await?;
         Ok(PgConn {
@@ -1051,6 +1062,65 @@ impl PostgresStore {
             },
         )
         .await
+    }
+
+    /// The runtime override table's version (the sequence every write advances).
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn override_version(&self) -> Result<u64, StoreError> {
+        let client = self.connected_client()?;
+        let row = super::shared::operator_call(client.query_one(
+            "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM tollgate_overrides_version",
+            &[],
+        ))
+        .await?;
+        Ok(row.get::<_, i64>(0).max(0) as u64)
+    }
+
+    /// Every runtime override as stored: (id, entry).
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn override_entries(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let client = self.connected_client()?;
+        let rows = super::shared::operator_call(
+            client.query("SELECT id, entry FROM tollgate_overrides", &[]),
+        )
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|row| (row.get::<_, String>(0), row.get::<_, String>(1)))
+            .collect())
+    }
+
+    /// Writes override `id` (`None`: deletes it), then advances the version: a gateway that
+    /// reads the new version reads the write too.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn override_write(&self, id: &str, entry: Option<&str>) -> Result<(), StoreError> {
+        let client = self.connected_client()?;
+        match entry {
+            Some(entry) => {
+                super::shared::operator_call(client.execute(
+                    "INSERT INTO tollgate_overrides VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET entry = EXCLUDED.entry",
+                    &[&id, &entry],
+                ))
+                .await?
+            }
+            None => {
+                super::shared::operator_call(
+                    client.execute("DELETE FROM tollgate_overrides WHERE id = $1", &[&id]),
+                )
+                .await?
+            }
+        };
+        super::shared::operator_call(
+            client.execute("SELECT nextval('tollgate_overrides_version')", &[]),
+        )
+        .await?;
+        Ok(())
     }
 
     /// Deletes buckets and lease sets; returns how many rows went.

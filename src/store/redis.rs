@@ -269,6 +269,19 @@ fn slot_groups(conn: &Conn, keys: &[String]) -> SlotGroups {
     groups.into_iter().map(|(_, members)| members).collect()
 }
 
+/// The runtime override table: a hash of entries by id, and its version (one hash tag).
+const OVERRIDES_KEY: &str = "tollgate:{overrides}";
+const OVERRIDES_VERSION_KEY: &str = "tollgate:{overrides}:version";
+/// Sets (or, given an empty entry, deletes) one override and bumps the version.
+const OVERRIDE_WRITE: &str = r"
+if ARGV[2] == '' then
+    redis.call('HDEL', KEYS[1], ARGV[1])
+else
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+return redis.call('INCR', KEYS[2])
+";
+
 /// The Redis store.
 pub struct RedisStore {
     config: RedisConfig,
@@ -1379,6 +1392,47 @@ impl RedisStore {
             lives.push(super::lease::Live::from_reply(&[count, frees]));
         }
         Ok(lives)
+    }
+
+    /// The runtime override table's version: bumped by every write ([`RedisStore::override_write`]).
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn override_version(&self) -> Result<u64, StoreError> {
+        let mut conn = self.connection()?;
+        let mut get = redis::cmd("GET");
+        get.arg(OVERRIDES_VERSION_KEY);
+        let version: Option<u64> = super::shared::operator_call(conn.query(&get)).await?;
+        Ok(version.unwrap_or(0))
+    }
+
+    /// Every runtime override as stored: (id, entry).
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn override_entries(&self) -> Result<Vec<(String, String)>, StoreError> {
+        let mut conn = self.connection()?;
+        let mut all = redis::cmd("HGETALL");
+        all.arg(OVERRIDES_KEY);
+        super::shared::operator_call(conn.query(&all)).await
+    }
+
+    /// Writes override `id` (`None`: deletes it) and bumps the table's version, in one script
+    /// (both keys share a hash tag, so a cluster keeps them on one node).
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn override_write(&self, id: &str, entry: Option<&str>) -> Result<(), StoreError> {
+        let mut conn = self.connection()?;
+        let script = redis::Script::new(OVERRIDE_WRITE);
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key(OVERRIDES_KEY)
+            .key(OVERRIDES_VERSION_KEY)
+            .arg(id)
+            .arg(entry.unwrap_or(""));
+        let _: u64 = super::shared::operator_call(conn.invoke(&invocation)).await?;
+        Ok(())
     }
 
     /// Deletes buckets and lease sets (and forgets their refusals cached here); returns how

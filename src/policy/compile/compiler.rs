@@ -139,6 +139,7 @@ pub(crate) fn plain_rule(
         pacing: None,
         definition: 0,
         after_response: None,
+        burst_from: None,
     }
 }
 
@@ -165,6 +166,8 @@ pub(crate) const CONFIG_FIELDS: &[&str] = &[
     "count_when",
     "penalty",
     "delay",
+    "burst_from",
+    "max_burst",
 ];
 
 impl Compiler {

@@ -4,6 +4,7 @@
 
 pub(crate) mod compiler;
 mod fields;
+pub mod key_override;
 
 use crate::limits::LimitKind;
 use crate::policy::bundle::{Bundle, RuntimeOverride, SkippedPolicy};
@@ -66,11 +67,32 @@ pub fn compile_bundle_with(
         None => None,
     };
     let mut bundle = c.finish();
-    bundle.shadow_twin = shadow_twin;
+    bundle.shadow_twin = shadow_twin.map(|mut twin| {
+        twin.key_quotas = std::sync::Arc::clone(&bundle.key_quotas);
+        twin
+    });
     if options.candidate {
         bundle.make_candidate();
     }
     Ok(bundle)
+}
+
+/// The quota fields a runtime override of `rule` may set, by its kind (`None`: its kind takes
+/// no override): the kinds' compile halves answer, through this file as every other call of
+/// the compiler into them.
+pub(crate) fn key_override_fields(rule: &Rule) -> Option<&'static [&'static str]> {
+    crate::limits::key_override_fields(rule)
+}
+
+impl Compiler {
+    /// A runtime override's quota over `rule`'s own, compiled by the rule's kind.
+    pub(crate) fn key_override_quota(
+        &mut self,
+        fields: &Map<String, Value>,
+        rule: &Rule,
+    ) -> Option<crate::limits::limiter::Quota> {
+        crate::limits::key_override_quota(self, fields, rule)
+    }
 }
 
 /// The hash of a JSON value as written (two equal texts hash alike), seeded with `seed`.
@@ -162,6 +184,7 @@ impl Compiler {
             index,
             tiktoken,
             llm_prices: self.llm_prices.map(std::sync::Arc::new),
+            key_quotas: std::sync::Arc::default(),
         }
     }
 
@@ -758,6 +781,7 @@ impl Compiler {
             pacing: parts.pacing,
             definition: definition_hash(self.current_policy_definition, v),
             after_response: parts.after_response,
+            burst_from: parts.burst_from,
             ..plain_rule(name, policy, mode, shape.quota, window_secs)
         });
         if let (Some(item), Some(rule)) = (spend_item, self.rules.last_mut()) {
