@@ -3,7 +3,7 @@
 //! `ext_authz` (method and path are the original ones), `POST /v1/release` (concurrency slots),
 //! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`, and the
 //! operator endpoints behind `--admin-token` (`/v1/buckets/{bucket}`, `POST /v1/explain`,
-//! `/v1/top`, `/status`; see [`crate::operator`]).
+//! `/v1/top`, `/status`, `GET /v1/usage`; see [`crate::operator`]).
 
 use crate::engine::headers::HeaderList;
 use crate::service::{Answer, Gateway};
@@ -106,6 +106,13 @@ impl Admin {
         session.set_pipelining_enabled(true);
         if let Some(route) = OperatorRoute::of(session.req_header().uri.path()) {
             return self.operator(session, route).await;
+        }
+        // `GET /v1/usage` is the usage export; `POST /v1/usage` stays the decision service's
+        // LLM usage report.
+        if session.req_header().uri.path() == "/v1/usage"
+            && session.req_header().method == http::Method::GET
+        {
+            return self.operator(session, OperatorRoute::Usage).await;
         }
         // `token_bucket_llm` rules read the original body (Envoy's HTTP ext_authz sends it with
         // `with_request_body`; other callers may POST it), bounded; `/v1/usage` is a report.
@@ -575,6 +582,8 @@ enum OperatorRoute {
     Explain,
     Top,
     Status,
+    /// `GET /v1/usage` (routed by its method too: `POST /v1/usage` is a usage report).
+    Usage,
 }
 
 impl OperatorRoute {
@@ -596,7 +605,7 @@ impl OperatorRoute {
         match self {
             OperatorRoute::Buckets => "GET, DELETE",
             OperatorRoute::Explain => "POST",
-            OperatorRoute::Top | OperatorRoute::Status => "GET",
+            OperatorRoute::Top | OperatorRoute::Status | OperatorRoute::Usage => "GET",
         }
     }
 }
@@ -670,6 +679,11 @@ impl Admin {
             OperatorRoute::Status => {
                 let _ = session.drain_request_body().await;
                 operator_reply(endpoints::status_reply(&self.gateway))
+            }
+            OperatorRoute::Usage => {
+                let _ = session.drain_request_body().await;
+                let query = session.req_header().uri.query();
+                operator_reply(crate::operator::usage::usage_reply(&self.gateway, query).await)
             }
             OperatorRoute::Buckets => {
                 let _ = session.drain_request_body().await;

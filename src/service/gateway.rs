@@ -128,6 +128,10 @@ pub struct Gateway {
     pub candidate: CandidateShadow,
     /// The requests `delay` rules make wait.
     pub pacer: Pacer,
+    /// Budget spend noted for the usage ledger (`GET /v1/usage`).
+    pub usage: super::usage::UsageDesk,
+    /// `notify_at` crossings claimed and delivered.
+    pub webhooks: Arc<super::webhooks::Webhooks>,
 }
 
 impl Gateway {
@@ -206,6 +210,13 @@ impl Gateway {
                 Arc::clone(&store),
                 Arc::clone(&metrics),
             ),
+            usage: super::usage::UsageDesk::default(),
+            webhooks: Arc::new(super::webhooks::Webhooks::new(
+                config.webhook.clone(),
+                Arc::clone(&store),
+                Arc::clone(&clock),
+                Arc::clone(&metrics),
+            )),
             metrics,
             store,
             clock,
@@ -757,6 +768,17 @@ impl Gateway {
             &*self.clock,
             self.engine_config,
             &self.fingerprint_key,
+        );
+        self.usage.note(
+            decided,
+            &super::usage::NoteContext {
+                clock: &*self.clock,
+                engine: self.engine_config,
+                store: &self.store,
+                webhooks: &self.webhooks,
+                fingerprints: &self.fingerprint_key,
+                metrics: &self.metrics,
+            },
         );
         self.metrics
             .record(decision, started.elapsed().as_secs_f64());

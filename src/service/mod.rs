@@ -36,6 +36,8 @@ mod shadow;
 mod source_state;
 pub mod state_key;
 mod tokens;
+pub mod usage;
+pub mod webhooks;
 
 pub use answer::{Answer, Verdict};
 pub use candidate::{CandidateShadow, CandidateSummary, MAX_CANDIDATE_PENDING};
