@@ -303,3 +303,67 @@ fn webhook_flags_go_together_and_take_only_http_urls_and_long_keys() {
 fn policy_text() -> String {
     policy("header:x-tenant", 10, "[0.5]")
 }
+
+/// The records every store keeps for usage and webhooks: the largest spend per key, sections
+/// apart by rule and window; a mark claimed once; a delivery leased to its claimer, taken over
+/// once the lease ran out, gone once settled.
+async fn assert_records(store: &tollgate::store::Store) {
+    use tollgate::store::records::{Pending, UsageNote};
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    let note = |window_id, key: &str, spent| UsageNote {
+        prefix: "cb:records:".into(),
+        window_id,
+        keep_until_us: now + 60_000_000,
+        key: key.into(),
+        spent,
+    };
+    store
+        .note_usage(&[note(7, "b", 5), note(7, "a", 3), note(8, "a", 9)])
+        .await
+        .unwrap();
+    store.note_usage(&[note(7, "b", 4)]).await.unwrap();
+    assert_eq!(
+        store.usage_rows("cb:records:", 7).await.unwrap(),
+        [("a".to_string(), 3), ("b".to_string(), 5)]
+    );
+    assert_eq!(
+        store.usage_rows("cb:records:", 8).await.unwrap(),
+        [("a".to_string(), 9)]
+    );
+    assert!(store.usage_rows("cb:other:", 7).await.unwrap().is_empty());
+
+    let expires = now + 60_000_000;
+    // Claimed with a lease already run out: as if its claimer had stopped.
+    assert!(store.claim("m1", "{\"a\":1}", now - 1, expires).await.unwrap());
+    assert!(!store.claim("m1", "{\"a\":2}", now + 1_000_000, expires).await.unwrap());
+    assert!(store.claim("m2", "{}", now + 60_000_000, expires).await.unwrap());
+    let due = store.take_due(now + 60_000_000, 10).await.unwrap();
+    assert_eq!(
+        due,
+        [Pending {
+            mark: "m1".into(),
+            body: "{\"a\":1}".into()
+        }]
+    );
+    // Leased again by the taker: nothing due now.
+    assert!(store.take_due(now + 60_000_000, 10).await.unwrap().is_empty());
+    store.settle_delivery("m1").await.unwrap();
+    store.settle_delivery("m2").await.unwrap();
+    assert!(!store.claim("m1", "{}", now, expires).await.unwrap());
+}
+
+#[tokio::test]
+async fn records_on_every_store() {
+    let embedded = tollgate::store::Store::memory(
+        tollgate::store::MemoryStoreConfig::default(),
+        Arc::new(tollgate::limits::clock::SystemClock::new()),
+    );
+    assert_records(&embedded).await;
+    let redis = RedisServer::start();
+    assert_records(&support::shared_store(&redis.url()).await).await;
+    let pg = support::servers::PgServer::start();
+    assert_records(&support::shared_store(&pg.url()).await).await;
+}
