@@ -58,7 +58,10 @@ fn rows(gw: &Gateway, query: &str) -> (BTreeMap<String, (f64, f64)>, Option<Stri
         window = Some(row["window"].as_str().unwrap().to_string());
         out.insert(
             row["key"].as_str().unwrap().to_string(),
-            (row["spent"].as_f64().unwrap(), row["limit"].as_f64().unwrap()),
+            (
+                row["spent"].as_f64().unwrap(),
+                row["limit"].as_f64().unwrap(),
+            ),
         );
     }
     (out, window)
@@ -114,7 +117,11 @@ fn usage_reconciles_exactly_on_the_embedded_store() {
     assert_reconciled(&gw, &admitted);
 
     // CSV: the same rows, a header line first.
-    let csv = operator(&gw, "GET", "/v1/usage?policy=tenants&rule=monthly&format=csv");
+    let csv = operator(
+        &gw,
+        "GET",
+        "/v1/usage?policy=tenants&rule=monthly&format=csv",
+    );
     assert_eq!(csv.status, 200);
     assert_eq!(csv.header("content-type"), Some("text/csv; charset=utf-8"));
     let lines: Vec<&str> = csv.body.lines().collect();
@@ -125,7 +132,10 @@ fn usage_reconciles_exactly_on_the_embedded_store() {
         .iter()
         .map(|(tenant, spent)| format!("{tenant},{month},{spent}.0,40.0"))
         .collect();
-    assert_eq!(lines[1..], expected.iter().map(String::as_str).collect::<Vec<_>>()[..]);
+    assert_eq!(
+        lines[1..],
+        expected.iter().map(String::as_str).collect::<Vec<_>>()[..]
+    );
 
     // The API key's rule: one row, its key masked as the status page masks it.
     let (keys, _) = rows(&gw, "policy=tenants&rule=per-key&window=current");
@@ -194,13 +204,13 @@ fn usage_reconciles_exactly_across_two_gateways_on_redis() {
                 })
             })
             .collect();
-        halves
-            .into_iter()
-            .flat_map(|h| h.join().unwrap())
-            .collect()
+        halves.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
     let total: u64 = admitted.iter().map(|(_, c)| c).sum();
-    assert!(total < work.iter().map(|(_, c)| c).sum::<u64>(), "some refused");
+    assert!(
+        total < work.iter().map(|(_, c)| c).sum::<u64>(),
+        "some refused"
+    );
     // The gateways send their notes every 100 ms: both export the same rows once they have.
     let deadline = Instant::now() + Duration::from_secs(5);
     let expected = admitted_by_tenant(&admitted);

@@ -211,8 +211,14 @@ fn webhooks_go_once_per_key_threshold_and_window_across_a_fleet_and_a_restart() 
         assert_eq!(body["limit"], 10.0);
         let threshold = body["threshold"].as_f64().unwrap();
         // The spend that crossed it: at least the threshold's share.
-        assert!(body["spent"].as_f64().unwrap() >= threshold * 10.0, "{body}");
-        let id = (body["key"].as_str().unwrap().to_string(), threshold.to_string());
+        assert!(
+            body["spent"].as_f64().unwrap() >= threshold * 10.0,
+            "{body}"
+        );
+        let id = (
+            body["key"].as_str().unwrap().to_string(),
+            threshold.to_string(),
+        );
         assert_eq!(
             received.headers.get("x-tollgate-delivery"),
             body["id"].as_str().map(str::to_string).as_ref()
@@ -337,9 +343,18 @@ async fn assert_records(store: &tollgate::store::Store) {
 
     let expires = now + 60_000_000;
     // Claimed with a lease already run out: as if its claimer had stopped.
-    assert!(store.claim("m1", "{\"a\":1}", now - 1, expires).await.unwrap());
-    assert!(!store.claim("m1", "{\"a\":2}", now + 1_000_000, expires).await.unwrap());
-    assert!(store.claim("m2", "{}", now + 60_000_000, expires).await.unwrap());
+    assert!(store
+        .claim("m1", "{\"a\":1}", now - 1, expires)
+        .await
+        .unwrap());
+    assert!(!store
+        .claim("m1", "{\"a\":2}", now + 1_000_000, expires)
+        .await
+        .unwrap());
+    assert!(store
+        .claim("m2", "{}", now + 60_000_000, expires)
+        .await
+        .unwrap());
     let due = store.take_due(now + 60_000_000, 10).await.unwrap();
     assert_eq!(
         due,
@@ -349,7 +364,11 @@ async fn assert_records(store: &tollgate::store::Store) {
         }]
     );
     // Leased again by the taker: nothing due now.
-    assert!(store.take_due(now + 60_000_000, 10).await.unwrap().is_empty());
+    assert!(store
+        .take_due(now + 60_000_000, 10)
+        .await
+        .unwrap()
+        .is_empty());
     store.settle_delivery("m1").await.unwrap();
     store.settle_delivery("m2").await.unwrap();
     assert!(!store.claim("m1", "{}", now, expires).await.unwrap());

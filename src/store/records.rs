@@ -46,10 +46,13 @@ pub struct MemoryRecords {
     claims: Mutex<Claims>,
 }
 
+/// One rule's windows: window id → (keep until, key → spent).
+type Windows = BTreeMap<u64, (u64, HashMap<String, u64>)>;
+
 #[derive(Debug, Default)]
 struct Usage {
-    /// prefix → window id → (keep until, key → spent).
-    sections: HashMap<String, BTreeMap<u64, (u64, HashMap<String, u64>)>>,
+    /// prefix → its windows.
+    sections: HashMap<String, Windows>,
 }
 
 #[derive(Debug, Default)]
