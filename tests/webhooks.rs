@@ -6,11 +6,9 @@
 use crate::support;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::origin::{response, Origin, OriginRequest};
 use support::servers::RedisServer;
 use support::{Gateway, Upstream, API_KEY};
 
@@ -23,61 +21,31 @@ struct Received {
     body: String,
 }
 
-/// A tiny HTTP receiver on a loopback port: answers 500 to its first `fail_first` requests,
-/// 200 after.
+/// A receiver on a loopback port (the scripted origin): records every request, answers 500 to
+/// its first `fail_first`, 200 after.
 struct Receiver {
-    addr: SocketAddr,
+    origin: Origin,
     got: Arc<Mutex<Vec<Received>>>,
 }
 
 impl Receiver {
     fn start(fail_first: usize) -> Receiver {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
         let got = Arc::new(Mutex::new(Vec::new()));
-        let seen = Arc::new(AtomicUsize::new(0));
         let record = Arc::clone(&got);
-        std::thread::spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                let record = Arc::clone(&record);
-                let seen = Arc::clone(&seen);
-                std::thread::spawn(move || {
-                    let mut reader = BufReader::new(stream.try_clone().unwrap());
-                    let mut headers = BTreeMap::new();
-                    let mut line = String::new();
-                    reader.read_line(&mut line).unwrap();
-                    loop {
-                        line.clear();
-                        if reader.read_line(&mut line).unwrap() == 0 || line == "\r\n" {
-                            break;
-                        }
-                        if let Some((k, v)) = line.trim_end().split_once(':') {
-                            headers.insert(k.to_ascii_lowercase(), v.trim().to_string());
-                        }
-                    }
-                    let length: usize = headers["content-length"].parse().unwrap();
-                    let mut body = vec![0; length];
-                    reader.read_exact(&mut body).unwrap();
-                    let n = seen.fetch_add(1, Ordering::SeqCst);
-                    record.lock().unwrap().push(Received {
-                        headers,
-                        body: String::from_utf8(body).unwrap(),
-                    });
-                    let status = if n < fail_first {
-                        "500 Internal Server Error"
-                    } else {
-                        "200 OK"
-                    };
-                    let mut stream = stream;
-                    let _ = write!(
-                        stream,
-                        "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    );
-                });
-            }
+        let origin = Origin::start(move |request: &OriginRequest| {
+            let mut got = record.lock().unwrap();
+            got.push(Received {
+                headers: request.headers.iter().cloned().collect(),
+                body: String::from_utf8(request.body.clone()).unwrap(),
+            });
+            let status = if got.len() <= fail_first {
+                "500 Internal Server Error"
+            } else {
+                "200 OK"
+            };
+            response(status, "", b"")
         });
-        Receiver { addr, got }
+        Receiver { origin, got }
     }
 
     fn received(&self) -> Vec<Received> {
@@ -121,10 +89,11 @@ fn policy(keys: &str, budget: u64, notify_at: &str) -> String {
 /// The webhook flags, with the secret in a file of the test's.
 fn flags(dir: &tempfile::TempDir, receiver: &Receiver) -> Vec<String> {
     let secret = dir.path().join("webhook.secret");
-    std::fs::write(&secret, format!("{SECRET}\n")).unwrap();
+    // Its first line is the key (as the admin token file's).
+    std::fs::write(&secret, format!("{SECRET}\nnot part of the key\n")).unwrap();
     vec![
         "--webhook-url".into(),
-        format!("http://{}/hooks/tollgate", receiver.addr),
+        format!("http://{}/hooks/tollgate", receiver.origin.addr),
         "--webhook-secret-file".into(),
         secret.display().to_string(),
     ]

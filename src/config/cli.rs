@@ -345,8 +345,8 @@ pub struct RunArgs {
         env = "TOLLGATE_WEBHOOK_URL"
     )]
     pub webhook_url: Option<String>,
-    /// The HMAC-SHA256 key --webhook-url's signatures are made with: the file's content (its
-    /// trailing newline dropped), at least 16 bytes.
+    /// The HMAC-SHA256 key --webhook-url's signatures are made with: the file's first line, at
+    /// least 16 bytes.
     #[arg(
         help_heading = "Operators and logs",
         long,

@@ -476,9 +476,8 @@ impl Resolver<'_> {
         let secret = self
             .read_file("webhook-secret-file", file)
             .and_then(|text| {
-                let key = text
-                    .strip_suffix('\n')
-                    .map_or(text.as_str(), |t| t.strip_suffix('\r').unwrap_or(t));
+                // Its first line, as `--admin-token-file`'s.
+                let key = text.lines().next().unwrap_or("");
                 if key.len() < crate::config::error::MIN_WEBHOOK_SECRET_BYTES {
                     return self.fail(ConfigError::ShortWebhookSecret(file.clone()));
                 }
