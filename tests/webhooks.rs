@@ -343,7 +343,7 @@ async fn assert_records(store: &tollgate::store::Store) {
     assert!(!store.claim("m1", "{}", now, expires).await.unwrap());
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread")]
 async fn records_on_every_store() {
     let embedded = tollgate::store::Store::memory(
         tollgate::store::MemoryStoreConfig::default(),
@@ -354,4 +354,8 @@ async fn records_on_every_store() {
     assert_records(&support::shared_store(&redis.url()).await).await;
     let pg = support::servers::PgServer::start();
     assert_records(&support::shared_store(&pg.url()).await).await;
+    // On a cluster: a usage section is one key; a claim, the outbox and its bodies share a
+    // hash tag, so each script's keys sit on one node.
+    let cluster = support::servers::RedisCluster::start();
+    assert_records(&support::shared_store(&cluster.url()).await).await;
 }
