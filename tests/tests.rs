@@ -46,5 +46,7 @@ mod status_and_masks;
 mod telemetry;
 mod tls;
 mod upstream;
+mod usage;
 mod vendor;
 mod walkthroughs;
+mod webhooks;

@@ -336,6 +336,23 @@ pub struct RunArgs {
         env = "TOLLGATE_ADMIN_TOKEN_FILE"
     )]
     pub admin_token_file: Option<PathBuf>,
+    /// Where a budget rule's `notify_at` thresholds are announced: a signed JSON POST (header
+    /// `X-Tollgate-Signature: sha256=<HMAC>`) once per key, threshold and window for the whole
+    /// fleet, retried with backoff. http:// or https://; needs --webhook-secret-file.
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_WEBHOOK_URL"
+    )]
+    pub webhook_url: Option<String>,
+    /// The HMAC-SHA256 key --webhook-url's signatures are made with: the file's first line, at
+    /// least 16 bytes.
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_WEBHOOK_SECRET_FILE"
+    )]
+    pub webhook_secret_file: Option<PathBuf>,
     /// Answer as Fairvisor Edge does where tollgate differs on purpose (the manual: "From
     /// Fairvisor Edge"): `X-Fairvisor-*` header names, the reason header only for debug sessions,
     /// `fairvisor_*` metrics beside tollgate's, Fairvisor's unverified-JWT reading.

@@ -33,6 +33,32 @@ impl std::fmt::Debug for ReservationSecret {
     }
 }
 
+/// `--webhook-url` and `--webhook-secret-file`: where threshold webhooks go and the key that
+/// signs them; `Debug` never shows the key.
+#[derive(Clone)]
+pub struct WebhookConfig {
+    /// `https` (true) or `http`.
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    /// The path and query posted to (`/` at least).
+    pub target: String,
+    /// HMAC-SHA256 key.
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for WebhookConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookConfig")
+            .field("tls", &self.tls)
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("target", &self.target)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
 /// `tollgate run --policy-store URL`: where the fleet's bundles are published and how this
 /// gateway follows them.
 #[derive(Debug, Clone)]
@@ -134,6 +160,8 @@ pub struct Config {
     /// sessions.
     pub compat: crate::engine::compat::Compat,
     pub debug_secret: Option<crate::engine::compat::DebugSecret>,
+    /// `--webhook-url` with `--webhook-secret-file`: threshold webhooks (none without).
+    pub webhook: Option<WebhookConfig>,
     /// `--geoip-db`, `--asn-type-map` and `--tor-exits` ([`crate::request::network`]).
     pub geoip_db: Vec<PathBuf>,
     pub asn_type_map: Option<PathBuf>,

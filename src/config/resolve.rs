@@ -41,6 +41,30 @@ impl Config {
     }
 }
 
+/// A webhook URL's parts: https or not, host, port (the scheme's by default), path and query.
+fn webhook_target(url: &str) -> Option<(bool, String, u16, String)> {
+    let uri: http::Uri = url.parse().ok()?;
+    let tls = match uri.scheme_str()? {
+        "https" => true,
+        "http" => false,
+        _ => return None,
+    };
+    let authority = uri.authority()?;
+    if authority.as_str().contains('@') {
+        return None;
+    }
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    if host.is_empty() {
+        return None;
+    }
+    let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+    let target = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    Some((tls, host.to_string(), port, target))
+}
+
 /// The steps of [`Config::from_args`], each run, then the parts assembled.
 fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
     let mut r = Resolver {
@@ -65,6 +89,7 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
     let reservation_secret = r.reservation_secret(!matches!(store, Some(StoreKind::Shared(_))));
     let debug_secret = r.debug_secret(compat);
     let admin_token = r.admin_token();
+    let webhook = r.webhook();
     let connection_caps = r.connection_caps();
     let store_timeout = r.millis("store-timeout-ms", args.store_timeout_ms);
     let reason_header = r.reason_header(compat);
@@ -86,6 +111,7 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
             compat,
             debug_secret: debug_secret?,
             admin_token: admin_token?,
+            webhook: webhook?,
             max_connections,
             max_connections_per_ip,
             store_timeout: store_timeout?,
@@ -143,6 +169,7 @@ struct Resolved {
     compat: Compat,
     debug_secret: Option<DebugSecret>,
     admin_token: Option<AdminToken>,
+    webhook: Option<crate::config::WebhookConfig>,
     max_connections: Option<NonZeroUsize>,
     max_connections_per_ip: Option<NonZeroUsize>,
     store_timeout: Duration,
@@ -420,6 +447,52 @@ impl Resolver<'_> {
         secret.map(Some)
     }
 
+    /// `--webhook-url` with `--webhook-secret-file` (each needs the other). Neither the key
+    /// nor a password in the URL appears in an error.
+    fn webhook(&mut self) -> Option<Option<crate::config::WebhookConfig>> {
+        let args = self.args;
+        let (url, file) = match (&args.webhook_url, &args.webhook_secret_file) {
+            (None, None) => return Some(None),
+            (Some(url), Some(file)) => (url, file),
+            (Some(_), None) => {
+                return self.fail(ConfigError::Needs {
+                    flag: "webhook-url",
+                    needs: "--webhook-secret-file",
+                })
+            }
+            (None, Some(_)) => {
+                return self.fail(ConfigError::Needs {
+                    flag: "webhook-secret-file",
+                    needs: "--webhook-url",
+                })
+            }
+        };
+        let target = webhook_target(url);
+        if target.is_none() {
+            self.fail::<()>(ConfigError::WebhookUrl(
+                crate::telemetry::redact::url(url).into_owned(),
+            ));
+        }
+        let secret = self
+            .read_file("webhook-secret-file", file)
+            .and_then(|text| {
+                // Its first line, as `--admin-token-file`'s.
+                let key = text.lines().next().unwrap_or("");
+                if key.len() < crate::config::error::MIN_WEBHOOK_SECRET_BYTES {
+                    return self.fail(ConfigError::ShortWebhookSecret(file.clone()));
+                }
+                Some(key.as_bytes().to_vec())
+            });
+        let (tls, host, port, target) = target?;
+        Some(Some(crate::config::WebhookConfig {
+            tls,
+            host,
+            port,
+            target,
+            secret: secret?,
+        }))
+    }
+
     /// `--admin-token` or the first line of `--admin-token-file`. The token itself never
     /// appears in an error.
     fn admin_token(&mut self) -> Option<Option<AdminToken>> {
@@ -647,6 +720,7 @@ impl Resolved {
             access_log: access_log(args.access_log),
             trace_context: args.trace_context,
             admin_token: self.admin_token,
+            webhook: self.webhook,
             wait_for_policy: args.wait_for_policy,
             allow_empty_policy: args.allow_empty_policy,
             compat: self.compat,

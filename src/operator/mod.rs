@@ -1,7 +1,7 @@
 //! What an operator sees and corrects: the admin token, bucket names read back into a rule and
 //! a store key, a bucket's state and its reset, `explain` (what every applicable rule would do
 //! to a request, spending nothing), the top limited buckets ([`top`]), masking of
-//! credential-like keys, and the status page ([`status`]).
+//! credential-like keys, the status page ([`status`]) and the usage export ([`usage`]).
 //!
 //! Front-end neutral: the admin listener (Pingora glue) parses HTTP and calls in here through
 //! [`crate::service::Gateway`].
@@ -12,6 +12,7 @@ pub mod endpoints;
 pub(crate) mod limited;
 pub mod status;
 pub mod top;
+pub mod usage;
 
 pub use admin_token::{AdminToken, TokenError, MIN_TOKEN_CHARS};
 pub use buckets::{

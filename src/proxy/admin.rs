@@ -3,7 +3,7 @@
 //! `ext_authz` (method and path are the original ones), `POST /v1/release` (concurrency slots),
 //! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`, and the
 //! operator endpoints behind `--admin-token` (`/v1/buckets/{bucket}`, `POST /v1/explain`,
-//! `/v1/top`, `/status`, `/v1/overrides`; see [`crate::operator`]).
+//! `/v1/top`, `/status`, `/v1/overrides`, `GET /v1/usage`; see [`crate::operator`]).
 
 use crate::engine::headers::HeaderList;
 use crate::service::{Answer, Gateway};
@@ -106,6 +106,13 @@ impl Admin {
         session.set_pipelining_enabled(true);
         if let Some(route) = OperatorRoute::of(session.req_header().uri.path()) {
             return self.operator(session, route).await;
+        }
+        // `GET /v1/usage` is the usage export; `POST /v1/usage` stays the decision service's
+        // LLM usage report.
+        if session.req_header().uri.path() == "/v1/usage"
+            && session.req_header().method == http::Method::GET
+        {
+            return self.operator(session, OperatorRoute::Usage).await;
         }
         // `token_bucket_llm` rules read the original body (Envoy's HTTP ext_authz sends it with
         // `with_request_body`; other callers may POST it), bounded; `/v1/usage` is a report.
@@ -576,6 +583,8 @@ enum OperatorRoute {
     Top,
     Status,
     Overrides,
+    /// `GET /v1/usage` (routed by its method too: `POST /v1/usage` is a usage report).
+    Usage,
 }
 
 impl OperatorRoute {
@@ -598,7 +607,7 @@ impl OperatorRoute {
         match self {
             OperatorRoute::Buckets => "GET, DELETE",
             OperatorRoute::Explain => "POST",
-            OperatorRoute::Top | OperatorRoute::Status => "GET",
+            OperatorRoute::Top | OperatorRoute::Status | OperatorRoute::Usage => "GET",
             OperatorRoute::Overrides => "GET, PUT, DELETE",
         }
     }
@@ -673,6 +682,11 @@ impl Admin {
             OperatorRoute::Status => {
                 let _ = session.drain_request_body().await;
                 operator_reply(endpoints::status_reply(&self.gateway))
+            }
+            OperatorRoute::Usage => {
+                let _ = session.drain_request_body().await;
+                let query = session.req_header().uri.query();
+                operator_reply(crate::operator::usage::usage_reply(&self.gateway, query).await)
             }
             OperatorRoute::Buckets => {
                 let _ = session.drain_request_body().await;

@@ -131,6 +131,10 @@ pub struct Gateway {
     pub pacer: Pacer,
     /// The per-key overrides set at runtime (`/v1/overrides`).
     pub overrides: Overrides,
+    /// Budget spend noted for the usage ledger (`GET /v1/usage`).
+    pub usage: super::usage::UsageDesk,
+    /// `notify_at` crossings claimed and delivered.
+    pub webhooks: Arc<super::webhooks::Webhooks>,
 }
 
 impl Gateway {
@@ -215,6 +219,13 @@ impl Gateway {
                     .as_ref()
                     .map(|s| s.dir.join(super::overrides::FILE_NAME)),
             ),
+            usage: super::usage::UsageDesk::default(),
+            webhooks: Arc::new(super::webhooks::Webhooks::new(
+                config.webhook.clone(),
+                Arc::clone(&store),
+                Arc::clone(&clock),
+                Arc::clone(&metrics),
+            )),
             metrics,
             store,
             clock,
@@ -766,6 +777,17 @@ impl Gateway {
             &*self.clock,
             self.engine_config,
             &self.fingerprint_key,
+        );
+        self.usage.note(
+            decided,
+            &super::usage::NoteContext {
+                clock: &*self.clock,
+                engine: self.engine_config,
+                store: &self.store,
+                webhooks: &self.webhooks,
+                fingerprints: &self.fingerprint_key,
+                metrics: &self.metrics,
+            },
         );
         self.metrics
             .record(decision, started.elapsed().as_secs_f64());
