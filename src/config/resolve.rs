@@ -12,7 +12,7 @@ use super::{
 use crate::config::cli::{AccessLogArg, CompatArg, EncodedSlashesArg, GrpcStoreErrors, RunArgs};
 use crate::engine::compat::{Compat, DebugSecret};
 use crate::fleet::source::SourceUrl;
-use crate::operator::AdminToken;
+use crate::operator::{AdminToken, AdminTokens};
 use crate::request::auth::{parse_algorithm, JwtConfig, TokenSource};
 use crate::request::descriptor::{EncodedSlashes, IpNet};
 use crate::store::{StoreUrl, StoreUrlError};
@@ -65,6 +65,9 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
     let reservation_secret = r.reservation_secret(!matches!(store, Some(StoreKind::Shared(_))));
     let debug_secret = r.debug_secret(compat);
     let admin_token = r.admin_token();
+    let admin_tokens = admin_token
+        .as_ref()
+        .and_then(|token| r.admin_tokens(token.as_ref()));
     let connection_caps = r.connection_caps();
     let store_timeout = r.millis("store-timeout-ms", args.store_timeout_ms);
     let reason_header = r.reason_header(compat);
@@ -86,6 +89,7 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
             compat,
             debug_secret: debug_secret?,
             admin_token: admin_token?,
+            admin_tokens: admin_tokens?,
             max_connections,
             max_connections_per_ip,
             store_timeout: store_timeout?,
@@ -143,6 +147,7 @@ struct Resolved {
     compat: Compat,
     debug_secret: Option<DebugSecret>,
     admin_token: Option<AdminToken>,
+    admin_tokens: AdminTokens,
     max_connections: Option<NonZeroUsize>,
     max_connections_per_ip: Option<NonZeroUsize>,
     store_timeout: Duration,
@@ -439,6 +444,36 @@ impl Resolver<'_> {
         }
     }
 
+    /// `--admin-tokens-file`, owner-only, with `--admin-token`'s entry first; without the
+    /// file, `--admin-token` alone (or no token at all). No token appears in an error.
+    fn admin_tokens(&mut self, admin_token: Option<&AdminToken>) -> Option<AdminTokens> {
+        let Some(path) = &self.args.admin_tokens_file else {
+            return Some(
+                admin_token.map_or_else(AdminTokens::default, AdminTokens::of_admin_token),
+            );
+        };
+        let refuse = |problem: String| ConfigError::AdminTokens {
+            path: path.clone(),
+            problem,
+        };
+        let read = (|| {
+            let mut file = crate::store::fs_trust::no_follow().read(true).open(path)?;
+            let me = crate::store::fs_trust::effective_uid();
+            let check = crate::store::fs_trust::check_owner_only(&file, me)?;
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut file, &mut text)?;
+            Ok::<_, std::io::Error>((check, text))
+        })();
+        let parsed = match read {
+            Err(e) => Err(refuse(format!("cannot read it: {e}"))),
+            Ok((Err(not_private), _)) => Err(refuse(not_private.to_string())),
+            Ok((Ok(()), text)) => {
+                AdminTokens::parse(&text, admin_token).map_err(|e| refuse(e.to_string()))
+            }
+        };
+        parsed.map_or_else(|e| self.fail(e), Some)
+    }
+
     /// A file a flag names, read whole.
     fn read_file(&mut self, flag: &'static str, path: &std::path::Path) -> Option<String> {
         std::fs::read_to_string(path)
@@ -647,6 +682,8 @@ impl Resolved {
             access_log: access_log(args.access_log),
             trace_context: args.trace_context,
             admin_token: self.admin_token,
+            admin_tokens: self.admin_tokens,
+            audit_log: args.audit_log.clone(),
             wait_for_policy: args.wait_for_policy,
             allow_empty_policy: args.allow_empty_policy,
             compat: self.compat,

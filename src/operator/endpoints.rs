@@ -2,22 +2,26 @@
 //! them, `GET`/`DELETE /v1/buckets/{bucket}`, `POST /v1/explain`, `GET /v1/top`, `GET /status`,
 //! each a function of the [`Gateway`] it reads: the operator adds nothing to the gateway.
 
+use super::admin_tokens::Scope;
 use super::buckets::{BucketRef, LookupError};
 pub use super::limited::encode_path;
 use super::limited::BY_HASH;
 use crate::policy::Bundle;
 use crate::service::{Described, Gateway};
+use crate::telemetry::audit::{Action, Caller};
 use serde_json::json;
-use std::net::IpAddr;
 use std::sync::Arc;
 
-/// Whether a request may use the operator endpoints.
+/// Whether a request may use the operator endpoint it asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    Granted,
-    /// No token, or the wrong one: 401.
+pub enum Access<'g> {
+    /// A token whose scopes cover the endpoint: its id.
+    Granted(&'g str),
+    /// No token, or one that is not configured: 401.
     Unauthorized,
-    /// No `--admin-token` configured: 403.
+    /// A configured token whose scopes do not cover the endpoint (its id): 403.
+    Forbidden(&'g str),
+    /// Neither `--admin-token` nor `--admin-tokens-file` configured: 403.
     NotEnabled,
 }
 
@@ -58,6 +62,17 @@ impl Reply {
         Reply::error(
             401,
             "send the admin token as `Authorization: Bearer <token>` (--admin-token)",
+        )
+    }
+
+    /// 403: the token is known, but its scopes do not cover the endpoint.
+    pub fn forbidden(token_id: &str, scope: Scope) -> Reply {
+        Reply::error(
+            403,
+            format!(
+                "the token {token_id:?} does not hold the scope {:?} this endpoint needs",
+                scope.as_str()
+            ),
         )
     }
 
@@ -103,12 +118,25 @@ fn query_param<'q>(query: Option<&'q str>, name: &str) -> Option<std::borrow::Co
     })
 }
 
-/// Whether `Authorization` grants the operator endpoints (a refusal is counted).
-pub fn admin_access(gateway: &Gateway, authorization: Option<&[u8]>) -> Access {
-    match &gateway.config.admin_token {
-        None => Access::NotEnabled,
-        Some(token) if token.accepts(authorization) => Access::Granted,
-        Some(_) => {
+/// Whether `Authorization` grants an operator endpoint needing `scope` (a refusal is counted:
+/// a 401 in `tollgate_admin_unauthorized_total`, a 403 by token id in
+/// `tollgate_admin_forbidden_total`).
+pub fn admin_access<'g>(
+    gateway: &'g Gateway,
+    authorization: Option<&[u8]>,
+    scope: Scope,
+) -> Access<'g> {
+    let tokens = &gateway.config.admin_tokens;
+    if tokens.is_empty() {
+        return Access::NotEnabled;
+    }
+    match tokens.identify(authorization) {
+        Some(holder) if holder.scopes.contains(scope) => Access::Granted(holder.id),
+        Some(holder) => {
+            gateway.metrics.admin_forbidden(holder.id);
+            Access::Forbidden(holder.id)
+        }
+        None => {
             gateway.metrics.admin_unauthorized();
             Access::Unauthorized
         }
@@ -195,8 +223,9 @@ pub async fn inspect_bucket(gateway: &Gateway, rest: &str) -> Reply {
 }
 
 /// `DELETE /v1/buckets/{bucket}`: 204 once the bucket is full again; logged as
-/// `ADMIN_RESET` (the name masked where it carries a credential) and counted.
-pub async fn reset_bucket(gateway: &Gateway, rest: &str, who: Option<IpAddr>) -> Reply {
+/// `ADMIN_RESET` (the name masked where it carries a credential), counted, and recorded in the
+/// audit trail with the bucket's state before (as `GET` shows it, its name masked).
+pub async fn reset_bucket(gateway: &Gateway, rest: &str, caller: &Caller) -> Reply {
     let bundle = match bundle_or_503(gateway) {
         Ok(b) => b,
         Err(reply) => return reply,
@@ -204,6 +233,13 @@ pub async fn reset_bucket(gateway: &Gateway, rest: &str, who: Option<IpAddr>) ->
     let (bucket, _) = match bucket_of(gateway, &bundle, rest) {
         Ok(found) => found,
         Err(reply) => return reply,
+    };
+    let shown = super::buckets::shown_name(bucket.rule, &bucket.name, &gateway.fingerprint_key);
+    let unix_us = gateway.clock.unix_us();
+    let before = super::buckets::inspect(&gateway.store, &bundle, &bucket, &shown, unix_us).await;
+    let before = match before {
+        Ok(state) => state.unwrap_or(serde_json::Value::Null),
+        Err(e) => return Reply::error(503, e),
     };
     match super::buckets::reset(&gateway.store, &bundle, &bucket).await {
         Ok(held_state) => {
@@ -216,9 +252,16 @@ pub async fn reset_bucket(gateway: &Gateway, rest: &str, who: Option<IpAddr>) ->
             }
             drop(top);
             gateway.metrics.admin_reset(held_state);
-            let shown =
-                super::buckets::shown_name(bucket.rule, &bucket.name, &gateway.fingerprint_key);
-            let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
+            gateway.audit.record(
+                caller,
+                Action::Reset,
+                &shown,
+                &before,
+                &serde_json::Value::Null,
+            );
+            let who = caller
+                .client
+                .map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
             // The name carries a client's key (any text, `%0d%0a` decoded included):
             // escaped, as every value of a log line, so it cannot forge a line.
             let value = crate::telemetry::log_line::value;
@@ -334,6 +377,7 @@ pub fn status_reply(gateway: &Gateway) -> Reply {
     let overrides = gateway.runtime_overrides();
     let policy_source = gateway.follow.policy_source_json();
     let candidate = gateway.candidate.summary();
+    let audit = gateway.audit.recent();
     let page = super::status::render(&super::status::StatusView {
         bundle: bundle.as_deref(),
         loaded_at: loaded.map(|l| l.loaded_at.max(0) as u64),
@@ -345,6 +389,7 @@ pub fn status_reply(gateway: &Gateway) -> Reply {
         top: &top,
         policy_source: &policy_source,
         candidate: candidate.as_ref(),
+        audit: &audit,
     });
     Reply {
         status: 200,

@@ -1,7 +1,7 @@
 //! The status page (`GET /status` on the admin listener): one HTML document served by the
 //! binary, no external assets and no framework: the bundle in force, the store's health, the
-//! runtime overrides, the buckets limited most over the last minute (each with a reset button)
-//! and links to the JSON endpoints.
+//! runtime overrides, the buckets limited most over the last minute (each with a reset button),
+//! the audit trail's recent lines and links to the JSON endpoints.
 //!
 //! A browser cannot send a bearer token on a plain navigation, so without one the page answers
 //! 401 with a small sign-in document: its script takes the token from the address's fragment
@@ -34,6 +34,8 @@ pub struct StatusView<'a> {
     pub policy_source: &'a serde_json::Value,
     /// The candidate bundle decided in shadow, while one is set.
     pub candidate: Option<&'a crate::service::CandidateSummary>,
+    /// The audit trail's last lines, oldest first.
+    pub audit: &'a [String],
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -235,6 +237,7 @@ pub fn render(view: &StatusView<'_>) -> String {
     store_section(&mut body, view);
     overrides_section(&mut body, view.overrides);
     top_section(&mut body, view.top);
+    audit_section(&mut body, view.audit);
     body.push_str(LINKS);
     document("status", "tollgate status", &body)
 }
@@ -468,6 +471,20 @@ fn candidate_section(body: &mut String, candidate: Option<&crate::service::Candi
     body.push_str("</table>");
 }
 
+/// The audit trail's last lines, newest first, as they were written.
+fn audit_section(body: &mut String, lines: &[String]) {
+    body.push_str("<h2>Recent operator writes</h2>");
+    if lines.is_empty() {
+        body.push_str("<p class=\"muted\" id=\"audit-empty\">None since this gateway started.</p>");
+        return;
+    }
+    body.push_str("<ol id=\"audit\">");
+    for line in lines.iter().rev() {
+        let _ = write!(body, "<li><code>{}</code></li>", escape(line));
+    }
+    body.push_str("</ol>");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -499,12 +516,47 @@ mod tests {
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: None,
+            audit: &[],
         });
         assert!(page.contains("No policy loaded"));
         assert!(page.contains("No candidate bundle."));
         assert!(page.contains("id=\"top-empty\""));
         assert!(!page.contains("src="), "no external assets");
         assert!(!page.contains("Policy store"));
+        assert!(page.contains(
+            "<p class=\"muted\" id=\"audit-empty\">None since this gateway started.</p>"
+        ));
+    }
+
+    #[test]
+    fn audit_lines_are_listed_newest_first_and_escaped() {
+        let overrides = serde_json::json!({});
+        let top = Top {
+            entries: Vec::new(),
+            events: 0,
+            error_bound: 0,
+        };
+        let audit = [
+            r#"{"action":"reset","target":"<script>"}"#.to_string(),
+            r#"{"action":"debug.open"}"#.to_string(),
+        ];
+        let page = render(&StatusView {
+            bundle: None,
+            loaded_at: None,
+            unix_secs: 0,
+            store_kind: "memory",
+            store_degraded: false,
+            store_stats: StoreStats::default(),
+            overrides: &overrides,
+            top: &top,
+            policy_source: &serde_json::Value::Null,
+            candidate: None,
+            audit: &audit,
+        });
+        assert!(page.contains(
+            "<ol id=\"audit\"><li><code>{&quot;action&quot;:&quot;debug.open&quot;}</code></li>\
+             <li><code>{&quot;action&quot;:&quot;reset&quot;,&quot;target&quot;:&quot;&lt;script&gt;&quot;}</code></li></ol>"
+        ));
     }
 
     #[test]
@@ -535,6 +587,7 @@ mod tests {
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: None,
+            audit: &[],
         });
         assert!(
             page.contains("<td id=\"store-mode\" class=\"bad\">local: deciding"),
@@ -574,6 +627,7 @@ mod tests {
             top: &top,
             policy_source: &source,
             candidate: None,
+            audit: &[],
         });
         assert!(page.contains("<td id=\"policy-source-state\" class=\"bad\">unreachable since 2025-11-24T16:00:00Z</td>"), "{page}");
         assert!(page.contains("<td id=\"policy-source-live\">1764000000123 <code>ab12</code> · <span class=\"bad\">valid until 2025-11-25T16:00:00Z</span></td>"), "{page}");
@@ -613,6 +667,7 @@ mod tests {
             top: &top,
             policy_source: &source,
             candidate: None,
+            audit: &[],
         });
         assert!(
             page.contains("<td id=\"policy-source-state\" class=\"bad\">refused (unsigned)</td>"),
@@ -653,6 +708,7 @@ mod tests {
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: Some(&candidate),
+            audit: &[],
         });
         assert!(page.contains("<td id=\"candidate-version\">42</td>"));
         assert!(page.contains("<code id=\"candidate-hash\">c0ffee</code>"));

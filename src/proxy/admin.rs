@@ -254,7 +254,9 @@ impl Admin {
 impl Admin {
     /// `POST /v1/debug/session` and `POST /v1/debug/logout` (`--compat fairvisor` with
     /// `--debug-session-secret`; 404 otherwise, as Fairvisor answers). A client with too many
-    /// failed logins gets 429 with `Retry-After`; logout ends the session its cookie names.
+    /// failed logins gets 429 with `Retry-After`; logout ends the session its cookie names. With
+    /// `--admin-tokens-file` a login also needs a token holding `debug`; a session opened is
+    /// recorded in the audit trail.
     fn debug_session(
         &self,
         req: &pingora::http::RequestHeader,
@@ -285,11 +287,40 @@ impl Admin {
             self.gateway.debug_sessions.logout(cookie);
             return set_cookie(crate::engine::compat::CLOSE_COOKIE);
         }
-        match self.gateway.debug_sessions.login(
-            self.gateway.client_ip(peer, &req.headers, false),
-            &req.headers,
-        ) {
-            DebugLogin::Opened(cookie) => set_cookie(&cookie),
+        // With --admin-tokens-file, opening a session also needs a token holding `debug`.
+        let mut token_id = None;
+        if self.gateway.config.admin_tokens.from_file() {
+            use crate::operator::endpoints::{self, Access, Reply};
+            let authorization = req
+                .headers
+                .get(http::header::AUTHORIZATION)
+                .map(|v| v.as_bytes());
+            let scope = crate::operator::Scope::Debug;
+            match endpoints::admin_access(&self.gateway, authorization, scope) {
+                Access::Granted(id) => token_id = Some(id.to_string()),
+                Access::Forbidden(id) => return operator_reply(Reply::forbidden(id, scope)),
+                Access::Unauthorized | Access::NotEnabled => {
+                    return operator_reply(Reply::unauthorized(false))
+                }
+            }
+        }
+        let client = self.gateway.client_ip(peer, &req.headers, false);
+        match self.gateway.debug_sessions.login(client, &req.headers) {
+            DebugLogin::Opened(cookie) => {
+                let expires_at = self.gateway.clock.unix_secs().max(0) as u64
+                    + crate::engine::compat::SESSION_SECS;
+                let caller = crate::telemetry::audit::Caller { token_id, client };
+                self.gateway.audit.record(
+                    &caller,
+                    crate::telemetry::audit::Action::DebugOpen,
+                    "debug_session",
+                    &serde_json::Value::Null,
+                    &serde_json::json!({
+                        "expires_at": crate::limits::clock::rfc3339_seconds(expires_at)
+                    }),
+                );
+                set_cookie(&cookie)
+            }
             DebugLogin::Refused => reply(
                 403,
                 JSON,
@@ -633,21 +664,25 @@ impl Admin {
         route: OperatorRoute,
     ) -> Response<Vec<u8>> {
         use crate::operator::endpoints::{self, Access, Reply};
-        let authorization = session
-            .req_header()
+        let req = session.req_header();
+        let authorization = req
             .headers
             .get(http::header::AUTHORIZATION)
             .map(|v| v.as_bytes());
-        match endpoints::admin_access(&self.gateway, authorization) {
-            Access::Granted => {}
+        // Every operator route has a scope; a method it does not answer reads (then 405).
+        let scope = crate::operator::scope_of(req.method.as_str(), req.uri.path())
+            .unwrap_or(crate::operator::Scope::Read);
+        let token_id = match endpoints::admin_access(&self.gateway, authorization, scope) {
+            Access::Granted(id) => id.to_string(),
             denied => {
                 let _ = session.drain_request_body().await;
                 return operator_reply(match denied {
                     Access::NotEnabled => Reply::not_enabled(),
+                    Access::Forbidden(id) => Reply::forbidden(id, scope),
                     _ => Reply::unauthorized(route == OperatorRoute::Status),
                 });
             }
-        }
+        };
         let req = session.req_header();
         let method = req.method.clone();
         let allowed = route.allowed();
@@ -680,8 +715,12 @@ impl Admin {
                     .strip_prefix("/v1/buckets")
                     .map_or("", |r| r.trim_start_matches('/'))
                     .to_string();
+                let caller = crate::telemetry::audit::Caller {
+                    token_id: Some(token_id),
+                    client: peer,
+                };
                 operator_reply(if method == http::Method::DELETE {
-                    endpoints::reset_bucket(&self.gateway, &rest, peer).await
+                    endpoints::reset_bucket(&self.gateway, &rest, &caller).await
                 } else {
                     endpoints::inspect_bucket(&self.gateway, &rest).await
                 })

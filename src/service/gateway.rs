@@ -83,6 +83,8 @@ pub enum StartError {
     FingerprintKey(#[from] state_key::KeyFileError),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error(transparent)]
+    Audit(#[from] crate::telemetry::audit::AuditError),
 }
 
 /// The gateway: one value holding the configuration, the store, the metrics, the bundle in
@@ -128,6 +130,8 @@ pub struct Gateway {
     pub candidate: CandidateShadow,
     /// The requests `delay` rules make wait.
     pub pacer: Pacer,
+    /// Operator writes, one line each (`--audit-log`, or the `tollgate::audit` log target).
+    pub audit: crate::telemetry::audit::AuditTrail,
 }
 
 impl Gateway {
@@ -166,6 +170,11 @@ impl Gateway {
             header_config.warning_header = crate::engine::compat::WARNING_HEADER.clone();
         }
         let metrics = Arc::new(Metrics::new(store.kind())?);
+        metrics.admin_tokens(config.admin_tokens.ids());
+        let audit = crate::telemetry::audit::AuditTrail::open(
+            config.audit_log.as_deref(),
+            Arc::clone(&clock),
+        )?;
         let store = Arc::new(store);
         let engine_config = EngineConfig {
             ipv6_prefix: config.ipv6_prefix,
@@ -206,6 +215,7 @@ impl Gateway {
                 Arc::clone(&store),
                 Arc::clone(&metrics),
             ),
+            audit,
             metrics,
             store,
             clock,
