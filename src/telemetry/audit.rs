@@ -183,10 +183,7 @@ pub fn line(
     out.push_str("\",\"token_id\":");
     push_json(
         &mut out,
-        &caller
-            .token_id
-            .as_deref()
-            .map_or(Value::Null, Value::from),
+        &caller.token_id.as_deref().map_or(Value::Null, Value::from),
     );
     out.push_str(",\"client\":");
     match caller.client {
