@@ -2,8 +2,8 @@
 //! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
 //! `ext_authz` (method and path are the original ones), `POST /v1/release` (concurrency slots),
 //! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`, and the
-//! operator endpoints behind `--admin-token` (`/v1/buckets/{bucket}`, `POST /v1/explain`,
-//! `/v1/top`, `/status`; see [`crate::operator`]).
+//! operator endpoints behind `--admin-token` or `--admin-tokens-file`, each needing its scope
+//! (`/v1/buckets/{bucket}`, `POST /v1/explain`, `/v1/top`, `/status`; see [`crate::operator`]).
 
 use crate::engine::headers::HeaderList;
 use crate::service::{Answer, Gateway};
