@@ -124,6 +124,48 @@ fn each_scope_is_enforced_and_refusals_are_counted_by_token_id() {
 }
 
 #[test]
+fn sighup_reads_the_tokens_file_again_and_a_bad_one_keeps_the_tokens_in_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = tokens_file(dir.path());
+    let gw = Gateway::start(
+        Some(OPERATOR_POLICY),
+        None,
+        &["--admin-tokens-file", tokens.to_str().unwrap()],
+    );
+    assert_eq!(with_token(&gw, READER_TOKEN, "GET", "/v1/top"), 200);
+    assert_eq!(with_token(&gw, USAGE_TOKEN, "GET", "/v1/top"), 403);
+    // The reader is gone, billing may read too, a new token appears.
+    let rotated = "rotated-token-4c8e1a7f0b2d9e35";
+    std::fs::write(
+        &tokens,
+        format!(
+            r#"[{{"id": "billing", "scopes": ["usage", "read"], "token": "{USAGE_TOKEN}"}},
+               {{"id": "rotated", "scopes": ["read"], "token": "{rotated}"}}]"#
+        ),
+    )
+    .unwrap();
+    gw.signal(libc::SIGHUP);
+    gw.wait_until(std::time::Duration::from_secs(5), || {
+        with_token(&gw, rotated, "GET", "/v1/top") == 200
+    });
+    assert_eq!(with_token(&gw, USAGE_TOKEN, "GET", "/v1/top"), 200);
+    assert_eq!(with_token(&gw, READER_TOKEN, "GET", "/v1/top"), 401);
+    assert!(gw
+        .metrics()
+        .contains("tollgate_admin_forbidden_total{token=\"rotated\"} 0"));
+    // A file others may write is refused: the tokens in force stay.
+    std::fs::set_permissions(&tokens, std::fs::Permissions::from_mode(0o666)).unwrap();
+    gw.signal(libc::SIGHUP);
+    gw.wait_for_log("the tokens in force stay");
+    assert!(gw.log_text().contains(&format!(
+        "--admin-tokens-file {}: its group or others may read or write it (mode 0666); it must be owner-only (chmod 600); the tokens in force stay",
+        tokens.display()
+    )));
+    assert_eq!(with_token(&gw, rotated, "GET", "/v1/top"), 200);
+    assert!(!gw.log_text().contains(rotated));
+}
+
+#[test]
 fn a_tokens_file_others_may_read_or_write_or_a_wrong_entry_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policy.json");

@@ -338,7 +338,8 @@ pub struct RunArgs {
     pub admin_token_file: Option<PathBuf>,
     /// Scoped operator tokens: a JSON list of {"id", "scopes", "token" or "token_sha256"}
     /// (scopes: read, reset, overrides, usage, debug), owner-only (chmod 600). A token outside
-    /// its scopes gets 403. With --admin-token too, that token keeps every scope.
+    /// its scopes gets 403. With --admin-token too, that token keeps every scope. Read again on
+    /// SIGHUP.
     #[arg(
         help_heading = "Operators and logs",
         long,

@@ -452,26 +452,12 @@ impl Resolver<'_> {
                 admin_token.map_or_else(AdminTokens::default, AdminTokens::of_admin_token),
             );
         };
-        let refuse = |problem: String| ConfigError::AdminTokens {
-            path: path.clone(),
-            problem,
-        };
-        let read = (|| {
-            let mut file = crate::store::fs_trust::no_follow().read(true).open(path)?;
-            let me = crate::store::fs_trust::effective_uid();
-            let check = crate::store::fs_trust::check_owner_only(&file, me)?;
-            let mut text = String::new();
-            std::io::Read::read_to_string(&mut file, &mut text)?;
-            Ok::<_, std::io::Error>((check, text))
-        })();
-        let parsed = match read {
-            Err(e) => Err(refuse(format!("cannot read it: {e}"))),
-            Ok((Err(not_private), _)) => Err(refuse(not_private.to_string())),
-            Ok((Ok(()), text)) => {
-                AdminTokens::parse(&text, admin_token).map_err(|e| refuse(e.to_string()))
-            }
-        };
-        parsed.map_or_else(|e| self.fail(e), Some)
+        AdminTokens::read_file(path, admin_token)
+            .map_err(|e| ConfigError::AdminTokens {
+                path: path.clone(),
+                problem: e.to_string(),
+            })
+            .map_or_else(|e| self.fail(e), Some)
     }
 
     /// A file a flag names, read whole.
@@ -683,6 +669,7 @@ impl Resolved {
             trace_context: args.trace_context,
             admin_token: self.admin_token,
             admin_tokens: self.admin_tokens,
+            admin_tokens_file: args.admin_tokens_file.clone(),
             audit_log: args.audit_log.clone(),
             wait_for_policy: args.wait_for_policy,
             allow_empty_policy: args.allow_empty_policy,

@@ -115,9 +115,6 @@ struct Entry {
 #[derive(Clone, Default)]
 pub struct AdminTokens {
     entries: Vec<Entry>,
-    /// Whether `--admin-tokens-file` was given (then opening a debug session needs a token
-    /// holding `debug`).
-    from_file: bool,
 }
 
 impl std::fmt::Debug for AdminTokens {
@@ -138,6 +135,10 @@ pub struct Holder<'t> {
 /// Why a tokens file is refused: the JSON path of what is wrong, and what.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TokensFileError {
+    #[error("cannot read it: {0}")]
+    Read(String),
+    #[error(transparent)]
+    NotPrivate(#[from] crate::store::fs_trust::NotPrivate),
     #[error("not JSON: {0}")]
     Json(String),
     #[error("{path}: {problem}")]
@@ -162,7 +163,6 @@ impl AdminTokens {
                 digest: token.digest(),
                 scopes: Scopes::all(),
             }],
-            from_file: false,
         }
     }
 
@@ -184,7 +184,6 @@ impl AdminTokens {
             return Err(at("$", "the list is empty: name at least one token"));
         }
         let mut tokens = admin_token.map_or_else(AdminTokens::default, AdminTokens::of_admin_token);
-        tokens.from_file = true;
         for (i, item) in list.iter().enumerate() {
             let entry = parse_entry(&format!("$[{i}]"), item)?;
             if let Some(j) = tokens.entries.iter().position(|e| e.id == entry.id) {
@@ -208,14 +207,27 @@ impl AdminTokens {
         Ok(tokens)
     }
 
+    /// Reads `--admin-tokens-file` at `path` (never through a symlink), which must be
+    /// owner-only, with `--admin-token`'s entry first.
+    ///
+    /// # Errors
+    /// The file cannot be read, others may read or write it, or its list is not right.
+    pub fn read_file(
+        path: &std::path::Path,
+        admin_token: Option<&AdminToken>,
+    ) -> Result<AdminTokens, TokensFileError> {
+        use crate::store::fs_trust;
+        let read = |e: std::io::Error| TokensFileError::Read(e.to_string());
+        let mut file = fs_trust::no_follow().read(true).open(path).map_err(read)?;
+        fs_trust::check_owner_only(&file, fs_trust::effective_uid()).map_err(read)??;
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut file, &mut text).map_err(read)?;
+        AdminTokens::parse(&text, admin_token)
+    }
+
     /// Whether no token is configured (the operator endpoints are off).
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
-    }
-
-    /// Whether `--admin-tokens-file` was given.
-    pub fn from_file(&self) -> bool {
-        self.from_file
     }
 
     /// The ids, in order (a bounded set: the metric's label values).
@@ -381,7 +393,6 @@ mod tests {
         assert_eq!(tokens.identify(Some(&bearer("ops-token-012345678"))), None);
         assert_eq!(tokens.identify(Some(OPS.as_bytes())), None);
         assert_eq!(tokens.identify(None), None);
-        assert!(tokens.from_file());
         assert_eq!(format!("{tokens:?}"), r#"["admin-token", "ops", "reader"]"#);
         assert!(!format!("{tokens:?}").contains(OPS));
     }

@@ -13,14 +13,14 @@ use serde_json::json;
 use std::sync::Arc;
 
 /// Whether a request may use the operator endpoint it asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access<'g> {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Access {
     /// A token whose scopes cover the endpoint: its id.
-    Granted(&'g str),
+    Granted(String),
     /// No token, or one that is not configured: 401.
     Unauthorized,
     /// A configured token whose scopes do not cover the endpoint (its id): 403.
-    Forbidden(&'g str),
+    Forbidden(String),
     /// Neither `--admin-token` nor `--admin-tokens-file` configured: 403.
     NotEnabled,
 }
@@ -121,20 +121,16 @@ fn query_param<'q>(query: Option<&'q str>, name: &str) -> Option<std::borrow::Co
 /// Whether `Authorization` grants an operator endpoint needing `scope` (a refusal is counted:
 /// a 401 in `tollgate_admin_unauthorized_total`, a 403 by token id in
 /// `tollgate_admin_forbidden_total`).
-pub fn admin_access<'g>(
-    gateway: &'g Gateway,
-    authorization: Option<&[u8]>,
-    scope: Scope,
-) -> Access<'g> {
-    let tokens = &gateway.config.admin_tokens;
+pub fn admin_access(gateway: &Gateway, authorization: Option<&[u8]>, scope: Scope) -> Access {
+    let tokens = gateway.admin_tokens.load();
     if tokens.is_empty() {
         return Access::NotEnabled;
     }
     match tokens.identify(authorization) {
-        Some(holder) if holder.scopes.contains(scope) => Access::Granted(holder.id),
+        Some(holder) if holder.scopes.contains(scope) => Access::Granted(holder.id.to_string()),
         Some(holder) => {
             gateway.metrics.admin_forbidden(holder.id);
-            Access::Forbidden(holder.id)
+            Access::Forbidden(holder.id.to_string())
         }
         None => {
             gateway.metrics.admin_unauthorized();

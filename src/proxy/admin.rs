@@ -289,7 +289,7 @@ impl Admin {
         }
         // With --admin-tokens-file, opening a session also needs a token holding `debug`.
         let mut token_id = None;
-        if self.gateway.config.admin_tokens.from_file() {
+        if self.gateway.config.admin_tokens_file.is_some() {
             use crate::operator::endpoints::{self, Access, Reply};
             let authorization = req
                 .headers
@@ -297,8 +297,8 @@ impl Admin {
                 .map(|v| v.as_bytes());
             let scope = crate::operator::Scope::Debug;
             match endpoints::admin_access(&self.gateway, authorization, scope) {
-                Access::Granted(id) => token_id = Some(id.to_string()),
-                Access::Forbidden(id) => return operator_reply(Reply::forbidden(id, scope)),
+                Access::Granted(id) => token_id = Some(id),
+                Access::Forbidden(id) => return operator_reply(Reply::forbidden(&id, scope)),
                 Access::Unauthorized | Access::NotEnabled => {
                     return operator_reply(Reply::unauthorized(false))
                 }
@@ -673,12 +673,12 @@ impl Admin {
         let scope = crate::operator::scope_of(req.method.as_str(), req.uri.path())
             .unwrap_or(crate::operator::Scope::Read);
         let token_id = match endpoints::admin_access(&self.gateway, authorization, scope) {
-            Access::Granted(id) => id.to_string(),
+            Access::Granted(id) => id,
             denied => {
                 let _ = session.drain_request_body().await;
                 return operator_reply(match denied {
                     Access::NotEnabled => Reply::not_enabled(),
-                    Access::Forbidden(id) => Reply::forbidden(id, scope),
+                    Access::Forbidden(id) => Reply::forbidden(&id, scope),
                     _ => Reply::unauthorized(route == OperatorRoute::Status),
                 });
             }
