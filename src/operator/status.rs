@@ -505,7 +505,7 @@ mod tests {
             events: 0,
             error_bound: 0,
         };
-        let page = render(&StatusView {
+        let view = StatusView {
             bundle: None,
             loaded_at: None,
             unix_secs: 0,
@@ -517,7 +517,8 @@ mod tests {
             policy_source: &serde_json::Value::Null,
             candidate: None,
             audit: &[],
-        });
+        };
+        let page = render(&view);
         assert!(page.contains("No policy loaded"));
         assert!(page.contains("No candidate bundle."));
         assert!(page.contains("id=\"top-empty\""));
@@ -526,32 +527,14 @@ mod tests {
         assert!(page.contains(
             "<p class=\"muted\" id=\"audit-empty\">None since this gateway started.</p>"
         ));
-    }
-
-    #[test]
-    fn audit_lines_are_listed_newest_first_and_escaped() {
-        let overrides = serde_json::json!({});
-        let top = Top {
-            entries: Vec::new(),
-            events: 0,
-            error_bound: 0,
-        };
+        // Audit lines: newest first, escaped.
         let audit = [
             r#"{"action":"reset","target":"<script>"}"#.to_string(),
             r#"{"action":"debug.open"}"#.to_string(),
         ];
         let page = render(&StatusView {
-            bundle: None,
-            loaded_at: None,
-            unix_secs: 0,
-            store_kind: "memory",
-            store_degraded: false,
-            store_stats: StoreStats::default(),
-            overrides: &overrides,
-            top: &top,
-            policy_source: &serde_json::Value::Null,
-            candidate: None,
             audit: &audit,
+            ..view
         });
         assert!(page.contains(
             "<ol id=\"audit\"><li><code>{&quot;action&quot;:&quot;debug.open&quot;}</code></li>\
