@@ -8,6 +8,8 @@
 
 mod support;
 
+mod admin_scopes;
+mod audit;
 mod candidate;
 mod cli;
 mod compat;

@@ -87,6 +87,10 @@ pub enum ConfigError {
         file: Option<PathBuf>,
         error: TokenError,
     },
+    /// `--admin-tokens-file`: a file others may read or write, or a list that is not right
+    /// (at its JSON path).
+    #[error("--admin-tokens-file {}: {problem}", path.display())]
+    AdminTokens { path: PathBuf, problem: String },
     /// `--debug-session-secret` (or the file `--debug-session-secret-file` names) is not a
     /// usable secret.
     #[error("{}: the secret {error}", given(flag, file.as_deref()))]
@@ -140,6 +144,7 @@ impl ConfigError {
             ConfigError::ReasonHeader(_) => "reason-header",
             ConfigError::WebhookUrl(_) => "webhook-url",
             ConfigError::ShortWebhookSecret(_) => "webhook-secret-file",
+            ConfigError::AdminTokens { .. } => "admin-tokens-file",
             ConfigError::JwtAlgorithm(_) => "jwt-algorithms",
             ConfigError::UnpairedTls { .. } => "tls-cert",
         }

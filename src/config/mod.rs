@@ -152,6 +152,14 @@ pub struct Config {
     pub trace_context: crate::telemetry::traces::TraceContextTrust,
     /// `--admin-token` (or its file): the operator endpoints' bearer token.
     pub admin_token: Option<crate::operator::AdminToken>,
+    /// Every operator token with its scopes: `--admin-token`'s (id `admin-token`, every scope)
+    /// and `--admin-tokens-file`'s, as read at start-up (the gateway's `admin_tokens` holds
+    /// those in force after a SIGHUP). Empty: the operator endpoints are off.
+    pub admin_tokens: crate::operator::AdminTokens,
+    /// `--admin-tokens-file`, read again on SIGHUP.
+    pub admin_tokens_file: Option<std::path::PathBuf>,
+    /// `--audit-log`: the file the audit trail is appended to (`None`: the log).
+    pub audit_log: Option<std::path::PathBuf>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
     pub wait_for_policy: bool,
     /// `--allow-empty-policy`: a policy file that puts nothing in force is loaded anyway.

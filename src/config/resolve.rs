@@ -12,7 +12,7 @@ use super::{
 use crate::config::cli::{AccessLogArg, CompatArg, EncodedSlashesArg, GrpcStoreErrors, RunArgs};
 use crate::engine::compat::{Compat, DebugSecret};
 use crate::fleet::source::SourceUrl;
-use crate::operator::AdminToken;
+use crate::operator::{AdminToken, AdminTokens};
 use crate::request::auth::{parse_algorithm, JwtConfig, TokenSource};
 use crate::request::descriptor::{EncodedSlashes, IpNet};
 use crate::store::{StoreUrl, StoreUrlError};
@@ -90,6 +90,9 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
     let debug_secret = r.debug_secret(compat);
     let admin_token = r.admin_token();
     let webhook = r.webhook();
+    let admin_tokens = admin_token
+        .as_ref()
+        .and_then(|token| r.admin_tokens(token.as_ref()));
     let connection_caps = r.connection_caps();
     let store_timeout = r.millis("store-timeout-ms", args.store_timeout_ms);
     let reason_header = r.reason_header(compat);
@@ -112,6 +115,7 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
             debug_secret: debug_secret?,
             admin_token: admin_token?,
             webhook: webhook?,
+            admin_tokens: admin_tokens?,
             max_connections,
             max_connections_per_ip,
             store_timeout: store_timeout?,
@@ -170,6 +174,7 @@ struct Resolved {
     debug_secret: Option<DebugSecret>,
     admin_token: Option<AdminToken>,
     webhook: Option<crate::config::WebhookConfig>,
+    admin_tokens: AdminTokens,
     max_connections: Option<NonZeroUsize>,
     max_connections_per_ip: Option<NonZeroUsize>,
     store_timeout: Duration,
@@ -512,6 +517,22 @@ impl Resolver<'_> {
         }
     }
 
+    /// `--admin-tokens-file`, owner-only, with `--admin-token`'s entry first; without the
+    /// file, `--admin-token` alone (or no token at all). No token appears in an error.
+    fn admin_tokens(&mut self, admin_token: Option<&AdminToken>) -> Option<AdminTokens> {
+        let Some(path) = &self.args.admin_tokens_file else {
+            return Some(
+                admin_token.map_or_else(AdminTokens::default, AdminTokens::of_admin_token),
+            );
+        };
+        AdminTokens::read_file(path, admin_token)
+            .map_err(|e| ConfigError::AdminTokens {
+                path: path.clone(),
+                problem: e.to_string(),
+            })
+            .map_or_else(|e| self.fail(e), Some)
+    }
+
     /// A file a flag names, read whole.
     fn read_file(&mut self, flag: &'static str, path: &std::path::Path) -> Option<String> {
         std::fs::read_to_string(path)
@@ -721,6 +742,9 @@ impl Resolved {
             trace_context: args.trace_context,
             admin_token: self.admin_token,
             webhook: self.webhook,
+            admin_tokens: self.admin_tokens,
+            admin_tokens_file: args.admin_tokens_file.clone(),
+            audit_log: args.audit_log.clone(),
             wait_for_policy: args.wait_for_policy,
             allow_empty_policy: args.allow_empty_policy,
             compat: self.compat,

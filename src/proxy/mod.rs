@@ -1265,6 +1265,7 @@ impl BackgroundService for Housekeeping {
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                     let _ = self.gateway.load_policy(Trigger::Sighup);
+                    self.gateway.reload_admin_tokens();
                     if let Some(certs) = &self.certificates {
                         let _ = certs.reload("sighup");
                     }
