@@ -144,9 +144,12 @@ impl UsageDesk {
                 },
             )
             .collect();
-        if let Err(e) = store.note_usage(&notes).await {
-            metrics.usage_notes_dropped(notes.len() as u64);
-            tracing::warn!("usage notes not recorded: {e}");
+        match store.note_usage(&notes).await {
+            Ok(dropped) => metrics.usage_notes_dropped(dropped),
+            Err(e) => {
+                metrics.usage_notes_dropped(notes.len() as u64);
+                tracing::warn!("usage notes not recorded: {e}");
+            }
         }
     }
 }

@@ -746,18 +746,15 @@ impl Store {
     }
 
     /// Records usage notes (see [`records`]): the embedded store at once, a shared store in
-    /// the calls it makes.
+    /// the calls it makes. Returns how many found no room.
     ///
     /// # Errors
     /// A shared store could not answer (notes already sent are kept).
-    pub async fn note_usage(&self, notes: &[records::UsageNote]) -> Result<(), StoreError> {
+    pub async fn note_usage(&self, notes: &[records::UsageNote]) -> Result<u64, StoreError> {
         match &self.backend {
-            Backend::Memory(_) => {
-                self.records.note_usage(notes);
-                Ok(())
-            }
+            Backend::Memory(_) => Ok(self.records.note_usage(notes)),
             Backend::Redis(s) => s.note_usage(self.clock.unix_us(), notes).await,
-            Backend::Postgres(s) => s.note_usage(notes).await,
+            Backend::Postgres(s) => s.note_usage(notes).await.map(|()| 0),
         }
     }
 

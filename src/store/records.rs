@@ -36,6 +36,11 @@ pub struct Pending {
 /// Keys the embedded ledger keeps per rule and window; a key beyond them is not recorded (and
 /// counted): a bound on what clients making up keys can make the gateway hold.
 pub const MAX_USAGE_KEYS: usize = 100_000;
+/// Keys Redis records per rule and window. The ledger's hash is kept a window longer than the
+/// buckets (for `window=previous`), so under `maxmemory` with `volatile-ttl` Redis evicts
+/// buckets before it: a ledger grown by a flood of made-up keys would crowd out the buckets
+/// that enforce limits. Bounded, it takes at most about a megabyte per rule and window.
+pub const MAX_SHARED_USAGE_KEYS: usize = 10_000;
 /// Claims the embedded store keeps (expired ones are dropped first).
 pub const MAX_CLAIMS: usize = 100_000;
 

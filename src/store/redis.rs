@@ -1459,7 +1459,10 @@ impl RedisStore {
 
     /// Records usage notes ([`super::records`]): per rule and window one hash
     /// `tollgate:usage:{<prefix>}:<window>`, a field per key holding the largest spend seen,
-    /// kept until one window after its window ends.
+    /// kept until one window after its window ends, at most
+    /// [`super::records::MAX_SHARED_USAGE_KEYS`] keys (a hash that outlives the buckets must
+    /// stay small: under `maxmemory`, Redis evicts the buckets before it). Returns how many
+    /// notes were not recorded for that bound.
     ///
     /// # Errors
     /// Redis unreachable, too slow or failing.
@@ -1467,19 +1470,23 @@ impl RedisStore {
         &self,
         now_us: u64,
         notes: &[super::records::UsageNote],
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         static NOTE: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
         let script = NOTE.get_or_init(|| redis::Script::new(USAGE_NOTE));
         let mut conn = self.connection()?;
+        let mut dropped = 0;
         for note in notes {
             let mut call = script.prepare_invoke();
             call.key(usage_key(&note.prefix, note.window_id))
                 .arg(note.key.as_str())
                 .arg(note.spent)
-                .arg((note.keep_until_us.saturating_sub(now_us) / 1000).max(1));
-            super::shared::operator_call(conn.invoke::<i64>(&call)).await?;
+                .arg((note.keep_until_us.saturating_sub(now_us) / 1000).max(1))
+                .arg(super::records::MAX_SHARED_USAGE_KEYS);
+            if super::shared::operator_call(conn.invoke::<i64>(&call)).await? == 0 {
+                dropped += 1;
+            }
         }
-        Ok(())
+        Ok(dropped)
     }
 
     /// Every key's recorded spend for `prefix` in window `window_id`.
@@ -1581,10 +1588,12 @@ fn usage_key(prefix: &str, window_id: u64) -> String {
     format!("tollgate:usage:{{{prefix}}}:{window_id}")
 }
 
-/// KEYS[1]: the section; ARGV: key, spend, ms to keep it at least. The larger spend wins.
+/// KEYS[1]: the section; ARGV: key, spend, ms to keep it at least, most keys. The larger
+/// spend wins; a new key past the most is not recorded (0).
 const USAGE_NOTE: &str = r#"
-local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
-if tonumber(ARGV[2]) > old then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if not old and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+if tonumber(ARGV[2]) > tonumber(old or '-1') then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
 if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 return 1
 "#;
