@@ -222,3 +222,44 @@ fn usage_reconciles_exactly_across_two_gateways_on_redis() {
         assert_reconciled(gw, &admitted);
     }
 }
+
+/// A tenant raised at runtime (`PUT /v1/overrides`) mid-window after being refused: it goes on
+/// at once, its row shows the raised limit and exactly what it spent, and removing the
+/// override charges the difference back.
+#[test]
+fn a_runtime_override_is_the_rows_limit_and_its_spend_stays_exact() {
+    let upstream = Upstream::start();
+    let gw = Gateway::start(
+        Some(POLICY),
+        Some(upstream.addr),
+        &["--admin-token", ADMIN_TOKEN],
+    );
+    // 40 spent of 40, then refused.
+    for _ in 0..8 {
+        assert_eq!(send(&gw, "acme", 5), 5);
+    }
+    assert_eq!(send(&gw, "acme", 5), 0);
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
+    let put = support::request_with_body(
+        gw.admin,
+        "PUT",
+        "/v1/overrides",
+        &[("Authorization", &bearer)],
+        br#"{"policy": "tenants", "rule": "monthly", "key": "acme", "budget": 100}"#,
+    );
+    assert_eq!(put.status, 200, "{}", put.body);
+    // The raise takes effect at once: nothing was spent on the refusal.
+    assert_eq!(send(&gw, "acme", 3), 3);
+    let (raised, _) = rows(&gw, "policy=tenants&rule=monthly");
+    assert_eq!(raised.get("acme"), Some(&(43.0, 100.0)));
+    // Removed: the bundle's 40 again, with the 43 spent charged back (the bucket empty).
+    let deleted = operator(
+        &gw,
+        "DELETE",
+        "/v1/overrides?policy=tenants&rule=monthly&key=acme",
+    );
+    assert_eq!(deleted.status, 200, "{}", deleted.body);
+    assert_eq!(send(&gw, "acme", 1), 0);
+    let (back, _) = rows(&gw, "policy=tenants&rule=monthly");
+    assert_eq!(back.get("acme"), Some(&(40.0, 40.0)));
+}

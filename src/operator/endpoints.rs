@@ -388,12 +388,16 @@ pub async fn put_override(
         );
     };
     let bundle = gateway.policy.load_full();
+    let named = |field: &str| body[field].as_str().unwrap_or_default().to_string();
+    let id = (named("policy"), named("rule"), named("key"));
+    let before = key_quota(gateway, bundle.as_deref(), &id);
     match gateway
         .overrides
         .put(&gateway.store, bundle.as_deref(), &body)
         .await
     {
         Ok(change) => {
+            carry_spend(gateway, bundle.as_deref(), &id, before).await;
             audit_override(gateway, caller, Action::OverridePut, &change);
             (
                 Reply::json(
@@ -427,12 +431,16 @@ pub async fn delete_override(
         );
     };
     let bundle = gateway.policy.load_full();
+    let id = (policy.to_string(), rule.to_string(), key.to_string());
+    let before = key_quota(gateway, bundle.as_deref(), &id);
+    let (policy, rule, key) = &id;
     match gateway
         .overrides
-        .delete(&gateway.store, bundle.as_deref(), (&policy, &rule, &key))
+        .delete(&gateway.store, bundle.as_deref(), (policy, rule, key))
         .await
     {
         Ok(change) => {
+            carry_spend(gateway, bundle.as_deref(), &id, before).await;
             audit_override(gateway, caller, Action::OverrideDelete, &change);
             (
                 Reply::json(200, &json!({"deleted": change.before})),
@@ -440,6 +448,67 @@ pub async fn delete_override(
             )
         }
         Err(e) => (override_error(&e), None),
+    }
+}
+
+/// An override's `(policy, rule, key)`.
+type OverrideId = (String, String, String);
+
+/// The quota `key` is decided under now (a runtime override's, else the bundle's for that key),
+/// with its rule; `None` when the bundle in force has no such rule.
+fn key_quota<'b>(
+    gateway: &Gateway,
+    bundle: Option<&'b Bundle>,
+    (policy, rule, key): &OverrideId,
+) -> Option<(&'b crate::policy::Rule, crate::limits::limiter::Quota)> {
+    let rule = crate::policy::rule_of(bundle?, policy, rule).ok()?;
+    let quota = bundle?
+        .key_quotas
+        .get(rule.index, key, gateway.clock.unix_us())
+        .unwrap_or(*rule.quota_for(key));
+    Some((rule, quota))
+}
+
+/// Keeps what a key has spent when an override changes its capacity: the bucket stores what
+/// is left, so a raise from 40 to 100 credits the 60 it adds (a tenant refused at 40 of 40
+/// goes on at once, with 40 of 100 spent) and a removal or a lowered override charges the
+/// difference back (nothing it spent is forgotten). One adjustment, by the gateway that took
+/// the write, in the store the fleet shares. A budget moves only in its current window.
+async fn carry_spend(
+    gateway: &Gateway,
+    bundle: Option<&Bundle>,
+    id: &OverrideId,
+    before: Option<(&crate::policy::Rule, crate::limits::limiter::Quota)>,
+) {
+    let (Some((rule, old)), Some((_, new))) = (before, key_quota(gateway, bundle, id)) else {
+        return;
+    };
+    let (old_burst, new_burst) = (old.burst(), new.burst());
+    if old_burst == new_burst {
+        return;
+    }
+    let as_delta = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    // A refund fills up to the larger capacity; a charge is taken from what the larger one held.
+    let (quota, delta) = if new_burst > old_burst {
+        (new, -as_delta(new_burst - old_burst))
+    } else {
+        (old, as_delta(old_burst - new_burst))
+    };
+    let unix_secs = gateway.clock.unix_us() / 1_000_000;
+    let window_id = super::usage::window_bounds(rule, super::usage::Which::Current, unix_secs)
+        .map(|(start, _)| start.max(1));
+    let op = crate::store::AdjustOp {
+        key: crate::store::BucketKey::of(&format!("{}{}", rule.key_prefix, id.2)),
+        quota,
+        window_id,
+        delta,
+    };
+    if let Err(e) = gateway
+        .store
+        .adjust(gateway.store.now_us(), std::slice::from_ref(&op))
+        .await
+    {
+        tracing::warn!(rule = %rule.name, "an override's change of capacity was not carried to the key's bucket: {e}");
     }
 }
 

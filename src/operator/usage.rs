@@ -120,15 +120,16 @@ pub fn window_bounds(rule: &Rule, which: Which, unix_secs: u64) -> Option<(u64, 
     })
 }
 
-/// A ledger row made exact by the bucket's state when it still counts window `window_id`.
+/// A ledger row made exact by the bucket's state when it still counts window `window_id`;
+/// `limit` is the key's own (a runtime override's, else the bundle's for that key), the
+/// budget its bucket was filled to.
 pub fn exact_spend(
-    rule: &Rule,
     ledger: u64,
     state: Option<BucketState>,
     window_id: u64,
     key: &str,
+    limit: u64,
 ) -> Row {
-    let limit = rule.quota_for(key).burst();
     let spent = match state {
         Some(state) if state.last_us == window_id => limit.saturating_sub(state.tokens.min(limit)),
         _ => ledger,
@@ -213,7 +214,8 @@ pub async fn usage_reply(gateway: &Gateway, query: Option<&str>) -> Reply {
         Ok(rule) => rule,
         Err(reply) => return reply,
     };
-    let unix_secs = gateway.clock.unix_us() / 1_000_000;
+    let now_us = gateway.clock.unix_us();
+    let unix_secs = now_us / 1_000_000;
     let Some((start, _)) = window_bounds(rule, query.window, unix_secs) else {
         return error(400, "not a budget rule");
     };
@@ -234,7 +236,14 @@ pub async fn usage_reply(gateway: &Gateway, query: Option<&str>) -> Reply {
         .iter()
         .zip(states)
         .map(|((key, spent), state)| {
-            let mut row = exact_spend(rule, *spent, state, window_id, key);
+            // A runtime override (`/v1/overrides`) beats the bundle's quota for its key, as
+            // when the request was decided.
+            let limit = bundle
+                .key_quotas
+                .get(rule.index, key, now_us)
+                .unwrap_or(*rule.quota_for(key))
+                .burst();
+            let mut row = exact_spend(*spent, state, window_id, key, limit);
             let name = format!("{}{key}", rule.key_prefix);
             let shown =
                 super::buckets::shown_name(rule, &name, &gateway.fingerprint_key).into_owned();
