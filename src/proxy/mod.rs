@@ -14,6 +14,7 @@ pub mod admin;
 pub mod conn;
 pub mod forward;
 pub mod gateway;
+pub mod own_response;
 pub mod grpc_call;
 pub mod grpc_health;
 pub mod protocol;
