@@ -121,12 +121,7 @@ mod tests {
     fn list(items: &[(&'static str, &'static str)]) -> HeaderList {
         items
             .iter()
-            .map(|(n, v)| {
-                (
-                    HeaderName::from_static(n),
-                    HeaderValue::from_static(v),
-                )
-            })
+            .map(|(n, v)| (HeaderName::from_static(n), HeaderValue::from_static(v)))
             .collect()
     }
 
