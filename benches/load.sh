@@ -57,10 +57,16 @@ ROUNDS=${1:-3}; SECS=${2:-5}; CONNS=${3:-32}
 bash scripts/install-deps.sh --load
 # PROFILE=release skips the fat-LTO build (minutes) for a quick comparison between targets.
 PROFILE=${PROFILE:-perf}
-cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy --example otlp_sink
+TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-1-state tg-5 tg-redis nginx-429 bare-429 tg-429 authreq envoy-rls"}
+wants() { [[ " ${TARGETS:-} " == *" $1 "* ]]; }
+# Only what the targets need is built and started (the OTLP receiver, Envoy).
+EXAMPLES=(--example bare_proxy)
+{ wants tg-1-otel || wants tg-1-otel-ratio; } && EXAMPLES+=(--example otlp_sink)
+cargo build --profile "$PROFILE" --quiet --bin tollgate "${EXAMPLES[@]}"
 TG=target/$PROFILE/tollgate
 BARE=target/$PROFILE/examples/bare_proxy
-ENVOY=$(bash scripts/install-envoy.sh)
+ENVOY=""
+{ wants envoy-lr || wants envoy-rls; } && ENVOY=$(bash scripts/install-envoy.sh)
 
 # Ports.
 UP=18900; NGX=18901; NGX_LR=18902; NGX_429=18903; AUTHREQ=18904; ENVOY_PORT=18905; BARE_PORT=18906
@@ -126,8 +132,10 @@ static_resources:
       cluster_name: upstream
       endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: $UP } } } } ] } ]
 YAML
-taskset -c 1 "$ENVOY" -c "$WORK/envoy.yaml" --concurrency 1 -l error > "$WORK/envoy.log" 2>&1 &
-PID_ENVOY=$!; PIDS+=("$PID_ENVOY")
+if [ -n "$ENVOY" ]; then
+  taskset -c 1 "$ENVOY" -c "$WORK/envoy.yaml" --concurrency 1 -l error > "$WORK/envoy.log" 2>&1 &
+  PID_ENVOY=$!; PIDS+=("$PID_ENVOY")
+fi
 
 # Envoy with the global rate-limit filter asking tollgate's gRPC listener (TG_GRPC).
 cat > "$WORK/envoy-rls.yaml" <<YAML
@@ -176,8 +184,10 @@ static_resources:
       cluster_name: tollgate
       endpoints: [ { lb_endpoints: [ { endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: $TG_GRPC } } } } ] } ]
 YAML
-taskset -c 1 "$ENVOY" -c "$WORK/envoy-rls.yaml" --concurrency 1 -l error --base-id 7 > "$WORK/envoy-rls.log" 2>&1 &
-PID_ENVOY_RLS=$!; PIDS+=("$PID_ENVOY_RLS")
+if [ -n "$ENVOY" ]; then
+  taskset -c 1 "$ENVOY" -c "$WORK/envoy-rls.yaml" --concurrency 1 -l error --base-id 7 > "$WORK/envoy-rls.log" 2>&1 &
+  PID_ENVOY_RLS=$!; PIDS+=("$PID_ENVOY_RLS")
+fi
 
 rule() { # name, keys, rps, burst
   printf '{"name": "%s", "limit_keys": %s, "algorithm": "token_bucket", "on_missing": "shared", "algorithm_config": {"rps": %s, "burst": %s}}' "$1" "$2" "$3" "$4"
@@ -207,8 +217,6 @@ if [ -n "${TG_BASE:-}" ]; then
   TG_RUN=$TG_BASE start_tollgate $TG_1_BASE "$WORK/one.json" 18927; PID_TG_1_BASE=$LAST_PID
   TG_RUN=$TG_BASE start_tollgate $TG_429_BASE "$WORK/deny.json" 18928; PID_TG_429_BASE=$LAST_PID
 fi
-TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-1-state tg-5 tg-redis nginx-429 bare-429 tg-429 authreq envoy-rls"}
-wants() { [[ " ${TARGETS:-} " == *" $1 "* ]]; }
 # Traced tollgates: OTLP/HTTP to the receiver on core 0 (or to a port nobody listens on).
 start_traced() { # port, admin port, OTLP port, sampler, sampler argument: sets LAST_PID
   env OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$3" OTEL_TRACES_SAMPLER="$4" \

@@ -37,7 +37,8 @@
 //! proxy/      L4     Pingora and tonic glue (the only code naming them): reverse proxy,
 //!                    upstream groups, connection guard, admin listener, Envoy's gRPC services
 //!                    (grpc), every listener bound before start (bind), listener handover
-//!                    on upgrade (handover)
+//!                    on upgrade (handover), the wire bytes of the gateway's own answers
+//!                    (own_response)
 //! ```
 //!
 //! A request goes `proxy` → `RequestFacts::new` → `Gateway::decide` → `engine::plan` →

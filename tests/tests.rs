@@ -39,6 +39,7 @@ mod pacing;
 mod policy_store;
 mod postgres;
 mod redis;
+mod refusal_bytes;
 mod response_rules;
 mod routes;
 mod skew;

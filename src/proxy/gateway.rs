@@ -317,18 +317,32 @@ fn http2_key(session: &Session) -> Option<usize> {
         .map(|digest| Arc::as_ptr(digest) as usize)
 }
 
-/// Writes a complete response from the gateway itself: built from `http` parts with names
-/// parsed once (Pingora's `insert_header` would parse and allocate each custom name again), with
-/// `Content-Length`, so header and body leave in one write and the connection stays open.
+/// Writes a complete response from the gateway itself, with `Content-Length`, so header and
+/// body leave in one write and the connection stays open. Over HTTP/1 its header block is
+/// rendered straight to bytes ([`super::own_response`]); otherwise it is built from `http` parts
+/// with names parsed once (Pingora's `insert_header` would parse and allocate each custom name
+/// again).
 async fn respond(
     session: &mut Session,
     status: u16,
     headers: HeaderList,
     body: &'static str,
 ) -> Result<()> {
-    let (mut parts, ()) = http::Response::new(()).into_parts();
-    parts.status =
+    let status =
         http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    if let pingora::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
+        if let Some(head) = super::own_response::render_head(status, &headers, body.len()) {
+            // Only the status is kept as the response written (the access log's, the trace's).
+            let written = ResponseHeader::build_no_case(status, Some(0))?;
+            h1.write_response_header_prerendered(Box::new(written), &head, body.len())
+                .await?;
+            return session
+                .write_response_body(Some(Bytes::from_static(body.as_bytes())), true)
+                .await;
+        }
+    }
+    let (mut parts, ()) = http::Response::new(()).into_parts();
+    parts.status = status;
     parts.headers.reserve(headers.len() + 2);
     for (name, value) in headers {
         parts.headers.append(name, value);

@@ -16,6 +16,7 @@ pub mod forward;
 pub mod gateway;
 pub mod grpc_call;
 pub mod grpc_health;
+pub mod own_response;
 pub mod protocol;
 pub mod queue;
 pub mod upstreams;

@@ -21,12 +21,10 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
     if !tracing::enabled!(tracing::Level::INFO) {
         return;
     }
-    let mut ip_text = String::new();
+    // The address written on the stack: nothing allocated for the line.
+    let mut ip_text = crate::telemetry::log_line::IpText::new();
     let client_ip = match request.client_ip {
-        Some(ip) => {
-            crate::telemetry::log_line::push_ip(&mut ip_text, ip);
-            ip_text.as_str()
-        }
+        Some(ip) => ip_text.of(ip),
         None => "-",
     };
     let trace_id = request

@@ -210,32 +210,38 @@ impl RateLimit<'_> {
     /// Written piece by piece (no `format!` machinery): this runs once per refusal.
     pub fn format(&self, unix_us: i64, json: bool) -> String {
         let mut line = String::with_capacity(224 + self.path.len());
+        self.format_into(&mut line, unix_us, json);
+        line
+    }
+
+    /// [`RateLimit::format`] appended to `line` (a buffer reused from line to line).
+    fn format_into(&self, line: &mut String, unix_us: i64, json: bool) {
         let mut number = itoa::Buffer::new();
         if json {
             line.push_str("{\"timestamp\":\"");
-            push_rfc3339_us(&mut line, unix_us);
+            push_rfc3339_us(line, unix_us);
             line.push_str("\",\"level\":\"INFO\",\"message\":\"RATE_LIMIT\"");
             let j = json_field;
-            j(&mut line, "client_ip", Some(self.client_ip));
-            j(&mut line, "host", Some(self.host));
-            j(&mut line, "path", Some(self.path));
+            j(line, "client_ip", Some(self.client_ip));
+            j(line, "host", Some(self.host));
+            j(line, "path", Some(self.path));
             line.push_str(",\"status\":");
             line.push_str(number.format(self.status));
-            j(&mut line, "policy", Some(self.policy));
-            j(&mut line, "rule", Some(self.rule));
-            j(&mut line, "reason", Some(self.reason));
-            j(&mut line, "mode", Some(self.mode));
+            j(line, "policy", Some(self.policy));
+            j(line, "rule", Some(self.rule));
+            j(line, "reason", Some(self.reason));
+            j(line, "mode", Some(self.mode));
             if let Some(detail) = self.detail {
-                j(&mut line, "detail", Some(detail));
+                j(line, "detail", Some(detail));
             }
             if let Some(trace_id) = self.trace_id {
-                j(&mut line, "trace_id", Some(trace_id));
+                j(line, "trace_id", Some(trace_id));
             }
             line.push_str(",\"target\":\"");
             line.push_str(TARGET);
             line.push_str("\"}\n");
         } else {
-            push_rfc3339_us(&mut line, unix_us);
+            push_rfc3339_us(line, unix_us);
             line.push_str("  INFO ");
             line.push_str(TARGET);
             line.push_str(": RATE_LIMIT");
@@ -245,13 +251,13 @@ impl RateLimit<'_> {
             line.push_str(self.client_ip);
             for (name, value) in [(" host=", self.host), (" path=", self.path)] {
                 line.push_str(name);
-                crate::telemetry::log_value::push_field(&mut line, value);
+                crate::telemetry::log_value::push_field(line, value);
             }
             line.push_str(" status=");
             line.push_str(number.format(self.status));
             for (name, value) in [(" policy=", self.policy), (" rule=", self.rule)] {
                 line.push_str(name);
-                crate::telemetry::log_value::push_field(&mut line, value);
+                crate::telemetry::log_value::push_field(line, value);
             }
             line.push_str(" reason=");
             line.push_str(self.reason);
@@ -259,7 +265,7 @@ impl RateLimit<'_> {
             line.push_str(self.mode);
             if let Some(detail) = self.detail {
                 line.push_str(" detail=");
-                crate::telemetry::log_value::push_field(&mut line, detail);
+                crate::telemetry::log_value::push_field(line, detail);
             }
             if let Some(trace_id) = self.trace_id {
                 // Hex digits of tollgate's own formatting: nothing to escape.
@@ -268,7 +274,6 @@ impl RateLimit<'_> {
             }
             line.push('\n');
         }
-        line
     }
 
     /// Queues the line for standard error, in the log's format, at the current time.
@@ -276,7 +281,19 @@ impl RateLimit<'_> {
         let unix_us = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_micros().min(i64::MAX as u128) as i64);
-        stderr(self.format(unix_us, json()).as_bytes());
+        // Formatted into this thread's buffer, kept from line to line: nothing allocated.
+        thread_local! {
+            static LINE: std::cell::RefCell<String> =
+                const { std::cell::RefCell::new(String::new()) };
+        }
+        LINE.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut line) => {
+                line.clear();
+                self.format_into(&mut line, unix_us, json());
+                stderr(line.as_bytes());
+            }
+            Err(_) => stderr(self.format(unix_us, json()).as_bytes()),
+        });
     }
 }
 
@@ -312,34 +329,70 @@ pub(crate) fn push_rfc3339_us(out: &mut String, unix_us: i64) {
 
 /// A client address as text, without the formatting machinery for the common IPv4 case.
 pub fn push_ip(out: &mut String, ip: std::net::IpAddr) {
-    match ip {
-        std::net::IpAddr::V4(v4) => {
-            // Written into 15 bytes on the stack, then pushed once.
-            let mut text = [0u8; 15];
-            let mut n = 0;
-            for (i, &octet) in v4.octets().iter().enumerate() {
-                if i > 0 {
-                    text[n] = b'.';
-                    n += 1;
+    out.push_str(IpText::new().of(ip));
+}
+
+/// A client address written as text on the stack (an IPv6 address takes at most 45 bytes):
+/// a line that names it allocates nothing for it.
+pub struct IpText {
+    buf: [u8; 45],
+    len: usize,
+}
+
+impl Default for IpText {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl IpText {
+    pub fn new() -> Self {
+        IpText {
+            buf: [0; 45],
+            len: 0,
+        }
+    }
+
+    /// `ip` as text.
+    pub fn of(&mut self, ip: std::net::IpAddr) -> &str {
+        self.len = 0;
+        match ip {
+            std::net::IpAddr::V4(v4) => {
+                for (i, &octet) in v4.octets().iter().enumerate() {
+                    if i > 0 {
+                        self.push(b'.');
+                    }
+                    if octet >= 100 {
+                        self.push(b'0' + octet / 100);
+                    }
+                    if octet >= 10 {
+                        self.push(b'0' + octet / 10 % 10);
+                    }
+                    self.push(b'0' + octet % 10);
                 }
-                if octet >= 100 {
-                    text[n] = b'0' + octet / 100;
-                    n += 1;
-                }
-                if octet >= 10 {
-                    text[n] = b'0' + octet / 10 % 10;
-                    n += 1;
-                }
-                text[n] = b'0' + octet % 10;
-                n += 1;
             }
-            if let Ok(text) = std::str::from_utf8(&text[..n]) {
-                out.push_str(text);
+            std::net::IpAddr::V6(v6) => {
+                let _ = write!(self, "{v6}");
             }
         }
-        std::net::IpAddr::V6(v6) => {
-            let _ = write!(out, "{v6}");
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or("-")
+    }
+
+    fn push(&mut self, byte: u8) {
+        if let Some(slot) = self.buf.get_mut(self.len) {
+            *slot = byte;
+            self.len += 1;
         }
+    }
+}
+
+impl std::fmt::Write for IpText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let slot = self.buf.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        slot.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
     }
 }
 

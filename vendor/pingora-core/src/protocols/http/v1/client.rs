@@ -19,10 +19,14 @@ use http::{header, header::AsHeaderName, HeaderValue, StatusCode, Version};
 use log::{debug, trace};
 use pingora_error::{Error, ErrorType::*, OrErr, Result, RetryType};
 use pingora_http::{HMap, IntoCaseHeaderName, RequestHeader, ResponseHeader};
-use pingora_timeout::timeout;
+use pingora_timeout::fast_timeout::FastOrTokioTimeout;
+use pingora_timeout::{timeout, ToTimeout};
+use std::future::Future;
 use std::io::ErrorKind;
+use std::pin::Pin;
 use std::str;
-use std::time::Duration;
+use std::task::Poll;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::body::{BodyReader, BodyWriter};
@@ -46,6 +50,9 @@ pub struct HttpSession {
     /// The timeout is reset on every read. This is not a timeout on the overall duration of the
     /// response.
     pub read_timeout: Option<Duration>,
+    /// The one timer that enforces `read_timeout` for this response: armed when a read first
+    /// has to wait, then kept across reads (each read moves its deadline, not the timer).
+    read_timer: Option<ReadTimer>,
     /// The write timeout which will be applied to both writing request header and body.
     /// The timeout is reset on every write. This is not a timeout on the overall duration of the
     /// request.
@@ -92,6 +99,7 @@ impl HttpSession {
             response_header: None,
             request_written: None,
             read_timeout: None,
+            read_timer: None,
             write_timeout: None,
             digest,
             bytes_sent: 0,
@@ -389,9 +397,9 @@ impl HttpSession {
                 .underlying_stream
                 .read_buf(&mut self.response_header_read_buf);
             let read_result = match self.read_timeout {
-                Some(t) => match timeout(t, read_fut).await {
-                    Ok(res) => res,
-                    Err(_) => {
+                Some(t) => match read_with_timer(read_fut, &mut self.read_timer, t).await {
+                    Some(res) => res,
+                    None => {
                         return self.fail_response_header_read(Error::explain(
                             ReadTimedout,
                             "while reading response headers",
@@ -478,10 +486,16 @@ impl HttpSession {
     /// Return `Ok(None)` if there is no more body to read.
     pub async fn read_body_ref(&mut self) -> Result<Option<&[u8]>> {
         let result = match self.read_timeout {
-            Some(t) => match timeout(t, self.do_read_body()).await {
-                Ok(res) => res,
-                Err(_) => Error::e_explain(ReadTimedout, format!("reading body, timeout: {t:?}")),
-            },
+            Some(t) => {
+                self.init_body_reader();
+                let read = self.body_reader.read_body(&mut self.underlying_stream);
+                match read_with_timer(read, &mut self.read_timer, t).await {
+                    Some(res) => res,
+                    None => {
+                        Error::e_explain(ReadTimedout, format!("reading body, timeout: {t:?}"))
+                    }
+                }
+            }
             None => self.do_read_body().await,
         };
 
@@ -882,6 +896,49 @@ impl HttpSession {
     }
 }
 
+/// The timer of [`HttpSession::read_timeout`] for one response, and when a read last
+/// completed.
+struct ReadTimer {
+    sleep: Pin<Box<dyn Future<Output = ()> + Send + Sync>>,
+    last_read: Instant,
+}
+
+/// Polls `read` under `timer`: `None` once no read has completed for `timeout`. The timer is
+/// registered when a read first has to wait and kept for the next reads of the response, whose
+/// completions only move its deadline (noted here, checked when it fires: then it is armed
+/// again for what is left, or the read times out). A read that waits costs one timer per
+/// response instead of one per read.
+async fn read_with_timer<T>(
+    read: impl Future<Output = T>,
+    timer: &mut Option<ReadTimer>,
+    timeout: Duration,
+) -> Option<T> {
+    let mut read = std::pin::pin!(read);
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(done) = read.as_mut().poll(cx) {
+            if let Some(timer) = timer.as_mut() {
+                timer.last_read = Instant::now();
+            }
+            return Poll::Ready(Some(done));
+        }
+        let timer = timer.get_or_insert_with(|| ReadTimer {
+            sleep: FastOrTokioTimeout::create(timeout).timeout(),
+            last_read: Instant::now(),
+        });
+        loop {
+            if timer.sleep.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let idle = timer.last_read.elapsed();
+            if idle >= timeout {
+                return Poll::Ready(None);
+            }
+            timer.sleep = FastOrTokioTimeout::create(timeout - idle).timeout();
+        }
+    })
+    .await
+}
+
 #[inline]
 fn parse_resp_buffer<'buf>(
     resp: &mut httparse::Response<'_, 'buf>,
@@ -1224,6 +1281,53 @@ mod tests_stream {
         http_stream.read_timeout = Some(Duration::from_secs(1));
         let res = http_stream.read_response().await;
         assert_eq!(res.unwrap_err().etype(), &ErrorType::ReadTimedout);
+    }
+
+    #[tokio::test]
+    async fn read_timeout_moves_with_each_read_of_a_response() {
+        init_log();
+        // Four body reads 200 ms apart under a 500 ms timeout: 800 ms in all, never 500 ms idle.
+        let mock_io = Builder::new()
+            .read(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n")
+            .wait(Duration::from_millis(200))
+            .read(b"a")
+            .wait(Duration::from_millis(200))
+            .read(b"b")
+            .wait(Duration::from_millis(200))
+            .read(b"c")
+            .wait(Duration::from_millis(200))
+            .read(b"d")
+            .build();
+        let mut http_stream = HttpSession::new(Box::new(mock_io));
+        http_stream.read_timeout = Some(Duration::from_millis(500));
+        http_stream.read_response().await.unwrap();
+        let mut body = Vec::new();
+        while let Some(chunk) = http_stream.read_body_ref().await.unwrap() {
+            body.extend_from_slice(chunk);
+        }
+        assert_eq!(body, b"abcd");
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "There is still data left to read.")]
+    async fn read_timeout_fires_when_a_response_falls_silent_between_reads() {
+        init_log();
+        let mock_io = Builder::new()
+            .read(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n")
+            .wait(Duration::from_millis(200))
+            .read(b"a")
+            .wait(Duration::from_secs(5))
+            .read(b"bcd")
+            .build();
+        let mut http_stream = HttpSession::new(Box::new(mock_io));
+        http_stream.read_timeout = Some(Duration::from_millis(500));
+        http_stream.read_response().await.unwrap();
+        assert_eq!(http_stream.read_body_ref().await.unwrap(), Some(&b"a"[..]));
+        let started = Instant::now();
+        let e = http_stream.read_body_ref().await.unwrap_err();
+        assert_eq!(e.etype(), &ErrorType::ReadTimedout);
+        // Cut about 500 ms after the last read, not after the stall.
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 
     #[tokio::test]

@@ -696,6 +696,73 @@ impl HttpSession {
         }
     }
 
+    /// Write a final response header that the caller has already serialized.
+    ///
+    /// `head` holds the status line and every header line except `Date` and `Connection`,
+    /// which are appended here exactly as [`Self::write_response_header()`] adds them, followed
+    /// by the blank line that ends the header block. `content_length` frames the body the
+    /// caller writes next (nothing for `HEAD`, 204 and 304, as with a `Content-Length` header).
+    /// `header` is what [`Self::response_written()`] returns afterwards: it must carry the
+    /// status of `head`; its headers are not written. No response map is built or serialized,
+    /// which is the point: a response whose bytes are known costs one copy.
+    ///
+    /// Informational (1xx) statuses are not accepted here: use
+    /// [`Self::write_response_header()`].
+    pub async fn write_response_header_prerendered(
+        &mut self,
+        header: Box<ResponseHeader>,
+        head: &[u8],
+        content_length: usize,
+    ) -> Result<()> {
+        if header.status.is_informational() {
+            return Error::e_explain(
+                InternalError,
+                "a prerendered response header cannot be informational",
+            );
+        }
+        if self.response_written.is_some() {
+            warn!("Respond header is already sent, cannot send again");
+            return Ok(());
+        }
+        if self.close_on_response_before_downstream_finish
+            && (self.request_header.is_none() || !self.is_body_done())
+        {
+            debug!("set connection close before downstream finish");
+            self.set_keepalive(None);
+        }
+        let bodiless = matches!(
+            header.status,
+            http::StatusCode::NO_CONTENT | http::StatusCode::NOT_MODIFIED
+        ) || self.get_method() == Some(&Method::HEAD);
+        self.body_writer
+            .init_content_length(if bodiless { 0 } else { content_length });
+        let mut write_buf = BytesMut::with_capacity(head.len() + 80);
+        write_buf.put_slice(head);
+        if self.update_resp_headers {
+            write_buf.put_slice(b"Date: ");
+            write_buf.put_slice(date::get_cached_date().as_bytes());
+            write_buf.put_slice(if self.will_keepalive() {
+                b"\r\nConnection: keep-alive\r\n"
+            } else {
+                b"\r\nConnection: close\r\n"
+            });
+        }
+        write_buf.put_slice(CRLF);
+        match self.underlying_stream.write_all(&write_buf).await {
+            Ok(()) => {
+                if self.body_writer.finished() {
+                    self.underlying_stream
+                        .flush()
+                        .await
+                        .or_err(WriteError, "flushing response header")?;
+                }
+                self.response_written = Some(header);
+                Ok(())
+            }
+            Err(e) => Error::e_because(WriteError, "writing response header", e),
+        }
+    }
+
     /// Return the response header if it is already sent.
     pub fn response_written(&self) -> Option<&ResponseHeader> {
         self.response_written.as_deref()
@@ -2652,6 +2719,68 @@ mod tests_stream {
             .write_response_header_ref(&new_response)
             .await
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn write_prerendered_header_then_body() {
+        let read_wire = b"GET / HTTP/1.1\r\n\r\n";
+        let head = b"HTTP/1.1 429 Too Many Requests\r\nfoo: bar\r\nContent-Length: 2\r\n";
+        let mock_io = Builder::new()
+            .read(read_wire)
+            .write(head)
+            .write(b"\r\n")
+            .write(b"no")
+            .build();
+        let mut http_stream = HttpSession::new(Box::new(mock_io));
+        http_stream.read_request().await.unwrap();
+        http_stream.update_resp_headers = false;
+        let header = ResponseHeader::build_no_case(StatusCode::TOO_MANY_REQUESTS, Some(0)).unwrap();
+        http_stream
+            .write_response_header_prerendered(Box::new(header), &head[..], 2)
+            .await
+            .unwrap();
+        assert_eq!(http_stream.response_written().unwrap().status, 429);
+        http_stream.write_body(b"no").await.unwrap();
+        assert_eq!(http_stream.body_bytes_sent(), 2);
+        assert!(http_stream.body_writer.finished());
+        // The response is written once: a second header is ignored.
+        let again = ResponseHeader::build_no_case(StatusCode::OK, Some(0)).unwrap();
+        http_stream
+            .write_response_header_prerendered(Box::new(again), b"HTTP/1.1 200 OK\r\n", 0)
+            .await
+            .unwrap();
+        assert_eq!(http_stream.response_written().unwrap().status, 429);
+    }
+
+    #[tokio::test]
+    async fn write_prerendered_header_to_head_request_frames_no_body() {
+        let read_wire = b"HEAD / HTTP/1.1\r\n\r\n";
+        let head = b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 2\r\n";
+        let mock_io = Builder::new().read(read_wire).write(head).write(b"\r\n").build();
+        let mut http_stream = HttpSession::new(Box::new(mock_io));
+        http_stream.read_request().await.unwrap();
+        http_stream.update_resp_headers = false;
+        let header = ResponseHeader::build_no_case(StatusCode::TOO_MANY_REQUESTS, Some(0)).unwrap();
+        http_stream
+            .write_response_header_prerendered(Box::new(header), &head[..], 2)
+            .await
+            .unwrap();
+        assert!(http_stream.body_writer.finished());
+    }
+
+    #[tokio::test]
+    async fn write_prerendered_header_refuses_informational() {
+        let read_wire = b"GET / HTTP/1.1\r\n\r\n";
+        let mock_io = Builder::new().read(read_wire).build();
+        let mut http_stream = HttpSession::new(Box::new(mock_io));
+        http_stream.read_request().await.unwrap();
+        let header = ResponseHeader::build_no_case(StatusCode::CONTINUE, Some(0)).unwrap();
+        let e = http_stream
+            .write_response_header_prerendered(Box::new(header), b"HTTP/1.1 100 Continue\r\n", 0)
+            .await
+            .unwrap_err();
+        assert_eq!(e.etype(), &ErrorType::InternalError);
+        assert!(http_stream.response_written().is_none());
     }
 
     #[tokio::test]
