@@ -67,19 +67,33 @@ fn decide(gw: &Gateway, tenant: &str) -> (u16, String) {
 
 /// `n` decisions for `tenant`: how many were admitted, and the last one's `RateLimit-Policy`.
 fn admitted(gw: &Gateway, tenant: &str, n: usize) -> (usize, String) {
+    admitted_with(gw, &[("X-Original-URI", "/api/x"), ("X-Tenant", tenant)], n)
+}
+
+/// `n` decisions described by `headers`: how many were admitted, and the last one's
+/// `RateLimit-Policy`.
+fn admitted_with(gw: &Gateway, headers: &[(&str, &str)], n: usize) -> (usize, String) {
     let mut policy = String::new();
     let mut count = 0;
     for _ in 0..n {
-        let r = support::request(
-            gw.admin,
-            "POST",
-            "/v1/decision",
-            &[("X-Original-URI", "/api/x"), ("X-Tenant", tenant)],
-        );
+        let r = support::request(gw.admin, "POST", "/v1/decision", headers);
         count += usize::from(r.status == 200);
         policy = r.header("RateLimit-Policy").unwrap_or("").to_string();
     }
     (count, policy)
+}
+
+/// Polls `gw`'s list until `key` is listed (`present`) or gone, failing after 1 s: how long a
+/// change made on another gateway of the fleet may take.
+fn within_a_second(gw: &Gateway, key: &str, present: bool) {
+    let started = Instant::now();
+    while listed_key(gw, key).is_some() != present {
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "the other gateway did not see the change to {key} within 1 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn token_flag() -> String {
@@ -108,14 +122,7 @@ fn overrides_reach_a_fleet_on_redis_within_a_second_and_outlive_restarts_and_rel
                            "replaced": null})
     );
     // Gateway B reads the table within 1 s, and enforces it from then on.
-    let put_at = Instant::now();
-    while listed_key(&b, "acme").is_none() {
-        assert!(
-            put_at.elapsed() < Duration::from_secs(1),
-            "gateway B did not see the override within 1 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    within_a_second(&b, "acme", true);
     assert_eq!(decide(&b, "acme").1, "\"per-tenant\";r=4;t=1800");
     assert_eq!(
         admitted(&b, "acme", 10),
@@ -200,11 +207,7 @@ fn overrides_reach_a_fleet_on_redis_within_a_second_and_outlive_restarts_and_rel
         json_of(&r),
         serde_json::json!({"deleted": {"policy": "api", "rule": "per-tenant", "key": "umbrella", "burst": 6}})
     );
-    let deleted_at = Instant::now();
-    while listed_key(&a, "umbrella").is_some() {
-        assert!(deleted_at.elapsed() < Duration::from_secs(1));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    within_a_second(&a, "umbrella", false);
     assert_eq!(
         support::operator(
             &b,
@@ -338,14 +341,7 @@ fn overrides_reach_a_fleet_on_postgres_within_a_second() {
     );
     let body = r#"{"policy": "api", "rule": "per-tenant", "key": "acme", "burst": 5}"#;
     assert_eq!(put(&a, body).status, 200);
-    let put_at = Instant::now();
-    while listed_key(&b, "acme").is_none() {
-        assert!(
-            put_at.elapsed() < Duration::from_secs(1),
-            "gateway B did not see the override within 1 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    within_a_second(&b, "acme", true);
     assert_eq!(
         admitted(&b, "acme", 10),
         (5, "\"per-tenant\";q=5;w=9000".into())
@@ -359,11 +355,7 @@ fn overrides_reach_a_fleet_on_postgres_within_a_second() {
         .status,
         200
     );
-    let deleted_at = Instant::now();
-    while listed_key(&a, "acme").is_some() {
-        assert!(deleted_at.elapsed() < Duration::from_secs(1));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    within_a_second(&a, "acme", false);
 }
 
 /// `burst_from` through the real binary: a token signed here states the burst; the rule's
@@ -388,19 +380,11 @@ fn burst_from_reads_the_burst_of_a_verified_token() {
         format!("Bearer {jwt}")
     };
     let admitted = |authorization: &str| {
-        let mut policy = String::new();
-        let mut count = 0;
-        for _ in 0..10 {
-            let r = support::request(
-                gw.admin,
-                "POST",
-                "/v1/decision",
-                &[("X-Original-URI", "/"), ("Authorization", authorization)],
-            );
-            count += usize::from(r.status == 200);
-            policy = r.header("RateLimit-Policy").unwrap_or("").to_string();
-        }
-        (count, policy)
+        admitted_with(
+            &gw,
+            &[("X-Original-URI", "/"), ("Authorization", authorization)],
+            10,
+        )
     };
     assert_eq!(
         admitted(&token("plan-secret", "alice", 4.into())),
