@@ -24,13 +24,15 @@
 //!                    store answer → Decision; Decided → HTTP headers; the rate-limit service's
 //!                    mapping; reservation tokens; Fairvisor compatibility; `simulate`
 //! telemetry/  L0-L3  metrics, the access log and log lines (values escaped, secrets redacted),
-//!                    OpenTelemetry traces (own span records, OTLP by hand)
+//!                    the audit trail of operator writes, OpenTelemetry traces (own span
+//!                    records, OTLP by hand)
 //! config/     L3     flags (cli) → Config, resolved in one place (resolve) with typed
 //!                    errors naming their flags; edge certificates (tls); the route file
 //! service/    L3     the running gateway: `Gateway` and its one `decide` for the proxy, the
 //!                    decision service and ext_authz; its components (reload, follow state,
 //!                    tokens, debug sessions, candidate), each a type of its own
-//! operator/   L3     the operator endpoints' work: admin token, buckets, status, top list
+//! operator/   L3     the operator endpoints' work: admin token, scoped tokens and the scope
+//!                    each endpoint needs, buckets, status, top list
 //! fleet/      L3     publish, promote, rollback; policy sources and signed envelopes
 //! proxy/      L4     Pingora and tonic glue (the only code naming them): reverse proxy,
 //!                    upstream groups, connection guard, admin listener, Envoy's gRPC services

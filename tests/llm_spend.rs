@@ -9,10 +9,10 @@
 
 use crate::support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use support::origin::{response, Origin, OriginRequest};
 use support::servers::{PgServer, RedisServer};
 use support::{request_with_body, Gateway, HttpResponse};
 
@@ -38,75 +38,37 @@ const AS_RESERVED: Used = Used {
 struct FakeModel {
     addr: SocketAddr,
     models: Arc<Mutex<Vec<String>>>,
+    _origin: Origin,
 }
 
 impl FakeModel {
     fn start(used: Used) -> FakeModel {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake model");
-        let addr = listener.local_addr().expect("addr");
         let models: Arc<Mutex<Vec<String>>> = Arc::default();
         let seen = Arc::clone(&models);
-        std::thread::spawn(move || {
-            for conn in listener.incoming().flatten() {
-                let seen = Arc::clone(&seen);
-                std::thread::spawn(move || serve(conn, used, &seen));
-            }
+        let origin = Origin::start(move |request: &OriginRequest| {
+            let json: serde_json::Value = serde_json::from_slice(&request.body).unwrap_or_default();
+            let model = json["model"].as_str().unwrap_or_default().to_string();
+            seen.lock().unwrap().push(model.clone());
+            let (content_type, answer) = if request.target.starts_with("/v1/messages") {
+                anthropic(&model, used, json["stream"] == true)
+            } else {
+                openai(&model, used)
+            };
+            response(
+                "200 OK",
+                &format!("Content-Type: {content_type}\r\n"),
+                answer.as_bytes(),
+            )
         });
-        FakeModel { addr, models }
+        FakeModel {
+            addr: origin.addr,
+            models,
+            _origin: origin,
+        }
     }
 
     fn models(&self) -> Vec<String> {
         self.models.lock().unwrap().clone()
-    }
-}
-
-fn serve(conn: TcpStream, used: Used, models: &Mutex<Vec<String>>) {
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
-    let Ok(read_half) = conn.try_clone() else {
-        return;
-    };
-    let mut reader = BufReader::new(read_half);
-    let mut out = conn;
-    loop {
-        let mut request_line = String::new();
-        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut length = 0usize;
-        loop {
-            let mut line = String::new();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                return;
-            }
-            let line = line.trim_end();
-            if line.is_empty() {
-                break;
-            }
-            if let Some((name, value)) = line.split_once(':') {
-                if name.eq_ignore_ascii_case("content-length") {
-                    length = value.trim().parse().unwrap_or(0);
-                }
-            }
-        }
-        let mut body = vec![0u8; length];
-        if reader.read_exact(&mut body).is_err() {
-            return;
-        }
-        let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
-        let model = json["model"].as_str().unwrap_or_default().to_string();
-        models.lock().unwrap().push(model.clone());
-        let (content_type, answer) = if request_line.contains(" /v1/messages") {
-            anthropic(&model, used, json["stream"] == true)
-        } else {
-            openai(&model, used)
-        };
-        let response = format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n{answer}",
-            answer.len()
-        );
-        if out.write_all(response.as_bytes()).is_err() {
-            return;
-        }
     }
 }
 

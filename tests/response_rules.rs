@@ -6,71 +6,17 @@
 
 use crate::support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+use support::origin::{response, Origin, OriginRequest};
 use support::servers::{PgServer, RedisServer};
 use support::{json_of, request, start_fleet, Gateway, HttpResponse, ADMIN_TOKEN};
 
 /// A fake login and GraphQL origin: `/login?ok` answers 200, any other `/login` 401;
 /// `/graphql?c=N` answers 200 with `X-Complexity: N` (`/graphql` alone: no header).
-struct Origin {
-    addr: SocketAddr,
-    hits: Arc<AtomicUsize>,
-}
-
-impl Origin {
-    fn start() -> Origin {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let hits = Arc::new(AtomicUsize::new(0));
-        let counter = Arc::clone(&hits);
-        std::thread::spawn(move || {
-            for conn in listener.incoming().flatten() {
-                let counter = Arc::clone(&counter);
-                std::thread::spawn(move || serve(conn, &counter));
-            }
-        });
-        Origin { addr, hits }
-    }
-
-    fn hits(&self) -> usize {
-        self.hits.load(Ordering::SeqCst)
-    }
-}
-
-fn serve(conn: TcpStream, hits: &AtomicUsize) {
-    let mut reader = BufReader::new(conn.try_clone().unwrap());
-    let mut writer = conn;
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let target = line.split(' ').nth(1).unwrap_or("/").to_string();
-        let mut length = 0usize;
-        loop {
-            let mut header = String::new();
-            if reader.read_line(&mut header).unwrap_or(0) == 0 {
-                return;
-            }
-            let header = header.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            if let Some((name, value)) = header.split_once(':') {
-                if name.eq_ignore_ascii_case("content-length") {
-                    length = value.trim().parse().unwrap_or(0);
-                }
-            }
-        }
-        let mut body = vec![0u8; length];
-        if reader.read_exact(&mut body).is_err() {
-            return;
-        }
-        hits.fetch_add(1, Ordering::SeqCst);
+fn login_and_graphql() -> Origin {
+    Origin::start(|request: &OriginRequest| {
+        let target = request.target.as_str();
         let (status, extra) = if let Some(c) = target.strip_prefix("/graphql?c=") {
             ("200 OK", format!("X-Complexity: {c}\r\n"))
         } else if target.starts_with("/graphql") || target == "/login?ok" {
@@ -78,11 +24,8 @@ fn serve(conn: TcpStream, hits: &AtomicUsize) {
         } else {
             ("401 Unauthorized", String::new())
         };
-        let response = format!("HTTP/1.1 {status}\r\n{extra}Content-Length: 2\r\n\r\nok");
-        if writer.write_all(response.as_bytes()).is_err() {
-            return;
-        }
-    }
+        response(status, &extra, b"ok")
+    })
 }
 
 /// At most 5 failed logins per client per 10 minutes; with `penalty` (and room for 10),
@@ -143,7 +86,7 @@ fn assert_failures_counted(gateways: &[&Gateway], origin: &Origin) {
 
 #[test]
 fn failures_are_counted_and_successes_never_on_the_embedded_store() {
-    let origin = Origin::start();
+    let origin = login_and_graphql();
     let policy = login_policy(None);
     let gw = Gateway::start_with_env(
         "127.0.0.1",
@@ -160,7 +103,7 @@ fn failures_are_counted_and_successes_never_on_the_embedded_store() {
 
 /// Two gateways sharing the store at `store_url` count as one.
 fn assert_failures_counted_on_a_fleet(store_url: &str) {
-    let origin = Origin::start();
+    let origin = login_and_graphql();
     let policy = login_policy(None);
     let fleet = start_fleet(
         &policy,
@@ -225,7 +168,7 @@ fn assert_lifted_on_time(gw: &Gateway, tripped: Instant, block_secs: u64) {
 #[test]
 fn the_penalty_box_holds_on_two_gateways_on_redis_and_ends_on_time() {
     let redis = RedisServer::start();
-    let origin = Origin::start();
+    let origin = login_and_graphql();
     let policy = login_policy(Some(6));
     let fleet = start_fleet(
         &policy,
@@ -244,7 +187,7 @@ fn the_penalty_box_holds_on_two_gateways_on_redis_and_ends_on_time() {
 
 #[test]
 fn the_penalty_box_survives_a_restart_with_a_state_dir_and_an_operator_lifts_it() {
-    let origin = Origin::start();
+    let origin = login_and_graphql();
     let policy = login_policy(Some(8));
     let state = tempfile::tempdir().unwrap();
     let dir = state.path().to_str().unwrap().to_string();
@@ -288,7 +231,7 @@ fn the_penalty_box_survives_a_restart_with_a_state_dir_and_an_operator_lifts_it(
 
 #[test]
 fn a_response_header_cost_is_settled_exactly_clamped_and_defaulted() {
-    let origin = Origin::start();
+    let origin = login_and_graphql();
     let policy = r#"{"bundle_version": 1, "policies": [{"id": "gql", "spec": {"rules": [
       {"name": "complexity", "limit_keys": ["ip:address"], "algorithm": "token_bucket",
        "algorithm_config": {"count": 1000, "period": "1h", "burst": 1000,

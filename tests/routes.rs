@@ -468,48 +468,19 @@ fn client_hash_keeps_each_client_on_one_server_and_spreads_clients() {
 /// (`name: value`, one a line, names lower-cased), plus `X-Upstream-Secret: 1` and
 /// `X-Upstream-Kept: 1` on the response.
 fn header_echo() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut writer = conn;
-                loop {
-                    let mut request_line = String::new();
-                    if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let mut body = String::new();
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        if let Some((name, value)) = line.split_once(':') {
-                            body.push_str(&format!(
-                                "{}: {}\n",
-                                name.to_ascii_lowercase(),
-                                value.trim()
-                            ));
-                        }
-                    }
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Upstream-Secret: 1\r\nX-Upstream-Kept: 1\r\n\r\n{body}",
-                        body.len()
-                    );
-                    if writer.write_all(response.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    addr
+    support::origin::Origin::start(|request: &support::origin::OriginRequest| {
+        let body: String = request
+            .headers
+            .iter()
+            .map(|(name, value)| format!("{name}: {value}\n"))
+            .collect();
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Upstream-Secret: 1\r\nX-Upstream-Kept: 1\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    })
+    .addr
 }
 
 /// The values of one header the upstream received (from [`header_echo`]'s body).

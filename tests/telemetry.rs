@@ -15,10 +15,10 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::origin::{response, Origin, OriginRequest};
 use support::{free_port, one_rule, Gateway};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
@@ -119,74 +119,23 @@ fn grpc_receiver_on(addr: SocketAddr) -> (SocketAddr, Received) {
 /// OTLP/HTTP with protobuf bodies: `POST /v1/traces`, answered `200` with an empty
 /// `ExportTraceServiceResponse`.
 fn http_receiver() -> (SocketAddr, Received, Arc<Mutex<Vec<String>>>) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
     let received = Received::default();
     let paths = Arc::new(Mutex::new(Vec::new()));
     let (kept, seen) = (received.clone(), Arc::clone(&paths));
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            let (kept, seen) = (kept.clone(), Arc::clone(&seen));
-            std::thread::spawn(move || {
-                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut writer = conn;
-                loop {
-                    let mut line = String::new();
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let mut length = 0;
-                    let mut content_type = String::new();
-                    let mut api_key = String::new();
-                    loop {
-                        let mut header = String::new();
-                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        let header = header.trim_end();
-                        if header.is_empty() {
-                            break;
-                        }
-                        if let Some((n, v)) = header.split_once(':') {
-                            if n.eq_ignore_ascii_case("content-length") {
-                                length = v.trim().parse().unwrap_or(0);
-                            }
-                            if n.eq_ignore_ascii_case("content-type") {
-                                content_type = v.trim().to_string();
-                            }
-                            if n.eq_ignore_ascii_case("x-api-key") {
-                                api_key = v.trim().to_string();
-                            }
-                        }
-                    }
-                    let mut body = vec![0; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let path = line.split(' ').nth(1).unwrap_or("").to_string();
-                    seen.lock()
-                        .unwrap()
-                        .push(format!("{path} {content_type} {api_key}"));
-                    kept.keep(ExportTraceServiceRequest::decode(body.as_slice()).unwrap());
-                    let reply = ExportTraceServiceResponse {
-                        partial_success: None,
-                    }
-                    .encode_to_vec();
-                    let head = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: {}\r\n\r\n",
-                        reply.len()
-                    );
-                    if writer.write_all(head.as_bytes()).is_err()
-                        || writer.write_all(&reply).is_err()
-                    {
-                        return;
-                    }
-                }
-            });
+    let origin = Origin::start(move |request: &OriginRequest| {
+        let content_type = request.header("content-type").unwrap_or_default();
+        let api_key = request.header("x-api-key").unwrap_or_default();
+        seen.lock()
+            .unwrap()
+            .push(format!("{} {content_type} {api_key}", request.target));
+        kept.keep(ExportTraceServiceRequest::decode(request.body.as_slice()).unwrap());
+        let reply = ExportTraceServiceResponse {
+            partial_success: None,
         }
+        .encode_to_vec();
+        response("200 OK", "Content-Type: application/x-protobuf\r\n", &reply)
     });
-    (addr, received, paths)
+    (origin.addr, received, paths)
 }
 
 /// The `traceparent` and `tracestate` each upstream request carried.
@@ -195,58 +144,29 @@ type Seen = Arc<Mutex<Vec<(String, String)>>>;
 /// An upstream that answers `200 ok` and records each request's `traceparent` and
 /// `tracestate` (`-` when absent; lines of the same name joined with `, `).
 fn recording_upstream() -> (SocketAddr, Seen) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let record = Arc::clone(&seen);
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            let record = Arc::clone(&record);
-            std::thread::spawn(move || {
-                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut writer = conn;
-                loop {
-                    let mut line = String::new();
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    let (mut parent, mut state) = ("-".to_string(), "-".to_string());
-                    loop {
-                        let mut header = String::new();
-                        if reader.read_line(&mut header).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        let header = header.trim_end();
-                        if header.is_empty() {
-                            break;
-                        }
-                        if let Some((n, v)) = header.split_once(':') {
-                            for (name, kept) in
-                                [("traceparent", &mut parent), ("tracestate", &mut state)]
-                            {
-                                if n.eq_ignore_ascii_case(name) {
-                                    if *kept == "-" {
-                                        *kept = v.trim().to_string();
-                                    } else {
-                                        *kept = format!("{kept}, {}", v.trim());
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    record.lock().unwrap().push((parent, state));
-                    if writer
-                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-            });
-        }
+    let origin = Origin::start(move |request: &OriginRequest| {
+        let joined = |name: &str| {
+            let values: Vec<&str> = request
+                .headers
+                .iter()
+                .filter(|(n, _)| n == name)
+                .map(|(_, v)| v.as_str())
+                .collect();
+            if values.is_empty() {
+                "-".to_string()
+            } else {
+                values.join(", ")
+            }
+        };
+        record
+            .lock()
+            .unwrap()
+            .push((joined("traceparent"), joined("tracestate")));
+        response("200 OK", "", b"ok")
     });
-    (addr, seen)
+    (origin.addr, seen)
 }
 
 fn hex(bytes: &[u8]) -> String {

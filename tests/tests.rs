@@ -8,6 +8,8 @@
 
 mod support;
 
+mod admin_scopes;
+mod audit;
 mod candidate;
 mod cli;
 mod compat;
@@ -46,5 +48,7 @@ mod status_and_masks;
 mod telemetry;
 mod tls;
 mod upstream;
+mod usage;
 mod vendor;
 mod walkthroughs;
+mod webhooks;

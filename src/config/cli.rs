@@ -336,6 +336,38 @@ pub struct RunArgs {
         env = "TOLLGATE_ADMIN_TOKEN_FILE"
     )]
     pub admin_token_file: Option<PathBuf>,
+    /// Where a budget rule's `notify_at` thresholds are announced: a signed JSON POST (header
+    /// `X-Tollgate-Signature: sha256=<HMAC>`) once per key, threshold and window for the whole
+    /// fleet, retried with backoff. http:// or https://; needs --webhook-secret-file.
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_WEBHOOK_URL"
+    )]
+    pub webhook_url: Option<String>,
+    /// The HMAC-SHA256 key --webhook-url's signatures are made with: the file's first line, at
+    /// least 16 bytes.
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_WEBHOOK_SECRET_FILE"
+    )]
+    pub webhook_secret_file: Option<PathBuf>,
+    /// Scoped operator tokens: a JSON list of {"id", "scopes", "token" or "token_sha256"}
+    /// (scopes: read, reset, overrides, usage, debug), owner-only (chmod 600). A token outside
+    /// its scopes gets 403. With --admin-token too, that token keeps every scope. Read again on
+    /// SIGHUP.
+    #[arg(
+        help_heading = "Operators and logs",
+        long,
+        env = "TOLLGATE_ADMIN_TOKENS_FILE"
+    )]
+    pub admin_tokens_file: Option<PathBuf>,
+    /// Append one JSON line per operator write (reset, override, debug session, bundle
+    /// change) to this file, created owner-only. Without it the lines go to the log
+    /// (target tollgate::audit).
+    #[arg(help_heading = "Operators and logs", long, env = "TOLLGATE_AUDIT_LOG")]
+    pub audit_log: Option<PathBuf>,
     /// Answer as Fairvisor Edge does where tollgate differs on purpose (the manual: "From
     /// Fairvisor Edge"): `X-Fairvisor-*` header names, the reason header only for debug sessions,
     /// `fairvisor_*` metrics beside tollgate's, Fairvisor's unverified-JWT reading.

@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 /// The shortest `--reservation-secret` taken: 32 bytes, HMAC-SHA256's own key size.
 pub const MIN_RESERVATION_SECRET_BYTES: usize = 32;
 
+/// The shortest `--webhook-secret-file` key taken.
+pub const MIN_WEBHOOK_SECRET_BYTES: usize = 16;
+
 /// One invalid flag. Values that may be secret (tokens, passwords in URLs) are never shown.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -84,6 +87,10 @@ pub enum ConfigError {
         file: Option<PathBuf>,
         error: TokenError,
     },
+    /// `--admin-tokens-file`: a file others may read or write, or a list that is not right
+    /// (at its JSON path).
+    #[error("--admin-tokens-file {}: {problem}", path.display())]
+    AdminTokens { path: PathBuf, problem: String },
     /// `--debug-session-secret` (or the file `--debug-session-secret-file` names) is not a
     /// usable secret.
     #[error("{}: the secret {error}", given(flag, file.as_deref()))]
@@ -92,6 +99,13 @@ pub enum ConfigError {
         file: Option<PathBuf>,
         error: SecretError,
     },
+    /// `--webhook-url` is not an http:// or https:// URL with a host (shown without any
+    /// user:password part).
+    #[error("--webhook-url {0}: must be an http:// or https:// URL with a host (https://hooks.example.com/tollgate)")]
+    WebhookUrl(String),
+    /// The file `--webhook-secret-file` names holds too short a key.
+    #[error("--webhook-secret-file {}: the key must be at least {MIN_WEBHOOK_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`)", .0.display())]
+    ShortWebhookSecret(PathBuf),
     #[error("--reason-header {0:?}: not a valid HTTP header name")]
     ReasonHeader(String),
     #[error("--jwt-algorithms: {0}")]
@@ -128,6 +142,9 @@ impl ConfigError {
             ConfigError::ShortReservationSecret
             | ConfigError::ReservationSecretWithoutSharedStore => "reservation-secret",
             ConfigError::ReasonHeader(_) => "reason-header",
+            ConfigError::WebhookUrl(_) => "webhook-url",
+            ConfigError::ShortWebhookSecret(_) => "webhook-secret-file",
+            ConfigError::AdminTokens { .. } => "admin-tokens-file",
             ConfigError::JwtAlgorithm(_) => "jwt-algorithms",
             ConfigError::UnpairedTls { .. } => "tls-cert",
         }

@@ -33,6 +33,32 @@ impl std::fmt::Debug for ReservationSecret {
     }
 }
 
+/// `--webhook-url` and `--webhook-secret-file`: where threshold webhooks go and the key that
+/// signs them; `Debug` never shows the key.
+#[derive(Clone)]
+pub struct WebhookConfig {
+    /// `https` (true) or `http`.
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    /// The path and query posted to (`/` at least).
+    pub target: String,
+    /// HMAC-SHA256 key.
+    pub secret: Vec<u8>,
+}
+
+impl std::fmt::Debug for WebhookConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookConfig")
+            .field("tls", &self.tls)
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("target", &self.target)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
 /// `tollgate run --policy-store URL`: where the fleet's bundles are published and how this
 /// gateway follows them.
 #[derive(Debug, Clone)]
@@ -126,6 +152,14 @@ pub struct Config {
     pub trace_context: crate::telemetry::traces::TraceContextTrust,
     /// `--admin-token` (or its file): the operator endpoints' bearer token.
     pub admin_token: Option<crate::operator::AdminToken>,
+    /// Every operator token with its scopes: `--admin-token`'s (id `admin-token`, every scope)
+    /// and `--admin-tokens-file`'s, as read at start-up (the gateway's `admin_tokens` holds
+    /// those in force after a SIGHUP). Empty: the operator endpoints are off.
+    pub admin_tokens: crate::operator::AdminTokens,
+    /// `--admin-tokens-file`, read again on SIGHUP.
+    pub admin_tokens_file: Option<std::path::PathBuf>,
+    /// `--audit-log`: the file the audit trail is appended to (`None`: the log).
+    pub audit_log: Option<std::path::PathBuf>,
     /// `--wait-for-policy`: a missing policy file at start-up is not an error.
     pub wait_for_policy: bool,
     /// `--allow-empty-policy`: a policy file that puts nothing in force is loaded anyway.
@@ -134,6 +168,8 @@ pub struct Config {
     /// sessions.
     pub compat: crate::engine::compat::Compat,
     pub debug_secret: Option<crate::engine::compat::DebugSecret>,
+    /// `--webhook-url` with `--webhook-secret-file`: threshold webhooks (none without).
+    pub webhook: Option<WebhookConfig>,
     /// `--geoip-db`, `--asn-type-map` and `--tor-exits` ([`crate::request::network`]).
     pub geoip_db: Vec<PathBuf>,
     pub asn_type_map: Option<PathBuf>,

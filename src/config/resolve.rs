@@ -12,7 +12,7 @@ use super::{
 use crate::config::cli::{AccessLogArg, CompatArg, EncodedSlashesArg, GrpcStoreErrors, RunArgs};
 use crate::engine::compat::{Compat, DebugSecret};
 use crate::fleet::source::SourceUrl;
-use crate::operator::AdminToken;
+use crate::operator::{AdminToken, AdminTokens};
 use crate::request::auth::{parse_algorithm, JwtConfig, TokenSource};
 use crate::request::descriptor::{EncodedSlashes, IpNet};
 use crate::store::{StoreUrl, StoreUrlError};
@@ -41,6 +41,30 @@ impl Config {
     }
 }
 
+/// A webhook URL's parts: https or not, host, port (the scheme's by default), path and query.
+fn webhook_target(url: &str) -> Option<(bool, String, u16, String)> {
+    let uri: http::Uri = url.parse().ok()?;
+    let tls = match uri.scheme_str()? {
+        "https" => true,
+        "http" => false,
+        _ => return None,
+    };
+    let authority = uri.authority()?;
+    if authority.as_str().contains('@') {
+        return None;
+    }
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    if host.is_empty() {
+        return None;
+    }
+    let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+    let target = uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    Some((tls, host.to_string(), port, target))
+}
+
 /// The steps of [`Config::from_args`], each run, then the parts assembled.
 fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
     let mut r = Resolver {
@@ -65,6 +89,10 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
     let reservation_secret = r.reservation_secret(!matches!(store, Some(StoreKind::Shared(_))));
     let debug_secret = r.debug_secret(compat);
     let admin_token = r.admin_token();
+    let webhook = r.webhook();
+    let admin_tokens = admin_token
+        .as_ref()
+        .and_then(|token| r.admin_tokens(token.as_ref()));
     let connection_caps = r.connection_caps();
     let store_timeout = r.millis("store-timeout-ms", args.store_timeout_ms);
     let reason_header = r.reason_header(compat);
@@ -86,6 +114,8 @@ fn resolve(args: &RunArgs) -> Result<Config, ConfigErrors> {
             compat,
             debug_secret: debug_secret?,
             admin_token: admin_token?,
+            webhook: webhook?,
+            admin_tokens: admin_tokens?,
             max_connections,
             max_connections_per_ip,
             store_timeout: store_timeout?,
@@ -143,6 +173,8 @@ struct Resolved {
     compat: Compat,
     debug_secret: Option<DebugSecret>,
     admin_token: Option<AdminToken>,
+    webhook: Option<crate::config::WebhookConfig>,
+    admin_tokens: AdminTokens,
     max_connections: Option<NonZeroUsize>,
     max_connections_per_ip: Option<NonZeroUsize>,
     store_timeout: Duration,
@@ -420,6 +452,52 @@ impl Resolver<'_> {
         secret.map(Some)
     }
 
+    /// `--webhook-url` with `--webhook-secret-file` (each needs the other). Neither the key
+    /// nor a password in the URL appears in an error.
+    fn webhook(&mut self) -> Option<Option<crate::config::WebhookConfig>> {
+        let args = self.args;
+        let (url, file) = match (&args.webhook_url, &args.webhook_secret_file) {
+            (None, None) => return Some(None),
+            (Some(url), Some(file)) => (url, file),
+            (Some(_), None) => {
+                return self.fail(ConfigError::Needs {
+                    flag: "webhook-url",
+                    needs: "--webhook-secret-file",
+                })
+            }
+            (None, Some(_)) => {
+                return self.fail(ConfigError::Needs {
+                    flag: "webhook-secret-file",
+                    needs: "--webhook-url",
+                })
+            }
+        };
+        let target = webhook_target(url);
+        if target.is_none() {
+            self.fail::<()>(ConfigError::WebhookUrl(
+                crate::telemetry::redact::url(url).into_owned(),
+            ));
+        }
+        let secret = self
+            .read_file("webhook-secret-file", file)
+            .and_then(|text| {
+                // Its first line, as `--admin-token-file`'s.
+                let key = text.lines().next().unwrap_or("");
+                if key.len() < crate::config::error::MIN_WEBHOOK_SECRET_BYTES {
+                    return self.fail(ConfigError::ShortWebhookSecret(file.clone()));
+                }
+                Some(key.as_bytes().to_vec())
+            });
+        let (tls, host, port, target) = target?;
+        Some(Some(crate::config::WebhookConfig {
+            tls,
+            host,
+            port,
+            target,
+            secret: secret?,
+        }))
+    }
+
     /// `--admin-token` or the first line of `--admin-token-file`. The token itself never
     /// appears in an error.
     fn admin_token(&mut self) -> Option<Option<AdminToken>> {
@@ -437,6 +515,22 @@ impl Resolver<'_> {
             Ok(token) => Some(Some(token)),
             Err(error) => self.fail(ConfigError::AdminToken { flag, file, error }),
         }
+    }
+
+    /// `--admin-tokens-file`, owner-only, with `--admin-token`'s entry first; without the
+    /// file, `--admin-token` alone (or no token at all). No token appears in an error.
+    fn admin_tokens(&mut self, admin_token: Option<&AdminToken>) -> Option<AdminTokens> {
+        let Some(path) = &self.args.admin_tokens_file else {
+            return Some(
+                admin_token.map_or_else(AdminTokens::default, AdminTokens::of_admin_token),
+            );
+        };
+        AdminTokens::read_file(path, admin_token)
+            .map_err(|e| ConfigError::AdminTokens {
+                path: path.clone(),
+                problem: e.to_string(),
+            })
+            .map_or_else(|e| self.fail(e), Some)
     }
 
     /// A file a flag names, read whole.
@@ -647,6 +741,10 @@ impl Resolved {
             access_log: access_log(args.access_log),
             trace_context: args.trace_context,
             admin_token: self.admin_token,
+            webhook: self.webhook,
+            admin_tokens: self.admin_tokens,
+            admin_tokens_file: args.admin_tokens_file.clone(),
+            audit_log: args.audit_log.clone(),
             wait_for_policy: args.wait_for_policy,
             allow_empty_policy: args.allow_empty_policy,
             compat: self.compat,

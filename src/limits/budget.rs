@@ -24,6 +24,7 @@ pub(crate) const COST_BASED_FIELDS: &[&str] = &[
     "staged_actions",
     "count_when",
     "penalty",
+    "notify_at",
 ];
 
 /// The quota field a runtime override of a `cost_based` rule may set.
@@ -54,6 +55,8 @@ impl Compiler {
         }
     }
 }
+/// The most thresholds a rule's `notify_at` lists.
+pub(crate) const MAX_NOTIFY_AT: usize = 10;
 
 impl Compiler {
     /// A `cost_based` rule's budget, cost and stages (Fairvisor's fields: `budget`, `period`,
@@ -93,6 +96,7 @@ impl Compiler {
             cost_config.insert("cost_source".into(), key);
         }
         let cost = self.cost_source_named(&cost_config, path, "cost_key");
+        let notify_at = self.notify_at(config, path);
         let mut stages = Vec::new();
         let sp = join(path, "staged_actions");
         match config.get("staged_actions") {
@@ -161,8 +165,44 @@ impl Compiler {
                 period,
                 stages,
                 zone: crate::limits::budget_window::Zone::Utc,
+                notify_at,
             },
         ))
+    }
+
+    /// A budget rule's `notify_at`: 1 to [`MAX_NOTIFY_AT`] shares of the budget, each above 0
+    /// and at most 1, strictly ascending (empty when absent).
+    pub(crate) fn notify_at(&mut self, config: &Map<String, Value>, path: &str) -> Vec<f64> {
+        let Some(value) = config.get("notify_at") else {
+            return Vec::new();
+        };
+        let p = join(path, "notify_at");
+        let Some(items) = self.array(value, &p) else {
+            return Vec::new();
+        };
+        if items.is_empty() || items.len() > MAX_NOTIFY_AT {
+            self.error(
+                &p,
+                format!("must list 1 to {MAX_NOTIFY_AT} shares of the budget"),
+            );
+            return Vec::new();
+        }
+        let mut shares = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            match item.as_f64() {
+                Some(t) if t > 0.0 && t <= 1.0 => {
+                    if shares.last().is_some_and(|last| *last >= t) {
+                        self.error(&format!("{p}[{i}]"), "must be above the share before it");
+                    }
+                    shares.push(t);
+                }
+                _ => self.error(
+                    &format!("{p}[{i}]"),
+                    "must be a share of the budget above 0 and at most 1 (0.8 for 80 %)",
+                ),
+            }
+        }
+        shares
     }
 
     pub(crate) fn stage(&mut self, v: &Value, path: &str) -> Option<Stage> {
@@ -285,6 +325,30 @@ mod tests {
             errors_of(rule(json!({"budget": 10, "period": "1M",
                                   "staged_actions": [{"threshold_percent": 90, "action": "reject"}]}))),
             ["rules[0].algorithm_config.staged_actions: must include {\"threshold_percent\": 100, \"action\": \"reject\"}"]
+        );
+    }
+
+    #[test]
+    fn notify_at_lists_ascending_shares_of_the_budget() {
+        let rule = |notify: Value| json!({"rules": [{"name": "b", "limit_keys": ["jwt:org_id"], "algorithm": "cost_based", "algorithm_config": {"budget": 100, "period": "1M", "notify_at": notify, "staged_actions": [{"threshold_percent": 100, "action": "reject"}]}}]});
+        let b = compile_bundle(&rule(json!([0.5, 0.8, 1.0])), "x").unwrap();
+        assert_eq!(b.rules[0].budget().unwrap().notify_at, [0.5, 0.8, 1.0]);
+        assert_eq!(
+            errors_of(rule(json!([0.8, 0.5, 0, 1.5, "x"]))),
+            [
+                "rules[0].algorithm_config.notify_at[1]: must be above the share before it",
+                "rules[0].algorithm_config.notify_at[2]: must be a share of the budget above 0 and at most 1 (0.8 for 80 %)",
+                "rules[0].algorithm_config.notify_at[3]: must be a share of the budget above 0 and at most 1 (0.8 for 80 %)",
+                "rules[0].algorithm_config.notify_at[4]: must be a share of the budget above 0 and at most 1 (0.8 for 80 %)",
+            ]
+        );
+        assert_eq!(
+            errors_of(rule(json!([]))),
+            ["rules[0].algorithm_config.notify_at: must list 1 to 10 shares of the budget"]
+        );
+        assert_eq!(
+            errors_of(rule(json!(0.8))),
+            ["rules[0].algorithm_config.notify_at: must be an array, found a number"]
         );
     }
 

@@ -282,6 +282,9 @@ pub struct Budget {
     pub stages: Vec<Stage>,
     /// The calendar its windows follow (UTC but for `llm_spend` rules with a `timezone`).
     pub zone: Zone,
+    /// `notify_at`: the shares of the budget (strictly ascending, each in (0, 1]) whose
+    /// crossing sends a webhook; empty for none.
+    pub notify_at: Vec<f64>,
 }
 
 impl Budget {
@@ -392,6 +395,7 @@ mod tests {
     #[test]
     fn stages_pick_the_highest_threshold_reached() {
         let budget = Budget {
+            notify_at: Vec::new(),
             period: Period::Hour,
             stages: vec![
                 Stage {

@@ -117,6 +117,7 @@ impl Compiler {
                         action: Action::Reject,
                     }],
                     zone: crate::limits::budget_window::Zone::Utc,
+                    notify_at: Vec::new(),
                 }),
                 ..minute.clone()
             }),

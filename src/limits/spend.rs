@@ -28,6 +28,7 @@ pub(crate) const SPEND_FIELDS: &[&str] = &[
     "max_completion_tokens",
     "default_max_completion",
     "token_source",
+    "notify_at",
 ];
 
 /// The fields of one model's prices.
@@ -238,6 +239,7 @@ impl Compiler {
             .whole(config, path, "default_max_completion", range, false)
             .unwrap_or(DEFAULT_MAX_COMPLETION);
         let estimator = self.llm_estimator(config, path);
+        let notify_at = self.notify_at(config, path);
         if self.errors.len() > errors_before {
             return None;
         }
@@ -258,6 +260,7 @@ impl Compiler {
                         action: Action::Reject,
                     }],
                     zone,
+                    notify_at,
                 },
                 fallback_model,
                 max_completion_tokens: max_completion,

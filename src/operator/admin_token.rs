@@ -27,7 +27,7 @@ pub enum TokenError {
     NotPrintable,
 }
 
-fn sha256(bytes: &[u8]) -> [u8; 32] {
+pub(super) fn sha256(bytes: &[u8]) -> [u8; 32] {
     let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
     let mut out = [0u8; 32];
     out.copy_from_slice(digest.as_ref());
@@ -53,18 +53,25 @@ impl AdminToken {
     /// length are compared in constant time, so neither the token's length nor its prefix
     /// leaks through timing.
     pub fn accepts(&self, authorization: Option<&[u8]>) -> bool {
-        let Some(value) = authorization else {
-            return false;
-        };
-        let Some(presented) = value
-            .get(..7)
-            .filter(|scheme| scheme.eq_ignore_ascii_case(b"bearer "))
-            .map(|_| &value[7..])
-        else {
+        let Some(presented) = bearer(authorization) else {
             return false;
         };
         bool::from(sha256(presented)[..].ct_eq(&self.digest[..]))
     }
+
+    /// The SHA-256 digest it is kept as.
+    pub(super) fn digest(&self) -> [u8; 32] {
+        self.digest
+    }
+}
+
+/// The token of an `Authorization: Bearer <token>` header value (the scheme in any case).
+pub(super) fn bearer(authorization: Option<&[u8]>) -> Option<&[u8]> {
+    let value = authorization?;
+    value
+        .get(..7)
+        .filter(|scheme| scheme.eq_ignore_ascii_case(b"bearer "))
+        .map(|_| &value[7..])
 }
 
 #[cfg(test)]

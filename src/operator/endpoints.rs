@@ -3,22 +3,26 @@
 //! `GET`/`PUT`/`DELETE /v1/overrides`,
 //! each a function of the [`Gateway`] it reads: the operator adds nothing to the gateway.
 
+use super::admin_tokens::Scope;
 use super::buckets::{BucketRef, LookupError};
 pub use super::limited::encode_path;
 use super::limited::BY_HASH;
 use crate::policy::Bundle;
 use crate::service::{Described, Gateway, OverrideChange, OverrideError};
+use crate::telemetry::audit::{Action, Caller};
 use serde_json::json;
-use std::net::IpAddr;
 use std::sync::Arc;
 
-/// Whether a request may use the operator endpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Whether a request may use the operator endpoint it asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Access {
-    Granted,
-    /// No token, or the wrong one: 401.
+    /// A token whose scopes cover the endpoint: its id.
+    Granted(String),
+    /// No token, or one that is not configured: 401.
     Unauthorized,
-    /// No `--admin-token` configured: 403.
+    /// A configured token whose scopes do not cover the endpoint (its id): 403.
+    Forbidden(String),
+    /// Neither `--admin-token` nor `--admin-tokens-file` configured: 403.
     NotEnabled,
 }
 
@@ -59,6 +63,17 @@ impl Reply {
         Reply::error(
             401,
             "send the admin token as `Authorization: Bearer <token>` (--admin-token)",
+        )
+    }
+
+    /// 403: the token is known, but its scopes do not cover the endpoint.
+    pub fn forbidden(token_id: &str, scope: Scope) -> Reply {
+        Reply::error(
+            403,
+            format!(
+                "the token {token_id:?} does not hold the scope {:?} this endpoint needs",
+                scope.as_str()
+            ),
         )
     }
 
@@ -104,12 +119,21 @@ fn query_param<'q>(query: Option<&'q str>, name: &str) -> Option<std::borrow::Co
     })
 }
 
-/// Whether `Authorization` grants the operator endpoints (a refusal is counted).
-pub fn admin_access(gateway: &Gateway, authorization: Option<&[u8]>) -> Access {
-    match &gateway.config.admin_token {
-        None => Access::NotEnabled,
-        Some(token) if token.accepts(authorization) => Access::Granted,
-        Some(_) => {
+/// Whether `Authorization` grants an operator endpoint needing `scope` (a refusal is counted:
+/// a 401 in `tollgate_admin_unauthorized_total`, a 403 by token id in
+/// `tollgate_admin_forbidden_total`).
+pub fn admin_access(gateway: &Gateway, authorization: Option<&[u8]>, scope: Scope) -> Access {
+    let tokens = gateway.admin_tokens.load();
+    if tokens.is_empty() {
+        return Access::NotEnabled;
+    }
+    match tokens.identify(authorization) {
+        Some(holder) if holder.scopes.contains(scope) => Access::Granted(holder.id.to_string()),
+        Some(holder) => {
+            gateway.metrics.admin_forbidden(holder.id);
+            Access::Forbidden(holder.id.to_string())
+        }
+        None => {
             gateway.metrics.admin_unauthorized();
             Access::Unauthorized
         }
@@ -196,8 +220,9 @@ pub async fn inspect_bucket(gateway: &Gateway, rest: &str) -> Reply {
 }
 
 /// `DELETE /v1/buckets/{bucket}`: 204 once the bucket is full again; logged as
-/// `ADMIN_RESET` (the name masked where it carries a credential) and counted.
-pub async fn reset_bucket(gateway: &Gateway, rest: &str, who: Option<IpAddr>) -> Reply {
+/// `ADMIN_RESET` (the name masked where it carries a credential), counted, and recorded in the
+/// audit trail with the bucket's state before (as `GET` shows it, its name masked).
+pub async fn reset_bucket(gateway: &Gateway, rest: &str, caller: &Caller) -> Reply {
     let bundle = match bundle_or_503(gateway) {
         Ok(b) => b,
         Err(reply) => return reply,
@@ -205,6 +230,13 @@ pub async fn reset_bucket(gateway: &Gateway, rest: &str, who: Option<IpAddr>) ->
     let (bucket, _) = match bucket_of(gateway, &bundle, rest) {
         Ok(found) => found,
         Err(reply) => return reply,
+    };
+    let shown = super::buckets::shown_name(bucket.rule, &bucket.name, &gateway.fingerprint_key);
+    let unix_us = gateway.clock.unix_us();
+    let before = super::buckets::inspect(&gateway.store, &bundle, &bucket, &shown, unix_us).await;
+    let before = match before {
+        Ok(state) => state.unwrap_or(serde_json::Value::Null),
+        Err(e) => return Reply::error(503, e),
     };
     match super::buckets::reset(&gateway.store, &bundle, &bucket).await {
         Ok(held_state) => {
@@ -217,9 +249,16 @@ pub async fn reset_bucket(gateway: &Gateway, rest: &str, who: Option<IpAddr>) ->
             }
             drop(top);
             gateway.metrics.admin_reset(held_state);
-            let shown =
-                super::buckets::shown_name(bucket.rule, &bucket.name, &gateway.fingerprint_key);
-            let who = who.map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
+            gateway.audit.record(
+                caller,
+                Action::Reset,
+                &shown,
+                &before,
+                &serde_json::Value::Null,
+            );
+            let who = caller
+                .client
+                .map_or_else(|| "unknown".to_string(), |ip| ip.to_string());
             // The name carries a client's key (any text, `%0d%0a` decoded included):
             // escaped, as every value of a log line, so it cannot forge a line.
             let value = crate::telemetry::log_line::value;
@@ -334,7 +373,11 @@ pub fn list_overrides(gateway: &Gateway) -> Reply {
 
 /// `PUT /v1/overrides`: sets (or replaces) one override from the body; with what it replaced
 /// and what it is now, for the caller's record.
-pub async fn put_override(gateway: &Gateway, body: &[u8]) -> (Reply, Option<OverrideChange>) {
+pub async fn put_override(
+    gateway: &Gateway,
+    body: &[u8],
+    caller: &Caller,
+) -> (Reply, Option<OverrideChange>) {
     let Ok(body) = serde_json::from_slice::<serde_json::Value>(body) else {
         return (
             Reply::error(
@@ -350,13 +393,16 @@ pub async fn put_override(gateway: &Gateway, body: &[u8]) -> (Reply, Option<Over
         .put(&gateway.store, bundle.as_deref(), &body)
         .await
     {
-        Ok(change) => (
-            Reply::json(
-                200,
-                &json!({"override": change.after, "replaced": change.before}),
-            ),
-            Some(change),
-        ),
+        Ok(change) => {
+            audit_override(gateway, caller, Action::OverridePut, &change);
+            (
+                Reply::json(
+                    200,
+                    &json!({"override": change.after, "replaced": change.before}),
+                ),
+                Some(change),
+            )
+        }
         Err(e) => (override_error(&e), None),
     }
 }
@@ -365,6 +411,7 @@ pub async fn put_override(gateway: &Gateway, body: &[u8]) -> (Reply, Option<Over
 pub async fn delete_override(
     gateway: &Gateway,
     query: Option<&str>,
+    caller: &Caller,
 ) -> (Reply, Option<OverrideChange>) {
     let (Some(policy), Some(rule), Some(key)) = (
         query_param(query, "policy"),
@@ -385,10 +432,13 @@ pub async fn delete_override(
         .delete(&gateway.store, bundle.as_deref(), (&policy, &rule, &key))
         .await
     {
-        Ok(change) => (
-            Reply::json(200, &json!({"deleted": change.before})),
-            Some(change),
-        ),
+        Ok(change) => {
+            audit_override(gateway, caller, Action::OverrideDelete, &change);
+            (
+                Reply::json(200, &json!({"deleted": change.before})),
+                Some(change),
+            )
+        }
         Err(e) => (override_error(&e), None),
     }
 }
@@ -411,8 +461,60 @@ fn override_error(e: &OverrideError) -> Reply {
     }
 }
 
-/// The per-key overrides as the status page lists them: keys masked as bucket names are (an
-/// orphaned override's key wholly, its rule no longer saying what it holds).
+/// An override's key as the status page and the audit trail show it: masked as bucket names
+/// are (an orphaned override's key wholly, its rule no longer saying what it holds).
+fn shown_override_key(
+    fingerprints: &crate::telemetry::redact::FingerprintKey,
+    bundle: Option<&Bundle>,
+    policy: &str,
+    rule: &str,
+    key: &str,
+) -> String {
+    match bundle.and_then(|b| crate::policy::rule_of(b, policy, rule).ok()) {
+        Some(rule) => {
+            let name = format!("{}{}", rule.key_prefix, key);
+            let shown = super::buckets::shown_name(rule, &name, fingerprints);
+            shown[rule.key_prefix.len()..].to_string()
+        }
+        None => super::buckets::mask(key, fingerprints),
+    }
+}
+
+/// Records an override written (`override.put`) or deleted (`override.delete`) in the audit
+/// trail: target `policy/rule/key`, the override before and after, its key masked in all three
+/// as the status page masks it (an audit log is a log: a raw API key never reaches it).
+fn audit_override(gateway: &Gateway, caller: &Caller, action: Action, change: &OverrideChange) {
+    let Some(named) = change.after.as_ref().or(change.before.as_ref()) else {
+        return;
+    };
+    let field = |name: &str| named[name].as_str().unwrap_or_default().to_string();
+    let (policy, rule, key) = (field("policy"), field("rule"), field("key"));
+    let bundle = gateway.policy.load_full();
+    let shown = shown_override_key(
+        &gateway.fingerprint_key,
+        bundle.as_deref(),
+        &policy,
+        &rule,
+        &key,
+    );
+    let masked = |value: &Option<serde_json::Value>| match value {
+        Some(serde_json::Value::Object(fields)) => {
+            let mut fields = fields.clone();
+            fields.insert("key".into(), serde_json::Value::String(shown.clone()));
+            serde_json::Value::Object(fields)
+        }
+        _ => serde_json::Value::Null,
+    };
+    gateway.audit.record(
+        caller,
+        action,
+        &format!("{policy}/{rule}/{shown}"),
+        &masked(&change.before),
+        &masked(&change.after),
+    );
+}
+
+/// The per-key overrides as the status page lists them, keys masked.
 fn key_override_rows(
     gateway: &Gateway,
     bundle: Option<&Bundle>,
@@ -423,15 +525,7 @@ fn key_override_rows(
         .snapshot(bundle)
         .into_iter()
         .map(|(o, orphaned)| {
-            let rule = bundle.and_then(|b| crate::policy::rule_of(b, &o.policy, &o.rule).ok());
-            let key = match rule {
-                Some(rule) => {
-                    let name = format!("{}{}", rule.key_prefix, o.key);
-                    let shown = super::buckets::shown_name(rule, &name, fingerprints);
-                    shown[rule.key_prefix.len()..].to_string()
-                }
-                None => super::buckets::mask(&o.key, fingerprints),
-            };
+            let key = shown_override_key(fingerprints, bundle, &o.policy, &o.rule, &o.key);
             let quota = o
                 .fields
                 .iter()
@@ -459,6 +553,7 @@ pub fn status_reply(gateway: &Gateway) -> Reply {
     let overrides = gateway.runtime_overrides();
     let policy_source = gateway.follow.policy_source_json();
     let candidate = gateway.candidate.summary();
+    let audit = gateway.audit.recent();
     let page = super::status::render(&super::status::StatusView {
         bundle: bundle.as_deref(),
         loaded_at: loaded.map(|l| l.loaded_at.max(0) as u64),
@@ -471,6 +566,7 @@ pub fn status_reply(gateway: &Gateway) -> Reply {
         top: &top,
         policy_source: &policy_source,
         candidate: candidate.as_ref(),
+        audit: &audit,
     });
     Reply {
         status: 200,

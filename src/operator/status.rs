@@ -1,7 +1,7 @@
 //! The status page (`GET /status` on the admin listener): one HTML document served by the
 //! binary, no external assets and no framework: the bundle in force, the store's health, the
-//! runtime overrides, the buckets limited most over the last minute (each with a reset button)
-//! and links to the JSON endpoints.
+//! runtime overrides, the buckets limited most over the last minute (each with a reset button),
+//! the audit trail's recent lines and links to the JSON endpoints.
 //!
 //! A browser cannot send a bearer token on a plain navigation, so without one the page answers
 //! 401 with a small sign-in document: its script takes the token from the address's fragment
@@ -36,6 +36,8 @@ pub struct StatusView<'a> {
     pub policy_source: &'a serde_json::Value,
     /// The candidate bundle decided in shadow, while one is set.
     pub candidate: Option<&'a crate::service::CandidateSummary>,
+    /// The audit trail's last lines, oldest first.
+    pub audit: &'a [String],
 }
 
 /// One per-key override as the page lists it.
@@ -253,6 +255,7 @@ pub fn render(view: &StatusView<'_>) -> String {
     overrides_section(&mut body, view.overrides);
     key_overrides_section(&mut body, view.key_overrides);
     top_section(&mut body, view.top);
+    audit_section(&mut body, view.audit);
     body.push_str(LINKS);
     document("status", "tollgate status", &body)
 }
@@ -512,6 +515,20 @@ fn candidate_section(body: &mut String, candidate: Option<&crate::service::Candi
     body.push_str("</table>");
 }
 
+/// The audit trail's last lines, newest first, as they were written.
+fn audit_section(body: &mut String, lines: &[String]) {
+    body.push_str("<h2>Recent operator writes</h2>");
+    if lines.is_empty() {
+        body.push_str("<p class=\"muted\" id=\"audit-empty\">None since this gateway started.</p>");
+        return;
+    }
+    body.push_str("<ol id=\"audit\">");
+    for line in lines.iter().rev() {
+        let _ = write!(body, "<li><code>{}</code></li>", escape(line));
+    }
+    body.push_str("</ol>");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -532,7 +549,7 @@ mod tests {
             events: 0,
             error_bound: 0,
         };
-        let page = render(&StatusView {
+        let view = StatusView {
             bundle: None,
             loaded_at: None,
             unix_secs: 0,
@@ -544,12 +561,30 @@ mod tests {
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: None,
-        });
+            audit: &[],
+        };
+        let page = render(&view);
         assert!(page.contains("No policy loaded"));
         assert!(page.contains("No candidate bundle."));
         assert!(page.contains("id=\"top-empty\""));
         assert!(!page.contains("src="), "no external assets");
         assert!(!page.contains("Policy store"));
+        assert!(page.contains(
+            "<p class=\"muted\" id=\"audit-empty\">None since this gateway started.</p>"
+        ));
+        // Audit lines: newest first, escaped.
+        let audit = [
+            r#"{"action":"reset","target":"<script>"}"#.to_string(),
+            r#"{"action":"debug.open"}"#.to_string(),
+        ];
+        let page = render(&StatusView {
+            audit: &audit,
+            ..view
+        });
+        assert!(page.contains(
+            "<ol id=\"audit\"><li><code>{&quot;action&quot;:&quot;debug.open&quot;}</code></li>\
+             <li><code>{&quot;action&quot;:&quot;reset&quot;,&quot;target&quot;:&quot;&lt;script&gt;&quot;}</code></li></ol>"
+        ));
     }
 
     #[test]
@@ -581,6 +616,7 @@ mod tests {
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: None,
+            audit: &[],
         });
         assert!(
             page.contains("<td id=\"store-mode\" class=\"bad\">local: deciding"),
@@ -621,6 +657,7 @@ mod tests {
             top: &top,
             policy_source: &source,
             candidate: None,
+            audit: &[],
         });
         assert!(page.contains("<td id=\"policy-source-state\" class=\"bad\">unreachable since 2025-11-24T16:00:00Z</td>"), "{page}");
         assert!(page.contains("<td id=\"policy-source-live\">1764000000123 <code>ab12</code> · <span class=\"bad\">valid until 2025-11-25T16:00:00Z</span></td>"), "{page}");
@@ -661,6 +698,7 @@ mod tests {
             top: &top,
             policy_source: &source,
             candidate: None,
+            audit: &[],
         });
         assert!(
             page.contains("<td id=\"policy-source-state\" class=\"bad\">refused (unsigned)</td>"),
@@ -702,6 +740,7 @@ mod tests {
             top: &top,
             policy_source: &serde_json::Value::Null,
             candidate: Some(&candidate),
+            audit: &[],
         });
         assert!(page.contains("<td id=\"candidate-version\">42</td>"));
         assert!(page.contains("<code id=\"candidate-hash\">c0ffee</code>"));

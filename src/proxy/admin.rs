@@ -2,8 +2,9 @@
 //! original request in `X-Original-Method/URI/Host`), `/v1/decision/<original path>` for Envoy
 //! `ext_authz` (method and path are the original ones), `POST /v1/release` (concurrency slots),
 //! `POST /v1/usage` (an LLM reservation's real usage), `/livez`, `/readyz`, `/metrics`, and the
-//! operator endpoints behind `--admin-token` (`/v1/buckets/{bucket}`, `POST /v1/explain`,
-//! `/v1/top`, `/status`, `/v1/overrides`; see [`crate::operator`]).
+//! operator endpoints behind `--admin-token` or `--admin-tokens-file`, each needing its scope
+//! (`/v1/buckets/{bucket}`, `POST /v1/explain`, `/v1/top`, `/status`, `/v1/overrides`,
+//! `GET /v1/usage`; see [`crate::operator`]).
 
 use crate::engine::headers::HeaderList;
 use crate::service::{Answer, Gateway};
@@ -106,6 +107,13 @@ impl Admin {
         session.set_pipelining_enabled(true);
         if let Some(route) = OperatorRoute::of(session.req_header().uri.path()) {
             return self.operator(session, route).await;
+        }
+        // `GET /v1/usage` is the usage export; `POST /v1/usage` stays the decision service's
+        // LLM usage report.
+        if session.req_header().uri.path() == "/v1/usage"
+            && session.req_header().method == http::Method::GET
+        {
+            return self.operator(session, OperatorRoute::Usage).await;
         }
         // `token_bucket_llm` rules read the original body (Envoy's HTTP ext_authz sends it with
         // `with_request_body`; other callers may POST it), bounded; `/v1/usage` is a report.
@@ -254,7 +262,9 @@ impl Admin {
 impl Admin {
     /// `POST /v1/debug/session` and `POST /v1/debug/logout` (`--compat fairvisor` with
     /// `--debug-session-secret`; 404 otherwise, as Fairvisor answers). A client with too many
-    /// failed logins gets 429 with `Retry-After`; logout ends the session its cookie names.
+    /// failed logins gets 429 with `Retry-After`; logout ends the session its cookie names. With
+    /// `--admin-tokens-file` a login also needs a token holding `debug`; a session opened is
+    /// recorded in the audit trail.
     fn debug_session(
         &self,
         req: &pingora::http::RequestHeader,
@@ -285,11 +295,40 @@ impl Admin {
             self.gateway.debug_sessions.logout(cookie);
             return set_cookie(crate::engine::compat::CLOSE_COOKIE);
         }
-        match self.gateway.debug_sessions.login(
-            self.gateway.client_ip(peer, &req.headers, false),
-            &req.headers,
-        ) {
-            DebugLogin::Opened(cookie) => set_cookie(&cookie),
+        // With --admin-tokens-file, opening a session also needs a token holding `debug`.
+        let mut token_id = None;
+        if self.gateway.config.admin_tokens_file.is_some() {
+            use crate::operator::endpoints::{self, Access, Reply};
+            let authorization = req
+                .headers
+                .get(http::header::AUTHORIZATION)
+                .map(|v| v.as_bytes());
+            let scope = crate::operator::Scope::Debug;
+            match endpoints::admin_access(&self.gateway, authorization, scope) {
+                Access::Granted(id) => token_id = Some(id),
+                Access::Forbidden(id) => return operator_reply(Reply::forbidden(&id, scope)),
+                Access::Unauthorized | Access::NotEnabled => {
+                    return operator_reply(Reply::unauthorized(false))
+                }
+            }
+        }
+        let client = self.gateway.client_ip(peer, &req.headers, false);
+        match self.gateway.debug_sessions.login(client, &req.headers) {
+            DebugLogin::Opened(cookie) => {
+                let expires_at = self.gateway.clock.unix_secs().max(0) as u64
+                    + crate::engine::compat::SESSION_SECS;
+                let caller = crate::telemetry::audit::Caller { token_id, client };
+                self.gateway.audit.record(
+                    &caller,
+                    crate::telemetry::audit::Action::DebugOpen,
+                    "debug_session",
+                    &serde_json::Value::Null,
+                    &serde_json::json!({
+                        "expires_at": crate::limits::clock::rfc3339_seconds(expires_at)
+                    }),
+                );
+                set_cookie(&cookie)
+            }
             DebugLogin::Refused => reply(
                 403,
                 JSON,
@@ -576,6 +615,8 @@ enum OperatorRoute {
     Top,
     Status,
     Overrides,
+    /// `GET /v1/usage` (routed by its method too: `POST /v1/usage` is a usage report).
+    Usage,
 }
 
 impl OperatorRoute {
@@ -598,7 +639,7 @@ impl OperatorRoute {
         match self {
             OperatorRoute::Buckets => "GET, DELETE",
             OperatorRoute::Explain => "POST",
-            OperatorRoute::Top | OperatorRoute::Status => "GET",
+            OperatorRoute::Top | OperatorRoute::Status | OperatorRoute::Usage => "GET",
             OperatorRoute::Overrides => "GET, PUT, DELETE",
         }
     }
@@ -636,21 +677,25 @@ impl Admin {
         route: OperatorRoute,
     ) -> Response<Vec<u8>> {
         use crate::operator::endpoints::{self, Access, Reply};
-        let authorization = session
-            .req_header()
+        let req = session.req_header();
+        let authorization = req
             .headers
             .get(http::header::AUTHORIZATION)
             .map(|v| v.as_bytes());
-        match endpoints::admin_access(&self.gateway, authorization) {
-            Access::Granted => {}
+        // Every operator route has a scope; a method it does not answer reads (then 405).
+        let scope = crate::operator::scope_of(req.method.as_str(), req.uri.path())
+            .unwrap_or(crate::operator::Scope::Read);
+        let token_id = match endpoints::admin_access(&self.gateway, authorization, scope) {
+            Access::Granted(id) => id,
             denied => {
                 let _ = session.drain_request_body().await;
                 return operator_reply(match denied {
                     Access::NotEnabled => Reply::not_enabled(),
+                    Access::Forbidden(id) => Reply::forbidden(&id, scope),
                     _ => Reply::unauthorized(route == OperatorRoute::Status),
                 });
             }
-        }
+        };
         let req = session.req_header();
         let method = req.method.clone();
         let allowed = route.allowed();
@@ -674,6 +719,11 @@ impl Admin {
                 let _ = session.drain_request_body().await;
                 operator_reply(endpoints::status_reply(&self.gateway))
             }
+            OperatorRoute::Usage => {
+                let _ = session.drain_request_body().await;
+                let query = session.req_header().uri.query();
+                operator_reply(crate::operator::usage::usage_reply(&self.gateway, query).await)
+            }
             OperatorRoute::Buckets => {
                 let _ = session.drain_request_body().await;
                 let rest = session
@@ -683,13 +733,23 @@ impl Admin {
                     .strip_prefix("/v1/buckets")
                     .map_or("", |r| r.trim_start_matches('/'))
                     .to_string();
+                let caller = crate::telemetry::audit::Caller {
+                    token_id: Some(token_id),
+                    client: peer,
+                };
                 operator_reply(if method == http::Method::DELETE {
-                    endpoints::reset_bucket(&self.gateway, &rest, peer).await
+                    endpoints::reset_bucket(&self.gateway, &rest, &caller).await
                 } else {
                     endpoints::inspect_bucket(&self.gateway, &rest).await
                 })
             }
-            OperatorRoute::Overrides => self.overrides(session, &method).await,
+            OperatorRoute::Overrides => {
+                let caller = crate::telemetry::audit::Caller {
+                    token_id: Some(token_id),
+                    client: peer,
+                };
+                self.overrides(session, &method, &caller).await
+            }
             OperatorRoute::Explain => {
                 // The body as /v1/decision reads it: a prompt for `token_bucket_llm` rules, a
                 // fingerprint for `loop_detection`.
@@ -736,6 +796,7 @@ impl Admin {
         &self,
         session: &mut ServerSession,
         method: &http::Method,
+        caller: &crate::telemetry::audit::Caller,
     ) -> Response<Vec<u8>> {
         use crate::operator::endpoints;
         if *method == http::Method::PUT {
@@ -748,13 +809,13 @@ impl Admin {
                     "Payload Too Large: see --max-body-bytes\n",
                 );
             };
-            let (answer, _change) = endpoints::put_override(&self.gateway, &body).await;
+            let (answer, _change) = endpoints::put_override(&self.gateway, &body, caller).await;
             return operator_reply(answer);
         }
         let _ = session.drain_request_body().await;
         if *method == http::Method::DELETE {
             let query = session.req_header().uri.query();
-            let (answer, _change) = endpoints::delete_override(&self.gateway, query).await;
+            let (answer, _change) = endpoints::delete_override(&self.gateway, query, caller).await;
             return operator_reply(answer);
         }
         operator_reply(endpoints::list_overrides(&self.gateway))

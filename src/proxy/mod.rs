@@ -578,6 +578,12 @@ fn add_background(
             ),
         },
     ));
+    server.add_service(background_service(
+        "tollgate usage and webhooks",
+        UsageAndWebhooks {
+            gateway: Arc::clone(gateway),
+        },
+    ));
     if let Some(upstreams) = upstreams {
         server.add_service(background_service(
             "tollgate upstream health",
@@ -1162,6 +1168,35 @@ impl BackgroundService for HealthChecks {
     }
 }
 
+/// The usage ledger's notes sent to a shared store; threshold webhooks claimed, delivered, and
+/// taken over from a gateway that stopped before delivering.
+struct UsageAndWebhooks {
+    gateway: Arc<Gateway>,
+}
+
+#[async_trait]
+impl BackgroundService for UsageAndWebhooks {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let gateway = &self.gateway;
+        let webhooks = gateway.webhooks.enabled();
+        let mut flush = tokio::time::interval(crate::service::usage::FLUSH_EVERY);
+        let mut due = tokio::time::interval(crate::service::webhooks::DUE_EVERY);
+        flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        due.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => {
+                    gateway.usage.flush(&gateway.store, &gateway.metrics).await;
+                    return;
+                }
+                _ = flush.tick() => gateway.usage.flush(&gateway.store, &gateway.metrics).await,
+                () = gateway.webhooks.queued(), if webhooks => gateway.webhooks.claim_queued().await,
+                _ = due.tick(), if webhooks => gateway.webhooks.resume_due().await,
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl BackgroundService for Housekeeping {
     async fn start(&self, mut shutdown: ShutdownWatch) {
@@ -1230,6 +1265,7 @@ impl BackgroundService for Housekeeping {
                 _ = shutdown.changed() => return,
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                     let _ = self.gateway.load_policy(Trigger::Sighup);
+                    self.gateway.reload_admin_tokens();
                     if let Some(certs) = &self.certificates {
                         let _ = certs.reload("sighup");
                     }

@@ -93,6 +93,44 @@ pub struct Follower {
     max_bytes: usize,
     gateway_id: String,
     bundle_dir: Option<PathBuf>,
+    seen: parking_lot::Mutex<Seen>,
+}
+
+/// How many hashes of live bundles once in force are remembered, to tell a rollback.
+const LIVE_HASHES_KEPT: usize = 64;
+
+/// What the follower remembers to name the bundle changes it sees in the audit trail: whether
+/// its first read of the store is done (the bundle it starts with is no change it saw), and the
+/// hashes of the live bundles it has had in force.
+#[derive(Default)]
+struct Seen {
+    first_read_done: bool,
+    live_hashes: std::collections::VecDeque<String>,
+}
+
+/// A bundle's version and hash, as the audit trail shows it (`null` for none).
+fn bundle_json(bundle: Option<&(u64, String)>) -> serde_json::Value {
+    bundle.map_or(
+        serde_json::Value::Null,
+        |(version, sha256)| serde_json::json!({"version": version, "sha256": sha256}),
+    )
+}
+
+/// What a new live bundle is: the candidate in force put live (a promote), a bundle once in
+/// force again (a rollback: both re-seal a bundle's content under a new version), or new.
+fn live_change(
+    sha256: &str,
+    candidate: Option<&(u64, String)>,
+    once_live: &std::collections::VecDeque<String>,
+) -> crate::telemetry::audit::Action {
+    use crate::telemetry::audit::Action;
+    if candidate.is_some_and(|(_, hash)| hash == sha256) {
+        Action::BundlePromote
+    } else if once_live.iter().any(|hash| hash == sha256) {
+        Action::BundleRollback
+    } else {
+        Action::BundlePublish
+    }
 }
 
 impl Follower {
@@ -127,6 +165,7 @@ impl Follower {
             max_bytes,
             gateway_id,
             bundle_dir,
+            seen: parking_lot::Mutex::new(Seen::default()),
         }
     }
 
@@ -222,6 +261,7 @@ impl Follower {
             }
             Some(bytes) => self.follow_slot(bytes, Slot::Candidate, trigger),
         }
+        self.seen.lock().first_read_done = true;
         self.warn_expiry();
     }
 
@@ -454,11 +494,15 @@ impl Follower {
             return;
         }
         self.gateway.install(bundle, Some(envelope.version), source);
-        {
+        let (before, candidate) = {
             let mut state = self.gateway.follow.lock();
-            state.live = Some((envelope.version, envelope.sha256.clone()));
+            let before = state
+                .live
+                .replace((envelope.version, envelope.sha256.clone()));
             state.live_expires_at = envelope.expires_at;
-        }
+            (before, state.candidate.clone())
+        };
+        self.audit_live(envelope, before.as_ref(), candidate.as_ref());
         self.gateway
             .metrics
             .policy_source
@@ -474,6 +518,36 @@ impl Follower {
         );
     }
 
+    /// Records a new live bundle in the audit trail as a publish, a promote or a rollback,
+    /// once the first read is done (no token: the change was made on the store).
+    fn audit_live(
+        &self,
+        envelope: &Envelope,
+        before: Option<&(u64, String)>,
+        candidate: Option<&(u64, String)>,
+    ) {
+        let mut seen = self.seen.lock();
+        let action = live_change(&envelope.sha256, candidate, &seen.live_hashes);
+        if !seen.live_hashes.contains(&envelope.sha256) {
+            if seen.live_hashes.len() == LIVE_HASHES_KEPT {
+                seen.live_hashes.pop_front();
+            }
+            seen.live_hashes.push_back(envelope.sha256.clone());
+        }
+        if !seen.first_read_done {
+            return;
+        }
+        drop(seen);
+        let after = (envelope.version, envelope.sha256.clone());
+        self.gateway.audit.record(
+            &crate::telemetry::audit::Caller::default(),
+            action,
+            Slot::Live.as_str(),
+            &bundle_json(before),
+            &bundle_json(Some(&after)),
+        );
+    }
+
     fn put_candidate(&self, envelope: &Envelope, mut bundle: crate::policy::Bundle) {
         {
             let state = self.gateway.follow.lock();
@@ -484,10 +558,20 @@ impl Follower {
         // Shown (status page, `tollgate_candidate_info`) under its published version.
         bundle.version = envelope.version.to_string();
         self.gateway.set_candidate(Some(bundle));
-        {
+        let after = (envelope.version, envelope.sha256.clone());
+        let before = {
             let mut state = self.gateway.follow.lock();
-            state.candidate = Some((envelope.version, envelope.sha256.clone()));
             state.candidate_expires_at = envelope.expires_at;
+            state.candidate.replace(after.clone())
+        };
+        if self.seen.lock().first_read_done {
+            self.gateway.audit.record(
+                &crate::telemetry::audit::Caller::default(),
+                crate::telemetry::audit::Action::BundlePublish,
+                Slot::Candidate.as_str(),
+                &bundle_json(before.as_ref()),
+                &bundle_json(Some(&after)),
+            );
         }
         tracing::info!(
             version = envelope.version,
@@ -1104,6 +1188,60 @@ mod tests {
         follower.poll_once(Trigger::PolicyStore).await;
         assert_eq!(gateway.follow.published_candidate(), None);
         assert_eq!(follower.heartbeat().candidate_version, None);
+    }
+
+    #[tokio::test]
+    async fn publishes_promotes_and_rollbacks_seen_are_audited_but_not_the_first_bundle() {
+        let gateway = gateway(None);
+        let source = Arc::new(FakeSource::default());
+        let follower = follower(&gateway, &source, None);
+        let hash = |policy: &str| crate::policy::sha256_hex(policy.as_bytes());
+        let second = POLICY.replace("\"burst\": 10", "\"burst\": 5");
+        let third = POLICY.replace("\"burst\": 10", "\"burst\": 7");
+        publish(&source, POLICY, Slot::Live, 10, None);
+        follower.poll_once(Trigger::PolicyStore).await;
+        assert!(gateway.audit.recent().is_empty(), "the bundle started with");
+        publish(&source, &second, Slot::Live, 11, None);
+        follower.poll_once(Trigger::PolicyStore).await;
+        publish(&source, &third, Slot::Candidate, 12, None);
+        follower.poll_once(Trigger::PolicyStore).await;
+        publish(&source, &third, Slot::Live, 13, None);
+        source.slots.lock().candidate = None;
+        follower.poll_once(Trigger::PolicyStore).await;
+        publish(&source, POLICY, Slot::Live, 14, None);
+        follower.poll_once(Trigger::PolicyStore).await;
+        let lines: Vec<serde_json::Value> = gateway
+            .audit
+            .recent()
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let seen: Vec<_> = lines
+            .iter()
+            .map(|l| {
+                (
+                    l["action"].as_str().unwrap(),
+                    l["target"].as_str().unwrap(),
+                    l["before"]["version"].as_u64(),
+                    l["after"]["version"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                ("bundle.publish", "live", Some(10), 11),
+                ("bundle.publish", "candidate", None, 12),
+                ("bundle.promote", "live", Some(11), 13),
+                ("bundle.rollback", "live", Some(13), 14),
+            ]
+        );
+        assert_eq!(lines[0]["before"]["sha256"], hash(POLICY));
+        assert_eq!(lines[0]["after"]["sha256"], hash(&second));
+        assert_eq!(lines[3]["after"]["sha256"], hash(POLICY));
+        assert!(lines
+            .iter()
+            .all(|l| l["token_id"].is_null() && l["client"].is_null()));
     }
 
     /// Without change notifications (the fake source never announces one), a publication is

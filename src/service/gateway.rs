@@ -34,7 +34,7 @@ use crate::store::lease::{next_lease_id, Lease, LeaseResults};
 use crate::store::{Backend, MemoryStoreConfig, OpResults, Store, StoreError};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::traces::DecisionSummary;
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
 use std::net::IpAddr;
@@ -84,6 +84,8 @@ pub enum StartError {
     FingerprintKey(#[from] state_key::KeyFileError),
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error(transparent)]
+    Audit(#[from] crate::telemetry::audit::AuditError),
 }
 
 /// The gateway: one value holding the configuration, the store, the metrics, the bundle in
@@ -131,6 +133,15 @@ pub struct Gateway {
     pub pacer: Pacer,
     /// The per-key overrides set at runtime (`/v1/overrides`).
     pub overrides: Overrides,
+    /// Budget spend noted for the usage ledger (`GET /v1/usage`).
+    pub usage: super::usage::UsageDesk,
+    /// `notify_at` crossings claimed and delivered.
+    pub webhooks: Arc<super::webhooks::Webhooks>,
+    /// Operator writes, one line each (`--audit-log`, or the `tollgate::audit` log target).
+    pub audit: crate::telemetry::audit::AuditTrail,
+    /// The operator tokens in force: `--admin-token`'s and `--admin-tokens-file`'s, the file
+    /// read again on SIGHUP ([`Gateway::reload_admin_tokens`]).
+    pub admin_tokens: ArcSwap<crate::operator::AdminTokens>,
 }
 
 impl Gateway {
@@ -169,6 +180,11 @@ impl Gateway {
             header_config.warning_header = crate::engine::compat::WARNING_HEADER.clone();
         }
         let metrics = Arc::new(Metrics::new(store.kind())?);
+        metrics.admin_tokens(config.admin_tokens.ids());
+        let audit = crate::telemetry::audit::AuditTrail::open(
+            config.audit_log.as_deref(),
+            Arc::clone(&clock),
+        )?;
         let store = Arc::new(store);
         let engine_config = EngineConfig {
             ipv6_prefix: config.ipv6_prefix,
@@ -215,6 +231,15 @@ impl Gateway {
                     .as_ref()
                     .map(|s| s.dir.join(super::overrides::FILE_NAME)),
             ),
+            usage: super::usage::UsageDesk::default(),
+            webhooks: Arc::new(super::webhooks::Webhooks::new(
+                config.webhook.clone(),
+                Arc::clone(&store),
+                Arc::clone(&clock),
+                Arc::clone(&metrics),
+            )),
+            audit,
+            admin_tokens: ArcSwap::from_pointee(config.admin_tokens.clone()),
             metrics,
             store,
             clock,
@@ -224,6 +249,27 @@ impl Gateway {
             .reload
             .load_network(&gateway.config, &gateway.metrics, Trigger::Startup)?;
         Ok(gateway)
+    }
+
+    /// SIGHUP: reads `--admin-tokens-file` again. A file that cannot be read, is not
+    /// owner-only or holds a wrong list is refused (an ERROR line naming it and why) and the
+    /// tokens in force stay.
+    pub fn reload_admin_tokens(&self) {
+        let Some(path) = &self.config.admin_tokens_file else {
+            return;
+        };
+        match crate::operator::AdminTokens::read_file(path, self.config.admin_token.as_ref()) {
+            Ok(tokens) => {
+                self.metrics.admin_tokens(tokens.ids());
+                let count = tokens.ids().count();
+                self.admin_tokens.store(Arc::new(tokens));
+                tracing::info!(file = %path.display(), tokens = count, "admin tokens reloaded");
+            }
+            Err(e) => tracing::error!(
+                "--admin-tokens-file {}: {e}; the tokens in force stay",
+                path.display()
+            ),
+        }
     }
 
     /// Sets the candidate bundle decided in shadow beside the bundle in force, replaces it, or
@@ -766,6 +812,17 @@ impl Gateway {
             &*self.clock,
             self.engine_config,
             &self.fingerprint_key,
+        );
+        self.usage.note(
+            decided,
+            &super::usage::NoteContext {
+                clock: &*self.clock,
+                engine: self.engine_config,
+                store: &self.store,
+                webhooks: &self.webhooks,
+                fingerprints: &self.fingerprint_key,
+                metrics: &self.metrics,
+            },
         );
         self.metrics
             .record(decision, started.elapsed().as_secs_f64());

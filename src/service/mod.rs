@@ -9,7 +9,9 @@
 //! ([`CandidateShadow`]: the candidate bundle decided in shadow after every live decision).
 //! `debug_sessions` ([`DebugSessionDesk`]: Fairvisor's debug sessions), `candidate`
 //! ([`CandidateShadow`]: the candidate bundle decided in shadow after every live decision) and
-//! `pacing` ([`Pacer`]: the requests a `delay` rule makes wait, and their tokens).
+//! `pacing` ([`Pacer`]: the requests a `delay` rule makes wait, and their tokens), `usage`
+//! ([`usage::UsageDesk`]: budget spend noted for `GET /v1/usage`) and `webhooks`
+//! ([`webhooks::Webhooks`]: `notify_at` shares claimed once for the fleet and delivered).
 //!
 //! Beside them: `answer` (what a front end acts on), `described` (a request another gateway
 //! describes), `envoy_rls` (a `ShouldRateLimit` call's store calls and answer), `logging` (the
@@ -37,6 +39,8 @@ mod shadow;
 mod source_state;
 pub mod state_key;
 mod tokens;
+pub mod usage;
+pub mod webhooks;
 
 pub use answer::{Answer, Verdict};
 pub use candidate::{CandidateShadow, CandidateSummary, MAX_CANDIDATE_PENDING};

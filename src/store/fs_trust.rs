@@ -197,6 +197,41 @@ pub fn create_fresh(path: &Path) -> std::io::Result<File> {
         .open(path)
 }
 
+/// Why a file that holds secrets or records (the admin tokens file, the audit log) is not
+/// kept owner-only.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotPrivate {
+    #[error("it is not a regular file")]
+    NotRegular,
+    #[error("it is owned by uid {owner}, not by this user (uid {me}) or root")]
+    Owner { owner: u32, me: u32 },
+    #[error("its group or others may read or write it (mode {mode:04o}); it must be owner-only (chmod 600)")]
+    Shared { mode: u32 },
+}
+
+/// Checks an open file is a regular file owned by `me` or root that neither its group nor
+/// others may read or write (mode 0600 or stricter).
+///
+/// # Errors
+/// The first rule it breaks; a metadata read that fails is returned as is.
+pub fn check_owner_only(file: &File, me: u32) -> std::io::Result<Result<(), NotPrivate>> {
+    let meta = file.metadata()?;
+    Ok(if !meta.is_file() {
+        Err(NotPrivate::NotRegular)
+    } else if meta.uid() != me && meta.uid() != 0 {
+        Err(NotPrivate::Owner {
+            owner: meta.uid(),
+            me,
+        })
+    } else if meta.mode() & 0o077 != 0 {
+        Err(NotPrivate::Shared {
+            mode: meta.mode() & 0o7777,
+        })
+    } else {
+        Ok(())
+    })
+}
+
 /// `file`, when it is a regular file.
 fn regular(file: File) -> std::io::Result<File> {
     if file.metadata()?.is_file() {
@@ -326,6 +361,31 @@ mod tests {
                 })
             );
         }
+    }
+
+    #[test]
+    fn an_owner_only_file_passes_and_one_its_group_may_read_or_write_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.json");
+        std::fs::write(&path, b"[]").unwrap();
+        let me = effective_uid();
+        let check = |mode| {
+            chmod(&path, mode);
+            check_owner_only(&File::open(&path).unwrap(), me).unwrap()
+        };
+        assert_eq!(check(0o600), Ok(()));
+        assert_eq!(check(0o400), Ok(()));
+        assert_eq!(check(0o640), Err(NotPrivate::Shared { mode: 0o640 }));
+        assert_eq!(check(0o620), Err(NotPrivate::Shared { mode: 0o620 }));
+        assert_eq!(check(0o606), Err(NotPrivate::Shared { mode: 0o606 }));
+        assert_eq!(
+            check_owner_only(&File::open(dir.path()).unwrap(), me).unwrap(),
+            Err(NotPrivate::NotRegular)
+        );
+        assert_eq!(
+            NotPrivate::Shared { mode: 0o660 }.to_string(),
+            "its group or others may read or write it (mode 0660); it must be owner-only (chmod 600)"
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod memory;
 pub mod ops;
 pub mod postgres;
 mod probe;
+pub mod records;
 pub mod redis;
 pub mod redis_conn;
 pub(crate) mod shared;
@@ -64,6 +65,8 @@ pub struct Store {
     state_dir: Option<(Option<state_file::DirLock>, bool)>,
     /// A shared store's local mode (see [`local`]); `None`: a failed call fails open.
     local: Option<Arc<local::LocalMode>>,
+    /// The embedded store's usage ledger and webhook claims (a shared store keeps its own).
+    records: records::MemoryRecords,
 }
 
 /// `Store::clock_skew_us` before the first measurement.
@@ -228,6 +231,7 @@ impl Store {
             clock_skew_us: AtomicI64::new(SKEW_UNKNOWN),
             state_dir: None,
             local: None,
+            records: records::MemoryRecords::default(),
         }
     }
 
@@ -741,6 +745,109 @@ impl Store {
         }
     }
 
+    /// Records usage notes (see [`records`]): the embedded store at once, a shared store in
+    /// the calls it makes. Returns how many found no room.
+    ///
+    /// # Errors
+    /// A shared store could not answer (notes already sent are kept).
+    pub async fn note_usage(&self, notes: &[records::UsageNote]) -> Result<u64, StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => Ok(self.records.note_usage(notes)),
+            Backend::Redis(s) => s.note_usage(self.clock.unix_us(), notes).await,
+            Backend::Postgres(s) => s.note_usage(notes).await.map(|()| 0),
+        }
+    }
+
+    /// The embedded store's [`Store::note_usage`], synchronously: how many notes found no
+    /// room; `None` for a shared store (nothing done).
+    pub fn note_usage_now(&self, notes: &[records::UsageNote]) -> Option<u64> {
+        match &self.backend {
+            Backend::Memory(_) => Some(self.records.note_usage(notes)),
+            Backend::Redis(_) | Backend::Postgres(_) => None,
+        }
+    }
+
+    /// Every key's recorded spend for a rule's `prefix` in window `window_id`, by key.
+    ///
+    /// # Errors
+    /// A shared store could not answer.
+    pub async fn usage_rows(
+        &self,
+        prefix: &str,
+        window_id: u64,
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut rows = match &self.backend {
+            Backend::Memory(_) => self.records.usage_rows(prefix, window_id),
+            Backend::Redis(s) => s.usage_rows(prefix, window_id).await?,
+            Backend::Postgres(s) => s.usage_rows(prefix, window_id).await?,
+        };
+        rows.sort();
+        Ok(rows)
+    }
+
+    /// Sets a webhook's `mark` if absent, until `expires_us`, and puts `body` in the outbox,
+    /// leased to the caller until `lease_until_us` (wall-clock µs): true when claimed here.
+    ///
+    /// # Errors
+    /// A shared store could not answer (nothing claimed).
+    pub async fn claim(
+        &self,
+        mark: &str,
+        body: &str,
+        lease_until_us: u64,
+        expires_us: u64,
+    ) -> Result<bool, StoreError> {
+        let now_us = self.clock.unix_us();
+        match &self.backend {
+            Backend::Memory(_) => {
+                Ok(self
+                    .records
+                    .claim(mark, body, now_us, lease_until_us, expires_us))
+            }
+            Backend::Redis(s) => {
+                let ttl_ms = expires_us.saturating_sub(now_us) / 1000;
+                s.claim(mark, body, lease_until_us, ttl_ms).await
+            }
+            Backend::Postgres(s) => {
+                s.claim(mark, body, now_us, lease_until_us, expires_us)
+                    .await
+            }
+        }
+    }
+
+    /// Outbox deliveries whose lease ran out (a claimer that stopped before delivering), at
+    /// most `max`, each leased to the caller until `lease_until_us`.
+    ///
+    /// # Errors
+    /// A shared store could not answer.
+    pub async fn take_due(
+        &self,
+        lease_until_us: u64,
+        max: usize,
+    ) -> Result<Vec<records::Pending>, StoreError> {
+        let now_us = self.clock.unix_us();
+        match &self.backend {
+            Backend::Memory(_) => Ok(self.records.take_due(now_us, lease_until_us, max)),
+            Backend::Redis(s) => s.take_due(now_us, lease_until_us, max).await,
+            Backend::Postgres(s) => s.take_due(now_us, lease_until_us, max).await,
+        }
+    }
+
+    /// Takes a delivery out of the outbox (delivered, or given up); its mark stays.
+    ///
+    /// # Errors
+    /// A shared store could not answer.
+    pub async fn settle_delivery(&self, mark: &str) -> Result<(), StoreError> {
+        match &self.backend {
+            Backend::Memory(_) => {
+                self.records.settle(mark);
+                Ok(())
+            }
+            Backend::Redis(s) => s.settle(mark).await,
+            Backend::Postgres(s) => s.settle(mark).await,
+        }
+    }
+
     /// Counters for `/metrics`.
     pub fn stats(&self) -> StoreStats {
         match &self.backend {
@@ -803,7 +910,10 @@ impl Store {
             local.sweep(now_us);
         }
         match &self.backend {
-            Backend::Memory(m) => m.sweep(now_us) + m.leases().sweep(now_us),
+            Backend::Memory(m) => {
+                self.records.sweep(self.clock.unix_us());
+                m.sweep(now_us) + m.leases().sweep(now_us)
+            }
             Backend::Redis(s) => {
                 let sent_us = self.clock.unix_us();
                 let store_us = s.refresh_time_offset().await;

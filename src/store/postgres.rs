@@ -230,6 +230,20 @@ CREATE TABLE IF NOT EXISTS tollgate_write_backs (
     id            text PRIMARY KEY,
     expires_at_us bigint NOT NULL
 );
+CREATE TABLE IF NOT EXISTS tollgate_usage (
+    prefix        text   NOT NULL,
+    window_id     bigint NOT NULL,
+    key           text   NOT NULL,
+    spent         bigint NOT NULL,
+    keep_until_us bigint NOT NULL,
+    PRIMARY KEY (prefix, window_id, key)
+);
+CREATE TABLE IF NOT EXISTS tollgate_webhooks (
+    mark           text PRIMARY KEY,
+    expires_at_us  bigint NOT NULL,
+    lease_until_us bigint,
+    body           text
+);
 CREATE OR REPLACE FUNCTION tollgate_presence(gateway text, expires_us bigint, now_us bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
@@ -835,6 +849,18 @@ impl PostgresStore {
                 &[&now],
             )
             .await;
+        let _ = client
+            .execute(
+                "DELETE FROM tollgate_usage WHERE keep_until_us <= $1",
+                &[&now],
+            )
+            .await;
+        let _ = client
+            .execute(
+                "DELETE FROM tollgate_webhooks WHERE expires_at_us <= $1 AND body IS NULL",
+                &[&now],
+            )
+            .await;
         match client
             .execute(
                 "DELETE FROM tollgate_buckets WHERE full_at_us <= $1",
@@ -1137,6 +1163,126 @@ impl PostgresStore {
         }
         Ok(removed)
     }
+
+    /// Records usage notes ([`super::records`]): one row per rule, window and key, holding the
+    /// largest spend seen.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn note_usage(&self, notes: &[super::records::UsageNote]) -> Result<(), StoreError> {
+        let client = self.connected_client()?;
+        for note in notes {
+            let (window, spent, keep) = (
+                i64_of(note.window_id),
+                i64_of(note.spent),
+                i64_of(note.keep_until_us),
+            );
+            super::shared::operator_call(client.client.execute(
+                "INSERT INTO tollgate_usage VALUES ($1, $2, $3, $4, $5) \
+                 ON CONFLICT (prefix, window_id, key) DO UPDATE SET \
+                 spent = greatest(tollgate_usage.spent, EXCLUDED.spent), \
+                 keep_until_us = greatest(tollgate_usage.keep_until_us, EXCLUDED.keep_until_us)",
+                &[&note.prefix, &window, &note.key, &spent, &keep],
+            ))
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Every key's recorded spend for `prefix` in window `window_id`.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn usage_rows(
+        &self,
+        prefix: &str,
+        window_id: u64,
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        let client = self.connected_client()?;
+        let window = i64_of(window_id);
+        let rows = super::shared::operator_call(client.client.query(
+            "SELECT key, spent FROM tollgate_usage WHERE prefix = $1 AND window_id = $2",
+            &[&prefix, &window],
+        ))
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1).max(0) as u64))
+            .collect())
+    }
+
+    /// Sets a webhook's mark if absent (or expired) with its delivery leased until
+    /// `lease_until_us`; true when claimed here.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn claim(
+        &self,
+        mark: &str,
+        body: &str,
+        now_us: u64,
+        lease_until_us: u64,
+        expires_us: u64,
+    ) -> Result<bool, StoreError> {
+        let client = self.connected_client()?;
+        let (now, lease, expires) = (i64_of(now_us), i64_of(lease_until_us), i64_of(expires_us));
+        Ok(super::shared::operator_call(client.client.execute(
+            "INSERT INTO tollgate_webhooks VALUES ($1, $2, $3, $4) ON CONFLICT (mark) DO UPDATE \
+             SET expires_at_us = EXCLUDED.expires_at_us, lease_until_us = EXCLUDED.lease_until_us, \
+             body = EXCLUDED.body WHERE tollgate_webhooks.expires_at_us <= $5",
+            &[&mark, &expires, &lease, &body, &now],
+        ))
+        .await?
+            == 1)
+    }
+
+    /// The outbox's deliveries whose lease ran out by `now_us` (at most `max`), each leased
+    /// again until `lease_until_us`.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn take_due(
+        &self,
+        now_us: u64,
+        lease_until_us: u64,
+        max: usize,
+    ) -> Result<Vec<super::records::Pending>, StoreError> {
+        let client = self.connected_client()?;
+        let (now, lease, max) = (i64_of(now_us), i64_of(lease_until_us), max as i64);
+        let rows = super::shared::operator_call(client.client.query(
+            "UPDATE tollgate_webhooks SET lease_until_us = $2 WHERE mark IN \
+             (SELECT mark FROM tollgate_webhooks WHERE body IS NOT NULL AND lease_until_us <= $1 \
+             ORDER BY lease_until_us LIMIT $3 FOR UPDATE SKIP LOCKED) RETURNING mark, body",
+            &[&now, &lease, &max],
+        ))
+        .await?;
+        Ok(rows
+            .iter()
+            .map(|row| super::records::Pending {
+                mark: row.get(0),
+                body: row.get(1),
+            })
+            .collect())
+    }
+
+    /// Takes a delivery out of the outbox; its mark stays until it expires.
+    ///
+    /// # Errors
+    /// PostgreSQL unreachable, too slow or failing.
+    pub async fn settle(&self, mark: &str) -> Result<(), StoreError> {
+        let client = self.connected_client()?;
+        super::shared::operator_call(client.client.execute(
+            "UPDATE tollgate_webhooks SET body = NULL, lease_until_us = NULL WHERE mark = $1",
+            &[&mark],
+        ))
+        .await?;
+        Ok(())
+    }
+}
+
+/// A count or time as PostgreSQL's `bigint` (saturating).
+fn i64_of(value: u64) -> i64 {
+    value.min(i64::MAX as u64) as i64
 }
 
 /// The URL without its password, for logs (see [`crate::telemetry::redact::url`]).

@@ -1456,7 +1456,181 @@ impl RedisStore {
         }
         Ok(removed)
     }
+
+    /// Records usage notes ([`super::records`]): per rule and window one hash
+    /// `tollgate:usage:{<prefix>}:<window>`, a field per key holding the largest spend seen,
+    /// kept until one window after its window ends, at most
+    /// [`super::records::MAX_SHARED_USAGE_KEYS`] keys (a hash that outlives the buckets must
+    /// stay small: under `maxmemory`, Redis evicts the buckets before it). Returns how many
+    /// notes were not recorded for that bound.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn note_usage(
+        &self,
+        now_us: u64,
+        notes: &[super::records::UsageNote],
+    ) -> Result<u64, StoreError> {
+        static NOTE: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+        let script = NOTE.get_or_init(|| redis::Script::new(USAGE_NOTE));
+        let mut conn = self.connection()?;
+        let mut dropped = 0;
+        for note in notes {
+            let mut call = script.prepare_invoke();
+            call.key(usage_key(&note.prefix, note.window_id))
+                .arg(note.key.as_str())
+                .arg(note.spent)
+                .arg((note.keep_until_us.saturating_sub(now_us) / 1000).max(1))
+                .arg(super::records::MAX_SHARED_USAGE_KEYS);
+            if super::shared::operator_call(conn.invoke::<i64>(&call)).await? == 0 {
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
+    }
+
+    /// Every key's recorded spend for `prefix` in window `window_id`.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn usage_rows(
+        &self,
+        prefix: &str,
+        window_id: u64,
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut conn = self.connection()?;
+        let mut all = redis::cmd("HGETALL");
+        all.arg(usage_key(prefix, window_id));
+        let rows: Vec<(String, u64)> = super::shared::operator_call(conn.query(&all)).await?;
+        Ok(rows)
+    }
+
+    /// Sets a webhook's mark if absent and puts its delivery in the outbox (see
+    /// [`super::records::MemoryRecords::claim`]), atomically.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn claim(
+        &self,
+        mark: &str,
+        body: &str,
+        lease_until_us: u64,
+        ttl_ms: u64,
+    ) -> Result<bool, StoreError> {
+        static CLAIM: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+        let script = CLAIM.get_or_init(|| redis::Script::new(WEBHOOK_CLAIM));
+        let mut conn = self.connection()?;
+        let mut call = script.prepare_invoke();
+        call.key(format!("{WEBHOOKS}:mark:{mark}"))
+            .key(format!("{WEBHOOKS}:pending"))
+            .key(format!("{WEBHOOKS}:bodies"))
+            .arg(ttl_ms.max(1))
+            .arg(lease_until_us)
+            .arg(body)
+            .arg(mark);
+        let won: i64 = super::shared::operator_call(conn.invoke(&call)).await?;
+        Ok(won == 1)
+    }
+
+    /// The outbox's deliveries whose lease ran out by `now_us` (at most `max`), each leased
+    /// again until `lease_until_us`.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn take_due(
+        &self,
+        now_us: u64,
+        lease_until_us: u64,
+        max: usize,
+    ) -> Result<Vec<super::records::Pending>, StoreError> {
+        static DUE: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+        let script = DUE.get_or_init(|| redis::Script::new(WEBHOOK_DUE));
+        let mut conn = self.connection()?;
+        let mut call = script.prepare_invoke();
+        call.key(format!("{WEBHOOKS}:pending"))
+            .key(format!("{WEBHOOKS}:bodies"))
+            .arg(now_us)
+            .arg(lease_until_us)
+            .arg(max);
+        let flat: Vec<String> = super::shared::operator_call(conn.invoke(&call)).await?;
+        Ok(flat
+            .chunks_exact(2)
+            .map(|pair| super::records::Pending {
+                mark: pair[0].clone(),
+                body: pair[1].clone(),
+            })
+            .collect())
+    }
+
+    /// Takes a delivery out of the outbox; its mark stays until it expires.
+    ///
+    /// # Errors
+    /// Redis unreachable, too slow or failing.
+    pub async fn settle(&self, mark: &str) -> Result<(), StoreError> {
+        static SETTLE: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+        let script = SETTLE.get_or_init(|| redis::Script::new(WEBHOOK_SETTLE));
+        let mut conn = self.connection()?;
+        let mut call = script.prepare_invoke();
+        call.key(format!("{WEBHOOKS}:pending"))
+            .key(format!("{WEBHOOKS}:bodies"))
+            .arg(mark);
+        super::shared::operator_call(conn.invoke::<i64>(&call)).await?;
+        Ok(())
+    }
 }
+
+/// The webhooks' keys share one hash tag, so a claim, the outbox and its bodies sit on one
+/// node of a cluster and change in one script.
+const WEBHOOKS: &str = "tollgate:{webhooks}";
+
+/// A usage section's key: the rule's prefix as its hash tag (one key per call).
+fn usage_key(prefix: &str, window_id: u64) -> String {
+    format!("tollgate:usage:{{{prefix}}}:{window_id}")
+}
+
+/// KEYS[1]: the section; ARGV: key, spend, ms to keep it at least, most keys. The larger
+/// spend wins; a new key past the most is not recorded (0).
+const USAGE_NOTE: &str = r#"
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if not old and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+if tonumber(ARGV[2]) > tonumber(old or '-1') then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+return 1
+"#;
+
+/// KEYS: the mark, the outbox (sorted by lease end), the bodies; ARGV: the mark's TTL (ms),
+/// lease end (µs), body, mark. 1 when claimed here, 0 when the mark was set already.
+const WEBHOOK_CLAIM: &str = r#"
+if not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
+redis.call('HSET', KEYS[3], ARGV[4], ARGV[3])
+return 1
+"#;
+
+/// KEYS: the outbox, the bodies; ARGV: now (µs), new lease end (µs), most to take. Returns
+/// mark, body, mark, body...
+const WEBHOOK_DUE: &str = r#"
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local out = {}
+for _, mark in ipairs(due) do
+  local body = redis.call('HGET', KEYS[2], mark)
+  if body then
+    redis.call('ZADD', KEYS[1], ARGV[2], mark)
+    out[#out + 1] = mark
+    out[#out + 1] = body
+  else
+    redis.call('ZREM', KEYS[1], mark)
+  end
+end
+return out
+"#;
+
+/// KEYS: the outbox, the bodies; ARGV: the mark.
+const WEBHOOK_SETTLE: &str = r#"
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"#;
 
 #[cfg(test)]
 mod tests {

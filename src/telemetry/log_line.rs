@@ -282,7 +282,7 @@ impl RateLimit<'_> {
 
 /// `2026-11-22T10:33:26.123456Z`, as `tracing` writes times. The date and time of day are
 /// formatted once per second per thread; the microseconds are six digits pushed in place.
-fn push_rfc3339_us(out: &mut String, unix_us: i64) {
+pub(crate) fn push_rfc3339_us(out: &mut String, unix_us: i64) {
     thread_local! {
         static SECOND: std::cell::RefCell<(i64, String)> =
             const { std::cell::RefCell::new((i64::MIN, String::new())) };

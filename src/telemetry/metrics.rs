@@ -273,6 +273,12 @@ metric_table! {
         [] "Sampled trace spans not exported: the OTLP export queue (OTEL_BSP_MAX_QUEUE_SIZE) was full, their batch failed, or the export was backing off from a failing collector" [];
     admin_refused: IntCounter = Counter All "tollgate_admin_unauthorized_total"
         [] "Operator endpoint requests refused for a missing or wrong admin token" [];
+    webhook_deliveries: IntCounterVec = Counter All "tollgate_webhook_deliveries_total"
+        ["outcome"] "Threshold webhook attempts by outcome (delivered: the receiver answered 2xx; failed: an attempt that did not, retried with backoff; gave_up: a delivery dropped after its last attempt; dropped: a crossing not claimed because the queue or the store could not take it)" [];
+    usage_notes_dropped: IntCounter = Counter All "tollgate_usage_notes_dropped_total"
+        [] "Budget spend not recorded in the usage ledger (GET /v1/usage): the shared store did not answer, or the queue or the embedded ledger was full" [];
+    admin_forbidden: IntCounterVec = Counter All "tollgate_admin_forbidden_total"
+        ["token"] "Operator endpoint requests refused 403 because the token's scopes do not cover the endpoint, by token id (--admin-tokens-file)" [];
     debug_session_failures: IntCounterVec = Counter All "tollgate_debug_session_failures_total"
         ["reason"] "Debug-session logins refused: no secret, a wrong one, or a client throttled after too many" [];
     reloads: IntCounterVec = Counter All "tollgate_policy_reloads_total"
@@ -797,6 +803,34 @@ impl Metrics {
     /// Counts an operator endpoint request refused for its token.
     pub fn admin_unauthorized(&self) {
         self.families.admin_refused.inc();
+    }
+
+    /// One threshold webhook attempt or crossing, by outcome (`delivered`, `failed`,
+    /// `gave_up`, `dropped`).
+    pub fn webhook(&self, outcome: &'static str) {
+        self.families
+            .webhook_deliveries
+            .with_label_values(&[outcome])
+            .inc();
+    }
+
+    /// Usage notes not recorded.
+    pub fn usage_notes_dropped(&self, n: u64) {
+        self.families.usage_notes_dropped.inc_by(n);
+    }
+
+    /// Shows the 403 count of each configured token id from the start (at zero).
+    pub fn admin_tokens(&self, ids: impl Iterator<Item = impl AsRef<str>>) {
+        for id in ids {
+            self.families
+                .admin_forbidden
+                .with_label_values(&[id.as_ref()]);
+        }
+    }
+
+    /// Counts an operator request refused 403: the token `id` does not hold the scope.
+    pub fn admin_forbidden(&self, id: &str) {
+        self.families.admin_forbidden.with_label_values(&[id]).inc();
     }
 
     /// Counts a debug-session login refused.

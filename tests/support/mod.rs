@@ -7,9 +7,10 @@
 
 pub mod ext_authz;
 pub mod grpc_echo;
+pub mod origin;
 pub mod servers;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -231,89 +232,44 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
 /// 400 ms before answering, other requests to `/slow...` 1 s.
 pub struct Upstream {
     pub addr: SocketAddr,
-    hits: Arc<AtomicUsize>,
+    origin: origin::Origin,
 }
 
 impl Upstream {
     pub fn start() -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
-        let addr = listener.local_addr().expect("upstream addr");
-        let hits = Arc::new(AtomicUsize::new(0));
-        let counter = Arc::clone(&hits);
-        std::thread::spawn(move || {
-            for conn in listener.incoming().flatten() {
-                let counter = Arc::clone(&counter);
-                std::thread::spawn(move || serve_connection(conn, &counter));
-            }
-        });
-        Upstream { addr, hits }
+        let origin = origin::Origin::start(upstream_answer);
+        Upstream {
+            addr: origin.addr,
+            origin,
+        }
     }
 
     pub fn hits(&self) -> usize {
-        self.hits.load(Ordering::SeqCst)
+        self.origin.hits()
     }
 }
 
-fn serve_connection(conn: TcpStream, hits: &AtomicUsize) {
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
-    let mut reader = BufReader::new(match conn.try_clone() {
-        Ok(c) => c,
-        Err(_) => return,
-    });
-    let mut writer = conn;
-    loop {
-        let mut request_line = String::new();
-        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
-            return;
-        }
-        let mut content_length = 0usize;
-        let mut seen_headers = Vec::new();
-        loop {
-            // Header bytes need not be UTF-8 (obs-text is legal HTTP): read raw lines.
-            let mut raw_line = Vec::new();
-            if reader.read_until(b'\n', &mut raw_line).unwrap_or(0) == 0 {
-                return;
-            }
-            let line = String::from_utf8_lossy(&raw_line).trim_end().to_string();
-            if line.is_empty() {
-                break;
-            }
-            if let Some((n, v)) = line.split_once(':') {
-                if n.eq_ignore_ascii_case("content-length") {
-                    content_length = v.trim().parse().unwrap_or(0);
-                }
-                seen_headers.push(format!("{}={}", n.trim().to_ascii_lowercase(), v.trim()));
-            }
-        }
-        let mut body = vec![0u8; content_length];
-        if reader.read_exact(&mut body).is_err() {
-            return;
-        }
-        hits.fetch_add(1, Ordering::SeqCst);
-        if request_line.contains(" /slow400") {
-            std::thread::sleep(Duration::from_millis(400));
-        } else if request_line.contains(" /slow") {
-            std::thread::sleep(Duration::from_secs(1));
-        }
-        let forwarded = seen_headers
-            .iter()
-            .find(|h| h.starts_with("x-forwarded-for="))
-            .cloned()
-            .unwrap_or_default();
-        let mut payload = format!("upstream ok {forwarded}");
-        if !body.is_empty() {
-            payload.push_str(" body=");
-            payload.push_str(&String::from_utf8_lossy(&body));
-        }
-        let response = format!(
-            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Upstream: yes\r\n\r\n{}",
-            payload.len(),
-            payload
-        );
-        if writer.write_all(response.as_bytes()).is_err() {
-            return;
-        }
+fn upstream_answer(request: &origin::OriginRequest) -> Vec<u8> {
+    if request.target.starts_with("/slow400") {
+        std::thread::sleep(Duration::from_millis(400));
+    } else if request.target.starts_with("/slow") {
+        std::thread::sleep(Duration::from_secs(1));
     }
+    let forwarded = request
+        .header("x-forwarded-for")
+        .map(|v| format!("x-forwarded-for={v}"))
+        .unwrap_or_default();
+    let mut payload = format!("upstream ok {forwarded}");
+    if !request.body.is_empty() {
+        payload.push_str(" body=");
+        payload.push_str(&String::from_utf8_lossy(&request.body));
+    }
+    format!(
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Upstream: yes\r\n\r\n{}",
+        payload.len(),
+        payload
+    )
+    .into_bytes()
 }
 
 /// A running `tollgate run` process.
