@@ -67,19 +67,33 @@ fn decide(gw: &Gateway, tenant: &str) -> (u16, String) {
 
 /// `n` decisions for `tenant`: how many were admitted, and the last one's `RateLimit-Policy`.
 fn admitted(gw: &Gateway, tenant: &str, n: usize) -> (usize, String) {
+    admitted_with(gw, &[("X-Original-URI", "/api/x"), ("X-Tenant", tenant)], n)
+}
+
+/// `n` decisions described by `headers`: how many were admitted, and the last one's
+/// `RateLimit-Policy`.
+fn admitted_with(gw: &Gateway, headers: &[(&str, &str)], n: usize) -> (usize, String) {
     let mut policy = String::new();
     let mut count = 0;
     for _ in 0..n {
-        let r = support::request(
-            gw.admin,
-            "POST",
-            "/v1/decision",
-            &[("X-Original-URI", "/api/x"), ("X-Tenant", tenant)],
-        );
+        let r = support::request(gw.admin, "POST", "/v1/decision", headers);
         count += usize::from(r.status == 200);
         policy = r.header("RateLimit-Policy").unwrap_or("").to_string();
     }
     (count, policy)
+}
+
+/// Polls `gw`'s list until `key` is listed (`present`) or gone, failing after 1 s: how long a
+/// change made on another gateway of the fleet may take.
+fn within_a_second(gw: &Gateway, key: &str, present: bool) {
+    let started = Instant::now();
+    while listed_key(gw, key).is_some() != present {
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "the other gateway did not see the change to {key} within 1 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn token_flag() -> String {
@@ -108,14 +122,7 @@ fn overrides_reach_a_fleet_on_redis_within_a_second_and_outlive_restarts_and_rel
                            "replaced": null})
     );
     // Gateway B reads the table within 1 s, and enforces it from then on.
-    let put_at = Instant::now();
-    while listed_key(&b, "acme").is_none() {
-        assert!(
-            put_at.elapsed() < Duration::from_secs(1),
-            "gateway B did not see the override within 1 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    within_a_second(&b, "acme", true);
     assert_eq!(decide(&b, "acme").1, "\"per-tenant\";r=4;t=1800");
     assert_eq!(
         admitted(&b, "acme", 10),
@@ -200,11 +207,7 @@ fn overrides_reach_a_fleet_on_redis_within_a_second_and_outlive_restarts_and_rel
         json_of(&r),
         serde_json::json!({"deleted": {"policy": "api", "rule": "per-tenant", "key": "umbrella", "burst": 6}})
     );
-    let deleted_at = Instant::now();
-    while listed_key(&a, "umbrella").is_some() {
-        assert!(deleted_at.elapsed() < Duration::from_secs(1));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    within_a_second(&a, "umbrella", false);
     assert_eq!(
         support::operator(
             &b,
@@ -319,4 +322,85 @@ fn invalid_overrides_are_refused_with_the_bundles_error_paths() {
         401
     );
     assert_eq!(support::operator(&gw, "POST", "/v1/overrides").status, 405);
+}
+
+/// The same on PostgreSQL: the table lives in the store, and the other gateway applies a PUT
+/// within 1 s.
+#[test]
+fn overrides_reach_a_fleet_on_postgres_within_a_second() {
+    let pg = support::servers::PgServer::start();
+    let upstream = support::Upstream::start();
+    let token = token_flag();
+    let [a, b] = support::start_fleet_with(
+        POLICY,
+        upstream.addr,
+        &pg.url(),
+        "1000",
+        Duration::from_secs(30),
+        &[token.as_str()],
+    );
+    let body = r#"{"policy": "api", "rule": "per-tenant", "key": "acme", "burst": 5}"#;
+    assert_eq!(put(&a, body).status, 200);
+    within_a_second(&b, "acme", true);
+    assert_eq!(
+        admitted(&b, "acme", 10),
+        (5, "\"per-tenant\";q=5;w=9000".into())
+    );
+    assert_eq!(
+        support::operator(
+            &b,
+            "DELETE",
+            "/v1/overrides?policy=api&rule=per-tenant&key=acme"
+        )
+        .status,
+        200
+    );
+    within_a_second(&a, "acme", false);
+}
+
+/// `burst_from` through the real binary: a token signed here states the burst; the rule's
+/// `max_burst` bounds it; a forged token (or none) gets the rule's own burst.
+#[test]
+fn burst_from_reads_the_burst_of_a_verified_token() {
+    use jsonwebtoken::{encode, EncodingKey, Header};
+    const PLAN: &str = r#"{"bundle_version": 1, "policies": [{"id": "api", "spec": {"rules": [
+      {"name": "per-user", "limit_keys": ["jwt:sub"], "on_missing": "shared", "algorithm": "token_bucket",
+       "algorithm_config": {"count": 1, "period": "1h", "burst": 2,
+                            "burst_from": "jwt:limits.burst", "max_burst": 6}}]}}]}"#;
+    let gw = Gateway::start(Some(PLAN), None, &["--jwt-secret", "plan-secret"]);
+    let token = |secret: &str, sub: &str, burst: serde_json::Value| {
+        let claims = serde_json::json!({"sub": sub, "limits": {"burst": burst},
+                                        "exp": jsonwebtoken::get_current_timestamp() + 600});
+        let jwt = encode(
+            &Header::default(),
+            &claims,
+            &EncodingKey::from_secret(secret.as_bytes()),
+        )
+        .unwrap();
+        format!("Bearer {jwt}")
+    };
+    let admitted = |authorization: &str| {
+        admitted_with(
+            &gw,
+            &[("X-Original-URI", "/"), ("Authorization", authorization)],
+            10,
+        )
+    };
+    assert_eq!(
+        admitted(&token("plan-secret", "alice", 4.into())),
+        (4, "\"per-user\";q=4;w=14400".into())
+    );
+    assert_eq!(
+        admitted(&token("plan-secret", "bob", 1000.into())),
+        (6, "\"per-user\";q=6;w=21600".into())
+    );
+    assert_eq!(
+        admitted(&token("plan-secret", "carol", "many".into())),
+        (2, "\"per-user\";q=2;w=7200".into())
+    );
+    // Signed with another key: no verified claims, the shared bucket of the rule's own burst.
+    assert_eq!(
+        admitted(&token("forged", "mallory", 1000.into())),
+        (2, "\"per-user\";q=2;w=7200".into())
+    );
 }

@@ -121,6 +121,13 @@ impl KeyQuotas {
         if !self.active.load(Ordering::Relaxed) {
             return None;
         }
+        self.lookup(rule, key, unix_us)
+    }
+
+    /// [`KeyQuotas::get`] once the table holds something: kept out of line, so the decision
+    /// path of a gateway without overrides carries only the flag's load.
+    #[inline(never)]
+    fn lookup(&self, rule: usize, key: &str, unix_us: u64) -> Option<Quota> {
         self.table.load().get(rule, key, unix_us)
     }
 }

@@ -657,6 +657,7 @@ impl Rule {
 
 impl BurstFrom {
     /// `quota` with the burst the request's claim states, when it states a usable one.
+    #[inline(never)]
     fn quota(&self, quota: Quota, facts: &RequestFacts<'_>) -> Quota {
         let claimed = facts
             .claims
