@@ -1267,6 +1267,9 @@ impl BackgroundService for Housekeeping {
                 Some(()) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => {
                     let _ = self.gateway.load_policy(Trigger::Sighup);
                     self.gateway.reload_admin_tokens();
+                    if let Err(e) = self.gateway.audit.reopen() {
+                        tracing::error!("{e}; audit lines keep going to the file open before");
+                    }
                     if let Some(certs) = &self.certificates {
                         let _ = certs.reload("sighup");
                     }

@@ -5,7 +5,7 @@
 //!
 //! Lines go to `--audit-log PATH` (opened `O_APPEND`, created owner-only, refused at start-up
 //! when others may read or write it), or, without the flag, to the `tollgate::audit` log
-//! target. Either way a line is pure ASCII JSON: every character a caller or a policy chose is
+//! target; SIGHUP opens the path again (log rotation). Either way a line is pure ASCII JSON: every character a caller or a policy chose is
 //! JSON-escaped, and every non-ASCII one written `\uXXXX`, so a value can neither end its line
 //! nor reach a terminal as a control sequence. The last [`RECENT`] lines are kept for the status
 //! page.
@@ -84,7 +84,8 @@ pub enum AuditError {
 
 /// Where the lines go, and the last [`RECENT`] of them.
 pub struct AuditTrail {
-    file: Option<Mutex<File>>,
+    /// `--audit-log` and the file open at it.
+    file: Option<(PathBuf, Mutex<File>)>,
     recent: Mutex<VecDeque<String>>,
     clock: Arc<dyn Clock>,
 }
@@ -98,26 +99,7 @@ impl AuditTrail {
     pub fn open(path: Option<&Path>, clock: Arc<dyn Clock>) -> Result<AuditTrail, AuditError> {
         let file = match path {
             None => None,
-            Some(path) => {
-                let opened = fs_trust::no_follow()
-                    .append(true)
-                    .create(true)
-                    .mode(0o600)
-                    .open(path)
-                    .and_then(|file| {
-                        fs_trust::check_owner_only(&file, fs_trust::effective_uid())
-                            .map(|check| (file, check))
-                    });
-                let (file, check) = opened.map_err(|error| AuditError::Open {
-                    path: path.to_path_buf(),
-                    error,
-                })?;
-                check.map_err(|reason| AuditError::NotPrivate {
-                    path: path.to_path_buf(),
-                    reason,
-                })?;
-                Some(Mutex::new(file))
-            }
+            Some(path) => Some((path.to_path_buf(), Mutex::new(open_private(path)?))),
         };
         Ok(AuditTrail {
             file,
@@ -140,7 +122,7 @@ impl AuditTrail {
         let unix_us = i64::try_from(self.clock.unix_us()).unwrap_or(i64::MAX);
         let text = line(unix_us, caller, action, target, before, after);
         match &self.file {
-            Some(file) => {
+            Some((_, file)) => {
                 let mut with_newline = String::with_capacity(text.len() + 1);
                 with_newline.push_str(&text);
                 with_newline.push('\n');
@@ -161,10 +143,43 @@ impl AuditTrail {
         recent.push_back(text);
     }
 
+    /// SIGHUP: opens `--audit-log` again, so that a file moved away (log rotation) is
+    /// continued by a new one at the path. Nothing to do without the flag.
+    ///
+    /// # Errors
+    /// The path cannot be opened or is not owner-only: lines keep going to the file open.
+    pub fn reopen(&self) -> Result<(), AuditError> {
+        if let Some((path, file)) = &self.file {
+            *file.lock() = open_private(path)?;
+        }
+        Ok(())
+    }
+
     /// The last [`RECENT`] lines, oldest first.
     pub fn recent(&self) -> Vec<String> {
         self.recent.lock().iter().cloned().collect()
     }
+}
+
+/// `path` opened for appending (created 0600, never through a symlink), when it is owner-only.
+fn open_private(path: &Path) -> Result<File, AuditError> {
+    let opened = fs_trust::no_follow()
+        .append(true)
+        .create(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|file| {
+            fs_trust::check_owner_only(&file, fs_trust::effective_uid()).map(|check| (file, check))
+        });
+    let (file, check) = opened.map_err(|error| AuditError::Open {
+        path: path.to_path_buf(),
+        error,
+    })?;
+    check.map_err(|reason| AuditError::NotPrivate {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    Ok(file)
 }
 
 /// One audit line (no newline): `{"time", "token_id", "client", "action", "target", "before",
@@ -331,6 +346,38 @@ mod tests {
             AuditTrail::open(Some(&link), clock).err().unwrap(),
             AuditError::Open { .. }
         ));
+    }
+
+    #[test]
+    fn a_rotated_file_is_continued_by_a_new_one_after_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.log");
+        let rotated = dir.path().join("audit.log.1");
+        let trail =
+            AuditTrail::open(Some(&path), Arc::new(ManualClock::new(1_764_000_000))).unwrap();
+        let write = |target: &str| {
+            trail.record(&caller(), Action::Reset, target, &Value::Null, &Value::Null)
+        };
+        write("before");
+        std::fs::rename(&path, &rotated).unwrap();
+        write("moved");
+        trail.reopen().unwrap();
+        write("after");
+        let old = std::fs::read_to_string(&rotated).unwrap();
+        let new = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(old.lines().count(), 2);
+        assert!(old.contains("\"target\":\"moved\""));
+        assert_eq!(new.lines().count(), 1);
+        assert!(new.contains("\"target\":\"after\""));
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        // A path that became shared is refused; the file open stays in use.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(trail.reopen(), Err(AuditError::NotPrivate { .. })));
+        write("still");
+        assert_eq!(std::fs::read_to_string(&path).unwrap().lines().count(), 2);
     }
 
     #[test]
