@@ -517,6 +517,11 @@ fn walkthrough_llm_gateway() {
 }
 
 #[test]
+fn walkthrough_tenants() {
+    walk("getting-started/tenants.md");
+}
+
+#[test]
 fn walkthrough_llm_budgets() {
     walk("getting-started/llm-budgets.md");
 }

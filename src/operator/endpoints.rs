@@ -495,8 +495,10 @@ async fn carry_spend(
         (old, as_delta(old_burst - new_burst))
     };
     let unix_secs = gateway.clock.unix_us() / 1_000_000;
-    let window_id = super::usage::window_bounds(rule, super::usage::Which::Current, unix_secs)
-        .map(|(start, _)| start.max(1));
+    // A budget bucket counts one window, named by its start (as the usage export reads it).
+    let window_id = rule
+        .budget()
+        .map(|budget| budget.zone.bounds(budget.period, unix_secs).0.max(1));
     let op = crate::store::AdjustOp {
         key: crate::store::BucketKey::of(&format!("{}{}", rule.key_prefix, id.2)),
         quota,
