@@ -1048,9 +1048,15 @@ fn the_upgrade_socket_trusts_only_this_user() {
     let new = setup.spawn("new.log", &["--upgrade", TRUST[0], TRUST[1]]);
     let sock = setup.wait_for_upgrade_sock(&new);
     {
+        // The socket appears at bind(2) with the umask's mode and is made owner-only right
+        // after (its directory already keeps everyone else out): wait for that step.
         use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
+        let mode = || std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+        let start = Instant::now();
+        while mode() != 0o600 && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(mode(), 0o600);
     }
     let stranger = Command::new("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
