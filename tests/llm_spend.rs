@@ -367,27 +367,12 @@ fn a_spent_budget_sends_the_request_to_its_fallback_model() {
     assert_eq!(model.models().len(), 9);
 }
 
-/// libfaketime's preload library, where Debian installs it.
-fn libfaketime() -> std::path::PathBuf {
-    let candidates = std::fs::read_dir("/usr/lib")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
-        .chain([std::path::PathBuf::from(
-            "/usr/local/lib/faketime/libfaketime.so.1",
-        )]);
-    candidates.into_iter().find(|path| path.exists()).expect(
-        "libfaketime is not installed: run `bash scripts/install-deps.sh` (package faketime)",
-    )
-}
-
 /// The gateway's wall clock starts 20 s before midnight in New York (05:00 UTC, long after
 /// the UTC midnight): the budget renews at New York's midnight, not UTC's.
 #[test]
 fn a_day_budget_renews_at_midnight_in_its_time_zone() {
     let model = FakeModel::start(AS_RESERVED);
-    let preload = libfaketime();
+    let preload = support::libfaketime();
     let env = [
         ("LD_PRELOAD", preload.to_str().unwrap()),
         ("FAKETIME", "@2027-01-16 04:59:40"),

@@ -9,26 +9,12 @@
 
 use crate::support;
 
-use std::path::PathBuf;
 use std::time::Duration;
 use support::servers::{PgServer, RedisServer};
 use support::{count_admitted, Gateway, Upstream};
 
 /// At most this far from the true skew (half the 500 ms bound of the clock read).
 const TOLERANCE_SECS: f64 = 0.25;
-
-/// libfaketime's preload library, where Debian installs it.
-fn libfaketime() -> PathBuf {
-    let candidates = std::fs::read_dir("/usr/lib")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
-        .chain([PathBuf::from("/usr/local/lib/faketime/libfaketime.so.1")]);
-    candidates.into_iter().find(|path| path.exists()).expect(
-        "libfaketime is not installed: run `bash scripts/install-deps.sh` (package faketime)",
-    )
-}
 
 /// A gateway on `store_url` with a per-client rule of `rps` and `burst`, sweeping every second,
 /// with its wall clock `ahead` (libfaketime's `+3s` syntax) or on the true time (`None`).
@@ -47,7 +33,7 @@ fn gateway(
         "--sweep-interval-secs",
         "1",
     ];
-    let preload = libfaketime();
+    let preload = support::libfaketime();
     let faked = ahead.map(|offset| {
         [
             ("LD_PRELOAD", preload.to_str().expect("a UTF-8 path")),

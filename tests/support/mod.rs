@@ -272,6 +272,20 @@ fn upstream_answer(request: &origin::OriginRequest) -> Vec<u8> {
     .into_bytes()
 }
 
+/// libfaketime's preload library (package `faketime`), where Debian installs it: tests skew a
+/// gateway's wall clock with it.
+pub fn libfaketime() -> PathBuf {
+    let candidates = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
+        .chain([PathBuf::from("/usr/local/lib/faketime/libfaketime.so.1")]);
+    candidates.into_iter().find(|path| path.exists()).expect(
+        "libfaketime is not installed: run `bash scripts/install-deps.sh` (package faketime)",
+    )
+}
+
 /// A running `tollgate run` process.
 pub struct Gateway {
     child: Option<Child>,
