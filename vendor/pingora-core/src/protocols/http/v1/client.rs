@@ -294,7 +294,10 @@ impl HttpSession {
 
                         let mut response_header = match ResponseHeader::build(
                             resp.code.unwrap(),
-                            Some(resp.headers.len()),
+                            // Room for the headers a proxy adds (rate-limit headers, a request
+                            // ID, Date/Connection on the way out): sized to the parsed count
+                            // alone, both header maps grow (and rehash) on the first one added.
+                            Some(resp.headers.len() + 8),
                         ) {
                             Ok(header) => Box::new(header),
                             Err(e) => return self.fail_response_header_read(e),
