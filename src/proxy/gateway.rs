@@ -1512,7 +1512,7 @@ impl ProxyHttp for Proxy {
             access.upstream = Some(addr);
             access.upstream_started = Some(std::time::Instant::now());
         }
-        Ok(Box::new(peer))
+        Ok(peer)
     }
 
     fn fail_to_connect(
