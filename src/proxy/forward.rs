@@ -300,14 +300,23 @@ mod tests {
             let mut req = RequestHeader::build("GET", b"/", None).unwrap();
             req.append_header("Host", "a.example").unwrap();
             req.append_header("Host", "b.example").unwrap();
-            req.append_header("X-Forwarded-For", "198.51.100.1").unwrap();
+            req.append_header("X-Forwarded-For", "198.51.100.1")
+                .unwrap();
             req.append_header("Forwarded", "for=x").unwrap();
             for i in 0..padding {
                 req.append_header(format!("x-pad-{i}"), "1").unwrap();
             }
             to_request(&conn, &mut req, &Forwarding::default(), Some(peer)).unwrap();
-            let value = |name: &str| req.headers.get(name).map(|v| v.to_str().unwrap().to_string());
-            assert_eq!(value("x-forwarded-host").as_deref(), Some("a.example"), "{padding}");
+            let value = |name: &str| {
+                req.headers
+                    .get(name)
+                    .map(|v| v.to_str().unwrap().to_string())
+            };
+            assert_eq!(
+                value("x-forwarded-host").as_deref(),
+                Some("a.example"),
+                "{padding}"
+            );
             assert_eq!(
                 value("x-forwarded-for").as_deref(),
                 Some("198.51.100.1, 203.0.113.7"),
