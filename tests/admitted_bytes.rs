@@ -5,6 +5,7 @@
 //! normalised: the gateway's port (`X-Forwarded-Port`), a generated request ID (checked for its
 //! form) and the seconds left in the window (checked for their range).
 
+use crate::refusal_bytes::{read_response, take_value};
 use crate::support;
 
 use std::io::{Read, Write};
@@ -62,47 +63,13 @@ fn recording_upstream() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
     (addr, heads)
 }
 
-/// Reads one `Content-Length`-framed response from `stream`, bytes as sent.
-fn read_response(stream: &mut TcpStream) -> String {
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
-            let length: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length: "))
-                .map_or(0, |v| v.trim().parse().unwrap());
-            if raw.len() >= end + 4 + length {
-                raw.truncate(end + 4 + length);
-                return String::from_utf8(raw).unwrap();
-            }
-        }
-        let n = stream.read(&mut buf).unwrap();
-        assert!(n > 0, "connection closed mid-response: {raw:?}");
-        raw.extend_from_slice(&buf[..n]);
-    }
-}
-
 /// Sends `request` on `stream`; returns the head the upstream read for it and the response.
 fn exchange(stream: &mut TcpStream, heads: &Mutex<Vec<String>>, request: &str) -> (String, String) {
     let before = heads.lock().unwrap().len();
     stream.write_all(request.as_bytes()).unwrap();
-    let response = read_response(stream);
+    let response = String::from_utf8(read_response(stream)).unwrap();
     let head = heads.lock().unwrap()[before..].join("");
     (head, response)
-}
-
-/// Replaces the value after `prefix` (up to the line's end) with `<name>`, returning the value.
-fn take_value(text: &mut String, prefix: &str, name: &str) -> String {
-    let start = text
-        .find(prefix)
-        .unwrap_or_else(|| panic!("{prefix} in {text}"))
-        + prefix.len();
-    let end = start + text[start..].find("\r\n").unwrap();
-    let value = text[start..end].to_string();
-    text.replace_range(start..end, &format!("<{name}>"));
-    value
 }
 
 /// The response with its `Date` and the seconds until a token is back checked and replaced by
