@@ -16,7 +16,7 @@ const DENY: &str = r#"{"rules": [{"name": "deny", "limit_keys": ["ip:address"],
   "algorithm": "token_bucket", "algorithm_config": {"rps": 0.000001, "burst": 1}}]}"#;
 
 /// Reads one `Content-Length`-framed response from `stream`, bytes as sent.
-fn read_response(stream: &mut TcpStream) -> Vec<u8> {
+pub(crate) fn read_response(stream: &mut TcpStream) -> Vec<u8> {
     let mut raw = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
@@ -44,7 +44,7 @@ fn exchange(stream: &mut TcpStream, request: &str) -> String {
 }
 
 /// Replaces the value after `prefix` (up to the line's end) with `<name>`, returning the value.
-fn take_value(text: &mut String, prefix: &str, name: &str) -> String {
+pub(crate) fn take_value(text: &mut String, prefix: &str, name: &str) -> String {
     let start = text
         .find(prefix)
         .unwrap_or_else(|| panic!("{prefix} in {text}"))

@@ -9,6 +9,7 @@
 mod support;
 
 mod admin_scopes;
+mod admitted_bytes;
 mod audit;
 mod candidate;
 mod cli;

@@ -177,6 +177,78 @@ impl DeadlineClock {
     }
 }
 
+/// A connection's future raced against its deadline: `Ready(Some)` with the connection's
+/// result, `Ready(None)` when the deadline passes first. The deadline's future is polled only
+/// when its own timer or notification woke the task (it is given a waker of its own that
+/// notes the wake-up), not each time the connection's I/O does: a request wakes the task
+/// several times, and each poll of a timer costs a waker registration.
+struct Watched<S, E> {
+    serve: std::pin::Pin<Box<S>>,
+    expiry: std::pin::Pin<Box<E>>,
+    woken: Arc<ExpiryWaker>,
+    waker: std::task::Waker,
+}
+
+/// Notes that the deadline's future was woken, and wakes the connection's task.
+struct ExpiryWaker {
+    woken: std::sync::atomic::AtomicBool,
+    task: futures::task::AtomicWaker,
+}
+
+impl std::task::Wake for ExpiryWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl<S, E> Watched<S, E> {
+    fn new(serve: S, expiry: E) -> Self {
+        let woken = Arc::new(ExpiryWaker {
+            // Polled once at the start, to arm its timer.
+            woken: std::sync::atomic::AtomicBool::new(true),
+            task: futures::task::AtomicWaker::new(),
+        });
+        let waker = std::task::Waker::from(Arc::clone(&woken));
+        Watched {
+            serve: Box::pin(serve),
+            expiry: Box::pin(expiry),
+            woken,
+            waker,
+        }
+    }
+}
+
+impl<S, E, T> std::future::Future for Watched<S, E>
+where
+    S: std::future::Future<Output = Option<T>>,
+    E: std::future::Future<Output = ()>,
+{
+    type Output = Option<T>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        if let std::task::Poll::Ready(done) = self.serve.as_mut().poll(cx) {
+            return std::task::Poll::Ready(done);
+        }
+        self.woken.task.register(cx.waker());
+        if self.woken.woken.swap(false, Ordering::Acquire) {
+            let this = &mut *self;
+            let mut expiry_cx = std::task::Context::from_waker(&this.waker);
+            if this.expiry.as_mut().poll(&mut expiry_cx).is_ready() {
+                return std::task::Poll::Ready(None);
+            }
+        }
+        std::task::Poll::Pending
+    }
+}
+
 /// Called once a request's header has been read (HTTP/1.x): the header deadline no longer
 /// applies.
 pub fn header_parsed() {
@@ -363,11 +435,8 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Guarded<A> {
             };
             ServerApp::process_new(&self.inner, stream, shutdown).await
         });
-        tokio::select! {
-            reusable = serve => reusable,
-            // Dropping the connection's future closes its socket.
-            () = connection.clock.expired() => None,
-        }
+        // Dropping the connection's future closes its socket.
+        Watched::new(serve, connection.clock.expired()).await
     }
 
     async fn cleanup(&self) {
@@ -500,6 +569,34 @@ mod tests {
         // Never below a usable floor, never above the memory ceiling.
         assert_eq!(default_max_connections(256, 256), 64);
         assert_eq!(default_max_connections(1_048_576, 256), 50_000);
+    }
+
+    /// The connection's own result when it ends first; `None` once its deadline passes, which
+    /// the deadline's own wake-ups (re-armed, timer) drive while the connection sleeps.
+    #[tokio::test(start_paused = true)]
+    async fn a_watched_connection_ends_at_its_deadline_or_with_its_result() {
+        let done = Watched::new(async { Some(7) }, std::future::pending::<()>()).await;
+        assert_eq!(done, Some(7));
+        let clock = Arc::new(DeadlineClock::new());
+        clock.arm(Duration::from_secs(10));
+        let watched = {
+            let clock = Arc::clone(&clock);
+            tokio::spawn(async move {
+                Watched::new(std::future::pending::<Option<u8>>(), clock.expired()).await
+            })
+        };
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        clock.disarm();
+        tokio::time::sleep(Duration::from_secs(100)).await;
+        assert!(!watched.is_finished());
+        // Armed again (its notification wakes the waiter): 3 s from now.
+        clock.arm(Duration::from_secs(3));
+        tokio::time::sleep(Duration::from_millis(2_900)).await;
+        assert!(!watched.is_finished());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::task::yield_now().await;
+        assert!(watched.is_finished());
+        assert_eq!(watched.await.unwrap(), None);
     }
 
     #[tokio::test(start_paused = true)]

@@ -91,6 +91,53 @@ fn host_of(req: &RequestHeader) -> Option<HeaderValue> {
     }
 }
 
+/// What the client's request header already holds that the forwarding headers depend on.
+struct Sent {
+    /// The first `Host` line.
+    host: Option<HeaderValue>,
+    /// An `X-Forwarded-For` line.
+    forwarded_for: bool,
+    /// A `Forwarded` line.
+    forwarded: bool,
+}
+
+/// Headers up to which one walk over a request's lines is cheaper than three lookups by name
+/// (each hashes its name).
+const WALK_AT_MOST: usize = 12;
+
+impl Sent {
+    fn of(req: &RequestHeader) -> Sent {
+        let headers = &req.headers;
+        if headers.len() > WALK_AT_MOST {
+            return Sent {
+                host: host_of(req),
+                forwarded_for: headers.contains_key(X_FORWARDED_FOR.0),
+                forwarded: headers.contains_key(http::header::FORWARDED),
+            };
+        }
+        let mut sent = Sent {
+            host: None,
+            forwarded_for: false,
+            forwarded: false,
+        };
+        for (name, value) in headers {
+            if name == http::header::HOST {
+                if sent.host.is_none() {
+                    sent.host = Some(value.clone());
+                }
+            } else if name == X_FORWARDED_FOR.0 {
+                sent.forwarded_for = true;
+            } else if name == http::header::FORWARDED {
+                sent.forwarded = true;
+            }
+        }
+        if let Some(authority) = req.uri.authority() {
+            sent.host = HeaderValue::from_str(authority.as_str()).ok();
+        }
+        sent
+    }
+}
+
 /// `X-Forwarded-For` towards the upstream: every line the client side sent, folded into one
 /// (byte for byte: a line that is not text must not make the chain disappear), then `peer`,
 /// as nginx's `$proxy_add_x_forwarded_for` does.
@@ -117,9 +164,10 @@ pub fn to_request(
 ) -> Result<()> {
     // Append the hop we saw (the TCP peer) to the chain; every earlier line is folded into
     // one. Without a chain, the peer's text made once for the connection is the value.
+    let sent = Sent::of(req);
     if let Some(peer) = peer.map(crate::request::descriptor::canonical_ip) {
         match &conn.peer {
-            Some(text) if !req.headers.contains_key(X_FORWARDED_FOR.0) => {
+            Some(text) if !sent.forwarded_for => {
                 req.insert_header_parsed(X_FORWARDED_FOR.0, X_FORWARDED_FOR.1, text.clone());
             }
             _ => {
@@ -129,7 +177,7 @@ pub fn to_request(
         }
     }
     let proto = if conn.tls { "https" } else { "http" };
-    let host = host_of(req);
+    let host = sent.host;
     let keep = |req: &RequestHeader, name: &http::HeaderName| {
         fwd.peer_trusted && req.headers.contains_key(name)
     };
@@ -166,7 +214,7 @@ pub fn to_request(
         }
         value.extend_from_slice(element.as_bytes());
         req.insert_header(FORWARDED, value)?;
-    } else if !fwd.peer_trusted && req.headers.contains_key(http::header::FORWARDED) {
+    } else if !fwd.peer_trusted && sent.forwarded {
         req.remove_header(&http::header::FORWARDED);
     }
     Ok(())
@@ -236,6 +284,47 @@ pub fn to_client(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A short header is walked once, a long one looked up by name: both read the same
+    /// `Host`, `X-Forwarded-For` and `Forwarded` (a client's `Forwarded` dropped, its chain
+    /// extended).
+    #[test]
+    fn short_and_long_headers_are_read_alike() {
+        let conn = ConnectionValues {
+            peer: Some(HeaderValue::from_static("203.0.113.7")),
+            port: Some(HeaderValue::from_static("80")),
+            tls: false,
+        };
+        let peer: IpAddr = "203.0.113.7".parse().unwrap();
+        for padding in [0, WALK_AT_MOST] {
+            let mut req = RequestHeader::build("GET", b"/", None).unwrap();
+            req.append_header("Host", "a.example").unwrap();
+            req.append_header("Host", "b.example").unwrap();
+            req.append_header("X-Forwarded-For", "198.51.100.1")
+                .unwrap();
+            req.append_header("Forwarded", "for=x").unwrap();
+            for i in 0..padding {
+                req.append_header(format!("x-pad-{i}"), "1").unwrap();
+            }
+            to_request(&conn, &mut req, &Forwarding::default(), Some(peer)).unwrap();
+            let value = |name: &str| {
+                req.headers
+                    .get(name)
+                    .map(|v| v.to_str().unwrap().to_string())
+            };
+            assert_eq!(
+                value("x-forwarded-host").as_deref(),
+                Some("a.example"),
+                "{padding}"
+            );
+            assert_eq!(
+                value("x-forwarded-for").as_deref(),
+                Some("198.51.100.1, 203.0.113.7"),
+                "{padding}"
+            );
+            assert_eq!(value("forwarded"), None, "{padding}");
+        }
+    }
 
     /// The forwarding headers go out as they always did on an HTTP/1 wire, each once, whether a
     /// client's copies were there or not (the carried pingora-http's `insert_header_parsed`

@@ -1512,7 +1512,7 @@ impl ProxyHttp for Proxy {
             access.upstream = Some(addr);
             access.upstream_started = Some(std::time::Instant::now());
         }
-        Ok(Box::new(peer))
+        Ok(peer)
     }
 
     fn fail_to_connect(
@@ -1735,7 +1735,11 @@ impl ProxyHttp for Proxy {
             }
         }
         if !ctx.add_headers.is_empty() {
-            add_response_headers(upstream_response, std::mem::take(&mut ctx.add_headers))?;
+            // Straight into the upstream's header map (names parsed once, nothing parsed or
+            // allocated again) through the carried pingora-http's `insert_headers_canonical`:
+            // the upstream's header names then go out in canonical form (well-known names
+            // Title-Case, others lower-case), as Envoy sends them; its reason phrase is kept.
+            upstream_response.insert_headers_canonical(std::mem::take(&mut ctx.add_headers));
         }
         if let Some(rules) = ctx
             .forwarding
@@ -1987,28 +1991,6 @@ fn failure_page(e: &Error, ctx: &RequestCtx, final_written: bool) -> FailurePage
     };
     tracing::warn!(error = %crate::telemetry::log_line::value(&e.to_string()), "{what}");
     own(code, request_id_header(ctx), body)
-}
-
-/// Adds the gateway's headers to the upstream's response. Rebuilt from its parts: inserting
-/// into Pingora's header would parse and allocate every custom name again and keep a second,
-/// case-preserving map in step. The upstream's header names go out in canonical form
-/// (well-known names Title-Case, others lower-case), as Envoy sends them.
-fn add_response_headers(upstream_response: &mut ResponseHeader, headers: HeaderList) -> Result<()> {
-    let custom_reason = upstream_response
-        .get_reason_phrase()
-        .filter(|r| Some(*r) != upstream_response.status.canonical_reason())
-        .map(str::to_string);
-    let placeholder = ResponseHeader::build_no_case(200, Some(0))?;
-    let mut parts: http::response::Parts = std::mem::replace(upstream_response, placeholder).into();
-    parts.headers.reserve(headers.len());
-    for (name, value) in headers {
-        parts.headers.insert(name, value);
-    }
-    *upstream_response = ResponseHeader::from(parts);
-    if custom_reason.is_some() {
-        upstream_response.set_reason_phrase(custom_reason.as_deref())?;
-    }
-    Ok(())
 }
 
 /// Ends a stopped stream: the header if Pingora had not written it yet, the body bytes the

@@ -440,7 +440,7 @@ impl Group {
         &self,
         client_ip: Option<std::net::IpAddr>,
         avoid: Option<SocketAddr>,
-    ) -> Option<(SocketAddr, HttpPeer)> {
+    ) -> Option<(SocketAddr, Box<HttpPeer>)> {
         let now_ms = self.now_ms();
         if avoid.is_none() {
             self.count_request(now_ms);
@@ -469,6 +469,10 @@ impl Group {
                     })
                     .and_then(|b| b.addr.as_inet().and_then(|a| self.server(*a)))
                 }
+                // One server: no turn to take (the shared counter is not touched).
+                Balancer::RoundRobin(_) if self.servers.len() == 1 => {
+                    self.servers.first().filter(|s| usable(s))
+                }
                 Balancer::RoundRobin(_) => {
                     let n = self.servers.len();
                     let start = self.next.fetch_add(1, Ordering::Relaxed);
@@ -478,7 +482,8 @@ impl Group {
                 }
             };
             if let Some(server) = found {
-                return Some((server.addr, server.peer.clone()));
+                // Cloned straight into the box Pingora takes (a peer is a few hundred bytes).
+                return Some((server.addr, Box::new(server.peer.clone())));
             }
         }
         None
@@ -676,6 +681,19 @@ mod tests {
         // Whatever the budget, a third failed attempt is the last.
         let g = group(&[1]);
         assert!(!g.connect_failed(addr(1), ConnectFailure::Refused, 3).retry);
+    }
+
+    /// A group of one server offers it to every request and to a retry that would rather
+    /// avoid it, and offers nothing once the health checks find it down.
+    #[test]
+    fn a_single_server_is_offered_while_healthy() {
+        let g = group(&[1]);
+        assert_eq!(g.select(None, None).map(|s| s.0), Some(addr(1)));
+        assert_eq!(g.select(None, Some(addr(1))).map(|s| s.0), Some(addr(1)));
+        let (_, peer) = g.select(None, None).unwrap();
+        assert_eq!(peer._address.to_string(), addr(1).to_string());
+        g.servers[0].healthy.store(false, Ordering::Relaxed);
+        assert!(g.select(None, None).is_none());
     }
 
     /// Consecutive failures eject a server while another can take its share; the last one is

@@ -621,6 +621,22 @@ impl ResponseHeader {
         )
     }
 
+    /// Inserts `headers` (names parsed beforehand) and forgets the names' original case, so
+    /// that every name is written in its canonical form: the header as
+    /// `ResponseHeader::from(Parts)` would leave it, without taking it apart and building it
+    /// again. The reason phrase is kept.
+    pub fn insert_headers_canonical(
+        &mut self,
+        headers: impl IntoIterator<Item = (HeaderName, HeaderValue)>,
+    ) {
+        self.header_name_map = None;
+        let headers = headers.into_iter();
+        self.base.headers.reserve(headers.size_hint().0);
+        for (name, value) in headers {
+            self.base.headers.insert(name, value);
+        }
+    }
+
     /// Remove all headers under the name
     pub fn remove_header<'a, N: ?Sized>(&mut self, name: &'a N) -> Option<HeaderValue>
     where

@@ -19,8 +19,7 @@ use http::{header, header::AsHeaderName, HeaderValue, StatusCode, Version};
 use log::{debug, trace};
 use pingora_error::{Error, ErrorType::*, OrErr, Result, RetryType};
 use pingora_http::{HMap, IntoCaseHeaderName, RequestHeader, ResponseHeader};
-use pingora_timeout::fast_timeout::FastOrTokioTimeout;
-use pingora_timeout::{timeout, ToTimeout};
+use pingora_timeout::timeout;
 use std::future::Future;
 use std::io::ErrorKind;
 use std::pin::Pin;
@@ -294,7 +293,10 @@ impl HttpSession {
 
                         let mut response_header = match ResponseHeader::build(
                             resp.code.unwrap(),
-                            Some(resp.headers.len()),
+                            // Room for the headers a proxy adds (rate-limit headers, a request
+                            // ID, Date/Connection on the way out): sized to the parsed count
+                            // alone, both header maps grow (and rehash) on the first one added.
+                            Some(resp.headers.len() + 8),
                         ) {
                             Ok(header) => Box::new(header),
                             Err(e) => return self.fail_response_header_read(e),
@@ -899,7 +901,10 @@ impl HttpSession {
 /// The timer of [`HttpSession::read_timeout`] for one response, and when a read last
 /// completed.
 struct ReadTimer {
-    sleep: Pin<Box<dyn Future<Output = ()> + Send + Sync>>,
+    // Tokio's own timer: each server thread runs its own runtime, so registering in its wheel
+    // takes no contended lock, and costs less than a registration in Pingora's shared timer
+    // manager; it is re-armed in place when it fires early.
+    sleep: Pin<Box<tokio::time::Sleep>>,
     last_read: Instant,
 }
 
@@ -922,7 +927,7 @@ async fn read_with_timer<T>(
             return Poll::Ready(Some(done));
         }
         let timer = timer.get_or_insert_with(|| ReadTimer {
-            sleep: FastOrTokioTimeout::create(timeout).timeout(),
+            sleep: Box::pin(tokio::time::sleep(timeout)),
             last_read: Instant::now(),
         });
         loop {
@@ -933,7 +938,11 @@ async fn read_with_timer<T>(
             if idle >= timeout {
                 return Poll::Ready(None);
             }
-            timer.sleep = FastOrTokioTimeout::create(timeout - idle).timeout();
+            let left = timeout - idle;
+            timer
+                .sleep
+                .as_mut()
+                .reset(tokio::time::Instant::now() + left);
         }
     })
     .await
