@@ -426,7 +426,7 @@ impl Gateway {
                 ..RequestView::default()
             },
         };
-        self.answer(&decided, Instant::now()).response
+        self.answer(&decided, Instant::now(), false).response
     }
 
     /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
@@ -513,6 +513,7 @@ impl Gateway {
             status: reason.status(),
             headers,
             body: Some(reason.body()),
+            lines: None,
         }
     }
 
@@ -521,6 +522,12 @@ impl Gateway {
     /// future. `None` with another store: call [`Gateway::decide`]. An answer with
     /// `throttle_ms` still owes its wait: [`Gateway::throttled`].
     pub fn decide_in_memory(&self, facts: &RequestFacts<'_>) -> Option<Answer> {
+        self.decide_in_memory_as(facts, false)
+    }
+
+    /// [`Gateway::decide_in_memory`] for a front end that writes HTTP/1 itself when `lines`:
+    /// a refusal's headers then come as the lines it sends ([`headers::build_lines`]).
+    pub fn decide_in_memory_as(&self, facts: &RequestFacts<'_>, lines: bool) -> Option<Answer> {
         if !matches!(self.store.backend(), Backend::Memory(_)) {
             return None;
         }
@@ -533,7 +540,7 @@ impl Gateway {
             }
             None => facts,
         };
-        self.decide_locally(facts)
+        self.decide_locally(facts, lines)
     }
 
     /// A budget's throttle stage: the request goes on, later (Fairvisor sleeps too).
@@ -545,7 +552,7 @@ impl Gateway {
     }
 
     /// The in-memory store's decision (synchronous); `None` with another store.
-    fn decide_locally(&self, facts: &RequestFacts<'_>) -> Option<Answer> {
+    fn decide_locally(&self, facts: &RequestFacts<'_>, lines: bool) -> Option<Answer> {
         let Backend::Memory(memory) = self.store.backend() else {
             return None;
         };
@@ -558,7 +565,7 @@ impl Gateway {
                 decision: Decision::NoPolicy,
                 request: RequestView::of(facts),
             };
-            return Some(self.answer(&decided, started));
+            return Some(self.answer(&decided, started, lines));
         };
         let decide = |facts: &RequestFacts<'_>| {
             engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
@@ -592,7 +599,7 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        let mut answer = self.answer(&decided, started);
+        let mut answer = self.answer(&decided, started, lines);
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
@@ -605,7 +612,7 @@ impl Gateway {
     }
 
     async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
-        if let Some(answer) = self.decide_locally(facts) {
+        if let Some(answer) = self.decide_locally(facts, false) {
             return answer;
         }
         let started = Instant::now();
@@ -615,7 +622,7 @@ impl Gateway {
                 decision: Decision::NoPolicy,
                 request: RequestView::of(facts),
             };
-            return self.answer(&decided, started);
+            return self.answer(&decided, started, false);
         };
         let fallback_facts;
         let decision = self.decide_shared(&bundle, facts, unix_us).await;
@@ -641,7 +648,7 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        let mut answer = self.answer(&decided, started);
+        let mut answer = self.answer(&decided, started, false);
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
@@ -802,8 +809,10 @@ impl Gateway {
 
     /// The way back up, written from the decision and its request alone: breakers tripped,
     /// the operator's list of limited clients, metrics, headers (and Fairvisor's under
-    /// `--compat fairvisor`), the `RATE_LIMIT` line, and what the front end acts on.
-    fn answer(&self, decided: &Decided<'_>, started: Instant) -> Answer {
+    /// `--compat fairvisor`), the `RATE_LIMIT` line, and what the front end acts on. With
+    /// `lines`, a refusal's headers come as HTTP/1 lines (not under `--compat fairvisor`, whose
+    /// headers are finished on the list).
+    fn answer(&self, decided: &Decided<'_>, started: Instant, lines: bool) -> Answer {
         let decision = &decided.decision;
         self.breakers_tripped(decision);
         crate::operator::limited::note_limited(
@@ -826,7 +835,12 @@ impl Gateway {
         );
         self.metrics
             .record(decision, started.elapsed().as_secs_f64());
-        let mut response = headers::build(decided, &self.header_config);
+        let mut response =
+            if lines && self.config.compat != crate::engine::compat::Compat::Fairvisor {
+                headers::build_lines(decided, &self.header_config)
+            } else {
+                headers::build(decided, &self.header_config)
+            };
         log_decision(decided, response.status);
         self.compat_headers(&mut response, decided);
         Answer {
