@@ -621,7 +621,7 @@ enum Reply {
 impl Reply {
     /// The refusal `response`, its headers put in `ctx` until it is written.
     fn refusal(
-        response: crate::engine::headers::Response,
+        response: Box<crate::engine::headers::Response>,
         content_type: &'static str,
         ctx: &mut RequestCtx,
     ) -> Reply {
@@ -725,7 +725,7 @@ impl Proxy {
                     access.verdict = Reason::TokenBucketExceeded.as_str();
                 }
                 let response = self.gateway.drained_response(retry_after);
-                ControlFlow::Break(Reply::refusal(response, TEXT, ctx))
+                ControlFlow::Break(Reply::refusal(Box::new(response), TEXT, ctx))
             }
             None => {
                 ctx.metering = None;
@@ -911,7 +911,7 @@ impl Proxy {
                     host,
                     req.uri.path(),
                 );
-                ControlFlow::Break(Reply::refusal(response, TEXT, ctx))
+                ControlFlow::Break(Reply::refusal(Box::new(response), TEXT, ctx))
             }
         }
     }
@@ -997,7 +997,7 @@ impl Proxy {
     /// proxy fails open, where the decision service answers 503) keeps its lease, its LLM
     /// reservation and the headers for its response.
     fn verdict(answer: Answer, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
-        ctx.pace = answer.pace;
+        ctx.pace = answer.pace.map(|pace| *pace);
         if !answer.verdict.forwards() {
             if let Some(call) = ctx.grpc.as_deref_mut() {
                 call.refused = answer
@@ -1013,7 +1013,7 @@ impl Proxy {
         ctx.charges = answer.charges;
         ctx.metering = answer.reservation.map(|reservation| {
             Box::new(Metering {
-                reservation,
+                reservation: *reservation,
                 meter: None,
                 status: 0,
                 sent: false,

@@ -54,7 +54,7 @@ impl PaceStep {
     /// Puts the place in line in the answer.
     fn place_in(self, answer: &mut Answer) {
         if let Some((pace, rule)) = self.place {
-            answer.pace = Some(pace);
+            answer.pace = Some(Box::new(pace));
             answer.paced_by = rule;
         }
     }
@@ -426,7 +426,7 @@ impl Gateway {
                 ..RequestView::default()
             },
         };
-        self.answer(&decided, Instant::now(), false).response
+        *self.answer(&decided, Instant::now(), false).response
     }
 
     /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
@@ -491,7 +491,7 @@ impl Gateway {
             // Nothing was spent for the response to settle.
             charges: None,
             model: None,
-            response: self.drained_response(retry_after),
+            response: Box::new(self.drained_response(retry_after)),
             summary: answer.summary,
         }
     }
@@ -860,7 +860,7 @@ impl Gateway {
             waited_us: 0,
             paced_by: None,
             lease: held_lease(decision),
-            reservation: decision.reservation(),
+            reservation: decision.reservation().map(Box::new),
             model: None,
             charges: decision.response_charges().map(Box::new),
             // Only for a request whose span is recorded: nothing is built otherwise.
@@ -870,7 +870,7 @@ impl Gateway {
                 .and_then(|f| f.trace)
                 .filter(|t| t.sampled)
                 .map(|_| Box::new(DecisionSummary::of(decision))),
-            response,
+            response: Box::new(response),
         }
     }
 
@@ -908,7 +908,12 @@ impl Gateway {
                 .trace
                 .filter(|t| t.sampled)
                 .map(|_| Box::new(DecisionSummary::refused(reason))),
-            response: self.refuse_early(reason, described.client_ip, described.host, path),
+            response: Box::new(self.refuse_early(
+                reason,
+                described.client_ip,
+                described.host,
+                path,
+            )),
         }
     }
 
