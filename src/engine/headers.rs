@@ -173,6 +173,15 @@ impl Sink for HeaderLines {
         }
         self.buf.extend_from_slice(b"\r\n");
     }
+
+    /// Digits need no check.
+    fn number(&mut self, name: &HeaderName, n: u64) {
+        self.buf.extend_from_slice(name.as_str().as_bytes());
+        self.buf.extend_from_slice(b": ");
+        self.buf
+            .extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        self.buf.extend_from_slice(b"\r\n");
+    }
 }
 
 impl HeaderLines {
