@@ -389,6 +389,11 @@ impl Gateway {
         headers: &http::HeaderMap,
     ) -> Option<IpAddr> {
         let caller = peer.map(crate::request::descriptor::canonical_ip);
+        // A peer not trusted is the client whatever its headers say: they are not looked up
+        // (two header-map lookups per request, for nothing, when no proxy is trusted).
+        if !peer_trusted {
+            return caller;
+        }
         client_addr::resolve(
             peer,
             ForwardingHeaders {
