@@ -103,6 +103,10 @@ impl Sink for Values {
     type Buf = BytesMut;
 
     fn push(&mut self, name: &HeaderName, write: impl FnOnce(&mut BytesMut)) {
+        // Allocated with the first value: a response without headers allocates nothing.
+        if self.buf.capacity() == 0 {
+            self.buf.reserve(192);
+        }
         let start = self.buf.len();
         write(&mut self.buf);
         self.spans.push((name.clone(), start, self.buf.len()));
@@ -112,12 +116,15 @@ impl Sink for Values {
 impl Values {
     fn new() -> Self {
         Values {
-            buf: BytesMut::with_capacity(192),
+            buf: BytesMut::new(),
             spans: SmallVec::new(),
         }
     }
 
     fn finish(self) -> HeaderList {
+        if self.spans.is_empty() {
+            return HeaderList::new();
+        }
         let bytes = self.buf.freeze();
         // Every value is built from header-safe text; checked here once for the whole buffer
         // (the per-value check costs more than building the values). Should a byte not be

@@ -562,8 +562,6 @@ impl Gateway {
             return None;
         };
         let started = Instant::now();
-        let unix_us = self.clock.unix_us();
-        let now_us = self.store.now_us();
         let guard = self.policy.load();
         let Some(bundle) = guard.as_deref() else {
             let decided = Decided {
@@ -572,6 +570,9 @@ impl Gateway {
             };
             return Some(self.answer(&decided, started, lines));
         };
+        // The clocks only once there is a policy to decide with.
+        let unix_us = self.clock.unix_us();
+        let now_us = self.store.now_us();
         let decide = |facts: &RequestFacts<'_>| {
             engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
         };
