@@ -561,22 +561,32 @@ mod tests {
         assert_ne!(jitter_hash(&a), jitter_hash(&c));
     }
 
+    /// A request for `/a` from `ip`.
+    fn view_of(ip: IpAddr) -> RequestView<'static> {
+        RequestView {
+            client_ip: Some(ip),
+            path: "/a",
+            ..RequestView::default()
+        }
+    }
+
+    /// A per-IP rule of `rps` and `burst` beside a global one of 100 and 1 000.
+    fn per_ip_and_global(rps: u64, burst: u64) -> crate::policy::Bundle {
+        compile_bundle(&json!({"rules": [
+            {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": rps, "burst": burst}},
+            {"name": "global", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 1000}}
+        ]}), "t").unwrap()
+    }
+
     #[test]
     fn headers_for_allow_and_reject() {
         let store = MemoryStore::new(MemoryStoreConfig::default());
-        let bundle = compile_bundle(&json!({"rules": [
-            {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 10, "burst": 15}},
-            {"name": "global", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 1000}}
-        ]}), "t").unwrap();
+        let bundle = per_ip_and_global(10, 15);
         let e = Local(&bundle, &store);
         let headers: Vec<(String, String)> = Vec::new();
         let ip: IpAddr = "203.0.113.7".parse().unwrap();
         let facts = RequestFacts::from_uri("GET", "/a", None, Some(ip), &headers);
-        let request = RequestView {
-            client_ip: Some(ip),
-            path: "/a",
-            ..RequestView::default()
-        };
+        let request = view_of(ip);
         let cfg = HeaderConfig::default();
         let decided = Decided {
             decision: e.decide(&facts),
@@ -635,19 +645,12 @@ mod tests {
     #[test]
     fn a_refusal_as_lines_is_its_list_written_out() {
         let store = MemoryStore::new(MemoryStoreConfig::default());
-        let bundle = compile_bundle(&json!({"rules": [
-            {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 2}},
-            {"name": "global", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 1000}}
-        ]}), "t").unwrap();
+        let bundle = per_ip_and_global(1, 2);
         let e = Local(&bundle, &store);
         let headers: Vec<(String, String)> = Vec::new();
         let ip: IpAddr = "203.0.113.9".parse().unwrap();
         let facts = RequestFacts::from_uri("GET", "/a", None, Some(ip), &headers);
-        let request = RequestView {
-            client_ip: Some(ip),
-            path: "/a",
-            ..RequestView::default()
-        };
+        let request = view_of(ip);
         let cfg = HeaderConfig::default();
         let decided = Decided {
             decision: e.decide(&facts),

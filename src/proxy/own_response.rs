@@ -60,6 +60,17 @@ pub fn lines_fit(config: &HeaderConfig) -> bool {
         && config.reason_header != config.warning_header
 }
 
+/// `HTTP/1.1 429 Too Many Requests` and CRLF (no reason phrase for a status without one).
+fn status_line(buf: &mut Vec<u8>, status: StatusCode) {
+    buf.extend_from_slice(b"HTTP/1.1 ");
+    buf.extend_from_slice(status.as_str().as_bytes());
+    buf.push(b' ');
+    if let Some(reason) = status.canonical_reason() {
+        buf.extend_from_slice(reason.as_bytes());
+    }
+    buf.extend_from_slice(b"\r\n");
+}
+
 fn line(buf: &mut Vec<u8>, name: &str, value: &[u8]) {
     buf.extend_from_slice(name.as_bytes());
     buf.extend_from_slice(b": ");
@@ -85,13 +96,7 @@ pub fn render_head(
     }
     // `Vec`'s copies inline; `BytesMut::put_slice` is a call per piece (40 a refusal).
     let mut buf = Vec::with_capacity(320);
-    buf.extend_from_slice(b"HTTP/1.1 ");
-    buf.extend_from_slice(status.as_str().as_bytes());
-    buf.push(b' ');
-    if let Some(reason) = status.canonical_reason() {
-        buf.extend_from_slice(reason.as_bytes());
-    }
-    buf.extend_from_slice(b"\r\n");
+    status_line(&mut buf, status);
     let mut has_content_type = false;
     for (i, (name, value)) in headers.iter().enumerate() {
         // A later value of a name already written went out with the first.
@@ -130,13 +135,7 @@ pub fn render_lines_head(
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let lines = lines.as_bytes();
     let mut buf = Vec::with_capacity(lines.len() + 160);
-    buf.extend_from_slice(b"HTTP/1.1 ");
-    buf.extend_from_slice(status.as_str().as_bytes());
-    buf.push(b' ');
-    if let Some(reason) = status.canonical_reason() {
-        buf.extend_from_slice(reason.as_bytes());
-    }
-    buf.extend_from_slice(b"\r\n");
+    status_line(&mut buf, status);
     buf.extend_from_slice(lines);
     if let Some((name, id)) = request_id {
         line(&mut buf, wire_name(name), id);
@@ -181,6 +180,17 @@ mod tests {
         buf.to_vec()
     }
 
+    /// The decision's headers of a refusal by a rule named `deny`.
+    const DENY_REFUSAL: [(&str, &str); 7] = [
+        ("ratelimit-policy", "\"deny\";q=1;w=1000000"),
+        ("ratelimit", "\"deny\";r=0;t=1000000"),
+        ("ratelimit-limit", "1"),
+        ("ratelimit-remaining", "0"),
+        ("ratelimit-reset", "1000000"),
+        ("retry-after", "1372291"),
+        ("x-tollgate-reason", "token_bucket_exceeded"),
+    ];
+
     fn list(items: &[(&'static str, &'static str)]) -> HeaderList {
         items
             .iter()
@@ -193,17 +203,16 @@ mod tests {
         let cases = [
             (
                 StatusCode::TOO_MANY_REQUESTS,
-                list(&[
-                    ("ratelimit-policy", "\"deny\";q=1;w=1000000"),
-                    ("ratelimit", "\"deny\";r=0;t=1000000"),
-                    ("ratelimit-limit", "1"),
-                    ("ratelimit-remaining", "0"),
-                    ("ratelimit-reset", "1000000"),
-                    ("retry-after", "1372291"),
-                    ("x-tollgate-reason", "token_bucket_exceeded"),
-                    ("x-request-id", "req-42"),
-                    ("content-type", "text/plain; charset=utf-8"),
-                ]),
+                list(
+                    &[
+                        &DENY_REFUSAL[..],
+                        &[
+                            ("x-request-id", "req-42"),
+                            ("content-type", "text/plain; charset=utf-8"),
+                        ],
+                    ]
+                    .concat(),
+                ),
                 17,
             ),
             // No Content-Type: the default is added; names of Pingora's title-cased set.
@@ -242,15 +251,7 @@ mod tests {
     /// with and without the request's ID.
     #[test]
     fn lines_render_as_their_list_does() {
-        let decision = list(&[
-            ("ratelimit-policy", "\"deny\";q=1;w=1000000"),
-            ("ratelimit", "\"deny\";r=0;t=1000000"),
-            ("ratelimit-limit", "1"),
-            ("ratelimit-remaining", "0"),
-            ("ratelimit-reset", "1000000"),
-            ("retry-after", "1372291"),
-            ("x-tollgate-reason", "token_bucket_exceeded"),
-        ]);
+        let decision = list(&DENY_REFUSAL);
         let lines = HeaderLines::from_list(&decision);
         for id in [None, Some("req-42")] {
             let mut headers = decision.clone();
