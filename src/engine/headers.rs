@@ -8,7 +8,6 @@ use crate::policy::Mode;
 use bytes::{BufMut, BytesMut};
 use http::{HeaderName, HeaderValue};
 use smallvec::SmallVec;
-use std::fmt::Write as _;
 use std::net::IpAddr;
 
 /// Default name of the reason header.
@@ -77,25 +76,11 @@ pub fn display_name<'a>(name: &'a HeaderName, config: &'a HeaderConfig) -> &'a s
     }
 }
 
-/// Collects header values in one buffer, then hands out slices of it.
-struct Values {
-    buf: BytesMut,
-    spans: SmallVec<[(HeaderName, usize, usize); 7]>,
-}
-
-impl Values {
-    fn new() -> Self {
-        Values {
-            buf: BytesMut::with_capacity(192),
-            spans: SmallVec::new(),
-        }
-    }
-
-    fn push(&mut self, name: &HeaderName, write: impl FnOnce(&mut BytesMut)) {
-        let start = self.buf.len();
-        write(&mut self.buf);
-        self.spans.push((name.clone(), start, self.buf.len()));
-    }
+/// Where [`build`] writes a response's headers, one at a time, in order.
+trait Sink {
+    /// The buffer a value is written into.
+    type Buf: BufMut;
+    fn push(&mut self, name: &HeaderName, write: impl FnOnce(&mut Self::Buf));
 
     fn number(&mut self, name: &HeaderName, n: u64) {
         self.push(name, |buf| {
@@ -106,8 +91,40 @@ impl Values {
     fn text(&mut self, name: &HeaderName, text: &str) {
         self.push(name, |buf| buf.put_slice(text.as_bytes()));
     }
+}
+
+/// Collects header values in one buffer, then hands out slices of it.
+struct Values {
+    buf: BytesMut,
+    spans: SmallVec<[(HeaderName, usize, usize); 7]>,
+}
+
+impl Sink for Values {
+    type Buf = BytesMut;
+
+    fn push(&mut self, name: &HeaderName, write: impl FnOnce(&mut BytesMut)) {
+        // Allocated with the first value: a response without headers allocates nothing.
+        if self.buf.capacity() == 0 {
+            self.buf.reserve(192);
+        }
+        let start = self.buf.len();
+        write(&mut self.buf);
+        self.spans.push((name.clone(), start, self.buf.len()));
+    }
+}
+
+impl Values {
+    fn new() -> Self {
+        Values {
+            buf: BytesMut::new(),
+            spans: SmallVec::new(),
+        }
+    }
 
     fn finish(self) -> HeaderList {
+        if self.spans.is_empty() {
+            return HeaderList::new();
+        }
         let bytes = self.buf.freeze();
         // Every value is built from header-safe text; checked here once for the whole buffer
         // (the per-value check costs more than building the values). Should a byte not be
@@ -136,10 +153,84 @@ impl Values {
     }
 }
 
+/// A refusal's headers written once as HTTP/1 header lines (`name: value` and CRLF each, the
+/// name as `http` spells it), in the order [`build`] gives them: the fixed text of each rule
+/// (its `RateLimit-Policy` item and quoted name, serialised when the policy loaded) and the
+/// header names copied, only the numbers formatted. A front end writing HTTP/1 sends them as
+/// they are ([`HeaderLines::as_bytes`]); any other turns them back into a list
+/// ([`HeaderLines::into_list`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderLines {
+    buf: Vec<u8>,
+}
+
+impl Sink for HeaderLines {
+    type Buf = Vec<u8>;
+
+    fn push(&mut self, name: &HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
+        let line = self.buf.len();
+        self.buf.extend_from_slice(name.as_str().as_bytes());
+        self.buf.extend_from_slice(b": ");
+        let start = self.buf.len();
+        write(&mut self.buf);
+        // A value that is not header-safe is dropped, never sent (as from a list).
+        if !all_header_value_bytes(&self.buf[start..]) {
+            self.buf.truncate(line);
+            return;
+        }
+        self.buf.extend_from_slice(b"\r\n");
+    }
+
+    /// Digits need no check.
+    fn number(&mut self, name: &HeaderName, n: u64) {
+        self.buf.extend_from_slice(name.as_str().as_bytes());
+        self.buf.extend_from_slice(b": ");
+        self.buf
+            .extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        self.buf.extend_from_slice(b"\r\n");
+    }
+}
+
+impl HeaderLines {
+    /// The lines of a list's headers, in its order.
+    #[cfg(test)]
+    pub fn from_list(list: &HeaderList) -> Self {
+        let mut lines = HeaderLines::default();
+        for (name, value) in list {
+            lines.push(name, |buf| buf.extend_from_slice(value.as_bytes()));
+        }
+        lines
+    }
+
+    /// The lines, each ending in CRLF.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// The same headers as a list, in order.
+    pub fn into_list(self) -> HeaderList {
+        self.buf
+            .split(|&b| b == b'\n')
+            .filter_map(|line| {
+                let line = line.strip_suffix(b"\r")?;
+                let colon = line.iter().position(|&b| b == b':')?;
+                let name = HeaderName::from_bytes(&line[..colon]).ok()?;
+                let value = HeaderValue::from_bytes(line[colon + 1..].strip_prefix(b" ")?).ok()?;
+                Some((name, value))
+            })
+            .collect()
+    }
+}
+
 /// A byte `http` accepts in a header value: visible ASCII, space, tab and obs-text (what
 /// `HeaderValue::from_bytes` checks).
 fn is_header_value_byte(b: u8) -> bool {
     (b >= 0x20 && b != 0x7f) || b == b'\t'
+}
+
+/// Whether `bytes` can be a header value as they are (what `HeaderValue::from_bytes` accepts).
+pub fn header_value_ok(bytes: &[u8]) -> bool {
+    all_header_value_bytes(bytes)
 }
 
 /// Whether every byte is one [`is_header_value_byte`] accepts, eight at a time: a word with no
@@ -170,6 +261,9 @@ pub struct Response {
     pub headers: HeaderList,
     /// Body of a refusal; `None` on allow.
     pub body: Option<&'static str>,
+    /// A refusal's headers as HTTP/1 lines, for a front end that asked for them
+    /// ([`build_lines`]); `headers` is then empty.
+    pub lines: Option<HeaderLines>,
 }
 
 /// Response settings.
@@ -214,15 +308,56 @@ fn remaining(rule: &RuleOutcome<'_>) -> u64 {
 
 /// Builds the response for a decision.
 pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
-    let decision = &decided.decision;
     let mut values = Values::new();
-    // Enforced rules that tracked a bucket; shadow rules add nothing to the client response.
-    let shown = || {
-        decision
-            .rules()
-            .iter()
-            .filter(|r| r.rule.mode == Mode::Enforce && !r.fail_open)
+    let (status, body) = write(decided, config, &mut values);
+    Response {
+        status,
+        headers: values.finish(),
+        body,
+        lines: None,
+    }
+}
+
+/// [`build`] for a front end that writes HTTP/1 itself: a refusal's headers come as
+/// [`HeaderLines`], the bytes it sends. Any other response comes as a list, and so does a
+/// kill switch's refusal that also reports a rule (its `RateLimit-Remaining` and
+/// `RateLimit-Reset` appear twice, and a header map would send the two values together).
+pub fn build_lines(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
+    let decision = &decided.decision;
+    let Decision::Refuse(refusal) = decision else {
+        return build(decided, config);
     };
+    if refusal.reason == Reason::KillSwitch && shown(decision).next().is_some() {
+        return build(decided, config);
+    }
+    let mut lines = HeaderLines {
+        buf: Vec::with_capacity(256),
+    };
+    let (status, body) = write(decided, config, &mut lines);
+    Response {
+        status,
+        headers: HeaderList::new(),
+        body,
+        lines: Some(lines),
+    }
+}
+
+/// The enforced rules that tracked a bucket; shadow rules add nothing to the client response.
+fn shown<'a, 'r>(decision: &'a Decision<'r>) -> impl Iterator<Item = &'a RuleOutcome<'r>> + 'a {
+    decision
+        .rules()
+        .iter()
+        .filter(|r| r.rule.mode == Mode::Enforce && !r.fail_open)
+}
+
+/// Writes a decision's headers into `values`, in order; its status and body.
+fn write<S: Sink>(
+    decided: &Decided<'_>,
+    config: &HeaderConfig,
+    values: &mut S,
+) -> (u16, Option<&'static str>) {
+    let decision = &decided.decision;
+    let shown = || shown(decision);
     let refusal = match decision {
         Decision::Refuse(r) => Some(r),
         _ => None,
@@ -239,13 +374,15 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
                 if rule.quota == rule.rule.quota {
                     buf.put_slice(rule.rule.policy_item.as_bytes());
                 } else {
+                    let mut itoa = itoa::Buffer::new();
                     buf.put_slice(rule.rule.sf_name.as_bytes());
-                    let _ = write!(
-                        buf,
-                        ";q={};w={}",
-                        rule.quota.burst() / rule.rule.header_unit(),
-                        rule.quota.window_secs()
+                    buf.put_slice(b";q=");
+                    buf.put_slice(
+                        itoa.format(rule.quota.burst() / rule.rule.header_unit())
+                            .as_bytes(),
                     );
+                    buf.put_slice(b";w=");
+                    buf.put_slice(itoa.format(rule.quota.window_secs()).as_bytes());
                 }
             }
         });
@@ -297,11 +434,7 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
         values.text(&config.warning_header, warning);
     }
     let Some(refusal) = refusal else {
-        return Response {
-            status: 200,
-            headers: values.finish(),
-            body: None,
-        };
+        return (200, None);
     };
     // A kill switch has no bucket, but its refusal still says when to come back.
     if refusal.reason == Reason::KillSwitch {
@@ -321,11 +454,7 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
         values.number(&http::header::RETRY_AFTER, wait);
     }
     values.text(&config.reason_header, refusal.reason.as_str());
-    Response {
-        status: refusal.reason.status(),
-        headers: values.finish(),
-        body: Some(refusal.reason.body()),
-    }
+    (refusal.reason.status(), Some(refusal.reason.body()))
 }
 
 #[cfg(test)]
@@ -432,22 +561,32 @@ mod tests {
         assert_ne!(jitter_hash(&a), jitter_hash(&c));
     }
 
+    /// A request for `/a` from `ip`.
+    fn view_of(ip: IpAddr) -> RequestView<'static> {
+        RequestView {
+            client_ip: Some(ip),
+            path: "/a",
+            ..RequestView::default()
+        }
+    }
+
+    /// A per-IP rule of `rps` and `burst` beside a global one of 100 and 1 000.
+    fn per_ip_and_global(rps: u64, burst: u64) -> crate::policy::Bundle {
+        compile_bundle(&json!({"rules": [
+            {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": rps, "burst": burst}},
+            {"name": "global", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 1000}}
+        ]}), "t").unwrap()
+    }
+
     #[test]
     fn headers_for_allow_and_reject() {
         let store = MemoryStore::new(MemoryStoreConfig::default());
-        let bundle = compile_bundle(&json!({"rules": [
-            {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 10, "burst": 15}},
-            {"name": "global", "limit_keys": [], "algorithm": "token_bucket", "algorithm_config": {"rps": 100, "burst": 1000}}
-        ]}), "t").unwrap();
+        let bundle = per_ip_and_global(10, 15);
         let e = Local(&bundle, &store);
         let headers: Vec<(String, String)> = Vec::new();
         let ip: IpAddr = "203.0.113.7".parse().unwrap();
         let facts = RequestFacts::from_uri("GET", "/a", None, Some(ip), &headers);
-        let request = RequestView {
-            client_ip: Some(ip),
-            path: "/a",
-            ..RequestView::default()
-        };
+        let request = view_of(ip);
         let cfg = HeaderConfig::default();
         let decided = Decided {
             decision: e.decide(&facts),
@@ -487,6 +626,91 @@ mod tests {
         assert_eq!(get(&r, "X-Tollgate-Reason"), Some("token_bucket_exceeded"));
         let retry: u64 = get(&r, "Retry-After").unwrap().parse().unwrap();
         assert!((1..=2).contains(&retry));
+    }
+
+    /// The list written out as lines, `name: value` and CRLF each.
+    fn written(list: &HeaderList) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (name, value) in list {
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out
+    }
+
+    /// A refusal's lines are its list written out, and read back they are the list; any other
+    /// decision, and a kill switch's refusal that also reports a rule, come as a list.
+    #[test]
+    fn a_refusal_as_lines_is_its_list_written_out() {
+        let store = MemoryStore::new(MemoryStoreConfig::default());
+        let bundle = per_ip_and_global(1, 2);
+        let e = Local(&bundle, &store);
+        let headers: Vec<(String, String)> = Vec::new();
+        let ip: IpAddr = "203.0.113.9".parse().unwrap();
+        let facts = RequestFacts::from_uri("GET", "/a", None, Some(ip), &headers);
+        let request = view_of(ip);
+        let cfg = HeaderConfig::default();
+        let decided = Decided {
+            decision: e.decide(&facts),
+            request,
+        };
+        let allowed = build_lines(&decided, &cfg);
+        assert!(allowed.lines.is_none());
+        assert_eq!(allowed.headers.len(), 5);
+        e.decide(&facts);
+        let decided = Decided {
+            decision: e.decide(&facts),
+            request,
+        };
+        let list = build(&decided, &cfg);
+        let lines = build_lines(&decided, &cfg);
+        assert_eq!((lines.status, lines.body), (429, Some("Too Many Requests")));
+        assert!(lines.headers.is_empty());
+        let written_lines = lines.lines.unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(written_lines.as_bytes()),
+            String::from_utf8_lossy(&written(&list.headers))
+        );
+        assert_eq!(list.headers.len(), 7);
+        assert_eq!(written_lines.into_list(), list.headers);
+
+        let killed = compile_bundle(&json!({"rules": [
+            {"name": "per-ip", "limit_keys": ["ip:address"], "algorithm": "token_bucket", "algorithm_config": {"rps": 1, "burst": 2}}
+        ], "kill_switches": [{"scope_key": "ip:address", "scope_value": "203.0.113.9"}]}), "t").unwrap();
+        let decided = Decided {
+            decision: Local(&killed, &store).decide(&facts),
+            request,
+        };
+        let list = build(&decided, &cfg);
+        assert_eq!(get(&list, "X-Tollgate-Reason"), Some("kill_switch"));
+        let response = build_lines(&decided, &cfg);
+        assert_eq!(response.status, 429);
+        match response.lines {
+            Some(lines) => {
+                assert!(response.headers.is_empty());
+                assert_eq!(lines.as_bytes(), written(&list.headers).as_slice());
+            }
+            None => assert_eq!(response.headers, list.headers),
+        }
+    }
+
+    /// A value that is not header-safe is left out of the lines, as out of a list.
+    #[test]
+    fn a_line_whose_value_is_not_header_safe_is_dropped() {
+        let mut lines = HeaderLines::default();
+        lines.number(&RATELIMIT_REMAINING, 7);
+        lines.text(&RATELIMIT_POLICY, "bad\nvalue");
+        lines.text(&RATELIMIT, "tab\tand \u{e9}");
+        assert_eq!(
+            lines.as_bytes(),
+            "ratelimit-remaining: 7\r\nratelimit: tab\tand \u{e9}\r\n".as_bytes()
+        );
+        let list = lines.into_list();
+        let names: Vec<&str> = list.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["ratelimit-remaining", "ratelimit"]);
+        assert_eq!(list[1].1.as_bytes(), "tab\tand \u{e9}".as_bytes());
     }
 
     #[test]

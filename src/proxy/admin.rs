@@ -437,7 +437,7 @@ impl Admin {
         // charged as reserved after --reservation-ttl-secs.
         if let Some(reservation) = answer.reservation {
             let tokens = reservation.tokens();
-            if let Some(token) = self.gateway.tokens.hold(reservation) {
+            if let Some(token) = self.gateway.tokens.hold(*reservation) {
                 for (name, value) in [
                     (&RESERVATION_HEADER, token),
                     (&RESERVED_TOKENS_HEADER, tokens.to_string()),

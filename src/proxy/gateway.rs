@@ -3,6 +3,7 @@
 //! the rate-limit headers are added to the upstream's response.
 
 use super::grpc_call::{Gate, GrpcCall};
+use super::own_response::X_REQUEST_ID;
 use super::upstreams::{Group, Upstreams};
 use crate::engine::headers::HeaderList;
 use crate::engine::Reason;
@@ -265,7 +266,6 @@ struct AccessCtx {
     paced_wait_secs: Option<f64>,
 }
 
-static X_REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
 /// The model that answered, when an `llm_spend` fallback replaced the one the client named.
 static X_TOLLGATE_MODEL: http::HeaderName = http::HeaderName::from_static("x-tollgate-model");
 
@@ -274,11 +274,19 @@ pub struct Proxy {
     gateway: Arc<Gateway>,
     /// Upstream groups and routes, swapped whole on reload.
     upstreams: Arc<ArcSwap<Upstreams>>,
+    /// Whether a refusal over HTTP/1 is written from its header lines
+    /// ([`super::own_response::lines_fit`]): the reason and warning headers' names allow it.
+    refusal_lines: bool,
 }
 
 impl Proxy {
     pub fn new(gateway: Arc<Gateway>, upstreams: Arc<ArcSwap<Upstreams>>) -> Self {
-        Proxy { gateway, upstreams }
+        let refusal_lines = super::own_response::lines_fit(&gateway.header_config);
+        Proxy {
+            gateway,
+            upstreams,
+            refusal_lines,
+        }
     }
 }
 
@@ -330,15 +338,9 @@ async fn respond(
 ) -> Result<()> {
     let status =
         http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
-    if let pingora::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() {
+    if let pingora::protocols::http::ServerSession::H1(_) = session.as_downstream_mut() {
         if let Some(head) = super::own_response::render_head(status, &headers, body.len()) {
-            // Only the status is kept as the response written (the access log's, the trace's).
-            let written = ResponseHeader::build_no_case(status, Some(0))?;
-            h1.write_response_header_prerendered(Box::new(written), &head, body.len())
-                .await?;
-            return session
-                .write_response_body(Some(Bytes::from_static(body.as_bytes())), true)
-                .await;
+            return respond_rendered(session, status.as_u16(), head, body).await;
         }
     }
     let (mut parts, ()) = http::Response::new(()).into_parts();
@@ -359,6 +361,31 @@ async fn respond(
     );
     session
         .write_response_header(Box::new(ResponseHeader::from(parts)), false)
+        .await?;
+    session
+        .write_response_body(Some(Bytes::from_static(body.as_bytes())), true)
+        .await
+}
+
+/// Writes a response over HTTP/1 from its rendered status and header lines
+/// ([`super::own_response`]) and its body.
+async fn respond_rendered(
+    session: &mut Session,
+    status: u16,
+    head: Vec<u8>,
+    body: &'static str,
+) -> Result<()> {
+    let pingora::protocols::http::ServerSession::H1(h1) = session.as_downstream_mut() else {
+        return Err(Error::explain(
+            pingora::ErrorType::InternalError,
+            "a rendered header block is for HTTP/1 only",
+        ));
+    };
+    let status =
+        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+    // Only the status is kept as the response written (the access log's, the trace's).
+    let written = ResponseHeader::build_no_case(status, Some(0))?;
+    h1.write_response_header_prerendered(Box::new(written), &head, body.len())
         .await?;
     session
         .write_response_body(Some(Bytes::from_static(body.as_bytes())), true)
@@ -430,6 +457,33 @@ impl Proxy {
         response: crate::engine::headers::Response,
         content_type: &'static str,
     ) -> Result<()> {
+        let mut response = response;
+        if let Some(lines) = response.lines.take() {
+            if matches!(
+                session.as_downstream(),
+                pingora::protocols::http::ServerSession::H1(_)
+            ) {
+                let request_id = ctx
+                    .access
+                    .as_deref()
+                    .map(|a| a.request_id.as_bytes())
+                    .filter(|id| crate::engine::headers::header_value_ok(id));
+                let body = response.body.unwrap_or("Too Many Requests");
+                let head = super::own_response::render_lines_head(
+                    response.status,
+                    &lines,
+                    request_id.map(|id| (&X_REQUEST_ID, id)),
+                    content_type,
+                    body.len(),
+                );
+                super::protocol::keep_connection_for_small_body(
+                    session,
+                    self.gateway.config.header_timeout,
+                );
+                return respond_rendered(session, response.status, head, body).await;
+            }
+            response.headers = lines.into_list();
+        }
         let mut headers = response.headers;
         if let Some(access) = ctx.access.as_deref() {
             if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
@@ -557,6 +611,8 @@ enum Reply {
         status: u16,
         body: Option<&'static str>,
         content_type: &'static str,
+        /// Its headers as the HTTP/1 lines to send, when the decision wrote them so.
+        lines: Option<crate::engine::headers::HeaderLines>,
     },
     /// The client went away while its request waited for its turn: nobody to answer.
     ClientGone,
@@ -565,7 +621,7 @@ enum Reply {
 impl Reply {
     /// The refusal `response`, its headers put in `ctx` until it is written.
     fn refusal(
-        response: crate::engine::headers::Response,
+        response: Box<crate::engine::headers::Response>,
         content_type: &'static str,
         ctx: &mut RequestCtx,
     ) -> Reply {
@@ -574,6 +630,7 @@ impl Reply {
             status: response.status,
             body: response.body,
             content_type,
+            lines: response.lines,
         }
     }
 }
@@ -621,7 +678,8 @@ impl Proxy {
         }
         let claims = self.gateway.claims(&headers);
         let facts = Self::describe(facts, claims.as_deref(), &body, ctx);
-        let mut answer = self.decide(&facts, ctx).await;
+        let lines = self.refusal_lines && ctx.grpc.is_none() && !session.is_http2();
+        let mut answer = self.decide(&facts, lines, ctx).await;
         let model = answer.model.take();
         Self::verdict(answer, ctx)?;
         if let Some(model) = model {
@@ -667,7 +725,7 @@ impl Proxy {
                     access.verdict = Reason::TokenBucketExceeded.as_str();
                 }
                 let response = self.gateway.drained_response(retry_after);
-                ControlFlow::Break(Reply::refusal(response, TEXT, ctx))
+                ControlFlow::Break(Reply::refusal(Box::new(response), TEXT, ctx))
             }
             None => {
                 ctx.metering = None;
@@ -853,7 +911,7 @@ impl Proxy {
                     host,
                     req.uri.path(),
                 );
-                ControlFlow::Break(Reply::refusal(response, TEXT, ctx))
+                ControlFlow::Break(Reply::refusal(Box::new(response), TEXT, ctx))
             }
         }
     }
@@ -904,8 +962,8 @@ impl Proxy {
     /// grow this hook's future, which Pingora moves into a box on every request, past what a
     /// copy does cheaply (measured: +10 % instructions per request); so is a throttled
     /// answer's wait.
-    async fn decide(&self, facts: &RequestFacts<'_>, ctx: &mut RequestCtx) -> Answer {
-        let answer = match self.gateway.decide_in_memory(facts) {
+    async fn decide(&self, facts: &RequestFacts<'_>, lines: bool, ctx: &mut RequestCtx) -> Answer {
+        let answer = match self.gateway.decide_in_memory_as(facts, lines) {
             Some(answer) if answer.throttle_ms == 0 => answer,
             Some(answer) => Box::pin(Gateway::throttled(answer)).await,
             None => Box::pin(self.gateway.decide_unwaited(facts)).await,
@@ -939,7 +997,7 @@ impl Proxy {
     /// proxy fails open, where the decision service answers 503) keeps its lease, its LLM
     /// reservation and the headers for its response.
     fn verdict(answer: Answer, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
-        ctx.pace = answer.pace;
+        ctx.pace = answer.pace.map(|pace| *pace);
         if !answer.verdict.forwards() {
             if let Some(call) = ctx.grpc.as_deref_mut() {
                 call.refused = answer
@@ -955,7 +1013,7 @@ impl Proxy {
         ctx.charges = answer.charges;
         ctx.metering = answer.reservation.map(|reservation| {
             Box::new(Metering {
-                reservation,
+                reservation: *reservation,
                 meter: None,
                 status: 0,
                 sent: false,
@@ -982,6 +1040,7 @@ impl Proxy {
                 status: 404,
                 body: Some("Not Found: no route for this host and path\n"),
                 content_type: TEXT,
+                lines: None,
             });
         };
         ctx.group = Some(Arc::clone(group));
@@ -1048,11 +1107,13 @@ impl Proxy {
                 status,
                 body,
                 content_type,
+                lines,
             } => {
                 let response = crate::engine::headers::Response {
                     status,
                     headers: std::mem::take(&mut ctx.add_headers),
                     body,
+                    lines,
                 };
                 self.write_refusal(session, ctx, response, content_type)
                     .await

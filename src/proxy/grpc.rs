@@ -668,7 +668,7 @@ impl Authorizer {
             return upstream_headers;
         };
         let tokens = reservation.tokens();
-        if let Some(token) = self.gateway.tokens.hold(reservation) {
+        if let Some(token) = self.gateway.tokens.hold(*reservation) {
             for (key, value) in [
                 (RESERVATION_HEADER, token),
                 (RESERVED_TOKENS_HEADER, tokens.to_string()),

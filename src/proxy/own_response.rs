@@ -5,7 +5,7 @@
 //! `Connection` as it does to every response (`write_response_header_prerendered`, the carried
 //! patch `0006` in `vendor/`).
 
-use crate::engine::headers::HeaderList;
+use crate::engine::headers::{self, HeaderConfig, HeaderLines, HeaderList};
 use http::{header, HeaderName, StatusCode};
 
 /// The default `Content-Type` of the gateway's own answers.
@@ -30,6 +30,45 @@ fn wire_name(name: &HeaderName) -> &str {
         header::SET_COOKIE => "Set-Cookie",
         _ => name.as_str(),
     }
+}
+
+/// The names a refusal written from [`HeaderLines`] carries besides its reason and warning
+/// headers: the decision's own and what [`render_lines_head`] adds.
+static REFUSAL_NAMES: [&HeaderName; 9] = [
+    &headers::RATELIMIT_POLICY,
+    &headers::RATELIMIT,
+    &headers::RATELIMIT_LIMIT,
+    &headers::RATELIMIT_REMAINING,
+    &headers::RATELIMIT_RESET,
+    &header::RETRY_AFTER,
+    &header::CONTENT_TYPE,
+    &header::CONTENT_LENGTH,
+    &X_REQUEST_ID,
+];
+
+/// The request's ID header on the gateway's own answers.
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Whether refusals can be written from their [`HeaderLines`] with the same bytes as from a
+/// list: the reason and warning headers are spelled on the wire as `http` stores them, and no
+/// name of a refusal appears twice (a header map would write the two values together).
+pub fn lines_fit(config: &HeaderConfig) -> bool {
+    let own =
+        |name: &HeaderName| wire_name(name) == name.as_str() && !REFUSAL_NAMES.contains(&name);
+    own(&config.reason_header)
+        && own(&config.warning_header)
+        && config.reason_header != config.warning_header
+}
+
+/// `HTTP/1.1 429 Too Many Requests` and CRLF (no reason phrase for a status without one).
+fn status_line(buf: &mut Vec<u8>, status: StatusCode) {
+    buf.extend_from_slice(b"HTTP/1.1 ");
+    buf.extend_from_slice(status.as_str().as_bytes());
+    buf.push(b' ');
+    if let Some(reason) = status.canonical_reason() {
+        buf.extend_from_slice(reason.as_bytes());
+    }
+    buf.extend_from_slice(b"\r\n");
 }
 
 fn line(buf: &mut Vec<u8>, name: &str, value: &[u8]) {
@@ -57,13 +96,7 @@ pub fn render_head(
     }
     // `Vec`'s copies inline; `BytesMut::put_slice` is a call per piece (40 a refusal).
     let mut buf = Vec::with_capacity(320);
-    buf.extend_from_slice(b"HTTP/1.1 ");
-    buf.extend_from_slice(status.as_str().as_bytes());
-    buf.push(b' ');
-    if let Some(reason) = status.canonical_reason() {
-        buf.extend_from_slice(reason.as_bytes());
-    }
-    buf.extend_from_slice(b"\r\n");
+    status_line(&mut buf, status);
     let mut has_content_type = false;
     for (i, (name, value)) in headers.iter().enumerate() {
         // A later value of a name already written went out with the first.
@@ -86,6 +119,34 @@ pub fn render_head(
         itoa::Buffer::new().format(content_length).as_bytes(),
     );
     Some(buf)
+}
+
+/// [`render_head`] for a refusal whose headers were written as lines ([`HeaderLines`]): the
+/// status line, the lines as they are, then the request's ID when given, `Content-Type` and
+/// `Content-Length`. The same bytes as [`render_head`] gives for the same headers as a list,
+/// when [`lines_fit`] holds.
+pub fn render_lines_head(
+    status: u16,
+    lines: &HeaderLines,
+    request_id: Option<(&HeaderName, &[u8])>,
+    content_type: &str,
+    content_length: usize,
+) -> Vec<u8> {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let lines = lines.as_bytes();
+    let mut buf = Vec::with_capacity(lines.len() + 160);
+    status_line(&mut buf, status);
+    buf.extend_from_slice(lines);
+    if let Some((name, id)) = request_id {
+        line(&mut buf, wire_name(name), id);
+    }
+    line(&mut buf, "Content-Type", content_type.as_bytes());
+    line(
+        &mut buf,
+        "Content-Length",
+        itoa::Buffer::new().format(content_length).as_bytes(),
+    );
+    buf
 }
 
 #[cfg(test)]
@@ -119,6 +180,17 @@ mod tests {
         buf.to_vec()
     }
 
+    /// The decision's headers of a refusal by a rule named `deny`.
+    const DENY_REFUSAL: [(&str, &str); 7] = [
+        ("ratelimit-policy", "\"deny\";q=1;w=1000000"),
+        ("ratelimit", "\"deny\";r=0;t=1000000"),
+        ("ratelimit-limit", "1"),
+        ("ratelimit-remaining", "0"),
+        ("ratelimit-reset", "1000000"),
+        ("retry-after", "1372291"),
+        ("x-tollgate-reason", "token_bucket_exceeded"),
+    ];
+
     fn list(items: &[(&'static str, &'static str)]) -> HeaderList {
         items
             .iter()
@@ -131,17 +203,16 @@ mod tests {
         let cases = [
             (
                 StatusCode::TOO_MANY_REQUESTS,
-                list(&[
-                    ("ratelimit-policy", "\"deny\";q=1;w=1000000"),
-                    ("ratelimit", "\"deny\";r=0;t=1000000"),
-                    ("ratelimit-limit", "1"),
-                    ("ratelimit-remaining", "0"),
-                    ("ratelimit-reset", "1000000"),
-                    ("retry-after", "1372291"),
-                    ("x-tollgate-reason", "token_bucket_exceeded"),
-                    ("x-request-id", "req-42"),
-                    ("content-type", "text/plain; charset=utf-8"),
-                ]),
+                list(
+                    &[
+                        &DENY_REFUSAL[..],
+                        &[
+                            ("x-request-id", "req-42"),
+                            ("content-type", "text/plain; charset=utf-8"),
+                        ],
+                    ]
+                    .concat(),
+                ),
                 17,
             ),
             // No Content-Type: the default is added; names of Pingora's title-cased set.
@@ -173,6 +244,53 @@ mod tests {
                 String::from_utf8_lossy(&pingora_head(status, &headers, length)),
                 "{status}"
             );
+        }
+    }
+
+    /// A refusal written from its lines is byte for byte the refusal written from its list,
+    /// with and without the request's ID.
+    #[test]
+    fn lines_render_as_their_list_does() {
+        let decision = list(&DENY_REFUSAL);
+        let lines = HeaderLines::from_list(&decision);
+        for id in [None, Some("req-42")] {
+            let mut headers = decision.clone();
+            if let Some(id) = id {
+                headers.push((X_REQUEST_ID.clone(), HeaderValue::from_static(id)));
+            }
+            headers.push((
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            ));
+            let ours = render_lines_head(
+                429,
+                &lines,
+                id.map(|id| (&X_REQUEST_ID, id.as_bytes())),
+                "application/json",
+                17,
+            );
+            assert_eq!(
+                String::from_utf8_lossy(&ours),
+                String::from_utf8_lossy(&pingora_head(StatusCode::TOO_MANY_REQUESTS, &headers, 17))
+            );
+        }
+    }
+
+    /// Lines are used only with reason and warning headers spelled as stored and not already
+    /// among a refusal's names.
+    #[test]
+    fn lines_fit_only_names_written_as_they_are() {
+        assert!(lines_fit(&HeaderConfig::default()));
+        assert!(lines_fit(&HeaderConfig::new("X-Why").unwrap()));
+        for name in [
+            "Server",
+            "Retry-After",
+            "x-request-id",
+            "Content-Type",
+            "RateLimit",
+            "x-tollgate-warning",
+        ] {
+            assert!(!lines_fit(&HeaderConfig::new(name).unwrap()), "{name}");
         }
     }
 

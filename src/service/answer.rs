@@ -15,7 +15,9 @@ pub struct Answer {
     /// A request paced by a `delay` rule: its place in line, to wait for its turn
     /// ([`crate::service::Pace::wait`]) before it goes on. Taken (and waited for) by
     /// [`crate::service::Gateway::decide`]; the proxy waits itself.
-    pub pace: Option<super::pacing::Pace>,
+    /// Boxed, as `reservation` and `response` are: an answer is moved several times on every
+    /// request, and most carry neither.
+    pub pace: Option<Box<super::pacing::Pace>>,
     /// How long the request waited for its turn under a `delay` rule (0: it did not).
     pub waited_us: u64,
     /// The rule that made it wait (with `pace`).
@@ -25,14 +27,16 @@ pub struct Answer {
     pub lease: Option<Lease>,
     /// The tokens an allowed request reserved on `token_bucket_llm` rules: settle them with
     /// [`crate::service::Tokens::settle`] once the response's usage is known.
-    pub reservation: Option<Reservation>,
+    pub reservation: Option<Box<Reservation>>,
     /// What an allowed request owes rules that read its response (`count_when`, a
     /// response-priced cost): settle it on the response's status and headers, and apply that
     /// with [`crate::service::Penalties::apply`].
     /// Boxed: an answer is moved on every request, and most carry none.
     pub charges: Option<Box<crate::engine::charges::ResponseCharges>>,
     /// Status, headers and body of a refusal; headers to add upstream on allow.
-    pub response: Response,
+    /// Boxed: inline, its header list would make the answer over a kilobyte, copied at each
+    /// move.
+    pub response: Box<Response>,
     /// What a trace's span says of the decision (only for a sampled request).
     pub summary: Option<Box<DecisionSummary>>,
     /// The model an `llm_spend` rule's fallback admitted the request with instead of the one

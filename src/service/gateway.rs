@@ -54,7 +54,7 @@ impl PaceStep {
     /// Puts the place in line in the answer.
     fn place_in(self, answer: &mut Answer) {
         if let Some((pace, rule)) = self.place {
-            answer.pace = Some(pace);
+            answer.pace = Some(Box::new(pace));
             answer.paced_by = rule;
         }
     }
@@ -389,6 +389,11 @@ impl Gateway {
         headers: &http::HeaderMap,
     ) -> Option<IpAddr> {
         let caller = peer.map(crate::request::descriptor::canonical_ip);
+        // A peer not trusted is the client whatever its headers say: they are not looked up
+        // (two header-map lookups per request, for nothing, when no proxy is trusted).
+        if !peer_trusted {
+            return caller;
+        }
         client_addr::resolve(
             peer,
             ForwardingHeaders {
@@ -426,7 +431,7 @@ impl Gateway {
                 ..RequestView::default()
             },
         };
-        self.answer(&decided, Instant::now()).response
+        *self.answer(&decided, Instant::now(), false).response
     }
 
     /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
@@ -491,7 +496,7 @@ impl Gateway {
             // Nothing was spent for the response to settle.
             charges: None,
             model: None,
-            response: self.drained_response(retry_after),
+            response: Box::new(self.drained_response(retry_after)),
             summary: answer.summary,
         }
     }
@@ -513,6 +518,7 @@ impl Gateway {
             status: reason.status(),
             headers,
             body: Some(reason.body()),
+            lines: None,
         }
     }
 
@@ -521,6 +527,12 @@ impl Gateway {
     /// future. `None` with another store: call [`Gateway::decide`]. An answer with
     /// `throttle_ms` still owes its wait: [`Gateway::throttled`].
     pub fn decide_in_memory(&self, facts: &RequestFacts<'_>) -> Option<Answer> {
+        self.decide_in_memory_as(facts, false)
+    }
+
+    /// [`Gateway::decide_in_memory`] for a front end that writes HTTP/1 itself when `lines`:
+    /// a refusal's headers then come as the lines it sends ([`headers::build_lines`]).
+    pub fn decide_in_memory_as(&self, facts: &RequestFacts<'_>, lines: bool) -> Option<Answer> {
         if !matches!(self.store.backend(), Backend::Memory(_)) {
             return None;
         }
@@ -533,7 +545,7 @@ impl Gateway {
             }
             None => facts,
         };
-        self.decide_locally(facts)
+        self.decide_locally(facts, lines)
     }
 
     /// A budget's throttle stage: the request goes on, later (Fairvisor sleeps too).
@@ -545,21 +557,22 @@ impl Gateway {
     }
 
     /// The in-memory store's decision (synchronous); `None` with another store.
-    fn decide_locally(&self, facts: &RequestFacts<'_>) -> Option<Answer> {
+    fn decide_locally(&self, facts: &RequestFacts<'_>, lines: bool) -> Option<Answer> {
         let Backend::Memory(memory) = self.store.backend() else {
             return None;
         };
         let started = Instant::now();
-        let unix_us = self.clock.unix_us();
-        let now_us = self.store.now_us();
         let guard = self.policy.load();
         let Some(bundle) = guard.as_deref() else {
             let decided = Decided {
                 decision: Decision::NoPolicy,
                 request: RequestView::of(facts),
             };
-            return Some(self.answer(&decided, started));
+            return Some(self.answer(&decided, started, lines));
         };
+        // The clocks only once there is a policy to decide with.
+        let unix_us = self.clock.unix_us();
+        let now_us = self.store.now_us();
         let decide = |facts: &RequestFacts<'_>| {
             engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
         };
@@ -592,7 +605,7 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        let mut answer = self.answer(&decided, started);
+        let mut answer = self.answer(&decided, started, lines);
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
@@ -605,7 +618,7 @@ impl Gateway {
     }
 
     async fn decide_now(&self, facts: &RequestFacts<'_>) -> Answer {
-        if let Some(answer) = self.decide_locally(facts) {
+        if let Some(answer) = self.decide_locally(facts, false) {
             return answer;
         }
         let started = Instant::now();
@@ -615,7 +628,7 @@ impl Gateway {
                 decision: Decision::NoPolicy,
                 request: RequestView::of(facts),
             };
-            return self.answer(&decided, started);
+            return self.answer(&decided, started, false);
         };
         let fallback_facts;
         let decision = self.decide_shared(&bundle, facts, unix_us).await;
@@ -641,7 +654,7 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        let mut answer = self.answer(&decided, started);
+        let mut answer = self.answer(&decided, started, false);
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
@@ -802,8 +815,10 @@ impl Gateway {
 
     /// The way back up, written from the decision and its request alone: breakers tripped,
     /// the operator's list of limited clients, metrics, headers (and Fairvisor's under
-    /// `--compat fairvisor`), the `RATE_LIMIT` line, and what the front end acts on.
-    fn answer(&self, decided: &Decided<'_>, started: Instant) -> Answer {
+    /// `--compat fairvisor`), the `RATE_LIMIT` line, and what the front end acts on. With
+    /// `lines`, a refusal's headers come as HTTP/1 lines (not under `--compat fairvisor`, whose
+    /// headers are finished on the list).
+    fn answer(&self, decided: &Decided<'_>, started: Instant, lines: bool) -> Answer {
         let decision = &decided.decision;
         self.breakers_tripped(decision);
         crate::operator::limited::note_limited(
@@ -826,7 +841,12 @@ impl Gateway {
         );
         self.metrics
             .record(decision, started.elapsed().as_secs_f64());
-        let mut response = headers::build(decided, &self.header_config);
+        let mut response =
+            if lines && self.config.compat != crate::engine::compat::Compat::Fairvisor {
+                headers::build_lines(decided, &self.header_config)
+            } else {
+                headers::build(decided, &self.header_config)
+            };
         log_decision(decided, response.status);
         self.compat_headers(&mut response, decided);
         Answer {
@@ -846,7 +866,7 @@ impl Gateway {
             waited_us: 0,
             paced_by: None,
             lease: held_lease(decision),
-            reservation: decision.reservation(),
+            reservation: decision.reservation().map(Box::new),
             model: None,
             charges: decision.response_charges().map(Box::new),
             // Only for a request whose span is recorded: nothing is built otherwise.
@@ -856,7 +876,7 @@ impl Gateway {
                 .and_then(|f| f.trace)
                 .filter(|t| t.sampled)
                 .map(|_| Box::new(DecisionSummary::of(decision))),
-            response,
+            response: Box::new(response),
         }
     }
 
@@ -894,7 +914,12 @@ impl Gateway {
                 .trace
                 .filter(|t| t.sampled)
                 .map(|_| Box::new(DecisionSummary::refused(reason))),
-            response: self.refuse_early(reason, described.client_ip, described.host, path),
+            response: Box::new(self.refuse_early(
+                reason,
+                described.client_ip,
+                described.host,
+                path,
+            )),
         }
     }
 

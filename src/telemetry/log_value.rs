@@ -88,6 +88,14 @@ pub fn write_field<W: fmt::Write + ?Sized>(out: &mut W, text: &str) -> fmt::Resu
 /// Appends `text` as a field's value (see [`write_field`]) to a line being built.
 #[inline]
 pub fn push_field(out: &mut String, text: &str) {
+    // The common case in one pass over the bytes: nothing to escape and no space to quote.
+    if text
+        .bytes()
+        .fold(true, |plain, b| plain & is_plain(b) & (b != b' '))
+    {
+        out.push_str(text);
+        return;
+    }
     // Writing into a `String` never fails.
     let _ = write_field(out, text);
 }
