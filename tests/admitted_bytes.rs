@@ -85,7 +85,10 @@ fn normalised_response(mut response: String, spent: u64) -> String {
     if response.contains(";t=") {
         let t: u64 = take_value(&mut response, ";t=", "t").parse().unwrap();
         let full = spent * 1_000_000;
-        assert!((full - 100..=full).contains(&t), "{t} for {spent}");
+        assert!(
+            (full.saturating_sub(100)..=full).contains(&t),
+            "{t} for {spent}"
+        );
         let reset: u64 = take_value(&mut response, "\r\nratelimit-reset: ", "t")
             .parse()
             .unwrap();

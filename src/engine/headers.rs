@@ -228,11 +228,6 @@ fn is_header_value_byte(b: u8) -> bool {
     (b >= 0x20 && b != 0x7f) || b == b'\t'
 }
 
-/// Whether `bytes` can be a header value as they are (what `HeaderValue::from_bytes` accepts).
-pub fn header_value_ok(bytes: &[u8]) -> bool {
-    all_header_value_bytes(bytes)
-}
-
 /// Whether every byte is one [`is_header_value_byte`] accepts, eight at a time: a word with no
 /// byte below 0x20 and none equal to 0x7f passes whole (the classic "has a byte less than n" and
 /// "has a zero byte" word tests, exact as yes/no answers); only a word that might not is looked
@@ -640,8 +635,8 @@ mod tests {
         out
     }
 
-    /// A refusal's lines are its list written out, and read back they are the list; any other
-    /// decision, and a kill switch's refusal that also reports a rule, come as a list.
+    /// A refusal's lines are its list written out, and read back they are the list; an allowed
+    /// decision comes as a list; a kill switch's refusal (no rule reported) comes as lines.
     #[test]
     fn a_refusal_as_lines_is_its_list_written_out() {
         let store = MemoryStore::new(MemoryStoreConfig::default());
@@ -685,15 +680,19 @@ mod tests {
         };
         let list = build(&decided, &cfg);
         assert_eq!(get(&list, "X-Tollgate-Reason"), Some("kill_switch"));
+        // A kill switch decides before any rule is checked: no rule is reported, each header
+        // comes once, and the refusal comes as its lines.
+        let remaining = list
+            .headers
+            .iter()
+            .filter(|(name, _)| *name == RATELIMIT_REMAINING)
+            .count();
+        assert_eq!(remaining, 1);
         let response = build_lines(&decided, &cfg);
         assert_eq!(response.status, 429);
-        match response.lines {
-            Some(lines) => {
-                assert!(response.headers.is_empty());
-                assert_eq!(lines.as_bytes(), written(&list.headers).as_slice());
-            }
-            None => assert_eq!(response.headers, list.headers),
-        }
+        assert!(response.headers.is_empty());
+        let lines = response.lines.unwrap();
+        assert_eq!(lines.as_bytes(), written(&list.headers).as_slice());
     }
 
     /// A value that is not header-safe is left out of the lines, as out of a list.

@@ -463,11 +463,13 @@ impl Proxy {
                 session.as_downstream(),
                 pingora::protocols::http::ServerSession::H1(_)
             ) {
+                // Echoed only when `HeaderValue::from_str` would take it, as on the list path
+                // below and on admitted responses: visible ASCII, space and tab.
                 let request_id = ctx
                     .access
                     .as_deref()
                     .map(|a| a.request_id.as_bytes())
-                    .filter(|id| crate::engine::headers::header_value_ok(id));
+                    .filter(|id| id.iter().all(|&b| (0x20..0x7f).contains(&b) || b == b'\t'));
                 let body = response.body.unwrap_or("Too Many Requests");
                 let head = super::own_response::render_lines_head(
                     response.status,

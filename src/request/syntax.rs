@@ -81,6 +81,11 @@ pub fn path_parameters_ok(target: &[u8]) -> bool {
         Some(end) => &target[..first + end],
         None => target,
     };
+    parameters_ok_in(path)
+}
+
+/// [`path_parameters_ok`] on the path alone (the target before its `?`).
+fn parameters_ok_in(path: &[u8]) -> bool {
     let escaped_separator = |at: &[u8]| {
         at.len() >= 3
             && at[0] == b'%'
@@ -298,7 +303,7 @@ mod path_parameter_tests {
             Some(end) => &target[..end],
             None => target,
         };
-        memchr::memchr(b';', path).is_none() || path_parameters_ok(target)
+        memchr::memchr(b';', path).is_none() || parameters_ok_in(path)
     }
 
     /// The name check as a separate split at `:` then a pass over the name.
