@@ -448,6 +448,100 @@ impl Proxy {
         .await
     }
 
+    /// What a finished request holds, each given back or settled exactly once (`take`): its
+    /// concurrency lease, the charges no upstream answer settled, its LLM reservation.
+    async fn give_back(&self, session: &Session, ctx: &mut RequestCtx) {
+        if let Some(lease) = ctx.lease.take() {
+            self.gateway.release(&lease).await;
+        }
+        // No upstream answered (the gateway's own 502 or 504): settled on what was written.
+        if let Some(charges) = ctx.charges.take() {
+            let status = session.response_written().map_or(0, |r| r.status.as_u16());
+            let settlement = charges.settle(status, &Vec::<(String, String)>::new());
+            self.settle(settlement).await;
+        }
+        // Settled exactly once, whatever happened to the response.
+        if let Some(metering) = ctx.metering.take() {
+            if let Some((reason, encoding)) = metering.meter.as_ref().and_then(|m| m.undecodable())
+            {
+                self.gateway
+                    .metrics
+                    .llm_undecodable(encoding, reason.as_str());
+                tracing::warn!(
+                    // The upstream's `Content-Encoding`: escaped like every value of a line.
+                    encoding = %crate::telemetry::log_line::value(encoding),
+                    reason = reason.as_str(),
+                    "LLM response body could not be decoded: the reservation stays charged as reserved"
+                );
+            }
+            let (used, reported_prompt, source) = metering.used();
+            let spent = metering.spent();
+            self.gateway
+                .tokens
+                .settle(
+                    &metering.reservation,
+                    (used, spent),
+                    reported_prompt,
+                    source,
+                )
+                .await;
+        }
+    }
+
+    /// A refusal whose headers the decision wrote as HTTP/1 lines, on an HTTP/1 connection:
+    /// its status, rendered head and body, ready for [`respond_rendered`]; any other reply is
+    /// given back for [`Proxy::answer`]. (Synchronous, so the future that writes a flood's
+    /// refusal is only `respond_rendered`'s.)
+    fn rendered_refusal(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        reply: Reply,
+    ) -> std::result::Result<(u16, Vec<u8>, &'static str), Reply> {
+        let Reply::Refusal {
+            status,
+            body,
+            content_type,
+            lines: Some(lines),
+        } = reply
+        else {
+            return Err(reply);
+        };
+        if !matches!(
+            session.as_downstream(),
+            pingora::protocols::http::ServerSession::H1(_)
+        ) {
+            return Err(Reply::Refusal {
+                status,
+                body,
+                content_type,
+                lines: Some(lines),
+            });
+        }
+        // The list [`Reply::refusal`] left is not written: the lines are.
+        drop(std::mem::take(&mut ctx.add_headers));
+        // Echoed only when `HeaderValue::from_str` would take it, as on the list path and on
+        // admitted responses: visible ASCII, space and tab.
+        let request_id = ctx
+            .access
+            .as_deref()
+            .map(|a| a.request_id.as_bytes())
+            .filter(|id| id.iter().all(|&b| (0x20..0x7f).contains(&b) || b == b'\t'));
+        let body = body.unwrap_or("Too Many Requests");
+        let head = super::own_response::render_lines_head(
+            status,
+            &lines,
+            request_id.map(|id| (&X_REQUEST_ID, id)),
+            content_type,
+            body.len(),
+        );
+        super::protocol::keep_connection_for_small_body(
+            session,
+            self.gateway.config.header_timeout,
+        );
+        Ok((status, head, body))
+    }
+
     /// Writes the gateway's own answer to a request it does not forward (a refusal or a 404),
     /// with the request's ID; a small unread body is drained so the connection stays open.
     async fn write_refusal(
@@ -458,32 +552,9 @@ impl Proxy {
         content_type: &'static str,
     ) -> Result<()> {
         let mut response = response;
+        // An HTTP/1 refusal with lines was written by [`Proxy::rendered_refusal`]; lines that
+        // reach here go out as a list.
         if let Some(lines) = response.lines.take() {
-            if matches!(
-                session.as_downstream(),
-                pingora::protocols::http::ServerSession::H1(_)
-            ) {
-                // Echoed only when `HeaderValue::from_str` would take it, as on the list path
-                // below and on admitted responses: visible ASCII, space and tab.
-                let request_id = ctx
-                    .access
-                    .as_deref()
-                    .map(|a| a.request_id.as_bytes())
-                    .filter(|id| id.iter().all(|&b| (0x20..0x7f).contains(&b) || b == b'\t'));
-                let body = response.body.unwrap_or("Too Many Requests");
-                let head = super::own_response::render_lines_head(
-                    response.status,
-                    &lines,
-                    request_id.map(|id| (&X_REQUEST_ID, id)),
-                    content_type,
-                    body.len(),
-                );
-                super::protocol::keep_connection_for_small_body(
-                    session,
-                    self.gateway.config.header_timeout,
-                );
-                return respond_rendered(session, response.status, head, body).await;
-            }
             response.headers = lines.into_list();
         }
         let mut headers = response.headers;
@@ -1410,11 +1481,21 @@ impl ProxyHttp for Proxy {
                 Ok(false)
             }
             ControlFlow::Break(reply) => {
-                // Rare paths are awaited boxed, and bound first: inline (or as a temporary of
-                // the awaiting statement) their futures would grow this hook's future, which
-                // Pingora moves whole into a box on every request, by kilobytes.
-                let answer = Box::pin(self.answer(session, ctx, reply));
-                answer.await?;
+                // A flood's refusal (HTTP/1, its header lines written by the decision) is
+                // written from here: its one future is smaller than the stages', so this
+                // hook's future does not grow. Rare paths are awaited boxed, and bound first:
+                // inline (or as a temporary of the awaiting statement) their futures would
+                // grow this hook's future, which Pingora moves whole into a box on every
+                // request, by kilobytes.
+                match self.rendered_refusal(session, ctx, reply) {
+                    Ok((status, head, body)) => {
+                        respond_rendered(session, status, head, body).await?
+                    }
+                    Err(reply) => {
+                        let answer = Box::pin(self.answer(session, ctx, reply));
+                        answer.await?;
+                    }
+                }
                 Ok(true)
             }
         }
@@ -1853,41 +1934,11 @@ impl ProxyHttp for Proxy {
         // server's slot (with `max_connections`) goes to the next in line.
         ctx.slot = None;
         super::conn::request_done(http2_key(session), self.gateway.config.keepalive_timeout);
-        // `take`: given back exactly once.
-        if let Some(lease) = ctx.lease.take() {
-            self.gateway.release(&lease).await;
-        }
-        // No upstream answered (the gateway's own 502 or 504): settled on what was written.
-        if let Some(charges) = ctx.charges.take() {
-            let status = session.response_written().map_or(0, |r| r.status.as_u16());
-            let settlement = charges.settle(status, &Vec::<(String, String)>::new());
-            self.settle(settlement).await;
-        }
-        // Settled exactly once, whatever happened to the response.
-        if let Some(metering) = ctx.metering.take() {
-            if let Some((reason, encoding)) = metering.meter.as_ref().and_then(|m| m.undecodable())
-            {
-                self.gateway
-                    .metrics
-                    .llm_undecodable(encoding, reason.as_str());
-                tracing::warn!(
-                    // The upstream's `Content-Encoding`: escaped like every value of a line.
-                    encoding = %crate::telemetry::log_line::value(encoding),
-                    reason = reason.as_str(),
-                    "LLM response body could not be decoded: the reservation stays charged as reserved"
-                );
-            }
-            let (used, reported_prompt, source) = metering.used();
-            let spent = metering.spent();
-            self.gateway
-                .tokens
-                .settle(
-                    &metering.reservation,
-                    (used, spent),
-                    reported_prompt,
-                    source,
-                )
-                .await;
+        // What is given back or settled awaits the store: boxed, and only when there is any,
+        // so this hook's future (moved whole into a box on every request) stays small.
+        if ctx.lease.is_some() || ctx.charges.is_some() || ctx.metering.is_some() {
+            let settled = Box::pin(self.give_back(session, ctx));
+            settled.await;
         }
         let mut trace = ctx.trace.take();
         let grpc_status = ctx
