@@ -1607,38 +1607,38 @@ impl ProxyHttp for Proxy {
         };
         // The per-server cap: wait in line for a slot (none when the group has no cap), within
         // the client's share, and only while the client is still there.
-        let slot =
-            match group.slots(addr) {
-                None => None,
-                Some(slots) => {
-                    match slots
-                        .acquire(
-                            // One client: an IPv6 client's whole /64 (`--ipv6-prefix`), as
-                            // it is to the limits, so rotating addresses buys no more slots.
-                            ctx.client_ip.or(ctx.peer).map(|ip| {
-                                crate::request::descriptor::client_net(
-                                    ip,
-                                    self.gateway.config.ipv6_prefix,
-                                )
-                            }),
-                            group.spec.queue_timeout,
-                            || self.gateway.metrics.upstream_queue(&group.spec.name),
-                            client_gone(session),
-                        )
-                        .await
-                    {
-                        Ok(slot) => Some(slot),
-                        Err(super::queue::QueueError::TimedOut) => return Err(Error::explain(
+        // The wait is boxed, and only for a capped group: inline, its future would grow this
+        // hook's, which Pingora moves whole into a box on every request.
+        let slot = match group.slots(addr) {
+            None => None,
+            Some(slots) => {
+                let acquiring = Box::pin(slots.acquire(
+                    // One client: an IPv6 client's whole /64 (`--ipv6-prefix`), as it is
+                    // to the limits, so rotating addresses buys no more slots.
+                    ctx.client_ip.or(ctx.peer).map(|ip| {
+                        crate::request::descriptor::client_net(ip, self.gateway.config.ipv6_prefix)
+                    }),
+                    group.spec.queue_timeout,
+                    || self.gateway.metrics.upstream_queue(&group.spec.name),
+                    client_gone(session),
+                ));
+                match acquiring.await {
+                    Ok(slot) => Some(slot),
+                    Err(super::queue::QueueError::TimedOut) => {
+                        return Err(Error::explain(
                             QUEUE_TIMED_OUT,
                             "the upstream server stayed at max_connections for queue_timeout_ms",
-                        )),
-                        Err(super::queue::QueueError::ClientGone) => return Err(Error::explain(
+                        ))
+                    }
+                    Err(super::queue::QueueError::ClientGone) => {
+                        return Err(Error::explain(
                             CLIENT_GONE_WHILE_QUEUED,
                             "the client went away while its request waited for an upstream slot",
-                        )),
+                        ))
                     }
                 }
-            };
+            }
+        };
         ctx.slot = slot;
         ctx.server = Some(addr);
         ctx.connect_tries += 1;
