@@ -519,7 +519,7 @@ impl Proxy {
             });
         }
         // The list [`Reply::refusal`] left is not written: the lines are.
-        drop(std::mem::take(&mut ctx.add_headers));
+        ctx.add_headers.clear();
         // Echoed only when `HeaderValue::from_str` would take it, as on the list path and on
         // admitted responses: visible ASCII, space and tab.
         let request_id = ctx
