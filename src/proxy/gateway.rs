@@ -134,8 +134,9 @@ pub struct RequestCtx {
     trace: Option<Box<crate::telemetry::traces::RequestSpan>>,
     /// The gRPC call the request is, if it is one.
     grpc: Option<Box<GrpcCall>>,
-    /// A request paced by a `delay` rule: its place in line until its turn comes.
-    pace: Option<crate::service::Pace>,
+    /// A request paced by a `delay` rule: its place in line until its turn comes (boxed: a
+    /// rare field should not widen what every request builds and Pingora moves).
+    pace: Option<Box<crate::service::Pace>>,
 }
 
 /// A `token_bucket_llm` reservation waiting for its response's usage.
@@ -773,7 +774,7 @@ impl Proxy {
             return ControlFlow::Continue(());
         };
         let waited = {
-            let wait = pace.wait();
+            let wait = (*pace).wait();
             tokio::pin!(wait);
             tokio::select! {
                 waited = &mut wait => Some(waited),
@@ -1070,7 +1071,7 @@ impl Proxy {
     /// proxy fails open, where the decision service answers 503) keeps its lease, its LLM
     /// reservation and the headers for its response.
     fn verdict(answer: Answer, ctx: &mut RequestCtx) -> ControlFlow<Reply> {
-        ctx.pace = answer.pace.map(|pace| *pace);
+        ctx.pace = answer.pace;
         if !answer.verdict.forwards() {
             if let Some(call) = ctx.grpc.as_deref_mut() {
                 call.refused = answer
