@@ -585,17 +585,7 @@ mod tests {
                 Watched::new(std::future::pending::<Option<u8>>(), clock.expired()).await
             })
         };
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        clock.disarm();
-        tokio::time::sleep(Duration::from_secs(100)).await;
-        assert!(!watched.is_finished());
-        // Armed again (its notification wakes the waiter): 3 s from now.
-        clock.arm(Duration::from_secs(3));
-        tokio::time::sleep(Duration::from_millis(2_900)).await;
-        assert!(!watched.is_finished());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        tokio::task::yield_now().await;
-        assert!(watched.is_finished());
+        serve_then_idle(&clock, &watched).await;
         assert_eq!(watched.await.unwrap(), None);
     }
 
@@ -607,12 +597,18 @@ mod tests {
             let clock = Arc::clone(&clock);
             tokio::spawn(async move { clock.expired().await })
         };
+        serve_then_idle(&clock, &waiter).await;
+    }
+
+    /// The timeline both deadline tests drive, `clock` armed for 10 s when it starts: at 5 s a
+    /// request is being served (disarmed: no deadline, however long it takes), at 105 s the
+    /// response is done (armed again, 3 s of idle); `waiter` must end at 108 s, not before.
+    async fn serve_then_idle<T>(clock: &DeadlineClock, waiter: &tokio::task::JoinHandle<T>) {
         tokio::time::sleep(Duration::from_secs(5)).await;
-        // A request is being served: no deadline, however long it takes.
         clock.disarm();
         tokio::time::sleep(Duration::from_secs(100)).await;
         assert!(!waiter.is_finished());
-        // Response done: 3 s of idle allowed from now (105 s).
+        // Armed again (its notification wakes the waiter): 3 s from now.
         clock.arm(Duration::from_secs(3));
         tokio::time::sleep(Duration::from_millis(2_900)).await;
         assert!(!waiter.is_finished());

@@ -499,26 +499,19 @@ impl Proxy {
         ctx: &mut RequestCtx,
         reply: Reply,
     ) -> std::result::Result<(u16, Vec<u8>, &'static str), Reply> {
-        let Reply::Refusal {
-            status,
-            body,
-            content_type,
-            lines: Some(lines),
-        } = reply
-        else {
-            return Err(reply);
-        };
-        if !matches!(
+        let h1 = matches!(
             session.as_downstream(),
             pingora::protocols::http::ServerSession::H1(_)
-        ) {
-            return Err(Reply::Refusal {
+        );
+        let (status, body, content_type, lines) = match reply {
+            Reply::Refusal {
                 status,
                 body,
                 content_type,
                 lines: Some(lines),
-            });
-        }
+            } if h1 => (status, body, content_type, lines),
+            other => return Err(other),
+        };
         // The list [`Reply::refusal`] left is not written: the lines are.
         ctx.add_headers.clear();
         // Echoed only when `HeaderValue::from_str` would take it, as on the list path and on
