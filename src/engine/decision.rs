@@ -265,6 +265,11 @@ impl RuleOutcome<'_> {
 }
 
 /// The rules a request was checked against.
+///
+/// Always boxed ([`Checked::new`]): at about 500 bytes (four rule outcomes inline) it was
+/// copied whole each time the plan, the store's answer and the decision passed it on, about
+/// 500 instructions of `memcpy` and a hundred data-cache write misses a request; one
+/// allocation costs less.
 #[derive(Debug, Clone)]
 pub struct Checked<'b> {
     /// The bundle the decision was made with (for metrics tables built per bundle).
@@ -451,8 +456,8 @@ impl<'b> SlotOutcome<'b> {
 }
 
 impl<'b> Checked<'b> {
-    pub(crate) fn new(bundle: &'b Bundle) -> Self {
-        Checked {
+    pub(crate) fn new(bundle: &'b Bundle) -> Box<Self> {
+        Box::new(Checked {
             bundle,
             rules: SmallVec::new(),
             shadow_missing: None,
@@ -464,7 +469,7 @@ impl<'b> Checked<'b> {
             reserved: Vec::new(),
             owed: Vec::new(),
             paced: None,
-        }
+        })
     }
 
     /// The concurrency slots this request holds, to give back when it is done.
@@ -705,7 +710,7 @@ pub struct Refusal<'b> {
     pub retry_by_deadline: bool,
     pub cause: Cause<'b>,
     /// The rules checked (empty unless the buckets refused).
-    pub checked: Option<Checked<'b>>,
+    pub checked: Option<Box<Checked<'b>>>,
 }
 
 /// The request a decision was made for, as its consumers name it: the client's address, the
@@ -751,7 +756,7 @@ pub struct Decided<'d> {
 pub enum Decision<'b> {
     /// No valid bundle is loaded.
     NoPolicy,
-    Allow(Checked<'b>),
+    Allow(Box<Checked<'b>>),
     Refuse(Refusal<'b>),
 }
 
@@ -792,7 +797,7 @@ impl<'b> Decision<'b> {
         match self {
             Decision::NoPolicy => None,
             Decision::Allow(c) => Some(c),
-            Decision::Refuse(r) => r.checked.as_ref(),
+            Decision::Refuse(r) => r.checked.as_deref(),
         }
     }
 

@@ -80,7 +80,7 @@ pub struct Pending<'b> {
     pub ops: SmallVec<[BucketOp; 4]>,
     /// Concurrency slots to take first (see [`Pending::admit`]), one per slot outcome.
     pub leases: SmallVec<[LeaseOp; 1]>,
-    checked: Checked<'b>,
+    checked: Box<Checked<'b>>,
 }
 
 impl<'b> Pending<'b> {
@@ -795,7 +795,7 @@ fn fill_outcomes<'b>(checked: &mut Checked<'b>, results: &OpResults) -> Filled<'
 /// for as long as it stays open, else the longest wait's, a budget's (its window's end) or a
 /// bucket's, with that rule's reason.
 #[inline]
-fn refused_by_buckets(checked: Checked<'_>) -> Refusal<'_> {
+fn refused_by_buckets(checked: Box<Checked<'_>>) -> Refusal<'_> {
     let tripped = checked
         .rules
         .iter()

@@ -14,7 +14,7 @@ use smallvec::SmallVec;
 /// than its `max_wait_ms` (the spent tokens are then in [`Checked::paced`], for the caller to
 /// give back).
 pub(crate) fn paced<'b>(
-    mut checked: Checked<'b>,
+    mut checked: Box<Checked<'b>>,
     ops: &[BucketOp],
     results: &OpResults,
 ) -> Decision<'b> {
@@ -72,7 +72,7 @@ pub(crate) fn paced<'b>(
 /// Turns a paced request into a refusal by its paced rule, telling the client to come back in
 /// `retry_us`: every enforced bucket it spent on reads as unspent (the caller gives the
 /// tokens back with [`Paced::refund_ops`]). A decision without a wait is returned as it is.
-pub fn refuse(mut checked: Checked<'_>, retry_us: u64) -> Decision<'_> {
+pub fn refuse(mut checked: Box<Checked<'_>>, retry_us: u64) -> Decision<'_> {
     let Some(paced) = checked.paced.as_deref() else {
         return Decision::Allow(checked);
     };

@@ -59,7 +59,7 @@ pub(crate) fn write_bucket(
 /// enforced refusal found before the store.
 pub(crate) struct Planning<'b> {
     /// Every applicable rule's outcome, slot, and reservation, in policy order.
-    pub(crate) checked: Checked<'b>,
+    pub(crate) checked: Box<Checked<'b>>,
     pub(crate) ops: SmallVec<[BucketOp; 4]>,
     /// Leases to take before the bucket operations (slots, loop marks, open breakers).
     pub(crate) leases: SmallVec<[LeaseOp; 1]>,
