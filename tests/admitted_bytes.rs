@@ -33,6 +33,11 @@ const UPSTREAM_RESPONSE: &str = "HTTP/1.1 200 OK\r\n\
 
 /// An HTTP/1.1 upstream that records each request head as it arrived, bytes as sent.
 fn recording_upstream() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    recording_upstream_answering(UPSTREAM_RESPONSE)
+}
+
+/// [`recording_upstream`], answering every request with `answer`.
+fn recording_upstream_answering(answer: &'static str) -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let heads = Arc::new(Mutex::new(Vec::new()));
@@ -48,7 +53,7 @@ fn recording_upstream() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
                         let head = String::from_utf8_lossy(&raw[..end + 4]).into_owned();
                         raw.drain(..end + 4);
                         seen.lock().unwrap().push(head);
-                        if conn.write_all(UPSTREAM_RESPONSE.as_bytes()).is_err() {
+                        if conn.write_all(answer.as_bytes()).is_err() {
                             return;
                         }
                     }
@@ -274,5 +279,62 @@ fn an_admitted_request_with_the_access_log_carries_its_request_id_both_ways() {
     assert_eq!(
         normalised_response(response, 0),
         expected_response("x-request-id: <id>\r\n", "keep-alive")
+    );
+}
+
+#[test]
+fn an_upstreams_own_ratelimit_and_request_id_headers_are_replaced_by_the_gateways() {
+    // The upstream sends headers of the names the gateway adds, in any case: the client gets
+    // the gateway's values once, after the upstream's other headers.
+    let (upstream, heads) = recording_upstream_answering(
+        "HTTP/1.1 200 OK\r\n\
+         Content-Type: text/plain\r\n\
+         RateLimit: \"upstream\";r=5;t=1\r\n\
+         X-Upstream: yes\r\n\
+         X-Request-Id: upstream-id\r\n\
+         Cache-Control: no-store\r\n\
+         Content-Length: 2\r\n\
+         \r\n\
+         ok",
+    );
+    let gw = Gateway::start(Some(ALLOW), Some(upstream), &["--access-log", "json"]);
+    let mut stream = connect(&gw);
+    let (_, response) = exchange(
+        &mut stream,
+        &heads,
+        "GET /v1/x HTTP/1.1\r\nHost: a\r\nX-Request-Id: req-8\r\n\r\n",
+    );
+    assert_eq!(
+        normalised_response(response, 1),
+        "HTTP/1.1 200 OK\r\n\
+         Content-Type: text/plain\r\n\
+         ratelimit: \"per-ip\";r=999;t=<t>\r\n\
+         x-upstream: yes\r\n\
+         x-request-id: req-8\r\n\
+         Cache-Control: no-store\r\n\
+         Content-Length: 2\r\n\
+         ratelimit-policy: \"per-ip\";q=1000;w=1000000000\r\n\
+         ratelimit-limit: 1000\r\n\
+         ratelimit-remaining: 999\r\n\
+         ratelimit-reset: <t>\r\n\
+         Date: <date>\r\n\
+         Connection: keep-alive\r\n\
+         \r\n\
+         ok"
+    );
+    // With no name in common, the same headers follow the upstream's, as pinned above.
+    let (gw, _, heads) = gateway_and_upstream(Some(ALLOW), &["--access-log", "json"]);
+    let mut stream = connect(&gw);
+    let (_, response) = exchange(
+        &mut stream,
+        &heads,
+        "GET /v1/x HTTP/1.1\r\nHost: a\r\nX-Request-Id: req-9\r\n\r\n",
+    );
+    assert_eq!(
+        normalised_response(response, 1),
+        expected_response(
+            &format!("{}x-request-id: req-9\r\n", limit_headers(999)),
+            "keep-alive"
+        )
     );
 }

@@ -207,6 +207,16 @@ impl HeaderLines {
         &self.buf
     }
 
+    /// The lines, each ending in CRLF, to hand on.
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.buf
+    }
+
+    /// Appends a line, unless `value` holds a byte a header value may not.
+    pub fn push_bytes(&mut self, name: &HeaderName, value: &[u8]) {
+        self.push(name, |buf| buf.extend_from_slice(value));
+    }
+
     /// The same headers as a list, in order.
     pub fn into_list(self) -> HeaderList {
         self.buf
@@ -313,17 +323,24 @@ pub fn build(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
     }
 }
 
-/// [`build`] for a front end that writes HTTP/1 itself: a refusal's headers come as
-/// [`HeaderLines`], the bytes it sends. Any other response comes as a list, and so does a
-/// kill switch's refusal that also reports a rule (its `RateLimit-Remaining` and
-/// `RateLimit-Reset` appear twice, and a header map would send the two values together).
+/// [`build`] for a front end that writes HTTP/1 itself: the headers of a refusal, and of an
+/// admission that has any, come as [`HeaderLines`], the bytes it sends. Any other response
+/// comes as a list, and so does a kill switch's refusal that also reports a rule (its
+/// `RateLimit-Remaining` and `RateLimit-Reset` appear twice, and a header map would send the
+/// two values together).
 pub fn build_lines(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
     let decision = &decided.decision;
-    let Decision::Refuse(refusal) = decision else {
-        return build(decided, config);
-    };
-    if refusal.reason == Reason::KillSwitch && shown(decision).next().is_some() {
-        return build(decided, config);
+    match decision {
+        Decision::Refuse(refusal)
+            if refusal.reason == Reason::KillSwitch && shown(decision).next().is_some() =>
+        {
+            return build(decided, config);
+        }
+        Decision::Refuse(_) => {}
+        Decision::Allow(checked)
+            if shown(decision).next().is_some() || checked.warning().is_some() => {}
+        // Nothing to write: the (empty) list, without allocating.
+        _ => return build(decided, config),
     }
     let mut lines = HeaderLines {
         buf: Vec::with_capacity(256),
@@ -335,6 +352,13 @@ pub fn build_lines(decided: &Decided<'_>, config: &HeaderConfig) -> Response {
         body,
         lines: Some(lines),
     }
+}
+
+/// Whether `name` may be one of the headers [`write`] gives an admitted request (the
+/// `RateLimit` family and the warning header): a front end that writes an admission's lines
+/// after an upstream's headers sends the upstream's of such a name no more.
+pub fn may_be_admitted_header(name: &HeaderName, config: &HeaderConfig) -> bool {
+    name.as_str().starts_with("ratelimit") || *name == config.warning_header
 }
 
 /// The enforced rules that tracked a bucket; shadow rules add nothing to the client response.
@@ -635,8 +659,9 @@ mod tests {
         out
     }
 
-    /// A refusal's lines are its list written out, and read back they are the list; an allowed
-    /// decision comes as a list; a kill switch's refusal (no rule reported) comes as lines.
+    /// A refusal's lines are its list written out, and read back they are the list; so are an
+    /// admission's, whose names are all ones [`may_be_admitted_header`] knows; a kill switch's
+    /// refusal (no rule reported) comes as lines.
     #[test]
     fn a_refusal_as_lines_is_its_list_written_out() {
         let store = MemoryStore::new(MemoryStoreConfig::default());
@@ -651,9 +676,24 @@ mod tests {
             decision: e.decide(&facts),
             request,
         };
+        let allowed_list = build(&decided, &cfg);
+        assert_eq!(allowed_list.headers.len(), 5);
         let allowed = build_lines(&decided, &cfg);
-        assert!(allowed.lines.is_none());
-        assert_eq!(allowed.headers.len(), 5);
+        assert_eq!(allowed.status, 200);
+        assert!(allowed.headers.is_empty());
+        let allowed_lines = allowed.lines.unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(allowed_lines.as_bytes()),
+            String::from_utf8_lossy(&written(&allowed_list.headers))
+        );
+        assert_eq!(allowed_lines.into_list(), allowed_list.headers);
+        assert!(allowed_list
+            .headers
+            .iter()
+            .all(|(name, _)| may_be_admitted_header(name, &cfg)));
+        assert!(may_be_admitted_header(&cfg.warning_header, &cfg));
+        assert!(!may_be_admitted_header(&http::header::RETRY_AFTER, &cfg));
+        assert!(!may_be_admitted_header(&cfg.reason_header, &cfg));
         e.decide(&facts);
         let decided = Decided {
             decision: e.decide(&facts),

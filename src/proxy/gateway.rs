@@ -5,7 +5,7 @@
 use super::grpc_call::{Gate, GrpcCall};
 use super::own_response::X_REQUEST_ID;
 use super::upstreams::{Group, Upstreams};
-use crate::engine::headers::HeaderList;
+use crate::engine::headers::{HeaderLines, HeaderList};
 use crate::engine::Reason;
 use crate::request::descriptor::RequestFacts;
 use crate::service::{Answer, Gateway, HttpHeaders};
@@ -99,6 +99,9 @@ pub struct RequestCtx {
     /// Headers to add to the upstream's response (or to the gateway's own refusal, until it
     /// is written).
     add_headers: HeaderList,
+    /// An admitted request's decision headers as HTTP/1 lines (an HTTP/1 client): written
+    /// after the upstream's headers as they are, without a header map's work.
+    add_lines: Option<HeaderLines>,
     /// The TCP peer, appended to `X-Forwarded-For` towards the upstream.
     peer: Option<IpAddr>,
     /// What the access-log line needs (only with `--access-log`: no cost otherwise).
@@ -1087,7 +1090,9 @@ impl Proxy {
                 stop: None,
             })
         });
-        ctx.add_headers = answer.response.headers;
+        let response = answer.response;
+        ctx.add_headers = response.headers;
+        ctx.add_lines = response.lines;
         ControlFlow::Continue(())
     }
 
@@ -1102,7 +1107,13 @@ impl Proxy {
         let upstreams = self.upstreams.load();
         let Some((group, rules)) = upstreams.route_with_rules(facts.host_name(), &facts.path)
         else {
-            // The allowed answer's headers, already in `ctx`, go with the 404.
+            // The allowed answer's headers, already in `ctx`, go with the 404 (as a list: the
+            // 404's writer adds its own).
+            if let Some(lines) = ctx.add_lines.take() {
+                let mut headers = lines.into_list();
+                headers.extend(std::mem::take(&mut ctx.add_headers));
+                ctx.add_headers = headers;
+            }
             return ControlFlow::Break(Reply::Refusal {
                 status: 404,
                 body: Some("Not Found: no route for this host and path\n"),
@@ -1868,8 +1879,43 @@ impl ProxyHttp for Proxy {
         }
         if let Some(access) = ctx.access.as_deref_mut() {
             access.upstream_secs = access.upstream_started.map(|at| at.elapsed().as_secs_f64());
-            if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
-                ctx.add_headers.push((X_REQUEST_ID.clone(), id));
+            match ctx.add_lines.as_mut() {
+                // Echoed only when `HeaderValue::from_str` would take it (visible ASCII,
+                // space and tab), as on the list path.
+                Some(lines) => {
+                    let id = access.request_id.as_bytes();
+                    if id.iter().all(|&b| (0x20..0x7f).contains(&b) || b == b'\t') {
+                        lines.push_bytes(&X_REQUEST_ID, id);
+                    }
+                }
+                None => {
+                    if let Ok(id) = http::HeaderValue::from_str(&access.request_id) {
+                        ctx.add_headers.push((X_REQUEST_ID.clone(), id));
+                    }
+                }
+            }
+        }
+        if let Some(lines) = ctx.add_lines.take() {
+            let rules = ctx.forwarding.rules.as_deref();
+            let config = &self.gateway.header_config;
+            // A name compare per upstream header, where looking each line's name up in the
+            // upstream's map would hash it.
+            let ours = |name: &http::HeaderName| {
+                crate::engine::headers::may_be_admitted_header(name, config)
+                    || *name == X_REQUEST_ID
+            };
+            if rules.is_none_or(|r| r.response.is_empty())
+                && !upstream_response.headers.keys().any(ours)
+            {
+                // Written after the upstream's headers as they are, through the carried
+                // pingora-http's `append_h1_lines_canonical`: no header map work for them.
+                upstream_response.append_h1_lines_canonical(lines.into_bytes());
+            } else {
+                // The route's response rules may read or change them, or the upstream sent a
+                // header of the same name (ours replaces it): into the map.
+                let mut headers = lines.into_list();
+                headers.extend(std::mem::take(&mut ctx.add_headers));
+                ctx.add_headers = headers;
             }
         }
         if !ctx.add_headers.is_empty() {

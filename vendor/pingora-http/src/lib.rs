@@ -261,7 +261,12 @@ impl RequestHeader {
     ///
     /// The header case will be preserved.
     pub fn header_to_h1_wire(&self, buf: &mut impl BufMut) {
-        header_to_h1_wire(self.header_name_map.as_ref(), &self.base.headers, buf)
+        header_to_h1_wire(
+            self.header_name_map.as_ref(),
+            &self.base.headers,
+            (0, &[]),
+            buf,
+        )
     }
 
     /// If case sensitivity is enabled, returns an iterator to iterate over case-sensitive header names and values.
@@ -473,6 +478,9 @@ pub struct ResponseHeader {
     header_name_map: Option<CaseMap>,
     // the reason phrase of the response, if unset, a default one will be used
     reason_phrase: Option<String>,
+    // header lines already in HTTP/1 wire form, written after the first `.0` headers of the
+    // map (see `append_h1_lines_canonical`); empty: none
+    h1_lines: (usize, Vec<u8>),
 }
 
 impl AsRef<RespParts> for ResponseHeader {
@@ -495,6 +503,7 @@ impl Clone for ResponseHeader {
             base: self.as_owned_parts(),
             header_name_map: self.header_name_map.clone(),
             reason_phrase: self.reason_phrase.clone(),
+            h1_lines: self.h1_lines.clone(),
         }
     }
 }
@@ -506,6 +515,7 @@ impl From<RespParts> for ResponseHeader {
             base: parts,
             header_name_map: None,
             reason_phrase: None,
+            h1_lines: (0, Vec::new()),
         }
     }
 }
@@ -538,6 +548,7 @@ impl ResponseHeader {
             base,
             header_name_map: None,
             reason_phrase: None,
+            h1_lines: (0, Vec::new()),
         }
     }
 
@@ -637,6 +648,28 @@ impl ResponseHeader {
         }
     }
 
+    /// Appends header lines already in HTTP/1 wire form (`name: value\r\n` each), to be
+    /// written right after the headers the map holds now, and, as
+    /// [Self::insert_headers_canonical()] does, drops the header name map: every name then goes
+    /// out in canonical form.
+    ///
+    /// The lines are not in the header map: lookups do not see them, nothing checks them, and
+    /// only [Self::header_to_h1_wire()] writes them (a conversion to HTTP/2 or to
+    /// [RespParts] drops them). The caller keeps the map free of their names.
+    pub fn append_h1_lines_canonical(&mut self, lines: Vec<u8>) {
+        self.header_name_map = None;
+        if self.h1_lines.1.is_empty() {
+            self.h1_lines = (self.base.headers.len(), lines);
+        } else {
+            self.h1_lines.1.extend_from_slice(&lines);
+        }
+    }
+
+    /// The header lines [Self::append_h1_lines_canonical()] appended (empty: none).
+    pub fn h1_lines(&self) -> &[u8] {
+        &self.h1_lines.1
+    }
+
     /// Remove all headers under the name
     pub fn remove_header<'a, N: ?Sized>(&mut self, name: &'a N) -> Option<HeaderValue>
     where
@@ -649,7 +682,13 @@ impl ResponseHeader {
     ///
     /// The header case will be preserved.
     pub fn header_to_h1_wire(&self, buf: &mut impl BufMut) {
-        header_to_h1_wire(self.header_name_map.as_ref(), &self.base.headers, buf)
+        let (at, lines) = &self.h1_lines;
+        header_to_h1_wire(
+            self.header_name_map.as_ref(),
+            &self.base.headers,
+            (*at, lines),
+            buf,
+        )
     }
 
     /// If case sensitivity is enabled, returns an iterator to iterate over case-sensitive header names and values.
@@ -1078,12 +1117,31 @@ fn normalize_field_value(raw: bytes::Bytes) -> bytes::Bytes {
 }
 
 #[inline]
-fn header_to_h1_wire(key_map: Option<&CaseMap>, value_map: &HMap, buf: &mut impl BufMut) {
+/// Writes the headers, with `lines` (already in wire form) after the first `lines.0` of them.
+fn header_to_h1_wire(
+    key_map: Option<&CaseMap>,
+    value_map: &HMap,
+    lines: (usize, &[u8]),
+    buf: &mut impl BufMut,
+) {
     const CRLF: &[u8; 2] = b"\r\n";
     const HEADER_KV_DELIMITER: &[u8; 2] = b": ";
 
+    let (lines_at, lines) = lines;
+    let mut lines_left = (!lines.is_empty()).then_some(lines);
+    let mut written = 0;
+    // Before each header: the lines, once `lines_at` headers are out.
+    let mut lines_before_next = |buf: &mut _| {
+        if written == lines_at {
+            if let Some(lines) = lines_left.take() {
+                BufMut::put_slice(buf, lines);
+            }
+        }
+        written += 1;
+    };
     if let Some(key_map) = key_map {
         case_header_iter(key_map.into(), value_map).for_each(|(case_header, val)| {
+            lines_before_next(buf);
             buf.put_slice(case_header.as_slice());
             buf.put_slice(HEADER_KV_DELIMITER);
             buf.put_slice(val.as_ref());
@@ -1091,6 +1149,7 @@ fn header_to_h1_wire(key_map: Option<&CaseMap>, value_map: &HMap, buf: &mut impl
         });
     } else {
         for (header, value) in value_map {
+            lines_before_next(buf);
             let titled_header =
                 case_header_name::titled_header_name_str(header).unwrap_or(header.as_str());
             buf.put_slice(titled_header.as_bytes());
@@ -1098,6 +1157,10 @@ fn header_to_h1_wire(key_map: Option<&CaseMap>, value_map: &HMap, buf: &mut impl
             buf.put_slice(value.as_ref());
             buf.put_slice(CRLF);
         }
+    }
+    // Fewer headers than when the lines were appended (some removed since): they go last.
+    if let Some(lines) = lines_left {
+        buf.put_slice(lines);
     }
 }
 
@@ -1988,5 +2051,50 @@ mod tests {
         // `HeaderValue`.
         let hv = header_value_from_raw(bytes::Bytes::from_static(b"foo\rbar\0baz"));
         assert_eq!(hv.as_bytes(), b"foo bar baz");
+    }
+
+    fn h1_wire(resp: &ResponseHeader) -> String {
+        let mut buf = bytes::BytesMut::new();
+        resp.header_to_h1_wire(&mut buf);
+        String::from_utf8(buf.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn h1_lines_go_after_the_headers_the_map_held() {
+        let mut resp = ResponseHeader::build(200, None).unwrap();
+        resp.append_header("x-UPSTREAM", "yes").unwrap();
+        resp.append_header("content-type", "text/plain").unwrap();
+        resp.append_h1_lines_canonical(b"ratelimit: \"a\";r=1;t=2\r\n".to_vec());
+        resp.append_h1_lines_canonical(b"x-request-id: r1\r\n".to_vec());
+        // Inserted after the lines: written after them.
+        resp.insert_header("date", "now").unwrap();
+        let expected = "x-upstream: yes\r\nContent-Type: text/plain\r\n\
+            ratelimit: \"a\";r=1;t=2\r\nx-request-id: r1\r\nDate: now\r\n";
+        assert_eq!(h1_wire(&resp), expected);
+        assert_eq!(
+            resp.h1_lines(),
+            b"ratelimit: \"a\";r=1;t=2\r\nx-request-id: r1\r\n"
+        );
+        // Not in the map.
+        assert!(resp.headers.get("ratelimit").is_none());
+        assert_eq!(h1_wire(&resp.clone()), expected);
+
+        // A header removed since: the lines still go out once, after the rest.
+        resp.remove_header("date");
+        resp.remove_header("content-type");
+        resp.remove_header("x-upstream");
+        assert_eq!(
+            h1_wire(&resp),
+            "ratelimit: \"a\";r=1;t=2\r\nx-request-id: r1\r\n"
+        );
+
+        // No lines: the map alone, as before.
+        let mut plain = ResponseHeader::build(204, None).unwrap();
+        plain.append_header("X-Upstream", "yes").unwrap();
+        assert_eq!(h1_wire(&plain), "X-Upstream: yes\r\n");
+        assert!(plain.h1_lines().is_empty());
+        // Dropped with the parts (HTTP/2 writes from those).
+        let parts: RespParts = resp.into();
+        assert!(parts.headers.get("x-request-id").is_none());
     }
 }
