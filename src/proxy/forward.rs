@@ -99,6 +99,9 @@ struct Sent {
     forwarded_for: bool,
     /// A `Forwarded` line.
     forwarded: bool,
+    /// An `X-Forwarded-Proto`, `-Host` or `-Port` line (or, past [`WALK_AT_MOST`] headers,
+    /// perhaps one: not looked up).
+    forwarding: bool,
 }
 
 /// Headers up to which one walk over a request's lines is cheaper than three lookups by name
@@ -113,12 +116,14 @@ impl Sent {
                 host: host_of(req),
                 forwarded_for: headers.contains_key(X_FORWARDED_FOR.0),
                 forwarded: headers.contains_key(http::header::FORWARDED),
+                forwarding: true,
             };
         }
         let mut sent = Sent {
             host: None,
             forwarded_for: false,
             forwarded: false,
+            forwarding: false,
         };
         for (name, value) in headers {
             if name == http::header::HOST {
@@ -129,6 +134,11 @@ impl Sent {
                 sent.forwarded_for = true;
             } else if name == http::header::FORWARDED {
                 sent.forwarded = true;
+            } else if name == X_FORWARDED_PROTO.0
+                || name == X_FORWARDED_HOST.0
+                || name == X_FORWARDED_PORT.0
+            {
+                sent.forwarding = true;
             }
         }
         if let Some(authority) = req.uri.authority() {
@@ -155,16 +165,42 @@ fn forwarded_for_upstream(headers: &http::HeaderMap, peer: IpAddr) -> Vec<u8> {
 
 /// Sets the forwarding headers (`X-Forwarded-For`, `-Proto`, `-Host`, `-Port`, and `Forwarded`
 /// when asked for) on the client's request header, which Pingora copies for each attempt to
-/// reach an upstream. `peer`: the TCP peer.
+/// reach an upstream. `peer`: the TCP peer. `lines`: the request goes to its upstream over
+/// HTTP/1 with no `request_headers` rule to read or change these headers, so when the client
+/// sent none of them they may go as header lines after the client's own (the carried
+/// pingora-http's `append_h1_lines`: no header map work, the same bytes on the wire).
 pub fn to_request(
     conn: &ConnectionValues,
     req: &mut RequestHeader,
     fwd: &Forwarding,
     peer: Option<IpAddr>,
+    lines: bool,
 ) -> Result<()> {
+    let sent = Sent::of(req);
+    let proto = if conn.tls { "https" } else { "http" };
+    if lines && !sent.forwarded_for && !sent.forwarding && (peer.is_none() || conn.peer.is_some()) {
+        let mut buf = Vec::with_capacity(128);
+        let mut line = |wire: &str, value: &[u8]| {
+            buf.extend_from_slice(wire.as_bytes());
+            buf.extend_from_slice(b": ");
+            buf.extend_from_slice(value);
+            buf.extend_from_slice(b"\r\n");
+        };
+        if let (Some(_), Some(text)) = (peer, &conn.peer) {
+            line(X_FORWARDED_FOR.1, text.as_bytes());
+        }
+        line(X_FORWARDED_PROTO.1, proto.as_bytes());
+        if let Some(host) = &sent.host {
+            line(X_FORWARDED_HOST.1, host.as_bytes());
+        }
+        if let Some(port) = &conn.port {
+            line(X_FORWARDED_PORT.1, port.as_bytes());
+        }
+        req.append_h1_lines(buf);
+        return forwarded_to_request(req, fwd, peer, sent, proto);
+    }
     // Append the hop we saw (the TCP peer) to the chain; every earlier line is folded into
     // one. Without a chain, the peer's text made once for the connection is the value.
-    let sent = Sent::of(req);
     if let Some(peer) = peer.map(crate::request::descriptor::canonical_ip) {
         match &conn.peer {
             Some(text) if !sent.forwarded_for => {
@@ -176,8 +212,6 @@ pub fn to_request(
             }
         }
     }
-    let proto = if conn.tls { "https" } else { "http" };
-    let host = sent.host;
     let keep = |req: &RequestHeader, name: &http::HeaderName| {
         fwd.peer_trusted && req.headers.contains_key(name)
     };
@@ -187,7 +221,7 @@ pub fn to_request(
     }
     let (name, wire) = &X_FORWARDED_HOST;
     if !keep(req, name) {
-        match &host {
+        match &sent.host {
             Some(host) => req.insert_header_parsed(name, wire, host.clone()),
             None => {
                 req.remove_header(name);
@@ -203,8 +237,20 @@ pub fn to_request(
             }
         }
     }
+    forwarded_to_request(req, fwd, peer, sent, proto)
+}
+
+/// `Forwarded` towards the upstream, when the gateway file asks for it; a client's dropped.
+fn forwarded_to_request(
+    req: &mut RequestHeader,
+    fwd: &Forwarding,
+    peer: Option<IpAddr>,
+    sent: Sent,
+    proto: &str,
+) -> Result<()> {
     if fwd.forwarded {
-        let element = forwarded_element(peer, host.as_ref().and_then(|h| h.to_str().ok()), proto);
+        let host = sent.host.as_ref().and_then(|h| h.to_str().ok());
+        let element = forwarded_element(peer, host, proto);
         let mut value = Vec::with_capacity(element.len() + 64);
         if fwd.peer_trusted {
             for line in req.headers.get_all(FORWARDED) {
@@ -296,7 +342,12 @@ mod tests {
             tls: false,
         };
         let peer: IpAddr = "203.0.113.7".parse().unwrap();
-        for padding in [0, WALK_AT_MOST] {
+        for (padding, lines) in [
+            (0, false),
+            (0, true),
+            (WALK_AT_MOST, false),
+            (WALK_AT_MOST, true),
+        ] {
             let mut req = RequestHeader::build("GET", b"/", None).unwrap();
             req.append_header("Host", "a.example").unwrap();
             req.append_header("Host", "b.example").unwrap();
@@ -306,7 +357,9 @@ mod tests {
             for i in 0..padding {
                 req.append_header(format!("x-pad-{i}"), "1").unwrap();
             }
-            to_request(&conn, &mut req, &Forwarding::default(), Some(peer)).unwrap();
+            // A client's chain is extended in the map, lines or not.
+            to_request(&conn, &mut req, &Forwarding::default(), Some(peer), lines).unwrap();
+            assert!(req.h1_lines().is_empty());
             let value = |name: &str| {
                 req.headers
                     .get(name)
@@ -340,7 +393,9 @@ mod tests {
             tls: true,
         };
         let peer: IpAddr = "203.0.113.7".parse().unwrap();
-        to_request(&conn, &mut req, &Forwarding::default(), Some(peer)).unwrap();
+        // A client's `X-Forwarded-Proto` is replaced in the map, lines or not.
+        to_request(&conn, &mut req, &Forwarding::default(), Some(peer), true).unwrap();
+        assert!(req.h1_lines().is_empty());
         let mut wire = Vec::new();
         req.header_to_h1_wire(&mut wire);
         assert_eq!(
@@ -351,5 +406,53 @@ mod tests {
              x-forwarded-host: api.example.com\r\n\
              x-forwarded-port: 8443\r\n"
         );
+    }
+
+    /// A request that sent none of the forwarding headers gets them as lines, with the bytes
+    /// the map would have written, and a `Forwarded` asked for after them.
+    #[test]
+    fn forwarding_lines_are_the_bytes_the_map_writes() {
+        let peer: IpAddr = "2001:db8::7".parse().unwrap();
+        for (tls, host, port, forwarded) in [
+            (false, Some("api.example"), Some("8080"), false),
+            (true, None, Some("443"), true),
+            (false, Some("a"), None, true),
+        ] {
+            let conn = ConnectionValues {
+                peer: Some(HeaderValue::from_static("2001:db8::7")),
+                port: port.map(HeaderValue::from_static),
+                tls,
+            };
+            let fwd = Forwarding {
+                forwarded,
+                ..Forwarding::default()
+            };
+            let wire = |lines: bool| {
+                let mut req = RequestHeader::build("GET", b"/v1/orders", None).unwrap();
+                req.append_header("User-Agent", "t/1").unwrap();
+                if let Some(host) = host {
+                    req.insert_header("Host", host).unwrap();
+                }
+                to_request(&conn, &mut req, &fwd, Some(peer), lines).unwrap();
+                assert_eq!(req.h1_lines().is_empty(), !lines);
+                let mut wire = Vec::new();
+                req.header_to_h1_wire(&mut wire);
+                String::from_utf8(wire).unwrap()
+            };
+            let from_map = wire(false);
+            assert_eq!(wire(true), from_map);
+            let proto = if tls { "https" } else { "http" };
+            assert!(
+                from_map.contains(&format!(
+                    "X-Forwarded-For: 2001:db8::7\r\nx-forwarded-proto: {proto}\r\n"
+                )),
+                "{from_map}"
+            );
+            assert_eq!(
+                from_map.contains("Forwarded: for="),
+                forwarded,
+                "{from_map}"
+            );
+        }
     }
 }

@@ -1584,13 +1584,20 @@ impl ProxyHttp for Proxy {
     ) -> Result<Box<HttpPeer>> {
         // The forwarding headers go on the client's request header itself, once: Pingora copies
         // it for every attempt, and it has room for them (a copy made first would grow).
-        if ctx.connect_tries == 0 && ctx.group.is_some() {
+        if let (0, Some(group)) = (ctx.connect_tries, ctx.group.as_ref()) {
             let (peer, forwarding) = (ctx.peer, &ctx.forwarding);
+            // Over HTTP/1, with no request rule to see them, they may go as header lines.
+            let lines = !group.spec.protocol.is_http2()
+                && forwarding
+                    .rules
+                    .as_deref()
+                    .is_none_or(|r| r.request.is_empty());
             super::conn::with_forwarding_values(
                 session,
                 |session| super::forward::ConnectionValues::of(session, peer),
                 |session, conn| {
-                    super::forward::to_request(conn, session.req_header_mut(), forwarding, peer)
+                    let req = session.req_header_mut();
+                    super::forward::to_request(conn, req, forwarding, peer, lines)
                 },
             )?;
         }

@@ -88,6 +88,9 @@ pub struct RequestHeader {
     raw_target: RawTarget,
     // whether we send END_STREAM with HEADERS for h2 requests
     send_end_stream: bool,
+    // header lines already in HTTP/1 wire form, written after the first `.0` headers of the
+    // map (see `append_h1_lines`); empty: none
+    h1_lines: (usize, Vec<u8>),
 }
 
 /// How a request-target is stored, and how [`RequestHeader::raw_path`] recovers it.
@@ -155,6 +158,7 @@ impl RequestHeader {
             header_name_map: None,
             raw_target: RawTarget::FromUri,
             send_end_stream: true,
+            h1_lines: (0, Vec::new()),
         }
     }
 
@@ -257,14 +261,35 @@ impl RequestHeader {
         remove_header(self.header_name_map.as_mut(), &mut self.base.headers, name)
     }
 
+    /// Appends header lines already in HTTP/1 wire form (`name: value\r\n` each), to be
+    /// written right after the headers the map holds now; the names keep the case they are
+    /// written in.
+    ///
+    /// The lines are not in the header map: lookups do not see them, nothing checks them, and
+    /// only [Self::header_to_h1_wire()] writes them (a request sent over HTTP/2, or converted
+    /// to [ReqParts], goes without them). The caller keeps the map free of their names.
+    pub fn append_h1_lines(&mut self, lines: Vec<u8>) {
+        if self.h1_lines.1.is_empty() {
+            self.h1_lines = (self.base.headers.len(), lines);
+        } else {
+            self.h1_lines.1.extend_from_slice(&lines);
+        }
+    }
+
+    /// The header lines [Self::append_h1_lines()] appended (empty: none).
+    pub fn h1_lines(&self) -> &[u8] {
+        &self.h1_lines.1
+    }
+
     /// Write the header to the `buf` in HTTP/1.1 wire format.
     ///
     /// The header case will be preserved.
     pub fn header_to_h1_wire(&self, buf: &mut impl BufMut) {
+        let (at, lines) = &self.h1_lines;
         header_to_h1_wire(
             self.header_name_map.as_ref(),
             &self.base.headers,
-            (0, &[]),
+            (*at, lines),
             buf,
         )
     }
@@ -432,6 +457,7 @@ impl Clone for RequestHeader {
             header_name_map: self.header_name_map.clone(),
             raw_target: self.raw_target.clone(),
             send_end_stream: self.send_end_stream,
+            h1_lines: self.h1_lines.clone(),
         }
     }
 }
@@ -448,6 +474,7 @@ impl From<ReqParts> for RequestHeader {
             // The Uri is the only target available here, so it is the one that serializes.
             raw_target: RawTarget::FromUri,
             send_end_stream: true,
+            h1_lines: (0, Vec::new()),
         }
     }
 }
@@ -2096,5 +2123,29 @@ mod tests {
         // Dropped with the parts (HTTP/2 writes from those).
         let parts: RespParts = resp.into();
         assert!(parts.headers.get("x-request-id").is_none());
+    }
+
+    #[test]
+    fn request_h1_lines_go_after_the_headers_the_map_held_and_keep_their_case() {
+        let mut req = RequestHeader::build("GET", b"/a", None).unwrap();
+        req.append_header("User-Agent", "t/1").unwrap();
+        req.append_h1_lines(b"X-Forwarded-For: 127.0.0.1\r\n".to_vec());
+        req.append_h1_lines(b"x-forwarded-proto: http\r\n".to_vec());
+        // Added after the lines (as a proxy adds `Host` to an HTTP/1.0 request): after them.
+        req.insert_header("Host", "up:80").unwrap();
+        let expected = "User-Agent: t/1\r\nX-Forwarded-For: 127.0.0.1\r\n\
+            x-forwarded-proto: http\r\nHost: up:80\r\n";
+        let mut buf = bytes::BytesMut::new();
+        req.header_to_h1_wire(&mut buf);
+        assert_eq!(String::from_utf8(buf.to_vec()).unwrap(), expected);
+        // A copy (one per attempt to reach an upstream) writes the same.
+        let mut buf = bytes::BytesMut::new();
+        req.clone().header_to_h1_wire(&mut buf);
+        assert_eq!(String::from_utf8(buf.to_vec()).unwrap(), expected);
+        assert_eq!(
+            req.h1_lines(),
+            b"X-Forwarded-For: 127.0.0.1\r\nx-forwarded-proto: http\r\n"
+        );
+        assert!(req.headers.get("x-forwarded-for").is_none());
     }
 }
