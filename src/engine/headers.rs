@@ -15,20 +15,24 @@ pub const DEFAULT_REASON_HEADER: &str = "X-Tollgate-Reason";
 
 /// The `Retry-After` jitter's identity: the request's verified JWT `sub`, client address and
 /// path, hashed. The same identity always gets the same offset.
+/// The bytes hashed are `sub`, 0, the address's octets, 0, the path: gathered on the stack and
+/// hashed in one call (the streaming hasher, fed piece by piece, gives the same value for about
+/// twice the instructions).
 fn jitter_hash(request: &RequestView<'_>) -> u64 {
-    let mut h = twox_hash::XxHash64::with_seed(0x746f_6c6c_6761_7465);
-    use std::hash::Hasher;
-    h.write(request.sub.unwrap_or("").as_bytes());
-    h.write_u8(0);
+    let mut identity: SmallVec<[u8; 192]> = SmallVec::new();
+    identity.extend_from_slice(request.sub.unwrap_or("").as_bytes());
+    identity.push(0);
     match request.client_ip {
-        Some(IpAddr::V4(v4)) => h.write(&v4.octets()),
-        Some(IpAddr::V6(v6)) => h.write(&v6.octets()),
+        Some(IpAddr::V4(v4)) => identity.extend_from_slice(&v4.octets()),
+        Some(IpAddr::V6(v6)) => identity.extend_from_slice(&v6.octets()),
         None => {}
     }
-    h.write_u8(0);
-    h.write(request.path.as_bytes());
-    h.finish()
+    identity.push(0);
+    identity.extend_from_slice(request.path.as_bytes());
+    twox_hash::XxHash64::oneshot(JITTER_SEED, &identity)
 }
+
+const JITTER_SEED: u64 = 0x746f_6c6c_6761_7465;
 
 /// `Retry-After` for a base wait `b`: uniform over `[b, ceil(1.5 b)]`, chosen by the identity's
 /// hash. Never shorter than `b`.
@@ -481,6 +485,26 @@ mod tests {
     use super::*;
 
     proptest::proptest! {
+        /// The jitter's identity hashes to what the streaming hasher, fed piece by piece, gave:
+        /// a client's `Retry-After` does not change with this release.
+        #[test]
+        fn jitter_hash_is_the_streaming_hash(sub in proptest::option::of("[a-z0-9]{0,40}"), v6 in proptest::prelude::any::<bool>(), ip in proptest::prelude::any::<u128>(), path in "/[a-z/%0-9]{0,300}") {
+            use std::hash::Hasher;
+            let client_ip = Some(if v6 { IpAddr::V6(ip.into()) } else { IpAddr::V4((ip as u32).into()) });
+            let request = RequestView { client_ip, sub: sub.as_deref(), path: &path, ..RequestView::default() };
+            let mut h = twox_hash::XxHash64::with_seed(JITTER_SEED);
+            h.write(sub.as_deref().unwrap_or("").as_bytes());
+            h.write_u8(0);
+            match client_ip {
+                Some(IpAddr::V4(v4)) => h.write(&v4.octets()),
+                Some(IpAddr::V6(v6)) => h.write(&v6.octets()),
+                None => {}
+            }
+            h.write_u8(0);
+            h.write(path.as_bytes());
+            proptest::prop_assert_eq!(jitter_hash(&request), h.finish());
+        }
+
         /// The word-at-a-time check answers as the byte-by-byte one.
         #[test]
         fn header_bytes_are_checked_as_one_by_one(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40)) {
