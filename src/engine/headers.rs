@@ -92,8 +92,17 @@ trait Sink {
         });
     }
 
+    /// A text value, checked (the tests write values that are not header-safe through it).
+    #[cfg(test)]
     fn text(&mut self, name: &HeaderName, text: &str) {
         self.push(name, |buf| buf.put_slice(text.as_bytes()));
+    }
+
+    /// [`Sink::push`] for a value built only of header-safe parts: what the policy's load
+    /// serialised (a rule's structured-field name and `RateLimit-Policy` item, printable ASCII
+    /// by construction), digits and tollgate's own words. A sink may skip the check.
+    fn push_safe(&mut self, name: &HeaderName, write: impl FnOnce(&mut Self::Buf)) {
+        self.push(name, write);
     }
 }
 
@@ -182,6 +191,15 @@ impl Sink for HeaderLines {
             self.buf.truncate(line);
             return;
         }
+        self.buf.extend_from_slice(b"\r\n");
+    }
+
+    fn push_safe(&mut self, name: &HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
+        self.buf.extend_from_slice(name.as_str().as_bytes());
+        self.buf.extend_from_slice(b": ");
+        let start = self.buf.len();
+        write(&mut self.buf);
+        debug_assert!(all_header_value_bytes(&self.buf[start..]));
         self.buf.extend_from_slice(b"\r\n");
     }
 
@@ -387,7 +405,7 @@ fn write<S: Sink>(
     };
 
     if shown().next().is_some() {
-        values.push(&RATELIMIT_POLICY, |buf| {
+        values.push_safe(&RATELIMIT_POLICY, |buf| {
             for (i, rule) in shown().enumerate() {
                 if i > 0 {
                     buf.put_slice(b", ");
@@ -409,7 +427,7 @@ fn write<S: Sink>(
                 }
             }
         });
-        values.push(&RATELIMIT, |buf| {
+        values.push_safe(&RATELIMIT, |buf| {
             let mut itoa = itoa::Buffer::new();
             for (i, rule) in shown().enumerate() {
                 // A cost that can never fit has no wait: `t` says when the bucket is full.
@@ -454,7 +472,9 @@ fn write<S: Sink>(
     }
 
     if let Some(warning) = decision.checked().and_then(|c| c.warning()) {
-        values.text(&config.warning_header, warning);
+        values.push_safe(&config.warning_header, |buf| {
+            buf.put_slice(warning.as_bytes())
+        });
     }
     let Some(refusal) = refusal else {
         return (200, None);
@@ -476,7 +496,10 @@ fn write<S: Sink>(
         };
         values.number(&http::header::RETRY_AFTER, wait);
     }
-    values.text(&config.reason_header, refusal.reason.as_str());
+    let reason: &'static str = refusal.reason.as_str();
+    values.push_safe(&config.reason_header, |buf| {
+        buf.put_slice(reason.as_bytes())
+    });
     (refusal.reason.status(), Some(refusal.reason.body()))
 }
 

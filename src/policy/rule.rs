@@ -753,6 +753,17 @@ pub(crate) fn canonical_id(id: &str) -> String {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// Whatever a rule is called, its structured-field name is printable ASCII: the
+        /// `RateLimit` headers copy it (and the items made from it) onto the wire unchecked.
+        #[test]
+        fn a_structured_field_name_is_printable_ascii(name in "\\PC{0,40}") {
+            let mut sf = String::new();
+            push_sf_string(&mut sf, &name);
+            proptest::prop_assert!(sf.bytes().all(|b| (b' '..=b'~').contains(&b)), "{sf:?}");
+        }
+    }
+
     #[test]
     fn path_prefix_is_segment_wise() {
         assert!(path_has_prefix("/api", "/api"));
