@@ -30,7 +30,7 @@ fn vendor_is_the_release_plus_exactly_the_listed_patches() {
     assert_eq!(
         stdout,
         "vendor/pingora-core: pingora-core 0.9.1 from crates.io + 7 listed patch(es), nothing else\n\
-         vendor/pingora-http: pingora-http 0.9.1 from crates.io + 2 listed patch(es), nothing else\n"
+         vendor/pingora-http: pingora-http 0.9.1 from crates.io + 4 listed patch(es), nothing else\n"
     );
 }
 

@@ -409,10 +409,18 @@ impl<'a> RequestFacts<'a> {
 }
 
 /// Splits `/path?query` into path and query (the query without `?`). A fragment is dropped.
+/// One byte search finds the first `?` or `#` (the path ends there); only a query looks
+/// further, for its own end. (Every request splits its target: two `split_once` searches
+/// cost twice the instructions.)
 pub fn split_uri(uri: &str) -> (&str, Option<&str>) {
-    let uri = uri.split_once('#').map_or(uri, |(before, _)| before);
-    match uri.split_once('?') {
-        Some((path, query)) => (path, Some(query)),
+    let bytes = uri.as_bytes();
+    match memchr::memchr2(b'?', b'#', bytes) {
+        Some(end) if bytes[end] == b'?' => {
+            let query = &uri[end + 1..];
+            let query = memchr::memchr(b'#', query.as_bytes()).map_or(query, |hash| &query[..hash]);
+            (&uri[..end], Some(query))
+        }
+        Some(hash) => (&uri[..hash], None),
         None => (uri, None),
     }
 }

@@ -179,6 +179,18 @@ proptest::proptest! {
         proptest::prop_assert_eq!(needs_normalizing(&raw), searched, "{:?}", raw);
     }
 
+    /// `split_uri` answers as the two `split_once` searches it replaces: the fragment cut
+    /// first, then the query.
+    #[test]
+    fn split_uri_keeps_its_answers(raw in "[a-z/?#=&%\u{e9}]{0,16}") {
+        let before_fragment = raw.split_once('#').map_or(raw.as_str(), |(before, _)| before);
+        let reference = match before_fragment.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (before_fragment, None),
+        };
+        proptest::prop_assert_eq!(split_uri(&raw), reference);
+    }
+
     /// `strip_port` answers as the address parse it skips for hosts with one colon.
     #[test]
     fn strip_port_keeps_its_answers(raw in "[a-f0-9:.\\[\\]]{0,16}") {
