@@ -266,7 +266,7 @@ impl RuleOutcome<'_> {
 
 /// The rules a request was checked against.
 ///
-/// Always boxed ([`Checked::new`]): at about 500 bytes (four rule outcomes inline) it was
+/// Always boxed (`Checked::new`): at about 500 bytes (four rule outcomes inline) it was
 /// copied whole each time the plan, the store's answer and the decision passed it on, about
 /// 500 instructions of `memcpy` and a hundred data-cache write misses a request; one
 /// allocation costs less.
