@@ -15,6 +15,7 @@ pub const DEFAULT_REASON_HEADER: &str = "X-Tollgate-Reason";
 
 /// The `Retry-After` jitter's identity: the request's verified JWT `sub`, client address and
 /// path, hashed. The same identity always gets the same offset.
+///
 /// The bytes hashed are `sub`, 0, the address's octets, 0, the path: gathered on the stack and
 /// hashed in one call (the streaming hasher, fed piece by piece, gives the same value for about
 /// twice the instructions).
@@ -182,9 +183,7 @@ impl Sink for HeaderLines {
 
     fn push(&mut self, name: &HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
         let line = self.buf.len();
-        self.buf.extend_from_slice(name.as_str().as_bytes());
-        self.buf.extend_from_slice(b": ");
-        let start = self.buf.len();
+        let start = self.start_line(name);
         write(&mut self.buf);
         // A value that is not header-safe is dropped, never sent (as from a list).
         if !all_header_value_bytes(&self.buf[start..]) {
@@ -195,9 +194,7 @@ impl Sink for HeaderLines {
     }
 
     fn push_safe(&mut self, name: &HeaderName, write: impl FnOnce(&mut Vec<u8>)) {
-        self.buf.extend_from_slice(name.as_str().as_bytes());
-        self.buf.extend_from_slice(b": ");
-        let start = self.buf.len();
+        let start = self.start_line(name);
         write(&mut self.buf);
         debug_assert!(all_header_value_bytes(&self.buf[start..]));
         self.buf.extend_from_slice(b"\r\n");
@@ -205,8 +202,7 @@ impl Sink for HeaderLines {
 
     /// Digits need no check.
     fn number(&mut self, name: &HeaderName, n: u64) {
-        self.buf.extend_from_slice(name.as_str().as_bytes());
-        self.buf.extend_from_slice(b": ");
+        self.start_line(name);
         self.buf
             .extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
         self.buf.extend_from_slice(b"\r\n");
@@ -214,6 +210,13 @@ impl Sink for HeaderLines {
 }
 
 impl HeaderLines {
+    /// Writes `name: `; returns where the value starts.
+    fn start_line(&mut self, name: &HeaderName) -> usize {
+        self.buf.extend_from_slice(name.as_str().as_bytes());
+        self.buf.extend_from_slice(b": ");
+        self.buf.len()
+    }
+
     /// The lines of a list's headers, in its order.
     #[cfg(test)]
     pub fn from_list(list: &HeaderList) -> Self {
@@ -496,9 +499,8 @@ fn write<S: Sink>(
         };
         values.number(&http::header::RETRY_AFTER, wait);
     }
-    let reason: &'static str = refusal.reason.as_str();
     values.push_safe(&config.reason_header, |buf| {
-        buf.put_slice(reason.as_bytes())
+        buf.put_slice(refusal.reason.as_str().as_bytes())
     });
     (refusal.reason.status(), Some(refusal.reason.body()))
 }

@@ -517,13 +517,7 @@ impl Proxy {
         };
         // The list [`Reply::refusal`] left is not written: the lines are.
         ctx.add_headers.clear();
-        // Echoed only when `HeaderValue::from_str` would take it, as on the list path and on
-        // admitted responses: visible ASCII, space and tab.
-        let request_id = ctx
-            .access
-            .as_deref()
-            .map(|a| a.request_id.as_bytes())
-            .filter(|id| id.iter().all(|&b| (0x20..0x7f).contains(&b) || b == b'\t'));
+        let request_id = ctx.access.as_deref().and_then(echoed_request_id);
         let body = body.unwrap_or("Too Many Requests");
         let head = super::own_response::render_lines_head(
             status,
@@ -662,6 +656,16 @@ impl Proxy {
             trace_id,
         };
         access_log::write(access_log::format(&record, self.gateway.config.access_log));
+    }
+}
+
+impl RequestCtx {
+    /// The admitted answer's header `lines` go through the header map after all: as a list,
+    /// ahead of the headers added since.
+    fn put_lines_first(&mut self, lines: HeaderLines) {
+        let mut headers = lines.into_list();
+        headers.extend(std::mem::take(&mut self.add_headers));
+        self.add_headers = headers;
     }
 }
 
@@ -1110,9 +1114,7 @@ impl Proxy {
             // The allowed answer's headers, already in `ctx`, go with the 404 (as a list: the
             // 404's writer adds its own).
             if let Some(lines) = ctx.add_lines.take() {
-                let mut headers = lines.into_list();
-                headers.extend(std::mem::take(&mut ctx.add_headers));
-                ctx.add_headers = headers;
+                ctx.put_lines_first(lines);
             }
             return ControlFlow::Break(Reply::Refusal {
                 status: 404,
@@ -1887,11 +1889,8 @@ impl ProxyHttp for Proxy {
         if let Some(access) = ctx.access.as_deref_mut() {
             access.upstream_secs = access.upstream_started.map(|at| at.elapsed().as_secs_f64());
             match ctx.add_lines.as_mut() {
-                // Echoed only when `HeaderValue::from_str` would take it (visible ASCII,
-                // space and tab), as on the list path.
                 Some(lines) => {
-                    let id = access.request_id.as_bytes();
-                    if id.iter().all(|&b| (0x20..0x7f).contains(&b) || b == b'\t') {
+                    if let Some(id) = echoed_request_id(access) {
                         lines.push_bytes(&X_REQUEST_ID, id);
                     }
                 }
@@ -1920,9 +1919,7 @@ impl ProxyHttp for Proxy {
             } else {
                 // The route's response rules may read or change them, or the upstream sent a
                 // header of the same name (ours replaces it): into the map.
-                let mut headers = lines.into_list();
-                headers.extend(std::mem::take(&mut ctx.add_headers));
-                ctx.add_headers = headers;
+                ctx.put_lines_first(lines);
             }
         }
         if !ctx.add_headers.is_empty() {
@@ -2184,6 +2181,15 @@ async fn finish_stopped_stream(session: &mut Session, ctx: &mut RequestCtx) -> F
 }
 
 const TEXT: &str = "text/plain; charset=utf-8";
+
+/// The request ID as a response echoes it: only when `HeaderValue::from_str` would take it
+/// (visible ASCII, space and tab), on every path, lines or list.
+fn echoed_request_id(access: &AccessCtx) -> Option<&[u8]> {
+    let id = access.request_id.as_bytes();
+    id.iter()
+        .all(|&b| (0x20..0x7f).contains(&b) || b == b'\t')
+        .then_some(id)
+}
 
 /// Pingora's retry buffer: a body up to this size read before deciding is replayed to the
 /// upstream by Pingora itself.
