@@ -17,6 +17,14 @@ pub trait Clock: Send + Sync {
     /// Wall-clock Unix time in microseconds: the time base of a store shared by several
     /// gateways (their monotonic clocks have different origins).
     fn unix_us(&self) -> u64;
+    /// [`Clock::now_us`] at `at`, a reading of `Instant::now()` the caller already holds: a
+    /// decision that reads the monotonic clock for its latency reuses that reading instead of
+    /// reading the clock again. A clock not driven by the system's (the tests' manual clock)
+    /// ignores `at` and gives its own time.
+    fn now_us_at(&self, at: Instant) -> u64 {
+        let _ = at;
+        self.now_us()
+    }
 }
 
 /// The real clock: `Instant` for the monotonic reading, `SystemTime` for the wall clock.
@@ -55,9 +63,13 @@ impl Clock for SystemClock {
             .map(|d| d.as_micros() as u64)
             .unwrap_or(0)
     }
+
+    fn now_us_at(&self, at: Instant) -> u64 {
+        // `now_us` is `origin.elapsed()`: the same subtraction, at the caller's instant.
+        at.saturating_duration_since(self.origin).as_micros() as u64
+    }
 }
 
-/// The current wall-clock time in Unix seconds (0 if the system clock is before 1970).
 /// `unix_secs` as an RFC 3339 UTC time to the second (`2026-11-28T06:00:00Z`); `None` past
 /// what `SystemTime` or the format can hold (after year 9999), so a time anyone wrote can be
 /// shown without a panic.
@@ -69,6 +81,7 @@ pub fn rfc3339_seconds(unix_secs: u64) -> Option<String> {
     Some(text)
 }
 
+/// The current wall-clock time in Unix seconds (0 if the system clock is before 1970).
 pub fn wall_unix_secs() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -192,5 +205,28 @@ mod tests {
         let b = clock.now_us();
         assert!(b >= a);
         assert!(clock.unix_secs() > 1_600_000_000);
+    }
+
+    /// A reading the caller already holds gives the time `now_us` would have given then: between
+    /// the readings taken just before and just after it. An instant before the clock's origin
+    /// is 0, and the manual clock ignores the instant.
+    #[test]
+    fn now_us_at_reuses_a_reading_of_the_clock() {
+        let before_origin = Instant::now();
+        let clock = SystemClock::new();
+        let a = clock.now_us();
+        let at = Instant::now();
+        let b = clock.now_us();
+        let reused = clock.now_us_at(at);
+        assert!(a <= reused && reused <= b, "{a} <= {reused} <= {b}");
+        assert_eq!(clock.now_us_at(before_origin), 0);
+        assert_eq!(
+            clock.now_us_at(clock.origin + std::time::Duration::from_micros(1_234_567)),
+            1_234_567
+        );
+
+        let manual = ManualClock::new(1_700_000_000);
+        manual.set_us(42);
+        assert_eq!(manual.now_us_at(Instant::now()), 42);
     }
 }

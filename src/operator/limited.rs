@@ -27,11 +27,13 @@ pub(super) const BY_HASH: &str = "by-hash/";
 /// Counts a decided request in the top sketch: the buckets that refused it (or would
 /// have, in shadow), and an enforced budget that warned or throttled it. Allowed requests
 /// without a stage or shadow refusal return at once; a bucket's name is built only when it
-/// enters the sketch.
+/// enters the sketch. `wall_us` is the decision's own wall-clock reading (Unix µs), when it made
+/// one: its second is the event's.
 pub(crate) fn note_limited(
     top: &Mutex<TopSketch>,
     decided: &Decided<'_>,
     clock: &dyn Clock,
+    wall_us: Option<u64>,
     config: EngineConfig,
     fingerprint_key: &FingerprintKey,
 ) {
@@ -43,7 +45,8 @@ pub(crate) fn note_limited(
     if !refused && checked.stage.is_none() && decision.shadow_rejections().next().is_none() {
         return;
     }
-    let unix_secs = clock.unix_secs().max(0) as u64;
+    // The second of the decision's own wall-clock reading when it made one.
+    let unix_secs = wall_us.map_or_else(|| clock.unix_secs().max(0) as u64, |us| us / 1_000_000);
     let mut top = top.lock();
     let mut note = |rule: &crate::policy::Rule, key: &crate::store::BucketKey, event| {
         let key = super::buckets::key_u128(key);

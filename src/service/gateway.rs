@@ -431,7 +431,7 @@ impl Gateway {
                 ..RequestView::default()
             },
         };
-        *self.answer(&decided, Instant::now(), false).response
+        *self.answer(&decided, Instant::now(), None, false).response
     }
 
     /// Decides one request: plan, store, finish, count, log, respond. The embedded store answers
@@ -568,11 +568,12 @@ impl Gateway {
                 decision: Decision::NoPolicy,
                 request: RequestView::of(facts),
             };
-            return Some(self.answer(&decided, started, lines));
+            return Some(self.answer(&decided, started, None, lines));
         };
         // The clocks only once there is a policy to decide with.
         let unix_us = self.clock.unix_us();
-        let now_us = self.store.now_us();
+        // The latency's start doubles as the bucket maths' now: one reading of the clock.
+        let now_us = self.store.now_us_at(started);
         let decide = |facts: &RequestFacts<'_>| {
             engine::decide_local(bundle, facts, memory, now_us, unix_us, self.engine_config)
         };
@@ -605,7 +606,7 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        let mut answer = self.answer(&decided, started, lines);
+        let mut answer = self.answer(&decided, started, Some(unix_us), lines);
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
@@ -628,7 +629,7 @@ impl Gateway {
                 decision: Decision::NoPolicy,
                 request: RequestView::of(facts),
             };
-            return self.answer(&decided, started, false);
+            return self.answer(&decided, started, Some(unix_us), false);
         };
         let fallback_facts;
         let decision = self.decide_shared(&bundle, facts, unix_us).await;
@@ -654,7 +655,7 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        let mut answer = self.answer(&decided, started, false);
+        let mut answer = self.answer(&decided, started, Some(unix_us), false);
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
@@ -818,13 +819,23 @@ impl Gateway {
     /// `--compat fairvisor`), the `RATE_LIMIT` line, and what the front end acts on. With
     /// `lines`, a refusal's headers come as HTTP/1 lines (not under `--compat fairvisor`, whose
     /// headers are finished on the list).
-    fn answer(&self, decided: &Decided<'_>, started: Instant, lines: bool) -> Answer {
+    /// `started` is when the decision began (its latency is measured from it); `wall_us` the
+    /// wall-clock time (Unix µs) it read, if it read one, reused for the operator's list of
+    /// limited clients and the `RATE_LIMIT` line instead of reading the clock again.
+    fn answer(
+        &self,
+        decided: &Decided<'_>,
+        started: Instant,
+        wall_us: Option<u64>,
+        lines: bool,
+    ) -> Answer {
         let decision = &decided.decision;
         self.breakers_tripped(decision);
         crate::operator::limited::note_limited(
             &self.top,
             decided,
             &*self.clock,
+            wall_us,
             self.engine_config,
             &self.fingerprint_key,
         );
@@ -847,7 +858,7 @@ impl Gateway {
             } else {
                 headers::build(decided, &self.header_config)
             };
-        log_decision(decided, response.status);
+        log_decision(decided, response.status, wall_us);
         self.compat_headers(&mut response, decided);
         Answer {
             verdict: match decision {
@@ -1068,7 +1079,7 @@ impl Gateway {
             },
         };
         let response = headers::build(&decided, &self.header_config);
-        log_decision(&decided, response.status);
+        log_decision(&decided, response.status, Some(unix_us));
         Ok(RlsReply {
             over_limit,
             statuses: outcome.statuses,

@@ -7,7 +7,10 @@ use crate::policy::Mode;
 
 /// One `RATE_LIMIT` line per refusal, and per shadow would-refusal (with `mode=shadow`).
 /// Nothing for allowed requests.
-pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
+///
+/// `wall_us` is the wall-clock time (Unix µs) the decision read, if it read one: the lines are
+/// stamped with it rather than with another reading of the clock.
+pub(super) fn log_decision(decided: &Decided<'_>, status: u16, wall_us: Option<u64>) {
     let (decision, request) = (&decided.decision, &decided.request);
     let shadow_missing = decision.checked().and_then(|c| c.shadow_missing);
     if decision.is_allowed()
@@ -21,6 +24,9 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
     if !tracing::enabled!(tracing::Level::INFO) {
         return;
     }
+    let at = wall_us.map_or_else(crate::telemetry::log_line::unix_us_now, |us| {
+        us.min(i64::MAX as u64) as i64
+    });
     // The address written on the stack: nothing allocated for the line.
     let mut ip_text = crate::telemetry::log_line::IpText::new();
     let client_ip = match request.client_ip {
@@ -56,7 +62,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
             detail: (!detail.is_empty()).then_some(detail),
             ..line
         }
-        .write();
+        .write_at(at);
     }
     if let Some(rule) = shadow_missing {
         crate::telemetry::log_line::RateLimit {
@@ -67,7 +73,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
             mode: "shadow",
             ..line
         }
-        .write();
+        .write_at(at);
     }
     for shadow in decision.shadow_rejections() {
         let reason = if shadow.cost_exceeds {
@@ -83,7 +89,7 @@ pub(super) fn log_decision(decided: &Decided<'_>, status: u16) {
             mode: Mode::Shadow.as_str(),
             ..line
         }
-        .write();
+        .write_at(at);
     }
 }
 

@@ -429,6 +429,15 @@ impl Store {
         }
     }
 
+    /// [`Store::now_us`] at `at`, a reading of `Instant::now()` the caller already holds (see
+    /// [`Clock::now_us_at`]); a shared store's time base is the wall clock, read now.
+    pub fn now_us_at(&self, at: std::time::Instant) -> u64 {
+        match &self.backend {
+            Backend::Memory(_) => self.clock.now_us_at(at),
+            Backend::Redis(_) | Backend::Postgres(_) => self.clock.unix_us(),
+        }
+    }
+
     /// The embedded store's answer, synchronously; `None` for a shared store (use
     /// [`Store::apply`]).
     pub fn apply_now(

@@ -278,9 +278,12 @@ impl RateLimit<'_> {
 
     /// Queues the line for standard error, in the log's format, at the current time.
     pub fn write(&self) {
-        let unix_us = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_micros().min(i64::MAX as u128) as i64);
+        self.write_at(unix_us_now());
+    }
+
+    /// Queues the line for standard error, in the log's format, stamped `unix_us` (wall-clock
+    /// microseconds): the time its decision read, so the clock is not read again.
+    pub fn write_at(&self, unix_us: i64) {
         // Formatted into this thread's buffer, kept from line to line: nothing allocated.
         thread_local! {
             static LINE: std::cell::RefCell<String> =
@@ -295,6 +298,13 @@ impl RateLimit<'_> {
             Err(_) => stderr(self.format(unix_us, json()).as_bytes()),
         });
     }
+}
+
+/// The wall clock in Unix microseconds, as a log line's time (0 before 1970).
+pub fn unix_us_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros().min(i64::MAX as u128) as i64)
 }
 
 /// `2026-11-22T10:33:26.123456Z`, as `tracing` writes times. The date and time of day are
