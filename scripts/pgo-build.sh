@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Builds tollgate with profile-guided optimisation (PGO): an instrumented build first, then
+# the request path's own traffic through it (what the load harness sends: one rule, five rules,
+# every request refused, no policy; HTTP/1.1 keep-alive from wrk to an nginx upstream on
+# loopback), then the optimised build from the profile that traffic left. LLVM lays the hot
+# code out together and the cold code apart, which is where a request's time goes here: the
+# instruction cache (docs/src/performance.md, "Profile-guided builds", has the figures).
+#
+# Usage: [PROFILE=release|perf] bash scripts/pgo-build.sh [--bare]
+#   Writes target/pgo/bin/tollgate. With --bare, also target/pgo/bin/bare_proxy: the bare
+#   Pingora proxy of the load harness optimised the same way on its own traffic (proxied and
+#   answering 429), so a comparison with it stays like for like:
+#     TG_BASE=target/pgo/bin/tollgate BARE_BASE=target/pgo/bin/bare_proxy bash benches/load.sh
+#   About 6 minutes per build on 2 cores (release): two builds, three with --bare.
+#
+# Needs: llvm-profdata of LLVM 19 or later (Debian's llvm-19, installed when missing: it reads
+# and writes the profile formats of rustc's LLVM), nginx and wrk (installed when missing).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROFILE=${PROFILE:-release}
+WITH_BARE=false
+[ "${1:-}" = "--bare" ] && WITH_BARE=true
+
+bash scripts/install-deps.sh --load
+profdata=""
+for candidate in /usr/lib/llvm-{22,21,20,19}/bin/llvm-profdata; do
+  [ -x "$candidate" ] && { profdata=$candidate; break; }
+done
+if [ -z "$profdata" ]; then
+  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "pgo-build: installing llvm-19 (llvm-profdata)" >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends llvm-19 >/dev/null \
+    || { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends llvm-19 >/dev/null; }
+  profdata=/usr/lib/llvm-19/bin/llvm-profdata
+fi
+
+ROOT=$PWD/target/pgo
+RAW=$ROOT/raw
+mkdir -p "$ROOT/bin" "$ROOT/profiles"
+# Every build names the same targets. A profile matches functions by their symbol names, and
+# those of a crate's private functions carry the crate's hash, which changes with the features
+# the build unifies: the example brings the dev-dependencies' features in.
+build() { # target dir, rustflags
+  CARGO_TARGET_DIR="$1" RUSTFLAGS="$2" cargo build --profile "$PROFILE" --quiet \
+    --bin tollgate --example bare_proxy
+}
+
+echo "pgo-build: instrumented build ($PROFILE)" >&2
+build "$ROOT/gen" "-Cprofile-generate=$RAW"
+# The build scripts ran instrumented too: their profiles are not the gateway's.
+rm -rf "$RAW"
+
+WORK=$(mktemp -d)
+UP_PID=""
+cleanup() {
+  [ -n "$UP_PID" ] && kill "$UP_PID" 2>/dev/null
+  [ -f "$WORK/up.pid" ] && kill "$(cat "$WORK/up.pid")" 2>/dev/null
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
+UP=28970; LISTEN=28971; ADMIN=28972
+cat > "$WORK/up.conf" <<NGINX
+$USER_LINE
+worker_processes 1;
+pid $WORK/up.pid;
+error_log $WORK/up.log error;
+events { worker_connections 1024; }
+http { access_log off; client_body_temp_path $WORK/cb; proxy_temp_path $WORK/px;
+  fastcgi_temp_path $WORK/fc; uwsgi_temp_path $WORK/uw; scgi_temp_path $WORK/sc;
+  server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 "ok\n"; } } }
+NGINX
+NGINX_BIN=$(command -v nginx || echo /usr/sbin/nginx)
+"$NGINX_BIN" -p "$WORK" -c "$WORK/up.conf"
+
+rule() { # name, keys, rps, burst
+  printf '{"name": "%s", "limit_keys": %s, "algorithm": "token_bucket", "on_missing": "shared", "algorithm_config": {"rps": %s, "burst": %s}}' "$1" "$2" "$3" "$4"
+}
+echo "{\"rules\": [$(rule per-ip '["ip:address"]' 1000000000 1000000000)]}" > "$WORK/one.json"
+echo "{\"rules\": [$(rule deny '["ip:address"]' 0.000001 1)]}" > "$WORK/deny.json"
+cat > "$WORK/five.json" <<JSON
+{"bundle_version": 1, "policies": [
+  {"id": "a", "spec": {"rules": [
+    $(rule per-ip '["ip:address"]' 1000000000 1000000000),
+    $(rule per-key '["header:x-api-key"]' 1000000000 1000000000),
+    $(rule per-key-path '["header:x-api-key", "path"]' 1000000000 1000000000),
+    $(rule global '[]' 1000000000 1000000000)]}},
+  {"id": "s", "spec": {"mode": "shadow", "rules": [$(rule shadow-ip '["ip:address"]' 1000000000 1000000000)]}}]}
+JSON
+
+# Runs one server under the training traffic, then stops it with SIGTERM: it exits normally,
+# and writes its profile on the way out.
+train() { # command...
+  "$@" >"$WORK/server.log" 2>&1 &
+  local pid=$!
+  local up=false
+  for _ in $(seq 1 100); do
+    curl -s -o /dev/null "http://127.0.0.1:$LISTEN/" && { up=true; break; }
+    sleep 0.2
+  done
+  $up || { echo "pgo-build: $1 did not start:" >&2; cat "$WORK/server.log" >&2; exit 1; }
+  wrk -t1 -c32 -d4s -H 'X-Api-Key: k' "http://127.0.0.1:$LISTEN/v1/orders" >/dev/null
+  wrk -t1 -c4 -d1s "http://127.0.0.1:$LISTEN/v1/items?page=2" >/dev/null
+  kill -TERM "$pid"
+  wait "$pid" || true
+}
+merge() { # name: merges what the runs since the last merge left, names it by its content
+  local merged="$WORK/$1.profdata"
+  "$profdata" merge -o "$merged" "$RAW"/*.profraw
+  rm -rf "$RAW"
+  local sum; sum=$(sha256sum "$merged" | cut -c1-16)
+  # A new profile is a new path, so cargo rebuilds from it (it does not look inside).
+  PROFILE_FILE="$ROOT/profiles/$1-$sum.profdata"
+  mv "$merged" "$PROFILE_FILE"
+}
+
+TG_GEN="$ROOT/gen/$PROFILE/tollgate"
+for policy in one five deny; do
+  train "$TG_GEN" run --policy "$WORK/$policy.json" --listen "127.0.0.1:$LISTEN" \
+    --upstream "127.0.0.1:$UP" --admin-listen "127.0.0.1:$ADMIN" --threads 1
+done
+train "$TG_GEN" run --policy "$WORK/missing.json" --wait-for-policy --listen "127.0.0.1:$LISTEN" \
+  --upstream "127.0.0.1:$UP" --admin-listen "127.0.0.1:$ADMIN" --threads 1
+merge tollgate
+TG_PROFILE=$PROFILE_FILE
+if $WITH_BARE; then
+  BARE_GEN="$ROOT/gen/$PROFILE/examples/bare_proxy"
+  train "$BARE_GEN" "127.0.0.1:$LISTEN" "127.0.0.1:$UP"
+  train "$BARE_GEN" "127.0.0.1:$LISTEN" "127.0.0.1:$UP" --refuse
+  merge bare_proxy
+  BARE_PROFILE=$PROFILE_FILE
+fi
+
+echo "pgo-build: optimised build from $(basename "$TG_PROFILE")" >&2
+build "$ROOT/use-tollgate" "-Cprofile-use=$TG_PROFILE"
+cp "$ROOT/use-tollgate/$PROFILE/tollgate" "$ROOT/bin/tollgate"
+echo "pgo-build: wrote target/pgo/bin/tollgate" >&2
+if $WITH_BARE; then
+  echo "pgo-build: optimised bare_proxy from $(basename "$BARE_PROFILE")" >&2
+  build "$ROOT/use-bare" "-Cprofile-use=$BARE_PROFILE"
+  cp "$ROOT/use-bare/$PROFILE/examples/bare_proxy" "$ROOT/bin/bare_proxy"
+  echo "pgo-build: wrote target/pgo/bin/bare_proxy" >&2
+fi
