@@ -189,20 +189,8 @@ if [ -n "$ENVOY" ]; then
   PID_ENVOY_RLS=$!; PIDS+=("$PID_ENVOY_RLS")
 fi
 
-rule() { # name, keys, rps, burst
-  printf '{"name": "%s", "limit_keys": %s, "algorithm": "token_bucket", "on_missing": "shared", "algorithm_config": {"rps": %s, "burst": %s}}' "$1" "$2" "$3" "$4"
-}
-echo "{\"rules\": [$(rule per-ip '["ip:address"]' 1000000000 1000000000)]}" > "$WORK/one.json"
-echo "{\"rules\": [$(rule deny '["ip:address"]' 0.000001 1)]}" > "$WORK/deny.json"
-cat > "$WORK/five.json" <<JSON
-{"bundle_version": 1, "policies": [
-  {"id": "a", "spec": {"rules": [
-    $(rule per-ip '["ip:address"]' 1000000000 1000000000),
-    $(rule per-key '["header:x-api-key"]' 1000000000 1000000000),
-    $(rule per-key-path '["header:x-api-key", "path"]' 1000000000 1000000000),
-    $(rule global '[]' 1000000000 1000000000)]}},
-  {"id": "s", "spec": {"mode": "shadow", "rules": [$(rule shadow-ip '["ip:address"]' 1000000000 1000000000)]}}]}
-JSON
+bench_policies
+
 start_tollgate() { # port, policy, admin port, extra flags...: sets LAST_PID
   taskset -c 1 "${TG_RUN:-$TG}" run --policy "$2" --listen "127.0.0.1:$1" --upstream "127.0.0.1:$UP" \
     --admin-listen "127.0.0.1:$3" --threads 1 "${@:4}" 2>"$WORK/tg-$1.log" >/dev/null &

@@ -50,43 +50,14 @@ build "$ROOT/gen" "-Cprofile-generate=$RAW"
 # The build scripts ran instrumented too: their profiles are not the gateway's.
 rm -rf "$RAW"
 
-WORK=$(mktemp -d)
-UP_PID=""
-cleanup() {
-  [ -n "$UP_PID" ] && kill "$UP_PID" 2>/dev/null
-  [ -f "$WORK/up.pid" ] && kill "$(cat "$WORK/up.pid")" 2>/dev/null
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-USER_LINE=""; [ "$(id -u)" = 0 ] && USER_LINE="user root;"
+# A work directory removed on exit (with the upstream nginx), nginx_conf and the harness's own
+# policies (one.json, five.json, deny.json).
+# shellcheck source=benches/common.sh
+source benches/common.sh
 UP=28970; LISTEN=28971; ADMIN=28972
-cat > "$WORK/up.conf" <<NGINX
-$USER_LINE
-worker_processes 1;
-pid $WORK/up.pid;
-error_log $WORK/up.log error;
-events { worker_connections 1024; }
-http { access_log off; client_body_temp_path $WORK/cb; proxy_temp_path $WORK/px;
-  fastcgi_temp_path $WORK/fc; uwsgi_temp_path $WORK/uw; scgi_temp_path $WORK/sc;
-  server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 "ok\n"; } } }
-NGINX
-NGINX_BIN=$(command -v nginx || echo /usr/sbin/nginx)
-"$NGINX_BIN" -p "$WORK" -c "$WORK/up.conf"
-
-rule() { # name, keys, rps, burst
-  printf '{"name": "%s", "limit_keys": %s, "algorithm": "token_bucket", "on_missing": "shared", "algorithm_config": {"rps": %s, "burst": %s}}' "$1" "$2" "$3" "$4"
-}
-echo "{\"rules\": [$(rule per-ip '["ip:address"]' 1000000000 1000000000)]}" > "$WORK/one.json"
-echo "{\"rules\": [$(rule deny '["ip:address"]' 0.000001 1)]}" > "$WORK/deny.json"
-cat > "$WORK/five.json" <<JSON
-{"bundle_version": 1, "policies": [
-  {"id": "a", "spec": {"rules": [
-    $(rule per-ip '["ip:address"]' 1000000000 1000000000),
-    $(rule per-key '["header:x-api-key"]' 1000000000 1000000000),
-    $(rule per-key-path '["header:x-api-key", "path"]' 1000000000 1000000000),
-    $(rule global '[]' 1000000000 1000000000)]}},
-  {"id": "s", "spec": {"mode": "shadow", "rules": [$(rule shadow-ip '["ip:address"]' 1000000000 1000000000)]}}]}
-JSON
+nginx_conf upstream "server { listen 127.0.0.1:$UP; keepalive_requests 100000; location / { return 200 \"ok\\n\"; } }"
+"$(command -v nginx || echo /usr/sbin/nginx)" -p "$WORK" -c "$WORK/upstream.conf"
+bench_policies
 
 # Runs one server under the training traffic, then stops it with SIGTERM: it exits normally,
 # and writes its profile on the way out.

@@ -655,7 +655,9 @@ impl Gateway {
             decision,
             request: RequestView::of(facts),
         };
-        let mut answer = self.answer(&decided, started, Some(unix_us), false);
+        // Not the reading made before the store's round trip: the lines are stamped when
+        // written, as before, and a network call makes the clock worth reading again.
+        let mut answer = self.answer(&decided, started, None, false);
         if let Some(step) = step {
             step.place_in(&mut answer);
         }
@@ -1079,7 +1081,8 @@ impl Gateway {
             },
         };
         let response = headers::build(&decided, &self.header_config);
-        log_decision(&decided, response.status, Some(unix_us));
+        // Stamped when written: the store's round trip came after the decision's reading.
+        log_decision(&decided, response.status, None);
         Ok(RlsReply {
             over_limit,
             statuses: outcome.statuses,

@@ -276,13 +276,9 @@ impl RateLimit<'_> {
         }
     }
 
-    /// Queues the line for standard error, in the log's format, at the current time.
-    pub fn write(&self) {
-        self.write_at(unix_us_now());
-    }
-
     /// Queues the line for standard error, in the log's format, stamped `unix_us` (wall-clock
-    /// microseconds): the time its decision read, so the clock is not read again.
+    /// microseconds; [`unix_us_now`] for the current time): a decision that read the wall clock
+    /// passes its own reading, so the clock is not read again.
     pub fn write_at(&self, unix_us: i64) {
         // Formatted into this thread's buffer, kept from line to line: nothing allocated.
         thread_local! {
