@@ -25,6 +25,8 @@
 #   systemd - `systemd-analyze verify` checks deploy/systemd/tollgate.service (tests/deploy.rs)
 #   wrk, h2load (nghttp2-client), valgrind - the load harnesses (benches/), and the instruction
 #          gate CI runs (benches/instructions.sh --check: callgrind under wrk)
+# `--pgo` is `--load` plus llvm-19, whose llvm-profdata (LLVM 19 or later reads and writes the
+# profile formats of rustc's LLVM) scripts/pgo-build.sh merges its profiles with.
 set -euo pipefail
 
 need=()
@@ -50,7 +52,12 @@ if ! $build_only; then
   command -v strip >/dev/null 2>&1 || need+=(binutils)
   command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 fi
-if [ "${1:-}" = "--load" ]; then
+if [ "${1:-}" = "--pgo" ]; then
+  have_profdata=false
+  for v in 19 20 21 22; do [ -x "/usr/lib/llvm-$v/bin/llvm-profdata" ] && have_profdata=true; done
+  $have_profdata || need+=(llvm-19)
+fi
+if [ "${1:-}" = "--load" ] || [ "${1:-}" = "--pgo" ]; then
   command -v wrk >/dev/null 2>&1 || need+=(wrk)
   command -v h2load >/dev/null 2>&1 || need+=(nghttp2-client)
   command -v valgrind >/dev/null 2>&1 || need+=(valgrind)

@@ -13,26 +13,21 @@
 #     TG_BASE=target/pgo/bin/tollgate BARE_BASE=target/pgo/bin/bare_proxy bash benches/load.sh
 #   About 6 minutes per build on 2 cores (release): two builds, three with --bare.
 #
-# Needs: llvm-profdata of LLVM 19 or later (Debian's llvm-19, installed when missing: it reads
-# and writes the profile formats of rustc's LLVM), nginx and wrk (installed when missing).
+# Needs: llvm-profdata of LLVM 19 or later (Debian's llvm-19: it reads and writes the profile
+# formats of rustc's LLVM), nginx and wrk; `scripts/install-deps.sh --pgo` installs them when
+# missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROFILE=${PROFILE:-release}
 WITH_BARE=false
 [ "${1:-}" = "--bare" ] && WITH_BARE=true
 
-bash scripts/install-deps.sh --load
+bash scripts/install-deps.sh --pgo
 profdata=""
 for candidate in /usr/lib/llvm-{22,21,20,19}/bin/llvm-profdata; do
   [ -x "$candidate" ] && { profdata=$candidate; break; }
 done
-if [ -z "$profdata" ]; then
-  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  echo "pgo-build: installing llvm-19 (llvm-profdata)" >&2
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends llvm-19 >/dev/null \
-    || { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends llvm-19 >/dev/null; }
-  profdata=/usr/lib/llvm-19/bin/llvm-profdata
-fi
+[ -n "$profdata" ] || { echo "pgo-build: no llvm-profdata of LLVM 19 or later" >&2; exit 1; }
 
 ROOT=$PWD/target/pgo
 RAW=$ROOT/raw
