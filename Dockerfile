@@ -1,5 +1,6 @@
-# tollgate's image: a build stage (fat-LTO `perf` profile) and a runtime stage with no shell and
-# no package manager: glibc, libgcc and the CA certificates, the binary, the shipped policy.
+# tollgate's image: a build stage (the shipped build: release, optimised with the committed
+# profile, scripts/shipped-build.sh) and a runtime stage with no shell and no package manager:
+# glibc, libgcc and the CA certificates, the binary, the shipped policy.
 #
 # With a registry (the build stage compiles from source):
 #   docker build -t tollgate .            (or: podman build -t tollgate .)
@@ -25,14 +26,22 @@ ARG RUNTIME_BASE=gcr.io/distroless/cc-debian12:nonroot
 ARG BINARY_IMAGE=scratch
 
 FROM rust:1-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends cmake && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends cmake xz-utils \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
+# Everything the manifest and scripts/shipped-build.sh read (tests/deploy.rs builds the
+# manifest from exactly these): the carried Pingora crates, and the load harness's bare proxy,
+# built beside tollgate so that the profile's symbols match.
 COPY Cargo.toml Cargo.lock ./
 COPY src src
 COPY benches benches
-RUN cargo build --profile perf --locked --bin tollgate \
+COPY examples examples
+COPY vendor vendor
+COPY pgo pgo
+COPY scripts/shipped-build.sh scripts/shipped-build.sh
+RUN bash scripts/shipped-build.sh \
     && mkdir -p /out/state \
-    && strip -o /out/tollgate target/perf/tollgate
+    && strip -o /out/tollgate target/shipped/release/tollgate
 
 # The runtime, but its binary and state dir: the two targets below add them.
 FROM ${RUNTIME_BASE} AS runtime-config

@@ -5,11 +5,13 @@
 # are divided by the requests served. The kernel's share (about half of the CPU time, loopback
 # TCP) is not counted here: see benches/load.sh for CPU time.
 #
-# Usage: [PROFILE=perf] [KEEP=dir] [TRACES=1] bash benches/instructions.sh [seconds=8] [BINARY]
+# Usage: [PROFILE=perf|release|shipped] [KEEP=dir] [TRACES=1] bash benches/instructions.sh [seconds=8] [BINARY]
+#   (PROFILE=shipped: scripts/shipped-build.sh's build, the image's; any other name is that cargo
+#   profile.)
 #   (KEEP keeps each profile for `callgrind_annotate --inclusive=yes`; TRACES=1 adds the one-rule
 #   path with traces on, OTEL_TRACES_SAMPLER=always_on, exporting over OTLP/HTTP to
 #   examples/otlp_sink.rs, which decodes every batch outside valgrind.)
-# The gate CI runs (release build; tollgate's no-policy, one-rule and refusal paths against
+# The gate CI runs (the shipped build; tollgate's no-policy, one-rule and refusal paths against
 # benches/instructions-baseline.txt; exit 1 when one costs over 3 % more):
 #   bash benches/instructions.sh --check
 #   bash benches/instructions.sh --write-baseline    (after a change that is meant to cost more
@@ -22,15 +24,21 @@ case "${1:-}" in
   --write-baseline) MODE=write; shift;;
 esac
 BASELINE=benches/instructions-baseline.txt
-if [ "$MODE" != table ]; then PROFILE=release; fi
+if [ "$MODE" != table ]; then PROFILE=shipped; fi
 PROFILE=${PROFILE:-perf}
+BIN_DIR=target/$PROFILE; SINK_PROFILE=$PROFILE
+[ "$PROFILE" = shipped ] && { BIN_DIR=target/shipped/release; SINK_PROFILE=release; }
 SECS=${1:-8}
 [ "$MODE" != table ] && SECS=4
-TG=${2:-target/$PROFILE/tollgate}
-BARE=target/$PROFILE/examples/bare_proxy
+TG=${2:-$BIN_DIR/tollgate}
+BARE=$BIN_DIR/examples/bare_proxy
 bash scripts/install-deps.sh --load
-[ "$TG" = "target/$PROFILE/tollgate" ] && cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy
-[ -n "${TRACES:-}" ] && cargo build --profile "$PROFILE" --quiet --example otlp_sink
+if [ "$TG" = "$BIN_DIR/tollgate" ]; then
+  if [ "$PROFILE" = shipped ]; then bash scripts/shipped-build.sh
+  else cargo build --profile "$PROFILE" --quiet --bin tollgate --example bare_proxy; fi
+fi
+# The OTLP receiver runs outside valgrind: any build of it will do.
+[ -n "${TRACES:-}" ] && cargo build --profile "$SINK_PROFILE" --quiet --example otlp_sink
 command -v valgrind >/dev/null || { echo "instructions.sh: needs valgrind" >&2; exit 1; }
 WORK=$(mktemp -d)
 SINK_PID=""
@@ -91,7 +99,7 @@ if [ "$MODE" = table ]; then
 fi
 measure refused "tollgate, every request refused" $TG run --policy "$WORK/deny.json" "${TG_ARGS[@]}"
 if [ "$MODE" = table ] && [ -n "${TRACES:-}" ]; then
-  "target/$PROFILE/examples/otlp_sink" 127.0.0.1:18953 2>"$WORK/sink.log" &
+  "target/$SINK_PROFILE/examples/otlp_sink" 127.0.0.1:18953 2>"$WORK/sink.log" &
   SINK_PID=$!
   # (Set for the function, so valgrind itself starts tollgate with them: valgrind does not
   # follow an exec through env.)
@@ -103,7 +111,8 @@ fi
 case $MODE in
   write)
     { echo "# User-space instructions per request (benches/instructions.sh --check compares against"
-      echo "# these; a path over 3 % above its line fails CI). Release build, made with --write-baseline."
+      echo "# these; a path over 3 % above its line fails CI). The shipped build (scripts/shipped-build.sh),
+# made with --write-baseline."
       for id in none one refused; do echo "$id ${IR[$id]}"; done; } > "$BASELINE"
     echo "instructions.sh: wrote $BASELINE";;
   check)

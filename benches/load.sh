@@ -46,6 +46,8 @@
 # With LATENCY=1, each target is then also run at 1, 32 and 256 connections (wrk --latency),
 # and its p50 and p99 latencies printed.
 #
+# PROFILE: a cargo profile (perf, the default: fat LTO; release), or `shipped`: the image's
+# build, scripts/shipped-build.sh (release, optimised with the committed profile pgo/).
 # Usage: [TARGETS="tg-1 tg-1-state"] [PROFILE=perf] [TG_BASE=/path/to/old/tollgate]
 #        [BARE_BASE=/path/to/old/bare_proxy]
 #        bash benches/load.sh [rounds=3] [seconds=5] [connections=32]
@@ -61,10 +63,21 @@ TARGETS=${TARGETS:-"nginx nginx-lr envoy-lr bare tg-none tg-1 tg-1-state tg-5 tg
 wants() { [[ " ${TARGETS:-} " == *" $1 "* ]]; }
 # Only what the targets need is built and started (the OTLP receiver, Envoy).
 EXAMPLES=(--example bare_proxy)
-{ wants tg-1-otel || wants tg-1-otel-ratio; } && EXAMPLES+=(--example otlp_sink)
-cargo build --profile "$PROFILE" --quiet --bin tollgate "${EXAMPLES[@]}"
-TG=target/$PROFILE/tollgate
-BARE=target/$PROFILE/examples/bare_proxy
+SINK_PROFILE=$PROFILE
+if [ "$PROFILE" = shipped ]; then
+  # The image's build (scripts/shipped-build.sh), both proxies from its one profile; the OTLP
+  # receiver, which is not measured, from the release profile.
+  bash scripts/shipped-build.sh
+  TG=target/shipped/release/tollgate
+  BARE=target/shipped/release/examples/bare_proxy
+  SINK_PROFILE=release
+  { wants tg-1-otel || wants tg-1-otel-ratio; } && cargo build --release --quiet --example otlp_sink
+else
+  { wants tg-1-otel || wants tg-1-otel-ratio; } && EXAMPLES+=(--example otlp_sink)
+  cargo build --profile "$PROFILE" --quiet --bin tollgate "${EXAMPLES[@]}"
+  TG=target/$PROFILE/tollgate
+  BARE=target/$PROFILE/examples/bare_proxy
+fi
 ENVOY=""
 { wants envoy-lr || wants envoy-rls; } && ENVOY=$(bash scripts/install-envoy.sh)
 
@@ -214,7 +227,7 @@ start_traced() { # port, admin port, OTLP port, sampler, sampler argument: sets 
   LAST_PID=$!; PIDS+=("$LAST_PID")
 }
 if wants tg-1-otel || wants tg-1-otel-ratio; then
-  taskset -c 0 "target/$PROFILE/examples/otlp_sink" "127.0.0.1:$OTLP_PORT" --decode-every "${OTLP_DECODE_EVERY:-16}" 2>"$WORK/otlp.log" &
+  taskset -c 0 "target/$SINK_PROFILE/examples/otlp_sink" "127.0.0.1:$OTLP_PORT" --decode-every "${OTLP_DECODE_EVERY:-16}" 2>"$WORK/otlp.log" &
   PIDS+=("$!")
 fi
 wants tg-1-otel && { start_traced $TG_1_OTEL 18948 $OTLP_PORT always_on 1; PID_TG_1_OTEL=$LAST_PID; }

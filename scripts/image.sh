@@ -5,8 +5,9 @@
 #      $TOLLGATE_IMAGE_CACHE), cut down to a distroless-like base (glibc, libgcc, CA
 #      certificates, passwd/group with nonroot = 65532; no shell, no package manager) and
 #      imported as localhost/tollgate-base:bookworm;
-#   2. the release binary (built if needed, or TOLLGATE_BINARY=path), stripped, in an image of
-#      its own, localhost/tollgate-binary:local;
+#   2. the shipped binary (scripts/shipped-build.sh: the release build optimised with the
+#      committed profile; or TOLLGATE_BINARY=path), stripped, in an image of its own,
+#      localhost/tollgate-binary:local;
 #   3. the Dockerfile's runtime built from those two (`podman build --target runtime-prebuilt`,
 #      the default target's runtime with the binary taken from that image);
 #   4. the image's filesystem exported and its ENTRYPOINT/CMD started with its ENV, USER and
@@ -16,8 +17,8 @@
 #      client (429), the process has neither uid 0 nor a capability, the state dir is written
 #      by that user, a second container (a fresh export) on the same volume finds the buckets,
 #      and SIGTERM with a request in flight lets it finish, then exits 0.
-#   5. what it measured (the image's size, its base's, how long the run took without the release
-#      build) written into the manual, between the image-facts markers of
+#   5. what it measured (the image's size, its base's, how long the run took without the
+#      shipped build) written into the manual, between the image-facts markers of
 #      docs/src/operations/deploying.md: the page shows measured figures, never typed ones.
 # Any failure stops it with "image.sh: FAILED: ..." and exit 1; nothing is skipped.
 #
@@ -144,13 +145,12 @@ podman import --quiet --change "LABEL $LABEL" "$CACHE/base.tar" "$BASE_IMAGE" >/
 # --- 2. the binary --------------------------------------------------------------------------
 BINARY=${TOLLGATE_BINARY:-}
 if [ -z "$BINARY" ]; then
-  # The release build CI's instruction gate makes too (same targets, so the same artifacts):
-  # whichever runs first builds it, the other finds it up to date.
+  # The shipped build, which CI's instruction gate and fair harness measure too: whichever
+  # runs first builds it, the others find it up to date.
   build_started=$(date +%s)
-  cargo build --profile release --locked --quiet --bin tollgate --example bare_proxy \
-    || fail "cargo build --profile release failed"
+  bash scripts/shipped-build.sh || fail "scripts/shipped-build.sh failed"
   build_secs=$(($(date +%s) - build_started))
-  BINARY=target/release/tollgate
+  BINARY=target/shipped/release/tollgate
 fi
 [ -x "$BINARY" ] || fail "no binary at $BINARY"
 BINARY_CONTEXT=$CACHE/binary-context
@@ -380,6 +380,6 @@ stop_container "$RUN/gateway-2.log"
 
 say "checked: ENTRYPOINT [${ARGV[*]}] as uid $uid gid $gid in $WORKDIR (no capabilities, no shell in the image); /livez, /readyz, proxied; 20 × 200 then 429; state in VOLUME $VOLUME kept across a new container; SIGTERM answered the request in flight, exit 0"
 run_secs=$(($(date +%s) - started - build_secs))
-say "image $IMAGE: $((size_bytes / 1024 / 1024)) MiB; done in $run_secs s ($first_run run; the release build's $build_secs s not counted)"
+say "image $IMAGE: $((size_bytes / 1024 / 1024)) MiB; done in $run_secs s ($first_run run; the shipped build's $build_secs s not counted)"
 write_facts "$FACTS_PAGE" "$size_bytes" "$(stat -c %s "$CACHE/base.tar")" "$run_secs" "$first_run" "$(nproc)" "$(date -u +%Y-%m-%d)"
 say "figures written into $FACTS_PAGE (its image-facts block)"

@@ -22,6 +22,8 @@
 #          store clock skew gauge)
 #   podman, debootstrap, iproute2 - scripts/image.sh builds the container image from a
 #          debootstrap'd base and runs it in a chroot in a network namespace of its own (ip netns)
+#   xz-utils - scripts/shipped-build.sh unpacks the committed profile (pgo/profile.profdata.xz)
+#          for the image's build, the instruction gate's and the fair harness's
 #   systemd - `systemd-analyze verify` checks deploy/systemd/tollgate.service (tests/deploy.rs)
 #   wrk, h2load (nghttp2-client), valgrind - the load harnesses (benches/), and the instruction
 #          gate CI runs (benches/instructions.sh --check: callgrind under wrk)
@@ -50,6 +52,7 @@ if ! $build_only; then
   command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
   command -v ip >/dev/null 2>&1 || need+=(iproute2)
   command -v strip >/dev/null 2>&1 || need+=(binutils)
+  command -v xz >/dev/null 2>&1 || need+=(xz-utils)
   command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 fi
 if [ "${1:-}" = "--pgo" ]; then

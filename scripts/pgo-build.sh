@@ -6,12 +6,15 @@
 # code out together and the cold code apart, which is where a request's time goes here: the
 # instruction cache (docs/src/performance.md, "Profile-guided builds", has the figures).
 #
-# Usage: [PROFILE=release|perf] bash scripts/pgo-build.sh [--bare]
-#   Writes target/pgo/bin/tollgate. With --bare, also target/pgo/bin/bare_proxy: the bare
-#   Pingora proxy of the load harness optimised the same way on its own traffic (proxied and
-#   answering 429), so a comparison with it stays like for like:
+# Usage: [PROFILE=release|perf] bash scripts/pgo-build.sh [--write]
+#   Writes target/pgo/bin/tollgate and target/pgo/bin/bare_proxy: the bare Pingora proxy of
+#   the load harness, trained on its own traffic (proxied, and answering 429) and built in the
+#   same build from the same merged profile, so a comparison with it stays like for like:
 #     TG_BASE=target/pgo/bin/tollgate BARE_BASE=target/pgo/bin/bare_proxy bash benches/load.sh
-#   About 6 minutes per build on 2 cores (release): two builds, three with --bare.
+#   Two builds (instrumented, then optimised), about 5 minutes each on 2 cores (release).
+#   --write (release only) also replaces pgo/profile.profdata.xz, the profile the shipped build
+#   (scripts/shipped-build.sh) is made from, and builds it; commit the file with a new
+#   instruction baseline (bash benches/instructions.sh --write-baseline).
 #
 # Needs: llvm-profdata of LLVM 19 or later (Debian's llvm-19: it reads and writes the profile
 # formats of rustc's LLVM), nginx and wrk; `scripts/install-deps.sh --pgo` installs them when
@@ -19,8 +22,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROFILE=${PROFILE:-release}
-WITH_BARE=false
-[ "${1:-}" = "--bare" ] && WITH_BARE=true
+WRITE=false
+case "${1:-}" in
+  --write) WRITE=true;;
+  "") ;;
+  *) echo "pgo-build: unknown argument $1 (usage: pgo-build.sh [--write])" >&2; exit 2;;
+esac
+if $WRITE && [ "$PROFILE" != release ]; then
+  echo "pgo-build: --write makes the shipped build's profile, which is a release build's" >&2
+  exit 2
+fi
 
 bash scripts/install-deps.sh --pgo
 profdata=""
@@ -70,16 +81,6 @@ train() { # command...
   kill -TERM "$pid"
   wait "$pid" || true
 }
-merge() { # name: merges what the runs since the last merge left, names it by its content
-  local merged="$WORK/$1.profdata"
-  "$profdata" merge -o "$merged" "$RAW"/*.profraw
-  rm -rf "$RAW"
-  local sum; sum=$(sha256sum "$merged" | cut -c1-16)
-  # A new profile is a new path, so cargo rebuilds from it (it does not look inside).
-  PROFILE_FILE="$ROOT/profiles/$1-$sum.profdata"
-  mv "$merged" "$PROFILE_FILE"
-}
-
 TG_GEN="$ROOT/gen/$PROFILE/tollgate"
 for policy in one five deny; do
   train "$TG_GEN" run --policy "$WORK/$policy.json" --listen "127.0.0.1:$LISTEN" \
@@ -87,23 +88,33 @@ for policy in one five deny; do
 done
 train "$TG_GEN" run --policy "$WORK/missing.json" --wait-for-policy --listen "127.0.0.1:$LISTEN" \
   --upstream "127.0.0.1:$UP" --admin-listen "127.0.0.1:$ADMIN" --threads 1
-merge tollgate
-TG_PROFILE=$PROFILE_FILE
-if $WITH_BARE; then
-  BARE_GEN="$ROOT/gen/$PROFILE/examples/bare_proxy"
-  train "$BARE_GEN" "127.0.0.1:$LISTEN" "127.0.0.1:$UP"
-  train "$BARE_GEN" "127.0.0.1:$LISTEN" "127.0.0.1:$UP" --refuse
-  merge bare_proxy
-  BARE_PROFILE=$PROFILE_FILE
-fi
+BARE_GEN="$ROOT/gen/$PROFILE/examples/bare_proxy"
+train "$BARE_GEN" "127.0.0.1:$LISTEN" "127.0.0.1:$UP"
+train "$BARE_GEN" "127.0.0.1:$LISTEN" "127.0.0.1:$UP" --refuse
 
-echo "pgo-build: optimised build from $(basename "$TG_PROFILE")" >&2
-build "$ROOT/use-tollgate" "-Cprofile-use=$TG_PROFILE"
-cp "$ROOT/use-tollgate/$PROFILE/tollgate" "$ROOT/bin/tollgate"
-echo "pgo-build: wrote target/pgo/bin/tollgate" >&2
-if $WITH_BARE; then
-  echo "pgo-build: optimised bare_proxy from $(basename "$BARE_PROFILE")" >&2
-  build "$ROOT/use-bare" "-Cprofile-use=$BARE_PROFILE"
-  cp "$ROOT/use-bare/$PROFILE/examples/bare_proxy" "$ROOT/bin/bare_proxy"
-  echo "pgo-build: wrote target/pgo/bin/bare_proxy" >&2
+# One profile for both binaries: each one's own functions carry only its own runs' counts, and
+# the Pingora code they share is optimised from the same counts in both.
+merged="$WORK/merged.profdata"
+"$profdata" merge -o "$merged" "$RAW"/*.profraw
+rm -rf "$RAW"
+# Named by its content: a new profile is a new path, so cargo rebuilds from it (it does not
+# look inside the file).
+PROFILE_FILE="$ROOT/profiles/pgo-$(sha256sum "$merged" | cut -c1-16).profdata"
+mv "$merged" "$PROFILE_FILE"
+# Earlier runs' profiles are never read again (each build names its own file).
+find "$ROOT/profiles" -name '*.profdata' ! -path "$PROFILE_FILE" -delete
+
+if $WRITE; then
+  # -T1: the same profile always packs to the same bytes.
+  xz -9 -T1 -c "$PROFILE_FILE" > pgo/profile.profdata.xz
+  echo "pgo-build: wrote pgo/profile.profdata.xz; the shipped build from it" >&2
+  bash scripts/shipped-build.sh
+  cp target/shipped/release/tollgate "$ROOT/bin/tollgate"
+  cp target/shipped/release/examples/bare_proxy "$ROOT/bin/bare_proxy"
+else
+  echo "pgo-build: optimised build from $(basename "$PROFILE_FILE")" >&2
+  build "$ROOT/use" "-Cprofile-use=$PROFILE_FILE"
+  cp "$ROOT/use/$PROFILE/tollgate" "$ROOT/bin/tollgate"
+  cp "$ROOT/use/$PROFILE/examples/bare_proxy" "$ROOT/bin/bare_proxy"
 fi
+echo "pgo-build: wrote target/pgo/bin/tollgate and target/pgo/bin/bare_proxy" >&2

@@ -1,4 +1,5 @@
-//! What ships under `deploy/` (and the Dockerfile) works with this binary: the Kubernetes
+//! What ships under `deploy/` (and the Dockerfile) works with this binary: the Dockerfile's
+//! build stage copies every file the build reads; the Kubernetes
 //! manifests and the image name only flags, environment variables, ports and probe paths
 //! `tollgate run` has, and the Deployment's container, started as written (its volumes as
 //! directories, its ports on loopback), answers its probes, proxies and reads its admin token;
@@ -296,6 +297,99 @@ fn the_image_names_what_the_binary_has() {
         .rfind(|l| l.starts_with("FROM "))
         .map(str::to_string);
     assert_eq!(last.as_deref(), Some("FROM runtime-config AS runtime"));
+}
+
+/// The build stage (`docker build .`) copies everything the shipped build reads: cargo loads the
+/// manifest from exactly what its `COPY` lines bring (the carried Pingora crates under `vendor/`
+/// included) and finds both targets `scripts/shipped-build.sh` builds, the committed profile is
+/// there, and the stage runs that script and ships its binary.
+#[test]
+fn the_build_stage_copies_what_the_shipped_build_reads() {
+    let stages = dockerfile_stages();
+    let (_, build) = &stages["build"];
+    assert!(build.contains(&"WORKDIR /src".to_string()), "{build:?}");
+    let context = tempfile::tempdir().unwrap();
+    for line in build {
+        let Some(rest) = line.strip_prefix("COPY ") else {
+            continue;
+        };
+        let words: Vec<&str> = rest.split_whitespace().collect();
+        let (dest, sources) = words.split_last().expect("COPY src... dest");
+        assert!(
+            !dest.starts_with('/'),
+            "{line}: a destination under WORKDIR"
+        );
+        for source in sources {
+            let to = if dest.ends_with('/') {
+                context.path().join(dest).join(source)
+            } else {
+                context.path().join(dest)
+            };
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            let copied = Command::new("cp")
+                .arg("-r")
+                .arg(root().join(source))
+                .arg(&to)
+                .status()
+                .unwrap();
+            assert!(copied.success(), "{line}: cp {source}");
+        }
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
+    let out = Command::new(cargo)
+        .args(["metadata", "--locked", "--offline", "--format-version", "1"])
+        .arg("--manifest-path")
+        .arg(context.path().join("Cargo.toml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cargo metadata on the build stage's files: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let package = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "tollgate")
+        .expect("the tollgate package");
+    let targets: BTreeSet<(String, String)> = package["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["kind"][0].as_str().unwrap().to_string(),
+                t["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for wanted in [("bin", "tollgate"), ("example", "bare_proxy")] {
+        let wanted = (wanted.0.to_string(), wanted.1.to_string());
+        assert!(targets.contains(&wanted), "{wanted:?} in {targets:?}");
+    }
+    // The carried crates resolve from the copied vendor/, not from crates.io.
+    let vendored: BTreeSet<&str> = metadata["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["source"].is_null())
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        vendored,
+        BTreeSet::from(["pingora-core", "pingora-http", "tollgate"])
+    );
+    assert!(context.path().join("pgo/profile.profdata.xz").is_file());
+    let run = build
+        .iter()
+        .find(|l| l.starts_with("RUN bash scripts/shipped-build.sh"))
+        .expect("the stage runs scripts/shipped-build.sh");
+    assert!(
+        run.contains("strip -o /out/tollgate target/shipped/release/tollgate"),
+        "{run}"
+    );
 }
 
 /// The ConfigMap carries the shipped policy (`policies/axum-per-ip.json`), the one the image
