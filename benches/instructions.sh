@@ -111,8 +111,8 @@ fi
 case $MODE in
   write)
     { echo "# User-space instructions per request (benches/instructions.sh --check compares against"
-      echo "# these; a path over 3 % above its line fails CI). The shipped build (scripts/shipped-build.sh),
-# made with --write-baseline."
+      echo "# these; a path over 3 % above its line fails CI). The shipped build (scripts/shipped-build.sh),"
+      echo "# made with --write-baseline."
       for id in none one refused; do echo "$id ${IR[$id]}"; done; } > "$BASELINE"
     echo "instructions.sh: wrote $BASELINE";;
   check)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds tollgate with profile-guided optimisation (PGO): an instrumented build first, then
-# the request path's own traffic through it (what the load harness sends: one rule, five rules,
-# every request refused, no policy; HTTP/1.1 keep-alive from wrk to an nginx upstream on
-# loopback), then the optimised build from the profile that traffic left. LLVM lays the hot
+# Builds tollgate and the load harness's bare Pingora proxy with profile-guided optimisation
+# (PGO): an instrumented build of both first, then the request path's own traffic through each
+# (what the load harness sends: through tollgate one rule, five rules, every request refused, no
+# policy; through the bare proxy proxied requests and its 429; HTTP/1.1 keep-alive from wrk to an
+# nginx upstream on loopback), then one optimised build of both from the merged profile. LLVM lays the hot
 # code out together and the cold code apart, which is where a request's time goes here: the
 # instruction cache (docs/src/performance.md, "Profile-guided builds", has the figures).
 #
