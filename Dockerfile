@@ -25,7 +25,9 @@ ARG RUNTIME_BASE=gcr.io/distroless/cc-debian12:nonroot
 # For the runtime-prebuilt target: the image holding /out/tollgate and /out/state.
 ARG BINARY_IMAGE=scratch
 
-FROM rust:1-bookworm AS build
+# The compiler pgo/rustc-version names: under another one the profile matches no function, and
+# the binary is a plain release build's code (tests/deploy.rs checks the two agree).
+FROM rust:1.95.0-bookworm AS build
 RUN apt-get update && apt-get install -y --no-install-recommends cmake xz-utils \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

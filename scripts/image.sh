@@ -19,7 +19,8 @@
 #      and SIGTERM with a request in flight lets it finish, then exits 0.
 #   5. what it measured (the image's size, its base's, how long the run took without the
 #      shipped build) written into the manual, between the image-facts markers of
-#      docs/src/operations/deploying.md: the page shows measured figures, never typed ones.
+#      docs/src/operations/deploying.md: the page shows measured figures, never typed ones
+#      (not with TOLLGATE_BINARY: the page's image is the shipped build's).
 # Any failure stops it with "image.sh: FAILED: ..." and exit 1; nothing is skipped.
 #
 # `bash scripts/image.sh --write-facts PAGE IMAGE_BYTES BASE_BYTES SECONDS first|later` does
@@ -381,5 +382,10 @@ stop_container "$RUN/gateway-2.log"
 say "checked: ENTRYPOINT [${ARGV[*]}] as uid $uid gid $gid in $WORKDIR (no capabilities, no shell in the image); /livez, /readyz, proxied; 20 × 200 then 429; state in VOLUME $VOLUME kept across a new container; SIGTERM answered the request in flight, exit 0"
 run_secs=$(($(date +%s) - started - build_secs))
 say "image $IMAGE: $((size_bytes / 1024 / 1024)) MiB; done in $run_secs s ($first_run run; the shipped build's $build_secs s not counted)"
-write_facts "$FACTS_PAGE" "$size_bytes" "$(stat -c %s "$CACHE/base.tar")" "$run_secs" "$first_run" "$(nproc)" "$(date -u +%Y-%m-%d)"
-say "figures written into $FACTS_PAGE (its image-facts block)"
+# The page's figures are the shipped build's image: another binary's are not written there.
+if [ -n "${TOLLGATE_BINARY:-}" ]; then
+  say "figures not written into $FACTS_PAGE (TOLLGATE_BINARY: not the shipped build)"
+else
+  write_facts "$FACTS_PAGE" "$size_bytes" "$(stat -c %s "$CACHE/base.tar")" "$run_secs" "$first_run" "$(nproc)" "$(date -u +%Y-%m-%d)"
+  say "figures written into $FACTS_PAGE (its image-facts block)"
+fi

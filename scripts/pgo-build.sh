@@ -47,8 +47,8 @@ mkdir -p "$ROOT/bin" "$ROOT/profiles"
 # Every build names the same targets. A profile matches functions by their symbol names, and
 # those of a crate's private functions carry the crate's hash, which changes with the features
 # the build unifies: the example brings the dev-dependencies' features in.
-build() { # target dir, rustflags
-  CARGO_TARGET_DIR="$1" RUSTFLAGS="$2" cargo build --profile "$PROFILE" --quiet \
+build() { # target dir, one rustc flag (encoded: a path with a space in it stays one flag)
+  CARGO_TARGET_DIR="$1" CARGO_ENCODED_RUSTFLAGS="$2" cargo build --profile "$PROFILE" --quiet \
     --bin tollgate --example bare_proxy
 }
 
@@ -103,11 +103,15 @@ rm -rf "$RAW"
 PROFILE_FILE="$ROOT/profiles/pgo-$(sha256sum "$merged" | cut -c1-16).profdata"
 mv "$merged" "$PROFILE_FILE"
 # Earlier runs' profiles are never read again (each build names its own file).
-find "$ROOT/profiles" -name '*.profdata' ! -path "$PROFILE_FILE" -delete
+find "$ROOT/profiles" -name '*.profdata' ! -name "$(basename "$PROFILE_FILE")" -delete
 
 if $WRITE; then
-  # -T1: the same profile always packs to the same bytes.
-  xz -9 -T1 -c "$PROFILE_FILE" > pgo/profile.profdata.xz
+  # -T1: the same profile always packs to the same bytes. Written aside, then moved: an
+  # interrupted run leaves the committed file as it was. The compiler goes with it (a profile
+  # matches only the rustc that wrote it: scripts/shipped-build.sh).
+  xz -9 -T1 -c "$PROFILE_FILE" > pgo/profile.profdata.xz.partial
+  mv pgo/profile.profdata.xz.partial pgo/profile.profdata.xz
+  rustc -V > pgo/rustc-version
   echo "pgo-build: wrote pgo/profile.profdata.xz; the shipped build from it" >&2
   bash scripts/shipped-build.sh
   cp target/shipped/release/tollgate "$ROOT/bin/tollgate"

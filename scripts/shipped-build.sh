@@ -10,14 +10,25 @@
 #
 # Usage: bash scripts/shipped-build.sh
 #
-# Needs: xz (Debian's xz-utils) and rustc 1.85 or later (LLVM 19 or later reads the profile).
-# A function changed since the profile was written is built without its counts (as a plain
-# release build would); the instruction gate shows when enough has drifted to write it again.
+# Needs: xz (Debian's xz-utils) and the rustc that wrote the profile (pgo/rustc-version). Cargo
+# gives every crate another hash under another compiler, and the profile finds functions by
+# their symbols, which carry it: with another rustc no function finds its counts, and the build
+# is a plain release build's code (the script says so). A function changed since the profile was
+# written is built without its counts too; the instruction gate shows when enough has drifted
+# to write it again. RUSTFLAGS is not read: the build's flags are the profile's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 COMMITTED=pgo/profile.profdata.xz
 [ -f "$COMMITTED" ] || { echo "shipped-build: $COMMITTED is missing" >&2; exit 1; }
 command -v xz >/dev/null || { echo "shipped-build: needs xz (apt-get install xz-utils)" >&2; exit 1; }
+wrote=$(cat pgo/rustc-version 2>/dev/null || echo "an unrecorded rustc")
+running=$("${RUSTC:-rustc}" -V)
+if [ "$running" != "$wrote" ]; then
+  echo "shipped-build: the profile was written by $wrote and this is $running: under another" >&2
+  echo "shipped-build: compiler no function finds its counts, so this build is a plain release" >&2
+  echo "shipped-build: build's code. Build with $wrote, or write the profile again" >&2
+  echo "shipped-build: (bash scripts/pgo-build.sh --write)." >&2
+fi
 # Unpacked under a name taken from its content: a new profile is a new path, so cargo rebuilds
 # from it (it does not look inside the file); the same one is reused as it is.
 dir=$PWD/target/shipped-profile
@@ -26,12 +37,14 @@ profile=$dir/$sum.profdata
 if [ ! -f "$profile" ]; then
   mkdir -p "$dir"
   find "$dir" -name '*.profdata' -delete
-  xz -dc "$COMMITTED" > "$profile.partial"
-  mv "$profile.partial" "$profile"
+  partial=$(mktemp "$dir/unpacking.XXXXXX")
+  xz -dc "$COMMITTED" > "$partial"
+  mv "$partial" "$profile"
 fi
 # Both targets in every build: a crate's private symbols carry its hash, which changes with the
 # features a build unifies, and the profile names functions by symbol (scripts/pgo-build.sh).
 # Mismatch warnings are off: a function edited since the profile was written simply has none.
+# (Encoded: one flag per field, so a path with a space in it stays one flag.)
 CARGO_TARGET_DIR=$PWD/target/shipped \
-  RUSTFLAGS="-Cprofile-use=$profile -Cllvm-args=-no-pgo-warn-mismatch" \
+  CARGO_ENCODED_RUSTFLAGS="-Cprofile-use=$profile"$'\x1f'"-Cllvm-args=-no-pgo-warn-mismatch" \
   cargo build --release --locked --quiet --bin tollgate --example bare_proxy

@@ -16,7 +16,7 @@ start=$SECONDS
 cargo test --all-targets "$@"
 echo "-- cargo test: $((SECONDS - start)) s"
 start=$SECONDS
-# The container image built and run as a runtime would (a release build; the debootstrap'd
+# The container image built and run as a runtime would (the shipped build; the debootstrap'd
 # base is cached in target/image-cache/), and every Kubernetes manifest validated.
 bash scripts/image.sh
 bash scripts/validate-manifests.sh

@@ -301,13 +301,19 @@ fn the_image_names_what_the_binary_has() {
 
 /// The build stage (`docker build .`) copies everything the shipped build reads: cargo loads the
 /// manifest from exactly what its `COPY` lines bring (the carried Pingora crates under `vendor/`
-/// included) and finds both targets `scripts/shipped-build.sh` builds, the committed profile is
-/// there, and the stage runs that script and ships its binary.
+/// included) and finds both targets `scripts/shipped-build.sh` builds, the script and the
+/// committed profile are there, the stage runs the script and ships its binary, and its
+/// compiler is the one the profile was written by.
 #[test]
 fn the_build_stage_copies_what_the_shipped_build_reads() {
     let stages = dockerfile_stages();
-    let (_, build) = &stages["build"];
+    let (from, build) = &stages["build"];
     assert!(build.contains(&"WORKDIR /src".to_string()), "{build:?}");
+    let ignored: Vec<String> = read(".dockerignore")
+        .lines()
+        .map(|l| l.trim().trim_end_matches('/').to_string())
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
     let context = tempfile::tempdir().unwrap();
     for line in build {
         let Some(rest) = line.strip_prefix("COPY ") else {
@@ -320,24 +326,47 @@ fn the_build_stage_copies_what_the_shipped_build_reads() {
             "{line}: a destination under WORKDIR"
         );
         for source in sources {
-            let to = if dest.ends_with('/') {
-                context.path().join(dest).join(source)
-            } else {
-                context.path().join(dest)
+            assert!(
+                !ignored.iter().any(|i| source.starts_with(i.as_str())),
+                "{line}: .dockerignore leaves {source} out of the context"
+            );
+            let from = root().join(source);
+            // Docker's rules: into a destination ending in `/` a file goes by its own name and
+            // a directory's contents go; otherwise the source becomes the destination.
+            let (copy_from, to) = match (dest.ends_with('/'), from.is_dir()) {
+                (true, true) => {
+                    let to = context.path().join(dest);
+                    std::fs::create_dir_all(&to).unwrap();
+                    (from.join("."), to)
+                }
+                (true, false) => (
+                    from.clone(),
+                    context.path().join(dest).join(from.file_name().unwrap()),
+                ),
+                (false, _) => (from.clone(), context.path().join(dest)),
             };
             std::fs::create_dir_all(to.parent().unwrap()).unwrap();
             let copied = Command::new("cp")
                 .arg("-r")
-                .arg(root().join(source))
+                .arg(&copy_from)
                 .arg(&to)
                 .status()
                 .unwrap();
             assert!(copied.success(), "{line}: cp {source}");
         }
     }
+    // Only the host's packages: a build fetches no other platform's, so a cache filled by
+    // builds alone has them (and `--offline` must not need more).
+    let rustc_vv = Command::new("rustc").arg("-vV").output().unwrap();
+    let rustc_vv = String::from_utf8(rustc_vv.stdout).unwrap();
+    let host = rustc_vv
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .expect("rustc -vV names its host");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     let out = Command::new(cargo)
         .args(["metadata", "--locked", "--offline", "--format-version", "1"])
+        .args(["--filter-platform", host])
         .arg("--manifest-path")
         .arg(context.path().join("Cargo.toml"))
         .output()
@@ -381,7 +410,16 @@ fn the_build_stage_copies_what_the_shipped_build_reads() {
         vendored,
         BTreeSet::from(["pingora-core", "pingora-http", "tollgate"])
     );
-    assert!(context.path().join("pgo/profile.profdata.xz").is_file());
+    for read_by_the_script in [
+        "scripts/shipped-build.sh",
+        "pgo/profile.profdata.xz",
+        "pgo/rustc-version",
+    ] {
+        assert!(
+            context.path().join(read_by_the_script).is_file(),
+            "{read_by_the_script} is not in the build stage"
+        );
+    }
     let run = build
         .iter()
         .find(|l| l.starts_with("RUN bash scripts/shipped-build.sh"))
@@ -390,6 +428,13 @@ fn the_build_stage_copies_what_the_shipped_build_reads() {
         run.contains("strip -o /out/tollgate target/shipped/release/tollgate"),
         "{run}"
     );
+    // `rustc 1.95.0 (59807616e 2026-04-14)` -> `rust:1.95.0-bookworm`.
+    let wrote = read("pgo/rustc-version");
+    let version = wrote
+        .split_whitespace()
+        .nth(1)
+        .expect("rustc VERSION (...)");
+    assert_eq!(from, &format!("rust:{version}-bookworm"));
 }
 
 /// The ConfigMap carries the shipped policy (`policies/axum-per-ip.json`), the one the image
