@@ -111,7 +111,7 @@ if $WRITE; then
   # matches only the rustc that wrote it: scripts/shipped-build.sh).
   xz -9 -T1 -c "$PROFILE_FILE" > pgo/profile.profdata.xz.partial
   mv pgo/profile.profdata.xz.partial pgo/profile.profdata.xz
-  rustc -V > pgo/rustc-version
+  "${RUSTC:-rustc}" -V > pgo/rustc-version
   echo "pgo-build: wrote pgo/profile.profdata.xz; the shipped build from it" >&2
   bash scripts/shipped-build.sh
   cp target/shipped/release/tollgate "$ROOT/bin/tollgate"
