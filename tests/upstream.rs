@@ -503,11 +503,11 @@ fn upstream_connections_are_reused_with_two_worker_threads() {
         let mut writer = conn.try_clone().unwrap();
         let mut reader = BufReader::new(conn);
         for i in 0..100 {
-            // One write: `write!` on the socket sends each piece of the format on its own, and
-            // Nagle's algorithm then holds the second piece for the gateway's delayed ACK
-            // (about 40 ms a request).
-            let request = format!("GET /v1/orders?i={i} HTTP/1.1\r\nHost: api.example.com\r\n\r\n");
-            writer.write_all(request.as_bytes()).unwrap();
+            write!(
+                writer,
+                "GET /v1/orders?i={i} HTTP/1.1\r\nHost: api.example.com\r\n\r\n"
+            )
+            .unwrap();
             statuses.push(read_response(&mut reader));
         }
     }
